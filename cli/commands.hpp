@@ -1,0 +1,38 @@
+// The subcommand table: each cli/*_cmd.cpp binds its options to a CLI11 subcommand.
+#pragma once
+
+#include <functional>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+namespace dptrain::cli {
+
+// What the chosen subcommand's callback reports back to main.
+struct Outcome {
+  int exit_code = 0;
+  bool json = false;  // errors are also printed as a JSON object on stdout
+};
+
+struct Subcommand {
+  const char* name;
+  const char* summary;
+  void (*setup)(CLI::App& app, Outcome& outcome);
+};
+
+void setup_launch(CLI::App& app, Outcome& outcome);
+void setup_resume(CLI::App& app, Outcome& outcome);
+void setup_recipe(CLI::App& app, Outcome& outcome);
+void setup_worker(CLI::App& app, Outcome& outcome);
+
+inline const std::vector<Subcommand>& subcommands() {
+  static const std::vector<Subcommand> table = {
+      {"launch", "Start a training run from a recipe on local ranks", setup_launch},
+      {"resume", "Continue a run from its newest valid checkpoint", setup_resume},
+      {"recipe", "Validate a recipe or show it with every default filled in", setup_recipe},
+      {"worker", "Run one rank (started by launch, or by hand / another scheduler)", setup_worker},
+  };
+  return table;
+}
+
+}  // namespace dptrain::cli

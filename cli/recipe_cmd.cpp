@@ -1,0 +1,69 @@
+// `dptrain recipe validate|show RECIPE`.
+#include <cstdio>
+#include <memory>
+#include <sstream>
+
+#include "cli/commands.hpp"
+#include "core/error.hpp"
+#include "core/recipe.hpp"
+
+namespace dptrain::cli {
+
+namespace {
+
+struct RecipeOptions {
+  std::string recipe;
+  bool json = false;
+};
+
+int run_validate(const RecipeOptions& o) {
+  if (!o.json) {
+    const Recipe r = load_recipe(o.recipe);
+    std::printf("%s: ok (recipe '%s', hash %s)\n", o.recipe.c_str(), r.name.c_str(),
+                recipe_hash(r).c_str());
+    return 0;
+  }
+  nlohmann::json out;
+  int code = 0;
+  try {
+    const Recipe r = load_recipe(o.recipe);
+    out = {{"valid", true},
+           {"name", r.name},
+           {"hash", recipe_hash(r)},
+           {"errors", nlohmann::json::array()}};
+  } catch (const Error& e) {
+    if (e.kind() != ErrorKind::recipe) throw;
+    nlohmann::json errors = nlohmann::json::array();
+    std::istringstream lines(e.what());
+    for (std::string line; std::getline(lines, line);)
+      errors.push_back(line);
+    out = {{"valid", false}, {"errors", errors}};
+    for (const auto& line : errors) {
+      std::fprintf(stderr, "dptrain: error: %s\n", line.get<std::string>().c_str());
+    }
+    code = exit_code(e.kind());
+  }
+  std::printf("%s\n", out.dump().c_str());
+  return code;
+}
+
+}  // namespace
+
+void setup_recipe(CLI::App& app, Outcome& outcome) {
+  app.require_subcommand(1);
+  auto o = std::make_shared<RecipeOptions>();
+  CLI::App* validate =
+      app.add_subcommand("validate", "Check a recipe; exit 2 listing every problem");
+  validate->add_option("recipe", o->recipe, "Recipe JSON file")->required();
+  validate->add_flag("--json", o->json, "Print {\"valid\", \"errors\", ...} on stdout");
+  validate->callback([o, &outcome] { outcome.exit_code = run_validate(*o); });
+
+  CLI::App* show = app.add_subcommand("show", "Print the resolved recipe, every default filled in");
+  show->add_option("recipe", o->recipe, "Recipe JSON file")->required();
+  show->callback([o, &outcome] {
+    std::printf("%s\n", to_json(load_recipe(o->recipe)).dump(2).c_str());
+    outcome.exit_code = 0;
+  });
+}
+
+}  // namespace dptrain::cli

@@ -1,0 +1,86 @@
+// `dptrain resume RUN_DIR`: continue a run from its newest valid checkpoint.
+#include <filesystem>
+#include <memory>
+#include <system_error>
+
+#include <fmt/format.h>
+
+#include "cli/commands.hpp"
+#include "cli/run_report.hpp"
+#include "core/checkpoint.hpp"
+#include "core/error.hpp"
+#include "core/recipe.hpp"
+#include "launch/job.hpp"
+#include "launch/run_dir.hpp"
+#include "launch/status.hpp"
+#include "launch/supervisor.hpp"
+
+namespace dptrain::cli {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct ResumeOptions {
+  std::string run_dir;
+  int nproc = 0;  // 0: the recorded world size
+  bool json = false;
+};
+
+// Checkpoints newer than the chosen one failed verification. They are renamed, not deleted (they
+// may still hold something worth recovering by hand), so the resumed run cannot trip over them.
+void set_aside_newer(const fs::path& checkpoints, const fs::path& chosen, StatusPrinter& status) {
+  for (const auto& dir : list_checkpoints(checkpoints)) {
+    if (dir == chosen) break;
+    fs::path aside = dir;
+    aside += ".corrupt";
+    std::error_code ec;
+    fs::rename(dir, aside, ec);
+    if (!ec)
+      status.line(fmt::format("warning: set aside {} as {}", dir.filename().string(),
+                              aside.filename().string()));
+  }
+}
+
+int run_resume(const ResumeOptions& o) {
+  install_stop_signal_handlers();
+  RunDirectory run = RunDirectory::open(o.run_dir);
+  std::FILE* status_out = o.json ? stderr : stdout;
+  StatusPrinter status(status_out, StatusPrinter::is_terminal(status_out));
+  if (run.info().value("status", "") == "completed") {
+    status.line(fmt::format("{}: the run already completed; nothing to resume", o.run_dir));
+  }
+  JobSpec spec;
+  if (!run.info().contains("recipe")) {
+    throw Error(ErrorKind::usage, fmt::format("{}: run.json has no recipe", o.run_dir));
+  }
+  spec.recipe = parse_recipe(run.info()["recipe"], (run.path() / "run.json").string(), run.path());
+  spec.world_size = o.nproc > 0 ? o.nproc : run.info().value("world_size", 1);
+  spec.backend = run.info().value("backend", std::string("auto"));
+  spec.worker_binary = self_executable();
+  spec.resume_from = find_valid_checkpoint(
+      run.checkpoints(), [&status](const std::string& w) { status.line("warning: " + w); });
+  set_aside_newer(run.checkpoints(), spec.resume_from, status);
+  status.line(fmt::format("dptrain {}: resuming {} from {} on {} local rank(s)", DPTRAIN_VERSION,
+                          run.path().string(), spec.resume_from.filename().string(),
+                          spec.world_size));
+  const JobOutcome outcome = run_local_job(run, spec, status);
+  return report_outcome(run, outcome, o.json);
+}
+
+}  // namespace
+
+void setup_resume(CLI::App& app, Outcome& outcome) {
+  auto o = std::make_shared<ResumeOptions>();
+  app.add_option("run_dir", o->run_dir, "Run directory made by 'dptrain launch'")->required();
+  app.add_option("-n,--nproc", o->nproc,
+                 "Number of local ranks (default: the run's recorded world size); another world "
+                 "size reshards the sampler");
+  app.add_flag("--json", o->json, "Print one JSON object with the outcome on stdout");
+  app.callback([o, &outcome] {
+    outcome.json = o->json;
+    outcome.exit_code = run_resume(*o);
+  });
+}
+
+}  // namespace dptrain::cli

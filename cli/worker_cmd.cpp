@@ -1,0 +1,195 @@
+// `dptrain worker RECIPE`: one rank. Identity comes from flags or the environment (RANK,
+// WORLD_SIZE, LOCAL_RANK, DPTRAIN_STORE or MASTER_ADDR/MASTER_PORT), so it also runs under srun or
+// mpirun without the launcher.
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <optional>
+
+#include <fmt/format.h>
+
+#include "cli/commands.hpp"
+#include "core/comm/gloo_communicator.hpp"
+#include "core/comm/store.hpp"
+#include "core/comm/tcp_store.hpp"
+#include "core/error.hpp"
+#include "core/recipe.hpp"
+#include "core/trainer.hpp"
+#include "launch/status.hpp"
+
+namespace dptrain::cli {
+
+namespace {
+
+struct WorkerOptions {
+  std::string recipe;
+  std::string run_dir;
+  std::string resume;
+  int rank = -1;
+  int world_size = -1;
+  int local_rank = -1;
+  std::string store;
+  bool host_store = false;
+  int generation = -1;
+  std::string bind;
+  double timeout_s = 0;
+};
+
+std::optional<std::string> env(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return std::nullopt;
+  return std::string(v);
+}
+
+int env_int(const char* name, const char* flag) {
+  const auto v = env(name);
+  if (!v) {
+    throw Error(ErrorKind::usage, fmt::format("{} not given and {} is not set", flag, name));
+  }
+  try {
+    size_t used = 0;
+    const int n = std::stoi(*v, &used);
+    if (used == v->size()) return n;
+  } catch (const std::exception&) {
+  }
+  throw Error(ErrorKind::usage, fmt::format("{}: not an integer: '{}'", name, *v));
+}
+
+// Flags win over the environment; every missing piece is named.
+void fill_from_env(WorkerOptions& o) {
+  if (o.rank < 0) o.rank = env_int("RANK", "--rank");
+  if (o.world_size < 0) o.world_size = env_int("WORLD_SIZE", "--world-size");
+  if (o.local_rank < 0) o.local_rank = env("LOCAL_RANK") ? env_int("LOCAL_RANK", "") : o.rank;
+  if (o.store.empty()) {
+    if (auto s = env("DPTRAIN_STORE")) {
+      o.store = *s;
+    } else if (env("MASTER_ADDR") && env("MASTER_PORT")) {
+      o.store = *env("MASTER_ADDR") + ":" + *env("MASTER_PORT");
+    } else {
+      throw Error(ErrorKind::usage,
+                  "--store not given and neither DPTRAIN_STORE nor MASTER_ADDR/MASTER_PORT is set");
+    }
+  }
+  if (o.generation < 0)
+    o.generation = env("DPTRAIN_GENERATION") ? env_int("DPTRAIN_GENERATION", "") : 1;
+  if (o.run_dir.empty()) o.run_dir = env("DPTRAIN_RUN_DIR").value_or("");
+  if (o.run_dir.empty()) {
+    throw Error(ErrorKind::usage, "--run-dir not given and DPTRAIN_RUN_DIR is not set");
+  }
+  if (!o.host_store) o.host_store = env("DPTRAIN_HOST_STORE").value_or("0") == "1";
+  if (o.bind.empty()) o.bind = env("DPTRAIN_BIND_ADDR").value_or("");
+  if (o.world_size < 1 || o.rank >= o.world_size) {
+    throw Error(ErrorKind::usage,
+                fmt::format("rank {} is outside world size {}", o.rank, o.world_size));
+  }
+}
+
+bool is_loopback(const std::string& host) {
+  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
+}
+
+// The local address the kernel would use to reach `host`: what peers on other nodes can reach
+// this rank on. A UDP connect sends nothing.
+std::string local_address_towards(const std::string& host, uint16_t port) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res) != 0 || !res) {
+    throw Error(ErrorKind::comm, fmt::format("cannot resolve store host '{}'", host));
+  }
+  std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> guard(res, ::freeaddrinfo);
+  const int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  sockaddr_in local{};
+  socklen_t len = sizeof local;
+  const bool ok = fd >= 0 && ::connect(fd, res->ai_addr, res->ai_addrlen) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0;
+  if (fd >= 0) ::close(fd);
+  if (!ok) throw Error(ErrorKind::comm, fmt::format("no route to store host '{}'", host));
+  char buf[INET_ADDRSTRLEN];
+  ::inet_ntop(AF_INET, &local.sin_addr, buf, sizeof buf);
+  return buf;
+}
+
+int run_worker(WorkerOptions o) {
+  fill_from_env(o);
+  const Recipe recipe = load_recipe(o.recipe);
+  const std::string backend = env("DPTRAIN_BACKEND").value_or(recipe.distributed.backend);
+  if (backend != "auto" && backend != "gloo") {
+    throw Error(
+        ErrorKind::usage,
+        fmt::format("backend '{}' is not available in this build (use gloo or auto)", backend));
+  }
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(
+      1000.0 * (o.timeout_s > 0 ? o.timeout_s : recipe.distributed.timeout_s)));
+  const auto [host, port] = parse_host_port(o.store);
+  std::filesystem::create_directories(o.run_dir);
+
+  std::unique_ptr<TcpStoreServer> server;
+  if (o.host_store && o.rank == 0) server = std::make_unique<TcpStoreServer>("0.0.0.0", port);
+  TcpStoreClient client(host, port, timeout);
+  PrefixStore store(fmt::format("gen{}", o.generation), client);
+
+  GlooOptions gloo;
+  gloo.hostname = !o.bind.empty()
+                      ? o.bind
+                      : (is_loopback(host) ? "127.0.0.1" : local_address_towards(host, port));
+  gloo.timeout = timeout;
+  auto comm = make_gloo_communicator(store, o.rank, o.world_size, gloo);
+
+  const bool events = env("DPTRAIN_EVENTS").value_or("0") == "1";
+  StatusPrinter status(stdout, !events && StatusPrinter::is_terminal(stdout));
+  TrainerOptions topts;
+  topts.run_dir = o.run_dir;
+  topts.resume_from = o.resume;
+  topts.debug_step_delay_ms = std::atoll(env("DPTRAIN_DEBUG_STEP_DELAY_MS").value_or("0").c_str());
+  topts.on_event = [&](const nlohmann::json& e) {
+    if (events) {
+      std::printf("@event %s\n", e.dump().c_str());
+      std::fflush(stdout);
+    } else {
+      status.event(e);
+    }
+  };
+  const TrainResult result = train(recipe, *comm, topts);
+  status.finish();
+  if (!events && o.rank == 0) std::printf("%s\n", result.to_json().dump().c_str());
+  return 0;
+}
+
+}  // namespace
+
+void setup_worker(CLI::App& app, Outcome& outcome) {
+  auto o = std::make_shared<WorkerOptions>();
+  app.add_option("recipe", o->recipe, "Recipe JSON file")->required();
+  app.add_option("--run-dir", o->run_dir, "Run directory (env DPTRAIN_RUN_DIR)");
+  app.add_option("--resume", o->resume, "Checkpoint directory to continue from");
+  app.add_option("--rank", o->rank, "This rank (env RANK)");
+  app.add_option("--world-size", o->world_size, "Number of ranks (env WORLD_SIZE)");
+  app.add_option("--local-rank", o->local_rank, "Rank on this node (env LOCAL_RANK)");
+  app.add_option("--store", o->store,
+                 "Store HOST:PORT (env DPTRAIN_STORE, or MASTER_ADDR and MASTER_PORT)");
+  app.add_flag("--host-store", o->host_store,
+               "Rank 0 serves the store itself on the store's port (env DPTRAIN_HOST_STORE=1)");
+  app.add_option("--generation", o->generation, "Restart generation (env DPTRAIN_GENERATION)");
+  app.add_option("--bind", o->bind, "Address for this rank's transport (env DPTRAIN_BIND_ADDR)");
+  app.add_option("--timeout", o->timeout_s,
+                 "Seconds for store and collective waits (default: distributed.timeout_s)");
+  app.callback([o, &outcome] {
+    try {
+      outcome.exit_code = run_worker(*o);
+    } catch (const Error& e) {
+      // Name the rank: many ranks' errors end up interleaved in one terminal.
+      throw Error(e.kind(), o->rank >= 0 ? fmt::format("rank {}: {}", o->rank, e.what())
+                                         : std::string(e.what()));
+    }
+  });
+}
+
+}  // namespace dptrain::cli

@@ -1,0 +1,269 @@
+// GlooCommunicator: rendezvous through our Store, collectives through Gloo's algorithms.
+#include "core/comm/gloo_communicator.hpp"
+
+#include <gloo/allgather.h>
+#include <gloo/allreduce.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/store.h>
+#include <gloo/transport/tcp/device.h>
+
+#include <cmath>
+#include <cstring>
+#include <exception>
+
+#include <fmt/format.h>
+
+#include "core/error.hpp"
+
+namespace dptrain {
+
+namespace {
+
+// Presents our Store to Gloo's rendezvous. Gloo also calls the timeout-less get/wait, expecting
+// them to block until the key appears, so those wait up to the communicator's timeout.
+class GlooStoreAdapter : public gloo::rendezvous::Store {
+ public:
+  GlooStoreAdapter(dptrain::Store& store, std::chrono::milliseconds timeout)
+      : store_(store), timeout_(timeout) {}
+
+  void set(const std::string& key, const std::vector<char>& data) override {
+    store_.set(key, std::string(data.begin(), data.end()));
+  }
+  std::vector<char> get(const std::string& key) override {
+    const std::string value = store_.get(key, timeout_);
+    return std::vector<char>(value.begin(), value.end());
+  }
+  void wait(const std::vector<std::string>& keys) override { store_.wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
+    store_.wait(keys, timeout);
+  }
+
+ private:
+  dptrain::Store& store_;
+  std::chrono::milliseconds timeout_;
+};
+
+// Gloo prefixes messages with "[/build/…/file.cc:123] "; the source location means nothing to
+// users.
+std::string without_source_location(const std::string& message) {
+  if (message.empty() || message.front() != '[') return message;
+  const auto end = message.find("] ");
+  return end == std::string::npos ? message : message.substr(end + 2);
+}
+
+// A failed GLOO_ENFORCE reads "[enforce fail at file:line] condition. message"; keep the message.
+std::string enforce_message(const std::string& message) {
+  const std::string rest = without_source_location(message);
+  const auto end = rest.find(". ");
+  return end == std::string::npos ? rest : rest.substr(end + 2);
+}
+
+// NaN-propagating, so the result does not depend on which operand the ring hands in first.
+template <typename T>
+T max_of(T a, T b) {
+  return (a > b || std::isnan(a)) ? a : b;
+}
+template <typename T>
+T min_of(T a, T b) {
+  return (a < b || std::isnan(a)) ? a : b;
+}
+
+template <typename T, typename Combine>
+gloo::AllreduceOptions::Func elementwise(Combine combine) {
+  return [combine](void* out, const void* a, const void* b, size_t count) {
+    auto* result = static_cast<T*>(out);
+    const auto* left = static_cast<const T*>(a);
+    const auto* right = static_cast<const T*>(b);
+    for (size_t i = 0; i < count; ++i)
+      result[i] = combine(left[i], right[i]);
+  };
+}
+
+template <typename T>
+gloo::AllreduceOptions::Func reduce_function(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum:
+    case ReduceOp::avg:  // summed here, divided afterwards
+      return elementwise<T>([](T a, T b) { return a + b; });
+    case ReduceOp::max:
+      return elementwise<T>(max_of<T>);
+    case ReduceOp::min:
+      return elementwise<T>(min_of<T>);
+  }
+  throw Error(ErrorKind::internal, "unknown ReduceOp");
+}
+
+template <typename T>
+void divide_by_size(T* data, size_t count, int size) {
+  const T divisor = static_cast<T>(size);
+  for (size_t i = 0; i < count; ++i)
+    data[i] /= divisor;
+}
+
+void check_broadcast_root(int rank, int size, int root) {
+  if (root < 0 || root >= size) {
+    throw Error(ErrorKind::internal,
+                fmt::format("rank {}: broadcast root {} is outside 0..{}", rank, root, size - 1));
+  }
+}
+
+// A group of one: every collective is the identity (or a copy), no transport needed.
+class SoloCommunicator : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  std::string backend() const override { return "gloo"; }
+  void allreduce(float*, size_t, ReduceOp) override {}
+  void allreduce(double*, size_t, ReduceOp) override {}
+  void broadcast(void*, size_t, int root) override { check_broadcast_root(0, 1, root); }
+  void allgather(const void* in, size_t bytes_per_rank, void* out) override {
+    if (in != out && bytes_per_rank > 0) std::memmove(out, in, bytes_per_rank);
+  }
+  void barrier() override {}
+};
+
+class GlooCommunicator : public Communicator {
+ public:
+  GlooCommunicator(Store& store, int rank, int size, const GlooOptions& options);
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string backend() const override { return "gloo"; }
+  void allreduce(float* data, size_t count, ReduceOp op) override {
+    allreduce_typed(data, count, op);
+  }
+  void allreduce(double* data, size_t count, ReduceOp op) override {
+    allreduce_typed(data, count, op);
+  }
+  void broadcast(void* data, size_t bytes, int root) override;
+  void allgather(const void* in, size_t bytes_per_rank, void* out) override;
+  void barrier() override;
+
+ private:
+  template <typename T>
+  void allreduce_typed(T* data, size_t count, ReduceOp op);
+  // Runs a Gloo call, turning whatever it throws into Error(comm) naming rank and operation.
+  template <typename Body>
+  void guarded(const std::string& operation, Body&& body);
+  [[noreturn]] void fail(const std::string& operation, const std::string& cause);
+  // Every collective gets its own tag so a fast rank's next message never matches a slow rank's
+  // current receive; all ranks call collectives in the same order, so the tags agree.
+  uint32_t next_tag() { return next_tag_++; }
+
+  int rank_;
+  int size_;
+  std::chrono::milliseconds timeout_;
+  std::shared_ptr<gloo::rendezvous::Context> context_;
+  uint32_t next_tag_ = 0;
+  std::string failure_;  // set by the first failed call; later calls refuse to run
+};
+
+template <typename Body>
+void GlooCommunicator::guarded(const std::string& operation, Body&& body) {
+  if (!failure_.empty()) {
+    throw Error(ErrorKind::comm,
+                fmt::format("rank {}: cannot run {}: the communicator failed earlier: {}", rank_,
+                            operation, failure_));
+  }
+  try {
+    body();
+  } catch (const gloo::EnforceNotMet& error) {
+    fail(operation, enforce_message(error.what()));
+  } catch (const std::exception& error) {
+    fail(operation, without_source_location(error.what()));
+  }
+}
+
+void GlooCommunicator::fail(const std::string& operation, const std::string& cause) {
+  failure_ = cause;
+  throw Error(ErrorKind::comm, fmt::format("rank {}: gloo {} failed: {}", rank_, operation, cause));
+}
+
+GlooCommunicator::GlooCommunicator(Store& store, int rank, int size, const GlooOptions& options)
+    : rank_(rank), size_(size), timeout_(options.timeout) {
+  guarded(fmt::format("rendezvous of {} ranks via {} on '{}'", size, store.describe(),
+                      options.hostname),
+          [&] {
+            gloo::transport::tcp::attr attributes;
+            attributes.hostname = options.hostname;
+            auto device = gloo::transport::tcp::CreateDevice(attributes);
+            auto context = std::make_shared<gloo::rendezvous::Context>(rank, size);
+            context->setTimeout(options.timeout);
+            GlooStoreAdapter adapter(store, options.timeout);
+            context->connectFullMesh(adapter, device);
+            context_ = std::move(context);
+          });
+}
+
+template <typename T>
+void GlooCommunicator::allreduce_typed(T* data, size_t count, ReduceOp op) {
+  if (count == 0) return;
+  guarded(fmt::format("allreduce({}) of {} elements", reduce_op_name(op), count), [&] {
+    gloo::AllreduceOptions options(context_);
+    options.setOutput(data, count);
+    options.setReduceFunction(reduce_function<T>(op));
+    // Ring reduces each slice on exactly one rank and then copies it to all: bit-identical
+    // everywhere.
+    options.setAlgorithm(gloo::AllreduceOptions::Algorithm::RING);
+    options.setTag(next_tag());
+    options.setTimeout(timeout_);
+    gloo::allreduce(options);
+  });
+  if (op == ReduceOp::avg) divide_by_size(data, count, size_);
+}
+
+void GlooCommunicator::broadcast(void* data, size_t bytes, int root) {
+  check_broadcast_root(rank_, size_, root);
+  if (bytes == 0) return;
+  guarded(fmt::format("broadcast of {} bytes from rank {}", bytes, root), [&] {
+    gloo::BroadcastOptions options(context_);
+    options.setOutput(static_cast<uint8_t*>(data), bytes);
+    options.setRoot(root);
+    options.setTag(next_tag());
+    options.setTimeout(timeout_);
+    gloo::broadcast(options);
+  });
+}
+
+void GlooCommunicator::allgather(const void* in, size_t bytes_per_rank, void* out) {
+  if (bytes_per_rank == 0) return;
+  guarded(fmt::format("allgather of {} bytes per rank", bytes_per_rank), [&] {
+    auto* output = static_cast<uint8_t*>(out);
+    gloo::AllgatherOptions options(context_);
+    // Without an input Gloo takes this rank's slice of the output as it is.
+    if (in != output + static_cast<size_t>(rank_) * bytes_per_rank) {
+      options.setInput(static_cast<uint8_t*>(const_cast<void*>(in)), bytes_per_rank);
+    }
+    options.setOutput(output, bytes_per_rank * static_cast<size_t>(size_));
+    options.setTag(next_tag());
+    options.setTimeout(timeout_);
+    gloo::allgather(options);
+  });
+}
+
+void GlooCommunicator::barrier() {
+  guarded("barrier", [&] {
+    gloo::BarrierOptions options(context_);
+    options.setTag(next_tag());
+    options.setTimeout(timeout_);
+    gloo::barrier(options);
+  });
+}
+
+}  // namespace
+
+std::unique_ptr<Communicator> make_gloo_communicator(Store& store, int rank, int size,
+                                                     const GlooOptions& options) {
+  if (size < 1 || rank < 0 || rank >= size) {
+    throw Error(
+        ErrorKind::usage,
+        fmt::format("rank {} does not fit a world of size {} (need 0 <= rank < size)", rank, size));
+  }
+  if (size == 1) return std::make_unique<SoloCommunicator>();
+  return std::make_unique<GlooCommunicator>(store, rank, size, options);
+}
+
+}  // namespace dptrain

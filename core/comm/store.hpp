@@ -1,0 +1,71 @@
+// Store: the rendezvous key/value interface and a prefix wrapper for namespacing.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace dptrain {
+
+// A key/value store shared by all ranks of a job. Values are opaque bytes; counters made by add()
+// are stored as decimal text. Every blocking call has a deadline and throws Error(ErrorKind::comm)
+// naming the key(s), the store and the timeout when it passes.
+class Store {
+ public:
+  virtual ~Store() = default;
+  virtual void set(const std::string& key, const std::string& value) = 0;
+  // Blocks until the key exists, up to `timeout`.
+  virtual std::string get(const std::string& key, std::chrono::milliseconds timeout) = 0;
+  // Blocks until every key exists, up to `timeout`.
+  virtual void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) = 0;
+  // Atomically adds `delta` to the counter at `key` (a missing key counts as 0); returns the new
+  // value.
+  virtual int64_t add(const std::string& key, int64_t delta) = 0;
+  // Whether every key exists right now.
+  virtual bool check(const std::vector<std::string>& keys) = 0;
+  // "store HOST:PORT", for error messages.
+  virtual std::string describe() const = 0;
+};
+
+// Namespaces every key as prefix + "/" + key, so that e.g. each restart generation sees only its
+// own keys. Error messages name the full key.
+class PrefixStore : public Store {
+ public:
+  PrefixStore(std::string prefix, Store& inner);
+
+  void set(const std::string& key, const std::string& value) override;
+  std::string get(const std::string& key, std::chrono::milliseconds timeout) override;
+  void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override;
+  int64_t add(const std::string& key, int64_t delta) override;
+  bool check(const std::vector<std::string>& keys) override;
+  std::string describe() const override;
+
+  const std::string& prefix() const { return prefix_; }
+
+ private:
+  std::string full_key(const std::string& key) const;
+  std::vector<std::string> full_keys(const std::vector<std::string>& keys) const;
+
+  std::string prefix_;
+  Store& inner_;
+};
+
+// "host:port" or "[v6-address]:port" -> (host, port). Throws Error(ErrorKind::usage) naming the
+// text if it is malformed or the port is not in 1..65535.
+std::pair<std::string, uint16_t> parse_host_port(const std::string& text);
+
+// "host:port", with brackets around an IPv6 address.
+std::string format_host_port(const std::string& host, uint16_t port);
+
+// A timeout for messages: "30s", "1.5s", "0.25s".
+std::string format_timeout(std::chrono::milliseconds timeout);
+
+// The message of the comm error a store throws when keys are still missing at the deadline, e.g.
+// "timed out after 30s waiting for key 'gen1/rank3' at store 127.0.0.1:4242".
+std::string key_timeout_message(const std::vector<std::string>& missing_keys,
+                                std::chrono::milliseconds timeout,
+                                const std::string& store_description);
+
+}  // namespace dptrain

@@ -1,0 +1,74 @@
+// The TCP store's wire format: length-prefixed binary frames, shared by client and server.
+//
+// A frame is a u32 payload length followed by the payload. A request payload starts with an Op
+// byte, a reply payload with a Status byte; integers are little-endian, strings are a u32 length
+// and the bytes. The first request on a connection must be `hello` (magic, version); a later
+// authentication step slots in between hello and the first data request.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dptrain::store_protocol {
+
+constexpr uint32_t kMagic = 0x53545044;  // "DPTS" on the wire
+constexpr uint16_t kVersion = 1;
+// Caps what one frame may make the peer buffer, so garbage on a socket cannot allocate gigabytes.
+constexpr uint32_t kMaxFrameBytes = 64u << 20;
+constexpr size_t kLengthBytes = 4;
+
+enum class Op : uint8_t { hello = 1, set = 2, get = 3, wait = 4, add = 5, check = 6 };
+enum class Status : uint8_t {
+  ok = 0,
+  timeout = 1,  // payload: the keys still missing
+  error = 2,    // payload: a message
+};
+
+// Builds one frame.
+class FrameWriter {
+ public:
+  FrameWriter() : bytes_(kLengthBytes, '\0') {}
+  FrameWriter& u8(uint8_t value);
+  FrameWriter& u16(uint16_t value) { return unsigned_le(value, 2); }
+  FrameWriter& u32(uint32_t value) { return unsigned_le(value, 4); }
+  FrameWriter& u64(uint64_t value) { return unsigned_le(value, 8); }
+  FrameWriter& i64(int64_t value) { return u64(static_cast<uint64_t>(value)); }
+  FrameWriter& str(std::string_view value);
+  FrameWriter& strs(const std::vector<std::string>& values);
+  // The frame with its length prefix filled in; the writer is spent afterwards.
+  std::string finish();
+
+ private:
+  FrameWriter& unsigned_le(uint64_t value, int bytes);
+  std::string bytes_;
+};
+
+// Reads the fields of one frame's payload; throws Error(comm) "malformed store message" when the
+// payload is shorter than its fields claim.
+class FrameReader {
+ public:
+  explicit FrameReader(std::string_view payload) : rest_(payload) {}
+  // The reader only views its payload, which must outlive it.
+  explicit FrameReader(std::string&&) = delete;
+  uint8_t u8() { return static_cast<uint8_t>(unsigned_le(1)); }
+  uint16_t u16() { return static_cast<uint16_t>(unsigned_le(2)); }
+  uint32_t u32() { return static_cast<uint32_t>(unsigned_le(4)); }
+  uint64_t u64() { return unsigned_le(8); }
+  int64_t i64() { return static_cast<int64_t>(u64()); }
+  std::string str();
+  std::vector<std::string> strs();
+  // Throws unless every byte was consumed.
+  void expect_end() const;
+
+ private:
+  uint64_t unsigned_le(int bytes);
+  std::string_view take(size_t size);
+  std::string_view rest_;
+};
+
+// The payload length announced by a frame header (the first kLengthBytes bytes).
+uint32_t frame_length(std::string_view header);
+
+}  // namespace dptrain::store_protocol

@@ -1,0 +1,579 @@
+// TcpStoreServer (a single-threaded poll loop over all connections) and TcpStoreClient.
+#include "core/comm/tcp_store.hpp"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <charconv>
+#include <cstdio>
+#include <cstring>
+#include <list>
+#include <map>
+#include <unordered_map>
+
+#include <fmt/format.h>
+
+#include "core/comm/store_protocol.hpp"
+#include "core/error.hpp"
+
+namespace dptrain {
+
+namespace protocol = store_protocol;
+using protocol::FrameReader;
+using protocol::FrameWriter;
+using protocol::Op;
+using protocol::Status;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+// A deadline `timeout` from now; absurdly long timeouts are capped so the arithmetic cannot
+// overflow.
+SteadyTime deadline_after(std::chrono::milliseconds timeout) {
+  constexpr std::chrono::milliseconds kLongest = std::chrono::hours(24 * 365);
+  return Clock::now() + std::clamp(timeout, std::chrono::milliseconds(0), kLongest);
+}
+
+uint64_t timeout_field(std::chrono::milliseconds timeout) {
+  return static_cast<uint64_t>(std::max<int64_t>(timeout.count(), 0));
+}
+
+std::string quoted_keys(const std::vector<std::string>& keys) {
+  std::string text;
+  for (const auto& key : keys)
+    text += (text.empty() ? "'" : ", '") + key + "'";
+  return text;
+}
+
+}  // namespace
+
+// ---- server ----
+
+class TcpStoreServer::Loop {
+ public:
+  Loop(const std::string& host, uint16_t port);
+  uint16_t port() const { return port_; }
+  void run();
+  void request_stop();
+
+ private:
+  struct Connection {
+    UniqueFd fd;
+    std::string inbox;
+    std::string outbox;
+    bool greeted = false;
+    bool parked = false;  // a get/wait is waiting for keys; later requests stay queued in inbox
+    bool close_after_flush = false;
+    bool dead = false;
+  };
+  struct Waiter {
+    uint64_t connection;
+    Op op;
+    std::vector<std::string> keys;
+    SteadyTime deadline;
+  };
+
+  static constexpr size_t kMaxConnections = 4096;
+  static constexpr size_t kReadChunk = 64 * 1024;
+  static constexpr int kChunksPerWakeup = 16;
+  // A client that stops reading its replies cannot make the server hold more than this.
+  static constexpr size_t kMaxOutbox = 2 * size_t{protocol::kMaxFrameBytes};
+
+  int poll_timeout_ms() const;
+  void accept_connections();
+  void read_from(uint64_t id, Connection& connection);
+  void serve(uint64_t id);
+  void handle(uint64_t id, Connection& connection, FrameReader request);
+  void handle_hello(Connection& connection, FrameReader& request);
+  void handle_add(Connection& connection, FrameReader& request);
+  void park_or_reply(uint64_t id, Connection& connection, Op op, std::vector<std::string> keys,
+                     uint64_t timeout_ms);
+  void reply(Connection& connection, std::string frame);
+  void flush(Connection& connection);
+  void reply_to_waiter(const Waiter& waiter);
+  void wake_waiters();
+  void expire_waiters();
+  void sweep_dead();
+  std::vector<std::string> missing(const std::vector<std::string>& keys) const;
+
+  UniqueFd listener_;
+  uint16_t port_;
+  UniqueFd wake_read_;
+  UniqueFd wake_write_;
+  std::atomic<bool> stopping_{false};
+  std::map<uint64_t, Connection> connections_;
+  uint64_t next_connection_id_ = 0;
+  std::list<Waiter> waiters_;
+  std::vector<uint64_t> resumable_;  // connections unparked since they were last served
+  std::unordered_map<std::string, std::string> data_;
+};
+
+TcpStoreServer::Loop::Loop(const std::string& host, uint16_t port)
+    : listener_(listen_tcp(host, port)), port_(local_port(listener_.get())) {
+  int pipe_fds[2];
+  if (pipe2(pipe_fds, O_CLOEXEC | O_NONBLOCK) != 0) {
+    throw Error(ErrorKind::comm,
+                fmt::format("store server: pipe failed: {}", std::strerror(errno)));
+  }
+  wake_read_.reset(pipe_fds[0]);
+  wake_write_.reset(pipe_fds[1]);
+}
+
+void TcpStoreServer::Loop::request_stop() {
+  stopping_ = true;
+  const char byte = 0;
+  // A full pipe already guarantees a wakeup, so a failed write needs no handling.
+  [[maybe_unused]] const ssize_t written = write(wake_write_.get(), &byte, 1);
+}
+
+int TcpStoreServer::Loop::poll_timeout_ms() const {
+  if (waiters_.empty()) return -1;
+  SteadyTime earliest = SteadyTime::max();
+  for (const auto& waiter : waiters_)
+    earliest = std::min(earliest, waiter.deadline);
+  // Round up so a waiter is never woken a little early and then left for another full poll.
+  const auto left = std::chrono::ceil<std::chrono::milliseconds>(earliest - Clock::now());
+  return static_cast<int>(std::clamp<int64_t>(left.count(), 0, 1 << 30));
+}
+
+void TcpStoreServer::Loop::run() {
+  std::vector<pollfd> fds;
+  std::vector<uint64_t> ids;
+  while (!stopping_) {
+    fds.assign({{wake_read_.get(), POLLIN, 0}, {listener_.get(), POLLIN, 0}});
+    ids.clear();
+    for (const auto& [id, connection] : connections_) {
+      const short events = static_cast<short>(POLLIN | (connection.outbox.empty() ? 0 : POLLOUT));
+      fds.push_back({connection.fd.get(), events, 0});
+      ids.push_back(id);
+    }
+    if (poll(fds.data(), fds.size(), poll_timeout_ms()) < 0) {
+      if (errno == EINTR) continue;
+      std::fprintf(stderr, "dptrain: store server on port %u stopped: poll failed: %s\n", port_,
+                   std::strerror(errno));
+      return;
+    }
+    if (fds[0].revents != 0) break;
+    if (fds[1].revents != 0) accept_connections();
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const short revents = fds[i + 2].revents;
+      auto found = connections_.find(ids[i]);
+      if (revents == 0 || found == connections_.end() || found->second.dead) continue;
+      if (revents & POLLOUT) flush(found->second);
+      if (revents & (POLLIN | POLLHUP | POLLERR)) read_from(ids[i], found->second);
+    }
+    expire_waiters();
+    while (!resumable_.empty()) {
+      const uint64_t id = resumable_.back();
+      resumable_.pop_back();
+      serve(id);
+    }
+    sweep_dead();
+  }
+  // Refuse newcomers at once instead of leaving them to time out in the handshake.
+  listener_.reset();
+  connections_.clear();
+}
+
+void TcpStoreServer::Loop::accept_connections() {
+  while (true) {
+    UniqueFd fd(accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
+    if (!fd) return;  // EAGAIN, or a transient failure (EMFILE…) the next wakeup retries
+    if (connections_.size() >= kMaxConnections) continue;  // closing it tells the client
+    set_no_delay(fd.get());
+    connections_[next_connection_id_++].fd = std::move(fd);
+  }
+}
+
+void TcpStoreServer::Loop::read_from(uint64_t id, Connection& connection) {
+  char chunk[kReadChunk];
+  for (int i = 0; i < kChunksPerWakeup && !connection.dead; ++i) {
+    const ssize_t received = recv(connection.fd.get(), chunk, sizeof(chunk), 0);
+    if (received > 0) {
+      connection.inbox.append(chunk, static_cast<size_t>(received));
+      serve(id);
+      continue;
+    }
+    if (received < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+    if (received < 0 && errno == EINTR) continue;
+    // The peer closed (or reset) the connection: whatever it sent in full was served above.
+    connection.dead = true;
+  }
+}
+
+void TcpStoreServer::Loop::serve(uint64_t id) {
+  auto found = connections_.find(id);
+  if (found == connections_.end()) return;
+  Connection& connection = found->second;
+  try {
+    while (!connection.dead && !connection.parked && !connection.close_after_flush &&
+           connection.inbox.size() >= protocol::kLengthBytes) {
+      const uint32_t length = protocol::frame_length(connection.inbox);
+      if (length == 0 || length > protocol::kMaxFrameBytes) {
+        throw Error(ErrorKind::comm, fmt::format("frame length {} out of range", length));
+      }
+      if (connection.inbox.size() < protocol::kLengthBytes + length) break;
+      const std::string frame = connection.inbox.substr(0, protocol::kLengthBytes + length);
+      connection.inbox.erase(0, frame.size());
+      handle(id, connection, FrameReader(std::string_view(frame).substr(protocol::kLengthBytes)));
+    }
+    // Only a client that ignores the protocol (pipelining while parked) gets this far.
+    if (connection.inbox.size() > protocol::kLengthBytes + protocol::kMaxFrameBytes + kReadChunk) {
+      throw Error(ErrorKind::comm, "too many queued bytes");
+    }
+  } catch (const Error&) {
+    // Not our protocol, or a client that misbehaves: drop only this connection.
+    connection.dead = true;
+  }
+}
+
+void TcpStoreServer::Loop::handle(uint64_t id, Connection& connection, FrameReader request) {
+  const auto op = static_cast<Op>(request.u8());
+  if (!connection.greeted) {
+    if (op != Op::hello) throw Error(ErrorKind::comm, "first request is not hello");
+    handle_hello(connection, request);
+    return;
+  }
+  switch (op) {
+    case Op::set: {
+      std::string key = request.str();
+      std::string value = request.str();
+      request.expect_end();
+      data_[std::move(key)] = std::move(value);
+      reply(connection, FrameWriter().u8(static_cast<uint8_t>(Status::ok)).finish());
+      wake_waiters();
+      return;
+    }
+    case Op::get: {
+      std::string key = request.str();
+      const uint64_t timeout_ms = request.u64();
+      request.expect_end();
+      park_or_reply(id, connection, op, {std::move(key)}, timeout_ms);
+      return;
+    }
+    case Op::wait: {
+      std::vector<std::string> keys = request.strs();
+      const uint64_t timeout_ms = request.u64();
+      request.expect_end();
+      park_or_reply(id, connection, op, std::move(keys), timeout_ms);
+      return;
+    }
+    case Op::add:
+      handle_add(connection, request);
+      return;
+    case Op::check: {
+      const std::vector<std::string> keys = request.strs();
+      request.expect_end();
+      const bool present = missing(keys).empty();
+      reply(connection, FrameWriter().u8(static_cast<uint8_t>(Status::ok)).u8(present).finish());
+      return;
+    }
+    case Op::hello:
+      break;
+  }
+  throw Error(ErrorKind::comm, fmt::format("unexpected op {}", static_cast<int>(op)));
+}
+
+void TcpStoreServer::Loop::handle_hello(Connection& connection, FrameReader& request) {
+  const uint32_t magic = request.u32();
+  const uint16_t version = request.u16();
+  request.expect_end();
+  if (magic != protocol::kMagic) throw Error(ErrorKind::comm, "bad magic");
+  // The authentication challenge will be answered here, before `greeted` is set.
+  if (version != protocol::kVersion) {
+    connection.close_after_flush = true;  // before reply(), which may flush at once
+    reply(connection, FrameWriter()
+                          .u8(static_cast<uint8_t>(Status::error))
+                          .str(fmt::format("store speaks protocol version {}, client speaks {}",
+                                           protocol::kVersion, version))
+                          .finish());
+    return;
+  }
+  connection.greeted = true;
+  reply(connection,
+        FrameWriter().u8(static_cast<uint8_t>(Status::ok)).u16(protocol::kVersion).finish());
+}
+
+void TcpStoreServer::Loop::handle_add(Connection& connection, FrameReader& request) {
+  const std::string key = request.str();
+  const int64_t delta = request.i64();
+  request.expect_end();
+  std::string& value = data_[key];
+  int64_t current = 0;
+  const char* end = value.data() + value.size();
+  const bool is_counter = value.empty() || std::from_chars(value.data(), end, current).ptr == end;
+  int64_t updated = 0;
+  if (!is_counter || __builtin_add_overflow(current, delta, &updated)) {
+    const std::string why = is_counter ? fmt::format("adding {} to {} overflows", delta, current)
+                                       : "the key holds a value that is not an integer counter";
+    reply(connection, FrameWriter().u8(static_cast<uint8_t>(Status::error)).str(why).finish());
+    return;
+  }
+  value = std::to_string(updated);
+  reply(connection, FrameWriter().u8(static_cast<uint8_t>(Status::ok)).i64(updated).finish());
+  wake_waiters();
+}
+
+void TcpStoreServer::Loop::park_or_reply(uint64_t id, Connection& connection, Op op,
+                                         std::vector<std::string> keys, uint64_t timeout_ms) {
+  Waiter waiter{id, op, std::move(keys),
+                deadline_after(std::chrono::milliseconds(
+                    static_cast<int64_t>(std::min<uint64_t>(timeout_ms, INT64_MAX))))};
+  if (missing(waiter.keys).empty()) {
+    reply_to_waiter(waiter);
+    return;
+  }
+  connection.parked = true;
+  waiters_.push_back(std::move(waiter));
+}
+
+void TcpStoreServer::Loop::reply_to_waiter(const Waiter& waiter) {
+  Connection& connection = connections_.at(waiter.connection);
+  FrameWriter frame;
+  frame.u8(static_cast<uint8_t>(Status::ok));
+  if (waiter.op == Op::get) frame.str(data_.at(waiter.keys.front()));
+  reply(connection, frame.finish());
+}
+
+void TcpStoreServer::Loop::wake_waiters() {
+  for (auto it = waiters_.begin(); it != waiters_.end();) {
+    if (!missing(it->keys).empty()) {
+      ++it;
+      continue;
+    }
+    reply_to_waiter(*it);
+    connections_.at(it->connection).parked = false;
+    resumable_.push_back(it->connection);
+    it = waiters_.erase(it);
+  }
+}
+
+void TcpStoreServer::Loop::expire_waiters() {
+  const SteadyTime now = Clock::now();
+  for (auto it = waiters_.begin(); it != waiters_.end();) {
+    if (it->deadline > now) {
+      ++it;
+      continue;
+    }
+    Connection& connection = connections_.at(it->connection);
+    reply(connection,
+          FrameWriter().u8(static_cast<uint8_t>(Status::timeout)).strs(missing(it->keys)).finish());
+    connection.parked = false;
+    resumable_.push_back(it->connection);
+    it = waiters_.erase(it);
+  }
+}
+
+void TcpStoreServer::Loop::reply(Connection& connection, std::string frame) {
+  if (connection.dead) return;
+  connection.outbox += frame;
+  flush(connection);
+  if (connection.outbox.size() > kMaxOutbox) connection.dead = true;
+}
+
+void TcpStoreServer::Loop::flush(Connection& connection) {
+  while (!connection.outbox.empty() && !connection.dead) {
+    const ssize_t sent =
+        send(connection.fd.get(), connection.outbox.data(), connection.outbox.size(), MSG_NOSIGNAL);
+    if (sent > 0) {
+      connection.outbox.erase(0, static_cast<size_t>(sent));
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      return;
+    } else if (errno != EINTR) {
+      connection.dead = true;
+    }
+  }
+  if (connection.outbox.empty() && connection.close_after_flush) connection.dead = true;
+}
+
+void TcpStoreServer::Loop::sweep_dead() {
+  waiters_.remove_if([&](const Waiter& waiter) { return connections_.at(waiter.connection).dead; });
+  std::erase_if(connections_, [](const auto& entry) { return entry.second.dead; });
+}
+
+std::vector<std::string> TcpStoreServer::Loop::missing(const std::vector<std::string>& keys) const {
+  std::vector<std::string> result;
+  for (const auto& key : keys) {
+    if (!data_.contains(key)) result.push_back(key);
+  }
+  return result;
+}
+
+TcpStoreServer::TcpStoreServer(const std::string& bind_host, uint16_t port)
+    : loop_(std::make_unique<Loop>(bind_host, port)), thread_([this] { loop_->run(); }) {}
+
+TcpStoreServer::~TcpStoreServer() {
+  stop();
+}
+
+uint16_t TcpStoreServer::port() const {
+  return loop_->port();
+}
+
+void TcpStoreServer::stop() {
+  if (!thread_.joinable()) return;
+  loop_->request_stop();
+  thread_.join();
+}
+
+// ---- client ----
+
+namespace {
+
+// Bounds requests that never block on the server (set, add, check, the handshake), and how much
+// longer than a get/wait timeout the client waits for the server's own timeout reply.
+constexpr std::chrono::seconds kRequestTimeout{60};
+constexpr std::chrono::seconds kTimeoutReplyGrace{10};
+constexpr std::chrono::milliseconds kConnectRetryPause{100};
+
+}  // namespace
+
+struct TcpStoreClient::Reply {
+  Status status;
+  std::string fields;  // the payload after the status byte
+};
+
+TcpStoreClient::TcpStoreClient(std::string host, uint16_t port,
+                               std::chrono::milliseconds connect_timeout)
+    : host_(std::move(host)), port_(port), connect_timeout_(connect_timeout) {
+  std::lock_guard lock(mutex_);
+  connect_locked();
+}
+
+TcpStoreClient::~TcpStoreClient() = default;
+
+std::string TcpStoreClient::describe() const {
+  return "store " + format_host_port(host_, port_);
+}
+
+void TcpStoreClient::connect_locked() {
+  const SteadyTime deadline = deadline_after(connect_timeout_);
+  while (true) {
+    ConnectAttempt attempt = connect_tcp(host_, port_, deadline);
+    if (attempt.fd) {
+      socket_ = std::move(attempt.fd);
+      break;
+    }
+    const auto now = Clock::now();
+    if (now >= deadline) {
+      throw Error(ErrorKind::comm, fmt::format("cannot reach store at {} within {}: {}",
+                                               format_host_port(host_, port_),
+                                               format_timeout(connect_timeout_), attempt.failure));
+    }
+    std::this_thread::sleep_for(std::min<Clock::duration>(kConnectRetryPause, deadline - now));
+  }
+  handshake_locked(std::max(deadline, Clock::now() + std::chrono::seconds(5)));
+}
+
+void TcpStoreClient::handshake_locked(SteadyTime deadline) {
+  const std::string hello = FrameWriter()
+                                .u8(static_cast<uint8_t>(Op::hello))
+                                .u32(protocol::kMagic)
+                                .u16(protocol::kVersion)
+                                .finish();
+  Reply answer;
+  try {
+    answer = exchange_locked(hello, deadline);
+  } catch (const Error& error) {
+    throw Error(ErrorKind::comm, fmt::format("no handshake from store at {}: {}",
+                                             format_host_port(host_, port_), error.what()));
+  }
+  if (answer.status != Status::ok) {
+    socket_.reset();
+    throw Error(ErrorKind::comm,
+                fmt::format("store at {} refused the handshake: {}", format_host_port(host_, port_),
+                            FrameReader(answer.fields).str()));
+  }
+}
+
+TcpStoreClient::Reply TcpStoreClient::exchange_locked(const std::string& frame,
+                                                      SteadyTime deadline) {
+  try {
+    send_all(socket_.get(), frame, deadline);
+    char header[protocol::kLengthBytes];
+    recv_exact(socket_.get(), header, sizeof(header), deadline);
+    const uint32_t length = protocol::frame_length(std::string_view(header, sizeof(header)));
+    if (length == 0 || length > protocol::kMaxFrameBytes) {
+      throw Error(ErrorKind::comm, fmt::format("reply length {} out of range", length));
+    }
+    std::string payload(length, '\0');
+    recv_exact(socket_.get(), payload.data(), payload.size(), deadline);
+    return Reply{static_cast<Status>(payload.front()), payload.substr(1)};
+  } catch (const Error&) {
+    // The stream may be mid-frame: the next request starts on a fresh connection.
+    socket_.reset();
+    throw;
+  }
+}
+
+std::string TcpStoreClient::request(const std::string& frame, const std::string& what,
+                                    SteadyTime deadline, std::chrono::milliseconds key_timeout) {
+  std::lock_guard lock(mutex_);
+  if (!socket_) connect_locked();
+  Reply answer;
+  try {
+    answer = exchange_locked(frame, deadline);
+  } catch (const Error& error) {
+    throw Error(ErrorKind::comm,
+                fmt::format("lost connection to {} during {}: {}", describe(), what, error.what()));
+  }
+  switch (answer.status) {
+    case Status::ok:
+      return std::move(answer.fields);
+    case Status::timeout:
+      throw Error(ErrorKind::comm,
+                  key_timeout_message(FrameReader(answer.fields).strs(), key_timeout, describe()));
+    case Status::error:
+      throw Error(ErrorKind::comm, fmt::format("{} rejected {}: {}", describe(), what,
+                                               FrameReader(answer.fields).str()));
+  }
+  socket_.reset();
+  throw Error(ErrorKind::comm, fmt::format("{} sent an unknown status {} for {}", describe(),
+                                           static_cast<int>(answer.status), what));
+}
+
+void TcpStoreClient::set(const std::string& key, const std::string& value) {
+  const std::string frame =
+      FrameWriter().u8(static_cast<uint8_t>(Op::set)).str(key).str(value).finish();
+  request(frame, fmt::format("set '{}'", key), deadline_after(kRequestTimeout));
+}
+
+std::string TcpStoreClient::get(const std::string& key, std::chrono::milliseconds timeout) {
+  const std::string frame =
+      FrameWriter().u8(static_cast<uint8_t>(Op::get)).str(key).u64(timeout_field(timeout)).finish();
+  const std::string fields = request(frame, fmt::format("get '{}'", key),
+                                     deadline_after(timeout + kTimeoutReplyGrace), timeout);
+  return FrameReader(fields).str();
+}
+
+void TcpStoreClient::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
+  const std::string frame = FrameWriter()
+                                .u8(static_cast<uint8_t>(Op::wait))
+                                .strs(keys)
+                                .u64(timeout_field(timeout))
+                                .finish();
+  request(frame, "wait for " + quoted_keys(keys), deadline_after(timeout + kTimeoutReplyGrace),
+          timeout);
+}
+
+int64_t TcpStoreClient::add(const std::string& key, int64_t delta) {
+  const std::string frame =
+      FrameWriter().u8(static_cast<uint8_t>(Op::add)).str(key).i64(delta).finish();
+  const std::string fields =
+      request(frame, fmt::format("add '{}'", key), deadline_after(kRequestTimeout));
+  return FrameReader(fields).i64();
+}
+
+bool TcpStoreClient::check(const std::vector<std::string>& keys) {
+  const std::string frame = FrameWriter().u8(static_cast<uint8_t>(Op::check)).strs(keys).finish();
+  const std::string fields =
+      request(frame, "check " + quoted_keys(keys), deadline_after(kRequestTimeout));
+  return FrameReader(fields).u8() != 0;
+}
+
+}  // namespace dptrain

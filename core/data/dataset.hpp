@@ -1,0 +1,58 @@
+// Classification datasets held in memory (synthetic clusters, CSV files) and their train/eval
+// split.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/recipe.hpp"
+
+namespace dptrain {
+
+class Dataset {
+ public:
+  virtual ~Dataset() = default;
+  virtual int64_t size() const = 0;
+  virtual int64_t features() const = 0;
+  virtual int64_t classes() const = 0;
+  // Copies the rows at indices, in the given order, to x [indices.size(), features] and y.
+  // An index outside [0, size) is Error(internal).
+  virtual void gather(std::span<const int64_t> indices, float* x, int32_t* y) const = 0;
+};
+
+struct DataSplits {
+  std::shared_ptr<const Dataset> train, eval;
+};
+
+// Every sample of a source, before the split: features in one row-major vector.
+struct SampleTable {
+  int64_t features = 0;
+  int64_t classes = 0;
+  std::vector<float> x;    // [size, features]
+  std::vector<int32_t> y;  // [size]
+  int64_t size() const { return static_cast<int64_t>(y.size()); }
+};
+
+// Loads the data the spec names, for a model with model.input features and model.classes classes,
+// and splits it. Errors are Error(recipe) naming the file and line (csv) or the field.
+DataSplits load_data(const DataSpec& data, const ModelSpec& model, uint64_t seed);
+
+// data.samples points around one centre per class: centre + data.noise * N(0, 1) per feature. The
+// centres are spread so that the task is learnable but not trivial at noise 1.
+SampleTable make_synthetic_samples(const DataSpec& data, const ModelSpec& model, uint64_t seed);
+
+// Rows "label,feature,...". header: "yes" | "no" | "auto" (a first row with anything
+// non-numeric is a header).
+SampleTable read_csv_samples(const std::filesystem::path& path, const std::string& header,
+                             int64_t features, int64_t classes);
+
+// A seeded shuffle of the table's rows: the last round(size * eval_fraction) are the eval split,
+// the rest the train split. Both share the table; nothing is copied.
+DataSplits split_samples(std::shared_ptr<const SampleTable> samples, double eval_fraction,
+                         uint64_t seed);
+
+}  // namespace dptrain

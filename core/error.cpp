@@ -1,0 +1,62 @@
+// Exit codes and names for dptrain::Error kinds.
+#include "core/error.hpp"
+
+namespace dptrain {
+
+int exit_code(ErrorKind kind) {
+  switch (kind) {
+    case ErrorKind::usage:
+    case ErrorKind::recipe:
+      return 2;
+    case ErrorKind::comm:
+    case ErrorKind::rank_failed:
+      return 3;
+    case ErrorKind::ssh:
+      return 4;
+    case ErrorKind::checkpoint:
+      return 5;
+    case ErrorKind::bench:
+      return 6;
+    case ErrorKind::interrupted:
+      return 130;
+    case ErrorKind::terminated:
+      return 143;
+    case ErrorKind::internal:
+    case ErrorKind::io:
+    case ErrorKind::cuda:
+      break;
+  }
+  return 1;
+}
+
+const char* kind_name(ErrorKind kind) {
+  switch (kind) {
+    case ErrorKind::internal:
+      return "internal error";
+    case ErrorKind::usage:
+      return "usage error";
+    case ErrorKind::recipe:
+      return "recipe error";
+    case ErrorKind::io:
+      return "i/o error";
+    case ErrorKind::comm:
+      return "communication error";
+    case ErrorKind::rank_failed:
+      return "rank failed";
+    case ErrorKind::ssh:
+      return "ssh error";
+    case ErrorKind::checkpoint:
+      return "checkpoint error";
+    case ErrorKind::cuda:
+      return "cuda error";
+    case ErrorKind::bench:
+      return "benchmark below threshold";
+    case ErrorKind::interrupted:
+      return "interrupted";
+    case ErrorKind::terminated:
+      return "terminated";
+  }
+  return "error";
+}
+
+}  // namespace dptrain

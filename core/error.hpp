@@ -1,0 +1,37 @@
+// dptrain::Error: the one exception type library code throws; main maps its kind to an exit code.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace dptrain {
+
+enum class ErrorKind {
+  internal,     // a bug or an unexpected system failure: exit 1
+  usage,        // bad command line: exit 2
+  recipe,       // bad recipe or data named by it: exit 2
+  io,           // a file or directory could not be read or written: exit 1
+  comm,         // store or collective failure, timeout: exit 3
+  rank_failed,  // a rank or node failed and restarts are exhausted: exit 3
+  ssh,          // SSH or provisioning failure: exit 4
+  checkpoint,   // no valid checkpoint, or one could not be written: exit 5
+  cuda,         // CUDA or NCCL failure: exit 1
+  bench,        // a benchmark fell below its --min-* threshold: exit 6
+  interrupted,  // SIGINT: exit 130
+  terminated,   // SIGTERM after a final checkpoint: exit 143
+};
+
+// The exit code DESIGN.md and dptrain(1) document for each kind.
+int exit_code(ErrorKind kind);
+const char* kind_name(ErrorKind kind);
+
+class Error : public std::runtime_error {
+ public:
+  Error(ErrorKind kind, const std::string& message) : std::runtime_error(message), kind_(kind) {}
+  ErrorKind kind() const { return kind_; }
+
+ private:
+  ErrorKind kind_;
+};
+
+}  // namespace dptrain

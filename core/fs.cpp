@@ -1,0 +1,103 @@
+// Durable file helpers.
+#include "core/fs.hpp"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include <fmt/format.h>
+
+#include "core/error.hpp"
+
+namespace dptrain {
+
+namespace {
+
+class Fd {
+ public:
+  explicit Fd(int fd) : fd_(fd) {}
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+  int release() {
+    int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
+
+ private:
+  int fd_;
+};
+
+[[noreturn]] void throw_io(const std::filesystem::path& path, const char* what) {
+  throw Error(ErrorKind::io,
+              fmt::format("{}: cannot {}: {}", path.string(), what, std::strerror(errno)));
+}
+
+void write_all(int fd, const void* data, size_t size, const std::filesystem::path& path) {
+  const char* p = static_cast<const char*>(data);
+  while (size > 0) {
+    ssize_t n = ::write(fd, p, size);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw_io(path, "write");
+    }
+    p += n;
+    size -= static_cast<size_t>(n);
+  }
+}
+
+}  // namespace
+
+std::string read_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw_io(path, "read");
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  if (in.bad()) throw_io(path, "read");
+  return std::move(ss).str();
+}
+
+void fsync_directory(const std::filesystem::path& dir) {
+  Fd fd(::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (fd.get() < 0) throw_io(dir, "open directory");
+  if (::fsync(fd.get()) != 0) throw_io(dir, "fsync directory");
+}
+
+void write_file_synced(const std::filesystem::path& path, std::span<const std::byte> content) {
+  Fd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (fd.get() < 0) throw_io(path, "create");
+  write_all(fd.get(), content.data(), content.size(), path);
+  if (::fsync(fd.get()) != 0) throw_io(path, "fsync");
+  if (::close(fd.release()) != 0) throw_io(path, "close");
+}
+
+void write_file_atomic(const std::filesystem::path& path, std::string_view content) {
+  auto tmp = path;
+  tmp += fmt::format(".tmp-{}", ::getpid());
+  write_file_synced(tmp, std::as_bytes(std::span(content.data(), content.size())));
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    int saved = errno;
+    ::unlink(tmp.c_str());
+    errno = saved;
+    throw_io(path, "rename into place");
+  }
+  fsync_directory(path.parent_path());
+}
+
+void append_line(const std::filesystem::path& path, std::string_view line) {
+  Fd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
+  if (fd.get() < 0) throw_io(path, "open for append");
+  std::string buf(line);
+  buf.push_back('\n');
+  write_all(fd.get(), buf.data(), buf.size(), path);
+}
+
+}  // namespace dptrain

@@ -1,0 +1,23 @@
+// Durable file helpers: whole-file reads, atomic writes (temp + fsync + rename + fsync dir).
+#pragma once
+
+#include <filesystem>
+#include <span>
+#include <string>
+#include <string_view>
+
+namespace dptrain {
+
+// Reads a whole file; Error(io) "PATH: cannot read: reason".
+std::string read_file(const std::filesystem::path& path);
+// Writes to a temporary name beside `path`, fsyncs it, renames over `path`, fsyncs the directory.
+// A crash leaves either the old file or the new one, never a torn file.
+void write_file_atomic(const std::filesystem::path& path, std::string_view content);
+// Writes a new file (truncating) and fsyncs it; for files inside a directory that is renamed later.
+void write_file_synced(const std::filesystem::path& path, std::span<const std::byte> content);
+// Appends one line and flushes it to the OS (not fsynced: metrics may lose the last lines in a
+// crash).
+void append_line(const std::filesystem::path& path, std::string_view line);
+void fsync_directory(const std::filesystem::path& dir);
+
+}  // namespace dptrain

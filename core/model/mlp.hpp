@@ -1,0 +1,60 @@
+// A multi-layer perceptron over the op table: Linear layers with an activation between them.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "core/model/model.hpp"
+#include "core/tensor/ops.hpp"
+
+namespace dptrain {
+
+// Where one Linear layer lives in the flat parameter (and gradient) buffer. Layers follow each
+// other in order, each as its weight W, row-major [out, in] (PyTorch's nn.Linear layout), then its
+// bias b [out]; the layer computes y = x W^T + b.
+struct LinearLayout {
+  int64_t in = 0;
+  int64_t out = 0;
+  size_t weight_offset = 0;
+  size_t bias_offset = 0;
+};
+
+class Mlp final : public Model {
+ public:
+  // widths: input, hidden..., classes (at least two entries, all positive).
+  Mlp(std::vector<int64_t> widths, Activation activation, std::unique_ptr<Ops> ops);
+
+  size_t num_params() const override { return num_params_; }
+  void init_params(std::span<float> params, uint64_t seed) const override;
+  double forward_backward(std::span<const float> params, const Batch& batch, std::span<float> grads,
+                          float scale) override;
+  EvalStats evaluate(std::span<const float> params, const Batch& batch) override;
+  std::string describe() const override;
+
+  const std::vector<LinearLayout>& layers() const { return layers_; }
+
+ private:
+  void require_size(const char* what, size_t size) const;
+  void reserve_rows(int64_t rows);
+  // Runs the layers on rows of x and returns the logits; every pre- and post-activation stays in
+  // the workspace for the backward pass.
+  Matrix forward(const float* params, const float* x, int64_t rows);
+  Matrix pre_activation(size_t layer, int64_t rows);
+  Matrix post_activation(size_t layer, int64_t rows);  // hidden layers only
+
+  std::vector<int64_t> widths_;
+  Activation activation_;
+  std::unique_ptr<Ops> ops_;
+  std::vector<LinearLayout> layers_;
+  size_t num_params_ = 0;
+
+  // One block holding, per layer, its pre-activation [rows, out] and (hidden layers) its
+  // post-activation [rows, out]; offsets count floats per workspace row.
+  std::vector<int64_t> pre_offset_;
+  std::vector<int64_t> post_offset_;
+  int64_t workspace_width_ = 0;
+  int64_t capacity_rows_ = 0;
+  std::vector<float> workspace_;
+};
+
+}  // namespace dptrain

@@ -1,0 +1,602 @@
+// Recipe parsing: JSON -> typed Recipe, validated, every problem reported with its JSON pointer.
+#include "core/recipe.hpp"
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "core/error.hpp"
+
+namespace dptrain {
+namespace {
+
+using nlohmann::json;
+
+// A check returns what is wrong with a value (without the "got ..." part), or nothing.
+using Verdict = std::optional<std::string>;
+
+// ---- problem collection ----------------------------------------------------------------------
+
+class Problems {
+ public:
+  void add(const std::string& pointer, const std::string& what) {
+    entries_.emplace_back(pointer, what);
+  }
+  bool any() const { return !entries_.empty(); }
+  bool at(const std::string& pointer) const {
+    return std::any_of(entries_.begin(), entries_.end(),
+                       [&](const auto& entry) { return entry.first == pointer; });
+  }
+  // One line per problem, in the order found.
+  std::string report(const std::string& source) const {
+    std::string text;
+    for (const auto& [pointer, what] : entries_) {
+      if (!text.empty()) text += '\n';
+      text += fmt::format("{}: {}: {}", source, pointer.empty() ? "/" : pointer, what);
+    }
+    return text;
+  }
+
+ private:
+  std::vector<std::pair<std::string, std::string>> entries_;
+};
+
+std::string pointer_to(const std::string& parent, std::string_view key) {
+  // RFC 6901 escaping, so a key containing '/' or '~' still yields an unambiguous pointer.
+  std::string escaped;
+  for (char c : key) {
+    if (c == '~') {
+      escaped += "~0";
+    } else if (c == '/') {
+      escaped += "~1";
+    } else {
+      escaped += c;
+    }
+  }
+  return parent + "/" + escaped;
+}
+
+// How a JSON value is shown after "got": scalars verbatim, containers by kind.
+std::string describe(const json& value) {
+  if (value.is_object()) return "an object";
+  if (value.is_array()) return "an array";
+  std::string text = value.dump();
+  constexpr size_t kMaxShown = 60;
+  if (text.size() > kMaxShown) text = text.substr(0, kMaxShown) + "...";
+  return text;
+}
+
+// ---- "did you mean" ------------------------------------------------------------------------
+
+size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j)
+    row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+bool one_prefixes_other(std::string_view a, std::string_view b) {
+  if (a.empty() || b.empty()) return false;
+  return a.starts_with(b) || b.starts_with(a);
+}
+
+// The known key closest to `unknown`, if any is close enough to be a plausible typo.
+std::optional<std::string> closest_key(const std::string& unknown,
+                                       const std::vector<std::string>& known) {
+  constexpr size_t kMaxTypoDistance = 2;
+  std::optional<std::string> best;
+  size_t best_distance = std::numeric_limits<size_t>::max();
+  for (const auto& candidate : known) {
+    size_t distance = edit_distance(unknown, candidate);
+    bool close = distance <= kMaxTypoDistance || one_prefixes_other(unknown, candidate);
+    if (close && distance < best_distance) {
+      best = candidate;
+      best_distance = distance;
+    }
+  }
+  return best;
+}
+
+// ---- JSON -> C++ conversions: each returns what is wrong, or nothing -------------------------
+
+Verdict convert(const json& value, std::string& out) {
+  if (!value.is_string()) return "expected a string, got " + describe(value);
+  out = value.get<std::string>();
+  return std::nullopt;
+}
+
+Verdict convert(const json& value, bool& out) {
+  if (!value.is_boolean()) return "expected true or false, got " + describe(value);
+  out = value.get<bool>();
+  return std::nullopt;
+}
+
+Verdict convert(const json& value, double& out) {
+  // Booleans are not numbers here, even though some JSON libraries would convert them.
+  if (!value.is_number()) return "expected a number, got " + describe(value);
+  double number = value.get<double>();
+  if (!std::isfinite(number)) return "expected a finite number, got " + describe(value);
+  out = number;
+  return std::nullopt;
+}
+
+// An integral float such as 1e4 counts as an integer (as in JSON Schema); 3.5 does not.
+std::optional<double> integral_float(const json& value) {
+  if (!value.is_number_float()) return std::nullopt;
+  double number = value.get<double>();
+  if (!std::isfinite(number) || std::floor(number) != number) return std::nullopt;
+  return number;
+}
+
+Verdict convert(const json& value, int64_t& out) {
+  constexpr double kTwoTo63 = 9223372036854775808.0;
+  if (value.is_number_unsigned()) {
+    if (value.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      return "out of range, got " + describe(value);
+    }
+    out = static_cast<int64_t>(value.get<uint64_t>());
+  } else if (value.is_number_integer()) {
+    out = value.get<int64_t>();
+  } else if (auto number = integral_float(value)) {
+    if (*number < -kTwoTo63 || *number >= kTwoTo63) return "out of range, got " + describe(value);
+    out = static_cast<int64_t>(*number);
+  } else {
+    return "expected an integer, got " + describe(value);
+  }
+  return std::nullopt;
+}
+
+Verdict convert(const json& value, uint64_t& out) {
+  constexpr double kTwoTo64 = 18446744073709551616.0;
+  if (value.is_number_unsigned()) {
+    out = value.get<uint64_t>();
+  } else if (value.is_number_integer()) {
+    return "must be >= 0, got " + describe(value);  // nlohmann stores only negatives as signed
+  } else if (auto number = integral_float(value)) {
+    if (*number < 0) return "must be >= 0, got " + describe(value);
+    if (*number >= kTwoTo64) return "out of range, got " + describe(value);
+    out = static_cast<uint64_t>(*number);
+  } else {
+    return "expected an integer, got " + describe(value);
+  }
+  return std::nullopt;
+}
+
+// ---- checks ----------------------------------------------------------------------------------
+
+constexpr auto no_check = [](const auto&) -> Verdict { return std::nullopt; };
+
+auto at_least(auto min) {
+  return [min](auto value) -> Verdict {
+    if (value >= min) return std::nullopt;
+    return fmt::format("must be >= {}", min);
+  };
+}
+
+auto greater_than(double min) {
+  return [min](double value) -> Verdict {
+    if (value > min) return std::nullopt;
+    return fmt::format("must be > {}", min);
+  };
+}
+
+// [lo, hi) when `include_hi` is false, [lo, hi] when it is true.
+auto in_range(double lo, double hi, bool include_hi) {
+  return [=](double value) -> Verdict {
+    if (value >= lo && (include_hi ? value <= hi : value < hi)) return std::nullopt;
+    return fmt::format("must be in [{}, {}{}", lo, hi, include_hi ? "]" : ")");
+  };
+}
+
+// "a", "b" or "c": how the allowed values of an enum field are listed in messages.
+std::string quoted_alternatives(const std::vector<std::string>& words) {
+  std::string text;
+  for (size_t i = 0; i < words.size(); ++i) {
+    if (i > 0) text += i + 1 == words.size() ? " or " : ", ";
+    text += '"' + words[i] + '"';
+  }
+  return text;
+}
+
+// `gpu_only` names values that are valid in the GPU build but not in this one, so the message
+// can say why rather than just "unknown".
+auto one_of(std::vector<std::string> allowed, std::vector<std::string> gpu_only = {}) {
+  return [allowed = std::move(allowed),
+          gpu_only = std::move(gpu_only)](const std::string& value) -> Verdict {
+    if (std::find(allowed.begin(), allowed.end(), value) != allowed.end()) return std::nullopt;
+    std::string supported = "must be " + quoted_alternatives(allowed);
+    if (std::find(gpu_only.begin(), gpu_only.end(), value) != gpu_only.end()) {
+      return fmt::format("\"{}\" needs the GPU build; {}", value, supported);
+    }
+    return supported;
+  };
+}
+
+// The name becomes a directory name (runs/<name>-<time>), so it must be a safe path component.
+Verdict valid_name(const std::string& name) {
+  if (name.empty()) return "must not be empty";
+  if (name == "." || name == "..") return "must not be \".\" or \"..\"";
+  bool safe = std::all_of(name.begin(), name.end(), [](char c) {
+    return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '.' ||
+           c == '_' || c == '-';
+  });
+  if (!safe) return "may only contain A-Z a-z 0-9 . _ - (it becomes a directory name)";
+  return std::nullopt;
+}
+
+// ---- visitors: the schema is written once (visit_fields) and walked by a reader or a writer ---
+
+template <class T>
+struct IsVector : std::false_type {};
+template <class T>
+struct IsVector<std::vector<T>> : std::true_type {};
+
+// Reads one JSON object into a spec, collecting problems; `object` is null when the section is
+// absent or not an object, in which case the reader only learns the known keys.
+class Reader {
+ public:
+  Reader(const json* object, std::string pointer, Problems& problems)
+      : object_(object), pointer_(std::move(pointer)), problems_(problems) {}
+
+  template <class T, class Check>
+  void field(const char* key, T& out, const Check& check) {
+    known_.emplace_back(key);
+    const json* value = find(key);
+    if (value == nullptr) return;
+    std::string pointer = pointer_to(pointer_, key);
+    if constexpr (IsVector<T>::value) {
+      read_array(*value, pointer, out, check);
+    } else {
+      read_value(*value, pointer, out, check);
+    }
+  }
+
+  template <class Spec>
+  void section(const char* key, Spec& spec) {
+    known_.emplace_back(key);
+    const json* value = find(key);
+    std::string pointer = pointer_to(pointer_, key);
+    if (value != nullptr && !value->is_object()) {
+      problems_.add(pointer, "expected an object, got " + describe(*value));
+      value = nullptr;
+    }
+    Reader nested(value, pointer, problems_);
+    visit_fields(nested, spec);
+    nested.reject_unknown_keys();
+  }
+
+  void reject_unknown_keys() const {
+    if (object_ == nullptr) return;
+    for (const auto& [key, value] : object_->items()) {
+      if (std::find(known_.begin(), known_.end(), key) != known_.end()) continue;
+      std::string what = "unknown key '" + key + "'";
+      if (auto suggestion = closest_key(key, known_))
+        what += "; did you mean '" + *suggestion + "'?";
+      problems_.add(pointer_to(pointer_, key), what);
+    }
+  }
+
+ private:
+  const json* find(const char* key) const {
+    if (object_ == nullptr) return nullptr;
+    auto it = object_->find(key);
+    return it == object_->end() ? nullptr : &*it;
+  }
+
+  template <class T, class Check>
+  bool read_value(const json& value, const std::string& pointer, T& out, const Check& check) {
+    T converted{};
+    if (auto wrong = convert(value, converted)) {
+      problems_.add(pointer, *wrong);
+      return false;
+    }
+    if (auto wrong = check(converted)) {
+      problems_.add(pointer, *wrong + ", got " + describe(value));
+      return false;
+    }
+    out = std::move(converted);
+    return true;
+  }
+
+  // The check applies to each element, whose problems are reported at /.../key/<index>.
+  template <class T, class Check>
+  void read_array(const json& value, const std::string& pointer, std::vector<T>& out,
+                  const Check& check) {
+    if (!value.is_array()) {
+      problems_.add(pointer, "expected an array, got " + describe(value));
+      return;
+    }
+    std::vector<T> converted(value.size());
+    bool all_good = true;
+    for (size_t i = 0; i < value.size(); ++i) {
+      all_good &= read_value(value[i], pointer + "/" + std::to_string(i), converted[i], check);
+    }
+    if (all_good) out = std::move(converted);
+  }
+
+  const json* object_;
+  std::string pointer_;
+  Problems& problems_;
+  std::vector<std::string> known_;
+};
+
+class Writer {
+ public:
+  template <class T, class Check>
+  void field(const char* key, const T& value, const Check&) {
+    object_[key] = value;
+  }
+
+  template <class Spec>
+  void section(const char* key, Spec& spec) {
+    Writer nested;
+    visit_fields(nested, spec);
+    object_[key] = std::move(nested.object_);
+  }
+
+  json take() { return std::move(object_); }
+
+ private:
+  json object_ = json::object();
+};
+
+template <class Visitor>
+void visit_fields(Visitor& v, ModelSpec& m) {
+  v.field("type", m.type, one_of({"mlp"}));
+  v.field("input", m.input, at_least(int64_t{1}));
+  v.field("hidden", m.hidden, at_least(int64_t{1}));
+  v.field("classes", m.classes, at_least(int64_t{2}));
+  v.field("activation", m.activation, one_of({"relu", "gelu"}));
+}
+
+template <class Visitor>
+void visit_fields(Visitor& v, DataSpec& d) {
+  v.field("type", d.type, one_of({"synthetic-classification", "csv"}));
+  v.field("samples", d.samples, at_least(int64_t{2}));
+  v.field("noise", d.noise, at_least(0.0));
+  v.field("path", d.path, no_check);  // checked against the type once both are known
+  v.field("header", d.header, one_of({"auto", "yes", "no"}));
+  v.field("eval_fraction", d.eval_fraction, in_range(0.0, 1.0, false));
+}
+
+template <class Visitor>
+void visit_fields(Visitor& v, TrainSpec& t) {
+  v.field("steps", t.steps, at_least(int64_t{0}));
+  v.field("batch_per_rank", t.batch_per_rank, at_least(int64_t{1}));
+  v.field("grad_accum", t.grad_accum, at_least(int64_t{1}));
+  v.field("precision", t.precision, one_of({"fp32"}, {"bf16", "fp16"}));
+  v.field("threads_per_rank", t.threads_per_rank, at_least(int64_t{1}));
+}
+
+template <class Visitor>
+void visit_fields(Visitor& v, ScheduleSpec& s) {
+  v.field("type", s.type, one_of({"constant", "cosine", "linear"}));
+  v.field("warmup", s.warmup, at_least(int64_t{0}));  // and <= /train/steps, checked later
+  v.field("min_lr_ratio", s.min_lr_ratio, in_range(0.0, 1.0, true));
+}
+
+template <class Visitor>
+void visit_fields(Visitor& v, OptimizerSpec& o) {
+  v.field("type", o.type, one_of({"adamw", "sgd"}));
+  v.field("lr", o.lr, greater_than(0.0));
+  v.field("weight_decay", o.weight_decay, at_least(0.0));
+  v.field("momentum", o.momentum, in_range(0.0, 1.0, false));
+  v.field("nesterov", o.nesterov, no_check);
+  v.field("beta1", o.beta1, in_range(0.0, 1.0, false));
+  v.field("beta2", o.beta2, in_range(0.0, 1.0, false));
+  v.field("eps", o.eps, greater_than(0.0));
+  v.section("schedule", o.schedule);
+  v.field("clip_grad_norm", o.clip_grad_norm, at_least(0.0));
+}
+
+template <class Visitor>
+void visit_fields(Visitor& v, CompressionSpec& c) {
+  v.field("type", c.type, one_of({"none"}));
+}
+
+template <class Visitor>
+void visit_fields(Visitor& v, DistributedSpec& d) {
+  v.field("backend", d.backend, one_of({"auto", "gloo"}, {"nccl"}));
+  v.field("sync", d.sync, one_of({"allreduce"}));
+  v.field("bucket_mb", d.bucket_mb, greater_than(0.0));
+  v.field("overlap", d.overlap, no_check);
+  v.section("compression", d.compression);
+  v.field("check_every", d.check_every, at_least(int64_t{0}));
+  v.field("timeout_s", d.timeout_s, greater_than(0.0));
+}
+
+template <class Visitor>
+void visit_fields(Visitor& v, CheckpointSpec& c) {
+  v.field("every", c.every, at_least(int64_t{0}));
+  v.field("keep", c.keep, at_least(int64_t{1}));
+}
+
+template <class Visitor>
+void visit_fields(Visitor& v, EvalSpec& e) {
+  v.field("every", e.every, at_least(int64_t{0}));
+  v.field("max_samples", e.max_samples, at_least(int64_t{0}));
+}
+
+template <class Visitor>
+void visit_fields(Visitor& v, LogSpec& l) {
+  v.field("every", l.every, at_least(int64_t{1}));
+}
+
+template <class Visitor>
+void visit_fields(Visitor& v, Recipe& r) {
+  v.field("name", r.name, valid_name);
+  v.field("seed", r.seed, no_check);
+  v.section("model", r.model);
+  v.section("data", r.data);
+  v.section("train", r.train);
+  v.section("optimizer", r.optimizer);
+  v.section("distributed", r.distributed);
+  v.section("checkpoint", r.checkpoint);
+  v.section("eval", r.eval);
+  v.section("log", r.log);
+}
+
+// ---- rules that involve more than one field --------------------------------------------------
+
+void check_warmup(const Recipe& r, Problems& problems) {
+  const std::string warmup = "/optimizer/schedule/warmup";
+  if (problems.at(warmup) || problems.at("/train/steps")) return;
+  if (r.optimizer.schedule.warmup > r.train.steps) {
+    problems.add(warmup, fmt::format("must be <= /train/steps ({}), got {}", r.train.steps,
+                                     r.optimizer.schedule.warmup));
+  }
+}
+
+// Opening the file (not just stat-ing it) catches permission problems before the ranks start.
+Verdict unreadable(const std::filesystem::path& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) return "is a directory";
+  std::ifstream file(path, std::ios::binary);
+  if (!file) return std::strerror(errno);
+  return std::nullopt;
+}
+
+void check_data_path(DataSpec& data, const std::filesystem::path& base_dir, Problems& problems) {
+  const std::string pointer = "/data/path";
+  if (problems.at("/data/type") || problems.at(pointer)) return;
+  if (data.type != "csv") {
+    if (!data.path.empty()) {
+      problems.add(pointer, fmt::format("not allowed when /data/type is \"{}\"", data.type));
+    }
+    return;
+  }
+  if (data.path.empty()) {
+    problems.add(pointer, "required when /data/type is \"csv\"");
+    return;
+  }
+  std::filesystem::path resolved =
+      std::filesystem::absolute(base_dir / data.path).lexically_normal();
+  data.path = resolved.string();
+  if (auto why = unreadable(resolved)) {
+    problems.add(pointer, fmt::format("cannot read \"{}\": {}", data.path, *why));
+  }
+}
+
+// ---- file reading ----------------------------------------------------------------------------
+
+struct FileCloser {
+  void operator()(std::FILE* file) const { std::fclose(file); }
+};
+
+std::string read_file(const std::filesystem::path& path) {
+  std::unique_ptr<std::FILE, FileCloser> file(std::fopen(path.c_str(), "rb"));
+  if (!file) {
+    throw Error(ErrorKind::recipe,
+                fmt::format("{}: cannot read: {}", path.string(), std::strerror(errno)));
+  }
+  std::string text;
+  char buffer[1 << 16];
+  size_t count = 0;
+  while ((count = std::fread(buffer, 1, sizeof buffer, file.get())) > 0)
+    text.append(buffer, count);
+  if (std::ferror(file.get())) {
+    throw Error(ErrorKind::recipe,
+                fmt::format("{}: cannot read: {}", path.string(), std::strerror(errno)));
+  }
+  return text;
+}
+
+// nlohmann reports the 1-based byte position of the offending character; people want line:column.
+std::pair<size_t, size_t> line_and_column(const std::string& text, size_t byte) {
+  size_t offset = std::min(byte == 0 ? 0 : byte - 1, text.size());
+  size_t line = 1;
+  size_t line_start = 0;
+  for (size_t i = 0; i < offset; ++i) {
+    if (text[i] == '\n') {
+      ++line;
+      line_start = i + 1;
+    }
+  }
+  return {line, offset - line_start + 1};
+}
+
+// nlohmann's message starts with "[json.exception...] parse error at line L, column C: "; the
+// location is reported separately, so keep only the explanation after it.
+std::string parse_error_detail(const std::string& what) {
+  const std::string marker = ": ";
+  size_t position = what.find(marker);
+  return position == std::string::npos ? what : what.substr(position + marker.size());
+}
+
+uint64_t fnv1a_64(std::string_view bytes) {
+  uint64_t hash = 14695981039346656037ULL;
+  for (unsigned char byte : bytes) {
+    hash ^= byte;
+    hash *= 1099511628211ULL;
+  }
+  return hash;
+}
+
+}  // namespace
+
+Recipe parse_recipe(const json& j, const std::string& source,
+                    const std::filesystem::path& base_dir) {
+  Recipe recipe;
+  Problems problems;
+  if (!j.is_object()) {
+    problems.add("", "the recipe must be a JSON object, got " + describe(j));
+    throw Error(ErrorKind::recipe, problems.report(source));
+  }
+  Reader root(&j, "", problems);
+  visit_fields(root, recipe);
+  root.reject_unknown_keys();
+  check_warmup(recipe, problems);
+  check_data_path(recipe.data, base_dir, problems);
+  if (problems.any()) throw Error(ErrorKind::recipe, problems.report(source));
+  return recipe;
+}
+
+Recipe load_recipe(const std::filesystem::path& path) {
+  std::string text = read_file(path);
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::parse_error& e) {
+    auto [line, column] = line_and_column(text, e.byte);
+    throw Error(ErrorKind::recipe,
+                fmt::format("{}: invalid JSON at line {}, column {}: {}", path.string(), line,
+                            column, parse_error_detail(e.what())));
+  }
+  return parse_recipe(j, path.string(), path.parent_path());
+}
+
+json to_json(const Recipe& r) {
+  // The visitors take mutable specs so one schema serves reading and writing; a copy keeps r
+  // intact.
+  Recipe copy = r;
+  Writer writer;
+  visit_fields(writer, copy);
+  return writer.take();
+}
+
+std::string recipe_hash(const Recipe& r) {
+  // json objects keep keys sorted, so dump() is a canonical form independent of the input order.
+  return fmt::format("{:016x}", fnv1a_64(to_json(r).dump()));
+}
+
+}  // namespace dptrain

@@ -1,0 +1,123 @@
+// The typed recipe: JSON -> Recipe with every default filled in, validated with JSON-pointer paths.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace dptrain {
+
+struct ModelSpec {
+  std::string type = "mlp";  // "mlp" (the GPT issue adds "gpt")
+  int64_t input = 784;       // features per sample
+  std::vector<int64_t> hidden = {256, 256};
+  int64_t classes = 10;
+  std::string activation = "relu";  // "relu" | "gelu"
+  bool operator==(const ModelSpec&) const = default;
+};
+
+struct DataSpec {
+  std::string type = "synthetic-classification";  // | "csv"
+  int64_t samples = 60000;      // synthetic: number of samples generated (train + eval)
+  double noise = 1.0;           // synthetic: std-dev of each class cluster around its centre
+  std::string path;             // csv: file, relative paths resolve against the recipe's folder
+  std::string header = "auto";  // csv: "auto" | "yes" | "no"
+  double eval_fraction = 0.1;   // share of samples held out for evaluation, in [0, 1)
+  bool operator==(const DataSpec&) const = default;
+};
+
+struct TrainSpec {
+  int64_t steps = 500;  // optimizer steps
+  int64_t batch_per_rank = 64;
+  int64_t grad_accum = 1;          // micro-batches per optimizer step
+  std::string precision = "fp32";  // CPU supports fp32 only for now
+  int64_t threads_per_rank = 1;    // BLAS threads per rank
+  bool operator==(const TrainSpec&) const = default;
+};
+
+struct ScheduleSpec {
+  std::string type = "cosine";  // "constant" | "cosine" | "linear"
+  int64_t warmup = 0;           // linear warm-up steps from 0 to lr
+  double min_lr_ratio = 0.0;    // final lr = lr * min_lr_ratio
+  bool operator==(const ScheduleSpec&) const = default;
+};
+
+struct OptimizerSpec {
+  std::string type = "adamw";  // "adamw" | "sgd"
+  double lr = 1e-3;
+  double weight_decay = 0.0;
+  double momentum = 0.9;  // sgd
+  bool nesterov = false;  // sgd
+  double beta1 = 0.9;     // adamw
+  double beta2 = 0.999;   // adamw
+  double eps = 1e-8;      // adamw
+  ScheduleSpec schedule;
+  double clip_grad_norm = 0.0;  // 0 = no clipping
+  bool operator==(const OptimizerSpec&) const = default;
+};
+
+struct CompressionSpec {
+  std::string type = "none";
+  bool operator==(const CompressionSpec&) const = default;
+};
+
+struct DistributedSpec {
+  std::string backend = "auto";  // "auto" | "gloo" (| "nccl" with the GPU issue)
+  std::string sync = "allreduce";
+  double bucket_mb = 25.0;
+  bool overlap = true;
+  CompressionSpec compression;
+  int64_t check_every = 100;  // compare parameter checksums across ranks every N steps; 0 = never
+  double timeout_s = 300.0;   // every store wait and collective
+  bool operator==(const DistributedSpec&) const = default;
+};
+
+struct CheckpointSpec {
+  int64_t every = 100;  // 0 = only at the end
+  int64_t keep = 3;
+  bool operator==(const CheckpointSpec&) const = default;
+};
+
+struct EvalSpec {
+  int64_t every = 100;      // 0 = only at the end
+  int64_t max_samples = 0;  // 0 = the whole held-out split
+  bool operator==(const EvalSpec&) const = default;
+};
+
+struct LogSpec {
+  int64_t every = 10;
+  bool operator==(const LogSpec&) const = default;
+};
+
+struct Recipe {
+  std::string name = "run";
+  uint64_t seed = 1;
+  ModelSpec model;
+  DataSpec data;
+  TrainSpec train;
+  OptimizerSpec optimizer;
+  DistributedSpec distributed;
+  CheckpointSpec checkpoint;
+  EvalSpec eval;
+  LogSpec log;
+
+  // Field-wise: parse_recipe(to_json(r)) == r.
+  bool operator==(const Recipe&) const = default;
+};
+
+// Parses and validates. `source` names the file in error messages; `base_dir` resolves relative
+// data paths (which are stored absolute in the result). Throws Error(recipe) whose message holds
+// one line per problem, each "SOURCE: /json/pointer: what is wrong".
+Recipe parse_recipe(const nlohmann::json& j, const std::string& source,
+                    const std::filesystem::path& base_dir);
+// Reads the file (io problems are recipe errors naming the file) and parses it.
+Recipe load_recipe(const std::filesystem::path& path);
+// The resolved recipe: every field, defaults included. parse_recipe(to_json(r)) == r.
+nlohmann::json to_json(const Recipe& r);
+// A stable hex digest of to_json(r), recorded in checkpoints.
+std::string recipe_hash(const Recipe& r);
+
+}  // namespace dptrain

@@ -1,0 +1,416 @@
+// Tests for the recipe layer: defaults, round trip, validation messages, files and the hash.
+#include "core/recipe.hpp"
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <doctest/doctest.h>
+
+#include "core/error.hpp"
+
+namespace dptrain {
+namespace {
+
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+// A fresh directory under the system temp dir, removed with everything in it.
+class TempDir {
+ public:
+  TempDir() {
+    std::string pattern = (fs::temp_directory_path() / "dptrain-recipe-XXXXXX").string();
+    REQUIRE(mkdtemp(pattern.data()) != nullptr);
+    path_ = pattern;
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    fs::remove_all(path_, ignored);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+
+  const fs::path& path() const { return path_; }
+  fs::path write(const fs::path& relative, const std::string& text) const {
+    fs::path file = path_ / relative;
+    fs::create_directories(file.parent_path());
+    std::ofstream(file) << text;
+    return file;
+  }
+
+ private:
+  fs::path path_;
+};
+
+// The message of the Error(recipe) that parsing `text` throws; fails the test if none is thrown.
+std::string problems_of(const std::string& text, const fs::path& base_dir = fs::path("/")) {
+  try {
+    parse_recipe(json::parse(text), "test.json", base_dir);
+  } catch (const Error& e) {
+    CHECK(e.kind() == ErrorKind::recipe);
+    return e.what();
+  }
+  FAIL("no error for " << text);
+  return "";
+}
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream stream(text);
+  for (std::string line; std::getline(stream, line);)
+    lines.push_back(line);
+  return lines;
+}
+
+// True when one line of `message` is about `pointer` and says `phrase`.
+bool has_problem(const std::string& message, const std::string& pointer,
+                 const std::string& phrase) {
+  for (const auto& line : lines_of(message)) {
+    if (line.starts_with("test.json: " + pointer + ": ") &&
+        line.find(phrase) != std::string::npos) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// A recipe where every field differs from its default, so a field that is not read or not
+// written shows up as a difference after the round trip.
+Recipe everything_changed(const fs::path& csv_file) {
+  Recipe r;
+  r.name = "all-fields_1.0";
+  r.seed = 18446744073709551615ULL;
+  r.model = {"mlp", 32, {7, 5, 3}, 4, "gelu"};
+  r.data = {"csv", 1234, 0.5, csv_file.string(), "yes", 0.25};
+  r.train = {40, 8, 2, "fp32", 3};
+  r.optimizer.type = "sgd";
+  r.optimizer.lr = 0.05;
+  r.optimizer.weight_decay = 0.01;
+  r.optimizer.momentum = 0.8;
+  r.optimizer.nesterov = true;
+  r.optimizer.beta1 = 0.85;
+  r.optimizer.beta2 = 0.95;
+  r.optimizer.eps = 1e-6;
+  r.optimizer.schedule = {"linear", 5, 0.1};
+  r.optimizer.clip_grad_norm = 2.5;
+  r.distributed = {"gloo", "allreduce", 4.5, false, {"none"}, 7, 12.5};
+  r.checkpoint = {20, 2};
+  r.eval = {10, 500};
+  r.log = {5};
+  return r;
+}
+
+TEST_CASE("recipe: an empty object gives the documented defaults") {
+  Recipe r = parse_recipe(json::object(), "test.json", "/");
+  CHECK(r == Recipe{});
+  CHECK(r.name == "run");
+  CHECK(r.seed == 1);
+  CHECK(r.model.hidden == std::vector<int64_t>{256, 256});
+  CHECK(r.data.type == "synthetic-classification");
+  CHECK(r.train.steps == 500);
+  CHECK(r.optimizer.lr == doctest::Approx(1e-3));
+  CHECK(r.optimizer.schedule.type == "cosine");
+  CHECK(r.distributed.compression.type == "none");
+  CHECK(r.log.every == 10);
+}
+
+TEST_CASE("recipe: the DESIGN.md example parses into the values it names") {
+  Recipe r = parse_recipe(json::parse(R"({
+    "name": "mlp-synthetic", "seed": 1,
+    "model": {"type": "mlp", "input": 784, "hidden": [256, 128], "classes": 10},
+    "data": {"type": "synthetic-classification", "samples": 60000},
+    "train": {"steps": 500, "batch_per_rank": 64, "grad_accum": 1, "precision": "fp32"},
+    "optimizer": {"type": "adamw", "lr": 1e-3, "weight_decay": 0.01,
+                  "schedule": {"type": "cosine", "warmup": 50}, "clip_grad_norm": 1.0},
+    "distributed": {"backend": "auto", "sync": "allreduce", "bucket_mb": 25, "overlap": true,
+                    "compression": {"type": "none"}},
+    "checkpoint": {"every": 100, "keep": 3},
+    "log": {"every": 10}
+  })"),
+                          "test.json", "/");
+  CHECK(r.name == "mlp-synthetic");
+  CHECK(r.model.hidden == std::vector<int64_t>{256, 128});
+  CHECK(r.optimizer.weight_decay == doctest::Approx(0.01));
+  CHECK(r.optimizer.schedule.warmup == 50);
+  CHECK(r.optimizer.clip_grad_norm == doctest::Approx(1.0));
+  CHECK(r.distributed.bucket_mb == doctest::Approx(25.0));
+}
+
+TEST_CASE("recipe: to_json writes every field at its JSON path") {
+  json j = to_json(Recipe{});
+  CHECK(j.at(json::json_pointer("/optimizer/schedule/warmup")) == 0);
+  CHECK(j.at(json::json_pointer("/distributed/compression/type")) == "none");
+  CHECK(j.at(json::json_pointer("/model/hidden")) == json::array({256, 256}));
+  CHECK(j.at(json::json_pointer("/data/path")) == "");
+  CHECK(j.at(json::json_pointer("/eval/max_samples")) == 0);
+  CHECK(j.at(json::json_pointer("/seed")) == 1);
+}
+
+TEST_CASE("recipe: parse_recipe(to_json(r)) round-trips every field") {
+  TempDir dir;
+  fs::path csv = dir.write("train.csv", "a,b,label\n1,2,0\n");
+  SUBCASE("defaults") {
+    Recipe r;
+    CHECK(parse_recipe(to_json(r), "test.json", dir.path()) == r);
+  }
+  SUBCASE("every field changed") {
+    Recipe r = everything_changed(csv);
+    Recipe back = parse_recipe(to_json(r), "test.json", dir.path());
+    CHECK(back == r);
+    CHECK(to_json(back) == to_json(r));
+  }
+}
+
+TEST_CASE("recipe: integral numbers written as floats count as integers") {
+  Recipe r = parse_recipe(json::parse(R"({"train": {"steps": 1e3, "batch_per_rank": 32.0}})"),
+                          "test.json", "/");
+  CHECK(r.train.steps == 1000);
+  CHECK(r.train.batch_per_rank == 32);
+}
+
+struct BadRecipe {
+  const char* text;
+  const char* pointer;
+  const char* phrase;
+};
+
+TEST_CASE("recipe: each bad recipe is rejected naming its JSON path") {
+  const BadRecipe cases[] = {
+      {R"([1, 2])", "/", "must be a JSON object, got an array"},
+      {R"({"train": {"steps": "ten"}})", "/train/steps", R"(expected an integer, got "ten")"},
+      {R"({"train": {"steps": 3.5}})", "/train/steps", "expected an integer, got 3.5"},
+      {R"({"train": {"steps": true}})", "/train/steps", "expected an integer, got true"},
+      {R"({"train": {"steps": -1}})", "/train/steps", "must be >= 0, got -1"},
+      {R"({"train": {"steps": 10000000000000000000}})", "/train/steps", "out of range"},
+      {R"({"train": {"batch_per_rank": 0}})", "/train/batch_per_rank", "must be >= 1, got 0"},
+      {R"({"train": {"grad_accum": 0}})", "/train/grad_accum", "must be >= 1, got 0"},
+      {R"({"train": {"threads_per_rank": 0}})", "/train/threads_per_rank", "must be >= 1"},
+      {R"({"train": {"precision": "bf16"}})", "/train/precision", "needs the GPU build"},
+      {R"({"train": {"precision": "fp64"}})", "/train/precision", R"(must be "fp32", got "fp64")"},
+      {R"({"model": []})", "/model", "expected an object, got an array"},
+      {R"({"model": {"type": "gpt"}})", "/model/type", R"(must be "mlp", got "gpt")"},
+      {R"({"model": {"input": 0}})", "/model/input", "must be >= 1, got 0"},
+      {R"({"model": {"hidden": 256}})", "/model/hidden", "expected an array, got 256"},
+      {R"({"model": {"hidden": [256, 0]}})", "/model/hidden/1", "must be >= 1, got 0"},
+      {R"({"model": {"hidden": [64, "x"]}})", "/model/hidden/1", "expected an integer"},
+      {R"({"model": {"classes": 1}})", "/model/classes", "must be >= 2, got 1"},
+      {R"({"model": {"activation": "tanh"}})", "/model/activation",
+       R"(must be "relu" or "gelu", got "tanh")"},
+      {R"({"data": {"type": "parquet"}})", "/data/type",
+       R"(must be "synthetic-classification" or "csv", got "parquet")"},
+      {R"({"data": {"samples": 1}})", "/data/samples", "must be >= 2, got 1"},
+      {R"({"data": {"noise": -0.5}})", "/data/noise", "must be >= 0, got -0.5"},
+      {R"({"data": {"eval_fraction": 1}})", "/data/eval_fraction", "must be in [0, 1), got 1"},
+      {R"({"data": {"header": "maybe"}})", "/data/header", R"(must be "auto", "yes" or "no")"},
+      {R"({"data": {"type": "csv"}})", "/data/path", R"(required when /data/type is "csv")"},
+      {R"({"data": {"path": "x.csv"}})", "/data/path", "not allowed when /data/type is"},
+      {R"({"optimizer": {"lr": -1}})", "/optimizer/lr", "must be > 0, got -1"},
+      {R"({"optimizer": {"lr": 0}})", "/optimizer/lr", "must be > 0, got 0"},
+      {R"({"optimizer": {"lr": "0.1"}})", "/optimizer/lr", R"(expected a number, got "0.1")"},
+      {R"({"optimizer": {"lr": false}})", "/optimizer/lr", "expected a number, got false"},
+      {R"({"optimizer": {"type": "adam"}})", "/optimizer/type",
+       R"(must be "adamw" or "sgd", got "adam")"},
+      {R"({"optimizer": {"weight_decay": -0.1}})", "/optimizer/weight_decay", "must be >= 0"},
+      {R"({"optimizer": {"momentum": 1}})", "/optimizer/momentum", "must be in [0, 1), got 1"},
+      {R"({"optimizer": {"beta1": -0.1}})", "/optimizer/beta1", "must be in [0, 1)"},
+      {R"({"optimizer": {"beta2": 1.5}})", "/optimizer/beta2", "must be in [0, 1), got 1.5"},
+      {R"({"optimizer": {"eps": 0}})", "/optimizer/eps", "must be > 0"},
+      {R"({"optimizer": {"nesterov": "yes"}})", "/optimizer/nesterov", "expected true or false"},
+      {R"({"optimizer": {"clip_grad_norm": -1}})", "/optimizer/clip_grad_norm", "must be >= 0"},
+      {R"({"optimizer": {"schedule": {"type": "step"}}})", "/optimizer/schedule/type",
+       R"(must be "constant", "cosine" or "linear")"},
+      {R"({"optimizer": {"schedule": {"warmup": -1}}})", "/optimizer/schedule/warmup",
+       "must be >= 0"},
+      {R"({"optimizer": {"schedule": {"warmup": 600}}})", "/optimizer/schedule/warmup",
+       "must be <= /train/steps (500), got 600"},
+      {R"({"optimizer": {"schedule": {"min_lr_ratio": 1.5}}})", "/optimizer/schedule/min_lr_ratio",
+       "must be in [0, 1], got 1.5"},
+      {R"({"distributed": {"backend": "mpi"}})", "/distributed/backend",
+       R"(must be "auto" or "gloo", got "mpi")"},
+      {R"({"distributed": {"backend": "nccl"}})", "/distributed/backend",
+       R"("nccl" needs the GPU build; must be "auto" or "gloo", got "nccl")"},
+      {R"({"distributed": {"sync": "local-sgd"}})", "/distributed/sync", R"(must be "allreduce")"},
+      {R"({"distributed": {"compression": {"type": "int8"}}})", "/distributed/compression/type",
+       R"(must be "none", got "int8")"},
+      {R"({"distributed": {"bucket_mb": 0}})", "/distributed/bucket_mb", "must be > 0, got 0"},
+      {R"({"distributed": {"overlap": 1}})", "/distributed/overlap",
+       "expected true or false, got 1"},
+      {R"({"distributed": {"check_every": -1}})", "/distributed/check_every", "must be >= 0"},
+      {R"({"distributed": {"timeout_s": 0}})", "/distributed/timeout_s", "must be > 0, got 0"},
+      {R"({"distributed": {"timeout_s": null}})", "/distributed/timeout_s",
+       "expected a number, got null"},
+      {R"({"checkpoint": {"every": -1}})", "/checkpoint/every", "must be >= 0, got -1"},
+      {R"({"checkpoint": {"keep": 0}})", "/checkpoint/keep", "must be >= 1, got 0"},
+      {R"({"eval": {"every": -1}})", "/eval/every", "must be >= 0, got -1"},
+      {R"({"eval": {"max_samples": -5}})", "/eval/max_samples", "must be >= 0, got -5"},
+      {R"({"log": {"every": 0}})", "/log/every", "must be >= 1, got 0"},
+      {R"({"name": ""})", "/name", "must not be empty"},
+      {R"({"name": "my run/1"})", "/name", "may only contain"},
+      {R"({"name": ".."})", "/name", "must not be"},
+      {R"({"name": 7})", "/name", "expected a string, got 7"},
+      {R"({"seed": -1})", "/seed", "must be >= 0, got -1"},
+      {R"({"seed": 1.5})", "/seed", "expected an integer, got 1.5"},
+      {R"({"extra": 1})", "/extra", "unknown key 'extra'"},
+      {R"({"log": {"a/b": 1}})", "/log/a~1b", "unknown key 'a/b'"},
+  };
+  for (const auto& bad : cases) {
+    std::string text = bad.text;
+    CAPTURE(text);
+    std::string message = problems_of(text);
+    CAPTURE(message);
+    CHECK(has_problem(message, bad.pointer, bad.phrase));
+    CHECK(lines_of(message).size() == 1);
+  }
+}
+
+TEST_CASE("recipe: all problems are reported together, one line each") {
+  std::string message = problems_of(R"({
+    "seed": "x",
+    "model": {"hidden": [0, 8], "classes": 1},
+    "optimizer": {"lr": -1, "schedule": {"warmupp": 1}},
+    "log": {"every": 0}
+  })");
+  CAPTURE(message);
+  CHECK(lines_of(message).size() == 6);
+  CHECK(has_problem(message, "/seed", "expected an integer"));
+  CHECK(has_problem(message, "/model/hidden/0", "must be >= 1"));
+  CHECK(has_problem(message, "/model/classes", "must be >= 2"));
+  CHECK(has_problem(message, "/optimizer/lr", "must be > 0"));
+  CHECK(has_problem(message, "/optimizer/schedule/warmupp", "did you mean 'warmup'?"));
+  CHECK(has_problem(message, "/log/every", "must be >= 1"));
+}
+
+TEST_CASE("recipe: a bad value keeps the warm-up cross-check quiet") {
+  // steps is wrong on its own; comparing warmup with the default would add a misleading line.
+  std::string message = problems_of(R"({"train": {"steps": -3},
+                                        "optimizer": {"schedule": {"warmup": 600}}})");
+  CHECK(lines_of(message).size() == 1);
+  CHECK(has_problem(message, "/train/steps", "must be >= 0"));
+}
+
+TEST_CASE("recipe: unknown keys suggest a close known key") {
+  CHECK(has_problem(problems_of(R"({"model": {"hiden": [8]}})"), "/model/hiden",
+                    "unknown key 'hiden'; did you mean 'hidden'?"));
+  CHECK(has_problem(problems_of(R"({"optimizer": {"lr ": 0.1}})"), "/optimizer/lr ",
+                    "did you mean 'lr'?"));
+  CHECK(
+      has_problem(problems_of(R"({"optimiser": {}})"), "/optimiser", "did you mean 'optimizer'?"));
+  CHECK(has_problem(problems_of(R"({"optimizer": {"schedule": {"warmup_steps": 5}}})"),
+                    "/optimizer/schedule/warmup_steps", "did you mean 'warmup'?"));
+  CHECK(has_problem(problems_of(R"({"train": {"batch": 5}})"), "/train/batch",
+                    "did you mean 'batch_per_rank'?"));
+
+  std::string far = problems_of(R"({"optimizer": {"learning_rate": 0.1}})");
+  CHECK(has_problem(far, "/optimizer/learning_rate", "unknown key 'learning_rate'"));
+  CHECK(far.find("did you mean") == std::string::npos);
+}
+
+TEST_CASE("recipe: csv paths resolve against the recipe's folder and must be readable") {
+  TempDir dir;
+  fs::path csv = dir.write("data/train.csv", "x,label\n1,0\n");
+
+  SUBCASE("a relative path is stored absolute") {
+    Recipe r = parse_recipe(json::parse(R"({"data": {"type": "csv", "path": "data/train.csv"}})"),
+                            "test.json", dir.path());
+    CHECK(fs::path(r.data.path).is_absolute());
+    CHECK(fs::equivalent(r.data.path, csv));
+  }
+  SUBCASE("load_recipe resolves against the file's parent directory") {
+    fs::path recipe =
+        dir.write("recipes/r.json", R"({"data": {"type": "csv", "path": "../data/train.csv"}})");
+    Recipe r = load_recipe(recipe);
+    CHECK(fs::equivalent(r.data.path, csv));
+    CHECK(r.data.path == csv.lexically_normal().string());
+  }
+  SUBCASE("a missing file names the resolved path") {
+    std::string message =
+        problems_of(R"({"data": {"type": "csv", "path": "nope.csv"}})", dir.path());
+    CHECK(has_problem(message, "/data/path", (dir.path() / "nope.csv").string()));
+    CHECK(has_problem(message, "/data/path", "No such file or directory"));
+  }
+  SUBCASE("a directory is not a data file") {
+    std::string message = problems_of(R"({"data": {"type": "csv", "path": "data"}})", dir.path());
+    CHECK(has_problem(message, "/data/path", "is a directory"));
+  }
+  SUBCASE("an unreadable file is refused") {
+    if (geteuid() == 0) return;  // root reads through any permission bits
+    fs::permissions(csv, fs::perms::none);
+    std::string message =
+        problems_of(R"({"data": {"type": "csv", "path": "data/train.csv"}})", dir.path());
+    CHECK(has_problem(message, "/data/path", "Permission denied"));
+  }
+}
+
+// The message of the Error(recipe) that load_recipe(file) throws; fails the test if none is thrown.
+std::string load_problems(const fs::path& file) {
+  try {
+    load_recipe(file);
+  } catch (const Error& e) {
+    CHECK(e.kind() == ErrorKind::recipe);
+    return e.what();
+  }
+  FAIL("no error for " << file);
+  return "";
+}
+
+TEST_CASE("recipe: load_recipe reports unreadable files and invalid JSON with a location") {
+  TempDir dir;
+  SUBCASE("missing file") {
+    fs::path missing = dir.path() / "missing.json";
+    CHECK(load_problems(missing) == missing.string() + ": cannot read: No such file or directory");
+  }
+  SUBCASE("a directory") {
+    CHECK(load_problems(dir.path()) == dir.path().string() + ": cannot read: Is a directory");
+  }
+  SUBCASE("invalid JSON") {
+    fs::path file = dir.write("bad.json", "{\n  \"name\": \"x\",\n  \"seed\": ,\n}\n");
+    std::string message = load_problems(file);
+    CAPTURE(message);
+    CHECK(message.starts_with(file.string() + ": invalid JSON at line 3, column 11: "));
+    CHECK(message.find("json.exception") == std::string::npos);
+  }
+  SUBCASE("an empty file") {
+    fs::path file = dir.write("empty.json", "");
+    CHECK(load_problems(file).starts_with(file.string() + ": invalid JSON at line 1, column 1: "));
+  }
+  SUBCASE("validation problems name the file") {
+    fs::path file = dir.write("r.json", R"({"optimizer": {"lr": -1}})");
+    CHECK(load_problems(file) == file.string() + ": /optimizer/lr: must be > 0, got -1");
+  }
+}
+
+// FNV-1a 64 as published (isthe.com/chongo/tech/comp/fnv), to pin the hash to a definition that
+// does not depend on the platform or the standard library.
+uint64_t reference_fnv1a(const std::string& bytes) {
+  uint64_t hash = 0xcbf29ce484222325ULL;
+  for (unsigned char byte : bytes)
+    hash = (hash ^ byte) * 0x100000001b3ULL;
+  return hash;
+}
+
+TEST_CASE("recipe: the hash is a stable digest of the resolved recipe") {
+  REQUIRE(reference_fnv1a("a") == 0xaf63dc4c8601ec8cULL);  // published test vector
+  Recipe r;
+  std::string hash = recipe_hash(r);
+  CHECK(hash.size() == 16);
+  CHECK(hash.find_first_not_of("0123456789abcdef") == std::string::npos);
+  CHECK(std::stoull(hash, nullptr, 16) == reference_fnv1a(to_json(r).dump()));
+
+  // Key order and spelled-out defaults in the source do not matter; values do.
+  Recipe reordered =
+      parse_recipe(json::parse(R"({"log": {"every": 10}, "name": "run"})"), "test.json", "/");
+  CHECK(recipe_hash(reordered) == hash);
+  Recipe changed = r;
+  changed.optimizer.lr = 2e-3;
+  CHECK(recipe_hash(changed) != hash);
+  changed = r;
+  changed.model.hidden = {256, 255};
+  CHECK(recipe_hash(changed) != hash);
+}
+
+}  // namespace
+}  // namespace dptrain

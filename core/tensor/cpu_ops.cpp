@@ -1,0 +1,188 @@
+// The CPU op table: OpenBLAS sgemm plus simple vectorizable loops.
+#include "core/tensor/cpu_ops.hpp"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "core/error.hpp"
+
+namespace dptrain {
+namespace {
+
+constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluCubic = 0.044715f;
+
+std::string shape(int64_t rows, int64_t cols) {
+  return "[" + std::to_string(rows) + ", " + std::to_string(cols) + "]";
+}
+
+void require_same_shape(const char* op, ConstMatrix a, ConstMatrix b) {
+  if (a.rows != b.rows || a.cols != b.cols) {
+    throw Error(ErrorKind::internal, std::string(op) + ": shapes " + shape(a.rows, a.cols) +
+                                         " and " + shape(b.rows, b.cols) + " differ");
+  }
+}
+
+blasint blas_dim(int64_t n) {
+  if (n < 0 || n > std::numeric_limits<blasint>::max()) {
+    throw Error(ErrorKind::internal, "gemm: dimension " + std::to_string(n) + " out of range");
+  }
+  return static_cast<blasint>(n);
+}
+
+void require_label(int32_t label, int64_t classes) {
+  if (label < 0 || label >= classes) {
+    throw Error(ErrorKind::recipe, "label " + std::to_string(label) + " is outside [0, " +
+                                       std::to_string(classes) + ") (model.classes)");
+  }
+}
+
+}  // namespace
+
+void CpuOps::gemm(ConstMatrix a, Transpose transpose_a, ConstMatrix b, Transpose transpose_b,
+                  Matrix c, float alpha, float beta) {
+  const bool ta = transpose_a == Transpose::yes;
+  const bool tb = transpose_b == Transpose::yes;
+  const int64_t m = ta ? a.cols : a.rows;
+  const int64_t k = ta ? a.rows : a.cols;
+  const int64_t kb = tb ? b.cols : b.rows;
+  const int64_t n = tb ? b.rows : b.cols;
+  if (k != kb || c.rows != m || c.cols != n) {
+    throw Error(ErrorKind::internal, "gemm: op(a) " + shape(m, k) + " times op(b) " + shape(kb, n) +
+                                         " does not fit c " + shape(c.rows, c.cols));
+  }
+  if (m == 0 || n == 0) return;
+  // cblas rejects a leading dimension of 0, which an empty operand would have.
+  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
+              blas_dim(m), blas_dim(n), blas_dim(k), alpha, a.data,
+              blas_dim(std::max<int64_t>(a.cols, 1)), b.data,
+              blas_dim(std::max<int64_t>(b.cols, 1)), beta, c.data, blas_dim(c.cols));
+}
+
+void CpuOps::add_bias_rows(Matrix x, const float* bias) {
+  for (int64_t i = 0; i < x.rows; ++i) {
+    float* row = x.row(i);
+    for (int64_t j = 0; j < x.cols; ++j)
+      row[j] += bias[j];
+  }
+}
+
+void CpuOps::bias_grad(ConstMatrix dy, float* bias_grad) {
+  for (int64_t i = 0; i < dy.rows; ++i) {
+    const float* row = dy.row(i);
+    for (int64_t j = 0; j < dy.cols; ++j)
+      bias_grad[j] += row[j];
+  }
+}
+
+void CpuOps::activation_forward(Activation activation, ConstMatrix pre, Matrix out) {
+  require_same_shape("activation_forward", pre, out);
+  const int64_t n = pre.size();
+  const float* x = pre.data;
+  float* y = out.data;
+  if (activation == Activation::relu) {
+    for (int64_t i = 0; i < n; ++i)
+      y[i] = x[i] > 0.0f ? x[i] : 0.0f;
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i];
+    const float t = std::tanh(kGeluScale * (v + kGeluCubic * v * v * v));
+    y[i] = 0.5f * v * (1.0f + t);
+  }
+}
+
+void CpuOps::activation_backward(Activation activation, ConstMatrix pre, ConstMatrix dout,
+                                 Matrix dpre) {
+  require_same_shape("activation_backward", pre, dout);
+  require_same_shape("activation_backward", pre, dpre);
+  const int64_t n = pre.size();
+  const float* x = pre.data;
+  const float* dy = dout.data;
+  float* dx = dpre.data;
+  if (activation == Activation::relu) {
+    for (int64_t i = 0; i < n; ++i)
+      dx[i] = x[i] > 0.0f ? dy[i] : 0.0f;
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i];
+    const float t = std::tanh(kGeluScale * (v + kGeluCubic * v * v * v));
+    const float dt = kGeluScale * (1.0f + 3.0f * kGeluCubic * v * v) * (1.0f - t * t);
+    dx[i] = dy[i] * (0.5f * (1.0f + t) + 0.5f * v * dt);
+  }
+}
+
+double CpuOps::softmax_cross_entropy_forward(ConstMatrix logits, const int32_t* labels,
+                                             Matrix probs) {
+  require_same_shape("softmax_cross_entropy_forward", logits, probs);
+  if (logits.rows == 0) return 0.0;
+  double loss_sum = 0.0;
+  for (int64_t i = 0; i < logits.rows; ++i) {
+    require_label(labels[i], logits.cols);
+    const float* z = logits.row(i);
+    float* p = probs.row(i);
+    float max_z = z[0];
+    for (int64_t j = 1; j < logits.cols; ++j)
+      max_z = std::max(max_z, z[j]);
+    const float target_shifted = z[labels[i]] - max_z;  // read before p (maybe z) is overwritten
+    float sum = 0.0f;
+    for (int64_t j = 0; j < logits.cols; ++j) {
+      p[j] = std::exp(z[j] - max_z);
+      sum += p[j];
+    }
+    const float inv_sum = 1.0f / sum;
+    for (int64_t j = 0; j < logits.cols; ++j)
+      p[j] *= inv_sum;
+    loss_sum += std::log(static_cast<double>(sum)) - static_cast<double>(target_shifted);
+  }
+  return loss_sum / static_cast<double>(logits.rows);
+}
+
+void CpuOps::softmax_cross_entropy_backward(ConstMatrix probs, const int32_t* labels,
+                                            Matrix dlogits, float scale) {
+  require_same_shape("softmax_cross_entropy_backward", probs, dlogits);
+  if (probs.rows == 0) return;
+  const float row_scale = scale / static_cast<float>(probs.rows);
+  for (int64_t i = 0; i < probs.rows; ++i) {
+    require_label(labels[i], probs.cols);
+    const float* p = probs.row(i);
+    float* d = dlogits.row(i);
+    for (int64_t j = 0; j < probs.cols; ++j)
+      d[j] = row_scale * p[j];
+    d[labels[i]] -= row_scale;
+  }
+}
+
+int64_t CpuOps::count_correct(ConstMatrix scores, const int32_t* labels) {
+  int64_t correct = 0;
+  for (int64_t i = 0; i < scores.rows; ++i) {
+    const float* s = scores.row(i);
+    int64_t best = 0;
+    for (int64_t j = 1; j < scores.cols; ++j) {
+      if (s[j] > s[best]) best = j;
+    }
+    if (best == labels[i]) ++correct;
+  }
+  return correct;
+}
+
+void CpuOps::axpy(int64_t n, float alpha, const float* x, float* y) {
+  for (int64_t i = 0; i < n; ++i)
+    y[i] += alpha * x[i];
+}
+
+void CpuOps::scale(int64_t n, float alpha, float* x) {
+  for (int64_t i = 0; i < n; ++i)
+    x[i] *= alpha;
+}
+
+void set_blas_threads(int threads) {
+  openblas_set_num_threads(std::max(threads, 1));
+}
+
+}  // namespace dptrain

@@ -1,0 +1,179 @@
+// Tests of the CPU op table against straightforward double-precision references.
+#include "core/tensor/cpu_ops.hpp"
+
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <numbers>
+#include <vector>
+
+#include "core/error.hpp"
+
+namespace dptrain {
+namespace {
+
+std::vector<float> counting(int64_t n, float start, float step) {
+  std::vector<float> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i)
+    v[static_cast<size_t>(i)] = start + step * static_cast<float>(i);
+  return v;
+}
+
+float at(const std::vector<float>& m, int64_t cols, int64_t r, int64_t c, bool transposed) {
+  // A transposed operand is stored [cols, rows] of its logical shape.
+  return transposed ? m[static_cast<size_t>(c * cols + r)] : m[static_cast<size_t>(r * cols + c)];
+}
+
+double gelu_reference(double x) {
+  return 0.5 * x *
+         (1.0 + std::tanh(std::sqrt(2.0 / std::numbers::pi) * (x + 0.044715 * x * x * x)));
+}
+
+}  // namespace
+
+TEST_CASE("gemm matches a reference for every transpose combination, with alpha and beta") {
+  CpuOps ops;
+  const int64_t m = 3, k = 4, n = 5;
+  for (bool ta : {false, true}) {
+    for (bool tb : {false, true}) {
+      CAPTURE(ta);
+      CAPTURE(tb);
+      const std::vector<float> a = counting(m * k, -1.0f, 0.25f);
+      const std::vector<float> b = counting(k * n, 0.5f, -0.125f);
+      std::vector<float> c = counting(m * n, 1.0f, 1.0f);
+      const std::vector<float> c0 = c;
+      const ConstMatrix a_view{a.data(), ta ? k : m, ta ? m : k};
+      const ConstMatrix b_view{b.data(), tb ? n : k, tb ? k : n};
+      ops.gemm(a_view, ta ? Transpose::yes : Transpose::no, b_view,
+               tb ? Transpose::yes : Transpose::no, Matrix{c.data(), m, n}, 2.0f, 0.5f);
+      for (int64_t i = 0; i < m; ++i) {
+        for (int64_t j = 0; j < n; ++j) {
+          double sum = 0;
+          for (int64_t p = 0; p < k; ++p) {
+            sum += double(at(a, a_view.cols, i, p, ta)) * at(b, b_view.cols, p, j, tb);
+          }
+          const double expected = 2.0 * sum + 0.5 * c0[static_cast<size_t>(i * n + j)];
+          CHECK(c[static_cast<size_t>(i * n + j)] == doctest::Approx(expected).epsilon(1e-5));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("gemm rejects shapes that do not fit") {
+  CpuOps ops;
+  std::vector<float> a(6), b(6), c(4);
+  try {
+    ops.gemm(ConstMatrix{a.data(), 2, 3}, Transpose::no, ConstMatrix{b.data(), 2, 3}, Transpose::no,
+             Matrix{c.data(), 2, 2}, 1.0f, 0.0f);
+    FAIL("no error");
+  } catch (const Error& e) {
+    CHECK(e.kind() == ErrorKind::internal);
+    CHECK(std::string(e.what()).find("[2, 3]") != std::string::npos);
+  }
+}
+
+TEST_CASE("gemm with an empty inner dimension scales c by beta") {
+  CpuOps ops;
+  std::vector<float> c = {1, 2, 3, 4};
+  ops.gemm(ConstMatrix{nullptr, 2, 0}, Transpose::no, ConstMatrix{nullptr, 0, 2}, Transpose::no,
+           Matrix{c.data(), 2, 2}, 1.0f, 0.0f);
+  CHECK(c == std::vector<float>{0, 0, 0, 0});
+}
+
+TEST_CASE("bias rows are added and bias gradients accumulate column sums") {
+  CpuOps ops;
+  std::vector<float> x = {1, 2, 3, 4, 5, 6};
+  const std::vector<float> bias = {10, 20, 30};
+  ops.add_bias_rows(Matrix{x.data(), 2, 3}, bias.data());
+  CHECK(x == std::vector<float>{11, 22, 33, 14, 25, 36});
+
+  std::vector<float> grad = {1, 1, 1};
+  ops.bias_grad(ConstMatrix{x.data(), 2, 3}, grad.data());
+  CHECK(grad == std::vector<float>{26, 48, 70});
+}
+
+TEST_CASE("relu and gelu forward and backward") {
+  CpuOps ops;
+  const std::vector<float> pre = {-2.0f, -0.5f, 0.0f, 0.3f, 1.0f, 3.0f};
+  const int64_t n = static_cast<int64_t>(pre.size());
+  std::vector<float> out(pre.size());
+  std::vector<float> dout(pre.size(), 2.0f);
+  std::vector<float> dpre(pre.size());
+
+  ops.activation_forward(Activation::relu, ConstMatrix{pre.data(), 2, 3}, Matrix{out.data(), 2, 3});
+  CHECK(out == std::vector<float>{0, 0, 0, 0.3f, 1, 3});
+  ops.activation_backward(Activation::relu, ConstMatrix{pre.data(), 2, 3},
+                          ConstMatrix{dout.data(), 2, 3}, Matrix{dpre.data(), 2, 3});
+  CHECK(dpre == std::vector<float>{0, 0, 0, 2, 2, 2});
+
+  ops.activation_forward(Activation::gelu, ConstMatrix{pre.data(), 1, n}, Matrix{out.data(), 1, n});
+  CHECK(out[4] == doctest::Approx(0.8411920).epsilon(1e-6));  // gelu_tanh(1)
+  ops.activation_backward(Activation::gelu, ConstMatrix{pre.data(), 1, n},
+                          ConstMatrix{dout.data(), 1, n}, Matrix{dpre.data(), 1, n});
+  for (size_t i = 0; i < pre.size(); ++i) {
+    CAPTURE(pre[i]);
+    const double x = pre[i];
+    CHECK(out[i] == doctest::Approx(gelu_reference(x)).epsilon(1e-6));
+    const double h = 1e-6;
+    const double slope = (gelu_reference(x + h) - gelu_reference(x - h)) / (2 * h);
+    CHECK(dpre[i] == doctest::Approx(2.0 * slope).epsilon(1e-5));
+  }
+}
+
+TEST_CASE("softmax cross-entropy: known values, stability with huge logits, in-place gradient") {
+  CpuOps ops;
+  // Row 0: equal logits -> log 2. Row 1: a huge margin for the right class -> ~0.
+  // Row 2: a huge margin against the label -> 1000 (a naive exp would overflow).
+  std::vector<float> logits = {0.0f, 0.0f, 1000.0f, 0.0f, 0.0f, 1000.0f};
+  const std::vector<int32_t> labels = {1, 0, 0};
+  const Matrix z{logits.data(), 3, 2};
+  const double loss = ops.softmax_cross_entropy_forward(z, labels.data(), z);
+  CHECK(loss == doctest::Approx((std::log(2.0) + 0.0 + 1000.0) / 3.0));
+  CHECK(logits[0] == doctest::Approx(0.5));
+  CHECK(logits[2] == doctest::Approx(1.0));
+
+  ops.softmax_cross_entropy_backward(z, labels.data(), z, 3.0f);
+  // scale / rows = 1: gradient = probs - onehot.
+  CHECK(logits == std::vector<float>{0.5f, -0.5f, 0.0f, 0.0f, -1.0f, 1.0f});
+}
+
+TEST_CASE("softmax cross-entropy rejects labels outside the classes") {
+  CpuOps ops;
+  std::vector<float> logits = {0.0f, 1.0f};
+  const std::vector<int32_t> labels = {2};
+  const Matrix z{logits.data(), 1, 2};
+  CHECK_THROWS_AS(ops.softmax_cross_entropy_forward(z, labels.data(), z), Error);
+}
+
+TEST_CASE("count_correct takes the first maximum") {
+  CpuOps ops;
+  const std::vector<float> scores = {1, 3, 3, 5, 0, 0, 0, 0, 0};
+  CHECK(ops.count_correct(ConstMatrix{scores.data(), 3, 3}, std::vector<int32_t>{1, 0, 0}.data()) ==
+        3);
+  CHECK(ops.count_correct(ConstMatrix{scores.data(), 3, 3}, std::vector<int32_t>{2, 1, 2}.data()) ==
+        0);
+}
+
+TEST_CASE("axpy and scale") {
+  CpuOps ops;
+  std::vector<float> y = {1, 2, 3};
+  const std::vector<float> x = {1, 1, 2};
+  ops.axpy(3, 0.5f, x.data(), y.data());
+  CHECK(y == std::vector<float>{1.5f, 2.5f, 4.0f});
+  ops.scale(3, 2.0f, y.data());
+  CHECK(y == std::vector<float>{3.0f, 5.0f, 8.0f});
+}
+
+TEST_CASE("parse_activation names the field on a bad value") {
+  CHECK(parse_activation("gelu") == Activation::gelu);
+  try {
+    parse_activation("tanh");
+    FAIL("no error");
+  } catch (const Error& e) {
+    CHECK(e.kind() == ErrorKind::recipe);
+    CHECK(std::string(e.what()).find("model.activation") != std::string::npos);
+  }
+}
+
+}  // namespace dptrain

@@ -1,0 +1,56 @@
+// The op table: the device-neutral kernels models are written against (CPU now, CUDA later).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "core/tensor/tensor.hpp"
+
+namespace dptrain {
+
+enum class Transpose { no, yes };
+enum class Activation { relu, gelu };  // gelu: the tanh approximation
+
+// "relu" | "gelu"; anything else is Error(recipe) naming model.activation.
+Activation parse_activation(const std::string& name);
+const char* activation_name(Activation activation);
+
+// All pointers belong to the op table's device. Unless a method says otherwise, outputs must not
+// alias inputs. Shape mismatches throw Error(internal): they are bugs in the caller.
+class Ops {
+ public:
+  virtual ~Ops() = default;
+
+  // c = alpha * op(a) * op(b) + beta * c, op = optional transpose. beta = 1 accumulates.
+  virtual void gemm(ConstMatrix a, Transpose transpose_a, ConstMatrix b, Transpose transpose_b,
+                    Matrix c, float alpha, float beta) = 0;
+  // x[i, :] += bias for every row i; bias has x.cols entries.
+  virtual void add_bias_rows(Matrix x, const float* bias) = 0;
+  // bias_grad[j] += sum_i dy[i, j]: accumulates like the weight gradients.
+  virtual void bias_grad(ConstMatrix dy, float* bias_grad) = 0;
+
+  // out = f(pre). out may alias pre.
+  virtual void activation_forward(Activation activation, ConstMatrix pre, Matrix out) = 0;
+  // dpre = dout * f'(pre). dpre may alias dout.
+  virtual void activation_backward(Activation activation, ConstMatrix pre, ConstMatrix dout,
+                                   Matrix dpre) = 0;
+
+  // probs = softmax(logits) row-wise; returns the mean over rows of -log probs[i, labels[i]],
+  // computed with a stable log-sum-exp. probs may alias logits. A label outside [0, cols) is
+  // Error(recipe).
+  virtual double softmax_cross_entropy_forward(ConstMatrix logits, const int32_t* labels,
+                                               Matrix probs) = 0;
+  // dlogits = scale * (probs - onehot(labels)) / rows: the gradient of scale * mean loss.
+  // dlogits may alias probs.
+  virtual void softmax_cross_entropy_backward(ConstMatrix probs, const int32_t* labels,
+                                              Matrix dlogits, float scale) = 0;
+  // Rows whose largest score (first one on ties) is at the label's column.
+  virtual int64_t count_correct(ConstMatrix scores, const int32_t* labels) = 0;
+
+  // y += alpha * x, over n elements.
+  virtual void axpy(int64_t n, float alpha, const float* x, float* y) = 0;
+  // x *= alpha, over n elements.
+  virtual void scale(int64_t n, float alpha, float* x) = 0;
+};
+
+}  // namespace dptrain

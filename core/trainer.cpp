@@ -1,0 +1,361 @@
+// The training loop: data-parallel steps over a Communicator, evaluation, metrics, checkpoints.
+#include "core/trainer.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "core/checkpoint.hpp"
+#include "core/checksum.hpp"
+#include "core/data/dataset.hpp"
+#include "core/data/sampler.hpp"
+#include "core/error.hpp"
+#include "core/fs.hpp"
+#include "core/model/model.hpp"
+#include "core/optim/optimizer.hpp"
+#include "core/tensor/cpu_ops.hpp"
+
+namespace dptrain {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+nlohmann::json TrainResult::to_json() const {
+  return {{"steps", steps},
+          {"world_size", world_size},
+          {"final_loss", final_loss},
+          {"eval_loss", eval_loss},
+          {"eval_accuracy", eval_accuracy},
+          {"samples_per_s", samples_per_s},
+          {"params_checksum", params_checksum},
+          {"last_checkpoint", last_checkpoint.string()}};
+}
+
+namespace {
+
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+// The loop's state; one instance per rank and run.
+class TrainingRun {
+ public:
+  TrainingRun(const Recipe& recipe, Communicator& comm, const TrainerOptions& options)
+      : recipe_(recipe),
+        comm_(comm),
+        options_(options),
+        rank_(comm.rank()),
+        world_(comm.size()),
+        micro_batch_(recipe.train.batch_per_rank),
+        global_batch_(world_ * recipe.train.batch_per_rank * recipe.train.grad_accum),
+        model_(make_model(recipe.model)),
+        data_(load_data(recipe.data, recipe.model, recipe.seed)),
+        sampler_(data_.train->size(), global_batch_, recipe.seed),
+        params_(model_->num_params()),
+        grads_(model_->num_params()),
+        optimizer_(make_optimizer(recipe.optimizer, model_->num_params())),
+        idx_(static_cast<size_t>(micro_batch_)),
+        x_(static_cast<size_t>(micro_batch_ * recipe.model.input)),
+        y_(static_cast<size_t>(micro_batch_)) {
+    // A fixed BLAS thread count keeps summation order, and so results, reproducible.
+    set_blas_threads(static_cast<int>(recipe.train.threads_per_rank));
+  }
+
+  TrainResult run() {
+    start();
+    const int64_t total = recipe_.train.steps;
+    const int64_t warmup = std::min<int64_t>(10, (total - step_) / 5);
+    Clock::time_point steady_start = Clock::now();
+    int64_t steady_steps = 0;
+    Clock::time_point window_start = Clock::now();
+    int64_t window_steps = 0;
+    double window_comm_ms = 0;
+    double last_loss = 0;
+    const int64_t first_step = step_;
+    for (; step_ < total; ++step_) {
+      const auto t0 = Clock::now();
+      double comm_ms = 0;
+      const double local_loss = compute_gradients();
+      {
+        const auto tc = Clock::now();
+        comm_.allreduce(grads_.data(), grads_.size(), ReduceOp::avg);
+        comm_ms = ms_since(tc);
+      }
+      const double norm = clip_grad_norm(grads_, recipe_.optimizer.clip_grad_norm);
+      const double lr = learning_rate(recipe_.optimizer, step_, total);
+      optimizer_->step(params_, grads_, lr);
+      advance_sampler();
+      if (options_.debug_step_delay_ms > 0) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(options_.debug_step_delay_ms));
+      }
+      const int64_t done = step_ + 1;
+      const double step_ms = ms_since(t0);
+      ++window_steps;
+      window_comm_ms += comm_ms;
+      if (done - first_step == warmup) {
+        steady_start = Clock::now();
+        steady_steps = 0;
+      } else {
+        ++steady_steps;
+      }
+      const bool last = done == total;
+      if (done % recipe_.log.every == 0 || last) {
+        double loss = local_loss;
+        comm_.allreduce(&loss, 1, ReduceOp::avg);
+        last_loss = loss;
+        const double window_s = ms_since(window_start) / 1000.0;
+        log_step(done, loss, lr, norm, static_cast<double>(window_steps * global_batch_) / window_s,
+                 step_ms, window_comm_ms / static_cast<double>(window_steps));
+        window_start = Clock::now();
+        window_steps = 0;
+        window_comm_ms = 0;
+      }
+      if (recipe_.distributed.check_every > 0 && done % recipe_.distributed.check_every == 0) {
+        check_replicas(done);
+      }
+      if (recipe_.eval.every > 0 && done % recipe_.eval.every == 0 && !last) evaluate(done);
+      if (recipe_.checkpoint.every > 0 && done % recipe_.checkpoint.every == 0 && !last) {
+        checkpoint(done);
+      }
+    }
+    const double steady_s = ms_since(steady_start) / 1000.0;
+    TrainResult result;
+    result.steps = step_;
+    result.world_size = world_;
+    result.final_loss = last_loss;
+    if (steady_steps > 0 && steady_s > 0) {
+      result.samples_per_s = static_cast<double>(steady_steps * global_batch_) / steady_s;
+    }
+    const auto [eval_loss, eval_acc] = evaluate(step_);
+    result.eval_loss = eval_loss;
+    result.eval_accuracy = eval_acc;
+    result.params_checksum = check_replicas(step_);
+    result.last_checkpoint = checkpoint(step_);
+    if (rank_ == 0) {
+      write_file_atomic(options_.run_dir / "result.json", result.to_json().dump(2) + "\n");
+    }
+    return result;
+  }
+
+ private:
+  void start() {
+    if (options_.resume_from.empty()) {
+      if (rank_ == 0) model_->init_params(params_, recipe_.seed);
+      comm_.broadcast(params_.data(), params_.size() * sizeof(float), 0);
+      emit({{"event", "info"},
+            {"message", fmt::format("{} on {} rank(s), global batch {}", model_->describe(), world_,
+                                    global_batch_)}});
+      return;
+    }
+    restore(options_.resume_from);
+  }
+
+  // Rank 0 reads the checkpoint and broadcasts it, so ranks on other nodes need no copy.
+  void restore(const fs::path& dir) {
+    std::vector<int64_t> header(4, 0);  // step, epoch, samples_in_epoch, optimizer_steps
+    if (rank_ == 0) {
+      CheckpointData ckpt = read_checkpoint(dir);
+      const auto& p = ckpt.position;
+      if (p.recipe_hash != recipe_hash(recipe_)) {
+        throw Error(ErrorKind::checkpoint,
+                    fmt::format("{}: written by a different recipe (hash {}, this recipe {})",
+                                dir.string(), p.recipe_hash, recipe_hash(recipe_)));
+      }
+      if (ckpt.params.size() != params_.size() ||
+          ckpt.optimizer_state.size() != optimizer_->state().size()) {
+        throw Error(ErrorKind::checkpoint,
+                    fmt::format("{}: holds {} parameters, the model has {}", dir.string(),
+                                ckpt.params.size(), params_.size()));
+      }
+      params_ = std::move(ckpt.params);
+      std::copy(ckpt.optimizer_state.begin(), ckpt.optimizer_state.end(),
+                optimizer_->state().begin());
+      header = {p.step, p.epoch, p.samples_in_epoch, p.optimizer_steps};
+    }
+    comm_.broadcast(header.data(), header.size() * sizeof(int64_t), 0);
+    comm_.broadcast(params_.data(), params_.size() * sizeof(float), 0);
+    auto state = optimizer_->state();
+    comm_.broadcast(state.data(), state.size_bytes(), 0);
+    step_ = header[0];
+    epoch_ = header[1];
+    // Another world size means another global batch: continue at the first whole batch not yet
+    // begun, so no sample of this epoch is seen twice.
+    batch_in_epoch_ = (header[2] + global_batch_ - 1) / global_batch_;
+    if (batch_in_epoch_ >= sampler_.steps_per_epoch()) {
+      ++epoch_;
+      batch_in_epoch_ = 0;
+    }
+    optimizer_->set_steps(header[3]);
+    if (rank_ == 0) truncate_metrics_after(step_);
+    emit({{"event", "info"},
+          {"message", fmt::format("resumed from {} at step {} on {} rank(s)",
+                                  dir.filename().string(), step_, world_)}});
+  }
+
+  double compute_gradients() {
+    std::fill(grads_.begin(), grads_.end(), 0.0f);
+    const int64_t accum = recipe_.train.grad_accum;
+    const float scale = 1.0f / static_cast<float>(accum);
+    double loss = 0;
+    for (int64_t m = 0; m < accum; ++m) {
+      const int64_t offset = (m * world_ + rank_) * micro_batch_;
+      sampler_.indices(epoch_, batch_in_epoch_, offset, idx_);
+      data_.train->gather(idx_, x_.data(), y_.data());
+      loss += model_->forward_backward(params_, Batch{x_.data(), y_.data(), micro_batch_}, grads_,
+                                       scale);
+    }
+    return loss / static_cast<double>(accum);
+  }
+
+  void advance_sampler() {
+    if (++batch_in_epoch_ >= sampler_.steps_per_epoch()) {
+      ++epoch_;
+      batch_in_epoch_ = 0;
+    }
+  }
+
+  void log_step(int64_t step, double loss, double lr, double norm, double samples_per_s,
+                double step_ms, double comm_ms) {
+    if (rank_ != 0) return;
+    const json line = {{"step", step},       {"epoch", epoch_},   {"loss", loss},
+                       {"lr", lr},           {"grad_norm", norm}, {"samples_per_s", samples_per_s},
+                       {"step_ms", step_ms}, {"comm_ms", comm_ms}};
+    append_line(options_.run_dir / "metrics.jsonl", line.dump());
+    json event = line;
+    event["event"] = "progress";
+    event["steps"] = recipe_.train.steps;
+    emit(event);
+  }
+
+  // Each rank scores a strided shard of the held-out split; the sums are reduced.
+  std::pair<double, double> evaluate(int64_t step) {
+    const auto& eval = *data_.eval;
+    int64_t n = eval.size();
+    if (recipe_.eval.max_samples > 0) n = std::min(n, recipe_.eval.max_samples);
+    double sums[3] = {0, 0, 0};  // loss_sum, correct, count
+    constexpr int64_t kChunk = 512;
+    std::vector<int64_t> idx;
+    std::vector<float> x;
+    std::vector<int32_t> y;
+    for (int64_t begin = rank_ * kChunk; begin < n; begin += world_ * kChunk) {
+      const int64_t count = std::min(kChunk, n - begin);
+      idx.resize(static_cast<size_t>(count));
+      for (int64_t i = 0; i < count; ++i)
+        idx[static_cast<size_t>(i)] = begin + i;
+      x.resize(static_cast<size_t>(count * eval.features()));
+      y.resize(static_cast<size_t>(count));
+      eval.gather(idx, x.data(), y.data());
+      const EvalStats s = model_->evaluate(params_, Batch{x.data(), y.data(), count});
+      sums[0] += s.loss_sum;
+      sums[1] += static_cast<double>(s.correct);
+      sums[2] += static_cast<double>(s.count);
+    }
+    comm_.allreduce(sums, 3, ReduceOp::sum);
+    if (sums[2] == 0) return {0.0, 0.0};
+    const double loss = sums[0] / sums[2];
+    const double accuracy = sums[1] / sums[2];
+    if (rank_ == 0) {
+      const json line = {{"step", step}, {"eval_loss", loss}, {"eval_accuracy", accuracy}};
+      append_line(options_.run_dir / "metrics.jsonl", line.dump());
+      json event = line;
+      event["event"] = "eval";
+      emit(event);
+    }
+    return {loss, accuracy};
+  }
+
+  // Every rank must hold the same parameters; a mismatch means a bug or a bad node.
+  std::string check_replicas(int64_t step) {
+    const uint64_t mine = checksum64(params_.data(), params_.size() * sizeof(float));
+    std::vector<uint64_t> all(static_cast<size_t>(world_));
+    comm_.allgather(&mine, sizeof(mine), all.data());
+    for (int r = 0; r < world_; ++r) {
+      if (all[static_cast<size_t>(r)] != all[0]) {
+        throw Error(
+            ErrorKind::comm,
+            fmt::format("rank {} parameters diverged from rank 0 at step {} (checksum {} "
+                        "vs {})",
+                        r, step, checksum_hex(all[static_cast<size_t>(r)]), checksum_hex(all[0])));
+      }
+    }
+    return checksum_hex(mine);
+  }
+
+  fs::path checkpoint(int64_t step) {
+    fs::path written;
+    if (rank_ == 0) {
+      TrainingPosition pos;
+      pos.step = step;
+      pos.epoch = epoch_;
+      pos.samples_in_epoch = batch_in_epoch_ * global_batch_;
+      pos.world_size = world_;
+      pos.global_batch = global_batch_;
+      pos.optimizer_steps = optimizer_->steps();
+      pos.recipe_hash = recipe_hash(recipe_);
+      pos.rng_state = fmt::format("sampler seed={} epoch={}", recipe_.seed, epoch_);
+      written = write_checkpoint(options_.run_dir / "checkpoints", pos, params_,
+                                 optimizer_->state(), recipe_.checkpoint.keep);
+      emit({{"event", "checkpoint"}, {"step", step}, {"path", written.string()}});
+    }
+    // Nobody runs ahead of a checkpoint being written: a failure right after it loses nothing.
+    comm_.barrier();
+    return written;
+  }
+
+  void truncate_metrics_after(int64_t step) {
+    const fs::path path = options_.run_dir / "metrics.jsonl";
+    std::error_code ec;
+    if (!fs::exists(path, ec)) return;
+    std::string kept;
+    const std::string text = read_file(path);
+    size_t pos = 0;
+    while (pos < text.size()) {
+      size_t end = text.find('\n', pos);
+      if (end == std::string::npos) end = text.size();
+      const std::string line = text.substr(pos, end - pos);
+      pos = end + 1;
+      const json j = json::parse(line, nullptr, false);
+      if (j.is_discarded() || !j.contains("step")) continue;  // a torn last line from the crash
+      if (j["step"].get<int64_t>() <= step) kept += line + "\n";
+    }
+    write_file_atomic(path, kept);
+  }
+
+  void emit(const json& event) {
+    if (rank_ == 0 && options_.on_event) options_.on_event(event);
+  }
+
+  const Recipe& recipe_;
+  Communicator& comm_;
+  const TrainerOptions& options_;
+  const int rank_;
+  const int world_;
+  const int64_t micro_batch_;
+  const int64_t global_batch_;
+  std::unique_ptr<Model> model_;
+  DataSplits data_;
+  DistributedSampler sampler_;
+  std::vector<float> params_;
+  std::vector<float> grads_;
+  std::unique_ptr<Optimizer> optimizer_;
+  std::vector<int64_t> idx_;
+  std::vector<float> x_;
+  std::vector<int32_t> y_;
+  int64_t step_ = 0;
+  int64_t epoch_ = 0;
+  int64_t batch_in_epoch_ = 0;
+};
+
+}  // namespace
+
+TrainResult train(const Recipe& recipe, Communicator& comm, const TrainerOptions& options) {
+  TrainingRun run(recipe, comm, options);
+  return run.run();
+}
+
+}  // namespace dptrain

@@ -1,0 +1,40 @@
+// The training loop: data-parallel steps over a Communicator, evaluation, metrics, checkpoints.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "core/comm/communicator.hpp"
+#include "core/recipe.hpp"
+
+namespace dptrain {
+
+struct TrainerOptions {
+  std::filesystem::path run_dir;      // rank 0 writes metrics.jsonl, checkpoints/, result.json here
+  std::filesystem::path resume_from;  // a checkpoint directory; empty = fresh start
+  // Receives {"event": "progress"|"eval"|"checkpoint"|"info", ...} on rank 0 only.
+  std::function<void(const nlohmann::json&)> on_event;
+  int64_t debug_step_delay_ms = 0;  // tests slow a run down to kill it mid-way
+};
+
+struct TrainResult {
+  int64_t steps = 0;
+  int64_t world_size = 1;
+  double final_loss = 0;
+  double eval_loss = 0;
+  double eval_accuracy = 0;
+  double samples_per_s = 0;  // steady state: the first warm-up steps of this process are excluded
+  std::string params_checksum;
+  std::filesystem::path last_checkpoint;
+  nlohmann::json to_json() const;
+};
+
+// Runs the recipe's training to completion on this rank. Every rank calls it with its own
+// Communicator. Throws Error on failure (comm when a peer fails or ranks diverge).
+TrainResult train(const Recipe& recipe, Communicator& comm, const TrainerOptions& options);
+
+}  // namespace dptrain

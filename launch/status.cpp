@@ -1,0 +1,73 @@
+// The one status printer: a rewritten progress line on a terminal, plain lines in a pipe.
+#include "launch/status.hpp"
+
+#include <unistd.h>
+
+#include <fmt/format.h>
+
+namespace dptrain {
+
+std::string format_event(const nlohmann::json& e) {
+  const std::string kind = e.value("event", "");
+  if (kind == "progress") {
+    return fmt::format(
+        "step {}/{}  loss {:.4f}  lr {:.3g}  grad_norm {:.3g}  {:.0f} samples/s  step {:.2f} ms  "
+        "comm {:.2f} ms",
+        e.value("step", int64_t{0}), e.value("steps", int64_t{0}), e.value("loss", 0.0),
+        e.value("lr", 0.0), e.value("grad_norm", 0.0), e.value("samples_per_s", 0.0),
+        e.value("step_ms", 0.0), e.value("comm_ms", 0.0));
+  }
+  if (kind == "eval") {
+    return fmt::format("eval at step {}: loss {:.4f}  accuracy {:.2f}%",
+                       e.value("step", int64_t{0}), e.value("eval_loss", 0.0),
+                       100.0 * e.value("eval_accuracy", 0.0));
+  }
+  if (kind == "checkpoint") {
+    return fmt::format("checkpoint at step {}: {}", e.value("step", int64_t{0}),
+                       e.value("path", std::string()));
+  }
+  return e.value("message", e.dump());
+}
+
+bool StatusPrinter::is_terminal(std::FILE* f) {
+  return ::isatty(::fileno(f)) == 1;
+}
+
+void StatusPrinter::clear_progress() {
+  if (progress_shown_) {
+    std::fputs("\r\033[K", out_);
+    progress_shown_ = false;
+  }
+}
+
+void StatusPrinter::line(const std::string& text) {
+  std::lock_guard lock(mutex_);
+  clear_progress();
+  std::fputs(text.c_str(), out_);
+  std::fputc('\n', out_);
+  std::fflush(out_);
+}
+
+void StatusPrinter::event(const nlohmann::json& e) {
+  const std::string text = format_event(e);
+  if (!tty_ || e.value("event", "") != "progress") {
+    line(text);
+    return;
+  }
+  std::lock_guard lock(mutex_);
+  std::fputs("\r\033[K", out_);
+  std::fputs(text.c_str(), out_);
+  std::fflush(out_);
+  progress_shown_ = true;
+}
+
+void StatusPrinter::finish() {
+  std::lock_guard lock(mutex_);
+  if (progress_shown_) {
+    std::fputc('\n', out_);
+    std::fflush(out_);
+    progress_shown_ = false;
+  }
+}
+
+}  // namespace dptrain

@@ -1,0 +1,38 @@
+// The one status printer: a rewritten progress line on a terminal, plain lines in a pipe.
+#pragma once
+
+#include <cstdio>
+#include <mutex>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace dptrain {
+
+// One human-readable line for a trainer event ({"event": "progress"|"eval"|"checkpoint"|"info"}).
+std::string format_event(const nlohmann::json& event);
+
+class StatusPrinter {
+ public:
+  // `tty`: rewrite one progress line in place; otherwise every line is printed as it comes.
+  StatusPrinter(std::FILE* out, bool tty) : out_(out), tty_(tty) {}
+  ~StatusPrinter() { finish(); }
+  StatusPrinter(const StatusPrinter&) = delete;
+  StatusPrinter& operator=(const StatusPrinter&) = delete;
+
+  static bool is_terminal(std::FILE* f);
+
+  void line(const std::string& text);       // a permanent line
+  void event(const nlohmann::json& event);  // progress rewrites in place on a terminal
+  void finish();                            // ends a pending progress line
+
+ private:
+  void clear_progress();
+
+  std::FILE* out_;
+  bool tty_;
+  bool progress_shown_ = false;
+  std::mutex mutex_;
+};
+
+}  // namespace dptrain

@@ -1,0 +1,348 @@
+// Starts local rank processes, relays their output, and stops them all when one fails.
+#include "launch/supervisor.hpp"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <csignal>
+#include <cstring>
+#include <fstream>
+
+#include <fmt/format.h>
+
+#include "core/error.hpp"
+
+extern char** environ;
+
+namespace dptrain {
+
+namespace {
+
+std::atomic<int> g_stop_signal{0};
+int g_wake_pipe[2] = {-1, -1};
+
+void on_stop_signal(int sig) {
+  int expected = 0;
+  g_stop_signal.compare_exchange_strong(expected, sig);
+  if (g_wake_pipe[1] >= 0) {
+    const char c = 1;
+    [[maybe_unused]] auto n = ::write(g_wake_pipe[1], &c, 1);
+  }
+}
+
+constexpr size_t kTailLines = 20;
+
+struct Child {
+  const ProcessSpec* spec;
+  pid_t pid = -1;
+  int out_fd = -1;
+  bool exited = false;
+  int status = 0;
+  std::string partial;
+  std::deque<std::string> tail;
+  std::ofstream log;
+};
+
+std::vector<std::string> build_env(const ProcessSpec& spec) {
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry(*e);
+    const std::string key = entry.substr(0, entry.find('='));
+    bool overridden = false;
+    for (const auto& [k, v] : spec.env)
+      overridden = overridden || k == key;
+    if (!overridden) env.push_back(entry);
+  }
+  for (const auto& [k, v] : spec.env)
+    env.push_back(k + "=" + v);
+  return env;
+}
+
+pid_t spawn(const ProcessSpec& spec, int out_fd) {
+  // Everything the child needs is prepared before fork: only async-signal-safe calls after it.
+  std::vector<std::string> env = build_env(spec);
+  std::vector<char*> argv_p, env_p;
+  for (const auto& a : spec.argv)
+    argv_p.push_back(const_cast<char*>(a.c_str()));
+  argv_p.push_back(nullptr);
+  for (auto& e : env)
+    env_p.push_back(e.data());
+  env_p.push_back(nullptr);
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid < 0) {
+    throw Error(ErrorKind::internal,
+                fmt::format("cannot start {}: fork: {}", spec.label, std::strerror(errno)));
+  }
+  if (pid == 0) {
+    ::setpgid(0, 0);  // Ctrl-C reaches the launcher only; it stops the ranks in order
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(127);  // the launcher died before prctl took effect
+    ::signal(SIGINT, SIG_DFL);
+    ::signal(SIGTERM, SIG_DFL);
+    ::signal(SIGPIPE, SIG_DFL);
+    ::dup2(out_fd, STDOUT_FILENO);
+    ::dup2(out_fd, STDERR_FILENO);
+    ::close(out_fd);
+    const int devnull = ::open("/dev/null", O_RDONLY);
+    if (devnull >= 0) ::dup2(devnull, STDIN_FILENO);
+    ::execve(argv_p[0], argv_p.data(), env_p.data());
+    const char msg[] = "dptrain: cannot exec the worker binary\n";
+    [[maybe_unused]] auto n = ::write(STDERR_FILENO, msg, sizeof msg - 1);
+    ::_exit(127);
+  }
+  ::setpgid(pid, pid);  // also from the parent, so the group exists before we might signal it
+  return pid;
+}
+
+std::string signal_name(int sig) {
+  const char* abbrev = ::sigabbrev_np(sig);
+  return abbrev ? fmt::format("SIG{}", abbrev) : fmt::format("signal {}", sig);
+}
+
+class Supervision {
+ public:
+  Supervision(const std::vector<ProcessSpec>& specs, const SupervisorOptions& options)
+      : options_(options), children_(specs.size()) {
+    for (size_t i = 0; i < specs.size(); ++i)
+      children_[i].spec = &specs[i];
+  }
+
+  ~Supervision() {
+    // Whatever happened, no child outlives this object.
+    for (auto& c : children_) {
+      if (c.pid > 0 && !c.exited) {
+        ::kill(-c.pid, SIGKILL);
+        ::waitpid(c.pid, nullptr, 0);
+      }
+      if (c.out_fd >= 0) ::close(c.out_fd);
+    }
+  }
+
+  SupervisionResult run() {
+    start_all();
+    SupervisionResult result;
+    bool stopping = false;
+    auto stop_deadline = std::chrono::steady_clock::time_point::max();
+    while (!all_done()) {
+      poll_output(100);
+      reap(result);
+      if (!stopping) {
+        const int sig = g_stop_signal.load();
+        if (sig != 0) result.stop_signal = sig;
+        if (result.failure || result.stop_signal != 0) {
+          stopping = true;
+          signal_all(SIGTERM);
+          stop_deadline = std::chrono::steady_clock::now() + options_.grace;
+        }
+      } else if (std::chrono::steady_clock::now() >= stop_deadline) {
+        signal_all(SIGKILL);
+        stop_deadline = std::chrono::steady_clock::time_point::max();
+      }
+    }
+    drain();
+    if (!result.failure && result.stop_signal == 0) result.failure = candidate_;
+    if (result.failure) {
+      for (auto& c : children_) {
+        if (c.pid == result.failure->pid) {
+          result.failure->last_lines.assign(c.tail.begin(), c.tail.end());
+        }
+      }
+    }
+    return result;
+  }
+
+ private:
+  void start_all() {
+    std::vector<pid_t> pids;
+    for (auto& c : children_) {
+      int fds[2];
+      if (::pipe2(fds, O_CLOEXEC) != 0) {
+        throw Error(ErrorKind::internal, fmt::format("pipe: {}", std::strerror(errno)));
+      }
+      c.log.open(c.spec->log_file, std::ios::app);
+      if (!c.log) {
+        ::close(fds[0]);
+        ::close(fds[1]);
+        throw Error(ErrorKind::io,
+                    fmt::format("{}: cannot open log file for writing", c.spec->log_file.string()));
+      }
+      try {
+        c.pid = spawn(*c.spec, fds[1]);
+      } catch (...) {
+        ::close(fds[0]);
+        ::close(fds[1]);
+        throw;
+      }
+      ::close(fds[1]);
+      c.out_fd = fds[0];
+      ::fcntl(c.out_fd, F_SETFL, O_NONBLOCK);
+      pids.push_back(c.pid);
+    }
+    if (options_.on_started) options_.on_started(pids);
+  }
+
+  bool all_done() const {
+    for (const auto& c : children_) {
+      if (!c.exited || c.out_fd >= 0) return false;
+    }
+    return true;
+  }
+
+  void poll_output(int timeout_ms) {
+    std::vector<pollfd> fds;
+    std::vector<Child*> owners;
+    for (auto& c : children_) {
+      if (c.out_fd >= 0) {
+        fds.push_back({c.out_fd, POLLIN, 0});
+        owners.push_back(&c);
+      }
+    }
+    if (g_wake_pipe[0] >= 0) fds.push_back({g_wake_pipe[0], POLLIN, 0});
+    const int n = ::poll(fds.data(), fds.size(), timeout_ms);
+    if (n <= 0) return;
+    for (size_t i = 0; i < owners.size(); ++i) {
+      if (fds[i].revents != 0) read_from(*owners[i]);
+    }
+    if (g_wake_pipe[0] >= 0 && fds.back().revents != 0) {
+      char buf[64];
+      while (::read(g_wake_pipe[0], buf, sizeof buf) > 0) {
+      }
+    }
+  }
+
+  void read_from(Child& c) {
+    char buf[65536];
+    for (;;) {
+      const ssize_t n = ::read(c.out_fd, buf, sizeof buf);
+      if (n > 0) {
+        c.partial.append(buf, static_cast<size_t>(n));
+        size_t pos;
+        while ((pos = c.partial.find('\n')) != std::string::npos) {
+          emit_line(c, c.partial.substr(0, pos));
+          c.partial.erase(0, pos + 1);
+        }
+        continue;
+      }
+      if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+      // EOF: the process and everything it started closed their output.
+      if (!c.partial.empty()) emit_line(c, c.partial);
+      c.partial.clear();
+      ::close(c.out_fd);
+      c.out_fd = -1;
+      return;
+    }
+  }
+
+  void emit_line(Child& c, const std::string& line) {
+    c.log << line << '\n';
+    c.log.flush();
+    if (line.rfind("@event ", 0) != 0) {
+      c.tail.push_back(line);
+      if (c.tail.size() > kTailLines) c.tail.pop_front();
+    }
+    if (options_.on_line) options_.on_line(*c.spec, line);
+  }
+
+  void reap(SupervisionResult& result) {
+    for (auto& c : children_) {
+      if (c.exited) continue;
+      int status = 0;
+      const pid_t r = ::waitpid(c.pid, &status, WNOHANG);
+      if (r != c.pid) continue;
+      c.exited = true;
+      c.status = status;
+      const bool clean = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+      // Ranks stopped by our own SIGTERM/SIGKILL are casualties, not the cause.
+      if (!clean && !stopping_signalled_ && result.stop_signal == 0) {
+        ProcessFailure f;
+        f.label = c.spec->label;
+        f.rank = c.spec->rank;
+        f.pid = c.pid;
+        if (WIFEXITED(status)) f.exit_code = WEXITSTATUS(status);
+        if (WIFSIGNALED(status)) f.signal = WTERMSIG(status);
+        consider_failure(f);
+      }
+      // Whatever a dead rank's children still hold open must not keep us waiting for EOF.
+      ::kill(-c.pid, SIGKILL);
+    }
+    if (candidate_ && (candidate_rank_ == 0 || std::chrono::steady_clock::now() >= decide_by_)) {
+      result.failure = candidate_;
+    }
+  }
+
+  // When a rank dies, its peers soon fail too with a communication error (exit 3). Such a failure
+  // waits a moment for the real cause, which outranks it.
+  static int rank_of_cause(const ProcessFailure& f) {
+    if (f.signal != 0) return 0;
+    return f.exit_code == 3 ? 2 : 1;
+  }
+
+  void consider_failure(const ProcessFailure& f) {
+    const int r = rank_of_cause(f);
+    if (!candidate_ || r < candidate_rank_) {
+      if (!candidate_) decide_by_ = std::chrono::steady_clock::now() + kCauseWindow;
+      candidate_ = f;
+      candidate_rank_ = r;
+    }
+  }
+
+  void signal_all(int sig) {
+    stopping_signalled_ = true;
+    for (auto& c : children_) {
+      if (!c.exited) ::kill(-c.pid, sig);
+    }
+  }
+
+  void drain() {
+    for (auto& c : children_) {
+      if (c.out_fd >= 0) read_from(c);
+    }
+  }
+
+  static constexpr std::chrono::milliseconds kCauseWindow{1000};
+
+  const SupervisorOptions& options_;
+  std::vector<Child> children_;
+  bool stopping_signalled_ = false;
+  std::optional<ProcessFailure> candidate_;
+  int candidate_rank_ = 0;
+  std::chrono::steady_clock::time_point decide_by_;
+};
+
+}  // namespace
+
+std::string ProcessFailure::describe() const {
+  if (signal != 0) {
+    return fmt::format("{} (pid {}) was killed by signal {} ({})", label, pid, signal,
+                       signal_name(signal));
+  }
+  return fmt::format("{} (pid {}) exited with code {}", label, pid, exit_code);
+}
+
+void install_stop_signal_handlers() {
+  if (g_wake_pipe[0] < 0) {
+    if (::pipe2(g_wake_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
+      throw Error(ErrorKind::internal, fmt::format("pipe: {}", std::strerror(errno)));
+    }
+  }
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  ::sigaction(SIGINT, &sa, nullptr);
+  ::sigaction(SIGTERM, &sa, nullptr);
+  ::signal(SIGPIPE, SIG_IGN);
+}
+
+SupervisionResult supervise(const std::vector<ProcessSpec>& specs,
+                            const SupervisorOptions& options) {
+  Supervision s(specs, options);
+  return s.run();
+}
+
+}  // namespace dptrain

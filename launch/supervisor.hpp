@@ -1,0 +1,59 @@
+// Starts local rank processes, relays their output, and stops them all when one fails.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <deque>
+#include <filesystem>
+#include <functional>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace dptrain {
+
+struct ProcessSpec {
+  std::string label;  // "rank 3": prefixes its output lines and names it in errors
+  int rank = 0;
+  std::vector<std::string> argv;                         // argv[0] is the executable path
+  std::vector<std::pair<std::string, std::string>> env;  // added to the launcher's environment
+  std::filesystem::path log_file;                        // every line the process prints
+};
+
+struct ProcessFailure {
+  std::string label;
+  int rank = 0;
+  pid_t pid = 0;
+  int exit_code = -1;  // when it exited
+  int signal = 0;      // when a signal killed it
+  std::vector<std::string> last_lines;
+  std::string describe() const;  // "rank 1 (pid 123) was killed by signal 9 (SIGKILL)"
+};
+
+struct SupervisionResult {
+  std::optional<ProcessFailure> failure;  // the first process that failed
+  int stop_signal = 0;                    // SIGINT / SIGTERM received by the launcher
+  bool ok() const { return !failure && stop_signal == 0; }
+};
+
+struct SupervisorOptions {
+  std::chrono::milliseconds grace{5000};  // between SIGTERM and SIGKILL when stopping the others
+  // Each output line of a process, without its newline. Lines starting with "@event " carry a
+  // trainer event as JSON; the callback decides how to show them.
+  std::function<void(const ProcessSpec&, const std::string&)> on_line;
+  // Called once all processes are started, with their pids (for run.json).
+  std::function<void(const std::vector<pid_t>&)> on_started;
+};
+
+// Installs SIGINT/SIGTERM handlers that the supervisor loop observes; call once from main.
+void install_stop_signal_handlers();
+
+// Runs the processes to completion. Each runs in its own process group with a parent-death signal,
+// so none outlives the launcher. When one exits non-zero or by a signal, or the launcher gets
+// SIGINT/SIGTERM, the others get SIGTERM, then SIGKILL after the grace period.
+SupervisionResult supervise(const std::vector<ProcessSpec>& specs,
+                            const SupervisorOptions& options);
+
+}  // namespace dptrain

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Installs the Debian packages dptrain needs to build and test; quiet and quick when all are there.
+set -euo pipefail
+packages=(build-essential cmake ninja-build pkg-config libgloo-dev libcli11-dev nlohmann-json3-dev
+  libssh-dev libfmt-dev doctest-dev libopenblas-dev openssh-server clang-format man-db groff-base)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+echo "deps: installing ${missing[*]}"
+sudo=""
+[ "$(id -u)" -ne 0 ] && sudo="sudo"
+export DEBIAN_FRONTEND=noninteractive
+$sudo apt-get update -qq
+$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

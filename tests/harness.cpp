@@ -1,0 +1,226 @@
+// Integration-test helpers: run the real dptrain binary, temp dirs, files, processes.
+#include "tests/harness.hpp"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+#include <thread>
+
+extern char** environ;
+
+namespace dptrain::test {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+std::string binary() {
+  return DPTRAIN_BINARY;
+}
+fs::path source_dir() {
+  return DPTRAIN_SOURCE_DIR;
+}
+
+namespace {
+
+pid_t spawn(const std::vector<std::string>& args, const Env& env, const fs::path& out,
+            const fs::path& err) {
+  std::vector<std::string> argv_s = {binary()};
+  argv_s.insert(argv_s.end(), args.begin(), args.end());
+  std::vector<std::string> env_s;
+  for (char** e = environ; *e; ++e) {
+    const std::string entry(*e);
+    if (!env.count(entry.substr(0, entry.find('=')))) env_s.push_back(entry);
+  }
+  for (const auto& [k, v] : env)
+    env_s.push_back(k + "=" + v);
+  std::vector<char*> argv, envp;
+  for (auto& a : argv_s)
+    argv.push_back(a.data());
+  argv.push_back(nullptr);
+  for (auto& e : env_s)
+    envp.push_back(e.data());
+  envp.push_back(nullptr);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    const int o = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    const int e = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    const int in = ::open("/dev/null", O_RDONLY);
+    ::dup2(o, 1);
+    ::dup2(e, 2);
+    ::dup2(in, 0);
+    ::execve(argv[0], argv.data(), envp.data());
+    ::_exit(127);
+  }
+  if (pid < 0) throw std::runtime_error("fork failed");
+  return pid;
+}
+
+int decode(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return -1;
+}
+
+fs::path unique_temp(const std::string& stem) {
+  static int counter = 0;
+  return fs::temp_directory_path() /
+         (stem + "-" + std::to_string(::getpid()) + "-" + std::to_string(++counter));
+}
+
+}  // namespace
+
+Background::Background(const std::vector<std::string>& args, const Env& env)
+    : out_file_(unique_temp("dptrain-out")), err_file_(unique_temp("dptrain-err")) {
+  pid_ = spawn(args, env, out_file_, err_file_);
+}
+
+Background::~Background() {
+  if (!reaped_ && pid_ > 0) {
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, nullptr, 0);
+  }
+  std::error_code ec;
+  fs::remove(out_file_, ec);
+  fs::remove(err_file_, ec);
+}
+
+int Background::wait(std::chrono::seconds timeout) {
+  if (reaped_) return status_;
+  const auto deadline = Clock::now() + timeout;
+  for (;;) {
+    int status = 0;
+    if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+      reaped_ = true;
+      status_ = decode(status);
+      return status_;
+    }
+    if (Clock::now() > deadline) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+      reaped_ = true;
+      status_ = -1;
+      return -1;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+std::string Background::out() const {
+  return read_text(out_file_);
+}
+std::string Background::err() const {
+  return read_text(err_file_);
+}
+
+CommandResult run_dptrain(const std::vector<std::string>& args, const Env& env,
+                          std::chrono::seconds timeout) {
+  const auto t0 = Clock::now();
+  Background p(args, env);
+  CommandResult r;
+  r.exit_code = p.wait(timeout);
+  r.out = p.out();
+  r.err = p.err();
+  r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  return r;
+}
+
+TempDir::TempDir() : path_(unique_temp("dptrain-test")) {
+  fs::create_directories(path_);
+}
+TempDir::~TempDir() {
+  std::error_code ec;
+  fs::remove_all(path_, ec);
+}
+
+void write_text(const fs::path& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary);
+  out << text;
+  if (!out) throw std::runtime_error("cannot write " + path.string());
+}
+
+std::string read_text(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::vector<float> read_floats(const fs::path& path) {
+  const std::string raw = read_text(path);
+  std::vector<float> out(raw.size() / sizeof(float));
+  std::memcpy(out.data(), raw.data(), out.size() * sizeof(float));
+  return out;
+}
+
+fs::path write_recipe(const fs::path& dir, const nlohmann::json& recipe, const std::string& name) {
+  const fs::path path = dir / name;
+  write_text(path, recipe.dump(2));
+  return path;
+}
+
+nlohmann::json small_recipe() {
+  return nlohmann::json::parse(R"({
+    "name": "small", "seed": 7,
+    "model": {"type": "mlp", "input": 32, "hidden": [48, 24], "classes": 5},
+    "data": {"type": "synthetic-classification", "samples": 4000, "noise": 1.0},
+    "train": {"steps": 60, "batch_per_rank": 16},
+    "optimizer": {"type": "adamw", "lr": 0.003, "weight_decay": 0.01,
+                  "schedule": {"type": "cosine", "warmup": 5}, "clip_grad_norm": 1.0},
+    "distributed": {"check_every": 10, "timeout_s": 60},
+    "checkpoint": {"every": 20, "keep": 3},
+    "eval": {"every": 30},
+    "log": {"every": 5}
+  })");
+}
+
+nlohmann::json parse_json(const std::string& text) {
+  return nlohmann::json::parse(text);
+}
+
+std::vector<nlohmann::json> read_jsonl(const fs::path& path) {
+  std::vector<nlohmann::json> out;
+  std::istringstream in(read_text(path));
+  for (std::string line; std::getline(in, line);) {
+    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
+  }
+  return out;
+}
+
+bool eventually(const std::function<bool()>& condition, std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  while (Clock::now() < deadline) {
+    if (condition()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return condition();
+}
+
+bool process_alive(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  if (!stat) return false;
+  std::string content;
+  std::getline(stat, content);
+  const auto close = content.rfind(')');
+  return close != std::string::npos && content.size() > close + 2 && content[close + 2] != 'Z';
+}
+
+std::vector<pid_t> worker_pids(const fs::path& run_dir) {
+  std::vector<pid_t> pids;
+  const auto text = read_text(run_dir / "run.json");
+  const auto info = nlohmann::json::parse(text, nullptr, false);
+  if (info.is_discarded() || !info.contains("generations") || info["generations"].empty()) {
+    return pids;
+  }
+  const auto& gen = info["generations"].back();
+  if (gen.contains("pids")) pids = gen["pids"].get<std::vector<pid_t>>();
+  return pids;
+}
+
+}  // namespace dptrain::test

@@ -1,0 +1,82 @@
+// Integration-test helpers: run the real dptrain binary, temp dirs, files, processes.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace dptrain::test {
+
+struct CommandResult {
+  int exit_code = -1;  // 128 + signal when killed by one
+  std::string out;
+  std::string err;
+  double seconds = 0;
+};
+
+using Env = std::map<std::string, std::string>;
+
+std::string binary();                // the dptrain under test
+std::filesystem::path source_dir();  // the repository
+
+// Runs dptrain with args to completion (killed after `timeout`), capturing stdout and stderr.
+CommandResult run_dptrain(const std::vector<std::string>& args, const Env& env = {},
+                          std::chrono::seconds timeout = std::chrono::seconds(300));
+
+// A dptrain process running in the background; output goes to files. Killed on destruction.
+class Background {
+ public:
+  Background(const std::vector<std::string>& args, const Env& env = {});
+  ~Background();
+  Background(const Background&) = delete;
+  Background& operator=(const Background&) = delete;
+  pid_t pid() const { return pid_; }
+  // Waits for exit (up to timeout; then SIGKILL and returns -1). Exit code or 128 + signal.
+  int wait(std::chrono::seconds timeout = std::chrono::seconds(300));
+  std::string out() const;
+  std::string err() const;
+
+ private:
+  pid_t pid_ = -1;
+  bool reaped_ = false;
+  int status_ = -1;
+  std::filesystem::path out_file_, err_file_;
+};
+
+class TempDir {
+ public:
+  TempDir();
+  ~TempDir();
+  const std::filesystem::path& path() const { return path_; }
+  std::filesystem::path operator/(const std::string& name) const { return path_ / name; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+void write_text(const std::filesystem::path& path, const std::string& text);
+std::string read_text(const std::filesystem::path& path);
+std::vector<float> read_floats(const std::filesystem::path& path);
+// Writes `recipe` as JSON into dir/name and returns the path.
+std::filesystem::path write_recipe(const std::filesystem::path& dir, const nlohmann::json& recipe,
+                                   const std::string& name = "recipe.json");
+// A small, quick MLP recipe on synthetic data; tests patch what they need.
+nlohmann::json small_recipe();
+nlohmann::json parse_json(const std::string& text);
+std::vector<nlohmann::json> read_jsonl(const std::filesystem::path& path);
+
+// Polls `condition` every 20 ms until true or timeout; returns whether it became true.
+bool eventually(const std::function<bool()>& condition,
+                std::chrono::milliseconds timeout = std::chrono::seconds(60));
+bool process_alive(pid_t pid);  // exists and is not a zombie
+// Worker pids of the newest generation recorded in run_dir/run.json.
+std::vector<pid_t> worker_pids(const std::filesystem::path& run_dir);
+
+}  // namespace dptrain::test

@@ -1,0 +1,172 @@
+// Failures and recovery with real processes: SIGKILL a rank, resume bit-identically, corrupt
+// checkpoints, Ctrl-C, a killed launcher, and no orphans in any of these.
+#include <doctest/doctest.h>
+
+#include <signal.h>
+
+#include <fstream>
+
+#include "tests/harness.hpp"
+
+using namespace dptrain::test;
+namespace fs = std::filesystem;
+
+namespace {
+
+nlohmann::json resumable_recipe() {
+  auto r = small_recipe();
+  r["train"]["steps"] = 120;
+  r["checkpoint"] = {{"every", 20}, {"keep", 3}};
+  return r;
+}
+
+std::string final_params_bytes(const fs::path& run_dir) {
+  std::string latest = read_text(run_dir / "checkpoints/latest");
+  latest = latest.substr(0, latest.find('\n'));
+  return read_text(run_dir / "checkpoints" / latest / "params.bin");
+}
+
+bool has_checkpoint(const fs::path& run_dir) {
+  return fs::exists(run_dir / "checkpoints/latest");
+}
+
+void check_all_gone(const std::vector<pid_t>& pids) {
+  for (pid_t p : pids) {
+    CAPTURE(p);
+    CHECK(eventually([p] { return !process_alive(p); }, std::chrono::seconds(10)));
+  }
+}
+
+// Runs the recipe slowly in the background until it has a checkpoint and workers are known.
+struct SlowRun {
+  fs::path run_dir;
+  Background launcher;
+  std::vector<pid_t> pids;
+  SlowRun(const fs::path& recipe, const fs::path& dir)
+      : run_dir(dir),
+        launcher({"launch", recipe.string(), "--nproc", "2", "--run-dir", dir.string()},
+                 {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "30"}}) {
+    REQUIRE(eventually([&] { return has_checkpoint(run_dir); }));
+    pids = worker_pids(run_dir);
+    REQUIRE(pids.size() == 2);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("SIGKILL of one rank: launcher exits 3 naming it; resume finishes bit-identically") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  auto straight = run_dptrain(
+      {"launch", recipe.string(), "--nproc", "2", "--run-dir", (tmp / "straight").string()});
+  REQUIRE(straight.exit_code == 0);
+
+  SlowRun run(recipe, tmp / "crashed");
+  REQUIRE(::kill(run.pids[1], SIGKILL) == 0);
+  const int code = run.launcher.wait(std::chrono::seconds(60));
+  const std::string err = run.launcher.err();
+  INFO(err);
+  CHECK(code == 3);
+  CHECK(err.find("rank 1") != std::string::npos);
+  CHECK(err.find("SIGKILL") != std::string::npos);
+  check_all_gone(run.pids);
+  const auto info = parse_json(read_text(run.run_dir / "run.json"));
+  CHECK(info["status"] == "failed");
+  // It really stopped mid-run.
+  CHECK_FALSE(fs::exists(run.run_dir / "checkpoints/step-000120"));
+
+  auto resumed = run_dptrain({"resume", run.run_dir.string(), "--json"});
+  INFO(resumed.err);
+  REQUIRE(resumed.exit_code == 0);
+  const auto out = parse_json(resumed.out);
+  CHECK(out["status"] == "completed");
+  CHECK(out["steps"] == 120);
+  CHECK(final_params_bytes(run.run_dir) == final_params_bytes(tmp / "straight"));
+  const auto after = parse_json(read_text(run.run_dir / "run.json"));
+  CHECK(after["generations"].size() == 2);
+  CHECK(after["generations"][1].contains("resumed_from"));
+  // metrics.jsonl holds each step once, whatever the crash had logged past the checkpoint.
+  std::vector<int64_t> steps;
+  for (const auto& m : read_jsonl(run.run_dir / "metrics.jsonl")) {
+    if (m.contains("loss")) steps.push_back(m["step"].get<int64_t>());
+  }
+  CHECK(std::is_sorted(steps.begin(), steps.end()));
+  CHECK(std::adjacent_find(steps.begin(), steps.end()) == steps.end());
+}
+
+TEST_CASE("resume on another world size reshards and completes") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  SlowRun run(recipe, tmp / "run");
+  ::kill(run.pids[0], SIGKILL);
+  CHECK(run.launcher.wait(std::chrono::seconds(60)) == 3);
+  auto resumed = run_dptrain({"resume", run.run_dir.string(), "--nproc", "1", "--json"});
+  INFO(resumed.err);
+  REQUIRE(resumed.exit_code == 0);
+  CHECK(parse_json(resumed.out)["world_size"] == 1);
+}
+
+TEST_CASE("a corrupt or truncated newest checkpoint is skipped; none valid exits 5") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  auto straight = run_dptrain(
+      {"launch", recipe.string(), "--nproc", "2", "--run-dir", (tmp / "straight").string()});
+  REQUIRE(straight.exit_code == 0);
+  // Checkpoints 80, 100, 120 remain (keep 3). Corrupt 120 and truncate 100: resume must use 80.
+  const fs::path ck = tmp / "straight/checkpoints";
+  const std::string expected = read_text(ck / "step-000120/params.bin");
+  {
+    std::fstream f(ck / "step-000120/params.bin", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(17);
+    f.put('\x7f');
+  }
+  fs::resize_file(ck / "step-000100/optimizer.bin", 10);
+  auto resumed = run_dptrain({"resume", (tmp / "straight").string()});
+  INFO(resumed.err, resumed.out);
+  REQUIRE(resumed.exit_code == 0);
+  CHECK(resumed.out.find("skipping checkpoint step-000120") != std::string::npos);
+  CHECK(resumed.out.find("checksum mismatch") != std::string::npos);
+  CHECK(resumed.out.find("skipping checkpoint step-000100") != std::string::npos);
+  CHECK(resumed.out.find("resuming") != std::string::npos);
+  CHECK(resumed.out.find("step-000080") != std::string::npos);
+  // The corrupt ones were set aside, not deleted.
+  CHECK(fs::exists(ck / "step-000120.corrupt"));
+  CHECK(fs::exists(ck / "step-000100.corrupt"));
+  CHECK(final_params_bytes(tmp / "straight") == expected);
+
+  // Now break every checkpoint.
+  for (const auto& e : fs::directory_iterator(ck)) {
+    if (e.is_directory()) fs::remove(e.path() / "meta.json");
+  }
+  auto none = run_dptrain({"resume", (tmp / "straight").string()});
+  CHECK(none.exit_code == 5);
+  CHECK(none.err.find("no valid checkpoint") != std::string::npos);
+}
+
+TEST_CASE("Ctrl-C stops every rank and exits 130") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  SlowRun run(recipe, tmp / "run");
+  REQUIRE(::kill(run.launcher.pid(), SIGINT) == 0);
+  CHECK(run.launcher.wait(std::chrono::seconds(60)) == 130);
+  check_all_gone(run.pids);
+  CHECK(parse_json(read_text(run.run_dir / "run.json"))["status"] == "interrupted");
+}
+
+TEST_CASE("SIGKILL of the launcher leaves no worker behind") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  SlowRun run(recipe, tmp / "run");
+  REQUIRE(::kill(run.launcher.pid(), SIGKILL) == 0);
+  run.launcher.wait(std::chrono::seconds(10));
+  check_all_gone(run.pids);
+}
+
+TEST_CASE("launching into a directory that holds a run is refused") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  write_text(tmp / "run.json", "{}");
+  auto r = run_dptrain({"launch", recipe.string(), "--run-dir", tmp.path().string()});
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("dptrain resume") != std::string::npos);
+}

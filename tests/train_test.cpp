@@ -1,0 +1,222 @@
+// End-to-end training with real rank processes: accuracy, equivalence, metrics, workers by hand.
+#include <doctest/doctest.h>
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <fstream>
+
+#include "tests/harness.hpp"
+
+using namespace dptrain::test;
+namespace fs = std::filesystem;
+
+namespace {
+
+// A port that was free a moment ago (for hand-started workers and a store nobody serves).
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  socklen_t len = sizeof addr;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+double max_relative_difference(const std::vector<float>& a, const std::vector<float>& b) {
+  double max_abs = 0, max_diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    max_abs = std::max(max_abs, static_cast<double>(std::fabs(a[i])));
+    max_diff = std::max(max_diff, static_cast<double>(std::fabs(a[i] - b[i])));
+  }
+  return max_diff / max_abs;
+}
+
+fs::path final_params(const fs::path& run_dir) {
+  const std::string latest = read_text(run_dir / "checkpoints" / "latest");
+  return run_dir / "checkpoints" / latest.substr(0, latest.find('\n')) / "params.bin";
+}
+
+}  // namespace
+
+TEST_CASE("quickstart on 2 ranks learns well above chance and ranks agree") {
+  TempDir tmp;
+  const fs::path run_dir = tmp / "run";
+  auto r = run_dptrain({"launch", (source_dir() / "recipes/quickstart.json").string(), "--nproc",
+                        "2", "--run-dir", run_dir.string(), "--json"});
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  const auto out = parse_json(r.out);
+  CHECK(out["status"] == "completed");
+  CHECK(out["world_size"] == 2);
+  CHECK(out["steps"] == 300);
+  // 10 classes: chance is 10%. The threshold leaves room for seed changes, not for a broken
+  // trainer.
+  CHECK(out["eval_accuracy"].get<double>() > 0.80);
+  CHECK(out["final_loss"].get<double>() < 1.0);
+  CHECK(out["samples_per_s"].get<double>() > 0);
+  // Every rank's checksum was compared at the end (a mismatch fails the run); the final
+  // checkpoint holds exactly those parameters.
+  const auto params = read_text(final_params(run_dir));
+  const auto meta = parse_json(read_text(final_params(run_dir).parent_path() / "meta.json"));
+  CHECK(meta["step"] == 300);
+  CHECK(meta["world_size"] == 2);
+  CHECK(meta["blobs"]["params"]["bytes"].get<size_t>() == params.size());
+
+  const auto metrics = read_jsonl(run_dir / "metrics.jsonl");
+  int progress = 0, evals = 0;
+  for (const auto& m : metrics) {
+    if (m.contains("loss")) {
+      ++progress;
+      for (const char* k :
+           {"step", "epoch", "loss", "lr", "grad_norm", "samples_per_s", "step_ms", "comm_ms"}) {
+        CAPTURE(k);
+        CHECK(m.contains(k));
+      }
+    }
+    if (m.contains("eval_accuracy")) ++evals;
+  }
+  CHECK(progress == 30);
+  CHECK(evals == 3);  // steps 100, 200 and the end
+  CHECK(fs::exists(run_dir / "logs/localhost-rank0.log"));
+  CHECK(fs::exists(run_dir / "logs/localhost-rank1.log"));
+  const auto info = parse_json(read_text(run_dir / "run.json"));
+  CHECK(info["status"] == "completed");
+  CHECK(info["world_size"] == 2);
+  CHECK(info["generations"].size() == 1);
+  // keep = 3: steps 100, 200, 300
+  int kept = 0;
+  for (const auto& e : fs::directory_iterator(run_dir / "checkpoints")) {
+    kept += e.path().filename().string().rfind("step-", 0) == 0;
+  }
+  CHECK(kept == 3);
+}
+
+TEST_CASE("2 ranks x batch B equal 1 rank x batch 2B after 20 steps") {
+  TempDir tmp;
+  for (const char* opt : {"sgd", "adamw"}) {
+    CAPTURE(opt);
+    auto recipe = small_recipe();
+    recipe["train"]["steps"] = 20;
+    recipe["optimizer"]["type"] = opt;
+    recipe["optimizer"]["lr"] = std::string(opt) == "sgd" ? 0.05 : 0.001;
+    recipe["optimizer"]["clip_grad_norm"] = 0.0;
+    recipe["train"]["batch_per_rank"] = 16;
+    const auto two = write_recipe(tmp.path(), recipe, std::string("two-") + opt + ".json");
+    recipe["train"]["batch_per_rank"] = 32;
+    const auto one = write_recipe(tmp.path(), recipe, std::string("one-") + opt + ".json");
+    const fs::path run2 = tmp / (std::string("run2-") + opt);
+    const fs::path run1 = tmp / (std::string("run1-") + opt);
+    auto a = run_dptrain({"launch", two.string(), "--nproc", "2", "--run-dir", run2.string()});
+    auto b = run_dptrain({"launch", one.string(), "--nproc", "1", "--run-dir", run1.string()});
+    INFO(a.err, b.err);
+    REQUIRE(a.exit_code == 0);
+    REQUIRE(b.exit_code == 0);
+    const auto pa = read_floats(final_params(run2));
+    const auto pb = read_floats(final_params(run1));
+    REQUIRE(pa.size() == pb.size());
+    REQUIRE(!pa.empty());
+    CHECK(max_relative_difference(pa, pb) < 1e-5);
+    // ... and training moved them at all (identical untrained models would pass the comparison).
+    recipe["train"]["steps"] = 0;
+    recipe["optimizer"]["schedule"]["warmup"] = 0;
+    const auto zero = write_recipe(tmp.path(), recipe, std::string("zero-") + opt + ".json");
+    const fs::path run0 = tmp / (std::string("run0-") + opt);
+    REQUIRE(run_dptrain({"launch", zero.string(), "--run-dir", run0.string()}).exit_code == 0);
+    CHECK(max_relative_difference(pa, read_floats(final_params(run0))) > 1e-3);
+  }
+}
+
+TEST_CASE("the same recipe and world size give bit-identical parameters") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), small_recipe());
+  auto a =
+      run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir", (tmp / "a").string()});
+  auto b =
+      run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir", (tmp / "b").string()});
+  REQUIRE(a.exit_code == 0);
+  REQUIRE(b.exit_code == 0);
+  CHECK(read_text(final_params(tmp / "a")) == read_text(final_params(tmp / "b")));
+}
+
+TEST_CASE("csv data trains end to end; a bad row names file and line") {
+  TempDir tmp;
+  {
+    std::ofstream csv(tmp / "train.csv");
+    csv << "label,f0,f1,f2,f3\n";
+    for (int i = 0; i < 600; ++i) {
+      const int label = i % 3;
+      csv << label;
+      for (int f = 0; f < 4; ++f) {
+        const double v = (f == label ? 3.0 : 0.0) + 0.3 * std::sin(i * 7.0 + f);
+        csv << "," << v;
+      }
+      csv << "\n";
+    }
+  }
+  auto recipe = small_recipe();
+  recipe["model"] = {{"type", "mlp"}, {"input", 4}, {"hidden", {16}}, {"classes", 3}};
+  recipe["data"] = {{"type", "csv"}, {"path", "train.csv"}, {"eval_fraction", 0.2}};
+  recipe["train"]["steps"] = 80;
+  const auto path = write_recipe(tmp.path(), recipe);
+  auto r = run_dptrain(
+      {"launch", path.string(), "--nproc", "2", "--run-dir", (tmp / "run").string(), "--json"});
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(parse_json(r.out)["eval_accuracy"].get<double>() > 0.9);
+
+  write_text(tmp / "train.csv", "label,f0,f1,f2,f3\n0,1,2,3,4\n1,1,2,x,4\n");
+  auto bad = run_dptrain(
+      {"launch", path.string(), "--nproc", "2", "--run-dir", (tmp / "run-bad").string()});
+  CHECK(bad.exit_code != 0);
+  CHECK(bad.err.find("train.csv:3") != std::string::npos);
+}
+
+TEST_CASE("workers started by hand from the environment, rank 0 hosting the store") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), small_recipe());
+  const std::string port = std::to_string(free_port());
+  Env base = {{"WORLD_SIZE", "2"},
+              {"MASTER_ADDR", "127.0.0.1"},
+              {"MASTER_PORT", port},
+              {"DPTRAIN_RUN_DIR", (tmp / "run").string()}};
+  Env env0 = base, env1 = base;
+  env0["RANK"] = "0";
+  env0["DPTRAIN_HOST_STORE"] = "1";
+  env1["RANK"] = "1";
+  Background r0({"worker", recipe.string()}, env0);
+  Background r1({"worker", recipe.string()}, env1);
+  const int c1 = r1.wait(std::chrono::seconds(120));
+  const int c0 = r0.wait(std::chrono::seconds(120));
+  INFO(r0.err(), r1.err());
+  CHECK(c0 == 0);
+  CHECK(c1 == 0);
+  CHECK(fs::exists(tmp / "run/result.json"));
+  CHECK(fs::exists(tmp / "run/metrics.jsonl"));
+}
+
+TEST_CASE("a worker that cannot reach the store fails within its timeout naming the address") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), small_recipe());
+  const std::string addr = "127.0.0.1:" + std::to_string(free_port());
+  auto r = run_dptrain({"worker", recipe.string(), "--rank", "1", "--world-size", "2", "--store",
+                        addr, "--timeout", "2", "--run-dir", (tmp / "run").string()},
+                       {}, std::chrono::seconds(60));
+  CHECK(r.exit_code == 3);
+  CHECK(r.err.find(addr) != std::string::npos);
+  CHECK(r.err.find("rank 1") != std::string::npos);
+  CHECK(r.seconds < 30);  // a bound against hanging, not a speed assertion
+}
+
+TEST_CASE("a worker missing its identity says which variable is missing") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), small_recipe());
+  auto r = run_dptrain({"worker", recipe.string()}, {{"RANK", ""}, {"WORLD_SIZE", ""}});
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("RANK") != std::string::npos);
+}
