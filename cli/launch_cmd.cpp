@@ -8,6 +8,7 @@
 #include "cli/run_report.hpp"
 #include "core/error.hpp"
 #include "core/recipe.hpp"
+#include "core/trainer.hpp"
 #include "launch/job.hpp"
 #include "launch/run_dir.hpp"
 #include "launch/status.hpp"
@@ -36,6 +37,7 @@ int run_launch(const LaunchOptions& o) {
   spec.world_size = o.nproc;
   spec.backend = o.backend.empty() ? spec.recipe.distributed.backend : o.backend;
   resolve_backend(spec.backend);  // refuse an unavailable backend before creating anything
+  check_runnable(spec.recipe, spec.world_size);
   spec.worker_binary = self_executable();
   RunDirectory run = RunDirectory::create(o.run_dir, o.runs_root, spec.recipe.name);
   run.info()["recipe_file"] = std::filesystem::absolute(o.recipe).string();

@@ -10,6 +10,7 @@
 #include "core/checkpoint.hpp"
 #include "core/error.hpp"
 #include "core/recipe.hpp"
+#include "core/trainer.hpp"
 #include "launch/job.hpp"
 #include "launch/run_dir.hpp"
 #include "launch/status.hpp"
@@ -58,6 +59,7 @@ int run_resume(const ResumeOptions& o) {
   spec.world_size = o.nproc > 0 ? o.nproc : run.info().value("world_size", 1);
   spec.backend = run.info().value("backend", std::string("auto"));
   spec.worker_binary = self_executable();
+  check_runnable(spec.recipe, spec.world_size);
   spec.resume_from = find_valid_checkpoint(
       run.checkpoints(), [&status](const std::string& w) { status.line("warning: " + w); });
   set_aside_newer(run.checkpoints(), spec.resume_from, status);

@@ -77,6 +77,8 @@ class TrainingRun {
     double window_comm_ms = 0;
     double last_loss = 0;
     const int64_t first_step = step_;
+    first_step_ = step_;
+    run_start_ = Clock::now();
     for (; step_ < total; ++step_) {
       const auto t0 = Clock::now();
       double comm_ms = 0;
@@ -229,6 +231,11 @@ class TrainingRun {
     json event = line;
     event["event"] = "progress";
     event["steps"] = recipe_.train.steps;
+    const int64_t done_here = step - first_step_;
+    if (done_here > 0) {
+      event["eta_s"] = ms_since(run_start_) / 1000.0 / static_cast<double>(done_here) *
+                       static_cast<double>(recipe_.train.steps - step);
+    }
     emit(event);
   }
 
@@ -347,11 +354,19 @@ class TrainingRun {
   std::vector<float> x_;
   std::vector<int32_t> y_;
   int64_t step_ = 0;
+  int64_t first_step_ = 0;
+  Clock::time_point run_start_;
   int64_t epoch_ = 0;
   int64_t batch_in_epoch_ = 0;
 };
 
 }  // namespace
+
+void check_runnable(const Recipe& recipe, int world_size) {
+  const DataSplits data = load_data(recipe.data, recipe.model, recipe.seed);
+  const int64_t global_batch = world_size * recipe.train.batch_per_rank * recipe.train.grad_accum;
+  DistributedSampler sampler(data.train->size(), global_batch, recipe.seed);
+}
 
 TrainResult train(const Recipe& recipe, Communicator& comm, const TrainerOptions& options) {
   TrainingRun run(recipe, comm, options);

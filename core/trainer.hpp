@@ -33,6 +33,10 @@ struct TrainResult {
   nlohmann::json to_json() const;
 };
 
+// What a rank would find wrong only after it started: the data (a bad CSV row, a split smaller
+// than one global batch). Loads the data once; Error(recipe) naming the file, line or fields.
+void check_runnable(const Recipe& recipe, int world_size);
+
 // Runs the recipe's training to completion on this rank. Every rank calls it with its own
 // Communicator. Throws Error on failure (comm when a peer fails or ranks diverge).
 TrainResult train(const Recipe& recipe, Communicator& comm, const TrainerOptions& options);

@@ -173,8 +173,25 @@ TEST_CASE("csv data trains end to end; a bad row names file and line") {
   write_text(tmp / "train.csv", "label,f0,f1,f2,f3\n0,1,2,3,4\n1,1,2,x,4\n");
   auto bad = run_dptrain(
       {"launch", path.string(), "--nproc", "2", "--run-dir", (tmp / "run-bad").string()});
-  CHECK(bad.exit_code != 0);
+  // Found before any rank starts: a recipe error, and no run directory.
+  CHECK(bad.exit_code == 2);
   CHECK(bad.err.find("train.csv:3") != std::string::npos);
+  CHECK_FALSE(fs::exists(tmp / "run-bad"));
+}
+
+TEST_CASE("a dataset smaller than one global batch is refused before anything runs") {
+  TempDir tmp;
+  auto recipe = small_recipe();
+  recipe["data"]["samples"] = 100;  // 90 for training
+  recipe["train"]["batch_per_rank"] = 32;
+  const auto path = write_recipe(tmp.path(), recipe);
+  CHECK(run_dptrain({"launch", path.string(), "--nproc", "2", "--run-dir", (tmp / "a").string()})
+            .exit_code == 0);
+  auto r =
+      run_dptrain({"launch", path.string(), "--nproc", "4", "--run-dir", (tmp / "b").string()});
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("128") != std::string::npos);  // the global batch
+  CHECK_FALSE(fs::exists(tmp / "b"));
 }
 
 TEST_CASE("workers started by hand from the environment, rank 0 hosting the store") {
