@@ -220,19 +220,24 @@ SampleTable read_csv_samples(const std::filesystem::path& path, const std::strin
   return table;
 }
 
-DataSplits split_samples(std::shared_ptr<const SampleTable> samples, double eval_fraction,
-                         uint64_t seed) {
+int64_t eval_split_size(int64_t size, double eval_fraction) {
   if (!(eval_fraction >= 0.0 && eval_fraction < 1.0)) {
     throw Error(ErrorKind::recipe,
                 "data.eval_fraction: must be in [0, 1), got " + std::to_string(eval_fraction));
   }
-  const int64_t size = samples->size();
   const auto eval_size =
       static_cast<int64_t>(std::llround(static_cast<double>(size) * eval_fraction));
   if (eval_size >= size) {
     throw Error(ErrorKind::recipe, "data.eval_fraction: " + std::to_string(eval_fraction) + " of " +
                                        std::to_string(size) + " samples leaves none for training");
   }
+  return eval_size;
+}
+
+DataSplits split_samples(std::shared_ptr<const SampleTable> samples, double eval_fraction,
+                         uint64_t seed) {
+  const int64_t size = samples->size();
+  const int64_t eval_size = eval_split_size(size, eval_fraction);
   std::vector<int64_t> order(static_cast<size_t>(size));
   std::iota(order.begin(), order.end(), int64_t{0});
   std::mt19937_64 rng(derive_seed(seed, kSplitStream));
@@ -240,6 +245,13 @@ DataSplits split_samples(std::shared_ptr<const SampleTable> samples, double eval
   const auto train_end = order.begin() + (size - eval_size);
   return {std::make_shared<TableDataset>(samples, std::vector<int64_t>(order.begin(), train_end)),
           std::make_shared<TableDataset>(samples, std::vector<int64_t>(train_end, order.end()))};
+}
+
+int64_t training_samples(const DataSpec& data, const ModelSpec& model, uint64_t seed) {
+  if (data.type == "synthetic-classification") {
+    return data.samples - eval_split_size(data.samples, data.eval_fraction);
+  }
+  return load_data(data, model, seed).train->size();
 }
 
 DataSplits load_data(const DataSpec& data, const ModelSpec& model, uint64_t seed) {

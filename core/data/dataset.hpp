@@ -40,6 +40,11 @@ struct SampleTable {
 // Loads the data the spec names, for a model with model.input features and model.classes classes,
 // and splits it. Errors are Error(recipe) naming the file and line (csv) or the field.
 DataSplits load_data(const DataSpec& data, const ModelSpec& model, uint64_t seed);
+// Size of the training split, validating the data on the way: synthetic data is not generated,
+// a CSV file is read whole (every row checked).
+int64_t training_samples(const DataSpec& data, const ModelSpec& model, uint64_t seed);
+// How many of `size` samples the held-out split gets; Error(recipe) if none are left to train.
+int64_t eval_split_size(int64_t size, double eval_fraction);
 
 // data.samples points around one centre per class: centre + data.noise * N(0, 1) per feature. The
 // centres are spread so that the task is learnable but not trivial at noise 1.
