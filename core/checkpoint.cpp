@@ -104,7 +104,8 @@ fs::path write_checkpoint(const fs::path& checkpoints_dir, const TrainingPositio
     fs::rename(tmp_dir, final_dir);
     fsync_directory(checkpoints_dir);
   } catch (const fs::filesystem_error& e) {
-    fs::remove_all(tmp_dir);
+    std::error_code ignored;
+    fs::remove_all(tmp_dir, ignored);
     fail(final_dir, fmt::format("cannot write: {}", e.code().message()));
   } catch (const Error& e) {
     std::error_code ignored;

@@ -153,6 +153,16 @@ TEST_CASE("Ctrl-C stops every rank and exits 130") {
   CHECK(parse_json(read_text(run.run_dir / "run.json"))["status"] == "interrupted");
 }
 
+TEST_CASE("SIGTERM stops every rank and exits 143") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  SlowRun run(recipe, tmp / "run");
+  REQUIRE(::kill(run.launcher.pid(), SIGTERM) == 0);
+  CHECK(run.launcher.wait(std::chrono::seconds(60)) == 143);
+  check_all_gone(run.pids);
+  CHECK(parse_json(read_text(run.run_dir / "run.json"))["status"] == "terminated");
+}
+
 TEST_CASE("SIGKILL of the launcher leaves no worker behind") {
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), resumable_recipe());

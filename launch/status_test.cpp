@@ -1,0 +1,73 @@
+// The status printer: plain lines in a pipe, one rewritten line on a terminal.
+#include "launch/status.hpp"
+
+#include <doctest/doctest.h>
+
+#include <cstdio>
+#include <string>
+
+using namespace dptrain;
+
+namespace {
+
+std::string printed(bool tty, const std::function<void(StatusPrinter&)>& use) {
+  char* buf = nullptr;
+  size_t size = 0;
+  std::FILE* f = ::open_memstream(&buf, &size);
+  {
+    StatusPrinter p(f, tty);
+    use(p);
+  }
+  std::fclose(f);
+  std::string out(buf, size);
+  std::free(buf);
+  return out;
+}
+
+const nlohmann::json progress = {{"event", "progress"},
+                                 {"step", 10},
+                                 {"steps", 100},
+                                 {"loss", 1.5},
+                                 {"lr", 0.001},
+                                 {"grad_norm", 2.0},
+                                 {"samples_per_s", 1234.0},
+                                 {"step_ms", 1.0},
+                                 {"comm_ms", 0.5},
+                                 {"eta_s", 3725.0}};
+
+}  // namespace
+
+TEST_CASE("status: events are formatted for people") {
+  const std::string p = format_event(progress);
+  CHECK(p.find("step 10/100") != std::string::npos);
+  CHECK(p.find("loss 1.5000") != std::string::npos);
+  CHECK(p.find("1234 samples/s") != std::string::npos);
+  CHECK(p.find("eta 1:02:05") != std::string::npos);
+  CHECK(format_event({{"event", "eval"}, {"step", 5}, {"eval_loss", 0.25}, {"eval_accuracy", 0.5}})
+            .find("accuracy 50.00%") != std::string::npos);
+  CHECK(format_event({{"event", "info"}, {"message", "hello"}}) == "hello");
+}
+
+TEST_CASE("status: a pipe gets plain lines, no control characters") {
+  const std::string out = printed(false, [](StatusPrinter& p) {
+    p.event(progress);
+    p.line("a line");
+    p.event(progress);
+  });
+  CHECK(out.find('\r') == std::string::npos);
+  CHECK(out.find('\033') == std::string::npos);
+  CHECK(std::count(out.begin(), out.end(), '\n') == 3);
+}
+
+TEST_CASE("status: a terminal gets one progress line rewritten in place") {
+  const std::string out = printed(true, [](StatusPrinter& p) {
+    p.event(progress);
+    p.event(progress);
+    p.line("checkpoint");
+    p.event(progress);
+  });
+  CHECK(out.find("\r\033[K") != std::string::npos);
+  // Progress lines are not newline-terminated; the permanent line and the final finish() are.
+  CHECK(std::count(out.begin(), out.end(), '\n') == 2);
+  CHECK(out.find("checkpoint\n") != std::string::npos);
+}

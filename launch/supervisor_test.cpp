@@ -1,0 +1,118 @@
+// The supervisor with real child processes: output relay, failure attribution, stopping the rest.
+#include "launch/supervisor.hpp"
+
+#include <doctest/doctest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <sstream>
+
+namespace fs = std::filesystem;
+using namespace dptrain;
+
+namespace {
+
+struct Fixture {
+  fs::path dir = fs::temp_directory_path() / ("supervisor-test-" + std::to_string(::getpid()));
+  std::map<std::string, std::vector<std::string>> lines;
+  std::vector<pid_t> pids;
+  std::mutex mutex;
+  SupervisorOptions options;
+
+  Fixture() {
+    fs::create_directories(dir);
+    options.grace = std::chrono::milliseconds(300);
+    options.on_line = [this](const ProcessSpec& p, const std::string& line) {
+      std::lock_guard lock(mutex);
+      lines[p.label].push_back(line);
+    };
+    options.on_started = [this](const std::vector<pid_t>& started) { pids = started; };
+  }
+  ~Fixture() { fs::remove_all(dir); }
+
+  ProcessSpec shell(int rank, const std::string& script) {
+    ProcessSpec p;
+    p.rank = rank;
+    p.label = "rank " + std::to_string(rank);
+    p.argv = {"/bin/sh", "-c", script};
+    p.env = {{"MY_RANK", std::to_string(rank)}};
+    p.log_file = dir / ("rank" + std::to_string(rank) + ".log");
+    return p;
+  }
+};
+
+bool alive(pid_t pid) {
+  return ::kill(pid, 0) == 0;
+}
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+TEST_CASE("supervisor: all succeed; output is relayed per process and logged") {
+  Fixture f;
+  const auto result = supervise({f.shell(0, "echo hello from $MY_RANK; echo second >&2"),
+                                 f.shell(1, "printf 'no newline at end'")},
+                                f.options);
+  CHECK(result.ok());
+  CHECK(f.pids.size() == 2);
+  CHECK(f.lines["rank 0"] == std::vector<std::string>{"hello from 0", "second"});
+  CHECK(f.lines["rank 1"] == std::vector<std::string>{"no newline at end"});
+  CHECK(slurp(f.dir / "rank0.log") == "hello from 0\nsecond\n");
+}
+
+TEST_CASE("supervisor: a failing process stops the others and is named with its last lines") {
+  Fixture f;
+  const auto result = supervise(
+      {f.shell(0, "sleep 30"), f.shell(1, "echo one; echo '@event {}'; echo two; exit 7")},
+      f.options);
+  REQUIRE(result.failure);
+  CHECK(result.failure->rank == 1);
+  CHECK(result.failure->exit_code == 7);
+  CHECK(result.failure->describe().find("rank 1") != std::string::npos);
+  CHECK(result.failure->describe().find("exited with code 7") != std::string::npos);
+  CHECK(result.failure->last_lines == std::vector<std::string>{"one", "two"});
+  for (pid_t p : f.pids)
+    CHECK_FALSE(alive(p));
+}
+
+TEST_CASE("supervisor: death by signal is named; a peer's later exit 3 is not the cause") {
+  Fixture f;
+  // Rank 0 "notices" the dead peer first and exits 3 like a worker whose collective failed;
+  // rank 1's SIGKILL, though found later, is the cause.
+  const auto result =
+      supervise({f.shell(0, "sleep 0.1; exit 3"), f.shell(1, "sleep 0.4; kill -9 $$")}, f.options);
+  REQUIRE(result.failure);
+  CHECK(result.failure->rank == 1);
+  CHECK(result.failure->signal == SIGKILL);
+  CHECK(result.failure->describe().find("SIGKILL") != std::string::npos);
+}
+
+TEST_CASE("supervisor: a process that ignores SIGTERM is killed after the grace period") {
+  Fixture f;
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto result = supervise(
+      {f.shell(0, "trap '' TERM; while :; do sleep 0.05; done"), f.shell(1, "sleep 0.1; exit 1")},
+      f.options);
+  REQUIRE(result.failure);
+  CHECK(result.failure->rank == 1);
+  for (pid_t p : f.pids)
+    CHECK_FALSE(alive(p));
+  // Bound against a hang, far above the 300 ms grace.
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20));
+}
+
+TEST_CASE("supervisor: a grandchild holding the output open does not keep it waiting") {
+  Fixture f;
+  const auto result = supervise({f.shell(0, "(sleep 30 &) ; echo started; exit 5")}, f.options);
+  REQUIRE(result.failure);
+  CHECK(result.failure->exit_code == 5);
+}
