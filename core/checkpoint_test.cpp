@@ -8,19 +8,13 @@
 
 #include "core/error.hpp"
 #include "core/fs.hpp"
+#include "tests/temp_dir.hpp"
 
 namespace fs = std::filesystem;
 using namespace dptrain;
+using dptrain::test::TempDir;
 
 namespace {
-
-struct TempDir {
-  fs::path path = fs::temp_directory_path() /
-                  ("ckpt-test-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
-  TempDir() { fs::create_directories(path); }
-  ~TempDir() { fs::remove_all(path); }
-  static inline int counter = 0;
-};
 
 TrainingPosition position(int64_t step) {
   TrainingPosition p;
@@ -57,9 +51,9 @@ TEST_CASE("checkpoint: write, read back, latest") {
   TempDir tmp;
   const auto params = values(1001, 1.0f);
   const auto optim = values(2002, -3.0f);
-  const fs::path dir = write_checkpoint(tmp.path, position(100), params, optim, 3);
+  const fs::path dir = write_checkpoint(tmp.path(), position(100), params, optim, 3);
   CHECK(dir.filename() == "step-000100");
-  CHECK(read_file(tmp.path / "latest") == "step-000100\n");
+  CHECK(read_file(tmp.path() / "latest") == "step-000100\n");
   const CheckpointData back = read_checkpoint(dir);
   CHECK(back.params == params);
   CHECK(back.optimizer_state == optim);
@@ -71,14 +65,14 @@ TEST_CASE("checkpoint: write, read back, latest") {
   CHECK(back.position.recipe_hash == "0123456789abcdef");
   CHECK(back.position.rng_state == "sampler seed=1 epoch=2");
   // No temporary directory is left behind.
-  for (const auto& e : fs::directory_iterator(tmp.path)) {
+  for (const auto& e : fs::directory_iterator(tmp.path())) {
     CHECK(e.path().filename().string().rfind(".tmp", 0) != 0);
   }
 }
 
 TEST_CASE("checkpoint: empty optimizer state and zero parameters round-trip") {
   TempDir tmp;
-  const fs::path dir = write_checkpoint(tmp.path, position(0), {}, {}, 1);
+  const fs::path dir = write_checkpoint(tmp.path(), position(0), {}, {}, 1);
   const CheckpointData back = read_checkpoint(dir);
   CHECK(back.params.empty());
   CHECK(back.optimizer_state.empty());
@@ -88,8 +82,8 @@ TEST_CASE("checkpoint: keep prunes the oldest, newest first listing") {
   TempDir tmp;
   const auto p = values(10, 0.0f);
   for (int64_t s : {10, 20, 30, 40, 50})
-    write_checkpoint(tmp.path, position(s), p, p, 2);
-  const auto all = list_checkpoints(tmp.path);
+    write_checkpoint(tmp.path(), position(s), p, p, 2);
+  const auto all = list_checkpoints(tmp.path());
   REQUIRE(all.size() == 2);
   CHECK(all[0].filename() == "step-000050");
   CHECK(all[1].filename() == "step-000040");
@@ -98,7 +92,7 @@ TEST_CASE("checkpoint: keep prunes the oldest, newest first listing") {
 TEST_CASE("checkpoint: every kind of damage is detected and named") {
   TempDir tmp;
   const auto p = values(257, 2.0f);
-  const fs::path dir = write_checkpoint(tmp.path, position(7), p, p, 1);
+  const fs::path dir = write_checkpoint(tmp.path(), position(7), p, p, 1);
   auto expect_error = [&](const char* phrase) {
     try {
       read_checkpoint(dir);
@@ -134,42 +128,42 @@ TEST_CASE("find_valid_checkpoint: newest valid wins, damaged ones are reported")
   TempDir tmp;
   const auto p = values(64, 5.0f);
   for (int64_t s : {10, 20, 30})
-    write_checkpoint(tmp.path, position(s), p, p, 5);
+    write_checkpoint(tmp.path(), position(s), p, p, 5);
   std::vector<std::string> warnings;
   auto warn = [&](const std::string& w) { warnings.push_back(w); };
-  CHECK(find_valid_checkpoint(tmp.path, warn).filename() == "step-000030");
+  CHECK(find_valid_checkpoint(tmp.path(), warn).filename() == "step-000030");
   CHECK(warnings.empty());
 
-  flip_byte(tmp.path / "step-000030/params.bin", 3);
-  CHECK(find_valid_checkpoint(tmp.path, warn).filename() == "step-000020");
+  flip_byte(tmp.path() / "step-000030/params.bin", 3);
+  CHECK(find_valid_checkpoint(tmp.path(), warn).filename() == "step-000020");
   REQUIRE(warnings.size() == 1);
   CHECK(warnings[0].find("step-000030") != std::string::npos);
 
   // `latest` pointing at a directory that is gone, or holding garbage, is not fatal.
-  write_file_atomic(tmp.path / "latest", "step-000099\n");
-  CHECK(find_valid_checkpoint(tmp.path, warn).filename() == "step-000020");
-  write_file_atomic(tmp.path / "latest", "../../etc\n");
-  CHECK(find_valid_checkpoint(tmp.path, warn).filename() == "step-000020");
+  write_file_atomic(tmp.path() / "latest", "step-000099\n");
+  CHECK(find_valid_checkpoint(tmp.path(), warn).filename() == "step-000020");
+  write_file_atomic(tmp.path() / "latest", "../../etc\n");
+  CHECK(find_valid_checkpoint(tmp.path(), warn).filename() == "step-000020");
 
   for (int64_t s : {10, 20})
-    fs::remove(tmp.path / checkpoint_name(s) / "meta.json");
-  CHECK_THROWS_AS(find_valid_checkpoint(tmp.path, warn), Error);
+    fs::remove(tmp.path() / checkpoint_name(s) / "meta.json");
+  CHECK_THROWS_AS(find_valid_checkpoint(tmp.path(), warn), Error);
   try {
-    find_valid_checkpoint(tmp.path, warn);
+    find_valid_checkpoint(tmp.path(), warn);
   } catch (const Error& e) {
     CHECK(e.kind() == ErrorKind::checkpoint);
     CHECK(std::string(e.what()).find("no valid checkpoint") != std::string::npos);
   }
-  CHECK_THROWS_AS(find_valid_checkpoint(tmp.path / "absent", warn), Error);
+  CHECK_THROWS_AS(find_valid_checkpoint(tmp.path() / "absent", warn), Error);
 }
 
 TEST_CASE("checkpoint: a write that cannot happen leaves latest alone") {
   TempDir tmp;
   const auto p = values(8, 1.0f);
-  write_checkpoint(tmp.path, position(1), p, p, 3);
+  write_checkpoint(tmp.path(), position(1), p, p, 3);
   // A regular file where the checkpoints directory should be.
-  const fs::path blocked = tmp.path / "blocked";
+  const fs::path blocked = tmp.path() / "blocked";
   std::ofstream(blocked) << "x";
   CHECK_THROWS_AS(write_checkpoint(blocked, position(2), p, p, 3), Error);
-  CHECK(read_file(tmp.path / "latest") == "step-000001\n");
+  CHECK(read_file(tmp.path() / "latest") == "step-000001\n");
 }

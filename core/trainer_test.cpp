@@ -10,9 +10,11 @@
 #include "core/comm/gloo_communicator.hpp"
 #include "core/comm/tcp_store.hpp"
 #include "core/error.hpp"
+#include "tests/temp_dir.hpp"
 
 namespace fs = std::filesystem;
 using namespace dptrain;
+using dptrain::test::TempDir;
 
 namespace {
 
@@ -96,36 +98,28 @@ std::vector<RankOutcome> train_ranks(const Recipe& recipe, int world, const fs::
   return outcomes;
 }
 
-struct TempDir {
-  fs::path path = fs::temp_directory_path() /
-                  ("trainer-test-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
-  TempDir() { fs::create_directories(path); }
-  ~TempDir() { fs::remove_all(path); }
-  static inline int counter = 0;
-};
-
 }  // namespace
 
 TEST_CASE("trainer: two ranks in threads agree and write result, metrics and a checkpoint") {
   TempDir tmp;
-  const auto outcomes = train_ranks(tiny_recipe(), 2, tmp.path, -1);
+  const auto outcomes = train_ranks(tiny_recipe(), 2, tmp.path(), -1);
   REQUIRE(outcomes[0].error.empty());
   REQUIRE(outcomes[1].error.empty());
   CHECK(outcomes[0].result.params_checksum == outcomes[1].result.params_checksum);
   CHECK(outcomes[0].result.steps == 30);
-  CHECK(fs::exists(tmp.path / "result.json"));
-  CHECK(fs::exists(tmp.path / "metrics.jsonl"));
-  CHECK(fs::exists(tmp.path / "checkpoints/step-000030/params.bin"));
+  CHECK(fs::exists(tmp.path() / "result.json"));
+  CHECK(fs::exists(tmp.path() / "metrics.jsonl"));
+  CHECK(fs::exists(tmp.path() / "checkpoints/step-000030/params.bin"));
 }
 
 TEST_CASE("trainer: a rank whose parameters drift is caught at the next replica check") {
   TempDir tmp;
-  const auto outcomes = train_ranks(tiny_recipe(), 2, tmp.path, 1);
+  const auto outcomes = train_ranks(tiny_recipe(), 2, tmp.path(), 1);
   for (const auto& o : outcomes) {
     CAPTURE(o.error);
     CHECK(o.error.find("rank 1 parameters diverged from rank 0 at step 5") != std::string::npos);
   }
-  CHECK_FALSE(fs::exists(tmp.path / "result.json"));
+  CHECK_FALSE(fs::exists(tmp.path() / "result.json"));
 }
 
 TEST_CASE("trainer: check_runnable refuses a split smaller than one global batch") {

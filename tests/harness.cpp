@@ -68,16 +68,11 @@ int decode(int status) {
   return -1;
 }
 
-fs::path unique_temp(const std::string& stem) {
-  static int counter = 0;
-  return fs::temp_directory_path() /
-         (stem + "-" + std::to_string(::getpid()) + "-" + std::to_string(++counter));
-}
-
 }  // namespace
 
 Background::Background(const std::vector<std::string>& args, const Env& env)
-    : out_file_(unique_temp("dptrain-out")), err_file_(unique_temp("dptrain-err")) {
+    : out_file_(TempDir::unique_path("dptrain-out")),
+      err_file_(TempDir::unique_path("dptrain-err")) {
   pid_ = spawn(args, env, out_file_, err_file_);
 }
 
@@ -129,14 +124,6 @@ CommandResult run_dptrain(const std::vector<std::string>& args, const Env& env,
   r.err = p.err();
   r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   return r;
-}
-
-TempDir::TempDir() : path_(unique_temp("dptrain-test")) {
-  fs::create_directories(path_);
-}
-TempDir::~TempDir() {
-  std::error_code ec;
-  fs::remove_all(path_, ec);
 }
 
 void write_text(const fs::path& path, const std::string& text) {

@@ -12,6 +12,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "tests/temp_dir.hpp"
+
 namespace dptrain::test {
 
 struct CommandResult {
@@ -48,17 +50,6 @@ class Background {
   bool reaped_ = false;
   int status_ = -1;
   std::filesystem::path out_file_, err_file_;
-};
-
-class TempDir {
- public:
-  TempDir();
-  ~TempDir();
-  const std::filesystem::path& path() const { return path_; }
-  std::filesystem::path operator/(const std::string& name) const { return path_ / name; }
-
- private:
-  std::filesystem::path path_;
 };
 
 void write_text(const std::filesystem::path& path, const std::string& text);
