@@ -24,6 +24,9 @@ void setup_launch(CLI::App& app, Outcome& outcome);
 void setup_resume(CLI::App& app, Outcome& outcome);
 void setup_recipe(CLI::App& app, Outcome& outcome);
 void setup_worker(CLI::App& app, Outcome& outcome);
+void setup_provision(CLI::App& app, Outcome& outcome);
+void setup_agent(CLI::App& app, Outcome& outcome);
+void setup_relay(CLI::App& app, Outcome& outcome);
 
 inline const std::vector<Subcommand>& subcommands() {
   static const std::vector<Subcommand> table = {
@@ -31,6 +34,10 @@ inline const std::vector<Subcommand>& subcommands() {
       {"resume", "Continue a run from its newest valid checkpoint", setup_resume},
       {"recipe", "Validate a recipe or show it with every default filled in", setup_recipe},
       {"worker", "Run one rank (started by launch, or by hand / another scheduler)", setup_worker},
+      {"provision", "Check hosts over SSH and install dptrain, a recipe and files on them",
+       setup_provision},
+      {"agent", "Run the ranks of one node for a launcher (started over SSH)", setup_agent},
+      {"_relay", "Internal: the launcher's end of one host's SSH connection", setup_relay},
   };
   return table;
 }

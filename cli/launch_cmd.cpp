@@ -1,10 +1,12 @@
-// `dptrain launch RECIPE`: start a run on local ranks.
+// `dptrain launch RECIPE`: start a run on local ranks, or across hosts over SSH.
+#include <climits>
 #include <cstdio>
 #include <memory>
 
 #include <fmt/format.h>
 
 #include "cli/commands.hpp"
+#include "cli/host_options.hpp"
 #include "cli/run_report.hpp"
 #include "core/error.hpp"
 #include "core/recipe.hpp"
@@ -20,32 +22,112 @@ namespace {
 
 struct LaunchOptions {
   std::string recipe;
-  int nproc = 1;
+  static constexpr int kUnset = INT_MIN;
+  int nproc = kUnset;  // 1 without --hosts
   std::string run_dir;
   std::string runs_root = "runs";
   std::string backend;  // empty: the recipe's distributed.backend
+  HostOptions hosts;
+  std::string workdir = "~/.dptrain";
+  std::string remote_binary;
+  std::string master_addr;
+  int master_port = 0;
+  bool dry_run = false;
   bool json = false;
 };
 
-int run_launch(const LaunchOptions& o) {
-  install_stop_signal_handlers();
+JobSpec job_spec(const LaunchOptions& o) {
   JobSpec spec;
   spec.recipe = load_recipe(o.recipe);
-  if (o.nproc < 1) {
-    throw Error(ErrorKind::usage, fmt::format("--nproc: must be >= 1, got {}", o.nproc));
+  if (!o.hosts.hosts.empty()) {
+    if (o.nproc != LaunchOptions::kUnset) {
+      throw Error(ErrorKind::usage,
+                  "--nproc: not with --hosts (each host's slots give its number of ranks)");
+    }
+    spec.hosts = o.hosts.load();
+    spec.world_size = 0;
+    for (const auto& h : spec.hosts)
+      spec.world_size += h.slots;
+  } else {
+    spec.world_size = o.nproc == LaunchOptions::kUnset ? 1 : o.nproc;
+    if (spec.world_size < 1) {
+      throw Error(ErrorKind::usage, fmt::format("--nproc: must be >= 1, got {}", o.nproc));
+    }
   }
-  spec.world_size = o.nproc;
+  if (o.master_port < 0 || o.master_port > 65535) {
+    throw Error(ErrorKind::usage, fmt::format("--master-port: not a port: {}", o.master_port));
+  }
   spec.backend = o.backend.empty() ? spec.recipe.distributed.backend : o.backend;
   resolve_backend(spec.backend);  // refuse an unavailable backend before creating anything
-  check_runnable(spec.recipe, spec.world_size);
   spec.worker_binary = self_executable();
+  spec.remote.ssh = o.hosts.ssh();
+  spec.remote.workdir = o.workdir;
+  spec.remote.remote_binary = o.remote_binary;
+  spec.remote.master_addr = o.master_addr;
+  spec.remote.master_port = static_cast<uint16_t>(o.master_port);
+  return spec;
+}
+
+void print_dry_run(const JobSpec& spec, bool json) {
+  const std::string addr = resolve_master_addr(spec);
+  const JobPlan plan =
+      plan_job(spec, "runs/<name>-<time>", 1, addr, spec.remote.master_port, "<redacted>");
+  const nlohmann::json j = plan.to_json(spec);
+  if (json) {
+    std::printf("%s\n", j.dump(2).c_str());
+    return;
+  }
+  std::printf(
+      "store %s, %d rank(s) on %zu host(s); the store secret goes through the "
+      "environment only\n",
+      plan.store.c_str(), j["world_size"].get<int>(), plan.hosts.size());
+  std::printf("%-24s %-8s %-12s %s\n", "HOST", "VIA", "RANKS", "COMMAND");
+  for (const auto& h : j["hosts"]) {
+    const auto ranks = h["ranks"].get<std::vector<int>>();
+    const std::string range = ranks.empty() ? "-"
+                              : ranks.size() == 1
+                                  ? std::to_string(ranks.front())
+                                  : fmt::format("{}-{}", ranks.front(), ranks.back());
+    std::string command;
+    if (h.contains("command")) {
+      for (const auto& part : h["command"])
+        command += part.get<std::string>() + " ";
+    } else {
+      command = "(spawned directly)";
+    }
+    std::printf("%-24s %-8s %-12s %s\n", h["host"].get<std::string>().c_str(),
+                h["via"].get<std::string>().c_str(), range.c_str(), command.c_str());
+    for (const auto& w : h["workers"]) {
+      std::string argv;
+      for (const auto& part : w["command"])
+        argv += part.get<std::string>() + " ";
+      std::string env;
+      for (const auto& [k, v] : w["env"].items())
+        env += k + "=" + v.get<std::string>() + " ";
+      std::printf("  rank %d (local %d): %s\n    env: %s\n", w["rank"].get<int>(),
+                  w["local_rank"].get<int>(), argv.c_str(), env.c_str());
+    }
+  }
+}
+
+int run_launch(const LaunchOptions& o) {
+  install_stop_signal_handlers();
+  JobSpec spec = job_spec(o);
+  check_runnable(spec.recipe, spec.world_size);
+  if (o.dry_run) {
+    print_dry_run(spec, o.json);
+    return 0;
+  }
   RunDirectory run = RunDirectory::create(o.run_dir, o.runs_root, spec.recipe.name);
   run.info()["recipe_file"] = std::filesystem::absolute(o.recipe).string();
   std::FILE* status_out = o.json ? stderr : stdout;
   StatusPrinter status(status_out, StatusPrinter::is_terminal(status_out));
-  status.line(fmt::format("dptrain {}: {} on {} local rank(s), run directory {}", DPTRAIN_VERSION,
-                          spec.recipe.name, spec.world_size, run.path().string()));
-  const JobOutcome outcome = run_local_job(run, spec, status);
+  status.line(fmt::format("dptrain {}: {} on {} rank(s){}, run directory {}", DPTRAIN_VERSION,
+                          spec.recipe.name, spec.world_size,
+                          spec.hosts.empty() ? std::string(" on this machine")
+                                             : fmt::format(" across {} host(s)", spec.hosts.size()),
+                          run.path().string()));
+  const JobOutcome outcome = run_job(run, spec, status);
   return report_outcome(run, outcome, o.json);
 }
 
@@ -54,15 +136,26 @@ int run_launch(const LaunchOptions& o) {
 void setup_launch(CLI::App& app, Outcome& outcome) {
   auto o = std::make_shared<LaunchOptions>();
   app.add_option("recipe", o->recipe, "Recipe JSON file")->required();
-  app.add_option("-n,--nproc", o->nproc, "Number of local ranks (processes)")
-      ->capture_default_str();
+  app.add_option("-n,--nproc", o->nproc, "Number of local ranks (default 1; not with --hosts)");
   app.add_option("--run-dir", o->run_dir,
                  "Run directory (default: RUNS_ROOT/<name>-<UTC time>); must not hold a run");
   app.add_option("--runs-root", o->runs_root, "Where new run directories are made")
       ->capture_default_str();
   app.add_option("--backend", o->backend,
                  "Collective backend: auto or gloo (default: the recipe's distributed.backend)");
-  app.add_flag("--json", o->json, "Print one JSON object with the outcome on stdout");
+  add_host_options(app, o->hosts, false);
+  app.add_option("--workdir", o->workdir,
+                 "On remote hosts: where bin/dptrain is (see provision) and runs/ go")
+      ->capture_default_str();
+  app.add_option("--remote-binary", o->remote_binary,
+                 "dptrain on remote hosts (default: WORKDIR/bin/dptrain)");
+  app.add_option("--master-addr", o->master_addr,
+                 "Address the store listens on and ranks dial (default: 127.0.0.1 on one "
+                 "machine, else the address this machine reaches the first remote host from)");
+  app.add_option("--master-port", o->master_port, "Store port (default: a free port)");
+  app.add_flag("--dry-run", o->dry_run,
+               "Print the plan (hosts, ranks, commands, environment) and start nothing");
+  app.add_flag("--json", o->json, "Print one JSON object with the outcome (or plan) on stdout");
   app.callback([o, &outcome] {
     outcome.json = o->json;
     outcome.exit_code = run_launch(*o);

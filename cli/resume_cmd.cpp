@@ -51,6 +51,14 @@ int run_resume(const ResumeOptions& o) {
   if (run.info().value("status", "") == "completed") {
     status.line(fmt::format("{}: the run already completed; nothing to resume", o.run_dir));
   }
+  for (const auto& h : run.info().value("hosts", nlohmann::json::array())) {
+    if (h.value("host", std::string("localhost")) != "localhost") {
+      throw Error(ErrorKind::usage,
+                  fmt::format("{}: resuming a run that used --hosts is not supported yet (its "
+                              "checkpoints are on {})",
+                              o.run_dir, run.info()["hosts"][0].value("host", std::string())));
+    }
+  }
   JobSpec spec;
   if (!run.info().contains("recipe")) {
     throw Error(ErrorKind::usage, fmt::format("{}: run.json has no recipe", o.run_dir));
@@ -66,7 +74,7 @@ int run_resume(const ResumeOptions& o) {
   status.line(fmt::format("dptrain {}: resuming {} from {} on {} local rank(s)", DPTRAIN_VERSION,
                           run.path().string(), spec.resume_from.filename().string(),
                           spec.world_size));
-  const JobOutcome outcome = run_local_job(run, spec, status);
+  const JobOutcome outcome = run_job(run, spec, status);
   return report_outcome(run, outcome, o.json);
 }
 

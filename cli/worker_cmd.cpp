@@ -1,12 +1,7 @@
 // `dptrain worker RECIPE`: one rank. Identity comes from flags or the environment (RANK,
 // WORLD_SIZE, LOCAL_RANK, DPTRAIN_STORE or MASTER_ADDR/MASTER_PORT), so it also runs under srun or
 // mpirun without the launcher.
-#include <arpa/inet.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -15,7 +10,9 @@
 #include <fmt/format.h>
 
 #include "cli/commands.hpp"
+#include "core/comm/auth.hpp"
 #include "core/comm/gloo_communicator.hpp"
+#include "core/comm/net.hpp"
 #include "core/comm/store.hpp"
 #include "core/comm/tcp_store.hpp"
 #include "core/error.hpp"
@@ -90,34 +87,10 @@ void fill_from_env(WorkerOptions& o) {
   }
 }
 
-bool is_loopback(const std::string& host) {
-  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
-}
-
-// The local address the kernel would use to reach `host`: what peers on other nodes can reach
-// this rank on. A UDP connect sends nothing.
-std::string local_address_towards(const std::string& host, uint16_t port) {
-  addrinfo hints{};
-  hints.ai_family = AF_INET;
-  hints.ai_socktype = SOCK_DGRAM;
-  addrinfo* res = nullptr;
-  if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res) != 0 || !res) {
-    throw Error(ErrorKind::comm, fmt::format("cannot resolve store host '{}'", host));
-  }
-  std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> guard(res, ::freeaddrinfo);
-  const int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-  sockaddr_in local{};
-  socklen_t len = sizeof local;
-  const bool ok = fd >= 0 && ::connect(fd, res->ai_addr, res->ai_addrlen) == 0 &&
-                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0;
-  if (fd >= 0) ::close(fd);
-  if (!ok) throw Error(ErrorKind::comm, fmt::format("no route to store host '{}'", host));
-  char buf[INET_ADDRSTRLEN];
-  ::inet_ntop(AF_INET, &local.sin_addr, buf, sizeof buf);
-  return buf;
-}
-
 int run_worker(WorkerOptions o) {
+  // A peer that dies mid-collective must surface as a communication error naming it, not as
+  // this rank dying of SIGPIPE on the broken socket.
+  std::signal(SIGPIPE, SIG_IGN);
   fill_from_env(o);
   const Recipe recipe = load_recipe(o.recipe);
   const std::string backend = env("DPTRAIN_BACKEND").value_or(recipe.distributed.backend);
@@ -131,15 +104,19 @@ int run_worker(WorkerOptions o) {
   const auto [host, port] = parse_host_port(o.store);
   std::filesystem::create_directories(o.run_dir);
 
+  // The job secret comes through the environment only; "" means an open store (by hand).
+  const std::string secret = env(kStoreSecretEnv).value_or("");
   std::unique_ptr<TcpStoreServer> server;
-  if (o.host_store && o.rank == 0) server = std::make_unique<TcpStoreServer>("0.0.0.0", port);
-  TcpStoreClient client(host, port, timeout);
+  if (o.host_store && o.rank == 0) {
+    server = std::make_unique<TcpStoreServer>("0.0.0.0", port, secret);
+  }
+  TcpStoreClient client(host, port, timeout, secret);
   PrefixStore store(fmt::format("gen{}", o.generation), client);
 
   GlooOptions gloo;
   gloo.hostname = !o.bind.empty()
                       ? o.bind
-                      : (is_loopback(host) ? "127.0.0.1" : local_address_towards(host, port));
+                      : (is_loopback_host(host) ? "127.0.0.1" : local_address_towards(host, port));
   gloo.timeout = timeout;
   auto comm = make_gloo_communicator(store, o.rank, o.world_size, gloo);
 
@@ -157,9 +134,8 @@ int run_worker(WorkerOptions o) {
       status.event(e);
     }
   };
-  const TrainResult result = train(recipe, *comm, topts);
+  train(recipe, *comm, topts);
   status.finish();
-  if (!events && o.rank == 0) std::printf("%s\n", result.to_json().dump().c_str());
   return 0;
 }
 

@@ -17,6 +17,7 @@
 #include <fmt/format.h>
 
 #include "core/error.hpp"
+#include "core/suggest.hpp"
 
 namespace dptrain {
 namespace {
@@ -78,44 +79,6 @@ std::string describe(const json& value) {
 }
 
 // ---- "did you mean" ------------------------------------------------------------------------
-
-size_t edit_distance(std::string_view a, std::string_view b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j)
-    row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diagonal = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      size_t above = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diagonal = above;
-    }
-  }
-  return row[b.size()];
-}
-
-bool one_prefixes_other(std::string_view a, std::string_view b) {
-  if (a.empty() || b.empty()) return false;
-  return a.starts_with(b) || b.starts_with(a);
-}
-
-// The known key closest to `unknown`, if any is close enough to be a plausible typo.
-std::optional<std::string> closest_key(const std::string& unknown,
-                                       const std::vector<std::string>& known) {
-  constexpr size_t kMaxTypoDistance = 2;
-  std::optional<std::string> best;
-  size_t best_distance = std::numeric_limits<size_t>::max();
-  for (const auto& candidate : known) {
-    size_t distance = edit_distance(unknown, candidate);
-    bool close = distance <= kMaxTypoDistance || one_prefixes_other(unknown, candidate);
-    if (close && distance < best_distance) {
-      best = candidate;
-      best_distance = distance;
-    }
-  }
-  return best;
-}
 
 // ---- JSON -> C++ conversions: each returns what is wrong, or nothing -------------------------
 
@@ -290,7 +253,7 @@ class Reader {
     for (const auto& [key, value] : object_->items()) {
       if (std::find(known_.begin(), known_.end(), key) != known_.end()) continue;
       std::string what = "unknown key '" + key + "'";
-      if (auto suggestion = closest_key(key, known_))
+      if (auto suggestion = closest_match(key, known_))
         what += "; did you mean '" + *suggestion + "'?";
       problems_.add(pointer_to(pointer_, key), what);
     }

@@ -140,6 +140,9 @@ class TrainingRun {
     result.last_checkpoint = checkpoint(step_);
     if (rank_ == 0) {
       write_file_atomic(options_.run_dir / "result.json", result.to_json().dump(2) + "\n");
+      json event = result.to_json();
+      event["event"] = "result";
+      emit(event);
     }
     return result;
   }

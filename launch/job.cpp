@@ -1,13 +1,19 @@
-// One generation of a job on this machine: store, rank processes, supervision, run.json updates.
+// One generation of a job: store, each host's ranks, supervision, run.json updates.
 #include "launch/job.hpp"
 
 #include <csignal>
+#include <fstream>
+#include <map>
+#include <memory>
 
 #include <fmt/format.h>
 
+#include "core/comm/auth.hpp"
+#include "core/comm/net.hpp"
 #include "core/comm/tcp_store.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
+#include "launch/relay.hpp"
 #include "launch/supervisor.hpp"
 
 namespace dptrain {
@@ -34,58 +40,254 @@ json JobOutcome::to_json(const RunDirectory& run) const {
   return j;
 }
 
-JobOutcome run_local_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status) {
-  const std::string backend = resolve_backend(spec.backend);
-  TcpStoreServer store("127.0.0.1", 0);
-  const fs::path recipe_file = run.path() / "recipe.json";
-  write_file_atomic(recipe_file, to_json(spec.recipe).dump(2) + "\n");
+namespace {
 
+std::vector<HostSpec> job_hosts(const JobSpec& spec) {
+  if (!spec.hosts.empty()) return spec.hosts;
+  HostSpec local;
+  local.host = "localhost";
+  local.slots = spec.world_size;
+  local.origin = "--nproc";
+  return {local};
+}
+
+bool all_local(const std::vector<HostSpec>& hosts) {
+  for (const auto& h : hosts) {
+    if (!h.is_local()) return false;
+  }
+  return true;
+}
+
+std::string remote_binary(const JobSpec& spec) {
+  return spec.remote.remote_binary.empty() ? spec.remote.workdir + "/bin/dptrain"
+                                           : spec.remote.remote_binary;
+}
+
+RelayPlan relay_plan(const JobSpec& spec, const HostSpec& host, const AgentPlan& agent) {
+  RelayPlan r;
+  r.host = host;
+  r.ssh = spec.remote.ssh;
+  r.remote_binary = remote_binary(spec);
+  r.agent = agent;
+  return r;
+}
+
+ProcessSpec relay_spec(const JobSpec& spec, const RelayPlan& plan, const fs::path& logs) {
+  ProcessSpec p;
+  p.label = fmt::format("host {}", plan.host.display());
+  p.rank = plan.agent.ranks.empty() ? 0 : plan.agent.ranks.front();
+  p.argv = {spec.worker_binary.string(), "_relay"};
+  p.env = {{kRelayPlanEnv, plan.to_json().dump()}};
+  p.log_file = logs / fmt::format("{}-agent.log", plan.host.host);
+  return p;
+}
+
+json redacted_env(const std::vector<std::pair<std::string, std::string>>& env) {
+  json out = json::object();
+  for (const auto& [k, v] : env)
+    out[k] = k == kStoreSecretEnv ? std::string("<redacted>") : v;
+  return out;
+}
+
+// Per-rank log files kept by the launcher for ranks on other hosts.
+class RemoteRankLogs {
+ public:
+  explicit RemoteRankLogs(fs::path dir) : dir_(std::move(dir)) {}
+  std::ofstream& open(const std::string& host, int rank) {
+    auto& f = files_[{host, rank}];
+    if (!f) {
+      f = std::make_unique<std::ofstream>(dir_ / fmt::format("{}-rank{}.log", host, rank),
+                                          std::ios::app);
+    }
+    return *f;
+  }
+  void append(const std::string& host, int rank, const std::string& line) {
+    auto& f = open(host, rank);
+    f << line << '\n';
+    f.flush();
+  }
+
+ private:
+  fs::path dir_;
+  std::map<std::pair<std::string, int>, std::unique_ptr<std::ofstream>> files_;
+};
+
+}  // namespace
+
+std::string resolve_master_addr(const JobSpec& spec) {
+  if (!spec.remote.master_addr.empty()) return spec.remote.master_addr;
+  const auto hosts = job_hosts(spec);
+  if (all_local(hosts)) return "127.0.0.1";
+  for (const auto& h : hosts) {
+    if (!h.is_local()) return local_address_towards(h.host, h.port);
+  }
+  return "127.0.0.1";
+}
+
+JobPlan plan_job(const JobSpec& spec, const fs::path& run_path, int generation,
+                 const std::string& store_addr, uint16_t store_port, const std::string& secret) {
+  JobPlan plan;
+  plan.store = fmt::format("{}:{}", store_addr, store_port);
+  plan.secret = secret;
+  plan.hosts = job_hosts(spec);
+  int next_rank = 0;
+  int world = 0;
+  for (const auto& h : plan.hosts)
+    world += h.slots;
+  for (const auto& h : plan.hosts) {
+    AgentPlan a;
+    a.host = h.is_local() ? "localhost" : h.host;
+    a.run_dir =
+        h.is_local() ? run_path : fs::path(spec.remote.workdir) / "runs" / run_path.filename();
+    a.recipe = to_json(spec.recipe);
+    a.store = plan.store;
+    a.secret = secret;
+    a.generation = generation;
+    a.world_size = world;
+    a.backend = resolve_backend(spec.backend);
+    a.resume_from = spec.resume_from.string();
+    for (int i = 0; i < h.slots; ++i)
+      a.ranks.push_back(next_rank++);
+    a.env = spec.worker_env;
+    plan.agents.push_back(std::move(a));
+  }
+  return plan;
+}
+
+json JobPlan::to_json(const JobSpec& spec) const {
+  json hosts_json = json::array();
+  for (size_t i = 0; i < hosts.size(); ++i) {
+    const HostSpec& h = hosts[i];
+    const AgentPlan& a = agents[i];
+    json workers = json::array();
+    for (const auto& w :
+         worker_specs(a, h.is_local() ? spec.worker_binary : fs::path(remote_binary(spec)))) {
+      workers.push_back({{"rank", w.rank},
+                         {"local_rank", workers.size()},
+                         {"command", w.argv},
+                         {"env", redacted_env(w.env)}});
+    }
+    json host = {{"host", h.display()},
+                 {"slots", h.slots},
+                 {"ranks", a.ranks},
+                 {"run_dir", a.run_dir.string()},
+                 {"workers", workers}};
+    if (h.is_local()) {
+      host["via"] = "local";
+    } else {
+      host["via"] = "ssh";
+      host["command"] = {"ssh", "-p", std::to_string(h.port),
+                         h.user.empty() ? h.host : h.user + "@" + h.host,
+                         remote_binary(spec) + " agent"};
+    }
+    hosts_json.push_back(host);
+  }
+  int world = 0;
+  for (const auto& h : hosts)
+    world += h.slots;
+  return {{"store", store}, {"world_size", world}, {"hosts", hosts_json}};
+}
+
+JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status) {
   json& info = run.info();
   const int generation = static_cast<int>(info["generations"].size()) + 1;
+  const std::string addr = resolve_master_addr(spec);
+  const std::string secret = generate_job_secret();
+  TcpStoreServer store(addr, spec.remote.master_port, secret);
+  const JobPlan plan = plan_job(spec, run.path(), generation, addr, store.port(), secret);
+  const bool multi_host = plan.hosts.size() > 1 || !plan.hosts.front().is_local();
+  const bool rank0_remote = !plan.hosts.front().is_local();
+  write_file_atomic(run.path() / "recipe.json", to_json(spec.recipe).dump(2) + "\n");
+
+  std::vector<ProcessSpec> procs;
+  std::map<std::string, std::string> relay_hosts;  // process label -> host
+  for (size_t i = 0; i < plan.hosts.size(); ++i) {
+    const HostSpec& h = plan.hosts[i];
+    if (h.is_local()) {
+      for (auto& w : worker_specs(plan.agents[i], spec.worker_binary)) {
+        if (multi_host) w.label = fmt::format("rank {} on localhost", w.rank);
+        procs.push_back(std::move(w));
+      }
+    } else {
+      ProcessSpec p = relay_spec(spec, relay_plan(spec, h, plan.agents[i]), run.logs());
+      relay_hosts[p.label] = h.host;
+      procs.push_back(std::move(p));
+    }
+  }
+
+  const int world = plan.agents.front().world_size;
   info["recipe"] = to_json(spec.recipe);
-  info["world_size"] = spec.world_size;
-  info["backend"] = backend;
-  info["hosts"] = json::array({{{"host", "localhost"}, {"slots", spec.world_size}}});
+  info["world_size"] = world;
+  info["backend"] = plan.agents.front().backend;
+  info["store"] = plan.store;
+  json hosts_json = json::array();
+  for (size_t i = 0; i < plan.hosts.size(); ++i) {
+    hosts_json.push_back({{"host", plan.hosts[i].display()},
+                          {"slots", plan.hosts[i].slots},
+                          {"ranks", plan.agents[i].ranks},
+                          {"run_dir", plan.agents[i].run_dir.string()}});
+  }
+  info["hosts"] = hosts_json;
   info["status"] = "running";
-  json gen = {
-      {"generation", generation}, {"started_at", utc_timestamp()}, {"world_size", spec.world_size}};
+  json gen = {{"generation", generation}, {"started_at", utc_timestamp()}, {"world_size", world}};
   if (!spec.resume_from.empty()) gen["resumed_from"] = spec.resume_from.filename().string();
   info["generations"].push_back(gen);
   run.save();
 
-  std::vector<ProcessSpec> procs;
-  for (int r = 0; r < spec.world_size; ++r) {
-    ProcessSpec p;
-    p.label = fmt::format("rank {}", r);
-    p.rank = r;
-    p.argv = {spec.worker_binary.string(), "worker", recipe_file.string(), "--run-dir",
-              run.path().string()};
-    if (!spec.resume_from.empty()) {
-      p.argv.push_back("--resume");
-      p.argv.push_back(spec.resume_from.string());
+  json result;
+  std::map<std::string, json> agent_failures;  // host -> the agent's "@failure" report
+  RemoteRankLogs remote_logs(run.logs());
+  const auto handle_event = [&](const json& event) {
+    const std::string kind = event.value("event", "");
+    if (kind == "result") {
+      result = event;
+      result.erase("event");
+      write_file_atomic(run.path() / "result.json", result.dump(2) + "\n");
+      return;
     }
-    p.env = {{"RANK", std::to_string(r)},
-             {"WORLD_SIZE", std::to_string(spec.world_size)},
-             {"LOCAL_RANK", std::to_string(r)},
-             {"LOCAL_WORLD_SIZE", std::to_string(spec.world_size)},
-             {"DPTRAIN_STORE", fmt::format("127.0.0.1:{}", store.port())},
-             {"DPTRAIN_GENERATION", std::to_string(generation)},
-             {"DPTRAIN_BACKEND", backend},
-             {"DPTRAIN_EVENTS", "1"}};
-    p.log_file = run.logs() / fmt::format("localhost-rank{}.log", r);
-    procs.push_back(std::move(p));
-  }
-
+    if (rank0_remote && (kind == "progress" || kind == "eval")) {
+      json line = event;
+      for (const char* k : {"event", "steps", "eta_s"})
+        line.erase(k);
+      append_line(run.path() / "metrics.jsonl", line.dump());
+    }
+    status.event(event);
+  };
   SupervisorOptions options;
-  options.on_line = [&status](const ProcessSpec& p, const std::string& line) {
+  for (size_t i = 0; i < plan.hosts.size(); ++i) {
+    if (plan.hosts[i].is_local()) continue;
+    for (int rank : plan.agents[i].ranks)
+      remote_logs.open(plan.hosts[i].host, rank);
+  }
+  options.on_line = [&](const ProcessSpec& p, const std::string& line) {
+    const auto relay = relay_hosts.find(p.label);
     if (line.rfind("@event ", 0) == 0) {
+      // Only rank 0 sends events: keep them in its log like a local rank 0's.
+      if (relay != relay_hosts.end()) remote_logs.append(relay->second, 0, line);
       const json event = json::parse(line.substr(7), nullptr, false);
-      if (!event.is_discarded()) {
-        status.event(event);
-        return;
-      }
+      if (!event.is_discarded()) return handle_event(event);
     }
-    status.line(fmt::format("[{}] {}", p.label, line));
+    if (relay == relay_hosts.end()) {
+      const std::string who =
+          multi_host ? fmt::format("localhost:{}", p.rank) : fmt::format("rank {}", p.rank);
+      return status.line(fmt::format("[{}] {}", who, line));
+    }
+    const std::string& host = relay->second;
+    if (line.rfind(kAgentFailurePrefix, 0) == 0) {
+      const json report =
+          json::parse(line.substr(std::string(kAgentFailurePrefix).size()), nullptr, false);
+      if (!report.is_discarded() && !agent_failures.count(host)) agent_failures[host] = report;
+      return;
+    }
+    if (line.rfind(kAgentRankPrefix, 0) == 0) {
+      const std::string rest = line.substr(std::string(kAgentRankPrefix).size());
+      const auto space = rest.find(' ');
+      const std::string rank = rest.substr(0, space);
+      const std::string text = space == std::string::npos ? "" : rest.substr(space + 1);
+      remote_logs.append(host, std::atoi(rank.c_str()), text);
+      return status.line(fmt::format("[{}:{}] {}", host, rank, text));
+    }
+    status.line(fmt::format("[{}] {}", host, line));
   };
   options.on_started = [&](const std::vector<pid_t>& pids) {
     info["generations"].back()["pids"] = pids;
@@ -101,24 +303,50 @@ JobOutcome run_local_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& 
     out.error = fmt::format("stopped by {}; all ranks were stopped",
                             sup.stop_signal == SIGTERM ? "SIGTERM" : "SIGINT");
   } else if (sup.failure) {
+    const ProcessFailure& f = *sup.failure;
     out.exit_code = 3;
     out.status = "failed";
-    out.error = sup.failure->describe();
-    if (!sup.failure->last_lines.empty()) {
-      out.error += fmt::format("; its last lines (full log: {}):",
-                               procs[static_cast<size_t>(sup.failure->rank)].log_file.string());
-      for (const auto& l : sup.failure->last_lines)
+    std::vector<std::string> last_lines = f.last_lines;
+    std::string log_hint;
+    const auto relay = relay_hosts.find(f.label);
+    if (relay != relay_hosts.end()) {
+      const std::string& host = relay->second;
+      const auto report = agent_failures.find(host);
+      if (report != agent_failures.end()) {
+        const json& r = report->second;
+        const int rank = r.value("rank", -1);
+        if (rank < 0 && f.exit_code == 4) out.exit_code = 4;  // the relay could not reach it
+        out.error = rank >= 0 ? fmt::format("{} on host {}", r.value("description", ""), host)
+                              : r.value("description", std::string());
+        last_lines = r.value("last_lines", std::vector<std::string>{});
+        if (rank >= 0) {
+          log_hint = (run.logs() / fmt::format("{}-rank{}.log", host, rank)).string();
+        }
+      } else {
+        out.error = fmt::format("the agent on {} failed: {}", host, f.describe());
+        log_hint = procs[0].log_file.string();
+        for (const auto& p : procs) {
+          if (p.label == f.label) log_hint = p.log_file.string();
+        }
+      }
+    } else {
+      out.error = f.describe();
+      for (const auto& p : procs) {
+        if (p.label == f.label) log_hint = p.log_file.string();
+      }
+    }
+    if (!last_lines.empty()) {
+      out.error += fmt::format("; its last lines (full log: {}):", log_hint);
+      for (const auto& l : last_lines)
         out.error += "\n  " + l;
     }
   } else {
     out.status = "completed";
-    try {
-      out.result = json::parse(read_file(run.path() / "result.json"));
-    } catch (const std::exception& e) {
+    out.result = result;
+    if (out.result.is_null()) {
       out.exit_code = 1;
       out.status = "failed";
-      out.error = fmt::format("all ranks exited 0 but {} is missing or unreadable",
-                              (run.path() / "result.json").string());
+      out.error = "all ranks exited 0 but rank 0 reported no result";
     }
   }
   info["status"] = out.status;

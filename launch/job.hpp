@@ -1,41 +1,73 @@
-// One generation of a job on this machine: store, rank processes, supervision, run.json updates.
+// One generation of a job: the store, each host's ranks (spawned directly on this host, through
+// an SSH relay and `dptrain agent` elsewhere), supervision, and run.json updates.
 #pragma once
 
 #include <filesystem>
+#include <map>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "core/recipe.hpp"
+#include "launch/agent.hpp"
+#include "launch/hostfile.hpp"
 #include "launch/run_dir.hpp"
+#include "launch/ssh.hpp"
 #include "launch/status.hpp"
 
 namespace dptrain {
 
+struct RemoteOptions {
+  SshOptions ssh;
+  std::string workdir = "~/.dptrain";  // on remote hosts: bin/dptrain and runs/<run>/
+  std::string remote_binary;           // empty: WORKDIR/bin/dptrain
+  std::string master_addr;             // empty: 127.0.0.1 if every host is local, else the
+                                       // address this machine reaches the first remote host from
+  uint16_t master_port = 0;            // 0: a free port
+};
+
 struct JobSpec {
   Recipe recipe;
-  int world_size = 1;
+  std::vector<HostSpec> hosts;  // empty: `world_size` ranks on localhost
+  int world_size = 1;           // with hosts: the sum of their slots
   std::string backend = "auto";
   std::filesystem::path resume_from;    // a verified checkpoint, or empty
   std::filesystem::path worker_binary;  // this executable
+  RemoteOptions remote;
+  std::map<std::string, std::string> worker_env;  // extra environment for every rank
 };
 
 struct JobOutcome {
   int exit_code = 0;
   std::string status;     // completed | failed | interrupted | terminated
-  std::string error;      // empty on success; the first line names the failed rank
-  nlohmann::json result;  // the trainer's result.json on success
+  std::string error;      // empty on success; the first line names the failed host and rank
+  nlohmann::json result;  // the trainer's result on success
   nlohmann::json to_json(const RunDirectory& run) const;
 };
 
 // Resolves "auto" to the backend this build and machine use.
 std::string resolve_backend(const std::string& requested);
 
-// Runs one generation to its end, recording it in run.json. Never throws for a rank's failure:
-// that is an outcome with exit code 3.
-JobOutcome run_local_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status);
+// The plan of a job: hosts in order, ranks assigned in blocks of their slots.
+struct JobPlan {
+  std::string store;   // HOST:PORT
+  std::string secret;  // the store's per-job secret
+  std::vector<HostSpec> hosts;
+  std::vector<AgentPlan> agents;                      // one per host, same order
+  nlohmann::json to_json(const JobSpec& spec) const;  // for --dry-run: commands, env, no secret
+};
+// Which ranks run where, with which command and environment. Starts nothing.
+JobPlan plan_job(const JobSpec& spec, const std::filesystem::path& run_path, int generation,
+                 const std::string& store_addr, uint16_t store_port, const std::string& secret);
+// The address the store listens on and the workers dial.
+std::string resolve_master_addr(const JobSpec& spec);
 
-// The path of the running executable (to start workers with).
+// Runs one generation to its end, recording it in run.json. Never throws for a rank's failure:
+// that is an outcome with exit code 3 (4 when a host cannot be reached over SSH).
+JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status);
+
+// The path of the running executable (to start workers and relays with).
 std::filesystem::path self_executable();
 
 }  // namespace dptrain

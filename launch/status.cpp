@@ -27,6 +27,14 @@ std::string format_event(const nlohmann::json& e) {
                        e.value("step", int64_t{0}), e.value("eval_loss", 0.0),
                        100.0 * e.value("eval_accuracy", 0.0));
   }
+  if (kind == "result") {
+    return fmt::format(
+        "finished {} steps on {} rank(s): final loss {:.4f}  eval loss {:.4f}  eval "
+        "accuracy {:.2f}%  parameters {}",
+        e.value("steps", int64_t{0}), e.value("world_size", int64_t{0}), e.value("final_loss", 0.0),
+        e.value("eval_loss", 0.0), 100.0 * e.value("eval_accuracy", 0.0),
+        e.value("params_checksum", std::string()));
+  }
   if (kind == "checkpoint") {
     return fmt::format("checkpoint at step {}: {}", e.value("step", int64_t{0}),
                        e.value("path", std::string()));

@@ -133,7 +133,7 @@ class Supervision {
       poll_output(100);
       reap(result);
       if (!stopping) {
-        const int sig = g_stop_signal.load();
+        const int sig = stop_fd_closed_ ? SIGTERM : g_stop_signal.load();
         if (sig != 0) result.stop_signal = sig;
         if (result.failure || result.stop_signal != 0) {
           stopping = true;
@@ -203,9 +203,17 @@ class Supervision {
         owners.push_back(&c);
       }
     }
+    const size_t stop_index = fds.size();
+    if (options_.stop_fd >= 0 && !stop_fd_closed_) fds.push_back({options_.stop_fd, POLLIN, 0});
     if (g_wake_pipe[0] >= 0) fds.push_back({g_wake_pipe[0], POLLIN, 0});
     const int n = ::poll(fds.data(), fds.size(), timeout_ms);
     if (n <= 0) return;
+    if (options_.stop_fd >= 0 && !stop_fd_closed_ && fds[stop_index].revents != 0) {
+      char buf[4096];
+      const ssize_t got = ::read(options_.stop_fd, buf, sizeof buf);
+      // Input on it is ignored; only its end means something.
+      if (got == 0 || (got < 0 && errno != EAGAIN && errno != EINTR)) stop_fd_closed_ = true;
+    }
     for (size_t i = 0; i < owners.size(); ++i) {
       if (fds[i].revents != 0) read_from(*owners[i]);
     }
@@ -310,6 +318,7 @@ class Supervision {
   const SupervisorOptions& options_;
   std::vector<Child> children_;
   bool stopping_signalled_ = false;
+  bool stop_fd_closed_ = false;
   std::optional<ProcessFailure> candidate_;
   int candidate_rank_ = 0;
   std::chrono::steady_clock::time_point decide_by_;

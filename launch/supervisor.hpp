@@ -45,6 +45,9 @@ struct SupervisorOptions {
   std::function<void(const ProcessSpec&, const std::string&)> on_line;
   // Called once all processes are started, with their pids (for run.json).
   std::function<void(const std::vector<pid_t>&)> on_started;
+  // When >= 0: end of file (or an error) on this descriptor stops everything like SIGTERM. An
+  // agent passes its stdin, the SSH channel from the launcher: when that goes, so do its ranks.
+  int stop_fd = -1;
 };
 
 // Installs SIGINT/SIGTERM handlers that the supervisor loop observes; call once from main.

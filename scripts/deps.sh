@@ -2,7 +2,8 @@
 # Installs the Debian packages dptrain needs to build and test; quiet and quick when all are there.
 set -euo pipefail
 packages=(build-essential cmake ninja-build pkg-config libgloo-dev libcli11-dev nlohmann-json3-dev
-  libssh-dev libfmt-dev doctest-dev libopenblas-dev openssh-server clang-format man-db groff-base)
+  libssh-dev libssl-dev libfmt-dev doctest-dev libopenblas-dev openssh-server openssh-client
+  clang-format man-db groff-base)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -2,8 +2,18 @@
 //
 // A frame is a u32 payload length followed by the payload. A request payload starts with an Op
 // byte, a reply payload with a Status byte; integers are little-endian, strings are a u32 length
-// and the bytes. The first request on a connection must be `hello` (magic, version); a later
-// authentication step slots in between hello and the first data request.
+// and the bytes.
+//
+// Handshake, before any data request:
+//   client: hello   magic u32, version u16, client_nonce str (kAuthNonceBytes; empty: no secret)
+//   server: ok      version u16, Auth u8, and with Auth::required server_nonce str
+//   with Auth::required only:
+//   client: auth    client_proof str (auth_proof by the client, challenged by server_nonce)
+//   server: ok      server_proof str (auth_proof by the server, challenged by client_nonce)
+//           or error with the reason, and closes the connection
+// The client proves itself first, so a client with the wrong secret hears why from the real store
+// rather than doubting the store. A server with a secret reads nothing but `auth` after hello, and
+// drops a connection that has not finished the handshake within its auth timeout.
 #pragma once
 
 #include <cstdint>
@@ -14,17 +24,20 @@
 namespace dptrain::store_protocol {
 
 constexpr uint32_t kMagic = 0x53545044;  // "DPTS" on the wire
-constexpr uint16_t kVersion = 1;
+constexpr uint16_t kVersion = 2;         // 2: nonces and the auth step
 // Caps what one frame may make the peer buffer, so garbage on a socket cannot allocate gigabytes.
 constexpr uint32_t kMaxFrameBytes = 64u << 20;
 constexpr size_t kLengthBytes = 4;
 
-enum class Op : uint8_t { hello = 1, set = 2, get = 3, wait = 4, add = 5, check = 6 };
+enum class Op : uint8_t { hello = 1, set = 2, get = 3, wait = 4, add = 5, check = 6, auth = 7 };
+enum class Auth : uint8_t { none = 0, required = 1 };
 enum class Status : uint8_t {
   ok = 0,
   timeout = 1,  // payload: the keys still missing
   error = 2,    // payload: a message
 };
+// Why a server with a secret drops a client whose proof is wrong or absent; the client shows it.
+constexpr const char* kWrongSecretReason = "wrong or missing job secret";
 
 // Builds one frame.
 class FrameWriter {

@@ -18,6 +18,7 @@
 
 #include <fmt/format.h>
 
+#include "core/comm/auth.hpp"
 #include "core/comm/store_protocol.hpp"
 #include "core/error.hpp"
 
@@ -43,6 +44,18 @@ uint64_t timeout_field(std::chrono::milliseconds timeout) {
   return static_cast<uint64_t>(std::max<int64_t>(timeout.count(), 0));
 }
 
+// The one string left in an auth message: the proof. Empty if the message is malformed, which
+// then fails verification like any other wrong proof.
+std::string proof_field(FrameReader& message) {
+  try {
+    std::string proof = message.str();
+    message.expect_end();
+    return proof;
+  } catch (const Error&) {
+    return {};
+  }
+}
+
 std::string quoted_keys(const std::vector<std::string>& keys) {
   std::string text;
   for (const auto& key : keys)
@@ -56,17 +69,23 @@ std::string quoted_keys(const std::vector<std::string>& keys) {
 
 class TcpStoreServer::Loop {
  public:
-  Loop(const std::string& host, uint16_t port);
+  Loop(const std::string& host, uint16_t port, std::string secret,
+       std::chrono::milliseconds auth_timeout);
   uint16_t port() const { return port_; }
   void run();
   void request_stop();
 
  private:
+  // A connection reads requests only once it reaches `ready`.
+  enum class Stage { hello, proof, ready };
   struct Connection {
     UniqueFd fd;
     std::string inbox;
     std::string outbox;
-    bool greeted = false;
+    Stage stage = Stage::hello;
+    SteadyTime handshake_deadline;
+    std::string client_nonce;  // the two nonces a client's proof must cover
+    std::string server_nonce;
     bool parked = false;  // a get/wait is waiting for keys; later requests stay queued in inbox
     bool close_after_flush = false;
     bool dead = false;
@@ -85,11 +104,15 @@ class TcpStoreServer::Loop {
   static constexpr size_t kMaxOutbox = 2 * size_t{protocol::kMaxFrameBytes};
 
   int poll_timeout_ms() const;
+  SteadyTime earliest_deadline() const;
   void accept_connections();
   void read_from(uint64_t id, Connection& connection);
   void serve(uint64_t id);
   void handle(uint64_t id, Connection& connection, FrameReader request);
   void handle_hello(Connection& connection, FrameReader& request);
+  void handle_proof(Connection& connection, Op op, FrameReader& request);
+  // Replies with an error saying why, then closes the connection.
+  void refuse(Connection& connection, const std::string& reason);
   void handle_add(Connection& connection, FrameReader& request);
   void park_or_reply(uint64_t id, Connection& connection, Op op, std::vector<std::string> keys,
                      uint64_t timeout_ms);
@@ -98,11 +121,14 @@ class TcpStoreServer::Loop {
   void reply_to_waiter(const Waiter& waiter);
   void wake_waiters();
   void expire_waiters();
+  void expire_handshakes();
   void sweep_dead();
   std::vector<std::string> missing(const std::vector<std::string>& keys) const;
 
   UniqueFd listener_;
   uint16_t port_;
+  const std::string secret_;  // empty: connections need no proof
+  const std::chrono::milliseconds auth_timeout_;
   UniqueFd wake_read_;
   UniqueFd wake_write_;
   std::atomic<bool> stopping_{false};
@@ -113,8 +139,12 @@ class TcpStoreServer::Loop {
   std::unordered_map<std::string, std::string> data_;
 };
 
-TcpStoreServer::Loop::Loop(const std::string& host, uint16_t port)
-    : listener_(listen_tcp(host, port)), port_(local_port(listener_.get())) {
+TcpStoreServer::Loop::Loop(const std::string& host, uint16_t port, std::string secret,
+                           std::chrono::milliseconds auth_timeout)
+    : listener_(listen_tcp(host, port)),
+      port_(local_port(listener_.get())),
+      secret_(std::move(secret)),
+      auth_timeout_(auth_timeout) {
   int pipe_fds[2];
   if (pipe2(pipe_fds, O_CLOEXEC | O_NONBLOCK) != 0) {
     throw Error(ErrorKind::comm,
@@ -131,11 +161,20 @@ void TcpStoreServer::Loop::request_stop() {
   [[maybe_unused]] const ssize_t written = write(wake_write_.get(), &byte, 1);
 }
 
-int TcpStoreServer::Loop::poll_timeout_ms() const {
-  if (waiters_.empty()) return -1;
+SteadyTime TcpStoreServer::Loop::earliest_deadline() const {
   SteadyTime earliest = SteadyTime::max();
   for (const auto& waiter : waiters_)
     earliest = std::min(earliest, waiter.deadline);
+  for (const auto& [id, connection] : connections_) {
+    if (connection.stage != Stage::ready)
+      earliest = std::min(earliest, connection.handshake_deadline);
+  }
+  return earliest;
+}
+
+int TcpStoreServer::Loop::poll_timeout_ms() const {
+  const SteadyTime earliest = earliest_deadline();
+  if (earliest == SteadyTime::max()) return -1;
   // Round up so a waiter is never woken a little early and then left for another full poll.
   const auto left = std::chrono::ceil<std::chrono::milliseconds>(earliest - Clock::now());
   return static_cast<int>(std::clamp<int64_t>(left.count(), 0, 1 << 30));
@@ -168,6 +207,7 @@ void TcpStoreServer::Loop::run() {
       if (revents & (POLLIN | POLLHUP | POLLERR)) read_from(ids[i], found->second);
     }
     expire_waiters();
+    expire_handshakes();
     while (!resumable_.empty()) {
       const uint64_t id = resumable_.back();
       resumable_.pop_back();
@@ -186,7 +226,10 @@ void TcpStoreServer::Loop::accept_connections() {
     if (!fd) return;  // EAGAIN, or a transient failure (EMFILE…) the next wakeup retries
     if (connections_.size() >= kMaxConnections) continue;  // closing it tells the client
     set_no_delay(fd.get());
-    connections_[next_connection_id_++].fd = std::move(fd);
+    Connection& connection = connections_[next_connection_id_++];
+    connection.fd = std::move(fd);
+    // Bounds how long a silent peer can hold one of the kMaxConnections slots.
+    connection.handshake_deadline = Clock::now() + auth_timeout_;
   }
 }
 
@@ -234,10 +277,16 @@ void TcpStoreServer::Loop::serve(uint64_t id) {
 
 void TcpStoreServer::Loop::handle(uint64_t id, Connection& connection, FrameReader request) {
   const auto op = static_cast<Op>(request.u8());
-  if (!connection.greeted) {
-    if (op != Op::hello) throw Error(ErrorKind::comm, "first request is not hello");
-    handle_hello(connection, request);
-    return;
+  switch (connection.stage) {
+    case Stage::hello:
+      if (op != Op::hello) throw Error(ErrorKind::comm, "first request is not hello");
+      handle_hello(connection, request);
+      return;
+    case Stage::proof:
+      handle_proof(connection, op, request);
+      return;
+    case Stage::ready:
+      break;
   }
   switch (op) {
     case Op::set: {
@@ -274,6 +323,7 @@ void TcpStoreServer::Loop::handle(uint64_t id, Connection& connection, FrameRead
       return;
     }
     case Op::hello:
+    case Op::auth:
       break;
   }
   throw Error(ErrorKind::comm, fmt::format("unexpected op {}", static_cast<int>(op)));
@@ -282,21 +332,53 @@ void TcpStoreServer::Loop::handle(uint64_t id, Connection& connection, FrameRead
 void TcpStoreServer::Loop::handle_hello(Connection& connection, FrameReader& request) {
   const uint32_t magic = request.u32();
   const uint16_t version = request.u16();
-  request.expect_end();
   if (magic != protocol::kMagic) throw Error(ErrorKind::comm, "bad magic");
-  // The authentication challenge will be answered here, before `greeted` is set.
   if (version != protocol::kVersion) {
-    connection.close_after_flush = true;  // before reply(), which may flush at once
-    reply(connection, FrameWriter()
-                          .u8(static_cast<uint8_t>(Status::error))
-                          .str(fmt::format("store speaks protocol version {}, client speaks {}",
-                                           protocol::kVersion, version))
-                          .finish());
+    refuse(connection, fmt::format("store speaks protocol version {}, client speaks {}",
+                                   protocol::kVersion, version));
     return;
   }
-  connection.greeted = true;
-  reply(connection,
-        FrameWriter().u8(static_cast<uint8_t>(Status::ok)).u16(protocol::kVersion).finish());
+  std::string client_nonce = request.str();
+  request.expect_end();
+  if (!client_nonce.empty() && client_nonce.size() != kAuthNonceBytes) {
+    throw Error(ErrorKind::comm, "client nonce of the wrong length");
+  }
+  FrameWriter answer;
+  answer.u8(static_cast<uint8_t>(Status::ok)).u16(protocol::kVersion);
+  if (secret_.empty()) {
+    connection.stage = Stage::ready;
+    reply(connection, answer.u8(static_cast<uint8_t>(protocol::Auth::none)).finish());
+    return;
+  }
+  connection.stage = Stage::proof;
+  connection.client_nonce = std::move(client_nonce);
+  connection.server_nonce = random_bytes(kAuthNonceBytes);
+  reply(connection, answer.u8(static_cast<uint8_t>(protocol::Auth::required))
+                        .str(connection.server_nonce)
+                        .finish());
+}
+
+void TcpStoreServer::Loop::handle_proof(Connection& connection, Op op, FrameReader& request) {
+  // A client without a secret sent no nonce: nothing it sends can prove anything.
+  const bool proven = op == Op::auth && !connection.client_nonce.empty() &&
+                      auth_proof_matches(proof_field(request), secret_, AuthRole::client,
+                                         connection.server_nonce, connection.client_nonce);
+  if (!proven) {
+    refuse(connection, protocol::kWrongSecretReason);
+    return;
+  }
+  // Only now, so the server never MACs anything for a peer that has not shown the secret.
+  const std::string server_proof =
+      auth_proof(secret_, AuthRole::server, connection.client_nonce, connection.server_nonce);
+  connection.stage = Stage::ready;
+  connection.client_nonce.clear();
+  connection.server_nonce.clear();
+  reply(connection, FrameWriter().u8(static_cast<uint8_t>(Status::ok)).str(server_proof).finish());
+}
+
+void TcpStoreServer::Loop::refuse(Connection& connection, const std::string& reason) {
+  connection.close_after_flush = true;  // before reply(), which may flush at once
+  reply(connection, FrameWriter().u8(static_cast<uint8_t>(Status::error)).str(reason).finish());
 }
 
 void TcpStoreServer::Loop::handle_add(Connection& connection, FrameReader& request) {
@@ -369,6 +451,23 @@ void TcpStoreServer::Loop::expire_waiters() {
   }
 }
 
+void TcpStoreServer::Loop::expire_handshakes() {
+  const SteadyTime now = Clock::now();
+  for (auto& [id, connection] : connections_) {
+    if (connection.stage == Stage::ready || connection.dead ||
+        connection.handshake_deadline > now) {
+      continue;
+    }
+    if (connection.close_after_flush) {  // refused earlier, and the peer never read why
+      connection.dead = true;
+      continue;
+    }
+    const char* awaited = connection.stage == Stage::hello ? "hello" : "proof of the job secret";
+    refuse(connection, fmt::format("no {} within {}", awaited, format_timeout(auth_timeout_)));
+    connection.handshake_deadline = now + auth_timeout_;  // time for the refusal to drain
+  }
+}
+
 void TcpStoreServer::Loop::reply(Connection& connection, std::string frame) {
   if (connection.dead) return;
   connection.outbox += frame;
@@ -404,8 +503,10 @@ std::vector<std::string> TcpStoreServer::Loop::missing(const std::vector<std::st
   return result;
 }
 
-TcpStoreServer::TcpStoreServer(const std::string& bind_host, uint16_t port)
-    : loop_(std::make_unique<Loop>(bind_host, port)), thread_([this] { loop_->run(); }) {}
+TcpStoreServer::TcpStoreServer(const std::string& bind_host, uint16_t port, std::string secret,
+                               std::chrono::milliseconds auth_timeout)
+    : loop_(std::make_unique<Loop>(bind_host, port, std::move(secret), auth_timeout)),
+      thread_([this] { loop_->run(); }) {}
 
 TcpStoreServer::~TcpStoreServer() {
   stop();
@@ -438,9 +539,17 @@ struct TcpStoreClient::Reply {
   std::string fields;  // the payload after the status byte
 };
 
+struct TcpStoreClient::HelloReply {
+  protocol::Auth auth;
+  std::string server_nonce;  // with Auth::required
+};
+
 TcpStoreClient::TcpStoreClient(std::string host, uint16_t port,
-                               std::chrono::milliseconds connect_timeout)
-    : host_(std::move(host)), port_(port), connect_timeout_(connect_timeout) {
+                               std::chrono::milliseconds connect_timeout, std::string secret)
+    : host_(std::move(host)),
+      port_(port),
+      connect_timeout_(connect_timeout),
+      secret_(std::move(secret)) {
   std::lock_guard lock(mutex_);
   connect_locked();
 }
@@ -471,23 +580,96 @@ void TcpStoreClient::connect_locked() {
 }
 
 void TcpStoreClient::handshake_locked(SteadyTime deadline) {
+  // Without a secret the client sends no nonce: it could not check the server's proof anyway.
+  const std::string client_nonce = secret_.empty() ? std::string() : random_bytes(kAuthNonceBytes);
   const std::string hello = FrameWriter()
                                 .u8(static_cast<uint8_t>(Op::hello))
                                 .u32(protocol::kMagic)
                                 .u16(protocol::kVersion)
+                                .str(client_nonce)
                                 .finish();
-  Reply answer;
-  try {
-    answer = exchange_locked(hello, deadline);
-  } catch (const Error& error) {
-    throw Error(ErrorKind::comm, fmt::format("no handshake from store at {}: {}",
-                                             format_host_port(host_, port_), error.what()));
-  }
+  const Reply answer = handshake_exchange_locked(hello, deadline);
   if (answer.status != Status::ok) {
     socket_.reset();
     throw Error(ErrorKind::comm,
                 fmt::format("store at {} refused the handshake: {}", format_host_port(host_, port_),
                             FrameReader(answer.fields).str()));
+  }
+  try {
+    authenticate_locked(client_nonce, parse_hello_reply(answer.fields), deadline);
+  } catch (const Error&) {
+    // Not authenticated, so the connection must not serve requests.
+    socket_.reset();
+    throw;
+  }
+}
+
+TcpStoreClient::HelloReply TcpStoreClient::parse_hello_reply(const std::string& fields) const {
+  try {
+    FrameReader reader(fields);
+    reader.u16();  // the server's version, equal to ours since it accepted the hello
+    HelloReply hello{static_cast<protocol::Auth>(reader.u8()), {}};
+    if (hello.auth == protocol::Auth::required) {
+      hello.server_nonce = reader.str();
+      if (hello.server_nonce.size() != kAuthNonceBytes) {
+        throw Error(ErrorKind::comm, fmt::format("a nonce of {} bytes, not {}",
+                                                 hello.server_nonce.size(), kAuthNonceBytes));
+      }
+    } else if (hello.auth != protocol::Auth::none) {
+      throw Error(ErrorKind::comm,
+                  fmt::format("unknown authentication mode {}", static_cast<int>(hello.auth)));
+    }
+    reader.expect_end();
+    return hello;
+  } catch (const Error& error) {
+    throw Error(ErrorKind::comm,
+                fmt::format("{} sent a malformed handshake: {}", describe(), error.what()));
+  }
+}
+
+void TcpStoreClient::authenticate_locked(const std::string& client_nonce, const HelloReply& hello,
+                                         SteadyTime deadline) {
+  if (hello.auth == protocol::Auth::none) {
+    if (secret_.empty()) return;
+    // Any listener can skip the challenge; only one that proves the secret is this job's store.
+    throw Error(ErrorKind::comm,
+                fmt::format("{} does not ask for the job secret, so it cannot be this job's store "
+                            "(another job's store or an older dptrain on that port?)",
+                            describe()));
+  }
+  if (secret_.empty()) {
+    throw Error(ErrorKind::comm,
+                fmt::format("{} refused this client: {} (this client has none; the launcher "
+                            "passes it in {})",
+                            describe(), protocol::kWrongSecretReason, kStoreSecretEnv));
+  }
+  const std::string proof =
+      FrameWriter()
+          .u8(static_cast<uint8_t>(Op::auth))
+          .str(auth_proof(secret_, AuthRole::client, hello.server_nonce, client_nonce))
+          .finish();
+  const Reply verdict = handshake_exchange_locked(proof, deadline);
+  if (verdict.status != Status::ok) {
+    throw Error(ErrorKind::comm, fmt::format("{} refused this client: {}", describe(),
+                                             FrameReader(verdict.fields).str()));
+  }
+  FrameReader reader(verdict.fields);
+  if (!auth_proof_matches(proof_field(reader), secret_, AuthRole::server, client_nonce,
+                          hello.server_nonce)) {
+    throw Error(ErrorKind::comm,
+                fmt::format("{} accepted this client but could not prove it holds the job secret "
+                            "itself, so it is not this job's store: refusing to use it",
+                            describe()));
+  }
+}
+
+TcpStoreClient::Reply TcpStoreClient::handshake_exchange_locked(const std::string& frame,
+                                                                SteadyTime deadline) {
+  try {
+    return exchange_locked(frame, deadline);
+  } catch (const Error& error) {
+    throw Error(ErrorKind::comm, fmt::format("no handshake from store at {}: {}",
+                                             format_host_port(host_, port_), error.what()));
   }
 }
 

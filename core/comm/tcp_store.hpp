@@ -17,10 +17,19 @@ namespace dptrain {
 // Serves the store on bind_host:port from a background thread until stop() or destruction. One
 // thread multiplexes every connection, so a client blocked in get/wait never holds up the others; a
 // client that disconnects or sends bytes that are not the protocol only loses its own connection.
+//
+// With a non-empty `secret` (see auth.hpp) every connection must prove it holds the secret before
+// the server reads a request, and the server proves it back; a connection that has not finished
+// its handshake within `auth_timeout` is dropped. With or without a secret the server never
+// writes the secret anywhere.
 class TcpStoreServer {
  public:
+  static constexpr std::chrono::milliseconds kDefaultAuthTimeout{5000};
+
   // Port 0 picks a free port; see port(). Throws Error(comm) if it cannot listen.
-  explicit TcpStoreServer(const std::string& bind_host = "127.0.0.1", uint16_t port = 0);
+  explicit TcpStoreServer(const std::string& bind_host = "127.0.0.1", uint16_t port = 0,
+                          std::string secret = "",
+                          std::chrono::milliseconds auth_timeout = kDefaultAuthTimeout);
   ~TcpStoreServer();
   TcpStoreServer(const TcpStoreServer&) = delete;
   TcpStoreServer& operator=(const TcpStoreServer&) = delete;
@@ -36,12 +45,17 @@ class TcpStoreServer {
 };
 
 // A Store talking to a TcpStoreServer over one connection. Thread-safe: requests from several
-// threads are serialised. After a broken connection the next request reconnects.
+// threads are serialised. After a broken connection the next request reconnects (and
+// authenticates again).
 class TcpStoreClient : public Store {
  public:
   // Retries connecting until connect_timeout, then throws Error(comm)
-  // "cannot reach store at HOST:PORT within Ns: <reason>".
-  TcpStoreClient(std::string host, uint16_t port, std::chrono::milliseconds connect_timeout);
+  // "cannot reach store at HOST:PORT within Ns: <reason>". With a `secret`, the client proves it
+  // and refuses a server that cannot prove it back (or does not ask for it); without one, a server
+  // that asks for a secret refuses the client. A refusal throws Error(comm)
+  // "store HOST:PORT refused this client: wrong or missing job secret".
+  TcpStoreClient(std::string host, uint16_t port, std::chrono::milliseconds connect_timeout,
+                 std::string secret = "");
   ~TcpStoreClient() override;
 
   void set(const std::string& key, const std::string& value) override;
@@ -58,6 +72,11 @@ class TcpStoreClient : public Store {
   struct Reply;
   void connect_locked();
   void handshake_locked(SteadyTime deadline);
+  struct HelloReply;
+  HelloReply parse_hello_reply(const std::string& fields) const;
+  void authenticate_locked(const std::string& client_nonce, const HelloReply& hello,
+                           SteadyTime deadline);
+  Reply handshake_exchange_locked(const std::string& frame, SteadyTime deadline);
   Reply exchange_locked(const std::string& frame, SteadyTime deadline);
   // Sends one request and returns the reply's fields after an ok status; a timeout status throws
   // the key timeout error, an error status throws Error(comm) naming the request.
@@ -67,6 +86,7 @@ class TcpStoreClient : public Store {
   std::string host_;
   uint16_t port_;
   std::chrono::milliseconds connect_timeout_;
+  std::string secret_;
   std::mutex mutex_;
   UniqueFd socket_;
 };

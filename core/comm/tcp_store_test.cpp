@@ -5,9 +5,13 @@
 
 #include <atomic>
 #include <functional>
+#include <optional>
 #include <random>
 #include <thread>
 
+#include <fmt/format.h>
+
+#include "core/comm/auth.hpp"
 #include "core/comm/socket.hpp"
 #include "core/comm/store_protocol.hpp"
 #include "core/comm/tcp_store.hpp"
@@ -21,8 +25,8 @@ using namespace std::chrono_literals;
 constexpr auto kConnectTimeout = 10s;
 constexpr auto kLongWait = 20s;  // generous: only reached if something is broken
 
-TcpStoreClient connect_to(const TcpStoreServer& server) {
-  return TcpStoreClient("127.0.0.1", server.port(), kConnectTimeout);
+TcpStoreClient connect_to(const TcpStoreServer& server, const std::string& secret = "") {
+  return TcpStoreClient("127.0.0.1", server.port(), kConnectTimeout, secret);
 }
 
 std::string error_message(const std::function<void()>& action, ErrorKind expected_kind) {
@@ -43,12 +47,24 @@ UniqueFd raw_connection(const TcpStoreServer& server) {
   return std::move(attempt.fd);
 }
 
-std::string hello_frame() {
+// A hello with `client_nonce` (empty: a client without a secret).
+std::string hello_frame(const std::string& client_nonce = "") {
   return store_protocol::FrameWriter()
       .u8(static_cast<uint8_t>(store_protocol::Op::hello))
       .u32(store_protocol::kMagic)
       .u16(store_protocol::kVersion)
+      .str(client_nonce)
       .finish();
+}
+
+// Reads one frame from a raw connection and returns its payload.
+std::string receive_frame(int fd) {
+  const auto deadline = std::chrono::steady_clock::now() + kLongWait;
+  char header[store_protocol::kLengthBytes];
+  recv_exact(fd, header, sizeof(header), deadline);
+  std::string payload(store_protocol::frame_length(std::string_view(header, sizeof(header))), '\0');
+  recv_exact(fd, payload.data(), payload.size(), deadline);
+  return payload;
 }
 
 // True once the server has closed `fd` (EOF or reset), reading and discarding anything it sent
@@ -66,8 +82,9 @@ bool closed_by_server(int fd) {
 }
 
 // The server still answers a fresh client and an existing one.
-void check_still_serving(const TcpStoreServer& server, TcpStoreClient& existing) {
-  TcpStoreClient fresh = connect_to(server);
+void check_still_serving(const TcpStoreServer& server, TcpStoreClient& existing,
+                         const std::string& secret = "") {
+  TcpStoreClient fresh = connect_to(server, secret);
   fresh.set("alive", "yes");
   CHECK(existing.get("alive", kLongWait) == "yes");
   const int64_t after_fresh = fresh.add("alive-counter", 1);
@@ -213,7 +230,7 @@ TEST_CASE("tcp store: clients that disconnect mid-request do not disturb the ser
                           .finish();
     send_all(raw.get(), hello_frame() + get, std::chrono::steady_clock::now() + 1s);
     char reply[16];
-    recv_exact(raw.get(), reply, 7, std::chrono::steady_clock::now() + kLongWait);  // hello's reply
+    recv_exact(raw.get(), reply, 8, std::chrono::steady_clock::now() + kLongWait);  // hello's reply
   }
   check_still_serving(server, store);
   CHECK_FALSE(store.check({"half"}));
@@ -263,15 +280,13 @@ TEST_CASE("tcp store: a client speaking another protocol version is told so") {
                                 .u32(store_protocol::kMagic)
                                 .u16(store_protocol::kVersion + 1)
                                 .finish();
-  const auto deadline = std::chrono::steady_clock::now() + kLongWait;
-  send_all(raw.get(), hello, deadline);
-  char header[store_protocol::kLengthBytes];
-  recv_exact(raw.get(), header, sizeof(header), deadline);
-  std::string reply(store_protocol::frame_length(std::string_view(header, sizeof(header))), '\0');
-  recv_exact(raw.get(), reply.data(), reply.size(), deadline);
+  send_all(raw.get(), hello, std::chrono::steady_clock::now() + kLongWait);
+  const std::string reply = receive_frame(raw.get());
   store_protocol::FrameReader reader(reply);
   CHECK(reader.u8() == static_cast<uint8_t>(store_protocol::Status::error));
-  CHECK(reader.str().find("protocol version 1, client speaks 2") != std::string::npos);
+  CHECK(reader.str().find(fmt::format("protocol version {}, client speaks {}",
+                                      store_protocol::kVersion, store_protocol::kVersion + 1)) !=
+        std::string::npos);
   CHECK(closed_by_server(raw.get()));
 }
 
@@ -301,6 +316,285 @@ TEST_CASE("tcp store: a client whose server stops gets a comm error, not a hang"
   blocked.join();
   CHECK(message.find("store 127.0.0.1:") != std::string::npos);
   CHECK(message.find("'never'") != std::string::npos);
+}
+
+// ---- job secret ----
+
+// What a store on `port` says to a client it refuses for its secret.
+std::string refusal_for(uint16_t port) {
+  return fmt::format("store 127.0.0.1:{} refused this client: wrong or missing job secret", port);
+}
+
+void check_secret_not_in(const std::string& message, const std::string& secret) {
+  CHECK_MESSAGE(message.find(secret) == std::string::npos, message);
+}
+
+std::string auth_frame(const std::string& proof) {
+  return store_protocol::FrameWriter()
+      .u8(static_cast<uint8_t>(store_protocol::Op::auth))
+      .str(proof)
+      .finish();
+}
+
+// A raw connection that has sent hello with `client_nonce` and read the challenge.
+struct ChallengedConnection {
+  UniqueFd fd;
+  std::string client_nonce;
+  std::string server_nonce;
+};
+
+ChallengedConnection challenged_connection(const TcpStoreServer& server) {
+  ChallengedConnection connection{raw_connection(server), random_bytes(kAuthNonceBytes), {}};
+  send_all(connection.fd.get(), hello_frame(connection.client_nonce),
+           std::chrono::steady_clock::now() + kLongWait);
+  const std::string reply = receive_frame(connection.fd.get());
+  store_protocol::FrameReader reader(reply);
+  REQUIRE(reader.u8() == static_cast<uint8_t>(store_protocol::Status::ok));
+  CHECK(reader.u16() == store_protocol::kVersion);
+  REQUIRE(reader.u8() == static_cast<uint8_t>(store_protocol::Auth::required));
+  connection.server_nonce = reader.str();
+  reader.expect_end();
+  CHECK(connection.server_nonce.size() == kAuthNonceBytes);
+  return connection;
+}
+
+// The reason in the error frame a server sends before it closes a connection.
+std::string refusal_reason(int fd) {
+  const std::string reply = receive_frame(fd);
+  store_protocol::FrameReader reader(reply);
+  CHECK(reader.u8() == static_cast<uint8_t>(store_protocol::Status::error));
+  return reader.str();
+}
+
+TEST_CASE("tcp store with a secret: a client with the secret works, also after reconnecting") {
+  const std::string secret = generate_job_secret();
+  auto server = std::make_unique<TcpStoreServer>("127.0.0.1", 0, secret);
+  const uint16_t port = server->port();
+  TcpStoreClient store = connect_to(*server, secret);
+  store.set("a", "alpha");
+  CHECK(store.get("a", 1s) == "alpha");
+  CHECK(store.add("n", 2) == 2);
+  CHECK(store.check({"a", "n"}));
+  store.wait({"a"}, 1s);
+  PrefixStore generation("gen1", store);
+  generation.set("rank0", "ready");
+  CHECK(store.get("gen1/rank0", 1s) == "ready");
+
+  // A store restarted on the same port: the request in flight fails, the next one reconnects and
+  // proves the secret again.
+  server.reset();
+  server = std::make_unique<TcpStoreServer>("127.0.0.1", port, secret);
+  check_secret_not_in(error_message([&] { store.set("b", "lost"); }, ErrorKind::comm), secret);
+  store.set("b", "beta");
+  CHECK(store.get("b", 1s) == "beta");
+  CHECK_FALSE(store.check({"a"}));  // really the new store
+}
+
+TEST_CASE("tcp store with a secret: wrong and missing secrets are refused, the job goes on") {
+  const std::string secret = generate_job_secret();
+  const std::string wrong_secret = generate_job_secret();
+  TcpStoreServer server("127.0.0.1", 0, secret);
+  constexpr int kLegitimateAdds = 300;
+  std::string legitimate_failure;
+  std::thread legitimate([&] {
+    try {
+      TcpStoreClient store = connect_to(server, secret);
+      for (int i = 0; i < kLegitimateAdds; ++i)
+        store.add("progress", 1);
+    } catch (const Error& error) {
+      legitimate_failure = error.what();
+    }
+  });
+  std::vector<std::string> messages;
+  for (int i = 0; i < 10; ++i) {
+    messages.push_back(error_message([&] { connect_to(server, wrong_secret); }, ErrorKind::comm));
+    messages.push_back(error_message([&] { connect_to(server); }, ErrorKind::comm));
+    // Close to the secret is as wrong as anything else.
+    messages.push_back(
+        error_message([&] { connect_to(server, secret.substr(1)); }, ErrorKind::comm));
+  }
+  legitimate.join();
+  CHECK(legitimate_failure.empty());
+  for (const auto& message : messages) {
+    CHECK_MESSAGE(message.starts_with(refusal_for(server.port())), message);
+    check_secret_not_in(message, secret);
+    check_secret_not_in(message, wrong_secret);
+    check_secret_not_in(message, secret.substr(1));
+  }
+  // The one without a secret also says where the secret comes from.
+  CHECK(messages[1].find(kStoreSecretEnv) != std::string::npos);
+  TcpStoreClient store = connect_to(server, secret);
+  CHECK(store.add("progress", 0) == kLegitimateAdds);
+}
+
+TEST_CASE("tcp store: a client that stalls in the handshake is dropped after the auth timeout") {
+  std::string secret;
+  SUBCASE("without a secret") {}
+  SUBCASE("with a secret") {
+    secret = generate_job_secret();
+  }
+  TcpStoreServer server("127.0.0.1", 0, secret, 300ms);
+  UniqueFd silent = raw_connection(server);
+  std::optional<ChallengedConnection> unproven;
+  if (!secret.empty()) unproven = challenged_connection(server);
+  // Others are served while the stalled connections are open...
+  TcpStoreClient store = connect_to(server, secret);
+  store.set("alive", "yes");
+  CHECK(store.get("alive", 1s) == "yes");
+  // ...and the stalled ones are told why and closed.
+  CHECK(refusal_reason(silent.get()) == "no hello within 0.3s");
+  CHECK(closed_by_server(silent.get()));
+  if (unproven) {
+    CHECK(refusal_reason(unproven->fd.get()) == "no proof of the job secret within 0.3s");
+    CHECK(closed_by_server(unproven->fd.get()));
+  }
+  check_still_serving(server, store, secret);
+}
+
+TEST_CASE("tcp store with a secret: anything but the right proof is refused") {
+  const std::string secret = generate_job_secret();
+  TcpStoreServer server("127.0.0.1", 0, secret);
+  TcpStoreClient store = connect_to(server, secret);
+  ChallengedConnection raw = challenged_connection(server);
+  const auto send = [&](const std::string& bytes) {
+    send_all(raw.fd.get(), bytes, std::chrono::steady_clock::now() + 1s);
+  };
+  const auto expect_refusal = [&] {
+    CHECK(refusal_reason(raw.fd.get()) == store_protocol::kWrongSecretReason);
+    CHECK(closed_by_server(raw.fd.get()));
+  };
+
+  SUBCASE("the right proof is accepted and the server proves itself back") {
+    send(auth_frame(auth_proof(secret, AuthRole::client, raw.server_nonce, raw.client_nonce)));
+    const std::string reply = receive_frame(raw.fd.get());
+    store_protocol::FrameReader reader(reply);
+    CHECK(reader.u8() == static_cast<uint8_t>(store_protocol::Status::ok));
+    CHECK(auth_proof_matches(reader.str(), secret, AuthRole::server, raw.client_nonce,
+                             raw.server_nonce));
+    send(store_protocol::FrameWriter()
+             .u8(static_cast<uint8_t>(store_protocol::Op::set))
+             .str("raw")
+             .str("in")
+             .finish());
+    CHECK(receive_frame(raw.fd.get()) == std::string(1, '\0'));
+    CHECK(store.get("raw", 1s) == "in");
+  }
+  SUBCASE("random bytes as the proof") {
+    send(auth_frame(random_bytes(kAuthProofBytes)));
+    expect_refusal();
+  }
+  SUBCASE("an empty proof") {
+    send(auth_frame(""));
+    expect_refusal();
+  }
+  SUBCASE("a proof made with another secret") {
+    send(auth_frame(
+        auth_proof(generate_job_secret(), AuthRole::client, raw.server_nonce, raw.client_nonce)));
+    expect_refusal();
+  }
+  SUBCASE("a proof for another challenge, as if replayed from an earlier connection") {
+    send(auth_frame(
+        auth_proof(secret, AuthRole::client, random_bytes(kAuthNonceBytes), raw.client_nonce)));
+    expect_refusal();
+  }
+  SUBCASE("the server's kind of proof reflected back") {
+    send(auth_frame(auth_proof(secret, AuthRole::server, raw.client_nonce, raw.server_nonce)));
+    expect_refusal();
+  }
+  SUBCASE("an auth message with trailing garbage") {
+    const std::string proof =
+        auth_proof(secret, AuthRole::client, raw.server_nonce, raw.client_nonce);
+    send(store_protocol::FrameWriter()
+             .u8(static_cast<uint8_t>(store_protocol::Op::auth))
+             .str(proof)
+             .u32(0xdeadbeef)
+             .finish());
+    expect_refusal();
+  }
+  SUBCASE("a request instead of the proof") {
+    send(store_protocol::FrameWriter()
+             .u8(static_cast<uint8_t>(store_protocol::Op::set))
+             .str("intruder")
+             .str("x")
+             .finish());
+    expect_refusal();
+    CHECK_FALSE(store.check({"intruder"}));
+  }
+  SUBCASE("bytes that are not a frame") {
+    std::mt19937 random(7);
+    std::string garbage;
+    for (int i = 0; i < 4096; ++i)
+      garbage.push_back(static_cast<char>(random() & 0xff));
+    send(garbage);
+    CHECK(closed_by_server(raw.fd.get()));
+  }
+  check_still_serving(server, store, secret);
+}
+
+TEST_CASE("tcp store without a secret: a client with one refuses it, and it serves the rest") {
+  TcpStoreServer server;
+  const std::string secret = generate_job_secret();
+  const std::string message = error_message([&] { connect_to(server, secret); }, ErrorKind::comm);
+  CHECK(message == fmt::format("store 127.0.0.1:{} does not ask for the job secret, so it cannot "
+                               "be this job's store (another job's store or an older dptrain on "
+                               "that port?)",
+                               server.port()));
+  TcpStoreClient store = connect_to(server);
+  check_still_serving(server, store);
+}
+
+// A listener that plays a store: it challenges the client and accepts any proof, but cannot prove
+// a secret it does not have.
+class FakeStore {
+ public:
+  FakeStore() : listener_(listen_tcp("127.0.0.1", 0)), thread_([this] { run(); }) {}
+  ~FakeStore() { thread_.join(); }
+  uint16_t port() const { return local_port(listener_.get()); }
+
+ private:
+  void run() {
+    const auto deadline = std::chrono::steady_clock::now() + kLongWait;
+    pollfd entry{listener_.get(), POLLIN, 0};
+    if (poll(&entry, 1, static_cast<int>(kLongWait / 1ms)) <= 0) return;
+    UniqueFd client(accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
+    if (!client) return;
+    try {
+      receive_frame(client.get());  // hello
+      send_all(client.get(),
+               store_protocol::FrameWriter()
+                   .u8(static_cast<uint8_t>(store_protocol::Status::ok))
+                   .u16(store_protocol::kVersion)
+                   .u8(static_cast<uint8_t>(store_protocol::Auth::required))
+                   .str(random_bytes(kAuthNonceBytes))
+                   .finish(),
+               deadline);
+      receive_frame(client.get());  // the client's proof, taken at face value
+      send_all(client.get(),
+               store_protocol::FrameWriter()
+                   .u8(static_cast<uint8_t>(store_protocol::Status::ok))
+                   .str(random_bytes(kAuthProofBytes))
+                   .finish(),
+               deadline);
+      closed_by_server(client.get());  // here: until the client hangs up
+    } catch (const Error&) {
+      // The test's checks on the client say what went wrong.
+    }
+  }
+
+  UniqueFd listener_;
+  std::thread thread_;
+};
+
+TEST_CASE("tcp store with a secret: a client refuses a store that cannot prove the secret") {
+  FakeStore fake;
+  const std::string secret = generate_job_secret();
+  const std::string message = error_message(
+      [&] { TcpStoreClient("127.0.0.1", fake.port(), kConnectTimeout, secret); }, ErrorKind::comm);
+  CHECK(message == fmt::format("store 127.0.0.1:{} accepted this client but could not prove it "
+                               "holds the job secret itself, so it is not this job's store: "
+                               "refusing to use it",
+                               fake.port()));
+  check_secret_not_in(message, secret);
 }
 
 TEST_CASE("prefix store: generations are isolated") {

@@ -1,0 +1,64 @@
+// `dptrain agent`: the ranks of one node, started by the launcher over SSH; and the hidden
+// `dptrain _relay`, the launcher-side end of that SSH connection.
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "cli/commands.hpp"
+#include "core/error.hpp"
+#include "launch/agent.hpp"
+#include "launch/relay.hpp"
+
+namespace dptrain::cli {
+
+namespace {
+
+// The plan is the first line of stdin. Read byte by byte: whatever follows must stay unread, as
+// the end of stdin is the signal to stop.
+std::string read_plan_line() {
+  std::string line;
+  char c;
+  while (true) {
+    const ssize_t n = ::read(STDIN_FILENO, &c, 1);
+    if (n == 1) {
+      if (c == '\n') return line;
+      line.push_back(c);
+      if (line.size() > (64u << 20)) throw Error(ErrorKind::usage, "agent plan too large");
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    throw Error(ErrorKind::usage,
+                "dptrain agent: no plan on stdin (it is started by "
+                "'dptrain launch --hosts', which writes one)");
+  }
+}
+
+}  // namespace
+
+void setup_agent(CLI::App& app, Outcome& outcome) {
+  app.callback([&outcome] {
+    const auto plan = AgentPlan::from_json(nlohmann::json::parse(read_plan_line(), nullptr, false));
+    outcome.exit_code = run_agent(plan, stdout, STDIN_FILENO);
+  });
+}
+
+void setup_relay(CLI::App& app, Outcome& outcome) {
+  app.group("");  // internal: not listed in --help
+  app.callback([&outcome] {
+    const char* text = std::getenv(kRelayPlanEnv);
+    if (text == nullptr) {
+      throw Error(ErrorKind::usage, fmt::format("{} is not set", kRelayPlanEnv));
+    }
+    const auto j = nlohmann::json::parse(text, nullptr, false);
+    if (j.is_discarded()) throw Error(ErrorKind::usage, fmt::format("{}: not JSON", kRelayPlanEnv));
+    const RelayPlan plan = RelayPlan::from_json(j);
+    ::unsetenv(kRelayPlanEnv);  // holds the job secret; nothing started from here needs it
+    outcome.exit_code = run_relay(plan);
+  });
+}
+
+}  // namespace dptrain::cli

@@ -1,0 +1,38 @@
+// Options every subcommand that reaches hosts over SSH shares.
+#include "cli/host_options.hpp"
+
+#include "core/error.hpp"
+
+namespace dptrain::cli {
+
+SshOptions HostOptions::ssh() const {
+  SshOptions s;
+  for (const auto& id : identities)
+    s.identities.emplace_back(id);
+  s.known_hosts = known_hosts;
+  s.accept_new_host_keys = accept_new_host_keys;
+  s.connect_timeout = std::chrono::milliseconds(static_cast<int64_t>(connect_timeout_s * 1000));
+  return s;
+}
+
+std::vector<HostSpec> HostOptions::load() const {
+  if (hosts.empty()) throw Error(ErrorKind::usage, "--hosts: required");
+  return load_hosts(hosts);
+}
+
+void add_host_options(CLI::App& app, HostOptions& o, bool hosts_required) {
+  auto* hosts = app.add_option("--hosts", o.hosts,
+                               "Hosts: a hostfile (host [slots=N] [user=U] [port=P] [key=PATH] "
+                               "per line) or a list like a:2,b:2");
+  if (hosts_required) hosts->required();
+  app.add_option("--identity", o.identities,
+                 "SSH identity file, tried after the agent and a host's key= (repeatable)");
+  app.add_option("--known-hosts", o.known_hosts, "known_hosts file (default ~/.ssh/known_hosts)");
+  app.add_flag("--accept-new-host-keys", o.accept_new_host_keys,
+               "Accept and record the keys of hosts not in known_hosts (a changed key is always "
+               "refused)");
+  app.add_option("--connect-timeout", o.connect_timeout_s, "Seconds to connect to a host")
+      ->capture_default_str();
+}
+
+}  // namespace dptrain::cli

@@ -1,0 +1,125 @@
+// `dptrain provision --hosts H`: facts and uploads per host, as a table or JSON; exit 4 naming each
+// host that failed.
+#include <algorithm>
+#include <cstdio>
+#include <memory>
+
+#include <fmt/format.h>
+
+#include "cli/commands.hpp"
+#include "cli/host_options.hpp"
+#include "core/error.hpp"
+#include "launch/provision.hpp"
+
+namespace dptrain::cli {
+
+namespace {
+
+struct ProvisionCliOptions {
+  HostOptions hosts;
+  std::string workdir = "~/.dptrain";
+  std::string recipe;
+  std::vector<std::string> uploads;
+  bool json = false;
+};
+
+// "2x NVIDIA H200 (143771 MiB), driver 550.54" or "none (no nvidia-smi)".
+std::string gpu_summary(const HostFacts& f) {
+  if (f.gpus.empty()) return f.gpu_note.empty() ? "none" : "none (" + f.gpu_note + ")";
+  std::vector<std::string> groups;
+  for (size_t i = 0; i < f.gpus.size();) {
+    size_t same = i;
+    while (same < f.gpus.size() && f.gpus[same].name == f.gpus[i].name)
+      ++same;
+    groups.push_back(fmt::format("{}x {} ({})", same - i, f.gpus[i].name, f.gpus[i].memory));
+    i = same;
+  }
+  return fmt::format("{}, driver {}", fmt::join(groups, " + "), f.driver_version);
+}
+
+std::string upload_summary(const std::vector<UploadRecord>& uploads) {
+  int uploaded = 0, skipped = 0;
+  uint64_t bytes = 0;
+  for (const auto& u : uploads) {
+    if (u.status == UploadRecord::Status::uploaded) ++uploaded, bytes += u.bytes;
+    if (u.status == UploadRecord::Status::skipped) ++skipped;
+  }
+  return fmt::format("{} uploaded ({}), {} skipped", uploaded, human_bytes(bytes), skipped);
+}
+
+void print_table(const std::vector<HostReport>& reports) {
+  std::vector<std::vector<std::string>> rows = {{"HOST", "STATUS", "HOSTNAME", "OS", "CPUS",
+                                                 "MEMORY", "DISK FREE", "DPTRAIN", "UPLOADS",
+                                                 "GPUS"}};
+  for (const auto& r : reports) {
+    const HostFacts& f = r.facts;
+    const auto fact = [&](const std::string& value) { return r.facts_known ? value : "-"; };
+    rows.push_back({r.host.display(), r.ok() ? "ok" : "FAILED", fact(f.hostname), fact(f.os),
+                    fact(std::to_string(f.cpus)), fact(human_bytes(f.memory_bytes)),
+                    fact(human_bytes(f.disk_free_bytes)),
+                    fact(f.dptrain_version.empty() ? "-" : f.dptrain_version),
+                    fact(upload_summary(r.uploads)), fact(gpu_summary(f))});
+  }
+  std::vector<size_t> widths(rows.front().size(), 0);
+  for (const auto& row : rows) {
+    for (size_t c = 0; c < row.size(); ++c)
+      widths[c] = std::max(widths[c], row[c].size());
+  }
+  for (const auto& row : rows) {
+    std::string line;
+    for (size_t c = 0; c < row.size(); ++c) {
+      line += c + 1 < row.size() ? fmt::format("{:<{}}  ", row[c], widths[c]) : row[c];
+    }
+    std::printf("%s\n", line.c_str());
+  }
+}
+
+int run_provision(const ProvisionCliOptions& o) {
+  ProvisionOptions options;
+  options.workdir = o.workdir;
+  options.recipe = o.recipe;
+  options.uploads.assign(o.uploads.begin(), o.uploads.end());
+  options.ssh = o.hosts.ssh();
+  const auto reports = provision(o.hosts.load(), options);
+
+  if (o.json) {
+    nlohmann::json hosts = nlohmann::json::array();
+    for (const auto& r : reports)
+      hosts.push_back(to_json(r));
+    const bool all_ok = std::all_of(reports.begin(), reports.end(), [](auto& r) { return r.ok(); });
+    std::printf("%s\n", nlohmann::json{{"ok", all_ok}, {"hosts", hosts}}.dump().c_str());
+  } else {
+    print_table(reports);
+  }
+  std::fflush(stdout);  // the report first, then the failures below it on a terminal
+  int code = 0;
+  for (const auto& r : reports) {
+    if (r.ok()) continue;
+    std::fprintf(stderr, "dptrain: error: %s\n", r.error.c_str());
+    code = exit_code(ErrorKind::ssh);
+  }
+  return code;
+}
+
+}  // namespace
+
+void setup_provision(CLI::App& app, Outcome& outcome) {
+  auto o = std::make_shared<ProvisionCliOptions>();
+  add_host_options(app, o->hosts, /*hosts_required=*/true);
+  app.add_option("--workdir", o->workdir,
+                 "Work directory on every host (~/ is the home there); dptrain goes to "
+                 "WORKDIR/bin/dptrain")
+      ->capture_default_str();
+  app.add_option("--recipe", o->recipe,
+                 "Recipe to upload into the workdir, with its csv data file (as data/NAME)");
+  app.add_option("--upload", o->uploads, "Extra files to upload into the workdir (repeatable)");
+  app.add_flag("--json", o->json,
+               "Print {\"ok\", \"hosts\": [{\"host\", \"ok\", \"error\", \"facts\", "
+               "\"uploads\"}]} on stdout");
+  app.callback([o, &outcome] {
+    outcome.json = o->json;
+    outcome.exit_code = run_provision(*o);
+  });
+}
+
+}  // namespace dptrain::cli

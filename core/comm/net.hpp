@@ -1,0 +1,15 @@
+// Small address helpers shared by workers and the launcher.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace dptrain {
+
+bool is_loopback_host(const std::string& host);  // localhost, 127.x.y.z, ::1
+
+// The local address the kernel would use to reach host:port: the address peers on other nodes
+// can reach this machine on. A UDP connect sends nothing. Error(comm) naming the host.
+std::string local_address_towards(const std::string& host, uint16_t port);
+
+}  // namespace dptrain

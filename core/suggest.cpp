@@ -1,0 +1,44 @@
+// "Did you mean ...?" for unknown keys and attributes.
+#include "core/suggest.hpp"
+
+#include <algorithm>
+#include <limits>
+
+namespace dptrain {
+
+size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j)
+    row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+std::optional<std::string> closest_match(std::string_view unknown,
+                                         const std::vector<std::string>& known) {
+  constexpr size_t kMaxTypoDistance = 2;
+  const auto one_prefixes_other = [](std::string_view a, std::string_view b) {
+    return !a.empty() && !b.empty() && (a.starts_with(b) || b.starts_with(a));
+  };
+  std::optional<std::string> best;
+  size_t best_distance = std::numeric_limits<size_t>::max();
+  for (const auto& candidate : known) {
+    const size_t distance = edit_distance(unknown, candidate);
+    const bool close = distance <= kMaxTypoDistance || one_prefixes_other(unknown, candidate);
+    if (close && distance < best_distance) {
+      best = candidate;
+      best_distance = distance;
+    }
+  }
+  return best;
+}
+
+}  // namespace dptrain

@@ -1,0 +1,18 @@
+// "Did you mean ...?" for unknown keys and attributes.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dptrain {
+
+size_t edit_distance(std::string_view a, std::string_view b);
+
+// The known word closest to `unknown` if it is a plausible typo of it: at most two edits away,
+// or one is a prefix of the other.
+std::optional<std::string> closest_match(std::string_view unknown,
+                                         const std::vector<std::string>& known);
+
+}  // namespace dptrain

@@ -1,0 +1,136 @@
+// The ranks of one node: plan, worker process specs, and the agent loop.
+#include "launch/agent.hpp"
+
+#include <csignal>
+#include <cstdlib>
+#include <mutex>
+#include <system_error>
+
+#include <fmt/format.h>
+
+#include "core/comm/auth.hpp"
+#include "core/error.hpp"
+#include "core/fs.hpp"
+#include "launch/job.hpp"
+
+namespace dptrain {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+json AgentPlan::to_json(bool redact_secret) const {
+  return {{"host", host},
+          {"run_dir", run_dir.string()},
+          {"recipe", recipe},
+          {"store", store},
+          {"secret", redact_secret ? std::string("<redacted>") : secret},
+          {"generation", generation},
+          {"world_size", world_size},
+          {"backend", backend},
+          {"resume_from", resume_from},
+          {"ranks", ranks},
+          {"env", env}};
+}
+
+AgentPlan AgentPlan::from_json(const json& j) {
+  try {
+    AgentPlan p;
+    p.host = j.at("host").get<std::string>();
+    p.run_dir = j.at("run_dir").get<std::string>();
+    p.recipe = j.at("recipe");
+    p.store = j.at("store").get<std::string>();
+    p.secret = j.at("secret").get<std::string>();
+    p.generation = j.at("generation").get<int>();
+    p.world_size = j.at("world_size").get<int>();
+    p.backend = j.at("backend").get<std::string>();
+    p.resume_from = j.at("resume_from").get<std::string>();
+    p.ranks = j.at("ranks").get<std::vector<int>>();
+    p.env = j.at("env").get<std::map<std::string, std::string>>();
+    return p;
+  } catch (const json::exception& e) {
+    throw Error(ErrorKind::usage, fmt::format("malformed agent plan: {}", e.what()));
+  }
+}
+
+fs::path expand_home(const std::string& path) {
+  if (path != "~" && path.rfind("~/", 0) != 0) return path;
+  const char* home = std::getenv("HOME");
+  return fs::path(home ? home : "/") / path.substr(std::min<size_t>(2, path.size()));
+}
+
+std::vector<ProcessSpec> worker_specs(const AgentPlan& plan, const fs::path& worker_binary) {
+  const fs::path recipe_file = plan.run_dir / "recipe.json";
+  std::vector<ProcessSpec> specs;
+  const int local_world = static_cast<int>(plan.ranks.size());
+  for (int local = 0; local < local_world; ++local) {
+    const int rank = plan.ranks[static_cast<size_t>(local)];
+    ProcessSpec p;
+    p.label = fmt::format("rank {}", rank);
+    p.rank = rank;
+    p.argv = {worker_binary.string(), "worker", recipe_file.string(), "--run-dir",
+              plan.run_dir.string()};
+    if (!plan.resume_from.empty()) {
+      p.argv.push_back("--resume");
+      p.argv.push_back(plan.resume_from);
+    }
+    p.env = {{"RANK", std::to_string(rank)},
+             {"WORLD_SIZE", std::to_string(plan.world_size)},
+             {"LOCAL_RANK", std::to_string(local)},
+             {"LOCAL_WORLD_SIZE", std::to_string(local_world)},
+             {"DPTRAIN_STORE", plan.store},
+             {"DPTRAIN_GENERATION", std::to_string(plan.generation)},
+             {"DPTRAIN_BACKEND", plan.backend},
+             {"DPTRAIN_EVENTS", "1"}};
+    if (!plan.secret.empty()) p.env.emplace_back(kStoreSecretEnv, plan.secret);
+    for (const auto& [k, v] : plan.env)
+      p.env.emplace_back(k, v);
+    p.log_file = plan.run_dir / "logs" / fmt::format("{}-rank{}.log", plan.host, rank);
+    specs.push_back(std::move(p));
+  }
+  return specs;
+}
+
+int run_agent(const AgentPlan& given, std::FILE* out, int stop_fd) {
+  AgentPlan plan = given;
+  plan.run_dir = expand_home(plan.run_dir.string());
+  std::error_code ec;
+  fs::create_directories(plan.run_dir / "logs", ec);
+  if (ec) {
+    throw Error(ErrorKind::io, fmt::format("{}: cannot create run directory on {}: {}",
+                                           plan.run_dir.string(), plan.host, ec.message()));
+  }
+  write_file_atomic(plan.run_dir / "recipe.json", plan.recipe.dump(2) + "\n");
+  std::mutex out_mutex;
+  SupervisorOptions options;
+  options.stop_fd = stop_fd;
+  options.grace = std::chrono::milliseconds(3000);  // inside the launcher's own grace period
+  options.on_line = [&](const ProcessSpec& p, const std::string& line) {
+    std::lock_guard lock(out_mutex);
+    if (line.rfind("@event ", 0) == 0) {
+      std::fprintf(out, "%s\n", line.c_str());
+    } else {
+      std::fprintf(out, "%s%d %s\n", kAgentRankPrefix, p.rank, line.c_str());
+    }
+    std::fflush(out);
+  };
+  const auto specs = worker_specs(plan, self_executable());
+  const SupervisionResult result = supervise(specs, options);
+  if (result.failure) {
+    const auto& f = *result.failure;
+    const json report = {{"rank", f.rank},
+                         {"pid", f.pid},
+                         {"exit_code", f.exit_code},
+                         {"signal", f.signal},
+                         {"description", f.describe()},
+                         {"last_lines", f.last_lines}};
+    std::fprintf(out, "%s%s\n", kAgentFailurePrefix, report.dump().c_str());
+    std::fflush(out);
+    // The launcher ranks causes by exit status (a signal outranks a peer's exit 3), so the
+    // agent's own status carries its rank's.
+    return f.signal != 0 ? 128 + f.signal : f.exit_code;
+  }
+  if (result.stop_signal != 0) return result.stop_signal == SIGINT ? 130 : 143;
+  return 0;
+}
+
+}  // namespace dptrain

@@ -1,0 +1,54 @@
+// The ranks of one node: a plan (what the launcher decided for this host) and the agent that
+// runs it, locally for the launcher's own host or as `dptrain agent` at the far end of SSH.
+#pragma once
+
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "launch/supervisor.hpp"
+
+namespace dptrain {
+
+struct AgentPlan {
+  std::string host;               // as the launcher names it, for labels: "127.0.0.2"
+  std::filesystem::path run_dir;  // on that host
+  nlohmann::json recipe;          // resolved; written to run_dir/recipe.json there
+  std::string store;              // HOST:PORT of the launcher's store
+  std::string secret;             // the job's store secret: never printed
+  int generation = 1;
+  int world_size = 1;
+  std::string backend = "gloo";
+  std::string resume_from;                 // a checkpoint directory on that host, or empty
+  std::vector<int> ranks;                  // global ranks on this host; local rank = index
+  std::map<std::string, std::string> env;  // extra environment for the workers
+
+  nlohmann::json to_json(bool redact_secret = false) const;
+  static AgentPlan from_json(const nlohmann::json& j);  // Error(usage) on a malformed plan
+};
+
+// "~/x" -> $HOME/x; anything else unchanged.
+std::filesystem::path expand_home(const std::string& path);
+
+// The worker processes of a plan: argv, environment (the secret through the environment only),
+// and log files under run_dir/logs.
+std::vector<ProcessSpec> worker_specs(const AgentPlan& plan,
+                                      const std::filesystem::path& worker_binary);
+
+// Lines an agent writes to the launcher (one per line on stdout):
+//   "@rank N TEXT"      a line rank N printed
+//   "@event JSON"       a trainer event from rank 0
+//   "@failure JSON"     {"rank", "pid", "exit_code", "signal", "description", "last_lines"}
+constexpr const char* kAgentRankPrefix = "@rank ";
+constexpr const char* kAgentFailurePrefix = "@failure ";
+
+// Runs the plan's ranks to the end, writing the lines above to `out`. End of input on `stop_fd`
+// (the SSH channel closing) stops the ranks. Returns the exit code: 0; when a rank failed, its
+// exit code, or 128 + the signal that killed it; 143 when stopped.
+int run_agent(const AgentPlan& plan, std::FILE* out, int stop_fd);
+
+}  // namespace dptrain

@@ -1,0 +1,293 @@
+// Parsing of hostfiles and --hosts lists into HostSpecs (see hostfile.hpp).
+#include "launch/hostfile.hpp"
+
+#include <algorithm>
+#include <array>
+#include <cctype>
+#include <cerrno>
+#include <charconv>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <optional>
+#include <string_view>
+
+#include <fmt/format.h>
+
+#include "core/comm/store.hpp"
+#include "core/error.hpp"
+#include "core/suggest.hpp"
+
+namespace dptrain {
+
+namespace {
+
+constexpr uint16_t kDefaultSshPort = 22;
+constexpr std::array<std::string_view, 4> kAttributes = {"slots", "user", "port", "key"};
+
+[[noreturn]] void fail(const std::string& what) {
+  throw Error(ErrorKind::usage, what);
+}
+
+// Runs `parse`, prefixing the message of any usage error it throws with `where`.
+template <typename Parse>
+auto located(const std::string& where, Parse&& parse) {
+  try {
+    return parse();
+  } catch (const Error& error) {
+    throw Error(ErrorKind::usage, where + ": " + error.what());
+  }
+}
+
+std::string_view trim(std::string_view text) {
+  const auto first = text.find_first_not_of(" \t\r\n");
+  if (first == std::string_view::npos) return {};
+  const auto last = text.find_last_not_of(" \t\r\n");
+  return text.substr(first, last - first + 1);
+}
+
+std::vector<std::string_view> split(std::string_view text, std::string_view separators) {
+  std::vector<std::string_view> parts;
+  size_t start = 0;
+  while (start <= text.size()) {
+    const size_t end = std::min(text.find_first_of(separators, start), text.size());
+    parts.push_back(text.substr(start, end - start));
+    start = end + 1;
+  }
+  return parts;
+}
+
+std::vector<std::string_view> words(std::string_view line) {
+  std::vector<std::string_view> result;
+  for (const auto word : split(line, " \t\r"))
+    if (!word.empty()) result.push_back(word);
+  return result;
+}
+
+// All of `text` as a decimal integer in [low, high], or nothing.
+std::optional<long> whole_number(std::string_view text, long low, long high) {
+  long value = 0;
+  const char* end = text.data() + text.size();
+  const auto [stop, error] = std::from_chars(text.data(), end, value);
+  if (text.empty() || error != std::errc() || stop != end || value < low || value > high) {
+    return std::nullopt;
+  }
+  return value;
+}
+
+std::string unknown_attribute(std::string_view name) {
+  std::string message = fmt::format("unknown attribute '{}'", name);
+  const std::vector<std::string> known(std::begin(kAttributes), std::end(kAttributes));
+  if (const auto closest = closest_match(name, known)) {
+    return message + fmt::format("; did you mean '{}'?", *closest);
+  }
+  return message + " (known: slots, user, port, key)";
+}
+
+// A name ssh could mistake for an option, or a character no host name or address has, is a typo
+// or an injection; refuse it here rather than on the remote side.
+void check_host(std::string_view host) {
+  if (host.empty()) fail("empty host name");
+  if (host.front() == '-') fail(fmt::format("host '{}' starts with '-'", host));
+  for (const char c : host) {
+    const bool allowed = std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '-' ||
+                         c == '_' || c == ':' || c == '%';
+    if (!allowed) fail(fmt::format("host '{}' contains '{}'", host, c));
+  }
+}
+
+void check_user(std::string_view user) {
+  if (user.empty()) fail("empty user name");
+  if (user.front() == '-') fail(fmt::format("user '{}' starts with '-'", user));
+  if (user.find_first_of("@:/ \t") != std::string_view::npos) {
+    fail(fmt::format("user '{}' contains one of '@:/' or a space", user));
+  }
+}
+
+// "[::1]" -> "::1"; other hosts unchanged.
+std::string without_brackets(std::string_view host) {
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    return std::string(host.substr(1, host.size() - 2));
+  }
+  return std::string(host);
+}
+
+// Takes "alice@" off the front of `text` and returns "alice"; empty if there is no '@'.
+std::string take_user(std::string_view& text) {
+  const size_t at = text.find('@');
+  if (at == std::string_view::npos) return {};
+  std::string user(text.substr(0, at));
+  check_user(user);
+  text.remove_prefix(at + 1);
+  return user;
+}
+
+int parse_slots(std::string_view value) {
+  const auto slots = whole_number(value, 1, 1 << 20);
+  if (!slots) fail(fmt::format("slots must be a whole number from 1 to 1048576, got '{}'", value));
+  return static_cast<int>(*slots);
+}
+
+std::string expand_home(std::string_view path) {
+  if (!path.starts_with("~/")) return std::string(path);
+  const char* home = std::getenv("HOME");
+  if (home == nullptr || *home == '\0')
+    fail(fmt::format("cannot expand '{}': HOME is not set", path));
+  return std::string(home) + std::string(path.substr(1));
+}
+
+void set_attribute(HostSpec& spec, std::string_view name, std::string_view value) {
+  if (name == "slots") {
+    spec.slots = parse_slots(value);
+  } else if (name == "user") {
+    check_user(value);
+    spec.user = std::string(value);
+  } else if (name == "port") {
+    const auto port = whole_number(value, 1, 65535);
+    if (!port) fail(fmt::format("port must be a number from 1 to 65535, got '{}'", value));
+    spec.port = static_cast<uint16_t>(*port);
+  } else if (name == "key") {
+    if (value.empty()) fail("key= needs the path of an identity file");
+    spec.key = expand_home(value);
+  } else {
+    fail(unknown_attribute(name));
+  }
+}
+
+// One hostfile line, without its comment and not blank.
+HostSpec parse_hostfile_line(std::string_view line) {
+  const std::vector<std::string_view> fields = words(line);
+  if (fields.front().find('=') != std::string_view::npos) {
+    fail(fmt::format("no host before '{}' (a line is: host [slots=N] [user=U] [port=P] [key=PATH])",
+                     fields.front()));
+  }
+  HostSpec spec;
+  std::string_view host = fields.front();
+  spec.user = take_user(host);
+  if (std::count(host.begin(), host.end(), ':') == 1) {
+    fail(fmt::format("'{}': a hostfile gives slots as slots=N ('host:slots' is the --hosts form)",
+                     fields.front()));
+  }
+  spec.host = without_brackets(host);
+  check_host(spec.host);
+  const bool user_in_host = !spec.user.empty();
+  std::vector<std::string_view> seen;
+  for (size_t i = 1; i < fields.size(); ++i) {
+    const size_t equals = fields[i].find('=');
+    if (equals == std::string_view::npos) {
+      fail(fmt::format("'{}' is not an attribute: write slots=N, user=U, port=P or key=PATH",
+                       fields[i]));
+    }
+    const std::string_view name = fields[i].substr(0, equals);
+    if (std::find(seen.begin(), seen.end(), name) != seen.end() ||
+        (name == "user" && user_in_host)) {
+      fail(fmt::format("{} is given twice", name));
+    }
+    seen.push_back(name);
+    set_attribute(spec, name, fields[i].substr(equals + 1));
+  }
+  return spec;
+}
+
+std::string lowercase(std::string_view text) {
+  std::string result(text);
+  for (char& c : result)
+    c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return result;
+}
+
+// The host already in `hosts` that `spec` would connect to again (same name and port), if any.
+const HostSpec* same_host(const std::vector<HostSpec>& hosts, const HostSpec& spec) {
+  const auto found = std::find_if(hosts.begin(), hosts.end(), [&](const HostSpec& other) {
+    return other.port == spec.port && lowercase(other.host) == lowercase(spec.host);
+  });
+  return found == hosts.end() ? nullptr : &*found;
+}
+
+// One --hosts entry: [user@]host[:slots], with brackets around an IPv6 address.
+HostSpec parse_hosts_entry(std::string_view entry) {
+  HostSpec spec;
+  spec.origin = "--hosts";
+  spec.user = take_user(entry);
+  std::string_view host = entry;
+  std::optional<std::string_view> slots;
+  if (entry.starts_with('[')) {
+    const size_t close = entry.find(']');
+    if (close == std::string_view::npos) fail("no ']' after the IPv6 address");
+    host = entry.substr(1, close - 1);
+    const std::string_view after = entry.substr(close + 1);
+    if (!after.empty() && !after.starts_with(':')) fail("expected ':SLOTS' after ']'");
+    if (!after.empty()) slots = after.substr(1);
+  } else if (const size_t colon = entry.find(':'); colon != std::string_view::npos) {
+    if (entry.find(':', colon + 1) != std::string_view::npos) {
+      fail("write an IPv6 address in brackets, as in [::1]:2");
+    }
+    host = entry.substr(0, colon);
+    slots = entry.substr(colon + 1);
+  }
+  spec.host = std::string(host);
+  check_host(spec.host);
+  if (slots) spec.slots = parse_slots(*slots);
+  return spec;
+}
+
+}  // namespace
+
+std::string HostSpec::display() const {
+  std::string text = user.empty() ? "" : user + "@";
+  return text + (port == kDefaultSshPort ? host : format_host_port(host, port));
+}
+
+std::vector<HostSpec> parse_hostfile(const std::filesystem::path& path) {
+  const std::string name = path.string();
+  std::error_code error;
+  if (std::filesystem::is_directory(path, error)) {
+    fail(fmt::format("cannot read hostfile {}: it is a directory", name));
+  }
+  std::ifstream in(path);
+  if (!in) fail(fmt::format("cannot read hostfile {}: {}", name, std::strerror(errno)));
+  std::vector<HostSpec> hosts;
+  std::string line;
+  for (int number = 1; std::getline(in, line); ++number) {
+    const std::string_view content = trim(std::string_view(line).substr(0, line.find('#')));
+    if (content.empty()) continue;
+    const std::string where = fmt::format("{}:{}", name, number);
+    HostSpec spec = located(where, [&] { return parse_hostfile_line(content); });
+    spec.origin = where;
+    if (const HostSpec* earlier = same_host(hosts, spec)) {
+      const std::string earlier_line = earlier->origin.substr(name.size() + 1);
+      fail(fmt::format("{}: {} port {} is already listed on line {}", where, spec.host, spec.port,
+                       earlier_line));
+    }
+    hosts.push_back(std::move(spec));
+  }
+  if (in.bad()) fail(fmt::format("cannot read hostfile {}: read error", name));
+  if (hosts.empty()) fail(fmt::format("{}: no hosts (every line is blank or a comment)", name));
+  return hosts;
+}
+
+std::vector<HostSpec> parse_hosts_list(const std::string& text) {
+  if (trim(text).empty()) fail("--hosts is empty: give a hostfile or a list like a:2,b:2");
+  std::vector<HostSpec> hosts;
+  for (const auto part : split(text, ",")) {
+    const std::string_view entry = trim(part);
+    const std::string where = fmt::format("--hosts entry '{}'", entry);
+    if (entry.empty()) fail(fmt::format("--hosts '{}' has an empty entry", text));
+    HostSpec spec = located(where, [&] { return parse_hosts_entry(entry); });
+    if (same_host(hosts, spec) != nullptr)
+      fail(fmt::format("{}: {} is listed twice", where, spec.host));
+    hosts.push_back(std::move(spec));
+  }
+  return hosts;
+}
+
+std::vector<HostSpec> load_hosts(const std::string& value) {
+  std::error_code error;
+  // A list entry never contains '/', so such a value can only mean a file (maybe a missing one).
+  if (std::filesystem::is_regular_file(value, error) || value.find('/') != std::string::npos) {
+    return parse_hostfile(value);
+  }
+  return parse_hosts_list(value);
+}
+
+}  // namespace dptrain

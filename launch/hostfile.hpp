@@ -1,0 +1,32 @@
+// Hosts of a job: a hostfile ("host [slots=N] [user=U] [port=P] [key=PATH]") or --hosts a:2,b:2.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+namespace dptrain {
+
+struct HostSpec {
+  std::string host;    // name or address; "localhost" is spawned directly, every other over SSH
+  int slots = 1;       // ranks on this host
+  std::string user;    // empty: the current user
+  uint16_t port = 22;  // SSH port
+  std::string key;     // identity file; empty: the SSH agent, then --identity, then ~/.ssh/id_*
+  std::string origin;  // where it was declared, for messages: "hosts.txt:3" or "--hosts"
+
+  bool is_local() const { return host == "localhost"; }
+  // "user@host:port" with the parts that are set; the name used in every message.
+  std::string display() const;
+};
+
+// Error(usage) "FILE:LINE: what is wrong" for a bad line; `#` starts a comment; blank lines are
+// skipped; a host may not appear twice (same host and port); at least one host.
+std::vector<HostSpec> parse_hostfile(const std::filesystem::path& path);
+// "a:2,b:2,user@c:4,d" (slots default 1; "[::1]:2" for IPv6). Error(usage) naming the entry.
+std::vector<HostSpec> parse_hosts_list(const std::string& text);
+// The value of --hosts: an existing file is a hostfile, anything else a list.
+std::vector<HostSpec> load_hosts(const std::string& value);
+
+}  // namespace dptrain

@@ -1,0 +1,276 @@
+// Tests for hostfiles and --hosts lists: real files in a temp dir, every error message checked.
+#include "launch/hostfile.hpp"
+
+#include <doctest/doctest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <optional>
+
+#include "core/error.hpp"
+#include "tests/temp_dir.hpp"
+
+namespace dptrain {
+namespace {
+
+std::filesystem::path write_file(const test::TempDir& dir, const std::string& name,
+                                 const std::string& text) {
+  const std::filesystem::path path = dir / name;
+  std::ofstream(path) << text;
+  return path;
+}
+
+std::string usage_error(const std::function<void()>& action) {
+  try {
+    action();
+  } catch (const Error& error) {
+    CHECK(error.kind() == ErrorKind::usage);
+    return error.what();
+  }
+  FAIL("expected an Error");
+  return {};
+}
+
+// The error a hostfile holding `text` gives, with the temp dir's path replaced by "DIR".
+std::string hostfile_error(const std::string& text) {
+  test::TempDir dir;
+  const auto path = write_file(dir, "hosts", text);
+  std::string message = usage_error([&] { parse_hostfile(path); });
+  const std::string prefix = path.string();
+  if (message.starts_with(prefix)) message.replace(0, prefix.size(), "hosts");
+  return message;
+}
+
+// Sets an environment variable for one scope.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const std::string& value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    setenv(name, value.c_str(), 1);
+  }
+  ~ScopedEnv() {
+    if (old_) {
+      setenv(name_, old_->c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
+TEST_CASE("hostfile: hosts, attributes, comments and blank lines") {
+  test::TempDir dir;
+  ScopedEnv home("HOME", "/home/tester");
+  const auto path =
+      write_file(dir, "hosts.txt",
+                 "# the cluster\n"
+                 "\n"
+                 "node1 slots=4\n"
+                 "   node2\tslots=2 user=alice port=2222 key=~/.ssh/id_node  # gpu box\n"
+                 "bob@node3 key=/etc/keys/k\r\n"
+                 "localhost slots=2\n"
+                 "10.0.0.7 port=22\n"
+                 "::1 port=2200\n"
+                 "[fe80::1]\n"
+                 "node1 port=2022\n"
+                 "   # indented comment\n");
+  const std::vector<HostSpec> hosts = parse_hostfile(path);
+  REQUIRE(hosts.size() == 8);
+  const std::string name = path.string();
+
+  CHECK(hosts[0].host == "node1");
+  CHECK(hosts[0].slots == 4);
+  CHECK(hosts[0].user.empty());
+  CHECK(hosts[0].port == 22);
+  CHECK(hosts[0].key.empty());
+  CHECK(hosts[0].origin == name + ":3");
+  CHECK_FALSE(hosts[0].is_local());
+
+  CHECK(hosts[1].host == "node2");
+  CHECK(hosts[1].slots == 2);
+  CHECK(hosts[1].user == "alice");
+  CHECK(hosts[1].port == 2222);
+  CHECK(hosts[1].key == "/home/tester/.ssh/id_node");
+  CHECK(hosts[1].origin == name + ":4");
+
+  CHECK(hosts[2].host == "node3");
+  CHECK(hosts[2].user == "bob");
+  CHECK(hosts[2].slots == 1);
+  CHECK(hosts[2].key == "/etc/keys/k");
+
+  CHECK(hosts[3].is_local());
+  CHECK(hosts[3].slots == 2);
+  CHECK(hosts[4].host == "10.0.0.7");
+  CHECK(hosts[5].host == "::1");
+  CHECK(hosts[5].port == 2200);
+  CHECK(hosts[6].host == "fe80::1");
+  // Same name, another port: another sshd, so another host.
+  CHECK(hosts[7].host == "node1");
+  CHECK(hosts[7].port == 2022);
+  CHECK(hosts[7].origin == name + ":10");
+}
+
+TEST_CASE("hostfile: a key path not under ~/ is kept as written") {
+  test::TempDir dir;
+  const auto path = write_file(dir, "hosts", "a key=keys/id\nb key=~other/id\n");
+  const auto hosts = parse_hostfile(path);
+  CHECK(hosts[0].key == "keys/id");
+  CHECK(hosts[1].key == "~other/id");
+}
+
+TEST_CASE("hostfile: every error names the file and line") {
+  CHECK(hostfile_error("a\nb slot=2\n") ==
+        "hosts:2: unknown attribute 'slot'; did you mean 'slots'?");
+  CHECK(hostfile_error("a usr=x\n") == "hosts:1: unknown attribute 'usr'; did you mean 'user'?");
+  CHECK(hostfile_error("a prot=22\n") == "hosts:1: unknown attribute 'prot'; did you mean 'port'?");
+  CHECK(hostfile_error("a gpus=8\n") ==
+        "hosts:1: unknown attribute 'gpus' (known: slots, user, port, key)");
+  CHECK(hostfile_error("a slots=0\n") ==
+        "hosts:1: slots must be a whole number from 1 to 1048576, got '0'");
+  CHECK(hostfile_error("a slots=-1\n").starts_with("hosts:1: slots must be"));
+  CHECK(hostfile_error("a slots=two\n").ends_with("got 'two'"));
+  CHECK(hostfile_error("a slots=2.5\n").ends_with("got '2.5'"));
+  CHECK(hostfile_error("a slots=\n").ends_with("got ''"));
+  CHECK(hostfile_error("a slots=99999999999999999999\n").starts_with("hosts:1: slots must be"));
+  CHECK(hostfile_error("a port=0\n") == "hosts:1: port must be a number from 1 to 65535, got '0'");
+  CHECK(hostfile_error("a port=65536\n").ends_with("got '65536'"));
+  CHECK(hostfile_error("a port=ssh\n").ends_with("got 'ssh'"));
+  CHECK(hostfile_error("a key=\n") == "hosts:1: key= needs the path of an identity file");
+  CHECK(hostfile_error("a user=\n") == "hosts:1: empty user name");
+  CHECK(hostfile_error("a slots=2 slots=3\n") == "hosts:1: slots is given twice");
+  CHECK(hostfile_error("bob@a user=alice\n") == "hosts:1: user is given twice");
+  CHECK(hostfile_error("a\n\nslots=2 user=x\n") ==
+        "hosts:3: no host before 'slots=2' (a line is: host [slots=N] [user=U] [port=P] "
+        "[key=PATH])");
+  CHECK(hostfile_error("a 4\n") ==
+        "hosts:1: '4' is not an attribute: write slots=N, user=U, port=P or key=PATH");
+  CHECK(hostfile_error("a:4\n") ==
+        "hosts:1: 'a:4': a hostfile gives slots as slots=N ('host:slots' is the --hosts form)");
+  CHECK(hostfile_error("-oProxyCommand=x\n").starts_with("hosts:1: no host before"));
+  CHECK(hostfile_error("-a\n") == "hosts:1: host '-a' starts with '-'");
+  CHECK(hostfile_error("a/b\n") == "hosts:1: host 'a/b' contains '/'");
+  CHECK(hostfile_error("@a\n") == "hosts:1: empty user name");
+}
+
+TEST_CASE("hostfile: a host listed twice is refused, naming both lines") {
+  CHECK(hostfile_error("a\nb\n# c\na slots=2\n") ==
+        "hosts:4: a port 22 is already listed on line 1");
+  CHECK(hostfile_error("a port=2222\nA port=2222 user=other\n") ==
+        "hosts:2: A port 2222 is already listed on line 1");
+}
+
+TEST_CASE("hostfile: no hosts, or a file that cannot be read") {
+  CHECK(hostfile_error("") == "hosts: no hosts (every line is blank or a comment)");
+  CHECK(hostfile_error("# only\n\n   \n# comments\n") ==
+        "hosts: no hosts (every line is blank or a comment)");
+
+  test::TempDir dir;
+  const auto missing = dir / "missing";
+  CHECK(usage_error([&] { parse_hostfile(missing); }) ==
+        "cannot read hostfile " + missing.string() + ": No such file or directory");
+  CHECK(usage_error([&] { parse_hostfile(dir.path()); }) ==
+        "cannot read hostfile " + dir.path().string() + ": it is a directory");
+  if (geteuid() != 0) {  // root reads any file
+    const auto locked = write_file(dir, "locked", "a\n");
+    chmod(locked.c_str(), 0);
+    CHECK(usage_error([&] { parse_hostfile(locked); }) ==
+          "cannot read hostfile " + locked.string() + ": Permission denied");
+  }
+}
+
+TEST_CASE("hosts list: hosts, slots, users and IPv6") {
+  const std::vector<HostSpec> hosts =
+      parse_hosts_list("a:2,b:2,user@c:4,d, e:3 ,[::1]:2,[fe80::2]");
+  REQUIRE(hosts.size() == 7);
+  CHECK(hosts[0].host == "a");
+  CHECK(hosts[0].slots == 2);
+  CHECK(hosts[0].origin == "--hosts");
+  CHECK(hosts[1].host == "b");
+  CHECK(hosts[2].host == "c");
+  CHECK(hosts[2].user == "user");
+  CHECK(hosts[2].slots == 4);
+  CHECK(hosts[3].host == "d");
+  CHECK(hosts[3].slots == 1);
+  CHECK(hosts[4].host == "e");
+  CHECK(hosts[4].slots == 3);
+  CHECK(hosts[5].host == "::1");
+  CHECK(hosts[5].slots == 2);
+  CHECK(hosts[6].host == "fe80::2");
+  CHECK(hosts[6].slots == 1);
+  for (const auto& host : hosts) {
+    CHECK(host.port == 22);
+    CHECK(host.key.empty());
+  }
+  CHECK(parse_hosts_list("localhost:4").front().is_local());
+}
+
+TEST_CASE("hosts list: every error names the entry") {
+  const auto error = [](const std::string& text) {
+    return usage_error([&] { parse_hosts_list(text); });
+  };
+  CHECK(error("a:2,b:0") ==
+        "--hosts entry 'b:0': slots must be a whole number from 1 to 1048576, got '0'");
+  CHECK(error("a:x") ==
+        "--hosts entry 'a:x': slots must be a whole number from 1 to 1048576, "
+        "got 'x'");
+  CHECK(error("a:").ends_with("got ''"));
+  CHECK(error("a,,b") == "--hosts 'a,,b' has an empty entry");
+  CHECK(error("a,") == "--hosts 'a,' has an empty entry");
+  CHECK(error("") == "--hosts is empty: give a hostfile or a list like a:2,b:2");
+  CHECK(error(":2") == "--hosts entry ':2': empty host name");
+  CHECK(error("@a:2") == "--hosts entry '@a:2': empty user name");
+  CHECK(error("::1:2") ==
+        "--hosts entry '::1:2': write an IPv6 address in brackets, as in [::1]:2");
+  CHECK(error("[::1:2") == "--hosts entry '[::1:2': no ']' after the IPv6 address");
+  CHECK(error("[::1]2") == "--hosts entry '[::1]2': expected ':SLOTS' after ']'");
+  CHECK(error("a:2,b,A:3") == "--hosts entry 'A:3': A is listed twice");
+  CHECK(error("-oProxyCommand:2") ==
+        "--hosts entry '-oProxyCommand:2': host '-oProxyCommand' "
+        "starts with '-'");
+}
+
+TEST_CASE("load_hosts: a file is a hostfile, anything else a list") {
+  test::TempDir dir;
+  const auto path = write_file(dir, "hosts", "node1 slots=3\n");
+  const auto from_file = load_hosts(path.string());
+  REQUIRE(from_file.size() == 1);
+  CHECK(from_file[0].host == "node1");
+  CHECK(from_file[0].slots == 3);
+  CHECK(from_file[0].origin == path.string() + ":1");
+
+  const auto from_list = load_hosts("node1:3,node2");
+  REQUIRE(from_list.size() == 2);
+  CHECK(from_list[1].host == "node2");
+
+  // A value with '/' can only be a file: a missing one is reported as such, not as a host name.
+  const std::string missing = (dir / "nope").string();
+  CHECK(usage_error([&] { load_hosts(missing); }) ==
+        "cannot read hostfile " + missing + ": No such file or directory");
+}
+
+TEST_CASE("HostSpec::display") {
+  HostSpec spec;
+  spec.host = "node1";
+  CHECK(spec.display() == "node1");
+  spec.user = "alice";
+  CHECK(spec.display() == "alice@node1");
+  spec.port = 2222;
+  CHECK(spec.display() == "alice@node1:2222");
+  spec.user.clear();
+  CHECK(spec.display() == "node1:2222");
+  spec.host = "::1";
+  CHECK(spec.display() == "[::1]:2222");
+  spec.port = 22;
+  CHECK(spec.display() == "::1");
+}
+
+}  // namespace
+}  // namespace dptrain

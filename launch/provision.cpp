@@ -1,0 +1,506 @@
+// Provisioning: one facts script per host, then the uploads it lacks, then a check that the
+// installed dptrain runs there. The local host goes through the same steps without SSH.
+#include "launch/provision.hpp"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <charconv>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <set>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <openssl/evp.h>
+
+#include "core/error.hpp"
+#include "core/recipe.hpp"
+#include "launch/job.hpp"
+
+namespace dptrain {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+// ---- small helpers ----
+
+std::string human_bytes(uint64_t bytes) {
+  static const std::array<const char*, 5> units = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double value = static_cast<double>(bytes);
+  size_t unit = 0;
+  while (value >= 1024.0 && unit + 1 < units.size()) {
+    value /= 1024.0;
+    ++unit;
+  }
+  if (unit == 0) return fmt::format("{} B", bytes);
+  return fmt::format("{:.1f} {}", value, units[unit]);
+}
+
+std::string sha256_file(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(ErrorKind::io, fmt::format("{}: cannot read", path.string()));
+  std::unique_ptr<EVP_MD_CTX, decltype(&EVP_MD_CTX_free)> context(EVP_MD_CTX_new(),
+                                                                  &EVP_MD_CTX_free);
+  if (!context || EVP_DigestInit_ex(context.get(), EVP_sha256(), nullptr) != 1) {
+    throw Error(ErrorKind::internal, "cannot initialise SHA-256");
+  }
+  std::vector<char> buffer(1 << 20);
+  while (in) {
+    in.read(buffer.data(), static_cast<std::streamsize>(buffer.size()));
+    EVP_DigestUpdate(context.get(), buffer.data(), static_cast<size_t>(in.gcount()));
+  }
+  if (in.bad()) throw Error(ErrorKind::io, fmt::format("{}: read failed", path.string()));
+  std::array<unsigned char, EVP_MAX_MD_SIZE> digest{};
+  unsigned length = 0;
+  EVP_DigestFinal_ex(context.get(), digest.data(), &length);
+  std::string hex;
+  for (unsigned i = 0; i < length; ++i)
+    hex += fmt::format("{:02x}", digest[i]);
+  return hex;
+}
+
+namespace {
+
+std::string trim(std::string_view text) {
+  const auto begin = text.find_first_not_of(" \t\r\n");
+  if (begin == std::string_view::npos) return "";
+  const auto end = text.find_last_not_of(" \t\r\n");
+  return std::string(text.substr(begin, end - begin + 1));
+}
+
+std::string first_line(const std::string& text) {
+  const std::string trimmed = trim(text);
+  return trimmed.substr(0, trimmed.find('\n'));
+}
+
+template <typename Number>
+Number number_or_zero(std::string_view text) {
+  Number value{};
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  return error == std::errc() ? value : Number{};
+}
+
+// key=value lines, in order (a key may repeat: gpu, sha256).
+std::vector<std::pair<std::string, std::string>> key_values(const std::string& output) {
+  std::vector<std::pair<std::string, std::string>> pairs;
+  std::istringstream lines(output);
+  for (std::string line; std::getline(lines, line);) {
+    const auto eq = line.find('=');
+    if (eq != std::string::npos) pairs.emplace_back(line.substr(0, eq), trim(line.substr(eq + 1)));
+  }
+  return pairs;
+}
+
+}  // namespace
+
+std::vector<GpuFact> parse_gpus(const std::string& csv) {
+  std::vector<GpuFact> gpus;
+  std::istringstream lines(csv);
+  for (std::string line; std::getline(lines, line);) {
+    if (trim(line).empty()) continue;
+    std::vector<std::string> fields;
+    std::istringstream parts(line);
+    for (std::string field; std::getline(parts, field, ',');)
+      fields.push_back(trim(field));
+    fields.resize(3);
+    gpus.push_back({fields[0], fields[1], fields[2]});
+  }
+  return gpus;
+}
+
+HostFacts parse_facts(const std::string& output) {
+  HostFacts facts;
+  std::string gpu_lines;
+  for (const auto& [key, value] : key_values(output)) {
+    if (key == "workdir") facts.workdir = value;
+    if (key == "hostname") facts.hostname = value;
+    if (key == "os") facts.os = value;
+    if (key == "cpus") facts.cpus = number_or_zero<int>(value);
+    if (key == "memory_kb") facts.memory_bytes = number_or_zero<uint64_t>(value) * 1024;
+    if (key == "disk_free_kb") facts.disk_free_bytes = number_or_zero<uint64_t>(value) * 1024;
+    if (key == "gpu") gpu_lines += value + "\n";
+    if (key == "gpu_note") facts.gpu_note = value;
+  }
+  facts.gpus = parse_gpus(gpu_lines);
+  if (!facts.gpus.empty()) facts.driver_version = facts.gpus.front().driver;
+  return facts;
+}
+
+namespace {
+
+// ---- what goes to every host ----
+
+struct PlannedFile {
+  fs::path local;
+  std::string remote;  // relative to the workdir
+  int mode = 0644;
+  uint64_t bytes = 0;
+  std::string sha256;
+};
+
+// A local temporary file, removed with this object.
+class TempFile {
+ public:
+  explicit TempFile(const std::string& name)
+      : path_(fs::temp_directory_path() /
+              fmt::format("dptrain-provision-{}-{}", ::getpid(), name)) {}
+  ~TempFile() {
+    std::error_code ec;
+    fs::remove(path_, ec);
+  }
+  TempFile(const TempFile&) = delete;
+  TempFile& operator=(const TempFile&) = delete;
+  const fs::path& path() const { return path_; }
+
+ private:
+  fs::path path_;
+};
+
+int file_mode(const fs::path& path) {
+  return static_cast<int>(fs::status(path).permissions() & fs::perms::all);
+}
+
+PlannedFile planned(const fs::path& local, const std::string& remote, int mode) {
+  std::error_code ec;
+  if (!fs::is_regular_file(local, ec)) {
+    throw Error(ErrorKind::usage, fmt::format("{}: no such file", local.string()));
+  }
+  return {local, remote, mode, fs::file_size(local), sha256_file(local)};
+}
+
+// The recipe goes as it is, except that a csv data path becomes "data/NAME": the uploaded recipe
+// then finds the uploaded data wherever the workdir is.
+void plan_recipe(const fs::path& recipe_path, std::vector<PlannedFile>& files,
+                 std::unique_ptr<TempFile>& rewritten) {
+  const Recipe recipe = load_recipe(recipe_path);  // validates, resolves the data path
+  const std::string name = recipe_path.filename().string();
+  if (recipe.data.type != "csv") {
+    files.push_back(planned(recipe_path, name, 0644));
+    return;
+  }
+  const fs::path data = recipe.data.path;
+  const std::string data_remote = "data/" + data.filename().string();
+  files.push_back(planned(data, data_remote, 0644));
+  std::ifstream in(recipe_path);
+  nlohmann::json j = nlohmann::json::parse(in);
+  j["data"]["path"] = data_remote;
+  rewritten = std::make_unique<TempFile>(name);
+  std::ofstream(rewritten->path()) << j.dump(2) << "\n";
+  files.push_back(planned(rewritten->path(), name, 0644));
+}
+
+std::vector<PlannedFile> plan_files(const ProvisionOptions& options,
+                                    std::unique_ptr<TempFile>& rewritten) {
+  std::vector<PlannedFile> files;
+  const fs::path binary = options.binary.empty() ? self_executable() : options.binary;
+  files.push_back(planned(binary, "bin/dptrain", 0755));
+  if (!options.recipe.empty()) plan_recipe(options.recipe, files, rewritten);
+  for (const auto& extra : options.uploads) {
+    files.push_back(planned(extra, extra.filename().string(), file_mode(extra)));
+  }
+  std::map<std::string, fs::path> by_remote;
+  for (const auto& f : files) {
+    const auto [it, inserted] = by_remote.emplace(f.remote, f.local);
+    if (!inserted) {
+      throw Error(ErrorKind::usage, fmt::format("{} and {} would both be WORKDIR/{}; rename one",
+                                                it->second.string(), f.local.string(), f.remote));
+    }
+  }
+  return files;
+}
+
+// ---- the script that prepares the workdir and reports facts ----
+
+// The workdir as a shell word: "~/x" must expand on the host, everything else stays literal.
+std::string workdir_word(const std::string& workdir) {
+  if (workdir == "~") return "\"$HOME\"";
+  if (workdir.rfind("~/", 0) == 0) return "\"$HOME\"/" + shell_quote(workdir.substr(2));
+  return shell_quote(workdir);
+}
+
+std::string facts_script(const std::string& workdir, const std::vector<PlannedFile>& files) {
+  std::set<std::string> dirs = {"."};
+  for (const auto& f : files)
+    dirs.insert(fs::path(f.remote).parent_path().string());
+  dirs.erase("");
+  std::string script = "d=" + workdir_word(workdir) + "\nmkdir -p";
+  for (const auto& dir : dirs)
+    script += " \"$d\"/" + shell_quote(dir);
+  script += " && cd \"$d\" || exit 1\n";
+  // nvidia-smi can hang on a wedged driver: it gets its own timeout.
+  script += R"sh(echo "workdir=$(pwd -P)"
+echo "hostname=$(hostname 2>/dev/null || cat /proc/sys/kernel/hostname)"
+echo "os=$(. /etc/os-release 2>/dev/null; echo "${PRETTY_NAME:-unknown}")"
+echo "cpus=$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN)"
+echo "memory_kb=$(awk '/^MemTotal:/ {print $2}' /proc/meminfo 2>/dev/null)"
+echo "disk_free_kb=$(df -Pk . 2>/dev/null | awk 'NR==2 {print $4}')"
+if command -v nvidia-smi >/dev/null 2>&1; then
+  if out=$(timeout 20 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1); then
+    printf '%s\n' "$out" | sed 's/^/gpu=/'
+  else
+    echo "gpu_note=nvidia-smi failed: $(printf '%s\n' "$out" | head -n 1)"
+  fi
+else
+  echo "gpu_note=no nvidia-smi"
+fi
+for f in)sh";
+  for (const auto& f : files)
+    script += " " + shell_quote(f.remote);
+  script += R"sh(; do
+  [ -f "$f" ] && echo "sha256=$(sha256sum < "$f" 2>/dev/null | cut -d' ' -f1) $f"
+done
+exit 0
+)sh";
+  return script;
+}
+
+// "sha256=HASH PATH" lines: what the host already has.
+std::map<std::string, std::string> remote_hashes(const std::string& output) {
+  std::map<std::string, std::string> hashes;
+  for (const auto& [key, value] : key_values(output)) {
+    const auto space = value.find(' ');
+    if (key == "sha256" && space != std::string::npos) {
+      hashes[value.substr(space + 1)] = value.substr(0, space);
+    }
+  }
+  return hashes;
+}
+
+// ---- where commands run and files go: over SSH, or on this machine ----
+
+class Target {
+ public:
+  virtual ~Target() = default;
+  virtual SshSession::Result run(const std::string& command) = 0;
+  virtual void upload(const fs::path& local, const std::string& path, int mode) = 0;
+};
+
+class SshTarget : public Target {
+ public:
+  explicit SshTarget(std::unique_ptr<SshSession> session) : session_(std::move(session)) {}
+  SshSession::Result run(const std::string& command) override { return session_->run(command); }
+  void upload(const fs::path& local, const std::string& path, int mode) override {
+    session_->upload(local, path, mode);
+  }
+
+ private:
+  std::unique_ptr<SshSession> session_;
+};
+
+struct Fd {
+  int fd = -1;
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+class LocalTarget : public Target {
+ public:
+  explicit LocalTarget(std::chrono::milliseconds timeout) : timeout_(timeout) {}
+
+  // sh -c COMMAND with stdout and stderr captured; killed (its whole group) after the timeout.
+  SshSession::Result run(const std::string& command) override {
+    Fd out_read, out_write, err_read, err_write;
+    int fds[2];
+    if (::pipe2(fds, O_CLOEXEC) != 0) throw Error(ErrorKind::internal, "pipe failed");
+    out_read.fd = fds[0], out_write.fd = fds[1];
+    if (::pipe2(fds, O_CLOEXEC) != 0) throw Error(ErrorKind::internal, "pipe failed");
+    err_read.fd = fds[0], err_write.fd = fds[1];
+    const pid_t pid = ::fork();
+    if (pid < 0) throw Error(ErrorKind::internal, "fork failed");
+    if (pid == 0) {
+      ::setpgid(0, 0);
+      const int null = ::open("/dev/null", O_RDONLY);
+      ::dup2(null, 0);
+      ::dup2(out_write.fd, 1);
+      ::dup2(err_write.fd, 2);
+      ::execl("/bin/sh", "sh", "-c", command.c_str(), static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    ::close(std::exchange(out_write.fd, -1));
+    ::close(std::exchange(err_write.fd, -1));
+    SshSession::Result result;
+    const bool in_time = collect(out_read.fd, err_read.fd, result);
+    if (!in_time) ::kill(-pid, SIGKILL);
+    int status = 0;
+    while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    if (!in_time) {
+      throw Error(ErrorKind::ssh, fmt::format("a command on localhost did not finish within {}s",
+                                              timeout_.count() / 1000));
+    }
+    result.exit_status = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    return result;
+  }
+
+  void upload(const fs::path& local, const std::string& path, int mode) override {
+    const fs::path temp = path + fmt::format(".tmp-{}", ::getpid());
+    try {
+      fs::copy_file(local, temp, fs::copy_options::overwrite_existing);
+      fs::permissions(temp, static_cast<fs::perms>(mode));
+      fs::rename(temp, path);
+    } catch (const fs::filesystem_error& e) {
+      std::error_code ec;
+      fs::remove(temp, ec);
+      throw Error(ErrorKind::io, fmt::format("cannot copy {} to {}: {}", local.string(), path,
+                                             e.code().message()));
+    }
+  }
+
+ private:
+  // Reads both pipes to their end; false when the timeout came first.
+  bool collect(int out_fd, int err_fd, SshSession::Result& result) const {
+    const auto deadline = Clock::now() + timeout_;
+    std::array<pollfd, 2> fds = {{{out_fd, POLLIN, 0}, {err_fd, POLLIN, 0}}};
+    std::array<std::string*, 2> sinks = {&result.out, &result.err};
+    while (fds[0].fd >= 0 || fds[1].fd >= 0) {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+      if (left <= 0) return false;
+      if (::poll(fds.data(), fds.size(), static_cast<int>(left)) < 0 && errno != EINTR) break;
+      for (size_t i = 0; i < fds.size(); ++i) {
+        if (fds[i].fd < 0 || fds[i].revents == 0) continue;
+        char buffer[4096];
+        const ssize_t n = ::read(fds[i].fd, buffer, sizeof buffer);
+        if (n > 0) {
+          sinks[i]->append(buffer, static_cast<size_t>(n));
+        } else if (n == 0 || errno != EINTR) {
+          fds[i].fd = -1;  // poll skips negative descriptors
+        }
+      }
+    }
+    return true;
+  }
+
+  std::chrono::milliseconds timeout_;
+};
+
+std::unique_ptr<Target> open_target(const HostSpec& host, const SshOptions& options) {
+  if (host.is_local()) return std::make_unique<LocalTarget>(options.command_timeout);
+  return std::make_unique<SshTarget>(SshSession::connect(host, options));
+}
+
+// ---- one host ----
+
+void provision_host(HostReport& report, const ProvisionOptions& options,
+                    const std::vector<PlannedFile>& files) {
+  const std::string name = report.host.display();
+  auto target = open_target(report.host, options.ssh);
+  const auto prepared = target->run("sh -c " + shell_quote(facts_script(options.workdir, files)));
+  if (prepared.exit_status != 0) {
+    throw Error(ErrorKind::ssh, fmt::format("cannot create the workdir {} on {}: {}",
+                                            options.workdir, name, first_line(prepared.err)));
+  }
+  report.facts = parse_facts(prepared.out);
+  report.facts_known = true;
+  const std::string& workdir = report.facts.workdir;
+  const auto hashes = remote_hashes(prepared.out);
+  uint64_t needed = 0;
+  for (const auto& f : files) {
+    const auto it = hashes.find(f.remote);
+    const bool skipped = it != hashes.end() && it->second == f.sha256;
+    report.uploads.push_back(
+        {f.local, f.remote, f.bytes,
+         skipped ? UploadRecord::Status::skipped : UploadRecord::Status::pending});
+    if (!skipped) needed += f.bytes;
+  }
+  // Unknown (0) is left to the uploads themselves to report.
+  if (report.facts.disk_free_bytes > 0 && needed > report.facts.disk_free_bytes) {
+    throw Error(ErrorKind::ssh,
+                fmt::format("disk full on {}: {} has {} free, the uploads need {}", name, workdir,
+                            human_bytes(report.facts.disk_free_bytes), human_bytes(needed)));
+  }
+  for (size_t i = 0; i < files.size(); ++i) {
+    if (report.uploads[i].status == UploadRecord::Status::pending) {
+      target->upload(files[i].local, workdir + "/" + files[i].remote, files[i].mode);
+      report.uploads[i].status = UploadRecord::Status::uploaded;
+    }
+  }
+  const auto version = target->run(shell_command({workdir + "/bin/dptrain", "--version"}));
+  if (version.exit_status != 0) {
+    throw Error(ErrorKind::ssh,
+                fmt::format("the dptrain installed in {} does not run on {} (exit {}): {}", workdir,
+                            name, version.exit_status, first_line(version.err + version.out)));
+  }
+  report.facts.dptrain_version = trim(version.out);
+}
+
+}  // namespace
+
+std::vector<HostReport> provision(const std::vector<HostSpec>& hosts,
+                                  const ProvisionOptions& options) {
+  std::unique_ptr<TempFile> rewritten_recipe;
+  const std::vector<PlannedFile> files = plan_files(options, rewritten_recipe);
+  const auto outcomes = for_each_host(hosts, [&](const HostSpec& host) {
+    HostReport report;
+    report.host = host;
+    try {
+      provision_host(report, options, files);
+    } catch (const std::exception& e) {
+      // Every line names its host, so a list of failures reads on its own.
+      const std::string name = host.display();
+      const std::string message = e.what();
+      report.error = message.find(name) != std::string::npos ? message : name + ": " + message;
+    }
+    return report;
+  });
+  std::vector<HostReport> reports;
+  for (const auto& outcome : outcomes)
+    reports.push_back(*outcome.value);
+  return reports;
+}
+
+const char* upload_status_name(UploadRecord::Status status) {
+  switch (status) {
+    case UploadRecord::Status::uploaded:
+      return "uploaded";
+    case UploadRecord::Status::skipped:
+      return "skipped";
+    case UploadRecord::Status::pending:
+      break;
+  }
+  return "pending";
+}
+
+nlohmann::json to_json(const HostReport& report) {
+  using nlohmann::json;
+  json facts = nullptr;
+  if (report.facts_known) {
+    const HostFacts& f = report.facts;
+    json gpus = json::array();
+    for (const auto& gpu : f.gpus) {
+      gpus.push_back({{"name", gpu.name}, {"memory", gpu.memory}, {"driver", gpu.driver}});
+    }
+    const auto or_null = [](const std::string& s) { return s.empty() ? json(nullptr) : json(s); };
+    facts = {{"hostname", f.hostname},
+             {"os", f.os},
+             {"cpus", f.cpus},
+             {"memory_bytes", f.memory_bytes},
+             {"disk_free_bytes", f.disk_free_bytes},
+             {"workdir", f.workdir},
+             {"gpus", gpus},
+             {"gpu_note", or_null(f.gpu_note)},
+             {"driver_version", or_null(f.driver_version)},
+             {"dptrain_version", or_null(f.dptrain_version)}};
+  }
+  json uploads = json::array();
+  for (const auto& u : report.uploads) {
+    uploads.push_back({{"file", u.remote},
+                       {"local", u.local.string()},
+                       {"bytes", u.bytes},
+                       {"status", upload_status_name(u.status)}});
+  }
+  return {{"host", report.host.display()},
+          {"ok", report.ok()},
+          {"error", report.ok() ? json(nullptr) : json(report.error)},
+          {"facts", facts},
+          {"uploads", uploads}};
+}
+
+}  // namespace dptrain

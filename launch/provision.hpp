@@ -1,0 +1,87 @@
+// `dptrain provision`: gather facts about every host and install dptrain, the recipe, its data
+// and extra files into a work directory there, all hosts at once.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "launch/hostfile.hpp"
+#include "launch/ssh.hpp"
+
+namespace dptrain {
+
+struct ProvisionOptions {
+  std::string workdir = "~/.dptrain";          // on every host; a leading "~/" is that host's home
+  std::filesystem::path recipe;                // optional; a csv data file it names goes along
+  std::vector<std::filesystem::path> uploads;  // extra files, into the workdir by their names
+  std::filesystem::path binary;                // the dptrain to install; empty: this executable
+  SshOptions ssh;
+};
+
+struct GpuFact {
+  std::string name;
+  std::string memory;  // as nvidia-smi prints it: "81559 MiB"
+  std::string driver;
+};
+
+struct HostFacts {
+  std::string hostname;
+  std::string os;  // PRETTY_NAME from /etc/os-release
+  int cpus = 0;
+  uint64_t memory_bytes = 0;
+  uint64_t disk_free_bytes = 0;  // in the workdir
+  std::string workdir;           // absolute, on the host
+  std::vector<GpuFact> gpus;     // none is a fact, not an error
+  std::string gpu_note;          // why there are none: "no nvidia-smi", "nvidia-smi failed: ..."
+  std::string driver_version;    // of the first GPU; empty without one
+  std::string dptrain_version;   // `WORKDIR/bin/dptrain --version` once provisioned
+};
+
+// One file provision puts on a host.
+struct UploadRecord {
+  enum class Status {
+    pending,  // not reached: the host failed first
+    uploaded,
+    skipped,  // the host already had it (same sha256)
+  };
+  std::filesystem::path local;
+  std::string remote;  // relative to the workdir: "bin/dptrain", "recipe.json", "data/x.csv"
+  uint64_t bytes = 0;
+  Status status = Status::pending;
+};
+
+struct HostReport {
+  HostSpec host;
+  std::string error;  // empty when the host is provisioned; else one line naming the host
+  bool facts_known = false;
+  HostFacts facts;
+  std::vector<UploadRecord> uploads;
+  bool ok() const { return error.empty(); }
+};
+
+// Provisions every host in parallel and reports each, failures included. Throws only for
+// problems with the local side, before any host is contacted (a missing file, a bad recipe).
+// A HostSpec with is_local() is provisioned in this process, without SSH.
+std::vector<HostReport> provision(const std::vector<HostSpec>& hosts,
+                                  const ProvisionOptions& options);
+
+// "uploaded", "skipped" or "pending".
+const char* upload_status_name(UploadRecord::Status status);
+// {"host", "ok", "error" (null when ok), "facts" (null when unknown), "uploads": [...]}
+nlohmann::json to_json(const HostReport& report);
+
+// Parsers of what the facts script prints (exposed for tests).
+HostFacts parse_facts(const std::string& output);
+// Lines of `nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader`.
+std::vector<GpuFact> parse_gpus(const std::string& csv);
+
+// "1.5 GiB", "512 KiB", "17 B".
+std::string human_bytes(uint64_t bytes);
+// The sha256 of a local file as 64 lower-case hex digits; Error(io) naming it when unreadable.
+std::string sha256_file(const std::filesystem::path& path);
+
+}  // namespace dptrain

@@ -1,0 +1,40 @@
+// The launcher's side of one remote host: a small local process that holds the SSH connection,
+// starts `dptrain agent` there, and relays its output. Being a local child, it is supervised,
+// logged and contained exactly like a local rank; when it dies, the connection drops and the
+// remote agent stops its ranks.
+#pragma once
+
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "launch/agent.hpp"
+#include "launch/hostfile.hpp"
+#include "launch/ssh.hpp"
+
+namespace dptrain {
+
+struct RelayPlan {
+  HostSpec host;
+  SshOptions ssh;
+  std::string remote_binary;  // dptrain on the remote host
+  AgentPlan agent;
+
+  nlohmann::json to_json(bool redact_secret = false) const;
+  static RelayPlan from_json(const nlohmann::json& j);
+};
+
+// The environment variable the launcher passes the plan in (not the command line: it holds the
+// job secret).
+constexpr const char* kRelayPlanEnv = "DPTRAIN_RELAY_PLAN";
+
+// Connects, starts the agent, writes its plan, relays its output to stdout until it ends.
+// SIGTERM closes the agent's input, which stops its ranks. Returns the agent's exit code; 4 when
+// the host cannot be reached or authenticated; 3 when the connection is lost (with an
+// "@failure" line naming the host).
+int run_relay(const RelayPlan& plan);
+
+nlohmann::json host_to_json(const HostSpec& host);
+HostSpec host_from_json(const nlohmann::json& j);
+
+}  // namespace dptrain

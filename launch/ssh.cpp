@@ -1,0 +1,675 @@
+// SSH over libssh: connect, verify the host key, authenticate, exec with streamed output, SFTP.
+#include "launch/ssh.hpp"
+
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <pwd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cctype>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <mutex>
+#include <random>
+#include <set>
+#include <utility>
+
+#include <fmt/format.h>
+#include <libssh/callbacks.h>
+#include <libssh/libssh.h>
+#include <libssh/server.h>  // ssh_send_keepalive, which a client may send as well
+#include <libssh/sftp.h>
+
+namespace dptrain {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+// ---- shell quoting ----
+
+std::string shell_quote(std::string_view arg) {
+  const auto safe = [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || std::strchr("@%+=:,./-_", c) != nullptr;
+  };
+  if (!arg.empty() && std::all_of(arg.begin(), arg.end(), safe)) return std::string(arg);
+  std::string quoted = "'";
+  for (const char c : arg) {
+    if (c == '\'') {
+      quoted += "'\\''";  // close the quotes, an escaped quote, reopen
+    } else {
+      quoted += c;
+    }
+  }
+  quoted += '\'';
+  return quoted;
+}
+
+std::string shell_command(const std::vector<std::string>& argv) {
+  std::string line;
+  for (const auto& arg : argv) {
+    if (!line.empty()) line += ' ';
+    line += shell_quote(arg);
+  }
+  return line;
+}
+
+// ---- helpers ----
+
+namespace {
+
+fs::path home_directory() {
+  if (const char* home = std::getenv("HOME"); home && *home) return home;
+  if (const passwd* pw = ::getpwuid(::getuid()); pw && pw->pw_dir) return pw->pw_dir;
+  return "/";
+}
+
+fs::path expand_home(const std::string& path) {
+  if (path == "~") return home_directory();
+  if (path.rfind("~/", 0) == 0) return home_directory() / path.substr(2);
+  return path;
+}
+
+std::string seconds_text(milliseconds ms) {
+  if (ms.count() % 1000 == 0) return fmt::format("{}s", ms.count() / 1000);
+  return fmt::format("{:.1f}s", static_cast<double>(ms.count()) / 1000.0);
+}
+
+// Commands can be long scripts; a message shows their start.
+std::string command_excerpt(const std::string& command) {
+  std::string line = command.substr(0, command.find('\n'));
+  if (line.size() > 60 || line.size() < command.size()) line = line.substr(0, 60) + "...";
+  return "`" + line + "`";
+}
+
+struct KeyDeleter {
+  void operator()(ssh_key key) const { ssh_key_free(key); }
+};
+using KeyPtr = std::unique_ptr<std::remove_pointer_t<ssh_key>, KeyDeleter>;
+
+struct KnownHostsEntryDeleter {
+  void operator()(ssh_knownhosts_entry* entry) const { ssh_knownhosts_entry_free(entry); }
+};
+
+std::string sha256_fingerprint(ssh_key key) {
+  unsigned char* hash = nullptr;
+  size_t length = 0;
+  if (ssh_get_publickey_hash(key, SSH_PUBLICKEY_HASH_SHA256, &hash, &length) != SSH_OK) {
+    return "(unknown fingerprint)";
+  }
+  char* text = ssh_get_fingerprint_hash(SSH_PUBLICKEY_HASH_SHA256, hash, length);
+  ssh_clean_pubkey_hash(&hash);
+  std::string fingerprint = text ? text : "(unknown fingerprint)";
+  ssh_string_free_char(text);
+  return fingerprint;
+}
+
+// Several sessions may record new host keys in one file at once, and a check must not read a
+// half-written line: every known_hosts access of this process goes through this lock.
+std::mutex& known_hosts_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+// libssh's messages carry prefixes that say nothing to a user.
+std::string clean_reason(std::string reason) {
+  for (const char* prefix : {"Failed to connect: ", "Socket error: ", "Connection failed: "}) {
+    if (reason.rfind(prefix, 0) == 0) reason = reason.substr(std::strlen(prefix));
+  }
+  while (!reason.empty() && (reason.back() == '\n' || reason.back() == '.'))
+    reason.pop_back();
+  return reason.empty() ? "unknown error" : reason;
+}
+
+// Refuses to prompt for a key's passphrase: dptrain runs unattended; such keys belong in the agent.
+int no_passphrase(const char*, char*, size_t, int, int, void*) {
+  return -1;
+}
+
+int signal_number(const std::string& name) {
+  static const std::array<std::pair<const char*, int>, 15> table = {{{"HUP", 1},
+                                                                     {"INT", 2},
+                                                                     {"QUIT", 3},
+                                                                     {"ILL", 4},
+                                                                     {"TRAP", 5},
+                                                                     {"ABRT", 6},
+                                                                     {"BUS", 7},
+                                                                     {"FPE", 8},
+                                                                     {"KILL", 9},
+                                                                     {"USR1", 10},
+                                                                     {"SEGV", 11},
+                                                                     {"USR2", 12},
+                                                                     {"PIPE", 13},
+                                                                     {"ALRM", 14},
+                                                                     {"TERM", 15}}};
+  for (const auto& [signal_name, number] : table) {
+    if (name == signal_name) return number;
+  }
+  return 0;
+}
+
+}  // namespace
+
+fs::path default_known_hosts() {
+  return home_directory() / ".ssh" / "known_hosts";
+}
+
+// ---- the session handle ----
+
+struct SessionHandle {
+  ssh_session session = nullptr;
+  ssh_event event = nullptr;  // lets one wait serve both output streams of every channel
+  std::string display;
+
+  ~SessionHandle() {
+    if (event) {
+      ssh_event_remove_session(event, session);
+      ssh_event_free(event);
+    }
+    if (session) {
+      ssh_disconnect(session);
+      ssh_free(session);
+    }
+  }
+  std::string error() const { return clean_reason(ssh_get_error(session)); }
+  bool connected() const {
+    return ssh_is_connected(session) &&
+           !(ssh_get_status(session) & (SSH_CLOSED | SSH_CLOSED_ERROR));
+  }
+  // Handles what arrives within `timeout` (callbacks run); false when the connection failed.
+  bool wait(milliseconds timeout) {
+    if (!event) {
+      event = ssh_event_new();
+      if (!event || ssh_event_add_session(event, session) != SSH_OK) {
+        throw Error(ErrorKind::internal, "cannot create a libssh event for " + display);
+      }
+    }
+    const int rc = ssh_event_dopoll(event, static_cast<int>(std::max<int64_t>(timeout.count(), 0)));
+    return rc != SSH_ERROR && connected();
+  }
+  // Without waiting for the reply: the reply (a refusal) only matters as traffic, and a dead peer
+  // shows up as a TCP error (see enable_tcp_keepalive).
+  void send_keepalive() {
+    ssh_set_blocking(session, 0);
+    ssh_send_keepalive(session);
+    ssh_set_blocking(session, 1);
+  }
+};
+
+namespace {
+
+// A peer that vanished without closing the connection (power loss, a cable, a NAT that forgot us)
+// is declared dead by the kernel: after `interval` idle, probes every `interval`, three missed;
+// and data (a keepalive) unacknowledged for three intervals drops the connection.
+void enable_tcp_keepalive(ssh_session session, int interval_s) {
+  if (interval_s <= 0) return;
+  const int fd = ssh_get_fd(session);
+  if (fd < 0) return;
+  const int on = 1, count = 3;
+  const unsigned user_timeout_ms = static_cast<unsigned>(interval_s) * 3000u;
+  ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &on, sizeof on);
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &interval_s, sizeof interval_s);
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval_s, sizeof interval_s);
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof count);
+  ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms, sizeof user_timeout_ms);
+}
+
+void set_options(ssh_session session, const HostSpec& host, const SshOptions& options,
+                 const fs::path& known_hosts) {
+  const unsigned port = host.port;
+  const long timeout_s = static_cast<long>(options.connect_timeout.count() / 1000);
+  const long timeout_us = static_cast<long>(options.connect_timeout.count() % 1000) * 1000;
+  const int nodelay = 1;
+  // ~/.ssh/config is not read: the hostfile and the command line say everything, the same way
+  // on every machine that runs the launcher.
+  const bool process_config = false;
+  bool ok = ssh_options_set(session, SSH_OPTIONS_HOST, host.host.c_str()) == SSH_OK &&
+            ssh_options_set(session, SSH_OPTIONS_PORT, &port) == SSH_OK &&
+            ssh_options_set(session, SSH_OPTIONS_KNOWNHOSTS, known_hosts.c_str()) == SSH_OK &&
+            ssh_options_set(session, SSH_OPTIONS_TIMEOUT, &timeout_s) == SSH_OK &&
+            ssh_options_set(session, SSH_OPTIONS_TIMEOUT_USEC, &timeout_us) == SSH_OK &&
+            ssh_options_set(session, SSH_OPTIONS_NODELAY, &nodelay) == SSH_OK &&
+            ssh_options_set(session, SSH_OPTIONS_PROCESS_CONFIG, &process_config) == SSH_OK;
+  if (ok && !host.user.empty()) {
+    ok = ssh_options_set(session, SSH_OPTIONS_USER, host.user.c_str()) == SSH_OK;
+  }
+  if (!ok) {
+    throw Error(ErrorKind::ssh, fmt::format("invalid SSH settings for {}: {}", host.display(),
+                                            clean_reason(ssh_get_error(session))));
+  }
+}
+
+// The host port the way known_hosts writes it: "host" for port 22, else "[host]:port".
+std::string known_hosts_name(const HostSpec& host) {
+  if (host.port == 22) return host.host;
+  return fmt::format("[{}]:{}", host.host, host.port);
+}
+
+struct KnownEntry {
+  fs::path file;
+  int line = 0;
+  std::string fingerprint;
+};
+
+// The first line of `file` for this host whose key is not `offered` (the entry a changed key
+// contradicts), preferring one of the offered key's type. Call with known_hosts_mutex held.
+std::optional<KnownEntry> conflicting_entry(const fs::path& file, const std::string& name,
+                                            ssh_key offered) {
+  std::ifstream in(file);
+  std::optional<KnownEntry> found;
+  int number = 0;
+  for (std::string line; std::getline(in, line);) {
+    ++number;
+    const auto start = line.find_first_not_of(" \t");
+    if (start == std::string::npos || line[start] == '#' || line[start] == '@') continue;
+    ssh_knownhosts_entry* raw = nullptr;
+    if (ssh_known_hosts_parse_line(name.c_str(), line.c_str() + start, &raw) != SSH_OK) continue;
+    std::unique_ptr<ssh_knownhosts_entry, KnownHostsEntryDeleter> entry(raw);
+    if (!entry->publickey || ssh_key_cmp(entry->publickey, offered, SSH_KEY_CMP_PUBLIC) == 0) {
+      continue;
+    }
+    KnownEntry candidate{file, number, sha256_fingerprint(entry->publickey)};
+    if (ssh_key_type(entry->publickey) == ssh_key_type(offered)) return candidate;
+    if (!found) found = candidate;
+  }
+  return found;
+}
+
+void verify_host_key(ssh_session session, const HostSpec& host, const fs::path& known_hosts,
+                     bool accept_new) {
+  ssh_key raw_key = nullptr;
+  if (ssh_get_server_publickey(session, &raw_key) != SSH_OK) {
+    throw Error(ErrorKind::ssh, fmt::format("{} sent no host key", host.display()));
+  }
+  const KeyPtr offered(raw_key);
+  const std::string offered_fingerprint = sha256_fingerprint(offered.get());
+  const std::lock_guard lock(known_hosts_mutex());
+  switch (ssh_session_is_known_server(session)) {
+    case SSH_KNOWN_HOSTS_OK:
+      return;
+    case SSH_KNOWN_HOSTS_CHANGED:
+    case SSH_KNOWN_HOSTS_OTHER: {
+      const std::string name = known_hosts_name(host);
+      auto entry = conflicting_entry(known_hosts, name, offered.get());
+      if (!entry) entry = conflicting_entry("/etc/ssh/ssh_known_hosts", name, offered.get());
+      const KnownEntry known = entry.value_or(KnownEntry{known_hosts, 0, "another key"});
+      throw Error(ErrorKind::ssh,
+                  fmt::format("HOST KEY OF {} CHANGED: known_hosts has {}, the host offers {}; "
+                              "refusing (possible man-in-the-middle; fix {} line {} if the "
+                              "change is expected)",
+                              host.display(), known.fingerprint, offered_fingerprint,
+                              known.file.string(), known.line));
+    }
+    case SSH_KNOWN_HOSTS_UNKNOWN:
+    case SSH_KNOWN_HOSTS_NOT_FOUND:
+      if (!accept_new) {
+        throw Error(ErrorKind::ssh,
+                    fmt::format("host key of {} is not in known_hosts {} (the host offers {}); "
+                                "verify it and add it, or pass --accept-new-host-keys",
+                                host.display(), known_hosts.string(), offered_fingerprint));
+      }
+      if (ssh_session_update_known_hosts(session) != SSH_OK) {
+        throw Error(ErrorKind::ssh,
+                    fmt::format("cannot record the host key of {} in {}: {}", host.display(),
+                                known_hosts.string(), clean_reason(ssh_get_error(session))));
+      }
+      return;
+    case SSH_KNOWN_HOSTS_ERROR:
+      break;
+  }
+  throw Error(ErrorKind::ssh,
+              fmt::format("cannot check the host key of {} against {}: {}", host.display(),
+                          known_hosts.string(), clean_reason(ssh_get_error(session))));
+}
+
+// HostSpec::key, then --identity files, then the usual default keys that exist.
+std::vector<std::pair<fs::path, bool>> identity_files(const HostSpec& host,
+                                                      const SshOptions& options) {
+  std::vector<std::pair<fs::path, bool>> files;  // path, named explicitly
+  std::set<std::string> seen;
+  const auto add = [&](const fs::path& path, bool explicit_file) {
+    if (seen.insert(path.lexically_normal().string()).second)
+      files.emplace_back(path, explicit_file);
+  };
+  if (!host.key.empty()) add(expand_home(host.key), true);
+  for (const auto& identity : options.identities)
+    add(expand_home(identity.string()), true);
+  for (const char* name : {"id_ed25519", "id_ecdsa", "id_rsa"}) {
+    add(home_directory() / ".ssh" / name, false);
+  }
+  return files;
+}
+
+void authenticate(ssh_session session, const HostSpec& host, const SshOptions& options) {
+  std::vector<std::string> tried;
+  std::string ended;  // why the server stopped listening, if it did
+  const auto accepted = [&](int rc) {
+    if (rc == SSH_AUTH_ERROR && !ssh_is_connected(session)) {
+      ended = "; the server closed the connection: " + clean_reason(ssh_get_error(session));
+    }
+    return rc == SSH_AUTH_SUCCESS;
+  };
+  if (const char* agent = std::getenv("SSH_AUTH_SOCK"); agent && *agent) {
+    tried.emplace_back("agent");
+    if (accepted(ssh_userauth_agent(session, nullptr))) return;
+  }
+  for (const auto& [path, explicit_file] : identity_files(host, options)) {
+    if (!ended.empty()) break;
+    std::error_code ec;
+    if (!fs::exists(path, ec)) {
+      if (explicit_file) tried.push_back(path.string() + " (missing)");
+      continue;
+    }
+    ssh_key raw = nullptr;
+    if (ssh_pki_import_privkey_file(path.c_str(), nullptr, no_passphrase, nullptr, &raw) !=
+        SSH_OK) {
+      tried.push_back(path.string() + " (unreadable or passphrase-protected)");
+      continue;
+    }
+    const KeyPtr key(raw);
+    tried.push_back(path.string());
+    if (accepted(ssh_userauth_publickey(session, nullptr, key.get()))) return;
+  }
+  const std::string list =
+      tried.empty() ? "no agent and no identity file" : fmt::format("{}", fmt::join(tried, ", "));
+  throw Error(ErrorKind::ssh, fmt::format("authentication refused for {} (tried: {}){}",
+                                          host.display(), list, ended));
+}
+
+}  // namespace
+
+// ---- SshChannel ----
+
+struct SshChannel::Handle {
+  ssh_channel channel = nullptr;
+  ssh_channel_callbacks_struct callbacks{};
+  std::vector<std::pair<std::string, bool>> chunks;  // arrived, not yet delivered; in order
+  bool eof = false;
+  bool closed = false;
+  std::optional<int> exit_status;
+
+  ~Handle() {
+    if (channel) ssh_channel_free(channel);
+  }
+
+  static int on_data(ssh_session, ssh_channel, void* data, uint32_t len, int is_stderr,
+                     void* self) {
+    auto& chunks = static_cast<Handle*>(self)->chunks;
+    const std::string_view bytes(static_cast<const char*>(data), len);
+    const bool err = is_stderr != 0;
+    if (!chunks.empty() && chunks.back().second == err) {
+      chunks.back().first += bytes;
+    } else {
+      chunks.emplace_back(std::string(bytes), err);
+    }
+    return static_cast<int>(len);
+  }
+  static void on_eof(ssh_session, ssh_channel, void* self) {
+    static_cast<Handle*>(self)->eof = true;
+  }
+  static void on_close(ssh_session, ssh_channel, void* self) {
+    static_cast<Handle*>(self)->closed = true;
+  }
+  static void on_exit_status(ssh_session, ssh_channel, int status, void* self) {
+    static_cast<Handle*>(self)->exit_status = status;
+  }
+  static void on_exit_signal(ssh_session, ssh_channel, const char* signal, int, const char*,
+                             const char*, void* self) {
+    static_cast<Handle*>(self)->exit_status = 128 + signal_number(signal ? signal : "");
+  }
+};
+
+SshChannel::SshChannel(std::shared_ptr<SessionHandle> session, std::string command, int keepalive_s)
+    : session_(std::move(session)),
+      handle_(std::make_unique<Handle>()),
+      command_(std::move(command)),
+      keepalive_s_(keepalive_s),
+      last_keepalive_(Clock::now()) {
+  Handle& h = *handle_;
+  h.channel = ssh_channel_new(session_->session);
+  if (!h.channel || ssh_channel_open_session(h.channel) != SSH_OK) {
+    fail("cannot open a channel");
+  }
+  h.callbacks.userdata = &h;
+  h.callbacks.channel_data_function = &Handle::on_data;
+  h.callbacks.channel_eof_function = &Handle::on_eof;
+  h.callbacks.channel_close_function = &Handle::on_close;
+  h.callbacks.channel_exit_status_function = &Handle::on_exit_status;
+  h.callbacks.channel_exit_signal_function = &Handle::on_exit_signal;
+  ssh_callbacks_init(&h.callbacks);
+  if (ssh_set_channel_callbacks(h.channel, &h.callbacks) != SSH_OK) {
+    fail("cannot set channel callbacks");
+  }
+  if (ssh_channel_request_exec(h.channel, command_.c_str()) != SSH_OK) {
+    fail("cannot start the command");
+  }
+}
+
+SshChannel::~SshChannel() {
+  close();
+}
+
+void SshChannel::fail(const std::string& what) const {
+  throw Error(ErrorKind::ssh, fmt::format("{} {} on {}: {}", what, command_excerpt(command_),
+                                          session_->display, session_->error()));
+}
+
+void SshChannel::write(std::string_view data) {
+  if (!handle_->channel) fail("write to a closed channel of");
+  while (!data.empty()) {
+    const auto chunk = static_cast<uint32_t>(std::min<size_t>(data.size(), 1u << 20));
+    const int written = ssh_channel_write(handle_->channel, data.data(), chunk);
+    if (written <= 0) fail("cannot write to the stdin of");
+    data.remove_prefix(static_cast<size_t>(written));
+  }
+}
+
+void SshChannel::close_stdin() {
+  if (handle_->channel && ssh_channel_send_eof(handle_->channel) != SSH_OK) {
+    fail("cannot close the stdin of");
+  }
+}
+
+bool SshChannel::drain(const std::function<void(std::string_view, bool)>& sink) {
+  if (handle_->chunks.empty()) return false;
+  // Taken out first: the sink may call back into this channel (write, close).
+  auto chunks = std::exchange(handle_->chunks, {});
+  for (const auto& [data, is_stderr] : chunks)
+    sink(data, is_stderr);
+  return true;
+}
+
+// The command has ended: the remote closed the channel, or sent EOF and its exit status.
+bool SshChannel::finished() {
+  const Handle& h = *handle_;
+  if (!h.channel) return true;  // closed on this side
+  return h.closed || (h.eof && h.exit_status.has_value());
+}
+
+bool SshChannel::read(const std::function<void(std::string_view data, bool is_stderr)>& sink,
+                      milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  for (;;) {
+    if (drain(sink)) return true;
+    if (finished()) {
+      exit_status_ = handle_->exit_status;
+      return false;
+    }
+    const auto now = Clock::now();
+    if (now >= deadline) return true;
+    auto slice = std::chrono::duration_cast<milliseconds>(deadline - now);
+    if (keepalive_s_ > 0) {
+      const auto next_keepalive = last_keepalive_ + std::chrono::seconds(keepalive_s_);
+      if (now >= next_keepalive) {
+        session_->send_keepalive();
+        last_keepalive_ = now;
+        continue;
+      }
+      slice = std::min(
+          slice, std::chrono::duration_cast<milliseconds>(next_keepalive - now) + milliseconds(1));
+    }
+    if (!session_->wait(slice) && handle_->chunks.empty() && !finished()) {
+      fail("lost the SSH connection while running");
+    }
+  }
+}
+
+void SshChannel::close() {
+  if (!handle_ || !handle_->channel) return;
+  if (ssh_channel_is_open(handle_->channel) && session_->connected()) {
+    ssh_channel_close(handle_->channel);
+  }
+  ssh_channel_free(handle_->channel);
+  handle_->channel = nullptr;
+}
+
+// ---- SshSession ----
+
+struct SshSession::Sftp {
+  sftp_session sftp = nullptr;
+  ~Sftp() {
+    if (sftp) sftp_free(sftp);
+  }
+};
+
+SshSession::SshSession(HostSpec host, SshOptions options, std::shared_ptr<SessionHandle> session)
+    : host_(std::move(host)), options_(std::move(options)), session_(std::move(session)) {}
+
+SshSession::~SshSession() {
+  sftp_.reset();  // before the session it runs on
+}
+
+std::unique_ptr<SshSession> SshSession::connect(const HostSpec& host, const SshOptions& options) {
+  auto handle = std::make_shared<SessionHandle>();
+  handle->display = host.display();
+  handle->session = ssh_new();
+  if (!handle->session) throw Error(ErrorKind::internal, "cannot create an SSH session");
+  const fs::path known_hosts =
+      options.known_hosts.empty() ? default_known_hosts() : options.known_hosts;
+  set_options(handle->session, host, options, known_hosts);
+  if (ssh_connect(handle->session) != SSH_OK) {
+    throw Error(ErrorKind::ssh,
+                fmt::format("cannot connect to {} within {}: {}", host.display(),
+                            seconds_text(options.connect_timeout), handle->error()));
+  }
+  enable_tcp_keepalive(handle->session, options.keepalive_interval_s);
+  verify_host_key(handle->session, host, known_hosts, options.accept_new_host_keys);
+  authenticate(handle->session, host, options);
+  return std::unique_ptr<SshSession>(new SshSession(host, options, std::move(handle)));
+}
+
+std::unique_ptr<SshChannel> SshSession::start(const std::string& command) {
+  return std::unique_ptr<SshChannel>(
+      new SshChannel(session_, command, options_.keepalive_interval_s));
+}
+
+SshSession::Result SshSession::run(const std::string& command, const std::string& stdin_data) {
+  const auto deadline = Clock::now() + options_.command_timeout;
+  auto channel = start(command);
+  if (!stdin_data.empty()) channel->write(stdin_data);
+  channel->close_stdin();
+  Result result;
+  const auto collect = [&](std::string_view data, bool is_stderr) {
+    (is_stderr ? result.err : result.out) += data;
+  };
+  for (;;) {
+    const auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
+    if (left.count() <= 0) {
+      channel->close();
+      throw Error(ErrorKind::ssh,
+                  fmt::format("{} on {} did not finish within {}", command_excerpt(command),
+                              host_.display(), seconds_text(options_.command_timeout)));
+    }
+    if (!channel->read(collect, left)) break;
+  }
+  result.exit_status = channel->exit_status().value_or(-1);
+  return result;
+}
+
+namespace {
+
+std::string random_suffix() {
+  static thread_local std::mt19937_64 rng{std::random_device{}()};
+  return fmt::format("{:012x}", rng() & 0xffffffffffffull);
+}
+
+std::string sftp_reason(sftp_session sftp, ssh_session session) {
+  switch (sftp_get_error(sftp)) {
+    case SSH_FX_NO_SUCH_FILE:
+    case SSH_FX_NO_SUCH_PATH:
+      return "no such file or directory";
+    case SSH_FX_PERMISSION_DENIED:
+      return "permission denied";
+    case SSH_FX_WRITE_PROTECT:
+      return "read-only file system";
+    case SSH_FX_FAILURE:
+      return "the remote write failed (disk full or quota exceeded?)";
+    default:
+      return clean_reason(ssh_get_error(session));
+  }
+}
+
+struct SftpFileCloser {
+  void operator()(sftp_file file) const { sftp_close(file); }
+};
+
+}  // namespace
+
+void SshSession::upload(const fs::path& local, const std::string& remote_path, int mode) {
+  std::ifstream in(local, std::ios::binary);
+  if (!in) {
+    throw Error(ErrorKind::io,
+                fmt::format("{}: cannot read: {}", local.string(), std::strerror(errno)));
+  }
+  const auto failure = [&](const std::string& reason) {
+    return Error(ErrorKind::ssh, fmt::format("cannot upload {} to {}:{}: {}", local.string(),
+                                             host_.display(), remote_path, reason));
+  };
+  if (!sftp_) {
+    auto sftp = std::make_unique<Sftp>();
+    sftp->sftp = sftp_new(session_->session);
+    if (!sftp->sftp || sftp_init(sftp->sftp) != SSH_OK) {
+      throw failure("cannot start SFTP (" + session_->error() + ")");
+    }
+    sftp_ = std::move(sftp);
+  }
+  sftp_session sftp = sftp_->sftp;
+  const std::string temp = remote_path + ".tmp-" + random_suffix();
+  try {
+    std::unique_ptr<std::remove_pointer_t<sftp_file>, SftpFileCloser> file(
+        sftp_open(sftp, temp.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0600));
+    if (!file) throw failure(sftp_reason(sftp, session_->session));
+    std::vector<char> buffer(64 * 1024);  // OpenSSH's sftp-server takes packets up to 256 KiB
+    while (in) {
+      in.read(buffer.data(), static_cast<std::streamsize>(buffer.size()));
+      const auto count = static_cast<size_t>(in.gcount());
+      if (count == 0) break;
+      if (sftp_write(file.get(), buffer.data(), count) != static_cast<ssize_t>(count)) {
+        throw failure(sftp_reason(sftp, session_->session));
+      }
+    }
+    if (in.bad()) throw failure(fmt::format("reading {} failed", local.string()));
+    if (sftp_close(file.release()) != SSH_OK) throw failure(sftp_reason(sftp, session_->session));
+    if (sftp_chmod(sftp, temp.c_str(), static_cast<mode_t>(mode)) != SSH_OK) {
+      throw failure(sftp_reason(sftp, session_->session));
+    }
+    // SFTP's own rename refuses to replace a file (OpenSSH implements it with link + unlink), and
+    // libssh 0.10 cannot ask for posix-rename@openssh.com: mv is rename(2), atomic.
+    const Result moved = run(shell_command({"mv", "-f", "--", temp, remote_path}));
+    if (moved.exit_status != 0) {
+      throw failure(moved.err.empty() ? fmt::format("mv exited with {}", moved.exit_status)
+                                      : moved.err.substr(0, moved.err.find('\n')));
+    }
+  } catch (...) {
+    if (session_->connected()) sftp_unlink(sftp, temp.c_str());
+    throw;
+  }
+}
+
+}  // namespace dptrain

@@ -1,0 +1,340 @@
+// `dptrain provision` through the real binary against the loopback sshd (127.0.0.2 and .3).
+#include <doctest/doctest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "launch/provision.hpp"
+#include "tests/harness.hpp"
+#include "tests/sshd.hpp"
+
+using namespace dptrain::test;
+using dptrain::sha256_file;
+using dptrain::shell_quote;
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+const std::vector<std::string> kFiles = {"bin/dptrain", "data/train.csv", "recipe.json",
+                                         "notes.txt", "run.sh"};
+
+// A csv recipe, its data and two extra files in `dir`; the provision arguments that upload them.
+std::vector<std::string> upload_args(const fs::path& dir) {
+  fs::create_directories(dir);
+  std::ofstream csv(dir / "train.csv");
+  csv << "label,f0,f1\n";
+  for (int i = 0; i < 200; ++i)
+    csv << i % 2 << "," << (i % 2) * 2.0 << "," << std::sin(i) << "\n";
+  auto recipe = small_recipe();
+  recipe["model"] = {{"type", "mlp"}, {"input", 2}, {"hidden", {8}}, {"classes", 2}};
+  recipe["data"] = {{"type", "csv"}, {"path", "train.csv"}};
+  write_recipe(dir, recipe);
+  write_text(dir / "notes.txt", "notes\n");
+  fs::permissions(dir / "notes.txt",
+                  fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read);
+  write_text(dir / "run.sh", "#!/bin/sh\necho hi\n");
+  fs::permissions(dir / "run.sh", fs::perms::owner_all | fs::perms::group_read |
+                                      fs::perms::group_exec | fs::perms::others_read |
+                                      fs::perms::others_exec);
+  return {"--recipe", (dir / "recipe.json").string(), "--upload", (dir / "notes.txt").string(),
+          (dir / "run.sh").string()};
+}
+
+std::vector<std::string> provision_args(const fs::path& hostfile, const fs::path& known_hosts,
+                                        std::vector<std::string> extra = {}) {
+  std::vector<std::string> args = {
+      "provision",         "--hosts", hostfile.string(), "--known-hosts", known_hosts.string(),
+      "--connect-timeout", "5"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return args;
+}
+
+std::string status_of(const json& host, const std::string& file) {
+  for (const auto& u : host["uploads"]) {
+    if (u["file"] == file) return u["status"];
+  }
+  return "(not listed)";
+}
+
+std::string fingerprint_of(const fs::path& pub) {
+  std::FILE* p = ::popen(("ssh-keygen -lf " + shell_quote(pub.string())).c_str(), "r");
+  REQUIRE(p != nullptr);
+  char buf[512] = {};
+  const size_t n = std::fread(buf, 1, sizeof buf - 1, p);
+  ::pclose(p);
+  std::string bits, fingerprint;
+  std::istringstream(std::string(buf, n)) >> bits >> fingerprint;
+  return fingerprint;
+}
+
+fs::perms mode_of(const fs::path& path) {
+  return fs::status(path).permissions() & fs::perms::all;
+}
+
+std::string this_hostname() {
+  char name[256] = {};
+  ::gethostname(name, sizeof name - 1);
+  return name;
+}
+
+}  // namespace
+
+TEST_CASE("provision: facts and uploads on two hosts; a second run uploads nothing") {
+  const auto& sshd = LoopbackSshd::instance();
+  TempDir tmp;
+  const fs::path hostfile = tmp / "hosts";
+  sshd.write_hostfile(hostfile, {"127.0.0.2", "127.0.0.3"});
+  const auto uploads = upload_args(tmp / "src");
+  auto args = provision_args(hostfile, sshd.known_hosts(), uploads);
+  args.push_back("--json");
+
+  auto first = run_dptrain(args);
+  INFO(first.err);
+  REQUIRE(first.exit_code == 0);
+  const json report = parse_json(first.out);
+  CHECK(report["ok"] == true);
+  REQUIRE(report["hosts"].size() == 2);
+  for (size_t i = 0; i < 2; ++i) {
+    const std::string address = i == 0 ? "127.0.0.2" : "127.0.0.3";
+    const json& host = report["hosts"][i];
+    CAPTURE(host.dump());
+    CHECK(host["host"] == sshd.host(address).display());
+    CHECK(host["ok"] == true);
+    CHECK(host["error"].is_null());
+    const json& facts = host["facts"];
+    // The default workdir: ~/.dptrain in that host's own home.
+    const fs::path workdir = fs::canonical(sshd.home(address)) / ".dptrain";
+    CHECK(facts["workdir"] == workdir.string());
+    CHECK(facts["hostname"] == this_hostname());
+    CHECK(facts["os"].get<std::string>() != "");
+    CHECK(facts["cpus"].get<int>() == static_cast<int>(::sysconf(_SC_NPROCESSORS_ONLN)));
+    CHECK(facts["memory_bytes"].get<uint64_t>() > 0);
+    CHECK(facts["disk_free_bytes"].get<uint64_t>() > 0);
+    CHECK(facts["gpus"].is_array());
+    CHECK(facts["dptrain_version"] == "dptrain " DPTRAIN_VERSION);
+    for (const auto& file : kFiles) {
+      CAPTURE(file);
+      CHECK(status_of(host, file) == "uploaded");
+    }
+    CHECK(sha256_file(workdir / "bin/dptrain") == sha256_file(binary()));
+    CHECK(mode_of(workdir / "bin/dptrain") ==
+          (fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec |
+           fs::perms::others_read | fs::perms::others_exec));
+    CHECK(read_text(workdir / "data/train.csv") == read_text(tmp / "src/train.csv"));
+    CHECK(mode_of(workdir / "notes.txt") == mode_of(tmp / "src/notes.txt"));
+    CHECK(mode_of(workdir / "run.sh") == mode_of(tmp / "src/run.sh"));
+    // The uploaded recipe points at the uploaded data and validates where it is.
+    CHECK(parse_json(read_text(workdir / "recipe.json"))["data"]["path"] == "data/train.csv");
+    CHECK(run_dptrain({"recipe", "validate", (workdir / "recipe.json").string()}).exit_code == 0);
+  }
+
+  // The table, this time: nothing to upload anywhere.
+  auto second = run_dptrain(provision_args(hostfile, sshd.known_hosts(), uploads));
+  INFO(second.err);
+  REQUIRE(second.exit_code == 0);
+  for (const char* address : {"127.0.0.2", "127.0.0.3"}) {
+    const std::string display = sshd.host(address).display();
+    const auto row = second.out.find(display);
+    REQUIRE(row != std::string::npos);
+    const std::string line = second.out.substr(row, second.out.find('\n', row) - row);
+    CHECK(line.find(" ok ") != std::string::npos);
+    CHECK(line.find("0 uploaded (0 B), 5 skipped") != std::string::npos);
+  }
+}
+
+TEST_CASE("provision: a refused key is exit 4 naming that host; the other host is provisioned") {
+  const auto& sshd = LoopbackSshd::instance();
+  TempDir tmp;
+  const fs::path hostfile = tmp / "hosts";
+  sshd.write_hostfile(hostfile, {"127.0.0.2"});
+  const std::string bad = "127.0.0.3 port=" + std::to_string(sshd.port()) + " user=" + sshd.user() +
+                          " key=" + sshd.wrong_key().string() + "\n";
+  write_text(hostfile, read_text(hostfile) + bad);
+  auto r = run_dptrain(provision_args(hostfile, sshd.known_hosts(),
+                                      {"--workdir", (tmp / "work").string(), "--json"}));
+  CHECK(r.exit_code == 4);
+  const std::string display = sshd.host("127.0.0.3").display();
+  CHECK(r.err.find("dptrain: error: authentication refused for " + display + " (tried: ") !=
+        std::string::npos);
+  CHECK(r.err.find(sshd.wrong_key().string()) != std::string::npos);
+  CHECK(r.err.find("127.0.0.2") == std::string::npos);  // only the failed host is an error
+  const json report = parse_json(r.out);
+  CHECK(report["ok"] == false);
+  CHECK(report["hosts"][0]["ok"] == true);
+  CHECK(report["hosts"][1]["ok"] == false);
+  CHECK(report["hosts"][1]["facts"].is_null());
+  CHECK(report["hosts"][1]["error"].get<std::string>().find(display) != std::string::npos);
+}
+
+TEST_CASE("provision: a changed host key is refused, naming both fingerprints") {
+  const auto& sshd = LoopbackSshd::instance();
+  TempDir tmp;
+  const fs::path hostfile = tmp / "hosts";
+  sshd.write_hostfile(hostfile, {"127.0.0.2"});
+  sshd.write_known_hosts_with_changed_key("127.0.0.2", tmp / "known_hosts");
+  auto r =
+      run_dptrain(provision_args(hostfile, tmp / "known_hosts",
+                                 {"--workdir", (tmp / "work").string(), "--accept-new-host-keys"}));
+  CHECK(r.exit_code == 4);
+  CAPTURE(r.err);
+  CHECK(r.err.find("HOST KEY OF " + sshd.host("127.0.0.2").display() + " CHANGED") !=
+        std::string::npos);
+  CHECK(r.err.find(fingerprint_of(sshd.changed_host_public_key())) != std::string::npos);
+  CHECK(r.err.find(fingerprint_of(sshd.host_public_key())) != std::string::npos);
+  CHECK(r.out.find("FAILED") != std::string::npos);
+  CHECK_FALSE(fs::exists(tmp / "work"));
+}
+
+TEST_CASE("provision: an unreachable port is reported within the connect timeout") {
+  const auto& sshd = LoopbackSshd::instance();
+  TempDir tmp;
+  // One port refuses; the other accepts TCP but never speaks SSH.
+  const int silent = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof addr;
+  REQUIRE(::bind(silent, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+  REQUIRE(::listen(silent, 4) == 0);
+  REQUIRE(::getsockname(silent, reinterpret_cast<sockaddr*>(&addr), &length) == 0);
+  const uint16_t closed_port = unused_port();
+  write_text(tmp / "hosts", "127.0.0.1 port=" + std::to_string(closed_port) + "\n" +
+                                "127.0.0.1 port=" + std::to_string(ntohs(addr.sin_port)) + "\n");
+  auto r = run_dptrain({"provision", "--hosts", (tmp / "hosts").string(), "--known-hosts",
+                        sshd.known_hosts().string(), "--connect-timeout", "1"});
+  ::close(silent);
+  CHECK(r.exit_code == 4);
+  CAPTURE(r.err);
+  CHECK(r.err.find("cannot connect to 127.0.0.1:" + std::to_string(closed_port) + " within 1s") !=
+        std::string::npos);
+  CHECK(r.err.find("cannot connect to 127.0.0.1:" + std::to_string(ntohs(addr.sin_port)) +
+                   " within 1s") != std::string::npos);
+  CHECK(r.seconds < 15);  // both hosts in parallel, each bounded by the 1 s timeout: no hang
+}
+
+TEST_CASE("provision: an unknown host is refused; --accept-new-host-keys accepts and records") {
+  const auto& sshd = LoopbackSshd::instance();
+  TempDir tmp;
+  const fs::path hostfile = tmp / "hosts";
+  sshd.write_hostfile(hostfile, {"127.0.0.2", "127.0.0.3"});
+  const fs::path known_hosts = tmp / "known_hosts";
+  write_text(known_hosts, "");
+  const std::vector<std::string> workdir = {"--workdir", (tmp / "work").string()};
+  auto refused = run_dptrain(provision_args(hostfile, known_hosts, workdir));
+  CHECK(refused.exit_code == 4);
+  for (const char* address : {"127.0.0.2", "127.0.0.3"}) {
+    CHECK(refused.err.find("host key of " + sshd.host(address).display() +
+                           " is not in known_hosts " + known_hosts.string()) != std::string::npos);
+  }
+  CHECK(read_text(known_hosts).empty());
+
+  auto w = workdir;
+  w.push_back("--accept-new-host-keys");
+  auto accepted = run_dptrain(provision_args(hostfile, known_hosts, w));
+  INFO(accepted.err);
+  CHECK(accepted.exit_code == 0);
+  const std::string recorded = read_text(known_hosts);
+  for (const char* address : {"127.0.0.2", "127.0.0.3"}) {
+    CHECK(recorded.find(std::string("[") + address + "]:" + std::to_string(sshd.port())) !=
+          std::string::npos);
+  }
+  CHECK(run_dptrain(provision_args(hostfile, known_hosts, workdir)).exit_code == 0);
+}
+
+TEST_CASE("provision: localhost is provisioned in-process, without SSH") {
+  TempDir tmp;
+  const auto uploads = upload_args(tmp / "src");
+  std::vector<std::string> args = {
+      "provision", "--hosts", "localhost", "--known-hosts", (tmp / "none").string(), "--json"};
+  args.insert(args.end(), uploads.begin(), uploads.end());
+  const Env env = {{"HOME", (tmp / "home").string()}, {"SSH_AUTH_SOCK", ""}};
+  fs::create_directories(tmp / "home");
+  auto first = run_dptrain(args, env);
+  INFO(first.err);
+  REQUIRE(first.exit_code == 0);
+  const json host = parse_json(first.out)["hosts"][0];
+  const fs::path workdir = fs::canonical(tmp / "home") / ".dptrain";
+  CHECK(host["ok"] == true);
+  CHECK(host["facts"]["workdir"] == workdir.string());
+  CHECK(host["facts"]["dptrain_version"] == "dptrain " DPTRAIN_VERSION);
+  for (const auto& file : kFiles)
+    CHECK(status_of(host, file) == "uploaded");
+  CHECK(sha256_file(workdir / "bin/dptrain") == sha256_file(binary()));
+  CHECK(mode_of(workdir / "run.sh") == mode_of(tmp / "src/run.sh"));
+
+  const json again = parse_json(run_dptrain(args, env).out)["hosts"][0];
+  for (const auto& file : kFiles)
+    CHECK(status_of(again, file) == "skipped");
+}
+
+TEST_CASE("provision: a missing upload or a bad recipe is a usage error before any host") {
+  TempDir tmp;
+  // The host is unreachable: an exit 2 shows the local problem was found first.
+  write_text(tmp / "hosts", "127.0.0.1 port=" + std::to_string(unused_port()) + "\n");
+  auto missing = run_dptrain(
+      {"provision", "--hosts", (tmp / "hosts").string(), "--upload", (tmp / "nope.txt").string()});
+  CHECK(missing.exit_code == 2);
+  CHECK(missing.err.find("nope.txt: no such file") != std::string::npos);
+  write_text(tmp / "bad.json", "{\"model\": 3}");
+  auto bad = run_dptrain(
+      {"provision", "--hosts", (tmp / "hosts").string(), "--recipe", (tmp / "bad.json").string()});
+  CHECK(bad.exit_code == 2);
+  CHECK(bad.err.find("bad.json") != std::string::npos);
+}
+
+TEST_CASE("provision: not enough free disk in the workdir is reported as disk full") {
+  TempDir tmp;
+  // A df that reports 4 KiB available, found first on the PATH of the in-process "host".
+  fs::create_directories(tmp / "bin");
+  write_text(tmp / "bin/df",
+             "#!/bin/sh\necho 'Filesystem 1024-blocks Used Available Capacity Mounted on'\n"
+             "echo 'fake 100 96 4 96% /'\n");
+  fs::permissions(tmp / "bin/df", fs::perms::owner_all);
+  const Env env = {{"PATH", (tmp / "bin").string() + ":" + std::getenv("PATH")}};
+  auto r = run_dptrain(
+      {"provision", "--hosts", "localhost", "--workdir", (tmp / "work").string(), "--json"}, env);
+  CHECK(r.exit_code == 4);
+  CAPTURE(r.err);
+  CHECK(r.err.find("disk full on localhost") != std::string::npos);
+  CHECK(r.err.find("has 4.0 KiB free") != std::string::npos);
+  const json host = parse_json(r.out)["hosts"][0];
+  CHECK(host["facts"]["disk_free_bytes"] == 4096);
+  CHECK(status_of(host, "bin/dptrain") == "pending");
+  CHECK_FALSE(fs::exists(tmp / "work/bin/dptrain"));
+}
+
+TEST_CASE("facts and nvidia-smi lines parse; no GPU is a fact") {
+  const auto gpus = dptrain::parse_gpus(
+      "NVIDIA H200, 143771 MiB, 550.54.15\nNVIDIA H200, 143771 MiB, 550.54.15\n\n");
+  REQUIRE(gpus.size() == 2);
+  CHECK(gpus[1].name == "NVIDIA H200");
+  CHECK(gpus[1].memory == "143771 MiB");
+  CHECK(gpus[1].driver == "550.54.15");
+
+  const auto facts = dptrain::parse_facts(
+      "workdir=/home/u/.dptrain\nhostname=node-1\nos=Debian GNU/Linux 12 (bookworm)\ncpus=64\n"
+      "memory_kb=2048\ndisk_free_kb=10\ngpu=Tesla T4, 15360 MiB, 535.1\n"
+      "sha256=abc bin/dptrain\nnoise without equals\n");
+  CHECK(facts.workdir == "/home/u/.dptrain");
+  CHECK(facts.hostname == "node-1");
+  CHECK(facts.os == "Debian GNU/Linux 12 (bookworm)");
+  CHECK(facts.cpus == 64);
+  CHECK(facts.memory_bytes == 2048 * 1024);
+  CHECK(facts.disk_free_bytes == 10 * 1024);
+  REQUIRE(facts.gpus.size() == 1);
+  CHECK(facts.driver_version == "535.1");
+
+  const auto none = dptrain::parse_facts("cpus=oops\ngpu_note=no nvidia-smi\n");
+  CHECK(none.cpus == 0);
+  CHECK(none.gpus.empty());
+  CHECK(none.gpu_note == "no nvidia-smi");
+  CHECK(none.driver_version.empty());
+  CHECK(dptrain::human_bytes(17) == "17 B");
+  CHECK(dptrain::human_bytes(3 * 1024 * 1024 / 2) == "1.5 MiB");
+}
