@@ -29,7 +29,8 @@ json AgentPlan::to_json(bool redact_secret) const {
           {"backend", backend},
           {"resume_from", resume_from},
           {"ranks", ranks},
-          {"env", env}};
+          {"env", env},
+          {"data_dir", data_dir}};
 }
 
 AgentPlan AgentPlan::from_json(const json& j) {
@@ -46,6 +47,7 @@ AgentPlan AgentPlan::from_json(const json& j) {
     p.resume_from = j.at("resume_from").get<std::string>();
     p.ranks = j.at("ranks").get<std::vector<int>>();
     p.env = j.at("env").get<std::map<std::string, std::string>>();
+    p.data_dir = j.value("data_dir", std::string());
     return p;
   } catch (const json::exception& e) {
     throw Error(ErrorKind::usage, fmt::format("malformed agent plan: {}", e.what()));
@@ -90,6 +92,22 @@ std::vector<ProcessSpec> worker_specs(const AgentPlan& plan, const fs::path& wor
   return specs;
 }
 
+namespace {
+
+// A CSV file named by the launcher's path is found where provision put it when that path does
+// not exist on this host (no shared filesystem).
+void use_provisioned_data(AgentPlan& plan) {
+  auto& data = plan.recipe["data"];
+  if (plan.data_dir.empty() || data.value("type", "") != "csv") return;
+  const fs::path path = data.value("path", std::string());
+  std::error_code ec;
+  if (fs::exists(path, ec)) return;
+  const fs::path provisioned = expand_home(plan.data_dir) / path.filename();
+  if (fs::exists(provisioned, ec)) data["path"] = provisioned.string();
+}
+
+}  // namespace
+
 int run_agent(const AgentPlan& given, std::FILE* out, int stop_fd) {
   AgentPlan plan = given;
   plan.run_dir = expand_home(plan.run_dir.string());
@@ -99,6 +117,7 @@ int run_agent(const AgentPlan& given, std::FILE* out, int stop_fd) {
     throw Error(ErrorKind::io, fmt::format("{}: cannot create run directory on {}: {}",
                                            plan.run_dir.string(), plan.host, ec.message()));
   }
+  use_provisioned_data(plan);
   write_file_atomic(plan.run_dir / "recipe.json", plan.recipe.dump(2) + "\n");
   std::mutex out_mutex;
   SupervisorOptions options;

@@ -26,6 +26,7 @@ struct AgentPlan {
   std::string resume_from;                 // a checkpoint directory on that host, or empty
   std::vector<int> ranks;                  // global ranks on this host; local rank = index
   std::map<std::string, std::string> env;  // extra environment for the workers
+  std::string data_dir;  // where provision put data files on that host ("" on the launcher's)
 
   nlohmann::json to_json(bool redact_secret = false) const;
   static AgentPlan from_json(const nlohmann::json& j);  // Error(usage) on a malformed plan

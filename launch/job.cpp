@@ -149,6 +149,7 @@ JobPlan plan_job(const JobSpec& spec, const fs::path& run_path, int generation,
     for (int i = 0; i < h.slots; ++i)
       a.ranks.push_back(next_rank++);
     a.env = spec.worker_env;
+    if (!h.is_local()) a.data_dir = spec.remote.workdir + "/data";
     plan.agents.push_back(std::move(a));
   }
   return plan;

@@ -137,7 +137,8 @@ namespace {
 // ---- what goes to every host ----
 
 struct PlannedFile {
-  fs::path local;
+  fs::path local;      // what is uploaded
+  fs::path source;     // what the report names: the user's file, not a rewritten copy
   std::string remote;  // relative to the workdir
   int mode = 0644;
   uint64_t bytes = 0;
@@ -171,7 +172,7 @@ PlannedFile planned(const fs::path& local, const std::string& remote, int mode) 
   if (!fs::is_regular_file(local, ec)) {
     throw Error(ErrorKind::usage, fmt::format("{}: no such file", local.string()));
   }
-  return {local, remote, mode, fs::file_size(local), sha256_file(local)};
+  return {local, local, remote, mode, fs::file_size(local), sha256_file(local)};
 }
 
 // The recipe goes as it is, except that a csv data path becomes "data/NAME": the uploaded recipe
@@ -193,6 +194,7 @@ void plan_recipe(const fs::path& recipe_path, std::vector<PlannedFile>& files,
   rewritten = std::make_unique<TempFile>(name);
   std::ofstream(rewritten->path()) << j.dump(2) << "\n";
   files.push_back(planned(rewritten->path(), name, 0644));
+  files.back().source = recipe_path;
 }
 
 std::vector<PlannedFile> plan_files(const ProvisionOptions& options,
@@ -206,10 +208,10 @@ std::vector<PlannedFile> plan_files(const ProvisionOptions& options,
   }
   std::map<std::string, fs::path> by_remote;
   for (const auto& f : files) {
-    const auto [it, inserted] = by_remote.emplace(f.remote, f.local);
+    const auto [it, inserted] = by_remote.emplace(f.remote, f.source);
     if (!inserted) {
       throw Error(ErrorKind::usage, fmt::format("{} and {} would both be WORKDIR/{}; rename one",
-                                                it->second.string(), f.local.string(), f.remote));
+                                                it->second.string(), f.source.string(), f.remote));
     }
   }
   return files;
@@ -217,19 +219,12 @@ std::vector<PlannedFile> plan_files(const ProvisionOptions& options,
 
 // ---- the script that prepares the workdir and reports facts ----
 
-// The workdir as a shell word: "~/x" must expand on the host, everything else stays literal.
-std::string workdir_word(const std::string& workdir) {
-  if (workdir == "~") return "\"$HOME\"";
-  if (workdir.rfind("~/", 0) == 0) return "\"$HOME\"/" + shell_quote(workdir.substr(2));
-  return shell_quote(workdir);
-}
-
 std::string facts_script(const std::string& workdir, const std::vector<PlannedFile>& files) {
   std::set<std::string> dirs = {"."};
   for (const auto& f : files)
     dirs.insert(fs::path(f.remote).parent_path().string());
   dirs.erase("");
-  std::string script = "d=" + workdir_word(workdir) + "\nmkdir -p";
+  std::string script = "d=" + remote_path_word(workdir) + "\nmkdir -p";
   for (const auto& dir : dirs)
     script += " \"$d\"/" + shell_quote(dir);
   script += " && cd \"$d\" || exit 1\n";
@@ -406,7 +401,7 @@ void provision_host(HostReport& report, const ProvisionOptions& options,
     const auto it = hashes.find(f.remote);
     const bool skipped = it != hashes.end() && it->second == f.sha256;
     report.uploads.push_back(
-        {f.local, f.remote, f.bytes,
+        {f.source, f.remote, f.bytes,
          skipped ? UploadRecord::Status::skipped : UploadRecord::Status::pending});
     if (!skipped) needed += f.bytes;
   }

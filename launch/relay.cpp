@@ -98,7 +98,7 @@ int run_relay(const RelayPlan& plan) {
   }
   std::unique_ptr<SshChannel> channel;
   try {
-    channel = session->start(shell_quote(plan.remote_binary) + " agent");
+    channel = session->start(remote_path_word(plan.remote_binary) + " agent");
     channel->write(plan.agent.to_json().dump() + "\n");
   } catch (const Error& e) {
     report_failure(fmt::format("{}: cannot start the agent: {}", plan.host.display(), e.what()));

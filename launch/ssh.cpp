@@ -51,6 +51,12 @@ std::string shell_quote(std::string_view arg) {
   return quoted;
 }
 
+std::string remote_path_word(const std::string& path) {
+  if (path == "~") return "\"$HOME\"";
+  if (path.rfind("~/", 0) == 0) return "\"$HOME\"/" + shell_quote(path.substr(2));
+  return shell_quote(path);
+}
+
 std::string shell_command(const std::vector<std::string>& argv) {
   std::string line;
   for (const auto& arg : argv) {

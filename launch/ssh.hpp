@@ -21,13 +21,14 @@
 namespace dptrain {
 
 struct SshOptions {
-  std::vector<std::filesystem::path> identities;  // --identity files, tried after HostSpec::key
-                                                  // and the agent
-  std::filesystem::path known_hosts;              // empty: ~/.ssh/known_hosts
-  bool accept_new_host_keys = false;              // like OpenSSH accept-new: record unknown hosts
+  // --identity files, tried after the agent and HostSpec::key, before ~/.ssh/id_*.
+  std::vector<std::filesystem::path> identities;
+  std::filesystem::path known_hosts;  // empty: ~/.ssh/known_hosts
+  bool accept_new_host_keys = false;  // like OpenSSH accept-new: record unknown hosts
+  // Also the limit of each blocking step inside a session (channel open, SFTP request).
   std::chrono::milliseconds connect_timeout{10000};
-  std::chrono::milliseconds command_timeout{120000};
-  int keepalive_interval_s = 15;
+  std::chrono::milliseconds command_timeout{120000};  // SshSession::run
+  int keepalive_interval_s = 15;                      // 0: none
 };
 
 // One argument for a POSIX shell: unchanged when it holds only safe characters, else in single
@@ -35,6 +36,9 @@ struct SshOptions {
 std::string shell_quote(std::string_view arg);
 // argv as one shell command line, each argument quoted.
 std::string shell_command(const std::vector<std::string>& argv);
+// A path on the remote host as one shell word: a leading "~" or "~/" expands to that host's
+// $HOME there; everything else stays literal.
+std::string remote_path_word(const std::string& path);
 
 // The known_hosts file used when SshOptions::known_hosts is empty: $HOME/.ssh/known_hosts.
 std::filesystem::path default_known_hosts();
@@ -99,8 +103,8 @@ class SshSession {
   // Starts a command and returns at once; its output comes through SshChannel::read.
   std::unique_ptr<SshChannel> start(const std::string& command);
   // SFTP: writes remote_path + ".tmp-<random>", sets `mode`, renames it over remote_path (atomic on
-  // the remote; a reader sees the old file or the new one). A relative remote_path is relative to
-  // the remote home directory.
+  // the remote; a reader sees the old file or the new one). Give an absolute remote_path: SFTP
+  // and the shell may start in different directories. Error(ssh) naming host and path.
   void upload(const std::filesystem::path& local, const std::string& remote_path, int mode);
 
   const HostSpec& host() const { return host_; }

@@ -65,7 +65,15 @@ TEST_CASE("2 hosts x 2 slots train to the same parameters as 4 local ranks") {
   auto local = run_dptrain({"launch", recipe.string(), "--nproc", "4", "--run-dir",
                             (c.tmp / "local").string(), "--json"});
   REQUIRE(local.exit_code == 0);
-  auto remote = run_dptrain(c.launch_args(recipe, c.tmp / "remote"));
+  // The way a user would: provision puts dptrain in ~/.dptrain/bin on each host, and launch
+  // starts it from there (no --remote-binary).
+  auto provisioned = run_dptrain({"provision", "--hosts", c.hostfile.string(), "--known-hosts",
+                                  c.sshd.known_hosts().string()});
+  REQUIRE(provisioned.exit_code == 0);
+  auto args = c.launch_args(recipe, c.tmp / "remote");
+  const auto flag = std::find(args.begin(), args.end(), "--remote-binary");
+  args.erase(flag, flag + 2);
+  auto remote = run_dptrain(args);
   INFO(remote.err, remote.out);
   REQUIRE(remote.exit_code == 0);
   const json result = parse_json(read_text(c.tmp / "remote/result.json"));

@@ -271,6 +271,12 @@ TEST_CASE("provision: localhost is provisioned in-process, without SSH") {
   const json again = parse_json(run_dptrain(args, env).out)["hosts"][0];
   for (const auto& file : kFiles)
     CHECK(status_of(again, file) == "skipped");
+  CHECK(again["uploads"][2]["local"] == (tmp / "src/recipe.json").string());  // not a temp copy
+
+  auto unwritable = run_dptrain({"provision", "--hosts", "localhost", "--workdir", "/proc/nope"});
+  CHECK(unwritable.exit_code == 4);
+  CHECK(unwritable.err.find("cannot create the workdir /proc/nope on localhost") !=
+        std::string::npos);
 }
 
 TEST_CASE("provision: a missing upload or a bad recipe is a usage error before any host") {

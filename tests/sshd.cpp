@@ -45,6 +45,10 @@ void write_all(const fs::path& path, const std::string& text) {
 
 // Runs argv with output into `log` (appended); returns the exit code (-1 when it did not exit).
 int run_logged(const std::vector<std::string>& argv, const fs::path& log) {
+  std::vector<char*> args;  // built before fork: the child of a threaded process must not allocate
+  for (const auto& a : argv)
+    args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
   const pid_t pid = ::fork();
   if (pid < 0) throw std::runtime_error("sshd fixture: fork failed");
   if (pid == 0) {
@@ -55,10 +59,6 @@ int run_logged(const std::vector<std::string>& argv, const fs::path& log) {
       ::dup2(out, 2);
     }
     if (in >= 0) ::dup2(in, 0);
-    std::vector<char*> args;
-    for (const auto& a : argv)
-      args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
     ::execvp(args[0], args.data());
     ::_exit(127);
   }
