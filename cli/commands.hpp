@@ -27,6 +27,8 @@ void setup_worker(CLI::App& app, Outcome& outcome);
 void setup_provision(CLI::App& app, Outcome& outcome);
 void setup_agent(CLI::App& app, Outcome& outcome);
 void setup_relay(CLI::App& app, Outcome& outcome);
+void setup_doctor(CLI::App& app, Outcome& outcome);
+void setup_probe(CLI::App& app, Outcome& outcome);
 
 inline const std::vector<Subcommand>& subcommands() {
   static const std::vector<Subcommand> table = {
@@ -37,6 +39,9 @@ inline const std::vector<Subcommand>& subcommands() {
       {"provision", "Check hosts over SSH and install dptrain, a recipe and files on them",
        setup_provision},
       {"agent", "Run the ranks of one node for a launcher (started over SSH)", setup_agent},
+      {"doctor", "Check hosts (and a recipe) before a job; one line per problem, with a fix",
+       setup_doctor},
+      {"_probe", "Internal: the network probes doctor runs on hosts", setup_probe},
       {"_relay", "Internal: the launcher's end of one host's SSH connection", setup_relay},
   };
   return table;

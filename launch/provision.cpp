@@ -269,14 +269,7 @@ std::map<std::string, std::string> remote_hashes(const std::string& output) {
 
 // ---- where commands run and files go: over SSH, or on this machine ----
 
-class Target {
- public:
-  virtual ~Target() = default;
-  virtual SshSession::Result run(const std::string& command) = 0;
-  virtual void upload(const fs::path& local, const std::string& path, int mode) = 0;
-};
-
-class SshTarget : public Target {
+class SshTarget : public HostShell {
  public:
   explicit SshTarget(std::unique_ptr<SshSession> session) : session_(std::move(session)) {}
   SshSession::Result run(const std::string& command) override { return session_->run(command); }
@@ -295,7 +288,7 @@ struct Fd {
   }
 };
 
-class LocalTarget : public Target {
+class LocalTarget : public HostShell {
  public:
   explicit LocalTarget(std::chrono::milliseconds timeout) : timeout_(timeout) {}
 
@@ -376,9 +369,29 @@ class LocalTarget : public Target {
   std::chrono::milliseconds timeout_;
 };
 
-std::unique_ptr<Target> open_target(const HostSpec& host, const SshOptions& options) {
+}  // namespace
+
+std::unique_ptr<HostShell> open_host_shell(const HostSpec& host, const SshOptions& options) {
   if (host.is_local()) return std::make_unique<LocalTarget>(options.command_timeout);
   return std::make_unique<SshTarget>(SshSession::connect(host, options));
+}
+
+namespace {
+
+// Creates the workdir and reports facts, and the sha256 of `files` already there.
+SshSession::Result prepare_workdir(HostShell& shell, const HostSpec& host,
+                                   const std::string& workdir,
+                                   const std::vector<PlannedFile>& files) {
+  auto result = shell.run("sh -c " + shell_quote(facts_script(workdir, files)));
+  if (result.exit_status != 0) {
+    throw Error(ErrorKind::ssh, fmt::format("cannot create the workdir {} on {}: {}", workdir,
+                                            host.display(), first_line(result.err)));
+  }
+  return result;
+}
+
+SshSession::Result installed_version(HostShell& shell, const std::string& absolute_workdir) {
+  return shell.run(shell_command({absolute_workdir + "/bin/dptrain", "--version"}));
 }
 
 // ---- one host ----
@@ -386,12 +399,8 @@ std::unique_ptr<Target> open_target(const HostSpec& host, const SshOptions& opti
 void provision_host(HostReport& report, const ProvisionOptions& options,
                     const std::vector<PlannedFile>& files) {
   const std::string name = report.host.display();
-  auto target = open_target(report.host, options.ssh);
-  const auto prepared = target->run("sh -c " + shell_quote(facts_script(options.workdir, files)));
-  if (prepared.exit_status != 0) {
-    throw Error(ErrorKind::ssh, fmt::format("cannot create the workdir {} on {}: {}",
-                                            options.workdir, name, first_line(prepared.err)));
-  }
+  auto target = open_host_shell(report.host, options.ssh);
+  const auto prepared = prepare_workdir(*target, report.host, options.workdir, files);
   report.facts = parse_facts(prepared.out);
   report.facts_known = true;
   const std::string& workdir = report.facts.workdir;
@@ -417,7 +426,7 @@ void provision_host(HostReport& report, const ProvisionOptions& options,
       report.uploads[i].status = UploadRecord::Status::uploaded;
     }
   }
-  const auto version = target->run(shell_command({workdir + "/bin/dptrain", "--version"}));
+  const auto version = installed_version(*target, workdir);
   if (version.exit_status != 0) {
     throw Error(ErrorKind::ssh,
                 fmt::format("the dptrain installed in {} does not run on {} (exit {}): {}", workdir,
@@ -427,6 +436,13 @@ void provision_host(HostReport& report, const ProvisionOptions& options,
 }
 
 }  // namespace
+
+HostFacts survey_host(HostShell& shell, const HostSpec& host, const std::string& workdir) {
+  HostFacts facts = parse_facts(prepare_workdir(shell, host, workdir, {}).out);
+  const auto version = installed_version(shell, facts.workdir);
+  if (version.exit_status == 0) facts.dptrain_version = trim(version.out);
+  return facts;
+}
 
 std::vector<HostReport> provision(const std::vector<HostSpec>& hosts,
                                   const ProvisionOptions& options) {

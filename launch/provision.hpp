@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -62,6 +63,22 @@ struct HostReport {
   std::vector<UploadRecord> uploads;
   bool ok() const { return error.empty(); }
 };
+
+// Where commands run and files go on one host: over SSH, or in this process for localhost.
+class HostShell {
+ public:
+  virtual ~HostShell() = default;
+  // sh command line; output captured; the SSH options' command timeout applies.
+  virtual SshSession::Result run(const std::string& command) = 0;
+  virtual void upload(const std::filesystem::path& local, const std::string& path, int mode) = 0;
+};
+// Error(ssh) naming the host when it cannot be reached or authenticated.
+std::unique_ptr<HostShell> open_host_shell(const HostSpec& host, const SshOptions& options);
+
+// Facts about one host without uploading anything: the workdir is created (its free space and
+// absolute path are facts), and the installed dptrain's version read when there is one (empty
+// otherwise).
+HostFacts survey_host(HostShell& shell, const HostSpec& host, const std::string& workdir);
 
 // Provisions every host in parallel and reports each, failures included. Throws only for
 // problems with the local side, before any host is contacted (a missing file, a bad recipe).

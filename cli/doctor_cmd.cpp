@@ -1,0 +1,95 @@
+// `dptrain doctor --hosts H [RECIPE]`: preflight checks; and the hidden `_probe` it runs on hosts.
+#include <cstdio>
+#include <memory>
+
+#include <fmt/format.h>
+
+#include "cli/commands.hpp"
+#include "cli/host_options.hpp"
+#include "core/error.hpp"
+#include "launch/doctor.hpp"
+#include "launch/job.hpp"
+
+namespace dptrain::cli {
+
+namespace {
+
+struct DoctorCliOptions {
+  HostOptions hosts;
+  std::string recipe;
+  std::string workdir = "~/.dptrain";
+  std::string remote_binary;
+  std::string master_addr;
+  int master_port = 0;
+  bool no_allreduce = false;
+  bool json = false;
+};
+
+int run_doctor_cmd(const DoctorCliOptions& o) {
+  if (o.master_port < 0 || o.master_port > 65535) {
+    throw Error(ErrorKind::usage, fmt::format("--master-port: not a port: {}", o.master_port));
+  }
+  DoctorOptions d;
+  d.workdir = o.workdir;
+  d.remote_binary = o.remote_binary;
+  d.recipe = o.recipe;
+  d.master_addr = o.master_addr;
+  d.master_port = static_cast<uint16_t>(o.master_port);
+  d.local_binary = self_executable();
+  d.ssh = o.hosts.ssh();
+  d.allreduce = !o.no_allreduce;
+  const auto checks = run_doctor(o.hosts.load(), d);
+  bool ok = true;
+  nlohmann::json list = nlohmann::json::array();
+  for (const auto& c : checks) {
+    ok = ok && c.ok;
+    list.push_back(c.to_json());
+    if (!o.json) std::printf("%s\n", c.line().c_str());
+  }
+  if (o.json) {
+    std::printf("%s\n", nlohmann::json({{"ok", ok}, {"checks", list}}).dump().c_str());
+  } else {
+    int failed = 0;
+    for (const auto& c : checks)
+      failed += c.ok ? 0 : 1;
+    std::printf("%s\n",
+                ok ? "all checks passed" : fmt::format("{} check(s) failed", failed).c_str());
+  }
+  return ok ? 0 : 4;
+}
+
+}  // namespace
+
+void setup_doctor(CLI::App& app, Outcome& outcome) {
+  auto o = std::make_shared<DoctorCliOptions>();
+  add_host_options(app, o->hosts, true);
+  app.add_option("recipe", o->recipe, "Recipe to check against the hosts (optional)");
+  app.add_option("--workdir", o->workdir, "Work directory on the hosts, as for provision")
+      ->capture_default_str();
+  app.add_option("--remote-binary", o->remote_binary,
+                 "dptrain on the hosts (default: WORKDIR/bin/dptrain)");
+  app.add_option("--master-addr", o->master_addr, "The store address launch would use");
+  app.add_option("--master-port", o->master_port, "The store port launch would use (0: any)");
+  app.add_flag("--no-allreduce", o->no_allreduce, "Skip the tiny all-reduce job across all ranks");
+  app.add_flag("--json", o->json, "Print {\"ok\", \"checks\": [...]} on stdout");
+  app.callback([o, &outcome] {
+    outcome.json = o->json;
+    outcome.exit_code = run_doctor_cmd(*o);
+  });
+}
+
+void setup_probe(CLI::App& app, Outcome& outcome) {
+  app.group("");  // internal: doctor runs it on hosts
+  app.require_subcommand(1);
+  auto* listen = app.add_subcommand("listen", "Listen on a free port until stdin ends");
+  listen->callback([&outcome] { outcome.exit_code = run_probe_listen(stdout); });
+  auto address = std::make_shared<std::string>();
+  auto seconds = std::make_shared<double>(5);
+  auto* connect = app.add_subcommand("connect", "Connect to HOST:PORT");
+  connect->add_option("address", *address)->required();
+  connect->add_option("seconds", *seconds);
+  connect->callback(
+      [&outcome, address, seconds] { outcome.exit_code = run_probe_connect(*address, *seconds); });
+}
+
+}  // namespace dptrain::cli

@@ -1,0 +1,437 @@
+// `dptrain doctor`: preflight checks of hosts and a recipe, one line per failure with a fix.
+#include "launch/doctor.hpp"
+
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <sstream>
+#include <system_error>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "core/comm/net.hpp"
+#include "core/comm/socket.hpp"
+#include "core/comm/store.hpp"
+#include "core/error.hpp"
+#include "core/recipe.hpp"
+#include "core/trainer.hpp"
+#include "launch/job.hpp"
+#include "launch/provision.hpp"
+
+namespace dptrain {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+std::string DoctorCheck::line() const {
+  std::string text = fmt::format("{:<4} {:<10} {}",
+                                 skipped ? "skip"
+                                 : ok    ? "ok"
+                                         : "FAIL",
+                                 check, host.empty() ? detail : host + ": " + detail);
+  if (!ok && !fix.empty()) text += " -- fix: " + fix;
+  return text;
+}
+
+json DoctorCheck::to_json() const {
+  return {{"check", check},   {"host", host}, {"ok", ok},
+          {"detail", detail}, {"fix", fix},   {"skipped", skipped}};
+}
+
+int run_probe_listen(std::FILE* out) {
+  UniqueFd listener = listen_tcp("0.0.0.0", 0);
+  std::fprintf(out, "port %u\n", static_cast<unsigned>(local_port(listener.get())));
+  std::fflush(out);
+  // The kernel completes connections for a listening socket; this only has to stay alive until
+  // doctor closes our stdin (or gives up on us).
+  char c;
+  while (::read(STDIN_FILENO, &c, 1) > 0) {
+  }
+  return 0;
+}
+
+int run_probe_connect(const std::string& address, double seconds) {
+  const auto [host, port] = parse_host_port(address);
+  const auto deadline =
+      Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+  const ConnectAttempt attempt = connect_tcp(host, port, deadline);
+  if (!attempt.fd) {
+    std::fprintf(stderr, "%s\n", attempt.failure.c_str());
+    return 1;
+  }
+  return 0;
+}
+
+namespace {
+
+constexpr double kProbeSeconds = 5;
+
+std::string first_line(const std::string& text) {
+  const auto end = text.find('\n');
+  return end == std::string::npos ? text : text.substr(0, end);
+}
+
+// What doctor learned about one host before the network checks.
+struct HostSurvey {
+  std::unique_ptr<HostShell> shell;
+  HostFacts facts;
+  std::string binary;  // dptrain there, empty when it has none that runs
+  std::vector<DoctorCheck> checks;
+};
+
+class Doctor {
+ public:
+  Doctor(const std::vector<HostSpec>& hosts, const DoctorOptions& options)
+      : hosts_(hosts), options_(options) {
+    for (const auto& h : hosts_)
+      world_ += h.slots;
+  }
+
+  std::vector<DoctorCheck> run() {
+    check_recipe();
+    survey_hosts();
+    check_store_port();
+    check_peer_ports();
+    check_data_on_hosts();
+    if (options_.allreduce) check_allreduce();
+    return std::move(checks_);
+  }
+
+ private:
+  void add(std::string check, std::string host, bool ok, std::string detail, std::string fix = "") {
+    checks_.push_back({std::move(check), std::move(host), ok, std::move(detail), std::move(fix)});
+  }
+  bool all_ok() const {
+    for (const auto& c : checks_) {
+      if (!c.ok) return false;
+    }
+    return true;
+  }
+
+  void check_recipe() {
+    if (options_.recipe.empty()) return;
+    try {
+      recipe_ = load_recipe(options_.recipe);
+      add("recipe", "", true, fmt::format("{} is valid", options_.recipe.string()));
+    } catch (const Error& e) {
+      std::istringstream lines(e.what());
+      for (std::string line; std::getline(lines, line);) {
+        add("recipe", "", false, line,
+            fmt::format("correct the recipe ('dptrain recipe validate {}' lists every problem)",
+                        options_.recipe.string()));
+      }
+      return;
+    }
+    try {
+      check_runnable(*recipe_, world_);
+      add("data", "", true,
+          fmt::format("enough samples for {} rank(s) x batch {} x accumulation {}", world_,
+                      recipe_->train.batch_per_rank, recipe_->train.grad_accum));
+    } catch (const Error& e) {
+      add("data", "", false, e.what(),
+          "use more data, a smaller train.batch_per_rank or fewer ranks");
+    }
+  }
+
+  void survey_hosts() {
+    auto outcomes = for_each_host(hosts_, [this](const HostSpec& h) {
+      HostSurvey s;
+      s.shell = open_host_shell(h, options_.ssh);
+      s.checks.push_back(
+          {"ssh", h.display(), true, h.is_local() ? "this machine" : "connected", ""});
+      try {
+        s.facts = survey_host(*s.shell, h, options_.workdir);
+        s.checks.push_back(
+            {"workdir", h.display(), true, fmt::format("{} is writable", s.facts.workdir), ""});
+      } catch (const Error& e) {
+        s.checks.push_back({"workdir", h.display(), false, e.what(),
+                            "pass a writable --workdir, or free space there"});
+        return s;
+      }
+      check_version(h, s);
+      check_gpus(h, s);
+      return s;
+    });
+    for (size_t i = 0; i < outcomes.size(); ++i) {
+      auto& outcome = outcomes[i];
+      if (!outcome.ok()) {
+        add("ssh", hosts_[i].display(), false, outcome.error->what(),
+            "check the host is up, sshd listens on its port, the key is authorized "
+            "(ssh-copy-id) and its host key is in known_hosts (or --accept-new-host-keys)");
+        surveys_.emplace_back();
+        continue;
+      }
+      for (auto& c : outcome.value->checks)
+        checks_.push_back(std::move(c));
+      surveys_.push_back(std::move(*outcome.value));
+    }
+  }
+
+  void check_version(const HostSpec& h, HostSurvey& s) const {
+    const std::string mine = "dptrain " DPTRAIN_VERSION;
+    if (h.is_local()) {
+      s.binary = options_.local_binary.string();
+      s.checks.push_back({"version", h.display(), true, mine, ""});
+      return;
+    }
+    std::string binary =
+        options_.remote_binary.empty() ? s.facts.workdir + "/bin/dptrain" : options_.remote_binary;
+    std::string version = s.facts.dptrain_version;
+    if (!options_.remote_binary.empty()) {
+      const auto r = s.shell->run(remote_path_word(binary) + " --version");
+      version = r.exit_status == 0 ? first_line(r.out) : "";
+    }
+    if (version.empty()) {
+      s.checks.push_back({"version", h.display(), false,
+                          fmt::format("no dptrain that runs at {}", binary),
+                          "run 'dptrain provision --hosts ...' to install it"});
+      return;
+    }
+    s.binary = binary;
+    const bool same = version == mine;
+    s.checks.push_back({"version", h.display(), same,
+                        same ? version : fmt::format("{} there, {} here", version, mine),
+                        same ? "" : "run 'dptrain provision --hosts ...' to install this build"});
+  }
+
+  void check_gpus(const HostSpec& h, HostSurvey& s) const {
+    if (!recipe_ || recipe_->distributed.backend != "nccl") return;
+    const int gpus = static_cast<int>(s.facts.gpus.size());
+    s.checks.push_back({"gpus", h.display(), gpus >= h.slots,
+                        fmt::format("{} GPU(s) for {} slot(s){}", gpus, h.slots,
+                                    s.facts.gpu_note.empty() ? "" : " (" + s.facts.gpu_note + ")"),
+                        "give the host slots=<its GPU count>, or fix its driver"});
+  }
+
+  // Runs `_probe connect` on host i (in-process for this machine); "" when it connected.
+  std::string probe_from(size_t i, const std::string& address) {
+    if (hosts_[i].is_local()) {
+      const auto [host, port] = parse_host_port(address);
+      const auto attempt = connect_tcp(
+          host, port,
+          Clock::now() + std::chrono::milliseconds(static_cast<int>(kProbeSeconds * 1000)));
+      return attempt.fd ? "" : attempt.failure;
+    }
+    const auto r = surveys_[i].shell->run(shell_command(
+        {surveys_[i].binary, "_probe", "connect", address, fmt::format("{}", kProbeSeconds)}));
+    if (r.exit_status == 0) return "";
+    return first_line(r.err.empty() ? r.out : r.err);
+  }
+
+  bool can_probe(size_t i) const { return surveys_[i].shell && !surveys_[i].binary.empty(); }
+
+  void check_store_port() {
+    try {
+      master_addr_ = resolve_master_addr_for(hosts_);
+    } catch (const Error& e) {
+      add("store-port", "", false, e.what(), "pass --master-addr");
+      return;
+    }
+    UniqueFd listener;
+    try {
+      listener = listen_tcp(master_addr_, options_.master_port);
+    } catch (const Error& e) {
+      add("store-port", "", false, e.what(),
+          "choose another --master-port (or free that one), or another --master-addr");
+      return;
+    }
+    const std::string address = fmt::format("{}:{}", master_addr_, local_port(listener.get()));
+    std::vector<std::string> failures(hosts_.size());
+    {
+      std::vector<std::jthread> probes;
+      for (size_t i = 0; i < hosts_.size(); ++i) {
+        if (!can_probe(i)) continue;
+        probes.emplace_back([&, i] { failures[i] = probe_from(i, address); });
+      }
+    }
+    for (size_t i = 0; i < hosts_.size(); ++i) {
+      if (!can_probe(i)) continue;
+      const bool ok = failures[i].empty();
+      add("store-port", hosts_[i].display(), ok,
+          ok ? fmt::format("reaches the store address {}", address)
+             : fmt::format("cannot reach the store at {}: {}", address, failures[i]),
+          fmt::format("open TCP {} to {} (firewall), or pass a --master-addr it can reach", address,
+                      hosts_[i].host));
+    }
+  }
+
+  std::string resolve_master_addr_for(const std::vector<HostSpec>& hosts) const {
+    JobSpec spec;
+    spec.hosts = hosts;
+    spec.remote.master_addr = options_.master_addr;
+    return resolve_master_addr(spec);
+  }
+
+  // Each host listens on a free port; every other host must reach it (Gloo's transport uses such
+  // ports between every pair of ranks).
+  void check_peer_ports() {
+    if (hosts_.size() < 2) return;
+    struct Listener {
+      std::unique_ptr<SshSession> session;
+      std::unique_ptr<SshChannel> channel;
+      UniqueFd local;
+      std::string address;
+    };
+    std::vector<Listener> listeners(hosts_.size());
+    for (size_t j = 0; j < hosts_.size(); ++j) {
+      if (!can_probe(j)) continue;
+      Listener& l = listeners[j];
+      try {
+        if (hosts_[j].is_local()) {
+          l.local = listen_tcp("0.0.0.0", 0);
+          l.address = fmt::format("{}:{}", master_addr_, local_port(l.local.get()));
+          continue;
+        }
+        l.session = SshSession::connect(hosts_[j], options_.ssh);
+        l.channel = l.session->start(shell_command({surveys_[j].binary, "_probe", "listen"}));
+        std::string out;
+        const auto deadline = Clock::now() + std::chrono::seconds(10);
+        while (out.find('\n') == std::string::npos && Clock::now() < deadline &&
+               l.channel->read([&](std::string_view d, bool) { out.append(d); },
+                               std::chrono::milliseconds(200))) {
+        }
+        unsigned port = 0;
+        if (std::sscanf(out.c_str(), "port %u", &port) == 1) {
+          l.address = fmt::format("{}:{}", hosts_[j].host, port);
+        }
+      } catch (const Error&) {
+      }
+    }
+    std::vector<std::vector<std::string>> failures(hosts_.size(),
+                                                   std::vector<std::string>(hosts_.size()));
+    {
+      std::vector<std::jthread> probes;
+      for (size_t i = 0; i < hosts_.size(); ++i) {
+        if (!can_probe(i)) continue;
+        probes.emplace_back([&, i] {
+          for (size_t j = 0; j < hosts_.size(); ++j) {
+            if (i != j && !listeners[j].address.empty()) {
+              failures[i][j] = probe_from(i, listeners[j].address);
+            }
+          }
+        });
+      }
+    }
+    for (auto& l : listeners) {
+      if (l.channel) l.channel->close_stdin();
+    }
+    for (size_t i = 0; i < hosts_.size(); ++i) {
+      for (size_t j = 0; j < hosts_.size(); ++j) {
+        if (i == j || !can_probe(i) || listeners[j].address.empty()) continue;
+        const std::string pair = hosts_[i].display() + " -> " + hosts_[j].display();
+        const bool ok = failures[i][j].empty();
+        add("peer-port", pair, ok,
+            ok ? fmt::format("reaches {}", listeners[j].address)
+               : fmt::format("cannot reach {}: {}", listeners[j].address, failures[i][j]),
+            fmt::format("allow TCP on all ports from {} to {} (ranks connect on ephemeral ports)",
+                        hosts_[i].host, hosts_[j].host));
+      }
+    }
+  }
+
+  void check_data_on_hosts() {
+    if (!recipe_ || recipe_->data.type != "csv") return;
+    const fs::path path = recipe_->data.path;
+    for (size_t i = 0; i < hosts_.size(); ++i) {
+      if (hosts_[i].is_local() || !surveys_[i].shell || surveys_[i].facts.workdir.empty()) continue;
+      const std::string provisioned =
+          surveys_[i].facts.workdir + "/data/" + path.filename().string();
+      const auto r = surveys_[i].shell->run(fmt::format(
+          "test -r {} || test -r {}", shell_quote(path.string()), shell_quote(provisioned)));
+      add("data", hosts_[i].display(), r.exit_status == 0,
+          r.exit_status == 0 ? fmt::format("{} is there", path.filename().string())
+                             : fmt::format("data file {} not found (looked at {} and {})",
+                                           path.filename().string(), path.string(), provisioned),
+          fmt::format("copy it there: dptrain provision --hosts ... --recipe {}",
+                      options_.recipe.string()));
+    }
+  }
+
+  void check_allreduce() {
+    if (!all_ok()) {
+      checks_.push_back({"allreduce", "", true, "not run: fix the failures above first", "", true});
+      return;
+    }
+    const fs::path dir = fs::temp_directory_path() / fmt::format("dptrain-doctor-{}", ::getpid());
+    JobSpec spec;
+    spec.hosts = hosts_;
+    spec.world_size = world_;
+    spec.recipe = tiny_recipe();
+    spec.backend = spec.recipe.distributed.backend;
+    spec.worker_binary = options_.local_binary;
+    spec.remote.ssh = options_.ssh;
+    spec.remote.workdir = options_.workdir;
+    spec.remote.remote_binary = options_.remote_binary;
+    spec.remote.master_addr = options_.master_addr;
+    const auto t0 = Clock::now();
+    JobOutcome outcome;
+    try {
+      RunDirectory run = RunDirectory::create(dir, "", spec.recipe.name);
+      std::FILE* sink = std::fopen("/dev/null", "w");
+      {
+        StatusPrinter quiet(sink, false);
+        outcome = run_job(run, spec, quiet);
+      }
+      std::fclose(sink);
+    } catch (const Error& e) {
+      outcome.exit_code = exit_code(e.kind());
+      outcome.error = e.what();
+    }
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+    for (size_t i = 0; i < hosts_.size(); ++i) {
+      if (!hosts_[i].is_local() && surveys_[i].shell) {
+        surveys_[i].shell->run("rm -rf " + shell_quote(surveys_[i].facts.workdir + "/runs/" +
+                                                       dir.filename().string()));
+      }
+    }
+    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    add("allreduce", "", outcome.exit_code == 0,
+        outcome.exit_code == 0
+            ? fmt::format("{} rank(s) on {} host(s) met and all-reduced in {:.1f}s", world_,
+                          hosts_.size(), seconds)
+            : first_line(outcome.error),
+        "see the line above; 'dptrain launch --dry-run' shows what was started where");
+  }
+
+  Recipe tiny_recipe() const {
+    Recipe r;
+    r.name = "doctor";
+    r.model.input = 4;
+    r.model.hidden = {4};
+    r.model.classes = 2;
+    r.data.samples = std::max<int64_t>(64, 4 * world_);
+    r.data.eval_fraction = 0.25;
+    r.train.steps = 2;
+    r.train.batch_per_rank = 1;
+    r.checkpoint.every = 0;
+    r.checkpoint.keep = 1;
+    r.eval.every = 0;
+    r.log.every = 1;
+    r.distributed.timeout_s = 30;
+    if (recipe_) r.distributed.backend = recipe_->distributed.backend;
+    return r;
+  }
+
+  const std::vector<HostSpec>& hosts_;
+  const DoctorOptions& options_;
+  int world_ = 0;
+  std::optional<Recipe> recipe_;
+  std::vector<HostSurvey> surveys_;
+  std::string master_addr_;
+  std::vector<DoctorCheck> checks_;
+};
+
+}  // namespace
+
+std::vector<DoctorCheck> run_doctor(const std::vector<HostSpec>& hosts,
+                                    const DoctorOptions& options) {
+  Doctor doctor(hosts, options);
+  return doctor.run();
+}
+
+}  // namespace dptrain

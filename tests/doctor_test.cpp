@@ -1,0 +1,122 @@
+// `dptrain doctor` against the loopback sshd: all green, then one line per planted problem.
+#include <doctest/doctest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <set>
+#include <sstream>
+
+#include "tests/harness.hpp"
+#include "tests/sshd.hpp"
+
+using namespace dptrain::test;
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+struct DoctorFixture {
+  LoopbackSshd& sshd = LoopbackSshd::instance();
+  TempDir tmp;
+  fs::path hostfile = tmp / "hosts.txt";
+  DoctorFixture() {
+    sshd.write_hostfile(hostfile, {sshd.addresses()[1], sshd.addresses()[2]}, 2);
+    auto p = run_dptrain(
+        {"provision", "--hosts", hostfile.string(), "--known-hosts", sshd.known_hosts().string()});
+    REQUIRE(p.exit_code == 0);
+  }
+  CommandResult doctor(std::vector<std::string> extra) const {
+    std::vector<std::string> args = {"doctor", "--hosts", hostfile.string(), "--known-hosts",
+                                     sshd.known_hosts().string()};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return run_dptrain(args);
+  }
+};
+
+std::vector<std::string> failure_lines(const std::string& out) {
+  std::vector<std::string> lines;
+  std::istringstream in(out);
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("FAIL", 0) == 0) lines.push_back(line);
+  }
+  return lines;
+}
+
+}  // namespace
+
+TEST_CASE("doctor: all green on the loopback hosts, with a recipe and the all-reduce") {
+  DoctorFixture f;
+  const auto recipe = write_recipe(f.tmp.path(), small_recipe());
+  auto r = f.doctor({recipe.string(), "--json"});
+  INFO(r.out, r.err);
+  CHECK(r.exit_code == 0);
+  const json j = parse_json(r.out);
+  CHECK(j["ok"] == true);
+  std::set<std::string> seen;
+  for (const auto& c : j["checks"])
+    seen.insert(c["check"].get<std::string>());
+  for (const char* c :
+       {"ssh", "workdir", "version", "store-port", "peer-port", "recipe", "data", "allreduce"}) {
+    CAPTURE(c);
+    CHECK(seen.count(c) == 1);
+  }
+  auto table = f.doctor({"--no-allreduce"});
+  CHECK(table.exit_code == 0);
+  CHECK(table.out.find("all checks passed") != std::string::npos);
+}
+
+TEST_CASE("doctor: a store port that cannot be used is one line naming it") {
+  DoctorFixture f;
+  // Hold a port on every address so doctor's store cannot listen there.
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+  REQUIRE(::listen(fd, 4) == 0);
+  socklen_t len = sizeof addr;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  const std::string port = std::to_string(ntohs(addr.sin_port));
+  auto r = f.doctor({"--master-port", port});
+  ::close(fd);
+  INFO(r.out);
+  CHECK(r.exit_code == 4);
+  const auto lines = failure_lines(r.out);
+  REQUIRE(lines.size() == 1);
+  CHECK(lines[0].find("store-port") != std::string::npos);
+  CHECK(lines[0].find(port) != std::string::npos);
+  CHECK(lines[0].find("fix:") != std::string::npos);
+  CHECK(r.out.find("skip allreduce") != std::string::npos);  // held back, not a second failure
+}
+
+TEST_CASE("doctor: a missing data file is one line naming it") {
+  DoctorFixture f;
+  auto recipe = small_recipe();
+  recipe["model"] = {{"type", "mlp"}, {"input", 2}, {"hidden", {4}}, {"classes", 2}};
+  recipe["data"] = {{"type", "csv"}, {"path", "missing.csv"}};
+  const auto path = write_recipe(f.tmp.path(), recipe);
+  auto r = f.doctor({path.string(), "--no-allreduce"});
+  INFO(r.out);
+  CHECK(r.exit_code == 4);
+  const auto lines = failure_lines(r.out);
+  REQUIRE(lines.size() == 1);
+  CHECK(lines[0].find("missing.csv") != std::string::npos);
+  CHECK(lines[0].find("/data/path") != std::string::npos);
+}
+
+TEST_CASE("doctor: an unreachable host is named, the others still checked") {
+  DoctorFixture f;
+  write_text(f.tmp / "mixed.txt",
+             f.sshd.addresses()[1] + " port=" + std::to_string(f.sshd.port()) +
+                 " user=" + f.sshd.user() + " key=" + f.sshd.client_key().string() + "\n" +
+                 f.sshd.addresses()[2] + " port=" + std::to_string(unused_port()) + "\n");
+  auto r = run_dptrain({"doctor", "--hosts", (f.tmp / "mixed.txt").string(), "--known-hosts",
+                        f.sshd.known_hosts().string(), "--connect-timeout", "3"});
+  INFO(r.out);
+  CHECK(r.exit_code == 4);
+  const auto lines = failure_lines(r.out);
+  REQUIRE(lines.size() >= 1);
+  CHECK(lines[0].find(f.sshd.addresses()[2]) != std::string::npos);
+  CHECK(r.out.find("ok   version") != std::string::npos);  // the good host was checked
+}
