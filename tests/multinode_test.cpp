@@ -164,6 +164,24 @@ TEST_CASE("killing the launcher leaves no worker behind on any host") {
   }
 }
 
+TEST_CASE("Ctrl-C stops every rank on every host and exits 130") {
+  Cluster c;
+  const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
+  Background launcher(c.launch_args(recipe, c.tmp / "ctrlc"),
+                      {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "30"}});
+  std::map<int, pid_t> workers;
+  REQUIRE(eventually([&] {
+    workers = workers_of("ctrlc");
+    return workers.size() == 4;
+  }));
+  REQUIRE(::kill(launcher.pid(), SIGINT) == 0);
+  CHECK(launcher.wait(std::chrono::seconds(60)) == 130);
+  for (const auto& [rank, pid] : workers) {
+    CAPTURE(rank);
+    CHECK(eventually([pid] { return !process_alive(pid); }, std::chrono::seconds(15)));
+  }
+}
+
 TEST_CASE("an unreachable host fails the launch with exit 4 naming it") {
   Cluster c;
   const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
