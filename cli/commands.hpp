@@ -22,6 +22,7 @@ struct Subcommand {
 
 void setup_launch(CLI::App& app, Outcome& outcome);
 void setup_resume(CLI::App& app, Outcome& outcome);
+void setup_ckpt(CLI::App& app, Outcome& outcome);
 void setup_recipe(CLI::App& app, Outcome& outcome);
 void setup_worker(CLI::App& app, Outcome& outcome);
 void setup_provision(CLI::App& app, Outcome& outcome);
@@ -34,6 +35,7 @@ inline const std::vector<Subcommand>& subcommands() {
   static const std::vector<Subcommand> table = {
       {"launch", "Start a training run from a recipe on local ranks", setup_launch},
       {"resume", "Continue a run from its newest valid checkpoint", setup_resume},
+      {"ckpt", "List a run's checkpoints, or verify their checksums", setup_ckpt},
       {"recipe", "Validate a recipe or show it with every default filled in", setup_recipe},
       {"worker", "Run one rank (started by launch, or by hand / another scheduler)", setup_worker},
       {"provision", "Check hosts over SSH and install dptrain, a recipe and files on them",

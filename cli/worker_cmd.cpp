@@ -1,6 +1,7 @@
 // `dptrain worker RECIPE`: one rank. Identity comes from flags or the environment (RANK,
 // WORLD_SIZE, LOCAL_RANK, DPTRAIN_STORE or MASTER_ADDR/MASTER_PORT), so it also runs under srun or
 // mpirun without the launcher.
+#include <atomic>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -16,6 +17,7 @@
 #include "core/comm/store.hpp"
 #include "core/comm/tcp_store.hpp"
 #include "core/error.hpp"
+#include "core/fault.hpp"
 #include "core/recipe.hpp"
 #include "core/trainer.hpp"
 #include "launch/status.hpp"
@@ -87,11 +89,21 @@ void fill_from_env(WorkerOptions& o) {
   }
 }
 
+std::atomic<bool> g_stop_requested{false};
+
+void on_sigterm(int) {
+  g_stop_requested = true;
+}
+
 int run_worker(WorkerOptions o) {
   // A peer that dies mid-collective must surface as a communication error naming it, not as
   // this rank dying of SIGPIPE on the broken socket.
   std::signal(SIGPIPE, SIG_IGN);
+  // SIGTERM (the launcher stopping the job, a spot instance going away) stops every rank at
+  // the next step boundary, after a checkpoint.
+  std::signal(SIGTERM, on_sigterm);
   fill_from_env(o);
+  const FaultInjector faults(parse_faults(env("DPTRAIN_FAULT").value_or("")), o.rank, o.generation);
   const Recipe recipe = load_recipe(o.recipe);
   const std::string backend = env("DPTRAIN_BACKEND").value_or(recipe.distributed.backend);
   if (backend != "auto" && backend != "gloo") {
@@ -134,7 +146,19 @@ int run_worker(WorkerOptions o) {
       status.event(e);
     }
   };
-  train(recipe, *comm, topts);
+  topts.stop_requested = [rank = o.rank, announced = false]() mutable {
+    if (!g_stop_requested.load()) return false;
+    if (!announced) {
+      std::printf("received SIGTERM: rank %d checkpoints at the end of this step and stops\n",
+                  rank);
+      std::fflush(stdout);
+      announced = true;
+    }
+    return true;
+  };
+  if (!faults.empty()) topts.before_step = [&faults](int64_t step) { faults.before_step(step); };
+  const TrainResult result = train(recipe, *comm, topts);
+  if (result.stopped) return 143;
   status.finish();
   return 0;
 }

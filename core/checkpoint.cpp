@@ -4,7 +4,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
+#include <optional>
+#include <string_view>
 #include <system_error>
 
 #include <fmt/format.h>
@@ -35,23 +38,84 @@ json blob_entry(const char* file, std::span<const float> data) {
           {"checksum", checksum_hex(checksum64(data.data(), data.size_bytes()))}};
 }
 
-std::vector<float> read_blob(const fs::path& dir, const json& entry) {
-  const fs::path path = dir / entry.at("file").get<std::string>();
-  const auto bytes = entry.at("bytes").get<size_t>();
+// The blobs every checkpoint holds, in the order CheckpointData lists them.
+constexpr std::array<const char*, 2> kBlobNames = {"params", "optimizer"};
+constexpr std::string_view kSetAsideSuffix = ".corrupt";
+
+// What meta.json records: the position, and each blob's file, size and checksum.
+struct Meta {
+  TrainingPosition position;
+  std::vector<BlobStatus> blobs;
+};
+
+// meta.json parsed, or nothing with `problem` saying why it cannot be used.
+std::optional<Meta> read_meta(const fs::path& dir, std::string& problem) {
+  json meta;
+  try {
+    meta = json::parse(read_file(dir / kMetaFile));
+  } catch (const Error&) {
+    problem = "missing or unreadable";
+    return std::nullopt;
+  } catch (const json::exception&) {
+    problem = "not valid JSON (truncated?)";
+    return std::nullopt;
+  }
+  try {
+    if (meta.at("format").get<int>() != kFormatVersion) {
+      problem = fmt::format("unsupported format {}", meta.at("format").dump());
+      return std::nullopt;
+    }
+    Meta out;
+    auto& p = out.position;
+    p.step = meta.at("step").get<int64_t>();
+    p.epoch = meta.at("epoch").get<int64_t>();
+    p.samples_in_epoch = meta.at("samples_in_epoch").get<int64_t>();
+    p.world_size = meta.at("world_size").get<int64_t>();
+    p.global_batch = meta.at("global_batch").get<int64_t>();
+    p.optimizer_steps = meta.at("optimizer_steps").get<int64_t>();
+    p.recipe_hash = meta.at("recipe_hash").get<std::string>();
+    p.rng_state = meta.at("rng_state").get<std::string>();
+    for (const char* name : kBlobNames) {
+      const json& entry = meta.at("blobs").at(name);
+      BlobStatus blob;
+      blob.name = name;
+      blob.file = entry.at("file").get<std::string>();
+      blob.bytes = entry.at("bytes").get<uint64_t>();
+      blob.checksum = entry.at("checksum").get<std::string>();
+      out.blobs.push_back(std::move(blob));
+    }
+    return out;
+  } catch (const json::exception& e) {
+    problem = fmt::format("malformed: {}", e.what());
+    return std::nullopt;
+  }
+}
+
+// Reads one blob and checks it against its record, filling in what is on disk and any problem.
+// Returns the bytes read.
+std::string check_blob(const fs::path& dir, BlobStatus& blob) {
   std::string raw;
   try {
-    raw = read_file(path);
-  } catch (const Error& e) {
-    fail(path, "missing or unreadable");
+    raw = read_file(dir / blob.file);
+  } catch (const Error&) {
+    blob.problem = "missing or unreadable";
+    return raw;
   }
-  if (raw.size() != bytes || bytes % sizeof(float) != 0) {
-    fail(path, fmt::format("truncated or wrong size: {} bytes, expected {}", raw.size(), bytes));
+  blob.actual_bytes = raw.size();
+  blob.actual_checksum = checksum_hex(checksum64(raw.data(), raw.size()));
+  if (raw.size() != blob.bytes || blob.bytes % sizeof(float) != 0) {
+    blob.problem =
+        fmt::format("truncated or wrong size: {} bytes, expected {}", raw.size(), blob.bytes);
+  } else if (blob.actual_checksum != blob.checksum) {
+    blob.problem = fmt::format("checksum mismatch (corrupted): {} on disk, {} recorded",
+                               blob.actual_checksum, blob.checksum);
   }
-  if (checksum_hex(checksum64(raw.data(), raw.size())) != entry.at("checksum").get<std::string>()) {
-    fail(path, "checksum mismatch (corrupted)");
-  }
-  std::vector<float> out(bytes / sizeof(float));
-  std::memcpy(out.data(), raw.data(), bytes);
+  return raw;
+}
+
+std::vector<float> as_floats(const std::string& raw) {
+  std::vector<float> out(raw.size() / sizeof(float));
+  std::memcpy(out.data(), raw.data(), out.size() * sizeof(float));
   return out;
 }
 
@@ -66,10 +130,20 @@ int64_t step_of(const fs::path& dir) {
   return step;
 }
 
+bool is_set_aside(const fs::path& dir) {
+  return dir.filename().string().ends_with(kSetAsideSuffix);
+}
+
 }  // namespace
 
 std::string checkpoint_name(int64_t step) {
   return fmt::format("step-{:06d}", step);
+}
+
+int64_t checkpoint_step(const fs::path& dir) {
+  if (!is_set_aside(dir)) return step_of(dir);
+  const std::string name = dir.filename().string();
+  return step_of(name.substr(0, name.size() - kSetAsideSuffix.size()));
 }
 
 fs::path write_checkpoint(const fs::path& checkpoints_dir, const TrainingPosition& pos,
@@ -127,65 +201,91 @@ fs::path write_checkpoint(const fs::path& checkpoints_dir, const TrainingPositio
 }
 
 CheckpointData read_checkpoint(const fs::path& dir) {
-  json meta;
-  try {
-    meta = json::parse(read_file(dir / kMetaFile));
-  } catch (const Error&) {
-    fail(dir / kMetaFile, "missing or unreadable");
-  } catch (const json::exception&) {
-    fail(dir / kMetaFile, "not valid JSON (truncated?)");
+  std::string problem;
+  std::optional<Meta> meta = read_meta(dir, problem);
+  if (!meta) fail(dir / kMetaFile, problem);
+  std::array<std::vector<float>, kBlobNames.size()> blobs;
+  for (size_t i = 0; i < kBlobNames.size(); ++i) {
+    BlobStatus& blob = meta->blobs[i];
+    const std::string raw = check_blob(dir, blob);
+    if (!blob.ok()) fail(dir / blob.file, blob.problem);
+    blobs[i] = as_floats(raw);
   }
-  try {
-    if (meta.at("format").get<int>() != kFormatVersion) {
-      fail(dir / kMetaFile, fmt::format("unsupported format {}", meta.at("format").dump()));
-    }
-    CheckpointData out;
-    auto& p = out.position;
-    p.step = meta.at("step").get<int64_t>();
-    p.epoch = meta.at("epoch").get<int64_t>();
-    p.samples_in_epoch = meta.at("samples_in_epoch").get<int64_t>();
-    p.world_size = meta.at("world_size").get<int64_t>();
-    p.global_batch = meta.at("global_batch").get<int64_t>();
-    p.optimizer_steps = meta.at("optimizer_steps").get<int64_t>();
-    p.recipe_hash = meta.at("recipe_hash").get<std::string>();
-    p.rng_state = meta.at("rng_state").get<std::string>();
-    out.params = read_blob(dir, meta.at("blobs").at("params"));
-    out.optimizer_state = read_blob(dir, meta.at("blobs").at("optimizer"));
-    return out;
-  } catch (const json::exception& e) {
-    fail(dir / kMetaFile, fmt::format("malformed: {}", e.what()));
-  }
+  return {std::move(meta->position), std::move(blobs[0]), std::move(blobs[1])};
 }
 
-std::vector<fs::path> list_checkpoints(const fs::path& checkpoints_dir) {
-  std::vector<std::pair<int64_t, fs::path>> found;
+bool CheckpointStatus::ok() const {
+  return meta_problem.empty() &&
+         std::all_of(blobs.begin(), blobs.end(), [](const BlobStatus& b) { return b.ok(); });
+}
+
+std::vector<std::string> CheckpointStatus::problems() const {
+  std::vector<std::string> out;
+  if (!meta_problem.empty()) out.push_back(fmt::format("{}: {}", kMetaFile, meta_problem));
+  for (const auto& blob : blobs) {
+    if (!blob.ok()) out.push_back(fmt::format("{}: {}", blob.file, blob.problem));
+  }
+  return out;
+}
+
+CheckpointStatus verify_checkpoint(const fs::path& dir) {
+  CheckpointStatus status;
+  status.dir = dir;
+  status.step = checkpoint_step(dir);
+  status.set_aside = is_set_aside(dir);
+  std::optional<Meta> meta = read_meta(dir, status.meta_problem);
+  if (!meta) return status;
+  status.step = meta->position.step;
+  status.position = std::move(meta->position);
+  status.blobs = std::move(meta->blobs);
+  for (auto& blob : status.blobs)
+    check_blob(dir, blob);
+  return status;
+}
+
+std::vector<fs::path> list_checkpoints(const fs::path& checkpoints_dir, SetAside set_aside) {
+  struct Found {
+    int64_t step;
+    bool set_aside;
+    fs::path dir;
+  };
+  std::vector<Found> found;
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(checkpoints_dir, ec)) {
-    const int64_t step = step_of(entry.path());
-    if (step >= 0 && entry.is_directory()) found.emplace_back(step, entry.path());
+    const bool aside = is_set_aside(entry.path());
+    if (aside && set_aside == SetAside::exclude) continue;
+    const int64_t step = checkpoint_step(entry.path());
+    if (step >= 0 && entry.is_directory()) found.push_back({step, aside, entry.path()});
   }
-  std::sort(found.begin(), found.end(),
-            [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) {
+    return a.step != b.step ? a.step > b.step : a.set_aside < b.set_aside;
+  });
   std::vector<fs::path> out;
   for (auto& f : found)
-    out.push_back(std::move(f.second));
+    out.push_back(std::move(f.dir));
   return out;
+}
+
+fs::path latest_checkpoint(const fs::path& checkpoints_dir) {
+  std::error_code ec;
+  if (!fs::exists(checkpoints_dir / kLatestFile, ec)) return {};
+  std::string name = read_file(checkpoints_dir / kLatestFile);
+  while (!name.empty() && (name.back() == '\n' || name.back() == ' '))
+    name.pop_back();
+  // Only a plain name inside checkpoints/: `latest` must never lead elsewhere.
+  if (name.find('/') != std::string::npos || step_of(name) < 0) return {};
+  return checkpoints_dir / name;
 }
 
 fs::path find_valid_checkpoint(const fs::path& checkpoints_dir,
                                const std::function<void(const std::string&)>& warn) {
   std::vector<fs::path> candidates;
-  std::error_code ec;
-  if (fs::exists(checkpoints_dir / kLatestFile, ec)) {
-    std::string name;
-    try {
-      name = read_file(checkpoints_dir / kLatestFile);
-    } catch (const Error& e) {
-      warn(e.what());
+  try {
+    if (fs::path latest = latest_checkpoint(checkpoints_dir); !latest.empty()) {
+      candidates.push_back(std::move(latest));
     }
-    while (!name.empty() && (name.back() == '\n' || name.back() == ' '))
-      name.pop_back();
-    if (step_of(name) >= 0) candidates.push_back(checkpoints_dir / name);
+  } catch (const Error& e) {
+    warn(e.what());
   }
   for (auto& dir : list_checkpoints(checkpoints_dir)) {
     if (std::find(candidates.begin(), candidates.end(), dir) == candidates.end()) {

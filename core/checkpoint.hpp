@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -28,8 +29,39 @@ struct CheckpointData {
   std::vector<float> optimizer_state;
 };
 
+// One blob of a checkpoint checked against what meta.json records for it.
+struct BlobStatus {
+  std::string name;                      // its key in meta.json: "params", "optimizer"
+  std::string file;                      // "params.bin"
+  uint64_t bytes = 0;                    // recorded size
+  std::string checksum;                  // recorded checksum
+  std::optional<uint64_t> actual_bytes;  // on disk; none when missing or unreadable
+  std::string actual_checksum;           // on disk; empty when missing or unreadable
+  std::string problem;                   // why it does not verify; empty when it does
+  bool ok() const { return problem.empty(); }
+};
+
+// A whole checkpoint directory checked, every blob, without stopping at the first failure.
+struct CheckpointStatus {
+  std::filesystem::path dir;
+  int64_t step = -1;                         // from meta.json, else from the directory's name
+  bool set_aside = false;                    // a step-N.corrupt directory that resume set aside
+  std::optional<TrainingPosition> position;  // none when meta.json is unusable
+  std::string meta_problem;                  // why meta.json is unusable (then no blobs are known)
+  std::vector<BlobStatus> blobs;
+  bool ok() const;
+  // "params.bin: checksum mismatch ...", one per failed file; empty when ok().
+  std::vector<std::string> problems() const;
+};
+
+// Checks meta.json and the size and checksum of every blob; never throws for a damaged
+// checkpoint (that is what it reports). read_checkpoint applies the same checks.
+CheckpointStatus verify_checkpoint(const std::filesystem::path& dir);
+
 // "step-000100" for 100.
 std::string checkpoint_name(int64_t step);
+// The step a checkpoint directory's name says (step-000100 or step-000100.corrupt); -1 otherwise.
+int64_t checkpoint_step(const std::filesystem::path& dir);
 
 // Writes checkpoints/step-N atomically (temp dir, fsync files and dir, rename, fsync parent),
 // re-reads and verifies it, then points `latest` at it and removes all but the `keep` newest.
@@ -42,8 +74,16 @@ std::filesystem::path write_checkpoint(const std::filesystem::path& checkpoints_
 // Reads and verifies one checkpoint directory: Error(checkpoint) naming the file and what is wrong.
 CheckpointData read_checkpoint(const std::filesystem::path& dir);
 
-// step-* directories, newest first.
-std::vector<std::filesystem::path> list_checkpoints(const std::filesystem::path& checkpoints_dir);
+// Whether list_checkpoints also returns the step-N.corrupt directories that resume set aside.
+enum class SetAside { exclude, include };
+
+// step-* directories, newest first (a set-aside one after a live one of the same step).
+std::vector<std::filesystem::path> list_checkpoints(const std::filesystem::path& checkpoints_dir,
+                                                    SetAside set_aside = SetAside::exclude);
+
+// The checkpoint directory `latest` names (it may since have been removed); empty when there is
+// no `latest` or it does not name a step-N. Error(io) when it exists but cannot be read.
+std::filesystem::path latest_checkpoint(const std::filesystem::path& checkpoints_dir);
 
 // The newest checkpoint that verifies, trying `latest` first, then every step-* newest first.
 // Each skipped one is reported through `warn`. Error(checkpoint) if none is valid.

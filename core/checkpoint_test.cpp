@@ -167,3 +167,63 @@ TEST_CASE("checkpoint: a write that cannot happen leaves latest alone") {
   CHECK_THROWS_AS(write_checkpoint(blocked, position(2), p, p, 3), Error);
   CHECK(read_file(tmp.path() / "latest") == "step-000001\n");
 }
+
+TEST_CASE("verify_checkpoint: reports every damaged blob, not just the first") {
+  TempDir tmp;
+  const auto p = values(100, 1.0f);
+  const fs::path dir = write_checkpoint(tmp.path(), position(5), p, values(50, 2.0f), 1);
+  CheckpointStatus ok = verify_checkpoint(dir);
+  CHECK(ok.ok());
+  CHECK(ok.step == 5);
+  REQUIRE(ok.position);
+  CHECK(ok.position->world_size == 2);
+  REQUIRE(ok.blobs.size() == 2);
+  CHECK(ok.blobs[0].file == "params.bin");
+  CHECK(ok.blobs[0].bytes == 400);
+  CHECK(ok.blobs[1].file == "optimizer.bin");
+  CHECK(ok.blobs[1].actual_checksum == ok.blobs[1].checksum);
+
+  flip_byte(dir / "params.bin", 9);
+  fs::resize_file(dir / "optimizer.bin", 6);
+  const CheckpointStatus bad = verify_checkpoint(dir);
+  CHECK_FALSE(bad.ok());
+  REQUIRE(bad.problems().size() == 2);
+  CHECK(bad.problems()[0].find("params.bin: checksum mismatch") == 0);
+  CHECK(bad.problems()[1].find("optimizer.bin: truncated or wrong size: 6 bytes") == 0);
+  CHECK(*bad.blobs[1].actual_bytes == 6);
+
+  fs::remove(dir / "meta.json");
+  fs::rename(dir, tmp.path() / "step-000005.corrupt");
+  const CheckpointStatus torn = verify_checkpoint(tmp.path() / "step-000005.corrupt");
+  CHECK(torn.step == 5);  // from the name
+  CHECK(torn.set_aside);
+  CHECK_FALSE(torn.position);
+  CHECK(torn.blobs.empty());
+  REQUIRE(torn.problems().size() == 1);
+  CHECK(torn.problems()[0] == "meta.json: missing or unreadable");
+}
+
+TEST_CASE("list_checkpoints with set-aside ones, checkpoint_step, latest_checkpoint") {
+  TempDir tmp;
+  const auto p = values(4, 0.0f);
+  for (int64_t s : {10, 20})
+    write_checkpoint(tmp.path(), position(s), p, p, 5);
+  fs::rename(tmp.path() / "step-000020", tmp.path() / "step-000020.corrupt");
+  write_checkpoint(tmp.path(), position(20), p, p, 5);
+  fs::create_directory(tmp.path() / "step-000030.old");  // not a checkpoint
+  CHECK(list_checkpoints(tmp.path()).size() == 2);
+  const auto all = list_checkpoints(tmp.path(), SetAside::include);
+  REQUIRE(all.size() == 3);
+  CHECK(all[0].filename() == "step-000020");
+  CHECK(all[1].filename() == "step-000020.corrupt");
+  CHECK(all[2].filename() == "step-000010");
+  CHECK(checkpoint_step(all[1]) == 20);
+  CHECK(checkpoint_step(tmp.path() / "step-000030.old") == -1);
+  CHECK(checkpoint_step(tmp.path() / "latest") == -1);
+
+  CHECK(latest_checkpoint(tmp.path()) == tmp.path() / "step-000020");
+  write_file_atomic(tmp.path() / "latest", "../step-000010\n");  // never outside checkpoints/
+  CHECK(latest_checkpoint(tmp.path()).empty());
+  fs::remove(tmp.path() / "latest");
+  CHECK(latest_checkpoint(tmp.path()).empty());
+}

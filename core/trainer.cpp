@@ -57,7 +57,8 @@ class TrainingRun {
         data_(load_data(recipe.data, recipe.model, recipe.seed)),
         sampler_(data_.train->size(), global_batch_, recipe.seed),
         params_(model_->num_params()),
-        grads_(model_->num_params()),
+        grad_buffer_(model_->num_params() + 1),
+        grads_(grad_buffer_.data(), model_->num_params()),
         optimizer_(make_optimizer(recipe.optimizer, model_->num_params())),
         idx_(static_cast<size_t>(micro_batch_)),
         x_(static_cast<size_t>(micro_batch_ * recipe.model.input)),
@@ -79,15 +80,19 @@ class TrainingRun {
     const int64_t first_step = step_;
     first_step_ = step_;
     run_start_ = Clock::now();
-    for (; step_ < total; ++step_) {
+    bool stop = false;
+    for (; step_ < total && !stop; ++step_) {
+      if (options_.before_step) options_.before_step(step_);
       const auto t0 = Clock::now();
       double comm_ms = 0;
       const double local_loss = compute_gradients();
+      grad_buffer_.back() = options_.stop_requested && options_.stop_requested() ? 1.0f : 0.0f;
       {
         const auto tc = Clock::now();
-        comm_.allreduce(grads_.data(), grads_.size(), ReduceOp::avg);
+        comm_.allreduce(grad_buffer_.data(), grad_buffer_.size(), ReduceOp::avg);
         comm_ms = ms_since(tc);
       }
+      stop = grad_buffer_.back() > 0.0f;
       const double norm = clip_grad_norm(grads_, recipe_.optimizer.clip_grad_norm);
       const double lr = learning_rate(recipe_.optimizer, step_, total);
       optimizer_->step(params_, grads_, lr);
@@ -105,7 +110,7 @@ class TrainingRun {
       } else {
         ++steady_steps;
       }
-      const bool last = done == total;
+      const bool last = done == total || stop;
       if (done % recipe_.log.every == 0 || last) {
         double loss = local_loss;
         comm_.allreduce(&loss, 1, ReduceOp::avg);
@@ -126,6 +131,7 @@ class TrainingRun {
       }
     }
     const double steady_s = ms_since(steady_start) / 1000.0;
+    if (stop) return stop_early();
     TrainResult result;
     result.steps = step_;
     result.world_size = world_;
@@ -148,6 +154,20 @@ class TrainingRun {
   }
 
  private:
+  // Every rank agreed to stop after step_: checkpoint it and leave; resume continues from it.
+  TrainResult stop_early() {
+    TrainResult result;
+    result.steps = step_;
+    result.world_size = world_;
+    result.stopped = true;
+    result.params_checksum = check_replicas(step_);
+    result.last_checkpoint = checkpoint(step_);
+    emit({{"event", "info"},
+          {"message", fmt::format("stopped on request after step {}; resume continues from {}",
+                                  step_, result.last_checkpoint.filename().string())}});
+    return result;
+  }
+
   void start() {
     if (options_.resume_from.empty()) {
       if (rank_ == 0) model_->init_params(params_, recipe_.seed);
@@ -351,7 +371,10 @@ class TrainingRun {
   DataSplits data_;
   DistributedSampler sampler_;
   std::vector<float> params_;
-  std::vector<float> grads_;
+  // The gradients plus one slot: the stop flag rides along with the gradient all-reduce, so
+  // agreeing to stop costs no extra collective.
+  std::vector<float> grad_buffer_;
+  std::span<float> grads_;
   std::unique_ptr<Optimizer> optimizer_;
   std::vector<int64_t> idx_;
   std::vector<float> x_;

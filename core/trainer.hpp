@@ -19,6 +19,11 @@ struct TrainerOptions {
   // Receives {"event": "progress"|"eval"|"checkpoint"|"info", ...} on rank 0 only.
   std::function<void(const nlohmann::json&)> on_event;
   int64_t debug_step_delay_ms = 0;  // tests slow a run down to kill it mid-way
+  // Polled once a step on every rank: when any rank says yes (SIGTERM, a spot instance going
+  // away), all ranks finish that step, checkpoint it, and train() returns with `stopped`.
+  std::function<bool()> stop_requested;
+  // Called at the start of every step with the step about to run (fault injection in tests).
+  std::function<void(int64_t step)> before_step;
 };
 
 struct TrainResult {
@@ -30,6 +35,7 @@ struct TrainResult {
   double samples_per_s = 0;  // steady state: the first warm-up steps of this process are excluded
   std::string params_checksum;
   std::filesystem::path last_checkpoint;
+  bool stopped = false;  // stopped early on request, after checkpointing `steps`
   nlohmann::json to_json() const;
 };
 

@@ -122,7 +122,9 @@ int run_agent(const AgentPlan& given, std::FILE* out, int stop_fd) {
   std::mutex out_mutex;
   SupervisorOptions options;
   options.stop_fd = stop_fd;
-  options.grace = std::chrono::milliseconds(3000);  // inside the launcher's own grace period
+  // Inside the launcher's own grace periods, so the agent reports before it is cut off.
+  options.grace = std::chrono::milliseconds(3000);
+  options.stop_grace = std::chrono::milliseconds(50000);
   options.on_line = [&](const ProcessSpec& p, const std::string& line) {
     std::lock_guard lock(out_mutex);
     if (line.rfind("@event ", 0) == 0) {

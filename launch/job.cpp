@@ -301,8 +301,16 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   if (sup.stop_signal != 0) {
     out.exit_code = sup.stop_signal == SIGTERM ? 143 : 130;
     out.status = sup.stop_signal == SIGTERM ? "terminated" : "interrupted";
-    out.error = fmt::format("stopped by {}; all ranks were stopped",
-                            sup.stop_signal == SIGTERM ? "SIGTERM" : "SIGINT");
+    out.error = sup.stop_signal == SIGTERM
+                    ? "stopped by SIGTERM; every rank checkpointed its last step and stopped"
+                    : "stopped by SIGINT; all ranks were stopped";
+  } else if (sup.failure && sup.failure->exit_code == 143) {
+    // A rank got SIGTERM itself (a node being preempted): every rank checkpointed and stopped.
+    out.exit_code = 143;
+    out.status = "terminated";
+    out.error =
+        "a rank was stopped by SIGTERM (see which above); every rank checkpointed its "
+        "last step and stopped";
   } else if (sup.failure) {
     const ProcessFailure& f = *sup.failure;
     out.exit_code = 3;

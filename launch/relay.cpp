@@ -88,7 +88,7 @@ int run_relay(const RelayPlan& plan) {
   sa.sa_handler = on_stop;
   sigemptyset(&sa.sa_mask);
   ::sigaction(SIGTERM, &sa, nullptr);
-  ::signal(SIGINT, SIG_IGN);  // the launcher decides; it sends SIGTERM
+  ::sigaction(SIGINT, &sa, nullptr);
   std::unique_ptr<SshSession> session;
   try {
     session = SshSession::connect(plan.host, plan.ssh);

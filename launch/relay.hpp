@@ -29,8 +29,8 @@ struct RelayPlan {
 constexpr const char* kRelayPlanEnv = "DPTRAIN_RELAY_PLAN";
 
 // Connects, starts the agent, writes its plan, relays its output to stdout until it ends.
-// SIGTERM closes the agent's input, which stops its ranks. Returns the agent's exit code; 4 when
-// the host cannot be reached or authenticated; 3 when the connection is lost (with an
+// SIGTERM or SIGINT closes the agent's input, which stops its ranks. Returns the agent's exit code;
+// 4 when the host cannot be reached or authenticated; 3 when the connection is lost (with an
 // "@failure" line naming the host).
 int run_relay(const RelayPlan& plan);
 

@@ -24,11 +24,13 @@ namespace dptrain {
 namespace {
 
 std::atomic<int> g_stop_signal{0};
+std::atomic<int> g_stop_count{0};
 int g_wake_pipe[2] = {-1, -1};
 
 void on_stop_signal(int sig) {
   int expected = 0;
   g_stop_signal.compare_exchange_strong(expected, sig);
+  g_stop_count.fetch_add(1);
   if (g_wake_pipe[1] >= 0) {
     const char c = 1;
     [[maybe_unused]] auto n = ::write(g_wake_pipe[1], &c, 1);
@@ -128,7 +130,8 @@ class Supervision {
     start_all();
     SupervisionResult result;
     bool stopping = false;
-    auto stop_deadline = std::chrono::steady_clock::time_point::max();
+    constexpr auto kNever = std::chrono::steady_clock::time_point::max();
+    auto stop_deadline = kNever;
     while (!all_done()) {
       poll_output(100);
       reap(result);
@@ -137,12 +140,19 @@ class Supervision {
         if (sig != 0) result.stop_signal = sig;
         if (result.failure || result.stop_signal != 0) {
           stopping = true;
-          signal_all(SIGTERM);
-          stop_deadline = std::chrono::steady_clock::now() + options_.grace;
+          // SIGTERM lets ranks checkpoint at the next step boundary, which takes longer than
+          // stopping; SIGINT stops them without one.
+          const bool checkpointing = result.stop_signal == SIGTERM;
+          signal_all(result.stop_signal == SIGINT ? SIGINT : SIGTERM);
+          stop_deadline = std::chrono::steady_clock::now() +
+                          (checkpointing ? options_.stop_grace : options_.grace);
         }
+      } else if (g_stop_count.load() > 1 && stop_deadline != kNever) {
+        signal_all(SIGKILL);  // a second Ctrl-C: at once
+        stop_deadline = kNever;
       } else if (std::chrono::steady_clock::now() >= stop_deadline) {
         signal_all(SIGKILL);
-        stop_deadline = std::chrono::steady_clock::time_point::max();
+        stop_deadline = kNever;
       }
     }
     drain();

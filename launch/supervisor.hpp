@@ -40,6 +40,8 @@ struct SupervisionResult {
 
 struct SupervisorOptions {
   std::chrono::milliseconds grace{5000};  // between SIGTERM and SIGKILL when stopping the others
+  // After a SIGTERM to the launcher: ranks finish their step and checkpoint before SIGKILL.
+  std::chrono::milliseconds stop_grace{60000};
   // Each output line of a process, without its newline. Lines starting with "@event " carry a
   // trainer event as JSON; the callback decides how to show them.
   std::function<void(const ProcessSpec&, const std::string&)> on_line;
@@ -54,8 +56,9 @@ struct SupervisorOptions {
 void install_stop_signal_handlers();
 
 // Runs the processes to completion. Each runs in its own process group with a parent-death signal,
-// so none outlives the launcher. When one exits non-zero or by a signal, or the launcher gets
-// SIGINT/SIGTERM, the others get SIGTERM, then SIGKILL after the grace period.
+// so none outlives the launcher. When one exits non-zero or by a signal, the others get SIGTERM,
+// then SIGKILL after `grace`. A SIGINT to the launcher is passed on as SIGINT (SIGKILL after
+// `grace`; a second SIGINT kills at once); a SIGTERM as SIGTERM (SIGKILL after `stop_grace`).
 SupervisionResult supervise(const std::vector<ProcessSpec>& specs,
                             const SupervisorOptions& options);
 

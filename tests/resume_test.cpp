@@ -153,14 +153,46 @@ TEST_CASE("Ctrl-C stops every rank and exits 130") {
   CHECK(parse_json(read_text(run.run_dir / "run.json"))["status"] == "interrupted");
 }
 
-TEST_CASE("SIGTERM stops every rank and exits 143") {
+TEST_CASE("SIGTERM: every rank checkpoints its step and stops, exit 143; resume is bit-identical") {
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  auto straight = run_dptrain(
+      {"launch", recipe.string(), "--nproc", "2", "--run-dir", (tmp / "straight").string()});
+  REQUIRE(straight.exit_code == 0);
   SlowRun run(recipe, tmp / "run");
+  // Past the first periodic checkpoint (20), so the stop's own checkpoint is a new one.
+  REQUIRE(eventually([&] { return read_jsonl(run.run_dir / "metrics.jsonl").size() >= 6; }));
   REQUIRE(::kill(run.launcher.pid(), SIGTERM) == 0);
   CHECK(run.launcher.wait(std::chrono::seconds(60)) == 143);
   check_all_gone(run.pids);
   CHECK(parse_json(read_text(run.run_dir / "run.json"))["status"] == "terminated");
+  const auto meta = parse_json(
+      read_text(run.run_dir / "checkpoints" /
+                read_text(run.run_dir / "checkpoints/latest").substr(0, 11) / "meta.json"));
+  const int64_t stopped_at = meta["step"].get<int64_t>();
+  CHECK(stopped_at > 20);
+  CHECK(stopped_at < 120);
+  CHECK(stopped_at % 20 != 0);  // not a periodic one: the stop wrote it
+  auto resumed = run_dptrain({"resume", run.run_dir.string()});
+  INFO(resumed.out, resumed.err);
+  REQUIRE(resumed.exit_code == 0);
+  CHECK(resumed.out.find("step-" + std::string(6 - std::to_string(stopped_at).size(), '0') +
+                         std::to_string(stopped_at)) != std::string::npos);
+  CHECK(final_params_bytes(run.run_dir) == final_params_bytes(tmp / "straight"));
+}
+
+TEST_CASE("a rank that gets SIGTERM itself (preemption) stops the whole job after a checkpoint") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  SlowRun run(recipe, tmp / "run");
+  REQUIRE(::kill(run.pids[1], SIGTERM) == 0);
+  const int code = run.launcher.wait(std::chrono::seconds(60));
+  INFO(run.launcher.err());
+  CHECK(code == 143);
+  CHECK(run.launcher.err().find("stopped by SIGTERM") != std::string::npos);
+  CHECK(run.launcher.out().find("[rank 1] received SIGTERM") != std::string::npos);
+  check_all_gone(run.pids);
+  CHECK(run_dptrain({"resume", run.run_dir.string()}).exit_code == 0);
 }
 
 TEST_CASE("SIGKILL of the launcher leaves no worker behind") {

@@ -1,0 +1,299 @@
+// `dptrain ckpt list|verify RUN_DIR`: a run's checkpoints, and the checksums of their blobs.
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <system_error>
+
+#include <fmt/chrono.h>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.hpp"
+#include "core/checkpoint.hpp"
+#include "core/error.hpp"
+#include "launch/run_dir.hpp"
+
+namespace dptrain::cli {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+struct CkptOptions {
+  std::string run_dir;
+  std::string step;  // verify: a step number or a directory name; empty: `latest`, else newest
+  bool all = false;
+  bool json = false;
+};
+
+// One checkpoint as ckpt shows it: its verification and what the directory itself tells.
+struct CheckpointRow {
+  CheckpointStatus status;
+  uint64_t bytes_on_disk = 0;
+  std::string written;  // the directory's mtime, UTC; empty when it cannot be read
+  bool latest = false;
+};
+
+uint64_t size_on_disk(const fs::path& dir) {
+  uint64_t total = 0;
+  std::error_code ec;
+  for (const auto& entry : fs::recursive_directory_iterator(dir, ec)) {
+    std::error_code size_ec;
+    if (entry.is_regular_file(size_ec)) {
+      const uintmax_t size = entry.file_size(size_ec);
+      if (!size_ec) total += size;
+    }
+  }
+  return total;
+}
+
+std::string written_time(const fs::path& dir) {
+  struct stat st {};
+  if (::stat(dir.c_str(), &st) != 0) return {};
+  return fmt::format("{:%Y-%m-%dT%H:%M:%SZ}", fmt::gmtime(st.st_mtime));
+}
+
+// An unreadable `latest` only means no checkpoint is marked as the latest one.
+fs::path latest_or_none(const fs::path& checkpoints_dir) {
+  try {
+    return latest_checkpoint(checkpoints_dir);
+  } catch (const Error&) {
+    return {};
+  }
+}
+
+CheckpointRow inspect(const fs::path& dir, const fs::path& latest) {
+  CheckpointRow row;
+  row.status = verify_checkpoint(dir);
+  row.bytes_on_disk = size_on_disk(dir);
+  row.written = written_time(dir);
+  row.latest = dir == latest;
+  return row;
+}
+
+std::string name_of(const CheckpointRow& row) {
+  return row.status.dir.filename().string();
+}
+
+json or_null(const std::string& text) {
+  return text.empty() ? json(nullptr) : json(text);
+}
+
+json blob_json(const BlobStatus& blob) {
+  return {{"name", blob.name},
+          {"file", blob.file},
+          {"bytes", blob.bytes},
+          {"checksum", blob.checksum},
+          {"actual_bytes", blob.actual_bytes ? json(*blob.actual_bytes) : json(nullptr)},
+          {"actual_checksum", or_null(blob.actual_checksum)},
+          {"ok", blob.ok()},
+          {"problem", or_null(blob.problem)}};
+}
+
+json row_json(const CheckpointRow& row) {
+  const auto& position = row.status.position;
+  json blobs = json::array();
+  for (const auto& blob : row.status.blobs)
+    blobs.push_back(blob_json(blob));
+  return {{"name", name_of(row)},
+          {"path", row.status.dir.string()},
+          {"step", row.status.step},
+          {"epoch", position ? json(position->epoch) : json(nullptr)},
+          {"world_size", position ? json(position->world_size) : json(nullptr)},
+          {"bytes_on_disk", row.bytes_on_disk},
+          {"written", or_null(row.written)},
+          {"latest", row.latest},
+          {"set_aside", row.status.set_aside},
+          {"ok", row.status.ok()},
+          {"problems", row.status.problems()},
+          {"blobs", blobs}};
+}
+
+std::string human_size(uint64_t bytes) {
+  if (bytes < 1024) return fmt::format("{} B", bytes);
+  double size = static_cast<double>(bytes);
+  const char* unit = "B";
+  for (const char* next : {"KiB", "MiB", "GiB", "TiB"}) {
+    if (size < 1024) break;
+    size /= 1024;
+    unit = next;
+  }
+  return fmt::format("{:.1f} {}", size, unit);
+}
+
+std::string verdict(const CheckpointRow& row) {
+  if (row.status.ok()) return "ok";
+  return fmt::format("FAILED: {}", fmt::join(row.status.problems(), "; "));
+}
+
+size_t name_width(const std::vector<CheckpointRow>& rows) {
+  size_t width = std::string_view("CHECKPOINT").size();
+  for (const auto& row : rows)
+    width = std::max(width, name_of(row).size());
+  return width;
+}
+
+void print_list_table(const fs::path& run_dir, const std::vector<CheckpointRow>& rows) {
+  if (rows.empty()) {
+    std::printf("%s: no checkpoints\n", run_dir.c_str());
+    return;
+  }
+  const size_t w = name_width(rows);
+  std::printf(
+      "%s", fmt::format("{:<{}}  {:>8}  {:>6}  {:>5}  {:>10}  {:<20}  {:<6}  {}\n", "CHECKPOINT", w,
+                        "STEP", "EPOCH", "WORLD", "SIZE", "WRITTEN", "LATEST", "VERIFIED")
+                .c_str());
+  for (const auto& row : rows) {
+    const auto& position = row.status.position;
+    std::printf(
+        "%s", fmt::format("{:<{}}  {:>8}  {:>6}  {:>5}  {:>10}  {:<20}  {:<6}  {}\n", name_of(row),
+                          w, row.status.step, position ? fmt::format("{}", position->epoch) : "-",
+                          position ? fmt::format("{}", position->world_size) : "-",
+                          human_size(row.bytes_on_disk), row.written.empty() ? "-" : row.written,
+                          row.latest ? "yes" : "", verdict(row))
+                  .c_str());
+  }
+}
+
+// Per file: the size and checksum meta.json records for it, and whether the file matches them.
+void print_verify_table(const std::vector<CheckpointRow>& rows) {
+  for (const auto& row : rows) {
+    std::printf("%s%s: %s\n", name_of(row).c_str(), row.latest ? " (latest)" : "",
+                row.status.ok() ? "ok" : "FAILED");
+    if (!row.status.meta_problem.empty()) {
+      std::printf("  %-14s  %12s  %-16s  %s\n", "meta.json", "-", "-",
+                  row.status.meta_problem.c_str());
+    }
+    for (const auto& blob : row.status.blobs) {
+      std::printf("%s", fmt::format("  {:<14}  {:>12}  {:<16}  {}\n", blob.file,
+                                    fmt::format("{} B", blob.bytes), blob.checksum,
+                                    blob.ok() ? "ok" : blob.problem)
+                            .c_str());
+    }
+  }
+}
+
+std::vector<CheckpointRow> inspect_all(const std::vector<fs::path>& dirs, const fs::path& latest) {
+  std::vector<CheckpointRow> rows;
+  for (const auto& dir : dirs)
+    rows.push_back(inspect(dir, latest));
+  return rows;
+}
+
+int run_list(const CkptOptions& o) {
+  RunDirectory run = RunDirectory::open(o.run_dir);
+  const fs::path latest = latest_or_none(run.checkpoints());
+  const auto rows = inspect_all(list_checkpoints(run.checkpoints(), SetAside::include), latest);
+  if (!o.json) {
+    print_list_table(run.path(), rows);
+    return 0;
+  }
+  json out = {{"run_dir", run.path().string()},
+              {"latest", latest.empty() ? json(nullptr) : json(latest.filename().string())},
+              {"checkpoints", json::array()}};
+  for (const auto& row : rows)
+    out["checkpoints"].push_back(row_json(row));
+  std::printf("%s\n", out.dump().c_str());
+  return 0;
+}
+
+std::optional<int64_t> as_step_number(const std::string& text) {
+  int64_t step = 0;
+  const char* end = text.data() + text.size();
+  const auto [ptr, ec] = std::from_chars(text.data(), end, step);
+  if (text.empty() || ec != std::errc() || ptr != end || step < 0) return std::nullopt;
+  return step;
+}
+
+// STEP as a number names step-N (or step-N.corrupt when only that one is left); as a name, the
+// directory of that name. Error(usage) naming it, and what there is, when there is no such one.
+fs::path checkpoint_named(const RunDirectory& run, const std::string& step) {
+  // Newest first, a live checkpoint before a set-aside one of the same step.
+  const auto all = list_checkpoints(run.checkpoints(), SetAside::include);
+  const std::optional<int64_t> number = as_step_number(step);
+  const auto found = std::find_if(all.begin(), all.end(), [&](const fs::path& dir) {
+    return number ? checkpoint_step(dir) == *number : dir.filename() == step;
+  });
+  if (found != all.end()) return *found;
+  std::vector<std::string> names;
+  for (const auto& dir : all)
+    names.push_back(dir.filename().string());
+  throw Error(ErrorKind::usage,
+              fmt::format("{}: no checkpoint {} (it has {})", run.path().string(), step,
+                          names.empty() ? "none" : fmt::format("{}", fmt::join(names, ", "))));
+}
+
+std::vector<fs::path> checkpoints_to_verify(const RunDirectory& run, const CkptOptions& o,
+                                            const fs::path& latest) {
+  if (!o.step.empty()) return {checkpoint_named(run, o.step)};
+  // Set-aside checkpoints are known to be damaged and never used again: --all leaves them out.
+  const auto live = list_checkpoints(run.checkpoints());
+  if (live.empty()) {
+    throw Error(ErrorKind::checkpoint,
+                fmt::format("{}: no checkpoints to verify", run.checkpoints().string()));
+  }
+  if (o.all) return live;
+  std::error_code ec;
+  if (!latest.empty() && fs::is_directory(latest, ec)) return {latest};
+  return {live.front()};
+}
+
+int run_verify(const CkptOptions& o) {
+  RunDirectory run = RunDirectory::open(o.run_dir);
+  const fs::path latest = latest_or_none(run.checkpoints());
+  const auto rows = inspect_all(checkpoints_to_verify(run, o, latest), latest);
+  const bool all_ok =
+      std::all_of(rows.begin(), rows.end(), [](const CheckpointRow& r) { return r.status.ok(); });
+  if (o.json) {
+    json out = {{"run_dir", run.path().string()}, {"ok", all_ok}, {"checkpoints", json::array()}};
+    for (const auto& row : rows)
+      out["checkpoints"].push_back(row_json(row));
+    std::printf("%s\n", out.dump().c_str());
+  } else {
+    print_verify_table(rows);
+  }
+  std::fflush(stdout);
+  for (const auto& row : rows) {
+    for (const auto& problem : row.status.problems())
+      std::fprintf(stderr, "dptrain: error: %s/%s\n", row.status.dir.c_str(), problem.c_str());
+  }
+  return all_ok ? 0 : exit_code(ErrorKind::checkpoint);
+}
+
+}  // namespace
+
+void setup_ckpt(CLI::App& app, Outcome& outcome) {
+  app.require_subcommand(1);
+  auto o = std::make_shared<CkptOptions>();
+
+  CLI::App* list = app.add_subcommand(
+      "list", "Every checkpoint, newest first: step, epoch, world size, size, time, verified");
+  list->add_option("run_dir", o->run_dir, "Run directory made by 'dptrain launch'")->required();
+  list->add_flag("--json", o->json, "Print one JSON object on stdout");
+  list->callback([o, &outcome] {
+    outcome.json = o->json;
+    outcome.exit_code = run_list(*o);
+  });
+
+  CLI::App* verify = app.add_subcommand(
+      "verify", "Check every blob's size and checksum; exit 5 naming any that fails");
+  verify->add_option("run_dir", o->run_dir, "Run directory made by 'dptrain launch'")->required();
+  CLI::Option* step = verify->add_option(
+      "step", o->step,
+      "Step number or directory name (default: the one 'latest' names, else the newest)");
+  verify->add_flag("--all", o->all, "Verify every checkpoint (not those set aside as .corrupt)")
+      ->excludes(step);
+  verify->add_flag("--json", o->json, "Print one JSON object on stdout");
+  verify->callback([o, &outcome] {
+    outcome.json = o->json;
+    outcome.exit_code = run_verify(*o);
+  });
+}
+
+}  // namespace dptrain::cli

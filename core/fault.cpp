@@ -1,0 +1,120 @@
+// Fault injection for tests, from DPTRAIN_FAULT.
+#include "core/fault.hpp"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <csignal>
+#include <cstdlib>
+#include <sstream>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "core/error.hpp"
+
+namespace dptrain {
+
+namespace {
+
+int64_t parse_int(const std::string& text, const std::string& context) {
+  try {
+    size_t used = 0;
+    const long long v = std::stoll(text, &used);
+    if (used == text.size()) return v;
+  } catch (const std::exception&) {
+  }
+  throw Error(ErrorKind::usage,
+              fmt::format("DPTRAIN_FAULT: '{}': not an integer in '{}'", text, context));
+}
+
+Fault parse_one(const std::string& text) {
+  const auto at = text.find('@');
+  const std::string kind = text.substr(0, at);
+  Fault f;
+  if (kind == "crash") {
+    f.kind = Fault::Kind::crash;
+  } else if (kind == "exit") {
+    f.kind = Fault::Kind::exit;
+  } else if (kind == "hang") {
+    f.kind = Fault::Kind::hang;
+  } else if (kind == "slow") {
+    f.kind = Fault::Kind::slow;
+  } else {
+    throw Error(ErrorKind::usage,
+                fmt::format("DPTRAIN_FAULT: unknown fault '{}' in '{}' (crash, exit, hang, slow)",
+                            kind, text));
+  }
+  bool has_step = false;
+  std::istringstream fields(at == std::string::npos ? "" : text.substr(at + 1));
+  for (std::string field; std::getline(fields, field, ',');) {
+    const auto eq = field.find('=');
+    const std::string key = field.substr(0, eq);
+    const std::string value = eq == std::string::npos ? "" : field.substr(eq + 1);
+    if (key == "step") {
+      f.step = parse_int(value, text);
+      has_step = true;
+    } else if (key == "rank") {
+      f.rank = static_cast<int>(parse_int(value, text));
+    } else if (key == "gen") {
+      f.generation = static_cast<int>(parse_int(value, text));
+    } else if (key == "code") {
+      f.code = static_cast<int>(parse_int(value, text));
+    } else if (key == "ms") {
+      f.ms = parse_int(value, text);
+    } else {
+      throw Error(ErrorKind::usage,
+                  fmt::format("DPTRAIN_FAULT: unknown field '{}' in '{}' (step, rank, gen, "
+                              "code, ms)",
+                              key, text));
+    }
+  }
+  if (!has_step) {
+    throw Error(ErrorKind::usage, fmt::format("DPTRAIN_FAULT: '{}' needs step=N", text));
+  }
+  return f;
+}
+
+}  // namespace
+
+std::vector<Fault> parse_faults(const std::string& text) {
+  std::vector<Fault> faults;
+  std::istringstream parts(text);
+  for (std::string part; std::getline(parts, part, ';');) {
+    if (!part.empty()) faults.push_back(parse_one(part));
+  }
+  return faults;
+}
+
+FaultInjector::FaultInjector(std::vector<Fault> faults, int rank, int generation) {
+  for (const auto& f : faults) {
+    if ((f.rank < 0 || f.rank == rank) && (f.generation < 0 || f.generation == generation)) {
+      faults_.push_back(f);
+    }
+  }
+}
+
+void FaultInjector::before_step(int64_t step) const {
+  for (const auto& f : faults_) {
+    if (f.kind == Fault::Kind::slow && step >= f.step) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(f.ms));
+      continue;
+    }
+    if (step != f.step) continue;
+    switch (f.kind) {
+      case Fault::Kind::crash:
+        ::kill(::getpid(), SIGKILL);
+        break;
+      case Fault::Kind::exit:
+        std::fflush(nullptr);
+        std::_Exit(f.code);
+      case Fault::Kind::hang:
+        for (;;)
+          std::this_thread::sleep_for(std::chrono::hours(1));
+      case Fault::Kind::slow:
+        break;
+    }
+  }
+}
+
+}  // namespace dptrain

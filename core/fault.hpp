@@ -1,0 +1,40 @@
+// Fault injection for tests, from DPTRAIN_FAULT (documented in dptrain-worker(1)):
+//   "crash@step=37,rank=1"            SIGKILL itself at the start of step 37 on rank 1
+//   "exit@step=20,rank=0,code=7"      exit with code 7
+//   "hang@step=50,rank=0"             stop making progress (sleep until killed)
+//   "slow@step=10,rank=1,ms=200"      sleep 200 ms before every step from step 10 on
+// Several faults are separated by ';'. Each may add "gen=N" to fire only in generation N
+// (the first launch is generation 1, every restart or resume adds one); without it, it fires
+// in every generation. rank may be omitted: every rank.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dptrain {
+
+struct Fault {
+  enum class Kind { crash, exit, hang, slow };
+  Kind kind = Kind::crash;
+  int64_t step = 0;
+  int rank = -1;        // -1: every rank
+  int generation = -1;  // -1: every generation
+  int code = 1;         // exit
+  int64_t ms = 0;       // slow
+};
+
+// Error(usage) naming the part of the text that is wrong.
+std::vector<Fault> parse_faults(const std::string& text);
+
+class FaultInjector {
+ public:
+  FaultInjector(std::vector<Fault> faults, int rank, int generation);
+  void before_step(int64_t step) const;  // may not return (crash, exit, hang)
+  bool empty() const { return faults_.empty(); }
+
+ private:
+  std::vector<Fault> faults_;  // only those for this rank and generation
+};
+
+}  // namespace dptrain

@@ -1,0 +1,47 @@
+// DPTRAIN_FAULT parsing and which faults a rank and generation keep.
+#include "core/fault.hpp"
+
+#include <doctest/doctest.h>
+
+#include "core/error.hpp"
+
+using namespace dptrain;
+
+TEST_CASE("fault specs parse, with every field and several faults") {
+  const auto faults =
+      parse_faults("crash@step=37,rank=1;exit@step=5,code=7,gen=2;slow@step=3,ms=20");
+  REQUIRE(faults.size() == 3);
+  CHECK(faults[0].kind == Fault::Kind::crash);
+  CHECK(faults[0].step == 37);
+  CHECK(faults[0].rank == 1);
+  CHECK(faults[0].generation == -1);
+  CHECK(faults[1].kind == Fault::Kind::exit);
+  CHECK(faults[1].code == 7);
+  CHECK(faults[1].generation == 2);
+  CHECK(faults[2].kind == Fault::Kind::slow);
+  CHECK(faults[2].rank == -1);
+  CHECK(faults[2].ms == 20);
+  CHECK(parse_faults("").empty());
+}
+
+TEST_CASE("bad fault specs are usage errors naming the part") {
+  for (const char* bad :
+       {"explode@step=3", "crash@rank=1", "crash@step=x", "crash@step=1,when=2"}) {
+    CAPTURE(bad);
+    try {
+      parse_faults(bad);
+      FAIL("accepted");
+    } catch (const Error& e) {
+      CHECK(e.kind() == ErrorKind::usage);
+      CHECK(std::string(e.what()).find("DPTRAIN_FAULT") != std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("an injector keeps only its rank's and generation's faults") {
+  const auto faults = parse_faults("slow@step=0,rank=1,ms=1;slow@step=0,gen=3,ms=1");
+  CHECK(FaultInjector(faults, 0, 1).empty());
+  CHECK_FALSE(FaultInjector(faults, 1, 1).empty());
+  CHECK_FALSE(FaultInjector(faults, 0, 3).empty());
+  FaultInjector(faults, 1, 3).before_step(5);  // slow faults return
+}
