@@ -33,6 +33,7 @@ struct LaunchOptions {
   std::string master_addr;
   int master_port = 0;
   bool dry_run = false;
+  RestartOptions restart;
   bool json = false;
 };
 
@@ -112,6 +113,7 @@ void print_dry_run(const JobSpec& spec, bool json) {
 
 int run_launch(const LaunchOptions& o) {
   install_stop_signal_handlers();
+  const RestartPolicy policy = o.restart.policy();
   JobSpec spec = job_spec(o);
   check_runnable(spec.recipe, spec.world_size);
   if (o.dry_run) {
@@ -127,7 +129,7 @@ int run_launch(const LaunchOptions& o) {
                           spec.hosts.empty() ? std::string(" on this machine")
                                              : fmt::format(" across {} host(s)", spec.hosts.size()),
                           run.path().string()));
-  const JobOutcome outcome = run_job(run, spec, status);
+  const JobOutcome outcome = run_job_with_restarts(run, spec, status, policy);
   return report_outcome(run, outcome, o.json);
 }
 
@@ -155,6 +157,7 @@ void setup_launch(CLI::App& app, Outcome& outcome) {
   app.add_option("--master-port", o->master_port, "Store port (default: a free port)");
   app.add_flag("--dry-run", o->dry_run,
                "Print the plan (hosts, ranks, commands, environment) and start nothing");
+  add_restart_options(app, o->restart);
   app.add_flag("--json", o->json, "Print one JSON object with the outcome (or plan) on stdout");
   app.callback([o, &outcome] {
     outcome.json = o->json;

@@ -25,6 +25,7 @@ namespace {
 struct ResumeOptions {
   std::string run_dir;
   int nproc = 0;  // 0: the recorded world size
+  RestartOptions restart;
   bool json = false;
 };
 
@@ -45,6 +46,7 @@ void set_aside_newer(const fs::path& checkpoints, const fs::path& chosen, Status
 
 int run_resume(const ResumeOptions& o) {
   install_stop_signal_handlers();
+  const RestartPolicy policy = o.restart.policy();
   RunDirectory run = RunDirectory::open(o.run_dir);
   std::FILE* status_out = o.json ? stderr : stdout;
   StatusPrinter status(status_out, StatusPrinter::is_terminal(status_out));
@@ -74,7 +76,7 @@ int run_resume(const ResumeOptions& o) {
   status.line(fmt::format("dptrain {}: resuming {} from {} on {} local rank(s)", DPTRAIN_VERSION,
                           run.path().string(), spec.resume_from.filename().string(),
                           spec.world_size));
-  const JobOutcome outcome = run_job(run, spec, status);
+  const JobOutcome outcome = run_job_with_restarts(run, spec, status, policy);
   return report_outcome(run, outcome, o.json);
 }
 
@@ -86,6 +88,7 @@ void setup_resume(CLI::App& app, Outcome& outcome) {
   app.add_option("-n,--nproc", o->nproc,
                  "Number of local ranks (default: the run's recorded world size); another world "
                  "size reshards the sampler");
+  add_restart_options(app, o->restart);
   app.add_flag("--json", o->json, "Print one JSON object with the outcome on stdout");
   app.callback([o, &outcome] {
     outcome.json = o->json;

@@ -6,7 +6,34 @@
 
 #include <fmt/format.h>
 
+#include "core/error.hpp"
+
 namespace dptrain::cli {
+
+RestartPolicy RestartOptions::policy() const {
+  if (max_restarts < 0) {
+    throw Error(ErrorKind::usage,
+                fmt::format("--max-restarts: must be >= 0, got {}", max_restarts));
+  }
+  if (!(backoff_s >= 0)) {
+    throw Error(ErrorKind::usage,
+                fmt::format("--restart-backoff: must be >= 0, got {}", backoff_s));
+  }
+  RestartPolicy p;
+  p.max_restarts = max_restarts;
+  p.backoff = std::chrono::milliseconds(static_cast<int64_t>(backoff_s * 1000));
+  return p;
+}
+
+void add_restart_options(CLI::App& app, RestartOptions& o) {
+  app.add_option("--max-restarts", o.max_restarts,
+                 "Restart after a rank or host failure from the newest valid checkpoint, at most "
+                 "this many times for the whole job")
+      ->capture_default_str();
+  app.add_option("--restart-backoff", o.backoff_s,
+                 "Seconds before the first restart; doubled for each further one, at most 30")
+      ->capture_default_str();
+}
 
 int report_outcome(const RunDirectory& run, const JobOutcome& outcome, bool json) {
   if (!outcome.error.empty()) {

@@ -33,7 +33,10 @@ std::string resolve_backend(const std::string& requested) {
 }
 
 json JobOutcome::to_json(const RunDirectory& run) const {
-  json j = {{"status", status}, {"exit_code", exit_code}, {"run_dir", run.path().string()}};
+  json j = {{"status", status},
+            {"exit_code", exit_code},
+            {"run_dir", run.path().string()},
+            {"restarts", restarts}};
   if (!error.empty()) j["error"] = error;
   for (const auto& [k, v] : result.items())
     j[k] = v;
@@ -238,8 +241,10 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   json result;
   std::map<std::string, json> agent_failures;  // host -> the agent's "@failure" report
   RemoteRankLogs remote_logs(run.logs());
+  int64_t last_step = -1;
   const auto handle_event = [&](const json& event) {
     const std::string kind = event.value("event", "");
+    if (kind == "progress") last_step = event.value("step", int64_t{-1});
     if (kind == "result") {
       result = event;
       result.erase("event");
@@ -298,6 +303,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   status.finish();
 
   JobOutcome out;
+  out.last_step = last_step;
   if (sup.stop_signal != 0) {
     out.exit_code = sup.stop_signal == SIGTERM ? 143 : 130;
     out.status = sup.stop_signal == SIGTERM ? "terminated" : "interrupted";

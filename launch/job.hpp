@@ -2,6 +2,7 @@
 // an SSH relay and `dptrain agent` elsewhere), supervision, and run.json updates.
 #pragma once
 
+#include <chrono>
 #include <filesystem>
 #include <map>
 #include <string>
@@ -40,10 +41,18 @@ struct JobSpec {
 
 struct JobOutcome {
   int exit_code = 0;
-  std::string status;     // completed | failed | interrupted | terminated
-  std::string error;      // empty on success; the first line names the failed host and rank
-  nlohmann::json result;  // the trainer's result on success
+  std::string status;      // completed | failed | interrupted | terminated
+  std::string error;       // empty on success; the first line names the failed host and rank
+  nlohmann::json result;   // the trainer's result on success
+  int64_t last_step = -1;  // the last step rank 0 reported before the end (-1: none)
+  int restarts = 0;        // generations started after failures (run_job_with_restarts)
   nlohmann::json to_json(const RunDirectory& run) const;
+};
+
+struct RestartPolicy {
+  int max_restarts = 0;                     // for the job as a whole
+  std::chrono::milliseconds backoff{1000};  // doubled after every restart, at most 30 s
+  int same_step_limit = 3;  // this many failures in a row at one step: deterministic, stop
 };
 
 // Resolves "auto" to the backend this build and machine use.
@@ -66,6 +75,13 @@ std::string resolve_master_addr(const JobSpec& spec);
 // Runs one generation to its end, recording it in run.json. Never throws for a rank's failure:
 // that is an outcome with exit code 3 (4 when a host cannot be reached over SSH).
 JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status);
+
+// run_job, and after a rank or host failure (exit 3 or 4) a new generation from the newest
+// valid checkpoint (or from step 0 when there is none), with exponential back-off, until the
+// job completes, restarts run out, or the failure repeats at one step. Every restart is
+// recorded in run.json with its cause.
+JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter& status,
+                                 const RestartPolicy& policy);
 
 // The path of the running executable (to start workers and relays with).
 std::filesystem::path self_executable();

@@ -358,6 +358,22 @@ void install_stop_signal_handlers() {
   ::signal(SIGPIPE, SIG_IGN);
 }
 
+int pending_stop_signal() {
+  return g_stop_signal.load();
+}
+
+int sleep_unless_stopped(std::chrono::milliseconds duration) {
+  const auto deadline = std::chrono::steady_clock::now() + duration;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (const int sig = pending_stop_signal()) return sig;
+    pollfd fd{g_wake_pipe[0], POLLIN, 0};
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    ::poll(&fd, g_wake_pipe[0] >= 0 ? 1 : 0, static_cast<int>(std::max<int64_t>(left.count(), 0)));
+  }
+  return pending_stop_signal();
+}
+
 SupervisionResult supervise(const std::vector<ProcessSpec>& specs,
                             const SupervisorOptions& options) {
   Supervision s(specs, options);

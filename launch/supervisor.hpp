@@ -54,6 +54,10 @@ struct SupervisorOptions {
 
 // Installs SIGINT/SIGTERM handlers that the supervisor loop observes; call once from main.
 void install_stop_signal_handlers();
+// The SIGINT or SIGTERM received since the handlers were installed, or 0.
+int pending_stop_signal();
+// Sleeps up to `duration`, returning early (with the signal) when SIGINT or SIGTERM arrives.
+int sleep_unless_stopped(std::chrono::milliseconds duration);
 
 // Runs the processes to completion. Each runs in its own process group with a parent-death signal,
 // so none outlives the launcher. When one exits non-zero or by a signal, the others get SIGTERM,

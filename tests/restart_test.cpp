@@ -1,0 +1,99 @@
+// Automatic restarts with injected faults: crashes at several steps and ranks, a failure before
+// the first checkpoint, and a deterministic failure that must not be retried forever.
+#include <doctest/doctest.h>
+
+#include "tests/harness.hpp"
+
+using namespace dptrain::test;
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+json recipe_json() {
+  auto r = small_recipe();
+  r["train"]["steps"] = 120;
+  r["checkpoint"] = {{"every", 20}, {"keep", 3}};
+  return r;
+}
+
+std::string final_params(const fs::path& run_dir) {
+  std::string latest = read_text(run_dir / "checkpoints/latest");
+  latest = latest.substr(0, latest.find('\n'));
+  return read_text(run_dir / "checkpoints" / latest / "params.bin");
+}
+
+}  // namespace
+
+TEST_CASE(
+    "three crashes at different steps and ranks: --max-restarts 3 completes bit-identically") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), recipe_json());
+  auto clean = run_dptrain(
+      {"launch", recipe.string(), "--nproc", "2", "--run-dir", (tmp / "clean").string()});
+  REQUIRE(clean.exit_code == 0);
+  auto r = run_dptrain(
+      {"launch", recipe.string(), "--nproc", "2", "--run-dir", (tmp / "faulty").string(),
+       "--max-restarts", "3", "--restart-backoff", "0.1", "--json"},
+      {{"DPTRAIN_FAULT",
+        "crash@step=25,rank=1,gen=1;crash@step=47,rank=0,gen=2;"
+        "exit@step=90,rank=1,code=9,gen=3"}});
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  const json out = parse_json(r.out);
+  CHECK(out["restarts"] == 3);
+  CHECK(out["steps"] == 120);
+  CHECK(final_params(tmp / "faulty") == final_params(tmp / "clean"));
+  const json info = parse_json(read_text(tmp / "faulty/run.json"));
+  REQUIRE(info["restarts"].size() == 3);
+  CHECK(info["restarts"][0]["from"] == "step-000020");
+  CHECK(info["restarts"][0]["cause"].get<std::string>().find("rank 1") != std::string::npos);
+  CHECK(info["restarts"][1]["from"] == "step-000040");
+  CHECK(info["restarts"][2]["cause"].get<std::string>().find("exited with code 9") !=
+        std::string::npos);
+  CHECK(info["generations"].size() == 4);
+  CHECK(info["status"] == "completed");
+}
+
+TEST_CASE("a failure before the first checkpoint restarts from step 0") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), recipe_json());
+  auto clean = run_dptrain(
+      {"launch", recipe.string(), "--nproc", "2", "--run-dir", (tmp / "clean").string()});
+  REQUIRE(clean.exit_code == 0);
+  auto r =
+      run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir", (tmp / "early").string(),
+                   "--max-restarts", "1", "--restart-backoff", "0.1"},
+                  {{"DPTRAIN_FAULT", "crash@step=7,rank=0,gen=1"}});
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out.find("restart 1/1") != std::string::npos);
+  CHECK(r.out.find("from step 0") != std::string::npos);
+  CHECK(final_params(tmp / "early") == final_params(tmp / "clean"));
+}
+
+TEST_CASE("the same failure three times at one step stops with exit 3: looks deterministic") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), recipe_json());
+  auto r = run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir",
+                        (tmp / "det").string(), "--max-restarts", "10", "--restart-backoff", "0.1"},
+                       {{"DPTRAIN_FAULT", "exit@step=33,rank=1,code=1"}});
+  INFO(r.err);
+  CHECK(r.exit_code == 3);
+  CHECK(r.err.find("deterministic") != std::string::npos);
+  const json info = parse_json(read_text(tmp / "det/run.json"));
+  CHECK(info["restarts"].size() == 2);
+  CHECK(info["generations"].size() == 3);
+}
+
+TEST_CASE("without --max-restarts a failure is final; with it exhausted the message says so") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), recipe_json());
+  auto r =
+      run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir", (tmp / "once").string(),
+                   "--max-restarts", "1", "--restart-backoff", "0.1"},
+                  {{"DPTRAIN_FAULT", "crash@step=25,rank=1,gen=1;crash@step=65,rank=1,gen=2"}});
+  CHECK(r.exit_code == 3);
+  CHECK(r.err.find("restarts exhausted: 1 of 1") != std::string::npos);
+  CHECK(run_dptrain({"launch", recipe.string(), "--max-restarts", "-1"}).exit_code == 2);
+}
