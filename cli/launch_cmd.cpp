@@ -114,6 +114,7 @@ void print_dry_run(const JobSpec& spec, bool json) {
 int run_launch(const LaunchOptions& o) {
   install_stop_signal_handlers();
   const RestartPolicy policy = o.restart.policy();
+  const auto hang_timeout = o.restart.hang_timeout();
   JobSpec spec = job_spec(o);
   check_runnable(spec.recipe, spec.world_size);
   if (o.dry_run) {
@@ -129,6 +130,7 @@ int run_launch(const LaunchOptions& o) {
                           spec.hosts.empty() ? std::string(" on this machine")
                                              : fmt::format(" across {} host(s)", spec.hosts.size()),
                           run.path().string()));
+  spec.hang_timeout = hang_timeout;
   const JobOutcome outcome = run_job_with_restarts(run, spec, status, policy);
   return report_outcome(run, outcome, o.json);
 }

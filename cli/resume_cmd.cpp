@@ -47,6 +47,7 @@ void set_aside_newer(const fs::path& checkpoints, const fs::path& chosen, Status
 int run_resume(const ResumeOptions& o) {
   install_stop_signal_handlers();
   const RestartPolicy policy = o.restart.policy();
+  const auto hang_timeout = o.restart.hang_timeout();
   RunDirectory run = RunDirectory::open(o.run_dir);
   std::FILE* status_out = o.json ? stderr : stdout;
   StatusPrinter status(status_out, StatusPrinter::is_terminal(status_out));
@@ -76,6 +77,7 @@ int run_resume(const ResumeOptions& o) {
   status.line(fmt::format("dptrain {}: resuming {} from {} on {} local rank(s)", DPTRAIN_VERSION,
                           run.path().string(), spec.resume_from.filename().string(),
                           spec.world_size));
+  spec.hang_timeout = hang_timeout;
   const JobOutcome outcome = run_job_with_restarts(run, spec, status, policy);
   return report_outcome(run, outcome, o.json);
 }

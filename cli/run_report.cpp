@@ -25,7 +25,19 @@ RestartPolicy RestartOptions::policy() const {
   return p;
 }
 
+std::chrono::milliseconds RestartOptions::hang_timeout() const {
+  if (!(hang_timeout_s >= 0)) {
+    throw Error(ErrorKind::usage,
+                fmt::format("--hang-timeout: must be >= 0, got {}", hang_timeout_s));
+  }
+  return std::chrono::milliseconds(static_cast<int64_t>(hang_timeout_s * 1000));
+}
+
 void add_restart_options(CLI::App& app, RestartOptions& o) {
+  app.add_option("--hang-timeout", o.hang_timeout_s,
+                 "Seconds without progress on some rank before the job is stopped as hung, "
+                 "naming the stuck rank and phase (0: off)")
+      ->capture_default_str();
   app.add_option("--max-restarts", o.max_restarts,
                  "Restart after a rank or host failure from the newest valid checkpoint, at most "
                  "this many times for the whole job")

@@ -11,9 +11,11 @@ namespace dptrain::cli {
 struct RestartOptions {
   int max_restarts = 0;
   double backoff_s = 1.0;
+  double hang_timeout_s = 0;
   RestartPolicy policy() const;  // Error(usage) for negative values
+  std::chrono::milliseconds hang_timeout() const;
 };
-// --max-restarts and --restart-backoff, shared by launch and resume.
+// --max-restarts, --restart-backoff and --hang-timeout, shared by launch and resume.
 void add_restart_options(CLI::App& app, RestartOptions& o);
 
 // Prints the outcome (a summary on stdout, or one JSON object with --json; errors on stderr)

@@ -18,6 +18,7 @@
 #include "core/comm/tcp_store.hpp"
 #include "core/error.hpp"
 #include "core/fault.hpp"
+#include "core/heartbeat.hpp"
 #include "core/recipe.hpp"
 #include "core/trainer.hpp"
 #include "launch/status.hpp"
@@ -131,6 +132,8 @@ int run_worker(WorkerOptions o) {
                       : (is_loopback_host(host) ? "127.0.0.1" : local_address_towards(host, port));
   gloo.timeout = timeout;
   auto comm = make_gloo_communicator(store, o.rank, o.world_size, gloo);
+  ProgressTracker progress;
+  const HeartbeatSender heartbeat(store, o.rank, progress, std::chrono::seconds(1));
 
   const bool events = env("DPTRAIN_EVENTS").value_or("0") == "1";
   StatusPrinter status(stdout, !events && StatusPrinter::is_terminal(stdout));
@@ -146,6 +149,7 @@ int run_worker(WorkerOptions o) {
       status.event(e);
     }
   };
+  topts.progress = &progress;
   topts.stop_requested = [rank = o.rank, announced = false]() mutable {
     if (!g_stop_requested.load()) return false;
     if (!announced) {

@@ -82,6 +82,8 @@ class TrainingRun {
     run_start_ = Clock::now();
     bool stop = false;
     for (; step_ < total && !stop; ++step_) {
+      if (options_.progress) options_.progress->set_step(step_);
+      mark(Phase::data);
       if (options_.before_step) options_.before_step(step_);
       const auto t0 = Clock::now();
       double comm_ms = 0;
@@ -89,9 +91,11 @@ class TrainingRun {
       grad_buffer_.back() = options_.stop_requested && options_.stop_requested() ? 1.0f : 0.0f;
       {
         const auto tc = Clock::now();
+        mark_collective();
         comm_.allreduce(grad_buffer_.data(), grad_buffer_.size(), ReduceOp::avg);
         comm_ms = ms_since(tc);
       }
+      mark(Phase::optimizer);
       stop = grad_buffer_.back() > 0.0f;
       const double norm = clip_grad_norm(grads_, recipe_.optimizer.clip_grad_norm);
       const double lr = learning_rate(recipe_.optimizer, step_, total);
@@ -113,6 +117,7 @@ class TrainingRun {
       const bool last = done == total || stop;
       if (done % recipe_.log.every == 0 || last) {
         double loss = local_loss;
+        mark_collective();
         comm_.allreduce(&loss, 1, ReduceOp::avg);
         last_loss = loss;
         const double window_s = ms_since(window_start) / 1000.0;
@@ -144,6 +149,7 @@ class TrainingRun {
     result.eval_accuracy = eval_acc;
     result.params_checksum = check_replicas(step_);
     result.last_checkpoint = checkpoint(step_);
+    mark(Phase::done);
     if (rank_ == 0) {
       write_file_atomic(options_.run_dir / "result.json", result.to_json().dump(2) + "\n");
       json event = result.to_json();
@@ -222,7 +228,15 @@ class TrainingRun {
                                   dir.filename().string(), step_, world_)}});
   }
 
+  void mark(Phase phase) {
+    if (options_.progress) options_.progress->enter(phase);
+  }
+  void mark_collective() {
+    if (options_.progress) options_.progress->enter_collective();
+  }
+
   double compute_gradients() {
+    mark(Phase::compute);
     std::fill(grads_.begin(), grads_.end(), 0.0f);
     const int64_t accum = recipe_.train.grad_accum;
     const float scale = 1.0f / static_cast<float>(accum);
@@ -264,6 +278,7 @@ class TrainingRun {
 
   // Each rank scores a strided shard of the held-out split; the sums are reduced.
   std::pair<double, double> evaluate(int64_t step) {
+    mark(Phase::eval);
     const auto& eval = *data_.eval;
     int64_t n = eval.size();
     if (recipe_.eval.max_samples > 0) n = std::min(n, recipe_.eval.max_samples);
@@ -285,6 +300,7 @@ class TrainingRun {
       sums[1] += static_cast<double>(s.correct);
       sums[2] += static_cast<double>(s.count);
     }
+    mark_collective();
     comm_.allreduce(sums, 3, ReduceOp::sum);
     if (sums[2] == 0) return {0.0, 0.0};
     const double loss = sums[0] / sums[2];
@@ -303,6 +319,7 @@ class TrainingRun {
   std::string check_replicas(int64_t step) {
     const uint64_t mine = checksum64(params_.data(), params_.size() * sizeof(float));
     std::vector<uint64_t> all(static_cast<size_t>(world_));
+    mark_collective();
     comm_.allgather(&mine, sizeof(mine), all.data());
     for (int r = 0; r < world_; ++r) {
       if (all[static_cast<size_t>(r)] != all[0]) {
@@ -317,6 +334,7 @@ class TrainingRun {
   }
 
   fs::path checkpoint(int64_t step) {
+    mark(Phase::checkpoint);
     fs::path written;
     if (rank_ == 0) {
       TrainingPosition pos;
@@ -333,6 +351,7 @@ class TrainingRun {
       emit({{"event", "checkpoint"}, {"step", step}, {"path", written.string()}});
     }
     // Nobody runs ahead of a checkpoint being written: a failure right after it loses nothing.
+    mark_collective();
     comm_.barrier();
     return written;
   }

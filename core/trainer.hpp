@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/comm/communicator.hpp"
+#include "core/heartbeat.hpp"
 #include "core/recipe.hpp"
 
 namespace dptrain {
@@ -22,6 +23,8 @@ struct TrainerOptions {
   // Polled once a step on every rank: when any rank says yes (SIGTERM, a spot instance going
   // away), all ranks finish that step, checkpoint it, and train() returns with `stopped`.
   std::function<bool()> stop_requested;
+  // Where this rank is, for hang attribution (published by a HeartbeatSender); may be null.
+  ProgressTracker* progress = nullptr;
   // Called at the start of every step with the step about to run (fault injection in tests).
   std::function<void(int64_t step)> before_step;
 };

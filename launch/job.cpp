@@ -13,6 +13,7 @@
 #include "core/comm/tcp_store.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
+#include "launch/hang_watch.hpp"
 #include "launch/relay.hpp"
 #include "launch/supervisor.hpp"
 
@@ -299,6 +300,20 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     info["generations"].back()["pids"] = pids;
     run.save();
   };
+  std::unique_ptr<TcpStoreClient> watch_client;
+  std::unique_ptr<PrefixStore> watch_store;
+  std::unique_ptr<HangWatch> hang_watch;
+  if (spec.hang_timeout.count() > 0) {
+    watch_client =
+        std::make_unique<TcpStoreClient>(addr, store.port(), std::chrono::seconds(10), secret);
+    watch_store = std::make_unique<PrefixStore>(fmt::format("gen{}", generation), *watch_client);
+    hang_watch = std::make_unique<HangWatch>(*watch_store, world, spec.hang_timeout);
+    options.watchdog = [&]() -> std::optional<std::string> {
+      auto verdict = hang_watch->check();
+      if (verdict) status.line("dptrain: " + *verdict + "; stopping every rank");
+      return verdict;
+    };
+  }
   const SupervisionResult sup = supervise(procs, options);
   status.finish();
 
@@ -310,6 +325,10 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     out.error = sup.stop_signal == SIGTERM
                     ? "stopped by SIGTERM; every rank checkpointed its last step and stopped"
                     : "stopped by SIGINT; all ranks were stopped";
+  } else if (!sup.watchdog.empty()) {
+    out.exit_code = 3;
+    out.status = "failed";
+    out.error = sup.watchdog;
   } else if (sup.failure && sup.failure->exit_code == 143) {
     // A rank got SIGTERM itself (a node being preempted): every rank checkpointed and stopped.
     out.exit_code = 143;

@@ -37,6 +37,7 @@ struct JobSpec {
   std::filesystem::path worker_binary;  // this executable
   RemoteOptions remote;
   std::map<std::string, std::string> worker_env;  // extra environment for every rank
+  std::chrono::milliseconds hang_timeout{0};      // 0: no hang detection
 };
 
 struct JobOutcome {

@@ -138,6 +138,14 @@ class Supervision {
       if (!stopping) {
         const int sig = stop_fd_closed_ ? SIGTERM : g_stop_signal.load();
         if (sig != 0) result.stop_signal = sig;
+        if (sig == 0 && !result.failure && options_.watchdog) {
+          if (auto reason = options_.watchdog()) {
+            result.watchdog = *reason;
+            stopping = true;
+            signal_all(SIGKILL);
+            continue;
+          }
+        }
         if (result.failure || result.stop_signal != 0) {
           stopping = true;
           // SIGTERM lets ranks checkpoint at the next step boundary, which takes longer than
@@ -156,7 +164,9 @@ class Supervision {
       }
     }
     drain();
-    if (!result.failure && result.stop_signal == 0) result.failure = candidate_;
+    if (!result.failure && result.stop_signal == 0 && result.watchdog.empty()) {
+      result.failure = candidate_;
+    }
     if (result.failure) {
       for (auto& c : children_) {
         if (c.pid == result.failure->pid) {

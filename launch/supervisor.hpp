@@ -35,7 +35,8 @@ struct ProcessFailure {
 struct SupervisionResult {
   std::optional<ProcessFailure> failure;  // the first process that failed
   int stop_signal = 0;                    // SIGINT / SIGTERM received by the launcher
-  bool ok() const { return !failure && stop_signal == 0; }
+  std::string watchdog;                   // the watchdog's message, when it stopped the run
+  bool ok() const { return !failure && stop_signal == 0 && watchdog.empty(); }
 };
 
 struct SupervisorOptions {
@@ -50,6 +51,9 @@ struct SupervisorOptions {
   // When >= 0: end of file (or an error) on this descriptor stops everything like SIGTERM. An
   // agent passes its stdin, the SSH channel from the launcher: when that goes, so do its ranks.
   int stop_fd = -1;
+  // Polled every loop: a message stops everything at once (SIGKILL: a hung rank cannot
+  // checkpoint) and is reported as the cause.
+  std::function<std::optional<std::string>()> watchdog;
 };
 
 // Installs SIGINT/SIGTERM handlers that the supervisor loop observes; call once from main.

@@ -97,3 +97,29 @@ TEST_CASE("without --max-restarts a failure is final; with it exhausted the mess
   CHECK(r.err.find("restarts exhausted: 1 of 1") != std::string::npos);
   CHECK(run_dptrain({"launch", recipe.string(), "--max-restarts", "-1"}).exit_code == 2);
 }
+
+TEST_CASE("a hang is detected within hang-timeout + 5 s, named, and the run recovers") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), recipe_json());
+  const auto t0 = std::chrono::steady_clock::now();
+  Background launcher(
+      {"launch", recipe.string(), "--nproc", "2", "--run-dir", (tmp / "hang").string(),
+       "--hang-timeout", "3", "--max-restarts", "1", "--restart-backoff", "0.1"},
+      {{"DPTRAIN_FAULT", "hang@step=50,rank=0,gen=1"}});
+  // The hang starts at step 50 (well under a second in); its report must follow within 3 + 5 s.
+  REQUIRE(eventually([&] { return launcher.out().find("hang:") != std::string::npos; },
+                     std::chrono::seconds(30)));
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(seconds < 3 + 5 + 2);  // a bound against a hang going unnoticed, with start-up slack
+  CHECK(launcher.wait(std::chrono::seconds(120)) == 0);
+  const std::string out = launcher.out();
+  INFO(out);
+  CHECK(out.find("stuck: rank 0 at step 50 in phase data") != std::string::npos);
+  CHECK(out.find("waiting for it in collective") != std::string::npos);
+  CHECK(out.find("rank 1") != std::string::npos);
+  CHECK(out.find("restart 1/1") != std::string::npos);
+  const json info = parse_json(read_text(tmp / "hang/run.json"));
+  CHECK(info["status"] == "completed");
+  CHECK(info["restarts"][0]["cause"].get<std::string>().find("hang:") != std::string::npos);
+}

@@ -1,0 +1,90 @@
+// The launcher's side of hang attribution.
+#include "launch/hang_watch.hpp"
+
+#include <algorithm>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "core/heartbeat.hpp"
+
+namespace dptrain {
+
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+HangWatch::HangWatch(Store& store, int world_size, std::chrono::milliseconds timeout)
+    : store_(store), world_size_(world_size), timeout_(timeout), next_read_(Clock::now()) {}
+
+std::optional<std::string> HangWatch::check() {
+  const auto now = Clock::now();
+  if (now < next_read_) return std::nullopt;
+  next_read_ = now + std::chrono::seconds(1);
+  for (int r = 0; r < world_size_; ++r) {
+    const std::string key = heartbeat_key(r);
+    try {
+      if (!store_.check({key})) continue;
+      const json beat = json::parse(store_.get(key, std::chrono::seconds(2)), nullptr, false);
+      if (beat.is_discarded()) continue;
+      Seen& s = seen_[r];
+      const int64_t progress = beat.value("progress", int64_t{-1});
+      if (progress != s.progress) {
+        s.progress = progress;
+        s.since = now;
+      }
+      s.beat = beat;
+    } catch (const std::exception&) {
+      return std::nullopt;  // the store is the launcher's own; a hiccup is not a hang
+    }
+  }
+  std::chrono::milliseconds stalled{0};
+  for (const auto& [rank, s] : seen_) {
+    if (s.beat.value("phase", "") == "done") continue;
+    stalled =
+        std::max(stalled, std::chrono::duration_cast<std::chrono::milliseconds>(now - s.since));
+  }
+  if (stalled <= timeout_) return std::nullopt;
+  std::map<int, json> beats;
+  for (const auto& [rank, s] : seen_)
+    beats[rank] = s.beat;
+  return describe(beats, stalled);
+}
+
+std::string HangWatch::describe(const std::map<int, json>& beats,
+                                std::chrono::milliseconds stalled_for) {
+  // The ranks that entered the most collectives wait in the last one; the others are behind.
+  int64_t max_seq = -1;
+  for (const auto& [rank, beat] : beats)
+    max_seq = std::max(max_seq, beat.value("seq", int64_t{0}));
+  std::vector<std::string> behind, waiting;
+  for (const auto& [rank, beat] : beats) {
+    const int64_t seq = beat.value("seq", int64_t{0});
+    const std::string phase = beat.value("phase", std::string("?"));
+    const int64_t step = beat.value("step", int64_t{0});
+    if (seq == max_seq && phase == "allreduce") {
+      waiting.push_back(fmt::format("rank {}", rank));
+    } else {
+      behind.push_back(fmt::format("rank {} at step {} in phase {} (after collective #{})", rank,
+                                   step, phase, seq));
+    }
+  }
+  std::string text =
+      fmt::format("hang: no progress for {}s; ",
+                  std::chrono::duration_cast<std::chrono::seconds>(stalled_for).count());
+  if (behind.empty()) {
+    text += fmt::format("every rank waits in collective #{} (a network or transport problem?)",
+                        max_seq);
+    return text;
+  }
+  text += "stuck: ";
+  for (size_t i = 0; i < behind.size(); ++i)
+    text += (i ? ", " : "") + behind[i];
+  if (!waiting.empty()) {
+    text += fmt::format("; waiting for it in collective #{}: ", max_seq);
+    for (size_t i = 0; i < waiting.size(); ++i)
+      text += (i ? ", " : "") + waiting[i];
+  }
+  return text;
+}
+
+}  // namespace dptrain

@@ -1,0 +1,43 @@
+// The launcher's side of hang attribution: reads every rank's heartbeat from the store and,
+// when progress stops for longer than the timeout, names who is behind and who waits for them.
+#pragma once
+
+#include <chrono>
+#include <map>
+#include <optional>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "core/comm/store.hpp"
+
+namespace dptrain {
+
+class HangWatch {
+ public:
+  // `store` is the generation's prefix store (the launcher's own client).
+  HangWatch(Store& store, int world_size, std::chrono::milliseconds timeout);
+
+  // Call often; reads the store at most once a second. A message naming the stuck rank(s), their
+  // step and phase, and the ranks waiting for them, once some rank made no progress for longer
+  // than the timeout; nothing otherwise.
+  std::optional<std::string> check();
+
+  // The verdict from heartbeats as they are (exposed for tests).
+  static std::string describe(const std::map<int, nlohmann::json>& beats,
+                              std::chrono::milliseconds stalled_for);
+
+ private:
+  struct Seen {
+    int64_t progress = -1;
+    std::chrono::steady_clock::time_point since;
+    nlohmann::json beat;
+  };
+  Store& store_;
+  int world_size_;
+  std::chrono::milliseconds timeout_;
+  std::chrono::steady_clock::time_point next_read_;
+  std::map<int, Seen> seen_;
+};
+
+}  // namespace dptrain
