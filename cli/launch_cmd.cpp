@@ -123,7 +123,8 @@ int run_launch(const LaunchOptions& o) {
   }
   RunDirectory run = RunDirectory::create(o.run_dir, o.runs_root, spec.recipe.name);
   run.info()["recipe_file"] = std::filesystem::absolute(o.recipe).string();
-  std::FILE* status_out = o.json ? stderr : stdout;
+  const auto events = open_events(o.restart, o.json);
+  std::FILE* status_out = status_stream(o.json, *events);
   StatusPrinter status(status_out, StatusPrinter::is_terminal(status_out));
   status.line(fmt::format("dptrain {}: {} on {} rank(s){}, run directory {}", DPTRAIN_VERSION,
                           spec.recipe.name, spec.world_size,
@@ -131,8 +132,9 @@ int run_launch(const LaunchOptions& o) {
                                              : fmt::format(" across {} host(s)", spec.hosts.size()),
                           run.path().string()));
   spec.hang_timeout = hang_timeout;
+  spec.events = events.get();
   const JobOutcome outcome = run_job_with_restarts(run, spec, status, policy);
-  return report_outcome(run, outcome, o.json);
+  return finish_run(run, outcome, o.json, *events);
 }
 
 }  // namespace

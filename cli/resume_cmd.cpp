@@ -49,7 +49,8 @@ int run_resume(const ResumeOptions& o) {
   const RestartPolicy policy = o.restart.policy();
   const auto hang_timeout = o.restart.hang_timeout();
   RunDirectory run = RunDirectory::open(o.run_dir);
-  std::FILE* status_out = o.json ? stderr : stdout;
+  const auto events = open_events(o.restart, o.json);
+  std::FILE* status_out = status_stream(o.json, *events);
   StatusPrinter status(status_out, StatusPrinter::is_terminal(status_out));
   if (run.info().value("status", "") == "completed") {
     status.line(fmt::format("{}: the run already completed; nothing to resume", o.run_dir));
@@ -78,8 +79,9 @@ int run_resume(const ResumeOptions& o) {
                           run.path().string(), spec.resume_from.filename().string(),
                           spec.world_size));
   spec.hang_timeout = hang_timeout;
+  spec.events = events.get();
   const JobOutcome outcome = run_job_with_restarts(run, spec, status, policy);
-  return report_outcome(run, outcome, o.json);
+  return finish_run(run, outcome, o.json, *events);
 }
 
 }  // namespace

@@ -33,7 +33,27 @@ std::chrono::milliseconds RestartOptions::hang_timeout() const {
   return std::chrono::milliseconds(static_cast<int64_t>(hang_timeout_s * 1000));
 }
 
+std::unique_ptr<EventLog> open_events(const RestartOptions& o, bool json) {
+  if (o.events.empty()) return std::make_unique<EventLog>();
+  if (o.events == "-" && json) {
+    throw Error(ErrorKind::usage, "--events -: not with --json (both write to stdout)");
+  }
+  return std::make_unique<EventLog>(o.events);
+}
+
+std::FILE* status_stream(bool json, const EventLog& events) {
+  return json || events.to_stdout() ? stderr : stdout;
+}
+
+int finish_run(const RunDirectory& run, const JobOutcome& outcome, bool json, EventLog& events) {
+  events.emit("run_finished", outcome.to_json(run));
+  return report_outcome(run, outcome, json, events.to_stdout() ? stderr : stdout);
+}
+
 void add_restart_options(CLI::App& app, RestartOptions& o) {
+  app.add_option("--events", o.events,
+                 "Write one JSON line per state change (generation, rendezvous, checkpoint, "
+                 "rank exit, hang, restart, finish) to FILE, or '-' for stdout");
   app.add_option("--hang-timeout", o.hang_timeout_s,
                  "Seconds without progress on some rank before the job is stopped as hung, "
                  "naming the stuck rank and phase (0: off)")
@@ -47,7 +67,8 @@ void add_restart_options(CLI::App& app, RestartOptions& o) {
       ->capture_default_str();
 }
 
-int report_outcome(const RunDirectory& run, const JobOutcome& outcome, bool json) {
+int report_outcome(const RunDirectory& run, const JobOutcome& outcome, bool json,
+                   std::FILE* summary) {
   if (!outcome.error.empty()) {
     std::istringstream lines(outcome.error);
     std::string line;
@@ -63,14 +84,14 @@ int report_outcome(const RunDirectory& run, const JobOutcome& outcome, bool json
     std::printf("%s\n", outcome.to_json(run).dump().c_str());
   } else if (outcome.exit_code == 0) {
     const auto& r = outcome.result;
-    std::printf("run directory: %s\n", run.path().c_str());
-    std::printf("%s\n",
-                fmt::format("final loss {:.4f}  eval loss {:.4f}  eval accuracy {:.2f}%  "
-                            "{:.0f} samples/s  ({} steps, {} ranks)",
-                            r.value("final_loss", 0.0), r.value("eval_loss", 0.0),
-                            100.0 * r.value("eval_accuracy", 0.0), r.value("samples_per_s", 0.0),
-                            r.value("steps", int64_t{0}), r.value("world_size", int64_t{0}))
-                    .c_str());
+    std::fprintf(summary, "run directory: %s\n", run.path().c_str());
+    std::fprintf(summary, "%s\n",
+                 fmt::format("final loss {:.4f}  eval loss {:.4f}  eval accuracy {:.2f}%  "
+                             "{:.0f} samples/s  ({} steps, {} ranks)",
+                             r.value("final_loss", 0.0), r.value("eval_loss", 0.0),
+                             100.0 * r.value("eval_accuracy", 0.0), r.value("samples_per_s", 0.0),
+                             r.value("steps", int64_t{0}), r.value("world_size", int64_t{0}))
+                     .c_str());
   }
   std::fflush(stdout);
   return outcome.exit_code;

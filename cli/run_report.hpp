@@ -3,6 +3,9 @@
 
 #include <CLI/CLI.hpp>
 
+#include <memory>
+
+#include "launch/events.hpp"
 #include "launch/job.hpp"
 #include "launch/run_dir.hpp"
 
@@ -12,14 +15,25 @@ struct RestartOptions {
   int max_restarts = 0;
   double backoff_s = 1.0;
   double hang_timeout_s = 0;
+  std::string events;            // --events FILE|-
   RestartPolicy policy() const;  // Error(usage) for negative values
   std::chrono::milliseconds hang_timeout() const;
 };
 // --max-restarts, --restart-backoff and --hang-timeout, shared by launch and resume.
 void add_restart_options(CLI::App& app, RestartOptions& o);
 
+// The --events stream (disabled when not asked for); Error(usage) when it would share stdout
+// with --json.
+std::unique_ptr<EventLog> open_events(const RestartOptions& o, bool json);
+// Where progress goes: stderr when stdout carries JSON (the outcome or the events).
+std::FILE* status_stream(bool json, const EventLog& events);
+
 // Prints the outcome (a summary on stdout, or one JSON object with --json; errors on stderr)
 // and returns the exit code.
-int report_outcome(const RunDirectory& run, const JobOutcome& outcome, bool json);
+// The human summary goes to `summary`.
+int report_outcome(const RunDirectory& run, const JobOutcome& outcome, bool json,
+                   std::FILE* summary = stdout);
+// Emits "run_finished" and reports the outcome.
+int finish_run(const RunDirectory& run, const JobOutcome& outcome, bool json, EventLog& events);
 
 }  // namespace dptrain::cli

@@ -175,6 +175,11 @@ class TrainingRun {
   }
 
   void start() {
+    start_parameters();
+    emit({{"event", "rendezvous"}, {"world_size", world_}, {"step", step_}});
+  }
+
+  void start_parameters() {
     if (options_.resume_from.empty()) {
       if (rank_ == 0) model_->init_params(params_, recipe_.seed);
       comm_.broadcast(params_.data(), params_.size() * sizeof(float), 0);

@@ -239,6 +239,14 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   info["generations"].push_back(gen);
   run.save();
 
+  EventLog no_events;
+  EventLog& events = spec.events ? *spec.events : no_events;
+  events.emit("generation_started",
+              {{"generation", generation},
+               {"world_size", world},
+               {"hosts", plan.hosts.size()},
+               {"resumed_from",
+                spec.resume_from.empty() ? json(nullptr) : json(spec.resume_from.filename())}});
   json result;
   std::map<std::string, json> agent_failures;  // host -> the agent's "@failure" report
   RemoteRankLogs remote_logs(run.logs());
@@ -246,6 +254,12 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   const auto handle_event = [&](const json& event) {
     const std::string kind = event.value("event", "");
     if (kind == "progress") last_step = event.value("step", int64_t{-1});
+    if (kind == "rendezvous" || kind == "checkpoint") {
+      json fields = event;
+      fields.erase("event");
+      events.emit(kind == "checkpoint" ? "checkpoint_committed" : "rendezvous_done", fields);
+    }
+    if (kind == "rendezvous") return;
     if (kind == "result") {
       result = event;
       result.erase("event");
@@ -310,7 +324,10 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     hang_watch = std::make_unique<HangWatch>(*watch_store, world, spec.hang_timeout);
     options.watchdog = [&]() -> std::optional<std::string> {
       auto verdict = hang_watch->check();
-      if (verdict) status.line("dptrain: " + *verdict + "; stopping every rank");
+      if (verdict) {
+        status.line("dptrain: " + *verdict + "; stopping every rank");
+        events.emit("hang_detected", {{"message", *verdict}});
+      }
       return verdict;
     };
   }
@@ -383,6 +400,15 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       out.error = "all ranks exited 0 but rank 0 reported no result";
     }
   }
+  if (sup.failure) {
+    const ProcessFailure& f = *sup.failure;
+    events.emit("rank_exited", {{"process", f.label},
+                                {"exit_code", f.exit_code >= 0 ? json(f.exit_code) : json(nullptr)},
+                                {"signal", f.signal != 0 ? json(f.signal) : json(nullptr)},
+                                {"message", out.error.substr(0, out.error.find('\n'))}});
+  }
+  events.emit("generation_ended",
+              {{"generation", generation}, {"status", out.status}, {"exit_code", out.exit_code}});
   info["status"] = out.status;
   info["generations"].back()["ended_at"] = utc_timestamp();
   info["generations"].back()["status"] = out.status;

@@ -12,6 +12,7 @@
 
 #include "core/recipe.hpp"
 #include "launch/agent.hpp"
+#include "launch/events.hpp"
 #include "launch/hostfile.hpp"
 #include "launch/run_dir.hpp"
 #include "launch/ssh.hpp"
@@ -38,6 +39,7 @@ struct JobSpec {
   RemoteOptions remote;
   std::map<std::string, std::string> worker_env;  // extra environment for every rank
   std::chrono::milliseconds hang_timeout{0};      // 0: no hang detection
+  EventLog* events = nullptr;                     // the --events stream, if any
 };
 
 struct JobOutcome {

@@ -112,6 +112,8 @@ int run_relay(const RelayPlan& plan) {
     };
     while (channel->read(sink, std::chrono::milliseconds(100))) {
       if (g_stop_requested && !stdin_closed) {
+        // "stop": the agent's ranks checkpoint and stop; the end of input follows.
+        channel->write("stop\n");
         channel->close_stdin();
         stdin_closed = true;
       }

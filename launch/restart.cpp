@@ -68,6 +68,14 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
                             static_cast<double>(backoff.count()) / 1000.0,
                             from.empty() ? std::string("step 0") : from.filename().string(),
                             cause));
+    if (spec.events) {
+      spec.events->emit(
+          "restart", {{"restart", restarts},
+                      {"max_restarts", policy.max_restarts},
+                      {"cause", cause},
+                      {"backoff_s", static_cast<double>(backoff.count()) / 1000.0},
+                      {"from", from.empty() ? std::string("step 0") : from.filename().string()}});
+    }
     json& restarts_json = run.info()["restarts"];
     if (!restarts_json.is_array()) restarts_json = json::array();
     restarts_json.push_back(

@@ -27,6 +27,10 @@ std::string format_event(const nlohmann::json& e) {
                        e.value("step", int64_t{0}), e.value("eval_loss", 0.0),
                        100.0 * e.value("eval_accuracy", 0.0));
   }
+  if (kind == "rendezvous") {
+    return fmt::format("all {} ranks met; starting at step {}", e.value("world_size", 0),
+                       e.value("step", int64_t{0}));
+  }
   if (kind == "result") {
     return fmt::format(
         "finished {} steps on {} rank(s): final loss {:.4f}  eval loss {:.4f}  eval "

@@ -136,7 +136,7 @@ class Supervision {
       poll_output(100);
       reap(result);
       if (!stopping) {
-        const int sig = stop_fd_closed_ ? SIGTERM : g_stop_signal.load();
+        const int sig = stop_fd_closed_ || stop_fd_requested_ ? SIGTERM : g_stop_signal.load();
         if (sig != 0) result.stop_signal = sig;
         if (sig == 0 && !result.failure && options_.watchdog) {
           if (auto reason = options_.watchdog()) {
@@ -150,7 +150,8 @@ class Supervision {
           stopping = true;
           // SIGTERM lets ranks checkpoint at the next step boundary, which takes longer than
           // stopping; SIGINT stops them without one.
-          const bool checkpointing = result.stop_signal == SIGTERM;
+          // A vanished launcher (end of stop_fd) waits for nothing: the short grace.
+          const bool checkpointing = result.stop_signal == SIGTERM && !stop_fd_closed_;
           signal_all(result.stop_signal == SIGINT ? SIGINT : SIGTERM);
           stop_deadline = std::chrono::steady_clock::now() +
                           (checkpointing ? options_.stop_grace : options_.grace);
@@ -231,7 +232,9 @@ class Supervision {
     if (options_.stop_fd >= 0 && !stop_fd_closed_ && fds[stop_index].revents != 0) {
       char buf[4096];
       const ssize_t got = ::read(options_.stop_fd, buf, sizeof buf);
-      // Input on it is ignored; only its end means something.
+      // Input on it is a polite stop request (checkpoint first); its end means the other side
+      // is gone (stop now).
+      if (got > 0) stop_fd_requested_ = true;
       if (got == 0 || (got < 0 && errno != EAGAIN && errno != EINTR)) stop_fd_closed_ = true;
     }
     for (size_t i = 0; i < owners.size(); ++i) {
@@ -339,6 +342,7 @@ class Supervision {
   std::vector<Child> children_;
   bool stopping_signalled_ = false;
   bool stop_fd_closed_ = false;
+  bool stop_fd_requested_ = false;
   std::optional<ProcessFailure> candidate_;
   int candidate_rank_ = 0;
   std::chrono::steady_clock::time_point decide_by_;

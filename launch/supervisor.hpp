@@ -48,8 +48,9 @@ struct SupervisorOptions {
   std::function<void(const ProcessSpec&, const std::string&)> on_line;
   // Called once all processes are started, with their pids (for run.json).
   std::function<void(const std::vector<pid_t>&)> on_started;
-  // When >= 0: end of file (or an error) on this descriptor stops everything like SIGTERM. An
-  // agent passes its stdin, the SSH channel from the launcher: when that goes, so do its ranks.
+  // When >= 0: input on this descriptor stops everything like a SIGTERM to the launcher (ranks
+  // checkpoint first, `stop_grace`); its end (or an error) stops them with the short `grace`.
+  // An agent passes its stdin, the SSH channel from the launcher: when that goes, so do its ranks.
   int stop_fd = -1;
   // Polled every loop: a message stops everything at once (SIGKILL: a hung rank cannot
   // checkpoint) and is reported as the cause.

@@ -2,6 +2,8 @@
 // the first checkpoint, and a deterministic failure that must not be retried forever.
 #include <doctest/doctest.h>
 
+#include <sstream>
+
 #include "tests/harness.hpp"
 
 using namespace dptrain::test;
@@ -122,4 +124,46 @@ TEST_CASE("a hang is detected within hang-timeout + 5 s, named, and the run reco
   const json info = parse_json(read_text(tmp / "hang/run.json"));
   CHECK(info["status"] == "completed");
   CHECK(info["restarts"][0]["cause"].get<std::string>().find("hang:") != std::string::npos);
+}
+
+TEST_CASE("--events writes one JSON line per state change, restarts included") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), recipe_json());
+  const fs::path events_file = tmp / "events.jsonl";
+  auto r = run_dptrain(
+      {"launch", recipe.string(), "--nproc", "2", "--run-dir", (tmp / "ev").string(),
+       "--max-restarts", "1", "--restart-backoff", "0.1", "--events", events_file.string()},
+      {{"DPTRAIN_FAULT", "crash@step=30,rank=1,gen=1"}});
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  std::vector<std::string> names;
+  for (const auto& e : read_jsonl(events_file)) {
+    CHECK(e.contains("time"));
+    names.push_back(e["event"].get<std::string>());
+  }
+  const auto first = [&](const std::string& name) {
+    return std::find(names.begin(), names.end(), name) - names.begin();
+  };
+  CHECK(names.front() == "generation_started");
+  CHECK(names.back() == "run_finished");
+  CHECK(first("rendezvous_done") < first("checkpoint_committed"));
+  CHECK(first("checkpoint_committed") < first("rank_exited"));
+  CHECK(first("rank_exited") < first("restart"));
+  CHECK(std::count(names.begin(), names.end(), "generation_started") == 2);
+  CHECK(read_jsonl(events_file).back()["status"] == "completed");
+  const auto restart = read_jsonl(events_file)[static_cast<size_t>(first("restart"))];
+  CHECK(restart["from"] == "step-000020");
+  CHECK(restart["cause"].get<std::string>().find("rank 1") != std::string::npos);
+
+  auto stdout_events = run_dptrain(
+      {"launch", recipe.string(), "--run-dir", (tmp / "ev2").string(), "--events", "-"});
+  REQUIRE(stdout_events.exit_code == 0);
+  std::istringstream lines(stdout_events.out);
+  int parsed = 0;
+  for (std::string line; std::getline(lines, line);) {
+    CHECK(json::parse(line, nullptr, false).is_object());
+    ++parsed;
+  }
+  CHECK(parsed >= 4);
+  CHECK(run_dptrain({"launch", recipe.string(), "--events", "-", "--json"}).exit_code == 2);
 }

@@ -1,0 +1,39 @@
+// The events stream: one JSON object per line for every state change of a job.
+#include "launch/events.hpp"
+
+#include <cerrno>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "core/error.hpp"
+#include "launch/run_dir.hpp"
+
+namespace dptrain {
+
+EventLog::EventLog(const std::string& target) {
+  if (target == "-") {
+    out_ = stdout;
+    return;
+  }
+  out_ = std::fopen(target.c_str(), "a");
+  if (out_ == nullptr) {
+    throw Error(ErrorKind::usage,
+                fmt::format("--events: cannot open {}: {}", target, std::strerror(errno)));
+  }
+}
+
+EventLog::~EventLog() {
+  if (out_ != nullptr && out_ != stdout) std::fclose(out_);
+}
+
+void EventLog::emit(const std::string& name, nlohmann::json fields) {
+  if (out_ == nullptr) return;
+  nlohmann::json line = {{"time", utc_timestamp()}, {"event", name}};
+  for (auto& [k, v] : fields.items())
+    line[k] = std::move(v);
+  std::fprintf(out_, "%s\n", line.dump().c_str());
+  std::fflush(out_);
+}
+
+}  // namespace dptrain

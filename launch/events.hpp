@@ -1,0 +1,31 @@
+// The events stream (--events FILE|-): one JSON object per line for every state change of a
+// job, for CI pipelines and dashboards. Schema in dptrain-launch(1).
+#pragma once
+
+#include <cstdio>
+#include <filesystem>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace dptrain {
+
+class EventLog {
+ public:
+  EventLog() = default;  // disabled: emit() does nothing
+  // "-" is stdout; a file is appended to. Error(usage) naming it when it cannot be opened.
+  explicit EventLog(const std::string& target);
+  ~EventLog();
+  EventLog(const EventLog&) = delete;
+  EventLog& operator=(const EventLog&) = delete;
+
+  bool enabled() const { return out_ != nullptr; }
+  bool to_stdout() const { return out_ == stdout; }
+  // Writes {"time": ISO-8601 UTC, "event": name, ...fields} and flushes it.
+  void emit(const std::string& name, nlohmann::json fields = nlohmann::json::object());
+
+ private:
+  std::FILE* out_ = nullptr;
+};
+
+}  // namespace dptrain
