@@ -160,7 +160,12 @@ int run_worker(WorkerOptions o) {
     }
     return true;
   };
-  if (!faults.empty()) topts.before_step = [&faults](int64_t step) { faults.before_step(step); };
+  if (!faults.empty()) {
+    topts.before_step = [&faults](int64_t step) { faults.before_step(step); };
+    topts.before_checkpoint_commit = [&faults](int64_t step) {
+      faults.before_checkpoint_commit(step);
+    };
+  }
   const TrainResult result = train(recipe, *comm, topts);
   if (result.stopped) return 143;
   status.finish();

@@ -148,7 +148,7 @@ int64_t checkpoint_step(const fs::path& dir) {
 
 fs::path write_checkpoint(const fs::path& checkpoints_dir, const TrainingPosition& pos,
                           std::span<const float> params, std::span<const float> optimizer_state,
-                          int64_t keep) {
+                          int64_t keep, const std::function<void()>& before_commit) {
   const fs::path final_dir = checkpoints_dir / checkpoint_name(pos.step);
   const fs::path tmp_dir =
       checkpoints_dir / fmt::format(".tmp-{}-{}", checkpoint_name(pos.step), ::getpid());
@@ -175,6 +175,7 @@ fs::path write_checkpoint(const fs::path& checkpoints_dir, const TrainingPositio
     fsync_directory(tmp_dir);
     // A checkpoint of the same step (a resumed run repeating it) is replaced whole.
     if (fs::exists(final_dir)) fs::remove_all(final_dir);
+    if (before_commit) before_commit();
     fs::rename(tmp_dir, final_dir);
     fsync_directory(checkpoints_dir);
   } catch (const fs::filesystem_error& e) {
@@ -198,6 +199,16 @@ fs::path write_checkpoint(const fs::path& checkpoints_dir, const TrainingPositio
     fs::remove_all(all[i], ignored);
   }
   return final_dir;
+}
+
+void remove_incomplete_checkpoints(const fs::path& checkpoints_dir) {
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(checkpoints_dir, ec)) {
+    if (entry.path().filename().string().rfind(".tmp-", 0) == 0) {
+      std::error_code ignored;
+      fs::remove_all(entry.path(), ignored);
+    }
+  }
 }
 
 CheckpointData read_checkpoint(const fs::path& dir) {

@@ -63,13 +63,20 @@ std::string checkpoint_name(int64_t step);
 // The step a checkpoint directory's name says (step-000100 or step-000100.corrupt); -1 otherwise.
 int64_t checkpoint_step(const std::filesystem::path& dir);
 
+// `before_commit` runs when every file is written and synced, just before the rename that
+// commits it (fault injection: a crash there must leave `latest` on the previous checkpoint).
 // Writes checkpoints/step-N atomically (temp dir, fsync files and dir, rename, fsync parent),
 // re-reads and verifies it, then points `latest` at it and removes all but the `keep` newest.
 // Error(checkpoint) on any failure; `latest` is never touched unless the new one verified.
 std::filesystem::path write_checkpoint(const std::filesystem::path& checkpoints_dir,
                                        const TrainingPosition& position,
                                        std::span<const float> params,
-                                       std::span<const float> optimizer_state, int64_t keep);
+                                       std::span<const float> optimizer_state, int64_t keep,
+                                       const std::function<void()>& before_commit = {});
+
+// Removes what interrupted writes left behind (.tmp-* directories). Only when no writer runs:
+// rank 0 calls it as a generation starts.
+void remove_incomplete_checkpoints(const std::filesystem::path& checkpoints_dir);
 
 // Reads and verifies one checkpoint directory: Error(checkpoint) naming the file and what is wrong.
 CheckpointData read_checkpoint(const std::filesystem::path& dir);

@@ -40,10 +40,12 @@ Fault parse_one(const std::string& text) {
     f.kind = Fault::Kind::hang;
   } else if (kind == "slow") {
     f.kind = Fault::Kind::slow;
+  } else if (kind == "crash-in-checkpoint") {
+    f.kind = Fault::Kind::crash_in_checkpoint;
   } else {
-    throw Error(ErrorKind::usage,
-                fmt::format("DPTRAIN_FAULT: unknown fault '{}' in '{}' (crash, exit, hang, slow)",
-                            kind, text));
+    throw Error(ErrorKind::usage, fmt::format("DPTRAIN_FAULT: unknown fault '{}' in '{}' (crash, "
+                                              "exit, hang, slow, crash-in-checkpoint)",
+                                              kind, text));
   }
   bool has_step = false;
   std::istringstream fields(at == std::string::npos ? "" : text.substr(at + 1));
@@ -112,8 +114,15 @@ void FaultInjector::before_step(int64_t step) const {
         for (;;)
           std::this_thread::sleep_for(std::chrono::hours(1));
       case Fault::Kind::slow:
+      case Fault::Kind::crash_in_checkpoint:
         break;
     }
+  }
+}
+
+void FaultInjector::before_checkpoint_commit(int64_t step) const {
+  for (const auto& f : faults_) {
+    if (f.kind == Fault::Kind::crash_in_checkpoint && f.step == step) ::kill(::getpid(), SIGKILL);
   }
 }
 

@@ -3,6 +3,8 @@
 //   "exit@step=20,rank=0,code=7"      exit with code 7
 //   "hang@step=50,rank=0"             stop making progress (sleep until killed)
 //   "slow@step=10,rank=1,ms=200"      sleep 200 ms before every step from step 10 on
+//   "crash-in-checkpoint@step=40"     SIGKILL itself while writing the checkpoint of step 40,
+//                                     after its files are written, before it is committed
 // Several faults are separated by ';'. Each may add "gen=N" to fire only in generation N
 // (the first launch is generation 1, every restart or resume adds one); without it, it fires
 // in every generation. rank may be omitted: every rank.
@@ -15,7 +17,7 @@
 namespace dptrain {
 
 struct Fault {
-  enum class Kind { crash, exit, hang, slow };
+  enum class Kind { crash, exit, hang, slow, crash_in_checkpoint };
   Kind kind = Kind::crash;
   int64_t step = 0;
   int rank = -1;        // -1: every rank
@@ -30,7 +32,8 @@ std::vector<Fault> parse_faults(const std::string& text);
 class FaultInjector {
  public:
   FaultInjector(std::vector<Fault> faults, int rank, int generation);
-  void before_step(int64_t step) const;  // may not return (crash, exit, hang)
+  void before_step(int64_t step) const;               // may not return (crash, exit, hang)
+  void before_checkpoint_commit(int64_t step) const;  // may not return
   bool empty() const { return faults_.empty(); }
 
  private:

@@ -175,6 +175,7 @@ class TrainingRun {
   }
 
   void start() {
+    if (rank_ == 0) remove_incomplete_checkpoints(options_.run_dir / "checkpoints");
     start_parameters();
     emit({{"event", "rendezvous"}, {"world_size", world_}, {"step", step_}});
   }
@@ -351,8 +352,12 @@ class TrainingRun {
       pos.optimizer_steps = optimizer_->steps();
       pos.recipe_hash = recipe_hash(recipe_);
       pos.rng_state = fmt::format("sampler seed={} epoch={}", recipe_.seed, epoch_);
+      std::function<void()> hook;
+      if (options_.before_checkpoint_commit) {
+        hook = [this, step] { options_.before_checkpoint_commit(step); };
+      }
       written = write_checkpoint(options_.run_dir / "checkpoints", pos, params_,
-                                 optimizer_->state(), recipe_.checkpoint.keep);
+                                 optimizer_->state(), recipe_.checkpoint.keep, hook);
       emit({{"event", "checkpoint"}, {"step", step}, {"path", written.string()}});
     }
     // Nobody runs ahead of a checkpoint being written: a failure right after it loses nothing.

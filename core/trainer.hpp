@@ -27,6 +27,8 @@ struct TrainerOptions {
   ProgressTracker* progress = nullptr;
   // Called at the start of every step with the step about to run (fault injection in tests).
   std::function<void(int64_t step)> before_step;
+  // Called by rank 0 with the step of a checkpoint about to be committed (fault injection).
+  std::function<void(int64_t step)> before_checkpoint_commit;
 };
 
 struct TrainResult {

@@ -167,3 +167,27 @@ TEST_CASE("--events writes one JSON line per state change, restarts included") {
   CHECK(parsed >= 4);
   CHECK(run_dptrain({"launch", recipe.string(), "--events", "-", "--json"}).exit_code == 2);
 }
+
+TEST_CASE(
+    "a crash while a checkpoint is written leaves latest on a verified one; restart finishes") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), recipe_json());
+  auto clean = run_dptrain(
+      {"launch", recipe.string(), "--nproc", "2", "--run-dir", (tmp / "clean").string()});
+  REQUIRE(clean.exit_code == 0);
+  auto crashed =
+      run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir", (tmp / "torn").string()},
+                  {{"DPTRAIN_FAULT", "crash-in-checkpoint@step=60,rank=0"}});
+  CHECK(crashed.exit_code == 3);
+  // The half-written step 60 never became a checkpoint: latest still names a verified one.
+  CHECK(read_text(tmp / "torn/checkpoints/latest") == "step-000040\n");
+  CHECK_FALSE(fs::exists(tmp / "torn/checkpoints/step-000060"));
+  CHECK(run_dptrain({"ckpt", "verify", (tmp / "torn").string()}).exit_code == 0);
+  auto resumed = run_dptrain({"resume", (tmp / "torn").string()});
+  INFO(resumed.err);
+  REQUIRE(resumed.exit_code == 0);
+  CHECK(final_params(tmp / "torn") == final_params(tmp / "clean"));
+  for (const auto& e : fs::directory_iterator(tmp / "torn/checkpoints")) {
+    CHECK(e.path().filename().string().rfind(".tmp", 0) != 0);  // the torn write was cleared
+  }
+}
