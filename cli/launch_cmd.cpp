@@ -113,8 +113,8 @@ void print_dry_run(const JobSpec& spec, bool json) {
 
 int run_launch(const LaunchOptions& o) {
   install_stop_signal_handlers();
-  const RestartPolicy policy = o.restart.policy();
-  const auto hang_timeout = o.restart.hang_timeout();
+  o.restart.policy();  // bad values are usage errors before anything is created
+  o.restart.hang_timeout();
   JobSpec spec = job_spec(o);
   check_runnable(spec.recipe, spec.world_size);
   if (o.dry_run) {
@@ -131,10 +131,7 @@ int run_launch(const LaunchOptions& o) {
                           spec.hosts.empty() ? std::string(" on this machine")
                                              : fmt::format(" across {} host(s)", spec.hosts.size()),
                           run.path().string()));
-  spec.hang_timeout = hang_timeout;
-  spec.events = events.get();
-  const JobOutcome outcome = run_job_with_restarts(run, spec, status, policy);
-  return finish_run(run, outcome, o.json, *events);
+  return run_to_end(run, spec, o.restart, o.json, *events, status);
 }
 
 }  // namespace

@@ -46,8 +46,8 @@ void set_aside_newer(const fs::path& checkpoints, const fs::path& chosen, Status
 
 int run_resume(const ResumeOptions& o) {
   install_stop_signal_handlers();
-  const RestartPolicy policy = o.restart.policy();
-  const auto hang_timeout = o.restart.hang_timeout();
+  o.restart.policy();  // bad values are usage errors before anything is created
+  o.restart.hang_timeout();
   RunDirectory run = RunDirectory::open(o.run_dir);
   const auto events = open_events(o.restart, o.json);
   std::FILE* status_out = status_stream(o.json, *events);
@@ -78,10 +78,7 @@ int run_resume(const ResumeOptions& o) {
   status.line(fmt::format("dptrain {}: resuming {} from {} on {} local rank(s)", DPTRAIN_VERSION,
                           run.path().string(), spec.resume_from.filename().string(),
                           spec.world_size));
-  spec.hang_timeout = hang_timeout;
-  spec.events = events.get();
-  const JobOutcome outcome = run_job_with_restarts(run, spec, status, policy);
-  return finish_run(run, outcome, o.json, *events);
+  return run_to_end(run, spec, o.restart, o.json, *events, status);
 }
 
 }  // namespace

@@ -45,7 +45,11 @@ std::FILE* status_stream(bool json, const EventLog& events) {
   return json || events.to_stdout() ? stderr : stdout;
 }
 
-int finish_run(const RunDirectory& run, const JobOutcome& outcome, bool json, EventLog& events) {
+int run_to_end(RunDirectory& run, JobSpec spec, const RestartOptions& o, bool json,
+               EventLog& events, StatusPrinter& status) {
+  spec.hang_timeout = o.hang_timeout();
+  spec.events = &events;
+  const JobOutcome outcome = run_job_with_restarts(run, spec, status, o.policy());
   events.emit("run_finished", outcome.to_json(run));
   return report_outcome(run, outcome, json, events.to_stdout() ? stderr : stdout);
 }

@@ -33,7 +33,9 @@ std::FILE* status_stream(bool json, const EventLog& events);
 // The human summary goes to `summary`.
 int report_outcome(const RunDirectory& run, const JobOutcome& outcome, bool json,
                    std::FILE* summary = stdout);
-// Emits "run_finished" and reports the outcome.
-int finish_run(const RunDirectory& run, const JobOutcome& outcome, bool json, EventLog& events);
+// Runs the job with the restart policy and hang timeout of `o`, emits "run_finished" and
+// reports the outcome; returns the exit code.
+int run_to_end(RunDirectory& run, JobSpec spec, const RestartOptions& o, bool json,
+               EventLog& events, StatusPrinter& status);
 
 }  // namespace dptrain::cli

@@ -8,10 +8,12 @@
 
 #include "core/error.hpp"
 #include "core/fs.hpp"
+#include "tests/damage.hpp"
 #include "tests/temp_dir.hpp"
 
 namespace fs = std::filesystem;
 using namespace dptrain;
+using dptrain::test::flip_byte;
 using dptrain::test::TempDir;
 
 namespace {
@@ -34,15 +36,6 @@ std::vector<float> values(size_t n, float base) {
   for (size_t i = 0; i < n; ++i)
     v[i] = base + static_cast<float>(i) * 0.25f;
   return v;
-}
-
-void flip_byte(const fs::path& file, std::streamoff offset) {
-  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
-  f.seekg(offset);
-  char c = 0;
-  f.get(c);
-  f.seekp(offset);
-  f.put(static_cast<char>(c ^ 0x5a));
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "core/checkpoint.hpp"
+#include "tests/damage.hpp"
 #include "tests/harness.hpp"
 
 using namespace dptrain::test;
@@ -24,15 +25,6 @@ fs::path make_run(const TempDir& tmp) {
   INFO(r.err);
   REQUIRE(r.exit_code == 0);
   return run_dir;
-}
-
-void flip_byte(const fs::path& file, std::streamoff offset) {
-  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
-  f.seekg(offset);
-  char c = 0;
-  f.get(c);
-  f.seekp(offset);
-  f.put(static_cast<char>(c ^ 0x5a));
 }
 
 nlohmann::json list_json(const fs::path& run_dir) {
