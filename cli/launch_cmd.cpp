@@ -113,8 +113,7 @@ void print_dry_run(const JobSpec& spec, bool json) {
 
 int run_launch(const LaunchOptions& o) {
   install_stop_signal_handlers();
-  o.restart.policy();  // bad values are usage errors before anything is created
-  o.restart.hang_timeout();
+  o.restart.validate();
   JobSpec spec = job_spec(o);
   check_runnable(spec.recipe, spec.world_size);
   if (o.dry_run) {

@@ -46,8 +46,7 @@ void set_aside_newer(const fs::path& checkpoints, const fs::path& chosen, Status
 
 int run_resume(const ResumeOptions& o) {
   install_stop_signal_handlers();
-  o.restart.policy();  // bad values are usage errors before anything is created
-  o.restart.hang_timeout();
+  o.restart.validate();
   RunDirectory run = RunDirectory::open(o.run_dir);
   const auto events = open_events(o.restart, o.json);
   std::FILE* status_out = status_stream(o.json, *events);

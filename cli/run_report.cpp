@@ -10,27 +10,25 @@
 
 namespace dptrain::cli {
 
-RestartPolicy RestartOptions::policy() const {
-  if (max_restarts < 0) {
+void RestartOptions::validate() const {
+  // CLI11 checks the types; a negative value can only be the "unset" default or a typo'd flag.
+  if (max_restarts < -1) {
     throw Error(ErrorKind::usage,
                 fmt::format("--max-restarts: must be >= 0, got {}", max_restarts));
   }
-  if (!(backoff_s >= 0)) {
-    throw Error(ErrorKind::usage,
-                fmt::format("--restart-backoff: must be >= 0, got {}", backoff_s));
-  }
+}
+
+RestartPolicy RestartOptions::policy(const FaultToleranceSpec& recipe) const {
   RestartPolicy p;
-  p.max_restarts = max_restarts;
-  p.backoff = std::chrono::milliseconds(static_cast<int64_t>(backoff_s * 1000));
+  p.max_restarts = static_cast<int>(max_restarts >= 0 ? max_restarts : recipe.max_restarts);
+  const double backoff = backoff_s >= 0 ? backoff_s : recipe.restart_backoff_s;
+  p.backoff = std::chrono::milliseconds(static_cast<int64_t>(backoff * 1000));
   return p;
 }
 
-std::chrono::milliseconds RestartOptions::hang_timeout() const {
-  if (!(hang_timeout_s >= 0)) {
-    throw Error(ErrorKind::usage,
-                fmt::format("--hang-timeout: must be >= 0, got {}", hang_timeout_s));
-  }
-  return std::chrono::milliseconds(static_cast<int64_t>(hang_timeout_s * 1000));
+std::chrono::milliseconds RestartOptions::hang_timeout(const FaultToleranceSpec& recipe) const {
+  const double seconds = hang_timeout_s >= 0 ? hang_timeout_s : recipe.hang_timeout_s;
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
 }
 
 std::unique_ptr<EventLog> open_events(const RestartOptions& o, bool json) {
@@ -47,9 +45,10 @@ std::FILE* status_stream(bool json, const EventLog& events) {
 
 int run_to_end(RunDirectory& run, JobSpec spec, const RestartOptions& o, bool json,
                EventLog& events, StatusPrinter& status) {
-  spec.hang_timeout = o.hang_timeout();
+  spec.hang_timeout = o.hang_timeout(spec.recipe.fault_tolerance);
   spec.events = &events;
-  const JobOutcome outcome = run_job_with_restarts(run, spec, status, o.policy());
+  const JobOutcome outcome =
+      run_job_with_restarts(run, spec, status, o.policy(spec.recipe.fault_tolerance));
   events.emit("run_finished", outcome.to_json(run));
   return report_outcome(run, outcome, json, events.to_stdout() ? stderr : stdout);
 }
@@ -60,15 +59,18 @@ void add_restart_options(CLI::App& app, RestartOptions& o) {
                  "rank exit, hang, restart, finish) to FILE, or '-' for stdout");
   app.add_option("--hang-timeout", o.hang_timeout_s,
                  "Seconds without progress on some rank before the job is stopped as hung, "
-                 "naming the stuck rank and phase (0: off)")
-      ->capture_default_str();
+                 "naming the stuck rank and phase (0: off; default: the recipe's "
+                 "fault_tolerance.hang_timeout_s)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--max-restarts", o.max_restarts,
                  "Restart after a rank or host failure from the newest valid checkpoint, at most "
-                 "this many times for the whole job")
-      ->capture_default_str();
+                 "this many times for the whole job (default: the recipe's "
+                 "fault_tolerance.max_restarts, 0)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--restart-backoff", o.backoff_s,
-                 "Seconds before the first restart; doubled for each further one, at most 30")
-      ->capture_default_str();
+                 "Seconds before the first restart; doubled for each further one, at most 30 "
+                 "(default: the recipe's fault_tolerance.restart_backoff_s, 1)")
+      ->check(CLI::NonNegativeNumber);
 }
 
 int report_outcome(const RunDirectory& run, const JobOutcome& outcome, bool json,

@@ -11,13 +11,15 @@
 
 namespace dptrain::cli {
 
+// Unset flags (negative) take the recipe's fault_tolerance section.
 struct RestartOptions {
-  int max_restarts = 0;
-  double backoff_s = 1.0;
-  double hang_timeout_s = 0;
-  std::string events;            // --events FILE|-
-  RestartPolicy policy() const;  // Error(usage) for negative values
-  std::chrono::milliseconds hang_timeout() const;
+  int max_restarts = -1;
+  double backoff_s = -1;
+  double hang_timeout_s = -1;
+  std::string events;     // --events FILE|-
+  void validate() const;  // Error(usage) naming a bad flag
+  RestartPolicy policy(const FaultToleranceSpec& recipe) const;
+  std::chrono::milliseconds hang_timeout(const FaultToleranceSpec& recipe) const;
 };
 // --max-restarts, --restart-backoff and --hang-timeout, shared by launch and resume.
 void add_restart_options(CLI::App& app, RestartOptions& o);

@@ -406,6 +406,13 @@ void visit_fields(Visitor& v, LogSpec& l) {
 }
 
 template <class Visitor>
+void visit_fields(Visitor& v, FaultToleranceSpec& f) {
+  v.field("max_restarts", f.max_restarts, at_least(int64_t{0}));
+  v.field("restart_backoff_s", f.restart_backoff_s, at_least(0.0));
+  v.field("hang_timeout_s", f.hang_timeout_s, at_least(0.0));
+}
+
+template <class Visitor>
 void visit_fields(Visitor& v, Recipe& r) {
   v.field("name", r.name, valid_name);
   v.field("seed", r.seed, no_check);
@@ -417,6 +424,7 @@ void visit_fields(Visitor& v, Recipe& r) {
   v.section("checkpoint", r.checkpoint);
   v.section("eval", r.eval);
   v.section("log", r.log);
+  v.section("fault_tolerance", r.fault_tolerance);
 }
 
 // ---- rules that involve more than one field --------------------------------------------------

@@ -87,6 +87,13 @@ struct EvalSpec {
   bool operator==(const EvalSpec&) const = default;
 };
 
+struct FaultToleranceSpec {
+  int64_t max_restarts = 0;        // restarts after failures, for the whole job
+  double restart_backoff_s = 1.0;  // before the first restart; doubled each time, at most 30
+  double hang_timeout_s = 0.0;     // no progress this long on a rank: a hang; 0 = off
+  bool operator==(const FaultToleranceSpec&) const = default;
+};
+
 struct LogSpec {
   int64_t every = 10;
   bool operator==(const LogSpec&) const = default;
@@ -103,6 +110,7 @@ struct Recipe {
   CheckpointSpec checkpoint;
   EvalSpec eval;
   LogSpec log;
+  FaultToleranceSpec fault_tolerance;  // launch/resume flags override these
 
   // Field-wise: parse_recipe(to_json(r)) == r.
   bool operator==(const Recipe&) const = default;

@@ -191,3 +191,26 @@ TEST_CASE(
     CHECK(e.path().filename().string().rfind(".tmp", 0) != 0);  // the torn write was cleared
   }
 }
+
+TEST_CASE("the recipe's fault_tolerance section sets restarts when no flag does") {
+  TempDir tmp;
+  auto j = recipe_json();
+  j["fault_tolerance"] = {{"max_restarts", 1}, {"restart_backoff_s", 0.1}};
+  const auto recipe = write_recipe(tmp.path(), j);
+  auto r = run_dptrain(
+      {"launch", recipe.string(), "--nproc", "2", "--run-dir", (tmp / "ft").string(), "--json"},
+      {{"DPTRAIN_FAULT", "crash@step=30,rank=0,gen=1"}});
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(parse_json(r.out)["restarts"] == 1);
+  // A flag wins over the recipe.
+  auto flag = run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir",
+                           (tmp / "ft0").string(), "--max-restarts", "0"},
+                          {{"DPTRAIN_FAULT", "crash@step=30,rank=0,gen=1"}});
+  CHECK(flag.exit_code == 3);
+  j["fault_tolerance"]["max_restarts"] = -2;
+  const auto bad = write_recipe(tmp.path(), j, "bad.json");
+  auto b = run_dptrain({"recipe", "validate", bad.string()});
+  CHECK(b.exit_code == 2);
+  CHECK(b.err.find("/fault_tolerance/max_restarts") != std::string::npos);
+}
