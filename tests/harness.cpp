@@ -167,6 +167,18 @@ nlohmann::json small_recipe() {
   })");
 }
 
+nlohmann::json resumable_recipe() {
+  auto r = small_recipe();
+  r["train"]["steps"] = 120;
+  r["checkpoint"] = {{"every", 20}, {"keep", 3}};
+  return r;
+}
+
+fs::path latest_params(const fs::path& run_dir) {
+  const std::string latest = read_text(run_dir / "checkpoints/latest");
+  return run_dir / "checkpoints" / latest.substr(0, latest.find('\n')) / "params.bin";
+}
+
 nlohmann::json parse_json(const std::string& text) {
   return nlohmann::json::parse(text);
 }

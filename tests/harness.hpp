@@ -60,6 +60,10 @@ std::filesystem::path write_recipe(const std::filesystem::path& dir, const nlohm
                                    const std::string& name = "recipe.json");
 // A small, quick MLP recipe on synthetic data; tests patch what they need.
 nlohmann::json small_recipe();
+// small_recipe() made long enough to crash and resume in: 120 steps, a checkpoint every 20.
+nlohmann::json resumable_recipe();
+// params.bin of the checkpoint `latest` names in run_dir.
+std::filesystem::path latest_params(const std::filesystem::path& run_dir);
 nlohmann::json parse_json(const std::string& text);
 std::vector<nlohmann::json> read_jsonl(const std::filesystem::path& path);
 

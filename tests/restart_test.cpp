@@ -10,27 +10,10 @@ using namespace dptrain::test;
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-namespace {
-
-json recipe_json() {
-  auto r = small_recipe();
-  r["train"]["steps"] = 120;
-  r["checkpoint"] = {{"every", 20}, {"keep", 3}};
-  return r;
-}
-
-std::string final_params(const fs::path& run_dir) {
-  std::string latest = read_text(run_dir / "checkpoints/latest");
-  latest = latest.substr(0, latest.find('\n'));
-  return read_text(run_dir / "checkpoints" / latest / "params.bin");
-}
-
-}  // namespace
-
 TEST_CASE(
     "three crashes at different steps and ranks: --max-restarts 3 completes bit-identically") {
   TempDir tmp;
-  const auto recipe = write_recipe(tmp.path(), recipe_json());
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
   auto clean = run_dptrain(
       {"launch", recipe.string(), "--nproc", "2", "--run-dir", (tmp / "clean").string()});
   REQUIRE(clean.exit_code == 0);
@@ -45,7 +28,7 @@ TEST_CASE(
   const json out = parse_json(r.out);
   CHECK(out["restarts"] == 3);
   CHECK(out["steps"] == 120);
-  CHECK(final_params(tmp / "faulty") == final_params(tmp / "clean"));
+  CHECK(read_text(latest_params(tmp / "faulty")) == read_text(latest_params(tmp / "clean")));
   const json info = parse_json(read_text(tmp / "faulty/run.json"));
   REQUIRE(info["restarts"].size() == 3);
   CHECK(info["restarts"][0]["from"] == "step-000020");
@@ -59,7 +42,7 @@ TEST_CASE(
 
 TEST_CASE("a failure before the first checkpoint restarts from step 0") {
   TempDir tmp;
-  const auto recipe = write_recipe(tmp.path(), recipe_json());
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
   auto clean = run_dptrain(
       {"launch", recipe.string(), "--nproc", "2", "--run-dir", (tmp / "clean").string()});
   REQUIRE(clean.exit_code == 0);
@@ -71,12 +54,12 @@ TEST_CASE("a failure before the first checkpoint restarts from step 0") {
   REQUIRE(r.exit_code == 0);
   CHECK(r.out.find("restart 1/1") != std::string::npos);
   CHECK(r.out.find("from step 0") != std::string::npos);
-  CHECK(final_params(tmp / "early") == final_params(tmp / "clean"));
+  CHECK(read_text(latest_params(tmp / "early")) == read_text(latest_params(tmp / "clean")));
 }
 
 TEST_CASE("the same failure three times at one step stops with exit 3: looks deterministic") {
   TempDir tmp;
-  const auto recipe = write_recipe(tmp.path(), recipe_json());
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
   auto r = run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir",
                         (tmp / "det").string(), "--max-restarts", "10", "--restart-backoff", "0.1"},
                        {{"DPTRAIN_FAULT", "exit@step=33,rank=1,code=1"}});
@@ -90,7 +73,7 @@ TEST_CASE("the same failure three times at one step stops with exit 3: looks det
 
 TEST_CASE("without --max-restarts a failure is final; with it exhausted the message says so") {
   TempDir tmp;
-  const auto recipe = write_recipe(tmp.path(), recipe_json());
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
   auto r =
       run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir", (tmp / "once").string(),
                    "--max-restarts", "1", "--restart-backoff", "0.1"},
@@ -102,7 +85,7 @@ TEST_CASE("without --max-restarts a failure is final; with it exhausted the mess
 
 TEST_CASE("a hang is detected within hang-timeout + 5 s, named, and the run recovers") {
   TempDir tmp;
-  const auto recipe = write_recipe(tmp.path(), recipe_json());
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
   Background launcher(
       {"launch", recipe.string(), "--nproc", "2", "--run-dir", (tmp / "hang").string(),
        "--hang-timeout", "3", "--max-restarts", "1", "--restart-backoff", "0.1"},
@@ -137,7 +120,7 @@ TEST_CASE("a hang is detected within hang-timeout + 5 s, named, and the run reco
 
 TEST_CASE("--events writes one JSON line per state change, restarts included") {
   TempDir tmp;
-  const auto recipe = write_recipe(tmp.path(), recipe_json());
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
   const fs::path events_file = tmp / "events.jsonl";
   auto r = run_dptrain(
       {"launch", recipe.string(), "--nproc", "2", "--run-dir", (tmp / "ev").string(),
@@ -180,7 +163,7 @@ TEST_CASE("--events writes one JSON line per state change, restarts included") {
 TEST_CASE(
     "a crash while a checkpoint is written leaves latest on a verified one; restart finishes") {
   TempDir tmp;
-  const auto recipe = write_recipe(tmp.path(), recipe_json());
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
   auto clean = run_dptrain(
       {"launch", recipe.string(), "--nproc", "2", "--run-dir", (tmp / "clean").string()});
   REQUIRE(clean.exit_code == 0);
@@ -195,7 +178,7 @@ TEST_CASE(
   auto resumed = run_dptrain({"resume", (tmp / "torn").string()});
   INFO(resumed.err);
   REQUIRE(resumed.exit_code == 0);
-  CHECK(final_params(tmp / "torn") == final_params(tmp / "clean"));
+  CHECK(read_text(latest_params(tmp / "torn")) == read_text(latest_params(tmp / "clean")));
   for (const auto& e : fs::directory_iterator(tmp / "torn/checkpoints")) {
     CHECK(e.path().filename().string().rfind(".tmp", 0) != 0);  // the torn write was cleared
   }
@@ -203,7 +186,7 @@ TEST_CASE(
 
 TEST_CASE("the recipe's fault_tolerance section sets restarts when no flag does") {
   TempDir tmp;
-  auto j = recipe_json();
+  auto j = resumable_recipe();
   j["fault_tolerance"] = {{"max_restarts", 1}, {"restart_backoff_s", 0.1}};
   const auto recipe = write_recipe(tmp.path(), j);
   auto r = run_dptrain(

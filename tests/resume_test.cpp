@@ -13,19 +13,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-nlohmann::json resumable_recipe() {
-  auto r = small_recipe();
-  r["train"]["steps"] = 120;
-  r["checkpoint"] = {{"every", 20}, {"keep", 3}};
-  return r;
-}
-
-std::string final_params_bytes(const fs::path& run_dir) {
-  std::string latest = read_text(run_dir / "checkpoints/latest");
-  latest = latest.substr(0, latest.find('\n'));
-  return read_text(run_dir / "checkpoints" / latest / "params.bin");
-}
-
 bool has_checkpoint(const fs::path& run_dir) {
   return fs::exists(run_dir / "checkpoints/latest");
 }
@@ -81,7 +68,7 @@ TEST_CASE("SIGKILL of one rank: launcher exits 3 naming it; resume finishes bit-
   const auto out = parse_json(resumed.out);
   CHECK(out["status"] == "completed");
   CHECK(out["steps"] == 120);
-  CHECK(final_params_bytes(run.run_dir) == final_params_bytes(tmp / "straight"));
+  CHECK(read_text(latest_params(run.run_dir)) == read_text(latest_params(tmp / "straight")));
   const auto after = parse_json(read_text(run.run_dir / "run.json"));
   CHECK(after["generations"].size() == 2);
   CHECK(after["generations"][1].contains("resumed_from"));
@@ -132,7 +119,7 @@ TEST_CASE("a corrupt or truncated newest checkpoint is skipped; none valid exits
   // The corrupt ones were set aside, not deleted.
   CHECK(fs::exists(ck / "step-000120.corrupt"));
   CHECK(fs::exists(ck / "step-000100.corrupt"));
-  CHECK(final_params_bytes(tmp / "straight") == expected);
+  CHECK(read_text(latest_params(tmp / "straight")) == expected);
 
   // Now break every checkpoint.
   for (const auto& e : fs::directory_iterator(ck)) {
@@ -178,7 +165,7 @@ TEST_CASE("SIGTERM: every rank checkpoints its step and stops, exit 143; resume 
   REQUIRE(resumed.exit_code == 0);
   CHECK(resumed.out.find("step-" + std::string(6 - std::to_string(stopped_at).size(), '0') +
                          std::to_string(stopped_at)) != std::string::npos);
-  CHECK(final_params_bytes(run.run_dir) == final_params_bytes(tmp / "straight"));
+  CHECK(read_text(latest_params(run.run_dir)) == read_text(latest_params(tmp / "straight")));
 }
 
 TEST_CASE("a rank that gets SIGTERM itself (preemption) stops the whole job after a checkpoint") {

@@ -37,11 +37,6 @@ double max_relative_difference(const std::vector<float>& a, const std::vector<fl
   return max_diff / max_abs;
 }
 
-fs::path final_params(const fs::path& run_dir) {
-  const std::string latest = read_text(run_dir / "checkpoints" / "latest");
-  return run_dir / "checkpoints" / latest.substr(0, latest.find('\n')) / "params.bin";
-}
-
 }  // namespace
 
 TEST_CASE("quickstart on 2 ranks learns well above chance and ranks agree") {
@@ -62,8 +57,8 @@ TEST_CASE("quickstart on 2 ranks learns well above chance and ranks agree") {
   CHECK(out["samples_per_s"].get<double>() > 0);
   // Every rank's checksum was compared at the end (a mismatch fails the run); the final
   // checkpoint holds exactly those parameters.
-  const auto params = read_text(final_params(run_dir));
-  const auto meta = parse_json(read_text(final_params(run_dir).parent_path() / "meta.json"));
+  const auto params = read_text(latest_params(run_dir));
+  const auto meta = parse_json(read_text(latest_params(run_dir).parent_path() / "meta.json"));
   CHECK(meta["step"] == 300);
   CHECK(meta["world_size"] == 2);
   CHECK(meta["blobs"]["params"]["bytes"].get<size_t>() == params.size());
@@ -117,8 +112,8 @@ TEST_CASE("2 ranks x batch B equal 1 rank x batch 2B after 20 steps") {
     INFO(a.err, b.err);
     REQUIRE(a.exit_code == 0);
     REQUIRE(b.exit_code == 0);
-    const auto pa = read_floats(final_params(run2));
-    const auto pb = read_floats(final_params(run1));
+    const auto pa = read_floats(latest_params(run2));
+    const auto pb = read_floats(latest_params(run1));
     REQUIRE(pa.size() == pb.size());
     REQUIRE(!pa.empty());
     CHECK(max_relative_difference(pa, pb) < 1e-5);
@@ -128,7 +123,7 @@ TEST_CASE("2 ranks x batch B equal 1 rank x batch 2B after 20 steps") {
     const auto zero = write_recipe(tmp.path(), recipe, std::string("zero-") + opt + ".json");
     const fs::path run0 = tmp / (std::string("run0-") + opt);
     REQUIRE(run_dptrain({"launch", zero.string(), "--run-dir", run0.string()}).exit_code == 0);
-    CHECK(max_relative_difference(pa, read_floats(final_params(run0))) > 1e-3);
+    CHECK(max_relative_difference(pa, read_floats(latest_params(run0))) > 1e-3);
   }
 }
 
@@ -141,7 +136,7 @@ TEST_CASE("the same recipe and world size give bit-identical parameters") {
       run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir", (tmp / "b").string()});
   REQUIRE(a.exit_code == 0);
   REQUIRE(b.exit_code == 0);
-  CHECK(read_text(final_params(tmp / "a")) == read_text(final_params(tmp / "b")));
+  CHECK(read_text(latest_params(tmp / "a")) == read_text(latest_params(tmp / "b")));
 }
 
 TEST_CASE("csv data trains end to end; a bad row names file and line") {

@@ -146,8 +146,10 @@ class GlooCommunicator : public Communicator {
   template <typename T>
   void allreduce_typed(T* data, size_t count, ReduceOp op);
   // Runs a Gloo call, turning whatever it throws into Error(comm) naming rank and operation.
-  template <typename Body>
-  void guarded(const std::string& operation, Body&& body);
+  // `describe` names the operation for messages; called only on failure, so no collective pays
+  // for formatting it.
+  template <typename Describe, typename Body>
+  void guarded(Describe&& describe, Body&& body);
   [[noreturn]] void fail(const std::string& operation, const std::string& cause);
   // Every collective gets its own tag so a fast rank's next message never matches a slow rank's
   // current receive; all ranks call collectives in the same order, so the tags agree.
@@ -161,19 +163,19 @@ class GlooCommunicator : public Communicator {
   std::string failure_;  // set by the first failed call; later calls refuse to run
 };
 
-template <typename Body>
-void GlooCommunicator::guarded(const std::string& operation, Body&& body) {
+template <typename Describe, typename Body>
+void GlooCommunicator::guarded(Describe&& describe, Body&& body) {
   if (!failure_.empty()) {
     throw Error(ErrorKind::comm,
                 fmt::format("rank {}: cannot run {}: the communicator failed earlier: {}", rank_,
-                            operation, failure_));
+                            describe(), failure_));
   }
   try {
     body();
   } catch (const gloo::EnforceNotMet& error) {
-    fail(operation, enforce_message(error.what()));
+    fail(describe(), enforce_message(error.what()));
   } catch (const std::exception& error) {
-    fail(operation, without_source_location(error.what()));
+    fail(describe(), without_source_location(error.what()));
   }
 }
 
@@ -184,73 +186,80 @@ void GlooCommunicator::fail(const std::string& operation, const std::string& cau
 
 GlooCommunicator::GlooCommunicator(Store& store, int rank, int size, const GlooOptions& options)
     : rank_(rank), size_(size), timeout_(options.timeout) {
-  guarded(fmt::format("rendezvous of {} ranks via {} on '{}'", size, store.describe(),
-                      options.hostname),
-          [&] {
-            gloo::transport::tcp::attr attributes;
-            attributes.hostname = options.hostname;
-            auto device = gloo::transport::tcp::CreateDevice(attributes);
-            auto context = std::make_shared<gloo::rendezvous::Context>(rank, size);
-            context->setTimeout(options.timeout);
-            GlooStoreAdapter adapter(store, options.timeout);
-            context->connectFullMesh(adapter, device);
-            context_ = std::move(context);
-          });
+  guarded(
+      [&] {
+        return fmt::format("rendezvous of {} ranks via {} on '{}'", size, store.describe(),
+                           options.hostname);
+      },
+      [&] {
+        gloo::transport::tcp::attr attributes;
+        attributes.hostname = options.hostname;
+        auto device = gloo::transport::tcp::CreateDevice(attributes);
+        auto context = std::make_shared<gloo::rendezvous::Context>(rank, size);
+        context->setTimeout(options.timeout);
+        GlooStoreAdapter adapter(store, options.timeout);
+        context->connectFullMesh(adapter, device);
+        context_ = std::move(context);
+      });
 }
 
 template <typename T>
 void GlooCommunicator::allreduce_typed(T* data, size_t count, ReduceOp op) {
   if (count == 0) return;
-  guarded(fmt::format("allreduce({}) of {} elements", reduce_op_name(op), count), [&] {
-    gloo::AllreduceOptions options(context_);
-    options.setOutput(data, count);
-    options.setReduceFunction(reduce_function<T>(op));
-    // Ring reduces each slice on exactly one rank and then copies it to all: bit-identical
-    // everywhere.
-    options.setAlgorithm(gloo::AllreduceOptions::Algorithm::RING);
-    options.setTag(next_tag());
-    options.setTimeout(timeout_);
-    gloo::allreduce(options);
-  });
+  guarded([&] { return fmt::format("allreduce({}) of {} elements", reduce_op_name(op), count); },
+          [&] {
+            gloo::AllreduceOptions options(context_);
+            options.setOutput(data, count);
+            options.setReduceFunction(reduce_function<T>(op));
+            // Ring reduces each slice on exactly one rank and then copies it to all: bit-identical
+            // everywhere.
+            options.setAlgorithm(gloo::AllreduceOptions::Algorithm::RING);
+            options.setTag(next_tag());
+            options.setTimeout(timeout_);
+            gloo::allreduce(options);
+          });
   if (op == ReduceOp::avg) divide_by_size(data, count, size_);
 }
 
 void GlooCommunicator::broadcast(void* data, size_t bytes, int root) {
   check_broadcast_root(rank_, size_, root);
   if (bytes == 0) return;
-  guarded(fmt::format("broadcast of {} bytes from rank {}", bytes, root), [&] {
-    gloo::BroadcastOptions options(context_);
-    options.setOutput(static_cast<uint8_t*>(data), bytes);
-    options.setRoot(root);
-    options.setTag(next_tag());
-    options.setTimeout(timeout_);
-    gloo::broadcast(options);
-  });
+  guarded([&] { return fmt::format("broadcast of {} bytes from rank {}", bytes, root); },
+          [&] {
+            gloo::BroadcastOptions options(context_);
+            options.setOutput(static_cast<uint8_t*>(data), bytes);
+            options.setRoot(root);
+            options.setTag(next_tag());
+            options.setTimeout(timeout_);
+            gloo::broadcast(options);
+          });
 }
 
 void GlooCommunicator::allgather(const void* in, size_t bytes_per_rank, void* out) {
   if (bytes_per_rank == 0) return;
-  guarded(fmt::format("allgather of {} bytes per rank", bytes_per_rank), [&] {
-    auto* output = static_cast<uint8_t*>(out);
-    gloo::AllgatherOptions options(context_);
-    // Without an input Gloo takes this rank's slice of the output as it is.
-    if (in != output + static_cast<size_t>(rank_) * bytes_per_rank) {
-      options.setInput(static_cast<uint8_t*>(const_cast<void*>(in)), bytes_per_rank);
-    }
-    options.setOutput(output, bytes_per_rank * static_cast<size_t>(size_));
-    options.setTag(next_tag());
-    options.setTimeout(timeout_);
-    gloo::allgather(options);
-  });
+  guarded([&] { return fmt::format("allgather of {} bytes per rank", bytes_per_rank); },
+          [&] {
+            auto* output = static_cast<uint8_t*>(out);
+            gloo::AllgatherOptions options(context_);
+            // Without an input Gloo takes this rank's slice of the output as it is.
+            if (in != output + static_cast<size_t>(rank_) * bytes_per_rank) {
+              options.setInput(static_cast<uint8_t*>(const_cast<void*>(in)), bytes_per_rank);
+            }
+            options.setOutput(output, bytes_per_rank * static_cast<size_t>(size_));
+            options.setTag(next_tag());
+            options.setTimeout(timeout_);
+            gloo::allgather(options);
+          });
 }
 
 void GlooCommunicator::barrier() {
-  guarded("barrier", [&] {
-    gloo::BarrierOptions options(context_);
-    options.setTag(next_tag());
-    options.setTimeout(timeout_);
-    gloo::barrier(options);
-  });
+  guarded([] { return std::string("barrier"); },
+          [&] {
+            gloo::BarrierOptions options(context_);
+            options.setTag(next_tag());
+            options.setTimeout(timeout_);
+            gloo::barrier(options);
+          });
 }
 
 }  // namespace
