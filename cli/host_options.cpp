@@ -1,6 +1,8 @@
 // Options every subcommand that reaches hosts over SSH shares.
 #include "cli/host_options.hpp"
 
+#include <fmt/format.h>
+
 #include "core/error.hpp"
 
 namespace dptrain::cli {
@@ -33,6 +35,31 @@ void add_host_options(CLI::App& app, HostOptions& o, bool hosts_required) {
                "refused)");
   app.add_option("--connect-timeout", o.connect_timeout_s, "Seconds to connect to a host")
       ->capture_default_str();
+}
+
+RemoteOptions RemoteJobOptions::get(const HostOptions& hosts) const {
+  if (master_port < 0 || master_port > 65535) {
+    throw Error(ErrorKind::usage, fmt::format("--master-port: not a port: {}", master_port));
+  }
+  RemoteOptions r;
+  r.ssh = hosts.ssh();
+  r.workdir = workdir;
+  r.remote_binary = remote_binary;
+  r.master_addr = master_addr;
+  r.master_port = static_cast<uint16_t>(master_port);
+  return r;
+}
+
+void add_remote_job_options(CLI::App& app, RemoteJobOptions& o) {
+  app.add_option("--workdir", o.workdir,
+                 "On remote hosts: where bin/dptrain is (see provision) and runs/ go")
+      ->capture_default_str();
+  app.add_option("--remote-binary", o.remote_binary,
+                 "dptrain on remote hosts (default: WORKDIR/bin/dptrain)");
+  app.add_option("--master-addr", o.master_addr,
+                 "Address the store listens on and ranks dial (default: 127.0.0.1 on one "
+                 "machine, else the address this machine reaches the first remote host from)");
+  app.add_option("--master-port", o.master_port, "Store port (default: a free port)");
 }
 
 }  // namespace dptrain::cli

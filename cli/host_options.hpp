@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 
 #include "launch/hostfile.hpp"
+#include "launch/job.hpp"
 #include "launch/ssh.hpp"
 
 namespace dptrain::cli {
@@ -24,5 +25,16 @@ struct HostOptions {
 
 // `hosts_required`: --hosts must be given (provision, doctor); otherwise it is optional (launch).
 void add_host_options(CLI::App& app, HostOptions& o, bool hosts_required);
+
+// How a job reaches its remote hosts and they reach it back (launch, resume).
+struct RemoteJobOptions {
+  std::string workdir = "~/.dptrain";
+  std::string remote_binary;
+  std::string master_addr;
+  int master_port = 0;
+  // Error(usage) for a bad port.
+  RemoteOptions get(const HostOptions& hosts) const;
+};
+void add_remote_job_options(CLI::App& app, RemoteJobOptions& o);
 
 }  // namespace dptrain::cli

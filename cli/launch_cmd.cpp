@@ -1,5 +1,4 @@
 // `dptrain launch RECIPE`: start a run on local ranks, or across hosts over SSH.
-#include <climits>
 #include <cstdio>
 #include <memory>
 
@@ -22,16 +21,13 @@ namespace {
 
 struct LaunchOptions {
   std::string recipe;
-  static constexpr int kUnset = INT_MIN;
-  int nproc = kUnset;  // 1 without --hosts
+  std::string nproc;   // "N" or "MIN:MAX"; empty: 1 without --hosts
+  std::string nnodes;  // with --hosts: "N" or "MIN:MAX"; empty: every host
   std::string run_dir;
   std::string runs_root = "runs";
   std::string backend;  // empty: the recipe's distributed.backend
   HostOptions hosts;
-  std::string workdir = "~/.dptrain";
-  std::string remote_binary;
-  std::string master_addr;
-  int master_port = 0;
+  RemoteJobOptions remote;
   bool dry_run = false;
   RestartOptions restart;
   bool json = false;
@@ -41,38 +37,44 @@ JobSpec job_spec(const LaunchOptions& o) {
   JobSpec spec;
   spec.recipe = load_recipe(o.recipe);
   if (!o.hosts.hosts.empty()) {
-    if (o.nproc != LaunchOptions::kUnset) {
+    if (!o.nproc.empty()) {
       throw Error(ErrorKind::usage,
                   "--nproc: not with --hosts (each host's slots give its number of ranks)");
     }
     spec.hosts = o.hosts.load();
+    if (!o.nnodes.empty()) {
+      spec.nodes = parse_size_range(o.nnodes, "--nnodes");
+      if (spec.nodes.max > static_cast<int>(spec.hosts.size())) {
+        throw Error(ErrorKind::usage,
+                    fmt::format("--nnodes {}: only {} host(s) given", o.nnodes, spec.hosts.size()));
+      }
+      // Hosts past the first MAX are spares: they stand in for lost ones.
+      spec.candidates = spec.hosts;
+      spec.hosts.resize(static_cast<size_t>(spec.nodes.max));
+    }
     spec.world_size = 0;
     for (const auto& h : spec.hosts)
       spec.world_size += h.slots;
   } else {
-    spec.world_size = o.nproc == LaunchOptions::kUnset ? 1 : o.nproc;
-    if (spec.world_size < 1) {
-      throw Error(ErrorKind::usage, fmt::format("--nproc: must be >= 1, got {}", o.nproc));
+    if (!o.nnodes.empty()) {
+      throw Error(ErrorKind::usage, "--nnodes: only with --hosts (use --nproc MIN:MAX locally)");
     }
+    spec.nodes = parse_size_range(o.nproc.empty() ? "1" : o.nproc, "--nproc");
+    spec.world_size = spec.nodes.max;
+    if (!spec.nodes.elastic()) spec.nodes = {0, 0};
   }
-  if (o.master_port < 0 || o.master_port > 65535) {
-    throw Error(ErrorKind::usage, fmt::format("--master-port: not a port: {}", o.master_port));
-  }
+  spec.nominal_world = spec.world_size;
+  spec.remote = o.remote.get(o.hosts);
   spec.backend = o.backend.empty() ? spec.recipe.distributed.backend : o.backend;
   resolve_backend(spec.backend);  // refuse an unavailable backend before creating anything
   spec.worker_binary = self_executable();
-  spec.remote.ssh = o.hosts.ssh();
-  spec.remote.workdir = o.workdir;
-  spec.remote.remote_binary = o.remote_binary;
-  spec.remote.master_addr = o.master_addr;
-  spec.remote.master_port = static_cast<uint16_t>(o.master_port);
   return spec;
 }
 
 void print_dry_run(const JobSpec& spec, bool json) {
   const std::string addr = resolve_master_addr(spec);
-  const JobPlan plan =
-      plan_job(spec, "runs/<name>-<time>", 1, addr, spec.remote.master_port, "<redacted>");
+  const JobPlan plan = plan_job(spec, "runs/<name>-<time>", "<name>-<time>-<id>", 1, addr,
+                                spec.remote.master_port, "<redacted>");
   const nlohmann::json j = plan.to_json(spec);
   if (json) {
     std::printf("%s\n", j.dump(2).c_str());
@@ -115,7 +117,7 @@ int run_launch(const LaunchOptions& o) {
   install_stop_signal_handlers();
   o.restart.validate();
   JobSpec spec = job_spec(o);
-  check_runnable(spec.recipe, spec.world_size);
+  check_runnable(spec.recipe, spec.world_size, spec.nominal_world);
   if (o.dry_run) {
     print_dry_run(spec, o.json);
     return 0;
@@ -138,7 +140,14 @@ int run_launch(const LaunchOptions& o) {
 void setup_launch(CLI::App& app, Outcome& outcome) {
   auto o = std::make_shared<LaunchOptions>();
   app.add_option("recipe", o->recipe, "Recipe JSON file")->required();
-  app.add_option("-n,--nproc", o->nproc, "Number of local ranks (default 1; not with --hosts)");
+  app.add_option("-n,--nproc", o->nproc,
+                 "Number of local ranks (default 1; not with --hosts); MIN:MAX makes the job "
+                 "elastic: a rank killed by SIGKILL is capacity lost, and the job continues "
+                 "with one rank fewer while at least MIN remain");
+  app.add_option("--nnodes", o->nnodes,
+                 "With --hosts: use N hosts, or MIN:MAX for an elastic job that continues on "
+                 "the hosts that answer (at least MIN) when a host is lost; hosts after the "
+                 "first MAX are spares");
   app.add_option("--run-dir", o->run_dir,
                  "Run directory (default: RUNS_ROOT/<name>-<UTC time>); must not hold a run");
   app.add_option("--runs-root", o->runs_root, "Where new run directories are made")
@@ -146,15 +155,7 @@ void setup_launch(CLI::App& app, Outcome& outcome) {
   app.add_option("--backend", o->backend,
                  "Collective backend: auto or gloo (default: the recipe's distributed.backend)");
   add_host_options(app, o->hosts, false);
-  app.add_option("--workdir", o->workdir,
-                 "On remote hosts: where bin/dptrain is (see provision) and runs/ go")
-      ->capture_default_str();
-  app.add_option("--remote-binary", o->remote_binary,
-                 "dptrain on remote hosts (default: WORKDIR/bin/dptrain)");
-  app.add_option("--master-addr", o->master_addr,
-                 "Address the store listens on and ranks dial (default: 127.0.0.1 on one "
-                 "machine, else the address this machine reaches the first remote host from)");
-  app.add_option("--master-port", o->master_port, "Store port (default: a free port)");
+  add_remote_job_options(app, o->remote);
   app.add_flag("--dry-run", o->dry_run,
                "Print the plan (hosts, ranks, commands, environment) and start nothing");
   add_restart_options(app, o->restart);

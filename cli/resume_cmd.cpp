@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "cli/commands.hpp"
+#include "cli/host_options.hpp"
 #include "cli/run_report.hpp"
 #include "core/checkpoint.hpp"
 #include "core/error.hpp"
@@ -25,6 +26,8 @@ namespace {
 struct ResumeOptions {
   std::string run_dir;
   int nproc = 0;  // 0: the recorded world size
+  HostOptions hosts;
+  RemoteJobOptions remote;
   RestartOptions restart;
   bool json = false;
 };
@@ -54,29 +57,57 @@ int run_resume(const ResumeOptions& o) {
   if (run.info().value("status", "") == "completed") {
     status.line(fmt::format("{}: the run already completed; nothing to resume", o.run_dir));
   }
-  for (const auto& h : run.info().value("hosts", nlohmann::json::array())) {
-    if (h.value("host", std::string("localhost")) != "localhost") {
-      throw Error(ErrorKind::usage,
-                  fmt::format("{}: resuming a run that used --hosts is not supported yet (its "
-                              "checkpoints are on {})",
-                              o.run_dir, run.info()["hosts"][0].value("host", std::string())));
-    }
-  }
   JobSpec spec;
+  if (!o.hosts.hosts.empty()) {
+    if (o.nproc > 0) {
+      throw Error(ErrorKind::usage,
+                  "--nproc: not with --hosts (each host's slots give its number of ranks)");
+    }
+    spec.hosts = o.hosts.load();
+    spec.world_size = 0;
+    for (const auto& h : spec.hosts)
+      spec.world_size += h.slots;
+  } else {
+    std::string remote;
+    for (const auto& h : run.info().value("hosts", nlohmann::json::array())) {
+      const std::string name = h.value("host", std::string("localhost"));
+      if (name != "localhost") remote += (remote.empty() ? "" : ", ") + name;
+    }
+    if (!remote.empty()) {
+      throw Error(ErrorKind::usage,
+                  fmt::format("{}: this run used hosts ({}): give them again with --hosts, and "
+                              "the SSH options its launch used",
+                              o.run_dir, remote));
+    }
+    spec.world_size = o.nproc > 0 ? o.nproc : run.info().value("world_size", 1);
+  }
+  spec.remote = o.remote.get(o.hosts);
   if (!run.info().contains("recipe")) {
     throw Error(ErrorKind::usage, fmt::format("{}: run.json has no recipe", o.run_dir));
   }
   spec.recipe = parse_recipe(run.info()["recipe"], (run.path() / "run.json").string(), run.path());
-  spec.world_size = o.nproc > 0 ? o.nproc : run.info().value("world_size", 1);
   spec.backend = run.info().value("backend", std::string("auto"));
   spec.worker_binary = self_executable();
-  check_runnable(spec.recipe, spec.world_size);
-  spec.resume_from = find_valid_checkpoint(
-      run.checkpoints(), [&status](const std::string& w) { status.line("warning: " + w); });
-  set_aside_newer(run.checkpoints(), spec.resume_from, status);
-  status.line(fmt::format("dptrain {}: resuming {} from {} on {} local rank(s)", DPTRAIN_VERSION,
-                          run.path().string(), spec.resume_from.filename().string(),
-                          spec.world_size));
+  // The global batch stays the run's, whatever the world size now (distributed.resize).
+  spec.nominal_world = run.info().value("nominal_world_size", run.info().value("world_size", 1));
+  check_runnable(spec.recipe, spec.world_size, spec.nominal_world);
+  const std::string where = spec.hosts.empty() ? fmt::format("{} local rank(s)", spec.world_size)
+                                               : fmt::format("{} rank(s) on {} host(s)",
+                                                             spec.world_size, spec.hosts.size());
+  if (spec.hosts.empty() || spec.hosts.front().is_local()) {
+    spec.resume_from = find_valid_checkpoint(
+        run.checkpoints(), [&status](const std::string& w) { status.line("warning: " + w); });
+    set_aside_newer(run.checkpoints(), spec.resume_from, status);
+    status.line(fmt::format("dptrain {}: resuming {} from {} on {}", DPTRAIN_VERSION,
+                            run.path().string(), spec.resume_from.filename().string(), where));
+  } else {
+    // Rank 0 runs elsewhere: the ranks find the newest valid checkpoint any node holds (exit 5
+    // when there is none).
+    spec.resume_from = "newest";
+    status.line(
+        fmt::format("dptrain {}: resuming {} from the newest checkpoint on its hosts, on {}",
+                    DPTRAIN_VERSION, run.path().string(), where));
+  }
   return run_to_end(run, spec, o.restart, o.json, *events, status);
 }
 
@@ -86,8 +117,10 @@ void setup_resume(CLI::App& app, Outcome& outcome) {
   auto o = std::make_shared<ResumeOptions>();
   app.add_option("run_dir", o->run_dir, "Run directory made by 'dptrain launch'")->required();
   app.add_option("-n,--nproc", o->nproc,
-                 "Number of local ranks (default: the run's recorded world size); another world "
-                 "size reshards the sampler");
+                 "Number of local ranks (default: the run's recorded world size); on another "
+                 "world size the global batch stays the run's (see distributed.resize)");
+  add_host_options(app, o->hosts, false);
+  add_remote_job_options(app, o->remote);
   add_restart_options(app, o->restart);
   app.add_flag("--json", o->json, "Print one JSON object with the outcome on stdout");
   app.callback([o, &outcome] {

@@ -31,6 +31,11 @@ std::chrono::milliseconds RestartOptions::hang_timeout(const FaultToleranceSpec&
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
 }
 
+std::chrono::milliseconds RestartOptions::rejoin_timeout(const FaultToleranceSpec& recipe) const {
+  const double seconds = rejoin_timeout_s >= 0 ? rejoin_timeout_s : recipe.rejoin_timeout_s;
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
 std::unique_ptr<EventLog> open_events(const RestartOptions& o, bool json) {
   if (o.events.empty()) return std::make_unique<EventLog>();
   if (o.events == "-" && json) {
@@ -46,6 +51,7 @@ std::FILE* status_stream(bool json, const EventLog& events) {
 int run_to_end(RunDirectory& run, JobSpec spec, const RestartOptions& o, bool json,
                EventLog& events, StatusPrinter& status) {
   spec.hang_timeout = o.hang_timeout(spec.recipe.fault_tolerance);
+  spec.rejoin_timeout = o.rejoin_timeout(spec.recipe.fault_tolerance);
   spec.events = &events;
   const JobOutcome outcome =
       run_job_with_restarts(run, spec, status, o.policy(spec.recipe.fault_tolerance));
@@ -66,6 +72,11 @@ void add_restart_options(CLI::App& app, RestartOptions& o) {
                  "Restart after a rank or host failure from the newest valid checkpoint, at most "
                  "this many times for the whole job (default: the recipe's "
                  "fault_tolerance.max_restarts, 0)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--rejoin-timeout", o.rejoin_timeout_s,
+                 "Elastic jobs (--nnodes or --nproc MIN:MAX): seconds a lost host may take to "
+                 "answer again before the job continues without it (default: the recipe's "
+                 "fault_tolerance.rejoin_timeout_s, 60)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--restart-backoff", o.backoff_s,
                  "Seconds before the first restart; doubled for each further one, at most 30 "

@@ -16,12 +16,15 @@ struct RestartOptions {
   int max_restarts = -1;
   double backoff_s = -1;
   double hang_timeout_s = -1;
+  double rejoin_timeout_s = -1;
   std::string events;     // --events FILE|-
   void validate() const;  // Error(usage) naming a bad flag
   RestartPolicy policy(const FaultToleranceSpec& recipe) const;
   std::chrono::milliseconds hang_timeout(const FaultToleranceSpec& recipe) const;
+  std::chrono::milliseconds rejoin_timeout(const FaultToleranceSpec& recipe) const;
 };
-// --max-restarts, --restart-backoff and --hang-timeout, shared by launch and resume.
+// --max-restarts, --restart-backoff, --hang-timeout, --rejoin-timeout and --events, shared by
+// launch and resume.
 void add_restart_options(CLI::App& app, RestartOptions& o);
 
 // The --events stream (disabled when not asked for); Error(usage) when it would share stdout

@@ -34,6 +34,7 @@ struct WorkerOptions {
   int rank = -1;
   int world_size = -1;
   int local_rank = -1;
+  int nominal_world = -1;
   std::string store;
   bool host_store = false;
   int generation = -1;
@@ -75,6 +76,9 @@ void fill_from_env(WorkerOptions& o) {
       throw Error(ErrorKind::usage,
                   "--store not given and neither DPTRAIN_STORE nor MASTER_ADDR/MASTER_PORT is set");
     }
+  }
+  if (o.nominal_world < 0) {
+    o.nominal_world = env("DPTRAIN_NOMINAL_WORLD") ? env_int("DPTRAIN_NOMINAL_WORLD", "") : 0;
   }
   if (o.generation < 0)
     o.generation = env("DPTRAIN_GENERATION") ? env_int("DPTRAIN_GENERATION", "") : 1;
@@ -140,6 +144,8 @@ int run_worker(WorkerOptions o) {
   TrainerOptions topts;
   topts.run_dir = o.run_dir;
   topts.resume_from = o.resume;
+  topts.node_leader = o.local_rank == 0;
+  topts.nominal_world = o.nominal_world;
   topts.debug_step_delay_ms = std::atoll(env("DPTRAIN_DEBUG_STEP_DELAY_MS").value_or("0").c_str());
   topts.on_event = [&](const nlohmann::json& e) {
     if (events) {
@@ -178,10 +184,16 @@ void setup_worker(CLI::App& app, Outcome& outcome) {
   auto o = std::make_shared<WorkerOptions>();
   app.add_option("recipe", o->recipe, "Recipe JSON file")->required();
   app.add_option("--run-dir", o->run_dir, "Run directory (env DPTRAIN_RUN_DIR)");
-  app.add_option("--resume", o->resume, "Checkpoint directory to continue from");
+  app.add_option("--resume", o->resume,
+                 "Checkpoint directory to continue from; \"newest\": the newest valid one any "
+                 "node holds; \"newest-or-start\": that, or step 0 when there is none");
   app.add_option("--rank", o->rank, "This rank (env RANK)");
   app.add_option("--world-size", o->world_size, "Number of ranks (env WORLD_SIZE)");
-  app.add_option("--local-rank", o->local_rank, "Rank on this node (env LOCAL_RANK)");
+  app.add_option("--local-rank", o->local_rank,
+                 "Rank on this node (env LOCAL_RANK); local rank 0 writes the node's checkpoints");
+  app.add_option("--nominal-world", o->nominal_world,
+                 "World size the job's global batch is defined by (env DPTRAIN_NOMINAL_WORLD; "
+                 "default: the world size)");
   app.add_option("--store", o->store,
                  "Store HOST:PORT (env DPTRAIN_STORE, or MASTER_ADDR and MASTER_PORT)");
   app.add_flag("--host-store", o->host_store,

@@ -185,7 +185,14 @@ fs::path write_checkpoint(const fs::path& checkpoints_dir, const TrainingPositio
   } catch (const Error& e) {
     std::error_code ignored;
     fs::remove_all(tmp_dir, ignored);
-    fail(final_dir, fmt::format("cannot write: {}", e.what()));
+    // Name the checkpoint, not the temporary directory just removed:
+    // ".../step-000060/optimizer.bin: cannot write: No space left on device".
+    const std::string what = e.what();
+    const std::string tmp_name = tmp_dir.string();
+    if (what.starts_with(tmp_name + "/")) {
+      throw Error(ErrorKind::checkpoint, final_dir.string() + what.substr(tmp_name.size()));
+    }
+    fail(final_dir, fmt::format("cannot write: {}", what));
   }
   read_checkpoint(final_dir);  // verify what landed on disk before `latest` moves
   try {

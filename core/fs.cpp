@@ -82,7 +82,12 @@ void write_file_synced(const std::filesystem::path& path, std::span<const std::b
 void write_file_atomic(const std::filesystem::path& path, std::string_view content) {
   auto tmp = path;
   tmp += fmt::format(".tmp-{}", ::getpid());
-  write_file_synced(tmp, std::as_bytes(std::span(content.data(), content.size())));
+  try {
+    write_file_synced(tmp, std::as_bytes(std::span(content.data(), content.size())));
+  } catch (const Error&) {
+    ::unlink(tmp.c_str());  // a full disk must not leave a stray temporary behind
+    throw;
+  }
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     int saved = errno;
     ::unlink(tmp.c_str());

@@ -386,6 +386,7 @@ void visit_fields(Visitor& v, DistributedSpec& d) {
   v.section("compression", d.compression);
   v.field("check_every", d.check_every, at_least(int64_t{0}));
   v.field("timeout_s", d.timeout_s, greater_than(0.0));
+  v.field("resize", d.resize, one_of({"keep_global_batch", "scale_lr"}));
 }
 
 template <class Visitor>
@@ -410,6 +411,7 @@ void visit_fields(Visitor& v, FaultToleranceSpec& f) {
   v.field("max_restarts", f.max_restarts, at_least(int64_t{0}));
   v.field("restart_backoff_s", f.restart_backoff_s, at_least(0.0));
   v.field("hang_timeout_s", f.hang_timeout_s, at_least(0.0));
+  v.field("rejoin_timeout_s", f.rejoin_timeout_s, at_least(0.0));
 }
 
 template <class Visitor>

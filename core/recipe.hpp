@@ -72,6 +72,11 @@ struct DistributedSpec {
   CompressionSpec compression;
   int64_t check_every = 100;  // compare parameter checksums across ranks every N steps; 0 = never
   double timeout_s = 300.0;   // every store wait and collective
+  // When a job runs on fewer (or more) ranks than it started with (an elastic job that lost a
+  // node, a resume on another world size): "keep_global_batch" keeps the global batch through
+  // more (or fewer) micro-batches per rank; "scale_lr" keeps micro-batches per rank, so the
+  // global batch follows the world size, and scales the learning rate with it.
+  std::string resize = "keep_global_batch";
   bool operator==(const DistributedSpec&) const = default;
 };
 
@@ -91,6 +96,7 @@ struct FaultToleranceSpec {
   int64_t max_restarts = 0;        // restarts after failures, for the whole job
   double restart_backoff_s = 1.0;  // before the first restart; doubled each time, at most 30
   double hang_timeout_s = 0.0;     // no progress this long on a rank: a hang; 0 = off
+  double rejoin_timeout_s = 60.0;  // elastic jobs: how long a lost node may take to come back
   bool operator==(const FaultToleranceSpec&) const = default;
 };
 

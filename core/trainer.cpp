@@ -51,8 +51,13 @@ class TrainingRun {
         options_(options),
         rank_(comm.rank()),
         world_(comm.size()),
+        nominal_world_(options.nominal_world > 0 ? options.nominal_world : world_),
         micro_batch_(recipe.train.batch_per_rank),
-        global_batch_(world_ * recipe.train.batch_per_rank * recipe.train.grad_accum),
+        global_batch_(global_batch(recipe, world_, nominal_world_)),
+        micro_batches_(global_batch_ / micro_batch_),
+        lr_scale_(recipe.distributed.resize == "scale_lr"
+                      ? static_cast<double>(world_) / static_cast<double>(nominal_world_)
+                      : 1.0),
         model_(make_model(recipe.model)),
         data_(load_data(recipe.data, recipe.model, recipe.seed)),
         sampler_(data_.train->size(), global_batch_, recipe.seed),
@@ -90,15 +95,17 @@ class TrainingRun {
       const double local_loss = compute_gradients();
       grad_buffer_.back() = options_.stop_requested && options_.stop_requested() ? 1.0f : 0.0f;
       {
+        // Each rank's gradients are already scaled by 1 / (micro-batches in the step), so
+        // their sum is the mean over the global batch however the micro-batches were shared.
         const auto tc = Clock::now();
         mark_collective();
-        comm_.allreduce(grad_buffer_.data(), grad_buffer_.size(), ReduceOp::avg);
+        comm_.allreduce(grad_buffer_.data(), grad_buffer_.size(), ReduceOp::sum);
         comm_ms = ms_since(tc);
       }
       mark(Phase::optimizer);
       stop = grad_buffer_.back() > 0.0f;
       const double norm = clip_grad_norm(grads_, recipe_.optimizer.clip_grad_norm);
-      const double lr = learning_rate(recipe_.optimizer, step_, total);
+      const double lr = lr_scale_ * learning_rate(recipe_.optimizer, step_, total);
       optimizer_->step(params_, grads_, lr);
       advance_sampler();
       if (options_.debug_step_delay_ms > 0) {
@@ -118,7 +125,8 @@ class TrainingRun {
       if (done % recipe_.log.every == 0 || last) {
         double loss = local_loss;
         mark_collective();
-        comm_.allreduce(&loss, 1, ReduceOp::avg);
+        comm_.allreduce(&loss, 1, ReduceOp::sum);
+        loss /= static_cast<double>(micro_batches_);
         last_loss = loss;
         const double window_s = ms_since(window_start) / 1000.0;
         log_step(done, loss, lr, norm, static_cast<double>(window_steps * global_batch_) / window_s,
@@ -174,28 +182,84 @@ class TrainingRun {
     return result;
   }
 
+  bool writes_checkpoints() const { return rank_ == 0 || options_.node_leader; }
+
   void start() {
-    if (rank_ == 0) remove_incomplete_checkpoints(options_.run_dir / "checkpoints");
-    start_parameters();
-    emit({{"event", "rendezvous"}, {"world_size", world_}, {"step", step_}});
-  }
-
-  void start_parameters() {
-    if (options_.resume_from.empty()) {
-      if (rank_ == 0) model_->init_params(params_, recipe_.seed);
-      comm_.broadcast(params_.data(), params_.size() * sizeof(float), 0);
+    if (writes_checkpoints()) remove_incomplete_checkpoints(options_.run_dir / "checkpoints");
+    if (world_ > micro_batches_) {
       emit({{"event", "info"},
-            {"message", fmt::format("{} on {} rank(s), global batch {}", model_->describe(), world_,
-                                    global_batch_)}});
-      return;
+            {"message", fmt::format("{} ranks share {} micro-batches a step: {} rank(s) idle; "
+                                    "distributed.resize \"scale_lr\" would use them",
+                                    world_, micro_batches_, world_ - micro_batches_)}});
     }
-    restore(options_.resume_from);
+    const fs::path from = resume_source();
+    if (from.empty()) {
+      fresh_start();
+    } else {
+      restore(from, source_rank_);
+    }
+    json rendezvous = {{"event", "rendezvous"},
+                       {"world_size", world_},
+                       {"nominal_world_size", nominal_world_},
+                       {"global_batch", global_batch_},
+                       {"step", step_}};
+    if (!from.empty()) rendezvous["resumed_from"] = from.filename().string();
+    emit(rendezvous);
   }
 
-  // Rank 0 reads the checkpoint and broadcasts it, so ranks on other nodes need no copy.
-  void restore(const fs::path& dir) {
-    std::vector<int64_t> header(4, 0);  // step, epoch, samples_in_epoch, optimizer_steps
+  void fresh_start() {
     if (rank_ == 0) {
+      model_->init_params(params_, recipe_.seed);
+      // A restart that found no checkpoint starts over, and so do its metrics.
+      if (!options_.resume_from.empty()) truncate_metrics_after(0);
+    }
+    comm_.broadcast(params_.data(), params_.size() * sizeof(float), 0);
+    emit({{"event", "info"},
+          {"message", fmt::format("{} on {} rank(s), global batch {}", model_->describe(), world_,
+                                  global_batch_)}});
+  }
+
+  // The checkpoint to continue from and the rank that reads it (source_rank_); empty: a fresh
+  // start. For "newest" every node leader looks in its own run_dir and the newest step wins.
+  fs::path resume_source() {
+    const std::string& how = options_.resume_from.native();
+    source_rank_ = 0;
+    if (how != "newest" && how != "newest-or-start") return options_.resume_from;
+    fs::path mine;
+    int64_t my_step = -1;
+    if (writes_checkpoints()) {
+      try {
+        mine =
+            find_valid_checkpoint(options_.run_dir / "checkpoints", [this](const std::string& w) {
+              emit({{"event", "info"}, {"message", "warning: " + w}});
+            });
+        my_step = checkpoint_step(mine);
+      } catch (const Error&) {
+        // None on this node.
+      }
+    }
+    std::vector<int64_t> steps(static_cast<size_t>(world_));
+    mark_collective();
+    comm_.allgather(&my_step, sizeof(my_step), steps.data());
+    const auto newest = std::max_element(steps.begin(), steps.end());
+    if (*newest < 0) {
+      if (how == "newest") {
+        throw Error(
+            ErrorKind::checkpoint,
+            fmt::format("no valid checkpoint on any of the {} node(s) of this run", world_));
+      }
+      return {};
+    }
+    source_rank_ = static_cast<int>(newest - steps.begin());
+    // Every rank needs the name only for messages; the source rank holds the real path.
+    return rank_ == source_rank_ ? mine : fs::path(checkpoint_name(*newest));
+  }
+
+  // One rank (rank 0, or the node leader that holds the newest checkpoint) reads it and
+  // broadcasts it, so ranks on other nodes need no copy.
+  void restore(const fs::path& dir, int source) {
+    std::vector<int64_t> header(4, 0);  // step, epoch, samples_in_epoch, optimizer_steps
+    if (rank_ == source) {
       CheckpointData ckpt = read_checkpoint(dir);
       const auto& p = ckpt.position;
       if (p.recipe_hash != recipe_hash(recipe_)) {
@@ -214,24 +278,21 @@ class TrainingRun {
                 optimizer_->state().begin());
       header = {p.step, p.epoch, p.samples_in_epoch, p.optimizer_steps};
     }
-    comm_.broadcast(header.data(), header.size() * sizeof(int64_t), 0);
-    comm_.broadcast(params_.data(), params_.size() * sizeof(float), 0);
+    comm_.broadcast(header.data(), header.size() * sizeof(int64_t), source);
+    comm_.broadcast(params_.data(), params_.size() * sizeof(float), source);
     auto state = optimizer_->state();
-    comm_.broadcast(state.data(), state.size_bytes(), 0);
+    comm_.broadcast(state.data(), state.size_bytes(), source);
     step_ = header[0];
-    epoch_ = header[1];
-    // Another world size means another global batch: continue at the first whole batch not yet
-    // begun, so no sample of this epoch is seen twice.
-    batch_in_epoch_ = (header[2] + global_batch_ - 1) / global_batch_;
-    if (batch_in_epoch_ >= sampler_.steps_per_epoch()) {
-      ++epoch_;
-      batch_in_epoch_ = 0;
-    }
+    // Positions count samples: under another global batch (scale_lr on another world size) the
+    // next step starts right where the last one ended, and no sample of the epoch is skipped or
+    // seen twice.
+    position_ = sampler_.normalize({header[1], header[2]});
     optimizer_->set_steps(header[3]);
     if (rank_ == 0) truncate_metrics_after(step_);
+    std::string where = source == 0 ? "" : fmt::format(" (read on rank {})", source);
     emit({{"event", "info"},
-          {"message", fmt::format("resumed from {} at step {} on {} rank(s)",
-                                  dir.filename().string(), step_, world_)}});
+          {"message", fmt::format("resumed from {}{} at step {} on {} rank(s), global batch {}",
+                                  dir.filename().string(), where, step_, world_, global_batch_)}});
   }
 
   void mark(Phase phase) {
@@ -241,34 +302,31 @@ class TrainingRun {
     if (options_.progress) options_.progress->enter_collective();
   }
 
+  // This rank's micro-batches j = rank, rank + world, ... of the step's global batch; the
+  // gradients are summed scaled by 1 / (micro-batches in the step). Returns the sum of their
+  // mean losses.
   double compute_gradients() {
     mark(Phase::compute);
     std::fill(grads_.begin(), grads_.end(), 0.0f);
-    const int64_t accum = recipe_.train.grad_accum;
-    const float scale = 1.0f / static_cast<float>(accum);
+    const float scale = 1.0f / static_cast<float>(micro_batches_);
     double loss = 0;
-    for (int64_t m = 0; m < accum; ++m) {
-      const int64_t offset = (m * world_ + rank_) * micro_batch_;
-      sampler_.indices(epoch_, batch_in_epoch_, offset, idx_);
+    for (int64_t j = rank_; j < micro_batches_; j += world_) {
+      sampler_.indices(position_, j * micro_batch_, idx_);
       data_.train->gather(idx_, x_.data(), y_.data());
       loss += model_->forward_backward(params_, Batch{x_.data(), y_.data(), micro_batch_}, grads_,
                                        scale);
     }
-    return loss / static_cast<double>(accum);
+    return loss;
   }
 
-  void advance_sampler() {
-    if (++batch_in_epoch_ >= sampler_.steps_per_epoch()) {
-      ++epoch_;
-      batch_in_epoch_ = 0;
-    }
-  }
+  void advance_sampler() { position_ = sampler_.advance(position_); }
 
   void log_step(int64_t step, double loss, double lr, double norm, double samples_per_s,
                 double step_ms, double comm_ms) {
     if (rank_ != 0) return;
-    const json line = {{"step", step},       {"epoch", epoch_},   {"loss", loss},
-                       {"lr", lr},           {"grad_norm", norm}, {"samples_per_s", samples_per_s},
+    const json line = {{"step", step},       {"epoch", position_.epoch},
+                       {"loss", loss},       {"lr", lr},
+                       {"grad_norm", norm},  {"samples_per_s", samples_per_s},
                        {"step_ms", step_ms}, {"comm_ms", comm_ms}};
     append_line(options_.run_dir / "metrics.jsonl", line.dump());
     json event = line;
@@ -342,16 +400,16 @@ class TrainingRun {
   fs::path checkpoint(int64_t step) {
     mark(Phase::checkpoint);
     fs::path written;
-    if (rank_ == 0) {
+    if (writes_checkpoints()) {
       TrainingPosition pos;
       pos.step = step;
-      pos.epoch = epoch_;
-      pos.samples_in_epoch = batch_in_epoch_ * global_batch_;
+      pos.epoch = position_.epoch;
+      pos.samples_in_epoch = position_.sample;
       pos.world_size = world_;
       pos.global_batch = global_batch_;
       pos.optimizer_steps = optimizer_->steps();
       pos.recipe_hash = recipe_hash(recipe_);
-      pos.rng_state = fmt::format("sampler seed={} epoch={}", recipe_.seed, epoch_);
+      pos.rng_state = fmt::format("sampler seed={} epoch={}", recipe_.seed, position_.epoch);
       std::function<void()> hook;
       if (options_.before_checkpoint_commit) {
         hook = [this, step] { options_.before_checkpoint_commit(step); };
@@ -359,6 +417,8 @@ class TrainingRun {
       written = write_checkpoint(options_.run_dir / "checkpoints", pos, params_,
                                  optimizer_->state(), recipe_.checkpoint.keep, hook);
       emit({{"event", "checkpoint"}, {"step", step}, {"path", written.string()}});
+    } else {
+      written = options_.run_dir / "checkpoints" / checkpoint_name(step);
     }
     // Nobody runs ahead of a checkpoint being written: a failure right after it loses nothing.
     mark_collective();
@@ -367,22 +427,7 @@ class TrainingRun {
   }
 
   void truncate_metrics_after(int64_t step) {
-    const fs::path path = options_.run_dir / "metrics.jsonl";
-    std::error_code ec;
-    if (!fs::exists(path, ec)) return;
-    std::string kept;
-    const std::string text = read_file(path);
-    size_t pos = 0;
-    while (pos < text.size()) {
-      size_t end = text.find('\n', pos);
-      if (end == std::string::npos) end = text.size();
-      const std::string line = text.substr(pos, end - pos);
-      pos = end + 1;
-      const json j = json::parse(line, nullptr, false);
-      if (j.is_discarded() || !j.contains("step")) continue;  // a torn last line from the crash
-      if (j["step"].get<int64_t>() <= step) kept += line + "\n";
-    }
-    write_file_atomic(path, kept);
+    dptrain::truncate_metrics_after(options_.run_dir / "metrics.jsonl", step);
   }
 
   void emit(const json& event) {
@@ -394,8 +439,11 @@ class TrainingRun {
   const TrainerOptions& options_;
   const int rank_;
   const int world_;
+  const int nominal_world_;
   const int64_t micro_batch_;
   const int64_t global_batch_;
+  const int64_t micro_batches_;  // per step, over all ranks
+  const double lr_scale_;
   std::unique_ptr<Model> model_;
   DataSplits data_;
   DistributedSampler sampler_;
@@ -411,16 +459,40 @@ class TrainingRun {
   int64_t step_ = 0;
   int64_t first_step_ = 0;
   Clock::time_point run_start_;
-  int64_t epoch_ = 0;
-  int64_t batch_in_epoch_ = 0;
+  DataPosition position_;
+  int source_rank_ = 0;
 };
 
 }  // namespace
 
-void check_runnable(const Recipe& recipe, int world_size) {
+void truncate_metrics_after(const fs::path& metrics_file, int64_t step) {
+  std::error_code ec;
+  if (!fs::exists(metrics_file, ec)) return;
+  std::string kept;
+  const std::string text = read_file(metrics_file);
+  size_t pos = 0;
+  while (pos < text.size()) {
+    size_t end = text.find('\n', pos);
+    if (end == std::string::npos) end = text.size();
+    const std::string line = text.substr(pos, end - pos);
+    pos = end + 1;
+    const json j = json::parse(line, nullptr, false);
+    if (j.is_discarded() || !j.contains("step")) continue;  // a torn last line from the crash
+    if (j["step"].get<int64_t>() <= step) kept += line + "\n";
+  }
+  write_file_atomic(metrics_file, kept);
+}
+
+int64_t global_batch(const Recipe& recipe, int world_size, int nominal_world) {
+  const int batch_world =
+      recipe.distributed.resize == "scale_lr" || nominal_world <= 0 ? world_size : nominal_world;
+  return batch_world * recipe.train.batch_per_rank * recipe.train.grad_accum;
+}
+
+void check_runnable(const Recipe& recipe, int world_size, int nominal_world) {
   const DataSplits data = load_data(recipe.data, recipe.model, recipe.seed);
-  const int64_t global_batch = world_size * recipe.train.batch_per_rank * recipe.train.grad_accum;
-  DistributedSampler sampler(data.train->size(), global_batch, recipe.seed);
+  DistributedSampler sampler(data.train->size(), global_batch(recipe, world_size, nominal_world),
+                             recipe.seed);
 }
 
 TrainResult train(const Recipe& recipe, Communicator& comm, const TrainerOptions& options) {

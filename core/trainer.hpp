@@ -15,8 +15,17 @@
 namespace dptrain {
 
 struct TrainerOptions {
-  std::filesystem::path run_dir;      // rank 0 writes metrics.jsonl, checkpoints/, result.json here
-  std::filesystem::path resume_from;  // a checkpoint directory; empty = fresh start
+  std::filesystem::path run_dir;  // rank 0 writes metrics.jsonl, checkpoints/, result.json here
+  // A checkpoint directory; empty = fresh start. Two words search every node instead: the
+  // newest valid checkpoint any node leader holds in its run_dir ("newest": Error(checkpoint)
+  // when there is none; "newest-or-start": step 0 then).
+  std::filesystem::path resume_from;
+  // The first rank of every node writes checkpoints to its own run_dir (rank 0 always does), so
+  // a lost node never takes the only copy with it.
+  bool node_leader = false;
+  // The world size that defines the job's global batch (an elastic job's full size); 0 = this
+  // world. On another world size, recipe.distributed.resize says what changes.
+  int nominal_world = 0;
   // Receives {"event": "progress"|"eval"|"checkpoint"|"info", ...} on rank 0 only.
   std::function<void(const nlohmann::json&)> on_event;
   int64_t debug_step_delay_ms = 0;  // tests slow a run down to kill it mid-way
@@ -46,7 +55,14 @@ struct TrainResult {
 
 // What a rank would find wrong only after it started: the data (a bad CSV row, a split smaller
 // than one global batch). Loads the data once; Error(recipe) naming the file, line or fields.
-void check_runnable(const Recipe& recipe, int world_size);
+void check_runnable(const Recipe& recipe, int world_size, int nominal_world = 0);
+
+// The global batch of a step on world_size ranks of a job sized for nominal_world (0: the same):
+// nominal_world x batch_per_rank x grad_accum, unless distributed.resize is "scale_lr".
+int64_t global_batch(const Recipe& recipe, int world_size, int nominal_world = 0);
+
+// Drops the lines of a metrics.jsonl after `step` (and torn ones): a resumed run repeats them.
+void truncate_metrics_after(const std::filesystem::path& metrics_file, int64_t step);
 
 // Runs the recipe's training to completion on this rank. Every rank calls it with its own
 // Communicator. Throws Error on failure (comm when a peer fails or ranks diverge).

@@ -4,9 +4,12 @@
 #include <doctest/doctest.h>
 #include <unistd.h>
 
+#include <cmath>
+#include <functional>
 #include <future>
 #include <thread>
 
+#include "core/checkpoint.hpp"
 #include "core/comm/gloo_communicator.hpp"
 #include "core/comm/tcp_store.hpp"
 #include "core/error.hpp"
@@ -69,8 +72,11 @@ struct RankOutcome {
   std::string error;
 };
 
-std::vector<RankOutcome> train_ranks(const Recipe& recipe, int world, const fs::path& run_dir,
-                                     int corrupt_rank) {
+// Each rank's trainer options from its rank.
+using OptionsFor = std::function<TrainerOptions(int rank)>;
+
+std::vector<RankOutcome> train_ranks(const Recipe& recipe, int world, const OptionsFor& options_for,
+                                     int corrupt_rank = -1) {
   TcpStoreServer server("127.0.0.1", 0);
   std::vector<std::future<RankOutcome>> futures;
   for (int r = 0; r < world; ++r) {
@@ -83,8 +89,7 @@ std::vector<RankOutcome> train_ranks(const Recipe& recipe, int world, const fs::
         options.timeout = std::chrono::seconds(20);
         auto comm = std::make_unique<CorruptingCommunicator>(
             make_gloo_communicator(store, r, world, options), corrupt_rank);
-        TrainerOptions topts;
-        topts.run_dir = run_dir;
+        const TrainerOptions topts = options_for(r);
         out.result = train(recipe, *comm, topts);
       } catch (const Error& e) {
         out.error = e.what();
@@ -96,6 +101,32 @@ std::vector<RankOutcome> train_ranks(const Recipe& recipe, int world, const fs::
   for (auto& f : futures)
     outcomes.push_back(f.get());
   return outcomes;
+}
+
+std::vector<RankOutcome> train_ranks(const Recipe& recipe, int world, const fs::path& run_dir,
+                                     int corrupt_rank = -1) {
+  return train_ranks(
+      recipe, world,
+      [&run_dir](int) {
+        TrainerOptions o;
+        o.run_dir = run_dir;
+        return o;
+      },
+      corrupt_rank);
+}
+
+std::vector<float> final_params(const fs::path& run_dir, int64_t step) {
+  return read_checkpoint(run_dir / "checkpoints" / checkpoint_name(step)).params;
+}
+
+double max_relative_difference(const std::vector<float>& a, const std::vector<float>& b) {
+  REQUIRE(a.size() == b.size());
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double scale = std::max(1e-3, std::abs(static_cast<double>(a[i])));
+    worst = std::max(worst, std::abs(static_cast<double>(a[i]) - b[i]) / scale);
+  }
+  return worst;
 }
 
 }  // namespace
@@ -133,4 +164,103 @@ TEST_CASE("trainer: check_runnable refuses a split smaller than one global batch
     CHECK(e.kind() == ErrorKind::recipe);
     CHECK(std::string(e.what()).find("40") != std::string::npos);
   }
+}
+
+TEST_CASE("trainer: a 2-rank checkpoint resumed on 1 rank keeps the global batch and the result") {
+  Recipe r = tiny_recipe();
+  r.checkpoint.every = 10;
+  TempDir two, one;
+  const auto full = train_ranks(r, 2, two.path());
+  REQUIRE(full[0].error.empty());
+  // One survivor continues from step 10 with the job's nominal world of 2: two micro-batches a
+  // step instead of one on each of two ranks, the same samples, the same global batch.
+  const auto survivor = train_ranks(r, 1, [&](int) {
+    TrainerOptions o;
+    o.run_dir = one.path();
+    o.resume_from = two.path() / "checkpoints" / checkpoint_name(10);
+    o.nominal_world = 2;
+    return o;
+  });
+  REQUIRE(survivor[0].error.empty());
+  CHECK(survivor[0].result.steps == 30);
+  CHECK(max_relative_difference(final_params(two.path(), 30), final_params(one.path(), 30)) < 1e-5);
+  const CheckpointData ckpt = read_checkpoint(one.path() / "checkpoints" / checkpoint_name(30));
+  CHECK(ckpt.position.global_batch == 16);
+  CHECK(ckpt.position.world_size == 1);
+}
+
+TEST_CASE("trainer: scale_lr keeps micro-batches per rank and scales the learning rate") {
+  Recipe r = tiny_recipe();
+  r.distributed.resize = "scale_lr";
+  r.optimizer.type = "sgd";
+  r.optimizer.momentum = 0;
+  r.optimizer.schedule.type = "constant";
+  r.train.steps = 1;
+  r.checkpoint.every = 0;
+  r.distributed.check_every = 0;
+  // One SGD step on 1 rank of a job sized for 2 takes a batch of 8 at half the learning rate;
+  // the same step at full rate in a job sized for 1 moves the parameters twice as far.
+  TempDir half, whole;
+  const auto run = [&](const fs::path& dir, int nominal) {
+    return train_ranks(r, 1, [&](int) {
+      TrainerOptions o;
+      o.run_dir = dir;
+      o.nominal_world = nominal;
+      return o;
+    });
+  };
+  REQUIRE(run(half.path(), 2)[0].error.empty());
+  REQUIRE(run(whole.path(), 1)[0].error.empty());
+  CHECK(global_batch(r, 1, 2) == 8);
+  // Both start from the same seeded parameters and see the same first batch.
+  const auto a = final_params(half.path(), 1), b = final_params(whole.path(), 1);
+  Recipe r0 = r;
+  r0.optimizer.lr = 0;  // the initial parameters
+  TempDir zero;
+  REQUIRE(train_ranks(r0, 1, zero.path())[0].error.empty());
+  const auto init = final_params(zero.path(), 1);
+  double moved_half = 0, moved_whole = 0;
+  for (size_t i = 0; i < init.size(); ++i) {
+    moved_half += std::abs(double(a[i]) - init[i]);
+    moved_whole += std::abs(double(b[i]) - init[i]);
+  }
+  REQUIRE(moved_whole > 0);
+  CHECK(moved_half / moved_whole == doctest::Approx(0.5).epsilon(1e-3));
+}
+
+TEST_CASE("trainer: \"newest\" resumes from the node leader that holds the newest checkpoint") {
+  Recipe r = tiny_recipe();
+  r.checkpoint.every = 10;
+  TempDir source, rank0_dir, rank1_dir;
+  REQUIRE(train_ranks(r, 2, source.path())[0].error.empty());
+  // Rank 1's node holds step 20 and rank 0's node nothing: rank 1 reads it and broadcasts.
+  fs::create_directories(rank1_dir.path() / "checkpoints");
+  fs::copy(source.path() / "checkpoints" / checkpoint_name(20),
+           rank1_dir.path() / "checkpoints" / checkpoint_name(20), fs::copy_options::recursive);
+  // Two nodes of one rank each, with their own run directories.
+  const auto two_nodes = [&r](const TempDir& dir0, const TempDir& dir1, const std::string& how) {
+    return train_ranks(r, 2, [&](int rank) {
+      TrainerOptions o;
+      o.run_dir = rank == 0 ? dir0.path() : dir1.path();
+      o.node_leader = true;
+      o.resume_from = how;
+      return o;
+    });
+  };
+  const auto resumed = two_nodes(rank0_dir, rank1_dir, "newest");
+  for (const auto& o : resumed) {
+    CAPTURE(o.error);
+    REQUIRE(o.error.empty());
+  }
+  CHECK(final_params(rank0_dir.path(), 30) == final_params(source.path(), 30));
+  // Both node leaders wrote their own copy of the final checkpoint.
+  CHECK(final_params(rank1_dir.path(), 30) == final_params(source.path(), 30));
+
+  // With none anywhere, "newest" is a checkpoint error and "newest-or-start" starts over.
+  TempDir empty0, empty1;
+  const auto none = two_nodes(empty0, empty1, "newest");
+  CHECK(none[0].error.find("no valid checkpoint on any of the 2 node(s)") != std::string::npos);
+  const auto fresh = two_nodes(empty0, empty1, "newest-or-start");
+  REQUIRE(fresh[0].error.empty());
+  CHECK(final_params(empty0.path(), 30) == final_params(source.path(), 30));
 }

@@ -26,6 +26,7 @@ json AgentPlan::to_json(bool redact_secret) const {
           {"secret", redact_secret ? std::string("<redacted>") : secret},
           {"generation", generation},
           {"world_size", world_size},
+          {"nominal_world", nominal_world},
           {"backend", backend},
           {"resume_from", resume_from},
           {"ranks", ranks},
@@ -43,6 +44,7 @@ AgentPlan AgentPlan::from_json(const json& j) {
     p.secret = j.at("secret").get<std::string>();
     p.generation = j.at("generation").get<int>();
     p.world_size = j.at("world_size").get<int>();
+    p.nominal_world = j.value("nominal_world", 0);
     p.backend = j.at("backend").get<std::string>();
     p.resume_from = j.at("resume_from").get<std::string>();
     p.ranks = j.at("ranks").get<std::vector<int>>();
@@ -83,6 +85,9 @@ std::vector<ProcessSpec> worker_specs(const AgentPlan& plan, const fs::path& wor
              {"DPTRAIN_GENERATION", std::to_string(plan.generation)},
              {"DPTRAIN_BACKEND", plan.backend},
              {"DPTRAIN_EVENTS", "1"}};
+    if (plan.nominal_world > 0) {
+      p.env.emplace_back("DPTRAIN_NOMINAL_WORLD", std::to_string(plan.nominal_world));
+    }
     if (!plan.secret.empty()) p.env.emplace_back(kStoreSecretEnv, plan.secret);
     for (const auto& [k, v] : plan.env)
       p.env.emplace_back(k, v);

@@ -22,9 +22,10 @@ struct AgentPlan {
   std::string secret;             // the job's store secret: never printed
   int generation = 1;
   int world_size = 1;
+  int nominal_world = 0;  // the world size the job's global batch is defined by; 0 = world_size
   std::string backend = "gloo";
-  std::string resume_from;                 // a checkpoint directory on that host, or empty
-  std::vector<int> ranks;                  // global ranks on this host; local rank = index
+  std::string resume_from;  // a checkpoint directory on that host, "newest[-or-start]", or empty
+  std::vector<int> ranks;   // global ranks on this host; local rank = index
   std::map<std::string, std::string> env;  // extra environment for the workers
   std::string data_dir;  // where provision put data files on that host ("" on the launcher's)
 

@@ -2,6 +2,7 @@
 #include "launch/job.hpp"
 
 #include <csignal>
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -13,6 +14,7 @@
 #include "core/comm/tcp_store.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
+#include "core/trainer.hpp"
 #include "launch/hang_watch.hpp"
 #include "launch/relay.hpp"
 #include "launch/supervisor.hpp"
@@ -45,6 +47,9 @@ json JobOutcome::to_json(const RunDirectory& run) const {
 }
 
 namespace {
+
+// Test and debugging settings a rank reads, passed on to ranks on other hosts.
+constexpr const char* kForwardedEnv[] = {"DPTRAIN_FAULT", "DPTRAIN_DEBUG_STEP_DELAY_MS"};
 
 std::vector<HostSpec> job_hosts(const JobSpec& spec) {
   if (!spec.hosts.empty()) return spec.hosts;
@@ -128,8 +133,9 @@ std::string resolve_master_addr(const JobSpec& spec) {
   return "127.0.0.1";
 }
 
-JobPlan plan_job(const JobSpec& spec, const fs::path& run_path, int generation,
-                 const std::string& store_addr, uint16_t store_port, const std::string& secret) {
+JobPlan plan_job(const JobSpec& spec, const fs::path& run_path, const std::string& remote_name,
+                 int generation, const std::string& store_addr, uint16_t store_port,
+                 const std::string& secret) {
   JobPlan plan;
   plan.store = fmt::format("{}:{}", store_addr, store_port);
   plan.secret = secret;
@@ -141,18 +147,24 @@ JobPlan plan_job(const JobSpec& spec, const fs::path& run_path, int generation,
   for (const auto& h : plan.hosts) {
     AgentPlan a;
     a.host = h.is_local() ? "localhost" : h.host;
-    a.run_dir =
-        h.is_local() ? run_path : fs::path(spec.remote.workdir) / "runs" / run_path.filename();
+    a.run_dir = h.is_local() ? run_path : fs::path(spec.remote.workdir) / "runs" / remote_name;
     a.recipe = to_json(spec.recipe);
     a.store = plan.store;
     a.secret = secret;
     a.generation = generation;
     a.world_size = world;
+    a.nominal_world = spec.nominal_world;
     a.backend = resolve_backend(spec.backend);
     a.resume_from = spec.resume_from.string();
     for (int i = 0; i < h.slots; ++i)
       a.ranks.push_back(next_rank++);
     a.env = spec.worker_env;
+    if (!h.is_local()) {
+      // Local ranks inherit the launcher's environment; remote ones get these passed on.
+      for (const char* name : kForwardedEnv) {
+        if (const char* v = std::getenv(name)) a.env.emplace(name, v);
+      }
+    }
     if (!h.is_local()) a.data_dir = spec.remote.workdir + "/data";
     plan.agents.push_back(std::move(a));
   }
@@ -199,7 +211,8 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   const std::string addr = resolve_master_addr(spec);
   const std::string secret = generate_job_secret();
   TcpStoreServer store(addr, spec.remote.master_port, secret);
-  const JobPlan plan = plan_job(spec, run.path(), generation, addr, store.port(), secret);
+  const JobPlan plan =
+      plan_job(spec, run.path(), run.remote_name(), generation, addr, store.port(), secret);
   const bool multi_host = plan.hosts.size() > 1 || !plan.hosts.front().is_local();
   const bool rank0_remote = !plan.hosts.front().is_local();
   write_file_atomic(run.path() / "recipe.json", to_json(spec.recipe).dump(2) + "\n");
@@ -223,6 +236,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   const int world = plan.agents.front().world_size;
   info["recipe"] = to_json(spec.recipe);
   info["world_size"] = world;
+  info["nominal_world_size"] = spec.nominal_world > 0 ? spec.nominal_world : world;
   info["backend"] = plan.agents.front().backend;
   info["store"] = plan.store;
   json hosts_json = json::array();
@@ -234,7 +248,12 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   }
   info["hosts"] = hosts_json;
   info["status"] = "running";
-  json gen = {{"generation", generation}, {"started_at", utc_timestamp()}, {"world_size", world}};
+  json gen = {{"generation", generation},
+              {"started_at", utc_timestamp()},
+              {"world_size", world},
+              {"hosts", json::array()}};
+  for (const auto& h : plan.hosts)
+    gen["hosts"].push_back(h.display());
   if (!spec.resume_from.empty()) gen["resumed_from"] = spec.resume_from.filename().string();
   info["generations"].push_back(gen);
   run.save();
@@ -259,7 +278,20 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       fields.erase("event");
       events.emit(kind == "checkpoint" ? "checkpoint_committed" : "rendezvous_done", fields);
     }
-    if (kind == "rendezvous") return;
+    if (kind == "rendezvous") {
+      // Where the ranks found their checkpoint (it may be on another node).
+      if (event.contains("resumed_from")) {
+        info["generations"].back()["resumed_from"] = event["resumed_from"];
+      } else if (!spec.resume_from.empty()) {
+        info["generations"].back()["resumed_from"] = "step 0";  // no checkpoint on any node
+      }
+      run.save();
+      // Rank 0 keeps its own metrics in order; a remote rank 0's are mirrored here.
+      if (rank0_remote) {
+        truncate_metrics_after(run.path() / "metrics.jsonl", event.value("step", int64_t{0}));
+      }
+      return;
+    }
     if (kind == "result") {
       result = event;
       result.erase("event");
@@ -367,6 +399,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
         const json& r = report->second;
         const int rank = r.value("rank", -1);
         if (rank < 0 && f.exit_code == 4) out.exit_code = 4;  // the relay could not reach it
+        if (rank >= 0 && r.value("exit_code", -1) == 5) out.exit_code = 5;
         out.error = rank >= 0 ? fmt::format("{} on host {}", r.value("description", ""), host)
                               : r.value("description", std::string());
         last_lines = r.value("last_lines", std::vector<std::string>{});
@@ -382,6 +415,9 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       }
     } else {
       out.error = f.describe();
+      // A checkpoint that cannot be written (a full disk) is not cured by a restart.
+      if (f.exit_code == 5) out.exit_code = 5;
+      out.rank_killed = f.signal == SIGKILL;
       for (const auto& p : procs) {
         if (p.label == f.label) log_hint = p.log_file.string();
       }

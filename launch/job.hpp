@@ -12,6 +12,7 @@
 
 #include "core/recipe.hpp"
 #include "launch/agent.hpp"
+#include "launch/elastic.hpp"
 #include "launch/events.hpp"
 #include "launch/hostfile.hpp"
 #include "launch/run_dir.hpp"
@@ -31,10 +32,20 @@ struct RemoteOptions {
 
 struct JobSpec {
   Recipe recipe;
-  std::vector<HostSpec> hosts;  // empty: `world_size` ranks on localhost
+  std::vector<HostSpec> hosts;  // this generation's; empty: `world_size` ranks on localhost
   int world_size = 1;           // with hosts: the sum of their slots
+  // Elastic world size. With hosts: `nodes` counts hosts, chosen in order from `candidates`
+  // (every host the job may use: later ones are spares); a lost host is dropped when it does
+  // not answer within rejoin_timeout, and rejoins at a later restart when it answers again.
+  // Locally: `nodes` counts ranks, and a rank killed by SIGKILL (the OOM killer, a cgroup
+  // limit) is capacity lost: the next generation has one rank fewer. A fixed size: min == max.
+  SizeRange nodes{0, 0};  // {0, 0}: every host given, or world_size ranks
+  std::vector<HostSpec> candidates;
+  std::chrono::milliseconds rejoin_timeout{60000};
+  int nominal_world = 0;  // the world size the global batch is defined by; 0: world_size
   std::string backend = "auto";
-  std::filesystem::path resume_from;    // a verified checkpoint, or empty
+  // A verified checkpoint, "newest-or-start" (the newest any node holds, or step 0), or empty.
+  std::filesystem::path resume_from;
   std::filesystem::path worker_binary;  // this executable
   RemoteOptions remote;
   std::map<std::string, std::string> worker_env;  // extra environment for every rank
@@ -44,11 +55,12 @@ struct JobSpec {
 
 struct JobOutcome {
   int exit_code = 0;
-  std::string status;      // completed | failed | interrupted | terminated
-  std::string error;       // empty on success; the first line names the failed host and rank
-  nlohmann::json result;   // the trainer's result on success
-  int64_t last_step = -1;  // the last step rank 0 reported before the end (-1: none)
-  int restarts = 0;        // generations started after failures (run_job_with_restarts)
+  std::string status;        // completed | failed | interrupted | terminated
+  std::string error;         // empty on success; the first line names the failed host and rank
+  nlohmann::json result;     // the trainer's result on success
+  int64_t last_step = -1;    // the last step rank 0 reported before the end (-1: none)
+  bool rank_killed = false;  // the failure was a local rank killed by SIGKILL
+  int restarts = 0;          // generations started after failures (run_job_with_restarts)
   nlohmann::json to_json(const RunDirectory& run) const;
 };
 
@@ -69,9 +81,11 @@ struct JobPlan {
   std::vector<AgentPlan> agents;                      // one per host, same order
   nlohmann::json to_json(const JobSpec& spec) const;  // for --dry-run: commands, env, no secret
 };
-// Which ranks run where, with which command and environment. Starts nothing.
-JobPlan plan_job(const JobSpec& spec, const std::filesystem::path& run_path, int generation,
-                 const std::string& store_addr, uint16_t store_port, const std::string& secret);
+// Which ranks run where, with which command and environment. Starts nothing. Remote hosts use
+// WORKDIR/runs/REMOTE_NAME (RunDirectory::remote_name).
+JobPlan plan_job(const JobSpec& spec, const std::filesystem::path& run_path,
+                 const std::string& remote_name, int generation, const std::string& store_addr,
+                 uint16_t store_port, const std::string& secret);
 // The address the store listens on and the workers dial.
 std::string resolve_master_addr(const JobSpec& spec);
 
@@ -82,7 +96,8 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
 // run_job, and after a rank or host failure (exit 3 or 4) a new generation from the newest
 // valid checkpoint (or from step 0 when there is none), with exponential back-off, until the
 // job completes, restarts run out, or the failure repeats at one step. Every restart is
-// recorded in run.json with its cause.
+// recorded in run.json with its cause. An elastic job (spec.nodes) picks its hosts or ranks
+// before every generation, and records every change of world size.
 JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter& status,
                                  const RestartPolicy& policy);
 

@@ -1,5 +1,6 @@
 // The restart policy: after a rank or host failure, a new generation from the newest valid
-// checkpoint, with back-off, until the job completes or the failure looks deterministic.
+// checkpoint, with back-off, until the job completes or the failure looks deterministic; and
+// for elastic jobs, the hosts or ranks of every generation.
 #include <algorithm>
 #include <csignal>
 #include <system_error>
@@ -8,6 +9,7 @@
 
 #include "core/checkpoint.hpp"
 #include "core/error.hpp"
+#include "core/trainer.hpp"
 #include "launch/job.hpp"
 #include "launch/supervisor.hpp"
 
@@ -26,6 +28,83 @@ std::string first_line(const std::string& text) {
   return text.substr(0, text.find('\n'));
 }
 
+bool rank0_local(const JobSpec& spec) {
+  return spec.hosts.empty() || spec.hosts.front().is_local();
+}
+
+int slots(const std::vector<HostSpec>& hosts) {
+  int n = 0;
+  for (const auto& h : hosts)
+    n += h.slots;
+  return n;
+}
+
+std::string join(const std::vector<std::string>& parts, const std::string& sep) {
+  std::string out;
+  for (const auto& p : parts)
+    out += (out.empty() ? "" : sep) + p;
+  return out;
+}
+
+// Chooses the hosts (or local ranks) of the next generation of an elastic job and records a
+// change of world size. Returns an error message when fewer than the minimum are left.
+std::string place_generation(RunDirectory& run, JobSpec& spec, StatusPrinter& status,
+                             const JobOutcome* failed) {
+  if (spec.nodes.max == 0) return "";
+  const int before = failed ? spec.world_size : spec.nominal_world;
+  std::vector<std::string> absent;
+  if (!spec.candidates.empty()) {
+    // A lost host gets rejoin_timeout to come back; so do an elastic job's first hosts.
+    const bool waits = failed != nullptr || spec.nodes.elastic();
+    const auto wait = waits ? spec.rejoin_timeout : std::chrono::milliseconds(0);
+    const HostSelection sel =
+        select_hosts(spec.candidates, spec.nodes.max, wait, ssh_probe(spec.remote.ssh),
+                     [] { return pending_stop_signal() != 0; });
+    absent = sel.absent;
+    if (static_cast<int>(sel.hosts.size()) < spec.nodes.min) {
+      return fmt::format("only {} of the {} host(s) this job needs at least answered{}: {}",
+                         sel.hosts.size(), spec.nodes.min,
+                         waits ? fmt::format(" within {:g} s (--rejoin-timeout)",
+                                             static_cast<double>(wait.count()) / 1000.0)
+                               : std::string(),
+                         join(absent, "; "));
+    }
+    spec.hosts = sel.hosts;
+    spec.world_size = slots(spec.hosts);
+  } else if (failed && failed->rank_killed && spec.nodes.elastic()) {
+    if (spec.world_size - 1 < spec.nodes.min) {
+      return fmt::format(
+          "a rank was lost (killed by SIGKILL) and only {} would remain, fewer "
+          "than the minimum of {} (--nproc {}:{})",
+          spec.world_size - 1, spec.nodes.min, spec.nodes.min, spec.nodes.max);
+    }
+    --spec.world_size;
+    absent.push_back(
+        "a rank killed by SIGKILL (the OOM killer, a cgroup limit or a scheduler): "
+        "its capacity is taken as lost");
+  }
+  if (spec.world_size == before) return "";
+  const int64_t batch = global_batch(spec.recipe, spec.world_size, spec.nominal_world);
+  status.line(fmt::format(
+      "world size {} -> {}{}; global batch {}{}", before, spec.world_size,
+      spec.hosts.empty() ? std::string() : fmt::format(" ({} host(s))", spec.hosts.size()), batch,
+      absent.empty() ? "" : "; without " + join(absent, "; ")));
+  json hosts = json::array();
+  for (const auto& h : spec.hosts)
+    hosts.push_back(h.display());
+  const json change = {
+      {"from", before},        {"to", spec.world_size},
+      {"hosts", hosts},        {"lost", absent},
+      {"global_batch", batch}, {"generation", run.info()["generations"].size() + 1},
+      {"at", utc_timestamp()}};
+  if (spec.events) spec.events->emit("world_size_changed", change);
+  json& changes = run.info()["world_size_changes"];
+  if (!changes.is_array()) changes = json::array();
+  changes.push_back(change);
+  run.save();
+  return "";
+}
+
 }  // namespace
 
 JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter& status,
@@ -33,6 +112,15 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
   int restarts = 0;
   int same_step = 0;
   int64_t previous_step = -2;
+  if (std::string error = place_generation(run, spec, status, nullptr); !error.empty()) {
+    JobOutcome out;
+    out.exit_code = 4;
+    out.status = "failed";
+    out.error = error;
+    run.info()["status"] = out.status;
+    run.save();
+    return out;
+  }
   for (;;) {
     JobOutcome outcome = run_job(run, spec, status);
     outcome.restarts = restarts;
@@ -52,41 +140,54 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
       return outcome;
     }
     ++restarts;
+    // Where the next generation continues from: rank 0's node holds the newest checkpoint
+    // when it is this machine; otherwise the ranks find the newest any node holds.
     fs::path from;
-    try {
-      from = find_valid_checkpoint(
-          run.checkpoints(), [&status](const std::string& w) { status.line("warning: " + w); });
-    } catch (const Error&) {
-      // No checkpoint yet: start over, with metrics to match.
-      std::error_code ignored;
-      fs::remove(run.path() / "metrics.jsonl", ignored);
+    std::string from_name = "the newest checkpoint on the nodes";
+    if (rank0_local(spec)) {
+      try {
+        from = find_valid_checkpoint(
+            run.checkpoints(), [&status](const std::string& w) { status.line("warning: " + w); });
+        from_name = from.filename().string();
+      } catch (const Error&) {
+        from_name = "step 0";  // no checkpoint yet: start over, with metrics to match
+        std::error_code ignored;
+        fs::remove(run.path() / "metrics.jsonl", ignored);
+      }
     }
     const auto backoff = std::min<std::chrono::milliseconds>(
         policy.backoff * (int64_t{1} << std::min(restarts - 1, 15)), std::chrono::seconds(30));
     const std::string cause = first_line(outcome.error);
     status.line(fmt::format("restart {}/{} in {:.1f}s from {}: {}", restarts, policy.max_restarts,
-                            static_cast<double>(backoff.count()) / 1000.0,
-                            from.empty() ? std::string("step 0") : from.filename().string(),
-                            cause));
+                            static_cast<double>(backoff.count()) / 1000.0, from_name, cause));
     if (spec.events) {
-      spec.events->emit(
-          "restart", {{"restart", restarts},
-                      {"max_restarts", policy.max_restarts},
-                      {"cause", cause},
-                      {"backoff_s", static_cast<double>(backoff.count()) / 1000.0},
-                      {"from", from.empty() ? std::string("step 0") : from.filename().string()}});
+      spec.events->emit("restart", {{"restart", restarts},
+                                    {"max_restarts", policy.max_restarts},
+                                    {"cause", cause},
+                                    {"backoff_s", static_cast<double>(backoff.count()) / 1000.0},
+                                    {"from", from_name}});
     }
     json& restarts_json = run.info()["restarts"];
     if (!restarts_json.is_array()) restarts_json = json::array();
-    restarts_json.push_back(
-        {{"restart", restarts},
-         {"after_generation", run.info()["generations"].size()},
-         {"cause", cause},
-         {"failed_after_step", outcome.last_step},
-         {"from", from.empty() ? std::string("step 0") : from.filename().string()},
-         {"at", utc_timestamp()}});
+    restarts_json.push_back({{"restart", restarts},
+                             {"after_generation", run.info()["generations"].size()},
+                             {"cause", cause},
+                             {"failed_after_step", outcome.last_step},
+                             {"from", from_name},
+                             {"at", utc_timestamp()}});
     run.save();
-    if (const int sig = sleep_unless_stopped(backoff)) {
+    int sig = sleep_unless_stopped(backoff);
+    if (sig == 0) {
+      if (std::string error = place_generation(run, spec, status, &outcome); !error.empty()) {
+        outcome.exit_code = outcome.rank_killed ? 3 : 4;
+        outcome.error = error + "\n  (the failure before: " + cause + ")";
+        run.info()["status"] = "failed";
+        run.save();
+        return outcome;
+      }
+      sig = pending_stop_signal();
+    }
+    if (sig != 0) {
       outcome.exit_code = sig == SIGTERM ? 143 : 130;
       outcome.status = sig == SIGTERM ? "terminated" : "interrupted";
       outcome.error = "stopped while waiting to restart";
@@ -94,7 +195,9 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
       run.save();
       return outcome;
     }
-    spec.resume_from = from;
+    // A checkpoint on this machine is named when rank 0 still runs here; otherwise the ranks
+    // find the newest any node holds (rank 0 may be on another host now).
+    spec.resume_from = rank0_local(spec) && !from.empty() ? from : fs::path("newest-or-start");
   }
 }
 

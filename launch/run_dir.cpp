@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include "core/comm/auth.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
 
@@ -36,6 +37,12 @@ void make_layout(const fs::path& dir) {
 
 }  // namespace
 
+std::string RunDirectory::remote_name() const {
+  const std::string base = path_.filename().string();
+  const std::string id = info_.value("id", std::string());
+  return id.empty() ? base : base + "-" + id;
+}
+
 std::string utc_timestamp() {
   return utc_format("%Y-%m-%dT%H:%M:%SZ");
 }
@@ -57,6 +64,7 @@ RunDirectory RunDirectory::create(const fs::path& dir, const fs::path& runs_root
   }
   make_layout(path);
   RunDirectory run(fs::absolute(path).lexically_normal(), nlohmann::json::object());
+  run.info_["id"] = generate_job_secret().substr(0, 12);
   run.info_["created_at"] = utc_timestamp();
   run.info_["dptrain_version"] = DPTRAIN_VERSION;
   run.info_["generations"] = nlohmann::json::array();

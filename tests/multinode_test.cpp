@@ -5,8 +5,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "tests/harness.hpp"
-#include "tests/sshd.hpp"
+#include "tests/cluster.hpp"
 
 using namespace dptrain::test;
 namespace fs = std::filesystem;
@@ -14,18 +13,8 @@ using nlohmann::json;
 
 namespace {
 
-struct Cluster {
-  LoopbackSshd& sshd = LoopbackSshd::instance();
-  TempDir tmp;
-  fs::path hostfile = tmp / "hosts.txt";
-  Cluster() { sshd.write_hostfile(hostfile, {sshd.addresses()[1], sshd.addresses()[2]}, 2); }
-
-  std::vector<std::string> launch_args(const fs::path& recipe, const fs::path& run_dir) const {
-    return {"launch",          recipe.string(), "--hosts",
-            hostfile.string(), "--known-hosts", sshd.known_hosts().string(),
-            "--remote-binary", binary(),        "--run-dir",
-            run_dir.string()};
-  }
+struct Cluster : TwoHostCluster {
+  Cluster() : TwoHostCluster(2) {}
 };
 
 // Workers whose command line names this run (by its directory name), and their RANK.

@@ -181,7 +181,8 @@ void LoopbackSshd::start() {
     generate_key(key, log_);
   }
   host_public_key_ = host_key.string() + ".pub";
-  write_all(dir_ / "authorized_keys", public_key(client_key_) + "\n");
+  for (const auto& address : addresses_)
+    write_all(authorized_keys(address), public_key(client_key_) + "\n");
 
   const fs::path config = dir_ / "sshd_config";
   for (int attempt = 0; attempt < 5; ++attempt) {
@@ -190,7 +191,6 @@ void LoopbackSshd::start() {
     for (const auto& address : addresses_)
       text << "ListenAddress " << address << ":" << port_ << "\n";
     text << "HostKey " << host_key.string() << "\n"
-         << "AuthorizedKeysFile " << (dir_ / "authorized_keys").string() << "\n"
          << "PidFile " << (dir_ / "sshd.pid").string() << "\n"
          << "PermitRootLogin prohibit-password\n"
          << "StrictModes no\n"
@@ -210,7 +210,7 @@ void LoopbackSshd::start() {
     for (const auto& address : addresses_) {
       fs::create_directories(home(address));
       homes << "Match LocalAddress " << address << "\n  SetEnv HOME=" << home(address).string()
-            << "\n";
+            << "\n  AuthorizedKeysFile " << authorized_keys(address).string() << "\n";
     }
     // Newer OpenSSH (9.8+) blocks a source address after failed logins; tests fail logins on
     // purpose. Older versions do not know the option and refuse the config with it.
@@ -268,6 +268,18 @@ void LoopbackSshd::start() {
     // Another process took the port between our check and sshd's bind: try another one.
   }
   throw std::runtime_error("sshd fixture: no free port for sshd after 5 attempts");
+}
+
+fs::path LoopbackSshd::authorized_keys(const std::string& address) const {
+  return dir_ / ("authorized_keys-" + address);
+}
+
+void LoopbackSshd::set_logins_refused(const std::string& address, bool refused) const {
+  if (refused) {
+    fs::remove(authorized_keys(address));
+  } else {
+    write_all(authorized_keys(address), public_key(client_key_) + "\n");
+  }
 }
 
 void LoopbackSshd::stop() {

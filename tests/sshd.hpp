@@ -42,6 +42,9 @@ class LoopbackSshd {
   std::filesystem::path home(const std::string& address) const;
   // The host at `address` with this sshd's port, the test user and the authorized key.
   HostSpec host(const std::string& address) const;
+  // While refused, every login to `address` fails (its authorized keys are gone): to the
+  // launcher the host is lost. Sessions already open stay open.
+  void set_logins_refused(const std::string& address, bool refused) const;
   // A hostfile with one line per address: "ADDRESS port=P user=U key=CLIENT_KEY slots=N".
   void write_hostfile(const std::filesystem::path& path, const std::vector<std::string>& addresses,
                       int slots = 1) const;
@@ -55,6 +58,7 @@ class LoopbackSshd {
   void start();
   void stop();
   static void stop_at_exit();
+  std::filesystem::path authorized_keys(const std::string& address) const;
 
   std::filesystem::path dir_;
   std::filesystem::path client_key_, wrong_key_, host_key_, other_host_key_, known_hosts_;

@@ -54,21 +54,39 @@ std::vector<int64_t> DistributedSampler::indices(int64_t epoch, int64_t batch_in
 
 void DistributedSampler::indices(int64_t epoch, int64_t batch_in_epoch, int64_t offset,
                                  std::span<int64_t> out) const {
+  if (batch_in_epoch < 0 || batch_in_epoch >= steps_per_epoch_) {
+    throw Error(ErrorKind::internal, "sampler: batch " + std::to_string(batch_in_epoch) +
+                                         " is outside " + std::to_string(steps_per_epoch_) +
+                                         " batches of an epoch");
+  }
+  indices(DataPosition{epoch, batch_in_epoch * global_batch_}, offset, out);
+}
+
+DataPosition DistributedSampler::advance(DataPosition at) const {
+  return normalize({at.epoch, at.sample + global_batch_});
+}
+
+DataPosition DistributedSampler::normalize(DataPosition at) const {
+  if (at.sample < 0 || at.sample + global_batch_ > dataset_size_) return {at.epoch + 1, 0};
+  return at;
+}
+
+void DistributedSampler::indices(DataPosition at, int64_t offset, std::span<int64_t> out) const {
   const auto count = static_cast<int64_t>(out.size());
-  if (epoch < 0 || batch_in_epoch < 0 || batch_in_epoch >= steps_per_epoch_ || offset < 0 ||
+  if (at.epoch < 0 || at.sample < 0 || at.sample + global_batch_ > dataset_size_ || offset < 0 ||
       count < 0 || offset + count > global_batch_) {
-    throw Error(ErrorKind::internal, "sampler: epoch " + std::to_string(epoch) + " batch " +
-                                         std::to_string(batch_in_epoch) + " slice [" +
-                                         std::to_string(offset) + ", " +
-                                         std::to_string(offset + count) + ") is outside " +
-                                         std::to_string(steps_per_epoch_) + " batches of " +
-                                         std::to_string(global_batch_));
+    throw Error(ErrorKind::internal,
+                "sampler: epoch " + std::to_string(at.epoch) + " position " +
+                    std::to_string(at.sample) + " slice [" + std::to_string(offset) + ", " +
+                    std::to_string(offset + count) + ") is outside batches of " +
+                    std::to_string(global_batch_) + " in " + std::to_string(dataset_size_) +
+                    " samples");
   }
-  if (epoch != cached_epoch_) {
-    cached_permutation_ = permutation(epoch);
-    cached_epoch_ = epoch;
+  if (at.epoch != cached_epoch_) {
+    cached_permutation_ = permutation(at.epoch);
+    cached_epoch_ = at.epoch;
   }
-  const auto begin = cached_permutation_.begin() + batch_in_epoch * global_batch_ + offset;
+  const auto begin = cached_permutation_.begin() + at.sample + offset;
   std::copy(begin, begin + count, out.begin());
 }
 

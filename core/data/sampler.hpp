@@ -8,16 +8,35 @@
 
 namespace dptrain {
 
-// Each epoch has a permutation of [0, n) derived only from (seed, epoch). Global batch b of an
-// epoch is perm[b*G, (b+1)*G), G = world * batch_per_rank * grad_accum. Rank r's micro-batch m
-// takes the slice at offset (m*world + r) * batch_per_rank, so 2 ranks x batch B and 1 rank x batch
-// 2B see exactly the same samples per step.
+// Where training stands in the data: the epoch and how many of its samples were consumed.
+struct DataPosition {
+  int64_t epoch = 0;
+  int64_t sample = 0;  // the next step's global batch starts at perm[sample]
+  bool operator==(const DataPosition&) const = default;
+};
+
+// Each epoch has a permutation of [0, n) derived only from (seed, epoch). A step's global batch
+// is perm[s, s + G) from the position s, G = world * batch_per_rank * grad_accum (or the global
+// batch an elastic job keeps). Micro-batch j of the step is the slice at offset j *
+// batch_per_rank; rank r takes j = r, r + world, ..., so 2 ranks x batch B and 1 rank x batch 2B
+// see exactly the same samples per step. Positions count samples, not batches, so a job whose
+// global batch changes (a resize that scales the learning rate) continues where it was: no
+// sample of the epoch is skipped or seen twice.
 class DistributedSampler {
  public:
   // Error(recipe) if dataset_size < global_batch, naming both.
   DistributedSampler(int64_t dataset_size, int64_t global_batch, uint64_t seed);
 
   int64_t steps_per_epoch() const { return steps_per_epoch_; }  // floor(n / G): the tail is dropped
+
+  // The position after a step from `at`; the next epoch once fewer than G samples remain (the
+  // tail is dropped).
+  DataPosition advance(DataPosition at) const;
+  // `at` itself, or the start of the next epoch when a whole global batch no longer fits there
+  // (a position saved under another global batch).
+  DataPosition normalize(DataPosition at) const;
+  // Slice [offset, offset + count) of the global batch that starts at position `at`.
+  void indices(DataPosition at, int64_t offset, std::span<int64_t> out) const;
 
   // Slice [offset, offset + count) of global batch batch_in_epoch of epoch. Caches the epoch's
   // permutation, so consecutive calls within an epoch are cheap; not safe to call concurrently.

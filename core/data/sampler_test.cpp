@@ -100,4 +100,33 @@ TEST_CASE("a dataset smaller than one global batch names both sizes") {
   CHECK_THROWS_AS(sampler.indices(0, 0, 2, 3), Error);  // past the global batch
 }
 
+TEST_CASE("a position saved under one global batch continues under another without repeats") {
+  const int64_t n = 100;
+  const DistributedSampler big(n, 24, 9), small(n, 10, 9);
+  std::set<int64_t> seen;
+  const auto take = [&seen](const DistributedSampler& s, DataPosition at, int64_t count) {
+    std::vector<int64_t> out(static_cast<size_t>(count));
+    s.indices(at, 0, out);
+    for (int64_t i : out)
+      CHECK(seen.insert(i).second);  // never twice in the epoch
+  };
+  DataPosition at;
+  for (int i = 0; i < 2; ++i) {  // two steps of 24: 48 samples
+    take(big, at, 24);
+    at = big.advance(at);
+  }
+  CHECK(at == DataPosition{0, 48});
+  at = small.normalize(at);  // the job continues with a global batch of 10
+  CHECK(at == DataPosition{0, 48});
+  while (at.epoch == 0) {
+    take(small, at, 10);
+    at = small.advance(at);
+  }
+  CHECK(seen.size() == 98);  // 48 + 5 x 10: only the tail of 2 is dropped
+  CHECK(at == DataPosition{1, 0});
+  // A position where a whole batch no longer fits moves to the next epoch.
+  CHECK(big.normalize({3, 90}) == DataPosition{4, 0});
+  CHECK(small.normalize({3, 90}) == DataPosition{3, 90});
+}
+
 }  // namespace dptrain

@@ -1,0 +1,253 @@
+// Elastic world size and runs whose rank 0 is on another host: a lost node (its SSH connection
+// killed, its logins refused) with --nnodes 1:2, a local rank lost with --nproc MIN:MAX, and
+// restarts that find their checkpoint on the surviving nodes.
+#include <doctest/doctest.h>
+#include <signal.h>
+
+#include <cmath>
+#include <fstream>
+
+#include "tests/cluster.hpp"
+
+using namespace dptrain::test;
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+json elastic_recipe() {
+  auto r = small_recipe();
+  r["train"]["steps"] = 150;
+  r["checkpoint"] = {{"every", 25}, {"keep", 3}};
+  r["eval"] = {{"every", 0}};
+  return r;
+}
+
+std::vector<json> events_named(const fs::path& events, const std::string& name) {
+  std::vector<json> out;
+  for (const auto& e : read_jsonl(events)) {
+    if (e["event"] == name) out.push_back(e);
+  }
+  return out;
+}
+
+double eval_loss(const fs::path& run_dir) {
+  return parse_json(read_text(run_dir / "result.json"))["eval_loss"].get<double>();
+}
+
+// Refuses logins to one loopback host while alive.
+class LostHost {
+ public:
+  LostHost(const LoopbackSshd& sshd, std::string address)
+      : sshd_(sshd), address_(std::move(address)) {
+    sshd_.set_logins_refused(address_, true);
+  }
+  ~LostHost() { sshd_.set_logins_refused(address_, false); }
+  LostHost(const LostHost&) = delete;
+  LostHost& operator=(const LostHost&) = delete;
+
+ private:
+  const LoopbackSshd& sshd_;
+  std::string address_;
+};
+
+struct TwoHosts : TwoHostCluster {
+  TwoHosts() : TwoHostCluster(1) {}
+};
+
+}  // namespace
+
+TEST_CASE("a lost node with --nnodes 1:2: the survivor finishes from its own checkpoint copy") {
+  TwoHosts c;
+  const auto recipe = write_recipe(c.tmp.path(), elastic_recipe());
+  auto clean = run_dptrain(
+      {"launch", recipe.string(), "--nproc", "2", "--run-dir", (c.tmp / "clean").string()});
+  REQUIRE(clean.exit_code == 0);
+
+  // Rank 0 runs on the first host: losing it also loses the checkpoints written there.
+  const std::string lost = c.sshd.addresses()[1], survivor = c.sshd.addresses()[2];
+  const fs::path run_dir = c.tmp / "elastic", events = c.tmp / "events.jsonl";
+  auto args = c.launch_args(recipe, run_dir);
+  for (const char* a : {"--nnodes", "1:2", "--rejoin-timeout", "2", "--max-restarts", "2",
+                        "--restart-backoff", "0.2", "--events"}) {
+    args.push_back(a);
+  }
+  args.push_back(events.string());
+  Background job(args, {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "25"}});
+  REQUIRE(eventually([&] {
+    return fs::exists(c.remote_run(survivor, run_dir) / "checkpoints/step-000050/meta.json");
+  }));
+  std::vector<pid_t> pids = worker_pids(run_dir);  // the two relays, in host order
+  REQUIRE(pids.size() == 2);
+  std::optional<LostHost> gone;
+  gone.emplace(c.sshd, lost);
+  ::kill(pids[0], SIGKILL);  // the launcher's SSH connection to the first host dies
+  const int code = job.wait();
+  gone.reset();
+  INFO(job.out(), job.err());
+  REQUIRE(code == 0);
+
+  const json result = parse_json(read_text(run_dir / "result.json"));
+  CHECK(result["world_size"] == 1);
+  CHECK(result["steps"] == 150);
+  const auto changes = events_named(events, "world_size_changed");
+  REQUIRE(changes.size() == 1);
+  CHECK(changes[0]["from"] == 2);
+  CHECK(changes[0]["to"] == 1);
+  CHECK(changes[0]["hosts"] == json::array({c.sshd.host(survivor).display()}));
+  REQUIRE(changes[0]["lost"].size() == 1);
+  CHECK(changes[0]["lost"][0].get<std::string>().find(lost) != std::string::npos);
+  // The survivor continued from the checkpoint its own node wrote, not from step 0.
+  const json info = parse_json(read_text(run_dir / "run.json"));
+  REQUIRE(info["generations"].size() == 2);
+  const std::string resumed = info["generations"][1]["resumed_from"];
+  CHECK(resumed.rfind("step-0000", 0) == 0);
+  CHECK(resumed != "step-000000");
+  CHECK(info["generations"][1]["world_size"] == 1);
+  CHECK(info["world_size_changes"].size() == 1);
+  CHECK(info["nominal_world_size"] == 2);
+  // The global batch stayed the same: the held-out loss is that of a fault-free run.
+  const double clean_loss = eval_loss(c.tmp / "clean"), loss = eval_loss(run_dir);
+  CHECK(std::abs(loss - clean_loss) / clean_loss < 0.02);
+  // The launcher's metrics were mirrored from a remote rank 0 and rewound on the restart.
+  int64_t previous = 0;
+  for (const auto& m : read_jsonl(run_dir / "metrics.jsonl")) {
+    if (!m.contains("loss")) continue;  // eval lines repeat their step
+    CHECK(m["step"].get<int64_t>() > previous);
+    previous = m["step"].get<int64_t>();
+  }
+  CHECK(previous == 150);
+}
+
+TEST_CASE("a lost node does not leave a job below --nnodes MIN: exit 4 naming the host") {
+  TwoHosts c;
+  const auto recipe = write_recipe(c.tmp.path(), elastic_recipe());
+  const std::string lost = c.sshd.addresses()[2];
+  const LostHost gone(c.sshd, lost);
+  auto args = c.launch_args(recipe, c.tmp / "short");
+  for (const char* a : {"--nnodes", "2:2", "--rejoin-timeout", "1"})
+    args.push_back(a);
+  const auto r = run_dptrain(args);
+  CHECK(r.exit_code == 4);
+  CHECK(r.err.find("only 1 of the 2 host(s) this job needs at least answered") !=
+        std::string::npos);
+  CHECK(r.err.find(lost) != std::string::npos);
+}
+
+TEST_CASE("a spare host stands in for an unreachable one: --nnodes 1 of 2 hosts") {
+  TwoHosts c;
+  const auto recipe = write_recipe(c.tmp.path(), small_recipe());
+  const LostHost gone(c.sshd, c.sshd.addresses()[1]);
+  auto args = c.launch_args(recipe, c.tmp / "spare");
+  for (const char* a : {"--nnodes", "1", "--json"})
+    args.push_back(a);
+  const auto r = run_dptrain(args);
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  const json info = parse_json(read_text(c.tmp / "spare/run.json"));
+  CHECK(info["generations"][0]["hosts"] ==
+        json::array({c.sshd.host(c.sshd.addresses()[2]).display()}));
+}
+
+TEST_CASE("a crash on a run whose rank 0 is remote restarts from the nodes' checkpoint") {
+  TwoHosts c;
+  const auto recipe = write_recipe(c.tmp.path(), elastic_recipe());
+  auto clean = run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir",
+                            (c.tmp / "clean").string(), "--json"});
+  REQUIRE(clean.exit_code == 0);
+  auto args = c.launch_args(recipe, c.tmp / "remote");
+  for (const char* a : {"--max-restarts", "1", "--restart-backoff", "0.1", "--json"})
+    args.push_back(a);
+  const auto r = run_dptrain(args, {{"DPTRAIN_FAULT", "crash@step=70,rank=1,gen=1"}});
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.err.find("from the newest checkpoint on the nodes") != std::string::npos);
+  const json out = parse_json(r.out);
+  CHECK(out["restarts"] == 1);
+  CHECK(out["params_checksum"] == parse_json(clean.out)["params_checksum"]);
+  const json info = parse_json(read_text(c.tmp / "remote/run.json"));
+  CHECK(info["generations"][1]["resumed_from"] == "step-000050");
+}
+
+TEST_CASE("--nproc 1:2: a rank killed by SIGKILL is capacity lost; the job goes on with one") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), elastic_recipe());
+  auto clean = run_dptrain(
+      {"launch", recipe.string(), "--nproc", "2", "--run-dir", (tmp / "clean").string()});
+  REQUIRE(clean.exit_code == 0);
+  const auto r = run_dptrain({"launch", recipe.string(), "--nproc", "1:2", "--run-dir",
+                              (tmp / "elastic").string(), "--max-restarts", "2",
+                              "--restart-backoff", "0.1", "--events",
+                              (tmp / "events.jsonl").string()},
+                             {{"DPTRAIN_FAULT", "crash@step=60,rank=1,gen=1"}});
+  INFO(r.err, r.out);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out.find("world size 2 -> 1; global batch 32") != std::string::npos);
+  const auto changes = events_named(tmp / "events.jsonl", "world_size_changed");
+  REQUIRE(changes.size() == 1);
+  CHECK(changes[0]["to"] == 1);
+  const auto rendezvous = events_named(tmp / "events.jsonl", "rendezvous_done");
+  REQUIRE(rendezvous.size() == 2);
+  CHECK(rendezvous[1]["world_size"] == 1);
+  CHECK(rendezvous[1]["global_batch"] == 32);
+  CHECK(rendezvous[1]["resumed_from"] == "step-000050");
+  const double clean_loss = eval_loss(tmp / "clean"), loss = eval_loss(tmp / "elastic");
+  CHECK(std::abs(loss - clean_loss) / clean_loss < 0.02);
+
+  // Below the minimum it stops, naming why.
+  const auto floor = run_dptrain({"launch", recipe.string(), "--nproc", "2:3", "--run-dir",
+                                  (tmp / "floor").string(), "--max-restarts", "3",
+                                  "--restart-backoff", "0.1"},
+                                 {{"DPTRAIN_FAULT", "crash@step=30,rank=1"}});
+  CHECK(floor.exit_code == 3);
+  CHECK(floor.err.find("only 1 would remain, fewer than the minimum of 2 (--nproc 2:3)") !=
+        std::string::npos);
+}
+
+TEST_CASE("--nproc and --nnodes ranges are checked") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), small_recipe());
+  for (const auto& [flag, value] : std::vector<std::pair<std::string, std::string>>{
+           {"--nproc", "3:2"}, {"--nproc", "0"}, {"--nproc", "1:x"}, {"--nnodes", "1:2"}}) {
+    CAPTURE(value);
+    const auto r = run_dptrain({"launch", recipe.string(), flag, value, "--dry-run"});
+    CHECK(r.exit_code == 2);
+    CHECK(r.err.find(flag) != std::string::npos);
+  }
+}
+
+TEST_CASE("SIGTERM and resume of a run whose rank 0 is remote continue bit-identically") {
+  TwoHosts c;
+  const auto recipe = write_recipe(c.tmp.path(), elastic_recipe());
+  auto clean = run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir",
+                            (c.tmp / "clean").string(), "--json"});
+  REQUIRE(clean.exit_code == 0);
+  const fs::path run_dir = c.tmp / "remote";
+  Background job(c.launch_args(recipe, run_dir), {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "20"}});
+  const bool checkpointed = eventually([&] {
+    return fs::exists(c.remote_run(c.sshd.addresses()[1], run_dir) / "checkpoints/step-000025");
+  });
+  ::kill(job.pid(), SIGTERM);
+  const int code = job.wait();
+  INFO(job.out(), job.err());
+  REQUIRE(checkpointed);
+  REQUIRE(code == 143);
+
+  // Without the hosts, resume says which it needs.
+  const auto bare = run_dptrain({"resume", run_dir.string()});
+  CHECK(bare.exit_code == 2);
+  CHECK(bare.err.find("give them again with --hosts") != std::string::npos);
+  CHECK(bare.err.find(c.sshd.addresses()[1]) != std::string::npos);
+
+  auto args = c.launch_args(recipe, run_dir);
+  args.erase(args.begin(), args.begin() + 2);  // "launch RECIPE"
+  const auto run_flag = std::find(args.begin(), args.end(), "--run-dir");
+  args.erase(run_flag, run_flag + 2);
+  args.insert(args.begin(), {"resume", run_dir.string()});
+  args.push_back("--json");
+  const auto resumed = run_dptrain(args);
+  INFO(resumed.err);
+  REQUIRE(resumed.exit_code == 0);
+  CHECK(resumed.err.find("from the newest checkpoint on its hosts") != std::string::npos);
+  CHECK(parse_json(resumed.out)["params_checksum"] == parse_json(clean.out)["params_checksum"]);
+}
