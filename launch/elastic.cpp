@@ -31,8 +31,9 @@ SizeRange parse_size_range(const std::string& text, const std::string& flag) {
                       : parse_positive(text.substr(0, colon), r.min) &&
                             parse_positive(text.substr(colon + 1), r.max);
   if (!ok || r.min > r.max) {
-    throw Error(ErrorKind::usage,
-                fmt::format("{}: expected N or MIN:MAX with 1 <= MIN <= MAX, got '{}'", flag, text));
+    throw Error(
+        ErrorKind::usage,
+        fmt::format("{}: expected N or MIN:MAX with 1 <= MIN <= MAX, got '{}'", flag, text));
   }
   return r;
 }

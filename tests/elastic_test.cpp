@@ -175,11 +175,11 @@ TEST_CASE("--nproc 1:2: a rank killed by SIGKILL is capacity lost; the job goes 
   auto clean = run_dptrain(
       {"launch", recipe.string(), "--nproc", "2", "--run-dir", (tmp / "clean").string()});
   REQUIRE(clean.exit_code == 0);
-  const auto r = run_dptrain({"launch", recipe.string(), "--nproc", "1:2", "--run-dir",
-                              (tmp / "elastic").string(), "--max-restarts", "2",
-                              "--restart-backoff", "0.1", "--events",
-                              (tmp / "events.jsonl").string()},
-                             {{"DPTRAIN_FAULT", "crash@step=60,rank=1,gen=1"}});
+  const auto r =
+      run_dptrain({"launch", recipe.string(), "--nproc", "1:2", "--run-dir",
+                   (tmp / "elastic").string(), "--max-restarts", "2", "--restart-backoff", "0.1",
+                   "--events", (tmp / "events.jsonl").string()},
+                  {{"DPTRAIN_FAULT", "crash@step=60,rank=1,gen=1"}});
   INFO(r.err, r.out);
   REQUIRE(r.exit_code == 0);
   CHECK(r.out.find("world size 2 -> 1; global batch 32") != std::string::npos);
@@ -195,10 +195,10 @@ TEST_CASE("--nproc 1:2: a rank killed by SIGKILL is capacity lost; the job goes 
   CHECK(std::abs(loss - clean_loss) / clean_loss < 0.02);
 
   // Below the minimum it stops, naming why.
-  const auto floor = run_dptrain({"launch", recipe.string(), "--nproc", "2:3", "--run-dir",
-                                  (tmp / "floor").string(), "--max-restarts", "3",
-                                  "--restart-backoff", "0.1"},
-                                 {{"DPTRAIN_FAULT", "crash@step=30,rank=1"}});
+  const auto floor =
+      run_dptrain({"launch", recipe.string(), "--nproc", "2:3", "--run-dir",
+                   (tmp / "floor").string(), "--max-restarts", "3", "--restart-backoff", "0.1"},
+                  {{"DPTRAIN_FAULT", "crash@step=30,rank=1"}});
   CHECK(floor.exit_code == 3);
   CHECK(floor.err.find("only 1 would remain, fewer than the minimum of 2 (--nproc 2:3)") !=
         std::string::npos);
