@@ -24,6 +24,8 @@ void setup_launch(CLI::App& app, Outcome& outcome);
 void setup_resume(CLI::App& app, Outcome& outcome);
 void setup_ckpt(CLI::App& app, Outcome& outcome);
 void setup_recipe(CLI::App& app, Outcome& outcome);
+void setup_data(CLI::App& app, Outcome& outcome);
+void setup_sample(CLI::App& app, Outcome& outcome);
 void setup_worker(CLI::App& app, Outcome& outcome);
 void setup_provision(CLI::App& app, Outcome& outcome);
 void setup_agent(CLI::App& app, Outcome& outcome);
@@ -37,6 +39,8 @@ inline const std::vector<Subcommand>& subcommands() {
       {"resume", "Continue a run from its newest valid checkpoint", setup_resume},
       {"ckpt", "List a run's checkpoints, or verify their checksums", setup_ckpt},
       {"recipe", "Validate a recipe or show it with every default filled in", setup_recipe},
+      {"data", "Prepare a token dataset from text files for the gpt model", setup_data},
+      {"sample", "Generate text from a gpt run's checkpoint", setup_sample},
       {"worker", "Run one rank (started by launch, or by hand / another scheduler)", setup_worker},
       {"provision", "Check hosts over SSH and install dptrain, a recipe and files on them",
        setup_provision},

@@ -5,6 +5,7 @@
 
 #include "cli/commands.hpp"
 #include "core/error.hpp"
+#include "core/model/model.hpp"
 #include "core/recipe.hpp"
 
 namespace dptrain::cli {
@@ -19,17 +20,20 @@ struct RecipeOptions {
 int run_validate(const RecipeOptions& o) {
   if (!o.json) {
     const Recipe r = load_recipe(o.recipe);
-    std::printf("%s: ok (recipe '%s', hash %s)\n", o.recipe.c_str(), r.name.c_str(),
-                recipe_hash(r).c_str());
+    std::printf("%s: ok (recipe '%s', hash %s)\nmodel: %s\n", o.recipe.c_str(), r.name.c_str(),
+                recipe_hash(r).c_str(), make_model(r.model)->describe().c_str());
     return 0;
   }
   nlohmann::json out;
   int code = 0;
   try {
     const Recipe r = load_recipe(o.recipe);
+    const auto model = make_model(r.model);
     out = {{"valid", true},
            {"name", r.name},
            {"hash", recipe_hash(r)},
+           {"model", model->describe()},
+           {"parameters", model->num_params()},
            {"errors", nlohmann::json::array()}};
   } catch (const Error& e) {
     if (e.kind() != ErrorKind::recipe) throw;
@@ -61,7 +65,10 @@ void setup_recipe(CLI::App& app, Outcome& outcome) {
   CLI::App* show = app.add_subcommand("show", "Print the resolved recipe, every default filled in");
   show->add_option("recipe", o->recipe, "Recipe JSON file")->required();
   show->callback([o, &outcome] {
-    std::printf("%s\n", to_json(load_recipe(o->recipe)).dump(2).c_str());
+    const Recipe r = load_recipe(o->recipe);
+    std::printf("%s\n", to_json(r).dump(2).c_str());
+    // stdout stays the resolved recipe alone (it parses back); the model's size goes beside it.
+    std::fprintf(stderr, "model: %s\n", make_model(r.model)->describe().c_str());
     outcome.exit_code = 0;
   });
 }

@@ -104,9 +104,12 @@ int report_outcome(const RunDirectory& run, const JobOutcome& outcome, bool json
     std::fprintf(summary, "run directory: %s\n", run.path().c_str());
     std::fprintf(summary, "%s\n",
                  fmt::format("final loss {:.4f}  eval loss {:.4f}  eval accuracy {:.2f}%  "
-                             "{:.0f} samples/s  ({} steps, {} ranks)",
+                             "{}  ({} steps, {} ranks)",
                              r.value("final_loss", 0.0), r.value("eval_loss", 0.0),
-                             100.0 * r.value("eval_accuracy", 0.0), r.value("samples_per_s", 0.0),
+                             100.0 * r.value("eval_accuracy", 0.0),
+                             r.contains("tokens_per_s")
+                                 ? fmt::format("{:.0f} tokens/s", r.value("tokens_per_s", 0.0))
+                                 : fmt::format("{:.0f} samples/s", r.value("samples_per_s", 0.0)),
                              r.value("steps", int64_t{0}), r.value("world_size", int64_t{0}))
                      .c_str());
   }

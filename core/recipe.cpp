@@ -325,16 +325,26 @@ class Writer {
 
 template <class Visitor>
 void visit_fields(Visitor& v, ModelSpec& m) {
-  v.field("type", m.type, one_of({"mlp"}));
+  v.field("type", m.type, one_of({"mlp", "gpt"}));
   v.field("input", m.input, at_least(int64_t{1}));
   v.field("hidden", m.hidden, at_least(int64_t{1}));
   v.field("classes", m.classes, at_least(int64_t{2}));
   v.field("activation", m.activation, one_of({"relu", "gelu"}));
+  v.field("vocab", m.vocab, at_least(int64_t{2}));
+  v.field("context", m.context, at_least(int64_t{1}));
+  v.field("layers", m.layers, at_least(int64_t{1}));
+  v.field("heads", m.heads, at_least(int64_t{1}));
+  v.field("width", m.width, at_least(int64_t{1}));  // and a multiple of heads, checked later
+  v.field("mlp_ratio", m.mlp_ratio, at_least(int64_t{1}));
+  v.field("dropout", m.dropout, [](double value) -> Verdict {
+    if (value == 0.0) return std::nullopt;
+    return "must be 0: the trainer has no dropout yet";
+  });
 }
 
 template <class Visitor>
 void visit_fields(Visitor& v, DataSpec& d) {
-  v.field("type", d.type, one_of({"synthetic-classification", "csv"}));
+  v.field("type", d.type, one_of({"synthetic-classification", "csv", "tokens"}));
   v.field("samples", d.samples, at_least(int64_t{2}));
   v.field("noise", d.noise, at_least(0.0));
   v.field("path", d.path, no_check);  // checked against the type once both are known
@@ -449,22 +459,40 @@ Verdict unreadable(const std::filesystem::path& path) {
   return std::nullopt;
 }
 
+// What no single field shows: a gpt's shapes, and a model that fits its data.
+void check_model(const Recipe& r, Problems& problems) {
+  if (problems.at("/model/type") || problems.at("/data/type")) return;
+  const bool gpt = r.model.type == "gpt";
+  if (gpt != (r.data.type == "tokens")) {
+    problems.add(
+        "/data/type",
+        gpt ? fmt::format("the gpt model trains on \"tokens\" data, got \"{}\"", r.data.type)
+            : fmt::format("\"tokens\" data needs the gpt model, got \"{}\"", r.model.type));
+  }
+  if (gpt && !problems.at("/model/width") && !problems.at("/model/heads") &&
+      r.model.width % r.model.heads != 0) {
+    problems.add("/model/width", fmt::format("must be a multiple of /model/heads ({}), got {}",
+                                             r.model.heads, r.model.width));
+  }
+}
+
 void check_data_path(DataSpec& data, const std::filesystem::path& base_dir, Problems& problems) {
   const std::string pointer = "/data/path";
   if (problems.at("/data/type") || problems.at(pointer)) return;
-  if (data.type != "csv") {
+  if (data.type != "csv" && data.type != "tokens") {
     if (!data.path.empty()) {
       problems.add(pointer, fmt::format("not allowed when /data/type is \"{}\"", data.type));
     }
     return;
   }
   if (data.path.empty()) {
-    problems.add(pointer, "required when /data/type is \"csv\"");
+    problems.add(pointer, fmt::format("required when /data/type is \"{}\"", data.type));
     return;
   }
   std::filesystem::path resolved =
       std::filesystem::absolute(base_dir / data.path).lexically_normal();
   data.path = resolved.string();
+  if (data.type == "tokens") return;  // a dataset directory, checked when a run loads it
   if (auto why = unreadable(resolved)) {
     problems.add(pointer, fmt::format("cannot read \"{}\": {}", data.path, *why));
   }
@@ -540,6 +568,7 @@ Recipe parse_recipe(const json& j, const std::string& source,
   root.reject_unknown_keys();
   check_warmup(recipe, problems);
   check_data_path(recipe.data, base_dir, problems);
+  check_model(recipe, problems);
   if (problems.any()) throw Error(ErrorKind::recipe, problems.report(source));
   return recipe;
 }

@@ -11,19 +11,31 @@
 namespace dptrain {
 
 struct ModelSpec {
-  std::string type = "mlp";  // "mlp" (the GPT issue adds "gpt")
-  int64_t input = 784;       // features per sample
+  std::string type = "mlp";  // "mlp" | "gpt"
+  // mlp
+  int64_t input = 784;  // features per sample
   std::vector<int64_t> hidden = {256, 256};
   int64_t classes = 10;
   std::string activation = "relu";  // "relu" | "gelu"
+  // gpt: a decoder-only transformer (pre-LayerNorm blocks, GELU MLP, tied LM head)
+  int64_t vocab = 256;    // tokens; at least the dataset's vocabulary
+  int64_t context = 128;  // positions (the window a sample trains on)
+  int64_t layers = 4;
+  int64_t heads = 4;
+  int64_t width = 128;  // embedding width; a multiple of heads
+  int64_t mlp_ratio = 4;
+  double dropout = 0.0;  // only 0 for now
   bool operator==(const ModelSpec&) const = default;
 };
 
 struct DataSpec {
-  std::string type = "synthetic-classification";  // | "csv"
-  int64_t samples = 60000;      // synthetic: number of samples generated (train + eval)
-  double noise = 1.0;           // synthetic: std-dev of each class cluster around its centre
-  std::string path;             // csv: file, relative paths resolve against the recipe's folder
+  std::string type = "synthetic-classification";  // | "csv" | "tokens"
+  int64_t samples = 60000;  // synthetic: number of samples generated (train + eval)
+  double noise = 1.0;       // synthetic: std-dev of each class cluster around its centre
+  // csv: the file; tokens: the dataset directory `dptrain data prepare` wrote (checked when a
+  // run starts, so a recipe validates without its data). Relative paths resolve against the
+  // recipe's folder.
+  std::string path;
   std::string header = "auto";  // csv: "auto" | "yes" | "no"
   double eval_fraction = 0.1;   // share of samples held out for evaluation, in [0, 1)
   bool operator==(const DataSpec&) const = default;

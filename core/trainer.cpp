@@ -26,14 +26,18 @@ using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
 nlohmann::json TrainResult::to_json() const {
-  return {{"steps", steps},
-          {"world_size", world_size},
-          {"final_loss", final_loss},
-          {"eval_loss", eval_loss},
-          {"eval_accuracy", eval_accuracy},
-          {"samples_per_s", samples_per_s},
-          {"params_checksum", params_checksum},
-          {"last_checkpoint", last_checkpoint.string()}};
+  nlohmann::json j = {{"steps", steps},
+                      {"world_size", world_size},
+                      {"final_loss", final_loss},
+                      {"eval_loss", eval_loss},
+                      {"eval_accuracy", eval_accuracy},
+                      {"samples_per_s", samples_per_s},
+                      {"params_checksum", params_checksum},
+                      {"last_checkpoint", last_checkpoint.string()}};
+  if (tokens_per_sample > 0) {
+    j["tokens_per_s"] = samples_per_s * static_cast<double>(tokens_per_sample);
+  }
+  return j;
 }
 
 namespace {
@@ -64,10 +68,10 @@ class TrainingRun {
         params_(model_->num_params()),
         grad_buffer_(model_->num_params() + 1),
         grads_(grad_buffer_.data(), model_->num_params()),
-        optimizer_(make_optimizer(recipe.optimizer, model_->num_params())),
+        optimizer_(make_optimizer(recipe.optimizer, model_->num_params(), model_->no_decay())),
         idx_(static_cast<size_t>(micro_batch_)),
-        x_(static_cast<size_t>(micro_batch_ * recipe.model.input)),
-        y_(static_cast<size_t>(micro_batch_)) {
+        x_(static_cast<size_t>(micro_batch_ * data_.train->features())),
+        y_(static_cast<size_t>(micro_batch_ * data_.train->labels_per_sample())) {
     // A fixed BLAS thread count keeps summation order, and so results, reproducible.
     set_blas_threads(static_cast<int>(recipe.train.threads_per_rank));
   }
@@ -148,6 +152,7 @@ class TrainingRun {
     TrainResult result;
     result.steps = step_;
     result.world_size = world_;
+    result.tokens_per_sample = tokens_per_sample_;
     result.final_loss = last_loss;
     if (steady_steps > 0 && steady_s > 0) {
       result.samples_per_s = static_cast<double>(steady_steps * global_batch_) / steady_s;
@@ -324,10 +329,12 @@ class TrainingRun {
   void log_step(int64_t step, double loss, double lr, double norm, double samples_per_s,
                 double step_ms, double comm_ms) {
     if (rank_ != 0) return;
-    const json line = {{"step", step},       {"epoch", position_.epoch},
-                       {"loss", loss},       {"lr", lr},
-                       {"grad_norm", norm},  {"samples_per_s", samples_per_s},
-                       {"step_ms", step_ms}, {"comm_ms", comm_ms}};
+    json line = {{"step", step},       {"epoch", position_.epoch}, {"loss", loss},
+                 {"lr", lr},           {"grad_norm", norm},        {"samples_per_s", samples_per_s},
+                 {"step_ms", step_ms}, {"comm_ms", comm_ms}};
+    if (tokens_per_sample_ > 0) {
+      line["tokens_per_s"] = samples_per_s * static_cast<double>(tokens_per_sample_);
+    }
     append_line(options_.run_dir / "metrics.jsonl", line.dump());
     json event = line;
     event["event"] = "progress";
@@ -357,7 +364,7 @@ class TrainingRun {
       for (int64_t i = 0; i < count; ++i)
         idx[static_cast<size_t>(i)] = begin + i;
       x.resize(static_cast<size_t>(count * eval.features()));
-      y.resize(static_cast<size_t>(count));
+      y.resize(static_cast<size_t>(count * eval.labels_per_sample()));
       eval.gather(idx, x.data(), y.data());
       const EvalStats s = model_->evaluate(params_, Batch{x.data(), y.data(), count});
       sums[0] += s.loss_sum;
@@ -446,6 +453,10 @@ class TrainingRun {
   const double lr_scale_;
   std::unique_ptr<Model> model_;
   DataSplits data_;
+  // A token model's context: tokens/s = samples/s x this (0 for other data).
+  const int64_t tokens_per_sample_ = data_.train->labels_per_sample() > 1
+                                         ? data_.train->labels_per_sample() - 1
+                                         : 0;
   DistributedSampler sampler_;
   std::vector<float> params_;
   // The gradients plus one slot: the stop flag rides along with the gradient all-reduce, so

@@ -47,6 +47,7 @@ struct TrainResult {
   double eval_loss = 0;
   double eval_accuracy = 0;
   double samples_per_s = 0;  // steady state: the first warm-up steps of this process are excluded
+  int64_t tokens_per_sample = 0;  // a token model's context (tokens/s = samples/s x this); else 0
   std::string params_checksum;
   std::filesystem::path last_checkpoint;
   bool stopped = false;  // stopped early on request, after checkpointing `steps`

@@ -15,12 +15,15 @@ std::string format_event(const nlohmann::json& e) {
       const auto secs = static_cast<int64_t>(e.value("eta_s", 0.0) + 0.5);
       eta = fmt::format("  eta {}:{:02d}:{:02d}", secs / 3600, secs / 60 % 60, secs % 60);
     }
+    const std::string rate = e.contains("tokens_per_s")
+                                 ? fmt::format("{:.0f} tokens/s", e.value("tokens_per_s", 0.0))
+                                 : fmt::format("{:.0f} samples/s", e.value("samples_per_s", 0.0));
     return fmt::format(
-        "step {}/{}  loss {:.4f}  lr {:.3g}  grad_norm {:.3g}  {:.0f} samples/s  step {:.2f} ms  "
-        "comm {:.2f} ms{}",
+        "step {}/{}  loss {:.4f}  lr {:.3g}  grad_norm {:.3g}  {}  step {:.2f} ms  comm {:.2f} "
+        "ms{}",
         e.value("step", int64_t{0}), e.value("steps", int64_t{0}), e.value("loss", 0.0),
-        e.value("lr", 0.0), e.value("grad_norm", 0.0), e.value("samples_per_s", 0.0),
-        e.value("step_ms", 0.0), e.value("comm_ms", 0.0), eta);
+        e.value("lr", 0.0), e.value("grad_norm", 0.0), rate, e.value("step_ms", 0.0),
+        e.value("comm_ms", 0.0), eta);
   }
   if (kind == "eval") {
     return fmt::format("eval at step {}: loss {:.4f}  accuracy {:.2f}%",

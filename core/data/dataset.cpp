@@ -12,6 +12,7 @@
 #include <random>
 #include <string_view>
 
+#include "core/data/tokens.hpp"
 #include "core/error.hpp"
 #include "core/tensor/random.hpp"
 
@@ -248,6 +249,7 @@ DataSplits split_samples(std::shared_ptr<const SampleTable> samples, double eval
 }
 
 int64_t training_samples(const DataSpec& data, const ModelSpec& model, uint64_t seed) {
+  if (data.type == "tokens") return token_training_samples(data, model);
   if (data.type == "synthetic-classification") {
     return data.samples - eval_split_size(data.samples, data.eval_fraction);
   }
@@ -255,6 +257,8 @@ int64_t training_samples(const DataSpec& data, const ModelSpec& model, uint64_t 
 }
 
 DataSplits load_data(const DataSpec& data, const ModelSpec& model, uint64_t seed) {
+  // Token data is split when it is prepared (train.bin, val.bin), not here: no seed.
+  if (data.type == "tokens") return load_token_data(data, model);
   std::shared_ptr<SampleTable> samples;
   if (data.type == "synthetic-classification") {
     samples = std::make_shared<SampleTable>(make_synthetic_samples(data, model, seed));
@@ -266,7 +270,7 @@ DataSplits load_data(const DataSpec& data, const ModelSpec& model, uint64_t seed
         read_csv_samples(data.path, data.header, model.input, model.classes));
   } else {
     throw Error(ErrorKind::recipe, "data.type: unknown data '" + data.type +
-                                       "' (expected synthetic-classification or csv)");
+                                       "' (expected synthetic-classification, csv or tokens)");
   }
   return split_samples(std::move(samples), data.eval_fraction, seed);
 }

@@ -19,8 +19,12 @@ class Dataset {
   virtual int64_t size() const = 0;
   virtual int64_t features() const = 0;
   virtual int64_t classes() const = 0;
-  // Copies the rows at indices, in the given order, to x [indices.size(), features] and y.
-  // An index outside [0, size) is Error(internal).
+  // Labels per sample: 1 for classification; a token dataset's samples are windows of
+  // context + 1 tokens (features() is 0 and x unused: the model reads inputs and next-token
+  // targets from the window).
+  virtual int64_t labels_per_sample() const { return 1; }
+  // Copies the rows at indices, in the given order, to x [indices.size(), features] and y
+  // [indices.size(), labels_per_sample]. An index outside [0, size) is Error(internal).
   virtual void gather(std::span<const int64_t> indices, float* x, int32_t* y) const = 0;
 };
 

@@ -15,17 +15,6 @@ namespace {
 constexpr uint64_t kInitStream = 0x1a17;  // derive_seed stream of the parameter init
 constexpr int64_t kEvalChunkRows = 512;   // bounds the workspace evaluate() needs
 
-// 269322 -> "269,322"
-std::string with_thousands(size_t n) {
-  std::string digits = std::to_string(n);
-  std::string out;
-  for (size_t i = 0; i < digits.size(); ++i) {
-    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
-    out += digits[i];
-  }
-  return out;
-}
-
 void require_positive(const char* field, int64_t value, int64_t minimum) {
   if (value < minimum) {
     throw Error(ErrorKind::recipe, std::string(field) + ": must be at least " +
@@ -174,10 +163,7 @@ std::string Mlp::describe() const {
          " parameters";
 }
 
-std::unique_ptr<Model> make_model(const ModelSpec& spec) {
-  if (spec.type != "mlp") {
-    throw Error(ErrorKind::recipe, "model.type: unknown model '" + spec.type + "' (expected mlp)");
-  }
+std::unique_ptr<Model> make_mlp(const ModelSpec& spec) {
   require_positive("model.input", spec.input, 1);
   std::vector<int64_t> widths{spec.input};
   for (size_t i = 0; i < spec.hidden.size(); ++i) {

@@ -57,4 +57,7 @@ class Mlp final : public Model {
   std::vector<float> workspace_;
 };
 
+// The MLP a recipe names; Error(recipe) naming a bad field.
+std::unique_ptr<Model> make_mlp(const ModelSpec& spec);
+
 }  // namespace dptrain

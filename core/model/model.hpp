@@ -6,12 +6,15 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "core/recipe.hpp"
+#include "core/tensor/tensor.hpp"
 
 namespace dptrain {
 
-// x is row-major [size, features]; y holds size class labels.
+// x is row-major [size, features]; y holds size class labels, or for a token model size
+// windows of context + 1 tokens (x unused).
 struct Batch {
   const float* x;
   const int32_t* y;
@@ -37,7 +40,12 @@ class Model {
   virtual EvalStats evaluate(std::span<const float> params, const Batch& batch) = 0;
   // One line, e.g. "mlp 784-256-256-10 relu, 269,322 parameters".
   virtual std::string describe() const = 0;
+  // Parameters weight decay leaves alone (sorted, disjoint); by default none.
+  virtual std::vector<ParamRange> no_decay() const { return {}; }
 };
+
+// 269322 -> "269,322"
+std::string with_thousands(size_t n);
 
 // The model the spec names, on the CPU op table. Bad specs are Error(recipe) naming the field.
 std::unique_ptr<Model> make_model(const ModelSpec& spec);

@@ -4,8 +4,10 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <vector>
 
 #include "core/recipe.hpp"
+#include "core/tensor/tensor.hpp"
 
 namespace dptrain {
 
@@ -20,8 +22,10 @@ class Optimizer {
   virtual void set_steps(int64_t steps) = 0;  // on resume, with state() restored
 };
 
-// Error(recipe) naming optimizer.type or optimizer.schedule.type when either is unknown.
-std::unique_ptr<Optimizer> make_optimizer(const OptimizerSpec& spec, size_t num_params);
+// Error(recipe) naming optimizer.type or optimizer.schedule.type when either is unknown. Weight
+// decay skips the `no_decay` ranges (sorted, disjoint: a model's biases and norms).
+std::unique_ptr<Optimizer> make_optimizer(const OptimizerSpec& spec, size_t num_params,
+                                          const std::vector<ParamRange>& no_decay = {});
 
 // The rate for a 0-based step: linear warm-up from lr/warmup at step 0 to lr at step `warmup`,
 // then the schedule (constant, cosine or linear) down to lr*min_lr_ratio at step total_steps.

@@ -143,4 +143,21 @@ TEST_CASE("unknown optimizer or schedule names the field") {
   CHECK_THROWS_AS(learning_rate(spec, 0, 10), Error);
 }
 
+TEST_CASE("weight decay skips the no-decay ranges and only them") {
+  for (const char* type : {"adamw", "sgd"}) {
+    CAPTURE(type);
+    OptimizerSpec spec = type == std::string("sgd") ? sgd_spec(0.0, false, 0.5) : OptimizerSpec{};
+    spec.type = type;
+    spec.weight_decay = 0.5;
+    // Six parameters, all 1, zero gradients: only decay moves them.
+    auto optimizer = make_optimizer(spec, 6, {{1, 2}, {5, 1}});
+    std::vector<float> params(6, 1.0f);
+    optimizer->step(params, std::vector<float>(6, 0.0f), 0.1);
+    const float decayed = 1.0f - 0.1f * 0.5f;
+    CHECK(params == std::vector<float>{decayed, 1.0f, 1.0f, decayed, decayed, 1.0f});
+  }
+  CHECK_THROWS_AS(make_optimizer(OptimizerSpec{}, 4, {{2, 1}, {1, 1}}), Error);  // unsorted
+  CHECK_THROWS_AS(make_optimizer(OptimizerSpec{}, 4, {{3, 2}}), Error);          // past the end
+}
+
 }  // namespace dptrain

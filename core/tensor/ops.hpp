@@ -51,6 +51,41 @@ class Ops {
   virtual void axpy(int64_t n, float alpha, const float* x, float* y) = 0;
   // x *= alpha, over n elements.
   virtual void scale(int64_t n, float alpha, float* x) = 0;
+
+  // ---- Transformer ops (the GPT model). Rows are tokens: row b * seq + t is position t of
+  // sequence b.
+
+  // out[i, :] = (x[i, :] - mean_i) * rstd_i * gamma + beta, rstd_i = 1 / sqrt(var_i + 1e-5)
+  // (biased variance). mean and rstd get one value per row, for the backward pass.
+  virtual void layernorm_forward(ConstMatrix x, const float* gamma, const float* beta, Matrix out,
+                                 float* mean, float* rstd) = 0;
+  // dx = the gradient through the normalisation (overwritten); dgamma and dbeta ACCUMULATE
+  // (+=), like every parameter gradient. dx may not alias dout.
+  virtual void layernorm_backward(ConstMatrix x, const float* gamma, const float* mean,
+                                  const float* rstd, ConstMatrix dout, Matrix dx, float* dgamma,
+                                  float* dbeta) = 0;
+
+  // Causal multi-head self-attention. qkv is [batch * seq, 3 * width]: each row holds q, then
+  // k, then v, each `width` wide; head h uses columns [h * hd, (h + 1) * hd) of each, hd = width
+  // / heads. out [batch * seq, width] is the heads' outputs side by side:
+  //   att[b, h, t, :] = softmax over s <= t of (q_t . k_s) / sqrt(hd)  (0 for s > t)
+  //   out[b * seq + t, h * hd : (h + 1) * hd] = sum_s att[b, h, t, s] * v_s
+  // att [batch, heads, seq, seq] keeps the probabilities for the backward pass. The softmax is
+  // the stable one (the row maximum subtracted).
+  virtual void attention_forward(ConstMatrix qkv, int64_t batch, int64_t seq, int64_t heads,
+                                 Matrix out, float* att) = 0;
+  // dqkv [batch * seq, 3 * width] = the gradient of the loss with respect to qkv, given dout
+  // and the forward's qkv and att (overwritten, not accumulated).
+  virtual void attention_backward(ConstMatrix qkv, const float* att, ConstMatrix dout,
+                                  int64_t batch, int64_t seq, int64_t heads, Matrix dqkv) = 0;
+
+  // out[i, :] = wte[tokens[i], :] + wpe[i % seq, :], out is [n, width] (n a multiple of seq).
+  // A token outside [0, vocab) is Error(recipe) naming it and the vocabulary size.
+  virtual void embedding_forward(const int32_t* tokens, int64_t seq, int64_t vocab,
+                                 const float* wte, const float* wpe, Matrix out) = 0;
+  // dwte[tokens[i], :] += dout[i, :] and dwpe[i % seq, :] += dout[i, :].
+  virtual void embedding_backward(const int32_t* tokens, int64_t seq, ConstMatrix dout, float* dwte,
+                                  float* dwpe) = 0;
 };
 
 }  // namespace dptrain

@@ -1,6 +1,7 @@
 // Non-owning views of row-major matrices: what the op table reads and writes, on host or device.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace dptrain {
@@ -21,5 +22,11 @@ struct MatrixView {
 
 using Matrix = MatrixView<float>;
 using ConstMatrix = MatrixView<const float>;
+
+// A run of values in a flat buffer (parameters, gradients).
+struct ParamRange {
+  size_t offset = 0;
+  size_t size = 0;
+};
 
 }  // namespace dptrain

@@ -1,0 +1,178 @@
+// `dptrain sample RUN_DIR`: text from a gpt run's checkpoint, to see what the model learned.
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <random>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.hpp"
+#include "core/checkpoint.hpp"
+#include "core/data/tokens.hpp"
+#include "core/error.hpp"
+#include "core/model/gpt.hpp"
+#include "core/recipe.hpp"
+#include "core/tensor/random.hpp"
+#include "launch/run_dir.hpp"
+
+namespace dptrain::cli {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+constexpr uint64_t kSampleStream = 0x5a3f1e;  // derive_seed stream of the sampling
+
+struct SampleOptions {
+  std::string run_dir;
+  std::string prompt;
+  int64_t tokens = 200;
+  double temperature = 1.0;
+  int64_t top_k = 0;
+  uint64_t seed = 1;
+  std::string checkpoint;  // a directory; empty: the newest valid one
+  bool json = false;
+};
+
+// Draws an id from softmax(logits / temperature) restricted to the top_k largest (0: all);
+// temperature 0 takes the largest (the first on ties).
+int32_t draw(std::vector<float> logits, double temperature, int64_t top_k, std::mt19937_64& rng) {
+  const auto n = static_cast<int64_t>(logits.size());
+  if (temperature <= 0.0) {
+    return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  }
+  if (top_k > 0 && top_k < n) {
+    std::vector<float> sorted = logits;
+    std::nth_element(sorted.begin(), sorted.begin() + (top_k - 1), sorted.end(),
+                     std::greater<float>());
+    const float kth = sorted[static_cast<size_t>(top_k - 1)];
+    for (float& v : logits) {
+      if (v < kth) v = -INFINITY;
+    }
+  }
+  const float top = *std::max_element(logits.begin(), logits.end());
+  std::vector<double> weights(logits.size());
+  double total = 0;
+  for (size_t i = 0; i < logits.size(); ++i) {
+    weights[i] = std::exp((static_cast<double>(logits[i]) - top) / temperature);
+    total += weights[i];
+  }
+  double r = uniform01(rng) * total;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    r -= weights[i];
+    if (r < 0 && weights[i] > 0) return static_cast<int32_t>(i);
+  }
+  // Rounding left r at the very end: the last id with any weight.
+  for (size_t i = weights.size(); i-- > 0;) {
+    if (weights[i] > 0) return static_cast<int32_t>(i);
+  }
+  return 0;
+}
+
+int run_sample(const SampleOptions& o) {
+  if (o.tokens < 0) {
+    throw Error(ErrorKind::usage, fmt::format("--tokens: must be >= 0, got {}", o.tokens));
+  }
+  if (!(o.temperature >= 0.0) || !std::isfinite(o.temperature)) {
+    throw Error(ErrorKind::usage,
+                fmt::format("--temperature: must be >= 0, got {}", o.temperature));
+  }
+  if (o.top_k < 0)
+    throw Error(ErrorKind::usage, fmt::format("--top-k: must be >= 0, got {}", o.top_k));
+  RunDirectory run = RunDirectory::open(o.run_dir);
+  if (!run.info().contains("recipe")) {
+    throw Error(ErrorKind::usage, fmt::format("{}: run.json has no recipe", o.run_dir));
+  }
+  const Recipe recipe =
+      parse_recipe(run.info()["recipe"], (run.path() / "run.json").string(), run.path());
+  if (recipe.model.type != "gpt") {
+    throw Error(ErrorKind::usage, fmt::format("{}: sample needs a gpt run; this one trains an {}",
+                                              o.run_dir, recipe.model.type));
+  }
+  const Tokenizer tokenizer = Tokenizer::load(recipe.data.path);
+  const fs::path from =
+      o.checkpoint.empty()
+          ? find_valid_checkpoint(
+                run.checkpoints(),
+                [](const std::string& w) { std::fprintf(stderr, "warning: %s\n", w.c_str()); })
+          : fs::path(o.checkpoint);
+  const CheckpointData ckpt = read_checkpoint(from);
+  auto model = make_gpt(recipe.model);
+  auto& gpt = dynamic_cast<Gpt&>(*model);
+  if (ckpt.params.size() != gpt.num_params()) {
+    throw Error(ErrorKind::checkpoint,
+                fmt::format("{}: holds {} parameters, the recipe's model has {}", from.string(),
+                            ckpt.params.size(), gpt.num_params()));
+  }
+  std::vector<int32_t> context = tokenizer.encode(o.prompt);
+  if (context.empty()) {
+    // No prompt: start from a newline (or token 0 when the vocabulary has none).
+    try {
+      context = tokenizer.encode("\n");
+    } catch (const Error&) {
+      context = {0};
+    }
+  }
+  const size_t prompt_tokens = context.size();
+  std::mt19937_64 rng(derive_seed(o.seed, kSampleStream));
+  const bool stream = !o.json;
+  if (stream) {
+    std::fputs(o.prompt.c_str(), stdout);
+    std::fflush(stdout);
+  }
+  for (int64_t i = 0; i < o.tokens; ++i) {
+    const int32_t next =
+        draw(gpt.next_token_logits(ckpt.params, context), o.temperature, o.top_k, rng);
+    context.push_back(next);
+    if (stream) {
+      const std::string piece = tokenizer.decode(std::span(&context.back(), 1));
+      std::fwrite(piece.data(), 1, piece.size(), stdout);
+      std::fflush(stdout);
+    }
+  }
+  const std::string generated =
+      tokenizer.decode(std::span(context).subspan(prompt_tokens, static_cast<size_t>(o.tokens)));
+  if (o.json) {
+    // Bytes that are not UTF-8 (a byte model's output) are replaced, so the JSON stays valid.
+    const json out = {{"checkpoint", from.filename().string()},
+                      {"step", ckpt.position.step},
+                      {"prompt", o.prompt},
+                      {"tokens", o.tokens},
+                      {"temperature", o.temperature},
+                      {"seed", o.seed},
+                      {"text", generated}};
+    std::printf("%s\n", out.dump(-1, ' ', false, json::error_handler_t::replace).c_str());
+  } else {
+    std::printf("\n");
+  }
+  return 0;
+}
+
+}  // namespace
+
+void setup_sample(CLI::App& app, Outcome& outcome) {
+  auto o = std::make_shared<SampleOptions>();
+  app.add_option("run_dir", o->run_dir, "Run directory of a gpt run")->required();
+  app.add_option("--prompt", o->prompt, "Text to continue (default: a newline)");
+  app.add_option("--tokens", o->tokens, "Tokens to generate")->capture_default_str();
+  app.add_option("--temperature", o->temperature,
+                 "Softmax temperature; 0 takes the most likely token every time")
+      ->capture_default_str();
+  app.add_option("--top-k", o->top_k, "Sample among the K most likely tokens only (0: all)")
+      ->capture_default_str();
+  app.add_option("--seed", o->seed, "Seed of the sampling: the same seed, the same text")
+      ->capture_default_str();
+  app.add_option("--checkpoint", o->checkpoint,
+                 "Checkpoint directory (default: the run's newest valid one)");
+  app.add_flag("--json", o->json,
+               "Print {checkpoint, step, prompt, tokens, temperature, seed, text} at the end "
+               "instead of streaming the text");
+  app.callback([o, &outcome] {
+    outcome.json = o->json;
+    outcome.exit_code = run_sample(*o);
+  });
+}
+
+}  // namespace dptrain::cli

@@ -1,0 +1,558 @@
+// Token files, tokenizers and token-window datasets (see tokens.hpp for the formats).
+#include "core/data/tokens.hpp"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <system_error>
+#include <utility>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "core/checksum.hpp"
+#include "core/error.hpp"
+#include "core/fs.hpp"
+
+namespace dptrain {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// ---- little-endian fields, whatever the host order ----
+
+void put_le(std::string& buf, size_t offset, uint64_t value, int bytes) {
+  for (int i = 0; i < bytes; ++i)
+    buf[offset + static_cast<size_t>(i)] = static_cast<char>((value >> (8 * i)) & 0xff);
+}
+
+uint64_t get_le(const unsigned char* p, int bytes) {
+  uint64_t value = 0;
+  for (int i = 0; i < bytes; ++i)
+    value |= static_cast<uint64_t>(p[i]) << (8 * i);
+  return value;
+}
+
+[[noreturn]] void bad_file(const fs::path& path, const std::string& what) {
+  throw Error(ErrorKind::recipe, fmt::format("{}: {}", path.string(), what));
+}
+
+// The file's size, or Error(recipe) "PATH: cannot read: reason".
+uint64_t regular_file_size(const fs::path& path) {
+  std::error_code ec;
+  const fs::file_status status = fs::status(path, ec);
+  if (ec || !fs::exists(status)) {
+    bad_file(path, fmt::format("cannot read: {}",
+                               ec ? ec.message() : std::string(std::strerror(ENOENT))));
+  }
+  if (!fs::is_regular_file(status)) bad_file(path, "cannot read: not a regular file");
+  const uintmax_t size = fs::file_size(path, ec);
+  if (ec) bad_file(path, fmt::format("cannot read: {}", ec.message()));
+  return size;
+}
+
+// Reads `bytes` bytes at `offset`; a short read is a truncated file.
+std::string read_range(const fs::path& path, uint64_t offset, uint64_t bytes) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) bad_file(path, fmt::format("cannot read: {}", std::strerror(errno)));
+  std::string buf(bytes, '\0');
+  in.seekg(static_cast<std::streamoff>(offset));
+  in.read(buf.data(), static_cast<std::streamsize>(bytes));
+  const auto got = static_cast<uint64_t>(in.gcount());
+  if (got != bytes) {
+    bad_file(path,
+             fmt::format("truncated: expected {} bytes, got {}", offset + bytes, offset + got));
+  }
+  return buf;
+}
+
+std::string code_point_name(char32_t cp) {
+  return fmt::format("U+{:04X}", static_cast<uint32_t>(cp));
+}
+
+// 'é' (U+00E9), or only U+000A for a control character, so a message stays one line.
+std::string describe_char(char32_t cp) {
+  if (cp < 0x20 || cp == 0x7f || (cp >= 0x80 && cp < 0xa0)) return code_point_name(cp);
+  std::string printable;
+  append_utf8(printable, cp);
+  return fmt::format("'{}' ({})", printable, code_point_name(cp));
+}
+
+[[noreturn]] void bad_utf8(size_t offset, unsigned char byte, const char* what) {
+  throw Error(ErrorKind::usage, fmt::format("invalid UTF-8 at byte offset {} (byte 0x{:02x}: {})",
+                                            offset, byte, what));
+}
+
+constexpr char32_t kMaxCodePoint = 0x10ffff;
+
+// Decodes the code point starting at text[i] and advances i past it.
+char32_t next_code_point(std::string_view text, size_t& i) {
+  const auto lead = static_cast<unsigned char>(text[i]);
+  if (lead < 0x80) {
+    ++i;
+    return lead;
+  }
+  int length = 0;
+  char32_t cp = 0, minimum = 0;
+  if ((lead & 0xe0) == 0xc0) {
+    length = 2, cp = lead & 0x1f, minimum = 0x80;
+  } else if ((lead & 0xf0) == 0xe0) {
+    length = 3, cp = lead & 0x0f, minimum = 0x800;
+  } else if ((lead & 0xf8) == 0xf0) {
+    length = 4, cp = lead & 0x07, minimum = 0x10000;
+  } else if ((lead & 0xc0) == 0x80) {
+    bad_utf8(i, lead, "a continuation byte without a lead byte");
+  } else {
+    bad_utf8(i, lead, "not a UTF-8 lead byte");
+  }
+  if (i + static_cast<size_t>(length) > text.size()) {
+    bad_utf8(i, lead, "the sequence is cut short by the end of the text");
+  }
+  for (int k = 1; k < length; ++k) {
+    const auto next = static_cast<unsigned char>(text[i + static_cast<size_t>(k)]);
+    if ((next & 0xc0) != 0x80) bad_utf8(i, lead, "the sequence is cut short");
+    cp = (cp << 6) | (next & 0x3f);
+  }
+  if (cp < minimum) bad_utf8(i, lead, "an overlong encoding");
+  if (cp >= 0xd800 && cp <= 0xdfff) bad_utf8(i, lead, "a UTF-16 surrogate");
+  if (cp > kMaxCodePoint) bad_utf8(i, lead, "above U+10FFFF");
+  i += static_cast<size_t>(length);
+  return cp;
+}
+
+// Ids below this code point are looked up in a dense table.
+constexpr char32_t kDenseLimit = 0x10000;
+
+}  // namespace
+
+// ---- token files ----
+
+int64_t dtype_capacity(int dtype_bytes) {
+  if (dtype_bytes == 2) return int64_t{1} << 16;
+  if (dtype_bytes == 4) return int64_t{1} << 31;
+  throw Error(ErrorKind::internal, fmt::format("token dtype of {} bytes", dtype_bytes));
+}
+
+std::string dtype_name(int dtype_bytes) {
+  if (dtype_bytes == 2) return "uint16";
+  if (dtype_bytes == 4) return "uint32";
+  throw Error(ErrorKind::internal, fmt::format("token dtype of {} bytes", dtype_bytes));
+}
+
+TokenFileHeader read_token_header(const fs::path& path) {
+  const uint64_t size = regular_file_size(path);
+  std::string raw(kTokenHeaderBytes, '\0');
+  {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) bad_file(path, fmt::format("cannot read: {}", std::strerror(errno)));
+    in.read(raw.data(), static_cast<std::streamsize>(raw.size()));
+    raw.resize(static_cast<size_t>(in.gcount()));
+  }
+  if (raw.size() < sizeof(kTokenFileMagic) ||
+      std::memcmp(raw.data(), kTokenFileMagic, sizeof(kTokenFileMagic)) != 0) {
+    bad_file(path, "not a dptrain token file (bad magic)");
+  }
+  if (raw.size() < kTokenHeaderBytes) {
+    bad_file(path, fmt::format("truncated: expected at least {} bytes (the header), got {}",
+                               kTokenHeaderBytes, size));
+  }
+  const auto* p = reinterpret_cast<const unsigned char*>(raw.data());
+  const uint64_t version = get_le(p + 8, 4);
+  if (version != kTokenFileVersion) {
+    bad_file(path, fmt::format("unknown format version {} (this dptrain reads version {})", version,
+                               kTokenFileVersion));
+  }
+  const uint64_t dtype = get_le(p + 12, 4);
+  if (dtype != 2 && dtype != 4) {
+    bad_file(path,
+             fmt::format("unknown token dtype {} (expected 2 = uint16 or 4 = uint32)", dtype));
+  }
+  TokenFileHeader header;
+  header.dtype_bytes = static_cast<int>(dtype);
+  const uint64_t vocab = get_le(p + 16, 8);
+  if (vocab < 1 || vocab > static_cast<uint64_t>(dtype_capacity(header.dtype_bytes))) {
+    bad_file(path, fmt::format("vocab {} does not fit its dtype {}", vocab,
+                               dtype_name(header.dtype_bytes)));
+  }
+  header.vocab = static_cast<int64_t>(vocab);
+  const uint64_t count = get_le(p + 24, 8);
+  const uint64_t max_count = (std::numeric_limits<uint64_t>::max() - kTokenHeaderBytes) / dtype;
+  const uint64_t expected = count <= max_count ? kTokenHeaderBytes + count * dtype : 0;
+  if (count > max_count || expected < size) {
+    bad_file(path,
+             fmt::format("size mismatch: the header's {} tokens take {} bytes, the file has {}",
+                         count, expected, size));
+  }
+  if (expected > size) {
+    bad_file(path, fmt::format("truncated: expected {} bytes, got {}", expected, size));
+  }
+  header.count = static_cast<int64_t>(count);
+  header.checksum = get_le(p + 32, 8);
+  return header;
+}
+
+TokenFile read_token_file(const fs::path& path) {
+  const TokenFileHeader header = read_token_header(path);
+  const auto width = static_cast<size_t>(header.dtype_bytes);
+  const auto count = static_cast<size_t>(header.count);
+  const std::string raw = read_range(path, kTokenHeaderBytes, count * width);
+  const uint64_t actual = checksum64(raw.data(), raw.size());
+  if (actual != header.checksum) {
+    bad_file(path, fmt::format("checksum mismatch (the header says {}, the tokens give {})",
+                               checksum_hex(header.checksum), checksum_hex(actual)));
+  }
+  TokenFile file;
+  file.vocab = header.vocab;
+  file.dtype_bytes = header.dtype_bytes;
+  file.tokens.resize(count);
+  const auto* p = reinterpret_cast<const unsigned char*>(raw.data());
+  const auto vocab = static_cast<uint64_t>(header.vocab);
+  for (size_t i = 0; i < count; ++i) {
+    const uint64_t token = get_le(p + i * width, header.dtype_bytes);
+    if (token >= vocab) {
+      bad_file(path, fmt::format("token {} at index {} is not below the vocab {}", token, i,
+                                 header.vocab));
+    }
+    file.tokens[i] = static_cast<int32_t>(token);
+  }
+  return file;
+}
+
+void write_token_file(const fs::path& path, int64_t vocab, std::span<const int32_t> tokens,
+                      int dtype_bytes) {
+  const int64_t capacity = dtype_capacity(dtype_bytes);
+  if (vocab < 1 || vocab > capacity) {
+    throw Error(ErrorKind::usage,
+                fmt::format("{}: a vocabulary of {} does not fit {} (it holds {} ids)",
+                            path.string(), vocab, dtype_name(dtype_bytes), capacity));
+  }
+  const auto width = static_cast<size_t>(dtype_bytes);
+  std::string buf(kTokenHeaderBytes + tokens.size() * width, '\0');
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] < 0 || tokens[i] >= vocab) {
+      throw Error(ErrorKind::internal, fmt::format("{}: token {} at index {} is outside [0, {})",
+                                                   path.string(), tokens[i], i, vocab));
+    }
+    put_le(buf, kTokenHeaderBytes + i * width, static_cast<uint64_t>(tokens[i]), dtype_bytes);
+  }
+  std::memcpy(buf.data(), kTokenFileMagic, sizeof(kTokenFileMagic));
+  put_le(buf, 8, kTokenFileVersion, 4);
+  put_le(buf, 12, width, 4);
+  put_le(buf, 16, static_cast<uint64_t>(vocab), 8);
+  put_le(buf, 24, tokens.size(), 8);
+  put_le(buf, 32, checksum64(buf.data() + kTokenHeaderBytes, buf.size() - kTokenHeaderBytes), 8);
+  write_file_atomic(path, buf);
+}
+
+// ---- UTF-8 ----
+
+std::vector<char32_t> decode_utf8(std::string_view text) {
+  std::vector<char32_t> out;
+  out.reserve(text.size());
+  for (size_t i = 0; i < text.size();)
+    out.push_back(next_code_point(text, i));
+  return out;
+}
+
+void append_utf8(std::string& out, char32_t cp) {
+  const auto byte = [&](uint32_t b) { out.push_back(static_cast<char>(b)); };
+  const auto c = static_cast<uint32_t>(cp);
+  if (c < 0x80) {
+    byte(c);
+  } else if (c < 0x800) {
+    byte(0xc0 | (c >> 6));
+    byte(0x80 | (c & 0x3f));
+  } else if (c < 0x10000) {
+    byte(0xe0 | (c >> 12));
+    byte(0x80 | ((c >> 6) & 0x3f));
+    byte(0x80 | (c & 0x3f));
+  } else {
+    byte(0xf0 | (c >> 18));
+    byte(0x80 | ((c >> 12) & 0x3f));
+    byte(0x80 | ((c >> 6) & 0x3f));
+    byte(0x80 | (c & 0x3f));
+  }
+}
+
+// ---- tokenizers ----
+
+Tokenizer Tokenizer::byte() {
+  return Tokenizer();
+}
+
+Tokenizer Tokenizer::from_chars(std::vector<char32_t> chars) {
+  Tokenizer t;
+  t.char_mode_ = true;
+  t.chars_ = std::move(chars);
+  char32_t dense_end = 0;
+  for (char32_t cp : t.chars_) {
+    if (cp < kDenseLimit) dense_end = std::max<char32_t>(dense_end, cp + 1);
+  }
+  t.low_ids_.assign(dense_end, -1);
+  std::vector<std::pair<char32_t, int32_t>> high;
+  for (size_t id = 0; id < t.chars_.size(); ++id) {
+    const char32_t cp = t.chars_[id];
+    if (cp < kDenseLimit) {
+      t.low_ids_[cp] = static_cast<int32_t>(id);
+    } else {
+      high.emplace_back(cp, static_cast<int32_t>(id));
+    }
+  }
+  std::sort(high.begin(), high.end());
+  for (const auto& [cp, id] : high) {
+    t.sorted_.push_back(cp);
+    t.sorted_ids_.push_back(id);
+  }
+  return t;
+}
+
+Tokenizer Tokenizer::chars_of(std::string_view text) {
+  std::vector<bool> seen(kMaxCodePoint + 1);
+  for (size_t i = 0; i < text.size();)
+    seen[next_code_point(text, i)] = true;
+  std::vector<char32_t> chars;
+  for (char32_t cp = 0; cp <= kMaxCodePoint; ++cp) {
+    if (seen[cp]) chars.push_back(cp);
+  }
+  return from_chars(std::move(chars));
+}
+
+Tokenizer Tokenizer::load(const fs::path& dataset_dir) {
+  const fs::path file = dataset_dir / "tokenizer.json";
+  std::string text;
+  try {
+    text = read_file(file);
+  } catch (const Error&) {
+    std::error_code ec;
+    bad_file(file, fs::exists(file, ec) ? "cannot read" : "missing");
+  }
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) bad_file(file, "not a JSON object");
+  if (!j.contains("type") || !j["type"].is_string()) bad_file(file, "no \"type\" string");
+  const std::string type = j["type"].get<std::string>();
+  if (type == "byte") return byte();
+  if (type != "char") {
+    bad_file(file, fmt::format("unknown tokenizer type \"{}\" (expected byte or char)", type));
+  }
+  if (!j.contains("chars") || !j["chars"].is_array() || j["chars"].empty()) {
+    bad_file(file, "\"chars\" must be a non-empty array of code points");
+  }
+  std::vector<char32_t> chars;
+  for (const auto& value : j["chars"]) {
+    if (!value.is_number_unsigned() || value.get<uint64_t>() > kMaxCodePoint ||
+        (value.get<uint64_t>() >= 0xd800 && value.get<uint64_t>() <= 0xdfff)) {
+      bad_file(file, fmt::format("\"chars\": {} is not a Unicode code point", value.dump()));
+    }
+    chars.push_back(static_cast<char32_t>(value.get<uint64_t>()));
+  }
+  std::vector<char32_t> sorted = chars;
+  std::sort(sorted.begin(), sorted.end());
+  const auto repeated = std::adjacent_find(sorted.begin(), sorted.end());
+  if (repeated != sorted.end()) {
+    bad_file(file, fmt::format("\"chars\": {} appears twice", code_point_name(*repeated)));
+  }
+  return from_chars(std::move(chars));
+}
+
+void Tokenizer::save(const fs::path& dataset_dir) const {
+  nlohmann::json j = {{"type", type()}};
+  if (char_mode_) {
+    nlohmann::json chars = nlohmann::json::array();
+    for (char32_t cp : chars_)
+      chars.push_back(static_cast<uint32_t>(cp));
+    j["chars"] = std::move(chars);
+  }
+  write_file_atomic(dataset_dir / "tokenizer.json", j.dump() + "\n");
+}
+
+int64_t Tokenizer::vocab() const {
+  return char_mode_ ? static_cast<int64_t>(chars_.size()) : 256;
+}
+
+int32_t Tokenizer::id_of(char32_t cp) const {
+  if (cp < low_ids_.size()) return low_ids_[cp];
+  const auto at = std::lower_bound(sorted_.begin(), sorted_.end(), cp);
+  if (at == sorted_.end() || *at != cp) return -1;
+  return sorted_ids_[static_cast<size_t>(at - sorted_.begin())];
+}
+
+std::vector<int32_t> Tokenizer::encode(std::string_view text) const {
+  std::vector<int32_t> ids;
+  ids.reserve(text.size());
+  if (!char_mode_) {
+    for (char c : text)
+      ids.push_back(static_cast<unsigned char>(c));
+    return ids;
+  }
+  for (size_t i = 0; i < text.size();) {
+    const size_t offset = i;
+    const char32_t cp = next_code_point(text, i);
+    const int32_t id = id_of(cp);
+    if (id < 0) {
+      throw Error(ErrorKind::usage,
+                  fmt::format("character {} at byte offset {} is not in the tokenizer's "
+                              "vocabulary of {} characters",
+                              describe_char(cp), offset, chars_.size()));
+    }
+    ids.push_back(id);
+  }
+  return ids;
+}
+
+std::string Tokenizer::decode(std::span<const int32_t> ids) const {
+  std::string text;
+  text.reserve(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const int32_t id = ids[i];
+    if (id < 0 || id >= vocab()) {
+      throw Error(ErrorKind::usage, fmt::format("token {} at index {} is outside the {} "
+                                                "tokenizer's vocabulary [0, {})",
+                                                id, i, type(), vocab()));
+    }
+    if (char_mode_) {
+      append_utf8(text, chars_[static_cast<size_t>(id)]);
+    } else {
+      text.push_back(static_cast<char>(static_cast<unsigned char>(id)));
+    }
+  }
+  return text;
+}
+
+// ---- windows ----
+
+int64_t token_window_count(int64_t n, int64_t context, int64_t stride) {
+  if (n < context + 1) return 0;
+  return (n - context - 1) / stride + 1;
+}
+
+TokenWindows::TokenWindows(std::shared_ptr<const std::vector<int32_t>> tokens, int64_t vocab,
+                           int64_t context, int64_t stride)
+    : tokens_(std::move(tokens)), vocab_(vocab), context_(context), stride_(stride), size_(0) {
+  if (context_ < 1 || stride_ < 1) {
+    throw Error(
+        ErrorKind::internal,
+        fmt::format("token windows: context {} and stride {} must be >= 1", context_, stride_));
+  }
+  size_ = token_window_count(static_cast<int64_t>(tokens_->size()), context_, stride_);
+}
+
+void TokenWindows::gather(std::span<const int64_t> indices, float* /*x*/, int32_t* y) const {
+  const auto window = static_cast<size_t>(context_ + 1);
+  for (size_t i = 0; i < indices.size(); ++i) {
+    const int64_t index = indices[i];
+    if (index < 0 || index >= size_) {
+      throw Error(ErrorKind::internal,
+                  fmt::format("token windows gather: index {} outside [0, {})", index, size_));
+    }
+    const auto start = static_cast<size_t>(index * stride_);
+    std::copy_n(tokens_->data() + start, window, y + i * window);
+  }
+}
+
+// ---- datasets ----
+
+namespace {
+
+struct TokenDatasetFiles {
+  fs::path train, val;
+};
+
+TokenDatasetFiles dataset_files(const DataSpec& data) {
+  if (data.path.empty()) {
+    throw Error(ErrorKind::recipe, "/data/path: required for \"tokens\" data");
+  }
+  const fs::path dir = data.path;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) {
+    throw Error(
+        ErrorKind::recipe,
+        fmt::format("/data/path: {}: {} (make a dataset with 'dptrain data prepare')", dir.string(),
+                    fs::exists(dir, ec) ? "not a directory" : "no such directory"));
+  }
+  TokenDatasetFiles files{dir / "train.bin", dir / "val.bin"};
+  for (const fs::path& file : {files.train, files.val}) {
+    if (!fs::exists(file, ec)) {
+      throw Error(ErrorKind::recipe,
+                  fmt::format("/data/path: {}: missing (is {} a dataset that 'dptrain data "
+                              "prepare' wrote?)",
+                              file.string(), dir.string()));
+    }
+  }
+  return files;
+}
+
+// A file's problems, named as the data of /data/path.
+template <class Read>
+auto read_as_data(const fs::path& file, Read read) {
+  try {
+    return read(file);
+  } catch (const Error& e) {
+    if (e.kind() != ErrorKind::recipe) throw;
+    throw Error(ErrorKind::recipe, fmt::format("/data/path: {}", e.what()));
+  }
+}
+
+// What a model needs of the two files: one vocabulary that fits it, and whole windows.
+void check_against_model(const TokenDatasetFiles& files, const TokenFileHeader& train,
+                         const TokenFileHeader& val, const ModelSpec& model) {
+  if (model.context < 1) {
+    throw Error(ErrorKind::recipe,
+                fmt::format("/model/context: must be at least 1, got {}", model.context));
+  }
+  if (val.vocab != train.vocab) {
+    throw Error(ErrorKind::recipe,
+                fmt::format("/data/path: {} has a vocabulary of {} but {} has {}: not one dataset",
+                            files.val.string(), val.vocab, files.train.string(), train.vocab));
+  }
+  if (train.vocab > model.vocab) {
+    throw Error(ErrorKind::recipe,
+                fmt::format("/model/vocab: {} is smaller than the vocabulary of {} ({})",
+                            model.vocab, files.train.string(), train.vocab));
+  }
+  const int64_t window = model.context + 1;
+  if (train.count < window) {
+    throw Error(ErrorKind::recipe,
+                fmt::format("/data/path: {} has {} tokens, fewer than one window of /model/context "
+                            "+ 1 = {}",
+                            files.train.string(), train.count, window));
+  }
+  if (val.count > 0 && val.count < window) {
+    throw Error(ErrorKind::recipe,
+                fmt::format("/data/path: {} has {} tokens, fewer than one window of /model/context "
+                            "+ 1 = {} (prepare more validation text, or --val-fraction 0 for none)",
+                            files.val.string(), val.count, window));
+  }
+}
+
+}  // namespace
+
+DataSplits load_token_data(const DataSpec& data, const ModelSpec& model) {
+  const TokenDatasetFiles files = dataset_files(data);
+  // Headers first: a model that cannot use the data fails before any token is read.
+  const auto header = [](const fs::path& f) { return read_token_header(f); };
+  check_against_model(files, read_as_data(files.train, header), read_as_data(files.val, header),
+                      model);
+  const auto tokens = [](const fs::path& f) { return read_token_file(f); };
+  TokenFile train = read_as_data(files.train, tokens);
+  TokenFile val = read_as_data(files.val, tokens);
+  const int64_t vocab = train.vocab;
+  return {std::make_shared<TokenWindows>(
+              std::make_shared<const std::vector<int32_t>>(std::move(train.tokens)), vocab,
+              model.context, 1),
+          std::make_shared<TokenWindows>(
+              std::make_shared<const std::vector<int32_t>>(std::move(val.tokens)), vocab,
+              model.context, model.context)};
+}
+
+int64_t token_training_samples(const DataSpec& data, const ModelSpec& model) {
+  const TokenDatasetFiles files = dataset_files(data);
+  const auto header = [](const fs::path& f) { return read_token_header(f); };
+  const TokenFileHeader train = read_as_data(files.train, header);
+  check_against_model(files, train, read_as_data(files.val, header), model);
+  return token_window_count(train.count, model.context, 1);
+}
+
+}  // namespace dptrain

@@ -1,0 +1,140 @@
+// Token datasets for the gpt model: the token file format, tokenizers, and the windows a run
+// trains on.
+//
+// A token dataset is a DIRECTORY that `dptrain data prepare` writes:
+//   train.bin, val.bin  token files (below); val.bin may hold no tokens (no evaluation)
+//   tokenizer.json      {"type":"byte"} or {"type":"char","chars":[code points in id order]}
+//   meta.json           how it was made: sources, counts, dtype, created_at
+//
+// A token file is a 64-byte little-endian header, then the tokens:
+//   offset  size  field
+//        0     8  magic "DPTOKENS"
+//        8     4  format version, u32 (= 1)
+//       12     4  token dtype, u32: bytes per token, 2 (uint16) or 4 (uint32)
+//       16     8  vocab, u64: every token is < vocab
+//       24     8  token count, u64
+//       32     8  checksum64 (core/checksum.hpp) of the token bytes as stored
+//       40    24  zero
+//       64        count tokens, little-endian, dtype bytes each
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/data/dataset.hpp"
+#include "core/recipe.hpp"
+
+namespace dptrain {
+
+inline constexpr char kTokenFileMagic[8] = {'D', 'P', 'T', 'O', 'K', 'E', 'N', 'S'};
+inline constexpr uint32_t kTokenFileVersion = 1;
+inline constexpr size_t kTokenHeaderBytes = 64;
+
+struct TokenFile {
+  int64_t vocab = 0;
+  std::vector<int32_t> tokens;
+  int dtype_bytes = 2;
+};
+
+// What the header of a token file says, checked against the file's size (not the checksum).
+struct TokenFileHeader {
+  int64_t vocab = 0;
+  int64_t count = 0;
+  int dtype_bytes = 2;
+  uint64_t checksum = 0;
+};
+
+// The largest vocabulary a dtype holds: 65536 for 2 bytes, 2^31 for 4 (ids are int32).
+int64_t dtype_capacity(int dtype_bytes);
+// "uint16" | "uint32".
+std::string dtype_name(int dtype_bytes);
+
+// Error(recipe), one line naming the file and the problem: missing or unreadable, not a dptrain
+// token file (bad magic), unknown version or dtype, truncated (expected N bytes, got M).
+TokenFileHeader read_token_header(const std::filesystem::path& path);
+// read_token_header, then the tokens: also a checksum mismatch, or a token >= vocab.
+TokenFile read_token_file(const std::filesystem::path& path);
+// Atomic and fsynced (temporary name, rename, directory fsync). Error(usage) when vocab does not
+// fit the dtype; Error(internal) for a token outside [0, vocab) or a dtype other than 2 or 4.
+void write_token_file(const std::filesystem::path& path, int64_t vocab,
+                      std::span<const int32_t> tokens, int dtype_bytes);
+
+// UTF-8 -> code points. Error(usage) "invalid UTF-8 at byte offset N (...)": stray or missing
+// continuation bytes, overlong forms, surrogates, values above U+10FFFF.
+std::vector<char32_t> decode_utf8(std::string_view text);
+void append_utf8(std::string& out, char32_t code_point);
+
+// Text <-> token ids. "byte": each byte is its own id (vocab 256). "char": one id per Unicode
+// code point of a fixed list.
+class Tokenizer {
+ public:
+  static Tokenizer byte();
+  // The distinct code points of text, ids in ascending code-point order.
+  static Tokenizer chars_of(std::string_view text);
+  // DIR/tokenizer.json; Error(recipe) naming the file when it is missing or malformed.
+  static Tokenizer load(const std::filesystem::path& dataset_dir);
+  // Writes DIR/tokenizer.json (atomic).
+  void save(const std::filesystem::path& dataset_dir) const;
+
+  int64_t vocab() const;
+  std::string type() const { return char_mode_ ? "char" : "byte"; }
+  // The code point of each id ("char"; empty for "byte").
+  const std::vector<char32_t>& chars() const { return chars_; }
+
+  // Error(usage) naming a character that has no id (char), or invalid UTF-8 (char).
+  std::vector<int32_t> encode(std::string_view text) const;
+  // Error(usage) for an id outside [0, vocab).
+  std::string decode(std::span<const int32_t> ids) const;
+
+ private:
+  Tokenizer() = default;
+  static Tokenizer from_chars(std::vector<char32_t> chars);
+  int32_t id_of(char32_t code_point) const;  // -1 when absent
+
+  bool char_mode_ = false;
+  std::vector<char32_t> chars_;      // id -> code point
+  std::vector<int32_t> low_ids_;     // code point -> id for code points below its size, else -1
+  std::vector<char32_t> sorted_;     // the code points in ascending order ...
+  std::vector<int32_t> sorted_ids_;  // ... and their ids, for the rest
+};
+
+// Samples of a token stream: window i is the context + 1 tokens starting at i * stride (inputs
+// are its first context tokens, next-token targets its last context). Windows that would run
+// past the end are not samples. gather() writes each window to y, row after row; x is unused.
+class TokenWindows final : public Dataset {
+ public:
+  TokenWindows(std::shared_ptr<const std::vector<int32_t>> tokens, int64_t vocab, int64_t context,
+               int64_t stride);
+
+  int64_t size() const override { return size_; }
+  int64_t features() const override { return 0; }
+  int64_t classes() const override { return vocab_; }
+  int64_t labels_per_sample() const override { return context_ + 1; }
+  void gather(std::span<const int64_t> indices, float* x, int32_t* y) const override;
+
+  int64_t context() const { return context_; }
+  int64_t stride() const { return stride_; }
+
+ private:
+  std::shared_ptr<const std::vector<int32_t>> tokens_;
+  int64_t vocab_, context_, stride_, size_;
+};
+
+// How many windows of context + 1 tokens start at multiples of stride in n tokens.
+int64_t token_window_count(int64_t n, int64_t context, int64_t stride);
+
+// DIR/train.bin: every window start 0 .. n - context - 1 (n - context samples); DIR/val.bin:
+// non-overlapping windows at i * context (floor((n_val - 1) / context) samples; none when val.bin
+// is empty). classes() is the dataset's vocabulary. Error(recipe), naming /data/path or
+// /model/vocab and the file: a missing directory or file, a damaged file, a vocabulary larger
+// than model.vocab, train.bin (or a non-empty val.bin) shorter than one window.
+DataSplits load_token_data(const DataSpec& data, const ModelSpec& model);
+// The size of the training split from the headers only (sizes and vocab checked, not checksums).
+int64_t token_training_samples(const DataSpec& data, const ModelSpec& model);
+
+}  // namespace dptrain

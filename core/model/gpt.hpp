@@ -1,0 +1,115 @@
+// A GPT-style decoder-only transformer over the op table: token and learned position embeddings,
+// pre-LayerNorm blocks of causal multi-head self-attention and a GELU MLP with residuals, a final
+// LayerNorm, and an LM head tied to the token embedding.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/model/model.hpp"
+#include "core/tensor/ops.hpp"
+
+namespace dptrain {
+
+struct GptConfig {
+  int64_t vocab = 256;
+  int64_t context = 128;
+  int64_t layers = 4;
+  int64_t heads = 4;
+  int64_t width = 128;
+  int64_t mlp_ratio = 4;
+};
+
+// Where each tensor lives in the flat parameter (and gradient) buffer. Linear weights are
+// [out, in] (PyTorch's layout; y = x W^T + b).
+struct GptLayerLayout {
+  size_t ln1_gamma, ln1_beta;
+  size_t qkv_weight, qkv_bias;    // [3 * width, width], [3 * width]
+  size_t proj_weight, proj_bias;  // [width, width], [width]
+  size_t ln2_gamma, ln2_beta;
+  size_t fc_weight, fc_bias;            // [mlp, width], [mlp]
+  size_t fc_proj_weight, fc_proj_bias;  // [width, mlp], [width]
+};
+
+struct GptLayout {
+  size_t wte = 0;  // [vocab, width], also the LM head
+  size_t wpe = 0;  // [context, width]
+  std::vector<GptLayerLayout> layers;
+  size_t lnf_gamma = 0, lnf_beta = 0;
+  size_t total = 0;
+};
+
+// The parameter layout of a configuration (its total is the exact parameter count).
+GptLayout gpt_layout(const GptConfig& config);
+
+class Gpt final : public Model {
+ public:
+  Gpt(GptConfig config, std::unique_ptr<Ops> ops);
+
+  size_t num_params() const override { return layout_.total; }
+  // Normal(0, 0.02) weights and embeddings; the projections into the residual stream (attention
+  // output, MLP output) scaled by 1/sqrt(2 * layers); zero biases; LayerNorm gamma 1, beta 0.
+  void init_params(std::span<float> params, uint64_t seed) const override;
+  // batch.y holds batch.size windows of context + 1 tokens: position t predicts token t + 1.
+  double forward_backward(std::span<const float> params, const Batch& batch, std::span<float> grads,
+                          float scale) override;
+  // Sums over the predicted tokens: count is tokens, correct the argmax hits.
+  EvalStats evaluate(std::span<const float> params, const Batch& batch) override;
+  std::string describe() const override;
+  // Biases and LayerNorm parameters: AdamW's weight decay skips them.
+  std::vector<ParamRange> no_decay() const override;
+
+  // The logits [vocab] for the token after `tokens` (its last `context` tokens are used).
+  std::vector<float> next_token_logits(std::span<const float> params,
+                                       std::span<const int32_t> tokens);
+
+  const GptConfig& config() const { return config_; }
+  const GptLayout& layout() const { return layout_; }
+
+ private:
+  // Activations of one forward pass over `sequences` sequences of `seq` tokens, kept for the
+  // backward pass. Grown, never shrunk.
+  struct Workspace {
+    int64_t rows = 0, sequences = 0, seq = 0;
+    std::vector<int32_t> inputs, targets;  // [rows]
+    std::vector<float> residual;           // [layers + 1][rows, width]: each layer's input, then
+                                           // the final residual stream
+    std::vector<float> mid;                // [layers][rows, width]: after attention
+    std::vector<float> ln1, ln2;           // [layers][rows, width]
+    std::vector<float> ln_stats;           // [2 * layers + 1][2][rows]: mean, rstd
+    std::vector<float> qkv;                // [layers][rows, 3 * width]
+    std::vector<float> att;                // [layers][sequences, heads, seq, seq]
+    std::vector<float> att_out;            // [layers][rows, width]
+    std::vector<float> fc, gelu;           // [layers][rows, mlp]
+    std::vector<float> lnf;                // [rows, width]
+    std::vector<float> logits;             // [rows, vocab]
+  };
+  void require_size(const char* what, size_t size) const;
+  void reserve(int64_t sequences, int64_t seq);
+  // Fills inputs and targets from windows of seq + 1 tokens.
+  void load_windows(const int32_t* windows, int64_t sequences, int64_t seq);
+  // The forward pass over ws_.inputs; returns the logits.
+  Matrix forward(const float* params);
+  void backward(const float* params, float* grads);
+  // y = x W^T + b, W [y.cols, x.cols]; accumulate adds to y instead of overwriting it.
+  void linear(ConstMatrix x, const float* weight, const float* bias, Matrix y, bool accumulate);
+  // dW += dy^T x, db += the column sums of dy, dx = dy W (overwritten).
+  void linear_backward(ConstMatrix dy, ConstMatrix x, const float* weight, float* weight_grad,
+                       float* bias_grad, Matrix dx);
+
+  Matrix rows_of(std::vector<float>& buffer, int64_t index, int64_t cols);
+  float* stats(int64_t which, int64_t kind);  // which: 2l (ln1), 2l+1 (ln2), 2L (lnf)
+
+  GptConfig config_;
+  GptLayout layout_;
+  int64_t mlp_ = 0;
+  std::unique_ptr<Ops> ops_;
+  Workspace ws_;
+  std::vector<float> d_residual_, d_mid_, d_tmp_, d_wide_, d_qkv_;  // backward scratch
+};
+
+// The GPT a recipe names; Error(recipe) naming a bad field.
+std::unique_ptr<Model> make_gpt(const ModelSpec& spec);
+
+}  // namespace dptrain

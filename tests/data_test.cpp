@@ -1,0 +1,366 @@
+// `dptrain data prepare`: counts, tokenizers, every refusal, --force, and a recipe that uses it.
+#include <doctest/doctest.h>
+
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <sstream>
+
+#include "core/data/tokens.hpp"
+#include "tests/harness.hpp"
+#include "tests/text_corpus.hpp"
+
+using namespace dptrain::test;
+namespace fs = std::filesystem;
+
+namespace {
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+CommandResult prepare(const std::vector<std::string>& args) {
+  std::vector<std::string> all = {"data", "prepare"};
+  all.insert(all.end(), args.begin(), args.end());
+  return run_dptrain(all);
+}
+
+nlohmann::json prepare_json(const std::vector<std::string>& args) {
+  std::vector<std::string> all = args;
+  all.push_back("--json");
+  auto r = prepare(all);
+  INFO(r.out, r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.err.empty());
+  return parse_json(r.out);
+}
+
+// A refusal: exit 2 and exactly one error line, which is returned.
+std::string refusal(const std::vector<std::string>& args) {
+  auto r = prepare(args);
+  INFO(r.out, r.err);
+  CHECK(r.exit_code == 2);
+  CHECK(r.out.empty());
+  std::istringstream lines(r.err);
+  std::string first, more;
+  std::getline(lines, first);
+  CHECK_FALSE(std::getline(lines, more));
+  CHECK(first.starts_with("dptrain: error: "));
+  return first;
+}
+
+// The dataset's tokens, train then val, decoded with its own tokenizer.
+std::string decoded(const fs::path& dir) {
+  auto train = dptrain::read_token_file(dir / "train.bin");
+  const auto val = dptrain::read_token_file(dir / "val.bin");
+  train.tokens.insert(train.tokens.end(), val.tokens.begin(), val.tokens.end());
+  return dptrain::Tokenizer::load(dir).decode(train.tokens);
+}
+
+// Nothing but OUT itself was left in its folder (no temporaries).
+void check_no_leftovers(const fs::path& parent, size_t expected_entries) {
+  size_t entries = 0;
+  for (const auto& entry : fs::directory_iterator(parent)) {
+    INFO(entry.path());
+    CHECK_FALSE(contains(entry.path().filename().string(), ".tmp-"));
+    CHECK_FALSE(contains(entry.path().filename().string(), ".old-"));
+    ++entries;
+  }
+  CHECK(entries == expected_entries);
+}
+
+}  // namespace
+
+TEST_CASE("data prepare --json: counts match the input, and the files hold the text in order") {
+  TempDir tmp;
+  const std::string a = synthetic_text(1, 3000), b = synthetic_text(2, 1001);
+  write_text(tmp / "a.txt", a);
+  write_text(tmp / "b.txt", b);
+  const fs::path out = tmp / "out/ds";  // parents are made
+
+  const auto j = prepare_json(
+      {"--text", (tmp / "a.txt").string(), (tmp / "b.txt").string(), "--out", out.string()});
+  CHECK(j["files"] == 2);
+  CHECK(j["bytes"] == 4001);
+  CHECK(j["tokens"] == 4001);
+  CHECK(j["tokenizer"] == "byte");
+  CHECK(j["vocab"] == 256);
+  CHECK(j["val_tokens"] == 400);  // round(0.1 * 4001)
+  CHECK(j["train_tokens"] == 3601);
+  CHECK(j["dtype"] == "uint16");
+  CHECK(j["path"] == out.string());
+
+  const auto train = dptrain::read_token_file(out / "train.bin");
+  CHECK(train.vocab == 256);
+  CHECK(train.dtype_bytes == 2);
+  CHECK(train.tokens.size() == 3601);
+  CHECK(dptrain::read_token_file(out / "val.bin").tokens.size() == 400);
+  CHECK(decoded(out) == a + b);
+  CHECK(parse_json(read_text(out / "tokenizer.json")) == nlohmann::json{{"type", "byte"}});
+
+  const auto meta = parse_json(read_text(out / "meta.json"));
+  CHECK(meta["tokens"] == 4001);
+  CHECK(meta["train_tokens"] == 3601);
+  CHECK(meta["val_tokens"] == 400);
+  CHECK(meta["dtype"] == "uint16");
+  CHECK(meta["vocab"] == 256);
+  CHECK(meta["tokenizer"] == "byte");
+  REQUIRE(meta["sources"].size() == 2);
+  CHECK(meta["sources"][0]["path"] == (tmp / "a.txt").string());
+  CHECK(meta["sources"][1]["bytes"] == 1001);
+  CHECK(meta["created_at"].get<std::string>().size() == 20);  // 2026-11-30T08:43:38Z
+  check_no_leftovers(tmp / "out", 1);
+
+  // The plain output: one line per count.
+  auto plain = prepare({"--text", (tmp / "b.txt").string(), "--out", (tmp / "plain").string(),
+                        "--val-fraction", "0.5"});
+  INFO(plain.err);
+  CHECK(plain.exit_code == 0);
+  CHECK(contains(plain.out, "files         1\n"));
+  CHECK(contains(plain.out, "tokens        1001\n"));
+  CHECK(contains(plain.out, "vocab         256\n"));
+  CHECK(contains(plain.out, "train tokens  500\n"));  // 500.5 rounds away from zero: val 501
+  CHECK(contains(plain.out, "val tokens    501\n"));
+  CHECK(contains(plain.out, "dtype         uint16\n"));
+  CHECK(contains(plain.out, "path          " + (tmp / "plain").string() + "\n"));
+}
+
+TEST_CASE("data prepare: byte vs char vocabulary on UTF-8 text; uint32 on request") {
+  TempDir tmp;
+  const std::string text =
+      "na\xc3\xafve caf\xc3\xa9 \xe2\x82\xac"
+      "5 \xf0\x9f\x99\x82 na\xc3\xafve\n";
+  write_text(tmp / "u.txt", text);
+
+  const auto bytes = prepare_json({"--text", (tmp / "u.txt").string(), "--out",
+                                   (tmp / "byte").string(), "--val-fraction", "0.2"});
+  CHECK(bytes["tokens"] == text.size());
+  CHECK(bytes["vocab"] == 256);
+
+  const auto chars =
+      prepare_json({"--text", (tmp / "u.txt").string(), "--out", (tmp / "char").string(),
+                    "--tokenizer", "char", "--val-fraction", "0.2", "--dtype", "uint32"});
+  const auto code_points = dptrain::decode_utf8(text);
+  CHECK(chars["bytes"] == text.size());
+  CHECK(chars["tokens"] == code_points.size());
+  CHECK(chars["tokenizer"] == "char");
+  // n a ï v e space c f é € 5 🙂 newline
+  CHECK(chars["vocab"] == 13);
+  CHECK(chars["dtype"] == "uint32");
+  CHECK(dptrain::read_token_file(tmp / "char/train.bin").dtype_bytes == 4);
+  CHECK(dptrain::read_token_file(tmp / "char/train.bin").vocab == 13);
+  CHECK(decoded(tmp / "char") == text);
+  CHECK(decoded(tmp / "byte") == text);
+  const auto tokenizer = parse_json(read_text(tmp / "char/tokenizer.json"));
+  CHECK(tokenizer["type"] == "char");
+  CHECK(tokenizer["chars"].size() == 13);
+  CHECK(tokenizer["chars"][0] == 10);  // ascending code points: newline first
+
+  // A vocabulary past 65536 ids: auto picks uint32, uint16 is refused.
+  std::string wide;
+  for (char32_t cp = 0x4e00; cp < 0x4e00 + 65537; ++cp)
+    dptrain::append_utf8(wide, cp >= 0xd800 && cp < 0xe000 ? cp + 0x10000 : cp);
+  write_text(tmp / "wide.txt", wide);
+  const auto big = prepare_json({"--text", (tmp / "wide.txt").string(), "--out",
+                                 (tmp / "wide").string(), "--tokenizer", "char"});
+  CHECK(big["vocab"] == 65537);
+  CHECK(big["dtype"] == "uint32");
+  CHECK(refusal({"--text", (tmp / "wide.txt").string(), "--out", (tmp / "wide16").string(),
+                 "--tokenizer", "char", "--dtype", "uint16"}) ==
+        "dptrain: error: --dtype uint16 holds 65536 ids, but the char vocabulary has 65537 (use "
+        "--dtype uint32 or auto)");
+  CHECK_FALSE(fs::exists(tmp / "wide16"));
+}
+
+TEST_CASE("data prepare refuses bad input with exit 2 and one line, writing nothing") {
+  TempDir tmp;
+  write_text(tmp / "t.txt", synthetic_text(3, 500));
+  write_text(tmp / "empty.txt", "");
+  write_text(tmp / "tiny.txt", "abcd");
+  const std::string t = (tmp / "t.txt").string(), out = (tmp / "out").string();
+
+  CHECK(refusal({"--out", out}) ==
+        "dptrain: error: data prepare: no --text FILE given (the text to tokenize)");
+  CHECK(refusal({"--text", t}) ==
+        "dptrain: error: data prepare: no --out DATASET given (the directory to write)");
+  CHECK(refusal({"--text", t, (tmp / "missing.txt").string(), "--out", out}) ==
+        "dptrain: error: " + (tmp / "missing.txt").string() +
+            ": cannot read: No such file or directory");
+  CHECK(refusal({"--text", tmp.path().string(), "--out", out}) ==
+        "dptrain: error: " + tmp.path().string() + ": cannot read: is a directory");
+  CHECK(refusal({"--text", (tmp / "empty.txt").string(), (tmp / "empty.txt").string(), "--out",
+                 out}) == "dptrain: error: no text in " + (tmp / "empty.txt").string() + ", " +
+                              (tmp / "empty.txt").string());
+  CHECK(refusal({"--text", (tmp / "tiny.txt").string(), "--out", out}) ==
+        "dptrain: error: --val-fraction 0.1 of 4 tokens leaves 4 for training and 0 for "
+        "validation; each needs at least 2 (give more text, or --val-fraction 0 for no "
+        "validation)");
+  CHECK(contains(
+      refusal({"--text", (tmp / "tiny.txt").string(), "--out", out, "--val-fraction", "0.9"}),
+      "leaves 0 for training and 4 for validation"));
+  CHECK(refusal({"--text", t, "--out", out, "--val-fraction", "1"}) ==
+        "dptrain: error: --val-fraction: must be in [0, 1), got 1");
+  CHECK(refusal({"--text", t, "--out", out, "--val-fraction", "-0.5"}) ==
+        "dptrain: error: --val-fraction: must be in [0, 1), got -0.5");
+  CHECK(refusal({"--text", t, "--out", out, "--tokenizer", "bpe"}) ==
+        "dptrain: error: --tokenizer: must be byte or char, got 'bpe'");
+  CHECK(refusal({"--text", t, "--out", out, "--dtype", "int8"}) ==
+        "dptrain: error: --dtype: must be auto, uint16 or uint32, got 'int8'");
+  write_text(tmp / "latin1.txt", "caf\xe9 au lait");
+  CHECK(
+      refusal({"--text", t, (tmp / "latin1.txt").string(), "--out", out, "--tokenizer", "char"}) ==
+      "dptrain: error: " + (tmp / "latin1.txt").string() +
+          ": invalid UTF-8 at byte offset 3 (byte 0xe9: the sequence is cut short) "
+          "(--tokenizer char needs UTF-8 text)");
+  CHECK(refusal({"--text", t, "--out", t}) ==
+        "dptrain: error: " + t + ": exists and is not a directory");
+  CHECK_FALSE(fs::exists(out));
+  check_no_leftovers(tmp.path(), 4);
+
+  // With --json an error is one JSON object on stdout as well.
+  auto r = prepare({"--text", (tmp / "empty.txt").string(), "--out", out, "--json"});
+  CHECK(r.exit_code == 2);
+  const auto j = parse_json(r.out);
+  CHECK(j["status"] == "error");
+  CHECK(j["exit_code"] == 2);
+  CHECK(j["errors"][0] == "no text in " + (tmp / "empty.txt").string());
+
+  // --val-fraction 0: everything trains, val.bin is empty.
+  const auto all =
+      prepare_json({"--text", (tmp / "tiny.txt").string(), "--out", out, "--val-fraction", "0"});
+  CHECK(all["train_tokens"] == 4);
+  CHECK(all["val_tokens"] == 0);
+  CHECK(dptrain::read_token_file(tmp / "out/val.bin").tokens.empty());
+}
+
+TEST_CASE("data prepare keeps an existing dataset unless --force, and --force only replaces one") {
+  TempDir tmp;
+  write_text(tmp / "one.txt", synthetic_text(4, 600));
+  write_text(tmp / "two.txt", synthetic_text(5, 900));
+  const fs::path out = tmp / "ds";
+  prepare_json({"--text", (tmp / "one.txt").string(), "--out", out.string()});
+  const std::string before = read_text(out / "train.bin");
+
+  CHECK(refusal({"--text", (tmp / "two.txt").string(), "--out", out.string()}) ==
+        "dptrain: error: " + out.string() +
+            ": exists and is not empty (use --force to replace it)");
+  CHECK(read_text(out / "train.bin") == before);
+
+  const auto j =
+      prepare_json({"--text", (tmp / "two.txt").string(), "--out", out.string() + "/", "--force"});
+  CHECK(j["tokens"] == 900);
+  CHECK(j["path"] == out.string());
+  CHECK(decoded(out) == synthetic_text(5, 900));
+  check_no_leftovers(tmp.path(), 3);
+
+  // An empty directory is fine without --force; a folder of something else is never replaced.
+  fs::create_directories(tmp / "empty");
+  prepare_json({"--text", (tmp / "one.txt").string(), "--out", (tmp / "empty").string()});
+  CHECK(fs::exists(tmp / "empty/train.bin"));
+  fs::create_directories(tmp / "notes");
+  write_text(tmp / "notes/todo.txt", "keep me");
+  CHECK(refusal(
+            {"--text", (tmp / "one.txt").string(), "--out", (tmp / "notes").string(), "--force"}) ==
+        "dptrain: error: " + (tmp / "notes").string() +
+            ": not a token dataset (no meta.json or train.bin); --force replaces only a dataset");
+  CHECK(read_text(tmp / "notes/todo.txt") == "keep me");
+}
+
+// Runs inside `unshare -Urm` (a user + mount namespace: no real root needed, nothing left mounted):
+// a 64 KiB tmpfs holds a small dataset but not a large one.
+constexpr const char* kDiskFullScript = R"(set -u
+bin=$1 small=$2 big=$3 out=$4
+mnt=$out/mnt
+mount -t tmpfs -o size=64k dptrain-data-full "$mnt" || exit 90
+"$bin" data prepare --text "$small" --out "$mnt/ds" >"$out/small.out" 2>"$out/small.err"
+echo $? >"$out/small.rc"
+cp "$mnt/ds/train.bin" "$out/small-train.bin"
+"$bin" data prepare --text "$big" --out "$mnt/ds" --force >"$out/force.out" 2>"$out/force.err"
+echo $? >"$out/force.rc"
+"$bin" data prepare --text "$big" --out "$mnt/new" >"$out/new.out" 2>"$out/new.err"
+echo $? >"$out/new.rc"
+ls -A "$mnt" >"$out/mnt.txt"
+cp "$mnt/ds/train.bin" "$out/after-train.bin"
+exit 0
+)";
+
+TEST_CASE("data prepare on a full disk: exit 1, one line, no partial dataset, the old one kept") {
+  TempDir tmp;
+  const fs::path out = tmp / "out";
+  fs::create_directories(out / "mnt");
+  write_text(tmp / "small.txt", synthetic_text(7, 4000));
+  write_text(tmp / "big.txt", synthetic_text(8, 200000));  // 400 KB of uint16 tokens
+  write_text(tmp / "full.sh", kDiskFullScript);
+  const std::string command = "timeout -s KILL 120 unshare -Urm bash '" +
+                              (tmp / "full.sh").string() + "' '" + binary() + "' '" +
+                              (tmp / "small.txt").string() + "' '" + (tmp / "big.txt").string() +
+                              "' '" + out.string() + "' >'" + (tmp / "log").string() + "' 2>&1";
+  const int status = std::system(command.c_str());
+  INFO("script: ", read_text(tmp / "log"));
+  // Namespaces unavailable is a broken test machine, said plainly, not a silent pass.
+  REQUIRE_MESSAGE((WIFEXITED(status) && WEXITSTATUS(status) == 0),
+                  "this test needs user namespaces (unshare -Urm) and tmpfs");
+
+  INFO("small: ", read_text(out / "small.err"));
+  REQUIRE(read_text(out / "small.rc") == "0\n");
+  for (const char* attempt : {"force", "new"}) {
+    CAPTURE(attempt);
+    const std::string err = read_text(out / (std::string(attempt) + ".err"));
+    INFO(err);
+    CHECK(read_text(out / (std::string(attempt) + ".rc")) == "1\n");
+    CHECK(err.starts_with("dptrain: error: "));
+    CHECK(contains(err, "cannot write the dataset, nothing was written"));
+    CHECK(contains(err, "No space left on device"));
+    CHECK(std::count(err.begin(), err.end(), '\n') == 1);
+  }
+  // No temporaries and no half dataset: only the small one, unchanged.
+  CHECK(read_text(out / "mnt.txt") == "ds\n");
+  CHECK(read_text(out / "after-train.bin") == read_text(out / "small-train.bin"));
+}
+
+TEST_CASE("data --help and data prepare --help") {
+  auto top = run_dptrain({"--help"});
+  CHECK(top.exit_code == 0);
+  CHECK(contains(top.out, "data"));
+  auto data = run_dptrain({"data", "--help"});
+  CHECK(data.exit_code == 0);
+  CHECK(contains(data.out, "prepare"));
+  auto help = run_dptrain({"data", "prepare", "--help"});
+  CHECK(help.exit_code == 0);
+  for (const char* option :
+       {"--text", "--out", "--tokenizer", "--val-fraction", "--dtype", "--force", "--json"})
+    CHECK(contains(help.out, option));
+  CHECK(run_dptrain({"data"}).exit_code == 2);  // a subcommand is required
+}
+
+TEST_CASE("a gpt recipe pointing at a prepared dataset validates") {
+  TempDir tmp;
+  write_text(tmp / "corpus.txt", synthetic_text(6, 5000));
+  prepare_json({"--text", (tmp / "corpus.txt").string(), "--out", (tmp / "ds").string()});
+  const auto recipe = write_recipe(tmp.path(), nlohmann::json::parse(R"({
+    "model": {"type": "gpt", "vocab": 256, "context": 32, "layers": 1, "heads": 2, "width": 16},
+    "data": {"type": "tokens", "path": "ds"}
+  })"));
+  auto r = run_dptrain({"recipe", "validate", recipe.string(), "--json"});
+  INFO(r.out, r.err);
+  CHECK(r.exit_code == 0);
+  CHECK(parse_json(r.out)["valid"] == true);
+  auto shown = run_dptrain({"recipe", "show", recipe.string()});
+  REQUIRE(shown.exit_code == 0);
+  // The relative path resolves against the recipe's folder to the dataset just written.
+  const auto resolved = parse_json(shown.out);
+  CHECK(resolved["data"]["path"] == (tmp / "ds").string());
+
+  // And the library reads it as the run would.
+  dptrain::DataSpec data;
+  data.type = "tokens";
+  data.path = resolved["data"]["path"];
+  dptrain::ModelSpec model;
+  model.type = "gpt";
+  model.vocab = 256;
+  model.context = 32;
+  const auto splits = dptrain::load_token_data(data, model);
+  CHECK(splits.train->size() == 4500 - 32);
+  CHECK(splits.eval->size() == (500 - 1) / 32);
+}
