@@ -5,6 +5,8 @@
 #include <chrono>
 #include <cmath>
 #include <thread>
+
+#include <sys/resource.h>
 #include <vector>
 
 #include <fmt/format.h>
@@ -37,6 +39,11 @@ nlohmann::json TrainResult::to_json() const {
   if (tokens_per_sample > 0) {
     j["tokens_per_s"] = samples_per_s * static_cast<double>(tokens_per_sample);
   }
+  j["phases_ms"] = {{"data", phases_ms[0]},
+                    {"compute", phases_ms[1]},
+                    {"comm", phases_ms[2]},
+                    {"optimizer", phases_ms[3]}};
+  j["peak_rss_mib"] = peak_rss_mib;
   return j;
 }
 
@@ -44,6 +51,30 @@ namespace {
 
 double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+// Where a step's time goes, in ms: data (sampling, gathering), compute (forward and backward),
+// comm (the gradient all-reduce, all of it exposed: nothing overlaps it yet), optimizer
+// (clipping, the update, the sampler's advance).
+struct PhaseTimes {
+  double data = 0, compute = 0, comm = 0, optimizer = 0;
+  void add(const PhaseTimes& o) {
+    data += o.data;
+    compute += o.compute;
+    comm += o.comm;
+    optimizer += o.optimizer;
+  }
+  PhaseTimes per(int64_t steps) const {
+    const double n = steps > 0 ? static_cast<double>(steps) : 1.0;
+    return {data / n, compute / n, comm / n, optimizer / n};
+  }
+};
+
+// This process's peak resident memory, in MiB.
+double peak_rss_mib() {
+  rusage usage{};
+  ::getrusage(RUSAGE_SELF, &usage);
+  return static_cast<double>(usage.ru_maxrss) / 1024.0;  // ru_maxrss is in KiB on Linux
 }
 
 // The loop's state; one instance per rank and run.
@@ -84,7 +115,7 @@ class TrainingRun {
     int64_t steady_steps = 0;
     Clock::time_point window_start = Clock::now();
     int64_t window_steps = 0;
-    double window_comm_ms = 0;
+    PhaseTimes window_phases, steady_phases;
     double last_loss = 0;
     const int64_t first_step = step_;
     first_step_ = step_;
@@ -95,8 +126,8 @@ class TrainingRun {
       mark(Phase::data);
       if (options_.before_step) options_.before_step(step_);
       const auto t0 = Clock::now();
-      double comm_ms = 0;
-      const double local_loss = compute_gradients();
+      PhaseTimes phases;
+      const double local_loss = compute_gradients(phases);
       grad_buffer_.back() = options_.stop_requested && options_.stop_requested() ? 1.0f : 0.0f;
       {
         // Each rank's gradients are already scaled by 1 / (micro-batches in the step), so
@@ -104,26 +135,30 @@ class TrainingRun {
         const auto tc = Clock::now();
         mark_collective();
         comm_.allreduce(grad_buffer_.data(), grad_buffer_.size(), ReduceOp::sum);
-        comm_ms = ms_since(tc);
+        phases.comm = ms_since(tc);
       }
       mark(Phase::optimizer);
+      const auto to = Clock::now();
       stop = grad_buffer_.back() > 0.0f;
       const double norm = clip_grad_norm(grads_, recipe_.optimizer.clip_grad_norm);
       const double lr = lr_scale_ * learning_rate(recipe_.optimizer, step_, total);
       optimizer_->step(params_, grads_, lr);
       advance_sampler();
+      phases.optimizer = ms_since(to);
       if (options_.debug_step_delay_ms > 0) {
         std::this_thread::sleep_for(std::chrono::milliseconds(options_.debug_step_delay_ms));
       }
       const int64_t done = step_ + 1;
       const double step_ms = ms_since(t0);
       ++window_steps;
-      window_comm_ms += comm_ms;
+      window_phases.add(phases);
       if (done - first_step == warmup) {
         steady_start = Clock::now();
         steady_steps = 0;
+        steady_phases = {};
       } else {
         ++steady_steps;
+        steady_phases.add(phases);
       }
       const bool last = done == total || stop;
       if (done % recipe_.log.every == 0 || last) {
@@ -134,10 +169,10 @@ class TrainingRun {
         last_loss = loss;
         const double window_s = ms_since(window_start) / 1000.0;
         log_step(done, loss, lr, norm, static_cast<double>(window_steps * global_batch_) / window_s,
-                 step_ms, window_comm_ms / static_cast<double>(window_steps));
+                 step_ms, window_phases.per(window_steps));
         window_start = Clock::now();
         window_steps = 0;
-        window_comm_ms = 0;
+        window_phases = {};
       }
       if (recipe_.distributed.check_every > 0 && done % recipe_.distributed.check_every == 0) {
         check_replicas(done);
@@ -149,7 +184,13 @@ class TrainingRun {
     }
     const double steady_s = ms_since(steady_start) / 1000.0;
     if (stop) return stop_early();
+    double peak_rss = peak_rss_mib();
+    mark_collective();
+    comm_.allreduce(&peak_rss, 1, ReduceOp::max);
     TrainResult result;
+    result.peak_rss_mib = peak_rss;
+    const PhaseTimes per_step = steady_phases.per(steady_steps);
+    result.phases_ms = {per_step.data, per_step.compute, per_step.comm, per_step.optimizer};
     result.steps = step_;
     result.world_size = world_;
     result.tokens_per_sample = tokens_per_sample_;
@@ -310,16 +351,20 @@ class TrainingRun {
   // This rank's micro-batches j = rank, rank + world, ... of the step's global batch; the
   // gradients are summed scaled by 1 / (micro-batches in the step). Returns the sum of their
   // mean losses.
-  double compute_gradients() {
+  double compute_gradients(PhaseTimes& phases) {
     mark(Phase::compute);
     std::fill(grads_.begin(), grads_.end(), 0.0f);
     const float scale = 1.0f / static_cast<float>(micro_batches_);
     double loss = 0;
     for (int64_t j = rank_; j < micro_batches_; j += world_) {
+      const auto td = Clock::now();
       sampler_.indices(position_, j * micro_batch_, idx_);
       data_.train->gather(idx_, x_.data(), y_.data());
+      const auto tf = Clock::now();
+      phases.data += std::chrono::duration<double, std::milli>(tf - td).count();
       loss += model_->forward_backward(params_, Batch{x_.data(), y_.data(), micro_batch_}, grads_,
                                        scale);
+      phases.compute += ms_since(tf);
     }
     return loss;
   }
@@ -327,11 +372,19 @@ class TrainingRun {
   void advance_sampler() { position_ = sampler_.advance(position_); }
 
   void log_step(int64_t step, double loss, double lr, double norm, double samples_per_s,
-                double step_ms, double comm_ms) {
+                double step_ms, const PhaseTimes& phases) {
     if (rank_ != 0) return;
-    json line = {{"step", step},       {"epoch", position_.epoch}, {"loss", loss},
-                 {"lr", lr},           {"grad_norm", norm},        {"samples_per_s", samples_per_s},
-                 {"step_ms", step_ms}, {"comm_ms", comm_ms}};
+    json line = {{"step", step},
+                 {"epoch", position_.epoch},
+                 {"loss", loss},
+                 {"lr", lr},
+                 {"grad_norm", norm},
+                 {"samples_per_s", samples_per_s},
+                 {"step_ms", step_ms},
+                 {"data_ms", phases.data},
+                 {"compute_ms", phases.compute},
+                 {"comm_ms", phases.comm},
+                 {"optimizer_ms", phases.optimizer}};
     if (tokens_per_sample_ > 0) {
       line["tokens_per_s"] = samples_per_s * static_cast<double>(tokens_per_sample_);
     }

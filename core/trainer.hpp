@@ -1,6 +1,7 @@
 // The training loop: data-parallel steps over a Communicator, evaluation, metrics, checkpoints.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
@@ -48,6 +49,10 @@ struct TrainResult {
   double eval_accuracy = 0;
   double samples_per_s = 0;  // steady state: the first warm-up steps of this process are excluded
   int64_t tokens_per_sample = 0;  // a token model's context (tokens/s = samples/s x this); else 0
+  // Mean ms per steady-state step in data, compute (forward + backward), comm (exposed gradient
+  // all-reduce) and optimizer, on rank 0.
+  std::array<double, 4> phases_ms{};
+  double peak_rss_mib = 0;  // the largest peak resident memory of any rank
   std::string params_checksum;
   std::filesystem::path last_checkpoint;
   bool stopped = false;  // stopped early on request, after checkpointing `steps`

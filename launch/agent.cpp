@@ -31,6 +31,7 @@ json AgentPlan::to_json(bool redact_secret) const {
           {"resume_from", resume_from},
           {"ranks", ranks},
           {"env", env},
+          {"worker_args", worker_args},
           {"data_dir", data_dir}};
 }
 
@@ -50,6 +51,7 @@ AgentPlan AgentPlan::from_json(const json& j) {
     p.ranks = j.at("ranks").get<std::vector<int>>();
     p.env = j.at("env").get<std::map<std::string, std::string>>();
     p.data_dir = j.value("data_dir", std::string());
+    p.worker_args = j.value("worker_args", std::vector<std::string>{});
     return p;
   } catch (const json::exception& e) {
     throw Error(ErrorKind::usage, fmt::format("malformed agent plan: {}", e.what()));
@@ -73,7 +75,10 @@ std::vector<ProcessSpec> worker_specs(const AgentPlan& plan, const fs::path& wor
     p.rank = rank;
     p.argv = {worker_binary.string(), "worker", recipe_file.string(), "--run-dir",
               plan.run_dir.string()};
-    if (!plan.resume_from.empty()) {
+    if (!plan.worker_args.empty()) {
+      p.argv = {worker_binary.string()};
+      p.argv.insert(p.argv.end(), plan.worker_args.begin(), plan.worker_args.end());
+    } else if (!plan.resume_from.empty()) {
       p.argv.push_back("--resume");
       p.argv.push_back(plan.resume_from);
     }

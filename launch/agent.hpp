@@ -27,6 +27,9 @@ struct AgentPlan {
   std::string resume_from;  // a checkpoint directory on that host, "newest[-or-start]", or empty
   std::vector<int> ranks;   // global ranks on this host; local rank = index
   std::map<std::string, std::string> env;  // extra environment for the workers
+  // What each rank runs after the binary; empty: "worker RUN_DIR/recipe.json --run-dir RUN_DIR
+  // [--resume FROM]". Benchmarks run their own worker command this way.
+  std::vector<std::string> worker_args;
   std::string data_dir;  // where provision put data files on that host ("" on the launcher's)
 
   nlohmann::json to_json(bool redact_secret = false) const;

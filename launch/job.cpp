@@ -159,6 +159,7 @@ JobPlan plan_job(const JobSpec& spec, const fs::path& run_path, const std::strin
     for (int i = 0; i < h.slots; ++i)
       a.ranks.push_back(next_rank++);
     a.env = spec.worker_env;
+    a.worker_args = spec.worker_args;
     if (!h.is_local()) {
       // Local ranks inherit the launcher's environment; remote ones get these passed on.
       for (const char* name : kForwardedEnv) {

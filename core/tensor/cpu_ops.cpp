@@ -9,6 +9,7 @@
 #include <string>
 
 #include "core/error.hpp"
+#include "core/tensor/vector_math.hpp"
 
 namespace dptrain {
 namespace {
@@ -91,7 +92,7 @@ void CpuOps::activation_forward(Activation activation, ConstMatrix pre, Matrix o
   }
   for (int64_t i = 0; i < n; ++i) {
     const float v = x[i];
-    const float t = std::tanh(kGeluScale * (v + kGeluCubic * v * v * v));
+    const float t = tanh_fast(kGeluScale * (v + kGeluCubic * v * v * v));
     y[i] = 0.5f * v * (1.0f + t);
   }
 }
@@ -111,7 +112,7 @@ void CpuOps::activation_backward(Activation activation, ConstMatrix pre, ConstMa
   }
   for (int64_t i = 0; i < n; ++i) {
     const float v = x[i];
-    const float t = std::tanh(kGeluScale * (v + kGeluCubic * v * v * v));
+    const float t = tanh_fast(kGeluScale * (v + kGeluCubic * v * v * v));
     const float dt = kGeluScale * (1.0f + 3.0f * kGeluCubic * v * v) * (1.0f - t * t);
     dx[i] = dy[i] * (0.5f * (1.0f + t) + 0.5f * v * dt);
   }
@@ -130,11 +131,11 @@ double CpuOps::softmax_cross_entropy_forward(ConstMatrix logits, const int32_t* 
     for (int64_t j = 1; j < logits.cols; ++j)
       max_z = std::max(max_z, z[j]);
     const float target_shifted = z[labels[i]] - max_z;  // read before p (maybe z) is overwritten
+    for (int64_t j = 0; j < logits.cols; ++j)
+      p[j] = exp_nonpositive(z[j] - max_z);  // vectorises; the sum below keeps its order
     float sum = 0.0f;
-    for (int64_t j = 0; j < logits.cols; ++j) {
-      p[j] = std::exp(z[j] - max_z);
+    for (int64_t j = 0; j < logits.cols; ++j)
       sum += p[j];
-    }
     const float inv_sum = 1.0f / sum;
     for (int64_t j = 0; j < logits.cols; ++j)
       p[j] *= inv_sum;

@@ -12,6 +12,7 @@
 
 #include "core/error.hpp"
 #include "core/tensor/cpu_ops.hpp"
+#include "core/tensor/vector_math.hpp"
 
 namespace dptrain {
 namespace {
@@ -131,39 +132,6 @@ blasint blas_dim(int64_t n) {
     best = key > best ? key : best;
   }
   return std::bit_cast<float>(best ^ ((best >> 31) & 0x7fffffff));
-}
-
-// exp(x) for the softmax's x = score - row max <= 0, written so that the loop calling it
-// vectorises: std::exp is a scalar libm call without -ffast-math, and the range checks are
-// integer masks, not branches. exp(x) = 2^k e^r with k = round(x / ln 2), |r| <= ln(2) / 2, e^r
-// by its degree-7 Taylor polynomial: within 1.3 ulp of the true value. x below -87 (about the
-// last normal result) gives 0; NaN stays NaN.
-[[gnu::always_inline]] inline float exp_nonpositive(float x) {
-  constexpr int32_t kMinMagnitude = std::bit_cast<int32_t>(87.0f);
-  constexpr int32_t kInfMagnitude = 0x7f800000;
-  constexpr float kLog2e = 1.44269504088896341f;
-  constexpr float kLn2High = 0.693145751953125f;     // ln 2 with its low mantissa bits cleared:
-  constexpr float kLn2Low = 1.428606765330187e-06f;  // k * kLn2High is exact for |k| <= 126
-  const int32_t bits = std::bit_cast<int32_t>(x);
-  const int32_t magnitude = bits & 0x7fffffff;
-  const int32_t below_mask = (kMinMagnitude - magnitude) >> 31;  // all ones: |x| > 87 or NaN
-  const int32_t nan_mask = (kInfMagnitude - magnitude) >> 31;
-  const float clamped =
-      std::bit_cast<float>((bits & ~below_mask) | (std::bit_cast<int32_t>(-87.0f) & below_mask));
-  const int32_t k = static_cast<int32_t>(clamped * kLog2e - 0.5f);  // rounds: the value is < 0
-  const float kf = static_cast<float>(k);
-  const float r = (clamped - kf * kLn2High) - kf * kLn2Low;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const float two_k = std::bit_cast<float>((k + 127) << 23);  // k in [-126, 0]
-  const int32_t value = std::bit_cast<int32_t>(p * two_k) & ~below_mask;
-  return std::bit_cast<float>((value & ~nan_mask) | (bits & nan_mask));
 }
 
 // Row blocks [begin, end) of the causal attention.
@@ -398,7 +366,8 @@ void CpuOps::attention_backward(ConstMatrix qkv, const float* att, ConstMatrix d
               dq + begin * ld, ld);
       }
       // dk[s] = sum_{t >= s} dS[t, s] q_t and dv[s] = sum_{t >= s} P[t, s] dout_t: column block
-      // [begin, end) needs rows [begin, seq), all written above.
+      // [begin, end) needs rows [begin, seq), all written above (and P's zeros above the diagonal,
+      // which the forward wrote).
       for (int64_t begin = 0; begin < seq; begin = block_end(begin, seq)) {
         const int64_t end = block_end(begin, seq);
         const int64_t rows = seq - begin;
