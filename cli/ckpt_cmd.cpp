@@ -16,6 +16,7 @@
 #include "cli/commands.hpp"
 #include "core/checkpoint.hpp"
 #include "core/error.hpp"
+#include "core/fs.hpp"
 #include "launch/run_dir.hpp"
 
 namespace dptrain::cli {
@@ -39,19 +40,6 @@ struct CheckpointRow {
   std::string written;  // the directory's mtime, UTC; empty when it cannot be read
   bool latest = false;
 };
-
-uint64_t size_on_disk(const fs::path& dir) {
-  uint64_t total = 0;
-  std::error_code ec;
-  for (const auto& entry : fs::recursive_directory_iterator(dir, ec)) {
-    std::error_code size_ec;
-    if (entry.is_regular_file(size_ec)) {
-      const uintmax_t size = entry.file_size(size_ec);
-      if (!size_ec) total += size;
-    }
-  }
-  return total;
-}
 
 std::string written_time(const fs::path& dir) {
   struct stat st {};

@@ -26,6 +26,11 @@ void setup_ckpt(CLI::App& app, Outcome& outcome);
 void setup_recipe(CLI::App& app, Outcome& outcome);
 void setup_data(CLI::App& app, Outcome& outcome);
 void setup_sample(CLI::App& app, Outcome& outcome);
+void setup_bench(CLI::App& app, Outcome& outcome);
+void setup_bench_comm(CLI::App& app, Outcome& outcome);   // bench comm (cli/bench_comm.cpp)
+void setup_bench_train(CLI::App& app, Outcome& outcome);  // bench train (cli/bench_train.cpp)
+void setup_report(CLI::App& app, Outcome& outcome);
+void setup_status(CLI::App& app, Outcome& outcome);
 void setup_worker(CLI::App& app, Outcome& outcome);
 void setup_provision(CLI::App& app, Outcome& outcome);
 void setup_agent(CLI::App& app, Outcome& outcome);
@@ -41,6 +46,11 @@ inline const std::vector<Subcommand>& subcommands() {
       {"recipe", "Validate a recipe or show it with every default filled in", setup_recipe},
       {"data", "Prepare a token dataset from text files for the gpt model", setup_data},
       {"sample", "Generate text from a gpt run's checkpoint", setup_sample},
+      {"status", "Where a run stands: running or ended, step, checkpoint, restarts", setup_status},
+      {"report", "Write a run's HTML report (loss, throughput, restarts) and a summary",
+       setup_report},
+      {"bench", "Benchmark collectives (nccl-tests style) or a recipe's training scaling",
+       setup_bench},
       {"worker", "Run one rank (started by launch, or by hand / another scheduler)", setup_worker},
       {"provision", "Check hosts over SSH and install dptrain, a recipe and files on them",
        setup_provision},

@@ -22,6 +22,14 @@ std::vector<HostSpec> HostOptions::load() const {
   return load_hosts(hosts);
 }
 
+std::vector<HostSpec> HostOptions::load_for_job(bool nproc_given) const {
+  if (nproc_given) {
+    throw Error(ErrorKind::usage,
+                "--nproc: not with --hosts (each host's slots give its number of ranks)");
+  }
+  return load();
+}
+
 void add_host_options(CLI::App& app, HostOptions& o, bool hosts_required) {
   auto* hosts = app.add_option("--hosts", o.hosts,
                                "Hosts: a hostfile (host [slots=N] [user=U] [port=P] [key=PATH] "

@@ -21,6 +21,8 @@ struct HostOptions {
 
   SshOptions ssh() const;
   std::vector<HostSpec> load() const;  // Error(usage) when --hosts is missing or malformed
+  // load() for a job, whose world is the hosts' slots: Error(usage) when --nproc was given too.
+  std::vector<HostSpec> load_for_job(bool nproc_given) const;
 };
 
 // `hosts_required`: --hosts must be given (provision, doctor); otherwise it is optional (launch).

@@ -37,11 +37,7 @@ JobSpec job_spec(const LaunchOptions& o) {
   JobSpec spec;
   spec.recipe = load_recipe(o.recipe);
   if (!o.hosts.hosts.empty()) {
-    if (!o.nproc.empty()) {
-      throw Error(ErrorKind::usage,
-                  "--nproc: not with --hosts (each host's slots give its number of ranks)");
-    }
-    spec.hosts = o.hosts.load();
+    spec.hosts = o.hosts.load_for_job(!o.nproc.empty());
     if (!o.nnodes.empty()) {
       spec.nodes = parse_size_range(o.nnodes, "--nnodes");
       if (spec.nodes.max > static_cast<int>(spec.hosts.size())) {
@@ -52,9 +48,7 @@ JobSpec job_spec(const LaunchOptions& o) {
       spec.candidates = spec.hosts;
       spec.hosts.resize(static_cast<size_t>(spec.nodes.max));
     }
-    spec.world_size = 0;
-    for (const auto& h : spec.hosts)
-      spec.world_size += h.slots;
+    spec.world_size = total_slots(spec.hosts);
   } else {
     if (!o.nnodes.empty()) {
       throw Error(ErrorKind::usage, "--nnodes: only with --hosts (use --nproc MIN:MAX locally)");

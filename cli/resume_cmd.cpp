@@ -59,14 +59,8 @@ int run_resume(const ResumeOptions& o) {
   }
   JobSpec spec;
   if (!o.hosts.hosts.empty()) {
-    if (o.nproc > 0) {
-      throw Error(ErrorKind::usage,
-                  "--nproc: not with --hosts (each host's slots give its number of ranks)");
-    }
-    spec.hosts = o.hosts.load();
-    spec.world_size = 0;
-    for (const auto& h : spec.hosts)
-      spec.world_size += h.slots;
+    spec.hosts = o.hosts.load_for_job(o.nproc > 0);
+    spec.world_size = total_slots(spec.hosts);
   } else {
     std::string remote;
     for (const auto& h : run.info().value("hosts", nlohmann::json::array())) {

@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "cli/commands.hpp"
+#include "cli/env.hpp"
 #include "core/comm/auth.hpp"
 #include "core/comm/gloo_communicator.hpp"
 #include "core/comm/net.hpp"
@@ -42,31 +43,13 @@ struct WorkerOptions {
   double timeout_s = 0;
 };
 
-std::optional<std::string> env(const char* name) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return std::nullopt;
-  return std::string(v);
-}
-
-int env_int(const char* name, const char* flag) {
-  const auto v = env(name);
-  if (!v) {
-    throw Error(ErrorKind::usage, fmt::format("{} not given and {} is not set", flag, name));
-  }
-  try {
-    size_t used = 0;
-    const int n = std::stoi(*v, &used);
-    if (used == v->size()) return n;
-  } catch (const std::exception&) {
-  }
-  throw Error(ErrorKind::usage, fmt::format("{}: not an integer: '{}'", name, *v));
-}
-
 // Flags win over the environment; every missing piece is named.
 void fill_from_env(WorkerOptions& o) {
-  if (o.rank < 0) o.rank = env_int("RANK", "--rank");
-  if (o.world_size < 0) o.world_size = env_int("WORLD_SIZE", "--world-size");
-  if (o.local_rank < 0) o.local_rank = env("LOCAL_RANK") ? env_int("LOCAL_RANK", "") : o.rank;
+  if (o.rank < 0) o.rank = env_int("RANK", std::nullopt, "--rank not given and RANK is not set");
+  if (o.world_size < 0)
+    o.world_size =
+        env_int("WORLD_SIZE", std::nullopt, "--world-size not given and WORLD_SIZE is not set");
+  if (o.local_rank < 0) o.local_rank = env_int("LOCAL_RANK", o.rank);
   if (o.store.empty()) {
     if (auto s = env("DPTRAIN_STORE")) {
       o.store = *s;
@@ -78,10 +61,9 @@ void fill_from_env(WorkerOptions& o) {
     }
   }
   if (o.nominal_world < 0) {
-    o.nominal_world = env("DPTRAIN_NOMINAL_WORLD") ? env_int("DPTRAIN_NOMINAL_WORLD", "") : 0;
+    o.nominal_world = env_int("DPTRAIN_NOMINAL_WORLD", 0);
   }
-  if (o.generation < 0)
-    o.generation = env("DPTRAIN_GENERATION") ? env_int("DPTRAIN_GENERATION", "") : 1;
+  if (o.generation < 0) o.generation = env_int("DPTRAIN_GENERATION", 1);
   if (o.run_dir.empty()) o.run_dir = env("DPTRAIN_RUN_DIR").value_or("");
   if (o.run_dir.empty()) {
     throw Error(ErrorKind::usage, "--run-dir not given and DPTRAIN_RUN_DIR is not set");

@@ -105,4 +105,17 @@ void append_line(const std::filesystem::path& path, std::string_view line) {
   write_all(fd.get(), buf.data(), buf.size(), path);
 }
 
+uint64_t size_on_disk(const std::filesystem::path& dir) {
+  uint64_t total = 0;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(dir, ec)) {
+    std::error_code size_ec;
+    if (entry.is_regular_file(size_ec)) {
+      const uintmax_t size = entry.file_size(size_ec);
+      if (!size_ec) total += size;
+    }
+  }
+  return total;
+}
+
 }  // namespace dptrain

@@ -1,6 +1,7 @@
 // Durable file helpers: whole-file reads, atomic writes (temp + fsync + rename + fsync dir).
 #pragma once
 
+#include <cstdint>
 #include <filesystem>
 #include <span>
 #include <string>
@@ -19,5 +20,8 @@ void write_file_synced(const std::filesystem::path& path, std::span<const std::b
 // crash).
 void append_line(const std::filesystem::path& path, std::string_view line);
 void fsync_directory(const std::filesystem::path& dir);
+
+// Bytes of the regular files under dir, recursively; unreadable entries count as 0.
+uint64_t size_on_disk(const std::filesystem::path& dir);
 
 }  // namespace dptrain

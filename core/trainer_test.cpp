@@ -13,6 +13,7 @@
 #include "core/comm/gloo_communicator.hpp"
 #include "core/comm/tcp_store.hpp"
 #include "core/error.hpp"
+#include "tests/gloo_ranks.hpp"
 #include "tests/temp_dir.hpp"
 
 namespace fs = std::filesystem;
@@ -40,30 +41,17 @@ Recipe tiny_recipe() {
 }
 
 // A bad node: rank `victim` gets every float all-reduce result slightly wrong.
-class CorruptingCommunicator : public Communicator {
+class CorruptingCommunicator : public test::ForwardingCommunicator {
  public:
   CorruptingCommunicator(std::unique_ptr<Communicator> inner, int victim)
-      : inner_(std::move(inner)), victim_(victim) {}
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  std::string backend() const override { return inner_->backend(); }
+      : ForwardingCommunicator(std::move(inner)), victim_(victim) {}
+  using ForwardingCommunicator::allreduce;
   void allreduce(float* data, size_t count, ReduceOp op) override {
-    inner_->allreduce(data, count, op);
+    ForwardingCommunicator::allreduce(data, count, op);
     if (rank() == victim_ && count > 0) data[0] += 1e-3f;
   }
-  void allreduce(double* data, size_t count, ReduceOp op) override {
-    inner_->allreduce(data, count, op);
-  }
-  void broadcast(void* data, size_t bytes, int root) override {
-    inner_->broadcast(data, bytes, root);
-  }
-  void allgather(const void* in, size_t bytes, void* out) override {
-    inner_->allgather(in, bytes, out);
-  }
-  void barrier() override { inner_->barrier(); }
 
  private:
-  std::unique_ptr<Communicator> inner_;
   int victim_;
 };
 

@@ -86,10 +86,7 @@ struct HostSurvey {
 class Doctor {
  public:
   Doctor(const std::vector<HostSpec>& hosts, const DoctorOptions& options)
-      : hosts_(hosts), options_(options) {
-    for (const auto& h : hosts_)
-      world_ += h.slots;
-  }
+      : hosts_(hosts), options_(options), world_(total_slots(hosts)) {}
 
   std::vector<DoctorCheck> run() {
     check_recipe();

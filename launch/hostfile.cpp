@@ -233,6 +233,13 @@ HostSpec parse_hosts_entry(std::string_view entry) {
 
 }  // namespace
 
+int total_slots(const std::vector<HostSpec>& hosts) {
+  int n = 0;
+  for (const auto& h : hosts)
+    n += h.slots;
+  return n;
+}
+
 std::string HostSpec::display() const {
   std::string text = user.empty() ? "" : user + "@";
   return text + (port == kDefaultSshPort ? host : format_host_port(host, port));

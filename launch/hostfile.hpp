@@ -21,6 +21,9 @@ struct HostSpec {
   std::string display() const;
 };
 
+// The ranks the hosts hold: the sum of their slots.
+int total_slots(const std::vector<HostSpec>& hosts);
+
 // Error(usage) "FILE:LINE: what is wrong" for a bad line; `#` starts a comment; blank lines are
 // skipped; a host may not appear twice (same host and port); at least one host.
 std::vector<HostSpec> parse_hostfile(const std::filesystem::path& path);

@@ -141,9 +141,7 @@ JobPlan plan_job(const JobSpec& spec, const fs::path& run_path, const std::strin
   plan.secret = secret;
   plan.hosts = job_hosts(spec);
   int next_rank = 0;
-  int world = 0;
-  for (const auto& h : plan.hosts)
-    world += h.slots;
+  const int world = total_slots(plan.hosts);
   for (const auto& h : plan.hosts) {
     AgentPlan a;
     a.host = h.is_local() ? "localhost" : h.host;
@@ -200,10 +198,7 @@ json JobPlan::to_json(const JobSpec& spec) const {
     }
     hosts_json.push_back(host);
   }
-  int world = 0;
-  for (const auto& h : hosts)
-    world += h.slots;
-  return {{"store", store}, {"world_size", world}, {"hosts", hosts_json}};
+  return {{"store", store}, {"world_size", total_slots(hosts)}, {"hosts", hosts_json}};
 }
 
 JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status) {

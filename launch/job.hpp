@@ -52,8 +52,8 @@ struct JobSpec {
   // What every rank runs after the binary instead of the trainer (AgentPlan::worker_args): a
   // benchmark. Rank 0 reports its outcome as a "result" event like the trainer's.
   std::vector<std::string> worker_args;
-  std::chrono::milliseconds hang_timeout{0};      // 0: no hang detection
-  EventLog* events = nullptr;                     // the --events stream, if any
+  std::chrono::milliseconds hang_timeout{0};  // 0: no hang detection
+  EventLog* events = nullptr;                 // the --events stream, if any
 };
 
 struct JobOutcome {

@@ -32,13 +32,6 @@ bool rank0_local(const JobSpec& spec) {
   return spec.hosts.empty() || spec.hosts.front().is_local();
 }
 
-int slots(const std::vector<HostSpec>& hosts) {
-  int n = 0;
-  for (const auto& h : hosts)
-    n += h.slots;
-  return n;
-}
-
 std::string join(const std::vector<std::string>& parts, const std::string& sep) {
   std::string out;
   for (const auto& p : parts)
@@ -70,7 +63,7 @@ std::string place_generation(RunDirectory& run, JobSpec& spec, StatusPrinter& st
                          join(absent, "; "));
     }
     spec.hosts = sel.hosts;
-    spec.world_size = slots(spec.hosts);
+    spec.world_size = total_slots(spec.hosts);
   } else if (failed && failed->rank_killed && spec.nodes.elastic()) {
     if (spec.world_size - 1 < spec.nodes.min) {
       return fmt::format(

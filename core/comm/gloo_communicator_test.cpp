@@ -5,51 +5,27 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <mutex>
 #include <random>
 #include <thread>
+#include <type_traits>
 
 #include "core/comm/gloo_communicator.hpp"
 #include "core/comm/tcp_store.hpp"
 #include "core/error.hpp"
+#include "tests/gloo_ranks.hpp"
 
 namespace dptrain {
 namespace {
 
 using namespace std::chrono_literals;
+using test::run_ranks;
 
 GlooOptions test_options(std::chrono::milliseconds timeout = 30s) {
   GlooOptions options;
   options.timeout = timeout;
   return options;
-}
-
-// Runs body(communicator) on `size` ranks, each a thread with its own store client; rethrows the
-// first rank's failure on the calling thread.
-void run_ranks(int size, const std::function<void(Communicator&)>& body) {
-  TcpStoreServer server;
-  std::mutex failure_mutex;
-  std::string failure;
-  std::vector<std::thread> ranks;
-  for (int rank = 0; rank < size; ++rank) {
-    ranks.emplace_back([&, rank] {
-      try {
-        TcpStoreClient client("127.0.0.1", server.port(), 10s);
-        PrefixStore store("gen0", client);
-        auto communicator = make_gloo_communicator(store, rank, size, test_options());
-        CHECK(communicator->rank() == rank);
-        CHECK(communicator->size() == size);
-        CHECK(communicator->backend() == "gloo");
-        body(*communicator);
-      } catch (const std::exception& error) {
-        std::lock_guard lock(failure_mutex);
-        if (failure.empty()) failure = error.what();
-      }
-    });
-  }
-  for (auto& rank : ranks)
-    rank.join();
-  REQUIRE_MESSAGE(failure.empty(), failure);
 }
 
 // Small integers, so sums are exact whatever the order and the expected value is easy to state.
@@ -108,6 +84,137 @@ TEST_CASE("gloo: allreduce sum/avg/max/min over 1..4 ranks and many counts") {
       }
       check_allreduce<float>(communicator, 1000003, ReduceOp::sum);
       check_allreduce<float>(communicator, 1000003, ReduceOp::avg);
+    });
+  }
+}
+
+// The same check for the 16-bit formats and for reduce_scatter: expected values are computed in
+// float from the small integers of input_value, then rounded like the communicator rounds.
+template <typename T>
+using Wide = std::conditional_t<std::is_same_v<T, double>, double, float>;
+template <typename T>
+Wide<T> widen(T value) {
+  if constexpr (std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>) {
+    return to_float(value);
+  } else {
+    return value;
+  }
+}
+template <typename T>
+T narrow(Wide<T> value) {
+  if constexpr (std::is_same_v<T, Half>) {
+    return to_half(value);
+  } else if constexpr (std::is_same_v<T, BFloat16>) {
+    return to_bfloat16(value);
+  } else {
+    return value;
+  }
+}
+template <typename T>
+Wide<T> expected_narrow(ReduceOp op, int size, size_t i) {
+  const auto exact = expected_value<Wide<T>>(op == ReduceOp::avg ? ReduceOp::sum : op, size, i);
+  return widen(narrow<T>(op == ReduceOp::avg ? exact / static_cast<Wide<T>>(size) : exact));
+}
+
+template <typename T>
+void check_allreduce_16(Communicator& communicator, size_t count, ReduceOp op) {
+  std::vector<T> data(count);
+  for (size_t i = 0; i < count; ++i)
+    data[i] = narrow<T>(input_value<Wide<T>>(communicator.rank(), i));
+  communicator.allreduce(data.data(), count, op);
+  size_t wrong = 0;
+  for (size_t i = 0; i < count; ++i)
+    wrong += widen(data[i]) != expected_narrow<T>(op, communicator.size(), i);
+  CHECK_MESSAGE(wrong == 0, "rank ", communicator.rank(), " ", reduce_op_name(op), " count ", count,
+                ": ", wrong, " wrong");
+}
+
+template <typename T>
+void check_reduce_scatter(Communicator& communicator, size_t per_rank, ReduceOp op) {
+  const auto ranks = static_cast<size_t>(communicator.size());
+  const auto rank = static_cast<size_t>(communicator.rank());
+  std::vector<T> in(per_rank * ranks);
+  for (size_t i = 0; i < in.size(); ++i)
+    in[i] = narrow<T>(input_value<Wide<T>>(communicator.rank(), i));
+  const std::vector<T> before = in;
+  std::vector<T> out(per_rank, narrow<T>(999));
+  communicator.reduce_scatter(in.data(), out.data(), per_rank, op);
+  size_t wrong = 0;
+  for (size_t i = 0; i < per_rank; ++i)
+    wrong += widen(out[i]) != expected_narrow<T>(op, communicator.size(), rank * per_rank + i);
+  CHECK_MESSAGE(wrong == 0, "rank ", rank, " ", reduce_op_name(op), " per rank ", per_rank, ": ",
+                wrong, " wrong");
+  CHECK(std::memcmp(in.data(), before.data(), in.size() * sizeof(T)) == 0);  // input untouched
+}
+
+TEST_CASE("gloo: half and bfloat16 convert to and from float, rounding to nearest even") {
+  for (uint32_t bits = 0; bits < 0x10000; ++bits) {
+    const Half h{static_cast<uint16_t>(bits)};
+    const BFloat16 b{static_cast<uint16_t>(bits)};
+    const bool half_nan = (bits & 0x7c00) == 0x7c00 && (bits & 0x3ff) != 0;
+    const bool bf16_nan = (bits & 0x7f80) == 0x7f80 && (bits & 0x7f) != 0;
+    if (half_nan) {
+      CHECK(std::isnan(to_float(h)));
+      CHECK(std::isnan(to_float(to_half(to_float(h)))));
+    } else {
+      REQUIRE(to_half(to_float(h)).bits == bits);  // every finite half and both infinities
+    }
+    if (bf16_nan) {
+      CHECK(std::isnan(to_float(to_bfloat16(to_float(b)))));
+    } else {
+      REQUIRE(to_bfloat16(to_float(b)).bits == bits);
+    }
+  }
+  CHECK(to_float(Half{0x3c00}) == 1.0f);
+  CHECK(to_float(Half{0x7bff}) == 65504.0f);
+  CHECK(to_float(Half{0x0001}) == std::ldexp(1.0f, -24));  // the smallest subnormal
+  CHECK(to_half(65519.0f).bits == 0x7bff);
+  CHECK(to_half(65520.0f).bits == 0x7c00);  // halfway to 65536: ties to even = infinity
+  CHECK(to_half(-1e9f).bits == 0xfc00);
+  CHECK(to_half(2049.0f).bits == to_half(2048.0f).bits);  // tie: down to the even mantissa
+  CHECK(to_half(2051.0f).bits == to_half(2052.0f).bits);  // tie: up to the even mantissa
+  CHECK(to_half(std::ldexp(1.0f, -25)).bits == 0);        // tie with zero
+  CHECK(to_half(std::ldexp(1.5f, -25)).bits == 0x0001);
+  CHECK(to_half(std::ldexp(3.0f, -25)).bits == 0x0002);            // 1.5 units: tie, up to even 2
+  CHECK(to_half(std::ldexp(1023.5f, -24)).bits == 0x0400);         // rounds up into the normals
+  CHECK(to_bfloat16(1.0f + std::ldexp(1.0f, -8)).bits == 0x3f80);  // tie, down to even
+  CHECK(to_bfloat16(1.0f + 3 * std::ldexp(1.0f, -8)).bits == 0x3f82);    // tie, up to even
+  CHECK(to_bfloat16(std::numeric_limits<float>::max()).bits == 0x7f80);  // rounds to infinity
+  CHECK(std::isnan(to_float(to_bfloat16(std::numeric_limits<float>::quiet_NaN()))));
+  CHECK(to_float(to_bfloat16(-2.5f)) == -2.5f);
+}
+
+TEST_CASE("gloo: allreduce of half and bfloat16 over 1..4 ranks") {
+  for (int size = 1; size <= 4; ++size) {
+    CAPTURE(size);
+    run_ranks(size, [](Communicator& communicator) {
+      for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{4099}}) {
+        for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::max, ReduceOp::min}) {
+          check_allreduce_16<Half>(communicator, count, op);
+          check_allreduce_16<BFloat16>(communicator, count, op);
+        }
+      }
+    });
+  }
+}
+
+TEST_CASE("gloo: reduce_scatter of every type over 1..5 ranks and many counts") {
+  for (int size = 1; size <= 5; ++size) {
+    CAPTURE(size);
+    run_ranks(size, [](Communicator& communicator) {
+      for (size_t per_rank : {size_t{0}, size_t{1}, size_t{3}, size_t{7}, size_t{1001}}) {
+        for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::max, ReduceOp::min}) {
+          check_reduce_scatter<float>(communicator, per_rank, op);
+          check_reduce_scatter<double>(communicator, per_rank, op);
+          check_reduce_scatter<Half>(communicator, per_rank, op);
+          check_reduce_scatter<BFloat16>(communicator, per_rank, op);
+        }
+      }
+      // The same shape again (a reused plan), between other collectives.
+      for (int repeat = 0; repeat < 3; ++repeat) {
+        check_reduce_scatter<float>(communicator, 100003, ReduceOp::sum);
+        check_allreduce<float>(communicator, 1000, ReduceOp::sum);
+      }
     });
   }
 }

@@ -1,0 +1,324 @@
+// `dptrain bench comm`: collective bandwidth in nccl-tests' format, on ranks launched like a job.
+// The launcher side parses the flags, starts the ranks through run_job, and prints the table (or
+// JSON) from rank 0's result; each rank runs `dptrain bench comm --worker OPTIONS`.
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <optional>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.hpp"
+#include "cli/env.hpp"
+#include "cli/host_options.hpp"
+#include "core/bench/comm_bench.hpp"
+#include "core/comm/auth.hpp"
+#include "core/comm/gloo_communicator.hpp"
+#include "core/comm/net.hpp"
+#include "core/comm/tcp_store.hpp"
+#include "core/error.hpp"
+#include "core/fs.hpp"
+#include "launch/job.hpp"
+#include "launch/run_dir.hpp"
+#include "launch/status.hpp"
+#include "launch/supervisor.hpp"
+
+namespace dptrain::cli {
+
+namespace {
+
+using nlohmann::json;
+
+struct BenchCommOptions {
+  std::string op = "allreduce";
+  std::string backend = "gloo";
+  int nproc = 1;
+  CLI::Option* nproc_flag = nullptr;  // given or not
+  HostOptions hosts;
+  RemoteJobOptions remote;
+  std::string min_bytes = "8";
+  std::string max_bytes = "64M";
+  int64_t step_factor = 2;
+  std::string dtype = "float";
+  std::string redop = "sum";
+  int root = 0;
+  int warmup = 5;
+  int iters = 20;
+  double min_busbw = 0;
+  CLI::Option* min_busbw_flag = nullptr;  // given or not
+  double timeout_s = 60;
+  std::string run_dir;
+  std::string runs_root = "runs";
+  bool json = false;
+  std::string worker;  // set in a rank: the options the launcher serialized
+};
+
+CommBenchOptions bench_options(const BenchCommOptions& o) {
+  CommBenchOptions b;
+  b.ops = parse_collectives(o.op, "-o/--op");
+  b.min_bytes = parse_size(o.min_bytes, "-b/--minbytes");
+  b.max_bytes = parse_size(o.max_bytes, "-e/--maxbytes");
+  if (o.step_factor < 2) {
+    throw Error(ErrorKind::usage,
+                fmt::format("-f/--stepfactor: must be at least 2, got {}", o.step_factor));
+  }
+  b.step_factor = static_cast<uint64_t>(o.step_factor);
+  b.dtype = parse_dtype(o.dtype, "-d/--dtype");
+  b.redop = parse_reduce_op(o.redop, "--redop");
+  b.root = o.root;
+  b.warmup = o.warmup;
+  b.iters = o.iters;
+  return b;
+}
+
+void check_backend(const std::string& backend) {
+  if (backend == "gloo") return;
+  if (backend == "nccl") {
+    throw Error(ErrorKind::usage, "--backend: 'nccl' is not available in this build (use gloo)");
+  }
+  throw Error(ErrorKind::usage,
+              fmt::format("--backend: unknown backend '{}' (use gloo or nccl)", backend));
+}
+
+// The ranks' exit, as the error kind main maps back to the same exit code.
+ErrorKind failure_kind(int exit_code) {
+  switch (exit_code) {
+    case 3:
+      return ErrorKind::rank_failed;
+    case 4:
+      return ErrorKind::ssh;
+    case 130:
+      return ErrorKind::interrupted;
+    case 143:
+      return ErrorKind::terminated;
+    default:
+      return ErrorKind::internal;
+  }
+}
+
+// One line per collective whose data check failed.
+std::vector<std::string> wrong_data_lines(const CommBenchResult& result) {
+  std::vector<std::string> lines;
+  for (Collective op : result.options.ops) {
+    uint64_t wrong = 0;
+    std::string sizes;
+    for (const auto& row : result.rows) {
+      if (row.op != op || row.wrong == 0) continue;
+      wrong += row.wrong;
+      sizes += fmt::format("{}{}", sizes.empty() ? "" : ", ", row.size);
+    }
+    if (wrong > 0) {
+      lines.push_back(fmt::format("{}: {} wrong element(s) in the data check (sizes {} bytes)",
+                                  collective_name(op), wrong, sizes));
+    }
+  }
+  return lines;
+}
+
+int run_bench_launcher(const BenchCommOptions& o) {
+  install_stop_signal_handlers();
+  // Every flag is checked before anything is created.
+  check_backend(o.backend);
+  const CommBenchOptions options = bench_options(o);
+  if (o.min_busbw_flag->count() > 0 && !(o.min_busbw >= 0)) {
+    throw Error(ErrorKind::usage, fmt::format("--min-busbw: must be >= 0, got {}", o.min_busbw));
+  }
+  if (!(o.timeout_s > 0)) {
+    throw Error(ErrorKind::usage, fmt::format("--timeout: must be > 0, got {}", o.timeout_s));
+  }
+  JobSpec spec;
+  spec.recipe.name = "bench-comm";
+  if (!o.hosts.hosts.empty()) {
+    spec.hosts = o.hosts.load_for_job(o.nproc_flag->count() > 0);
+    spec.world_size = total_slots(spec.hosts);
+  } else {
+    if (o.nproc < 1) {
+      throw Error(ErrorKind::usage, fmt::format("--nproc: must be at least 1, got {}", o.nproc));
+    }
+    spec.world_size = o.nproc;
+  }
+  options.validate(spec.world_size);
+  spec.nominal_world = spec.world_size;
+  spec.remote = o.remote.get(o.hosts);
+  spec.backend = o.backend;
+  spec.worker_binary = self_executable();
+  json worker = options.to_json();
+  worker["timeout_s"] = o.timeout_s;
+  spec.worker_args = {"bench", "comm", "--worker", worker.dump()};
+  const int hosts = spec.hosts.empty() ? 1 : static_cast<int>(spec.hosts.size());
+
+  RunDirectory run = RunDirectory::create(o.run_dir, o.runs_root, "bench-comm");
+  run.info()["benchmark"] = worker;
+  // stdout carries only the table or the JSON; progress and rank output go to stderr.
+  StatusPrinter status(stderr, StatusPrinter::is_terminal(stderr));
+  status.line(fmt::format(
+      "dptrain bench comm: {} rank(s) on {}, run directory {}", spec.world_size,
+      spec.hosts.empty() ? std::string("this machine") : fmt::format("{} host(s)", hosts),
+      run.path().string()));
+  const JobOutcome outcome = run_job(run, spec, status);
+  status.finish();
+  if (outcome.exit_code != 0) throw Error(failure_kind(outcome.exit_code), outcome.error);
+
+  CommBenchResult result = CommBenchResult::from_json(outcome.result);
+  result.hosts = hosts;
+  const std::string table = format_comm_table(result);
+  write_file_atomic(run.path() / "table.txt", table);
+
+  std::vector<std::string> errors = wrong_data_lines(result);
+  int exit_code = errors.empty() ? 0 : 3;
+  std::string status_word = errors.empty() ? "ok" : "wrong_data";
+  if (o.min_busbw_flag->count() > 0) {
+    const auto shortfalls = busbw_shortfalls(result, o.min_busbw);
+    errors.insert(errors.end(), shortfalls.begin(), shortfalls.end());
+    if (exit_code == 0 && !shortfalls.empty()) {
+      exit_code = 6;
+      status_word = "below_threshold";
+    }
+  }
+  json j = result.to_json();
+  j["status"] = status_word;
+  j["exit_code"] = exit_code;
+  j["run_dir"] = run.path().string();
+  if (o.min_busbw_flag->count() > 0) j["min_busbw"] = o.min_busbw;
+  j["errors"] = errors;
+  // Rank 0 does not know the hosts or the verdict: the run keeps the launcher's whole result.
+  write_file_atomic(run.path() / "result.json", j.dump(2) + "\n");
+  run.info()["result"] = j;
+  run.save();
+  if (o.json) {
+    std::printf("%s\n", j.dump().c_str());
+  } else {
+    std::fputs(table.c_str(), stdout);
+  }
+  std::fflush(stdout);
+  for (const auto& line : errors)
+    std::fprintf(stderr, "dptrain: error: %s\n", line.c_str());
+  return exit_code;
+}
+
+// A rank's identity: set by the launcher for `bench comm --worker`.
+int rank_env_int(const char* name, std::optional<int> fallback = std::nullopt) {
+  return env_int(name, fallback,
+                 fmt::format("{} is not set (bench comm --worker runs as one rank of a job that "
+                             "`dptrain bench comm` starts)",
+                             name));
+}
+
+// One rank: the identity and store come from the environment the launcher sets, as for
+// `dptrain worker`.
+int run_bench_worker(const std::string& serialized) {
+  // A peer that dies mid-collective must surface as a comm error, not as SIGPIPE.
+  std::signal(SIGPIPE, SIG_IGN);
+  const json j = json::parse(serialized, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) {
+    throw Error(ErrorKind::usage, "--worker: not a JSON object of bench comm options");
+  }
+  CommBenchOptions options = CommBenchOptions::from_json(j);
+  options.corrupt_rank = rank_env_int("DPTRAIN_BENCH_CORRUPT", -1);  // tests of the check
+  const auto timeout =
+      std::chrono::milliseconds(static_cast<int64_t>(1000.0 * j.value("timeout_s", 60.0)));
+  const int rank = rank_env_int("RANK");
+  const int world = rank_env_int("WORLD_SIZE");
+  const int generation = rank_env_int("DPTRAIN_GENERATION", 1);
+  std::string store_addr = env("DPTRAIN_STORE").value_or("");
+  if (store_addr.empty() && env("MASTER_ADDR") && env("MASTER_PORT")) {
+    store_addr = *env("MASTER_ADDR") + ":" + *env("MASTER_PORT");
+  }
+  if (store_addr.empty()) {
+    throw Error(ErrorKind::usage, "neither DPTRAIN_STORE nor MASTER_ADDR/MASTER_PORT is set");
+  }
+  const auto [host, port] = parse_host_port(store_addr);
+  TcpStoreClient client(host, port, timeout, env(kStoreSecretEnv).value_or(""));
+  PrefixStore store(fmt::format("gen{}", generation), client);
+  GlooOptions gloo;
+  gloo.hostname =
+      env("DPTRAIN_BIND_ADDR")
+          .value_or(is_loopback_host(host) ? "127.0.0.1" : local_address_towards(host, port));
+  gloo.timeout = timeout;
+  auto comm = make_gloo_communicator(store, rank, world, gloo);
+
+  const bool events = rank == 0 && env("DPTRAIN_EVENTS").value_or("0") == "1";
+  const auto emit = [](const json& event) {
+    std::printf("@event %s\n", event.dump().c_str());
+    std::fflush(stdout);
+  };
+  const auto sizes = sweep_sizes(options.min_bytes, options.max_bytes, options.step_factor);
+  const CommBenchResult result = run_comm_bench(*comm, options, [&](Collective op) {
+    if (!events) return;
+    emit({{"event", "info"},
+          {"message",
+           fmt::format("bench comm: {} on {} rank(s), {} size(s) from {} to {} bytes",
+                       collective_name(op), world, sizes.size(), sizes.front(), sizes.back())}});
+  });
+  if (rank == 0) {
+    if (events) {
+      json event = result.to_json();
+      event["event"] = "result";
+      emit(event);
+    } else {
+      std::fputs(format_comm_table(result).c_str(), stdout);
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+void setup_bench_comm(CLI::App& app, Outcome& outcome) {
+  auto o = std::make_shared<BenchCommOptions>();
+  app.add_option("-o,--op", o->op,
+                 "Collective: allreduce, broadcast, reduce_scatter, allgather, a comma-separated "
+                 "list, or all")
+      ->capture_default_str();
+  app.add_option("--backend", o->backend, "Collective backend: gloo (nccl: not in this build)")
+      ->capture_default_str();
+  o->nproc_flag =
+      app.add_option("--nproc", o->nproc, "Number of local ranks (default 1; not with --hosts)");
+  add_host_options(app, o->hosts, false);
+  add_remote_job_options(app, o->remote);
+  app.add_option("-b,--minbytes", o->min_bytes, "Smallest size in bytes (K, M, G suffixes)")
+      ->capture_default_str();
+  app.add_option("-e,--maxbytes", o->max_bytes, "Largest size in bytes (K, M, G suffixes)")
+      ->capture_default_str();
+  app.add_option("-f,--stepfactor", o->step_factor, "Multiply the size by this between rows")
+      ->capture_default_str();
+  app.add_option("-d,--dtype", o->dtype, "Element type: float, half or bf16")
+      ->capture_default_str();
+  app.add_option("--redop", o->redop,
+                 "Reduction of allreduce and reduce_scatter: sum, avg, max or min")
+      ->capture_default_str();
+  app.add_option("--root", o->root, "Broadcast's root rank")->capture_default_str();
+  app.add_option("-w,--warmup", o->warmup, "Untimed iterations before each size's timed ones")
+      ->capture_default_str();
+  app.add_option("-n,--iters", o->iters, "Timed iterations per size")->capture_default_str();
+  o->min_busbw_flag = app.add_option(
+      "--min-busbw", o->min_busbw,
+      "Exit 6 when a collective's busbw at its largest size is below this many GB/s");
+  app.add_option("--timeout", o->timeout_s, "Seconds for the rendezvous and for each collective")
+      ->capture_default_str();
+  app.add_option("--run-dir", o->run_dir,
+                 "Run directory for the ranks' logs and the result (default: "
+                 "RUNS_ROOT/bench-comm-<UTC time>)");
+  app.add_option("--runs-root", o->runs_root, "Where new run directories are made")
+      ->capture_default_str();
+  app.add_flag("--json", o->json, "Print one JSON object with every row instead of the table");
+  app.add_option("--worker", o->worker, "Internal: run as one rank with these options")->group("");
+  app.callback([o, &outcome] {
+    outcome.json = o->json && o->worker.empty();
+    if (!o->worker.empty()) {
+      try {
+        outcome.exit_code = run_bench_worker(o->worker);
+      } catch (const Error& e) {
+        // Name the rank: many ranks' errors end up in one terminal.
+        throw Error(e.kind(), fmt::format("rank {}: {}", env("RANK").value_or("?"), e.what()));
+      }
+      return;
+    }
+    outcome.exit_code = run_bench_launcher(*o);
+  });
+}
+
+}  // namespace dptrain::cli

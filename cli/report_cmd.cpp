@@ -1,0 +1,87 @@
+// `dptrain report RUN_DIR` (the HTML report and a summary) and `dptrain status RUN_DIR`.
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <string>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.hpp"
+#include "core/error.hpp"
+#include "core/fs.hpp"
+#include "launch/report.hpp"
+
+namespace dptrain::cli {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct ReportOptions {
+  std::string run_dir;
+  std::string out;  // empty: RUN_DIR/report.html
+  bool json = false;
+};
+
+struct StatusOptions {
+  std::string run_dir;
+  bool json = false;
+};
+
+int run_report(const ReportOptions& o) {
+  const RunView run = load_run(o.run_dir, /*verify_checkpoints=*/true);
+  const fs::path out = o.out.empty() ? run.dir / "report.html" : fs::absolute(o.out);
+  std::error_code ec;
+  if (fs::is_directory(out, ec)) {
+    throw Error(ErrorKind::usage,
+                fmt::format("--out {}: is a directory; name the HTML file to write", o.out));
+  }
+  if (!fs::is_directory(out.parent_path(), ec)) {
+    throw Error(ErrorKind::usage,
+                fmt::format("--out {}: no such directory {}", o.out, out.parent_path().string()));
+  }
+  write_file_atomic(out, report_html(run));
+  const nlohmann::json summary = report_summary(run, out);
+  if (o.json) {
+    std::printf("%s\n", summary.dump().c_str());
+  } else {
+    std::printf("%s", report_summary_text(summary).c_str());
+  }
+  return 0;
+}
+
+int run_status(const StatusOptions& o) {
+  const RunView run = load_run(o.run_dir, /*verify_checkpoints=*/false);
+  if (o.json) {
+    std::printf("%s\n", status_json(run).dump().c_str());
+  } else {
+    std::printf("%s", status_text(run).c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+void setup_report(CLI::App& app, Outcome& outcome) {
+  auto o = std::make_shared<ReportOptions>();
+  app.add_option("run_dir", o->run_dir, "Run directory made by 'dptrain launch'")->required();
+  app.add_option("--out", o->out, "Write the HTML here instead of RUN_DIR/report.html");
+  app.add_flag("--json", o->json, "Print the summary as one JSON object on stdout");
+  app.callback([o, &outcome] {
+    outcome.json = o->json;
+    outcome.exit_code = run_report(*o);
+  });
+}
+
+void setup_status(CLI::App& app, Outcome& outcome) {
+  auto o = std::make_shared<StatusOptions>();
+  app.add_option("run_dir", o->run_dir, "Run directory made by 'dptrain launch'")->required();
+  app.add_flag("--json", o->json, "Print one JSON object on stdout");
+  app.callback([o, &outcome] {
+    outcome.json = o->json;
+    outcome.exit_code = run_status(*o);
+  });
+}
+
+}  // namespace dptrain::cli

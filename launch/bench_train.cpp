@@ -1,0 +1,502 @@
+// `dptrain bench train`: a recipe's training throughput per world size, and the scaling report.
+#include "launch/bench_train.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <sstream>
+#include <system_error>
+
+#include <fmt/format.h>
+
+#include "core/error.hpp"
+#include "core/fs.hpp"
+#include "core/trainer.hpp"
+#include "launch/run_dir.hpp"
+#include "launch/status.hpp"
+#include "launch/supervisor.hpp"
+#include "launch/svg_chart.hpp"
+
+namespace dptrain {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+constexpr const char* kPhaseNames[] = {"data", "compute", "comm", "optimizer"};
+
+std::string trim(const std::string& s) {
+  const auto begin = s.find_first_not_of(" \t");
+  if (begin == std::string::npos) return "";
+  const auto end = s.find_last_not_of(" \t");
+  return s.substr(begin, end - begin + 1);
+}
+
+std::string throughput_unit(bool tokens) {
+  return tokens ? "tokens/s" : "samples/s";
+}
+
+double throughput(const BenchTrainRow& row, bool tokens) {
+  return tokens ? row.tokens_per_s : row.samples_per_s;
+}
+
+std::string join_worlds(const std::vector<BenchWorld>& worlds) {
+  std::string out;
+  for (const auto& w : worlds)
+    out += (out.empty() ? "" : ", ") + std::to_string(w.world);
+  return out;
+}
+
+}  // namespace
+
+std::vector<int> parse_world_list(const std::string& text, const std::string& flag) {
+  std::vector<int> worlds;
+  std::string entry;
+  std::istringstream in(text);
+  bool any = false;
+  while (std::getline(in, entry, ',')) {
+    any = true;
+    const std::string item = trim(entry);
+    int value = 0;
+    size_t used = 0;
+    bool ok = !item.empty() && item.find_first_not_of("0123456789") == std::string::npos;
+    if (ok) {
+      try {
+        value = std::stoi(item, &used);
+      } catch (const std::exception&) {
+        ok = false;
+      }
+    }
+    if (!ok || used != item.size() || value < 1) {
+      throw Error(ErrorKind::usage,
+                  fmt::format("{} {}: '{}' is not a world size (a list of positive integers, "
+                              "e.g. 1,2,4)",
+                              flag, text, item));
+    }
+    if (std::find(worlds.begin(), worlds.end(), value) != worlds.end()) {
+      throw Error(ErrorKind::usage, fmt::format("{} {}: {} is listed twice", flag, text, value));
+    }
+    worlds.push_back(value);
+  }
+  // getline drops a trailing empty entry ("1,2,"): refuse it like an empty one in the middle.
+  if (!any || text.back() == ',') {
+    throw Error(
+        ErrorKind::usage,
+        fmt::format("{} '{}': a list of positive world sizes is needed, e.g. 1,2,4", flag, text));
+  }
+  std::sort(worlds.begin(), worlds.end());
+  return worlds;
+}
+
+std::vector<int> default_node_counts(int count) {
+  std::vector<int> out;
+  for (int n = 1; n < count; n *= 2)
+    out.push_back(n);
+  out.push_back(std::max(count, 1));
+  return out;
+}
+
+Recipe bench_recipe(const Recipe& recipe, int world, int base_world,
+                    const BenchTrainOptions& options) {
+  Recipe r = recipe;
+  r.train.steps = options.steps;
+  r.checkpoint.every = 0;  // only at the end, after the timing
+  r.eval.every = 0;
+  r.distributed.check_every = 0;
+  r.log.every = std::min(r.log.every, options.steps);
+  // The schedule only sets the learning rate, not the cost of a step; warm-up must fit the run.
+  r.optimizer.schedule.warmup = std::min(r.optimizer.schedule.warmup, options.steps);
+  if (options.scaling == BatchScaling::strong) {
+    const int64_t ranks_x_batch = recipe.train.batch_per_rank * base_world;
+    if (ranks_x_batch % world != 0) {
+      throw Error(ErrorKind::usage,
+                  fmt::format("--strong: world size {} cannot keep the global batch of world size "
+                              "{} (batch_per_rank {} x {} rank(s) x grad_accum {}): {} does not "
+                              "split evenly over {} ranks; choose world sizes that divide {}",
+                              world, base_world, recipe.train.batch_per_rank, base_world,
+                              recipe.train.grad_accum, ranks_x_batch, world, ranks_x_batch));
+    }
+    r.train.batch_per_rank = ranks_x_batch / world;
+  }
+  // The final evaluation is not timed; a slice of the held-out split keeps it short.
+  const int64_t eval_cap = global_batch(r, world);
+  if (r.eval.max_samples == 0 || r.eval.max_samples > eval_cap) r.eval.max_samples = eval_cap;
+  return r;
+}
+
+double scaling_efficiency(double throughput_w, int world, double base_throughput, int base_world) {
+  if (base_throughput <= 0 || world <= 0) return 0;
+  return throughput_w * static_cast<double>(base_world) /
+         (static_cast<double>(world) * base_throughput);
+}
+
+double median(std::vector<double> values) {
+  if (values.empty()) throw Error(ErrorKind::internal, "median of no values");
+  std::sort(values.begin(), values.end());
+  const size_t mid = values.size() / 2;
+  return values.size() % 2 == 1 ? values[mid] : (values[mid - 1] + values[mid]) / 2;
+}
+
+json BenchTrainRow::to_json() const {
+  json j = {{"world", world},
+            {"batch_per_rank", batch_per_rank},
+            {"global_batch", global_batch},
+            {"samples_per_s", samples_per_s},
+            {"step_ms", step_ms},
+            {"efficiency", efficiency},
+            {"mfu", mfu ? json(*mfu) : json(nullptr)},
+            {"peak_rss_mib", peak_rss_mib},
+            {"run_dirs", run_dirs}};
+  if (nodes > 0) j["nodes"] = nodes;
+  if (tokens_per_s > 0) j["tokens_per_s"] = tokens_per_s;
+  json phases = json::object();
+  for (size_t i = 0; i < phases_ms.size(); ++i)
+    phases[kPhaseNames[i]] = phases_ms[i];
+  j["phases_ms"] = phases;
+  return j;
+}
+
+BenchTrainRow row_from_results(const std::vector<json>& results, int world, int64_t batch_per_rank,
+                               int64_t global_batch_size) {
+  if (results.empty()) {
+    throw Error(ErrorKind::internal, fmt::format("world size {}: no run to report", world));
+  }
+  BenchTrainRow row;
+  row.world = world;
+  row.batch_per_rank = batch_per_rank;
+  row.global_batch = global_batch_size;
+  std::vector<double> samples, tokens, peak;
+  std::array<std::vector<double>, 4> phases;
+  std::vector<double> mfus;
+  for (const auto& r : results) {
+    const double s = r.value("samples_per_s", 0.0);
+    if (!(s > 0)) {
+      throw Error(ErrorKind::internal,
+                  fmt::format("world size {}: the run reported no throughput (samples_per_s {})",
+                              world, s));
+    }
+    samples.push_back(s);
+    tokens.push_back(r.value("tokens_per_s", 0.0));
+    peak.push_back(r.value("peak_rss_mib", 0.0));
+    const json p = r.value("phases_ms", json::object());
+    for (size_t i = 0; i < phases.size(); ++i)
+      phases[i].push_back(p.value(kPhaseNames[i], 0.0));
+    if (r.contains("mfu") && r["mfu"].is_number()) mfus.push_back(r["mfu"].get<double>());
+    if (r.contains("run_dir")) row.run_dirs.push_back(r["run_dir"].get<std::string>());
+  }
+  row.samples_per_s = median(samples);
+  row.tokens_per_s = median(tokens);
+  row.peak_rss_mib = median(peak);
+  for (size_t i = 0; i < phases.size(); ++i)
+    row.phases_ms[i] = median(phases[i]);
+  if (mfus.size() == results.size()) row.mfu = median(mfus);
+  row.step_ms = 1000.0 * static_cast<double>(global_batch_size) / row.samples_per_s;
+  return row;
+}
+
+void fill_efficiency(std::vector<BenchTrainRow>& rows) {
+  if (rows.empty()) return;
+  const BenchTrainRow base = rows.front();
+  for (auto& row : rows) {
+    row.efficiency =
+        scaling_efficiency(row.samples_per_s, row.world, base.samples_per_s, base.world);
+  }
+}
+
+std::string cpu_model_from_cpuinfo(const std::string& cpuinfo) {
+  std::string fallback;
+  std::istringstream in(cpuinfo);
+  for (std::string line; std::getline(in, line);) {
+    const auto colon = line.find(':');
+    if (colon == std::string::npos) continue;
+    const std::string key = trim(line.substr(0, colon));
+    const std::string value = trim(line.substr(colon + 1));
+    if (value.empty()) continue;
+    if (key == "model name") return value;
+    if (fallback.empty() && (key == "Hardware" || key == "CPU part")) fallback = value;
+  }
+  return fallback.empty() ? "unknown CPU" : fallback;
+}
+
+MachineInfo local_machine(const std::string& backend, int64_t threads_per_rank) {
+  MachineInfo m;
+  const long online = ::sysconf(_SC_NPROCESSORS_ONLN);
+  m.cpus = online > 0 ? static_cast<int>(online) : 0;
+  std::string cpuinfo;
+  try {
+    cpuinfo = read_file("/proc/cpuinfo");
+  } catch (const Error&) {
+    // Not Linux, or /proc not mounted: the model is only descriptive.
+  }
+  m.cpu_model = cpu_model_from_cpuinfo(cpuinfo);
+  m.backend = backend;
+  m.threads_per_rank = threads_per_rank;
+  return m;
+}
+
+json BenchTrainReport::to_json() const {
+  json machine_json = {{"cpus", machine.cpus},
+                       {"cpu_model", machine.cpu_model},
+                       {"device", machine.device},
+                       {"backend", machine.backend},
+                       {"threads_per_rank", machine.threads_per_rank}};
+  json rows_json = json::array();
+  for (const auto& row : rows)
+    rows_json.push_back(row.to_json());
+  return {{"benchmark", "train"},
+          {"recipe", recipe_name},
+          {"recipe_file", recipe_file},
+          {"steps", options.steps},
+          {"repeats", options.repeats},
+          {"scaling", options.scaling == BatchScaling::weak ? "weak" : "strong"},
+          {"throughput_unit", throughput_unit(tokens)},
+          {"baseline_world", base_world()},
+          {"machine", machine_json},
+          {"hosts", hosts},
+          {"run_dir", run_dir},
+          {"notes", notes},
+          {"rows", rows_json}};
+}
+
+std::string BenchTrainReport::table() const {
+  std::string out;
+  const auto add = [&out](const std::string& line) { out += line + "\n"; };
+  add(
+      fmt::format("# dptrain bench train: recipe {} ({}), {} steps per run, median of {} run(s) "
+                  "per world size",
+                  recipe_name, recipe_file, options.steps, options.repeats));
+  add(fmt::format("# machine: {} CPUs ({}), device {}, backend {}, {} BLAS thread(s) per rank",
+                  machine.cpus, machine.cpu_model, machine.device, machine.backend,
+                  machine.threads_per_rank));
+  if (!hosts.empty()) {
+    std::string list;
+    for (const auto& h : hosts)
+      list += (list.empty() ? "" : ", ") + h;
+    add("# hosts: " + list);
+  }
+  const int base = base_world();
+  if (!rows.empty()) {
+    const BenchTrainRow& first = rows.front();
+    const int64_t accum =
+        first.batch_per_rank > 0 ? first.global_batch / (first.batch_per_rank * first.world) : 1;
+    if (options.scaling == BatchScaling::weak) {
+      add(
+          fmt::format("# weak scaling: batch_per_rank {} stays, so the global batch grows with "
+                      "the world (world x {} x grad_accum {})",
+                      first.batch_per_rank, first.batch_per_rank, accum));
+    } else {
+      add(
+          fmt::format("# strong scaling: the global batch stays {} (world {}'s), so "
+                      "batch_per_rank = {} / (world x grad_accum {})",
+                      first.global_batch, base, first.global_batch, accum));
+    }
+  }
+  add(base == 1 ? "# efficiency: throughput(W) / (W x throughput(1)); 100% is linear scaling"
+                : fmt::format("# efficiency: throughput(W) x {} / (W x throughput({})); 100% is "
+                              "linear scaling",
+                              base, base));
+  add("# ms: steady-state mean per step on rank 0 (warm-up steps excluded); fwd+bwd = forward "
+      "and backward, comm = exposed gradient all-reduce");
+  const bool any_mfu = std::any_of(rows.begin(), rows.end(), [](const auto& r) { return r.mfu; });
+  if (!any_mfu) {
+    add(machine.device == "cpu" ? "# MFU: n/a (CPU)" : "# MFU: n/a");
+  }
+  for (const auto& note : notes)
+    add("# note: " + note);
+  const bool with_nodes = !hosts.empty();
+  const std::string unit = throughput_unit(tokens);
+  std::string names =
+      fmt::format("#{:>6}{} {:>7} {:>12} {:>9} {:>8} {:>8} {:>8} {:>9} {:>10}{} {:>9}", "world",
+                  with_nodes ? fmt::format(" {:>5}", "nodes") : "", "global", "throughput", "step",
+                  "data", "fwd+bwd", "comm", "optimizer", "efficiency",
+                  any_mfu ? fmt::format(" {:>6}", "MFU") : "", "peak");
+  std::string units =
+      fmt::format("#{:>6}{} {:>7} {:>12} {:>9} {:>8} {:>8} {:>8} {:>9} {:>10}{} {:>9}", "ranks",
+                  with_nodes ? fmt::format(" {:>5}", "hosts") : "", "batch", unit, "ms", "ms", "ms",
+                  "ms", "ms", "%", any_mfu ? fmt::format(" {:>6}", "%") : "", "MiB");
+  add(names);
+  add(units);
+  for (const auto& r : rows) {
+    std::string mfu_cell;
+    if (any_mfu)
+      mfu_cell = r.mfu ? fmt::format(" {:>6.1f}", 100.0 * *r.mfu) : " " + std::string(5, ' ') + "-";
+    add(fmt::format(
+        " {:>6}{} {:>7} {:>12.1f} {:>9.2f} {:>8.2f} {:>8.2f} {:>8.2f} {:>9.2f} "
+        "{:>10.1f}{} {:>9.1f}",
+        r.world, with_nodes ? fmt::format(" {:>5}", r.nodes) : "", r.global_batch,
+        throughput(r, tokens), r.step_ms, r.phases_ms[0], r.phases_ms[1], r.phases_ms[2],
+        r.phases_ms[3], 100.0 * r.efficiency, mfu_cell, r.peak_rss_mib));
+  }
+  return out;
+}
+
+std::string BenchTrainReport::svg() const {
+  ChartSeries measured;
+  measured.name = "measured";
+  measured.markers = true;
+  ChartSeries ideal;
+  ideal.name = "ideal (linear scaling)";
+  ideal.dashed = true;
+  ideal.color = "#888888";
+  if (!rows.empty()) {
+    const double base_throughput = throughput(rows.front(), tokens);
+    const double base = static_cast<double>(rows.front().world);
+    for (const auto& r : rows) {
+      const double w = static_cast<double>(r.world);
+      measured.points.emplace_back(w, throughput(r, tokens));
+      ideal.points.emplace_back(w, base_throughput * w / base);
+    }
+  }
+  ChartOptions chart;
+  chart.title =
+      fmt::format("{}: training throughput by world size ({} scaling, {} steps)", recipe_name,
+                  options.scaling == BatchScaling::weak ? "weak" : "strong", options.steps);
+  chart.x_label = "world size (ranks)";
+  chart.y_label = throughput_unit(tokens);
+  return svg_line_chart({measured, ideal}, chart);
+}
+
+void run_bench_train(const Recipe& recipe, const std::vector<BenchWorld>& worlds,
+                     const BenchRunner& runner,
+                     const std::function<void(const std::string&)>& progress,
+                     BenchTrainReport& report) {
+  if (worlds.empty()) throw Error(ErrorKind::usage, "bench train: no world size to run");
+  const BenchTrainOptions& o = report.options;
+  const int base_world = worlds.front().world;
+  std::vector<Recipe> recipes;
+  for (const auto& w : worlds)
+    recipes.push_back(bench_recipe(recipe, w.world, base_world, o));
+  report.tokens = recipe.model.type == "gpt";
+  const int total_runs = static_cast<int>(worlds.size()) * o.repeats;
+  int started = 0;
+  progress(fmt::format(
+      "bench train: {}, {} steps at world sizes {} ({} scaling){}, in {}", report.recipe_name,
+      o.steps, join_worlds(worlds), o.scaling == BatchScaling::weak ? "weak" : "strong",
+      o.repeats > 1 ? fmt::format(", {} runs each", o.repeats) : "", report.run_dir));
+  for (const auto& note : report.notes)
+    progress("bench train: note: " + note);
+  for (size_t i = 0; i < worlds.size(); ++i) {
+    const BenchWorld& w = worlds[i];
+    const Recipe& r = recipes[i];
+    std::vector<json> results;
+    for (int k = 1; k <= o.repeats; ++k) {
+      const std::string label =
+          o.repeats == 1 ? fmt::format("w{}", w.world) : fmt::format("w{}-r{}", w.world, k);
+      progress(fmt::format("bench train: world {} (run {} of {}): {} steps, global batch {}",
+                           w.world, ++started, total_runs, o.steps, global_batch(r, w.world)));
+      results.push_back(runner(r, w, label));
+    }
+    BenchTrainRow row =
+        row_from_results(results, w.world, r.train.batch_per_rank, global_batch(r, w.world));
+    row.nodes = static_cast<int>(w.hosts.size());
+    report.rows.push_back(row);
+    fill_efficiency(report.rows);
+    const BenchTrainRow& done = report.rows.back();
+    progress(fmt::format("bench train: world {}: {:.1f} {}, {:.2f} ms/step, efficiency {:.1f}%",
+                         w.world, throughput(done, report.tokens), throughput_unit(report.tokens),
+                         done.step_ms, 100.0 * done.efficiency));
+  }
+}
+
+void check_bench_worlds(const Recipe& recipe, const std::vector<BenchWorld>& worlds,
+                        const BenchTrainOptions& options, const std::string& flag) {
+  if (worlds.empty()) return;
+  for (const auto& w : worlds) {
+    const Recipe r = bench_recipe(recipe, w.world, worlds.front().world, options);
+    // What the ranks will parse: the recipe with the benchmark's changes must still be valid.
+    parse_recipe(to_json(r),
+                 fmt::format("{} (as benchmarked at world size {})", recipe.name, w.world),
+                 fs::current_path());
+    try {
+      check_runnable(r, w.world);
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::recipe) throw;
+      throw Error(ErrorKind::recipe, fmt::format("{}: world size {}: {}", flag, w.world, e.what()));
+    }
+  }
+}
+
+fs::path create_sweep_dir(const fs::path& dir, const fs::path& runs_root) {
+  std::error_code ec;
+  fs::path path = dir;
+  if (!path.empty()) {
+    if (fs::exists(path, ec) && !(fs::is_directory(path, ec) && fs::is_empty(path, ec))) {
+      throw Error(ErrorKind::usage,
+                  fmt::format("--run-dir {}: already exists and is not an empty directory; "
+                              "choose another",
+                              path.string()));
+    }
+  } else {
+    // 2026-11-30T08:43:38Z -> 20261130-084338
+    std::string stamp;
+    for (const char c : utc_timestamp()) {
+      if (c >= '0' && c <= '9') stamp += c;
+      if (c == 'T') stamp += '-';
+    }
+    const fs::path base = runs_root / ("bench-train-" + stamp);
+    path = base;
+    for (int i = 2; fs::exists(path, ec); ++i)
+      path = fmt::format("{}-{}", base.string(), i);
+  }
+  fs::create_directories(path, ec);
+  if (ec) {
+    throw Error(ErrorKind::io, fmt::format("{}: cannot create the benchmark directory: {}",
+                                           path.string(), ec.message()));
+  }
+  return fs::absolute(path).lexically_normal();
+}
+
+BenchRunner job_runner(const JobSpec& spec, const fs::path& sweep_dir) {
+  return [spec, sweep_dir](const Recipe& recipe, const BenchWorld& world,
+                           const std::string& label) -> json {
+    if (const int sig = pending_stop_signal(); sig != 0) {
+      throw Error(sig == SIGTERM ? ErrorKind::terminated : ErrorKind::interrupted,
+                  fmt::format("bench train: stopped by {} before world size {}",
+                              sig == SIGTERM ? "SIGTERM" : "SIGINT", world.world));
+    }
+    JobSpec job = spec;
+    job.recipe = recipe;
+    job.hosts = world.hosts;
+    job.world_size = world.world;
+    job.nominal_world = world.world;
+    job.nodes = {0, 0};
+    job.candidates.clear();
+    RunDirectory run = RunDirectory::create(sweep_dir / label, "", recipe.name);
+    run.info()["bench"] = {{"benchmark", "train"}, {"world", world.world}, {"label", label}};
+    const fs::path console_path = run.path() / "console.log";
+    std::unique_ptr<std::FILE, int (*)(std::FILE*)> console(std::fopen(console_path.c_str(), "w"),
+                                                            &std::fclose);
+    if (!console) {
+      throw Error(ErrorKind::io, fmt::format("{}: cannot create: {}", console_path.string(),
+                                             std::strerror(errno)));
+    }
+    JobOutcome outcome;
+    {
+      StatusPrinter status(console.get(), false);
+      outcome = run_job(run, job, status);
+    }
+    if (outcome.exit_code != 0) {
+      ErrorKind kind = ErrorKind::rank_failed;
+      if (outcome.exit_code == 4) kind = ErrorKind::ssh;
+      if (outcome.exit_code == 130) kind = ErrorKind::interrupted;
+      if (outcome.exit_code == 143) kind = ErrorKind::terminated;
+      throw Error(kind, fmt::format("bench train: the run at world size {} failed: {}\nrun "
+                                    "directory: {} (console.log, logs/)",
+                                    world.world, outcome.error, run.path().string()));
+    }
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(run.checkpoints(), ec))
+      fs::remove_all(entry.path(), ec);
+    json result = outcome.result;
+    result["run_dir"] = run.path().string();
+    return result;
+  };
+}
+
+}  // namespace dptrain

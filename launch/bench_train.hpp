@@ -1,0 +1,146 @@
+// `dptrain bench train`: a recipe's training throughput per world size, and the scaling report.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/recipe.hpp"
+#include "launch/hostfile.hpp"
+#include "launch/job.hpp"
+
+namespace dptrain {
+
+// Weak: batch_per_rank stays, so the global batch grows with the world. Strong: the global batch
+// of the smallest world stays, so batch_per_rank shrinks as the world grows.
+enum class BatchScaling { weak, strong };
+
+struct BenchTrainOptions {
+  int64_t steps = 50;  // per run; the recipe's train.steps is overridden
+  int repeats = 1;     // runs per world size; every reported number is the median
+  BatchScaling scaling = BatchScaling::weak;
+};
+
+// One point of the sweep.
+struct BenchWorld {
+  int world = 1;
+  std::vector<HostSpec> hosts;  // --hosts: the first hosts given; empty: `world` local ranks
+};
+
+// "1,2,4" (--nproc; --nnodes with hosts): positive integers, any order, each once. Returned in
+// ascending order. Error(usage) naming `flag` and the bad entry.
+std::vector<int> parse_world_list(const std::string& text, const std::string& flag);
+// 1, 2, 4, ... up to `count`, and `count` itself: the default --nnodes for `count` hosts.
+std::vector<int> default_node_counts(int count);
+
+// The recipe as a benchmark run at `world` ranks trains it: `options.steps` steps, checkpoint and
+// evaluation only at the end (after the timing), no replica checks, log.every at most the steps;
+// under strong scaling batch_per_rank is set so that world x batch_per_rank equals base_world x
+// the recipe's. Error(usage) naming the world size when that is not a whole number.
+Recipe bench_recipe(const Recipe& recipe, int world, int base_world,
+                    const BenchTrainOptions& options);
+
+// Efficiency of `world` ranks against the sweep's smallest world `base_world`:
+// throughput x base_world / (world x base_throughput). 1 is linear scaling. Under weak scaling
+// that compares samples/s per rank; under strong scaling (one global batch) it equals the
+// speed-up in step time divided by world / base_world: the same ratio.
+double scaling_efficiency(double throughput, int world, double base_throughput, int base_world);
+
+// The median (the mean of the two middle values for an even count). Error(internal) when empty.
+double median(std::vector<double> values);
+
+struct BenchTrainRow {
+  int world = 1;
+  int nodes = 0;  // hosts used with --hosts; 0: local ranks
+  int64_t batch_per_rank = 0;
+  int64_t global_batch = 0;
+  double samples_per_s = 0;  // steady state, the median over repeats
+  double tokens_per_s = 0;   // token models (gpt); else 0
+  double step_ms = 0;        // wall time of a steady step: 1000 x global_batch / samples_per_s
+  // Mean ms per steady step on rank 0: data, forward+backward, exposed gradient all-reduce,
+  // optimizer (each the median over repeats).
+  std::array<double, 4> phases_ms{};
+  double efficiency = 0;      // scaling_efficiency against the first row
+  std::optional<double> mfu;  // model FLOP/s / peak FLOP/s; only on GPU
+  double peak_rss_mib = 0;    // the largest of any rank
+  std::vector<std::string> run_dirs;
+  nlohmann::json to_json() const;
+};
+
+// A row from the result JSON of each repeat (the trainer's TrainResult::to_json): the median of
+// every field. Error(internal) naming the world size when a result has no positive throughput.
+BenchTrainRow row_from_results(const std::vector<nlohmann::json>& results, int world,
+                               int64_t batch_per_rank, int64_t global_batch);
+// Fills every row's efficiency against the first (the smallest world).
+void fill_efficiency(std::vector<BenchTrainRow>& rows);
+
+struct MachineInfo {
+  int cpus = 0;
+  std::string cpu_model;
+  std::string device = "cpu";  // "cpu" | "cuda"
+  std::string backend;         // gloo | nccl
+  int64_t threads_per_rank = 1;
+};
+// The "model name" of /proc/cpuinfo's text (else its "Hardware" or "CPU part"); "unknown CPU".
+std::string cpu_model_from_cpuinfo(const std::string& cpuinfo);
+// This machine: online CPUs and /proc/cpuinfo's model.
+MachineInfo local_machine(const std::string& backend, int64_t threads_per_rank);
+
+struct BenchTrainReport {
+  std::string recipe_name;
+  std::string recipe_file;
+  bool tokens = false;  // throughput in tokens/s
+  BenchTrainOptions options;
+  MachineInfo machine;
+  std::vector<std::string> hosts;  // --hosts, as displayed; empty: this machine
+  std::string run_dir;             // the sweep's directory (one run directory per world)
+  std::vector<std::string> notes;  // e.g. more rank threads than CPUs
+  std::vector<BenchTrainRow> rows;
+
+  int base_world() const { return rows.empty() ? 1 : rows.front().world; }
+  nlohmann::json to_json() const;
+  // The `#` header (recipe, steps, machine, how the batch scales), a units row, one line per row.
+  std::string table() const;
+  // Throughput against world size, with an ideal linear-scaling dashed line.
+  std::string svg() const;
+};
+
+// Runs the recipe once at one world size, in the run directory named `label` ("w2", "w2-r1"),
+// and returns rank 0's result JSON with "run_dir" added; throws Error when the run fails.
+using BenchRunner = std::function<nlohmann::json(const Recipe& recipe, const BenchWorld& world,
+                                                 const std::string& label)>;
+
+// Every world's recipe first (a strong-scaling refusal happens before any run), then
+// `options.repeats` runs per world in ascending order. `progress` gets one line per run started
+// and per world measured. `report` arrives with recipe, machine and hosts filled; the rows and
+// notes are added.
+void run_bench_train(const Recipe& recipe, const std::vector<BenchWorld>& worlds,
+                     const BenchRunner& runner,
+                     const std::function<void(const std::string&)>& progress,
+                     BenchTrainReport& report);
+
+// Validates each world's bench_recipe and loads its data as a run would, so a world size whose
+// global batch the training split cannot hold is refused (Error(recipe) naming `flag` and the
+// world size), as is one --strong cannot split (Error(usage)), before any run starts.
+void check_bench_worlds(const Recipe& recipe, const std::vector<BenchWorld>& worlds,
+                        const BenchTrainOptions& options, const std::string& flag);
+
+// The sweep's directory, created: `dir` (Error(usage) unless it is absent or empty), or
+// runs_root/bench-train-<UTC time> (a suffix keeps two sweeps in one second apart).
+std::filesystem::path create_sweep_dir(const std::filesystem::path& dir,
+                                       const std::filesystem::path& runs_root);
+
+// A BenchRunner that launches every run through run_job: `spec` with its recipe, hosts and world
+// size replaced, in sweep_dir/LABEL, the job's console lines (rank output, progress) in
+// LABEL/console.log. A completed run's local checkpoints are deleted: a benchmark has nothing to
+// resume, and a large model's would fill the disk. A failed run throws Error: rank_failed (exit 3)
+// with the run's error and directory, ssh (4), interrupted (130) or terminated (143).
+BenchRunner job_runner(const JobSpec& spec, const std::filesystem::path& sweep_dir);
+
+}  // namespace dptrain

@@ -1,0 +1,956 @@
+// A run directory read back for `dptrain status` and `dptrain report`, and the HTML report.
+#include "launch/report.hpp"
+
+#include <time.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <optional>
+#include <sstream>
+#include <system_error>
+
+#include <fmt/format.h>
+
+#include "core/checkpoint.hpp"
+#include "core/error.hpp"
+#include "core/fs.hpp"
+#include "launch/run_dir.hpp"
+#include "launch/svg_chart.hpp"
+
+namespace dptrain {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+// A generation that recorded no pids yet is starting for this long at most.
+constexpr int64_t kStartingGraceS = 60;
+// Between a failed generation and the next one the launcher waits (backoff, at most 30 s), then
+// places the next generation, waiting up to the rejoin timeout for lost hosts.
+constexpr int64_t kMaxBackoffS = 30;
+constexpr int64_t kPlacementMarginS = 60;
+
+double number(const json& j, const char* key) {
+  const auto it = j.find(key);
+  if (it == j.end() || !it->is_number()) return kNoValue;
+  return it->get<double>();
+}
+
+int64_t integer(const json& j, const char* key, int64_t otherwise) {
+  const auto it = j.find(key);
+  if (it == j.end() || !it->is_number()) return otherwise;
+  return static_cast<int64_t>(it->get<double>());
+}
+
+std::string text(const json& j, const char* key) {
+  const auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return {};
+  return it->is_string() ? it->get<std::string>() : it->dump();
+}
+
+const json& array_at(const json& j, const char* key) {
+  static const json empty = json::array();
+  const auto it = j.find(key);
+  return it != j.end() && it->is_array() ? *it : empty;
+}
+
+std::string first_line(const std::string& s) {
+  return s.substr(0, s.find('\n'));
+}
+
+// Seconds since a utc_timestamp() string; none when it does not parse.
+std::optional<int64_t> age_s(const std::string& stamp) {
+  std::tm tm{};
+  const char* end = ::strptime(stamp.c_str(), "%Y-%m-%dT%H:%M:%SZ", &tm);
+  if (end == nullptr || *end != '\0') return std::nullopt;
+  return static_cast<int64_t>(::time(nullptr) - ::timegm(&tm));
+}
+
+// A live dptrain worker or relay, not a zombie and not another program that got the pid since.
+bool rank_process_alive(int pid) {
+  if (pid <= 0) return false;
+  std::ifstream stat_file(fmt::format("/proc/{}/stat", pid));
+  std::string stat;
+  if (!std::getline(stat_file, stat)) return false;
+  const auto paren = stat.rfind(')');
+  if (paren == std::string::npos || paren + 2 >= stat.size() || stat[paren + 2] == 'Z') {
+    return false;
+  }
+  std::ifstream cmdline_file(fmt::format("/proc/{}/cmdline", pid), std::ios::binary);
+  std::string cmdline((std::istreambuf_iterator<char>(cmdline_file)),
+                      std::istreambuf_iterator<char>());
+  std::vector<std::string> args;
+  std::istringstream in(cmdline);
+  for (std::string arg; std::getline(in, arg, '\0');)
+    args.push_back(arg);
+  return args.size() >= 2 && (args[1] == "worker" || args[1] == "_relay");
+}
+
+RunState run_state(const json& info) {
+  RunState state;
+  state.recorded_status = text(info, "status");
+  state.status = state.recorded_status.empty() ? "unknown" : state.recorded_status;
+  const json& generations = array_at(info, "generations");
+  const json& restarts = array_at(info, "restarts");
+  const json last = generations.empty() ? json::object() : generations.back();
+  for (const auto& pid : array_at(last, "pids")) {
+    if (pid.is_number_integer() && rank_process_alive(pid.get<int>())) {
+      state.live_pids.push_back(pid.get<int>());
+    }
+  }
+  if (state.recorded_status == "running" && state.live_pids.empty()) {
+    const auto started = age_s(text(last, "started_at"));
+    const bool starting = !last.contains("pids") && started && *started < kStartingGraceS;
+    if (!starting) {
+      state.status = "stale";
+      state.note = "the launcher is gone (no rank of generation " +
+                   std::to_string(generations.size()) + " is alive)";
+    }
+  }
+  // Between a failed generation and the next one, run.json says failed and lists the restart.
+  if (state.recorded_status == "failed" && !restarts.empty() &&
+      integer(restarts.back(), "after_generation", -1) ==
+          static_cast<int64_t>(generations.size())) {
+    const json& restart = restarts.back();
+    double rejoin_s = 60;
+    if (info.contains("recipe") && info["recipe"].contains("fault_tolerance")) {
+      const double recorded = number(info["recipe"]["fault_tolerance"], "rejoin_timeout_s");
+      if (std::isfinite(recorded)) rejoin_s = recorded;
+    }
+    const auto since = age_s(text(restart, "at"));
+    const int64_t restart_number = integer(restart, "restart", 0);
+    if (since && *since < kMaxBackoffS + static_cast<int64_t>(rejoin_s) + kPlacementMarginS) {
+      state.status = "restarting";
+      state.note = fmt::format("restart {} recorded {} s ago; generation {} is being placed",
+                               restart_number, *since, generations.size() + 1);
+    } else {
+      state.note = fmt::format(
+          "restart {} was recorded but no generation followed it: its hosts could not be "
+          "placed, or the launcher is gone",
+          restart_number);
+    }
+  }
+  return state;
+}
+
+json read_json_file(const fs::path& file) {
+  std::error_code ec;
+  if (!fs::exists(file, ec)) return nullptr;
+  try {
+    return json::parse(read_file(file));
+  } catch (const std::exception&) {
+    return nullptr;
+  }
+}
+
+std::vector<CheckpointSummary> summarize_checkpoints(const fs::path& checkpoints_dir, bool verify) {
+  std::vector<CheckpointSummary> out;
+  std::error_code ec;
+  if (!fs::is_directory(checkpoints_dir, ec)) return out;
+  fs::path latest;
+  try {
+    latest = latest_checkpoint(checkpoints_dir);
+  } catch (const Error&) {
+  }
+  for (const auto& dir : list_checkpoints(checkpoints_dir, SetAside::include)) {
+    CheckpointSummary c;
+    c.name = dir.filename().string();
+    c.step = checkpoint_step(dir);
+    c.latest = !latest.empty() && dir == latest;
+    c.set_aside = c.name.find(".corrupt") != std::string::npos;
+    c.bytes = size_on_disk(dir);
+    if (verify) {
+      const CheckpointStatus status = verify_checkpoint(dir);
+      c.verified = true;
+      c.step = status.step;
+      c.problems = status.problems();
+      if (status.position) {
+        c.epoch = status.position->epoch;
+        c.world_size = status.position->world_size;
+      }
+    }
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
+// The step a generation resumed at: its "resumed_from" (step-000100, "step 0"), else what the
+// restart before it says; none when neither tells.
+std::optional<int64_t> resumed_step(const json& info, int64_t generation) {
+  const json& generations = array_at(info, "generations");
+  std::vector<std::string> candidates;
+  if (generation >= 1 && generation <= static_cast<int64_t>(generations.size())) {
+    candidates.push_back(text(generations[generation - 1], "resumed_from"));
+  }
+  for (const auto& r : array_at(info, "restarts")) {
+    if (integer(r, "after_generation", -1) == generation - 1) candidates.push_back(text(r, "from"));
+  }
+  if (generation == 1) candidates.push_back("step 0");
+  for (const auto& c : candidates) {
+    if (c == "step 0") return 0;
+    const int64_t step = checkpoint_step(c);
+    if (step >= 0) return step;
+  }
+  return std::nullopt;
+}
+
+std::vector<ChartMarker> timeline_markers(const json& info) {
+  std::vector<ChartMarker> markers;
+  for (const auto& r : array_at(info, "restarts")) {
+    const int64_t step = integer(r, "failed_after_step", -1);
+    if (step < 0) continue;
+    markers.push_back({static_cast<double>(step),
+                       fmt::format("restart {} after step {}", integer(r, "restart", 0), step),
+                       "#d62728"});
+  }
+  for (const auto& c : array_at(info, "world_size_changes")) {
+    const auto step = resumed_step(info, integer(c, "generation", -1));
+    if (!step) continue;
+    markers.push_back(
+        {static_cast<double>(*step),
+         fmt::format("world size {}\u2192{}", integer(c, "from", 0), integer(c, "to", 0)),
+         "#9467bd"});
+  }
+  // Labels stay short: the causes are in the timeline's tables.
+  return markers;
+}
+
+std::string html(const std::string& s) {
+  return xml_escape(s);
+}
+
+std::string num(double v, int significant = 4) {
+  if (!std::isfinite(v)) return "\u2013";
+  if (std::fabs(v) >= 1e5) return fmt::format("{:.0f}", v);
+  return fmt::format("{:.{}g}", v, significant);
+}
+
+std::string rate(double v) {
+  if (!std::isfinite(v)) return "\u2013";
+  return v >= 100 ? fmt::format("{:.0f}", v) : fmt::format("{:.3g}", v);
+}
+
+std::string human_size(uint64_t bytes) {
+  double size = static_cast<double>(bytes);
+  const char* unit = "B";
+  for (const char* next : {"KiB", "MiB", "GiB", "TiB"}) {
+    if (size < 1024) break;
+    size /= 1024;
+    unit = next;
+  }
+  return unit[0] == 'B' ? fmt::format("{} B", bytes) : fmt::format("{:.1f} {}", size, unit);
+}
+
+std::string model_summary(const json& model) {
+  const std::string type = text(model, "type");
+  if (type == "mlp") {
+    std::string layers = text(model, "input");
+    for (const auto& h : array_at(model, "hidden"))
+      layers += "-" + h.dump();
+    return fmt::format("mlp {}-{}, {}", layers, text(model, "classes"), text(model, "activation"));
+  }
+  if (type == "gpt") {
+    return fmt::format("gpt: {} layers, {} heads, width {}, context {}, vocab {}",
+                       text(model, "layers"), text(model, "heads"), text(model, "width"),
+                       text(model, "context"), text(model, "vocab"));
+  }
+  return type.empty() ? "\u2013" : type;
+}
+
+// "2 → 1 → 2": the world size of each generation, repeats folded.
+std::string world_sizes(const json& info) {
+  std::vector<int64_t> sizes;
+  for (const auto& g : array_at(info, "generations")) {
+    const int64_t w = integer(g, "world_size", -1);
+    if (w > 0 && (sizes.empty() || sizes.back() != w)) sizes.push_back(w);
+  }
+  if (sizes.empty()) return text(info, "world_size").empty() ? "unknown" : text(info, "world_size");
+  return fmt::format("{}", fmt::join(sizes, " \u2192 "));
+}
+
+// "1 (nominal 2; per generation: 2 → 1)", the parts that say something.
+std::string world_size_text(const json& info) {
+  const std::string current = text(info, "world_size");
+  if (current.empty()) return "unknown";
+  std::string out = current;
+  const std::string nominal = text(info, "nominal_world_size");
+  std::vector<std::string> notes;
+  if (!nominal.empty() && nominal != current) notes.push_back("nominal " + nominal);
+  const std::string sizes = world_sizes(info);
+  if (sizes != current) notes.push_back("per generation: " + sizes);
+  if (!notes.empty()) out += fmt::format(" ({})", fmt::join(notes, "; "));
+  return out;
+}
+
+std::string last_checkpoint_name(const RunView& run) {
+  for (const auto& c : run.checkpoints) {
+    if (c.latest) return c.name;
+  }
+  for (const auto& c : run.checkpoints) {
+    if (!c.set_aside) return c.name;
+  }
+  return {};
+}
+
+// The error the run ended with: the newest generation's.
+std::string run_error(const json& info) {
+  const json& generations = array_at(info, "generations");
+  for (auto it = generations.rbegin(); it != generations.rend(); ++it) {
+    if (it->contains("ended_at")) return text(*it, "error");
+  }
+  return {};
+}
+
+double median(std::vector<double> values) {
+  values.erase(
+      std::remove_if(values.begin(), values.end(), [](double v) { return !std::isfinite(v); }),
+      values.end());
+  if (values.empty()) return kNoValue;
+  std::nth_element(values.begin(), values.begin() + values.size() / 2, values.end());
+  return values[values.size() / 2];
+}
+
+struct Throughput {
+  double value = kNoValue;
+  std::string unit;
+};
+
+// result.json's figure when the run finished, else the median of the logged ones.
+Throughput throughput(const RunView& run) {
+  const bool tokens =
+      run.metrics.has_tokens() || (run.result.is_object() && run.result.contains("tokens_per_s"));
+  Throughput t{kNoValue, tokens ? "tokens/s" : "samples/s"};
+  const char* key = tokens ? "tokens_per_s" : "samples_per_s";
+  if (run.result.is_object()) t.value = number(run.result, key);
+  if (!std::isfinite(t.value)) {
+    std::vector<double> logged;
+    for (const auto& s : run.metrics.steps)
+      logged.push_back(tokens ? s.tokens_per_s : s.samples_per_s);
+    t.value = median(logged);
+  }
+  return t;
+}
+
+double final_loss(const RunView& run) {
+  if (run.result.is_object() && std::isfinite(number(run.result, "final_loss"))) {
+    return number(run.result, "final_loss");
+  }
+  return run.metrics.steps.empty() ? kNoValue : run.metrics.steps.back().loss;
+}
+
+const EvalMetrics* last_eval(const RunView& run) {
+  return run.metrics.evals.empty() ? nullptr : &run.metrics.evals.back();
+}
+
+json or_null(double v) {
+  return std::isfinite(v) ? json(v) : json(nullptr);
+}
+
+json or_null(const std::string& s) {
+  return s.empty() ? json(nullptr) : json(s);
+}
+
+std::string hint(const RunView& run) {
+  const std::string dir = run.dir.string();
+  if (run.state.status == "stale" || run.state.status == "failed" ||
+      run.state.status == "interrupted" || run.state.status == "terminated") {
+    return fmt::format("continue it with 'dptrain resume {}'", dir);
+  }
+  return {};
+}
+
+// ---- the HTML report ----
+
+constexpr const char* kStyle = R"(
+body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#222;margin:0 auto;
+  max-width:1180px;padding:16px 24px 48px;line-height:1.4}
+h1{font-size:22px;margin:8px 0 2px}h3{font-size:15px;margin:16px 0 4px}h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #ddd;
+  padding-bottom:4px}
+.sub{color:#666;font-size:13px}
+.badge{display:inline-block;padding:1px 9px;border-radius:10px;font-size:13px;font-weight:600;
+  vertical-align:middle;background:#eee;color:#333}
+.badge.completed{background:#e3f4e1;color:#1b5e20}.badge.failed,.badge.stale{background:#fde3e1;
+  color:#a31515}.badge.running,.badge.restarting{background:#e2edfc;color:#0d47a1}
+.badge.interrupted,.badge.terminated{background:#fff2cc;color:#6b4f00}
+table{border-collapse:collapse;font-size:13px;margin:4px 0 8px}
+th,td{padding:3px 10px;border-bottom:1px solid #eee;text-align:left;vertical-align:top}
+thead th{background:#f5f5f5;border-bottom:1px solid #ddd}
+table.facts th{font-weight:600;color:#555;background:none;width:190px}
+td.num{text-align:right;font-variant-numeric:tabular-nums}
+.charts{display:flex;flex-wrap:wrap;gap:14px}
+figure{margin:0;border:1px solid #e3e3e3;border-radius:6px;padding:4px;background:#fff}
+figure svg{display:block;max-width:100%;height:auto}
+.ok{color:#1b5e20}.bad{color:#a31515;font-weight:600}
+.note{color:#666;font-size:13px}
+pre{background:#f7f7f7;border:1px solid #e5e5e5;padding:8px;font-size:12px;overflow-x:auto;
+  white-space:pre-wrap}
+pre.error{background:#fff5f5;border-color:#f0c4c4}
+details summary{cursor:pointer;color:#444}
+)";
+
+std::string fact(const std::string& name, const std::string& value_html) {
+  return fmt::format("<tr><th>{}</th><td>{}</td></tr>\n", html(name), value_html);
+}
+
+std::string facts_table(const RunView& run) {
+  const json& info = run.info;
+  const json recipe = info.value("recipe", json::object());
+  const json& generations = array_at(info, "generations");
+  std::string rows;
+  rows += fact("Run directory", "<code>" + html(run.dir.string()) + "</code>");
+  rows += fact("Recipe", html(text(recipe, "name")));
+  if (recipe.contains("model")) rows += fact("Model", html(model_summary(recipe["model"])));
+  if (recipe.contains("data")) {
+    const json& data = recipe["data"];
+    std::string d = text(data, "type");
+    if (!text(data, "path").empty()) d += " " + text(data, "path");
+    rows += fact("Data", html(d));
+  }
+  std::string status = fmt::format("<span class=\"badge {0}\">{0}</span>", html(run.state.status));
+  if (!run.state.note.empty())
+    status += " <span class=\"note\">" + html(run.state.note) + "</span>";
+  rows += fact("Status", status);
+  const int64_t target = recipe.contains("train") ? integer(recipe["train"], "steps", -1) : -1;
+  const std::string last_step =
+      run.metrics.steps.empty() ? "none logged yet" : std::to_string(run.metrics.steps.back().step);
+  rows += fact("Steps", html(target > 0 ? fmt::format("{} of {}", last_step, target) : last_step));
+  rows += fact("World size", html(world_size_text(info)));
+  if (!text(info, "backend").empty()) rows += fact("Backend", html(text(info, "backend")));
+  std::vector<std::string> hosts;
+  for (const auto& h : array_at(info, "hosts"))
+    hosts.push_back(fmt::format("{} ({} slots)", text(h, "host"), text(h, "slots")));
+  if (!hosts.empty()) rows += fact("Hosts", html(fmt::format("{}", fmt::join(hosts, ", "))));
+  rows += fact("Generations", std::to_string(generations.size()));
+  rows += fact("Restarts", std::to_string(array_at(info, "restarts").size()));
+  rows += fact("Created", html(text(info, "created_at")));
+  if (!generations.empty() && generations.back().contains("ended_at")) {
+    rows += fact("Ended", html(text(generations.back(), "ended_at")));
+  }
+  if (!text(info, "id").empty()) rows += fact("Run id", html(text(info, "id")));
+  if (run.result.is_object()) {
+    const json& r = run.result;
+    rows += fact("Final loss", num(number(r, "final_loss")));
+    rows += fact("Eval loss", num(number(r, "eval_loss")));
+    if (std::isfinite(number(r, "eval_accuracy"))) {
+      rows += fact("Eval accuracy", fmt::format("{:.2f}%", 100 * number(r, "eval_accuracy")));
+    }
+    rows += fact("Throughput",
+                 html(fmt::format("{} samples/s", rate(number(r, "samples_per_s")))) +
+                     (r.contains("tokens_per_s")
+                          ? html(fmt::format(", {} tokens/s", rate(number(r, "tokens_per_s"))))
+                          : ""));
+    if (r.contains("phases_ms")) {
+      const json& p = r["phases_ms"];
+      rows += fact("Step time split",
+                   html(fmt::format("data {} ms, compute {} ms, comm {} ms, optimizer {} ms",
+                                    num(number(p, "data"), 3), num(number(p, "compute"), 3),
+                                    num(number(p, "comm"), 3), num(number(p, "optimizer"), 3))));
+    }
+    if (std::isfinite(number(r, "peak_rss_mib"))) {
+      rows += fact("Peak memory (rank 0)", html(num(number(r, "peak_rss_mib")) + " MiB"));
+    }
+    if (!text(r, "params_checksum").empty()) {
+      rows += fact("Parameters checksum", "<code>" + html(text(r, "params_checksum")) + "</code>");
+    }
+  }
+  return "<table class=\"facts\">\n" + rows + "</table>\n";
+}
+
+ChartSeries series(std::string name, std::vector<std::pair<double, double>> points,
+                   std::string color = {}) {
+  ChartSeries s;
+  s.name = std::move(name);
+  s.points = std::move(points);
+  s.color = std::move(color);
+  return s;
+}
+
+template <typename Row, typename Field>
+std::vector<std::pair<double, double>> points_of(const std::vector<Row>& rows, Field field) {
+  std::vector<std::pair<double, double>> out;
+  for (const auto& r : rows) {
+    const double v = field(r);
+    if (std::isfinite(v)) out.emplace_back(static_cast<double>(r.step), v);
+  }
+  return out;
+}
+
+std::string figure(const std::vector<ChartSeries>& s, const ChartOptions& o) {
+  return "<figure>" + svg_line_chart(s, o) + "</figure>\n";
+}
+
+std::string charts(const RunView& run) {
+  const RunMetrics& m = run.metrics;
+  ChartOptions base;
+  base.x_label = "step";
+  base.width = 560;
+  base.height = 300;
+  base.markers = timeline_markers(run.info);
+  std::string out = "<div class=\"charts\">\n";
+
+  auto train_loss = points_of(m.steps, [](const StepMetrics& s) { return s.loss; });
+  auto eval_loss = points_of(m.evals, [](const EvalMetrics& e) { return e.loss; });
+  ChartOptions loss = base;
+  loss.title = "Loss";
+  loss.y_label = "loss";
+  double lo = std::numeric_limits<double>::infinity(), hi = 0;
+  for (const auto* points : {&train_loss, &eval_loss}) {
+    for (const auto& [x, y] : *points) {
+      if (y > 0) lo = std::min(lo, y);
+      hi = std::max(hi, y);
+    }
+  }
+  loss.log_y = lo > 0 && hi / lo > 30;  // losses spanning decades read better on a log axis
+  ChartSeries validation = series("validation loss", eval_loss, "#ff7f0e");
+  validation.markers = true;
+  out += figure({series("training loss", train_loss, "#1f77b4"), validation}, loss);
+
+  ChartOptions lr = base;
+  lr.title = "Learning rate";
+  lr.y_label = "lr";
+  out += figure({series("learning rate",
+                        points_of(m.steps, [](const StepMetrics& s) { return s.lr; }), "#2ca02c")},
+                lr);
+
+  ChartOptions tput = base;
+  const bool tokens = m.has_tokens();
+  tput.title = tokens ? "Throughput (tokens/s)" : "Throughput (samples/s)";
+  tput.y_label = tokens ? "tokens/s" : "samples/s";
+  out += figure({series(tput.y_label,
+                        points_of(m.steps,
+                                  [tokens](const StepMetrics& s) {
+                                    return tokens ? s.tokens_per_s : s.samples_per_s;
+                                  }),
+                        "#8c564b")},
+                tput);
+
+  if (m.has_phases()) {
+    ChartOptions split = base;
+    split.title = "Step time split";
+    split.y_label = "ms per step";
+    ChartSeries total =
+        series("step", points_of(m.steps, [](const StepMetrics& s) { return s.step_ms; }), "#444");
+    total.dashed = true;
+    out += figure(
+        {total,
+         series("data", points_of(m.steps, [](const StepMetrics& s) { return s.data_ms; }),
+                "#17becf"),
+         series("compute", points_of(m.steps, [](const StepMetrics& s) { return s.compute_ms; }),
+                "#1f77b4"),
+         series("comm", points_of(m.steps, [](const StepMetrics& s) { return s.comm_ms; }),
+                "#d62728"),
+         series("optimizer",
+                points_of(m.steps, [](const StepMetrics& s) { return s.optimizer_ms; }),
+                "#e377c2")},
+        split);
+  }
+
+  ChartOptions norm = base;
+  norm.title = "Gradient norm";
+  norm.y_label = "norm (before clipping)";
+  out += figure(
+      {series("gradient norm", points_of(m.steps, [](const StepMetrics& s) { return s.grad_norm; }),
+              "#9467bd")},
+      norm);
+
+  const auto accuracy = points_of(m.evals, [](const EvalMetrics& e) { return e.accuracy; });
+  if (!accuracy.empty()) {
+    ChartOptions acc = base;
+    acc.title = "Validation accuracy";
+    acc.y_label = "accuracy";
+    ChartSeries a = series("validation accuracy", accuracy, "#ff7f0e");
+    a.markers = true;
+    out += figure({a}, acc);
+  }
+  return out + "</div>\n";
+}
+
+std::string generations_table(const json& info) {
+  const json& generations = array_at(info, "generations");
+  if (generations.empty()) return "<p class=\"note\">No generation started.</p>\n";
+  std::string rows;
+  for (const auto& g : generations) {
+    const std::string error = text(g, "error");
+    const std::string status = text(g, "status").empty() ? "running" : text(g, "status");
+    std::vector<std::string> hosts;
+    for (const auto& h : array_at(g, "hosts"))
+      hosts.push_back(h.is_string() ? h.get<std::string>() : h.dump());
+    rows += fmt::format(
+        "<tr><td class=\"num\">{}</td><td>{}</td><td>{}</td><td class=\"num\">{}</td><td>{}</td>"
+        "<td>{}</td><td>{}</td><td>{}</td></tr>\n",
+        integer(g, "generation", 0), html(text(g, "started_at")), html(text(g, "ended_at")),
+        html(text(g, "world_size")), html(fmt::format("{}", fmt::join(hosts, ", "))),
+        html(text(g, "resumed_from").empty() ? "start" : text(g, "resumed_from")), html(status),
+        html(first_line(error)));
+  }
+  return "<table><thead><tr><th>#</th><th>Started</th><th>Ended</th><th>World size</th>"
+         "<th>Hosts</th><th>Resumed from</th><th>Status</th><th>Error</th></tr></thead>\n<tbody>" +
+         rows + "</tbody></table>\n";
+}
+
+std::string restarts_table(const json& info) {
+  const json& restarts = array_at(info, "restarts");
+  if (restarts.empty()) return "<p class=\"note\">No restarts.</p>\n";
+  std::string rows;
+  for (const auto& r : restarts) {
+    rows += fmt::format(
+        "<tr class=\"restart\"><td class=\"num\">{}</td><td>{}</td><td class=\"num\">{}</td>"
+        "<td class=\"num\">{}</td><td>{}</td><td>{}</td></tr>\n",
+        integer(r, "restart", 0), html(text(r, "at")), integer(r, "after_generation", 0),
+        integer(r, "failed_after_step", -1), html(text(r, "from")), html(text(r, "cause")));
+  }
+  return "<table><thead><tr><th>Restart</th><th>At</th><th>After generation</th>"
+         "<th>Failed after step</th><th>Resumed from</th><th>Cause</th></tr></thead>\n<tbody>" +
+         rows + "</tbody></table>\n";
+}
+
+std::string world_size_table(const json& info) {
+  const json& changes = array_at(info, "world_size_changes");
+  if (changes.empty()) return "";
+  std::string rows;
+  for (const auto& c : changes) {
+    const auto step = resumed_step(info, integer(c, "generation", -1));
+    std::vector<std::string> lost;
+    for (const auto& l : array_at(c, "lost"))
+      lost.push_back(l.is_string() ? l.get<std::string>() : l.dump());
+    rows += fmt::format(
+        "<tr class=\"world-size-change\"><td>{}</td><td class=\"num\">{} \u2192 {}</td>"
+        "<td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td>{}</td>"
+        "</tr>\n",
+        html(text(c, "at")), integer(c, "from", 0), integer(c, "to", 0),
+        integer(c, "generation", 0), step ? std::to_string(*step) : "\u2013",
+        html(text(c, "global_batch")), html(fmt::format("{}", fmt::join(lost, "; "))));
+  }
+  return "<h3>World-size changes</h3>\n<table><thead><tr><th>At</th><th>World size</th>"
+         "<th>Generation</th><th>Resumed at step</th><th>Global batch</th><th>Without</th></tr>"
+         "</thead>\n<tbody>" +
+         rows + "</tbody></table>\n";
+}
+
+std::string checkpoints_table(const RunView& run) {
+  if (run.checkpoints.empty()) return "<p class=\"note\">No checkpoints.</p>\n";
+  std::string rows;
+  for (const auto& c : run.checkpoints) {
+    std::string verdict;
+    if (!c.verified) {
+      verdict = "not verified";
+    } else if (c.problems.empty()) {
+      verdict = "<span class=\"ok\">ok</span>";
+    } else {
+      verdict =
+          "<span class=\"bad\">FAILED: " + html(fmt::format("{}", fmt::join(c.problems, "; "))) +
+          "</span>";
+    }
+    const auto known = [](int64_t v) { return v >= 0 ? std::to_string(v) : "\u2013"; };
+    rows += fmt::format(
+        "<tr class=\"checkpoint\"><td><code>{}</code>{}</td><td class=\"num\">{}</td>"
+        "<td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td>{}</td>"
+        "<td>{}</td></tr>\n",
+        html(c.name), c.set_aside ? " (set aside)" : "", known(c.step), known(c.epoch),
+        known(c.world_size), human_size(c.bytes), c.latest ? "latest" : "", verdict);
+  }
+  return "<table><thead><tr><th>Checkpoint</th><th>Step</th><th>Epoch</th><th>World size</th>"
+         "<th>Size</th><th></th><th>Verified</th></tr></thead>\n<tbody>" +
+         rows + "</tbody></table>\n";
+}
+
+}  // namespace
+
+bool RunMetrics::has_tokens() const {
+  return std::any_of(steps.begin(), steps.end(),
+                     [](const StepMetrics& s) { return std::isfinite(s.tokens_per_s); });
+}
+
+bool RunMetrics::has_phases() const {
+  return std::any_of(steps.begin(), steps.end(), [](const StepMetrics& s) {
+    return std::isfinite(s.data_ms) || std::isfinite(s.compute_ms) || std::isfinite(s.comm_ms) ||
+           std::isfinite(s.optimizer_ms);
+  });
+}
+
+RunMetrics read_metrics(const fs::path& file) {
+  RunMetrics m;
+  std::error_code ec;
+  if (!fs::exists(file, ec)) return m;
+  std::istringstream in(read_file(file));
+  for (std::string line; std::getline(in, line);) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const json j = json::parse(line, nullptr, false);
+    if (j.is_discarded() || !j.is_object() || !j.contains("step") || !j["step"].is_number()) {
+      ++m.skipped_lines;
+      continue;
+    }
+    const int64_t step = integer(j, "step", 0);
+    if (j.contains("eval_loss")) {
+      EvalMetrics e;
+      e.step = step;
+      e.loss = number(j, "eval_loss");
+      e.accuracy = number(j, "eval_accuracy");
+      while (!m.evals.empty() && m.evals.back().step >= step)
+        m.evals.pop_back();
+      m.evals.push_back(e);
+      continue;
+    }
+    if (!j.contains("loss")) {
+      ++m.skipped_lines;
+      continue;
+    }
+    StepMetrics s;
+    s.step = step;
+    s.epoch = integer(j, "epoch", 0);
+    s.loss = number(j, "loss");
+    s.lr = number(j, "lr");
+    s.grad_norm = number(j, "grad_norm");
+    s.samples_per_s = number(j, "samples_per_s");
+    s.tokens_per_s = number(j, "tokens_per_s");
+    s.step_ms = number(j, "step_ms");
+    s.data_ms = number(j, "data_ms");
+    s.compute_ms = number(j, "compute_ms");
+    s.comm_ms = number(j, "comm_ms");
+    s.optimizer_ms = number(j, "optimizer_ms");
+    // A step logged again: a restart went back to a checkpoint; what came after it is gone.
+    while (!m.steps.empty() && m.steps.back().step >= step)
+      m.steps.pop_back();
+    m.steps.push_back(s);
+  }
+  return m;
+}
+
+RunView load_run(const fs::path& dir, bool verify_checkpoints) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) {
+    throw Error(ErrorKind::usage, fmt::format("{}: no such run directory", dir.string()));
+  }
+  RunView run;
+  run.dir = fs::absolute(dir).lexically_normal();
+  try {
+    run.info = json::parse(read_file(dir / "run.json"));
+  } catch (const Error&) {
+    throw Error(ErrorKind::usage,
+                fmt::format("{}: not a run directory (no readable run.json)", dir.string()));
+  } catch (const json::exception& e) {
+    throw Error(ErrorKind::usage,
+                fmt::format("{}: not valid JSON: {}", (dir / "run.json").string(), e.what()));
+  }
+  if (!run.info.is_object()) {
+    throw Error(ErrorKind::usage,
+                fmt::format("{}: run.json is not a JSON object", (dir / "run.json").string()));
+  }
+  run.result = read_json_file(dir / "result.json");
+  if (!run.result.is_object() && run.info.contains("result")) run.result = run.info["result"];
+  if (!run.result.is_object()) run.result = nullptr;
+  run.metrics = read_metrics(dir / "metrics.jsonl");
+  run.state = run_state(run.info);
+  run.checkpoints = summarize_checkpoints(dir / "checkpoints", verify_checkpoints);
+  return run;
+}
+
+json status_json(const RunView& run) {
+  const json& info = run.info;
+  const json& restarts = array_at(info, "restarts");
+  const json recipe = info.value("recipe", json::object());
+  const StepMetrics* last = run.metrics.steps.empty() ? nullptr : &run.metrics.steps.back();
+  const EvalMetrics* eval = last_eval(run);
+  json last_restart = nullptr;
+  if (!restarts.empty()) {
+    const json& r = restarts.back();
+    last_restart = {{"restart", integer(r, "restart", 0)},
+                    {"cause", or_null(text(r, "cause"))},
+                    {"failed_after_step", integer(r, "failed_after_step", -1)},
+                    {"from", or_null(text(r, "from"))},
+                    {"at", or_null(text(r, "at"))}};
+  }
+  const std::string error = run_error(info);
+  return {{"run_dir", run.dir.string()},
+          {"name", or_null(text(recipe, "name"))},
+          {"status", run.state.status},
+          {"recorded_status", or_null(run.state.recorded_status)},
+          {"note", or_null(run.state.note)},
+          {"live_pids", run.state.live_pids},
+          {"step", last ? json(last->step) : json(nullptr)},
+          {"steps",
+           recipe.contains("train") ? json(integer(recipe["train"], "steps", 0)) : json(nullptr)},
+          {"epoch", last ? json(last->epoch) : json(nullptr)},
+          {"loss", last ? or_null(last->loss) : json(nullptr)},
+          {"eval_loss", eval ? or_null(eval->loss) : json(nullptr)},
+          {"last_checkpoint", or_null(last_checkpoint_name(run))},
+          {"checkpoints", run.checkpoints.size()},
+          {"world_size", info.contains("world_size") ? info["world_size"] : json(nullptr)},
+          {"nominal_world_size",
+           info.contains("nominal_world_size") ? info["nominal_world_size"] : json(nullptr)},
+          {"generations", array_at(info, "generations").size()},
+          {"restarts", restarts.size()},
+          {"last_restart", last_restart},
+          {"world_size_changes", array_at(info, "world_size_changes").size()},
+          {"error", or_null(error)},
+          {"hint", or_null(hint(run))}};
+}
+
+std::string status_text(const RunView& run) {
+  const json s = status_json(run);
+  std::string out = fmt::format("{}: {}", run.dir.string(), run.state.status);
+  if (!run.state.note.empty()) out += " (" + run.state.note + ")";
+  out += "\n";
+  const auto row = [&out](const char* name, const std::string& value) {
+    out += fmt::format("  {:<12} {}\n", name, value);
+  };
+  if (s["step"].is_null()) {
+    row("step", "no steps logged yet");
+  } else {
+    row("step", fmt::format("{}{} (epoch {})", s["step"].get<int64_t>(),
+                            s["steps"].is_null() ? "" : fmt::format(" of {}", s["steps"].dump()),
+                            s["epoch"].dump()));
+    std::string loss = s["loss"].is_null() ? "\u2013" : num(s["loss"].get<double>());
+    if (!s["eval_loss"].is_null()) {
+      loss += fmt::format(" (eval {} at step {})", num(s["eval_loss"].get<double>()),
+                          run.metrics.evals.back().step);
+    }
+    row("loss", loss);
+  }
+  row("checkpoint", s["last_checkpoint"].is_null() ? "none" : text(s, "last_checkpoint"));
+  row("world size", world_size_text(run.info));
+  std::string restarts = fmt::format("{} restart(s) in {} generation(s)", s["restarts"].dump(),
+                                     s["generations"].dump());
+  if (!s["last_restart"].is_null()) {
+    const json& r = s["last_restart"];
+    restarts += fmt::format("; the last after step {}: {}", r["failed_after_step"].dump(),
+                            text(r, "cause"));
+  }
+  row("restarts", restarts);
+  if (!run.state.live_pids.empty()) {
+    row("pids", fmt::format("{}", fmt::join(run.state.live_pids, " ")));
+  }
+  if (!s["error"].is_null()) {
+    std::istringstream lines(text(s, "error"));
+    std::string line;
+    std::getline(lines, line);
+    row("error", line);
+    while (std::getline(lines, line))
+      out += fmt::format("  {:<12} {}\n", "", line);
+  }
+  if (!s["hint"].is_null()) row("hint", text(s, "hint"));
+  return out;
+}
+
+std::string report_html(const RunView& run) {
+  const json& info = run.info;
+  const json recipe = info.value("recipe", json::object());
+  const std::string name =
+      text(recipe, "name").empty() ? run.dir.filename().string() : text(recipe, "name");
+  std::string body;
+  body += fmt::format("<h1>{} <span class=\"badge {}\">{}</span></h1>\n", html(name),
+                      html(run.state.status), html(run.state.status));
+  body += fmt::format("<div class=\"sub\">{} \u00b7 report written {} by dptrain {}</div>\n",
+                      html(run.dir.filename().string()), html(utc_timestamp()), DPTRAIN_VERSION);
+  const std::string error = run_error(info);
+  if (!error.empty() && run.state.status != "completed" && run.state.status != "running") {
+    body += "<pre class=\"error\">" + html(error) + "</pre>\n";
+  }
+  body += "<h2>Run</h2>\n" + facts_table(run);
+
+  body += "<h2>Training</h2>\n";
+  if (run.metrics.steps.empty() && run.metrics.evals.empty()) {
+    body += "<p class=\"note no-steps\">No steps logged yet (" +
+            html((run.dir / "metrics.jsonl").string()) + " is empty or missing).</p>\n";
+  } else {
+    body += charts(run);
+    const auto markers = timeline_markers(info);
+    if (!markers.empty()) {
+      body +=
+          "<p class=\"note\">Dashed vertical lines: <span style=\"color:#d62728\">restarts</span> "
+          "at the last step logged before the failure, <span style=\"color:#9467bd\">world-size "
+          "changes</span> at the step the next generation resumed from.</p>\n";
+    }
+  }
+  if (run.metrics.skipped_lines > 0) {
+    body += fmt::format(
+        "<p class=\"note\">{} unreadable line(s) of metrics.jsonl skipped (a crash can tear "
+        "the last line).</p>\n",
+        run.metrics.skipped_lines);
+  }
+
+  body += "<h2>Timeline</h2>\n<h3>Generations</h3>\n" + generations_table(info);
+  body += "<h3>Restarts</h3>\n" + restarts_table(info) + world_size_table(info);
+  body += "<h2>Checkpoints</h2>\n" + checkpoints_table(run);
+  if (!recipe.empty()) {
+    body += "<h2>Recipe</h2>\n<details><summary>The resolved recipe (JSON)</summary><pre>" +
+            html(recipe.dump(2)) + "</pre></details>\n";
+  }
+  return fmt::format(
+      "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+      "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
+      "<title>{} \u2014 dptrain report</title>\n<style>{}</style>\n</head>\n<body>\n{}</body>\n"
+      "</html>\n",
+      html(name), kStyle, body);
+}
+
+json report_summary(const RunView& run, const fs::path& report_file) {
+  const json recipe = run.info.value("recipe", json::object());
+  const Throughput t = throughput(run);
+  const EvalMetrics* eval = last_eval(run);
+  double eval_loss = eval ? eval->loss : kNoValue;
+  double eval_accuracy = eval ? eval->accuracy : kNoValue;
+  if (run.result.is_object() && std::isfinite(number(run.result, "eval_loss"))) {
+    eval_loss = number(run.result, "eval_loss");
+    eval_accuracy = number(run.result, "eval_accuracy");
+  }
+  size_t failed = 0;
+  for (const auto& c : run.checkpoints)
+    failed += !c.set_aside && !c.problems.empty();
+  return {{"report", report_file.string()},
+          {"run_dir", run.dir.string()},
+          {"name", or_null(text(recipe, "name"))},
+          {"status", run.state.status},
+          {"step", run.metrics.steps.empty() ? json(nullptr) : json(run.metrics.steps.back().step)},
+          {"steps",
+           recipe.contains("train") ? json(integer(recipe["train"], "steps", 0)) : json(nullptr)},
+          {"final_loss", or_null(final_loss(run))},
+          {"eval_loss", or_null(eval_loss)},
+          {"eval_accuracy", or_null(eval_accuracy)},
+          {"throughput", or_null(t.value)},
+          {"throughput_unit", t.unit},
+          {"restarts", array_at(run.info, "restarts").size()},
+          {"world_size_changes", array_at(run.info, "world_size_changes").size()},
+          {"world_sizes", world_sizes(run.info)},
+          {"checkpoints", run.checkpoints.size()},
+          {"checkpoints_failed", failed},
+          {"metrics_lines_skipped", run.metrics.skipped_lines},
+          {"error", or_null(first_line(run_error(run.info)))}};
+}
+
+std::string report_summary_text(const json& s) {
+  std::string out = text(s, "status");
+  if (s["step"].is_null()) {
+    out += ": no steps logged yet";
+  } else {
+    out += fmt::format(": step {}{}", s["step"].dump(),
+                       s["steps"].is_null() ? "" : " of " + s["steps"].dump());
+    if (!s["final_loss"].is_null()) out += ", loss " + num(s["final_loss"].get<double>());
+    if (!s["eval_loss"].is_null()) {
+      out += ", eval loss " + num(s["eval_loss"].get<double>());
+      if (!s["eval_accuracy"].is_null()) {
+        out += fmt::format(" (accuracy {:.1f}%)", 100 * s["eval_accuracy"].get<double>());
+      }
+    }
+  }
+  out += "\n";
+  if (!s["throughput"].is_null()) {
+    out += fmt::format("throughput {} {}; ", rate(s["throughput"].get<double>()),
+                       text(s, "throughput_unit"));
+  }
+  out += fmt::format("{} restart(s); world size {}; {} checkpoint(s){}\n", s["restarts"].dump(),
+                     text(s, "world_sizes"), s["checkpoints"].dump(),
+                     s["checkpoints_failed"].get<size_t>() > 0
+                         ? fmt::format(", {} FAILED verification", s["checkpoints_failed"].dump())
+                         : "");
+  if (!s["error"].is_null() && text(s, "status") != "completed") {
+    out += "error: " + text(s, "error") + "\n";
+  }
+  out += "report: " + text(s, "report") + "\n";
+  return out;
+}
+
+}  // namespace dptrain

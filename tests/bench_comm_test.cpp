@@ -1,0 +1,308 @@
+// `dptrain bench comm` end to end: real rank processes over real sockets, the nccl-tests table,
+// JSON, the data check, --min-busbw and bad flags.
+#include <doctest/doctest.h>
+
+#include <sstream>
+
+#include "tests/cluster.hpp"
+#include "tests/harness.hpp"
+
+using namespace dptrain::test;
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);)
+    lines.push_back(line);
+  return lines;
+}
+
+std::vector<std::string> words_of(const std::string& line) {
+  std::vector<std::string> words;
+  std::istringstream in(line);
+  for (std::string word; in >> word;)
+    words.push_back(word);
+  return words;
+}
+
+CommandResult bench(TempDir& tmp, std::vector<std::string> args, const Env& env = {}) {
+  std::vector<std::string> full = {"bench", "comm", "--runs-root", (tmp / "runs").string()};
+  full.insert(full.end(), args.begin(), args.end());
+  return run_dptrain(full, env, std::chrono::seconds(60));
+}
+
+// The rows of a --json result after the checks every row must pass.
+void check_rows(const json& j, int ranks, const std::string& type) {
+  for (const auto& row : j["rows"]) {
+    CAPTURE(row.dump());
+    CHECK(row["wrong"] == 0);
+    CHECK(row["type"] == type);
+    const std::string op = row["op"];
+    const double n = ranks;
+    const double factor = op == "allreduce"   ? 2 * (n - 1) / n
+                          : op == "broadcast" ? 1.0
+                                              : (n - 1) / n;
+    const double time_us = row["time_us"];
+    const double size = row["size"];
+    CHECK(time_us >= 0);
+    if (size > 0) CHECK(time_us > 0);
+    if (size > 0) CHECK(row["algbw"].get<double>() == doctest::Approx(size / 1e3 / time_us));
+    CHECK(row["busbw"].get<double>() == doctest::Approx(row["algbw"].get<double>() * factor));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("bench comm --nproc 2 --json: rows from 1K to 64K, checked, busbw = algbw x factor") {
+  TempDir tmp;
+  const auto r = bench(tmp, {"--nproc", "2", "-b", "1K", "-e", "64K", "-f", "4", "--json"});
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  const json j = parse_json(r.out);  // exactly one JSON object on stdout
+  CHECK(j["status"] == "ok");
+  CHECK(j["exit_code"] == 0);
+  CHECK(j["ranks"] == 2);
+  CHECK(j["hosts"] == 1);
+  CHECK(j["backend"] == "gloo");
+  CHECK(j["dtype"] == "float");
+  CHECK(j["ops"] == json({"allreduce"}));
+  CHECK(j["wrong"] == 0);
+  REQUIRE(j["rows"].size() == 4);
+  uint64_t size = 1024;
+  for (const auto& row : j["rows"]) {
+    CHECK(row["op"] == "allreduce");
+    CHECK(row["size"] == size);
+    CHECK(row["count"] == size / 4);
+    CHECK(row["redop"] == "sum");
+    CHECK(row["root"] == -1);
+    size *= 4;
+  }
+  check_rows(j, 2, "float");
+  double sum = 0;
+  for (const auto& row : j["rows"])
+    sum += row["busbw"].get<double>();
+  CHECK(j["avg_busbw"].get<double>() == doctest::Approx(sum / 4));
+  // The run directory: each rank's log, rank 0's result, the table.
+  const fs::path run = j["run_dir"].get<std::string>();
+  CHECK(run.parent_path() == fs::absolute(tmp / "runs"));
+  CHECK(run.filename().string().rfind("bench-comm-", 0) == 0);
+  CHECK(fs::exists(run / "logs" / "localhost-rank0.log"));
+  CHECK(fs::exists(run / "logs" / "localhost-rank1.log"));
+  CHECK(parse_json(read_text(run / "result.json")) == j);
+  CHECK(read_text(run / "table.txt").find("# Avg bus bandwidth    : ") != std::string::npos);
+  const json info = parse_json(read_text(run / "run.json"));
+  CHECK(info["status"] == "completed");
+  CHECK(info["result"] == j);
+}
+
+TEST_CASE("bench comm --hosts: 2 loopback SSH hosts x 2 slots, like a job") {
+  TwoHostCluster cluster(2);
+  const auto r =
+      run_dptrain({"bench", "comm", "--hosts", cluster.hostfile.string(), "--known-hosts",
+                   cluster.sshd.known_hosts().string(), "--remote-binary", binary(), "--runs-root",
+                   (cluster.tmp / "runs").string(), "--op", "allreduce,allgather", "-b", "4K", "-e",
+                   "64K", "-f", "16", "--json"},
+                  {}, std::chrono::seconds(60));
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  const json j = parse_json(r.out);
+  CHECK(j["ranks"] == 4);
+  CHECK(j["hosts"] == 2);
+  REQUIRE(j["rows"].size() == 4);
+  check_rows(j, 4, "float");
+  // Rank 0 is remote: the launcher still keeps its result.
+  CHECK(fs::exists(fs::path(j["run_dir"].get<std::string>()) / "result.json"));
+}
+
+TEST_CASE("bench comm --op all: an nccl-tests table per collective on stdout, nothing else") {
+  TempDir tmp;
+  const auto r = bench(tmp, {"--nproc", "3", "--op", "all", "-b", "64", "-e", "16K", "-f", "16",
+                             "-w", "1", "-n", "3"});
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(r.err.find("dptrain bench comm: 3 rank(s) on this machine, run directory ") !=
+        std::string::npos);
+  const auto lines = lines_of(r.out);
+  int headers = 0;
+  int units = 0;
+  int averages = 0;
+  std::map<std::string, int> rows;  // collective -> rows
+  std::string op;
+  for (const auto& line : lines) {
+    CAPTURE(line);
+    if (line.rfind("# dptrain bench comm: ", 0) == 0) op = line.substr(22);
+    if (line ==
+        "#       size         count      type   redop    root     time   algbw   busbw "
+        "#wrong") {
+      ++headers;
+    } else if (line ==
+               "#        (B)    (elements)                               (us)  (GB/s)  (GB/s)") {
+      ++units;
+    } else if (line.rfind("# Avg bus bandwidth    : ", 0) == 0) {
+      ++averages;
+    } else if (line.front() != '#') {
+      // size count type redop root time algbw busbw #wrong, right-aligned like nccl-tests'.
+      const auto w = words_of(line);
+      REQUIRE(w.size() == 9);
+      CHECK(line.size() == 84);
+      CHECK(w[2] == "float");
+      CHECK(w[3] == (op == "allreduce" || op == "reduce_scatter" ? "sum" : "none"));
+      CHECK(w[4] == (op == "broadcast" ? "0" : "-1"));
+      CHECK(w[8] == "0");
+      ++rows[op];
+    }
+  }
+  CHECK(headers == 4);
+  CHECK(units == 4);
+  CHECK(averages == 4);
+  CHECK(rows == std::map<std::string, int>{
+                    {"allgather", 3}, {"allreduce", 3}, {"broadcast", 3}, {"reduce_scatter", 3}});
+  CHECK(r.out.find("# Out of bounds values : 0 OK") != std::string::npos);
+  // allgather and reduce_scatter: the whole buffer, the count per rank (16384 B / 3 ranks).
+  CHECK(r.out.find("       16380          1365     float    none      -1") != std::string::npos);
+  CHECK(r.out.find("       16380          1365     float     sum      -1") != std::string::npos);
+}
+
+TEST_CASE("bench comm: half and bf16, every collective, checked exactly") {
+  TempDir tmp;
+  for (const auto& [dtype, type, redop] :
+       {std::tuple{"half", "half", "avg"}, std::tuple{"bf16", "bfloat16", "max"},
+        std::tuple{"float", "float", "min"}}) {
+    CAPTURE(dtype);
+    const auto r = bench(tmp, {"--nproc", "2", "-d", dtype, "--redop", redop, "--op", "all", "-b",
+                               "2", "-e", "8K", "-f", "64", "-w", "1", "-n", "2", "--json"});
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    const json j = parse_json(r.out);
+    CHECK(j["dtype"] == dtype);
+    CHECK(j["redop"] == redop);
+    REQUIRE(j["rows"].size() == 4 * 3);
+    check_rows(j, 2, type);
+  }
+}
+
+TEST_CASE("bench comm --min-busbw: below it at the largest size exits 6 naming op and size") {
+  TempDir tmp;
+  const auto r = bench(tmp, {"--nproc", "2", "-b", "1K", "-e", "64K", "-f", "4", "--op",
+                             "allreduce,allgather", "--min-busbw", "1e9"});
+  CHECK(r.exit_code == 6);
+  CHECK(r.out.find("# Avg bus bandwidth") != std::string::npos);  // the table still comes
+  CHECK_MESSAGE(r.err.find("dptrain: error: allreduce at 65536 bytes: busbw ") != std::string::npos,
+                r.err);
+  CHECK_MESSAGE(r.err.find(" GB/s is below --min-busbw 1e+09 GB/s") != std::string::npos, r.err);
+  CHECK(r.err.find("dptrain: error: allgather at 65536 bytes: busbw ") != std::string::npos);
+
+  const auto j =
+      bench(tmp, {"--nproc", "2", "-b", "1K", "-e", "4K", "--min-busbw", "1e9", "--json"});
+  CHECK(j.exit_code == 6);
+  const json out = parse_json(j.out);
+  CHECK(out["status"] == "below_threshold");
+  CHECK(out["exit_code"] == 6);
+  CHECK(out["min_busbw"].get<double>() == 1e9);
+  REQUIRE(out["errors"].size() == 1);
+  CHECK(out["errors"][0].get<std::string>().rfind("allreduce at 4096 bytes: busbw ", 0) == 0);
+
+  const auto pass = bench(tmp, {"--nproc", "2", "-b", "1K", "-e", "4K", "--min-busbw", "0"});
+  CHECK_MESSAGE(pass.exit_code == 0, pass.err);
+}
+
+TEST_CASE("bench comm: wrong data exits 3 after the table, naming the collective and sizes") {
+  TempDir tmp;
+  // Rank 1 spoils one element of its output before every check.
+  const Env corrupt = {{"DPTRAIN_BENCH_CORRUPT", "1"}};
+  const auto r = bench(tmp,
+                       {"--nproc", "2", "-b", "1K", "-e", "4K", "-f", "4", "--op",
+                        "allreduce,allgather", "--min-busbw", "1e9"},
+                       corrupt);
+  CHECK(r.exit_code == 3);  // wrong data wins over a low busbw
+  CHECK(r.out.find("# Out of bounds values : 2 FAILED") != std::string::npos);
+  int wrong_rows = 0;
+  for (const auto& line : lines_of(r.out)) {
+    if (line.front() != '#') wrong_rows += words_of(line).back() == "1";
+  }
+  CHECK(wrong_rows == 4);
+  CHECK_MESSAGE(r.err.find("dptrain: error: allreduce: 2 wrong element(s) in the data check "
+                           "(sizes 1024, 4096 bytes)") != std::string::npos,
+                r.err);
+  CHECK(r.err.find("dptrain: error: allgather: 2 wrong element(s)") != std::string::npos);
+
+  const auto j = bench(tmp, {"--nproc", "2", "-b", "1K", "-e", "1K", "--json"}, corrupt);
+  CHECK(j.exit_code == 3);
+  const json out = parse_json(j.out);
+  CHECK(out["status"] == "wrong_data");
+  CHECK(out["exit_code"] == 3);
+  CHECK(out["wrong"] == 1);
+  CHECK(out["rows"][0]["wrong"] == 1);
+}
+
+TEST_CASE("bench comm: a rank that fails exits 3 naming it, with its last lines") {
+  TempDir tmp;
+  // Every rank refuses this setting before it connects.
+  const auto r = bench(tmp, {"--nproc", "2", "-b", "1K", "-e", "1K", "--json"},
+                       {{"DPTRAIN_BENCH_CORRUPT", "x"}});
+  CHECK(r.exit_code == 3);
+  CHECK_MESSAGE(r.err.find("rank ") != std::string::npos, r.err);
+  CHECK_MESSAGE(r.err.find("DPTRAIN_BENCH_CORRUPT: not an integer: 'x'") != std::string::npos,
+                r.err);
+  const json j = parse_json(r.out);
+  CHECK(j["status"] == "error");
+  CHECK(j["exit_code"] == 3);
+}
+
+TEST_CASE("bench comm --nproc 1: allreduce's bus factor is 0, broadcast's 1") {
+  TempDir tmp;
+  const auto r = bench(tmp, {"-b", "4K", "-e", "4K", "--op", "allreduce,broadcast", "--json"});
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  const json j = parse_json(r.out);
+  CHECK(j["ranks"] == 1);
+  REQUIRE(j["rows"].size() == 2);
+  CHECK(j["rows"][0]["busbw"] == 0.0);
+  CHECK(j["rows"][1]["busbw"].get<double>() == doctest::Approx(j["rows"][1]["algbw"]));
+  const auto table = bench(tmp, {"-b", "4K", "-e", "4K"});
+  REQUIRE(table.exit_code == 0);
+  const auto rows = lines_of(table.out);
+  bool found = false;
+  for (const auto& line : rows) {
+    if (line.front() == '#') continue;
+    const auto w = words_of(line);
+    REQUIRE(w.size() == 9);
+    CHECK(w[7] == "0.00");
+    found = true;
+  }
+  CHECK(found);
+}
+
+TEST_CASE("bench comm: a bad flag exits 2 naming it and creates nothing") {
+  TempDir tmp;
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"-b", "1X"}, "-b/--minbytes: not a size: '1X'"},
+      {{"-e", "1.5M"}, "-e/--maxbytes: not a size: '1.5M'"},
+      {{"-b", "8K", "-e", "4K"}, "-e/--maxbytes: 4096 is below -b/--minbytes 8192"},
+      {{"-f", "1"}, "-f/--stepfactor: must be at least 2, got 1"},
+      {{"-d", "fp8"}, "-d/--dtype: unknown element type 'fp8'"},
+      {{"--op", "allreduc"}, "-o/--op: unknown collective 'allreduc'"},
+      {{"--redop", "prod"}, "--redop: unknown reduction 'prod'"},
+      {{"--backend", "nccl"}, "--backend: 'nccl' is not available in this build"},
+      {{"--backend", "mpi"}, "--backend: unknown backend 'mpi'"},
+      {{"--nproc", "0"}, "--nproc: must be at least 1, got 0"},
+      {{"--nproc", "2", "--op", "broadcast", "--root", "2"}, "--root: 2 is not a rank (0..1)"},
+      {{"-n", "0"}, "-n/--iters: must be >= 1, got 0"},
+      {{"-w", "-1"}, "-w/--warmup: must be >= 0, got -1"},
+      {{"--min-busbw", "-1"}, "--min-busbw: must be >= 0"},
+      {{"--timeout", "0"}, "--timeout: must be > 0"},
+      {{"--hosts", "localhost:2", "--nproc", "2"}, "--nproc: not with --hosts"},
+      {{"--iters", "x"}, "--iters"},
+      {{"--bogus"}, "--bogus"},
+  };
+  for (const auto& [args, message] : cases) {
+    CAPTURE(message);
+    const auto r = bench(tmp, args);
+    CHECK(r.exit_code == 2);
+    CHECK_MESSAGE(r.err.find(message) != std::string::npos, r.err);
+    CHECK(r.out.empty());
+  }
+  CHECK_FALSE(fs::exists(tmp / "runs"));
+  const auto j = bench(tmp, {"--backend", "nccl", "--json"});
+  CHECK(j.exit_code == 2);
+  CHECK(parse_json(j.out)["exit_code"] == 2);  // errors are JSON too with --json
+}

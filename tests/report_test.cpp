@@ -1,0 +1,444 @@
+// `dptrain report` and `dptrain status` on real runs: a run with a restart and a world-size
+// change (markers, checkpoints, the summary), the HTML rendered by headless Chromium, a run
+// whose launcher was killed (running, then stale), torn and empty metrics, and bad run dirs.
+#include <doctest/doctest.h>
+#include <signal.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <ctime>
+#include <fstream>
+#include <regex>
+#include <sstream>
+
+#include "tests/harness.hpp"
+
+using namespace dptrain::test;
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+size_t count(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t pos = text.find(what); pos != std::string::npos; pos = text.find(what, pos + 1))
+    ++n;
+  return n;
+}
+
+bool contains(const std::string& text, const std::string& what) {
+  return text.find(what) != std::string::npos;
+}
+
+// The report must stand alone: no script, and nothing it would fetch (the SVG namespace URI
+// is a name, not a fetch).
+void check_self_contained(const std::string& html) {
+  CHECK_FALSE(contains(html, "<script"));
+  CHECK_FALSE(contains(html, "<link"));
+  CHECK_FALSE(contains(html, "<img"));
+  CHECK_FALSE(contains(html, "<iframe"));
+  CHECK_FALSE(contains(html, " src="));
+  CHECK_FALSE(contains(html, "href="));
+  CHECK_FALSE(contains(html, "url("));
+  CHECK_FALSE(contains(html, "@import"));
+  CHECK_FALSE(contains(html,
+                       " on"
+                       "load="));
+  std::string without_ns = html;
+  for (size_t pos;
+       (pos = without_ns.find("xmlns=\"http://www.w3.org/2000/svg\"")) != std::string::npos;)
+    without_ns.erase(pos, 34);
+  CHECK_FALSE(contains(without_ns, "http://"));
+  CHECK_FALSE(contains(without_ns, "https://"));
+}
+
+// Runs a shell command, its output in files under `dir`; returns the exit code.
+int shell(const std::string& command, const fs::path& dir, std::string* out = nullptr,
+          std::string* err = nullptr) {
+  const fs::path o = dir / "shell.out", e = dir / "shell.err";
+  const std::string full = "(" + command + ") >'" + o.string() + "' 2>'" + e.string() + "'";
+  const int status = std::system(full.c_str());
+  if (out) *out = fs::exists(o) ? read_text(o) : "";
+  if (err) *err = fs::exists(e) ? read_text(e) : "";
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+std::string tail(const std::string& text, size_t chars) {
+  return text.size() <= chars ? text : text.substr(text.size() - chars);
+}
+
+constexpr const char* kChromium = "/usr/bin/chromium";
+
+// Debian's chromium, installed when missing (the tests run as root). A failure says why.
+void require_chromium(const fs::path& dir) {
+  if (fs::exists(kChromium)) return;
+  std::string out, err;
+  const std::string install =
+      "DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y --no-install-recommends "
+      "chromium";
+  int rc = shell(install, dir, &out, &err);
+  if (rc != 0 || !fs::exists(kChromium)) {
+    // The package lists may be missing or stale.
+    rc = shell("DEBIAN_FRONTEND=noninteractive timeout 300 apt-get update && " + install, dir, &out,
+               &err);
+  }
+  INFO("apt-get output: " << tail(out, 1500) << tail(err, 1500));
+  if (!fs::exists(kChromium)) {
+    FAIL(
+        "headless Chromium is needed to check the report renders, and "
+        "'apt-get install -y chromium' did not install /usr/bin/chromium (exit "
+        << rc << "); install Debian's chromium package and run again");
+  }
+}
+
+// One headless Chromium invocation on a local file, its console messages logged to stderr.
+std::string chromium_command(const fs::path& html, const fs::path& profile,
+                             const std::string& args) {
+  return std::string("timeout 120 ") + kChromium +
+         " --headless --no-sandbox --disable-gpu --disable-dev-shm-usage --no-first-run "
+         "--enable-logging=stderr --v=0 --user-data-dir='" +
+         profile.string() + "' " + args + " 'file://" + html.string() + "'";
+}
+
+struct Rendered {
+  int exit_code = -1;
+  std::string dom;
+  std::string log;  // chromium's stderr, with the page's console messages
+};
+
+// Loads a file in headless Chromium: the DOM after loading, and what the page logged.
+Rendered render(const fs::path& html, const fs::path& dir, const std::string& extra = "") {
+  Rendered r;
+  const fs::path profile = dir / "chromium-profile";
+  r.exit_code = shell(chromium_command(html, profile, "--dump-dom " + extra), dir, &r.dom, &r.log);
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "report and status of a run with a restart and a world-size change; Chromium renders it") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  const fs::path run_dir = tmp / "run";
+  // Rank 1 is killed at step 70 of generation 1; with --nproc 1:2 its capacity counts as lost,
+  // so generation 2 resumes from step-000060 on one rank.
+  auto launch = run_dptrain({"launch", recipe.string(), "--nproc", "1:2", "--run-dir",
+                             run_dir.string(), "--max-restarts", "1", "--restart-backoff", "0.1"},
+                            {{"DPTRAIN_FAULT", "crash@step=70,rank=1,gen=1"}});
+  INFO(launch.err);
+  REQUIRE(launch.exit_code == 0);
+  const json info = parse_json(read_text(run_dir / "run.json"));
+  REQUIRE(info["restarts"].size() == 1);
+  REQUIRE(info["world_size_changes"].size() == 1);
+  const int64_t failed_after = info["restarts"][0]["failed_after_step"].get<int64_t>();
+
+  auto report = run_dptrain({"report", run_dir.string()});
+  INFO(report.out << report.err);
+  REQUIRE(report.exit_code == 0);
+  const fs::path html_file = run_dir / "report.html";
+  CHECK(contains(report.out, "completed: step 120 of 120"));
+  CHECK(contains(report.out, "1 restart(s); world size 2 \u2192 1"));
+  CHECK(contains(report.out, "samples/s"));
+  CHECK(contains(report.out, "report: " + html_file.string()));
+  REQUIRE(fs::exists(html_file));
+  const std::string html = read_text(html_file);
+
+  SUBCASE("the HTML: charts, markers, checkpoints, facts, escaped text, nothing external") {
+    CHECK(html.rfind("<!DOCTYPE html>", 0) == 0);
+    check_self_contained(html);
+    // Loss, learning rate, throughput, step-time split, gradient norm, validation accuracy.
+    CHECK(count(html, "<svg ") == 6);
+    CHECK(contains(html, "<title>Loss</title>"));
+    CHECK(contains(html, "<title>Learning rate</title>"));
+    CHECK(contains(html, "<title>Throughput (samples/s)</title>"));
+    CHECK(contains(html, "<title>Step time split</title>"));
+    CHECK(count(html, "<path class=\"series\"") >= 6 + 4);  // the split has five lines
+    CHECK(contains(html, ">validation loss</text>"));
+    // Every chart carries both markers: the restart at the last step logged before the
+    // crash, the world-size change at the step generation 2 resumed from.
+    CHECK(count(html, "<g class=\"marker\"><title>restart 1 after step " +
+                          std::to_string(failed_after) + "</title>") == 6);
+    CHECK(count(html, "<g class=\"marker\"><title>world size 2\u21921</title>") == 6);
+    // Checkpoints (keep 3: steps 80, 100, 120), each verified.
+    CHECK(count(html, "<tr class=\"checkpoint\">") == 3);
+    CHECK(contains(html, "<code>step-000120</code>"));
+    CHECK(count(html, "<span class=\"ok\">ok</span>") == 3);
+    CHECK(contains(html, "latest"));
+    // The timeline tables and the facts.
+    CHECK(count(html, "<tr class=\"restart\">") == 1);
+    CHECK(count(html, "<tr class=\"world-size-change\">") == 1);
+    CHECK(contains(html, "step-000060"));
+    CHECK(contains(html, "mlp 32-48-24-5"));
+    CHECK(contains(html, "<span class=\"badge completed\">completed</span>"));
+    CHECK_FALSE(contains(html, "No steps logged yet"));
+  }
+
+  SUBCASE("--json summary and --out") {
+    const fs::path other = tmp / "elsewhere.html";
+    auto r = run_dptrain({"report", run_dir.string(), "--json", "--out", other.string()});
+    INFO(r.err);
+    REQUIRE(r.exit_code == 0);
+    const json s = parse_json(r.out);
+    CHECK(s["report"] == other.string());
+    CHECK(s["status"] == "completed");
+    CHECK(s["step"] == 120);
+    CHECK(s["steps"] == 120);
+    CHECK(s["restarts"] == 1);
+    CHECK(s["world_size_changes"] == 1);
+    CHECK(s["throughput_unit"] == "samples/s");
+    CHECK(s["throughput"].get<double>() > 0);
+    CHECK(s["final_loss"].is_number());
+    CHECK(s["eval_loss"].is_number());
+    CHECK(s["checkpoints"] == 3);
+    CHECK(s["checkpoints_failed"] == 0);
+    CHECK(fs::exists(other));
+    CHECK(count(read_text(other), "<svg ") == 6);
+  }
+
+  SUBCASE("status --json and the text form") {
+    auto r = run_dptrain({"status", run_dir.string(), "--json"});
+    INFO(r.err);
+    REQUIRE(r.exit_code == 0);
+    const json s = parse_json(r.out);
+    CHECK(s["status"] == "completed");
+    CHECK(s["step"] == 120);
+    CHECK(s["steps"] == 120);
+    CHECK(s["last_checkpoint"] == "step-000120");
+    CHECK(s["restarts"] == 1);
+    CHECK(s["generations"] == 2);
+    CHECK(s["world_size"] == 1);
+    CHECK(s["nominal_world_size"] == 2);
+    CHECK(s["world_size_changes"] == 1);
+    CHECK(s["last_restart"]["failed_after_step"] == failed_after);
+    CHECK(s["error"].is_null());
+    CHECK(s["hint"].is_null());
+    auto text = run_dptrain({"status", run_dir.string()});
+    REQUIRE(text.exit_code == 0);
+    CHECK(contains(text.out, run_dir.string() + ": completed"));
+    CHECK(contains(text.out, "step-000120"));
+    CHECK(contains(text.out, "1 restart(s) in 2 generation(s)"));
+  }
+
+  SUBCASE("headless Chromium renders every chart without a console error") {
+    require_chromium(tmp.path());
+    // The console check must be able to fail: a page whose script throws is caught by it.
+    write_text(tmp / "control.html",
+               "<!DOCTYPE html><p>x</p><script>throw new Error('c1')</script>");
+    const Rendered control = render(tmp / "control.html", tmp.path());
+    INFO("control log: " << tail(control.log, 3000));
+    REQUIRE(control.exit_code == 0);
+    REQUIRE(contains(control.log, "Uncaught Error: c1"));
+
+    const Rendered page = render(html_file, tmp.path());
+    INFO("chromium log: " << tail(page.log, 3000));
+    REQUIRE(page.exit_code == 0);
+    CHECK_FALSE(contains(page.log, "Uncaught"));
+    CHECK_FALSE(contains(page.log, "CONSOLE"));
+    CHECK_FALSE(contains(page.log, "Not allowed to load"));
+    CHECK_FALSE(contains(page.log, "ERR_FILE_NOT_FOUND"));
+    // The parsed DOM holds each chart as an SVG element of its own figure, with its lines and
+    // markers: a stray unclosed tag would have nested or dropped some.
+    const std::regex figure_svg("<figure><svg [^>]*class=\"chart\"");
+    const auto figures = std::distance(
+        std::sregex_iterator(page.dom.begin(), page.dom.end(), figure_svg), std::sregex_iterator());
+    CHECK(figures == 6);
+    CHECK(count(page.dom, "</svg></figure>") == 6);
+    CHECK(count(page.dom, "<path class=\"series\"") == count(html, "<path class=\"series\""));
+    CHECK(count(page.dom, "<g class=\"marker\">") == 12);
+    CHECK(count(page.dom, "<tr class=\"checkpoint\">") == 3);
+
+    // And it paints: a screenshot of the page is an image of some substance.
+    const fs::path png = tmp / "report.png";
+    std::string out, err;
+    const int rc =
+        shell(chromium_command(html_file, tmp / "chromium-profile",
+                               "--screenshot='" + png.string() + "' --window-size=1280,2400"),
+              tmp.path(), &out, &err);
+    INFO(tail(err, 2000));
+    CHECK(rc == 0);
+    REQUIRE(fs::exists(png));
+    const std::string image = read_text(png);
+    CHECK(image.substr(1, 3) == "PNG");
+    CHECK(image.size() > 40000);
+  }
+}
+
+TEST_CASE("status of a running run, then of one whose launcher was killed: stale, resume it") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  const fs::path run_dir = tmp / "run";
+  Background job({"launch", recipe.string(), "--nproc", "2", "--run-dir", run_dir.string()},
+                 {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "100"}});
+  REQUIRE(eventually([&] {
+    return worker_pids(run_dir).size() == 2 && fs::exists(run_dir / "metrics.jsonl") &&
+           read_jsonl(run_dir / "metrics.jsonl").size() >= 2;
+  }));
+  auto running = run_dptrain({"status", run_dir.string(), "--json"});
+  REQUIRE(running.exit_code == 0);
+  json s = parse_json(running.out);
+  CHECK(s["status"] == "running");
+  CHECK(s["live_pids"].size() == 2);
+  CHECK(s["step"].get<int64_t>() >= 5);
+  CHECK(s["hint"].is_null());
+
+  // The launcher dies without a word (its ranks follow it): run.json still says running.
+  REQUIRE(::kill(job.pid(), SIGKILL) == 0);
+  job.wait();
+  const auto pids = worker_pids(run_dir);
+  REQUIRE(eventually([&] {
+    return std::none_of(pids.begin(), pids.end(), [](pid_t p) { return process_alive(p); });
+  }));
+  CHECK(parse_json(read_text(run_dir / "run.json"))["status"] == "running");
+  auto stale = run_dptrain({"status", run_dir.string(), "--json"});
+  REQUIRE(stale.exit_code == 0);
+  s = parse_json(stale.out);
+  CHECK(s["status"] == "stale");
+  CHECK(s["recorded_status"] == "running");
+  CHECK(s["live_pids"].empty());
+  CHECK(contains(s["note"].get<std::string>(), "launcher is gone"));
+  CHECK(contains(s["hint"].get<std::string>(), "dptrain resume " + run_dir.string()));
+  auto text = run_dptrain({"status", run_dir.string()});
+  CHECK(contains(text.out, ": stale (the launcher is gone"));
+  CHECK(contains(text.out, "dptrain resume"));
+
+  // A crash can tear the last metrics line: it is skipped, and said so.
+  {
+    std::ofstream metrics(run_dir / "metrics.jsonl", std::ios::app);
+    metrics << "{\"step\": 99, \"epo";
+  }
+  auto report = run_dptrain({"report", run_dir.string(), "--json"});
+  INFO(report.err);
+  REQUIRE(report.exit_code == 0);
+  const json summary = parse_json(report.out);
+  CHECK(summary["status"] == "stale");
+  CHECK(summary["metrics_lines_skipped"] == 1);
+  CHECK(summary["step"].get<int64_t>() < 99);
+  const std::string html = read_text(run_dir / "report.html");
+  CHECK(contains(html, "<span class=\"badge stale\">stale</span>"));
+  CHECK(contains(html, "1 unreadable line(s) of metrics.jsonl skipped"));
+  CHECK(count(html, "<svg ") >= 4);
+  CHECK(count(html, "<g class=\"marker\">") == 0);
+  check_self_contained(html);
+}
+
+TEST_CASE("a run with no steps logged yet: the report says so instead of failing") {
+  TempDir tmp;
+  const fs::path run_dir = tmp / "empty";
+  fs::create_directories(run_dir / "checkpoints");
+  json recipe = small_recipe();
+  recipe["name"] = "<b>x</b> & 'y'";  // launch forbids such a name; the report escapes it anyway
+  write_text(run_dir / "run.json",
+             json{{"id", "abc"},
+                  {"status", "failed"},
+                  {"world_size", 2},
+                  {"nominal_world_size", 2},
+                  {"recipe", recipe},
+                  {"generations",
+                   {{{"generation", 1},
+                     {"started_at", "2026-01-01T00:00:00Z"},
+                     {"ended_at", "2026-01-01T00:00:05Z"},
+                     {"status", "failed"},
+                     {"world_size", 2},
+                     {"error", "rank 1 exited with code 3\n  its last line"}}}}}
+                 .dump());
+  write_text(run_dir / "metrics.jsonl", "");
+  auto r = run_dptrain({"report", run_dir.string()});
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(contains(r.out, "failed: no steps logged yet"));
+  CHECK(contains(r.out, "error: rank 1 exited with code 3"));
+  const std::string html = read_text(run_dir / "report.html");
+  CHECK(contains(html, "No steps logged yet"));
+  CHECK(count(html, "<svg ") == 0);
+  CHECK(contains(html, "No checkpoints."));
+  CHECK(contains(html, "rank 1 exited with code 3"));
+  CHECK(contains(html,
+                 "<title>&lt;b&gt;x&lt;/b&gt; &amp; &#39;y&#39; \u2014 dptrain report</title>"));
+  CHECK_FALSE(contains(html, "<b>x</b>"));
+  check_self_contained(html);
+
+  auto s = run_dptrain({"status", run_dir.string(), "--json"});
+  REQUIRE(s.exit_code == 0);
+  const json status = parse_json(s.out);
+  CHECK(status["status"] == "failed");
+  CHECK(status["step"].is_null());
+  CHECK(status["last_checkpoint"].is_null());
+  CHECK(status["error"] == "rank 1 exited with code 3\n  its last line");
+  CHECK(contains(status["hint"].get<std::string>(), "dptrain resume"));
+  CHECK(contains(run_dptrain({"status", run_dir.string()}).out, "no steps logged yet"));
+}
+
+TEST_CASE("status between a failed generation and the next: restarting, then failed") {
+  TempDir tmp;
+  const auto utc = [](std::time_t t) {
+    std::tm tm{};
+    ::gmtime_r(&t, &tm);
+    char buf[32];
+    std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+    return std::string(buf);
+  };
+  const auto run_json = [&](std::time_t restart_at) {
+    return json{{"status", "failed"},
+                {"world_size", 2},
+                {"recipe", resumable_recipe()},
+                {"generations",
+                 {{{"generation", 1},
+                   {"started_at", utc(restart_at - 10)},
+                   {"ended_at", utc(restart_at)},
+                   {"status", "failed"},
+                   {"world_size", 2},
+                   {"pids", {999999}},
+                   {"error", "rank 1 was killed by signal 9 (SIGKILL)"}}}},
+                {"restarts",
+                 {{{"restart", 1},
+                   {"after_generation", 1},
+                   {"cause", "rank 1 was killed by signal 9 (SIGKILL)"},
+                   {"failed_after_step", 45},
+                   {"from", "step-000040"},
+                   {"at", utc(restart_at)}}}}}
+        .dump();
+  };
+  fs::create_directories(tmp / "run");
+  write_text(tmp / "run/run.json", run_json(std::time(nullptr) - 2));
+  json s = parse_json(run_dptrain({"status", (tmp / "run").string(), "--json"}).out);
+  CHECK(s["status"] == "restarting");
+  CHECK(s["recorded_status"] == "failed");
+  CHECK(contains(s["note"].get<std::string>(), "generation 2 is being placed"));
+
+  // Long past the backoff and the rejoin timeout: no generation followed, the run failed.
+  write_text(tmp / "run/run.json", run_json(std::time(nullptr) - 3600));
+  s = parse_json(run_dptrain({"status", (tmp / "run").string(), "--json"}).out);
+  CHECK(s["status"] == "failed");
+  CHECK(contains(s["note"].get<std::string>(), "no generation followed it"));
+  CHECK(s["last_restart"]["failed_after_step"] == 45);
+  CHECK(s["error"] == "rank 1 was killed by signal 9 (SIGKILL)");
+}
+
+TEST_CASE("report and status of what is not a run: exit 2 naming it") {
+  TempDir tmp;
+  for (const char* cmd : {"report", "status"}) {
+    CAPTURE(cmd);
+    auto missing = run_dptrain({cmd, (tmp / "nope").string()});
+    CHECK(missing.exit_code == 2);
+    CHECK(contains(missing.err, (tmp / "nope").string() + ": no such run directory"));
+
+    auto no_run_json = run_dptrain({cmd, tmp.path().string(), "--json"});
+    CHECK(no_run_json.exit_code == 2);
+    CHECK(contains(no_run_json.err, tmp.path().string() + ": not a run directory"));
+    CHECK(parse_json(no_run_json.out)["exit_code"] == 2);
+    CHECK_FALSE(fs::exists(tmp / "checkpoints"));  // nothing created where there is no run
+
+    fs::create_directories(tmp / "bad");
+    write_text(tmp / "bad/run.json", "{\"status\": ");
+    auto bad = run_dptrain({cmd, (tmp / "bad").string()});
+    CHECK(bad.exit_code == 2);
+    CHECK(contains(bad.err, (tmp / "bad/run.json").string() + ": not valid JSON"));
+  }
+  fs::create_directories(tmp / "ok");
+  write_text(tmp / "ok/run.json", "{\"status\": \"completed\"}");
+  auto out_dir =
+      run_dptrain({"report", (tmp / "ok").string(), "--out", (tmp / "no/such.html").string()});
+  CHECK(out_dir.exit_code == 2);
+  CHECK(contains(out_dir.err, "--out"));
+}
