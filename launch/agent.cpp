@@ -127,8 +127,10 @@ int run_agent(const AgentPlan& given, std::FILE* out, int stop_fd) {
     throw Error(ErrorKind::io, fmt::format("{}: cannot create run directory on {}: {}",
                                            plan.run_dir.string(), plan.host, ec.message()));
   }
-  use_provisioned_data(plan);
-  write_file_atomic(plan.run_dir / "recipe.json", plan.recipe.dump(2) + "\n");
+  if (plan.worker_args.empty()) {  // the trainer's ranks read it; a benchmark's do not
+    use_provisioned_data(plan);
+    write_file_atomic(plan.run_dir / "recipe.json", plan.recipe.dump(2) + "\n");
+  }
   std::mutex out_mutex;
   SupervisorOptions options;
   options.stop_fd = stop_fd;

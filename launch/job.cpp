@@ -211,7 +211,9 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       plan_job(spec, run.path(), run.remote_name(), generation, addr, store.port(), secret);
   const bool multi_host = plan.hosts.size() > 1 || !plan.hosts.front().is_local();
   const bool rank0_remote = !plan.hosts.front().is_local();
-  write_file_atomic(run.path() / "recipe.json", to_json(spec.recipe).dump(2) + "\n");
+  // A benchmark's ranks run their own command: there is no recipe to record.
+  const bool trains = spec.worker_args.empty();
+  if (trains) write_file_atomic(run.path() / "recipe.json", to_json(spec.recipe).dump(2) + "\n");
 
   std::vector<ProcessSpec> procs;
   std::map<std::string, std::string> relay_hosts;  // process label -> host
@@ -230,7 +232,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   }
 
   const int world = plan.agents.front().world_size;
-  info["recipe"] = to_json(spec.recipe);
+  if (trains) info["recipe"] = to_json(spec.recipe);
   info["world_size"] = world;
   info["nominal_world_size"] = spec.nominal_world > 0 ? spec.nominal_world : world;
   info["backend"] = plan.agents.front().backend;
