@@ -103,18 +103,6 @@ json row_json(const CheckpointRow& row) {
           {"blobs", blobs}};
 }
 
-std::string human_size(uint64_t bytes) {
-  if (bytes < 1024) return fmt::format("{} B", bytes);
-  double size = static_cast<double>(bytes);
-  const char* unit = "B";
-  for (const char* next : {"KiB", "MiB", "GiB", "TiB"}) {
-    if (size < 1024) break;
-    size /= 1024;
-    unit = next;
-  }
-  return fmt::format("{:.1f} {}", size, unit);
-}
-
 std::string verdict(const CheckpointRow& row) {
   if (row.status.ok()) return "ok";
   return fmt::format("FAILED: {}", fmt::join(row.status.problems(), "; "));

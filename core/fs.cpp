@@ -118,4 +118,16 @@ uint64_t size_on_disk(const std::filesystem::path& dir) {
   return total;
 }
 
+std::string human_size(uint64_t bytes) {
+  if (bytes < 1024) return fmt::format("{} B", bytes);
+  double size = static_cast<double>(bytes);
+  const char* unit = "B";
+  for (const char* next : {"KiB", "MiB", "GiB", "TiB"}) {
+    if (size < 1024) break;
+    size /= 1024;
+    unit = next;
+  }
+  return fmt::format("{:.1f} {}", size, unit);
+}
+
 }  // namespace dptrain

@@ -24,4 +24,7 @@ void fsync_directory(const std::filesystem::path& dir);
 // Bytes of the regular files under dir, recursively; unreadable entries count as 0.
 uint64_t size_on_disk(const std::filesystem::path& dir);
 
+// "512 B", "3.4 MiB", "1.2 GiB": binary units, one decimal above bytes.
+std::string human_size(uint64_t bytes);
+
 }  // namespace dptrain

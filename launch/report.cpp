@@ -233,17 +233,6 @@ std::string rate(double v) {
   return v >= 100 ? fmt::format("{:.0f}", v) : fmt::format("{:.3g}", v);
 }
 
-std::string human_size(uint64_t bytes) {
-  double size = static_cast<double>(bytes);
-  const char* unit = "B";
-  for (const char* next : {"KiB", "MiB", "GiB", "TiB"}) {
-    if (size < 1024) break;
-    size /= 1024;
-    unit = next;
-  }
-  return unit[0] == 'B' ? fmt::format("{} B", bytes) : fmt::format("{:.1f} {}", size, unit);
-}
-
 std::string model_summary(const json& model) {
   const std::string type = text(model, "type");
   if (type == "mlp") {

@@ -10,16 +10,12 @@
 #include <string>
 #include <vector>
 
+#include "tests/strings.hpp"
+
 using namespace dptrain;
+using dptrain::test::count_occurrences;
 
 namespace {
-
-size_t count(const std::string& text, const std::string& what) {
-  size_t n = 0;
-  for (size_t pos = text.find(what); pos != std::string::npos; pos = text.find(what, pos + 1))
-    ++n;
-  return n;
-}
 
 // The labels of one axis's ticks ("x-tick" or "y-tick"), in order.
 std::vector<std::string> tick_labels(const std::string& svg, const std::string& axis) {
@@ -78,10 +74,10 @@ TEST_CASE("svg chart: one <svg> element with a title, axes, a path per series an
       {line("train", {{0, 2.0}, {10, 1.5}, {20, 1.0}}), line("eval", {{10, 1.7}, {20, 1.2}})}, o);
   CHECK(svg.rfind("<svg xmlns=\"http://www.w3.org/2000/svg\"", 0) == 0);
   CHECK(svg.substr(svg.size() - 6) == "</svg>");
-  CHECK(count(svg, "<svg") == 1);
+  CHECK(count_occurrences(svg, "<svg") == 1);
   CHECK(svg.find("<title>Loss</title>") != std::string::npos);
   CHECK(series_paths(svg).size() == 2);
-  CHECK(count(svg, "class=\"legend-entry\"") == 2);
+  CHECK(count_occurrences(svg, "class=\"legend-entry\"") == 2);
   CHECK(svg.find(">train</text>") != std::string::npos);
   CHECK(svg.find(">eval</text>") != std::string::npos);
   CHECK(svg.find(">step</text>") != std::string::npos);
@@ -93,7 +89,7 @@ TEST_CASE("svg chart: one <svg> element with a title, axes, a path per series an
   const auto paths = series_paths(svg);
   REQUIRE_FALSE(paths.empty());
   CHECK(paths[0].rfind("M", 0) == 0);
-  CHECK(count(paths[0], "L") == 2);
+  CHECK(count_occurrences(paths[0], "L") == 2);
 }
 
 TEST_CASE("svg chart: text is XML-escaped everywhere: title, labels, legend, markers, colours") {
@@ -135,7 +131,7 @@ TEST_CASE("svg chart: no series, or only empty ones, give an empty plot saying n
   const std::string empty =
       svg_line_chart({line("samples/s", {}), line("tokens/s", {{1, nan}, {nan, 2}})}, o);
   CHECK(empty.find(">no data</text>") != std::string::npos);
-  CHECK(count(empty, "class=\"legend-entry\"") == 2);
+  CHECK(count_occurrences(empty, "class=\"legend-entry\"") == 2);
   CHECK(empty.find(">samples/s</text>") != std::string::npos);
   CHECK(series_paths(empty).empty());
 
@@ -225,8 +221,8 @@ TEST_CASE("svg chart: log axis ticks at 1-2-5 or powers of ten, non-positive val
         svg_line_chart({line("l", {{0, 1}, {1, 0.5}, {2, 0}, {3, -1}, {4, 0.2}, {5, 0.1}})}, o);
     const auto paths = series_paths(svg);
     REQUIRE(paths.size() == 1);
-    CHECK(count(paths[0], "M") == 2);  // two pieces: points 0-1 and 4-5
-    CHECK(count(paths[0], "L") == 2);
+    CHECK(count_occurrences(paths[0], "M") == 2);  // two pieces: points 0-1 and 4-5
+    CHECK(count_occurrences(paths[0], "L") == 2);
     CHECK(tick_labels(svg, "y-tick").front() == "0.1");
   }
   SUBCASE("only non-positive values: no data") {
@@ -239,7 +235,7 @@ TEST_CASE("svg chart: markers are vertical lines with labels, inside the x range
   ChartOptions o;
   o.markers = {{150, "restart 1: rank 1 killed", ""}, {200, "world size 2 \u2192 1", "#d62728"}};
   const std::string svg = svg_line_chart({line("loss", {{0, 2}, {100, 1}, {300, 0.5}})}, o);
-  CHECK(count(svg, "<g class=\"marker\">") == 2);
+  CHECK(count_occurrences(svg, "<g class=\"marker\">") == 2);
   CHECK(svg.find("<title>restart 1: rank 1 killed</title>") != std::string::npos);
   CHECK(svg.find("world size 2 \u2192 1</text>") != std::string::npos);
   CHECK(svg.find("stroke=\"#d62728\"") != std::string::npos);
@@ -270,9 +266,9 @@ TEST_CASE("svg chart: dashed lines, dots on points, a lone point, palette and gi
   measured.markers = true;
   const std::string svg = svg_line_chart({measured, ideal, line("one", {{3, 2}})}, o);
   CHECK(series_paths(svg).size() == 3);
-  CHECK(count(svg, "stroke-dasharray=\"6 4\"") == 1);
+  CHECK(count_occurrences(svg, "stroke-dasharray=\"6 4\"") == 1);
   CHECK(svg.find("stroke=\"#999\"") != std::string::npos);
   CHECK(svg.find("stroke=\"#1f77b4\"") != std::string::npos);  // the palette's first colour
-  CHECK(count(svg, "<circle") == 4);                           // three dots + the lone point
+  CHECK(count_occurrences(svg, "<circle") == 4);               // three dots + the lone point
   CHECK(balanced(svg));
 }

@@ -12,19 +12,13 @@
 #include <sstream>
 
 #include "tests/harness.hpp"
+#include "tests/strings.hpp"
 
 using namespace dptrain::test;
 namespace fs = std::filesystem;
 using nlohmann::json;
 
 namespace {
-
-size_t count(const std::string& text, const std::string& what) {
-  size_t n = 0;
-  for (size_t pos = text.find(what); pos != std::string::npos; pos = text.find(what, pos + 1))
-    ++n;
-  return n;
-}
 
 bool contains(const std::string& text, const std::string& what) {
   return text.find(what) != std::string::npos;
@@ -148,26 +142,26 @@ TEST_CASE(
     CHECK(html.rfind("<!DOCTYPE html>", 0) == 0);
     check_self_contained(html);
     // Loss, learning rate, throughput, step-time split, gradient norm, validation accuracy.
-    CHECK(count(html, "<svg ") == 6);
+    CHECK(count_occurrences(html, "<svg ") == 6);
     CHECK(contains(html, "<title>Loss</title>"));
     CHECK(contains(html, "<title>Learning rate</title>"));
     CHECK(contains(html, "<title>Throughput (samples/s)</title>"));
     CHECK(contains(html, "<title>Step time split</title>"));
-    CHECK(count(html, "<path class=\"series\"") >= 6 + 4);  // the split has five lines
+    CHECK(count_occurrences(html, "<path class=\"series\"") >= 6 + 4);  // the split has five lines
     CHECK(contains(html, ">validation loss</text>"));
     // Every chart carries both markers: the restart at the last step logged before the
     // crash, the world-size change at the step generation 2 resumed from.
-    CHECK(count(html, "<g class=\"marker\"><title>restart 1 after step " +
-                          std::to_string(failed_after) + "</title>") == 6);
-    CHECK(count(html, "<g class=\"marker\"><title>world size 2\u21921</title>") == 6);
+    CHECK(count_occurrences(html, "<g class=\"marker\"><title>restart 1 after step " +
+                                      std::to_string(failed_after) + "</title>") == 6);
+    CHECK(count_occurrences(html, "<g class=\"marker\"><title>world size 2\u21921</title>") == 6);
     // Checkpoints (keep 3: steps 80, 100, 120), each verified.
-    CHECK(count(html, "<tr class=\"checkpoint\">") == 3);
+    CHECK(count_occurrences(html, "<tr class=\"checkpoint\">") == 3);
     CHECK(contains(html, "<code>step-000120</code>"));
-    CHECK(count(html, "<span class=\"ok\">ok</span>") == 3);
+    CHECK(count_occurrences(html, "<span class=\"ok\">ok</span>") == 3);
     CHECK(contains(html, "latest"));
     // The timeline tables and the facts.
-    CHECK(count(html, "<tr class=\"restart\">") == 1);
-    CHECK(count(html, "<tr class=\"world-size-change\">") == 1);
+    CHECK(count_occurrences(html, "<tr class=\"restart\">") == 1);
+    CHECK(count_occurrences(html, "<tr class=\"world-size-change\">") == 1);
     CHECK(contains(html, "step-000060"));
     CHECK(contains(html, "mlp 32-48-24-5"));
     CHECK(contains(html, "<span class=\"badge completed\">completed</span>"));
@@ -193,7 +187,7 @@ TEST_CASE(
     CHECK(s["checkpoints"] == 3);
     CHECK(s["checkpoints_failed"] == 0);
     CHECK(fs::exists(other));
-    CHECK(count(read_text(other), "<svg ") == 6);
+    CHECK(count_occurrences(read_text(other), "<svg ") == 6);
   }
 
   SUBCASE("status --json and the text form") {
@@ -243,10 +237,11 @@ TEST_CASE(
     const auto figures = std::distance(
         std::sregex_iterator(page.dom.begin(), page.dom.end(), figure_svg), std::sregex_iterator());
     CHECK(figures == 6);
-    CHECK(count(page.dom, "</svg></figure>") == 6);
-    CHECK(count(page.dom, "<path class=\"series\"") == count(html, "<path class=\"series\""));
-    CHECK(count(page.dom, "<g class=\"marker\">") == 12);
-    CHECK(count(page.dom, "<tr class=\"checkpoint\">") == 3);
+    CHECK(count_occurrences(page.dom, "</svg></figure>") == 6);
+    CHECK(count_occurrences(page.dom, "<path class=\"series\"") ==
+          count_occurrences(html, "<path class=\"series\""));
+    CHECK(count_occurrences(page.dom, "<g class=\"marker\">") == 12);
+    CHECK(count_occurrences(page.dom, "<tr class=\"checkpoint\">") == 3);
 
     // And it paints: a screenshot of the page is an image of some substance.
     const fs::path png = tmp / "report.png";
@@ -317,8 +312,8 @@ TEST_CASE("status of a running run, then of one whose launcher was killed: stale
   const std::string html = read_text(run_dir / "report.html");
   CHECK(contains(html, "<span class=\"badge stale\">stale</span>"));
   CHECK(contains(html, "1 unreadable line(s) of metrics.jsonl skipped"));
-  CHECK(count(html, "<svg ") >= 4);
-  CHECK(count(html, "<g class=\"marker\">") == 0);
+  CHECK(count_occurrences(html, "<svg ") >= 4);
+  CHECK(count_occurrences(html, "<g class=\"marker\">") == 0);
   check_self_contained(html);
 }
 
@@ -350,7 +345,7 @@ TEST_CASE("a run with no steps logged yet: the report says so instead of failing
   CHECK(contains(r.out, "error: rank 1 exited with code 3"));
   const std::string html = read_text(run_dir / "report.html");
   CHECK(contains(html, "No steps logged yet"));
-  CHECK(count(html, "<svg ") == 0);
+  CHECK(count_occurrences(html, "<svg ") == 0);
   CHECK(contains(html, "No checkpoints."));
   CHECK(contains(html, "rank 1 exited with code 3"));
   CHECK(contains(html,

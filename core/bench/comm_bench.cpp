@@ -103,21 +103,11 @@ class PatternCursor {
 
 template <typename T>
 T narrow(float value) {
-  if constexpr (std::is_same_v<T, Half>) {
-    return to_half(value);
-  } else if constexpr (std::is_same_v<T, BFloat16>) {
-    return to_bfloat16(value);
-  } else {
-    return value;
-  }
+  return Widened<T>::down(value);
 }
 template <typename T>
 float widen(T value) {
-  if constexpr (std::is_same_v<T, float>) {
-    return value;
-  } else {
-    return to_float(value);
-  }
+  return Widened<T>::up(value);
 }
 
 template <typename T>

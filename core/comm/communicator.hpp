@@ -86,6 +86,24 @@ inline Half to_half(float value) {
   return {static_cast<uint16_t>(sign | units)};
 }
 
+// The type an element is computed in: itself, or float for the 16-bit formats. up() widens,
+// down() rounds back (to nearest even). Reductions, benchmarks and tests convert through it.
+template <typename T>
+struct Widened {
+  static T up(T value) { return value; }
+  static T down(T value) { return value; }
+};
+template <>
+struct Widened<Half> {
+  static float up(Half value) { return to_float(value); }
+  static Half down(float value) { return to_half(value); }
+};
+template <>
+struct Widened<BFloat16> {
+  static float up(BFloat16 value) { return to_float(value); }
+  static BFloat16 down(float value) { return to_bfloat16(value); }
+};
+
 // One rank's handle on a group of `size()` ranks. Every rank must call the same collectives in the
 // same order with the same counts. Calls are not thread-safe: one thread at a time per
 // communicator. Failures (a peer that died, a timeout) throw Error(ErrorKind::comm) naming the rank

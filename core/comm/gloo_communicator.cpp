@@ -71,23 +71,6 @@ T min_of(T a, T b) {
   return (a < b || std::isnan(a)) ? a : b;
 }
 
-// The type an element is combined in: itself, or float for the 16-bit formats.
-template <typename T>
-struct Widened {
-  static T up(T value) { return value; }
-  static T down(T value) { return value; }
-};
-template <>
-struct Widened<Half> {
-  static float up(Half value) { return to_float(value); }
-  static Half down(float value) { return to_half(value); }
-};
-template <>
-struct Widened<BFloat16> {
-  static float up(BFloat16 value) { return to_float(value); }
-  static BFloat16 down(float value) { return to_bfloat16(value); }
-};
-
 template <typename T, ReduceOp Op>
 void combine(T* out, const T* a, const T* b, size_t count) {
   using W = Widened<T>;
@@ -244,6 +227,7 @@ class GlooCommunicator : public Communicator {
 
   int rank_;
   int size_;
+  std::vector<unsigned char> scratch_;  // reduce_scatter's copy of its input
   std::chrono::milliseconds timeout_;
   std::shared_ptr<gloo::rendezvous::Context> context_;
   uint32_t next_tag_ = 0;
@@ -316,10 +300,13 @@ void GlooCommunicator::reduce_scatter_typed(const T* in, T* out, size_t count_pe
                                             ReduceOp op) {
   if (count_per_rank == 0) return;
   const size_t total = count_per_rank * static_cast<size_t>(size_);
-  std::vector<T> work(in, in + total);
-  allreduce_typed(work.data(), total, op);
-  std::memcpy(out, work.data() + static_cast<size_t>(rank_) * count_per_rank,
-              count_per_rank * sizeof(T));
+  // The whole input is copied into a scratch buffer kept between calls (benchmarks and
+  // training repeat the same call; the input is const).
+  scratch_.resize(std::max(scratch_.size(), total * sizeof(T)));
+  T* work = reinterpret_cast<T*>(scratch_.data());
+  std::memcpy(work, in, total * sizeof(T));
+  allreduce_typed(work, total, op);
+  std::memcpy(out, work + static_cast<size_t>(rank_) * count_per_rank, count_per_rank * sizeof(T));
 }
 
 void GlooCommunicator::broadcast(void* data, size_t bytes, int root) {

@@ -91,24 +91,14 @@ TEST_CASE("gloo: allreduce sum/avg/max/min over 1..4 ranks and many counts") {
 // The same check for the 16-bit formats and for reduce_scatter: expected values are computed in
 // float from the small integers of input_value, then rounded like the communicator rounds.
 template <typename T>
-using Wide = std::conditional_t<std::is_same_v<T, double>, double, float>;
+using Wide = decltype(Widened<T>::up(T{}));
 template <typename T>
 Wide<T> widen(T value) {
-  if constexpr (std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>) {
-    return to_float(value);
-  } else {
-    return value;
-  }
+  return Widened<T>::up(value);
 }
 template <typename T>
 T narrow(Wide<T> value) {
-  if constexpr (std::is_same_v<T, Half>) {
-    return to_half(value);
-  } else if constexpr (std::is_same_v<T, BFloat16>) {
-    return to_bfloat16(value);
-  } else {
-    return value;
-  }
+  return Widened<T>::down(value);
 }
 template <typename T>
 Wide<T> expected_narrow(ReduceOp op, int size, size_t i) {
