@@ -1,6 +1,7 @@
 // `dptrain bench comm`: collective bandwidth in nccl-tests' format, on ranks launched like a job.
 // The launcher side parses the flags, starts the ranks through run_job, and prints the table (or
-// JSON) from rank 0's result; each rank runs `dptrain bench comm --worker OPTIONS`.
+// JSON) from rank 0's result; each rank runs `dptrain bench comm --worker OPTIONS`, over Gloo on
+// host memory or over NCCL on its GPU's memory.
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -16,10 +17,13 @@
 #include "core/bench/comm_bench.hpp"
 #include "core/comm/auth.hpp"
 #include "core/comm/gloo_communicator.hpp"
+#include "core/comm/nccl_communicator.hpp"
 #include "core/comm/net.hpp"
 #include "core/comm/tcp_store.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
+#include "core/tensor/device.hpp"
+#include "core/tensor/ops.hpp"
 #include "launch/job.hpp"
 #include "launch/run_dir.hpp"
 #include "launch/status.hpp"
@@ -74,12 +78,23 @@ CommBenchOptions bench_options(const BenchCommOptions& o) {
 }
 
 void check_backend(const std::string& backend) {
-  if (backend == "gloo") return;
-  if (backend == "nccl") {
-    throw Error(ErrorKind::usage, "--backend: 'nccl' is not available in this build (use gloo)");
-  }
+  if (backend == "gloo" || backend == "nccl") return;
   throw Error(ErrorKind::usage,
               fmt::format("--backend: unknown backend '{}' (use gloo or nccl)", backend));
+}
+
+// With local ranks only, NCCL is checked here, before anything starts: one line naming why it
+// cannot be used, rather than every rank failing with it. (Remote hosts check in their ranks.)
+void check_local_nccl(int local_ranks) {
+  if (const auto reason = nccl_unavailable_reason()) {
+    throw Error(ErrorKind::comm, fmt::format("--backend nccl: NCCL cannot be used: {}", *reason));
+  }
+  const int devices = cuda_device_count();
+  if (local_ranks > devices) {
+    throw Error(ErrorKind::comm,
+                fmt::format("--backend nccl: {} local ranks need a CUDA device each, {} {} visible",
+                            local_ranks, devices, devices == 1 ? "is" : "are"));
+  }
 }
 
 // The ranks' exit, as the error kind main maps back to the same exit code.
@@ -139,13 +154,17 @@ int run_bench_launcher(const BenchCommOptions& o) {
     }
     spec.world_size = o.nproc;
   }
-  options.validate(spec.world_size);
+  options.validate(spec.world_size, o.backend);
+  if (o.backend == "nccl" && o.hosts.hosts.empty()) check_local_nccl(spec.world_size);
   spec.nominal_world = spec.world_size;
   spec.remote = o.remote.get(o.hosts);
   spec.backend = o.backend;
+  // NCCL ranks get one GPU each: the agent narrows CUDA_VISIBLE_DEVICES to local rank r's device.
+  spec.one_gpu_per_rank = o.backend == "nccl";
   spec.worker_binary = self_executable();
   json worker = options.to_json();
   worker["timeout_s"] = o.timeout_s;
+  worker["backend"] = o.backend;
   spec.worker_args = {"bench", "comm", "--worker", worker.dump()};
   const int hosts = spec.hosts.empty() ? 1 : static_cast<int>(spec.hosts.size());
 
@@ -229,29 +248,59 @@ int run_bench_worker(const std::string& serialized) {
   if (store_addr.empty()) {
     throw Error(ErrorKind::usage, "neither DPTRAIN_STORE nor MASTER_ADDR/MASTER_PORT is set");
   }
-  const auto [host, port] = parse_host_port(store_addr);
-  TcpStoreClient client(host, port, timeout, env(kStoreSecretEnv).value_or(""));
-  PrefixStore store(fmt::format("gen{}", generation), client);
-  GlooOptions gloo;
-  gloo.hostname =
-      env("DPTRAIN_BIND_ADDR")
-          .value_or(is_loopback_host(host) ? "127.0.0.1" : local_address_towards(host, port));
-  gloo.timeout = timeout;
-  auto comm = make_gloo_communicator(store, rank, world, gloo);
-
+  const std::string backend = j.value("backend", "gloo");
+  check_backend(backend);
   const bool events = rank == 0 && env("DPTRAIN_EVENTS").value_or("0") == "1";
   const auto emit = [](const json& event) {
     std::printf("@event %s\n", event.dump().c_str());
     std::fflush(stdout);
   };
+  const auto [host, port] = parse_host_port(store_addr);
+  TcpStoreClient client(host, port, timeout, env(kStoreSecretEnv).value_or(""));
+  PrefixStore store(fmt::format("gen{}", generation), client);
+  std::shared_ptr<Ops> device;  // NCCL's buffers live on it; declared first, destroyed last
+  std::unique_ptr<Communicator> comm;
+  if (backend == "nccl") {
+    NcclOptions nccl;
+    nccl.timeout = timeout;
+    // One GPU per rank: local rank r on device r, or device 0 when the launcher restricted the
+    // rank to one (CUDA_VISIBLE_DEVICES). Where NCCL or the device is missing, the communicator
+    // says so (and rank 0 tells the others at once).
+    const int devices = cuda_device_count();
+    const int local_rank = rank_env_int("LOCAL_RANK", rank);
+    nccl.device = devices == 1 ? 0 : local_rank;
+    if (!nccl_unavailable_reason() && nccl.device < devices) {
+      device = make_ops("cuda", nccl.device);
+      nccl.compute_stream = compute_stream(*device);
+    }
+    auto communicator = std::make_unique<NcclCommunicator>(store, rank, world, nccl);
+    // Which NCCL the ranks loaded (the library path decides it), on the launcher's stderr.
+    if (events) {
+      emit({{"event", "info"}, {"message", "bench comm: " + communicator->describe()}});
+    } else if (rank == 0) {
+      std::fprintf(stderr, "bench comm: %s\n", communicator->describe().c_str());
+    }
+    comm = std::move(communicator);
+  } else {
+    GlooOptions gloo;
+    gloo.hostname =
+        env("DPTRAIN_BIND_ADDR")
+            .value_or(is_loopback_host(host) ? "127.0.0.1" : local_address_towards(host, port));
+    gloo.timeout = timeout;
+    comm = make_gloo_communicator(store, rank, world, gloo);
+  }
   const auto sizes = sweep_sizes(options.min_bytes, options.max_bytes, options.step_factor);
-  const CommBenchResult result = run_comm_bench(*comm, options, [&](Collective op) {
-    if (!events) return;
-    emit({{"event", "info"},
-          {"message",
-           fmt::format("bench comm: {} on {} rank(s), {} size(s) from {} to {} bytes",
-                       collective_name(op), world, sizes.size(), sizes.front(), sizes.back())}});
-  });
+  const CommBenchResult result = run_comm_bench(
+      *comm, options,
+      [&](Collective op) {
+        if (!events) return;
+        emit(
+            {{"event", "info"},
+             {"message",
+              fmt::format("bench comm: {} on {} rank(s), {} size(s) from {} to {} bytes",
+                          collective_name(op), world, sizes.size(), sizes.front(), sizes.back())}});
+      },
+      device.get());
   if (rank == 0) {
     if (events) {
       json event = result.to_json();
@@ -273,7 +322,8 @@ void setup_bench_comm(CLI::App& app, Outcome& outcome) {
                  "Collective: allreduce, broadcast, reduce_scatter, allgather, a comma-separated "
                  "list, or all")
       ->capture_default_str();
-  app.add_option("--backend", o->backend, "Collective backend: gloo (nccl: not in this build)")
+  app.add_option("--backend", o->backend,
+                 "Collective backend: gloo (CPUs, host memory) or nccl (one GPU per rank)")
       ->capture_default_str();
   o->nproc_flag =
       app.add_option("--nproc", o->nproc, "Number of local ranks (default 1; not with --hosts)");
@@ -312,8 +362,11 @@ void setup_bench_comm(CLI::App& app, Outcome& outcome) {
       try {
         outcome.exit_code = run_bench_worker(o->worker);
       } catch (const Error& e) {
-        // Name the rank: many ranks' errors end up in one terminal.
-        throw Error(e.kind(), fmt::format("rank {}: {}", env("RANK").value_or("?"), e.what()));
+        // Name the rank: many ranks' errors end up in one terminal. (Communicator errors
+        // already do.)
+        const std::string prefix = fmt::format("rank {}: ", env("RANK").value_or("?"));
+        if (std::string(e.what()).rfind(prefix, 0) == 0) throw;
+        throw Error(e.kind(), prefix + e.what());
       }
       return;
     }

@@ -10,6 +10,7 @@
 #include "core/error.hpp"
 #include "core/fs.hpp"
 #include "core/recipe.hpp"
+#include "core/tensor/device.hpp"
 #include "launch/bench_train.hpp"
 #include "launch/job.hpp"
 #include "launch/supervisor.hpp"
@@ -22,13 +23,21 @@ namespace fs = std::filesystem;
 
 struct BenchTrainCliOptions {
   std::string recipe;
-  std::string nproc = "1,2";
+  std::string nproc = "1,2";  // on cuda, unless given: 1, 2, 4, ... up to the visible GPUs
   bool nproc_given = false;
   std::string nnodes;  // with --hosts; 1, 2, 4, ... and every host unless given
   bool nnodes_given = false;
   std::string run_dir;
   std::string runs_root = "runs";
   std::string backend;
+  std::string device;  // the recipe's train.device unless given
+  bool device_given = false;
+  std::string precision;  // the recipe's train.precision unless given; a list
+  bool precision_given = false;
+  double peak_tflops = 0;
+  bool peak_given = false;
+  int64_t batch_per_rank = 0;  // the recipe's train.batch_per_rank unless given
+  bool batch_given = false;
   HostOptions hosts;
   RemoteJobOptions remote;
   BenchTrainOptions bench;
@@ -39,13 +48,19 @@ struct BenchTrainCliOptions {
 
 // The points of the sweep: local world sizes, or the first N hosts for each N of --nnodes.
 std::vector<BenchWorld> sweep_worlds(const BenchTrainCliOptions& o,
-                                     const std::vector<HostSpec>& hosts) {
+                                     const std::vector<HostSpec>& hosts,
+                                     const std::string& device) {
   std::vector<BenchWorld> worlds;
   if (hosts.empty()) {
     if (o.nnodes_given) {
       throw Error(ErrorKind::usage, "--nnodes: only with --hosts (use --nproc LIST locally)");
     }
-    for (int n : parse_world_list(o.nproc, "--nproc"))
+    // One GPU per rank: by default as many ranks as this machine has GPUs (one on one H200),
+    // rather than a world of 2 that one GPU cannot run.
+    const std::vector<int> sizes = device == "cuda" && !o.nproc_given
+                                       ? default_node_counts(cuda_device_count())
+                                       : parse_world_list(o.nproc, "--nproc");
+    for (int n : sizes)
       worlds.push_back({n, {}});
     return worlds;
   }
@@ -68,6 +83,27 @@ std::vector<BenchWorld> sweep_worlds(const BenchTrainCliOptions& o,
     worlds.push_back(w);
   }
   return worlds;
+}
+
+// "RECIPE", or "RECIPE with --device cuda --precision bf16": the source a recipe error names.
+std::string override_source(const BenchTrainCliOptions& o, const std::string& precision) {
+  std::string flags;
+  if (o.batch_given) flags += fmt::format(" --batch-per-rank {}", o.batch_per_rank);
+  if (o.device_given) flags += " --device " + o.device;
+  if (o.precision_given) flags += " --precision " + precision;
+  return flags.empty() ? o.recipe : o.recipe + " with" + flags;
+}
+
+// Ranks on this machine that train on cuda need a GPU each: refused before anything is created,
+// naming the option (or the recipe field) that asked for cuda.
+void check_local_gpus_for(const BenchTrainCliOptions& o, const BenchWorld& largest) {
+  int local = largest.hosts.empty() ? largest.world : 0;
+  for (const HostSpec& h : largest.hosts)
+    if (h.is_local()) local += h.slots;
+  require_local_gpus(
+      local, fmt::format("{} (world size {})",
+                         o.device_given ? "--device cuda" : "train.device \"cuda\" (the recipe's)",
+                         largest.world));
 }
 
 // Refuses an --svg path that could not be written before any run starts.
@@ -93,11 +129,35 @@ int run_bench_train_cmd(const BenchTrainCliOptions& o) {
   BenchTrainOptions bench = o.bench;
   bench.scaling = o.strong ? BatchScaling::strong : BatchScaling::weak;
 
+  if (o.peak_given && !(o.peak_tflops > 0)) {
+    throw Error(
+        ErrorKind::usage,
+        fmt::format("--peak-tflops: must be > 0 (one device's peak), got {}", o.peak_tflops));
+  }
+  if (o.device_given && o.device != "cpu" && o.device != "cuda") {
+    throw Error(ErrorKind::usage,
+                fmt::format("--device {}: unknown device (use cpu or cuda)", o.device));
+  }
+  if (o.batch_given && o.batch_per_rank < 1) {
+    throw Error(ErrorKind::usage,
+                fmt::format("--batch-per-rank: must be >= 1, got {}", o.batch_per_rank));
+  }
+  Recipe loaded = load_recipe(o.recipe);
+  if (o.batch_given) loaded.train.batch_per_rank = o.batch_per_rank;
+  const std::string device = o.device_given ? o.device : loaded.train.device;
+  bench.precisions = o.precision_given ? parse_precision_list(o.precision, "--precision")
+                                       : std::vector<std::string>{loaded.train.precision};
+  // Each precision with the device, validated as the ranks will parse it (bf16 on the CPU is the
+  // recipe's own error naming /train/precision).
   JobSpec spec;
-  spec.recipe = load_recipe(o.recipe);
+  for (const auto& precision : bench.precisions) {
+    Recipe r = with_device_and_precision(loaded, device, precision, override_source(o, precision));
+    if (precision == bench.precisions.front()) spec.recipe = std::move(r);
+  }
   const std::vector<HostSpec> hosts =
       o.hosts.hosts.empty() ? std::vector<HostSpec>{} : o.hosts.load();
-  const std::vector<BenchWorld> worlds = sweep_worlds(o, hosts);
+  const std::vector<BenchWorld> worlds = sweep_worlds(o, hosts, device);
+  if (device == "cuda") check_local_gpus_for(o, worlds.back());
   spec.remote = o.remote.get(o.hosts);
   spec.backend = o.backend.empty() ? spec.recipe.distributed.backend : o.backend;
   spec.backend = resolve_backend(spec.backend);
@@ -109,10 +169,25 @@ int run_bench_train_cmd(const BenchTrainCliOptions& o) {
   report.recipe_name = spec.recipe.name;
   report.recipe_file = o.recipe;
   report.options = bench;
-  report.machine = local_machine(spec.backend, spec.recipe.train.threads_per_rank);
+  report.machine = local_machine(spec.backend, spec.recipe.train.threads_per_rank, device);
   for (const auto& h : hosts)
     report.hosts.push_back(fmt::format("{}:{}", h.display(), h.slots));
-  if (hosts.empty()) {
+  if (o.peak_given) {
+    report.peak_tflops = o.peak_tflops;
+    report.peak_source = "--peak-tflops";
+  } else if (device == "cuda") {
+    report.peak_tflops = kDefaultCudaPeakTflops;
+    report.peak_source =
+        "H100/H200 dense bf16, the default on cuda; the same peak for every precision";
+    const std::string& gpu = report.machine.gpu_model;
+    if (!gpu.empty() && gpu.find("H100") == std::string::npos &&
+        gpu.find("H200") == std::string::npos) {
+      report.notes.push_back(fmt::format(
+          "MFU is against the H100/H200's {:g} TFLOP/s, not the {}'s: give --peak-tflops for it",
+          kDefaultCudaPeakTflops, gpu));
+    }
+  }
+  if (hosts.empty() && device == "cpu") {
     const int64_t busiest = worlds.back().world * spec.recipe.train.threads_per_rank;
     if (report.machine.cpus > 0 && busiest > report.machine.cpus) {
       report.notes.push_back(fmt::format(
@@ -155,7 +230,8 @@ void setup_bench_train(CLI::App& app, Outcome& outcome) {
   auto o = std::make_shared<BenchTrainCliOptions>();
   app.add_option("recipe", o->recipe, "Recipe JSON file")->required();
   auto* nproc = app.add_option("-n,--nproc", o->nproc,
-                               "World sizes to run on this machine, a comma-separated list")
+                               "World sizes to run on this machine, a comma-separated list (on "
+                               "cuda the default is 1, 2, 4, ... up to the visible GPUs)")
                     ->capture_default_str();
   auto* nnodes =
       app.add_option("--nnodes", o->nnodes,
@@ -176,15 +252,32 @@ void setup_bench_train(CLI::App& app, Outcome& outcome) {
   app.add_option("--runs-root", o->runs_root, "Where the sweep's directory is made")
       ->capture_default_str();
   app.add_option("--backend", o->backend,
-                 "Collective backend: auto or gloo (default: the recipe's distributed.backend)");
+                 "Collective backend: auto, gloo or nccl (default: the recipe's "
+                 "distributed.backend)");
+  auto* device = app.add_option(
+      "--device", o->device, "cpu or cuda (one GPU per rank); default: the recipe's train.device");
+  auto* precision =
+      app.add_option("--precision", o->precision,
+                     "fp32, bf16, fp16, or a list such as bf16,fp32: one sweep per precision, and "
+                     "their throughput ratio (default: the recipe's train.precision)");
+  auto* batch = app.add_option("--batch-per-rank", o->batch_per_rank,
+                               "Samples (sequences) per rank and micro-batch (default: the "
+                               "recipe's train.batch_per_rank)");
+  auto* peak = app.add_option("--peak-tflops", o->peak_tflops,
+                              "One device's peak TFLOP/s for MFU (default on cuda: 989, the "
+                              "H100/H200 dense bf16 peak; on cpu MFU is n/a without it)");
   add_host_options(app, o->hosts, false);
   add_remote_job_options(app, o->remote);
   app.add_flag("--json", o->json, "Print one JSON object with every row on stdout");
   app.add_option("--svg", o->svg,
                  "Write a chart of throughput by world size, with ideal linear scaling, to FILE");
-  app.callback([o, &outcome, nproc, nnodes] {
+  app.callback([o, &outcome, nproc, nnodes, peak, batch, device, precision] {
     o->nproc_given = nproc->count() > 0;
     o->nnodes_given = nnodes->count() > 0;
+    o->peak_given = peak->count() > 0;
+    o->batch_given = batch->count() > 0;
+    o->device_given = device->count() > 0;
+    o->precision_given = precision->count() > 0;
     outcome.json = o->json;
     outcome.exit_code = run_bench_train_cmd(*o);
   });

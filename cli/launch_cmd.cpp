@@ -116,6 +116,7 @@ int run_launch(const LaunchOptions& o) {
     print_dry_run(spec, o.json);
     return 0;
   }
+  check_local_gpus(spec);
   RunDirectory run = RunDirectory::create(o.run_dir, o.runs_root, spec.recipe.name);
   run.info()["recipe_file"] = std::filesystem::absolute(o.recipe).string();
   const auto events = open_events(o.restart, o.json);

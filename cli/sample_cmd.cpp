@@ -13,6 +13,7 @@
 #include "core/error.hpp"
 #include "core/model/gpt.hpp"
 #include "core/recipe.hpp"
+#include "core/tensor/cpu_ops.hpp"
 #include "core/tensor/random.hpp"
 #include "launch/run_dir.hpp"
 
@@ -99,7 +100,7 @@ int run_sample(const SampleOptions& o) {
                 [](const std::string& w) { std::fprintf(stderr, "warning: %s\n", w.c_str()); })
           : fs::path(o.checkpoint);
   const CheckpointData ckpt = read_checkpoint(from);
-  auto model = make_gpt(recipe.model);
+  auto model = make_gpt(recipe.model, std::make_shared<CpuOps>());
   auto& gpt = dynamic_cast<Gpt&>(*model);
   if (ckpt.params.size() != gpt.num_params()) {
     throw Error(ErrorKind::checkpoint,

@@ -14,6 +14,7 @@
 #include "cli/env.hpp"
 #include "core/comm/auth.hpp"
 #include "core/comm/gloo_communicator.hpp"
+#include "core/comm/nccl_communicator.hpp"
 #include "core/comm/net.hpp"
 #include "core/comm/store.hpp"
 #include "core/comm/tcp_store.hpp"
@@ -21,6 +22,7 @@
 #include "core/fault.hpp"
 #include "core/heartbeat.hpp"
 #include "core/recipe.hpp"
+#include "core/tensor/device.hpp"
 #include "core/trainer.hpp"
 #include "launch/status.hpp"
 
@@ -82,6 +84,41 @@ void on_sigterm(int) {
   g_stop_requested = true;
 }
 
+// The backend every rank uses. "auto" is nccl when every rank computes on a GPU and can load
+// NCCL, gloo otherwise: the ranks agree through the store, so one node without NCCL makes the
+// whole job use Gloo rather than split it. "nccl" where NCCL cannot work is Error(comm) naming
+// the reason.
+std::string choose_backend(Store& store, int rank, int world, const std::string& requested,
+                           Ops& ops, std::chrono::milliseconds timeout) {
+  if (requested == "gloo") return "gloo";
+  std::string why_not;
+  if (ops.device() == "cpu") {
+    why_not = "this rank computes on the CPU (train.device is \"cpu\")";
+  } else if (auto reason = nccl_unavailable_reason()) {
+    why_not = *reason;
+  }
+  if (requested == "nccl") {
+    if (!why_not.empty()) {
+      throw Error(ErrorKind::comm, fmt::format("rank {}: backend nccl: {}", rank, why_not));
+    }
+    return "nccl";
+  }
+  if (ops.device() == "cpu") return "gloo";  // the recipe is the same on every rank
+  store.set(fmt::format("backend/nccl/{}", rank), why_not.empty() ? "yes" : why_not);
+  for (int r = 0; r < world; ++r) {
+    const std::string answer = store.get(fmt::format("backend/nccl/{}", r), timeout);
+    if (answer != "yes") {
+      if (r == rank) {
+        std::printf("warning: backend auto uses gloo: rank %d cannot use NCCL: %s\n", r,
+                    answer.c_str());
+        std::fflush(stdout);
+      }
+      return "gloo";
+    }
+  }
+  return "nccl";
+}
+
 int run_worker(WorkerOptions o) {
   // A peer that dies mid-collective must surface as a communication error naming it, not as
   // this rank dying of SIGPIPE on the broken socket.
@@ -92,12 +129,15 @@ int run_worker(WorkerOptions o) {
   fill_from_env(o);
   const FaultInjector faults(parse_faults(env("DPTRAIN_FAULT").value_or("")), o.rank, o.generation);
   const Recipe recipe = load_recipe(o.recipe);
-  const std::string backend = env("DPTRAIN_BACKEND").value_or(recipe.distributed.backend);
-  if (backend != "auto" && backend != "gloo") {
-    throw Error(
-        ErrorKind::usage,
-        fmt::format("backend '{}' is not available in this build (use gloo or auto)", backend));
+  const std::string requested = env("DPTRAIN_BACKEND").value_or(recipe.distributed.backend);
+  if (requested != "auto" && requested != "gloo" && requested != "nccl") {
+    throw Error(ErrorKind::usage,
+                fmt::format("backend '{}' is unknown (use auto, gloo or nccl)", requested));
   }
+  // The op table first: NCCL orders its stream after the op table's. With one GPU visible (the
+  // launcher gives each rank its own) that one; else the local rank's.
+  const int gpu = recipe.train.device == "cuda" && cuda_device_count() != 1 ? o.local_rank : 0;
+  const std::shared_ptr<Ops> ops = make_ops(recipe.train.device, gpu);
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(
       1000.0 * (o.timeout_s > 0 ? o.timeout_s : recipe.distributed.timeout_s)));
   const auto [host, port] = parse_host_port(o.store);
@@ -112,18 +152,29 @@ int run_worker(WorkerOptions o) {
   TcpStoreClient client(host, port, timeout, secret);
   PrefixStore store(fmt::format("gen{}", o.generation), client);
 
-  GlooOptions gloo;
-  gloo.hostname = !o.bind.empty()
-                      ? o.bind
-                      : (is_loopback_host(host) ? "127.0.0.1" : local_address_towards(host, port));
-  gloo.timeout = timeout;
-  auto comm = make_gloo_communicator(store, o.rank, o.world_size, gloo);
+  std::unique_ptr<Communicator> comm;
+  if (choose_backend(store, o.rank, o.world_size, requested, *ops, timeout) == "nccl") {
+    NcclOptions nccl;
+    nccl.timeout = timeout;
+    nccl.device = gpu;
+    nccl.compute_stream = compute_stream(*ops);
+    comm = make_nccl_communicator(store, o.rank, o.world_size, nccl);
+  } else {
+    GlooOptions gloo;
+    gloo.hostname = !o.bind.empty() ? o.bind
+                                    : (is_loopback_host(host) ? "127.0.0.1"
+                                                              : local_address_towards(host, port));
+    gloo.timeout = timeout;
+    comm = make_gloo_communicator(store, o.rank, o.world_size, gloo);
+  }
   ProgressTracker progress;
   const HeartbeatSender heartbeat(store, o.rank, progress, std::chrono::seconds(1));
 
   const bool events = env("DPTRAIN_EVENTS").value_or("0") == "1";
   StatusPrinter status(stdout, !events && StatusPrinter::is_terminal(stdout));
   TrainerOptions topts;
+  topts.ops = ops;
+  topts.device_index = gpu;
   topts.run_dir = o.run_dir;
   topts.resume_from = o.resume;
   topts.node_leader = o.local_rank == 0;

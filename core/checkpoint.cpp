@@ -75,6 +75,8 @@ std::optional<Meta> read_meta(const fs::path& dir, std::string& problem) {
     p.optimizer_steps = meta.at("optimizer_steps").get<int64_t>();
     p.recipe_hash = meta.at("recipe_hash").get<std::string>();
     p.rng_state = meta.at("rng_state").get<std::string>();
+    p.loss_scale = meta.value("loss_scale", 1.0);  // absent before mixed precision existed
+    p.loss_scale_clean_steps = meta.value("loss_scale_clean_steps", int64_t{0});
     for (const char* name : kBlobNames) {
       const json& entry = meta.at("blobs").at(name);
       BlobStatus blob;
@@ -167,6 +169,8 @@ fs::path write_checkpoint(const fs::path& checkpoints_dir, const TrainingPositio
                  {"optimizer_steps", pos.optimizer_steps},
                  {"recipe_hash", pos.recipe_hash},
                  {"rng_state", pos.rng_state},
+                 {"loss_scale", pos.loss_scale},
+                 {"loss_scale_clean_steps", pos.loss_scale_clean_steps},
                  {"blobs",
                   {{"params", blob_entry("params.bin", params)},
                    {"optimizer", blob_entry("optimizer.bin", optimizer_state)}}}};

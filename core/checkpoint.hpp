@@ -20,7 +20,9 @@ struct TrainingPosition {
   int64_t global_batch = 1;
   int64_t optimizer_steps = 0;
   std::string recipe_hash;
-  std::string rng_state;  // the trainer's generator, as text
+  std::string rng_state;               // the trainer's generator, as text
+  double loss_scale = 1.0;             // fp16's dynamic loss scale
+  int64_t loss_scale_clean_steps = 0;  // clean steps since it last changed
 };
 
 struct CheckpointData {

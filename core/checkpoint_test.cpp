@@ -28,6 +28,8 @@ TrainingPosition position(int64_t step) {
   p.optimizer_steps = step;
   p.recipe_hash = "0123456789abcdef";
   p.rng_state = "sampler seed=1 epoch=2";
+  p.loss_scale = 32768.0;
+  p.loss_scale_clean_steps = 17;
   return p;
 }
 
@@ -57,6 +59,8 @@ TEST_CASE("checkpoint: write, read back, latest") {
   CHECK(back.position.global_batch == 128);
   CHECK(back.position.recipe_hash == "0123456789abcdef");
   CHECK(back.position.rng_state == "sampler seed=1 epoch=2");
+  CHECK(back.position.loss_scale == 32768.0);  // fp16's scaler resumes where it was
+  CHECK(back.position.loss_scale_clean_steps == 17);
   // No temporary directory is left behind.
   for (const auto& e : fs::directory_iterator(tmp.path())) {
     CHECK(e.path().filename().string().rfind(".tmp", 0) != 0);

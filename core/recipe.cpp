@@ -183,15 +183,10 @@ std::string quoted_alternatives(const std::vector<std::string>& words) {
 
 // `gpu_only` names values that are valid in the GPU build but not in this one, so the message
 // can say why rather than just "unknown".
-auto one_of(std::vector<std::string> allowed, std::vector<std::string> gpu_only = {}) {
-  return [allowed = std::move(allowed),
-          gpu_only = std::move(gpu_only)](const std::string& value) -> Verdict {
+auto one_of(std::vector<std::string> allowed) {
+  return [allowed = std::move(allowed)](const std::string& value) -> Verdict {
     if (std::find(allowed.begin(), allowed.end(), value) != allowed.end()) return std::nullopt;
-    std::string supported = "must be " + quoted_alternatives(allowed);
-    if (std::find(gpu_only.begin(), gpu_only.end(), value) != gpu_only.end()) {
-      return fmt::format("\"{}\" needs the GPU build; {}", value, supported);
-    }
-    return supported;
+    return "must be " + quoted_alternatives(allowed);
   };
 }
 
@@ -357,7 +352,8 @@ void visit_fields(Visitor& v, TrainSpec& t) {
   v.field("steps", t.steps, at_least(int64_t{0}));
   v.field("batch_per_rank", t.batch_per_rank, at_least(int64_t{1}));
   v.field("grad_accum", t.grad_accum, at_least(int64_t{1}));
-  v.field("precision", t.precision, one_of({"fp32"}, {"bf16", "fp16"}));
+  v.field("device", t.device, one_of({"cpu", "cuda"}));
+  v.field("precision", t.precision, one_of({"fp32", "bf16", "fp16"}));
   v.field("threads_per_rank", t.threads_per_rank, at_least(int64_t{1}));
 }
 
@@ -389,7 +385,7 @@ void visit_fields(Visitor& v, CompressionSpec& c) {
 
 template <class Visitor>
 void visit_fields(Visitor& v, DistributedSpec& d) {
-  v.field("backend", d.backend, one_of({"auto", "gloo"}, {"nccl"}));
+  v.field("backend", d.backend, one_of({"auto", "gloo", "nccl"}));
   v.field("sync", d.sync, one_of({"allreduce"}));
   v.field("bucket_mb", d.bucket_mb, greater_than(0.0));
   v.field("overlap", d.overlap, no_check);
@@ -447,6 +443,19 @@ void check_warmup(const Recipe& r, Problems& problems) {
   if (r.optimizer.schedule.warmup > r.train.steps) {
     problems.add(warmup, fmt::format("must be <= /train/steps ({}), got {}", r.train.steps,
                                      r.optimizer.schedule.warmup));
+  }
+}
+
+// 16-bit compute and NCCL need the GPU: the CPU op table computes in f32, Gloo moves host memory.
+void check_device(const Recipe& r, Problems& problems) {
+  if (problems.at("/train/device") || r.train.device == "cuda") return;
+  if (!problems.at("/train/precision") && r.train.precision != "fp32") {
+    problems.add("/train/precision",
+                 fmt::format("\"{}\" needs /train/device \"cuda\" (the CPU computes in fp32)",
+                             r.train.precision));
+  }
+  if (!problems.at("/distributed/backend") && r.distributed.backend == "nccl") {
+    problems.add("/distributed/backend", "\"nccl\" needs /train/device \"cuda\"");
   }
 }
 
@@ -569,6 +578,7 @@ Recipe parse_recipe(const json& j, const std::string& source,
   check_warmup(recipe, problems);
   check_data_path(recipe.data, base_dir, problems);
   check_model(recipe, problems);
+  check_device(recipe, problems);
   if (problems.any()) throw Error(ErrorKind::recipe, problems.report(source));
   return recipe;
 }

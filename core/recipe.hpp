@@ -44,9 +44,12 @@ struct DataSpec {
 struct TrainSpec {
   int64_t steps = 500;  // optimizer steps
   int64_t batch_per_rank = 64;
-  int64_t grad_accum = 1;          // micro-batches per optimizer step
-  std::string precision = "fp32";  // CPU supports fp32 only for now
-  int64_t threads_per_rank = 1;    // BLAS threads per rank
+  int64_t grad_accum = 1;      // micro-batches per optimizer step
+  std::string device = "cpu";  // "cpu" | "cuda" (one GPU per rank)
+  // "fp32" | "bf16" | "fp16": the compute type (bf16/fp16 keep f32 master weights and optimizer
+  // state; fp16 adds dynamic loss scaling). 16-bit needs device "cuda".
+  std::string precision = "fp32";
+  int64_t threads_per_rank = 1;  // BLAS threads per rank
   bool operator==(const TrainSpec&) const = default;
 };
 
@@ -77,7 +80,7 @@ struct CompressionSpec {
 };
 
 struct DistributedSpec {
-  std::string backend = "auto";  // "auto" | "gloo" (| "nccl" with the GPU issue)
+  std::string backend = "auto";  // "auto" | "gloo" | "nccl" (auto: nccl when on cuda)
   std::string sync = "allreduce";
   double bucket_mb = 25.0;
   bool overlap = true;

@@ -86,7 +86,7 @@ Recipe everything_changed(const fs::path& csv_file) {
   r.seed = 18446744073709551615ULL;
   r.model = {"mlp", 32, {7, 5, 3}, 4, "gelu"};
   r.data = {"csv", 1234, 0.5, csv_file.string(), "yes", 0.25};
-  r.train = {40, 8, 2, "fp32", 3};
+  r.train = {40, 8, 2, "cpu", "fp32", 3};
   r.optimizer.type = "sgd";
   r.optimizer.lr = 0.05;
   r.optimizer.weight_decay = 0.01;
@@ -189,8 +189,11 @@ TEST_CASE("recipe: each bad recipe is rejected naming its JSON path") {
       {R"({"train": {"batch_per_rank": 0}})", "/train/batch_per_rank", "must be >= 1, got 0"},
       {R"({"train": {"grad_accum": 0}})", "/train/grad_accum", "must be >= 1, got 0"},
       {R"({"train": {"threads_per_rank": 0}})", "/train/threads_per_rank", "must be >= 1"},
-      {R"({"train": {"precision": "bf16"}})", "/train/precision", "needs the GPU build"},
-      {R"({"train": {"precision": "fp64"}})", "/train/precision", R"(must be "fp32", got "fp64")"},
+      {R"({"train": {"precision": "bf16"}})", "/train/precision",
+       R"("bf16" needs /train/device "cuda" (the CPU computes in fp32))"},
+      {R"({"train": {"precision": "fp64"}})", "/train/precision",
+       R"(must be "fp32", "bf16" or "fp16", got "fp64")"},
+      {R"({"train": {"device": "tpu"}})", "/train/device", R"(must be "cpu" or "cuda", got "tpu")"},
       {R"({"model": []})", "/model", "expected an object, got an array"},
       {R"({"model": {"type": "transformer"}})", "/model/type",
        R"(must be "mlp" or "gpt", got "transformer")"},
@@ -244,9 +247,9 @@ TEST_CASE("recipe: each bad recipe is rejected naming its JSON path") {
       {R"({"optimizer": {"schedule": {"min_lr_ratio": 1.5}}})", "/optimizer/schedule/min_lr_ratio",
        "must be in [0, 1], got 1.5"},
       {R"({"distributed": {"backend": "mpi"}})", "/distributed/backend",
-       R"(must be "auto" or "gloo", got "mpi")"},
+       R"(must be "auto", "gloo" or "nccl", got "mpi")"},
       {R"({"distributed": {"backend": "nccl"}})", "/distributed/backend",
-       R"("nccl" needs the GPU build; must be "auto" or "gloo", got "nccl")"},
+       R"("nccl" needs /train/device "cuda")"},
       {R"({"distributed": {"sync": "local-sgd"}})", "/distributed/sync", R"(must be "allreduce")"},
       {R"({"distributed": {"resize": "grow"}})", "/distributed/resize",
        R"(must be "keep_global_batch" or "scale_lr", got "grow")"},

@@ -20,6 +20,7 @@
 #include "core/model/model.hpp"
 #include "core/optim/optimizer.hpp"
 #include "core/tensor/cpu_ops.hpp"
+#include "core/tensor/device.hpp"
 
 namespace dptrain {
 
@@ -93,13 +94,19 @@ class TrainingRun {
         lr_scale_(recipe.distributed.resize == "scale_lr"
                       ? static_cast<double>(world_) / static_cast<double>(nominal_world_)
                       : 1.0),
-        model_(make_model(recipe.model)),
+        ops_(options.ops ? options.ops : make_ops(recipe.train.device, options.device_index)),
+        dtype_(parse_precision(recipe.train.precision)),
+        staged_(ops_->device() != "cpu" && !comm.device_memory()),
+        model_(make_model(recipe.model, ops_, dtype_)),
         data_(load_data(recipe.data, recipe.model, recipe.seed)),
         sampler_(data_.train->size(), global_batch_, recipe.seed),
-        params_(model_->num_params()),
-        grad_buffer_(model_->num_params() + 1),
-        grads_(grad_buffer_.data(), model_->num_params()),
-        optimizer_(make_optimizer(recipe.optimizer, model_->num_params(), model_->no_decay())),
+        num_params_(model_->num_params()),
+        params_buffer_(ops_->allocate(num_params_ * sizeof(float))),
+        grad_buffer_(ops_->allocate((num_params_ + 1) * sizeof(float))),
+        params_(params_buffer_.as<float>(), num_params_),
+        grads_(grad_buffer_.as<float>(), num_params_),
+        optimizer_(make_optimizer(recipe.optimizer, num_params_, model_->no_decay(), *ops_)),
+        scaler_(recipe.train.precision == "fp16"),
         idx_(static_cast<size_t>(micro_batch_)),
         x_(static_cast<size_t>(micro_batch_ * data_.train->features())),
         y_(static_cast<size_t>(micro_batch_ * data_.train->labels_per_sample())) {
@@ -128,22 +135,28 @@ class TrainingRun {
       const auto t0 = Clock::now();
       PhaseTimes phases;
       const double local_loss = compute_gradients(phases);
-      grad_buffer_.back() = options_.stop_requested && options_.stop_requested() ? 1.0f : 0.0f;
+      float stop_flag = options_.stop_requested && options_.stop_requested() ? 1.0f : 0.0f;
       {
         // Each rank's gradients are already scaled by 1 / (micro-batches in the step), so
         // their sum is the mean over the global batch however the micro-batches were shared.
+        ops_->upload(&stop_flag, grad_buffer_.as<float>() + num_params_, sizeof(float));
         const auto tc = Clock::now();
         mark_collective();
-        comm_.allreduce(grad_buffer_.data(), grad_buffer_.size(), ReduceOp::sum);
+        allreduce_device(grad_buffer_.as<float>(), num_params_ + 1);
         phases.comm = ms_since(tc);
       }
       mark(Phase::optimizer);
       const auto to = Clock::now();
-      stop = grad_buffer_.back() > 0.0f;
-      const double norm = clip_grad_norm(grads_, recipe_.optimizer.clip_grad_norm);
+      ops_->download(grad_buffer_.as<float>() + num_params_, &stop_flag, sizeof(float));
+      stop = stop_flag > 0.0f;
+      const double norm =
+          unscale_and_clip(*ops_, grads_, scaler_.scale(), recipe_.optimizer.clip_grad_norm);
       const double lr = lr_scale_ * learning_rate(recipe_.optimizer, step_, total);
-      optimizer_->step(params_, grads_, lr);
+      // fp16: a step whose gradients overflowed is skipped (every rank agrees: the norm comes
+      // from the same reduced gradients) and the loss scale shrinks.
+      if (scaler_.update(std::isfinite(norm))) optimizer_->step(params_, grads_, lr);
       advance_sampler();
+      ops_->synchronize();
       phases.optimizer = ms_since(to);
       if (options_.debug_step_delay_ms > 0) {
         std::this_thread::sleep_for(std::chrono::milliseconds(options_.debug_step_delay_ms));
@@ -255,14 +268,61 @@ class TrainingRun {
 
   void fresh_start() {
     if (rank_ == 0) {
-      model_->init_params(params_, recipe_.seed);
+      std::vector<float> host(num_params_);
+      model_->init_params(host, recipe_.seed);
+      ops_->upload(host.data(), params_.data(), params_.size_bytes());
       // A restart that found no checkpoint starts over, and so do its metrics.
       if (!options_.resume_from.empty()) truncate_metrics_after(0);
     }
-    comm_.broadcast(params_.data(), params_.size() * sizeof(float), 0);
+    broadcast_device(params_.data(), params_.size_bytes(), 0);
     emit({{"event", "info"},
-          {"message", fmt::format("{} on {} rank(s), global batch {}", model_->describe(), world_,
-                                  global_batch_)}});
+          {"message", fmt::format("{} on {} rank(s){}, global batch {}", model_->describe(), world_,
+                                  device_description(), global_batch_)}});
+  }
+
+  // ", cuda:0 (NVIDIA H200), bf16" on a GPU; nothing on the CPU in fp32.
+  std::string device_description() const {
+    std::string out;
+    if (ops_->device() != "cpu") {
+      out = ", " + ops_->device();
+      const std::string name = cuda_device_name(options_.device_index);
+      if (!name.empty()) out += " (" + name + ")";
+      out += ", " + comm_.backend();
+    }
+    if (dtype_ != DType::f32) out += ", " + recipe_.train.precision;
+    return out;
+  }
+
+  // The collectives the big buffers need: in place on the device when the communicator takes
+  // device memory (NCCL, or any communicator on the CPU), else through host memory (Gloo with a
+  // GPU).
+  void allreduce_device(float* data, size_t count) {
+    if (!staged_) {
+      comm_.allreduce(data, count, ReduceOp::sum);
+      return;
+    }
+    staging_.resize(count);
+    ops_->download(data, staging_.data(), count * sizeof(float));
+    comm_.allreduce(staging_.data(), count, ReduceOp::sum);
+    ops_->upload(staging_.data(), data, count * sizeof(float));
+  }
+
+  void broadcast_device(void* data, size_t bytes, int root) {
+    if (!staged_) {
+      comm_.broadcast(data, bytes, root);
+      return;
+    }
+    staging_.resize((bytes + sizeof(float) - 1) / sizeof(float));
+    if (rank_ == root) ops_->download(data, staging_.data(), bytes);
+    comm_.broadcast(staging_.data(), bytes, root);
+    ops_->upload(staging_.data(), data, bytes);
+  }
+
+  // A device buffer's floats on the host (checkpoints, checksums).
+  std::vector<float> to_host(std::span<const float> device) {
+    std::vector<float> out(device.size());
+    ops_->download(device.data(), out.data(), device.size_bytes());
+    return out;
   }
 
   // The checkpoint to continue from and the rank that reads it (source_rank_); empty: a fresh
@@ -304,7 +364,8 @@ class TrainingRun {
   // One rank (rank 0, or the node leader that holds the newest checkpoint) reads it and
   // broadcasts it, so ranks on other nodes need no copy.
   void restore(const fs::path& dir, int source) {
-    std::vector<int64_t> header(4, 0);  // step, epoch, samples_in_epoch, optimizer_steps
+    // step, epoch, samples_in_epoch, optimizer_steps, loss scale (a power of two), its clean steps
+    std::vector<int64_t> header(6, 0);
     if (rank_ == source) {
       CheckpointData ckpt = read_checkpoint(dir);
       const auto& p = ckpt.position;
@@ -319,15 +380,21 @@ class TrainingRun {
                     fmt::format("{}: holds {} parameters, the model has {}", dir.string(),
                                 ckpt.params.size(), params_.size()));
       }
-      params_ = std::move(ckpt.params);
-      std::copy(ckpt.optimizer_state.begin(), ckpt.optimizer_state.end(),
-                optimizer_->state().begin());
-      header = {p.step, p.epoch, p.samples_in_epoch, p.optimizer_steps};
+      ops_->upload(ckpt.params.data(), params_.data(), params_.size_bytes());
+      const auto state = optimizer_->state();
+      ops_->upload(ckpt.optimizer_state.data(), state.data(), state.size_bytes());
+      header = {p.step,
+                p.epoch,
+                p.samples_in_epoch,
+                p.optimizer_steps,
+                static_cast<int64_t>(p.loss_scale),
+                p.loss_scale_clean_steps};
     }
     comm_.broadcast(header.data(), header.size() * sizeof(int64_t), source);
-    comm_.broadcast(params_.data(), params_.size() * sizeof(float), source);
-    auto state = optimizer_->state();
-    comm_.broadcast(state.data(), state.size_bytes(), source);
+    broadcast_device(params_.data(), params_.size_bytes(), source);
+    const auto state = optimizer_->state();
+    broadcast_device(state.data(), state.size_bytes(), source);
+    scaler_.restore(static_cast<double>(header[4]), header[5]);
     step_ = header[0];
     // Positions count samples: under another global batch (scale_lr on another world size) the
     // next step starts right where the last one ended, and no sample of the epoch is skipped or
@@ -353,8 +420,9 @@ class TrainingRun {
   // mean losses.
   double compute_gradients(PhaseTimes& phases) {
     mark(Phase::compute);
-    std::fill(grads_.begin(), grads_.end(), 0.0f);
-    const float scale = 1.0f / static_cast<float>(micro_batches_);
+    ops_->fill_zero(grads_.data(), grads_.size_bytes());
+    // fp16: the loss scale rides on the gradient scale; unscale_and_clip takes it off.
+    const float scale = static_cast<float>(scaler_.scale()) / static_cast<float>(micro_batches_);
     double loss = 0;
     for (int64_t j = rank_; j < micro_batches_; j += world_) {
       const auto td = Clock::now();
@@ -364,6 +432,8 @@ class TrainingRun {
       phases.data += std::chrono::duration<double, std::milli>(tf - td).count();
       loss += model_->forward_backward(params_, Batch{x_.data(), y_.data(), micro_batch_}, grads_,
                                        scale);
+      // The device queues work ahead of the host: wait so the phase times are true.
+      ops_->synchronize();
       phases.compute += ms_since(tf);
     }
     return loss;
@@ -441,7 +511,8 @@ class TrainingRun {
 
   // Every rank must hold the same parameters; a mismatch means a bug or a bad node.
   std::string check_replicas(int64_t step) {
-    const uint64_t mine = checksum64(params_.data(), params_.size() * sizeof(float));
+    const std::vector<float> host = to_host(params_);
+    const uint64_t mine = checksum64(host.data(), host.size() * sizeof(float));
     std::vector<uint64_t> all(static_cast<size_t>(world_));
     mark_collective();
     comm_.allgather(&mine, sizeof(mine), all.data());
@@ -470,12 +541,14 @@ class TrainingRun {
       pos.optimizer_steps = optimizer_->steps();
       pos.recipe_hash = recipe_hash(recipe_);
       pos.rng_state = fmt::format("sampler seed={} epoch={}", recipe_.seed, position_.epoch);
+      pos.loss_scale = scaler_.scale();
+      pos.loss_scale_clean_steps = scaler_.clean_steps();
       std::function<void()> hook;
       if (options_.before_checkpoint_commit) {
         hook = [this, step] { options_.before_checkpoint_commit(step); };
       }
-      written = write_checkpoint(options_.run_dir / "checkpoints", pos, params_,
-                                 optimizer_->state(), recipe_.checkpoint.keep, hook);
+      written = write_checkpoint(options_.run_dir / "checkpoints", pos, to_host(params_),
+                                 to_host(optimizer_->state()), recipe_.checkpoint.keep, hook);
       emit({{"event", "checkpoint"}, {"step", step}, {"path", written.string()}});
     } else {
       written = options_.run_dir / "checkpoints" / checkpoint_name(step);
@@ -504,6 +577,10 @@ class TrainingRun {
   const int64_t global_batch_;
   const int64_t micro_batches_;  // per step, over all ranks
   const double lr_scale_;
+  std::shared_ptr<Ops> ops_;
+  const DType dtype_;
+  // Gloo on a GPU: the big collectives go through host memory (staging_).
+  const bool staged_;
   std::unique_ptr<Model> model_;
   DataSplits data_;
   // A token model's context: tokens/s = samples/s x this (0 for other data).
@@ -511,12 +588,16 @@ class TrainingRun {
                                          ? data_.train->labels_per_sample() - 1
                                          : 0;
   DistributedSampler sampler_;
-  std::vector<float> params_;
+  const size_t num_params_;
+  Buffer params_buffer_;
   // The gradients plus one slot: the stop flag rides along with the gradient all-reduce, so
   // agreeing to stop costs no extra collective.
-  std::vector<float> grad_buffer_;
+  Buffer grad_buffer_;
+  std::span<float> params_;  // device memory of ops_, as are grads_ and the optimizer's state
   std::span<float> grads_;
   std::unique_ptr<Optimizer> optimizer_;
+  LossScaler scaler_;
+  std::vector<float> staging_;
   std::vector<int64_t> idx_;
   std::vector<float> x_;
   std::vector<int32_t> y_;

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <memory>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -12,10 +13,15 @@
 #include "core/comm/communicator.hpp"
 #include "core/heartbeat.hpp"
 #include "core/recipe.hpp"
+#include "core/tensor/ops.hpp"
 
 namespace dptrain {
 
 struct TrainerOptions {
+  // The op table to compute on; null = one for recipe.train.device on GPU device_index. The
+  // worker makes it first when the communicator needs its stream (NCCL).
+  std::shared_ptr<Ops> ops;
+  int device_index = 0;
   std::filesystem::path run_dir;  // rank 0 writes metrics.jsonl, checkpoints/, result.json here
   // A checkpoint directory; empty = fresh start. Two words search every node instead: the
   // newest valid checkpoint any node leader holds in its run_dir ("newest": Error(checkpoint)

@@ -27,6 +27,7 @@ json AgentPlan::to_json(bool redact_secret) const {
           {"generation", generation},
           {"world_size", world_size},
           {"nominal_world", nominal_world},
+          {"one_gpu_per_rank", one_gpu_per_rank},
           {"backend", backend},
           {"resume_from", resume_from},
           {"ranks", ranks},
@@ -46,6 +47,7 @@ AgentPlan AgentPlan::from_json(const json& j) {
     p.generation = j.at("generation").get<int>();
     p.world_size = j.at("world_size").get<int>();
     p.nominal_world = j.value("nominal_world", 0);
+    p.one_gpu_per_rank = j.value("one_gpu_per_rank", false);
     p.backend = j.at("backend").get<std::string>();
     p.resume_from = j.at("resume_from").get<std::string>();
     p.ranks = j.at("ranks").get<std::vector<int>>();
@@ -62,6 +64,25 @@ fs::path expand_home(const std::string& path) {
   if (path != "~" && path.rfind("~/", 0) != 0) return path;
   const char* home = std::getenv("HOME");
   return fs::path(home ? home : "/") / path.substr(std::min<size_t>(2, path.size()));
+}
+
+std::string gpu_of_local_rank(int local_rank) {
+  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  if (visible == nullptr || *visible == '\0') return std::to_string(local_rank);
+  std::vector<std::string> devices;
+  std::string current;
+  for (const char* c = visible;; ++c) {
+    if (*c == ',' || *c == '\0') {
+      devices.push_back(current);
+      current.clear();
+      if (*c == '\0') break;
+    } else {
+      current += *c;
+    }
+  }
+  // More ranks than devices: the rank's op table says that no device is visible to it.
+  if (static_cast<size_t>(local_rank) >= devices.size()) return "-1";
+  return devices[static_cast<size_t>(local_rank)];
 }
 
 std::vector<ProcessSpec> worker_specs(const AgentPlan& plan, const fs::path& worker_binary) {
@@ -93,6 +114,7 @@ std::vector<ProcessSpec> worker_specs(const AgentPlan& plan, const fs::path& wor
     if (plan.nominal_world > 0) {
       p.env.emplace_back("DPTRAIN_NOMINAL_WORLD", std::to_string(plan.nominal_world));
     }
+    if (plan.one_gpu_per_rank) p.env.emplace_back("CUDA_VISIBLE_DEVICES", gpu_of_local_rank(local));
     if (!plan.secret.empty()) p.env.emplace_back(kStoreSecretEnv, plan.secret);
     for (const auto& [k, v] : plan.env)
       p.env.emplace_back(k, v);

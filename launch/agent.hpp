@@ -24,6 +24,8 @@ struct AgentPlan {
   int world_size = 1;
   int nominal_world = 0;  // the world size the job's global batch is defined by; 0 = world_size
   std::string backend = "gloo";
+  // Local rank i sees one GPU: the i-th of the node's CUDA_VISIBLE_DEVICES, or device i.
+  bool one_gpu_per_rank = false;
   std::string resume_from;  // a checkpoint directory on that host, "newest[-or-start]", or empty
   std::vector<int> ranks;   // global ranks on this host; local rank = index
   std::map<std::string, std::string> env;  // extra environment for the workers
@@ -38,6 +40,10 @@ struct AgentPlan {
 
 // "~/x" -> $HOME/x; anything else unchanged.
 std::filesystem::path expand_home(const std::string& path);
+
+// The GPU local rank i gets: the i-th entry of this process's CUDA_VISIBLE_DEVICES when set
+// ("-1", none, past its end), else "i".
+std::string gpu_of_local_rank(int local_rank);
 
 // The worker processes of a plan: argv, environment (the secret through the environment only),
 // and log files under run_dir/logs.

@@ -16,6 +16,8 @@
 
 #include "core/error.hpp"
 #include "core/fs.hpp"
+#include "core/model/flops.hpp"
+#include "core/tensor/device.hpp"
 #include "core/trainer.hpp"
 #include "launch/run_dir.hpp"
 #include "launch/status.hpp"
@@ -50,6 +52,26 @@ std::string join_worlds(const std::vector<BenchWorld>& worlds) {
   std::string out;
   for (const auto& w : worlds)
     out += (out.empty() ? "" : ", ") + std::to_string(w.world);
+  return out;
+}
+
+std::string join(const std::vector<std::string>& items) {
+  std::string out;
+  for (const auto& item : items)
+    out += (out.empty() ? "" : ", ") + item;
+  return out;
+}
+
+// "41.2%", or "n/a".
+std::string mfu_text(const std::optional<double>& mfu) {
+  return mfu ? fmt::format("{:.1f}%", 100.0 * *mfu) : "n/a";
+}
+
+// The rows' precisions in the order they first appear.
+std::vector<std::string> row_precisions(const std::vector<BenchTrainRow>& rows) {
+  std::vector<std::string> out;
+  for (const auto& r : rows)
+    if (std::find(out.begin(), out.end(), r.precision) == out.end()) out.push_back(r.precision);
   return out;
 }
 
@@ -92,6 +114,47 @@ std::vector<int> parse_world_list(const std::string& text, const std::string& fl
   }
   std::sort(worlds.begin(), worlds.end());
   return worlds;
+}
+
+std::vector<std::string> parse_precision_list(const std::string& text, const std::string& flag) {
+  std::vector<std::string> out;
+  std::string entry;
+  std::istringstream in(text);
+  while (std::getline(in, entry, ',')) {
+    const std::string item = trim(entry);
+    if (item != "fp32" && item != "bf16" && item != "fp16") {
+      throw Error(ErrorKind::usage,
+                  fmt::format("{} {}: '{}' is not a precision (fp32, bf16 or fp16, or a list "
+                              "such as bf16,fp32)",
+                              flag, text, item));
+    }
+    if (std::find(out.begin(), out.end(), item) != out.end()) {
+      throw Error(ErrorKind::usage, fmt::format("{} {}: {} is listed twice", flag, text, item));
+    }
+    out.push_back(item);
+  }
+  // getline drops a trailing empty entry ("bf16,"): refuse it like an empty one in the middle.
+  if (out.empty() || text.back() == ',') {
+    throw Error(ErrorKind::usage,
+                fmt::format("{} '{}': fp32, bf16, fp16 or a list of them is needed, e.g. bf16,fp32",
+                            flag, text));
+  }
+  return out;
+}
+
+Recipe with_device_and_precision(const Recipe& recipe, const std::string& device,
+                                 const std::string& precision, const std::string& source) {
+  Recipe r = recipe;
+  r.train.device = device;
+  r.train.precision = precision;
+  // The recipe's own validation: the same one-line errors, naming the JSON field, as a rank's.
+  return parse_recipe(to_json(r), source, fs::current_path());
+}
+
+std::optional<double> model_flops_utilization(double throughput_per_s, double flops_per_unit,
+                                              int world, double peak_tflops) {
+  if (!(peak_tflops > 0) || !(flops_per_unit > 0) || world < 1) return std::nullopt;
+  return throughput_per_s * flops_per_unit / (static_cast<double>(world) * peak_tflops * 1e12);
 }
 
 std::vector<int> default_node_counts(int count) {
@@ -144,15 +207,11 @@ double median(std::vector<double> values) {
 }
 
 json BenchTrainRow::to_json() const {
-  json j = {{"world", world},
-            {"batch_per_rank", batch_per_rank},
-            {"global_batch", global_batch},
-            {"samples_per_s", samples_per_s},
-            {"step_ms", step_ms},
-            {"efficiency", efficiency},
-            {"mfu", mfu ? json(*mfu) : json(nullptr)},
-            {"peak_rss_mib", peak_rss_mib},
-            {"run_dirs", run_dirs}};
+  json j = {{"precision", precision},           {"world", world},
+            {"batch_per_rank", batch_per_rank}, {"global_batch", global_batch},
+            {"samples_per_s", samples_per_s},   {"step_ms", step_ms},
+            {"efficiency", efficiency},         {"mfu", mfu ? json(*mfu) : json(nullptr)},
+            {"peak_rss_mib", peak_rss_mib},     {"run_dirs", run_dirs}};
   if (nodes > 0) j["nodes"] = nodes;
   if (tokens_per_s > 0) j["tokens_per_s"] = tokens_per_s;
   json phases = json::object();
@@ -173,7 +232,6 @@ BenchTrainRow row_from_results(const std::vector<json>& results, int world, int6
   row.global_batch = global_batch_size;
   std::vector<double> samples, tokens, peak;
   std::array<std::vector<double>, 4> phases;
-  std::vector<double> mfus;
   for (const auto& r : results) {
     const double s = r.value("samples_per_s", 0.0);
     if (!(s > 0)) {
@@ -187,7 +245,6 @@ BenchTrainRow row_from_results(const std::vector<json>& results, int world, int6
     const json p = r.value("phases_ms", json::object());
     for (size_t i = 0; i < phases.size(); ++i)
       phases[i].push_back(p.value(kPhaseNames[i], 0.0));
-    if (r.contains("mfu") && r["mfu"].is_number()) mfus.push_back(r["mfu"].get<double>());
     if (r.contains("run_dir")) row.run_dirs.push_back(r["run_dir"].get<std::string>());
   }
   row.samples_per_s = median(samples);
@@ -195,18 +252,22 @@ BenchTrainRow row_from_results(const std::vector<json>& results, int world, int6
   row.peak_rss_mib = median(peak);
   for (size_t i = 0; i < phases.size(); ++i)
     row.phases_ms[i] = median(phases[i]);
-  if (mfus.size() == results.size()) row.mfu = median(mfus);
   row.step_ms = 1000.0 * static_cast<double>(global_batch_size) / row.samples_per_s;
   return row;
 }
 
 void fill_efficiency(std::vector<BenchTrainRow>& rows) {
-  if (rows.empty()) return;
-  const BenchTrainRow base = rows.front();
   for (auto& row : rows) {
+    const auto base = std::find_if(rows.begin(), rows.end(), [&row](const BenchTrainRow& r) {
+      return r.precision == row.precision;
+    });
     row.efficiency =
-        scaling_efficiency(row.samples_per_s, row.world, base.samples_per_s, base.world);
+        scaling_efficiency(row.samples_per_s, row.world, base->samples_per_s, base->world);
   }
+}
+
+json PrecisionRatio::to_json() const {
+  return {{"world", world}, {"precision", precision}, {"baseline", baseline}, {"ratio", ratio}};
 }
 
 std::string cpu_model_from_cpuinfo(const std::string& cpuinfo) {
@@ -224,7 +285,8 @@ std::string cpu_model_from_cpuinfo(const std::string& cpuinfo) {
   return fallback.empty() ? "unknown CPU" : fallback;
 }
 
-MachineInfo local_machine(const std::string& backend, int64_t threads_per_rank) {
+MachineInfo local_machine(const std::string& backend, int64_t threads_per_rank,
+                          const std::string& device) {
   MachineInfo m;
   const long online = ::sysconf(_SC_NPROCESSORS_ONLN);
   m.cpus = online > 0 ? static_cast<int>(online) : 0;
@@ -235,9 +297,34 @@ MachineInfo local_machine(const std::string& backend, int64_t threads_per_rank) 
     // Not Linux, or /proc not mounted: the model is only descriptive.
   }
   m.cpu_model = cpu_model_from_cpuinfo(cpuinfo);
+  m.device = device;
+  if (device == "cuda") {
+    m.gpus = cuda_device_count();
+    m.gpu_model = cuda_device_name(0);
+  }
   m.backend = backend;
   m.threads_per_rank = threads_per_rank;
   return m;
+}
+
+std::vector<PrecisionRatio> BenchTrainReport::precision_ratios() const {
+  const std::vector<std::string> ran = precisions.empty() ? row_precisions(rows) : precisions;
+  std::vector<PrecisionRatio> out;
+  if (ran.size() < 2) return out;
+  const std::string baseline =
+      std::find(ran.begin(), ran.end(), "fp32") != ran.end() ? "fp32" : ran.front();
+  for (const auto& precision : ran) {
+    if (precision == baseline) continue;
+    for (const auto& row : rows) {
+      if (row.precision != precision) continue;
+      const auto base = std::find_if(rows.begin(), rows.end(), [&](const BenchTrainRow& r) {
+        return r.precision == baseline && r.world == row.world;
+      });
+      if (base == rows.end() || !(base->samples_per_s > 0)) continue;
+      out.push_back({row.world, precision, baseline, row.samples_per_s / base->samples_per_s});
+    }
+  }
+  return out;
 }
 
 json BenchTrainReport::to_json() const {
@@ -246,9 +333,20 @@ json BenchTrainReport::to_json() const {
                        {"device", machine.device},
                        {"backend", machine.backend},
                        {"threads_per_rank", machine.threads_per_rank}};
+  if (machine.device == "cuda") {
+    machine_json["gpus"] = machine.gpus;
+    machine_json["gpu_model"] = machine.gpu_model;
+  }
   json rows_json = json::array();
   for (const auto& row : rows)
     rows_json.push_back(row.to_json());
+  json ratios = json::array();
+  for (const auto& ratio : precision_ratios())
+    ratios.push_back(ratio.to_json());
+  json mfu = {{"peak_tflops", peak_tflops ? json(*peak_tflops) : json(nullptr)},
+              {"peak_source", peak_source},
+              {"formula", flops_formula}};
+  mfu[tokens ? "flops_per_token" : "flops_per_sample"] = flops_per_unit;
   return {{"benchmark", "train"},
           {"recipe", recipe_name},
           {"recipe_file", recipe_file},
@@ -256,6 +354,9 @@ json BenchTrainReport::to_json() const {
           {"repeats", options.repeats},
           {"scaling", options.scaling == BatchScaling::weak ? "weak" : "strong"},
           {"throughput_unit", throughput_unit(tokens)},
+          {"precisions", precisions.empty() ? row_precisions(rows) : precisions},
+          {"precision_ratios", ratios},
+          {"mfu_basis", mfu},
           {"baseline_world", base_world()},
           {"machine", machine_json},
           {"hosts", hosts},
@@ -271,14 +372,22 @@ std::string BenchTrainReport::table() const {
       fmt::format("# dptrain bench train: recipe {} ({}), {} steps per run, median of {} run(s) "
                   "per world size",
                   recipe_name, recipe_file, options.steps, options.repeats));
+  std::string device = machine.device;
+  if (machine.device == "cuda") {
+    device += machine.gpus > 0
+                  ? fmt::format(" ({} x {} visible here)", machine.gpus, machine.gpu_model)
+                  : " (no GPU visible here)";
+  }
   add(fmt::format("# machine: {} CPUs ({}), device {}, backend {}, {} BLAS thread(s) per rank",
-                  machine.cpus, machine.cpu_model, machine.device, machine.backend,
+                  machine.cpus, machine.cpu_model, device, machine.backend,
                   machine.threads_per_rank));
-  if (!hosts.empty()) {
-    std::string list;
-    for (const auto& h : hosts)
-      list += (list.empty() ? "" : ", ") + h;
-    add("# hosts: " + list);
+  if (!hosts.empty()) add("# hosts: " + join(hosts));
+  const std::vector<std::string> ran = precisions.empty() ? row_precisions(rows) : precisions;
+  const bool several = ran.size() > 1;
+  if (several) {
+    add(fmt::format("# precision: {}: one sweep each, in this order", join(ran)));
+  } else if (!ran.empty()) {
+    add("# precision: " + ran.front());
   }
   const int base = base_world();
   if (!rows.empty()) {
@@ -297,61 +406,87 @@ std::string BenchTrainReport::table() const {
                       first.global_batch, base, first.global_batch, accum));
     }
   }
-  add(base == 1 ? "# efficiency: throughput(W) / (W x throughput(1)); 100% is linear scaling"
-                : fmt::format("# efficiency: throughput(W) x {} / (W x throughput({})); 100% is "
-                              "linear scaling",
-                              base, base));
+  add((base == 1 ? "# efficiency: throughput(W) / (W x throughput(1)); 100% is linear scaling"
+                 : fmt::format("# efficiency: throughput(W) x {} / (W x throughput({})); 100% is "
+                               "linear scaling",
+                               base, base)) +
+      (several ? " (each precision against its own)" : ""));
   add("# ms: steady-state mean per step on rank 0 (warm-up steps excluded); fwd+bwd = forward "
       "and backward, comm = exposed gradient all-reduce");
-  const bool any_mfu = std::any_of(rows.begin(), rows.end(), [](const auto& r) { return r.mfu; });
-  if (!any_mfu) {
-    add(machine.device == "cpu" ? "# MFU: n/a (CPU)" : "# MFU: n/a");
+  const bool mfu_column =
+      peak_tflops.has_value() ||
+      std::any_of(rows.begin(), rows.end(), [](const auto& r) { return r.mfu.has_value(); });
+  if (peak_tflops) {
+    add(fmt::format("# MFU: {} x model FLOPs / (world x peak); peak {:g} TFLOP/s per device ({})",
+                    throughput_unit(tokens), *peak_tflops, peak_source));
+    if (!flops_formula.empty()) add("# model FLOPs: " + flops_formula);
+  } else if (!mfu_column) {
+    add(machine.device == "cpu" ? "# MFU: n/a (CPU): --peak-tflops X gives it against X"
+                                : "# MFU: n/a");
   }
   for (const auto& note : notes)
     add("# note: " + note);
   const bool with_nodes = !hosts.empty();
   const std::string unit = throughput_unit(tokens);
-  std::string names =
-      fmt::format("#{:>6}{} {:>7} {:>12} {:>9} {:>8} {:>8} {:>8} {:>9} {:>10}{} {:>9}", "world",
+  const auto precision_cell = [several](const std::string& text) {
+    return several ? fmt::format(" {:>9}", text) : std::string();
+  };
+  const auto mfu_cell = [mfu_column](const std::string& text) {
+    return mfu_column ? fmt::format(" {:>7}", text) : std::string();
+  };
+  add(fmt::format("#{}{:>6}{} {:>7} {:>12} {:>9} {:>8} {:>8} {:>8} {:>9} {:>10}{} {:>9}",
+                  several ? fmt::format("{:>9} ", "precision") : "", "world",
                   with_nodes ? fmt::format(" {:>5}", "nodes") : "", "global", "throughput", "step",
-                  "data", "fwd+bwd", "comm", "optimizer", "efficiency",
-                  any_mfu ? fmt::format(" {:>6}", "MFU") : "", "peak");
-  std::string units =
-      fmt::format("#{:>6}{} {:>7} {:>12} {:>9} {:>8} {:>8} {:>8} {:>9} {:>10}{} {:>9}", "ranks",
+                  "data", "fwd+bwd", "comm", "optimizer", "efficiency", mfu_cell("MFU"), "peak"));
+  add(fmt::format("#{}{:>6}{} {:>7} {:>12} {:>9} {:>8} {:>8} {:>8} {:>9} {:>10}{} {:>9}",
+                  several ? fmt::format("{:>9} ", "") : "", "ranks",
                   with_nodes ? fmt::format(" {:>5}", "hosts") : "", "batch", unit, "ms", "ms", "ms",
-                  "ms", "ms", "%", any_mfu ? fmt::format(" {:>6}", "%") : "", "MiB");
-  add(names);
-  add(units);
+                  "ms", "ms", "%", mfu_cell(""), "MiB"));
   for (const auto& r : rows) {
-    std::string mfu_cell;
-    if (any_mfu)
-      mfu_cell = r.mfu ? fmt::format(" {:>6.1f}", 100.0 * *r.mfu) : " " + std::string(5, ' ') + "-";
     add(fmt::format(
-        " {:>6}{} {:>7} {:>12.1f} {:>9.2f} {:>8.2f} {:>8.2f} {:>8.2f} {:>9.2f} "
+        "{} {:>6}{} {:>7} {:>12.1f} {:>9.2f} {:>8.2f} {:>8.2f} {:>8.2f} {:>9.2f} "
         "{:>10.1f}{} {:>9.1f}",
-        r.world, with_nodes ? fmt::format(" {:>5}", r.nodes) : "", r.global_batch,
-        throughput(r, tokens), r.step_ms, r.phases_ms[0], r.phases_ms[1], r.phases_ms[2],
-        r.phases_ms[3], 100.0 * r.efficiency, mfu_cell, r.peak_rss_mib));
+        precision_cell(r.precision), r.world, with_nodes ? fmt::format(" {:>5}", r.nodes) : "",
+        r.global_batch, throughput(r, tokens), r.step_ms, r.phases_ms[0], r.phases_ms[1],
+        r.phases_ms[2], r.phases_ms[3], 100.0 * r.efficiency, mfu_cell(mfu_text(r.mfu)),
+        r.peak_rss_mib));
+  }
+  for (const auto& ratio : precision_ratios()) {
+    add(fmt::format("# {} / {} throughput: {:.2f}x (world {})", ratio.precision, ratio.baseline,
+                    ratio.ratio, ratio.world));
   }
   return out;
 }
 
 std::string BenchTrainReport::svg() const {
-  ChartSeries measured;
-  measured.name = "measured";
-  measured.markers = true;
-  ChartSeries ideal;
-  ideal.name = "ideal (linear scaling)";
-  ideal.dashed = true;
-  ideal.color = "#888888";
-  if (!rows.empty()) {
-    const double base_throughput = throughput(rows.front(), tokens);
-    const double base = static_cast<double>(rows.front().world);
+  const std::vector<std::string> ran = row_precisions(rows);
+  const bool several = ran.size() > 1;
+  std::vector<ChartSeries> series;
+  for (const auto& precision : ran) {
+    ChartSeries measured;
+    measured.name = several ? precision : "measured";
+    measured.markers = true;
+    ChartSeries ideal;
+    ideal.name = several ? precision + " ideal (linear scaling)" : "ideal (linear scaling)";
+    ideal.dashed = true;
+    if (!several) ideal.color = "#888888";
+    const auto first = std::find_if(
+        rows.begin(), rows.end(), [&](const BenchTrainRow& r) { return r.precision == precision; });
+    const double base_throughput = throughput(*first, tokens);
+    const double base = static_cast<double>(first->world);
     for (const auto& r : rows) {
+      if (r.precision != precision) continue;
       const double w = static_cast<double>(r.world);
       measured.points.emplace_back(w, throughput(r, tokens));
       ideal.points.emplace_back(w, base_throughput * w / base);
     }
+    series.push_back(measured);
+    series.push_back(ideal);
+  }
+  if (series.empty()) {
+    // No rows: an empty plot that still names what it would show.
+    series.push_back({"measured", {}, "", false, true});
+    series.push_back({"ideal (linear scaling)", {}, "#888888", true, false});
   }
   ChartOptions chart;
   chart.title =
@@ -359,7 +494,7 @@ std::string BenchTrainReport::svg() const {
                   options.scaling == BatchScaling::weak ? "weak" : "strong", options.steps);
   chart.x_label = "world size (ranks)";
   chart.y_label = throughput_unit(tokens);
-  return svg_line_chart({measured, ideal}, chart);
+  return svg_line_chart(series, chart);
 }
 
 void run_bench_train(const Recipe& recipe, const std::vector<BenchWorld>& worlds,
@@ -372,35 +507,57 @@ void run_bench_train(const Recipe& recipe, const std::vector<BenchWorld>& worlds
   std::vector<Recipe> recipes;
   for (const auto& w : worlds)
     recipes.push_back(bench_recipe(recipe, w.world, base_world, o));
+  const std::vector<std::string> precisions =
+      o.precisions.empty() ? std::vector<std::string>{recipe.train.precision} : o.precisions;
+  const bool several = precisions.size() > 1;
+  report.precisions = precisions;
   report.tokens = recipe.model.type == "gpt";
-  const int total_runs = static_cast<int>(worlds.size()) * o.repeats;
+  report.flops_per_unit = report.tokens ? training_flops_per_token(recipe.model)
+                                        : training_flops_per_sample(recipe.model);
+  report.flops_formula = training_flops_formula(recipe.model);
+  const int total_runs = static_cast<int>(worlds.size() * precisions.size()) * o.repeats;
   int started = 0;
   progress(fmt::format(
-      "bench train: {}, {} steps at world sizes {} ({} scaling){}, in {}", report.recipe_name,
+      "bench train: {}, {} steps at world sizes {} ({} scaling){}{}, in {}", report.recipe_name,
       o.steps, join_worlds(worlds), o.scaling == BatchScaling::weak ? "weak" : "strong",
+      several ? fmt::format(", precisions {}", join(precisions)) : "",
       o.repeats > 1 ? fmt::format(", {} runs each", o.repeats) : "", report.run_dir));
   for (const auto& note : report.notes)
     progress("bench train: note: " + note);
-  for (size_t i = 0; i < worlds.size(); ++i) {
-    const BenchWorld& w = worlds[i];
-    const Recipe& r = recipes[i];
-    std::vector<json> results;
-    for (int k = 1; k <= o.repeats; ++k) {
-      const std::string label =
-          o.repeats == 1 ? fmt::format("w{}", w.world) : fmt::format("w{}-r{}", w.world, k);
-      progress(fmt::format("bench train: world {} (run {} of {}): {} steps, global batch {}",
-                           w.world, ++started, total_runs, o.steps, global_batch(r, w.world)));
-      results.push_back(runner(r, w, label));
+  for (const auto& precision : precisions) {
+    // "bench train: world 2" alone, "bench train: bf16 world 2" when precisions alternate.
+    const std::string what = several ? precision + " " : "";
+    for (size_t i = 0; i < worlds.size(); ++i) {
+      const BenchWorld& w = worlds[i];
+      Recipe r = recipes[i];
+      r.train.precision = precision;
+      std::vector<json> results;
+      for (int k = 1; k <= o.repeats; ++k) {
+        std::string label = fmt::format("w{}", w.world);
+        if (several) label += "-" + precision;
+        if (o.repeats > 1) label += fmt::format("-r{}", k);
+        progress(fmt::format("bench train: {}world {} (run {} of {}): {} steps, global batch {}",
+                             what, w.world, ++started, total_runs, o.steps,
+                             global_batch(r, w.world)));
+        results.push_back(runner(r, w, label));
+      }
+      BenchTrainRow row =
+          row_from_results(results, w.world, r.train.batch_per_rank, global_batch(r, w.world));
+      row.precision = precision;
+      row.nodes = static_cast<int>(w.hosts.size());
+      if (report.peak_tflops) {
+        row.mfu = model_flops_utilization(throughput(row, report.tokens), report.flops_per_unit,
+                                          w.world, *report.peak_tflops);
+      }
+      report.rows.push_back(row);
+      fill_efficiency(report.rows);
+      const BenchTrainRow& done = report.rows.back();
+      progress(fmt::format(
+          "bench train: {}world {}: {:.1f} {}, {:.2f} ms/step, efficiency "
+          "{:.1f}%{}",
+          what, w.world, throughput(done, report.tokens), throughput_unit(report.tokens),
+          done.step_ms, 100.0 * done.efficiency, done.mfu ? ", MFU " + mfu_text(done.mfu) : ""));
     }
-    BenchTrainRow row =
-        row_from_results(results, w.world, r.train.batch_per_rank, global_batch(r, w.world));
-    row.nodes = static_cast<int>(w.hosts.size());
-    report.rows.push_back(row);
-    fill_efficiency(report.rows);
-    const BenchTrainRow& done = report.rows.back();
-    progress(fmt::format("bench train: world {}: {:.1f} {}, {:.2f} ms/step, efficiency {:.1f}%",
-                         w.world, throughput(done, report.tokens), throughput_unit(report.tokens),
-                         done.step_ms, 100.0 * done.efficiency));
   }
 }
 

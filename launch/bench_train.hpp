@@ -25,6 +25,8 @@ struct BenchTrainOptions {
   int64_t steps = 50;  // per run; the recipe's train.steps is overridden
   int repeats = 1;     // runs per world size; every reported number is the median
   BatchScaling scaling = BatchScaling::weak;
+  // One sweep over the world sizes per precision, in this order; empty: the recipe's own.
+  std::vector<std::string> precisions;
 };
 
 // One point of the sweep.
@@ -38,6 +40,25 @@ struct BenchWorld {
 std::vector<int> parse_world_list(const std::string& text, const std::string& flag);
 // 1, 2, 4, ... up to `count`, and `count` itself: the default --nnodes for `count` hosts.
 std::vector<int> default_node_counts(int count);
+
+// "bf16,fp32" (--precision): each of fp32, bf16, fp16 at most once, kept in the order given (the
+// order the sweeps run). Error(usage) naming `flag` and the bad entry.
+std::vector<std::string> parse_precision_list(const std::string& text, const std::string& flag);
+
+// The recipe with train.device and train.precision replaced, validated again as a rank will
+// parse it: an invalid combination is the recipe's own Error(recipe), one line naming the field
+// (bf16 on the CPU: "SOURCE: /train/precision: \"bf16\" needs /train/device \"cuda\" ...").
+Recipe with_device_and_precision(const Recipe& recipe, const std::string& device,
+                                 const std::string& precision, const std::string& source);
+
+// The H100 and H200 SXM dense bf16 tensor-core peak, TFLOP/s per GPU: MFU's default on cuda.
+constexpr double kDefaultCudaPeakTflops = 989.0;
+
+// Model FLOP utilisation: throughput (tokens/s, or samples/s for a model without tokens) x model
+// FLOPs per token (sample) / (world x peak). The throughput is the whole world's, the peak one
+// device's. nullopt when the peak or the FLOPs are not positive.
+std::optional<double> model_flops_utilization(double throughput, double flops_per_unit, int world,
+                                              double peak_tflops);
 
 // The recipe as a benchmark run at `world` ranks trains it: `options.steps` steps, checkpoint and
 // evaluation only at the end (after the timing), no replica checks, log.every at most the steps;
@@ -56,6 +77,7 @@ double scaling_efficiency(double throughput, int world, double base_throughput, 
 double median(std::vector<double> values);
 
 struct BenchTrainRow {
+  std::string precision = "fp32";  // train.precision of the runs
   int world = 1;
   int nodes = 0;  // hosts used with --hosts; 0: local ranks
   int64_t batch_per_rank = 0;
@@ -66,8 +88,8 @@ struct BenchTrainRow {
   // Mean ms per steady step on rank 0: data, forward+backward, exposed gradient all-reduce,
   // optimizer (each the median over repeats).
   std::array<double, 4> phases_ms{};
-  double efficiency = 0;      // scaling_efficiency against the first row
-  std::optional<double> mfu;  // model FLOP/s / peak FLOP/s; only on GPU
+  double efficiency = 0;      // scaling_efficiency against the precision's first row
+  std::optional<double> mfu;  // model_flops_utilization; only with a peak (GPU, --peak-tflops)
   double peak_rss_mib = 0;    // the largest of any rank
   std::vector<std::string> run_dirs;
   nlohmann::json to_json() const;
@@ -77,20 +99,32 @@ struct BenchTrainRow {
 // every field. Error(internal) naming the world size when a result has no positive throughput.
 BenchTrainRow row_from_results(const std::vector<nlohmann::json>& results, int world,
                                int64_t batch_per_rank, int64_t global_batch);
-// Fills every row's efficiency against the first (the smallest world).
+// Fills every row's efficiency against the first row of its precision (its smallest world).
 void fill_efficiency(std::vector<BenchTrainRow>& rows);
+
+// One precision's throughput against the baseline precision's at one world size.
+struct PrecisionRatio {
+  int world = 1;
+  std::string precision;  // e.g. bf16
+  std::string baseline;   // fp32 when it ran, else the first precision listed
+  double ratio = 0;       // throughput(precision) / throughput(baseline)
+  nlohmann::json to_json() const;
+};
 
 struct MachineInfo {
   int cpus = 0;
   std::string cpu_model;
   std::string device = "cpu";  // "cpu" | "cuda"
-  std::string backend;         // gloo | nccl
+  int gpus = 0;                // cuda: devices visible to this process
+  std::string gpu_model;       // cuda: device 0's name, e.g. "NVIDIA H200"
+  std::string backend;         // auto | gloo | nccl
   int64_t threads_per_rank = 1;
 };
 // The "model name" of /proc/cpuinfo's text (else its "Hardware" or "CPU part"); "unknown CPU".
 std::string cpu_model_from_cpuinfo(const std::string& cpuinfo);
-// This machine: online CPUs and /proc/cpuinfo's model.
-MachineInfo local_machine(const std::string& backend, int64_t threads_per_rank);
+// This machine: online CPUs and /proc/cpuinfo's model; for device "cuda" also the visible GPUs.
+MachineInfo local_machine(const std::string& backend, int64_t threads_per_rank,
+                          const std::string& device = "cpu");
 
 struct BenchTrainReport {
   std::string recipe_name;
@@ -101,13 +135,24 @@ struct BenchTrainReport {
   std::vector<std::string> hosts;  // --hosts, as displayed; empty: this machine
   std::string run_dir;             // the sweep's directory (one run directory per world)
   std::vector<std::string> notes;  // e.g. more rank threads than CPUs
-  std::vector<BenchTrainRow> rows;
+  // MFU: the peak FLOP/s of one device (none: MFU n/a) and where that figure comes from.
+  std::optional<double> peak_tflops;
+  std::string peak_source;
+  // Set by run_bench_train from the model: FLOPs per token (tokens) or per sample, and how.
+  double flops_per_unit = 0;
+  std::string flops_formula;
+  std::vector<std::string> precisions;  // in the order they ran
+  std::vector<BenchTrainRow> rows;      // per precision, per world size ascending
 
   int base_world() const { return rows.empty() ? 1 : rows.front().world; }
+  // Every precision but the baseline against it, per world size both ran; empty with one.
+  std::vector<PrecisionRatio> precision_ratios() const;
   nlohmann::json to_json() const;
-  // The `#` header (recipe, steps, machine, how the batch scales), a units row, one line per row.
+  // The `#` header (recipe, steps, machine, precisions, how the batch scales, MFU's formula and
+  // peak), a units row, one line per row, then one "# bf16 / fp32 throughput: 2.71x (world 1)"
+  // line per precision ratio.
   std::string table() const;
-  // Throughput against world size, with an ideal linear-scaling dashed line.
+  // Throughput against world size, with an ideal linear-scaling dashed line (per precision).
   std::string svg() const;
 };
 
@@ -116,10 +161,12 @@ struct BenchTrainReport {
 using BenchRunner = std::function<nlohmann::json(const Recipe& recipe, const BenchWorld& world,
                                                  const std::string& label)>;
 
-// Every world's recipe first (a strong-scaling refusal happens before any run), then
-// `options.repeats` runs per world in ascending order. `progress` gets one line per run started
-// and per world measured. `report` arrives with recipe, machine and hosts filled; the rows and
-// notes are added.
+// Every world's recipe first (a strong-scaling refusal happens before any run), then for each of
+// `options.precisions` (the recipe's train.precision when empty) `options.repeats` runs per world
+// in ascending order, the recipe's train.precision set to it (labels "w2", or "w2-bf16" when
+// several precisions run). `progress` gets one line per run started and per world measured.
+// `report` arrives with recipe, machine, hosts and peak filled; the model's FLOPs, the
+// precisions, the rows (with MFU when report.peak_tflops is set) are added.
 void run_bench_train(const Recipe& recipe, const std::vector<BenchWorld>& worlds,
                      const BenchRunner& runner,
                      const std::function<void(const std::string&)>& progress,

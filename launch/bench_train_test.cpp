@@ -384,3 +384,173 @@ TEST_CASE("the sweep directory is fresh: given and empty, or new under the runs 
   CHECK_THROWS_WITH_AS(create_sweep_dir(tmp / "given", "unused"),
                        doctest::Contains("not an empty directory"), Error);
 }
+
+TEST_CASE("a precision list keeps its order, each of fp32, bf16, fp16 once") {
+  CHECK(parse_precision_list("bf16,fp32", "--precision") ==
+        std::vector<std::string>{"bf16", "fp32"});
+  CHECK(parse_precision_list("fp32", "--precision") == std::vector<std::string>{"fp32"});
+  CHECK(parse_precision_list(" fp16 , bf16,fp32", "--precision") ==
+        std::vector<std::string>{"fp16", "bf16", "fp32"});
+  for (const char* bad : {"", ",", "bf16,", "fp8", "BF16", "bf16,,fp32", "fp32;bf16", "tf32"}) {
+    CAPTURE(bad);
+    try {
+      parse_precision_list(bad, "--precision");
+      FAIL("accepted");
+    } catch (const Error& e) {
+      CHECK(e.kind() == ErrorKind::usage);
+      CHECK(std::string(e.what()).rfind("--precision", 0) == 0);
+    }
+  }
+  CHECK_THROWS_WITH_AS(parse_precision_list("bf16,fp32,bf16", "--precision"),
+                       doctest::Contains("bf16 is listed twice"), Error);
+}
+
+TEST_CASE("--device and --precision override the recipe, which is validated again") {
+  const Recipe base = small_recipe();
+  const Recipe cuda = with_device_and_precision(base, "cuda", "bf16", "small.json with flags");
+  CHECK(cuda.train.device == "cuda");
+  CHECK(cuda.train.precision == "bf16");
+  CHECK(cuda.model == base.model);
+  CHECK(with_device_and_precision(base, "cuda", "fp16", "s").train.precision == "fp16");
+  CHECK(with_device_and_precision(base, "cpu", "fp32", "s") == base);
+  for (const char* precision : {"bf16", "fp16"}) {
+    CAPTURE(precision);
+    try {
+      with_device_and_precision(base, "cpu", precision, "small.json with --precision x");
+      FAIL("accepted");
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      CHECK(e.kind() == ErrorKind::recipe);
+      CHECK(what.find('\n') == std::string::npos);  // one line
+      CHECK(what.rfind("small.json with --precision x: /train/precision: ", 0) == 0);
+      CHECK(what.find("needs /train/device \"cuda\"") != std::string::npos);
+    }
+  }
+  // The recipe's other device rules hold too: nccl needs cuda.
+  Recipe nccl = with_device_and_precision(base, "cuda", "fp32", "s");
+  nccl.distributed.backend = "nccl";
+  CHECK_THROWS_WITH_AS(with_device_and_precision(nccl, "cpu", "fp32", "s"),
+                       doctest::Contains("/distributed/backend"), Error);
+}
+
+TEST_CASE("MFU is throughput x model FLOPs over world x peak") {
+  // GPT-2 small (803,261,952 FLOPs a token) at 492,492 tokens/s on one 989 TFLOP/s GPU: 40%.
+  const double per_token = 803261952.0;
+  CHECK(*model_flops_utilization(492492, per_token, 1, 989) == doctest::Approx(0.4).epsilon(1e-5));
+  // The same tokens/s over two devices is half the utilisation.
+  CHECK(*model_flops_utilization(492492, per_token, 2, 989) == doctest::Approx(0.2).epsilon(1e-5));
+  CHECK(*model_flops_utilization(1000, 1e9, 1, 1) == doctest::Approx(1.0));  // 1e12 / 1e12
+  CHECK(*model_flops_utilization(0, 1e9, 1, 1) == 0);
+  CHECK_FALSE(model_flops_utilization(1000, 1e9, 1, 0).has_value());
+  CHECK_FALSE(model_flops_utilization(1000, 0, 1, 989).has_value());
+  CHECK_FALSE(model_flops_utilization(1000, 1e9, 0, 989).has_value());
+}
+
+TEST_CASE("a precision sweep runs each precision over every world, with MFU and the ratio") {
+  const Recipe recipe = small_recipe();  // mlp 8-8-3: 6 x (64 + 24) = 528 FLOPs a sample
+  std::vector<std::string> labels, precisions;
+  const BenchRunner fake = [&](const Recipe& r, const BenchWorld& w, const std::string& label) {
+    labels.push_back(label);
+    precisions.push_back(r.train.precision);
+    // bf16 is 2.5x fp32's 1000 samples/s per rank; world 2 scales perfectly.
+    const double rate = (r.train.precision == "bf16" ? 2500.0 : 1000.0) * w.world;
+    return result(rate, 1, 2, 3, 4, 5, label);
+  };
+  BenchTrainReport report;
+  report.options.steps = 10;
+  report.options.precisions = {"bf16", "fp32"};
+  report.peak_tflops = 1e-6;  // 1 MFLOP/s: MFU = samples/s x 528 / (world x 1e6)
+  report.peak_source = "--peak-tflops";
+  std::vector<std::string> progress;
+  run_bench_train(
+      recipe, {{1, {}}, {2, {}}}, fake, [&](const std::string& line) { progress.push_back(line); },
+      report);
+  CHECK(labels == std::vector<std::string>{"w1-bf16", "w2-bf16", "w1-fp32", "w2-fp32"});
+  CHECK(precisions == std::vector<std::string>{"bf16", "bf16", "fp32", "fp32"});
+  CHECK(report.precisions == std::vector<std::string>{"bf16", "fp32"});
+  CHECK(report.flops_per_unit == 528);
+  REQUIRE(report.rows.size() == 4);
+  CHECK(report.rows[0].precision == "bf16");
+  CHECK(report.rows[3].precision == "fp32");
+  for (const auto& row : report.rows) {
+    CAPTURE(row.precision);
+    CAPTURE(row.world);
+    CHECK(row.efficiency == doctest::Approx(1.0));  // each precision against its own world 1
+    REQUIRE(row.mfu.has_value());
+    CHECK(*row.mfu == doctest::Approx(row.samples_per_s * 528 / (row.world * 1e6)));
+  }
+  CHECK(*report.rows[2].mfu == doctest::Approx(0.528));  // fp32 world 1: 1000 x 528 / 1e6
+  const auto ratios = report.precision_ratios();
+  REQUIRE(ratios.size() == 2);
+  CHECK(ratios[0].world == 1);
+  CHECK(ratios[0].precision == "bf16");
+  CHECK(ratios[0].baseline == "fp32");
+  CHECK(ratios[0].ratio == doctest::Approx(2.5));
+  CHECK(ratios[1].world == 2);
+  CHECK(progress[1].find("bench train: bf16 world 1 (run 1 of 4)") != std::string::npos);
+  CHECK(progress[2].find("MFU 132.0%") != std::string::npos);  // bf16 world 1: 2500 x 528 / 1e6
+
+  const json j = report.to_json();
+  CHECK(j["precisions"] == json({"bf16", "fp32"}));
+  REQUIRE(j["precision_ratios"].size() == 2);
+  CHECK(j["precision_ratios"][0]["ratio"].get<double>() == doctest::Approx(2.5));
+  CHECK(j["precision_ratios"][0]["baseline"] == "fp32");
+  CHECK(j["mfu_basis"]["peak_tflops"] == 1e-6);
+  CHECK(j["mfu_basis"]["flops_per_sample"] == 528.0);
+  CHECK(j["rows"][0]["precision"] == "bf16");
+  CHECK(j["rows"][2]["mfu"].get<double>() == doctest::Approx(0.528));
+
+  const std::string table = report.table();
+  CAPTURE(table);
+  CHECK(table.find("# precision: bf16, fp32: one sweep each") != std::string::npos);
+  CHECK(table.find("# MFU: samples/s x model FLOPs / (world x peak); peak 1e-06 TFLOP/s per "
+                   "device (--peak-tflops)") != std::string::npos);
+  CHECK(table.find("# model FLOPs: 6 x weights per sample (88 weights)") != std::string::npos);
+  CHECK(table.find("# bf16 / fp32 throughput: 2.50x (world 1)") != std::string::npos);
+  CHECK(table.find("# bf16 / fp32 throughput: 2.50x (world 2)") != std::string::npos);
+  std::vector<std::string> rows;
+  std::istringstream in(table);
+  for (std::string line; std::getline(in, line);)
+    if (!line.empty() && line[0] != '#') rows.push_back(line);
+  REQUIRE(rows.size() == 4);
+  std::istringstream first(rows[0]);
+  std::vector<std::string> cells;
+  for (std::string cell; first >> cell;)
+    cells.push_back(cell);
+  REQUIRE(cells.size() == 12);  // precision, world, ... MFU, peak
+  CHECK(cells[0] == "bf16");
+  CHECK(cells[1] == "1");
+  CHECK(cells[10] == "132.0%");
+
+  // The SVG has a measured and an ideal line per precision.
+  const std::string svg = report.svg();
+  CHECK(svg.find("bf16 ideal (linear scaling)") != std::string::npos);
+  CHECK(svg.find("fp32 ideal (linear scaling)") != std::string::npos);
+}
+
+TEST_CASE(
+    "with a peak, a row without MFU shows n/a; without fp32 the first precision is the base") {
+  BenchTrainReport report = report_with_rows(false);
+  report.machine.device = "cuda";
+  report.peak_tflops = 989;
+  report.peak_source = "H100/H200 dense bf16";
+  report.rows[0].mfu = 0.412;
+  const std::string t = report.table();
+  CAPTURE(t);
+  CHECK(t.find("41.2%") != std::string::npos);
+  CHECK(t.find("n/a") != std::string::npos);  // row 2
+  CHECK(t.find("peak 989 TFLOP/s per device (H100/H200 dense bf16)") != std::string::npos);
+  CHECK(t.find("throughput:") == std::string::npos);  // one precision: no ratio
+  CHECK(report.precision_ratios().empty());
+
+  BenchTrainReport halves = report_with_rows(false);
+  halves.rows[0].precision = "fp16";
+  halves.rows[1].precision = "bf16";
+  halves.rows[1].world = 1;
+  halves.precisions = {"fp16", "bf16"};
+  const auto ratios = halves.precision_ratios();
+  REQUIRE(ratios.size() == 1);
+  CHECK(ratios[0].precision == "bf16");
+  CHECK(ratios[0].baseline == "fp16");
+  CHECK(ratios[0].ratio == doctest::Approx(1.5));
+}

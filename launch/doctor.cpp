@@ -12,11 +12,13 @@
 
 #include <fmt/format.h>
 
+#include "core/comm/nccl_communicator.hpp"
 #include "core/comm/net.hpp"
 #include "core/comm/socket.hpp"
 #include "core/comm/store.hpp"
 #include "core/error.hpp"
 #include "core/recipe.hpp"
+#include "core/tensor/device.hpp"
 #include "core/trainer.hpp"
 #include "launch/job.hpp"
 #include "launch/provision.hpp"
@@ -90,6 +92,7 @@ class Doctor {
 
   std::vector<DoctorCheck> run() {
     check_recipe();
+    check_local_gpus_for_recipe();
     survey_hosts();
     check_store_port();
     check_peer_ports();
@@ -132,6 +135,26 @@ class Doctor {
       add("data", "", false, e.what(),
           "use more data, a smaller train.batch_per_rank or fewer ranks");
     }
+  }
+
+  // A cuda recipe needs GPUs (and, for NCCL, the library) where its ranks run. This machine's
+  // are checked here; a remote host's ranks check their own when they start.
+  void check_local_gpus_for_recipe() {
+    if (!recipe_ || recipe_->train.device != "cuda") return;
+    const int count = cuda_device_count();
+    if (count == 0) {
+      add("gpu", "localhost", false,
+          built_with_cuda() ? "no CUDA device is visible" : "this dptrain was built without CUDA",
+          built_with_cuda() ? "install the NVIDIA driver, or check CUDA_VISIBLE_DEVICES"
+                            : "rebuild where the CUDA toolkit is installed");
+      return;
+    }
+    add("gpu", "localhost", true,
+        fmt::format("{} CUDA device(s), the first {}", count, cuda_device_name(0)));
+    if (recipe_->distributed.backend == "gloo") return;
+    const auto why_not = nccl_unavailable_reason();
+    add("nccl", "localhost", !why_not, why_not ? *why_not : "NCCL loads",
+        "put libnccl.so.2 on the library path or set DPTRAIN_NCCL_LIBRARY");
   }
 
   void survey_hosts() {

@@ -11,6 +11,7 @@
 #include <optional>
 
 #include "core/error.hpp"
+#include "tests/scoped_env.hpp"
 #include "tests/temp_dir.hpp"
 
 namespace dptrain {
@@ -43,28 +44,6 @@ std::string hostfile_error(const std::string& text) {
   if (message.starts_with(prefix)) message.replace(0, prefix.size(), "hosts");
   return message;
 }
-
-// Sets an environment variable for one scope.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const std::string& value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    setenv(name, value.c_str(), 1);
-  }
-  ~ScopedEnv() {
-    if (old_) {
-      setenv(name_, old_->c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
 
 TEST_CASE("hostfile: hosts, attributes, comments and blank lines") {
   test::TempDir dir;

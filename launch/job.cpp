@@ -14,6 +14,7 @@
 #include "core/comm/tcp_store.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
+#include "core/tensor/device.hpp"
 #include "core/trainer.hpp"
 #include "launch/hang_watch.hpp"
 #include "launch/relay.hpp"
@@ -28,11 +29,37 @@ fs::path self_executable() {
   return fs::read_symlink("/proc/self/exe");
 }
 
+// "auto" stays for the ranks to settle: nccl when every rank has a GPU and NCCL, gloo otherwise.
 std::string resolve_backend(const std::string& requested) {
-  if (requested == "auto" || requested == "gloo") return "gloo";
-  throw Error(
-      ErrorKind::usage,
-      fmt::format("--backend: '{}' is not available in this build (use gloo or auto)", requested));
+  if (requested == "auto" || requested == "gloo" || requested == "nccl") return requested;
+  throw Error(ErrorKind::usage,
+              fmt::format("--backend: unknown backend '{}' (use auto, gloo or nccl)", requested));
+}
+
+void require_local_gpus(int local, const std::string& who) {
+  if (local <= 0) return;
+  const int visible = cuda_device_count();
+  if (visible >= local) return;
+  std::string why;
+  if (!built_with_cuda()) {
+    why = "this dptrain was built without CUDA";
+  } else if (visible == 0) {
+    why = "no CUDA device is visible (check the driver and CUDA_VISIBLE_DEVICES)";
+  } else {
+    why = fmt::format("only {} CUDA device(s) are visible", visible);
+  }
+  throw Error(ErrorKind::cuda, fmt::format("{}: {} rank(s) on this machine need a GPU each, but {}",
+                                           who, local, why));
+}
+
+void check_local_gpus(const JobSpec& spec) {
+  if (!spec.one_gpu_per_rank && spec.recipe.train.device != "cuda") return;
+  int local = spec.hosts.empty() ? spec.world_size : 0;
+  for (const HostSpec& h : spec.hosts) {
+    if (h.is_local()) local += h.slots;
+  }
+  require_local_gpus(
+      local, spec.recipe.train.device == "cuda" ? "train.device \"cuda\"" : "--backend nccl");
 }
 
 json JobOutcome::to_json(const RunDirectory& run) const {
@@ -153,6 +180,7 @@ JobPlan plan_job(const JobSpec& spec, const fs::path& run_path, const std::strin
     a.world_size = world;
     a.nominal_world = spec.nominal_world;
     a.backend = resolve_backend(spec.backend);
+    a.one_gpu_per_rank = spec.one_gpu_per_rank || spec.recipe.train.device == "cuda";
     a.resume_from = spec.resume_from.string();
     for (int i = 0; i < h.slots; ++i)
       a.ranks.push_back(next_rank++);

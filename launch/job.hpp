@@ -44,6 +44,9 @@ struct JobSpec {
   std::chrono::milliseconds rejoin_timeout{60000};
   int nominal_world = 0;  // the world size the global batch is defined by; 0: world_size
   std::string backend = "auto";
+  // Every rank gets one GPU of its node (CUDA_VISIBLE_DEVICES); true when recipe.train.device is
+  // "cuda" whatever this says (benchmarks of GPU collectives set it).
+  bool one_gpu_per_rank = false;
   // A verified checkpoint, "newest-or-start" (the newest any node holds, or step 0), or empty.
   std::filesystem::path resume_from;
   std::filesystem::path worker_binary;  // this executable
@@ -75,6 +78,14 @@ struct RestartPolicy {
 
 // Resolves "auto" to the backend this build and machine use.
 std::string resolve_backend(const std::string& requested);
+
+// `local` ranks on this machine that need a GPU each must find that many visible: otherwise
+// Error(cuda) "WHO: N rank(s) on this machine need a GPU each, but <reason>", before any rank
+// starts, rather than every rank failing alike. Remote hosts are checked by their own ranks.
+void require_local_gpus(int local, const std::string& who);
+// The same for a job: its ranks on this machine when train.device is "cuda" (or
+// one_gpu_per_rank).
+void check_local_gpus(const JobSpec& spec);
 
 // The plan of a job: hosts in order, ranks assigned in blocks of their slots.
 struct JobPlan {

@@ -4,6 +4,7 @@
 
 #include <sstream>
 
+#include "core/comm/nccl_communicator.hpp"
 #include "tests/cluster.hpp"
 #include "tests/harness.hpp"
 
@@ -282,7 +283,6 @@ TEST_CASE("bench comm: a bad flag exits 2 naming it and creates nothing") {
       {{"-d", "fp8"}, "-d/--dtype: unknown element type 'fp8'"},
       {{"--op", "allreduc"}, "-o/--op: unknown collective 'allreduc'"},
       {{"--redop", "prod"}, "--redop: unknown reduction 'prod'"},
-      {{"--backend", "nccl"}, "--backend: 'nccl' is not available in this build"},
       {{"--backend", "mpi"}, "--backend: unknown backend 'mpi'"},
       {{"--nproc", "0"}, "--nproc: must be at least 1, got 0"},
       {{"--nproc", "2", "--op", "broadcast", "--root", "2"}, "--root: 2 is not a rank (0..1)"},
@@ -302,7 +302,28 @@ TEST_CASE("bench comm: a bad flag exits 2 naming it and creates nothing") {
     CHECK(r.out.empty());
   }
   CHECK_FALSE(fs::exists(tmp / "runs"));
-  const auto j = bench(tmp, {"--backend", "nccl", "--json"});
+  const auto j = bench(tmp, {"--backend", "mpi", "--json"});
   CHECK(j.exit_code == 2);
   CHECK(parse_json(j.out)["exit_code"] == 2);  // errors are JSON too with --json
+}
+
+TEST_CASE("bench comm --backend nccl where NCCL cannot be used: exit 3, one line with the reason") {
+  const auto reason = dptrain::nccl_unavailable_reason();
+  if (!reason) {
+    MESSAGE("NCCL is usable here: the GPU tests run bench comm over it");
+    return;
+  }
+  TempDir tmp;
+  const auto r = bench(tmp, {"--backend", "nccl", "--nproc", "2", "-e", "1K"});
+  CHECK(r.exit_code == 3);
+  CHECK(r.out.empty());
+  CHECK_MESSAGE(r.err == "dptrain: error: --backend nccl: NCCL cannot be used: " + *reason + "\n",
+                r.err);
+  CHECK_FALSE(fs::exists(tmp / "runs"));  // nothing was started
+  const auto j = bench(tmp, {"--backend", "nccl", "--json"});
+  CHECK(j.exit_code == 3);
+  const json out = parse_json(j.out);
+  CHECK(out["exit_code"] == 3);
+  REQUIRE(out["errors"].size() == 1);
+  CHECK(out["errors"][0] == "--backend nccl: NCCL cannot be used: " + *reason);
 }

@@ -1,9 +1,12 @@
 // `dptrain bench train` end to end: real runs per world size, the JSON rows, the chart, the
-// table, and every refusal before a run (bad lists, --strong, data too small) or after (exit 3).
+// table, MFU and precision overrides, and every refusal before a run (bad lists, --strong, data
+// too small, bf16 on the CPU, cuda without a GPU) or after (exit 3).
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <sstream>
 
+#include "core/tensor/device.hpp"
 #include "tests/harness.hpp"
 
 using namespace dptrain::test;
@@ -28,6 +31,11 @@ std::string quickstart() {
 // Nothing was started: no sweep directory under the runs root.
 bool nothing_created(const TempDir& tmp) {
   return !fs::exists(tmp / "runs") || fs::is_empty(tmp / "runs");
+}
+
+// stderr holds exactly one line, the error, and it starts as main prints errors.
+bool one_error_line(const std::string& err) {
+  return err.rfind("dptrain: error: ", 0) == 0 && std::count(err.begin(), err.end(), '\n') == 1;
 }
 
 }  // namespace
@@ -167,4 +175,133 @@ TEST_CASE("a failed run exits 3 with its error and the world size") {
   CHECK(r.err.find("rank 1") != std::string::npos);
   CHECK(r.err.find("bench train: world 1: ") != std::string::npos);  // measured before
   CHECK(r.out.empty());                                              // no table for a partial sweep
+}
+
+TEST_CASE("--precision fp32 --peak-tflops 1 on the CPU: every row has an MFU, the JSON says how") {
+  TempDir tmp;
+  // quickstart: mlp 784-256-256-10, 6 x 268,800 weights = 1,612,800 FLOPs a sample.
+  const auto r = bench(tmp, {quickstart(), "--nproc", "1", "--steps", "10", "--precision", "fp32",
+                             "--peak-tflops", "1", "--json"});
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  const json j = parse_json(r.out);
+  CHECK(j["precisions"] == json({"fp32"}));
+  CHECK(j["precision_ratios"].empty());
+  CHECK(j["mfu_basis"]["peak_tflops"] == 1.0);
+  CHECK(j["mfu_basis"]["peak_source"] == "--peak-tflops");
+  CHECK(j["mfu_basis"]["flops_per_sample"] == 6.0 * (784 * 256 + 256 * 256 + 256 * 10));
+  REQUIRE(j["rows"].size() == 1);
+  const json& row = j["rows"][0];
+  CHECK(row["precision"] == "fp32");
+  REQUIRE(row["mfu"].is_number());
+  const double expected =
+      row["samples_per_s"].get<double>() * j["mfu_basis"]["flops_per_sample"].get<double>() / 1e12;
+  CHECK(row["mfu"].get<double>() == doctest::Approx(expected));
+  CHECK(row["mfu"].get<double>() > 0);
+  CHECK(r.err.find(", MFU ") != std::string::npos);  // the progress line has it too
+}
+
+TEST_CASE("--peak-tflops on the CPU puts an MFU column in the table") {
+  TempDir tmp;
+  const auto r = bench(tmp, {quickstart(), "--nproc", "1", "--steps", "5", "--peak-tflops", "0.5"});
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out.find("# precision: fp32") != std::string::npos);
+  CHECK(r.out.find("peak 0.5 TFLOP/s per device (--peak-tflops)") != std::string::npos);
+  CHECK(r.out.find("# model FLOPs: 6 x weights per sample") != std::string::npos);
+  CHECK(r.out.find("MFU: n/a") == std::string::npos);
+  std::vector<std::string> rows;
+  std::istringstream in(r.out);
+  for (std::string line; std::getline(in, line);)
+    if (!line.empty() && line[0] != '#') rows.push_back(line);
+  REQUIRE(rows.size() == 1);
+  std::istringstream cells(rows[0]);
+  std::vector<std::string> cell;
+  for (std::string c; cells >> c;)
+    cell.push_back(c);
+  REQUIRE(cell.size() == 11);
+  CHECK(cell[9].back() == '%');  // MFU, before peak MiB
+}
+
+TEST_CASE("--precision bf16 on the CPU is the recipe's own error, exit 2, nothing created") {
+  TempDir tmp;
+  for (const std::string list : {"bf16", "fp32,bf16", "fp16"}) {
+    CAPTURE(list);
+    const auto r = bench(tmp, {quickstart(), "--nproc", "1", "--precision", list});
+    CHECK(r.exit_code == 2);
+    CHECK(one_error_line(r.err));
+    CHECK(r.err.find("quickstart.json with --precision") != std::string::npos);
+    CHECK(r.err.find(": /train/precision: ") != std::string::npos);
+    CHECK(r.err.find("needs /train/device \"cuda\"") != std::string::npos);
+    CHECK(nothing_created(tmp));
+  }
+  // --device cpu says the same, naming both options.
+  const auto r = bench(tmp, {quickstart(), "--device", "cpu", "--precision", "bf16", "--json"});
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("with --device cpu --precision bf16: /train/precision") != std::string::npos);
+  CHECK(parse_json(r.out)["exit_code"] == 2);
+}
+
+TEST_CASE("bad --precision, --device and --peak-tflops values exit 2 naming the option") {
+  TempDir tmp;
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--precision", "fp8"}, "--precision"},   {{"--precision", "bf16,bf16"}, "--precision"},
+      {{"--precision", ""}, "--precision"},      {{"--device", "gpu"}, "--device gpu"},
+      {{"--peak-tflops", "0"}, "--peak-tflops"}, {{"--peak-tflops", "-5"}, "--peak-tflops"},
+  };
+  for (const auto& [args, named] : cases) {
+    CAPTURE(named);
+    std::vector<std::string> full = {quickstart()};
+    full.insert(full.end(), args.begin(), args.end());
+    const auto r = bench(tmp, full);
+    CHECK(r.exit_code == 2);
+    CHECK(r.err.find(named) != std::string::npos);
+    CHECK(nothing_created(tmp));
+  }
+}
+
+TEST_CASE("--device cuda without a GPU exits 1 before anything starts, naming --device") {
+  if (dptrain::cuda_device_count() > 0) {
+    MESSAGE("skipped: this machine has a CUDA device (the GPU tests run bench train there)");
+    return;
+  }
+  TempDir tmp;
+  const auto r = bench(tmp, {quickstart(), "--nproc", "1,2", "--device", "cuda", "--json"});
+  CHECK(r.exit_code == 1);
+  CHECK(one_error_line(r.err));
+  CHECK(r.err.find("--device cuda (world size 2): 2 rank(s) on this machine need a GPU each") !=
+        std::string::npos);
+  CHECK((r.err.find("no CUDA device is visible") != std::string::npos ||
+         r.err.find("built without CUDA") != std::string::npos));
+  CHECK(parse_json(r.out)["exit_code"] == 1);
+  CHECK(nothing_created(tmp));
+
+  // bf16 with it passes the recipe's validation and meets the same refusal; without --nproc the
+  // sweep is as many ranks as there are GPUs, at least 1.
+  const auto bf16 = bench(tmp, {quickstart(), "--device", "cuda", "--precision", "bf16,fp32"});
+  CHECK(bf16.exit_code == 1);
+  CHECK(bf16.err.find("--device cuda (world size 1): 1 rank(s) on this machine need a GPU each") !=
+        std::string::npos);
+
+  // A recipe that asks for cuda itself is named as such.
+  json recipe = parse_json(read_text(source_dir() / "recipes/quickstart.json"));
+  recipe["train"]["device"] = "cuda";
+  const fs::path file = write_recipe(tmp.path(), recipe);
+  const auto own = bench(tmp, {file.string(), "--nproc", "1"});
+  CHECK(own.exit_code == 1);
+  CHECK(own.err.find("train.device \"cuda\" (the recipe's) (world size 1): 1 rank(s)") !=
+        std::string::npos);
+}
+
+TEST_CASE("--batch-per-rank overrides the recipe's batch for every run") {
+  TempDir tmp;
+  const auto r = bench(
+      tmp, {quickstart(), "--nproc", "1", "--steps", "5", "--batch-per-rank", "16", "--json"});
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  const json j = parse_json(r.out);
+  CHECK(j["rows"][0]["batch_per_rank"] == 16);
+  CHECK(j["rows"][0]["global_batch"] == 16);
+  const fs::path run = j["rows"][0]["run_dirs"][0].get<std::string>();
+  CHECK(parse_json(read_text(run / "recipe.json"))["train"]["batch_per_rank"] == 16);
 }

@@ -1,6 +1,8 @@
 // The command line itself: help, version, recipe validate/show, bad input and exit codes.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+
 #include "tests/harness.hpp"
 
 using namespace dptrain::test;
@@ -101,4 +103,34 @@ TEST_CASE("a bad recipe runs nothing: exit 2, one line per problem, no run direc
   auto missing = run_dptrain({"launch", (tmp / "absent.json").string()});
   CHECK(missing.exit_code == 2);
   CHECK(missing.err.find("absent.json") != std::string::npos);
+}
+
+TEST_CASE("train.device cuda where no GPU is visible: exit 1, one line, no run directory") {
+  TempDir tmp;
+  auto recipe = small_recipe();
+  recipe["train"]["device"] = "cuda";
+  const auto path = write_recipe(tmp.path(), recipe);
+  auto r =
+      run_dptrain({"launch", path.string(), "--nproc", "2", "--runs-root", (tmp / "runs").string()},
+                  {{"CUDA_VISIBLE_DEVICES", ""}});
+  CHECK(r.exit_code == 1);
+  CHECK(r.err.find("train.device \"cuda\": 2 rank(s) on this machine need a GPU each") !=
+        std::string::npos);
+  CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+  CHECK_FALSE(fs::exists(tmp / "runs"));
+
+  // The plan still shows what each rank would get: its own GPU.
+  auto plan = run_dptrain({"launch", path.string(), "--nproc", "2", "--dry-run", "--json"},
+                          {{"CUDA_VISIBLE_DEVICES", "3,1"}});
+  REQUIRE(plan.exit_code == 0);
+  const auto workers = parse_json(plan.out)["hosts"][0]["workers"];
+  CHECK(workers[0]["env"]["CUDA_VISIBLE_DEVICES"] == "3");
+  CHECK(workers[1]["env"]["CUDA_VISIBLE_DEVICES"] == "1");
+
+  // 16-bit compute needs the GPU: the recipe says so before anything starts.
+  recipe["train"]["device"] = "cpu";
+  recipe["train"]["precision"] = "bf16";
+  auto bf16 = run_dptrain({"launch", write_recipe(tmp.path(), recipe).string(), "--nproc", "1"});
+  CHECK(bf16.exit_code == 2);
+  CHECK(bf16.err.find("/train/precision") != std::string::npos);
 }

@@ -20,11 +20,15 @@ namespace dptrain::test {
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
+// The build's paths, unless the environment names others (a prebuilt bundle run on another
+// machine: tests/gpu/run.sh).
 std::string binary() {
-  return DPTRAIN_BINARY;
+  const char* other = std::getenv("DPTRAIN_TEST_BINARY");
+  return other != nullptr && *other != '\0' ? other : DPTRAIN_BINARY;
 }
 fs::path source_dir() {
-  return DPTRAIN_SOURCE_DIR;
+  const char* other = std::getenv("DPTRAIN_TEST_SOURCE_DIR");
+  return other != nullptr && *other != '\0' ? other : DPTRAIN_SOURCE_DIR;
 }
 
 namespace {

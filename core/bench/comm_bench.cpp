@@ -12,6 +12,7 @@
 
 #include "core/error.hpp"
 #include "core/suggest.hpp"
+#include "core/tensor/ops.hpp"
 
 namespace dptrain {
 
@@ -59,12 +60,14 @@ Collective collective_from_name(const std::string& text, const std::string& flag
 struct Pattern {
   int64_t bound = 0;  // 0: more ranks than exact integers; values are 0 or 1 on the first ranks
   int64_t exact = 0;  // the largest integer up to which every integer is exact
+  double unit = 0;    // the element type's unit roundoff: 1 / exact
 
   Pattern(BenchDtype dtype, int ranks) {
     exact = dtype == BenchDtype::float32   ? int64_t{1} << 24
             : dtype == BenchDtype::float16 ? int64_t{1} << 11
                                            : int64_t{1} << 8;
     bound = std::min<int64_t>(100, exact / ranks);
+    unit = 1.0 / static_cast<double>(exact);
   }
   uint64_t period() const { return static_cast<uint64_t>(2 * bound + 1); }
   // What a buffer holds where no rank's data belongs: outside the pattern's values.
@@ -137,10 +140,11 @@ uint64_t count_wrong_copy(const Pattern& pattern, int rank, uint64_t first, cons
 
 // Counts the elements of `got` that differ from the reduction over all ranks' patterns of
 // elements [first, first + count), rounded as the communicator rounds (avg: the exact sum divided
-// in float, then narrowed).
+// in float, then narrowed). With a `tolerance` (NCCL's avg, see run_comm_bench), an element is
+// wrong when it is further than that from the exact average instead.
 template <typename T>
 uint64_t count_wrong_reduced(const Pattern& pattern, ReduceOp op, int ranks, uint64_t first,
-                             const T* got, uint64_t count) {
+                             const T* got, uint64_t count, double tolerance) {
   constexpr uint64_t kChunk = 1 << 16;
   std::vector<int64_t> acc;
   uint64_t wrong = 0;
@@ -161,7 +165,13 @@ uint64_t count_wrong_reduced(const Pattern& pattern, ReduceOp op, int ranks, uin
     for (size_t i = 0; i < n; ++i) {
       float want = static_cast<float>(acc[i]);
       if (op == ReduceOp::avg) want /= static_cast<float>(ranks);
-      wrong += widen(got[start + i]) != widen(narrow<T>(want));
+      if (tolerance > 0) {
+        const double error = std::fabs(static_cast<double>(widen(got[start + i])) -
+                                       static_cast<double>(acc[i]) / ranks);
+        wrong += !(error <= tolerance);  // a NaN is wrong too
+      } else {
+        wrong += widen(got[start + i]) != widen(narrow<T>(want));
+      }
     }
   }
   return wrong;
@@ -169,12 +179,18 @@ uint64_t count_wrong_reduced(const Pattern& pattern, ReduceOp op, int ranks, uin
 
 // ---- running one collective at one size ----
 
+// The buffers of one collective: host vectors, which are filled and checked, and with a device op
+// table their copies in device memory, which the collective runs on.
 template <typename T>
 class CollectiveRun {
  public:
   CollectiveRun(Communicator& comm, const CommBenchOptions& options, Collective op,
-                const CollectiveShape& shape)
-      : comm_(comm), options_(options), op_(op), pattern_(options.dtype, comm.size()) {
+                const CollectiveShape& shape, Ops* device)
+      : comm_(comm),
+        options_(options),
+        op_(op),
+        pattern_(options.dtype, comm.size()),
+        device_(device) {
     const auto ranks = static_cast<uint64_t>(comm.size());
     count_ = shape.count;
     switch (op) {
@@ -191,6 +207,10 @@ class CollectiveRun {
         out_.resize(count_);
         break;
     }
+    if (device_ != nullptr) {
+      device_in_ = device_->allocate(in_.size() * sizeof(T));
+      device_out_ = device_->allocate(out_.size() * sizeof(T));
+    }
   }
 
   void fill() {
@@ -201,22 +221,38 @@ class CollectiveRun {
       fill_pattern(pattern_, rank, 0, in_.data(), in_.size());
     }
     fill_sentinel(pattern_, out_.data(), out_.size());
+    if (device_ != nullptr) {
+      upload(in_, device_in_);
+      upload(out_, device_out_);
+    }
   }
 
   void call() {
+    T* in = device_ != nullptr ? device_in_.as<T>() : in_.data();
+    T* out = device_ != nullptr ? device_out_.as<T>() : out_.data();
     switch (op_) {
       case Collective::allreduce:
-        comm_.allreduce(in_.data(), count_, options_.redop);
+        comm_.allreduce(in, count_, options_.redop);
         break;
       case Collective::broadcast:
-        comm_.broadcast(in_.data(), count_ * sizeof(T), options_.root);
+        comm_.broadcast(in, count_ * sizeof(T), options_.root);
         break;
       case Collective::allgather:
-        comm_.allgather(in_.data(), count_ * sizeof(T), out_.data());
+        comm_.allgather(in, count_ * sizeof(T), out);
         break;
       case Collective::reduce_scatter:
-        comm_.reduce_scatter(in_.data(), out_.data(), count_, options_.redop);
+        comm_.reduce_scatter(in, out, count_, options_.redop);
         break;
+    }
+  }
+
+  // Brings the output to the host vectors the check reads (device buffers only).
+  void fetch() {
+    if (device_ == nullptr) return;
+    if (out_.empty()) {
+      download(device_in_, in_);
+    } else {
+      download(device_out_, out_);
     }
   }
 
@@ -231,7 +267,8 @@ class CollectiveRun {
     const int rank = comm_.rank();
     switch (op_) {
       case Collective::allreduce:
-        return count_wrong_reduced(pattern_, options_.redop, ranks, 0, in_.data(), count_);
+        return count_wrong_reduced(pattern_, options_.redop, ranks, 0, in_.data(), count_,
+                                   tolerance());
       case Collective::broadcast:
         return count_wrong_copy(pattern_, options_.root, 0, in_.data(), count_);
       case Collective::allgather: {
@@ -244,26 +281,48 @@ class CollectiveRun {
       }
       case Collective::reduce_scatter:
         return count_wrong_reduced(pattern_, options_.redop, ranks,
-                                   static_cast<uint64_t>(rank) * count_, out_.data(), count_);
+                                   static_cast<uint64_t>(rank) * count_, out_.data(), count_,
+                                   tolerance());
     }
     return 0;
   }
 
  private:
+  // NCCL's avg multiplies every value by 1/ranks (rounded) before summing: exact when ranks is a
+  // power of two, otherwise within (ranks + 1) roundoffs of the largest magnitude (the products'
+  // and the sums' roundings); two more for the reciprocal and the margin.
+  double tolerance() const {
+    const int ranks = comm_.size();
+    if (options_.redop != ReduceOp::avg || comm_.backend() != "nccl") return 0;
+    if ((ranks & (ranks - 1)) == 0) return 0;
+    const auto magnitude = static_cast<double>(std::max<int64_t>(pattern_.bound, 1));
+    return (ranks + 3) * pattern_.unit * magnitude;
+  }
+
+  void upload(const std::vector<T>& host, const Buffer& device) {
+    if (!host.empty()) device_->upload(host.data(), device.data(), host.size() * sizeof(T));
+  }
+  void download(const Buffer& device, std::vector<T>& host) {
+    if (!host.empty()) device_->download(device.data(), host.data(), host.size() * sizeof(T));
+  }
+
   Communicator& comm_;
   const CommBenchOptions& options_;
   Collective op_;
   Pattern pattern_;
+  Ops* device_;
   uint64_t count_ = 0;
   std::vector<T> in_;
   std::vector<T> out_;
+  Buffer device_in_;
+  Buffer device_out_;
 };
 
 template <typename T>
 CommBenchRow measure(Communicator& comm, const CommBenchOptions& options, Collective op,
-                     uint64_t requested_bytes) {
+                     uint64_t requested_bytes, Ops* device) {
   const CollectiveShape shape = collective_shape(op, requested_bytes, sizeof(T), comm.size());
-  CollectiveRun<T> run(comm, options, op, shape);
+  CollectiveRun<T> run(comm, options, op, shape, device);
   run.fill();
   for (int i = 0; i < options.warmup; ++i)
     run.call();
@@ -275,6 +334,7 @@ CommBenchRow measure(Communicator& comm, const CommBenchOptions& options, Collec
   double seconds = elapsed.count() / options.iters;
   run.fill();
   run.call();
+  run.fetch();
   if (comm.rank() == options.corrupt_rank) run.spoil_one();
   double wrong = static_cast<double>(run.wrong());
   // The slowest rank's time; every rank's wrong elements.
@@ -483,7 +543,7 @@ CollectiveShape collective_shape(Collective op, uint64_t requested_bytes, size_t
   return shape;
 }
 
-void CommBenchOptions::validate(int ranks) const {
+void CommBenchOptions::validate(int ranks, const std::string& backend) const {
   if (ops.empty()) throw Error(ErrorKind::usage, "-o/--op: no collective given");
   if (min_bytes < 1) {
     throw Error(ErrorKind::usage, "-b/--minbytes: must be at least 1 byte");
@@ -509,7 +569,7 @@ void CommBenchOptions::validate(int ranks) const {
   // Gloo's reduce-scatter counts the whole buffer's bytes in an int.
   const bool has_reduce_scatter =
       std::find(ops.begin(), ops.end(), Collective::reduce_scatter) != ops.end();
-  if (has_reduce_scatter && max_bytes > static_cast<uint64_t>(INT_MAX)) {
+  if (backend == "gloo" && has_reduce_scatter && max_bytes > static_cast<uint64_t>(INT_MAX)) {
     throw Error(ErrorKind::usage,
                 fmt::format("-e/--maxbytes: {} is more than reduce_scatter takes over gloo "
                             "(at most {} bytes in all)",
@@ -603,8 +663,8 @@ CommBenchResult CommBenchResult::from_json(const json& j) {
 }
 
 CommBenchResult run_comm_bench(Communicator& comm, const CommBenchOptions& options,
-                               const std::function<void(Collective)>& on_collective) {
-  options.validate(comm.size());
+                               const std::function<void(Collective)>& on_collective, Ops* device) {
+  options.validate(comm.size(), comm.backend());
   CommBenchResult result;
   result.ranks = comm.size();
   result.backend = comm.backend();
@@ -615,13 +675,13 @@ CommBenchResult run_comm_bench(Communicator& comm, const CommBenchOptions& optio
     for (uint64_t size : sizes) {
       switch (options.dtype) {
         case BenchDtype::float32:
-          result.rows.push_back(measure<float>(comm, options, op, size));
+          result.rows.push_back(measure<float>(comm, options, op, size, device));
           break;
         case BenchDtype::float16:
-          result.rows.push_back(measure<Half>(comm, options, op, size));
+          result.rows.push_back(measure<Half>(comm, options, op, size, device));
           break;
         case BenchDtype::bfloat16:
-          result.rows.push_back(measure<BFloat16>(comm, options, op, size));
+          result.rows.push_back(measure<BFloat16>(comm, options, op, size, device));
           break;
       }
     }

@@ -14,6 +14,8 @@
 
 namespace dptrain {
 
+class Ops;
+
 enum class Collective { allreduce, broadcast, reduce_scatter, allgather };
 enum class BenchDtype { float32, float16, bfloat16 };
 
@@ -65,7 +67,8 @@ struct CommBenchOptions {
   int corrupt_rank = -1;
 
   // Error(usage) naming the flag (-b, -e, -f, -w, -n, --root); `ranks` < 1: not known yet.
-  void validate(int ranks) const;
+  // `backend`'s limits too (gloo: reduce_scatter of at most INT_MAX bytes).
+  void validate(int ranks, const std::string& backend = "gloo") const;
   nlohmann::json to_json() const;
   static CommBenchOptions from_json(const nlohmann::json& j);  // Error(usage) when malformed
 };
@@ -101,8 +104,19 @@ struct CommBenchResult {
 // warm-up iterations, a barrier, the timed iterations, then one more call on freshly filled
 // buffers whose every output element is checked. `on_collective` is told when each collective
 // starts. Throws what the communicator throws (Error(comm)).
+//
+// The buffers are host memory, or with `device` (the op table of this rank's GPU, for a
+// communicator that takes device memory: NCCL) device memory allocated on it, filled by uploading
+// the same patterns and checked by downloading the outputs. Each timed call includes what the
+// communicator does until it returns (NCCL: the host waits for the collective to finish).
+//
+// The check is exact, except for avg over NCCL with a number of ranks that is not a power of two:
+// NCCL multiplies each value by 1/ranks before summing, so an element may differ from the exact
+// average by a few units in the last place; there it must lie within (ranks + 3) units of
+// roundoff of the pattern's largest magnitude.
 CommBenchResult run_comm_bench(Communicator& comm, const CommBenchOptions& options,
-                               const std::function<void(Collective)>& on_collective = {});
+                               const std::function<void(Collective)>& on_collective = {},
+                               Ops* device = nullptr);
 
 // The nccl-tests table: for each collective a '#' header block, the two column header lines, one
 // row per size, and the "Out of bounds values" and "Avg bus bandwidth" lines.

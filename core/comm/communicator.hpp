@@ -114,7 +114,10 @@ class Communicator {
   virtual ~Communicator() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
-  virtual std::string backend() const = 0;  // "gloo"
+  virtual std::string backend() const = 0;  // "gloo" or "nccl"
+  // Whether the collectives take device memory (NCCL: CUDA device pointers, and host pointers
+  // too, staged through the device). Gloo takes host memory only.
+  virtual bool device_memory() const { return false; }
   // In place: on return every rank holds the reduction of all ranks' `data`.
   virtual void allreduce(float* data, size_t count, ReduceOp op) = 0;
   virtual void allreduce(double* data, size_t count, ReduceOp op) = 0;

@@ -14,6 +14,7 @@
 #include "core/error.hpp"
 #include "core/model/model.hpp"
 #include "core/optim/optimizer.hpp"
+#include "core/tensor/cpu_ops.hpp"
 
 namespace dptrain {
 namespace {
@@ -147,10 +148,11 @@ TEST_CASE("synthetic data is learnable well above chance but not trivially") {
   recipe.data.samples = 12000;
   recipe.model.hidden = {64};
   const DataSplits splits = load_data(recipe.data, recipe.model, 1);
+  CpuOps cpu_ops;
   auto model = make_model(recipe.model);
   std::vector<float> params(model->num_params()), grads(params.size());
   model->init_params(params, 1);
-  auto optimizer = make_optimizer(recipe.optimizer, params.size());
+  auto optimizer = make_optimizer(recipe.optimizer, params.size(), {}, cpu_ops);
   const int64_t batch = 64, steps = 300;
   const DistributedSampler sampler(splits.train->size(), batch, 1);
   std::vector<float> x(static_cast<size_t>(batch * 784));

@@ -8,7 +8,6 @@
 #include <fmt/format.h>
 
 #include "core/error.hpp"
-#include "core/tensor/cpu_ops.hpp"
 #include "core/tensor/random.hpp"
 
 namespace dptrain {
@@ -28,11 +27,6 @@ void fill_normal(std::mt19937_64& rng, float* out, int64_t count, double std) {
   fill_standard_normal(rng, span);
   for (float& v : span)
     v = static_cast<float>(v * std);
-}
-
-// Grows `buffer` to hold `count` floats; existing values are not kept.
-void ensure(std::vector<float>& buffer, int64_t count) {
-  if (static_cast<int64_t>(buffer.size()) < count) buffer.assign(static_cast<size_t>(count), 0.0f);
 }
 
 }  // namespace
@@ -65,11 +59,13 @@ GptLayout gpt_layout(const GptConfig& c) {
   return l;
 }
 
-Gpt::Gpt(GptConfig config, std::unique_ptr<Ops> ops)
+Gpt::Gpt(GptConfig config, std::shared_ptr<Ops> ops, DType dtype)
     : config_(config),
       layout_(gpt_layout(config)),
       mlp_(config.mlp_ratio * config.width),
-      ops_(std::move(ops)) {
+      ops_(std::move(ops)),
+      dtype_(dtype),
+      compute_(*ops_, dtype) {
   if (config_.width % config_.heads != 0) {
     throw Error(ErrorKind::internal, "gpt: width must be a multiple of heads");
   }
@@ -120,149 +116,161 @@ void Gpt::reserve(int64_t sequences, int64_t seq) {
   const int64_t rows = sequences * seq;
   const int64_t layers = config_.layers;
   const int64_t c = config_.width;
+  Ops& ops = *ops_;
   ws_.rows = rows;
   ws_.sequences = sequences;
   ws_.seq = seq;
-  ws_.inputs.resize(static_cast<size_t>(rows));
-  ws_.targets.resize(static_cast<size_t>(rows));
-  ensure(ws_.residual, (layers + 1) * rows * c);
-  ensure(ws_.mid, layers * rows * c);
-  ensure(ws_.ln1, layers * rows * c);
-  ensure(ws_.ln2, layers * rows * c);
-  ensure(ws_.ln_stats, (2 * layers + 1) * 2 * rows);
-  ensure(ws_.qkv, layers * rows * 3 * c);
-  ensure(ws_.att, layers * sequences * config_.heads * seq * seq);
-  ensure(ws_.att_out, layers * rows * c);
-  ensure(ws_.fc, layers * rows * mlp_);
-  ensure(ws_.gelu, layers * rows * mlp_);
-  ensure(ws_.lnf, rows * c);
-  ensure(ws_.logits, rows * config_.vocab);
+  ws_.host_inputs.resize(static_cast<size_t>(rows));
+  ws_.host_targets.resize(static_cast<size_t>(rows));
+  ws_.att_floats = ops.attention_state_floats(sequences, seq, config_.heads);
+  if (ws_.inputs.bytes() < static_cast<size_t>(rows) * sizeof(int32_t)) {
+    ws_.inputs = ops.allocate(static_cast<size_t>(rows) * sizeof(int32_t));
+    ws_.targets = ops.allocate(static_cast<size_t>(rows) * sizeof(int32_t));
+  }
+  ensure(ops, ws_.residual, (layers + 1) * rows * c, dtype_);
+  ensure(ops, ws_.mid, layers * rows * c, dtype_);
+  ensure(ops, ws_.ln1, layers * rows * c, dtype_);
+  ensure(ops, ws_.ln2, layers * rows * c, dtype_);
+  ensure(ops, ws_.ln_stats, (2 * layers + 1) * 2 * rows, DType::f32);
+  ensure(ops, ws_.qkv, layers * rows * 3 * c, dtype_);
+  ensure(ops, ws_.att, layers * static_cast<int64_t>(ws_.att_floats), DType::f32);
+  ensure(ops, ws_.att_out, layers * rows * c, dtype_);
+  ensure(ops, ws_.fc, layers * rows * mlp_, dtype_);
+  ensure(ops, ws_.gelu, layers * rows * mlp_, dtype_);
+  ensure(ops, ws_.lnf, rows * c, dtype_);
+  ensure(ops, ws_.logits, rows * config_.vocab, dtype_);
 }
 
-Matrix Gpt::rows_of(std::vector<float>& buffer, int64_t index, int64_t cols) {
-  return {buffer.data() + index * ws_.rows * cols, ws_.rows, cols};
+const void* Gpt::at(const void* params, size_t offset) const {
+  return static_cast<const char*>(params) + offset * dtype_size(dtype_);
+}
+
+Matrix Gpt::rows_of(const Buffer& buffer, int64_t index, int64_t cols) const {
+  const size_t offset = static_cast<size_t>(index * ws_.rows * cols) * dtype_size(dtype_);
+  return {buffer.as<char>() + offset, ws_.rows, cols, dtype_};
 }
 
 float* Gpt::stats(int64_t which, int64_t kind) {
-  return ws_.ln_stats.data() + (which * 2 + kind) * ws_.rows;
+  return ws_.ln_stats.as<float>() + (which * 2 + kind) * ws_.rows;
 }
 
 void Gpt::load_windows(const int32_t* windows, int64_t sequences, int64_t seq) {
   reserve(sequences, seq);
   for (int64_t b = 0; b < sequences; ++b) {
     const int32_t* w = windows + b * (seq + 1);
-    std::copy(w, w + seq, ws_.inputs.begin() + b * seq);
-    std::copy(w + 1, w + seq + 1, ws_.targets.begin() + b * seq);
+    std::copy(w, w + seq, ws_.host_inputs.begin() + b * seq);
+    std::copy(w + 1, w + seq + 1, ws_.host_targets.begin() + b * seq);
   }
+  const size_t bytes = static_cast<size_t>(ws_.rows) * sizeof(int32_t);
+  ops_->upload(ws_.host_inputs.data(), ws_.inputs.data(), bytes);
+  ops_->upload(ws_.host_targets.data(), ws_.targets.data(), bytes);
 }
 
-Matrix Gpt::forward(const float* p) {
+Matrix Gpt::forward(const void* p) {
   const int64_t c = config_.width;
-  const int64_t rows = ws_.rows;
   Matrix x = rows_of(ws_.residual, 0, c);
-  ops_->embedding_forward(ws_.inputs.data(), ws_.seq, config_.vocab, p + layout_.wte,
-                          p + layout_.wpe, x);
+  ops_->embedding_forward(ws_.inputs.as<int32_t>(), ws_.seq, config_.vocab, at(p, layout_.wte),
+                          at(p, layout_.wpe), x);
   for (int64_t l = 0; l < config_.layers; ++l) {
     const GptLayerLayout& b = layout_.layers[static_cast<size_t>(l)];
     // Attention: mid = x + proj(attention(ln1(x)))
     const Matrix ln1 = rows_of(ws_.ln1, l, c);
-    ops_->layernorm_forward(x, p + b.ln1_gamma, p + b.ln1_beta, ln1, stats(2 * l, 0),
+    ops_->layernorm_forward(x, at(p, b.ln1_gamma), at(p, b.ln1_beta), ln1, stats(2 * l, 0),
                             stats(2 * l, 1));
     const Matrix qkv = rows_of(ws_.qkv, l, 3 * c);
-    linear(ln1, p + b.qkv_weight, p + b.qkv_bias, qkv, false);
+    linear(ln1, at(p, b.qkv_weight), at(p, b.qkv_bias), qkv, false);
     const Matrix att_out = rows_of(ws_.att_out, l, c);
     ops_->attention_forward(qkv, ws_.sequences, ws_.seq, config_.heads, att_out,
-                            ws_.att.data() + l * ws_.sequences * config_.heads * ws_.seq * ws_.seq);
+                            ws_.att.as<float>() + static_cast<size_t>(l) * ws_.att_floats);
     const Matrix mid = rows_of(ws_.mid, l, c);
-    std::copy(x.data, x.data + rows * c, mid.data);
-    linear(att_out, p + b.proj_weight, p + b.proj_bias, mid, true);
+    ops_->copy(x.data, mid.data, x.bytes());
+    linear(att_out, at(p, b.proj_weight), at(p, b.proj_bias), mid, true);
     // MLP: next = mid + fc_proj(gelu(fc(ln2(mid))))
     const Matrix ln2 = rows_of(ws_.ln2, l, c);
-    ops_->layernorm_forward(mid, p + b.ln2_gamma, p + b.ln2_beta, ln2, stats(2 * l + 1, 0),
+    ops_->layernorm_forward(mid, at(p, b.ln2_gamma), at(p, b.ln2_beta), ln2, stats(2 * l + 1, 0),
                             stats(2 * l + 1, 1));
     const Matrix fc = rows_of(ws_.fc, l, mlp_);
-    linear(ln2, p + b.fc_weight, p + b.fc_bias, fc, false);
+    linear(ln2, at(p, b.fc_weight), at(p, b.fc_bias), fc, false);
     const Matrix gelu = rows_of(ws_.gelu, l, mlp_);
     ops_->activation_forward(Activation::gelu, fc, gelu);
     const Matrix next = rows_of(ws_.residual, l + 1, c);
-    std::copy(mid.data, mid.data + rows * c, next.data);
-    linear(gelu, p + b.fc_proj_weight, p + b.fc_proj_bias, next, true);
+    ops_->copy(mid.data, next.data, mid.bytes());
+    linear(gelu, at(p, b.fc_proj_weight), at(p, b.fc_proj_bias), next, true);
     x = next;
   }
-  const Matrix lnf{ws_.lnf.data(), rows, c};
-  ops_->layernorm_forward(x, p + layout_.lnf_gamma, p + layout_.lnf_beta, lnf,
+  const Matrix lnf = rows_of(ws_.lnf, 0, c);
+  ops_->layernorm_forward(x, at(p, layout_.lnf_gamma), at(p, layout_.lnf_beta), lnf,
                           stats(2 * config_.layers, 0), stats(2 * config_.layers, 1));
-  const Matrix logits{ws_.logits.data(), rows, config_.vocab};
-  ops_->gemm(lnf, Transpose::no, ConstMatrix{p + layout_.wte, config_.vocab, c}, Transpose::yes,
-             logits, 1.0f, 0.0f);
+  const Matrix logits = rows_of(ws_.logits, 0, config_.vocab);
+  ops_->gemm(lnf, Transpose::no, ConstMatrix{at(p, layout_.wte), config_.vocab, c, dtype_},
+             Transpose::yes, logits, 1.0f, 0.0f);
   return logits;
 }
 
-void Gpt::linear(ConstMatrix x, const float* weight, const float* bias, Matrix y, bool accumulate) {
-  ops_->gemm(x, Transpose::no, ConstMatrix{weight, y.cols, x.cols}, Transpose::yes, y, 1.0f,
-             accumulate ? 1.0f : 0.0f);
-  ops_->add_bias_rows(y, bias);
+void Gpt::linear(ConstMatrix x, const void* weight, const void* bias, Matrix y, bool accumulate) {
+  ops_->linear(x, weight, bias, y, accumulate);
 }
 
-void Gpt::linear_backward(ConstMatrix dy, ConstMatrix x, const float* weight, float* weight_grad,
+void Gpt::linear_backward(ConstMatrix dy, ConstMatrix x, const void* weight, float* weight_grad,
                           float* bias_grad, Matrix dx) {
   ops_->gemm(dy, Transpose::yes, x, Transpose::no, Matrix{weight_grad, dy.cols, x.cols}, 1.0f,
              1.0f);
   ops_->bias_grad(dy, bias_grad);
-  ops_->gemm(dy, Transpose::no, ConstMatrix{weight, dy.cols, x.cols}, Transpose::no, dx, 1.0f,
-             0.0f);
+  ops_->gemm(dy, Transpose::no, ConstMatrix{weight, dy.cols, x.cols, dtype_}, Transpose::no, dx,
+             1.0f, 0.0f);
 }
 
 // Expects ws_.logits to hold d(loss)/d(logits).
-void Gpt::backward(const float* p, float* g) {
+void Gpt::backward(const void* p, float* g) {
   const int64_t c = config_.width;
   const int64_t rows = ws_.rows;
-  ensure(d_residual_, rows * c);
-  ensure(d_mid_, rows * c);
-  ensure(d_tmp_, rows * c);
-  ensure(d_wide_, rows * mlp_);
-  ensure(d_qkv_, rows * 3 * c);
-  const Matrix dx{d_residual_.data(), rows, c};
-  const Matrix dmid{d_mid_.data(), rows, c};
-  const Matrix dtmp{d_tmp_.data(), rows, c};
-  const Matrix dwide{d_wide_.data(), rows, mlp_};
-  const Matrix dqkv{d_qkv_.data(), rows, 3 * c};
+  Ops& ops = *ops_;
+  ensure(ops, d_residual_, rows * c, dtype_);
+  ensure(ops, d_mid_, rows * c, dtype_);
+  ensure(ops, d_tmp_, rows * c, dtype_);
+  ensure(ops, d_wide_, rows * mlp_, dtype_);
+  ensure(ops, d_qkv_, rows * 3 * c, dtype_);
+  const Matrix dx{d_residual_.data(), rows, c, dtype_};
+  const Matrix dmid{d_mid_.data(), rows, c, dtype_};
+  const Matrix dtmp{d_tmp_.data(), rows, c, dtype_};
+  const Matrix dwide{d_wide_.data(), rows, mlp_, dtype_};
+  const Matrix dqkv{d_qkv_.data(), rows, 3 * c, dtype_};
 
   // The tied head: logits = lnf wte^T.
-  const ConstMatrix dlogits{ws_.logits.data(), rows, config_.vocab};
-  const ConstMatrix lnf{ws_.lnf.data(), rows, c};
-  ops_->gemm(dlogits, Transpose::yes, lnf, Transpose::no, Matrix{g + layout_.wte, config_.vocab, c},
-             1.0f, 1.0f);
-  ops_->gemm(dlogits, Transpose::no, ConstMatrix{p + layout_.wte, config_.vocab, c}, Transpose::no,
-             dtmp, 1.0f, 0.0f);
-  ops_->layernorm_backward(rows_of(ws_.residual, config_.layers, c), p + layout_.lnf_gamma,
-                           stats(2 * config_.layers, 0), stats(2 * config_.layers, 1), dtmp, dx,
-                           g + layout_.lnf_gamma, g + layout_.lnf_beta);
+  const ConstMatrix dlogits = rows_of(ws_.logits, 0, config_.vocab);
+  const ConstMatrix lnf = rows_of(ws_.lnf, 0, c);
+  ops.gemm(dlogits, Transpose::yes, lnf, Transpose::no, Matrix{g + layout_.wte, config_.vocab, c},
+           1.0f, 1.0f);
+  ops.gemm(dlogits, Transpose::no, ConstMatrix{at(p, layout_.wte), config_.vocab, c, dtype_},
+           Transpose::no, dtmp, 1.0f, 0.0f);
+  ops.layernorm_backward(rows_of(ws_.residual, config_.layers, c), at(p, layout_.lnf_gamma),
+                         stats(2 * config_.layers, 0), stats(2 * config_.layers, 1), dtmp, dx,
+                         g + layout_.lnf_gamma, g + layout_.lnf_beta);
 
   for (int64_t l = config_.layers; l-- > 0;) {
     const GptLayerLayout& b = layout_.layers[static_cast<size_t>(l)];
     // next = mid + fc_proj(gelu): dx flows to mid unchanged and into the MLP.
-    linear_backward(dx, rows_of(ws_.gelu, l, mlp_), p + b.fc_proj_weight, g + b.fc_proj_weight,
+    linear_backward(dx, rows_of(ws_.gelu, l, mlp_), at(p, b.fc_proj_weight), g + b.fc_proj_weight,
                     g + b.fc_proj_bias, dwide);
-    ops_->activation_backward(Activation::gelu, rows_of(ws_.fc, l, mlp_), dwide, dwide);
-    linear_backward(dwide, rows_of(ws_.ln2, l, c), p + b.fc_weight, g + b.fc_weight, g + b.fc_bias,
-                    dtmp);
-    ops_->layernorm_backward(rows_of(ws_.mid, l, c), p + b.ln2_gamma, stats(2 * l + 1, 0),
-                             stats(2 * l + 1, 1), dtmp, dmid, g + b.ln2_gamma, g + b.ln2_beta);
-    ops_->axpy(rows * c, 1.0f, dx.data, dmid.data);
+    ops.activation_backward(Activation::gelu, rows_of(ws_.fc, l, mlp_), dwide, dwide);
+    linear_backward(dwide, rows_of(ws_.ln2, l, c), at(p, b.fc_weight), g + b.fc_weight,
+                    g + b.fc_bias, dtmp);
+    ops.layernorm_backward(rows_of(ws_.mid, l, c), at(p, b.ln2_gamma), stats(2 * l + 1, 0),
+                           stats(2 * l + 1, 1), dtmp, dmid, g + b.ln2_gamma, g + b.ln2_beta);
+    ops.add(dx, dmid);
     // mid = x + proj(attention): dmid flows to x unchanged and into the attention.
-    linear_backward(dmid, rows_of(ws_.att_out, l, c), p + b.proj_weight, g + b.proj_weight,
+    linear_backward(dmid, rows_of(ws_.att_out, l, c), at(p, b.proj_weight), g + b.proj_weight,
                     g + b.proj_bias, dtmp);
-    ops_->attention_backward(rows_of(ws_.qkv, l, 3 * c),
-                             ws_.att.data() + l * ws_.sequences * config_.heads * ws_.seq * ws_.seq,
-                             dtmp, ws_.sequences, ws_.seq, config_.heads, dqkv);
-    linear_backward(dqkv, rows_of(ws_.ln1, l, c), p + b.qkv_weight, g + b.qkv_weight,
+    ops.attention_backward(rows_of(ws_.qkv, l, 3 * c), rows_of(ws_.att_out, l, c),
+                           ws_.att.as<float>() + static_cast<size_t>(l) * ws_.att_floats, dtmp,
+                           ws_.sequences, ws_.seq, config_.heads, dqkv);
+    linear_backward(dqkv, rows_of(ws_.ln1, l, c), at(p, b.qkv_weight), g + b.qkv_weight,
                     g + b.qkv_bias, dtmp);
-    ops_->layernorm_backward(rows_of(ws_.residual, l, c), p + b.ln1_gamma, stats(2 * l, 0),
-                             stats(2 * l, 1), dtmp, dx, g + b.ln1_gamma, g + b.ln1_beta);
-    ops_->axpy(rows * c, 1.0f, dmid.data, dx.data);
+    ops.layernorm_backward(rows_of(ws_.residual, l, c), at(p, b.ln1_gamma), stats(2 * l, 0),
+                           stats(2 * l, 1), dtmp, dx, g + b.ln1_gamma, g + b.ln1_beta);
+    ops.add(dmid, dx);
   }
-  ops_->embedding_backward(ws_.inputs.data(), ws_.seq, dx, g + layout_.wte, g + layout_.wpe);
+  ops.embedding_backward(ws_.inputs.as<int32_t>(), ws_.seq, dx, g + layout_.wte, g + layout_.wpe);
 }
 
 double Gpt::forward_backward(std::span<const float> params, const Batch& batch,
@@ -271,10 +279,12 @@ double Gpt::forward_backward(std::span<const float> params, const Batch& batch,
   require_size("forward_backward: grads", grads.size());
   if (batch.size <= 0) return 0.0;
   load_windows(batch.y, batch.size, config_.context);
-  const Matrix logits = forward(params.data());
-  const double loss = ops_->softmax_cross_entropy_forward(logits, ws_.targets.data(), logits);
-  ops_->softmax_cross_entropy_backward(logits, ws_.targets.data(), logits, scale);
-  backward(params.data(), grads.data());
+  const void* p = compute_.get(params);
+  const Matrix logits = forward(p);
+  const int32_t* targets = ws_.targets.as<int32_t>();
+  const double loss = ops_->softmax_cross_entropy_forward(logits, targets, logits);
+  ops_->softmax_cross_entropy_backward(logits, targets, logits, scale);
+  backward(p, grads.data());
   return loss;
 }
 
@@ -282,12 +292,14 @@ EvalStats Gpt::evaluate(std::span<const float> params, const Batch& batch) {
   require_size("evaluate: params", params.size());
   EvalStats stats;
   const int64_t seq = config_.context;
+  const void* p = compute_.get(params);
   for (int64_t begin = 0; begin < batch.size; begin += kEvalChunkSequences) {
     const int64_t sequences = std::min(kEvalChunkSequences, batch.size - begin);
     load_windows(batch.y + begin * (seq + 1), sequences, seq);
-    const Matrix logits = forward(params.data());
-    stats.correct += ops_->count_correct(logits, ws_.targets.data());
-    stats.loss_sum += ops_->softmax_cross_entropy_forward(logits, ws_.targets.data(), logits) *
+    const Matrix logits = forward(p);
+    const int32_t* targets = ws_.targets.as<int32_t>();
+    stats.correct += ops_->count_correct(logits, targets);
+    stats.loss_sum += ops_->softmax_cross_entropy_forward(logits, targets, logits) *
                       static_cast<double>(ws_.rows);
     stats.count += ws_.rows;
   }
@@ -300,10 +312,11 @@ std::vector<float> Gpt::next_token_logits(std::span<const float> params,
   if (tokens.empty()) throw Error(ErrorKind::internal, "next_token_logits: no tokens");
   const auto seq = std::min<int64_t>(static_cast<int64_t>(tokens.size()), config_.context);
   reserve(1, seq);
-  std::copy(tokens.end() - seq, tokens.end(), ws_.inputs.begin());
-  const Matrix logits = forward(params.data());
-  const float* last = logits.row(seq - 1);
-  return {last, last + config_.vocab};
+  std::copy(tokens.end() - seq, tokens.end(), ws_.host_inputs.begin());
+  ops_->upload(ws_.host_inputs.data(), ws_.inputs.data(),
+               static_cast<size_t>(seq) * sizeof(int32_t));
+  const Matrix logits = forward(compute_.get(params));
+  return download_row(*ops_, logits, seq - 1);
 }
 
 std::string Gpt::describe() const {
@@ -312,20 +325,24 @@ std::string Gpt::describe() const {
                      with_thousands(layout_.total));
 }
 
-std::unique_ptr<Model> make_gpt(const ModelSpec& spec) {
+GptConfig gpt_config(const ModelSpec& spec) {
+  GptConfig c;
+  c.vocab = spec.vocab;
+  c.context = spec.context;
+  c.layers = spec.layers;
+  c.heads = spec.heads;
+  c.width = spec.width;
+  c.mlp_ratio = spec.mlp_ratio;
+  return c;
+}
+
+std::unique_ptr<Model> make_gpt(const ModelSpec& spec, std::shared_ptr<Ops> ops, DType dtype) {
   if (spec.width % spec.heads != 0) {
     throw Error(ErrorKind::recipe, fmt::format("model.width: must be a multiple of model.heads "
                                                "({}), got {}",
                                                spec.heads, spec.width));
   }
-  GptConfig config;
-  config.vocab = spec.vocab;
-  config.context = spec.context;
-  config.layers = spec.layers;
-  config.heads = spec.heads;
-  config.width = spec.width;
-  config.mlp_ratio = spec.mlp_ratio;
-  return std::make_unique<Gpt>(config, std::make_unique<CpuOps>());
+  return std::make_unique<Gpt>(gpt_config(spec), std::move(ops), dtype);
 }
 
 }  // namespace dptrain

@@ -45,7 +45,7 @@ GptLayout gpt_layout(const GptConfig& config);
 
 class Gpt final : public Model {
  public:
-  Gpt(GptConfig config, std::unique_ptr<Ops> ops);
+  Gpt(GptConfig config, std::shared_ptr<Ops> ops, DType dtype = DType::f32);
 
   size_t num_params() const override { return layout_.total; }
   // Normal(0, 0.02) weights and embeddings; the projections into the residual stream (attention
@@ -69,47 +69,57 @@ class Gpt final : public Model {
 
  private:
   // Activations of one forward pass over `sequences` sequences of `seq` tokens, kept for the
-  // backward pass. Grown, never shrunk.
+  // backward pass, on the op table's device in the compute dtype (statistics in f32). Grown,
+  // never shrunk.
   struct Workspace {
     int64_t rows = 0, sequences = 0, seq = 0;
-    std::vector<int32_t> inputs, targets;  // [rows]
-    std::vector<float> residual;           // [layers + 1][rows, width]: each layer's input, then
-                                           // the final residual stream
-    std::vector<float> mid;                // [layers][rows, width]: after attention
-    std::vector<float> ln1, ln2;           // [layers][rows, width]
-    std::vector<float> ln_stats;           // [2 * layers + 1][2][rows]: mean, rstd
-    std::vector<float> qkv;                // [layers][rows, 3 * width]
-    std::vector<float> att;                // [layers][sequences, heads, seq, seq]
-    std::vector<float> att_out;            // [layers][rows, width]
-    std::vector<float> fc, gelu;           // [layers][rows, mlp]
-    std::vector<float> lnf;                // [rows, width]
-    std::vector<float> logits;             // [rows, vocab]
+    std::vector<int32_t> host_inputs, host_targets;  // [rows], staged for the device
+    Buffer inputs, targets;                          // int32 [rows]
+    Buffer residual;        // [layers + 1][rows, width]: each layer's input, then the final stream
+    Buffer mid;             // [layers][rows, width]: after attention
+    Buffer ln1, ln2;        // [layers][rows, width]
+    Buffer ln_stats;        // f32 [2 * layers + 1][2][rows]: mean, rstd
+    Buffer qkv;             // [layers][rows, 3 * width]
+    Buffer att;             // f32 [layers][attention state]
+    Buffer att_out;         // [layers][rows, width]
+    Buffer fc, gelu;        // [layers][rows, mlp]
+    Buffer lnf;             // [rows, width]
+    Buffer logits;          // [rows, vocab]
+    size_t att_floats = 0;  // attention state per layer
   };
   void require_size(const char* what, size_t size) const;
   void reserve(int64_t sequences, int64_t seq);
-  // Fills inputs and targets from windows of seq + 1 tokens.
+  // Fills inputs and targets from windows of seq + 1 tokens and uploads them.
   void load_windows(const int32_t* windows, int64_t sequences, int64_t seq);
-  // The forward pass over ws_.inputs; returns the logits.
-  Matrix forward(const float* params);
-  void backward(const float* params, float* grads);
+  // The forward pass over ws_.inputs with compute-dtype parameters; returns the logits.
+  Matrix forward(const void* params);
+  void backward(const void* params, float* grads);
   // y = x W^T + b, W [y.cols, x.cols]; accumulate adds to y instead of overwriting it.
-  void linear(ConstMatrix x, const float* weight, const float* bias, Matrix y, bool accumulate);
+  void linear(ConstMatrix x, const void* weight, const void* bias, Matrix y, bool accumulate);
   // dW += dy^T x, db += the column sums of dy, dx = dy W (overwritten).
-  void linear_backward(ConstMatrix dy, ConstMatrix x, const float* weight, float* weight_grad,
+  void linear_backward(ConstMatrix dy, ConstMatrix x, const void* weight, float* weight_grad,
                        float* bias_grad, Matrix dx);
 
-  Matrix rows_of(std::vector<float>& buffer, int64_t index, int64_t cols);
+  // The compute-dtype parameter at `offset` of the flat buffer `params`.
+  const void* at(const void* params, size_t offset) const;
+  Matrix rows_of(const Buffer& buffer, int64_t index, int64_t cols) const;
   float* stats(int64_t which, int64_t kind);  // which: 2l (ln1), 2l+1 (ln2), 2L (lnf)
 
   GptConfig config_;
   GptLayout layout_;
   int64_t mlp_ = 0;
-  std::unique_ptr<Ops> ops_;
+  std::shared_ptr<Ops> ops_;
+  DType dtype_;
+  ComputeParams compute_;
   Workspace ws_;
-  std::vector<float> d_residual_, d_mid_, d_tmp_, d_wide_, d_qkv_;  // backward scratch
+  Buffer d_residual_, d_mid_, d_tmp_, d_wide_, d_qkv_;  // backward scratch
 };
 
+// The configuration a recipe's model spec names (no checks).
+GptConfig gpt_config(const ModelSpec& spec);
+
 // The GPT a recipe names; Error(recipe) naming a bad field.
-std::unique_ptr<Model> make_gpt(const ModelSpec& spec);
+std::unique_ptr<Model> make_gpt(const ModelSpec& spec, std::shared_ptr<Ops> ops,
+                                DType dtype = DType::f32);
 
 }  // namespace dptrain

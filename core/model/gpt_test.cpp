@@ -186,12 +186,14 @@ TEST_CASE("gpt: a token outside the vocabulary is a recipe error naming it") {
 TEST_CASE("gpt: AdamW fits a repeating sequence far below chance") {
   GptConfig c = tiny_config();
   c.width = 16;
-  Gpt model(c, std::make_unique<CpuOps>());
+  auto cpu = std::make_shared<CpuOps>();
+  CpuOps& cpu_ops = *cpu;
+  Gpt model(c, cpu);
   std::vector<float> params(model.num_params()), grads(params.size());
   model.init_params(params, 1);
   OptimizerSpec spec;
   spec.lr = 1e-2;
-  auto adam = make_optimizer(spec, params.size(), model.no_decay());
+  auto adam = make_optimizer(spec, params.size(), model.no_decay(), cpu_ops);
   // Windows of the cycle 0 1 2 ... 10 0 1 ...: every next token is determined.
   std::vector<int32_t> windows;
   for (int64_t s = 0; s < 4; ++s) {

@@ -6,7 +6,6 @@
 #include <random>
 
 #include "core/error.hpp"
-#include "core/tensor/cpu_ops.hpp"
 #include "core/tensor/random.hpp"
 
 namespace dptrain {
@@ -24,8 +23,12 @@ void require_positive(const char* field, int64_t value, int64_t minimum) {
 
 }  // namespace
 
-Mlp::Mlp(std::vector<int64_t> widths, Activation activation, std::unique_ptr<Ops> ops)
-    : widths_(std::move(widths)), activation_(activation), ops_(std::move(ops)) {
+Mlp::Mlp(std::vector<int64_t> widths, Activation activation, std::shared_ptr<Ops> ops, DType dtype)
+    : widths_(std::move(widths)),
+      activation_(activation),
+      ops_(std::move(ops)),
+      dtype_(dtype),
+      compute_(*ops_, dtype) {
   if (widths_.size() < 2) throw Error(ErrorKind::internal, "mlp: needs input and output widths");
   size_t offset = 0;
   int64_t column = 0;
@@ -77,28 +80,52 @@ void Mlp::require_size(const char* what, size_t size) const {
 void Mlp::reserve_rows(int64_t rows) {
   if (rows <= capacity_rows_) return;
   capacity_rows_ = rows;
-  workspace_.assign(static_cast<size_t>(rows * workspace_width_), 0.0f);
+  Ops& ops = *ops_;
+  workspace_ = ops.allocate(static_cast<size_t>(rows * workspace_width_) * dtype_size(dtype_));
+  input_ = ops.allocate(static_cast<size_t>(rows * widths_.front()) * dtype_size(dtype_));
+  if (dtype_ != DType::f32) {
+    input_f32_ = ops.allocate(static_cast<size_t>(rows * widths_.front()) * sizeof(float));
+  }
+  labels_ = ops.allocate(static_cast<size_t>(rows) * sizeof(int32_t));
 }
 
 Matrix Mlp::pre_activation(size_t layer, int64_t rows) {
-  return {workspace_.data() + capacity_rows_ * pre_offset_[layer], rows, layers_[layer].out};
+  const size_t offset = static_cast<size_t>(capacity_rows_ * pre_offset_[layer]);
+  return {workspace_.as<char>() + offset * dtype_size(dtype_), rows, layers_[layer].out, dtype_};
 }
 
 Matrix Mlp::post_activation(size_t layer, int64_t rows) {
-  return {workspace_.data() + capacity_rows_ * post_offset_[layer], rows, layers_[layer].out};
+  const size_t offset = static_cast<size_t>(capacity_rows_ * post_offset_[layer]);
+  return {workspace_.as<char>() + offset * dtype_size(dtype_), rows, layers_[layer].out, dtype_};
 }
 
-Matrix Mlp::forward(const float* params, const float* x, int64_t rows) {
-  ConstMatrix input{x, rows, widths_.front()};
+const void* Mlp::at(const void* params, size_t offset) const {
+  return static_cast<const char*>(params) + offset * dtype_size(dtype_);
+}
+
+ConstMatrix Mlp::load(const float* x, const int32_t* y, int64_t rows) {
+  Ops& ops = *ops_;
+  const int64_t n = rows * widths_.front();
+  const size_t bytes = static_cast<size_t>(n) * sizeof(float);
+  if (dtype_ == DType::f32) {
+    ops.upload(x, input_.data(), bytes);
+  } else {
+    ops.upload(x, input_f32_.data(), bytes);
+    ops.cast(input_f32_.data(), DType::f32, input_.data(), dtype_, n);
+  }
+  ops.upload(y, labels_.data(), static_cast<size_t>(rows) * sizeof(int32_t));
+  return {input_.data(), rows, widths_.front(), dtype_};
+}
+
+Matrix Mlp::forward(const void* params, ConstMatrix x) {
+  ConstMatrix input = x;
   Matrix pre;
   for (size_t l = 0; l < layers_.size(); ++l) {
     const LinearLayout& layer = layers_[l];
-    const ConstMatrix weight{params + layer.weight_offset, layer.out, layer.in};
-    pre = pre_activation(l, rows);
-    ops_->gemm(input, Transpose::no, weight, Transpose::yes, pre, 1.0f, 0.0f);
-    ops_->add_bias_rows(pre, params + layer.bias_offset);
+    pre = pre_activation(l, x.rows);
+    ops_->linear(input, at(params, layer.weight_offset), at(params, layer.bias_offset), pre, false);
     if (l + 1 < layers_.size()) {
-      const Matrix post = post_activation(l, rows);
+      const Matrix post = post_activation(l, x.rows);
       ops_->activation_forward(activation_, pre, post);
       input = post;
     }
@@ -113,22 +140,24 @@ double Mlp::forward_backward(std::span<const float> params, const Batch& batch,
   if (batch.size <= 0) return 0.0;
   reserve_rows(batch.size);
   const int64_t rows = batch.size;
+  const ConstMatrix x = load(batch.x, batch.y, rows);
+  const int32_t* labels = labels_.as<int32_t>();
+  const void* p = compute_.get(params);
 
   // Softmax, loss gradient and the gradient of every layer's output overwrite the activations in
   // place, once nothing later reads them: the backward pass needs no memory of its own.
-  Matrix delta = forward(params.data(), batch.x, rows);
-  const double loss = ops_->softmax_cross_entropy_forward(delta, batch.y, delta);
-  ops_->softmax_cross_entropy_backward(delta, batch.y, delta, scale);
+  Matrix delta = forward(p, x);
+  const double loss = ops_->softmax_cross_entropy_forward(delta, labels, delta);
+  ops_->softmax_cross_entropy_backward(delta, labels, delta, scale);
 
   for (size_t l = layers_.size(); l-- > 0;) {
     const LinearLayout& layer = layers_[l];
-    const ConstMatrix input =
-        l == 0 ? ConstMatrix{batch.x, rows, layer.in} : ConstMatrix(post_activation(l - 1, rows));
+    const ConstMatrix input = l == 0 ? x : ConstMatrix(post_activation(l - 1, rows));
     const Matrix weight_grad{grads.data() + layer.weight_offset, layer.out, layer.in};
     ops_->gemm(delta, Transpose::yes, input, Transpose::no, weight_grad, 1.0f, 1.0f);
     ops_->bias_grad(delta, grads.data() + layer.bias_offset);
     if (l == 0) break;
-    const ConstMatrix weight{params.data() + layer.weight_offset, layer.out, layer.in};
+    const ConstMatrix weight{at(p, layer.weight_offset), layer.out, layer.in, dtype_};
     const Matrix input_grad = post_activation(l - 1, rows);  // its values were used just above
     ops_->gemm(delta, Transpose::no, weight, Transpose::no, input_grad, 1.0f, 0.0f);
     ops_->activation_backward(activation_, pre_activation(l - 1, rows), input_grad, input_grad);
@@ -141,15 +170,16 @@ EvalStats Mlp::evaluate(std::span<const float> params, const Batch& batch) {
   require_size("evaluate: params", params.size());
   EvalStats stats;
   const int64_t chunk = std::max(capacity_rows_, kEvalChunkRows);
+  const void* p = compute_.get(params);
   for (int64_t begin = 0; begin < batch.size; begin += chunk) {
     const int64_t rows = std::min(chunk, batch.size - begin);
     reserve_rows(rows);
-    const float* x = batch.x + begin * widths_.front();
-    const int32_t* y = batch.y + begin;
-    const Matrix logits = forward(params.data(), x, rows);
-    stats.correct += ops_->count_correct(logits, y);
+    const ConstMatrix x = load(batch.x + begin * widths_.front(), batch.y + begin, rows);
+    const int32_t* labels = labels_.as<int32_t>();
+    const Matrix logits = forward(p, x);
+    stats.correct += ops_->count_correct(logits, labels);
     stats.loss_sum +=
-        ops_->softmax_cross_entropy_forward(logits, y, logits) * static_cast<double>(rows);
+        ops_->softmax_cross_entropy_forward(logits, labels, logits) * static_cast<double>(rows);
     stats.count += rows;
   }
   return stats;
@@ -163,7 +193,7 @@ std::string Mlp::describe() const {
          " parameters";
 }
 
-std::unique_ptr<Model> make_mlp(const ModelSpec& spec) {
+std::unique_ptr<Model> make_mlp(const ModelSpec& spec, std::shared_ptr<Ops> ops, DType dtype) {
   require_positive("model.input", spec.input, 1);
   std::vector<int64_t> widths{spec.input};
   for (size_t i = 0; i < spec.hidden.size(); ++i) {
@@ -172,8 +202,8 @@ std::unique_ptr<Model> make_mlp(const ModelSpec& spec) {
   }
   require_positive("model.classes", spec.classes, 2);
   widths.push_back(spec.classes);
-  return std::make_unique<Mlp>(std::move(widths), parse_activation(spec.activation),
-                               std::make_unique<CpuOps>());
+  return std::make_unique<Mlp>(std::move(widths), parse_activation(spec.activation), std::move(ops),
+                               dtype);
 }
 
 }  // namespace dptrain

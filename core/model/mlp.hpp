@@ -22,7 +22,8 @@ struct LinearLayout {
 class Mlp final : public Model {
  public:
   // widths: input, hidden..., classes (at least two entries, all positive).
-  Mlp(std::vector<int64_t> widths, Activation activation, std::unique_ptr<Ops> ops);
+  Mlp(std::vector<int64_t> widths, Activation activation, std::shared_ptr<Ops> ops,
+      DType dtype = DType::f32);
 
   size_t num_params() const override { return num_params_; }
   void init_params(std::span<float> params, uint64_t seed) const override;
@@ -38,13 +39,18 @@ class Mlp final : public Model {
   void reserve_rows(int64_t rows);
   // Runs the layers on rows of x and returns the logits; every pre- and post-activation stays in
   // the workspace for the backward pass.
-  Matrix forward(const float* params, const float* x, int64_t rows);
+  Matrix forward(const void* params, ConstMatrix x);
+  // Uploads rows of host x (cast to the compute dtype) and their labels; returns x on the device.
+  ConstMatrix load(const float* x, const int32_t* y, int64_t rows);
+  const void* at(const void* params, size_t offset) const;
   Matrix pre_activation(size_t layer, int64_t rows);
   Matrix post_activation(size_t layer, int64_t rows);  // hidden layers only
 
   std::vector<int64_t> widths_;
   Activation activation_;
-  std::unique_ptr<Ops> ops_;
+  std::shared_ptr<Ops> ops_;
+  DType dtype_;
+  ComputeParams compute_;
   std::vector<LinearLayout> layers_;
   size_t num_params_ = 0;
 
@@ -54,10 +60,13 @@ class Mlp final : public Model {
   std::vector<int64_t> post_offset_;
   int64_t workspace_width_ = 0;
   int64_t capacity_rows_ = 0;
-  std::vector<float> workspace_;
+  Buffer workspace_;          // compute dtype
+  Buffer input_, input_f32_;  // the batch's x on the device: compute dtype, f32 staging
+  Buffer labels_;             // int32 [rows]
 };
 
 // The MLP a recipe names; Error(recipe) naming a bad field.
-std::unique_ptr<Model> make_mlp(const ModelSpec& spec);
+std::unique_ptr<Model> make_mlp(const ModelSpec& spec, std::shared_ptr<Ops> ops,
+                                DType dtype = DType::f32);
 
 }  // namespace dptrain

@@ -9,12 +9,12 @@
 #include <vector>
 
 #include "core/recipe.hpp"
-#include "core/tensor/tensor.hpp"
+#include "core/tensor/ops.hpp"
 
 namespace dptrain {
 
-// x is row-major [size, features]; y holds size class labels, or for a token model size
-// windows of context + 1 tokens (x unused).
+// Host memory: x is row-major [size, features]; y holds size class labels, or for a token model
+// size windows of context + 1 tokens (x unused). The model uploads what it needs.
 struct Batch {
   const float* x;
   const int32_t* y;
@@ -27,6 +27,10 @@ struct EvalStats {
   int64_t count = 0;
 };
 
+// A model computes on its op table's device: the params and grads spans of forward_backward and
+// evaluate are device memory of that table (never iterated on the host); init_params fills host
+// memory. A 16-bit model (mixed precision) computes with a bf16/f16 copy of the f32 parameters
+// and accumulates f32 gradients.
 class Model {
  public:
   virtual ~Model() = default;
@@ -47,7 +51,29 @@ class Model {
 // 269322 -> "269,322"
 std::string with_thousands(size_t n);
 
-// The model the spec names, on the CPU op table. Bad specs are Error(recipe) naming the field.
-std::unique_ptr<Model> make_model(const ModelSpec& spec);
+// The model the spec names, on `ops` (the CPU op table when null), computing in `dtype`. Bad specs
+// are Error(recipe) naming the field.
+std::unique_ptr<Model> make_model(const ModelSpec& spec, std::shared_ptr<Ops> ops = nullptr,
+                                  DType dtype = DType::f32);
+
+// The parameters a model computes with: the f32 master copy itself, or a 16-bit copy of it, cast
+// again on every call (the master changes after every optimizer step).
+class ComputeParams {
+ public:
+  ComputeParams(Ops& ops, DType dtype) : ops_(ops), dtype_(dtype) {}
+  const void* get(std::span<const float> params);
+  DType dtype() const { return dtype_; }
+
+ private:
+  Ops& ops_;
+  DType dtype_;
+  Buffer copy_;
+};
+
+// Grows `buffer` to hold `count` elements of `dtype` (existing contents are not kept).
+void ensure(Ops& ops, Buffer& buffer, int64_t count, DType dtype);
+
+// Row i of a [rows, cols] block, widened to f32 on the host.
+std::vector<float> download_row(Ops& ops, ConstMatrix m, int64_t i);
 
 }  // namespace dptrain

@@ -45,48 +45,39 @@ std::vector<Segment> decay_segments(size_t n, const std::vector<ParamRange>& no_
 // v = momentum * v + g;  p = p * (1 - lr*wd) - lr * (nesterov ? g + momentum * v : v)
 class Sgd final : public Optimizer {
  public:
-  Sgd(const OptimizerSpec& spec, size_t num_params, std::vector<Segment> segments)
-      : momentum_(static_cast<float>(spec.momentum)),
+  Sgd(const OptimizerSpec& spec, size_t num_params, std::vector<Segment> segments, Ops& ops)
+      : ops_(ops),
+        momentum_(static_cast<float>(spec.momentum)),
         weight_decay_(spec.weight_decay),
         nesterov_(spec.nesterov),
+        num_params_(num_params),
         segments_(std::move(segments)),
-        velocity_(num_params, 0.0f) {}
+        velocity_(ops.allocate(num_params * sizeof(float))) {}
 
   void step(std::span<float> params, std::span<const float> grads, double lr) override {
-    require_sizes(velocity_.size(), params, grads);
+    require_sizes(num_params_, params, grads);
+    float* v = velocity_.as<float>();
     for (const Segment& s : segments_) {
       const float decay = s.decay ? static_cast<float>(1.0 - lr * weight_decay_) : 1.0f;
-      update(params.data() + s.begin, grads.data() + s.begin, velocity_.data() + s.begin,
-             s.end - s.begin, decay, static_cast<float>(lr));
+      ops_.sgd_update(params.data() + s.begin, grads.data() + s.begin, v + s.begin,
+                      static_cast<int64_t>(s.end - s.begin), momentum_, decay,
+                      static_cast<float>(lr), nesterov_);
     }
     ++steps_;
   }
 
-  std::span<float> state() override { return velocity_; }
+  std::span<float> state() override { return {velocity_.as<float>(), num_params_}; }
   int64_t steps() const override { return steps_; }
   void set_steps(int64_t steps) override { steps_ = steps; }
 
  private:
-  void update(float* p, const float* g, float* v, size_t n, float decay, float rate) const {
-    const float momentum = momentum_;
-    if (nesterov_) {
-      for (size_t i = 0; i < n; ++i) {
-        v[i] = momentum * v[i] + g[i];
-        p[i] = p[i] * decay - rate * (g[i] + momentum * v[i]);
-      }
-    } else {
-      for (size_t i = 0; i < n; ++i) {
-        v[i] = momentum * v[i] + g[i];
-        p[i] = p[i] * decay - rate * v[i];
-      }
-    }
-  }
-
+  Ops& ops_;
   float momentum_;
   double weight_decay_;
   bool nesterov_;
+  size_t num_params_;
   std::vector<Segment> segments_;
-  std::vector<float> velocity_;
+  Buffer velocity_;
   int64_t steps_ = 0;
 };
 
@@ -94,58 +85,48 @@ class Sgd final : public Optimizer {
 // with bc = 1 - beta^t for the 1-based step t.
 class AdamW final : public Optimizer {
  public:
-  AdamW(const OptimizerSpec& spec, size_t num_params, std::vector<Segment> segments)
-      : beta1_(spec.beta1),
+  AdamW(const OptimizerSpec& spec, size_t num_params, std::vector<Segment> segments, Ops& ops)
+      : ops_(ops),
+        beta1_(spec.beta1),
         beta2_(spec.beta2),
         eps_(spec.eps),
         weight_decay_(spec.weight_decay),
         num_params_(num_params),
         segments_(std::move(segments)),
-        moments_(2 * num_params, 0.0f) {}
+        moments_(ops.allocate(2 * num_params * sizeof(float))) {}
 
   void step(std::span<float> params, std::span<const float> grads, double lr) override {
     require_sizes(num_params_, params, grads);
     ++steps_;
     const double t = static_cast<double>(steps_);
-    Coefficients k;
+    AdamWCoefficients k;
     k.step_size = static_cast<float>(lr / (1.0 - std::pow(beta1_, t)));
     k.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(beta2_, t)));
     k.b1 = static_cast<float>(beta1_);
     k.b2 = static_cast<float>(beta2_);
     k.eps = static_cast<float>(eps_);
+    float* m = moments_.as<float>();
+    float* v = m + num_params_;
     for (const Segment& s : segments_) {
-      const float decay = s.decay ? static_cast<float>(1.0 - lr * weight_decay_) : 1.0f;
-      update(params.data() + s.begin, grads.data() + s.begin, moments_.data() + s.begin,
-             moments_.data() + num_params_ + s.begin, s.end - s.begin, decay, k);
+      k.decay = s.decay ? static_cast<float>(1.0 - lr * weight_decay_) : 1.0f;
+      ops_.adamw_update(params.data() + s.begin, grads.data() + s.begin, m + s.begin, v + s.begin,
+                        static_cast<int64_t>(s.end - s.begin), k);
     }
   }
 
-  std::span<float> state() override { return moments_; }
+  std::span<float> state() override { return {moments_.as<float>(), 2 * num_params_}; }
   int64_t steps() const override { return steps_; }
   void set_steps(int64_t steps) override { steps_ = steps; }
 
  private:
-  struct Coefficients {
-    float step_size, inv_sqrt_bc2, b1, b2, eps;
-  };
-  static void update(float* p, const float* g, float* m, float* v, size_t n, float decay,
-                     const Coefficients& k) {
-    const float b1 = k.b1, b2 = k.b2, eps = k.eps, step_size = k.step_size;
-    const float inv_sqrt_bc2 = k.inv_sqrt_bc2;
-    for (size_t i = 0; i < n; ++i) {
-      m[i] = b1 * m[i] + (1.0f - b1) * g[i];
-      v[i] = b2 * v[i] + (1.0f - b2) * g[i] * g[i];
-      p[i] = p[i] * decay - step_size * m[i] / (std::sqrt(v[i]) * inv_sqrt_bc2 + eps);
-    }
-  }
-
+  Ops& ops_;
   double beta1_;
   double beta2_;
   double eps_;
   double weight_decay_;
   size_t num_params_;
   std::vector<Segment> segments_;
-  std::vector<float> moments_;  // m then v
+  Buffer moments_;  // m then v
   int64_t steps_ = 0;
 };
 
@@ -162,11 +143,12 @@ DecayShape parse_decay_shape(const ScheduleSpec& schedule) {
 }  // namespace
 
 std::unique_ptr<Optimizer> make_optimizer(const OptimizerSpec& spec, size_t num_params,
-                                          const std::vector<ParamRange>& no_decay) {
+                                          const std::vector<ParamRange>& no_decay, Ops& ops) {
   parse_decay_shape(spec.schedule);  // a bad schedule fails here, not at the first step
   auto segments = decay_segments(num_params, no_decay);
-  if (spec.type == "sgd") return std::make_unique<Sgd>(spec, num_params, std::move(segments));
-  if (spec.type == "adamw") return std::make_unique<AdamW>(spec, num_params, std::move(segments));
+  if (spec.type == "sgd") return std::make_unique<Sgd>(spec, num_params, std::move(segments), ops);
+  if (spec.type == "adamw")
+    return std::make_unique<AdamW>(spec, num_params, std::move(segments), ops);
   throw Error(ErrorKind::recipe,
               "optimizer.type: unknown optimizer '" + spec.type + "' (expected adamw or sgd)");
 }
@@ -189,33 +171,44 @@ double learning_rate(const OptimizerSpec& spec, int64_t step, int64_t total_step
   return min_lr + (spec.lr - min_lr) * remaining;
 }
 
-double grad_norm(std::span<const float> grads) {
-  // Fixed lanes keep the sum deterministic yet let the compiler vectorize it.
-  constexpr size_t kLanes = 8;
-  double lanes[kLanes] = {};
-  const size_t full = grads.size() / kLanes * kLanes;
-  for (size_t i = 0; i < full; i += kLanes) {
-    for (size_t k = 0; k < kLanes; ++k) {
-      const double g = grads[i + k];
-      lanes[k] += g * g;
-    }
-  }
-  double sum = 0.0;
-  for (size_t i = full; i < grads.size(); ++i)
-    sum += static_cast<double>(grads[i]) * grads[i];
-  for (double lane : lanes)
-    sum += lane;
-  return std::sqrt(sum);
+double grad_norm(Ops& ops, std::span<const float> grads) {
+  return std::sqrt(ops.sum_squares(grads.data(), static_cast<int64_t>(grads.size())));
 }
 
-double clip_grad_norm(std::span<float> grads, double max_norm) {
-  const double norm = grad_norm(grads);
-  if (max_norm > 0.0 && std::isfinite(norm) && norm > max_norm) {
-    const float factor = static_cast<float>(max_norm / norm);
-    for (float& g : grads)
-      g *= factor;
+double clip_grad_norm(Ops& ops, std::span<float> grads, double max_norm) {
+  return unscale_and_clip(ops, grads, 1.0, max_norm);
+}
+
+double unscale_and_clip(Ops& ops, std::span<float> grads, double loss_scale, double max_norm) {
+  const double norm = grad_norm(ops, grads) / loss_scale;
+  if (!std::isfinite(norm)) return norm;
+  const bool clip = max_norm > 0.0 && norm > max_norm;
+  // One factor for both, so the gradients are read and written once.
+  if (clip || loss_scale != 1.0) {
+    const double factor = (clip ? max_norm / norm : 1.0) / loss_scale;
+    ops.scale(static_cast<int64_t>(grads.size()), static_cast<float>(factor), grads.data());
   }
   return norm;
+}
+
+bool LossScaler::update(bool finite) {
+  if (!enabled_) return true;
+  if (!finite) {
+    scale_ = std::max(scale_ / 2.0, 1.0);
+    clean_steps_ = 0;
+    return false;
+  }
+  if (++clean_steps_ >= growth_interval_) {
+    scale_ = std::min(scale_ * 2.0, 16777216.0);  // 2^24 keeps the scaled loss far from overflow
+    clean_steps_ = 0;
+  }
+  return true;
+}
+
+void LossScaler::restore(double scale, int64_t clean_steps) {
+  if (!enabled_) return;
+  scale_ = scale;
+  clean_steps_ = clean_steps;
 }
 
 }  // namespace dptrain

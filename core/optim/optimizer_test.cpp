@@ -4,12 +4,19 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "core/error.hpp"
+#include "core/tensor/cpu_ops.hpp"
 
 namespace dptrain {
 namespace {
+
+Ops& cpu_ops() {
+  static CpuOps ops;
+  return ops;
+}
 
 OptimizerSpec sgd_spec(double momentum, bool nesterov, double weight_decay) {
   OptimizerSpec spec;
@@ -22,7 +29,7 @@ OptimizerSpec sgd_spec(double momentum, bool nesterov, double weight_decay) {
 
 // Runs steps of a one-parameter optimizer from p = 1 with the given gradients at lr 0.1.
 std::vector<float> trajectory(const OptimizerSpec& spec, const std::vector<float>& gradients) {
-  auto optimizer = make_optimizer(spec, 1);
+  auto optimizer = make_optimizer(spec, 1, {}, cpu_ops());
   std::vector<float> param = {1.0f};
   std::vector<float> out;
   for (float g : gradients) {
@@ -62,7 +69,7 @@ TEST_CASE("adamw: bias correction and decoupled weight decay, by hand") {
 
 TEST_CASE("optimizer state is one flat buffer and a resumed optimizer continues exactly") {
   OptimizerSpec spec;
-  auto adam = make_optimizer(spec, 3);
+  auto adam = make_optimizer(spec, 3, {}, cpu_ops());
   REQUIRE(adam->state().size() == 6);
   std::vector<float> params = {1, 2, 3};
   const std::vector<float> grads = {0.5f, -1.0f, 2.0f};
@@ -70,9 +77,9 @@ TEST_CASE("optimizer state is one flat buffer and a resumed optimizer continues 
   CHECK(adam->steps() == 1);
   CHECK(adam->state()[2] == doctest::Approx(0.2));        // m = 0.1 g
   CHECK(adam->state()[3 + 1] == doctest::Approx(0.001));  // v = 0.001 g^2
-  CHECK(make_optimizer(sgd_spec(0.9, false, 0), 3)->state().size() == 3);
+  CHECK(make_optimizer(sgd_spec(0.9, false, 0), 3, {}, cpu_ops())->state().size() == 3);
 
-  auto resumed = make_optimizer(spec, 3);
+  auto resumed = make_optimizer(spec, 3, {}, cpu_ops());
   std::copy(adam->state().begin(), adam->state().end(), resumed->state().begin());
   resumed->set_steps(adam->steps());
   std::vector<float> resumed_params = params;
@@ -81,7 +88,7 @@ TEST_CASE("optimizer state is one flat buffer and a resumed optimizer continues 
   CHECK(params == resumed_params);
 
   // Without the restored step count the bias correction differs, and so does the result.
-  auto forgetful = make_optimizer(spec, 3);
+  auto forgetful = make_optimizer(spec, 3, {}, cpu_ops());
   std::copy(adam->state().begin(), adam->state().end(), forgetful->state().begin());
   std::vector<float> forgetful_params = params;
   adam->step(params, grads, 0.01);
@@ -117,29 +124,30 @@ TEST_CASE("learning rate: warm-up then constant, cosine or linear decay") {
 
 TEST_CASE("gradient norm and clipping") {
   std::vector<float> grads = {3.0f, 4.0f};
-  CHECK(clip_grad_norm(grads, 0.0) == doctest::Approx(5.0));
+  CHECK(clip_grad_norm(cpu_ops(), grads, 0.0) == doctest::Approx(5.0));
   CHECK(grads == std::vector<float>{3.0f, 4.0f});
-  CHECK(clip_grad_norm(grads, 10.0) == doctest::Approx(5.0));
+  CHECK(clip_grad_norm(cpu_ops(), grads, 10.0) == doctest::Approx(5.0));
   CHECK(grads == std::vector<float>{3.0f, 4.0f});
-  CHECK(clip_grad_norm(grads, 1.0) == doctest::Approx(5.0));
+  CHECK(clip_grad_norm(cpu_ops(), grads, 1.0) == doctest::Approx(5.0));
   CHECK(grads[0] == doctest::Approx(0.6));
   CHECK(grads[1] == doctest::Approx(0.8));
 
   // 19 entries: the vector lanes and the scalar tail both count.
   std::vector<float> ones(19, 1.0f);
   ones[18] = 2.0f;
-  CHECK(grad_norm(ones) == doctest::Approx(std::sqrt(22.0)));
-  CHECK(grad_norm(std::vector<float>{}) == 0.0);
+  CHECK(grad_norm(cpu_ops(), ones) == doctest::Approx(std::sqrt(22.0)));
+  CHECK(grad_norm(cpu_ops(), std::vector<float>{}) == 0.0);
 }
 
 TEST_CASE("unknown optimizer or schedule names the field") {
   OptimizerSpec spec;
   spec.type = "lion";
-  CHECK_THROWS_WITH_AS(make_optimizer(spec, 1), doctest::Contains("optimizer.type"), Error);
+  CHECK_THROWS_WITH_AS(make_optimizer(spec, 1, {}, cpu_ops()), doctest::Contains("optimizer.type"),
+                       Error);
   spec = OptimizerSpec{};
   spec.schedule.type = "step";
-  CHECK_THROWS_WITH_AS(make_optimizer(spec, 1), doctest::Contains("optimizer.schedule.type"),
-                       Error);
+  CHECK_THROWS_WITH_AS(make_optimizer(spec, 1, {}, cpu_ops()),
+                       doctest::Contains("optimizer.schedule.type"), Error);
   CHECK_THROWS_AS(learning_rate(spec, 0, 10), Error);
 }
 
@@ -150,14 +158,64 @@ TEST_CASE("weight decay skips the no-decay ranges and only them") {
     spec.type = type;
     spec.weight_decay = 0.5;
     // Six parameters, all 1, zero gradients: only decay moves them.
-    auto optimizer = make_optimizer(spec, 6, {{1, 2}, {5, 1}});
+    auto optimizer = make_optimizer(spec, 6, {{1, 2}, {5, 1}}, cpu_ops());
     std::vector<float> params(6, 1.0f);
     optimizer->step(params, std::vector<float>(6, 0.0f), 0.1);
     const float decayed = 1.0f - 0.1f * 0.5f;
     CHECK(params == std::vector<float>{decayed, 1.0f, 1.0f, decayed, decayed, 1.0f});
   }
-  CHECK_THROWS_AS(make_optimizer(OptimizerSpec{}, 4, {{2, 1}, {1, 1}}), Error);  // unsorted
-  CHECK_THROWS_AS(make_optimizer(OptimizerSpec{}, 4, {{3, 2}}), Error);          // past the end
+  CHECK_THROWS_AS(make_optimizer(OptimizerSpec{}, 4, {{2, 1}, {1, 1}}, cpu_ops()),
+                  Error);                                                           // unsorted
+  CHECK_THROWS_AS(make_optimizer(OptimizerSpec{}, 4, {{3, 2}}, cpu_ops()), Error);  // past the end
+}
+
+TEST_CASE("loss scaler: halves and skips on overflow, doubles after clean steps, off = 1") {
+  LossScaler off(false);
+  CHECK(off.scale() == 1.0);
+  CHECK(off.update(false));  // disabled: every step applies, even a non-finite one
+  CHECK(off.scale() == 1.0);
+
+  LossScaler scaler(true, 65536.0, 3);
+  CHECK(scaler.scale() == 65536.0);
+  CHECK_FALSE(scaler.update(false));
+  CHECK(scaler.scale() == 32768.0);
+  CHECK(scaler.update(true));
+  CHECK(scaler.update(true));
+  CHECK(scaler.scale() == 32768.0);
+  CHECK(scaler.clean_steps() == 2);
+  CHECK(scaler.update(true));  // the third clean step in a row
+  CHECK(scaler.scale() == 65536.0);
+  CHECK(scaler.clean_steps() == 0);
+  CHECK(scaler.update(true));
+  CHECK_FALSE(scaler.update(false));  // an overflow resets the count
+  CHECK(scaler.clean_steps() == 0);
+  CHECK(scaler.scale() == 32768.0);
+
+  LossScaler floor(true, 2.0, 2000);
+  CHECK_FALSE(floor.update(false));
+  CHECK_FALSE(floor.update(false));
+  CHECK(floor.scale() == 1.0);  // never below 1
+
+  LossScaler resumed(true);
+  resumed.restore(1024.0, 1999);
+  CHECK(resumed.update(true));
+  CHECK(resumed.scale() == 2048.0);
+}
+
+TEST_CASE("unscale_and_clip: takes the loss scale off, clips the true norm, flags overflow") {
+  std::vector<float> grads = {3.0f * 1024, 4.0f * 1024};  // norm 5 under a scale of 1024
+  CHECK(unscale_and_clip(cpu_ops(), grads, 1024.0, 0.0) == doctest::Approx(5.0));
+  CHECK(grads[0] == doctest::Approx(3.0f));
+  CHECK(grads[1] == doctest::Approx(4.0f));
+
+  std::vector<float> clipped = {3.0f * 8, 4.0f * 8};
+  CHECK(unscale_and_clip(cpu_ops(), clipped, 8.0, 1.0) == doctest::Approx(5.0));
+  CHECK(clipped[0] == doctest::Approx(0.6f));
+  CHECK(clipped[1] == doctest::Approx(0.8f));
+
+  std::vector<float> overflow = {1.0f, std::numeric_limits<float>::infinity()};
+  CHECK_FALSE(std::isfinite(unscale_and_clip(cpu_ops(), overflow, 65536.0, 1.0)));
+  CHECK(overflow[0] == 1.0f);  // left alone: the step is skipped
 }
 
 }  // namespace dptrain

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <string>
 
@@ -14,6 +16,9 @@
 namespace dptrain {
 namespace {
 
+using Mat = MatrixView<float>;
+using CMat = MatrixView<const float>;
+
 constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float kGeluCubic = 0.044715f;
 
@@ -21,7 +26,7 @@ std::string shape(int64_t rows, int64_t cols) {
   return "[" + std::to_string(rows) + ", " + std::to_string(cols) + "]";
 }
 
-void require_same_shape(const char* op, ConstMatrix a, ConstMatrix b) {
+void require_same_shape(const char* op, CMat a, CMat b) {
   if (a.rows != b.rows || a.cols != b.cols) {
     throw Error(ErrorKind::internal, std::string(op) + ": shapes " + shape(a.rows, a.cols) +
                                          " and " + shape(b.rows, b.cols) + " differ");
@@ -44,8 +49,8 @@ void require_label(int32_t label, int64_t classes) {
 
 }  // namespace
 
-void CpuOps::gemm(ConstMatrix a, Transpose transpose_a, ConstMatrix b, Transpose transpose_b,
-                  Matrix c, float alpha, float beta) {
+static void gemm_f32(CMat a, Transpose transpose_a, CMat b, Transpose transpose_b, Mat c,
+                     float alpha, float beta) {
   const bool ta = transpose_a == Transpose::yes;
   const bool tb = transpose_b == Transpose::yes;
   const int64_t m = ta ? a.cols : a.rows;
@@ -64,7 +69,7 @@ void CpuOps::gemm(ConstMatrix a, Transpose transpose_a, ConstMatrix b, Transpose
               blas_dim(std::max<int64_t>(b.cols, 1)), beta, c.data, blas_dim(c.cols));
 }
 
-void CpuOps::add_bias_rows(Matrix x, const float* bias) {
+static void add_bias_rows_f32(Mat x, const float* bias) {
   for (int64_t i = 0; i < x.rows; ++i) {
     float* row = x.row(i);
     for (int64_t j = 0; j < x.cols; ++j)
@@ -72,7 +77,7 @@ void CpuOps::add_bias_rows(Matrix x, const float* bias) {
   }
 }
 
-void CpuOps::bias_grad(ConstMatrix dy, float* bias_grad) {
+static void bias_grad_f32(CMat dy, float* bias_grad) {
   for (int64_t i = 0; i < dy.rows; ++i) {
     const float* row = dy.row(i);
     for (int64_t j = 0; j < dy.cols; ++j)
@@ -80,7 +85,7 @@ void CpuOps::bias_grad(ConstMatrix dy, float* bias_grad) {
   }
 }
 
-void CpuOps::activation_forward(Activation activation, ConstMatrix pre, Matrix out) {
+static void activation_forward_f32(Activation activation, CMat pre, Mat out) {
   require_same_shape("activation_forward", pre, out);
   const int64_t n = pre.size();
   const float* x = pre.data;
@@ -97,8 +102,7 @@ void CpuOps::activation_forward(Activation activation, ConstMatrix pre, Matrix o
   }
 }
 
-void CpuOps::activation_backward(Activation activation, ConstMatrix pre, ConstMatrix dout,
-                                 Matrix dpre) {
+static void activation_backward_f32(Activation activation, CMat pre, CMat dout, Mat dpre) {
   require_same_shape("activation_backward", pre, dout);
   require_same_shape("activation_backward", pre, dpre);
   const int64_t n = pre.size();
@@ -118,8 +122,7 @@ void CpuOps::activation_backward(Activation activation, ConstMatrix pre, ConstMa
   }
 }
 
-double CpuOps::softmax_cross_entropy_forward(ConstMatrix logits, const int32_t* labels,
-                                             Matrix probs) {
+static double softmax_cross_entropy_forward_f32(CMat logits, const int32_t* labels, Mat probs) {
   require_same_shape("softmax_cross_entropy_forward", logits, probs);
   if (logits.rows == 0) return 0.0;
   double loss_sum = 0.0;
@@ -144,8 +147,8 @@ double CpuOps::softmax_cross_entropy_forward(ConstMatrix logits, const int32_t* 
   return loss_sum / static_cast<double>(logits.rows);
 }
 
-void CpuOps::softmax_cross_entropy_backward(ConstMatrix probs, const int32_t* labels,
-                                            Matrix dlogits, float scale) {
+static void softmax_cross_entropy_backward_f32(CMat probs, const int32_t* labels, Mat dlogits,
+                                               float scale) {
   require_same_shape("softmax_cross_entropy_backward", probs, dlogits);
   if (probs.rows == 0) return;
   const float row_scale = scale / static_cast<float>(probs.rows);
@@ -159,7 +162,7 @@ void CpuOps::softmax_cross_entropy_backward(ConstMatrix probs, const int32_t* la
   }
 }
 
-int64_t CpuOps::count_correct(ConstMatrix scores, const int32_t* labels) {
+static int64_t count_correct_f32(CMat scores, const int32_t* labels) {
   int64_t correct = 0;
   for (int64_t i = 0; i < scores.rows; ++i) {
     const float* s = scores.row(i);
@@ -172,6 +175,120 @@ int64_t CpuOps::count_correct(ConstMatrix scores, const int32_t* labels) {
   return correct;
 }
 
+// Plain loops (no std::sqrt errno: -fno-math-errno) vectorise; the order of operations matches the
+// CUDA kernels so both agree within rounding.
+static void adamw_f32(float* p, const float* g, float* m, float* v, int64_t n,
+                      const AdamWCoefficients& k) {
+  const float b1 = k.b1, b2 = k.b2, eps = k.eps, step_size = k.step_size;
+  const float inv_sqrt_bc2 = k.inv_sqrt_bc2, decay = k.decay;
+  for (int64_t i = 0; i < n; ++i) {
+    m[i] = b1 * m[i] + (1.0f - b1) * g[i];
+    v[i] = b2 * v[i] + (1.0f - b2) * g[i] * g[i];
+    p[i] = p[i] * decay - step_size * m[i] / (std::sqrt(v[i]) * inv_sqrt_bc2 + eps);
+  }
+}
+
+static void sgd_f32(float* p, const float* g, float* v, int64_t n, float momentum, float decay,
+                    float rate, bool nesterov) {
+  if (nesterov) {
+    for (int64_t i = 0; i < n; ++i) {
+      v[i] = momentum * v[i] + g[i];
+      p[i] = p[i] * decay - rate * (g[i] + momentum * v[i]);
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      v[i] = momentum * v[i] + g[i];
+      p[i] = p[i] * decay - rate * v[i];
+    }
+  }
+}
+
+// ---- The op table: f32 views of the dtype-tagged matrices, then the loops above.
+
+std::string CpuOps::device() const {
+  return "cpu";
+}
+
+Buffer CpuOps::allocate(size_t bytes) {
+  if (bytes == 0) return {};
+  // 64-byte alignment suits AVX-512 loads; calloc's pages come zeroed at no cost.
+  void* data = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+  if (data == nullptr) {
+    throw Error(ErrorKind::internal,
+                "out of memory allocating " + std::to_string(bytes) + " bytes");
+  }
+  std::memset(data, 0, bytes);
+  return Buffer(data, bytes, [](void* p) { std::free(p); });
+}
+
+void CpuOps::upload(const void* host, void* device, size_t bytes) {
+  if (bytes > 0 && host != device) std::memcpy(device, host, bytes);
+}
+
+void CpuOps::download(const void* device, void* host, size_t bytes) {
+  if (bytes > 0 && host != device) std::memcpy(host, device, bytes);
+}
+
+void CpuOps::copy(const void* src, void* dst, size_t bytes) {
+  if (bytes > 0) std::memcpy(dst, src, bytes);
+}
+
+void CpuOps::fill_zero(void* data, size_t bytes) {
+  if (bytes > 0) std::memset(data, 0, bytes);
+}
+
+void CpuOps::synchronize() {}
+
+void CpuOps::cast(const void* src, DType from, void* dst, DType to, int64_t n) {
+  if (from != DType::f32 || to != DType::f32) {
+    throw Error(ErrorKind::internal,
+                std::string("cast: the CPU op table computes in f32 only, not ") +
+                    dtype_name(from == DType::f32 ? to : from));
+  }
+  copy(src, dst, static_cast<size_t>(n) * sizeof(float));
+}
+
+void CpuOps::gemm(ConstMatrix a, Transpose transpose_a, ConstMatrix b, Transpose transpose_b,
+                  Matrix c, float alpha, float beta) {
+  gemm_f32(f32(a), transpose_a, f32(b), transpose_b, f32(c), alpha, beta);
+}
+
+void CpuOps::add_bias_rows(Matrix x, const void* bias) {
+  add_bias_rows_f32(f32(x), static_cast<const float*>(bias));
+}
+
+void CpuOps::bias_grad(ConstMatrix dy, float* grad) {
+  bias_grad_f32(f32(dy), grad);
+}
+
+void CpuOps::activation_forward(Activation activation, ConstMatrix pre, Matrix out) {
+  activation_forward_f32(activation, f32(pre), f32(out));
+}
+
+void CpuOps::activation_backward(Activation activation, ConstMatrix pre, ConstMatrix dout,
+                                 Matrix dpre) {
+  activation_backward_f32(activation, f32(pre), f32(dout), f32(dpre));
+}
+
+double CpuOps::softmax_cross_entropy_forward(ConstMatrix logits, const int32_t* labels,
+                                             Matrix probs) {
+  return softmax_cross_entropy_forward_f32(f32(logits), labels, f32(probs));
+}
+
+void CpuOps::softmax_cross_entropy_backward(ConstMatrix probs, const int32_t* labels,
+                                            Matrix dlogits, float scale) {
+  softmax_cross_entropy_backward_f32(f32(probs), labels, f32(dlogits), scale);
+}
+
+int64_t CpuOps::count_correct(ConstMatrix scores, const int32_t* labels) {
+  return count_correct_f32(f32(scores), labels);
+}
+
+void CpuOps::add(ConstMatrix x, Matrix y) {
+  require_same_shape("add", f32(x), f32(y));
+  axpy(x.size(), 1.0f, f32(x).data, f32(y).data);
+}
+
 void CpuOps::axpy(int64_t n, float alpha, const float* x, float* y) {
   for (int64_t i = 0; i < n; ++i)
     y[i] += alpha * x[i];
@@ -180,6 +297,35 @@ void CpuOps::axpy(int64_t n, float alpha, const float* x, float* y) {
 void CpuOps::scale(int64_t n, float alpha, float* x) {
   for (int64_t i = 0; i < n; ++i)
     x[i] *= alpha;
+}
+
+double CpuOps::sum_squares(const float* x, int64_t n) {
+  // Fixed lanes keep the sum deterministic yet let the compiler vectorize it.
+  constexpr int64_t kSumLanes = 8;
+  double lanes[kSumLanes] = {};
+  const int64_t full = n / kSumLanes * kSumLanes;
+  for (int64_t i = 0; i < full; i += kSumLanes) {
+    for (int64_t k = 0; k < kSumLanes; ++k) {
+      const double g = x[i + k];
+      lanes[k] += g * g;
+    }
+  }
+  double sum = 0.0;
+  for (int64_t i = full; i < n; ++i)
+    sum += static_cast<double>(x[i]) * x[i];
+  for (double lane : lanes)
+    sum += lane;
+  return sum;
+}
+
+void CpuOps::adamw_update(float* params, const float* grads, float* m, float* v, int64_t n,
+                          const AdamWCoefficients& k) {
+  adamw_f32(params, grads, m, v, n, k);
+}
+
+void CpuOps::sgd_update(float* params, const float* grads, float* velocity, int64_t n,
+                        float momentum, float decay, float rate, bool nesterov) {
+  sgd_f32(params, grads, velocity, n, momentum, decay, rate, nesterov);
 }
 
 void set_blas_threads(int threads) {

@@ -17,6 +17,9 @@
 namespace dptrain {
 namespace {
 
+using Mat = MatrixView<float>;
+using CMat = MatrixView<const float>;
+
 constexpr float kLayerNormEps = 1e-5f;
 // Attention works on causal row blocks of this many positions: block i's scores need keys
 // [0, end of block i) only, so the T x T products skip most of the masked upper triangle while
@@ -38,7 +41,7 @@ std::string shape(int64_t rows, int64_t cols) {
   throw Error(ErrorKind::internal, std::string(op) + ": " + what);
 }
 
-void require_same_shape(const char* op, ConstMatrix a, ConstMatrix b) {
+void require_same_shape(const char* op, CMat a, CMat b) {
   if (a.rows != b.rows || a.cols != b.cols) {
     shape_error(op,
                 "shapes " + shape(a.rows, a.cols) + " and " + shape(b.rows, b.cols) + " differ");
@@ -146,8 +149,8 @@ void sgemm(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int64_t m, int64_t n, int64_t
 }
 
 // Checks the attention shapes and returns the width.
-int64_t attention_width(const char* op, ConstMatrix qkv, int64_t batch, int64_t seq, int64_t heads,
-                        ConstMatrix out) {
+int64_t attention_width(const char* op, CMat qkv, int64_t batch, int64_t seq, int64_t heads,
+                        CMat out) {
   const int64_t width = out.cols;
   if (batch < 0 || seq < 0 || heads <= 0) {
     shape_error(op, "batch " + std::to_string(batch) + ", seq " + std::to_string(seq) + ", heads " +
@@ -184,8 +187,8 @@ std::vector<float>& attention_scratch(int64_t size) {
 #endif
 
 DPTRAIN_VECTOR_CLONES
-void layernorm_forward_rows(ConstMatrix x, const float* gamma, const float* beta, Matrix out,
-                            float* mean, float* rstd) {
+void layernorm_forward_rows(CMat x, const float* gamma, const float* beta, Mat out, float* mean,
+                            float* rstd) {
   const int64_t n = x.cols;
   const float inv_n = 1.0f / static_cast<float>(n);
   for (int64_t i = 0; i < x.rows; ++i) {
@@ -207,9 +210,8 @@ void layernorm_forward_rows(ConstMatrix x, const float* gamma, const float* beta
 }
 
 DPTRAIN_VECTOR_CLONES
-void layernorm_backward_rows(ConstMatrix x, const float* gamma, const float* mean,
-                             const float* rstd, ConstMatrix dout, Matrix dx, float* dgamma,
-                             float* dbeta) {
+void layernorm_backward_rows(CMat x, const float* gamma, const float* mean, const float* rstd,
+                             CMat dout, Mat dx, float* dgamma, float* dbeta) {
   const int64_t n = x.cols;
   const float inv_n = 1.0f / static_cast<float>(n);
   for (int64_t i = 0; i < x.rows; ++i) {
@@ -290,24 +292,23 @@ void causal_softmax_backward_rows(const float* p, float* ds, int64_t seq, int64_
 
 }  // namespace
 
-void CpuOps::layernorm_forward(ConstMatrix x, const float* gamma, const float* beta, Matrix out,
-                               float* mean, float* rstd) {
+static void layernorm_forward_f32(CMat x, const float* gamma, const float* beta, Mat out,
+                                  float* mean, float* rstd) {
   require_same_shape("layernorm_forward", x, out);
   if (x.rows > 0 && x.cols == 0) shape_error("layernorm_forward", "rows have no columns");
   layernorm_forward_rows(x, gamma, beta, out, mean, rstd);
 }
 
-void CpuOps::layernorm_backward(ConstMatrix x, const float* gamma, const float* mean,
-                                const float* rstd, ConstMatrix dout, Matrix dx, float* dgamma,
-                                float* dbeta) {
+static void layernorm_backward_f32(CMat x, const float* gamma, const float* mean, const float* rstd,
+                                   CMat dout, Mat dx, float* dgamma, float* dbeta) {
   require_same_shape("layernorm_backward", x, dout);
   require_same_shape("layernorm_backward", x, dx);
   if (x.rows > 0 && x.cols == 0) shape_error("layernorm_backward", "rows have no columns");
   layernorm_backward_rows(x, gamma, mean, rstd, dout, dx, dgamma, dbeta);
 }
 
-void CpuOps::attention_forward(ConstMatrix qkv, int64_t batch, int64_t seq, int64_t heads,
-                               Matrix out, float* att) {
+static void attention_forward_f32(CMat qkv, int64_t batch, int64_t seq, int64_t heads, Mat out,
+                                  float* att) {
   const int64_t width = attention_width("attention_forward", qkv, batch, seq, heads, out);
   const int64_t hd = width / heads;
   const int64_t ld = 3 * width;
@@ -333,8 +334,8 @@ void CpuOps::attention_forward(ConstMatrix qkv, int64_t batch, int64_t seq, int6
   }
 }
 
-void CpuOps::attention_backward(ConstMatrix qkv, const float* att, ConstMatrix dout, int64_t batch,
-                                int64_t seq, int64_t heads, Matrix dqkv) {
+static void attention_backward_f32(CMat qkv, const float* att, CMat dout, int64_t batch,
+                                   int64_t seq, int64_t heads, Mat dqkv) {
   const int64_t width = attention_width("attention_backward", qkv, batch, seq, heads, dout);
   require_same_shape("attention_backward", qkv, dqkv);
   const int64_t hd = width / heads;
@@ -380,8 +381,8 @@ void CpuOps::attention_backward(ConstMatrix qkv, const float* att, ConstMatrix d
   }
 }
 
-void CpuOps::embedding_forward(const int32_t* tokens, int64_t seq, int64_t vocab, const float* wte,
-                               const float* wpe, Matrix out) {
+static void embedding_forward_f32(const int32_t* tokens, int64_t seq, int64_t vocab,
+                                  const float* wte, const float* wpe, Mat out) {
   if (seq <= 0 || out.rows % seq != 0) {
     shape_error("embedding_forward", std::to_string(out.rows) + " rows are not a multiple of seq " +
                                          std::to_string(seq));
@@ -402,8 +403,8 @@ void CpuOps::embedding_forward(const int32_t* tokens, int64_t seq, int64_t vocab
   }
 }
 
-void CpuOps::embedding_backward(const int32_t* tokens, int64_t seq, ConstMatrix dout, float* dwte,
-                                float* dwpe) {
+static void embedding_backward_f32(const int32_t* tokens, int64_t seq, CMat dout, float* dwte,
+                                   float* dwpe) {
   if (seq <= 0 || dout.rows % seq != 0) {
     shape_error("embedding_backward", std::to_string(dout.rows) +
                                           " rows are not a multiple of seq " + std::to_string(seq));
@@ -420,6 +421,47 @@ void CpuOps::embedding_backward(const int32_t* tokens, int64_t seq, ConstMatrix 
       pe[j] += dy[j];
     }
   }
+}
+
+// ---- The op table: f32 views of the dtype-tagged matrices, then the code above.
+
+void CpuOps::layernorm_forward(ConstMatrix x, const void* gamma, const void* beta, Matrix out,
+                               float* mean, float* rstd) {
+  layernorm_forward_f32(f32(x), static_cast<const float*>(gamma), static_cast<const float*>(beta),
+                        f32(out), mean, rstd);
+}
+
+void CpuOps::layernorm_backward(ConstMatrix x, const void* gamma, const float* mean,
+                                const float* rstd, ConstMatrix dout, Matrix dx, float* dgamma,
+                                float* dbeta) {
+  layernorm_backward_f32(f32(x), static_cast<const float*>(gamma), mean, rstd, f32(dout), f32(dx),
+                         dgamma, dbeta);
+}
+
+size_t CpuOps::attention_state_floats(int64_t batch, int64_t seq, int64_t heads) const {
+  return static_cast<size_t>(batch * heads * seq * seq);  // the probabilities
+}
+
+void CpuOps::attention_forward(ConstMatrix qkv, int64_t batch, int64_t seq, int64_t heads,
+                               Matrix out, float* state) {
+  attention_forward_f32(f32(qkv), batch, seq, heads, f32(out), state);
+}
+
+void CpuOps::attention_backward(ConstMatrix qkv, ConstMatrix /*out*/, const float* state,
+                                ConstMatrix dout, int64_t batch, int64_t seq, int64_t heads,
+                                Matrix dqkv) {
+  attention_backward_f32(f32(qkv), state, f32(dout), batch, seq, heads, f32(dqkv));
+}
+
+void CpuOps::embedding_forward(const int32_t* tokens, int64_t seq, int64_t vocab, const void* wte,
+                               const void* wpe, Matrix out) {
+  embedding_forward_f32(tokens, seq, vocab, static_cast<const float*>(wte),
+                        static_cast<const float*>(wpe), f32(out));
+}
+
+void CpuOps::embedding_backward(const int32_t* tokens, int64_t seq, ConstMatrix dout, float* dwte,
+                                float* dwpe) {
+  embedding_backward_f32(tokens, seq, f32(dout), dwte, dwpe);
 }
 
 }  // namespace dptrain

@@ -1,4 +1,5 @@
-// The op table: the device-neutral kernels models are written against (CPU now, CUDA later).
+// The op table: the device-neutral kernels models and optimizers are written against. CpuOps
+// (core/tensor/cpu_ops.hpp) is the reference; CudaOps (kernels/cuda_ops.hpp) the GPU one.
 #pragma once
 
 #include <cstdint>
@@ -11,22 +12,66 @@ namespace dptrain {
 enum class Transpose { no, yes };
 enum class Activation { relu, gelu };  // gelu: the tanh approximation
 
+// The compute type of a train.precision ("fp32", "bf16", "fp16"); Error(recipe) otherwise.
+DType parse_precision(const std::string& precision);
+
 // "relu" | "gelu"; anything else is Error(recipe) naming model.activation.
 Activation parse_activation(const std::string& name);
 const char* activation_name(Activation activation);
 
-// All pointers belong to the op table's device. Unless a method says otherwise, outputs must not
-// alias inputs. Shape mismatches throw Error(internal): they are bugs in the caller.
+// The constants of one AdamW update (PyTorch's AdamW), for step t (1-based):
+//   m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
+//   p = p * decay - step_size * m / (sqrt(v) * inv_sqrt_bc2 + eps)
+// with step_size = lr / (1 - b1^t), inv_sqrt_bc2 = 1 / sqrt(1 - b2^t), decay = 1 - lr * wd.
+struct AdamWCoefficients {
+  float step_size = 0, inv_sqrt_bc2 = 1, b1 = 0.9f, b2 = 0.999f, eps = 1e-8f, decay = 1;
+};
+
+// All pointers belong to the op table's device (host memory for CpuOps, device memory for
+// CudaOps) unless a method says otherwise. Unless a method says otherwise, outputs must not alias
+// inputs, and activations (every Matrix and the parameter pointers read with them: biases,
+// LayerNorm gamma/beta, embeddings) share one dtype; parameter gradients, LayerNorm statistics
+// and attention state are f32. A CPU op table takes f32 only. Shape or dtype mismatches throw
+// Error(internal): they are bugs in the caller. Device failures throw Error(cuda) naming the
+// kernel. Ops run in order on the table's stream; results a method returns to the host (losses,
+// counts, norms) wait for the work before them.
 class Ops {
  public:
   virtual ~Ops() = default;
 
-  // c = alpha * op(a) * op(b) + beta * c, op = optional transpose. beta = 1 accumulates.
+  // "cpu" or "cuda:N".
+  virtual std::string device() const = 0;
+
+  // ---- Memory.
+  // `bytes` of zeroed device memory (host memory for CpuOps), freed with the Buffer.
+  virtual Buffer allocate(size_t bytes) = 0;
+  // Copies between host memory and the device; both wait until the copy is done.
+  virtual void upload(const void* host, void* device, size_t bytes) = 0;
+  virtual void download(const void* device, void* host, size_t bytes) = 0;
+  // Device to device, in stream order. src and dst must not overlap.
+  virtual void copy(const void* src, void* dst, size_t bytes) = 0;
+  virtual void fill_zero(void* data, size_t bytes) = 0;
+  // Waits for everything queued; a device error of an earlier op surfaces here at the latest.
+  virtual void synchronize() = 0;
+  // dst[i] = src[i] converted (round to nearest even), n elements.
+  virtual void cast(const void* src, DType from, void* dst, DType to, int64_t n) = 0;
+
+  // ---- Dense layers.
+  // c = alpha * op(a) * op(b) + beta * c, op = optional transpose. beta = 1 accumulates. a and b
+  // share a dtype; c has it too, or is f32 (weight gradients accumulate in f32).
   virtual void gemm(ConstMatrix a, Transpose transpose_a, ConstMatrix b, Transpose transpose_b,
                     Matrix c, float alpha, float beta) = 0;
-  // x[i, :] += bias for every row i; bias has x.cols entries.
-  virtual void add_bias_rows(Matrix x, const float* bias) = 0;
-  // bias_grad[j] += sum_i dy[i, j]: accumulates like the weight gradients.
+  // y = x W^T + bias (accumulate: y += x W^T + bias), W [y.cols, x.cols] in x's dtype, bias
+  // y.cols entries or null. The default is gemm then add_bias_rows; a device may fuse them.
+  virtual void linear(ConstMatrix x, const void* weight, const void* bias, Matrix y,
+                      bool accumulate) {
+    gemm(x, Transpose::no, ConstMatrix{weight, y.cols, x.cols, x.dtype}, Transpose::yes, y, 1.0f,
+         accumulate ? 1.0f : 0.0f);
+    if (bias != nullptr) add_bias_rows(y, bias);
+  }
+  // x[i, :] += bias for every row i; bias has x.cols entries of x's dtype.
+  virtual void add_bias_rows(Matrix x, const void* bias) = 0;
+  // bias_grad[j] += sum_i dy[i, j] (f32): accumulates like the weight gradients.
   virtual void bias_grad(ConstMatrix dy, float* bias_grad) = 0;
 
   // out = f(pre). out may alias pre.
@@ -36,8 +81,8 @@ class Ops {
                                    Matrix dpre) = 0;
 
   // probs = softmax(logits) row-wise; returns the mean over rows of -log probs[i, labels[i]],
-  // computed with a stable log-sum-exp. probs may alias logits. A label outside [0, cols) is
-  // Error(recipe).
+  // computed with a stable log-sum-exp in f32 or better. probs may alias logits. labels are
+  // int32 on the device. A label outside [0, cols) is Error(recipe).
   virtual double softmax_cross_entropy_forward(ConstMatrix logits, const int32_t* labels,
                                                Matrix probs) = 0;
   // dlogits = scale * (probs - onehot(labels)) / rows: the gradient of scale * mean loss.
@@ -47,21 +92,34 @@ class Ops {
   // Rows whose largest score (first one on ties) is at the label's column.
   virtual int64_t count_correct(ConstMatrix scores, const int32_t* labels) = 0;
 
+  // y += x elementwise, in the activation dtype (residual connections).
+  virtual void add(ConstMatrix x, Matrix y) = 0;
+
+  // ---- Flat f32 buffers (gradients, parameters, optimizer state).
   // y += alpha * x, over n elements.
   virtual void axpy(int64_t n, float alpha, const float* x, float* y) = 0;
   // x *= alpha, over n elements.
   virtual void scale(int64_t n, float alpha, float* x) = 0;
+  // The sum of x[i]^2 in double, in an order fixed for a given n (deterministic); inf or NaN when
+  // any element is not finite.
+  virtual double sum_squares(const float* x, int64_t n) = 0;
+  // One AdamW update of n parameters; m and v are the moments.
+  virtual void adamw_update(float* params, const float* grads, float* m, float* v, int64_t n,
+                            const AdamWCoefficients& k) = 0;
+  // SGD with momentum: v = momentum v + g; p = p * decay - rate * (nesterov ? g + momentum v : v).
+  virtual void sgd_update(float* params, const float* grads, float* velocity, int64_t n,
+                          float momentum, float decay, float rate, bool nesterov) = 0;
 
   // ---- Transformer ops (the GPT model). Rows are tokens: row b * seq + t is position t of
   // sequence b.
 
   // out[i, :] = (x[i, :] - mean_i) * rstd_i * gamma + beta, rstd_i = 1 / sqrt(var_i + 1e-5)
-  // (biased variance). mean and rstd get one value per row, for the backward pass.
-  virtual void layernorm_forward(ConstMatrix x, const float* gamma, const float* beta, Matrix out,
+  // (biased variance). mean and rstd (f32) get one value per row, for the backward pass.
+  virtual void layernorm_forward(ConstMatrix x, const void* gamma, const void* beta, Matrix out,
                                  float* mean, float* rstd) = 0;
-  // dx = the gradient through the normalisation (overwritten); dgamma and dbeta ACCUMULATE
-  // (+=), like every parameter gradient. dx may not alias dout.
-  virtual void layernorm_backward(ConstMatrix x, const float* gamma, const float* mean,
+  // dx = the gradient through the normalisation (overwritten); dgamma and dbeta (f32)
+  // ACCUMULATE (+=), like every parameter gradient. dx may not alias dout.
+  virtual void layernorm_backward(ConstMatrix x, const void* gamma, const float* mean,
                                   const float* rstd, ConstMatrix dout, Matrix dx, float* dgamma,
                                   float* dbeta) = 0;
 
@@ -70,20 +128,24 @@ class Ops {
   // / heads. out [batch * seq, width] is the heads' outputs side by side:
   //   att[b, h, t, :] = softmax over s <= t of (q_t . k_s) / sqrt(hd)  (0 for s > t)
   //   out[b * seq + t, h * hd : (h + 1) * hd] = sum_s att[b, h, t, s] * v_s
-  // att [batch, heads, seq, seq] keeps the probabilities for the backward pass. The softmax is
-  // the stable one (the row maximum subtracted).
+  // The softmax is the stable one. `state` (attention_state_floats() f32s) keeps what the
+  // backward pass needs: the CPU keeps the probabilities [batch, heads, seq, seq]; a device may
+  // keep less (a flash-style kernel keeps one log-sum-exp per row and recomputes).
+  virtual size_t attention_state_floats(int64_t batch, int64_t seq, int64_t heads) const = 0;
   virtual void attention_forward(ConstMatrix qkv, int64_t batch, int64_t seq, int64_t heads,
-                                 Matrix out, float* att) = 0;
+                                 Matrix out, float* state) = 0;
   // dqkv [batch * seq, 3 * width] = the gradient of the loss with respect to qkv, given dout
-  // and the forward's qkv and att (overwritten, not accumulated).
-  virtual void attention_backward(ConstMatrix qkv, const float* att, ConstMatrix dout,
-                                  int64_t batch, int64_t seq, int64_t heads, Matrix dqkv) = 0;
+  // and the forward's qkv, out and state (overwritten, not accumulated).
+  virtual void attention_backward(ConstMatrix qkv, ConstMatrix out, const float* state,
+                                  ConstMatrix dout, int64_t batch, int64_t seq, int64_t heads,
+                                  Matrix dqkv) = 0;
 
-  // out[i, :] = wte[tokens[i], :] + wpe[i % seq, :], out is [n, width] (n a multiple of seq).
-  // A token outside [0, vocab) is Error(recipe) naming it and the vocabulary size.
-  virtual void embedding_forward(const int32_t* tokens, int64_t seq, int64_t vocab,
-                                 const float* wte, const float* wpe, Matrix out) = 0;
-  // dwte[tokens[i], :] += dout[i, :] and dwpe[i % seq, :] += dout[i, :].
+  // out[i, :] = wte[tokens[i], :] + wpe[i % seq, :], out is [n, width] (n a multiple of seq);
+  // wte and wpe in out's dtype. A token outside [0, vocab) is Error(recipe) naming it and the
+  // vocabulary size (a device may report it at the next synchronisation).
+  virtual void embedding_forward(const int32_t* tokens, int64_t seq, int64_t vocab, const void* wte,
+                                 const void* wpe, Matrix out) = 0;
+  // dwte[tokens[i], :] += dout[i, :] and dwpe[i % seq, :] += dout[i, :] (f32).
   virtual void embedding_backward(const int32_t* tokens, int64_t seq, ConstMatrix dout, float* dwte,
                                   float* dwpe) = 0;
 };

@@ -1,13 +1,30 @@
-// Non-owning views of row-major matrices: what the op table reads and writes, on host or device.
+// Views of row-major matrices and owned buffers: what the op table reads and writes, on host or
+// device.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "core/error.hpp"
 
 namespace dptrain {
 
-// A contiguous row-major [rows, cols] block. T is float or const float; the pointer may be device
-// memory for a device op table, so views never dereference it themselves.
+// Element types of activations. Parameters, gradients and optimizer state are always f32; a
+// bf16/f16 model computes in a 16-bit copy of its parameters (mixed precision).
+enum class DType : uint8_t { f32, bf16, f16 };
+
+constexpr size_t dtype_size(DType t) {
+  return t == DType::f32 ? 4 : 2;
+}
+constexpr const char* dtype_name(DType t) {
+  return t == DType::f32 ? "f32" : t == DType::bf16 ? "bf16" : "f16";
+}
+
+// A typed contiguous row-major [rows, cols] block; T is float or const float. The pointer may be
+// device memory, so views never dereference it themselves.
 template <typename T>
 struct MatrixView {
   T* data = nullptr;
@@ -17,16 +34,89 @@ struct MatrixView {
   int64_t size() const { return rows * cols; }
   T* row(int64_t i) const { return data + i * cols; }
   // A mutable view converts to a read-only one, never the other way.
-  operator MatrixView<const T>() const { return {data, rows, cols}; }
+  template <typename U = T, typename = std::enable_if_t<!std::is_const_v<U>>>
+  operator MatrixView<const U>() const {
+    return {data, rows, cols};
+  }
 };
 
-using Matrix = MatrixView<float>;
-using ConstMatrix = MatrixView<const float>;
+// What the op table takes: a row-major [rows, cols] block of `dtype` elements on the op table's
+// device. Void is void or const void.
+template <typename Void>
+struct BasicMatrix {
+  Void* data = nullptr;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  DType dtype = DType::f32;
+
+  int64_t size() const { return rows * cols; }
+  size_t bytes() const { return static_cast<size_t>(size()) * dtype_size(dtype); }
+  // The first element of row i.
+  Void* row(int64_t i) const {
+    using Byte = std::conditional_t<std::is_const_v<Void>, const char, char>;
+    return static_cast<Byte*>(data) + static_cast<size_t>(i * cols) * dtype_size(dtype);
+  }
+  template <typename U = Void, typename = std::enable_if_t<!std::is_const_v<U>>>
+  operator BasicMatrix<const void>() const {
+    return {data, rows, cols, dtype};
+  }
+};
+
+using Matrix = BasicMatrix<void>;
+using ConstMatrix = BasicMatrix<const void>;
+
+// The float view of an f32 matrix (host code, the CPU op table). Another dtype is Error(internal):
+// a CPU op table computes in f32 only.
+template <typename Void>
+auto f32(BasicMatrix<Void> m) {
+  using Float = std::conditional_t<std::is_const_v<Void>, const float, float>;
+  if (m.dtype != DType::f32) {
+    throw Error(ErrorKind::internal,
+                std::string("an f32 matrix was expected, got ") + dtype_name(m.dtype));
+  }
+  return MatrixView<Float>{static_cast<Float*>(m.data), m.rows, m.cols};
+}
 
 // A run of values in a flat buffer (parameters, gradients).
 struct ParamRange {
   size_t offset = 0;
   size_t size = 0;
+};
+
+// Memory an op table allocated (host or device), freed with it. Move-only.
+class Buffer {
+ public:
+  using Release = void (*)(void*);
+  Buffer() = default;
+  Buffer(void* data, size_t bytes, Release release)
+      : data_(data), bytes_(bytes), release_(release) {}
+  Buffer(Buffer&& other) noexcept { swap(other); }
+  Buffer& operator=(Buffer&& other) noexcept {
+    Buffer(std::move(other)).swap(*this);
+    return *this;
+  }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer() {
+    if (data_ != nullptr && release_ != nullptr) release_(data_);
+  }
+
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(data_);
+  }
+  void swap(Buffer& other) noexcept {
+    std::swap(data_, other.data_);
+    std::swap(bytes_, other.bytes_);
+    std::swap(release_, other.release_);
+  }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+  Release release_ = nullptr;
 };
 
 }  // namespace dptrain

@@ -203,7 +203,8 @@ void check_attention_backward(const AttentionCase& c, uint64_t seed, size_t prob
   const Floats weights = random_floats(rng, c.rows() * c.width);
   const AttentionResult fwd = run_attention(ops, c, qkv);
   Floats dqkv(qkv.size(), std::nanf(""));  // overwritten, not accumulated
-  ops.attention_backward(ConstMatrix{qkv.data(), c.rows(), 3 * c.width}, fwd.att.data(),
+  ops.attention_backward(ConstMatrix{qkv.data(), c.rows(), 3 * c.width},
+                         ConstMatrix{fwd.out.data(), c.rows(), c.width}, fwd.att.data(),
                          ConstMatrix{weights.data(), c.rows(), c.width}, c.batch, c.seq, c.heads,
                          Matrix{dqkv.data(), c.rows(), 3 * c.width});
   std::vector<size_t> indices;  // empty: every element
@@ -371,14 +372,14 @@ TEST_CASE("attention rejects shapes that do not fit") {
         "no error");
 
   Floats dqkv(qkv.size());
-  CHECK_THROWS_AS(
-      ops.attention_backward(ConstMatrix{qkv.data(), 6, 24}, att.data(),
-                             ConstMatrix{out.data(), 6, 8}, 2, 3, 2, Matrix{dqkv.data(), 6, 21}),
-      Error);
-  CHECK_THROWS_AS(
-      ops.attention_backward(ConstMatrix{qkv.data(), 6, 24}, att.data(),
-                             ConstMatrix{out.data(), 6, 8}, 2, 3, 5, Matrix{dqkv.data(), 6, 24}),
-      Error);
+  CHECK_THROWS_AS(ops.attention_backward(
+                      ConstMatrix{qkv.data(), 6, 24}, ConstMatrix{out.data(), 6, 8}, att.data(),
+                      ConstMatrix{out.data(), 6, 8}, 2, 3, 2, Matrix{dqkv.data(), 6, 21}),
+                  Error);
+  CHECK_THROWS_AS(ops.attention_backward(
+                      ConstMatrix{qkv.data(), 6, 24}, ConstMatrix{out.data(), 6, 8}, att.data(),
+                      ConstMatrix{out.data(), 6, 8}, 2, 3, 5, Matrix{dqkv.data(), 6, 24}),
+                  Error);
 }
 
 TEST_CASE("layernorm rejects shapes that do not fit") {

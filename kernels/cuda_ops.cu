@@ -1,0 +1,704 @@
+// The CUDA op table's core: device handles, memory, casts, gemm/linear through cuBLASLt, flat
+// f32 buffer ops (axpy, scale, a deterministic sum of squares) and the fused optimizer updates.
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <unordered_map>
+
+#include "kernels/cuda_ops_impl.cuh"
+
+namespace dptrain::kernels {
+
+namespace {
+
+constexpr int kThreads = 256;
+// Grid-stride kernels need no more blocks than keep every SM busy; the cap keeps the grid legal
+// for any n.
+constexpr int64_t kMaxBlocks = 8192;
+// sum_squares: at most this many partial sums (one per block), summed by one block.
+constexpr int kReduceThreads = 256;
+constexpr int kReduceBlocks = 1024;
+static_assert(kReduceBlocks + 1 <= static_cast<int>(CudaOps::kReduceSlots),
+              "sum_squares keeps its partial sums and the total in reduce_scratch()");
+static_assert(sizeof(DeviceErrors) <= CudaOps::kPinnedBytes &&
+                  sizeof(double) <= CudaOps::kPinnedBytes,
+              "results come back to the host through pinned()");
+
+unsigned grid_for(int64_t n) {
+  return static_cast<unsigned>(std::clamp<int64_t>((n + kThreads - 1) / kThreads, 1, kMaxBlocks));
+}
+
+std::string device_label(int device) {
+  return "cuda:" + std::to_string(device);
+}
+
+// ---- Kernels.
+
+template <typename From, typename To>
+__global__ void cast_kernel(const From* __restrict__ src, To* __restrict__ dst, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    dst[i] = from_f32<To>(to_f32(src[i]));
+  }
+}
+
+// x *= alpha for a matrix of any dtype (gemm with an empty inner dimension: c = beta * c).
+template <typename T>
+__global__ void scale_elements_kernel(T* x, int64_t n, float alpha) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    x[i] = from_f32<T>(to_f32(x[i]) * alpha);
+  }
+}
+
+// The flat-buffer kernels round every operation separately (__fmul_rn, __fadd_rn: no fused
+// multiply-add contraction), in the CPU code's order, so they give the CPU's bits.
+__global__ void axpy_kernel(int64_t n, float alpha, const float* __restrict__ x,
+                            float* __restrict__ y) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    y[i] = __fadd_rn(y[i], __fmul_rn(alpha, x[i]));
+  }
+}
+
+__global__ void scale_kernel(int64_t n, float alpha, float* x) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    x[i] = __fmul_rn(x[i], alpha);
+  }
+}
+
+// Sums s[0, blockDim.x) into s[0] in a fixed tree order (blockDim.x a power of two).
+__device__ void tree_sum(double* s) {
+  for (unsigned stride = blockDim.x / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) s[threadIdx.x] += s[threadIdx.x + stride];
+    __syncthreads();
+  }
+}
+
+// Pass 1: block b sums the squares of its grid-stride share into partial[b]. Which thread reads
+// which element depends on n and the grid only, never on timing, so the sum is deterministic.
+// A float's square is exact in double; inf and NaN propagate through the additions.
+__global__ void sum_squares_partial_kernel(const float* __restrict__ x, int64_t n,
+                                           double* __restrict__ partial) {
+  __shared__ double s[kReduceThreads];
+  double acc = 0;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const double v = x[i];
+    acc += v * v;
+  }
+  s[threadIdx.x] = acc;
+  __syncthreads();
+  tree_sum(s);
+  if (threadIdx.x == 0) partial[blockIdx.x] = s[0];
+}
+
+// Pass 2 (one block): partial[0, count) summed in a fixed order into *total.
+__global__ void sum_partials_kernel(const double* __restrict__ partial, int count,
+                                    double* __restrict__ total) {
+  __shared__ double s[kReduceThreads];
+  double acc = 0;
+  for (int i = static_cast<int>(threadIdx.x); i < count; i += static_cast<int>(blockDim.x))
+    acc += partial[i];
+  s[threadIdx.x] = acc;
+  __syncthreads();
+  tree_sum(s);
+  if (threadIdx.x == 0) *total = s[0];
+}
+
+// ops.hpp's AdamW, term by term as core/optim/optimizer.cpp computes it (sqrt correctly rounded).
+__global__ void adamw_kernel(float* __restrict__ params, const float* __restrict__ grads,
+                             float* __restrict__ m, float* __restrict__ v, int64_t n,
+                             AdamWCoefficients k) {
+  const float one_minus_b1 = __fsub_rn(1.0f, k.b1);
+  const float one_minus_b2 = __fsub_rn(1.0f, k.b2);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float g = grads[i];
+    const float mi = __fadd_rn(__fmul_rn(k.b1, m[i]), __fmul_rn(one_minus_b1, g));
+    const float vi = __fadd_rn(__fmul_rn(k.b2, v[i]), __fmul_rn(__fmul_rn(one_minus_b2, g), g));
+    m[i] = mi;
+    v[i] = vi;
+    const float denom = __fadd_rn(__fmul_rn(__fsqrt_rn(vi), k.inv_sqrt_bc2), k.eps);
+    params[i] =
+        __fsub_rn(__fmul_rn(params[i], k.decay), __fdiv_rn(__fmul_rn(k.step_size, mi), denom));
+  }
+}
+
+// v = momentum v + g; p = p * decay - rate * (nesterov ? g + momentum v : v).
+__global__ void sgd_kernel(float* __restrict__ params, const float* __restrict__ grads,
+                           float* __restrict__ velocity, int64_t n, float momentum, float decay,
+                           float rate, bool nesterov) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float g = grads[i];
+    const float vi = __fadd_rn(__fmul_rn(momentum, velocity[i]), g);
+    velocity[i] = vi;
+    const float step = nesterov ? __fadd_rn(g, __fmul_rn(momentum, vi)) : vi;
+    params[i] = __fsub_rn(__fmul_rn(params[i], decay), __fmul_rn(rate, step));
+  }
+}
+
+// ---- Resources.
+
+// Frees what CudaOps holds (its destructor, or a constructor that failed half way). Never throws:
+// errors here cannot be acted on, and an earlier one was already reported.
+void release_resources(cudaStream_t& stream, cublasLtHandle_t& lt, void*& workspace,
+                       DeviceErrors*& errors, double*& reduce, void*& pinned, void*& scratch) {
+  if (stream != nullptr) cudaStreamSynchronize(stream);
+  if (scratch != nullptr) cudaFree(scratch);
+  if (reduce != nullptr) cudaFree(reduce);
+  if (errors != nullptr) cudaFree(errors);
+  if (workspace != nullptr) cudaFree(workspace);
+  if (pinned != nullptr) cudaFreeHost(pinned);
+  if (lt != nullptr) cublasLtDestroy(lt);
+  if (stream != nullptr) cudaStreamDestroy(stream);
+  scratch = reduce = nullptr;
+  errors = nullptr;
+  workspace = pinned = nullptr;
+  lt = nullptr;
+  stream = nullptr;
+  cudaGetLastError();  // nothing sticky from the cleanup leaks into a later check
+}
+
+void free_device(void* data) {
+  cudaFree(data);
+}
+
+// ---- cuBLASLt.
+
+cudaDataType_t cuda_type(DType dtype) {
+  switch (dtype) {
+    case DType::f32:
+      return CUDA_R_32F;
+    case DType::bf16:
+      return CUDA_R_16BF;
+    case DType::f16:
+      return CUDA_R_16F;
+  }
+  return CUDA_R_32F;
+}
+
+// The largest power of two (at most 256, what cuBLASLt assumes by default) dividing the address:
+// the heuristic must only pick kernels that can load from it.
+uint32_t alignment(const void* p) {
+  const auto address = reinterpret_cast<uintptr_t>(p);
+  if (address == 0) return 256;
+  return static_cast<uint32_t>(std::min<uintptr_t>(address & (~address + 1), 256));
+}
+
+// op(a) [m, k] x op(b) [k, n] = c [m, n], row-major, with the shapes checked.
+struct GemmShape {
+  int64_t m, n, k;
+};
+
+GemmShape gemm_shape(const char* what, ConstMatrix a, Transpose transpose_a, ConstMatrix b,
+                     Transpose transpose_b, Matrix c) {
+  if (a.dtype != b.dtype) {
+    precondition_failed(
+        what, std::string("a is ") + dtype_name(a.dtype) + " but b is " + dtype_name(b.dtype));
+  }
+  if (c.dtype != a.dtype && c.dtype != DType::f32) {
+    precondition_failed(what, std::string("c is ") + dtype_name(c.dtype) + " for " +
+                                  dtype_name(a.dtype) + " inputs (expected " + dtype_name(a.dtype) +
+                                  " or f32)");
+  }
+  const bool ta = transpose_a == Transpose::yes, tb = transpose_b == Transpose::yes;
+  const GemmShape s{ta ? a.cols : a.rows, tb ? b.rows : b.cols, ta ? a.rows : a.cols};
+  const int64_t kb = tb ? b.cols : b.rows;
+  if (kb != s.k || c.rows != s.m || c.cols != s.n) {
+    precondition_failed(what, "op(a) is [" + std::to_string(s.m) + ", " + std::to_string(s.k) +
+                                  "], op(b) [" + std::to_string(kb) + ", " + std::to_string(s.n) +
+                                  "], c [" + std::to_string(c.rows) + ", " +
+                                  std::to_string(c.cols) + "]");
+  }
+  return s;
+}
+
+// What a plan depends on. The layouts follow from the shape and transposes; the alignments
+// (and the bias pointer's) decide which kernels the heuristic may choose.
+struct MatmulKey {
+  int64_t m = 0, n = 0, k = 0;
+  int32_t transpose_a = 0, transpose_b = 0;
+  int32_t ab_type = 0, c_type = 0;
+  uint32_t align_a = 0, align_b = 0, align_c = 0, align_bias = 0;  // align_bias 0: no bias
+  bool operator==(const MatmulKey&) const = default;
+};
+
+struct MatmulKeyHash {
+  size_t operator()(const MatmulKey& key) const {
+    size_t h = 0;
+    const auto mix = [&h](uint64_t v) {
+      h ^= std::hash<uint64_t>{}(v) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+    };
+    mix(static_cast<uint64_t>(key.m));
+    mix(static_cast<uint64_t>(key.n));
+    mix(static_cast<uint64_t>(key.k));
+    mix(static_cast<uint64_t>(key.transpose_a) | static_cast<uint64_t>(key.transpose_b) << 1 |
+        static_cast<uint64_t>(key.ab_type) << 8 | static_cast<uint64_t>(key.c_type) << 24);
+    mix(static_cast<uint64_t>(key.align_a) | static_cast<uint64_t>(key.align_b) << 16 |
+        static_cast<uint64_t>(key.align_c) << 32 | static_cast<uint64_t>(key.align_bias) << 48);
+    return h;
+  }
+};
+
+// One cuBLASLt matmul, ready to run: its descriptors and the heuristic's algorithm (if any).
+struct MatmulPlan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t first = nullptr, second = nullptr, out = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  bool has_algo = false;
+
+  MatmulPlan() = default;
+  MatmulPlan(const MatmulPlan&) = delete;
+  MatmulPlan& operator=(const MatmulPlan&) = delete;
+  ~MatmulPlan() {
+    if (out != nullptr) cublasLtMatrixLayoutDestroy(out);
+    if (second != nullptr) cublasLtMatrixLayoutDestroy(second);
+    if (first != nullptr) cublasLtMatrixLayoutDestroy(first);
+    if (desc != nullptr) cublasLtMatmulDescDestroy(desc);
+  }
+};
+
+using PlanMap = std::unordered_map<MatmulKey, std::unique_ptr<MatmulPlan>, MatmulKeyHash>;
+
+// Enough for every shape of a training run; a run that somehow exceeds it starts over rather
+// than growing without bound.
+constexpr size_t kMaxPlans = 1024;
+
+struct PreferenceHandle {
+  cublasLtMatmulPreference_t pref = nullptr;
+  ~PreferenceHandle() {
+    if (pref != nullptr) cublasLtMatmulPreferenceDestroy(pref);
+  }
+};
+
+template <typename V>
+void set_desc(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attribute, const V& value) {
+  check_cublas(cublasLtMatmulDescSetAttribute(desc, attribute, &value, sizeof(value)),
+               "gemm: cublasLtMatmulDescSetAttribute");
+}
+
+template <typename V>
+void set_pref(cublasLtMatmulPreference_t pref, cublasLtMatmulPreferenceAttributes_t attribute,
+              const V& value) {
+  check_cublas(cublasLtMatmulPreferenceSetAttribute(pref, attribute, &value, sizeof(value)),
+               "gemm: cublasLtMatmulPreferenceSetAttribute");
+}
+
+// Row-major matrices are column-major ones transposed: c^T [n, m] = op(b)^T op(a)^T, so
+// cuBLASLt's first operand is b's buffer (column-major [b.cols, b.rows]) with b's transpose, its
+// second a's buffer with a's, and its output c's buffer as column-major [n, m]. A bias then has
+// one entry per output row of cuBLASLt's D, i.e. per column of c: the broadcast linear() needs.
+std::unique_ptr<MatmulPlan> make_plan(cublasLtHandle_t lt, const MatmulKey& key, ConstMatrix a,
+                                      ConstMatrix b, Matrix c, const void* bias) {
+  auto plan = std::make_unique<MatmulPlan>();
+  const auto ab_type = static_cast<cudaDataType_t>(key.ab_type);
+  const auto c_type = static_cast<cudaDataType_t>(key.c_type);
+  check_cublas(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
+               "gemm: cublasLtMatmulDescCreate");
+  const int32_t op_first = key.transpose_b != 0 ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const int32_t op_second = key.transpose_a != 0 ? CUBLAS_OP_T : CUBLAS_OP_N;
+  set_desc(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, op_first);
+  set_desc(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, op_second);
+  if (bias != nullptr) {
+    // The bias has D's type (cuBLASLt's rule for non-integer, non-fp8 matmuls).
+    set_desc(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE,
+             static_cast<uint32_t>(CUBLASLT_EPILOGUE_BIAS));
+    set_desc(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, static_cast<int32_t>(c_type));
+    set_desc(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
+  }
+  check_cublas(cublasLtMatrixLayoutCreate(&plan->first, ab_type, static_cast<uint64_t>(b.cols),
+                                          static_cast<uint64_t>(b.rows), b.cols),
+               "gemm: cublasLtMatrixLayoutCreate");
+  check_cublas(cublasLtMatrixLayoutCreate(&plan->second, ab_type, static_cast<uint64_t>(a.cols),
+                                          static_cast<uint64_t>(a.rows), a.cols),
+               "gemm: cublasLtMatrixLayoutCreate");
+  check_cublas(cublasLtMatrixLayoutCreate(&plan->out, c_type, static_cast<uint64_t>(c.cols),
+                                          static_cast<uint64_t>(c.rows), c.cols),
+               "gemm: cublasLtMatrixLayoutCreate");
+
+  PreferenceHandle pref;
+  check_cublas(cublasLtMatmulPreferenceCreate(&pref.pref), "gemm: cublasLtMatmulPreferenceCreate");
+  set_pref(pref.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+           static_cast<uint64_t>(CudaOps::kLtWorkspaceBytes));
+  set_pref(pref.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align_b);
+  set_pref(pref.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align_a);
+  set_pref(pref.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_c);
+  set_pref(pref.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_c);
+
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t status =
+      cublasLtMatmulAlgoGetHeuristic(lt, plan->desc, plan->first, plan->second, plan->out,
+                                     plan->out, pref.pref, 1, &result, &found);
+  // NOT_SUPPORTED is the heuristic's "nothing fits this configuration".
+  if (status != CUBLAS_STATUS_NOT_SUPPORTED) {
+    check_cublas(status, "gemm: cublasLtMatmulAlgoGetHeuristic");
+  }
+  if (status == CUBLAS_STATUS_SUCCESS && found > 0 && result.state == CUBLAS_STATUS_SUCCESS) {
+    plan->algo = result.algo;
+    plan->has_algo = true;
+  }
+  return plan;
+}
+
+// c = alpha op(a) op(b) + beta c (+ bias per column of c), shapes already checked and non-empty.
+// False when cuBLASLt has no algorithm for it (the caller decides what that means).
+bool lt_matmul(PlanMap& plans, cublasLtHandle_t lt, void* workspace, cudaStream_t stream,
+               const GemmShape& shape, ConstMatrix a, Transpose transpose_a, ConstMatrix b,
+               Transpose transpose_b, Matrix c, float alpha, float beta, const void* bias) {
+  MatmulKey key;
+  key.m = shape.m;
+  key.n = shape.n;
+  key.k = shape.k;
+  key.transpose_a = transpose_a == Transpose::yes ? 1 : 0;
+  key.transpose_b = transpose_b == Transpose::yes ? 1 : 0;
+  key.ab_type = static_cast<int32_t>(cuda_type(a.dtype));
+  key.c_type = static_cast<int32_t>(cuda_type(c.dtype));
+  key.align_a = alignment(a.data);
+  key.align_b = alignment(b.data);
+  key.align_c = alignment(c.data);
+  key.align_bias = bias != nullptr ? alignment(bias) : 0;
+
+  auto it = plans.find(key);
+  if (it == plans.end()) {
+    if (plans.size() >= kMaxPlans) plans.clear();
+    it = plans.emplace(key, make_plan(lt, key, a, b, c, bias)).first;
+  }
+  MatmulPlan& plan = *it->second;
+  if (!plan.has_algo) return false;
+  if (bias != nullptr) set_desc(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
+  // C and D are the same buffer and layout: beta = 1 accumulates in place.
+  check_cublas(cublasLtMatmul(lt, plan.desc, &alpha, b.data, plan.first, a.data, plan.second, &beta,
+                              c.data, plan.out, c.data, plan.out, &plan.algo, workspace,
+                              CudaOps::kLtWorkspaceBytes, stream),
+               "gemm: cublasLtMatmul");
+  return true;
+}
+
+}  // namespace
+
+// ---- Shared helpers (cuda_ops_impl.cuh).
+
+void check_cuda(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return;
+  cudaGetLastError();  // the error is reported here; a later check must not see it again
+  throw Error(ErrorKind::cuda, std::string(what) + ": " + cudaGetErrorString(err) + " (" +
+                                   cudaGetErrorName(err) + ")");
+}
+
+void check_launch(const char* kernel) {
+  const cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess) return;
+  throw Error(ErrorKind::cuda, std::string(kernel) + ": the kernel launch failed: " +
+                                   cudaGetErrorString(err) + " (" + cudaGetErrorName(err) + ")");
+}
+
+void check_cublas(cublasStatus_t status, const char* what) {
+  if (status == CUBLAS_STATUS_SUCCESS) return;
+  throw Error(ErrorKind::cuda, std::string(what) + ": " + cublasLtGetStatusName(status) + " (" +
+                                   cublasLtGetStatusString(status) + ")");
+}
+
+void precondition_failed(const char* what, const std::string& reason) {
+  throw Error(ErrorKind::internal, std::string(what) + ": " + reason);
+}
+
+// ---- cuda_ops.hpp.
+
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the "no driver" / "no device" error
+    return 0;
+  }
+  return n;
+}
+
+namespace {
+void require_device(int device) {
+  const int count = device_count();
+  if (device < 0 || device >= count) {
+    throw Error(ErrorKind::cuda, device_label(device) + " does not exist (" +
+                                     std::to_string(count) + " CUDA devices are visible)");
+  }
+}
+}  // namespace
+
+std::string device_name(int device) {
+  require_device(device);
+  cudaDeviceProp prop{};
+  check_cuda(cudaGetDeviceProperties(&prop, device),
+             (device_label(device) + ": cudaGetDeviceProperties").c_str());
+  return prop.name;
+}
+
+std::unique_ptr<Ops> make_cuda_ops(int device) {
+  require_device(device);
+  return std::make_unique<CudaOps>(device);
+}
+
+void* compute_stream(Ops& ops) {
+  auto* cuda = dynamic_cast<CudaOps*>(&ops);
+  if (cuda == nullptr) {
+    throw Error(ErrorKind::internal,
+                "compute_stream: the op table on " + ops.device() + " is not a CUDA one");
+  }
+  return cuda->stream();
+}
+
+// ---- CudaOps: construction and memory.
+
+struct CudaOps::MatmulPlans {
+  PlanMap plans;
+};
+
+CudaOps::CudaOps(int device) : device_(device) {
+  const std::string where = device_label(device) + ": ";
+  try {
+    check_cuda(cudaSetDevice(device), (where + "cudaSetDevice").c_str());
+    // Non-blocking: the legacy default stream (used by libraries we do not control) never
+    // serialises against the compute stream.
+    check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
+               (where + "cudaStreamCreateWithFlags").c_str());
+    check_cublas(cublasLtCreate(&lt_), (where + "cublasLtCreate").c_str());
+    check_cuda(
+        cudaMalloc(&lt_workspace_, kLtWorkspaceBytes),
+        (where + "cuBLASLt workspace of " + std::to_string(kLtWorkspaceBytes) + " bytes").c_str());
+    check_cuda(cudaMalloc(reinterpret_cast<void**>(&errors_), sizeof(DeviceErrors)),
+               (where + "cudaMalloc of the device error record").c_str());
+    check_cuda(cudaMemsetAsync(errors_, 0, sizeof(DeviceErrors), stream_),
+               (where + "cudaMemsetAsync of the device error record").c_str());
+    check_cuda(
+        cudaMalloc(reinterpret_cast<void**>(&reduce_scratch_), kReduceSlots * sizeof(double)),
+        (where + "cudaMalloc of the reduction scratch").c_str());
+    check_cuda(cudaMallocHost(&pinned_, kPinnedBytes), (where + "cudaMallocHost").c_str());
+    matmul_plans_ = std::make_unique<MatmulPlans>();
+    check_cuda(cudaStreamSynchronize(stream_), (where + "cudaStreamSynchronize").c_str());
+  } catch (...) {
+    matmul_plans_.reset();
+    release_resources(stream_, lt_, lt_workspace_, errors_, reduce_scratch_, pinned_,
+                      attention_scratch_);
+    throw;
+  }
+}
+
+CudaOps::~CudaOps() {
+  if (stream_ != nullptr) cudaStreamSynchronize(stream_);  // no matmul still uses a plan
+  matmul_plans_.reset();
+  release_resources(stream_, lt_, lt_workspace_, errors_, reduce_scratch_, pinned_,
+                    attention_scratch_);
+}
+
+std::string CudaOps::device() const {
+  return device_label(device_);
+}
+
+Buffer CudaOps::allocate(size_t bytes) {
+  if (bytes == 0) return Buffer();
+  void* data = nullptr;
+  const cudaError_t err = cudaMalloc(&data, bytes);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    throw Error(ErrorKind::cuda, "allocate: cannot allocate " + std::to_string(bytes) +
+                                     " bytes on " + device() + ": " + cudaGetErrorString(err));
+  }
+  Buffer buffer(data, bytes, free_device);
+  // In stream order: everything later on the stream sees zeros.
+  check_cuda(cudaMemsetAsync(data, 0, bytes, stream_), "allocate: cudaMemsetAsync");
+  return buffer;
+}
+
+void CudaOps::upload(const void* host, void* device, size_t bytes) {
+  if (bytes == 0) return;
+  check_cuda(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, stream_),
+             "upload: cudaMemcpyAsync");
+  check_cuda(cudaStreamSynchronize(stream_), "upload: cudaStreamSynchronize");
+}
+
+void CudaOps::download(const void* device, void* host, size_t bytes) {
+  if (bytes == 0) return;
+  check_cuda(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, stream_),
+             "download: cudaMemcpyAsync");
+  check_cuda(cudaStreamSynchronize(stream_), "download: cudaStreamSynchronize");
+}
+
+void CudaOps::copy(const void* src, void* dst, size_t bytes) {
+  if (bytes == 0) return;
+  check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_),
+             "copy: cudaMemcpyAsync");
+}
+
+void CudaOps::fill_zero(void* data, size_t bytes) {
+  if (bytes == 0) return;
+  check_cuda(cudaMemsetAsync(data, 0, bytes, stream_), "fill_zero: cudaMemsetAsync");
+}
+
+void CudaOps::synchronize() {
+  check_device_errors();
+}
+
+void CudaOps::check_device_errors() {
+  check_cuda(
+      cudaMemcpyAsync(pinned_, errors_, sizeof(DeviceErrors), cudaMemcpyDeviceToHost, stream_),
+      "synchronize: reading the device error record");
+  check_cuda(cudaStreamSynchronize(stream_), "synchronize: cudaStreamSynchronize");
+  DeviceErrors found{};
+  std::memcpy(&found, pinned_, sizeof(found));
+  if (found.kind == 0) return;
+  // Cleared in stream order, so the next op starts with a clean record even after the throw.
+  check_cuda(cudaMemsetAsync(errors_, 0, sizeof(DeviceErrors), stream_),
+             "synchronize: clearing the device error record");
+  switch (found.kind) {
+    case 1:
+      throw Error(ErrorKind::recipe, "token " + std::to_string(found.value) +
+                                         " is outside the vocabulary (size " +
+                                         std::to_string(found.limit) + ")");
+    case 2:
+      throw Error(ErrorKind::recipe, "label " + std::to_string(found.value) + " is outside [0, " +
+                                         std::to_string(found.limit) + ")");
+    default:
+      throw Error(ErrorKind::internal,
+                  "a kernel recorded an unknown device error kind " + std::to_string(found.kind));
+  }
+}
+
+void* CudaOps::attention_scratch(size_t bytes) {
+  if (bytes <= attention_scratch_bytes_) return attention_scratch_;
+  // Earlier kernels may still use the old block: free it only once they are done.
+  check_cuda(cudaStreamSynchronize(stream_), "attention_scratch: cudaStreamSynchronize");
+  if (attention_scratch_ != nullptr) {
+    check_cuda(cudaFree(attention_scratch_), "attention_scratch: cudaFree");
+    attention_scratch_ = nullptr;
+    attention_scratch_bytes_ = 0;
+  }
+  check_cuda(
+      cudaMalloc(&attention_scratch_, bytes),
+      ("attention_scratch: cannot allocate " + std::to_string(bytes) + " bytes on " + device())
+          .c_str());
+  attention_scratch_bytes_ = bytes;
+  return attention_scratch_;
+}
+
+void CudaOps::cast(const void* src, DType from, void* dst, DType to, int64_t n) {
+  if (n < 0) precondition_failed("cast", "negative element count " + std::to_string(n));
+  if (n == 0) return;
+  if (from == to) {
+    copy(src, dst, static_cast<size_t>(n) * dtype_size(from));
+    return;
+  }
+  dispatch_dtype(from, [&]<typename From>() {
+    dispatch_dtype(to, [&]<typename To>() {
+      cast_kernel<From, To><<<grid_for(n), kThreads, 0, stream_>>>(static_cast<const From*>(src),
+                                                                   static_cast<To*>(dst), n);
+    });
+  });
+  check_launch("cast");
+}
+
+// ---- Dense layers.
+
+void CudaOps::gemm(ConstMatrix a, Transpose transpose_a, ConstMatrix b, Transpose transpose_b,
+                   Matrix c, float alpha, float beta) {
+  const GemmShape shape = gemm_shape("gemm", a, transpose_a, b, transpose_b, c);
+  if (shape.m == 0 || shape.n == 0) return;
+  if (shape.k == 0) {  // an empty product: c = beta c
+    if (beta == 0.0f) {
+      fill_zero(c.data, c.bytes());
+    } else if (beta != 1.0f) {
+      dispatch_dtype(c.dtype, [&]<typename T>() {
+        scale_elements_kernel<T>
+            <<<grid_for(c.size()), kThreads, 0, stream_>>>(static_cast<T*>(c.data), c.size(), beta);
+      });
+      check_launch("gemm (scale by beta)");
+    }
+    return;
+  }
+  if (!lt_matmul(matmul_plans_->plans, lt_, lt_workspace_, stream_, shape, a, transpose_a, b,
+                 transpose_b, c, alpha, beta, nullptr)) {
+    throw Error(ErrorKind::cuda, std::string("gemm: cuBLASLt has no algorithm for [") +
+                                     std::to_string(shape.m) + ", " + std::to_string(shape.k) +
+                                     "] x [" + std::to_string(shape.k) + ", " +
+                                     std::to_string(shape.n) + "] in " + dtype_name(a.dtype) +
+                                     " -> " + dtype_name(c.dtype));
+  }
+}
+
+void CudaOps::linear(ConstMatrix x, const void* weight, const void* bias, Matrix y,
+                     bool accumulate) {
+  const ConstMatrix w{weight, y.cols, x.cols, x.dtype};
+  // cuBLASLt's bias epilogue: bias in D's dtype (y's, which must then be x's), the bias
+  // 16-byte aligned (narrower bias pointers fail on some GPUs), and no accumulation (we do not
+  // rely on where the epilogue adds the bias relative to beta * C).
+  const bool fuse = bias != nullptr && !accumulate && y.dtype == x.dtype && alignment(bias) >= 16;
+  if (fuse) {
+    const GemmShape shape = gemm_shape("linear", x, Transpose::no, w, Transpose::yes, y);
+    if (shape.m == 0 || shape.n == 0) return;
+    if (shape.k > 0 && lt_matmul(matmul_plans_->plans, lt_, lt_workspace_, stream_, shape, x,
+                                 Transpose::no, w, Transpose::yes, y, 1.0f, 0.0f, bias)) {
+      return;
+    }
+  }
+  gemm(x, Transpose::no, w, Transpose::yes, y, 1.0f, accumulate ? 1.0f : 0.0f);
+  if (bias != nullptr) add_bias_rows(y, bias);
+}
+
+// ---- Flat f32 buffers.
+
+void CudaOps::axpy(int64_t n, float alpha, const float* x, float* y) {
+  if (n <= 0) return;
+  axpy_kernel<<<grid_for(n), kThreads, 0, stream_>>>(n, alpha, x, y);
+  check_launch("axpy");
+}
+
+void CudaOps::scale(int64_t n, float alpha, float* x) {
+  if (n <= 0) return;
+  scale_kernel<<<grid_for(n), kThreads, 0, stream_>>>(n, alpha, x);
+  check_launch("scale");
+}
+
+double CudaOps::sum_squares(const float* x, int64_t n) {
+  if (n <= 0) return 0.0;
+  // The block count depends on n alone: the same n always sums in the same order.
+  const int blocks =
+      static_cast<int>(std::min<int64_t>((n + kReduceThreads - 1) / kReduceThreads, kReduceBlocks));
+  double* partial = reduce_scratch_;
+  double* total = reduce_scratch_ + kReduceBlocks;
+  sum_squares_partial_kernel<<<blocks, kReduceThreads, 0, stream_>>>(x, n, partial);
+  check_launch("sum_squares (partial sums)");
+  sum_partials_kernel<<<1, kReduceThreads, 0, stream_>>>(partial, blocks, total);
+  check_launch("sum_squares (total)");
+  check_cuda(cudaMemcpyAsync(pinned_, total, sizeof(double), cudaMemcpyDeviceToHost, stream_),
+             "sum_squares: cudaMemcpyAsync");
+  check_cuda(cudaStreamSynchronize(stream_), "sum_squares: cudaStreamSynchronize");
+  double result = 0;
+  std::memcpy(&result, pinned_, sizeof(result));
+  return result;
+}
+
+void CudaOps::adamw_update(float* params, const float* grads, float* m, float* v, int64_t n,
+                           const AdamWCoefficients& k) {
+  if (n <= 0) return;
+  adamw_kernel<<<grid_for(n), kThreads, 0, stream_>>>(params, grads, m, v, n, k);
+  check_launch("adamw_update");
+}
+
+void CudaOps::sgd_update(float* params, const float* grads, float* velocity, int64_t n,
+                         float momentum, float decay, float rate, bool nesterov) {
+  if (n <= 0) return;
+  sgd_kernel<<<grid_for(n), kThreads, 0, stream_>>>(params, grads, velocity, n, momentum, decay,
+                                                    rate, nesterov);
+  check_launch("sgd_update");
+}
+
+}  // namespace dptrain::kernels

@@ -1,0 +1,166 @@
+// Inside the CUDA op table: the CudaOps class and the helpers its .cu files share. Each .cu file
+// implements one group of methods: cuda_ops.cu (memory, casts, gemm, flat buffers, optimizers),
+// nn_kernels.cu (bias, activations, softmax cross-entropy, LayerNorm, embedding), attention.cu.
+#pragma once
+
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "kernels/cuda_ops.hpp"
+
+namespace dptrain::kernels {
+
+// Throws Error(cuda) "WHAT: <CUDA's message>" unless err is cudaSuccess.
+void check_cuda(cudaError_t err, const char* what);
+// After a kernel launch: Error(cuda) naming the kernel when the launch failed.
+void check_launch(const char* kernel);
+// Throws Error(cuda) "WHAT: <cuBLAS status>" unless status is CUBLAS_STATUS_SUCCESS.
+void check_cublas(cublasStatus_t status, const char* what);
+// Error(internal) "WHAT: REASON" for a precondition a caller broke (shapes, dtypes, alignment).
+[[noreturn]] void precondition_failed(const char* what, const std::string& reason);
+
+// Element types <-> DType, and float conversion in kernels.
+template <typename T>
+__device__ __forceinline__ float to_f32(T v) {
+  return static_cast<float>(v);
+}
+template <>
+__device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+template <>
+__device__ __forceinline__ float to_f32<__half>(__half v) {
+  return __half2float(v);
+}
+template <typename T>
+__device__ __forceinline__ T from_f32(float v);
+template <>
+__device__ __forceinline__ float from_f32<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ __half from_f32<__half>(float v) {
+  return __float2half_rn(v);
+}
+
+// Calls f.template operator()<T>() with T the element type of dtype (float, __nv_bfloat16,
+// __half): one place maps DType to CUDA types.
+template <typename F>
+void dispatch_dtype(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::f32:
+      f.template operator()<float>();
+      return;
+    case DType::bf16:
+      f.template operator()<__nv_bfloat16>();
+      return;
+    case DType::f16:
+      f.template operator()<__half>();
+      return;
+  }
+}
+
+// What kernels found wrong in their input (a token or label out of range); the host reads it
+// at the next synchronisation point and throws.
+struct DeviceErrors {
+  int32_t kind;   // 0 none, 1 token out of range, 2 label out of range
+  int32_t value;  // the offending token or label
+  int32_t limit;  // the vocabulary size or class count
+};
+
+class CudaOps final : public Ops {
+ public:
+  explicit CudaOps(int device);
+  ~CudaOps() override;
+  CudaOps(const CudaOps&) = delete;
+  CudaOps& operator=(const CudaOps&) = delete;
+
+  std::string device() const override;
+  Buffer allocate(size_t bytes) override;
+  void upload(const void* host, void* device, size_t bytes) override;
+  void download(const void* device, void* host, size_t bytes) override;
+  void copy(const void* src, void* dst, size_t bytes) override;
+  void fill_zero(void* data, size_t bytes) override;
+  void synchronize() override;
+  void cast(const void* src, DType from, void* dst, DType to, int64_t n) override;
+
+  void gemm(ConstMatrix a, Transpose transpose_a, ConstMatrix b, Transpose transpose_b, Matrix c,
+            float alpha, float beta) override;
+  void linear(ConstMatrix x, const void* weight, const void* bias, Matrix y,
+              bool accumulate) override;
+  void add_bias_rows(Matrix x, const void* bias) override;
+  void bias_grad(ConstMatrix dy, float* bias_grad) override;
+  void activation_forward(Activation activation, ConstMatrix pre, Matrix out) override;
+  void activation_backward(Activation activation, ConstMatrix pre, ConstMatrix dout,
+                           Matrix dpre) override;
+  double softmax_cross_entropy_forward(ConstMatrix logits, const int32_t* labels,
+                                       Matrix probs) override;
+  void softmax_cross_entropy_backward(ConstMatrix probs, const int32_t* labels, Matrix dlogits,
+                                      float scale) override;
+  int64_t count_correct(ConstMatrix scores, const int32_t* labels) override;
+  void add(ConstMatrix x, Matrix y) override;  // in elementwise.cu
+
+  void axpy(int64_t n, float alpha, const float* x, float* y) override;
+  void scale(int64_t n, float alpha, float* x) override;
+  double sum_squares(const float* x, int64_t n) override;
+  void adamw_update(float* params, const float* grads, float* m, float* v, int64_t n,
+                    const AdamWCoefficients& k) override;
+  void sgd_update(float* params, const float* grads, float* velocity, int64_t n, float momentum,
+                  float decay, float rate, bool nesterov) override;
+
+  void layernorm_forward(ConstMatrix x, const void* gamma, const void* beta, Matrix out,
+                         float* mean, float* rstd) override;
+  void layernorm_backward(ConstMatrix x, const void* gamma, const float* mean, const float* rstd,
+                          ConstMatrix dout, Matrix dx, float* dgamma, float* dbeta) override;
+  size_t attention_state_floats(int64_t batch, int64_t seq, int64_t heads) const override;
+  void attention_forward(ConstMatrix qkv, int64_t batch, int64_t seq, int64_t heads, Matrix out,
+                         float* state) override;
+  void attention_backward(ConstMatrix qkv, ConstMatrix out, const float* state, ConstMatrix dout,
+                          int64_t batch, int64_t seq, int64_t heads, Matrix dqkv) override;
+  void embedding_forward(const int32_t* tokens, int64_t seq, int64_t vocab, const void* wte,
+                         const void* wpe, Matrix out) override;
+  void embedding_backward(const int32_t* tokens, int64_t seq, ConstMatrix dout, float* dwte,
+                          float* dwpe) override;
+
+  cudaStream_t stream() const { return stream_; }
+
+  static constexpr size_t kLtWorkspaceBytes = size_t{32} << 20;
+  static constexpr size_t kReduceSlots = 4096;  // doubles in reduce_scratch()
+  static constexpr size_t kPinnedBytes = 4096;
+  DeviceErrors* device_errors() const { return errors_; }
+  double* reduce_scratch() const { return reduce_scratch_; }
+  void* pinned() const { return pinned_; }
+  cublasLtHandle_t lt() const { return lt_; }
+  void* lt_workspace() const { return lt_workspace_; }
+  // Waits for the stream, then throws what a kernel recorded in device_errors() (and clears it).
+  void check_device_errors();
+  // Device scratch of at least `bytes` for attention_backward (grown in stream order, kept).
+  void* attention_scratch(size_t bytes);
+
+ private:
+  int device_ = 0;
+  cudaStream_t stream_ = nullptr;
+  cublasLtHandle_t lt_ = nullptr;
+  void* lt_workspace_ = nullptr;
+  DeviceErrors* errors_ = nullptr;     // device memory, zeroed
+  double* reduce_scratch_ = nullptr;   // device
+  void* pinned_ = nullptr;             // host pinned
+  void* attention_scratch_ = nullptr;  // device
+  size_t attention_scratch_bytes_ = 0;
+
+  // ---- cuda_ops.cu (gemm, linear): cuBLASLt plans (descriptors, layouts, the heuristic's
+  // algorithm) by shape, dtypes, transposes and alignment, so a step asks the heuristic once.
+  struct MatmulPlans;
+  std::unique_ptr<MatmulPlans> matmul_plans_;
+};
+
+}  // namespace dptrain::kernels

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Packs a CUDA build for a GPU machine that lacks this one's packages: the stripped dptrain and
+# gpu_tests binaries and the shared libraries they load, except the C library and what the GPU
+# machine brings itself (the CUDA driver, cuBLAS, NCCL: its PyTorch wheels hold them).
+#   tests/gpu/bundle.sh BUILD_DIR OUT_DIR
+# writes OUT_DIR and OUT_DIR.tar.xz (about a fifth of the size, for machines reached by copying
+# files); on the GPU machine: tests/gpu/run.sh --prebuilt OUT_DIR (or OUT_DIR.tar.xz).
+set -euo pipefail
+build=${1:?usage: bundle.sh BUILD_DIR OUT_DIR}
+out=${2:?usage: bundle.sh BUILD_DIR OUT_DIR}
+for bin in dptrain gpu_tests; do
+  [[ -x "$build/$bin" ]] || { echo "bundle.sh: $build/$bin is missing (build with CUDA first)" >&2; exit 2; }
+done
+rm -rf "$out"
+mkdir -p "$out/bin" "$out/lib"
+for bin in dptrain gpu_tests; do
+  strip -o "$out/bin/$bin" "$build/$bin"
+done
+# Every library either binary loads, less the C runtime (the GPU machine's own is newer) and
+# the GPU stack (too large to carry, and there already).
+skip='^(linux-vdso|ld-linux|libc\.|libm\.|libdl\.|libpthread\.|librt\.|libresolv\.|libcuda\.|libcublas|libcublasLt|libnccl|libcudart)'
+ldd "$out/bin/dptrain" "$out/bin/gpu_tests" | awk '/=> \// {print $1, $3}' | sort -u |
+  while read -r name path; do
+    if [[ ! $name =~ $skip ]]; then cp -L "$path" "$out/lib/$name"; fi
+  done
+tar -C "$(dirname "$out")" -cJf "$out.tar.xz" "$(basename "$out")"
+du -sh "$out" "$out.tar.xz"

@@ -1,0 +1,444 @@
+// GPU tests of kernels/cuda_ops.cu: memory, casts, gemm and linear through cuBLASLt, the flat
+// f32 buffer ops and the optimizer updates, each against the CPU op table or exact host values.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/tensor/cpu_ops.hpp"
+#include "tests/gpu/gpu_test.hpp"
+
+namespace dptrain::gputest {
+namespace {
+
+constexpr DType kDtypes[] = {DType::f32, DType::bf16, DType::f16};
+
+std::string name_of(Transpose t) {
+  return t == Transpose::yes ? "T" : "N";
+}
+
+// The host value x rounded to nearest even with `bits` significant bits, the smallest normal
+// 2^min_exponent and the largest finite `max` (bf16: 8, -126, 0x7F7F; f16: 11, -14, 65504).
+double round_to(double x, int bits, int min_exponent, double max) {
+  if (!std::isfinite(x) || x == 0) return x;
+  int e = 0;
+  std::frexp(x, &e);  // x = f 2^e, 0.5 <= |f| < 1
+  const double quantum = std::ldexp(1.0, std::max(e, min_exponent + 1) - bits);
+  const double r = std::nearbyint(x / quantum) * quantum;  // the default rounding mode: even
+  return std::fabs(r) > max ? std::copysign(INFINITY, x) : r;
+}
+
+double host_round(double x, DType dtype) {
+  switch (dtype) {
+    case DType::f32:
+      return static_cast<float>(x);
+    case DType::bf16:
+      return round_to(x, 8, -126, 3.3895313892515355e38);
+    case DType::f16:
+      return round_to(x, 11, -14, 65504.0);
+  }
+  return x;
+}
+
+// The raw 16-bit patterns of n bf16/f16 values on the device.
+std::vector<uint16_t> bits16(const void* data, size_t n) {
+  std::vector<uint16_t> out(n);
+  gpu().download(data, out.data(), n * sizeof(uint16_t));
+  return out;
+}
+
+// Every element within tol relative to itself (for values far below 1, which check_close's
+// max(1, |want|) scale would not see).
+void check_relative(const std::vector<float>& got, const std::vector<float>& want, double tol,
+                    const std::string& what) {
+  REQUIRE(got.size() == want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double err = std::fabs(static_cast<double>(got[i]) - want[i]);
+    if (!(err <= tol * std::max(std::fabs(static_cast<double>(want[i])), 1e-30))) {
+      FAIL_CHECK(what << ": element " << i << " is " << got[i] << ", the CPU reference "
+                      << want[i]);
+      return;
+    }
+  }
+}
+
+TEST_CASE("cuda_ops: device, allocation and copies") {
+  Ops& ops = gpu();
+  CHECK(ops.device() == "cuda:0");
+  CHECK(kernels::compute_stream(ops) != nullptr);
+  CHECK(kernels::device_count() >= 1);
+  CHECK_FALSE(kernels::device_name(0).empty());
+  CpuOps cpu;
+  try {
+    kernels::compute_stream(cpu);
+    FAIL("compute_stream accepted a CPU op table");
+  } catch (const Error& e) {
+    CHECK(e.kind() == ErrorKind::internal);
+  }
+
+  const Buffer empty = ops.allocate(0);
+  CHECK(empty.data() == nullptr);
+  CHECK(empty.bytes() == 0);
+
+  const size_t n = 1001;
+  Buffer zeroed = ops.allocate(n * sizeof(float));
+  CHECK(zeroed.bytes() == n * sizeof(float));
+  CHECK(to_host(zeroed.data(), n) == std::vector<float>(n, 0.0f));
+
+  // Round trips are exact; copy and fill_zero run in stream order.
+  const std::vector<float> host = random_vector(n, 1);
+  ops.upload(host.data(), zeroed.data(), n * sizeof(float));
+  CHECK(to_host(zeroed.data(), n) == host);
+  Buffer other = ops.allocate(n * sizeof(float));
+  ops.copy(zeroed.data(), other.data(), n * sizeof(float));
+  ops.fill_zero(zeroed.data(), n * sizeof(float));
+  CHECK(to_host(other.data(), n) == host);
+  CHECK(to_host(zeroed.data(), n) == std::vector<float>(n, 0.0f));
+
+  // Far more than any GPU has: Error(cuda) naming the size and the device.
+  const size_t huge = size_t{1} << 50;
+  try {
+    ops.allocate(huge);
+    FAIL("allocating 1 PiB succeeded");
+  } catch (const Error& e) {
+    CHECK(e.kind() == ErrorKind::cuda);
+    CHECK(std::string(e.what()).find(std::to_string(huge)) != std::string::npos);
+    CHECK(std::string(e.what()).find("cuda:0") != std::string::npos);
+  }
+  // The failed allocation leaves no error behind for the next kernel to trip over.
+  ops.scale(static_cast<int64_t>(n), 2.0f, other.as<float>());
+  ops.synchronize();
+  CHECK(to_host(other.data(), 1)[0] == host[0] * 2.0f);
+
+  CHECK_THROWS_AS(kernels::make_cuda_ops(kernels::device_count()), Error);
+}
+
+TEST_CASE("cuda_ops: bf16 and f16 casts round to nearest even") {
+  Ops& ops = gpu();
+  const float one = 1.0f;
+  const std::vector<float> values = {
+      one,
+      one + std::ldexp(1.0f, -8),                          // halfway: even is 1
+      one + 3 * std::ldexp(1.0f, -8),                      // halfway: even is 1 + 2^-6
+      one + std::ldexp(1.0f, -8) + std::ldexp(1.0f, -20),  // above halfway
+      -2.5f,
+      INFINITY,
+      one + std::ldexp(1.0f, -11),      // f16 halfway: 1
+      one + 3 * std::ldexp(1.0f, -11),  // f16 halfway: 1 + 2^-9
+      65504.0f,                         // the largest f16
+      65520.0f,                         // halfway to 65536: overflows to inf in f16
+      std::ldexp(1.0f, -24),            // the smallest f16 subnormal
+  };
+  const Buffer src = to_device(values);
+  Buffer bf = ops.allocate(values.size() * 2);
+  Buffer hf = ops.allocate(values.size() * 2);
+  ops.cast(src.data(), DType::f32, bf.data(), DType::bf16, static_cast<int64_t>(values.size()));
+  ops.cast(src.data(), DType::f32, hf.data(), DType::f16, static_cast<int64_t>(values.size()));
+  const std::vector<uint16_t> b = bits16(bf.data(), values.size());
+  const std::vector<uint16_t> h = bits16(hf.data(), values.size());
+  CHECK(b[0] == 0x3F80);
+  CHECK(b[1] == 0x3F80);
+  CHECK(b[2] == 0x3F82);
+  CHECK(b[3] == 0x3F81);
+  CHECK(b[4] == 0xC020);
+  CHECK(b[5] == 0x7F80);
+  CHECK(h[0] == 0x3C00);
+  CHECK(h[6] == 0x3C00);
+  CHECK(h[7] == 0x3C02);
+  CHECK(h[8] == 0x7BFF);
+  CHECK(h[9] == 0x7C00);
+  CHECK(h[10] == 0x0001);
+
+  // NaN stays NaN.
+  const Buffer nan = to_device(std::vector<float>{NAN});
+  ops.cast(nan.data(), DType::f32, bf.data(), DType::bf16, 1);
+  ops.cast(nan.data(), DType::f32, hf.data(), DType::f16, 1);
+  CHECK(std::isnan(to_host(bf.data(), 1, DType::bf16)[0]));
+  CHECK(std::isnan(to_host(hf.data(), 1, DType::f16)[0]));
+
+  // Every pair of dtypes: f32 -> from -> to -> f32 gives the host's rounding of each step.
+  const size_t n = 5003;
+  std::vector<float> host = random_vector(n, 2, 300.0f);
+  host[0] = std::ldexp(1.0f, -20);  // an f16 subnormal
+  host[1] = -std::ldexp(3.0f, -26);
+  for (DType from : kDtypes) {
+    for (DType to : kDtypes) {
+      CAPTURE(dtype_name(from));
+      CAPTURE(dtype_name(to));
+      const Buffer a = to_device(host, from);
+      Buffer b2 = ops.allocate(n * dtype_size(to));
+      ops.cast(a.data(), from, b2.data(), to, static_cast<int64_t>(n));
+      const std::vector<float> got = to_host(b2.data(), n, to);
+      size_t wrong = 0;
+      for (size_t i = 0; i < n; ++i) {
+        const double want = host_round(host_round(host[i], from), to);
+        if (static_cast<double>(got[i]) != want) ++wrong;
+      }
+      CHECK(wrong == 0);
+    }
+  }
+}
+
+// c = alpha op(a) op(b) + beta c for an [m, k] x [k, n] product; `offset` elements shift every
+// device pointer off cudaMalloc's alignment.
+void check_gemm(int64_t m, int64_t n, int64_t k, Transpose ta, Transpose tb, DType dtype,
+                DType c_dtype, float alpha, float beta, size_t offset, uint64_t seed) {
+  CAPTURE(m);
+  CAPTURE(n);
+  CAPTURE(k);
+  CAPTURE(name_of(ta));
+  CAPTURE(name_of(tb));
+  CAPTURE(dtype_name(dtype));
+  CAPTURE(dtype_name(c_dtype));
+  CAPTURE(beta);
+  CAPTURE(offset);
+  const int64_t ar = ta == Transpose::no ? m : k, ac = ta == Transpose::no ? k : m;
+  const int64_t br = tb == Transpose::no ? k : n, bc = tb == Transpose::no ? n : k;
+  const auto sz = [](int64_t r, int64_t c) { return static_cast<size_t>(r * c); };
+  const std::vector<float> a = rounded(random_vector(sz(ar, ac) + offset, seed), dtype);
+  const std::vector<float> b = rounded(random_vector(sz(br, bc) + offset, seed + 1), dtype);
+  const std::vector<float> c0 = rounded(random_vector(sz(m, n) + offset, seed + 2), c_dtype);
+
+  CpuOps cpu;
+  std::vector<float> want(c0.begin() + static_cast<ptrdiff_t>(offset), c0.end());
+  cpu.gemm(ConstMatrix{a.data() + offset, ar, ac}, ta, ConstMatrix{b.data() + offset, br, bc}, tb,
+           Matrix{want.data(), m, n}, alpha, beta);
+
+  const Buffer da = to_device(a, dtype), db = to_device(b, dtype);
+  Buffer dc = to_device(c0, c_dtype);
+  const auto at = [offset](const Buffer& buf, DType t) {
+    return static_cast<char*>(buf.data()) + offset * dtype_size(t);
+  };
+  gpu().gemm(ConstMatrix{at(da, dtype), ar, ac, dtype}, ta,
+             ConstMatrix{at(db, dtype), br, bc, dtype}, tb, Matrix{at(dc, c_dtype), m, n, c_dtype},
+             alpha, beta);
+  const std::vector<float> got = to_host(at(dc, c_dtype), sz(m, n), c_dtype);
+  // An f32 c holds f32 sums of exact products of the rounded inputs: f32 accuracy.
+  check_close(got, want, tolerance(c_dtype), "gemm");
+}
+
+TEST_CASE("cuda_ops: gemm, every transpose, dtype and beta") {
+  uint64_t seed = 100;
+  for (Transpose ta : {Transpose::no, Transpose::yes}) {
+    for (Transpose tb : {Transpose::no, Transpose::yes}) {
+      for (DType dtype : kDtypes) {
+        std::vector<DType> c_dtypes = {dtype};
+        if (dtype != DType::f32) c_dtypes.push_back(DType::f32);
+        for (DType c_dtype : c_dtypes) {
+          for (float beta : {0.0f, 1.0f}) {
+            check_gemm(17, 7, 33, ta, tb, dtype, c_dtype, 0.75f, beta, 0, seed += 3);
+          }
+          check_gemm(1, 3, 1, ta, tb, dtype, c_dtype, 1.0f, 0.5f, 0, seed += 3);
+          // Pointers one element off cudaMalloc's alignment.
+          check_gemm(3, 1, 65, ta, tb, dtype, c_dtype, 1.0f, 1.0f, 1, seed += 3);
+          check_gemm(17, 7, 33, ta, tb, dtype, c_dtype, 1.0f, 0.0f, 1, seed += 3);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("cuda_ops: a large gemm") {
+  // [512, 768] x [768, 3072]: the shape of a GPT-2 MLP layer, forward and weight gradient.
+  check_gemm(512, 3072, 768, Transpose::no, Transpose::yes, DType::f32, DType::f32, 1.0f, 0.0f, 0,
+             7);
+  check_gemm(512, 3072, 768, Transpose::no, Transpose::yes, DType::bf16, DType::bf16, 1.0f, 0.0f, 0,
+             8);
+  check_gemm(768, 3072, 512, Transpose::yes, Transpose::no, DType::bf16, DType::f32, 1.0f, 1.0f, 0,
+             9);
+  check_gemm(512, 768, 3072, Transpose::no, Transpose::no, DType::f16, DType::f16, 1.0f, 0.0f, 0,
+             10);
+}
+
+TEST_CASE("cuda_ops: gemm edge cases and bad calls") {
+  Ops& ops = gpu();
+  // An empty inner dimension: c = beta c.
+  const std::vector<float> c0 = {1, 2, 3, 4, 5, 6};
+  for (DType dtype : kDtypes) {
+    Buffer c = to_device(c0, dtype);
+    ops.gemm(ConstMatrix{c.data(), 2, 0, dtype}, Transpose::no, ConstMatrix{c.data(), 0, 3, dtype},
+             Transpose::no, Matrix{c.data(), 2, 3, dtype}, 1.0f, 0.5f);
+    CHECK(to_host(c.data(), 6, dtype) == std::vector<float>{0.5f, 1, 1.5f, 2, 2.5f, 3});
+    ops.gemm(ConstMatrix{c.data(), 2, 0, dtype}, Transpose::no, ConstMatrix{c.data(), 0, 3, dtype},
+             Transpose::no, Matrix{c.data(), 2, 3, dtype}, 1.0f, 0.0f);
+    CHECK(to_host(c.data(), 6, dtype) == std::vector<float>(6, 0.0f));
+  }
+
+  const Buffer x = to_device(random_vector(64, 3), DType::f32);
+  Buffer y = ops.allocate(64 * sizeof(float));
+  const auto kind_of = [](auto&& call) -> std::optional<ErrorKind> {
+    try {
+      call();
+    } catch (const Error& e) {
+      return e.kind();
+    }
+    return std::nullopt;
+  };
+  // a and b in different dtypes; f16 inputs into bf16 c; inner dimensions that differ.
+  CHECK(kind_of([&] {
+          ops.gemm(ConstMatrix{x.data(), 4, 4, DType::f32}, Transpose::no,
+                   ConstMatrix{x.data(), 4, 4, DType::bf16}, Transpose::no,
+                   Matrix{y.data(), 4, 4, DType::f32}, 1.0f, 0.0f);
+        }) == ErrorKind::internal);
+  CHECK(kind_of([&] {
+          ops.gemm(ConstMatrix{x.data(), 4, 4, DType::f16}, Transpose::no,
+                   ConstMatrix{x.data(), 4, 4, DType::f16}, Transpose::no,
+                   Matrix{y.data(), 4, 4, DType::bf16}, 1.0f, 0.0f);
+        }) == ErrorKind::internal);
+  CHECK(kind_of([&] {
+          ops.gemm(ConstMatrix{x.data(), 4, 5}, Transpose::no, ConstMatrix{x.data(), 4, 4},
+                   Transpose::no, Matrix{y.data(), 4, 4}, 1.0f, 0.0f);
+        }) == ErrorKind::internal);
+  CHECK(kind_of([&] {
+          ops.gemm(ConstMatrix{x.data(), 4, 5}, Transpose::yes, ConstMatrix{x.data(), 4, 4},
+                   Transpose::no, Matrix{y.data(), 5, 4}, 1.0f, 0.0f);
+        }) == std::nullopt);
+}
+
+struct LinearShape {
+  int64_t rows, in, out;
+};
+constexpr LinearShape kLinearShapes[] = {{17, 33, 7}, {64, 128, 96}, {1, 768, 2304}};
+
+TEST_CASE("cuda_ops: linear with and without bias, overwrite and accumulate") {
+  uint64_t seed = 500;
+  for (DType dtype : kDtypes) {
+    for (bool with_bias : {false, true}) {
+      for (bool accumulate : {false, true}) {
+        // Offset 1 puts the bias off the 16-byte alignment the fused epilogue wants.
+        for (size_t bias_offset : {size_t{0}, size_t{1}}) {
+          if (!with_bias && bias_offset != 0) continue;
+          for (const LinearShape& shape : kLinearShapes) {
+            const int64_t rows = shape.rows, in = shape.in, out = shape.out;
+            CAPTURE(dtype_name(dtype));
+            CAPTURE(with_bias);
+            CAPTURE(accumulate);
+            CAPTURE(bias_offset);
+            CAPTURE(rows);
+            CAPTURE(in);
+            CAPTURE(out);
+            const auto count = [](int64_t r, int64_t c) { return static_cast<size_t>(r * c); };
+            const std::vector<float> x = rounded(random_vector(count(rows, in), seed++), dtype);
+            const std::vector<float> w = rounded(random_vector(count(out, in), seed++), dtype);
+            const std::vector<float> bias =
+                rounded(random_vector(static_cast<size_t>(out) + bias_offset, seed++), dtype);
+            const std::vector<float> y0 = rounded(random_vector(count(rows, out), seed++), dtype);
+
+            CpuOps cpu;
+            std::vector<float> want = y0;
+            cpu.linear(ConstMatrix{x.data(), rows, in}, w.data(),
+                       with_bias ? bias.data() + bias_offset : nullptr,
+                       Matrix{want.data(), rows, out}, accumulate);
+
+            const Buffer dx = to_device(x, dtype), dw = to_device(w, dtype);
+            const Buffer db = to_device(bias, dtype);
+            Buffer dy = to_device(y0, dtype);
+            const void* bias_ptr =
+                with_bias ? static_cast<const char*>(db.data()) + bias_offset * dtype_size(dtype)
+                          : nullptr;
+            gpu().linear(ConstMatrix{dx.data(), rows, in, dtype}, dw.data(), bias_ptr,
+                         Matrix{dy.data(), rows, out, dtype}, accumulate);
+            check_close(to_host(dy.data(), count(rows, out), dtype), want, tolerance(dtype),
+                        "linear");
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("cuda_ops: axpy and scale") {
+  CpuOps cpu;
+  for (size_t n : {size_t{1}, size_t{1000}, size_t{100003}}) {
+    CAPTURE(n);
+    const std::vector<float> x = random_vector(n, 11);
+    const std::vector<float> y0 = random_vector(n, 12);
+    std::vector<float> want = y0;
+    cpu.axpy(static_cast<int64_t>(n), -0.37f, x.data(), want.data());
+    cpu.scale(static_cast<int64_t>(n), 1.7f, want.data());
+    const Buffer dx = to_device(x);
+    Buffer dy = to_device(y0);
+    gpu().axpy(static_cast<int64_t>(n), -0.37f, dx.as<float>(), dy.as<float>());
+    gpu().scale(static_cast<int64_t>(n), 1.7f, dy.as<float>());
+    check_relative(to_host(dy.data(), n), want, 1e-6, "axpy then scale");
+  }
+}
+
+TEST_CASE(
+    "cuda_ops: sum_squares matches a double sum, is deterministic and propagates inf and NaN") {
+  Ops& ops = gpu();
+  for (size_t n : {size_t{1}, size_t{17}, size_t{1000}, size_t{(1 << 20) + 3}}) {
+    CAPTURE(n);
+    const std::vector<float> x = random_vector(n, 21, 3.0f);
+    double want = 0;
+    for (float v : x)
+      want += static_cast<double>(v) * v;
+    const Buffer dx = to_device(x);
+    const double got = ops.sum_squares(dx.as<float>(), static_cast<int64_t>(n));
+    CHECK(std::fabs(got - want) <= 1e-10 * want);  // only the summation orders differ
+    const double again = ops.sum_squares(dx.as<float>(), static_cast<int64_t>(n));
+    CHECK(std::memcmp(&got, &again, sizeof(got)) == 0);
+  }
+  CHECK(ops.sum_squares(nullptr, 0) == 0.0);
+
+  std::vector<float> x = random_vector(100000, 22);
+  x[77777] = INFINITY;
+  const Buffer inf = to_device(x);
+  const double with_inf = ops.sum_squares(inf.as<float>(), static_cast<int64_t>(x.size()));
+  CHECK((std::isinf(with_inf) && with_inf > 0));
+  x[5] = NAN;
+  const Buffer nan = to_device(x);
+  CHECK(std::isnan(ops.sum_squares(nan.as<float>(), static_cast<int64_t>(x.size()))));
+}
+
+TEST_CASE("cuda_ops: adamw_update matches the CPU over several steps") {
+  const size_t n = 10007;
+  const auto count = static_cast<int64_t>(n);
+  CpuOps cpu;
+  std::vector<float> p = random_vector(n, 31), m(n, 0.0f), v(n, 0.0f);
+  Buffer dp = to_device(p), dm = to_device(m), dv = to_device(v);
+  const double lr = 1e-3, b1 = 0.9, b2 = 0.999, wd = 0.01;
+  for (int t = 1; t <= 5; ++t) {
+    AdamWCoefficients k;
+    k.step_size = static_cast<float>(lr / (1.0 - std::pow(b1, t)));
+    k.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(b2, t)));
+    k.b1 = static_cast<float>(b1);
+    k.b2 = static_cast<float>(b2);
+    k.eps = 1e-8f;
+    k.decay = static_cast<float>(1.0 - lr * wd);
+    const std::vector<float> g = random_vector(n, 40 + static_cast<uint64_t>(t), 0.1f);
+    const Buffer dg = to_device(g);
+    cpu.adamw_update(p.data(), g.data(), m.data(), v.data(), count, k);
+    gpu().adamw_update(dp.as<float>(), dg.as<float>(), dm.as<float>(), dv.as<float>(), count, k);
+  }
+  check_relative(to_host(dp.data(), n), p, 1e-6, "adamw params");
+  check_relative(to_host(dm.data(), n), m, 1e-6, "adamw m");
+  check_relative(to_host(dv.data(), n), v, 1e-6, "adamw v");
+}
+
+TEST_CASE("cuda_ops: sgd_update matches the CPU over several steps") {
+  const size_t n = 10007;
+  const auto count = static_cast<int64_t>(n);
+  CpuOps cpu;
+  for (bool nesterov : {false, true}) {
+    CAPTURE(nesterov);
+    std::vector<float> p = random_vector(n, 51), vel(n, 0.0f);
+    Buffer dp = to_device(p), dvel = to_device(vel);
+    for (int t = 1; t <= 5; ++t) {
+      const std::vector<float> g = random_vector(n, 60 + static_cast<uint64_t>(t), 0.1f);
+      const Buffer dg = to_device(g);
+      const float rate = 0.05f, decay = 1.0f - 0.05f * 0.01f;
+      cpu.sgd_update(p.data(), g.data(), vel.data(), count, 0.9f, decay, rate, nesterov);
+      gpu().sgd_update(dp.as<float>(), dg.as<float>(), dvel.as<float>(), count, 0.9f, decay, rate,
+                       nesterov);
+    }
+    check_relative(to_host(dp.data(), n), p, 1e-6, "sgd params");
+    check_relative(to_host(dvel.data(), n), vel, 1e-6, "sgd velocity");
+  }
+}
+
+}  // namespace
+}  // namespace dptrain::gputest

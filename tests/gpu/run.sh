@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The GPU checks in one go, for a machine with an NVIDIA GPU: every GPU test (each kernel against
+# the CPU op table, the models on the GPU against the CPU, gpt-tiny training in fp32/bf16/fp16,
+# NCCL with one rank), then the GPU benchmarks (GPT-2 124M training in bf16 and fp32 with MFU,
+# NCCL all-reduce). Results go to OUT_DIR as JSON and logs. Aim: under 8 minutes on one H200.
+#   tests/gpu/run.sh [--prebuilt DIR] [--out OUT_DIR] [--no-bench]
+# --prebuilt DIR takes the binaries and libraries tests/gpu/bundle.sh packed; without it the
+# script builds (the machine needs the packages the README's build installs, and CUDA).
+# cuBLAS and NCCL come from the machine: its CUDA toolkit, or PyTorch's nvidia-* wheels.
+set -uo pipefail
+here=$(cd "$(dirname "$0")/../.." && pwd)
+prebuilt="" out="$here/gpu-results" bench=1
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --prebuilt)
+      prebuilt=$2
+      if [[ $prebuilt == *.tar.xz ]]; then
+        unpacked=$(mktemp -d)
+        tar -C "$unpacked" -xJf "$prebuilt" || exit 1
+        prebuilt=$(echo "$unpacked"/*)
+      fi
+      prebuilt=$(cd "$prebuilt" && pwd)
+      shift 2 ;;
+    --out) out=$2; shift 2 ;;
+    --no-bench) bench=0; shift ;;
+    *) echo "run.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+started=$(date +%s)
+
+if [[ -n $prebuilt ]]; then
+  bin=$prebuilt/bin
+  export LD_LIBRARY_PATH="$prebuilt/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+else
+  cmake -S "$here" -B "$here/build-gpu" -G Ninja -DDPTRAIN_CUDA=ON -DCMAKE_BUILD_TYPE=Release >"$out/build.log" 2>&1 &&
+    cmake --build "$here/build-gpu" --target dptrain gpu_tests >>"$out/build.log" 2>&1 ||
+    { echo "run.sh: the build failed; see $out/build.log" >&2; tail -20 "$out/build.log" >&2; exit 1; }
+  bin=$here/build-gpu
+fi
+# cuBLAS(Lt) and NCCL: the toolkit's, else the Python wheels' (nvidia/*/lib).
+extra=""
+for dir in /usr/local/cuda/lib64 /usr/local/cuda/lib; do
+  [[ -e $dir/libcublasLt.so.13 ]] && extra="$extra:$dir"
+done
+py=$(command -v python3 || true)
+if [[ -n $py ]]; then
+  site=$("$py" -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null || true)
+  for s in $site; do
+    while read -r lib; do extra="$extra:$(dirname "$lib")"; done < <(
+      find "$s/nvidia" -maxdepth 4 \( -name 'libcublasLt.so.13' -o -name 'libnccl.so.2' \) 2>/dev/null)
+  done
+fi
+export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}$extra"
+export DPTRAIN_TEST_BINARY=$bin/dptrain DPTRAIN_TEST_SOURCE_DIR=$here
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$out/gpu.txt" 2>&1 || true
+"$bin/dptrain" --version >"$out/version.txt" 2>&1 || true
+
+# ---- tests: one gpu_tests run per source file, like ctest's entries.
+results="["
+failed=0
+for src in cuda_ops nn_kernels attention nccl train; do
+  t0=$(date +%s.%N)
+  timeout 300 "$bin/gpu_tests" "--source-file=*/${src}_test.cpp" --no-intro >"$out/test-$src.log" 2>&1
+  rc=$?
+  t1=$(date +%s.%N)
+  [[ $rc -ne 0 ]] && failed=$((failed + 1))  # 77, skipped for want of a GPU, counts too: this
+                                             # script exists to run them
+  summary=$(grep -E '^\[doctest\] (test cases|assertions)' "$out/test-$src.log" | tr -s ' ' | tr '\n' ' ' | sed 's/"/\\"/g')
+  results="$results{\"file\": \"${src}_test.cpp\", \"exit_code\": $rc, \"seconds\": $(awk "BEGIN{print $t1 - $t0}"), \"summary\": \"$summary\"},"
+  echo "gpu test ${src}: exit $rc  $summary"
+done
+echo "${results%,}]" >"$out/tests.json"
+
+# ---- benchmarks
+if [[ $bench -eq 1 ]]; then
+  work=$(mktemp -d)
+  # Throughput needs tokens, not meaning: random text through the byte tokenizer.
+  head -c 30000000 /dev/urandom | base64 -w 100 >"$work/text.txt"
+  "$bin/dptrain" data prepare --text "$work/text.txt" --out "$work/tokens" >"$out/data.log" 2>&1
+  # GPT-2 124M at batch 16 x 1024 tokens, one GPU.
+  sed -e "s#\"path\": \"[^\"]*\"#\"path\": \"$work/tokens\"#" -e 's#"grad_accum": [0-9]*#"grad_accum": 1#' \
+    "$here/recipes/gpt2-124m.json" >"$work/gpt2.json"
+  timeout 420 "$bin/dptrain" bench train "$work/gpt2.json" --device cuda --precision bf16,fp32 \
+    --batch-per-rank 16 --nproc 1 --steps 30 --runs-root "$work/runs" --json \
+    >"$out/bench-train.json" 2>"$out/bench-train.log"
+  echo "bench train: exit $?"
+  timeout 120 "$bin/dptrain" bench comm --backend nccl --nproc 1 --json >"$out/bench-comm.json" 2>"$out/bench-comm.log"
+  echo "bench comm: exit $?"
+fi
+echo "run.sh: $failed of 5 GPU test files failed; $(($(date +%s) - started)) s; results in $out"
+exit $((failed > 0))

@@ -1,0 +1,191 @@
+// The GPU trainer: the models on the CUDA op table compute what they compute on the CPU (the
+// reference), and `dptrain launch` trains gpt-tiny on one GPU in fp32, bf16 and fp16, with NCCL,
+// to the CPU's held-out loss within a per-precision tolerance.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "core/model/gpt.hpp"
+#include "core/model/mlp.hpp"
+#include "tests/gpu/gpu_test.hpp"
+#include "tests/harness.hpp"
+#include "tests/text_corpus.hpp"
+
+namespace dptrain {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using test::parse_json;
+using test::read_text;
+using test::run_dptrain;
+using test::source_dir;
+using test::TempDir;
+using test::write_recipe;
+using test::write_text;
+
+struct Gradients {
+  double loss = 0;
+  std::vector<float> grads;
+  EvalStats eval;
+};
+
+// One forward_backward and one evaluate of `model` (on any op table) from host parameters.
+Gradients run_model(Model& model, Ops& ops, const std::vector<float>& params, const Batch& batch) {
+  const size_t n = params.size();
+  Buffer p = ops.allocate(n * sizeof(float));
+  Buffer g = ops.allocate(n * sizeof(float));
+  ops.upload(params.data(), p.data(), n * sizeof(float));
+  const std::span<float> ps(p.as<float>(), n), gs(g.as<float>(), n);
+  Gradients out;
+  out.loss = model.forward_backward(ps, batch, gs, 0.5f);
+  out.grads.resize(n);
+  ops.download(gs.data(), out.grads.data(), n * sizeof(float));
+  out.eval = model.evaluate(ps, batch);
+  return out;
+}
+
+void compare(const Gradients& gpu, const Gradients& cpu, DType dtype, const char* what) {
+  CAPTURE(what);
+  CAPTURE(dtype_name(dtype));
+  const double tol = gputest::tolerance(dtype);
+  CHECK(gpu.loss == doctest::Approx(cpu.loss).epsilon(tol));
+  CHECK(gpu.eval.loss_sum == doctest::Approx(cpu.eval.loss_sum).epsilon(tol));
+  CHECK(gpu.eval.count == cpu.eval.count);
+  // 16-bit activations round the gradients too: compare against the largest one.
+  gputest::check_close(gpu.grads, cpu.grads, dtype == DType::f32 ? 1e-3 : 10 * tol, what);
+}
+
+GptConfig tiny_gpt() {
+  GptConfig c;
+  c.vocab = 96;
+  c.context = 40;  // not a multiple of the attention tile
+  c.layers = 2;
+  c.heads = 2;
+  c.width = 64;  // head size 32
+  return c;
+}
+
+std::vector<int32_t> random_windows(int64_t count, int64_t length, int64_t vocab, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> out(static_cast<size_t>(count * length));
+  for (int32_t& t : out)
+    t = static_cast<int32_t>(rng() % static_cast<uint64_t>(vocab));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("gpu: the GPT's loss and every gradient match the CPU's (f32, bf16, f16)") {
+  const GptConfig c = tiny_gpt();
+  Gpt cpu_model(c, std::make_shared<CpuOps>());
+  std::vector<float> params(cpu_model.num_params());
+  cpu_model.init_params(params, 7);
+  const auto windows = random_windows(3, c.context + 1, c.vocab, 11);
+  const Batch batch{nullptr, windows.data(), 3};
+  CpuOps cpu_ops;
+  for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
+    // The CPU computes from the parameters the device's 16-bit copy holds.
+    const std::vector<float> rounded = gputest::rounded(params, dtype);
+    const Gradients cpu = run_model(cpu_model, cpu_ops, rounded, batch);
+    std::shared_ptr<Ops> gpu_ops = kernels::make_cuda_ops(0);
+    Gpt gpu_model(c, gpu_ops, dtype);
+    const Gradients gpu = run_model(gpu_model, *gpu_ops, params, batch);
+    compare(gpu, cpu, dtype, "gpt");
+  }
+}
+
+TEST_CASE("gpu: the MLP's loss and every gradient match the CPU's (f32, bf16)") {
+  const std::vector<int64_t> widths = {20, 33, 17, 5};
+  Mlp cpu_model(widths, Activation::gelu, std::make_shared<CpuOps>());
+  std::vector<float> params(cpu_model.num_params());
+  cpu_model.init_params(params, 3);
+  const std::vector<float> x = gputest::random_vector(9 * 20, 5);
+  std::vector<int32_t> y(9);
+  for (size_t i = 0; i < y.size(); ++i)
+    y[i] = static_cast<int32_t>(i % 5);
+  CpuOps cpu_ops;
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    std::vector<float> cpu_x = gputest::rounded(x, dtype);
+    const Gradients cpu = run_model(cpu_model, cpu_ops, gputest::rounded(params, dtype),
+                                    Batch{cpu_x.data(), y.data(), 9});
+    std::shared_ptr<Ops> gpu_ops = kernels::make_cuda_ops(0);
+    Mlp gpu_model(widths, Activation::gelu, gpu_ops, dtype);
+    const Gradients gpu = run_model(gpu_model, *gpu_ops, params, Batch{x.data(), y.data(), 9});
+    compare(gpu, cpu, dtype, "mlp");
+  }
+}
+
+namespace {
+
+// A small gpt on generated text, as the CPU tests train it.
+struct GptRun {
+  TempDir tmp;
+  fs::path data = tmp / "dataset";
+  GptRun() {
+    write_text(tmp / "text.txt", test::synthetic_text(11, 200000));
+    const auto r = run_dptrain(
+        {"data", "prepare", "--text", (tmp / "text.txt").string(), "--out", data.string()});
+    REQUIRE(r.exit_code == 0);
+  }
+  json recipe(const std::string& device, const std::string& precision) const {
+    json r = parse_json(read_text(source_dir() / "recipes/gpt-tiny.json"));
+    r["data"]["path"] = data.string();
+    r["train"]["steps"] = 150;
+    r["train"]["device"] = device;
+    r["train"]["precision"] = precision;
+    r["eval"]["max_samples"] = 256;
+    return r;
+  }
+  // The launch's --json result.
+  json train(const json& recipe, const std::string& name) const {
+    const auto r = run_dptrain({"launch", write_recipe(tmp.path(), recipe).string(), "--nproc", "1",
+                                "--run-dir", (tmp / name).string(), "--json"});
+    INFO(r.err);
+    REQUIRE(r.exit_code == 0);
+    return parse_json(r.out);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("gpu: gpt-tiny trains on one GPU to the CPU's held-out loss, in every precision") {
+  GptRun run;
+  const json cpu = run.train(run.recipe("cpu", "fp32"), "cpu");
+  const double cpu_loss = cpu["eval_loss"].get<double>();
+  struct Case {
+    const char* precision;
+    double tolerance;  // relative, on the held-out loss after 150 steps
+  };
+  for (const Case& c : {Case{"fp32", 0.01}, Case{"bf16", 0.03}, Case{"fp16", 0.03}}) {
+    CAPTURE(c.precision);
+    const json gpu = run.train(run.recipe("cuda", c.precision), std::string("cuda-") + c.precision);
+    MESSAGE(c.precision << ": held-out loss " << gpu["eval_loss"] << " (CPU fp32 " << cpu_loss
+                        << "), " << gpu["tokens_per_s"] << " tokens/s");
+    CHECK(gpu["eval_loss"].get<double>() == doctest::Approx(cpu_loss).epsilon(c.tolerance));
+  }
+}
+
+TEST_CASE("gpu: NCCL with one rank, a crash and a bit-exact resume from its checkpoint") {
+  GptRun run;
+  json recipe = run.recipe("cuda", "bf16");
+  recipe["distributed"]["backend"] = "nccl";
+  recipe["checkpoint"] = {{"every", 50}, {"keep", 3}};
+  const json clean = run.train(recipe, "clean");
+  CHECK(clean["eval_loss"].get<double>() < 3.0);
+  const auto r =
+      run_dptrain({"launch", write_recipe(run.tmp.path(), recipe).string(), "--nproc", "1",
+                   "--run-dir", (run.tmp / "fault").string(), "--json", "--max-restarts", "1"},
+                  {{"DPTRAIN_FAULT", "crash@step=70,rank=0,gen=1"}});
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  const json resumed = parse_json(r.out);
+  CHECK(resumed["restarts"] == 1);
+  // Same kernels, same order, deterministic reductions: the same parameters.
+  CHECK(resumed["params_checksum"] == clean["params_checksum"]);
+}
+
+}  // namespace dptrain
