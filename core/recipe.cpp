@@ -448,7 +448,21 @@ void check_warmup(const Recipe& r, Problems& problems) {
 
 // 16-bit compute and NCCL need the GPU: the CPU op table computes in f32, Gloo moves host memory.
 void check_device(const Recipe& r, Problems& problems) {
-  if (problems.at("/train/device") || r.train.device == "cuda") return;
+  if (problems.at("/train/device")) return;
+  if (r.train.device == "cuda") {
+    // The GPU attention kernels are compiled for these head sizes.
+    const bool shapes_ok = !problems.at("/model/width") && !problems.at("/model/heads");
+    if (r.model.type == "gpt" && shapes_ok && r.model.width % r.model.heads == 0) {
+      const int64_t head = r.model.width / r.model.heads;
+      if (head != 32 && head != 64 && head != 128) {
+        problems.add("/model/heads",
+                     fmt::format("on \"cuda\" the head size (width / heads) must be 32, 64 or "
+                                 "128, got {} / {} = {}",
+                                 r.model.width, r.model.heads, head));
+      }
+    }
+    return;
+  }
   if (!problems.at("/train/precision") && r.train.precision != "fp32") {
     problems.add("/train/precision",
                  fmt::format("\"{}\" needs /train/device \"cuda\" (the CPU computes in fp32)",
