@@ -380,7 +380,7 @@ void visit_fields(Visitor& v, OptimizerSpec& o) {
 
 template <class Visitor>
 void visit_fields(Visitor& v, CompressionSpec& c) {
-  v.field("type", c.type, one_of({"none"}));
+  v.field("type", c.type, one_of({"none", "fp16", "bf16"}));
 }
 
 template <class Visitor>

@@ -75,6 +75,8 @@ struct OptimizerSpec {
 };
 
 struct CompressionSpec {
+  // The gradients' wire format: "none" (f32), "fp16" or "bf16" (cast before the all-reduce, summed
+  // in 16 bits, cast back: half the bytes).
   std::string type = "none";
   bool operator==(const CompressionSpec&) const = default;
 };

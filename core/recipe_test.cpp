@@ -260,7 +260,7 @@ TEST_CASE("recipe: each bad recipe is rejected naming its JSON path") {
       {R"({"fault_tolerance": {"rejoin_timeout_s": -1}})", "/fault_tolerance/rejoin_timeout_s",
        "must be >= 0"},
       {R"({"distributed": {"compression": {"type": "int8"}}})", "/distributed/compression/type",
-       R"(must be "none", got "int8")"},
+       R"(must be "none", "fp16" or "bf16", got "int8")"},
       {R"({"distributed": {"bucket_mb": 0}})", "/distributed/bucket_mb", "must be > 0, got 0"},
       {R"({"distributed": {"overlap": 1}})", "/distributed/overlap",
        "expected true or false, got 1"},

@@ -142,7 +142,7 @@ class TrainingRun {
         ops_->upload(&stop_flag, grad_buffer_.as<float>() + num_params_, sizeof(float));
         const auto tc = Clock::now();
         mark_collective();
-        allreduce_device(grad_buffer_.as<float>(), num_params_ + 1);
+        allreduce_gradients(grad_buffer_.as<float>(), num_params_ + 1);
         phases.comm = ms_since(tc);
       }
       mark(Phase::optimizer);
@@ -307,6 +307,34 @@ class TrainingRun {
     ops_->upload(staging_.data(), data, count * sizeof(float));
   }
 
+  // The gradient all-reduce in distributed.compression's wire format: f32 as they are, or cast to
+  // fp16/bf16 before the collective (which sums in 16 bits) and back after: half the bytes.
+  void allreduce_gradients(float* data, size_t count) {
+    if (wire_ == DType::f32) {
+      allreduce_device(data, count);
+      return;
+    }
+    ensure(*ops_, wire_buffer_, static_cast<int64_t>(count), wire_);
+    ops_->cast(data, DType::f32, wire_buffer_.data(), wire_, static_cast<int64_t>(count));
+    if (staged_) {
+      wire_staging_.resize(count);
+      ops_->download(wire_buffer_.data(), wire_staging_.data(), count * sizeof(uint16_t));
+      allreduce_16bit(wire_staging_.data(), count);
+      ops_->upload(wire_staging_.data(), wire_buffer_.data(), count * sizeof(uint16_t));
+    } else {
+      allreduce_16bit(wire_buffer_.data(), count);
+    }
+    ops_->cast(wire_buffer_.data(), wire_, data, DType::f32, static_cast<int64_t>(count));
+  }
+
+  void allreduce_16bit(void* data, size_t count) {
+    if (wire_ == DType::bf16) {
+      comm_.allreduce(static_cast<BFloat16*>(data), count, ReduceOp::sum);
+    } else {
+      comm_.allreduce(static_cast<Half*>(data), count, ReduceOp::sum);
+    }
+  }
+
   void broadcast_device(void* data, size_t bytes, int root) {
     if (!staged_) {
       comm_.broadcast(data, bytes, root);
@@ -454,7 +482,8 @@ class TrainingRun {
                  {"data_ms", phases.data},
                  {"compute_ms", phases.compute},
                  {"comm_ms", phases.comm},
-                 {"optimizer_ms", phases.optimizer}};
+                 {"optimizer_ms", phases.optimizer},
+                 {"grad_bytes", (num_params_ + 1) * dtype_size(wire_)}};
     if (tokens_per_sample_ > 0) {
       line["tokens_per_s"] = samples_per_s * static_cast<double>(tokens_per_sample_);
     }
@@ -598,6 +627,12 @@ class TrainingRun {
   std::unique_ptr<Optimizer> optimizer_;
   LossScaler scaler_;
   std::vector<float> staging_;
+  // distributed.compression: the gradients' type on the wire (f32: none).
+  const DType wire_ = recipe_.distributed.compression.type == "none"
+                          ? DType::f32
+                          : parse_precision(recipe_.distributed.compression.type);
+  Buffer wire_buffer_;                  // the gradients cast to wire_, on the device
+  std::vector<uint16_t> wire_staging_;  // and on the host, for Gloo with a GPU
   std::vector<int64_t> idx_;
   std::vector<float> x_;
   std::vector<int32_t> y_;

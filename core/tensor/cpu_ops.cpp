@@ -11,6 +11,7 @@
 #include <string>
 
 #include "core/error.hpp"
+#include "core/tensor/half.hpp"
 #include "core/tensor/vector_math.hpp"
 
 namespace dptrain {
@@ -239,13 +240,34 @@ void CpuOps::fill_zero(void* data, size_t bytes) {
 
 void CpuOps::synchronize() {}
 
+// The CPU computes in f32, but gradients travel in 16 bits when compressed: casts go both ways.
+template <typename T>
+static void widen(const void* src, float* dst, int64_t n) {
+  const T* in = static_cast<const T*>(src);
+  for (int64_t i = 0; i < n; ++i)
+    dst[i] = Widened<T>::up(in[i]);
+}
+
+template <typename T>
+static void narrow(const float* src, void* dst, int64_t n) {
+  T* out = static_cast<T*>(dst);
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = Widened<T>::down(src[i]);
+}
+
 void CpuOps::cast(const void* src, DType from, void* dst, DType to, int64_t n) {
-  if (from != DType::f32 || to != DType::f32) {
-    throw Error(ErrorKind::internal,
-                std::string("cast: the CPU op table computes in f32 only, not ") +
-                    dtype_name(from == DType::f32 ? to : from));
+  if (from == to) {
+    copy(src, dst, static_cast<size_t>(n) * dtype_size(from));
+  } else if (from == DType::f32) {
+    const auto* in = static_cast<const float*>(src);
+    to == DType::bf16 ? narrow<BFloat16>(in, dst, n) : narrow<Half>(in, dst, n);
+  } else if (to == DType::f32) {
+    auto* out = static_cast<float*>(dst);
+    from == DType::bf16 ? widen<BFloat16>(src, out, n) : widen<Half>(src, out, n);
+  } else {
+    throw Error(ErrorKind::internal, std::string("cast: ") + dtype_name(from) + " to " +
+                                         dtype_name(to) + " goes through f32");
   }
-  copy(src, dst, static_cast<size_t>(n) * sizeof(float));
 }
 
 void CpuOps::gemm(ConstMatrix a, Transpose transpose_a, ConstMatrix b, Transpose transpose_b,

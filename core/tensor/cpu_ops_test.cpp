@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <numbers>
 #include <vector>
 
@@ -174,6 +175,40 @@ TEST_CASE("parse_activation names the field on a bad value") {
     CHECK(e.kind() == ErrorKind::recipe);
     CHECK(std::string(e.what()).find("model.activation") != std::string::npos);
   }
+}
+
+TEST_CASE("cast: f32 to bf16 and fp16 and back rounds to nearest even within half an ulp") {
+  CpuOps ops;
+  const std::vector<float> values = {
+      0.0f, 1.0f, -2.5f, 1.0f + 1.0f / 256, 3.14159265f, 1e-3f, -7e-5f, 65504.0f, 1e30f, -1e-30f};
+  for (DType dtype : {DType::bf16, DType::f16}) {
+    CAPTURE(dtype_name(dtype));
+    std::vector<uint16_t> wire(values.size());
+    std::vector<float> back(values.size());
+    const auto n = static_cast<int64_t>(values.size());
+    ops.cast(values.data(), DType::f32, wire.data(), dtype, n);
+    ops.cast(wire.data(), dtype, back.data(), DType::f32, n);
+    // bf16 keeps 8 significant bits, fp16 11 (and flushes below its range, overflows above).
+    const double ulp = dtype == DType::bf16 ? 1.0 / 128 : 1.0 / 1024;
+    for (size_t i = 0; i < values.size(); ++i) {
+      CAPTURE(values[i]);
+      const double v = values[i];
+      if (dtype == DType::f16 && std::fabs(v) > 65504.0) {
+        CHECK(std::isinf(back[i]));
+      } else if (dtype == DType::f16 && std::fabs(v) < 6.1e-5) {
+        CHECK(std::fabs(back[i] - v) <= 6e-8);  // subnormal spacing 2^-24
+      } else {
+        CHECK(std::fabs(back[i] - v) <= 0.5 * ulp * std::fabs(v));
+      }
+    }
+  }
+  // 1 + 2^-8 is halfway between two bf16 values: it rounds to the even one, 1.
+  std::vector<uint16_t> one(1);
+  const float halfway = 1.0f + 1.0f / 256;
+  ops.cast(&halfway, DType::f32, one.data(), DType::bf16, 1);
+  CHECK(one[0] == 0x3f80);
+  // 16-bit to 16-bit is not a cast the op table does.
+  CHECK_THROWS_AS(ops.cast(one.data(), DType::bf16, one.data(), DType::f16, 1), Error);
 }
 
 }  // namespace dptrain
