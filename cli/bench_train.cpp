@@ -97,13 +97,11 @@ std::string override_source(const BenchTrainCliOptions& o, const std::string& pr
 // Ranks on this machine that train on cuda need a GPU each: refused before anything is created,
 // naming the option (or the recipe field) that asked for cuda.
 void check_local_gpus_for(const BenchTrainCliOptions& o, const BenchWorld& largest) {
-  int local = largest.hosts.empty() ? largest.world : 0;
-  for (const HostSpec& h : largest.hosts)
-    if (h.is_local()) local += h.slots;
   require_local_gpus(
-      local, fmt::format("{} (world size {})",
-                         o.device_given ? "--device cuda" : "train.device \"cuda\" (the recipe's)",
-                         largest.world));
+      largest.hosts, largest.world,
+      fmt::format("{} (world size {})",
+                  o.device_given ? "--device cuda" : "train.device \"cuda\" (the recipe's)",
+                  largest.world));
 }
 
 // Refuses an --svg path that could not be written before any run starts.

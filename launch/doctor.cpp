@@ -141,16 +141,14 @@ class Doctor {
   // are checked here; a remote host's ranks check their own when they start.
   void check_local_gpus_for_recipe() {
     if (!recipe_ || recipe_->train.device != "cuda") return;
-    const int count = cuda_device_count();
-    if (count == 0) {
-      add("gpu", "localhost", false,
-          built_with_cuda() ? "no CUDA device is visible" : "this dptrain was built without CUDA",
+    if (const auto why = gpus_missing(1)) {
+      add("gpu", "localhost", false, *why,
           built_with_cuda() ? "install the NVIDIA driver, or check CUDA_VISIBLE_DEVICES"
                             : "rebuild where the CUDA toolkit is installed");
       return;
     }
     add("gpu", "localhost", true,
-        fmt::format("{} CUDA device(s), the first {}", count, cuda_device_name(0)));
+        fmt::format("{} CUDA device(s), the first {}", cuda_device_count(), cuda_device_name(0)));
     if (recipe_->distributed.backend == "gloo") return;
     const auto why_not = nccl_unavailable_reason();
     add("nccl", "localhost", !why_not, why_not ? *why_not : "NCCL loads",

@@ -36,30 +36,23 @@ std::string resolve_backend(const std::string& requested) {
               fmt::format("--backend: unknown backend '{}' (use auto, gloo or nccl)", requested));
 }
 
-void require_local_gpus(int local, const std::string& who) {
-  if (local <= 0) return;
-  const int visible = cuda_device_count();
-  if (visible >= local) return;
-  std::string why;
-  if (!built_with_cuda()) {
-    why = "this dptrain was built without CUDA";
-  } else if (visible == 0) {
-    why = "no CUDA device is visible (check the driver and CUDA_VISIBLE_DEVICES)";
-  } else {
-    why = fmt::format("only {} CUDA device(s) are visible", visible);
+void require_local_gpus(const std::vector<HostSpec>& hosts, int world, const std::string& who) {
+  int local = hosts.empty() ? world : 0;
+  for (const HostSpec& h : hosts) {
+    if (h.is_local()) local += h.slots;
   }
-  throw Error(ErrorKind::cuda, fmt::format("{}: {} rank(s) on this machine need a GPU each, but {}",
-                                           who, local, why));
+  if (const auto why = gpus_missing(local)) {
+    throw Error(
+        ErrorKind::cuda,
+        fmt::format("{}: {} rank(s) on this machine need a GPU each, but {}", who, local, *why));
+  }
 }
 
 void check_local_gpus(const JobSpec& spec) {
   if (!spec.one_gpu_per_rank && spec.recipe.train.device != "cuda") return;
-  int local = spec.hosts.empty() ? spec.world_size : 0;
-  for (const HostSpec& h : spec.hosts) {
-    if (h.is_local()) local += h.slots;
-  }
   require_local_gpus(
-      local, spec.recipe.train.device == "cuda" ? "train.device \"cuda\"" : "--backend nccl");
+      spec.hosts, spec.world_size,
+      spec.recipe.train.device == "cuda" ? "train.device \"cuda\"" : "--backend nccl");
 }
 
 json JobOutcome::to_json(const RunDirectory& run) const {

@@ -79,10 +79,11 @@ struct RestartPolicy {
 // Resolves "auto" to the backend this build and machine use.
 std::string resolve_backend(const std::string& requested);
 
-// `local` ranks on this machine that need a GPU each must find that many visible: otherwise
-// Error(cuda) "WHO: N rank(s) on this machine need a GPU each, but <reason>", before any rank
-// starts, rather than every rank failing alike. Remote hosts are checked by their own ranks.
-void require_local_gpus(int local, const std::string& who);
+// The ranks on this machine (those of the local hosts, or all `world` when hosts is empty) need a
+// GPU each and must find that many visible: otherwise Error(cuda) "WHO: N rank(s) on this machine
+// need a GPU each, but <reason>", before any rank starts, rather than every rank failing alike.
+// Remote hosts are checked by their own ranks.
+void require_local_gpus(const std::vector<HostSpec>& hosts, int world, const std::string& who);
 // The same for a job: its ranks on this machine when train.device is "cuda" (or
 // one_gpu_per_rank).
 void check_local_gpus(const JobSpec& spec);

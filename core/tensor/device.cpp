@@ -36,26 +36,25 @@ std::string cuda_device_name(int index) {
   return "";
 }
 
+std::optional<std::string> gpus_missing(int needed) {
+  if (needed <= 0) return std::nullopt;
+  if (!built_with_cuda()) return "this dptrain was built without CUDA";
+  const int visible = cuda_device_count();
+  if (visible >= needed) return std::nullopt;
+  if (visible == 0) return "no CUDA device is visible (check the driver and CUDA_VISIBLE_DEVICES)";
+  return fmt::format("only {} CUDA device(s) are visible", visible);
+}
+
 std::shared_ptr<Ops> make_ops(const std::string& device, int index) {
   if (device == "cpu") return std::make_shared<CpuOps>();
   if (device != "cuda") {
     throw Error(ErrorKind::recipe,
                 "train.device: unknown device '" + device + "' (expected cpu or cuda)");
   }
-  if (!built_with_cuda()) {
+  // A rank uses visible GPU `index`: there must be index + 1 of them.
+  if (const auto why = gpus_missing(index + 1)) {
     throw Error(ErrorKind::cuda,
-                "train.device \"cuda\": this dptrain was built without CUDA (rebuild where the "
-                "CUDA toolkit is installed, or use \"cpu\")");
-  }
-  const int count = cuda_device_count();
-  if (count == 0) {
-    throw Error(ErrorKind::cuda, "train.device \"cuda\": no CUDA device is visible to this rank" +
-                                     std::string(" (check the driver and CUDA_VISIBLE_DEVICES)"));
-  }
-  if (index < 0 || index >= count) {
-    throw Error(ErrorKind::cuda,
-                fmt::format("train.device \"cuda\": this rank wants GPU {} but {} visible", index,
-                            count == 1 ? "only 1 is" : fmt::format("only {} are", count)));
+                fmt::format("train.device \"cuda\": GPU {} for this rank: {}", index, *why));
   }
 #ifdef DPTRAIN_HAVE_CUDA
   return kernels::make_cuda_ops(index);

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "core/tensor/ops.hpp"
@@ -14,6 +15,9 @@ int cuda_device_count();
 std::string cuda_device_name(int index);
 // Whether this binary was built with the CUDA kernels.
 bool built_with_cuda();
+// Why `needed` GPUs cannot be had here ("this dptrain was built without CUDA", "no CUDA device is
+// visible (...)", "only N CUDA device(s) are visible"), or nullopt when they can.
+std::optional<std::string> gpus_missing(int needed);
 
 // The op table for train.device: "cpu" -> CpuOps; "cuda" -> the CUDA op table on visible device
 // `index` (a rank's local rank, or 0 when the launcher gave it one device). Error(cuda) naming
