@@ -48,6 +48,15 @@ class ForwardingCommunicator : public Communicator {
   void reduce_scatter(const BFloat16* in, BFloat16* out, size_t count, ReduceOp op) override {
     inner_->reduce_scatter(in, out, count, op);
   }
+  std::unique_ptr<Request> isend(const void* data, size_t bytes, int peer, uint32_t tag) override {
+    return inner_->isend(data, bytes, peer, tag);
+  }
+  std::unique_ptr<Request> irecv(void* data, size_t bytes, int peer, uint32_t tag) override {
+    return inner_->irecv(data, bytes, peer, tag);
+  }
+  int recv_any(void* data, size_t bytes, const std::vector<int>& peers, uint32_t tag) override {
+    return inner_->recv_any(data, bytes, peers, tag);
+  }
   void broadcast(void* data, size_t bytes, int root) override {
     inner_->broadcast(data, bytes, root);
   }

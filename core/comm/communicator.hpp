@@ -4,7 +4,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "core/error.hpp"
 #include "core/tensor/half.hpp"
@@ -51,6 +53,27 @@ class Communicator {
   }
   virtual void reduce_scatter(const BFloat16*, BFloat16*, size_t, ReduceOp) {
     unsupported("reduce_scatter of bfloat16");
+  }
+  // Point-to-point messages (the parameter-server mode), posted without blocking and completed by
+  // Request::wait(). A send completes once `peer` has posted a receive with the same tag and the
+  // bytes have moved; messages from one rank to another with one tag arrive in the order they
+  // were posted. Sizes must match exactly. Tags are the caller's and never match a collective's.
+  // The buffer belongs to the request until wait() returns; destroying a request that was not
+  // waited for waits for it (ignoring errors). wait() throws Error(comm) naming the peer when the
+  // peer fails or the communicator's timeout passes. Host memory only.
+  class Request {
+   public:
+    virtual ~Request() = default;
+    virtual void wait() = 0;
+  };
+  virtual std::unique_ptr<Request> isend(const void*, size_t, int, uint32_t) {
+    unsupported("isend");
+  }
+  virtual std::unique_ptr<Request> irecv(void*, size_t, int, uint32_t) { unsupported("irecv"); }
+  // Blocks until a message with `tag` from one of `peers` has arrived in `data`; returns its
+  // sender. Messages from one peer arrive in order.
+  virtual int recv_any(void*, size_t, const std::vector<int>&, uint32_t) {
+    unsupported("recv_any");
   }
   // Copies `bytes` at `data` on rank `root` into `data` on every rank.
   virtual void broadcast(void* data, size_t bytes, int root) = 0;

@@ -5,15 +5,18 @@
 #include <gloo/allreduce.h>
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>
+#include <gloo/common/error.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/device.h>
+#include <gloo/transport/unbound_buffer.h>
 
 #include <cmath>
 #include <cstring>
 #include <exception>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/error.hpp"
 
@@ -140,6 +143,120 @@ void check_broadcast_root(int rank, int size, int root) {
   }
 }
 
+// Point-to-point slots. Gloo's collectives match messages by slot: Slot::build(prefix, tag) is
+// prefix << 56 | tag << 24, plus a per-step delta in the low 8 bits, with prefixes 0x01..0x08
+// (gloo/types.h; the legacy algorithms, unused here, take small slots from Context::nextSlot).
+// User messages take prefix 0xd7, which Gloo does not use, so no user tag can ever meet a
+// collective's slot, whatever next_tag() has reached. Under the prefix: the user's 32-bit tag,
+// then 24 bits folded from the byte count, so a receive only matches a send of the same size.
+// Gloo itself would complete a shorter message into a longer buffer as a success (the rest left
+// stale), and a longer one fails an assertion on its event-loop thread, which ends the process;
+// with the size in the slot either mistake becomes a timeout naming the peer and tag.
+constexpr uint64_t kMessageSlotPrefix = 0xd7;
+
+uint64_t message_slot(uint32_t tag, size_t bytes) {
+  const auto b = static_cast<uint64_t>(bytes);
+  const uint64_t size_bits = (b ^ (b >> 24) ^ (b >> 48)) & 0xffffff;
+  return kMessageSlotPrefix << 56 | uint64_t{tag} << 24 | size_bits;
+}
+
+// One point-to-point transfer, as error messages name it.
+struct Transfer {
+  bool send;
+  size_t bytes;
+  std::vector<int> peers;  // the peer, or every candidate sender of a recv_any
+  uint32_t tag;
+
+  std::string peer_names() const {
+    return peers.size() == 1 ? fmt::format("rank {}", peers.front())
+                             : fmt::format("any of ranks {}", fmt::join(peers, ", "));
+  }
+  // "send of 4096 bytes to rank 2 (tag 7)"
+  std::string describe() const {
+    return fmt::format("{} of {} bytes {} {} (tag {})", send ? "send" : "recv", bytes,
+                       send ? "to" : "from", peer_names(), tag);
+  }
+};
+
+// Waits for a posted transfer and returns the rank it went to or came from. On failure records
+// the cause in `failure` (the communicator's, if it has none yet) and throws Error(comm) the way
+// GlooCommunicator::fail does.
+int complete(gloo::transport::UnboundBuffer& buffer, const Transfer& transfer, int rank,
+             std::chrono::milliseconds timeout, std::string& failure) {
+  std::string cause;
+  try {
+    int peer = -1;
+    const bool done =
+        transfer.send ? buffer.waitSend(&peer, timeout) : buffer.waitRecv(&peer, timeout);
+    if (done) return peer;
+    cause = "aborted";
+  } catch (const gloo::EnforceNotMet& error) {
+    cause = enforce_message(error.what());
+  } catch (const gloo::IoException& error) {
+    cause = without_source_location(error.what());
+    // Gloo's own words ("Timed out waiting 1000ms for recv operation to complete") do not say
+    // what was missing. Gloo has also closed every connection of the context by now.
+    if (cause.rfind("Timed out waiting", 0) == 0) {
+      cause = fmt::format(
+          "timed out after {} (the communicator's timeout): no {} of the same size "
+          "and tag {} {}",
+          format_timeout(timeout), transfer.send ? "receive" : "send",
+          transfer.send ? "posted by" : "from", transfer.peer_names());
+    }
+  } catch (const std::exception& error) {
+    cause = without_source_location(error.what());
+  }
+  if (failure.empty()) failure = cause;
+  throw Error(ErrorKind::comm,
+              fmt::format("rank {}: gloo {} failed: {}", rank, transfer.describe(), cause));
+}
+
+// A posted isend or irecv. It shares the communicator's failure record, not the communicator, so
+// it may outlive it (a failed communicator is replaced while its requests are still around).
+class GlooRequest : public Communicator::Request {
+ public:
+  GlooRequest(std::unique_ptr<gloo::transport::UnboundBuffer> buffer, Transfer transfer, int rank,
+              std::chrono::milliseconds timeout, std::shared_ptr<std::string> failure)
+      : buffer_(std::move(buffer)),
+        transfer_(std::move(transfer)),
+        rank_(rank),
+        timeout_(timeout),
+        failure_(std::move(failure)) {}
+
+  // Gloo keeps only a weak reference to the buffer, so releasing it early never lets Gloo write
+  // to the caller's memory, but a message then arriving for it wedges that connection: wait.
+  // Not on a failed communicator, though: the transfer may never finish there, and the
+  // communicator is unusable anyway.
+  ~GlooRequest() override {
+    if (waited_ || !failure_->empty()) return;
+    try {
+      wait();
+    } catch (...) {  // a destructor must not throw; wait() has recorded the failure
+    }
+  }
+
+  void wait() override {
+    if (error_) std::rethrow_exception(error_);
+    if (waited_) return;
+    waited_ = true;
+    try {
+      complete(*buffer_, transfer_, rank_, timeout_, *failure_);
+    } catch (...) {
+      error_ = std::current_exception();
+      throw;
+    }
+  }
+
+ private:
+  std::unique_ptr<gloo::transport::UnboundBuffer> buffer_;
+  Transfer transfer_;
+  int rank_;
+  std::chrono::milliseconds timeout_;
+  std::shared_ptr<std::string> failure_;
+  bool waited_ = false;
+  std::exception_ptr error_;  // a failed wait() fails again when repeated
+};
+
 // A group of one: every collective is the identity (or a copy), no transport needed.
 class SoloCommunicator : public Communicator {
  public:
@@ -206,11 +323,18 @@ class GlooCommunicator : public Communicator {
   void reduce_scatter(const BFloat16* in, BFloat16* out, size_t count, ReduceOp op) override {
     reduce_scatter_typed(in, out, count, op);
   }
+  std::unique_ptr<Request> isend(const void* data, size_t bytes, int peer, uint32_t tag) override;
+  std::unique_ptr<Request> irecv(void* data, size_t bytes, int peer, uint32_t tag) override;
+  int recv_any(void* data, size_t bytes, const std::vector<int>& peers, uint32_t tag) override;
   void broadcast(void* data, size_t bytes, int root) override;
   void allgather(const void* in, size_t bytes_per_rank, void* out) override;
   void barrier() override;
 
  private:
+  // Throws Error(internal) unless `peer` is another rank of this group.
+  void check_peer(const char* operation, int peer, uint32_t tag) const;
+  // Posts a send or receive of `transfer` on a new Gloo buffer over `data`.
+  std::unique_ptr<gloo::transport::UnboundBuffer> post(void* data, const Transfer& transfer);
   template <typename T>
   void allreduce_typed(T* data, size_t count, ReduceOp op);
   template <typename T>
@@ -231,15 +355,17 @@ class GlooCommunicator : public Communicator {
   std::chrono::milliseconds timeout_;
   std::shared_ptr<gloo::rendezvous::Context> context_;
   uint32_t next_tag_ = 0;
-  std::string failure_;  // set by the first failed call; later calls refuse to run
+  // Set by the first failed call; later calls refuse to run. Shared with the point-to-point
+  // requests, which may outlive the communicator.
+  std::shared_ptr<std::string> failure_ = std::make_shared<std::string>();
 };
 
 template <typename Describe, typename Body>
 void GlooCommunicator::guarded(Describe&& describe, Body&& body) {
-  if (!failure_.empty()) {
+  if (!failure_->empty()) {
     throw Error(ErrorKind::comm,
                 fmt::format("rank {}: cannot run {}: the communicator failed earlier: {}", rank_,
-                            describe(), failure_));
+                            describe(), *failure_));
   }
   try {
     body();
@@ -251,7 +377,7 @@ void GlooCommunicator::guarded(Describe&& describe, Body&& body) {
 }
 
 void GlooCommunicator::fail(const std::string& operation, const std::string& cause) {
-  failure_ = cause;
+  *failure_ = cause;
   throw Error(ErrorKind::comm, fmt::format("rank {}: gloo {} failed: {}", rank_, operation, cause));
 }
 
@@ -348,6 +474,71 @@ void GlooCommunicator::barrier() {
             options.setTimeout(timeout_);
             gloo::barrier(options);
           });
+}
+
+void GlooCommunicator::check_peer(const char* operation, int peer, uint32_t tag) const {
+  const char* direction = std::strcmp(operation, "isend") == 0 ? "to" : "from";
+  if (peer == rank_) {
+    throw Error(ErrorKind::internal,
+                fmt::format("rank {}: {} {} rank {} (tag {}): a rank cannot message itself", rank_,
+                            operation, direction, peer, tag));
+  }
+  if (peer < 0 || peer >= size_) {
+    throw Error(ErrorKind::internal,
+                fmt::format("rank {}: {} {} rank {} (tag {}): the rank is outside 0..{}", rank_,
+                            operation, direction, peer, tag, size_ - 1));
+  }
+}
+
+std::unique_ptr<gloo::transport::UnboundBuffer> GlooCommunicator::post(void* data,
+                                                                       const Transfer& transfer) {
+  std::unique_ptr<gloo::transport::UnboundBuffer> buffer;
+  guarded([&] { return transfer.describe(); },
+          [&] {
+            buffer = context_->createUnboundBuffer(data, transfer.bytes);
+            const uint64_t slot = message_slot(transfer.tag, transfer.bytes);
+            // The byte count is always explicit: Gloo's default rejects an empty recv-from-any.
+            if (transfer.send) {
+              buffer->send(transfer.peers.front(), slot, 0, transfer.bytes);
+            } else if (transfer.peers.size() == 1) {
+              buffer->recv(transfer.peers.front(), slot, 0, transfer.bytes);
+            } else {
+              buffer->recv(transfer.peers, slot, 0, transfer.bytes);
+            }
+          });
+  return buffer;
+}
+
+std::unique_ptr<Communicator::Request> GlooCommunicator::isend(const void* data, size_t bytes,
+                                                               int peer, uint32_t tag) {
+  check_peer("isend", peer, tag);
+  Transfer transfer{true, bytes, {peer}, tag};
+  // Gloo's buffer is not const-correct; a send only reads it.
+  auto buffer = post(const_cast<void*>(data), transfer);
+  return std::make_unique<GlooRequest>(std::move(buffer), std::move(transfer), rank_, timeout_,
+                                       failure_);
+}
+
+std::unique_ptr<Communicator::Request> GlooCommunicator::irecv(void* data, size_t bytes, int peer,
+                                                               uint32_t tag) {
+  check_peer("irecv", peer, tag);
+  Transfer transfer{false, bytes, {peer}, tag};
+  auto buffer = post(data, transfer);
+  return std::make_unique<GlooRequest>(std::move(buffer), std::move(transfer), rank_, timeout_,
+                                       failure_);
+}
+
+int GlooCommunicator::recv_any(void* data, size_t bytes, const std::vector<int>& peers,
+                               uint32_t tag) {
+  if (peers.empty()) {
+    throw Error(ErrorKind::internal,
+                fmt::format("rank {}: recv_any (tag {}) from an empty list of ranks", rank_, tag));
+  }
+  for (int peer : peers)
+    check_peer("recv_any", peer, tag);
+  const Transfer transfer{false, bytes, peers, tag};
+  auto buffer = post(data, transfer);
+  return complete(*buffer, transfer, rank_, timeout_, *failure_);
 }
 
 }  // namespace

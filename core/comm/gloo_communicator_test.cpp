@@ -392,6 +392,260 @@ TEST_CASE("gloo: a collective a live peer never joins times out") {
   CHECK_MESSAGE(message.find("rank 0: gloo allreduce(max) of 10 elements failed: ") == 0, message);
 }
 
+// Point-to-point messages. Payloads are filled from (sender, message index) so that a message
+// delivered to the wrong receive, or out of order, shows up as wrong data.
+std::vector<uint32_t> message_payload(int sender, uint32_t index, size_t words) {
+  std::vector<uint32_t> payload(words);
+  for (size_t i = 0; i < words; ++i)
+    payload[i] =
+        static_cast<uint32_t>(sender) * 1000003u + index * 7919u + static_cast<uint32_t>(i);
+  return payload;
+}
+
+TEST_CASE("gloo: isend/irecv ring exchange on 3 ranks") {
+  run_ranks(3, [](Communicator& communicator) {
+    const int rank = communicator.rank();
+    const int right = (rank + 1) % 3;
+    const int left = (rank + 2) % 3;
+    uint32_t index = 0;
+    for (size_t words : {size_t{0}, size_t{1}, size_t{1001}, size_t{1} << 18}) {
+      CAPTURE(words);
+      const auto out = message_payload(rank, index, words);
+      std::vector<uint32_t> in(words, 0xeeeeeeee);
+      auto receive = communicator.irecv(in.data(), words * 4, left, 3);
+      auto send = communicator.isend(out.data(), words * 4, right, 3);
+      send->wait();
+      receive->wait();
+      receive->wait();  // a second wait returns at once
+      CHECK(in == message_payload(left, index, words));
+      ++index;
+    }
+  });
+}
+
+TEST_CASE("gloo: messages with one tag between two ranks arrive in the order posted") {
+  constexpr uint32_t kMessages = 8;
+  run_ranks(2, [](Communicator& communicator) {
+    std::vector<std::vector<uint32_t>> payloads;
+    for (uint32_t i = 0; i < kMessages; ++i)
+      payloads.push_back(message_payload(0, i, 257));
+    if (communicator.rank() == 0) {
+      // Every send is posted before the receiver posts anything; the last is not waited for:
+      // its destructor waits.
+      std::vector<std::unique_ptr<Communicator::Request>> sends;
+      for (const auto& payload : payloads)
+        sends.push_back(communicator.isend(payload.data(), payload.size() * 4, 1, 9));
+      for (uint32_t i = 0; i + 1 < kMessages; ++i)
+        sends[i]->wait();
+    } else {
+      std::this_thread::sleep_for(50ms);
+      for (uint32_t i = 0; i < kMessages; ++i) {
+        std::vector<uint32_t> in(257);
+        communicator.irecv(in.data(), in.size() * 4, 0, 9)->wait();
+        CHECK_MESSAGE(in == payloads[i], "message ", i);
+      }
+    }
+  });
+}
+
+TEST_CASE("gloo: two tags between the same pair do not mix") {
+  run_ranks(2, [](Communicator& communicator) {
+    constexpr size_t kWords = 100;
+    if (communicator.rank() == 0) {
+      // Interleaved: tag 1 gets even indices, tag 2 odd ones.
+      std::vector<std::vector<uint32_t>> out;
+      std::vector<std::unique_ptr<Communicator::Request>> sends;
+      for (uint32_t i = 0; i < 6; ++i)
+        out.push_back(message_payload(0, i, kWords));
+      for (uint32_t i = 0; i < 6; ++i)
+        sends.push_back(communicator.isend(out[i].data(), kWords * 4, 1, 1 + i % 2));
+      for (auto& send : sends)
+        send->wait();
+    } else {
+      // Tag 2's messages are received first, all posted at once, then tag 1's.
+      std::vector<std::vector<uint32_t>> in(6, std::vector<uint32_t>(kWords));
+      std::vector<std::unique_ptr<Communicator::Request>> receives;
+      for (uint32_t i : {1u, 3u, 5u})
+        receives.push_back(communicator.irecv(in[i].data(), kWords * 4, 0, 2));
+      for (auto& receive : receives)
+        receive->wait();
+      for (uint32_t i : {0u, 2u, 4u})
+        communicator.irecv(in[i].data(), kWords * 4, 0, 1)->wait();
+      for (uint32_t i = 0; i < 6; ++i)
+        CHECK_MESSAGE(in[i] == message_payload(0, i, kWords), "message ", i);
+    }
+  });
+}
+
+TEST_CASE("gloo: recv_any serves workers in whatever order their messages come") {
+  constexpr uint32_t kPerWorker = 5;
+  constexpr size_t kWords = 64;
+  run_ranks(4, [](Communicator& communicator) {
+    const int rank = communicator.rank();
+    if (rank != 0) {
+      // Workers pace themselves differently, so arrivals interleave.
+      for (uint32_t i = 0; i < kPerWorker; ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(((rank * 7 + i * 3) % 5) * 4));
+        const auto out = message_payload(rank, i, kWords);
+        communicator.isend(out.data(), kWords * 4, 0, 11)->wait();
+      }
+      return;
+    }
+    std::vector<uint32_t> next(4, 0);  // per worker: the index its next message must carry
+    for (uint32_t n = 0; n < 3 * kPerWorker; ++n) {
+      std::vector<uint32_t> in(kWords, 0xeeeeeeee);
+      const int sender = communicator.recv_any(in.data(), kWords * 4, {1, 2, 3}, 11);
+      REQUIRE(sender >= 1);
+      REQUIRE(sender <= 3);
+      const auto s = static_cast<size_t>(sender);
+      CHECK_MESSAGE(in == message_payload(sender, next[s], kWords), "from rank ", sender);
+      ++next[s];
+    }
+    CHECK(next == std::vector<uint32_t>{0, kPerWorker, kPerWorker, kPerWorker});
+  });
+}
+
+TEST_CASE("gloo: messages interleaved with collectives use their own slots") {
+  run_ranks(3, [](Communicator& communicator) {
+    const int rank = communicator.rank();
+    const int right = (rank + 1) % 3;
+    const int left = (rank + 2) % 3;
+    // User tags 0, 1, 2... are the very numbers the collectives take as their Gloo tags.
+    for (uint32_t tag = 0; tag < 6; ++tag) {
+      const auto out = message_payload(rank, tag, 1000);
+      std::vector<uint32_t> in(1000);
+      auto receive = communicator.irecv(in.data(), in.size() * 4, left, tag);
+      auto send = communicator.isend(out.data(), out.size() * 4, right, tag);
+      // A collective with both messages still in flight.
+      check_allreduce<float>(communicator, 1000, ReduceOp::sum);
+      std::vector<uint8_t> everyone(3);
+      const auto mine = static_cast<uint8_t>(rank + 10);
+      communicator.allgather(&mine, 1, everyone.data());
+      CHECK(everyone == std::vector<uint8_t>{10, 11, 12});
+      send->wait();
+      receive->wait();
+      CHECK(in == message_payload(left, tag, 1000));
+    }
+    communicator.barrier();
+  });
+}
+
+TEST_CASE("gloo: a receive whose sender never sends times out naming the peer and tag") {
+  std::atomic<bool> receiver_done{false};
+  std::string message;
+  std::string later_message;
+  run_ranks(
+      2,
+      [&](Communicator& communicator) {
+        if (communicator.rank() == 1) {
+          // Alive and connected, but never sends.
+          while (!receiver_done)
+            std::this_thread::sleep_for(10ms);
+          return;
+        }
+        std::vector<uint32_t> in(1024);
+        auto receive = communicator.irecv(in.data(), in.size() * 4, 1, 7);
+        const auto start = std::chrono::steady_clock::now();
+        try {
+          receive->wait();
+        } catch (const Error& error) {
+          CHECK(error.kind() == ErrorKind::comm);
+          message = error.what();
+        }
+        CHECK(std::chrono::steady_clock::now() - start >= 900ms);
+        CHECK_THROWS_WITH_AS(receive->wait(), doctest::Contains("timed out"), Error);
+        try {
+          communicator.isend(in.data(), 4, 1, 7);
+        } catch (const Error& error) {
+          later_message = error.what();
+        }
+        receiver_done = true;
+      },
+      {}, 1s);
+  CHECK_MESSAGE(message ==
+                    "rank 0: gloo recv of 4096 bytes from rank 1 (tag 7) failed: timed out "
+                    "after 1s (the communicator's timeout): no send of the same size and "
+                    "tag from rank 1",
+                message);
+  CHECK_MESSAGE(later_message.find("rank 0: cannot run send of 4 bytes to rank 1 (tag 7): the "
+                                   "communicator failed earlier: timed out") == 0,
+                later_message);
+}
+
+TEST_CASE("gloo: a message of the wrong size is never delivered: the receive times out") {
+  std::atomic<bool> receiver_done{false};
+  std::string receive_message;
+  std::string send_message;
+  run_ranks(
+      2,
+      [&](Communicator& communicator) {
+        std::vector<uint32_t> data(4);
+        if (communicator.rank() == 0) {
+          auto send = communicator.isend(data.data(), 8, 1, 3);
+          while (!receiver_done)
+            std::this_thread::sleep_for(10ms);
+          // The receiver's timeout closed its connections: this fails without waiting it out.
+          try {
+            send->wait();
+          } catch (const Error& error) {
+            send_message = error.what();
+          }
+          return;
+        }
+        try {
+          communicator.irecv(data.data(), 16, 0, 3)->wait();
+        } catch (const Error& error) {
+          receive_message = error.what();
+        }
+        receiver_done = true;
+      },
+      {}, 300ms);
+  CHECK_MESSAGE(receive_message.find("rank 1: gloo recv of 16 bytes from rank 0 (tag 3) failed: "
+                                     "timed out after 0.3s") == 0,
+                receive_message);
+  CHECK_MESSAGE(send_message.find("rank 0: gloo send of 8 bytes to rank 1 (tag 3) failed: ") == 0,
+                send_message);
+}
+
+TEST_CASE("gloo: messages to bad peers are refused") {
+  run_ranks(2, [](Communicator& communicator) {
+    const int rank = communicator.rank();
+    uint32_t word = 0;
+    auto is_internal = [](const std::function<void()>& call, const char* expected) {
+      try {
+        call();
+        FAIL("no error; expected ", expected);
+      } catch (const Error& error) {
+        CHECK(error.kind() == ErrorKind::internal);
+        CHECK_MESSAGE(std::string(error.what()).find(expected) != std::string::npos, error.what());
+      }
+    };
+    is_internal([&] { communicator.isend(&word, 4, rank, 1); }, "cannot message itself");
+    is_internal([&] { communicator.irecv(&word, 4, rank, 1); }, "cannot message itself");
+    is_internal([&] { communicator.isend(&word, 4, 2, 1); }, "outside 0..1");
+    is_internal([&] { communicator.irecv(&word, 4, -1, 1); }, "outside 0..1");
+    is_internal([&] { communicator.recv_any(&word, 4, {}, 1); }, "empty list");
+    is_internal(
+        [&] {
+          communicator.recv_any(&word, 4, {1 - rank, rank}, 1);
+        },
+        "cannot message itself");
+    is_internal([&] { communicator.recv_any(&word, 4, {1 - rank, 5}, 1); }, "outside 0..1");
+    // Still usable: refusals are not communication failures.
+    const uint32_t out = 40u + static_cast<uint32_t>(rank);
+    auto receive = communicator.irecv(&word, 4, 1 - rank, 1);
+    communicator.isend(&out, 4, 1 - rank, 1)->wait();
+    receive->wait();
+    CHECK(word == 40u + static_cast<uint32_t>(1 - rank));
+  });
+  // A group of one has nobody to message.
+  run_ranks(1, [](Communicator& communicator) {
+    uint32_t word = 0;
+    CHECK_THROWS_WITH_AS(communicator.isend(&word, 4, 0, 1), doctest::Contains("not supported"),
+                         Error);
+  });
+}
+
 TEST_CASE("gloo: rank and size are validated") {
   TcpStoreServer server;
   TcpStoreClient client("127.0.0.1", server.port(), 10s);
