@@ -129,7 +129,10 @@ int run_worker(WorkerOptions o) {
   fill_from_env(o);
   const FaultInjector faults(parse_faults(env("DPTRAIN_FAULT").value_or("")), o.rank, o.generation);
   const Recipe recipe = load_recipe(o.recipe);
-  const std::string requested = env("DPTRAIN_BACKEND").value_or(recipe.distributed.backend);
+  // The parameter-server mode's messages go through Gloo (the recipe refuses "nccl" with it).
+  const std::string requested = recipe.distributed.sync == "ps"
+                                    ? "gloo"
+                                    : env("DPTRAIN_BACKEND").value_or(recipe.distributed.backend);
   if (requested != "auto" && requested != "gloo" && requested != "nccl") {
     throw Error(ErrorKind::usage,
                 fmt::format("backend '{}' is unknown (use auto, gloo or nccl)", requested));

@@ -38,8 +38,11 @@ json blob_entry(const char* file, std::span<const float> data) {
           {"checksum", checksum_hex(checksum64(data.data(), data.size_bytes()))}};
 }
 
-// The blobs every checkpoint holds, in the order CheckpointData lists them.
-constexpr std::array<const char*, 2> kBlobNames = {"params", "optimizer"};
+// The blobs a checkpoint holds, in the order CheckpointData lists them; those from
+// kFirstOptionalBlob on are written only when not empty (and absent from older checkpoints).
+constexpr std::array<const char*, 3> kBlobNames = {"params", "optimizer", "comm"};
+constexpr std::array<const char*, 3> kBlobFiles = {"params.bin", "optimizer.bin", "comm.bin"};
+constexpr size_t kFirstOptionalBlob = 2;
 constexpr std::string_view kSetAsideSuffix = ".corrupt";
 
 // What meta.json records: the position, and each blob's file, size and checksum.
@@ -77,7 +80,9 @@ std::optional<Meta> read_meta(const fs::path& dir, std::string& problem) {
     p.rng_state = meta.at("rng_state").get<std::string>();
     p.loss_scale = meta.value("loss_scale", 1.0);  // absent before mixed precision existed
     p.loss_scale_clean_steps = meta.value("loss_scale_clean_steps", int64_t{0});
-    for (const char* name : kBlobNames) {
+    for (size_t i = 0; i < kBlobNames.size(); ++i) {
+      const char* name = kBlobNames[i];
+      if (i >= kFirstOptionalBlob && !meta.at("blobs").contains(name)) continue;
       const json& entry = meta.at("blobs").at(name);
       BlobStatus blob;
       blob.name = name;
@@ -150,7 +155,10 @@ int64_t checkpoint_step(const fs::path& dir) {
 
 fs::path write_checkpoint(const fs::path& checkpoints_dir, const TrainingPosition& pos,
                           std::span<const float> params, std::span<const float> optimizer_state,
-                          int64_t keep, const std::function<void()>& before_commit) {
+                          int64_t keep, const std::function<void()>& before_commit,
+                          std::span<const float> comm_state) {
+  const std::array<std::span<const float>, kBlobNames.size()> data = {params, optimizer_state,
+                                                                      comm_state};
   const fs::path final_dir = checkpoints_dir / checkpoint_name(pos.step);
   const fs::path tmp_dir =
       checkpoints_dir / fmt::format(".tmp-{}-{}", checkpoint_name(pos.step), ::getpid());
@@ -158,8 +166,12 @@ fs::path write_checkpoint(const fs::path& checkpoints_dir, const TrainingPositio
     fs::create_directories(checkpoints_dir);
     fs::remove_all(tmp_dir);
     fs::create_directory(tmp_dir);
-    write_file_synced(tmp_dir / "params.bin", std::as_bytes(params));
-    write_file_synced(tmp_dir / "optimizer.bin", std::as_bytes(optimizer_state));
+    json blobs = json::object();
+    for (size_t i = 0; i < kBlobNames.size(); ++i) {
+      if (i >= kFirstOptionalBlob && data[i].empty()) continue;
+      write_file_synced(tmp_dir / kBlobFiles[i], std::as_bytes(data[i]));
+      blobs[kBlobNames[i]] = blob_entry(kBlobFiles[i], data[i]);
+    }
     json meta = {{"format", kFormatVersion},
                  {"step", pos.step},
                  {"epoch", pos.epoch},
@@ -171,9 +183,7 @@ fs::path write_checkpoint(const fs::path& checkpoints_dir, const TrainingPositio
                  {"rng_state", pos.rng_state},
                  {"loss_scale", pos.loss_scale},
                  {"loss_scale_clean_steps", pos.loss_scale_clean_steps},
-                 {"blobs",
-                  {{"params", blob_entry("params.bin", params)},
-                   {"optimizer", blob_entry("optimizer.bin", optimizer_state)}}}};
+                 {"blobs", blobs}};
     const std::string text = meta.dump(2) + "\n";
     write_file_synced(tmp_dir / kMetaFile, std::as_bytes(std::span(text.data(), text.size())));
     fsync_directory(tmp_dir);
@@ -227,13 +237,13 @@ CheckpointData read_checkpoint(const fs::path& dir) {
   std::optional<Meta> meta = read_meta(dir, problem);
   if (!meta) fail(dir / kMetaFile, problem);
   std::array<std::vector<float>, kBlobNames.size()> blobs;
-  for (size_t i = 0; i < kBlobNames.size(); ++i) {
-    BlobStatus& blob = meta->blobs[i];
+  for (BlobStatus& blob : meta->blobs) {
     const std::string raw = check_blob(dir, blob);
     if (!blob.ok()) fail(dir / blob.file, blob.problem);
-    blobs[i] = as_floats(raw);
+    const auto index = std::find(kBlobNames.begin(), kBlobNames.end(), blob.name);
+    blobs[static_cast<size_t>(index - kBlobNames.begin())] = as_floats(raw);
   }
-  return {std::move(meta->position), std::move(blobs[0]), std::move(blobs[1])};
+  return {std::move(meta->position), std::move(blobs[0]), std::move(blobs[1]), std::move(blobs[2])};
 }
 
 bool CheckpointStatus::ok() const {

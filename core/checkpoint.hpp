@@ -29,11 +29,14 @@ struct CheckpointData {
   TrainingPosition position;
   std::vector<float> params;
   std::vector<float> optimizer_state;
+  // What the gradient exchange carries between steps (error-feedback residuals): every rank's,
+  // rank after rank, each of the same size. Empty when there is none (and in older checkpoints).
+  std::vector<float> comm_state;
 };
 
 // One blob of a checkpoint checked against what meta.json records for it.
 struct BlobStatus {
-  std::string name;                      // its key in meta.json: "params", "optimizer"
+  std::string name;                      // its key in meta.json: "params", "optimizer", "comm"
   std::string file;                      // "params.bin"
   uint64_t bytes = 0;                    // recorded size
   std::string checksum;                  // recorded checksum
@@ -74,7 +77,8 @@ std::filesystem::path write_checkpoint(const std::filesystem::path& checkpoints_
                                        const TrainingPosition& position,
                                        std::span<const float> params,
                                        std::span<const float> optimizer_state, int64_t keep,
-                                       const std::function<void()>& before_commit = {});
+                                       const std::function<void()>& before_commit = {},
+                                       std::span<const float> comm_state = {});
 
 // Removes what interrupted writes left behind (.tmp-* directories). Only when no writer runs:
 // rank 0 calls it as a generation starts.

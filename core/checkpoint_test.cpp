@@ -67,6 +67,28 @@ TEST_CASE("checkpoint: write, read back, latest") {
   }
 }
 
+TEST_CASE("checkpoint: the comm state is a blob of its own, only when there is one") {
+  TempDir tmp;
+  const auto params = values(10, 1.0f);
+  const auto comm = values(40, 0.5f);
+  const fs::path with = write_checkpoint(tmp.path(), position(10), params, {}, 3, {}, comm);
+  CHECK(fs::exists(with / "comm.bin"));
+  CHECK(read_checkpoint(with).comm_state == comm);
+  const CheckpointStatus status = verify_checkpoint(with);
+  CHECK(status.ok());
+  CHECK(status.blobs.size() == 3);
+  // Without one (and so in checkpoints older than it) there is no file and no entry.
+  const fs::path without = write_checkpoint(tmp.path(), position(20), params, {}, 3);
+  CHECK(!fs::exists(without / "comm.bin"));
+  CHECK(read_file(without / "meta.json").find("comm") == std::string::npos);
+  CHECK(read_checkpoint(without).comm_state.empty());
+  CHECK(verify_checkpoint(without).blobs.size() == 2);
+  // Damage to it is found like damage to any blob.
+  flip_byte(with / "comm.bin", 7);
+  CHECK_THROWS_WITH_AS(read_checkpoint(with), doctest::Contains("comm.bin: checksum mismatch"),
+                       Error);
+}
+
 TEST_CASE("checkpoint: empty optimizer state and zero parameters round-trip") {
   TempDir tmp;
   const fs::path dir = write_checkpoint(tmp.path(), position(0), {}, {}, 1);

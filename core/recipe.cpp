@@ -171,6 +171,20 @@ auto in_range(double lo, double hi, bool include_hi) {
   };
 }
 
+// (0, 1]: a share that must not be nothing.
+Verdict positive_share(double value) {
+  if (value > 0.0 && value <= 1.0) return std::nullopt;
+  return "must be in (0, 1]";
+}
+
+// An integer in [lo, hi].
+auto between(int64_t lo, int64_t hi) {
+  return [=](int64_t value) -> Verdict {
+    if (value >= lo && value <= hi) return std::nullopt;
+    return fmt::format("must be in [{}, {}]", lo, hi);
+  };
+}
+
 // "a", "b" or "c": how the allowed values of an enum field are listed in messages.
 std::string quoted_alternatives(const std::vector<std::string>& words) {
   std::string text;
@@ -380,13 +394,21 @@ void visit_fields(Visitor& v, OptimizerSpec& o) {
 
 template <class Visitor>
 void visit_fields(Visitor& v, CompressionSpec& c) {
-  v.field("type", c.type, one_of({"none", "fp16", "bf16"}));
+  v.field("type", c.type, one_of({"none", "fp16", "bf16", "int8", "topk", "powersgd"}));
+  v.field("block", c.block, at_least(int64_t{1}));
+  v.field("ratio", c.ratio, positive_share);
+  v.field("rank", c.rank, at_least(int64_t{1}));
 }
 
 template <class Visitor>
 void visit_fields(Visitor& v, DistributedSpec& d) {
   v.field("backend", d.backend, one_of({"auto", "gloo", "nccl"}));
-  v.field("sync", d.sync, one_of({"allreduce"}));
+  v.field("sync", d.sync, one_of({"allreduce", "local_sgd", "ps"}));
+  v.field("period", d.period, at_least(int64_t{1}));
+  v.field("start", d.start, at_least(int64_t{0}));
+  v.field("servers", d.servers, at_least(int64_t{1}));
+  v.field("staleness", d.staleness, at_least(int64_t{0}));
+  v.field("zero", d.zero, between(0, 1));
   v.field("bucket_mb", d.bucket_mb, greater_than(0.0));
   v.field("overlap", d.overlap, no_check);
   v.section("compression", d.compression);
@@ -470,6 +492,41 @@ void check_device(const Recipe& r, Problems& problems) {
   }
   if (!problems.at("/distributed/backend") && r.distributed.backend == "nccl") {
     problems.add("/distributed/backend", "\"nccl\" needs /train/device \"cuda\"");
+  }
+}
+
+// ZeRO-1 reduce-scatters f32 gradients and local SGD averages parameters: neither goes with the
+// other, nor with a compressed gradient all-reduce.
+void check_sync(const Recipe& r, Problems& problems) {
+  const DistributedSpec& d = r.distributed;
+  if (problems.at("/distributed/sync") || problems.at("/distributed/zero") ||
+      problems.at("/distributed/compression/type")) {
+    return;
+  }
+  if (d.zero == 1 && d.sync != "allreduce") {
+    problems.add("/distributed/zero", fmt::format("1 needs /distributed/sync \"allreduce\", got "
+                                                  "\"{}\"",
+                                                  d.sync));
+  }
+  if (d.sync == "ps") {
+    // Workers exchange messages with the servers: host memory through Gloo, in f32, with the
+    // loss scale fixed (the servers would have to agree on overflows with every worker).
+    if (!problems.at("/distributed/backend") && d.backend == "nccl") {
+      problems.add("/distributed/backend",
+                   "\"nccl\" cannot carry /distributed/sync \"ps\" "
+                   "(its messages go through Gloo)");
+    }
+    if (!problems.at("/train/precision") && r.train.precision == "fp16") {
+      problems.add("/train/precision",
+                   "\"fp16\" is not supported with /distributed/sync "
+                   "\"ps\" (use \"bf16\")");
+    }
+  }
+  if (d.compression.type != "none" && (d.zero == 1 || d.sync != "allreduce")) {
+    problems.add("/distributed/compression/type",
+                 fmt::format("\"{}\" compresses the gradient all-reduce, which {} does not use",
+                             d.compression.type,
+                             d.zero == 1 ? "/distributed/zero 1" : "\"" + d.sync + "\""));
   }
 }
 
@@ -593,6 +650,7 @@ Recipe parse_recipe(const json& j, const std::string& source,
   check_data_path(recipe.data, base_dir, problems);
   check_model(recipe, problems);
   check_device(recipe, problems);
+  check_sync(recipe, problems);
   if (problems.any()) throw Error(ErrorKind::recipe, problems.report(source));
   return recipe;
 }

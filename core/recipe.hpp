@@ -75,15 +75,32 @@ struct OptimizerSpec {
 };
 
 struct CompressionSpec {
-  // The gradients' wire format: "none" (f32), "fp16" or "bf16" (cast before the all-reduce, summed
-  // in 16 bits, cast back: half the bytes).
+  // The gradients' wire format: "none" (f32); "fp16" or "bf16" (cast before the all-reduce, summed
+  // in 16 bits, cast back: half the bytes); "int8" (blockwise scaled), "topk" (the largest
+  // `ratio` of the values) or "powersgd" (a rank-`rank` factorisation), these three with error
+  // feedback: what a rank did not send is added to its next step's gradients.
   std::string type = "none";
+  int64_t block = 256;  // int8: values sharing one scale
+  double ratio = 0.01;  // topk: the share of values sent, in (0, 1]
+  int64_t rank = 4;     // powersgd: the factorisation's rank
   bool operator==(const CompressionSpec&) const = default;
 };
 
 struct DistributedSpec {
   std::string backend = "auto";  // "auto" | "gloo" | "nccl" (auto: nccl when on cuda)
+  // "allreduce": every step sums the gradients; "local_sgd": each rank steps alone and the
+  // parameters are averaged every `period` steps (after `start` fully synchronous steps); "ps":
+  // the last `servers` ranks hold the parameters and optimizer state, sharded, and the other
+  // ranks (workers) push gradients to them and pull parameters, up to `staleness` steps ahead of
+  // the slowest worker.
   std::string sync = "allreduce";
+  int64_t period = 8;     // local_sgd
+  int64_t start = 0;      // local_sgd
+  int64_t servers = 1;    // ps
+  int64_t staleness = 0;  // ps
+  // 1: the optimizer state is sharded across ranks (reduce-scatter, update the own shard,
+  // all-gather the parameters); 0: every rank holds all of it.
+  int64_t zero = 0;
   double bucket_mb = 25.0;
   bool overlap = true;
   CompressionSpec compression;

@@ -97,7 +97,17 @@ Recipe everything_changed(const fs::path& csv_file) {
   r.optimizer.eps = 1e-6;
   r.optimizer.schedule = {"linear", 5, 0.1};
   r.optimizer.clip_grad_norm = 2.5;
-  r.distributed = {"gloo", "allreduce", 4.5, false, {"none"}, 7, 12.5};
+  r.distributed.backend = "gloo";
+  r.distributed.sync = "local_sgd";
+  r.distributed.period = 3;
+  r.distributed.start = 2;
+  r.distributed.bucket_mb = 4.5;
+  r.distributed.overlap = false;
+  r.distributed.compression.block = 128;
+  r.distributed.compression.ratio = 0.05;
+  r.distributed.compression.rank = 2;
+  r.distributed.check_every = 7;
+  r.distributed.timeout_s = 12.5;
   r.checkpoint = {20, 2};
   r.eval = {10, 500};
   r.log = {5};
@@ -106,7 +116,8 @@ Recipe everything_changed(const fs::path& csv_file) {
 
 TEST_CASE("recipe: an empty object gives the documented defaults") {
   Recipe r = parse_recipe(json::object(), "test.json", "/");
-  CHECK(r == Recipe{});
+  const Recipe defaults;
+  CHECK(r == defaults);
   CHECK(r.name == "run");
   CHECK(r.seed == 1);
   CHECK(r.model.hidden == std::vector<int64_t>{256, 256});
@@ -141,7 +152,8 @@ TEST_CASE("recipe: the DESIGN.md example parses into the values it names") {
 }
 
 TEST_CASE("recipe: to_json writes every field at its JSON path") {
-  json j = to_json(Recipe{});
+  const Recipe defaults;
+  json j = to_json(defaults);
   CHECK(j.at(json::json_pointer("/optimizer/schedule/warmup")) == 0);
   CHECK(j.at(json::json_pointer("/distributed/compression/type")) == "none");
   CHECK(j.at(json::json_pointer("/model/hidden")) == json::array({256, 256}));
@@ -254,13 +266,35 @@ TEST_CASE("recipe: each bad recipe is rejected naming its JSON path") {
        R"(must be "auto", "gloo" or "nccl", got "mpi")"},
       {R"({"distributed": {"backend": "nccl"}})", "/distributed/backend",
        R"("nccl" needs /train/device "cuda")"},
-      {R"({"distributed": {"sync": "local-sgd"}})", "/distributed/sync", R"(must be "allreduce")"},
+      {R"({"distributed": {"sync": "local-sgd"}})", "/distributed/sync",
+       R"(must be "allreduce", "local_sgd" or "ps", got "local-sgd")"},
+      {R"({"distributed": {"period": 0}})", "/distributed/period", "must be >= 1, got 0"},
+      {R"({"distributed": {"servers": 0}})", "/distributed/servers", "must be >= 1, got 0"},
+      {R"({"distributed": {"staleness": -2}})", "/distributed/staleness", "must be >= 0, got -2"},
+      {R"({"distributed": {"sync": "ps", "zero": 1}})", "/distributed/zero",
+       R"(1 needs /distributed/sync "allreduce", got "ps")"},
+      {R"({"distributed": {"start": -1}})", "/distributed/start", "must be >= 0, got -1"},
+      {R"({"distributed": {"zero": 2}})", "/distributed/zero", "must be in [0, 1], got 2"},
+      {R"({"distributed": {"zero": 1, "sync": "local_sgd"}})", "/distributed/zero",
+       R"(1 needs /distributed/sync "allreduce", got "local_sgd")"},
+      {R"({"distributed": {"zero": 1, "compression": {"type": "int8"}}})",
+       "/distributed/compression/type",
+       R"("int8" compresses the gradient all-reduce, which /distributed/zero 1 does not use)"},
+      {R"({"distributed": {"sync": "local_sgd", "compression": {"type": "topk"}}})",
+       "/distributed/compression/type",
+       R"("topk" compresses the gradient all-reduce, which "local_sgd" does not use)"},
+      {R"({"distributed": {"compression": {"ratio": 0}}})", "/distributed/compression/ratio",
+       "must be in (0, 1], got 0"},
+      {R"({"distributed": {"compression": {"block": 0}}})", "/distributed/compression/block",
+       "must be >= 1, got 0"},
+      {R"({"distributed": {"compression": {"rank": 0}}})", "/distributed/compression/rank",
+       "must be >= 1, got 0"},
       {R"({"distributed": {"resize": "grow"}})", "/distributed/resize",
        R"(must be "keep_global_batch" or "scale_lr", got "grow")"},
       {R"({"fault_tolerance": {"rejoin_timeout_s": -1}})", "/fault_tolerance/rejoin_timeout_s",
        "must be >= 0"},
-      {R"({"distributed": {"compression": {"type": "int8"}}})", "/distributed/compression/type",
-       R"(must be "none", "fp16" or "bf16", got "int8")"},
+      {R"({"distributed": {"compression": {"type": "int4"}}})", "/distributed/compression/type",
+       R"(must be "none", "fp16", "bf16", "int8", "topk" or "powersgd", got "int4")"},
       {R"({"distributed": {"bucket_mb": 0}})", "/distributed/bucket_mb", "must be > 0, got 0"},
       {R"({"distributed": {"overlap": 1}})", "/distributed/overlap",
        "expected true or false, got 1"},

@@ -2,8 +2,12 @@
 #include "core/trainer.hpp"
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cmath>
+#include <cstring>
+#include <map>
+#include <numeric>
 #include <thread>
 
 #include <sys/resource.h>
@@ -15,6 +19,7 @@
 #include "core/checksum.hpp"
 #include "core/data/dataset.hpp"
 #include "core/data/sampler.hpp"
+#include "core/ddp/reducer.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
 #include "core/model/model.hpp"
@@ -44,6 +49,9 @@ nlohmann::json TrainResult::to_json() const {
                     {"compute", phases_ms[1]},
                     {"comm", phases_ms[2]},
                     {"optimizer", phases_ms[3]}};
+  j["comm_total_ms"] = comm_total_ms;
+  j["bytes_per_step"] = bytes_per_step;
+  j["optimizer_state_mib"] = optimizer_state_mib;
   j["peak_rss_mib"] = peak_rss_mib;
   return j;
 }
@@ -55,21 +63,29 @@ double ms_since(Clock::time_point t0) {
 }
 
 // Where a step's time goes, in ms: data (sampling, gathering), compute (forward and backward),
-// comm (the gradient all-reduce, all of it exposed: nothing overlaps it yet), optimizer
-// (clipping, the update, the sampler's advance).
+// comm (the communication the step waited for: the exposed part), optimizer (clipping, the
+// update, ZeRO's parameter all-gather, local SGD's averaging, the sampler's advance). Besides:
+// comm_total, all the communication (overlapped or not), and the bytes this rank sent.
 struct PhaseTimes {
-  double data = 0, compute = 0, comm = 0, optimizer = 0;
+  double data = 0, compute = 0, comm = 0, optimizer = 0, comm_total = 0, bytes = 0;
   void add(const PhaseTimes& o) {
     data += o.data;
     compute += o.compute;
     comm += o.comm;
     optimizer += o.optimizer;
+    comm_total += o.comm_total;
+    bytes += o.bytes;
   }
   PhaseTimes per(int64_t steps) const {
     const double n = steps > 0 ? static_cast<double>(steps) : 1.0;
-    return {data / n, compute / n, comm / n, optimizer / n};
+    return {data / n, compute / n, comm / n, optimizer / n, comm_total / n, bytes / n};
   }
 };
+
+// ceil(a / b)
+size_t ceil_div(size_t a, size_t b) {
+  return (a + b - 1) / b;
+}
 
 // This process's peak resident memory, in MiB.
 double peak_rss_mib() {
@@ -88,6 +104,10 @@ class TrainingRun {
         rank_(comm.rank()),
         world_(comm.size()),
         nominal_world_(options.nominal_world > 0 ? options.nominal_world : world_),
+        servers_(recipe.distributed.sync == "ps" ? static_cast<int>(recipe.distributed.servers)
+                                                 : 0),
+        data_world_(world_ - servers_),
+        data_rank_(rank_ < data_world_ ? rank_ : -1),
         micro_batch_(recipe.train.batch_per_rank),
         global_batch_(global_batch(recipe, world_, nominal_world_)),
         micro_batches_(global_batch_ / micro_batch_),
@@ -101,21 +121,44 @@ class TrainingRun {
         data_(load_data(recipe.data, recipe.model, recipe.seed)),
         sampler_(data_.train->size(), global_batch_, recipe.seed),
         num_params_(model_->num_params()),
-        params_buffer_(ops_->allocate(num_params_ * sizeof(float))),
-        grad_buffer_(ops_->allocate((num_params_ + 1) * sizeof(float))),
+        shard_(ceil_div(num_params_, static_cast<size_t>(shards_))),
+        padded_(shard_ * static_cast<size_t>(shards_)),
+        params_buffer_(ops_->allocate(padded_ * sizeof(float))),
+        grad_buffer_(ops_->allocate((padded_ + 1) * sizeof(float))),
         params_(params_buffer_.as<float>(), num_params_),
         grads_(grad_buffer_.as<float>(), num_params_),
-        optimizer_(make_optimizer(recipe.optimizer, num_params_, model_->no_decay(), *ops_)),
+        optimizer_(make_optimizer(recipe.optimizer, shard_index_ >= 0 ? shard_ : 0,
+                                  shard_no_decay(), *ops_)),
         scaler_(recipe.train.precision == "fp16"),
         idx_(static_cast<size_t>(micro_batch_)),
         x_(static_cast<size_t>(micro_batch_ * data_.train->features())),
         y_(static_cast<size_t>(micro_batch_ * data_.train->labels_per_sample())) {
     // A fixed BLAS thread count keeps summation order, and so results, reproducible.
     set_blas_threads(static_cast<int>(recipe.train.threads_per_rank));
+    if (shards_ > 1) {
+      // The padding past the last parameter stays zero: reduce-scatter and all-gather move it.
+      ops_->fill_zero(params_buffer_.data(), padded_ * sizeof(float));
+      ops_->fill_zero(grad_buffer_.data(), (padded_ + 1) * sizeof(float));
+      if (zero_) shard_grads_ = ops_->allocate(shard_ * sizeof(float));
+    }
+    if (!zero_ && !ps_ && (!local_sgd_ || recipe.distributed.start > 0)) {
+      ReducerOptions reducer;
+      reducer.bucket_elems = bucket_elements(recipe.distributed.bucket_mb);
+      reducer.overlap = recipe.distributed.overlap;
+      reducer.compression = recipe.distributed.compression;
+      reducer.staged = staged_;
+      reducer.seed = recipe.seed;
+      reducer.progress = options.progress;
+      reducer_ = std::make_unique<GradientReducer>(
+          comm, *ops_, std::span<float>(grad_buffer_.as<float>(), num_params_), model_->tensors(),
+          reducer);
+      model_->on_gradients_ready([this](size_t from) { reducer_->ready(from); });
+    }
   }
 
   TrainResult run() {
     start();
+    if (server_) return serve();
     const int64_t total = recipe_.train.steps;
     const int64_t warmup = std::min<int64_t>(10, (total - step_) / 5);
     Clock::time_point steady_start = Clock::now();
@@ -133,35 +176,26 @@ class TrainingRun {
       mark(Phase::data);
       if (options_.before_step) options_.before_step(step_);
       const auto t0 = Clock::now();
+      const int64_t done = step_ + 1;
       PhaseTimes phases;
-      const double local_loss = compute_gradients(phases);
       float stop_flag = options_.stop_requested && options_.stop_requested() ? 1.0f : 0.0f;
-      {
-        // Each rank's gradients are already scaled by 1 / (micro-batches in the step), so
-        // their sum is the mean over the global batch however the micro-batches were shared.
-        ops_->upload(&stop_flag, grad_buffer_.as<float>() + num_params_, sizeof(float));
-        const auto tc = Clock::now();
-        mark_collective();
-        allreduce_gradients(grad_buffer_.as<float>(), num_params_ + 1);
-        phases.comm = ms_since(tc);
-      }
+      // local_sgd after its synchronous start: this rank steps on its own gradients.
+      const bool local = local_sgd_ && step_ >= recipe_.distributed.start;
+      const double local_loss = compute_gradients(phases, local, stop_flag);
+      if (!local && !ps_) stop = exchange_gradients(phases, stop_flag);
+      // A worker of the parameter-server mode pushes its gradients and pulls the parameters.
+      const double ps_norm = ps_ ? push_and_pull(done, phases) : 0.0;
       mark(Phase::optimizer);
       const auto to = Clock::now();
-      ops_->download(grad_buffer_.as<float>() + num_params_, &stop_flag, sizeof(float));
-      stop = stop_flag > 0.0f;
-      const double norm =
-          unscale_and_clip(*ops_, grads_, scaler_.scale(), recipe_.optimizer.clip_grad_norm);
       const double lr = lr_scale_ * learning_rate(recipe_.optimizer, step_, total);
-      // fp16: a step whose gradients overflowed is skipped (every rank agrees: the norm comes
-      // from the same reduced gradients) and the loss scale shrinks.
-      if (scaler_.update(std::isfinite(norm))) optimizer_->step(params_, grads_, lr);
+      const double norm = ps_ ? ps_norm : update(lr, local);
+      if (local && averaging_step(done)) stop = average_replicas(done, stop_flag, phases);
       advance_sampler();
       ops_->synchronize();
       phases.optimizer = ms_since(to);
       if (options_.debug_step_delay_ms > 0) {
         std::this_thread::sleep_for(std::chrono::milliseconds(options_.debug_step_delay_ms));
       }
-      const int64_t done = step_ + 1;
       const double step_ms = ms_since(t0);
       ++window_steps;
       window_phases.add(phases);
@@ -173,11 +207,9 @@ class TrainingRun {
         ++steady_steps;
         steady_phases.add(phases);
       }
-      const bool last = done == total || stop;
-      if (done % recipe_.log.every == 0 || last) {
+      if (log_step_due(done, stop)) {
         double loss = local_loss;
-        mark_collective();
-        comm_.allreduce(&loss, 1, ReduceOp::sum);
+        stop = sum_loss_and_stop(loss, stop);
         loss /= static_cast<double>(micro_batches_);
         last_loss = loss;
         const double window_s = ms_since(window_start) / 1000.0;
@@ -187,23 +219,16 @@ class TrainingRun {
         window_steps = 0;
         window_phases = {};
       }
-      if (recipe_.distributed.check_every > 0 && done % recipe_.distributed.check_every == 0) {
-        check_replicas(done);
-      }
-      if (recipe_.eval.every > 0 && done % recipe_.eval.every == 0 && !last) evaluate(done);
-      if (recipe_.checkpoint.every > 0 && done % recipe_.checkpoint.every == 0 && !last) {
-        checkpoint(done);
-      }
+      periodic_work(done, done == total || stop);
     }
     const double steady_s = ms_since(steady_start) / 1000.0;
     if (stop) return stop_early();
-    double peak_rss = peak_rss_mib();
-    mark_collective();
-    comm_.allreduce(&peak_rss, 1, ReduceOp::max);
     TrainResult result;
-    result.peak_rss_mib = peak_rss;
     const PhaseTimes per_step = steady_phases.per(steady_steps);
     result.phases_ms = {per_step.data, per_step.compute, per_step.comm, per_step.optimizer};
+    result.comm_total_ms = per_step.comm_total;
+    result.bytes_per_step = per_step.bytes;
+    result.optimizer_state_mib = optimizer_state_mib();
     result.steps = step_;
     result.world_size = world_;
     result.tokens_per_sample = tokens_per_sample_;
@@ -211,6 +236,17 @@ class TrainingRun {
     if (steady_steps > 0 && steady_s > 0) {
       result.samples_per_s = static_cast<double>(steady_steps * global_batch_) / steady_s;
     }
+    return finish(result);
+  }
+
+ private:
+  // The end of a run on every rank (parameter servers too): peak memory, the final evaluation,
+  // replica check and checkpoint; rank 0 writes result.json.
+  TrainResult finish(TrainResult& result) {
+    double peak_rss = peak_rss_mib();
+    mark_collective();
+    comm_.allreduce(&peak_rss, 1, ReduceOp::max);
+    result.peak_rss_mib = peak_rss;
     const auto [eval_loss, eval_acc] = evaluate(step_);
     result.eval_loss = eval_loss;
     result.eval_accuracy = eval_acc;
@@ -226,7 +262,35 @@ class TrainingRun {
     return result;
   }
 
- private:
+  // Whether step `done` ends with the loss summed over the ranks (and logged): every log.every
+  // steps, at the end, and when stopping.
+  bool log_step_due(int64_t done, bool stop) const {
+    return done % recipe_.log.every == 0 || done == recipe_.train.steps || stop;
+  }
+
+  // Sums `loss` over the ranks. With parameter servers the stop requests ride along (their only
+  // common step boundaries are these); returns whether to stop.
+  bool sum_loss_and_stop(double& loss, bool stop) {
+    double sums[2] = {loss, 0.0};
+    if (ps_ && options_.stop_requested && options_.stop_requested()) sums[1] = 1.0;
+    mark_collective();
+    comm_.allreduce(sums, ps_ ? 2 : 1, ReduceOp::sum);
+    loss = sums[0];
+    return stop || sums[1] > 0.0;
+  }
+
+  // What every rank does after step `done`, the same collectives in the same order: the replica
+  // check, the evaluation and the checkpoint when they are due (the last two wait for the end).
+  void periodic_work(int64_t done, bool last) {
+    if (recipe_.distributed.check_every > 0 && done % recipe_.distributed.check_every == 0) {
+      check_replicas(done);
+    }
+    if (recipe_.eval.every > 0 && done % recipe_.eval.every == 0 && !last) evaluate(done);
+    if (recipe_.checkpoint.every > 0 && done % recipe_.checkpoint.every == 0 && !last) {
+      checkpoint(done);
+    }
+  }
+
   // Every rank agreed to stop after step_: checkpoint it and leave; resume continues from it.
   TrainResult stop_early() {
     TrainResult result;
@@ -243,13 +307,20 @@ class TrainingRun {
 
   bool writes_checkpoints() const { return rank_ == 0 || options_.node_leader; }
 
+  // Whether the optimizer state is split between ranks (ZeRO-1, parameter servers).
+  bool sharded() const { return shards_ > 1 || ps_; }
+
+  double optimizer_state_mib() const {
+    return static_cast<double>(optimizer_->state().size_bytes()) / (1024.0 * 1024.0);
+  }
+
   void start() {
     if (writes_checkpoints()) remove_incomplete_checkpoints(options_.run_dir / "checkpoints");
-    if (world_ > micro_batches_) {
+    if (data_world_ > micro_batches_) {
       emit({{"event", "info"},
             {"message", fmt::format("{} ranks share {} micro-batches a step: {} rank(s) idle; "
                                     "distributed.resize \"scale_lr\" would use them",
-                                    world_, micro_batches_, world_ - micro_batches_)}});
+                                    data_world_, micro_batches_, data_world_ - micro_batches_)}});
     }
     const fs::path from = resume_source();
     if (from.empty()) {
@@ -276,8 +347,30 @@ class TrainingRun {
     }
     broadcast_device(params_.data(), params_.size_bytes(), 0);
     emit({{"event", "info"},
-          {"message", fmt::format("{} on {} rank(s){}, global batch {}", model_->describe(), world_,
-                                  device_description(), global_batch_)}});
+          {"message",
+           fmt::format("{} on {} rank(s){}, global batch {}{}", model_->describe(), world_,
+                       device_description(), global_batch_, exchange_description())}});
+  }
+
+  // How the ranks combine their work, when it is not the default bucketed f32 all-reduce:
+  // "; ZeRO-1: optimizer state 1.2 MiB per rank (4.8 unsharded)", "; local SGD every 8 steps".
+  std::string exchange_description() const {
+    std::string out;
+    if (zero_) {
+      out += fmt::format(
+          "; ZeRO-1: optimizer state {:.1f} MiB per rank ({:.1f} unsharded)", optimizer_state_mib(),
+          optimizer_state_mib() * static_cast<double>(num_params_) / static_cast<double>(shard_));
+    }
+    if (local_sgd_) {
+      out += fmt::format("; local SGD, averaging every {} steps", recipe_.distributed.period);
+      if (recipe_.distributed.start > 0) {
+        out += fmt::format(" after {} synchronous", recipe_.distributed.start);
+      }
+    }
+    if (recipe_.distributed.compression.type != "none" && !local_sgd_) {
+      out += "; gradients compressed " + recipe_.distributed.compression.type;
+    }
+    return out;
   }
 
   // ", cuda:0 (NVIDIA H200), bf16" on a GPU; nothing on the CPU in fp32.
@@ -295,44 +388,44 @@ class TrainingRun {
 
   // The collectives the big buffers need: in place on the device when the communicator takes
   // device memory (NCCL, or any communicator on the CPU), else through host memory (Gloo with a
-  // GPU).
-  void allreduce_device(float* data, size_t count) {
+  // GPU). The gradients' all-reduce is the GradientReducer's.
+  void allreduce_device(float* data, size_t count, ReduceOp op) {
     if (!staged_) {
-      comm_.allreduce(data, count, ReduceOp::sum);
+      comm_.allreduce(data, count, op);
       return;
     }
     staging_.resize(count);
     ops_->download(data, staging_.data(), count * sizeof(float));
-    comm_.allreduce(staging_.data(), count, ReduceOp::sum);
+    comm_.allreduce(staging_.data(), count, op);
     ops_->upload(staging_.data(), data, count * sizeof(float));
   }
 
-  // The gradient all-reduce in distributed.compression's wire format: f32 as they are, or cast to
-  // fp16/bf16 before the collective (which sums in 16 bits) and back after: half the bytes.
-  void allreduce_gradients(float* data, size_t count) {
-    if (wire_ == DType::f32) {
-      allreduce_device(data, count);
+  // `in`: world x count_per_rank values; `out`: this rank's slice of their sum.
+  void reduce_scatter_device(const float* in, float* out, size_t count_per_rank) {
+    if (!staged_) {
+      comm_.reduce_scatter(in, out, count_per_rank, ReduceOp::sum);
       return;
     }
-    ensure(*ops_, wire_buffer_, static_cast<int64_t>(count), wire_);
-    ops_->cast(data, DType::f32, wire_buffer_.data(), wire_, static_cast<int64_t>(count));
-    if (staged_) {
-      wire_staging_.resize(count);
-      ops_->download(wire_buffer_.data(), wire_staging_.data(), count * sizeof(uint16_t));
-      allreduce_16bit(wire_staging_.data(), count);
-      ops_->upload(wire_staging_.data(), wire_buffer_.data(), count * sizeof(uint16_t));
-    } else {
-      allreduce_16bit(wire_buffer_.data(), count);
-    }
-    ops_->cast(wire_buffer_.data(), wire_, data, DType::f32, static_cast<int64_t>(count));
+    const size_t total = count_per_rank * static_cast<size_t>(world_);
+    staging_.resize(total + count_per_rank);
+    ops_->download(in, staging_.data(), total * sizeof(float));
+    comm_.reduce_scatter(staging_.data(), staging_.data() + total, count_per_rank, ReduceOp::sum);
+    ops_->upload(staging_.data() + total, out, count_per_rank * sizeof(float));
   }
 
-  void allreduce_16bit(void* data, size_t count) {
-    if (wire_ == DType::bf16) {
-      comm_.allreduce(static_cast<BFloat16*>(data), count, ReduceOp::sum);
-    } else {
-      comm_.allreduce(static_cast<Half*>(data), count, ReduceOp::sum);
+  // Every rank's `count` values at `own` into `out` (world x count), rank after rank.
+  void allgather_device(const float* own, size_t count, float* out) {
+    const size_t bytes = count * sizeof(float);
+    if (!staged_) {
+      comm_.allgather(own, bytes, out);
+      return;
     }
+    const size_t total = count * static_cast<size_t>(world_);
+    staging_.resize(total);
+    float* mine = staging_.data() + static_cast<size_t>(rank_) * count;
+    ops_->download(own, mine, bytes);
+    comm_.allgather(mine, bytes, staging_.data());
+    ops_->upload(staging_.data(), out, total * sizeof(float));
   }
 
   void broadcast_device(void* data, size_t bytes, int root) {
@@ -392,8 +485,11 @@ class TrainingRun {
   // One rank (rank 0, or the node leader that holds the newest checkpoint) reads it and
   // broadcasts it, so ranks on other nodes need no copy.
   void restore(const fs::path& dir, int source) {
-    // step, epoch, samples_in_epoch, optimizer_steps, loss scale (a power of two), its clean steps
-    std::vector<int64_t> header(6, 0);
+    // step, epoch, samples_in_epoch, optimizer_steps, loss scale (a power of two), its clean
+    // steps, the size of the comm state, the world size that wrote it
+    std::vector<int64_t> header(8, 0);
+    std::vector<float> full_state;  // ZeRO-1: the whole optimizer state, for every rank's shard
+    std::vector<float> comm_state;
     if (rank_ == source) {
       CheckpointData ckpt = read_checkpoint(dir);
       const auto& p = ckpt.position;
@@ -403,25 +499,39 @@ class TrainingRun {
                                 dir.string(), p.recipe_hash, recipe_hash(recipe_)));
       }
       if (ckpt.params.size() != params_.size() ||
-          ckpt.optimizer_state.size() != optimizer_->state().size()) {
+          ckpt.optimizer_state.size() != state_per_param() * num_params_) {
         throw Error(ErrorKind::checkpoint,
                     fmt::format("{}: holds {} parameters, the model has {}", dir.string(),
                                 ckpt.params.size(), params_.size()));
       }
       ops_->upload(ckpt.params.data(), params_.data(), params_.size_bytes());
-      const auto state = optimizer_->state();
-      ops_->upload(ckpt.optimizer_state.data(), state.data(), state.size_bytes());
+      if (sharded()) {
+        full_state = std::move(ckpt.optimizer_state);
+      } else {
+        const auto state = optimizer_->state();
+        ops_->upload(ckpt.optimizer_state.data(), state.data(), state.size_bytes());
+      }
+      comm_state = std::move(ckpt.comm_state);
       header = {p.step,
                 p.epoch,
                 p.samples_in_epoch,
                 p.optimizer_steps,
                 static_cast<int64_t>(p.loss_scale),
-                p.loss_scale_clean_steps};
+                p.loss_scale_clean_steps,
+                static_cast<int64_t>(comm_state.size()),
+                p.world_size};
     }
     comm_.broadcast(header.data(), header.size() * sizeof(int64_t), source);
     broadcast_device(params_.data(), params_.size_bytes(), source);
-    const auto state = optimizer_->state();
-    broadcast_device(state.data(), state.size_bytes(), source);
+    if (sharded()) {
+      full_state.resize(state_per_param() * num_params_);
+      comm_.broadcast(full_state.data(), full_state.size() * sizeof(float), source);
+      restore_state_shard(full_state);
+    } else {
+      const auto state = optimizer_->state();
+      broadcast_device(state.data(), state.size_bytes(), source);
+    }
+    restore_comm_state(comm_state, static_cast<size_t>(header[6]), header[7], source);
     scaler_.restore(static_cast<double>(header[4]), header[5]);
     step_ = header[0];
     // Positions count samples: under another global batch (scale_lr on another world size) the
@@ -436,6 +546,25 @@ class TrainingRun {
                                   dir.filename().string(), where, step_, world_, global_batch_)}});
   }
 
+  // The error-feedback residuals a checkpoint holds (`size` values on the source rank): this
+  // rank's own on the same world size; on another, they start from zero (the split of what was
+  // held back between ranks has no meaning there).
+  void restore_comm_state(std::vector<float>& all, size_t size, int64_t written_by, int source) {
+    const size_t own = reducer_ ? reducer_->state_size() : 0;
+    if (size == 0 || own == 0) return;
+    all.resize(size);
+    comm_.broadcast(all.data(), size * sizeof(float), source);
+    if (written_by == world_ && size == own * static_cast<size_t>(world_)) {
+      reducer_->restore_state(
+          std::span<const float>(all).subspan(static_cast<size_t>(rank_) * own, own));
+      return;
+    }
+    emit({{"event", "info"},
+          {"message", fmt::format("warning: the checkpoint's compression residuals are from {} "
+                                  "rank(s); on {} they start from zero",
+                                  written_by, world_)}});
+  }
+
   void mark(Phase phase) {
     if (options_.progress) options_.progress->enter(phase);
   }
@@ -443,16 +572,31 @@ class TrainingRun {
     if (options_.progress) options_.progress->enter_collective();
   }
 
-  // This rank's micro-batches j = rank, rank + world, ... of the step's global batch; the
-  // gradients are summed scaled by 1 / (micro-batches in the step). Returns the sum of their
-  // mean losses.
-  double compute_gradients(PhaseTimes& phases) {
+  // This rank's micro-batches j = rank, rank + world, ... of the step's global batch.
+  int64_t own_micro_batches() const {
+    if (data_rank_ < 0 || data_rank_ >= micro_batches_) return 0;
+    return (micro_batches_ - data_rank_ + data_world_ - 1) / data_world_;
+  }
+
+  // This rank's micro-batches of the step; the gradients are summed scaled by 1 / (micro-batches
+  // in the step), so the ranks' sum is the mean over the global batch however the micro-batches
+  // were shared; a local step (local SGD) takes the mean over this rank's own. Returns the sum of
+  // their mean losses. Unless local, the gradient exchange starts during the last micro-batch's
+  // backward pass, with `stop_flag` riding along.
+  double compute_gradients(PhaseTimes& phases, bool local, float stop_flag) {
     mark(Phase::compute);
     ops_->fill_zero(grads_.data(), grads_.size_bytes());
+    const int64_t own = own_micro_batches();
     // fp16: the loss scale rides on the gradient scale; unscale_and_clip takes it off.
-    const float scale = static_cast<float>(scaler_.scale()) / static_cast<float>(micro_batches_);
+    const float scale = static_cast<float>(scaler_.scale()) /
+                        static_cast<float>(local ? std::max<int64_t>(own, 1) : micro_batches_);
+    if (!local) ops_->upload(&stop_flag, grad_buffer_.as<float>() + padded_, sizeof(float));
+    // No communication on the accumulation micro-batches: only the last one's backward pass
+    // starts buckets (a rank with none starts them at once).
+    if (!local && reducer_ && own == 0) reducer_->begin();
     double loss = 0;
-    for (int64_t j = rank_; j < micro_batches_; j += world_) {
+    for (int64_t j = data_rank_; j < micro_batches_; j += data_world_) {
+      if (!local && reducer_ && j + data_world_ >= micro_batches_) reducer_->begin();
       const auto td = Clock::now();
       sampler_.indices(position_, j * micro_batch_, idx_);
       data_.train->gather(idx_, x_.data(), y_.data());
@@ -467,7 +611,309 @@ class TrainingRun {
     return loss;
   }
 
+  // Sums the step's gradients over the ranks (and the stop flags); returns whether any rank asked
+  // to stop. The bucketed all-reduce (overlapped with the backward pass), or with ZeRO-1 a
+  // reduce-scatter of this rank's shard.
+  bool exchange_gradients(PhaseTimes& phases, float stop_flag) {
+    float* flag = grad_buffer_.as<float>() + padded_;
+    if (zero_) {
+      const auto tc = Clock::now();
+      mark_collective();
+      reduce_scatter_device(grad_buffer_.as<float>(), shard_grads_.as<float>(), shard_);
+      mark_collective();
+      comm_.allreduce(&stop_flag, 1, ReduceOp::sum);
+      phases.comm = phases.comm_total = ms_since(tc);
+      phases.bytes = static_cast<double>((padded_ + 1) * sizeof(float));
+      return stop_flag > 0.0f;
+    }
+    mark(Phase::allreduce);
+    const ExchangeStats stats = reducer_->finish();
+    phases.comm = stats.exposed_ms;
+    phases.comm_total = stats.comm_ms;
+    phases.bytes = static_cast<double>(stats.bytes);
+    ops_->download(flag, &stop_flag, sizeof(float));
+    return stop_flag > 0.0f;
+  }
+
+  // Clipping, loss-scale unscaling and the optimizer step on this rank's parameters (ZeRO-1: its
+  // shard, then the all-gather). Returns the gradient norm.
+  double update(double lr, bool local) {
+    if (local && own_micro_batches() == 0) return 0.0;  // an idle rank's local step: nothing
+    if (!zero_) {
+      const double norm =
+          unscale_and_clip(*ops_, grads_, scaler_.scale(), recipe_.optimizer.clip_grad_norm);
+      // fp16: a step whose gradients overflowed is skipped (every rank agrees: the norm comes
+      // from the same reduced gradients) and the loss scale shrinks.
+      if (scaler_.update(std::isfinite(norm))) optimizer_->step(params_, grads_, lr);
+      return norm;
+    }
+    const std::span<float> shard_grads(shard_grads_.as<float>(), shard_);
+    // The norm of all gradients from every rank's shard: one more small all-reduce.
+    const double norm =
+        unscale_and_clip(*ops_, shard_grads, scaler_.scale(), recipe_.optimizer.clip_grad_norm,
+                         [this](double sum_squares) {
+                           mark_collective();
+                           comm_.allreduce(&sum_squares, 1, ReduceOp::sum);
+                           return sum_squares;
+                         });
+    if (scaler_.update(std::isfinite(norm))) {
+      float* own = params_buffer_.as<float>() + static_cast<size_t>(rank_) * shard_;
+      optimizer_->step({own, shard_}, shard_grads, lr);
+      mark_collective();
+      allgather_device(own, shard_, params_buffer_.as<float>());
+    }
+    return norm;
+  }
+
+  // Whether every rank must hold the same parameters after step `done`: an evaluation, a
+  // checkpoint, a replica check, or the end.
+  bool needs_one_model(int64_t done) const {
+    const auto every = [done](int64_t n) { return n > 0 && done % n == 0; };
+    return done == recipe_.train.steps || every(recipe_.eval.every) ||
+           every(recipe_.checkpoint.every) || every(recipe_.distributed.check_every);
+  }
+
+  // local_sgd: the steps after which the replicas are averaged: every `period` local steps, and
+  // wherever one model must be seen.
+  bool averaging_step(int64_t done) const {
+    return (done - recipe_.distributed.start) % recipe_.distributed.period == 0 ||
+           needs_one_model(done);
+  }
+
+  // ps: the steps after which every worker waits for the servers to apply that very step (no
+  // staleness there), so that all ranks meet: the log steps (the loss and stop requests are
+  // summed) and wherever one model must be seen.
+  bool ps_sync_point(int64_t done) const {
+    return log_step_due(done, false) || needs_one_model(done);
+  }
+
+  // A worker's step in the parameter-server mode: its gradients' shards to the servers, the
+  // parameters back, at least as new as `staleness` steps ago (exactly this step's at a sync
+  // point). Returns the gradient norm the servers saw for that version.
+  double push_and_pull(int64_t done, PhaseTimes& phases) {
+    const auto tc = Clock::now();
+    mark_collective();
+    const int64_t need =
+        ps_sync_point(done) ? done : std::max<int64_t>(done - recipe_.distributed.staleness, 0);
+    const size_t msg = kPsHeaderFloats + shard_;
+    const auto servers = static_cast<size_t>(servers_);
+    ps_out_.assign(servers * msg, 0.0f);
+    ps_in_.assign(servers * msg, 0.0f);
+    ps_host_.resize(padded_, 0.0f);  // the padding stays zero
+    ops_->download(grads_.data(), ps_host_.data(), grads_.size_bytes());
+    std::vector<std::unique_ptr<Communicator::Request>> requests;
+    // The replies' receives first: a server's send completes only once they are posted.
+    for (size_t k = 0; k < servers; ++k) {
+      requests.push_back(comm_.irecv(&ps_in_[k * msg], msg * sizeof(float),
+                                     data_world_ + static_cast<int>(k), kPsReplyTag));
+    }
+    for (size_t k = 0; k < servers; ++k) {
+      write_ps_header(&ps_out_[k * msg], {step_, need});
+      std::copy_n(ps_host_.begin() + static_cast<ptrdiff_t>(k * shard_), shard_,
+                  ps_out_.begin() + static_cast<ptrdiff_t>(k * msg + kPsHeaderFloats));
+      requests.push_back(comm_.isend(&ps_out_[k * msg], msg * sizeof(float),
+                                     data_world_ + static_cast<int>(k), kPsPushTag));
+    }
+    for (auto& request : requests)
+      request->wait();
+    PsHeader reply;
+    for (size_t k = 0; k < servers; ++k) {
+      reply = read_ps_header(&ps_in_[k * msg]);
+      if (reply.first < need) {
+        throw Error(ErrorKind::internal,
+                    fmt::format("rank {}: server {} answered step {} with version {}, needed {}",
+                                rank_, k, step_, reply.first, need));
+      }
+      std::copy_n(ps_in_.begin() + static_cast<ptrdiff_t>(k * msg + kPsHeaderFloats), shard_,
+                  ps_host_.begin() + static_cast<ptrdiff_t>(k * shard_));
+    }
+    ops_->upload(ps_host_.data(), params_.data(), params_.size_bytes());
+    phases.comm = phases.comm_total = ms_since(tc);
+    phases.bytes = static_cast<double>(servers * msg * sizeof(float));
+    return std::bit_cast<double>(reply.second);
+  }
+
+  // A parameter server's run: collects every worker's gradients for the next step, in whatever
+  // order they come, applies them to its shard (summed in worker order, so s = 0 is
+  // deterministic), and answers each worker as soon as the version it needs exists. At the sync
+  // points it joins the workers' collectives.
+  TrainResult serve() {
+    const int64_t total = recipe_.train.steps;
+    const size_t msg = kPsHeaderFloats + shard_;
+    const auto workers = static_cast<size_t>(data_world_);
+    std::vector<int> worker_ranks(workers);
+    std::iota(worker_ranks.begin(), worker_ranks.end(), 0);
+    // Gradients that arrived, by step and worker (empty: not yet); a worker is at most
+    // `staleness` + 1 steps ahead of the servers.
+    std::map<int64_t, std::vector<std::vector<float>>> pushed;
+    std::vector<int64_t> needs(workers, -1);  // the version each waiting worker needs
+    std::vector<std::vector<float>> replies(workers, std::vector<float>(msg));
+    std::vector<std::unique_ptr<Communicator::Request>> sending(workers);
+    std::vector<float> incoming(msg);
+    ps_host_.resize(shard_);  // this shard's parameters, as the workers get them
+    const size_t begin = static_cast<size_t>(shard_index_) * shard_;
+    ops_->download(params_buffer_.as<float>() + begin, ps_host_.data(), shard_ * sizeof(float));
+    double norm = 0;
+    const auto answer = [&] {
+      for (size_t w = 0; w < workers; ++w) {
+        if (needs[w] < 0 || needs[w] > step_) continue;
+        if (sending[w]) sending[w]->wait();  // the last reply's buffer is free
+        write_ps_header(replies[w].data(), {step_, std::bit_cast<int64_t>(norm)});
+        std::copy(ps_host_.begin(), ps_host_.end(),
+                  replies[w].begin() + static_cast<ptrdiff_t>(kPsHeaderFloats));
+        sending[w] =
+            comm_.isend(replies[w].data(), msg * sizeof(float), static_cast<int>(w), kPsReplyTag);
+        needs[w] = -1;
+      }
+    };
+    bool stop = false;
+    while (step_ < total && !stop) {
+      if (options_.progress) options_.progress->set_step(step_);
+      mark_collective();
+      const auto w = static_cast<size_t>(
+          comm_.recv_any(incoming.data(), msg * sizeof(float), worker_ranks, kPsPushTag));
+      const PsHeader push = read_ps_header(incoming.data());
+      if (push.first < step_) {
+        throw Error(ErrorKind::internal,
+                    fmt::format("rank {}: worker {} pushed step {}, already applied (now {})",
+                                rank_, w, push.first, step_));
+      }
+      auto& slot = pushed[push.first];
+      slot.resize(workers);
+      slot[w].assign(incoming.begin() + static_cast<ptrdiff_t>(kPsHeaderFloats), incoming.end());
+      needs[w] = push.second;
+      for (auto next = pushed.find(step_);
+           !stop && next != pushed.end() &&
+           std::none_of(next->second.begin(), next->second.end(),
+                        [](const std::vector<float>& g) { return g.empty(); });
+           next = pushed.find(step_)) {
+        mark(Phase::optimizer);
+        norm = apply_pushed(next->second, total);
+        pushed.erase(next);
+        ++step_;
+        answer();
+        if (ps_sync_point(step_)) {
+          // Every worker waits for exactly this version, and has it now: the step boundary all
+          // ranks share.
+          if (log_step_due(step_, false)) {
+            double loss = 0;
+            stop = sum_loss_and_stop(loss, false);
+          }
+          periodic_work(step_, step_ == total || stop);
+        }
+      }
+      answer();  // a worker ahead may take a version it finds recent enough
+    }
+    for (auto& request : sending) {
+      if (request) request->wait();
+    }
+    if (stop) return stop_early();
+    TrainResult result;
+    result.steps = step_;
+    result.world_size = world_;
+    result.optimizer_state_mib = optimizer_state_mib();
+    return finish(result);
+  }
+
+  // One server step: the workers' gradients for this shard summed in worker order, clipped by
+  // the norm over every server's shard, and the optimizer's update. Returns that norm.
+  double apply_pushed(const std::vector<std::vector<float>>& grads, int64_t total) {
+    std::vector<float> sum(shard_, 0.0f);
+    for (const std::vector<float>& g : grads) {
+      for (size_t i = 0; i < shard_; ++i)
+        sum[i] += g[i];
+    }
+    const size_t begin = static_cast<size_t>(shard_index_) * shard_;
+    const std::span<float> own_grads(grad_buffer_.as<float>() + begin, shard_);
+    const std::span<float> own_params(params_buffer_.as<float>() + begin, shard_);
+    ops_->upload(sum.data(), own_grads.data(), own_grads.size_bytes());
+    const double norm =
+        unscale_and_clip(*ops_, own_grads, 1.0, recipe_.optimizer.clip_grad_norm,
+                         [this](double sum_squares) { return sum_over_servers(sum_squares); });
+    const double lr = lr_scale_ * learning_rate(recipe_.optimizer, step_, total);
+    if (std::isfinite(norm)) optimizer_->step(own_params, own_grads, lr);
+    ops_->download(own_params.data(), ps_host_.data(), own_params.size_bytes());
+    return norm;
+  }
+
+  // The servers' values summed in server order (a message to and from every other server).
+  double sum_over_servers(double mine) {
+    std::vector<double> all(static_cast<size_t>(servers_), 0.0);
+    all[static_cast<size_t>(shard_index_)] = mine;
+    std::vector<std::unique_ptr<Communicator::Request>> requests;
+    for (int k = 0; k < servers_; ++k) {
+      if (k == shard_index_) continue;
+      requests.push_back(
+          comm_.irecv(&all[static_cast<size_t>(k)], sizeof(double), data_world_ + k, kPsNormTag));
+      requests.push_back(comm_.isend(&all[static_cast<size_t>(shard_index_)], sizeof(double),
+                                     data_world_ + k, kPsNormTag));
+    }
+    for (auto& request : requests)
+      request->wait();
+    double total = 0;
+    for (const double v : all)
+      total += v;
+    return total;
+  }
+
+  // local_sgd: averages the parameters over the ranks, and agrees on stopping (the only place a
+  // local run can). Before a checkpoint (or a stop, which writes one) the optimizer state is
+  // averaged too, so every rank holds what the checkpoint holds and a resume is bit-identical.
+  bool average_replicas(int64_t done, float stop_flag, PhaseTimes& phases) {
+    const auto tc = Clock::now();
+    mark_collective();
+    comm_.allreduce(&stop_flag, 1, ReduceOp::sum);
+    const bool stop = stop_flag > 0.0f;
+    mark_collective();
+    allreduce_device(params_.data(), num_params_, ReduceOp::avg);
+    size_t values = num_params_;
+    const bool checkpointing =
+        stop || done == recipe_.train.steps ||
+        (recipe_.checkpoint.every > 0 && done % recipe_.checkpoint.every == 0);
+    if (checkpointing) {
+      const auto state = optimizer_->state();
+      mark_collective();
+      allreduce_device(state.data(), state.size(), ReduceOp::avg);
+      values += state.size();
+    }
+    phases.comm = phases.comm_total = ms_since(tc);
+    phases.bytes = static_cast<double>(values * sizeof(float));
+    return stop;
+  }
+
+  // The weight-decay exemptions within this rank's shard, relative to it (all of them without
+  // ZeRO).
+  std::vector<ParamRange> shard_no_decay() const {
+    if (shard_index_ < 0) return {};
+    const std::vector<ParamRange> all = model_->no_decay();
+    if (shards_ == 1) return all;
+    const size_t begin = static_cast<size_t>(shard_index_) * shard_;
+    const size_t end = begin + shard_;
+    std::vector<ParamRange> out;
+    for (const ParamRange& r : all) {
+      const size_t lo = std::max(begin, r.offset);
+      const size_t hi = std::min(end, r.offset + r.size);
+      if (lo < hi) out.push_back({lo - begin, hi - lo});
+    }
+    return out;
+  }
+
   void advance_sampler() { position_ = sampler_.advance(position_); }
+
+  // The parameter-server mode's messages: a header (push: the step and the version the worker
+  // needs next; reply: the version and the gradient norm's bits), then a shard of floats.
+  using PsHeader = std::pair<int64_t, int64_t>;
+  static constexpr size_t kPsHeaderFloats = 2 * sizeof(int64_t) / sizeof(float);
+  static constexpr uint32_t kPsPushTag = 1, kPsReplyTag = 2, kPsNormTag = 3;
+  static void write_ps_header(float* at, const PsHeader& header) {
+    const int64_t words[2] = {header.first, header.second};
+    std::memcpy(at, words, sizeof(words));
+  }
+  static PsHeader read_ps_header(const float* at) {
+    int64_t words[2];
+    std::memcpy(words, at, sizeof(words));
+    return {words[0], words[1]};
+  }
 
   void log_step(int64_t step, double loss, double lr, double norm, double samples_per_s,
                 double step_ms, const PhaseTimes& phases) {
@@ -482,8 +928,9 @@ class TrainingRun {
                  {"data_ms", phases.data},
                  {"compute_ms", phases.compute},
                  {"comm_ms", phases.comm},
+                 {"comm_total_ms", phases.comm_total},
                  {"optimizer_ms", phases.optimizer},
-                 {"grad_bytes", (num_params_ + 1) * dtype_size(wire_)}};
+                 {"grad_bytes", std::llround(phases.bytes)}};
     if (tokens_per_sample_ > 0) {
       line["tokens_per_s"] = samples_per_s * static_cast<double>(tokens_per_sample_);
     }
@@ -510,7 +957,9 @@ class TrainingRun {
     std::vector<int64_t> idx;
     std::vector<float> x;
     std::vector<int32_t> y;
-    for (int64_t begin = rank_ * kChunk; begin < n; begin += world_ * kChunk) {
+    // Parameter servers hold no whole model: they add nothing.
+    for (int64_t begin = data_rank_ * kChunk; data_rank_ >= 0 && begin < n;
+         begin += data_world_ * kChunk) {
       const int64_t count = std::min(kChunk, n - begin);
       idx.resize(static_cast<size_t>(count));
       for (int64_t i = 0; i < count; ++i)
@@ -540,12 +989,16 @@ class TrainingRun {
 
   // Every rank must hold the same parameters; a mismatch means a bug or a bad node.
   std::string check_replicas(int64_t step) {
-    const std::vector<float> host = to_host(params_);
-    const uint64_t mine = checksum64(host.data(), host.size() * sizeof(float));
+    // A parameter server holds a shard, not a replica: it sends a placeholder, left unchecked.
+    uint64_t mine = 0;
+    if (!server_) {
+      const std::vector<float> host = to_host(params_);
+      mine = checksum64(host.data(), host.size() * sizeof(float));
+    }
     std::vector<uint64_t> all(static_cast<size_t>(world_));
     mark_collective();
     comm_.allgather(&mine, sizeof(mine), all.data());
-    for (int r = 0; r < world_; ++r) {
+    for (int r = 0; r < data_world_; ++r) {
       if (all[static_cast<size_t>(r)] != all[0]) {
         throw Error(
             ErrorKind::comm,
@@ -554,12 +1007,78 @@ class TrainingRun {
                         r, step, checksum_hex(all[static_cast<size_t>(r)]), checksum_hex(all[0])));
       }
     }
-    return checksum_hex(mine);
+    return checksum_hex(all[0]);
+  }
+
+  // Values of optimizer state per parameter (adamw 2, sgd 1).
+  size_t state_per_param() const { return optimizer_state_per_param(recipe_.optimizer); }
+
+  // The rank that holds shard `index`: ZeRO-1 rank `index`, the parameter-server mode its
+  // index-th server.
+  size_t owner_of(size_t index) const {
+    return (ps_ ? static_cast<size_t>(data_world_) : 0) + index;
+  }
+
+  // The whole optimizer state in the unsharded layout (what a checkpoint holds, whatever the
+  // world size and sync mode). Sharded (ZeRO-1, parameter servers) every rank's shard is gathered:
+  // a collective every rank calls (ranks without a shard send zeros). Otherwise only the ranks
+  // that write checkpoints need it.
+  std::vector<float> full_optimizer_state() {
+    if (shards_ == 1 && !ps_) {
+      return writes_checkpoints() ? to_host(optimizer_->state()) : std::vector<float>{};
+    }
+    const size_t k = state_per_param();
+    std::vector<float> own = to_host(optimizer_->state());
+    own.resize(k * shard_, 0.0f);
+    std::vector<float> gathered(own.size() * static_cast<size_t>(world_));
+    mark_collective();
+    comm_.allgather(own.data(), own.size() * sizeof(float), gathered.data());
+    // gathered: rank-major [rank][k][shard]; the full layout: [k][parameter].
+    std::vector<float> full(k * num_params_);
+    for (size_t kk = 0; kk < k; ++kk) {
+      for (size_t i = 0; i < num_params_; ++i) {
+        full[kk * num_params_ + i] =
+            gathered[(owner_of(i / shard_) * k + kk) * shard_ + i % shard_];
+      }
+    }
+    return full;
+  }
+
+  // Sharded: this rank's shard of a full optimizer state (the padding past the last parameter
+  // zero), onto the device; nothing for a rank without a shard.
+  void restore_state_shard(const std::vector<float>& full) {
+    if (shard_index_ < 0) return;
+    const size_t k = state_per_param();
+    std::vector<float> own(k * shard_, 0.0f);
+    const size_t begin = static_cast<size_t>(shard_index_) * shard_;
+    for (size_t kk = 0; kk < k; ++kk) {
+      for (size_t off = 0; off < shard_ && begin + off < num_params_; ++off) {
+        own[kk * shard_ + off] = full[kk * num_params_ + begin + off];
+      }
+    }
+    const auto state = optimizer_->state();
+    ops_->upload(own.data(), state.data(), state.size_bytes());
+  }
+
+  // Every rank's error-feedback residuals, rank after rank (a collective when there are any).
+  std::vector<float> all_comm_states() {
+    const size_t size = reducer_ ? reducer_->state_size() : 0;
+    if (size == 0) return {};
+    const std::vector<float> own = reducer_->state();
+    std::vector<float> all(size * static_cast<size_t>(world_));
+    mark_collective();
+    comm_.allgather(own.data(), size * sizeof(float), all.data());
+    return all;
   }
 
   fs::path checkpoint(int64_t step) {
     mark(Phase::checkpoint);
     fs::path written;
+    // A node leader that is a parameter server holds only its shard up to date: every writer gets
+    // the workers' parameters (they are all the same at a checkpoint).
+    if (ps_) broadcast_device(params_.data(), params_.size_bytes(), 0);
+    const std::vector<float> optimizer_state = full_optimizer_state();
+    const std::vector<float> comm_state = all_comm_states();
     if (writes_checkpoints()) {
       TrainingPosition pos;
       pos.step = step;
@@ -567,7 +1086,7 @@ class TrainingRun {
       pos.samples_in_epoch = position_.sample;
       pos.world_size = world_;
       pos.global_batch = global_batch_;
-      pos.optimizer_steps = optimizer_->steps();
+      pos.optimizer_steps = ps_ ? step : optimizer_->steps();  // workers hold no optimizer
       pos.recipe_hash = recipe_hash(recipe_);
       pos.rng_state = fmt::format("sampler seed={} epoch={}", recipe_.seed, position_.epoch);
       pos.loss_scale = scaler_.scale();
@@ -577,7 +1096,7 @@ class TrainingRun {
         hook = [this, step] { options_.before_checkpoint_commit(step); };
       }
       written = write_checkpoint(options_.run_dir / "checkpoints", pos, to_host(params_),
-                                 to_host(optimizer_->state()), recipe_.checkpoint.keep, hook);
+                                 optimizer_state, recipe_.checkpoint.keep, hook, comm_state);
       emit({{"event", "checkpoint"}, {"step", step}, {"path", written.string()}});
     } else {
       written = options_.run_dir / "checkpoints" / checkpoint_name(step);
@@ -602,6 +1121,11 @@ class TrainingRun {
   const int rank_;
   const int world_;
   const int nominal_world_;
+  // sync "ps": the last servers_ ranks are parameter servers; the others (data_world_ of them)
+  // compute. Otherwise every rank computes: data_rank_ = rank_ (-1 on a server).
+  const int servers_;
+  const int data_world_;
+  const int data_rank_;
   const int64_t micro_batch_;
   const int64_t global_batch_;
   const int64_t micro_batches_;  // per step, over all ranks
@@ -610,6 +1134,10 @@ class TrainingRun {
   const DType dtype_;
   // Gloo on a GPU: the big collectives go through host memory (staging_).
   const bool staged_;
+  const bool local_sgd_ = recipe_.distributed.sync == "local_sgd";
+  const bool zero_ = recipe_.distributed.zero == 1;
+  const bool ps_ = servers_ > 0;
+  const bool server_ = ps_ && data_rank_ < 0;
   std::unique_ptr<Model> model_;
   DataSplits data_;
   // A token model's context: tokens/s = samples/s x this (0 for other data).
@@ -618,21 +1146,29 @@ class TrainingRun {
                                          : 0;
   DistributedSampler sampler_;
   const size_t num_params_;
+  // The parameters split into shards_ shards of shard_ values, padded with zeros to shards_ x
+  // shard_ (padded_): ZeRO-1 gives rank r shard r, the parameter-server mode server k shard k
+  // (workers none); otherwise one shard of everything that every rank holds. shard_index_ is this
+  // rank's shard (-1: none); its optimizer state covers that shard only.
+  const int shards_ = zero_ ? world_ : (ps_ ? servers_ : 1);
+  const int shard_index_ = zero_ ? rank_ : (ps_ ? (server_ ? rank_ - data_world_ : -1) : 0);
+  const size_t shard_;
+  const size_t padded_;
   Buffer params_buffer_;
   // The gradients plus one slot: the stop flag rides along with the gradient all-reduce, so
   // agreeing to stop costs no extra collective.
   Buffer grad_buffer_;
+  Buffer shard_grads_;       // ZeRO-1: this rank's shard of the summed gradients
   std::span<float> params_;  // device memory of ops_, as are grads_ and the optimizer's state
   std::span<float> grads_;
   std::unique_ptr<Optimizer> optimizer_;
   LossScaler scaler_;
   std::vector<float> staging_;
-  // distributed.compression: the gradients' type on the wire (f32: none).
-  const DType wire_ = recipe_.distributed.compression.type == "none"
-                          ? DType::f32
-                          : parse_precision(recipe_.distributed.compression.type);
-  Buffer wire_buffer_;                  // the gradients cast to wire_, on the device
-  std::vector<uint16_t> wire_staging_;  // and on the host, for Gloo with a GPU
+  // The parameter-server mode's host buffers: messages out and in, and parameters (gradients).
+  std::vector<float> ps_out_, ps_in_, ps_host_;
+  // The gradient all-reduce (none with ZeRO-1, nor for a local SGD run without a synchronous
+  // start).
+  std::unique_ptr<GradientReducer> reducer_;
   std::vector<int64_t> idx_;
   std::vector<float> x_;
   std::vector<int32_t> y_;
@@ -666,16 +1202,31 @@ void truncate_metrics_after(const fs::path& metrics_file, int64_t step) {
 int64_t global_batch(const Recipe& recipe, int world_size, int nominal_world) {
   const int batch_world =
       recipe.distributed.resize == "scale_lr" || nominal_world <= 0 ? world_size : nominal_world;
-  return batch_world * recipe.train.batch_per_rank * recipe.train.grad_accum;
+  // Parameter servers compute no gradients: the batch is the workers'.
+  const int64_t servers = recipe.distributed.sync == "ps" ? recipe.distributed.servers : 0;
+  return std::max<int64_t>(batch_world - servers, 0) * recipe.train.batch_per_rank *
+         recipe.train.grad_accum;
 }
 
 void check_runnable(const Recipe& recipe, int world_size, int nominal_world) {
+  if (recipe.distributed.sync == "ps" && recipe.distributed.servers >= world_size) {
+    throw Error(ErrorKind::recipe,
+                fmt::format("/distributed/servers: {} parameter server(s) leave no worker among "
+                            "{} rank(s); the servers are the last ranks, the workers the others",
+                            recipe.distributed.servers, world_size));
+  }
   const DataSplits data = load_data(recipe.data, recipe.model, recipe.seed);
   DistributedSampler sampler(data.train->size(), global_batch(recipe, world_size, nominal_world),
                              recipe.seed);
 }
 
 TrainResult train(const Recipe& recipe, Communicator& comm, const TrainerOptions& options) {
+  if (recipe.distributed.sync == "ps" && recipe.distributed.servers >= comm.size()) {
+    throw Error(ErrorKind::recipe,
+                fmt::format("/distributed/servers: {} parameter server(s) leave no worker among "
+                            "the {} rank(s) there are",
+                            recipe.distributed.servers, comm.size()));
+  }
   TrainingRun run(recipe, comm, options);
   return run.run();
 }

@@ -58,7 +58,12 @@ struct TrainResult {
   // Mean ms per steady-state step in data, compute (forward + backward), comm (exposed gradient
   // all-reduce) and optimizer, on rank 0.
   std::array<double, 4> phases_ms{};
-  double peak_rss_mib = 0;  // the largest peak resident memory of any rank
+  // Steady-state means per step: all communication (overlapped or not; phases_ms' comm is the
+  // exposed part) and the bytes each rank put on the wire.
+  double comm_total_ms = 0;
+  double bytes_per_step = 0;
+  double optimizer_state_mib = 0;  // on each rank (ZeRO-1: its shard)
+  double peak_rss_mib = 0;         // the largest peak resident memory of any rank
   std::string params_checksum;
   std::filesystem::path last_checkpoint;
   bool stopped = false;  // stopped early on request, after checkpointing `steps`

@@ -526,6 +526,10 @@ void CudaOps::upload(const void* host, void* device, size_t bytes) {
   check_cuda(cudaStreamSynchronize(stream_), "upload: cudaStreamSynchronize");
 }
 
+void CudaOps::bind_thread() {
+  check_cuda(cudaSetDevice(device_), (device_label(device_) + ": cudaSetDevice").c_str());
+}
+
 void CudaOps::download(const void* device, void* host, size_t bytes) {
   if (bytes == 0) return;
   check_cuda(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, stream_),

@@ -91,6 +91,7 @@ class CudaOps final : public Ops {
   void copy(const void* src, void* dst, size_t bytes) override;
   void fill_zero(void* data, size_t bytes) override;
   void synchronize() override;
+  void bind_thread() override;
   void cast(const void* src, DType from, void* dst, DType to, int64_t n) override;
 
   void gemm(ConstMatrix a, Transpose transpose_a, ConstMatrix b, Transpose transpose_b, Matrix c,

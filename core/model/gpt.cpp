@@ -105,6 +105,30 @@ std::vector<ParamRange> Gpt::no_decay() const {
   return out;
 }
 
+std::vector<ParamTensor> Gpt::tensors() const {
+  const auto c = static_cast<size_t>(config_.width);
+  const auto wide = static_cast<size_t>(mlp_);
+  std::vector<ParamTensor> out = {{layout_.wte, static_cast<size_t>(config_.vocab), c},
+                                  {layout_.wpe, static_cast<size_t>(config_.context), c}};
+  for (const GptLayerLayout& b : layout_.layers) {
+    out.insert(out.end(), {{b.ln1_gamma, 1, c},
+                           {b.ln1_beta, 1, c},
+                           {b.qkv_weight, 3 * c, c},
+                           {b.qkv_bias, 1, 3 * c},
+                           {b.proj_weight, c, c},
+                           {b.proj_bias, 1, c},
+                           {b.ln2_gamma, 1, c},
+                           {b.ln2_beta, 1, c},
+                           {b.fc_weight, wide, c},
+                           {b.fc_bias, 1, wide},
+                           {b.fc_proj_weight, c, wide},
+                           {b.fc_proj_bias, 1, c}});
+  }
+  out.push_back({layout_.lnf_gamma, 1, c});
+  out.push_back({layout_.lnf_beta, 1, c});
+  return out;
+}
+
 void Gpt::require_size(const char* what, size_t size) const {
   if (size != layout_.total) {
     throw Error(ErrorKind::internal, fmt::format("{} has {} floats, the model has {} parameters",
@@ -246,6 +270,7 @@ void Gpt::backward(const void* p, float* g) {
   ops.layernorm_backward(rows_of(ws_.residual, config_.layers, c), at(p, layout_.lnf_gamma),
                          stats(2 * config_.layers, 0), stats(2 * config_.layers, 1), dtmp, dx,
                          g + layout_.lnf_gamma, g + layout_.lnf_beta);
+  gradients_ready(layout_.lnf_gamma);
 
   for (int64_t l = config_.layers; l-- > 0;) {
     const GptLayerLayout& b = layout_.layers[static_cast<size_t>(l)];
@@ -269,8 +294,10 @@ void Gpt::backward(const void* p, float* g) {
     ops.layernorm_backward(rows_of(ws_.residual, l, c), at(p, b.ln1_gamma), stats(2 * l, 0),
                            stats(2 * l, 1), dtmp, dx, g + b.ln1_gamma, g + b.ln1_beta);
     ops.add(dmid, dx);
+    gradients_ready(b.ln1_gamma);
   }
   ops.embedding_backward(ws_.inputs.as<int32_t>(), ws_.seq, dx, g + layout_.wte, g + layout_.wpe);
+  gradients_ready(0);
 }
 
 double Gpt::forward_backward(std::span<const float> params, const Batch& batch,

@@ -59,6 +59,7 @@ class Gpt final : public Model {
   std::string describe() const override;
   // Biases and LayerNorm parameters: AdamW's weight decay skips them.
   std::vector<ParamRange> no_decay() const override;
+  std::vector<ParamTensor> tensors() const override;
 
   // The logits [vocab] for the token after `tokens` (its last `context` tokens are used).
   std::vector<float> next_token_logits(std::span<const float> params,

@@ -133,6 +133,16 @@ Matrix Mlp::forward(const void* params, ConstMatrix x) {
   return pre;
 }
 
+std::vector<ParamTensor> Mlp::tensors() const {
+  std::vector<ParamTensor> out;
+  for (const LinearLayout& layer : layers_) {
+    out.push_back(
+        {layer.weight_offset, static_cast<size_t>(layer.out), static_cast<size_t>(layer.in)});
+    out.push_back({layer.bias_offset, 1, static_cast<size_t>(layer.out)});
+  }
+  return out;
+}
+
 double Mlp::forward_backward(std::span<const float> params, const Batch& batch,
                              std::span<float> grads, float scale) {
   require_size("forward_backward: params", params.size());
@@ -156,6 +166,7 @@ double Mlp::forward_backward(std::span<const float> params, const Batch& batch,
     const Matrix weight_grad{grads.data() + layer.weight_offset, layer.out, layer.in};
     ops_->gemm(delta, Transpose::yes, input, Transpose::no, weight_grad, 1.0f, 1.0f);
     ops_->bias_grad(delta, grads.data() + layer.bias_offset);
+    gradients_ready(layer.weight_offset);
     if (l == 0) break;
     const ConstMatrix weight{at(p, layer.weight_offset), layer.out, layer.in, dtype_};
     const Matrix input_grad = post_activation(l - 1, rows);  // its values were used just above

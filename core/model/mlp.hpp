@@ -33,6 +33,7 @@ class Mlp final : public Model {
   std::string describe() const override;
 
   const std::vector<LinearLayout>& layers() const { return layers_; }
+  std::vector<ParamTensor> tensors() const override;
 
  private:
   void require_size(const char* what, size_t size) const;

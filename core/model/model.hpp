@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -46,6 +47,22 @@ class Model {
   virtual std::string describe() const = 0;
   // Parameters weight decay leaves alone (sorted, disjoint); by default none.
   virtual std::vector<ParamRange> no_decay() const { return {}; }
+  // Every parameter tensor, by offset, covering [0, num_params()) without gaps.
+  virtual std::vector<ParamTensor> tensors() const = 0;
+
+  // Called during forward_backward, on the calling thread, each time the gradients from `from`
+  // to the end are complete for the call (the backward pass finishes the last parameters first;
+  // on a GPU "complete" means queued on the op table's stream). The trainer starts reducing a
+  // bucket with it while the backward pass goes on. Null: no calls.
+  void on_gradients_ready(std::function<void(size_t from)> hook) { ready_hook_ = std::move(hook); }
+
+ protected:
+  void gradients_ready(size_t from) const {
+    if (ready_hook_) ready_hook_(from);
+  }
+
+ private:
+  std::function<void(size_t)> ready_hook_;
 };
 
 // 269322 -> "269,322"

@@ -153,6 +153,10 @@ std::unique_ptr<Optimizer> make_optimizer(const OptimizerSpec& spec, size_t num_
               "optimizer.type: unknown optimizer '" + spec.type + "' (expected adamw or sgd)");
 }
 
+size_t optimizer_state_per_param(const OptimizerSpec& spec) {
+  return spec.type == "adamw" ? 2 : 1;
+}
+
 double learning_rate(const OptimizerSpec& spec, int64_t step, int64_t total_steps) {
   const ScheduleSpec& schedule = spec.schedule;
   const DecayShape shape = parse_decay_shape(schedule);
@@ -179,8 +183,11 @@ double clip_grad_norm(Ops& ops, std::span<float> grads, double max_norm) {
   return unscale_and_clip(ops, grads, 1.0, max_norm);
 }
 
-double unscale_and_clip(Ops& ops, std::span<float> grads, double loss_scale, double max_norm) {
-  const double norm = grad_norm(ops, grads) / loss_scale;
+double unscale_and_clip(Ops& ops, std::span<float> grads, double loss_scale, double max_norm,
+                        const std::function<double(double)>& total) {
+  double sum_squares = ops.sum_squares(grads.data(), static_cast<int64_t>(grads.size()));
+  if (total) sum_squares = total(sum_squares);
+  const double norm = std::sqrt(sum_squares) / loss_scale;
   if (!std::isfinite(norm)) return norm;
   const bool clip = max_norm > 0.0 && norm > max_norm;
   // One factor for both, so the gradients are read and written once.

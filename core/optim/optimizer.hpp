@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -29,6 +30,9 @@ class Optimizer {
 // decay skips the `no_decay` ranges (sorted, disjoint: a model's biases and norms).
 std::unique_ptr<Optimizer> make_optimizer(const OptimizerSpec& spec, size_t num_params,
                                           const std::vector<ParamRange>& no_decay, Ops& ops);
+
+// Values of state() per parameter: sgd 1 (momentum), adamw 2 (m and v).
+size_t optimizer_state_per_param(const OptimizerSpec& spec);
 
 // The rate for a 0-based step: linear warm-up from lr/warmup at step 0 to lr at step `warmup`,
 // then the schedule (constant, cosine or linear) down to lr*min_lr_ratio at step total_steps.
@@ -65,7 +69,9 @@ class LossScaler {
 
 // Unscales gradients multiplied by loss_scale and clips them to max_norm (<= 0: never) in one
 // pass; returns the norm of the unscaled gradients (inf or NaN when they overflowed, in which case
-// they are left alone). loss_scale 1 is clip_grad_norm.
-double unscale_and_clip(Ops& ops, std::span<float> grads, double loss_scale, double max_norm);
+// they are left alone). loss_scale 1 is clip_grad_norm. When grads are one shard of the
+// gradients (ZeRO), `total` turns this shard's sum of squares into all shards' (a collective).
+double unscale_and_clip(Ops& ops, std::span<float> grads, double loss_scale, double max_norm,
+                        const std::function<double(double)>& total = {});
 
 }  // namespace dptrain

@@ -53,6 +53,10 @@ class Ops {
   virtual void fill_zero(void* data, size_t bytes) = 0;
   // Waits for everything queued; a device error of an earlier op surfaces here at the latest.
   virtual void synchronize() = 0;
+  // Makes the calling thread's ops (and CUDA libraries') go to this table's device: CUDA's current
+  // device is per thread, so a thread other than the one that made the table (the gradient
+  // exchange's) calls this first. Nothing to do on the CPU.
+  virtual void bind_thread() {}
   // dst[i] = src[i] converted (round to nearest even), n elements; between f32 and a 16-bit type
   // (the CPU op table too: gradients travel compressed), or a copy when the types are equal.
   virtual void cast(const void* src, DType from, void* dst, DType to, int64_t n) = 0;

@@ -83,6 +83,16 @@ struct ParamRange {
   size_t size = 0;
 };
 
+// One parameter tensor of a flat buffer: rows x cols values from `offset`, row-major (a vector
+// has one row). Gradient codecs that factorise matrices (PowerSGD) need the shapes.
+struct ParamTensor {
+  size_t offset = 0;
+  size_t rows = 1;
+  size_t cols = 0;
+  size_t size() const { return rows * cols; }
+  bool operator==(const ParamTensor&) const = default;
+};
+
 // Memory an op table allocated (host or device), freed with it. Move-only.
 class Buffer {
  public:
