@@ -1,4 +1,7 @@
 // The training loop: data-parallel steps over a Communicator, evaluation, metrics, checkpoints.
+// The gradient exchange itself (buckets, overlap, codecs) is core/ddp's; the sync modes that
+// change what a step is (ZeRO-1's sharded update, local SGD's averaging, the parameter servers'
+// push and pull) live here, since they own the optimizer, the parameters and the checkpoint.
 #pragma once
 
 #include <array>
