@@ -665,6 +665,20 @@ class TrainingRun {
     return norm;
   }
 
+  // local_sgd: `data` averaged over the ranks, each weighted by its micro-batches a step: with
+  // more ranks than micro-batches (an elastic job that grew) an idle rank's stale replica must
+  // not count, and an uneven split counts each rank by its share.
+  void average_replicas_of(float* data, size_t count) {
+    if (micro_batches_ % data_world_ == 0) {
+      allreduce_device(data, count, ReduceOp::avg);
+      return;
+    }
+    const auto n = static_cast<int64_t>(count);
+    ops_->scale(n, static_cast<float>(own_micro_batches()), data);
+    allreduce_device(data, count, ReduceOp::sum);
+    ops_->scale(n, 1.0f / static_cast<float>(micro_batches_), data);
+  }
+
   // Whether every rank must hold the same parameters after step `done`: an evaluation, a
   // checkpoint, a replica check, or the end.
   bool needs_one_model(int64_t done) const {
@@ -865,7 +879,7 @@ class TrainingRun {
     comm_.allreduce(&stop_flag, 1, ReduceOp::sum);
     const bool stop = stop_flag > 0.0f;
     mark_collective();
-    allreduce_device(params_.data(), num_params_, ReduceOp::avg);
+    average_replicas_of(params_.data(), num_params_);
     size_t values = num_params_;
     const bool checkpointing =
         stop || done == recipe_.train.steps ||
@@ -873,7 +887,7 @@ class TrainingRun {
     if (checkpointing) {
       const auto state = optimizer_->state();
       mark_collective();
-      allreduce_device(state.data(), state.size(), ReduceOp::avg);
+      average_replicas_of(state.data(), state.size());
       values += state.size();
     }
     phases.comm = phases.comm_total = ms_since(tc);

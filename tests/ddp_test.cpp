@@ -286,3 +286,38 @@ TEST_CASE("parameter servers: too many servers, or NCCL, is one clear error") {
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("/distributed/backend") != std::string::npos);
 }
+
+TEST_CASE("every sync mode resumes on another world size") {
+  struct Mode {
+    std::string name;
+    json distributed;
+    int before, after;  // ranks
+  };
+  const std::vector<Mode> modes = {
+      {"local_sgd", {{"sync", "local_sgd"}, {"period", 4}}, 2, 3},
+      {"ps", {{"sync", "ps"}, {"servers", 1}}, 3, 2},
+      {"int8", {{"compression", {{"type", "int8"}}}}, 3, 2},
+  };
+  for (const Mode& mode : modes) {
+    CAPTURE(mode.name);
+    TempDir tmp;
+    json recipe = resumable_recipe();
+    recipe["distributed"].update(mode.distributed);
+    const json clean = launch(tmp.path(), recipe, mode.before, "clean");
+    // Stopped at step 50 (the checkpoint at 40 survives), resumed on another number of ranks.
+    auto stopped =
+        run_dptrain({"launch", write_recipe(tmp.path(), recipe).string(), "--nproc",
+                     std::to_string(mode.before), "--run-dir", (tmp / "resized").string()},
+                    {{"DPTRAIN_FAULT", "exit@step=50,rank=0,code=1"}});
+    REQUIRE(stopped.exit_code != 0);
+    auto resumed = run_dptrain(
+        {"resume", (tmp / "resized").string(), "--nproc", std::to_string(mode.after), "--json"});
+    INFO(resumed.err);
+    REQUIRE(resumed.exit_code == 0);
+    const json out = parse_json(resumed.out);
+    CHECK(out["steps"] == 120);
+    CHECK(out["world_size"] == mode.after);
+    CHECK(out["eval_loss"].get<double>() ==
+          doctest::Approx(clean["eval_loss"].get<double>()).epsilon(0.05));
+  }
+}

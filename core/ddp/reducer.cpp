@@ -169,7 +169,9 @@ void GradientReducer::comm_loop() {
     {
       std::unique_lock<std::mutex> lock(mutex_);
       wake_.wait(lock, [this] { return shutdown_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // shutting down with nothing left
+      // Shutting down mid-step (the step failed elsewhere): buckets not started never will be,
+      // so a rank that is going away does not wait on peers that may be gone too.
+      if (shutdown_) return;
       bucket = queue_.front();
       queue_.erase(queue_.begin());
     }
