@@ -781,9 +781,17 @@ class TrainingRun {
       }
     };
     bool stop = false;
+    int64_t marked = -1;
     while (step_ < total && !stop) {
       if (options_.progress) options_.progress->set_step(step_);
-      mark_collective();
+      // One collective per version, as a worker counts one per push: hang attribution compares
+      // the counts.
+      if (marked != step_) {
+        mark_collective();
+        marked = step_;
+      } else {
+        mark(Phase::allreduce);
+      }
       const auto w = static_cast<size_t>(
           comm_.recv_any(incoming.data(), msg * sizeof(float), worker_ranks, kPsPushTag));
       const PsHeader push = read_ps_header(incoming.data());
