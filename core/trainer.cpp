@@ -187,12 +187,14 @@ class TrainingRun {
       const double ps_norm = ps_ ? push_and_pull(done, phases) : 0.0;
       mark(Phase::optimizer);
       const auto to = Clock::now();
+      const double exposed_before_update = phases.comm;
       const double lr = lr_scale_ * learning_rate(recipe_.optimizer, step_, total);
-      const double norm = ps_ ? ps_norm : update(lr, local);
+      const double norm = ps_ ? ps_norm : update(lr, local, phases);
       if (local && averaging_step(done)) stop = average_replicas(done, stop_flag, phases);
       advance_sampler();
       ops_->synchronize();
-      phases.optimizer = ms_since(to);
+      // ZeRO-1's all-gather and local SGD's averaging happen in this phase but are communication.
+      phases.optimizer = ms_since(to) - (phases.comm - exposed_before_update);
       if (options_.debug_step_delay_ms > 0) {
         std::this_thread::sleep_for(std::chrono::milliseconds(options_.debug_step_delay_ms));
       }
@@ -632,12 +634,20 @@ class TrainingRun {
     phases.comm_total = stats.comm_ms;
     phases.bytes = static_cast<double>(stats.bytes);
     ops_->download(flag, &stop_flag, sizeof(float));
+    // The sum of 0s and 1s: anything else means the flag's slot was overwritten, a bug that must
+    // not pass for a stop request.
+    if (!(stop_flag >= 0.0f && stop_flag <= static_cast<float>(world_) &&
+          stop_flag == std::floor(stop_flag))) {
+      throw Error(ErrorKind::internal,
+                  fmt::format("rank {}: the ranks' stop requests summed to {} at step {}", rank_,
+                              stop_flag, step_));
+    }
     return stop_flag > 0.0f;
   }
 
   // Clipping, loss-scale unscaling and the optimizer step on this rank's parameters (ZeRO-1: its
   // shard, then the all-gather). Returns the gradient norm.
-  double update(double lr, bool local) {
+  double update(double lr, bool local, PhaseTimes& phases) {
     if (local && own_micro_batches() == 0) return 0.0;  // an idle rank's local step: nothing
     if (!zero_) {
       const double norm =
@@ -659,8 +669,16 @@ class TrainingRun {
     if (scaler_.update(std::isfinite(norm))) {
       float* own = params_buffer_.as<float>() + static_cast<size_t>(rank_) * shard_;
       optimizer_->step({own, shard_}, shard_grads, lr);
+      // Communication, though the optimizer phase waits for it: counted as exposed, and out of
+      // the optimizer's time by the caller.
+      ops_->synchronize();
+      const auto tg = Clock::now();
       mark_collective();
       allgather_device(own, shard_, params_buffer_.as<float>());
+      const double gather_ms = ms_since(tg);
+      phases.comm += gather_ms;
+      phases.comm_total += gather_ms;
+      phases.bytes += static_cast<double>(shard_ * sizeof(float));
     }
     return norm;
   }

@@ -147,9 +147,11 @@ ExchangeStats GradientReducer::finish() {
       run_bucket(i);
   }
   if (codec_) {
+    const auto tf = Clock::now();
     float* flag = grads_.data() + grads_.size();
     if (options_.progress) options_.progress->enter_collective();
     reduce_plain(flag, 1);
+    stats.comm_ms += ms_since(tf);
   }
   stats.exposed_ms = ms_since(t0);
   if (!options_.overlap) stats.comm_ms = stats.exposed_ms;

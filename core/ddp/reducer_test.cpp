@@ -189,33 +189,43 @@ TEST_CASE("a bucket that fails on the communication thread fails finish(), namin
 TEST_CASE("an error-feedback codec per bucket: its state checkpoints, the flag travels alone") {
   const auto tensors = sample_tensors();
   const size_t n = total_size(tensors);
-  run_ranks(2, [&](Communicator& comm) {
-    CpuOps ops;
-    std::vector<float> grads(n + 1);
-    ReducerOptions options;
-    options.bucket_elems = 14;
-    options.compression.type = "int8";
-    options.compression.block = 4;
-    GradientReducer reducer(comm, ops, std::span<float>(grads.data(), n), tensors, options);
-    CHECK(reducer.state_size() >= n);  // at least a residual per gradient
-    for (size_t i = 0; i < n; ++i)
-      grads[i] = 0.01f * value(comm.rank(), i);
-    grads[n] = comm.rank() == 0 ? 1.0f : 0.0f;
-    reducer.begin();
-    backward(reducer, tensors);
-    const ExchangeStats stats = reducer.finish();
-    CHECK(grads[n] == 1.0f);
-    // int8 with 4-value blocks: 1 byte per value and a 4-byte scale per block, plus the flag.
-    CHECK(stats.bytes < (n + 1) * sizeof(float));
-    for (size_t i = 0; i < n; ++i)
-      CHECK(grads[i] == doctest::Approx(0.01f * (value(0, i) + value(1, i))).epsilon(0.02));
-    // The state round-trips.
-    const std::vector<float> saved = reducer.state();
-    GradientReducer other(comm, ops, std::span<float>(grads.data(), n), tensors, options);
-    other.restore_state(saved);
-    CHECK(other.state() == saved);
-    CHECK_THROWS_AS(other.restore_state(std::vector<float>(3)), Error);
-  });
+  for (const char* type : {"int8", "topk", "powersgd"}) {
+    CAPTURE(type);
+    run_ranks(2, [&](Communicator& comm) {
+      CpuOps ops;
+      // The flag, then a guard value that no codec may touch.
+      std::vector<float> grads(n + 2);
+      ReducerOptions options;
+      options.bucket_elems = 14;
+      options.compression.type = type;
+      options.compression.block = 4;
+      options.compression.ratio = 0.25;
+      options.compression.rank = 1;
+      GradientReducer reducer(comm, ops, std::span<float>(grads.data(), n), tensors, options);
+      CHECK(reducer.state_size() >= n);  // at least a residual per gradient
+      for (size_t i = 0; i < n; ++i)
+        grads[i] = 0.01f * value(comm.rank(), i);
+      grads[n] = comm.rank() == 0 ? 1.0f : 0.0f;
+      grads[n + 1] = 42.0f;
+      reducer.begin();
+      backward(reducer, tensors);
+      const ExchangeStats stats = reducer.finish();
+      CHECK(grads[n] == 1.0f);
+      CHECK(grads[n + 1] == 42.0f);
+      CHECK(stats.bytes < (n + 1) * sizeof(float));
+      if (std::string(type) == "int8") {
+        // 4-value blocks: every sum within a few of its blocks' scales.
+        for (size_t i = 0; i < n; ++i)
+          CHECK(grads[i] == doctest::Approx(0.01f * (value(0, i) + value(1, i))).epsilon(0.02));
+      }
+      // The state round-trips.
+      const std::vector<float> saved = reducer.state();
+      GradientReducer other(comm, ops, std::span<float>(grads.data(), n), tensors, options);
+      other.restore_state(saved);
+      CHECK(other.state() == saved);
+      CHECK_THROWS_AS(other.restore_state(std::vector<float>(3)), Error);
+    });
+  }
 }
 
 }  // namespace dptrain
