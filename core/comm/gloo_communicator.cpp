@@ -11,9 +11,11 @@
 #include <gloo/transport/tcp/device.h>
 #include <gloo/transport/unbound_buffer.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <exception>
+#include <type_traits>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -77,6 +79,20 @@ T min_of(T a, T b) {
 template <typename T, ReduceOp Op>
 void combine(T* out, const T* a, const T* b, size_t count) {
   using W = Widened<T>;
+  if constexpr (std::is_same_v<T, Half> && (Op == ReduceOp::sum || Op == ReduceOp::avg)) {
+    // Halves in chunks, converted many at once (F16C): the same sums, several times faster.
+    constexpr size_t kChunk = 256;
+    float left[kChunk], right[kChunk];
+    for (size_t begin = 0; begin < count; begin += kChunk) {
+      const size_t n = std::min(kChunk, count - begin);
+      to_float(a + begin, left, n);
+      to_float(b + begin, right, n);
+      for (size_t i = 0; i < n; ++i)
+        left[i] += right[i];
+      to_half(left, out + begin, n);
+    }
+    return;
+  }
   for (size_t i = 0; i < count; ++i) {
     const auto left = W::up(a[i]);
     const auto right = W::up(b[i]);

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 #include "core/error.hpp"
 #include "core/tensor/half.hpp"
@@ -244,15 +245,23 @@ void CpuOps::synchronize() {}
 template <typename T>
 static void widen(const void* src, float* dst, int64_t n) {
   const T* in = static_cast<const T*>(src);
-  for (int64_t i = 0; i < n; ++i)
-    dst[i] = Widened<T>::up(in[i]);
+  if constexpr (std::is_same_v<T, Half>) {
+    to_float(in, dst, static_cast<size_t>(n));
+  } else {
+    for (int64_t i = 0; i < n; ++i)
+      dst[i] = Widened<T>::up(in[i]);
+  }
 }
 
 template <typename T>
 static void narrow(const float* src, void* dst, int64_t n) {
   T* out = static_cast<T*>(dst);
-  for (int64_t i = 0; i < n; ++i)
-    out[i] = Widened<T>::down(src[i]);
+  if constexpr (std::is_same_v<T, Half>) {
+    to_half(src, out, static_cast<size_t>(n));
+  } else {
+    for (int64_t i = 0; i < n; ++i)
+      out[i] = Widened<T>::down(src[i]);
+  }
 }
 
 void CpuOps::cast(const void* src, DType from, void* dst, DType to, int64_t n) {
