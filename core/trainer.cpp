@@ -805,6 +805,8 @@ class TrainingRun {
       // One collective per version, as a worker counts one per push: hang attribution compares
       // the counts.
       if (marked != step_) {
+        mark(Phase::data);
+        if (options_.before_step) options_.before_step(step_);  // fault injection, as workers
         mark_collective();
         marked = step_;
       } else {

@@ -38,14 +38,15 @@ std::vector<json> step_lines(const fs::path& run_dir) {
   return out;
 }
 
-// `recipe` run cleanly and with the injected `faults` (restarting up to `restarts` times) on
-// `nproc` ranks ends with the same parameters, bit for bit.
+// `recipe` run cleanly and with the injected `faults` (each one a restart; `restarts` of them)
+// on `nproc` ranks ends with the same parameters, bit for bit.
 void check_restarts_bit_identical(const fs::path& tmp, const json& recipe, int nproc,
                                   const std::string& faults, int restarts) {
   launch(tmp, recipe, nproc, "clean");
-  launch(tmp, recipe, nproc, "faulty",
-         {"--max-restarts", std::to_string(restarts), "--restart-backoff", "0.1"},
-         {{"DPTRAIN_FAULT", faults}});
+  const json out = launch(tmp, recipe, nproc, "faulty",
+                          {"--max-restarts", std::to_string(restarts), "--restart-backoff", "0.1"},
+                          {{"DPTRAIN_FAULT", faults}});
+  CHECK(out["restarts"] == restarts);  // every fault fired
   CHECK(read_text(latest_params(tmp / "faulty")) == read_text(latest_params(tmp / "clean")));
 }
 
