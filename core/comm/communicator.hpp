@@ -59,8 +59,9 @@ class Communicator {
   // bytes have moved; messages from one rank to another with one tag arrive in the order they
   // were posted. Sizes must match exactly. Tags are the caller's and never match a collective's.
   // The buffer belongs to the request until wait() returns; destroying a request that was not
-  // waited for waits for it (ignoring errors). wait() throws Error(comm) naming the peer when the
-  // peer fails or the communicator's timeout passes. Host memory only.
+  // waited for waits for it (ignoring errors), unless the communicator has failed already (then
+  // the transfer is abandoned: it may never finish). wait() throws Error(comm) naming the peer when
+  // the peer fails or the communicator's timeout passes. Host memory only.
   class Request {
    public:
     virtual ~Request() = default;
