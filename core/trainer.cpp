@@ -139,9 +139,9 @@ class TrainingRun {
       // The padding past the last parameter stays zero: reduce-scatter and all-gather move it.
       ops_->fill_zero(params_buffer_.data(), padded_ * sizeof(float));
       ops_->fill_zero(grad_buffer_.data(), (padded_ + 1) * sizeof(float));
-      if (zero_) shard_grads_ = ops_->allocate(shard_ * sizeof(float));
+      if (zero_ && !zero_by_allreduce_) shard_grads_ = ops_->allocate(shard_ * sizeof(float));
     }
-    if (!zero_ && !ps_ && (!local_sgd_ || recipe.distributed.start > 0)) {
+    if ((!zero_ || zero_by_allreduce_) && !ps_ && (!local_sgd_ || recipe.distributed.start > 0)) {
       ReducerOptions reducer;
       reducer.bucket_elems = bucket_elements(recipe.distributed.bucket_mb);
       reducer.overlap = recipe.distributed.overlap;
@@ -153,6 +153,7 @@ class TrainingRun {
           comm, *ops_, std::span<float>(grad_buffer_.as<float>(), num_params_), model_->tensors(),
           reducer);
       model_->on_gradients_ready([this](size_t from) { reducer_->ready(from); });
+      flag_at_ = num_params_;  // where the reducer sums it: right after the gradients
     }
   }
 
@@ -592,7 +593,7 @@ class TrainingRun {
     // fp16: the loss scale rides on the gradient scale; unscale_and_clip takes it off.
     const float scale = static_cast<float>(scaler_.scale()) /
                         static_cast<float>(local ? std::max<int64_t>(own, 1) : micro_batches_);
-    if (!local) ops_->upload(&stop_flag, grad_buffer_.as<float>() + padded_, sizeof(float));
+    if (!local) ops_->upload(&stop_flag, grad_buffer_.as<float>() + flag_at_, sizeof(float));
     // No communication on the accumulation micro-batches: only the last one's backward pass
     // starts buckets (a rank with none starts them at once).
     if (!local && reducer_ && own == 0) reducer_->begin();
@@ -614,11 +615,11 @@ class TrainingRun {
   }
 
   // Sums the step's gradients over the ranks (and the stop flags); returns whether any rank asked
-  // to stop. The bucketed all-reduce (overlapped with the backward pass), or with ZeRO-1 a
-  // reduce-scatter of this rank's shard.
+  // to stop. The bucketed all-reduce (overlapped with the backward pass), or with ZeRO-1 over
+  // NCCL a reduce-scatter of this rank's shard.
   bool exchange_gradients(PhaseTimes& phases, float stop_flag) {
-    float* flag = grad_buffer_.as<float>() + padded_;
-    if (zero_) {
+    float* flag = grad_buffer_.as<float>() + flag_at_;
+    if (zero_ && !zero_by_allreduce_) {
       const auto tc = Clock::now();
       mark_collective();
       reduce_scatter_device(grad_buffer_.as<float>(), shard_grads_.as<float>(), shard_);
@@ -634,6 +635,8 @@ class TrainingRun {
     phases.comm_total = stats.comm_ms;
     phases.bytes = static_cast<double>(stats.bytes);
     ops_->download(flag, &stop_flag, sizeof(float));
+    // ZeRO-1 with padding: the flag's slot is the first padding gradient of the last shard.
+    if (zero_ && padded_ > num_params_) ops_->fill_zero(flag, sizeof(float));
     // The sum of 0s and 1s: anything else means the flag's slot was overwritten, a bug that must
     // not pass for a stop request.
     if (!(stop_flag >= 0.0f && stop_flag <= static_cast<float>(world_) &&
@@ -657,15 +660,23 @@ class TrainingRun {
       if (scaler_.update(std::isfinite(norm))) optimizer_->step(params_, grads_, lr);
       return norm;
     }
-    const std::span<float> shard_grads(shard_grads_.as<float>(), shard_);
-    // The norm of all gradients from every rank's shard: one more small all-reduce.
-    const double norm =
-        unscale_and_clip(*ops_, shard_grads, scaler_.scale(), recipe_.optimizer.clip_grad_norm,
-                         [this](double sum_squares) {
-                           mark_collective();
-                           comm_.allreduce(&sum_squares, 1, ReduceOp::sum);
-                           return sum_squares;
-                         });
+    const std::span<float> shard_grads(
+        zero_by_allreduce_ ? grad_buffer_.as<float>() + static_cast<size_t>(rank_) * shard_
+                           : shard_grads_.as<float>(),
+        shard_);
+    // The norm of all gradients: every rank holds them all after an all-reduce (and then sums
+    // them in the same order as without ZeRO); after a reduce-scatter, one more small all-reduce
+    // of every shard's part.
+    const double norm = unscale_and_clip(
+        *ops_, shard_grads, scaler_.scale(), recipe_.optimizer.clip_grad_norm,
+        [this](double sum_squares) {
+          if (zero_by_allreduce_) {
+            return ops_->sum_squares(grads_.data(), static_cast<int64_t>(grads_.size()));
+          }
+          mark_collective();
+          comm_.allreduce(&sum_squares, 1, ReduceOp::sum);
+          return sum_squares;
+        });
     if (scaler_.update(std::isfinite(norm))) {
       float* own = params_buffer_.as<float>() + static_cast<size_t>(rank_) * shard_;
       optimizer_->step({own, shard_}, shard_grads, lr);
@@ -1179,6 +1190,10 @@ class TrainingRun {
   const bool local_sgd_ = recipe_.distributed.sync == "local_sgd";
   const bool zero_ = recipe_.distributed.zero == 1;
   const bool ps_ = servers_ > 0;
+  // ZeRO-1 over Gloo: its reduce-scatter is an all-reduce and a slice anyway, so the bucketed,
+  // overlapped all-reduce serves, and each rank updates its shard of the summed gradients. NCCL
+  // reduce-scatters (half the bytes, no overlap).
+  const bool zero_by_allreduce_ = zero_ && comm_.backend() != "nccl";
   const bool server_ = ps_ && data_rank_ < 0;
   std::unique_ptr<Model> model_;
   DataSplits data_;
@@ -1200,8 +1215,9 @@ class TrainingRun {
   // The gradients plus one slot: the stop flag rides along with the gradient all-reduce, so
   // agreeing to stop costs no extra collective.
   Buffer grad_buffer_;
-  Buffer shard_grads_;       // ZeRO-1: this rank's shard of the summed gradients
-  std::span<float> params_;  // device memory of ops_, as are grads_ and the optimizer's state
+  Buffer shard_grads_;        // ZeRO-1 by reduce-scatter: this rank's shard of the summed gradients
+  size_t flag_at_ = padded_;  // the stop flag's slot in grad_buffer_
+  std::span<float> params_;   // device memory of ops_, as are grads_ and the optimizer's state
   std::span<float> grads_;
   std::unique_ptr<Optimizer> optimizer_;
   LossScaler scaler_;
