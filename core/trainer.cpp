@@ -184,13 +184,14 @@ class TrainingRun {
       const bool local = local_sgd_ && step_ >= recipe_.distributed.start;
       const double local_loss = compute_gradients(phases, local, stop_flag);
       if (!local && !ps_) stop = exchange_gradients(phases, stop_flag);
-      // A worker of the parameter-server mode pushes its gradients and pulls the parameters.
-      const double ps_norm = ps_ ? push_and_pull(done, phases) : 0.0;
+      // A worker of the parameter-server mode pushes its gradients and pulls the parameters; the
+      // servers tell it the gradient norm.
+      double norm = ps_ ? push_and_pull(done, phases) : 0.0;
       mark(Phase::optimizer);
       const auto to = Clock::now();
       const double exposed_before_update = phases.comm;
       const double lr = lr_scale_ * learning_rate(recipe_.optimizer, step_, total);
-      const double norm = ps_ ? ps_norm : update(lr, local, phases);
+      if (!ps_) norm = update(lr, local, phases);
       if (local && averaging_step(done)) stop = average_replicas(done, stop_flag, phases);
       advance_sampler();
       ops_->synchronize();
@@ -393,27 +394,7 @@ class TrainingRun {
   // device memory (NCCL, or any communicator on the CPU), else through host memory (Gloo with a
   // GPU). The gradients' all-reduce is the GradientReducer's.
   void allreduce_device(float* data, size_t count, ReduceOp op) {
-    if (!staged_) {
-      comm_.allreduce(data, count, op);
-      return;
-    }
-    staging_.resize(count);
-    ops_->download(data, staging_.data(), count * sizeof(float));
-    comm_.allreduce(staging_.data(), count, op);
-    ops_->upload(staging_.data(), data, count * sizeof(float));
-  }
-
-  // `in`: world x count_per_rank values; `out`: this rank's slice of their sum.
-  void reduce_scatter_device(const float* in, float* out, size_t count_per_rank) {
-    if (!staged_) {
-      comm_.reduce_scatter(in, out, count_per_rank, ReduceOp::sum);
-      return;
-    }
-    const size_t total = count_per_rank * static_cast<size_t>(world_);
-    staging_.resize(total + count_per_rank);
-    ops_->download(in, staging_.data(), total * sizeof(float));
-    comm_.reduce_scatter(staging_.data(), staging_.data() + total, count_per_rank, ReduceOp::sum);
-    ops_->upload(staging_.data() + total, out, count_per_rank * sizeof(float));
+    dptrain::allreduce_device(comm_, *ops_, data, count, op, staged_, staging_);
   }
 
   // Every rank's `count` values at `own` into `out` (world x count), rank after rank.
@@ -622,7 +603,9 @@ class TrainingRun {
     if (zero_ && !zero_by_allreduce_) {
       const auto tc = Clock::now();
       mark_collective();
-      reduce_scatter_device(grad_buffer_.as<float>(), shard_grads_.as<float>(), shard_);
+      // Only NCCL comes here (Gloo sums by the all-reduce): device memory, never staged.
+      comm_.reduce_scatter(grad_buffer_.as<float>(), shard_grads_.as<float>(), shard_,
+                           ReduceOp::sum);
       mark_collective();
       comm_.allreduce(&stop_flag, 1, ReduceOp::sum);
       phases.comm = phases.comm_total = ms_since(tc);
@@ -668,14 +651,15 @@ class TrainingRun {
     // them in the same order as without ZeRO); after a reduce-scatter, one more small all-reduce
     // of every shard's part.
     const double norm = unscale_and_clip(
-        *ops_, shard_grads, scaler_.scale(), recipe_.optimizer.clip_grad_norm,
-        [this](double sum_squares) {
+        *ops_, shard_grads, scaler_.scale(), recipe_.optimizer.clip_grad_norm, [&] {
           if (zero_by_allreduce_) {
             return ops_->sum_squares(grads_.data(), static_cast<int64_t>(grads_.size()));
           }
+          double squares =
+              ops_->sum_squares(shard_grads.data(), static_cast<int64_t>(shard_grads.size()));
           mark_collective();
-          comm_.allreduce(&sum_squares, 1, ReduceOp::sum);
-          return sum_squares;
+          comm_.allreduce(&squares, 1, ReduceOp::sum);
+          return squares;
         });
     if (scaler_.update(std::isfinite(norm))) {
       float* own = params_buffer_.as<float>() + static_cast<size_t>(rank_) * shard_;
@@ -740,8 +724,9 @@ class TrainingRun {
         ps_sync_point(done) ? done : std::max<int64_t>(done - recipe_.distributed.staleness, 0);
     const size_t msg = kPsHeaderFloats + shard_;
     const auto servers = static_cast<size_t>(servers_);
-    ps_out_.assign(servers * msg, 0.0f);
-    ps_in_.assign(servers * msg, 0.0f);
+    // Every value of both is written below (headers, shards) or by the receives.
+    ps_out_.resize(servers * msg);
+    ps_in_.resize(servers * msg);
     ps_host_.resize(padded_, 0.0f);  // the padding stays zero
     ops_->download(grads_.data(), ps_host_.data(), grads_.size_bytes());
     std::vector<std::unique_ptr<Communicator::Request>> requests;
@@ -871,7 +856,8 @@ class TrainingRun {
   // One server step: the workers' gradients for this shard summed in worker order, clipped by
   // the norm over every server's shard, and the optimizer's update. Returns that norm.
   double apply_pushed(const std::vector<std::vector<float>>& grads, int64_t total) {
-    std::vector<float> sum(shard_, 0.0f);
+    std::vector<float>& sum = ps_sum_;
+    sum.assign(shard_, 0.0f);
     for (const std::vector<float>& g : grads) {
       for (size_t i = 0; i < shard_; ++i)
         sum[i] += g[i];
@@ -881,8 +867,10 @@ class TrainingRun {
     const std::span<float> own_params(params_buffer_.as<float>() + begin, shard_);
     ops_->upload(sum.data(), own_grads.data(), own_grads.size_bytes());
     const double norm =
-        unscale_and_clip(*ops_, own_grads, 1.0, recipe_.optimizer.clip_grad_norm,
-                         [this](double sum_squares) { return sum_over_servers(sum_squares); });
+        unscale_and_clip(*ops_, own_grads, 1.0, recipe_.optimizer.clip_grad_norm, [&] {
+          return sum_over_servers(
+              ops_->sum_squares(own_grads.data(), static_cast<int64_t>(own_grads.size())));
+        });
     const double lr = lr_scale_ * learning_rate(recipe_.optimizer, step_, total);
     if (std::isfinite(norm)) optimizer_->step(own_params, own_grads, lr);
     ops_->download(own_params.data(), ps_host_.data(), own_params.size_bytes());
@@ -1224,6 +1212,7 @@ class TrainingRun {
   std::vector<float> staging_;
   // The parameter-server mode's host buffers: messages out and in, and parameters (gradients).
   std::vector<float> ps_out_, ps_in_, ps_host_;
+  std::vector<float> ps_sum_;  // a server's sum of the workers' gradients
   // The gradient all-reduce (none with ZeRO-1, nor for a local SGD run without a synchronous
   // start).
   std::unique_ptr<GradientReducer> reducer_;

@@ -28,6 +28,18 @@ DType wire_type(const CompressionSpec& spec) {
 
 }  // namespace
 
+void allreduce_device(Communicator& comm, Ops& ops, float* data, size_t count, ReduceOp op,
+                      bool staged, std::vector<float>& staging) {
+  if (!staged) {
+    comm.allreduce(data, count, op);
+    return;
+  }
+  staging.resize(count);
+  ops.download(data, staging.data(), count * sizeof(float));
+  comm.allreduce(staging.data(), count, op);
+  ops.upload(staging.data(), data, count * sizeof(float));
+}
+
 std::vector<Bucket> make_buckets(std::span<const ParamTensor> tensors, size_t bucket_elems) {
   if (tensors.empty()) throw Error(ErrorKind::internal, "make_buckets: no tensors to bucket");
   size_t expected = 0;
@@ -216,17 +228,8 @@ void GradientReducer::run_bucket(size_t bucket) {
   }
 }
 
-// f32 in place on the device when the communicator takes device memory (NCCL, or any
-// communicator on the CPU), else through host memory.
 void GradientReducer::reduce_plain(float* data, size_t count) {
-  if (!options_.staged) {
-    comm_.allreduce(data, count, ReduceOp::sum);
-    return;
-  }
-  staging_.resize(count);
-  ops_.download(data, staging_.data(), count * sizeof(float));
-  comm_.allreduce(staging_.data(), count, ReduceOp::sum);
-  ops_.upload(staging_.data(), data, count * sizeof(float));
+  allreduce_device(comm_, ops_, data, count, ReduceOp::sum, options_.staged, staging_);
 }
 
 // fp16/bf16: cast, sum in 16 bits, cast back: half the bytes.

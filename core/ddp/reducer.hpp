@@ -39,6 +39,12 @@ std::vector<Bucket> make_buckets(std::span<const ParamTensor> tensors, size_t bu
 // bucket_mb in values of f32 gradients, at least 1.
 size_t bucket_elements(double bucket_mb);
 
+// `count` floats of `ops`' memory reduced over the ranks in place: directly when the communicator
+// takes that memory (NCCL, or any communicator on the CPU), else through `staging`, host memory
+// (`staged`: Gloo with a GPU).
+void allreduce_device(Communicator& comm, Ops& ops, float* data, size_t count, ReduceOp op,
+                      bool staged, std::vector<float>& staging);
+
 // One step's exchange, on this rank.
 struct ExchangeStats {
   double comm_ms = 0;     // the collectives and codecs, start to end of each bucket, summed

@@ -184,10 +184,11 @@ double clip_grad_norm(Ops& ops, std::span<float> grads, double max_norm) {
 }
 
 double unscale_and_clip(Ops& ops, std::span<float> grads, double loss_scale, double max_norm,
-                        const std::function<double(double)>& total) {
-  double sum_squares = ops.sum_squares(grads.data(), static_cast<int64_t>(grads.size()));
-  if (total) sum_squares = total(sum_squares);
-  const double norm = std::sqrt(sum_squares) / loss_scale;
+                        const std::function<double()>& sum_squares) {
+  const double squares = sum_squares
+                             ? sum_squares()
+                             : ops.sum_squares(grads.data(), static_cast<int64_t>(grads.size()));
+  const double norm = std::sqrt(squares) / loss_scale;
   if (!std::isfinite(norm)) return norm;
   const bool clip = max_norm > 0.0 && norm > max_norm;
   // One factor for both, so the gradients are read and written once.

@@ -70,8 +70,9 @@ class LossScaler {
 // Unscales gradients multiplied by loss_scale and clips them to max_norm (<= 0: never) in one
 // pass; returns the norm of the unscaled gradients (inf or NaN when they overflowed, in which case
 // they are left alone). loss_scale 1 is clip_grad_norm. When grads are one shard of the
-// gradients (ZeRO), `total` turns this shard's sum of squares into all shards' (a collective).
+// gradients (ZeRO, parameter servers), `sum_squares` gives all shards' sum of squares (from
+// the whole gradients, or this shard's combined with the others'); by default grads' own.
 double unscale_and_clip(Ops& ops, std::span<float> grads, double loss_scale, double max_norm,
-                        const std::function<double(double)>& total = {});
+                        const std::function<double()>& sum_squares = {});
 
 }  // namespace dptrain
