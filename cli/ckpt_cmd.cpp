@@ -155,6 +155,22 @@ void print_verify_table(const std::vector<CheckpointRow>& rows) {
   }
 }
 
+// The run directory RUN_DIR names: one that 'dptrain launch' made (run.json), or a node's copy of
+// one on another host (WORKDIR/runs/NAME-ID), which holds checkpoints/ only. Nothing is created.
+struct CheckedRun {
+  fs::path path;
+  fs::path checkpoints() const { return path / "checkpoints"; }
+};
+
+CheckedRun open_run(const std::string& dir) {
+  std::error_code ec;
+  const fs::path p(dir);
+  if (!fs::exists(p / "run.json", ec) && fs::is_directory(p / "checkpoints", ec)) {
+    return {fs::absolute(p).lexically_normal()};
+  }
+  return {RunDirectory::open(p).path()};
+}
+
 std::vector<CheckpointRow> inspect_all(const std::vector<fs::path>& dirs, const fs::path& latest) {
   std::vector<CheckpointRow> rows;
   for (const auto& dir : dirs)
@@ -163,14 +179,14 @@ std::vector<CheckpointRow> inspect_all(const std::vector<fs::path>& dirs, const 
 }
 
 int run_list(const CkptOptions& o) {
-  RunDirectory run = RunDirectory::open(o.run_dir);
+  const CheckedRun run = open_run(o.run_dir);
   const fs::path latest = latest_or_none(run.checkpoints());
   const auto rows = inspect_all(list_checkpoints(run.checkpoints(), SetAside::include), latest);
   if (!o.json) {
-    print_list_table(run.path(), rows);
+    print_list_table(run.path, rows);
     return 0;
   }
-  json out = {{"run_dir", run.path().string()},
+  json out = {{"run_dir", run.path.string()},
               {"latest", latest.empty() ? json(nullptr) : json(latest.filename().string())},
               {"checkpoints", json::array()}};
   for (const auto& row : rows)
@@ -189,7 +205,7 @@ std::optional<int64_t> as_step_number(const std::string& text) {
 
 // STEP as a number names step-N (or step-N.corrupt when only that one is left); as a name, the
 // directory of that name. Error(usage) naming it, and what there is, when there is no such one.
-fs::path checkpoint_named(const RunDirectory& run, const std::string& step) {
+fs::path checkpoint_named(const CheckedRun& run, const std::string& step) {
   // Newest first, a live checkpoint before a set-aside one of the same step.
   const auto all = list_checkpoints(run.checkpoints(), SetAside::include);
   const std::optional<int64_t> number = as_step_number(step);
@@ -201,11 +217,11 @@ fs::path checkpoint_named(const RunDirectory& run, const std::string& step) {
   for (const auto& dir : all)
     names.push_back(dir.filename().string());
   throw Error(ErrorKind::usage,
-              fmt::format("{}: no checkpoint {} (it has {})", run.path().string(), step,
+              fmt::format("{}: no checkpoint {} (it has {})", run.path.string(), step,
                           names.empty() ? "none" : fmt::format("{}", fmt::join(names, ", "))));
 }
 
-std::vector<fs::path> checkpoints_to_verify(const RunDirectory& run, const CkptOptions& o,
+std::vector<fs::path> checkpoints_to_verify(const CheckedRun& run, const CkptOptions& o,
                                             const fs::path& latest) {
   if (!o.step.empty()) return {checkpoint_named(run, o.step)};
   // Set-aside checkpoints are known to be damaged and never used again: --all leaves them out.
@@ -221,13 +237,13 @@ std::vector<fs::path> checkpoints_to_verify(const RunDirectory& run, const CkptO
 }
 
 int run_verify(const CkptOptions& o) {
-  RunDirectory run = RunDirectory::open(o.run_dir);
+  const CheckedRun run = open_run(o.run_dir);
   const fs::path latest = latest_or_none(run.checkpoints());
   const auto rows = inspect_all(checkpoints_to_verify(run, o, latest), latest);
   const bool all_ok =
       std::all_of(rows.begin(), rows.end(), [](const CheckpointRow& r) { return r.status.ok(); });
   if (o.json) {
-    json out = {{"run_dir", run.path().string()}, {"ok", all_ok}, {"checkpoints", json::array()}};
+    json out = {{"run_dir", run.path.string()}, {"ok", all_ok}, {"checkpoints", json::array()}};
     for (const auto& row : rows)
       out["checkpoints"].push_back(row_json(row));
     std::printf("%s\n", out.dump().c_str());

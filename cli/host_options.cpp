@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include "core/error.hpp"
+#include "launch/elastic.hpp"
 
 namespace dptrain::cli {
 
@@ -28,6 +29,31 @@ std::vector<HostSpec> HostOptions::load_for_job(bool nproc_given) const {
                 "--nproc: not with --hosts (each host's slots give its number of ranks)");
   }
   return load();
+}
+
+void place_ranks(JobSpec& spec, const HostOptions& hosts, const std::string& nproc,
+                 const std::string& nnodes, int default_nproc) {
+  if (!hosts.hosts.empty()) {
+    spec.hosts = hosts.load_for_job(!nproc.empty());
+    if (!nnodes.empty()) {
+      spec.nodes = parse_size_range(nnodes, "--nnodes");
+      if (spec.nodes.max > static_cast<int>(spec.hosts.size())) {
+        throw Error(ErrorKind::usage,
+                    fmt::format("--nnodes {}: only {} host(s) given", nnodes, spec.hosts.size()));
+      }
+      // Hosts past the first MAX are spares: they stand in for lost ones.
+      spec.candidates = spec.hosts;
+      spec.hosts.resize(static_cast<size_t>(spec.nodes.max));
+    }
+    spec.world_size = total_slots(spec.hosts);
+    return;
+  }
+  if (!nnodes.empty()) {
+    throw Error(ErrorKind::usage, "--nnodes: only with --hosts (use --nproc MIN:MAX locally)");
+  }
+  spec.nodes = parse_size_range(nproc.empty() ? std::to_string(default_nproc) : nproc, "--nproc");
+  spec.world_size = spec.nodes.max;
+  if (!spec.nodes.elastic()) spec.nodes = {0, 0};
 }
 
 void add_host_options(CLI::App& app, HostOptions& o, bool hosts_required) {

@@ -25,6 +25,13 @@ struct HostOptions {
   std::vector<HostSpec> load_for_job(bool nproc_given) const;
 };
 
+// Where a job's ranks run (launch, resume). With --hosts: every host's slots, or with --nnodes N
+// or MIN:MAX the first hosts that answer (those after the first MAX are spares). Without: --nproc
+// N or MIN:MAX local ranks, `default_nproc` when it is not given. Sets spec.hosts, candidates,
+// nodes and world_size; Error(usage) naming the flag that does not fit.
+void place_ranks(JobSpec& spec, const HostOptions& hosts, const std::string& nproc,
+                 const std::string& nnodes, int default_nproc);
+
 // `hosts_required`: --hosts must be given (provision, doctor); otherwise it is optional (launch).
 void add_host_options(CLI::App& app, HostOptions& o, bool hosts_required);
 

@@ -36,27 +36,7 @@ struct LaunchOptions {
 JobSpec job_spec(const LaunchOptions& o) {
   JobSpec spec;
   spec.recipe = load_recipe(o.recipe);
-  if (!o.hosts.hosts.empty()) {
-    spec.hosts = o.hosts.load_for_job(!o.nproc.empty());
-    if (!o.nnodes.empty()) {
-      spec.nodes = parse_size_range(o.nnodes, "--nnodes");
-      if (spec.nodes.max > static_cast<int>(spec.hosts.size())) {
-        throw Error(ErrorKind::usage,
-                    fmt::format("--nnodes {}: only {} host(s) given", o.nnodes, spec.hosts.size()));
-      }
-      // Hosts past the first MAX are spares: they stand in for lost ones.
-      spec.candidates = spec.hosts;
-      spec.hosts.resize(static_cast<size_t>(spec.nodes.max));
-    }
-    spec.world_size = total_slots(spec.hosts);
-  } else {
-    if (!o.nnodes.empty()) {
-      throw Error(ErrorKind::usage, "--nnodes: only with --hosts (use --nproc MIN:MAX locally)");
-    }
-    spec.nodes = parse_size_range(o.nproc.empty() ? "1" : o.nproc, "--nproc");
-    spec.world_size = spec.nodes.max;
-    if (!spec.nodes.elastic()) spec.nodes = {0, 0};
-  }
+  place_ranks(spec, o.hosts, o.nproc, o.nnodes, 1);
   spec.nominal_world = spec.world_size;
   spec.remote = o.remote.get(o.hosts);
   spec.backend = o.backend.empty() ? spec.recipe.distributed.backend : o.backend;

@@ -25,7 +25,8 @@ namespace {
 
 struct ResumeOptions {
   std::string run_dir;
-  int nproc = 0;  // 0: the recorded world size
+  std::string nproc;   // "N" or "MIN:MAX"; empty: the recorded world size
+  std::string nnodes;  // with --hosts: "N" or "MIN:MAX"; empty: every host
   HostOptions hosts;
   RemoteJobOptions remote;
   RestartOptions restart;
@@ -58,10 +59,8 @@ int run_resume(const ResumeOptions& o) {
     status.line(fmt::format("{}: the run already completed; nothing to resume", o.run_dir));
   }
   JobSpec spec;
-  if (!o.hosts.hosts.empty()) {
-    spec.hosts = o.hosts.load_for_job(o.nproc > 0);
-    spec.world_size = total_slots(spec.hosts);
-  } else {
+  place_ranks(spec, o.hosts, o.nproc, o.nnodes, run.info().value("world_size", 1));
+  if (o.hosts.hosts.empty()) {
     std::string remote;
     for (const auto& h : run.info().value("hosts", nlohmann::json::array())) {
       const std::string name = h.value("host", std::string("localhost"));
@@ -73,7 +72,6 @@ int run_resume(const ResumeOptions& o) {
                               "the SSH options its launch used",
                               o.run_dir, remote));
     }
-    spec.world_size = o.nproc > 0 ? o.nproc : run.info().value("world_size", 1);
   }
   spec.remote = o.remote.get(o.hosts);
   if (!run.info().contains("recipe")) {
@@ -86,10 +84,17 @@ int run_resume(const ResumeOptions& o) {
   spec.nominal_world = run.info().value("nominal_world_size", run.info().value("world_size", 1));
   check_runnable(spec.recipe, spec.world_size, spec.nominal_world);
   check_local_gpus(spec);
-  const std::string where = spec.hosts.empty() ? fmt::format("{} local rank(s)", spec.world_size)
-                                               : fmt::format("{} rank(s) on {} host(s)",
-                                                             spec.world_size, spec.hosts.size());
-  if (spec.hosts.empty() || spec.hosts.front().is_local()) {
+  std::string where = spec.hosts.empty() ? fmt::format("{} local rank(s)", spec.world_size)
+                                         : fmt::format("{} rank(s) on {} host(s)", spec.world_size,
+                                                       spec.hosts.size());
+  if (spec.nodes.elastic()) {
+    where += fmt::format(" ({} {}:{})", spec.hosts.empty() ? "ranks" : "hosts", spec.nodes.min,
+                         spec.nodes.max);
+  }
+  // An elastic job's first generation takes the first candidates that answer; this machine
+  // always does.
+  const auto& hosts = spec.candidates.empty() ? spec.hosts : spec.candidates;
+  if (hosts.empty() || hosts.front().is_local()) {
     spec.resume_from = find_valid_checkpoint(
         run.checkpoints(), [&status](const std::string& w) { status.line("warning: " + w); });
     set_aside_newer(run.checkpoints(), spec.resume_from, status);
@@ -112,8 +117,12 @@ void setup_resume(CLI::App& app, Outcome& outcome) {
   auto o = std::make_shared<ResumeOptions>();
   app.add_option("run_dir", o->run_dir, "Run directory made by 'dptrain launch'")->required();
   app.add_option("-n,--nproc", o->nproc,
-                 "Number of local ranks (default: the run's recorded world size); on another "
-                 "world size the global batch stays the run's (see distributed.resize)");
+                 "Local ranks, N or MIN:MAX for an elastic job (default: the run's recorded world "
+                 "size); on another world size the global batch stays the run's (see "
+                 "distributed.resize)");
+  app.add_option("--nnodes", o->nnodes,
+                 "With --hosts: N hosts, or MIN:MAX elastically; hosts after the first MAX are "
+                 "spares (default: every host)");
   add_host_options(app, o->hosts, false);
   add_remote_job_options(app, o->remote);
   add_restart_options(app, o->restart);

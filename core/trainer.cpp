@@ -8,6 +8,7 @@
 #include <cstring>
 #include <map>
 #include <numeric>
+#include <random>
 #include <thread>
 
 #include <sys/resource.h>
@@ -309,7 +310,59 @@ class TrainingRun {
     return result;
   }
 
-  bool writes_checkpoints() const { return rank_ == 0 || options_.node_leader; }
+  bool writes_checkpoints() const {
+    return (rank_ == 0 || options_.node_leader) && shares_run_dir_with_ < 0;
+  }
+
+  // Node leaders whose run directories are one directory (a shared filesystem, or hosts whose
+  // workdirs lead to one place) would write, verify and prune the same checkpoint at once and
+  // spoil each other's. Each writer leaves a marker with a random name in its run directory; one
+  // that finds the marker of a lower rank's writer there leaves the writing to that rank. Two
+  // collectives, once per generation.
+  void claim_run_directory() {
+    uint64_t token = 0;
+    fs::path marker;
+    if (writes_checkpoints()) {
+      std::random_device random;
+      while (token == 0)
+        token = (uint64_t{random()} << 32) | random();
+      marker = options_.run_dir / writer_marker(token);
+      fs::create_directories(options_.run_dir);
+      write_file_atomic(marker, std::to_string(rank_) + "\n");
+    }
+    std::vector<uint64_t> tokens(static_cast<size_t>(world_));
+    mark_collective();
+    comm_.allgather(&token, sizeof(token), tokens.data());
+    int32_t shares_with = -1;
+    for (int r = 0; token != 0 && r < rank_ && shares_with < 0; ++r) {
+      const uint64_t other = tokens[static_cast<size_t>(r)];
+      std::error_code ec;
+      if (other != 0 && fs::exists(options_.run_dir / writer_marker(other), ec)) shares_with = r;
+    }
+    // Also the barrier that keeps every marker until every writer has looked.
+    std::vector<int32_t> verdicts(static_cast<size_t>(world_));
+    mark_collective();
+    comm_.allgather(&shares_with, sizeof(shares_with), verdicts.data());
+    if (!marker.empty()) {
+      std::error_code ignored;
+      fs::remove(marker, ignored);
+    }
+    shares_run_dir_with_ = shares_with;
+    std::string shared;
+    for (int r = 0; r < world_; ++r) {
+      const int32_t with = verdicts[static_cast<size_t>(r)];
+      if (with >= 0)
+        shared += fmt::format("{}rank {} with rank {}", shared.empty() ? "" : ", ", r, with);
+    }
+    if (!shared.empty()) {
+      emit({{"event", "info"},
+            {"message", fmt::format("node leaders share a run directory ({}): one filesystem; "
+                                    "only the lower rank writes checkpoints there",
+                                    shared)}});
+    }
+  }
+
+  static std::string writer_marker(uint64_t token) { return fmt::format(".writer-{:016x}", token); }
 
   // Whether the optimizer state is split between ranks (ZeRO-1, parameter servers).
   bool sharded() const { return shards_ > 1 || ps_; }
@@ -319,6 +372,7 @@ class TrainingRun {
   }
 
   void start() {
+    claim_run_directory();
     if (writes_checkpoints()) remove_incomplete_checkpoints(options_.run_dir / "checkpoints");
     if (data_world_ > micro_batches_) {
       emit({{"event", "info"},
@@ -1224,6 +1278,8 @@ class TrainingRun {
   Clock::time_point run_start_;
   DataPosition position_;
   int source_rank_ = 0;
+  // A node leader whose run directory is rank N's too (claim_run_directory): N; else -1.
+  int shares_run_dir_with_ = -1;
 };
 
 }  // namespace

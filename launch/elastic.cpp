@@ -1,6 +1,7 @@
 // Elastic world size: host selection by probing, and MIN:MAX ranges.
 #include "launch/elastic.hpp"
 
+#include <algorithm>
 #include <future>
 #include <thread>
 
@@ -50,6 +51,21 @@ HostProbe ssh_probe(const SshOptions& options) {
   };
 }
 
+namespace {
+
+// Probes every host at once; "" for each that answers, else why not.
+std::vector<std::string> probe_all(const std::vector<HostSpec>& hosts, const HostProbe& probe) {
+  std::vector<std::future<std::string>> answers;
+  for (const auto& h : hosts)
+    answers.push_back(std::async(std::launch::async, probe, h));
+  std::vector<std::string> why;
+  for (auto& a : answers)
+    why.push_back(a.get());
+  return why;
+}
+
+}  // namespace
+
 HostSelection select_hosts(const std::vector<HostSpec>& candidates, int max_nodes,
                            std::chrono::milliseconds wait, const HostProbe& probe,
                            const std::function<bool()>& should_stop,
@@ -57,14 +73,8 @@ HostSelection select_hosts(const std::vector<HostSpec>& candidates, int max_node
   const auto deadline = std::chrono::steady_clock::now() + wait;
   std::vector<std::string> why(candidates.size());
   for (;;) {
-    std::vector<std::future<std::string>> answers;
-    for (const auto& h : candidates)
-      answers.push_back(std::async(std::launch::async, probe, h));
-    int up = 0;
-    for (size_t i = 0; i < candidates.size(); ++i) {
-      why[i] = answers[i].get();
-      if (why[i].empty()) ++up;
-    }
+    why = probe_all(candidates, probe);
+    const auto up = std::count_if(why.begin(), why.end(), [](const auto& w) { return w.empty(); });
     if (up >= max_nodes || std::chrono::steady_clock::now() + interval > deadline ||
         (should_stop && should_stop())) {
       break;
@@ -80,6 +90,46 @@ HostSelection select_hosts(const std::vector<HostSpec>& candidates, int max_node
     }
   }
   return out;
+}
+
+std::chrono::milliseconds rejoin_probe_interval(std::chrono::milliseconds rejoin_timeout) {
+  return std::clamp<std::chrono::milliseconds>(rejoin_timeout, std::chrono::seconds(1),
+                                               std::chrono::seconds(30));
+}
+
+HostWatch::HostWatch(std::vector<HostSpec> hosts, HostProbe probe,
+                     std::chrono::milliseconds interval)
+    : hosts_(std::move(hosts)), probe_(std::move(probe)), interval_(interval) {
+  thread_ = std::thread([this] { run(); });
+}
+
+HostWatch::~HostWatch() {
+  {
+    std::lock_guard lock(mutex_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  thread_.join();
+}
+
+std::vector<HostSpec> HostWatch::answered() const {
+  std::lock_guard lock(mutex_);
+  return answered_;
+}
+
+void HostWatch::run() {
+  for (;;) {
+    {
+      std::unique_lock lock(mutex_);
+      if (wake_.wait_for(lock, interval_, [this] { return stop_; })) return;
+    }
+    const std::vector<std::string> why = probe_all(hosts_, probe_);
+    std::lock_guard lock(mutex_);
+    for (size_t i = 0; i < hosts_.size(); ++i) {
+      if (why[i].empty()) answered_.push_back(hosts_[i]);
+    }
+    if (!answered_.empty() || stop_) return;
+  }
 }
 
 }  // namespace dptrain

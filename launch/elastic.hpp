@@ -3,8 +3,11 @@
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
 #include <functional>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "launch/hostfile.hpp"
@@ -38,5 +41,35 @@ HostSelection select_hosts(const std::vector<HostSpec>& candidates, int max_node
                            std::chrono::milliseconds wait, const HostProbe& probe,
                            const std::function<bool()>& should_stop,
                            std::chrono::milliseconds interval = std::chrono::milliseconds(1000));
+
+// How often a running elastic job probes the hosts it lacks: every rejoin timeout, at least 1 s
+// and at most 30 s apart.
+std::chrono::milliseconds rejoin_probe_interval(std::chrono::milliseconds rejoin_timeout);
+
+// Watches, while a generation runs below its job's maximum size, for hosts that answer again: a
+// thread probes `hosts` every `interval` (all at once, the first round after one interval) until
+// at least one answers. The destructor stops it; it waits for a probe in flight (an SSH login
+// attempt, bounded by the connect timeout).
+class HostWatch {
+ public:
+  HostWatch(std::vector<HostSpec> hosts, HostProbe probe, std::chrono::milliseconds interval);
+  ~HostWatch();
+  HostWatch(const HostWatch&) = delete;
+  HostWatch& operator=(const HostWatch&) = delete;
+  // Those that answered in the round where the first did; empty until then.
+  std::vector<HostSpec> answered() const;
+
+ private:
+  void run();
+
+  const std::vector<HostSpec> hosts_;
+  const HostProbe probe_;
+  const std::chrono::milliseconds interval_;
+  mutable std::mutex mutex_;
+  std::condition_variable wake_;
+  bool stop_ = false;
+  std::vector<HostSpec> answered_;
+  std::thread thread_;
+};
 
 }  // namespace dptrain

@@ -1,6 +1,7 @@
 // One generation of a job: store, each host's ranks, supervision, run.json updates.
 #include "launch/job.hpp"
 
+#include <algorithm>
 #include <csignal>
 #include <cstdlib>
 #include <fstream>
@@ -382,7 +383,39 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       return verdict;
     };
   }
+  // An elastic job below its maximum size takes back hosts that answer again: every rank
+  // checkpoints at the next step boundary and stops, and the next generation has them.
+  std::unique_ptr<HostWatch> host_watch;
+  if (trains && spec.nodes.elastic() && !spec.candidates.empty() &&
+      static_cast<int>(plan.hosts.size()) < spec.nodes.max) {
+    std::vector<HostSpec> missing;
+    for (const auto& c : spec.candidates) {
+      const bool used = std::any_of(plan.hosts.begin(), plan.hosts.end(),
+                                    [&](const HostSpec& h) { return h.display() == c.display(); });
+      if (!used) missing.push_back(c);
+    }
+    host_watch = std::make_unique<HostWatch>(missing, ssh_probe(spec.remote.ssh),
+                                             rejoin_probe_interval(spec.rejoin_timeout));
+    options.stop_request = [&]() -> std::optional<std::string> {
+      const std::vector<HostSpec> back = host_watch->answered();
+      if (back.empty()) return std::nullopt;
+      json names = json::array();
+      std::string list;
+      for (const auto& h : back) {
+        names.push_back(h.display());
+        list += (list.empty() ? "" : ", ") + h.display();
+      }
+      const std::string message = fmt::format(
+          "{} answer{} again: every rank checkpoints at the next step, then the job continues "
+          "on up to {} host(s)",
+          list, back.size() == 1 ? "s" : "", spec.nodes.max);
+      status.line("dptrain: " + message);
+      events.emit("host_rejoined", {{"generation", generation}, {"hosts", names}});
+      return message;
+    };
+  }
   const SupervisionResult sup = supervise(procs, options);
+  host_watch.reset();
   status.finish();
 
   JobOutcome out;
@@ -446,6 +479,11 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       for (const auto& l : last_lines)
         out.error += "\n  " + l;
     }
+  } else if (!sup.requested.empty() && result.is_null()) {
+    // Every rank checkpointed and stopped for the hosts that came back (a rank that finished
+    // the run first reported its result: that is a completed run).
+    out.status = "resized";
+    out.resized = true;
   } else {
     out.status = "completed";
     out.result = result;
@@ -468,6 +506,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   info["generations"].back()["ended_at"] = utc_timestamp();
   info["generations"].back()["status"] = out.status;
   if (!out.error.empty()) info["generations"].back()["error"] = out.error;
+  if (out.resized) info["generations"].back()["stopped_for"] = sup.requested;
   if (!out.result.is_null()) info["result"] = out.result;
   run.save();
   return out;

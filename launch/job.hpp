@@ -36,7 +36,9 @@ struct JobSpec {
   int world_size = 1;           // with hosts: the sum of their slots
   // Elastic world size. With hosts: `nodes` counts hosts, chosen in order from `candidates`
   // (every host the job may use: later ones are spares); a lost host is dropped when it does
-  // not answer within rejoin_timeout, and rejoins at a later restart when it answers again.
+  // not answer within rejoin_timeout. While a generation runs below `nodes.max` hosts, the
+  // others are probed every rejoin_probe_interval(rejoin_timeout); when one answers, the ranks
+  // checkpoint and stop, and the next generation has it (not counted as a restart).
   // Locally: `nodes` counts ranks, and a rank killed by SIGKILL (the OOM killer, a cgroup
   // limit) is capacity lost: the next generation has one rank fewer. A fixed size: min == max.
   SizeRange nodes{0, 0};  // {0, 0}: every host given, or world_size ranks
@@ -66,7 +68,10 @@ struct JobOutcome {
   nlohmann::json result;     // the trainer's result on success
   int64_t last_step = -1;    // the last step rank 0 reported before the end (-1: none)
   bool rank_killed = false;  // the failure was a local rank killed by SIGKILL
-  int restarts = 0;          // generations started after failures (run_job_with_restarts)
+  // Not a failure: the ranks checkpointed and stopped so that hosts that answer again can join
+  // (an elastic job below its maximum size); exit_code 0, status "resized".
+  bool resized = false;
+  int restarts = 0;  // generations started after failures (run_job_with_restarts)
   nlohmann::json to_json(const RunDirectory& run) const;
 };
 

@@ -110,6 +110,23 @@ RunState run_state(const json& info) {
                    std::to_string(generations.size()) + " is alive)";
     }
   }
+  // Between a generation stopped for hosts that answer again and the next one.
+  if (state.recorded_status == "resized") {
+    const auto since = age_s(text(last, "ended_at"));
+    if (since && *since < kPlacementMarginS) {
+      state.status = "resizing";
+      state.note = fmt::format(
+          "generation {} stopped at a checkpoint for hosts that answer "
+          "again; generation {} is being placed",
+          generations.size(), generations.size() + 1);
+    } else {
+      state.status = "stale";
+      state.note = fmt::format(
+          "generation {} stopped for hosts that answer again, but no generation followed it: "
+          "the launcher is gone",
+          generations.size());
+    }
+  }
   // Between a failed generation and the next one, run.json says failed and lists the restart.
   if (state.recorded_status == "failed" && !restarts.empty() &&
       integer(restarts.back(), "after_generation", -1) ==

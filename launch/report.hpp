@@ -44,11 +44,11 @@ RunMetrics read_metrics(const std::filesystem::path& file);
 
 // Where a run stands, from run.json and, for one marked running, whether its ranks still live.
 struct RunState {
-  std::string status;           // running, restarting, completed, failed, interrupted,
-                                // terminated, or stale (marked running, its launcher is gone)
+  std::string status;           // running, restarting, resizing, completed, failed,
+                                // interrupted, terminated, or stale (its launcher is gone)
   std::string recorded_status;  // as run.json says
   std::vector<int> live_pids;   // the newest generation's workers (or relays) still alive
-  std::string note;             // why it is stale or restarting; empty otherwise
+  std::string note;             // why it is stale, restarting or resizing; empty otherwise
 };
 
 // One checkpoint of the run, verified (every blob's size and checksum) or only listed.

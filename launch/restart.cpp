@@ -39,16 +39,23 @@ std::string join(const std::vector<std::string>& parts, const std::string& sep) 
   return out;
 }
 
+// Why a generation is being placed: the job's first, after a failure (`failed`), or after the
+// ranks stopped for hosts that answer again (`grow`).
+enum class Placement { first, after_failure, grow };
+
 // Chooses the hosts (or local ranks) of the next generation of an elastic job and records a
 // change of world size. Returns an error message when fewer than the minimum are left.
-std::string place_generation(RunDirectory& run, JobSpec& spec, StatusPrinter& status,
-                             const JobOutcome* failed) {
+std::string place_generation(RunDirectory& run, JobSpec& spec, StatusPrinter& status, Placement why,
+                             const JobOutcome* failed = nullptr) {
   if (spec.nodes.max == 0) return "";
-  const int before = failed ? spec.world_size : spec.nominal_world;
+  const int before = why == Placement::first ? spec.nominal_world : spec.world_size;
+  const std::vector<HostSpec> hosts_before = spec.hosts;
   std::vector<std::string> absent;
   if (!spec.candidates.empty()) {
-    // A lost host gets rejoin_timeout to come back; so do an elastic job's first hosts.
-    const bool waits = failed != nullptr || spec.nodes.elastic();
+    // A lost host gets rejoin_timeout to come back; so do an elastic job's first hosts. Hosts
+    // that just answered again are taken as they answer now.
+    const bool waits =
+        why == Placement::after_failure || (why == Placement::first && spec.nodes.elastic());
     const auto wait = waits ? spec.rejoin_timeout : std::chrono::milliseconds(0);
     const HostSelection sel =
         select_hosts(spec.candidates, spec.nodes.max, wait, ssh_probe(spec.remote.ssh),
@@ -64,7 +71,7 @@ std::string place_generation(RunDirectory& run, JobSpec& spec, StatusPrinter& st
     }
     spec.hosts = sel.hosts;
     spec.world_size = total_slots(spec.hosts);
-  } else if (failed && failed->rank_killed && spec.nodes.elastic()) {
+  } else if (failed != nullptr && failed->rank_killed && spec.nodes.elastic()) {
     if (spec.world_size - 1 < spec.nodes.min) {
       return fmt::format(
           "a rank was lost (killed by SIGKILL) and only {} would remain, fewer "
@@ -82,20 +89,72 @@ std::string place_generation(RunDirectory& run, JobSpec& spec, StatusPrinter& st
       "world size {} -> {}{}; global batch {}{}", before, spec.world_size,
       spec.hosts.empty() ? std::string() : fmt::format(" ({} host(s))", spec.hosts.size()), batch,
       absent.empty() ? "" : "; without " + join(absent, "; ")));
-  json hosts = json::array();
-  for (const auto& h : spec.hosts)
+  json hosts = json::array(), joined = json::array();
+  for (const auto& h : spec.hosts) {
     hosts.push_back(h.display());
-  const json change = {
-      {"from", before},        {"to", spec.world_size},
-      {"hosts", hosts},        {"lost", absent},
-      {"global_batch", batch}, {"generation", run.info()["generations"].size() + 1},
-      {"at", utc_timestamp()}};
+    const bool before_too =
+        std::any_of(hosts_before.begin(), hosts_before.end(),
+                    [&](const HostSpec& b) { return b.display() == h.display(); });
+    if (why != Placement::first && !before_too) joined.push_back(h.display());
+  }
+  const json change = {{"from", before},
+                       {"to", spec.world_size},
+                       {"hosts", hosts},
+                       {"lost", absent},
+                       {"joined", joined},
+                       {"global_batch", batch},
+                       {"generation", run.info()["generations"].size() + 1},
+                       {"at", utc_timestamp()}};
   if (spec.events) spec.events->emit("world_size_changed", change);
   json& changes = run.info()["world_size_changes"];
   if (!changes.is_array()) changes = json::array();
   changes.push_back(change);
   run.save();
   return "";
+}
+
+// Where the next generation continues from: rank 0's node holds the newest checkpoint when it
+// is this machine (returned, and named in `name`); otherwise the ranks find the newest any node
+// holds (an empty path). With no checkpoint yet the job starts over, and its metrics with it.
+fs::path newest_local_checkpoint(RunDirectory& run, const JobSpec& spec, StatusPrinter& status,
+                                 std::string& name) {
+  name = "the newest checkpoint on the nodes";
+  if (!rank0_local(spec)) return {};
+  try {
+    fs::path from = find_valid_checkpoint(
+        run.checkpoints(), [&status](const std::string& w) { status.line("warning: " + w); });
+    name = from.filename().string();
+    return from;
+  } catch (const Error&) {
+    name = "step 0";
+    std::error_code ignored;
+    fs::remove(run.path() / "metrics.jsonl", ignored);
+    return {};
+  }
+}
+
+// Too few hosts or ranks are left for the next generation.
+JobOutcome failed_placement(RunDirectory& run, JobOutcome outcome, const std::string& error,
+                            const std::string& cause) {
+  outcome.exit_code = outcome.rank_killed ? 3 : 4;
+  outcome.status = "failed";
+  outcome.resized = false;
+  outcome.error = cause.empty() ? error : error + "\n  (the failure before: " + cause + ")";
+  run.info()["status"] = "failed";
+  run.save();
+  return outcome;
+}
+
+// SIGTERM or SIGINT between two generations.
+JobOutcome stopped_waiting(RunDirectory& run, JobOutcome outcome, int sig) {
+  outcome.exit_code = sig == SIGTERM ? 143 : 130;
+  outcome.status = sig == SIGTERM ? "terminated" : "interrupted";
+  outcome.error = outcome.resized ? "stopped between generations (every rank had checkpointed)"
+                                  : "stopped while waiting to restart";
+  outcome.resized = false;
+  run.info()["status"] = outcome.status;
+  run.save();
+  return outcome;
 }
 
 }  // namespace
@@ -105,7 +164,7 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
   int restarts = 0;
   int same_step = 0;
   int64_t previous_step = -2;
-  if (std::string error = place_generation(run, spec, status, nullptr); !error.empty()) {
+  if (std::string error = place_generation(run, spec, status, Placement::first); !error.empty()) {
     JobOutcome out;
     out.exit_code = 4;
     out.status = "failed";
@@ -117,6 +176,26 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
   for (;;) {
     JobOutcome outcome = run_job(run, spec, status);
     outcome.restarts = restarts;
+    if (outcome.resized) {
+      // Not a failure and not a restart: the next generation continues from the checkpoint the
+      // ranks just wrote, with the hosts that answer now.
+      std::string from_name;
+      const fs::path from = newest_local_checkpoint(run, spec, status, from_name);
+      json& resizes = run.info()["resizes"];
+      if (!resizes.is_array()) resizes = json::array();
+      resizes.push_back({{"after_generation", run.info()["generations"].size()},
+                         {"after_step", outcome.last_step},
+                         {"from", from_name},
+                         {"at", utc_timestamp()}});
+      run.save();
+      if (std::string error = place_generation(run, spec, status, Placement::grow);
+          !error.empty()) {
+        return failed_placement(run, outcome, error, "");
+      }
+      if (const int sig = pending_stop_signal()) return stopped_waiting(run, outcome, sig);
+      spec.resume_from = rank0_local(spec) && !from.empty() ? from : fs::path("newest-or-start");
+      continue;
+    }
     if (!restartable(outcome) || policy.max_restarts == 0) return outcome;
     same_step = outcome.last_step == previous_step ? same_step + 1 : 1;
     previous_step = outcome.last_step;
@@ -133,21 +212,8 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
       return outcome;
     }
     ++restarts;
-    // Where the next generation continues from: rank 0's node holds the newest checkpoint
-    // when it is this machine; otherwise the ranks find the newest any node holds.
-    fs::path from;
-    std::string from_name = "the newest checkpoint on the nodes";
-    if (rank0_local(spec)) {
-      try {
-        from = find_valid_checkpoint(
-            run.checkpoints(), [&status](const std::string& w) { status.line("warning: " + w); });
-        from_name = from.filename().string();
-      } catch (const Error&) {
-        from_name = "step 0";  // no checkpoint yet: start over, with metrics to match
-        std::error_code ignored;
-        fs::remove(run.path() / "metrics.jsonl", ignored);
-      }
-    }
+    std::string from_name;
+    const fs::path from = newest_local_checkpoint(run, spec, status, from_name);
     const auto backoff = std::min<std::chrono::milliseconds>(
         policy.backoff * (int64_t{1} << std::min(restarts - 1, 15)), std::chrono::seconds(30));
     const std::string cause = first_line(outcome.error);
@@ -171,23 +237,14 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
     run.save();
     int sig = sleep_unless_stopped(backoff);
     if (sig == 0) {
-      if (std::string error = place_generation(run, spec, status, &outcome); !error.empty()) {
-        outcome.exit_code = outcome.rank_killed ? 3 : 4;
-        outcome.error = error + "\n  (the failure before: " + cause + ")";
-        run.info()["status"] = "failed";
-        run.save();
-        return outcome;
+      if (std::string error =
+              place_generation(run, spec, status, Placement::after_failure, &outcome);
+          !error.empty()) {
+        return failed_placement(run, outcome, error, cause);
       }
       sig = pending_stop_signal();
     }
-    if (sig != 0) {
-      outcome.exit_code = sig == SIGTERM ? 143 : 130;
-      outcome.status = sig == SIGTERM ? "terminated" : "interrupted";
-      outcome.error = "stopped while waiting to restart";
-      run.info()["status"] = outcome.status;
-      run.save();
-      return outcome;
-    }
+    if (sig != 0) return stopped_waiting(run, outcome, sig);
     // A checkpoint on this machine is named when rank 0 still runs here; otherwise the ranks
     // find the newest any node holds (rank 0 may be on another host now).
     spec.resume_from = rank0_local(spec) && !from.empty() ? from : fs::path("newest-or-start");

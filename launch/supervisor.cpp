@@ -146,6 +146,15 @@ class Supervision {
             continue;
           }
         }
+        if (sig == 0 && !result.failure && !candidate_ && options_.stop_request) {
+          if (auto reason = options_.stop_request()) {
+            result.requested = *reason;
+            stopping = true;
+            signal_all(SIGTERM);
+            stop_deadline = std::chrono::steady_clock::now() + options_.stop_grace;
+            continue;
+          }
+        }
         if (result.failure || result.stop_signal != 0) {
           stopping = true;
           // SIGTERM lets ranks checkpoint at the next step boundary, which takes longer than
@@ -165,7 +174,8 @@ class Supervision {
       }
     }
     drain();
-    if (!result.failure && result.stop_signal == 0 && result.watchdog.empty()) {
+    if (!result.failure && result.stop_signal == 0 && result.watchdog.empty() &&
+        result.requested.empty()) {
       result.failure = candidate_;
     }
     if (result.failure) {

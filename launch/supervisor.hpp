@@ -36,7 +36,8 @@ struct SupervisionResult {
   std::optional<ProcessFailure> failure;  // the first process that failed
   int stop_signal = 0;                    // SIGINT / SIGTERM received by the launcher
   std::string watchdog;                   // the watchdog's message, when it stopped the run
-  bool ok() const { return !failure && stop_signal == 0 && watchdog.empty(); }
+  std::string requested;                  // the stop request's message, when it stopped the run
+  bool ok() const { return !failure && stop_signal == 0 && watchdog.empty() && requested.empty(); }
 };
 
 struct SupervisorOptions {
@@ -55,6 +56,10 @@ struct SupervisorOptions {
   // Polled every loop: a message stops everything at once (SIGKILL: a hung rank cannot
   // checkpoint) and is reported as the cause.
   std::function<std::optional<std::string>()> watchdog;
+  // Polled every loop too: a message stops everything as a SIGTERM to the launcher does (ranks
+  // checkpoint at the next step boundary, `stop_grace`), and is reported as `requested`. The
+  // launcher asks this way when an elastic job can grow.
+  std::function<std::optional<std::string>()> stop_request;
 };
 
 // Installs SIGINT/SIGTERM handlers that the supervisor loop observes; call once from main.

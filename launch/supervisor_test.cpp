@@ -116,3 +116,29 @@ TEST_CASE("supervisor: a grandchild holding the output open does not keep it wai
   REQUIRE(result.failure);
   CHECK(result.failure->exit_code == 5);
 }
+
+TEST_CASE("supervisor: a stop request stops every process with SIGTERM, given stop_grace") {
+  Fixture f;
+  f.options.stop_grace = std::chrono::seconds(20);
+  int polls = 0;
+  f.options.stop_request = [&polls]() -> std::optional<std::string> {
+    if (++polls < 3) return std::nullopt;
+    return "a host answers again";
+  };
+  // Like ranks that checkpoint on SIGTERM: they take a moment longer than `grace`, then exit 143.
+  const std::string rank =
+      "trap 'sleep 0.6; echo saved; exit 143' TERM; while :; do sleep 0.05; done";
+  const auto result = supervise({f.shell(0, rank), f.shell(1, rank)}, f.options);
+  CHECK_FALSE(result.failure);
+  CHECK(result.stop_signal == 0);
+  CHECK(result.requested == "a host answers again");
+  CHECK_FALSE(result.ok());
+  // Each finished its "checkpoint": not killed after the 300 ms grace.
+  // (The shell may first say its `sleep` was terminated: the signal goes to the process group.)
+  for (const char* label : {"rank 0", "rank 1"}) {
+    REQUIRE_FALSE(f.lines[label].empty());
+    CHECK(f.lines[label].back() == "saved");
+  }
+  for (pid_t p : f.pids)
+    CHECK_FALSE(alive(p));
+}

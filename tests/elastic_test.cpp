@@ -6,6 +6,9 @@
 
 #include <cmath>
 #include <fstream>
+#include <optional>
+
+#include <fmt/format.h>
 
 #include "tests/cluster.hpp"
 
@@ -54,6 +57,28 @@ class LostHost {
 struct TwoHosts : TwoHostCluster {
   TwoHosts() : TwoHostCluster(1) {}
 };
+
+// A run on both hosts (rank 0 remote) with `extra` flags, whose rank 1 crashes at step 70 once:
+// it restarts from the step-50 checkpoint the nodes hold and ends bit-identical to a clean run.
+CommandResult crash_once_and_restart(TwoHosts& c, const std::vector<std::string>& extra) {
+  const auto recipe = write_recipe(c.tmp.path(), elastic_recipe());
+  auto clean = run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir",
+                            (c.tmp / "clean").string(), "--json"});
+  REQUIRE(clean.exit_code == 0);
+  auto args = c.launch_args(recipe, c.tmp / "remote");
+  args.insert(args.end(), extra.begin(), extra.end());
+  for (const char* a : {"--max-restarts", "1", "--restart-backoff", "0.1", "--json"})
+    args.push_back(a);
+  auto r = run_dptrain(args, {{"DPTRAIN_FAULT", "crash@step=70,rank=1,gen=1"}});
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  const json out = parse_json(r.out);
+  CHECK(out["restarts"] == 1);
+  CHECK(out["params_checksum"] == parse_json(clean.out)["params_checksum"]);
+  const json info = parse_json(read_text(c.tmp / "remote/run.json"));
+  CHECK(info["generations"][1]["resumed_from"] == "step-000050");
+  return r;
+}
 
 }  // namespace
 
@@ -119,6 +144,65 @@ TEST_CASE("a lost node with --nnodes 1:2: the survivor finishes from its own che
   CHECK(previous == 150);
 }
 
+TEST_CASE("a host that answers again rejoins: the job grows back to --nnodes MAX at a checkpoint") {
+  TwoHosts c;
+  const auto recipe = write_recipe(c.tmp.path(), elastic_recipe());
+  auto clean = run_dptrain(
+      {"launch", recipe.string(), "--nproc", "2", "--run-dir", (c.tmp / "clean").string()});
+  REQUIRE(clean.exit_code == 0);
+
+  // The first host (rank 0's) refuses logins at the start: the job starts on the second alone.
+  const std::string away = c.sshd.addresses()[1], there = c.sshd.addresses()[2];
+  std::optional<LostHost> gone;
+  gone.emplace(c.sshd, away);
+  const fs::path run_dir = c.tmp / "grow", events = c.tmp / "events.jsonl";
+  auto args = c.launch_args(recipe, run_dir);
+  for (const char* a : {"--nnodes", "1:2", "--rejoin-timeout", "1", "--events"})
+    args.push_back(a);
+  args.push_back(events.string());
+  Background job(args, {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "40"}});
+  REQUIRE(eventually([&] {
+    return fs::exists(c.remote_run(there, run_dir) / "checkpoints/step-000025/meta.json");
+  }));
+  gone.reset();  // it answers again
+  const int code = job.wait();
+  INFO(job.out(), job.err());
+  REQUIRE(code == 0);
+  CHECK(job.out().find(c.sshd.host(away).display() + " answers again") != std::string::npos);
+
+  const json result = parse_json(read_text(run_dir / "result.json"));
+  CHECK(result["world_size"] == 2);
+  CHECK(result["steps"] == 150);
+  const auto changes = events_named(events, "world_size_changed");
+  REQUIRE(changes.size() == 2);
+  CHECK(changes[0]["from"] == 2);
+  CHECK(changes[0]["to"] == 1);
+  CHECK(changes[1]["from"] == 1);
+  CHECK(changes[1]["to"] == 2);
+  CHECK(changes[1]["joined"] == json::array({c.sshd.host(away).display()}));
+  const auto rejoined = events_named(events, "host_rejoined");
+  REQUIRE(rejoined.size() == 1);
+  CHECK(rejoined[0]["hosts"] == json::array({c.sshd.host(away).display()}));
+  CHECK(events_named(events, "restart").empty());
+
+  // Not a restart: a resize, continuing from the checkpoint the ranks wrote when they stopped.
+  const json info = parse_json(read_text(run_dir / "run.json"));
+  REQUIRE(info["generations"].size() == 2);
+  CHECK(info["generations"][0]["status"] == "resized");
+  CHECK(info["generations"][0]["world_size"] == 1);
+  CHECK(info["generations"][1]["world_size"] == 2);
+  CHECK_FALSE(info.contains("restarts"));
+  REQUIRE(info["resizes"].size() == 1);
+  const int64_t stopped_after = info["resizes"][0]["after_step"].get<int64_t>();
+  CHECK(stopped_after > 25);
+  CHECK(stopped_after < 150);
+  const std::string resumed = info["generations"][1]["resumed_from"];
+  CHECK(resumed == fmt::format("step-{:06d}", stopped_after));
+  // The global batch stayed the job's: the held-out loss is that of a fault-free run.
+  const double clean_loss = eval_loss(c.tmp / "clean"), loss = eval_loss(run_dir);
+  CHECK(std::abs(loss - clean_loss) / clean_loss < 0.02);
+}
+
 TEST_CASE("a lost node does not leave a job below --nnodes MIN: exit 4 naming the host") {
   TwoHosts c;
   const auto recipe = write_recipe(c.tmp.path(), elastic_recipe());
@@ -151,22 +235,27 @@ TEST_CASE("a spare host stands in for an unreachable one: --nnodes 1 of 2 hosts"
 
 TEST_CASE("a crash on a run whose rank 0 is remote restarts from the nodes' checkpoint") {
   TwoHosts c;
-  const auto recipe = write_recipe(c.tmp.path(), elastic_recipe());
-  auto clean = run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir",
-                            (c.tmp / "clean").string(), "--json"});
-  REQUIRE(clean.exit_code == 0);
-  auto args = c.launch_args(recipe, c.tmp / "remote");
-  for (const char* a : {"--max-restarts", "1", "--restart-backoff", "0.1", "--json"})
-    args.push_back(a);
-  const auto r = run_dptrain(args, {{"DPTRAIN_FAULT", "crash@step=70,rank=1,gen=1"}});
-  INFO(r.err);
-  REQUIRE(r.exit_code == 0);
+  const auto r = crash_once_and_restart(c, {});
   CHECK(r.err.find("from the newest checkpoint on the nodes") != std::string::npos);
-  const json out = parse_json(r.out);
-  CHECK(out["restarts"] == 1);
-  CHECK(out["params_checksum"] == parse_json(clean.out)["params_checksum"]);
+}
+
+TEST_CASE("node leaders whose run directories are one: only the lower rank writes checkpoints") {
+  // Both hosts' --workdir is one directory, as on a shared filesystem: two node leaders writing,
+  // verifying and pruning the same checkpoint at once would spoil each other's.
+  TwoHosts c;
+  const fs::path shared = c.tmp / "shared";
+  const auto r = crash_once_and_restart(c, {"--workdir", shared.string()});
+  CHECK(r.err.find("node leaders share a run directory (rank 1 with rank 0)") != std::string::npos);
   const json info = parse_json(read_text(c.tmp / "remote/run.json"));
-  CHECK(info["generations"][1]["resumed_from"] == "step-000050");
+  // One run directory holds every checkpoint, each whole, and no marker or partial write is left.
+  const fs::path run_dir = shared / "runs" / ("remote-" + info["id"].get<std::string>());
+  const auto verify = run_dptrain({"ckpt", "verify", run_dir.string(), "--all"});
+  CHECK_MESSAGE(verify.exit_code == 0, verify.err);
+  for (const auto& entry : fs::recursive_directory_iterator(run_dir)) {
+    const std::string name = entry.path().filename().string();
+    CHECK_MESSAGE(name.rfind(".writer-", 0) != 0, name);
+    CHECK_MESSAGE(name.rfind(".tmp-", 0) != 0, name);
+  }
 }
 
 TEST_CASE("--nproc 1:2: a rank killed by SIGKILL is capacity lost; the job goes on with one") {
@@ -250,4 +339,60 @@ TEST_CASE("SIGTERM and resume of a run whose rank 0 is remote continue bit-ident
   REQUIRE(resumed.exit_code == 0);
   CHECK(resumed.err.find("from the newest checkpoint on its hosts") != std::string::npos);
   CHECK(parse_json(resumed.out)["params_checksum"] == parse_json(clean.out)["params_checksum"]);
+}
+
+TEST_CASE("resume --nnodes 1:2 with a host gone continues on the other from its checkpoint copy") {
+  TwoHosts c;
+  const auto recipe = write_recipe(c.tmp.path(), elastic_recipe());
+  auto clean = run_dptrain(
+      {"launch", recipe.string(), "--nproc", "2", "--run-dir", (c.tmp / "clean").string()});
+  REQUIRE(clean.exit_code == 0);
+  const fs::path run_dir = c.tmp / "remote", events = c.tmp / "events.jsonl";
+  Background job(c.launch_args(recipe, run_dir), {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "20"}});
+  const bool checkpointed = eventually([&] {
+    return fs::exists(c.remote_run(c.sshd.addresses()[2], run_dir) / "checkpoints/step-000025");
+  });
+  ::kill(job.pid(), SIGTERM);
+  const int code = job.wait();
+  INFO(job.out(), job.err());
+  REQUIRE(checkpointed);
+  REQUIRE(code == 143);
+
+  // The ranges are checked as launch checks them.
+  for (const auto& [flag, value] :
+       std::vector<std::pair<std::string, std::string>>{{"--nproc", "3:2"}, {"--nnodes", "1:2"}}) {
+    CAPTURE(value);
+    const auto bad = run_dptrain({"resume", run_dir.string(), flag, value});
+    CHECK(bad.exit_code == 2);
+    CHECK(bad.err.find(flag) != std::string::npos);
+  }
+
+  // Rank 0's host (and its checkpoints) is gone: the other continues from its own copy.
+  const LostHost gone(c.sshd, c.sshd.addresses()[1]);
+  auto args = c.launch_args(recipe, run_dir);
+  args.erase(args.begin(), args.begin() + 2);  // "launch RECIPE"
+  const auto run_flag = std::find(args.begin(), args.end(), "--run-dir");
+  args.erase(run_flag, run_flag + 2);
+  args.insert(args.begin(), {"resume", run_dir.string()});
+  for (const std::string& a : std::vector<std::string>{"--nnodes", "1:2", "--rejoin-timeout", "1",
+                                                       "--events", events.string()})
+    args.push_back(a);
+  const auto resumed = run_dptrain(args);
+  INFO(resumed.out, resumed.err);
+  REQUIRE(resumed.exit_code == 0);
+  CHECK(resumed.out.find("(hosts 1:2)") != std::string::npos);
+  const auto changes = events_named(events, "world_size_changed");
+  REQUIRE(changes.size() == 1);
+  CHECK(changes[0]["from"] == 2);
+  CHECK(changes[0]["to"] == 1);
+  const json result = parse_json(read_text(run_dir / "result.json"));
+  CHECK(result["world_size"] == 1);
+  CHECK(result["steps"] == 150);
+  const json info = parse_json(read_text(run_dir / "run.json"));
+  const std::string from = info["generations"].back()["resumed_from"];
+  CHECK(from.rfind("step-0000", 0) == 0);
+  CHECK(from != "step-000000");
+  CHECK(info["nominal_world_size"] == 2);
+  const double clean_loss = eval_loss(c.tmp / "clean"), loss = eval_loss(run_dir);
+  CHECK(std::abs(loss - clean_loss) / clean_loss < 0.02);
 }

@@ -364,15 +364,21 @@ TEST_CASE("a run with no steps logged yet: the report says so instead of failing
   CHECK(contains(run_dptrain({"status", run_dir.string()}).out, "no steps logged yet"));
 }
 
+namespace {
+
+// A time as run.json records it (utc_timestamp()).
+std::string utc(std::time_t t) {
+  std::tm tm{};
+  ::gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return std::string(buf);
+}
+
+}  // namespace
+
 TEST_CASE("status between a failed generation and the next: restarting, then failed") {
   TempDir tmp;
-  const auto utc = [](std::time_t t) {
-    std::tm tm{};
-    ::gmtime_r(&t, &tm);
-    char buf[32];
-    std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
-    return std::string(buf);
-  };
   const auto run_json = [&](std::time_t restart_at) {
     return json{{"status", "failed"},
                 {"world_size", 2},
@@ -408,6 +414,41 @@ TEST_CASE("status between a failed generation and the next: restarting, then fai
   CHECK(contains(s["note"].get<std::string>(), "no generation followed it"));
   CHECK(s["last_restart"]["failed_after_step"] == 45);
   CHECK(s["error"] == "rank 1 was killed by signal 9 (SIGKILL)");
+}
+
+TEST_CASE("status between a generation stopped to grow and the next: resizing, then stale") {
+  TempDir tmp;
+  const auto run_json = [&](std::time_t ended_at) {
+    return json{{"status", "resized"},
+                {"world_size", 1},
+                {"nominal_world_size", 2},
+                {"recipe", resumable_recipe()},
+                {"generations",
+                 {{{"generation", 1},
+                   {"started_at", utc(ended_at - 10)},
+                   {"ended_at", utc(ended_at)},
+                   {"status", "resized"},
+                   {"world_size", 1},
+                   {"pids", {999999}},
+                   {"stopped_for", "hostb answers again"}}}},
+                {"resizes",
+                 {{{"after_generation", 1},
+                   {"after_step", 47},
+                   {"from", "step-000047"},
+                   {"at", utc(ended_at)}}}}}
+        .dump();
+  };
+  fs::create_directories(tmp / "run");
+  write_text(tmp / "run/run.json", run_json(std::time(nullptr) - 2));
+  json s = parse_json(run_dptrain({"status", (tmp / "run").string(), "--json"}).out);
+  CHECK(s["status"] == "resizing");
+  CHECK(s["recorded_status"] == "resized");
+  CHECK(contains(s["note"].get<std::string>(), "generation 2 is being placed"));
+
+  write_text(tmp / "run/run.json", run_json(std::time(nullptr) - 3600));
+  s = parse_json(run_dptrain({"status", (tmp / "run").string(), "--json"}).out);
+  CHECK(s["status"] == "stale");
+  CHECK(contains(s["note"].get<std::string>(), "the launcher is gone"));
 }
 
 TEST_CASE("report and status of what is not a run: exit 2 naming it") {

@@ -1,0 +1,121 @@
+// Host selection and the watch for returning hosts, with a scripted probe instead of SSH.
+#include "launch/elastic.hpp"
+
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <map>
+#include <mutex>
+#include <set>
+
+#include "core/error.hpp"
+
+using namespace dptrain;
+using namespace std::chrono_literals;
+
+namespace {
+
+HostSpec host(const std::string& name) {
+  HostSpec h;
+  h.host = name;
+  h.slots = 1;
+  return h;
+}
+
+// Answers for the hosts in `up` (changeable while probes run); counts the probes of each host.
+struct ScriptedProbe {
+  std::mutex mutex;
+  std::set<std::string> up;
+  std::map<std::string, int> probes;
+
+  HostProbe probe() {
+    return [this](const HostSpec& h) -> std::string {
+      std::lock_guard lock(mutex);
+      ++probes[h.host];
+      return up.count(h.host) ? "" : "connection refused";
+    };
+  }
+  void set_up(const std::string& name) {
+    std::lock_guard lock(mutex);
+    up.insert(name);
+  }
+  int count(const std::string& name) {
+    std::lock_guard lock(mutex);
+    return probes[name];
+  }
+};
+
+std::vector<std::string> names(const std::vector<HostSpec>& hosts) {
+  std::vector<std::string> out;
+  for (const auto& h : hosts)
+    out.push_back(h.host);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("elastic: --nnodes and --nproc ranges") {
+  CHECK(parse_size_range("3", "--nproc").min == 3);
+  CHECK_FALSE(parse_size_range("3", "--nproc").elastic());
+  const SizeRange r = parse_size_range("1:4", "--nnodes");
+  CHECK(r.min == 1);
+  CHECK(r.max == 4);
+  CHECK(r.elastic());
+  for (const char* bad : {"", "0", "2:1", "1:", ":2", "a", "1:2:3", "-1", "9999999"}) {
+    CAPTURE(bad);
+    CHECK_THROWS_WITH_AS(parse_size_range(bad, "--nnodes"),
+                         doctest::Contains("--nnodes: expected N or MIN:MAX"), Error);
+  }
+}
+
+TEST_CASE("elastic: the first MAX hosts that answer, in order; the others named with why") {
+  ScriptedProbe p;
+  p.up = {"b", "c", "d"};
+  const auto sel =
+      select_hosts({host("a"), host("b"), host("c"), host("d")}, 2, 0ms, p.probe(), nullptr);
+  CHECK(names(sel.hosts) == std::vector<std::string>{"b", "c"});
+  REQUIRE(sel.absent.size() == 1);
+  CHECK(sel.absent[0] == "a: connection refused");
+}
+
+TEST_CASE("elastic: a host that comes back within the wait is taken") {
+  ScriptedProbe p;
+  p.up = {"a"};
+  std::thread back([&p] {
+    std::this_thread::sleep_for(150ms);
+    p.set_up("b");
+  });
+  const auto sel = select_hosts({host("a"), host("b")}, 2, 10s, p.probe(), nullptr,
+                                std::chrono::milliseconds(50));
+  back.join();
+  CHECK(names(sel.hosts) == std::vector<std::string>{"a", "b"});
+  CHECK(sel.absent.empty());
+}
+
+TEST_CASE("elastic: the host watch reports the hosts that answer again, and only then") {
+  ScriptedProbe p;
+  HostWatch watch({host("x"), host("y"), host("z")}, p.probe(), 20ms);
+  std::this_thread::sleep_for(200ms);
+  CHECK(watch.answered().empty());
+  CHECK(p.count("x") >= 2);  // probed again and again
+  p.set_up("y");
+  p.set_up("z");
+  for (int i = 0; i < 500 && watch.answered().empty(); ++i)
+    std::this_thread::sleep_for(10ms);
+  // Both answer in the same round (they were up before it began) or y alone: y is always there.
+  const auto found = names(watch.answered());
+  REQUIRE_FALSE(found.empty());
+  CHECK(found.front() == "y");
+  // It stops probing once a host answered.
+  const int probes = p.count("x");
+  std::this_thread::sleep_for(100ms);
+  CHECK(p.count("x") == probes);
+}
+
+TEST_CASE("elastic: a host watch is stopped by its destructor while it waits") {
+  ScriptedProbe p;
+  const auto t0 = std::chrono::steady_clock::now();
+  { HostWatch watch({host("x")}, p.probe(), 1h); }
+  CHECK(std::chrono::steady_clock::now() - t0 < 5s);  // bound against a hang, not a timing
+  CHECK(p.count("x") == 0);                           // the first round comes after one interval
+}
