@@ -14,43 +14,28 @@
 // key tiles at or before it (recomputing P and dP: the price of a deterministic dQ without a
 // [key tiles, seq, hd] scratch, which would be as large as the probabilities).
 //
-// Not yet tuned: no tensor cores (a WMMA/mma.sync bf16/f16 path would keep these kernels as the
-// f32 path and fallback), scalar shared-memory loads (no float4), f32 staging even for 16-bit
-// inputs (hd 128 needs 165 KB of shared memory in the dK/dV kernel: one block per SM), fixed
-// 64 x 64 tiles for every head size, and no split of long sequences across blocks.
+// These kernels are the f32 path, and for 16-bit inputs the fallback and reference of the
+// tensor-core kernels (attention_tc.cu; DPTRAIN_ATTENTION=simt selects these). Not tuned: scalar
+// shared-memory loads (no float4), f32 staging even for 16-bit inputs (hd 128 needs 165 KB of
+// shared memory in the dK/dV kernel: one block per SM), fixed 64 x 64 tiles for every head size,
+// and no split of long sequences across blocks.
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
-#include "kernels/cuda_ops_impl.cuh"
+#include "kernels/attention.cuh"
 
 namespace dptrain::kernels {
 namespace {
 
-constexpr int kTile = 64;              // query rows = key rows of a tile
 constexpr int kWarps = 8;              // warps of a block
 constexpr int kThreads = kWarps * 32;  // threads of a block
 constexpr int kRows = kTile / kWarps;  // tile rows a warp owns
 constexpr int kCols = kTile / 32;      // tile columns a lane owns in score products
-constexpr int kMaxTiles = 65535;       // grid y limit: tiles per sequence
 static_assert(kTile % kWarps == 0 && kTile % 32 == 0);
 
 // ---- Device helpers.
-
-// The same total in every lane (butterfly order: deterministic).
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2)
-    v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2)
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  return v;
-}
 
 // This thread's lane, and the first of the kRows tile rows its warp owns.
 __device__ __forceinline__ int lane_index() {
@@ -59,37 +44,6 @@ __device__ __forceinline__ int lane_index() {
 __device__ __forceinline__ int first_row() {
   return static_cast<int>(threadIdx.x) / 32 * kRows;
 }
-
-// Where block (b * heads + h, y) works: head h of sequence b, whose rows start at row b * seq
-// of qkv, dout, out and dqkv, at column head.
-template <typename T, int HD>
-struct HeadBlock {
-  int seq, bh, b, h;
-  int width;     // heads * HD: columns of out and dout
-  int64_t ld;    // 3 * width: columns of qkv and dqkv
-  int64_t head;  // h * HD
-  const T* q;    // the head's column 0 of the sequence's row 0 in qkv
-  const T* k;
-  const T* v;
-
-  __device__ __forceinline__ HeadBlock(const T* qkv, int seq_len, int heads)
-      : seq(seq_len),
-        bh(static_cast<int>(blockIdx.x)),
-        b(bh / heads),
-        h(bh % heads),
-        width(heads * HD),
-        ld(3 * static_cast<int64_t>(width)),
-        head(static_cast<int64_t>(h) * HD),
-        q(qkv + static_cast<int64_t>(b) * seq * ld + head),
-        k(q + width),
-        v(q + 2 * width) {}
-
-  // The head's column 0 of the sequence's row `row` in a matrix with `columns` columns.
-  template <typename U>
-  __device__ __forceinline__ U* at(U* matrix, int64_t columns, int row) const {
-    return matrix + (static_cast<int64_t>(b) * seq + row) * columns + head;
-  }
-};
 
 // Rows [row0, row0 + kTile) of one head's HD columns (src points at the head's column 0 of
 // row 0; rows are ld elements apart) into dst [kTile][stride] as f32. Rows at or past seq read
@@ -441,11 +395,8 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- Host side.
 
-std::string shape(int64_t rows, int64_t cols) {
-  return "[" + std::to_string(rows) + ", " + std::to_string(cols) + "]";
-}
+}  // namespace
 
-// Checks what both passes share and returns the head size.
 int64_t check_attention(const char* op, ConstMatrix qkv, int64_t batch, int64_t seq, int64_t heads,
                         ConstMatrix out) {
   if (batch < 0 || seq < 0 || heads <= 0) {
@@ -479,37 +430,19 @@ int64_t check_attention(const char* op, ConstMatrix qkv, int64_t batch, int64_t 
   return hd;
 }
 
-// Calls f.template operator()<HD>() for a head size check_attention accepted.
-template <typename F>
-void dispatch_head_size(int64_t hd, F&& f) {
-  switch (hd) {
-    case 32:
-      f.template operator()<32>();
-      return;
-    case 64:
-      f.template operator()<64>();
-      return;
-    case 128:
-      f.template operator()<128>();
-      return;
-    default:
-      precondition_failed("attention", "head size " + std::to_string(hd) + " is not supported");
+bool tensor_core_attention(DType dtype, std::initializer_list<const void*> buffers) {
+  if (dtype == DType::f32) return false;
+  const char* how = std::getenv("DPTRAIN_ATTENTION");
+  const std::string choice = how == nullptr ? "auto" : how;
+  if (choice == "simt") return false;
+  if (choice != "auto") {
+    precondition_failed("attention", "DPTRAIN_ATTENTION=" + choice + ": use auto or simt");
   }
+  for (const void* p : buffers) {
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  }
+  return true;
 }
-
-// Kernels over 48 KB of dynamic shared memory must opt in, per kernel.
-template <typename Kernel>
-void allow_shared_memory(Kernel* kernel, int floats, const char* name) {
-  const int bytes = floats * static_cast<int>(sizeof(float));
-  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
-             name);
-}
-
-float attention_scale(int64_t hd) {
-  return 1.0f / std::sqrt(static_cast<float>(hd));
-}
-
-}  // namespace
 
 size_t CudaOps::attention_state_floats(int64_t batch, int64_t seq, int64_t heads) const {
   // One log-sum-exp per (sequence, head, query row).
@@ -520,12 +453,16 @@ void CudaOps::attention_forward(ConstMatrix qkv, int64_t batch, int64_t seq, int
                                 Matrix out, float* state) {
   const int64_t hd = check_attention("attention_forward", qkv, batch, seq, heads, out);
   if (batch == 0 || seq == 0) return;
+  if (tensor_core_attention(qkv.dtype, {qkv.data, out.data})) {
+    attention_forward_tc(stream(), qkv, batch, seq, heads, hd, out, state);
+    return;
+  }
   const dim3 grid(static_cast<unsigned>(batch * heads),
                   static_cast<unsigned>((seq + kTile - 1) / kTile));
   dispatch_dtype(qkv.dtype, [&]<typename T>() {
     dispatch_head_size(hd, [&]<int HD>() {
       constexpr int floats = forward_smem_floats<HD>();
-      allow_shared_memory(attention_forward_kernel<T, HD>, floats,
+      allow_shared_memory(attention_forward_kernel<T, HD>, floats * sizeof(float),
                           "attention_forward: cudaFuncSetAttribute");
       attention_forward_kernel<T, HD><<<grid, kThreads, floats * sizeof(float), stream()>>>(
           static_cast<const T*>(qkv.data), static_cast<T*>(out.data), state, static_cast<int>(seq),
@@ -562,6 +499,10 @@ void CudaOps::attention_backward(ConstMatrix qkv, ConstMatrix out, const float* 
         static_cast<const T*>(out.data), static_cast<const T*>(dout.data), delta, rows,
         static_cast<int>(seq), static_cast<int>(heads), static_cast<int>(hd));
     check_launch("attention_delta_kernel");
+    if (tensor_core_attention(qkv.dtype, {qkv.data, dout.data, dqkv.data})) {
+      attention_backward_tc(stream(), qkv, state, delta, dout, batch, seq, heads, hd, dqkv);
+      return;
+    }
     dispatch_head_size(hd, [&]<int HD>() {
       const auto* q = static_cast<const T*>(qkv.data);
       const auto* dy = static_cast<const T*>(dout.data);
@@ -569,7 +510,7 @@ void CudaOps::attention_backward(ConstMatrix qkv, ConstMatrix out, const float* 
       const float scale = attention_scale(HD);
       // Both kernels take the same arguments and grid; each opts in to its shared memory.
       const auto launch = [&](auto* kernel, int floats, const char* attribute, const char* name) {
-        allow_shared_memory(kernel, floats, attribute);
+        allow_shared_memory(kernel, static_cast<size_t>(floats) * sizeof(float), attribute);
         kernel<<<grid, kThreads, static_cast<size_t>(floats) * sizeof(float), stream()>>>(
             q, dy, state, delta, g, static_cast<int>(seq), static_cast<int>(heads), scale);
         check_launch(name);

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "tests/gpu/gpu_test.hpp"
+#include "tests/scoped_env.hpp"
 
 namespace dptrain::gputest {
 namespace {
@@ -253,6 +254,68 @@ TEST_CASE("attention: 4096 positions keep O(seq) state and allocate nothing quad
 
   // And the results still match the CPU at this length.
   check_against_cpu(s, dtype, 32);
+}
+
+TEST_CASE("attention: the SIMT kernels take 16-bit inputs too (DPTRAIN_ATTENTION=simt)") {
+  // 16-bit inputs go to the tensor-core kernels by default (every test above); these are their
+  // fallback and reference.
+  const ScopedEnv simt("DPTRAIN_ATTENTION", "simt");
+  for (DType t : {DType::bf16, DType::f16}) {
+    check_against_cpu({1, 130, 3, 64}, t, 41);
+    check_against_cpu({2, 256, 4, 128}, t, 42);
+  }
+}
+
+TEST_CASE("attention: tensor cores against the SIMT kernels on GPT-2 small's shape") {
+  // Times both on the same inputs (a report, not an assertion) and compares their outputs.
+  const Shape s{16, 1024, 12, 64};
+  const DType dtype = DType::bf16;
+  const std::vector<float> qkv = random_qkv(s, dtype, 51), dout = random_dout(s, dtype, 51);
+  using Ms = std::chrono::duration<double, std::milli>;
+  const auto timed = [&](DeviceAttention& dev, double& forward_ms, double& backward_ms) {
+    dev.forward();  // warm-up: loads the kernels, sizes the scratch
+    dev.backward();
+    gpu().synchronize();
+    const auto t0 = std::chrono::steady_clock::now();
+    dev.forward();
+    gpu().synchronize();
+    const auto t1 = std::chrono::steady_clock::now();
+    dev.backward();
+    gpu().synchronize();
+    const auto t2 = std::chrono::steady_clock::now();
+    forward_ms = Ms(t1 - t0).count();
+    backward_ms = Ms(t2 - t1).count();
+  };
+  DeviceAttention tc(s, dtype, qkv, dout);
+  double tc_fwd = 0, tc_bwd = 0, simt_fwd = 0, simt_bwd = 0;
+  timed(tc, tc_fwd, tc_bwd);
+  DeviceAttention reference(s, dtype, qkv, dout);
+  {
+    const ScopedEnv simt("DPTRAIN_ATTENTION", "simt");
+    timed(reference, simt_fwd, simt_bwd);
+  }
+  MESSAGE("attention " << s.name() << " bf16: tensor cores forward " << tc_fwd << " ms, backward "
+                       << tc_bwd << " ms; SIMT forward " << simt_fwd << " ms, backward " << simt_bwd
+                       << " ms");
+  const size_t n = count(s.rows() * s.width());
+  check_close(to_host(tc.out.data(), n, dtype), to_host(reference.out.data(), n, dtype),
+              tolerance(dtype), "out: tensor cores vs SIMT");
+  check_close(to_host(tc.dqkv.data(), 3 * n, dtype), to_host(reference.dqkv.data(), 3 * n, dtype),
+              tolerance(dtype), "dqkv: tensor cores vs SIMT");
+}
+
+TEST_CASE("attention: DPTRAIN_ATTENTION other than auto or simt is an error naming it") {
+  const ScopedEnv bad("DPTRAIN_ATTENTION", "fast");
+  const Shape s{1, 64, 1, 64};
+  DeviceAttention dev(s, DType::bf16, random_qkv(s, DType::bf16, 61),
+                      random_dout(s, DType::bf16, 61));
+  std::string message;
+  try {
+    dev.forward();
+  } catch (const Error& e) {
+    message = e.what();
+  }
+  CHECK(message.find("DPTRAIN_ATTENTION=fast") != std::string::npos);
 }
 
 TEST_CASE("attention: broken preconditions are Error(internal) naming the op") {
