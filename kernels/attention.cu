@@ -431,13 +431,13 @@ int64_t check_attention(const char* op, ConstMatrix qkv, int64_t batch, int64_t 
 }
 
 bool tensor_core_attention(DType dtype, std::initializer_list<const void*> buffers) {
-  if (dtype == DType::f32) return false;
   const char* how = std::getenv("DPTRAIN_ATTENTION");
   const std::string choice = how == nullptr ? "auto" : how;
   if (choice == "simt") return false;
   if (choice != "auto") {
     precondition_failed("attention", "DPTRAIN_ATTENTION=" + choice + ": use auto or simt");
   }
+  if (dtype == DType::f32) return false;
   for (const void* p : buffers) {
     if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
   }

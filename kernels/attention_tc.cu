@@ -14,9 +14,10 @@
 // l + 32, ...) so that the online softmax can rescale them; the backward keeps dK, dV and dQ in
 // accumulator fragments.
 //
-// Rounding: P and dS are rounded to the input type before their products (as FlashAttention
-// does); the forward's row sums add the rounded P, so the output is normalised by exactly the
-// weights it used. Every sum runs in a fixed order: results are bit-identical from run to run.
+// Rounding: P and dS are rounded to the input type only as operands of their products (as
+// FlashAttention does); the row sums add the f32 P, so the log-sum-exp state has f32 accuracy
+// like the SIMT kernels' and the backward's recomputed P sums to 1. Every sum runs in a fixed
+// order: results are bit-identical from run to run.
 #include <mma.h>
 
 #include <cstdint>
@@ -255,9 +256,9 @@ __global__ void __launch_bounds__(kTcThreads)
       float sum = 0.0f;
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
-        const T p = from_f32<T>(expf(sc[c] - m_new));
-        pw[r * kPld + lane + 32 * c] = p;
-        sum += to_f32(p);
+        const float p = expf(sc[c] - m_new);
+        pw[r * kPld + lane + 32 * c] = from_f32<T>(p);
+        sum += p;
       }
       l[r] = l[r] * alpha + warp_sum(sum);
       m[r] = m_new;
