@@ -1,6 +1,8 @@
 // One generation of a job: store, each host's ranks, supervision, run.json updates.
 #include "launch/job.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <csignal>
 #include <cstdlib>
@@ -268,6 +270,10 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   }
   info["hosts"] = hosts_json;
   info["status"] = "running";
+  // Who runs the job, and a stamp renewed while it does: how `dptrain status` on another machine
+  // (a shared filesystem) tells a running job from one whose launcher is gone.
+  info["launcher"] = {{"host", this_host()}, {"pid", ::getpid()}};
+  info["alive_at"] = utc_timestamp();
   json gen = {{"generation", generation},
               {"started_at", utc_timestamp()},
               {"world_size", world},
@@ -414,6 +420,14 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       return message;
     };
   }
+  auto stamped = std::chrono::steady_clock::now();
+  options.tick = [&] {
+    const auto now = std::chrono::steady_clock::now();
+    if (now - stamped < std::chrono::seconds(kAliveEveryS)) return;
+    stamped = now;
+    info["alive_at"] = utc_timestamp();
+    run.save();
+  };
   const SupervisionResult sup = supervise(procs, options);
   host_watch.reset();
   status.finish();

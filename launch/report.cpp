@@ -89,27 +89,11 @@ bool rank_process_alive(int pid) {
   return args.size() >= 2 && (args[1] == "worker" || args[1] == "_relay");
 }
 
-RunState run_state(const json& info) {
-  RunState state;
-  state.recorded_status = text(info, "status");
-  state.status = state.recorded_status.empty() ? "unknown" : state.recorded_status;
-  const json& generations = array_at(info, "generations");
+// A run whose launcher is between two generations: after a resize, or after a failure with a
+// restart recorded.
+RunState between_generations(const json& info, const json& generations, RunState state) {
   const json& restarts = array_at(info, "restarts");
   const json last = generations.empty() ? json::object() : generations.back();
-  for (const auto& pid : array_at(last, "pids")) {
-    if (pid.is_number_integer() && rank_process_alive(pid.get<int>())) {
-      state.live_pids.push_back(pid.get<int>());
-    }
-  }
-  if (state.recorded_status == "running" && state.live_pids.empty()) {
-    const auto started = age_s(text(last, "started_at"));
-    const bool starting = !last.contains("pids") && started && *started < kStartingGraceS;
-    if (!starting) {
-      state.status = "stale";
-      state.note = "the launcher is gone (no rank of generation " +
-                   std::to_string(generations.size()) + " is alive)";
-    }
-  }
   // Between a generation stopped for hosts that answer again and the next one.
   if (state.recorded_status == "resized") {
     const auto since = age_s(text(last, "ended_at"));
@@ -151,6 +135,49 @@ RunState run_state(const json& info) {
     }
   }
   return state;
+}
+
+RunState run_state(const json& info) {
+  RunState state;
+  state.recorded_status = text(info, "status");
+  state.status = state.recorded_status.empty() ? "unknown" : state.recorded_status;
+  const json& generations = array_at(info, "generations");
+  const json last = generations.empty() ? json::object() : generations.back();
+  // Launched on another machine (seen over a shared filesystem): its processes are not this
+  // machine's to check, but its launcher renews "alive_at" while it runs.
+  const std::string launcher_host =
+      info.contains("launcher") ? text(info["launcher"], "host") : std::string();
+  if (!launcher_host.empty() && launcher_host != this_host()) {
+    if (state.recorded_status == "running") {
+      const auto alive = age_s(text(info, "alive_at"));
+      if (alive && *alive < kAliveStaleS) {
+        state.note = fmt::format("launched on {}, which stamped the run {} s ago", launcher_host,
+                                 std::max<int64_t>(*alive, 0));
+      } else {
+        state.status = "stale";
+        state.note = fmt::format(
+            "launched on {}, which has not stamped the run for {} (over {} s): the launcher is "
+            "gone",
+            launcher_host, alive ? fmt::format("{} s", *alive) : std::string("ever"), kAliveStaleS);
+      }
+    }
+    return between_generations(info, generations, std::move(state));
+  }
+  for (const auto& pid : array_at(last, "pids")) {
+    if (pid.is_number_integer() && rank_process_alive(pid.get<int>())) {
+      state.live_pids.push_back(pid.get<int>());
+    }
+  }
+  if (state.recorded_status == "running" && state.live_pids.empty()) {
+    const auto started = age_s(text(last, "started_at"));
+    const bool starting = !last.contains("pids") && started && *started < kStartingGraceS;
+    if (!starting) {
+      state.status = "stale";
+      state.note = "the launcher is gone (no rank of generation " +
+                   std::to_string(generations.size()) + " is alive)";
+    }
+  }
+  return between_generations(info, generations, std::move(state));
 }
 
 json read_json_file(const fs::path& file) {

@@ -1,6 +1,8 @@
 // The run directory: run.json (recipe, world size, generations, status), logs/, checkpoints/.
 #include "launch/run_dir.hpp"
 
+#include <unistd.h>
+
 #include <ctime>
 #include <system_error>
 
@@ -45,6 +47,12 @@ std::string RunDirectory::remote_name() const {
 
 std::string utc_timestamp() {
   return utc_format("%Y-%m-%dT%H:%M:%SZ");
+}
+
+std::string this_host() {
+  char name[256] = {};
+  if (::gethostname(name, sizeof(name) - 1) != 0) return "localhost";
+  return name;
 }
 
 RunDirectory RunDirectory::create(const fs::path& dir, const fs::path& runs_root,

@@ -35,5 +35,11 @@ class RunDirectory {
 };
 
 std::string utc_timestamp();  // 2026-11-30T08:43:38Z
+std::string this_host();      // this machine's host name (run.json's "launcher")
+
+// How often a running launcher stamps run.json's "alive_at", and how old that stamp may get
+// before a run seen from another machine counts as stale.
+constexpr int kAliveEveryS = 10;
+constexpr int kAliveStaleS = 60;
 
 }  // namespace dptrain

@@ -135,6 +135,7 @@ class Supervision {
     while (!all_done()) {
       poll_output(100);
       reap(result);
+      if (options_.tick) options_.tick();
       if (!stopping) {
         const int sig = stop_fd_closed_ || stop_fd_requested_ ? SIGTERM : g_stop_signal.load();
         if (sig != 0) result.stop_signal = sig;

@@ -60,6 +60,8 @@ struct SupervisorOptions {
   // checkpoint at the next step boundary, `stop_grace`), and is reported as `requested`. The
   // launcher asks this way when an elastic job can grow.
   std::function<std::optional<std::string>()> stop_request;
+  // Called every loop (about ten times a second) while the processes run.
+  std::function<void()> tick;
 };
 
 // Installs SIGINT/SIGTERM handlers that the supervisor loop observes; call once from main.

@@ -451,6 +451,62 @@ TEST_CASE("status between a generation stopped to grow and the next: resizing, t
   CHECK(contains(s["note"].get<std::string>(), "the launcher is gone"));
 }
 
+TEST_CASE("status of a run launched on another machine: its launcher's stamp tells") {
+  // Seen over a shared filesystem: the pids are not this machine's to check.
+  TempDir tmp;
+  const auto run_json = [&](std::time_t alive_at) {
+    return json{{"status", "running"},
+                {"world_size", 2},
+                {"recipe", resumable_recipe()},
+                {"launcher", {{"host", "login-node-that-is-not-this-one"}, {"pid", 4242}}},
+                {"alive_at", utc(alive_at)},
+                {"generations",
+                 {{{"generation", 1},
+                   {"started_at", utc(alive_at - 100)},
+                   {"world_size", 2},
+                   {"pids", {999999}}}}}}
+        .dump();
+  };
+  fs::create_directories(tmp / "run");
+  write_text(tmp / "run/run.json", run_json(std::time(nullptr) - 3));
+  json s = parse_json(run_dptrain({"status", (tmp / "run").string(), "--json"}).out);
+  CHECK(s["status"] == "running");
+  CHECK(contains(s["note"].get<std::string>(), "launched on login-node-that-is-not-this-one"));
+
+  write_text(tmp / "run/run.json", run_json(std::time(nullptr) - 600));
+  s = parse_json(run_dptrain({"status", (tmp / "run").string(), "--json"}).out);
+  CHECK(s["status"] == "stale");
+  CHECK(contains(s["note"].get<std::string>(), "has not stamped the run for"));
+}
+
+TEST_CASE("a running launch stamps run.json with its host and a renewed alive_at") {
+  TempDir tmp;
+  auto recipe = resumable_recipe();
+  const auto file = write_recipe(tmp.path(), recipe);
+  const fs::path run_dir = tmp / "run";
+  Background job({"launch", file.string(), "--nproc", "1", "--run-dir", run_dir.string()},
+                 {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "150"}});
+  REQUIRE(eventually([&] {
+    std::error_code ec;
+    if (!fs::exists(run_dir / "run.json", ec)) return false;
+    const json info = json::parse(read_text(run_dir / "run.json"), nullptr, false);
+    return !info.is_discarded() && info.contains("alive_at");
+  }));
+  const json first = parse_json(read_text(run_dir / "run.json"));
+  CHECK(first["launcher"]["pid"] == job.pid());
+  CHECK_FALSE(first["launcher"]["host"].get<std::string>().empty());
+  // Renewed while it runs (every 10 s).
+  const std::string stamp = first["alive_at"];
+  CHECK(eventually(
+      [&] {
+        const json info = json::parse(read_text(run_dir / "run.json"), nullptr, false);
+        return !info.is_discarded() && info.value("alive_at", stamp) != stamp;
+      },
+      std::chrono::seconds(25)));
+  ::kill(job.pid(), SIGINT);
+  job.wait();
+}
+
 TEST_CASE("report and status of what is not a run: exit 2 naming it") {
   TempDir tmp;
   for (const char* cmd : {"report", "status"}) {
