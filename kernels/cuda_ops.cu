@@ -212,6 +212,9 @@ GemmShape gemm_shape(const char* what, ConstMatrix a, Transpose transpose_a, Con
                                   dtype_name(a.dtype) + " inputs (expected " + dtype_name(a.dtype) +
                                   " or f32)");
   }
+  if (a.rows < 0 || a.cols < 0 || b.rows < 0 || b.cols < 0 || c.rows < 0 || c.cols < 0) {
+    precondition_failed(what, "a, b and c need sizes of at least 0");
+  }
   const bool ta = transpose_a == Transpose::yes, tb = transpose_b == Transpose::yes;
   const GemmShape s{ta ? a.cols : a.rows, tb ? b.rows : b.cols, ta ? a.rows : a.cols};
   const int64_t kb = tb ? b.cols : b.rows;

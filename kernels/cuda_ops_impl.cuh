@@ -67,6 +67,7 @@ void dispatch_dtype(DType dtype, F&& f) {
       f.template operator()<__half>();
       return;
   }
+  precondition_failed("dispatch_dtype", "not a dtype: " + std::to_string(static_cast<int>(dtype)));
 }
 
 // What kernels found wrong in their input (a token or label out of range); the host reads it
