@@ -486,6 +486,14 @@ CudaOps::CudaOps(int device) : device_(device) {
         cudaMalloc(reinterpret_cast<void**>(&reduce_scratch_), kReduceSlots * sizeof(double)),
         (where + "cudaMalloc of the reduction scratch").c_str());
     check_cuda(cudaMallocHost(&pinned_, kPinnedBytes), (where + "cudaMallocHost").c_str());
+    // Stream-ordered allocations (kernel scratch) keep their memory in the pool: with the default
+    // threshold of 0 it would go back to the driver at every synchronisation, once a step.
+    cudaMemPool_t pool = nullptr;
+    check_cuda(cudaDeviceGetDefaultMemPool(&pool, device),
+               (where + "cudaDeviceGetDefaultMemPool").c_str());
+    uint64_t keep = UINT64_MAX;
+    check_cuda(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep),
+               (where + "cudaMemPoolSetAttribute (release threshold)").c_str());
     matmul_plans_ = std::make_unique<MatmulPlans>();
     check_cuda(cudaStreamSynchronize(stream_), (where + "cudaStreamSynchronize").c_str());
   } catch (...) {

@@ -298,9 +298,9 @@ __global__ void activation_backward_kernel(const T* pre, const T* dout, T* dpre,
 // probs may alias logits. Thread 0 adds the block's row losses in row order into
 // block_loss[blockIdx.x] (double); an out-of-range label is recorded instead of read.
 template <typename T>
-__global__ void softmax_xent_forward_kernel(const T* logits, const int32_t* labels, T* probs,
-                                            int64_t rows, int64_t cols, DeviceErrors* errors,
-                                            double* block_loss) {
+__global__ void __launch_bounds__(1024)
+    softmax_xent_forward_kernel(const T* logits, const int32_t* labels, T* probs, int64_t rows,
+                                int64_t cols, DeviceErrors* errors, double* block_loss) {
   double loss = 0.0;
   for (int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
     const T* z = logits + i * cols;
@@ -331,7 +331,8 @@ __global__ void softmax_xent_forward_kernel(const T* logits, const int32_t* labe
 }
 
 // total = the sum of values[0, n) in a fixed order (thread strides, then the block tree).
-__global__ void sum_doubles_kernel(const double* values, int64_t n, double* total) {
+__global__ void __launch_bounds__(1024)
+    sum_doubles_kernel(const double* values, int64_t n, double* total) {
   double sum = 0.0;
   for (int64_t k = threadIdx.x; k < n; k += blockDim.x)
     sum += values[k];
@@ -342,9 +343,9 @@ __global__ void sum_doubles_kernel(const double* values, int64_t n, double* tota
 // dlogits[i, j] = row_scale * probs[i, j], minus row_scale at the label (dlogits may alias
 // probs). The label is only compared, never used as an address.
 template <typename T>
-__global__ void softmax_xent_backward_kernel(const T* probs, const int32_t* labels, T* dlogits,
-                                             int64_t rows, int64_t cols, float row_scale,
-                                             DeviceErrors* errors) {
+__global__ void __launch_bounds__(1024)
+    softmax_xent_backward_kernel(const T* probs, const int32_t* labels, T* dlogits, int64_t rows,
+                                 int64_t cols, float row_scale, DeviceErrors* errors) {
   for (int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
     const int32_t label = labels[i];
     if (threadIdx.x == 0 && (label < 0 || label >= cols)) {
@@ -361,8 +362,9 @@ __global__ void softmax_xent_backward_kernel(const T* probs, const int32_t* labe
 // Rows whose argmax (first column on ties) is the label, added to *correct. Like the CPU loop,
 // a NaN never wins, and a row starting with NaN picks column 0.
 template <typename T>
-__global__ void count_correct_kernel(const T* scores, const int32_t* labels, int64_t rows,
-                                     int64_t cols, unsigned long long* correct) {
+__global__ void __launch_bounds__(1024)
+    count_correct_kernel(const T* scores, const int32_t* labels, int64_t rows, int64_t cols,
+                         unsigned long long* correct) {
   for (int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
     const T* s = scores + i * cols;
     Best best{-INFINITY, std::numeric_limits<int64_t>::max()};
@@ -399,7 +401,9 @@ __global__ void layernorm_forward_kernel(const T* x, const T* gamma, const T* be
     sum_d = block_reduce(sum_d, Sum{}, 0.0f);
     sum_d2 = block_reduce(sum_d2, Sum{}, 0.0f);
     const float m = rough_mean + sum_d * inv_n;
-    const float var = fmaxf((sum_d2 - sum_d * sum_d * inv_n) * inv_n, 0.0f);
+    // Like the CPU's std::max(v, 0): a NaN variance (an Inf or NaN in the row) stays NaN.
+    const float v = (sum_d2 - sum_d * sum_d * inv_n) * inv_n;
+    const float var = v < 0.0f ? 0.0f : v;
     const float r = 1.0f / sqrtf(var + kLayerNormEps);
     walk_row<3, true>(cols, yi, xi, gamma, beta,
                       [&](int64_t, float v, float g, float b) { return (v - m) * r * g + b; });
