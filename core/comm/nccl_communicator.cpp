@@ -409,6 +409,9 @@ void NcclCommunicator::State::wait_done(const Describe& what, Clock::time_point 
     const cudaError_t query = cudaEventQuery(done);
     if (query == cudaSuccess) return;
     if (query != cudaErrorNotReady) check_cuda(query, what, "cudaEventQuery");
+    // The runtime keeps "not ready" as this thread's last error, and the op table's next
+    // launch check (cudaGetLastError) would report it as a failed kernel: clear it.
+    if (cudaPeekAtLastError() == cudaErrorNotReady) static_cast<void>(cudaGetLastError());
     check_async(what);
     const auto now = Clock::now();
     if (now >= deadline) fail_timeout(what);
@@ -447,7 +450,9 @@ void NcclCommunicator::State::ensure_scratch(size_t bytes, const Describe& what)
   scratch_bytes = 0;
   check_cuda(cudaMalloc(&scratch, grown), what, "cudaMalloc of the staging buffer");
   scratch_bytes = grown;
-  check_cuda(cudaMemset(scratch, 0, grown), what, "cudaMemset");
+  // On the communicator's stream: a plain cudaMemset runs on the legacy default stream, which
+  // does not order against this non-blocking stream, and could land after the staged input.
+  check_cuda(cudaMemsetAsync(scratch, 0, grown, stream), what, "cudaMemsetAsync");
 }
 
 void NcclCommunicator::State::init(Store& store) {
@@ -613,7 +618,10 @@ void NcclCommunicator::State::allgather(const void* in, size_t bytes_per_rank, v
 
 void NcclCommunicator::State::barrier() {
   const Describe what = [] { return std::string("barrier"); };
-  if (failure.empty()) ensure_scratch(sizeof(int32_t), what);
+  if (failure.empty()) {
+    select_device(what);  // the scratch belongs on this communicator's GPU, whatever the thread's
+    ensure_scratch(sizeof(int32_t), what);
+  }
   // An allreduce of one int: no rank leaves before every rank has arrived.
   run(what, nullptr, 0, nullptr, 0, [&](const void*, void*) {
     return nccl.all_reduce(scratch, scratch, 1, ncclInt32, ncclSum, comm, stream);
