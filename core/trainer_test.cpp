@@ -13,6 +13,7 @@
 #include "core/comm/gloo_communicator.hpp"
 #include "core/comm/tcp_store.hpp"
 #include "core/error.hpp"
+#include "core/tensor/emulated_ops.hpp"
 #include "tests/gloo_ranks.hpp"
 #include "tests/temp_dir.hpp"
 
@@ -129,6 +130,46 @@ TEST_CASE("trainer: two ranks in threads agree and write result, metrics and a c
   CHECK(fs::exists(tmp.path() / "result.json"));
   CHECK(fs::exists(tmp.path() / "metrics.jsonl"));
   CHECK(fs::exists(tmp.path() / "checkpoints/step-000030/params.bin"));
+}
+
+TEST_CASE("trainer: bf16 and fp16 on 16-bit storage (emulated on the CPU) train like fp32") {
+  // The trainer's mixed-precision path (f32 master weights cast for every micro-batch, f32
+  // gradients, fp16's loss scaling and its checkpointed state) without a GPU.
+  Recipe r = tiny_recipe();
+  r.train.steps = 60;
+  r.eval.every = 60;
+  r.checkpoint.every = 60;
+  TempDir f32_dir;
+  const auto f32 = train_ranks(r, 2, f32_dir.path());
+  REQUIRE(f32[0].error.empty());
+  for (const std::string precision : {"bf16", "fp16"}) {
+    CAPTURE(precision);
+    Recipe rp = r;
+    rp.train.precision = precision;
+    TempDir dir;
+    const auto out = train_ranks(rp, 2, [&](int) {
+      TrainerOptions o;
+      o.run_dir = dir.path();
+      o.ops = std::make_shared<EmulatedHalfOps>();
+      return o;
+    });
+    REQUIRE(out[0].error.empty());
+    REQUIRE(out[1].error.empty());
+    CHECK(out[0].result.params_checksum == out[1].result.params_checksum);
+    CHECK(out[0].result.params_checksum != f32[0].result.params_checksum);  // 16 bits did round
+    MESSAGE(precision << ": held-out loss " << out[0].result.eval_loss << " (fp32 "
+                      << f32[0].result.eval_loss << ")");
+    CHECK(out[0].result.eval_loss == doctest::Approx(f32[0].result.eval_loss).epsilon(0.05));
+    const CheckpointData ckpt = read_checkpoint(dir.path() / "checkpoints" / checkpoint_name(60));
+    if (precision == "fp16") {
+      // Dynamic loss scaling: 2^16 at the start, halved on overflow, a power of two.
+      CHECK(ckpt.position.loss_scale > 1);
+      CHECK(ckpt.position.loss_scale <= 65536);
+      CHECK(std::exp2(std::round(std::log2(ckpt.position.loss_scale))) == ckpt.position.loss_scale);
+    } else {
+      CHECK(ckpt.position.loss_scale == 1);
+    }
+  }
 }
 
 TEST_CASE("trainer: a rank whose parameters drift is caught at the next replica check") {

@@ -12,6 +12,7 @@
 #include "core/model/mlp.hpp"
 #include "tests/gpu/gpu_test.hpp"
 #include "tests/harness.hpp"
+#include "tests/model_check.hpp"
 #include "tests/text_corpus.hpp"
 
 namespace dptrain {
@@ -19,34 +20,17 @@ namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
+using test::Gradients;
 using test::parse_json;
+using test::random_windows;
 using test::read_text;
 using test::run_dptrain;
+using test::run_model;
 using test::source_dir;
 using test::TempDir;
+using test::tiny_gpt;
 using test::write_recipe;
 using test::write_text;
-
-struct Gradients {
-  double loss = 0;
-  std::vector<float> grads;
-  EvalStats eval;
-};
-
-// One forward_backward and one evaluate of `model` (on any op table) from host parameters.
-Gradients run_model(Model& model, Ops& ops, const std::vector<float>& params, const Batch& batch) {
-  const size_t n = params.size();
-  Buffer p = ops.allocate(n * sizeof(float));
-  Buffer g = ops.allocate(n * sizeof(float));
-  ops.upload(params.data(), p.data(), n * sizeof(float));
-  const std::span<float> ps(p.as<float>(), n), gs(g.as<float>(), n);
-  Gradients out;
-  out.loss = model.forward_backward(ps, batch, gs, 0.5f);
-  out.grads.resize(n);
-  ops.download(gs.data(), out.grads.data(), n * sizeof(float));
-  out.eval = model.evaluate(ps, batch);
-  return out;
-}
 
 void compare(const Gradients& gpu, const Gradients& cpu, DType dtype, const char* what) {
   CAPTURE(what);
@@ -57,24 +41,6 @@ void compare(const Gradients& gpu, const Gradients& cpu, DType dtype, const char
   CHECK(gpu.eval.count == cpu.eval.count);
   // 16-bit activations round the gradients too: compare against the largest one.
   gputest::check_close(gpu.grads, cpu.grads, dtype == DType::f32 ? 1e-3 : 10 * tol, what);
-}
-
-GptConfig tiny_gpt() {
-  GptConfig c;
-  c.vocab = 96;
-  c.context = 40;  // not a multiple of the attention tile
-  c.layers = 2;
-  c.heads = 2;
-  c.width = 64;  // head size 32
-  return c;
-}
-
-std::vector<int32_t> random_windows(int64_t count, int64_t length, int64_t vocab, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<int32_t> out(static_cast<size_t>(count * length));
-  for (int32_t& t : out)
-    t = static_cast<int32_t>(rng() % static_cast<uint64_t>(vocab));
-  return out;
 }
 
 }  // namespace
