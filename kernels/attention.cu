@@ -451,6 +451,7 @@ size_t CudaOps::attention_state_floats(int64_t batch, int64_t seq, int64_t heads
 
 void CudaOps::attention_forward(ConstMatrix qkv, int64_t batch, int64_t seq, int64_t heads,
                                 Matrix out, float* state) {
+  const OpTimer timer(*this, "attention_forward");
   const int64_t hd = check_attention("attention_forward", qkv, batch, seq, heads, out);
   if (batch == 0 || seq == 0) return;
   if (tensor_core_attention(qkv.dtype, {qkv.data, out.data})) {
@@ -475,6 +476,7 @@ void CudaOps::attention_forward(ConstMatrix qkv, int64_t batch, int64_t seq, int
 void CudaOps::attention_backward(ConstMatrix qkv, ConstMatrix out, const float* state,
                                  ConstMatrix dout, int64_t batch, int64_t seq, int64_t heads,
                                  Matrix dqkv) {
+  const OpTimer timer(*this, "attention_backward");
   const char* op = "attention_backward";
   const int64_t hd = check_attention(op, qkv, batch, seq, heads, out);
   if (dout.rows != out.rows || dout.cols != out.cols || dout.dtype != out.dtype) {

@@ -495,8 +495,10 @@ CudaOps::CudaOps(int device) : device_(device) {
     check_cuda(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep),
                (where + "cudaMemPoolSetAttribute (release threshold)").c_str());
     matmul_plans_ = std::make_unique<MatmulPlans>();
+    profile_ = OpProfile::from_environment(device);
     check_cuda(cudaStreamSynchronize(stream_), (where + "cudaStreamSynchronize").c_str());
   } catch (...) {
+    profile_.reset();
     matmul_plans_.reset();
     release_resources(stream_, lt_, lt_workspace_, errors_, reduce_scratch_, pinned_,
                       attention_scratch_);
@@ -506,6 +508,7 @@ CudaOps::CudaOps(int device) : device_(device) {
 
 CudaOps::~CudaOps() {
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);  // no matmul still uses a plan
+  profile_.reset();                                        // writes the profile
   matmul_plans_.reset();
   release_resources(stream_, lt_, lt_workspace_, errors_, reduce_scratch_, pinned_,
                     attention_scratch_);
@@ -516,6 +519,7 @@ std::string CudaOps::device() const {
 }
 
 Buffer CudaOps::allocate(size_t bytes) {
+  const OpTimer timer(*this, "allocate");
   if (bytes == 0) return Buffer();
   void* data = nullptr;
   const cudaError_t err = cudaMalloc(&data, bytes);
@@ -531,6 +535,7 @@ Buffer CudaOps::allocate(size_t bytes) {
 }
 
 void CudaOps::upload(const void* host, void* device, size_t bytes) {
+  const OpTimer timer(*this, "upload");
   if (bytes == 0) return;
   check_cuda(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, stream_),
              "upload: cudaMemcpyAsync");
@@ -542,6 +547,7 @@ void CudaOps::bind_thread() {
 }
 
 void CudaOps::download(const void* device, void* host, size_t bytes) {
+  const OpTimer timer(*this, "download");
   if (bytes == 0) return;
   check_cuda(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, stream_),
              "download: cudaMemcpyAsync");
@@ -549,18 +555,21 @@ void CudaOps::download(const void* device, void* host, size_t bytes) {
 }
 
 void CudaOps::copy(const void* src, void* dst, size_t bytes) {
+  const OpTimer timer(*this, "copy");
   if (bytes == 0) return;
   check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_),
              "copy: cudaMemcpyAsync");
 }
 
 void CudaOps::fill_zero(void* data, size_t bytes) {
+  const OpTimer timer(*this, "fill_zero");
   if (bytes == 0) return;
   check_cuda(cudaMemsetAsync(data, 0, bytes, stream_), "fill_zero: cudaMemsetAsync");
 }
 
 void CudaOps::synchronize() {
   check_device_errors();
+  if (profile_ != nullptr) profile_->resolve(false);  // the stream is idle: every pair is done
 }
 
 void CudaOps::check_device_errors() {
@@ -606,6 +615,7 @@ void* CudaOps::attention_scratch(size_t bytes) {
 }
 
 void CudaOps::cast(const void* src, DType from, void* dst, DType to, int64_t n) {
+  const OpTimer timer(*this, "cast");
   if (n < 0) precondition_failed("cast", "negative element count " + std::to_string(n));
   if (n == 0) return;
   if (from == to) {
@@ -625,6 +635,7 @@ void CudaOps::cast(const void* src, DType from, void* dst, DType to, int64_t n) 
 
 void CudaOps::gemm(ConstMatrix a, Transpose transpose_a, ConstMatrix b, Transpose transpose_b,
                    Matrix c, float alpha, float beta) {
+  const OpTimer timer(*this, "gemm");
   const GemmShape shape = gemm_shape("gemm", a, transpose_a, b, transpose_b, c);
   if (shape.m == 0 || shape.n == 0) return;
   if (shape.k == 0) {  // an empty product: c = beta c
@@ -651,6 +662,7 @@ void CudaOps::gemm(ConstMatrix a, Transpose transpose_a, ConstMatrix b, Transpos
 
 void CudaOps::linear(ConstMatrix x, const void* weight, const void* bias, Matrix y,
                      bool accumulate) {
+  const OpTimer timer(*this, "linear");
   const ConstMatrix w{weight, y.cols, x.cols, x.dtype};
   // cuBLASLt's bias epilogue: bias in D's dtype (y's, which must then be x's), the bias
   // 16-byte aligned (narrower bias pointers fail on some GPUs), and no accumulation (we do not
@@ -671,18 +683,21 @@ void CudaOps::linear(ConstMatrix x, const void* weight, const void* bias, Matrix
 // ---- Flat f32 buffers.
 
 void CudaOps::axpy(int64_t n, float alpha, const float* x, float* y) {
+  const OpTimer timer(*this, "axpy");
   if (n <= 0) return;
   axpy_kernel<<<grid_for(n), kThreads, 0, stream_>>>(n, alpha, x, y);
   check_launch("axpy");
 }
 
 void CudaOps::scale(int64_t n, float alpha, float* x) {
+  const OpTimer timer(*this, "scale");
   if (n <= 0) return;
   scale_kernel<<<grid_for(n), kThreads, 0, stream_>>>(n, alpha, x);
   check_launch("scale");
 }
 
 double CudaOps::sum_squares(const float* x, int64_t n) {
+  const OpTimer timer(*this, "sum_squares");
   if (n <= 0) return 0.0;
   // The block count depends on n alone: the same n always sums in the same order.
   const int blocks =
@@ -703,6 +718,7 @@ double CudaOps::sum_squares(const float* x, int64_t n) {
 
 void CudaOps::adamw_update(float* params, const float* grads, float* m, float* v, int64_t n,
                            const AdamWCoefficients& k) {
+  const OpTimer timer(*this, "adamw_update");
   if (n <= 0) return;
   adamw_kernel<<<grid_for(n), kThreads, 0, stream_>>>(params, grads, m, v, n, k);
   check_launch("adamw_update");
@@ -710,6 +726,7 @@ void CudaOps::adamw_update(float* params, const float* grads, float* m, float* v
 
 void CudaOps::sgd_update(float* params, const float* grads, float* velocity, int64_t n,
                          float momentum, float decay, float rate, bool nesterov) {
+  const OpTimer timer(*this, "sgd_update");
   if (n <= 0) return;
   sgd_kernel<<<grid_for(n), kThreads, 0, stream_>>>(params, grads, velocity, n, momentum, decay,
                                                     rate, nesterov);

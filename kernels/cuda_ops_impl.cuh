@@ -9,7 +9,11 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "kernels/cuda_ops.hpp"
 
@@ -78,6 +82,43 @@ struct DeviceErrors {
   int32_t limit;  // the vocabulary size or class count
 };
 
+// DPTRAIN_PROFILE=DIR: every op's GPU time, measured with a pair of CUDA events around it on the
+// op table's stream (an op that calls another op counts in both), summed per op and written to
+// DIR/cuda-ops-DEVICE-PID.json ({"ops": [{"op", "calls", "ms", "share"}], sorted by time) when
+// the op table is destroyed. Pairs are resolved at synchronisation points. Thread-safe: the
+// gradient exchange's thread runs ops too.
+class OpProfile {
+ public:
+  static std::unique_ptr<OpProfile> from_environment(int device);  // null when not asked for
+  ~OpProfile();
+  OpProfile(const OpProfile&) = delete;
+  OpProfile& operator=(const OpProfile&) = delete;
+  cudaEvent_t open(cudaStream_t stream);
+  void close(const char* op, cudaEvent_t start, cudaStream_t stream);
+  void resolve(bool wait);  // wait: for every pair; else those already done
+
+ private:
+  OpProfile(int device, std::string path) : device_(device), path_(std::move(path)) {}
+  struct Pending {
+    const char* op;
+    cudaEvent_t start, end;
+  };
+  struct Total {
+    int64_t calls = 0;
+    double ms = 0;
+  };
+  cudaEvent_t take();
+  void resolve_locked(bool wait);
+  void write() const;
+
+  const int device_;
+  const std::string path_;
+  std::mutex mutex_;
+  std::vector<cudaEvent_t> free_;
+  std::vector<Pending> pending_;
+  std::map<std::string, Total> totals_;
+};
+
 class CudaOps final : public Ops {
  public:
   explicit CudaOps(int device);
@@ -134,6 +175,7 @@ class CudaOps final : public Ops {
                           float* dwpe) override;
 
   cudaStream_t stream() const { return stream_; }
+  OpProfile* profile() const { return profile_.get(); }
 
   static constexpr size_t kLtWorkspaceBytes = size_t{32} << 20;
   static constexpr size_t kReduceSlots = 4096;  // doubles in reduce_scratch()
@@ -163,6 +205,35 @@ class CudaOps final : public Ops {
   // algorithm) by shape, dtypes, transposes and alignment, so a step asks the heuristic once.
   struct MatmulPlans;
   std::unique_ptr<MatmulPlans> matmul_plans_;
+  std::unique_ptr<OpProfile> profile_;  // DPTRAIN_PROFILE; null without
+};
+
+// Times the op it lives in when the table profiles (DPTRAIN_PROFILE); nothing otherwise. The
+// first line of every CudaOps op: `const OpTimer timer(*this, "gemm");`.
+class OpTimer {
+ public:
+  OpTimer(const CudaOps& ops, const char* op) : profile_(ops.profile()), op_(op) {
+    if (profile_ != nullptr) {
+      stream_ = ops.stream();
+      start_ = profile_->open(stream_);
+    }
+  }
+  ~OpTimer() {
+    if (profile_ == nullptr) return;
+    try {
+      profile_->close(op_, start_, stream_);
+    } catch (...) {
+      // Diagnostics only: an op's own error is the one to report.
+    }
+  }
+  OpTimer(const OpTimer&) = delete;
+  OpTimer& operator=(const OpTimer&) = delete;
+
+ private:
+  OpProfile* profile_;
+  const char* op_;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t start_ = nullptr;
 };
 
 }  // namespace dptrain::kernels

@@ -15,6 +15,7 @@ __global__ void add_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t n
 }  // namespace
 
 void CudaOps::add(ConstMatrix x, Matrix y) {
+  const OpTimer timer(*this, "add");
   if (x.rows != y.rows || x.cols != y.cols || x.dtype != y.dtype) {
     precondition_failed("add", "x and y differ in shape or dtype");
   }

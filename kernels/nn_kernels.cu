@@ -637,6 +637,7 @@ void column_sums(cudaStream_t stream, const char* op, const T* dy, const T* x, c
 }  // namespace
 
 void CudaOps::add_bias_rows(Matrix x, const void* bias) {
+  const OpTimer timer(*this, "add_bias_rows");
   if (x.size() == 0) return;
   if (bias == nullptr) precondition_failed("add_bias_rows", "bias is null");
   dispatch_dtype(x.dtype, [&]<typename T>() {
@@ -648,6 +649,7 @@ void CudaOps::add_bias_rows(Matrix x, const void* bias) {
 }
 
 void CudaOps::bias_grad(ConstMatrix dy, float* bias_grad) {
+  const OpTimer timer(*this, "bias_grad");
   if (dy.size() == 0) return;
   dispatch_dtype(dy.dtype, [&]<typename T>() {
     column_sums<T, false>(stream(), "bias_grad", typed<T>(dy.data), nullptr, nullptr, nullptr,
@@ -656,6 +658,7 @@ void CudaOps::bias_grad(ConstMatrix dy, float* bias_grad) {
 }
 
 void CudaOps::activation_forward(Activation activation, ConstMatrix pre, Matrix out) {
+  const OpTimer timer(*this, "activation_forward");
   require_same("activation_forward", pre, "pre", out, "out");
   const int64_t n = pre.size();
   if (n == 0) return;
@@ -674,6 +677,7 @@ void CudaOps::activation_forward(Activation activation, ConstMatrix pre, Matrix 
 
 void CudaOps::activation_backward(Activation activation, ConstMatrix pre, ConstMatrix dout,
                                   Matrix dpre) {
+  const OpTimer timer(*this, "activation_backward");
   require_same("activation_backward", pre, "pre", dout, "dout");
   require_same("activation_backward", pre, "pre", dpre, "dpre");
   const int64_t n = pre.size();
@@ -693,6 +697,7 @@ void CudaOps::activation_backward(Activation activation, ConstMatrix pre, ConstM
 
 double CudaOps::softmax_cross_entropy_forward(ConstMatrix logits, const int32_t* labels,
                                               Matrix probs) {
+  const OpTimer timer(*this, "softmax_cross_entropy_forward");
   constexpr const char* kOp = "softmax_cross_entropy_forward";
   require_same(kOp, logits, "logits", probs, "probs");
   if (logits.rows == 0) return 0.0;
@@ -725,6 +730,7 @@ double CudaOps::softmax_cross_entropy_forward(ConstMatrix logits, const int32_t*
 
 void CudaOps::softmax_cross_entropy_backward(ConstMatrix probs, const int32_t* labels,
                                              Matrix dlogits, float scale) {
+  const OpTimer timer(*this, "softmax_cross_entropy_backward");
   constexpr const char* kOp = "softmax_cross_entropy_backward";
   require_same(kOp, probs, "probs", dlogits, "dlogits");
   if (probs.rows == 0) return;
@@ -741,6 +747,7 @@ void CudaOps::softmax_cross_entropy_backward(ConstMatrix probs, const int32_t* l
 }
 
 int64_t CudaOps::count_correct(ConstMatrix scores, const int32_t* labels) {
+  const OpTimer timer(*this, "count_correct");
   constexpr const char* kOp = "count_correct";
   if (scores.rows == 0) return 0;
   if (scores.cols == 0) precondition_failed(kOp, "scores have no columns");
@@ -764,6 +771,7 @@ int64_t CudaOps::count_correct(ConstMatrix scores, const int32_t* labels) {
 
 void CudaOps::layernorm_forward(ConstMatrix x, const void* gamma, const void* beta, Matrix out,
                                 float* mean, float* rstd) {
+  const OpTimer timer(*this, "layernorm_forward");
   constexpr const char* kOp = "layernorm_forward";
   require_same(kOp, x, "x", out, "out");
   if (x.rows == 0) return;
@@ -780,6 +788,7 @@ void CudaOps::layernorm_forward(ConstMatrix x, const void* gamma, const void* be
 void CudaOps::layernorm_backward(ConstMatrix x, const void* gamma, const float* mean,
                                  const float* rstd, ConstMatrix dout, Matrix dx, float* dgamma,
                                  float* dbeta) {
+  const OpTimer timer(*this, "layernorm_backward");
   constexpr const char* kOp = "layernorm_backward";
   require_same(kOp, x, "x", dout, "dout");
   require_same(kOp, x, "x", dx, "dx");
@@ -800,6 +809,7 @@ void CudaOps::layernorm_backward(ConstMatrix x, const void* gamma, const float* 
 
 void CudaOps::embedding_forward(const int32_t* tokens, int64_t seq, int64_t vocab, const void* wte,
                                 const void* wpe, Matrix out) {
+  const OpTimer timer(*this, "embedding_forward");
   constexpr const char* kOp = "embedding_forward";
   if (seq <= 0 || out.rows % seq != 0) {
     precondition_failed(
@@ -824,6 +834,7 @@ void CudaOps::embedding_forward(const int32_t* tokens, int64_t seq, int64_t voca
 // of microseconds for 16384 tokens.
 void CudaOps::embedding_backward(const int32_t* tokens, int64_t seq, ConstMatrix dout, float* dwte,
                                  float* dwpe) {
+  const OpTimer timer(*this, "embedding_backward");
   constexpr const char* kOp = "embedding_backward";
   if (seq <= 0 || dout.rows % seq != 0) {
     precondition_failed(

@@ -4,12 +4,18 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
+#include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "core/tensor/cpu_ops.hpp"
 #include "tests/gpu/gpu_test.hpp"
+#include "tests/harness.hpp"
+#include "tests/scoped_env.hpp"
+#include "tests/temp_dir.hpp"
 
 namespace dptrain::gputest {
 namespace {
@@ -438,6 +444,45 @@ TEST_CASE("cuda_ops: sgd_update matches the CPU over several steps") {
     check_relative(to_host(dp.data(), n), p, 1e-6, "sgd params");
     check_relative(to_host(dvel.data(), n), vel, 1e-6, "sgd velocity");
   }
+}
+
+}  // namespace
+}  // namespace dptrain::gputest
+
+namespace dptrain::gputest {
+namespace {
+
+TEST_CASE("cuda ops: DPTRAIN_PROFILE writes every op's calls and GPU time when the table goes") {
+  const test::TempDir tmp;
+  const std::filesystem::path dir = tmp / "profile";
+  {
+    const ScopedEnv profile("DPTRAIN_PROFILE", dir.string());
+    std::unique_ptr<Ops> ops = kernels::make_cuda_ops(0);
+    const int64_t n = 256;
+    Buffer a = ops->allocate(n * n * sizeof(float));
+    Buffer c = ops->allocate(n * n * sizeof(float));
+    for (int i = 0; i < 3; ++i) {
+      ops->gemm(ConstMatrix{a.data(), n, n}, Transpose::no, ConstMatrix{a.data(), n, n},
+                Transpose::no, Matrix{c.data(), n, n}, 1.0f, 0.0f);
+    }
+    ops->scale(n * n, 0.5f, c.as<float>());
+    ops->synchronize();
+  }
+  std::vector<std::filesystem::path> files;
+  for (const auto& entry : std::filesystem::directory_iterator(dir))
+    files.push_back(entry.path());
+  REQUIRE(files.size() == 1);
+  CHECK(files[0].filename().string().rfind("cuda-ops-0-", 0) == 0);
+  const nlohmann::json profile = nlohmann::json::parse(test::read_text(files[0]));
+  std::map<std::string, nlohmann::json> ops;
+  for (const auto& op : profile["ops"])
+    ops[op["op"].get<std::string>()] = op;
+  REQUIRE(ops.count("gemm") == 1);
+  CHECK(ops["gemm"]["calls"] == 3);
+  CHECK(ops["gemm"]["ms"].get<double>() > 0);
+  CHECK(ops["scale"]["calls"] == 1);
+  CHECK(ops["allocate"]["calls"] == 2);
+  CHECK(profile["total_ms"].get<double>() >= ops["gemm"]["ms"].get<double>());
 }
 
 }  // namespace

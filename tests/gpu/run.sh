@@ -2,7 +2,8 @@
 # The GPU checks in one go, for a machine with an NVIDIA GPU: every GPU test (each kernel against
 # the CPU op table, the models on the GPU against the CPU, gpt-tiny training in fp32/bf16/fp16,
 # NCCL with one rank), then the GPU benchmarks (GPT-2 124M training in bf16 and fp32 with MFU,
-# NCCL all-reduce). Results go to OUT_DIR as JSON and logs. Aim: under 8 minutes on one H200.
+# a per-op profile of bf16 training, NCCL all-reduce). Results go to OUT_DIR as JSON and logs.
+# Aim: under 8 minutes on one H200.
 #   tests/gpu/run.sh [--prebuilt DIR] [--out OUT_DIR] [--no-bench]
 # --prebuilt DIR takes the binaries and libraries tests/gpu/bundle.sh packed; without it the
 # script builds (the machine needs the packages the README's build installs, and CUDA).
@@ -86,6 +87,11 @@ if [[ $bench -eq 1 ]]; then
     --batch-per-rank 16 --nproc 1 --steps 30 --runs-root "$work/runs" --json \
     >"$out/bench-train.json" 2>"$out/bench-train.log"
   echo "bench train: exit $?"
+  # Where a bf16 step's GPU time goes, op by op (a separate short run: the events cost a little).
+  DPTRAIN_PROFILE="$out/profile" timeout 180 "$bin/dptrain" bench train "$work/gpt2.json" \
+    --device cuda --precision bf16 --batch-per-rank 16 --nproc 1 --steps 10 \
+    --runs-root "$work/runs-profile" --json >"$out/bench-profile.json" 2>"$out/bench-profile.log"
+  echo "bench profile: exit $? ($(ls "$out/profile" 2>/dev/null | wc -l) profile file(s) in $out/profile)"
   timeout 120 "$bin/dptrain" bench comm --backend nccl --nproc 1 --json >"$out/bench-comm.json" 2>"$out/bench-comm.log"
   echo "bench comm: exit $?"
 fi
