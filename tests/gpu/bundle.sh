@@ -12,7 +12,7 @@ for bin in dptrain gpu_tests; do
   [[ -x "$build/$bin" ]] || { echo "bundle.sh: $build/$bin is missing (build with CUDA first)" >&2; exit 2; }
 done
 rm -rf "$out"
-mkdir -p "$out/bin" "$out/lib"
+mkdir -p "$out/bin" "$out/lib" "$out/lib-cxx"
 for bin in dptrain gpu_tests; do
   strip -o "$out/bin/$bin" "$build/$bin"
 done
@@ -21,7 +21,11 @@ done
 skip='^(linux-vdso|ld-linux|libc\.|libm\.|libdl\.|libpthread\.|librt\.|libresolv\.|libcuda\.|libcublas|libcublasLt|libnccl|libcudart)'
 ldd "$out/bin/dptrain" "$out/bin/gpu_tests" | awk '/=> \// {print $1, $3}' | sort -u |
   while read -r name path; do
-    if [[ ! $name =~ $skip ]]; then cp -L "$path" "$out/lib/$name"; fi
+    if [[ $name =~ ^(libstdc\+\+|libgcc_s)\. ]]; then cp -L "$path" "$out/lib-cxx/$name"  # fallback only: needs glibc 2.36
+    elif [[ ! $name =~ $skip ]]; then cp -L "$path" "$out/lib/$name"; fi
   done
+if ldd "$out/bin/dptrain" "$out/bin/gpu_tests" | grep -v -E 'libcublas' | grep -q 'not found'; then
+  echo "bundle.sh: a library is missing here" >&2; exit 1
+fi
 tar -C "$(dirname "$out")" -cJf "$out.tar.xz" "$(basename "$out")"
 du -sh "$out" "$out.tar.xz"

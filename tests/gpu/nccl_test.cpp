@@ -25,6 +25,7 @@
 #include "core/comm/tcp_store.hpp"
 #include "core/ddp/reducer.hpp"
 #include "tests/gpu/gpu_test.hpp"
+#include "tests/harness.hpp"
 
 namespace dptrain {
 namespace {
@@ -510,7 +511,7 @@ Command run_dptrain(const std::string& args) {
   REQUIRE(mkdtemp(pattern) != nullptr);
   const std::filesystem::path dir = pattern;
   const std::string line =
-      fmt::format("'{}' {} --runs-root '{}' > '{}' 2> '{}'", DPTRAIN_BINARY, args,
+      fmt::format("'{}' {} --runs-root '{}' > '{}' 2> '{}'", test::binary(), args,
                   (dir / "runs").string(), (dir / "out").string(), (dir / "err").string());
   Command c;
   const int raw = std::system(line.c_str());
