@@ -522,6 +522,15 @@ void check_sync(const Recipe& r, Problems& problems) {
                    "\"ps\" (use \"bf16\")");
     }
   }
+  if (is_error_feedback_codec(d.compression.type) && !problems.at("/train/precision") &&
+      r.train.precision == "fp16") {
+    // A step the loss scaler skips would still leave its residuals in the codecs, and a change
+    // of scale would leave them in the old one.
+    problems.add("/distributed/compression/type",
+                 fmt::format("\"{}\" (error feedback) is not supported with /train/precision "
+                             "\"fp16\" (use \"bf16\", or the \"fp16\" or \"bf16\" wire format)",
+                             d.compression.type));
+  }
   if (d.compression.type != "none" && (d.zero == 1 || d.sync != "allreduce")) {
     problems.add("/distributed/compression/type",
                  fmt::format("\"{}\" compresses the gradient all-reduce, which {} does not use",
@@ -681,6 +690,10 @@ json to_json(const Recipe& r) {
 std::string recipe_hash(const Recipe& r) {
   // json objects keep keys sorted, so dump() is a canonical form independent of the input order.
   return fmt::format("{:016x}", fnv1a_64(to_json(r).dump()));
+}
+
+bool is_error_feedback_codec(const std::string& type) {
+  return type == "int8" || type == "topk" || type == "powersgd";
 }
 
 }  // namespace dptrain

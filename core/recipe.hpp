@@ -85,6 +85,8 @@ struct CompressionSpec {
   int64_t rank = 4;     // powersgd: the factorisation's rank
   bool operator==(const CompressionSpec&) const = default;
 };
+// Whether a compression type keeps error-feedback state (int8, topk, powersgd).
+bool is_error_feedback_codec(const std::string& type);
 
 struct DistributedSpec {
   std::string backend = "auto";  // "auto" | "gloo" | "nccl" (auto: nccl when on cuda)

@@ -210,6 +210,11 @@ TEST_CASE("recipe: each bad recipe is rejected naming its JSON path") {
           "data": {"type": "tokens", "path": "."}})",
        "/model/heads",
        "on \"cuda\" the head size (width / heads) must be 32, 64 or 128, got 96 / 2 = 48"},
+      {R"({"train": {"device": "cuda", "precision": "fp16"},
+          "distributed": {"compression": {"type": "topk"}}})",
+       "/distributed/compression/type",
+       R"("topk" (error feedback) is not supported with /train/precision "fp16" (use "bf16", or )"
+       R"(the "fp16" or "bf16" wire format))"},
       {R"({"model": []})", "/model", "expected an object, got an array"},
       {R"({"model": {"type": "transformer"}})", "/model/type",
        R"(must be "mlp" or "gpt", got "transformer")"},

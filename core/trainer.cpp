@@ -140,8 +140,9 @@ class TrainingRun {
       // The padding past the last parameter stays zero: reduce-scatter and all-gather move it.
       ops_->fill_zero(params_buffer_.data(), padded_ * sizeof(float));
       ops_->fill_zero(grad_buffer_.data(), (padded_ + 1) * sizeof(float));
-      if (zero_ && !zero_by_allreduce_) shard_grads_ = ops_->allocate(shard_ * sizeof(float));
     }
+    // ZeRO-1 by reduce-scatter (NCCL) needs its shard's gradients, on one rank too.
+    if (zero_ && !zero_by_allreduce_) shard_grads_ = ops_->allocate(shard_ * sizeof(float));
     if ((!zero_ || zero_by_allreduce_) && !ps_ && (!local_sgd_ || recipe.distributed.start > 0)) {
       ReducerOptions reducer;
       reducer.bucket_elems = bucket_elements(recipe.distributed.bucket_mb);
@@ -962,6 +963,15 @@ class TrainingRun {
     mark_collective();
     average_replicas_of(params_.data(), num_params_);
     size_t values = num_params_;
+    if (scaler_.enabled()) {
+      // Local steps each judged overflow by their own rank's gradients (an idle rank not at
+      // all): the ranks agree on the most careful scale, so every rank holds what a checkpoint
+      // stores and a resume is bit-identical.
+      double scaler[2] = {scaler_.scale(), static_cast<double>(scaler_.clean_steps())};
+      mark_collective();
+      comm_.allreduce(scaler, 2, ReduceOp::min);
+      scaler_.restore(scaler[0], static_cast<int64_t>(scaler[1]));
+    }
     const bool checkpointing =
         stop || done == recipe_.train.steps ||
         (recipe_.checkpoint.every > 0 && done % recipe_.checkpoint.every == 0);
@@ -970,6 +980,12 @@ class TrainingRun {
       mark_collective();
       average_replicas_of(state.data(), state.size());
       values += state.size();
+      // And its step count (AdamW's bias correction), which differs where a rank skipped a step
+      // (an fp16 overflow) or had no micro-batch: the checkpoint holds one for every rank.
+      double steps = static_cast<double>(optimizer_->steps());
+      mark_collective();
+      comm_.allreduce(&steps, 1, ReduceOp::max);
+      optimizer_->set_steps(static_cast<int64_t>(steps));
     }
     phases.comm = phases.comm_total = ms_since(tc);
     phases.bytes = static_cast<double>(values * sizeof(float));

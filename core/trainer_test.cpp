@@ -56,6 +56,15 @@ class CorruptingCommunicator : public test::ForwardingCommunicator {
   int victim_;
 };
 
+// Gloo posing as NCCL: "nccl", taking "device" memory (the CPU op table's is host memory). The
+// trainer then takes its NCCL paths (ZeRO-1 by reduce-scatter, no staging) on the CPU.
+class NcclLikeCommunicator : public test::ForwardingCommunicator {
+ public:
+  using ForwardingCommunicator::ForwardingCommunicator;
+  std::string backend() const override { return "nccl"; }
+  bool device_memory() const override { return true; }
+};
+
 struct RankOutcome {
   TrainResult result;
   std::string error;
@@ -65,7 +74,7 @@ struct RankOutcome {
 using OptionsFor = std::function<TrainerOptions(int rank)>;
 
 std::vector<RankOutcome> train_ranks(const Recipe& recipe, int world, const OptionsFor& options_for,
-                                     int corrupt_rank = -1) {
+                                     int corrupt_rank = -1, bool nccl_like = false) {
   TcpStoreServer server("127.0.0.1", 0);
   std::vector<std::future<RankOutcome>> futures;
   for (int r = 0; r < world; ++r) {
@@ -76,8 +85,11 @@ std::vector<RankOutcome> train_ranks(const Recipe& recipe, int world, const Opti
         PrefixStore store("gen1", client);
         GlooOptions options;
         options.timeout = std::chrono::seconds(20);
-        auto comm = std::make_unique<CorruptingCommunicator>(
-            make_gloo_communicator(store, r, world, options), corrupt_rank);
+        std::unique_ptr<Communicator> gloo = make_gloo_communicator(store, r, world, options);
+        std::unique_ptr<Communicator> comm =
+            nccl_like ? std::unique_ptr<Communicator>(
+                            std::make_unique<NcclLikeCommunicator>(std::move(gloo)))
+                      : std::make_unique<CorruptingCommunicator>(std::move(gloo), corrupt_rank);
         const TrainerOptions topts = options_for(r);
         out.result = train(recipe, *comm, topts);
       } catch (const Error& e) {
@@ -170,6 +182,65 @@ TEST_CASE("trainer: bf16 and fp16 on 16-bit storage (emulated on the CPU) train 
       CHECK(ckpt.position.loss_scale == 1);
     }
   }
+}
+
+TEST_CASE("trainer: ZeRO-1 by reduce-scatter (the NCCL path) trains like all-reduce, 1 rank too") {
+  Recipe r = tiny_recipe();
+  r.checkpoint.every = 30;
+  for (int world : {1, 2}) {
+    CAPTURE(world);
+    TempDir plain, zero;
+    REQUIRE(train_ranks(r, world, plain.path())[0].error.empty());
+    Recipe rz = r;
+    rz.distributed.zero = 1;
+    const auto out = train_ranks(
+        rz, world,
+        [&](int) {
+          TrainerOptions o;
+          o.run_dir = zero.path();
+          return o;
+        },
+        -1, true);
+    for (const auto& o : out)
+      REQUIRE(o.error.empty());
+    CHECK(max_relative_difference(final_params(plain.path(), 30), final_params(zero.path(), 30)) <
+          1e-5);
+  }
+}
+
+TEST_CASE("trainer: local SGD in fp16 (16-bit storage emulated) resumes bit-identically") {
+  // Each rank's loss scaler judges its own local steps: the ranks agree on one scale whenever
+  // they average, so the checkpoint holds every rank's.
+  Recipe r = tiny_recipe();
+  r.train.precision = "fp16";
+  r.train.steps = 200;
+  r.train.batch_per_rank = 1;  // small, noisy local steps at a high rate: some overflow
+  r.optimizer.lr = 0.05;
+  r.distributed.sync = "local_sgd";
+  r.distributed.period = 4;
+  r.checkpoint.every = 100;
+  const auto emulated = [](const fs::path& dir, const fs::path& from) {
+    return [dir, from](int) {
+      TrainerOptions o;
+      o.run_dir = dir;
+      o.resume_from = from;
+      o.ops = std::make_shared<EmulatedHalfOps>();
+      return o;
+    };
+  };
+  TempDir whole, resumed;
+  const auto full = train_ranks(r, 2, emulated(whole.path(), {}));
+  REQUIRE(full[0].error.empty());
+  REQUIRE(full[1].error.empty());
+  const auto again = train_ranks(
+      r, 2, emulated(resumed.path(), whole.path() / "checkpoints" / checkpoint_name(100)));
+  REQUIRE(again[0].error.empty());
+  CHECK(again[0].result.params_checksum == full[0].result.params_checksum);
+  const auto scale_at = [](const fs::path& dir, int64_t step) {
+    return read_checkpoint(dir / "checkpoints" / checkpoint_name(step)).position.loss_scale;
+  };
+  CHECK(scale_at(whole.path(), 100) < 65536);  // the scaler did act
+  CHECK(scale_at(resumed.path(), 200) == scale_at(whole.path(), 200));
 }
 
 TEST_CASE("trainer: a rank whose parameters drift is caught at the next replica check") {

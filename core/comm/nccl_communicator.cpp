@@ -441,6 +441,9 @@ bool NcclCommunicator::State::is_host(const void* pointer, const Describe& what)
   return false;
 }
 
+// Staging for host operands kept between collectives; larger buffers are freed after use.
+constexpr size_t kKeepScratchBytes = size_t{64} << 20;
+
 void NcclCommunicator::State::ensure_scratch(size_t bytes, const Describe& what) {
   if (bytes <= scratch_bytes) return;
   // Every earlier call has completed (each one waits), so the old buffer is free.
@@ -565,6 +568,14 @@ void NcclCommunicator::State::run(const Describe& what, const void* in, size_t i
   // Later compute work comes after the collective. (The host wait already ensures it; this keeps
   // it so when collectives overlap compute.)
   check_cuda(cudaStreamWaitEvent(compute, done, 0), what, "cudaStreamWaitEvent");
+  // A large host operand (a checkpoint's gathered optimizer state or codec residuals) staged
+  // a buffer the run should not keep for good: give it back once the collective is done.
+  if (scratch_bytes > kKeepScratchBytes) {
+    check_cuda(cudaStreamSynchronize(stream), what, "cudaStreamSynchronize");
+    check_cuda(cudaFree(scratch), what, "cudaFree of the staging buffer");
+    scratch = nullptr;
+    scratch_bytes = 0;
+  }
 }
 
 void NcclCommunicator::State::allreduce(void* data, size_t count, Element element, ReduceOp op) {

@@ -483,8 +483,4 @@ std::unique_ptr<GradientCodec> make_codec(const CompressionSpec& spec, size_t co
   return std::make_unique<PowerSgdCodec>(count, static_cast<size_t>(spec.rank), seed, tensors);
 }
 
-bool is_error_feedback_codec(const std::string& type) {
-  return type == "int8" || type == "topk" || type == "powersgd";
-}
-
 }  // namespace dptrain

@@ -46,7 +46,4 @@ class GradientCodec {
 std::unique_ptr<GradientCodec> make_codec(const CompressionSpec& spec, size_t count, uint64_t seed,
                                           std::span<const ParamTensor> tensors = {});
 
-// Whether spec.type is one of the error-feedback codecs above (not "none", "fp16", "bf16").
-bool is_error_feedback_codec(const std::string& type);
-
 }  // namespace dptrain
