@@ -88,6 +88,13 @@ size_t ceil_div(size_t a, size_t b) {
   return (a + b - 1) / b;
 }
 
+// One shard of `n` values split `shards` ways, rounded up to 64 floats (256 bytes), so every
+// shard starts where NCCL and the device kernels take their aligned paths.
+size_t shard_size(size_t n, size_t shards) {
+  constexpr size_t kAlign = 64;
+  return ceil_div(ceil_div(n, shards), kAlign) * kAlign;
+}
+
 // This process's peak resident memory, in MiB.
 double peak_rss_mib() {
   rusage usage{};
@@ -122,7 +129,7 @@ class TrainingRun {
         data_(load_data(recipe.data, recipe.model, recipe.seed)),
         sampler_(data_.train->size(), global_batch_, recipe.seed),
         num_params_(model_->num_params()),
-        shard_(ceil_div(num_params_, static_cast<size_t>(shards_))),
+        shard_(shards_ > 1 ? shard_size(num_params_, static_cast<size_t>(shards_)) : num_params_),
         padded_(shard_ * static_cast<size_t>(shards_)),
         params_buffer_(ops_->allocate(padded_ * sizeof(float))),
         grad_buffer_(ops_->allocate((padded_ + 1) * sizeof(float))),
@@ -1345,6 +1352,11 @@ TrainResult train(const Recipe& recipe, Communicator& comm, const TrainerOptions
                 fmt::format("/distributed/servers: {} parameter server(s) leave no worker among "
                             "the {} rank(s) there are",
                             recipe.distributed.servers, comm.size()));
+  }
+  if (comm.backend() == "nccl" && !options.ops) {
+    // NCCL orders its stream after the op table's compute stream: it must be the one used here.
+    throw Error(ErrorKind::internal,
+                "train: an NCCL communicator needs the op table it was made with (options.ops)");
   }
   TrainingRun run(recipe, comm, options);
   return run.run();

@@ -105,7 +105,7 @@ std::vector<RankOutcome> train_ranks(const Recipe& recipe, int world, const Opti
 }
 
 std::vector<RankOutcome> train_ranks(const Recipe& recipe, int world, const fs::path& run_dir,
-                                     int corrupt_rank = -1) {
+                                     int corrupt_rank = -1, bool nccl_like = false) {
   return train_ranks(
       recipe, world,
       [&run_dir](int) {
@@ -113,7 +113,7 @@ std::vector<RankOutcome> train_ranks(const Recipe& recipe, int world, const fs::
         o.run_dir = run_dir;
         return o;
       },
-      corrupt_rank);
+      corrupt_rank, nccl_like);
 }
 
 std::vector<float> final_params(const fs::path& run_dir, int64_t step) {
@@ -198,6 +198,7 @@ TEST_CASE("trainer: ZeRO-1 by reduce-scatter (the NCCL path) trains like all-red
         [&](int) {
           TrainerOptions o;
           o.run_dir = zero.path();
+          o.ops = std::make_shared<CpuOps>();  // NCCL needs the table it was made with
           return o;
         },
         -1, true);
@@ -206,6 +207,10 @@ TEST_CASE("trainer: ZeRO-1 by reduce-scatter (the NCCL path) trains like all-red
     CHECK(max_relative_difference(final_params(plain.path(), 30), final_params(zero.path(), 30)) <
           1e-5);
   }
+  // Without its op table an NCCL communicator would wait on a stream nobody uses.
+  TempDir bare;
+  const auto refused = train_ranks(r, 1, bare.path(), -1, true);
+  CHECK(refused[0].error.find("an NCCL communicator needs the op table") != std::string::npos);
 }
 
 TEST_CASE("trainer: local SGD in fp16 (16-bit storage emulated) resumes bit-identically") {

@@ -163,10 +163,11 @@ TEST_CASE("ZeRO-1: the same training as all-reduce with half the optimizer state
   const json zero = launch(tmp.path(), recipe, 2, "zero");
   CHECK(zero["eval_loss"].get<double>() ==
         doctest::Approx(plain["eval_loss"].get<double>()).epsilon(1e-5));
-  // AdamW's m and v of 2,885 parameters: 1,443 of each per rank.
+  // AdamW's m and v of 2,885 parameters: a shard of 1,443, padded to 1,472 (a multiple of 64
+  // floats, for aligned device access), of each per rank.
   const double mib = 1024.0 * 1024.0;
   CHECK(plain["optimizer_state_mib"].get<double>() == doctest::Approx(2 * 2885 * 4 / mib));
-  CHECK(zero["optimizer_state_mib"].get<double>() == doctest::Approx(2 * 1443 * 4 / mib));
+  CHECK(zero["optimizer_state_mib"].get<double>() == doctest::Approx(2 * 1472 * 4 / mib));
   // The checkpoint holds the whole state, as an all-reduce run's does: the same size.
   const auto meta = [&](const char* run) {
     return parse_json(read_text(latest_params(tmp / run).parent_path() / "meta.json"));
@@ -239,10 +240,11 @@ TEST_CASE("parameter servers, synchronous: the same training as all-reduce, shar
   CHECK(ps["eval_loss"].get<double>() ==
         doctest::Approx(plain["eval_loss"].get<double>()).epsilon(1e-4));
   CHECK(ps["steps"] == 120);
-  // A worker pushes its gradients and pulls the parameters: a shard and a 16-byte header to and
-  // from each server.
+  // A worker pushes its gradients and pulls the parameters: a shard (half the parameters,
+  // padded to a multiple of 64 floats) and a 16-byte header to and from each server.
   const int64_t params = 32 * 48 + 48 + 48 * 24 + 24 + 24 * 5 + 5;
-  CHECK(ps["bytes_per_step"] == 2 * (16 + 4 * ((params + 1) / 2)));
+  const int64_t shard = ((params + 1) / 2 + 63) / 64 * 64;
+  CHECK(ps["bytes_per_step"] == 2 * (16 + 4 * shard));
   // The checkpoint is the same as an all-reduce run's: the whole optimizer state, gathered.
   const auto meta = [&](const char* run) {
     return parse_json(read_text(latest_params(tmp / run).parent_path() / "meta.json"));
