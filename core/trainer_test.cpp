@@ -14,6 +14,7 @@
 #include "core/comm/tcp_store.hpp"
 #include "core/error.hpp"
 #include "core/tensor/emulated_ops.hpp"
+#include "tests/device_check_ops.hpp"
 #include "tests/gloo_ranks.hpp"
 #include "tests/temp_dir.hpp"
 
@@ -65,6 +66,55 @@ class NcclLikeCommunicator : public test::ForwardingCommunicator {
   bool device_memory() const override { return true; }
 };
 
+// Gloo as a GPU's ranks use it: every buffer it is given must be host memory (the trainer
+// stages device buffers through the host for it).
+class HostOnlyCommunicator : public test::ForwardingCommunicator {
+ public:
+  using ForwardingCommunicator::ForwardingCommunicator;
+  void allreduce(float* data, size_t count, ReduceOp op) override {
+    host(data, "allreduce");
+    ForwardingCommunicator::allreduce(data, count, op);
+  }
+  void allreduce(double* data, size_t count, ReduceOp op) override {
+    host(data, "allreduce");
+    ForwardingCommunicator::allreduce(data, count, op);
+  }
+  void allreduce(Half* data, size_t count, ReduceOp op) override {
+    host(data, "allreduce");
+    ForwardingCommunicator::allreduce(data, count, op);
+  }
+  void allreduce(BFloat16* data, size_t count, ReduceOp op) override {
+    host(data, "allreduce");
+    ForwardingCommunicator::allreduce(data, count, op);
+  }
+  std::unique_ptr<Request> isend(const void* data, size_t bytes, int peer, uint32_t tag) override {
+    host(data, "isend");
+    return ForwardingCommunicator::isend(data, bytes, peer, tag);
+  }
+  std::unique_ptr<Request> irecv(void* data, size_t bytes, int peer, uint32_t tag) override {
+    host(data, "irecv");
+    return ForwardingCommunicator::irecv(data, bytes, peer, tag);
+  }
+  int recv_any(void* data, size_t bytes, const std::vector<int>& peers, uint32_t tag) override {
+    host(data, "recv_any");
+    return ForwardingCommunicator::recv_any(data, bytes, peers, tag);
+  }
+  void broadcast(void* data, size_t bytes, int root) override {
+    host(data, "broadcast");
+    ForwardingCommunicator::broadcast(data, bytes, root);
+  }
+  void allgather(const void* in, size_t bytes_per_rank, void* out) override {
+    host(in, "allgather");
+    host(out, "allgather");
+    ForwardingCommunicator::allgather(in, bytes_per_rank, out);
+  }
+
+ private:
+  static void host(const void* p, const char* op) {
+    test::DeviceMemory::instance().need_host(p, op, "Gloo's buffer");
+  }
+};
+
 struct RankOutcome {
   TrainResult result;
   std::string error;
@@ -74,7 +124,8 @@ struct RankOutcome {
 using OptionsFor = std::function<TrainerOptions(int rank)>;
 
 std::vector<RankOutcome> train_ranks(const Recipe& recipe, int world, const OptionsFor& options_for,
-                                     int corrupt_rank = -1, bool nccl_like = false) {
+                                     int corrupt_rank = -1, bool nccl_like = false,
+                                     bool host_only = false) {
   TcpStoreServer server("127.0.0.1", 0);
   std::vector<std::future<RankOutcome>> futures;
   for (int r = 0; r < world; ++r) {
@@ -86,10 +137,14 @@ std::vector<RankOutcome> train_ranks(const Recipe& recipe, int world, const Opti
         GlooOptions options;
         options.timeout = std::chrono::seconds(20);
         std::unique_ptr<Communicator> gloo = make_gloo_communicator(store, r, world, options);
-        std::unique_ptr<Communicator> comm =
-            nccl_like ? std::unique_ptr<Communicator>(
-                            std::make_unique<NcclLikeCommunicator>(std::move(gloo)))
-                      : std::make_unique<CorruptingCommunicator>(std::move(gloo), corrupt_rank);
+        std::unique_ptr<Communicator> comm;
+        if (nccl_like) {
+          comm = std::make_unique<NcclLikeCommunicator>(std::move(gloo));
+        } else if (host_only) {
+          comm = std::make_unique<HostOnlyCommunicator>(std::move(gloo));
+        } else {
+          comm = std::make_unique<CorruptingCommunicator>(std::move(gloo), corrupt_rank);
+        }
         const TrainerOptions topts = options_for(r);
         out.result = train(recipe, *comm, topts);
       } catch (const Error& e) {
@@ -246,6 +301,69 @@ TEST_CASE("trainer: local SGD in fp16 (16-bit storage emulated) resumes bit-iden
   };
   CHECK(scale_at(whole.path(), 100) < 65536);  // the scaler did act
   CHECK(scale_at(resumed.path(), 200) == scale_at(whole.path(), 200));
+}
+
+TEST_CASE("trainer: on a GPU's op table, ops get device memory and Gloo host memory, every mode") {
+  // The CPU posing as a GPU (DeviceCheckingOps): the trainer stages Gloo's collectives through
+  // host memory as on a GPU, and the results are the CPU's.
+  {
+    test::DeviceMemory::instance().take_violations();
+    test::DeviceCheckingOps ops(std::make_shared<CpuOps>());
+    std::vector<float> host(4);
+    Buffer device = ops.allocate(4 * sizeof(float));
+    ops.axpy(4, 1.0f, host.data(), device.as<float>());  // the check notices host memory
+    CHECK(test::DeviceMemory::instance().take_violations().size() == 1);
+  }
+  struct Mode {
+    const char* name;
+    std::function<void(Recipe&)> set;
+    int world = 2;
+    bool nccl_like = false;
+  };
+  const std::vector<Mode> modes = {
+      {"allreduce", [](Recipe&) {}},
+      {"int8", [](Recipe& r) { r.distributed.compression.type = "int8"; }},
+      {"bf16 wire", [](Recipe& r) { r.distributed.compression.type = "bf16"; }},
+      {"zero", [](Recipe& r) { r.distributed.zero = 1; }},
+      {"zero over nccl", [](Recipe& r) { r.distributed.zero = 1; }, 2, true},
+      {"local_sgd",
+       [](Recipe& r) {
+         r.distributed.sync = "local_sgd";
+         r.distributed.period = 4;
+       }},
+      {"ps",
+       [](Recipe& r) {
+         r.distributed.sync = "ps";
+         r.distributed.servers = 1;
+       },
+       3},
+  };
+  for (const Mode& mode : modes) {
+    CAPTURE(mode.name);
+    Recipe r = tiny_recipe();
+    r.checkpoint.every = 30;
+    mode.set(r);
+    TempDir cpu_dir, gpu_dir;
+    const auto cpu = train_ranks(r, mode.world, cpu_dir.path());
+    REQUIRE(cpu[0].error.empty());
+    test::DeviceMemory::instance().take_violations();
+    const auto gpu = train_ranks(
+        r, mode.world,
+        [&](int) {
+          TrainerOptions o;
+          o.run_dir = gpu_dir.path();
+          o.ops = std::make_shared<test::DeviceCheckingOps>(std::make_shared<CpuOps>());
+          return o;
+        },
+        -1, mode.nccl_like, !mode.nccl_like);
+    for (const auto& o : gpu)
+      REQUIRE(o.error.empty());
+    const std::vector<std::string> violations = test::DeviceMemory::instance().take_violations();
+    INFO("first violation: " << (violations.empty() ? std::string("none") : violations.front()));
+    CHECK(violations.empty());
+    CHECK(max_relative_difference(final_params(cpu_dir.path(), 30),
+                                  final_params(gpu_dir.path(), 30)) < 1e-5);
+  }
 }
 
 TEST_CASE("trainer: a rank whose parameters drift is caught at the next replica check") {
