@@ -51,7 +51,14 @@ void fill_from_env(WorkerOptions& o) {
   if (o.world_size < 0)
     o.world_size =
         env_int("WORLD_SIZE", std::nullopt, "--world-size not given and WORLD_SIZE is not set");
-  if (o.local_rank < 0) o.local_rank = env_int("LOCAL_RANK", o.rank);
+  if (o.local_rank < 0) {
+    // torchrun's and ours, then what Slurm (srun), Open MPI and MPICH (Hydra) set.
+    o.local_rank = o.rank;
+    for (const char* name :
+         {"MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK"}) {
+      if (env(name)) o.local_rank = env_int(name, o.rank);
+    }
+  }
   if (o.store.empty()) {
     if (auto s = env("DPTRAIN_STORE")) {
       o.store = *s;

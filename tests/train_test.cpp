@@ -214,6 +214,32 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
   CHECK(fs::exists(tmp / "run/metrics.jsonl"));
 }
 
+TEST_CASE("a worker started by srun takes its local rank from SLURM_LOCALID") {
+  // Rank 1 is the first rank of a second node: a node leader, it keeps its own checkpoints.
+  TempDir tmp;
+  auto recipe_json = small_recipe();
+  recipe_json["checkpoint"] = {{"every", recipe_json["train"]["steps"]}};
+  const auto recipe = write_recipe(tmp.path(), recipe_json);
+  const std::string port = std::to_string(free_port());
+  Env base = {{"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}};
+  Env env0 = base, env1 = base;
+  env0["RANK"] = "0";
+  env0["DPTRAIN_HOST_STORE"] = "1";
+  env0["DPTRAIN_RUN_DIR"] = (tmp / "node0").string();
+  env1["RANK"] = "1";
+  env1["SLURM_LOCALID"] = "0";
+  env1["DPTRAIN_RUN_DIR"] = (tmp / "node1").string();
+  Background r0({"worker", recipe.string()}, env0);
+  Background r1({"worker", recipe.string()}, env1);
+  const int c1 = r1.wait(std::chrono::seconds(120));
+  const int c0 = r0.wait(std::chrono::seconds(120));
+  INFO(r0.err(), r1.err());
+  REQUIRE(c0 == 0);
+  REQUIRE(c1 == 0);
+  CHECK(fs::exists(tmp / "node0/checkpoints/latest"));
+  CHECK(fs::exists(tmp / "node1/checkpoints/latest"));
+}
+
 TEST_CASE("a worker that cannot reach the store fails within its timeout naming the address") {
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), small_recipe());
