@@ -285,59 +285,66 @@ struct PreferenceHandle {
   }
 };
 
-template <typename V>
-void set_desc(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attribute, const V& value) {
-  check_cublas(cublasLtMatmulDescSetAttribute(desc, attribute, &value, sizeof(value)),
-               "gemm: cublasLtMatmulDescSetAttribute");
+// cuBLASLt failures name the op that called it (gemm or linear) and the cuBLASLt call.
+void check_lt(cublasStatus_t status, const char* op, const char* call) {
+  if (status == CUBLAS_STATUS_SUCCESS) return;
+  check_cublas(status, (std::string(op) + ": " + call).c_str());
 }
 
 template <typename V>
-void set_pref(cublasLtMatmulPreference_t pref, cublasLtMatmulPreferenceAttributes_t attribute,
+void set_desc(const char* op, cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attribute,
               const V& value) {
-  check_cublas(cublasLtMatmulPreferenceSetAttribute(pref, attribute, &value, sizeof(value)),
-               "gemm: cublasLtMatmulPreferenceSetAttribute");
+  check_lt(cublasLtMatmulDescSetAttribute(desc, attribute, &value, sizeof(value)), op,
+           "cublasLtMatmulDescSetAttribute");
+}
+
+template <typename V>
+void set_pref(const char* op, cublasLtMatmulPreference_t pref,
+              cublasLtMatmulPreferenceAttributes_t attribute, const V& value) {
+  check_lt(cublasLtMatmulPreferenceSetAttribute(pref, attribute, &value, sizeof(value)), op,
+           "cublasLtMatmulPreferenceSetAttribute");
 }
 
 // Row-major matrices are column-major ones transposed: c^T [n, m] = op(b)^T op(a)^T, so
 // cuBLASLt's first operand is b's buffer (column-major [b.cols, b.rows]) with b's transpose, its
 // second a's buffer with a's, and its output c's buffer as column-major [n, m]. A bias then has
 // one entry per output row of cuBLASLt's D, i.e. per column of c: the broadcast linear() needs.
-std::unique_ptr<MatmulPlan> make_plan(cublasLtHandle_t lt, const MatmulKey& key, ConstMatrix a,
-                                      ConstMatrix b, Matrix c, const void* bias) {
+std::unique_ptr<MatmulPlan> make_plan(const char* op, cublasLtHandle_t lt, const MatmulKey& key,
+                                      ConstMatrix a, ConstMatrix b, Matrix c, const void* bias) {
   auto plan = std::make_unique<MatmulPlan>();
   const auto ab_type = static_cast<cudaDataType_t>(key.ab_type);
   const auto c_type = static_cast<cudaDataType_t>(key.c_type);
-  check_cublas(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
-               "gemm: cublasLtMatmulDescCreate");
+  check_lt(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), op,
+           "cublasLtMatmulDescCreate");
   const int32_t op_first = key.transpose_b != 0 ? CUBLAS_OP_T : CUBLAS_OP_N;
   const int32_t op_second = key.transpose_a != 0 ? CUBLAS_OP_T : CUBLAS_OP_N;
-  set_desc(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, op_first);
-  set_desc(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, op_second);
+  set_desc(op, plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, op_first);
+  set_desc(op, plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, op_second);
   if (bias != nullptr) {
     // The bias has D's type (cuBLASLt's rule for non-integer, non-fp8 matmuls).
-    set_desc(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE,
+    set_desc(op, plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE,
              static_cast<uint32_t>(CUBLASLT_EPILOGUE_BIAS));
-    set_desc(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, static_cast<int32_t>(c_type));
-    set_desc(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
+    set_desc(op, plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, static_cast<int32_t>(c_type));
+    set_desc(op, plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
   }
-  check_cublas(cublasLtMatrixLayoutCreate(&plan->first, ab_type, static_cast<uint64_t>(b.cols),
-                                          static_cast<uint64_t>(b.rows), b.cols),
-               "gemm: cublasLtMatrixLayoutCreate");
-  check_cublas(cublasLtMatrixLayoutCreate(&plan->second, ab_type, static_cast<uint64_t>(a.cols),
-                                          static_cast<uint64_t>(a.rows), a.cols),
-               "gemm: cublasLtMatrixLayoutCreate");
-  check_cublas(cublasLtMatrixLayoutCreate(&plan->out, c_type, static_cast<uint64_t>(c.cols),
-                                          static_cast<uint64_t>(c.rows), c.cols),
-               "gemm: cublasLtMatrixLayoutCreate");
+  check_lt(cublasLtMatrixLayoutCreate(&plan->first, ab_type, static_cast<uint64_t>(b.cols),
+                                      static_cast<uint64_t>(b.rows), b.cols),
+           op, "cublasLtMatrixLayoutCreate");
+  check_lt(cublasLtMatrixLayoutCreate(&plan->second, ab_type, static_cast<uint64_t>(a.cols),
+                                      static_cast<uint64_t>(a.rows), a.cols),
+           op, "cublasLtMatrixLayoutCreate");
+  check_lt(cublasLtMatrixLayoutCreate(&plan->out, c_type, static_cast<uint64_t>(c.cols),
+                                      static_cast<uint64_t>(c.rows), c.cols),
+           op, "cublasLtMatrixLayoutCreate");
 
   PreferenceHandle pref;
-  check_cublas(cublasLtMatmulPreferenceCreate(&pref.pref), "gemm: cublasLtMatmulPreferenceCreate");
-  set_pref(pref.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+  check_lt(cublasLtMatmulPreferenceCreate(&pref.pref), op, "cublasLtMatmulPreferenceCreate");
+  set_pref(op, pref.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
            static_cast<uint64_t>(CudaOps::kLtWorkspaceBytes));
-  set_pref(pref.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align_b);
-  set_pref(pref.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align_a);
-  set_pref(pref.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_c);
-  set_pref(pref.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_c);
+  set_pref(op, pref.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align_b);
+  set_pref(op, pref.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align_a);
+  set_pref(op, pref.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_c);
+  set_pref(op, pref.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_c);
 
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
@@ -346,7 +353,7 @@ std::unique_ptr<MatmulPlan> make_plan(cublasLtHandle_t lt, const MatmulKey& key,
                                      plan->out, pref.pref, 1, &result, &found);
   // NOT_SUPPORTED is the heuristic's "nothing fits this configuration".
   if (status != CUBLAS_STATUS_NOT_SUPPORTED) {
-    check_cublas(status, "gemm: cublasLtMatmulAlgoGetHeuristic");
+    check_lt(status, op, "cublasLtMatmulAlgoGetHeuristic");
   }
   if (status == CUBLAS_STATUS_SUCCESS && found > 0 && result.state == CUBLAS_STATUS_SUCCESS) {
     plan->algo = result.algo;
@@ -357,9 +364,10 @@ std::unique_ptr<MatmulPlan> make_plan(cublasLtHandle_t lt, const MatmulKey& key,
 
 // c = alpha op(a) op(b) + beta c (+ bias per column of c), shapes already checked and non-empty.
 // False when cuBLASLt has no algorithm for it (the caller decides what that means).
-bool lt_matmul(PlanMap& plans, cublasLtHandle_t lt, void* workspace, cudaStream_t stream,
-               const GemmShape& shape, ConstMatrix a, Transpose transpose_a, ConstMatrix b,
-               Transpose transpose_b, Matrix c, float alpha, float beta, const void* bias) {
+bool lt_matmul(const char* op, PlanMap& plans, cublasLtHandle_t lt, void* workspace,
+               cudaStream_t stream, const GemmShape& shape, ConstMatrix a, Transpose transpose_a,
+               ConstMatrix b, Transpose transpose_b, Matrix c, float alpha, float beta,
+               const void* bias) {
   MatmulKey key;
   key.m = shape.m;
   key.n = shape.n;
@@ -376,16 +384,16 @@ bool lt_matmul(PlanMap& plans, cublasLtHandle_t lt, void* workspace, cudaStream_
   auto it = plans.find(key);
   if (it == plans.end()) {
     if (plans.size() >= kMaxPlans) plans.clear();
-    it = plans.emplace(key, make_plan(lt, key, a, b, c, bias)).first;
+    it = plans.emplace(key, make_plan(op, lt, key, a, b, c, bias)).first;
   }
   MatmulPlan& plan = *it->second;
   if (!plan.has_algo) return false;
-  if (bias != nullptr) set_desc(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
+  if (bias != nullptr) set_desc(op, plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
   // C and D are the same buffer and layout: beta = 1 accumulates in place.
-  check_cublas(cublasLtMatmul(lt, plan.desc, &alpha, b.data, plan.first, a.data, plan.second, &beta,
-                              c.data, plan.out, c.data, plan.out, &plan.algo, workspace,
-                              CudaOps::kLtWorkspaceBytes, stream),
-               "gemm: cublasLtMatmul");
+  check_lt(cublasLtMatmul(lt, plan.desc, &alpha, b.data, plan.first, a.data, plan.second, &beta,
+                          c.data, plan.out, c.data, plan.out, &plan.algo, workspace,
+                          CudaOps::kLtWorkspaceBytes, stream),
+           op, "cublasLtMatmul");
   return true;
 }
 
@@ -650,8 +658,8 @@ void CudaOps::gemm(ConstMatrix a, Transpose transpose_a, ConstMatrix b, Transpos
     }
     return;
   }
-  if (!lt_matmul(matmul_plans_->plans, lt_, lt_workspace_, stream_, shape, a, transpose_a, b,
-                 transpose_b, c, alpha, beta, nullptr)) {
+  if (!lt_matmul("gemm", matmul_plans_->plans, lt_, lt_workspace_, stream_, shape, a, transpose_a,
+                 b, transpose_b, c, alpha, beta, nullptr)) {
     throw Error(ErrorKind::cuda, std::string("gemm: cuBLASLt has no algorithm for [") +
                                      std::to_string(shape.m) + ", " + std::to_string(shape.k) +
                                      "] x [" + std::to_string(shape.k) + ", " +
@@ -671,8 +679,8 @@ void CudaOps::linear(ConstMatrix x, const void* weight, const void* bias, Matrix
   if (fuse) {
     const GemmShape shape = gemm_shape("linear", x, Transpose::no, w, Transpose::yes, y);
     if (shape.m == 0 || shape.n == 0) return;
-    if (shape.k > 0 && lt_matmul(matmul_plans_->plans, lt_, lt_workspace_, stream_, shape, x,
-                                 Transpose::no, w, Transpose::yes, y, 1.0f, 0.0f, bias)) {
+    if (shape.k > 0 && lt_matmul("linear", matmul_plans_->plans, lt_, lt_workspace_, stream_, shape,
+                                 x, Transpose::no, w, Transpose::yes, y, 1.0f, 0.0f, bias)) {
       return;
     }
   }
