@@ -40,7 +40,8 @@ void setup_probe(CLI::App& app, Outcome& outcome);
 
 inline const std::vector<Subcommand>& subcommands() {
   static const std::vector<Subcommand> table = {
-      {"launch", "Start a training run from a recipe on local ranks", setup_launch},
+      {"launch", "Start a training run from a recipe on local ranks or on hosts over SSH",
+       setup_launch},
       {"resume", "Continue a run from its newest valid checkpoint", setup_resume},
       {"ckpt", "List a run's checkpoints, or verify their checksums", setup_ckpt},
       {"recipe", "Validate a recipe or show it with every default filled in", setup_recipe},

@@ -41,13 +41,19 @@ JobSpec job_spec(const LaunchOptions& o) {
   spec.remote = o.remote.get(o.hosts);
   spec.backend = o.backend.empty() ? spec.recipe.distributed.backend : o.backend;
   resolve_backend(spec.backend);  // refuse an unavailable backend before creating anything
+  if (spec.backend == "nccl" && spec.recipe.train.device != "cuda") {
+    throw Error(ErrorKind::usage,
+                fmt::format("--backend nccl: {} computes on the CPU (train.device \"{}\"); NCCL "
+                            "needs \"cuda\": use --backend gloo or auto",
+                            o.recipe, spec.recipe.train.device));
+  }
   spec.worker_binary = self_executable();
   return spec;
 }
 
-void print_dry_run(const JobSpec& spec, bool json) {
+void print_dry_run(const JobSpec& spec, const std::string& run_dir, bool json) {
   const std::string addr = resolve_master_addr(spec);
-  const JobPlan plan = plan_job(spec, "runs/<name>-<time>", "<name>-<time>-<id>", 1, addr,
+  const JobPlan plan = plan_job(spec, run_dir, spec.recipe.name + "-<time>-<id>", 1, addr,
                                 spec.remote.master_port, "<redacted>");
   const nlohmann::json j = plan.to_json(spec);
   if (json) {
@@ -93,13 +99,18 @@ int run_launch(const LaunchOptions& o) {
   JobSpec spec = job_spec(o);
   check_runnable(spec.recipe, spec.world_size, spec.nominal_world);
   if (o.dry_run) {
-    print_dry_run(spec, o.json);
+    // The directory a launch would create (its time is filled in then).
+    const std::string run_dir =
+        !o.run_dir.empty()
+            ? o.run_dir
+            : (std::filesystem::path(o.runs_root) / (spec.recipe.name + "-<time>")).string();
+    print_dry_run(spec, run_dir, o.json);
     return 0;
   }
   check_local_gpus(spec);
+  const auto events = open_events(o.restart, o.json);  // a bad --events path: nothing created
   RunDirectory run = RunDirectory::create(o.run_dir, o.runs_root, spec.recipe.name);
   run.info()["recipe_file"] = std::filesystem::absolute(o.recipe).string();
-  const auto events = open_events(o.restart, o.json);
   std::FILE* status_out = status_stream(o.json, *events);
   StatusPrinter status(status_out, StatusPrinter::is_terminal(status_out));
   status.line(fmt::format("dptrain {}: {} on {} rank(s){}, run directory {}", DPTRAIN_VERSION,

@@ -1,13 +1,17 @@
 // dptrain's entry point: dispatches to a subcommand and maps errors to exit codes.
+#include <algorithm>
 #include <cstdio>
 #include <sstream>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.hpp"
 #include "core/error.hpp"
+#include "core/suggest.hpp"
 
 namespace {
 
@@ -34,7 +38,8 @@ void print_error(const std::string& message, int code, bool json) {
 
 int main(int argc, char** argv) {
   CLI::App app{
-      "dptrain: data-parallel training from a JSON recipe, on CPU ranks (Gloo) today.\n"
+      "dptrain: data-parallel training from a JSON recipe, on CPU ranks (Gloo) or one NVIDIA GPU\n"
+      "per rank (NCCL), on this machine or across hosts over SSH.\n"
       "Exit codes: 0 ok, 1 internal, 2 usage/recipe, 3 rank failed, 4 ssh, 5 checkpoint,\n"
       "6 benchmark below threshold, 130 SIGINT, 143 SIGTERM. See dptrain(1).",
       "dptrain"};
@@ -55,7 +60,26 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    app.exit(e);
+    // The callbacks that set outcome.json have not run: a script that asked for JSON gets it.
+    bool json = false;
+    for (int i = 1; i < argc; ++i)
+      json = json || std::string_view(argv[i]) == "--json";
+    std::string message = e.what();
+    std::string help = "dptrain --help";
+    if (argc > 1 && argv[1][0] != '-') {
+      std::vector<std::string> known;
+      for (const auto& cmd : dptrain::cli::subcommands())
+        known.emplace_back(cmd.name);
+      if (std::find(known.begin(), known.end(), argv[1]) == known.end()) {
+        const auto close = dptrain::closest_match(argv[1], known);
+        message = fmt::format("unknown command '{}'{}", argv[1],
+                              close ? fmt::format(" (did you mean '{}'?)", *close) : "");
+      } else {
+        help = fmt::format("dptrain {} --help", argv[1]);
+      }
+    }
+    print_error(message, 2, json);
+    std::fprintf(stderr, "dptrain: see '%s'\n", help.c_str());
     return 2;
   } catch (const dptrain::Error& e) {
     const int code = dptrain::exit_code(e.kind());

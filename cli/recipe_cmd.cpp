@@ -60,7 +60,10 @@ void setup_recipe(CLI::App& app, Outcome& outcome) {
       app.add_subcommand("validate", "Check a recipe; exit 2 listing every problem");
   validate->add_option("recipe", o->recipe, "Recipe JSON file")->required();
   validate->add_flag("--json", o->json, "Print {\"valid\", \"errors\", ...} on stdout");
-  validate->callback([o, &outcome] { outcome.exit_code = run_validate(*o); });
+  validate->callback([o, &outcome] {
+    outcome.json = o->json;  // a file that cannot be read still answers in JSON
+    outcome.exit_code = run_validate(*o);
+  });
 
   CLI::App* show = app.add_subcommand("show", "Print the resolved recipe, every default filled in");
   show->add_option("recipe", o->recipe, "Recipe JSON file")->required();

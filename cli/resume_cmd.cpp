@@ -1,4 +1,5 @@
 // `dptrain resume RUN_DIR`: continue a run from its newest valid checkpoint.
+#include <cstdio>
 #include <filesystem>
 #include <memory>
 #include <system_error>
@@ -52,11 +53,21 @@ int run_resume(const ResumeOptions& o) {
   install_stop_signal_handlers();
   o.restart.validate();
   RunDirectory run = RunDirectory::open(o.run_dir);
+  run.lock();  // a launcher still driving the run: refused, before anything is written
   const auto events = open_events(o.restart, o.json);
   std::FILE* status_out = status_stream(o.json, *events);
   StatusPrinter status(status_out, StatusPrinter::is_terminal(status_out));
   if (run.info().value("status", "") == "completed") {
     status.line(fmt::format("{}: the run already completed; nothing to resume", o.run_dir));
+    if (o.json) {
+      nlohmann::json out = run.info().value("result", nlohmann::json::object());
+      out["status"] = "completed";
+      out["exit_code"] = 0;
+      out["run_dir"] = run.path().string();
+      out["resumed"] = false;
+      std::printf("%s\n", out.dump().c_str());
+    }
+    return 0;
   }
   JobSpec spec;
   place_ranks(spec, o.hosts, o.nproc, o.nnodes, run.info().value("world_size", 1));
@@ -94,7 +105,13 @@ int run_resume(const ResumeOptions& o) {
   // An elastic job's first generation takes the first candidates that answer; this machine
   // always does.
   const auto& hosts = spec.candidates.empty() ? spec.hosts : spec.candidates;
-  if (hosts.empty() || hosts.front().is_local()) {
+  if ((hosts.empty() || hosts.front().is_local()) && list_checkpoints(run.checkpoints()).empty()) {
+    // Stopped before its first checkpoint (or with checkpoints off): it starts over, as a
+    // restart would.
+    spec.resume_from = "newest-or-start";
+    status.line(fmt::format("dptrain {}: resuming {} from step 0 (it has no checkpoint) on {}",
+                            DPTRAIN_VERSION, run.path().string(), where));
+  } else if (hosts.empty() || hosts.front().is_local()) {
     spec.resume_from = find_valid_checkpoint(
         run.checkpoints(), [&status](const std::string& w) { status.line("warning: " + w); });
     set_aside_newer(run.checkpoints(), spec.resume_from, status);

@@ -674,6 +674,13 @@ Recipe load_recipe(const std::filesystem::path& path) {
     throw Error(ErrorKind::recipe,
                 fmt::format("{}: invalid JSON at line {}, column {}: {}", path.string(), line,
                             column, parse_error_detail(e.what())));
+  } catch (const json::exception& e) {
+    // Well-formed text nlohmann still refuses: a number beyond a double's range (1e400).
+    const std::string what = e.what();  // "[json.exception.out_of_range.406] number overflow..."
+    const size_t bracket = what.find("] ");
+    throw Error(ErrorKind::recipe,
+                fmt::format("{}: invalid JSON: {}", path.string(),
+                            bracket == std::string::npos ? what : what.substr(bracket + 2)));
   }
   return parse_recipe(j, path.string(), path.parent_path());
 }

@@ -184,7 +184,16 @@ int run_agent(const AgentPlan& given, std::FILE* out, int stop_fd) {
     // agent's own status carries its rank's.
     return f.signal != 0 ? 128 + f.signal : f.exit_code;
   }
-  if (result.stop_signal != 0) return result.stop_signal == SIGINT ? 130 : 143;
+  if (result.stop_signal == SIGINT) return 130;
+  if (result.stop_signal != 0 || !result.requested.empty()) {
+    // 143 says every rank checkpointed and stopped: only when each did. Otherwise the first one
+    // that did not, as its own status, for the launcher to report.
+    for (const ProcessExit& e : result.exits) {
+      if (e.signal != 0) return 128 + e.signal;
+      if (e.exit_code != 143) return e.exit_code;
+    }
+    return 143;
+  }
   return 0;
 }
 

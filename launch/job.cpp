@@ -9,14 +9,17 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <optional>
 
 #include <fmt/format.h>
 
+#include "core/checkpoint.hpp"
 #include "core/comm/auth.hpp"
 #include "core/comm/net.hpp"
 #include "core/comm/tcp_store.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
+#include "core/heartbeat.hpp"
 #include "core/tensor/device.hpp"
 #include "core/trainer.hpp"
 #include "launch/hang_watch.hpp"
@@ -64,6 +67,15 @@ json JobOutcome::to_json(const RunDirectory& run) const {
             {"run_dir", run.path().string()},
             {"restarts", restarts}};
   if (!error.empty()) j["error"] = error;
+  if (result.is_null() || !result.is_object()) {
+    const int64_t reached = std::max(failed_step, last_step);
+    j["steps"] = reached >= 0 ? json(reached) : json(start_step);
+    j["world_size"] = world_size > 0 ? json(world_size) : json(nullptr);
+    // A path, as the trainer's result has it.
+    j["last_checkpoint"] = last_checkpoint.empty()
+                               ? json(nullptr)
+                               : json((run.checkpoints() / last_checkpoint).string());
+  }
   for (const auto& [k, v] : result.items())
     j[k] = v;
   return j;
@@ -143,6 +155,38 @@ class RemoteRankLogs {
   fs::path dir_;
   std::map<std::pair<std::string, int>, std::unique_ptr<std::ofstream>> files_;
 };
+
+// The newest checkpoint in this run directory that verifies (nothing is set aside or changed),
+// or nothing.
+std::optional<std::string> newest_valid_checkpoint(const RunDirectory& run) {
+  try {
+    for (const auto& dir : list_checkpoints(run.checkpoints())) {
+      if (verify_checkpoint(dir).ok()) return dir.filename().string();
+    }
+  } catch (const std::exception&) {
+  }
+  return std::nullopt;
+}
+
+// The furthest step any rank's heartbeat reached in this generation (the step a failure came
+// at: the ranks that wait for a dead one stay at its step), or -1 when no rank began a step.
+int64_t heartbeat_step(const std::string& addr, uint16_t port, const std::string& secret,
+                       int generation, int world) {
+  int64_t step = -1;
+  try {
+    TcpStoreClient client(addr, port, std::chrono::seconds(2), secret);
+    PrefixStore store(fmt::format("gen{}", generation), client);
+    for (int r = 0; r < world; ++r) {
+      const std::string key = heartbeat_key(r);
+      if (!store.check({key})) continue;
+      const json beat = json::parse(store.get(key, std::chrono::seconds(2)), nullptr, false);
+      if (beat.is_discarded() || beat.value("phase", "") == "starting") continue;
+      step = std::max(step, beat.value("step", int64_t{-1}));
+    }
+  } catch (const std::exception&) {
+  }
+  return step;
+}
 
 }  // namespace
 
@@ -270,6 +314,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   }
   info["hosts"] = hosts_json;
   info["status"] = "running";
+  info.erase("error");  // an earlier invocation's end, between generations
   // Who runs the job, and a stamp renewed while it does: how `dptrain status` on another machine
   // (a shared filesystem) tells a running job from one whose launcher is gone.
   info["launcher"] = {{"host", this_host()}, {"pid", ::getpid()}};
@@ -280,25 +325,38 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
               {"hosts", json::array()}};
   for (const auto& h : plan.hosts)
     gen["hosts"].push_back(h.display());
-  if (!spec.resume_from.empty()) gen["resumed_from"] = spec.resume_from.filename().string();
+  // Where this generation continues from: a checkpoint's name, "step 0" (none on this machine,
+  // which holds rank 0's), or null (not resumed, or the ranks find the newest on their nodes:
+  // rendezvous_done says which, and run.json is updated then).
+  json resumed_from = nullptr;
+  if (spec.resume_from == "newest-or-start") {
+    if (!rank0_remote) resumed_from = "step 0";
+  } else if (!spec.resume_from.empty()) {
+    resumed_from = spec.resume_from.filename().string();
+  }
+  if (!resumed_from.is_null()) gen["resumed_from"] = resumed_from;
   info["generations"].push_back(gen);
   run.save();
 
   EventLog no_events;
   EventLog& events = spec.events ? *spec.events : no_events;
-  events.emit("generation_started",
-              {{"generation", generation},
-               {"world_size", world},
-               {"hosts", plan.hosts.size()},
-               {"resumed_from",
-                spec.resume_from.empty() ? json(nullptr) : json(spec.resume_from.filename())}});
+  events.emit("generation_started", {{"generation", generation},
+                                     {"world_size", world},
+                                     {"hosts", gen["hosts"]},
+                                     {"resumed_from", resumed_from}});
   json result;
   std::map<std::string, json> agent_failures;  // host -> the agent's "@failure" report
   RemoteRankLogs remote_logs(run.logs());
   int64_t last_step = -1;
+  // The step this generation started from: the resumed checkpoint's, or 0.
+  int64_t start_step = -1;
+  if (!spec.resume_from.empty() && spec.resume_from != "newest-or-start") {
+    start_step = checkpoint_step(spec.resume_from);
+  }
   const auto handle_event = [&](const json& event) {
     const std::string kind = event.value("event", "");
     if (kind == "progress") last_step = event.value("step", int64_t{-1});
+    if (kind == "rendezvous") start_step = event.value("step", start_step);
     if (kind == "rendezvous" || kind == "checkpoint") {
       json fields = event;
       fields.erase("event");
@@ -434,23 +492,76 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
 
   JobOutcome out;
   out.last_step = last_step;
-  if (sup.stop_signal != 0) {
-    out.exit_code = sup.stop_signal == SIGTERM ? 143 : 130;
-    out.status = sup.stop_signal == SIGTERM ? "terminated" : "interrupted";
-    out.error = sup.stop_signal == SIGTERM
-                    ? "stopped by SIGTERM; every rank checkpointed its last step and stopped"
-                    : "stopped by SIGINT; all ranks were stopped";
+  out.start_step = std::max<int64_t>(start_step, 0);
+  out.world_size = world;
+  if (trains && (sup.failure || !sup.watchdog.empty() || sup.stop_signal != 0)) {
+    out.failed_step =
+        std::max(last_step, heartbeat_step(addr, store.port(), secret, generation, world));
+  }
+  // Whether every process took its own SIGTERM path (a checkpoint of its last step, exit 143);
+  // one that finished the run first exited 0.
+  const auto all_checkpointed = [&] {
+    bool any = false;
+    for (const auto& e : sup.exits) {
+      if (e.exit_code == 143) {
+        any = true;
+      } else if (e.exit_code != 0) {
+        return false;
+      }
+    }
+    return any;
+  };
+  const auto not_checkpointed = [&] {
+    std::string list;
+    for (const auto& e : sup.exits) {
+      if (e.exit_code != 143 && e.exit_code != 0) list += (list.empty() ? "" : ", ") + e.describe();
+    }
+    return list;
+  };
+  std::optional<std::string> newest;
+  if (trains && !rank0_remote && !sup.ok()) newest = newest_valid_checkpoint(run);
+  if (newest) out.last_checkpoint = *newest;
+  const auto checkpoint_note = [&]() -> std::string {
+    if (!trains) return "";
+    if (rank0_remote) return "; the newest checkpoint is whichever the nodes hold";
+    return newest
+               ? fmt::format("; the newest checkpoint is {}: a resume continues from it", *newest)
+               : std::string("; no checkpoint exists: a resume starts from step 0");
+  };
+  const auto checkpointed_note = [&]() -> std::string {
+    return newest ? fmt::format("every rank checkpointed its last step ({}) and stopped", *newest)
+                  : std::string("every rank checkpointed its last step and stopped");
+  };
+  if (sup.stop_signal == SIGTERM && !sup.failure) {
+    out.exit_code = 143;
+    out.status = "terminated";
+    if (!sup.watchdog.empty()) {
+      out.error = fmt::format(
+          "stopped by SIGTERM, but {}; every rank was killed (a hung rank cannot checkpoint){}",
+          sup.watchdog, checkpoint_note());
+    } else if (all_checkpointed()) {
+      out.error = "stopped by SIGTERM; " + checkpointed_note();
+    } else {
+      out.error = fmt::format("stopped by SIGTERM, but not every rank checkpointed: {}{}",
+                              not_checkpointed(), checkpoint_note());
+    }
+  } else if (sup.stop_signal == SIGINT) {
+    out.exit_code = 130;
+    out.status = "interrupted";
+    out.error = "stopped by SIGINT; all ranks were stopped" + checkpoint_note();
   } else if (!sup.watchdog.empty()) {
     out.exit_code = 3;
     out.status = "failed";
     out.error = sup.watchdog;
   } else if (sup.failure && sup.failure->exit_code == 143) {
-    // A rank got SIGTERM itself (a node being preempted): every rank checkpointed and stopped.
+    // A rank got SIGTERM itself (a node being preempted): every rank checkpoints and stops.
     out.exit_code = 143;
     out.status = "terminated";
     out.error =
-        "a rank was stopped by SIGTERM (see which above); every rank checkpointed its "
-        "last step and stopped";
+        all_checkpointed()
+            ? fmt::format("{} was stopped by SIGTERM; {}", sup.failure->label, checkpointed_note())
+            : fmt::format("{} was stopped by SIGTERM, but not every rank checkpointed: {}{}",
+                          sup.failure->label, not_checkpointed(), checkpoint_note());
   } else if (sup.failure) {
     const ProcessFailure& f = *sup.failure;
     out.exit_code = 3;
@@ -488,6 +599,11 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
         if (p.label == f.label) log_hint = p.log_file.string();
       }
     }
+    if (sup.stop_signal != 0) {
+      out.error +=
+          fmt::format("; then the launcher got {}{}",
+                      sup.stop_signal == SIGTERM ? "SIGTERM" : "SIGINT", checkpoint_note());
+    }
     if (!last_lines.empty()) {
       out.error += fmt::format("; its last lines (full log: {}):", log_hint);
       for (const auto& l : last_lines)
@@ -509,6 +625,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   }
   if (sup.failure) {
     const ProcessFailure& f = *sup.failure;
+    out.failed_rank = f.rank;
     events.emit("rank_exited", {{"process", f.label},
                                 {"exit_code", f.exit_code >= 0 ? json(f.exit_code) : json(nullptr)},
                                 {"signal", f.signal != 0 ? json(f.signal) : json(nullptr)},

@@ -63,15 +63,27 @@ struct JobSpec {
 
 struct JobOutcome {
   int exit_code = 0;
-  std::string status;        // completed | failed | interrupted | terminated
-  std::string error;         // empty on success; the first line names the failed host and rank
-  nlohmann::json result;     // the trainer's result on success
-  int64_t last_step = -1;    // the last step rank 0 reported before the end (-1: none)
+  std::string status;      // completed | failed | interrupted | terminated
+  std::string error;       // empty on success; the first line names the failed host and rank
+  nlohmann::json result;   // the trainer's result on success
+  int64_t last_step = -1;  // the last step rank 0 reported before the end (-1: none)
+  // The step a failure or stop came at, from the ranks' heartbeats and rank 0's progress (-1:
+  // before any rank began a step).
+  int64_t failed_step = -1;
+  int64_t start_step = 0;  // the step the generation started from (its checkpoint's, or 0)
+  int world_size = 0;      // the generation's
+  // The newest valid checkpoint in the run directory after the generation (empty: none, or
+  // unknown because rank 0 ran on another host).
+  std::string last_checkpoint;
   bool rank_killed = false;  // the failure was a local rank killed by SIGKILL
+  int failed_rank = -1;      // the rank whose failure ended the generation, when one did
   // Not a failure: the ranks checkpointed and stopped so that hosts that answer again can join
   // (an elastic job below its maximum size); exit_code 0, status "resized".
   bool resized = false;
   int restarts = 0;  // generations started after failures (run_job_with_restarts)
+  // {status, exit_code, run_dir, restarts, error?} and the trainer's result; an outcome without
+  // one (failed, terminated, interrupted) has steps (the step reached), world_size and
+  // last_checkpoint (null when unknown) too.
   nlohmann::json to_json(const RunDirectory& run) const;
 };
 

@@ -63,21 +63,18 @@ std::string first_line(const std::string& s) {
 
 // Seconds since a utc_timestamp() string; none when it does not parse.
 std::optional<int64_t> age_s(const std::string& stamp) {
-  std::tm tm{};
-  const char* end = ::strptime(stamp.c_str(), "%Y-%m-%dT%H:%M:%SZ", &tm);
-  if (end == nullptr || *end != '\0') return std::nullopt;
-  return static_cast<int64_t>(::time(nullptr) - ::timegm(&tm));
+  return seconds_since(stamp);
 }
 
-// A live dptrain worker or relay, not a zombie and not another program that got the pid since.
-bool rank_process_alive(int pid) {
-  if (pid <= 0) return false;
+// The arguments of live process `pid` on this machine; none when it is gone or a zombie.
+std::optional<std::vector<std::string>> live_process_args(int64_t pid) {
+  if (pid <= 0) return std::nullopt;
   std::ifstream stat_file(fmt::format("/proc/{}/stat", pid));
   std::string stat;
-  if (!std::getline(stat_file, stat)) return false;
+  if (!std::getline(stat_file, stat)) return std::nullopt;
   const auto paren = stat.rfind(')');
   if (paren == std::string::npos || paren + 2 >= stat.size() || stat[paren + 2] == 'Z') {
-    return false;
+    return std::nullopt;
   }
   std::ifstream cmdline_file(fmt::format("/proc/{}/cmdline", pid), std::ios::binary);
   std::string cmdline((std::istreambuf_iterator<char>(cmdline_file)),
@@ -86,13 +83,66 @@ bool rank_process_alive(int pid) {
   std::istringstream in(cmdline);
   for (std::string arg; std::getline(in, arg, '\0');)
     args.push_back(arg);
-  return args.size() >= 2 && (args[1] == "worker" || args[1] == "_relay");
+  return args;
+}
+
+// A live dptrain worker or relay, not a zombie and not another program that got the pid since.
+bool rank_process_alive(int pid) {
+  const auto args = live_process_args(pid);
+  return args && args->size() >= 2 && ((*args)[1] == "worker" || (*args)[1] == "_relay");
+}
+
+// The process run.json names as the launcher: on this machine, a live dptrain process (not a
+// zombie, not a worker); on another, one that stamped the run within kAliveStaleS.
+bool launcher_alive(const json& info) {
+  if (!info.contains("launcher") || !info["launcher"].is_object()) return false;
+  const json& launcher = info["launcher"];
+  const std::string host = text(launcher, "host");
+  if (!host.empty() && host != this_host()) {
+    const auto alive = age_s(text(info, "alive_at"));
+    return alive && *alive < kAliveStaleS;
+  }
+  const auto args = live_process_args(integer(launcher, "pid", -1));
+  return args && args->size() >= 2 &&
+         fs::path((*args)[0]).filename().string().find("dptrain") != std::string::npos &&
+         (*args)[1] != "worker" && (*args)[1] != "_relay";
 }
 
 // A run whose launcher is between two generations: after a resize, or after a failure with a
-// restart recorded.
+// restart pending or recorded. Only while the launcher lives: otherwise what run.json recorded
+// stands.
 RunState between_generations(const json& info, const json& generations, RunState state) {
+  // run.json written before launchers recorded themselves: the timing alone tells.
+  const bool launcher_gone = info.contains("launcher") && !launcher_alive(info);
+  const auto stale_resize = [&] {
+    state.status = "stale";
+    state.note = fmt::format(
+        "generation {} stopped for hosts that answer again, but no generation followed it: the "
+        "launcher is gone",
+        generations.size());
+  };
+  if ((state.recorded_status == "failed" || state.recorded_status == "resized") && launcher_gone) {
+    if (state.recorded_status == "failed") {
+      state.note = "the launcher has exited: no generation follows";
+    } else {
+      stale_resize();
+    }
+    return state;
+  }
   const json& restarts = array_at(info, "restarts");
+  // In the back-off after a failure: the restart is recorded once the next generation is placed.
+  if (state.recorded_status == "failed" && info.contains("pending_restart") &&
+      integer(info["pending_restart"], "after_generation", -1) ==
+          static_cast<int64_t>(generations.size())) {
+    const auto since = age_s(text(info["pending_restart"], "at"));
+    state.status = "restarting";
+    state.note = fmt::format(
+        "generation {} failed {} s ago; restart {} is waiting out its back-off, then generation "
+        "{} is placed",
+        generations.size(), since ? std::max<int64_t>(*since, 0) : 0, restarts.size() + 1,
+        generations.size() + 1);
+    return state;
+  }
   const json last = generations.empty() ? json::object() : generations.back();
   // Between a generation stopped for hosts that answer again and the next one.
   if (state.recorded_status == "resized") {
@@ -104,11 +154,7 @@ RunState between_generations(const json& info, const json& generations, RunState
           "again; generation {} is being placed",
           generations.size(), generations.size() + 1);
     } else {
-      state.status = "stale";
-      state.note = fmt::format(
-          "generation {} stopped for hosts that answer again, but no generation followed it: "
-          "the launcher is gone",
-          generations.size());
+      stale_resize();
     }
   }
   // Between a failed generation and the next one, run.json says failed and lists the restart.
@@ -328,8 +374,10 @@ std::string last_checkpoint_name(const RunView& run) {
   return {};
 }
 
-// The error the run ended with: the newest generation's.
+// The error the run ended with: the run's own, or the newest generation's.
 std::string run_error(const json& info) {
+  // How the run ended after its last generation (too few hosts left, stopped between two).
+  if (const std::string error = text(info, "error"); !error.empty()) return error;
   const json& generations = array_at(info, "generations");
   for (auto it = generations.rbegin(); it != generations.rend(); ++it) {
     if (it->contains("ended_at")) return text(*it, "error");

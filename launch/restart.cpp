@@ -79,9 +79,10 @@ std::string place_generation(RunDirectory& run, JobSpec& spec, StatusPrinter& st
           spec.world_size - 1, spec.nodes.min, spec.nodes.min, spec.nodes.max);
     }
     --spec.world_size;
-    absent.push_back(
-        "a rank killed by SIGKILL (the OOM killer, a cgroup limit or a scheduler): "
-        "its capacity is taken as lost");
+    absent.push_back(fmt::format(
+        "rank {}: killed by SIGKILL (the OOM killer, a cgroup limit or a scheduler): its "
+        "capacity is taken as lost",
+        failed->failed_rank));
   }
   if (spec.world_size == before) return "";
   const int64_t batch = global_batch(spec.recipe, spec.world_size, spec.nominal_world);
@@ -141,6 +142,7 @@ JobOutcome failed_placement(RunDirectory& run, JobOutcome outcome, const std::st
   outcome.resized = false;
   outcome.error = cause.empty() ? error : error + "\n  (the failure before: " + cause + ")";
   run.info()["status"] = "failed";
+  run.info()["error"] = outcome.error;  // the run's, after its last generation's
   run.save();
   return outcome;
 }
@@ -153,6 +155,7 @@ JobOutcome stopped_waiting(RunDirectory& run, JobOutcome outcome, int sig) {
                                   : "stopped while waiting to restart";
   outcome.resized = false;
   run.info()["status"] = outcome.status;
+  run.info()["error"] = outcome.error;
   run.save();
   return outcome;
 }
@@ -161,7 +164,16 @@ JobOutcome stopped_waiting(RunDirectory& run, JobOutcome outcome, int sig) {
 
 JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter& status,
                                  const RestartPolicy& policy) {
+  // The budget is this invocation's; the numbering continues from the restarts run.json already
+  // lists (an earlier launch or resume of the same run).
   int restarts = 0;
+  const auto listed = run.info().find("restarts");
+  const int numbered_before =
+      listed != run.info().end() && listed->is_array() ? static_cast<int>(listed->size()) : 0;
+  const auto finish = [&](JobOutcome outcome) {
+    outcome.restarts = numbered_before + restarts;
+    return outcome;
+  };
   int same_step = 0;
   int64_t previous_step = -2;
   if (std::string error = place_generation(run, spec, status, Placement::first); !error.empty()) {
@@ -171,11 +183,10 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
     out.error = error;
     run.info()["status"] = out.status;
     run.save();
-    return out;
+    return finish(out);
   }
   for (;;) {
     JobOutcome outcome = run_job(run, spec, status);
-    outcome.restarts = restarts;
     if (outcome.resized) {
       // Not a failure and not a restart: the next generation continues from the checkpoint the
       // ranks just wrote, with the hosts that answer now.
@@ -190,61 +201,88 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
       run.save();
       if (std::string error = place_generation(run, spec, status, Placement::grow);
           !error.empty()) {
-        return failed_placement(run, outcome, error, "");
+        return finish(failed_placement(run, outcome, error, ""));
       }
-      if (const int sig = pending_stop_signal()) return stopped_waiting(run, outcome, sig);
+      if (const int sig = pending_stop_signal()) return finish(stopped_waiting(run, outcome, sig));
       spec.resume_from = rank0_local(spec) && !from.empty() ? from : fs::path("newest-or-start");
       continue;
     }
-    if (!restartable(outcome) || policy.max_restarts == 0) return outcome;
-    same_step = outcome.last_step == previous_step ? same_step + 1 : 1;
-    previous_step = outcome.last_step;
+    // A stop asked for (SIGTERM, Ctrl-C) is never answered with a restart.
+    if (!restartable(outcome) || policy.max_restarts == 0 || pending_stop_signal() != 0) {
+      return finish(outcome);
+    }
+    // Where the failure came: its step, or (before the generation's first step) the step it
+    // started from.
+    const bool step_known = outcome.failed_step >= 0;
+    const int64_t failed_at = step_known ? outcome.failed_step : outcome.start_step;
+    const std::string where = step_known
+                                  ? fmt::format("at step {}", failed_at)
+                                  : fmt::format("before the first step (from step {})", failed_at);
+    same_step = failed_at == previous_step ? same_step + 1 : 1;
+    previous_step = failed_at;
     if (same_step >= policy.same_step_limit) {
       outcome.error = fmt::format(
-          "the job failed {} times in a row after step {}: this looks deterministic (a bad "
-          "batch, a bug, a broken host), so it is not restarted again; the last failure: {}",
-          same_step, outcome.last_step, outcome.error);
-      return outcome;
+          "the job failed {} times in a row {}: this looks deterministic (a bad batch, a bug, a "
+          "broken host), so it is not restarted again; the last failure: {}",
+          same_step, where, outcome.error);
+      return finish(outcome);
     }
     if (restarts >= policy.max_restarts) {
-      outcome.error +=
-          fmt::format("\n  (restarts exhausted: {} of {})", restarts, policy.max_restarts);
-      return outcome;
+      outcome.error += fmt::format("\n  (restarts exhausted: {} of {} for this invocation)",
+                                   restarts, policy.max_restarts);
+      return finish(outcome);
     }
-    ++restarts;
-    std::string from_name;
-    const fs::path from = newest_local_checkpoint(run, spec, status, from_name);
+    const int attempt = restarts + 1;
     const auto backoff = std::min<std::chrono::milliseconds>(
-        policy.backoff * (int64_t{1} << std::min(restarts - 1, 15)), std::chrono::seconds(30));
+        policy.backoff * (int64_t{1} << std::min(attempt - 1, 15)), std::chrono::seconds(30));
     const std::string cause = first_line(outcome.error);
-    status.line(fmt::format("restart {}/{} in {:.1f}s from {}: {}", restarts, policy.max_restarts,
-                            static_cast<double>(backoff.count()) / 1000.0, from_name, cause));
-    if (spec.events) {
-      spec.events->emit("restart", {{"restart", restarts},
-                                    {"max_restarts", policy.max_restarts},
-                                    {"cause", cause},
-                                    {"backoff_s", static_cast<double>(backoff.count()) / 1000.0},
-                                    {"from", from_name}});
-    }
-    json& restarts_json = run.info()["restarts"];
-    if (!restarts_json.is_array()) restarts_json = json::array();
-    restarts_json.push_back({{"restart", restarts},
-                             {"after_generation", run.info()["generations"].size()},
-                             {"cause", cause},
-                             {"failed_after_step", outcome.last_step},
-                             {"from", from_name},
-                             {"at", utc_timestamp()}});
+    // Nothing is recorded as a restart until one happens: the back-off may be cut short by a
+    // stop, and an elastic job may find too few hosts or ranks for another generation.
+    // Seen by `dptrain status` as restarting (while this launcher lives).
+    run.info()["pending_restart"] = {{"after_generation", run.info()["generations"].size()},
+                                     {"cause", cause},
+                                     {"backoff_s", static_cast<double>(backoff.count()) / 1000.0},
+                                     {"at", utc_timestamp()}};
+    run.info()["alive_at"] = utc_timestamp();
     run.save();
     int sig = sleep_unless_stopped(backoff);
     if (sig == 0) {
       if (std::string error =
               place_generation(run, spec, status, Placement::after_failure, &outcome);
           !error.empty()) {
-        return failed_placement(run, outcome, error, cause);
+        run.info().erase("pending_restart");
+        return finish(failed_placement(run, outcome, error, cause));
       }
       sig = pending_stop_signal();
     }
-    if (sig != 0) return stopped_waiting(run, outcome, sig);
+    run.info().erase("pending_restart");
+    if (sig != 0) return finish(stopped_waiting(run, outcome, sig));
+    restarts = attempt;
+    const int number = numbered_before + restarts;
+    std::string from_name;
+    const fs::path from = newest_local_checkpoint(run, spec, status, from_name);
+    status.line(fmt::format("restart {}/{} after {:.1f}s from {}: {}", restarts,
+                            policy.max_restarts, static_cast<double>(backoff.count()) / 1000.0,
+                            from_name, cause));
+    if (spec.events) {
+      spec.events->emit("restart", {{"restart", number},
+                                    {"attempt", restarts},
+                                    {"max_restarts", policy.max_restarts},
+                                    {"cause", cause},
+                                    {"failed_at_step", failed_at},
+                                    {"backoff_s", static_cast<double>(backoff.count()) / 1000.0},
+                                    {"from", from_name}});
+    }
+    json& restarts_json = run.info()["restarts"];
+    if (!restarts_json.is_array()) restarts_json = json::array();
+    restarts_json.push_back({{"restart", number},
+                             {"after_generation", run.info()["generations"].size()},
+                             {"cause", cause},
+                             {"failed_after_step", failed_at},
+                             {"failed_before_first_step", !step_known},
+                             {"from", from_name},
+                             {"at", utc_timestamp()}});
+    run.save();
     // A checkpoint on this machine is named when rank 0 still runs here; otherwise the ranks
     // find the newest any node holds (rank 0 may be on another host now).
     spec.resume_from = rank0_local(spec) && !from.empty() ? from : fs::path("newest-or-start");

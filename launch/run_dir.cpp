@@ -1,8 +1,12 @@
 // The run directory: run.json (recipe, world size, generations, status), logs/, checkpoints/.
 #include "launch/run_dir.hpp"
 
+#include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
 #include <ctime>
 #include <system_error>
 
@@ -32,9 +36,24 @@ void make_layout(const fs::path& dir) {
   fs::create_directories(dir / "logs", ec);
   if (!ec) fs::create_directories(dir / "checkpoints", ec);
   if (ec) {
-    throw Error(ErrorKind::io,
+    throw Error(ErrorKind::usage,
                 fmt::format("{}: cannot create run directory: {}", dir.string(), ec.message()));
   }
+}
+
+constexpr const char* kLockFile = ".lock";
+
+// Nothing in `dir` but what a start that failed before its run.json leaves: the lock and empty
+// logs/ and checkpoints/. Anything else (another run's checkpoints, the user's files) is not ours.
+std::optional<std::string> foreign_entry(const fs::path& dir) {
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    const bool layout = (name == "logs" || name == "checkpoints") && entry.is_directory(ec) &&
+                        fs::is_empty(entry.path(), ec);
+    if (name != kLockFile && !layout) return name;
+  }
+  return std::nullopt;
 }
 
 }  // namespace
@@ -55,23 +74,58 @@ std::string this_host() {
   return name;
 }
 
+std::optional<int64_t> seconds_since(const std::string& stamp) {
+  std::tm tm{};
+  const char* end = ::strptime(stamp.c_str(), "%Y-%m-%dT%H:%M:%SZ", &tm);
+  if (end == nullptr || *end != '\0') return std::nullopt;
+  return static_cast<int64_t>(std::time(nullptr) - ::timegm(&tm));
+}
+
 RunDirectory RunDirectory::create(const fs::path& dir, const fs::path& runs_root,
                                   const std::string& name) {
   fs::path path = dir;
   std::error_code ec;
-  if (path.empty()) {
-    const fs::path base = runs_root / fmt::format("{}-{}", name, utc_format("%Y%m%d-%H%M%S"));
-    path = base;
-    for (int i = 2; fs::exists(path, ec); ++i)
-      path = fmt::format("{}-{}", base.string(), i);
-  } else if (fs::exists(path / "run.json", ec)) {
+  const auto holds_run = [](const fs::path& p) {
+    std::error_code exists_ec;
+    if (!fs::exists(p / "run.json", exists_ec)) return;
     throw Error(ErrorKind::usage,
                 fmt::format("{}: already holds a run; continue it with 'dptrain resume {}' or "
                             "choose another --run-dir",
-                            path.string(), path.string()));
+                            p.string(), p.string()));
+  };
+  if (path.empty()) {
+    // create_directory is the claim: of two launches racing for one name, one makes it and the
+    // other moves on to the next suffix.
+    const fs::path base = runs_root / fmt::format("{}-{}", name, utc_format("%Y%m%d-%H%M%S"));
+    if (!runs_root.empty()) fs::create_directories(runs_root, ec);
+    for (int i = 1; !ec; ++i) {
+      path = i == 1 ? base : fs::path(fmt::format("{}-{}", base.string(), i));
+      if (fs::create_directory(path, ec)) break;
+    }
+    if (ec) {
+      throw Error(ErrorKind::usage,
+                  fmt::format("{}: cannot create run directory: {}", path.string(), ec.message()));
+    }
+  } else {
+    holds_run(path);
+    if (fs::exists(path, ec)) {
+      if (!fs::is_directory(path, ec)) {
+        throw Error(ErrorKind::usage,
+                    fmt::format("{}: is not a directory; choose another --run-dir", path.string()));
+      }
+      if (const auto entry = foreign_entry(path)) {
+        throw Error(ErrorKind::usage,
+                    fmt::format("{}: holds '{}' but no run.json: not a run directory, and its "
+                                "files would be taken for the run's; choose an empty or new "
+                                "--run-dir",
+                                path.string(), *entry));
+      }
+    }
   }
   make_layout(path);
   RunDirectory run(fs::absolute(path).lexically_normal(), nlohmann::json::object());
+  run.lock();
+  holds_run(path);  // a launch that won the race for this --run-dir and has finished already
   run.info_["id"] = generate_job_secret().substr(0, 12);
   run.info_["created_at"] = utc_timestamp();
   run.info_["dptrain_version"] = DPTRAIN_VERSION;
@@ -92,6 +146,59 @@ RunDirectory RunDirectory::open(const fs::path& dir) {
   }
   make_layout(dir);
   return RunDirectory(fs::absolute(dir).lexically_normal(), std::move(info));
+}
+
+void RunDirectory::lock() {
+  if (lock_) return;
+  const fs::path file = path_ / kLockFile;
+  const int fd = ::open(file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    throw Error(ErrorKind::usage,
+                fmt::format("{}: cannot open: {}", file.string(), std::strerror(errno)));
+  }
+  auto held = std::shared_ptr<const int>(new int(fd), [](const int* p) {
+    ::close(*p);  // releases the flock
+    delete p;
+  });
+  const auto launcher = [this] {
+    const auto it = info_.find("launcher");
+    if (it == info_.end() || !it->is_object()) return std::string("another dptrain");
+    return fmt::format("its launcher (pid {} on {})", it->value("pid", 0),
+                       it->value("host", std::string("?")));
+  };
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int error = errno;
+    if (error == EWOULDBLOCK) {
+      throw Error(ErrorKind::usage,
+                  fmt::format("{}: {} is still running it; stop it first (SIGTERM checkpoints) or "
+                              "wait for it",
+                              path_.string(), launcher()));
+    }
+    throw Error(ErrorKind::usage,
+                fmt::format("{}: cannot lock: {}", file.string(), std::strerror(error)));
+  }
+  // A launcher on another machine holds no lock here (flock is per machine on many shared
+  // filesystems), but it stamps the run while it lives.
+  const std::string host =
+      info_.contains("launcher") ? info_["launcher"].value("host", std::string()) : std::string();
+  const std::string status = info_.value("status", std::string());
+  // A failed generation with a restart recorded after it: the launcher is placing the next one.
+  const auto restarts = info_.value("restarts", nlohmann::json::array());
+  const auto generations = info_.value("generations", nlohmann::json::array());
+  const bool restarting = status == "failed" && !restarts.empty() &&
+                          restarts.back().value("after_generation", int64_t{-1}) ==
+                              static_cast<int64_t>(generations.size());
+  if (!host.empty() && host != this_host() &&
+      (status == "running" || status == "resized" || restarting)) {
+    const auto age = seconds_since(info_.value("alive_at", std::string()));
+    if (age && *age < kAliveStaleS) {
+      throw Error(ErrorKind::usage,
+                  fmt::format("{}: {} stamped it {} s ago: it is still running; stop it first "
+                              "or wait for it",
+                              path_.string(), launcher(), std::max<int64_t>(*age, 0)));
+    }
+  }
+  lock_ = std::move(held);
 }
 
 void RunDirectory::save() const {

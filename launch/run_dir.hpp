@@ -1,7 +1,10 @@
 // The run directory: run.json (recipe, world size, generations, status), logs/, checkpoints/.
 #pragma once
 
+#include <cstdint>
 #include <filesystem>
+#include <memory>
+#include <optional>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -10,12 +13,22 @@ namespace dptrain {
 
 class RunDirectory {
  public:
-  // `dir` empty: runs_root/<name>-<UTC time> (a suffix keeps two runs in one second apart).
-  // `dir` given: used as it is; it must not already hold a run (Error(usage) pointing at resume).
+  // `dir` empty: runs_root/<name>-<UTC time>, made exclusively (a suffix keeps two runs started
+  // in one second apart, even two launches racing). `dir` given: used as it is; it must not hold
+  // a run (Error(usage) pointing at resume) nor anything else (another run's checkpoints would
+  // be taken for this one's) but the empty logs/ and checkpoints/ a failed start leaves.
+  // Either way the new run directory is lock()ed. Error(usage) naming it when it cannot be made.
   static RunDirectory create(const std::filesystem::path& dir,
                              const std::filesystem::path& runs_root, const std::string& name);
   // An existing run: Error(usage) naming the directory when it has no readable run.json.
   static RunDirectory open(const std::filesystem::path& dir);
+
+  // Takes this machine's lock on the run (an flock on .lock, held while this object or a copy
+  // lives and released when the process ends however it ends), so that two launchers never
+  // drive one run. Error(usage) naming the directory, and the pid run.json records, when another
+  // process holds it. A run whose launcher is on another machine (a shared filesystem) and
+  // stamped it within kAliveStaleS is refused the same way.
+  void lock();
 
   const std::filesystem::path& path() const { return path_; }
   std::filesystem::path logs() const { return path_ / "logs"; }
@@ -32,10 +45,13 @@ class RunDirectory {
 
   std::filesystem::path path_;
   nlohmann::json info_;
+  std::shared_ptr<const int> lock_;  // the locked descriptor, closed with the last copy
 };
 
 std::string utc_timestamp();  // 2026-11-30T08:43:38Z
 std::string this_host();      // this machine's host name (run.json's "launcher")
+// Seconds from a utc_timestamp() to now; none when it does not parse.
+std::optional<int64_t> seconds_since(const std::string& stamp);
 
 // How often a running launcher stamps run.json's "alive_at", and how old that stamp may get
 // before a run seen from another machine counts as stale.

@@ -23,14 +23,27 @@ namespace dptrain {
 
 namespace {
 
+// What waitpid's `status` says of a process (nothing yet when it has not `exited`).
+ProcessExit process_exit(const ProcessSpec& spec, pid_t pid, bool exited, int status) {
+  ProcessExit e;
+  e.label = spec.label;
+  e.rank = spec.rank;
+  e.pid = pid;
+  if (exited && WIFEXITED(status)) e.exit_code = WEXITSTATUS(status);
+  if (exited && WIFSIGNALED(status)) e.signal = WTERMSIG(status);
+  return e;
+}
+
 std::atomic<int> g_stop_signal{0};
-std::atomic<int> g_stop_count{0};
+std::atomic<int> g_sigint_count{0};
 int g_wake_pipe[2] = {-1, -1};
 
 void on_stop_signal(int sig) {
   int expected = 0;
   g_stop_signal.compare_exchange_strong(expected, sig);
-  g_stop_count.fetch_add(1);
+  // Schedulers send SIGTERM more than once (`timeout` signals the child and its group): that is
+  // one stop request. Only a second Ctrl-C means "now".
+  if (sig == SIGINT) g_sigint_count.fetch_add(1);
   if (g_wake_pipe[1] >= 0) {
     const char c = 1;
     [[maybe_unused]] auto n = ::write(g_wake_pipe[1], &c, 1);
@@ -166,18 +179,34 @@ class Supervision {
           stop_deadline = std::chrono::steady_clock::now() +
                           (checkpointing ? options_.stop_grace : options_.grace);
         }
-      } else if (g_stop_count.load() > 1 && stop_deadline != kNever) {
-        signal_all(SIGKILL);  // a second Ctrl-C: at once
+      } else if (stop_deadline != kNever &&
+                 g_sigint_count.load() > (result.stop_signal == SIGINT ? 1 : 0)) {
+        signal_all(SIGKILL);  // a second Ctrl-C (or one after a SIGTERM): at once
         stop_deadline = kNever;
+      } else if (stop_deadline != kNever && result.watchdog.empty() && options_.watchdog &&
+                 (result.stop_signal != 0 || !result.requested.empty())) {
+        // A hung rank cannot checkpoint: the hang watch ends the stop grace early.
+        if (auto reason = options_.watchdog()) {
+          result.watchdog = *reason;
+          signal_all(SIGKILL);
+          stop_deadline = kNever;
+        } else if (std::chrono::steady_clock::now() >= stop_deadline) {
+          signal_all(SIGKILL);
+          stop_deadline = kNever;
+        }
       } else if (std::chrono::steady_clock::now() >= stop_deadline) {
         signal_all(SIGKILL);
         stop_deadline = kNever;
       }
     }
     drain();
-    if (!result.failure && result.stop_signal == 0 && result.watchdog.empty() &&
-        result.requested.empty()) {
+    // A process that failed on its own before a stop signal came is still the failure.
+    if (!result.failure && result.requested.empty() &&
+        (result.stop_signal != 0 || result.watchdog.empty())) {
       result.failure = candidate_;
+    }
+    for (const auto& c : children_) {
+      result.exits.push_back(process_exit(*c.spec, c.pid, c.exited, c.status));
     }
     if (result.failure) {
       for (auto& c : children_) {
@@ -303,11 +332,7 @@ class Supervision {
       // Ranks stopped by our own SIGTERM/SIGKILL are casualties, not the cause.
       if (!clean && !stopping_signalled_ && result.stop_signal == 0) {
         ProcessFailure f;
-        f.label = c.spec->label;
-        f.rank = c.spec->rank;
-        f.pid = c.pid;
-        if (WIFEXITED(status)) f.exit_code = WEXITSTATUS(status);
-        if (WIFSIGNALED(status)) f.signal = WTERMSIG(status);
+        static_cast<ProcessExit&>(f) = process_exit(*c.spec, c.pid, true, status);
         consider_failure(f);
       }
       // Whatever a dead rank's children still hold open must not keep us waiting for EOF.
@@ -360,6 +385,11 @@ class Supervision {
 };
 
 }  // namespace
+
+std::string ProcessExit::describe() const {
+  if (signal != 0) return fmt::format("{} was killed by {}", label, signal_name(signal));
+  return fmt::format("{} exited with code {}", label, exit_code);
+}
 
 std::string ProcessFailure::describe() const {
   if (signal != 0) {

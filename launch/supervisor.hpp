@@ -22,21 +22,29 @@ struct ProcessSpec {
   std::filesystem::path log_file;                        // every line the process prints
 };
 
-struct ProcessFailure {
+// How one process ended.
+struct ProcessExit {
   std::string label;
   int rank = 0;
   pid_t pid = 0;
-  int exit_code = -1;  // when it exited
-  int signal = 0;      // when a signal killed it
+  int exit_code = -1;            // when it exited
+  int signal = 0;                // when a signal killed it
+  std::string describe() const;  // "rank 1 was killed by SIGKILL", "rank 0 exited with code 143"
+};
+
+// A process that failed on its own, with its last output lines.
+struct ProcessFailure : ProcessExit {
   std::vector<std::string> last_lines;
   std::string describe() const;  // "rank 1 (pid 123) was killed by signal 9 (SIGKILL)"
 };
 
 struct SupervisionResult {
-  std::optional<ProcessFailure> failure;  // the first process that failed
-  int stop_signal = 0;                    // SIGINT / SIGTERM received by the launcher
-  std::string watchdog;                   // the watchdog's message, when it stopped the run
-  std::string requested;                  // the stop request's message, when it stopped the run
+  // The first process that failed on its own (also when a stop signal came after it).
+  std::optional<ProcessFailure> failure;
+  int stop_signal = 0;             // SIGINT / SIGTERM received by the launcher
+  std::string watchdog;            // the watchdog's message, when it stopped the run
+  std::string requested;           // the stop request's message, when it stopped the run
+  std::vector<ProcessExit> exits;  // every process, in the order given
   bool ok() const { return !failure && stop_signal == 0 && watchdog.empty() && requested.empty(); }
 };
 
@@ -74,7 +82,10 @@ int sleep_unless_stopped(std::chrono::milliseconds duration);
 // Runs the processes to completion. Each runs in its own process group with a parent-death signal,
 // so none outlives the launcher. When one exits non-zero or by a signal, the others get SIGTERM,
 // then SIGKILL after `grace`. A SIGINT to the launcher is passed on as SIGINT (SIGKILL after
-// `grace`; a second SIGINT kills at once); a SIGTERM as SIGTERM (SIGKILL after `stop_grace`).
+// `grace`; a second SIGINT kills at once); a SIGTERM as SIGTERM (SIGKILL after `stop_grace`;
+// more SIGTERMs are the same request, a SIGINT after it kills at once). While stopping, the
+// watchdog still runs: when it fires (a hung rank cannot checkpoint) every process is killed at
+// once and its message is the result's `watchdog`.
 SupervisionResult supervise(const std::vector<ProcessSpec>& specs,
                             const SupervisorOptions& options);
 

@@ -142,3 +142,32 @@ TEST_CASE("supervisor: a stop request stops every process with SIGTERM, given st
   for (pid_t p : f.pids)
     CHECK_FALSE(alive(p));
 }
+
+TEST_CASE("supervisor: while stopping, the watchdog ends the stop grace; every exit is reported") {
+  Fixture f;
+  f.options.stop_grace = std::chrono::seconds(60);
+  bool stop_asked = false;
+  int polls_after = 0;
+  f.options.stop_request = [&stop_asked]() -> std::optional<std::string> {
+    stop_asked = true;
+    return "a host answers again";
+  };
+  // Only once the stop began, and a few polls later: a rank that cannot checkpoint (it hangs).
+  f.options.watchdog = [&]() -> std::optional<std::string> {
+    if (!stop_asked || ++polls_after < 3) return std::nullopt;
+    return "hang: rank 1 is stuck";
+  };
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto result =
+      supervise({f.shell(0, "trap 'sleep 0.2; exit 143' TERM; while :; do sleep 0.05; done"),
+                 f.shell(1, "trap '' TERM; while :; do sleep 0.05; done")},
+                f.options);
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20));  // not stop_grace
+  CHECK(result.watchdog == "hang: rank 1 is stuck");
+  REQUIRE(result.exits.size() == 2);
+  CHECK(result.exits[1].rank == 1);
+  CHECK(result.exits[1].signal == SIGKILL);
+  CHECK(result.exits[1].describe() == "rank 1 was killed by SIGKILL");
+  for (pid_t p : f.pids)
+    CHECK_FALSE(alive(p));
+}

@@ -2,6 +2,8 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <array>
+#include <vector>
 
 #include "tests/harness.hpp"
 
@@ -29,7 +31,16 @@ TEST_CASE("--version and --help for dptrain and every subcommand") {
 
 TEST_CASE("usage errors exit 2") {
   CHECK(run_dptrain({}).exit_code == 2);
-  CHECK(run_dptrain({"no-such-command"}).exit_code == 2);
+  auto unknown = run_dptrain({"lanuch"});
+  CHECK(unknown.exit_code == 2);
+  CHECK_MESSAGE(
+      unknown.err.find("unknown command 'lanuch' (did you mean 'launch'?)") != std::string::npos,
+      unknown.err);
+  // A script that asked for JSON gets one object even when the arguments do not parse.
+  auto bad_flag = run_dptrain({"launch", "x.json", "--json", "--bogus"});
+  CHECK(bad_flag.exit_code == 2);
+  CHECK(parse_json(bad_flag.out)["status"] == "error");
+  CHECK(bad_flag.err.find("--bogus") != std::string::npos);
   CHECK(run_dptrain({"launch"}).exit_code == 2);
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), small_recipe());
@@ -42,9 +53,60 @@ TEST_CASE("usage errors exit 2") {
       {"launch", recipe.string(), "--backend", "mpi", "--runs-root", (tmp / "runs").string()});
   CHECK(b.exit_code == 2);
   CHECK(b.err.find("--backend") != std::string::npos);
+  // NCCL for a recipe that computes on the CPU: refused before any rank starts.
+  auto nccl = run_dptrain(
+      {"launch", recipe.string(), "--backend", "nccl", "--runs-root", (tmp / "runs").string()});
+  CHECK(nccl.exit_code == 2);
+  CHECK_MESSAGE(nccl.err.find("--backend nccl: " + recipe.string() + " computes on the CPU") !=
+                    std::string::npos,
+                nccl.err);
+  CHECK_FALSE(fs::exists(tmp / "runs"));
+  // A run directory that cannot be made is the caller's to fix: a usage error naming it.
+  write_text(tmp / "afile", "x");
+  auto unwritable =
+      run_dptrain({"launch", recipe.string(), "--run-dir", (tmp / "afile/run").string()});
+  CHECK(unwritable.exit_code == 2);
+  CHECK_MESSAGE(unwritable.err.find((tmp / "afile/run").string() +
+                                    ": cannot create run directory") != std::string::npos,
+                unwritable.err);
+  // Bad numbers say what is wrong with them, and NaN does not turn the hang watch off.
+  for (const auto& [flag, value, says] :
+       std::vector<std::array<std::string, 3>>{{"--hang-timeout", "nan", "must be a finite number"},
+                                               {"--max-restarts", "-1", "must be a finite number"},
+                                               {"--restart-backoff", "soon", "is not a number"}}) {
+    CAPTURE(flag);
+    auto bad = run_dptrain(
+        {"launch", recipe.string(), flag, value, "--runs-root", (tmp / "runs").string()});
+    CHECK(bad.exit_code == 2);
+    CHECK_MESSAGE(bad.err.find(flag) != std::string::npos, bad.err);
+    CHECK_MESSAGE(bad.err.find("'" + value + "' " + says) != std::string::npos, bad.err);
+    CHECK(bad.err.find("179769") == std::string::npos);
+  }
+  CHECK_FALSE(fs::exists(tmp / "runs"));
   auto resume = run_dptrain({"resume", (tmp / "nothing-here").string()});
   CHECK(resume.exit_code == 2);
   CHECK(resume.err.find("not a run directory") != std::string::npos);
+}
+
+TEST_CASE("recipe validate: a number beyond a double is invalid JSON, exit 2, in JSON too") {
+  TempDir tmp;
+  write_text(tmp / "inf.json", R"({"optimizer": {"lr": 1e400}})");
+  auto plain = run_dptrain({"recipe", "validate", (tmp / "inf.json").string()});
+  CHECK(plain.exit_code == 2);
+  CHECK_MESSAGE(
+      plain.err.find((tmp / "inf.json").string() + ": invalid JSON: ") != std::string::npos,
+      plain.err);
+  CHECK(plain.err.find("1e400") != std::string::npos);
+  auto json = run_dptrain({"recipe", "validate", (tmp / "inf.json").string(), "--json"});
+  CHECK(json.exit_code == 2);
+  CHECK(parse_json(json.out)["valid"] == false);
+  // A recipe file that cannot be read still answers with one JSON object naming it.
+  auto missing = run_dptrain({"recipe", "validate", (tmp / "none.json").string(), "--json"});
+  CHECK(missing.exit_code == 2);
+  const auto missing_out = parse_json(missing.out);
+  CHECK(missing_out["valid"] == false);
+  CHECK(missing_out["errors"][0].get<std::string>().find((tmp / "none.json").string() +
+                                                         ": cannot read") == 0);
 }
 
 TEST_CASE("recipe validate and show") {

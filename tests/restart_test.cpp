@@ -2,7 +2,11 @@
 // the first checkpoint, and a deterministic failure that must not be retried forever.
 #include <doctest/doctest.h>
 
+#include <signal.h>
+
+#include <algorithm>
 #include <sstream>
+#include <thread>
 
 #include "tests/harness.hpp"
 
@@ -205,4 +209,169 @@ TEST_CASE("the recipe's fault_tolerance section sets restarts when no flag does"
   auto b = run_dptrain({"recipe", "validate", bad.string()});
   CHECK(b.exit_code == 2);
   CHECK(b.err.find("/fault_tolerance/max_restarts") != std::string::npos);
+}
+
+namespace {
+
+// The step of the checkpoint `latest` names in run_dir.
+int64_t latest_step(const fs::path& run_dir) {
+  const std::string latest = read_text(run_dir / "checkpoints/latest");
+  return parse_json(read_text(run_dir / "checkpoints" / latest.substr(0, latest.find('\n')) /
+                              "meta.json"))["step"]
+      .get<int64_t>();
+}
+
+bool logged_step(const fs::path& run_dir, int64_t step) {
+  if (!fs::exists(run_dir / "metrics.jsonl")) return false;
+  for (const auto& m : read_jsonl(run_dir / "metrics.jsonl")) {
+    if (m.value("step", int64_t{0}) >= step) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+TEST_CASE("SIGTERM with a hung rank: the hang watch ends the wait; no checkpoint is claimed") {
+  TempDir tmp;
+  auto j = small_recipe();
+  j["checkpoint"] = {{"every", 10}, {"keep", 3}};
+  const auto recipe = write_recipe(tmp.path(), j);
+  const fs::path dir = tmp / "hung";
+  Background launcher(
+      {"launch", recipe.string(), "--nproc", "2", "--run-dir", dir.string(), "--hang-timeout", "5"},
+      {{"DPTRAIN_FAULT", "hang@step=15,rank=1"}});
+  // Step 15 is logged just before rank 1 hangs.
+  REQUIRE(eventually([&] { return logged_step(dir, 15); }, std::chrono::seconds(60)));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const auto t0 = std::chrono::steady_clock::now();
+  REQUIRE(::kill(launcher.pid(), SIGTERM) == 0);
+  const int code = launcher.wait(std::chrono::seconds(60));
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const std::string err = launcher.err();
+  INFO(err, launcher.out());
+  CHECK(code == 143);
+  CHECK(seconds < 5 + 10);  // not the 60 s stop grace
+  CHECK(err.find("every rank checkpointed") == std::string::npos);
+  CHECK(err.find("stopped by SIGTERM") != std::string::npos);
+  CHECK(err.find("hang:") != std::string::npos);
+  CHECK(err.find("rank 1 at step 15") != std::string::npos);
+  CHECK(err.find("the newest checkpoint is step-000010") != std::string::npos);
+  const json info = parse_json(read_text(dir / "run.json"));
+  CHECK(info["status"] == "terminated");
+}
+
+TEST_CASE("two SIGTERMs are one stop: every rank checkpoints, exit 143, resume finishes") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  const fs::path dir = tmp / "twice";
+  Background launcher({"launch", recipe.string(), "--nproc", "2", "--run-dir", dir.string()},
+                      {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "30"}});
+  REQUIRE(eventually([&] { return logged_step(dir, 25); }, std::chrono::seconds(60)));
+  REQUIRE(::kill(launcher.pid(), SIGTERM) == 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  REQUIRE(::kill(launcher.pid(), SIGTERM) == 0);
+  const int code = launcher.wait(std::chrono::seconds(60));
+  INFO(launcher.err());
+  CHECK(code == 143);
+  CHECK(launcher.err().find("every rank checkpointed its last step") != std::string::npos);
+  const int64_t stopped_at = latest_step(dir);
+  CHECK(stopped_at > 20);
+  CHECK(stopped_at % 20 != 0);  // the stop wrote it
+  auto resumed = run_dptrain({"resume", dir.string()});
+  INFO(resumed.err);
+  CHECK(resumed.exit_code == 0);
+}
+
+TEST_CASE("crashes at three different steps between two log lines are not deterministic") {
+  TempDir tmp;
+  auto j = resumable_recipe();
+  j["train"]["steps"] = 40;
+  j["log"] = {{"every", 20}};  // every failure comes after the same logged step, 20
+  const auto recipe = write_recipe(tmp.path(), j);
+  auto r =
+      run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir", (tmp / "three").string(),
+                   "--max-restarts", "5", "--restart-backoff", "0.1", "--json"},
+                  {{"DPTRAIN_FAULT",
+                    "slow@step=20,ms=300;crash@step=23,rank=1,gen=1;crash@step=28,rank=1,gen=2;"
+                    "crash@step=33,rank=1,gen=3"}});
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(parse_json(r.out)["restarts"] == 3);
+  const json info = parse_json(read_text(tmp / "three/run.json"));
+  REQUIRE(info["restarts"].size() == 3);
+  const int64_t crashed_at[] = {23, 28, 33};
+  for (size_t i = 0; i < 3; ++i) {
+    const int64_t step = info["restarts"][i]["failed_after_step"].get<int64_t>();
+    CHECK(step <= crashed_at[i]);
+    CHECK(step > (i == 0 ? 19 : crashed_at[i - 1]));
+  }
+}
+
+TEST_CASE("an elastic job left below its minimum records no restart it does not make") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  const fs::path events_file = tmp / "events.jsonl";
+  // 3 ranks, then 2 after the first SIGKILL (a real restart), then 1 would be below 2: no
+  // second restart.
+  const auto r = run_dptrain(
+      {"launch", recipe.string(), "--nproc", "2:3", "--run-dir", (tmp / "floor").string(),
+       "--max-restarts", "3", "--restart-backoff", "0.1", "--events", events_file.string()},
+      {{"DPTRAIN_FAULT", "crash@step=30,rank=1"}});
+  INFO(r.err, r.out);
+  CHECK(r.exit_code == 3);
+  CHECK(r.out.find("restart 1/3") != std::string::npos);
+  CHECK(r.out.find("restart 2/3") == std::string::npos);
+  CHECK(r.err.find("fewer than the minimum of 2") != std::string::npos);
+  const json info = parse_json(read_text(tmp / "floor/run.json"));
+  CHECK(info["restarts"].size() == 1);
+  CHECK(info["generations"].size() == 2);
+  const auto events = read_jsonl(events_file);
+  CHECK(std::count_if(events.begin(), events.end(),
+                      [](const json& e) { return e["event"] == "restart"; }) == 1);
+  const auto changes = std::find_if(events.begin(), events.end(), [](const json& e) {
+    return e["event"] == "world_size_changed";
+  });
+  REQUIRE(changes != events.end());
+  CHECK((*changes)["lost"][0].get<std::string>().rfind("rank 1: ", 0) == 0);
+  REQUIRE_FALSE(events.empty());
+  CHECK(events.back()["event"] == "run_finished");
+  CHECK(events.back()["restarts"] == 1);
+  CHECK(events.back()["status"] == "failed");
+  CHECK(events.back()["world_size"] == 2);
+  CHECK(events.back()["last_checkpoint"] == (tmp / "floor/checkpoints/step-000020").string());
+  CHECK(events.back()["steps"].get<int64_t>() >= 25);
+  const auto started = std::find_if(events.begin(), events.end(), [](const json& e) {
+    return e["event"] == "generation_started";
+  });
+  REQUIRE(started != events.end());
+  CHECK((*started)["hosts"] == json::array({"localhost"}));
+  // The launcher is gone: status tells the failure, not a restart in progress.
+  const json status = parse_json(run_dptrain({"status", (tmp / "floor").string(), "--json"}).out);
+  CHECK(status["status"] == "failed");
+  CHECK(status["error"].get<std::string>().find("fewer than the minimum") != std::string::npos);
+}
+
+TEST_CASE("restarts are numbered over the run: a resume continues the numbering") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  const fs::path dir = tmp / "numbered";
+  auto first =
+      run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir", dir.string(),
+                   "--max-restarts", "1", "--restart-backoff", "0.1"},
+                  {{"DPTRAIN_FAULT", "crash@step=25,rank=1,gen=1;crash@step=45,rank=1,gen=2"}});
+  INFO(first.err);
+  REQUIRE(first.exit_code == 3);
+  auto resumed = run_dptrain(
+      {"resume", dir.string(), "--max-restarts", "1", "--restart-backoff", "0.1", "--json"},
+      {{"DPTRAIN_FAULT", "crash@step=65,rank=1,gen=3"}});
+  INFO(resumed.err);
+  REQUIRE(resumed.exit_code == 0);
+  CHECK(parse_json(resumed.out)["restarts"] == 2);
+  const json info = parse_json(read_text(dir / "run.json"));
+  REQUIRE(info["restarts"].size() == 2);
+  CHECK(info["restarts"][0]["restart"] == 1);
+  CHECK(info["restarts"][1]["restart"] == 2);
+  CHECK(info["restarts"][1]["failed_after_step"].get<int64_t>() <= 65);
+  CHECK(info["restarts"][1]["failed_after_step"].get<int64_t>() > 45);
 }

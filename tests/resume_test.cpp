@@ -108,6 +108,10 @@ TEST_CASE("a corrupt or truncated newest checkpoint is skipped; none valid exits
     f.put('\x7f');
   }
   fs::resize_file(ck / "step-000100/optimizer.bin", 10);
+  // As if the run had died after its last checkpoint (resume leaves a completed run alone).
+  auto info = parse_json(read_text(tmp / "straight/run.json"));
+  info["status"] = "failed";
+  write_text(tmp / "straight/run.json", info.dump());
   auto resumed = run_dptrain({"resume", (tmp / "straight").string()});
   INFO(resumed.err, resumed.out);
   REQUIRE(resumed.exit_code == 0);
@@ -121,7 +125,10 @@ TEST_CASE("a corrupt or truncated newest checkpoint is skipped; none valid exits
   CHECK(fs::exists(ck / "step-000100.corrupt"));
   CHECK(read_text(latest_params(tmp / "straight")) == expected);
 
-  // Now break every checkpoint.
+  // Now break every checkpoint (of a run that again did not finish).
+  info = parse_json(read_text(tmp / "straight/run.json"));
+  info["status"] = "failed";
+  write_text(tmp / "straight/run.json", info.dump());
   for (const auto& e : fs::directory_iterator(ck)) {
     if (e.is_directory()) fs::remove(e.path() / "meta.json");
   }
@@ -198,4 +205,100 @@ TEST_CASE("launching into a directory that holds a run is refused") {
   auto r = run_dptrain({"launch", recipe.string(), "--run-dir", tmp.path().string()});
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("dptrain resume") != std::string::npos);
+}
+
+TEST_CASE("resume of a completed run changes nothing; of a running one it is refused") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), small_recipe());
+  const fs::path done = tmp / "done";
+  REQUIRE(run_dptrain({"launch", recipe.string(), "--run-dir", done.string()}).exit_code == 0);
+  const std::string run_json = read_text(done / "run.json");
+  const std::string result_json = read_text(done / "result.json");
+  const std::string metrics = read_text(done / "metrics.jsonl");
+  auto again = run_dptrain({"resume", done.string(), "--json"});
+  INFO(again.err);
+  CHECK(again.exit_code == 0);
+  CHECK(again.err.find("nothing to resume") != std::string::npos);
+  CHECK(again.err.find("resuming") == std::string::npos);
+  const auto out = parse_json(again.out);
+  CHECK(out["status"] == "completed");
+  CHECK(out["resumed"] == false);
+  CHECK(out["final_loss"] == parse_json(result_json)["final_loss"]);
+  CHECK(read_text(done / "run.json") == run_json);
+  CHECK(read_text(done / "result.json") == result_json);
+  CHECK(read_text(done / "metrics.jsonl") == metrics);
+
+  // While a launcher drives a run, a resume (or a second launch into it) writes nothing.
+  const fs::path live = tmp / "live";
+  Background launcher({"launch", recipe.string(), "--run-dir", live.string()},
+                      {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "50"}});
+  REQUIRE(eventually([&] { return fs::exists(live / "run.json"); }));
+  auto refused = run_dptrain({"resume", live.string()});
+  CHECK(refused.exit_code == 2);
+  CHECK_MESSAGE(refused.err.find(live.string() + ": ") != std::string::npos, refused.err);
+  CHECK_MESSAGE(refused.err.find("is still running it") != std::string::npos, refused.err);
+  REQUIRE(launcher.wait(std::chrono::seconds(60)) == 0);
+  const auto info = parse_json(read_text(live / "run.json"));
+  CHECK(info["generations"].size() == 1);
+  CHECK(info["status"] == "completed");
+}
+
+TEST_CASE("resume of a run stopped before its first checkpoint starts it over from step 0") {
+  TempDir tmp;
+  auto r = small_recipe();
+  r["checkpoint"] = {{"every", 0}};
+  const auto recipe = write_recipe(tmp.path(), r);
+  const fs::path dir = tmp / "nock";
+  Background launcher({"launch", recipe.string(), "--run-dir", dir.string()},
+                      {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "40"}});
+  REQUIRE(eventually([&] { return !worker_pids(dir).empty(); }));
+  REQUIRE(::kill(launcher.pid(), SIGKILL) == 0);
+  launcher.wait(std::chrono::seconds(30));
+  auto resumed = run_dptrain({"resume", dir.string()});
+  INFO(resumed.err);
+  CHECK(resumed.exit_code == 0);
+  CHECK((resumed.out + resumed.err).find("from step 0 (it has no checkpoint)") !=
+        std::string::npos);
+  const auto info = parse_json(read_text(dir / "run.json"));
+  CHECK(info["status"] == "completed");
+  CHECK(info["result"]["steps"] == 60);
+}
+
+TEST_CASE("launch claims its run directory: no foreign files, and racing launches get their own") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), small_recipe());
+  // Another run's checkpoints, without its run.json: refused before anything is written.
+  const fs::path orphan = tmp / "orphan";
+  fs::create_directories(orphan / "checkpoints/step-000300");
+  auto refused = run_dptrain({"launch", recipe.string(), "--run-dir", orphan.string()});
+  CHECK(refused.exit_code == 2);
+  CHECK_MESSAGE(refused.err.find(orphan.string() + ": holds 'checkpoints' but no run.json") !=
+                    std::string::npos,
+                refused.err);
+  CHECK_FALSE(fs::exists(orphan / "run.json"));
+  CHECK_FALSE(fs::exists(orphan / "logs"));
+
+  // A bad --events path creates nothing; the retry finds the directory usable.
+  const fs::path fresh = tmp / "fresh";
+  auto bad_events = run_dptrain({"launch", recipe.string(), "--run-dir", fresh.string(), "--events",
+                                 (tmp / "no/such/dir/e.jsonl").string()});
+  CHECK(bad_events.exit_code == 2);
+  CHECK_FALSE(fs::exists(fresh));
+  fs::create_directories(fresh / "logs");  // what an older failed start left: still usable
+  CHECK(run_dptrain({"launch", recipe.string(), "--run-dir", fresh.string()}).exit_code == 0);
+
+  // Two launches of one recipe at once under one --runs-root: two run directories, two runs.
+  const fs::path root = tmp / "race";
+  Background first({"launch", recipe.string(), "--runs-root", root.string()});
+  Background second({"launch", recipe.string(), "--runs-root", root.string()});
+  CHECK(first.wait(std::chrono::seconds(90)) == 0);
+  CHECK(second.wait(std::chrono::seconds(90)) == 0);
+  std::vector<fs::path> runs;
+  for (const auto& entry : fs::directory_iterator(root))
+    runs.push_back(entry.path());
+  REQUIRE(runs.size() == 2);
+  for (const auto& run : runs) {
+    CAPTURE(run);
+    CHECK(parse_json(read_text(run / "run.json"))["status"] == "completed");
+  }
 }
