@@ -1,5 +1,5 @@
 // Fault injection for tests, from DPTRAIN_FAULT (documented in dptrain-worker(1)):
-//   "crash@step=37,rank=1"            SIGKILL itself at the start of step 37 on rank 1
+//   "crash@step=37,rank=1"            SIGKILL itself on rank 1 once 37 steps are done
 //   "exit@step=20,rank=0,code=7"      exit with code 7
 //   "hang@step=50,rank=0"             stop making progress (sleep until killed)
 //   "slow@step=10,rank=1,ms=200"      sleep 200 ms before every step from step 10 on
