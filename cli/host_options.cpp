@@ -1,5 +1,6 @@
 // Options every subcommand that reaches hosts over SSH shares.
 #include "cli/host_options.hpp"
+#include "cli/run_report.hpp"
 
 #include <fmt/format.h>
 
@@ -68,6 +69,7 @@ void add_host_options(CLI::App& app, HostOptions& o, bool hosts_required) {
                "Accept and record the keys of hosts not in known_hosts (a changed key is always "
                "refused)");
   app.add_option("--connect-timeout", o.connect_timeout_s, "Seconds to connect to a host")
+      ->check(non_negative_number())
       ->capture_default_str();
 }
 

@@ -61,19 +61,20 @@ int run_to_end(RunDirectory& run, JobSpec spec, const RestartOptions& o, bool js
   return report_outcome(run, outcome, json, events.to_stdout() ? stderr : stdout);
 }
 
-// A finite number >= 0, in words a user reads (CLI11's range check prints DBL_MAX in full and
-// lets "nan" through).
-const CLI::Validator kNonNegative(
-    [](std::string& value) -> std::string {
-      char* end = nullptr;
-      const double v = std::strtod(value.c_str(), &end);
-      if (value.empty() || end == value.c_str() || *end != '\0') {
-        return "'" + value + "' is not a number";
-      }
-      if (!std::isfinite(v) || v < 0) return "'" + value + "' must be a finite number >= 0";
-      return {};
-    },
-    "NUMBER>=0");
+const CLI::Validator& non_negative_number() {
+  static const CLI::Validator check(
+      [](std::string& value) -> std::string {
+        char* end = nullptr;
+        const double v = std::strtod(value.c_str(), &end);
+        if (value.empty() || end == value.c_str() || *end != '\0') {
+          return "'" + value + "' is not a number";
+        }
+        if (!std::isfinite(v) || v < 0) return "'" + value + "' must be a finite number >= 0";
+        return {};
+      },
+      "NUMBER>=0");
+  return check;
+}
 
 void add_restart_options(CLI::App& app, RestartOptions& o) {
   app.add_option("--events", o.events,
@@ -83,21 +84,21 @@ void add_restart_options(CLI::App& app, RestartOptions& o) {
                  "Seconds without progress on some rank before the job is stopped as hung, "
                  "naming the stuck rank and phase (0: off; default: the recipe's "
                  "fault_tolerance.hang_timeout_s)")
-      ->check(kNonNegative);
+      ->check(non_negative_number());
   app.add_option("--max-restarts", o.max_restarts,
                  "Restart after a rank or host failure from the newest valid checkpoint, at most "
                  "this many times per launch or resume, counted over all ranks and hosts "
                  "(default: the recipe's fault_tolerance.max_restarts, 0)")
-      ->check(kNonNegative);
+      ->check(non_negative_number());
   app.add_option("--rejoin-timeout", o.rejoin_timeout_s,
                  "Elastic jobs (--nnodes or --nproc MIN:MAX): seconds a lost host may take to "
                  "answer again before the job continues without it (default: the recipe's "
                  "fault_tolerance.rejoin_timeout_s, 60)")
-      ->check(kNonNegative);
+      ->check(non_negative_number());
   app.add_option("--restart-backoff", o.backoff_s,
                  "Seconds before the first restart; doubled for each further one, at most 30 "
                  "(default: the recipe's fault_tolerance.restart_backoff_s, 1)")
-      ->check(kNonNegative);
+      ->check(non_negative_number());
 }
 
 int report_outcome(const RunDirectory& run, const JobOutcome& outcome, bool json,

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.hpp"
+#include "cli/run_report.hpp"
 #include "core/checkpoint.hpp"
 #include "core/data/tokens.hpp"
 #include "core/error.hpp"
@@ -164,7 +165,8 @@ void setup_sample(CLI::App& app, Outcome& outcome) {
   app.add_option("--top-k", o->top_k, "Sample among the K most likely tokens only (0: all)")
       ->capture_default_str();
   app.add_option("--seed", o->seed, "Seed of the sampling: the same seed, the same text")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(non_negative_number());
   app.add_option("--checkpoint", o->checkpoint,
                  "Checkpoint directory (default: the run's newest valid one)");
   app.add_flag("--json", o->json,

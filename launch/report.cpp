@@ -803,7 +803,10 @@ RunMetrics read_metrics(const fs::path& file) {
 RunView load_run(const fs::path& dir, bool verify_checkpoints) {
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) {
-    throw Error(ErrorKind::usage, fmt::format("{}: no such run directory", dir.string()));
+    throw Error(ErrorKind::usage,
+                fmt::format("{}: {}", dir.string(),
+                            fs::exists(dir, ec) ? "not a run directory (not a directory)"
+                                                : "no such run directory"));
   }
   RunView run;
   run.dir = fs::absolute(dir).lexically_normal();

@@ -83,6 +83,16 @@ TEST_CASE("usage errors exit 2") {
     CHECK(bad.err.find("179769") == std::string::npos);
   }
   CHECK_FALSE(fs::exists(tmp / "runs"));
+  // Unsigned options do not wrap a negative value around.
+  auto seed = run_dptrain({"sample", (tmp / "nothing-here").string(), "--seed", "-1"});
+  CHECK(seed.exit_code == 2);
+  CHECK_MESSAGE(seed.err.find("'-1' must be a finite number >= 0") != std::string::npos, seed.err);
+  // A file where a run directory should be is named as such.
+  auto file = run_dptrain({"status", (tmp / "afile").string()});
+  CHECK(file.exit_code == 2);
+  CHECK_MESSAGE(
+      file.err.find((tmp / "afile").string() + ": not a run directory") != std::string::npos,
+      file.err);
   auto resume = run_dptrain({"resume", (tmp / "nothing-here").string()});
   CHECK(resume.exit_code == 2);
   CHECK(resume.err.find("not a run directory") != std::string::npos);
