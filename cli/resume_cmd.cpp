@@ -14,6 +14,7 @@
 #include "core/recipe.hpp"
 #include "core/trainer.hpp"
 #include "launch/job.hpp"
+#include "launch/report.hpp"
 #include "launch/run_dir.hpp"
 #include "launch/status.hpp"
 #include "launch/supervisor.hpp"
@@ -53,7 +54,16 @@ int run_resume(const ResumeOptions& o) {
   install_stop_signal_handlers();
   o.restart.validate();
   RunDirectory run = RunDirectory::open(o.run_dir);
-  run.lock();  // a launcher still driving the run: refused, before anything is written
+  // A launcher still driving the run is refused before anything is written: one on this machine
+  // holds the lock; one elsewhere (a shared filesystem) shows in status's view of the run.
+  run.lock();
+  if (const RunState state = load_run(run.path(), false).state;
+      state.status == "running" || state.status == "restarting" || state.status == "resizing") {
+    throw Error(
+        ErrorKind::usage,
+        fmt::format("{}: the run is {}{}; stop its launcher first or wait for it", o.run_dir,
+                    state.status, state.note.empty() ? "" : " (" + state.note + ")"));
+  }
   const auto events = open_events(o.restart, o.json);
   std::FILE* status_out = status_stream(o.json, *events);
   StatusPrinter status(status_out, StatusPrinter::is_terminal(status_out));

@@ -160,12 +160,10 @@ class RemoteRankLogs {
 // or nothing.
 std::optional<std::string> newest_valid_checkpoint(const RunDirectory& run) {
   try {
-    for (const auto& dir : list_checkpoints(run.checkpoints())) {
-      if (verify_checkpoint(dir).ok()) return dir.filename().string();
-    }
+    return find_valid_checkpoint(run.checkpoints(), [](const std::string&) {}).filename().string();
   } catch (const std::exception&) {
+    return std::nullopt;
   }
-  return std::nullopt;
 }
 
 // The furthest step any rank's heartbeat reached in this generation (the step a failure came

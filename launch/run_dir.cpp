@@ -160,43 +160,21 @@ void RunDirectory::lock() {
     ::close(*p);  // releases the flock
     delete p;
   });
-  const auto launcher = [this] {
-    const auto it = info_.find("launcher");
-    if (it == info_.end() || !it->is_object()) return std::string("another dptrain");
-    return fmt::format("its launcher (pid {} on {})", it->value("pid", 0),
-                       it->value("host", std::string("?")));
-  };
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int error = errno;
     if (error == EWOULDBLOCK) {
+      const auto it = info_.find("launcher");
+      const std::string who = it != info_.end() && it->is_object()
+                                  ? fmt::format("its launcher (pid {} on {})", it->value("pid", 0),
+                                                it->value("host", std::string("?")))
+                                  : std::string("another dptrain");
       throw Error(ErrorKind::usage,
                   fmt::format("{}: {} is still running it; stop it first (SIGTERM checkpoints) or "
                               "wait for it",
-                              path_.string(), launcher()));
+                              path_.string(), who));
     }
     throw Error(ErrorKind::usage,
                 fmt::format("{}: cannot lock: {}", file.string(), std::strerror(error)));
-  }
-  // A launcher on another machine holds no lock here (flock is per machine on many shared
-  // filesystems), but it stamps the run while it lives.
-  const std::string host =
-      info_.contains("launcher") ? info_["launcher"].value("host", std::string()) : std::string();
-  const std::string status = info_.value("status", std::string());
-  // A failed generation with a restart recorded after it: the launcher is placing the next one.
-  const auto restarts = info_.value("restarts", nlohmann::json::array());
-  const auto generations = info_.value("generations", nlohmann::json::array());
-  const bool restarting = status == "failed" && !restarts.empty() &&
-                          restarts.back().value("after_generation", int64_t{-1}) ==
-                              static_cast<int64_t>(generations.size());
-  if (!host.empty() && host != this_host() &&
-      (status == "running" || status == "resized" || restarting)) {
-    const auto age = seconds_since(info_.value("alive_at", std::string()));
-    if (age && *age < kAliveStaleS) {
-      throw Error(ErrorKind::usage,
-                  fmt::format("{}: {} stamped it {} s ago: it is still running; stop it first "
-                              "or wait for it",
-                              path_.string(), launcher(), std::max<int64_t>(*age, 0)));
-    }
   }
   lock_ = std::move(held);
 }

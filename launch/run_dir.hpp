@@ -24,10 +24,10 @@ class RunDirectory {
   static RunDirectory open(const std::filesystem::path& dir);
 
   // Takes this machine's lock on the run (an flock on .lock, held while this object or a copy
-  // lives and released when the process ends however it ends), so that two launchers never
-  // drive one run. Error(usage) naming the directory, and the pid run.json records, when another
-  // process holds it. A run whose launcher is on another machine (a shared filesystem) and
-  // stamped it within kAliveStaleS is refused the same way.
+  // lives and released when the process ends however it ends), so that two launchers on this
+  // machine never drive one run. Error(usage) naming the directory, and the pid run.json
+  // records, when another process holds it. (A launcher on another machine holds no lock here:
+  // `dptrain status`'s view of the run, from its alive_at stamp, tells whether it lives.)
   void lock();
 
   const std::filesystem::path& path() const { return path_; }

@@ -252,8 +252,10 @@ TEST_CASE("resume of a run stopped before its first checkpoint starts it over fr
   Background launcher({"launch", recipe.string(), "--run-dir", dir.string()},
                       {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "40"}});
   REQUIRE(eventually([&] { return !worker_pids(dir).empty(); }));
+  const auto pids = worker_pids(dir);
   REQUIRE(::kill(launcher.pid(), SIGKILL) == 0);
   launcher.wait(std::chrono::seconds(30));
+  check_all_gone(pids);  // ranks outliving their launcher would make the run still running
   auto resumed = run_dptrain({"resume", dir.string()});
   INFO(resumed.err);
   CHECK(resumed.exit_code == 0);
