@@ -1,6 +1,8 @@
 // Hang attribution: per-rank progress published to the store.
 #include "core/heartbeat.hpp"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 
 namespace dptrain {
@@ -13,8 +15,8 @@ const char* phase_name(Phase phase) {
       return "data";
     case Phase::compute:
       return "forward/backward";
-    case Phase::allreduce:
-      return "allreduce";
+    case Phase::collective:
+      return "collective";
     case Phase::optimizer:
       return "optimizer";
     case Phase::eval:
@@ -28,10 +30,13 @@ const char* phase_name(Phase phase) {
 }
 
 nlohmann::json ProgressTracker::snapshot() const {
+  const int64_t index = index_.load(std::memory_order_relaxed);
+  const char* what = what_.load(std::memory_order_relaxed);
   return {{"step", step_.load(std::memory_order_relaxed)},
           {"phase", phase_name(static_cast<Phase>(phase_.load(std::memory_order_relaxed)))},
           {"seq", seq_.load(std::memory_order_relaxed)},
-          {"progress", progress_.load(std::memory_order_relaxed)}};
+          {"progress", progress_.load(std::memory_order_relaxed)},
+          {"collective", index >= 0 ? fmt::format("{} {}", what, index) : std::string(what)}};
 }
 
 std::string heartbeat_key(int rank) {
@@ -53,17 +58,27 @@ HeartbeatSender::~HeartbeatSender() {
   thread_.join();
 }
 
+void HeartbeatSender::publish() {
+  try {
+    store_.set(heartbeat_key(rank_), tracker_.snapshot().dump());
+  } catch (const std::exception&) {
+  }
+}
+
 void HeartbeatSender::loop() {
   std::unique_lock lock(mutex_);
   while (!stop_) {
+    const int64_t step = tracker_.step();
     lock.unlock();
-    try {
-      store_.set(heartbeat_key(rank_), tracker_.snapshot().dump());
-    } catch (const std::exception&) {
-    }
+    publish();
     lock.lock();
-    wake_.wait_for(lock, interval_, [this] { return stop_; });
+    const auto due = std::chrono::steady_clock::now() + interval_;
+    while (!stop_ && std::chrono::steady_clock::now() < due && tracker_.step() == step) {
+      wake_.wait_for(lock, std::min(kStepPoll, interval_), [this] { return stop_; });
+    }
   }
+  lock.unlock();
+  publish();
 }
 
 }  // namespace dptrain

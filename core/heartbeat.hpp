@@ -1,5 +1,6 @@
 // Hang attribution: each rank publishes where it is (step, phase, collectives entered) to the
-// store once a second; the launcher compares them when progress stops.
+// store, at once when its step changes and at least once an interval; the launcher compares them
+// when progress stops, and takes the step a failure came at from them.
 #pragma once
 
 #include <atomic>
@@ -16,7 +17,7 @@
 
 namespace dptrain {
 
-enum class Phase : int { starting, data, compute, allreduce, optimizer, eval, checkpoint, done };
+enum class Phase : int { starting, data, compute, collective, optimizer, eval, checkpoint, done };
 const char* phase_name(Phase phase);
 
 // Written by the training loop (cheap atomics), read by the heartbeat thread.
@@ -27,24 +28,34 @@ class ProgressTracker {
     phase_.store(static_cast<int>(phase), std::memory_order_relaxed);
     progress_.fetch_add(1, std::memory_order_relaxed);
   }
-  // Before each collective: its sequence number tells who is waiting for whom.
-  void enter_collective() {
+  // Before each collective: its sequence number tells who is waiting for whom, and `what` (a
+  // string literal: "allreduce of the loss") which collective it is; `index` >= 0 numbers one of
+  // several ("allreduce of gradient bucket 3").
+  void enter_collective(const char* what, int64_t index = -1) {
+    what_.store(what, std::memory_order_relaxed);
+    index_.store(index, std::memory_order_relaxed);
     seq_.fetch_add(1, std::memory_order_relaxed);
-    enter(Phase::allreduce);
+    enter(Phase::collective);
   }
-  nlohmann::json snapshot() const;  // {"step", "phase", "seq", "progress"}
+  // {"step", "phase", "seq", "progress", "collective"}: the last collective entered, by name.
+  nlohmann::json snapshot() const;
+  int64_t step() const { return step_.load(std::memory_order_relaxed); }
 
  private:
   std::atomic<int64_t> step_{0};
   std::atomic<int> phase_{0};
   std::atomic<int64_t> seq_{0};
+  std::atomic<const char*> what_{""};
+  std::atomic<int64_t> index_{-1};
   std::atomic<int64_t> progress_{0};
 };
 
 std::string heartbeat_key(int rank);  // "heartbeat/<rank>", under the generation's prefix
 
-// Sends the tracker's snapshot to the store every `interval` until destroyed. Store errors are
-// ignored: the heartbeat must never be what fails a run.
+// Sends the tracker's snapshot to the store every `interval`, and within kStepPoll of a step
+// change, until destroyed; a last one as it is destroyed (a rank that fails unwinds through it,
+// so the store holds the step it failed at). Store errors are ignored: the heartbeat must never
+// be what fails a run.
 class HeartbeatSender {
  public:
   HeartbeatSender(Store& store, int rank, const ProgressTracker& tracker,
@@ -53,7 +64,12 @@ class HeartbeatSender {
   HeartbeatSender(const HeartbeatSender&) = delete;
   HeartbeatSender& operator=(const HeartbeatSender&) = delete;
 
+  // How often the step is looked at: a failure's step is known to the launcher this soon, at a
+  // cost of at most 1/kStepPoll store writes a second.
+  static constexpr std::chrono::milliseconds kStepPoll{20};
+
  private:
+  void publish();
   void loop();
 
   Store& store_;

@@ -257,7 +257,7 @@ class TrainingRun {
   // replica check and checkpoint; rank 0 writes result.json.
   TrainResult finish(TrainResult& result) {
     double peak_rss = peak_rss_mib();
-    mark_collective();
+    mark_collective("allreduce of the peak memory");
     comm_.allreduce(&peak_rss, 1, ReduceOp::max);
     result.peak_rss_mib = peak_rss;
     const auto [eval_loss, eval_acc] = evaluate(step_);
@@ -286,7 +286,7 @@ class TrainingRun {
   bool sum_loss_and_stop(double& loss, bool stop) {
     double sums[2] = {loss, 0.0};
     if (ps_ && options_.stop_requested && options_.stop_requested()) sums[1] = 1.0;
-    mark_collective();
+    mark_collective("allreduce of the loss");
     comm_.allreduce(sums, ps_ ? 2 : 1, ReduceOp::sum);
     loss = sums[0];
     return stop || sums[1] > 0.0;
@@ -339,7 +339,7 @@ class TrainingRun {
       write_file_atomic(marker, std::to_string(rank_) + "\n");
     }
     std::vector<uint64_t> tokens(static_cast<size_t>(world_));
-    mark_collective();
+    mark_collective("allgather of the shared-directory tokens");
     comm_.allgather(&token, sizeof(token), tokens.data());
     int32_t shares_with = -1;
     for (int r = 0; token != 0 && r < rank_ && shares_with < 0; ++r) {
@@ -349,7 +349,7 @@ class TrainingRun {
     }
     // Also the barrier that keeps every marker until every writer has looked.
     std::vector<int32_t> verdicts(static_cast<size_t>(world_));
-    mark_collective();
+    mark_collective("allgather of the shared-directory verdicts");
     comm_.allgather(&shares_with, sizeof(shares_with), verdicts.data());
     if (!marker.empty()) {
       std::error_code ignored;
@@ -512,7 +512,7 @@ class TrainingRun {
       }
     }
     std::vector<int64_t> steps(static_cast<size_t>(world_));
-    mark_collective();
+    mark_collective("allgather of the checkpoint steps");
     comm_.allgather(&my_step, sizeof(my_step), steps.data());
     const auto newest = std::max_element(steps.begin(), steps.end());
     if (*newest < 0) {
@@ -614,8 +614,8 @@ class TrainingRun {
   void mark(Phase phase) {
     if (options_.progress) options_.progress->enter(phase);
   }
-  void mark_collective() {
-    if (options_.progress) options_.progress->enter_collective();
+  void mark_collective(const char* what) {
+    if (options_.progress) options_.progress->enter_collective(what);
   }
 
   // This rank's micro-batches j = rank, rank + world, ... of the step's global batch.
@@ -664,17 +664,17 @@ class TrainingRun {
     float* flag = grad_buffer_.as<float>() + flag_at_;
     if (zero_ && !zero_by_allreduce_) {
       const auto tc = Clock::now();
-      mark_collective();
+      mark_collective("reduce-scatter of the gradients");
       // Only NCCL comes here (Gloo sums by the all-reduce): device memory, never staged.
       comm_.reduce_scatter(grad_buffer_.as<float>(), shard_grads_.as<float>(), shard_,
                            ReduceOp::sum);
-      mark_collective();
+      mark_collective("allreduce of the stop flag");
       comm_.allreduce(&stop_flag, 1, ReduceOp::sum);
       phases.comm = phases.comm_total = ms_since(tc);
       phases.bytes = static_cast<double>((padded_ + 1) * sizeof(float));
       return stop_flag > 0.0f;
     }
-    mark(Phase::allreduce);
+    mark(Phase::collective);
     const ExchangeStats stats = reducer_->finish();
     phases.comm = stats.exposed_ms;
     phases.comm_total = stats.comm_ms;
@@ -719,7 +719,7 @@ class TrainingRun {
           }
           double squares =
               ops_->sum_squares(shard_grads.data(), static_cast<int64_t>(shard_grads.size()));
-          mark_collective();
+          mark_collective("allreduce of the gradient norm");
           comm_.allreduce(&squares, 1, ReduceOp::sum);
           return squares;
         });
@@ -730,7 +730,7 @@ class TrainingRun {
       // the optimizer's time by the caller.
       ops_->synchronize();
       const auto tg = Clock::now();
-      mark_collective();
+      mark_collective("allgather of the parameters");
       allgather_device(own, shard_, params_buffer_.as<float>());
       const double gather_ms = ms_since(tg);
       phases.comm += gather_ms;
@@ -781,7 +781,7 @@ class TrainingRun {
   // point). Returns the gradient norm the servers saw for that version.
   double push_and_pull(int64_t done, PhaseTimes& phases) {
     const auto tc = Clock::now();
-    mark_collective();
+    mark_collective("parameter-server push and pull");
     const int64_t need =
         ps_sync_point(done) ? done : std::max<int64_t>(done - recipe_.distributed.staleness, 0);
     const size_t msg = kPsHeaderFloats + shard_;
@@ -865,10 +865,10 @@ class TrainingRun {
       if (marked != step_) {
         mark(Phase::data);
         if (options_.before_step) options_.before_step(step_);  // fault injection, as workers
-        mark_collective();
+        mark_collective("parameter-server push and pull");
         marked = step_;
       } else {
-        mark(Phase::allreduce);
+        mark(Phase::collective);
       }
       const auto w = static_cast<size_t>(
           comm_.recv_any(incoming.data(), msg * sizeof(float), worker_ranks, kPsPushTag));
@@ -964,10 +964,10 @@ class TrainingRun {
   // averaged too, so every rank holds what the checkpoint holds and a resume is bit-identical.
   bool average_replicas(int64_t done, float stop_flag, PhaseTimes& phases) {
     const auto tc = Clock::now();
-    mark_collective();
+    mark_collective("allreduce of the stop flag");
     comm_.allreduce(&stop_flag, 1, ReduceOp::sum);
     const bool stop = stop_flag > 0.0f;
-    mark_collective();
+    mark_collective("allreduce of the parameters (local SGD)");
     average_replicas_of(params_.data(), num_params_);
     size_t values = num_params_;
     if (scaler_.enabled()) {
@@ -975,7 +975,7 @@ class TrainingRun {
       // all): the ranks agree on the most careful scale, so every rank holds what a checkpoint
       // stores and a resume is bit-identical.
       double scaler[2] = {scaler_.scale(), static_cast<double>(scaler_.clean_steps())};
-      mark_collective();
+      mark_collective("allreduce of the loss scale");
       comm_.allreduce(scaler, 2, ReduceOp::min);
       scaler_.restore(scaler[0], static_cast<int64_t>(scaler[1]));
     }
@@ -984,13 +984,13 @@ class TrainingRun {
         (recipe_.checkpoint.every > 0 && done % recipe_.checkpoint.every == 0);
     if (checkpointing) {
       const auto state = optimizer_->state();
-      mark_collective();
+      mark_collective("allreduce of the optimizer state");
       average_replicas_of(state.data(), state.size());
       values += state.size();
       // And its step count (AdamW's bias correction), which differs where a rank skipped a step
       // (an fp16 overflow) or had no micro-batch: the checkpoint holds one for every rank.
       double steps = static_cast<double>(optimizer_->steps());
-      mark_collective();
+      mark_collective("allreduce of the optimizer steps");
       comm_.allreduce(&steps, 1, ReduceOp::max);
       optimizer_->set_steps(static_cast<int64_t>(steps));
     }
@@ -1090,7 +1090,7 @@ class TrainingRun {
       sums[1] += static_cast<double>(s.correct);
       sums[2] += static_cast<double>(s.count);
     }
-    mark_collective();
+    mark_collective("allreduce of the eval sums");
     comm_.allreduce(sums, 3, ReduceOp::sum);
     if (sums[2] == 0) return {0.0, 0.0};
     const double loss = sums[0] / sums[2];
@@ -1114,7 +1114,7 @@ class TrainingRun {
       mine = checksum64(host.data(), host.size() * sizeof(float));
     }
     std::vector<uint64_t> all(static_cast<size_t>(world_));
-    mark_collective();
+    mark_collective("allgather of the replica checksums");
     comm_.allgather(&mine, sizeof(mine), all.data());
     for (int r = 0; r < data_world_; ++r) {
       if (all[static_cast<size_t>(r)] != all[0]) {
@@ -1149,7 +1149,7 @@ class TrainingRun {
     std::vector<float> own = to_host(optimizer_->state());
     own.resize(k * shard_, 0.0f);
     std::vector<float> gathered(own.size() * static_cast<size_t>(world_));
-    mark_collective();
+    mark_collective("allgather of the optimizer state");
     comm_.allgather(own.data(), own.size() * sizeof(float), gathered.data());
     // gathered: rank-major [rank][k][shard]; the full layout: [k][parameter].
     std::vector<float> full(k * num_params_);
@@ -1184,7 +1184,7 @@ class TrainingRun {
     if (size == 0) return {};
     const std::vector<float> own = reducer_->state();
     std::vector<float> all(size * static_cast<size_t>(world_));
-    mark_collective();
+    mark_collective("allgather of the compression residuals");
     comm_.allgather(own.data(), size * sizeof(float), all.data());
     return all;
   }
@@ -1220,7 +1220,7 @@ class TrainingRun {
       written = options_.run_dir / "checkpoints" / checkpoint_name(step);
     }
     // Nobody runs ahead of a checkpoint being written: a failure right after it loses nothing.
-    mark_collective();
+    mark_collective("barrier before the checkpoint");
     comm_.barrier();
     return written;
   }

@@ -52,35 +52,46 @@ std::optional<std::string> HangWatch::check() {
 
 std::string HangWatch::describe(const std::map<int, json>& beats,
                                 std::chrono::milliseconds stalled_for) {
+  // "#12 (allreduce of the loss)": a collective by number and, where the rank said, by name.
+  const auto collective = [](const json& beat) {
+    const auto seq = beat.value("seq", int64_t{0});
+    const std::string what = beat.value("collective", std::string());
+    return what.empty() ? fmt::format("#{}", seq) : fmt::format("#{} ({})", seq, what);
+  };
   // The ranks that entered the most collectives wait in the last one; the others are behind.
   int64_t max_seq = -1;
   for (const auto& [rank, beat] : beats)
     max_seq = std::max(max_seq, beat.value("seq", int64_t{0}));
   std::vector<std::string> behind, waiting;
+  std::string waited_in = fmt::format("#{}", max_seq);
   for (const auto& [rank, beat] : beats) {
     const int64_t seq = beat.value("seq", int64_t{0});
     const std::string phase = beat.value("phase", std::string("?"));
     const int64_t step = beat.value("step", int64_t{0});
-    if (seq == max_seq && phase == "allreduce") {
+    if (seq == max_seq && phase == "collective") {
+      if (waiting.empty()) waited_in = collective(beat);
       waiting.push_back(fmt::format("rank {}", rank));
+    } else if (phase == "collective") {
+      behind.push_back(
+          fmt::format("rank {} at step {} in collective {}", rank, step, collective(beat)));
     } else {
-      behind.push_back(fmt::format("rank {} at step {} in phase {} (after collective #{})", rank,
-                                   step, phase, seq));
+      behind.push_back(fmt::format("rank {} at step {} in phase {} (after collective {})", rank,
+                                   step, phase, collective(beat)));
     }
   }
   std::string text =
       fmt::format("hang: no progress for {}s; ",
                   std::chrono::duration_cast<std::chrono::seconds>(stalled_for).count());
   if (behind.empty()) {
-    text += fmt::format("every rank waits in collective #{} (a network or transport problem?)",
-                        max_seq);
+    text += fmt::format("every rank waits in collective {} (a network or transport problem?)",
+                        waited_in);
     return text;
   }
   text += "stuck: ";
   for (size_t i = 0; i < behind.size(); ++i)
     text += (i ? ", " : "") + behind[i];
   if (!waiting.empty()) {
-    text += fmt::format("; waiting for it in collective #{}: ", max_seq);
+    text += fmt::format("; waiting for it in collective {}: ", waited_in);
     for (size_t i = 0; i < waiting.size(); ++i)
       text += (i ? ", " : "") + waiting[i];
   }

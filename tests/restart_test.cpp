@@ -114,7 +114,8 @@ TEST_CASE("a hang is detected within hang-timeout + 5 s, named, and the run reco
   const std::string out = launcher.out();
   INFO(out);
   CHECK(out.find("stuck: rank 0 at step 50 in phase data") != std::string::npos);
-  CHECK(out.find("waiting for it in collective") != std::string::npos);
+  CHECK(out.find("waiting for it in collective #") != std::string::npos);
+  CHECK(out.find("(allreduce of gradient bucket ") != std::string::npos);
   CHECK(out.find("rank 1") != std::string::npos);
   CHECK(out.find("restart 1/1") != std::string::npos);
   const json info = parse_json(read_text(tmp / "hang/run.json"));

@@ -161,7 +161,7 @@ ExchangeStats GradientReducer::finish() {
   if (codec_) {
     const auto tf = Clock::now();
     float* flag = grads_.data() + grads_.size();
-    if (options_.progress) options_.progress->enter_collective();
+    if (options_.progress) options_.progress->enter_collective("allreduce of the stop flag");
     reduce_plain(flag, 1);
     stats.comm_ms += ms_since(tf);
   }
@@ -215,7 +215,10 @@ void GradientReducer::comm_loop() {
 
 void GradientReducer::run_bucket(size_t bucket) {
   const Bucket& b = buckets_[bucket];
-  if (options_.progress) options_.progress->enter_collective();
+  if (options_.progress) {
+    options_.progress->enter_collective("allreduce of gradient bucket",
+                                        static_cast<int64_t>(bucket));
+  }
   // Bucket 0 ends where the gradients end: the flag rides along unless a codec would mangle it.
   const size_t count = b.size() + (bucket == 0 && !codec_ ? 1 : 0);
   float* data = grads_.data() + b.begin;

@@ -1,0 +1,93 @@
+// Heartbeats: what a rank publishes, and how soon the store has its step.
+#include "core/heartbeat.hpp"
+
+#include <doctest/doctest.h>
+
+#include <optional>
+#include <thread>
+
+#include "core/comm/tcp_store.hpp"
+
+using namespace dptrain;
+using nlohmann::json;
+using namespace std::chrono_literals;
+
+namespace {
+
+json beat_of(Store& store, int rank) {
+  return json::parse(store.get(heartbeat_key(rank), 5s));
+}
+
+// The heartbeat of `rank` once its step is `step`, polling for up to `limit`.
+std::optional<json> beat_at_step(Store& store, int rank, int64_t step,
+                                 std::chrono::milliseconds limit) {
+  const auto until = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < until) {
+    if (store.check({heartbeat_key(rank)})) {
+      json beat = beat_of(store, rank);
+      if (beat.value("step", int64_t{-1}) == step) return beat;
+    }
+    std::this_thread::sleep_for(5ms);
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+TEST_CASE("heartbeat: the snapshot names the phase and the last collective") {
+  ProgressTracker tracker;
+  CHECK(tracker.snapshot()["phase"] == "starting");
+  CHECK(tracker.snapshot()["collective"] == "");
+  tracker.set_step(4);
+  tracker.enter(Phase::data);
+  tracker.enter_collective("allreduce of gradient bucket", 2);
+  json s = tracker.snapshot();
+  CHECK(s["step"] == 4);
+  CHECK(s["phase"] == "collective");
+  CHECK(s["seq"] == 1);
+  CHECK(s["progress"] == 2);
+  CHECK(s["collective"] == "allreduce of gradient bucket 2");
+  tracker.enter_collective("barrier before the checkpoint");
+  tracker.enter(Phase::optimizer);
+  s = tracker.snapshot();
+  CHECK(s["phase"] == "optimizer");
+  CHECK(s["seq"] == 2);
+  CHECK(s["collective"] == "barrier before the checkpoint");
+}
+
+// The launcher takes the step a failure came at from the heartbeats: a step change must reach the
+// store at once, not at the next interval (an hour here), and a sender that is destroyed (a rank
+// unwinding from an error) leaves its last step behind.
+TEST_CASE("heartbeat: a step change is published at once, and the last state at destruction") {
+  TcpStoreServer server;
+  TcpStoreClient store("127.0.0.1", server.port(), 5s);
+  ProgressTracker tracker;
+  {
+    const HeartbeatSender sender(store, 3, tracker, std::chrono::hours(1));
+    REQUIRE(beat_at_step(store, 3, 0, 10s).has_value());
+    tracker.set_step(17);
+    tracker.enter(Phase::compute);
+    const auto beat = beat_at_step(store, 3, 17, 10s);
+    REQUIRE(beat.has_value());
+    CHECK((*beat)["phase"] == "forward/backward");
+    tracker.set_step(18);
+    tracker.enter_collective("allreduce of the loss");
+  }
+  const json last = beat_of(store, 3);
+  CHECK(last["step"] == 18);
+  CHECK(last["phase"] == "collective");
+  CHECK(last["collective"] == "allreduce of the loss");
+}
+
+TEST_CASE("heartbeat: a store that is gone does not fail the rank or hold it up") {
+  ProgressTracker tracker;
+  std::optional<TcpStoreServer> server(std::in_place);
+  TcpStoreClient store("127.0.0.1", server->port(), 5s);
+  {
+    const HeartbeatSender sender(store, 0, tracker, 10ms);
+    server.reset();
+    tracker.set_step(1);
+    std::this_thread::sleep_for(50ms);
+  }  // destroyed without an exception, although every publish fails
+  CHECK(tracker.snapshot()["step"] == 1);
+}
