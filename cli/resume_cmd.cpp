@@ -98,7 +98,8 @@ int run_resume(const ResumeOptions& o) {
   if (!run.info().contains("recipe")) {
     throw Error(ErrorKind::usage, fmt::format("{}: run.json has no recipe", o.run_dir));
   }
-  spec.recipe = parse_recipe(run.info()["recipe"], (run.path() / "run.json").string(), run.path());
+  spec.recipe = parse_recipe(run.info()["recipe"], (run.path() / "run.json").string(), run.path(),
+                             RecipeOrigin::stored);
   spec.backend = run.info().value("backend", std::string("auto"));
   spec.worker_binary = self_executable();
   // The global batch stays the run's, whatever the world size now (distributed.resize).

@@ -87,8 +87,8 @@ int run_sample(const SampleOptions& o) {
   if (!run.info().contains("recipe")) {
     throw Error(ErrorKind::usage, fmt::format("{}: run.json has no recipe", o.run_dir));
   }
-  const Recipe recipe =
-      parse_recipe(run.info()["recipe"], (run.path() / "run.json").string(), run.path());
+  const Recipe recipe = parse_recipe(run.info()["recipe"], (run.path() / "run.json").string(),
+                                     run.path(), RecipeOrigin::stored);
   if (recipe.model.type != "gpt") {
     throw Error(ErrorKind::usage, fmt::format("{}: sample needs a gpt run; this one trains an {}",
                                               o.run_dir, recipe.model.type));

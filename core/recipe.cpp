@@ -7,9 +7,11 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string_view>
 #include <type_traits>
 #include <utility>
@@ -216,6 +218,27 @@ Verdict valid_name(const std::string& name) {
   return std::nullopt;
 }
 
+// ---- fields that apply to one kind only ("momentum": sgd) ------------------------------------
+
+// Whether a field applies, given the value of the field that picks its section's kind (read
+// before it: visit_fields lists "type" first). A field that does not apply is refused in a user's
+// recipe and left out of to_json.
+struct Applies {
+  bool yes = true;
+  std::string governed_by;  // "/optimizer/type"
+  std::string condition;    // "/optimizer/type is \"sgd\" (it is \"adamw\")"
+};
+
+Applies only_for(std::string governed_by, const std::string& actual,
+                 std::vector<std::string> kinds) {
+  Applies a;
+  a.yes = std::find(kinds.begin(), kinds.end(), actual) != kinds.end();
+  a.condition =
+      fmt::format("{} is {} (it is \"{}\")", governed_by, quoted_alternatives(kinds), actual);
+  a.governed_by = std::move(governed_by);
+  return a;
+}
+
 // ---- visitors: the schema is written once (visit_fields) and walked by a reader or a writer ---
 
 template <class T>
@@ -227,15 +250,21 @@ struct IsVector<std::vector<T>> : std::true_type {};
 // absent or not an object, in which case the reader only learns the known keys.
 class Reader {
  public:
-  Reader(const json* object, std::string pointer, Problems& problems)
-      : object_(object), pointer_(std::move(pointer)), problems_(problems) {}
+  Reader(const json* object, std::string pointer, Problems& problems, RecipeOrigin origin)
+      : object_(object), pointer_(std::move(pointer)), problems_(problems), origin_(origin) {}
 
   template <class T, class Check>
-  void field(const char* key, T& out, const Check& check) {
+  void field(const char* key, T& out, const Check& check, const Applies& applies = {}) {
     known_.emplace_back(key);
     const json* value = find(key);
     if (value == nullptr) return;
     std::string pointer = pointer_to(pointer_, key);
+    // A stored recipe (run.json of an earlier version) carries every field; a kind that is
+    // itself wrong is reported once, at its own pointer.
+    if (!applies.yes && origin_ == RecipeOrigin::user && !problems_.at(applies.governed_by)) {
+      problems_.add(pointer, "applies only when " + applies.condition + "; remove it");
+      return;
+    }
     if constexpr (IsVector<T>::value) {
       read_array(*value, pointer, out, check);
     } else {
@@ -252,7 +281,7 @@ class Reader {
       problems_.add(pointer, "expected an object, got " + describe(*value));
       value = nullptr;
     }
-    Reader nested(value, pointer, problems_);
+    Reader nested(value, pointer, problems_, origin_);
     visit_fields(nested, spec);
     nested.reject_unknown_keys();
   }
@@ -309,19 +338,23 @@ class Reader {
   const json* object_;
   std::string pointer_;
   Problems& problems_;
+  const RecipeOrigin origin_;
   std::vector<std::string> known_;
 };
 
+// Writes a spec as JSON: the fields that apply, or (`every_field`) all of them.
 class Writer {
  public:
+  explicit Writer(bool every_field) : every_field_(every_field) {}
+
   template <class T, class Check>
-  void field(const char* key, const T& value, const Check&) {
-    object_[key] = value;
+  void field(const char* key, const T& value, const Check&, const Applies& applies = {}) {
+    if (applies.yes || every_field_) object_[key] = value;
   }
 
   template <class Spec>
   void section(const char* key, Spec& spec) {
-    Writer nested;
+    Writer nested(every_field_);
     visit_fields(nested, spec);
     object_[key] = std::move(nested.object_);
   }
@@ -329,36 +362,47 @@ class Writer {
   json take() { return std::move(object_); }
 
  private:
+  const bool every_field_;
   json object_ = json::object();
 };
 
 template <class Visitor>
 void visit_fields(Visitor& v, ModelSpec& m) {
   v.field("type", m.type, one_of({"mlp", "gpt"}));
-  v.field("input", m.input, at_least(int64_t{1}));
-  v.field("hidden", m.hidden, at_least(int64_t{1}));
-  v.field("classes", m.classes, at_least(int64_t{2}));
-  v.field("activation", m.activation, one_of({"relu", "gelu"}));
-  v.field("vocab", m.vocab, at_least(int64_t{2}));
-  v.field("context", m.context, at_least(int64_t{1}));
-  v.field("layers", m.layers, at_least(int64_t{1}));
-  v.field("heads", m.heads, at_least(int64_t{1}));
-  v.field("width", m.width, at_least(int64_t{1}));  // and a multiple of heads, checked later
-  v.field("mlp_ratio", m.mlp_ratio, at_least(int64_t{1}));
-  v.field("dropout", m.dropout, [](double value) -> Verdict {
-    if (value == 0.0) return std::nullopt;
-    return "must be 0: the trainer has no dropout yet";
-  });
+  const Applies mlp = only_for("/model/type", m.type, {"mlp"});
+  const Applies gpt = only_for("/model/type", m.type, {"gpt"});
+  v.field("input", m.input, at_least(int64_t{1}), mlp);
+  v.field("hidden", m.hidden, at_least(int64_t{1}), mlp);
+  v.field("classes", m.classes, at_least(int64_t{2}), mlp);
+  v.field("activation", m.activation, one_of({"relu", "gelu"}), mlp);
+  v.field("vocab", m.vocab, at_least(int64_t{2}), gpt);
+  v.field("context", m.context, at_least(int64_t{1}), gpt);
+  v.field("layers", m.layers, at_least(int64_t{1}), gpt);
+  v.field("heads", m.heads, at_least(int64_t{1}), gpt);
+  v.field("width", m.width, at_least(int64_t{1}), gpt);  // and a multiple of heads, checked later
+  v.field("mlp_ratio", m.mlp_ratio, at_least(int64_t{1}), gpt);
+  v.field(
+      "dropout", m.dropout,
+      [](double value) -> Verdict {
+        if (value == 0.0) return std::nullopt;
+        return "must be 0: the trainer has no dropout yet";
+      },
+      gpt);
 }
 
 template <class Visitor>
 void visit_fields(Visitor& v, DataSpec& d) {
   v.field("type", d.type, one_of({"synthetic-classification", "csv", "tokens"}));
-  v.field("samples", d.samples, at_least(int64_t{2}));
-  v.field("noise", d.noise, at_least(0.0));
-  v.field("path", d.path, no_check);  // checked against the type once both are known
-  v.field("header", d.header, one_of({"auto", "yes", "no"}));
-  v.field("eval_fraction", d.eval_fraction, in_range(0.0, 1.0, false));
+  const Applies synthetic = only_for("/data/type", d.type, {"synthetic-classification"});
+  const Applies file = only_for("/data/type", d.type, {"csv", "tokens"});
+  const Applies csv = only_for("/data/type", d.type, {"csv"});
+  v.field("samples", d.samples, at_least(int64_t{2}), synthetic);
+  v.field("noise", d.noise, at_least(0.0), synthetic);
+  v.field("path", d.path, no_check, file);  // required for them, checked once both are known
+  v.field("header", d.header, one_of({"auto", "yes", "no"}), csv);
+  // Token data has its own validation file.
+  v.field("eval_fraction", d.eval_fraction, in_range(0.0, 1.0, false),
+          only_for("/data/type", d.type, {"synthetic-classification", "csv"}));
 }
 
 template <class Visitor>
@@ -375,7 +419,8 @@ template <class Visitor>
 void visit_fields(Visitor& v, ScheduleSpec& s) {
   v.field("type", s.type, one_of({"constant", "cosine", "linear"}));
   v.field("warmup", s.warmup, at_least(int64_t{0}));  // and <= /train/steps, checked later
-  v.field("min_lr_ratio", s.min_lr_ratio, in_range(0.0, 1.0, true));
+  v.field("min_lr_ratio", s.min_lr_ratio, in_range(0.0, 1.0, true),
+          only_for("/optimizer/schedule/type", s.type, {"cosine", "linear"}));
 }
 
 template <class Visitor>
@@ -383,11 +428,13 @@ void visit_fields(Visitor& v, OptimizerSpec& o) {
   v.field("type", o.type, one_of({"adamw", "sgd"}));
   v.field("lr", o.lr, greater_than(0.0));
   v.field("weight_decay", o.weight_decay, at_least(0.0));
-  v.field("momentum", o.momentum, in_range(0.0, 1.0, false));
-  v.field("nesterov", o.nesterov, no_check);
-  v.field("beta1", o.beta1, in_range(0.0, 1.0, false));
-  v.field("beta2", o.beta2, in_range(0.0, 1.0, false));
-  v.field("eps", o.eps, greater_than(0.0));
+  const Applies sgd = only_for("/optimizer/type", o.type, {"sgd"});
+  const Applies adamw = only_for("/optimizer/type", o.type, {"adamw"});
+  v.field("momentum", o.momentum, in_range(0.0, 1.0, false), sgd);
+  v.field("nesterov", o.nesterov, no_check, sgd);
+  v.field("beta1", o.beta1, in_range(0.0, 1.0, false), adamw);
+  v.field("beta2", o.beta2, in_range(0.0, 1.0, false), adamw);
+  v.field("eps", o.eps, greater_than(0.0), adamw);
   v.section("schedule", o.schedule);
   v.field("clip_grad_norm", o.clip_grad_norm, at_least(0.0));
 }
@@ -395,19 +442,22 @@ void visit_fields(Visitor& v, OptimizerSpec& o) {
 template <class Visitor>
 void visit_fields(Visitor& v, CompressionSpec& c) {
   v.field("type", c.type, one_of({"none", "fp16", "bf16", "int8", "topk", "powersgd"}));
-  v.field("block", c.block, at_least(int64_t{1}));
-  v.field("ratio", c.ratio, positive_share);
-  v.field("rank", c.rank, at_least(int64_t{1}));
+  const std::string kind = "/distributed/compression/type";
+  v.field("block", c.block, at_least(int64_t{1}), only_for(kind, c.type, {"int8"}));
+  v.field("ratio", c.ratio, positive_share, only_for(kind, c.type, {"topk"}));
+  v.field("rank", c.rank, at_least(int64_t{1}), only_for(kind, c.type, {"powersgd"}));
 }
 
 template <class Visitor>
 void visit_fields(Visitor& v, DistributedSpec& d) {
   v.field("backend", d.backend, one_of({"auto", "gloo", "nccl"}));
   v.field("sync", d.sync, one_of({"allreduce", "local_sgd", "ps"}));
-  v.field("period", d.period, at_least(int64_t{1}));
-  v.field("start", d.start, at_least(int64_t{0}));
-  v.field("servers", d.servers, at_least(int64_t{1}));
-  v.field("staleness", d.staleness, at_least(int64_t{0}));
+  const Applies local_sgd = only_for("/distributed/sync", d.sync, {"local_sgd"});
+  const Applies ps = only_for("/distributed/sync", d.sync, {"ps"});
+  v.field("period", d.period, at_least(int64_t{1}), local_sgd);
+  v.field("start", d.start, at_least(int64_t{0}), local_sgd);
+  v.field("servers", d.servers, at_least(int64_t{1}), ps);
+  v.field("staleness", d.staleness, at_least(int64_t{0}), ps);
   v.field("zero", d.zero, between(0, 1));
   v.field("bucket_mb", d.bucket_mb, greater_than(0.0));
   v.field("overlap", d.overlap, no_check);
@@ -644,15 +694,15 @@ uint64_t fnv1a_64(std::string_view bytes) {
 
 }  // namespace
 
-Recipe parse_recipe(const json& j, const std::string& source,
-                    const std::filesystem::path& base_dir) {
+Recipe parse_recipe(const json& j, const std::string& source, const std::filesystem::path& base_dir,
+                    RecipeOrigin origin) {
   Recipe recipe;
   Problems problems;
   if (!j.is_object()) {
     problems.add("", "the recipe must be a JSON object, got " + describe(j));
     throw Error(ErrorKind::recipe, problems.report(source));
   }
-  Reader root(&j, "", problems);
+  Reader root(&j, "", problems, origin);
   visit_fields(root, recipe);
   root.reject_unknown_keys();
   check_warmup(recipe, problems);
@@ -664,11 +714,67 @@ Recipe parse_recipe(const json& j, const std::string& source,
   return recipe;
 }
 
+// JSON allows an object to name a key twice and nlohmann keeps the last one: in a recipe that is
+// an edit gone wrong. Collects "POINTER: duplicate key ..." for each repeat while parsing.
+class DuplicateKeys {
+ public:
+  bool operator()(int, json::parse_event_t event, json& parsed) {
+    using E = json::parse_event_t;
+    switch (event) {
+      case E::object_start:
+      case E::array_start:
+        frames_.push_back({event == E::array_start, 0, {}, child_pointer(), {}});
+        break;
+      case E::key: {
+        Frame& top = frames_.back();
+        top.key = parsed.get<std::string>();
+        if (!top.keys.insert(top.key).second) {
+          problems_.push_back(fmt::format("{}: duplicate key '{}': the object sets it twice",
+                                          pointer_to(top.pointer, top.key), top.key));
+        }
+        break;
+      }
+      case E::object_end:
+      case E::array_end:
+        frames_.pop_back();
+        element_done();
+        break;
+      case E::value:
+        element_done();
+        break;
+    }
+    return true;
+  }
+  const std::vector<std::string>& problems() const { return problems_; }
+
+ private:
+  struct Frame {
+    bool array;
+    int64_t index;
+    std::set<std::string> keys;
+    std::string pointer;
+    std::string key;
+  };
+  std::string child_pointer() const {
+    if (frames_.empty()) return "";
+    const Frame& top = frames_.back();
+    return top.array ? top.pointer + "/" + std::to_string(top.index)
+                     : pointer_to(top.pointer, top.key);
+  }
+  void element_done() {
+    if (!frames_.empty() && frames_.back().array) ++frames_.back().index;
+  }
+
+  std::vector<Frame> frames_;
+  std::vector<std::string> problems_;
+};
+
 Recipe load_recipe(const std::filesystem::path& path) {
   std::string text = read_file(path);
   json j;
+  DuplicateKeys duplicates;
   try {
-    j = json::parse(text);
+    j = json::parse(text, std::ref(duplicates));
   } catch (const json::parse_error& e) {
     auto [line, column] = line_and_column(text, e.byte);
     throw Error(ErrorKind::recipe,
@@ -682,6 +788,12 @@ Recipe load_recipe(const std::filesystem::path& path) {
                 fmt::format("{}: invalid JSON: {}", path.string(),
                             bracket == std::string::npos ? what : what.substr(bracket + 2)));
   }
+  if (!duplicates.problems().empty()) {
+    std::string report;
+    for (const auto& problem : duplicates.problems())
+      report += (report.empty() ? "" : "\n") + path.string() + ": " + problem;
+    throw Error(ErrorKind::recipe, report);
+  }
   return parse_recipe(j, path.string(), path.parent_path());
 }
 
@@ -689,14 +801,19 @@ json to_json(const Recipe& r) {
   // The visitors take mutable specs so one schema serves reading and writing; a copy keeps r
   // intact.
   Recipe copy = r;
-  Writer writer;
+  Writer writer(false);
   visit_fields(writer, copy);
   return writer.take();
 }
 
 std::string recipe_hash(const Recipe& r) {
-  // json objects keep keys sorted, so dump() is a canonical form independent of the input order.
-  return fmt::format("{:016x}", fnv1a_64(to_json(r).dump()));
+  // Over every field, those that do not apply too: checkpoints written before to_json left
+  // those out keep their hash. json objects keep keys sorted, so dump() is a canonical form
+  // independent of the input order.
+  Recipe copy = r;
+  Writer writer(true);
+  visit_fields(writer, copy);
+  return fmt::format("{:016x}", fnv1a_64(writer.take().dump()));
 }
 
 bool is_error_feedback_codec(const std::string& type) {

@@ -158,16 +158,24 @@ struct Recipe {
   bool operator==(const Recipe&) const = default;
 };
 
+// Where a recipe comes from: a user's file refuses fields that do not apply to the kind chosen
+// ("momentum" with "adamw"); a recipe stored in run.json by an earlier version, which carries
+// every field, is read as it is.
+enum class RecipeOrigin { user, stored };
+
 // Parses and validates. `source` names the file in error messages; `base_dir` resolves relative
 // data paths (which are stored absolute in the result). Throws Error(recipe) whose message holds
 // one line per problem, each "SOURCE: /json/pointer: what is wrong".
 Recipe parse_recipe(const nlohmann::json& j, const std::string& source,
-                    const std::filesystem::path& base_dir);
+                    const std::filesystem::path& base_dir,
+                    RecipeOrigin origin = RecipeOrigin::user);
 // Reads the file (io problems are recipe errors naming the file) and parses it.
 Recipe load_recipe(const std::filesystem::path& path);
-// The resolved recipe: every field, defaults included. parse_recipe(to_json(r)) == r.
+// The resolved recipe: every field that applies (not "momentum" for "adamw"), defaults
+// included. parse_recipe(to_json(r)) == r where r holds the defaults in the other fields (as any
+// recipe parsed from a user's file does).
 nlohmann::json to_json(const Recipe& r);
-// A stable hex digest of to_json(r), recorded in checkpoints.
+// A stable hex digest of every field (those that do not apply too), recorded in checkpoints.
 std::string recipe_hash(const Recipe& r);
 
 }  // namespace dptrain
