@@ -69,7 +69,7 @@ json JobOutcome::to_json(const RunDirectory& run) const {
   if (!error.empty()) j["error"] = error;
   if (result.is_null() || !result.is_object()) {
     const int64_t reached = std::max(failed_step, last_step);
-    j["steps"] = reached >= 0 ? json(reached) : json(start_step);
+    j["step"] = reached >= 0 ? json(reached) : json(start_step);
     j["world_size"] = world_size > 0 ? json(world_size) : json(nullptr);
     // A path, as the trainer's result has it.
     j["last_checkpoint"] = last_checkpoint.empty()
@@ -78,6 +78,12 @@ json JobOutcome::to_json(const RunDirectory& run) const {
   }
   for (const auto& [k, v] : result.items())
     j[k] = v;
+  // As in status and report: the step reached, the steps planned (a completed run's result
+  // counts the steps it did, which are all of them).
+  if (result.is_object()) j["step"] = result.value("steps", json(nullptr));
+  const json& recipe = run.info().value("recipe", json::object());
+  j["steps"] = recipe.contains("train") ? recipe["train"].value("steps", json(nullptr))
+                                        : j.value("step", json(nullptr));
   return j;
 }
 

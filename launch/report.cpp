@@ -415,13 +415,6 @@ Throughput throughput(const RunView& run) {
   return t;
 }
 
-double final_loss(const RunView& run) {
-  if (run.result.is_object() && std::isfinite(number(run.result, "final_loss"))) {
-    return number(run.result, "final_loss");
-  }
-  return run.metrics.steps.empty() ? kNoValue : run.metrics.steps.back().loss;
-}
-
 const EvalMetrics* last_eval(const RunView& run) {
   return run.metrics.evals.empty() ? nullptr : &run.metrics.evals.back();
 }
@@ -832,12 +825,43 @@ RunView load_run(const fs::path& dir, bool verify_checkpoints) {
   return run;
 }
 
+// The fields `status --json` and `report --json` share, with one meaning in both (and in
+// launch's --json where it has them): step reached and steps planned, the last logged training
+// loss, the result's final loss (null until the run completes), the newest checkpoint's path.
+json summary_fields(const RunView& run) {
+  const json recipe = run.info.value("recipe", json::object());
+  const StepMetrics* last = run.metrics.steps.empty() ? nullptr : &run.metrics.steps.back();
+  const EvalMetrics* eval = last_eval(run);
+  double eval_loss = eval ? eval->loss : kNoValue;
+  double eval_accuracy = eval ? eval->accuracy : kNoValue;
+  if (run.result.is_object() && std::isfinite(number(run.result, "eval_loss"))) {
+    eval_loss = number(run.result, "eval_loss");
+    eval_accuracy = number(run.result, "eval_accuracy");
+  }
+  const std::string checkpoint = last_checkpoint_name(run);
+  return {
+      {"run_dir", run.dir.string()},
+      {"name", or_null(text(recipe, "name"))},
+      {"status", run.state.status},
+      {"step", last ? json(last->step) : json(nullptr)},
+      {"steps",
+       recipe.contains("train") ? json(integer(recipe["train"], "steps", 0)) : json(nullptr)},
+      {"loss", last ? or_null(last->loss) : json(nullptr)},
+      {"final_loss",
+       run.result.is_object() ? or_null(number(run.result, "final_loss")) : json(nullptr)},
+      {"eval_loss", or_null(eval_loss)},
+      {"eval_accuracy", or_null(eval_accuracy)},
+      {"last_checkpoint",
+       checkpoint.empty() ? json(nullptr) : json((run.dir / "checkpoints" / checkpoint).string())},
+      {"checkpoints", run.checkpoints.size()},
+      {"restarts", array_at(run.info, "restarts").size()},
+      {"world_size_changes", array_at(run.info, "world_size_changes").size()}};
+}
+
 json status_json(const RunView& run) {
   const json& info = run.info;
   const json& restarts = array_at(info, "restarts");
-  const json recipe = info.value("recipe", json::object());
   const StepMetrics* last = run.metrics.steps.empty() ? nullptr : &run.metrics.steps.back();
-  const EvalMetrics* eval = last_eval(run);
   json last_restart = nullptr;
   if (!restarts.empty()) {
     const json& r = restarts.back();
@@ -847,30 +871,19 @@ json status_json(const RunView& run) {
                     {"from", or_null(text(r, "from"))},
                     {"at", or_null(text(r, "at"))}};
   }
-  const std::string error = run_error(info);
-  return {{"run_dir", run.dir.string()},
-          {"name", or_null(text(recipe, "name"))},
-          {"status", run.state.status},
-          {"recorded_status", or_null(run.state.recorded_status)},
-          {"note", or_null(run.state.note)},
-          {"live_pids", run.state.live_pids},
-          {"step", last ? json(last->step) : json(nullptr)},
-          {"steps",
-           recipe.contains("train") ? json(integer(recipe["train"], "steps", 0)) : json(nullptr)},
-          {"epoch", last ? json(last->epoch) : json(nullptr)},
-          {"loss", last ? or_null(last->loss) : json(nullptr)},
-          {"eval_loss", eval ? or_null(eval->loss) : json(nullptr)},
-          {"last_checkpoint", or_null(last_checkpoint_name(run))},
-          {"checkpoints", run.checkpoints.size()},
-          {"world_size", info.contains("world_size") ? info["world_size"] : json(nullptr)},
-          {"nominal_world_size",
-           info.contains("nominal_world_size") ? info["nominal_world_size"] : json(nullptr)},
-          {"generations", array_at(info, "generations").size()},
-          {"restarts", restarts.size()},
-          {"last_restart", last_restart},
-          {"world_size_changes", array_at(info, "world_size_changes").size()},
-          {"error", or_null(error)},
-          {"hint", or_null(hint(run))}};
+  json j = summary_fields(run);
+  j.update(json{{"recorded_status", or_null(run.state.recorded_status)},
+                {"note", or_null(run.state.note)},
+                {"live_pids", run.state.live_pids},
+                {"epoch", last ? json(last->epoch) : json(nullptr)},
+                {"world_size", info.contains("world_size") ? info["world_size"] : json(nullptr)},
+                {"nominal_world_size",
+                 info.contains("nominal_world_size") ? info["nominal_world_size"] : json(nullptr)},
+                {"generations", array_at(info, "generations").size()},
+                {"last_restart", last_restart},
+                {"error", or_null(run_error(info))},
+                {"hint", or_null(hint(run))}});
+  return j;
 }
 
 std::string status_text(const RunView& run) {
@@ -889,12 +902,15 @@ std::string status_text(const RunView& run) {
                             s["epoch"].dump()));
     std::string loss = s["loss"].is_null() ? "\u2013" : num(s["loss"].get<double>());
     if (!s["eval_loss"].is_null()) {
-      loss += fmt::format(" (eval {} at step {})", num(s["eval_loss"].get<double>()),
-                          run.metrics.evals.back().step);
+      loss += fmt::format(" (eval {}{})", num(s["eval_loss"].get<double>()),
+                          run.metrics.evals.empty()
+                              ? ""
+                              : fmt::format(" at step {}", run.metrics.evals.back().step));
     }
     row("loss", loss);
   }
-  row("checkpoint", s["last_checkpoint"].is_null() ? "none" : text(s, "last_checkpoint"));
+  const std::string checkpoint = last_checkpoint_name(run);
+  row("checkpoint", checkpoint.empty() ? "none" : checkpoint);
   row("world size", world_size_text(run.info));
   std::string restarts = fmt::format("{} restart(s) in {} generation(s)", s["restarts"].dump(),
                                      s["generations"].dump());
@@ -972,37 +988,19 @@ std::string report_html(const RunView& run) {
 }
 
 json report_summary(const RunView& run, const fs::path& report_file) {
-  const json recipe = run.info.value("recipe", json::object());
   const Throughput t = throughput(run);
-  const EvalMetrics* eval = last_eval(run);
-  double eval_loss = eval ? eval->loss : kNoValue;
-  double eval_accuracy = eval ? eval->accuracy : kNoValue;
-  if (run.result.is_object() && std::isfinite(number(run.result, "eval_loss"))) {
-    eval_loss = number(run.result, "eval_loss");
-    eval_accuracy = number(run.result, "eval_accuracy");
-  }
   size_t failed = 0;
   for (const auto& c : run.checkpoints)
     failed += !c.set_aside && !c.problems.empty();
-  return {{"report", report_file.string()},
-          {"run_dir", run.dir.string()},
-          {"name", or_null(text(recipe, "name"))},
-          {"status", run.state.status},
-          {"step", run.metrics.steps.empty() ? json(nullptr) : json(run.metrics.steps.back().step)},
-          {"steps",
-           recipe.contains("train") ? json(integer(recipe["train"], "steps", 0)) : json(nullptr)},
-          {"final_loss", or_null(final_loss(run))},
-          {"eval_loss", or_null(eval_loss)},
-          {"eval_accuracy", or_null(eval_accuracy)},
-          {"throughput", or_null(t.value)},
-          {"throughput_unit", t.unit},
-          {"restarts", array_at(run.info, "restarts").size()},
-          {"world_size_changes", array_at(run.info, "world_size_changes").size()},
-          {"world_sizes", world_sizes(run.info)},
-          {"checkpoints", run.checkpoints.size()},
-          {"checkpoints_failed", failed},
-          {"metrics_lines_skipped", run.metrics.skipped_lines},
-          {"error", or_null(first_line(run_error(run.info)))}};
+  json j = summary_fields(run);
+  j.update(json{{"report", report_file.string()},
+                {"throughput", or_null(t.value)},
+                {"throughput_unit", t.unit},
+                {"world_sizes", world_sizes(run.info)},
+                {"checkpoints_failed", failed},
+                {"metrics_lines_skipped", run.metrics.skipped_lines},
+                {"error", or_null(first_line(run_error(run.info)))}});
+  return j;
 }
 
 std::string report_summary_text(const json& s) {
@@ -1012,7 +1010,8 @@ std::string report_summary_text(const json& s) {
   } else {
     out += fmt::format(": step {}{}", s["step"].dump(),
                        s["steps"].is_null() ? "" : " of " + s["steps"].dump());
-    if (!s["final_loss"].is_null()) out += ", loss " + num(s["final_loss"].get<double>());
+    const json& loss = s["final_loss"].is_null() ? s["loss"] : s["final_loss"];
+    if (!loss.is_null()) out += ", loss " + num(loss.get<double>());
     if (!s["eval_loss"].is_null()) {
       out += ", eval loss " + num(s["eval_loss"].get<double>());
       if (!s["eval_accuracy"].is_null()) {

@@ -34,6 +34,7 @@ class RunDirectory {
   std::filesystem::path logs() const { return path_ / "logs"; }
   std::filesystem::path checkpoints() const { return path_ / "checkpoints"; }
   nlohmann::json& info() { return info_; }
+  const nlohmann::json& info() const { return info_; }
   // The run's directory name on other hosts (WORKDIR/runs/NAME): this one's name and the run's
   // id, so two runs that share a name never share a directory there.
   std::string remote_name() const;

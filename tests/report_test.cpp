@@ -183,7 +183,9 @@ TEST_CASE(
     CHECK(s["throughput_unit"] == "samples/s");
     CHECK(s["throughput"].get<double>() > 0);
     CHECK(s["final_loss"].is_number());
+    CHECK(s["loss"].is_number());
     CHECK(s["eval_loss"].is_number());
+    CHECK(s["last_checkpoint"] == (run_dir / "checkpoints/step-000120").string());
     CHECK(s["checkpoints"] == 3);
     CHECK(s["checkpoints_failed"] == 0);
     CHECK(fs::exists(other));
@@ -198,7 +200,10 @@ TEST_CASE(
     CHECK(s["status"] == "completed");
     CHECK(s["step"] == 120);
     CHECK(s["steps"] == 120);
-    CHECK(s["last_checkpoint"] == "step-000120");
+    CHECK(s["last_checkpoint"] == (run_dir / "checkpoints/step-000120").string());
+    CHECK(s["final_loss"].is_number());
+    CHECK(s["loss"] == s["final_loss"]);
+    CHECK(s["eval_accuracy"].is_number());
     CHECK(s["restarts"] == 1);
     CHECK(s["generations"] == 2);
     CHECK(s["world_size"] == 1);
@@ -275,6 +280,8 @@ TEST_CASE("status of a running run, then of one whose launcher was killed: stale
   CHECK(s["status"] == "running");
   CHECK(s["live_pids"].size() == 2);
   CHECK(s["step"].get<int64_t>() >= 5);
+  CHECK(s["loss"].is_number());      // the last logged
+  CHECK(s["final_loss"].is_null());  // until the run completes
   CHECK(s["hint"].is_null());
 
   // The launcher dies without a word (its ranks follow it): run.json still says running.

@@ -52,6 +52,7 @@ TEST_CASE("quickstart on 2 ranks learns well above chance and ranks agree") {
   CHECK(out["status"] == "completed");
   CHECK(out["world_size"] == 2);
   CHECK(out["steps"] == 300);
+  CHECK(out["step"] == 300);
   // 10 classes: chance is 10%. The threshold leaves room for seed changes, not for a broken
   // trainer.
   CHECK(out["eval_accuracy"].get<double>() > 0.80);
