@@ -128,12 +128,23 @@ int run_resume(const ResumeOptions& o) {
     set_aside_newer(run.checkpoints(), spec.resume_from, status);
     status.line(fmt::format("dptrain {}: resuming {} from {} on {}", DPTRAIN_VERSION,
                             run.path().string(), spec.resume_from.filename().string(), where));
-  } else {
-    // Rank 0 runs elsewhere: the ranks find the newest valid checkpoint any node holds (exit 5
-    // when there is none).
+  } else if (const nlohmann::json& recorded = run.info().value("last_checkpoint", nlohmann::json());
+             recorded.is_object()) {
+    // Rank 0 runs elsewhere: the ranks find the newest valid checkpoint any node holds; one was
+    // committed, so finding none is a checkpoint error (exit 5), not a reason to start over.
     spec.resume_from = "newest";
+    status.line(fmt::format(
+        "dptrain {}: resuming {} from the newest checkpoint on its hosts (the last recorded: {} "
+        "on {}), on {}",
+        DPTRAIN_VERSION, run.path().string(), recorded.value("path", std::string()),
+        recorded.value("host", std::string()), where));
+  } else {
+    // None was ever committed (stopped before its first checkpoint): it starts over, as a
+    // restart would, unless a node holds one after all.
+    spec.resume_from = "newest-or-start";
     status.line(
-        fmt::format("dptrain {}: resuming {} from the newest checkpoint on its hosts, on {}",
+        fmt::format("dptrain {}: resuming {} on {}: it recorded no checkpoint, so from "
+                    "step 0 unless a node holds one",
                     DPTRAIN_VERSION, run.path().string(), where));
   }
   return run_to_end(run, spec, o.restart, o.json, *events, status);

@@ -335,7 +335,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   json resumed_from = nullptr;
   if (spec.resume_from == "newest-or-start") {
     if (!rank0_remote) resumed_from = "step 0";
-  } else if (!spec.resume_from.empty()) {
+  } else if (!spec.resume_from.empty() && spec.resume_from != "newest") {
     resumed_from = spec.resume_from.filename().string();
   }
   if (!resumed_from.is_null()) gen["resumed_from"] = resumed_from;
@@ -357,6 +357,10 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   if (!spec.resume_from.empty() && spec.resume_from != "newest-or-start") {
     start_step = checkpoint_step(spec.resume_from);
   }
+  if (spec.resume_from == "newest" && info.value("last_checkpoint", json()).is_object()) {
+    // The ranks find it on their nodes; until they say, the newest one recorded.
+    start_step = info["last_checkpoint"].value("step", start_step);
+  }
   const auto handle_event = [&](const json& event) {
     const std::string kind = event.value("event", "");
     if (kind == "progress") last_step = event.value("step", int64_t{-1});
@@ -365,6 +369,15 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       json fields = event;
       fields.erase("event");
       events.emit(kind == "checkpoint" ? "checkpoint_committed" : "rendezvous_done", fields);
+    }
+    if (kind == "checkpoint") {
+      // Where rank 0 wrote it: for a rank 0 on another host, the only record of it here.
+      const fs::path path = event.value("path", std::string());
+      info["last_checkpoint"] = {{"name", path.filename().string()},
+                                 {"step", event.value("step", int64_t{-1})},
+                                 {"host", plan.hosts.front().display()},
+                                 {"path", path.string()}};
+      run.save();
     }
     if (kind == "rendezvous") {
       // Where the ranks found their checkpoint (it may be on another node).
@@ -527,7 +540,14 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   if (newest) out.last_checkpoint = *newest;
   const auto checkpoint_note = [&]() -> std::string {
     if (!trains) return "";
-    if (rank0_remote) return "; the newest checkpoint is whichever the nodes hold";
+    if (rank0_remote) {
+      const json& recorded = info.value("last_checkpoint", json());
+      return recorded.is_object()
+                 ? fmt::format("; the newest checkpoint recorded is {} on {}",
+                               recorded.value("name", std::string()),
+                               recorded.value("host", std::string()))
+                 : std::string("; no checkpoint was recorded: a resume starts from step 0");
+    }
     return newest
                ? fmt::format("; the newest checkpoint is {}: a resume continues from it", *newest)
                : std::string("; no checkpoint exists: a resume starts from step 0");
@@ -630,10 +650,25 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   if (sup.failure) {
     const ProcessFailure& f = *sup.failure;
     out.failed_rank = f.rank;
-    events.emit("rank_exited", {{"process", f.label},
-                                {"exit_code", f.exit_code >= 0 ? json(f.exit_code) : json(nullptr)},
-                                {"signal", f.signal != 0 ? json(f.signal) : json(nullptr)},
-                                {"message", out.error.substr(0, out.error.find('\n'))}});
+    // A remote rank's own exit, as its agent reported it (the relay only carries a status):
+    // named and typed as a local rank's is.
+    std::string process = f.label;
+    int exit_code = f.exit_code;
+    int signal = f.signal;
+    if (const auto relay = relay_hosts.find(f.label); relay != relay_hosts.end()) {
+      const auto report = agent_failures.find(relay->second);
+      if (report != agent_failures.end() && report->second.value("rank", -1) >= 0) {
+        const json& r = report->second;
+        process = fmt::format("rank {} on {}", r.value("rank", -1), relay->second);
+        exit_code = r.value("exit_code", -1);
+        signal = r.value("signal", 0);
+      }
+    }
+    events.emit("rank_exited",
+                {{"process", process},
+                 {"exit_code", exit_code >= 0 && signal == 0 ? json(exit_code) : json(nullptr)},
+                 {"signal", signal != 0 ? json(signal) : json(nullptr)},
+                 {"message", out.error.substr(0, out.error.find('\n'))}});
   }
   events.emit("generation_ended",
               {{"generation", generation}, {"status", out.status}, {"exit_code", out.exit_code}});

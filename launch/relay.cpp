@@ -15,10 +15,12 @@ using nlohmann::json;
 
 namespace {
 
-std::atomic<bool> g_stop_requested{false};
+// The launcher's stop signals, in order: each SIGTERM or SIGINT is passed on to the agent.
+std::atomic<int> g_terms{0};
+std::atomic<int> g_interrupts{0};
 
-void on_stop(int) {
-  g_stop_requested = true;
+void on_stop(int sig) {
+  (sig == SIGINT ? g_interrupts : g_terms).fetch_add(1);
 }
 
 void report_failure(const std::string& description) {
@@ -104,19 +106,21 @@ int run_relay(const RelayPlan& plan) {
     report_failure(fmt::format("{}: cannot start the agent: {}", plan.host.display(), e.what()));
     return 4;
   }
-  bool stdin_closed = false;
+  int terms_sent = 0;
+  int interrupts_sent = 0;
   try {
     const auto sink = [](std::string_view data, bool) {
       std::fwrite(data.data(), 1, data.size(), stdout);
       std::fflush(stdout);
     };
     while (channel->read(sink, std::chrono::milliseconds(100))) {
-      if (g_stop_requested && !stdin_closed) {
-        // "stop": the agent's ranks checkpoint and stop; the end of input follows.
+      // "stop" (SIGTERM): the agent's ranks checkpoint and stop; "interrupt" (SIGINT): they stop
+      // without one, and a second kills them. The channel stays open: its end tells the agent
+      // that this side is gone.
+      for (; terms_sent < g_terms.load(); ++terms_sent)
         channel->write("stop\n");
-        channel->close_stdin();
-        stdin_closed = true;
-      }
+      for (; interrupts_sent < g_interrupts.load(); ++interrupts_sent)
+        channel->write("interrupt\n");
     }
   } catch (const Error& e) {
     report_failure(fmt::format("lost the SSH connection to {}: {}", plan.host.display(), e.what()));
@@ -127,6 +131,15 @@ int run_relay(const RelayPlan& plan) {
     report_failure(fmt::format("the agent on {} ended without an exit status (connection lost?)",
                                plan.host.display()));
     return 3;
+  }
+  if (*status == 127 || *status == 126) {
+    // The remote shell could not find or run the binary: a set-up problem, not a rank's failure.
+    report_failure(
+        fmt::format("{}: cannot run '{}' there ({}): install it with 'dptrain provision' (see "
+                    "dptrain-provision(1)) or name it with --remote-binary",
+                    plan.host.display(), plan.remote_binary,
+                    *status == 127 ? "no such file or command" : "not executable"));
+    return 4;
   }
   return *status;
 }

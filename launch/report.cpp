@@ -839,23 +839,31 @@ json summary_fields(const RunView& run) {
     eval_accuracy = number(run.result, "eval_accuracy");
   }
   const std::string checkpoint = last_checkpoint_name(run);
-  return {
-      {"run_dir", run.dir.string()},
-      {"name", or_null(text(recipe, "name"))},
-      {"status", run.state.status},
-      {"step", last ? json(last->step) : json(nullptr)},
-      {"steps",
-       recipe.contains("train") ? json(integer(recipe["train"], "steps", 0)) : json(nullptr)},
-      {"loss", last ? or_null(last->loss) : json(nullptr)},
-      {"final_loss",
-       run.result.is_object() ? or_null(number(run.result, "final_loss")) : json(nullptr)},
-      {"eval_loss", or_null(eval_loss)},
-      {"eval_accuracy", or_null(eval_accuracy)},
-      {"last_checkpoint",
-       checkpoint.empty() ? json(nullptr) : json((run.dir / "checkpoints" / checkpoint).string())},
-      {"checkpoints", run.checkpoints.size()},
-      {"restarts", array_at(run.info, "restarts").size()},
-      {"world_size_changes", array_at(run.info, "world_size_changes").size()}};
+  json last_checkpoint =
+      checkpoint.empty() ? json(nullptr) : json((run.dir / "checkpoints" / checkpoint).string());
+  json checkpoint_host = nullptr;
+  // None here, but rank 0 on another host committed one: run.json's record of it.
+  if (const json& recorded = run.info.value("last_checkpoint", json());
+      checkpoint.empty() && recorded.is_object()) {
+    last_checkpoint = recorded.value("path", json(nullptr));
+    checkpoint_host = recorded.value("host", json(nullptr));
+  }
+  return {{"run_dir", run.dir.string()},
+          {"name", or_null(text(recipe, "name"))},
+          {"status", run.state.status},
+          {"step", last ? json(last->step) : json(nullptr)},
+          {"steps",
+           recipe.contains("train") ? json(integer(recipe["train"], "steps", 0)) : json(nullptr)},
+          {"loss", last ? or_null(last->loss) : json(nullptr)},
+          {"final_loss",
+           run.result.is_object() ? or_null(number(run.result, "final_loss")) : json(nullptr)},
+          {"eval_loss", or_null(eval_loss)},
+          {"eval_accuracy", or_null(eval_accuracy)},
+          {"last_checkpoint", last_checkpoint},
+          {"last_checkpoint_host", checkpoint_host},
+          {"checkpoints", run.checkpoints.size()},
+          {"restarts", array_at(run.info, "restarts").size()},
+          {"world_size_changes", array_at(run.info, "world_size_changes").size()}};
 }
 
 json status_json(const RunView& run) {
@@ -910,7 +918,12 @@ std::string status_text(const RunView& run) {
     row("loss", loss);
   }
   const std::string checkpoint = last_checkpoint_name(run);
-  row("checkpoint", checkpoint.empty() ? "none" : checkpoint);
+  if (!checkpoint.empty() || s["last_checkpoint_host"].is_null()) {
+    row("checkpoint", checkpoint.empty() ? "none" : checkpoint);
+  } else {
+    row("checkpoint", fmt::format("{} on {} (recorded in run.json; not checked from here)",
+                                  text(s, "last_checkpoint"), text(s, "last_checkpoint_host")));
+  }
   row("world size", world_size_text(run.info));
   std::string restarts = fmt::format("{} restart(s) in {} generation(s)", s["restarts"].dump(),
                                      s["generations"].dump());
@@ -1029,6 +1042,10 @@ std::string report_summary_text(const json& s) {
                      s["checkpoints_failed"].get<size_t>() > 0
                          ? fmt::format(", {} FAILED verification", s["checkpoints_failed"].dump())
                          : "");
+  if (!s["last_checkpoint_host"].is_null()) {
+    out += fmt::format("checkpoints on {}: the last recorded is {}\n",
+                       text(s, "last_checkpoint_host"), text(s, "last_checkpoint"));
+  }
   if (!s["error"].is_null() && text(s, "status") != "completed") {
     out += "error: " + text(s, "error") + "\n";
   }

@@ -12,6 +12,8 @@
 #include <csignal>
 #include <cstring>
 #include <fstream>
+#include <string>
+#include <string_view>
 
 #include <fmt/format.h>
 
@@ -146,11 +148,15 @@ class Supervision {
     constexpr auto kNever = std::chrono::steady_clock::time_point::max();
     auto stop_deadline = kNever;
     while (!all_done()) {
+      const bool stop_fd_was_open = !stop_fd_closed_;
       poll_output(100);
+      const bool gone_while_stopping = stopping && stop_fd_was_open && stop_fd_closed_;
       reap(result);
       if (options_.tick) options_.tick();
       if (!stopping) {
-        const int sig = stop_fd_closed_ || stop_fd_requested_ ? SIGTERM : g_stop_signal.load();
+        const int sig = stop_fd_signal_ != 0 ? stop_fd_signal_
+                        : stop_fd_closed_    ? SIGTERM
+                                             : g_stop_signal.load();
         if (sig != 0) result.stop_signal = sig;
         if (sig == 0 && !result.failure && options_.watchdog) {
           if (auto reason = options_.watchdog()) {
@@ -179,9 +185,13 @@ class Supervision {
           stop_deadline = std::chrono::steady_clock::now() +
                           (checkpointing ? options_.stop_grace : options_.grace);
         }
-      } else if (stop_deadline != kNever &&
-                 g_sigint_count.load() > (result.stop_signal == SIGINT ? 1 : 0)) {
-        signal_all(SIGKILL);  // a second Ctrl-C (or one after a SIGTERM): at once
+      } else if (stop_deadline != kNever && (g_sigint_count.load() + stop_fd_interrupts_ >
+                                                 (result.stop_signal == SIGINT ? 1 : 0) ||
+                                             gone_while_stopping)) {
+        // A second Ctrl-C (or one after a SIGTERM): at once. So too when the launcher that asked
+        // for the stop is gone: nobody waits for the checkpoint, and ranks left running would
+        // outlive it.
+        signal_all(SIGKILL);
         stop_deadline = kNever;
       } else if (stop_deadline != kNever && result.watchdog.empty() && options_.watchdog &&
                  (result.stop_signal != 0 || !result.requested.empty())) {
@@ -272,9 +282,9 @@ class Supervision {
     if (options_.stop_fd >= 0 && !stop_fd_closed_ && fds[stop_index].revents != 0) {
       char buf[4096];
       const ssize_t got = ::read(options_.stop_fd, buf, sizeof buf);
-      // Input on it is a polite stop request (checkpoint first); its end means the other side
+      // "stop" asks for a checkpoint first, "interrupt" does not; the end means the other side
       // is gone (stop now).
-      if (got > 0) stop_fd_requested_ = true;
+      if (got > 0) read_stop_requests(std::string_view(buf, static_cast<size_t>(got)));
       if (got == 0 || (got < 0 && errno != EAGAIN && errno != EINTR)) stop_fd_closed_ = true;
     }
     for (size_t i = 0; i < owners.size(); ++i) {
@@ -283,6 +293,21 @@ class Supervision {
     if (g_wake_pipe[0] >= 0 && fds.back().revents != 0) {
       char buf[64];
       while (::read(g_wake_pipe[0], buf, sizeof buf) > 0) {
+      }
+    }
+  }
+
+  void read_stop_requests(std::string_view data) {
+    stop_fd_partial_.append(data);
+    size_t end;
+    while ((end = stop_fd_partial_.find('\n')) != std::string::npos) {
+      const std::string line = stop_fd_partial_.substr(0, end);
+      stop_fd_partial_.erase(0, end + 1);
+      if (line == "interrupt") {
+        ++stop_fd_interrupts_;
+        if (stop_fd_signal_ == 0) stop_fd_signal_ = SIGINT;
+      } else if (stop_fd_signal_ == 0) {
+        stop_fd_signal_ = SIGTERM;  // "stop", and anything else a polite stop request
       }
     }
   }
@@ -378,7 +403,9 @@ class Supervision {
   std::vector<Child> children_;
   bool stopping_signalled_ = false;
   bool stop_fd_closed_ = false;
-  bool stop_fd_requested_ = false;
+  int stop_fd_signal_ = 0;  // the stop the first line on stop_fd asked for
+  int stop_fd_interrupts_ = 0;
+  std::string stop_fd_partial_;
   std::optional<ProcessFailure> candidate_;
   int candidate_rank_ = 0;
   std::chrono::steady_clock::time_point decide_by_;

@@ -57,8 +57,10 @@ struct SupervisorOptions {
   std::function<void(const ProcessSpec&, const std::string&)> on_line;
   // Called once all processes are started, with their pids (for run.json).
   std::function<void(const std::vector<pid_t>&)> on_started;
-  // When >= 0: input on this descriptor stops everything like a SIGTERM to the launcher (ranks
-  // checkpoint first, `stop_grace`); its end (or an error) stops them with the short `grace`.
+  // When >= 0: lines on this descriptor stop everything as the launcher's own signals do:
+  // "stop" like a SIGTERM (ranks checkpoint first, `stop_grace`), "interrupt" like a SIGINT (no
+  // checkpoint; a second one kills at once). Its end (or an error) means the other side is gone:
+  // the ranks get the short `grace`, or are killed at once when they were already stopping.
   // An agent passes its stdin, the SSH channel from the launcher: when that goes, so do its ranks.
   int stop_fd = -1;
   // Polled every loop: a message stops everything at once (SIGKILL: a hung rank cannot

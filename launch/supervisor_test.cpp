@@ -2,13 +2,17 @@
 #include "launch/supervisor.hpp"
 
 #include <doctest/doctest.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <fstream>
 #include <map>
 #include <mutex>
 #include <sstream>
+#include <thread>
 
 namespace fs = std::filesystem;
 using namespace dptrain;
@@ -168,6 +172,135 @@ TEST_CASE("supervisor: while stopping, the watchdog ends the stop grace; every e
   CHECK(result.exits[1].rank == 1);
   CHECK(result.exits[1].signal == SIGKILL);
   CHECK(result.exits[1].describe() == "rank 1 was killed by SIGKILL");
+  for (pid_t p : f.pids)
+    CHECK_FALSE(alive(p));
+}
+
+// Waits (up to 20 s) until process `label` printed `text`; polled from a test thread.
+bool printed(Fixture& f, const std::string& label, const std::string& text) {
+  for (int i = 0; i < 400; ++i) {
+    {
+      std::lock_guard lock(f.mutex);
+      const auto& l = f.lines[label];
+      if (std::find(l.begin(), l.end(), text) != l.end()) return true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return false;
+}
+
+// The agent's end of the SSH channel: the launcher's stop signals arrive as lines on stop_fd.
+struct StopPipe {
+  int fds[2] = {-1, -1};
+  // Close-on-exec: a child holding the write end would keep the end from coming.
+  StopPipe() { REQUIRE(::pipe2(fds, O_CLOEXEC) == 0); }
+  ~StopPipe() {
+    close_write();
+    ::close(fds[0]);
+  }
+  void send(const std::string& line) const {
+    const std::string text = line + "\n";
+    REQUIRE(::write(fds[1], text.data(), text.size()) == static_cast<ssize_t>(text.size()));
+  }
+  void close_write() {
+    if (fds[1] >= 0) ::close(fds[1]);
+    fds[1] = -1;
+  }
+};
+
+TEST_CASE("supervisor: \"interrupt\" on stop_fd stops the ranks with SIGINT, no checkpoint") {
+  Fixture f;
+  StopPipe stop;
+  f.options.stop_fd = stop.fds[0];
+  f.options.stop_grace = std::chrono::seconds(60);
+  const std::string rank =
+      "trap 'echo saved; exit 143' TERM; trap 'echo interrupted; exit 130' "
+      "INT; echo up; while :; do sleep 0.05; done";
+  std::thread ctrl_c([&] {
+    // Once both are up (their traps set), the launcher passes on a Ctrl-C.
+    printed(f, "rank 0", "up");
+    printed(f, "rank 1", "up");
+    stop.send("interrupt");
+  });
+  const auto result = supervise({f.shell(0, rank), f.shell(1, rank)}, f.options);
+  ctrl_c.join();
+  CHECK(result.stop_signal == SIGINT);
+  for (const char* label : {"rank 0", "rank 1"}) {
+    REQUIRE_FALSE(f.lines[label].empty());
+    CHECK(f.lines[label].back() == "interrupted");
+  }
+  for (pid_t p : f.pids)
+    CHECK_FALSE(alive(p));
+}
+
+TEST_CASE("supervisor: \"stop\" on stop_fd is a SIGTERM; a second \"interrupt\" kills at once") {
+  Fixture f;
+  StopPipe stop;
+  f.options.stop_fd = stop.fds[0];
+  f.options.stop_grace = std::chrono::seconds(60);
+  // A rank busy with its checkpoint: it does not end on SIGTERM or SIGINT.
+  const std::string rank =
+      "trap 'echo checkpointing' TERM; trap 'echo busy' INT; echo up; "
+      "while :; do sleep 0.05; done";
+  std::thread signals([&] {
+    printed(f, "rank 0", "up");
+    stop.send("stop");
+    // Once the rank saw the SIGTERM, the user presses Ctrl-C: the launcher passes it on.
+    printed(f, "rank 0", "checkpointing");
+    stop.send("interrupt");
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto result = supervise({f.shell(0, rank)}, f.options);
+  signals.join();
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30));  // not stop_grace
+  CHECK(result.stop_signal == SIGTERM);
+  REQUIRE(result.exits.size() == 1);
+  CHECK(result.exits[0].signal == SIGKILL);
+  for (pid_t p : f.pids)
+    CHECK_FALSE(alive(p));
+}
+
+TEST_CASE("supervisor: the end of stop_fd while stopping kills at once: no rank outlives it") {
+  Fixture f;
+  StopPipe stop;
+  f.options.stop_fd = stop.fds[0];
+  f.options.stop_grace = std::chrono::seconds(60);
+  const std::string rank =
+      "trap 'echo checkpointing' TERM; echo up; "
+      "while :; do sleep 0.05; done";
+  std::thread gone([&] {
+    printed(f, "rank 0", "up");
+    stop.send("stop");
+    printed(f, "rank 0", "checkpointing");
+    stop.close_write();  // the launcher's relay was killed: the SSH channel ends
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto result = supervise({f.shell(0, rank)}, f.options);
+  gone.join();
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30));  // not stop_grace
+  REQUIRE(result.exits.size() == 1);
+  CHECK(result.exits[0].signal == SIGKILL);
+  for (pid_t p : f.pids)
+    CHECK_FALSE(alive(p));
+}
+
+TEST_CASE("supervisor: the end of stop_fd alone stops the ranks with the short grace") {
+  Fixture f;
+  StopPipe stop;
+  f.options.stop_fd = stop.fds[0];
+  f.options.stop_grace = std::chrono::seconds(60);
+  const std::string rank =
+      "trap 'echo terminated; exit 143' TERM; echo up; "
+      "while :; do sleep 0.05; done";
+  std::thread gone([&] {
+    printed(f, "rank 0", "up");
+    stop.close_write();
+  });
+  const auto result = supervise({f.shell(0, rank)}, f.options);
+  gone.join();
+  CHECK(result.stop_signal == SIGTERM);
+  REQUIRE_FALSE(f.lines["rank 0"].empty());
+  CHECK(f.lines["rank 0"].back() == "terminated");
   for (pid_t p : f.pids)
     CHECK_FALSE(alive(p));
 }

@@ -2,6 +2,7 @@
 #include <doctest/doctest.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 
@@ -79,11 +80,40 @@ TEST_CASE("2 hosts x 2 slots train to the same parameters as 4 local ranks") {
   CHECK(info["status"] == "completed");
   CHECK(info["hosts"].size() == 2);
   CHECK(read_jsonl(c.tmp / "remote/metrics.jsonl").size() > 10);  // rank 0 was remote
+  // Rank 0's checkpoints are on the first host: status names the last one from run.json.
+  auto status = run_dptrain({"status", (c.tmp / "remote").string(), "--json"});
+  REQUIRE(status.exit_code == 0);
+  const json s = parse_json(status.out);
+  CHECK(s["last_checkpoint_host"] == c.sshd.host(c.sshd.addresses()[1]).display());
+  CHECK(s["last_checkpoint"].get<std::string>().ends_with("/checkpoints/step-000200"));
   // The store secret never shows: not in the logs, run.json or output.
   for (const auto& e : fs::recursive_directory_iterator(c.tmp / "remote")) {
     if (e.is_regular_file())
       CHECK(read_text(e.path()).find("DPTRAIN_STORE_SECRET=") == std::string::npos);
   }
+}
+
+TEST_CASE("a multi-host run that failed before its first checkpoint resumes from step 0") {
+  Cluster c;
+  const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
+  const fs::path run_dir = c.tmp / "early";
+  auto failed =
+      run_dptrain(c.launch_args(recipe, run_dir), {{"DPTRAIN_FAULT", "crash@step=5,rank=1"}});
+  INFO(failed.err);
+  REQUIRE(failed.exit_code == 3);
+  auto args = c.launch_args(recipe, run_dir);
+  args[0] = "resume";
+  args.erase(args.begin() + 1);  // no recipe: run.json has it
+  const auto dir_flag = std::find(args.begin(), args.end(), "--run-dir");
+  args.erase(dir_flag);
+  args.push_back("--json");
+  auto resumed = run_dptrain(args);
+  INFO(resumed.err);
+  REQUIRE(resumed.exit_code == 0);
+  CHECK(parse_json(resumed.out)["step"] == 200);
+  const json info = parse_json(read_text(run_dir / "run.json"));
+  CHECK(info["status"] == "completed");
+  CHECK(info["generations"].back()["resumed_from"] == "step 0");
 }
 
 TEST_CASE("--dry-run --json prints the plan and starts nothing") {
@@ -169,6 +199,63 @@ TEST_CASE("Ctrl-C stops every rank on every host and exits 130") {
     CAPTURE(rank);
     CHECK(eventually([pid] { return !process_alive(pid); }, std::chrono::seconds(15)));
   }
+}
+
+// The checkpoints rank 0's host holds for a run.
+std::vector<std::string> remote_checkpoints(const Cluster& c, const fs::path& run_dir) {
+  std::vector<std::string> names;
+  const fs::path dir = c.remote_run(c.sshd.addresses()[1], run_dir) / "checkpoints";
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    if (e.path().filename().string().rfind("step-", 0) == 0) {
+      names.push_back(e.path().filename().string());
+    }
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+TEST_CASE("Ctrl-C with a hung rank: no rank outlives the launcher, and no checkpoint is written") {
+  Cluster c;
+  const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
+  const fs::path run_dir = c.tmp / "ctrlc-hung";
+  // Rank 2 (on the second host) hangs at step 20: its peers wait in a collective, where a
+  // SIGTERM's checkpoint could never come.
+  Background launcher(c.launch_args(recipe, run_dir), {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "30"},
+                                                       {"DPTRAIN_FAULT", "hang@step=20,rank=2"}});
+  std::map<int, pid_t> workers;
+  REQUIRE(eventually([&] {
+    workers = workers_of("ctrlc-hung");
+    return workers.size() == 4 && fs::exists(run_dir / "metrics.jsonl") &&
+           !read_jsonl(run_dir / "metrics.jsonl").empty() &&
+           read_jsonl(run_dir / "metrics.jsonl").back().value("step", 0) >= 20;
+  }));
+  const auto before = remote_checkpoints(c, run_dir);
+  REQUIRE(::kill(launcher.pid(), SIGINT) == 0);
+  CHECK(launcher.wait(std::chrono::seconds(60)) == 130);
+  // The launcher has exited: the agents stopped their ranks without a checkpoint (SIGINT), and
+  // within their 3 s grace, not the 50 s a checkpointing stop may take.
+  for (const auto& [rank, pid] : workers) {
+    CAPTURE(rank);
+    CHECK(eventually([pid] { return !process_alive(pid); }, std::chrono::seconds(8)));
+  }
+  CHECK(remote_checkpoints(c, run_dir) == before);
+}
+
+TEST_CASE("a host without the binary fails the launch with exit 4 and says how to install it") {
+  Cluster c;
+  const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
+  auto args = c.launch_args(recipe, c.tmp / "nobinary");
+  const auto flag = std::find(args.begin(), args.end(), "--remote-binary");
+  REQUIRE(flag != args.end());
+  *(flag + 1) = (c.tmp / "not-installed/dptrain").string();
+  args.push_back("--json");
+  auto r = run_dptrain(args);
+  INFO(r.err);
+  CHECK(r.exit_code == 4);
+  CHECK(r.err.find("not-installed/dptrain' there (no such file or command): install it with "
+                   "'dptrain provision'") != std::string::npos);
+  CHECK(parse_json(r.out)["exit_code"] == 4);
 }
 
 TEST_CASE("an unreachable host fails the launch with exit 4 naming it") {
