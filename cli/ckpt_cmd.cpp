@@ -47,13 +47,14 @@ std::string written_time(const fs::path& dir) {
   return fmt::format("{:%Y-%m-%dT%H:%M:%SZ}", fmt::gmtime(st.st_mtime));
 }
 
-// An unreadable `latest` only means no checkpoint is marked as the latest one.
-fs::path latest_or_none(const fs::path& checkpoints_dir) {
-  try {
-    return latest_checkpoint(checkpoints_dir);
-  } catch (const Error&) {
-    return {};
-  }
+// What `latest` names when it can be followed; empty otherwise (its problem is reported apart).
+fs::path followable(const LatestStatus& latest) {
+  return latest.ok() ? latest.dir : fs::path();
+}
+
+// "checkpoints/latest: FAILED: names step-000099, which does not exist", for the tables.
+std::string latest_line(const LatestStatus& latest) {
+  return fmt::format("checkpoints/latest: FAILED: {}", latest.problem);
 }
 
 CheckpointRow inspect(const fs::path& dir, const fs::path& latest) {
@@ -84,6 +85,16 @@ json blob_json(const BlobStatus& blob) {
           {"problem", or_null(blob.problem)}};
 }
 
+// meta.json's own checksum: "checked" is false for older checkpoints that record none.
+json meta_json(const CheckpointStatus& status) {
+  return {{"file", "meta.json"},
+          {"checksum", or_null(status.meta_checksum)},
+          {"actual_checksum", or_null(status.meta_actual_checksum)},
+          {"checked", status.meta_checked()},
+          {"ok", status.meta_problem.empty()},
+          {"problem", or_null(status.meta_problem)}};
+}
+
 json row_json(const CheckpointRow& row) {
   const auto& position = row.status.position;
   json blobs = json::array();
@@ -100,11 +111,12 @@ json row_json(const CheckpointRow& row) {
           {"set_aside", row.status.set_aside},
           {"ok", row.status.ok()},
           {"problems", row.status.problems()},
+          {"meta", meta_json(row.status)},
           {"blobs", blobs}};
 }
 
 std::string verdict(const CheckpointRow& row) {
-  if (row.status.ok()) return "ok";
+  if (row.status.ok()) return row.status.meta_checked() ? "ok" : "ok (meta.json not checked)";
   return fmt::format("FAILED: {}", fmt::join(row.status.problems(), "; "));
 }
 
@@ -115,9 +127,11 @@ size_t name_width(const std::vector<CheckpointRow>& rows) {
   return width;
 }
 
-void print_list_table(const fs::path& run_dir, const std::vector<CheckpointRow>& rows) {
+void print_list_table(const fs::path& run_dir, const std::vector<CheckpointRow>& rows,
+                      const LatestStatus& latest) {
   if (rows.empty()) {
     std::printf("%s: no checkpoints\n", run_dir.c_str());
+    if (!latest.ok()) std::printf("%s\n", latest_line(latest).c_str());
     return;
   }
   const size_t w = name_width(rows);
@@ -135,17 +149,27 @@ void print_list_table(const fs::path& run_dir, const std::vector<CheckpointRow>&
                           row.latest ? "yes" : "", verdict(row))
                   .c_str());
   }
+  if (!latest.ok()) std::printf("%s\n", latest_line(latest).c_str());
+}
+
+// meta.json's line: its own checksum, and whether its content matches it.
+std::string meta_verdict(const CheckpointStatus& status) {
+  if (!status.meta_problem.empty()) return status.meta_problem;
+  if (!status.meta_checked()) {
+    return "not checked: it records no checksum of itself (written by an older dptrain)";
+  }
+  return "ok";
 }
 
 // Per file: the size and checksum meta.json records for it, and whether the file matches them.
-void print_verify_table(const std::vector<CheckpointRow>& rows) {
+void print_verify_table(const std::vector<CheckpointRow>& rows, const LatestStatus* latest) {
   for (const auto& row : rows) {
     std::printf("%s%s: %s\n", name_of(row).c_str(), row.latest ? " (latest)" : "",
                 row.status.ok() ? "ok" : "FAILED");
-    if (!row.status.meta_problem.empty()) {
-      std::printf("  %-14s  %12s  %-16s  %s\n", "meta.json", "-", "-",
-                  row.status.meta_problem.c_str());
-    }
+    std::printf("%s", fmt::format("  {:<14}  {:>12}  {:<16}  {}\n", "meta.json", "-",
+                                  row.status.meta_checksum.empty() ? "-" : row.status.meta_checksum,
+                                  meta_verdict(row.status))
+                          .c_str());
     for (const auto& blob : row.status.blobs) {
       std::printf("%s", fmt::format("  {:<14}  {:>12}  {:<16}  {}\n", blob.file,
                                     fmt::format("{} B", blob.bytes), blob.checksum,
@@ -153,6 +177,11 @@ void print_verify_table(const std::vector<CheckpointRow>& rows) {
                             .c_str());
     }
   }
+  if (latest && !latest->ok()) std::printf("%s\n", latest_line(*latest).c_str());
+}
+
+json latest_json(const LatestStatus& latest) {
+  return latest.name.empty() ? json(nullptr) : json(latest.name);
 }
 
 // The run directory RUN_DIR names: one that 'dptrain launch' made (run.json), or a node's copy of
@@ -180,14 +209,16 @@ std::vector<CheckpointRow> inspect_all(const std::vector<fs::path>& dirs, const 
 
 int run_list(const CkptOptions& o) {
   const CheckedRun run = open_run(o.run_dir);
-  const fs::path latest = latest_or_none(run.checkpoints());
-  const auto rows = inspect_all(list_checkpoints(run.checkpoints(), SetAside::include), latest);
+  const LatestStatus latest = check_latest(run.checkpoints());
+  const auto rows =
+      inspect_all(list_checkpoints(run.checkpoints(), SetAside::include), followable(latest));
   if (!o.json) {
-    print_list_table(run.path, rows);
+    print_list_table(run.path, rows, latest);
     return 0;
   }
   json out = {{"run_dir", run.path.string()},
-              {"latest", latest.empty() ? json(nullptr) : json(latest.filename().string())},
+              {"latest", latest_json(latest)},
+              {"latest_problem", or_null(latest.problem)},
               {"checkpoints", json::array()}};
   for (const auto& row : rows)
     out["checkpoints"].push_back(row_json(row));
@@ -238,22 +269,36 @@ std::vector<fs::path> checkpoints_to_verify(const CheckedRun& run, const CkptOpt
 
 int run_verify(const CkptOptions& o) {
   const CheckedRun run = open_run(o.run_dir);
-  const fs::path latest = latest_or_none(run.checkpoints());
-  const auto rows = inspect_all(checkpoints_to_verify(run, o, latest), latest);
+  const LatestStatus latest = check_latest(run.checkpoints());
+  const auto rows =
+      inspect_all(checkpoints_to_verify(run, o, followable(latest)), followable(latest));
+  // `latest` is part of what is verified unless a STEP names the checkpoint to check.
+  const bool check_latest_too = o.step.empty();
+  const bool latest_ok = !check_latest_too || latest.ok();
   const bool all_ok =
+      latest_ok &&
       std::all_of(rows.begin(), rows.end(), [](const CheckpointRow& r) { return r.status.ok(); });
   if (o.json) {
-    json out = {{"run_dir", run.path.string()}, {"ok", all_ok}, {"checkpoints", json::array()}};
+    json out = {{"run_dir", run.path.string()}, {"ok", all_ok}};
+    if (check_latest_too) {
+      out["latest"] = latest_json(latest);
+      out["latest_problem"] = or_null(latest.problem);
+    }
+    out["checkpoints"] = json::array();
     for (const auto& row : rows)
       out["checkpoints"].push_back(row_json(row));
     std::printf("%s\n", out.dump().c_str());
   } else {
-    print_verify_table(rows);
+    print_verify_table(rows, check_latest_too ? &latest : nullptr);
   }
   std::fflush(stdout);
   for (const auto& row : rows) {
     for (const auto& problem : row.status.problems())
       std::fprintf(stderr, "dptrain: error: %s/%s\n", row.status.dir.c_str(), problem.c_str());
+  }
+  if (!latest_ok) {
+    std::fprintf(stderr, "dptrain: error: %s: %s\n", (run.checkpoints() / "latest").c_str(),
+                 latest.problem.c_str());
   }
   return all_ok ? 0 : exit_code(ErrorKind::checkpoint);
 }

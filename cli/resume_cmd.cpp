@@ -36,18 +36,23 @@ struct ResumeOptions {
 };
 
 // Checkpoints newer than the chosen one failed verification. They are renamed, not deleted (they
-// may still hold something worth recovering by hand), so the resumed run cannot trip over them.
+// may still hold something worth recovering by hand), so the resumed run cannot trip over them;
+// `latest` then names the chosen one.
 void set_aside_newer(const fs::path& checkpoints, const fs::path& chosen, StatusPrinter& status) {
+  bool moved = false;
   for (const auto& dir : list_checkpoints(checkpoints)) {
     if (dir == chosen) break;
     fs::path aside = dir;
     aside += ".corrupt";
     std::error_code ec;
     fs::rename(dir, aside, ec);
-    if (!ec)
+    if (!ec) {
+      moved = true;
       status.line(fmt::format("warning: set aside {} as {}", dir.filename().string(),
                               aside.filename().string()));
+    }
   }
+  if (moved) point_latest_at(checkpoints, chosen);
 }
 
 int run_resume(const ResumeOptions& o) {

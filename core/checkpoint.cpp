@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <string_view>
 #include <system_error>
@@ -27,6 +28,7 @@ namespace {
 constexpr int kFormatVersion = 1;
 constexpr const char* kMetaFile = "meta.json";
 constexpr const char* kLatestFile = "latest";
+constexpr const char* kMetaChecksumKey = "meta_checksum";
 
 [[noreturn]] void fail(const fs::path& where, const std::string& what) {
   throw Error(ErrorKind::checkpoint, fmt::format("{}: {}", where.string(), what));
@@ -51,57 +53,209 @@ struct Meta {
   std::vector<BlobStatus> blobs;
 };
 
-// meta.json parsed, or nothing with `problem` saying why it cannot be used.
-std::optional<Meta> read_meta(const fs::path& dir, std::string& problem) {
+// What is wrong with meta.json's content, thrown while its fields are read; the message is for
+// the user ("missing field 'step'"), never the JSON library's own text.
+struct MetaProblem {
+  std::string what;
+};
+
+[[noreturn]] void meta_problem(std::string what) {
+  throw MetaProblem{std::move(what)};
+}
+
+// Untrusted text for a message: quoted as JSON (control characters escaped), cut to `max` bytes.
+std::string as_quoted(std::string_view text, size_t max = 200) {
+  std::string out =
+      json(std::string(text.substr(0, max))).dump(-1, ' ', false, json::error_handler_t::replace);
+  if (text.size() > max) out += "...";
+  return out;
+}
+
+const json& member(const json& object, const std::string& prefix, const char* key) {
+  const auto it = object.find(key);
+  if (it == object.end()) meta_problem(fmt::format("missing field '{}{}'", prefix, key));
+  return *it;
+}
+
+const json& object_field(const json& object, const std::string& prefix, const char* key) {
+  const json& value = member(object, prefix, key);
+  if (!value.is_object()) meta_problem(fmt::format("field '{}{}' is not an object", prefix, key));
+  return value;
+}
+
+std::string string_field(const json& object, const std::string& prefix, const char* key) {
+  const json& value = member(object, prefix, key);
+  if (!value.is_string()) meta_problem(fmt::format("field '{}{}' is not a string", prefix, key));
+  return value.get<std::string>();
+}
+
+// A non-negative integer field; `fallback` when it is absent (fields older checkpoints lack).
+int64_t int_field(const json& object, const char* key, std::optional<int64_t> fallback = {}) {
+  if (fallback && !object.contains(key)) return *fallback;
+  const json& value = member(object, "", key);
+  if (!value.is_number_integer()) meta_problem(fmt::format("field '{}' is not an integer", key));
+  if (value.is_number_unsigned() &&
+      value.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+    meta_problem(fmt::format("field '{}' is out of range", key));
+  }
+  const auto number = value.get<int64_t>();
+  if (number < 0) meta_problem(fmt::format("field '{}' is negative ({})", key, number));
+  return number;
+}
+
+// Why `file` may not be a blob's file entry: a checkpoint only ever names plain files inside its
+// own directory, so an edited entry can never make a reader open something elsewhere.
+std::string unsafe_file_reason(const std::string& file) {
+  if (file.empty()) return "it is empty";
+  if (file.front() == '/') return "it is an absolute path";
+  if (file.find('/') != std::string::npos) return "it contains '/'";
+  if (file.find("..") != std::string::npos) return "it contains '..'";
+  if (file == ".") return "it names the checkpoint directory itself";
+  if (file.find('\0') != std::string::npos) return "it contains a NUL character";
+  return {};
+}
+
+Meta parse_meta(const json& meta) {
+  if (!meta.is_object()) meta_problem("not a JSON object");
+  const json& format = member(meta, "", "format");
+  if (!format.is_number_integer() || format.get<int64_t>() != kFormatVersion) {
+    meta_problem(fmt::format(
+        "unsupported format {} (this dptrain reads format {})",
+        format.dump(-1, ' ', false, json::error_handler_t::replace).substr(0, 40), kFormatVersion));
+  }
+  Meta out;
+  auto& p = out.position;
+  p.step = int_field(meta, "step");
+  p.epoch = int_field(meta, "epoch");
+  p.samples_in_epoch = int_field(meta, "samples_in_epoch");
+  p.world_size = int_field(meta, "world_size");
+  p.global_batch = int_field(meta, "global_batch");
+  p.optimizer_steps = int_field(meta, "optimizer_steps");
+  p.recipe_hash = string_field(meta, "", "recipe_hash");
+  p.rng_state = string_field(meta, "", "rng_state");
+  // Both absent before mixed precision existed.
+  if (meta.contains("loss_scale")) {
+    if (!meta["loss_scale"].is_number()) meta_problem("field 'loss_scale' is not a number");
+    p.loss_scale = meta["loss_scale"].get<double>();
+  }
+  p.loss_scale_clean_steps = int_field(meta, "loss_scale_clean_steps", 0);
+  const json& blobs = object_field(meta, "", "blobs");
+  for (size_t i = 0; i < kBlobNames.size(); ++i) {
+    const char* name = kBlobNames[i];
+    if (i >= kFirstOptionalBlob && !blobs.contains(name)) continue;
+    const std::string prefix = fmt::format("blobs.{}.", name);
+    const json& entry = object_field(blobs, "blobs.", name);
+    BlobStatus blob;
+    blob.name = name;
+    blob.file = string_field(entry, prefix, "file");
+    if (const std::string why = unsafe_file_reason(blob.file); !why.empty()) {
+      meta_problem(fmt::format(
+          "field '{}file' is {}: refused, {}; a checkpoint may only name plain files inside its "
+          "own directory",
+          prefix, as_quoted(blob.file), why));
+    }
+    const json& bytes = member(entry, prefix, "bytes");
+    if (!bytes.is_number_unsigned()) {
+      meta_problem(fmt::format("field '{}bytes' is not a non-negative integer", prefix));
+    }
+    blob.bytes = bytes.get<uint64_t>();
+    blob.checksum = string_field(entry, prefix, "checksum");
+    out.blobs.push_back(std::move(blob));
+  }
+  return out;
+}
+
+// The checksum of meta.json's content without its own checksum field, over a canonical text
+// (compact, keys sorted: nlohmann::json keeps objects sorted), so layout does not matter.
+std::string content_checksum(json meta) {
+  meta.erase(kMetaChecksumKey);
+  const std::string canonical = meta.dump();
+  return checksum_hex(checksum64(canonical.data(), canonical.size()));
+}
+
+bool is_checksum_text(const json& value) {
+  if (!value.is_string()) return false;
+  const auto& text = value.get_ref<const std::string&>();
+  return text.size() == 16 && std::all_of(text.begin(), text.end(), [](char c) {
+           return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
+         });
+}
+
+// Why `path` is not a regular file that may be read (missing, a symbolic link, a device...);
+// empty when it is one.
+std::string not_a_plain_file(const fs::path& path) {
+  std::error_code ec;
+  const fs::file_status st = fs::symlink_status(path, ec);
+  if (ec || st.type() == fs::file_type::not_found) return "missing or unreadable";
+  if (st.type() == fs::file_type::symlink) {
+    return "a symbolic link: refused, a checkpoint's files must be regular files";
+  }
+  if (st.type() != fs::file_type::regular) return "not a regular file";
+  return {};
+}
+
+// meta.json checked: parsed (`meta`, none when unusable), its own checksum compared and its step
+// compared with the directory's name. `problem` says why it is unusable or cannot be trusted.
+struct MetaCheck {
+  std::optional<Meta> meta;
+  std::string problem;
+  std::string checksum;         // recorded; empty when there is none (older checkpoints)
+  std::string actual_checksum;  // of the content read; empty when unusable
+};
+
+MetaCheck check_meta(const fs::path& dir) {
+  MetaCheck out;
+  const fs::path file = dir / kMetaFile;
+  if (out.problem = not_a_plain_file(file); !out.problem.empty()) return out;
   json meta;
   try {
-    meta = json::parse(read_file(dir / kMetaFile));
+    meta = json::parse(read_file(file));
   } catch (const Error&) {
-    problem = "missing or unreadable";
-    return std::nullopt;
+    out.problem = "missing or unreadable";
+    return out;
   } catch (const json::exception&) {
-    problem = "not valid JSON (truncated?)";
-    return std::nullopt;
+    out.problem = "not valid JSON (truncated?)";
+    return out;
   }
   try {
-    if (meta.at("format").get<int>() != kFormatVersion) {
-      problem = fmt::format("unsupported format {}", meta.at("format").dump());
-      return std::nullopt;
+    Meta parsed = parse_meta(meta);
+    if (meta.contains(kMetaChecksumKey)) {
+      if (!is_checksum_text(meta[kMetaChecksumKey])) {
+        meta_problem(fmt::format("field '{}' is not a checksum (16 hex digits)", kMetaChecksumKey));
+      }
+      out.checksum = meta[kMetaChecksumKey].get<std::string>();
     }
-    Meta out;
-    auto& p = out.position;
-    p.step = meta.at("step").get<int64_t>();
-    p.epoch = meta.at("epoch").get<int64_t>();
-    p.samples_in_epoch = meta.at("samples_in_epoch").get<int64_t>();
-    p.world_size = meta.at("world_size").get<int64_t>();
-    p.global_batch = meta.at("global_batch").get<int64_t>();
-    p.optimizer_steps = meta.at("optimizer_steps").get<int64_t>();
-    p.recipe_hash = meta.at("recipe_hash").get<std::string>();
-    p.rng_state = meta.at("rng_state").get<std::string>();
-    p.loss_scale = meta.value("loss_scale", 1.0);  // absent before mixed precision existed
-    p.loss_scale_clean_steps = meta.value("loss_scale_clean_steps", int64_t{0});
-    for (size_t i = 0; i < kBlobNames.size(); ++i) {
-      const char* name = kBlobNames[i];
-      if (i >= kFirstOptionalBlob && !meta.at("blobs").contains(name)) continue;
-      const json& entry = meta.at("blobs").at(name);
-      BlobStatus blob;
-      blob.name = name;
-      blob.file = entry.at("file").get<std::string>();
-      blob.bytes = entry.at("bytes").get<uint64_t>();
-      blob.checksum = entry.at("checksum").get<std::string>();
-      out.blobs.push_back(std::move(blob));
+    out.actual_checksum = content_checksum(meta);
+    std::vector<std::string> problems;
+    if (!out.checksum.empty() && out.checksum != out.actual_checksum) {
+      problems.push_back(fmt::format(
+          "checksum mismatch (edited or corrupted): {} computed from its content, {} recorded",
+          out.actual_checksum, out.checksum));
     }
-    return out;
-  } catch (const json::exception& e) {
-    problem = fmt::format("malformed: {}", e.what());
-    return std::nullopt;
+    if (const int64_t named = checkpoint_step(dir); named >= 0 && named != parsed.position.step) {
+      problems.push_back(fmt::format("step {} does not match the directory's name {}",
+                                     parsed.position.step, dir.filename().string()));
+    }
+    out.problem = fmt::format("{}", fmt::join(problems, "; "));
+    out.meta = std::move(parsed);
+  } catch (const MetaProblem& p) {
+    out.problem = p.what;
+    out.checksum.clear();
+    out.actual_checksum.clear();
+  } catch (const json::exception&) {
+    // Every field is checked before it is used; this only keeps library text out of messages.
+    out.problem = "malformed";
+    out.checksum.clear();
+    out.actual_checksum.clear();
   }
+  return out;
 }
 
 // Reads one blob and checks it against its record, filling in what is on disk and any problem.
 // Returns the bytes read.
 std::string check_blob(const fs::path& dir, BlobStatus& blob) {
   std::string raw;
+  if (blob.problem = not_a_plain_file(dir / blob.file); !blob.problem.empty()) return raw;
   try {
     raw = read_file(dir / blob.file);
   } catch (const Error&) {
@@ -184,6 +338,7 @@ fs::path write_checkpoint(const fs::path& checkpoints_dir, const TrainingPositio
                  {"loss_scale", pos.loss_scale},
                  {"loss_scale_clean_steps", pos.loss_scale_clean_steps},
                  {"blobs", blobs}};
+    meta[kMetaChecksumKey] = content_checksum(meta);
     const std::string text = meta.dump(2) + "\n";
     write_file_synced(tmp_dir / kMetaFile, std::as_bytes(std::span(text.data(), text.size())));
     fsync_directory(tmp_dir);
@@ -196,6 +351,11 @@ fs::path write_checkpoint(const fs::path& checkpoints_dir, const TrainingPositio
     std::error_code ignored;
     fs::remove_all(tmp_dir, ignored);
     fail(final_dir, fmt::format("cannot write: {}", e.code().message()));
+  } catch (const json::exception&) {
+    std::error_code ignored;
+    fs::remove_all(tmp_dir, ignored);
+    fail(final_dir, fmt::format("cannot write {}: the recipe hash or RNG state is not valid UTF-8",
+                                kMetaFile));
   } catch (const Error& e) {
     std::error_code ignored;
     fs::remove_all(tmp_dir, ignored);
@@ -210,7 +370,7 @@ fs::path write_checkpoint(const fs::path& checkpoints_dir, const TrainingPositio
   }
   read_checkpoint(final_dir);  // verify what landed on disk before `latest` moves
   try {
-    write_file_atomic(checkpoints_dir / kLatestFile, final_dir.filename().string() + "\n");
+    point_latest_at(checkpoints_dir, final_dir);
   } catch (const Error& e) {
     fail(checkpoints_dir / kLatestFile, e.what());
   }
@@ -233,9 +393,9 @@ void remove_incomplete_checkpoints(const fs::path& checkpoints_dir) {
 }
 
 CheckpointData read_checkpoint(const fs::path& dir) {
-  std::string problem;
-  std::optional<Meta> meta = read_meta(dir, problem);
-  if (!meta) fail(dir / kMetaFile, problem);
+  MetaCheck checked = check_meta(dir);
+  if (!checked.problem.empty()) fail(dir / kMetaFile, checked.problem);
+  std::optional<Meta>& meta = checked.meta;
   std::array<std::vector<float>, kBlobNames.size()> blobs;
   for (BlobStatus& blob : meta->blobs) {
     const std::string raw = check_blob(dir, blob);
@@ -265,14 +425,32 @@ CheckpointStatus verify_checkpoint(const fs::path& dir) {
   status.dir = dir;
   status.step = checkpoint_step(dir);
   status.set_aside = is_set_aside(dir);
-  std::optional<Meta> meta = read_meta(dir, status.meta_problem);
+  MetaCheck checked = check_meta(dir);
+  status.meta_problem = std::move(checked.problem);
+  status.meta_checksum = std::move(checked.checksum);
+  status.meta_actual_checksum = std::move(checked.actual_checksum);
+  std::optional<Meta>& meta = checked.meta;
   if (!meta) return status;
-  status.step = meta->position.step;
+  // A meta.json that cannot be trusted does not get to say which step this is.
+  if (status.meta_problem.empty() || status.step < 0) status.step = meta->position.step;
   status.position = std::move(meta->position);
   status.blobs = std::move(meta->blobs);
   for (auto& blob : status.blobs)
     check_blob(dir, blob);
   return status;
+}
+
+std::string meta_json_checksum(const std::string& meta_text) {
+  json meta;
+  try {
+    meta = json::parse(meta_text);
+  } catch (const json::exception&) {
+    throw Error(ErrorKind::checkpoint, fmt::format("{}: not valid JSON", kMetaFile));
+  }
+  if (!meta.is_object()) {
+    throw Error(ErrorKind::checkpoint, fmt::format("{}: not a JSON object", kMetaFile));
+  }
+  return content_checksum(std::move(meta));
 }
 
 std::vector<fs::path> list_checkpoints(const fs::path& checkpoints_dir, SetAside set_aside) {
@@ -298,6 +476,10 @@ std::vector<fs::path> list_checkpoints(const fs::path& checkpoints_dir, SetAside
   return out;
 }
 
+void point_latest_at(const fs::path& checkpoints_dir, const fs::path& checkpoint) {
+  write_file_atomic(checkpoints_dir / kLatestFile, checkpoint.filename().string() + "\n");
+}
+
 fs::path latest_checkpoint(const fs::path& checkpoints_dir) {
   std::error_code ec;
   if (!fs::exists(checkpoints_dir / kLatestFile, ec)) return {};
@@ -307,6 +489,52 @@ fs::path latest_checkpoint(const fs::path& checkpoints_dir) {
   // Only a plain name inside checkpoints/: `latest` must never lead elsewhere.
   if (name.find('/') != std::string::npos || step_of(name) < 0) return {};
   return checkpoints_dir / name;
+}
+
+LatestStatus check_latest(const fs::path& checkpoints_dir) {
+  LatestStatus out;
+  const fs::path file = checkpoints_dir / kLatestFile;
+  std::error_code ec;
+  if (!fs::exists(fs::symlink_status(file, ec))) return out;
+  out.exists = true;
+  // Never followed elsewhere, nor echoed from elsewhere in a message.
+  if (out.problem = not_a_plain_file(file); !out.problem.empty()) return out;
+  std::string text;
+  try {
+    text = read_file(file);
+  } catch (const Error& e) {
+    // "cannot read: Permission denied", without the path the caller puts in front.
+    const std::string what = e.what();
+    const std::string prefix = file.string() + ": ";
+    out.problem = what.starts_with(prefix) ? what.substr(prefix.size()) : what;
+    return out;
+  }
+  while (!text.empty() && (text.back() == '\n' || text.back() == ' '))
+    text.pop_back();
+  if (text.empty()) {
+    out.problem = "is empty; it should name a checkpoint directory (step-NNNNNN)";
+    return out;
+  }
+  if (text.find('/') != std::string::npos || step_of(text) < 0) {
+    out.problem = fmt::format("holds {}, not the name of a checkpoint directory (step-NNNNNN)",
+                              as_quoted(text, 60));
+    return out;
+  }
+  out.name = text;
+  out.dir = checkpoints_dir / text;
+  if (fs::is_directory(out.dir, ec)) return out;
+  fs::path aside = out.dir;
+  aside += kSetAsideSuffix;
+  if (fs::is_directory(aside, ec)) {
+    out.problem = fmt::format(
+        "names {}, which does not exist: resume set it aside as {} (it failed verification)", text,
+        aside.filename().string());
+  } else if (fs::exists(fs::symlink_status(out.dir, ec))) {
+    out.problem = fmt::format("names {}, which is not a directory", text);
+  } else {
+    out.problem = fmt::format("names {}, which does not exist", text);
+  }
+  return out;
 }
 
 fs::path find_valid_checkpoint(const fs::path& checkpoints_dir,

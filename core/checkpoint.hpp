@@ -37,7 +37,7 @@ struct CheckpointData {
 // One blob of a checkpoint checked against what meta.json records for it.
 struct BlobStatus {
   std::string name;                      // its key in meta.json: "params", "optimizer", "comm"
-  std::string file;                      // "params.bin"
+  std::string file;                      // "params.bin": a plain name inside the checkpoint
   uint64_t bytes = 0;                    // recorded size
   std::string checksum;                  // recorded checksum
   std::optional<uint64_t> actual_bytes;  // on disk; none when missing or unreadable
@@ -52,16 +52,31 @@ struct CheckpointStatus {
   int64_t step = -1;                         // from meta.json, else from the directory's name
   bool set_aside = false;                    // a step-N.corrupt directory that resume set aside
   std::optional<TrainingPosition> position;  // none when meta.json is unusable
-  std::string meta_problem;                  // why meta.json is unusable (then no blobs are known)
+  // Why meta.json is unusable (then there is no position and no blobs are known: a blob `file`
+  // entry that is not a plain name inside the checkpoint is never followed) or cannot be trusted
+  // (its checksum does not match its content, or its step is not the directory's; the position
+  // and blobs are then what it records). Empty when it is fine.
+  std::string meta_problem;
+  std::string meta_checksum;         // what meta.json records of itself; empty when none (older)
+  std::string meta_actual_checksum;  // of its content as read; empty when unusable
   std::vector<BlobStatus> blobs;
   bool ok() const;
+  // Whether meta.json's own checksum was compared: false for checkpoints written before dptrain
+  // recorded one (their meta.json is then not checked, only parsed), or when it is unusable.
+  bool meta_checked() const { return !meta_checksum.empty() && !meta_actual_checksum.empty(); }
   // "params.bin: checksum mismatch ...", one per failed file; empty when ok().
   std::vector<std::string> problems() const;
 };
 
-// Checks meta.json and the size and checksum of every blob; never throws for a damaged
-// checkpoint (that is what it reports). read_checkpoint applies the same checks.
+// Checks meta.json (every field, each blob's `file` entry, its own checksum) and the size and
+// checksum of every blob; never throws for a damaged checkpoint (that is what it reports).
+// read_checkpoint applies the same checks.
 CheckpointStatus verify_checkpoint(const std::filesystem::path& dir);
+
+// The checksum meta.json records of itself in its "meta_checksum" field: checksum64 of the
+// compact JSON text (no whitespace, keys sorted) of its content without that field, so the
+// layout of the file does not matter. Error(checkpoint) when `meta_text` is not a JSON object.
+std::string meta_json_checksum(const std::string& meta_text);
 
 // "step-000100" for 100.
 std::string checkpoint_name(int64_t step);
@@ -97,6 +112,22 @@ std::vector<std::filesystem::path> list_checkpoints(const std::filesystem::path&
 // The checkpoint directory `latest` names (it may since have been removed); empty when there is
 // no `latest` or it does not name a step-N. Error(io) when it exists but cannot be read.
 std::filesystem::path latest_checkpoint(const std::filesystem::path& checkpoints_dir);
+// Points `latest` at `checkpoint` (a step-N directory in checkpoints_dir), atomically.
+void point_latest_at(const std::filesystem::path& checkpoints_dir,
+                     const std::filesystem::path& checkpoint);
+
+// `checkpoints/latest` checked: the checkpoint directory it names, or why it cannot be followed.
+struct LatestStatus {
+  bool exists = false;        // there is a `latest` file
+  std::string name;           // the step-N it holds; empty when none, unreadable or other text
+  std::filesystem::path dir;  // as latest_checkpoint returns it; empty when it names no step-N
+  // Why it cannot be followed: unreadable, a symbolic link, not a checkpoint name, or naming a
+  // directory that does not exist. Empty when it can (or there is no `latest`).
+  std::string problem;
+  bool ok() const { return problem.empty(); }
+};
+// Never throws; no `latest` at all is not a problem (a run before its first checkpoint).
+LatestStatus check_latest(const std::filesystem::path& checkpoints_dir);
 
 // The newest checkpoint that verifies, trying `latest` first, then every step-* newest first.
 // Each skipped one is reported through `warn`. Error(checkpoint) if none is valid.

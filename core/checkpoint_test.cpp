@@ -5,6 +5,9 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <functional>
+
+#include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
 #include "core/fs.hpp"
@@ -245,4 +248,289 @@ TEST_CASE("list_checkpoints with set-aside ones, checkpoint_step, latest_checkpo
   CHECK(latest_checkpoint(tmp.path()).empty());
   fs::remove(tmp.path() / "latest");
   CHECK(latest_checkpoint(tmp.path()).empty());
+}
+
+TEST_CASE("checkpoint: a blob's file entry never leads outside the checkpoint directory") {
+  TempDir tmp;
+  const auto p = values(64, 5.0f);
+  for (int64_t s : {10, 20})
+    write_checkpoint(tmp.path(), position(s), p, p, 5);
+  const fs::path dir = tmp.path() / "step-000020";
+  const std::string original = read_file(dir / "meta.json");
+  // Byte-for-byte copies of params.bin elsewhere: a reader that followed the entry would find
+  // nothing wrong with it.
+  fs::copy_file(dir / "params.bin", tmp.path() / "outside.bin");
+  fs::create_directory(dir / "sub");
+  fs::copy_file(dir / "params.bin", dir / "sub" / "params.bin");
+  fs::copy_file(dir / "params.bin", dir / "..params.bin");
+  struct Case {
+    std::string entry;
+    std::string why;
+  };
+  const std::vector<Case> cases = {
+      {"../outside.bin", "contains '/'"},
+      {"../../../../../../../../" + (tmp.path() / "outside.bin").string(), "contains '/'"},
+      {(tmp.path() / "outside.bin").string(), "is an absolute path"},
+      {"sub/params.bin", "contains '/'"},
+      {"..params.bin", "contains '..'"},
+      {"..", "contains '..'"},
+      {".", "names the checkpoint directory itself"},
+      {"", "is empty"},
+  };
+  for (const Case& c : cases) {
+    for (const test::Seal seal : {test::Seal::recompute, test::Seal::remove}) {
+      CAPTURE(c.entry);
+      CAPTURE(static_cast<int>(seal));
+      test::edit_meta(
+          dir, [&](nlohmann::json& m) { m["blobs"]["params"]["file"] = c.entry; }, seal);
+      const std::string named =
+          "meta.json: field 'blobs.params.file' is " + nlohmann::json(c.entry).dump();
+      try {
+        read_checkpoint(dir);
+        FAIL("a file entry outside the checkpoint was followed");
+      } catch (const Error& e) {
+        const std::string what = e.what();
+        CHECK(e.kind() == ErrorKind::checkpoint);
+        CHECK(what.find((dir / named).string()) == 0);  // the checkpoint and the entry
+        CHECK(what.find(c.why) != std::string::npos);
+        CHECK(what.find("refused") != std::string::npos);
+      }
+      const CheckpointStatus status = verify_checkpoint(dir);
+      CHECK_FALSE(status.ok());
+      CHECK_FALSE(status.position);
+      CHECK(status.blobs.empty());  // nothing it names is read
+      REQUIRE(status.problems().size() == 1);
+      CHECK(status.problems()[0].find(named) == 0);
+      // A resume treats it as it treats a corrupt one: the previous checkpoint is used.
+      std::vector<std::string> warnings;
+      CHECK(find_valid_checkpoint(tmp.path(), [&](const std::string& w) {
+              warnings.push_back(w);
+            }).filename() == "step-000010");
+      REQUIRE(warnings.size() == 1);
+      CHECK(warnings[0].find("skipping checkpoint step-000020") == 0);
+      CHECK(warnings[0].find("blobs.params.file") != std::string::npos);
+    }
+  }
+  // The entries of the other blobs are held to the same rule.
+  write_file_atomic(dir / "meta.json", original);
+  test::edit_meta(dir,
+                  [](nlohmann::json& m) { m["blobs"]["optimizer"]["file"] = "/etc/hostname"; });
+  CHECK_THROWS_WITH_AS(read_checkpoint(dir),
+                       doctest::Contains("field 'blobs.optimizer.file' is \"/etc/hostname\""),
+                       Error);
+
+  // A plain name that is a symbolic link to a good copy elsewhere is refused too.
+  write_file_atomic(dir / "meta.json", original);
+  CHECK(verify_checkpoint(dir).ok());
+  fs::remove(dir / "params.bin");
+  fs::create_symlink(tmp.path() / "outside.bin", dir / "params.bin");
+  CHECK_THROWS_WITH_AS(read_checkpoint(dir), doctest::Contains("params.bin: a symbolic link"),
+                       Error);
+  const CheckpointStatus linked = verify_checkpoint(dir);
+  REQUIRE(linked.problems().size() == 1);
+  CHECK(linked.problems()[0].find("params.bin: a symbolic link: refused") == 0);
+  CHECK_FALSE(linked.blobs[0].actual_bytes);  // not read
+}
+
+TEST_CASE("checkpoint: meta.json records a checksum of its own content") {
+  TempDir tmp;
+  const auto p = values(64, 5.0f);
+  for (int64_t s : {10, 20})
+    write_checkpoint(tmp.path(), position(s), p, p, 5);
+  const fs::path dir = tmp.path() / "step-000020";
+  const std::string original = read_file(dir / "meta.json");
+  const auto meta = nlohmann::json::parse(original);
+  REQUIRE(meta.contains("meta_checksum"));
+  CHECK(meta["meta_checksum"] == meta_json_checksum(original));
+  CHECK(meta["meta_checksum"].get<std::string>().size() == 16);
+  const CheckpointStatus fine = verify_checkpoint(dir);
+  CHECK(fine.ok());
+  CHECK(fine.meta_checked());
+  CHECK(fine.meta_checksum == meta["meta_checksum"]);
+  CHECK(fine.meta_actual_checksum == fine.meta_checksum);
+
+  // The layout of the file is not its content: compact, it still verifies.
+  write_file_atomic(dir / "meta.json", meta.dump());
+  CHECK(verify_checkpoint(dir).ok());
+  CHECK(meta_json_checksum(meta.dump()) == meta_json_checksum(original));
+
+  auto expect_mismatch = [&](const std::function<void(nlohmann::json&)>& edit) {
+    write_file_atomic(dir / "meta.json", original);
+    test::edit_meta(dir, edit, test::Seal::keep);
+    CHECK_THROWS_WITH_AS(read_checkpoint(dir),
+                         doctest::Contains("step-000020/meta.json: checksum mismatch"), Error);
+    const CheckpointStatus status = verify_checkpoint(dir);
+    CHECK_FALSE(status.ok());
+    CHECK(status.meta_checked());
+    CHECK(status.meta_actual_checksum != status.meta_checksum);
+    REQUIRE_FALSE(status.problems().empty());
+    CHECK(status.problems()[0].find("meta.json: checksum mismatch (edited or corrupted)") == 0);
+    CHECK(status.blobs.size() == 2);  // the blobs are still checked and shown
+    std::vector<std::string> warnings;
+    CHECK(find_valid_checkpoint(tmp.path(), [&](const std::string& w) {
+            warnings.push_back(w);
+          }).filename() == "step-000010");
+    CHECK(warnings.size() == 1);
+  };
+  SUBCASE("epoch") {
+    expect_mismatch([](nlohmann::json& m) { m["epoch"] = 3; });
+  }
+  SUBCASE("samples in the epoch") {
+    expect_mismatch([](nlohmann::json& m) { m["samples_in_epoch"] = 0; });
+  }
+  SUBCASE("rng state") {
+    expect_mismatch([](nlohmann::json& m) { m["rng_state"] = "sampler seed=1 epoch=3"; });
+  }
+  SUBCASE("a blob's recorded checksum") {
+    expect_mismatch(
+        [](nlohmann::json& m) { m["blobs"]["params"]["checksum"] = "0123456789abcdef"; });
+  }
+  SUBCASE("step: the directory's name says otherwise too") {
+    expect_mismatch([](nlohmann::json& m) { m["step"] = 30; });
+    CHECK(verify_checkpoint(dir).problems()[0].find(
+              "; step 30 does not match the directory's name step-000020") != std::string::npos);
+  }
+  SUBCASE("the recorded checksum itself") {
+    write_file_atomic(dir / "meta.json", original);
+    test::edit_meta(dir, [](nlohmann::json& m) { m["meta_checksum"] = "0000000000000000"; });
+    CHECK_FALSE(verify_checkpoint(dir).ok());
+    test::edit_meta(dir, [](nlohmann::json& m) { m["meta_checksum"] = "not a checksum"; });
+    CHECK(verify_checkpoint(dir).problems() ==
+          std::vector<std::string>{
+              "meta.json: field 'meta_checksum' is not a checksum (16 hex digits)"});
+  }
+  SUBCASE("older checkpoints record none: read, but not checked") {
+    write_file_atomic(dir / "meta.json", original);
+    test::edit_meta(
+        dir, [](nlohmann::json&) {}, test::Seal::remove);
+    const CheckpointStatus older = verify_checkpoint(dir);
+    CHECK(older.ok());
+    CHECK_FALSE(older.meta_checked());
+    CHECK(older.meta_checksum.empty());
+    CHECK(read_checkpoint(dir).position.epoch == 2);
+    // Its step is still held to the directory's name.
+    test::edit_meta(
+        dir, [](nlohmann::json& m) { m["step"] = 21; }, test::Seal::remove);
+    CHECK(verify_checkpoint(dir).problems() ==
+          std::vector<std::string>{
+              "meta.json: step 21 does not match the directory's name step-000020"});
+    CHECK_THROWS_AS(read_checkpoint(dir), Error);
+  }
+  SUBCASE("an edit that records a new checksum is what the checksum cannot catch") {
+    // It detects corruption and careless edits; it is not a signature.
+    write_file_atomic(dir / "meta.json", original);
+    test::edit_meta(
+        dir, [](nlohmann::json& m) { m["epoch"] = 3; }, test::Seal::recompute);
+    CHECK(verify_checkpoint(dir).ok());
+  }
+  CHECK_THROWS_AS(meta_json_checksum("[1, 2]"), Error);
+  CHECK_THROWS_AS(meta_json_checksum("{"), Error);
+}
+
+TEST_CASE("checkpoint: a malformed meta.json is named plainly, field by field") {
+  TempDir tmp;
+  const auto p = values(16, 1.0f);
+  const fs::path dir = write_checkpoint(tmp.path(), position(20), p, p, 5);
+  const std::string original = read_file(dir / "meta.json");
+  struct Case {
+    std::function<void(nlohmann::json&)> edit;
+    std::string problem;
+  };
+  const std::vector<Case> cases = {
+      {[](nlohmann::json& m) { m.erase("step"); }, "missing field 'step'"},
+      {[](nlohmann::json& m) { m.erase("rng_state"); }, "missing field 'rng_state'"},
+      {[](nlohmann::json& m) { m["epoch"] = "two"; }, "field 'epoch' is not an integer"},
+      {[](nlohmann::json& m) { m["epoch"] = 2.5; }, "field 'epoch' is not an integer"},
+      {[](nlohmann::json& m) { m["world_size"] = -2; }, "field 'world_size' is negative (-2)"},
+      {[](nlohmann::json& m) { m["recipe_hash"] = 7; }, "field 'recipe_hash' is not a string"},
+      {[](nlohmann::json& m) { m["loss_scale"] = "big"; }, "field 'loss_scale' is not a number"},
+      {[](nlohmann::json& m) { m["format"] = 2; },
+       "unsupported format 2 (this dptrain reads format 1)"},
+      {[](nlohmann::json& m) { m.erase("blobs"); }, "missing field 'blobs'"},
+      {[](nlohmann::json& m) { m["blobs"] = 1; }, "field 'blobs' is not an object"},
+      {[](nlohmann::json& m) { m["blobs"].erase("params"); }, "missing field 'blobs.params'"},
+      {[](nlohmann::json& m) { m["blobs"]["params"].erase("checksum"); },
+       "missing field 'blobs.params.checksum'"},
+      {[](nlohmann::json& m) { m["blobs"]["optimizer"]["bytes"] = -4; },
+       "field 'blobs.optimizer.bytes' is not a non-negative integer"},
+      {[](nlohmann::json& m) { m["blobs"]["params"]["file"] = nullptr; },
+       "field 'blobs.params.file' is not a string"},
+      {[](nlohmann::json& m) {
+         m = nlohmann::json::array({1, 2});
+       },
+       "not a JSON object"},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.problem);
+    write_file_atomic(dir / "meta.json", original);
+    test::edit_meta(dir, c.edit, test::Seal::remove);
+    try {
+      read_checkpoint(dir);
+      FAIL("a malformed meta.json was read");
+    } catch (const Error& e) {
+      CHECK(std::string(e.what()) == (dir / "meta.json").string() + ": " + c.problem);
+    }
+    const CheckpointStatus status = verify_checkpoint(dir);
+    CHECK(status.problems() == std::vector<std::string>{"meta.json: " + c.problem});
+    CHECK(status.step == 20);  // from the name
+  }
+  // Fields older checkpoints lack still default.
+  write_file_atomic(dir / "meta.json", original);
+  test::edit_meta(
+      dir,
+      [](nlohmann::json& m) {
+        m.erase("loss_scale");
+        m.erase("loss_scale_clean_steps");
+      },
+      test::Seal::remove);
+  CHECK(read_checkpoint(dir).position.loss_scale == 1.0);
+  CHECK(read_checkpoint(dir).position.loss_scale_clean_steps == 0);
+}
+
+TEST_CASE("check_latest: missing, following, dangling, set aside, garbage") {
+  TempDir tmp;
+  const auto p = values(4, 0.0f);
+  CHECK_FALSE(check_latest(tmp.path()).exists);
+  CHECK(check_latest(tmp.path()).ok());
+  for (int64_t s : {10, 20})
+    write_checkpoint(tmp.path(), position(s), p, p, 5);
+  LatestStatus latest = check_latest(tmp.path());
+  CHECK(latest.exists);
+  CHECK(latest.ok());
+  CHECK(latest.name == "step-000020");
+  CHECK(latest.dir == tmp.path() / "step-000020");
+
+  write_file_atomic(tmp.path() / "latest", "step-000099\n");
+  latest = check_latest(tmp.path());
+  CHECK(latest.problem == "names step-000099, which does not exist");
+  CHECK(latest.name == "step-000099");
+
+  fs::rename(tmp.path() / "step-000020", tmp.path() / "step-000020.corrupt");
+  write_file_atomic(tmp.path() / "latest", "step-000020\n");
+  CHECK(check_latest(tmp.path()).problem ==
+        "names step-000020, which does not exist: resume set it aside as step-000020.corrupt "
+        "(it failed verification)");
+
+  write_file_atomic(tmp.path() / "latest", "../../etc\n");
+  latest = check_latest(tmp.path());
+  CHECK(latest.problem ==
+        "holds \"../../etc\", not the name of a checkpoint directory (step-NNNNNN)");
+  CHECK(latest.name.empty());
+  CHECK(latest.dir.empty());
+
+  write_file_atomic(tmp.path() / "latest", "\n");
+  CHECK(check_latest(tmp.path()).problem.find("is empty") == 0);
+
+  // A link to a file elsewhere is neither followed nor quoted.
+  std::ofstream(tmp.path() / "elsewhere") << "secret";
+  fs::remove(tmp.path() / "latest");
+  fs::create_symlink(tmp.path() / "elsewhere", tmp.path() / "latest");
+  latest = check_latest(tmp.path());
+  CHECK(latest.problem.find("a symbolic link: refused") == 0);
+  CHECK(latest.problem.find("secret") == std::string::npos);
+  fs::remove(tmp.path() / "latest");
+
+  std::ofstream(tmp.path() / "step-000030") << "a file, not a checkpoint";
+  write_file_atomic(tmp.path() / "latest", "step-000030\n");
+  CHECK(check_latest(tmp.path()).problem == "names step-000030, which is not a directory");
 }

@@ -243,3 +243,172 @@ TEST_CASE("ckpt: a missing step or a directory that is not a run is a usage erro
   CHECK(none.exit_code == 5);
   CHECK(contains(none.err, "no checkpoints to verify"));
 }
+
+TEST_CASE("ckpt verify refuses a blob file entry outside the checkpoint; resume falls back") {
+  TempDir tmp;
+  const fs::path run = make_run(tmp);
+  const fs::path ck = run / "checkpoints";
+  // A byte-for-byte copy outside the checkpoint: a reader that followed the entry would find
+  // nothing wrong, so only refusing the entry itself fails it.
+  fs::copy_file(ck / "step-000060/params.bin", run / "copy.bin");
+  edit_meta(
+      ck / "step-000060",
+      [](nlohmann::json& m) { m["blobs"]["params"]["file"] = "../../copy.bin"; }, Seal::recompute);
+
+  auto verify = run_dptrain({"ckpt", "verify", run.string()});
+  INFO(verify.out, verify.err);
+  CHECK(verify.exit_code == 5);
+  CHECK(contains(verify.out, "step-000060 (latest): FAILED"));
+  auto errors = error_lines(verify.err);
+  REQUIRE(errors.size() == 1);
+  CHECK(contains(errors[0],
+                 "step-000060/meta.json: field 'blobs.params.file' is "
+                 "\"../../copy.bin\": refused"));
+  CHECK_FALSE(contains(verify.err, "json.exception"));
+
+  // An absolute entry, as in a checkpoint older than meta.json's own checksum.
+  edit_meta(
+      ck / "step-000040",
+      [&](nlohmann::json& m) { m["blobs"]["params"]["file"] = (run / "copy.bin").string(); },
+      Seal::remove);
+  auto absolute = run_dptrain({"ckpt", "verify", run.string(), "40", "--json"});
+  INFO(absolute.out, absolute.err);
+  CHECK(absolute.exit_code == 5);
+  CHECK(contains(absolute.err, "step-000040/meta.json: field 'blobs.params.file'"));
+  CHECK(contains(absolute.err, "is an absolute path"));
+  const auto out = parse_json(absolute.out);
+  CHECK(out["ok"] == false);
+  CHECK(out["checkpoints"][0]["blobs"].empty());  // nothing it names was read
+  CHECK(out["checkpoints"][0]["meta"]["ok"] == false);
+
+  auto table = run_dptrain({"ckpt", "list", run.string()});
+  INFO(table.out);
+  CHECK(table.exit_code == 0);
+  CHECK(contains(table_row(table.out, "step-000060"), "FAILED: meta.json: field 'blobs.params"));
+  CHECK(contains(table_row(table.out, "step-000020"), " ok"));
+
+  // A resume skips both as it skips corrupt ones, sets them aside and continues from 20.
+  auto info = parse_json(read_text(run / "run.json"));
+  info["status"] = "failed";
+  write_text(run / "run.json", info.dump());
+  auto resumed = run_dptrain({"resume", run.string()});
+  INFO(resumed.out, resumed.err);
+  REQUIRE(resumed.exit_code == 0);
+  CHECK(contains(resumed.out, "skipping checkpoint step-000060"));
+  CHECK(contains(resumed.out, "skipping checkpoint step-000040"));
+  CHECK(contains(resumed.out, "blobs.params.file"));
+  CHECK(contains(resumed.out, "from step-000020"));
+  CHECK(fs::exists(ck / "step-000060.corrupt"));
+  CHECK(run_dptrain({"ckpt", "verify", run.string(), "--all"}).exit_code == 0);
+}
+
+TEST_CASE("ckpt verify detects an edited meta.json; an older one without a checksum is unchecked") {
+  TempDir tmp;
+  const fs::path run = make_run(tmp);
+  const fs::path ck = run / "checkpoints";
+
+  auto healthy = run_dptrain({"ckpt", "verify", run.string(), "--all", "--json"});
+  REQUIRE(healthy.exit_code == 0);
+  for (const auto& c : parse_json(healthy.out)["checkpoints"]) {
+    CHECK(c["meta"]["checked"] == true);
+    CHECK(c["meta"]["ok"] == true);
+    CHECK(c["meta"]["checksum"] == c["meta"]["actual_checksum"]);
+  }
+
+  // A field edited by hand (here the epoch, which is where the sampler resumes).
+  edit_meta(ck / "step-000060", [](nlohmann::json& m) { m["epoch"] = m["epoch"].get<int>() + 1; });
+  auto edited = run_dptrain({"ckpt", "verify", run.string()});
+  INFO(edited.out, edited.err);
+  CHECK(edited.exit_code == 5);
+  CHECK(contains(edited.out, "step-000060 (latest): FAILED"));
+  auto errors = error_lines(edited.err);
+  REQUIRE(errors.size() == 1);
+  CHECK(contains(errors[0], "step-000060/meta.json: checksum mismatch (edited or corrupted)"));
+
+  // One written before meta.json recorded a checksum of itself still verifies, and says so.
+  edit_meta(
+      ck / "step-000040", [](nlohmann::json&) {}, Seal::remove);
+  auto older = run_dptrain({"ckpt", "verify", run.string(), "40"});
+  INFO(older.out, older.err);
+  CHECK(older.exit_code == 0);
+  CHECK(contains(older.out, "step-000040: ok"));
+  CHECK(contains(older.out, "not checked: it records no checksum of itself"));
+  CHECK(older.err.empty());
+  auto older_json = parse_json(run_dptrain({"ckpt", "verify", run.string(), "40", "--json"}).out);
+  CHECK(older_json["ok"] == true);
+  CHECK(older_json["checkpoints"][0]["meta"]["checked"] == false);
+  CHECK(older_json["checkpoints"][0]["meta"]["checksum"].is_null());
+  CHECK(contains(table_row(run_dptrain({"ckpt", "list", run.string()}).out, "step-000040"),
+                 "ok (meta.json not checked)"));
+
+  // Its step is still held to the directory's name; a missing field is named plainly.
+  edit_meta(
+      ck / "step-000040", [](nlohmann::json& m) { m["step"] = 45; }, Seal::remove);
+  auto step = run_dptrain({"ckpt", "verify", run.string(), "40"});
+  CHECK(step.exit_code == 5);
+  CHECK(contains(step.err, "step-000040/meta.json: step 45 does not match the directory's name"));
+  edit_meta(
+      ck / "step-000020", [](nlohmann::json& m) { m.erase("step"); }, Seal::remove);
+  auto missing = run_dptrain({"ckpt", "verify", run.string(), "20"});
+  INFO(missing.err);
+  CHECK(missing.exit_code == 5);
+  errors = error_lines(missing.err);
+  REQUIRE(errors.size() == 1);
+  CHECK(errors[0].ends_with("step-000020/meta.json: missing field 'step'"));
+  CHECK_FALSE(contains(missing.err, "json.exception"));
+}
+
+TEST_CASE("ckpt list and verify report a dangling `latest`") {
+  TempDir tmp;
+  const fs::path run = make_run(tmp);
+  const fs::path ck = run / "checkpoints";
+  write_text(ck / "latest", "step-000099\n");
+
+  auto verify = run_dptrain({"ckpt", "verify", run.string()});
+  INFO(verify.out, verify.err);
+  CHECK(verify.exit_code == 5);
+  CHECK(contains(verify.out, "step-000060: ok"));  // the newest is still verified
+  CHECK(
+      contains(verify.out, "checkpoints/latest: FAILED: names step-000099, which does not exist"));
+  auto errors = error_lines(verify.err);
+  REQUIRE(errors.size() == 1);
+  CHECK(contains(errors[0], "checkpoints/latest: names step-000099, which does not exist"));
+
+  CHECK(run_dptrain({"ckpt", "verify", run.string(), "--all"}).exit_code == 5);
+  CHECK(run_dptrain({"ckpt", "verify", run.string(), "40"}).exit_code == 0);  // named: not latest
+  const auto verify_json = parse_json(run_dptrain({"ckpt", "verify", run.string(), "--json"}).out);
+  CHECK(verify_json["ok"] == false);
+  CHECK(verify_json["latest"] == "step-000099");
+  CHECK(contains(verify_json["latest_problem"].get<std::string>(), "does not exist"));
+
+  auto table = run_dptrain({"ckpt", "list", run.string()});
+  INFO(table.out);
+  CHECK(table.exit_code == 0);
+  CHECK(contains(table_row(table.out, "step-000020"), " ok"));  // the rest is still listed
+  CHECK(contains(table.out, "checkpoints/latest: FAILED: names step-000099, which does not exist"));
+  auto list = list_json(run);
+  CHECK(list["checkpoints"].size() == 3);
+  CHECK(list["latest"] == "step-000099");
+  CHECK(contains(list["latest_problem"].get<std::string>(), "does not exist"));
+  for (const auto& c : list["checkpoints"])
+    CHECK(c["latest"] == false);
+
+  // What a resume leaves when it set the checkpoint `latest` names aside.
+  fs::rename(ck / "step-000060", ck / "step-000060.corrupt");
+  write_text(ck / "latest", "step-000060\n");
+  auto aside = run_dptrain({"ckpt", "verify", run.string()});
+  CHECK(aside.exit_code == 5);
+  CHECK(contains(aside.err, "set it aside as step-000060.corrupt"));
+
+  write_text(ck / "latest", "../../etc\n");
+  auto garbage = run_dptrain({"ckpt", "verify", run.string(), "--all"});
+  CHECK(garbage.exit_code == 5);
+  CHECK(contains(garbage.err, "not the name of a checkpoint directory"));
+
+  // A healthy `latest` is no problem at all.
+  write_text(ck / "latest", "step-000040\n");
+  auto fine = run_dptrain({"ckpt", "verify", run.string(), "--json"});
+  CHECK(fine.exit_code == 0);
+  CHECK(parse_json(fine.out)["latest_problem"].is_null());
+  CHECK(list_json(run)["latest_problem"].is_null());
+}
