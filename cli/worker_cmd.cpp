@@ -199,13 +199,17 @@ int run_worker(WorkerOptions o) {
     }
   };
   topts.progress = &progress;
-  topts.stop_requested = [rank = o.rank, announced = false]() mutable {
+  topts.stop_requested = [rank = o.rank, &store, announced = false]() mutable {
     if (!g_stop_requested.load()) return false;
     if (!announced) {
       std::printf("received SIGTERM: rank %d checkpoints at the end of this step and stops\n",
                   rank);
       std::fflush(stdout);
       announced = true;
+      try {
+        store.set(sigterm_key(rank), "1");  // for the launcher's account of the stop
+      } catch (const std::exception&) {
+      }
     }
     return true;
   };

@@ -43,6 +43,10 @@ std::string heartbeat_key(int rank) {
   return fmt::format("heartbeat/{}", rank);
 }
 
+std::string sigterm_key(int rank) {
+  return fmt::format("sigterm/{}", rank);
+}
+
 HeartbeatSender::HeartbeatSender(Store& store, int rank, const ProgressTracker& tracker,
                                  std::chrono::milliseconds interval)
     : store_(store), rank_(rank), tracker_(tracker), interval_(interval) {

@@ -51,6 +51,9 @@ class ProgressTracker {
 };
 
 std::string heartbeat_key(int rank);  // "heartbeat/<rank>", under the generation's prefix
+// Set by a rank that received SIGTERM itself (a node being preempted), so the launcher can name
+// it: every rank then stops, and the first to exit is not necessarily the one signalled.
+std::string sigterm_key(int rank);  // "sigterm/<rank>", under the generation's prefix
 
 // Sends the tracker's snapshot to the store every `interval`, and within kStepPoll of a step
 // change, until destroyed; a last one as it is destroyed (a rank that fails unwinds through it,

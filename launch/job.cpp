@@ -172,24 +172,31 @@ std::optional<std::string> newest_valid_checkpoint(const RunDirectory& run) {
   }
 }
 
-// The furthest step any rank's heartbeat reached in this generation (the step a failure came
-// at: the ranks that wait for a dead one stay at its step), or -1 when no rank began a step.
-int64_t heartbeat_step(const std::string& addr, uint16_t port, const std::string& secret,
-                       int generation, int world) {
+// What the ranks left in the generation's store: the furthest step any rank's heartbeat reached
+// (the step a failure came at: the ranks that wait for a dead one stay at its step; -1 when no
+// rank began a step), and the ranks that received SIGTERM themselves.
+struct GenerationTrace {
   int64_t step = -1;
+  std::vector<int> sigterm_ranks;
+};
+
+GenerationTrace read_generation_trace(const std::string& addr, uint16_t port,
+                                      const std::string& secret, int generation, int world) {
+  GenerationTrace trace;
   try {
     TcpStoreClient client(addr, port, std::chrono::seconds(2), secret);
     PrefixStore store(fmt::format("gen{}", generation), client);
     for (int r = 0; r < world; ++r) {
+      if (store.check({sigterm_key(r)})) trace.sigterm_ranks.push_back(r);
       const std::string key = heartbeat_key(r);
       if (!store.check({key})) continue;
       const json beat = json::parse(store.get(key, std::chrono::seconds(2)), nullptr, false);
       if (beat.is_discarded() || beat.value("phase", "") == "starting") continue;
-      step = std::max(step, beat.value("step", int64_t{-1}));
+      trace.step = std::max(trace.step, beat.value("step", int64_t{-1}));
     }
   } catch (const std::exception&) {
   }
-  return step;
+  return trace;
 }
 
 }  // namespace
@@ -511,9 +518,10 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   out.last_step = last_step;
   out.start_step = std::max<int64_t>(start_step, 0);
   out.world_size = world;
+  GenerationTrace trace;
   if (trains && (sup.failure || !sup.watchdog.empty() || sup.stop_signal != 0)) {
-    out.failed_step =
-        std::max(last_step, heartbeat_step(addr, store.port(), secret, generation, world));
+    trace = read_generation_trace(addr, store.port(), secret, generation, world);
+    out.failed_step = std::max(last_step, trace.step);
   }
   // Whether every process took its own SIGTERM path (a checkpoint of its last step, exit 143);
   // one that finished the run first exited 0.
@@ -578,14 +586,28 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     out.status = "failed";
     out.error = sup.watchdog;
   } else if (sup.failure && sup.failure->exit_code == 143) {
-    // A rank got SIGTERM itself (a node being preempted): every rank checkpoints and stops.
+    // A rank got SIGTERM itself (a node being preempted): every rank checkpoints and stops. The
+    // first process to exit is any of them; the store says which got the signal.
+    std::string who;
+    for (int r : trace.sigterm_ranks) {
+      std::string host;
+      for (size_t i = 0; i < plan.hosts.size(); ++i) {
+        const auto& ranks = plan.agents[i].ranks;
+        if (std::find(ranks.begin(), ranks.end(), r) != ranks.end()) {
+          host = plan.hosts[i].display();
+        }
+      }
+      who += fmt::format("{}rank {}{}", who.empty() ? "" : ", ", r,
+                         multi_host && !host.empty() ? " on " + host : "");
+    }
+    if (who.empty()) who = sup.failure->label;
     out.exit_code = 143;
     out.status = "terminated";
     out.error =
         all_checkpointed()
-            ? fmt::format("{} was stopped by SIGTERM; {}", sup.failure->label, checkpointed_note())
-            : fmt::format("{} was stopped by SIGTERM, but not every rank checkpointed: {}{}",
-                          sup.failure->label, not_checkpointed(), checkpoint_note());
+            ? fmt::format("{} was stopped by SIGTERM; {}", who, checkpointed_note())
+            : fmt::format("{} was stopped by SIGTERM, but not every rank checkpointed: {}{}", who,
+                          not_checkpointed(), checkpoint_note());
   } else if (sup.failure) {
     const ProcessFailure& f = *sup.failure;
     out.exit_code = 3;
