@@ -2,9 +2,11 @@
 // The launcher side parses the flags, starts the ranks through run_job, and prints the table (or
 // JSON) from rank 0's result; each rank runs `dptrain bench comm --worker OPTIONS`, over Gloo on
 // host memory or over NCCL on its GPU's memory.
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <memory>
 #include <optional>
 
@@ -75,6 +77,40 @@ CommBenchOptions bench_options(const BenchCommOptions& o) {
   b.warmup = o.warmup;
   b.iters = o.iters;
   return b;
+}
+
+// MemAvailable of /proc/meminfo in bytes, or 0 when it cannot be read.
+uint64_t available_memory() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  uint64_t kib = 0;
+  std::string unit;
+  while (meminfo >> key >> kib >> unit) {
+    if (key == "MemAvailable:") return kib * 1024;
+  }
+  return 0;
+}
+
+// Local Gloo ranks hold the largest size in host memory: an input and an output buffer, the
+// output `ranks` times larger for an allgather. A size that cannot fit is refused up front, not
+// left to fail every rank with an allocation error.
+void check_local_memory(const CommBenchOptions& options, int ranks) {
+  const uint64_t available = available_memory();
+  if (available == 0) return;
+  const bool gathers = std::find(options.ops.begin(), options.ops.end(), Collective::allgather) !=
+                           options.ops.end() ||
+                       std::find(options.ops.begin(), options.ops.end(),
+                                 Collective::reduce_scatter) != options.ops.end();
+  const long double per_rank = static_cast<long double>(options.max_bytes) *
+                               (gathers ? 1.0L + static_cast<long double>(ranks) : 2.0L);
+  const long double needed = per_rank * static_cast<long double>(ranks);
+  if (needed > static_cast<long double>(available)) {
+    throw Error(ErrorKind::usage,
+                fmt::format("-e/--maxbytes: {} bytes would take about {:.1f} GiB on {} local "
+                            "rank(s); this machine has {:.1f} GiB available",
+                            options.max_bytes, static_cast<double>(needed / (1ULL << 30)), ranks,
+                            static_cast<double>(available) / (1ULL << 30)));
+  }
 }
 
 void check_backend(const std::string& backend) {
@@ -155,6 +191,7 @@ int run_bench_launcher(const BenchCommOptions& o) {
     spec.world_size = o.nproc;
   }
   options.validate(spec.world_size, o.backend);
+  if (o.hosts.hosts.empty() && o.backend == "gloo") check_local_memory(options, spec.world_size);
   if (o.backend == "nccl" && o.hosts.hosts.empty()) check_local_nccl(spec.world_size);
   spec.nominal_world = spec.world_size;
   spec.remote = o.remote.get(o.hosts);

@@ -101,7 +101,10 @@ int run_resume(const ResumeOptions& o) {
   }
   spec.remote = o.remote.get(o.hosts);
   if (!run.info().contains("recipe")) {
-    throw Error(ErrorKind::usage, fmt::format("{}: run.json has no recipe", o.run_dir));
+    throw Error(ErrorKind::usage,
+                fmt::format("{}: run.json has no recipe (a benchmark's run?): there is nothing "
+                            "to resume",
+                            o.run_dir));
   }
   spec.recipe = parse_recipe(run.info()["recipe"], (run.path() / "run.json").string(), run.path(),
                              RecipeOrigin::stored);

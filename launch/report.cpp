@@ -431,6 +431,8 @@ std::string hint(const RunView& run) {
   const std::string dir = run.dir.string();
   if (run.state.status == "stale" || run.state.status == "failed" ||
       run.state.status == "interrupted" || run.state.status == "terminated") {
+    // A benchmark's ranks train nothing: there is nothing to resume, only to run again.
+    if (!run.info.contains("recipe")) return "a benchmark's run: run the benchmark again";
     return fmt::format("continue it with 'dptrain resume {}'", dir);
   }
   return {};

@@ -293,6 +293,7 @@ TEST_CASE("bench comm: a bad flag exits 2 naming it and creates nothing") {
       {{"--hosts", "localhost:2", "--nproc", "2"}, "--nproc: not with --hosts"},
       {{"--iters", "x"}, "--iters"},
       {{"--bogus"}, "--bogus"},
+      {{"--nproc", "2", "-e", "1T"}, "-e/--maxbytes: 1099511627776 bytes would take about"},
   };
   for (const auto& [args, message] : cases) {
     CAPTURE(message);
