@@ -47,8 +47,13 @@ enum class Placement { first, after_failure, grow };
 // change of world size. Returns an error message when fewer than the minimum are left.
 std::string place_generation(RunDirectory& run, JobSpec& spec, StatusPrinter& status, Placement why,
                              const JobOutcome* failed = nullptr) {
-  if (spec.nodes.max == 0) return "";
-  const int before = why == Placement::first ? spec.nominal_world : spec.world_size;
+  // A fixed-size job changes size only when resumed on other ranks or hosts.
+  if (spec.nodes.max == 0 && why != Placement::first) return "";
+  // The first generation of this invocation: the size the run last ran at (a resume), or for a
+  // new run the nominal size.
+  const int before = why == Placement::first
+                         ? run.info().value("world_size", spec.nominal_world)
+                         : spec.world_size;
   const std::vector<HostSpec> hosts_before = spec.hosts;
   std::vector<std::string> absent;
   if (!spec.candidates.empty()) {

@@ -91,6 +91,12 @@ TEST_CASE("resume on another world size reshards and completes") {
   INFO(resumed.err);
   REQUIRE(resumed.exit_code == 0);
   CHECK(parse_json(resumed.out)["world_size"] == 1);
+  // The change of size is on record, as an elastic job's is.
+  const auto info = parse_json(read_text(run.run_dir / "run.json"));
+  REQUIRE(info["world_size_changes"].size() == 1);
+  CHECK(info["world_size_changes"][0]["from"] == 2);
+  CHECK(info["world_size_changes"][0]["to"] == 1);
+  CHECK(resumed.err.find("world size 2 -> 1") != std::string::npos);
 }
 
 TEST_CASE("a corrupt or truncated newest checkpoint is skipped; none valid exits 5") {
