@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "core/error.hpp"
+#include "launch/status.hpp"
 
 namespace dptrain::cli {
 
@@ -120,10 +121,7 @@ int report_outcome(const RunDirectory& run, const JobOutcome& outcome, bool json
     const auto& r = outcome.result;
     std::fprintf(summary, "run directory: %s\n", run.path().c_str());
     std::fprintf(summary, "%s\n",
-                 fmt::format("final loss {:.4f}  eval loss {:.4f}  eval accuracy {:.2f}%  "
-                             "{}  ({} steps, {} rank(s))",
-                             r.value("final_loss", 0.0), r.value("eval_loss", 0.0),
-                             100.0 * r.value("eval_accuracy", 0.0),
+                 fmt::format("{}  {}  ({} steps, {} rank(s))", format_losses(r),
                              r.contains("tokens_per_s")
                                  ? fmt::format("{:.0f} tokens/s", r.value("tokens_per_s", 0.0))
                                  : fmt::format("{:.0f} samples/s", r.value("samples_per_s", 0.0)),

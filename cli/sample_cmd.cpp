@@ -1,6 +1,8 @@
 // `dptrain sample RUN_DIR`: text from a gpt run's checkpoint, to see what the model learned.
+#include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <memory>
 #include <random>
 
@@ -38,9 +40,35 @@ struct SampleOptions {
   bool json = false;
 };
 
-// Draws an id from softmax(logits / temperature) restricted to the top_k largest (0: all);
-// temperature 0 takes the largest (the first on ties).
-int32_t draw(std::vector<float> logits, double temperature, int64_t top_k, std::mt19937_64& rng) {
+// A CLI11 check that the value is a whole number T holds, so that the conversion cannot wrap or
+// saturate one too large. Every option it checks counts from 0 (run_sample refuses a negative
+// one), hence the range it names.
+template <typename T>
+CLI::Validator whole_number(const char* description) {
+  return CLI::Validator(
+      [](std::string& value) -> std::string {
+        T parsed{};
+        const char* end = value.data() + value.size();
+        const auto [ptr, ec] = std::from_chars(value.data(), end, parsed);
+        if (value.empty() || ptr != end ||
+            (ec != std::errc() && ec != std::errc::result_out_of_range)) {
+          return "'" + value + "' is not a whole number";
+        }
+        if (ec == std::errc::result_out_of_range) {
+          return fmt::format("'{}' is out of range [0, {}]", value, std::numeric_limits<T>::max());
+        }
+        return {};
+      },
+      description);
+}
+
+// Draws an id from softmax(logits / temperature) restricted to the top_k largest (0: all) of the
+// first `vocab` logits: ids the model has but the tokenizer cannot decode (a model.vocab larger
+// than the dataset's vocabulary) are never drawn. Temperature 0 takes the largest (the first on
+// ties).
+int32_t draw(std::vector<float> logits, int64_t vocab, double temperature, int64_t top_k,
+             std::mt19937_64& rng) {
+  if (vocab < static_cast<int64_t>(logits.size())) logits.resize(static_cast<size_t>(vocab));
   const auto n = static_cast<int64_t>(logits.size());
   if (temperature <= 0.0) {
     return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
@@ -73,11 +101,37 @@ int32_t draw(std::vector<float> logits, double temperature, int64_t top_k, std::
   return 0;
 }
 
+// The newest valid checkpoint of the run. Error(checkpoint) saying there is nothing to sample
+// from when the run has written none yet, or when none of them is valid.
+fs::path newest_checkpoint(const RunDirectory& run) {
+  if (list_checkpoints(run.checkpoints()).empty() && latest_checkpoint(run.checkpoints()).empty()) {
+    throw Error(ErrorKind::checkpoint,
+                fmt::format("{}: no checkpoint yet, nothing to sample from (train the run, or "
+                            "wait for its first checkpoint)",
+                            run.path().string()));
+  }
+  try {
+    return find_valid_checkpoint(run.checkpoints(), [](const std::string& w) {
+      std::fprintf(stderr, "warning: %s\n", w.c_str());
+    });
+  } catch (const Error& e) {
+    if (e.kind() != ErrorKind::checkpoint) throw;
+    throw Error(ErrorKind::checkpoint,
+                fmt::format("{}: no valid checkpoint, nothing to sample from (see 'dptrain "
+                            "ckpt verify {} --all')",
+                            run.path().string(), run.path().string()));
+  }
+}
+
 int run_sample(const SampleOptions& o) {
   if (o.tokens < 0) {
     throw Error(ErrorKind::usage, fmt::format("--tokens: must be >= 0, got {}", o.tokens));
   }
-  if (!(o.temperature >= 0.0) || !std::isfinite(o.temperature)) {
+  if (!std::isfinite(o.temperature)) {
+    throw Error(ErrorKind::usage,
+                fmt::format("--temperature: must be a finite number >= 0, got {}", o.temperature));
+  }
+  if (o.temperature < 0.0) {
     throw Error(ErrorKind::usage,
                 fmt::format("--temperature: must be >= 0, got {}", o.temperature));
   }
@@ -94,12 +148,7 @@ int run_sample(const SampleOptions& o) {
                                               o.run_dir, recipe.model.type));
   }
   const Tokenizer tokenizer = Tokenizer::load(recipe.data.path);
-  const fs::path from =
-      o.checkpoint.empty()
-          ? find_valid_checkpoint(
-                run.checkpoints(),
-                [](const std::string& w) { std::fprintf(stderr, "warning: %s\n", w.c_str()); })
-          : fs::path(o.checkpoint);
+  const fs::path from = o.checkpoint.empty() ? newest_checkpoint(run) : fs::path(o.checkpoint);
   const CheckpointData ckpt = read_checkpoint(from);
   auto model = make_gpt(recipe.model, std::make_shared<CpuOps>());
   auto& gpt = dynamic_cast<Gpt&>(*model);
@@ -125,8 +174,8 @@ int run_sample(const SampleOptions& o) {
     std::fflush(stdout);
   }
   for (int64_t i = 0; i < o.tokens; ++i) {
-    const int32_t next =
-        draw(gpt.next_token_logits(ckpt.params, context), o.temperature, o.top_k, rng);
+    const int32_t next = draw(gpt.next_token_logits(ckpt.params, context), tokenizer.vocab(),
+                              o.temperature, o.top_k, rng);
     context.push_back(next);
     if (stream) {
       const std::string piece = tokenizer.decode(std::span(&context.back(), 1));
@@ -158,15 +207,19 @@ void setup_sample(CLI::App& app, Outcome& outcome) {
   auto o = std::make_shared<SampleOptions>();
   app.add_option("run_dir", o->run_dir, "Run directory of a gpt run")->required();
   app.add_option("--prompt", o->prompt, "Text to continue (default: a newline)");
-  app.add_option("--tokens", o->tokens, "Tokens to generate")->capture_default_str();
+  app.add_option("--tokens", o->tokens, "Tokens to generate")
+      ->capture_default_str()
+      ->check(whole_number<int64_t>(""));
   app.add_option("--temperature", o->temperature,
                  "Softmax temperature; 0 takes the most likely token every time")
       ->capture_default_str();
   app.add_option("--top-k", o->top_k, "Sample among the K most likely tokens only (0: all)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(whole_number<int64_t>(""));
   app.add_option("--seed", o->seed, "Seed of the sampling: the same seed, the same text")
       ->capture_default_str()
-      ->check(non_negative_number());
+      ->check(non_negative_number())
+      ->check(whole_number<uint64_t>(""));
   app.add_option("--checkpoint", o->checkpoint,
                  "Checkpoint directory (default: the run's newest valid one)");
   app.add_flag("--json", o->json,

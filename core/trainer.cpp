@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <random>
@@ -34,12 +35,21 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
+namespace {
+
+// A value, or null for a NaN (none).
+nlohmann::json or_null(double v) {
+  return std::isnan(v) ? nlohmann::json(nullptr) : nlohmann::json(v);
+}
+
+}  // namespace
+
 nlohmann::json TrainResult::to_json() const {
   nlohmann::json j = {{"steps", steps},
                       {"world_size", world_size},
-                      {"final_loss", final_loss},
-                      {"eval_loss", eval_loss},
-                      {"eval_accuracy", eval_accuracy},
+                      {"final_loss", or_null(final_loss)},
+                      {"eval_loss", or_null(eval_loss)},
+                      {"eval_accuracy", or_null(eval_accuracy)},
                       {"samples_per_s", samples_per_s},
                       {"params_checksum", params_checksum},
                       {"last_checkpoint", last_checkpoint.string()}};
@@ -176,7 +186,7 @@ class TrainingRun {
     Clock::time_point window_start = Clock::now();
     int64_t window_steps = 0;
     PhaseTimes window_phases, steady_phases;
-    double last_loss = 0;
+    double last_loss = std::numeric_limits<double>::quiet_NaN();  // none until a step logs
     const int64_t first_step = step_;
     first_step_ = step_;
     run_start_ = Clock::now();
@@ -1064,7 +1074,8 @@ class TrainingRun {
     emit(event);
   }
 
-  // Each rank scores a strided shard of the held-out split; the sums are reduced.
+  // Each rank scores a strided shard of the held-out split; the sums are reduced. Loss and
+  // accuracy are NaN (none, nothing logged) when there is no held-out data.
   std::pair<double, double> evaluate(int64_t step) {
     mark(Phase::eval);
     const auto& eval = *data_.eval;
@@ -1092,7 +1103,9 @@ class TrainingRun {
     }
     mark_collective("allreduce of the eval sums");
     comm_.allreduce(sums, 3, ReduceOp::sum);
-    if (sums[2] == 0) return {0.0, 0.0};
+    if (sums[2] == 0) {
+      return {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::quiet_NaN()};
+    }
     const double loss = sums[0] / sums[2];
     const double accuracy = sums[1] / sums[2];
     if (rank_ == 0) {

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <string>
 
@@ -53,9 +54,11 @@ struct TrainerOptions {
 struct TrainResult {
   int64_t steps = 0;
   int64_t world_size = 1;
-  double final_loss = 0;
-  double eval_loss = 0;
-  double eval_accuracy = 0;
+  // NaN when there is none (null in to_json): final_loss when no step ran in this process,
+  // eval_loss and eval_accuracy when there is no held-out data.
+  double final_loss = std::numeric_limits<double>::quiet_NaN();
+  double eval_loss = std::numeric_limits<double>::quiet_NaN();
+  double eval_accuracy = std::numeric_limits<double>::quiet_NaN();
   double samples_per_s = 0;  // steady state: the first warm-up steps of this process are excluded
   int64_t tokens_per_sample = 0;  // a token model's context (tokens/s = samples/s x this); else 0
   // Mean ms per steady-state step in data, compute (forward + backward), comm (exposed gradient

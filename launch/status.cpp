@@ -7,6 +7,21 @@
 
 namespace dptrain {
 
+std::string format_losses(const nlohmann::json& result) {
+  // null: no step ran, or no held-out data.
+  const auto has = [&result](const char* key) {
+    return result.contains(key) && result[key].is_number();
+  };
+  const std::string final_loss =
+      has("final_loss") ? fmt::format("{:.4f}", result["final_loss"].get<double>()) : "none";
+  const std::string eval = has("eval_loss")
+                               ? fmt::format("eval loss {:.4f}  eval accuracy {:.2f}%",
+                                             result["eval_loss"].get<double>(),
+                                             100.0 * result.value("eval_accuracy", 0.0))
+                               : "eval none (no held-out data)";
+  return fmt::format("final loss {}  {}", final_loss, eval);
+}
+
 std::string format_event(const nlohmann::json& e) {
   const std::string kind = e.value("event", "");
   if (kind == "progress") {
@@ -35,12 +50,9 @@ std::string format_event(const nlohmann::json& e) {
                        e.value("step", int64_t{0}));
   }
   if (kind == "result") {
-    return fmt::format(
-        "finished {} steps on {} rank(s): final loss {:.4f}  eval loss {:.4f}  eval "
-        "accuracy {:.2f}%  parameters {}",
-        e.value("steps", int64_t{0}), e.value("world_size", int64_t{0}), e.value("final_loss", 0.0),
-        e.value("eval_loss", 0.0), 100.0 * e.value("eval_accuracy", 0.0),
-        e.value("params_checksum", std::string()));
+    return fmt::format("finished {} steps on {} rank(s): {}  parameters {}",
+                       e.value("steps", int64_t{0}), e.value("world_size", int64_t{0}),
+                       format_losses(e), e.value("params_checksum", std::string()));
   }
   if (kind == "checkpoint") {
     return fmt::format("checkpoint at step {}: {}", e.value("step", int64_t{0}),

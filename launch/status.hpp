@@ -11,6 +11,9 @@ namespace dptrain {
 
 // One human-readable line for a trainer event ({"event": "progress"|"eval"|"checkpoint"|"info"}).
 std::string format_event(const nlohmann::json& event);
+// "final loss 1.2345  eval loss 1.3456  eval accuracy 61.25%" from a result, "none" for what it
+// lacks (no step ran, no held-out data).
+std::string format_losses(const nlohmann::json& result);
 
 class StatusPrinter {
  public:

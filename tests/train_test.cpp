@@ -11,6 +11,7 @@
 #include <string>
 
 #include "tests/harness.hpp"
+#include "tests/text_corpus.hpp"
 
 using namespace dptrain::test;
 namespace fs = std::filesystem;
@@ -290,4 +291,101 @@ TEST_CASE("fp16 and bf16 gradient compression: half the bytes, the held-out loss
                                  << loss["bf16"]);
   CHECK(loss["fp16"] == doctest::Approx(loss["none"]).epsilon(0.02));
   CHECK(loss["bf16"] == doctest::Approx(loss["none"]).epsilon(0.02));
+}
+
+TEST_CASE("no held-out data: eval loss and accuracy are null, not 0, everywhere they show") {
+  TempDir tmp;
+  auto recipe = small_recipe();
+  recipe["data"]["eval_fraction"] = 0;
+  recipe["train"]["steps"] = 10;
+  recipe["eval"]["every"] = 5;
+  const fs::path file = write_recipe(tmp.path(), recipe);
+  const fs::path run_dir = tmp / "run";
+  auto r = run_dptrain(
+      {"launch", file.string(), "--nproc", "2", "--run-dir", run_dir.string(), "--json"});
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  const auto out = parse_json(r.out);
+  CHECK(out["eval_loss"].is_null());
+  CHECK(out["eval_accuracy"].is_null());
+  CHECK(out["final_loss"].is_number());  // steps ran: their loss is there
+  const auto result = parse_json(read_text(run_dir / "result.json"));
+  CHECK(result["eval_loss"].is_null());
+  CHECK(result["eval_accuracy"].is_null());
+  CHECK(result["final_loss"].get<double>() == out["final_loss"].get<double>());
+  for (const auto& line : read_jsonl(run_dir / "metrics.jsonl"))
+    CHECK_FALSE(line.contains("eval_loss"));  // nothing was evaluated, nothing logged
+  const auto report = run_dptrain({"report", run_dir.string(), "--json"});
+  INFO(report.err);
+  REQUIRE(report.exit_code == 0);
+  CHECK(parse_json(report.out)["eval_loss"].is_null());
+  CHECK(parse_json(report.out)["eval_accuracy"].is_null());
+
+  // The console summary says there was none instead of printing zeros.
+  r = run_dptrain({"launch", file.string(), "--nproc", "2", "--run-dir", (tmp / "text").string()});
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  const std::string console = r.out + r.err;
+  CHECK(console.find("eval none") != std::string::npos);
+  CHECK(console.find("eval loss") == std::string::npos);
+  CHECK(console.find("final loss none") == std::string::npos);
+}
+
+TEST_CASE("a token dataset prepared with --val-fraction 0 reports a null eval loss") {
+  TempDir tmp;
+  write_text(tmp / "text.txt", synthetic_text(3, 20000));
+  const auto prepared = run_dptrain({"data", "prepare", "--text", (tmp / "text.txt").string(),
+                                     "--out", (tmp / "data").string(), "--val-fraction", "0"});
+  INFO(prepared.err);
+  REQUIRE(prepared.exit_code == 0);
+  auto recipe = parse_json(read_text(source_dir() / "recipes/gpt-tiny.json"));
+  recipe["data"]["path"] = (tmp / "data").string();
+  recipe["model"] = {{"type", "gpt"}, {"vocab", 256}, {"context", 16},
+                     {"layers", 1},   {"heads", 2},   {"width", 16}};
+  recipe["train"] = {{"steps", 4}, {"batch_per_rank", 4}};
+  recipe["optimizer"]["schedule"] = {{"type", "cosine"}, {"warmup", 1}};
+  recipe["checkpoint"] = {{"every", 0}, {"keep", 1}};
+  recipe["eval"] = {{"every", 2}, {"max_samples", 32}};
+  recipe["log"] = {{"every", 2}};
+  const fs::path run_dir = tmp / "run";
+  const auto r = run_dptrain({"launch", write_recipe(tmp.path(), recipe).string(), "--run-dir",
+                              run_dir.string(), "--json"});
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  const auto out = parse_json(r.out);
+  CHECK(out["eval_loss"].is_null());
+  CHECK(out["eval_accuracy"].is_null());
+  CHECK(out["final_loss"].get<double>() > 0);
+  CHECK(parse_json(read_text(run_dir / "result.json"))["eval_loss"].is_null());
+}
+
+TEST_CASE("a run of 0 steps reports a null final loss, and still evaluates") {
+  TempDir tmp;
+  auto recipe = small_recipe();
+  recipe["train"]["steps"] = 0;
+  recipe["optimizer"]["schedule"]["warmup"] = 0;
+  const fs::path file = write_recipe(tmp.path(), recipe);
+  const fs::path run_dir = tmp / "run";
+  auto r = run_dptrain(
+      {"launch", file.string(), "--nproc", "2", "--run-dir", run_dir.string(), "--json"});
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  const auto out = parse_json(r.out);
+  CHECK(out["steps"] == 0);
+  CHECK(out["final_loss"].is_null());
+  // The initial parameters on held-out data: 5 classes, a loss near ln 5.
+  CHECK(out["eval_loss"].get<double>() > 1.0);
+  CHECK(out["eval_accuracy"].is_number());
+  CHECK(parse_json(read_text(run_dir / "result.json"))["final_loss"].is_null());
+  const auto report = run_dptrain({"report", run_dir.string(), "--json"});
+  INFO(report.err);
+  REQUIRE(report.exit_code == 0);
+  CHECK(parse_json(report.out)["final_loss"].is_null());
+
+  r = run_dptrain({"launch", file.string(), "--nproc", "2", "--run-dir", (tmp / "text").string()});
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  const std::string console = r.out + r.err;
+  CHECK(console.find("final loss none") != std::string::npos);
+  CHECK(console.find("eval loss") != std::string::npos);
 }

@@ -1,0 +1,172 @@
+// `dptrain sample` end to end on real runs: a model vocabulary larger than the tokenizer's never
+// yields an id the tokenizer cannot decode, numbers out of range are refused instead of wrapped,
+// and a run with nothing to sample from says so.
+#include <doctest/doctest.h>
+
+#include <set>
+#include <string>
+
+#include "tests/harness.hpp"
+#include "tests/text_corpus.hpp"
+
+using namespace dptrain::test;
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+// A token dataset of generated text (lower-case ASCII), and the characters it holds.
+struct Dataset {
+  TempDir tmp;
+  fs::path dir = tmp / "dataset";
+  std::set<char> alphabet;
+  int64_t vocab = 0;
+
+  explicit Dataset(const std::string& tokenizer) {
+    const std::string text = synthetic_text(5, 20000);
+    alphabet.insert(text.begin(), text.end());
+    write_text(tmp / "text.txt", text);
+    const auto r = run_dptrain({"data", "prepare", "--text", (tmp / "text.txt").string(), "--out",
+                                dir.string(), "--tokenizer", tokenizer, "--json"});
+    INFO(r.err);
+    REQUIRE(r.exit_code == 0);
+    vocab = parse_json(r.out)["vocab"].get<int64_t>();
+    if (tokenizer == "char") REQUIRE(vocab == static_cast<int64_t>(alphabet.size()));
+  }
+};
+
+// A small gpt trained briefly: its logits are still close to uniform, so without the mask most
+// draws would land on ids beyond the tokenizer's vocabulary.
+json small_gpt(const fs::path& dataset, int64_t vocab) {
+  json r = parse_json(read_text(source_dir() / "recipes/gpt-tiny.json"));
+  r["data"]["path"] = dataset.string();
+  r["model"] = {{"type", "gpt"}, {"vocab", vocab}, {"context", 16},
+                {"layers", 2},   {"heads", 2},     {"width", 32}};
+  r["train"] = {{"steps", 6}, {"batch_per_rank", 4}};
+  r["optimizer"]["schedule"] = {{"type", "cosine"}, {"warmup", 2}};
+  r["checkpoint"] = {{"every", 3}, {"keep", 3}};
+  r["eval"] = {{"every", 0}, {"max_samples", 32}};
+  r["log"] = {{"every", 2}};
+  r["distributed"]["check_every"] = 3;
+  return r;
+}
+
+fs::path train(const fs::path& dir, const json& recipe, const std::string& nproc) {
+  const auto file = write_recipe(dir, recipe);
+  const fs::path run_dir = dir / "run";
+  const auto r =
+      run_dptrain({"launch", file.string(), "--nproc", nproc, "--run-dir", run_dir.string()});
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  return run_dir;
+}
+
+CommandResult sample(const fs::path& run_dir, std::vector<std::string> args) {
+  args.insert(args.begin(), {"sample", run_dir.string()});
+  return run_dptrain(args);
+}
+
+}  // namespace
+
+TEST_CASE("sample: a model vocabulary larger than the char tokenizer's draws only its characters") {
+  Dataset data("char");
+  REQUIRE(data.vocab < 64);  // the model's 256 ids are mostly beyond it
+  const fs::path run_dir = train(data.tmp.path(), small_gpt(data.dir, 256), "2");
+  for (const std::string seed : {"1", "2", "3", "4", "5", "6", "7", "8"}) {
+    CAPTURE(seed);
+    const auto r = sample(run_dir, {"--tokens", "150", "--seed", seed, "--json"});
+    INFO(r.err);
+    REQUIRE(r.exit_code == 0);
+    const std::string text = parse_json(r.out)["text"].get<std::string>();
+    CHECK(text.size() == 150);  // ASCII: one byte a character
+    for (char c : text)
+      CHECK(data.alphabet.count(c) == 1);
+  }
+  // Streamed, greedy and top-k: the same restriction.
+  const auto streamed = sample(run_dir, {"--prompt", "the ", "--tokens", "150", "--seed", "9"});
+  INFO(streamed.err);
+  CHECK(streamed.exit_code == 0);
+  CHECK(streamed.out.size() == std::string("the ").size() + 150 + 1);  // and a newline
+  for (const auto& options : std::vector<std::vector<std::string>>{
+           {"--temperature", "0"}, {"--top-k", "3"}, {"--top-k", "200", "--temperature", "2"}}) {
+    std::vector<std::string> args = options;
+    args.insert(args.end(), {"--tokens", "100", "--json"});
+    const auto r = sample(run_dir, args);
+    CAPTURE(options.back());
+    INFO(r.err);
+    REQUIRE(r.exit_code == 0);
+    for (char c : parse_json(r.out)["text"].get<std::string>())
+      CHECK(data.alphabet.count(c) == 1);
+  }
+}
+
+TEST_CASE("sample: a byte model with a vocabulary above 256 samples with every seed") {
+  Dataset data("byte");
+  REQUIRE(data.vocab == 256);
+  const fs::path run_dir = train(data.tmp.path(), small_gpt(data.dir, 320), "1");
+  for (const std::string seed : {"1", "2", "3", "4", "5", "6"}) {
+    CAPTURE(seed);
+    const auto r = sample(run_dir, {"--tokens", "120", "--seed", seed, "--json"});
+    INFO(r.err);
+    REQUIRE(r.exit_code == 0);
+    CHECK(parse_json(r.out)["tokens"] == 120);
+  }
+}
+
+TEST_CASE("sample: numbers out of range are refused, not wrapped; a run without checkpoints") {
+  Dataset data("char");
+  const fs::path run_dir = train(data.tmp.path(), small_gpt(data.dir, 64), "1");
+
+  // The largest seed is a seed; one more is refused, as are token counts beyond int64.
+  const auto largest =
+      sample(run_dir, {"--tokens", "5", "--seed", "18446744073709551615", "--json"});
+  INFO(largest.err);
+  REQUIRE(largest.exit_code == 0);
+  CHECK(parse_json(largest.out)["seed"].get<uint64_t>() == 18446744073709551615ull);
+  const auto refused = [&](const std::vector<std::string>& args, const std::string& option,
+                           const std::string& says) {
+    const auto r = sample(run_dir, args);
+    CAPTURE(args.back());
+    CHECK(r.exit_code == 2);
+    CHECK(r.out.empty());
+    CHECK(r.err.find(option) != std::string::npos);
+    CHECK(r.err.find(says) != std::string::npos);
+  };
+  refused({"--seed", "18446744073709551616"}, "--seed", "out of range");
+  refused({"--seed", "-1"}, "--seed", "must be a finite number >= 0");
+  refused({"--seed", "1.5"}, "--seed", "not a whole number");
+  refused({"--tokens", "ten"}, "--tokens", "not a whole number");
+  refused({"--tokens", "18446744073709551617"}, "--tokens", "out of range");
+  refused({"--tokens", "9223372036854775808"}, "--tokens", "out of range");
+  refused({"--top-k", "99999999999999999999"}, "--top-k", "out of range");
+  refused({"--temperature", "inf"}, "--temperature", "finite");
+  refused({"--temperature", "nan"}, "--temperature", "finite");
+  refused({"--temperature", "-1"}, "--temperature", ">= 0");
+
+  // No checkpoint yet: nothing to sample from (resume has nothing to do with it).
+  const fs::path bare = data.tmp / "bare";
+  fs::copy(run_dir, bare, fs::copy_options::recursive);
+  for (const auto& entry : fs::directory_iterator(bare / "checkpoints"))
+    fs::remove_all(entry.path());
+  const auto none = sample(bare, {});
+  CHECK(none.exit_code == 5);
+  CHECK(none.err.find("nothing to sample from") != std::string::npos);
+  CHECK(none.err.find("first checkpoint") != std::string::npos);
+  CHECK(none.err.find("resume") == std::string::npos);
+
+  // Checkpoints that are all damaged: the same, after a warning for each.
+  const fs::path damaged = data.tmp / "damaged";
+  fs::copy(run_dir, damaged, fs::copy_options::recursive);
+  int broken = 0;
+  for (const auto& entry : fs::directory_iterator(damaged / "checkpoints")) {
+    if (fs::is_directory(entry.path()) && fs::exists(entry.path() / "params.bin")) {
+      fs::resize_file(entry.path() / "params.bin", 8);
+      ++broken;
+    }
+  }
+  REQUIRE(broken == 2);  // step-000003 and step-000006
+  const auto invalid = sample(damaged, {});
+  CHECK(invalid.exit_code == 5);
+  CHECK(invalid.err.find("no valid checkpoint, nothing to sample from") != std::string::npos);
+  CHECK(invalid.err.find("resume") == std::string::npos);
+}
