@@ -13,8 +13,13 @@ namespace dptrain {
 using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-HangWatch::HangWatch(Store& store, int world_size, std::chrono::milliseconds timeout)
-    : store_(store), world_size_(world_size), timeout_(timeout), next_read_(Clock::now()) {}
+HangWatch::HangWatch(Store& store, int world_size, std::chrono::milliseconds timeout,
+                     RankName rank_name)
+    : store_(store),
+      world_size_(world_size),
+      timeout_(timeout),
+      rank_name_(std::move(rank_name)),
+      next_read_(Clock::now()) {}
 
 std::optional<std::string> HangWatch::check() {
   const auto now = Clock::now();
@@ -47,11 +52,14 @@ std::optional<std::string> HangWatch::check() {
   std::map<int, json> beats;
   for (const auto& [rank, s] : seen_)
     beats[rank] = s.beat;
-  return describe(beats, stalled);
+  return describe(beats, stalled, rank_name_);
 }
 
 std::string HangWatch::describe(const std::map<int, json>& beats,
-                                std::chrono::milliseconds stalled_for) {
+                                std::chrono::milliseconds stalled_for, const RankName& rank_name) {
+  const auto name = [&rank_name](int rank) {
+    return rank_name ? rank_name(rank) : fmt::format("rank {}", rank);
+  };
   // "#12 (allreduce of the loss)": a collective by number and, where the rank said, by name.
   const auto collective = [](const json& beat) {
     const auto seq = beat.value("seq", int64_t{0});
@@ -70,12 +78,12 @@ std::string HangWatch::describe(const std::map<int, json>& beats,
     const int64_t step = beat.value("step", int64_t{0});
     if (seq == max_seq && phase == "collective") {
       if (waiting.empty()) waited_in = collective(beat);
-      waiting.push_back(fmt::format("rank {}", rank));
+      waiting.push_back(name(rank));
     } else if (phase == "collective") {
       behind.push_back(
-          fmt::format("rank {} at step {} in collective {}", rank, step, collective(beat)));
+          fmt::format("{} at step {} in collective {}", name(rank), step, collective(beat)));
     } else {
-      behind.push_back(fmt::format("rank {} at step {} in phase {} (after collective {})", rank,
+      behind.push_back(fmt::format("{} at step {} in phase {} (after collective {})", name(rank),
                                    step, phase, collective(beat)));
     }
   }

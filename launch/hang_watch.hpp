@@ -3,6 +3,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -15,8 +16,12 @@ namespace dptrain {
 
 class HangWatch {
  public:
+  // How a rank is named in messages: "rank 3", or "rank 3 on node2" in a multi-host job.
+  using RankName = std::function<std::string(int)>;
+
   // `store` is the generation's prefix store (the launcher's own client).
-  HangWatch(Store& store, int world_size, std::chrono::milliseconds timeout);
+  HangWatch(Store& store, int world_size, std::chrono::milliseconds timeout,
+            RankName rank_name = {});
 
   // Call often; reads the store at most once a second. A message naming the stuck rank(s), their
   // step and phase, and the ranks waiting for them, once some rank made no progress for longer
@@ -25,7 +30,8 @@ class HangWatch {
 
   // The verdict from heartbeats as they are (exposed for tests).
   static std::string describe(const std::map<int, nlohmann::json>& beats,
-                              std::chrono::milliseconds stalled_for);
+                              std::chrono::milliseconds stalled_for,
+                              const RankName& rank_name = {});
 
  private:
   struct Seen {
@@ -36,6 +42,7 @@ class HangWatch {
   Store& store_;
   int world_size_;
   std::chrono::milliseconds timeout_;
+  RankName rank_name_;
   std::chrono::steady_clock::time_point next_read_;
   std::map<int, Seen> seen_;
 };

@@ -49,3 +49,16 @@ TEST_CASE("hang verdict: everyone inside the same collective points at the trans
   CHECK(HangWatch::describe(beats, std::chrono::seconds(5))
             .find("every rank waits in collective #8 (a network") != std::string::npos);
 }
+
+TEST_CASE("hang verdict: in a multi-host job the ranks are named with their host") {
+  const std::map<int, json> beats = {
+      {0, {{"step", 7}, {"phase", "data"}, {"seq", 20}, {"collective", "barrier"}}},
+      {1, {{"step", 7}, {"phase", "collective"}, {"seq", 21}, {"collective", "allgather"}}}};
+  const auto on_host = [](int rank) {
+    return "rank " + std::to_string(rank) + " on node" + std::to_string(rank + 1);
+  };
+  const std::string v = HangWatch::describe(beats, std::chrono::seconds(4), on_host);
+  CHECK(v.find("stuck: rank 0 on node1 at step 7 in phase data") != std::string::npos);
+  CHECK(v.find("waiting for it in collective #21 (allgather): rank 1 on node2") !=
+        std::string::npos);
+}

@@ -290,6 +290,18 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       plan_job(spec, run.path(), run.remote_name(), generation, addr, store.port(), secret);
   const bool multi_host = plan.hosts.size() > 1 || !plan.hosts.front().is_local();
   const bool rank0_remote = !plan.hosts.front().is_local();
+  // "rank 3", or "rank 3 on HOST" when the job spans hosts: how messages name a rank.
+  const HangWatch::RankName rank_name = [&plan, multi_host](int rank) {
+    if (multi_host) {
+      for (size_t i = 0; i < plan.hosts.size(); ++i) {
+        const auto& ranks = plan.agents[i].ranks;
+        if (std::find(ranks.begin(), ranks.end(), rank) != ranks.end()) {
+          return fmt::format("rank {} on {}", rank, plan.hosts[i].display());
+        }
+      }
+    }
+    return fmt::format("rank {}", rank);
+  };
   // A benchmark's ranks run their own command: there is no recipe to record.
   const bool trains = spec.worker_args.empty();
   if (trains) write_file_atomic(run.path() / "recipe.json", to_json(spec.recipe).dump(2) + "\n");
@@ -461,7 +473,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     watch_client =
         std::make_unique<TcpStoreClient>(addr, store.port(), std::chrono::seconds(10), secret);
     watch_store = std::make_unique<PrefixStore>(fmt::format("gen{}", generation), *watch_client);
-    hang_watch = std::make_unique<HangWatch>(*watch_store, world, spec.hang_timeout);
+    hang_watch = std::make_unique<HangWatch>(*watch_store, world, spec.hang_timeout, rank_name);
     options.watchdog = [&]() -> std::optional<std::string> {
       auto verdict = hang_watch->check();
       if (verdict) {
@@ -589,17 +601,8 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     // A rank got SIGTERM itself (a node being preempted): every rank checkpoints and stops. The
     // first process to exit is any of them; the store says which got the signal.
     std::string who;
-    for (int r : trace.sigterm_ranks) {
-      std::string host;
-      for (size_t i = 0; i < plan.hosts.size(); ++i) {
-        const auto& ranks = plan.agents[i].ranks;
-        if (std::find(ranks.begin(), ranks.end(), r) != ranks.end()) {
-          host = plan.hosts[i].display();
-        }
-      }
-      who += fmt::format("{}rank {}{}", who.empty() ? "" : ", ", r,
-                         multi_host && !host.empty() ? " on " + host : "");
-    }
+    for (int r : trace.sigterm_ranks)
+      who += (who.empty() ? "" : ", ") + rank_name(r);
     if (who.empty()) who = sup.failure->label;
     out.exit_code = 143;
     out.status = "terminated";
