@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -18,6 +19,7 @@
 
 #include <fmt/format.h>
 
+#include "core/data/dataset.hpp"
 #include "core/error.hpp"
 #include "core/suggest.hpp"
 
@@ -28,6 +30,22 @@ using nlohmann::json;
 
 // A check returns what is wrong with a value (without the "got ..." part), or nothing.
 using Verdict = std::optional<std::string>;
+
+// ---- upper bounds (each documented in dptrain-recipe(5)) --------------------------------------
+// Values past them are mistakes, and they keep what is computed from the values in range: the
+// global batch (x world size, an int) and the parameter count in int64, deadlines in a steady
+// clock's nanoseconds.
+
+constexpr size_t kMaxNameLength = 100;
+constexpr int64_t kMaxBatchPerRank = int64_t{1} << 24;  // 16,777,216
+constexpr int64_t kMaxGradAccum = int64_t{1} << 20;     // 1,048,576
+// batch_per_rank x grad_accum: times a world size below 2^31, the global batch stays below 2^62.
+constexpr int64_t kMaxSamplesPerRankStep = int64_t{1} << 31;
+constexpr int64_t kMaxThreadsPerRank = 256;
+constexpr int64_t kMaxDimension = (int64_t{1} << 31) - 1;    // every model size field
+constexpr uint64_t kMaxParameters = uint64_t{1} << 40;       // 1,099,511,627,776 (4 TiB in f32)
+constexpr uint64_t kMaxSyntheticValues = uint64_t{1} << 40;  // data.samples x model.input
+constexpr double kMaxSeconds = 1e6;                          // about 11.6 days
 
 // ---- problem collection ----------------------------------------------------------------------
 
@@ -136,7 +154,9 @@ Verdict convert(const json& value, uint64_t& out) {
   if (value.is_number_unsigned()) {
     out = value.get<uint64_t>();
   } else if (value.is_number_integer()) {
-    return "must be >= 0, got " + describe(value);  // nlohmann stores only negatives as signed
+    // nlohmann stores negatives as signed, and "-0" too: that one is 0.
+    if (value.get<int64_t>() != 0) return "must be >= 0, got " + describe(value);
+    out = 0;
   } else if (auto number = integral_float(value)) {
     if (*number < 0) return "must be >= 0, got " + describe(value);
     if (*number >= kTwoTo64) return "out of range, got " + describe(value);
@@ -155,6 +175,30 @@ auto at_least(auto min) {
   return [min](auto value) -> Verdict {
     if (value >= min) return std::nullopt;
     return fmt::format("must be >= {}", min);
+  };
+}
+
+// `why` says what the limit protects, after the bound: "must be <= 256 (why)".
+template <class T>
+auto at_most(T max, std::string why) {
+  return [max, why = std::move(why)](T value) -> Verdict {
+    if (value <= max) return std::nullopt;
+    // 1000000, not fmt's shortest "1e+06".
+    if constexpr (std::is_floating_point_v<T>) {
+      if (max == std::floor(max) && std::abs(max) < 1e15) {
+        return fmt::format("must be <= {} ({})", static_cast<int64_t>(max), why);
+      }
+    }
+    return fmt::format("must be <= {} ({})", max, why);
+  };
+}
+
+// Both checks, the first one's verdict first.
+template <class First, class Second>
+auto both(First first, Second second) {
+  return [first = std::move(first), second = std::move(second)](auto value) -> Verdict {
+    if (auto wrong = first(value)) return wrong;
+    return second(value);
   };
 }
 
@@ -187,6 +231,11 @@ auto between(int64_t lo, int64_t hi) {
   };
 }
 
+// A duration in seconds: at most kMaxSeconds, so deadlines stay far inside a clock's range.
+auto seconds_limit() {
+  return at_most(kMaxSeconds, "about 11.6 days");
+}
+
 // "a", "b" or "c": how the allowed values of an enum field are listed in messages.
 std::string quoted_alternatives(const std::vector<std::string>& words) {
   std::string text;
@@ -206,9 +255,16 @@ auto one_of(std::vector<std::string> allowed) {
   };
 }
 
-// The name becomes a directory name (runs/<name>-<time>), so it must be a safe path component.
+// The name becomes a directory name (runs/<name>-<time>), so it must be a safe path component
+// short enough for the suffixes (a file name is at most 255 bytes).
 Verdict valid_name(const std::string& name) {
   if (name.empty()) return "must not be empty";
+  if (name.size() > kMaxNameLength) {
+    return fmt::format(
+        "must be at most {} characters long (it becomes a directory name, with the time after "
+        "it), is {}",
+        kMaxNameLength, name.size());
+  }
   if (name == "." || name == "..") return "must not be \".\" or \"..\"";
   bool safe = std::all_of(name.begin(), name.end(), [](char c) {
     return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '.' ||
@@ -371,16 +427,21 @@ void visit_fields(Visitor& v, ModelSpec& m) {
   v.field("type", m.type, one_of({"mlp", "gpt"}));
   const Applies mlp = only_for("/model/type", m.type, {"mlp"});
   const Applies gpt = only_for("/model/type", m.type, {"gpt"});
-  v.field("input", m.input, at_least(int64_t{1}), mlp);
-  v.field("hidden", m.hidden, at_least(int64_t{1}), mlp);
-  v.field("classes", m.classes, at_least(int64_t{2}), mlp);
+  // Each size at most 2^31 - 1 (BLAS takes int dimensions); the parameter count they give
+  // together is checked later (check_model_size).
+  const auto size = [](int64_t min) {
+    return both(at_least(min), at_most(kMaxDimension, "2^31 - 1"));
+  };
+  v.field("input", m.input, size(1), mlp);
+  v.field("hidden", m.hidden, size(1), mlp);
+  v.field("classes", m.classes, size(2), mlp);
   v.field("activation", m.activation, one_of({"relu", "gelu"}), mlp);
-  v.field("vocab", m.vocab, at_least(int64_t{2}), gpt);
-  v.field("context", m.context, at_least(int64_t{1}), gpt);
-  v.field("layers", m.layers, at_least(int64_t{1}), gpt);
-  v.field("heads", m.heads, at_least(int64_t{1}), gpt);
-  v.field("width", m.width, at_least(int64_t{1}), gpt);  // and a multiple of heads, checked later
-  v.field("mlp_ratio", m.mlp_ratio, at_least(int64_t{1}), gpt);
+  v.field("vocab", m.vocab, size(2), gpt);
+  v.field("context", m.context, size(1), gpt);
+  v.field("layers", m.layers, size(1), gpt);
+  v.field("heads", m.heads, size(1), gpt);
+  v.field("width", m.width, size(1), gpt);  // and a multiple of heads, checked later
+  v.field("mlp_ratio", m.mlp_ratio, size(1), gpt);
   v.field(
       "dropout", m.dropout,
       [](double value) -> Verdict {
@@ -408,11 +469,13 @@ void visit_fields(Visitor& v, DataSpec& d) {
 template <class Visitor>
 void visit_fields(Visitor& v, TrainSpec& t) {
   v.field("steps", t.steps, at_least(int64_t{0}));
-  v.field("batch_per_rank", t.batch_per_rank, at_least(int64_t{1}));
-  v.field("grad_accum", t.grad_accum, at_least(int64_t{1}));
+  v.field("batch_per_rank", t.batch_per_rank,
+          both(at_least(int64_t{1}), at_most(kMaxBatchPerRank, "2^24")));
+  v.field("grad_accum", t.grad_accum, both(at_least(int64_t{1}), at_most(kMaxGradAccum, "2^20")));
   v.field("device", t.device, one_of({"cpu", "cuda"}));
   v.field("precision", t.precision, one_of({"fp32", "bf16", "fp16"}));
-  v.field("threads_per_rank", t.threads_per_rank, at_least(int64_t{1}));
+  v.field("threads_per_rank", t.threads_per_rank,
+          both(at_least(int64_t{1}), at_most(kMaxThreadsPerRank, "BLAS threads per rank")));
 }
 
 template <class Visitor>
@@ -463,7 +526,7 @@ void visit_fields(Visitor& v, DistributedSpec& d) {
   v.field("overlap", d.overlap, no_check);
   v.section("compression", d.compression);
   v.field("check_every", d.check_every, at_least(int64_t{0}));
-  v.field("timeout_s", d.timeout_s, greater_than(0.0));
+  v.field("timeout_s", d.timeout_s, both(greater_than(0.0), seconds_limit()));
   v.field("resize", d.resize, one_of({"keep_global_batch", "scale_lr"}));
 }
 
@@ -487,9 +550,9 @@ void visit_fields(Visitor& v, LogSpec& l) {
 template <class Visitor>
 void visit_fields(Visitor& v, FaultToleranceSpec& f) {
   v.field("max_restarts", f.max_restarts, at_least(int64_t{0}));
-  v.field("restart_backoff_s", f.restart_backoff_s, at_least(0.0));
-  v.field("hang_timeout_s", f.hang_timeout_s, at_least(0.0));
-  v.field("rejoin_timeout_s", f.rejoin_timeout_s, at_least(0.0));
+  v.field("restart_backoff_s", f.restart_backoff_s, both(at_least(0.0), seconds_limit()));
+  v.field("hang_timeout_s", f.hang_timeout_s, both(at_least(0.0), seconds_limit()));
+  v.field("rejoin_timeout_s", f.rejoin_timeout_s, both(at_least(0.0), seconds_limit()));
 }
 
 template <class Visitor>
@@ -515,6 +578,20 @@ void check_warmup(const Recipe& r, Problems& problems) {
   if (r.optimizer.schedule.warmup > r.train.steps) {
     problems.add(warmup, fmt::format("must be <= /train/steps ({}), got {}", r.train.steps,
                                      r.optimizer.schedule.warmup));
+  }
+}
+
+// A micro-batch times the micro-batches of a step, per rank: bounded so that the global batch
+// (that times the world size) cannot overflow.
+void check_batch(const Recipe& r, Problems& problems) {
+  if (problems.at("/train/batch_per_rank") || problems.at("/train/grad_accum")) return;
+  const int64_t per_rank = r.train.batch_per_rank * r.train.grad_accum;  // < 2^44: no overflow
+  if (per_rank > kMaxSamplesPerRankStep) {
+    problems.add(
+        "/train/grad_accum",
+        fmt::format("/train/batch_per_rank x /train/grad_accum must be <= {} (2^31 "
+                    "samples per rank and step), got {} x {} = {}",
+                    kMaxSamplesPerRankStep, r.train.batch_per_rank, r.train.grad_accum, per_rank));
   }
 }
 
@@ -615,6 +692,167 @@ void check_model(const Recipe& r, Problems& problems) {
   }
 }
 
+// Counts that say when they passed 2^64 - 1 instead of wrapping.
+class CheckedCount {
+ public:
+  CheckedCount() = default;
+  CheckedCount(int64_t n) : value_(static_cast<uint64_t>(n)) {}  // NOLINT: a size, >= 0
+
+  CheckedCount operator+(CheckedCount other) const {
+    CheckedCount sum;
+    sum.overflow_ =
+        overflow_ || other.overflow_ || __builtin_add_overflow(value_, other.value_, &sum.value_);
+    return sum;
+  }
+  CheckedCount operator*(CheckedCount other) const {
+    CheckedCount product;
+    product.overflow_ = overflow_ || other.overflow_ ||
+                        __builtin_mul_overflow(value_, other.value_, &product.value_);
+    return product;
+  }
+  std::optional<uint64_t> value() const {
+    return overflow_ ? std::nullopt : std::optional<uint64_t>(value_);
+  }
+
+ private:
+  uint64_t value_ = 0;
+  bool overflow_ = false;
+};
+
+std::string with_commas(uint64_t n) {
+  std::string digits = std::to_string(n);
+  for (auto i = static_cast<ptrdiff_t>(digits.size()) - 3; i > 0; i -= 3)
+    digits.insert(static_cast<size_t>(i), ",");
+  return digits;
+}
+
+std::string count_text(std::optional<uint64_t> count) {
+  return count ? with_commas(*count)
+               : "more than " + with_commas(std::numeric_limits<uint64_t>::max());
+}
+
+// The model's parameters, with the field that sets its largest part (where to make it smaller).
+struct ModelSize {
+  std::optional<uint64_t> parameters;
+  std::string pointer;
+};
+
+ModelSize model_size(const ModelSpec& m) {
+  ModelSize size;
+  std::optional<uint64_t> largest_part = 0;
+  // Parts are compared by their checked value; one past 2^64 is the largest there can be.
+  const auto consider = [&](const CheckedCount& part, std::string pointer) {
+    const auto value = part.value();
+    if (largest_part && (!value || *value > *largest_part)) {
+      largest_part = value;
+      size.pointer = std::move(pointer);
+    }
+  };
+  CheckedCount total;
+  if (m.type == "gpt") {
+    // gpt_layout (core/model/gpt.cpp): token and position embeddings, `layers` blocks (two
+    // LayerNorms, qkv and projection, the MLP, with biases) and a final LayerNorm.
+    const CheckedCount w = m.width;
+    const CheckedCount hidden = CheckedCount(m.mlp_ratio) * w;
+    const CheckedCount block =
+        CheckedCount(4) * w * w + CheckedCount(2) * hidden * w + CheckedCount(9) * w + hidden;
+    const CheckedCount embeddings = CheckedCount(m.vocab) * w;
+    const CheckedCount positions = CheckedCount(m.context) * w;
+    const CheckedCount blocks = CheckedCount(m.layers) * block;
+    total = embeddings + positions + blocks + CheckedCount(2) * w;
+    consider(embeddings, "/model/vocab");
+    consider(positions, "/model/context");
+    consider(blocks, m.layers > m.width ? "/model/layers" : "/model/width");
+  } else {
+    // A Linear layer (weights and bias) between each two widths: input, hidden..., classes.
+    std::vector<std::pair<int64_t, std::string>> widths = {{m.input, "/model/input"}};
+    for (size_t i = 0; i < m.hidden.size(); ++i)
+      widths.emplace_back(m.hidden[i], "/model/hidden/" + std::to_string(i));
+    widths.emplace_back(m.classes, "/model/classes");
+    for (size_t i = 0; i + 1 < widths.size(); ++i) {
+      const auto& [in, in_pointer] = widths[i];
+      const auto& [out, out_pointer] = widths[i + 1];
+      const CheckedCount layer = CheckedCount(in) * CheckedCount(out) + CheckedCount(out);
+      total = total + layer;
+      consider(layer, in >= out ? in_pointer : out_pointer);
+    }
+  }
+  size.parameters = total.value();
+  return size;
+}
+
+// What no single field shows: the parameter count of sizes that are each in range. It must fit
+// the flat buffers (and memory) with room to spare.
+void check_model_size(const Recipe& r, Problems& problems) {
+  if (problems.at("/model/type")) return;
+  for (const char* field : {"input", "hidden", "classes", "vocab", "context", "layers", "heads",
+                            "width", "mlp_ratio"}) {
+    // A bad size (or one of the array's) is reported on its own.
+    const std::string pointer = std::string("/model/") + field;
+    if (problems.at(pointer)) return;
+  }
+  for (size_t i = 0; i < r.model.hidden.size(); ++i) {
+    if (problems.at("/model/hidden/" + std::to_string(i))) return;
+  }
+  if (r.model.type == "gpt" && r.model.mlp_ratio * r.model.width > kMaxDimension) {
+    problems.add("/model/mlp_ratio",
+                 fmt::format("the MLP's width, /model/mlp_ratio x /model/width = {} x {} = {}, "
+                             "must be <= {} (2^31 - 1)",
+                             r.model.mlp_ratio, r.model.width, r.model.mlp_ratio * r.model.width,
+                             kMaxDimension));
+    return;
+  }
+  const ModelSize size = model_size(r.model);
+  if (size.parameters && *size.parameters <= kMaxParameters) return;
+  problems.add(size.pointer,
+               fmt::format("the {} would have {} parameters, more than the {} (2^40) allowed",
+                           r.model.type, count_text(size.parameters), with_commas(kMaxParameters)));
+}
+
+// Synthetic data is generated in memory: data.samples x model.input floats.
+void check_synthetic_size(const Recipe& r, Problems& problems) {
+  if (r.data.type != "synthetic-classification" || r.model.type != "mlp" ||
+      problems.at("/data/samples") || problems.at("/model/input")) {
+    return;
+  }
+  const auto values = (CheckedCount(r.data.samples) * CheckedCount(r.model.input)).value();
+  if (values && *values <= kMaxSyntheticValues) return;
+  problems.add("/data/samples",
+               fmt::format("/data/samples x /model/input = {} x {} = {} values, more than the {} "
+                           "(2^40) synthetic data may hold",
+                           r.data.samples, r.model.input, count_text(values),
+                           with_commas(kMaxSyntheticValues)));
+}
+
+// The CSV file's first data row against model.input: the row is the label and then the features.
+// Only that row is read (a file can be large); launch checks every row, the labels' range too.
+void check_csv_columns(const Recipe& r, Problems& problems) {
+  if (r.data.type != "csv" || r.model.type != "mlp" || problems.at("/data/type") ||
+      problems.at("/data/path") || problems.at("/data/header") || problems.at("/model/input")) {
+    return;
+  }
+  std::optional<CsvRow> row;
+  try {
+    row = csv_first_row(r.data.path, r.data.header);
+  } catch (const Error& e) {
+    problems.add("/data/path", e.what());
+    return;
+  }
+  if (!row) {
+    problems.add("/data/path",
+                 fmt::format("\"{}\" has no data rows{}", r.data.path,
+                             r.data.header == "yes" ? " (after the header row)" : ""));
+    return;
+  }
+  const int64_t features = row->columns - 1;
+  if (features != r.model.input) {
+    problems.add("/model/input",
+                 fmt::format("must match the {} feature column(s) of \"{}\" (line {} has {} "
+                             "column(s): the label, then the features), got {}",
+                             features, r.data.path, row->line, row->columns, r.model.input));
+  }
+}
+
 void check_data_path(DataSpec& data, const std::filesystem::path& base_dir, Problems& problems) {
   const std::string pointer = "/data/path";
   if (problems.at("/data/type") || problems.at(pointer)) return;
@@ -706,8 +944,12 @@ Recipe parse_recipe(const json& j, const std::string& source, const std::filesys
   visit_fields(root, recipe);
   root.reject_unknown_keys();
   check_warmup(recipe, problems);
+  check_batch(recipe, problems);
   check_data_path(recipe.data, base_dir, problems);
   check_model(recipe, problems);
+  check_model_size(recipe, problems);
+  check_synthetic_size(recipe, problems);
+  check_csv_columns(recipe, problems);
   check_device(recipe, problems);
   check_sync(recipe, problems);
   if (problems.any()) throw Error(ErrorKind::recipe, problems.report(source));
@@ -814,6 +1056,10 @@ std::string recipe_hash(const Recipe& r) {
   Writer writer(true);
   visit_fields(writer, copy);
   return fmt::format("{:016x}", fnv1a_64(writer.take().dump()));
+}
+
+std::optional<uint64_t> parameter_count(const ModelSpec& model) {
+  return model_size(model).parameters;
 }
 
 bool is_error_feedback_codec(const std::string& type) {

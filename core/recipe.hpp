@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -175,6 +176,10 @@ Recipe load_recipe(const std::filesystem::path& path);
 // included. parse_recipe(to_json(r)) == r where r holds the defaults in the other fields (as any
 // recipe parsed from a user's file does).
 nlohmann::json to_json(const Recipe& r);
+// The parameters of the model a spec describes (what make_model(spec)->num_params() gives),
+// computed without building it; nothing when the count passes 2^64 - 1. parse_recipe refuses
+// models above 2^40 parameters.
+std::optional<uint64_t> parameter_count(const ModelSpec& model);
 // A stable hex digest of every field (those that do not apply too), recorded in checkpoints.
 std::string recipe_hash(const Recipe& r);
 

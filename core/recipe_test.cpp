@@ -13,6 +13,7 @@
 #include <doctest/doctest.h>
 
 #include "core/error.hpp"
+#include "core/model/model.hpp"
 
 namespace dptrain {
 namespace {
@@ -188,7 +189,11 @@ void leaves(const json& j, const std::string& at, std::set<std::string>& out) {
 
 TEST_CASE("recipe: parse_recipe(to_json(r)) round-trips every field that applies") {
   TempDir dir;
-  fs::path csv = dir.write("train.csv", "a,b,label\n1,2,0\n");
+  // everything_changed's mlp reads 32 features.
+  std::string row = "0";
+  for (int i = 0; i < 32; ++i)
+    row += "," + std::to_string(i);
+  fs::path csv = dir.write("train.csv", "label,features...\n" + row + "\n");
   SUBCASE("defaults") {
     Recipe r;
     CHECK(parse_recipe(to_json(r), "test.json", dir.path()) == r);
@@ -487,6 +492,80 @@ TEST_CASE("recipe: each bad recipe is rejected naming its JSON path") {
       {R"({"name": 7})", "/name", "expected a string, got 7"},
       {R"({"seed": -1})", "/seed", "must be >= 0, got -1"},
       {R"({"seed": 1.5})", "/seed", "expected an integer, got 1.5"},
+      // Upper bounds: past them a value is a mistake, and what is computed from it overflows.
+      {R"({"train": {"batch_per_rank": 16777217}})", "/train/batch_per_rank",
+       "must be <= 16777216 (2^24), got 16777217"},
+      {R"({"train": {"batch_per_rank": 4, "grad_accum": 4611686018427387905}})",
+       "/train/grad_accum", "must be <= 1048576 (2^20), got 4611686018427387905"},
+      {R"({"train": {"batch_per_rank": 16777216, "grad_accum": 1048576}})", "/train/grad_accum",
+       "/train/batch_per_rank x /train/grad_accum must be <= 2147483648 (2^31 samples per rank "
+       "and step), got 16777216 x 1048576 = 17592186044416"},
+      {R"({"train": {"threads_per_rank": 1000}})", "/train/threads_per_rank",
+       "must be <= 256 (BLAS threads per rank), got 1000"},
+      {R"({"model": {"input": 9999999999}})", "/model/input",
+       "must be <= 2147483647 (2^31 - 1), got 9999999999"},
+      {R"({"model": {"hidden": [64, 2147483648]}})", "/model/hidden/1",
+       "must be <= 2147483647 (2^31 - 1), got 2147483648"},
+      {R"({"model": {"classes": 2147483648}})", "/model/classes", "must be <= 2147483647"},
+      {R"({"model": {"type": "gpt", "vocab": 1e10}, "data": {"type": "tokens", "path": "d"}})",
+       "/model/vocab", "must be <= 2147483647 (2^31 - 1)"},
+      {R"({"model": {"type": "gpt", "context": 2147483648}, "data": {"type": "tokens",
+          "path": "d"}})",
+       "/model/context", "must be <= 2147483647"},
+      {R"({"model": {"type": "gpt", "layers": 2147483648}, "data": {"type": "tokens",
+          "path": "d"}})",
+       "/model/layers", "must be <= 2147483647"},
+      {R"({"model": {"type": "gpt", "heads": 2147483648}, "data": {"type": "tokens",
+          "path": "d"}})",
+       "/model/heads", "must be <= 2147483647"},
+      {R"({"model": {"type": "gpt", "width": 2147483648}, "data": {"type": "tokens",
+          "path": "d"}})",
+       "/model/width", "must be <= 2147483647"},
+      {R"({"model": {"type": "gpt", "mlp_ratio": 2147483648}, "data": {"type": "tokens",
+          "path": "d"}})",
+       "/model/mlp_ratio", "must be <= 2147483647"},
+      {R"({"model": {"input": 2147483647, "hidden": [2147483647]}})", "/model/input",
+       "the mlp would have 4,611,686,037,754,740,736 parameters, more than the "
+       "1,099,511,627,776 (2^40) allowed"},
+      {R"({"model": {"input": 1000000, "hidden": [2000000]}})", "/model/hidden/0",
+       "the mlp would have 2,000,022,000,010 parameters, more than the 1,099,511,627,776 (2^40) "
+       "allowed"},
+      {R"({"model": {"type": "gpt", "width": 1048576}, "data": {"type": "tokens", "path": "d"}})",
+       "/model/width",
+       "the gpt would have 52,777,017,409,536 parameters, more than the 1,099,511,627,776"},
+      {R"({"model": {"type": "gpt", "layers": 2147483647}, "data": {"type": "tokens",
+          "path": "d"}})",
+       "/model/layers", "the gpt would have 425,785,877,707,392 parameters"},
+      {R"({"model": {"type": "gpt", "vocab": 2147483647, "width": 1024}, "data": {"type":
+          "tokens", "path": "d"}})",
+       "/model/vocab", "more than the 1,099,511,627,776 (2^40) allowed"},
+      {R"({"model": {"type": "gpt", "layers": 2147483647, "width": 2147483647, "heads": 1,
+          "mlp_ratio": 1}, "data": {"type": "tokens", "path": "d"}})",
+       "/model/width",
+       "the gpt would have more than 18,446,744,073,709,551,615 parameters, more than the "
+       "1,099,511,627,776 (2^40) allowed"},
+      {R"({"model": {"type": "gpt", "width": 1073741824, "mlp_ratio": 4}, "data": {"type":
+          "tokens", "path": "d"}})",
+       "/model/mlp_ratio",
+       "the MLP's width, /model/mlp_ratio x /model/width = 4 x 1073741824 = 4294967296, must be "
+       "<= 2147483647 (2^31 - 1)"},
+      {R"({"data": {"samples": 10000000000}})", "/data/samples",
+       "/data/samples x /model/input = 10000000000 x 784 = 7,840,000,000,000 values, more than "
+       "the 1,099,511,627,776 (2^40) synthetic data may hold"},
+      {R"({"distributed": {"timeout_s": 1e300}})", "/distributed/timeout_s",
+       "must be <= 1000000 (about 11.6 days), got 1e+300"},
+      {R"({"distributed": {"timeout_s": 9300000000}})", "/distributed/timeout_s",
+       "must be <= 1000000 (about 11.6 days), got 9300000000"},
+      {R"({"fault_tolerance": {"hang_timeout_s": 1000000.5}})", "/fault_tolerance/hang_timeout_s",
+       "must be <= 1000000 (about 11.6 days)"},
+      {R"({"fault_tolerance": {"rejoin_timeout_s": 1e12}})", "/fault_tolerance/rejoin_timeout_s",
+       "must be <= 1000000 (about 11.6 days), got 1000000000000.0"},
+      {R"({"fault_tolerance": {"restart_backoff_s": 1e18}})", "/fault_tolerance/restart_backoff_s",
+       "must be <= 1000000 (about 11.6 days)"},
+      {R"({"name": "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"})",
+       "/name",
+       "must be at most 100 characters long (it becomes a directory name, with the time after "
+       "it), is 101, got \"aaaa"},
       {R"({"extra": 1})", "/extra", "unknown key 'extra'"},
       {R"({"log": {"a/b": 1}})", "/log/a~1b", "unknown key 'a/b'"},
   };
@@ -544,17 +623,18 @@ TEST_CASE("recipe: unknown keys suggest a close known key") {
 
 TEST_CASE("recipe: csv paths resolve against the recipe's folder and must be readable") {
   TempDir dir;
-  fs::path csv = dir.write("data/train.csv", "x,label\n1,0\n");
+  fs::path csv = dir.write("data/train.csv", "label,x\n0,1\n");
 
   SUBCASE("a relative path is stored absolute") {
-    Recipe r = parse_recipe(json::parse(R"({"data": {"type": "csv", "path": "data/train.csv"}})"),
+    Recipe r = parse_recipe(json::parse(R"({"model": {"input": 1},
+                                            "data": {"type": "csv", "path": "data/train.csv"}})"),
                             "test.json", dir.path());
     CHECK(fs::path(r.data.path).is_absolute());
     CHECK(fs::equivalent(r.data.path, csv));
   }
   SUBCASE("load_recipe resolves against the file's parent directory") {
-    fs::path recipe =
-        dir.write("recipes/r.json", R"({"data": {"type": "csv", "path": "../data/train.csv"}})");
+    fs::path recipe = dir.write("recipes/r.json", R"({"model": {"input": 1},
+        "data": {"type": "csv", "path": "../data/train.csv"}})");
     Recipe r = load_recipe(recipe);
     CHECK(fs::equivalent(r.data.path, csv));
     CHECK(r.data.path == csv.lexically_normal().string());
@@ -573,7 +653,8 @@ TEST_CASE("recipe: csv paths resolve against the recipe's folder and must be rea
     if (geteuid() == 0) return;  // root reads through any permission bits
     fs::permissions(csv, fs::perms::none);
     std::string message =
-        problems_of(R"({"data": {"type": "csv", "path": "data/train.csv"}})", dir.path());
+        problems_of(R"({"model": {"input": 1}, "data": {"type": "csv", "path": "data/train.csv"}})",
+                    dir.path());
     CHECK(has_problem(message, "/data/path", "Permission denied"));
   }
 }
@@ -639,6 +720,125 @@ TEST_CASE("recipe: load_recipe reports unreadable files and invalid JSON with a 
   SUBCASE("validation problems name the file") {
     fs::path file = dir.write("r.json", R"({"optimizer": {"lr": -1}})");
     CHECK(load_problems(file) == file.string() + ": /optimizer/lr: must be > 0, got -1");
+  }
+}
+
+TEST_CASE("recipe: values at the upper bounds are accepted") {
+  const std::string name(100, 'n');
+  const Recipe r = parse_recipe(json::parse(R"({"name": ")" + name + R"(",
+      "model": {"input": 2147483647, "hidden": [256], "classes": 2},
+      "data": {"samples": 512},
+      "train": {"batch_per_rank": 2048, "grad_accum": 1048576, "threads_per_rank": 256},
+      "distributed": {"timeout_s": 1e6},
+      "fault_tolerance": {"hang_timeout_s": 1e6, "rejoin_timeout_s": 1e6,
+                          "restart_backoff_s": 1e6}})"),
+                                "test.json", "/");
+  CHECK(r.name == name);
+  CHECK(r.model.input == 2147483647);
+  CHECK(r.train.batch_per_rank * r.train.grad_accum == int64_t{1} << 31);
+  CHECK(r.train.threads_per_rank == 256);
+  CHECK(r.distributed.timeout_s == 1e6);
+  CHECK(r.fault_tolerance.restart_backoff_s == 1e6);
+  // batch_per_rank at its own bound, with a grad_accum that keeps the product in range.
+  CHECK(parse_recipe(json::parse(R"({"train": {"batch_per_rank": 16777216, "grad_accum": 128}})"),
+                     "test.json", "/")
+            .train.batch_per_rank == 16777216);
+  // An mlp input -> 2^20 -> 2 has (input + 3) x 2^20 + 2 parameters: input 2^20 - 4 is the
+  // largest within 2^40, one more passes it.
+  CHECK_NOTHROW(parse_recipe(json::parse(R"({"model": {"input": 1048572, "hidden": [1048576],
+      "classes": 2}, "data": {"samples": 1000}})"),
+                             "test.json", "/"));
+  CHECK(has_problem(problems_of(R"({"model": {"input": 1048573, "hidden": [1048576],
+      "classes": 2}, "data": {"samples": 1000}})"),
+                    "/model/hidden/0", "the mlp would have 1,099,511,627,778 parameters"));
+}
+
+TEST_CASE("recipe: -0 is the integer 0") {
+  const Recipe r = parse_recipe(
+      json::parse(R"({"seed": -0, "train": {"steps": -0, "grad_accum": 1}})"), "test.json", "/");
+  CHECK(r.seed == 0);
+  CHECK(r.train.steps == 0);
+  CHECK(parse_recipe(json::parse(R"({"seed": -0.0})"), "test.json", "/").seed == 0);
+  CHECK(parse_recipe(json::parse(R"({"seed": -0e5})"), "test.json", "/").seed == 0);
+  // Below 0 it is still refused.
+  CHECK(has_problem(problems_of(R"({"seed": -1})"), "/seed", "must be >= 0, got -1"));
+  CHECK(has_problem(problems_of(R"({"seed": -1.0})"), "/seed", "must be >= 0, got -1.0"));
+}
+
+TEST_CASE("recipe: parameter_count is what the model builds") {
+  std::vector<ModelSpec> specs(5);
+  specs[1].input = 3;
+  specs[1].hidden = {5, 7};
+  specs[1].classes = 4;
+  specs[2].hidden = {};  // a linear classifier
+  specs[3].type = "gpt";
+  specs[3].vocab = 300;
+  specs[3].context = 16;
+  specs[3].layers = 3;
+  specs[3].heads = 2;
+  specs[3].width = 24;
+  specs[3].mlp_ratio = 2;
+  specs[4].type = "gpt";
+  for (const ModelSpec& spec : specs) {
+    INFO(spec.type, " ", spec.input, " ", spec.width);
+    CHECK(parameter_count(spec) == make_model(spec)->num_params());
+  }
+  ModelSpec gpt2;  // GPT-2 small, as the README and dptrain-recipe(5) give it
+  gpt2.type = "gpt";
+  gpt2.vocab = 50257;
+  gpt2.context = 1024;
+  gpt2.layers = 12;
+  gpt2.heads = 12;
+  gpt2.width = 768;
+  CHECK(parameter_count(gpt2) == 124439808);
+  ModelSpec huge;
+  huge.input = 9999999999;
+  huge.hidden = {9999999999};
+  CHECK(parameter_count(huge) == std::nullopt);  // past 2^64, not wrapped
+}
+
+TEST_CASE("recipe: a CSV file's columns must match model.input") {
+  TempDir dir;
+  const fs::path csv = dir.write("d.csv", "label,a,b\n1,2,3\n0,4,5\n");
+  const auto recipe = [](int64_t input, const std::string& file, const std::string& header) {
+    return json({{"model", {{"input", input}}},
+                 {"data", {{"type", "csv"}, {"path", file}, {"header", header}}}})
+        .dump();
+  };
+  CHECK(
+      parse_recipe(json::parse(recipe(2, "d.csv", "auto")), "test.json", dir.path()).model.input ==
+      2);
+  SUBCASE("more features in the recipe than in the file") {
+    const std::string message = problems_of(recipe(5, "d.csv", "auto"), dir.path());
+    CHECK(lines_of(message).size() == 1);
+    CHECK(has_problem(message, "/model/input",
+                      "must match the 2 feature column(s) of \"" + csv.string() +
+                          "\" (line 2 has 3 column(s): the label, then the features), got 5"));
+  }
+  SUBCASE("fewer") {
+    CHECK(has_problem(problems_of(recipe(1, "d.csv", "yes"), dir.path()), "/model/input",
+                      "must match the 2 feature column(s)"));
+  }
+  SUBCASE("the header setting picks the row that counts") {
+    const fs::path ragged = dir.write("r.csv", "\n\nlabel,a,b,c\n1,2,3\n");
+    CHECK(has_problem(problems_of(recipe(3, "r.csv", "auto"), dir.path()), "/model/input",
+                      "(line 4 has 3 column(s)"));
+    CHECK(has_problem(problems_of(recipe(2, "r.csv", "no"), dir.path()), "/model/input",
+                      "must match the 3 feature column(s) of \"" + ragged.string() +
+                          "\" (line 3 has 4 column(s)"));
+  }
+  SUBCASE("a file without data rows") {
+    const fs::path empty = dir.write("e.csv", "label,a,b\n\n");
+    CHECK(has_problem(problems_of(recipe(2, "e.csv", "yes"), dir.path()), "/data/path",
+                      "\"" + empty.string() + "\" has no data rows (after the header row)"));
+    dir.write("blank.csv", "");
+    CHECK(has_problem(problems_of(recipe(2, "blank.csv", "no"), dir.path()), "/data/path",
+                      "has no data rows"));
+  }
+  SUBCASE("a bad header setting is the one problem") {
+    const std::string message = problems_of(recipe(5, "d.csv", "maybe"), dir.path());
+    CHECK(lines_of(message).size() == 1);
+    CHECK(has_problem(message, "/data/header", "must be"));
   }
 }
 

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdio>
 #include <sstream>
+#include <string_view>
 #include <system_error>
 #include <thread>
 
@@ -16,6 +17,7 @@
 #include "core/comm/net.hpp"
 #include "core/comm/socket.hpp"
 #include "core/comm/store.hpp"
+#include "core/data/dataset.hpp"
 #include "core/error.hpp"
 #include "core/recipe.hpp"
 #include "core/tensor/device.hpp"
@@ -40,8 +42,10 @@ std::string DoctorCheck::line() const {
 }
 
 json DoctorCheck::to_json() const {
-  return {{"check", check},   {"host", host}, {"ok", ok},
-          {"detail", detail}, {"fix", fix},   {"skipped", skipped}};
+  // A fix is advice for a failure: null on a check that passed (or was skipped), as in line().
+  const json advice = ok || fix.empty() ? json(nullptr) : json(fix);
+  return {{"check", check},   {"host", host},  {"ok", ok},
+          {"detail", detail}, {"fix", advice}, {"skipped", skipped}};
 }
 
 int run_probe_listen(std::FILE* out) {
@@ -132,9 +136,66 @@ class Doctor {
           fmt::format("enough samples for {} rank(s) x batch {} x accumulation {}", world_,
                       recipe_->train.batch_per_rank, recipe_->train.grad_accum));
     } catch (const Error& e) {
-      add("data", "", false, e.what(),
-          "use more data, a smaller train.batch_per_rank or fewer ranks");
+      add("data", "", false, e.what(), data_fix(*recipe_));
     }
+  }
+
+  // The fix for what check_runnable refused, found by redoing its steps (only after a failure):
+  // too few samples for a global batch is not the same problem as a file that does not fit the
+  // model, nor as a dataset that is not there.
+  std::string data_fix(const Recipe& r) const {
+    if (r.distributed.sync == "ps" && r.distributed.servers >= world_) {
+      return fmt::format("use fewer distributed.servers than the {} rank(s), or more ranks",
+                         world_);
+    }
+    int64_t train_samples = 0;
+    try {
+      train_samples = load_data(r.data, r.model, r.seed).train->size();
+    } catch (const Error& e) {
+      return load_fix(r, e.what());
+    }
+    if (train_samples < global_batch(r, world_)) {
+      return r.data.type == "synthetic-classification"
+                 ? "raise data.samples, or use a smaller train.batch_per_rank or "
+                   "train.grad_accum, or fewer ranks"
+                 : "use more data, a smaller train.batch_per_rank or train.grad_accum, or fewer "
+                   "ranks";
+    }
+    return fmt::format("correct what the line says in {} or its data", options_.recipe.string());
+  }
+
+  // The data could not be loaded for this model: what to change, by what the error says.
+  std::string load_fix(const Recipe& r, const std::string& error) const {
+    const auto says = [&](std::string_view phrase) {
+      return error.find(phrase) != std::string::npos;
+    };
+    if (says("leaves none for training")) {
+      return "lower data.eval_fraction, or use more data";
+    }
+    if (r.data.type == "csv") {
+      if (says("features, but model.input")) {
+        return "set model.input to the file's feature count (every column but the first, the "
+               "label), or fix the rows that differ";
+      }
+      if (says("is outside [0,")) {
+        return "labels must be 0 to model.classes - 1: raise model.classes, or renumber the "
+               "labels";
+      }
+      return "fix the data file: each row is an integer label, then model.input numbers "
+             "(data.header says whether the first line is a header)";
+    }
+    if (r.data.type == "tokens") {
+      if (says("/model/vocab")) return "raise model.vocab to the dataset's vocabulary";
+      if (says("fewer than one window")) {
+        return "use a smaller model.context, or prepare the dataset from more text";
+      }
+      return fmt::format(
+          "prepare a token dataset with 'dptrain data prepare --text FILE... "
+          "--out {}', or point data.path at one",
+          r.data.path);
+    }
+    return fmt::format("correct the recipe ('dptrain recipe validate {}' lists what it can see)",
+                       options_.recipe.string());
   }
 
   // A cuda recipe needs GPUs (and, for NCCL, the library) where its ranks run. This machine's

@@ -51,9 +51,8 @@ std::string place_generation(RunDirectory& run, JobSpec& spec, StatusPrinter& st
   if (spec.nodes.max == 0 && why != Placement::first) return "";
   // The first generation of this invocation: the size the run last ran at (a resume), or for a
   // new run the nominal size.
-  const int before = why == Placement::first
-                         ? run.info().value("world_size", spec.nominal_world)
-                         : spec.world_size;
+  const int before = why == Placement::first ? run.info().value("world_size", spec.nominal_world)
+                                             : spec.world_size;
   const std::vector<HostSpec> hosts_before = spec.hosts;
   std::vector<std::string> absent;
   if (!spec.candidates.empty()) {

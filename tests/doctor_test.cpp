@@ -120,3 +120,127 @@ TEST_CASE("doctor: an unreachable host is named, the others still checked") {
   CHECK(lines[0].find(f.sshd.addresses()[2]) != std::string::npos);
   CHECK(r.out.find("ok   version") != std::string::npos);  // the good host was checked
 }
+
+namespace {
+
+// Doctor on this machine alone (two local slots, no SSH, no all-reduce): the recipe and data
+// checks, as JSON.
+json local_doctor(const TempDir& tmp, const json& recipe) {
+  const auto path = write_recipe(tmp.path(), recipe);
+  auto r = run_dptrain({"doctor", "--hosts", "localhost:2", "--workdir", (tmp / "work").string(),
+                        "--no-allreduce", "--json", path.string()});
+  INFO(r.out, r.err);
+  CHECK((r.exit_code == 0 || r.exit_code == 4));
+  return parse_json(r.out);
+}
+
+// The one check named `name` about this machine's view of the recipe (host "").
+json check_named(const json& report, const std::string& name) {
+  json found;
+  for (const auto& c : report["checks"]) {
+    if (c["check"] == name && c["host"] == "") {
+      CHECK(found.is_null());
+      found = c;
+    }
+  }
+  REQUIRE_FALSE(found.is_null());
+  return found;
+}
+
+json csv_recipe(const TempDir& tmp, const std::string& rows) {
+  write_text(tmp / "d.csv", rows);
+  auto recipe = small_recipe();
+  recipe["model"] = {{"type", "mlp"}, {"input", 2}, {"hidden", {4}}, {"classes", 3}};
+  recipe["data"] = {{"type", "csv"}, {"path", "d.csv"}, {"header", "no"}};
+  recipe["train"]["batch_per_rank"] = 2;
+  return recipe;
+}
+
+std::string many_rows(int n) {
+  std::string rows;
+  for (int i = 0; i < n; ++i)
+    rows += std::to_string(i % 3) + "," + std::to_string(i) + ",1\n";
+  return rows;
+}
+
+}  // namespace
+
+TEST_CASE("doctor: the data check's fix fits what is wrong with the data") {
+  TempDir tmp;
+  const std::string more_data = "more data";
+  SUBCASE("a label outside [0, classes) on a later row") {
+    const json data =
+        check_named(local_doctor(tmp, csv_recipe(tmp, many_rows(40) + "7,1,1\n")), "data");
+    CAPTURE(data.dump());
+    CHECK(data["ok"] == false);
+    CHECK(data["detail"].get<std::string>().find(":41: label 7 is outside [0, 3)") !=
+          std::string::npos);
+    CHECK(data["fix"].get<std::string>().find("model.classes") != std::string::npos);
+    CHECK(data["fix"].get<std::string>().find(more_data) == std::string::npos);
+  }
+  SUBCASE("a row with fewer columns than the first") {
+    const json data =
+        check_named(local_doctor(tmp, csv_recipe(tmp, many_rows(40) + "1,1\n")), "data");
+    CAPTURE(data.dump());
+    CHECK(data["ok"] == false);
+    CHECK(data["detail"].get<std::string>().find("1 features, but model.input is 2") !=
+          std::string::npos);
+    CHECK(data["fix"].get<std::string>().find("model.input") != std::string::npos);
+    CHECK(data["fix"].get<std::string>().find(more_data) == std::string::npos);
+  }
+  SUBCASE("a token dataset that is not there") {
+    auto recipe = small_recipe();
+    recipe["model"] = {{"type", "gpt"}, {"vocab", 256}, {"context", 8},
+                       {"layers", 1},   {"heads", 2},   {"width", 16}};
+    recipe["data"] = {{"type", "tokens"}, {"path", "no-such-dataset"}};
+    const json data = check_named(local_doctor(tmp, recipe), "data");
+    CAPTURE(data.dump());
+    CHECK(data["ok"] == false);
+    CHECK(data["detail"].get<std::string>().find("no-such-dataset") != std::string::npos);
+    CHECK(data["fix"].get<std::string>().find("dptrain data prepare") != std::string::npos);
+    CHECK(data["fix"].get<std::string>().find(more_data) == std::string::npos);
+  }
+  SUBCASE("too few samples for one global batch") {
+    const json data = check_named(local_doctor(tmp, csv_recipe(tmp, many_rows(3))), "data");
+    CAPTURE(data.dump());
+    CHECK(data["ok"] == false);
+    CHECK(data["detail"].get<std::string>().find("fewer than one global batch") !=
+          std::string::npos);
+    CHECK(data["fix"].get<std::string>().find(more_data) != std::string::npos);
+    auto synthetic = small_recipe();
+    synthetic["data"]["samples"] = 20;
+    const json small = check_named(local_doctor(tmp, synthetic), "data");
+    CHECK(small["ok"] == false);
+    CHECK(small["fix"].get<std::string>().find("raise data.samples") != std::string::npos);
+  }
+  SUBCASE("a first row that does not match model.input is a recipe problem") {
+    const json report = local_doctor(tmp, csv_recipe(tmp, "0,1,2,3\n" + many_rows(40)));
+    const json recipe = check_named(report, "recipe");
+    CAPTURE(recipe.dump());
+    CHECK(recipe["ok"] == false);
+    CHECK(recipe["detail"].get<std::string>().find("/model/input: must match the 3 feature") !=
+          std::string::npos);
+    CHECK(recipe["fix"].get<std::string>().find("dptrain recipe validate") != std::string::npos);
+  }
+}
+
+TEST_CASE("doctor --json: a fix only on the checks that failed") {
+  TempDir tmp;
+  const json good = local_doctor(tmp, small_recipe());
+  CHECK(good["ok"] == true);
+  REQUIRE(good["checks"].size() >= 4);
+  for (const auto& c : good["checks"]) {
+    CAPTURE(c.dump());
+    CHECK(c["ok"] == true);
+    CHECK(c["fix"].is_null());
+  }
+  auto few = small_recipe();
+  few["data"]["samples"] = 20;
+  const json bad = local_doctor(tmp, few);
+  CHECK(bad["ok"] == false);
+  for (const auto& c : bad["checks"]) {
+    CAPTURE(c.dump());
+    CHECK(c["fix"].is_null() == c["ok"].get<bool>());
+    if (!c["ok"].get<bool>()) CHECK_FALSE(c["fix"].get<std::string>().empty());
+  }
+}

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <string_view>
@@ -103,6 +104,47 @@ bool parse_header_setting(const std::string& header, bool& auto_detect) {
   throw Error(ErrorKind::recipe, "data.header: must be auto, yes or no, got '" + header + "'");
 }
 
+// The data rows of a CSV file, split into trimmed fields: blank lines and (as `header` says) a
+// header row skipped. Shared by read_csv_samples and csv_first_row, so validation and training
+// see the same rows.
+class CsvRows {
+ public:
+  CsvRows(const std::filesystem::path& path, const std::string& header)
+      : path_(path), skip_first_(parse_header_setting(header, auto_detect_)), in_(path) {
+    if (!in_) {
+      throw Error(ErrorKind::recipe, path.string() + ": cannot open: " + std::strerror(errno));
+    }
+  }
+
+  // The next data row's fields and 1-based line number; false at the end of the file.
+  bool next(std::vector<std::string_view>& fields, int64_t& line_number) {
+    while (std::getline(in_, line_)) {
+      ++line_number_;
+      if (trim(line_).empty()) continue;
+      split_fields(line_, fields);
+      if (first_row_) {
+        first_row_ = false;
+        if (skip_first_ || (auto_detect_ && !all_numeric(fields))) continue;
+      }
+      line_number = line_number_;
+      return true;
+    }
+    if (in_.bad()) {
+      throw Error(ErrorKind::recipe, path_.string() + ": read failed: " + std::strerror(errno));
+    }
+    return false;
+  }
+
+ private:
+  std::filesystem::path path_;
+  bool auto_detect_ = false;
+  bool skip_first_;
+  std::ifstream in_;
+  std::string line_;  // the fields point into it until the next call
+  int64_t line_number_ = 0;
+  bool first_row_ = true;
+};
+
 class CsvRowParser {
  public:
   CsvRowParser(std::string where_prefix, int64_t features, int64_t classes)
@@ -161,6 +203,14 @@ SampleTable make_synthetic_samples(const DataSpec& data, const ModelSpec& model,
   }
   const auto features = static_cast<size_t>(model.input);
   const auto classes = static_cast<size_t>(model.classes);
+  // The recipe bounds samples x input far below this; a caller that skipped it must not get a
+  // wrapped size (a short table written past its end).
+  const size_t most_rows = std::numeric_limits<size_t>::max() / sizeof(float) / features;
+  if (static_cast<size_t>(data.samples) > most_rows || classes > most_rows) {
+    throw Error(ErrorKind::recipe, "data.samples: " + std::to_string(data.samples) +
+                                       " samples of " + std::to_string(model.input) +
+                                       " features do not fit in memory");
+  }
   std::mt19937_64 rng(derive_seed(seed, kSyntheticStream));
 
   std::vector<float> centres(classes * features);
@@ -192,33 +242,24 @@ SampleTable make_synthetic_samples(const DataSpec& data, const ModelSpec& model,
 
 SampleTable read_csv_samples(const std::filesystem::path& path, const std::string& header,
                              int64_t features, int64_t classes) {
-  bool auto_detect = false;
-  bool skip_first = parse_header_setting(header, auto_detect);
-  std::ifstream in(path);
-  if (!in) {
-    throw Error(ErrorKind::recipe, path.string() + ": cannot open: " + std::strerror(errno));
-  }
+  CsvRows rows(path, header);
   const CsvRowParser parser(path.string(), features, classes);
   SampleTable table;
   table.features = features;
   table.classes = classes;
-  std::string line;
   std::vector<std::string_view> fields;
-  bool first_row = true;
-  for (int64_t number = 1; std::getline(in, line); ++number) {
-    if (trim(line).empty()) continue;
-    split_fields(line, fields);
-    if (first_row) {
-      first_row = false;
-      if (skip_first || (auto_detect && !all_numeric(fields))) continue;
-    }
+  for (int64_t number = 0; rows.next(fields, number);)
     parser.append(fields, number, table);
-  }
-  if (in.bad()) {
-    throw Error(ErrorKind::recipe, path.string() + ": read failed: " + std::strerror(errno));
-  }
   if (table.y.empty()) throw Error(ErrorKind::recipe, path.string() + ": no data rows");
   return table;
+}
+
+std::optional<CsvRow> csv_first_row(const std::filesystem::path& path, const std::string& header) {
+  CsvRows rows(path, header);
+  std::vector<std::string_view> fields;
+  int64_t number = 0;
+  if (!rows.next(fields, number)) return std::nullopt;
+  return CsvRow{static_cast<int64_t>(fields.size()), number};
 }
 
 int64_t eval_split_size(int64_t size, double eval_fraction) {

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -58,6 +59,17 @@ SampleTable make_synthetic_samples(const DataSpec& data, const ModelSpec& model,
 // non-numeric is a header).
 SampleTable read_csv_samples(const std::filesystem::path& path, const std::string& header,
                              int64_t features, int64_t classes);
+
+// The first data row of a CSV file as read_csv_samples sees it (blank lines and, as `header`
+// says, a header row skipped): its column count (the label and the features) and 1-based line.
+// Nothing when the file has no data rows; Error(recipe) naming the file when it cannot be read.
+// Reads only up to that row, so recipe validation can compare the columns with model.input
+// cheaply.
+struct CsvRow {
+  int64_t columns = 0;
+  int64_t line = 0;
+};
+std::optional<CsvRow> csv_first_row(const std::filesystem::path& path, const std::string& header);
 
 // A seeded shuffle of the table's rows: the last round(size * eval_fraction) are the eval split,
 // the rest the train split. Both share the table; nothing is copied.

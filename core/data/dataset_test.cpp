@@ -200,6 +200,48 @@ TEST_CASE("csv: every bad row is a recipe error naming the file and line") {
   CHECK(csv_error("1,2,3\n", "maybe").find("data.header") != std::string::npos);
 }
 
+TEST_CASE("csv_first_row: the first data row as read_csv_samples sees it") {
+  TempDir dir;
+  const auto with_header = dir.write("a.csv", "\r\n  \nlabel,f1,f2\r\n1, 0.5 ,-2\r\n0,1\n");
+  const auto first = csv_first_row(with_header, "auto");
+  REQUIRE(first.has_value());
+  CHECK(first->columns == 3);
+  CHECK(first->line == 4);
+  // The columns are what read_csv_samples takes for the label and model.input features: with
+  // two features it reads the first row and stops at the short one on line 5.
+  CHECK(csv_error("\r\n  \nlabel,f1,f2\r\n1, 0.5 ,-2\r\n0,1\n") ==
+        ":5: 1 features, but model.input is 2 (expected the label then the features)");
+
+  const auto yes = csv_first_row(with_header, "yes");
+  REQUIRE(yes.has_value());
+  CHECK(yes->line == 4);
+  const auto no = csv_first_row(with_header, "no");
+  REQUIRE(no.has_value());
+  CHECK(no->line == 3);  // the header is a row like any other
+  CHECK(no->columns == 3);
+
+  const auto numeric = dir.write("b.csv", "2,1,1,4\n1,2\n");
+  CHECK(csv_first_row(numeric, "auto")->columns == 4);
+  CHECK(csv_first_row(numeric, "auto")->line == 1);
+  CHECK(csv_first_row(numeric, "yes")->columns == 2);
+  CHECK(csv_first_row(numeric, "yes")->line == 2);
+
+  CHECK_FALSE(csv_first_row(dir.write("c.csv", ""), "no").has_value());
+  CHECK_FALSE(csv_first_row(dir.write("d.csv", "label,a\n\n"), "auto").has_value());
+  CHECK_FALSE(csv_first_row(dir.write("e.csv", "1,2\n"), "yes").has_value());
+  CHECK_THROWS_WITH_AS(csv_first_row(dir.write("f.csv", "1,2\n"), "maybe"),
+                       doctest::Contains("data.header"), Error);
+  const auto missing = std::filesystem::temp_directory_path() / "dptrain-no-such-file.csv";
+  CHECK_THROWS_WITH_AS(csv_first_row(missing, "auto"),
+                       doctest::Contains("dptrain-no-such-file.csv: cannot open"), Error);
+}
+
+TEST_CASE("synthetic data too large to index is refused, not wrapped") {
+  DataSpec data = synthetic(int64_t{1} << 62, 0.1);
+  CHECK_THROWS_WITH_AS(make_synthetic_samples(data, model_of(784, 10), 1),
+                       doctest::Contains("data.samples"), Error);
+}
+
 TEST_CASE("load_data: csv through the spec, missing files and unknown types") {
   TempDir dir;
   std::string contents = "y,a,b\n";
