@@ -69,7 +69,7 @@ void add_host_options(CLI::App& app, HostOptions& o, bool hosts_required) {
                "Accept and record the keys of hosts not in known_hosts (a changed key is always "
                "refused)");
   app.add_option("--connect-timeout", o.connect_timeout_s, "Seconds to connect to a host")
-      ->check(non_negative_number())
+      ->check(seconds())
       ->capture_default_str();
 }
 

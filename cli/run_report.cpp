@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "core/error.hpp"
+#include "core/recipe.hpp"
 #include "launch/status.hpp"
 
 namespace dptrain::cli {
@@ -77,6 +78,20 @@ const CLI::Validator& non_negative_number() {
   return check;
 }
 
+const CLI::Validator& seconds() {
+  static const CLI::Validator check(
+      [](std::string& value) -> std::string {
+        if (std::string wrong = non_negative_number()(value); !wrong.empty()) return wrong;
+        if (std::strtod(value.c_str(), nullptr) > kMaxSeconds) {
+          return fmt::format("'{}' is more than {:.0f} seconds (about 11.6 days)", value,
+                             kMaxSeconds);
+        }
+        return {};
+      },
+      "SECONDS");
+  return check;
+}
+
 void add_restart_options(CLI::App& app, RestartOptions& o) {
   app.add_option("--events", o.events,
                  "Write one JSON line per state change (generation, rendezvous, checkpoint, "
@@ -85,7 +100,7 @@ void add_restart_options(CLI::App& app, RestartOptions& o) {
                  "Seconds without progress on some rank before the job is stopped as hung, "
                  "naming the stuck rank and phase (0: off; default: the recipe's "
                  "fault_tolerance.hang_timeout_s)")
-      ->check(non_negative_number());
+      ->check(seconds());
   app.add_option("--max-restarts", o.max_restarts,
                  "Restart after a rank or host failure from the newest valid checkpoint, at most "
                  "this many times per launch or resume, counted over all ranks and hosts "
@@ -95,11 +110,11 @@ void add_restart_options(CLI::App& app, RestartOptions& o) {
                  "Elastic jobs (--nnodes or --nproc MIN:MAX): seconds a lost host may take to "
                  "answer again before the job continues without it (default: the recipe's "
                  "fault_tolerance.rejoin_timeout_s, 60)")
-      ->check(non_negative_number());
+      ->check(seconds());
   app.add_option("--restart-backoff", o.backoff_s,
                  "Seconds before the first restart; doubled for each further one, at most 30 "
                  "(default: the recipe's fault_tolerance.restart_backoff_s, 1)")
-      ->check(non_negative_number());
+      ->check(seconds());
 }
 
 int report_outcome(const RunDirectory& run, const JobOutcome& outcome, bool json,

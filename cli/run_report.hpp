@@ -30,6 +30,8 @@ void add_restart_options(CLI::App& app, RestartOptions& o);
 // A CLI11 check for a finite number >= 0 that says what is wrong in plain words (CLI11's own
 // range check prints DBL_MAX in full, lets "nan" through, and unsigned options wrap "-1").
 const CLI::Validator& non_negative_number();
+// A number of seconds: non_negative_number, at most kMaxSeconds.
+const CLI::Validator& seconds();
 
 // The --events stream (disabled when not asked for); Error(usage) when it would share stdout
 // with --json.

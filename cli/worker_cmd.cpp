@@ -12,6 +12,7 @@
 
 #include "cli/commands.hpp"
 #include "cli/env.hpp"
+#include "cli/run_report.hpp"
 #include "core/comm/auth.hpp"
 #include "core/comm/gloo_communicator.hpp"
 #include "core/comm/nccl_communicator.hpp"
@@ -248,7 +249,8 @@ void setup_worker(CLI::App& app, Outcome& outcome) {
   app.add_option("--generation", o->generation, "Restart generation (env DPTRAIN_GENERATION)");
   app.add_option("--bind", o->bind, "Address for this rank's transport (env DPTRAIN_BIND_ADDR)");
   app.add_option("--timeout", o->timeout_s,
-                 "Seconds for store and collective waits (default: distributed.timeout_s)");
+                 "Seconds for store and collective waits (default: distributed.timeout_s)")
+      ->check(seconds());
   app.callback([o, &outcome] {
     try {
       outcome.exit_code = run_worker(*o);

@@ -45,7 +45,6 @@ constexpr int64_t kMaxThreadsPerRank = 256;
 constexpr int64_t kMaxDimension = (int64_t{1} << 31) - 1;    // every model size field
 constexpr uint64_t kMaxParameters = uint64_t{1} << 40;       // 1,099,511,627,776 (4 TiB in f32)
 constexpr uint64_t kMaxSyntheticValues = uint64_t{1} << 40;  // data.samples x model.input
-constexpr double kMaxSeconds = 1e6;                          // about 11.6 days
 
 // ---- problem collection ----------------------------------------------------------------------
 

@@ -159,6 +159,10 @@ struct Recipe {
   bool operator==(const Recipe&) const = default;
 };
 
+// The longest duration a recipe field or a flag in seconds may give (about 11.6 days): longer
+// ones would overflow the clocks' conversions. 0 means "off" where a field allows it.
+inline constexpr double kMaxSeconds = 1e6;
+
 // Where a recipe comes from: a user's file refuses fields that do not apply to the kind chosen
 // ("momentum" with "adamw"); a recipe stored in run.json by an earlier version, which carries
 // every field, is read as it is.

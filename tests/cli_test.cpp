@@ -70,10 +70,13 @@ TEST_CASE("usage errors exit 2") {
                                     ": cannot create run directory") != std::string::npos,
                 unwritable.err);
   // Bad numbers say what is wrong with them, and NaN does not turn the hang watch off.
-  for (const auto& [flag, value, says] :
-       std::vector<std::array<std::string, 3>>{{"--hang-timeout", "nan", "must be a finite number"},
-                                               {"--max-restarts", "-1", "must be a finite number"},
-                                               {"--restart-backoff", "soon", "is not a number"}}) {
+  for (const auto& [flag, value, says] : std::vector<std::array<std::string, 3>>{
+           {"--hang-timeout", "nan", "must be a finite number"},
+           {"--max-restarts", "-1", "must be a finite number"},
+           {"--restart-backoff", "soon", "is not a number"},
+           {"--hang-timeout", "1e9", "is more than 1000000 seconds"},
+           {"--rejoin-timeout", "1e300", "is more than"},
+           {"--connect-timeout", "2e6", "is more than"}}) {
     CAPTURE(flag);
     auto bad = run_dptrain(
         {"launch", recipe.string(), flag, value, "--runs-root", (tmp / "runs").string()});
