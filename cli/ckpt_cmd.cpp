@@ -2,7 +2,6 @@
 #include <sys/stat.h>
 
 #include <algorithm>
-#include <charconv>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -226,35 +225,9 @@ int run_list(const CkptOptions& o) {
   return 0;
 }
 
-std::optional<int64_t> as_step_number(const std::string& text) {
-  int64_t step = 0;
-  const char* end = text.data() + text.size();
-  const auto [ptr, ec] = std::from_chars(text.data(), end, step);
-  if (text.empty() || ec != std::errc() || ptr != end || step < 0) return std::nullopt;
-  return step;
-}
-
-// STEP as a number names step-N (or step-N.corrupt when only that one is left); as a name, the
-// directory of that name. Error(usage) naming it, and what there is, when there is no such one.
-fs::path checkpoint_named(const CheckedRun& run, const std::string& step) {
-  // Newest first, a live checkpoint before a set-aside one of the same step.
-  const auto all = list_checkpoints(run.checkpoints(), SetAside::include);
-  const std::optional<int64_t> number = as_step_number(step);
-  const auto found = std::find_if(all.begin(), all.end(), [&](const fs::path& dir) {
-    return number ? checkpoint_step(dir) == *number : dir.filename() == step;
-  });
-  if (found != all.end()) return *found;
-  std::vector<std::string> names;
-  for (const auto& dir : all)
-    names.push_back(dir.filename().string());
-  throw Error(ErrorKind::usage,
-              fmt::format("{}: no checkpoint {} (it has {})", run.path.string(), step,
-                          names.empty() ? "none" : fmt::format("{}", fmt::join(names, ", "))));
-}
-
 std::vector<fs::path> checkpoints_to_verify(const CheckedRun& run, const CkptOptions& o,
                                             const fs::path& latest) {
-  if (!o.step.empty()) return {checkpoint_named(run, o.step)};
+  if (!o.step.empty()) return {checkpoint_named(run.checkpoints(), o.step)};
   // Set-aside checkpoints are known to be damaged and never used again: --all leaves them out.
   const auto live = list_checkpoints(run.checkpoints());
   if (live.empty()) {

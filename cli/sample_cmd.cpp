@@ -148,7 +148,12 @@ int run_sample(const SampleOptions& o) {
                                               o.run_dir, recipe.model.type));
   }
   const Tokenizer tokenizer = Tokenizer::load(recipe.data.path);
-  const fs::path from = o.checkpoint.empty() ? newest_checkpoint(run) : fs::path(o.checkpoint);
+  // --checkpoint: a directory, or a name or step of the run's checkpoints (as ckpt verify takes).
+  std::error_code ec;
+  const fs::path from = o.checkpoint.empty() ? newest_checkpoint(run)
+                        : fs::is_directory(o.checkpoint, ec)
+                            ? fs::path(o.checkpoint)
+                            : checkpoint_named(run.checkpoints(), o.checkpoint);
   const CheckpointData ckpt = read_checkpoint(from);
   auto model = make_gpt(recipe.model, std::make_shared<CpuOps>());
   auto& gpt = dynamic_cast<Gpt&>(*model);
@@ -221,7 +226,8 @@ void setup_sample(CLI::App& app, Outcome& outcome) {
       ->check(non_negative_number())
       ->check(whole_number<uint64_t>(""));
   app.add_option("--checkpoint", o->checkpoint,
-                 "Checkpoint directory (default: the run's newest valid one)");
+                 "Checkpoint: a directory, or one of the run's by name (step-000200) or step "
+                 "(200) (default: the newest valid one)");
   app.add_flag("--json", o->json,
                "Print {checkpoint, step, prompt, tokens, temperature, seed, text} at the end "
                "instead of streaming the text");

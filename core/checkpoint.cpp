@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <array>
+#include <charconv>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -474,6 +475,27 @@ std::vector<fs::path> list_checkpoints(const fs::path& checkpoints_dir, SetAside
   for (auto& f : found)
     out.push_back(std::move(f.dir));
   return out;
+}
+
+fs::path checkpoint_named(const fs::path& checkpoints_dir, const std::string& name) {
+  // Newest first, a live checkpoint before a set-aside one of the same step.
+  const auto all = list_checkpoints(checkpoints_dir, SetAside::include);
+  std::optional<int64_t> number;
+  int64_t step = 0;
+  const char* end = name.data() + name.size();
+  const auto [ptr, ec] = std::from_chars(name.data(), end, step);
+  if (!name.empty() && ec == std::errc() && ptr == end && step >= 0) number = step;
+  const auto found = std::find_if(all.begin(), all.end(), [&](const fs::path& dir) {
+    return number ? checkpoint_step(dir) == *number : dir.filename() == name;
+  });
+  if (found != all.end()) return *found;
+  std::vector<std::string> names;
+  for (const auto& dir : all)
+    names.push_back(dir.filename().string());
+  throw Error(
+      ErrorKind::usage,
+      fmt::format("{}: no checkpoint {} (it has {})", checkpoints_dir.parent_path().string(), name,
+                  names.empty() ? "none" : fmt::format("{}", fmt::join(names, ", "))));
 }
 
 void point_latest_at(const fs::path& checkpoints_dir, const fs::path& checkpoint) {

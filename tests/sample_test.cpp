@@ -3,6 +3,7 @@
 // and a run with nothing to sample from says so.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <set>
 #include <string>
 
@@ -98,6 +99,25 @@ TEST_CASE("sample: a model vocabulary larger than the char tokenizer's draws onl
     for (char c : parse_json(r.out)["text"].get<std::string>())
       CHECK(data.alphabet.count(c) == 1);
   }
+  // --checkpoint by step or by name, as ckpt verify takes them; one the run lacks is named.
+  std::vector<fs::path> checkpoints;
+  for (const auto& e : fs::directory_iterator(run_dir / "checkpoints")) {
+    if (e.is_directory()) checkpoints.push_back(e.path());
+  }
+  REQUIRE_FALSE(checkpoints.empty());
+  std::sort(checkpoints.begin(), checkpoints.end());
+  const fs::path oldest = checkpoints.front();
+  const std::string step = std::to_string(std::stoll(oldest.filename().string().substr(5)));
+  for (const std::string& which : {step, oldest.filename().string()}) {
+    CAPTURE(which);
+    const auto r = sample(run_dir, {"--checkpoint", which, "--tokens", "5", "--json"});
+    INFO(r.err);
+    REQUIRE(r.exit_code == 0);
+    CHECK(parse_json(r.out)["checkpoint"] == oldest.filename().string());
+  }
+  const auto missing = sample(run_dir, {"--checkpoint", "999999", "--tokens", "5"});
+  CHECK(missing.exit_code == 2);
+  CHECK(missing.err.find("no checkpoint 999999 (it has step-") != std::string::npos);
 }
 
 TEST_CASE("sample: a byte model with a vocabulary above 256 samples with every seed") {
