@@ -2,8 +2,10 @@
 #include "launch/relay.hpp"
 
 #include <atomic>
+#include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <optional>
 
 #include <fmt/format.h>
 
@@ -21,6 +23,17 @@ std::atomic<int> g_interrupts{0};
 
 void on_stop(int sig) {
   (sig == SIGINT ? g_interrupts : g_terms).fetch_add(1);
+}
+
+// The remote shell's status when it could not run the binary (127: not found, 126: not
+// executable) means a host that was not provisioned: a set-up problem, not a rank's failure.
+std::optional<std::string> not_runnable(int status, const RelayPlan& plan) {
+  if (status != 127 && status != 126) return std::nullopt;
+  return fmt::format(
+      "{}: cannot run '{}' there ({}): install it with 'dptrain provision' (see "
+      "dptrain-provision(1)) or name it with --remote-binary",
+      plan.host.display(), plan.remote_binary,
+      status == 127 ? "no such file or command" : "not executable");
 }
 
 void report_failure(const std::string& description) {
@@ -98,21 +111,37 @@ int run_relay(const RelayPlan& plan) {
     report_failure(e.what());
     return 4;
   }
+  const auto sink = [](std::string_view data, bool) {
+    std::fwrite(data.data(), 1, data.size(), stdout);
+    std::fflush(stdout);
+  };
   std::unique_ptr<SshChannel> channel;
   try {
     channel = session->start(remote_path_word(plan.remote_binary) + " agent");
-    channel->write(plan.agent.to_json().dump() + "\n");
   } catch (const Error& e) {
     report_failure(fmt::format("{}: cannot start the agent: {}", plan.host.display(), e.what()));
+    return 4;
+  }
+  try {
+    channel->write(plan.agent.to_json().dump() + "\n");
+  } catch (const Error& e) {
+    // The command may have ended at once (no such binary there): its status says why.
+    try {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+      while (std::chrono::steady_clock::now() < until &&
+             channel->read(sink, std::chrono::milliseconds(100))) {
+      }
+    } catch (const Error&) {
+    }
+    const auto status = channel->exit_status();
+    const auto why = status ? not_runnable(*status, plan) : std::nullopt;
+    report_failure(
+        why ? *why : fmt::format("{}: cannot start the agent: {}", plan.host.display(), e.what()));
     return 4;
   }
   int terms_sent = 0;
   int interrupts_sent = 0;
   try {
-    const auto sink = [](std::string_view data, bool) {
-      std::fwrite(data.data(), 1, data.size(), stdout);
-      std::fflush(stdout);
-    };
     while (channel->read(sink, std::chrono::milliseconds(100))) {
       // "stop" (SIGTERM): the agent's ranks checkpoint and stop; "interrupt" (SIGINT): they stop
       // without one, and a second kills them. The channel stays open: its end tells the agent
@@ -132,13 +161,8 @@ int run_relay(const RelayPlan& plan) {
                                plan.host.display()));
     return 3;
   }
-  if (*status == 127 || *status == 126) {
-    // The remote shell could not find or run the binary: a set-up problem, not a rank's failure.
-    report_failure(
-        fmt::format("{}: cannot run '{}' there ({}): install it with 'dptrain provision' (see "
-                    "dptrain-provision(1)) or name it with --remote-binary",
-                    plan.host.display(), plan.remote_binary,
-                    *status == 127 ? "no such file or command" : "not executable"));
+  if (const auto why = not_runnable(*status, plan)) {
+    report_failure(*why);
     return 4;
   }
   return *status;
