@@ -167,7 +167,9 @@ int run_bench_train_cmd(const BenchTrainCliOptions& o) {
   report.recipe_name = spec.recipe.name;
   report.recipe_file = o.recipe;
   report.options = bench;
-  report.machine = local_machine(spec.backend, spec.recipe.train.threads_per_rank, device);
+  // "auto" on CPU ranks is always Gloo (NCCL needs every rank on a GPU): the header says which.
+  report.machine = local_machine(device == "cpu" && spec.backend == "auto" ? "gloo" : spec.backend,
+                                 spec.recipe.train.threads_per_rank, device);
   for (const auto& h : hosts)
     report.hosts.push_back(fmt::format("{}:{}", h.display(), h.slots));
   if (o.peak_given) {

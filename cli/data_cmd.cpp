@@ -91,6 +91,12 @@ void check_output(const fs::path& out, bool force) {
   std::error_code ec;
   const fs::file_status status = fs::symlink_status(out, ec);
   if (!fs::exists(status)) return;
+  if (fs::is_symlink(status)) {
+    // The dataset would replace the link, not what it points to: name the real place instead.
+    const fs::path target = fs::weakly_canonical(out, ec);
+    refuse(fmt::format("{}: is a symbolic link{}; give the directory itself as --out", out.string(),
+                       ec ? "" : " to " + target.string()));
+  }
   if (!fs::is_directory(status))
     refuse(fmt::format("{}: exists and is not a directory", out.string()));
   if (fs::is_empty(out, ec)) return;

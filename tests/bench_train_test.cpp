@@ -55,6 +55,7 @@ TEST_CASE("bench train quickstart --nproc 1,2 --json --svg: a row per world, all
   CHECK(j["throughput_unit"] == "samples/s");
   CHECK(j["machine"]["cpus"].get<int>() >= 1);
   CHECK_FALSE(j["machine"]["cpu_model"].get<std::string>().empty());
+  CHECK(j["machine"]["backend"] == "gloo");  // the recipe's "auto", as CPU ranks resolve it
   REQUIRE(j["rows"].size() == 2);
   for (size_t i = 0; i < 2; ++i) {
     const json& row = j["rows"][i];

@@ -265,6 +265,13 @@ TEST_CASE("data prepare keeps an existing dataset unless --force, and --force on
         "dptrain: error: " + (tmp / "notes").string() +
             ": not a token dataset (no meta.json or train.bin); --force replaces only a dataset");
   CHECK(read_text(tmp / "notes/todo.txt") == "keep me");
+  // A link to a dataset: replacing it would replace the link, so the message names its target.
+  fs::create_directory_symlink(out, tmp / "link");
+  CHECK(refusal({"--text", (tmp / "one.txt").string(), "--out", (tmp / "link").string(),
+                 "--force"}) == "dptrain: error: " + (tmp / "link").string() +
+                                    ": is a symbolic link to " + fs::canonical(out).string() +
+                                    "; give the directory itself as --out");
+  CHECK(decoded(out) == synthetic_text(5, 900));
 }
 
 // Runs inside `unshare -Urm` (a user + mount namespace: no real root needed, nothing left mounted):
