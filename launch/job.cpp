@@ -555,6 +555,14 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     }
     return list;
   };
+  // For a relay's failure: the report its agent sent ("@failure": the rank, its exit, its last
+  // lines), or null when none came (the relay itself failed, or the connection dropped).
+  const auto agent_report = [&](const ProcessFailure& f) -> const json* {
+    const auto relay = relay_hosts.find(f.label);
+    if (relay == relay_hosts.end()) return nullptr;
+    const auto report = agent_failures.find(relay->second);
+    return report == agent_failures.end() ? nullptr : &report->second;
+  };
   std::optional<std::string> newest;
   if (trains && !rank0_remote && !sup.ok()) newest = newest_valid_checkpoint(run);
   if (newest) out.last_checkpoint = *newest;
@@ -620,9 +628,8 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     const auto relay = relay_hosts.find(f.label);
     if (relay != relay_hosts.end()) {
       const std::string& host = relay->second;
-      const auto report = agent_failures.find(host);
-      if (report != agent_failures.end()) {
-        const json& r = report->second;
+      if (const json* report = agent_report(f)) {
+        const json& r = *report;
         const int rank = r.value("rank", -1);
         if (rank < 0 && f.exit_code == 4) out.exit_code = 4;  // the relay could not reach it
         if (rank >= 0 && r.value("exit_code", -1) == 5) out.exit_code = 5;
@@ -680,14 +687,10 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     std::string process = f.label;
     int exit_code = f.exit_code;
     int signal = f.signal;
-    if (const auto relay = relay_hosts.find(f.label); relay != relay_hosts.end()) {
-      const auto report = agent_failures.find(relay->second);
-      if (report != agent_failures.end() && report->second.value("rank", -1) >= 0) {
-        const json& r = report->second;
-        process = fmt::format("rank {} on {}", r.value("rank", -1), relay->second);
-        exit_code = r.value("exit_code", -1);
-        signal = r.value("signal", 0);
-      }
+    if (const json* r = agent_report(f); r != nullptr && r->value("rank", -1) >= 0) {
+      process = fmt::format("rank {} on {}", r->value("rank", -1), relay_hosts.at(f.label));
+      exit_code = r->value("exit_code", -1);
+      signal = r->value("signal", 0);
     }
     events.emit("rank_exited",
                 {{"process", process},
