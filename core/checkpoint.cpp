@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <array>
 #include <charconv>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -140,6 +141,11 @@ Meta parse_meta(const json& meta) {
     p.loss_scale = meta["loss_scale"].get<double>();
   }
   p.loss_scale_clean_steps = int_field(meta, "loss_scale_clean_steps", 0);
+  // Absent before it was recorded; null when no loss had been logged.
+  if (meta.contains("loss") && !meta["loss"].is_null()) {
+    if (!meta["loss"].is_number()) meta_problem("field 'loss' is not a number");
+    p.loss = meta["loss"].get<double>();
+  }
   const json& blobs = object_field(meta, "", "blobs");
   for (size_t i = 0; i < kBlobNames.size(); ++i) {
     const char* name = kBlobNames[i];
@@ -338,6 +344,7 @@ fs::path write_checkpoint(const fs::path& checkpoints_dir, const TrainingPositio
                  {"rng_state", pos.rng_state},
                  {"loss_scale", pos.loss_scale},
                  {"loss_scale_clean_steps", pos.loss_scale_clean_steps},
+                 {"loss", std::isfinite(pos.loss) ? json(pos.loss) : json(nullptr)},
                  {"blobs", blobs}};
     meta[kMetaChecksumKey] = content_checksum(meta);
     const std::string text = meta.dump(2) + "\n";

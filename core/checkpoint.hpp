@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <optional>
 #include <span>
 #include <string>
@@ -23,6 +24,9 @@ struct TrainingPosition {
   std::string rng_state;               // the trainer's generator, as text
   double loss_scale = 1.0;             // fp16's dynamic loss scale
   int64_t loss_scale_clean_steps = 0;  // clean steps since it last changed
+  // The loss last logged at or before this step (what a run resumed here reports as its final
+  // loss when it has no step left to run); NaN when none was (and in older checkpoints).
+  double loss = std::numeric_limits<double>::quiet_NaN();
 };
 
 struct CheckpointData {

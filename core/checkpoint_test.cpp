@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <fstream>
 #include <functional>
 
@@ -33,6 +34,7 @@ TrainingPosition position(int64_t step) {
   p.rng_state = "sampler seed=1 epoch=2";
   p.loss_scale = 32768.0;
   p.loss_scale_clean_steps = 17;
+  p.loss = 1.25;
   return p;
 }
 
@@ -64,6 +66,7 @@ TEST_CASE("checkpoint: write, read back, latest") {
   CHECK(back.position.rng_state == "sampler seed=1 epoch=2");
   CHECK(back.position.loss_scale == 32768.0);  // fp16's scaler resumes where it was
   CHECK(back.position.loss_scale_clean_steps == 17);
+  CHECK(back.position.loss == 1.25);
   // No temporary directory is left behind.
   for (const auto& e : fs::directory_iterator(tmp.path())) {
     CHECK(e.path().filename().string().rfind(".tmp", 0) != 0);
@@ -444,6 +447,7 @@ TEST_CASE("checkpoint: a malformed meta.json is named plainly, field by field") 
       {[](nlohmann::json& m) { m["world_size"] = -2; }, "field 'world_size' is negative (-2)"},
       {[](nlohmann::json& m) { m["recipe_hash"] = 7; }, "field 'recipe_hash' is not a string"},
       {[](nlohmann::json& m) { m["loss_scale"] = "big"; }, "field 'loss_scale' is not a number"},
+      {[](nlohmann::json& m) { m["loss"] = "low"; }, "field 'loss' is not a number"},
       {[](nlohmann::json& m) { m["format"] = 2; },
        "unsupported format 2 (this dptrain reads format 1)"},
       {[](nlohmann::json& m) { m.erase("blobs"); }, "missing field 'blobs'"},
@@ -481,10 +485,12 @@ TEST_CASE("checkpoint: a malformed meta.json is named plainly, field by field") 
       [](nlohmann::json& m) {
         m.erase("loss_scale");
         m.erase("loss_scale_clean_steps");
+        m.erase("loss");
       },
       test::Seal::remove);
   CHECK(read_checkpoint(dir).position.loss_scale == 1.0);
   CHECK(read_checkpoint(dir).position.loss_scale_clean_steps == 0);
+  CHECK(std::isnan(read_checkpoint(dir).position.loss));
 }
 
 TEST_CASE("check_latest: missing, following, dangling, set aside, garbage") {

@@ -186,7 +186,6 @@ class TrainingRun {
     Clock::time_point window_start = Clock::now();
     int64_t window_steps = 0;
     PhaseTimes window_phases, steady_phases;
-    double last_loss = std::numeric_limits<double>::quiet_NaN();  // none until a step logs
     const int64_t first_step = step_;
     first_step_ = step_;
     run_start_ = Clock::now();
@@ -234,7 +233,7 @@ class TrainingRun {
         double loss = local_loss;
         stop = sum_loss_and_stop(loss, stop);
         loss /= static_cast<double>(micro_batches_);
-        last_loss = loss;
+        last_loss_ = loss;
         const double window_s = ms_since(window_start) / 1000.0;
         log_step(done, loss, lr, norm, static_cast<double>(window_steps * global_batch_) / window_s,
                  step_ms, window_phases.per(window_steps));
@@ -255,7 +254,7 @@ class TrainingRun {
     result.steps = step_;
     result.world_size = world_;
     result.tokens_per_sample = tokens_per_sample_;
-    result.final_loss = last_loss;
+    result.final_loss = last_loss_;
     if (steady_steps > 0 && steady_s > 0) {
       result.samples_per_s = static_cast<double>(steady_steps * global_batch_) / steady_s;
     }
@@ -542,8 +541,8 @@ class TrainingRun {
   // broadcasts it, so ranks on other nodes need no copy.
   void restore(const fs::path& dir, int source) {
     // step, epoch, samples_in_epoch, optimizer_steps, loss scale (a power of two), its clean
-    // steps, the size of the comm state, the world size that wrote it
-    std::vector<int64_t> header(8, 0);
+    // steps, the size of the comm state, the world size that wrote it, the last loss (its bits)
+    std::vector<int64_t> header(9, 0);
     std::vector<float> full_state;  // ZeRO-1: the whole optimizer state, for every rank's shard
     std::vector<float> comm_state;
     if (rank_ == source) {
@@ -575,7 +574,8 @@ class TrainingRun {
                 static_cast<int64_t>(p.loss_scale),
                 p.loss_scale_clean_steps,
                 static_cast<int64_t>(comm_state.size()),
-                p.world_size};
+                p.world_size,
+                std::bit_cast<int64_t>(p.loss)};
     }
     comm_.broadcast(header.data(), header.size() * sizeof(int64_t), source);
     broadcast_device(params_.data(), params_.size_bytes(), source);
@@ -590,6 +590,7 @@ class TrainingRun {
     restore_comm_state(comm_state, static_cast<size_t>(header[6]), header[7], source);
     scaler_.restore(static_cast<double>(header[4]), header[5]);
     step_ = header[0];
+    last_loss_ = std::bit_cast<double>(header[8]);
     // Positions count samples: under another global batch (scale_lr on another world size) the
     // next step starts right where the last one ended, and no sample of the epoch is skipped or
     // seen twice.
@@ -1222,6 +1223,7 @@ class TrainingRun {
       pos.rng_state = fmt::format("sampler seed={} epoch={}", recipe_.seed, position_.epoch);
       pos.loss_scale = scaler_.scale();
       pos.loss_scale_clean_steps = scaler_.clean_steps();
+      pos.loss = last_loss_;
       std::function<void()> hook;
       if (options_.before_checkpoint_commit) {
         hook = [this, step] { options_.before_checkpoint_commit(step); };
@@ -1311,6 +1313,8 @@ class TrainingRun {
   std::vector<int32_t> y_;
   int64_t step_ = 0;
   int64_t first_step_ = 0;
+  // The loss last logged (summed over the ranks), or the checkpoint's resumed from; NaN when none.
+  double last_loss_ = std::numeric_limits<double>::quiet_NaN();
   Clock::time_point run_start_;
   DataPosition position_;
   int source_rank_ = 0;

@@ -54,8 +54,9 @@ struct TrainerOptions {
 struct TrainResult {
   int64_t steps = 0;
   int64_t world_size = 1;
-  // NaN when there is none (null in to_json): final_loss when no step ran in this process,
-  // eval_loss and eval_accuracy when there is no held-out data.
+  // NaN when there is none (null in to_json): final_loss when no loss was ever logged (no step
+  // ran, here or before the checkpoint resumed from), eval_loss and eval_accuracy when there is
+  // no held-out data.
   double final_loss = std::numeric_limits<double>::quiet_NaN();
   double eval_loss = std::numeric_limits<double>::quiet_NaN();
   double eval_accuracy = std::numeric_limits<double>::quiet_NaN();

@@ -466,6 +466,27 @@ TEST_CASE("trainer: a 2-rank checkpoint resumed on 1 rank keeps the global batch
   CHECK(ckpt.position.world_size == 1);
 }
 
+TEST_CASE("trainer: resumed from the final step's checkpoint, the result keeps its final loss") {
+  // A launcher that dies after the last checkpoint but before the result: the resume runs no step.
+  Recipe r = tiny_recipe();
+  TempDir first, again;
+  const auto full = train_ranks(r, 2, first.path());
+  REQUIRE(full[0].error.empty());
+  REQUIRE(std::isfinite(full[0].result.final_loss));
+  const fs::path last = first.path() / "checkpoints" / checkpoint_name(r.train.steps);
+  CHECK(read_checkpoint(last).position.loss == full[0].result.final_loss);
+  const auto resumed = train_ranks(r, 2, [&](int) {
+    TrainerOptions o;
+    o.run_dir = again.path();
+    o.resume_from = last;
+    return o;
+  });
+  REQUIRE(resumed[0].error.empty());
+  CHECK(resumed[0].result.steps == r.train.steps);
+  CHECK(resumed[0].result.final_loss == full[0].result.final_loss);
+  CHECK(resumed[0].result.eval_loss == full[0].result.eval_loss);
+}
+
 TEST_CASE("trainer: scale_lr keeps micro-batches per rank and scales the learning rate") {
   Recipe r = tiny_recipe();
   r.distributed.resize = "scale_lr";
