@@ -17,7 +17,7 @@ namespace {
 struct DoctorCliOptions {
   HostOptions hosts;
   std::string recipe;
-  std::string workdir = "~/.dptrain";
+  std::string workdir = kDefaultWorkdir;
   std::string remote_binary;
   std::string master_addr;
   int master_port = 0;

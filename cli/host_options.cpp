@@ -79,7 +79,7 @@ RemoteOptions RemoteJobOptions::get(const HostOptions& hosts) const {
   }
   RemoteOptions r;
   r.ssh = hosts.ssh();
-  r.workdir = workdir;
+  r.workdir = workdir.empty() ? std::string(kDefaultWorkdir) : workdir;
   r.remote_binary = remote_binary;
   r.master_addr = master_addr;
   r.master_port = static_cast<uint16_t>(master_port);
@@ -89,7 +89,7 @@ RemoteOptions RemoteJobOptions::get(const HostOptions& hosts) const {
 void add_remote_job_options(CLI::App& app, RemoteJobOptions& o) {
   app.add_option("--workdir", o.workdir,
                  "On remote hosts: where bin/dptrain is (see provision) and runs/ go")
-      ->capture_default_str();
+      ->default_str(kDefaultWorkdir);
   app.add_option("--remote-binary", o.remote_binary,
                  "dptrain on remote hosts (default: WORKDIR/bin/dptrain)");
   app.add_option("--master-addr", o.master_addr,

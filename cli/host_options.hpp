@@ -37,7 +37,7 @@ void add_host_options(CLI::App& app, HostOptions& o, bool hosts_required);
 
 // How a job reaches its remote hosts and they reach it back (launch, resume).
 struct RemoteJobOptions {
-  std::string workdir = "~/.dptrain";
+  std::string workdir;  // empty: kDefaultWorkdir, or on resume the one the run recorded
   std::string remote_binary;
   std::string master_addr;
   int master_port = 0;

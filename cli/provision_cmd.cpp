@@ -17,7 +17,7 @@ namespace {
 
 struct ProvisionCliOptions {
   HostOptions hosts;
-  std::string workdir = "~/.dptrain";
+  std::string workdir = kDefaultWorkdir;
   std::string recipe;
   std::vector<std::string> uploads;
   bool json = false;

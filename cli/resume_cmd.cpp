@@ -99,7 +99,15 @@ int run_resume(const ResumeOptions& o) {
                               o.run_dir, remote));
     }
   }
-  spec.remote = o.remote.get(o.hosts);
+  // Remote hosts are reached as the launch recorded, unless the flags say otherwise: a run's
+  // directories there are under its workdir.
+  RemoteJobOptions remote = o.remote;
+  const nlohmann::json recorded_remote = run.info().value("remote", nlohmann::json::object());
+  if (remote.workdir.empty()) remote.workdir = recorded_remote.value("workdir", std::string());
+  if (remote.remote_binary.empty()) {
+    remote.remote_binary = recorded_remote.value("remote_binary", std::string());
+  }
+  spec.remote = remote.get(o.hosts);
   if (!run.info().contains("recipe")) {
     throw Error(ErrorKind::usage,
                 fmt::format("{}: run.json has no recipe (a benchmark's run?): there is nothing "

@@ -15,7 +15,7 @@
 namespace dptrain {
 
 struct DoctorOptions {
-  std::string workdir = "~/.dptrain";
+  std::string workdir = kDefaultWorkdir;
   std::string remote_binary;           // empty: WORKDIR/bin/dptrain
   std::filesystem::path recipe;        // optional
   std::string master_addr;             // as for launch

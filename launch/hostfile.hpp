@@ -8,6 +8,10 @@
 
 namespace dptrain {
 
+// The work directory on remote hosts when none is given (provision, launch, doctor): bin/dptrain,
+// data/ and runs/ go there; a leading "~/" is that host's home.
+inline constexpr const char* kDefaultWorkdir = "~/.dptrain";
+
 struct HostSpec {
   std::string host;    // name or address; "localhost" is spawned directly, every other over SSH
   int slots = 1;       // ranks on this host

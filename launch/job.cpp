@@ -336,6 +336,12 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
                           {"run_dir", plan.agents[i].run_dir.string()}});
   }
   info["hosts"] = hosts_json;
+  // How remote hosts were reached, for `dptrain resume` to default to: their run directories
+  // are under this workdir.
+  if (multi_host) {
+    info["remote"] = {{"workdir", spec.remote.workdir},
+                      {"remote_binary", spec.remote.remote_binary}};
+  }
   info["status"] = "running";
   info.erase("error");  // an earlier invocation's end, between generations
   // Who runs the job, and a stamp renewed while it does: how `dptrain status` on another machine

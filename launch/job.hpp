@@ -23,11 +23,11 @@ namespace dptrain {
 
 struct RemoteOptions {
   SshOptions ssh;
-  std::string workdir = "~/.dptrain";  // on remote hosts: bin/dptrain and runs/<run>/
-  std::string remote_binary;           // empty: WORKDIR/bin/dptrain
-  std::string master_addr;             // empty: 127.0.0.1 if every host is local, else the
-                                       // address this machine reaches the first remote host from
-  uint16_t master_port = 0;            // 0: a free port
+  std::string workdir = kDefaultWorkdir;  // on remote hosts: bin/dptrain and runs/<run>/
+  std::string remote_binary;              // empty: WORKDIR/bin/dptrain
+  std::string master_addr;                // empty: 127.0.0.1 if every host is local, else the
+                                          // address this machine reaches the first remote host from
+  uint16_t master_port = 0;               // 0: a free port
 };
 
 struct JobSpec {

@@ -16,7 +16,7 @@
 namespace dptrain {
 
 struct ProvisionOptions {
-  std::string workdir = "~/.dptrain";          // on every host; a leading "~/" is that host's home
+  std::string workdir = kDefaultWorkdir;       // on every host; a leading "~/" is that host's home
   std::filesystem::path recipe;                // optional; a csv data file it names goes along
   std::vector<std::filesystem::path> uploads;  // extra files, into the workdir by their names
   std::filesystem::path binary;                // the dptrain to install; empty: this executable

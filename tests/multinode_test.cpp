@@ -116,6 +116,33 @@ TEST_CASE("a multi-host run that failed before its first checkpoint resumes from
   CHECK(info["generations"].back()["resumed_from"] == "step 0");
 }
 
+TEST_CASE("resume reaches the hosts through the workdir and binary the launch used") {
+  Cluster c;
+  const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
+  const fs::path run_dir = c.tmp / "elsewhere";
+  const fs::path workdir = c.tmp / "remote work";
+  auto args = c.launch_args(recipe, run_dir);
+  args.insert(args.end(), {"--workdir", workdir.string()});
+  auto failed = run_dptrain(args, {{"DPTRAIN_FAULT", "crash@step=60,rank=1"}});
+  INFO(failed.err);
+  REQUIRE(failed.exit_code == 3);
+  const json info = parse_json(read_text(run_dir / "run.json"));
+  CHECK(info["remote"]["workdir"] == workdir.string());
+  CHECK(info["remote"]["remote_binary"] == binary());
+  REQUIRE(info["last_checkpoint"]["step"] == 50);
+  // Only the hosts and SSH options again: the checkpoint is under the launch's workdir, and no
+  // dptrain was provisioned to the default one.
+  auto resumed = run_dptrain({"resume", run_dir.string(), "--hosts", c.hostfile.string(),
+                              "--known-hosts", c.sshd.known_hosts().string(), "--json"});
+  INFO(resumed.err);
+  REQUIRE(resumed.exit_code == 0);
+  const json out = parse_json(resumed.out);
+  CHECK(out["step"] == 200);
+  const json after = parse_json(read_text(run_dir / "run.json"));
+  CHECK(after["generations"].back()["resumed_from"] == "step-000050");
+  CHECK(after["hosts"][0]["run_dir"].get<std::string>().starts_with(workdir.string()));
+}
+
 TEST_CASE("--dry-run --json prints the plan and starts nothing") {
   Cluster c;
   const auto recipe = write_recipe(c.tmp.path(), quick_recipe());

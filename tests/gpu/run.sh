@@ -60,7 +60,13 @@ for py in ${DPTRAIN_PYTHON:-} python3 python /opt/torch/.venv/bin/python3 /opt/c
       find "$s/nvidia" -maxdepth 4 \( -name 'libcublasLt.so.13' -o -name 'libnccl.so.2' \) 2>/dev/null)
   done
 done
-has() { local d; for d in ${extra//:/ }; do [[ -e $d/$1 ]] && return 0; done; return 1; }
+# Found: in a directory above, on LD_LIBRARY_PATH, or in the loader's cache (then the dynamic
+# loader and dlopen find it anyway, and the slow search below is not needed).
+has() {
+  local d
+  for d in ${extra//:/ } ${LD_LIBRARY_PATH//:/ }; do [[ -e $d/$1 ]] && return 0; done
+  ldconfig -p 2>/dev/null | grep -q "^[[:space:]]*$1 "
+}
 if ! has libcublasLt.so.13 || ! has libnccl.so.2; then  # last resort: any copy on the machine
   while read -r lib; do extra="$extra:$(dirname "$lib")"; done < <(
     timeout 60 find / -xdev \( -name libcublasLt.so.13 -o -name libnccl.so.2 \) 2>/dev/null)
