@@ -288,11 +288,47 @@ std::vector<HostSpec> parse_hosts_list(const std::string& text) {
   return hosts;
 }
 
+namespace {
+
+// A single --hosts name that is no file but reads like one: it ends like a file name (".txt"),
+// or it has a dot and is a typo (two edits at most) of such a file in the current directory.
+// Taken as a host name, SSH would only fail later to resolve it. Returns why, or nothing.
+std::optional<std::string> mistyped_hostfile(const std::string& value) {
+  if (value.find_first_of(",:@[") != std::string::npos) return std::nullopt;
+  static const std::array<std::string_view, 12> kFileEndings = {"txt",  "hosts", "hostfile", "list",
+                                                                "lst",  "cfg",   "conf",     "ini",
+                                                                "yaml", "yml",   "json",     "csv"};
+  const auto file_like = [](const std::string& name) {
+    const size_t dot = name.rfind('.');
+    return dot != std::string::npos &&
+           std::find(kFileEndings.begin(), kFileEndings.end(), lowercase(name.substr(dot + 1))) !=
+               kFileEndings.end();
+  };
+  if (file_like(value)) {
+    return fmt::format("no such file (a host name does not end in {})",
+                       value.substr(value.rfind('.')));
+  }
+  if (value.find('.') == std::string::npos) return std::nullopt;
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(".", error)) {
+    const std::string name = entry.path().filename().string();
+    if (file_like(name) && entry.is_regular_file(error) && edit_distance(value, name) <= 2) {
+      return fmt::format("no such file (did you mean {}?)", name);
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
 std::vector<HostSpec> load_hosts(const std::string& value) {
   std::error_code error;
   // A list entry never contains '/', so such a value can only mean a file (maybe a missing one).
   if (std::filesystem::is_regular_file(value, error) || value.find('/') != std::string::npos) {
     return parse_hostfile(value);
+  }
+  if (const auto why = mistyped_hostfile(value)) {
+    fail(fmt::format("cannot read hostfile {}: {}", value, *why));
   }
   return parse_hosts_list(value);
 }

@@ -233,6 +233,22 @@ TEST_CASE("load_hosts: a file is a hostfile, anything else a list") {
   const std::string missing = (dir / "nope").string();
   CHECK(usage_error([&] { load_hosts(missing); }) ==
         "cannot read hostfile " + missing + ": No such file or directory");
+
+  // A single name that reads like a file is a mistyped hostfile, not a host for SSH to fail on.
+  CHECK(usage_error([&] { load_hosts("nohostsfile.txt"); }) ==
+        "cannot read hostfile nohostsfile.txt: no such file (a host name does not end in .txt)");
+  CHECK(usage_error([&] { load_hosts("cluster.TXT"); }) ==
+        "cannot read hostfile cluster.TXT: no such file (a host name does not end in .TXT)");
+  const std::filesystem::path cwd = std::filesystem::current_path();
+  std::filesystem::current_path(dir.path());
+  write_file(dir, "gpus.hosts", "node1\n");
+  const std::string typo = usage_error([&] { load_hosts("gpus.hostss"); });
+  // Host names with dots, not near a file's name, are hosts.
+  const auto fine = load_hosts("node1.cluster");
+  std::filesystem::current_path(cwd);
+  CHECK(typo == "cannot read hostfile gpus.hostss: no such file (did you mean gpus.hosts?)");
+  REQUIRE(fine.size() == 1);
+  CHECK(fine.front().host == "node1.cluster");
 }
 
 TEST_CASE("HostSpec::display") {
