@@ -64,8 +64,10 @@ done
 # loader and dlopen find it anyway, and the slow search below is not needed).
 has() {
   local d
-  for d in ${extra//:/ } ${LD_LIBRARY_PATH//:/ }; do [[ -e $d/$1 ]] && return 0; done
-  ldconfig -p 2>/dev/null | grep -q "^[[:space:]]*$1 "
+  for d in ${extra//:/ } ${LD_LIBRARY_PATH:+${LD_LIBRARY_PATH//:/ }}; do [[ -e $d/$1 ]] && return 0; done
+  local cache  # not a pipe into grep -q: with pipefail, ldconfig's SIGPIPE would read as a miss
+  cache=$(ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null)
+  [[ $cache == *$'\t'"$1 ("* ]]
 }
 if ! has libcublasLt.so.13 || ! has libnccl.so.2; then  # last resort: any copy on the machine
   while read -r lib; do extra="$extra:$(dirname "$lib")"; done < <(
