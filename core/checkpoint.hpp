@@ -33,8 +33,10 @@ struct CheckpointData {
   TrainingPosition position;
   std::vector<float> params;
   std::vector<float> optimizer_state;
-  // What the gradient exchange carries between steps (error-feedback residuals): every rank's,
-  // rank after rank, each of the same size. Empty when there is none (and in older checkpoints).
+  // What each rank carries between steps that no other holds (error-feedback residuals, or
+  // local SGD's optimizer state of its replica): every rank's, rank after rank, each of the same
+  // size. Empty when there is none (and in older checkpoints). Under local SGD optimizer_state
+  // is the replicas' average, where a resume on another world size starts.
   std::vector<float> comm_state;
 };
 

@@ -210,7 +210,7 @@ class TrainingRun {
       const double exposed_before_update = phases.comm;
       const double lr = lr_scale_ * learning_rate(recipe_.optimizer, step_, total);
       if (!ps_) norm = update(lr, local, phases);
-      if (local && averaging_step(done)) stop = average_replicas(done, stop_flag, phases);
+      if (local && averaging_step(done)) stop = average_replicas(stop_flag, phases);
       advance_sampler();
       ops_->synchronize();
       // ZeRO-1's all-gather and local SGD's averaging happen in this phase but are communication.
@@ -603,23 +603,33 @@ class TrainingRun {
                                   dir.filename().string(), where, step_, world_, global_batch_)}});
   }
 
-  // The error-feedback residuals a checkpoint holds (`size` values on the source rank): this
-  // rank's own on the same world size; on another, they start from zero (the split of what was
-  // held back between ranks has no meaning there).
+  // The replica states a checkpoint holds (`size` values on the source rank, all_replica_states):
+  // this rank's own on the same world size. On another, compression's residuals start from zero
+  // (the split of what was held back between ranks has no meaning there) and local SGD's replicas
+  // from the average the optimizer blob holds.
   void restore_comm_state(std::vector<float>& all, size_t size, int64_t written_by, int source) {
-    const size_t own = reducer_ ? reducer_->state_size() : 0;
+    const size_t own = replica_state_size();
     if (size == 0 || own == 0) return;
     all.resize(size);
     comm_.broadcast(all.data(), size * sizeof(float), source);
     if (written_by == world_ && size == own * static_cast<size_t>(world_)) {
-      reducer_->restore_state(
-          std::span<const float>(all).subspan(static_cast<size_t>(rank_) * own, own));
+      const std::span<const float> mine =
+          std::span<const float>(all).subspan(static_cast<size_t>(rank_) * own, own);
+      if (local_sgd_) {
+        ops_->upload(mine.data(), optimizer_->state().data(), mine.size_bytes());
+      } else {
+        reducer_->restore_state(mine);
+      }
       return;
     }
     emit({{"event", "info"},
-          {"message", fmt::format("warning: the checkpoint's compression residuals are from {} "
-                                  "rank(s); on {} they start from zero",
-                                  written_by, world_)}});
+          {"message",
+           local_sgd_ ? fmt::format("warning: the checkpoint's optimizer states are from {} "
+                                    "replica(s); on {} rank(s) each starts from their average",
+                                    written_by, world_)
+                      : fmt::format("warning: the checkpoint's compression residuals are from {} "
+                                    "rank(s); on {} they start from zero",
+                                    written_by, world_)}});
   }
 
   void mark(Phase phase) {
@@ -630,9 +640,10 @@ class TrainingRun {
   }
 
   // This rank's micro-batches j = rank, rank + world, ... of the step's global batch.
-  int64_t own_micro_batches() const {
-    if (data_rank_ < 0 || data_rank_ >= micro_batches_) return 0;
-    return (micro_batches_ - data_rank_ + data_world_ - 1) / data_world_;
+  int64_t own_micro_batches() const { return micro_batches_of(data_rank_); }
+  int64_t micro_batches_of(int64_t data_rank) const {
+    if (data_rank < 0 || data_rank >= micro_batches_) return 0;
+    return (micro_batches_ - data_rank + data_world_ - 1) / data_world_;
   }
 
   // This rank's micro-batches of the step; the gradients are summed scaled by 1 / (micro-batches
@@ -971,16 +982,17 @@ class TrainingRun {
   }
 
   // local_sgd: averages the parameters over the ranks, and agrees on stopping (the only place a
-  // local run can). Before a checkpoint (or a stop, which writes one) the optimizer state is
-  // averaged too, so every rank holds what the checkpoint holds and a resume is bit-identical.
-  bool average_replicas(int64_t done, float stop_flag, PhaseTimes& phases) {
+  // local run can). Each rank keeps its own optimizer state (a checkpoint holds every rank's, see
+  // replica_state), so neither a checkpoint nor a stop changes what the ranks go on with and a
+  // resume continues bit-identically.
+  bool average_replicas(float stop_flag, PhaseTimes& phases) {
     const auto tc = Clock::now();
     mark_collective("allreduce of the stop flag");
     comm_.allreduce(&stop_flag, 1, ReduceOp::sum);
     const bool stop = stop_flag > 0.0f;
     mark_collective("allreduce of the parameters (local SGD)");
     average_replicas_of(params_.data(), num_params_);
-    size_t values = num_params_;
+    const size_t values = num_params_;
     if (scaler_.enabled()) {
       // Local steps each judged overflow by their own rank's gradients (an idle rank not at
       // all): the ranks agree on the most careful scale, so every rank holds what a checkpoint
@@ -990,21 +1002,13 @@ class TrainingRun {
       comm_.allreduce(scaler, 2, ReduceOp::min);
       scaler_.restore(scaler[0], static_cast<int64_t>(scaler[1]));
     }
-    const bool checkpointing =
-        stop || done == recipe_.train.steps ||
-        (recipe_.checkpoint.every > 0 && done % recipe_.checkpoint.every == 0);
-    if (checkpointing) {
-      const auto state = optimizer_->state();
-      mark_collective("allreduce of the optimizer state");
-      average_replicas_of(state.data(), state.size());
-      values += state.size();
-      // And its step count (AdamW's bias correction), which differs where a rank skipped a step
-      // (an fp16 overflow) or had no micro-batch: the checkpoint holds one for every rank.
-      double steps = static_cast<double>(optimizer_->steps());
-      mark_collective("allreduce of the optimizer steps");
-      comm_.allreduce(&steps, 1, ReduceOp::max);
-      optimizer_->set_steps(static_cast<int64_t>(steps));
-    }
+    // The optimizer's step count (AdamW's bias correction) differs where a rank skipped a step
+    // (an fp16 overflow) or had no micro-batch; the ranks agree on the largest at every averaging,
+    // so a checkpoint's one count is every rank's.
+    double steps = static_cast<double>(optimizer_->steps());
+    mark_collective("allreduce of the optimizer steps");
+    comm_.allreduce(&steps, 1, ReduceOp::max);
+    optimizer_->set_steps(static_cast<int64_t>(steps));
     phases.comm = phases.comm_total = ms_since(tc);
     phases.bytes = static_cast<double>(values * sizeof(float));
     return stop;
@@ -1193,14 +1197,39 @@ class TrainingRun {
   }
 
   // Every rank's error-feedback residuals, rank after rank (a collective when there are any).
-  std::vector<float> all_comm_states() {
-    const size_t size = reducer_ ? reducer_->state_size() : 0;
+  // What a rank carries between steps that no other rank holds: compression's error-feedback
+  // residuals, or under local SGD its replica's optimizer state. Empty when there is none.
+  size_t replica_state_size() const {
+    if (local_sgd_) return optimizer_->state().size();
+    return reducer_ ? reducer_->state_size() : 0;
+  }
+
+  // Every rank's replica state, rank after rank (the checkpoint's comm blob).
+  std::vector<float> all_replica_states() {
+    const size_t size = replica_state_size();
     if (size == 0) return {};
-    const std::vector<float> own = reducer_->state();
+    const std::vector<float> own = local_sgd_ ? to_host(optimizer_->state()) : reducer_->state();
     std::vector<float> all(size * static_cast<size_t>(world_));
-    mark_collective("allgather of the compression residuals");
+    mark_collective(local_sgd_ ? "allgather of the replicas' optimizer states"
+                               : "allgather of the compression residuals");
     comm_.allgather(own.data(), size * sizeof(float), all.data());
     return all;
+  }
+
+  // local_sgd: the replicas' optimizer states of `all` (all_replica_states) averaged as their
+  // parameters are (average_replicas_of), which a resume on another world size starts from.
+  std::vector<float> replicas_mean(const std::vector<float>& all) const {
+    const size_t size = all.size() / static_cast<size_t>(world_);
+    std::vector<double> sum(size, 0.0);
+    for (int r = 0; r < world_; ++r) {
+      const auto weight = static_cast<double>(micro_batches_of(r));
+      for (size_t i = 0; i < size; ++i)
+        sum[i] += weight * all[static_cast<size_t>(r) * size + i];
+    }
+    std::vector<float> mean(size);
+    for (size_t i = 0; i < size; ++i)
+      mean[i] = static_cast<float>(sum[i] / static_cast<double>(micro_batches_));
+    return mean;
   }
 
   fs::path checkpoint(int64_t step) {
@@ -1209,8 +1238,10 @@ class TrainingRun {
     // A node leader that is a parameter server holds only its shard up to date: every writer gets
     // the workers' parameters (they are all the same at a checkpoint).
     if (ps_) broadcast_device(params_.data(), params_.size_bytes(), 0);
-    const std::vector<float> optimizer_state = full_optimizer_state();
-    const std::vector<float> comm_state = all_comm_states();
+    const std::vector<float> comm_state = all_replica_states();
+    const std::vector<float> optimizer_state =
+        local_sgd_ ? (writes_checkpoints() ? replicas_mean(comm_state) : std::vector<float>{})
+                   : full_optimizer_state();
     if (writes_checkpoints()) {
       TrainingPosition pos;
       pos.step = step;

@@ -327,6 +327,57 @@ TEST_CASE("trainer: local SGD in fp16 (16-bit storage emulated) resumes bit-iden
   CHECK(scale_at(resumed.path(), 200) == scale_at(whole.path(), 200));
 }
 
+TEST_CASE("trainer: local SGD stopped between checkpoints resumes bit-identically") {
+  // A stop (SIGTERM) writes a checkpoint the straight run does not: it must hold every replica's
+  // optimizer state, not make the ranks share one, or the resumed run would go another way.
+  Recipe r = tiny_recipe();
+  r.train.steps = 60;
+  r.distributed.sync = "local_sgd";
+  r.distributed.period = 4;
+  r.checkpoint.every = 0;
+  r.eval.every = 0;
+  r.distributed.check_every = 0;
+  TempDir whole, stopped, resumed;
+  const auto full = train_ranks(r, 2, whole.path());
+  REQUIRE(full[0].error.empty());
+  const auto halted = train_ranks(r, 2, [&](int) {
+    TrainerOptions o;
+    o.run_dir = stopped.path();
+    auto step = std::make_shared<int64_t>(0);
+    o.before_step = [step](int64_t s) { *step = s; };
+    o.stop_requested = [step] { return *step >= 21; };  // honoured at the averaging after step 24
+    return o;
+  });
+  REQUIRE(halted[0].error.empty());
+  REQUIRE(halted[0].result.stopped);
+  CHECK(halted[0].result.steps == 24);
+  const auto again = train_ranks(r, 2, [&](int) {
+    TrainerOptions o;
+    o.run_dir = resumed.path();
+    o.resume_from = stopped.path() / "checkpoints" / checkpoint_name(24);
+    return o;
+  });
+  REQUIRE(again[0].error.empty());
+  CHECK(again[0].result.params_checksum == full[0].result.params_checksum);
+  // The checkpoint holds both replicas' optimizer states, which differ.
+  const CheckpointData ckpt = read_checkpoint(stopped.path() / "checkpoints" / checkpoint_name(24));
+  REQUIRE(ckpt.comm_state.size() == 2 * ckpt.optimizer_state.size());
+  const size_t half = ckpt.optimizer_state.size();
+  CHECK(!std::equal(ckpt.comm_state.begin(), ckpt.comm_state.begin() + static_cast<long>(half),
+                    ckpt.comm_state.begin() + static_cast<long>(half)));
+  // On one rank the replicas' mean is what it starts from.
+  TempDir one;
+  const auto alone = train_ranks(r, 1, [&](int) {
+    TrainerOptions o;
+    o.run_dir = one.path();
+    o.resume_from = stopped.path() / "checkpoints" / checkpoint_name(24);
+    o.nominal_world = 2;
+    return o;
+  });
+  REQUIRE(alone[0].error.empty());
+  CHECK(alone[0].result.steps == 60);
+}
+
 TEST_CASE("trainer: on a GPU's op table, ops get device memory and Gloo host memory, every mode") {
   // The CPU posing as a GPU (DeviceCheckingOps): the trainer stages Gloo's collectives through
   // host memory as on a GPU, and the results are the CPU's.
