@@ -244,7 +244,8 @@ class TrainingRun {
       periodic_work(done, done == total || stop);
     }
     const double steady_s = ms_since(steady_start) / 1000.0;
-    if (stop) return stop_early();
+    // A stop agreed on at the last step finds nothing left to stop: the run completes.
+    if (stop && step_ < total) return stop_early();
     TrainResult result;
     const PhaseTimes per_step = steady_phases.per(steady_steps);
     result.phases_ms = {per_step.data, per_step.compute, per_step.comm, per_step.optimizer};
@@ -929,7 +930,7 @@ class TrainingRun {
     for (auto& request : sending) {
       if (request) request->wait();
     }
-    if (stop) return stop_early();
+    if (stop && step_ < total) return stop_early();  // as run()'s
     TrainResult result;
     result.steps = step_;
     result.world_size = world_;

@@ -327,6 +327,30 @@ TEST_CASE("trainer: local SGD in fp16 (16-bit storage emulated) resumes bit-iden
   CHECK(scale_at(resumed.path(), 200) == scale_at(whole.path(), 200));
 }
 
+TEST_CASE("trainer: a stop agreed on at the last step completes the run") {
+  // A SIGTERM during the step before the last one is honoured after the last: nothing is left to
+  // stop, and the result is the complete run's, not a stop at the final step.
+  for (const std::string sync : {"allreduce", "ps"}) {
+    CAPTURE(sync);
+    Recipe r = tiny_recipe();
+    r.distributed.sync = sync;
+    TempDir dir;
+    const auto out = train_ranks(r, 2, [&](int) {
+      TrainerOptions o;
+      o.run_dir = dir.path();
+      auto step = std::make_shared<int64_t>(0);
+      o.before_step = [step](int64_t s) { *step = s; };
+      o.stop_requested = [step, &r] { return *step >= r.train.steps - 1; };
+      return o;
+    });
+    REQUIRE(out[0].error.empty());
+    CHECK_FALSE(out[0].result.stopped);
+    CHECK(out[0].result.steps == r.train.steps);
+    CHECK(std::isfinite(out[0].result.final_loss));
+    CHECK(fs::exists(dir.path() / "result.json"));
+  }
+}
+
 TEST_CASE("trainer: local SGD stopped between checkpoints resumes bit-identically") {
   // A stop (SIGTERM) writes a checkpoint the straight run does not: it must hold every replica's
   // optimizer state, not make the ranks share one, or the resumed run would go another way.
