@@ -64,7 +64,9 @@ HeartbeatSender::~HeartbeatSender() {
 
 void HeartbeatSender::publish() {
   try {
-    store_.set(heartbeat_key(rank_), tracker_.snapshot().dump());
+    nlohmann::json beat = tracker_.snapshot();
+    beat["beat"] = ++beats_;
+    store_.set(heartbeat_key(rank_), beat.dump());
   } catch (const std::exception&) {
   }
 }
@@ -72,12 +74,12 @@ void HeartbeatSender::publish() {
 void HeartbeatSender::loop() {
   std::unique_lock lock(mutex_);
   while (!stop_) {
-    const int64_t step = tracker_.step();
+    const int64_t milestone = tracker_.milestone();
     lock.unlock();
     publish();
     lock.lock();
     const auto due = std::chrono::steady_clock::now() + interval_;
-    while (!stop_ && std::chrono::steady_clock::now() < due && tracker_.step() == step) {
+    while (!stop_ && std::chrono::steady_clock::now() < due && tracker_.milestone() == milestone) {
       wake_.wait_for(lock, std::min(kStepPoll, interval_), [this] { return stop_; });
     }
   }

@@ -40,6 +40,14 @@ class ProgressTracker {
   // {"step", "phase", "seq", "progress", "collective"}: the last collective entered, by name.
   nlohmann::json snapshot() const;
   int64_t step() const { return step_.load(std::memory_order_relaxed); }
+  // What the sender publishes at once when it changes: the step, and the long phases a step
+  // boundary leads into (eval, checkpoint, done), each a number.
+  int64_t milestone() const {
+    const auto phase = static_cast<Phase>(phase_.load(std::memory_order_relaxed));
+    const bool long_phase = phase == Phase::eval || phase == Phase::checkpoint ||
+                            phase == Phase::done || phase == Phase::starting;
+    return step() * 8 + (long_phase ? static_cast<int64_t>(phase) : 0);
+  }
 
  private:
   std::atomic<int64_t> step_{0};
@@ -56,9 +64,11 @@ std::string heartbeat_key(int rank);  // "heartbeat/<rank>", under the generatio
 std::string sigterm_key(int rank);  // "sigterm/<rank>", under the generation's prefix
 
 // Sends the tracker's snapshot to the store every `interval`, and within kStepPoll of a step
-// change, until destroyed; a last one as it is destroyed (a rank that fails unwinds through it,
-// so the store holds the step it failed at). Store errors are ignored: the heartbeat must never
-// be what fails a run.
+// change or of entering eval or a checkpoint, until destroyed; a last one as it is destroyed (a
+// rank that fails unwinds through it, so the store holds the step it failed at). Each carries
+// "beat", counting the sends: a launcher that sees it stand still knows the rank's process is
+// frozen or gone, not merely waiting. Store errors are ignored: the heartbeat must never be what
+// fails a run.
 class HeartbeatSender {
  public:
   HeartbeatSender(Store& store, int rank, const ProgressTracker& tracker,
@@ -82,6 +92,7 @@ class HeartbeatSender {
   std::mutex mutex_;
   std::condition_variable wake_;
   bool stop_ = false;
+  int64_t beats_ = 0;  // only the sender's thread touches it
   std::thread thread_;
 };
 

@@ -91,3 +91,24 @@ TEST_CASE("heartbeat: a store that is gone does not fail the rank or hold it up"
   }  // destroyed without an exception, although every publish fails
   CHECK(tracker.snapshot()["step"] == 1);
 }
+
+TEST_CASE("heartbeat: entering eval or a checkpoint is published at once; beats are counted") {
+  TcpStoreServer server;
+  TcpStoreClient store("127.0.0.1", server.port(), 5s);
+  ProgressTracker tracker;
+  const HeartbeatSender sender(store, 0, tracker, std::chrono::hours(1));
+  REQUIRE(beat_at_step(store, 0, 0, 10s).has_value());
+  const int64_t first = beat_of(store, 0)["beat"].get<int64_t>();
+  tracker.set_step(10);
+  tracker.enter(Phase::eval);
+  const auto until = std::chrono::steady_clock::now() + 10s;
+  json beat;
+  while (std::chrono::steady_clock::now() < until) {
+    beat = beat_of(store, 0);
+    if (beat["phase"] == "eval") break;
+    std::this_thread::sleep_for(5ms);
+  }
+  CHECK(beat["phase"] == "eval");
+  CHECK(beat["step"] == 10);
+  CHECK(beat["beat"].get<int64_t>() > first);
+}

@@ -241,6 +241,8 @@ class TrainingRun {
         window_steps = 0;
         window_phases = {};
       }
+      // Steps done: what an evaluation or checkpoint after this step reports in the heartbeat.
+      if (options_.progress) options_.progress->set_step(done);
       periodic_work(done, done == total || stop);
     }
     const double steady_s = ms_since(steady_start) / 1000.0;
@@ -922,6 +924,7 @@ class TrainingRun {
             double loss = 0;
             stop = sum_loss_and_stop(loss, false);
           }
+          if (options_.progress) options_.progress->set_step(step_);
           periodic_work(step_, step_ == total || stop);
         }
       }

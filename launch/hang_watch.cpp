@@ -37,6 +37,10 @@ std::optional<std::string> HangWatch::check() {
         s.progress = progress;
         s.since = now;
       }
+      if (const int64_t beats = beat.value("beat", int64_t{-1}); beats != s.beats) {
+        s.beats = beats;
+        s.heard = now;
+      }
       s.beat = beat;
     } catch (const std::exception&) {
       return std::nullopt;  // the store is the launcher's own; a hiccup is not a hang
@@ -50,8 +54,13 @@ std::optional<std::string> HangWatch::check() {
   }
   if (stalled <= timeout_) return std::nullopt;
   std::map<int, json> beats;
-  for (const auto& [rank, s] : seen_)
+  for (const auto& [rank, s] : seen_) {
     beats[rank] = s.beat;
+    // A heartbeat thread sends at least every second: silence well beyond that is a process
+    // that is stopped (SIGSTOP, a debugger, swapping) or unreachable.
+    const auto silent = std::chrono::duration_cast<std::chrono::milliseconds>(now - s.heard);
+    if (s.beats >= 0 && silent > kSilentAfter) beats[rank]["silent_ms"] = silent.count();
+  }
   return describe(beats, stalled, rank_name_);
 }
 
@@ -76,7 +85,15 @@ std::string HangWatch::describe(const std::map<int, json>& beats,
     const int64_t seq = beat.value("seq", int64_t{0});
     const std::string phase = beat.value("phase", std::string("?"));
     const int64_t step = beat.value("step", int64_t{0});
-    if (seq == max_seq && phase == "collective") {
+    if (beat.contains("silent_ms")) {
+      // Frozen or gone: its last word may be a collective or two behind what it really did.
+      behind.push_back(fmt::format(
+          "{} (its heartbeat stopped {}s ago: frozen or unreachable; it last said step {}, {})",
+          name(rank), beat["silent_ms"].get<int64_t>() / 1000, step,
+          phase == "collective"
+              ? "in collective " + collective(beat)
+              : fmt::format("phase {} after collective {}", phase, collective(beat))));
+    } else if (seq == max_seq && phase == "collective") {
       if (waiting.empty()) waited_in = collective(beat);
       waiting.push_back(name(rank));
     } else if (phase == "collective") {

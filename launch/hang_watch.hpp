@@ -28,7 +28,12 @@ class HangWatch {
   // than the timeout; nothing otherwise.
   std::optional<std::string> check();
 
-  // The verdict from heartbeats as they are (exposed for tests).
+  // A rank whose heartbeat has not changed for this long is named as frozen or unreachable (its
+  // sender writes every second).
+  static constexpr std::chrono::milliseconds kSilentAfter{3000};
+
+  // The verdict from heartbeats as they are (exposed for tests). A beat with "silent_ms" is from a
+  // rank whose heartbeat stopped that long ago (frozen or gone): what it says may be stale.
   static std::string describe(const std::map<int, nlohmann::json>& beats,
                               std::chrono::milliseconds stalled_for,
                               const RankName& rank_name = {});
@@ -36,7 +41,9 @@ class HangWatch {
  private:
   struct Seen {
     int64_t progress = -1;
-    std::chrono::steady_clock::time_point since;
+    std::chrono::steady_clock::time_point since;  // when progress last changed
+    int64_t beats = -1;
+    std::chrono::steady_clock::time_point heard;  // when its heartbeat last changed at all
     nlohmann::json beat;
   };
   Store& store_;

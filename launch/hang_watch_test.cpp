@@ -3,6 +3,12 @@
 
 #include <doctest/doctest.h>
 
+#include <optional>
+#include <thread>
+
+#include "core/comm/tcp_store.hpp"
+#include "core/heartbeat.hpp"
+
 using namespace dptrain;
 using nlohmann::json;
 
@@ -60,5 +66,58 @@ TEST_CASE("hang verdict: in a multi-host job the ranks are named with their host
   const std::string v = HangWatch::describe(beats, std::chrono::seconds(4), on_host);
   CHECK(v.find("stuck: rank 0 on node1 at step 7 in phase data") != std::string::npos);
   CHECK(v.find("waiting for it in collective #21 (allgather): rank 1 on node2") !=
+        std::string::npos);
+}
+
+TEST_CASE("hang verdict: a rank whose heartbeat stopped is named as frozen, with its last word") {
+  const std::map<int, json> beats = {{0,
+                                      {{"step", 10},
+                                       {"phase", "collective"},
+                                       {"seq", 17},
+                                       {"collective",
+                                        "allreduce of the "
+                                        "eval sums"}}},
+                                     {1,
+                                      {{"step", 9},
+                                       {"phase", "forward/backward"},
+                                       {"seq", 13},
+                                       {"collective", "allreduce of gradient bucket 0"},
+                                       {"silent_ms", 4200}}}};
+  const std::string v = HangWatch::describe(beats, std::chrono::seconds(4));
+  CHECK(v.find("stuck: rank 1 (its heartbeat stopped 4s ago: frozen or unreachable; it last said "
+               "step 9, phase forward/backward after collective #13 (allreduce of gradient "
+               "bucket 0))") != std::string::npos);
+  CHECK(v.find("waiting for it in collective #17 (allreduce of the eval sums): rank 0") !=
+        std::string::npos);
+}
+
+TEST_CASE("hang watch: a heartbeat that stands still is told from one that waits") {
+  // Rank 0 waits in a collective (its heartbeat thread still sends); rank 1 was frozen.
+  TcpStoreServer server;
+  TcpStoreClient store("127.0.0.1", server.port(), std::chrono::seconds(5));
+  const auto beat = [](int64_t seq, int64_t beats) {
+    return json{{"step", 5},
+                {"phase", "collective"},
+                {"seq", seq},
+                {"progress", 3},
+                {"collective", "allreduce of the loss"},
+                {"beat", beats}}
+        .dump();
+  };
+  store.set(heartbeat_key(1), beat(11, 40));
+  HangWatch watch(store, 2, std::chrono::milliseconds(500));
+  std::optional<std::string> verdict;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  for (int64_t n = 1; !verdict && std::chrono::steady_clock::now() < until; ++n) {
+    store.set(heartbeat_key(0), beat(12, n));
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    const auto v = watch.check();
+    // Before rank 1's silence passes kSilentAfter the verdict names it plainly; wait for more.
+    if (v && v->find("heartbeat stopped") != std::string::npos) verdict = v;
+  }
+  REQUIRE(verdict.has_value());
+  CHECK(verdict->find("rank 1 (its heartbeat stopped") != std::string::npos);
+  CHECK(verdict->find("rank 0 (its heartbeat") == std::string::npos);
+  CHECK(verdict->find("waiting for it in collective #12 (allreduce of the loss): rank 0") !=
         std::string::npos);
 }
