@@ -709,6 +709,10 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   info["status"] = out.status;
   info["generations"].back()["ended_at"] = utc_timestamp();
   info["generations"].back()["status"] = out.status;
+  // The step it reached (steps done), which status and report show for a run that ended here.
+  info["generations"].back()["step"] =
+      out.result.is_object() ? out.result.value("steps", out.last_step)
+                             : std::max({out.failed_step, out.last_step, out.start_step});
   if (!out.error.empty()) info["generations"].back()["error"] = out.error;
   if (out.resized) info["generations"].back()["stopped_for"] = sup.requested;
   if (!out.result.is_null()) info["result"] = out.result;

@@ -833,6 +833,14 @@ RunView load_run(const fs::path& dir, bool verify_checkpoints) {
 json summary_fields(const RunView& run) {
   const json recipe = run.info.value("recipe", json::object());
   const StepMetrics* last = run.metrics.steps.empty() ? nullptr : &run.metrics.steps.back();
+  // The step reached: the last logged, or further where the generation that ended last got
+  // beyond it (a failure between two log steps), as the launcher's --json says.
+  json step = last ? json(last->step) : json(nullptr);
+  if (const json& gens = array_at(run.info, "generations"); !gens.empty()) {
+    if (const json& reached = gens.back().value("step", json()); reached.is_number_integer()) {
+      if (step.is_null() || reached.get<int64_t>() > step.get<int64_t>()) step = reached;
+    }
+  }
   const EvalMetrics* eval = last_eval(run);
   double eval_loss = eval ? eval->loss : kNoValue;
   double eval_accuracy = eval ? eval->accuracy : kNoValue;
@@ -853,7 +861,7 @@ json summary_fields(const RunView& run) {
   return {{"run_dir", run.dir.string()},
           {"name", or_null(text(recipe, "name"))},
           {"status", run.state.status},
-          {"step", last ? json(last->step) : json(nullptr)},
+          {"step", step},
           {"steps",
            recipe.contains("train") ? json(integer(recipe["train"], "steps", 0)) : json(nullptr)},
           {"loss", last ? or_null(last->loss) : json(nullptr)},

@@ -95,6 +95,7 @@ std::string place_generation(RunDirectory& run, JobSpec& spec, StatusPrinter& st
       spec.hosts.empty() ? std::string() : fmt::format(" ({} host(s))", spec.hosts.size()), batch,
       absent.empty() ? "" : "; without " + join(absent, "; ")));
   json hosts = json::array(), joined = json::array();
+  if (spec.hosts.empty()) hosts.push_back("localhost");  // as generation_started names them
   for (const auto& h : spec.hosts) {
     hosts.push_back(h.display());
     const bool before_too =
@@ -219,9 +220,12 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
     // started from.
     const bool step_known = outcome.failed_step >= 0;
     const int64_t failed_at = step_known ? outcome.failed_step : outcome.start_step;
-    const std::string where = step_known
-                                  ? fmt::format("at step {}", failed_at)
-                                  : fmt::format("before the first step (from step {})", failed_at);
+    // No step of this generation completed (a failure at start-up, or in its first step).
+    const bool before_first_step = failed_at <= outcome.start_step;
+    const std::string where =
+        before_first_step
+            ? fmt::format("before the generation's first step was done (from step {})", failed_at)
+            : fmt::format("at step {}", failed_at);
     same_step = failed_at == previous_step ? same_step + 1 : 1;
     previous_step = failed_at;
     if (same_step >= policy.same_step_limit) {
@@ -283,7 +287,7 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
                              {"after_generation", run.info()["generations"].size()},
                              {"cause", cause},
                              {"failed_after_step", failed_at},
-                             {"failed_before_first_step", !step_known},
+                             {"failed_before_first_step", before_first_step},
                              {"from", from_name},
                              {"at", utc_timestamp()}});
     run.save();

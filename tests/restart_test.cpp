@@ -61,6 +61,36 @@ TEST_CASE("a failure before the first checkpoint restarts from step 0") {
   CHECK(read_text(latest_params(tmp / "early")) == read_text(latest_params(tmp / "clean")));
 }
 
+TEST_CASE("a failure in a generation's first step is recorded as before it; status has the step") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  const fs::path run_dir = tmp / "first";
+  // Generation 2 resumes from step 20 and fails before its first step is done; generation 3
+  // fails at step 32, between two log lines (every 5), and is the last (restarts exhausted).
+  auto r = run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir", run_dir.string(),
+                        "--max-restarts", "2", "--restart-backoff", "0.1", "--json"},
+                       {{"DPTRAIN_FAULT",
+                         "crash@step=27,rank=1,gen=1;crash@step=20,rank=1,gen=2;"
+                         "crash@step=32,rank=1,gen=3"}});
+  INFO(r.err);
+  REQUIRE(r.exit_code == 3);
+  const json info = parse_json(read_text(run_dir / "run.json"));
+  REQUIRE(info["restarts"].size() == 2);
+  CHECK(info["restarts"][0]["failed_after_step"] == 27);
+  CHECK(info["restarts"][0]["failed_before_first_step"] == false);
+  CHECK(info["restarts"][1]["failed_after_step"] == 20);
+  CHECK(info["restarts"][1]["failed_before_first_step"] == true);
+  CHECK(info["generations"].back()["step"] == 32);
+  // The step reached is the launcher's in launch, status and report alike, not the last logged.
+  CHECK(parse_json(r.out)["step"] == 32);
+  for (const char* command : {"status", "report"}) {
+    CAPTURE(command);
+    auto shown = run_dptrain({command, run_dir.string(), "--json"});
+    REQUIRE(shown.exit_code == 0);
+    CHECK(parse_json(shown.out)["step"] == 32);
+  }
+}
+
 TEST_CASE("the same failure three times at one step stops with exit 3: looks deterministic") {
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), resumable_recipe());
