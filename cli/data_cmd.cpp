@@ -1,16 +1,21 @@
 // `dptrain data prepare --text FILE... --out DATASET`: text files -> a token dataset directory.
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
 #include <filesystem>
-#include <fstream>
 #include <memory>
-#include <sstream>
+#include <string_view>
 #include <system_error>
+#include <utility>
 #include <vector>
 
 #include <fmt/chrono.h>
@@ -21,6 +26,8 @@
 #include "core/data/tokens.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
+#include "launch/status.hpp"
+#include "launch/supervisor.hpp"
 
 namespace dptrain::cli {
 
@@ -58,6 +65,59 @@ struct PrepareSummary {
 [[noreturn]] void refuse(const std::string& message) {
   throw Error(ErrorKind::usage, message);
 }
+
+// A prepare of a large text takes a while: it shows where it is on a terminal (stderr, rewritten
+// in place; nothing in a pipe, where the summary says it all), and it stops at the next step of
+// work once SIGINT or SIGTERM came (the handlers only record them), so that what it wrote can be
+// removed first.
+class PrepareStatus {
+ public:
+  explicit PrepareStatus(bool tty) : printer_(stderr, tty) {}
+
+  // Error(interrupted | terminated), exit 130 | 143, once a stop signal came.
+  void check_stop() const {
+    const int sig = pending_stop_signal();
+    if (sig == 0) return;
+    throw Error(sig == SIGTERM ? ErrorKind::terminated : ErrorKind::interrupted,
+                fmt::format("data prepare stopped by {}: nothing was written{}",
+                            sig == SIGTERM ? "SIGTERM" : "SIGINT", out_note_));
+  }
+  // After what the stop message says about DATASET.
+  void set_output(const fs::path& out, bool existed) {
+    out_note_ = fmt::format(", {} {}", out.string(), existed ? "is as it was" : "was not made");
+  }
+
+  // check_stop(), then the progress line "WHAT: DONE of TOTAL UNIT (N%)", at most ten times a
+  // second but at once when WHAT changes.
+  void show(const std::string& what, uint64_t done, uint64_t total, bool bytes) {
+    check_stop();
+    const auto now = std::chrono::steady_clock::now();
+    if (what == shown_ && now - last_ < std::chrono::milliseconds(100)) return;
+    shown_ = what;
+    last_ = now;
+    const auto amount = [bytes](uint64_t n) {
+      return bytes ? human_size(n) : fmt::format("{}", n);
+    };
+    printer_.progress(fmt::format("{}: {} of {}{}{}", what, amount(done), amount(total),
+                                  bytes ? "" : " tokens",
+                                  total > 0 ? fmt::format(" ({}%)", done * 100 / total) : ""));
+  }
+  // The same as a core callback, for one step of work.
+  WorkProgress step(std::string what, uint64_t total, bool bytes) {
+    return [this, what = std::move(what), total, bytes](uint64_t done) {
+      show(what, done, total, bytes);
+    };
+  }
+
+  void line(const std::string& text) { printer_.line(text); }
+  void erase() { printer_.erase_progress(); }
+
+ private:
+  StatusPrinter printer_;
+  std::string shown_;
+  std::chrono::steady_clock::time_point last_;
+  std::string out_note_;
+};
 
 void check_options(const PrepareOptions& o) {
   if (o.text.empty()) refuse("data prepare: no --text FILE given (the text to tokenize)");
@@ -111,16 +171,48 @@ void check_output(const fs::path& out, bool force) {
   }
 }
 
-std::string read_text(const fs::path& path) {
+constexpr size_t kReadChunk = size_t{8} << 20;
+
+// An open file descriptor, closed when it goes.
+struct FileDescriptor {
+  int fd = -1;
+  explicit FileDescriptor(int f) : fd(f) {}
+  ~FileDescriptor() {
+    if (fd >= 0) ::close(fd);
+  }
+  FileDescriptor(const FileDescriptor&) = delete;
+  FileDescriptor& operator=(const FileDescriptor&) = delete;
+};
+
+// Appends the file's bytes to text, a chunk at a time: the progress line moves and a stop signal
+// is seen between chunks (also while a read from a pipe waits).
+void append_text(const fs::path& path, std::string& text, PrepareStatus& status) {
   std::error_code ec;
   if (fs::is_directory(path, ec))
     refuse(fmt::format("{}: cannot read: is a directory", path.string()));
-  std::ifstream in(path, std::ios::binary);
-  if (!in) refuse(fmt::format("{}: cannot read: {}", path.string(), std::strerror(errno)));
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) refuse(fmt::format("{}: cannot read: {}", path.string(), std::strerror(errno)));
-  return std::move(text).str();
+  const FileDescriptor in(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (in.fd < 0) refuse(fmt::format("{}: cannot read: {}", path.string(), std::strerror(errno)));
+  struct stat st {};
+  const uint64_t size =
+      ::fstat(in.fd, &st) == 0 && S_ISREG(st.st_mode) ? static_cast<uint64_t>(st.st_size) : 0;
+  const std::string what = "reading " + path.filename().string();
+  uint64_t done = 0;
+  for (;;) {
+    status.show(what, done, std::max(size, done), true);
+    // Into the room run_prepare reserved, so that a large text is not copied as it grows.
+    const size_t start = text.size(), room = text.capacity() - start;
+    const size_t chunk = room >= kReadChunk / 2 ? std::min(room, kReadChunk) : kReadChunk;
+    text.resize(start + chunk);
+    const ssize_t n = ::read(in.fd, text.data() + start, chunk);
+    const int error = errno;
+    text.resize(start + static_cast<size_t>(std::max<ssize_t>(n, 0)));
+    if (n == 0) break;
+    if (n < 0) {
+      if (error == EINTR) continue;
+      refuse(fmt::format("{}: cannot read: {}", path.string(), std::strerror(error)));
+    }
+    done += static_cast<uint64_t>(n);
+  }
 }
 
 int resolve_dtype(const std::string& dtype, int64_t vocab, const std::string& tokenizer) {
@@ -162,30 +254,96 @@ json meta_json(const PrepareSummary& s, double val_fraction) {
           {"val_fraction", val_fraction}};
 }
 
-// Writes everything into a temporary sibling of OUT, then renames it into place: a failure
-// leaves OUT as it was and no temporary behind.
+// `.NAME.tmp-PID` and `.NAME.old-PID`: a prepare's temporary dataset and the dataset it replaces.
+fs::path sibling(const fs::path& out, const char* what, pid_t pid) {
+  return out.parent_path() / fmt::format(".{}.{}-{}", out.filename().string(), what, pid);
+}
+
+bool process_alive(pid_t pid) {
+  return pid == ::getpid() || ::kill(pid, 0) == 0 || errno == EPERM;
+}
+
+// The PID in `.NAME.WHAT-PID`, or 0 when `entry` is not such a name.
+pid_t sibling_pid(const std::string& entry, const std::string& prefix) {
+  if (!entry.starts_with(prefix) || entry.size() == prefix.size() ||
+      entry.size() > prefix.size() + 9)
+    return 0;
+  pid_t pid = 0;
+  for (char c : std::string_view(entry).substr(prefix.size())) {
+    if (c < '0' || c > '9') return 0;
+    pid = pid * 10 + (c - '0');
+  }
+  return pid;
+}
+
+// What a prepare of OUT that was killed (SIGKILL, a crash, a power cut) left beside it: its
+// `.NAME.tmp-PID` is removed, and its `.NAME.old-PID` (the dataset it was replacing, between its
+// two renames) is put back when OUT is missing, else removed. Only for a PID that is gone: a
+// prepare still running keeps its own.
+void remove_stale_siblings(const fs::path& out, PrepareStatus& status) {
+  const std::string name = out.filename().string();
+  std::error_code ec;
+  std::vector<std::pair<fs::path, pid_t>> olds;
+  for (const auto& entry : fs::directory_iterator(out.parent_path(), ec)) {
+    const std::string file = entry.path().filename().string();
+    if (const pid_t pid = sibling_pid(file, "." + name + ".tmp-"); pid > 0 && !process_alive(pid)) {
+      std::error_code rm_ec;
+      fs::remove_all(entry.path(), rm_ec);
+      status.line(fmt::format("removed {}: left by a data prepare (pid {}) that was killed{}",
+                              entry.path().string(), pid,
+                              rm_ec ? fmt::format(" (not all: {})", rm_ec.message()) : ""));
+    } else if (const pid_t old_pid = sibling_pid(file, "." + name + ".old-");
+               old_pid > 0 && !process_alive(old_pid)) {
+      olds.emplace_back(entry.path(), old_pid);
+    }
+  }
+  for (const auto& [old, pid] : olds) {
+    std::error_code mv_ec;
+    if (!fs::exists(fs::symlink_status(out, mv_ec))) {
+      fs::rename(old, out, mv_ec);
+      if (!mv_ec) {
+        status.line(
+            fmt::format("put back {} from {}: a data prepare (pid {}) was killed while "
+                        "replacing it",
+                        out.string(), old.string(), pid));
+        continue;
+      }
+    }
+    fs::remove_all(old, mv_ec);
+    status.line(
+        fmt::format("removed {}: the dataset a data prepare (pid {}) replaced", old.string(), pid));
+  }
+}
+
+// Writes everything into a temporary sibling of OUT, then renames it into place: a failure or a
+// stop signal leaves OUT as it was and no temporary behind.
 void write_dataset(const PrepareSummary& s, const Tokenizer& tokenizer,
-                   const std::vector<int32_t>& tokens, double val_fraction) {
+                   const std::vector<int32_t>& tokens, double val_fraction, PrepareStatus& status) {
   const fs::path out = s.path;
   const fs::path parent = out.parent_path();
   std::error_code ec;
   if (!fs::create_directories(parent, ec) && ec) {
     throw Error(ErrorKind::io, fmt::format("{}: cannot create: {}", parent.string(), ec.message()));
   }
-  const std::string stem = "." + out.filename().string();
-  const fs::path tmp = parent / fmt::format("{}.tmp-{}", stem, ::getpid());
-  const fs::path old = parent / fmt::format("{}.old-{}", stem, ::getpid());
+  const fs::path tmp = sibling(out, "tmp", ::getpid());
+  const fs::path old = sibling(out, "old", ::getpid());
   fs::remove_all(tmp, ec);
   bool moved_old = false;
   try {
     fs::create_directory(tmp);
     const std::span<const int32_t> all(tokens);
     const auto train = static_cast<size_t>(s.train_tokens);
-    write_token_file(tmp / "train.bin", s.vocab, all.first(train), s.dtype_bytes);
-    write_token_file(tmp / "val.bin", s.vocab, all.subspan(train), s.dtype_bytes);
+    const auto write = [&](const char* file, std::span<const int32_t> part) {
+      write_token_file(tmp / file, s.vocab, part, s.dtype_bytes,
+                       status.step(fmt::format("writing {}", file), part.size(), false));
+      status.check_stop();
+    };
+    write("train.bin", all.first(train));
+    write("val.bin", all.subspan(train));
     tokenizer.save(tmp);
     write_file_atomic(tmp / "meta.json", meta_json(s, val_fraction).dump(2) + "\n");
     fsync_directory(tmp);
+    status.check_stop();  // the last moment a stop leaves OUT as it was
     if (fs::exists(fs::symlink_status(out))) {
       fs::rename(out, old);
       moved_old = true;
@@ -203,6 +361,8 @@ void write_dataset(const PrepareSummary& s, const Tokenizer& tokenizer,
                               e.code().message()));
     } catch (const Error& e) {
       if (e.kind() != ErrorKind::io) throw;
+      // A write cut short by a stop signal is the stop, not a broken disk.
+      status.check_stop();
       throw Error(ErrorKind::io,
                   fmt::format("{}: cannot write the dataset, nothing was written: {}", out.string(),
                               e.what()));
@@ -242,29 +402,49 @@ void print_summary(const PrepareSummary& s, bool as_json) {
 
 int run_prepare(const PrepareOptions& o) {
   check_options(o);
+  install_stop_signal_handlers();
+  PrepareStatus status(StatusPrinter::is_terminal(stderr));
   PrepareSummary s;
   s.path = output_path(o.out);
+  remove_stale_siblings(s.path, status);
   check_output(s.path, o.force);
+  std::error_code ec;
+  status.set_output(s.path, fs::exists(fs::symlink_status(s.path, ec)));
 
+  uint64_t expected = kReadChunk;  // room for the read that finds the end
+  for (const auto& name : o.text) {
+    const uintmax_t size = fs::file_size(name, ec);
+    if (!ec) expected += size;
+  }
   std::string text;
+  text.reserve(expected);
   for (const auto& name : o.text) {
     const fs::path path = name;
-    std::string part = read_text(path);
+    const size_t start = text.size();
+    append_text(path, text, status);
+    const std::string_view part = std::string_view(text).substr(start);
     if (o.tokenizer == "char") {
       try {
-        Tokenizer::chars_of(part);  // validates without a copy of the text
+        // validates without a copy of the text
+        Tokenizer::chars_of(part, status.step("checking the UTF-8 of " + path.filename().string(),
+                                              part.size(), true));
       } catch (const Error& e) {
+        if (e.kind() != ErrorKind::usage) throw;
         refuse(fmt::format("{}: {} (--tokenizer char needs UTF-8 text)", name, e.what()));
       }
     }
     s.sources.push_back({fs::absolute(path).lexically_normal(), part.size()});
-    text += part;
   }
   s.bytes = text.size();
   if (text.empty()) refuse(fmt::format("no text in {}", fmt::join(o.text, ", ")));
 
-  const Tokenizer tokenizer = o.tokenizer == "char" ? Tokenizer::chars_of(text) : Tokenizer::byte();
-  const std::vector<int32_t> tokens = tokenizer.encode(text);
+  const Tokenizer tokenizer =
+      o.tokenizer == "char"
+          ? Tokenizer::chars_of(text, status.step("listing the characters", text.size(), true))
+          : Tokenizer::byte();
+  const std::vector<int32_t> tokens =
+      tokenizer.encode(text, status.step("tokenizing", text.size(), true));
+  std::string().swap(text);  // the tokens hold it now; its memory is better used for writing
   s.tokenizer = tokenizer.type();
   s.vocab = tokenizer.vocab();
   s.dtype_bytes = resolve_dtype(o.dtype, s.vocab, s.tokenizer);
@@ -278,7 +458,8 @@ int run_prepare(const PrepareOptions& o) {
                     o.val_fraction, s.tokens, s.train_tokens, s.val_tokens,
                     o.val_fraction > 0 ? ", or --val-fraction 0 for no validation" : ""));
   }
-  write_dataset(s, tokenizer, tokens, o.val_fraction);
+  write_dataset(s, tokenizer, tokens, o.val_fraction, status);
+  status.erase();
   print_summary(s, o.json);
   return 0;
 }

@@ -39,23 +39,22 @@ int run_doctor_cmd(const DoctorCliOptions& o) {
   d.ssh = o.hosts.ssh();
   d.allreduce = !o.no_allreduce;
   const auto checks = run_doctor(o.hosts.load(), d);
-  bool ok = true;
+  int failed = 0, skipped = 0;
   nlohmann::json list = nlohmann::json::array();
   for (const auto& c : checks) {
-    ok = ok && c.ok;
+    failed += c.failed() ? 1 : 0;
+    skipped += c.skipped ? 1 : 0;
     list.push_back(c.to_json());
     if (!o.json) std::printf("%s\n", c.line().c_str());
   }
   if (o.json) {
-    std::printf("%s\n", nlohmann::json({{"ok", ok}, {"checks", list}}).dump().c_str());
+    std::printf("%s\n", nlohmann::json({{"ok", failed == 0}, {"checks", list}}).dump().c_str());
   } else {
-    int failed = 0;
-    for (const auto& c : checks)
-      failed += c.ok ? 0 : 1;
-    std::printf("%s\n",
-                ok ? "all checks passed" : fmt::format("{} check(s) failed", failed).c_str());
+    const std::string not_run = skipped > 0 ? fmt::format(", {} not run", skipped) : "";
+    std::printf("%s\n", failed == 0 ? ("all checks passed" + not_run).c_str()
+                                    : fmt::format("{} check(s) failed{}", failed, not_run).c_str());
   }
-  return ok ? 0 : 4;
+  return doctor_exit_code(checks);
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <sstream>
@@ -37,15 +38,31 @@ std::string DoctorCheck::line() const {
                                  : ok    ? "ok"
                                          : "FAIL",
                                  check, host.empty() ? detail : host + ": " + detail);
-  if (!ok && !fix.empty()) text += " -- fix: " + fix;
+  if (failed() && !fix.empty()) text += " -- fix: " + fix;
   return text;
 }
 
 json DoctorCheck::to_json() const {
   // A fix is advice for a failure: null on a check that passed (or was skipped), as in line().
-  const json advice = ok || fix.empty() ? json(nullptr) : json(fix);
-  return {{"check", check},   {"host", host},  {"ok", ok},
-          {"detail", detail}, {"fix", advice}, {"skipped", skipped}};
+  // "ok" is true only for a check that ran and passed, so that `.ok == true` counts passes.
+  const json advice = !failed() || fix.empty() ? json(nullptr) : json(fix);
+  return {{"check", check},
+          {"host", host.empty() ? json(nullptr) : json(host)},
+          {"ok", skipped ? json(nullptr) : json(ok)},
+          {"detail", detail},
+          {"fix", advice},
+          {"skipped", skipped}};
+}
+
+int doctor_exit_code(const std::vector<DoctorCheck>& checks) {
+  bool recipe_failed = false, host_failed = false;
+  for (const auto& c : checks) {
+    if (!c.failed()) continue;
+    // The recipe, and its data as this machine loads it: what launch refuses with exit 2.
+    const bool about_recipe = c.check == "recipe" || (c.check == "data" && c.host.empty());
+    (about_recipe ? recipe_failed : host_failed) = true;
+  }
+  return recipe_failed ? 2 : host_failed ? 4 : 0;
 }
 
 int run_probe_listen(std::FILE* out) {
@@ -87,7 +104,12 @@ struct HostSurvey {
   HostFacts facts;
   std::string binary;  // dptrain there, empty when it has none that runs
   std::vector<DoctorCheck> checks;
+  std::string held_back;  // why the checks that need dptrain there cannot run; "" when they can
 };
+
+DoctorCheck skipped_check(std::string check, std::string host, std::string why) {
+  return {std::move(check), std::move(host), false, "not run: " + std::move(why), "", true};
+}
 
 class Doctor {
  public:
@@ -109,12 +131,16 @@ class Doctor {
   void add(std::string check, std::string host, bool ok, std::string detail, std::string fix = "") {
     checks_.push_back({std::move(check), std::move(host), ok, std::move(detail), std::move(fix)});
   }
-  bool all_ok() const {
-    for (const auto& c : checks_) {
-      if (!c.ok) return false;
-    }
-    return true;
+  void skip(std::string check, std::string host, std::string why) {
+    checks_.push_back(skipped_check(std::move(check), std::move(host), std::move(why)));
   }
+  bool any_failed() const {
+    for (const auto& c : checks_) {
+      if (c.failed()) return true;
+    }
+    return false;
+  }
+  bool nccl_recipe() const { return recipe_ && recipe_->distributed.backend == "nccl"; }
 
   void check_recipe() {
     if (options_.recipe.empty()) return;
@@ -128,6 +154,7 @@ class Doctor {
             fmt::format("correct the recipe ('dptrain recipe validate {}' lists every problem)",
                         options_.recipe.string()));
       }
+      skip("data", "", "the recipe is not valid");
       return;
     }
     try {
@@ -222,6 +249,10 @@ class Doctor {
       s.shell = open_host_shell(h, options_.ssh);
       s.checks.push_back(
           {"ssh", h.display(), true, h.is_local() ? "this machine" : "connected", ""});
+      if (h.is_local()) {
+        survey_this_machine(h, s);
+        return s;
+      }
       try {
         s.facts = survey_host(*s.shell, h, options_.workdir);
         s.checks.push_back(
@@ -229,6 +260,9 @@ class Doctor {
       } catch (const Error& e) {
         s.checks.push_back({"workdir", h.display(), false, e.what(),
                             "pass a writable --workdir, or free space there"});
+        s.held_back = "its workdir check failed";
+        s.checks.push_back(skipped_check("version", h.display(), s.held_back));
+        if (nccl_recipe()) s.checks.push_back(skipped_check("gpus", h.display(), s.held_back));
         return s;
       }
       check_version(h, s);
@@ -238,16 +272,39 @@ class Doctor {
     for (size_t i = 0; i < outcomes.size(); ++i) {
       auto& outcome = outcomes[i];
       if (!outcome.ok()) {
-        add("ssh", hosts_[i].display(), false, outcome.error->what(),
+        const std::string host = hosts_[i].display();
+        add("ssh", host, false, outcome.error->what(),
             "check the host is up, sshd listens on its port, the key is authorized "
             "(ssh-copy-id) and its host key is in known_hosts (or --accept-new-host-keys)");
-        surveys_.emplace_back();
+        HostSurvey unreachable;
+        unreachable.held_back = "its ssh check failed";
+        for (const char* check : {"workdir", "version"})
+          skip(check, host, unreachable.held_back);
+        if (nccl_recipe()) skip("gpus", host, unreachable.held_back);
+        surveys_.push_back(std::move(unreachable));
         continue;
       }
       for (auto& c : outcome.value->checks)
         checks_.push_back(std::move(c));
       surveys_.push_back(std::move(*outcome.value));
     }
+  }
+
+  // Ranks on this machine are started directly, by this binary, in the run directory: no work
+  // directory is made or used here (provision and agents are for remote hosts).
+  void survey_this_machine(const HostSpec& h, HostSurvey& s) const {
+    s.checks.push_back(skipped_check("workdir", h.display(),
+                                     "this machine starts its ranks directly and uses no workdir"));
+    check_version(h, s);
+    if (!nccl_recipe()) return;
+    try {
+      // The survey's directory only has to exist: the current one, so nothing is created.
+      s.facts = survey_host(*s.shell, h, fs::current_path().string());
+    } catch (const Error& e) {
+      s.checks.push_back({"gpus", h.display(), false, e.what(), "fix what the line says"});
+      return;
+    }
+    check_gpus(h, s);
   }
 
   void check_version(const HostSpec& h, HostSurvey& s) const {
@@ -268,6 +325,7 @@ class Doctor {
       s.checks.push_back({"version", h.display(), false,
                           fmt::format("no dptrain that runs at {}", binary),
                           "run 'dptrain provision --hosts ...' to install it"});
+      s.held_back = "it has no dptrain that runs";
       return;
     }
     s.binary = binary;
@@ -278,7 +336,7 @@ class Doctor {
   }
 
   void check_gpus(const HostSpec& h, HostSurvey& s) const {
-    if (!recipe_ || recipe_->distributed.backend != "nccl") return;
+    if (!nccl_recipe()) return;
     const int gpus = static_cast<int>(s.facts.gpus.size());
     s.checks.push_back({"gpus", h.display(), gpus >= h.slots,
                         fmt::format("{} GPU(s) for {} slot(s){}", gpus, h.slots,
@@ -301,13 +359,25 @@ class Doctor {
     return first_line(r.err.empty() ? r.out : r.err);
   }
 
-  bool can_probe(size_t i) const { return surveys_[i].shell && !surveys_[i].binary.empty(); }
+  bool can_probe(size_t i) const { return surveys_[i].held_back.empty(); }
+
+  // A skip line for every host that cannot run a check, with the reason.
+  void skip_held_back(const std::string& check) {
+    for (size_t i = 0; i < hosts_.size(); ++i) {
+      if (!can_probe(i)) skip(check, hosts_[i].display(), surveys_[i].held_back);
+    }
+  }
 
   void check_store_port() {
+    const auto skip_all = [this](const std::string& why) {
+      for (const auto& h : hosts_)
+        skip("store-port", h.display(), why);
+    };
     try {
       master_addr_ = resolve_master_addr_for(hosts_);
     } catch (const Error& e) {
       add("store-port", "", false, e.what(), "pass --master-addr");
+      skip_all("no store address (see the line above)");
       return;
     }
     UniqueFd listener;
@@ -316,6 +386,7 @@ class Doctor {
     } catch (const Error& e) {
       add("store-port", "", false, e.what(),
           "choose another --master-port (or free that one), or another --master-addr");
+      skip_all("the store cannot listen (see the line above)");
       return;
     }
     const std::string address = fmt::format("{}:{}", master_addr_, local_port(listener.get()));
@@ -327,6 +398,7 @@ class Doctor {
         probes.emplace_back([&, i] { failures[i] = probe_from(i, address); });
       }
     }
+    skip_held_back("store-port");
     for (size_t i = 0; i < hosts_.size(); ++i) {
       if (!can_probe(i)) continue;
       const bool ok = failures[i].empty();
@@ -354,6 +426,7 @@ class Doctor {
       std::unique_ptr<SshChannel> channel;
       UniqueFd local;
       std::string address;
+      std::string failure;  // why it does not listen
     };
     std::vector<Listener> listeners(hosts_.size());
     for (size_t j = 0; j < hosts_.size(); ++j) {
@@ -376,8 +449,12 @@ class Doctor {
         unsigned port = 0;
         if (std::sscanf(out.c_str(), "port %u", &port) == 1) {
           l.address = fmt::format("{}:{}", hosts_[j].host, port);
+        } else {
+          l.failure = out.empty() ? "'dptrain _probe listen' printed no port within 10 s"
+                                  : "'dptrain _probe listen' said: " + first_line(out);
         }
-      } catch (const Error&) {
+      } catch (const Error& e) {
+        l.failure = e.what();
       }
     }
     std::vector<std::vector<std::string>> failures(hosts_.size(),
@@ -398,6 +475,14 @@ class Doctor {
     for (auto& l : listeners) {
       if (l.channel) l.channel->close_stdin();
     }
+    skip_held_back("peer-port");
+    for (size_t j = 0; j < hosts_.size(); ++j) {
+      if (can_probe(j) && listeners[j].address.empty()) {
+        add("peer-port", hosts_[j].display(), false,
+            fmt::format("cannot listen on a free port there: {}", listeners[j].failure),
+            "check that the host lets a process listen on TCP ports");
+      }
+    }
     for (size_t i = 0; i < hosts_.size(); ++i) {
       for (size_t j = 0; j < hosts_.size(); ++j) {
         if (i == j || !can_probe(i) || listeners[j].address.empty()) continue;
@@ -416,7 +501,11 @@ class Doctor {
     if (!recipe_ || recipe_->data.type != "csv") return;
     const fs::path path = recipe_->data.path;
     for (size_t i = 0; i < hosts_.size(); ++i) {
-      if (hosts_[i].is_local() || !surveys_[i].shell || surveys_[i].facts.workdir.empty()) continue;
+      if (hosts_[i].is_local()) continue;
+      if (!surveys_[i].shell || surveys_[i].facts.workdir.empty()) {
+        skip("data", hosts_[i].display(), surveys_[i].held_back);
+        continue;
+      }
       const std::string provisioned =
           surveys_[i].facts.workdir + "/data/" + path.filename().string();
       const auto r = surveys_[i].shell->run(fmt::format(
@@ -431,8 +520,8 @@ class Doctor {
   }
 
   void check_allreduce() {
-    if (!all_ok()) {
-      checks_.push_back({"allreduce", "", true, "not run: fix the failures above first", "", true});
+    if (any_failed()) {
+      skip("allreduce", "", "fix the failures above first");
       return;
     }
     const fs::path dir = fs::temp_directory_path() / fmt::format("dptrain-doctor-{}", ::getpid());
@@ -448,8 +537,10 @@ class Doctor {
     spec.remote.master_addr = options_.master_addr;
     const auto t0 = Clock::now();
     JobOutcome outcome;
+    std::string remote_name;  // the run's directory on the remote hosts: WORKDIR/runs/NAME
     try {
       RunDirectory run = RunDirectory::create(dir, "", spec.recipe.name);
+      remote_name = run.remote_name();
       std::FILE* sink = std::fopen("/dev/null", "w");
       {
         StatusPrinter quiet(sink, false);
@@ -460,21 +551,44 @@ class Doctor {
       outcome.exit_code = exit_code(e.kind());
       outcome.error = e.what();
     }
-    std::error_code ec;
-    fs::remove_all(dir, ec);
-    for (size_t i = 0; i < hosts_.size(); ++i) {
-      if (!hosts_[i].is_local() && surveys_[i].shell) {
-        surveys_[i].shell->run("rm -rf " + shell_quote(surveys_[i].facts.workdir + "/runs/" +
-                                                       dir.filename().string()));
+    const bool ok = outcome.exit_code == 0;
+    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    std::string fix = "see the line above; 'dptrain launch --dry-run' shows what was started where";
+    if (ok) {
+      remove_trial_run(dir, remote_name);
+    } else if (std::error_code ec; fs::exists(dir / "logs", ec)) {
+      // The ranks' logs say why: the run directories stay for them (see dptrain-doctor(1)).
+      fix += fmt::format("; the ranks' logs are in {}/logs", dir.string());
+      const bool remote_hosts = std::any_of(hosts_.begin(), hosts_.end(),
+                                            [](const HostSpec& h) { return !h.is_local(); });
+      if (!remote_name.empty() && remote_hosts) {
+        fix += fmt::format(" and, on each remote host, WORKDIR/runs/{}/logs", remote_name);
       }
     }
-    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-    add("allreduce", "", outcome.exit_code == 0,
-        outcome.exit_code == 0
-            ? fmt::format("{} rank(s) on {} host(s) met and all-reduced in {:.1f}s", world_,
-                          hosts_.size(), seconds)
-            : first_line(outcome.error),
-        "see the line above; 'dptrain launch --dry-run' shows what was started where");
+    add("allreduce", "", ok,
+        ok ? fmt::format("{} rank(s) on {} host(s) met and all-reduced in {:.1f}s", world_,
+                         hosts_.size(), seconds)
+           : first_line(outcome.error),
+        fix);
+  }
+
+  // The trial job's run directories: here, and WORKDIR/runs/NAME on every remote host.
+  void remove_trial_run(const fs::path& dir, const std::string& remote_name) {
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+    if (remote_name.empty()) return;
+    std::vector<std::jthread> removals;
+    for (size_t i = 0; i < hosts_.size(); ++i) {
+      if (hosts_[i].is_local() || !surveys_[i].shell) continue;
+      removals.emplace_back([this, i, &remote_name] {
+        try {
+          surveys_[i].shell->run("rm -rf " +
+                                 shell_quote(surveys_[i].facts.workdir + "/runs/" + remote_name));
+        } catch (const Error&) {
+          // A host that went away keeps its directory; the check itself passed.
+        }
+      });
+    }
   }
 
   Recipe tiny_recipe() const {

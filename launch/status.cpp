@@ -86,11 +86,22 @@ void StatusPrinter::event(const nlohmann::json& e) {
     line(text);
     return;
   }
+  progress(text);
+}
+
+void StatusPrinter::progress(const std::string& text) {
+  if (!tty_) return;
   std::lock_guard lock(mutex_);
   std::fputs("\r\033[K", out_);
   std::fputs(text.c_str(), out_);
   std::fflush(out_);
   progress_shown_ = true;
+}
+
+void StatusPrinter::erase_progress() {
+  std::lock_guard lock(mutex_);
+  clear_progress();
+  std::fflush(out_);
 }
 
 void StatusPrinter::finish() {

@@ -27,7 +27,11 @@ class StatusPrinter {
 
   void line(const std::string& text);       // a permanent line
   void event(const nlohmann::json& event);  // progress rewrites in place on a terminal
-  void finish();                            // ends a pending progress line
+  // A progress line for a long step: rewritten in place on a terminal, dropped in a pipe (where
+  // the permanent lines say what was done).
+  void progress(const std::string& text);
+  void erase_progress();  // removes a pending progress line, e.g. before a summary on stdout
+  void finish();          // ends a pending progress line
 
  private:
   void clear_progress();

@@ -71,3 +71,19 @@ TEST_CASE("status: a terminal gets one progress line rewritten in place") {
   CHECK(std::count(out.begin(), out.end(), '\n') == 2);
   CHECK(out.find("checkpoint\n") != std::string::npos);
 }
+
+TEST_CASE("status: a progress text is rewritten on a terminal and dropped in a pipe") {
+  const auto use = [](StatusPrinter& p) {
+    p.progress("reading a.txt: 1.0 MiB of 4.0 MiB");
+    p.progress("reading a.txt: 2.0 MiB of 4.0 MiB");
+    p.line("done");
+    p.progress("writing");
+    p.erase_progress();
+  };
+  const std::string pipe = printed(false, use);
+  CHECK(pipe == "done\n");
+  const std::string tty = printed(true, use);
+  CHECK(tty ==
+        "\r\033[Kreading a.txt: 1.0 MiB of 4.0 MiB\r\033[Kreading a.txt: 2.0 MiB of 4.0 MiB"
+        "\r\033[Kdone\n\r\033[Kwriting\r\033[K");
+}

@@ -7,20 +7,13 @@
 #include "core/comm/nccl_communicator.hpp"
 #include "tests/cluster.hpp"
 #include "tests/harness.hpp"
+#include "tests/strings.hpp"
 
 using namespace dptrain::test;
 namespace fs = std::filesystem;
 using nlohmann::json;
 
 namespace {
-
-std::vector<std::string> lines_of(const std::string& text) {
-  std::vector<std::string> lines;
-  std::istringstream in(text);
-  for (std::string line; std::getline(in, line);)
-    lines.push_back(line);
-  return lines;
-}
 
 std::vector<std::string> words_of(const std::string& line) {
   std::vector<std::string> words;

@@ -72,7 +72,7 @@ int read_code(const fs::path& path) {
   return text.empty() ? -1 : std::stoi(text);
 }
 
-std::vector<std::string> lines_of(const std::string& text) {
+std::vector<std::string> nonempty_lines(const std::string& text) {
   std::vector<std::string> out;
   std::istringstream in(text);
   for (std::string line; std::getline(in, line);) {
@@ -130,7 +130,7 @@ TEST_CASE("a full disk during a checkpoint write: exit 5, one clear error, previ
   INFO("launch stdout:\n", read_text(out / "launch.out"));
   CHECK(read_code(out / "launch.rc") == 5);
   std::vector<std::string> enospc;
-  for (const auto& line : lines_of(launch_err)) {
+  for (const auto& line : nonempty_lines(launch_err)) {
     if (contains(line, "No space left on device")) enospc.push_back(line);
   }
   REQUIRE(enospc.size() == 1);
@@ -159,7 +159,7 @@ TEST_CASE("a full disk during a checkpoint write: exit 5, one clear error, previ
   // Nothing half-written is left behind.
   const std::string dir = read_text(out / "checkpoints.txt");
   INFO("checkpoints/ after the failure:\n", dir);
-  CHECK(lines_of(dir) == std::vector<std::string>{"latest", "step-000020", "step-000040"});
+  CHECK(nonempty_lines(dir) == std::vector<std::string>{"latest", "step-000020", "step-000040"});
   CHECK_FALSE(contains(dir, ".tmp-"));
 
   // With room again, the run resumes from step 40 and completes.

@@ -34,6 +34,11 @@ struct DoctorFixture {
   }
 };
 
+// How a skip line of `check` starts: "skip CHECK      " (the check padded to 10).
+std::string fmt_skip(const std::string& check) {
+  return "skip " + check + std::string(check.size() < 10 ? 10 - check.size() : 0, ' ') + " ";
+}
+
 std::vector<std::string> failure_lines(const std::string& out) {
   std::vector<std::string> lines;
   std::istringstream in(out);
@@ -98,7 +103,7 @@ TEST_CASE("doctor: a missing data file is one line naming it") {
   const auto path = write_recipe(f.tmp.path(), recipe);
   auto r = f.doctor({path.string(), "--no-allreduce"});
   INFO(r.out);
-  CHECK(r.exit_code == 4);
+  CHECK(r.exit_code == 2);  // missing here: the recipe is wrong, as launch would say
   const auto lines = failure_lines(r.out);
   REQUIRE(lines.size() == 1);
   CHECK(lines[0].find("missing.csv") != std::string::npos);
@@ -116,29 +121,84 @@ TEST_CASE("doctor: an unreachable host is named, the others still checked") {
   INFO(r.out);
   CHECK(r.exit_code == 4);
   const auto lines = failure_lines(r.out);
-  REQUIRE(lines.size() >= 1);
+  REQUIRE(lines.size() == 1);  // the rest is held back, not failed
+  CHECK(lines[0].find("FAIL ssh") == 0);
   CHECK(lines[0].find(f.sshd.addresses()[2]) != std::string::npos);
   CHECK(r.out.find("ok   version") != std::string::npos);  // the good host was checked
+  // The bad host's other checks are skip lines saying why, not missing.
+  for (const char* check : {"workdir", "version", "store-port", "peer-port"}) {
+    CAPTURE(check);
+    bool found = false;
+    std::istringstream in(r.out);
+    for (std::string line; std::getline(in, line);) {
+      found = found || (line.starts_with(fmt_skip(check)) &&
+                        line.find(f.sshd.addresses()[2]) != std::string::npos &&
+                        line.ends_with("not run: its ssh check failed"));
+    }
+    CHECK(found);
+  }
+  CHECK(r.out.find("skip allreduce  not run: fix the failures above first") != std::string::npos);
+
+  // In JSON: ok null and skipped true on those, so `.ok == true` counts only what passed.
+  auto j = run_dptrain({"doctor", "--hosts", (f.tmp / "mixed.txt").string(), "--known-hosts",
+                        f.sshd.known_hosts().string(), "--connect-timeout", "3", "--json"});
+  CHECK(j.exit_code == 4);
+  int passed = 0, failed = 0, skipped = 0;
+  const json report = parse_json(j.out);
+  for (const auto& c : report["checks"]) {
+    CAPTURE(c.dump());
+    CHECK(c["skipped"] == c["ok"].is_null());
+    passed += c["ok"] == true ? 1 : 0;
+    failed += c["ok"] == false ? 1 : 0;
+    skipped += c["skipped"] == true ? 1 : 0;
+  }
+  CHECK(failed == 1);
+  CHECK(skipped == 5);  // workdir, version, store-port, peer-port, allreduce
+  CHECK(passed >= 4);   // the good host's ssh, workdir, version, store-port
+}
+
+TEST_CASE("doctor removes its trial run's directories on every host when it passes") {
+  DoctorFixture f;
+  fs::create_directories(f.tmp / "t");
+  auto r = run_dptrain(
+      {"doctor", "--hosts", f.hostfile.string(), "--known-hosts", f.sshd.known_hosts().string()},
+      {{"TMPDIR", (f.tmp / "t").string()}});
+  INFO(r.out, r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out.find("ok   allreduce") != std::string::npos);
+  CHECK(fs::is_empty(f.tmp / "t"));
+  for (const auto& address : {f.sshd.addresses()[1], f.sshd.addresses()[2]}) {
+    CAPTURE(address);
+    const fs::path runs = f.sshd.home(address) / ".dptrain/runs";
+    CHECK(fs::is_directory(runs));  // the trial ran there
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(runs, ec)) {
+      CAPTURE(e.path());
+      CHECK(e.path().filename().string().find("dptrain-doctor-") == std::string::npos);
+    }
+  }
 }
 
 namespace {
 
 // Doctor on this machine alone (two local slots, no SSH, no all-reduce): the recipe and data
-// checks, as JSON.
+// checks, as JSON. Only the recipe or its data can fail here: exit 2 then, else 0.
 json local_doctor(const TempDir& tmp, const json& recipe) {
   const auto path = write_recipe(tmp.path(), recipe);
   auto r = run_dptrain({"doctor", "--hosts", "localhost:2", "--workdir", (tmp / "work").string(),
                         "--no-allreduce", "--json", path.string()});
   INFO(r.out, r.err);
-  CHECK((r.exit_code == 0 || r.exit_code == 4));
-  return parse_json(r.out);
+  const json report = parse_json(r.out);
+  CHECK(r.exit_code == (report["ok"] == true ? 0 : 2));
+  CHECK_FALSE(fs::exists(tmp / "work"));  // this machine's ranks use no workdir
+  return report;
 }
 
-// The one check named `name` about this machine's view of the recipe (host "").
+// The one check named `name` about this machine's view of the recipe (host null).
 json check_named(const json& report, const std::string& name) {
   json found;
   for (const auto& c : report["checks"]) {
-    if (c["check"] == name && c["host"] == "") {
+    if (c["check"] == name && c["host"].is_null()) {
       CHECK(found.is_null());
       found = c;
     }
@@ -224,15 +284,22 @@ TEST_CASE("doctor: the data check's fix fits what is wrong with the data") {
   }
 }
 
-TEST_CASE("doctor --json: a fix only on the checks that failed") {
+TEST_CASE("doctor --json: a fix only on the checks that failed; ok is null on a skipped one") {
   TempDir tmp;
   const json good = local_doctor(tmp, small_recipe());
   CHECK(good["ok"] == true);
   REQUIRE(good["checks"].size() >= 4);
   for (const auto& c : good["checks"]) {
     CAPTURE(c.dump());
-    CHECK(c["ok"] == true);
     CHECK(c["fix"].is_null());
+    if (c["skipped"] == true) {
+      // Only the workdir, which this machine does not use; not counted as passed.
+      CHECK(c["check"] == "workdir");
+      CHECK(c["ok"].is_null());
+      CHECK(c["detail"] == "not run: this machine starts its ranks directly and uses no workdir");
+    } else {
+      CHECK(c["ok"] == true);
+    }
   }
   auto few = small_recipe();
   few["data"]["samples"] = 20;
@@ -240,7 +307,62 @@ TEST_CASE("doctor --json: a fix only on the checks that failed") {
   CHECK(bad["ok"] == false);
   for (const auto& c : bad["checks"]) {
     CAPTURE(c.dump());
-    CHECK(c["fix"].is_null() == c["ok"].get<bool>());
-    if (!c["ok"].get<bool>()) CHECK_FALSE(c["fix"].get<std::string>().empty());
+    CHECK(c["fix"].is_null() == (c["ok"] != false));
+    if (c["ok"] == false) CHECK_FALSE(c["fix"].get<std::string>().empty());
+    // A host-less check has host null, never "".
+    CHECK((c["host"].is_null() || !c["host"].get<std::string>().empty()));
   }
+}
+
+TEST_CASE("doctor: a missing or invalid recipe exits 2, the data check a skip line naming why") {
+  TempDir tmp;
+  for (const bool missing : {true, false}) {
+    CAPTURE(missing);
+    fs::path recipe = tmp / "missing.json";
+    if (!missing) {
+      auto bad = small_recipe();
+      bad["train"]["steps"] = -3;
+      recipe = write_recipe(tmp.path(), bad, "bad.json");
+    }
+    auto r = run_dptrain(
+        {"doctor", "--hosts", "localhost:2", "--no-allreduce", "--json", recipe.string()});
+    INFO(r.out, r.err);
+    CHECK(r.exit_code == 2);
+    const json report = parse_json(r.out);
+    CHECK(report["ok"] == false);
+    const json recipe_check = check_named(report, "recipe");
+    CHECK(recipe_check["ok"] == false);
+    CHECK(recipe_check["detail"].get<std::string>().find(
+              missing ? "missing.json" : "/train/steps") != std::string::npos);
+    const json data = check_named(report, "data");
+    CHECK(data["ok"].is_null());
+    CHECK(data["skipped"] == true);
+    CHECK(data["detail"] == "not run: the recipe is not valid");
+    CHECK(data["fix"].is_null());
+  }
+  // And as lines: the recipe's FAIL, the data check's skip.
+  auto table = run_dptrain(
+      {"doctor", "--hosts", "localhost:2", "--no-allreduce", (tmp / "missing.json").string()});
+  CHECK(table.exit_code == 2);
+  CHECK(table.out.find("FAIL recipe") != std::string::npos);
+  CHECK(table.out.find("skip data       not run: the recipe is not valid") != std::string::npos);
+  // Bad usage is 2 as well.
+  CHECK(run_dptrain({"doctor", "--hosts", "localhost:2", "--master-port", "70000"}).exit_code == 2);
+}
+
+TEST_CASE("doctor on this machine creates no workdir in $HOME and leaves no run directory") {
+  TempDir tmp;
+  fs::create_directories(tmp / "home");
+  fs::create_directories(tmp / "t");
+  const auto recipe = write_recipe(tmp.path(), small_recipe());
+  auto r = run_dptrain({"doctor", "--hosts", "localhost:2", recipe.string()},
+                       {{"HOME", (tmp / "home").string()}, {"TMPDIR", (tmp / "t").string()}});
+  INFO(r.out, r.err);
+  CHECK(r.exit_code == 0);
+  CHECK(r.out.find("skip workdir    localhost: not run: this machine starts its ranks directly") !=
+        std::string::npos);
+  CHECK(r.out.find("ok   allreduce") != std::string::npos);
+  CHECK(r.out.find("all checks passed, 1 not run") != std::string::npos);
+  CHECK(fs::is_empty(tmp / "home"));  // no ~/.dptrain
+  CHECK(fs::is_empty(tmp / "t"));     // no dptrain-doctor-PID
 }

@@ -2,7 +2,9 @@
 #pragma once
 
 #include <cstddef>
+#include <sstream>
 #include <string>
+#include <vector>
 
 namespace dptrain::test {
 
@@ -12,6 +14,15 @@ inline size_t count_occurrences(const std::string& text, const std::string& what
   for (size_t pos = text.find(what); pos != std::string::npos; pos = text.find(what, pos + 1))
     ++n;
   return n;
+}
+
+// The lines of `text`, without their newlines.
+inline std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);)
+    lines.push_back(line);
+  return lines;
 }
 
 }  // namespace dptrain::test

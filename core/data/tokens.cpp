@@ -222,7 +222,7 @@ TokenFile read_token_file(const fs::path& path) {
 }
 
 void write_token_file(const fs::path& path, int64_t vocab, std::span<const int32_t> tokens,
-                      int dtype_bytes) {
+                      int dtype_bytes, const WorkProgress& progress) {
   const int64_t capacity = dtype_capacity(dtype_bytes);
   if (vocab < 1 || vocab > capacity) {
     throw Error(ErrorKind::usage,
@@ -232,6 +232,7 @@ void write_token_file(const fs::path& path, int64_t vocab, std::span<const int32
   const auto width = static_cast<size_t>(dtype_bytes);
   std::string buf(kTokenHeaderBytes + tokens.size() * width, '\0');
   for (size_t i = 0; i < tokens.size(); ++i) {
+    if (progress && i % kWorkProgressEvery == 0) progress(i);
     if (tokens[i] < 0 || tokens[i] >= vocab) {
       throw Error(ErrorKind::internal, fmt::format("{}: token {} at index {} is outside [0, {})",
                                                    path.string(), tokens[i], i, vocab));
@@ -309,10 +310,15 @@ Tokenizer Tokenizer::from_chars(std::vector<char32_t> chars) {
   return t;
 }
 
-Tokenizer Tokenizer::chars_of(std::string_view text) {
+Tokenizer Tokenizer::chars_of(std::string_view text, const WorkProgress& progress) {
   std::vector<bool> seen(kMaxCodePoint + 1);
-  for (size_t i = 0; i < text.size();)
+  for (size_t i = 0, next_report = 0; i < text.size();) {
+    if (progress && i >= next_report) {
+      progress(i);
+      next_report = i + kWorkProgressEvery;
+    }
     seen[next_code_point(text, i)] = true;
+  }
   std::vector<char32_t> chars;
   for (char32_t cp = 0; cp <= kMaxCodePoint; ++cp) {
     if (seen[cp]) chars.push_back(cp);
@@ -379,15 +385,21 @@ int32_t Tokenizer::id_of(char32_t cp) const {
   return sorted_ids_[static_cast<size_t>(at - sorted_.begin())];
 }
 
-std::vector<int32_t> Tokenizer::encode(std::string_view text) const {
+std::vector<int32_t> Tokenizer::encode(std::string_view text, const WorkProgress& progress) const {
   std::vector<int32_t> ids;
   ids.reserve(text.size());
   if (!char_mode_) {
-    for (char c : text)
-      ids.push_back(static_cast<unsigned char>(c));
+    for (size_t i = 0; i < text.size(); ++i) {
+      if (progress && i % kWorkProgressEvery == 0) progress(i);
+      ids.push_back(static_cast<unsigned char>(text[i]));
+    }
     return ids;
   }
-  for (size_t i = 0; i < text.size();) {
+  for (size_t i = 0, next_report = 0; i < text.size();) {
+    if (progress && i >= next_report) {
+      progress(i);
+      next_report = i + kWorkProgressEvery;
+    }
     const size_t offset = i;
     const char32_t cp = next_code_point(text, i);
     const int32_t id = id_of(cp);

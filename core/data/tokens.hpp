@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -34,6 +35,12 @@ namespace dptrain {
 inline constexpr char kTokenFileMagic[8] = {'D', 'P', 'T', 'O', 'K', 'E', 'N', 'S'};
 inline constexpr uint32_t kTokenFileVersion = 1;
 inline constexpr size_t kTokenHeaderBytes = 64;
+
+// Called now and then during long work (about every kWorkProgressEvery units) with how much is
+// done: bytes of text, or tokens. It may throw to abandon the work (an interrupted `data
+// prepare`), which then leaves nothing half-written behind.
+using WorkProgress = std::function<void(uint64_t done)>;
+inline constexpr uint64_t kWorkProgressEvery = uint64_t{1} << 22;
 
 struct TokenFile {
   int64_t vocab = 0;
@@ -61,8 +68,10 @@ TokenFileHeader read_token_header(const std::filesystem::path& path);
 TokenFile read_token_file(const std::filesystem::path& path);
 // Atomic and fsynced (temporary name, rename, directory fsync). Error(usage) when vocab does not
 // fit the dtype; Error(internal) for a token outside [0, vocab) or a dtype other than 2 or 4.
+// `progress` counts the tokens converted, before the file is written.
 void write_token_file(const std::filesystem::path& path, int64_t vocab,
-                      std::span<const int32_t> tokens, int dtype_bytes);
+                      std::span<const int32_t> tokens, int dtype_bytes,
+                      const WorkProgress& progress = {});
 
 // UTF-8 -> code points. Error(usage) "invalid UTF-8 at byte offset N (...)": stray or missing
 // continuation bytes, overlong forms, surrogates, values above U+10FFFF.
@@ -74,8 +83,8 @@ void append_utf8(std::string& out, char32_t code_point);
 class Tokenizer {
  public:
   static Tokenizer byte();
-  // The distinct code points of text, ids in ascending code-point order.
-  static Tokenizer chars_of(std::string_view text);
+  // The distinct code points of text, ids in ascending code-point order. `progress` counts bytes.
+  static Tokenizer chars_of(std::string_view text, const WorkProgress& progress = {});
   // DIR/tokenizer.json; Error(recipe) naming the file when it is missing or malformed.
   static Tokenizer load(const std::filesystem::path& dataset_dir);
   // Writes DIR/tokenizer.json (atomic).
@@ -86,8 +95,9 @@ class Tokenizer {
   // The code point of each id ("char"; empty for "byte").
   const std::vector<char32_t>& chars() const { return chars_; }
 
-  // Error(usage) naming a character that has no id (char), or invalid UTF-8 (char).
-  std::vector<int32_t> encode(std::string_view text) const;
+  // Error(usage) naming a character that has no id (char), or invalid UTF-8 (char). `progress`
+  // counts bytes.
+  std::vector<int32_t> encode(std::string_view text, const WorkProgress& progress = {}) const;
   // Error(usage) for an id outside [0, vocab).
   std::string decode(std::span<const int32_t> ids) const;
 

@@ -294,6 +294,43 @@ TEST_CASE("invalid UTF-8 is an error naming the byte offset") {
   CHECK(decode_utf8(all) == edges);
 }
 
+TEST_CASE("long token work reports its progress, and a callback that throws abandons it") {
+  TempDir tmp;
+  const std::string text(3 * kWorkProgressEvery + 5, 'a');
+  for (const bool chars : {false, true}) {
+    CAPTURE(chars);
+    std::vector<uint64_t> seen;
+    const WorkProgress record = [&seen](uint64_t done) { seen.push_back(done); };
+    const Tokenizer t = chars ? Tokenizer::chars_of(text, record) : Tokenizer::byte();
+    if (chars) {
+      CHECK(seen == std::vector<uint64_t>{0, kWorkProgressEvery, 2 * kWorkProgressEvery,
+                                          3 * kWorkProgressEvery});
+    }
+    seen.clear();
+    const auto ids = t.encode(text, record);
+    CHECK(ids.size() == text.size());
+    CHECK(seen == std::vector<uint64_t>{0, kWorkProgressEvery, 2 * kWorkProgressEvery,
+                                        3 * kWorkProgressEvery});
+  }
+
+  const std::vector<int32_t> tokens(2 * kWorkProgressEvery + 1, 7);
+  std::vector<uint64_t> seen;
+  write_token_file(tmp / "ok.bin", 256, tokens, 2,
+                   [&seen](uint64_t done) { seen.push_back(done); });
+  CHECK(seen == std::vector<uint64_t>{0, kWorkProgressEvery, 2 * kWorkProgressEvery});
+  CHECK(read_token_file(tmp / "ok.bin").tokens == tokens);
+
+  // A stop part-way: the error comes through and no file (nor temporary) is left.
+  const WorkProgress stop = [](uint64_t done) {
+    if (done > 0) throw Error(ErrorKind::interrupted, "stopped");
+  };
+  CHECK_THROWS_WITH_AS(write_token_file(tmp / "stopped.bin", 256, tokens, 2, stop), "stopped",
+                       Error);
+  CHECK_THROWS_WITH_AS(Tokenizer::byte().encode(text, stop), "stopped", Error);
+  CHECK_THROWS_WITH_AS(Tokenizer::chars_of(text, stop), "stopped", Error);
+  CHECK(std::distance(fs::directory_iterator(tmp.path()), fs::directory_iterator()) == 1);
+}
+
 TEST_CASE("tokenizers save to and load from tokenizer.json") {
   TempDir tmp;
   Tokenizer::byte().save(tmp.path());
