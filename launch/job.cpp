@@ -206,7 +206,15 @@ std::string resolve_master_addr(const JobSpec& spec) {
   const auto hosts = job_hosts(spec);
   if (all_local(hosts)) return "127.0.0.1";
   for (const auto& h : hosts) {
-    if (!h.is_local()) return local_address_towards(h.host, h.port);
+    if (h.is_local()) continue;
+    try {
+      return local_address_towards(h.host, h.port);
+    } catch (const Error& e) {
+      // A host name that does not resolve is the host's problem, as an SSH failure is.
+      throw Error(ErrorKind::ssh,
+                  fmt::format("{} (--hosts): {}; check the name, or give --master-addr",
+                              h.display(), e.what()));
+    }
   }
   return "127.0.0.1";
 }

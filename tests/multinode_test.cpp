@@ -296,3 +296,20 @@ TEST_CASE("an unreachable host fails the launch with exit 4 naming it") {
   CHECK(r.exit_code == 4);
   CHECK(r.err.find(c.sshd.addresses()[1]) != std::string::npos);
 }
+
+TEST_CASE("a host name that does not resolve fails with exit 4 before anything is created") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), quick_recipe());
+  for (const bool dry_run : {false, true}) {
+    CAPTURE(dry_run);
+    std::vector<std::string> args = {
+        "launch",    recipe.string(),          "--hosts", "no-such-host.invalid:1",
+        "--run-dir", (tmp / "never").string(), "--json"};
+    if (dry_run) args.push_back("--dry-run");
+    auto r = run_dptrain(args);
+    CHECK(r.exit_code == 4);
+    CHECK(r.err.find("no-such-host.invalid (--hosts): cannot resolve") != std::string::npos);
+    CHECK(parse_json(r.out)["exit_code"] == 4);
+    CHECK_FALSE(fs::exists(tmp / "never"));
+  }
+}
