@@ -1030,9 +1030,17 @@ Recipe load_recipe(const std::filesystem::path& path) {
                             bracket == std::string::npos ? what : what.substr(bracket + 2)));
   }
   if (!duplicates.problems().empty()) {
+    // Every problem at once, as for any recipe: the repeats, then what the fields (each with its
+    // last value) have wrong.
     std::string report;
     for (const auto& problem : duplicates.problems())
       report += (report.empty() ? "" : "\n") + path.string() + ": " + problem;
+    try {
+      parse_recipe(j, path.string(), path.parent_path());
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::recipe) throw;
+      report += "\n" + std::string(e.what());
+    }
     throw Error(ErrorKind::recipe, report);
   }
   return parse_recipe(j, path.string(), path.parent_path());

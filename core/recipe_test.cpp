@@ -689,7 +689,9 @@ TEST_CASE("recipe: a key given twice in one object is refused, each repeat named
           std::vector<std::string>{
               prefix + "/optimizer/lr: duplicate key 'lr': the object sets it twice",
               prefix + "/model/hidden: duplicate key 'hidden': the object sets it twice",
-              prefix + "/list/1/b: duplicate key 'b': the object sets it twice"});
+              prefix + "/list/1/b: duplicate key 'b': the object sets it twice",
+              // and what else is wrong, as for any recipe
+              prefix + "/list: unknown key 'list'"});
   }
   // The same keys in different objects are no repeat.
   const fs::path fine = dir.write(
