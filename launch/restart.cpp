@@ -214,6 +214,11 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
     }
     // A stop asked for (SIGTERM, Ctrl-C) is never answered with a restart.
     if (!restartable(outcome) || policy.max_restarts == 0 || pending_stop_signal() != 0) {
+      if (outcome.exit_code == 5 && policy.max_restarts > 0) {
+        outcome.error +=
+            "\n  (not restarted: a checkpoint error would meet the next generation too; fix what "
+            "it says, then 'dptrain resume')";
+      }
       return finish(outcome);
     }
     // Where the failure came: its step, or (before the generation's first step) the step it

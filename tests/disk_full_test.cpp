@@ -51,7 +51,7 @@ bin=$1 recipe=$2 out=$3 size=$4 bigger=$5
 mnt=$out/mnt
 mount -t tmpfs -o "size=$size" dptrain-disk-full "$mnt" || exit 90
 run=$mnt/run
-"$bin" launch "$recipe" --nproc 2 --run-dir "$run" >"$out/launch.out" 2>"$out/launch.err"
+"$bin" launch "$recipe" --nproc 2 --run-dir "$run" --max-restarts 2 >"$out/launch.out" 2>"$out/launch.err"
 echo $? >"$out/launch.rc"
 "$bin" ckpt verify "$run" >"$out/verify.out" 2>"$out/verify.err"
 echo $? >"$out/verify.rc"
@@ -143,6 +143,9 @@ TEST_CASE("a full disk during a checkpoint write: exit 5, one clear error, previ
   CHECK_FALSE(contains(enospc[0], ".tmp-"));
   // Rank 1's broken barrier is a consequence, not a second error to read.
   CHECK_FALSE(contains(launch_err, "barrier"));
+  // Not restarted, though restarts were allowed: the next generation would fill the disk too.
+  CHECK(contains(launch_err, "not restarted: a checkpoint error would meet the next generation"));
+  CHECK_FALSE(contains(read_text(out / "launch.out"), "restart 1/2"));
 
   // `latest` still names the previous checkpoint, and it verifies.
   INFO("verify:\n", read_text(out / "verify.out"), read_text(out / "verify.err"));
