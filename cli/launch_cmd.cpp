@@ -108,7 +108,8 @@ int run_launch(const LaunchOptions& o) {
     return 0;
   }
   check_local_gpus(spec);
-  resolve_master_addr(spec);  // a host name that does not resolve: exit 4, nothing created
+  resolve_master_addr(spec);    // a host name that does not resolve: exit 4, nothing created
+  check_fault_injection(spec);  // one that does not parse: exit 2, nothing created
   const auto events = open_events(o.restart, o.json);  // a bad --events path: nothing created
   RunDirectory run = RunDirectory::create(o.run_dir, o.runs_root, spec.recipe.name);
   run.info()["recipe_file"] = std::filesystem::absolute(o.recipe).string();

@@ -32,6 +32,7 @@ Fault parse_one(const std::string& text) {
   const auto at = text.find('@');
   const std::string kind = text.substr(0, at);
   Fault f;
+  f.text = text;
   if (kind == "crash") {
     f.kind = Fault::Kind::crash;
   } else if (kind == "exit") {
@@ -86,6 +87,31 @@ std::vector<Fault> parse_faults(const std::string& text) {
     if (!part.empty()) faults.push_back(parse_one(part));
   }
   return faults;
+}
+
+std::vector<std::string> unreachable_faults(const std::vector<Fault>& faults, int64_t steps,
+                                            int world, int64_t checkpoint_every) {
+  std::vector<std::string> out;
+  for (const auto& f : faults) {
+    if (f.rank >= world) {
+      out.push_back(fmt::format("DPTRAIN_FAULT '{}' never fires: there are ranks 0 to {}", f.text,
+                                world - 1));
+    } else if (f.kind == Fault::Kind::crash_in_checkpoint) {
+      const bool scheduled = f.step == steps || (checkpoint_every > 0 && f.step > 0 &&
+                                                 f.step < steps && f.step % checkpoint_every == 0);
+      if (!scheduled) {
+        out.push_back(fmt::format(
+            "DPTRAIN_FAULT '{}' fires only if a stop writes a checkpoint there: step {} is not "
+            "one of the run's checkpoint steps (every {}, and {})",
+            f.text, f.step, checkpoint_every, steps));
+      }
+    } else if (f.step < 0 || f.step >= steps) {
+      // Faults fire before a step, when `step` steps are done.
+      out.push_back(fmt::format("DPTRAIN_FAULT '{}' never fires: the run's steps start at 0 to {}",
+                                f.text, steps - 1));
+    }
+  }
+  return out;
 }
 
 FaultInjector::FaultInjector(std::vector<Fault> faults, int rank, int generation) {

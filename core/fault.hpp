@@ -24,10 +24,17 @@ struct Fault {
   int generation = -1;  // -1: every generation
   int code = 1;         // exit
   int64_t ms = 0;       // slow
+  std::string text;     // as written: "crash@step=37,rank=1"
 };
 
 // Error(usage) naming the part of the text that is wrong.
 std::vector<Fault> parse_faults(const std::string& text);
+
+// Why each of `faults` can never fire in a run of `steps` steps on `world` ranks that
+// checkpoints every `checkpoint_every` steps (0: only at the end), one message for each: a test
+// whose fault never fires would pass without testing anything.
+std::vector<std::string> unreachable_faults(const std::vector<Fault>& faults, int64_t steps,
+                                            int world, int64_t checkpoint_every);
 
 class FaultInjector {
  public:

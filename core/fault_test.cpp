@@ -45,3 +45,19 @@ TEST_CASE("an injector keeps only its rank's and generation's faults") {
   CHECK_FALSE(FaultInjector(faults, 0, 3).empty());
   FaultInjector(faults, 1, 3).before_step(5);  // slow faults return
 }
+
+TEST_CASE("faults that can never fire are named") {
+  const auto faults = parse_faults(
+      "crash@step=40;crash@step=39,rank=1;exit@step=3,rank=7;crash-in-checkpoint@step=15;"
+      "crash-in-checkpoint@step=20;crash-in-checkpoint@step=40;slow@step=0,ms=5");
+  CHECK(faults[0].text == "crash@step=40");
+  const auto warnings = unreachable_faults(faults, 40, 2, 10);
+  REQUIRE(warnings.size() == 3);
+  CHECK(warnings[0] ==
+        "DPTRAIN_FAULT 'crash@step=40' never fires: the run's steps start at 0 to 39");
+  CHECK(warnings[1] == "DPTRAIN_FAULT 'exit@step=3,rank=7' never fires: there are ranks 0 to 1");
+  CHECK(warnings[2] ==
+        "DPTRAIN_FAULT 'crash-in-checkpoint@step=15' fires only if a stop writes a checkpoint "
+        "there: step 15 is not one of the run's checkpoint steps (every 10, and 40)");
+  CHECK(unreachable_faults(faults, 40, 8, 5).size() == 1);  // rank 7 exists; 15 is a multiple
+}

@@ -18,6 +18,7 @@
 #include "core/comm/net.hpp"
 #include "core/comm/tcp_store.hpp"
 #include "core/error.hpp"
+#include "core/fault.hpp"
 #include "core/fs.hpp"
 #include "core/heartbeat.hpp"
 #include "core/tensor/device.hpp"
@@ -217,6 +218,13 @@ std::string resolve_master_addr(const JobSpec& spec) {
     }
   }
   return "127.0.0.1";
+}
+
+std::vector<std::string> check_fault_injection(const JobSpec& spec) {
+  const char* text = std::getenv("DPTRAIN_FAULT");
+  if (text == nullptr || *text == '\0') return {};
+  return unreachable_faults(parse_faults(text), spec.recipe.train.steps, spec.world_size,
+                            spec.recipe.checkpoint.every);
 }
 
 JobPlan plan_job(const JobSpec& spec, const fs::path& run_path, const std::string& remote_name,

@@ -121,6 +121,10 @@ JobPlan plan_job(const JobSpec& spec, const std::filesystem::path& run_path,
 // The address the store listens on and the workers dial.
 std::string resolve_master_addr(const JobSpec& spec);
 
+// DPTRAIN_FAULT (fault injection for tests) as the ranks will read it: Error(usage) when it does
+// not parse; a warning for each fault that can never fire in this job.
+std::vector<std::string> check_fault_injection(const JobSpec& spec);
+
 // Runs one generation to its end, recording it in run.json. Never throws for a rank's failure:
 // that is an outcome with exit code 3 (4 when a host cannot be reached over SSH).
 JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status);

@@ -179,6 +179,8 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
     outcome.restarts = numbered_before + restarts;
     return outcome;
   };
+  for (const auto& warning : check_fault_injection(spec))
+    status.line("warning: " + warning);
   int same_step = 0;
   int64_t previous_step = -2;
   if (std::string error = place_generation(run, spec, status, Placement::first); !error.empty()) {

@@ -407,3 +407,20 @@ TEST_CASE("restarts are numbered over the run: a resume continues the numbering"
   CHECK(info["restarts"][1]["failed_after_step"].get<int64_t>() <= 65);
   CHECK(info["restarts"][1]["failed_after_step"].get<int64_t>() > 45);
 }
+
+TEST_CASE("DPTRAIN_FAULT: a fault that can never fire is warned about; a bad one is refused") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), small_recipe());
+  auto r = run_dptrain(
+      {"launch", recipe.string(), "--nproc", "2", "--run-dir", (tmp / "never").string()},
+      {{"DPTRAIN_FAULT", "crash@step=60,rank=1"}});
+  INFO(r.err);
+  CHECK(r.exit_code == 0);
+  CHECK((r.out + r.err).find("warning: DPTRAIN_FAULT 'crash@step=60,rank=1' never fires") !=
+        std::string::npos);
+  r = run_dptrain({"launch", recipe.string(), "--run-dir", (tmp / "bad").string()},
+                  {{"DPTRAIN_FAULT", "boom@step=3"}});
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("DPTRAIN_FAULT: unknown fault 'boom'") != std::string::npos);
+  CHECK_FALSE(fs::exists(tmp / "bad"));
+}
