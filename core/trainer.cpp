@@ -21,6 +21,7 @@
 #include "core/checksum.hpp"
 #include "core/data/dataset.hpp"
 #include "core/data/sampler.hpp"
+#include "core/ddp/codec.hpp"
 #include "core/ddp/reducer.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
@@ -1392,6 +1393,29 @@ void check_runnable(const Recipe& recipe, int world_size, int nominal_world) {
                 fmt::format("/distributed/servers: {} parameter server(s) leave no worker among "
                             "{} rank(s); the servers are the last ranks, the workers the others",
                             recipe.distributed.servers, world_size));
+  }
+  if (const CompressionSpec& c = recipe.distributed.compression; c.type == "powersgd") {
+    // A rank no smaller than what some matrix gains from is clamped per matrix; one at which no
+    // matrix gains would send everything whole while the run says it compresses.
+    const auto tensors = make_model(recipe.model)->tensors();
+    size_t best = 0;  // the largest rank at which some matrix is still factorised
+    bool any = false;
+    for (const ParamTensor& t : tensors) {
+      any = any || powersgd_rank_for(t, static_cast<size_t>(c.rank)) > 0;
+      for (size_t r = std::min(t.rows, t.cols); r > best; --r) {
+        if (powersgd_rank_for(t, r) == r) {
+          best = r;
+          break;
+        }
+      }
+    }
+    if (!any) {
+      throw Error(ErrorKind::recipe,
+                  fmt::format("/distributed/compression/rank: {} compresses none of the model's "
+                              "weight matrices (as P and Q each would be no smaller); use at most "
+                              "{}",
+                              c.rank, best));
+    }
   }
   const DataSplits data = load_data(recipe.data, recipe.model, recipe.seed);
   DistributedSampler sampler(data.train->size(), global_batch(recipe, world_size, nominal_world),

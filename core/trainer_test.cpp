@@ -518,6 +518,24 @@ TEST_CASE("trainer: check_runnable refuses a split smaller than one global batch
   }
 }
 
+TEST_CASE("trainer: check_runnable refuses a PowerSGD rank that compresses no matrix") {
+  // 8-16-3: the 16 x 8 weight gains up to rank 5 (16 x 5 + 8 x 5 < 128), the 3 x 16 up to 2.
+  Recipe r = tiny_recipe();
+  r.distributed.compression.type = "powersgd";
+  r.distributed.compression.rank = 5;
+  CHECK_NOTHROW(check_runnable(r, 2));
+  r.distributed.compression.rank = 6;
+  try {
+    check_runnable(r, 2);
+    FAIL("accepted");
+  } catch (const Error& e) {
+    CHECK(e.kind() == ErrorKind::recipe);
+    CHECK(std::string(e.what()) ==
+          "/distributed/compression/rank: 6 compresses none of the model's weight matrices (as P "
+          "and Q each would be no smaller); use at most 5");
+  }
+}
+
 TEST_CASE("trainer: a 2-rank checkpoint resumed on 1 rank keeps the global batch and the result") {
   Recipe r = tiny_recipe();
   r.checkpoint.every = 10;

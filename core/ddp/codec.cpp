@@ -232,8 +232,7 @@ class PowerSgdCodec final : public GradientCodec {
       add_matrix(0, count, (count + cols - 1) / cols, cols, rank);
     } else {
       for (const ParamTensor& t : tensors) {
-        const size_t r = std::min({rank, t.rows, t.cols});
-        if (t.rows > 1 && t.cols > 1 && (t.rows + t.cols) * r < t.rows * t.cols) {
+        if (const size_t r = powersgd_rank_for(t, rank); r > 0) {
           add_matrix(t.offset, t.size(), t.rows, t.cols, r);
         } else {
           vectors_.push_back({t.offset, t.size(), p_size_});
@@ -441,6 +440,11 @@ class PowerSgdCodec final : public GradientCodec {
 };
 
 }  // namespace
+
+size_t powersgd_rank_for(const ParamTensor& t, size_t rank) {
+  const size_t r = std::min({rank, t.rows, t.cols});
+  return t.rows > 1 && t.cols > 1 && (t.rows + t.cols) * r < t.rows * t.cols ? r : 0;
+}
 
 std::unique_ptr<GradientCodec> make_codec(const CompressionSpec& spec, size_t count, uint64_t seed,
                                           std::span<const ParamTensor> tensors) {

@@ -46,4 +46,8 @@ class GradientCodec {
 std::unique_ptr<GradientCodec> make_codec(const CompressionSpec& spec, size_t count, uint64_t seed,
                                           std::span<const ParamTensor> tensors = {});
 
+// powersgd: the rank tensor `t` is factorised at for a requested `rank` (at most its smaller
+// side), or 0 when it is sent whole: a vector, or a matrix whose P and Q would be no smaller.
+size_t powersgd_rank_for(const ParamTensor& t, size_t rank);
+
 }  // namespace dptrain
