@@ -56,10 +56,10 @@ std::string place_generation(RunDirectory& run, JobSpec& spec, StatusPrinter& st
   const std::vector<HostSpec> hosts_before = spec.hosts;
   std::vector<std::string> absent;
   if (!spec.candidates.empty()) {
-    // A lost host gets rejoin_timeout to come back; so do an elastic job's first hosts. Hosts
-    // that just answered again are taken as they answer now.
-    const bool waits =
-        why == Placement::after_failure || (why == Placement::first && spec.nodes.elastic());
+    // A lost host gets rejoin_timeout to come back; so do a job's first hosts (--nnodes N or
+    // MIN:MAX: nodes still booting, as a rendezvous waits for them). Hosts that just answered
+    // again are taken as they answer now.
+    const bool waits = why == Placement::after_failure || why == Placement::first;
     const auto wait = waits ? spec.rejoin_timeout : std::chrono::milliseconds(0);
     const HostSelection sel =
         select_hosts(spec.candidates, spec.nodes.max, wait, ssh_probe(spec.remote.ssh),

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <fstream>
 #include <optional>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -216,6 +217,25 @@ TEST_CASE("a lost node does not leave a job below --nnodes MIN: exit 4 naming th
   CHECK(r.err.find("only 1 of the 2 host(s) this job needs at least answered") !=
         std::string::npos);
   CHECK(r.err.find(lost) != std::string::npos);
+}
+
+TEST_CASE("--nnodes N waits up to --rejoin-timeout for a host still booting at the start") {
+  TwoHosts c;
+  const auto recipe = write_recipe(c.tmp.path(), small_recipe());
+  std::optional<LostHost> booting;
+  booting.emplace(c.sshd, c.sshd.addresses()[2]);
+  auto args = c.launch_args(recipe, c.tmp / "late");
+  for (const char* a : {"--nnodes", "2:2", "--rejoin-timeout", "60", "--json"})
+    args.push_back(a);
+  Background job(args);
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  booting.reset();  // it is up now
+  const int code = job.wait();
+  INFO(job.err());
+  REQUIRE(code == 0);
+  const json info = parse_json(read_text(c.tmp / "late/run.json"));
+  CHECK(info["generations"].size() == 1);
+  CHECK(info["generations"][0]["hosts"].size() == 2);
 }
 
 TEST_CASE("a spare host stands in for an unreachable one: --nnodes 1 of 2 hosts") {
