@@ -284,7 +284,10 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
                                     {"attempt", restarts},
                                     {"max_restarts", policy.max_restarts},
                                     {"cause", cause},
+                                    // run.json's name; failed_at_step kept for readers of old
+                                    {"failed_after_step", failed_at},
                                     {"failed_at_step", failed_at},
+                                    {"failed_before_first_step", before_first_step},
                                     {"backoff_s", static_cast<double>(backoff.count()) / 1000.0},
                                     {"from", from_name}});
     }

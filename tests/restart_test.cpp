@@ -181,6 +181,11 @@ TEST_CASE("--events writes one JSON line per state change, restarts included") {
   const auto restart = read_jsonl(events_file)[static_cast<size_t>(first("restart"))];
   CHECK(restart["from"] == "step-000020");
   CHECK(restart["cause"].get<std::string>().find("rank 1") != std::string::npos);
+  // The same names as run.json's record of it.
+  CHECK(restart["failed_after_step"] == 30);
+  CHECK(restart["failed_at_step"] == 30);
+  CHECK(restart["failed_before_first_step"] == false);
+  CHECK(parse_json(read_text(tmp / "ev/run.json"))["restarts"][0]["failed_after_step"] == 30);
 
   auto stdout_events = run_dptrain(
       {"launch", recipe.string(), "--run-dir", (tmp / "ev2").string(), "--events", "-"});
