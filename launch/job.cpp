@@ -606,7 +606,13 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     return newest ? fmt::format("every rank checkpointed its last step ({}) and stopped", *newest)
                   : std::string("every rank checkpointed its last step and stopped");
   };
-  if (sup.stop_signal == SIGTERM && !sup.failure) {
+  // A SIGTERM during the last step: the ranks agree on the stop after it, when nothing is left to
+  // stop, and finish the run (exit 0, a result): that is a completed run.
+  const bool finished_first = sup.stop_signal == SIGTERM && !sup.failure && sup.watchdog.empty() &&
+                              !result.is_null() &&
+                              std::none_of(sup.exits.begin(), sup.exits.end(),
+                                           [](const ProcessExit& e) { return e.exit_code == 143; });
+  if (sup.stop_signal == SIGTERM && !sup.failure && !finished_first) {
     out.exit_code = 143;
     out.status = "terminated";
     if (!sup.watchdog.empty()) {

@@ -5,6 +5,7 @@
 #include <signal.h>
 
 #include <fstream>
+#include <thread>
 
 #include "tests/harness.hpp"
 
@@ -179,6 +180,34 @@ TEST_CASE("SIGTERM: every rank checkpoints its step and stops, exit 143; resume 
   CHECK(resumed.out.find("step-" + std::string(6 - std::to_string(stopped_at).size(), '0') +
                          std::to_string(stopped_at)) != std::string::npos);
   CHECK(read_text(latest_params(run.run_dir)) == read_text(latest_params(tmp / "straight")));
+}
+
+TEST_CASE("SIGTERM during the last step: nothing is left to stop, the run completes") {
+  TempDir tmp;
+  auto j = small_recipe();
+  j["train"]["steps"] = 20;
+  const auto recipe = write_recipe(tmp.path(), j);
+  const fs::path run_dir = tmp / "last";
+  // Every step but the last is quick; the last waits 4 s before it starts (the ranks then see
+  // the stop request and agree on it after that step).
+  Background job(
+      {"launch", recipe.string(), "--nproc", "2", "--run-dir", run_dir.string(), "--json"},
+      {{"DPTRAIN_FAULT", "slow@step=19,ms=4000"}});
+  REQUIRE(eventually([&] {
+    const auto steps = read_jsonl(run_dir / "metrics.jsonl");
+    return !steps.empty() && steps.back().value("step", 0) >= 15;
+  }));
+  std::this_thread::sleep_for(std::chrono::seconds(1));  // steps 16 to 18 take milliseconds
+  REQUIRE(::kill(job.pid(), SIGTERM) == 0);
+  const int code = job.wait(std::chrono::seconds(60));
+  INFO(job.err());
+  REQUIRE(code == 0);
+  const nlohmann::json out = parse_json(job.out());
+  CHECK(out["status"] == "completed");
+  CHECK(out["step"] == 20);
+  CHECK(out["final_loss"].is_number());
+  CHECK(parse_json(read_text(run_dir / "run.json"))["status"] == "completed");
+  CHECK(fs::exists(run_dir / "result.json"));
 }
 
 TEST_CASE("a rank that gets SIGTERM itself (preemption) stops the whole job after a checkpoint") {
