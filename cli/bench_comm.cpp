@@ -16,6 +16,7 @@
 #include "cli/commands.hpp"
 #include "cli/env.hpp"
 #include "cli/host_options.hpp"
+#include "cli/json_errors.hpp"
 #include "core/bench/comm_bench.hpp"
 #include "core/comm/auth.hpp"
 #include "core/comm/gloo_communicator.hpp"
@@ -239,6 +240,7 @@ int run_bench_launcher(const BenchCommOptions& o) {
   j["run_dir"] = run.path().string();
   if (o.min_busbw_flag->count() > 0) j["min_busbw"] = o.min_busbw;
   j["errors"] = errors;
+  if (exit_code != 0) add_failure(j, exit_code, errors);
   // Rank 0 does not know the hosts or the verdict: the run keeps the launcher's whole result.
   write_file_atomic(run.path() / "result.json", j.dump(2) + "\n");
   run.info()["result"] = j;

@@ -2,8 +2,10 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <system_error>
@@ -13,10 +15,12 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.hpp"
+#include "cli/json_errors.hpp"
 #include "core/checkpoint.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
 #include "launch/run_dir.hpp"
+#include "launch/supervisor.hpp"
 
 namespace dptrain::cli {
 
@@ -199,10 +203,15 @@ CheckedRun open_run(const std::string& dir) {
   return {RunDirectory::open(p).path()};
 }
 
-std::vector<CheckpointRow> inspect_all(const std::vector<fs::path>& dirs, const fs::path& latest) {
+// Each of `dirs` verified, in order; when `stop` says so (a SIGINT or SIGTERM came), the rest are
+// left out.
+std::vector<CheckpointRow> inspect_all(const std::vector<fs::path>& dirs, const fs::path& latest,
+                                       const std::function<bool()>& stop = {}) {
   std::vector<CheckpointRow> rows;
-  for (const auto& dir : dirs)
+  for (const auto& dir : dirs) {
+    if (stop && stop()) break;
     rows.push_back(inspect(dir, latest));
+  }
   return rows;
 }
 
@@ -241,18 +250,35 @@ std::vector<fs::path> checkpoints_to_verify(const CheckedRun& run, const CkptOpt
 }
 
 int run_verify(const CkptOptions& o) {
+  // A stop signal ends the verification after the checkpoint being checked, and what was checked
+  // by then is still reported.
+  install_stop_signal_handlers();
   const CheckedRun run = open_run(o.run_dir);
   const LatestStatus latest = check_latest(run.checkpoints());
-  const auto rows =
-      inspect_all(checkpoints_to_verify(run, o, followable(latest)), followable(latest));
+  const auto rows = inspect_all(checkpoints_to_verify(run, o, followable(latest)),
+                                followable(latest), [] { return pending_stop_signal() != 0; });
   // `latest` is part of what is verified unless a STEP names the checkpoint to check.
   const bool check_latest_too = o.step.empty();
-  const bool latest_ok = !check_latest_too || latest.ok();
-  const bool all_ok =
-      latest_ok &&
-      std::all_of(rows.begin(), rows.end(), [](const CheckpointRow& r) { return r.status.ok(); });
+  std::vector<std::string> errors;
+  for (const auto& row : rows) {
+    for (const auto& problem : row.status.problems())
+      errors.push_back(fmt::format("{}/{}", row.status.dir.string(), problem));
+  }
+  if (check_latest_too && !latest.ok()) {
+    errors.push_back(
+        fmt::format("{}: {}", (run.checkpoints() / "latest").string(), latest.problem));
+  }
+  int code = errors.empty() ? 0 : exit_code(ErrorKind::checkpoint);
+  const char* status = errors.empty() ? "ok" : "error";
+  if (const int sig = pending_stop_signal(); sig != 0) {
+    const bool term = sig == SIGTERM;
+    code = exit_code(term ? ErrorKind::terminated : ErrorKind::interrupted);
+    status = term ? "terminated" : "interrupted";
+    errors.insert(errors.begin(), fmt::format("ckpt verify stopped by {} after {} checkpoint(s)",
+                                              term ? "SIGTERM" : "SIGINT", rows.size()));
+  }
   if (o.json) {
-    json out = {{"run_dir", run.path.string()}, {"ok", all_ok}};
+    json out = {{"run_dir", run.path.string()}, {"ok", code == 0}};
     if (check_latest_too) {
       out["latest"] = latest_json(latest);
       out["latest_problem"] = or_null(latest.problem);
@@ -260,20 +286,21 @@ int run_verify(const CkptOptions& o) {
     out["checkpoints"] = json::array();
     for (const auto& row : rows)
       out["checkpoints"].push_back(row_json(row));
+    out["status"] = status;
+    if (code == 0) {
+      out["exit_code"] = 0;
+      out["errors"] = json::array();
+    } else {
+      add_failure(out, code, errors);
+    }
     std::printf("%s\n", out.dump().c_str());
   } else {
     print_verify_table(rows, check_latest_too ? &latest : nullptr);
   }
   std::fflush(stdout);
-  for (const auto& row : rows) {
-    for (const auto& problem : row.status.problems())
-      std::fprintf(stderr, "dptrain: error: %s/%s\n", row.status.dir.c_str(), problem.c_str());
-  }
-  if (!latest_ok) {
-    std::fprintf(stderr, "dptrain: error: %s: %s\n", (run.checkpoints() / "latest").c_str(),
-                 latest.problem.c_str());
-  }
-  return all_ok ? 0 : exit_code(ErrorKind::checkpoint);
+  for (const auto& line : errors)
+    std::fprintf(stderr, "dptrain: error: %s\n", line.c_str());
+  return code;
 }
 
 }  // namespace

@@ -1,11 +1,14 @@
 // `dptrain doctor --hosts H [RECIPE]`: preflight checks; and the hidden `_probe` it runs on hosts.
 #include <cstdio>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include <fmt/format.h>
 
 #include "cli/commands.hpp"
 #include "cli/host_options.hpp"
+#include "cli/json_errors.hpp"
 #include "core/error.hpp"
 #include "launch/doctor.hpp"
 #include "launch/job.hpp"
@@ -47,14 +50,26 @@ int run_doctor_cmd(const DoctorCliOptions& o) {
     list.push_back(c.to_json());
     if (!o.json) std::printf("%s\n", c.line().c_str());
   }
+  const int code = doctor_exit_code(checks);
   if (o.json) {
-    std::printf("%s\n", nlohmann::json({{"ok", failed == 0}, {"checks", list}}).dump().c_str());
+    nlohmann::json out = {{"ok", failed == 0}, {"checks", list}};
+    if (code == 0) {
+      out.update({{"status", "ok"}, {"exit_code", 0}});
+    } else {
+      // The common failure fields (dptrain(1), JSON OUTPUT): each failed check, one line.
+      std::vector<std::string> errors;
+      for (const auto& c : checks) {
+        if (c.failed()) errors.push_back(c.line());
+      }
+      add_failure(out, code, errors);
+    }
+    std::printf("%s\n", out.dump().c_str());
   } else {
     const std::string not_run = skipped > 0 ? fmt::format(", {} not run", skipped) : "";
     std::printf("%s\n", failed == 0 ? ("all checks passed" + not_run).c_str()
                                     : fmt::format("{} check(s) failed{}", failed, not_run).c_str());
   }
-  return doctor_exit_code(checks);
+  return code;
 }
 
 }  // namespace
@@ -70,7 +85,9 @@ void setup_doctor(CLI::App& app, Outcome& outcome) {
   app.add_option("--master-addr", o->master_addr, "The store address launch would use");
   app.add_option("--master-port", o->master_port, "The store port launch would use (0: any)");
   app.add_flag("--no-allreduce", o->no_allreduce, "Skip the tiny all-reduce job across all ranks");
-  app.add_flag("--json", o->json, "Print {\"ok\", \"checks\": [...]} on stdout");
+  app.add_flag("--json", o->json,
+               "Print {\"ok\", \"status\", \"exit_code\", \"checks\": [...]} on stdout (and "
+               "\"error\", \"errors\" on failure, see dptrain(1))");
   app.callback([o, &outcome] {
     outcome.json = o->json;
     outcome.exit_code = run_doctor_cmd(*o);

@@ -141,7 +141,8 @@ void setup_launch(CLI::App& app, Outcome& outcome) {
   app.add_option("--runs-root", o->runs_root, "Where new run directories are made")
       ->capture_default_str();
   app.add_option("--backend", o->backend,
-                 "Collective backend: auto or gloo (default: the recipe's distributed.backend)");
+                 "Collective backend: auto, gloo or nccl (default: the recipe's "
+                 "distributed.backend)");
   add_host_options(app, o->hosts, false);
   add_remote_job_options(app, o->remote);
   app.add_flag("--dry-run", o->dry_run,

@@ -1,7 +1,6 @@
 // dptrain's entry point: dispatches to a subcommand and maps errors to exit codes.
 #include <algorithm>
 #include <cstdio>
-#include <sstream>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -10,28 +9,34 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.hpp"
+#include "cli/json_errors.hpp"
 #include "core/error.hpp"
 #include "core/suggest.hpp"
 
 namespace {
 
-void print_error(const std::string& message, int code, bool json) {
-  std::istringstream lines(message);
-  std::string line;
-  nlohmann::json errors = nlohmann::json::array();
-  while (std::getline(lines, line)) {
-    // Continuation lines (indented log excerpts) are printed as they are.
-    if (!line.empty() && line[0] == ' ') {
-      std::fprintf(stderr, "%s\n", line.c_str());
-    } else {
-      std::fprintf(stderr, "dptrain: error: %s\n", line.c_str());
-      errors.push_back(line);
-    }
-  }
+void print_error(const std::string& message, int code, const char* status, bool json) {
+  dptrain::cli::print_error_lines(message);
   if (json) {
-    const nlohmann::json out = {{"status", "error"}, {"exit_code", code}, {"errors", errors}};
+    nlohmann::json out = {{"status", status}};
+    dptrain::cli::add_failure(out, code, message);
     std::printf("%s\n", out.dump().c_str());
   }
+}
+
+// "dptrain ckpt verify --help" for the deepest subcommand named at the start of the arguments.
+std::string help_command(const CLI::App& app, int argc, char** argv) {
+  std::string command = "dptrain";
+  const CLI::App* current = &app;
+  for (int i = 1; i < argc; ++i) {
+    const auto subs = current->get_subcommands([](const CLI::App*) { return true; });
+    const auto named = std::find_if(subs.begin(), subs.end(),
+                                    [&](const CLI::App* s) { return s->get_name() == argv[i]; });
+    if (named == subs.end()) break;
+    command += " " + (*named)->get_name();
+    current = *named;
+  }
+  return command + " --help";
 }
 
 }  // namespace
@@ -65,7 +70,7 @@ int main(int argc, char** argv) {
     for (int i = 1; i < argc; ++i)
       json = json || std::string_view(argv[i]) == "--json";
     std::string message = e.what();
-    std::string help = "dptrain --help";
+    const std::string help = help_command(app, argc, argv);
     if (argc > 1 && argv[1][0] != '-') {
       std::vector<std::string> known;
       for (const auto& cmd : dptrain::cli::subcommands())
@@ -74,19 +79,17 @@ int main(int argc, char** argv) {
         const auto close = dptrain::closest_match(argv[1], known);
         message = fmt::format("unknown command '{}'{}", argv[1],
                               close ? fmt::format(" (did you mean '{}'?)", *close) : "");
-      } else {
-        help = fmt::format("dptrain {} --help", argv[1]);
       }
     }
-    print_error(message, 2, json);
+    print_error(message, 2, "error", json);
     std::fprintf(stderr, "dptrain: see '%s'\n", help.c_str());
     return 2;
   } catch (const dptrain::Error& e) {
     const int code = dptrain::exit_code(e.kind());
-    print_error(e.what(), code, outcome.json);
+    print_error(e.what(), code, dptrain::cli::failure_status(e.kind()), outcome.json);
     return code;
   } catch (const std::exception& e) {
-    print_error(fmt::format("internal error: {}", e.what()), 1, outcome.json);
+    print_error(fmt::format("internal error: {}", e.what()), 1, "error", outcome.json);
     return 1;
   }
   return outcome.exit_code;

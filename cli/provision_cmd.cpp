@@ -8,6 +8,7 @@
 
 #include "cli/commands.hpp"
 #include "cli/host_options.hpp"
+#include "cli/json_errors.hpp"
 #include "core/error.hpp"
 #include "launch/provision.hpp"
 
@@ -82,22 +83,28 @@ int run_provision(const ProvisionCliOptions& o) {
   options.ssh = o.hosts.ssh();
   const auto reports = provision(o.hosts.load(), options);
 
+  std::vector<std::string> errors;
+  for (const auto& r : reports) {
+    if (!r.ok()) errors.push_back(r.error);
+  }
+  const int code = errors.empty() ? 0 : exit_code(ErrorKind::ssh);
   if (o.json) {
     nlohmann::json hosts = nlohmann::json::array();
     for (const auto& r : reports)
       hosts.push_back(to_json(r));
-    const bool all_ok = std::all_of(reports.begin(), reports.end(), [](auto& r) { return r.ok(); });
-    std::printf("%s\n", nlohmann::json{{"ok", all_ok}, {"hosts", hosts}}.dump().c_str());
+    nlohmann::json out = {{"ok", code == 0}, {"hosts", hosts}};
+    if (code == 0) {
+      out.update({{"status", "ok"}, {"exit_code", 0}, {"errors", nlohmann::json::array()}});
+    } else {
+      add_failure(out, code, errors);
+    }
+    std::printf("%s\n", out.dump().c_str());
   } else {
     print_table(reports);
   }
   std::fflush(stdout);  // the report first, then the failures below it on a terminal
-  int code = 0;
-  for (const auto& r : reports) {
-    if (r.ok()) continue;
-    std::fprintf(stderr, "dptrain: error: %s\n", r.error.c_str());
-    code = exit_code(ErrorKind::ssh);
-  }
+  for (const auto& line : errors)
+    std::fprintf(stderr, "dptrain: error: %s\n", line.c_str());
   return code;
 }
 
@@ -114,8 +121,9 @@ void setup_provision(CLI::App& app, Outcome& outcome) {
                  "Recipe to upload into the workdir, with its csv data file (as data/NAME)");
   app.add_option("--upload", o->uploads, "Extra files to upload into the workdir (repeatable)");
   app.add_flag("--json", o->json,
-               "Print {\"ok\", \"hosts\": [{\"host\", \"ok\", \"error\", \"facts\", "
-               "\"uploads\"}]} on stdout");
+               "Print {\"ok\", \"status\", \"exit_code\", \"hosts\": [{\"host\", \"ok\", "
+               "\"error\", \"facts\", \"uploads\"}]} on stdout (and \"error\", \"errors\" on "
+               "failure, see dptrain(1))");
   app.callback([o, &outcome] {
     outcome.json = o->json;
     outcome.exit_code = run_provision(*o);

@@ -1,9 +1,9 @@
 // `dptrain recipe validate|show RECIPE`.
 #include <cstdio>
 #include <memory>
-#include <sstream>
 
 #include "cli/commands.hpp"
+#include "cli/json_errors.hpp"
 #include "core/error.hpp"
 #include "core/model/model.hpp"
 #include "core/recipe.hpp"
@@ -34,18 +34,15 @@ int run_validate(const RecipeOptions& o) {
            {"hash", recipe_hash(r)},
            {"model", model->describe()},
            {"parameters", model->num_params()},
+           {"status", "ok"},
+           {"exit_code", 0},
            {"errors", nlohmann::json::array()}};
   } catch (const Error& e) {
     if (e.kind() != ErrorKind::recipe) throw;
-    nlohmann::json errors = nlohmann::json::array();
-    std::istringstream lines(e.what());
-    for (std::string line; std::getline(lines, line);)
-      errors.push_back(line);
-    out = {{"valid", false}, {"errors", errors}};
-    for (const auto& line : errors) {
-      std::fprintf(stderr, "dptrain: error: %s\n", line.get<std::string>().c_str());
-    }
     code = exit_code(e.kind());
+    out = {{"valid", false}};
+    add_failure(out, code, e.what());
+    print_error_lines(e.what());
   }
   std::printf("%s\n", out.dump().c_str());
   return code;

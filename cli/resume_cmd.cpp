@@ -75,10 +75,14 @@ int run_resume(const ResumeOptions& o) {
   if (run.info().value("status", "") == "completed") {
     status.line(fmt::format("{}: the run already completed; nothing to resume", o.run_dir));
     if (o.json) {
-      nlohmann::json out = run.info().value("result", nlohmann::json::object());
-      out["status"] = "completed";
-      out["exit_code"] = 0;
-      out["run_dir"] = run.path().string();
+      // The fields a launch's outcome has, from what the run recorded.
+      JobOutcome done;
+      done.status = "completed";
+      done.result = run.info().value("result", nlohmann::json::object());
+      done.world_size = run.info().value("world_size", 0);
+      done.restarts =
+          static_cast<int>(run.info().value("restarts", nlohmann::json::array()).size());
+      nlohmann::json out = done.to_json(run);
       out["resumed"] = false;
       std::printf("%s\n", out.dump().c_str());
     }

@@ -8,6 +8,7 @@
 
 #include <fmt/format.h>
 
+#include "cli/json_errors.hpp"
 #include "core/error.hpp"
 #include "core/recipe.hpp"
 #include "launch/status.hpp"
@@ -131,7 +132,10 @@ int report_outcome(const RunDirectory& run, const JobOutcome& outcome, bool json
                  run.path().c_str(), run.path().c_str());
   }
   if (json) {
-    std::printf("%s\n", outcome.to_json(run).dump().c_str());
+    nlohmann::json out = outcome.to_json(run);
+    // "error" keeps the whole text (with its log excerpt); "errors" has its messages.
+    if (!outcome.error.empty()) add_failure(out, outcome.exit_code, outcome.error);
+    std::printf("%s\n", out.dump().c_str());
   } else if (outcome.exit_code == 0) {
     const auto& r = outcome.result;
     std::fprintf(summary, "run directory: %s\n", run.path().c_str());

@@ -638,14 +638,20 @@ BenchRunner job_runner(const JobSpec& spec, const fs::path& sweep_dir) {
       StatusPrinter status(console.get(), false);
       outcome = run_job(run, job, status);
     }
+    if (outcome.exit_code == 130 || outcome.exit_code == 143) {
+      // The job's message would point at a resume, which a benchmark's run never gets.
+      const bool term = outcome.exit_code == 143;
+      throw Error(term ? ErrorKind::terminated : ErrorKind::interrupted,
+                  fmt::format("bench train: stopped by {} during the run at world size {}; a "
+                              "benchmark is not resumed: run it again\nrun directory: {} "
+                              "(console.log, logs/)",
+                              term ? "SIGTERM" : "SIGINT", world.world, run.path().string()));
+    }
     if (outcome.exit_code != 0) {
-      ErrorKind kind = ErrorKind::rank_failed;
-      if (outcome.exit_code == 4) kind = ErrorKind::ssh;
-      if (outcome.exit_code == 130) kind = ErrorKind::interrupted;
-      if (outcome.exit_code == 143) kind = ErrorKind::terminated;
-      throw Error(kind, fmt::format("bench train: the run at world size {} failed: {}\nrun "
-                                    "directory: {} (console.log, logs/)",
-                                    world.world, outcome.error, run.path().string()));
+      throw Error(outcome.exit_code == 4 ? ErrorKind::ssh : ErrorKind::rank_failed,
+                  fmt::format("bench train: the run at world size {} failed: {}\nrun "
+                              "directory: {} (console.log, logs/)",
+                              world.world, outcome.error, run.path().string()));
     }
     std::error_code ec;
     for (const auto& entry : fs::directory_iterator(run.checkpoints(), ec))

@@ -396,6 +396,7 @@ SshSession::Result installed_version(HostShell& shell, const std::string& absolu
 
 // ---- one host ----
 
+// `report.uploads` lists `files`, in order, each pending; each is marked as it is done.
 void provision_host(HostReport& report, const ProvisionOptions& options,
                     const std::vector<PlannedFile>& files) {
   const std::string name = report.host.display();
@@ -406,13 +407,13 @@ void provision_host(HostReport& report, const ProvisionOptions& options,
   const std::string& workdir = report.facts.workdir;
   const auto hashes = remote_hashes(prepared.out);
   uint64_t needed = 0;
-  for (const auto& f : files) {
-    const auto it = hashes.find(f.remote);
-    const bool skipped = it != hashes.end() && it->second == f.sha256;
-    report.uploads.push_back(
-        {f.source, f.remote, f.bytes,
-         skipped ? UploadRecord::Status::skipped : UploadRecord::Status::pending});
-    if (!skipped) needed += f.bytes;
+  for (size_t i = 0; i < files.size(); ++i) {
+    const auto it = hashes.find(files[i].remote);
+    if (it != hashes.end() && it->second == files[i].sha256) {
+      report.uploads[i].status = UploadRecord::Status::skipped;
+    } else {
+      needed += files[i].bytes;
+    }
   }
   // Unknown (0) is left to the uploads themselves to report.
   if (report.facts.disk_free_bytes > 0 && needed > report.facts.disk_free_bytes) {
@@ -451,6 +452,9 @@ std::vector<HostReport> provision(const std::vector<HostSpec>& hosts,
   const auto outcomes = for_each_host(hosts, [&](const HostSpec& host) {
     HostReport report;
     report.host = host;
+    // Every file is pending until the host gets it: a host that fails lists what it lacks.
+    for (const auto& f : files)
+      report.uploads.push_back({f.source, f.remote, f.bytes, UploadRecord::Status::pending});
     try {
       provision_host(report, options, files);
     } catch (const std::exception& e) {

@@ -805,19 +805,7 @@ RunView load_run(const fs::path& dir, bool verify_checkpoints) {
   }
   RunView run;
   run.dir = fs::absolute(dir).lexically_normal();
-  try {
-    run.info = json::parse(read_file(dir / "run.json"));
-  } catch (const Error&) {
-    throw Error(ErrorKind::usage,
-                fmt::format("{}: not a run directory (no readable run.json)", dir.string()));
-  } catch (const json::exception& e) {
-    throw Error(ErrorKind::usage,
-                fmt::format("{}: not valid JSON: {}", (dir / "run.json").string(), e.what()));
-  }
-  if (!run.info.is_object()) {
-    throw Error(ErrorKind::usage,
-                fmt::format("{}: run.json is not a JSON object", (dir / "run.json").string()));
-  }
+  run.info = read_run_json(dir);
   run.result = read_json_file(dir / "result.json");
   if (!run.result.is_object() && run.info.contains("result")) run.result = run.info["result"];
   if (!run.result.is_object()) run.result = nullptr;

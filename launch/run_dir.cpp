@@ -31,6 +31,18 @@ std::string utc_format(const char* format) {
   return buf;
 }
 
+// What is wrong with a JSON text, without nlohmann's "[json.exception.parse_error.101] " tag:
+// " at line 3, column 7: syntax error while parsing ...".
+std::string json_problem(const nlohmann::json::exception& e) {
+  std::string what = e.what();
+  if (const size_t tag = what.find("] ");
+      what.rfind("[json.exception.", 0) == 0 && tag != std::string::npos) {
+    what.erase(0, tag + 2);
+  }
+  const std::string parse_error = "parse error ";
+  return what.rfind(parse_error, 0) == 0 ? " " + what.substr(parse_error.size()) : ": " + what;
+}
+
 void make_layout(const fs::path& dir) {
   std::error_code ec;
   fs::create_directories(dir / "logs", ec);
@@ -62,6 +74,35 @@ std::string RunDirectory::remote_name() const {
   const std::string base = path_.filename().string();
   const std::string id = info_.value("id", std::string());
   return id.empty() ? base : base + "-" + id;
+}
+
+nlohmann::json read_run_json(const fs::path& dir) {
+  const fs::path file = dir / "run.json";
+  std::error_code ec;
+  if (fs::is_directory(file, ec)) {
+    throw Error(ErrorKind::usage,
+                fmt::format("{}: is a directory, not a file: {} is not a run directory",
+                            file.string(), dir.string()));
+  }
+  std::string text;
+  try {
+    text = read_file(file);
+  } catch (const Error&) {
+    throw Error(ErrorKind::usage,
+                fmt::format("{}: not a run directory (no readable run.json)", dir.string()));
+  }
+  nlohmann::json info;
+  try {
+    info = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(ErrorKind::usage,
+                text.empty() ? fmt::format("{}: empty file, not valid JSON", file.string())
+                             : fmt::format("{}: not valid JSON{}", file.string(), json_problem(e)));
+  }
+  if (!info.is_object()) {
+    throw Error(ErrorKind::usage, fmt::format("{}: not a JSON object", file.string()));
+  }
+  return info;
 }
 
 std::string utc_timestamp() {
@@ -134,16 +175,7 @@ RunDirectory RunDirectory::create(const fs::path& dir, const fs::path& runs_root
 }
 
 RunDirectory RunDirectory::open(const fs::path& dir) {
-  nlohmann::json info;
-  try {
-    info = nlohmann::json::parse(read_file(dir / "run.json"));
-  } catch (const Error&) {
-    throw Error(ErrorKind::usage,
-                fmt::format("{}: not a run directory (no readable run.json)", dir.string()));
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(ErrorKind::usage,
-                fmt::format("{}: run.json is not valid JSON: {}", dir.string(), e.what()));
-  }
+  nlohmann::json info = read_run_json(dir);
   make_layout(dir);
   return RunDirectory(fs::absolute(dir).lexically_normal(), std::move(info));
 }

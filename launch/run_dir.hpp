@@ -20,7 +20,7 @@ class RunDirectory {
   // Either way the new run directory is lock()ed. Error(usage) naming it when it cannot be made.
   static RunDirectory create(const std::filesystem::path& dir,
                              const std::filesystem::path& runs_root, const std::string& name);
-  // An existing run: Error(usage) naming the directory when it has no readable run.json.
+  // An existing run: Error(usage) as read_run_json says when its run.json cannot be used.
   static RunDirectory open(const std::filesystem::path& dir);
 
   // Takes this machine's lock on the run (an flock on .lock, held while this object or a copy
@@ -48,6 +48,10 @@ class RunDirectory {
   nlohmann::json info_;
   std::shared_ptr<const int> lock_;  // the locked descriptor, closed with the last copy
 };
+
+// DIR/run.json as a JSON object; Error(usage) naming the file or directory when DIR holds none,
+// when it is not a file, not valid JSON (at line L, column C) or not an object.
+nlohmann::json read_run_json(const std::filesystem::path& dir);
 
 std::string utc_timestamp();  // 2026-11-30T08:43:38Z
 std::string this_host();      // this machine's host name (run.json's "launcher")

@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <csignal>
 #include <sstream>
 
 #include "core/tensor/device.hpp"
@@ -305,4 +306,28 @@ TEST_CASE("--batch-per-rank overrides the recipe's batch for every run") {
   CHECK(j["rows"][0]["global_batch"] == 16);
   const fs::path run = j["rows"][0]["run_dirs"][0].get<std::string>();
   CHECK(parse_json(read_text(run / "recipe.json"))["train"]["batch_per_rank"] == 16);
+}
+
+TEST_CASE("SIGINT during a run: exit 130, and the message does not point at a resume") {
+  TempDir tmp;
+  const fs::path file = write_recipe(tmp.path(), small_recipe());
+  const fs::path sweep = tmp / "sweep";
+  Background b({"bench", "train", file.string(), "--nproc", "1", "--steps", "2000", "--run-dir",
+                sweep.string(), "--json"},
+               {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "20"}});
+  // The run has begun once rank 0 logged a step.
+  REQUIRE(eventually([&] {
+    std::error_code ec;
+    return fs::file_size(sweep / "w1/metrics.jsonl", ec) > 0 && !ec;
+  }));
+  ::kill(b.pid(), SIGINT);
+  CHECK(b.wait(std::chrono::seconds(60)) == 130);
+  INFO(b.err());
+  CHECK(b.err().find("bench train: stopped by SIGINT during the run at world size 1; a "
+                     "benchmark is not resumed") != std::string::npos);
+  CHECK(b.err().find("resume") == b.err().find("resumed"));  // no hint at 'dptrain resume'
+  const json out = parse_json(b.out());
+  CHECK(out["status"] == "interrupted");
+  CHECK(out["exit_code"] == 130);
+  CHECK(out["errors"].size() == 2);  // the stop, and the run directory
 }

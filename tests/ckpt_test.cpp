@@ -1,6 +1,7 @@
 // `dptrain ckpt list|verify` on real runs: healthy, damaged, set aside, `latest` moved, bad input.
 #include <doctest/doctest.h>
 
+#include <csignal>
 #include <fstream>
 #include <sstream>
 
@@ -411,4 +412,39 @@ TEST_CASE("ckpt list and verify report a dangling `latest`") {
   CHECK(fine.exit_code == 0);
   CHECK(parse_json(fine.out)["latest_problem"].is_null());
   CHECK(list_json(run)["latest_problem"].is_null());
+}
+
+TEST_CASE("ckpt verify --json stopped by SIGINT still prints its object: interrupted, exit 130") {
+  TempDir tmp;
+  const fs::path run = make_run(tmp);
+  // Enough checkpoints that the verification is still going when the signal comes.
+  for (int step = 100; step < 1600; ++step) {
+    fs::copy(
+        run / "checkpoints/step-000020",
+        run / "checkpoints" /
+            ("step-" + std::string(6 - std::to_string(step).size(), '0') + std::to_string(step)),
+        fs::copy_options::recursive);
+  }
+  Background verify({"ckpt", "verify", run.string(), "--all", "--json"});
+  // SIGINT once its handler is in place (SigCgt in /proc lists the signals a process catches),
+  // in dptrain itself rather than in the test's fork before the exec.
+  const auto catches_sigint = [&] {
+    std::ifstream status("/proc/" + std::to_string(verify.pid()) + "/status");
+    for (std::string line; std::getline(status, line);) {
+      if (line.rfind("Name:", 0) == 0 && line.find("dptrain") == std::string::npos) return false;
+      if (line.rfind("SigCgt:", 0) == 0) return (std::stoull(line.substr(7), nullptr, 16) & 2) != 0;
+    }
+    return false;
+  };
+  REQUIRE(eventually(catches_sigint, std::chrono::seconds(30)));
+  ::kill(verify.pid(), SIGINT);
+  const int code = verify.wait();
+  INFO(verify.out(), verify.err());
+  REQUIRE(code == 130);
+  const auto out = parse_json(verify.out());
+  CHECK(out["status"] == "interrupted");
+  CHECK(out["exit_code"] == 130);
+  CHECK(out["ok"] == false);
+  CHECK(contains(out["error"].get<std::string>(), "ckpt verify stopped by SIGINT after"));
+  CHECK(out["checkpoints"].size() < 1503);
 }

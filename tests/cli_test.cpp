@@ -101,6 +101,35 @@ TEST_CASE("usage errors exit 2") {
   CHECK(resume.err.find("not a run directory") != std::string::npos);
 }
 
+TEST_CASE("a run.json that is a directory or not JSON is named plainly, without parser internals") {
+  TempDir tmp;
+  fs::create_directories(tmp / "dir/run.json");
+  fs::create_directories(tmp / "cut");
+  fs::create_directories(tmp / "empty");
+  write_text(tmp / "cut/run.json", "{\"status\":\n");
+  write_text(tmp / "empty/run.json", "");
+  for (const char* cmd : {"status", "resume", "report"}) {
+    CAPTURE(cmd);
+    auto dir = run_dptrain({cmd, (tmp / "dir").string()});
+    CHECK(dir.exit_code == 2);
+    CHECK_MESSAGE(dir.err.find((tmp / "dir/run.json").string() + ": is a directory, not a file") !=
+                      std::string::npos,
+                  dir.err);
+    auto cut = run_dptrain({cmd, (tmp / "cut").string()});
+    CHECK(cut.exit_code == 2);
+    CHECK_MESSAGE(cut.err.find((tmp / "cut/run.json").string() +
+                               ": not valid JSON at line 2, column 1: ") != std::string::npos,
+                  cut.err);
+    auto empty = run_dptrain({cmd, (tmp / "empty").string()});
+    CHECK(empty.exit_code == 2);
+    CHECK_MESSAGE(
+        empty.err.find((tmp / "empty/run.json").string() + ": empty file") != std::string::npos,
+        empty.err);
+    for (const auto& err : {dir.err, cut.err, empty.err})
+      CHECK(err.find("json.exception") == std::string::npos);
+  }
+}
+
 TEST_CASE("recipe validate: a number beyond a double is invalid JSON, exit 2, in JSON too") {
   TempDir tmp;
   write_text(tmp / "inf.json", R"({"optimizer": {"lr": 1e400}})");

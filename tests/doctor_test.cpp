@@ -155,6 +155,12 @@ TEST_CASE("doctor: an unreachable host is named, the others still checked") {
   CHECK(failed == 1);
   CHECK(skipped == 5);  // workdir, version, store-port, peer-port, allreduce
   CHECK(passed >= 4);   // the good host's ssh, workdir, version, store-port
+  // The failure fields every command's JSON has.
+  CHECK(report["exit_code"] == 4);
+  CHECK(report["status"] == "error");
+  REQUIRE(report["errors"].size() == 1);
+  CHECK(report["errors"][0].get<std::string>().starts_with("FAIL ssh"));
+  CHECK(report["error"] == report["errors"][0]);
 }
 
 TEST_CASE("doctor removes its trial run's directories on every host when it passes") {
@@ -190,6 +196,7 @@ json local_doctor(const TempDir& tmp, const json& recipe) {
   INFO(r.out, r.err);
   const json report = parse_json(r.out);
   CHECK(r.exit_code == (report["ok"] == true ? 0 : 2));
+  CHECK(report["exit_code"] == r.exit_code);
   CHECK_FALSE(fs::exists(tmp / "work"));  // this machine's ranks use no workdir
   return report;
 }

@@ -207,7 +207,7 @@ TEST_CASE("provision: an unreachable port is reported within the connect timeout
   write_text(tmp / "hosts", "127.0.0.1 port=" + std::to_string(closed_port) + "\n" +
                                 "127.0.0.1 port=" + std::to_string(ntohs(addr.sin_port)) + "\n");
   auto r = run_dptrain({"provision", "--hosts", (tmp / "hosts").string(), "--known-hosts",
-                        sshd.known_hosts().string(), "--connect-timeout", "1"});
+                        sshd.known_hosts().string(), "--connect-timeout", "1", "--json"});
   ::close(silent);
   CHECK(r.exit_code == 4);
   CAPTURE(r.err);
@@ -216,6 +216,18 @@ TEST_CASE("provision: an unreachable port is reported within the connect timeout
   CHECK(r.err.find("cannot connect to 127.0.0.1:" + std::to_string(ntohs(addr.sin_port)) +
                    " within 1s") != std::string::npos);
   CHECK(r.seconds < 15);  // both hosts in parallel, each bounded by the 1 s timeout: no hang
+  // The failure fields of every --json command, and each host lists what it did not get.
+  const auto report = parse_json(r.out);
+  CHECK(report["ok"] == false);
+  CHECK(report["status"] == "error");
+  CHECK(report["exit_code"] == 4);
+  REQUIRE(report["errors"].size() == 2);
+  CHECK(report["error"] == report["errors"][0]);
+  for (const auto& host : report["hosts"]) {
+    REQUIRE(host["uploads"].size() == 1);
+    CHECK(host["uploads"][0]["file"] == "bin/dptrain");
+    CHECK(host["uploads"][0]["status"] == "pending");
+  }
 }
 
 TEST_CASE("provision: an unknown host is refused; --accept-new-host-keys accepts and records") {

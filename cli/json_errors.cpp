@@ -1,0 +1,55 @@
+// The failure fields every --json output carries when its command fails.
+#include "cli/json_errors.hpp"
+
+#include <cstdio>
+#include <sstream>
+
+namespace dptrain::cli {
+
+namespace {
+
+bool continuation(const std::string& line) {
+  return !line.empty() && line[0] == ' ';
+}
+
+}  // namespace
+
+std::vector<std::string> error_messages(const std::string& text) {
+  std::vector<std::string> messages;
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);) {
+    if (!continuation(line)) messages.push_back(line);
+  }
+  return messages;
+}
+
+void print_error_lines(const std::string& text) {
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);) {
+    std::fprintf(stderr, "%s%s\n", continuation(line) ? "" : "dptrain: error: ", line.c_str());
+  }
+}
+
+void add_failure(nlohmann::json& out, int exit_code, const std::vector<std::string>& errors) {
+  if (!out.contains("status")) out["status"] = "error";
+  out["exit_code"] = exit_code;
+  if (!out.contains("error")) out["error"] = errors.empty() ? std::string() : errors.front();
+  out["errors"] = errors;
+}
+
+void add_failure(nlohmann::json& out, int exit_code, const std::string& text) {
+  add_failure(out, exit_code, error_messages(text));
+}
+
+const char* failure_status(ErrorKind kind) {
+  switch (kind) {
+    case ErrorKind::interrupted:
+      return "interrupted";
+    case ErrorKind::terminated:
+      return "terminated";
+    default:
+      return "error";
+  }
+}
+
+}  // namespace dptrain::cli

@@ -1,0 +1,29 @@
+// The failure fields every --json output carries when its command fails (dptrain(1), JSON OUTPUT).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.hpp"
+
+namespace dptrain::cli {
+
+// The messages in an error's text: its lines, less the indented continuation lines (log excerpts)
+// that belong to the message above them.
+std::vector<std::string> error_messages(const std::string& text);
+
+// Prints `text` on stderr: "dptrain: error: " before each message, continuation lines as they are.
+void print_error_lines(const std::string& text);
+
+// Adds "exit_code" and "errors" (every message of `text`), and "error" (the first message) and
+// "status" ("error") unless `out` has them.
+void add_failure(nlohmann::json& out, int exit_code, const std::string& text);
+void add_failure(nlohmann::json& out, int exit_code, const std::vector<std::string>& errors);
+
+// The "status" of a command stopped by an Error of this kind: "interrupted", "terminated" or
+// "error".
+const char* failure_status(ErrorKind kind);
+
+}  // namespace dptrain::cli

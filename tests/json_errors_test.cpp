@@ -1,0 +1,141 @@
+// One failure shape for every --json command (dptrain(1), JSON OUTPUT): status, exit_code, error
+// and errors, whatever failed and whenever; and usage hints that name the command's own help.
+#include <doctest/doctest.h>
+
+#include <string>
+#include <vector>
+
+#include "tests/damage.hpp"
+#include "tests/harness.hpp"
+
+using namespace dptrain::test;
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+// The failure fields of `r`'s one JSON object, checked against its exit code; returns the object.
+json check_failure(const CommandResult& r, int code) {
+  INFO(r.out, r.err);
+  CHECK(r.exit_code == code);
+  const json out = parse_json(r.out);
+  CHECK(out["exit_code"] == code);
+  CHECK(out["status"].is_string());
+  CHECK(out["status"] != "ok");
+  CHECK(out["status"] != "completed");
+  REQUIRE(out["error"].is_string());
+  REQUIRE(out["errors"].is_array());
+  REQUIRE(!out["errors"].empty());
+  for (const auto& e : out["errors"])
+    CHECK(e.is_string());
+  // "error" is the main message: the first of "errors", with a run's log excerpt below it.
+  CHECK(out["error"].get<std::string>().rfind(out["errors"][0].get<std::string>(), 0) == 0);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("--json failures carry status, exit_code, error and errors for every failure class") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), small_recipe());
+  const std::string runs = (tmp / "runs").string();
+
+  SUBCASE("a bad option") {
+    auto out = check_failure(run_dptrain({"launch", recipe.string(), "--bogus", "--json"}), 2);
+    CHECK(out["status"] == "error");
+    CHECK(out["error"].get<std::string>().find("--bogus") != std::string::npos);
+  }
+  SUBCASE("a bad recipe, before any run") {
+    auto bad = small_recipe();
+    bad["optimizer"]["lr"] = -1;
+    bad["train"]["batch_per_rank"] = 0;
+    const auto file = write_recipe(tmp.path(), bad, "bad.json");
+    auto out = check_failure(
+        run_dptrain({"launch", file.string(), "--nproc", "1", "--runs-root", runs, "--json"}), 2);
+    CHECK(out["status"] == "error");
+    CHECK(out["errors"].size() == 2);
+    CHECK_FALSE(fs::exists(tmp / "runs"));
+  }
+  SUBCASE("recipe validate keeps valid, and says why") {
+    auto out = check_failure(
+        run_dptrain({"recipe", "validate", (tmp / "nope.json").string(), "--json"}), 2);
+    CHECK(out["valid"] == false);
+    CHECK(out["status"] == "error");
+    CHECK(out["error"].get<std::string>().find((tmp / "nope.json").string()) == 0);
+    auto ok = run_dptrain({"recipe", "validate", recipe.string(), "--json"});
+    CHECK(ok.exit_code == 0);
+    const json good = parse_json(ok.out);
+    CHECK(good["valid"] == true);
+    CHECK(good["status"] == "ok");
+    CHECK(good["exit_code"] == 0);
+    CHECK(good["errors"].empty());
+  }
+  SUBCASE("ckpt verify of a corrupt checkpoint keeps ok, and names the file") {
+    const fs::path run = tmp / "run";
+    auto launched =
+        run_dptrain({"launch", recipe.string(), "--nproc", "1", "--run-dir", run.string()});
+    REQUIRE(launched.exit_code == 0);
+    flip_byte(run / "checkpoints/step-000060/params.bin", 17);
+    auto out = check_failure(run_dptrain({"ckpt", "verify", run.string(), "--json"}), 5);
+    CHECK(out["ok"] == false);
+    CHECK(out["status"] == "error");
+    CHECK(out["error"].get<std::string>().find("step-000060/params.bin: checksum mismatch") !=
+          std::string::npos);
+    CHECK(out["checkpoints"].size() == 1);
+  }
+  SUBCASE("a rank failure keeps the run's fields and its log excerpt in error") {
+    auto r = run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir",
+                          (tmp / "failed").string(), "--json"},
+                         {{"DPTRAIN_FAULT", "exit@step=3,rank=1,code=7"}});
+    auto out = check_failure(r, 3);
+    CHECK(out["status"] == "failed");
+    CHECK(out["run_dir"] == (tmp / "failed").string());
+    CHECK(out.contains("restarts"));
+    CHECK(out["errors"][0].get<std::string>().find("rank 1") != std::string::npos);
+    for (const auto& e : out["errors"])
+      CHECK(e.get<std::string>().rfind(" ", 0) != 0);  // log lines stay in "error" only
+  }
+  SUBCASE("a run directory that cannot be read") {
+    auto out = check_failure(run_dptrain({"status", (tmp / "none").string(), "--json"}), 2);
+    CHECK(out["status"] == "error");
+  }
+}
+
+TEST_CASE("resume --json of a completed run has the fields of launch --json") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), small_recipe());
+  const fs::path run = tmp / "run";
+  auto launched =
+      run_dptrain({"launch", recipe.string(), "--nproc", "1", "--run-dir", run.string(), "--json"});
+  REQUIRE(launched.exit_code == 0);
+  const json launch = parse_json(launched.out);
+  auto resumed = run_dptrain({"resume", run.string(), "--json"});
+  INFO(resumed.err);
+  REQUIRE(resumed.exit_code == 0);
+  const json resume = parse_json(resumed.out);
+  CHECK(resume["resumed"] == false);
+  for (const auto& [key, value] : launch.items()) {
+    CAPTURE(key);
+    REQUIRE(resume.contains(key));
+    if (key != "peak_rss_mib") CHECK(resume[key] == value);
+  }
+}
+
+TEST_CASE("a usage error points at the help of the command given, sub-subcommands too") {
+  const std::vector<std::vector<std::string>> commands = {
+      {"ckpt", "verify"},  {"ckpt", "list"},  {"recipe", "show"}, {"recipe", "validate"},
+      {"data", "prepare"}, {"bench", "comm"}, {"bench", "train"}};
+  for (const auto& command : commands) {
+    std::vector<std::string> args = command;
+    args.insert(args.end(), {"--bogus", "x"});
+    auto r = run_dptrain(args);
+    CAPTURE(r.err);
+    CHECK(r.exit_code == 2);
+    CHECK(r.err.find("see 'dptrain " + command[0] + " " + command[1] + " --help'") !=
+          std::string::npos);
+  }
+  auto top = run_dptrain({"ckpt", "--bogus"});
+  CHECK(top.err.find("see 'dptrain ckpt --help'") != std::string::npos);
+  auto launch = run_dptrain({"launch", "x.json", "--bogus"});
+  CHECK(launch.err.find("see 'dptrain launch --help'") != std::string::npos);
+}
