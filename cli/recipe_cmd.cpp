@@ -7,6 +7,7 @@
 #include "core/error.hpp"
 #include "core/model/model.hpp"
 #include "core/recipe.hpp"
+#include "core/trainer.hpp"
 
 namespace dptrain::cli {
 
@@ -17,9 +18,20 @@ struct RecipeOptions {
   bool json = false;
 };
 
+// load_recipe, then what the model says of the other settings (check_levers), named by file.
+Recipe checked_recipe(const std::string& file) {
+  Recipe r = load_recipe(file);
+  try {
+    check_levers(r);
+  } catch (const Error& e) {
+    throw Error(e.kind(), file + ": " + e.what());
+  }
+  return r;
+}
+
 int run_validate(const RecipeOptions& o) {
   if (!o.json) {
-    const Recipe r = load_recipe(o.recipe);
+    const Recipe r = checked_recipe(o.recipe);
     std::printf("%s: ok (recipe '%s', hash %s)\nmodel: %s\n", o.recipe.c_str(), r.name.c_str(),
                 recipe_hash(r).c_str(), make_model(r.model)->describe().c_str());
     return 0;
@@ -27,7 +39,7 @@ int run_validate(const RecipeOptions& o) {
   nlohmann::json out;
   int code = 0;
   try {
-    const Recipe r = load_recipe(o.recipe);
+    const Recipe r = checked_recipe(o.recipe);
     const auto model = make_model(r.model);
     out = {{"valid", true},
            {"name", r.name},

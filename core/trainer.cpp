@@ -1387,13 +1387,7 @@ int64_t global_batch(const Recipe& recipe, int world_size, int nominal_world) {
          recipe.train.grad_accum;
 }
 
-void check_runnable(const Recipe& recipe, int world_size, int nominal_world) {
-  if (recipe.distributed.sync == "ps" && recipe.distributed.servers >= world_size) {
-    throw Error(ErrorKind::recipe,
-                fmt::format("/distributed/servers: {} parameter server(s) leave no worker among "
-                            "{} rank(s); the servers are the last ranks, the workers the others",
-                            recipe.distributed.servers, world_size));
-  }
+void check_levers(const Recipe& recipe) {
   if (const CompressionSpec& c = recipe.distributed.compression; c.type == "powersgd") {
     // A rank no smaller than what some matrix gains from is clamped per matrix; one at which no
     // matrix gains would send everything whole while the run says it compresses.
@@ -1417,6 +1411,16 @@ void check_runnable(const Recipe& recipe, int world_size, int nominal_world) {
                               c.rank, best));
     }
   }
+}
+
+void check_runnable(const Recipe& recipe, int world_size, int nominal_world) {
+  if (recipe.distributed.sync == "ps" && recipe.distributed.servers >= world_size) {
+    throw Error(ErrorKind::recipe,
+                fmt::format("/distributed/servers: {} parameter server(s) leave no worker among "
+                            "{} rank(s); the servers are the last ranks, the workers the others",
+                            recipe.distributed.servers, world_size));
+  }
+  check_levers(recipe);
   const DataSplits data = load_data(recipe.data, recipe.model, recipe.seed);
   DistributedSampler sampler(data.train->size(), global_batch(recipe, world_size, nominal_world),
                              recipe.seed);

@@ -78,8 +78,13 @@ struct TrainResult {
 };
 
 // What a rank would find wrong only after it started: the data (a bad CSV row, a split smaller
-// than one global batch). Loads the data once; Error(recipe) naming the file, line or fields.
+// than one global batch), and check_levers. Loads the data once; Error(recipe) naming the file,
+// line or fields.
 void check_runnable(const Recipe& recipe, int world_size, int nominal_world = 0);
+
+// What the recipe's communication settings cannot do with its model, found from the model's
+// tensors (a PowerSGD rank that would factorise no weight matrix): Error(recipe) naming the field.
+void check_levers(const Recipe& recipe);
 
 // The global batch of a step on world_size ranks of a job sized for nominal_world (0: the same):
 // nominal_world x batch_per_rank x grad_accum, unless distributed.resize is "scale_lr".

@@ -180,6 +180,19 @@ TEST_CASE("recipe validate and show") {
   const auto j = parse_json(vj.out);
   CHECK(j["valid"] == false);
   CHECK(j["errors"].size() == 3);
+
+  // What the model says of the other settings: a PowerSGD rank that factorises no matrix (the
+  // small recipe's 32-48-24-5 MLP gains up to rank 19).
+  auto lever_json = small_recipe();
+  lever_json["distributed"]["compression"] = {{"type", "powersgd"}, {"rank", 40}};
+  const auto lever = write_recipe(tmp.path(), lever_json, "lever.json");
+  auto l = run_dptrain({"recipe", "validate", lever.string()});
+  CHECK(l.exit_code == 2);
+  CHECK(l.err.find(lever.string() + ": /distributed/compression/rank: 40 compresses none") !=
+        std::string::npos);
+  auto launched = run_dptrain({"launch", lever.string(), "--run-dir", (tmp / "lever").string()});
+  CHECK(launched.exit_code == 2);
+  CHECK_FALSE(fs::exists(tmp / "lever"));
 }
 
 TEST_CASE("a bad recipe runs nothing: exit 2, one line per problem, no run directory") {
