@@ -269,10 +269,12 @@ class TrainingRun {
   // The end of a run on every rank (parameter servers too): peak memory, the final evaluation,
   // replica check and checkpoint; rank 0 writes result.json.
   TrainResult finish(TrainResult& result) {
-    double peak_rss = peak_rss_mib();
-    mark_collective("allreduce of the peak memory");
-    comm_.allreduce(&peak_rss, 1, ReduceOp::max);
-    result.peak_rss_mib = peak_rss;
+    // The most any rank holds: under ps rank 0 is a worker, which holds no optimizer state.
+    double maxima[2] = {peak_rss_mib(), result.optimizer_state_mib};
+    mark_collective("allreduce of the peak memory and optimizer state");
+    comm_.allreduce(maxima, 2, ReduceOp::max);
+    result.peak_rss_mib = maxima[0];
+    result.optimizer_state_mib = maxima[1];
     const auto [eval_loss, eval_acc] = evaluate(step_);
     result.eval_loss = eval_loss;
     result.eval_accuracy = eval_acc;

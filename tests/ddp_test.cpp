@@ -245,6 +245,11 @@ TEST_CASE("parameter servers, synchronous: the same training as all-reduce, shar
   const int64_t params = 32 * 48 + 48 + 48 * 24 + 24 + 24 * 5 + 5;
   const int64_t shard = ((params + 1) / 2 + 63) / 64 * 64;
   CHECK(ps["bytes_per_step"] == 2 * (16 + 4 * shard));
+  // The optimizer state a server holds (AdamW's two values for its shard), not rank 0's (a
+  // worker's: none).
+  const double mib = 1024.0 * 1024.0;
+  CHECK(ps["optimizer_state_mib"].get<double>() ==
+        doctest::Approx(static_cast<double>(2 * 4 * shard) / mib));
   // The checkpoint is the same as an all-reduce run's: the whole optimizer state, gathered.
   const auto meta = [&](const char* run) {
     return parse_json(read_text(latest_params(tmp / run).parent_path() / "meta.json"));
