@@ -1,8 +1,13 @@
 // `dptrain provision --hosts H`: facts and uploads per host, as a table or JSON; exit 4 naming each
 // host that failed.
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -11,6 +16,7 @@
 #include "cli/json_errors.hpp"
 #include "core/error.hpp"
 #include "launch/provision.hpp"
+#include "launch/status.hpp"
 
 namespace dptrain::cli {
 
@@ -22,6 +28,44 @@ struct ProvisionCliOptions {
   std::string recipe;
   std::vector<std::string> uploads;
   bool json = false;
+};
+
+// The uploads as they go, on stderr: a line as each file starts, and on a terminal one progress
+// line (every upload's bytes so far) rewritten in place. Called from the hosts' threads.
+class UploadProgress {
+ public:
+  UploadProgress() : printer_(stderr, StatusPrinter::is_terminal(stderr)) {}
+
+  void operator()(const std::string& host, const std::string& file, uint64_t sent, uint64_t size) {
+    std::lock_guard lock(mutex_);
+    auto& [done, total] = uploads_[host + "\n" + file];
+    if (sent == 0) {
+      printer_.line(fmt::format("{}: uploading {} ({})", host, file, human_bytes(size)));
+      total = size;
+    }
+    done = sent;
+    const auto now = std::chrono::steady_clock::now();
+    if (now - shown_ < std::chrono::milliseconds(100) && sent != size) return;
+    shown_ = now;
+    uint64_t all_done = 0, all_total = 0;
+    for (const auto& [key, upload] : uploads_) {
+      all_done += upload.first;
+      all_total += upload.second;
+    }
+    printer_.progress(fmt::format("uploading: {} of {} ({}%)", human_bytes(all_done),
+                                  human_bytes(all_total),
+                                  all_total > 0 ? all_done * 100 / all_total : 100));
+  }
+  void finish() {
+    std::lock_guard lock(mutex_);
+    printer_.erase_progress();
+  }
+
+ private:
+  std::mutex mutex_;
+  StatusPrinter printer_;
+  std::map<std::string, std::pair<uint64_t, uint64_t>> uploads_;  // sent, size
+  std::chrono::steady_clock::time_point shown_;
 };
 
 // "2x NVIDIA H200 (143771 MiB), driver 550.54" or "none (no nvidia-smi)".
@@ -81,7 +125,11 @@ int run_provision(const ProvisionCliOptions& o) {
   options.recipe = o.recipe;
   options.uploads.assign(o.uploads.begin(), o.uploads.end());
   options.ssh = o.hosts.ssh();
+  UploadProgress progress;
+  options.on_upload = [&progress](const std::string& host, const std::string& file, uint64_t sent,
+                                  uint64_t size) { progress(host, file, sent, size); };
   const auto reports = provision(o.hosts.load(), options);
+  progress.finish();
 
   std::vector<std::string> errors;
   for (const auto& r : reports) {

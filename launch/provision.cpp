@@ -273,8 +273,9 @@ class SshTarget : public HostShell {
  public:
   explicit SshTarget(std::unique_ptr<SshSession> session) : session_(std::move(session)) {}
   SshSession::Result run(const std::string& command) override { return session_->run(command); }
-  void upload(const fs::path& local, const std::string& path, int mode) override {
-    session_->upload(local, path, mode);
+  void upload(const fs::path& local, const std::string& path, int mode,
+              const std::function<void(uint64_t sent)>& sent) override {
+    session_->upload(local, path, mode, sent);
   }
 
  private:
@@ -327,12 +328,14 @@ class LocalTarget : public HostShell {
     return result;
   }
 
-  void upload(const fs::path& local, const std::string& path, int mode) override {
+  void upload(const fs::path& local, const std::string& path, int mode,
+              const std::function<void(uint64_t sent)>& sent) override {
     const fs::path temp = path + fmt::format(".tmp-{}", ::getpid());
     try {
       fs::copy_file(local, temp, fs::copy_options::overwrite_existing);
       fs::permissions(temp, static_cast<fs::perms>(mode));
       fs::rename(temp, path);
+      if (sent) sent(fs::file_size(path));
     } catch (const fs::filesystem_error& e) {
       std::error_code ec;
       fs::remove(temp, ec);
@@ -423,7 +426,15 @@ void provision_host(HostReport& report, const ProvisionOptions& options,
   }
   for (size_t i = 0; i < files.size(); ++i) {
     if (report.uploads[i].status == UploadRecord::Status::pending) {
-      target->upload(files[i].local, workdir + "/" + files[i].remote, files[i].mode);
+      std::function<void(uint64_t)> sent;
+      if (options.on_upload) {
+        const PlannedFile& f = files[i];
+        options.on_upload(name, f.remote, 0, f.bytes);
+        sent = [&options, &name, &f](uint64_t bytes) {
+          options.on_upload(name, f.remote, bytes, f.bytes);
+        };
+      }
+      target->upload(files[i].local, workdir + "/" + files[i].remote, files[i].mode, sent);
       report.uploads[i].status = UploadRecord::Status::uploaded;
     }
   }

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -21,6 +22,11 @@ struct ProvisionOptions {
   std::vector<std::filesystem::path> uploads;  // extra files, into the workdir by their names
   std::filesystem::path binary;                // the dptrain to install; empty: this executable
   SshOptions ssh;
+  // Told how each upload goes, from the hosts' threads (at once): the host, the file (its path
+  // in the workdir), the bytes sent of it (0 as it starts) and its size.
+  std::function<void(const std::string& host, const std::string& file, uint64_t sent,
+                     uint64_t size)>
+      on_upload;
 };
 
 struct GpuFact {
@@ -70,7 +76,9 @@ class HostShell {
   virtual ~HostShell() = default;
   // sh command line; output captured; the SSH options' command timeout applies.
   virtual SshSession::Result run(const std::string& command) = 0;
-  virtual void upload(const std::filesystem::path& local, const std::string& path, int mode) = 0;
+  // `sent` (may be empty) is told the bytes sent so far as the upload goes.
+  virtual void upload(const std::filesystem::path& local, const std::string& path, int mode,
+                      const std::function<void(uint64_t sent)>& sent) = 0;
 };
 // Error(ssh) naming the host when it cannot be reached or authenticated.
 std::unique_ptr<HostShell> open_host_shell(const HostSpec& host, const SshOptions& options);

@@ -627,7 +627,8 @@ struct SftpFileCloser {
 
 }  // namespace
 
-void SshSession::upload(const fs::path& local, const std::string& remote_path, int mode) {
+void SshSession::upload(const fs::path& local, const std::string& remote_path, int mode,
+                        const std::function<void(uint64_t sent)>& sent) {
   std::ifstream in(local, std::ios::binary);
   if (!in) {
     throw Error(ErrorKind::io,
@@ -652,6 +653,7 @@ void SshSession::upload(const fs::path& local, const std::string& remote_path, i
         sftp_open(sftp, temp.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0600));
     if (!file) throw failure(sftp_reason(sftp, session_->session));
     std::vector<char> buffer(64 * 1024);  // OpenSSH's sftp-server takes packets up to 256 KiB
+    uint64_t total = 0;
     while (in) {
       in.read(buffer.data(), static_cast<std::streamsize>(buffer.size()));
       const auto count = static_cast<size_t>(in.gcount());
@@ -659,6 +661,8 @@ void SshSession::upload(const fs::path& local, const std::string& remote_path, i
       if (sftp_write(file.get(), buffer.data(), count) != static_cast<ssize_t>(count)) {
         throw failure(sftp_reason(sftp, session_->session));
       }
+      total += count;
+      if (sent) sent(total);
     }
     if (in.bad()) throw failure(fmt::format("reading {} failed", local.string()));
     if (sftp_close(file.release()) != SSH_OK) throw failure(sftp_reason(sftp, session_->session));

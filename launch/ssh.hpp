@@ -105,7 +105,9 @@ class SshSession {
   // SFTP: writes remote_path + ".tmp-<random>", sets `mode`, renames it over remote_path (atomic on
   // the remote; a reader sees the old file or the new one). Give an absolute remote_path: SFTP
   // and the shell may start in different directories. Error(ssh) naming host and path.
-  void upload(const std::filesystem::path& local, const std::string& remote_path, int mode);
+  // `sent`, when given, is told the bytes sent so far after each packet.
+  void upload(const std::filesystem::path& local, const std::string& remote_path, int mode,
+              const std::function<void(uint64_t sent)>& sent = {});
 
   const HostSpec& host() const { return host_; }
   const SshOptions& options() const { return options_; }

@@ -100,6 +100,12 @@ TEST_CASE("provision: facts and uploads on two hosts; a second run uploads nothi
   const json report = parse_json(first.out);
   CHECK(report["ok"] == true);
   REQUIRE(report["hosts"].size() == 2);
+  // In a pipe, a plain line as each upload starts (no progress line, no escapes).
+  for (const char* address : {"127.0.0.2", "127.0.0.3"}) {
+    CHECK(first.err.find(sshd.host(address).display() + ": uploading bin/dptrain (") !=
+          std::string::npos);
+  }
+  CHECK(first.err.find('\r') == std::string::npos);
   for (size_t i = 0; i < 2; ++i) {
     const std::string address = i == 0 ? "127.0.0.2" : "127.0.0.3";
     const json& host = report["hosts"][i];
@@ -146,6 +152,7 @@ TEST_CASE("provision: facts and uploads on two hosts; a second run uploads nothi
     CHECK(line.find(" ok ") != std::string::npos);
     CHECK(line.find("0 uploaded (0 B), 5 skipped") != std::string::npos);
   }
+  CHECK(second.err.find("uploading") == std::string::npos);
 }
 
 TEST_CASE("provision: a refused key is exit 4 naming that host; the other host is provisioned") {
@@ -163,7 +170,9 @@ TEST_CASE("provision: a refused key is exit 4 naming that host; the other host i
   CHECK(r.err.find("dptrain: error: authentication refused for " + display + " (tried: ") !=
         std::string::npos);
   CHECK(r.err.find(sshd.wrong_key().string()) != std::string::npos);
-  CHECK(r.err.find("127.0.0.2") == std::string::npos);  // only the failed host is an error
+  // Only the failed host is an error (the other shows only in its upload lines).
+  CHECK(r.err.find("dptrain: error: " + sshd.host("127.0.0.2").display()) == std::string::npos);
+  CHECK(r.err.find("error: 127.0.0.2") == std::string::npos);
   const json report = parse_json(r.out);
   CHECK(report["ok"] == false);
   CHECK(report["hosts"][0]["ok"] == true);
