@@ -202,22 +202,45 @@ GenerationTrace read_generation_trace(const std::string& addr, uint16_t port,
 
 }  // namespace
 
+namespace {
+
+// This machine's address towards `h`; a name that does not resolve (or no route) is the host's
+// problem, as an SSH failure is: Error(ssh) naming it.
+std::string address_towards(const HostSpec& h) {
+  try {
+    return local_address_towards(h.host, h.port);
+  } catch (const Error& e) {
+    throw Error(ErrorKind::ssh, fmt::format("{} (--hosts): {}; check the name, or give "
+                                            "--master-addr",
+                                            h.display(), e.what()));
+  }
+}
+
+}  // namespace
+
 std::string resolve_master_addr(const JobSpec& spec) {
   if (!spec.remote.master_addr.empty()) return spec.remote.master_addr;
   const auto hosts = job_hosts(spec);
   if (all_local(hosts)) return "127.0.0.1";
+  // Any remote host shows the way out; the first that can, so that a bad spare holds up nothing.
+  std::optional<Error> first;
   for (const auto& h : hosts) {
     if (h.is_local()) continue;
     try {
-      return local_address_towards(h.host, h.port);
+      return address_towards(h);
     } catch (const Error& e) {
-      // A host name that does not resolve is the host's problem, as an SSH failure is.
-      throw Error(ErrorKind::ssh,
-                  fmt::format("{} (--hosts): {}; check the name, or give --master-addr",
-                              h.display(), e.what()));
+      if (!first) first = e;
     }
   }
-  return "127.0.0.1";
+  throw *first;
+}
+
+void check_hosts_resolve(const JobSpec& spec) {
+  // An elastic job, or one with spares, goes on without a host that does not answer.
+  if (!spec.candidates.empty()) return;
+  for (const auto& h : spec.hosts) {
+    if (!h.is_local()) address_towards(h);
+  }
 }
 
 std::vector<std::string> check_fault_injection(const JobSpec& spec) {

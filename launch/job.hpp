@@ -118,8 +118,12 @@ struct JobPlan {
 JobPlan plan_job(const JobSpec& spec, const std::filesystem::path& run_path,
                  const std::string& remote_name, int generation, const std::string& store_addr,
                  uint16_t store_port, const std::string& secret);
-// The address the store listens on and the workers dial.
+// The address the store listens on and the workers dial. Error(ssh) when no remote host resolves.
 std::string resolve_master_addr(const JobSpec& spec);
+
+// Error(ssh) naming a host that does not resolve, for a job that needs every host it names (no
+// --nnodes): found before anything is made for the run.
+void check_hosts_resolve(const JobSpec& spec);
 
 // DPTRAIN_FAULT (fault injection for tests) as the ranks will read it: Error(usage) when it does
 // not parse; a warning for each fault that can never fire in this job.

@@ -253,6 +253,27 @@ TEST_CASE("a spare host stands in for an unreachable one: --nnodes 1 of 2 hosts"
         json::array({c.sshd.host(c.sshd.addresses()[2]).display()}));
 }
 
+TEST_CASE("with --nnodes, a host name that does not resolve is a host that does not answer") {
+  TwoHosts c;
+  const auto recipe = write_recipe(c.tmp.path(), small_recipe());
+  // First in the hostfile, so it would be the one the store's address is found towards.
+  write_text(c.hostfile, "no-such-host.invalid slots=1\n" + read_text(c.hostfile));
+  auto args = c.launch_args(recipe, c.tmp / "spare");
+  for (const char* a : {"--nnodes", "1:3", "--rejoin-timeout", "1"})
+    args.push_back(a);
+  const auto r = run_dptrain(args);
+  INFO(r.out, r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK((r.out + r.err).find("without no-such-host.invalid") != std::string::npos);
+  CHECK(parse_json(read_text(c.tmp / "spare/run.json"))["generations"][0]["hosts"].size() == 2);
+  // Without --nnodes every host is needed: refused before anything is made.
+  auto fixed = c.launch_args(recipe, c.tmp / "fixed");
+  const auto r2 = run_dptrain(fixed);
+  CHECK(r2.exit_code == 4);
+  CHECK(r2.err.find("no-such-host.invalid (--hosts): cannot resolve") != std::string::npos);
+  CHECK_FALSE(fs::exists(c.tmp / "fixed"));
+}
+
 TEST_CASE("a crash on a run whose rank 0 is remote restarts from the nodes' checkpoint") {
   TwoHosts c;
   const auto r = crash_once_and_restart(c, {});
