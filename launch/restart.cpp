@@ -188,7 +188,20 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
     out.exit_code = 4;
     out.status = "failed";
     out.error = error;
-    run.info()["status"] = out.status;
+    json& info = run.info();
+    // No generation ran, but the run is one to resume once the hosts answer: what a resume
+    // needs (the recipe, the hosts, the job's size) is recorded as a generation would.
+    if (spec.worker_args.empty() && !info.contains("recipe")) {
+      info["recipe"] = to_json(spec.recipe);
+      info["nominal_world_size"] = spec.nominal_world > 0 ? spec.nominal_world : spec.world_size;
+      info["backend"] = spec.backend;
+      json hosts = json::array();
+      for (const auto& h : spec.candidates.empty() ? spec.hosts : spec.candidates)
+        hosts.push_back({{"host", h.display()}, {"slots", h.slots}});
+      info["hosts"] = hosts;
+    }
+    info["status"] = out.status;
+    info["error"] = error;
     run.save();
     return finish(out);
   }

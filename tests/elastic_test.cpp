@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <optional>
@@ -208,15 +209,33 @@ TEST_CASE("a lost node does not leave a job below --nnodes MIN: exit 4 naming th
   TwoHosts c;
   const auto recipe = write_recipe(c.tmp.path(), elastic_recipe());
   const std::string lost = c.sshd.addresses()[2];
-  const LostHost gone(c.sshd, lost);
+  std::optional<LostHost> gone;
+  gone.emplace(c.sshd, lost);
   auto args = c.launch_args(recipe, c.tmp / "short");
-  for (const char* a : {"--nnodes", "2:2", "--rejoin-timeout", "1"})
+  for (const char* a : {"--nnodes", "2:2", "--rejoin-timeout", "1", "--json"})
     args.push_back(a);
   const auto r = run_dptrain(args);
   CHECK(r.exit_code == 4);
   CHECK(r.err.find("only 1 of the 2 host(s) this job needs at least answered") !=
         std::string::npos);
   CHECK(r.err.find(lost) != std::string::npos);
+  CHECK(parse_json(r.out)["steps"] == 150);  // planned
+  // No generation ran; the run resumes once the host answers, from step 0.
+  auto status = run_dptrain({"status", (c.tmp / "short").string(), "--json"});
+  REQUIRE(status.exit_code == 0);
+  CHECK(parse_json(status.out)["error"].get<std::string>().find("only 1 of the 2") !=
+        std::string::npos);
+  gone.reset();
+  auto resume = c.launch_args(recipe, c.tmp / "short");
+  resume[0] = "resume";
+  resume.erase(resume.begin() + 1);  // run.json has the recipe
+  resume.erase(std::find(resume.begin(), resume.end(), "--run-dir"));
+  for (const char* a : {"--nnodes", "2:2", "--json"})
+    resume.push_back(a);
+  const auto resumed = run_dptrain(resume);
+  INFO(resumed.err);
+  CHECK(resumed.exit_code == 0);
+  CHECK(parse_json(resumed.out)["world_size"] == 2);
 }
 
 TEST_CASE("--nnodes N waits up to --rejoin-timeout for a host still booting at the start") {
