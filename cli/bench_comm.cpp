@@ -206,6 +206,7 @@ int run_bench_launcher(const BenchCommOptions& o) {
   spec.worker_args = {"bench", "comm", "--worker", worker.dump()};
   const int hosts = spec.hosts.empty() ? 1 : static_cast<int>(spec.hosts.size());
 
+  check_hosts_resolve(spec);  // a host name that does not resolve: exit 4, nothing created
   RunDirectory run = RunDirectory::create(o.run_dir, o.runs_root, "bench-comm");
   run.info()["benchmark"] = worker;
   // stdout carries only the table or the JSON; progress and rank output go to stderr.

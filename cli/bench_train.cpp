@@ -160,8 +160,16 @@ int run_bench_train_cmd(const BenchTrainCliOptions& o) {
   spec.backend = o.backend.empty() ? spec.recipe.distributed.backend : o.backend;
   spec.backend = resolve_backend(spec.backend);
   spec.worker_binary = self_executable();
-  // Every refusal (a world size the data or --strong cannot take) before the first run.
+  // Every refusal (a world size the data or --strong cannot take, a host name that does not
+  // resolve, a DPTRAIN_FAULT that does not parse) before anything is made.
   check_bench_worlds(spec.recipe, worlds, bench, hosts.empty() ? "--nproc" : "--nnodes");
+  {
+    JobSpec largest = spec;
+    largest.hosts = worlds.back().hosts;
+    largest.world_size = worlds.back().world;
+    check_hosts_resolve(largest);
+    check_fault_injection(largest);
+  }
 
   BenchTrainReport report;
   report.recipe_name = spec.recipe.name;

@@ -56,10 +56,14 @@ int run_doctor_cmd(const DoctorCliOptions& o) {
     if (code == 0) {
       out.update({{"status", "ok"}, {"exit_code", 0}});
     } else {
-      // The common failure fields (dptrain(1), JSON OUTPUT): each failed check, one line.
+      // The common failure fields (dptrain(1), JSON OUTPUT): each failed check, one plain
+      // message ("ssh node2: ..."); its fix stays in the check.
       std::vector<std::string> errors;
       for (const auto& c : checks) {
-        if (c.failed()) errors.push_back(c.line());
+        if (c.failed()) {
+          errors.push_back(c.host.empty() ? fmt::format("{}: {}", c.check, c.detail)
+                                          : fmt::format("{} {}: {}", c.check, c.host, c.detail));
+        }
       }
       add_failure(out, code, errors);
     }

@@ -98,7 +98,8 @@ int run_launch(const LaunchOptions& o) {
   o.restart.validate();
   JobSpec spec = job_spec(o);
   check_runnable(spec.recipe, spec.world_size, spec.nominal_world);
-  check_hosts_resolve(spec);  // a host name that does not resolve: exit 4, nothing created
+  check_hosts_resolve(spec);    // a host name that does not resolve: exit 4, nothing created
+  check_fault_injection(spec);  // one that does not parse: exit 2, nothing created
   if (o.dry_run) {
     // The directory a launch would create (its time is filled in then).
     const std::string run_dir =
@@ -109,7 +110,6 @@ int run_launch(const LaunchOptions& o) {
     return 0;
   }
   check_local_gpus(spec);
-  check_fault_injection(spec);  // one that does not parse: exit 2, nothing created
   const auto events = open_events(o.restart, o.json);  // a bad --events path: nothing created
   RunDirectory run = RunDirectory::create(o.run_dir, o.runs_root, spec.recipe.name);
   run.info()["recipe_file"] = std::filesystem::absolute(o.recipe).string();

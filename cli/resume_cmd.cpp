@@ -112,6 +112,7 @@ int run_resume(const ResumeOptions& o) {
     remote.remote_binary = recorded_remote.value("remote_binary", std::string());
   }
   spec.remote = remote.get(o.hosts);
+  check_hosts_resolve(spec);  // a host name that does not resolve: exit 4, run.json untouched
   if (!run.info().contains("recipe")) {
     throw Error(ErrorKind::usage,
                 fmt::format("{}: run.json has no recipe (a benchmark's run?): there is nothing "

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -49,11 +50,16 @@ Fault parse_one(const std::string& text) {
                                               kind, text));
   }
   bool has_step = false;
+  std::set<std::string> seen;
   std::istringstream fields(at == std::string::npos ? "" : text.substr(at + 1));
   for (std::string field; std::getline(fields, field, ',');) {
     const auto eq = field.find('=');
     const std::string key = field.substr(0, eq);
     const std::string value = eq == std::string::npos ? "" : field.substr(eq + 1);
+    if (!seen.insert(key).second) {
+      throw Error(ErrorKind::usage,
+                  fmt::format("DPTRAIN_FAULT: '{}' is given twice in '{}'", key, text));
+    }
     if (key == "step") {
       f.step = parse_int(value, text);
       has_step = true;
@@ -75,6 +81,17 @@ Fault parse_one(const std::string& text) {
   if (!has_step) {
     throw Error(ErrorKind::usage, fmt::format("DPTRAIN_FAULT: '{}' needs step=N", text));
   }
+  const auto out_of_range = [&text](const char* field, int64_t value, const char* range) {
+    return Error(ErrorKind::usage,
+                 fmt::format("DPTRAIN_FAULT: {}={} in '{}' is not {}", field, value, text, range));
+  };
+  if (f.step < 0) throw out_of_range("step", f.step, "a step (0 or more)");
+  if (f.code < 0 || f.code > 255) throw out_of_range("code", f.code, "an exit code (0 to 255)");
+  if (f.ms < 0) throw out_of_range("ms", f.ms, "a duration (0 or more)");
+  if (seen.count("rank") && f.rank < 0) throw out_of_range("rank", f.rank, "a rank (0 or more)");
+  if (seen.count("gen") && f.generation < 1) {
+    throw out_of_range("gen", f.generation, "a generation (1 or more)");
+  }
   return f;
 }
 
@@ -90,10 +107,19 @@ std::vector<Fault> parse_faults(const std::string& text) {
 }
 
 std::vector<std::string> unreachable_faults(const std::vector<Fault>& faults, int64_t steps,
-                                            int world, int64_t checkpoint_every) {
+                                            int world, int64_t checkpoint_every, int64_t first_step,
+                                            int first_generation) {
   std::vector<std::string> out;
   for (const auto& f : faults) {
-    if (f.rank >= world) {
+    if (f.generation >= 0 && f.generation < first_generation) {
+      out.push_back(
+          fmt::format("DPTRAIN_FAULT '{}' never fires: this invocation starts at "
+                      "generation {}",
+                      f.text, first_generation));
+    } else if (f.kind != Fault::Kind::slow && f.step < first_step) {
+      out.push_back(fmt::format("DPTRAIN_FAULT '{}' never fires: the run continues from step {}",
+                                f.text, first_step));
+    } else if (f.rank >= world) {
       out.push_back(fmt::format("DPTRAIN_FAULT '{}' never fires: there are ranks 0 to {}", f.text,
                                 world - 1));
     } else if (f.kind == Fault::Kind::crash_in_checkpoint) {

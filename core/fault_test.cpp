@@ -61,3 +61,38 @@ TEST_CASE("faults that can never fire are named") {
         "there: step 15 is not one of the run's checkpoint steps (every 10, and 40)");
   CHECK(unreachable_faults(faults, 40, 8, 5).size() == 1);  // rank 7 exists; 15 is a multiple
 }
+
+TEST_CASE("fault specs with values out of range or a field twice are refused") {
+  for (const auto& [spec, message] : std::vector<std::pair<std::string, std::string>>{
+           {"exit@step=3,code=300",
+            "DPTRAIN_FAULT: code=300 in 'exit@step=3,code=300' is not an "
+            "exit code (0 to 255)"},
+           {"slow@step=3,ms=-5",
+            "DPTRAIN_FAULT: ms=-5 in 'slow@step=3,ms=-5' is not a duration "
+            "(0 or more)"},
+           {"crash@step=-1", "DPTRAIN_FAULT: step=-1 in 'crash@step=-1' is not a step (0 or more)"},
+           {"crash@step=3,rank=1,rank=0",
+            "DPTRAIN_FAULT: 'rank' is given twice in 'crash@step=3,rank=1,rank=0'"},
+           {"crash@step=3,gen=0",
+            "DPTRAIN_FAULT: gen=0 in 'crash@step=3,gen=0' is not a "
+            "generation (1 or more)"}}) {
+    CAPTURE(spec);
+    try {
+      parse_faults(spec);
+      FAIL("accepted");
+    } catch (const Error& e) {
+      CHECK(e.kind() == ErrorKind::usage);
+      CHECK(std::string(e.what()) == message);
+    }
+  }
+}
+
+TEST_CASE("on a resume, faults before its step or generation never fire") {
+  const auto faults =
+      parse_faults("crash@step=5;crash@step=30,gen=1;crash@step=30,gen=2;slow@step=1,ms=1");
+  const auto warnings = unreachable_faults(faults, 40, 2, 10, 21, 2);
+  REQUIRE(warnings.size() == 2);
+  CHECK(warnings[0] == "DPTRAIN_FAULT 'crash@step=5' never fires: the run continues from step 21");
+  CHECK(warnings[1] ==
+        "DPTRAIN_FAULT 'crash@step=30,gen=1' never fires: this invocation starts at generation 2");
+}

@@ -92,6 +92,23 @@ TEST_CASE("elastic: a host that comes back within the wait is taken") {
   CHECK(sel.absent.empty());
 }
 
+TEST_CASE("elastic: the wait ends with a probe at its deadline, not an interval before it") {
+  // The interval (1 s) is longer than what is left of the wait when the host comes back: it must
+  // still be probed at the deadline.
+  ScriptedProbe p;
+  p.up = {"a"};
+  std::thread back([&p] {
+    std::this_thread::sleep_for(300ms);
+    p.set_up("b");
+  });
+  const auto start = std::chrono::steady_clock::now();
+  const auto sel =
+      select_hosts({host("a"), host("b")}, 2, 600ms, p.probe(), nullptr, std::chrono::seconds(1));
+  back.join();
+  CHECK(names(sel.hosts) == std::vector<std::string>{"a", "b"});
+  CHECK(std::chrono::steady_clock::now() - start >= 550ms);
+}
+
 TEST_CASE("elastic: the host watch reports the hosts that answer again, and only then") {
   ScriptedProbe p;
   HostWatch watch({host("x"), host("y"), host("z")}, p.probe(), 20ms);

@@ -210,9 +210,8 @@ std::string address_towards(const HostSpec& h) {
   try {
     return local_address_towards(h.host, h.port);
   } catch (const Error& e) {
-    throw Error(ErrorKind::ssh, fmt::format("{} (--hosts): {}; check the name, or give "
-                                            "--master-addr",
-                                            h.display(), e.what()));
+    throw Error(ErrorKind::ssh,
+                fmt::format("{} (--hosts): {}; check the name", h.display(), e.what()));
   }
 }
 
@@ -243,11 +242,12 @@ void check_hosts_resolve(const JobSpec& spec) {
   }
 }
 
-std::vector<std::string> check_fault_injection(const JobSpec& spec) {
+std::vector<std::string> check_fault_injection(const JobSpec& spec, int64_t first_step,
+                                               int first_generation) {
   const char* text = std::getenv("DPTRAIN_FAULT");
   if (text == nullptr || *text == '\0') return {};
   return unreachable_faults(parse_faults(text), spec.recipe.train.steps, spec.world_size,
-                            spec.recipe.checkpoint.every);
+                            spec.recipe.checkpoint.every, first_step, first_generation);
 }
 
 JobPlan plan_job(const JobSpec& spec, const fs::path& run_path, const std::string& remote_name,
@@ -638,7 +638,9 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   if (sup.stop_signal == SIGTERM && !sup.failure && !finished_first) {
     out.exit_code = 143;
     out.status = "terminated";
-    if (!sup.watchdog.empty()) {
+    if (!trains) {
+      out.error = "stopped by SIGTERM; every rank was stopped";  // a benchmark: no checkpoints
+    } else if (!sup.watchdog.empty()) {
       out.error = fmt::format(
           "stopped by SIGTERM, but {}; every rank was killed (a hung rank cannot checkpoint){}",
           sup.watchdog, checkpoint_note());

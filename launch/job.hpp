@@ -126,8 +126,10 @@ std::string resolve_master_addr(const JobSpec& spec);
 void check_hosts_resolve(const JobSpec& spec);
 
 // DPTRAIN_FAULT (fault injection for tests) as the ranks will read it: Error(usage) when it does
-// not parse; a warning for each fault that can never fire in this job.
-std::vector<std::string> check_fault_injection(const JobSpec& spec);
+// not parse; a warning for each fault that can never fire in this job, continued from
+// `first_step` in generation `first_generation`.
+std::vector<std::string> check_fault_injection(const JobSpec& spec, int64_t first_step = 0,
+                                               int first_generation = 1);
 
 // Runs one generation to its end, recording it in run.json. Never throws for a rank's failure:
 // that is an outcome with exit code 3 (4 when a host cannot be reached over SSH).

@@ -2,6 +2,7 @@
 // checkpoint, with back-off, until the job completes or the failure looks deterministic; and
 // for elastic jobs, the hosts or ranks of every generation.
 #include <algorithm>
+#include <charconv>
 #include <csignal>
 #include <system_error>
 
@@ -179,8 +180,20 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
     outcome.restarts = numbered_before + restarts;
     return outcome;
   };
-  for (const auto& warning : check_fault_injection(spec))
-    status.line("warning: " + warning);
+  {
+    // Where this invocation starts: a resume continues from a checkpoint, in the next generation.
+    const json& generations = run.info().value("generations", json::array());
+    int64_t first_step = 0;
+    const std::string from = spec.resume_from.filename().string();  // step-NNNNNN, newest, ...
+    if (from.rfind("step-", 0) == 0) {
+      std::from_chars(from.data() + 5, from.data() + from.size(), first_step);
+    } else if (from == "newest") {
+      first_step = run.info().value("last_checkpoint", json::object()).value("step", int64_t{0});
+    }
+    for (const auto& warning :
+         check_fault_injection(spec, first_step, static_cast<int>(generations.size()) + 1))
+      status.line("warning: " + warning);
+  }
   int same_step = 0;
   int64_t previous_step = -2;
   if (std::string error = place_generation(run, spec, status, Placement::first); !error.empty()) {

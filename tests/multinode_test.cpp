@@ -312,4 +312,23 @@ TEST_CASE("a host name that does not resolve fails with exit 4 before anything i
     CHECK(parse_json(r.out)["exit_code"] == 4);
     CHECK_FALSE(fs::exists(tmp / "never"));
   }
+  // The benchmarks too, and a second host that does not resolve as well as a first.
+  const std::vector<std::vector<std::string>> others = {
+      {"bench", "comm", "--hosts", "no-such-host.invalid:1", "--runs-root", (tmp / "bc").string()},
+      {"bench", "train", recipe.string(), "--hosts", "no-such-host.invalid:1", "--runs-root",
+       (tmp / "bt").string()},
+      {"launch", recipe.string(), "--hosts", "localhost:1,also-not.invalid:1", "--run-dir",
+       (tmp / "second").string()}};
+  for (const auto& args : others) {
+    CAPTURE(args[1]);
+    auto r = run_dptrain(args);
+    CHECK(r.exit_code == 4);
+    CHECK(r.err.find(".invalid (--hosts): cannot resolve") != std::string::npos);
+  }
+  for (const char* dir : {"bc", "bt", "second"})
+    CHECK_FALSE(fs::exists(tmp / dir));
+  // A DPTRAIN_FAULT that does not parse is refused by a dry run as by a launch.
+  auto dry =
+      run_dptrain({"launch", recipe.string(), "--dry-run"}, {{"DPTRAIN_FAULT", "crash@step=x"}});
+  CHECK(dry.exit_code == 2);
 }
