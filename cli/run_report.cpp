@@ -118,6 +118,18 @@ void add_restart_options(CLI::App& app, RestartOptions& o) {
       ->check(seconds());
 }
 
+namespace {
+
+// "1234 samples/s" (or tokens/s) of a result; a result measured over no step has none.
+std::string throughput_text(const nlohmann::json& r) {
+  const bool tokens = r.contains("tokens_per_s");
+  const nlohmann::json& v = r.value(tokens ? "tokens_per_s" : "samples_per_s", nlohmann::json());
+  if (!v.is_number()) return "no step ran here to measure throughput";
+  return fmt::format("{:.0f} {}/s", v.get<double>(), tokens ? "tokens" : "samples");
+}
+
+}  // namespace
+
 int report_outcome(const RunDirectory& run, const JobOutcome& outcome, bool json,
                    std::FILE* summary) {
   if (!outcome.error.empty()) {
@@ -140,10 +152,7 @@ int report_outcome(const RunDirectory& run, const JobOutcome& outcome, bool json
     const auto& r = outcome.result;
     std::fprintf(summary, "run directory: %s\n", run.path().c_str());
     std::fprintf(summary, "%s\n",
-                 fmt::format("{}  {}  ({} steps, {} rank(s))", format_losses(r),
-                             r.contains("tokens_per_s")
-                                 ? fmt::format("{:.0f} tokens/s", r.value("tokens_per_s", 0.0))
-                                 : fmt::format("{:.0f} samples/s", r.value("samples_per_s", 0.0)),
+                 fmt::format("{}  {}  ({} steps, {} rank(s))", format_losses(r), throughput_text(r),
                              r.value("steps", int64_t{0}), r.value("world_size", int64_t{0}))
                      .c_str());
   }

@@ -51,11 +51,11 @@ nlohmann::json TrainResult::to_json() const {
                       {"final_loss", or_null(final_loss)},
                       {"eval_loss", or_null(eval_loss)},
                       {"eval_accuracy", or_null(eval_accuracy)},
-                      {"samples_per_s", samples_per_s},
+                      {"samples_per_s", or_null(samples_per_s)},
                       {"params_checksum", params_checksum},
                       {"last_checkpoint", last_checkpoint.string()}};
   if (tokens_per_sample > 0) {
-    j["tokens_per_s"] = samples_per_s * static_cast<double>(tokens_per_sample);
+    j["tokens_per_s"] = or_null(samples_per_s * static_cast<double>(tokens_per_sample));
   }
   j["phases_ms"] = {{"data", phases_ms[0]},
                     {"compute", phases_ms[1]},

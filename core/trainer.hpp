@@ -60,7 +60,9 @@ struct TrainResult {
   double final_loss = std::numeric_limits<double>::quiet_NaN();
   double eval_loss = std::numeric_limits<double>::quiet_NaN();
   double eval_accuracy = std::numeric_limits<double>::quiet_NaN();
-  double samples_per_s = 0;  // steady state: the first warm-up steps of this process are excluded
+  // Steady state: the first warm-up steps of this process are excluded. NaN (null) when this
+  // process measured no step (a resume from the final step's checkpoint).
+  double samples_per_s = std::numeric_limits<double>::quiet_NaN();
   int64_t tokens_per_sample = 0;  // a token model's context (tokens/s = samples/s x this); else 0
   // Mean ms per steady-state step in data, compute (forward + backward), comm (exposed gradient
   // all-reduce) and optimizer, on rank 0.

@@ -578,6 +578,9 @@ TEST_CASE("trainer: resumed from the final step's checkpoint, the result keeps i
   CHECK(resumed[0].result.steps == r.train.steps);
   CHECK(resumed[0].result.final_loss == full[0].result.final_loss);
   CHECK(resumed[0].result.eval_loss == full[0].result.eval_loss);
+  // No step ran here to measure: no throughput, rather than 0 (a report then takes the logged).
+  CHECK(std::isnan(resumed[0].result.samples_per_s));
+  CHECK(resumed[0].result.to_json()["samples_per_s"].is_null());
 }
 
 TEST_CASE("trainer: scale_lr keeps micro-batches per rank and scales the learning rate") {

@@ -233,7 +233,8 @@ BenchTrainRow row_from_results(const std::vector<json>& results, int world, int6
   std::vector<double> samples, tokens, peak;
   std::array<std::vector<double>, 4> phases;
   for (const auto& r : results) {
-    const double s = r.value("samples_per_s", 0.0);
+    const json& measured = r.value("samples_per_s", json());
+    const double s = measured.is_number() ? measured.get<double>() : 0.0;
     if (!(s > 0)) {
       throw Error(ErrorKind::internal,
                   fmt::format("world size {}: the run reported no throughput (samples_per_s {})",
