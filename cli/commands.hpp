@@ -32,6 +32,10 @@ void setup_bench_train(CLI::App& app, Outcome& outcome);  // bench train (cli/be
 void setup_report(CLI::App& app, Outcome& outcome);
 void setup_status(CLI::App& app, Outcome& outcome);
 void setup_worker(CLI::App& app, Outcome& outcome);
+// A rank's SIGTERM (stop at the next step boundary, after a checkpoint) and SIGPIPE handling:
+// installed by main before anything else for `dptrain worker`, so that a SIGTERM in a rank's
+// first milliseconds is a stop like any other, not its death.
+void install_worker_signal_handlers();
 void setup_provision(CLI::App& app, Outcome& outcome);
 void setup_agent(CLI::App& app, Outcome& outcome);
 void setup_relay(CLI::App& app, Outcome& outcome);

@@ -42,6 +42,8 @@ std::string help_command(const CLI::App& app, int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string_view(argv[1]) == "worker")
+    dptrain::cli::install_worker_signal_handlers();
   CLI::App app{
       "dptrain: data-parallel training from a JSON recipe, on CPU ranks (Gloo) or one NVIDIA GPU\n"
       "per rank (NCCL), on this machine or across hosts over SSH.\n"

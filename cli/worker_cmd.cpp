@@ -127,13 +127,21 @@ std::string choose_backend(Store& store, int rank, int world, const std::string&
   return "nccl";
 }
 
-int run_worker(WorkerOptions o) {
+}  // namespace
+
+void install_worker_signal_handlers() {
   // A peer that dies mid-collective must surface as a communication error naming it, not as
   // this rank dying of SIGPIPE on the broken socket.
   std::signal(SIGPIPE, SIG_IGN);
   // SIGTERM (the launcher stopping the job, a spot instance going away) stops every rank at
   // the next step boundary, after a checkpoint.
   std::signal(SIGTERM, on_sigterm);
+}
+
+namespace {
+
+int run_worker(WorkerOptions o) {
+  install_worker_signal_handlers();  // again: main installs them first, for `dptrain worker`
   fill_from_env(o);
   const FaultInjector faults(parse_faults(env("DPTRAIN_FAULT").value_or("")), o.rank, o.generation);
   const Recipe recipe = load_recipe(o.recipe);
