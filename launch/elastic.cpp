@@ -66,20 +66,31 @@ std::vector<std::string> probe_all(const std::vector<HostSpec>& hosts, const Hos
 
 }  // namespace
 
-HostSelection select_hosts(const std::vector<HostSpec>& candidates, int max_nodes,
-                           std::chrono::milliseconds wait, const HostProbe& probe,
-                           const std::function<bool()>& should_stop,
-                           std::chrono::milliseconds interval) {
+HostSelection select_hosts(
+    const std::vector<HostSpec>& candidates, int max_nodes, std::chrono::milliseconds wait,
+    const HostProbe& probe, const std::function<bool()>& should_stop,
+    std::chrono::milliseconds interval,
+    const std::function<void(const std::vector<std::string>& absent)>& waiting) {
   const auto deadline = std::chrono::steady_clock::now() + wait;
   std::vector<std::string> why(candidates.size());
+  bool told = false;  // `waiting`
   for (;;) {
     why = probe_all(candidates, probe);
     const auto up = std::count_if(why.begin(), why.end(), [](const auto& w) { return w.empty(); });
-    if (up >= max_nodes || std::chrono::steady_clock::now() + interval > deadline ||
-        (should_stop && should_stop())) {
-      break;
+    const auto now = std::chrono::steady_clock::now();
+    if (up >= max_nodes || now >= deadline || (should_stop && should_stop())) break;
+    if (waiting && !told) {
+      told = true;
+      std::vector<std::string> absent;
+      for (size_t i = 0; i < candidates.size(); ++i) {
+        if (!why[i].empty())
+          absent.push_back(fmt::format("{}: {}", candidates[i].display(), why[i]));
+      }
+      waiting(absent);
     }
-    std::this_thread::sleep_for(interval);
+    // The last probe at the deadline itself: a host that answers then is not missed.
+    std::this_thread::sleep_for(
+        std::min<std::chrono::steady_clock::duration>(interval, deadline - now));
   }
   HostSelection out;
   for (size_t i = 0; i < candidates.size(); ++i) {

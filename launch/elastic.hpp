@@ -36,11 +36,13 @@ struct HostSelection {
 
 // The hosts of the next generation: the first `max_nodes` candidates that answer. Probes every
 // candidate (all at once) and again each `interval` until max_nodes answer or `wait` has passed;
-// returns what it has then. `should_stop` is polled between rounds (a stop signal).
-HostSelection select_hosts(const std::vector<HostSpec>& candidates, int max_nodes,
-                           std::chrono::milliseconds wait, const HostProbe& probe,
-                           const std::function<bool()>& should_stop,
-                           std::chrono::milliseconds interval = std::chrono::milliseconds(1000));
+// returns what it has then. `should_stop` is polled between rounds (a stop signal); `waiting`,
+// when given, is told once, before the first wait, which candidates did not answer ("HOST: why").
+HostSelection select_hosts(
+    const std::vector<HostSpec>& candidates, int max_nodes, std::chrono::milliseconds wait,
+    const HostProbe& probe, const std::function<bool()>& should_stop,
+    std::chrono::milliseconds interval = std::chrono::milliseconds(1000),
+    const std::function<void(const std::vector<std::string>& absent)>& waiting = {});
 
 // How often a running elastic job probes the hosts it lacks: every rejoin timeout, at least 1 s
 // and at most 30 s apart.

@@ -62,9 +62,13 @@ std::string place_generation(RunDirectory& run, JobSpec& spec, StatusPrinter& st
     // again are taken as they answer now.
     const bool waits = why == Placement::after_failure || why == Placement::first;
     const auto wait = waits ? spec.rejoin_timeout : std::chrono::milliseconds(0);
-    const HostSelection sel =
-        select_hosts(spec.candidates, spec.nodes.max, wait, ssh_probe(spec.remote.ssh),
-                     [] { return pending_stop_signal() != 0; });
+    const HostSelection sel = select_hosts(
+        spec.candidates, spec.nodes.max, wait, ssh_probe(spec.remote.ssh),
+        [] { return pending_stop_signal() != 0; }, std::chrono::milliseconds(1000),
+        [&](const std::vector<std::string>& missing) {
+          status.line(fmt::format("waiting up to {:g} s (--rejoin-timeout) for hosts to answer: {}",
+                                  static_cast<double>(wait.count()) / 1000.0, join(missing, "; ")));
+        });
     absent = sel.absent;
     if (static_cast<int>(sel.hosts.size()) < spec.nodes.min) {
       return fmt::format("only {} of the {} host(s) this job needs at least answered{}: {}",

@@ -252,6 +252,8 @@ TEST_CASE("--nnodes N waits up to --rejoin-timeout for a host still booting at t
   const int code = job.wait();
   INFO(job.err());
   REQUIRE(code == 0);
+  CHECK(job.err().find("waiting up to 60 s (--rejoin-timeout) for hosts to answer: " +
+                       c.sshd.host(c.sshd.addresses()[2]).display()) != std::string::npos);
   const json info = parse_json(read_text(c.tmp / "late/run.json"));
   CHECK(info["generations"].size() == 1);
   CHECK(info["generations"][0]["hosts"].size() == 2);
