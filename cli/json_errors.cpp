@@ -14,15 +14,6 @@ bool continuation(const std::string& line) {
 
 }  // namespace
 
-std::vector<std::string> error_messages(const std::string& text) {
-  std::vector<std::string> messages;
-  std::istringstream lines(text);
-  for (std::string line; std::getline(lines, line);) {
-    if (!continuation(line)) messages.push_back(line);
-  }
-  return messages;
-}
-
 void print_error_lines(const std::string& text) {
   std::istringstream lines(text);
   for (std::string line; std::getline(lines, line);) {

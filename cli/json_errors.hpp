@@ -10,10 +10,6 @@
 
 namespace dptrain::cli {
 
-// The messages in an error's text: its lines, less the indented continuation lines (log excerpts)
-// that belong to the message above them.
-std::vector<std::string> error_messages(const std::string& text);
-
 // Prints `text` on stderr: "dptrain: error: " before each message, continuation lines as they are.
 void print_error_lines(const std::string& text);
 

@@ -1,6 +1,8 @@
 // Exit codes and names for dptrain::Error kinds.
 #include "core/error.hpp"
 
+#include <sstream>
+
 namespace dptrain {
 
 int exit_code(ErrorKind kind) {
@@ -57,6 +59,15 @@ const char* kind_name(ErrorKind kind) {
       return "terminated";
   }
   return "error";
+}
+
+std::vector<std::string> error_messages(const std::string& text) {
+  std::vector<std::string> messages;
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.empty() || line[0] != ' ') messages.push_back(line);
+  }
+  return messages;
 }
 
 }  // namespace dptrain

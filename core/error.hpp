@@ -3,6 +3,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace dptrain {
 
@@ -24,6 +25,10 @@ enum class ErrorKind {
 // The exit code DESIGN.md and dptrain(1) document for each kind.
 int exit_code(ErrorKind kind);
 const char* kind_name(ErrorKind kind);
+
+// The messages in an error's text: its lines, less the indented continuation lines (a log
+// excerpt) that belong to the message above them.
+std::vector<std::string> error_messages(const std::string& text);
 
 class Error : public std::runtime_error {
  public:

@@ -67,7 +67,10 @@ json JobOutcome::to_json(const RunDirectory& run) const {
             {"exit_code", exit_code},
             {"run_dir", run.path().string()},
             {"restarts", restarts}};
-  if (!error.empty()) j["error"] = error;
+  if (!error.empty()) {
+    j["error"] = error;
+    j["errors"] = error_messages(error);  // as every command's --json failure has them
+  }
   if (result.is_null() || !result.is_object()) {
     const int64_t reached = std::max(failed_step, last_step);
     j["step"] = reached >= 0 ? json(reached) : json(start_step);
