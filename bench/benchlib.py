@@ -334,6 +334,16 @@ def load_peer_recipe(path, defaults, supported):
     return recipe
 
 
+def decay_groups(parameters, weight_decay):
+    """Parameter groups for torch.optim with dptrain's weight-decay rule (dptrain-recipe(5),
+    weight_decay; Model::no_decay() in core/model/model.hpp): the tensors of two or more
+    dimensions (weight matrices, embeddings) decay, the others (biases, LayerNorm gains and
+    shifts) do not, in every model."""
+    parameters = list(parameters)
+    return [{"params": [p for p in parameters if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in parameters if p.dim() < 2], "weight_decay": 0.0}]
+
+
 def warmup_steps(steps):
     # The same rule as dptrain's samples_per_s: the first min(10, steps/5) steps are excluded.
     return min(10, steps // 5)

@@ -187,15 +187,6 @@ def make_model_class(torch):
     return Gpt
 
 
-def param_groups(model, weight_decay):
-    """Weight decay on 2-D weights and the embeddings; none on biases and LayerNorm (gpt.cpp's
-    no_decay()): exactly the tensors with more than one dimension."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
-
-
 def run_rank(recipe):
     """One rank: trains, and rank 0 prints one JSON line with the global throughput."""
     threads = int(recipe["train"]["threads_per_rank"])
@@ -219,7 +210,9 @@ def run_rank(recipe):
     params = sum(p.numel() for p in model.parameters())
     ddp = DistributedDataParallel(model)
     opt_spec = recipe["optimizer"]
-    optimizer = torch.optim.AdamW(param_groups(model, opt_spec["weight_decay"]), lr=opt_spec["lr"],
+    # Weight decay on the 2-D weights and the embeddings only, as dptrain (its no_decay()).
+    groups = benchlib.decay_groups(model.parameters(), opt_spec["weight_decay"])
+    optimizer = torch.optim.AdamW(groups, lr=opt_spec["lr"],
                                   betas=(opt_spec["beta1"], opt_spec["beta2"]),
                                   eps=opt_spec["eps"])
     clip = float(opt_spec["clip_grad_norm"])

@@ -79,12 +79,14 @@ def make_model(recipe, nn):
 
 def make_optimizer(recipe, params, torch):
     spec = recipe["optimizer"]
+    # Weight decay on the weight matrices only, not the biases, as dptrain; each group sets it
+    # (torch's AdamW default, 0.01, is not the recipe's, 0).
+    groups = benchlib.decay_groups(params, spec["weight_decay"])
     if spec["type"] == "adamw":
-        # Pass weight_decay explicitly: torch's AdamW default (0.01) differs from the recipe's (0).
-        return torch.optim.AdamW(params, lr=spec["lr"], betas=(spec["beta1"], spec["beta2"]),
-                                 eps=spec["eps"], weight_decay=spec["weight_decay"])
-    return torch.optim.SGD(params, lr=spec["lr"], momentum=spec["momentum"],
-                           nesterov=spec["nesterov"], weight_decay=spec["weight_decay"])
+        return torch.optim.AdamW(groups, lr=spec["lr"], betas=(spec["beta1"], spec["beta2"]),
+                                 eps=spec["eps"])
+    return torch.optim.SGD(groups, lr=spec["lr"], momentum=spec["momentum"],
+                           nesterov=spec["nesterov"])
 
 
 def run_rank(recipe):

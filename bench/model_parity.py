@@ -62,9 +62,9 @@ is near eps (or is rounding noise: the gradient of the attention's key bias is 0
 arithmetic) moves by an amount its rounding decides: the update and N-step tolerances are
 therefore looser (PyTorch float32 itself reaches 4e-3 there on the GPT).
 
-Weight decay: the GPT skips its biases and LayerNorm parameters (its no_decay() ranges); the MLP
-declares none, so AdamW decays all its parameters, biases included, as
-torch.optim.AdamW(model.parameters()) does. The script mirrors both.
+Weight decay: both models skip their biases (and the GPT its LayerNorm parameters): dptrain
+decays the weight matrices and embeddings only (Model::no_decay(), dptrain-recipe(5)); the
+script gives torch.optim.AdamW the same two parameter groups.
 
 Usage: python3 bench/model_parity.py [--binary build/dptrain] [--models mlp,mlp-gelu,gpt]
 [--steps N] [--json] [--keep DIR]. Prints a table (progress on stderr) or, with --json, one
@@ -125,13 +125,12 @@ def log(message):
 
 
 def mlp_layout(widths):
-    """[(name, shape, decay)] in flat-buffer order: per layer W [out, in], then b [out]. The MLP
-    declares no no_decay() ranges (core/model/mlp.hpp), so AdamW decays its biases too, as
-    torch.optim.AdamW(model.parameters()) does; the GPT skips its biases and LayerNorms."""
+    """[(name, shape, decay)] in flat-buffer order: per layer W [out, in], then b [out]. Weight
+    decay goes to the weights, not the biases, as in the GPT."""
     out = []
     for i in range(len(widths) - 1):
         out.append((f"l{i}.weight", (widths[i + 1], widths[i]), True))
-        out.append((f"l{i}.bias", (widths[i + 1],), True))
+        out.append((f"l{i}.bias", (widths[i + 1],), False))
     return out
 
 
@@ -413,8 +412,8 @@ def learning_rate(opt, step, total):
     sched = opt["schedule"]
     warmup, lr = sched.get("warmup", 0), opt["lr"]
     if step < warmup:
-        return lr * (step + 1) / warmup
-    decay_steps = total - warmup
+        return lr * (step + 1) / (warmup + 1)
+    decay_steps = total - 1 - warmup  # lr at step `warmup`, the minimum at the last step
     if sched["type"] == "constant" or decay_steps <= 0:
         return lr
     progress = min(1.0, (step - warmup) / decay_steps)

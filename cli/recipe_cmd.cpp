@@ -18,9 +18,10 @@ struct RecipeOptions {
   bool json = false;
 };
 
-// load_recipe, then what the model says of the other settings (check_levers), named by file.
+// load_recipe, every row of a CSV dataset checked as a launch would load it, then what the model
+// says of the other settings (check_levers), named by file.
 Recipe checked_recipe(const std::string& file) {
-  Recipe r = load_recipe(file);
+  Recipe r = load_recipe(file, DataCheck::every_row);
   try {
     check_levers(r);
   } catch (const Error& e) {

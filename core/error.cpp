@@ -70,4 +70,29 @@ std::vector<std::string> error_messages(const std::string& text) {
   return messages;
 }
 
+std::string first_line(const std::string& text) {
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);) {
+    const auto begin = line.find_first_not_of(" \t\r");
+    if (begin == std::string::npos) continue;
+    return line.substr(begin, line.find_last_not_of(" \t\r") - begin + 1);
+  }
+  return "";
+}
+
+std::string printable_excerpt(std::string_view text, size_t max) {
+  std::string out;
+  for (const char c : text.substr(0, max)) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (byte < 0x20 || byte == 0x7f) {
+      static constexpr char kHex[] = "0123456789abcdef";
+      out += {'\\', 'x', kHex[byte >> 4], kHex[byte & 15]};
+    } else {
+      out += c;
+    }
+  }
+  if (text.size() > max) out += "...";
+  return out;
+}
+
 }  // namespace dptrain

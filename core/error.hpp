@@ -3,6 +3,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace dptrain {
@@ -29,6 +30,12 @@ const char* kind_name(ErrorKind kind);
 // The messages in an error's text: its lines, less the indented continuation lines (a log
 // excerpt) that belong to the message above them.
 std::vector<std::string> error_messages(const std::string& text);
+// The first line of a message that holds text (another program's stderr), without the
+// whitespace around it; "" when there is none.
+std::string first_line(const std::string& text);
+// Untrusted text (a field of a data file) for a one-line message: control characters and NUL
+// as \xNN, cut to `max` bytes with "..." after.
+std::string printable_excerpt(std::string_view text, size_t max = 60);
 
 class Error : public std::runtime_error {
  public:

@@ -21,6 +21,7 @@
 
 #include "core/data/dataset.hpp"
 #include "core/error.hpp"
+#include "core/json_error.hpp"
 #include "core/suggest.hpp"
 
 namespace dptrain {
@@ -824,8 +825,9 @@ void check_synthetic_size(const Recipe& r, Problems& problems) {
 }
 
 // The CSV file's first data row against model.input: the row is the label and then the features.
-// Only that row is read (a file can be large); launch checks every row, the labels' range too.
-void check_csv_columns(const Recipe& r, Problems& problems) {
+// Only that row is read (a file can be large) unless `check` asks for every row, which is then
+// checked by the code a launch loads it with (csv_problems), the labels' range too.
+void check_csv_rows(const Recipe& r, DataCheck check, Problems& problems) {
   if (r.data.type != "csv" || r.model.type != "mlp" || problems.at("/data/type") ||
       problems.at("/data/path") || problems.at("/data/header") || problems.at("/model/input")) {
     return;
@@ -849,6 +851,15 @@ void check_csv_columns(const Recipe& r, Problems& problems) {
                  fmt::format("must match the {} feature column(s) of \"{}\" (line {} has {} "
                              "column(s): the label, then the features), got {}",
                              features, r.data.path, row->line, row->columns, r.model.input));
+    return;  // every row would say so
+  }
+  if (check != DataCheck::every_row || problems.at("/model/classes")) return;
+  try {
+    for (const std::string& problem :
+         csv_problems(r.data.path, r.data.header, r.model.input, r.model.classes))
+      problems.add("/data/path", problem);
+  } catch (const Error& e) {
+    problems.add("/data/path", e.what());
   }
 }
 
@@ -898,28 +909,6 @@ std::string read_file(const std::filesystem::path& path) {
   return text;
 }
 
-// nlohmann reports the 1-based byte position of the offending character; people want line:column.
-std::pair<size_t, size_t> line_and_column(const std::string& text, size_t byte) {
-  size_t offset = std::min(byte == 0 ? 0 : byte - 1, text.size());
-  size_t line = 1;
-  size_t line_start = 0;
-  for (size_t i = 0; i < offset; ++i) {
-    if (text[i] == '\n') {
-      ++line;
-      line_start = i + 1;
-    }
-  }
-  return {line, offset - line_start + 1};
-}
-
-// nlohmann's message starts with "[json.exception...] parse error at line L, column C: "; the
-// location is reported separately, so keep only the explanation after it.
-std::string parse_error_detail(const std::string& what) {
-  const std::string marker = ": ";
-  size_t position = what.find(marker);
-  return position == std::string::npos ? what : what.substr(position + marker.size());
-}
-
 uint64_t fnv1a_64(std::string_view bytes) {
   uint64_t hash = 14695981039346656037ULL;
   for (unsigned char byte : bytes) {
@@ -932,7 +921,7 @@ uint64_t fnv1a_64(std::string_view bytes) {
 }  // namespace
 
 Recipe parse_recipe(const json& j, const std::string& source, const std::filesystem::path& base_dir,
-                    RecipeOrigin origin) {
+                    RecipeOrigin origin, DataCheck data) {
   Recipe recipe;
   Problems problems;
   if (!j.is_object()) {
@@ -948,7 +937,7 @@ Recipe parse_recipe(const json& j, const std::string& source, const std::filesys
   check_model(recipe, problems);
   check_model_size(recipe, problems);
   check_synthetic_size(recipe, problems);
-  check_csv_columns(recipe, problems);
+  check_csv_rows(recipe, data, problems);
   check_device(recipe, problems);
   check_sync(recipe, problems);
   if (problems.any()) throw Error(ErrorKind::recipe, problems.report(source));
@@ -1010,24 +999,14 @@ class DuplicateKeys {
   std::vector<std::string> problems_;
 };
 
-Recipe load_recipe(const std::filesystem::path& path) {
+Recipe load_recipe(const std::filesystem::path& path, DataCheck data) {
   std::string text = read_file(path);
   json j;
   DuplicateKeys duplicates;
   try {
     j = json::parse(text, std::ref(duplicates));
-  } catch (const json::parse_error& e) {
-    auto [line, column] = line_and_column(text, e.byte);
-    throw Error(ErrorKind::recipe,
-                fmt::format("{}: invalid JSON at line {}, column {}: {}", path.string(), line,
-                            column, parse_error_detail(e.what())));
   } catch (const json::exception& e) {
-    // Well-formed text nlohmann still refuses: a number beyond a double's range (1e400).
-    const std::string what = e.what();  // "[json.exception.out_of_range.406] number overflow..."
-    const size_t bracket = what.find("] ");
-    throw Error(ErrorKind::recipe,
-                fmt::format("{}: invalid JSON: {}", path.string(),
-                            bracket == std::string::npos ? what : what.substr(bracket + 2)));
+    throw Error(ErrorKind::recipe, json_parse_problem(path.string(), text, e));
   }
   if (!duplicates.problems().empty()) {
     // Every problem at once, as for any recipe: the repeats, then what the fields (each with its
@@ -1036,14 +1015,14 @@ Recipe load_recipe(const std::filesystem::path& path) {
     for (const auto& problem : duplicates.problems())
       report += (report.empty() ? "" : "\n") + path.string() + ": " + problem;
     try {
-      parse_recipe(j, path.string(), path.parent_path());
+      parse_recipe(j, path.string(), path.parent_path(), RecipeOrigin::user, data);
     } catch (const Error& e) {
       if (e.kind() != ErrorKind::recipe) throw;
       report += "\n" + std::string(e.what());
     }
     throw Error(ErrorKind::recipe, report);
   }
-  return parse_recipe(j, path.string(), path.parent_path());
+  return parse_recipe(j, path.string(), path.parent_path(), RecipeOrigin::user, data);
 }
 
 json to_json(const Recipe& r) {

@@ -168,14 +168,20 @@ inline constexpr double kMaxSeconds = 1e6;
 // every field, is read as it is.
 enum class RecipeOrigin { user, stored };
 
+// How much of a CSV dataset parsing reads: its first data row, whose columns must match
+// model.input (cheap: every load of a recipe does it), or every row, each checked as a launch
+// reads it (labels in [0, classes), numbers; `recipe validate`), every wrong row a problem at
+// /data/path naming the file and line.
+enum class DataCheck { first_row, every_row };
+
 // Parses and validates. `source` names the file in error messages; `base_dir` resolves relative
 // data paths (which are stored absolute in the result). Throws Error(recipe) whose message holds
 // one line per problem, each "SOURCE: /json/pointer: what is wrong".
 Recipe parse_recipe(const nlohmann::json& j, const std::string& source,
-                    const std::filesystem::path& base_dir,
-                    RecipeOrigin origin = RecipeOrigin::user);
+                    const std::filesystem::path& base_dir, RecipeOrigin origin = RecipeOrigin::user,
+                    DataCheck data = DataCheck::first_row);
 // Reads the file (io problems are recipe errors naming the file) and parses it.
-Recipe load_recipe(const std::filesystem::path& path);
+Recipe load_recipe(const std::filesystem::path& path, DataCheck data = DataCheck::first_row);
 // The resolved recipe: every field that applies (not "momentum" for "adamw"), defaults
 // included. parse_recipe(to_json(r)) == r where r holds the defaults in the other fields (as any
 // recipe parsed from a user's file does).

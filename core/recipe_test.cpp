@@ -712,12 +712,12 @@ TEST_CASE("recipe: load_recipe reports unreadable files and invalid JSON with a 
     fs::path file = dir.write("bad.json", "{\n  \"name\": \"x\",\n  \"seed\": ,\n}\n");
     std::string message = load_problems(file);
     CAPTURE(message);
-    CHECK(message.starts_with(file.string() + ": invalid JSON at line 3, column 11: "));
+    CHECK(message.starts_with(file.string() + ": not valid JSON at line 3, column 11: "));
     CHECK(message.find("json.exception") == std::string::npos);
   }
   SUBCASE("an empty file") {
     fs::path file = dir.write("empty.json", "");
-    CHECK(load_problems(file).starts_with(file.string() + ": invalid JSON at line 1, column 1: "));
+    CHECK(load_problems(file) == file.string() + ": empty file, not valid JSON");
   }
   SUBCASE("validation problems name the file") {
     fs::path file = dir.write("r.json", R"({"optimizer": {"lr": -1}})");
@@ -842,6 +842,56 @@ TEST_CASE("recipe: a CSV file's columns must match model.input") {
     CHECK(lines_of(message).size() == 1);
     CHECK(has_problem(message, "/data/header", "must be"));
   }
+}
+
+TEST_CASE("recipe: every CSV row is checked when asked (recipe validate), not on every load") {
+  TempDir dir;
+  const fs::path csv = dir.write("d.csv", "label,a,b\n1,2,3\n3,4,5\n0.5,1,1\n2,x,1\n0,1,1\n");
+  const json recipe = {{"model", {{"input", 2}, {"classes", 3}}},
+                       {"data", {{"type", "csv"}, {"path", "d.csv"}}},
+                       {"optimizer", {{"lr", -1}}}};
+  // A load reads the first data row only (the columns): the labels wait for the launch.
+  const std::string cheap = problems_of(recipe.dump(), dir.path());
+  CHECK(lines_of(cheap).size() == 1);
+  CHECK(has_problem(cheap, "/optimizer/lr", "must be > 0"));
+
+  // What parsing with every row checked finds in `j`, or "" when nothing.
+  const auto every_row_problems = [&](const json& j) -> std::string {
+    try {
+      parse_recipe(j, "test.json", dir.path(), RecipeOrigin::user, DataCheck::every_row);
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  // Every wrong row, one line each naming file, line and field, beside the other problems.
+  const std::string full = every_row_problems(recipe);
+  CAPTURE(full);
+  CHECK(lines_of(full).size() == 4);
+  CHECK(has_problem(full, "/optimizer/lr", "must be > 0"));
+  CHECK(has_problem(full, "/data/path",
+                    csv.string() + ":3: label 3 is outside [0, 3) (model.classes is 3)"));
+  CHECK(has_problem(full, "/data/path", csv.string() + ":4: label '0.5' is not an integer"));
+  CHECK(has_problem(full, "/data/path", csv.string() + ":5: column 2 'x' is not a finite number"));
+
+  json fine = recipe;
+  fine["optimizer"]["lr"] = 0.1;
+  // A column count that differs from model.input is said once, for the first row, not per row.
+  json wide = fine;
+  wide["model"]["input"] = 3;
+  const std::string columns = every_row_problems(wide);
+  CHECK(lines_of(columns).size() == 1);
+  CHECK(has_problem(columns, "/model/input", "must match the 2 feature column(s)"));
+  // A bad model.classes is its own problem: no label is checked against it.
+  json no_classes = fine;
+  no_classes["model"]["classes"] = 1;
+  const std::string classes = every_row_problems(no_classes);
+  CHECK(lines_of(classes).size() == 1);
+  CHECK(has_problem(classes, "/model/classes", ""));
+
+  dir.write("d.csv", "label,a,b\n1,2,3\n2,4,5\n");
+  CHECK(every_row_problems(fine).empty());
+  CHECK(load_recipe(dir.write("ok.json", fine.dump()), DataCheck::every_row).data.type == "csv");
 }
 
 // FNV-1a 64 as published (isthe.com/chongo/tech/comp/fnv), to pin the hash to a definition that

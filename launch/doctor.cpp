@@ -93,11 +93,6 @@ namespace {
 
 constexpr double kProbeSeconds = 5;
 
-std::string first_line(const std::string& text) {
-  const auto end = text.find('\n');
-  return end == std::string::npos ? text : text.substr(0, end);
-}
-
 // What doctor learned about one host before the network checks.
 struct HostSurvey {
   std::unique_ptr<HostShell> shell;
@@ -163,7 +158,10 @@ class Doctor {
           fmt::format("enough samples for {} rank(s) x batch {} x accumulation {}", world_,
                       recipe_->train.batch_per_rank, recipe_->train.grad_accum));
     } catch (const Error& e) {
-      add("data", "", false, e.what(), data_fix(*recipe_));
+      // One failed check per problem: each wrong row of a CSV file is a line of its own.
+      const std::string fix = data_fix(*recipe_);
+      for (const std::string& problem : error_messages(e.what()))
+        add("data", "", false, problem, fix);
     }
   }
 

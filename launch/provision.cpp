@@ -74,11 +74,6 @@ std::string trim(std::string_view text) {
   return std::string(text.substr(begin, end - begin + 1));
 }
 
-std::string first_line(const std::string& text) {
-  const std::string trimmed = trim(text);
-  return trimmed.substr(0, trimmed.find('\n'));
-}
-
 template <typename Number>
 Number number_or_zero(std::string_view text) {
   Number value{};

@@ -57,10 +57,6 @@ const json& array_at(const json& j, const char* key) {
   return it != j.end() && it->is_array() ? *it : empty;
 }
 
-std::string first_line(const std::string& s) {
-  return s.substr(0, s.find('\n'));
-}
-
 // Seconds since a utc_timestamp() string; none when it does not parse.
 std::optional<int64_t> age_s(const std::string& stamp) {
   return seconds_since(stamp);

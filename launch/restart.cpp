@@ -25,10 +25,6 @@ bool restartable(const JobOutcome& outcome) {
   return outcome.exit_code == 3 || outcome.exit_code == 4;
 }
 
-std::string first_line(const std::string& text) {
-  return text.substr(0, text.find('\n'));
-}
-
 bool rank0_local(const JobSpec& spec) {
   return spec.hosts.empty() || spec.hosts.front().is_local();
 }

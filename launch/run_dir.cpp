@@ -15,6 +15,7 @@
 #include "core/comm/auth.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
+#include "core/json_error.hpp"
 
 namespace dptrain {
 
@@ -29,18 +30,6 @@ std::string utc_format(const char* format) {
   char buf[64];
   std::strftime(buf, sizeof buf, format, &tm);
   return buf;
-}
-
-// What is wrong with a JSON text, without nlohmann's "[json.exception.parse_error.101] " tag:
-// " at line 3, column 7: syntax error while parsing ...".
-std::string json_problem(const nlohmann::json::exception& e) {
-  std::string what = e.what();
-  if (const size_t tag = what.find("] ");
-      what.rfind("[json.exception.", 0) == 0 && tag != std::string::npos) {
-    what.erase(0, tag + 2);
-  }
-  const std::string parse_error = "parse error ";
-  return what.rfind(parse_error, 0) == 0 ? " " + what.substr(parse_error.size()) : ": " + what;
 }
 
 void make_layout(const fs::path& dir) {
@@ -95,9 +84,7 @@ nlohmann::json read_run_json(const fs::path& dir) {
   try {
     info = nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
-    throw Error(ErrorKind::usage,
-                text.empty() ? fmt::format("{}: empty file, not valid JSON", file.string())
-                             : fmt::format("{}: not valid JSON{}", file.string(), json_problem(e)));
+    throw Error(ErrorKind::usage, json_parse_problem(file.string(), text, e));
   }
   if (!info.is_object()) {
     throw Error(ErrorKind::usage, fmt::format("{}: not a JSON object", file.string()));

@@ -136,7 +136,7 @@ TEST_CASE("recipe validate: a number beyond a double is invalid JSON, exit 2, in
   auto plain = run_dptrain({"recipe", "validate", (tmp / "inf.json").string()});
   CHECK(plain.exit_code == 2);
   CHECK_MESSAGE(
-      plain.err.find((tmp / "inf.json").string() + ": invalid JSON: ") != std::string::npos,
+      plain.err.find((tmp / "inf.json").string() + ": not valid JSON: ") != std::string::npos,
       plain.err);
   CHECK(plain.err.find("1e400") != std::string::npos);
   auto json = run_dptrain({"recipe", "validate", (tmp / "inf.json").string(), "--json"});
@@ -193,6 +193,48 @@ TEST_CASE("recipe validate and show") {
   auto launched = run_dptrain({"launch", lever.string(), "--run-dir", (tmp / "lever").string()});
   CHECK(launched.exit_code == 2);
   CHECK_FALSE(fs::exists(tmp / "lever"));
+}
+
+TEST_CASE("recipe validate: every wrong row of a CSV dataset, one line each, as launch finds it") {
+  TempDir tmp;
+  write_text(tmp / "data.csv",
+             "label,f0,f1\n0,1,2\n1,3,4\n5,1,1\n-1,1,1\n1.5,1,1\none,1,1\n2,1,x\n");
+  auto recipe = small_recipe();
+  recipe["model"] = {{"type", "mlp"}, {"input", 2}, {"hidden", {8}}, {"classes", 3}};
+  recipe["data"] = {{"type", "csv"}, {"path", "data.csv"}};
+  const auto path = write_recipe(tmp.path(), recipe);
+  const std::string csv = (tmp / "data.csv").string();
+  const std::vector<std::string> expected = {
+      csv + ":4: label 5 is outside [0, 3) (model.classes is 3)",
+      csv + ":5: label -1 is outside [0, 3) (model.classes is 3)",
+      csv + ":6: label '1.5' is not an integer", csv + ":7: label 'one' is not a number",
+      csv + ":8: column 3 'x' is not a finite number"};
+
+  auto v = run_dptrain({"recipe", "validate", path.string()});
+  CHECK(v.exit_code == 2);
+  for (const auto& line : expected) {
+    CHECK_MESSAGE(v.err.find(path.string() + ": /data/path: " + line + "\n") != std::string::npos,
+                  v.err);
+  }
+  auto vj = run_dptrain({"recipe", "validate", path.string(), "--json"});
+  CHECK(vj.exit_code == 2);
+  const auto j = parse_json(vj.out);
+  CHECK(j["valid"] == false);
+  CHECK(j["exit_code"] == 2);
+  REQUIRE(j["errors"].size() == expected.size());
+  for (size_t i = 0; i < expected.size(); ++i)
+    CHECK(j["errors"][i] == path.string() + ": /data/path: " + expected[i]);
+
+  // The launch refuses the file for the same rows, before anything runs.
+  auto launched = run_dptrain({"launch", path.string(), "--run-dir", (tmp / "run").string()});
+  CHECK(launched.exit_code == 2);
+  for (const auto& line : expected)
+    CHECK_MESSAGE(launched.err.find(line) != std::string::npos, launched.err);
+  CHECK_FALSE(fs::exists(tmp / "run"));
+
+  write_text(tmp / "data.csv", "label,f0,f1\n0,1,2\n1,3,4\n2,1,1\n");
+  auto ok = run_dptrain({"recipe", "validate", path.string()});
+  CHECK_MESSAGE(ok.exit_code == 0, ok.err);
 }
 
 TEST_CASE("a bad recipe runs nothing: exit 2, one line per problem, no run directory") {

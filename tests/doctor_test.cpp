@@ -6,6 +6,8 @@
 
 #include <set>
 #include <sstream>
+#include <string>
+#include <vector>
 
 #include "tests/harness.hpp"
 #include "tests/sshd.hpp"
@@ -245,6 +247,17 @@ TEST_CASE("doctor: the data check's fix fits what is wrong with the data") {
           std::string::npos);
     CHECK(data["fix"].get<std::string>().find("model.classes") != std::string::npos);
     CHECK(data["fix"].get<std::string>().find(more_data) == std::string::npos);
+  }
+  SUBCASE("several wrong rows: a failed data line each") {
+    const json report = local_doctor(tmp, csv_recipe(tmp, many_rows(40) + "7,1,1\n1,1,x\n"));
+    std::vector<std::string> details;
+    for (const auto& c : report["checks"]) {
+      if (c["check"] == "data" && c["ok"] == false) details.push_back(c["detail"]);
+    }
+    CAPTURE(report.dump());
+    REQUIRE(details.size() == 2);
+    CHECK(details[0].find(":41: label 7 is outside [0, 3)") != std::string::npos);
+    CHECK(details[1].find(":42: column 3 'x' is not a finite number") != std::string::npos);
   }
   SUBCASE("a row with fewer columns than the first") {
     const json data =

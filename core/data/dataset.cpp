@@ -145,52 +145,85 @@ class CsvRows {
   bool first_row_ = true;
 };
 
+// Checks data rows for a model of `features` inputs and `classes` classes and appends the right
+// ones to a table. Shared by read_csv_samples and csv_problems: what a launch refuses is what
+// `recipe validate` reports.
 class CsvRowParser {
  public:
-  CsvRowParser(std::string where_prefix, int64_t features, int64_t classes)
-      : prefix_(std::move(where_prefix)), features_(features), classes_(classes) {}
+  CsvRowParser(int64_t features, int64_t classes) : features_(features), classes_(classes) {}
 
-  void append(const std::vector<std::string_view>& fields, int64_t line, SampleTable& table) const {
+  // What is wrong with the row (its first wrong field), or nothing; a right row is appended to
+  // `table` when there is one.
+  std::optional<std::string> take(const std::vector<std::string_view>& fields, SampleTable* table) {
     const auto columns = static_cast<int64_t>(fields.size());
     if (columns != features_ + 1) {
-      fail(line, std::to_string(columns - 1) + " features, but model.input is " +
-                     std::to_string(features_) + " (expected the label then the features)");
+      return std::to_string(columns - 1) + " features, but model.input is " +
+             std::to_string(features_) + " (expected the label then the features)";
     }
-    table.y.push_back(parse_label(fields[0], line));
+    int32_t label = 0;
+    if (auto problem = parse_label(fields[0], label)) return problem;
+    row_.resize(static_cast<size_t>(features_));
     for (int64_t c = 1; c < columns; ++c) {
-      float value = 0;
-      if (!parse_number(fields[static_cast<size_t>(c)], value)) {
-        fail(line, "column " + std::to_string(c + 1) + " '" +
-                       std::string(fields[static_cast<size_t>(c)]) + "' is not a finite number");
+      const std::string_view field = fields[static_cast<size_t>(c)];
+      if (!parse_number(field, row_[static_cast<size_t>(c - 1)])) {
+        return "column " + std::to_string(c + 1) + " '" + printable_excerpt(field) +
+               "' is not a finite number";
       }
-      table.x.push_back(value);
     }
-  }
-
-  [[noreturn]] void fail(int64_t line, const std::string& what) const {
-    throw Error(ErrorKind::recipe, prefix_ + ":" + std::to_string(line) + ": " + what);
+    if (table != nullptr) {
+      table->y.push_back(label);
+      table->x.insert(table->x.end(), row_.begin(), row_.end());
+    }
+    return std::nullopt;
   }
 
  private:
-  int32_t parse_label(std::string_view field, int64_t line) const {
+  std::optional<std::string> parse_label(std::string_view field, int32_t& out) const {
     double label = 0;
-    if (!parse_number(field, label)) {
-      fail(line, "label '" + std::string(field) + "' is not a number");
-    }
+    if (!parse_number(field, label))
+      return "label '" + printable_excerpt(field) + "' is not a number";
     if (label != std::floor(label)) {
-      fail(line, "label '" + std::string(field) + "' is not an integer");
+      return "label '" + printable_excerpt(field) + "' is not an integer";
     }
     if (label < 0 || label >= static_cast<double>(classes_)) {
-      fail(line, "label " + std::string(field) + " is outside [0, " + std::to_string(classes_) +
-                     ") (model.classes is " + std::to_string(classes_) + ")");
+      return "label " + printable_excerpt(field) + " is outside [0, " + std::to_string(classes_) +
+             ") (model.classes is " + std::to_string(classes_) + ")";
     }
-    return static_cast<int32_t>(label);
+    out = static_cast<int32_t>(label);
+    return std::nullopt;
   }
 
-  std::string prefix_;
   int64_t features_;
   int64_t classes_;
+  std::vector<float> row_;  // the features of the row being checked
 };
+
+// Every data row of a CSV file through CsvRowParser, the right ones into `table` (when not null);
+// returns the problems as csv_problems words them.
+std::vector<std::string> scan_csv(const std::filesystem::path& path, const std::string& header,
+                                  int64_t features, int64_t classes, SampleTable* table) {
+  CsvRows rows(path, header);
+  CsvRowParser parser(features, classes);
+  std::vector<std::string> problems;
+  int64_t rows_read = 0;
+  int64_t unlisted = 0;
+  std::vector<std::string_view> fields;
+  for (int64_t number = 0; rows.next(fields, number); ++rows_read) {
+    const auto problem = parser.take(fields, table);
+    if (!problem) continue;
+    if (problems.size() < kMostCsvProblems) {
+      problems.push_back(path.string() + ":" + std::to_string(number) + ": " + *problem);
+    } else {
+      ++unlisted;
+    }
+  }
+  if (unlisted > 0) {
+    problems.push_back(path.string() + ": " + std::to_string(unlisted) +
+                       " more row(s) with a problem, not listed");
+  }
+  if (rows_read == 0) problems.push_back(path.string() + ": no data rows");
+  return problems;
+}
 
 }  // namespace
 
@@ -242,16 +275,22 @@ SampleTable make_synthetic_samples(const DataSpec& data, const ModelSpec& model,
 
 SampleTable read_csv_samples(const std::filesystem::path& path, const std::string& header,
                              int64_t features, int64_t classes) {
-  CsvRows rows(path, header);
-  const CsvRowParser parser(path.string(), features, classes);
   SampleTable table;
   table.features = features;
   table.classes = classes;
-  std::vector<std::string_view> fields;
-  for (int64_t number = 0; rows.next(fields, number);)
-    parser.append(fields, number, table);
-  if (table.y.empty()) throw Error(ErrorKind::recipe, path.string() + ": no data rows");
+  const std::vector<std::string> problems = scan_csv(path, header, features, classes, &table);
+  if (!problems.empty()) {
+    std::string report;
+    for (const std::string& problem : problems)
+      report += (report.empty() ? "" : "\n") + problem;
+    throw Error(ErrorKind::recipe, report);
+  }
   return table;
+}
+
+std::vector<std::string> csv_problems(const std::filesystem::path& path, const std::string& header,
+                                      int64_t features, int64_t classes) {
+  return scan_csv(path, header, features, classes, nullptr);
 }
 
 std::optional<CsvRow> csv_first_row(const std::filesystem::path& path, const std::string& header) {

@@ -56,9 +56,19 @@ int64_t eval_split_size(int64_t size, double eval_fraction);
 SampleTable make_synthetic_samples(const DataSpec& data, const ModelSpec& model, uint64_t seed);
 
 // Rows "label,feature,...". header: "yes" | "no" | "auto" (a first row with anything
-// non-numeric is a header).
+// non-numeric is a header). Error(recipe) listing what csv_problems finds, one line each.
 SampleTable read_csv_samples(const std::filesystem::path& path, const std::string& header,
                              int64_t features, int64_t classes);
+
+// The problems read_csv_samples refuses a file for, found the same way without keeping its rows:
+// one line per wrong row, "PATH:LINE: what" naming the row's first wrong field (a label that is
+// not a number, not an integer, or outside [0, classes); a feature that is not a finite number;
+// a row of another column count), the first kMostCsvProblems of them, then
+// "PATH: N more row(s) with a problem, not listed"; or "PATH: no data rows". Empty when every row
+// is right; Error(recipe) naming the file when it cannot be read.
+inline constexpr size_t kMostCsvProblems = 20;
+std::vector<std::string> csv_problems(const std::filesystem::path& path, const std::string& header,
+                                      int64_t features, int64_t classes);
 
 // The first data row of a CSV file as read_csv_samples sees it (blank lines and, as `header`
 // says, a header row skipped): its column count (the label and the features) and 1-based line.

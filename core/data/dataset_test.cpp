@@ -195,9 +195,48 @@ TEST_CASE("csv: every bad row is a recipe error naming the file and line") {
   CHECK(csv_error("-1,2,3\n") == ":1: label -1 is outside [0, 3) (model.classes is 3)");
   CHECK(csv_error("1.5,2,3\n") == ":1: label '1.5' is not an integer");
   CHECK(csv_error("a,b,c\n1,2,nan\n") == ":2: column 3 'nan' is not a finite number");
+  // A NUL or another control byte in a field is shown, not allowed to cut the message short.
+  CHECK(csv_error(std::string("1,2,3\n1,1\0,2\n", 13)) ==
+        ":2: column 2 '1\\x00' is not a finite number");
+  CHECK(csv_error("1,2,3\n1\x1b[31m,1,2\n") == ":2: label '1\\x1b[31m' is not a number");
   CHECK(csv_error("a,b,c\n", "auto") == ": no data rows");
   CHECK(csv_error("a,b,c\n1,2,3\n", "no") == ":1: label 'a' is not a number");
   CHECK(csv_error("1,2,3\n", "maybe").find("data.header") != std::string::npos);
+}
+
+TEST_CASE("csv: every wrong row is listed, the same by csv_problems and read_csv_samples") {
+  TempDir dir;
+  const auto file = dir.write("d.csv", "label,a,b\n1,2,3\n7,1,1\n1.5,x,1\n0,1\n2,1,inf\n");
+  const std::vector<std::string> expected = {
+      file.string() + ":3: label 7 is outside [0, 3) (model.classes is 3)",
+      file.string() + ":4: label '1.5' is not an integer",  // the row's first wrong field
+      file.string() + ":5: 1 features, but model.input is 2 (expected the label then the features)",
+      file.string() + ":6: column 3 'inf' is not a finite number"};
+  CHECK(csv_problems(file, "auto", 2, 3) == expected);
+  std::string message;
+  try {
+    read_csv_samples(file, "auto", 2, 3);
+  } catch (const Error& e) {
+    CHECK(e.kind() == ErrorKind::recipe);
+    message = e.what();
+  }
+  CHECK(message == expected[0] + "\n" + expected[1] + "\n" + expected[2] + "\n" + expected[3]);
+
+  CHECK(csv_problems(dir.write("ok.csv", "1,2,3\n0,1,1\n"), "auto", 2, 3).empty());
+  const auto none = dir.write("none.csv", "a,b,c\n");
+  CHECK(csv_problems(none, "auto", 2, 3) ==
+        std::vector<std::string>{none.string() + ": no data rows"});
+
+  // A file wrong throughout says how many rows it did not list.
+  std::string many;
+  for (int i = 0; i < 25; ++i)
+    many += "9,1,1\n";
+  const auto all_wrong = dir.write("many.csv", many);
+  const auto listed = csv_problems(all_wrong, "no", 2, 3);
+  REQUIRE(listed.size() == kMostCsvProblems + 1);
+  CHECK(listed[kMostCsvProblems - 1].starts_with(all_wrong.string() + ":20: label 9"));
+  CHECK(listed.back() == all_wrong.string() + ": 5 more row(s) with a problem, not listed");
+  CHECK_THROWS_AS(csv_problems(none.parent_path() / "missing.csv", "auto", 2, 3), Error);
 }
 
 TEST_CASE("csv_first_row: the first data row as read_csv_samples sees it") {

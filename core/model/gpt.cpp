@@ -91,41 +91,27 @@ void Gpt::init_params(std::span<float> params, uint64_t seed) const {
   std::fill_n(p + layout_.lnf_gamma, c, 1.0f);
 }
 
-std::vector<ParamRange> Gpt::no_decay() const {
-  const auto c = static_cast<size_t>(config_.width);
-  std::vector<ParamRange> out;
-  for (const GptLayerLayout& b : layout_.layers) {
-    out.push_back({b.ln1_gamma, 2 * c});  // ln1 gamma and beta
-    out.push_back({b.qkv_bias, 3 * c});
-    out.push_back({b.proj_bias, 3 * c});  // proj bias, then ln2 gamma and beta
-    out.push_back({b.fc_bias, static_cast<size_t>(mlp_)});
-    out.push_back({b.fc_proj_bias, c});
-  }
-  out.push_back({layout_.lnf_gamma, 2 * c});
-  return out;
-}
-
 std::vector<ParamTensor> Gpt::tensors() const {
   const auto c = static_cast<size_t>(config_.width);
   const auto wide = static_cast<size_t>(mlp_);
   std::vector<ParamTensor> out = {{layout_.wte, static_cast<size_t>(config_.vocab), c},
                                   {layout_.wpe, static_cast<size_t>(config_.context), c}};
   for (const GptLayerLayout& b : layout_.layers) {
-    out.insert(out.end(), {{b.ln1_gamma, 1, c},
-                           {b.ln1_beta, 1, c},
+    out.insert(out.end(), {ParamTensor::vector(b.ln1_gamma, c),
+                           ParamTensor::vector(b.ln1_beta, c),
                            {b.qkv_weight, 3 * c, c},
-                           {b.qkv_bias, 1, 3 * c},
+                           ParamTensor::vector(b.qkv_bias, 3 * c),
                            {b.proj_weight, c, c},
-                           {b.proj_bias, 1, c},
-                           {b.ln2_gamma, 1, c},
-                           {b.ln2_beta, 1, c},
+                           ParamTensor::vector(b.proj_bias, c),
+                           ParamTensor::vector(b.ln2_gamma, c),
+                           ParamTensor::vector(b.ln2_beta, c),
                            {b.fc_weight, wide, c},
-                           {b.fc_bias, 1, wide},
+                           ParamTensor::vector(b.fc_bias, wide),
                            {b.fc_proj_weight, c, wide},
-                           {b.fc_proj_bias, 1, c}});
+                           ParamTensor::vector(b.fc_proj_bias, c)});
   }
-  out.push_back({layout_.lnf_gamma, 1, c});
-  out.push_back({layout_.lnf_beta, 1, c});
+  out.push_back(ParamTensor::vector(layout_.lnf_gamma, c));
+  out.push_back(ParamTensor::vector(layout_.lnf_beta, c));
   return out;
 }
 

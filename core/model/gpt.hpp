@@ -57,8 +57,6 @@ class Gpt final : public Model {
   // Sums over the predicted tokens: count is tokens, correct the argmax hits.
   EvalStats evaluate(std::span<const float> params, const Batch& batch) override;
   std::string describe() const override;
-  // Biases and LayerNorm parameters: AdamW's weight decay skips them.
-  std::vector<ParamRange> no_decay() const override;
   std::vector<ParamTensor> tensors() const override;
 
   // The logits [vocab] for the token after `tokens` (its last `context` tokens are used).

@@ -138,7 +138,7 @@ std::vector<ParamTensor> Mlp::tensors() const {
   for (const LinearLayout& layer : layers_) {
     out.push_back(
         {layer.weight_offset, static_cast<size_t>(layer.out), static_cast<size_t>(layer.in)});
-    out.push_back({layer.bias_offset, 1, static_cast<size_t>(layer.out)});
+    out.push_back(ParamTensor::vector(layer.bias_offset, static_cast<size_t>(layer.out)));
   }
   return out;
 }

@@ -9,6 +9,8 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "core/optim/optimizer.hpp"
+#include "core/tensor/cpu_ops.hpp"
 #include "core/tensor/random.hpp"
 
 namespace dptrain {
@@ -145,6 +147,29 @@ TEST_CASE("the MLP's size, layout and description") {
   CHECK(mlp.layers()[1].bias_offset == 63);
   CHECK(mlp.num_params() == 66);
   CHECK(mlp.describe() == "mlp 5-7-3 gelu, 66 parameters");
+}
+
+TEST_CASE("AdamW's weight decay shrinks the MLP's weights and leaves its biases alone") {
+  auto model = make_model(tiny_spec("relu"));
+  const auto& mlp = dynamic_cast<const Mlp&>(*model);
+  std::vector<float> params(mlp.num_params());
+  mlp.init_params(params, 3);
+  for (const LinearLayout& layer : mlp.layers())
+    std::fill_n(params.begin() + static_cast<ptrdiff_t>(layer.bias_offset), layer.out, 0.5f);
+  const std::vector<float> before = params;
+  OptimizerSpec adamw;  // type adamw
+  adamw.lr = 0.1;
+  adamw.weight_decay = 0.5;
+  CpuOps cpu;
+  auto optimizer = make_optimizer(adamw, params.size(), mlp.no_decay(), cpu);
+  // No gradient: Adam's own update is 0, so only the decay can move a parameter.
+  optimizer->step(params, std::vector<float>(params.size(), 0.0f), adamw.lr);
+  for (const LinearLayout& layer : mlp.layers()) {
+    for (size_t i = layer.weight_offset; i < layer.bias_offset; ++i)
+      REQUIRE(params[i] == doctest::Approx(before[i] * (1.0 - 0.1 * 0.5)));
+    for (size_t i = layer.bias_offset; i < layer.bias_offset + static_cast<size_t>(layer.out); ++i)
+      REQUIRE(params[i] == before[i]);
+  }
 }
 
 TEST_CASE("init is deterministic, platform-stable, bounded, with zero biases") {

@@ -18,6 +18,19 @@ std::string with_thousands(size_t n) {
   return out;
 }
 
+std::vector<ParamRange> Model::no_decay() const {
+  std::vector<ParamRange> out;
+  for (const ParamTensor& t : tensors()) {
+    if (!t.is_vector) continue;
+    if (!out.empty() && out.back().offset + out.back().size == t.offset) {
+      out.back().size += t.size();  // neighbours (LayerNorm gain and shift) as one range
+    } else {
+      out.push_back({t.offset, t.size()});
+    }
+  }
+  return out;
+}
+
 std::unique_ptr<Model> make_model(const ModelSpec& spec, std::shared_ptr<Ops> ops, DType dtype) {
   if (!ops) ops = std::make_shared<CpuOps>();
   if (spec.type == "mlp") return make_mlp(spec, std::move(ops), dtype);

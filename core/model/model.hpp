@@ -45,8 +45,10 @@ class Model {
   virtual EvalStats evaluate(std::span<const float> params, const Batch& batch) = 0;
   // One line, e.g. "mlp 784-256-256-10 relu, 269,322 parameters".
   virtual std::string describe() const = 0;
-  // Parameters weight decay leaves alone (sorted, disjoint); by default none.
-  virtual std::vector<ParamRange> no_decay() const { return {}; }
+  // Parameters weight decay leaves alone (sorted, disjoint): every vector of tensors() (biases,
+  // LayerNorm gains and shifts), so that only weight matrices and embeddings decay, in every
+  // model (nanoGPT's and llm.c's rule; dptrain-recipe(5), weight_decay).
+  std::vector<ParamRange> no_decay() const;
   // Every parameter tensor, by offset, covering [0, num_params()) without gaps.
   virtual std::vector<ParamTensor> tensors() const = 0;
 

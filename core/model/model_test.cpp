@@ -1,5 +1,6 @@
-// What every model promises the trainer's gradient exchange: its tensors tile the flat buffer,
-// and the gradients-ready hook fires only for gradients the backward pass is done with.
+// What every model promises the trainer: its tensors tile the flat buffer, the gradients-ready
+// hook fires only for gradients the backward pass is done with, and weight decay follows one
+// rule (weight matrices and embeddings decay, biases and LayerNorm parameters do not).
 #include "core/model/model.hpp"
 
 #include <doctest/doctest.h>
@@ -54,8 +55,9 @@ Data batch_for(const ModelSpec& spec) {
 
 TEST_CASE("model tensors tile the flat buffer: the MLP's weights and biases") {
   const auto model = make_model(mlp_spec());
-  const std::vector<ParamTensor> expected = {{0, 7, 5},  {35, 1, 7}, {42, 4, 7},
-                                             {70, 1, 4}, {74, 3, 4}, {86, 1, 3}};
+  const std::vector<ParamTensor> expected = {{0, 7, 5},  ParamTensor::vector(35, 7),
+                                             {42, 4, 7}, ParamTensor::vector(70, 4),
+                                             {74, 3, 4}, ParamTensor::vector(86, 3)};
   CHECK(model->tensors() == expected);
   CHECK(model->num_params() == 89);
 }
@@ -111,6 +113,39 @@ TEST_CASE("the gradients-ready hook fires, last tensors first, only for finished
     model->evaluate(params, Batch{d.x.data(), d.y.data(), 3});
     CHECK(calls.empty());
   }
+}
+
+TEST_CASE("weight decay skips exactly the vectors (biases, LayerNorm), in every model") {
+  const auto mlp = make_model(mlp_spec());
+  const std::vector<std::pair<size_t, size_t>> biases = {{35, 7}, {70, 4}, {86, 3}};
+  std::vector<std::pair<size_t, size_t>> skipped;
+  for (const ParamRange& r : mlp->no_decay())
+    skipped.emplace_back(r.offset, r.size);
+  CHECK(skipped == biases);
+
+  // A layer one unit wide has a weight matrix of one row: a matrix still, and decayed.
+  ModelSpec narrow = mlp_spec();
+  narrow.hidden = {1};
+  const auto thin = make_model(narrow);
+  REQUIRE(thin->tensors().at(0) == ParamTensor{0, 1, 5});
+  skipped.clear();
+  for (const ParamRange& r : thin->no_decay())
+    skipped.emplace_back(r.offset, r.size);
+  CHECK(skipped == std::vector<std::pair<size_t, size_t>>{{5, 1}, {9, 3}});
+
+  // The GPT's neighbours (a LayerNorm's gain and shift, a bias and the next LayerNorm) merge.
+  const auto gpt = make_model(gpt_spec());
+  size_t end = 0, gpt_skipped = 0;
+  for (const ParamRange& r : gpt->no_decay()) {
+    CHECK(r.offset > end);  // sorted, disjoint, and never two ranges that touch
+    end = r.offset + r.size;
+    gpt_skipped += r.size;
+  }
+  size_t vectors = 0;
+  for (const ParamTensor& t : gpt->tensors())
+    vectors += t.is_vector ? t.size() : 0;
+  CHECK(gpt_skipped == vectors);
+  CHECK(vectors == 2 * (2 * 8 + 3 * 8 + 8 + 2 * 8 + 32 + 8) + 2 * 8);  // 2 layers, then lnf
 }
 
 }  // namespace dptrain

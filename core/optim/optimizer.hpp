@@ -34,8 +34,9 @@ std::unique_ptr<Optimizer> make_optimizer(const OptimizerSpec& spec, size_t num_
 // Values of state() per parameter: sgd 1 (momentum), adamw 2 (m and v).
 size_t optimizer_state_per_param(const OptimizerSpec& spec);
 
-// The rate for a 0-based step: linear warm-up from lr/warmup at step 0 to lr at step `warmup`,
-// then the schedule (constant, cosine or linear) down to lr*min_lr_ratio at step total_steps.
+// The rate for a 0-based step: linear warm-up, lr*(step+1)/(warmup+1), to lr at step `warmup`
+// (no step is wasted at 0, and the peak comes once), then the schedule (constant, cosine or
+// linear) down to lr*min_lr_ratio at the last step, total_steps - 1.
 double learning_rate(const OptimizerSpec& spec, int64_t step, int64_t total_steps);
 
 // The L2 norm of grads (device memory of ops), accumulated in double.

@@ -102,23 +102,34 @@ TEST_CASE("learning rate: warm-up then constant, cosine or linear decay") {
   spec.schedule.warmup = 4;
   spec.schedule.min_lr_ratio = 0.1;
   spec.schedule.type = "cosine";
-  CHECK(learning_rate(spec, 0, 14) == doctest::Approx(0.25));
-  CHECK(learning_rate(spec, 3, 14) == doctest::Approx(1.0));
-  CHECK(learning_rate(spec, 4, 14) == doctest::Approx(1.0));
-  CHECK(learning_rate(spec, 9, 14) == doctest::Approx(0.55));  // halfway: 0.1 + 0.9 * 0.5
-  CHECK(learning_rate(spec, 14, 14) == doctest::Approx(0.1));
-  CHECK(learning_rate(spec, 20, 14) == doctest::Approx(0.1));
+  // Warm-up: (step + 1) / (warmup + 1), the peak at step 4 only; the minimum at step 15 - 1.
+  CHECK(learning_rate(spec, 0, 15) == doctest::Approx(0.2));
+  CHECK(learning_rate(spec, 3, 15) == doctest::Approx(0.8));
+  CHECK(learning_rate(spec, 4, 15) == doctest::Approx(1.0));
+  CHECK(learning_rate(spec, 5, 15) < 1.0);
+  CHECK(learning_rate(spec, 9, 15) == doctest::Approx(0.55));  // halfway: 0.1 + 0.9 * 0.5
+  CHECK(learning_rate(spec, 14, 15) == doctest::Approx(0.1));
+  CHECK(learning_rate(spec, 20, 15) == doctest::Approx(0.1));
 
   spec.schedule.type = "linear";
-  CHECK(learning_rate(spec, 6, 14) == doctest::Approx(1.0 - 0.9 * 0.2));
-  CHECK(learning_rate(spec, 14, 14) == doctest::Approx(0.1));
+  CHECK(learning_rate(spec, 6, 15) == doctest::Approx(1.0 - 0.9 * 0.2));
+  CHECK(learning_rate(spec, 14, 15) == doctest::Approx(0.1));
 
   spec.schedule.type = "constant";
-  CHECK(learning_rate(spec, 1, 14) == doctest::Approx(0.5));
-  CHECK(learning_rate(spec, 13, 14) == doctest::Approx(1.0));
+  CHECK(learning_rate(spec, 1, 15) == doctest::Approx(0.4));
+  CHECK(learning_rate(spec, 14, 15) == doctest::Approx(1.0));
+
+  // Warm-up over every step: it never gets to lr.
+  spec.schedule.warmup = 15;
+  CHECK(learning_rate(spec, 14, 15) == doctest::Approx(15.0 / 16.0));
 
   spec.schedule.warmup = 0;
   spec.schedule.type = "cosine";
+  CHECK(learning_rate(spec, 9, 10) == doctest::Approx(0.1));
+  spec.schedule.min_lr_ratio = 0.0;
+  CHECK(learning_rate(spec, 1, 3) == doctest::Approx(0.5));
+  CHECK(learning_rate(spec, 2, 3) == doctest::Approx(0.0));
+  CHECK(learning_rate(spec, 0, 1) == doctest::Approx(1.0));  // one step: no decay to follow
   CHECK(learning_rate(spec, 0, 10) == doctest::Approx(1.0));
 }
 

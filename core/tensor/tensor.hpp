@@ -84,13 +84,18 @@ struct ParamRange {
 };
 
 // One parameter tensor of a flat buffer: rows x cols values from `offset`, row-major (a vector
-// has one row). Gradient codecs that factorise matrices (PowerSGD) need the shapes.
+// has one row). Gradient codecs that factorise matrices (PowerSGD) need the shapes; weight decay
+// needs to know a vector from a matrix of one row (a layer one unit wide).
 struct ParamTensor {
   size_t offset = 0;
   size_t rows = 1;
   size_t cols = 0;
+  // One-dimensional: a bias, a LayerNorm gain or shift. Weight decay skips it (Model::no_decay).
+  bool is_vector = false;
   size_t size() const { return rows * cols; }
   bool operator==(const ParamTensor&) const = default;
+
+  static ParamTensor vector(size_t offset, size_t size) { return {offset, 1, size, true}; }
 };
 
 // Memory an op table allocated (host or device), freed with it. Move-only.

@@ -1,0 +1,55 @@
+// One wording for JSON that nlohmann::json refuses, for every file the project reads.
+#include "core/json_error.hpp"
+
+#include <algorithm>
+#include <utility>
+
+#include <fmt/format.h>
+
+namespace dptrain {
+
+namespace {
+
+// nlohmann reports the 1-based byte position of the offending character; people want line:column.
+std::pair<size_t, size_t> line_and_column(std::string_view text, size_t byte) {
+  const size_t offset = std::min(byte == 0 ? 0 : byte - 1, text.size());
+  size_t line = 1;
+  size_t line_start = 0;
+  for (size_t i = 0; i < offset; ++i) {
+    if (text[i] == '\n') {
+      ++line;
+      line_start = i + 1;
+    }
+  }
+  return {line, offset - line_start + 1};
+}
+
+// The explanation in nlohmann's message, less its "[json.exception.parse_error.101] " tag and
+// the "parse error at line L, column C: " that json_parse_problem words itself.
+std::string explanation(const std::string& what) {
+  std::string rest = what;
+  if (const size_t tag = rest.find("] ");
+      rest.rfind("[json.exception.", 0) == 0 && tag != std::string::npos) {
+    rest.erase(0, tag + 2);
+  }
+  if (rest.rfind("parse error", 0) == 0) {
+    if (const size_t colon = rest.find(": "); colon != std::string::npos) rest.erase(0, colon + 2);
+  }
+  return rest;
+}
+
+}  // namespace
+
+std::string json_parse_problem(const std::string& file, std::string_view text,
+                               const nlohmann::json::exception& e) {
+  if (text.empty()) return fmt::format("{}: empty file, not valid JSON", file);
+  const std::string problem = explanation(e.what());
+  if (const auto* parse = dynamic_cast<const nlohmann::json::parse_error*>(&e);
+      parse != nullptr && parse->byte > 0) {
+    const auto [line, column] = line_and_column(text, parse->byte);
+    return fmt::format("{}: not valid JSON at line {}, column {}: {}", file, line, column, problem);
+  }
+  return fmt::format("{}: not valid JSON: {}", file, problem);
+}
+
+}  // namespace dptrain

@@ -1,0 +1,47 @@
+// JSON that does not parse is named in one line: file, line and column, problem; no parser tags.
+#include "core/json_error.hpp"
+
+#include <doctest/doctest.h>
+
+#include <string>
+
+using namespace dptrain;
+
+namespace {
+
+// What json_parse_problem says about `text` as the file "f.json".
+std::string problem_with(const std::string& text) {
+  try {
+    [[maybe_unused]] const auto parsed = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    return json_parse_problem("f.json", text, e);
+  }
+  FAIL("parsed: " << text);
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE("json_parse_problem: a syntax error names the line and column of the offending byte") {
+  const std::string message = problem_with("{\n  \"name\": \"x\",\n  \"seed\": ,\n}\n");
+  CAPTURE(message);
+  CHECK(message.starts_with("f.json: not valid JSON at line 3, column 11: syntax error "));
+  CHECK(message.find("unexpected ','") != std::string::npos);
+  CHECK(message.find('\n') == std::string::npos);
+  for (const char* internal : {"json.exception", "parse error", "parse_error"})
+    CHECK(message.find(internal) == std::string::npos);
+
+  // A cut file: the end of the input is where it stops.
+  CHECK(problem_with("{\"status\":\n").starts_with("f.json: not valid JSON at line 2, column 1: "));
+  CHECK(problem_with("[1, 2").starts_with("f.json: not valid JSON at line 1, column 6: "));
+}
+
+TEST_CASE("json_parse_problem: an empty file and well-formed text the parser refuses") {
+  CHECK(problem_with("") == "f.json: empty file, not valid JSON");
+  // A number beyond a double's range is no syntax error: there is no position to name.
+  const std::string overflow = problem_with(R"({"lr": 1e400})");
+  CAPTURE(overflow);
+  CHECK(overflow.starts_with("f.json: not valid JSON: "));
+  CHECK(overflow.find("1e400") != std::string::npos);
+  CHECK(overflow.find("json.exception") == std::string::npos);
+}
