@@ -1,5 +1,6 @@
 // dptrain's entry point: dispatches to a subcommand and maps errors to exit codes.
 #include <algorithm>
+#include <csignal>
 #include <cstdio>
 #include <string>
 #include <string_view>
@@ -44,6 +45,12 @@ std::string help_command(const CLI::App& app, int argc, char** argv) {
 int main(int argc, char** argv) {
   if (argc > 1 && std::string_view(argv[1]) == "worker")
     dptrain::cli::install_worker_signal_handlers();
+  // A launcher starts its ranks with SIGTERM blocked (ProcessSpec::hold_sigterm): one that came
+  // while this process loaded is delivered now, to the handler just installed.
+  sigset_t held;
+  sigemptyset(&held);
+  sigaddset(&held, SIGTERM);
+  sigprocmask(SIG_UNBLOCK, &held, nullptr);
   CLI::App app{
       "dptrain: data-parallel training from a JSON recipe, on CPU ranks (Gloo) or one NVIDIA GPU\n"
       "per rank (NCCL), on this machine or across hosts over SSH.\n"

@@ -94,6 +94,7 @@ std::vector<ProcessSpec> worker_specs(const AgentPlan& plan, const fs::path& wor
     ProcessSpec p;
     p.label = fmt::format("rank {}", rank);
     p.rank = rank;
+    p.hold_sigterm = true;  // a preemption while the rank loads is a stop, not a failure
     p.argv = {worker_binary.string(), "worker", recipe_file.string(), "--run-dir",
               plan.run_dir.string()};
     if (!plan.worker_args.empty()) {

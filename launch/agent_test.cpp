@@ -50,6 +50,9 @@ TEST_CASE("agent: workers get CUDA_VISIBLE_DEVICES only when the job runs on GPU
   auto specs = worker_specs(plan, "/bin/dptrain");
   REQUIRE(specs.size() == 2);
   CHECK(env_of(specs[0], "CUDA_VISIBLE_DEVICES") == "<unset>");
+  // A SIGTERM while a rank loads waits for its handler (dptrain's main unblocks it).
+  CHECK(specs[0].hold_sigterm);
+  CHECK(specs[1].hold_sigterm);
 
   plan.one_gpu_per_rank = true;
   specs = worker_specs(plan, "/bin/dptrain");

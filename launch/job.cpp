@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <string_view>
 
 #include <fmt/format.h>
 
@@ -95,6 +96,9 @@ namespace {
 
 // Test and debugging settings a rank reads, passed on to ranks on other hosts.
 constexpr const char* kForwardedEnv[] = {"DPTRAIN_FAULT", "DPTRAIN_DEBUG_STEP_DELAY_MS"};
+// Settings that choose the BLAS kernels and threads (OPENBLAS_CORETYPE, OMP_NUM_THREADS, ...):
+// passed on too, so that every rank computes alike (bit-identical results) wherever it runs.
+constexpr const char* kForwardedEnvPrefixes[] = {"OPENBLAS_", "GOTO_", "OMP_", "GOMP_", "MKL_"};
 
 std::vector<HostSpec> job_hosts(const JobSpec& spec) {
   if (!spec.hosts.empty()) return spec.hosts;
@@ -283,6 +287,16 @@ JobPlan plan_job(const JobSpec& spec, const fs::path& run_path, const std::strin
       // Local ranks inherit the launcher's environment; remote ones get these passed on.
       for (const char* name : kForwardedEnv) {
         if (const char* v = std::getenv(name)) a.env.emplace(name, v);
+      }
+      for (char** e = environ; *e != nullptr; ++e) {
+        const std::string_view entry(*e);
+        const auto eq = entry.find('=');
+        if (eq == std::string_view::npos) continue;
+        for (const char* prefix : kForwardedEnvPrefixes) {
+          if (entry.starts_with(prefix)) {
+            a.env.emplace(std::string(entry.substr(0, eq)), std::string(entry.substr(eq + 1)));
+          }
+        }
       }
     }
     if (!h.is_local()) a.data_dir = spec.remote.workdir + "/data";

@@ -10,6 +10,7 @@
 
 #include <array>
 #include <charconv>
+#include <chrono>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -429,7 +430,10 @@ void provision_host(HostReport& report, const ProvisionOptions& options,
           options.on_upload(name, f.remote, bytes, f.bytes);
         };
       }
+      const auto started = std::chrono::steady_clock::now();
       target->upload(files[i].local, workdir + "/" + files[i].remote, files[i].mode, sent);
+      report.uploads[i].seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
       report.uploads[i].status = UploadRecord::Status::uploaded;
     }
   }
@@ -515,7 +519,9 @@ nlohmann::json to_json(const HostReport& report) {
     uploads.push_back({{"file", u.remote},
                        {"local", u.local.string()},
                        {"bytes", u.bytes},
-                       {"status", upload_status_name(u.status)}});
+                       {"status", upload_status_name(u.status)},
+                       {"seconds", u.status == UploadRecord::Status::uploaded ? json(u.seconds)
+                                                                              : json(nullptr)}});
   }
   return {{"host", report.host.display()},
           {"ok", report.ok()},

@@ -59,6 +59,7 @@ struct UploadRecord {
   std::string remote;  // relative to the workdir: "bin/dptrain", "recipe.json", "data/x.csv"
   uint64_t bytes = 0;
   Status status = Status::pending;
+  double seconds = 0;  // how long the upload took (uploaded only)
 };
 
 struct HostReport {

@@ -24,7 +24,6 @@
 #include <libssh/callbacks.h>
 #include <libssh/libssh.h>
 #include <libssh/server.h>  // ssh_send_keepalive, which a client may send as well
-#include <libssh/sftp.h>
 
 namespace dptrain {
 
@@ -537,19 +536,10 @@ void SshChannel::close() {
 
 // ---- SshSession ----
 
-struct SshSession::Sftp {
-  sftp_session sftp = nullptr;
-  ~Sftp() {
-    if (sftp) sftp_free(sftp);
-  }
-};
-
 SshSession::SshSession(HostSpec host, SshOptions options, std::shared_ptr<SessionHandle> session)
     : host_(std::move(host)), options_(std::move(options)), session_(std::move(session)) {}
 
-SshSession::~SshSession() {
-  sftp_.reset();  // before the session it runs on
-}
+SshSession::~SshSession() = default;
 
 std::unique_ptr<SshSession> SshSession::connect(const HostSpec& host, const SshOptions& options) {
   auto handle = std::make_shared<SessionHandle>();
@@ -605,81 +595,98 @@ std::string random_suffix() {
   return fmt::format("{:012x}", rng() & 0xffffffffffffull);
 }
 
-std::string sftp_reason(sftp_session sftp, ssh_session session) {
-  switch (sftp_get_error(sftp)) {
-    case SSH_FX_NO_SUCH_FILE:
-    case SSH_FX_NO_SUCH_PATH:
-      return "no such file or directory";
-    case SSH_FX_PERMISSION_DENIED:
-      return "permission denied";
-    case SSH_FX_WRITE_PROTECT:
-      return "read-only file system";
-    case SSH_FX_FAILURE:
-      return "the remote write failed (disk full or quota exceeded?)";
-    default:
-      return clean_reason(ssh_get_error(session));
-  }
-}
-
-struct SftpFileCloser {
-  void operator()(sftp_file file) const { sftp_close(file); }
-};
+// The remote half of an upload: sh -c UPLOAD_SCRIPT sh TEMP BYTES MODE DEST, the file on stdin.
+// It writes stdin to TEMP (a new file, only the user's), checks that every byte arrived, sets the
+// mode and renames TEMP over DEST: rename(2) is atomic, so a reader sees the old file or the new
+// one. On any failure TEMP is removed and stderr's first line says why.
+constexpr const char* kUploadScript = R"sh(t=$1 n=$2 m=$3 dest=$4
+d=$(dirname -- "$dest")
+[ -d "$d" ] || { echo "no such directory: $d" >&2; exit 1; }
+[ -w "$d" ] || { echo "permission denied: cannot write in $d" >&2; exit 1; }
+trap 'rm -f -- "$t"' EXIT
+set -C
+umask 077
+cat >"$t" || { s=$?; echo "writing $t failed (cat exited with $s)" >&2; exit 1; }
+got=$(wc -c <"$t") || exit 1
+[ "$got" -eq "$n" ] || { echo "received $got of $n bytes" >&2; exit 1; }
+chmod "$m" "$t" && mv -f -- "$t" "$dest" || exit 1
+trap - EXIT)sh";
 
 }  // namespace
 
 void SshSession::upload(const fs::path& local, const std::string& remote_path, int mode,
                         const std::function<void(uint64_t sent)>& sent) {
   std::ifstream in(local, std::ios::binary);
-  if (!in) {
-    throw Error(ErrorKind::io,
-                fmt::format("{}: cannot read: {}", local.string(), std::strerror(errno)));
+  std::error_code ec;
+  const uint64_t bytes = in ? fs::file_size(local, ec) : 0;
+  if (!in || ec) {
+    throw Error(ErrorKind::io, fmt::format("{}: cannot read: {}", local.string(),
+                                           ec ? ec.message() : std::strerror(errno)));
   }
   const auto failure = [&](const std::string& reason) {
     return Error(ErrorKind::ssh, fmt::format("cannot upload {} to {}:{}: {}", local.string(),
                                              host_.display(), remote_path, reason));
   };
-  if (!sftp_) {
-    auto sftp = std::make_unique<Sftp>();
-    sftp->sftp = sftp_new(session_->session);
-    if (!sftp->sftp || sftp_init(sftp->sftp) != SSH_OK) {
-      throw failure("cannot start SFTP (" + session_->error() + ")");
-    }
-    sftp_ = std::move(sftp);
-  }
-  sftp_session sftp = sftp_->sftp;
   const std::string temp = remote_path + ".tmp-" + random_suffix();
+  auto channel = start(shell_command({"sh", "-c", kUploadScript, "sh", temp, std::to_string(bytes),
+                                      fmt::format("{:o}", mode & 07777), remote_path}));
+  // Streamed, not SFTP: libssh's SFTP writes wait for each packet's reply (64 KiB a round trip),
+  // a channel keeps the host's whole window (2 MiB for OpenSSH) in flight.
+  std::string err;
+  const auto collect = [&](std::string_view data, bool is_stderr) {
+    if (is_stderr) err += data;
+  };
+  // The host's stderr on one line: cat's own complaint ("No space left on device"), the shell's
+  // ("Killed"), then the script's account.
+  const auto reason = [&](const std::optional<int>& status) {
+    std::string line;
+    for (const auto& message : error_messages(err)) {
+      const std::string part = first_line(message);
+      if (!part.empty()) line += (line.empty() ? "" : "; ") + part;
+    }
+    if (!line.empty()) return line.substr(0, 400);
+    return status ? fmt::format("the remote shell exited with {}", *status)
+                  : std::string("the remote shell ended without an exit status");
+  };
+  // After the remote side failed, its stderr and exit status say why; wait for them a while.
+  const auto finish = [&](std::chrono::milliseconds limit) {
+    const auto deadline = Clock::now() + limit;
+    for (;;) {
+      const auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
+      if (left.count() <= 0) return false;
+      if (!channel->read(collect, left)) return true;
+    }
+  };
+  std::vector<char> buffer(256 * 1024);
+  uint64_t total = 0;
   try {
-    std::unique_ptr<std::remove_pointer_t<sftp_file>, SftpFileCloser> file(
-        sftp_open(sftp, temp.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0600));
-    if (!file) throw failure(sftp_reason(sftp, session_->session));
-    std::vector<char> buffer(64 * 1024);  // OpenSSH's sftp-server takes packets up to 256 KiB
-    uint64_t total = 0;
-    while (in) {
+    while (total < bytes) {
       in.read(buffer.data(), static_cast<std::streamsize>(buffer.size()));
       const auto count = static_cast<size_t>(in.gcount());
       if (count == 0) break;
-      if (sftp_write(file.get(), buffer.data(), count) != static_cast<ssize_t>(count)) {
-        throw failure(sftp_reason(sftp, session_->session));
-      }
+      channel->write(std::string_view(buffer.data(), count));
       total += count;
       if (sent) sent(total);
     }
-    if (in.bad()) throw failure(fmt::format("reading {} failed", local.string()));
-    if (sftp_close(file.release()) != SSH_OK) throw failure(sftp_reason(sftp, session_->session));
-    if (sftp_chmod(sftp, temp.c_str(), static_cast<mode_t>(mode)) != SSH_OK) {
-      throw failure(sftp_reason(sftp, session_->session));
-    }
-    // SFTP's own rename refuses to replace a file (OpenSSH implements it with link + unlink), and
-    // libssh 0.10 cannot ask for posix-rename@openssh.com: mv is rename(2), atomic.
-    const Result moved = run(shell_command({"mv", "-f", "--", temp, remote_path}));
-    if (moved.exit_status != 0) {
-      throw failure(moved.err.empty() ? fmt::format("mv exited with {}", moved.exit_status)
-                                      : moved.err.substr(0, moved.err.find('\n')));
-    }
-  } catch (...) {
-    if (session_->connected()) sftp_unlink(sftp, temp.c_str());
+    // A file that shrank while it was read: the remote shell counts the bytes and refuses it.
+    if (total == bytes) channel->close_stdin();
+  } catch (const Error& e) {
+    if (e.kind() != ErrorKind::ssh || !session_->connected()) throw;
+    // The write failed because the command ended: its own message is the one to give.
+    if (finish(options_.connect_timeout)) throw failure(reason(channel->exit_status()));
     throw;
   }
+  if (total != bytes) {
+    channel->close();  // EOF-less: the remote shell is stopped and removes the partial file
+    throw failure(
+        fmt::format("reading {} failed after {} of {} bytes", local.string(), total, bytes));
+  }
+  if (!finish(options_.command_timeout)) {
+    channel->close();
+    throw failure(fmt::format("the host did not confirm the upload within {}",
+                              seconds_text(options_.command_timeout)));
+  }
+  if (channel->exit_status() != 0) throw failure(reason(channel->exit_status()));
 }
 
 }  // namespace dptrain

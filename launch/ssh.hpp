@@ -1,5 +1,5 @@
 // SSH to the hosts of a job (libssh): verified host keys, key authentication, commands with
-// streamed output and exit status, SFTP uploads, and running one task per host in parallel.
+// streamed output and exit status, uploads, and running one task per host in parallel.
 #pragma once
 
 #include <chrono>
@@ -102,10 +102,12 @@ class SshSession {
   Result run(const std::string& command, const std::string& stdin_data = "");
   // Starts a command and returns at once; its output comes through SshChannel::read.
   std::unique_ptr<SshChannel> start(const std::string& command);
-  // SFTP: writes remote_path + ".tmp-<random>", sets `mode`, renames it over remote_path (atomic on
-  // the remote; a reader sees the old file or the new one). Give an absolute remote_path: SFTP
-  // and the shell may start in different directories. Error(ssh) naming host and path.
-  // `sent`, when given, is told the bytes sent so far after each packet.
+  // Streams `local` to remote_path + ".tmp-<random>" through `sh` and `cat` on the host (a channel
+  // keeps the host's whole window in flight: no round trip per packet, as SFTP has), checks that
+  // every byte arrived, sets `mode`, and renames it over remote_path (atomic on the remote: a
+  // reader sees the old file or the new one). On failure nothing is left behind. Give an absolute
+  // remote_path. Error(ssh) naming host, path and the host's reason; Error(io) when `local`
+  // cannot be read. `sent`, when given, is told the bytes sent so far as they go.
   void upload(const std::filesystem::path& local, const std::string& remote_path, int mode,
               const std::function<void(uint64_t sent)>& sent = {});
 
@@ -113,13 +115,11 @@ class SshSession {
   const SshOptions& options() const { return options_; }
 
  private:
-  struct Sftp;
   SshSession(HostSpec host, SshOptions options, std::shared_ptr<SessionHandle> session);
 
   HostSpec host_;
   SshOptions options_;
   std::shared_ptr<SessionHandle> session_;
-  std::unique_ptr<Sftp> sftp_;  // opened on the first upload
 };
 
 // What a task gave for one host: its value, or the error that stopped it.

@@ -1,4 +1,4 @@
-// SSH layer against a real loopback sshd: host keys, authentication, exec, streaming, SFTP.
+// SSH layer against a real loopback sshd: host keys, authentication, exec, streaming, uploads.
 #include "launch/ssh.hpp"
 
 #include <doctest/doctest.h>
@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <csignal>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -262,10 +263,65 @@ TEST_CASE("upload: content, permissions, atomic replacement, no temporary left b
 
   const std::string message =
       error_of([&] { session->upload(local, (dir / "missing" / "x").string(), 0644); });
-  CHECK(message.find("no such file or directory") != std::string::npos);
+  CHECK(message.find("no such directory: " + (dir / "missing").string()) != std::string::npos);
   CHECK(message.find(session->host().display()) != std::string::npos);
   CHECK(error_of([&] { session->upload(dir / "nope", remote.string(), 0644); }, ErrorKind::io)
             .find("nope") != std::string::npos);
+}
+
+// Kills (SIGKILL) each `cat` on this machine that has a file whose name holds ".tmp-" in `dir`
+// open: the host's side of an upload (its shell has the file open too). Returns whether there was
+// one.
+bool kill_upload_writer(const fs::path& dir) {
+  bool killed = false;
+  std::error_code ec;
+  for (const auto& proc : fs::directory_iterator("/proc", ec)) {
+    const std::string pid = proc.path().filename();
+    if (pid.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream comm(proc.path() / "comm");
+    std::string name;
+    if (!std::getline(comm, name) || name != "cat") continue;
+    for (const auto& fd : fs::directory_iterator(proc.path() / "fd", ec)) {
+      const fs::path target = fs::read_symlink(fd.path(), ec);
+      if (!ec && target.parent_path() == dir &&
+          target.filename().string().find(".tmp-") != std::string::npos) {
+        killed |= ::kill(std::stoi(pid), SIGKILL) == 0;
+      }
+    }
+  }
+  return killed;
+}
+
+TEST_CASE("upload: a write that fails on the host gives its reason and leaves nothing behind") {
+  TempDir dir;
+  const fs::path local = dir / "big.bin";
+  {
+    std::ofstream out(local, std::ios::binary);
+    const std::string block(1 << 20, 'x');
+    for (int i = 0; i < 64; ++i)
+      out << block;
+  }
+  const fs::path remote_dir = dir / "remote";
+  fs::create_directories(remote_dir);
+  auto session = connect_to("127.0.0.2");
+  bool killed = false;
+  const std::string message = error_of([&] {
+    session->upload(local, (remote_dir / "big").string(), 0644, [&](uint64_t sent) {
+      // Past the host's window, so its cat has the file open; it dies as a full disk would fail.
+      if (!killed && sent >= (8u << 20)) killed = kill_upload_writer(remote_dir);
+    });
+  });
+  REQUIRE(killed);
+  INFO(message);
+  CHECK(message.find("cannot upload " + local.string()) != std::string::npos);
+  CHECK(message.find(session->host().display()) != std::string::npos);
+  CHECK(message.find("(cat exited with 137)") != std::string::npos);
+  CHECK(fs::is_empty(remote_dir));
+
+  // The session still works: the next upload goes through.
+  { std::ofstream(local, std::ios::binary | std::ios::trunc) << "small"; }
+  session->upload(local, (remote_dir / "big").string(), 0644);
+  CHECK(slurp(remote_dir / "big") == "small");
 }
 
 TEST_CASE("connect: a key the host does not accept is refused, naming host and keys tried") {

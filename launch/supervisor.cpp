@@ -90,6 +90,9 @@ pid_t spawn(const ProcessSpec& spec, int out_fd) {
   for (auto& e : env)
     env_p.push_back(e.data());
   env_p.push_back(nullptr);
+  sigset_t held;
+  sigemptyset(&held);
+  if (spec.hold_sigterm) sigaddset(&held, SIGTERM);
   const pid_t parent = ::getpid();
   const pid_t pid = ::fork();
   if (pid < 0) {
@@ -103,6 +106,7 @@ pid_t spawn(const ProcessSpec& spec, int out_fd) {
     ::signal(SIGINT, SIG_DFL);
     ::signal(SIGTERM, SIG_DFL);
     ::signal(SIGPIPE, SIG_DFL);
+    ::sigprocmask(SIG_BLOCK, &held, nullptr);
     ::dup2(out_fd, STDOUT_FILENO);
     ::dup2(out_fd, STDERR_FILENO);
     ::close(out_fd);

@@ -20,6 +20,10 @@ struct ProcessSpec {
   std::vector<std::string> argv;                         // argv[0] is the executable path
   std::vector<std::pair<std::string, std::string>> env;  // added to the launcher's environment
   std::filesystem::path log_file;                        // every line the process prints
+  // Starts the program with SIGTERM blocked (the mask survives exec): a SIGTERM that comes while
+  // it loads waits until the program unblocks it, once its handler is in place, instead of
+  // killing it. dptrain's main does that, so every dptrain subcommand may be started this way.
+  bool hold_sigterm = false;
 };
 
 // How one process ended.

@@ -304,3 +304,17 @@ TEST_CASE("supervisor: the end of stop_fd alone stops the ranks with the short g
   for (pid_t p : f.pids)
     CHECK_FALSE(alive(p));
 }
+
+TEST_CASE("supervisor: hold_sigterm starts a process with SIGTERM blocked, others without") {
+  Fixture f;
+  // Bit 15 (SIGTERM) of the blocked-signals mask: 0x4000.
+  const std::string script =
+      "mask=$(sed -n 's/^SigBlk:[[:space:]]*//p' /proc/self/status); "
+      "[ $(( 0x$mask & 0x4000 )) -ne 0 ] && echo blocked || echo open";
+  ProcessSpec held = f.shell(0, script);
+  held.hold_sigterm = true;
+  const auto result = supervise({held, f.shell(1, script)}, f.options);
+  CHECK(result.ok());
+  CHECK(f.lines["rank 0"] == std::vector<std::string>{"blocked"});
+  CHECK(f.lines["rank 1"] == std::vector<std::string>{"open"});
+}

@@ -149,10 +149,20 @@ TEST_CASE("--dry-run --json prints the plan and starts nothing") {
   auto args = c.launch_args(recipe, c.tmp / "dry");
   args.push_back("--dry-run");
   args.push_back("--json");
-  auto r = run_dptrain(args);
+  // The BLAS settings go to remote ranks with the job (local ones inherit them): every rank
+  // picks the same kernels. Other variables stay here.
+  auto r = run_dptrain(
+      args,
+      {{"OPENBLAS_CORETYPE", "Haswell"}, {"OMP_NUM_THREADS", "1"}, {"UNRELATED_SETTING", "1"}});
   INFO(r.err);
   REQUIRE(r.exit_code == 0);
   const json plan = parse_json(r.out);
+  for (const auto& host : plan["hosts"]) {
+    const json& env = host["workers"][0]["env"];
+    CHECK(env["OPENBLAS_CORETYPE"] == "Haswell");
+    CHECK(env["OMP_NUM_THREADS"] == "1");
+    CHECK_FALSE(env.contains("UNRELATED_SETTING"));
+  }
   CHECK(plan["world_size"] == 4);
   REQUIRE(plan["hosts"].size() == 2);
   CHECK(plan["hosts"][0]["ranks"] == json({0, 1}));

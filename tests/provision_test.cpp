@@ -128,6 +128,8 @@ TEST_CASE("provision: facts and uploads on two hosts; a second run uploads nothi
       CAPTURE(file);
       CHECK(status_of(host, file) == "uploaded");
     }
+    for (const auto& u : host["uploads"])
+      CHECK(u["seconds"].get<double>() > 0);
     CHECK(sha256_file(workdir / "bin/dptrain") == sha256_file(binary()));
     CHECK(mode_of(workdir / "bin/dptrain") ==
           (fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec |

@@ -38,7 +38,7 @@ class LoopbackSshd {
   // which gets a different ed25519 key: connecting to it must look like a changed host key.
   void write_known_hosts_with_changed_key(const std::string& address,
                                           const std::filesystem::path& path) const;
-  // $HOME and starting directory of SSH sessions to `address` (SFTP starts in the real home).
+  // $HOME and starting directory of SSH sessions to `address`.
   std::filesystem::path home(const std::string& address) const;
   // The host at `address` with this sshd's port, the test user and the authorized key.
   HostSpec host(const std::string& address) const;

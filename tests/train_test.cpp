@@ -1,8 +1,6 @@
 // End-to-end training with real rank processes: accuracy, equivalence, metrics, workers by hand.
 #include <doctest/doctest.h>
 
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -11,25 +9,13 @@
 #include <string>
 
 #include "tests/harness.hpp"
+#include "tests/sshd.hpp"
 #include "tests/text_corpus.hpp"
 
 using namespace dptrain::test;
 namespace fs = std::filesystem;
 
 namespace {
-
-// A port that was free a moment ago (for hand-started workers and a store nobody serves).
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  socklen_t len = sizeof addr;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
 
 double max_relative_difference(const std::vector<float>& a, const std::vector<float>& b) {
   double max_abs = 0, max_diff = 0;
@@ -196,7 +182,7 @@ TEST_CASE("a dataset smaller than one global batch is refused before anything ru
 TEST_CASE("workers started by hand from the environment, rank 0 hosting the store") {
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), small_recipe());
-  const std::string port = std::to_string(free_port());
+  const std::string port = std::to_string(unused_port());
   Env base = {{"WORLD_SIZE", "2"},
               {"MASTER_ADDR", "127.0.0.1"},
               {"MASTER_PORT", port},
@@ -222,7 +208,7 @@ TEST_CASE("a worker started by srun takes its local rank from SLURM_LOCALID") {
   auto recipe_json = small_recipe();
   recipe_json["checkpoint"] = {{"every", recipe_json["train"]["steps"]}};
   const auto recipe = write_recipe(tmp.path(), recipe_json);
-  const std::string port = std::to_string(free_port());
+  const std::string port = std::to_string(unused_port());
   Env base = {{"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}};
   Env env0 = base, env1 = base;
   env0["RANK"] = "0";
@@ -245,7 +231,7 @@ TEST_CASE("a worker started by srun takes its local rank from SLURM_LOCALID") {
 TEST_CASE("a worker that cannot reach the store fails within its timeout naming the address") {
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), small_recipe());
-  const std::string addr = "127.0.0.1:" + std::to_string(free_port());
+  const std::string addr = "127.0.0.1:" + std::to_string(unused_port());
   auto r = run_dptrain({"worker", recipe.string(), "--rank", "1", "--world-size", "2", "--store",
                         addr, "--timeout", "2", "--run-dir", (tmp / "run").string()},
                        {}, std::chrono::seconds(60));
