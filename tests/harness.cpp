@@ -34,7 +34,7 @@ fs::path source_dir() {
 namespace {
 
 pid_t spawn(const std::vector<std::string>& args, const Env& env, const fs::path& out,
-            const fs::path& err) {
+            const fs::path& err, StartWith start = StartWith::nothing) {
   std::vector<std::string> argv_s = {binary()};
   argv_s.insert(argv_s.end(), args.begin(), args.end());
   std::vector<std::string> env_s;
@@ -51,8 +51,15 @@ pid_t spawn(const std::vector<std::string>& args, const Env& env, const fs::path
   for (auto& e : env_s)
     envp.push_back(e.data());
   envp.push_back(nullptr);
+  sigset_t term;
+  sigemptyset(&term);
+  sigaddset(&term, SIGTERM);
   const pid_t pid = ::fork();
   if (pid == 0) {
+    if (start == StartWith::pending_sigterm) {
+      ::sigprocmask(SIG_BLOCK, &term, nullptr);
+      ::kill(::getpid(), SIGTERM);  // pending until the program unblocks it
+    }
     const int o = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     const int e = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     const int in = ::open("/dev/null", O_RDONLY);
@@ -74,10 +81,10 @@ int decode(int status) {
 
 }  // namespace
 
-Background::Background(const std::vector<std::string>& args, const Env& env)
+Background::Background(const std::vector<std::string>& args, const Env& env, StartWith start)
     : out_file_(TempDir::unique_path("dptrain-out")),
       err_file_(TempDir::unique_path("dptrain-err")) {
-  pid_ = spawn(args, env, out_file_, err_file_);
+  pid_ = spawn(args, env, out_file_, err_file_, start);
 }
 
 Background::~Background() {

@@ -32,10 +32,16 @@ std::filesystem::path source_dir();  // the repository
 CommandResult run_dptrain(const std::vector<std::string>& args, const Env& env = {},
                           std::chrono::seconds timeout = std::chrono::seconds(300));
 
+// How a Background process starts: as usual, or as a launcher starts a rank (SIGTERM blocked
+// across exec, ProcessSpec::hold_sigterm) with a SIGTERM already pending: a preemption that
+// comes while the rank is still loading.
+enum class StartWith { nothing, pending_sigterm };
+
 // A dptrain process running in the background; output goes to files. Killed on destruction.
 class Background {
  public:
-  Background(const std::vector<std::string>& args, const Env& env = {});
+  Background(const std::vector<std::string>& args, const Env& env = {},
+             StartWith start = StartWith::nothing);
   ~Background();
   Background(const Background&) = delete;
   Background& operator=(const Background&) = delete;

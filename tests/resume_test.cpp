@@ -2,10 +2,7 @@
 // checkpoints, Ctrl-C, a killed launcher, and no orphans in any of these.
 #include <doctest/doctest.h>
 
-#include <fcntl.h>
 #include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <fstream>
 #include <thread>
@@ -230,65 +227,19 @@ TEST_CASE("a rank that gets SIGTERM itself (preemption) stops the whole job afte
   CHECK(run_dptrain({"resume", run.run_dir.string()}).exit_code == 0);
 }
 
-// Runs `dptrain worker ARGS` as a launcher starts a rank (ProcessSpec::hold_sigterm: SIGTERM
-// blocked across exec), with a SIGTERM already pending, as when a preemption comes while the rank
-// is still loading. Its output goes to `log`; returns its exit code (or 128 + signal; -1 when it
-// ran past two minutes).
-int worker_with_early_sigterm(const std::vector<std::string>& args, const Env& extra,
-                              const fs::path& log) {
-  std::vector<std::string> argv = {binary(), "worker"};
-  argv.insert(argv.end(), args.begin(), args.end());
-  std::vector<std::string> env;
-  for (char** e = environ; *e != nullptr; ++e)
-    env.emplace_back(*e);
-  for (const auto& [k, v] : extra)
-    env.push_back(k + "=" + v);
-  std::vector<char*> argv_p, env_p;
-  for (auto& a : argv)
-    argv_p.push_back(a.data());
-  argv_p.push_back(nullptr);
-  for (auto& e : env)
-    env_p.push_back(e.data());
-  env_p.push_back(nullptr);
-  sigset_t term;
-  sigemptyset(&term);
-  sigaddset(&term, SIGTERM);
-  const pid_t pid = ::fork();
-  REQUIRE(pid >= 0);
-  if (pid == 0) {
-    ::sigprocmask(SIG_BLOCK, &term, nullptr);
-    ::kill(::getpid(), SIGTERM);  // pending until the worker unblocks it
-    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    ::dup2(fd, 1);
-    ::dup2(fd, 2);
-    ::execve(argv_p[0], argv_p.data(), env_p.data());
-    ::_exit(127);
-  }
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(2);
-  int status = 0;
-  while (::waitpid(pid, &status, WNOHANG) == 0) {
-    if (std::chrono::steady_clock::now() > deadline) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, &status, 0);
-      return -1;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
-
 TEST_CASE("a SIGTERM that reaches a rank while it loads is a stop with a checkpoint, not a death") {
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), resumable_recipe());
   const fs::path run_dir = tmp / "run";
-  const int code = worker_with_early_sigterm({recipe.string(), "--run-dir", run_dir.string()},
-                                             {{"RANK", "0"},
-                                              {"WORLD_SIZE", "1"},
-                                              {"MASTER_ADDR", "127.0.0.1"},
-                                              {"MASTER_PORT", std::to_string(unused_port())},
-                                              {"DPTRAIN_HOST_STORE", "1"}},
-                                             tmp / "worker.log");
-  const std::string log = read_text(tmp / "worker.log");
+  Background worker({"worker", recipe.string(), "--run-dir", run_dir.string()},
+                    {{"RANK", "0"},
+                     {"WORLD_SIZE", "1"},
+                     {"MASTER_ADDR", "127.0.0.1"},
+                     {"MASTER_PORT", std::to_string(unused_port())},
+                     {"DPTRAIN_HOST_STORE", "1"}},
+                    StartWith::pending_sigterm);
+  const int code = worker.wait(std::chrono::seconds(120));
+  const std::string log = worker.out() + worker.err();
   INFO(log);
   CHECK(code == 143);  // 128 + 15 as well when SIGTERM killed it: the log tells them apart
   CHECK(log.find("received SIGTERM") != std::string::npos);
