@@ -94,11 +94,18 @@ json JobOutcome::to_json(const RunDirectory& run) const {
 
 namespace {
 
-// Test and debugging settings a rank reads, passed on to ranks on other hosts.
-constexpr const char* kForwardedEnv[] = {"DPTRAIN_FAULT", "DPTRAIN_DEBUG_STEP_DELAY_MS"};
-// Settings that choose the BLAS kernels and threads (OPENBLAS_CORETYPE, OMP_NUM_THREADS, ...):
-// passed on too, so that every rank computes alike (bit-identical results) wherever it runs.
-constexpr const char* kForwardedEnvPrefixes[] = {"OPENBLAS_", "GOTO_", "OMP_", "GOMP_", "MKL_"};
+// What the launcher's environment passes on to ranks on other hosts (local ones inherit all of
+// it): the test and debugging settings a rank reads, and what chooses the BLAS kernels and
+// threads (OPENBLAS_CORETYPE, OMP_NUM_THREADS, ...), so that every rank computes alike
+// (bit-identical results) wherever it runs. A name that ends in '_' is a prefix.
+constexpr std::string_view kForwardedEnv[] = {
+    "DPTRAIN_FAULT", "DPTRAIN_DEBUG_STEP_DELAY_MS", "OPENBLAS_", "GOTO_", "OMP_", "GOMP_", "MKL_"};
+
+bool forwarded(std::string_view name) {
+  return std::any_of(std::begin(kForwardedEnv), std::end(kForwardedEnv), [&](std::string_view f) {
+    return f.ends_with('_') ? name.starts_with(f) : name == f;
+  });
+}
 
 std::vector<HostSpec> job_hosts(const JobSpec& spec) {
   if (!spec.hosts.empty()) return spec.hosts;
@@ -285,17 +292,11 @@ JobPlan plan_job(const JobSpec& spec, const fs::path& run_path, const std::strin
     a.worker_args = spec.worker_args;
     if (!h.is_local()) {
       // Local ranks inherit the launcher's environment; remote ones get these passed on.
-      for (const char* name : kForwardedEnv) {
-        if (const char* v = std::getenv(name)) a.env.emplace(name, v);
-      }
       for (char** e = environ; *e != nullptr; ++e) {
         const std::string_view entry(*e);
         const auto eq = entry.find('=');
-        if (eq == std::string_view::npos) continue;
-        for (const char* prefix : kForwardedEnvPrefixes) {
-          if (entry.starts_with(prefix)) {
-            a.env.emplace(std::string(entry.substr(0, eq)), std::string(entry.substr(eq + 1)));
-          }
+        if (eq != std::string_view::npos && forwarded(entry.substr(0, eq))) {
+          a.env.emplace(std::string(entry.substr(0, eq)), std::string(entry.substr(eq + 1)));
         }
       }
     }
