@@ -13,9 +13,66 @@
 #include <string>
 #include <unordered_map>
 
+#include "core/dynamic_library.hpp"
 #include "kernels/cuda_ops_impl.cuh"
 
 namespace dptrain::kernels {
+
+namespace {
+
+// ---- cuBLASLt, loaded on first use.
+
+// The cuBLASLt entry points dptrain uses. Linked, the library (about 500 MB) would be loaded and
+// initialised by every process at start (half a second and 200 MB of memory), CPU ranks and
+// `dptrain --version` included, and the binary would not start where it is not installed. Loaded
+// here, only a process that makes a CUDA op table pays for it.
+struct CublasLt {
+  decltype(&cublasLtCreate) create = nullptr;
+  decltype(&cublasLtDestroy) destroy = nullptr;
+  decltype(&cublasLtGetStatusName) get_status_name = nullptr;
+  decltype(&cublasLtGetStatusString) get_status_string = nullptr;
+  decltype(&cublasLtMatmul) matmul = nullptr;
+  decltype(&cublasLtMatmulAlgoGetHeuristic) matmul_algo_get_heuristic = nullptr;
+  decltype(&cublasLtMatmulDescCreate) matmul_desc_create = nullptr;
+  decltype(&cublasLtMatmulDescDestroy) matmul_desc_destroy = nullptr;
+  decltype(&cublasLtMatmulDescSetAttribute) matmul_desc_set_attribute = nullptr;
+  decltype(&cublasLtMatmulPreferenceCreate) matmul_preference_create = nullptr;
+  decltype(&cublasLtMatmulPreferenceDestroy) matmul_preference_destroy = nullptr;
+  decltype(&cublasLtMatmulPreferenceSetAttribute) matmul_preference_set_attribute = nullptr;
+  decltype(&cublasLtMatrixLayoutCreate) matrix_layout_create = nullptr;
+  decltype(&cublasLtMatrixLayoutDestroy) matrix_layout_destroy = nullptr;
+};
+
+const CublasLt& cublaslt() {
+  static const CublasLt api = [] {
+    DynamicLibrary library("libcublasLt.so." + std::to_string(CUBLAS_VER_MAJOR));
+    CublasLt loaded;
+    library.bind("cublasLtCreate", loaded.create);
+    library.bind("cublasLtDestroy", loaded.destroy);
+    library.bind("cublasLtGetStatusName", loaded.get_status_name);
+    library.bind("cublasLtGetStatusString", loaded.get_status_string);
+    library.bind("cublasLtMatmul", loaded.matmul);
+    library.bind("cublasLtMatmulAlgoGetHeuristic", loaded.matmul_algo_get_heuristic);
+    library.bind("cublasLtMatmulDescCreate", loaded.matmul_desc_create);
+    library.bind("cublasLtMatmulDescDestroy", loaded.matmul_desc_destroy);
+    library.bind("cublasLtMatmulDescSetAttribute", loaded.matmul_desc_set_attribute);
+    library.bind("cublasLtMatmulPreferenceCreate", loaded.matmul_preference_create);
+    library.bind("cublasLtMatmulPreferenceDestroy", loaded.matmul_preference_destroy);
+    library.bind("cublasLtMatmulPreferenceSetAttribute", loaded.matmul_preference_set_attribute);
+    library.bind("cublasLtMatrixLayoutCreate", loaded.matrix_layout_create);
+    library.bind("cublasLtMatrixLayoutDestroy", loaded.matrix_layout_destroy);
+    if (const std::string problem = library.problem(); !problem.empty()) {
+      throw Error(ErrorKind::cuda,
+                  problem + " (cuBLASLt " + std::to_string(CUBLAS_VER_MAJOR) +
+                      ", from the CUDA toolkit or a PyTorch wheel's nvidia-cublas, on "
+                      "LD_LIBRARY_PATH or in the loader's cache)");
+    }
+    return loaded;
+  }();
+  return api;
+}
+
+}  // namespace
 
 namespace {
 
@@ -160,7 +217,7 @@ void release_resources(cudaStream_t& stream, cublasLtHandle_t& lt, void*& worksp
   if (errors != nullptr) cudaFree(errors);
   if (workspace != nullptr) cudaFree(workspace);
   if (pinned != nullptr) cudaFreeHost(pinned);
-  if (lt != nullptr) cublasLtDestroy(lt);
+  if (lt != nullptr) cublaslt().destroy(lt);
   if (stream != nullptr) cudaStreamDestroy(stream);
   scratch = reduce = nullptr;
   errors = nullptr;
@@ -265,10 +322,10 @@ struct MatmulPlan {
   MatmulPlan(const MatmulPlan&) = delete;
   MatmulPlan& operator=(const MatmulPlan&) = delete;
   ~MatmulPlan() {
-    if (out != nullptr) cublasLtMatrixLayoutDestroy(out);
-    if (second != nullptr) cublasLtMatrixLayoutDestroy(second);
-    if (first != nullptr) cublasLtMatrixLayoutDestroy(first);
-    if (desc != nullptr) cublasLtMatmulDescDestroy(desc);
+    if (out != nullptr) cublaslt().matrix_layout_destroy(out);
+    if (second != nullptr) cublaslt().matrix_layout_destroy(second);
+    if (first != nullptr) cublaslt().matrix_layout_destroy(first);
+    if (desc != nullptr) cublaslt().matmul_desc_destroy(desc);
   }
 };
 
@@ -281,7 +338,7 @@ constexpr size_t kMaxPlans = 1024;
 struct PreferenceHandle {
   cublasLtMatmulPreference_t pref = nullptr;
   ~PreferenceHandle() {
-    if (pref != nullptr) cublasLtMatmulPreferenceDestroy(pref);
+    if (pref != nullptr) cublaslt().matmul_preference_destroy(pref);
   }
 };
 
@@ -294,14 +351,14 @@ void check_lt(cublasStatus_t status, const char* op, const char* call) {
 template <typename V>
 void set_desc(const char* op, cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attribute,
               const V& value) {
-  check_lt(cublasLtMatmulDescSetAttribute(desc, attribute, &value, sizeof(value)), op,
+  check_lt(cublaslt().matmul_desc_set_attribute(desc, attribute, &value, sizeof(value)), op,
            "cublasLtMatmulDescSetAttribute");
 }
 
 template <typename V>
 void set_pref(const char* op, cublasLtMatmulPreference_t pref,
               cublasLtMatmulPreferenceAttributes_t attribute, const V& value) {
-  check_lt(cublasLtMatmulPreferenceSetAttribute(pref, attribute, &value, sizeof(value)), op,
+  check_lt(cublaslt().matmul_preference_set_attribute(pref, attribute, &value, sizeof(value)), op,
            "cublasLtMatmulPreferenceSetAttribute");
 }
 
@@ -314,7 +371,7 @@ std::unique_ptr<MatmulPlan> make_plan(const char* op, cublasLtHandle_t lt, const
   auto plan = std::make_unique<MatmulPlan>();
   const auto ab_type = static_cast<cudaDataType_t>(key.ab_type);
   const auto c_type = static_cast<cudaDataType_t>(key.c_type);
-  check_lt(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), op,
+  check_lt(cublaslt().matmul_desc_create(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), op,
            "cublasLtMatmulDescCreate");
   const int32_t op_first = key.transpose_b != 0 ? CUBLAS_OP_T : CUBLAS_OP_N;
   const int32_t op_second = key.transpose_a != 0 ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -327,18 +384,18 @@ std::unique_ptr<MatmulPlan> make_plan(const char* op, cublasLtHandle_t lt, const
     set_desc(op, plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, static_cast<int32_t>(c_type));
     set_desc(op, plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
   }
-  check_lt(cublasLtMatrixLayoutCreate(&plan->first, ab_type, static_cast<uint64_t>(b.cols),
-                                      static_cast<uint64_t>(b.rows), b.cols),
+  check_lt(cublaslt().matrix_layout_create(&plan->first, ab_type, static_cast<uint64_t>(b.cols),
+                                           static_cast<uint64_t>(b.rows), b.cols),
            op, "cublasLtMatrixLayoutCreate");
-  check_lt(cublasLtMatrixLayoutCreate(&plan->second, ab_type, static_cast<uint64_t>(a.cols),
-                                      static_cast<uint64_t>(a.rows), a.cols),
+  check_lt(cublaslt().matrix_layout_create(&plan->second, ab_type, static_cast<uint64_t>(a.cols),
+                                           static_cast<uint64_t>(a.rows), a.cols),
            op, "cublasLtMatrixLayoutCreate");
-  check_lt(cublasLtMatrixLayoutCreate(&plan->out, c_type, static_cast<uint64_t>(c.cols),
-                                      static_cast<uint64_t>(c.rows), c.cols),
+  check_lt(cublaslt().matrix_layout_create(&plan->out, c_type, static_cast<uint64_t>(c.cols),
+                                           static_cast<uint64_t>(c.rows), c.cols),
            op, "cublasLtMatrixLayoutCreate");
 
   PreferenceHandle pref;
-  check_lt(cublasLtMatmulPreferenceCreate(&pref.pref), op, "cublasLtMatmulPreferenceCreate");
+  check_lt(cublaslt().matmul_preference_create(&pref.pref), op, "cublasLtMatmulPreferenceCreate");
   set_pref(op, pref.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
            static_cast<uint64_t>(CudaOps::kLtWorkspaceBytes));
   set_pref(op, pref.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align_b);
@@ -349,8 +406,8 @@ std::unique_ptr<MatmulPlan> make_plan(const char* op, cublasLtHandle_t lt, const
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   const cublasStatus_t status =
-      cublasLtMatmulAlgoGetHeuristic(lt, plan->desc, plan->first, plan->second, plan->out,
-                                     plan->out, pref.pref, 1, &result, &found);
+      cublaslt().matmul_algo_get_heuristic(lt, plan->desc, plan->first, plan->second, plan->out,
+                                           plan->out, pref.pref, 1, &result, &found);
   // NOT_SUPPORTED is the heuristic's "nothing fits this configuration".
   if (status != CUBLAS_STATUS_NOT_SUPPORTED) {
     check_lt(status, op, "cublasLtMatmulAlgoGetHeuristic");
@@ -390,9 +447,9 @@ bool lt_matmul(const char* op, PlanMap& plans, cublasLtHandle_t lt, void* worksp
   if (!plan.has_algo) return false;
   if (bias != nullptr) set_desc(op, plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
   // C and D are the same buffer and layout: beta = 1 accumulates in place.
-  check_lt(cublasLtMatmul(lt, plan.desc, &alpha, b.data, plan.first, a.data, plan.second, &beta,
-                          c.data, plan.out, c.data, plan.out, &plan.algo, workspace,
-                          CudaOps::kLtWorkspaceBytes, stream),
+  check_lt(cublaslt().matmul(lt, plan.desc, &alpha, b.data, plan.first, a.data, plan.second, &beta,
+                             c.data, plan.out, c.data, plan.out, &plan.algo, workspace,
+                             CudaOps::kLtWorkspaceBytes, stream),
            op, "cublasLtMatmul");
   return true;
 }
@@ -417,8 +474,8 @@ void check_launch(const char* kernel) {
 
 void check_cublas(cublasStatus_t status, const char* what) {
   if (status == CUBLAS_STATUS_SUCCESS) return;
-  throw Error(ErrorKind::cuda, std::string(what) + ": " + cublasLtGetStatusName(status) + " (" +
-                                   cublasLtGetStatusString(status) + ")");
+  throw Error(ErrorKind::cuda, std::string(what) + ": " + cublaslt().get_status_name(status) +
+                                   " (" + cublaslt().get_status_string(status) + ")");
 }
 
 void precondition_failed(const char* what, const std::string& reason) {
@@ -459,6 +516,10 @@ std::unique_ptr<Ops> make_cuda_ops(int device) {
   return std::make_unique<CudaOps>(device);
 }
 
+void load_cublaslt() {
+  static_cast<void>(cublaslt());
+}
+
 void* compute_stream(Ops& ops) {
   auto* cuda = dynamic_cast<CudaOps*>(&ops);
   if (cuda == nullptr) {
@@ -482,7 +543,7 @@ CudaOps::CudaOps(int device) : device_(device) {
     // serialises against the compute stream.
     check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
                (where + "cudaStreamCreateWithFlags").c_str());
-    check_cublas(cublasLtCreate(&lt_), (where + "cublasLtCreate").c_str());
+    check_cublas(cublaslt().create(&lt_), (where + "cublasLtCreate").c_str());
     check_cuda(
         cudaMalloc(&lt_workspace_, kLtWorkspaceBytes),
         (where + "cuBLASLt workspace of " + std::to_string(kLtWorkspaceBytes) + " bytes").c_str());

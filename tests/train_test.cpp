@@ -1,11 +1,13 @@
 // End-to-end training with real rank processes: accuracy, equivalence, metrics, workers by hand.
 #include <doctest/doctest.h>
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <cmath>
 #include <fstream>
 #include <map>
+#include <sstream>
 #include <string>
 
 #include "tests/harness.hpp"
@@ -374,4 +376,34 @@ TEST_CASE("a run of 0 steps reports a null final loss, and still evaluates") {
   const std::string console = r.out + r.err;
   CHECK(console.find("final loss none") != std::string::npos);
   CHECK(console.find("eval loss") != std::string::npos);
+}
+
+TEST_CASE("a CPU run never loads the GPU libraries, in the launcher or in a rank") {
+  TempDir tmp;
+  auto r = small_recipe();
+  r["train"]["steps"] = 400;
+  const auto recipe = write_recipe(tmp.path(), r);
+  const fs::path run_dir = tmp / "cpu";
+  Background launcher({"launch", recipe.string(), "--nproc", "2", "--run-dir", run_dir.string()},
+                      {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "30"}});
+  // The ranks train: every library they will use is loaded.
+  REQUIRE(eventually([&] {
+    return fs::exists(run_dir / "metrics.jsonl") &&
+           read_jsonl(run_dir / "metrics.jsonl").size() > 1;
+  }));
+  std::vector<pid_t> pids = {launcher.pid()};
+  std::istringstream children(read_text(fs::path("/proc") / std::to_string(launcher.pid()) /
+                                        "task" / std::to_string(launcher.pid()) / "children"));
+  for (pid_t child = 0; children >> child;)
+    pids.push_back(child);
+  CHECK(pids.size() == 3);
+  for (const pid_t pid : pids) {
+    CAPTURE(pid);
+    const std::string maps = read_text(fs::path("/proc") / std::to_string(pid) / "maps");
+    CHECK(maps.find("libgloo") != std::string::npos);  // what a rank does load
+    CHECK(maps.find("libcublas") == std::string::npos);
+    CHECK(maps.find("libnccl") == std::string::npos);
+  }
+  REQUIRE(::kill(launcher.pid(), SIGINT) == 0);
+  CHECK(launcher.wait(std::chrono::seconds(60)) == 130);
 }

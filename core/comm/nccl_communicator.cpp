@@ -8,6 +8,8 @@
 #include "core/error.hpp"
 
 #ifdef DPTRAIN_HAVE_CUDA
+#include "core/dynamic_library.hpp"
+
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 #include <nccl.h>
@@ -99,52 +101,34 @@ struct LoadedNccl {
   std::string reason;  // why not, when library is empty
 };
 
-template <typename Function>
-void bind(void* handle, const char* symbol, Function& out, std::string& missing) {
-  void* address = dlsym(handle, symbol);
-  if (address == nullptr) {
-    if (missing.empty()) missing = symbol;
-    return;
-  }
-  static_assert(sizeof(out) == sizeof(address));
-  std::memcpy(&out, &address, sizeof out);  // object pointer -> function pointer, as POSIX allows
-}
-
 LoadedNccl load_nccl() {
   LoadedNccl loaded;
   const char* configured = std::getenv("DPTRAIN_NCCL_LIBRARY");
-  const std::string name =
-      configured != nullptr && *configured != '\0' ? configured : "libnccl.so.2";
-  dlerror();
-  // Never closed: NCCL keeps threads and state for the life of the process.
-  void* handle = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (handle == nullptr) {
-    const char* why = dlerror();
-    loaded.reason = fmt::format("{} could not be loaded: {}", name, why ? why : "unknown error");
-    return loaded;
-  }
+  DynamicLibrary library(configured != nullptr && *configured != '\0' ? configured
+                                                                      : "libnccl.so.2");
   NcclLibrary nccl;
-  nccl.name = name;
-  std::string missing;
-  bind(handle, "ncclGetVersion", nccl.get_version, missing);
-  bind(handle, "ncclGetUniqueId", nccl.get_unique_id, missing);
-  bind(handle, "ncclCommInitRankConfig", nccl.comm_init_rank_config, missing);
-  bind(handle, "ncclCommGetAsyncError", nccl.comm_get_async_error, missing);
-  bind(handle, "ncclCommFinalize", nccl.comm_finalize, missing);
-  bind(handle, "ncclCommDestroy", nccl.comm_destroy, missing);
-  bind(handle, "ncclCommAbort", nccl.comm_abort, missing);
-  bind(handle, "ncclGetErrorString", nccl.get_error_string, missing);
-  bind(handle, "ncclGetLastError", nccl.get_last_error, missing);
-  bind(handle, "ncclAllReduce", nccl.all_reduce, missing);
-  bind(handle, "ncclReduceScatter", nccl.reduce_scatter, missing);
-  bind(handle, "ncclBroadcast", nccl.broadcast, missing);
-  bind(handle, "ncclAllGather", nccl.all_gather, missing);
-  bind(handle, "ncclSend", nccl.send, missing);
-  bind(handle, "ncclRecv", nccl.recv, missing);
-  if (!missing.empty()) {
-    loaded.reason = fmt::format("{} has no {} (dptrain needs NCCL 2.18 or newer)", name, missing);
+  nccl.name = library.name();
+  library.bind("ncclGetVersion", nccl.get_version);
+  library.bind("ncclGetUniqueId", nccl.get_unique_id);
+  library.bind("ncclCommInitRankConfig", nccl.comm_init_rank_config);
+  library.bind("ncclCommGetAsyncError", nccl.comm_get_async_error);
+  library.bind("ncclCommFinalize", nccl.comm_finalize);
+  library.bind("ncclCommDestroy", nccl.comm_destroy);
+  library.bind("ncclCommAbort", nccl.comm_abort);
+  library.bind("ncclGetErrorString", nccl.get_error_string);
+  library.bind("ncclGetLastError", nccl.get_last_error);
+  library.bind("ncclAllReduce", nccl.all_reduce);
+  library.bind("ncclReduceScatter", nccl.reduce_scatter);
+  library.bind("ncclBroadcast", nccl.broadcast);
+  library.bind("ncclAllGather", nccl.all_gather);
+  library.bind("ncclSend", nccl.send);
+  library.bind("ncclRecv", nccl.recv);
+  if (std::string problem = library.problem(); !problem.empty()) {
+    loaded.reason =
+        library.loaded() ? problem + " (dptrain needs NCCL 2.18 or newer)" : std::move(problem);
     return loaded;
   }
+  const std::string& name = nccl.name;
   int version = 0;
   const ncclResult_t result = nccl.get_version(&version);
   if (result != ncclSuccess) {
