@@ -196,6 +196,7 @@ int run_bench_launcher(const BenchCommOptions& o) {
   if (o.backend == "nccl" && o.hosts.hosts.empty()) check_local_nccl(spec.world_size);
   spec.nominal_world = spec.world_size;
   spec.remote = o.remote.get(o.hosts);
+  spec.env = o.remote.rank_env();
   spec.backend = o.backend;
   // NCCL ranks get one GPU each: the agent narrows CUDA_VISIBLE_DEVICES to local rank r's device.
   spec.one_gpu_per_rank = o.backend == "nccl";

@@ -157,6 +157,7 @@ int run_bench_train_cmd(const BenchTrainCliOptions& o) {
   const std::vector<BenchWorld> worlds = sweep_worlds(o, hosts, device);
   if (device == "cuda") check_local_gpus_for(o, worlds.back());
   spec.remote = o.remote.get(o.hosts);
+  spec.env = o.remote.rank_env();
   spec.backend = o.backend.empty() ? spec.recipe.distributed.backend : o.backend;
   spec.backend = resolve_backend(spec.backend);
   spec.worker_binary = self_executable();

@@ -96,6 +96,10 @@ void add_remote_job_options(CLI::App& app, RemoteJobOptions& o) {
                  "Address the store listens on and ranks dial (default: 127.0.0.1 on one "
                  "machine, else the address this machine reaches the first remote host from)");
   app.add_option("--master-port", o.master_port, "Store port (default: a free port)");
+  app.add_option("--env", o.env,
+                 "NAME=VALUE: set NAME for every rank on every host; NAME: pass this "
+                 "environment's NAME (its value is neither printed nor recorded). Repeatable")
+      ->allow_extra_args(false);  // one setting per --env: a recipe after it is not a setting
 }
 
 }  // namespace dptrain::cli

@@ -35,14 +35,18 @@ void place_ranks(JobSpec& spec, const HostOptions& hosts, const std::string& npr
 // `hosts_required`: --hosts must be given (provision, doctor); otherwise it is optional (launch).
 void add_host_options(CLI::App& app, HostOptions& o, bool hosts_required);
 
-// How a job reaches its remote hosts and they reach it back (launch, resume).
+// How a job reaches its remote hosts and they reach it back, and what its ranks get in their
+// environment (launch, resume, bench).
 struct RemoteJobOptions {
   std::string workdir;  // empty: kDefaultWorkdir, or on resume the one the run recorded
   std::string remote_binary;
   std::string master_addr;
   int master_port = 0;
+  std::vector<std::string> env;  // --env NAME[=VALUE], repeatable
   // Error(usage) for a bad port.
   RemoteOptions get(const HostOptions& hosts) const;
+  // --env as the ranks get it; Error(usage) naming a bad setting.
+  RankEnv rank_env() const { return RankEnv::parse(env); }
 };
 void add_remote_job_options(CLI::App& app, RemoteJobOptions& o);
 

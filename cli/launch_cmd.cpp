@@ -39,6 +39,7 @@ JobSpec job_spec(const LaunchOptions& o) {
   place_ranks(spec, o.hosts, o.nproc, o.nnodes, 1);
   spec.nominal_world = spec.world_size;
   spec.remote = o.remote.get(o.hosts);
+  spec.env = o.remote.rank_env();
   spec.backend = o.backend.empty() ? spec.recipe.distributed.backend : o.backend;
   resolve_backend(spec.backend);  // refuse an unavailable backend before creating anything
   if (spec.backend == "nccl" && spec.recipe.train.device != "cuda") {

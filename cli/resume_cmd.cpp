@@ -112,6 +112,9 @@ int run_resume(const ResumeOptions& o) {
     remote.remote_binary = recorded_remote.value("remote_binary", std::string());
   }
   spec.remote = remote.get(o.hosts);
+  // The ranks get what the launch gave them with --env, and what this resume gives.
+  spec.env = RankEnv::resumed(run.info().value("env", nlohmann::json::object()),
+                              (run.path() / "run.json").string(), o.remote.rank_env());
   check_hosts_resolve(spec);  // a host name that does not resolve: exit 4, run.json untouched
   if (!run.info().contains("recipe")) {
     throw Error(ErrorKind::usage,

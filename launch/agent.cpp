@@ -66,9 +66,14 @@ fs::path expand_home(const std::string& path) {
   return fs::path(home ? home : "/") / path.substr(std::min<size_t>(2, path.size()));
 }
 
-std::string gpu_of_local_rank(int local_rank) {
-  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
-  if (visible == nullptr || *visible == '\0') return std::to_string(local_rank);
+std::string gpu_of_local_rank(int local_rank, const std::map<std::string, std::string>& job_env) {
+  const auto given = job_env.find("CUDA_VISIBLE_DEVICES");
+  const char* visible =
+      given != job_env.end() ? given->second.c_str() : std::getenv("CUDA_VISIBLE_DEVICES");
+  if (visible == nullptr || *visible == '\0') {
+    // The job's empty list names no GPU; the host's empty one means none was chosen.
+    return given != job_env.end() ? "-1" : std::to_string(local_rank);
+  }
   std::vector<std::string> devices;
   std::string current;
   for (const char* c = visible;; ++c) {
@@ -115,10 +120,14 @@ std::vector<ProcessSpec> worker_specs(const AgentPlan& plan, const fs::path& wor
     if (plan.nominal_world > 0) {
       p.env.emplace_back("DPTRAIN_NOMINAL_WORLD", std::to_string(plan.nominal_world));
     }
-    if (plan.one_gpu_per_rank) p.env.emplace_back("CUDA_VISIBLE_DEVICES", gpu_of_local_rank(local));
+    if (plan.one_gpu_per_rank) {
+      p.env.emplace_back("CUDA_VISIBLE_DEVICES", gpu_of_local_rank(local, plan.env));
+    }
     if (!plan.secret.empty()) p.env.emplace_back(kStoreSecretEnv, plan.secret);
-    for (const auto& [k, v] : plan.env)
-      p.env.emplace_back(k, v);
+    for (const auto& [k, v] : plan.env) {
+      // The job's GPU list is where the rank's one GPU came from, above.
+      if (!(plan.one_gpu_per_rank && k == "CUDA_VISIBLE_DEVICES")) p.env.emplace_back(k, v);
+    }
     p.log_file = plan.run_dir / "logs" / fmt::format("{}-rank{}.log", plan.host, rank);
     specs.push_back(std::move(p));
   }

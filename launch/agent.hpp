@@ -28,7 +28,9 @@ struct AgentPlan {
   bool one_gpu_per_rank = false;
   std::string resume_from;  // a checkpoint directory on that host, "newest[-or-start]", or empty
   std::vector<int> ranks;   // global ranks on this host; local rank = index
-  std::map<std::string, std::string> env;  // extra environment for the workers
+  // Extra environment for the workers: the job's --env, and on remote hosts what the launcher
+  // forwards (job.cpp). Never a name the workers get from worker_specs (set_for_each_rank).
+  std::map<std::string, std::string> env;
   // What each rank runs after the binary; empty: "worker RUN_DIR/recipe.json --run-dir RUN_DIR
   // [--resume FROM]". Benchmarks run their own worker command this way.
   std::vector<std::string> worker_args;
@@ -41,9 +43,10 @@ struct AgentPlan {
 // "~/x" -> $HOME/x; anything else unchanged.
 std::filesystem::path expand_home(const std::string& path);
 
-// The GPU local rank i gets: the i-th entry of this process's CUDA_VISIBLE_DEVICES when set
-// ("-1", none, past its end), else "i".
-std::string gpu_of_local_rank(int local_rank);
+// The GPU local rank i gets: the i-th entry of the job's CUDA_VISIBLE_DEVICES (--env) when it
+// has one, else of this process's when set ("-1", none, past its end), else "i".
+std::string gpu_of_local_rank(int local_rank,
+                              const std::map<std::string, std::string>& job_env = {});
 
 // The worker processes of a plan: argv, environment (the secret through the environment only),
 // and log files under run_dir/logs.

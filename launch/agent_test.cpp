@@ -1,10 +1,11 @@
-// Tests of what an agent starts: each rank's GPU when the job runs on CUDA.
+// Tests of what an agent starts: each rank's GPU when the job runs on CUDA, and its environment.
 #include "launch/agent.hpp"
 
 #include <doctest/doctest.h>
 
 #include <string>
 
+#include "launch/rank_env.hpp"
 #include "tests/scoped_env.hpp"
 
 namespace dptrain {
@@ -61,6 +62,46 @@ TEST_CASE("agent: workers get CUDA_VISIBLE_DEVICES only when the job runs on GPU
 
   // The flag travels to remote agents with the plan.
   CHECK(AgentPlan::from_json(plan.to_json()).one_gpu_per_rank);
+}
+
+TEST_CASE("agent: a GPU list the job gives (--env) is the one each host's ranks take from") {
+  ScopedEnv visible("CUDA_VISIBLE_DEVICES", "0,1,2,3");
+  const std::map<std::string, std::string> job = {{"CUDA_VISIBLE_DEVICES", "6,7"}};
+  CHECK(gpu_of_local_rank(0, job) == "6");
+  CHECK(gpu_of_local_rank(1, job) == "7");
+  CHECK(gpu_of_local_rank(2, job) == "-1");
+  CHECK(gpu_of_local_rank(0, {{"CUDA_VISIBLE_DEVICES", ""}}) == "-1");  // names none
+
+  AgentPlan plan = two_rank_plan();
+  plan.env = {{"CUDA_VISIBLE_DEVICES", "6,7"}, {"NCCL_SOCKET_IFNAME", "eth1"}};
+  plan.one_gpu_per_rank = true;
+  auto specs = worker_specs(plan, "/bin/dptrain");
+  for (size_t i = 0; i < 2; ++i) {
+    CAPTURE(i);
+    // One entry per name: the rank's own GPU, not the list as well.
+    int count = 0;
+    for (const auto& [k, v] : specs[i].env)
+      count += k == "CUDA_VISIBLE_DEVICES";
+    CHECK(count == 1);
+    CHECK(env_of(specs[i], "CUDA_VISIBLE_DEVICES") == (i == 0 ? "6" : "7"));
+    CHECK(env_of(specs[i], "NCCL_SOCKET_IFNAME") == "eth1");
+  }
+  // On CPU ranks the list is passed as it is.
+  plan.one_gpu_per_rank = false;
+  specs = worker_specs(plan, "/bin/dptrain");
+  CHECK(env_of(specs[1], "CUDA_VISIBLE_DEVICES") == "6,7");
+}
+
+TEST_CASE("agent: every variable it sets for a rank is one --env may not change") {
+  AgentPlan plan = two_rank_plan();
+  plan.secret = "s";
+  plan.nominal_world = 4;
+  plan.one_gpu_per_rank = true;
+  const auto specs = worker_specs(plan, "/bin/dptrain");
+  for (const auto& [k, v] : specs.front().env) {
+    CAPTURE(k);
+    CHECK((set_for_each_rank(k) || k == "CUDA_VISIBLE_DEVICES"));
+  }
 }
 
 }  // namespace dptrain

@@ -58,6 +58,10 @@ void require_local_gpus(const std::vector<HostSpec>& hosts, int world, const std
 
 void check_local_gpus(const JobSpec& spec) {
   if (!spec.one_gpu_per_rank && spec.recipe.train.device != "cuda") return;
+  int ranks_per_host = spec.hosts.empty() ? spec.world_size : 0;
+  for (const HostSpec& h : spec.candidates.empty() ? spec.hosts : spec.candidates)
+    ranks_per_host = std::max(ranks_per_host, h.slots);
+  spec.env.check_gpu_list(ranks_per_host);
   require_local_gpus(
       spec.hosts, spec.world_size,
       spec.recipe.train.device == "cuda" ? "train.device \"cuda\"" : "--backend nccl");
@@ -147,10 +151,16 @@ ProcessSpec relay_spec(const JobSpec& spec, const RelayPlan& plan, const fs::pat
   return p;
 }
 
-json redacted_env(const std::vector<std::pair<std::string, std::string>>& env) {
+// A worker's environment as a plan shows it: without the store's secret or the values --env took
+// from the launcher's environment.
+json redacted_env(const std::vector<std::pair<std::string, std::string>>& env,
+                  const RankEnv& job_env) {
   json out = json::object();
-  for (const auto& [k, v] : env)
-    out[k] = k == kStoreSecretEnv ? std::string("<redacted>") : v;
+  for (const auto& [k, v] : env) {
+    const bool hidden =
+        k == kStoreSecretEnv || (job_env.from_launcher.count(k) != 0 && job_env.values.at(k) == v);
+    out[k] = hidden ? std::string("<redacted>") : v;
+  }
   return out;
 }
 
@@ -258,7 +268,9 @@ void check_hosts_resolve(const JobSpec& spec) {
 
 std::vector<std::string> check_fault_injection(const JobSpec& spec, int64_t first_step,
                                                int first_generation) {
-  const char* text = std::getenv("DPTRAIN_FAULT");
+  const auto given = spec.env.values.find("DPTRAIN_FAULT");
+  const char* text =
+      given != spec.env.values.end() ? given->second.c_str() : std::getenv("DPTRAIN_FAULT");
   if (text == nullptr || *text == '\0') return {};
   return unreachable_faults(parse_faults(text), spec.recipe.train.steps, spec.world_size,
                             spec.recipe.checkpoint.every, first_step, first_generation);
@@ -288,7 +300,7 @@ JobPlan plan_job(const JobSpec& spec, const fs::path& run_path, const std::strin
     a.resume_from = spec.resume_from.string();
     for (int i = 0; i < h.slots; ++i)
       a.ranks.push_back(next_rank++);
-    a.env = spec.worker_env;
+    a.env = spec.env.values;
     a.worker_args = spec.worker_args;
     if (!h.is_local()) {
       // Local ranks inherit the launcher's environment; remote ones get these passed on.
@@ -317,7 +329,7 @@ json JobPlan::to_json(const JobSpec& spec) const {
       workers.push_back({{"rank", w.rank},
                          {"local_rank", workers.size()},
                          {"command", w.argv},
-                         {"env", redacted_env(w.env)}});
+                         {"env", redacted_env(w.env, spec.env)}});
     }
     json host = {{"host", h.display()},
                  {"slots", h.slots},
@@ -399,6 +411,9 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     info["remote"] = {{"workdir", spec.remote.workdir},
                       {"remote_binary", spec.remote.remote_binary}};
   }
+  // What --env gave the ranks, for `dptrain resume` to give them again (a value taken from the
+  // launcher's environment is null: it is taken from resume's then).
+  info["env"] = spec.env.record();
   info["status"] = "running";
   info.erase("error");  // an earlier invocation's end, between generations
   // Who runs the job, and a stamp renewed while it does: how `dptrain status` on another machine

@@ -15,6 +15,7 @@
 #include "launch/elastic.hpp"
 #include "launch/events.hpp"
 #include "launch/hostfile.hpp"
+#include "launch/rank_env.hpp"
 #include "launch/run_dir.hpp"
 #include "launch/ssh.hpp"
 #include "launch/status.hpp"
@@ -53,7 +54,7 @@ struct JobSpec {
   std::filesystem::path resume_from;
   std::filesystem::path worker_binary;  // this executable
   RemoteOptions remote;
-  std::map<std::string, std::string> worker_env;  // extra environment for every rank
+  RankEnv env;  // --env: what every rank gets on top of its host's environment
   // What every rank runs after the binary instead of the trainer (AgentPlan::worker_args): a
   // benchmark. Rank 0 reports its outcome as a "result" event like the trainer's.
   std::vector<std::string> worker_args;
@@ -102,7 +103,8 @@ std::string resolve_backend(const std::string& requested);
 // Remote hosts are checked by their own ranks.
 void require_local_gpus(const std::vector<HostSpec>& hosts, int world, const std::string& who);
 // The same for a job: its ranks on this machine when train.device is "cuda" (or
-// one_gpu_per_rank).
+// one_gpu_per_rank); and a GPU list given with --env must name a GPU for each of a host's ranks
+// (Error(usage)).
 void check_local_gpus(const JobSpec& spec);
 
 // The plan of a job: hosts in order, ranks assigned in blocks of their slots.
@@ -125,7 +127,8 @@ std::string resolve_master_addr(const JobSpec& spec);
 // --nnodes): found before anything is made for the run.
 void check_hosts_resolve(const JobSpec& spec);
 
-// DPTRAIN_FAULT (fault injection for tests) as the ranks will read it: Error(usage) when it does
+// DPTRAIN_FAULT (fault injection for tests; the launcher's, or the job's --env) as the ranks
+// will read it: Error(usage) when it does
 // not parse; a warning for each fault that can never fire in this job, continued from
 // `first_step` in generation `first_generation`.
 std::vector<std::string> check_fault_injection(const JobSpec& spec, int64_t first_step = 0,

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "tests/harness.hpp"
+#include "tests/strings.hpp"
 
 using namespace dptrain::test;
 namespace fs = std::filesystem;
@@ -84,6 +85,20 @@ TEST_CASE("usage errors exit 2") {
     CHECK_MESSAGE(bad.err.find(flag) != std::string::npos, bad.err);
     CHECK_MESSAGE(bad.err.find("'" + value + "' " + says) != std::string::npos, bad.err);
     CHECK(bad.err.find("179769") == std::string::npos);
+  }
+  CHECK_FALSE(fs::exists(tmp / "runs"));
+  // --env: a setting that is not a variable, one the launcher owns, or a name not set here.
+  for (const auto& [setting, says] : std::vector<std::array<std::string, 2>>{
+           {"9LIVES=1", "--env '9LIVES=1': '9LIVES' is not a variable name"},
+           {"WORLD_SIZE=8", "--env WORLD_SIZE: the launcher sets WORLD_SIZE for each rank"},
+           {"DPTRAIN_TEST_NOT_SET", "--env DPTRAIN_TEST_NOT_SET is not set in this environment"}}) {
+    CAPTURE(setting);
+    auto bad = run_dptrain({"launch", recipe.string(), "--env", setting, "--runs-root",
+                            (tmp / "runs").string(), "--json"});
+    CHECK(bad.exit_code == 2);
+    CHECK(lines_of(bad.err).size() == 1);
+    CHECK_MESSAGE(bad.err.find(says) != std::string::npos, bad.err);
+    CHECK(parse_json(bad.out)["exit_code"] == 2);
   }
   CHECK_FALSE(fs::exists(tmp / "runs"));
   // Unsigned options do not wrap a negative value around.

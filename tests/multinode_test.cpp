@@ -40,6 +40,17 @@ std::map<int, pid_t> workers_of(const std::string& run_name) {
   return found;
 }
 
+// The environment of a running process.
+std::map<std::string, std::string> environ_of(pid_t pid) {
+  std::map<std::string, std::string> env;
+  std::istringstream text(read_text(fs::path("/proc") / std::to_string(pid) / "environ"));
+  for (std::string var; std::getline(text, var, '\0');) {
+    const auto eq = var.find('=');
+    if (eq != std::string::npos) env[var.substr(0, eq)] = var.substr(eq + 1);
+  }
+  return env;
+}
+
 json quick_recipe() {
   auto r = small_recipe();
   r["train"]["steps"] = 200;
@@ -147,20 +158,28 @@ TEST_CASE("--dry-run --json prints the plan and starts nothing") {
   Cluster c;
   const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
   auto args = c.launch_args(recipe, c.tmp / "dry");
-  args.push_back("--dry-run");
-  args.push_back("--json");
+  args.insert(args.end(), {"--dry-run", "--json", "--env", "MKL_NUM_THREADS=3", "--env",
+                           "DPTRAIN_TEST_TOKEN", "--env", "NCCL_SOCKET_IFNAME=lo"});
   // The BLAS settings go to remote ranks with the job (local ones inherit them): every rank
-  // picks the same kernels. Other variables stay here.
-  auto r = run_dptrain(
-      args,
-      {{"OPENBLAS_CORETYPE", "Haswell"}, {"OMP_NUM_THREADS", "1"}, {"UNRELATED_SETTING", "1"}});
+  // picks the same kernels. Other variables stay here unless --env names them; --env wins, and
+  // a value it takes from here is not shown.
+  auto r = run_dptrain(args, {{"OPENBLAS_CORETYPE", "Haswell"},
+                              {"OMP_NUM_THREADS", "1"},
+                              {"MKL_NUM_THREADS", "1"},
+                              {"UNRELATED_SETTING", "1"},
+                              {"NCCL_SOCKET_IFNAME", "eth0"},
+                              {"DPTRAIN_TEST_TOKEN", "s3cret"}});
   INFO(r.err);
   REQUIRE(r.exit_code == 0);
+  CHECK(r.out.find("s3cret") == std::string::npos);
   const json plan = parse_json(r.out);
   for (const auto& host : plan["hosts"]) {
     const json& env = host["workers"][0]["env"];
     CHECK(env["OPENBLAS_CORETYPE"] == "Haswell");
     CHECK(env["OMP_NUM_THREADS"] == "1");
+    CHECK(env["MKL_NUM_THREADS"] == "3");
+    CHECK(env["NCCL_SOCKET_IFNAME"] == "lo");
+    CHECK(env["DPTRAIN_TEST_TOKEN"] == "<redacted>");
     CHECK_FALSE(env.contains("UNRELATED_SETTING"));
   }
   CHECK(plan["world_size"] == 4);
@@ -176,6 +195,71 @@ TEST_CASE("--dry-run --json prints the plan and starts nothing") {
       run_dptrain({"launch", recipe.string(), "--hosts", c.hostfile.string(), "--dry-run"});
   CHECK(table.exit_code == 0);
   CHECK(table.out.find(c.sshd.addresses()[2]) != std::string::npos);
+}
+
+TEST_CASE("--env reaches every rank on every host, and resume gives it again") {
+  Cluster c;
+  const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
+  const fs::path run_dir = c.tmp / "passes-env";
+  // The ranks of a running job, each with its environment, once all 4 have started.
+  const auto rank_envs = [](const std::string& run_name) {
+    std::map<int, std::map<std::string, std::string>> envs;
+    REQUIRE(eventually([&] {
+      const auto workers = workers_of(run_name);
+      envs.clear();
+      for (const auto& [rank, pid] : workers)
+        envs[rank] = environ_of(pid);
+      return envs.size() == 4;
+    }));
+    return envs;
+  };
+  auto args = c.launch_args(recipe, run_dir);
+  args.insert(args.end(), {"--env", "DPTRAIN_TEST_SETTING=a b=c", "--env", "DPTRAIN_TEST_KEPT=1",
+                           "--env", "DPTRAIN_TEST_TOKEN"});
+  {
+    Background launcher(args,
+                        {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "30"}, {"DPTRAIN_TEST_TOKEN", "s3cret"}});
+    for (const auto& [rank, env] : rank_envs("passes-env")) {
+      CAPTURE(rank);
+      CHECK(env.at("DPTRAIN_TEST_SETTING") == "a b=c");
+      CHECK(env.at("DPTRAIN_TEST_KEPT") == "1");
+      CHECK(env.at("DPTRAIN_TEST_TOKEN") == "s3cret");
+    }
+    REQUIRE(::kill(launcher.pid(), SIGINT) == 0);
+    REQUIRE(launcher.wait(std::chrono::seconds(60)) == 130);
+  }
+  // The agents stop their ranks once the launcher has gone: none is left to be taken for one of
+  // the resumed run's.
+  REQUIRE(eventually([] { return workers_of("passes-env").empty(); }, std::chrono::seconds(15)));
+  // run.json keeps what resume needs, and not the value taken from the launcher's environment.
+  const std::string recorded = read_text(run_dir / "run.json");
+  CHECK(recorded.find("s3cret") == std::string::npos);
+  CHECK(parse_json(recorded)["env"] == json({{"DPTRAIN_TEST_SETTING", "a b=c"},
+                                             {"DPTRAIN_TEST_KEPT", "1"},
+                                             {"DPTRAIN_TEST_TOKEN", nullptr}}));
+  std::vector<std::string> resume = {"resume",        run_dir.string(),
+                                     "--hosts",       c.hostfile.string(),
+                                     "--known-hosts", c.sshd.known_hosts().string()};
+  // Where the launch took a value from its environment, resume needs it there too.
+  auto refused = run_dptrain(resume);
+  CHECK(refused.exit_code == 2);
+  CHECK_MESSAGE(refused.err.find("the launch passed DPTRAIN_TEST_TOKEN from its environment "
+                                 "(--env DPTRAIN_TEST_TOKEN), but DPTRAIN_TEST_TOKEN is not set") !=
+                    std::string::npos,
+                refused.err);
+  CHECK(read_text(run_dir / "run.json") == recorded);
+  resume.insert(resume.end(), {"--env", "DPTRAIN_TEST_SETTING=changed"});
+  Background resumed(resume,
+                     {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "30"}, {"DPTRAIN_TEST_TOKEN", "again"}});
+  for (const auto& [rank, env] : rank_envs("passes-env")) {
+    CAPTURE(rank);
+    CHECK(env.at("DPTRAIN_TEST_SETTING") == "changed");
+    CHECK(env.at("DPTRAIN_TEST_KEPT") == "1");
+    CHECK(env.at("DPTRAIN_TEST_TOKEN") == "again");
+  }
+  REQUIRE(::kill(resumed.pid(), SIGINT) == 0);
+  CHECK(resumed.wait(std::chrono::seconds(60)) == 130);
+  CHECK(parse_json(read_text(run_dir / "run.json"))["env"]["DPTRAIN_TEST_SETTING"] == "changed");
 }
 
 TEST_CASE("killing one remote worker tears down all 4 ranks and names it") {
