@@ -25,6 +25,7 @@
 #include "core/comm/tcp_store.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
+#include "core/json_error.hpp"
 #include "core/tensor/device.hpp"
 #include "core/tensor/ops.hpp"
 #include "launch/job.hpp"
@@ -204,7 +205,7 @@ int run_bench_launcher(const BenchCommOptions& o) {
   json worker = options.to_json();
   worker["timeout_s"] = o.timeout_s;
   worker["backend"] = o.backend;
-  spec.worker_args = {"bench", "comm", "--worker", worker.dump()};
+  spec.worker_args = {"bench", "comm", "--worker", json_text(worker)};
   const int hosts = spec.hosts.empty() ? 1 : static_cast<int>(spec.hosts.size());
 
   check_hosts_resolve(spec);  // a host name that does not resolve: exit 4, nothing created
@@ -244,11 +245,11 @@ int run_bench_launcher(const BenchCommOptions& o) {
   j["errors"] = errors;
   if (exit_code != 0) add_failure(j, exit_code, errors);
   // Rank 0 does not know the hosts or the verdict: the run keeps the launcher's whole result.
-  write_file_atomic(run.path() / "result.json", j.dump(2) + "\n");
+  write_file_atomic(run.path() / "result.json", json_text(j, 2) + "\n");
   run.info()["result"] = j;
   run.save();
   if (o.json) {
-    std::printf("%s\n", j.dump().c_str());
+    std::printf("%s\n", json_text(j).c_str());
   } else {
     std::fputs(table.c_str(), stdout);
   }
@@ -293,7 +294,7 @@ int run_bench_worker(const std::string& serialized) {
   check_backend(backend);
   const bool events = rank == 0 && env("DPTRAIN_EVENTS").value_or("0") == "1";
   const auto emit = [](const json& event) {
-    std::printf("@event %s\n", event.dump().c_str());
+    std::printf("@event %s\n", json_text(event).c_str());
     std::fflush(stdout);
   };
   const auto [host, port] = parse_host_port(store_addr);

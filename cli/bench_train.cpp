@@ -9,6 +9,7 @@
 #include "cli/host_options.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
+#include "core/json_error.hpp"
 #include "core/recipe.hpp"
 #include "core/tensor/device.hpp"
 #include "launch/bench_train.hpp"
@@ -219,13 +220,13 @@ int run_bench_train_cmd(const BenchTrainCliOptions& o) {
 
   nlohmann::json out = report.to_json();
   out["status"] = "completed";
-  write_file_atomic(sweep_dir / "bench.json", out.dump(2) + "\n");
+  write_file_atomic(sweep_dir / "bench.json", json_text(out, 2) + "\n");
   if (!o.svg.empty()) {
     write_file_atomic(o.svg, report.svg());
     std::fprintf(stderr, "bench train: chart written to %s\n", o.svg.c_str());
   }
   if (o.json) {
-    std::printf("%s\n", out.dump().c_str());
+    std::printf("%s\n", json_text(out).c_str());
   } else {
     std::fputs(report.table().c_str(), stdout);
   }

@@ -19,6 +19,7 @@
 #include "core/checkpoint.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
+#include "core/json_error.hpp"
 #include "launch/run_dir.hpp"
 #include "launch/supervisor.hpp"
 
@@ -197,10 +198,19 @@ struct CheckedRun {
 CheckedRun open_run(const std::string& dir) {
   std::error_code ec;
   const fs::path p(dir);
-  if (!fs::exists(p / "run.json", ec) && fs::is_directory(p / "checkpoints", ec)) {
+  const bool has_checkpoints = fs::is_directory(p / "checkpoints", ec);
+  if (!fs::exists(p / "run.json", ec) && has_checkpoints) {
     return {fs::absolute(p).lexically_normal()};
   }
-  return {RunDirectory::open(p).path()};
+  try {
+    return {RunDirectory::open(p).path()};
+  } catch (const Error& e) {
+    // Only checkpoints/ is read: a run.json torn by a crash does not keep them from being checked.
+    if (!has_checkpoints || e.kind() != ErrorKind::usage) throw;
+    std::fprintf(stderr, "dptrain: warning: %s; checking its checkpoints/ all the same\n",
+                 first_line(e.what()).c_str());
+    return {fs::absolute(p).lexically_normal()};
+  }
 }
 
 // Each of `dirs` verified, in order; when `stop` says so (a SIGINT or SIGTERM came), the rest are
@@ -210,7 +220,8 @@ std::vector<CheckpointRow> inspect_all(const std::vector<fs::path>& dirs, const 
   std::vector<CheckpointRow> rows;
   for (const auto& dir : dirs) {
     if (stop && stop()) break;
-    rows.push_back(inspect(dir, latest));
+    CheckpointRow row = inspect(dir, latest);
+    if (!row.status.gone) rows.push_back(std::move(row));  // pruned by the run meanwhile
   }
   return rows;
 }
@@ -230,7 +241,7 @@ int run_list(const CkptOptions& o) {
               {"checkpoints", json::array()}};
   for (const auto& row : rows)
     out["checkpoints"].push_back(row_json(row));
-  std::printf("%s\n", out.dump().c_str());
+  std::printf("%s\n", json_text(out).c_str());
   return 0;
 }
 
@@ -293,7 +304,7 @@ int run_verify(const CkptOptions& o) {
     } else {
       add_failure(out, code, errors);
     }
-    std::printf("%s\n", out.dump().c_str());
+    std::printf("%s\n", json_text(out).c_str());
   } else {
     print_verify_table(rows, check_latest_too ? &latest : nullptr);
   }

@@ -26,6 +26,7 @@
 #include "core/data/tokens.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
+#include "core/json_error.hpp"
 #include "launch/status.hpp"
 #include "launch/supervisor.hpp"
 
@@ -341,7 +342,7 @@ void write_dataset(const PrepareSummary& s, const Tokenizer& tokenizer,
     write("train.bin", all.first(train));
     write("val.bin", all.subspan(train));
     tokenizer.save(tmp);
-    write_file_atomic(tmp / "meta.json", meta_json(s, val_fraction).dump(2) + "\n");
+    write_file_atomic(tmp / "meta.json", json_text(meta_json(s, val_fraction), 2) + "\n");
     fsync_directory(tmp);
     status.check_stop();  // the last moment a stop leaves OUT as it was
     if (fs::exists(fs::symlink_status(out))) {
@@ -382,7 +383,7 @@ void print_summary(const PrepareSummary& s, bool as_json) {
                       {"train_tokens", s.train_tokens},
                       {"val_tokens", s.val_tokens},
                       {"dtype", dtype_name(s.dtype_bytes)}};
-    std::printf("%s\n", out.dump().c_str());
+    std::printf("%s\n", json_text(out).c_str());
     return;
   }
   std::printf("%s",

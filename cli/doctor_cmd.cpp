@@ -10,6 +10,7 @@
 #include "cli/host_options.hpp"
 #include "cli/json_errors.hpp"
 #include "core/error.hpp"
+#include "core/json_error.hpp"
 #include "launch/doctor.hpp"
 #include "launch/job.hpp"
 
@@ -67,7 +68,7 @@ int run_doctor_cmd(const DoctorCliOptions& o) {
       }
       add_failure(out, code, errors);
     }
-    std::printf("%s\n", out.dump().c_str());
+    std::printf("%s\n", json_text(out).c_str());
   } else {
     const std::string not_run = skipped > 0 ? fmt::format(", {} not run", skipped) : "";
     std::printf("%s\n", failed == 0 ? ("all checks passed" + not_run).c_str()

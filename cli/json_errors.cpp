@@ -29,6 +29,16 @@ void add_failure(nlohmann::json& out, int exit_code, const std::vector<std::stri
 }
 
 void add_failure(nlohmann::json& out, int exit_code, const std::string& text) {
+  // "error" is the first message with the lines below it (a failed rank's log excerpt).
+  if (!out.contains("error")) {
+    std::string main;
+    std::istringstream lines(text);
+    for (std::string line; std::getline(lines, line);) {
+      if (!main.empty() && !continuation(line)) break;
+      main += (main.empty() ? "" : "\n") + line;
+    }
+    out["error"] = main;
+  }
   add_failure(out, exit_code, error_messages(text));
 }
 

@@ -13,8 +13,9 @@ namespace dptrain::cli {
 // Prints `text` on stderr: "dptrain: error: " before each message, continuation lines as they are.
 void print_error_lines(const std::string& text);
 
-// Adds "exit_code" and "errors" (every message of `text`), and "error" (the first message) and
-// "status" ("error") unless `out` has them.
+// Adds "exit_code" and "errors" (every message of `text`), and "error" (the first message, with
+// the indented lines below it: a failed rank's log excerpt) and "status" ("error") unless `out`
+// has them.
 void add_failure(nlohmann::json& out, int exit_code, const std::string& text);
 void add_failure(nlohmann::json& out, int exit_code, const std::vector<std::string>& errors);
 

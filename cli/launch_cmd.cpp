@@ -8,6 +8,7 @@
 #include "cli/host_options.hpp"
 #include "cli/run_report.hpp"
 #include "core/error.hpp"
+#include "core/json_error.hpp"
 #include "core/recipe.hpp"
 #include "core/trainer.hpp"
 #include "launch/job.hpp"
@@ -58,7 +59,7 @@ void print_dry_run(const JobSpec& spec, const std::string& run_dir, bool json) {
                                 spec.remote.master_port, "<redacted>");
   const nlohmann::json j = plan.to_json(spec);
   if (json) {
-    std::printf("%s\n", j.dump(2).c_str());
+    std::printf("%s\n", json_text(j, 2).c_str());
     return;
   }
   std::printf(

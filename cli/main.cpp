@@ -1,5 +1,6 @@
 // dptrain's entry point: dispatches to a subcommand and maps errors to exit codes.
 #include <algorithm>
+#include <cctype>
 #include <csignal>
 #include <cstdio>
 #include <string>
@@ -12,6 +13,7 @@
 #include "cli/commands.hpp"
 #include "cli/json_errors.hpp"
 #include "core/error.hpp"
+#include "core/json_error.hpp"
 #include "core/suggest.hpp"
 
 namespace {
@@ -21,23 +23,71 @@ void print_error(const std::string& message, int code, const char* status, bool 
   if (json) {
     nlohmann::json out = {{"status", status}};
     dptrain::cli::add_failure(out, code, message);
-    std::printf("%s\n", out.dump().c_str());
+    std::printf("%s\n", dptrain::json_text(out).c_str());
   }
 }
 
-// "dptrain ckpt verify --help" for the deepest subcommand named at the start of the arguments.
-std::string help_command(const CLI::App& app, int argc, char** argv) {
-  std::string command = "dptrain";
-  const CLI::App* current = &app;
-  for (int i = 1; i < argc; ++i) {
-    const auto subs = current->get_subcommands([](const CLI::App*) { return true; });
-    const auto named = std::find_if(subs.begin(), subs.end(),
-                                    [&](const CLI::App* s) { return s->get_name() == argv[i]; });
+// The deepest subcommand named at the start of the arguments ("dptrain ckpt verify"), and the
+// index of the first argument after its name.
+struct Command {
+  const CLI::App* app;
+  std::string name;
+  int next;
+};
+
+Command named_command(const CLI::App& app, int argc, char** argv) {
+  Command c{&app, "dptrain", 1};
+  for (; c.next < argc; ++c.next) {
+    const auto subs = c.app->get_subcommands([](const CLI::App*) { return true; });
+    const auto named = std::find_if(
+        subs.begin(), subs.end(), [&](const CLI::App* s) { return s->get_name() == argv[c.next]; });
     if (named == subs.end()) break;
-    command += " " + (*named)->get_name();
-    current = *named;
+    c.name += " " + (*named)->get_name();
+    c.app = *named;
   }
-  return command + " --help";
+  return c;
+}
+
+// What a parse error is about, in the words of the command line: an unknown subcommand or
+// option, with the closest known one ("did you mean ...?"); empty when it is neither (CLI11's
+// own message says it then).
+std::string unknown_word(const Command& c, int argc, char** argv) {
+  const auto suggest = [](std::string_view word, const std::vector<std::string>& known) {
+    const auto close = dptrain::closest_match(word, known);
+    return close ? fmt::format(" (did you mean '{}'?)", *close) : std::string();
+  };
+  // "ckpt verify", or empty for dptrain itself.
+  const std::string words = c.name.size() > 8 ? c.name.substr(8) : std::string();
+  const auto subs = c.app->get_subcommands([](const CLI::App*) { return true; });
+  if (!subs.empty() && c.next < argc && argv[c.next][0] != '-') {
+    const std::string prefix = words.empty() ? "" : words + " ";
+    std::vector<std::string> known;
+    for (const CLI::App* s : subs)
+      known.push_back(prefix + s->get_name());
+    const std::string given = prefix + argv[c.next];
+    return fmt::format("unknown command '{}'{}", given, suggest(given, known));
+  }
+  std::vector<std::string> known;
+  for (const CLI::Option* o : c.app->get_options()) {
+    for (const auto& l : o->get_lnames())
+      known.push_back("--" + l);
+    for (const auto& n : o->get_snames())
+      known.push_back("-" + n);
+  }
+  for (int i = c.next; i < argc; ++i) {
+    const std::string_view arg(argv[i]);
+    if (arg == "--") break;
+    // An option's name ("--out=x" names --out); "-1" is a number, not an option.
+    const bool option = arg.starts_with("--") || (arg.size() > 1 && arg[0] == '-' &&
+                                                  std::isalpha(static_cast<unsigned char>(arg[1])));
+    if (!option) continue;
+    const std::string name(arg.substr(0, arg.find('=')));
+    const bool short_group = !arg.starts_with("--") && name.size() > 2;  // -abc: CLI11's to judge
+    if (short_group || std::find(known.begin(), known.end(), name) != known.end()) continue;
+    return fmt::format("{}unknown option '{}'{}", words.empty() ? "" : words + ": ", name,
+                       suggest(name, known));
+  }
+  return {};
 }
 
 }  // namespace
@@ -78,20 +128,11 @@ int main(int argc, char** argv) {
     bool json = false;
     for (int i = 1; i < argc; ++i)
       json = json || std::string_view(argv[i]) == "--json";
-    std::string message = e.what();
-    const std::string help = help_command(app, argc, argv);
-    if (argc > 1 && argv[1][0] != '-') {
-      std::vector<std::string> known;
-      for (const auto& cmd : dptrain::cli::subcommands())
-        known.emplace_back(cmd.name);
-      if (std::find(known.begin(), known.end(), argv[1]) == known.end()) {
-        const auto close = dptrain::closest_match(argv[1], known);
-        message = fmt::format("unknown command '{}'{}", argv[1],
-                              close ? fmt::format(" (did you mean '{}'?)", *close) : "");
-      }
-    }
+    const Command command = named_command(app, argc, argv);
+    std::string message = unknown_word(command, argc, argv);
+    if (message.empty()) message = e.what();
     print_error(message, 2, "error", json);
-    std::fprintf(stderr, "dptrain: see '%s'\n", help.c_str());
+    std::fprintf(stderr, "dptrain: see '%s --help'\n", command.name.c_str());
     return 2;
   } catch (const dptrain::Error& e) {
     const int code = dptrain::exit_code(e.kind());

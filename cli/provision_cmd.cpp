@@ -15,6 +15,7 @@
 #include "cli/host_options.hpp"
 #include "cli/json_errors.hpp"
 #include "core/error.hpp"
+#include "core/json_error.hpp"
 #include "launch/provision.hpp"
 #include "launch/status.hpp"
 
@@ -146,7 +147,7 @@ int run_provision(const ProvisionCliOptions& o) {
     } else {
       add_failure(out, code, errors);
     }
-    std::printf("%s\n", out.dump().c_str());
+    std::printf("%s\n", json_text(out).c_str());
   } else {
     print_table(reports);
   }

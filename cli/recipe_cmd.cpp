@@ -5,6 +5,7 @@
 #include "cli/commands.hpp"
 #include "cli/json_errors.hpp"
 #include "core/error.hpp"
+#include "core/json_error.hpp"
 #include "core/model/model.hpp"
 #include "core/recipe.hpp"
 #include "core/trainer.hpp"
@@ -57,7 +58,7 @@ int run_validate(const RecipeOptions& o) {
     add_failure(out, code, e.what());
     print_error_lines(e.what());
   }
-  std::printf("%s\n", out.dump().c_str());
+  std::printf("%s\n", json_text(out).c_str());
   return code;
 }
 
@@ -79,7 +80,7 @@ void setup_recipe(CLI::App& app, Outcome& outcome) {
   show->add_option("recipe", o->recipe, "Recipe JSON file")->required();
   show->callback([o, &outcome] {
     const Recipe r = load_recipe(o->recipe);
-    std::printf("%s\n", to_json(r).dump(2).c_str());
+    std::printf("%s\n", json_text(to_json(r), 2).c_str());
     // stdout stays the resolved recipe alone (it parses back); the model's size goes beside it.
     std::fprintf(stderr, "model: %s\n", make_model(r.model)->describe().c_str());
     outcome.exit_code = 0;

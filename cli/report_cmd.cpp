@@ -10,6 +10,7 @@
 #include "cli/commands.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
+#include "core/json_error.hpp"
 #include "launch/report.hpp"
 
 namespace dptrain::cli {
@@ -20,7 +21,8 @@ namespace {
 
 struct ReportOptions {
   std::string run_dir;
-  std::string out;  // empty: RUN_DIR/report.html
+  std::string out;                  // RUN_DIR/report.html when --out is not given
+  CLI::Option* out_flag = nullptr;  // whether --out was given (empty is not a file)
   bool json = false;
 };
 
@@ -30,10 +32,22 @@ struct StatusOptions {
 };
 
 int run_report(const ReportOptions& o) {
+  const bool given = o.out_flag != nullptr && o.out_flag->count() > 0;
+  if (given && o.out.empty()) {
+    throw Error(ErrorKind::usage, "--out: empty; name the HTML file to write");
+  }
   const RunView run = load_run(o.run_dir, /*verify_checkpoints=*/true);
-  const fs::path out = o.out.empty() ? run.dir / "report.html" : fs::absolute(o.out);
+  const fs::path out = given ? fs::absolute(o.out) : run.dir / "report.html";
   std::error_code ec;
   if (fs::is_directory(out, ec)) {
+    // A bad --out is the caller's to fix; RUN_DIR/report.html in the way is a report that
+    // cannot be written.
+    if (!given) {
+      throw Error(ErrorKind::internal,
+                  fmt::format("{}: is a directory, so the report cannot be written there; give "
+                              "--out FILE",
+                              out.string()));
+    }
     throw Error(ErrorKind::usage,
                 fmt::format("--out {}: is a directory; name the HTML file to write", o.out));
   }
@@ -44,7 +58,7 @@ int run_report(const ReportOptions& o) {
   write_file_atomic(out, report_html(run));
   const nlohmann::json summary = report_summary(run, out);
   if (o.json) {
-    std::printf("%s\n", summary.dump().c_str());
+    std::printf("%s\n", json_text(summary).c_str());
   } else {
     std::printf("%s", report_summary_text(summary).c_str());
   }
@@ -54,7 +68,7 @@ int run_report(const ReportOptions& o) {
 int run_status(const StatusOptions& o) {
   const RunView run = load_run(o.run_dir, /*verify_checkpoints=*/false);
   if (o.json) {
-    std::printf("%s\n", status_json(run).dump().c_str());
+    std::printf("%s\n", json_text(status_json(run)).c_str());
   } else {
     std::printf("%s", status_text(run).c_str());
   }
@@ -66,7 +80,8 @@ int run_status(const StatusOptions& o) {
 void setup_report(CLI::App& app, Outcome& outcome) {
   auto o = std::make_shared<ReportOptions>();
   app.add_option("run_dir", o->run_dir, "Run directory made by 'dptrain launch'")->required();
-  app.add_option("--out", o->out, "Write the HTML here instead of RUN_DIR/report.html");
+  o->out_flag =
+      app.add_option("--out", o->out, "Write the HTML here instead of RUN_DIR/report.html");
   app.add_flag("--json", o->json, "Print the summary as one JSON object on stdout");
   app.callback([o, &outcome] {
     outcome.json = o->json;

@@ -11,6 +11,7 @@
 #include "cli/run_report.hpp"
 #include "core/checkpoint.hpp"
 #include "core/error.hpp"
+#include "core/json_error.hpp"
 #include "core/recipe.hpp"
 #include "core/trainer.hpp"
 #include "launch/job.hpp"
@@ -84,7 +85,7 @@ int run_resume(const ResumeOptions& o) {
           static_cast<int>(run.info().value("restarts", nlohmann::json::array()).size());
       nlohmann::json out = done.to_json(run);
       out["resumed"] = false;
-      std::printf("%s\n", out.dump().c_str());
+      std::printf("%s\n", json_text(out).c_str());
     }
     return 0;
   }

@@ -10,6 +10,7 @@
 
 #include "cli/json_errors.hpp"
 #include "core/error.hpp"
+#include "core/json_error.hpp"
 #include "core/recipe.hpp"
 #include "launch/status.hpp"
 
@@ -147,7 +148,7 @@ int report_outcome(const RunDirectory& run, const JobOutcome& outcome, bool json
     nlohmann::json out = outcome.to_json(run);
     // "error" keeps the whole text (with its log excerpt); "errors" has its messages.
     if (!outcome.error.empty()) add_failure(out, outcome.exit_code, outcome.error);
-    std::printf("%s\n", out.dump().c_str());
+    std::printf("%s\n", json_text(out).c_str());
   } else if (outcome.exit_code == 0) {
     const auto& r = outcome.result;
     std::fprintf(summary, "run directory: %s\n", run.path().c_str());

@@ -14,6 +14,7 @@
 #include "core/checkpoint.hpp"
 #include "core/data/tokens.hpp"
 #include "core/error.hpp"
+#include "core/json_error.hpp"
 #include "core/model/gpt.hpp"
 #include "core/recipe.hpp"
 #include "core/tensor/cpu_ops.hpp"
@@ -112,7 +113,7 @@ fs::path newest_checkpoint(const RunDirectory& run) {
   }
   try {
     return find_valid_checkpoint(run.checkpoints(), [](const std::string& w) {
-      std::fprintf(stderr, "warning: %s\n", w.c_str());
+      std::fprintf(stderr, "dptrain: warning: %s\n", w.c_str());
     });
   } catch (const Error& e) {
     if (e.kind() != ErrorKind::checkpoint) throw;
@@ -197,9 +198,10 @@ int run_sample(const SampleOptions& o) {
                       {"prompt", o.prompt},
                       {"tokens", o.tokens},
                       {"temperature", o.temperature},
+                      {"top_k", o.top_k},
                       {"seed", o.seed},
                       {"text", generated}};
-    std::printf("%s\n", out.dump(-1, ' ', false, json::error_handler_t::replace).c_str());
+    std::printf("%s\n", json_text(out).c_str());
   } else {
     std::printf("\n");
   }
@@ -211,7 +213,10 @@ int run_sample(const SampleOptions& o) {
 void setup_sample(CLI::App& app, Outcome& outcome) {
   auto o = std::make_shared<SampleOptions>();
   app.add_option("run_dir", o->run_dir, "Run directory of a gpt run")->required();
-  app.add_option("--prompt", o->prompt, "Text to continue (default: a newline)");
+  app.add_option(
+      "--prompt", o->prompt,
+      "Text to continue (default: none; the model is given a newline to start from, which is "
+      "not printed)");
   app.add_option("--tokens", o->tokens, "Tokens to generate")
       ->capture_default_str()
       ->check(whole_number<int64_t>(""));
@@ -228,9 +233,10 @@ void setup_sample(CLI::App& app, Outcome& outcome) {
   app.add_option("--checkpoint", o->checkpoint,
                  "Checkpoint: a directory, or one of the run's by name (step-000200) or step "
                  "(200) (default: the newest valid one)");
-  app.add_flag("--json", o->json,
-               "Print {checkpoint, step, prompt, tokens, temperature, seed, text} at the end "
-               "instead of streaming the text");
+  app.add_flag(
+      "--json", o->json,
+      "Print {checkpoint, step, prompt, tokens, temperature, top_k, seed, text} at the end "
+      "instead of streaming the text");
   app.callback([o, &outcome] {
     outcome.json = o->json;
     outcome.exit_code = run_sample(*o);

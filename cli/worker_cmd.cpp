@@ -22,6 +22,7 @@
 #include "core/error.hpp"
 #include "core/fault.hpp"
 #include "core/heartbeat.hpp"
+#include "core/json_error.hpp"
 #include "core/recipe.hpp"
 #include "core/tensor/device.hpp"
 #include "core/trainer.hpp"
@@ -201,7 +202,7 @@ int run_worker(WorkerOptions o) {
   topts.debug_step_delay_ms = std::atoll(env("DPTRAIN_DEBUG_STEP_DELAY_MS").value_or("0").c_str());
   topts.on_event = [&](const nlohmann::json& e) {
     if (events) {
-      std::printf("@event %s\n", e.dump().c_str());
+      std::printf("@event %s\n", json_text(e).c_str());
       std::fflush(stdout);
     } else {
       status.event(e);

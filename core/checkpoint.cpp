@@ -30,6 +30,8 @@ namespace {
 constexpr int kFormatVersion = 1;
 constexpr const char* kMetaFile = "meta.json";
 constexpr const char* kLatestFile = "latest";
+// A pruned checkpoint's name while it is deleted (not a step-N name: no list shows it).
+const std::string kPrunedPrefix = ".pruned-";
 constexpr const char* kMetaChecksumKey = "meta_checksum";
 
 [[noreturn]] void fail(const fs::path& where, const std::string& what) {
@@ -384,8 +386,13 @@ fs::path write_checkpoint(const fs::path& checkpoints_dir, const TrainingPositio
   }
   const auto all = list_checkpoints(checkpoints_dir);
   for (size_t i = static_cast<size_t>(std::max<int64_t>(keep, 1)); i < all.size(); ++i) {
+    // Renamed out of the list first: a reader (ckpt verify, report) sees the whole checkpoint or
+    // none of it, never one half deleted.
+    const fs::path doomed = checkpoints_dir / (kPrunedPrefix + all[i].filename().string());
+    std::error_code renamed;
+    fs::rename(all[i], doomed, renamed);
     std::error_code ignored;
-    fs::remove_all(all[i], ignored);
+    fs::remove_all(renamed ? all[i] : doomed, ignored);
   }
   return final_dir;
 }
@@ -393,7 +400,8 @@ fs::path write_checkpoint(const fs::path& checkpoints_dir, const TrainingPositio
 void remove_incomplete_checkpoints(const fs::path& checkpoints_dir) {
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(checkpoints_dir, ec)) {
-    if (entry.path().filename().string().rfind(".tmp-", 0) == 0) {
+    const std::string name = entry.path().filename().string();
+    if (name.starts_with(".tmp-") || name.starts_with(kPrunedPrefix)) {
       std::error_code ignored;
       fs::remove_all(entry.path(), ignored);
     }
@@ -428,7 +436,9 @@ std::vector<std::string> CheckpointStatus::problems() const {
   return out;
 }
 
-CheckpointStatus verify_checkpoint(const fs::path& dir) {
+namespace {
+
+CheckpointStatus verify_in_place(const fs::path& dir) {
   CheckpointStatus status;
   status.dir = dir;
   status.step = checkpoint_step(dir);
@@ -445,6 +455,15 @@ CheckpointStatus verify_checkpoint(const fs::path& dir) {
   status.blobs = std::move(meta->blobs);
   for (auto& blob : status.blobs)
     check_blob(dir, blob);
+  return status;
+}
+
+}  // namespace
+
+CheckpointStatus verify_checkpoint(const fs::path& dir) {
+  CheckpointStatus status = verify_in_place(dir);
+  std::error_code ec;
+  if (!status.ok() && !fs::exists(dir, ec) && !ec) status.gone = true;
   return status;
 }
 

@@ -66,6 +66,9 @@ struct CheckpointStatus {
   std::string meta_checksum;         // what meta.json records of itself; empty when none (older)
   std::string meta_actual_checksum;  // of its content as read; empty when unusable
   std::vector<BlobStatus> blobs;
+  // The directory was removed while it was read (pruned by a run that goes on, which renames a
+  // checkpoint away before deleting it): not a damaged checkpoint, one that no longer exists.
+  bool gone = false;
   bool ok() const;
   // Whether meta.json's own checksum was compared: false for checkpoints written before dptrain
   // recorded one (their meta.json is then not checked, only parsed), or when it is unusable.
@@ -101,7 +104,8 @@ std::filesystem::path write_checkpoint(const std::filesystem::path& checkpoints_
                                        const std::function<void()>& before_commit = {},
                                        std::span<const float> comm_state = {});
 
-// Removes what interrupted writes left behind (.tmp-* directories). Only when no writer runs:
+// Removes what interrupted writes and prunes left behind (.tmp-* and .pruned-* directories). Only
+// when no writer runs:
 // rank 0 calls it as a generation starts.
 void remove_incomplete_checkpoints(const std::filesystem::path& checkpoints_dir);
 

@@ -112,6 +112,31 @@ TEST_CASE("checkpoint: keep prunes the oldest, newest first listing") {
   REQUIRE(all.size() == 2);
   CHECK(all[0].filename() == "step-000050");
   CHECK(all[1].filename() == "step-000040");
+  // Pruned checkpoints are renamed away before they are deleted; what a crash left of one then is
+  // no checkpoint, and is cleaned up with interrupted writes.
+  CHECK(fs::directory_iterator(tmp.path()) != fs::directory_iterator());
+  for (const auto& e : fs::directory_iterator(tmp.path()))
+    CHECK(e.path().filename().string().rfind(".pruned-", 0) != 0);
+  fs::create_directories(tmp.path() / ".pruned-step-000030");
+  write_file_atomic(tmp.path() / ".pruned-step-000030" / "params.bin", "x");
+  CHECK(list_checkpoints(tmp.path()).size() == 2);
+  remove_incomplete_checkpoints(tmp.path());
+  CHECK_FALSE(fs::exists(tmp.path() / ".pruned-step-000030"));
+}
+
+TEST_CASE("verify_checkpoint: a checkpoint removed while it is read is gone, not damaged") {
+  TempDir tmp;
+  const auto p = values(10, 0.0f);
+  const fs::path dir = write_checkpoint(tmp.path(), position(10), p, p, 2);
+  CHECK_FALSE(verify_checkpoint(dir).gone);
+  fs::remove(dir / "params.bin");
+  const CheckpointStatus damaged = verify_checkpoint(dir);
+  CHECK_FALSE(damaged.ok());
+  CHECK_FALSE(damaged.gone);  // still there, so damaged
+  fs::remove_all(dir);
+  const CheckpointStatus gone = verify_checkpoint(dir);
+  CHECK_FALSE(gone.ok());
+  CHECK(gone.gone);
 }
 
 TEST_CASE("checkpoint: every kind of damage is detected and named") {

@@ -52,4 +52,8 @@ std::string json_parse_problem(const std::string& file, std::string_view text,
   return fmt::format("{}: not valid JSON: {}", file, problem);
 }
 
+std::string json_text(const nlohmann::json& j, int indent) {
+  return j.dump(indent, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
 }  // namespace dptrain

@@ -1,4 +1,5 @@
-// One wording for JSON that nlohmann::json refuses, for every file the project reads.
+// One wording for JSON that nlohmann::json refuses, for every file the project reads, and one way
+// to write JSON that never refuses.
 #pragma once
 
 #include <string>
@@ -15,5 +16,11 @@ namespace dptrain {
 //   "FILE: empty file, not valid JSON"                   nothing at all
 std::string json_parse_problem(const std::string& file, std::string_view text,
                                const nlohmann::json::exception& e);
+
+// `j` as JSON text (`indent` as for dump()), for output, events and the files the project
+// writes. A string that is not UTF-8 (a path whose name is in another encoding, bytes given on
+// the command line) has each bad byte written as U+FFFD instead of failing: a --json output is
+// then still one JSON document, and an error still gets reported.
+std::string json_text(const nlohmann::json& j, int indent = -1);
 
 }  // namespace dptrain

@@ -45,3 +45,11 @@ TEST_CASE("json_parse_problem: an empty file and well-formed text the parser ref
   CHECK(overflow.find("1e400") != std::string::npos);
   CHECK(overflow.find("json.exception") == std::string::npos);
 }
+
+TEST_CASE("json_text: bytes that are not UTF-8 become U+FFFD; the rest is dump()'s") {
+  const nlohmann::json j = {{"path", "runs/caf\xe9/x"}, {"n", 3}, {"ok", "caf\xc3\xa9"}};
+  const std::string text = json_text(j);
+  CHECK(text == "{\"n\":3,\"ok\":\"caf\xc3\xa9\",\"path\":\"runs/caf\xef\xbf\xbd/x\"}");
+  CHECK(nlohmann::json::parse(text)["path"] == "runs/caf\xef\xbf\xbd/x");
+  CHECK(json_text({{"a", 1}}, 2) == nlohmann::json({{"a", 1}}).dump(2));
+}

@@ -945,14 +945,25 @@ Recipe parse_recipe(const json& j, const std::string& source, const std::filesys
 }
 
 // JSON allows an object to name a key twice and nlohmann keeps the last one: in a recipe that is
-// an edit gone wrong. Collects "POINTER: duplicate key ..." for each repeat while parsing.
+// an edit gone wrong. Collects "POINTER: duplicate key ..." for each repeat while parsing, and
+// stops at nesting no recipe has (its pointers would cost time and memory quadratic in depth).
 class DuplicateKeys {
  public:
+  static constexpr size_t kMaxNesting = 64;
+
+  explicit DuplicateKeys(std::string source) : source_(std::move(source)) {}
+
   bool operator()(int, json::parse_event_t event, json& parsed) {
     using E = json::parse_event_t;
     switch (event) {
       case E::object_start:
       case E::array_start:
+        if (frames_.size() >= kMaxNesting) {
+          throw Error(ErrorKind::recipe,
+                      fmt::format("{}: nested more than {} levels deep (at {}); a recipe is a "
+                                  "few levels of objects",
+                                  source_, kMaxNesting, printable_excerpt(child_pointer(), 40)));
+        }
         frames_.push_back({event == E::array_start, 0, {}, child_pointer(), {}});
         break;
       case E::key: {
@@ -995,6 +1006,7 @@ class DuplicateKeys {
     if (!frames_.empty() && frames_.back().array) ++frames_.back().index;
   }
 
+  std::string source_;
   std::vector<Frame> frames_;
   std::vector<std::string> problems_;
 };
@@ -1002,7 +1014,7 @@ class DuplicateKeys {
 Recipe load_recipe(const std::filesystem::path& path, DataCheck data) {
   std::string text = read_file(path);
   json j;
-  DuplicateKeys duplicates;
+  DuplicateKeys duplicates(path.string());
   try {
     j = json::parse(text, std::ref(duplicates));
   } catch (const json::exception& e) {

@@ -699,6 +699,23 @@ TEST_CASE("recipe: a key given twice in one object is refused, each repeat named
   CHECK(load_recipe(fine).train.steps == 5);
 }
 
+TEST_CASE("recipe: nesting no recipe has is refused at once, however deep") {
+  TempDir dir;
+  // 64 levels are a (wrong, but checked) recipe; 65 are refused while parsing: a million would
+  // otherwise cost time and memory quadratic in the depth.
+  const auto nested = [](size_t depth) {
+    return "{\"x\": " + std::string(depth - 1, '[') + std::string(depth - 1, ']') + "}";
+  };
+  CHECK(load_problems(dir.write("64.json", nested(64))).find("unknown key 'x'") !=
+        std::string::npos);
+  CHECK(load_problems(dir.write("65.json", nested(65))) ==
+        (dir.path() / "65.json").string() +
+            ": nested more than 64 levels deep (at /x/0/0/0/0/0/0/0/0/0/0/0/0/0/0/0/0/0/0/0...); a "
+            "recipe is a few levels of objects");
+  CHECK(load_problems(dir.write("deep.json", nested(1000000))).find("nested more than 64 levels") !=
+        std::string::npos);
+}
+
 TEST_CASE("recipe: load_recipe reports unreadable files and invalid JSON with a location") {
   TempDir dir;
   SUBCASE("missing file") {

@@ -25,6 +25,7 @@
 #include "core/ddp/reducer.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
+#include "core/json_error.hpp"
 #include "core/model/model.hpp"
 #include "core/optim/optimizer.hpp"
 #include "core/tensor/cpu_ops.hpp"
@@ -282,7 +283,7 @@ class TrainingRun {
     result.last_checkpoint = checkpoint(step_);
     mark(Phase::done);
     if (rank_ == 0) {
-      write_file_atomic(options_.run_dir / "result.json", result.to_json().dump(2) + "\n");
+      write_file_atomic(options_.run_dir / "result.json", json_text(result.to_json(), 2) + "\n");
       json event = result.to_json();
       event["event"] = "result";
       emit(event);
@@ -1074,7 +1075,7 @@ class TrainingRun {
     if (tokens_per_sample_ > 0) {
       line["tokens_per_s"] = samples_per_s * static_cast<double>(tokens_per_sample_);
     }
-    append_line(options_.run_dir / "metrics.jsonl", line.dump());
+    append_line(options_.run_dir / "metrics.jsonl", json_text(line));
     json event = line;
     event["event"] = "progress";
     event["steps"] = recipe_.train.steps;
@@ -1122,7 +1123,7 @@ class TrainingRun {
     const double accuracy = sums[1] / sums[2];
     if (rank_ == 0) {
       const json line = {{"step", step}, {"eval_loss", loss}, {"eval_accuracy", accuracy}};
-      append_line(options_.run_dir / "metrics.jsonl", line.dump());
+      append_line(options_.run_dir / "metrics.jsonl", json_text(line));
       json event = line;
       event["event"] = "eval";
       emit(event);

@@ -11,6 +11,7 @@
 #include "core/comm/auth.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
+#include "core/json_error.hpp"
 #include "launch/job.hpp"
 
 namespace dptrain {
@@ -161,7 +162,7 @@ int run_agent(const AgentPlan& given, std::FILE* out, int stop_fd) {
   }
   if (plan.worker_args.empty()) {  // the trainer's ranks read it; a benchmark's do not
     use_provisioned_data(plan);
-    write_file_atomic(plan.run_dir / "recipe.json", plan.recipe.dump(2) + "\n");
+    write_file_atomic(plan.run_dir / "recipe.json", json_text(plan.recipe, 2) + "\n");
   }
   std::mutex out_mutex;
   SupervisorOptions options;
@@ -188,7 +189,7 @@ int run_agent(const AgentPlan& given, std::FILE* out, int stop_fd) {
                          {"signal", f.signal},
                          {"description", f.describe()},
                          {"last_lines", f.last_lines}};
-    std::fprintf(out, "%s%s\n", kAgentFailurePrefix, report.dump().c_str());
+    std::fprintf(out, "%s%s\n", kAgentFailurePrefix, json_text(report).c_str());
     std::fflush(out);
     // The launcher ranks causes by exit status (a signal outranks a peer's exit 3), so the
     // agent's own status carries its rank's.

@@ -158,10 +158,14 @@ class Doctor {
           fmt::format("enough samples for {} rank(s) x batch {} x accumulation {}", world_,
                       recipe_->train.batch_per_rank, recipe_->train.grad_accum));
     } catch (const Error& e) {
-      // One failed check per problem: each wrong row of a CSV file is a line of its own.
+      // One failed check per problem: each wrong row of a CSV file is a line of its own, with
+      // the fix for what is wrong with that row.
+      const std::vector<std::string> problems = error_messages(e.what());
       const std::string fix = data_fix(*recipe_);
-      for (const std::string& problem : error_messages(e.what()))
-        add("data", "", false, problem, fix);
+      for (const std::string& problem : problems) {
+        add("data", "", false, problem,
+            problems.size() > 1 && recipe_->data.type == "csv" ? load_fix(*recipe_, problem) : fix);
+      }
     }
   }
 
@@ -418,7 +422,10 @@ class Doctor {
   // Each host listens on a free port; every other host must reach it (Gloo's transport uses such
   // ports between every pair of ranks).
   void check_peer_ports() {
-    if (hosts_.size() < 2) return;
+    if (hosts_.size() < 2) {
+      skip("peer-port", "", "one host: no rank connects to another host");
+      return;
+    }
     struct Listener {
       std::unique_ptr<SshSession> session;
       std::unique_ptr<SshChannel> channel;

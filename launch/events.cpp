@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "core/error.hpp"
+#include "core/json_error.hpp"
 #include "launch/run_dir.hpp"
 
 namespace dptrain {
@@ -32,7 +33,7 @@ void EventLog::emit(const std::string& name, nlohmann::json fields) {
   nlohmann::json line = {{"time", utc_timestamp()}, {"event", name}};
   for (auto& [k, v] : fields.items())
     line[k] = std::move(v);
-  std::fprintf(out_, "%s\n", line.dump().c_str());
+  std::fprintf(out_, "%s\n", json_text(line).c_str());
   std::fflush(out_);
 }
 

@@ -22,6 +22,7 @@
 #include "core/fault.hpp"
 #include "core/fs.hpp"
 #include "core/heartbeat.hpp"
+#include "core/json_error.hpp"
 #include "core/tensor/device.hpp"
 #include "core/trainer.hpp"
 #include "launch/hang_watch.hpp"
@@ -146,7 +147,7 @@ ProcessSpec relay_spec(const JobSpec& spec, const RelayPlan& plan, const fs::pat
   p.label = fmt::format("host {}", plan.host.display());
   p.rank = plan.agent.ranks.empty() ? 0 : plan.agent.ranks.front();
   p.argv = {spec.worker_binary.string(), "_relay"};
-  p.env = {{kRelayPlanEnv, plan.to_json().dump()}};
+  p.env = {{kRelayPlanEnv, json_text(plan.to_json())}};
   p.log_file = logs / fmt::format("{}-agent.log", plan.host.host);
   return p;
 }
@@ -373,7 +374,8 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   };
   // A benchmark's ranks run their own command: there is no recipe to record.
   const bool trains = spec.worker_args.empty();
-  if (trains) write_file_atomic(run.path() / "recipe.json", to_json(spec.recipe).dump(2) + "\n");
+  if (trains)
+    write_file_atomic(run.path() / "recipe.json", json_text(to_json(spec.recipe), 2) + "\n");
 
   std::vector<ProcessSpec> procs;
   std::map<std::string, std::string> relay_hosts;  // process label -> host
@@ -493,14 +495,14 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     if (kind == "result") {
       result = event;
       result.erase("event");
-      write_file_atomic(run.path() / "result.json", result.dump(2) + "\n");
+      write_file_atomic(run.path() / "result.json", json_text(result, 2) + "\n");
       return;
     }
     if (rank0_remote && (kind == "progress" || kind == "eval")) {
       json line = event;
       for (const char* k : {"event", "steps", "eta_s"})
         line.erase(k);
-      append_line(run.path() / "metrics.jsonl", line.dump());
+      append_line(run.path() / "metrics.jsonl", json_text(line));
     }
     status.event(event);
   };

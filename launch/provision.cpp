@@ -21,6 +21,7 @@
 #include <openssl/evp.h>
 
 #include "core/error.hpp"
+#include "core/json_error.hpp"
 #include "core/recipe.hpp"
 #include "launch/job.hpp"
 
@@ -188,7 +189,7 @@ void plan_recipe(const fs::path& recipe_path, std::vector<PlannedFile>& files,
   nlohmann::json j = nlohmann::json::parse(in);
   j["data"]["path"] = data_remote;
   rewritten = std::make_unique<TempFile>(name);
-  std::ofstream(rewritten->path()) << j.dump(2) << "\n";
+  std::ofstream(rewritten->path()) << json_text(j, 2) << "\n";
   files.push_back(planned(rewritten->path(), name, 0644));
   files.back().source = recipe_path;
 }

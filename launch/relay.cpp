@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "core/error.hpp"
+#include "core/json_error.hpp"
 
 namespace dptrain {
 
@@ -42,7 +43,7 @@ void report_failure(const std::string& description) {
                        {"signal", 0},
                        {"description", description},
                        {"last_lines", json::array()}};
-  std::printf("%s%s\n", kAgentFailurePrefix, report.dump().c_str());
+  std::printf("%s%s\n", kAgentFailurePrefix, json_text(report).c_str());
   std::fflush(stdout);
 }
 
@@ -123,7 +124,7 @@ int run_relay(const RelayPlan& plan) {
     return 4;
   }
   try {
-    channel->write(plan.agent.to_json().dump() + "\n");
+    channel->write(json_text(plan.agent.to_json()) + "\n");
   } catch (const Error& e) {
     // The command may have ended at once (no such binary there): its status says why.
     try {

@@ -17,6 +17,7 @@
 #include "core/error.hpp"
 #include "core/fs.hpp"
 #include "launch/run_dir.hpp"
+#include "launch/status.hpp"
 #include "launch/svg_chart.hpp"
 
 namespace dptrain {
@@ -250,6 +251,7 @@ std::vector<CheckpointSummary> summarize_checkpoints(const fs::path& checkpoints
     c.bytes = size_on_disk(dir);
     if (verify) {
       const CheckpointStatus status = verify_checkpoint(dir);
+      if (status.gone) continue;  // pruned by the run meanwhile
       c.verified = true;
       c.step = status.step;
       c.problems = status.problems();
@@ -312,6 +314,10 @@ std::string num(double v, int significant = 4) {
   if (!std::isfinite(v)) return "\u2013";
   if (std::fabs(v) >= 1e5) return fmt::format("{:.0f}", v);
   return fmt::format("{:.{}g}", v, significant);
+}
+
+std::string loss_num(double v) {
+  return std::isfinite(v) ? loss_text(v) : num(v);
 }
 
 std::string rate(double v) {
@@ -504,8 +510,8 @@ std::string facts_table(const RunView& run) {
   if (!text(info, "id").empty()) rows += fact("Run id", html(text(info, "id")));
   if (run.result.is_object()) {
     const json& r = run.result;
-    rows += fact("Final loss", num(number(r, "final_loss")));
-    rows += fact("Eval loss", num(number(r, "eval_loss")));
+    rows += fact("Final loss", loss_num(number(r, "final_loss")));
+    rows += fact("Eval loss", loss_num(number(r, "eval_loss")));
     if (std::isfinite(number(r, "eval_accuracy"))) {
       rows += fact("Eval accuracy", fmt::format("{:.2f}%", 100 * number(r, "eval_accuracy")));
     }
@@ -792,13 +798,6 @@ RunMetrics read_metrics(const fs::path& file) {
 }
 
 RunView load_run(const fs::path& dir, bool verify_checkpoints) {
-  std::error_code ec;
-  if (!fs::is_directory(dir, ec)) {
-    throw Error(ErrorKind::usage,
-                fmt::format("{}: {}", dir.string(),
-                            fs::exists(dir, ec) ? "not a run directory (not a directory)"
-                                                : "no such run directory"));
-  }
   RunView run;
   run.dir = fs::absolute(dir).lexically_normal();
   run.info = read_run_json(dir);
@@ -821,7 +820,9 @@ json summary_fields(const RunView& run) {
   // beyond it (a failure between two log steps), as the launcher's --json says.
   json step = last ? json(last->step) : json(nullptr);
   if (const json& gens = array_at(run.info, "generations"); !gens.empty()) {
-    if (const json& reached = gens.back().value("step", json()); reached.is_number_integer()) {
+    // A benchmark's generation records -1: it has no steps.
+    if (const json& reached = gens.back().value("step", json());
+        reached.is_number_integer() && reached.get<int64_t>() >= 0) {
       if (step.is_null() || reached.get<int64_t>() > step.get<int64_t>()) step = reached;
     }
   }
@@ -902,9 +903,9 @@ std::string status_text(const RunView& run) {
     row("step", fmt::format("{}{} (epoch {})", s["step"].get<int64_t>(),
                             s["steps"].is_null() ? "" : fmt::format(" of {}", s["steps"].dump()),
                             s["epoch"].dump()));
-    std::string loss = s["loss"].is_null() ? "\u2013" : num(s["loss"].get<double>());
+    std::string loss = s["loss"].is_null() ? "\u2013" : loss_num(s["loss"].get<double>());
     if (!s["eval_loss"].is_null()) {
-      loss += fmt::format(" (eval {}{})", num(s["eval_loss"].get<double>()),
+      loss += fmt::format(" (eval {}{})", loss_num(s["eval_loss"].get<double>()),
                           run.metrics.evals.empty()
                               ? ""
                               : fmt::format(" at step {}", run.metrics.evals.back().step));
@@ -1018,9 +1019,9 @@ std::string report_summary_text(const json& s) {
     out += fmt::format(": step {}{}", s["step"].dump(),
                        s["steps"].is_null() ? "" : " of " + s["steps"].dump());
     const json& loss = s["final_loss"].is_null() ? s["loss"] : s["final_loss"];
-    if (!loss.is_null()) out += ", loss " + num(loss.get<double>());
+    if (!loss.is_null()) out += ", loss " + loss_num(loss.get<double>());
     if (!s["eval_loss"].is_null()) {
-      out += ", eval loss " + num(s["eval_loss"].get<double>());
+      out += ", eval loss " + loss_num(s["eval_loss"].get<double>());
       if (!s["eval_accuracy"].is_null()) {
         out += fmt::format(" (accuracy {:.1f}%)", 100 * s["eval_accuracy"].get<double>());
       }

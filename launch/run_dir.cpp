@@ -68,6 +68,12 @@ std::string RunDirectory::remote_name() const {
 nlohmann::json read_run_json(const fs::path& dir) {
   const fs::path file = dir / "run.json";
   std::error_code ec;
+  if (!fs::is_directory(dir, ec)) {
+    throw Error(ErrorKind::usage,
+                fmt::format("{}: {}", dir.string(),
+                            fs::exists(dir, ec) ? "not a run directory (not a directory)"
+                                                : "no such run directory"));
+  }
   if (fs::is_directory(file, ec)) {
     throw Error(ErrorKind::usage,
                 fmt::format("{}: is a directory, not a file: {} is not a run directory",
@@ -116,10 +122,18 @@ RunDirectory RunDirectory::create(const fs::path& dir, const fs::path& runs_root
   const auto holds_run = [](const fs::path& p) {
     std::error_code exists_ec;
     if (!fs::exists(p / "run.json", exists_ec)) return;
+    // A benchmark's run (no recipe) has nothing to resume.
+    bool bench = false;
+    try {
+      bench = !read_run_json(p).contains("recipe");
+    } catch (const Error&) {
+    }
     throw Error(ErrorKind::usage,
-                fmt::format("{}: already holds a run; continue it with 'dptrain resume {}' or "
-                            "choose another --run-dir",
-                            p.string(), p.string()));
+                bench ? fmt::format("{}: already holds a benchmark's run; choose another --run-dir",
+                                    p.string())
+                      : fmt::format("{}: already holds a run; continue it with 'dptrain resume {}' "
+                                    "or choose another --run-dir",
+                                    p.string(), p.string()));
   };
   if (path.empty()) {
     // create_directory is the claim: of two launches racing for one name, one makes it and the
@@ -199,7 +213,7 @@ void RunDirectory::lock() {
 }
 
 void RunDirectory::save() const {
-  write_file_atomic(path_ / "run.json", info_.dump(2) + "\n");
+  write_file_atomic(path_ / "run.json", json_text(info_, 2) + "\n");
 }
 
 }  // namespace dptrain

@@ -3,9 +3,18 @@
 
 #include <unistd.h>
 
+#include <cmath>
+
 #include <fmt/format.h>
 
+#include "core/json_error.hpp"
+
 namespace dptrain {
+
+std::string loss_text(double loss) {
+  return loss != 0 && std::fabs(loss) < 1e-3 ? fmt::format("{:.4g}", loss)
+                                             : fmt::format("{:.4f}", loss);
+}
 
 std::string format_losses(const nlohmann::json& result) {
   // null: no step ran, or no held-out data.
@@ -13,10 +22,10 @@ std::string format_losses(const nlohmann::json& result) {
     return result.contains(key) && result[key].is_number();
   };
   const std::string final_loss =
-      has("final_loss") ? fmt::format("{:.4f}", result["final_loss"].get<double>()) : "none";
+      has("final_loss") ? loss_text(result["final_loss"].get<double>()) : "none";
   const std::string eval = has("eval_loss")
-                               ? fmt::format("eval loss {:.4f}  eval accuracy {:.2f}%",
-                                             result["eval_loss"].get<double>(),
+                               ? fmt::format("eval loss {}  eval accuracy {:.2f}%",
+                                             loss_text(result["eval_loss"].get<double>()),
                                              100.0 * result.value("eval_accuracy", 0.0))
                                : "eval none (no held-out data)";
   return fmt::format("final loss {}  {}", final_loss, eval);
@@ -34,16 +43,15 @@ std::string format_event(const nlohmann::json& e) {
                                  ? fmt::format("{:.0f} tokens/s", e.value("tokens_per_s", 0.0))
                                  : fmt::format("{:.0f} samples/s", e.value("samples_per_s", 0.0));
     return fmt::format(
-        "step {}/{}  loss {:.4f}  lr {:.3g}  grad_norm {:.3g}  {}  step {:.2f} ms  comm {:.2f} "
+        "step {}/{}  loss {}  lr {:.3g}  grad_norm {:.3g}  {}  step {:.2f} ms  comm {:.2f} "
         "ms{}",
-        e.value("step", int64_t{0}), e.value("steps", int64_t{0}), e.value("loss", 0.0),
+        e.value("step", int64_t{0}), e.value("steps", int64_t{0}), loss_text(e.value("loss", 0.0)),
         e.value("lr", 0.0), e.value("grad_norm", 0.0), rate, e.value("step_ms", 0.0),
         e.value("comm_ms", 0.0), eta);
   }
   if (kind == "eval") {
-    return fmt::format("eval at step {}: loss {:.4f}  accuracy {:.2f}%",
-                       e.value("step", int64_t{0}), e.value("eval_loss", 0.0),
-                       100.0 * e.value("eval_accuracy", 0.0));
+    return fmt::format("eval at step {}: loss {}  accuracy {:.2f}%", e.value("step", int64_t{0}),
+                       loss_text(e.value("eval_loss", 0.0)), 100.0 * e.value("eval_accuracy", 0.0));
   }
   if (kind == "rendezvous") {
     return fmt::format("all {} ranks met; starting at step {}", e.value("world_size", 0),
@@ -58,7 +66,7 @@ std::string format_event(const nlohmann::json& e) {
     return fmt::format("checkpoint at step {}: {}", e.value("step", int64_t{0}),
                        e.value("path", std::string()));
   }
-  return e.value("message", e.dump());
+  return e.value("message", json_text(e));
 }
 
 bool StatusPrinter::is_terminal(std::FILE* f) {

@@ -9,6 +9,10 @@
 
 namespace dptrain {
 
+// A loss as progress lines, status and reports show it: 4 decimals ("1.9997"), or 4 significant
+// digits for one below 0.001 ("2.5e-05").
+std::string loss_text(double loss);
+
 // One human-readable line for a trainer event ({"event": "progress"|"eval"|"checkpoint"|"info"}).
 std::string format_event(const nlohmann::json& event);
 // "final loss 1.2345  eval loss 1.3456  eval accuracy 61.25%" from a result, "none" for what it

@@ -48,6 +48,15 @@ TEST_CASE("status: events are formatted for people") {
   CHECK(format_event({{"event", "info"}, {"message", "hello"}}) == "hello");
 }
 
+TEST_CASE("status: a loss keeps 4 decimals, or 4 significant digits when it is tiny") {
+  CHECK(loss_text(1.9997182) == "1.9997");  // not "2"
+  CHECK(loss_text(12.0) == "12.0000");
+  CHECK(loss_text(0.0) == "0.0000");
+  CHECK(loss_text(2.5e-05) == "2.5e-05");
+  CHECK(format_losses({{"final_loss", 1.9997182}, {"eval_loss", 2.0}, {"eval_accuracy", 0.5}}) ==
+        "final loss 1.9997  eval loss 2.0000  eval accuracy 50.00%");
+}
+
 TEST_CASE("status: a pipe gets plain lines, no control characters") {
   const std::string out = printed(false, [](StatusPrinter& p) {
     p.event(progress);

@@ -252,6 +252,10 @@ TEST_CASE("bench comm --nproc 1: allreduce's bus factor is 0, broadcast's 1") {
   REQUIRE(j["rows"].size() == 2);
   CHECK(j["rows"][0]["busbw"] == 0.0);
   CHECK(j["rows"][1]["busbw"].get<double>() == doctest::Approx(j["rows"][1]["algbw"]));
+  // A benchmark's run has no steps: status says so, with no sentinel.
+  auto status = run_dptrain({"status", j["run_dir"].get<std::string>(), "--json"});
+  REQUIRE_MESSAGE(status.exit_code == 0, status.err);
+  CHECK(parse_json(status.out)["step"].is_null());
   const auto table = bench(tmp, {"-b", "4K", "-e", "4K"});
   REQUIRE(table.exit_code == 0);
   const auto rows = lines_of(table.out);

@@ -236,6 +236,21 @@ TEST_CASE("ckpt: a missing step or a directory that is not a run is a usage erro
   CHECK(run_dptrain({"ckpt", "verify", run.string(), "20", "--all"}).exit_code == 2);
   CHECK(run_dptrain({"ckpt"}).exit_code == 2);
 
+  // A run.json torn by a crash: the checkpoints are still checked, with a warning, not refused.
+  const std::string info = read_text(run / "run.json");
+  write_text(run / "run.json", info.substr(0, info.size() / 2));
+  for (const char* sub : {"list", "verify"}) {
+    auto torn = run_dptrain({"ckpt", sub, run.string(), "--json"});
+    CAPTURE(sub);
+    INFO(torn.err);
+    CHECK(torn.exit_code == 0);
+    CHECK(contains(
+        torn.err, "dptrain: warning: " + (run / "run.json").string() + ": not valid JSON at line"));
+    CHECK(contains(torn.err, "checking its checkpoints/ all the same"));
+    CHECK_FALSE(parse_json(torn.out)["checkpoints"].empty());
+  }
+  write_text(run / "run.json", info);
+
   // A run that never reached its first checkpoint has nothing to verify.
   fs::remove_all(run / "checkpoints");
   fs::create_directories(run / "checkpoints");

@@ -113,7 +113,7 @@ TEST_CASE("usage errors exit 2") {
       file.err);
   auto resume = run_dptrain({"resume", (tmp / "nothing-here").string()});
   CHECK(resume.exit_code == 2);
-  CHECK(resume.err.find("not a run directory") != std::string::npos);
+  CHECK(resume.err.find("nothing-here: no such run directory") != std::string::npos);
 }
 
 TEST_CASE("a run.json that is a directory or not JSON is named plainly, without parser internals") {

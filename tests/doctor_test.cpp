@@ -250,14 +250,26 @@ TEST_CASE("doctor: the data check's fix fits what is wrong with the data") {
   }
   SUBCASE("several wrong rows: a failed data line each") {
     const json report = local_doctor(tmp, csv_recipe(tmp, many_rows(40) + "7,1,1\n1,1,x\n"));
-    std::vector<std::string> details;
+    std::vector<std::string> details, fixes;
     for (const auto& c : report["checks"]) {
-      if (c["check"] == "data" && c["ok"] == false) details.push_back(c["detail"]);
+      if (c["check"] == "data" && c["ok"] == false) {
+        details.push_back(c["detail"]);
+        fixes.push_back(c["fix"]);
+      }
     }
     CAPTURE(report.dump());
     REQUIRE(details.size() == 2);
     CHECK(details[0].find(":41: label 7 is outside [0, 3)") != std::string::npos);
     CHECK(details[1].find(":42: column 3 'x' is not a finite number") != std::string::npos);
+    // Each row's own fix.
+    CHECK(fixes[0].find("model.classes") != std::string::npos);
+    CHECK(fixes[1].find("model.classes") == std::string::npos);
+    CHECK(fixes[1].find("fix the data file") != std::string::npos);
+    // One host: the peer-port check cannot run, and says so rather than being left out.
+    bool peer_port_skipped = false;
+    for (const auto& c : report["checks"])
+      peer_port_skipped = peer_port_skipped || (c["check"] == "peer-port" && c["skipped"] == true);
+    CHECK(peer_port_skipped);
   }
   SUBCASE("a row with fewer columns than the first") {
     const json data =
@@ -314,10 +326,15 @@ TEST_CASE("doctor --json: a fix only on the checks that failed; ok is null on a 
     CAPTURE(c.dump());
     CHECK(c["fix"].is_null());
     if (c["skipped"] == true) {
-      // Only the workdir, which this machine does not use; not counted as passed.
-      CHECK(c["check"] == "workdir");
+      // Only the workdir, which this machine does not use, and the peer ports, which one host
+      // does not need; not counted as passed.
       CHECK(c["ok"].is_null());
-      CHECK(c["detail"] == "not run: this machine starts its ranks directly and uses no workdir");
+      if (c["check"] == "workdir") {
+        CHECK(c["detail"] == "not run: this machine starts its ranks directly and uses no workdir");
+      } else {
+        CHECK(c["check"] == "peer-port");
+        CHECK(c["detail"] == "not run: one host: no rank connects to another host");
+      }
     } else {
       CHECK(c["ok"] == true);
     }
@@ -383,7 +400,7 @@ TEST_CASE("doctor on this machine creates no workdir in $HOME and leaves no run 
   CHECK(r.out.find("skip workdir    localhost: not run: this machine starts its ranks directly") !=
         std::string::npos);
   CHECK(r.out.find("ok   allreduce") != std::string::npos);
-  CHECK(r.out.find("all checks passed, 1 not run") != std::string::npos);
+  CHECK(r.out.find("all checks passed, 2 not run") != std::string::npos);
   CHECK(fs::is_empty(tmp / "home"));  // no ~/.dptrain
   CHECK(fs::is_empty(tmp / "t"));     // no dptrain-doctor-PID
 }

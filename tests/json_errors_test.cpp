@@ -95,6 +95,17 @@ TEST_CASE("--json failures carry status, exit_code, error and errors for every f
     for (const auto& e : out["errors"])
       CHECK(e.get<std::string>().rfind(" ", 0) != 0);  // log lines stay in "error" only
   }
+  SUBCASE("a rank failure in a benchmark keeps its log excerpt in error too") {
+    // A rendezvous that cannot finish in 1 ms: a rank fails, saying so in its log.
+    auto r =
+        run_dptrain({"bench", "comm", "--nproc", "2", "-b", "1K", "-e", "1K", "-n", "1", "-w", "0",
+                     "--timeout", "0.001", "--run-dir", (tmp / "bench").string(), "--json"});
+    auto out = check_failure(r, 3);
+    const std::string error = out["error"];
+    CHECK(error.find("its last lines (full log: ") != std::string::npos);
+    CHECK(error.find(":\n  dptrain: error: rank ") != std::string::npos);
+    CHECK(error.find("gloo rendezvous") != std::string::npos);
+  }
   SUBCASE("a run directory that cannot be read") {
     auto out = check_failure(run_dptrain({"status", (tmp / "none").string(), "--json"}), 2);
     CHECK(out["status"] == "error");
@@ -134,8 +145,71 @@ TEST_CASE("a usage error points at the help of the command given, sub-subcommand
     CHECK(r.err.find("see 'dptrain " + command[0] + " " + command[1] + " --help'") !=
           std::string::npos);
   }
+  // A misspelt subcommand or option is named, with the one meant.
+  for (const auto& [args, says] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"ckpt", "verfy", "run"}, "unknown command 'ckpt verfy' (did you mean 'ckpt verify'?)"},
+           {{"recipe", "valdate", "x.json"},
+            "unknown command 'recipe valdate' (did you mean 'recipe validate'?)"},
+           {{"status", "--jsn", "run"}, "status: unknown option '--jsn' (did you mean '--json'?)"},
+           {{"report", "--ot", "x.html", "run"},
+            "report: unknown option '--ot' (did you mean '--out'?)"},
+           {{"bench", "comm", "--nprc=2"},
+            "bench comm: unknown option '--nprc' (did you mean '--nproc'?)"},
+           {{"launch", "--hlp"}, "launch: unknown option '--hlp' (did you mean '--help'?)"}}) {
+    auto r = run_dptrain(args);
+    CAPTURE(r.err);
+    CHECK(r.exit_code == 2);
+    CHECK(r.err.find("dptrain: error: " + says + "\n") == 0);
+  }
+  // A negative number is a value, not an option.
+  auto negative = run_dptrain({"sample", "run", "--seed", "-1"});
+  CHECK(negative.err.find("'-1' must be a finite number >= 0") != std::string::npos);
   auto top = run_dptrain({"ckpt", "--bogus"});
   CHECK(top.err.find("see 'dptrain ckpt --help'") != std::string::npos);
   auto launch = run_dptrain({"launch", "x.json", "--bogus"});
   CHECK(launch.err.find("see 'dptrain launch --help'") != std::string::npos);
+}
+
+TEST_CASE(
+    "bytes that are not UTF-8 in a path or a file: one JSON object, the documented exit code") {
+  TempDir tmp;
+  const std::string latin1 = "caf\xe9";  // "café" in Latin-1: not UTF-8
+  const auto recipe = write_recipe(tmp.path(), small_recipe());
+  // Nothing there: exit 2 naming the path, its bad byte shown as U+FFFD in the JSON.
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"status", (tmp / latin1).string(), "--json"},
+        {"ckpt", "verify", (tmp / latin1).string(), "--json"},
+        {"report", (tmp / latin1).string(), "--json"}}) {
+    CAPTURE(args[0]);
+    const json out = check_failure(run_dptrain(args), 2);
+    CHECK(out["error"].get<std::string>().find("caf\xef\xbf\xbd") != std::string::npos);
+  }
+  // A recipe file that is not UTF-8 is a bad recipe (exit 2), not a crash.
+  write_text(tmp / "latin1.json", "{\"name\": \"" + latin1 + "\"}");
+  check_failure(run_dptrain({"recipe", "validate", (tmp / "latin1.json").string(), "--json"}), 2);
+  check_failure(run_dptrain({"launch", (tmp / "latin1.json").string(), "--json"}), 2);
+  // A run directory named in Latin-1 works like any other.
+  const fs::path run = tmp / latin1;
+  auto launched =
+      run_dptrain({"launch", recipe.string(), "--nproc", "1", "--run-dir", run.string(), "--json"});
+  INFO(launched.err);
+  REQUIRE(launched.exit_code == 0);
+  CHECK(parse_json(launched.out)["status"] == "completed");
+  CHECK(parse_json(read_text(run / "run.json"))["status"] == "completed");
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"status", run.string(), "--json"},
+        {"ckpt", "list", run.string(), "--json"},
+        {"ckpt", "verify", run.string(), "--json"}}) {
+    CAPTURE(args[0]);
+    auto r = run_dptrain(args);
+    CHECK(r.exit_code == 0);
+    CHECK_NOTHROW(parse_json(r.out));
+  }
+  // So does a dataset written there.
+  write_text(tmp / "text.txt", std::string(4000, 'a') + "\n" + std::string(4000, 'b'));
+  auto prepared = run_dptrain({"data", "prepare", "--text", (tmp / "text.txt").string(), "--out",
+                               (tmp / ("data-" + latin1)).string(), "--json"});
+  INFO(prepared.err);
+  CHECK(prepared.exit_code == 0);
+  CHECK_NOTHROW(parse_json(prepared.out));
 }

@@ -540,4 +540,14 @@ TEST_CASE("report and status of what is not a run: exit 2 naming it") {
       run_dptrain({"report", (tmp / "ok").string(), "--out", (tmp / "no/such.html").string()});
   CHECK(out_dir.exit_code == 2);
   CHECK(contains(out_dir.err, "--out"));
+  auto empty = run_dptrain({"report", (tmp / "ok").string(), "--out", ""});
+  CHECK(empty.exit_code == 2);
+  CHECK(contains(empty.err, "--out: empty"));
+  CHECK_FALSE(fs::exists(tmp / "ok/report.html"));
+  // Without --out, a directory where the report goes is a report that cannot be written.
+  fs::create_directories(tmp / "ok/report.html");
+  auto in_the_way = run_dptrain({"report", (tmp / "ok").string()});
+  CHECK(in_the_way.exit_code == 1);
+  CHECK(contains(in_the_way.err, (tmp / "ok/report.html").string() + ": is a directory"));
+  CHECK_FALSE(contains(in_the_way.err, "error: --out"));
 }

@@ -264,10 +264,17 @@ TEST_CASE("SIGKILL of the launcher leaves no worker behind") {
 TEST_CASE("launching into a directory that holds a run is refused") {
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), resumable_recipe());
-  write_text(tmp / "run.json", "{}");
+  write_text(tmp / "run.json", R"({"recipe": {}})");
   auto r = run_dptrain({"launch", recipe.string(), "--run-dir", tmp.path().string()});
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("dptrain resume") != std::string::npos);
+  // A benchmark's run has nothing to resume: only another directory will do.
+  write_text(tmp / "run.json", R"({"benchmark": {}})");
+  auto bench = run_dptrain({"bench", "comm", "--nproc", "1", "--run-dir", tmp.path().string()});
+  CHECK(bench.exit_code == 2);
+  CHECK(bench.err.find(": already holds a benchmark's run; choose another --run-dir") !=
+        std::string::npos);
+  CHECK(bench.err.find("resume") == std::string::npos);
 }
 
 TEST_CASE("resume of a completed run changes nothing; of a running one it is refused") {

@@ -143,6 +143,7 @@ TEST_CASE("sample: numbers out of range are refused, not wrapped; a run without 
   INFO(largest.err);
   REQUIRE(largest.exit_code == 0);
   CHECK(parse_json(largest.out)["seed"].get<uint64_t>() == 18446744073709551615ull);
+  CHECK(parse_json(largest.out)["top_k"] == 0);
   const auto refused = [&](const std::vector<std::string>& args, const std::string& option,
                            const std::string& says) {
     const auto r = sample(run_dir, args);
