@@ -416,6 +416,18 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   // What --env gave the ranks, for `dptrain resume` to give them again (a value taken from the
   // launcher's environment is null: it is taken from resume's then).
   info["env"] = spec.env.record();
+  // A generation whose launcher was killed (or whose machine went down) never recorded its end:
+  // closed now, as lost, when it was last known alive.
+  if (json& gens = info["generations"]; gens.is_array() && !gens.empty() &&
+                                        gens.back().is_object() &&
+                                        !gens.back().contains("ended_at")) {
+    json& lost = gens.back();
+    lost["status"] = "lost";
+    lost["ended_at"] = info.value("alive_at", json(nullptr));
+    lost["error"] =
+        "its launcher ended without recording how the generation ended (killed, or its machine "
+        "went down)";
+  }
   info["status"] = "running";
   info.erase("error");  // an earlier invocation's end, between generations
   // Who runs the job, and a stamp renewed while it does: how `dptrain status` on another machine
@@ -779,6 +791,13 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       process = fmt::format("rank {} on {}", r->value("rank", -1), relay_hosts.at(f.label));
       exit_code = r->value("exit_code", -1);
       signal = r->value("signal", 0);
+    }
+    // A rank stopped by its own SIGTERM: every rank checkpoints and exits 143, and the first to
+    // exit is any of them; the rank that got the signal is the one that exited, as the message
+    // says.
+    if (exit_code == 143 && !trace.sigterm_ranks.empty()) {
+      out.failed_rank = trace.sigterm_ranks.front();
+      process = rank_name(out.failed_rank);
     }
     events.emit("rank_exited",
                 {{"process", process},

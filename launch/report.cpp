@@ -376,15 +376,14 @@ std::string last_checkpoint_name(const RunView& run) {
   return {};
 }
 
-// The error the run ended with: the run's own, or the newest generation's.
+// The error the run ended with: the run's own, or the newest generation's once it has ended (an
+// older generation's is history: the newest one may be running, or its launcher gone).
 std::string run_error(const json& info) {
   // How the run ended after its last generation (too few hosts left, stopped between two).
   if (const std::string error = text(info, "error"); !error.empty()) return error;
   const json& generations = array_at(info, "generations");
-  for (auto it = generations.rbegin(); it != generations.rend(); ++it) {
-    if (it->contains("ended_at")) return text(*it, "error");
-  }
-  return {};
+  if (generations.empty() || !generations.back().contains("ended_at")) return {};
+  return text(generations.back(), "error");
 }
 
 double median(std::vector<double> values) {

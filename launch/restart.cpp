@@ -157,8 +157,19 @@ JobOutcome failed_placement(RunDirectory& run, JobOutcome outcome, const std::st
 JobOutcome stopped_waiting(RunDirectory& run, JobOutcome outcome, int sig) {
   outcome.exit_code = sig == SIGTERM ? 143 : 130;
   outcome.status = sig == SIGTERM ? "terminated" : "interrupted";
-  outcome.error = outcome.resized ? "stopped between generations (every rank had checkpointed)"
-                                  : "stopped while waiting to restart";
+  const char* name = sig == SIGTERM ? "SIGTERM" : "SIGINT";
+  // The failure the restart was for stays in the message: which rank, and where a resume starts.
+  if (outcome.resized) {
+    outcome.error =
+        fmt::format("stopped by {} between generations (every rank had checkpointed)", name);
+  } else {
+    const std::string from =
+        outcome.last_checkpoint.empty()
+            ? std::string()
+            : fmt::format(" (a resume continues from {})", outcome.last_checkpoint);
+    outcome.error = fmt::format("stopped by {} while waiting to restart{} after: {}", name, from,
+                                outcome.error);
+  }
   outcome.resized = false;
   run.info()["status"] = outcome.status;
   run.info()["error"] = outcome.error;
@@ -194,8 +205,21 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
          check_fault_injection(spec, first_step, static_cast<int>(generations.size()) + 1))
       status.line("warning: " + warning);
   }
+  // Failures in a row at one step, counted over the run, not this invocation: the failed
+  // generations an earlier launch or resume ended with count (a CI loop that resumes a run
+  // whose failure repeats stops as early as one launch would).
   int same_step = 0;
   int64_t previous_step = -2;
+  {
+    const json& generations = run.info().value("generations", json::array());
+    for (auto it = generations.rbegin(); it != generations.rend(); ++it) {
+      const json step = it->value("step", json());
+      if (it->value("status", "") != "failed" || !step.is_number_integer()) break;
+      if (same_step > 0 && step.get<int64_t>() != previous_step) break;
+      previous_step = step.get<int64_t>();
+      ++same_step;
+    }
+  }
   if (std::string error = place_generation(run, spec, status, Placement::first); !error.empty()) {
     JobOutcome out;
     out.exit_code = 4;

@@ -18,6 +18,7 @@
 #include <fmt/format.h>
 
 #include "core/error.hpp"
+#include "launch/status.hpp"
 
 extern char** environ;
 
@@ -342,8 +343,15 @@ class Supervision {
   void emit_line(Child& c, const std::string& line) {
     c.log << line << '\n';
     c.log.flush();
-    if (line.rfind("@event ", 0) != 0) {
-      c.tail.push_back(line);
+    // The tail a failure quotes: what the process printed, its trainer events (rank 0's
+    // progress, which it prints as events only) as the launcher shows them.
+    std::string shown = line;
+    if (line.starts_with("@event ")) {
+      const auto event = nlohmann::json::parse(line.substr(7), nullptr, false);
+      shown = event.is_object() && event.contains("event") ? format_event(event) : std::string();
+    }
+    if (!shown.empty()) {
+      c.tail.push_back(std::move(shown));
       if (c.tail.size() > kTailLines) c.tail.pop_front();
     }
     if (options_.on_line) options_.on_line(*c.spec, line);

@@ -75,15 +75,19 @@ TEST_CASE("supervisor: all succeed; output is relayed per process and logged") {
 
 TEST_CASE("supervisor: a failing process stops the others and is named with its last lines") {
   Fixture f;
-  const auto result = supervise(
-      {f.shell(0, "sleep 30"), f.shell(1, "echo one; echo '@event {}'; echo two; exit 7")},
-      f.options);
+  const auto result =
+      supervise({f.shell(0, "sleep 30"),
+                 f.shell(1,
+                         "echo one; echo '@event {}'; echo '@event {\"event\":\"info\",\"message\":"
+                         "\"hello\"}'; echo two; exit 7")},
+                f.options);
   REQUIRE(result.failure);
   CHECK(result.failure->rank == 1);
   CHECK(result.failure->exit_code == 7);
   CHECK(result.failure->describe().find("rank 1") != std::string::npos);
   CHECK(result.failure->describe().find("exited with code 7") != std::string::npos);
-  CHECK(result.failure->last_lines == std::vector<std::string>{"one", "two"});
+  // A trainer event is quoted as the launcher shows it; anything else of the protocol is not.
+  CHECK(result.failure->last_lines == std::vector<std::string>{"one", "hello", "two"});
   for (pid_t p : f.pids)
     CHECK_FALSE(alive(p));
 }

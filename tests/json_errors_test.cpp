@@ -95,6 +95,17 @@ TEST_CASE("--json failures carry status, exit_code, error and errors for every f
     for (const auto& e : out["errors"])
       CHECK(e.get<std::string>().rfind(" ", 0) != 0);  // log lines stay in "error" only
   }
+  SUBCASE("a rank that printed only its progress: the progress is the excerpt") {
+    // Rank 0 reports progress as events only; their lines stand for it.
+    auto r = run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir",
+                          (tmp / "crashed").string(), "--json"},
+                         {{"DPTRAIN_FAULT", "crash@step=12,rank=0"}});
+    auto out = check_failure(r, 3);
+    const std::string error = out["error"];
+    CHECK(error.find("its last lines (full log: ") != std::string::npos);
+    CHECK(error.find("\n  step 10/60  loss ") != std::string::npos);
+    CHECK(error.find("@event") == std::string::npos);
+  }
   SUBCASE("a rank failure in a benchmark keeps its log excerpt in error too") {
     // A rendezvous that cannot finish in 1 ms: a rank fails, saying so in its log.
     auto r =

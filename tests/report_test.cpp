@@ -423,6 +423,40 @@ TEST_CASE("status between a failed generation and the next: restarting, then fai
   CHECK(s["error"] == "rank 1 was killed by signal 9 (SIGKILL)");
 }
 
+TEST_CASE("status: an earlier generation's error is not the newest one's, running or stale") {
+  TempDir tmp;
+  const std::time_t now = std::time(nullptr);
+  json info = {{"status", "running"},
+               {"world_size", 2},
+               {"recipe", resumable_recipe()},
+               {"launcher", {{"host", "elsewhere.invalid"}, {"pid", 999999}}},
+               {"alive_at", utc(now)},
+               {"generations",
+                {{{"generation", 1},
+                  {"started_at", utc(now - 60)},
+                  {"ended_at", utc(now - 30)},
+                  {"status", "terminated"},
+                  {"world_size", 2},
+                  {"error", "rank 1 was stopped by SIGTERM; every rank checkpointed"}},
+                 {{"generation", 2},
+                  {"started_at", utc(now - 20)},
+                  {"world_size", 2},
+                  {"pids", {999999}}}}}};
+  fs::create_directories(tmp / "run");
+  write_text(tmp / "run/run.json", info.dump());
+  json s = parse_json(run_dptrain({"status", (tmp / "run").string(), "--json"}).out);
+  CHECK(s["status"] == "running");  // stamped just now by a launcher on another machine
+  CHECK(s["error"].is_null());
+  // Its launcher gone (no stamp for an hour): stale, and still not generation 1's error.
+  info["alive_at"] = utc(now - 3600);
+  write_text(tmp / "run/run.json", info.dump());
+  s = parse_json(run_dptrain({"status", (tmp / "run").string(), "--json"}).out);
+  CHECK(s["status"] == "stale");
+  CHECK(s["error"].is_null());
+  CHECK(
+      parse_json(run_dptrain({"report", (tmp / "run").string(), "--json"}).out)["error"].is_null());
+}
+
 TEST_CASE("status between a generation stopped to grow and the next: resizing, then stale") {
   TempDir tmp;
   const auto run_json = [&](std::time_t ended_at) {

@@ -105,6 +105,48 @@ TEST_CASE("the same failure three times at one step stops with exit 3: looks det
   CHECK(info["generations"].size() == 3);
 }
 
+TEST_CASE("failures in a row at one step count over the run: a resume loop stops as early") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  const Env fault = {{"DPTRAIN_FAULT", "exit@step=33,rank=1,code=1"}};
+  auto first =
+      run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir", (tmp / "loop").string(),
+                   "--max-restarts", "1", "--restart-backoff", "0.1"},
+                  fault);
+  CHECK(first.exit_code == 3);
+  CHECK(first.err.find("restarts exhausted: 1 of 1") != std::string::npos);
+  // Two failures at step 33 so far: the third, in the resume, is the last.
+  auto resumed = run_dptrain(
+      {"resume", (tmp / "loop").string(), "--max-restarts", "5", "--restart-backoff", "0.1"},
+      fault);
+  INFO(resumed.err);
+  CHECK(resumed.exit_code == 3);
+  CHECK(resumed.err.find("the job failed 3 times in a row at step 33: this looks deterministic") !=
+        std::string::npos);
+  const json info = parse_json(read_text(tmp / "loop/run.json"));
+  CHECK(info["generations"].size() == 3);
+}
+
+TEST_CASE("a stop while waiting to restart keeps the failure it was for in the message") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  const fs::path run_dir = tmp / "waiting";
+  Background launcher({"launch", recipe.string(), "--nproc", "2", "--run-dir", run_dir.string(),
+                       "--max-restarts", "1", "--restart-backoff", "30", "--json"},
+                      {{"DPTRAIN_FAULT", "crash@step=25,rank=1"}});
+  REQUIRE(eventually([&] {
+    return fs::exists(run_dir / "run.json") &&
+           parse_json(read_text(run_dir / "run.json")).contains("pending_restart");
+  }));
+  REQUIRE(::kill(launcher.pid(), SIGTERM) == 0);
+  CHECK(launcher.wait(std::chrono::seconds(20)) == 143);
+  const std::string error = parse_json(launcher.out())["error"];
+  CHECK(
+      error.starts_with("stopped by SIGTERM while waiting to restart (a resume continues from "
+                        "step-000020) after: rank 1 "));
+  CHECK(parse_json(read_text(run_dir / "run.json"))["error"] == error);
+}
+
 TEST_CASE("without --max-restarts a failure is final; with it exhausted the message says so") {
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), resumable_recipe());

@@ -31,13 +31,19 @@ struct SlowRun {
   fs::path run_dir;
   Background launcher;
   std::vector<pid_t> pids;
-  SlowRun(const fs::path& recipe, const fs::path& dir)
+  SlowRun(const fs::path& recipe, const fs::path& dir, const std::vector<std::string>& more = {})
       : run_dir(dir),
-        launcher({"launch", recipe.string(), "--nproc", "2", "--run-dir", dir.string()},
-                 {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "30"}}) {
+        launcher(launch_args(recipe, dir, more), {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "30"}}) {
     REQUIRE(eventually([&] { return has_checkpoint(run_dir); }));
     pids = worker_pids(run_dir);
     REQUIRE(pids.size() == 2);
+  }
+  static std::vector<std::string> launch_args(const fs::path& recipe, const fs::path& dir,
+                                              const std::vector<std::string>& more) {
+    std::vector<std::string> args = {"launch", recipe.string(), "--nproc",
+                                     "2",      "--run-dir",     dir.string()};
+    args.insert(args.end(), more.begin(), more.end());
+    return args;
   }
 };
 
@@ -214,14 +220,23 @@ TEST_CASE("SIGTERM during the last step: nothing is left to stop, the run comple
 TEST_CASE("a rank that gets SIGTERM itself (preemption) stops the whole job after a checkpoint") {
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), resumable_recipe());
-  SlowRun run(recipe, tmp / "run");
+  SlowRun run(recipe, tmp / "run", {"--events", (tmp / "events.jsonl").string()});
   REQUIRE(::kill(run.pids[1], SIGTERM) == 0);
   const int code = run.launcher.wait(std::chrono::seconds(60));
   INFO(run.launcher.err());
   CHECK(code == 143);
-  // Named from the store, whichever rank exited first.
+  // Named from the store, whichever rank exited first, in the message and the event alike.
   CHECK(run.launcher.err().find("rank 1 was stopped by SIGTERM; every rank checkpointed") !=
         std::string::npos);
+  int exits = 0;
+  for (const auto& e : read_jsonl(tmp / "events.jsonl")) {
+    if (e["event"] != "rank_exited") continue;
+    ++exits;
+    CHECK(e["process"] == "rank 1");
+    CHECK(e["exit_code"] == 143);
+    CHECK(e["message"].get<std::string>().starts_with("rank 1 was stopped by SIGTERM"));
+  }
+  CHECK(exits == 1);
   CHECK(run.launcher.out().find("[rank 1] received SIGTERM") != std::string::npos);
   check_all_gone(run.pids);
   CHECK(run_dptrain({"resume", run.run_dir.string()}).exit_code == 0);
@@ -259,6 +274,19 @@ TEST_CASE("SIGKILL of the launcher leaves no worker behind") {
   REQUIRE(::kill(run.launcher.pid(), SIGKILL) == 0);
   run.launcher.wait(std::chrono::seconds(10));
   check_all_gone(run.pids);
+  // Nothing recorded how that generation ended: status blames no error on it, and a resume
+  // closes it as lost.
+  auto stale = run_dptrain({"status", run.run_dir.string(), "--json"});
+  CHECK(parse_json(stale.out)["status"] == "stale");
+  CHECK(parse_json(stale.out)["error"].is_null());
+  auto resumed = run_dptrain({"resume", run.run_dir.string()});
+  INFO(resumed.err);
+  REQUIRE(resumed.exit_code == 0);
+  const nlohmann::json info = parse_json(read_text(run.run_dir / "run.json"));
+  REQUIRE(info["generations"].size() == 2);
+  CHECK(info["generations"][0]["status"] == "lost");
+  CHECK(info["generations"][0]["ended_at"].is_string());
+  CHECK(info["generations"][1]["status"] == "completed");
 }
 
 TEST_CASE("launching into a directory that holds a run is refused") {
