@@ -216,8 +216,8 @@ RunState run_state(const json& info) {
     const bool starting = !last.contains("pids") && started && *started < kStartingGraceS;
     if (!starting) {
       state.status = "stale";
-      state.note = "the launcher is gone (no rank of generation " +
-                   std::to_string(generations.size()) + " is alive)";
+      state.note = "the launcher is gone: no rank of generation " +
+                   std::to_string(generations.size()) + " is alive";
     }
   }
   return between_generations(info, generations, std::move(state));

@@ -77,7 +77,11 @@ lp=${bundle_libs:-}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}$extra
 export LD_LIBRARY_PATH=${lp#:}
 nccl=$(for d in ${extra//:/ }; do [[ -e $d/libnccl.so.2 ]] && echo "$d/libnccl.so.2"; done | head -1)
 [[ -n $nccl && -z ${DPTRAIN_NCCL_LIBRARY:-} ]] && export DPTRAIN_NCCL_LIBRARY=$nccl
-{ echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"; echo "DPTRAIN_NCCL_LIBRARY=${DPTRAIN_NCCL_LIBRARY:-}"; ldd "$bin/dptrain" "$bin/gpu_tests"; } >"$out/libs.txt" 2>&1
+# cuBLASLt is loaded with dlopen (ldd does not list it): which copy the library path offers.
+cublaslt=$(for d in ${LD_LIBRARY_PATH//:/ }; do [[ -e $d/libcublasLt.so.13 ]] && echo "$d/libcublasLt.so.13"; done | head -1)
+{ echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"; echo "DPTRAIN_NCCL_LIBRARY=${DPTRAIN_NCCL_LIBRARY:-}"
+  echo "cuBLASLt=${cublaslt:-not on LD_LIBRARY_PATH (the loader's cache or the binary's RUNPATH may have it)}"
+  ldd "$bin/dptrain" "$bin/gpu_tests"; } >"$out/libs.txt" 2>&1
 if grep -q 'not found' "$out/libs.txt"; then echo "run.sh: libraries missing (see libs.txt):" >&2; grep 'not found' "$out/libs.txt" | sort -u >&2; fi
 export DPTRAIN_TEST_BINARY=$bin/dptrain DPTRAIN_TEST_SOURCE_DIR=$here
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$out/gpu.txt" 2>&1 || true
