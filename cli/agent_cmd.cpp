@@ -42,7 +42,14 @@ std::string read_plan_line() {
 void setup_agent(CLI::App& app, Outcome& outcome) {
   app.callback([&outcome] {
     const auto plan = AgentPlan::from_json(nlohmann::json::parse(read_plan_line(), nullptr, false));
-    outcome.exit_code = run_agent(plan, stdout, STDIN_FILENO);
+    try {
+      outcome.exit_code = run_agent(plan, stdout, STDIN_FILENO);
+    } catch (const Error& e) {
+      // Before any rank started (its data differs from the launcher's, say): the launcher's
+      // message is this one.
+      write_host_failure(stdout, e.what());
+      throw;
+    }
   });
 }
 

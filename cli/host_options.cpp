@@ -16,6 +16,7 @@ SshOptions HostOptions::ssh() const {
   s.known_hosts = known_hosts;
   s.accept_new_host_keys = accept_new_host_keys;
   s.connect_timeout = std::chrono::milliseconds(static_cast<int64_t>(connect_timeout_s * 1000));
+  s.keepalive_interval_s = keepalive_s;
   return s;
 }
 
@@ -62,6 +63,15 @@ void add_host_options(CLI::App& app, HostOptions& o, bool hosts_required) {
                                "Hosts: a hostfile (host [slots=N] [user=U] [port=P] [key=PATH] "
                                "per line) or a list like a:2,b:2");
   if (hosts_required) hosts->required();
+  // An empty value (an unset $HOSTS in a script) is not "no --hosts": that would run the job on
+  // this machine alone.
+  hosts->check(CLI::Validator(
+      [](const std::string& value) {
+        return value.find_first_not_of(" \t") == std::string::npos
+                   ? std::string("empty: give a hostfile or a list such as a:2,b:2")
+                   : std::string();
+      },
+      "", "not empty"));
   app.add_option("--identity", o.identities,
                  "SSH identity file, tried after the agent and a host's key= (repeatable)");
   app.add_option("--known-hosts", o.known_hosts, "known_hosts file (default ~/.ssh/known_hosts)");
@@ -70,6 +80,10 @@ void add_host_options(CLI::App& app, HostOptions& o, bool hosts_required) {
                "refused)");
   app.add_option("--connect-timeout", o.connect_timeout_s, "Seconds to connect to a host")
       ->check(seconds())
+      ->capture_default_str();
+  app.add_option("--ssh-keepalive", o.keepalive_s,
+                 "Seconds between SSH keepalives; a host silent for 3 of them is lost (0: never)")
+      ->check(CLI::Range(0, 3600))
       ->capture_default_str();
 }
 

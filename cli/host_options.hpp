@@ -18,6 +18,7 @@ struct HostOptions {
   std::string known_hosts;
   bool accept_new_host_keys = false;
   double connect_timeout_s = 10;
+  int keepalive_s = 15;  // --ssh-keepalive: seconds between keepalives; 3 unanswered: lost
 
   SshOptions ssh() const;
   std::vector<HostSpec> load() const;  // Error(usage) when --hosts is missing or malformed

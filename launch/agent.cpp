@@ -13,6 +13,7 @@
 #include "core/fs.hpp"
 #include "core/json_error.hpp"
 #include "launch/job.hpp"
+#include "launch/provision.hpp"
 
 namespace dptrain {
 
@@ -34,7 +35,8 @@ json AgentPlan::to_json(bool redact_secret) const {
           {"ranks", ranks},
           {"env", env},
           {"worker_args", worker_args},
-          {"data_dir", data_dir}};
+          {"data_dir", data_dir},
+          {"data_sha256", data_sha256}};
 }
 
 AgentPlan AgentPlan::from_json(const json& j) {
@@ -54,6 +56,7 @@ AgentPlan AgentPlan::from_json(const json& j) {
     p.ranks = j.at("ranks").get<std::vector<int>>();
     p.env = j.at("env").get<std::map<std::string, std::string>>();
     p.data_dir = j.value("data_dir", std::string());
+    p.data_sha256 = j.value("data_sha256", std::string());
     p.worker_args = j.value("worker_args", std::vector<std::string>{});
     return p;
   } catch (const json::exception& e) {
@@ -135,21 +138,39 @@ std::vector<ProcessSpec> worker_specs(const AgentPlan& plan, const fs::path& wor
   return specs;
 }
 
-namespace {
-
 // A CSV file named by the launcher's path is found where provision put it when that path does
 // not exist on this host (no shared filesystem).
-void use_provisioned_data(AgentPlan& plan) {
+void prepare_data(AgentPlan& plan) {
   auto& data = plan.recipe["data"];
   if (plan.data_dir.empty() || data.value("type", "") != "csv") return;
-  const fs::path path = data.value("path", std::string());
+  fs::path path = data.value("path", std::string());
   std::error_code ec;
-  if (fs::exists(path, ec)) return;
-  const fs::path provisioned = expand_home(plan.data_dir) / path.filename();
-  if (fs::exists(provisioned, ec)) data["path"] = provisioned.string();
+  if (!fs::exists(path, ec)) {
+    const fs::path provisioned = expand_home(plan.data_dir) / path.filename();
+    if (!fs::exists(provisioned, ec)) return;  // the ranks say it is missing, naming both
+    path = provisioned;
+    data["path"] = provisioned.string();
+  }
+  if (plan.data_sha256.empty()) return;
+  if (const std::string here = sha256_file(path); here != plan.data_sha256) {
+    throw Error(
+        ErrorKind::usage,
+        fmt::format("{} on {} is not the launcher's data file (sha256 {}..., the "
+                    "launcher's {}...): its ranks would train on other data; run "
+                    "'dptrain provision --recipe' again, or put the same file there",
+                    path.string(), plan.host, here.substr(0, 12), plan.data_sha256.substr(0, 12)));
+  }
 }
 
-}  // namespace
+void write_host_failure(std::FILE* out, const std::string& description) {
+  const json report = {{"rank", -1},
+                       {"exit_code", -1},
+                       {"signal", 0},
+                       {"description", description},
+                       {"last_lines", json::array()}};
+  std::fprintf(out, "%s%s\n", kAgentFailurePrefix, json_text(report).c_str());
+  std::fflush(out);
+}
 
 int run_agent(const AgentPlan& given, std::FILE* out, int stop_fd) {
   AgentPlan plan = given;
@@ -161,7 +182,7 @@ int run_agent(const AgentPlan& given, std::FILE* out, int stop_fd) {
                                            plan.run_dir.string(), plan.host, ec.message()));
   }
   if (plan.worker_args.empty()) {  // the trainer's ranks read it; a benchmark's do not
-    use_provisioned_data(plan);
+    prepare_data(plan);
     write_file_atomic(plan.run_dir / "recipe.json", json_text(plan.recipe, 2) + "\n");
   }
   std::mutex out_mutex;
@@ -170,6 +191,15 @@ int run_agent(const AgentPlan& given, std::FILE* out, int stop_fd) {
   // Inside the launcher's own grace periods, so the agent reports before it is cut off.
   options.grace = std::chrono::milliseconds(3000);
   options.stop_grace = std::chrono::milliseconds(50000);
+  auto last_alive = std::chrono::steady_clock::now();
+  options.tick = [&] {
+    const auto now = std::chrono::steady_clock::now();
+    if (now - last_alive < kAgentAliveInterval) return;
+    last_alive = now;
+    std::lock_guard lock(out_mutex);
+    std::fprintf(out, "%s\n", kAgentAliveLine);
+    std::fflush(out);
+  };
   options.on_line = [&](const ProcessSpec& p, const std::string& line) {
     std::lock_guard lock(out_mutex);
     if (line.rfind("@event ", 0) == 0) {

@@ -2,6 +2,7 @@
 // runs it, locally for the launcher's own host or as `dptrain agent` at the far end of SSH.
 #pragma once
 
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <map>
@@ -35,6 +36,9 @@ struct AgentPlan {
   // [--resume FROM]". Benchmarks run their own worker command this way.
   std::vector<std::string> worker_args;
   std::string data_dir;  // where provision put data files on that host ("" on the launcher's)
+  // The sha256 of the launcher's CSV data file (remote hosts; empty: not checked): the file a
+  // host's ranks read must be the same, or they would train on other data than the rest.
+  std::string data_sha256;
 
   nlohmann::json to_json(bool redact_secret = false) const;
   static AgentPlan from_json(const nlohmann::json& j);  // Error(usage) on a malformed plan
@@ -48,6 +52,11 @@ std::filesystem::path expand_home(const std::string& path);
 std::string gpu_of_local_rank(int local_rank,
                               const std::map<std::string, std::string>& job_env = {});
 
+// The data file a host's ranks read: the recipe's path when it exists there, else the copy
+// provision put in data_dir (the recipe is pointed at it). Error(usage) naming the host and
+// the file when it differs from the launcher's (data_sha256): provision again.
+void prepare_data(AgentPlan& plan);
+
 // The worker processes of a plan: argv, environment (the secret through the environment only),
 // and log files under run_dir/logs.
 std::vector<ProcessSpec> worker_specs(const AgentPlan& plan,
@@ -57,8 +66,17 @@ std::vector<ProcessSpec> worker_specs(const AgentPlan& plan,
 //   "@rank N TEXT"      a line rank N printed
 //   "@event JSON"       a trainer event from rank 0
 //   "@failure JSON"     {"rank", "pid", "exit_code", "signal", "description", "last_lines"}
+//   "@alive"            every second: the agent runs and its host answers (the relay takes a
+//                       host that sends nothing for 3 SSH keepalive intervals as lost, and drops
+//                       these lines)
 constexpr const char* kAgentRankPrefix = "@rank ";
 constexpr const char* kAgentFailurePrefix = "@failure ";
+constexpr const char* kAgentAliveLine = "@alive";
+constexpr std::chrono::seconds kAgentAliveInterval{1};
+
+// An "@failure" line for a failure of the host rather than of one of its ranks (rank -1): the
+// agent could not start them, or the relay lost the host.
+void write_host_failure(std::FILE* out, const std::string& description);
 
 // Runs the plan's ranks to the end, writing the lines above to `out`. End of input on `stop_fd`
 // (the SSH channel closing) stops the ranks. Returns the exit code: 0; when a rank failed, its

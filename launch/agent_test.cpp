@@ -5,8 +5,12 @@
 
 #include <string>
 
+#include "core/error.hpp"
+#include "core/fs.hpp"
+#include "launch/provision.hpp"
 #include "launch/rank_env.hpp"
 #include "tests/scoped_env.hpp"
+#include "tests/temp_dir.hpp"
 
 namespace dptrain {
 namespace {
@@ -90,6 +94,36 @@ TEST_CASE("agent: a GPU list the job gives (--env) is the one each host's ranks 
   plan.one_gpu_per_rank = false;
   specs = worker_specs(plan, "/bin/dptrain");
   CHECK(env_of(specs[1], "CUDA_VISIBLE_DEVICES") == "6,7");
+}
+
+TEST_CASE("agent: a host's copy of the CSV data must be the launcher's") {
+  dptrain::test::TempDir tmp;
+  const auto launcher_file = tmp / "launcher/train.csv";
+  std::filesystem::create_directories(tmp / "launcher");
+  std::filesystem::create_directories(tmp / "host/data");
+  write_file_atomic(launcher_file, "label,x\n0,1\n1,2\n");
+  AgentPlan plan = two_rank_plan();
+  plan.host = "node-2";
+  plan.data_dir = (tmp / "host/data").string();
+  plan.recipe = {{"data", {{"type", "csv"}, {"path", (tmp / "elsewhere/train.csv").string()}}}};
+  plan.data_sha256 = sha256_file(launcher_file);
+  // The launcher's path does not exist on the host: provision's copy is used, when it matches.
+  write_file_atomic(tmp / "host/data/train.csv", "label,x\n0,1\n1,2\n");
+  AgentPlan same = plan;
+  CHECK_NOTHROW(prepare_data(same));
+  CHECK(same.recipe["data"]["path"] == (tmp / "host/data/train.csv").string());
+  // A stale copy (the launcher's file changed since provision) is refused, naming host and file.
+  write_file_atomic(tmp / "host/data/train.csv", "label,x\n0,1\n");
+  AgentPlan stale = plan;
+  CHECK_THROWS_WITH_AS(prepare_data(stale),
+                       doctest::Contains(((tmp / "host/data/train.csv").string() +
+                                          " on node-2 is not the launcher's data file")
+                                             .c_str()),
+                       Error);
+  // A plan from a launcher that sends no hash is not checked.
+  stale.data_sha256.clear();
+  CHECK_NOTHROW(prepare_data(stale));
+  CHECK(AgentPlan::from_json(plan.to_json()).data_sha256 == plan.data_sha256);
 }
 
 TEST_CASE("agent: every variable it sets for a rank is one --env may not change") {

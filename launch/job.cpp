@@ -26,6 +26,7 @@
 #include "core/tensor/device.hpp"
 #include "core/trainer.hpp"
 #include "launch/hang_watch.hpp"
+#include "launch/provision.hpp"
 #include "launch/relay.hpp"
 #include "launch/supervisor.hpp"
 
@@ -286,6 +287,17 @@ JobPlan plan_job(const JobSpec& spec, const fs::path& run_path, const std::strin
   plan.hosts = job_hosts(spec);
   int next_rank = 0;
   const int world = total_slots(plan.hosts);
+  // The launcher's CSV file, hashed once, for remote hosts to check their copy against.
+  std::optional<std::string> data_sha256;
+  const auto launcher_data_sha256 = [&]() -> std::string {
+    if (!data_sha256) {
+      std::error_code ec;
+      const bool csv = spec.worker_args.empty() && spec.recipe.data.type == "csv" &&
+                       fs::is_regular_file(spec.recipe.data.path, ec);
+      data_sha256 = csv ? sha256_file(spec.recipe.data.path) : std::string();
+    }
+    return *data_sha256;
+  };
   for (const auto& h : plan.hosts) {
     AgentPlan a;
     a.host = h.is_local() ? "localhost" : h.host;
@@ -313,7 +325,10 @@ JobPlan plan_job(const JobSpec& spec, const fs::path& run_path, const std::strin
         }
       }
     }
-    if (!h.is_local()) a.data_dir = spec.remote.workdir + "/data";
+    if (!h.is_local()) {
+      a.data_dir = spec.remote.workdir + "/data";
+      a.data_sha256 = launcher_data_sha256();
+    }
     plan.agents.push_back(std::move(a));
   }
   return plan;

@@ -225,6 +225,12 @@ std::string facts_script(const std::string& workdir, const std::vector<PlannedFi
   for (const auto& dir : dirs)
     script += " \"$d\"/" + shell_quote(dir);
   script += " && cd \"$d\" || exit 1\n";
+  // An existing directory on a read-only filesystem (or one not the user's) passes mkdir -p: a
+  // file written and removed says it is usable.
+  script += R"sh(w=.dptrain-write-probe.$$
+if ! err=$({ : >"$w"; } 2>&1); then echo "cannot write in $(pwd -P): ${err##*: }" >&2; exit 1; fi
+rm -f -- "$w"
+)sh";
   // nvidia-smi can hang on a wedged driver: it gets its own timeout.
   script += R"sh(echo "workdir=$(pwd -P)"
 echo "hostname=$(hostname 2>/dev/null || cat /proc/sys/kernel/hostname)"
@@ -384,7 +390,7 @@ SshSession::Result prepare_workdir(HostShell& shell, const HostSpec& host,
                                    const std::vector<PlannedFile>& files) {
   auto result = shell.run("sh -c " + shell_quote(facts_script(workdir, files)));
   if (result.exit_status != 0) {
-    throw Error(ErrorKind::ssh, fmt::format("cannot create the workdir {} on {}: {}", workdir,
+    throw Error(ErrorKind::ssh, fmt::format("cannot use the workdir {} on {}: {}", workdir,
                                             host.display(), first_line(result.err)));
   }
   return result;

@@ -38,13 +38,7 @@ std::optional<std::string> not_runnable(int status, const RelayPlan& plan) {
 }
 
 void report_failure(const std::string& description) {
-  const json report = {{"rank", -1},
-                       {"exit_code", -1},
-                       {"signal", 0},
-                       {"description", description},
-                       {"last_lines", json::array()}};
-  std::printf("%s%s\n", kAgentFailurePrefix, json_text(report).c_str());
-  std::fflush(stdout);
+  write_host_failure(stdout, description);
 }
 
 }  // namespace
@@ -112,10 +106,27 @@ int run_relay(const RelayPlan& plan) {
     report_failure(e.what());
     return 4;
   }
-  const auto sink = [](std::string_view data, bool) {
-    std::fwrite(data.data(), 1, data.size(), stdout);
+  // The agent's lines go on to the launcher, but for its "@alive" ones: what they say is that
+  // the host answers, which is when anything was last heard.
+  auto last_heard = std::chrono::steady_clock::now();
+  std::string partial;
+  const auto sink = [&](std::string_view data, bool) {
+    last_heard = std::chrono::steady_clock::now();
+    partial.append(data);
+    std::string lines;
+    size_t start = 0;
+    for (size_t end; (end = partial.find('\n', start)) != std::string::npos; start = end + 1) {
+      if (std::string_view(partial).substr(start, end - start) != kAgentAliveLine) {
+        lines.append(partial, start, end + 1 - start);
+      }
+    }
+    partial.erase(0, start);
+    std::fwrite(lines.data(), 1, lines.size(), stdout);
     std::fflush(stdout);
   };
+  // A host that stops answering without closing the connection (its sshd or agent frozen, a
+  // network that drops packets while the kernel still acknowledges) is lost after this long.
+  const auto silence_limit = std::chrono::seconds(3 * plan.ssh.keepalive_interval_s);
   std::unique_ptr<SshChannel> channel;
   try {
     channel = session->start(remote_path_word(plan.remote_binary) + " agent");
@@ -143,6 +154,7 @@ int run_relay(const RelayPlan& plan) {
   int terms_sent = 0;
   int interrupts_sent = 0;
   try {
+    last_heard = std::chrono::steady_clock::now();
     while (channel->read(sink, std::chrono::milliseconds(100))) {
       // "stop" (SIGTERM): the agent's ranks checkpoint and stop; "interrupt" (SIGINT): they stop
       // without one, and a second kills them. The channel stays open: its end tells the agent
@@ -151,7 +163,16 @@ int run_relay(const RelayPlan& plan) {
         channel->write("stop\n");
       for (; interrupts_sent < g_interrupts.load(); ++interrupts_sent)
         channel->write("interrupt\n");
+      if (plan.ssh.keepalive_interval_s > 0 &&
+          std::chrono::steady_clock::now() - last_heard > silence_limit) {
+        report_failure(fmt::format(
+            "{} has not answered for {} s (its agent says it is alive every second): the host, "
+            "its SSH server or the network is stuck; its ranks are taken as lost",
+            plan.host.display(), silence_limit.count()));
+        return 3;
+      }
     }
+    if (!partial.empty()) std::fwrite(partial.data(), 1, partial.size(), stdout);
   } catch (const Error& e) {
     report_failure(fmt::format("lost the SSH connection to {}: {}", plan.host.display(), e.what()));
     return 3;

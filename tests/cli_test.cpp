@@ -101,6 +101,12 @@ TEST_CASE("usage errors exit 2") {
     CHECK(parse_json(bad.out)["exit_code"] == 2);
   }
   CHECK_FALSE(fs::exists(tmp / "runs"));
+  // An empty --hosts (an unset variable in a script) is refused, not a job on this machine alone.
+  auto no_hosts = run_dptrain(
+      {"launch", recipe.string(), "--hosts", "", "--runs-root", (tmp / "runs").string()});
+  CHECK(no_hosts.exit_code == 2);
+  CHECK(no_hosts.err.find("--hosts: empty") != std::string::npos);
+  CHECK_FALSE(fs::exists(tmp / "runs"));
   // Unsigned options do not wrap a negative value around.
   auto seed = run_dptrain({"sample", (tmp / "nothing-here").string(), "--seed", "-1"});
   CHECK(seed.exit_code == 2);

@@ -73,6 +73,20 @@ TEST_CASE("doctor: all green on the loopback hosts, with a recipe and the all-re
   CHECK(table.out.find("all checks passed") != std::string::npos);
 }
 
+TEST_CASE("doctor: a workdir that exists but cannot be written fails its check, saying why") {
+  DoctorFixture f;
+  // /proc/self exists on every host (mkdir -p passes) and takes no new file.
+  auto r = f.doctor({"--workdir", "/proc/self"});
+  INFO(r.out, r.err);
+  CHECK(r.exit_code == 4);
+  const auto fails = failure_lines(r.out);
+  REQUIRE_FALSE(fails.empty());
+  CHECK(fails.front().starts_with("FAIL workdir"));
+  CHECK(fails.front().find("cannot use the workdir /proc/self on ") != std::string::npos);
+  CHECK(fails.front().find(": cannot write in /proc/") != std::string::npos);
+  CHECK(r.out.find("is writable") == std::string::npos);
+}
+
 TEST_CASE("doctor: a store port that cannot be used is one line naming it") {
   DoctorFixture f;
   // Hold a port on every address so doctor's store cannot listen there.

@@ -262,6 +262,51 @@ TEST_CASE("--env reaches every rank on every host, and resume gives it again") {
   CHECK(parse_json(read_text(run_dir / "run.json"))["env"]["DPTRAIN_TEST_SETTING"] == "changed");
 }
 
+// The parent of a process, from /proc.
+pid_t parent_of(pid_t pid) {
+  std::istringstream stat(read_text(fs::path("/proc") / std::to_string(pid) / "stat"));
+  std::string field;
+  for (int i = 0; i < 4 && stat >> field; ++i) {
+  }
+  return static_cast<pid_t>(std::stol(field));
+}
+
+std::string comm_of(pid_t pid) {
+  std::string comm = read_text(fs::path("/proc") / std::to_string(pid) / "comm");
+  return comm.substr(0, comm.find('\n'));
+}
+
+TEST_CASE("a host that stops answering (its sshd frozen) is lost within 3 keepalives, named") {
+  Cluster c;
+  const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
+  auto args = c.launch_args(recipe, c.tmp / "frozen");
+  args.insert(args.end(), {"--ssh-keepalive", "1", "--json"});
+  Background launcher(args, {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "30"}});
+  std::map<int, pid_t> workers;
+  REQUIRE(eventually([&] {
+    workers = workers_of("frozen");
+    return workers.size() == 4;
+  }));
+  // The SSH server process that serves rank 2's host: up from the rank, past its agent.
+  pid_t sshd = workers.at(2);
+  while (sshd > 1 && comm_of(sshd) != "sshd")
+    sshd = parent_of(sshd);
+  REQUIRE(sshd > 1);
+  REQUIRE(::kill(sshd, SIGSTOP) == 0);
+  const int code = launcher.wait(std::chrono::seconds(60));
+  ::kill(sshd, SIGCONT);
+  INFO(launcher.err());
+  CHECK(code == 3);
+  const std::string error = parse_json(launcher.out())["error"];
+  CHECK(error.find(c.sshd.addresses()[2]) != std::string::npos);
+  CHECK(error.find("has not answered for 3 s") != std::string::npos);
+  // Once the server answers again, the connection's end stops that host's ranks too.
+  for (const auto& [rank, pid] : workers) {
+    CAPTURE(rank);
+    CHECK(eventually([pid] { return !process_alive(pid); }, std::chrono::seconds(20)));
+  }
+}
+
 TEST_CASE("killing one remote worker tears down all 4 ranks and names it") {
   Cluster c;
   const auto recipe = write_recipe(c.tmp.path(), quick_recipe());

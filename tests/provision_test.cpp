@@ -298,8 +298,7 @@ TEST_CASE("provision: localhost is provisioned in-process, without SSH") {
 
   auto unwritable = run_dptrain({"provision", "--hosts", "localhost", "--workdir", "/proc/nope"});
   CHECK(unwritable.exit_code == 4);
-  CHECK(unwritable.err.find("cannot create the workdir /proc/nope on localhost") !=
-        std::string::npos);
+  CHECK(unwritable.err.find("cannot use the workdir /proc/nope on localhost") != std::string::npos);
 }
 
 TEST_CASE("provision: a missing upload or a bad recipe is a usage error before any host") {
