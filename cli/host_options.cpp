@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include "core/comm/socket.hpp"
 #include "core/error.hpp"
 #include "launch/elastic.hpp"
 
@@ -90,6 +91,18 @@ void add_host_options(CLI::App& app, HostOptions& o, bool hosts_required) {
 RemoteOptions RemoteJobOptions::get(const HostOptions& hosts) const {
   if (master_port < 0 || master_port > 65535) {
     throw Error(ErrorKind::usage, fmt::format("--master-port: not a port: {}", master_port));
+  }
+  if (!master_addr.empty()) {
+    // The store listens there: an address that is not this machine's (or no address at all)
+    // would only show as every rank failing to reach it.
+    try {
+      listen_tcp(master_addr, 0);
+    } catch (const Error& e) {
+      throw Error(ErrorKind::usage,
+                  fmt::format("--master-addr {}: the store cannot listen there ({}); give an "
+                              "address of this machine that the hosts reach",
+                              master_addr, first_line(e.what())));
+    }
   }
   RemoteOptions r;
   r.ssh = hosts.ssh();

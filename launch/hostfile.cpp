@@ -327,6 +327,9 @@ std::vector<HostSpec> load_hosts(const std::string& value) {
   if (std::filesystem::is_regular_file(value, error) || value.find('/') != std::string::npos) {
     return parse_hostfile(value);
   }
+  if (std::filesystem::is_directory(value, error)) {
+    fail(fmt::format("cannot read hostfile {}: it is a directory", value));
+  }
   if (const auto why = mistyped_hostfile(value)) {
     fail(fmt::format("cannot read hostfile {}: {}", value, *why));
   }

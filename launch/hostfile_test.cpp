@@ -157,6 +157,13 @@ TEST_CASE("hostfile: no hosts, or a file that cannot be read") {
         "cannot read hostfile " + missing.string() + ": No such file or directory");
   CHECK(usage_error([&] { parse_hostfile(dir.path()); }) ==
         "cannot read hostfile " + dir.path().string() + ": it is a directory");
+  // --hosts naming a directory without a '/': a hostfile given wrongly, not a host name.
+  const auto cwd = std::filesystem::current_path();
+  std::filesystem::current_path(dir.path());
+  std::filesystem::create_directories("hostdir");
+  const std::string said = usage_error([] { load_hosts("hostdir"); });
+  std::filesystem::current_path(cwd);
+  CHECK(said == "cannot read hostfile hostdir: it is a directory");
   if (geteuid() != 0) {  // root reads any file
     const auto locked = write_file(dir, "locked", "a\n");
     chmod(locked.c_str(), 0);

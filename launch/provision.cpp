@@ -167,7 +167,10 @@ int file_mode(const fs::path& path) {
 PlannedFile planned(const fs::path& local, const std::string& remote, int mode) {
   std::error_code ec;
   if (!fs::is_regular_file(local, ec)) {
-    throw Error(ErrorKind::usage, fmt::format("{}: no such file", local.string()));
+    throw Error(ErrorKind::usage,
+                fmt::format("{}: {}", local.string(),
+                            fs::is_directory(local, ec) ? "is a directory; name the files in it"
+                                                        : "no such file"));
   }
   return {local, local, remote, mode, fs::file_size(local), sha256_file(local)};
 }

@@ -101,6 +101,13 @@ TEST_CASE("usage errors exit 2") {
     CHECK(parse_json(bad.out)["exit_code"] == 2);
   }
   CHECK_FALSE(fs::exists(tmp / "runs"));
+  // A --master-addr the store cannot listen on is the caller's to fix, found before anything runs.
+  auto elsewhere = run_dptrain({"launch", recipe.string(), "--master-addr", "192.0.2.1",
+                                "--runs-root", (tmp / "runs").string()});
+  CHECK(elsewhere.exit_code == 2);
+  CHECK(elsewhere.err.find("--master-addr 192.0.2.1: the store cannot listen there") !=
+        std::string::npos);
+  CHECK_FALSE(fs::exists(tmp / "runs"));
   // An empty --hosts (an unset variable in a script) is refused, not a job on this machine alone.
   auto no_hosts = run_dptrain(
       {"launch", recipe.string(), "--hosts", "", "--runs-root", (tmp / "runs").string()});

@@ -309,6 +309,11 @@ TEST_CASE("provision: a missing upload or a bad recipe is a usage error before a
       {"provision", "--hosts", (tmp / "hosts").string(), "--upload", (tmp / "nope.txt").string()});
   CHECK(missing.exit_code == 2);
   CHECK(missing.err.find("nope.txt: no such file") != std::string::npos);
+  fs::create_directories(tmp / "dir");
+  auto dir = run_dptrain(
+      {"provision", "--hosts", (tmp / "hosts").string(), "--upload", (tmp / "dir").string()});
+  CHECK(dir.exit_code == 2);
+  CHECK(dir.err.find("dir: is a directory; name the files in it") != std::string::npos);
   write_text(tmp / "bad.json", "{\"model\": 3}");
   auto bad = run_dptrain(
       {"provision", "--hosts", (tmp / "hosts").string(), "--recipe", (tmp / "bad.json").string()});
