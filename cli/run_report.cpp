@@ -42,11 +42,15 @@ std::chrono::milliseconds RestartOptions::rejoin_timeout(const FaultToleranceSpe
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
 }
 
-std::unique_ptr<EventLog> open_events(const RestartOptions& o, bool json) {
-  if (o.events.empty()) return std::make_unique<EventLog>();
+void check_events(const RestartOptions& o, bool json) {
   if (o.events == "-" && json) {
     throw Error(ErrorKind::usage, "--events -: not with --json (both write to stdout)");
   }
+}
+
+std::unique_ptr<EventLog> open_events(const RestartOptions& o, bool json) {
+  if (o.events.empty()) return std::make_unique<EventLog>();
+  check_events(o, json);
   return std::make_unique<EventLog>(o.events);
 }
 

@@ -33,8 +33,9 @@ const CLI::Validator& non_negative_number();
 // A number of seconds: non_negative_number, at most kMaxSeconds.
 const CLI::Validator& seconds();
 
-// The --events stream (disabled when not asked for); Error(usage) when it would share stdout
-// with --json.
+// Error(usage) when --events would share stdout with --json.
+void check_events(const RestartOptions& o, bool json);
+// The --events stream (disabled when not asked for); check_events first.
 std::unique_ptr<EventLog> open_events(const RestartOptions& o, bool json);
 // Where progress goes: stderr when stdout carries JSON (the outcome or the events).
 std::FILE* status_stream(bool json, const EventLog& events);

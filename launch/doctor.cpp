@@ -335,6 +335,8 @@ class Doctor {
     s.checks.push_back({"version", h.display(), same,
                         same ? version : fmt::format("{} there, {} here", version, mine),
                         same ? "" : "run 'dptrain provision --hosts ...' to install this build"});
+    // The probes run that binary: another build's answers would be about the wrong program.
+    if (!same) s.held_back = "its dptrain is another build";
   }
 
   void check_gpus(const HostSpec& h, HostSurvey& s) const {

@@ -108,6 +108,10 @@ TEST_CASE("usage errors exit 2") {
   CHECK(elsewhere.err.find("--master-addr 192.0.2.1: the store cannot listen there") !=
         std::string::npos);
   CHECK_FALSE(fs::exists(tmp / "runs"));
+  // --dry-run refuses what the launch would: events and JSON both on stdout.
+  auto dry = run_dptrain({"launch", recipe.string(), "--dry-run", "--events", "-", "--json"});
+  CHECK(dry.exit_code == 2);
+  CHECK(dry.err.find("--events -: not with --json") != std::string::npos);
   // An empty --hosts (an unset variable in a script) is refused, not a job on this machine alone.
   auto no_hosts = run_dptrain(
       {"launch", recipe.string(), "--hosts", "", "--runs-root", (tmp / "runs").string()});

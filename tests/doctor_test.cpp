@@ -87,6 +87,22 @@ TEST_CASE("doctor: a workdir that exists but cannot be written fails its check, 
   CHECK(r.out.find("is writable") == std::string::npos);
 }
 
+TEST_CASE("doctor: another build there fails the version check and holds back the probes") {
+  DoctorFixture f;
+  const fs::path fake = f.tmp / "old-dptrain";
+  write_text(fake, "#!/bin/sh\necho 'dptrain 0.0.9'\n");
+  fs::permissions(fake, fs::perms::owner_all);
+  auto r = f.doctor({"--remote-binary", fake.string()});
+  INFO(r.out, r.err);
+  CHECK(r.exit_code == 4);
+  const auto fails = failure_lines(r.out);
+  REQUIRE(fails.size() == 2);  // one version line per host, nothing the old build answered
+  for (const auto& line : fails)
+    CHECK(line.starts_with("FAIL version"));
+  CHECK(r.out.find(fmt_skip("peer-port")) != std::string::npos);
+  CHECK(r.out.find("not run: its dptrain is another build") != std::string::npos);
+}
+
 TEST_CASE("doctor: a store port that cannot be used is one line naming it") {
   DoctorFixture f;
   // Hold a port on every address so doctor's store cannot listen there.
