@@ -37,10 +37,6 @@ std::optional<std::string> not_runnable(int status, const RelayPlan& plan) {
       status == 127 ? "no such file or command" : "not executable");
 }
 
-void report_failure(const std::string& description) {
-  write_host_failure(stdout, description);
-}
-
 }  // namespace
 
 json host_to_json(const HostSpec& h) {
@@ -103,7 +99,7 @@ int run_relay(const RelayPlan& plan) {
   try {
     session = SshSession::connect(plan.host, plan.ssh);
   } catch (const Error& e) {
-    report_failure(e.what());
+    write_host_failure(stdout, e.what());
     return 4;
   }
   // The agent's lines go on to the launcher, but for its "@alive" ones: what they say is that
@@ -131,7 +127,8 @@ int run_relay(const RelayPlan& plan) {
   try {
     channel = session->start(remote_path_word(plan.remote_binary) + " agent");
   } catch (const Error& e) {
-    report_failure(fmt::format("{}: cannot start the agent: {}", plan.host.display(), e.what()));
+    write_host_failure(
+        stdout, fmt::format("{}: cannot start the agent: {}", plan.host.display(), e.what()));
     return 4;
   }
   try {
@@ -147,7 +144,8 @@ int run_relay(const RelayPlan& plan) {
     }
     const auto status = channel->exit_status();
     const auto why = status ? not_runnable(*status, plan) : std::nullopt;
-    report_failure(
+    write_host_failure(
+        stdout,
         why ? *why : fmt::format("{}: cannot start the agent: {}", plan.host.display(), e.what()));
     return 4;
   }
@@ -165,26 +163,30 @@ int run_relay(const RelayPlan& plan) {
         channel->write("interrupt\n");
       if (plan.ssh.keepalive_interval_s > 0 &&
           std::chrono::steady_clock::now() - last_heard > silence_limit) {
-        report_failure(fmt::format(
-            "{} has not answered for {} s (its agent says it is alive every second): the host, "
-            "its SSH server or the network is stuck; its ranks are taken as lost",
-            plan.host.display(), silence_limit.count()));
+        write_host_failure(
+            stdout,
+            fmt::format(
+                "{} has not answered for {} s (its agent says it is alive every second): the host, "
+                "its SSH server or the network is stuck; its ranks are taken as lost",
+                plan.host.display(), silence_limit.count()));
         return 3;
       }
     }
     if (!partial.empty()) std::fwrite(partial.data(), 1, partial.size(), stdout);
   } catch (const Error& e) {
-    report_failure(fmt::format("lost the SSH connection to {}: {}", plan.host.display(), e.what()));
+    write_host_failure(
+        stdout, fmt::format("lost the SSH connection to {}: {}", plan.host.display(), e.what()));
     return 3;
   }
   const auto status = channel->exit_status();
   if (!status) {
-    report_failure(fmt::format("the agent on {} ended without an exit status (connection lost?)",
-                               plan.host.display()));
+    write_host_failure(
+        stdout, fmt::format("the agent on {} ended without an exit status (connection lost?)",
+                            plan.host.display()));
     return 3;
   }
   if (const auto why = not_runnable(*status, plan)) {
-    report_failure(*why);
+    write_host_failure(stdout, *why);
     return 4;
   }
   return *status;

@@ -26,6 +26,21 @@ namespace dptrain {
 
 namespace {
 
+// The tail a failure quotes: what the process printed, and its trainer events (rank 0's
+// progress, which it prints as events only) as the launcher shows them; no other protocol line.
+std::vector<std::string> shown_tail(const std::deque<std::string>& tail) {
+  std::vector<std::string> shown;
+  for (const std::string& line : tail) {
+    if (!line.starts_with("@event ")) {
+      shown.push_back(line);
+      continue;
+    }
+    const auto event = nlohmann::json::parse(line.substr(7), nullptr, false);
+    if (event.is_object() && event.contains("event")) shown.push_back(format_event(event));
+  }
+  return shown;
+}
+
 // What waitpid's `status` says of a process (nothing yet when it has not `exited`).
 ProcessExit process_exit(const ProcessSpec& spec, pid_t pid, bool exited, int status) {
   ProcessExit e;
@@ -226,7 +241,7 @@ class Supervision {
     if (result.failure) {
       for (auto& c : children_) {
         if (c.pid == result.failure->pid) {
-          result.failure->last_lines.assign(c.tail.begin(), c.tail.end());
+          result.failure->last_lines = shown_tail(c.tail);
         }
       }
     }
@@ -343,17 +358,8 @@ class Supervision {
   void emit_line(Child& c, const std::string& line) {
     c.log << line << '\n';
     c.log.flush();
-    // The tail a failure quotes: what the process printed, its trainer events (rank 0's
-    // progress, which it prints as events only) as the launcher shows them.
-    std::string shown = line;
-    if (line.starts_with("@event ")) {
-      const auto event = nlohmann::json::parse(line.substr(7), nullptr, false);
-      shown = event.is_object() && event.contains("event") ? format_event(event) : std::string();
-    }
-    if (!shown.empty()) {
-      c.tail.push_back(std::move(shown));
-      if (c.tail.size() > kTailLines) c.tail.pop_front();
-    }
+    c.tail.push_back(line);  // as printed: shown_tail formats it only if a failure quotes it
+    if (c.tail.size() > kTailLines) c.tail.pop_front();
     if (options_.on_line) options_.on_line(*c.spec, line);
   }
 
