@@ -333,7 +333,7 @@ void verify_host_key(ssh_session session, const HostSpec& host, const fs::path& 
                           known_hosts.string(), clean_reason(ssh_get_error(session))));
 }
 
-// HostSpec::key, then --identity files, then the usual default keys that exist.
+// HostSpec::key, then --identity files, then the usual default keys that exist (flagged false).
 std::vector<std::pair<fs::path, bool>> identity_files(const HostSpec& host,
                                                       const SshOptions& options) {
   std::vector<std::pair<fs::path, bool>> files;  // path, named explicitly
@@ -360,26 +360,34 @@ void authenticate(ssh_session session, const HostSpec& host, const SshOptions& o
     }
     return rc == SSH_AUTH_SUCCESS;
   };
-  if (const char* agent = std::getenv("SSH_AUTH_SOCK"); agent && *agent) {
-    tried.emplace_back("agent");
-    if (accepted(ssh_userauth_agent(session, nullptr))) return;
-  }
-  for (const auto& [path, explicit_file] : identity_files(host, options)) {
-    if (!ended.empty()) break;
+  // A key named for the host goes first: an agent holding many keys would otherwise use up the
+  // server's MaxAuthTries (6 by default) before it is offered.
+  const auto offer_file = [&](const fs::path& path, bool explicit_file) {
     std::error_code ec;
     if (!fs::exists(path, ec)) {
       if (explicit_file) tried.push_back(path.string() + " (missing)");
-      continue;
+      return false;
     }
     ssh_key raw = nullptr;
     if (ssh_pki_import_privkey_file(path.c_str(), nullptr, no_passphrase, nullptr, &raw) !=
         SSH_OK) {
       tried.push_back(path.string() + " (unreadable or passphrase-protected)");
-      continue;
+      return false;
     }
     const KeyPtr key(raw);
     tried.push_back(path.string());
-    if (accepted(ssh_userauth_publickey(session, nullptr, key.get()))) return;
+    return accepted(ssh_userauth_publickey(session, nullptr, key.get()));
+  };
+  const auto files = identity_files(host, options);
+  for (const auto& [path, explicit_file] : files) {
+    if (explicit_file && ended.empty() && offer_file(path, true)) return;
+  }
+  if (const char* agent = std::getenv("SSH_AUTH_SOCK"); agent && *agent && ended.empty()) {
+    tried.emplace_back("agent");
+    if (accepted(ssh_userauth_agent(session, nullptr))) return;
+  }
+  for (const auto& [path, explicit_file] : files) {
+    if (!explicit_file && ended.empty() && offer_file(path, false)) return;
   }
   const std::string list =
       tried.empty() ? "no agent and no identity file" : fmt::format("{}", fmt::join(tried, ", "));

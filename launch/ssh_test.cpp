@@ -11,10 +11,12 @@
 
 #include <chrono>
 #include <csignal>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <string>
 
+#include "tests/scoped_env.hpp"
 #include "tests/sshd.hpp"
 #include "tests/temp_dir.hpp"
 
@@ -340,6 +342,38 @@ TEST_CASE("connect: a key the host does not accept is refused, naming host and k
   CHECK(error_of([&] {
           SshSession::connect(host, fixture_options());
         }).find("/nonexistent/key (missing)") != std::string::npos);
+}
+
+TEST_CASE("connect: a named key goes before an agent full of other keys") {
+  // sshd drops a client after MaxAuthTries (6) refused keys: with the agent's 7 keys offered
+  // first, the host's own key= would never get its turn.
+  TempDir tmp;
+  const fs::path socket = tmp.path() / "agent.sock";
+  REQUIRE(std::system(("ssh-agent -a " + shell_quote(socket.string()) + " > " +
+                       shell_quote((tmp.path() / "agent.env").string()))
+                          .c_str()) == 0);
+  const std::string agent_env = slurp(tmp.path() / "agent.env");
+  const auto pid_at = agent_env.find("SSH_AGENT_PID=");
+  REQUIRE(pid_at != std::string::npos);
+  const pid_t agent_pid = std::stoi(agent_env.substr(pid_at + 14));
+  struct KillAgent {
+    pid_t pid;
+    ~KillAgent() { ::kill(pid, SIGTERM); }
+  } kill_agent{agent_pid};
+  ScopedEnv sock("SSH_AUTH_SOCK", socket.string());
+  for (int i = 0; i < 7; ++i) {
+    const std::string key = shell_quote((tmp.path() / ("other" + std::to_string(i))).string());
+    REQUIRE(std::system(("ssh-keygen -q -t ed25519 -N '' -f " + key + " && ssh-add -q " + key +
+                         " 2>/dev/null")
+                            .c_str()) == 0);
+  }
+  HostSpec host = LoopbackSshd::instance().host("127.0.0.2");
+  REQUIRE(!host.key.empty());
+  CHECK(SshSession::connect(host, fixture_options())->run("true").exit_status == 0);
+  host.key.clear();
+  SshOptions options = fixture_options();
+  options.identities = {LoopbackSshd::instance().client_key()};
+  CHECK(SshSession::connect(host, options)->run("true").exit_status == 0);
 }
 
 TEST_CASE("connect: a changed host key is refused naming both fingerprints and the line") {
