@@ -18,6 +18,7 @@
 #include <sstream>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <openssl/evp.h>
 
 #include "core/error.hpp"
@@ -254,23 +255,35 @@ for f in)sh";
   for (const auto& f : files)
     script += " " + shell_quote(f.remote);
   script += R"sh(; do
-  [ -f "$f" ] && echo "sha256=$(sha256sum < "$f" 2>/dev/null | cut -d' ' -f1) $f"
+  [ -f "$f" ] && echo "sha256=$(sha256sum < "$f" 2>/dev/null | cut -d' ' -f1) $(stat -c %a "$f" 2>/dev/null || echo -) $f"
 done
 exit 0
 )sh";
   return script;
 }
 
-// "sha256=HASH PATH" lines: what the host already has.
-std::map<std::string, std::string> remote_hashes(const std::string& output) {
-  std::map<std::string, std::string> hashes;
+// A file the host already has: its content's hash and its permission bits (-1: unknown).
+struct RemoteFile {
+  std::string sha256;
+  int mode = -1;
+};
+
+// "sha256=HASH MODE PATH" lines (MODE octal, or "-"): what the host already has.
+std::map<std::string, RemoteFile> remote_files(const std::string& output) {
+  std::map<std::string, RemoteFile> found;
   for (const auto& [key, value] : key_values(output)) {
-    const auto space = value.find(' ');
-    if (key == "sha256" && space != std::string::npos) {
-      hashes[value.substr(space + 1)] = value.substr(0, space);
-    }
+    const auto first = value.find(' ');
+    const auto second = first == std::string::npos ? first : value.find(' ', first + 1);
+    if (key != "sha256" || second == std::string::npos) continue;
+    RemoteFile file{value.substr(0, first)};
+    const std::string mode = value.substr(first + 1, second - first - 1);
+    const char* end = mode.data() + mode.size();
+    int parsed = 0;
+    const auto [stop, error] = std::from_chars(mode.data(), end, parsed, 8);
+    if (error == std::errc{} && stop == end) file.mode = parsed;
+    found[value.substr(second + 1)] = file;
   }
-  return hashes;
+  return found;
 }
 
 // ---- where commands run and files go: over SSH, or on this machine ----
@@ -414,14 +427,26 @@ void provision_host(HostReport& report, const ProvisionOptions& options,
   report.facts = parse_facts(prepared.out);
   report.facts_known = true;
   const std::string& workdir = report.facts.workdir;
-  const auto hashes = remote_hashes(prepared.out);
+  const auto present = remote_files(prepared.out);
   uint64_t needed = 0;
+  std::vector<std::string> chmod;  // same content, other permissions: "MODE PATH" pairs
   for (size_t i = 0; i < files.size(); ++i) {
-    const auto it = hashes.find(files[i].remote);
-    if (it != hashes.end() && it->second == files[i].sha256) {
+    const auto it = present.find(files[i].remote);
+    if (it != present.end() && it->second.sha256 == files[i].sha256) {
       report.uploads[i].status = UploadRecord::Status::skipped;
+      if (it->second.mode != files[i].mode) {
+        chmod.push_back(fmt::format("chmod {:o} {}", files[i].mode,
+                                    shell_quote(workdir + "/" + files[i].remote)));
+      }
     } else {
       needed += files[i].bytes;
+    }
+  }
+  if (!chmod.empty()) {
+    const auto repaired = target->run(fmt::format("{}", fmt::join(chmod, " && ")));
+    if (repaired.exit_status != 0) {
+      throw Error(ErrorKind::ssh, fmt::format("cannot set the permissions of files in {} on {}: {}",
+                                              workdir, name, first_line(repaired.err)));
     }
   }
   // Unknown (0) is left to the uploads themselves to report.

@@ -296,6 +296,17 @@ TEST_CASE("provision: localhost is provisioned in-process, without SSH") {
     CHECK(status_of(again, file) == "skipped");
   CHECK(again["uploads"][2]["local"] == (tmp / "src/recipe.json").string());  // not a temp copy
 
+  // Same content with other permissions (a lost exec bit): repaired without an upload.
+  const auto binary_mode = mode_of(workdir / "bin/dptrain");
+  fs::permissions(workdir / "bin/dptrain", fs::perms::owner_read | fs::perms::owner_write);
+  fs::permissions(workdir / "run.sh", fs::perms::owner_read);
+  const json repaired = parse_json(run_dptrain(args, env).out)["hosts"][0];
+  CHECK(repaired["ok"] == true);
+  for (const auto& file : kFiles)
+    CHECK(status_of(repaired, file) == "skipped");
+  CHECK(mode_of(workdir / "bin/dptrain") == binary_mode);
+  CHECK(mode_of(workdir / "run.sh") == mode_of(tmp / "src/run.sh"));
+
   auto unwritable = run_dptrain({"provision", "--hosts", "localhost", "--workdir", "/proc/nope"});
   CHECK(unwritable.exit_code == 4);
   CHECK(unwritable.err.find("cannot use the workdir /proc/nope on localhost") != std::string::npos);
