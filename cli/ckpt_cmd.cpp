@@ -132,9 +132,9 @@ size_t name_width(const std::vector<CheckpointRow>& rows) {
 }
 
 void print_list_table(const fs::path& run_dir, const std::vector<CheckpointRow>& rows,
-                      const LatestStatus& latest) {
+                      const LatestStatus& latest, const std::string& elsewhere) {
   if (rows.empty()) {
-    std::printf("%s: no checkpoints\n", run_dir.c_str());
+    std::printf("%s: no checkpoints%s\n", run_dir.c_str(), elsewhere.c_str());
     if (!latest.ok()) std::printf("%s\n", latest_line(latest).c_str());
     return;
   }
@@ -192,24 +192,37 @@ json latest_json(const LatestStatus& latest) {
 // one on another host (WORKDIR/runs/NAME-ID), which holds checkpoints/ only. Nothing is created.
 struct CheckedRun {
   fs::path path;
+  // Where run.json says rank 0 committed the newest checkpoint when that was another host:
+  // " (its newest checkpoint, PATH, is on HOST, where rank 0 ran)"; empty otherwise.
+  std::string elsewhere;
   fs::path checkpoints() const { return path / "checkpoints"; }
 };
+
+// run.json's record of a checkpoint rank 0 committed on another host.
+std::string recorded_elsewhere(const json& info) {
+  const json recorded = info.value("last_checkpoint", json());
+  if (!recorded.is_object() || !recorded.value("host", json()).is_string()) return {};
+  return fmt::format(" (its newest checkpoint, {}, is on {}, where rank 0 ran: check it there)",
+                     recorded.value("path", std::string("?")),
+                     recorded.value("host", std::string()));
+}
 
 CheckedRun open_run(const std::string& dir) {
   std::error_code ec;
   const fs::path p(dir);
   const bool has_checkpoints = fs::is_directory(p / "checkpoints", ec);
   if (!fs::exists(p / "run.json", ec) && has_checkpoints) {
-    return {fs::absolute(p).lexically_normal()};
+    return {fs::absolute(p).lexically_normal(), ""};
   }
   try {
-    return {RunDirectory::open(p).path()};
+    const RunDirectory run = RunDirectory::open(p);
+    return {run.path(), recorded_elsewhere(run.info())};
   } catch (const Error& e) {
     // Only checkpoints/ is read: a run.json torn by a crash does not keep them from being checked.
     if (!has_checkpoints || e.kind() != ErrorKind::usage) throw;
     std::fprintf(stderr, "dptrain: warning: %s; checking its checkpoints/ all the same\n",
                  first_line(e.what()).c_str());
-    return {fs::absolute(p).lexically_normal()};
+    return {fs::absolute(p).lexically_normal(), ""};
   }
 }
 
@@ -232,7 +245,7 @@ int run_list(const CkptOptions& o) {
   const auto rows =
       inspect_all(list_checkpoints(run.checkpoints(), SetAside::include), followable(latest));
   if (!o.json) {
-    print_list_table(run.path, rows, latest);
+    print_list_table(run.path, rows, latest, run.elsewhere);
     return 0;
   }
   json out = {{"run_dir", run.path.string()},
@@ -251,8 +264,8 @@ std::vector<fs::path> checkpoints_to_verify(const CheckedRun& run, const CkptOpt
   // Set-aside checkpoints are known to be damaged and never used again: --all leaves them out.
   const auto live = list_checkpoints(run.checkpoints());
   if (live.empty()) {
-    throw Error(ErrorKind::checkpoint,
-                fmt::format("{}: no checkpoints to verify", run.checkpoints().string()));
+    throw Error(ErrorKind::checkpoint, fmt::format("{}: no checkpoints to verify{}",
+                                                   run.checkpoints().string(), run.elsewhere));
   }
   if (o.all) return live;
   std::error_code ec;

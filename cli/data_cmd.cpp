@@ -154,9 +154,13 @@ void check_output(const fs::path& out, bool force) {
   if (!fs::exists(status)) return;
   if (fs::is_symlink(status)) {
     // The dataset would replace the link, not what it points to: name the real place instead.
-    const fs::path target = fs::weakly_canonical(out, ec);
-    refuse(fmt::format("{}: is a symbolic link{}; give the directory itself as --out", out.string(),
-                       ec ? "" : " to " + target.string()));
+    // A dangling link has no canonical form: its own text, as from its directory.
+    const bool dangling = !fs::exists(out, ec);
+    fs::path target = dangling ? fs::read_symlink(out, ec) : fs::weakly_canonical(out, ec);
+    if (!ec && target.is_relative()) target = (out.parent_path() / target).lexically_normal();
+    refuse(fmt::format("{}: is a symbolic link{}{}; give the directory itself as --out",
+                       out.string(), ec ? "" : " to " + target.string(),
+                       dangling ? " (which does not exist)" : ""));
   }
   if (!fs::is_directory(status))
     refuse(fmt::format("{}: exists and is not a directory", out.string()));

@@ -145,8 +145,12 @@ int report_outcome(const RunDirectory& run, const JobOutcome& outcome, bool json
       std::fprintf(stderr, "%s%s\n", first ? "dptrain: error: " : "", line.c_str());
       first = false;
     }
-    std::fprintf(stderr, "dptrain: run directory: %s (continue with 'dptrain resume %s')\n",
-                 run.path().c_str(), run.path().c_str());
+    if (outcome.repeats) {  // a resume would meet the same error
+      std::fprintf(stderr, "dptrain: run directory: %s\n", run.path().c_str());
+    } else {
+      std::fprintf(stderr, "dptrain: run directory: %s (continue with 'dptrain resume %s')\n",
+                   run.path().c_str(), run.path().c_str());
+    }
   }
   if (json) {
     nlohmann::json out = outcome.to_json(run);

@@ -2,6 +2,7 @@
 #include "core/json_error.hpp"
 
 #include <algorithm>
+#include <limits>
 #include <utility>
 
 #include <fmt/format.h>
@@ -54,6 +55,13 @@ std::string json_parse_problem(const std::string& file, std::string_view text,
 
 std::string json_text(const nlohmann::json& j, int indent) {
   return j.dump(indent, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+double json_number(const nlohmann::json& j, const char* key) {
+  if (!j.is_object()) return std::numeric_limits<double>::quiet_NaN();
+  const auto it = j.find(key);
+  if (it == j.end() || !it->is_number()) return std::numeric_limits<double>::quiet_NaN();
+  return it->get<double>();
 }
 
 }  // namespace dptrain

@@ -23,4 +23,8 @@ std::string json_parse_problem(const std::string& file, std::string_view text,
 // then still one JSON document, and an error still gets reported.
 std::string json_text(const nlohmann::json& j, int indent = -1);
 
+// `j[key]` as a double; NaN when it is absent or not a number (a NaN or an infinity is written as
+// null, as a diverged loss is).
+double json_number(const nlohmann::json& j, const char* key);
+
 }  // namespace dptrain

@@ -659,10 +659,15 @@ void check_sync(const Recipe& r, Problems& problems) {
                              d.compression.type));
   }
   if (d.compression.type != "none" && (d.zero == 1 || d.sync != "allreduce")) {
-    problems.add("/distributed/compression/type",
-                 fmt::format("\"{}\" compresses the gradient all-reduce, which {} does not use",
-                             d.compression.type,
-                             d.zero == 1 ? "/distributed/zero 1" : "\"" + d.sync + "\""));
+    // ZeRO-1 sums into shards (or, over Gloo, by the plain all-reduce its shards come from);
+    // local SGD averages parameters, and its synchronous start is not worth a codec's state;
+    // parameter servers exchange shards, not an all-reduce.
+    problems.add(
+        "/distributed/compression/type",
+        fmt::format("\"{}\" is not supported with {} (compression applies to "
+                    "/distributed/sync \"allreduce\" without /distributed/zero only)",
+                    d.compression.type,
+                    d.zero == 1 ? "/distributed/zero 1" : "/distributed/sync \"" + d.sync + "\""));
   }
 }
 

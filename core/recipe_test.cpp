@@ -458,10 +458,12 @@ TEST_CASE("recipe: each bad recipe is rejected naming its JSON path") {
        R"(1 needs /distributed/sync "allreduce", got "local_sgd")"},
       {R"({"distributed": {"zero": 1, "compression": {"type": "int8"}}})",
        "/distributed/compression/type",
-       R"("int8" compresses the gradient all-reduce, which /distributed/zero 1 does not use)"},
+       R"("int8" is not supported with /distributed/zero 1 (compression applies to )"
+       R"(/distributed/sync "allreduce" without /distributed/zero only))"},
       {R"({"distributed": {"sync": "local_sgd", "compression": {"type": "topk"}}})",
        "/distributed/compression/type",
-       R"("topk" compresses the gradient all-reduce, which "local_sgd" does not use)"},
+       R"("topk" is not supported with /distributed/sync "local_sgd" (compression applies to )"
+       R"(/distributed/sync "allreduce" without /distributed/zero only))"},
       {R"({"distributed": {"compression": {"type": "topk", "ratio": 0}}})",
        "/distributed/compression/ratio", "must be in (0, 1], got 0"},
       {R"({"distributed": {"compression": {"type": "int8", "block": 0}}})",

@@ -211,7 +211,10 @@ class TrainingRun {
       const auto to = Clock::now();
       const double exposed_before_update = phases.comm;
       const double lr = lr_scale_ * learning_rate(recipe_.optimizer, step_, total);
+      // fp16 above the smallest loss scale: an overflow is a skipped step and a smaller scale.
+      const bool overflow_skips = scaler_.enabled() && scaler_.scale() > 1.0;
       if (!ps_) norm = update(lr, local, phases);
+      if (!std::isfinite(norm) && !overflow_skips) throw diverged(done, "gradient norm", norm);
       if (local && averaging_step(done)) stop = average_replicas(stop_flag, phases);
       advance_sampler();
       ops_->synchronize();
@@ -235,6 +238,7 @@ class TrainingRun {
         double loss = local_loss;
         stop = sum_loss_and_stop(loss, stop);
         loss /= static_cast<double>(micro_batches_);
+        if (!std::isfinite(loss)) throw diverged(done, "loss", loss);
         last_loss_ = loss;
         const double window_s = ms_since(window_start) / 1000.0;
         log_step(done, loss, lr, norm, static_cast<double>(window_steps * global_batch_) / window_s,
@@ -291,6 +295,19 @@ class TrainingRun {
     return result;
   }
 
+  // A loss or gradient norm that is not finite at step `done`: what a restart from a checkpoint
+  // would meet again (the training is deterministic), so the error is the recipe's (exit 2 from a
+  // rank, which the launcher does not restart). Thrown on every rank alike where the value is
+  // the ranks' common one; before the step's checkpoint, so none holds the non-finite values.
+  Error diverged(int64_t done, const char* what, double value) const {
+    return Error(
+        ErrorKind::recipe,
+        fmt::format("rank {}: the training diverged at step {}: its {} is {}; a restart "
+                    "would diverge again: lower /optimizer/lr or set "
+                    "/optimizer/clip_grad_norm, and launch again",
+                    rank_, done, what, std::isnan(value) ? "nan" : fmt::format("{}", value)));
+  }
+
   // Whether step `done` ends with the loss summed over the ranks (and logged): every log.every
   // steps, at the end, and when stopping.
   bool log_step_due(int64_t done, bool stop) const {
@@ -327,6 +344,9 @@ class TrainingRun {
     result.world_size = world_;
     result.stopped = true;
     result.params_checksum = check_replicas(step_);
+    // An evaluation due at this step runs now: the resumed run starts after it, and its record
+    // would lack it.
+    if (recipe_.eval.every > 0 && step_ % recipe_.eval.every == 0) evaluate(step_);
     result.last_checkpoint = checkpoint(step_);
     emit({{"event", "info"},
           {"message", fmt::format("stopped on request after step {}; resume continues from {}",

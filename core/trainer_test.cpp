@@ -14,6 +14,7 @@
 #include "core/comm/tcp_store.hpp"
 #include "core/data/tokens.hpp"
 #include "core/error.hpp"
+#include "core/fs.hpp"
 #include "core/tensor/emulated_ops.hpp"
 #include "tests/device_check_ops.hpp"
 #include "tests/gloo_ranks.hpp"
@@ -325,6 +326,53 @@ TEST_CASE("trainer: local SGD in fp16 (16-bit storage emulated) resumes bit-iden
   };
   CHECK(scale_at(whole.path(), 100) < 65536);  // the scaler did act
   CHECK(scale_at(resumed.path(), 200) == scale_at(whole.path(), 200));
+}
+
+TEST_CASE("trainer: a diverging run fails on every rank at its first non-finite step, unsaved") {
+  Recipe r = tiny_recipe();
+  r.optimizer.type = "sgd";
+  r.optimizer.lr = 1e4;
+  r.optimizer.momentum = 0.9;
+  r.optimizer.clip_grad_norm = 0;
+  r.checkpoint.every = 1;
+  r.checkpoint.keep = 100;
+  r.log.every = 1;
+  TempDir tmp;
+  const auto out = train_ranks(r, 2, tmp.path());
+  const auto step_of = [](const std::string& e) {
+    return std::stoll(e.substr(e.find(" at step ") + 9));
+  };
+  for (const auto& rank : out) {
+    const std::string& e = rank.error;
+    CAPTURE(e);
+    REQUIRE(e.find("the training diverged at step") != std::string::npos);
+    CHECK(e.find("gradient norm is nan") != std::string::npos);
+    CHECK(e.find("/optimizer/lr") != std::string::npos);
+    // The same step on both: the norm is the reduced gradients'.
+    CHECK(step_of(e) == step_of(out[0].error));
+  }
+  const int64_t at = step_of(out[0].error);
+  CHECK(at > 1);
+  CHECK(at < 30);
+  // Every step before it was checkpointed; not that one, whose parameters are not finite.
+  CHECK(fs::exists(tmp.path() / "checkpoints" / checkpoint_name(at - 1)));
+  CHECK_FALSE(fs::exists(tmp.path() / "checkpoints" / checkpoint_name(at)));
+  for (const std::string line : {"\"loss\":null", "\"grad_norm\":null"})
+    CHECK(read_file(tmp.path() / "metrics.jsonl").find(line) == std::string::npos);
+
+  // fp16: overflows are skipped steps while the loss scale can shrink; at scale 1 it is
+  // divergence too.
+  r.train.precision = "fp16";
+  r.checkpoint.every = 0;
+  TempDir half;
+  const auto fp16 = train_ranks(r, 2, [&](int) {
+    TrainerOptions o;
+    o.run_dir = half.path();
+    o.ops = std::make_shared<EmulatedHalfOps>();
+    return o;
+  });
+  REQUIRE(!fp16[0].error.empty());
+  CHECK(fp16[0].error.find("the training diverged at step") != std::string::npos);
 }
 
 TEST_CASE("trainer: a stop agreed on at the last step completes the run") {

@@ -113,6 +113,25 @@ bool forwarded(std::string_view name) {
   });
 }
 
+// The error a rank printed last ("dptrain: error: MESSAGE"), without a "rank N: " its message
+// starts with, taken out of `lines`: what a failure's first line says after the exit, rather
+// than twice. Empty when it printed none.
+std::string take_rank_error(std::vector<std::string>& lines, int rank) {
+  constexpr std::string_view kPrefix = "dptrain: error: ";
+  for (auto it = lines.rbegin(); it != lines.rend(); ++it) {
+    std::string_view line = *it;
+    if (const auto at = line.find(kPrefix); at != std::string_view::npos) {
+      line.remove_prefix(at + kPrefix.size());
+      const std::string own = fmt::format("rank {}: ", rank);
+      if (rank >= 0 && line.starts_with(own)) line.remove_prefix(own.size());
+      std::string message(line);
+      lines.erase(std::next(it).base());
+      return message;
+    }
+  }
+  return {};
+}
+
 std::vector<HostSpec> job_hosts(const JobSpec& spec) {
   if (!spec.hosts.empty()) return spec.hosts;
   HostSpec local;
@@ -739,6 +758,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     out.exit_code = 3;
     out.status = "failed";
     std::vector<std::string> last_lines = f.last_lines;
+    int failed_rank = f.rank;  // a remote one's as its agent reported it
     std::string log_hint;
     const auto relay = relay_hosts.find(f.label);
     if (relay != relay_hosts.end()) {
@@ -746,8 +766,10 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       if (const json* report = agent_report(f)) {
         const json& r = *report;
         const int rank = r.value("rank", -1);
+        failed_rank = rank;
         if (rank < 0 && f.exit_code == 4) out.exit_code = 4;  // the relay could not reach it
         if (rank >= 0 && r.value("exit_code", -1) == 5) out.exit_code = 5;
+        out.repeats = rank >= 0 && r.value("exit_code", -1) == 2;
         out.error = rank >= 0 ? fmt::format("{} on host {}", r.value("description", ""), host)
                               : r.value("description", std::string());
         last_lines = r.value("last_lines", std::vector<std::string>{});
@@ -765,10 +787,14 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       out.error = f.describe();
       // A checkpoint that cannot be written (a full disk) is not cured by a restart.
       if (f.exit_code == 5) out.exit_code = 5;
+      out.repeats = f.exit_code == 2;
       out.rank_killed = f.signal == SIGKILL;
       for (const auto& p : procs) {
         if (p.label == f.label) log_hint = p.log_file.string();
       }
+    }
+    if (const std::string own = take_rank_error(last_lines, failed_rank); !own.empty()) {
+      out.error += ": " + own;
     }
     if (sup.stop_signal != 0) {
       out.error +=

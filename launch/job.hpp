@@ -77,7 +77,10 @@ struct JobOutcome {
   // unknown because rank 0 ran on another host).
   std::string last_checkpoint;
   bool rank_killed = false;  // the failure was a local rank killed by SIGKILL
-  int failed_rank = -1;      // the rank whose failure ended the generation, when one did
+  // The failed rank exited 2: a recipe or data problem, or a diverged training, which a restart
+  // from a checkpoint would meet again.
+  bool repeats = false;
+  int failed_rank = -1;  // the rank whose failure ended the generation, when one did
   // Not a failure: the ranks checkpointed and stopped so that hosts that answer again can join
   // (an elastic job below its maximum size); exit_code 0, status "resized".
   bool resized = false;

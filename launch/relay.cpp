@@ -8,6 +8,7 @@
 #include <optional>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/error.hpp"
 #include "core/json_error.hpp"
@@ -35,6 +36,18 @@ std::optional<std::string> not_runnable(int status, const RelayPlan& plan) {
       "dptrain-provision(1)) or name it with --remote-binary",
       plan.host.display(), plan.remote_binary,
       status == 127 ? "no such file or command" : "not executable");
+}
+
+// "HOST (ranks 2-3)": a host lost in a run names the ranks that went with it.
+std::string host_and_ranks(const RelayPlan& plan) {
+  const std::vector<int>& ranks = plan.agent.ranks;
+  if (ranks.empty()) return plan.host.display();
+  const bool consecutive = ranks.back() - ranks.front() + 1 == static_cast<int>(ranks.size());
+  if (ranks.size() == 1) return fmt::format("{} (rank {})", plan.host.display(), ranks.front());
+  if (consecutive) {
+    return fmt::format("{} (ranks {}-{})", plan.host.display(), ranks.front(), ranks.back());
+  }
+  return fmt::format("{} (ranks {})", plan.host.display(), fmt::join(ranks, ", "));
 }
 
 }  // namespace
@@ -168,21 +181,21 @@ int run_relay(const RelayPlan& plan) {
             fmt::format(
                 "{} has not answered for {} s (its agent says it is alive every second): the host, "
                 "its SSH server or the network is stuck; its ranks are taken as lost",
-                plan.host.display(), silence_limit.count()));
+                host_and_ranks(plan), silence_limit.count()));
         return 3;
       }
     }
     if (!partial.empty()) std::fwrite(partial.data(), 1, partial.size(), stdout);
   } catch (const Error& e) {
     write_host_failure(
-        stdout, fmt::format("lost the SSH connection to {}: {}", plan.host.display(), e.what()));
+        stdout, fmt::format("lost the SSH connection to {}: {}", host_and_ranks(plan), e.what()));
     return 3;
   }
   const auto status = channel->exit_status();
   if (!status) {
     write_host_failure(
         stdout, fmt::format("the agent on {} ended without an exit status (connection lost?)",
-                            plan.host.display()));
+                            host_and_ranks(plan)));
     return 3;
   }
   if (const auto why = not_runnable(*status, plan)) {

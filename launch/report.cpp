@@ -16,6 +16,7 @@
 #include "core/checkpoint.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
+#include "core/json_error.hpp"
 #include "launch/run_dir.hpp"
 #include "launch/status.hpp"
 #include "launch/svg_chart.hpp"
@@ -33,12 +34,6 @@ constexpr int64_t kStartingGraceS = 60;
 // places the next generation, waiting up to the rejoin timeout for lost hosts.
 constexpr int64_t kMaxBackoffS = 30;
 constexpr int64_t kPlacementMarginS = 60;
-
-double number(const json& j, const char* key) {
-  const auto it = j.find(key);
-  if (it == j.end() || !it->is_number()) return kNoValue;
-  return it->get<double>();
-}
 
 int64_t integer(const json& j, const char* key, int64_t otherwise) {
   const auto it = j.find(key);
@@ -161,7 +156,7 @@ RunState between_generations(const json& info, const json& generations, RunState
     const json& restart = restarts.back();
     double rejoin_s = 60;
     if (info.contains("recipe") && info["recipe"].contains("fault_tolerance")) {
-      const double recorded = number(info["recipe"]["fault_tolerance"], "rejoin_timeout_s");
+      const double recorded = json_number(info["recipe"]["fault_tolerance"], "rejoin_timeout_s");
       if (std::isfinite(recorded)) rejoin_s = recorded;
     }
     const auto since = age_s(text(restart, "at"));
@@ -406,7 +401,7 @@ Throughput throughput(const RunView& run) {
       run.metrics.has_tokens() || (run.result.is_object() && run.result.contains("tokens_per_s"));
   Throughput t{kNoValue, tokens ? "tokens/s" : "samples/s"};
   const char* key = tokens ? "tokens_per_s" : "samples_per_s";
-  if (run.result.is_object()) t.value = number(run.result, key);
+  if (run.result.is_object()) t.value = json_number(run.result, key);
   if (!std::isfinite(t.value)) {
     std::vector<double> logged;
     for (const auto& s : run.metrics.steps)
@@ -509,25 +504,26 @@ std::string facts_table(const RunView& run) {
   if (!text(info, "id").empty()) rows += fact("Run id", html(text(info, "id")));
   if (run.result.is_object()) {
     const json& r = run.result;
-    rows += fact("Final loss", loss_num(number(r, "final_loss")));
-    rows += fact("Eval loss", loss_num(number(r, "eval_loss")));
-    if (std::isfinite(number(r, "eval_accuracy"))) {
-      rows += fact("Eval accuracy", fmt::format("{:.2f}%", 100 * number(r, "eval_accuracy")));
+    rows += fact("Final loss", loss_num(json_number(r, "final_loss")));
+    rows += fact("Eval loss", loss_num(json_number(r, "eval_loss")));
+    if (std::isfinite(json_number(r, "eval_accuracy"))) {
+      rows += fact("Eval accuracy", fmt::format("{:.2f}%", 100 * json_number(r, "eval_accuracy")));
     }
     rows += fact("Throughput",
-                 html(fmt::format("{} samples/s", rate(number(r, "samples_per_s")))) +
+                 html(fmt::format("{} samples/s", rate(json_number(r, "samples_per_s")))) +
                      (r.contains("tokens_per_s")
-                          ? html(fmt::format(", {} tokens/s", rate(number(r, "tokens_per_s"))))
+                          ? html(fmt::format(", {} tokens/s", rate(json_number(r, "tokens_per_s"))))
                           : ""));
     if (r.contains("phases_ms")) {
       const json& p = r["phases_ms"];
-      rows += fact("Step time split",
-                   html(fmt::format("data {} ms, compute {} ms, comm {} ms, optimizer {} ms",
-                                    num(number(p, "data"), 3), num(number(p, "compute"), 3),
-                                    num(number(p, "comm"), 3), num(number(p, "optimizer"), 3))));
+      rows += fact(
+          "Step time split",
+          html(fmt::format("data {} ms, compute {} ms, comm {} ms, optimizer {} ms",
+                           num(json_number(p, "data"), 3), num(json_number(p, "compute"), 3),
+                           num(json_number(p, "comm"), 3), num(json_number(p, "optimizer"), 3))));
     }
-    if (std::isfinite(number(r, "peak_rss_mib"))) {
-      rows += fact("Peak memory (rank 0)", html(num(number(r, "peak_rss_mib")) + " MiB"));
+    if (std::isfinite(json_number(r, "peak_rss_mib"))) {
+      rows += fact("Peak memory (rank 0)", html(num(json_number(r, "peak_rss_mib")) + " MiB"));
     }
     if (!text(r, "params_checksum").empty()) {
       rows += fact("Parameters checksum", "<code>" + html(text(r, "params_checksum")) + "</code>");
@@ -764,8 +760,8 @@ RunMetrics read_metrics(const fs::path& file) {
     if (j.contains("eval_loss")) {
       EvalMetrics e;
       e.step = step;
-      e.loss = number(j, "eval_loss");
-      e.accuracy = number(j, "eval_accuracy");
+      e.loss = json_number(j, "eval_loss");
+      e.accuracy = json_number(j, "eval_accuracy");
       while (!m.evals.empty() && m.evals.back().step >= step)
         m.evals.pop_back();
       m.evals.push_back(e);
@@ -778,16 +774,16 @@ RunMetrics read_metrics(const fs::path& file) {
     StepMetrics s;
     s.step = step;
     s.epoch = integer(j, "epoch", 0);
-    s.loss = number(j, "loss");
-    s.lr = number(j, "lr");
-    s.grad_norm = number(j, "grad_norm");
-    s.samples_per_s = number(j, "samples_per_s");
-    s.tokens_per_s = number(j, "tokens_per_s");
-    s.step_ms = number(j, "step_ms");
-    s.data_ms = number(j, "data_ms");
-    s.compute_ms = number(j, "compute_ms");
-    s.comm_ms = number(j, "comm_ms");
-    s.optimizer_ms = number(j, "optimizer_ms");
+    s.loss = json_number(j, "loss");
+    s.lr = json_number(j, "lr");
+    s.grad_norm = json_number(j, "grad_norm");
+    s.samples_per_s = json_number(j, "samples_per_s");
+    s.tokens_per_s = json_number(j, "tokens_per_s");
+    s.step_ms = json_number(j, "step_ms");
+    s.data_ms = json_number(j, "data_ms");
+    s.compute_ms = json_number(j, "compute_ms");
+    s.comm_ms = json_number(j, "comm_ms");
+    s.optimizer_ms = json_number(j, "optimizer_ms");
     // A step logged again: a restart went back to a checkpoint; what came after it is gone.
     while (!m.steps.empty() && m.steps.back().step >= step)
       m.steps.pop_back();
@@ -828,9 +824,9 @@ json summary_fields(const RunView& run) {
   const EvalMetrics* eval = last_eval(run);
   double eval_loss = eval ? eval->loss : kNoValue;
   double eval_accuracy = eval ? eval->accuracy : kNoValue;
-  if (run.result.is_object() && std::isfinite(number(run.result, "eval_loss"))) {
-    eval_loss = number(run.result, "eval_loss");
-    eval_accuracy = number(run.result, "eval_accuracy");
+  if (run.result.is_object() && std::isfinite(json_number(run.result, "eval_loss"))) {
+    eval_loss = json_number(run.result, "eval_loss");
+    eval_accuracy = json_number(run.result, "eval_accuracy");
   }
   const std::string checkpoint = last_checkpoint_name(run);
   json last_checkpoint =
@@ -850,7 +846,7 @@ json summary_fields(const RunView& run) {
            recipe.contains("train") ? json(integer(recipe["train"], "steps", 0)) : json(nullptr)},
           {"loss", last ? or_null(last->loss) : json(nullptr)},
           {"final_loss",
-           run.result.is_object() ? or_null(number(run.result, "final_loss")) : json(nullptr)},
+           run.result.is_object() ? or_null(json_number(run.result, "final_loss")) : json(nullptr)},
           {"eval_loss", or_null(eval_loss)},
           {"eval_accuracy", or_null(eval_accuracy)},
           {"last_checkpoint", last_checkpoint},

@@ -40,12 +40,32 @@ std::string join(const std::vector<std::string>& parts, const std::string& sep) 
 // ranks stopped for hosts that answer again (`grow`).
 enum class Placement { first, after_failure, grow };
 
-// Chooses the hosts (or local ranks) of the next generation of an elastic job and records a
-// change of world size. Returns an error message when fewer than the minimum are left.
-std::string place_generation(RunDirectory& run, JobSpec& spec, StatusPrinter& status, Placement why,
-                             const JobOutcome* failed = nullptr) {
+// Where the next generation goes: an error message when fewer than the minimum hosts or ranks
+// are left; otherwise a change of world size to record (null when the size stays).
+struct Placed {
+  std::string error;
+  json change;
+};
+
+// Says and records a change of world size (the event, run.json's world_size_changes).
+void record_world_size_change(RunDirectory& run, const JobSpec& spec, StatusPrinter& status,
+                              const json& change) {
+  if (change.is_null()) return;
+  status.line(change.at("line").get<std::string>());
+  json record = change;
+  record.erase("line");
+  if (spec.events) spec.events->emit("world_size_changed", record);
+  json& changes = run.info()["world_size_changes"];
+  if (!changes.is_array()) changes = json::array();
+  changes.push_back(record);
+  run.save();
+}
+
+// Chooses the hosts (or local ranks) of the next generation of an elastic job.
+Placed place_generation(RunDirectory& run, JobSpec& spec, StatusPrinter& status, Placement why,
+                        const JobOutcome* failed = nullptr) {
   // A fixed-size job changes size only when resumed on other ranks or hosts.
-  if (spec.nodes.max == 0 && why != Placement::first) return "";
+  if (spec.nodes.max == 0 && why != Placement::first) return {};
   // The first generation of this invocation: the size the run last ran at (a resume), or for a
   // new run the nominal size.
   const int before = why == Placement::first ? run.info().value("world_size", spec.nominal_world)
@@ -67,21 +87,22 @@ std::string place_generation(RunDirectory& run, JobSpec& spec, StatusPrinter& st
         });
     absent = sel.absent;
     if (static_cast<int>(sel.hosts.size()) < spec.nodes.min) {
-      return fmt::format("only {} of the {} host(s) this job needs at least answered{}: {}",
-                         sel.hosts.size(), spec.nodes.min,
-                         waits ? fmt::format(" within {:g} s (--rejoin-timeout)",
-                                             static_cast<double>(wait.count()) / 1000.0)
-                               : std::string(),
-                         join(absent, "; "));
+      return {fmt::format("only {} of the {} host(s) this job needs at least answered{}: {}",
+                          sel.hosts.size(), spec.nodes.min,
+                          waits ? fmt::format(" within {:g} s (--rejoin-timeout)",
+                                              static_cast<double>(wait.count()) / 1000.0)
+                                : std::string(),
+                          join(absent, "; ")),
+              json()};
     }
     spec.hosts = sel.hosts;
     spec.world_size = total_slots(spec.hosts);
   } else if (failed != nullptr && failed->rank_killed && spec.nodes.elastic()) {
     if (spec.world_size - 1 < spec.nodes.min) {
-      return fmt::format(
-          "a rank was lost (killed by SIGKILL) and only {} would remain, fewer "
-          "than the minimum of {} (--nproc {}:{})",
-          spec.world_size - 1, spec.nodes.min, spec.nodes.min, spec.nodes.max);
+      return {fmt::format("a rank was lost (killed by SIGKILL) and only {} would remain, fewer "
+                          "than the minimum of {} (--nproc {}:{})",
+                          spec.world_size - 1, spec.nodes.min, spec.nodes.min, spec.nodes.max),
+              json()};
     }
     --spec.world_size;
     absent.push_back(fmt::format(
@@ -89,12 +110,8 @@ std::string place_generation(RunDirectory& run, JobSpec& spec, StatusPrinter& st
         "capacity is taken as lost",
         failed->failed_rank));
   }
-  if (spec.world_size == before) return "";
+  if (spec.world_size == before) return {};
   const int64_t batch = global_batch(spec.recipe, spec.world_size, spec.nominal_world);
-  status.line(fmt::format(
-      "world size {} -> {}{}; global batch {}{}", before, spec.world_size,
-      spec.hosts.empty() ? std::string() : fmt::format(" ({} host(s))", spec.hosts.size()), batch,
-      absent.empty() ? "" : "; without " + join(absent, "; ")));
   json hosts = json::array(), joined = json::array();
   if (spec.hosts.empty()) hosts.push_back("localhost");  // as generation_started names them
   for (const auto& h : spec.hosts) {
@@ -104,20 +121,20 @@ std::string place_generation(RunDirectory& run, JobSpec& spec, StatusPrinter& st
                     [&](const HostSpec& b) { return b.display() == h.display(); });
     if (why != Placement::first && !before_too) joined.push_back(h.display());
   }
-  const json change = {{"from", before},
-                       {"to", spec.world_size},
-                       {"hosts", hosts},
-                       {"lost", absent},
-                       {"joined", joined},
-                       {"global_batch", batch},
-                       {"generation", run.info()["generations"].size() + 1},
-                       {"at", utc_timestamp()}};
-  if (spec.events) spec.events->emit("world_size_changed", change);
-  json& changes = run.info()["world_size_changes"];
-  if (!changes.is_array()) changes = json::array();
-  changes.push_back(change);
-  run.save();
-  return "";
+  return {
+      "",
+      {{"from", before},
+       {"to", spec.world_size},
+       {"hosts", hosts},
+       {"lost", absent},
+       {"joined", joined},
+       {"global_batch", batch},
+       {"generation", run.info()["generations"].size() + 1},
+       {"at", utc_timestamp()},
+       {"line", fmt::format("world size {} -> {}{}; global batch {}{}", before, spec.world_size,
+                            spec.hosts.empty() ? std::string()
+                                               : fmt::format(" ({} host(s))", spec.hosts.size()),
+                            batch, absent.empty() ? "" : "; without " + join(absent, "; "))}}};
 }
 
 // Where the next generation continues from: rank 0's node holds the newest checkpoint when it
@@ -220,7 +237,9 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
       ++same_step;
     }
   }
-  if (std::string error = place_generation(run, spec, status, Placement::first); !error.empty()) {
+  const Placed first = place_generation(run, spec, status, Placement::first);
+  record_world_size_change(run, spec, status, first.change);
+  if (const std::string& error = first.error; !error.empty()) {
     JobOutcome out;
     out.exit_code = 4;
     out.status = "failed";
@@ -256,20 +275,24 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
                          {"from", from_name},
                          {"at", utc_timestamp()}});
       run.save();
-      if (std::string error = place_generation(run, spec, status, Placement::grow);
-          !error.empty()) {
-        return finish(failed_placement(run, outcome, error, ""));
-      }
+      const Placed grown = place_generation(run, spec, status, Placement::grow);
+      if (!grown.error.empty()) return finish(failed_placement(run, outcome, grown.error, ""));
+      record_world_size_change(run, spec, status, grown.change);
       if (const int sig = pending_stop_signal()) return finish(stopped_waiting(run, outcome, sig));
       spec.resume_from = rank0_local(spec) && !from.empty() ? from : fs::path("newest-or-start");
       continue;
     }
     // A stop asked for (SIGTERM, Ctrl-C) is never answered with a restart.
-    if (!restartable(outcome) || policy.max_restarts == 0 || pending_stop_signal() != 0) {
+    if (!restartable(outcome) || outcome.repeats || policy.max_restarts == 0 ||
+        pending_stop_signal() != 0) {
       if (outcome.exit_code == 5 && policy.max_restarts > 0) {
         outcome.error +=
             "\n  (not restarted: a checkpoint error would meet the next generation too; fix what "
             "it says, then 'dptrain resume')";
+      } else if (outcome.repeats && policy.max_restarts > 0) {
+        outcome.error +=
+            "\n  (not restarted: the rank's error is one a restart from a checkpoint would meet "
+            "again)";
       }
       return finish(outcome);
     }
@@ -311,12 +334,12 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
     run.info()["alive_at"] = utc_timestamp();
     run.save();
     int sig = sleep_unless_stopped(backoff);
+    Placed placed;  // its change of world size is recorded after the restart it belongs to
     if (sig == 0) {
-      if (std::string error =
-              place_generation(run, spec, status, Placement::after_failure, &outcome);
-          !error.empty()) {
+      placed = place_generation(run, spec, status, Placement::after_failure, &outcome);
+      if (!placed.error.empty()) {
         run.info().erase("pending_restart");
-        return finish(failed_placement(run, outcome, error, cause));
+        return finish(failed_placement(run, outcome, placed.error, cause));
       }
       sig = pending_stop_signal();
     }
@@ -351,6 +374,7 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
                              {"from", from_name},
                              {"at", utc_timestamp()}});
     run.save();
+    record_world_size_change(run, spec, status, placed.change);
     // A checkpoint on this machine is named when rank 0 still runs here; otherwise the ranks
     // find the newest any node holds (rank 0 may be on another host now).
     spec.resume_from = rank0_local(spec) && !from.empty() ? from : fs::path("newest-or-start");

@@ -12,46 +12,49 @@
 namespace dptrain {
 
 std::string loss_text(double loss) {
-  return loss != 0 && std::fabs(loss) < 1e-3 ? fmt::format("{:.4g}", loss)
-                                             : fmt::format("{:.4f}", loss);
+  if (std::isnan(loss)) return "nan";
+  const double size = std::fabs(loss);
+  return loss != 0 && (size < 1e-3 || size >= 1e6) ? fmt::format("{:.4g}", loss)
+                                                   : fmt::format("{:.4f}", loss);
 }
 
 std::string format_losses(const nlohmann::json& result) {
-  // null: no step ran, or no held-out data.
-  const auto has = [&result](const char* key) {
-    return result.contains(key) && result[key].is_number();
+  // null: no step ran, no held-out data, or not finite.
+  const auto shown = [&result](const char* key) {
+    return result.contains(key) && !result[key].is_null();
   };
   const std::string final_loss =
-      has("final_loss") ? loss_text(result["final_loss"].get<double>()) : "none";
-  const std::string eval = has("eval_loss")
+      shown("final_loss") ? loss_text(json_number(result, "final_loss")) : "none";
+  const std::string eval = shown("eval_loss")
                                ? fmt::format("eval loss {}  eval accuracy {:.2f}%",
-                                             loss_text(result["eval_loss"].get<double>()),
-                                             100.0 * result.value("eval_accuracy", 0.0))
+                                             loss_text(json_number(result, "eval_loss")),
+                                             100.0 * json_number(result, "eval_accuracy"))
                                : "eval none (no held-out data)";
   return fmt::format("final loss {}  {}", final_loss, eval);
 }
 
 std::string format_event(const nlohmann::json& e) {
   const std::string kind = e.value("event", "");
+  // A number, or NaN (printed "nan") for a null: a diverged loss or norm is written as one.
+  const auto num = [&e](const char* key) { return json_number(e, key); };
   if (kind == "progress") {
     std::string eta;
-    if (e.contains("eta_s")) {
-      const auto secs = static_cast<int64_t>(e.value("eta_s", 0.0) + 0.5);
+    if (const double eta_s = num("eta_s"); std::isfinite(eta_s) && eta_s >= 0) {
+      const auto secs = static_cast<int64_t>(eta_s + 0.5);
       eta = fmt::format("  eta {}:{:02d}:{:02d}", secs / 3600, secs / 60 % 60, secs % 60);
     }
     const std::string rate = e.contains("tokens_per_s")
-                                 ? fmt::format("{:.0f} tokens/s", e.value("tokens_per_s", 0.0))
-                                 : fmt::format("{:.0f} samples/s", e.value("samples_per_s", 0.0));
+                                 ? fmt::format("{:.0f} tokens/s", num("tokens_per_s"))
+                                 : fmt::format("{:.0f} samples/s", num("samples_per_s"));
     return fmt::format(
         "step {}/{}  loss {}  lr {:.3g}  grad_norm {:.3g}  {}  step {:.2f} ms  comm {:.2f} "
         "ms{}",
-        e.value("step", int64_t{0}), e.value("steps", int64_t{0}), loss_text(e.value("loss", 0.0)),
-        e.value("lr", 0.0), e.value("grad_norm", 0.0), rate, e.value("step_ms", 0.0),
-        e.value("comm_ms", 0.0), eta);
+        e.value("step", int64_t{0}), e.value("steps", int64_t{0}), loss_text(num("loss")),
+        num("lr"), num("grad_norm"), rate, num("step_ms"), num("comm_ms"), eta);
   }
   if (kind == "eval") {
     return fmt::format("eval at step {}: loss {}  accuracy {:.2f}%", e.value("step", int64_t{0}),
-                       loss_text(e.value("eval_loss", 0.0)), 100.0 * e.value("eval_accuracy", 0.0));
+                       loss_text(num("eval_loss")), 100.0 * num("eval_accuracy"));
   }
   if (kind == "rendezvous") {
     return fmt::format("all {} ranks met; starting at step {}", e.value("world_size", 0),

@@ -10,7 +10,7 @@
 namespace dptrain {
 
 // A loss as progress lines, status and reports show it: 4 decimals ("1.9997"), or 4 significant
-// digits for one below 0.001 ("2.5e-05").
+// digits for one below 0.001 or from a million up ("2.5e-05", "1.764e+32"); "nan" for NaN.
 std::string loss_text(double loss);
 
 // One human-readable line for a trainer event ({"event": "progress"|"eval"|"checkpoint"|"info"}).

@@ -46,6 +46,17 @@ TEST_CASE("status: events are formatted for people") {
   CHECK(format_event({{"event", "eval"}, {"step", 5}, {"eval_loss", 0.25}, {"eval_accuracy", 0.5}})
             .find("accuracy 50.00%") != std::string::npos);
   CHECK(format_event({{"event", "info"}, {"message", "hello"}}) == "hello");
+  // A NaN or infinity is written as null: shown as nan, never an exception.
+  nlohmann::json nulls = progress;
+  for (const char* key : {"loss", "lr", "grad_norm", "eta_s", "step_ms"})
+    nulls[key] = nullptr;
+  const std::string n = format_event(nulls);
+  CHECK(n.find("loss nan  lr nan  grad_norm nan") != std::string::npos);
+  CHECK(n.find("eta") == std::string::npos);
+  CHECK(format_event({{"event", "eval"}, {"step", 5}, {"eval_loss", nullptr}}).find("loss nan") !=
+        std::string::npos);
+  CHECK(format_losses({{"final_loss", nullptr}, {"eval_loss", 1.5}, {"eval_accuracy", 0.5}}) ==
+        "final loss none  eval loss 1.5000  eval accuracy 50.00%");
 }
 
 TEST_CASE("status: a loss keeps 4 decimals, or 4 significant digits when it is tiny") {
@@ -53,6 +64,8 @@ TEST_CASE("status: a loss keeps 4 decimals, or 4 significant digits when it is t
   CHECK(loss_text(12.0) == "12.0000");
   CHECK(loss_text(0.0) == "0.0000");
   CHECK(loss_text(2.5e-05) == "2.5e-05");
+  CHECK(loss_text(1.7643845538971e32) == "1.764e+32");
+  CHECK(loss_text(std::nan("")) == "nan");
   CHECK(format_losses({{"final_loss", 1.9997182}, {"eval_loss", 2.0}, {"eval_accuracy", 0.5}}) ==
         "final loss 1.9997  eval loss 2.0000  eval accuracy 50.00%");
 }

@@ -374,6 +374,27 @@ TEST_CASE("ckpt verify detects an edited meta.json; an older one without a check
   CHECK_FALSE(contains(missing.err, "json.exception"));
 }
 
+TEST_CASE("ckpt of a run whose rank 0 checkpointed on another host points there") {
+  TempDir tmp;
+  const fs::path run = make_run(tmp);
+  // As run.json records it when rank 0 ran remotely: the checkpoints are on that host.
+  fs::remove_all(run / "checkpoints");
+  auto info = parse_json(read_text(run / "run.json"));
+  info["last_checkpoint"] = {{"path", "/srv/w/runs/x/checkpoints/step-000060"},
+                             {"host", "trainer@10.0.0.2:22"},
+                             {"step", 60}};
+  write_text(run / "run.json", info.dump());
+  const std::string there =
+      "its newest checkpoint, /srv/w/runs/x/checkpoints/step-000060, is on trainer@10.0.0.2:22, "
+      "where rank 0 ran";
+  auto verify = run_dptrain({"ckpt", "verify", run.string()});
+  CHECK(verify.exit_code == 5);
+  CHECK(contains(verify.err, "no checkpoints to verify (" + there));
+  auto list = run_dptrain({"ckpt", "list", run.string()});
+  CHECK(list.exit_code == 0);
+  CHECK(contains(list.out, "no checkpoints (" + there));
+}
+
 TEST_CASE("ckpt list and verify report a dangling `latest`") {
   TempDir tmp;
   const fs::path run = make_run(tmp);

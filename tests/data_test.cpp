@@ -271,6 +271,11 @@ TEST_CASE("data prepare keeps an existing dataset unless --force, and --force on
                  "--force"}) == "dptrain: error: " + (tmp / "link").string() +
                                     ": is a symbolic link to " + fs::canonical(out).string() +
                                     "; give the directory itself as --out");
+  fs::create_directory_symlink("nowhere", tmp / "dangling");
+  CHECK(refusal({"--text", (tmp / "one.txt").string(), "--out", (tmp / "dangling").string()}) ==
+        "dptrain: error: " + (tmp / "dangling").string() + ": is a symbolic link to " +
+            (tmp / "nowhere").string() +
+            " (which does not exist); give the directory itself as --out");
   CHECK(decoded(out) == synthetic_text(5, 900));
 }
 

@@ -159,6 +159,39 @@ TEST_CASE("without --max-restarts a failure is final; with it exhausted the mess
   CHECK(run_dptrain({"launch", recipe.string(), "--max-restarts", "-1"}).exit_code == 2);
 }
 
+TEST_CASE("a diverging run is not restarted: its error names the step, events and run.json end") {
+  TempDir tmp;
+  auto recipe_json = resumable_recipe();
+  recipe_json["optimizer"] = {{"type", "sgd"}, {"lr", 1e4}, {"momentum", 0.9}};
+  recipe_json["checkpoint"] = {{"every", 2}, {"keep", 2}};
+  recipe_json["log"]["every"] = 1;
+  const auto recipe = write_recipe(tmp.path(), recipe_json);
+  const fs::path run_dir = tmp / "div", events = tmp / "events.jsonl";
+  auto r = run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir", run_dir.string(),
+                        "--max-restarts", "3", "--restart-backoff", "0.1", "--events",
+                        events.string(), "--json"});
+  INFO(r.out, r.err);
+  CHECK(r.exit_code == 3);
+  const json out = parse_json(r.out);
+  const std::string first = out["errors"][0];
+  CHECK(first.find("exited with code 2: the training diverged at step ") != std::string::npos);
+  CHECK(out["error"].get<std::string>().find("(not restarted") != std::string::npos);
+  CHECK(out["restarts"] == 0);
+  CHECK(r.err.find("dptrain resume") == std::string::npos);  // it would diverge again
+  const json info = parse_json(read_text(run_dir / "run.json"));
+  CHECK(info["status"] == "failed");
+  CHECK(info["generations"].size() == 1);
+  CHECK(info["generations"][0]["status"] == "failed");
+  CHECK_FALSE(info.contains("restarts"));
+  const auto lines = read_jsonl(events);
+  REQUIRE_FALSE(lines.empty());
+  CHECK(lines.back()["event"] == "run_finished");
+  CHECK(std::any_of(lines.begin(), lines.end(),
+                    [](const json& e) { return e["event"] == "generation_ended"; }));
+  // What was checkpointed is finite and verifies.
+  CHECK(run_dptrain({"ckpt", "verify", run_dir.string()}).exit_code == 0);
+}
+
 TEST_CASE("a hang is detected within hang-timeout + 5 s, named, and the run recovers") {
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), resumable_recipe());
@@ -412,6 +445,9 @@ TEST_CASE("an elastic job left below its minimum records no restart it does not 
   });
   REQUIRE(changes != events.end());
   CHECK((*changes)["lost"][0].get<std::string>().rfind("rank 1: ", 0) == 0);
+  // The change belongs to the restart: it comes after it.
+  CHECK(std::find_if(events.begin(), changes,
+                     [](const json& e) { return e["event"] == "restart"; }) != changes);
   REQUIRE_FALSE(events.empty());
   CHECK(events.back()["event"] == "run_finished");
   CHECK(events.back()["restarts"] == 1);

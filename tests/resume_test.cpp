@@ -163,7 +163,10 @@ TEST_CASE("Ctrl-C stops every rank and exits 130") {
 
 TEST_CASE("SIGTERM: every rank checkpoints its step and stops, exit 143; resume is bit-identical") {
   TempDir tmp;
-  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  // An evaluation every step: the stop's step has one due, which must not be lost.
+  auto r = resumable_recipe();
+  r["eval"]["every"] = 1;
+  const auto recipe = write_recipe(tmp.path(), r);
   auto straight = run_dptrain(
       {"launch", recipe.string(), "--nproc", "2", "--run-dir", (tmp / "straight").string()});
   REQUIRE(straight.exit_code == 0);
@@ -187,6 +190,17 @@ TEST_CASE("SIGTERM: every rank checkpoints its step and stops, exit 143; resume 
   CHECK(resumed.out.find("step-" + std::string(6 - std::to_string(stopped_at).size(), '0') +
                          std::to_string(stopped_at)) != std::string::npos);
   CHECK(read_text(latest_params(run.run_dir)) == read_text(latest_params(tmp / "straight")));
+  // The record is the uninterrupted run's: every evaluation, the stop's step's included.
+  const auto evals = [](const fs::path& dir) {
+    std::vector<std::pair<int64_t, double>> out;
+    for (const auto& line : read_jsonl(dir / "metrics.jsonl")) {
+      if (line.contains("eval_loss")) out.emplace_back(line["step"], line["eval_loss"]);
+    }
+    return out;
+  };
+  const auto straight_evals = evals(tmp / "straight");
+  CHECK(straight_evals.size() == 120);
+  CHECK(evals(run.run_dir) == straight_evals);
 }
 
 TEST_CASE("SIGTERM during the last step: nothing is left to stop, the run completes") {

@@ -162,7 +162,7 @@ double learning_rate(const OptimizerSpec& spec, int64_t step, int64_t total_step
   const DecayShape shape = parse_decay_shape(schedule);
   const int64_t warmup = schedule.warmup;
   if (step < warmup) {
-    return spec.lr * static_cast<double>(step + 1) / static_cast<double>(warmup + 1);
+    return spec.lr * (static_cast<double>(step + 1) / static_cast<double>(warmup + 1));
   }
   // From lr at step `warmup` to the minimum at the last step, total_steps - 1.
   const int64_t decay_steps = total_steps - 1 - warmup;
