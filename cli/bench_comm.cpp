@@ -11,6 +11,7 @@
 #include <optional>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.hpp"
@@ -247,6 +248,17 @@ int run_bench_launcher(const BenchCommOptions& o) {
   // Rank 0 does not know the hosts or the verdict: the run keeps the launcher's whole result.
   write_file_atomic(run.path() / "result.json", json_text(j, 2) + "\n");
   run.info()["result"] = j;
+  if (exit_code != 0) {
+    // The ranks completed, the benchmark did not: status and report say so, as the exit does.
+    const std::string error = fmt::format("{}", fmt::join(errors, "\n"));
+    run.info()["status"] = "failed";
+    run.info()["error"] = error;
+    if (json& generations = run.info()["generations"];
+        generations.is_array() && !generations.empty()) {
+      generations.back()["status"] = "failed";
+      generations.back()["error"] = error;
+    }
+  }
   run.save();
   if (o.json) {
     std::printf("%s\n", json_text(j).c_str());
@@ -371,9 +383,9 @@ void setup_bench_comm(CLI::App& app, Outcome& outcome) {
       app.add_option("--nproc", o->nproc, "Number of local ranks (default 1; not with --hosts)");
   add_host_options(app, o->hosts, false);
   add_remote_job_options(app, o->remote);
-  app.add_option("-b,--minbytes", o->min_bytes, "Smallest size in bytes (K, M, G suffixes)")
+  app.add_option("-b,--minbytes", o->min_bytes, "Smallest size in bytes (K, M, G, T suffixes)")
       ->capture_default_str();
-  app.add_option("-e,--maxbytes", o->max_bytes, "Largest size in bytes (K, M, G suffixes)")
+  app.add_option("-e,--maxbytes", o->max_bytes, "Largest size in bytes (K, M, G, T suffixes)")
       ->capture_default_str();
   app.add_option("-f,--stepfactor", o->step_factor, "Multiply the size by this between rows")
       ->capture_default_str();

@@ -90,6 +90,7 @@ std::vector<BenchWorld> sweep_worlds(const BenchTrainCliOptions& o,
 std::string override_source(const BenchTrainCliOptions& o, const std::string& precision) {
   std::string flags;
   if (o.batch_given) flags += fmt::format(" --batch-per-rank {}", o.batch_per_rank);
+  if (!o.backend.empty()) flags += " --backend " + o.backend;
   if (o.device_given) flags += " --device " + o.device;
   if (o.precision_given) flags += " --precision " + precision;
   return flags.empty() ? o.recipe : o.recipe + " with" + flags;
@@ -143,6 +144,8 @@ int run_bench_train_cmd(const BenchTrainCliOptions& o) {
   }
   Recipe loaded = load_recipe(o.recipe);
   if (o.batch_given) loaded.train.batch_per_rank = o.batch_per_rank;
+  // Validated with the recipe below: nccl on a CPU recipe is the recipe's error, exit 2.
+  if (!o.backend.empty()) loaded.distributed.backend = o.backend;
   const std::string device = o.device_given ? o.device : loaded.train.device;
   bench.precisions = o.precision_given ? parse_precision_list(o.precision, "--precision")
                                        : std::vector<std::string>{loaded.train.precision};
@@ -159,8 +162,7 @@ int run_bench_train_cmd(const BenchTrainCliOptions& o) {
   if (device == "cuda") check_local_gpus_for(o, worlds.back());
   spec.remote = o.remote.get(o.hosts);
   spec.env = o.remote.rank_env();
-  spec.backend = o.backend.empty() ? spec.recipe.distributed.backend : o.backend;
-  spec.backend = resolve_backend(spec.backend);
+  spec.backend = resolve_backend(spec.recipe.distributed.backend);
   spec.worker_binary = self_executable();
   // Every refusal (a world size the data or --strong cannot take, a host name that does not
   // resolve, a DPTRAIN_FAULT that does not parse) before anything is made.

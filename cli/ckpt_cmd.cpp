@@ -200,11 +200,10 @@ struct CheckedRun {
 
 // run.json's record of a checkpoint rank 0 committed on another host.
 std::string recorded_elsewhere(const json& info) {
-  const json recorded = info.value("last_checkpoint", json());
-  if (!recorded.is_object() || !recorded.value("host", json()).is_string()) return {};
+  const auto remote = remote_last_checkpoint(info);
+  if (!remote) return {};
   return fmt::format(" (its newest checkpoint, {}, is on {}, where rank 0 ran: check it there)",
-                     recorded.value("path", std::string("?")),
-                     recorded.value("host", std::string()));
+                     remote->path, remote->host);
 }
 
 CheckedRun open_run(const std::string& dir) {

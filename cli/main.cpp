@@ -90,6 +90,30 @@ std::string unknown_word(const Command& c, int argc, char** argv) {
   return {};
 }
 
+// CLI11's "Could not convert: --nproc = abc" in the words of the other usage errors:
+// "--nproc: 'abc' is not an integer". Other messages as they are.
+std::string plain_parse_error(const Command& c, const std::string& what) {
+  constexpr std::string_view kPrefix = "Could not convert: ";
+  const auto equals = what.find(" = ");
+  if (!what.starts_with(kPrefix) || equals == std::string::npos) return what;
+  const std::string name = what.substr(kPrefix.size(), equals - kPrefix.size());
+  const std::string value = what.substr(equals + 3);
+  std::string expected = "a valid value";
+  for (const CLI::Option* o : c.app->get_options()) {
+    if (o->check_name(name)) {
+      const std::string type = o->get_type_name();
+      if (type.starts_with("UINT")) {
+        expected = "a whole number >= 0";
+      } else if (type.starts_with("INT")) {
+        expected = "an integer";
+      } else if (type.starts_with("FLOAT")) {
+        expected = "a number";
+      }
+    }
+  }
+  return fmt::format("{}: '{}' is not {}", name, value, expected);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -130,9 +154,9 @@ int main(int argc, char** argv) {
       json = json || std::string_view(argv[i]) == "--json";
     const Command command = named_command(app, argc, argv);
     std::string message = unknown_word(command, argc, argv);
-    if (message.empty()) message = e.what();
-    print_error(message, 2, "error", json);
-    std::fprintf(stderr, "dptrain: see '%s --help'\n", command.name.c_str());
+    if (message.empty()) message = plain_parse_error(command, e.what());
+    // One line: what is wrong, and where the options are told.
+    print_error(fmt::format("{} (see '{} --help')", message, command.name), 2, "error", json);
     return 2;
   } catch (const dptrain::Error& e) {
     const int code = dptrain::exit_code(e.kind());

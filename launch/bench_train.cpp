@@ -494,6 +494,7 @@ std::string BenchTrainReport::svg() const {
       fmt::format("{}: training throughput by world size ({} scaling, {} steps)", recipe_name,
                   options.scaling == BatchScaling::weak ? "weak" : "strong", options.steps);
   chart.x_label = "world size (ranks)";
+  chart.integer_x = true;
   chart.y_label = throughput_unit(tokens);
   return svg_line_chart(series, chart);
 }

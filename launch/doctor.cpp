@@ -118,7 +118,11 @@ class Doctor {
     check_store_port();
     check_peer_ports();
     check_data_on_hosts();
-    if (options_.allreduce) check_allreduce();
+    if (options_.allreduce) {
+      check_allreduce();
+    } else {
+      skip("allreduce", "", "--no-allreduce");
+    }
     return std::move(checks_);
   }
 

@@ -518,9 +518,10 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     if (kind == "checkpoint") {
       // Where rank 0 wrote it: for a rank 0 on another host, the only record of it here.
       const fs::path path = event.value("path", std::string());
+      const HostSpec& rank0 = plan.hosts.front();
       info["last_checkpoint"] = {{"name", path.filename().string()},
                                  {"step", event.value("step", int64_t{-1})},
-                                 {"host", plan.hosts.front().display()},
+                                 {"host", rank0.is_local() ? json(nullptr) : json(rank0.display())},
                                  {"path", path.string()}};
       run.save();
     }

@@ -428,7 +428,9 @@ std::string hint(const RunView& run) {
   if (run.state.status == "stale" || run.state.status == "failed" ||
       run.state.status == "interrupted" || run.state.status == "terminated") {
     // A benchmark's ranks train nothing: there is nothing to resume, only to run again.
-    if (!run.info.contains("recipe")) return "a benchmark's run: run the benchmark again";
+    if (!run.info.contains("recipe") || run.info.contains("bench")) {
+      return "a benchmark's run: run the benchmark again";
+    }
     return fmt::format("continue it with 'dptrain resume {}'", dir);
   }
   return {};
@@ -833,10 +835,9 @@ json summary_fields(const RunView& run) {
       checkpoint.empty() ? json(nullptr) : json((run.dir / "checkpoints" / checkpoint).string());
   json checkpoint_host = nullptr;
   // None here, but rank 0 on another host committed one: run.json's record of it.
-  if (const json& recorded = run.info.value("last_checkpoint", json());
-      checkpoint.empty() && recorded.is_object()) {
-    last_checkpoint = recorded.value("path", json(nullptr));
-    checkpoint_host = recorded.value("host", json(nullptr));
+  if (const auto remote = remote_last_checkpoint(run.info); checkpoint.empty() && remote) {
+    last_checkpoint = remote->path;
+    checkpoint_host = remote->host;
   }
   return {{"run_dir", run.dir.string()},
           {"name", or_null(text(recipe, "name"))},
@@ -895,9 +896,9 @@ std::string status_text(const RunView& run) {
   if (s["step"].is_null()) {
     row("step", "no steps logged yet");
   } else {
-    row("step", fmt::format("{}{} (epoch {})", s["step"].get<int64_t>(),
+    row("step", fmt::format("{}{}{}", s["step"].get<int64_t>(),
                             s["steps"].is_null() ? "" : fmt::format(" of {}", s["steps"].dump()),
-                            s["epoch"].dump()));
+                            s["epoch"].is_null() ? "" : " (epoch " + s["epoch"].dump() + ")"));
     std::string loss = s["loss"].is_null() ? "\u2013" : loss_num(s["loss"].get<double>());
     if (!s["eval_loss"].is_null()) {
       loss += fmt::format(" (eval {}{})", loss_num(s["eval_loss"].get<double>()),

@@ -98,6 +98,19 @@ nlohmann::json read_run_json(const fs::path& dir) {
   return info;
 }
 
+std::optional<RemoteCheckpoint> remote_last_checkpoint(const nlohmann::json& info) {
+  const auto it = info.find("last_checkpoint");
+  if (it == info.end() || !it->is_object()) return std::nullopt;
+  const auto host = it->find("host");
+  const auto path = it->find("path");
+  // Older launchers recorded a local rank 0's host as "localhost" too.
+  if (host == it->end() || !host->is_string() || *host == "localhost" || path == it->end() ||
+      !path->is_string()) {
+    return std::nullopt;
+  }
+  return RemoteCheckpoint{path->get<std::string>(), host->get<std::string>()};
+}
+
 std::string utc_timestamp() {
   return utc_format("%Y-%m-%dT%H:%M:%SZ");
 }

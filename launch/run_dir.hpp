@@ -53,6 +53,14 @@ class RunDirectory {
 // when it is not a file, not valid JSON (at line L, column C) or not an object.
 nlohmann::json read_run_json(const std::filesystem::path& dir);
 
+// run.json's record of the newest checkpoint when rank 0 committed it on another host: the
+// only trace of it on this machine. None when rank 0 ran here (its checkpoints/ says all).
+struct RemoteCheckpoint {
+  std::string path;
+  std::string host;
+};
+std::optional<RemoteCheckpoint> remote_last_checkpoint(const nlohmann::json& info);
+
 std::string utc_timestamp();  // 2026-11-30T08:43:38Z
 std::string this_host();      // this machine's host name (run.json's "launcher")
 // Seconds from a utc_timestamp() to now; none when it does not parse.

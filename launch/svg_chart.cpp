@@ -81,13 +81,14 @@ double nice_step(double raw) {
   return nice * power;
 }
 
-Axis linear_axis(double min, double max, int target_ticks) {
+// `min_step`: the smallest step between ticks (1 for an axis of whole numbers).
+Axis linear_axis(double min, double max, int target_ticks, double min_step = 0) {
   if (min == max) {
     const double pad = min == 0 ? 1.0 : std::fabs(min) * 0.1;
     min -= pad;
     max += pad;
   }
-  const double step = nice_step((max - min) / std::max(1, target_ticks));
+  const double step = std::max(nice_step((max - min) / std::max(1, target_ticks)), min_step);
   // Tick k is k * step: computed from the integer, so labels carry no accumulated error.
   const double first = std::floor(min / step + 1e-9);
   const double last = std::ceil(max / step - 1e-9);
@@ -318,7 +319,7 @@ std::string svg_line_chart(const std::vector<ChartSeries>& series, const ChartOp
   Axis xa, ya;
   double left = 16;
   if (has_data) {
-    xa = linear_axis(x_min, x_max, std::max(2, width / 110));
+    xa = linear_axis(x_min, x_max, std::max(2, width / 110), options.integer_x ? 1.0 : 0.0);
     ya = options.log_y ? log_axis(y_min, y_max)
                        : linear_axis(y_min, y_max, std::max(2, static_cast<int>(plot_height / 45)));
     double widest = 0;

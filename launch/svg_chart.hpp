@@ -29,7 +29,8 @@ struct ChartOptions {
   std::string y_label;
   int width = 720;
   int height = 320;
-  bool log_y = false;  // for losses spanning decades; non-positive values are skipped
+  bool log_y = false;      // for losses spanning decades; non-positive values are skipped
+  bool integer_x = false;  // x counts things (ranks): ticks at whole numbers only
   std::vector<ChartMarker> markers;
 };
 

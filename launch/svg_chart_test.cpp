@@ -149,6 +149,14 @@ TEST_CASE("svg chart: ticks are round numbers with just enough decimals") {
     CHECK(tick_labels(svg, "x-tick") ==
           std::vector<std::string>{"0", "50", "100", "150", "200", "250", "300"});
   }
+  SUBCASE("an axis of whole numbers (ranks) has no fractional ticks") {
+    const auto fractional =
+        tick_labels(svg_line_chart({line("s/s", {{1, 10}, {2, 19}})}, o), "x-tick");
+    CHECK(fractional.size() > 2);  // 1.0, 1.2, ... without the option
+    o.integer_x = true;
+    CHECK(tick_labels(svg_line_chart({line("s/s", {{1, 10}, {2, 19}})}, o), "x-tick") ==
+          std::vector<std::string>{"1", "2"});
+  }
   SUBCASE("no floating-point noise in labels (0.1 * 3)") {
     const std::string svg = svg_line_chart({line("lr", {{0, 0.1}, {1, 0.5}})}, o);
     const auto labels = tick_labels(svg, "y-tick");

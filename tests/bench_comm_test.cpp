@@ -192,6 +192,11 @@ TEST_CASE("bench comm --min-busbw: below it at the largest size exits 6 naming o
   const json out = parse_json(j.out);
   CHECK(out["status"] == "below_threshold");
   CHECK(out["exit_code"] == 6);
+  // The run's record says so too: a script reading status sees no success.
+  const json recorded =
+      parse_json(run_dptrain({"status", out["run_dir"].get<std::string>(), "--json"}).out);
+  CHECK(recorded["status"] == "failed");
+  CHECK(recorded["error"].get<std::string>().find("below --min-busbw") != std::string::npos);
   CHECK(out["min_busbw"].get<double>() == 1e9);
   REQUIRE(out["errors"].size() == 1);
   CHECK(out["errors"][0].get<std::string>().rfind("allreduce at 4096 bytes: busbw ", 0) == 0);
@@ -225,6 +230,9 @@ TEST_CASE("bench comm: wrong data exits 3 after the table, naming the collective
   const json out = parse_json(j.out);
   CHECK(out["status"] == "wrong_data");
   CHECK(out["exit_code"] == 3);
+  const json recorded = parse_json(read_text(out["run_dir"].get<std::string>() + "/run.json"));
+  CHECK(recorded["status"] == "failed");
+  CHECK(recorded["generations"].back()["status"] == "failed");
   CHECK(out["wrong"] == 1);
   CHECK(out["rows"][0]["wrong"] == 1);
 }

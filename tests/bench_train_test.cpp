@@ -244,6 +244,16 @@ TEST_CASE("--precision bf16 on the CPU is the recipe's own error, exit 2, nothin
   CHECK(parse_json(r.out)["exit_code"] == 2);
 }
 
+TEST_CASE("--backend nccl on a CPU recipe is the recipe's own error, exit 2, nothing created") {
+  TempDir tmp;
+  const auto r = bench(tmp, {quickstart(), "--nproc", "1", "--backend", "nccl"});
+  CHECK(r.exit_code == 2);
+  CHECK(one_error_line(r.err));
+  CHECK(r.err.find("quickstart.json with --backend nccl: /distributed/backend: \"nccl\" needs "
+                   "/train/device \"cuda\"") != std::string::npos);
+  CHECK(nothing_created(tmp));
+}
+
 TEST_CASE("bad --precision, --device and --peak-tflops values exit 2 naming the option") {
   TempDir tmp;
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {

@@ -379,7 +379,13 @@ TEST_CASE("ckpt of a run whose rank 0 checkpointed on another host points there"
   const fs::path run = make_run(tmp);
   // As run.json records it when rank 0 ran remotely: the checkpoints are on that host.
   fs::remove_all(run / "checkpoints");
+  // Rank 0 ran here: its checkpoints are gone (a benchmark deletes them), not elsewhere.
   auto info = parse_json(read_text(run / "run.json"));
+  CHECK(info["last_checkpoint"]["host"].is_null());
+  const auto here = parse_json(run_dptrain({"status", run.string(), "--json"}).out);
+  CHECK(here["last_checkpoint"].is_null());
+  CHECK(here["last_checkpoint_host"].is_null());
+  CHECK_FALSE(contains(run_dptrain({"ckpt", "verify", run.string()}).err, "rank 0 ran"));
   info["last_checkpoint"] = {{"path", "/srv/w/runs/x/checkpoints/step-000060"},
                              {"host", "trainer@10.0.0.2:22"},
                              {"step", 60}};
@@ -393,6 +399,8 @@ TEST_CASE("ckpt of a run whose rank 0 checkpointed on another host points there"
   auto list = run_dptrain({"ckpt", "list", run.string()});
   CHECK(list.exit_code == 0);
   CHECK(contains(list.out, "no checkpoints (" + there));
+  const auto status = parse_json(run_dptrain({"status", run.string(), "--json"}).out);
+  CHECK(status["last_checkpoint_host"] == "trainer@10.0.0.2:22");
 }
 
 TEST_CASE("ckpt list and verify report a dangling `latest`") {

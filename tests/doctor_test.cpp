@@ -71,6 +71,8 @@ TEST_CASE("doctor: all green on the loopback hosts, with a recipe and the all-re
   auto table = f.doctor({"--no-allreduce"});
   CHECK(table.exit_code == 0);
   CHECK(table.out.find("all checks passed") != std::string::npos);
+  // A check left out is said to be, never dropped.
+  CHECK(table.out.find("skip allreduce  not run: --no-allreduce") != std::string::npos);
 }
 
 TEST_CASE("doctor: a workdir that exists but cannot be written fails its check, saying why") {
@@ -356,11 +358,13 @@ TEST_CASE("doctor --json: a fix only on the checks that failed; ok is null on a 
     CAPTURE(c.dump());
     CHECK(c["fix"].is_null());
     if (c["skipped"] == true) {
-      // Only the workdir, which this machine does not use, and the peer ports, which one host
-      // does not need; not counted as passed.
+      // Only the workdir, which this machine does not use, the peer ports, which one host
+      // does not need, and the all-reduce left out; not counted as passed.
       CHECK(c["ok"].is_null());
       if (c["check"] == "workdir") {
         CHECK(c["detail"] == "not run: this machine starts its ranks directly and uses no workdir");
+      } else if (c["check"] == "allreduce") {
+        CHECK(c["detail"] == "not run: --no-allreduce");
       } else {
         CHECK(c["check"] == "peer-port");
         CHECK(c["detail"] == "not run: one host: no rank connects to another host");

@@ -172,7 +172,19 @@ TEST_CASE("a usage error points at the help of the command given, sub-subcommand
     auto r = run_dptrain(args);
     CAPTURE(r.err);
     CHECK(r.exit_code == 2);
-    CHECK(r.err.find("dptrain: error: " + says + "\n") == 0);
+    CHECK(r.err.find("dptrain: error: " + says + " (see 'dptrain ") == 0);
+    CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);  // one line
+  }
+  // A value of the wrong type says what was expected, in one line.
+  for (const auto& [args, says] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"bench", "comm", "--iters", "abc"}, "--iters: 'abc' is not an integer"},
+           {{"bench", "train", "x.json", "--peak-tflops", "fast"},
+            "--peak-tflops: 'fast' is not a number"}}) {
+    auto r = run_dptrain(args);
+    CAPTURE(r.err);
+    CHECK(r.exit_code == 2);
+    CHECK(r.err.find("dptrain: error: " + says + " (see 'dptrain ") == 0);
+    CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
   }
   // A negative number is a value, not an option.
   auto negative = run_dptrain({"sample", "run", "--seed", "-1"});

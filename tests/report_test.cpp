@@ -303,6 +303,12 @@ TEST_CASE("status of a running run, then of one whose launcher was killed: stale
   auto text = run_dptrain({"status", run_dir.string()});
   CHECK(contains(text.out, ": stale (the launcher is gone"));
   CHECK(contains(text.out, "dptrain resume"));
+  // One of bench train's runs is not resumed but run again, as its benchmark is.
+  json info = parse_json(read_text(run_dir / "run.json"));
+  info["bench"] = {{"benchmark", "train"}, {"world", 2}, {"label", "w2"}};
+  write_text(run_dir / "run.json", info.dump());
+  CHECK(parse_json(run_dptrain({"status", run_dir.string(), "--json"}).out)["hint"] ==
+        "a benchmark's run: run the benchmark again");
 
   // A crash can tear the last metrics line: it is skipped, and said so.
   {

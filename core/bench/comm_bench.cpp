@@ -407,13 +407,19 @@ const char* collective_name(Collective op) {
 }
 
 std::vector<Collective> parse_collectives(const std::string& text, const std::string& flag) {
-  if (text == "all") return {std::begin(kAllCollectives), std::end(kAllCollectives)};
   std::vector<Collective> ops;
   size_t start = 0;
   while (true) {
     const size_t comma = text.find(',', start);
-    const Collective op = collective_from_name(text.substr(start, comma - start), flag);
-    if (std::find(ops.begin(), ops.end(), op) == ops.end()) ops.push_back(op);
+    const std::string name = text.substr(start, comma - start);
+    // "all" in a list ("all,broadcast") is every collective, as alone.
+    const std::vector<Collective> named =
+        name == "all"
+            ? std::vector<Collective>(std::begin(kAllCollectives), std::end(kAllCollectives))
+            : std::vector<Collective>{collective_from_name(name, flag)};
+    for (Collective op : named) {
+      if (std::find(ops.begin(), ops.end(), op) == ops.end()) ops.push_back(op);
+    }
     if (comma == std::string::npos) return ops;
     start = comma + 1;
   }

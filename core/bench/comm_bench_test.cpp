@@ -156,6 +156,8 @@ TEST_CASE("collective_shape: the whole buffer's bytes, the per-call count") {
 
 TEST_CASE("names: collectives, element types, reductions; unknown ones name the flag") {
   CHECK(parse_collectives("all", "-o").size() == 4);
+  CHECK(parse_collectives("broadcast,all", "-o").size() == 4);
+  CHECK(parse_collectives("broadcast,all", "-o").front() == Collective::broadcast);
   CHECK(parse_collectives("allgather", "-o") == std::vector<Collective>{Collective::allgather});
   CHECK(parse_collectives("reduce_scatter,allreduce,reduce_scatter", "-o") ==
         std::vector<Collective>{Collective::reduce_scatter, Collective::allreduce});
