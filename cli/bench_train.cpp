@@ -7,6 +7,7 @@
 
 #include "cli/commands.hpp"
 #include "cli/host_options.hpp"
+#include "cli/json_errors.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
 #include "core/json_error.hpp"
@@ -45,6 +46,9 @@ struct BenchTrainCliOptions {
   bool strong = false;
   bool json = false;
   std::string svg;
+  // --min-*: exit 6 when a row falls short (`min` holds those given).
+  double min_throughput = 0, min_efficiency = 0, min_mfu = 0;
+  BenchThresholds min;
 };
 
 // The points of the sweep: local world sizes, or the first N hosts for each N of --nnodes.
@@ -209,6 +213,10 @@ int run_bench_train_cmd(const BenchTrainCliOptions& o) {
           report.machine.cpus / spec.recipe.train.threads_per_rank));
     }
   }
+  if (o.min.mfu_percent && !report.peak_tflops) {
+    throw Error(ErrorKind::usage,
+                "--min-mfu: MFU needs a peak: give --peak-tflops (on cuda it defaults to 989)");
+  }
   const fs::path sweep_dir = create_sweep_dir(o.run_dir, o.runs_root);
   report.run_dir = sweep_dir.string();
 
@@ -221,7 +229,14 @@ int run_bench_train_cmd(const BenchTrainCliOptions& o) {
       report);
 
   nlohmann::json out = report.to_json();
-  out["status"] = "completed";
+  const std::vector<std::string> shortfalls = report.shortfalls(o.min);
+  const int exit_code = shortfalls.empty() ? 0 : 6;
+  out["status"] = shortfalls.empty() ? "completed" : "below_threshold";
+  out["exit_code"] = exit_code;
+  if (o.min.throughput) out["min_throughput"] = *o.min.throughput;
+  if (o.min.efficiency) out["min_efficiency"] = *o.min.efficiency;
+  if (o.min.mfu_percent) out["min_mfu"] = *o.min.mfu_percent;
+  if (exit_code != 0) add_failure(out, exit_code, shortfalls);
   write_file_atomic(sweep_dir / "bench.json", json_text(out, 2) + "\n");
   if (!o.svg.empty()) {
     write_file_atomic(o.svg, report.svg());
@@ -233,7 +248,9 @@ int run_bench_train_cmd(const BenchTrainCliOptions& o) {
     std::fputs(report.table().c_str(), stdout);
   }
   std::fflush(stdout);
-  return 0;
+  for (const auto& line : shortfalls)
+    std::fprintf(stderr, "dptrain: error: %s\n", line.c_str());
+  return exit_code;
 }
 
 }  // namespace
@@ -283,16 +300,33 @@ void setup_bench_train(CLI::App& app, Outcome& outcome) {
   app.add_flag("--json", o->json, "Print one JSON object with every row on stdout");
   app.add_option("--svg", o->svg,
                  "Write a chart of throughput by world size, with ideal linear scaling, to FILE");
-  app.callback([o, &outcome, nproc, nnodes, peak, batch, device, precision] {
-    o->nproc_given = nproc->count() > 0;
-    o->nnodes_given = nnodes->count() > 0;
-    o->peak_given = peak->count() > 0;
-    o->batch_given = batch->count() > 0;
-    o->device_given = device->count() > 0;
-    o->precision_given = precision->count() > 0;
-    outcome.json = o->json;
-    outcome.exit_code = run_bench_train_cmd(*o);
-  });
+  // For CI: a throughput, scaling or MFU regression fails the job (exit 6).
+  auto* throughput = app.add_option("--min-throughput", o->min_throughput,
+                                    "Exit 6 when a precision's largest world measures fewer "
+                                    "tokens/s (samples/s for models without tokens)")
+                         ->check(CLI::PositiveNumber);
+  auto* efficiency =
+      app.add_option("--min-efficiency", o->min_efficiency,
+                     "Exit 6 when a world's scaling efficiency (a fraction) is below this")
+          ->check(CLI::Range(0.0, 1.0));
+  auto* mfu = app.add_option("--min-mfu", o->min_mfu,
+                             "Exit 6 when a precision's largest world's MFU is below this "
+                             "percentage (needs a peak: cuda, or --peak-tflops)")
+                  ->check(CLI::Range(0.0, 100.0));
+  app.callback(
+      [o, &outcome, nproc, nnodes, peak, batch, device, precision, throughput, efficiency, mfu] {
+        if (throughput->count() > 0) o->min.throughput = o->min_throughput;
+        if (efficiency->count() > 0) o->min.efficiency = o->min_efficiency;
+        if (mfu->count() > 0) o->min.mfu_percent = o->min_mfu;
+        o->nproc_given = nproc->count() > 0;
+        o->nnodes_given = nnodes->count() > 0;
+        o->peak_given = peak->count() > 0;
+        o->batch_given = batch->count() > 0;
+        o->device_given = device->count() > 0;
+        o->precision_given = precision->count() > 0;
+        outcome.json = o->json;
+        outcome.exit_code = run_bench_train_cmd(*o);
+      });
 }
 
 }  // namespace dptrain::cli

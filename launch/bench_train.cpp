@@ -308,6 +308,32 @@ MachineInfo local_machine(const std::string& backend, int64_t threads_per_rank,
   return m;
 }
 
+std::vector<std::string> BenchTrainReport::shortfalls(const BenchThresholds& min) const {
+  std::vector<std::string> out;
+  const std::string unit = throughput_unit(tokens);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const BenchTrainRow& row = rows[i];
+    // Rows are per precision, world size ascending: the precision's last is its largest world.
+    const bool largest = i + 1 == rows.size() || rows[i + 1].precision != row.precision;
+    const std::string where = fmt::format("{} at world {}", row.precision, row.world);
+    if (min.efficiency && row.efficiency < *min.efficiency) {
+      out.push_back(fmt::format("{}: scaling efficiency {:.2f} is below --min-efficiency {:g}",
+                                where, row.efficiency, *min.efficiency));
+    }
+    if (!largest) continue;
+    const double throughput = tokens ? row.tokens_per_s : row.samples_per_s;
+    if (min.throughput && throughput < *min.throughput) {
+      out.push_back(fmt::format("{}: {:.0f} {} is below --min-throughput {:g}", where, throughput,
+                                unit, *min.throughput));
+    }
+    if (min.mfu_percent && row.mfu && 100.0 * *row.mfu < *min.mfu_percent) {
+      out.push_back(fmt::format("{}: MFU {:.1f}% is below --min-mfu {:g}%", where, 100.0 * *row.mfu,
+                                *min.mfu_percent));
+    }
+  }
+  return out;
+}
+
 std::vector<PrecisionRatio> BenchTrainReport::precision_ratios() const {
   const std::vector<std::string> ran = precisions.empty() ? row_precisions(rows) : precisions;
   std::vector<PrecisionRatio> out;

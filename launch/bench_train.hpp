@@ -95,6 +95,15 @@ struct BenchTrainRow {
   nlohmann::json to_json() const;
 };
 
+// bench train's thresholds for CI (--min-throughput, --min-efficiency, --min-mfu); unset: not
+// checked. Throughput is in the table's unit (tokens/s for token models, else samples/s).
+struct BenchThresholds {
+  std::optional<double> throughput;   // each precision's largest world
+  std::optional<double> efficiency;   // every row (a fraction)
+  std::optional<double> mfu_percent;  // each precision's largest world
+  bool any() const { return throughput || efficiency || mfu_percent; }
+};
+
 // A row from the result JSON of each repeat (the trainer's TrainResult::to_json): the median of
 // every field. Error(internal) naming the world size when a result has no positive throughput.
 BenchTrainRow row_from_results(const std::vector<nlohmann::json>& results, int world,
@@ -152,6 +161,9 @@ struct BenchTrainReport {
   // peak), a units row, one line per row, then one "# bf16 / fp32 throughput: 2.71x (world 1)"
   // line per precision ratio.
   std::string table() const;
+  // One line per threshold a row falls short of, naming precision, world, the figure and the
+  // option ("fp32 at world 2: 1234 samples/s is below --min-throughput 2000"); empty: all met.
+  std::vector<std::string> shortfalls(const BenchThresholds& min) const;
   // Throughput against world size, with an ideal linear-scaling dashed line (per precision).
   std::string svg() const;
 };

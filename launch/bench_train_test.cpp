@@ -554,3 +554,38 @@ TEST_CASE(
   CHECK(ratios[0].baseline == "fp16");
   CHECK(ratios[0].ratio == doctest::Approx(1.5));
 }
+
+TEST_CASE("thresholds: each shortfall is one line naming precision, world, figure and option") {
+  // World 1: 1000 samples/s; world 2: 1500 (efficiency 0.75).
+  BenchTrainReport report = report_with_rows(false);
+  CHECK(report.shortfalls({}).empty());
+  BenchThresholds min;
+  min.efficiency = 0.8;
+  min.throughput = 1400;  // the largest world's 1500 passes; world 1's 1000 is not checked
+  CHECK(report.shortfalls(min) ==
+        std::vector<std::string>{"fp32 at world 2: scaling efficiency 0.75 is below "
+                                 "--min-efficiency 0.8"});
+  min.efficiency = 0.75;
+  min.throughput = 2000;
+  CHECK(report.shortfalls(min) ==
+        std::vector<std::string>{"fp32 at world 2: 1500 samples/s is below --min-throughput 2000"});
+  // Token models are judged in tokens/s; MFU on the largest world, as a percentage.
+  BenchTrainReport tokens = report_with_rows(true);
+  tokens.rows.back().mfu = 0.395;
+  BenchThresholds lm;
+  lm.throughput = 192000;
+  lm.mfu_percent = 40;
+  CHECK(tokens.shortfalls(lm) ==
+        std::vector<std::string>{"fp32 at world 2: MFU 39.5% is below --min-mfu 40%"});
+  // Every precision's largest world is checked.
+  BenchTrainReport two = report_with_rows(false);
+  for (BenchTrainRow row : report_with_rows(false).rows) {
+    row.precision = "bf16";
+    row.samples_per_s *= 3;
+    two.rows.push_back(row);
+  }
+  BenchThresholds fast;
+  fast.throughput = 3000;
+  CHECK(two.shortfalls(fast) ==
+        std::vector<std::string>{"fp32 at world 2: 1500 samples/s is below --min-throughput 3000"});
+}

@@ -203,6 +203,28 @@ TEST_CASE("--precision fp32 --peak-tflops 1 on the CPU: every row has an MFU, th
   CHECK(r.err.find(", MFU ") != std::string::npos);  // the progress line has it too
 }
 
+TEST_CASE("--min-throughput, --min-efficiency and --min-mfu: below one exits 6 naming it") {
+  TempDir tmp;
+  const auto r = bench(tmp, {quickstart(), "--nproc", "1", "--steps", "10", "--peak-tflops", "1",
+                             "--min-throughput", "1e12", "--min-mfu", "100", "--json"});
+  CHECK(r.exit_code == 6);
+  const json j = parse_json(r.out);  // the rows still come
+  CHECK(j["status"] == "below_threshold");
+  CHECK(j["exit_code"] == 6);
+  CHECK(j["min_throughput"] == 1e12);
+  REQUIRE(j["errors"].size() == 2);
+  CHECK(j["errors"][0].get<std::string>().find("fp32 at world 1: ") == 0);
+  CHECK(r.err.find(" samples/s is below --min-throughput 1e+12\n") != std::string::npos);
+  CHECK(r.err.find("% is below --min-mfu 100%\n") != std::string::npos);
+  CHECK(j["rows"].size() == 1);
+  // MFU needs a peak: refused before anything runs.
+  TempDir none;
+  const auto no_peak = bench(none, {quickstart(), "--nproc", "1", "--min-mfu", "10"});
+  CHECK(no_peak.exit_code == 2);
+  CHECK(no_peak.err.find("--min-mfu: MFU needs a peak") != std::string::npos);
+  CHECK(nothing_created(none));
+}
+
 TEST_CASE("--peak-tflops on the CPU puts an MFU column in the table") {
   TempDir tmp;
   const auto r = bench(tmp, {quickstart(), "--nproc", "1", "--steps", "5", "--peak-tflops", "0.5"});
