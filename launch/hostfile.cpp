@@ -261,6 +261,12 @@ std::vector<HostSpec> parse_hostfile(const std::filesystem::path& path) {
     const std::string where = fmt::format("{}:{}", name, number);
     HostSpec spec = located(where, [&] { return parse_hostfile_line(content); });
     spec.origin = where;
+    // A relative key= is the hostfile's, as its other paths would be: the same file works from
+    // any directory (a resume started elsewhere included).
+    if (!spec.key.empty() && spec.key.front() != '~' &&
+        std::filesystem::path(spec.key).is_relative()) {
+      spec.key = (std::filesystem::absolute(path).parent_path() / spec.key).lexically_normal();
+    }
     if (const HostSpec* earlier = same_host(hosts, spec)) {
       const std::string earlier_line = earlier->origin.substr(name.size() + 1);
       fail(fmt::format("{}: {} port {} is already listed on line {}", where, spec.host, spec.port,

@@ -17,7 +17,8 @@ struct HostSpec {
   int slots = 1;       // ranks on this host
   std::string user;    // empty: the current user
   uint16_t port = 22;  // SSH port
-  std::string key;     // identity file; empty: the SSH agent, then --identity, then ~/.ssh/id_*
+  std::string
+      key;  // identity file (absolute from a hostfile); empty: --identity, the agent, ~/.ssh/id_*
   std::string origin;  // where it was declared, for messages: "hosts.txt:3" or "--hosts"
 
   bool is_local() const { return host == "localhost"; }

@@ -97,12 +97,13 @@ TEST_CASE("hostfile: hosts, attributes, comments and blank lines") {
   CHECK(hosts[7].origin == name + ":10");
 }
 
-TEST_CASE("hostfile: a key path not under ~/ is kept as written") {
+TEST_CASE("hostfile: a relative key is the hostfile directory's; ~user/ is kept as written") {
   test::TempDir dir;
-  const auto path = write_file(dir, "hosts", "a key=keys/id\nb key=~other/id\n");
+  const auto path = write_file(dir, "hosts", "a key=keys/id\nb key=~other/id\nc key=../k\n");
   const auto hosts = parse_hostfile(path);
-  CHECK(hosts[0].key == "keys/id");
+  CHECK(hosts[0].key == (dir.path() / "keys/id").string());
   CHECK(hosts[1].key == "~other/id");
+  CHECK(hosts[2].key == (dir.path().parent_path() / "k").string());
 }
 
 TEST_CASE("hostfile: every error names the file and line") {
