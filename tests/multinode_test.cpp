@@ -435,6 +435,22 @@ TEST_CASE("an unreachable host fails the launch with exit 4 naming it") {
                         "--run-dir", (c.tmp / "bad").string()});
   CHECK(r.exit_code == 4);
   CHECK(r.err.find(c.sshd.addresses()[1]) != std::string::npos);
+
+  // Two hosts of one name (one machine, two ports): each connection keeps its own log.
+  const auto p1 = std::to_string(unused_port()), p2 = std::to_string(unused_port());
+  const std::string& address = c.sshd.addresses()[1];
+  write_text(c.tmp / "two-ports.txt",
+             address + " slots=1 port=" + p1 + "\n" + address + " slots=1 port=" + p2 + "\n");
+  auto two = run_dptrain({"launch", recipe.string(), "--hosts", (c.tmp / "two-ports.txt").string(),
+                          "--known-hosts", c.sshd.known_hosts().string(), "--connect-timeout", "3",
+                          "--run-dir", (c.tmp / "two").string()});
+  CHECK(two.exit_code == 4);
+  for (const auto& port : {p1, p2}) {
+    const fs::path log = c.tmp / "two/logs" / (address + "-" + port + "-agent.log");
+    CAPTURE(log);
+    REQUIRE(fs::exists(log));
+    CHECK(read_text(log).find(":" + port) != std::string::npos);
+  }
 }
 
 TEST_CASE("a host name that does not resolve fails with exit 4 before anything is created") {
