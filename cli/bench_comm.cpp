@@ -354,7 +354,17 @@ int run_bench_worker(const std::string& serialized) {
               fmt::format("bench comm: {} on {} rank(s), {} size(s) from {} to {} bytes",
                           collective_name(op), world, sizes.size(), sizes.front(), sizes.back())}});
       },
-      device.get());
+      device.get(),
+      [&](const CommBenchRow& row, size_t done, size_t count) {
+        // Rewritten in place on the launcher's terminal; dropped in a pipe, where the line per
+        // collective says what runs.
+        if (!events) return;
+        emit({{"event", "bench_progress"},
+              {"message", fmt::format("bench comm: {} {} bytes ({}/{}): {:.2f} us, busbw {:.2f} "
+                                      "GB/s",
+                                      collective_name(row.op), row.size, done, count, row.time_us,
+                                      row.busbw)}});
+      });
   if (rank == 0) {
     if (events) {
       json event = result.to_json();

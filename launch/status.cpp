@@ -93,7 +93,13 @@ void StatusPrinter::line(const std::string& text) {
 
 void StatusPrinter::event(const nlohmann::json& e) {
   const std::string text = format_event(e);
-  if (!tty_ || e.value("event", "") != "progress") {
+  const std::string kind = e.value("event", "");
+  // A benchmark's step by step progress: a terminal's only (in a pipe, other lines say what runs).
+  if (kind == "bench_progress") {
+    progress(text);
+    return;
+  }
+  if (!tty_ || kind != "progress") {
     line(text);
     return;
   }

@@ -109,3 +109,13 @@ TEST_CASE("status: a progress text is rewritten on a terminal and dropped in a p
         "\r\033[Kreading a.txt: 1.0 MiB of 4.0 MiB\r\033[Kreading a.txt: 2.0 MiB of 4.0 MiB"
         "\r\033[Kdone\n\r\033[Kwriting\r\033[K");
 }
+
+TEST_CASE("status: a benchmark's progress event is rewritten on a terminal, dropped in a pipe") {
+  const auto use = [](StatusPrinter& p) {
+    p.event({{"event", "bench_progress"}, {"message", "bench comm: allreduce 8 bytes (1/2)"}});
+    p.event({{"event", "info"}, {"message", "bench comm: broadcast on 2 rank(s)"}});
+  };
+  CHECK(printed(false, use) == "bench comm: broadcast on 2 rank(s)\n");
+  CHECK(printed(true, use) ==
+        "\r\033[Kbench comm: allreduce 8 bytes (1/2)\r\033[Kbench comm: broadcast on 2 rank(s)\n");
+}

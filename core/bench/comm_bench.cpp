@@ -669,7 +669,8 @@ CommBenchResult CommBenchResult::from_json(const json& j) {
 }
 
 CommBenchResult run_comm_bench(Communicator& comm, const CommBenchOptions& options,
-                               const std::function<void(Collective)>& on_collective, Ops* device) {
+                               const std::function<void(Collective)>& on_collective, Ops* device,
+                               const CommRowCallback& on_row) {
   options.validate(comm.size(), comm.backend());
   CommBenchResult result;
   result.ranks = comm.size();
@@ -678,7 +679,8 @@ CommBenchResult run_comm_bench(Communicator& comm, const CommBenchOptions& optio
   const auto sizes = sweep_sizes(options.min_bytes, options.max_bytes, options.step_factor);
   for (Collective op : options.ops) {
     if (on_collective) on_collective(op);
-    for (uint64_t size : sizes) {
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      const uint64_t size = sizes[i];
       switch (options.dtype) {
         case BenchDtype::float32:
           result.rows.push_back(measure<float>(comm, options, op, size, device));
@@ -690,6 +692,7 @@ CommBenchResult run_comm_bench(Communicator& comm, const CommBenchOptions& optio
           result.rows.push_back(measure<BFloat16>(comm, options, op, size, device));
           break;
       }
+      if (on_row) on_row(result.rows.back(), i + 1, sizes.size());
     }
   }
   return result;

@@ -114,9 +114,12 @@ struct CommBenchResult {
 // NCCL multiplies each value by 1/ranks before summing, so an element may differ from the exact
 // average by a few units in the last place; there it must lie within (ranks + 3) units of
 // roundoff of the pattern's largest magnitude.
+// `on_row` is told each row as it is measured, with how many of the collective's sizes are done
+// and how many there are (progress on a terminal).
+using CommRowCallback = std::function<void(const CommBenchRow&, size_t done, size_t sizes)>;
 CommBenchResult run_comm_bench(Communicator& comm, const CommBenchOptions& options,
                                const std::function<void(Collective)>& on_collective = {},
-                               Ops* device = nullptr);
+                               Ops* device = nullptr, const CommRowCallback& on_row = {});
 
 // The nccl-tests table: for each collective a '#' header block, the two column header lines, one
 // row per size, and the "Out of bounds values" and "Avg bus bandwidth" lines.
