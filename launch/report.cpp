@@ -12,11 +12,13 @@
 #include <system_error>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/checkpoint.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
 #include "core/json_error.hpp"
+#include "launch/provision.hpp"  // human_bytes
 #include "launch/run_dir.hpp"
 #include "launch/status.hpp"
 #include "launch/svg_chart.hpp"
@@ -810,6 +812,37 @@ RunView load_run(const fs::path& dir, bool verify_checkpoints) {
 // The fields `status --json` and `report --json` share, with one meaning in both (and in
 // launch's --json where it has them): step reached and steps planned, the last logged training
 // loss, the result's final loss (null until the run completes), the newest checkpoint's path.
+// A bench comm run's outcome, from the result run.json keeps (null for any other run): what
+// status and report show in place of training steps.
+json comm_benchmark(const json& info) {
+  const json result = info.value("result", json());
+  if (!result.is_object() || result.value("benchmark", "") != "comm") return nullptr;
+  return {{"benchmark", "comm"},
+          {"status", result.value("status", json())},
+          {"ops", result.value("ops", json::array())},
+          {"min_bytes", result.value("min_bytes", json())},
+          {"max_bytes", result.value("max_bytes", json())},
+          {"avg_busbw", result.value("avg_busbw", json())},
+          {"avg_busbw_by_op", result.value("avg_busbw_by_op", json::object())},
+          {"wrong", result.value("wrong", json())}};
+}
+
+// "allreduce, broadcast from 8 B to 64.0 MiB: avg busbw 1.23 GB/s, 0 wrong elements".
+std::string comm_benchmark_text(const json& b) {
+  std::vector<std::string> ops;
+  for (const auto& op : b["ops"])
+    ops.push_back(op.is_string() ? op.get<std::string>() : op.dump());
+  const auto bytes = [](const json& v) {
+    return v.is_number() ? human_bytes(v.get<uint64_t>()) : std::string("?");
+  };
+  return fmt::format("bench comm {} from {} to {}: avg busbw {} GB/s, {} wrong element(s)",
+                     fmt::join(ops, ", "), bytes(b["min_bytes"]), bytes(b["max_bytes"]),
+                     b["avg_busbw"].is_number()
+                         ? fmt::format("{:.3g}", b["avg_busbw"].get<double>())
+                         : std::string("?"),
+                     b["wrong"].dump());
+}
+
 json summary_fields(const RunView& run) {
   const json recipe = run.info.value("recipe", json::object());
   const StepMetrics* last = run.metrics.steps.empty() ? nullptr : &run.metrics.steps.back();
@@ -854,7 +887,8 @@ json summary_fields(const RunView& run) {
           {"last_checkpoint_host", checkpoint_host},
           {"checkpoints", run.checkpoints.size()},
           {"restarts", array_at(run.info, "restarts").size()},
-          {"world_size_changes", array_at(run.info, "world_size_changes").size()}};
+          {"world_size_changes", array_at(run.info, "world_size_changes").size()},
+          {"benchmark", comm_benchmark(run.info)}};
 }
 
 json status_json(const RunView& run) {
@@ -893,7 +927,9 @@ std::string status_text(const RunView& run) {
   const auto row = [&out](const char* name, const std::string& value) {
     out += fmt::format("  {:<12} {}\n", name, value);
   };
-  if (s["step"].is_null()) {
+  if (s["step"].is_null() && !s["benchmark"].is_null()) {
+    row("benchmark", comm_benchmark_text(s["benchmark"]));
+  } else if (s["step"].is_null()) {
     row("step", "no steps logged yet");
   } else {
     row("step", fmt::format("{}{}{}", s["step"].get<int64_t>(),
@@ -955,18 +991,34 @@ std::string report_html(const RunView& run) {
   }
   body += "<h2>Run</h2>\n" + facts_table(run);
 
-  body += "<h2>Training</h2>\n";
-  if (run.metrics.steps.empty() && run.metrics.evals.empty()) {
-    body += "<p class=\"note no-steps\">No steps logged yet (" +
-            html((run.dir / "metrics.jsonl").string()) + " is empty or missing).</p>\n";
-  } else {
-    body += charts(run);
-    const auto markers = timeline_markers(info);
-    if (!markers.empty()) {
-      body +=
-          "<p class=\"note\">Dashed vertical lines: <span style=\"color:#d62728\">restarts</span> "
-          "at the last step logged before the failure, <span style=\"color:#9467bd\">world-size "
-          "changes</span> at the step the next generation resumed from.</p>\n";
+  const json bench = comm_benchmark(info);
+  if (!bench.is_null()) {
+    // The benchmark's own table (nccl-tests' format), as it printed it.
+    std::string table;
+    try {
+      table = read_file(run.dir / "table.txt");
+    } catch (const Error&) {
+      table = "(table.txt is missing)";
+    }
+    body += "<h2>Benchmark</h2>\n<p>" + html(comm_benchmark_text(bench)) + "</p>\n<pre>" +
+            html(table) + "</pre>\n";
+  }
+  // A benchmark's ranks train nothing: no training section for one.
+  if (bench.is_null() || !run.metrics.steps.empty()) {
+    body += "<h2>Training</h2>\n";
+    if (run.metrics.steps.empty() && run.metrics.evals.empty()) {
+      body += "<p class=\"note no-steps\">No steps logged yet (" +
+              html((run.dir / "metrics.jsonl").string()) + " is empty or missing).</p>\n";
+    } else {
+      body += charts(run);
+      const auto markers = timeline_markers(info);
+      if (!markers.empty()) {
+        body +=
+            "<p class=\"note\">Dashed vertical lines: <span "
+            "style=\"color:#d62728\">restarts</span> "
+            "at the last step logged before the failure, <span style=\"color:#9467bd\">world-size "
+            "changes</span> at the step the next generation resumed from.</p>\n";
+      }
     }
   }
   if (run.metrics.skipped_lines > 0) {
@@ -1009,7 +1061,9 @@ json report_summary(const RunView& run, const fs::path& report_file) {
 
 std::string report_summary_text(const json& s) {
   std::string out = text(s, "status");
-  if (s["step"].is_null()) {
+  if (s["step"].is_null() && !s["benchmark"].is_null()) {
+    out += ": " + comm_benchmark_text(s["benchmark"]);
+  } else if (s["step"].is_null()) {
     out += ": no steps logged yet";
   } else {
     out += fmt::format(": step {}{}", s["step"].dump(),

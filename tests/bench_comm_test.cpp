@@ -263,7 +263,22 @@ TEST_CASE("bench comm --nproc 1: allreduce's bus factor is 0, broadcast's 1") {
   // A benchmark's run has no steps: status says so, with no sentinel.
   auto status = run_dptrain({"status", j["run_dir"].get<std::string>(), "--json"});
   REQUIRE_MESSAGE(status.exit_code == 0, status.err);
-  CHECK(parse_json(status.out)["step"].is_null());
+  const json s = parse_json(status.out);
+  CHECK(s["step"].is_null());
+  // Its outcome instead, in status and report.
+  CHECK(s["benchmark"]["benchmark"] == "comm");
+  CHECK(s["benchmark"]["ops"] == json({"allreduce", "broadcast"}));
+  CHECK(s["benchmark"]["avg_busbw"] == j["avg_busbw"]);
+  CHECK(s["benchmark"]["wrong"] == 0);
+  const std::string run_dir = j["run_dir"];
+  const auto text = run_dptrain({"status", run_dir});
+  CHECK(text.out.find("benchmark    bench comm allreduce, broadcast from 4.0 KiB to 4.0 KiB: avg "
+                      "busbw ") != std::string::npos);
+  REQUIRE(run_dptrain({"report", run_dir}).exit_code == 0);
+  const std::string html = read_text(fs::path(run_dir) / "report.html");
+  CHECK(html.find("<h2>Benchmark</h2>") != std::string::npos);
+  CHECK(html.find("# Avg bus bandwidth") != std::string::npos);  // its table
+  CHECK(html.find("<h2>Training</h2>") == std::string::npos);
   const auto table = bench(tmp, {"-b", "4K", "-e", "4K"});
   REQUIRE(table.exit_code == 0);
   const auto rows = lines_of(table.out);
