@@ -323,7 +323,8 @@ void remove_stale_siblings(const fs::path& out, PrepareStatus& status) {
 // Writes everything into a temporary sibling of OUT, then renames it into place: a failure or a
 // stop signal leaves OUT as it was and no temporary behind.
 void write_dataset(const PrepareSummary& s, const Tokenizer& tokenizer,
-                   const std::vector<int32_t>& tokens, double val_fraction, PrepareStatus& status) {
+                   const std::vector<int32_t>& tokens, double val_fraction, bool force,
+                   PrepareStatus& status) {
   const fs::path out = s.path;
   const fs::path parent = out.parent_path();
   std::error_code ec;
@@ -349,11 +350,30 @@ void write_dataset(const PrepareSummary& s, const Tokenizer& tokenizer,
     write_file_atomic(tmp / "meta.json", json_text(meta_json(s, val_fraction), 2) + "\n");
     fsync_directory(tmp);
     status.check_stop();  // the last moment a stop leaves OUT as it was
-    if (fs::exists(fs::symlink_status(out))) {
-      fs::rename(out, old);
-      moved_old = true;
+    if (!force) {
+      // What check_output allowed (OUT absent, or an empty directory) or nothing: another
+      // process that wrote OUT meanwhile wins, and this one is refused. Renaming onto an empty
+      // directory fails once it is not empty; onto nothing, RENAME_NOREPLACE fails once OUT is.
+      const bool absent = !fs::exists(fs::symlink_status(out));
+      const int renamed =
+          ::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, out.c_str(), absent ? RENAME_NOREPLACE : 0);
+      if (renamed != 0 && (errno == EEXIST || errno == ENOTEMPTY)) {
+        fs::remove_all(tmp, ec);
+        refuse(
+            fmt::format("{}: another process wrote a dataset there meanwhile; nothing was "
+                        "written (use --force to replace it)",
+                        out.string()));
+      }
+      if (renamed != 0)
+        throw fs::filesystem_error("rename", tmp, out,
+                                   std::error_code(errno, std::generic_category()));
+    } else {
+      if (fs::exists(fs::symlink_status(out))) {
+        fs::rename(out, old);
+        moved_old = true;
+      }
+      fs::rename(tmp, out);
     }
-    fs::rename(tmp, out);
     fsync_directory(parent);
   } catch (...) {
     fs::remove_all(tmp, ec);
@@ -463,7 +483,7 @@ int run_prepare(const PrepareOptions& o) {
                     o.val_fraction, s.tokens, s.train_tokens, s.val_tokens,
                     o.val_fraction > 0 ? ", or --val-fraction 0 for no validation" : ""));
   }
-  write_dataset(s, tokenizer, tokens, o.val_fraction, status);
+  write_dataset(s, tokenizer, tokens, o.val_fraction, o.force, status);
   status.erase();
   print_summary(s, o.json);
   return 0;

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <memory>
 #include <sstream>
 
 #include "core/data/tokens.hpp"
@@ -296,6 +297,37 @@ ls -A "$mnt" >"$out/mnt.txt"
 cp "$mnt/ds/train.bin" "$out/after-train.bin"
 exit 0
 )";
+
+TEST_CASE("two data prepares racing to one new --out: one wins, the other is refused") {
+  TempDir tmp;
+  // Large enough that both pass the first check before either renames its dataset into place.
+  const std::vector<std::string> texts = {synthetic_text(6, 400000), synthetic_text(7, 500000)};
+  for (int round = 0; round < 2; ++round) {
+    CAPTURE(round);
+    const fs::path out = tmp / ("ds" + std::to_string(round));
+    if (round == 1) fs::create_directory(out);  // round 0: absent; round 1: empty, as allowed
+    std::vector<std::unique_ptr<Background>> jobs;
+    for (size_t i = 0; i < texts.size(); ++i) {
+      const fs::path text = tmp / ("t" + std::to_string(i) + ".txt");
+      if (round == 0) write_text(text, texts[i]);
+      jobs.push_back(std::make_unique<Background>(std::vector<std::string>{
+          "data", "prepare", "--text", text.string(), "--out", out.string()}));
+    }
+    std::vector<int> codes;
+    for (auto& job : jobs)
+      codes.push_back(job->wait());
+    INFO(jobs[0]->err(), jobs[1]->err());
+    std::sort(codes.begin(), codes.end());
+    CHECK(codes == std::vector<int>{0, 2});
+    const size_t winner = jobs[0]->err().find("dptrain: error:") == std::string::npos ? 0 : 1;
+    const std::string loser = jobs[1 - winner]->err();
+    CHECK((loser.find("another process wrote a dataset there meanwhile") != std::string::npos ||
+           loser.find("exists and is not empty") != std::string::npos));
+    CHECK(decoded(out) == texts[winner]);  // the dataset the winner reported, whole
+  }
+  for (const auto& e : fs::directory_iterator(tmp.path()))  // no temporary left
+    CHECK(e.path().filename().string().rfind(".ds", 0) != 0);
+}
 
 TEST_CASE("data prepare on a full disk: exit 1, one line, no partial dataset, the old one kept") {
   TempDir tmp;
