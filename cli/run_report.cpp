@@ -58,13 +58,56 @@ std::FILE* status_stream(bool json, const EventLog& events) {
   return json || events.to_stdout() ? stderr : stdout;
 }
 
+namespace {
+
+using nlohmann::json;
+
+// The launcher itself failed mid-job (too few file descriptors, a full disk under run.json, ...):
+// the run is recorded as failed with that error, as far as the run directory still takes
+// writes, instead of staying "running" until status calls it stale.
+void record_launcher_failure(RunDirectory& run, EventLog& events, const Error& e) {
+  const std::string error = fmt::format("the launcher failed: {}", e.what());
+  try {
+    json& info = run.info();
+    info["status"] = "failed";
+    info["error"] = error;
+    if (json& generations = info["generations"]; generations.is_array() && !generations.empty()) {
+      json& last = generations.back();
+      if (!last.contains("ended_at")) {
+        last["ended_at"] = utc_timestamp();
+        last["status"] = "failed";
+        last["error"] = error;
+      }
+    }
+    run.save();
+  } catch (const std::exception&) {
+    // The directory takes no writes (a full disk): the error on stderr is all there is.
+  }
+  try {
+    events.emit("run_finished", {{"status", "failed"},
+                                 {"exit_code", exit_code(e.kind())},
+                                 {"run_dir", run.path().string()},
+                                 {"error", error}});
+  } catch (const std::exception&) {
+  }
+  std::fprintf(stderr, "dptrain: run directory: %s\n", run.path().c_str());
+}
+
+}  // namespace
+
 int run_to_end(RunDirectory& run, JobSpec spec, const RestartOptions& o, bool json,
                EventLog& events, StatusPrinter& status) {
   spec.hang_timeout = o.hang_timeout(spec.recipe.fault_tolerance);
   spec.rejoin_timeout = o.rejoin_timeout(spec.recipe.fault_tolerance);
   spec.events = &events;
-  const JobOutcome outcome =
-      run_job_with_restarts(run, spec, status, o.policy(spec.recipe.fault_tolerance));
+  JobOutcome outcome;
+  try {
+    outcome = run_job_with_restarts(run, spec, status, o.policy(spec.recipe.fault_tolerance));
+  } catch (const Error& e) {
+    status.finish();
+    record_launcher_failure(run, events, e);
+    throw;
+  }
   events.emit("run_finished", outcome.to_json(run));
   return report_outcome(run, outcome, json, events.to_stdout() ? stderr : stdout);
 }

@@ -256,12 +256,15 @@ class Supervision {
       if (::pipe2(fds, O_CLOEXEC) != 0) {
         throw Error(ErrorKind::internal, fmt::format("pipe: {}", std::strerror(errno)));
       }
+      errno = 0;
       c.log.open(c.spec->log_file, std::ios::app);
       if (!c.log) {
+        const int why = errno;  // the open's (ofstream keeps it): ENAMETOOLONG, EMFILE, ...
         ::close(fds[0]);
         ::close(fds[1]);
-        throw Error(ErrorKind::io,
-                    fmt::format("{}: cannot open log file for writing", c.spec->log_file.string()));
+        throw Error(ErrorKind::io, fmt::format("{}: cannot open log file for writing: {}",
+                                               c.spec->log_file.string(),
+                                               why != 0 ? std::strerror(why) : "unknown error"));
       }
       try {
         c.pid = spawn(*c.spec, fds[1]);

@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <signal.h>
+#include <sys/wait.h>
 
 #include <fstream>
 #include <thread>
@@ -415,4 +416,29 @@ TEST_CASE("launch claims its run directory: no foreign files, and racing launche
     CAPTURE(run);
     CHECK(parse_json(read_text(run / "run.json"))["status"] == "completed");
   }
+}
+
+TEST_CASE("a launcher that fails mid-job (too few file descriptors) records the run as failed") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), small_recipe());
+  const fs::path run_dir = tmp / "fds";
+  // 12 descriptors: the run directory is made, the pipes for the ranks' output are not. Only
+  // 0-2 are open when it starts, whatever this test process holds.
+  write_text(tmp / "run.sh",
+             "for fd in /proc/self/fd/*; do n=${fd##*/}; [ \"$n\" -gt 2 ] && eval \"exec $n>&-\"; "
+             "done 2>/dev/null\nulimit -n 12\nexec \"$@\" 2> \"$ERR\"\n");
+  const std::string command = "ERR='" + (tmp / "err").string() + "' bash '" +
+                              (tmp / "run.sh").string() + "' '" + binary() + "' launch '" +
+                              recipe.string() + "' --nproc 2 --run-dir '" + run_dir.string() + "'";
+  const int status = std::system(command.c_str());
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 1);
+  const std::string err = read_text(tmp / "err");
+  CHECK(err.find(": Too many open files\n") != std::string::npos);
+  CHECK(err.find("dptrain: run directory: " + run_dir.string()) != std::string::npos);
+  const auto info = parse_json(read_text(run_dir / "run.json"));
+  CHECK(info["status"] == "failed");
+  CHECK(info["error"].get<std::string>().rfind("the launcher failed: ", 0) == 0);
+  const auto s = parse_json(run_dptrain({"status", run_dir.string(), "--json"}).out);
+  CHECK(s["status"] == "failed");  // not "running", then "stale"
 }
