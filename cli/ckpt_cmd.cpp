@@ -206,22 +206,25 @@ std::string recorded_elsewhere(const json& info) {
                      remote->path, remote->host);
 }
 
+// Reads the run, changing nothing in it (not even a missing checkpoints/ is made).
 CheckedRun open_run(const std::string& dir) {
   std::error_code ec;
   const fs::path p(dir);
+  const fs::path absolute = fs::absolute(p).lexically_normal();
   const bool has_checkpoints = fs::is_directory(p / "checkpoints", ec);
-  if (!fs::exists(p / "run.json", ec) && has_checkpoints) {
-    return {fs::absolute(p).lexically_normal(), ""};
+  if (!has_checkpoints && fs::exists(fs::symlink_status(p / "checkpoints", ec))) {
+    throw Error(ErrorKind::checkpoint,
+                fmt::format("{}: not a directory", (absolute / "checkpoints").string()));
   }
+  if (!fs::exists(p / "run.json", ec) && has_checkpoints) return {absolute, ""};
   try {
-    const RunDirectory run = RunDirectory::open(p);
-    return {run.path(), recorded_elsewhere(run.info())};
+    return {absolute, recorded_elsewhere(read_run_json(p))};
   } catch (const Error& e) {
     // Only checkpoints/ is read: a run.json torn by a crash does not keep them from being checked.
     if (!has_checkpoints || e.kind() != ErrorKind::usage) throw;
     std::fprintf(stderr, "dptrain: warning: %s; checking its checkpoints/ all the same\n",
                  first_line(e.what()).c_str());
-    return {fs::absolute(p).lexically_normal(), ""};
+    return {absolute, ""};
   }
 }
 

@@ -401,6 +401,14 @@ TEST_CASE("ckpt of a run whose rank 0 checkpointed on another host points there"
   CHECK(contains(list.out, "no checkpoints (" + there));
   const auto status = parse_json(run_dptrain({"status", run.string(), "--json"}).out);
   CHECK(status["last_checkpoint_host"] == "trainer@10.0.0.2:22");
+  CHECK_FALSE(fs::exists(run / "checkpoints"));  // list and verify change nothing, make nothing
+  // A file in its place is named as such: a checkpoint error.
+  write_text(run / "checkpoints", "");
+  for (const char* command : {"list", "verify"}) {
+    auto r = run_dptrain({"ckpt", command, run.string()});
+    CHECK(r.exit_code == 5);
+    CHECK(contains(r.err, (run / "checkpoints").string() + ": not a directory"));
+  }
 }
 
 TEST_CASE("ckpt list and verify report a dangling `latest`") {
