@@ -3,6 +3,7 @@
 #include <cctype>
 #include <csignal>
 #include <cstdio>
+#include <new>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -162,6 +163,13 @@ int main(int argc, char** argv) {
     const int code = dptrain::exit_code(e.kind());
     print_error(e.what(), code, dptrain::cli::failure_status(e.kind()), outcome.json);
     return code;
+  } catch (const std::bad_alloc&) {
+    // Not a bug: the machine (or its limits) has less memory than the job asked for.
+    print_error(
+        "out of memory: an allocation failed (data or a model too large for this machine's "
+        "memory or its limits: ulimit -v, a cgroup)",
+        1, "error", outcome.json);
+    return 1;
   } catch (const std::exception& e) {
     print_error(fmt::format("internal error: {}", e.what()), 1, "error", outcome.json);
     return 1;

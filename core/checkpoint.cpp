@@ -216,9 +216,23 @@ MetaCheck check_meta(const fs::path& dir) {
   MetaCheck out;
   const fs::path file = dir / kMetaFile;
   if (out.problem = not_a_plain_file(file); !out.problem.empty()) return out;
+  // A meta.json holds a position and a line per blob: far below this. A bigger one is damage
+  // (a tail of zeros after a crash), not worth reading whole.
+  constexpr uintmax_t kMaxMetaBytes = 16u << 20;
+  std::error_code size_error;
+  if (const uintmax_t size = fs::file_size(file, size_error); !size_error && size > kMaxMetaBytes) {
+    out.problem = fmt::format("{} bytes, more than any meta.json holds (damaged?)", size);
+    return out;
+  }
   json meta;
   try {
-    meta = json::parse(read_file(file));
+    const std::string text = read_file(file);
+    // The JSON parser stops at a NUL byte: what follows would go unchecked.
+    if (const auto nul = text.find('\0'); nul != std::string::npos) {
+      out.problem = fmt::format("not valid JSON (a NUL byte at offset {})", nul);
+      return out;
+    }
+    meta = json::parse(text);
   } catch (const Error&) {
     out.problem = "missing or unreadable";
     return out;

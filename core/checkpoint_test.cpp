@@ -516,6 +516,17 @@ TEST_CASE("checkpoint: a malformed meta.json is named plainly, field by field") 
   CHECK(read_checkpoint(dir).position.loss_scale == 1.0);
   CHECK(read_checkpoint(dir).position.loss_scale_clean_steps == 0);
   CHECK(std::isnan(read_checkpoint(dir).position.loss));
+  // Damage the parser would not see: a tail after a NUL byte (a crash's zeros), or a size no
+  // meta.json has (not read whole).
+  write_file_atomic(dir / "meta.json", original + std::string(1, '\0') + "{\"x\":1}");
+  CHECK(verify_checkpoint(dir).problems() ==
+        std::vector<std::string>{"meta.json: not valid JSON (a NUL byte at offset " +
+                                 std::to_string(original.size()) + ")"});
+  write_file_atomic(dir / "meta.json", original);
+  fs::resize_file(dir / "meta.json", (16u << 20) + 1);
+  CHECK(verify_checkpoint(dir).problems() ==
+        std::vector<std::string>{
+            "meta.json: 16777217 bytes, more than any meta.json holds (damaged?)"});
 }
 
 TEST_CASE("check_latest: missing, following, dangling, set aside, garbage") {

@@ -238,3 +238,16 @@ TEST_CASE(
   CHECK(prepared.exit_code == 0);
   CHECK_NOTHROW(parse_json(prepared.out));
 }
+
+TEST_CASE("data too large for memory is said to be, exit 1, not an internal error") {
+  TempDir tmp;
+  // About 4 TB of synthetic samples: within the recipe's bounds, beyond any machine's memory.
+  auto r = small_recipe();
+  r["model"]["input"] = 1024;
+  r["data"]["samples"] = 1000000000;
+  const auto recipe = write_recipe(tmp.path(), r);
+  auto out = check_failure(run_dptrain({"launch", recipe.string(), "--nproc", "1", "--run-dir",
+                                        (tmp / "huge").string(), "--json"}),
+                           1);
+  CHECK(out["error"].get<std::string>().rfind("out of memory: an allocation failed", 0) == 0);
+}
