@@ -57,6 +57,8 @@ std::atomic<int> g_sigint_count{0};
 int g_wake_pipe[2] = {-1, -1};
 
 void on_stop_signal(int sig) {
+  // A hangup (the terminal or SSH session closed) is a stop like SIGTERM: every rank checkpoints.
+  if (sig == SIGHUP) sig = SIGTERM;
   int expected = 0;
   g_stop_signal.compare_exchange_strong(expected, sig);
   // Schedulers send SIGTERM more than once (`timeout` signals the child and its group): that is
@@ -458,6 +460,7 @@ void install_stop_signal_handlers() {
   sigemptyset(&sa.sa_mask);
   ::sigaction(SIGINT, &sa, nullptr);
   ::sigaction(SIGTERM, &sa, nullptr);
+  ::sigaction(SIGHUP, &sa, nullptr);
   ::signal(SIGPIPE, SIG_IGN);
 }
 

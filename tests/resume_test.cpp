@@ -442,3 +442,14 @@ TEST_CASE("a launcher that fails mid-job (too few file descriptors) records the 
   const auto s = parse_json(run_dptrain({"status", run_dir.string(), "--json"}).out);
   CHECK(s["status"] == "failed");  // not "running", then "stale"
 }
+
+TEST_CASE("SIGHUP (the terminal closed) is a stop like SIGTERM: a checkpoint, exit 143") {
+  TempDir tmp;
+  SlowRun run(write_recipe(tmp.path(), resumable_recipe()), tmp / "run");
+  REQUIRE(::kill(run.launcher.pid(), SIGHUP) == 0);
+  CHECK(run.launcher.wait(std::chrono::seconds(60)) == 143);
+  check_all_gone(run.pids);
+  CHECK(parse_json(read_text(run.run_dir / "run.json"))["status"] == "terminated");
+  auto resumed = run_dptrain({"resume", run.run_dir.string()});
+  CHECK(resumed.exit_code == 0);
+}
