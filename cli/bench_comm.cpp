@@ -250,14 +250,7 @@ int run_bench_launcher(const BenchCommOptions& o) {
   run.info()["result"] = j;
   if (exit_code != 0) {
     // The ranks completed, the benchmark did not: status and report say so, as the exit does.
-    const std::string error = fmt::format("{}", fmt::join(errors, "\n"));
-    run.info()["status"] = "failed";
-    run.info()["error"] = error;
-    if (json& generations = run.info()["generations"];
-        generations.is_array() && !generations.empty()) {
-      generations.back()["status"] = "failed";
-      generations.back()["error"] = error;
-    }
+    record_run_failure(run.info(), fmt::format("{}", fmt::join(errors, "\n")));
   }
   run.save();
   if (o.json) {

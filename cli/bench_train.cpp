@@ -8,6 +8,7 @@
 #include "cli/commands.hpp"
 #include "cli/host_options.hpp"
 #include "cli/json_errors.hpp"
+#include "cli/run_report.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
 #include "core/json_error.hpp"
@@ -213,6 +214,15 @@ int run_bench_train_cmd(const BenchTrainCliOptions& o) {
           report.machine.cpus / spec.recipe.train.threads_per_rank));
     }
   }
+  if (o.min.efficiency && *o.min.efficiency > 1) {
+    throw Error(ErrorKind::usage, fmt::format("--min-efficiency: '{:g}' is more than 1 (it is a "
+                                              "fraction: 0.8 for 80%)",
+                                              *o.min.efficiency));
+  }
+  if (o.min.mfu_percent && *o.min.mfu_percent > 100) {
+    throw Error(ErrorKind::usage, fmt::format("--min-mfu: '{:g}' is more than 100 (a percentage)",
+                                              *o.min.mfu_percent));
+  }
   if (o.min.mfu_percent && !report.peak_tflops) {
     throw Error(ErrorKind::usage,
                 "--min-mfu: MFU needs a peak: give --peak-tflops (on cuda it defaults to 989)");
@@ -304,15 +314,15 @@ void setup_bench_train(CLI::App& app, Outcome& outcome) {
   auto* throughput = app.add_option("--min-throughput", o->min_throughput,
                                     "Exit 6 when a precision's largest world measures fewer "
                                     "tokens/s (samples/s for models without tokens)")
-                         ->check(CLI::PositiveNumber);
+                         ->check(non_negative_number());
   auto* efficiency =
       app.add_option("--min-efficiency", o->min_efficiency,
                      "Exit 6 when a world's scaling efficiency (a fraction) is below this")
-          ->check(CLI::Range(0.0, 1.0));
+          ->check(non_negative_number());
   auto* mfu = app.add_option("--min-mfu", o->min_mfu,
                              "Exit 6 when a precision's largest world's MFU is below this "
                              "percentage (needs a peak: cuda, or --peak-tflops)")
-                  ->check(CLI::Range(0.0, 100.0));
+                  ->check(non_negative_number());
   app.callback(
       [o, &outcome, nproc, nnodes, peak, batch, device, precision, throughput, efficiency, mfu] {
         if (throughput->count() > 0) o->min.throughput = o->min_throughput;

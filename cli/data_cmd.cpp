@@ -354,19 +354,30 @@ void write_dataset(const PrepareSummary& s, const Tokenizer& tokenizer,
       // What check_output allowed (OUT absent, or an empty directory) or nothing: another
       // process that wrote OUT meanwhile wins, and this one is refused. Renaming onto an empty
       // directory fails once it is not empty; onto nothing, RENAME_NOREPLACE fails once OUT is.
-      const bool absent = !fs::exists(fs::symlink_status(out));
-      const int renamed =
-          ::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, out.c_str(), absent ? RENAME_NOREPLACE : 0);
-      if (renamed != 0 && (errno == EEXIST || errno == ENOTEMPTY)) {
+      // A filesystem without rename flags (NFS, SMB: EINVAL) gets the same one-winner rule from
+      // an empty directory made first: mkdir fails for the second, as a rename onto a directory
+      // that is no longer empty does.
+      const auto rename_into_place = [&]() -> int {
+        if (!fs::exists(fs::symlink_status(out))) {
+          if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, out.c_str(), RENAME_NOREPLACE) == 0) {
+            return 0;
+          }
+          if (errno != EINVAL) return errno;
+          if (::mkdir(out.c_str(), 0755) != 0) return errno;
+        }
+        return ::rename(tmp.c_str(), out.c_str()) == 0 ? 0 : errno;
+      };
+      if (const int failed = rename_into_place(); failed != 0) {
         fs::remove_all(tmp, ec);
-        refuse(
-            fmt::format("{}: another process wrote a dataset there meanwhile; nothing was "
-                        "written (use --force to replace it)",
-                        out.string()));
-      }
-      if (renamed != 0)
+        if (failed == EEXIST || failed == ENOTEMPTY) {
+          refuse(
+              fmt::format("{}: another process wrote a dataset there meanwhile; nothing was "
+                          "written (use --force to replace it)",
+                          out.string()));
+        }
         throw fs::filesystem_error("rename", tmp, out,
-                                   std::error_code(errno, std::generic_category()));
+                                   std::error_code(failed, std::generic_category()));
+      }
     } else {
       if (fs::exists(fs::symlink_status(out))) {
         fs::rename(out, old);

@@ -65,27 +65,18 @@ using nlohmann::json;
 // The launcher itself failed mid-job (too few file descriptors, a full disk under run.json, ...):
 // the run is recorded as failed with that error, as far as the run directory still takes
 // writes, instead of staying "running" until status calls it stale.
-void record_launcher_failure(RunDirectory& run, EventLog& events, const Error& e) {
+void record_launcher_failure(RunDirectory& run, EventLog& events, const std::exception& e,
+                             int code) {
   const std::string error = fmt::format("the launcher failed: {}", e.what());
   try {
-    json& info = run.info();
-    info["status"] = "failed";
-    info["error"] = error;
-    if (json& generations = info["generations"]; generations.is_array() && !generations.empty()) {
-      json& last = generations.back();
-      if (!last.contains("ended_at")) {
-        last["ended_at"] = utc_timestamp();
-        last["status"] = "failed";
-        last["error"] = error;
-      }
-    }
+    record_run_failure(run.info(), error);
     run.save();
   } catch (const std::exception&) {
     // The directory takes no writes (a full disk): the error on stderr is all there is.
   }
   try {
     events.emit("run_finished", {{"status", "failed"},
-                                 {"exit_code", exit_code(e.kind())},
+                                 {"exit_code", code},
                                  {"run_dir", run.path().string()},
                                  {"error", error}});
   } catch (const std::exception&) {
@@ -105,7 +96,11 @@ int run_to_end(RunDirectory& run, JobSpec spec, const RestartOptions& o, bool js
     outcome = run_job_with_restarts(run, spec, status, o.policy(spec.recipe.fault_tolerance));
   } catch (const Error& e) {
     status.finish();
-    record_launcher_failure(run, events, e);
+    record_launcher_failure(run, events, e, exit_code(e.kind()));
+    throw;
+  } catch (const std::exception& e) {  // thread creation, the library's: exit 1, as main says
+    status.finish();
+    record_launcher_failure(run, events, e, 1);
     throw;
   }
   events.emit("run_finished", outcome.to_json(run));

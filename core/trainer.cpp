@@ -238,7 +238,8 @@ class TrainingRun {
         double loss = local_loss;
         stop = sum_loss_and_stop(loss, stop);
         loss /= static_cast<double>(micro_batches_);
-        if (!std::isfinite(loss)) throw diverged(done, "loss", loss);
+        // fp16 above the smallest scale: an overflowed forward is a skipped step, as above.
+        if (!std::isfinite(loss) && !overflow_skips) throw diverged(done, "loss", loss);
         last_loss_ = loss;
         const double window_s = ms_since(window_start) / 1000.0;
         log_step(done, loss, lr, norm, static_cast<double>(window_steps * global_batch_) / window_s,
@@ -298,7 +299,10 @@ class TrainingRun {
   // A loss or gradient norm that is not finite at step `done`: what a restart from a checkpoint
   // would meet again (the training is deterministic), so the error is the recipe's (exit 2 from a
   // rank, which the launcher does not restart). Thrown on every rank alike where the value is
-  // the ranks' common one; before the step's checkpoint, so none holds the non-finite values.
+  // the ranks' common one (the reduced gradients' norm of all-reduce and ZeRO, the summed loss);
+  // a local SGD step's norm is its rank's own, and a parameter server's workers may see it at
+  // different steps: there the first rank to find it fails and the launcher stops the others.
+  // Always before the step's checkpoint, so none holds the non-finite values.
   Error diverged(int64_t done, const char* what, double value) const {
     return Error(
         ErrorKind::recipe,

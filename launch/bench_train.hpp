@@ -101,7 +101,6 @@ struct BenchThresholds {
   std::optional<double> throughput;   // each precision's largest world
   std::optional<double> efficiency;   // every row (a fraction)
   std::optional<double> mfu_percent;  // each precision's largest world
-  bool any() const { return throughput || efficiency || mfu_percent; }
 };
 
 // A row from the result JSON of each repeat (the trainer's TrainResult::to_json): the median of

@@ -18,7 +18,6 @@
 #include "core/error.hpp"
 #include "core/fs.hpp"
 #include "core/json_error.hpp"
-#include "launch/provision.hpp"  // human_bytes
 #include "launch/run_dir.hpp"
 #include "launch/status.hpp"
 #include "launch/svg_chart.hpp"
@@ -833,7 +832,7 @@ std::string comm_benchmark_text(const json& b) {
   for (const auto& op : b["ops"])
     ops.push_back(op.is_string() ? op.get<std::string>() : op.dump());
   const auto bytes = [](const json& v) {
-    return v.is_number() ? human_bytes(v.get<uint64_t>()) : std::string("?");
+    return v.is_number() ? human_size(v.get<uint64_t>()) : std::string("?");
   };
   return fmt::format("bench comm {} from {} to {}: avg busbw {} GB/s, {} wrong element(s)",
                      fmt::join(ops, ", "), bytes(b["min_bytes"]), bytes(b["max_bytes"]),

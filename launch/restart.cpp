@@ -277,8 +277,8 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
       run.save();
       const Placed grown = place_generation(run, spec, status, Placement::grow);
       if (!grown.error.empty()) return finish(failed_placement(run, outcome, grown.error, ""));
-      record_world_size_change(run, spec, status, grown.change);
       if (const int sig = pending_stop_signal()) return finish(stopped_waiting(run, outcome, sig));
+      record_world_size_change(run, spec, status, grown.change);
       spec.resume_from = rank0_local(spec) && !from.empty() ? from : fs::path("newest-or-start");
       continue;
     }

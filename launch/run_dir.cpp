@@ -111,6 +111,19 @@ std::optional<RemoteCheckpoint> remote_last_checkpoint(const nlohmann::json& inf
   return RemoteCheckpoint{path->get<std::string>(), host->get<std::string>()};
 }
 
+void record_run_failure(nlohmann::json& info, const std::string& error) {
+  info["status"] = "failed";
+  info["error"] = error;
+  info.erase("pending_restart");
+  const auto generations = info.find("generations");
+  if (generations == info.end() || !generations->is_array() || generations->empty()) return;
+  nlohmann::json& last = generations->back();
+  if (last.contains("ended_at") && last.value("status", "") != "completed") return;
+  if (!last.contains("ended_at")) last["ended_at"] = utc_timestamp();
+  last["status"] = "failed";
+  last["error"] = error;
+}
+
 std::string utc_timestamp() {
   return utc_format("%Y-%m-%dT%H:%M:%SZ");
 }

@@ -61,6 +61,11 @@ struct RemoteCheckpoint {
 };
 std::optional<RemoteCheckpoint> remote_last_checkpoint(const nlohmann::json& info);
 
+// Records `error` as the run's outcome in `info` (run.json): status failed, and its newest
+// generation's too when that one had not ended or had completed (a benchmark whose verdict
+// failed); a generation's own failure stays as it was recorded.
+void record_run_failure(nlohmann::json& info, const std::string& error);
+
 std::string utc_timestamp();  // 2026-11-30T08:43:38Z
 std::string this_host();      // this machine's host name (run.json's "launcher")
 // Seconds from a utc_timestamp() to now; none when it does not parse.

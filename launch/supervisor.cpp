@@ -460,7 +460,11 @@ void install_stop_signal_handlers() {
   sigemptyset(&sa.sa_mask);
   ::sigaction(SIGINT, &sa, nullptr);
   ::sigaction(SIGTERM, &sa, nullptr);
-  ::sigaction(SIGHUP, &sa, nullptr);
+  // Under nohup (SIGHUP ignored) a hangup stays ignored: the job outlives the session.
+  struct sigaction hup {};
+  if (::sigaction(SIGHUP, nullptr, &hup) == 0 && hup.sa_handler != SIG_IGN) {
+    ::sigaction(SIGHUP, &sa, nullptr);
+  }
   ::signal(SIGPIPE, SIG_IGN);
 }
 

@@ -452,4 +452,15 @@ TEST_CASE("SIGHUP (the terminal closed) is a stop like SIGTERM: a checkpoint, ex
   CHECK(parse_json(read_text(run.run_dir / "run.json"))["status"] == "terminated");
   auto resumed = run_dptrain({"resume", run.run_dir.string()});
   CHECK(resumed.exit_code == 0);
+
+  // Under nohup (SIGHUP ignored, as its children inherit) a hangup changes nothing.
+  struct sigaction ignore {
+  }, before{};
+  ignore.sa_handler = SIG_IGN;
+  ::sigaction(SIGHUP, &ignore, &before);
+  SlowRun kept(write_recipe(tmp.path(), resumable_recipe()), tmp / "nohup");
+  ::sigaction(SIGHUP, &before, nullptr);
+  REQUIRE(::kill(kept.launcher.pid(), SIGHUP) == 0);
+  CHECK(kept.launcher.wait(std::chrono::seconds(120)) == 0);
+  CHECK(parse_json(read_text(kept.run_dir / "run.json"))["status"] == "completed");
 }
