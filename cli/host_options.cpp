@@ -74,7 +74,7 @@ void add_host_options(CLI::App& app, HostOptions& o, bool hosts_required) {
       },
       "", "not empty"));
   app.add_option("--identity", o.identities,
-                 "SSH identity file, tried after the agent and a host's key= (repeatable)");
+                 "SSH identity file, tried after a host's key= and before the agent (repeatable)");
   app.add_option("--known-hosts", o.known_hosts, "known_hosts file (default ~/.ssh/known_hosts)");
   app.add_flag("--accept-new-host-keys", o.accept_new_host_keys,
                "Accept and record the keys of hosts not in known_hosts (a changed key is always "

@@ -94,13 +94,11 @@ int run_to_end(RunDirectory& run, JobSpec spec, const RestartOptions& o, bool js
   JobOutcome outcome;
   try {
     outcome = run_job_with_restarts(run, spec, status, o.policy(spec.recipe.fault_tolerance));
-  } catch (const Error& e) {
+  } catch (const std::exception& e) {
     status.finish();
-    record_launcher_failure(run, events, e, exit_code(e.kind()));
-    throw;
-  } catch (const std::exception& e) {  // thread creation, the library's: exit 1, as main says
-    status.finish();
-    record_launcher_failure(run, events, e, 1);
+    // A dptrain::Error's code, else (thread creation, the library's own) 1, as main gives it.
+    const auto* error = dynamic_cast<const Error*>(&e);
+    record_launcher_failure(run, events, e, error != nullptr ? exit_code(error->kind()) : 1);
     throw;
   }
   events.emit("run_finished", outcome.to_json(run));

@@ -8,7 +8,6 @@
 #include <optional>
 
 #include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include "core/error.hpp"
 #include "core/json_error.hpp"
@@ -38,16 +37,13 @@ std::optional<std::string> not_runnable(int status, const RelayPlan& plan) {
       status == 127 ? "no such file or command" : "not executable");
 }
 
-// "HOST (ranks 2-3)": a host lost in a run names the ranks that went with it.
+// "HOST (ranks 2-3)": a host lost in a run names the ranks that went with it (a host's ranks
+// are one consecutive block: plan_job numbers them host by host).
 std::string host_and_ranks(const RelayPlan& plan) {
   const std::vector<int>& ranks = plan.agent.ranks;
   if (ranks.empty()) return plan.host.display();
-  const bool consecutive = ranks.back() - ranks.front() + 1 == static_cast<int>(ranks.size());
   if (ranks.size() == 1) return fmt::format("{} (rank {})", plan.host.display(), ranks.front());
-  if (consecutive) {
-    return fmt::format("{} (ranks {}-{})", plan.host.display(), ranks.front(), ranks.back());
-  }
-  return fmt::format("{} (ranks {})", plan.host.display(), fmt::join(ranks, ", "));
+  return fmt::format("{} (ranks {}-{})", plan.host.display(), ranks.front(), ranks.back());
 }
 
 }  // namespace
