@@ -86,6 +86,7 @@ json blob_json(const BlobStatus& blob) {
           {"actual_bytes", blob.actual_bytes ? json(*blob.actual_bytes) : json(nullptr)},
           {"actual_checksum", or_null(blob.actual_checksum)},
           {"ok", blob.ok()},
+          {"unreadable", blob.denied},
           {"problem", or_null(blob.problem)}};
 }
 
@@ -114,14 +115,20 @@ json row_json(const CheckpointRow& row) {
           {"latest", row.latest},
           {"set_aside", row.status.set_aside},
           {"ok", row.status.ok()},
+          {"unreadable", row.status.denied()},
           {"problems", row.status.problems()},
           {"meta", meta_json(row.status)},
           {"blobs", blobs}};
 }
 
+// "FAILED", or "UNREADABLE" when only a permission stops its reads (it may be intact).
+const char* failed(const CheckpointStatus& status) {
+  return status.denied() ? "UNREADABLE" : "FAILED";
+}
+
 std::string verdict(const CheckpointRow& row) {
   if (row.status.ok()) return row.status.meta_checked() ? "ok" : "ok (meta.json not checked)";
-  return fmt::format("FAILED: {}", fmt::join(row.status.problems(), "; "));
+  return fmt::format("{}: {}", failed(row.status), fmt::join(row.status.problems(), "; "));
 }
 
 size_t name_width(const std::vector<CheckpointRow>& rows) {
@@ -169,7 +176,7 @@ std::string meta_verdict(const CheckpointStatus& status) {
 void print_verify_table(const std::vector<CheckpointRow>& rows, const LatestStatus* latest) {
   for (const auto& row : rows) {
     std::printf("%s%s: %s\n", name_of(row).c_str(), row.latest ? " (latest)" : "",
-                row.status.ok() ? "ok" : "FAILED");
+                row.status.ok() ? "ok" : failed(row.status));
     std::printf("%s", fmt::format("  {:<14}  {:>12}  {:<16}  {}\n", "meta.json", "-",
                                   row.status.meta_checksum.empty() ? "-" : row.status.meta_checksum,
                                   meta_verdict(row.status))

@@ -1,7 +1,10 @@
 // Checkpoints: atomic, checksummed, verified before `latest` moves.
 #include "core/checkpoint.hpp"
 
+#include <fcntl.h>
 #include <unistd.h>
+
+#include <cerrno>
 
 #include <algorithm>
 #include <array>
@@ -190,17 +193,43 @@ bool is_checksum_text(const json& value) {
          });
 }
 
-// Why `path` is not a regular file that may be read (missing, a symbolic link, a device...);
-// empty when it is one.
-std::string not_a_plain_file(const fs::path& path) {
+// Why `path` cannot be read: "cannot read: REASON"; `denied` when a permission stops it (the
+// file may be intact, only out of this process's reach: not damage).
+std::string access_problem(int error, bool& denied) {
+  denied = error == EACCES || error == EPERM;
+  return fmt::format("cannot read: {}", std::strerror(error));
+}
+
+// Why `path` is not a regular file that may be read (missing, out of reach, a symbolic link, a
+// device...); empty when it is one.
+std::string not_a_plain_file(const fs::path& path, bool& denied) {
   std::error_code ec;
   const fs::file_status st = fs::symlink_status(path, ec);
-  if (ec || st.type() == fs::file_type::not_found) return "missing or unreadable";
+  if (st.type() == fs::file_type::not_found) return "missing";
+  if (ec) return access_problem(ec.value(), denied);
   if (st.type() == fs::file_type::symlink) {
     return "a symbolic link: refused, a checkpoint's files must be regular files";
   }
   if (st.type() != fs::file_type::regular) return "not a regular file";
   return {};
+}
+
+// A checkpoint file's bytes, or none with `problem` (and `denied`) saying why not.
+std::optional<std::string> read_part(const fs::path& file, std::string& problem, bool& denied) {
+  if (problem = not_a_plain_file(file, denied); !problem.empty()) return std::nullopt;
+  try {
+    return read_file(file);
+  } catch (const Error& e) {
+    if (::faccessat(AT_FDCWD, file.c_str(), R_OK, AT_EACCESS) != 0) {
+      problem = access_problem(errno, denied);
+    } else {
+      // "cannot read: Input/output error", without the path the caller puts in front.
+      const std::string what = e.what();
+      const std::string prefix = file.string() + ": ";
+      problem = what.starts_with(prefix) ? what.substr(prefix.size()) : what;
+    }
+    return std::nullopt;
+  }
 }
 
 // meta.json checked: parsed (`meta`, none when unusable), its own checksum compared and its step
@@ -210,12 +239,13 @@ struct MetaCheck {
   std::string problem;
   std::string checksum;         // recorded; empty when there is none (older checkpoints)
   std::string actual_checksum;  // of the content read; empty when unusable
+  bool denied = false;          // a permission stops the read (see access_problem)
 };
 
 MetaCheck check_meta(const fs::path& dir) {
   MetaCheck out;
   const fs::path file = dir / kMetaFile;
-  if (out.problem = not_a_plain_file(file); !out.problem.empty()) return out;
+  if (out.problem = not_a_plain_file(file, out.denied); !out.problem.empty()) return out;
   // A meta.json holds a position and a line per blob: far below this. A bigger one is damage
   // (a tail of zeros after a crash), not worth reading whole.
   constexpr uintmax_t kMaxMetaBytes = 16u << 20;
@@ -224,18 +254,16 @@ MetaCheck check_meta(const fs::path& dir) {
     out.problem = fmt::format("{} bytes, more than any meta.json holds (damaged?)", size);
     return out;
   }
+  const std::optional<std::string> text = read_part(file, out.problem, out.denied);
+  if (!text) return out;
+  // The JSON parser stops at a NUL byte: what follows would go unchecked.
+  if (const auto nul = text->find('\0'); nul != std::string::npos) {
+    out.problem = fmt::format("not valid JSON (a NUL byte at offset {})", nul);
+    return out;
+  }
   json meta;
   try {
-    const std::string text = read_file(file);
-    // The JSON parser stops at a NUL byte: what follows would go unchecked.
-    if (const auto nul = text.find('\0'); nul != std::string::npos) {
-      out.problem = fmt::format("not valid JSON (a NUL byte at offset {})", nul);
-      return out;
-    }
-    meta = json::parse(text);
-  } catch (const Error&) {
-    out.problem = "missing or unreadable";
-    return out;
+    meta = json::parse(*text);
   } catch (const json::exception&) {
     out.problem = "not valid JSON (truncated?)";
     return out;
@@ -277,14 +305,9 @@ MetaCheck check_meta(const fs::path& dir) {
 // Reads one blob and checks it against its record, filling in what is on disk and any problem.
 // Returns the bytes read.
 std::string check_blob(const fs::path& dir, BlobStatus& blob) {
-  std::string raw;
-  if (blob.problem = not_a_plain_file(dir / blob.file); !blob.problem.empty()) return raw;
-  try {
-    raw = read_file(dir / blob.file);
-  } catch (const Error&) {
-    blob.problem = "missing or unreadable";
-    return raw;
-  }
+  std::optional<std::string> read = read_part(dir / blob.file, blob.problem, blob.denied);
+  if (!read) return {};
+  std::string raw = std::move(*read);
   blob.actual_bytes = raw.size();
   blob.actual_checksum = checksum_hex(checksum64(raw.data(), raw.size()));
   if (raw.size() != blob.bytes || blob.bytes % sizeof(float) != 0) {
@@ -441,6 +464,12 @@ bool CheckpointStatus::ok() const {
          std::all_of(blobs.begin(), blobs.end(), [](const BlobStatus& b) { return b.ok(); });
 }
 
+bool CheckpointStatus::denied() const {
+  return !ok() && (meta_problem.empty() || meta_denied) &&
+         std::all_of(blobs.begin(), blobs.end(),
+                     [](const BlobStatus& b) { return b.ok() || b.denied; });
+}
+
 std::vector<std::string> CheckpointStatus::problems() const {
   std::vector<std::string> out;
   if (!meta_problem.empty()) out.push_back(fmt::format("{}: {}", kMetaFile, meta_problem));
@@ -459,6 +488,7 @@ CheckpointStatus verify_in_place(const fs::path& dir) {
   status.set_aside = is_set_aside(dir);
   MetaCheck checked = check_meta(dir);
   status.meta_problem = std::move(checked.problem);
+  status.meta_denied = checked.denied;
   status.meta_checksum = std::move(checked.checksum);
   status.meta_actual_checksum = std::move(checked.actual_checksum);
   std::optional<Meta>& meta = checked.meta;
@@ -560,17 +590,10 @@ LatestStatus check_latest(const fs::path& checkpoints_dir) {
   if (!fs::exists(fs::symlink_status(file, ec))) return out;
   out.exists = true;
   // Never followed elsewhere, nor echoed from elsewhere in a message.
-  if (out.problem = not_a_plain_file(file); !out.problem.empty()) return out;
-  std::string text;
-  try {
-    text = read_file(file);
-  } catch (const Error& e) {
-    // "cannot read: Permission denied", without the path the caller puts in front.
-    const std::string what = e.what();
-    const std::string prefix = file.string() + ": ";
-    out.problem = what.starts_with(prefix) ? what.substr(prefix.size()) : what;
-    return out;
-  }
+  bool denied = false;
+  std::optional<std::string> read = read_part(file, out.problem, denied);
+  if (!read) return out;
+  std::string text = std::move(*read);
   while (!text.empty() && (text.back() == '\n' || text.back() == ' '))
     text.pop_back();
   if (text.empty()) {
@@ -618,12 +641,17 @@ fs::path find_valid_checkpoint(const fs::path& checkpoints_dir,
   std::stable_sort(candidates.begin(), candidates.end(),
                    [](const fs::path& a, const fs::path& b) { return step_of(a) > step_of(b); });
   for (const auto& dir : candidates) {
-    try {
-      read_checkpoint(dir);
-      return dir;
-    } catch (const Error& e) {
-      warn(fmt::format("skipping checkpoint {}: {}", dir.filename().string(), e.what()));
+    const CheckpointStatus checked = verify_checkpoint(dir);
+    if (checked.ok()) return dir;
+    const std::string problems = fmt::format("{}", fmt::join(checked.problems(), "; "));
+    if (checked.denied()) {
+      // Not damage: skipping it would throw away its steps, and resume would set it aside.
+      throw Error(ErrorKind::io,
+                  fmt::format("{}: {}: the checkpoint is out of reach, not damaged; give dptrain "
+                              "read access to it (or move it away) and try again",
+                              dir.string(), problems));
     }
+    warn(fmt::format("skipping checkpoint {}: {}", dir.filename().string(), problems));
   }
   throw Error(ErrorKind::checkpoint,
               fmt::format("{}: no valid checkpoint to resume from", checkpoints_dir.string()));

@@ -49,6 +49,7 @@ struct BlobStatus {
   std::optional<uint64_t> actual_bytes;  // on disk; none when missing or unreadable
   std::string actual_checksum;           // on disk; empty when missing or unreadable
   std::string problem;                   // why it does not verify; empty when it does
+  bool denied = false;                   // a permission stops the read: out of reach, maybe intact
   bool ok() const { return problem.empty(); }
 };
 
@@ -63,6 +64,7 @@ struct CheckpointStatus {
   // (its checksum does not match its content, or its step is not the directory's; the position
   // and blobs are then what it records). Empty when it is fine.
   std::string meta_problem;
+  bool meta_denied = false;          // meta.json is out of reach (a permission), maybe intact
   std::string meta_checksum;         // what meta.json records of itself; empty when none (older)
   std::string meta_actual_checksum;  // of its content as read; empty when unusable
   std::vector<BlobStatus> blobs;
@@ -70,6 +72,9 @@ struct CheckpointStatus {
   // checkpoint away before deleting it): not a damaged checkpoint, one that no longer exists.
   bool gone = false;
   bool ok() const;
+  // Whether it fails only because a permission stops reads (of meta.json or blobs): out of
+  // reach, and nothing read is wrong.
+  bool denied() const;
   // Whether meta.json's own checksum was compared: false for checkpoints written before dptrain
   // recorded one (their meta.json is then not checked, only parsed), or when it is unusable.
   bool meta_checked() const { return !meta_checksum.empty() && !meta_actual_checksum.empty(); }
@@ -145,7 +150,9 @@ struct LatestStatus {
 LatestStatus check_latest(const std::filesystem::path& checkpoints_dir);
 
 // The newest checkpoint that verifies, trying `latest` first, then every step-* newest first.
-// Each skipped one is reported through `warn`. Error(checkpoint) if none is valid.
+// Each skipped one is reported through `warn`. Error(checkpoint) if none is valid; Error(io)
+// when one newer than any valid one is out of reach (a permission: skipping it would lose its
+// steps).
 std::filesystem::path find_valid_checkpoint(const std::filesystem::path& checkpoints_dir,
                                             const std::function<void(const std::string&)>& warn);
 

@@ -547,8 +547,9 @@ class TrainingRun {
               emit({{"event", "info"}, {"message", "warning: " + w}});
             });
         my_step = checkpoint_step(mine);
-      } catch (const Error&) {
-        // None on this node.
+      } catch (const Error& e) {
+        // None on this node; one out of reach (Error(io)) is not "none".
+        if (e.kind() != ErrorKind::checkpoint) throw;
       }
     }
     std::vector<int64_t> steps(static_cast<size_t>(world_));

@@ -149,7 +149,9 @@ fs::path newest_local_checkpoint(RunDirectory& run, const JobSpec& spec, StatusP
         run.checkpoints(), [&status](const std::string& w) { status.line("warning: " + w); });
     name = from.filename().string();
     return from;
-  } catch (const Error&) {
+  } catch (const Error& e) {
+    // One out of reach (Error(io)) is not "none": starting over would lose its steps.
+    if (e.kind() != ErrorKind::checkpoint) throw;
     name = "step 0";
     std::error_code ignored;
     fs::remove(run.path() / "metrics.jsonl", ignored);

@@ -4,6 +4,7 @@
 
 #include <signal.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <fstream>
 #include <thread>
@@ -150,6 +151,54 @@ TEST_CASE("a corrupt or truncated newest checkpoint is skipped; none valid exits
   auto none = run_dptrain({"resume", (tmp / "straight").string()});
   CHECK(none.exit_code == 5);
   CHECK(none.err.find("no valid checkpoint") != std::string::npos);
+}
+
+TEST_CASE("a newest checkpoint out of reach (a permission) stops resume: nothing skipped or lost") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  const fs::path run_dir = tmp / "run";
+  REQUIRE(run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir", run_dir.string()})
+              .exit_code == 0);
+  auto info = parse_json(read_text(run_dir / "run.json"));
+  info["status"] = "failed";  // as if it had died after its last checkpoint
+  write_text(run_dir / "run.json", info.dump());
+  const fs::path ck = run_dir / "checkpoints";
+  fs::permissions(ck / "step-000120/params.bin", fs::perms::none);
+  // Root reads any file: as root, the commands run as the unprivileged owner of the run.
+  // (A copy of the binary: the build tree may be where that user cannot reach.)
+  std::string as_owner;
+  fs::path program = binary();
+  if (::geteuid() == 0) {
+    REQUIRE(std::system(("chown -R 65534:65534 '" + run_dir.string() + "'").c_str()) == 0);
+    as_owner = "setpriv --reuid=65534 --regid=65534 --clear-groups ";
+    program = tmp / "dptrain";
+    fs::copy_file(binary(), program);
+  }
+  const auto run_as_owner = [&](const std::string& args) {
+    const int status =
+        std::system((as_owner + "'" + program.string() + "' " + args + " > '" +
+                     (tmp / "out").string() + "' 2> '" + (tmp / "err").string() + "'")
+                        .c_str());
+    REQUIRE(WIFEXITED(status));
+    return WEXITSTATUS(status);
+  };
+  CHECK(run_as_owner("resume '" + run_dir.string() + "'") == 1);
+  const std::string err = read_text(tmp / "err");
+  INFO(err, read_text(tmp / "out"));
+  CHECK(err.find((ck / "step-000120").string() +
+                 ": params.bin: cannot read: Permission denied: the checkpoint is out of reach, "
+                 "not damaged") != std::string::npos);
+  // Neither skipped (its steps would be trained again) nor set aside as corrupt.
+  CHECK(read_text(tmp / "out").find("skipping") == std::string::npos);
+  CHECK_FALSE(fs::exists(ck / "step-000120.corrupt"));
+  CHECK(read_text(ck / "latest") == "step-000120\n");
+  CHECK(run_as_owner("ckpt verify '" + run_dir.string() + "'") == 5);
+  CHECK(read_text(tmp / "out").find("step-000120 (latest): UNREADABLE") != std::string::npos);
+  CHECK(read_text(tmp / "out").find("cannot read: Permission denied") != std::string::npos);
+  // Once it can be read, resume continues from it.
+  fs::permissions(ck / "step-000120/params.bin", fs::perms::owner_read | fs::perms::owner_write);
+  CHECK(run_as_owner("resume '" + run_dir.string() + "'") == 0);
+  CHECK(read_text(tmp / "out").find("from step-000120") != std::string::npos);
 }
 
 TEST_CASE("Ctrl-C stops every rank and exits 130") {
