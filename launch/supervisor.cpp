@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cerrno>
 #include <csignal>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <string>
@@ -139,6 +140,31 @@ pid_t spawn(const ProcessSpec& spec, int out_fd) {
   return pid;
 }
 
+// How many processes the kernel's OOM killer has killed since boot (oom_kill in /proc/vmstat,
+// which counts cgroup limits too); -1 when unknown. DPTRAIN_TEST_VMSTAT names another file
+// (tests: an OOM kill cannot be provoked on demand).
+int64_t oom_kills() {
+  const char* other = std::getenv("DPTRAIN_TEST_VMSTAT");
+  std::ifstream in(other != nullptr && *other != '\0' ? other : "/proc/vmstat");
+  std::string key;
+  int64_t value = 0;
+  while (in >> key >> value) {
+    if (key == "oom_kill") return value;
+  }
+  return -1;
+}
+
+// For a process killed by SIGKILL: whether the OOM killer struck since `before` (a count from
+// oom_kills()), as a clause for its failure message; empty when it did not or that is unknown.
+std::string oom_note(int64_t before) {
+  const int64_t now = before < 0 ? -1 : oom_kills();
+  if (now <= before) return {};
+  return fmt::format(
+      "the kernel's OOM killer killed {} since the ranks started (oom_kill in /proc/vmstat): "
+      "likely out of memory; see dmesg, and lower the batch or the ranks per host",
+      now - before == 1 ? std::string("a process") : fmt::format("{} processes", now - before));
+}
+
 std::string signal_name(int sig) {
   const char* abbrev = ::sigabbrev_np(sig);
   return abbrev ? fmt::format("SIG{}", abbrev) : fmt::format("signal {}", sig);
@@ -164,6 +190,7 @@ class Supervision {
   }
 
   SupervisionResult run() {
+    oom_kills_at_start_ = oom_kills();
     start_all();
     SupervisionResult result;
     bool stopping = false;
@@ -381,6 +408,7 @@ class Supervision {
       if (!clean && !stopping_signalled_ && result.stop_signal == 0) {
         ProcessFailure f;
         static_cast<ProcessExit&>(f) = process_exit(*c.spec, c.pid, true, status);
+        if (f.signal == SIGKILL) f.note = oom_note(oom_kills_at_start_);
         consider_failure(f);
       }
       // Whatever a dead rank's children still hold open must not keep us waiting for EOF.
@@ -422,6 +450,8 @@ class Supervision {
 
   static constexpr std::chrono::milliseconds kCauseWindow{1000};
 
+  int64_t oom_kills_at_start_ = -1;
+
   const SupervisorOptions& options_;
   std::vector<Child> children_;
   bool stopping_signalled_ = false;
@@ -443,8 +473,8 @@ std::string ProcessExit::describe() const {
 
 std::string ProcessFailure::describe() const {
   if (signal != 0) {
-    return fmt::format("{} (pid {}) was killed by signal {} ({})", label, pid, signal,
-                       signal_name(signal));
+    return fmt::format("{} (pid {}) was killed by signal {} ({}){}", label, pid, signal,
+                       signal_name(signal), note.empty() ? "" : "; " + note);
   }
   return fmt::format("{} (pid {}) exited with code {}", label, pid, exit_code);
 }

@@ -39,7 +39,10 @@ struct ProcessExit {
 // A process that failed on its own, with its last output lines.
 struct ProcessFailure : ProcessExit {
   std::vector<std::string> last_lines;
-  std::string describe() const;  // "rank 1 (pid 123) was killed by signal 9 (SIGKILL)"
+  // What else is known of the cause: for SIGKILL, that the kernel's OOM killer struck meanwhile.
+  std::string note;
+  // "rank 1 (pid 123) was killed by signal 9 (SIGKILL)", then "; " and the note when there is one
+  std::string describe() const;
 };
 
 struct SupervisionResult {
