@@ -41,7 +41,13 @@ std::string read_plan_line() {
 
 void setup_agent(CLI::App& app, Outcome& outcome) {
   app.callback([&outcome] {
-    const auto plan = AgentPlan::from_json(nlohmann::json::parse(read_plan_line(), nullptr, false));
+    const auto j = nlohmann::json::parse(read_plan_line(), nullptr, false);
+    if (!j.is_object()) {
+      throw Error(ErrorKind::usage,
+                  "the agent's plan on standard input is not a JSON object (the agent is started "
+                  "by 'dptrain launch --hosts', which writes one)");
+    }
+    const auto plan = AgentPlan::from_json(j);
     try {
       outcome.exit_code = run_agent(plan, stdout, STDIN_FILENO);
     } catch (const Error& e) {

@@ -18,6 +18,7 @@
 #include "cli/env.hpp"
 #include "cli/host_options.hpp"
 #include "cli/json_errors.hpp"
+#include "cli/run_report.hpp"
 #include "core/bench/comm_bench.hpp"
 #include "core/comm/auth.hpp"
 #include "core/comm/gloo_communicator.hpp"
@@ -405,6 +406,7 @@ void setup_bench_comm(CLI::App& app, Outcome& outcome) {
       "--min-busbw", o->min_busbw,
       "Exit 6 when a collective's busbw at its largest size is below this many GB/s");
   app.add_option("--timeout", o->timeout_s, "Seconds for the rendezvous and for each collective")
+      ->check(seconds())
       ->capture_default_str();
   app.add_option("--run-dir", o->run_dir,
                  "Run directory for the ranks' logs and the result (default: "

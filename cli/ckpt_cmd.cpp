@@ -267,16 +267,13 @@ int run_list(const CkptOptions& o) {
   return 0;
 }
 
+// Empty when there is none (a failed verification, reported with the others' results).
 std::vector<fs::path> checkpoints_to_verify(const CheckedRun& run, const CkptOptions& o,
                                             const fs::path& latest) {
   if (!o.step.empty()) return {checkpoint_named(run.checkpoints(), o.step)};
   // Set-aside checkpoints are known to be damaged and never used again: --all leaves them out.
   const auto live = list_checkpoints(run.checkpoints());
-  if (live.empty()) {
-    throw Error(ErrorKind::checkpoint, fmt::format("{}: no checkpoints to verify{}",
-                                                   run.checkpoints().string(), run.elsewhere));
-  }
-  if (o.all) return live;
+  if (live.empty() || o.all) return live;
   std::error_code ec;
   if (!latest.empty() && fs::is_directory(latest, ec)) return {latest};
   return {live.front()};
@@ -288,11 +285,16 @@ int run_verify(const CkptOptions& o) {
   install_stop_signal_handlers();
   const CheckedRun run = open_run(o.run_dir);
   const LatestStatus latest = check_latest(run.checkpoints());
-  const auto rows = inspect_all(checkpoints_to_verify(run, o, followable(latest)),
-                                followable(latest), [] { return pending_stop_signal() != 0; });
+  const auto dirs = checkpoints_to_verify(run, o, followable(latest));
+  const auto rows =
+      inspect_all(dirs, followable(latest), [] { return pending_stop_signal() != 0; });
   // `latest` is part of what is verified unless a STEP names the checkpoint to check.
   const bool check_latest_too = o.step.empty();
   std::vector<std::string> errors;
+  if (dirs.empty()) {
+    errors.push_back(
+        fmt::format("{}: no checkpoints to verify{}", run.checkpoints().string(), run.elsewhere));
+  }
   for (const auto& row : rows) {
     for (const auto& problem : row.status.problems())
       errors.push_back(fmt::format("{}/{}", row.status.dir.string(), problem));

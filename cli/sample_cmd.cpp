@@ -228,7 +228,6 @@ void setup_sample(CLI::App& app, Outcome& outcome) {
       ->check(whole_number<int64_t>(""));
   app.add_option("--seed", o->seed, "Seed of the sampling: the same seed, the same text")
       ->capture_default_str()
-      ->check(non_negative_number())
       ->check(whole_number<uint64_t>(""));
   app.add_option("--checkpoint", o->checkpoint,
                  "Checkpoint: a directory, or one of the run's by name (step-000200) or step "

@@ -133,8 +133,9 @@ std::vector<std::string> unreachable_faults(const std::vector<Fault>& faults, in
       }
     } else if (f.step < 0 || f.step >= steps) {
       // Faults fire before a step, when `step` steps are done.
-      out.push_back(fmt::format("DPTRAIN_FAULT '{}' never fires: the run's steps start at 0 to {}",
-                                f.text, steps - 1));
+      out.push_back(
+          fmt::format("DPTRAIN_FAULT '{}' never fires: step {} is past the run's steps (0 to {})",
+                      f.text, f.step, steps - 1));
     }
   }
   return out;

@@ -54,7 +54,7 @@ TEST_CASE("faults that can never fire are named") {
   const auto warnings = unreachable_faults(faults, 40, 2, 10);
   REQUIRE(warnings.size() == 3);
   CHECK(warnings[0] ==
-        "DPTRAIN_FAULT 'crash@step=40' never fires: the run's steps start at 0 to 39");
+        "DPTRAIN_FAULT 'crash@step=40' never fires: step 40 is past the run's steps (0 to 39)");
   CHECK(warnings[1] == "DPTRAIN_FAULT 'exit@step=3,rank=7' never fires: there are ranks 0 to 1");
   CHECK(warnings[2] ==
         "DPTRAIN_FAULT 'crash-in-checkpoint@step=15' fires only if a stop writes a checkpoint "
