@@ -53,7 +53,9 @@ CLI::Validator whole_number(const char* description) {
         const auto [ptr, ec] = std::from_chars(value.data(), end, parsed);
         if (value.empty() || ptr != end ||
             (ec != std::errc() && ec != std::errc::result_out_of_range)) {
-          return "'" + value + "' is not a whole number";
+          return "'" + value +
+                 (value.starts_with('-') ? "' must be a whole number >= 0"
+                                         : "' is not a whole number");
         }
         if (ec == std::errc::result_out_of_range) {
           return fmt::format("'{}' is out of range [0, {}]", value, std::numeric_limits<T>::max());

@@ -264,9 +264,11 @@ void setup_worker(CLI::App& app, Outcome& outcome) {
     try {
       outcome.exit_code = run_worker(*o);
     } catch (const Error& e) {
-      // Name the rank: many ranks' errors end up interleaved in one terminal.
-      throw Error(e.kind(), o->rank >= 0 ? fmt::format("rank {}: {}", o->rank, e.what())
-                                         : std::string(e.what()));
+      // Name the rank: many ranks' errors end up interleaved in one terminal. Some name it
+      // themselves (the trainer's, for a launcher that reads only that line).
+      const std::string own = fmt::format("rank {}: ", o->rank);
+      const std::string what = e.what();
+      throw Error(e.kind(), o->rank >= 0 && !what.starts_with(own) ? own + what : what);
     }
   });
 }

@@ -28,6 +28,7 @@
 #include "core/json_error.hpp"
 #include "core/model/model.hpp"
 #include "core/optim/optimizer.hpp"
+#include "core/tensor/blas.hpp"
 #include "core/tensor/cpu_ops.hpp"
 #include "core/tensor/device.hpp"
 
@@ -1449,9 +1450,9 @@ void check_runnable(const Recipe& recipe, int world_size, int nominal_world) {
                             recipe.distributed.servers, world_size));
   }
   check_levers(recipe);
-  const DataSplits data = load_data(recipe.data, recipe.model, recipe.seed);
-  DistributedSampler sampler(data.train->size(), global_batch(recipe, world_size, nominal_world),
-                             recipe.seed);
+  // Its size only: synthetic data is not generated here (the ranks do), CSV rows are checked.
+  DistributedSampler sampler(training_samples(recipe.data, recipe.model, recipe.seed),
+                             global_batch(recipe, world_size, nominal_world), recipe.seed);
 }
 
 TrainResult train(const Recipe& recipe, Communicator& comm, const TrainerOptions& options) {

@@ -20,6 +20,10 @@ namespace dptrain {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
+namespace {
+constexpr const char* kBlasThreadsEnv = "OPENBLAS_NUM_THREADS";
+}  // namespace
+
 json AgentPlan::to_json(bool redact_secret) const {
   return {{"host", host},
           {"run_dir", run_dir.string()},
@@ -135,6 +139,13 @@ std::vector<ProcessSpec> worker_specs(const AgentPlan& plan, const fs::path& wor
       p.env.emplace_back("CUDA_VISIBLE_DEVICES", gpu_of_local_rank(local, plan.env));
     }
     if (!plan.secret.empty()) p.env.emplace_back(kStoreSecretEnv, plan.secret);
+    // OpenBLAS makes its thread pool as it loads, one thread per core unless told: a rank uses
+    // the recipe's threads_per_rank of them. One the user sets (here or on the launcher) wins.
+    if (!plan.env.contains(kBlasThreadsEnv) && std::getenv(kBlasThreadsEnv) == nullptr) {
+      const json train =
+          plan.recipe.is_object() ? plan.recipe.value("train", json::object()) : json::object();
+      p.env.emplace_back(kBlasThreadsEnv, std::to_string(train.value("threads_per_rank", 1)));
+    }
     for (const auto& [k, v] : plan.env) {
       // The job's GPU list is where the rank's one GPU came from, above.
       if (!(plan.one_gpu_per_rank && k == "CUDA_VISIBLE_DEVICES")) p.env.emplace_back(k, v);

@@ -134,8 +134,29 @@ TEST_CASE("agent: every variable it sets for a rank is one --env may not change"
   const auto specs = worker_specs(plan, "/bin/dptrain");
   for (const auto& [k, v] : specs.front().env) {
     CAPTURE(k);
-    CHECK((set_for_each_rank(k) || k == "CUDA_VISIBLE_DEVICES"));
+    // The two a job may set itself: its GPU list, and its BLAS threads (defaults only).
+    CHECK((set_for_each_rank(k) || k == "CUDA_VISIBLE_DEVICES" || k == "OPENBLAS_NUM_THREADS"));
   }
+}
+
+TEST_CASE("agent: ranks' OpenBLAS pool is the recipe's threads_per_rank unless the job sets one") {
+  ScopedEnv unset("OPENBLAS_NUM_THREADS", std::nullopt);
+  AgentPlan plan = two_rank_plan();
+  plan.recipe = {{"train", {{"threads_per_rank", 3}}}};
+  const auto threads = [](const ProcessSpec& p) {
+    std::vector<std::string> values;
+    for (const auto& [k, v] : p.env)
+      if (k == "OPENBLAS_NUM_THREADS") values.push_back(v);
+    return values;
+  };
+  CHECK(threads(worker_specs(plan, "/bin/dptrain").front()) == std::vector<std::string>{"3"});
+  plan.recipe = nlohmann::json::object();  // the default
+  CHECK(threads(worker_specs(plan, "/bin/dptrain").front()) == std::vector<std::string>{"1"});
+  plan.env["OPENBLAS_NUM_THREADS"] = "8";  // --env, or forwarded from the launcher's environment
+  CHECK(threads(worker_specs(plan, "/bin/dptrain").front()) == std::vector<std::string>{"8"});
+  plan.env.erase("OPENBLAS_NUM_THREADS");
+  ScopedEnv mine("OPENBLAS_NUM_THREADS", "2");  // this host's own: the ranks inherit it
+  CHECK(threads(worker_specs(plan, "/bin/dptrain").front()).empty());
 }
 
 }  // namespace dptrain

@@ -183,7 +183,7 @@ class Doctor {
     }
     int64_t train_samples = 0;
     try {
-      train_samples = load_data(r.data, r.model, r.seed).train->size();
+      train_samples = training_samples(r.data, r.model, r.seed);
     } catch (const Error& e) {
       return load_fix(r, e.what());
     }

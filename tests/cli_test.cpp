@@ -121,7 +121,7 @@ TEST_CASE("usage errors exit 2") {
   // Unsigned options do not wrap a negative value around.
   auto seed = run_dptrain({"sample", (tmp / "nothing-here").string(), "--seed", "-1"});
   CHECK(seed.exit_code == 2);
-  CHECK_MESSAGE(seed.err.find("'-1' must be a finite number >= 0") != std::string::npos, seed.err);
+  CHECK_MESSAGE(seed.err.find("'-1' must be a whole number >= 0") != std::string::npos, seed.err);
   // A file where a run directory should be is named as such.
   auto file = run_dptrain({"status", (tmp / "afile").string()});
   CHECK(file.exit_code == 2);

@@ -500,6 +500,24 @@ TEST_CASE("a launcher that fails mid-job (too few file descriptors) records the 
   CHECK(s["status"] == "failed");  // not "running", then "stale"
 }
 
+TEST_CASE("under a tight address-space limit (ulimit -v) a launch fails saying so, not hangs") {
+  // OpenBLAS retries a failed allocation of its work buffer for ever: a rank hung in its first
+  // product, and a launcher that had loaded it hung in fork and at exit.
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), small_recipe());
+  const std::string command = "ulimit -v 200000; exec timeout -k 5 120 '" + binary() +
+                              "' launch '" + recipe.string() + "' --nproc 2 --run-dir '" +
+                              (tmp / "run").string() + "' > /dev/null 2> '" +
+                              (tmp / "err").string() + "'";
+  const int status = std::system(("bash -c \"" + command + "\"").c_str());
+  const std::string err = read_text(tmp / "err");
+  INFO(err);
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 3);
+  CHECK(err.find("exited with code 1: out of memory: ") != std::string::npos);
+  CHECK(parse_json(read_text(tmp / "run/run.json"))["status"] == "failed");
+}
+
 TEST_CASE("SIGHUP (the terminal closed) is a stop like SIGTERM: a checkpoint, exit 143") {
   TempDir tmp;
   SlowRun run(write_recipe(tmp.path(), resumable_recipe()), tmp / "run");

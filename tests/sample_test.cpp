@@ -154,7 +154,7 @@ TEST_CASE("sample: numbers out of range are refused, not wrapped; a run without 
     CHECK(r.err.find(says) != std::string::npos);
   };
   refused({"--seed", "18446744073709551616"}, "--seed", "out of range");
-  refused({"--seed", "-1"}, "--seed", "'-1' is not a whole number");
+  refused({"--seed", "-1"}, "--seed", "'-1' must be a whole number >= 0");
   refused({"--seed", "1.5"}, "--seed", "not a whole number");
   refused({"--tokens", "ten"}, "--tokens", "not a whole number");
   refused({"--tokens", "18446744073709551617"}, "--tokens", "out of range");

@@ -1,8 +1,6 @@
 // The CPU op table: OpenBLAS sgemm plus simple vectorizable loops.
 #include "core/tensor/cpu_ops.hpp"
 
-#include <cblas.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -12,6 +10,7 @@
 #include <type_traits>
 
 #include "core/error.hpp"
+#include "core/tensor/blas.hpp"
 #include "core/tensor/half.hpp"
 #include "core/tensor/vector_math.hpp"
 
@@ -33,13 +32,6 @@ void require_same_shape(const char* op, CMat a, CMat b) {
     throw Error(ErrorKind::internal, std::string(op) + ": shapes " + shape(a.rows, a.cols) +
                                          " and " + shape(b.rows, b.cols) + " differ");
   }
-}
-
-blasint blas_dim(int64_t n) {
-  if (n < 0 || n > std::numeric_limits<blasint>::max()) {
-    throw Error(ErrorKind::internal, "gemm: dimension " + std::to_string(n) + " out of range");
-  }
-  return static_cast<blasint>(n);
 }
 
 void require_label(int32_t label, int64_t classes) {
@@ -65,10 +57,8 @@ static void gemm_f32(CMat a, Transpose transpose_a, CMat b, Transpose transpose_
   }
   if (m == 0 || n == 0) return;
   // cblas rejects a leading dimension of 0, which an empty operand would have.
-  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
-              blas_dim(m), blas_dim(n), blas_dim(k), alpha, a.data,
-              blas_dim(std::max<int64_t>(a.cols, 1)), b.data,
-              blas_dim(std::max<int64_t>(b.cols, 1)), beta, c.data, blas_dim(c.cols));
+  blas_sgemm(ta, tb, m, n, k, alpha, a.data, std::max<int64_t>(a.cols, 1), b.data,
+             std::max<int64_t>(b.cols, 1), beta, c.data, c.cols);
 }
 
 static void add_bias_rows_f32(Mat x, const float* bias) {
@@ -357,10 +347,6 @@ void CpuOps::adamw_update(float* params, const float* grads, float* m, float* v,
 void CpuOps::sgd_update(float* params, const float* grads, float* velocity, int64_t n,
                         float momentum, float decay, float rate, bool nesterov) {
   sgd_f32(params, grads, velocity, n, momentum, decay, rate, nesterov);
-}
-
-void set_blas_threads(int threads) {
-  openblas_set_num_threads(std::max(threads, 1));
 }
 
 }  // namespace dptrain

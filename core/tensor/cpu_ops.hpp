@@ -54,7 +54,4 @@ class CpuOps final : public Ops {
                           float* dwpe) override;
 };
 
-// OpenBLAS threads for this process (a rank usually wants few: ranks already share the cores).
-void set_blas_threads(int threads);
-
 }  // namespace dptrain

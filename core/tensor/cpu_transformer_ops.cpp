@@ -1,5 +1,4 @@
 // The CPU op table's transformer ops: LayerNorm, causal multi-head attention, embeddings.
-#include <cblas.h>
 
 #include <algorithm>
 #include <bit>
@@ -11,6 +10,7 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "core/tensor/blas.hpp"
 #include "core/tensor/cpu_ops.hpp"
 #include "core/tensor/vector_math.hpp"
 
@@ -46,13 +46,6 @@ void require_same_shape(const char* op, CMat a, CMat b) {
     shape_error(op,
                 "shapes " + shape(a.rows, a.cols) + " and " + shape(b.rows, b.cols) + " differ");
   }
-}
-
-blasint blas_dim(int64_t n) {
-  if (n < 0 || n > std::numeric_limits<blasint>::max()) {
-    throw Error(ErrorKind::internal, "attention: dimension " + std::to_string(n) + " out of range");
-  }
-  return static_cast<blasint>(n);
 }
 
 // Unaligned loads; the vector travels by reference (returning one by value changes the ABI with
@@ -142,10 +135,9 @@ int64_t block_end(int64_t begin, int64_t seq) {
   return std::min(begin + kAttentionBlock, seq);
 }
 
-void sgemm(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int64_t m, int64_t n, int64_t k, float alpha,
-           const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc) {
-  cblas_sgemm(CblasRowMajor, ta, tb, blas_dim(m), blas_dim(n), blas_dim(k), alpha, a, blas_dim(lda),
-              b, blas_dim(ldb), 0.0f, c, blas_dim(ldc));
+void sgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+           int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc) {
+  blas_sgemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, 0.0f, c, ldc);
 }
 
 // Checks the attention shapes and returns the width.
@@ -324,10 +316,10 @@ static void attention_forward_f32(CMat qkv, int64_t batch, int64_t seq, int64_t 
       for (int64_t begin = 0; begin < seq; begin = block_end(begin, seq)) {
         const int64_t end = block_end(begin, seq);
         // Scores of rows [begin, end) against keys [0, end).
-        sgemm(CblasNoTrans, CblasTrans, end - begin, end, hd, scale, q + begin * ld, ld, k, ld,
-              p + begin * seq, seq);
+        sgemm(false, true, end - begin, end, hd, scale, q + begin * ld, ld, k, ld, p + begin * seq,
+              seq);
         causal_softmax_rows(p, seq, begin, end);
-        sgemm(CblasNoTrans, CblasNoTrans, end - begin, hd, end, 1.0f, p + begin * seq, seq, v, ld,
+        sgemm(false, false, end - begin, hd, end, 1.0f, p + begin * seq, seq, v, ld,
               out_b + begin * width + h * hd, width);
       }
     }
@@ -359,11 +351,11 @@ static void attention_backward_f32(CMat qkv, const float* att, CMat dout, int64_
       const float* p = att + (b * heads + h) * seq * seq;
       for (int64_t begin = 0; begin < seq; begin = block_end(begin, seq)) {
         const int64_t end = block_end(begin, seq);
-        sgemm(CblasNoTrans, CblasTrans, end - begin, end, hd, 1.0f, dy + begin * width, width, v,
-              ld, ds + begin * seq, seq);
+        sgemm(false, true, end - begin, end, hd, 1.0f, dy + begin * width, width, v, ld,
+              ds + begin * seq, seq);
         causal_softmax_backward_rows(p, ds, seq, begin, end, scale);
         // dq[t] = sum_{s <= t} dS[t, s] k_s.
-        sgemm(CblasNoTrans, CblasNoTrans, end - begin, hd, end, 1.0f, ds + begin * seq, seq, k, ld,
+        sgemm(false, false, end - begin, hd, end, 1.0f, ds + begin * seq, seq, k, ld,
               dq + begin * ld, ld);
       }
       // dk[s] = sum_{t >= s} dS[t, s] q_t and dv[s] = sum_{t >= s} P[t, s] dout_t: column block
@@ -372,9 +364,9 @@ static void attention_backward_f32(CMat qkv, const float* att, CMat dout, int64_
       for (int64_t begin = 0; begin < seq; begin = block_end(begin, seq)) {
         const int64_t end = block_end(begin, seq);
         const int64_t rows = seq - begin;
-        sgemm(CblasTrans, CblasNoTrans, end - begin, hd, rows, 1.0f, ds + begin * seq + begin, seq,
+        sgemm(true, false, end - begin, hd, rows, 1.0f, ds + begin * seq + begin, seq,
               q + begin * ld, ld, dk + begin * ld, ld);
-        sgemm(CblasTrans, CblasNoTrans, end - begin, hd, rows, 1.0f, p + begin * seq + begin, seq,
+        sgemm(true, false, end - begin, hd, rows, 1.0f, p + begin * seq + begin, seq,
               dy + begin * width, width, dv + begin * ld, ld);
       }
     }

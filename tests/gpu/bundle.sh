@@ -16,15 +16,19 @@ mkdir -p "$out/bin" "$out/lib" "$out/lib-cxx"
 for bin in dptrain gpu_tests; do
   strip -o "$out/bin/$bin" "$build/$bin"
 done
-# Every library either binary loads, less the C runtime (the GPU machine's own is newer) and
-# the GPU stack (too large to carry, and there already).
+# Every library either binary loads, and OpenBLAS (opened with dlopen, so ldd does not list it)
+# with what it loads, less the C runtime (the GPU machine's own is newer) and the GPU stack (too
+# large to carry, and there already).
+openblas=$(ldconfig -p | awk '$1 == "libopenblas.so.0" && /x86-64/ {print $NF; exit}')
+[[ -n $openblas ]] || { echo "bundle.sh: libopenblas.so.0 is missing here" >&2; exit 1; }
+cp -L "$openblas" "$out/lib/libopenblas.so.0"
 skip='^(linux-vdso|ld-linux|libc\.|libm\.|libdl\.|libpthread\.|librt\.|libresolv\.|libcuda\.|libcublas|libcublasLt|libnccl|libcudart)'
-ldd "$out/bin/dptrain" "$out/bin/gpu_tests" | awk '/=> \// {print $1, $3}' | sort -u |
+ldd "$out/bin/dptrain" "$out/bin/gpu_tests" "$openblas" | awk '/=> \// {print $1, $3}' | sort -u |
   while read -r name path; do
     if [[ $name =~ ^(libstdc\+\+|libgcc_s)\. ]]; then cp -L "$path" "$out/lib-cxx/$name"  # fallback only: needs glibc 2.36
     elif [[ ! $name =~ $skip ]]; then cp -L "$path" "$out/lib/$name"; fi
   done
-if ldd "$out/bin/dptrain" "$out/bin/gpu_tests" | grep -v -E 'libcublas' | grep -q 'not found'; then
+if ldd "$out/bin/dptrain" "$out/bin/gpu_tests" "$openblas" | grep -v -E 'libcublas' | grep -q 'not found'; then
   echo "bundle.sh: a library is missing here" >&2; exit 1
 fi
 tar -C "$(dirname "$out")" -cJf "$out.tar.xz" "$(basename "$out")"

@@ -79,8 +79,11 @@ nccl=$(for d in ${extra//:/ }; do [[ -e $d/libnccl.so.2 ]] && echo "$d/libnccl.s
 [[ -n $nccl && -z ${DPTRAIN_NCCL_LIBRARY:-} ]] && export DPTRAIN_NCCL_LIBRARY=$nccl
 # cuBLASLt is loaded with dlopen (ldd does not list it): which copy the library path offers.
 cublaslt=$(for d in ${LD_LIBRARY_PATH//:/ }; do [[ -e $d/libcublasLt.so.13 ]] && echo "$d/libcublasLt.so.13"; done | head -1)
+# So is OpenBLAS, for the CPU reference.
+openblas=$(for d in ${LD_LIBRARY_PATH//:/ }; do [[ -e $d/libopenblas.so.0 ]] && echo "$d/libopenblas.so.0"; done | head -1)
 { echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"; echo "DPTRAIN_NCCL_LIBRARY=${DPTRAIN_NCCL_LIBRARY:-}"
   echo "cuBLASLt=${cublaslt:-not on LD_LIBRARY_PATH (the loader's cache or the binary's RUNPATH may have it)}"
+  echo "OpenBLAS=${openblas:-not on LD_LIBRARY_PATH (then from the loader cache, if there)}"
   ldd "$bin/dptrain" "$bin/gpu_tests"; } >"$out/libs.txt" 2>&1
 if grep -q 'not found' "$out/libs.txt"; then echo "run.sh: libraries missing (see libs.txt):" >&2; grep 'not found' "$out/libs.txt" | sort -u >&2; fi
 export DPTRAIN_TEST_BINARY=$bin/dptrain DPTRAIN_TEST_SOURCE_DIR=$here

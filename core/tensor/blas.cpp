@@ -1,0 +1,93 @@
+// OpenBLAS through dlopen: see blas.hpp.
+#include "core/tensor/blas.hpp"
+
+#include <cblas.h>  // the types and constants; nothing of it is linked
+
+#include <sys/mman.h>
+#include <sys/resource.h>
+
+#include <limits>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "core/dynamic_library.hpp"
+#include "core/error.hpp"
+
+namespace dptrain {
+
+namespace {
+
+struct OpenBlas {
+  DynamicLibrary library{kOpenBlasLibrary};
+  decltype(&cblas_sgemm) sgemm = nullptr;
+  decltype(&openblas_set_num_threads) set_num_threads = nullptr;
+  OpenBlas() {
+    library.bind("cblas_sgemm", sgemm);
+    library.bind("openblas_set_num_threads", set_num_threads);
+  }
+};
+
+// OpenBLAS allocates a work buffer of about 128 MiB at its first product (and keeps it), and
+// when that fails (an address-space limit, ulimit -v) it retries for ever: the rank would hang.
+// So, once: whether one fits is tried (mapped and unmapped, never touched), and at once a first
+// product (large enough not to take OpenBLAS's small-matrix path) makes OpenBLAS take its buffer,
+// before anything else can use up the room. Later allocations that fail are then ours, which
+// fail cleanly. The problem, or empty.
+std::string take_work_buffer(const OpenBlas& blas) {
+  constexpr int kSide = 128;
+  std::vector<float> operand(kSide * kSide, 0.0f), product(kSide * kSide);
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_AS, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY) {
+    constexpr size_t kWorkBuffer = size_t{136} << 20;
+    void* probe = ::mmap(nullptr, kWorkBuffer, PROT_READ | PROT_WRITE,
+                         MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (probe == MAP_FAILED) {
+      return fmt::format(
+          "out of memory: OpenBLAS's work buffer (about 128 MiB) does not fit under this "
+          "process's address-space limit (ulimit -v {} KiB): raise the limit",
+          limit.rlim_cur / 1024);
+    }
+    ::munmap(probe, kWorkBuffer);
+  }
+  blas.sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, kSide, kSide, kSide, 1.0f, operand.data(),
+             kSide, operand.data(), kSide, 0.0f, product.data(), kSide);
+  return {};
+}
+
+const OpenBlas& openblas() {
+  static const OpenBlas blas;
+  if (const std::string problem = blas.library.problem(); !problem.empty()) {
+    throw Error(ErrorKind::internal,
+                fmt::format("{} (dptrain computes on the CPU with OpenBLAS: install its runtime, "
+                            "Debian's libopenblas0)",
+                            problem));
+  }
+  static const std::string no_room = take_work_buffer(blas);
+  if (!no_room.empty()) throw Error(ErrorKind::internal, no_room);
+  return blas;
+}
+
+blasint blas_dim(int64_t n) {
+  if (n < 0 || n > std::numeric_limits<blasint>::max()) {
+    throw Error(ErrorKind::internal, fmt::format("gemm: dimension {} out of range", n));
+  }
+  return static_cast<blasint>(n);
+}
+
+}  // namespace
+
+void blas_sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
+                int64_t ldc) {
+  openblas().sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
+                   trans_b ? CblasTrans : CblasNoTrans, blas_dim(m), blas_dim(n), blas_dim(k),
+                   alpha, a, blas_dim(lda), b, blas_dim(ldb), beta, c, blas_dim(ldc));
+}
+
+void set_blas_threads(int threads) {
+  openblas().set_num_threads(threads < 1 ? 1 : threads);
+}
+
+}  // namespace dptrain
