@@ -3,6 +3,7 @@
 #include <cctype>
 #include <csignal>
 #include <cstdio>
+#include <filesystem>
 #include <new>
 #include <string>
 #include <string_view>
@@ -14,6 +15,7 @@
 #include "cli/commands.hpp"
 #include "cli/json_errors.hpp"
 #include "core/error.hpp"
+#include "core/fs.hpp"
 #include "core/json_error.hpp"
 #include "core/suggest.hpp"
 
@@ -163,6 +165,18 @@ int main(int argc, char** argv) {
     const int code = dptrain::exit_code(e.kind());
     print_error(e.what(), code, dptrain::cli::failure_status(e.kind()), outcome.json);
     return code;
+  } catch (const std::filesystem::filesystem_error& e) {
+    // Not a bug: a path that cannot be used ("runs/x: cannot make absolute path: No such file or
+    // directory"), without the library's "filesystem error: " and "[path]".
+    std::string what = e.what();
+    if (what.starts_with("filesystem error: ")) what.erase(0, 18);
+    if (const auto bracket = what.find(" ["); bracket != std::string::npos) what.erase(bracket);
+    const std::string path = e.path1().string();
+    print_error(path.empty()
+                    ? what
+                    : fmt::format("{}: {}{}", path, what, dptrain::cwd_gone_note(e.path1())),
+                1, "error", outcome.json);
+    return 1;
   } catch (const std::bad_alloc&) {
     // Not a bug: the machine (or its limits) has less memory than the job asked for.
     print_error(

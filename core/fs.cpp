@@ -8,6 +8,7 @@
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <system_error>
 
 #include <fmt/format.h>
 
@@ -128,6 +129,14 @@ std::string human_size(uint64_t bytes) {
     unit = next;
   }
   return fmt::format("{:.1f} {}", size, unit);
+}
+
+std::string cwd_gone_note(const std::filesystem::path& path) {
+  if (path.is_absolute()) return {};
+  std::error_code ec;
+  [[maybe_unused]] const auto cwd = std::filesystem::current_path(ec);
+  return ec == std::errc::no_such_file_or_directory ? " (the current directory no longer exists)"
+                                                    : "";
 }
 
 }  // namespace dptrain

@@ -27,4 +27,8 @@ uint64_t size_on_disk(const std::filesystem::path& dir);
 // "512 B", "3.4 MiB", "1.2 GiB": binary units, one decimal above bytes.
 std::string human_size(uint64_t bytes);
 
+// " (the current directory no longer exists)" when `path` is relative and the process's current
+// directory has been deleted (what an ENOENT for a relative path then means); "" otherwise.
+std::string cwd_gone_note(const std::filesystem::path& path);
+
 }  // namespace dptrain

@@ -37,8 +37,8 @@ void make_layout(const fs::path& dir) {
   fs::create_directories(dir / "logs", ec);
   if (!ec) fs::create_directories(dir / "checkpoints", ec);
   if (ec) {
-    throw Error(ErrorKind::usage,
-                fmt::format("{}: cannot create run directory: {}", dir.string(), ec.message()));
+    throw Error(ErrorKind::usage, fmt::format("{}: cannot create run directory: {}{}", dir.string(),
+                                              ec.message(), cwd_gone_note(dir)));
   }
 }
 
@@ -171,8 +171,11 @@ RunDirectory RunDirectory::create(const fs::path& dir, const fs::path& runs_root
       if (fs::create_directory(path, ec)) break;
     }
     if (ec) {
+      // The runs root itself may be what could not be made.
+      const fs::path where = path.empty() ? (runs_root.empty() ? base : runs_root) : path;
       throw Error(ErrorKind::usage,
-                  fmt::format("{}: cannot create run directory: {}", path.string(), ec.message()));
+                  fmt::format("{}: cannot create run directory: {}{}", where.string(), ec.message(),
+                              cwd_gone_note(where)));
     }
   } else {
     holds_run(path);

@@ -1,8 +1,12 @@
 // The command line itself: help, version, recipe validate/show, bad input and exit codes.
 #include <doctest/doctest.h>
 
+#include <sys/wait.h>
+
 #include <algorithm>
 #include <array>
+#include <cstdlib>
+#include <utility>
 #include <vector>
 
 #include "tests/harness.hpp"
@@ -160,6 +164,31 @@ TEST_CASE("a run.json that is a directory or not JSON is named plainly, without 
     for (const auto& err : {dir.err, cut.err, empty.err})
       CHECK(err.find("json.exception") == std::string::npos);
   }
+}
+
+TEST_CASE("a current directory that was deleted is named as the cause of a relative path's error") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), small_recipe());
+  const fs::path gone = tmp / "gone";
+  const auto in_deleted_cwd = [&](const std::string& args) {
+    fs::create_directory(gone);
+    const std::string command = "cd '" + gone.string() + "' && rmdir '" + gone.string() +
+                                "' && exec '" + binary() + "' " + args + " 2> '" +
+                                (tmp / "err").string() + "' > /dev/null";
+    const int status = std::system(("bash -c \"" + command + "\"").c_str());
+    REQUIRE(WIFEXITED(status));
+    return std::make_pair(WEXITSTATUS(status), read_text(tmp / "err"));
+  };
+  const auto [status_code, status_err] = in_deleted_cwd("status runs/x");
+  CHECK(status_code == 1);
+  CHECK(status_err ==
+        "dptrain: error: runs/x: cannot make absolute path: No such file or directory (the current "
+        "directory no longer exists)\n");
+  const auto [launch_code, launch_err] = in_deleted_cwd("launch '" + recipe.string() + "'");
+  CHECK(launch_code == 2);
+  CHECK(launch_err ==
+        "dptrain: error: runs: cannot create run directory: No such file or "
+        "directory (the current directory no longer exists)\n");
 }
 
 TEST_CASE("recipe validate: a number beyond a double is invalid JSON, exit 2, in JSON too") {
