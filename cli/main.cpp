@@ -171,7 +171,8 @@ int main(int argc, char** argv) {
     std::string what = e.what();
     if (what.starts_with("filesystem error: ")) what.erase(0, 18);
     if (const auto bracket = what.find(" ["); bracket != std::string::npos) what.erase(bracket);
-    const std::string path = e.path1().string();
+    std::string path = e.path1().string();
+    if (!e.path2().empty()) path += " -> " + e.path2().string();
     print_error(path.empty()
                     ? what
                     : fmt::format("{}: {}{}", path, what, dptrain::cwd_gone_note(e.path1())),

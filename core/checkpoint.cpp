@@ -532,7 +532,13 @@ std::vector<fs::path> list_checkpoints(const fs::path& checkpoints_dir, SetAside
   };
   std::vector<Found> found;
   std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(checkpoints_dir, ec)) {
+  fs::directory_iterator entries(checkpoints_dir, ec);
+  // Missing is "none yet"; out of reach (a permission) is not: starting over would lose them.
+  if (ec && ec != std::errc::no_such_file_or_directory && ec != std::errc::not_a_directory) {
+    throw Error(ErrorKind::checkpoint, fmt::format("{}: cannot list the checkpoints: {}",
+                                                   checkpoints_dir.string(), ec.message()));
+  }
+  for (const auto& entry : entries) {
     const bool aside = is_set_aside(entry.path());
     if (aside && set_aside == SetAside::exclude) continue;
     const int64_t step = checkpoint_step(entry.path());
@@ -622,8 +628,8 @@ LatestStatus check_latest(const fs::path& checkpoints_dir) {
   return out;
 }
 
-fs::path find_valid_checkpoint(const fs::path& checkpoints_dir,
-                               const std::function<void(const std::string&)>& warn) {
+std::optional<fs::path> try_find_valid_checkpoint(
+    const fs::path& checkpoints_dir, const std::function<void(const std::string&)>& warn) {
   std::vector<fs::path> candidates;
   try {
     if (fs::path latest = latest_checkpoint(checkpoints_dir); !latest.empty()) {
@@ -646,13 +652,19 @@ fs::path find_valid_checkpoint(const fs::path& checkpoints_dir,
     const std::string problems = fmt::format("{}", fmt::join(checked.problems(), "; "));
     if (checked.denied()) {
       // Not damage: skipping it would throw away its steps, and resume would set it aside.
-      throw Error(ErrorKind::io,
+      throw Error(ErrorKind::checkpoint,
                   fmt::format("{}: {}: the checkpoint is out of reach, not damaged; give dptrain "
                               "read access to it (or move it away) and try again",
                               dir.string(), problems));
     }
     warn(fmt::format("skipping checkpoint {}: {}", dir.filename().string(), problems));
   }
+  return std::nullopt;
+}
+
+fs::path find_valid_checkpoint(const fs::path& checkpoints_dir,
+                               const std::function<void(const std::string&)>& warn) {
+  if (auto found = try_find_valid_checkpoint(checkpoints_dir, warn)) return std::move(*found);
   throw Error(ErrorKind::checkpoint,
               fmt::format("{}: no valid checkpoint to resume from", checkpoints_dir.string()));
 }

@@ -120,7 +120,8 @@ CheckpointData read_checkpoint(const std::filesystem::path& dir);
 // Whether list_checkpoints also returns the step-N.corrupt directories that resume set aside.
 enum class SetAside { exclude, include };
 
-// step-* directories, newest first (a set-aside one after a live one of the same step).
+// step-* directories, newest first (a set-aside one after a live one of the same step); none when
+// the directory does not exist. Error(checkpoint) when it cannot be read (a permission).
 std::vector<std::filesystem::path> list_checkpoints(const std::filesystem::path& checkpoints_dir,
                                                     SetAside set_aside = SetAside::exclude);
 
@@ -149,10 +150,14 @@ struct LatestStatus {
 // Never throws; no `latest` at all is not a problem (a run before its first checkpoint).
 LatestStatus check_latest(const std::filesystem::path& checkpoints_dir);
 
-// The newest checkpoint that verifies, trying `latest` first, then every step-* newest first.
-// Each skipped one is reported through `warn`. Error(checkpoint) if none is valid; Error(io)
-// when one newer than any valid one is out of reach (a permission: skipping it would lose its
-// steps).
+// The newest checkpoint that verifies, trying `latest` first, then every step-* newest first;
+// none when none does. Each skipped one is reported through `warn`. Error(checkpoint) when one
+// newer than any valid one is out of reach (a permission): skipping it would lose its steps,
+// which is not what "no checkpoint" (start over) means.
+std::optional<std::filesystem::path> try_find_valid_checkpoint(
+    const std::filesystem::path& checkpoints_dir,
+    const std::function<void(const std::string&)>& warn);
+// The same, with Error(checkpoint) "no valid checkpoint to resume from" when none is valid.
 std::filesystem::path find_valid_checkpoint(const std::filesystem::path& checkpoints_dir,
                                             const std::function<void(const std::string&)>& warn);
 

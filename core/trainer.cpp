@@ -154,8 +154,11 @@ class TrainingRun {
         idx_(static_cast<size_t>(micro_batch_)),
         x_(static_cast<size_t>(micro_batch_ * data_.train->features())),
         y_(static_cast<size_t>(micro_batch_ * data_.train->labels_per_sample())) {
-    // A fixed BLAS thread count keeps summation order, and so results, reproducible.
-    set_blas_threads(static_cast<int>(recipe.train.threads_per_rank));
+    // A fixed BLAS thread count keeps summation order, and so results, reproducible. A GPU rank
+    // does not load OpenBLAS for it (nor at all, unless something multiplies on the CPU).
+    if (recipe.train.device == "cpu") {
+      set_blas_threads(static_cast<int>(recipe.train.threads_per_rank));
+    }
     if (shards_ > 1) {
       // The padding past the last parameter stays zero: reduce-scatter and all-gather move it.
       ops_->fill_zero(params_buffer_.data(), padded_ * sizeof(float));
@@ -542,15 +545,13 @@ class TrainingRun {
     fs::path mine;
     int64_t my_step = -1;
     if (writes_checkpoints()) {
-      try {
-        mine =
-            find_valid_checkpoint(options_.run_dir / "checkpoints", [this](const std::string& w) {
-              emit({{"event", "info"}, {"message", "warning: " + w}});
-            });
+      // None on this node is not an error (another may hold one); one out of reach is.
+      if (auto found = try_find_valid_checkpoint(
+              options_.run_dir / "checkpoints", [this](const std::string& w) {
+                emit({{"event", "info"}, {"message", "warning: " + w}});
+              })) {
+        mine = std::move(*found);
         my_step = checkpoint_step(mine);
-      } catch (const Error& e) {
-        // None on this node; one out of reach (Error(io)) is not "none".
-        if (e.kind() != ErrorKind::checkpoint) throw;
       }
     }
     std::vector<int64_t> steps(static_cast<size_t>(world_));

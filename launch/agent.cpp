@@ -21,7 +21,23 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 namespace {
+
 constexpr const char* kBlasThreadsEnv = "OPENBLAS_NUM_THREADS";
+
+// Whether the job's variables or this process's environment size OpenBLAS's pool (an empty
+// value counts as unset, as OpenBLAS takes it).
+bool blas_threads_given(const std::map<std::string, std::string>& job_env) {
+  for (const char* name : {kBlasThreadsEnv, "GOTO_NUM_THREADS", "OMP_NUM_THREADS"}) {
+    const auto in_job = job_env.find(name);
+    const char* here = std::getenv(name);
+    if ((in_job != job_env.end() && !in_job->second.empty()) ||
+        (here != nullptr && *here != '\0')) {
+      return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace
 
 json AgentPlan::to_json(bool redact_secret) const {
@@ -140,8 +156,9 @@ std::vector<ProcessSpec> worker_specs(const AgentPlan& plan, const fs::path& wor
     }
     if (!plan.secret.empty()) p.env.emplace_back(kStoreSecretEnv, plan.secret);
     // OpenBLAS makes its thread pool as it loads, one thread per core unless told: a rank uses
-    // the recipe's threads_per_rank of them. One the user sets (here or on the launcher) wins.
-    if (!plan.env.contains(kBlasThreadsEnv) && std::getenv(kBlasThreadsEnv) == nullptr) {
+    // the recipe's threads_per_rank of them. A count the user gives (here or on the launcher,
+    // in any of the variables OpenBLAS reads) wins.
+    if (!blas_threads_given(plan.env)) {
       const json train =
           plan.recipe.is_object() ? plan.recipe.value("train", json::object()) : json::object();
       p.env.emplace_back(kBlasThreadsEnv, std::to_string(train.value("threads_per_rank", 1)));

@@ -214,13 +214,16 @@ class RemoteRankLogs {
 };
 
 // The newest checkpoint in this run directory that verifies (nothing is set aside or changed),
-// or nothing.
-std::optional<std::string> newest_valid_checkpoint(const RunDirectory& run) {
+// or nothing; `unreachable` says why when a newer one is out of reach (a permission).
+std::optional<std::string> newest_valid_checkpoint(const RunDirectory& run,
+                                                   std::string& unreachable) {
   try {
-    return find_valid_checkpoint(run.checkpoints(), [](const std::string&) {}).filename().string();
-  } catch (const std::exception&) {
-    return std::nullopt;
+    const auto found = try_find_valid_checkpoint(run.checkpoints(), [](const std::string&) {});
+    if (found) return found->filename().string();
+  } catch (const Error& e) {
+    unreachable = e.what();
   }
+  return std::nullopt;
 }
 
 // What the ranks left in the generation's store: the furthest step any rank's heartbeat reached
@@ -696,7 +699,8 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     return report == agent_failures.end() ? nullptr : &report->second;
   };
   std::optional<std::string> newest;
-  if (trains && !rank0_remote && !sup.ok()) newest = newest_valid_checkpoint(run);
+  std::string unreachable;
+  if (trains && !rank0_remote && !sup.ok()) newest = newest_valid_checkpoint(run, unreachable);
   if (newest) out.last_checkpoint = *newest;
   const auto checkpoint_note = [&]() -> std::string {
     if (!trains) return "";
@@ -708,6 +712,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
                                recorded.value("host", std::string()))
                  : std::string("; no checkpoint was recorded: a resume starts from step 0");
     }
+    if (!unreachable.empty()) return "; " + unreachable;
     return newest
                ? fmt::format("; the newest checkpoint is {}: a resume continues from it", *newest)
                : std::string("; no checkpoint exists: a resume starts from step 0");

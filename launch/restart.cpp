@@ -144,19 +144,16 @@ fs::path newest_local_checkpoint(RunDirectory& run, const JobSpec& spec, StatusP
                                  std::string& name) {
   name = "the newest checkpoint on the nodes";
   if (!rank0_local(spec)) return {};
-  try {
-    fs::path from = find_valid_checkpoint(
-        run.checkpoints(), [&status](const std::string& w) { status.line("warning: " + w); });
-    name = from.filename().string();
-    return from;
-  } catch (const Error& e) {
-    // One out of reach (Error(io)) is not "none": starting over would lose its steps.
-    if (e.kind() != ErrorKind::checkpoint) throw;
-    name = "step 0";
-    std::error_code ignored;
-    fs::remove(run.path() / "metrics.jsonl", ignored);
-    return {};
+  // One out of reach (a permission) is an error, not "none": starting over would lose its steps.
+  if (auto from = try_find_valid_checkpoint(
+          run.checkpoints(), [&status](const std::string& w) { status.line("warning: " + w); })) {
+    name = from->filename().string();
+    return std::move(*from);
   }
+  name = "step 0";
+  std::error_code ignored;
+  fs::remove(run.path() / "metrics.jsonl", ignored);
+  return {};
 }
 
 // Too few hosts or ranks are left for the next generation.

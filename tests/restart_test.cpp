@@ -425,10 +425,13 @@ TEST_CASE("an elastic job left below its minimum records no restart it does not 
   const fs::path events_file = tmp / "events.jsonl";
   // 3 ranks, then 2 after the first SIGKILL (a real restart), then 1 would be below 2: no
   // second restart.
+  // The kernel's OOM kill count as the launcher reads it: unchanged (the machine's own may move).
+  write_text(tmp / "vmstat", "oom_kill 3\n");
   const auto r = run_dptrain(
       {"launch", recipe.string(), "--nproc", "2:3", "--run-dir", (tmp / "floor").string(),
        "--max-restarts", "3", "--restart-backoff", "0.1", "--events", events_file.string()},
-      {{"DPTRAIN_FAULT", "crash@step=30,rank=1"}});
+      {{"DPTRAIN_FAULT", "crash@step=30,rank=1"},
+       {"DPTRAIN_TEST_VMSTAT", (tmp / "vmstat").string()}});
   INFO(r.err, r.out);
   CHECK(r.exit_code == 3);
   CHECK(r.out.find("restart 1/3") != std::string::npos);

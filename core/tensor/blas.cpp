@@ -6,6 +6,7 @@
 #include <sys/mman.h>
 #include <sys/resource.h>
 
+#include <atomic>
 #include <limits>
 #include <string>
 #include <vector>
@@ -56,16 +57,23 @@ std::string take_work_buffer(const OpenBlas& blas) {
   return {};
 }
 
+// The thread count set_blas_threads asked for (0: none yet), applied as the library loads.
+std::atomic<int> g_threads{0};
+
 const OpenBlas& openblas() {
   static const OpenBlas blas;
   if (const std::string problem = blas.library.problem(); !problem.empty()) {
-    throw Error(ErrorKind::internal,
+    throw Error(ErrorKind::io,
                 fmt::format("{} (dptrain computes on the CPU with OpenBLAS: install its runtime, "
                             "Debian's libopenblas0)",
                             problem));
   }
-  static const std::string no_room = take_work_buffer(blas);
-  if (!no_room.empty()) throw Error(ErrorKind::internal, no_room);
+  static const std::string no_room = [] {
+    // The products' threads are the ones asked for from the first on.
+    if (const int threads = g_threads.load(); threads > 0) blas.set_num_threads(threads);
+    return take_work_buffer(blas);
+  }();
+  if (!no_room.empty()) throw Error(ErrorKind::io, no_room);
   return blas;
 }
 
@@ -87,7 +95,8 @@ void blas_sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, flo
 }
 
 void set_blas_threads(int threads) {
-  openblas().set_num_threads(threads < 1 ? 1 : threads);
+  g_threads = threads < 1 ? 1 : threads;
+  openblas().set_num_threads(g_threads.load());
 }
 
 }  // namespace dptrain
