@@ -344,10 +344,19 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
     }
     run.info().erase("pending_restart");
     if (sig != 0) return finish(stopped_waiting(run, outcome, sig));
+    std::string from_name;
+    fs::path from;
+    try {
+      from = newest_local_checkpoint(run, spec, status, from_name);
+    } catch (const Error& e) {
+      // The newest checkpoint is out of reach: the generation's failure stays the message's
+      // first line, and why there is no restart follows it.
+      outcome.error += fmt::format("\n  (not restarted: {})", e.what());
+      outcome.exit_code = exit_code(e.kind());
+      return finish(outcome);
+    }
     restarts = attempt;
     const int number = numbered_before + restarts;
-    std::string from_name;
-    const fs::path from = newest_local_checkpoint(run, spec, status, from_name);
     status.line(fmt::format("restart {}/{} after {:.1f}s from {}: {}", restarts,
                             policy.max_restarts, static_cast<double>(backoff.count()) / 1000.0,
                             from_name, cause));

@@ -226,6 +226,49 @@ TEST_CASE("a newest checkpoint out of reach (a permission) stops resume: nothing
   CHECK(read_text(run_dir / "metrics.jsonl") == metrics);
 }
 
+TEST_CASE("a restart that meets its checkpoint out of reach stops, keeping the failure's cause") {
+  if (::geteuid() == 0 && std::system("command -v setpriv > /dev/null") != 0) {
+    MESSAGE("skipped: running as root without setpriv, a permission cannot be denied");
+    return;
+  }
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  const fs::path run_dir = tmp / "run";
+  // Root reads any file: the launcher runs as an unprivileged owner of the run (a copy of the
+  // binary: the build tree may be out of its reach).
+  std::string as_owner;
+  fs::path program = binary();
+  if (::geteuid() == 0) {
+    fs::create_directory(run_dir);
+    REQUIRE(::chown(run_dir.c_str(), 65534, 65534) == 0);
+    as_owner = "setpriv --reuid=65534 --regid=65534 --clear-groups ";
+    program = tmp / "dptrain";
+    fs::copy_file(binary(), program);
+  }
+  const std::string command =
+      as_owner + "env DPTRAIN_DEBUG_STEP_DELAY_MS=200 DPTRAIN_FAULT=crash@step=25,rank=1 '" +
+      program.string() + "' launch '" + recipe.string() + "' --nproc 2 --run-dir '" +
+      run_dir.string() + "' --max-restarts 2 --restart-backoff 0.1 > /dev/null 2> '" +
+      (tmp / "err").string() + "'";
+  int status = -1;
+  std::thread launcher([&] { status = std::system(command.c_str()); });
+  // Checkpoint 20 is the one the restart would take; it goes out of reach before the crash at 25.
+  const fs::path params = run_dir / "checkpoints/step-000020/params.bin";
+  const bool written = eventually([&] { return fs::exists(run_dir / "checkpoints/latest"); });
+  if (written) fs::permissions(params, fs::perms::none);
+  launcher.join();
+  REQUIRE(written);
+  const std::string err = read_text(tmp / "err");
+  INFO(err);
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 5);
+  CHECK(err.find("rank 1 (pid ") != std::string::npos);  // the cause, still first
+  CHECK(err.find("(not restarted: " + params.parent_path().string() +
+                 ": params.bin: cannot read: Permission denied: the checkpoint is out of reach") !=
+        std::string::npos);
+  CHECK(parse_json(read_text(run_dir / "run.json"))["status"] == "failed");
+}
+
 TEST_CASE("Ctrl-C stops every rank and exits 130") {
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), resumable_recipe());
