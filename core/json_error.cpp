@@ -9,6 +9,14 @@
 
 namespace dptrain {
 
+std::string without_json_tag(const std::string& what) {
+  if (const size_t tag = what.find("] ");
+      what.rfind("[json.exception.", 0) == 0 && tag != std::string::npos) {
+    return what.substr(tag + 2);
+  }
+  return what;
+}
+
 namespace {
 
 // nlohmann reports the 1-based byte position of the offending character; people want line:column.
@@ -25,14 +33,10 @@ std::pair<size_t, size_t> line_and_column(std::string_view text, size_t byte) {
   return {line, offset - line_start + 1};
 }
 
-// The explanation in nlohmann's message, less its "[json.exception.parse_error.101] " tag and
-// the "parse error at line L, column C: " that json_parse_problem words itself.
+// The explanation in nlohmann's message, less its tag and the "parse error at line L, column
+// C: " that json_parse_problem words itself.
 std::string explanation(const std::string& what) {
-  std::string rest = what;
-  if (const size_t tag = rest.find("] ");
-      rest.rfind("[json.exception.", 0) == 0 && tag != std::string::npos) {
-    rest.erase(0, tag + 2);
-  }
+  std::string rest = without_json_tag(what);
   if (rest.rfind("parse error", 0) == 0) {
     if (const size_t colon = rest.find(": "); colon != std::string::npos) rest.erase(0, colon + 2);
   }

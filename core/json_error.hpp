@@ -17,6 +17,10 @@ namespace dptrain {
 std::string json_parse_problem(const std::string& file, std::string_view text,
                                const nlohmann::json::exception& e);
 
+// A JSON library message without its "[json.exception.out_of_range.403] " tag: "key 'host' not
+// found".
+std::string without_json_tag(const std::string& what);
+
 // `j` as JSON text (`indent` as for dump()), for output, events and the files the project
 // writes. A string that is not UTF-8 (a path whose name is in another encoding, bytes given on
 // the command line) has each bad byte written as U+FFFD instead of failing: a --json output is

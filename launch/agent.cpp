@@ -80,14 +80,9 @@ AgentPlan AgentPlan::from_json(const json& j) {
     p.worker_args = j.value("worker_args", std::vector<std::string>{});
     return p;
   } catch (const json::exception& e) {
-    // "key 'host' not found", without the library's "[json.exception.out_of_range.403] ".
-    std::string what = e.what();
-    if (const auto end = what.find("] "); what.starts_with("[json.") && end != std::string::npos) {
-      what.erase(0, end + 2);
-    }
     throw Error(ErrorKind::usage, fmt::format("malformed agent plan: {} (is dptrain the same "
                                               "version here and on the launching host?)",
-                                              what));
+                                              without_json_tag(e.what())));
   }
 }
 

@@ -60,7 +60,8 @@ std::string take_work_buffer(const OpenBlas& blas) {
 // The thread count set_blas_threads asked for (0: none yet), applied as the library loads.
 std::atomic<int> g_threads{0};
 
-const OpenBlas& openblas() {
+// The library loaded, checked and holding its work buffer; Error(io) when it cannot be.
+const OpenBlas& load_openblas() {
   static const OpenBlas blas;
   if (const std::string problem = blas.library.problem(); !problem.empty()) {
     throw Error(ErrorKind::io,
@@ -68,12 +69,17 @@ const OpenBlas& openblas() {
                             "Debian's libopenblas0)",
                             problem));
   }
-  static const std::string no_room = [] {
-    // The products' threads are the ones asked for from the first on.
-    if (const int threads = g_threads.load(); threads > 0) blas.set_num_threads(threads);
-    return take_work_buffer(blas);
-  }();
-  if (!no_room.empty()) throw Error(ErrorKind::io, no_room);
+  // The products' threads are the ones asked for from the first on.
+  if (const int threads = g_threads.load(); threads > 0) blas.set_num_threads(threads);
+  if (const std::string no_room = take_work_buffer(blas); !no_room.empty()) {
+    throw Error(ErrorKind::io, no_room);
+  }
+  return blas;
+}
+
+// Loaded once: an initialisation that throws is tried again at the next call (and throws again).
+const OpenBlas& openblas() {
+  static const OpenBlas& blas = load_openblas();
   return blas;
 }
 
