@@ -26,6 +26,7 @@
 #include "core/comm/net.hpp"
 #include "core/comm/tcp_store.hpp"
 #include "core/error.hpp"
+#include "core/fault.hpp"
 #include "core/fs.hpp"
 #include "core/json_error.hpp"
 #include "core/tensor/device.hpp"
@@ -211,6 +212,11 @@ int run_bench_launcher(const BenchCommOptions& o) {
   const int hosts = spec.hosts.empty() ? 1 : static_cast<int>(spec.hosts.size());
 
   check_hosts_resolve(spec);  // a host name that does not resolve: exit 4, nothing created
+  // One that does not parse: exit 2, nothing created. A rank's steps are its measurements.
+  const auto fault_warnings = check_benchmark_fault_injection(
+      spec, static_cast<int64_t>(
+                options.ops.size() *
+                sweep_sizes(options.min_bytes, options.max_bytes, options.step_factor).size()));
   RunDirectory run = RunDirectory::create(o.run_dir, o.runs_root, "bench-comm");
   run.info()["benchmark"] = worker;
   // stdout carries only the table or the JSON; progress and rank output go to stderr.
@@ -219,6 +225,8 @@ int run_bench_launcher(const BenchCommOptions& o) {
       "dptrain bench comm: {} rank(s) on {}, run directory {}", spec.world_size,
       spec.hosts.empty() ? std::string("this machine") : fmt::format("{} host(s)", hosts),
       run.path().string()));
+  for (const auto& warning : fault_warnings)
+    status.line("warning: " + warning);
   const JobOutcome outcome = run_job(run, spec, status);
   status.finish();
   if (outcome.exit_code != 0) throw Error(failure_kind(outcome.exit_code), outcome.error);
@@ -289,6 +297,9 @@ int run_bench_worker(const std::string& serialized) {
   const int rank = rank_env_int("RANK");
   const int world = rank_env_int("WORLD_SIZE");
   const int generation = rank_env_int("DPTRAIN_GENERATION", 1);
+  // Fault injection for tests (dptrain-worker(1)): a step is one measurement, a size of one
+  // collective; a fault at step N fires once N measurements are done.
+  const FaultInjector faults(parse_faults(env("DPTRAIN_FAULT").value_or("")), rank, generation);
   std::string store_addr = env("DPTRAIN_STORE").value_or("");
   if (store_addr.empty() && env("MASTER_ADDR") && env("MASTER_PORT")) {
     store_addr = *env("MASTER_ADDR") + ":" + *env("MASTER_PORT");
@@ -338,9 +349,12 @@ int run_bench_worker(const std::string& serialized) {
     comm = make_gloo_communicator(store, rank, world, gloo);
   }
   const auto sizes = sweep_sizes(options.min_bytes, options.max_bytes, options.step_factor);
+  const size_t measurements = options.ops.size() * sizes.size();
+  size_t measured = 0;
   const CommBenchResult result = run_comm_bench(
       *comm, options,
       [&](Collective op) {
+        if (measured == 0) faults.before_step(0);
         if (!events) return;
         emit(
             {{"event", "info"},
@@ -352,12 +366,14 @@ int run_bench_worker(const std::string& serialized) {
       [&](const CommBenchRow& row, size_t done, size_t count) {
         // Rewritten in place on the launcher's terminal; dropped in a pipe, where the line per
         // collective says what runs.
-        if (!events) return;
-        emit({{"event", "bench_progress"},
-              {"message", fmt::format("bench comm: {} {} bytes ({}/{}): {:.2f} us, busbw {:.2f} "
-                                      "GB/s",
-                                      collective_name(row.op), row.size, done, count, row.time_us,
-                                      row.busbw)}});
+        if (events) {
+          emit({{"event", "bench_progress"},
+                {"message",
+                 fmt::format("bench comm: {} {} bytes ({}/{}): {:.2f} us, busbw {:.2f} GB/s",
+                             collective_name(row.op), row.size, done, count, row.time_us,
+                             row.busbw)}});
+        }
+        if (++measured < measurements) faults.before_step(static_cast<int64_t>(measured));
       });
   if (rank == 0) {
     if (events) {

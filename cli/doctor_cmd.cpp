@@ -11,6 +11,7 @@
 #include "cli/json_errors.hpp"
 #include "core/error.hpp"
 #include "core/json_error.hpp"
+#include "core/tensor/blas.hpp"
 #include "launch/doctor.hpp"
 #include "launch/job.hpp"
 
@@ -111,6 +112,11 @@ void setup_probe(CLI::App& app, Outcome& outcome) {
   connect->add_option("seconds", *seconds);
   connect->callback(
       [&outcome, address, seconds] { outcome.exit_code = run_probe_connect(*address, *seconds); });
+  auto* blas = app.add_subcommand("blas", "Load OpenBLAS as a CPU rank does and say which");
+  blas->callback([&outcome] {
+    std::printf("%s\n", blas_description().c_str());
+    outcome.exit_code = 0;
+  });
 }
 
 }  // namespace dptrain::cli

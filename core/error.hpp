@@ -23,6 +23,10 @@ enum class ErrorKind {
   terminated,   // SIGTERM after a final checkpoint: exit 143
 };
 
+// What starts the line main prints for an error on stderr ("dptrain: error: MESSAGE"), which
+// the launcher and doctor read back from ranks and probes.
+inline constexpr std::string_view kErrorLinePrefix = "dptrain: error: ";
+
 // The exit code DESIGN.md and dptrain(1) document for each kind.
 int exit_code(ErrorKind kind);
 const char* kind_name(ErrorKind kind);

@@ -122,6 +122,9 @@ std::vector<std::string> unreachable_faults(const std::vector<Fault>& faults, in
     } else if (f.rank >= world) {
       out.push_back(fmt::format("DPTRAIN_FAULT '{}' never fires: there are ranks 0 to {}", f.text,
                                 world - 1));
+    } else if (f.kind == Fault::Kind::crash_in_checkpoint && checkpoint_every == kNoCheckpoints) {
+      out.push_back(
+          fmt::format("DPTRAIN_FAULT '{}' never fires: these ranks write no checkpoints", f.text));
     } else if (f.kind == Fault::Kind::crash_in_checkpoint) {
       const bool scheduled = f.step == steps || (checkpoint_every > 0 && f.step > 0 &&
                                                  f.step < steps && f.step % checkpoint_every == 0);

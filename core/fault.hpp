@@ -30,10 +30,13 @@ struct Fault {
 // Error(usage) naming the part of the text that is wrong.
 std::vector<Fault> parse_faults(const std::string& text);
 
+// `checkpoint_every` of ranks that write no checkpoints at all (a benchmark's).
+inline constexpr int64_t kNoCheckpoints = -1;
+
 // Why each of `faults` can never fire in a run of `steps` steps on `world` ranks that
-// checkpoints every `checkpoint_every` steps (0: only at the end), continued from `first_step`
-// in generation `first_generation` (a resume), one message for each: a test whose fault never
-// fires would pass without testing anything.
+// checkpoints every `checkpoint_every` steps (0: only at the end; kNoCheckpoints: never),
+// continued from `first_step` in generation `first_generation` (a resume), one message for each:
+// a test whose fault never fires would pass without testing anything.
 std::vector<std::string> unreachable_faults(const std::vector<Fault>& faults, int64_t steps,
                                             int world, int64_t checkpoint_every,
                                             int64_t first_step = 0, int first_generation = 1);

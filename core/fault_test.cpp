@@ -60,6 +60,12 @@ TEST_CASE("faults that can never fire are named") {
         "DPTRAIN_FAULT 'crash-in-checkpoint@step=15' fires only if a stop writes a checkpoint "
         "there: step 15 is not one of the run's checkpoint steps (every 10, and 40)");
   CHECK(unreachable_faults(faults, 40, 8, 5).size() == 1);  // rank 7 exists; 15 is a multiple
+  // Ranks without checkpoints (a benchmark's): no crash-in-checkpoint fires.
+  const auto none = unreachable_faults(faults, 40, 8, kNoCheckpoints);
+  REQUIRE(none.size() == 4);
+  CHECK(none[3] ==
+        "DPTRAIN_FAULT 'crash-in-checkpoint@step=40' never fires: these ranks write no "
+        "checkpoints");
 }
 
 TEST_CASE("fault specs with values out of range or a field twice are refused") {

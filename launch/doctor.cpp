@@ -140,6 +140,8 @@ class Doctor {
     return false;
   }
   bool nccl_recipe() const { return recipe_ && recipe_->distributed.backend == "nccl"; }
+  // Ranks that compute on the CPU, with OpenBLAS: those of a CPU recipe, or of any without one.
+  bool cpu_recipe() const { return !recipe_ || recipe_->train.device != "cuda"; }
 
   void check_recipe() {
     if (options_.recipe.empty()) return;
@@ -269,10 +271,12 @@ class Doctor {
         s.held_back = "its workdir check failed";
         s.checks.push_back(skipped_check("version", h.display(), s.held_back));
         if (nccl_recipe()) s.checks.push_back(skipped_check("gpus", h.display(), s.held_back));
+        if (cpu_recipe()) s.checks.push_back(skipped_check("blas", h.display(), s.held_back));
         return s;
       }
       check_version(h, s);
       check_gpus(h, s);
+      check_blas(h, s);
       return s;
     });
     for (size_t i = 0; i < outcomes.size(); ++i) {
@@ -287,6 +291,7 @@ class Doctor {
         for (const char* check : {"workdir", "version"})
           skip(check, host, unreachable.held_back);
         if (nccl_recipe()) skip("gpus", host, unreachable.held_back);
+        if (cpu_recipe()) skip("blas", host, unreachable.held_back);
         surveys_.push_back(std::move(unreachable));
         continue;
       }
@@ -302,6 +307,7 @@ class Doctor {
     s.checks.push_back(skipped_check("workdir", h.display(),
                                      "this machine starts its ranks directly and uses no workdir"));
     check_version(h, s);
+    check_blas(h, s);
     if (!nccl_recipe()) return;
     try {
       // The survey's directory only has to exist: the current one, so nothing is created.
@@ -350,6 +356,34 @@ class Doctor {
                         fmt::format("{} GPU(s) for {} slot(s){}", gpus, h.slots,
                                     s.facts.gpu_note.empty() ? "" : " (" + s.facts.gpu_note + ")"),
                         "give the host slots=<its GPU count>, or fix its driver"});
+  }
+
+  // CPU ranks load OpenBLAS as they start (dlopen): a host without it passes the version check,
+  // and its ranks would fail there. `_probe blas` loads it as a rank does, in a process of its
+  // own (here too: doctor itself does not keep OpenBLAS's threads).
+  void check_blas(const HostSpec& h, HostSurvey& s) const {
+    if (!cpu_recipe()) return;
+    if (!s.held_back.empty()) {
+      s.checks.push_back(skipped_check("blas", h.display(), s.held_back));
+      return;
+    }
+    // With what a rank there would get from the launcher's environment (OPENBLAS_CORETYPE, ...):
+    // the line names the kernels its ranks would use.
+    std::vector<std::string> argv;
+    if (!h.is_local()) {
+      argv.push_back("env");
+      for (const auto& [name, value] : forwarded_environment())
+        argv.push_back(name + "=" + value);
+    }
+    argv.insert(argv.end(), {s.binary, "_probe", "blas"});
+    const auto r = s.shell->run(shell_command(argv));
+    const bool ok = r.exit_status == 0;
+    std::string detail = first_line(ok || r.err.empty() ? r.out : r.err);
+    if (detail.starts_with(kErrorLinePrefix)) detail.erase(0, kErrorLinePrefix.size());
+    if (detail.empty()) detail = fmt::format("'_probe blas' exited with status {}", r.exit_status);
+    s.checks.push_back({"blas", h.display(), ok, detail,
+                        "install OpenBLAS's runtime there (Debian: libopenblas0), or point "
+                        "DPTRAIN_OPENBLAS_LIBRARY at it"});
   }
 
   // Runs `_probe connect` on host i (in-process for this machine); "" when it connected.

@@ -117,11 +117,10 @@ bool forwarded(std::string_view name) {
 // starts with, taken out of `lines`: what a failure's first line says after the exit, rather
 // than twice. Empty when it printed none.
 std::string take_rank_error(std::vector<std::string>& lines, int rank) {
-  constexpr std::string_view kPrefix = "dptrain: error: ";
   for (auto it = lines.rbegin(); it != lines.rend(); ++it) {
     std::string_view line = *it;
-    if (const auto at = line.find(kPrefix); at != std::string_view::npos) {
-      line.remove_prefix(at + kPrefix.size());
+    if (const auto at = line.find(kErrorLinePrefix); at != std::string_view::npos) {
+      line.remove_prefix(at + kErrorLinePrefix.size());
       const std::string own = fmt::format("rank {}: ", rank);
       if (rank >= 0 && line.starts_with(own)) line.remove_prefix(own.size());
       std::string message(line);
@@ -255,6 +254,18 @@ GenerationTrace read_generation_trace(const std::string& addr, uint16_t port,
 
 }  // namespace
 
+std::map<std::string, std::string> forwarded_environment() {
+  std::map<std::string, std::string> out;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string_view entry(*e);
+    const auto eq = entry.find('=');
+    if (eq != std::string_view::npos && forwarded(entry.substr(0, eq))) {
+      out.emplace(std::string(entry.substr(0, eq)), std::string(entry.substr(eq + 1)));
+    }
+  }
+  return out;
+}
+
 namespace {
 
 // This machine's address towards `h`; a name that does not resolve (or no route) is the host's
@@ -295,14 +306,26 @@ void check_hosts_resolve(const JobSpec& spec) {
   }
 }
 
-std::vector<std::string> check_fault_injection(const JobSpec& spec, int64_t first_step,
-                                               int first_generation) {
+namespace {
+
+// DPTRAIN_FAULT as the ranks will read it: the job's --env, else the launcher's own.
+std::vector<Fault> job_faults(const JobSpec& spec) {
   const auto given = spec.env.values.find("DPTRAIN_FAULT");
   const char* text =
       given != spec.env.values.end() ? given->second.c_str() : std::getenv("DPTRAIN_FAULT");
-  if (text == nullptr || *text == '\0') return {};
-  return unreachable_faults(parse_faults(text), spec.recipe.train.steps, spec.world_size,
+  return text == nullptr ? std::vector<Fault>{} : parse_faults(text);
+}
+
+}  // namespace
+
+std::vector<std::string> check_fault_injection(const JobSpec& spec, int64_t first_step,
+                                               int first_generation) {
+  return unreachable_faults(job_faults(spec), spec.recipe.train.steps, spec.world_size,
                             spec.recipe.checkpoint.every, first_step, first_generation);
+}
+
+std::vector<std::string> check_benchmark_fault_injection(const JobSpec& spec, int64_t steps) {
+  return unreachable_faults(job_faults(spec), steps, spec.world_size, kNoCheckpoints);
 }
 
 JobPlan plan_job(const JobSpec& spec, const fs::path& run_path, const std::string& remote_name,
@@ -344,13 +367,7 @@ JobPlan plan_job(const JobSpec& spec, const fs::path& run_path, const std::strin
     a.worker_args = spec.worker_args;
     if (!h.is_local()) {
       // Local ranks inherit the launcher's environment; remote ones get these passed on.
-      for (char** e = environ; *e != nullptr; ++e) {
-        const std::string_view entry(*e);
-        const auto eq = entry.find('=');
-        if (eq != std::string_view::npos && forwarded(entry.substr(0, eq))) {
-          a.env.emplace(std::string(entry.substr(0, eq)), std::string(entry.substr(eq + 1)));
-        }
-      }
+      a.env.merge(forwarded_environment());
     }
     if (!h.is_local()) {
       a.data_dir = spec.remote.workdir + "/data";

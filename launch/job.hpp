@@ -123,6 +123,10 @@ struct JobPlan {
 JobPlan plan_job(const JobSpec& spec, const std::filesystem::path& run_path,
                  const std::string& remote_name, int generation, const std::string& store_addr,
                  uint16_t store_port, const std::string& secret);
+// What ranks on other hosts get from the launcher's own environment (local ones inherit all of
+// it): the test settings ranks read (DPTRAIN_FAULT, ...) and what chooses the BLAS kernels and
+// threads (OPENBLAS_*, OMP_*, ...), so that every rank computes alike wherever it runs.
+std::map<std::string, std::string> forwarded_environment();
 // The address the store listens on and the workers dial. Error(ssh) when no remote host resolves.
 std::string resolve_master_addr(const JobSpec& spec);
 
@@ -136,6 +140,8 @@ void check_hosts_resolve(const JobSpec& spec);
 // `first_step` in generation `first_generation`.
 std::vector<std::string> check_fault_injection(const JobSpec& spec, int64_t first_step = 0,
                                                int first_generation = 1);
+// The same for ranks that are not the trainer (`bench comm`'s): `steps` steps, no checkpoints.
+std::vector<std::string> check_benchmark_fault_injection(const JobSpec& spec, int64_t steps);
 
 // Runs one generation to its end, recording it in run.json. Never throws for a rank's failure:
 // that is an outcome with exit code 3 (4 when a host cannot be reached over SSH).

@@ -251,6 +251,42 @@ TEST_CASE("bench comm: a rank that fails exits 3 naming it, with its last lines"
   CHECK(j["exit_code"] == 3);
 }
 
+TEST_CASE("bench comm: DPTRAIN_FAULT counts each measurement as a step") {
+  TempDir tmp;
+  SUBCASE("a rank that exits after two of three measurements") {
+    const auto r = bench(tmp,
+                         {"--nproc", "2", "-b", "1K", "-e", "4K", "-n", "1", "-w", "0", "--timeout",
+                          "5", "--run-dir", (tmp / "run").string(), "--json"},
+                         {{"DPTRAIN_FAULT", "exit@step=2,rank=1,code=3"}});
+    CHECK(r.exit_code == 3);
+    const json j = parse_json(r.out);
+    CHECK(j["errors"][0].get<std::string>().find("rank 1 (pid ") == 0);
+    CHECK(j["errors"][0].get<std::string>().find("exited with code 3") != std::string::npos);
+    // Rank 0 measured the first two sizes, not the third.
+    const std::string log = read_text(tmp / "run" / "logs" / "localhost-rank0.log");
+    CAPTURE(log);
+    CHECK(log.find("bench comm: allreduce 2048 bytes (2/3)") != std::string::npos);
+    CHECK(log.find("(3/3)") == std::string::npos);
+  }
+  SUBCASE("faults that can never fire are warned about; the benchmark runs") {
+    const auto r = bench(tmp, {"--nproc", "2", "-b", "1K", "-e", "4K", "-n", "1", "-w", "0"},
+                         {{"DPTRAIN_FAULT", "crash@step=3;crash-in-checkpoint@step=1"}});
+    CHECK_MESSAGE(r.exit_code == 0, r.err);
+    CHECK(r.err.find("warning: DPTRAIN_FAULT 'crash@step=3' never fires: step 3 is past the "
+                     "run's steps (0 to 2)") != std::string::npos);
+    CHECK(r.err.find("warning: DPTRAIN_FAULT 'crash-in-checkpoint@step=1' never fires: these "
+                     "ranks write no checkpoints") != std::string::npos);
+  }
+  SUBCASE("one that does not parse: exit 2, nothing created") {
+    const auto r = bench(tmp, {"--nproc", "2"}, {{"DPTRAIN_FAULT", "crash@step=x"}});
+    CHECK(r.exit_code == 2);
+    CHECK_MESSAGE(
+        r.err.find("DPTRAIN_FAULT: 'x': not an integer in 'crash@step=x'") != std::string::npos,
+        r.err);
+    CHECK_FALSE(fs::exists(tmp / "runs"));
+  }
+}
+
 TEST_CASE("bench comm --nproc 1: allreduce's bus factor is 0, broadcast's 1") {
   TempDir tmp;
   const auto r = bench(tmp, {"-b", "4K", "-e", "4K", "--op", "allreduce,broadcast", "--json"});

@@ -63,8 +63,8 @@ TEST_CASE("doctor: all green on the loopback hosts, with a recipe and the all-re
   std::set<std::string> seen;
   for (const auto& c : j["checks"])
     seen.insert(c["check"].get<std::string>());
-  for (const char* c :
-       {"ssh", "workdir", "version", "store-port", "peer-port", "recipe", "data", "allreduce"}) {
+  for (const char* c : {"ssh", "workdir", "version", "blas", "store-port", "peer-port", "recipe",
+                        "data", "allreduce"}) {
     CAPTURE(c);
     CHECK(seen.count(c) == 1);
   }
@@ -160,7 +160,7 @@ TEST_CASE("doctor: an unreachable host is named, the others still checked") {
   CHECK(lines[0].find(f.sshd.addresses()[2]) != std::string::npos);
   CHECK(r.out.find("ok   version") != std::string::npos);  // the good host was checked
   // The bad host's other checks are skip lines saying why, not missing.
-  for (const char* check : {"workdir", "version", "store-port", "peer-port"}) {
+  for (const char* check : {"workdir", "version", "blas", "store-port", "peer-port"}) {
     CAPTURE(check);
     bool found = false;
     std::istringstream in(r.out);
@@ -187,7 +187,7 @@ TEST_CASE("doctor: an unreachable host is named, the others still checked") {
     skipped += c["skipped"] == true ? 1 : 0;
   }
   CHECK(failed == 1);
-  CHECK(skipped == 5);  // workdir, version, store-port, peer-port, allreduce
+  CHECK(skipped == 6);  // workdir, version, blas, store-port, peer-port, allreduce
   CHECK(passed >= 4);   // the good host's ssh, workdir, version, store-port
   // The failure fields every command's JSON has.
   CHECK(report["exit_code"] == 4);
@@ -437,4 +437,50 @@ TEST_CASE("doctor on this machine creates no workdir in $HOME and leaves no run 
   CHECK(r.out.find("all checks passed, 2 not run") != std::string::npos);
   CHECK(fs::is_empty(tmp / "home"));  // no ~/.dptrain
   CHECK(fs::is_empty(tmp / "t"));     // no dptrain-doctor-PID
+}
+
+TEST_CASE("doctor: a host where OpenBLAS cannot be loaded fails the blas check, naming the file") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), small_recipe());
+  auto good = run_dptrain({"doctor", "--hosts", "localhost:1", recipe.string(), "--no-allreduce"});
+  INFO(good.out, good.err);
+  CHECK(good.exit_code == 0);
+  CHECK(good.out.find("ok   blas       localhost: OpenBLAS ") != std::string::npos);
+  CHECK(good.out.find("libopenblas") != std::string::npos);  // the file it loaded
+
+  const std::string missing = (tmp / "nowhere" / "libopenblas.so.0").string();
+  const Env bad = {{"DPTRAIN_OPENBLAS_LIBRARY", missing}};
+  auto r = run_dptrain({"doctor", "--hosts", "localhost:1", recipe.string(), "--json"}, bad);
+  INFO(r.out, r.err);
+  CHECK(r.exit_code == 4);
+  const json j = parse_json(r.out);
+  bool found = false;
+  for (const auto& c : j["checks"]) {
+    if (c["check"] != "blas") continue;
+    found = true;
+    CHECK(c["ok"] == false);
+    CHECK(c["host"] == "localhost");
+    const std::string detail = c["detail"];
+    CHECK(detail.rfind(missing + " could not be loaded: ", 0) == 0);
+    CHECK(c["fix"].get<std::string>().find("libopenblas0") != std::string::npos);
+  }
+  CHECK(found);
+  CHECK(j["errors"][0].get<std::string>().rfind("blas localhost: " + missing, 0) == 0);
+
+  // A launch there fails as its ranks start, naming the library and the setting.
+  auto launch = run_dptrain({"launch", recipe.string(), "--nproc", "1", "--max-restarts", "0",
+                             "--run-dir", (tmp / "run").string()},
+                            bad);
+  CHECK(launch.exit_code == 3);
+  CHECK(launch.err.find(missing + " could not be loaded: ") != std::string::npos);
+  CHECK(launch.err.find("or correct DPTRAIN_OPENBLAS_LIBRARY") != std::string::npos);
+
+  // GPU ranks do not use OpenBLAS: no blas check.
+  json gpu = small_recipe();
+  gpu["train"]["device"] = "cuda";
+  const auto gpu_recipe = write_recipe(tmp.path(), gpu, "gpu.json");
+  auto g = run_dptrain(
+      {"doctor", "--hosts", "localhost:1", gpu_recipe.string(), "--no-allreduce", "--json"}, bad);
+  for (const auto& c : parse_json(g.out)["checks"])
+    CHECK(c["check"] != "blas");
 }

@@ -107,21 +107,27 @@ TEST_CASE("--json failures carry status, exit_code, error and errors for every f
     CHECK(error.find("@event") == std::string::npos);
   }
   SUBCASE("a rank failure in a benchmark keeps its log excerpt in error too") {
-    // A rendezvous that cannot finish in 1 ms: a rank fails, saying so in its log.
-    auto r =
-        run_dptrain({"bench", "comm", "--nproc", "2", "-b", "1K", "-e", "1K", "-n", "1", "-w", "0",
-                     "--timeout", "0.001", "--run-dir", (tmp / "bench").string(), "--json"});
+    // Rank 1 stops after the first measurement; rank 0 times out in the barrier that starts the
+    // second.
+    auto r = run_dptrain({"bench", "comm", "--nproc", "2", "-b", "1K", "-e", "2K", "-n", "1", "-w",
+                          "0", "--timeout", "3", "--run-dir", (tmp / "bench").string(), "--json"},
+                         {{"DPTRAIN_FAULT", "hang@step=1,rank=1"}});
     auto out = check_failure(r, 3);
     const std::string error = out["error"];
-    // The failed rank's error line is its first line's cause (in "errors" too), not repeated in
-    // the excerpt; which rank fails first, and how, varies.
-    const std::string first = out["errors"][0];
     CAPTURE(error);
-    CHECK(first.find("exited with code 3") != std::string::npos);
-    CHECK(error.find("gloo rendezvous") != std::string::npos);
-    if (first.find("exited with code 3: gloo rendezvous") != std::string::npos) {
-      CHECK(error.find("\n  dptrain: error: rank ") == std::string::npos);
-    }
+    const std::string first = out["errors"][0];
+    CHECK(first.rfind("rank 0 (pid ", 0) == 0);
+    CHECK(first.find(" exited with code 3: gloo barrier failed: ") != std::string::npos);
+    CHECK(error.rfind(first, 0) == 0);
+    CHECK(error.find("; its last lines (full log: " +
+                     (tmp / "bench" / "logs" / "localhost-rank0.log").string() + "):\n") !=
+          std::string::npos);
+    CHECK(error.find("\n  bench comm: allreduce on 2 rank(s), 2 size(s) from 1024 to 2048 bytes") !=
+          std::string::npos);
+    CHECK(error.find("\n  bench comm: allreduce 1024 bytes (1/2): ") != std::string::npos);
+    // The failed rank's error line is the first line's cause (in "errors" too), not repeated in
+    // the excerpt.
+    CHECK(error.find("\n  dptrain: error: ") == std::string::npos);
   }
   SUBCASE("a run directory that cannot be read") {
     auto out = check_failure(run_dptrain({"status", (tmp / "none").string(), "--json"}), 2);

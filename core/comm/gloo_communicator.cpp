@@ -11,10 +11,15 @@
 #include <gloo/transport/tcp/device.h>
 #include <gloo/transport/unbound_buffer.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <mutex>
 #include <type_traits>
 
 #include <fmt/format.h>
@@ -64,6 +69,39 @@ std::string enforce_message(const std::string& message) {
   const std::string rest = without_source_location(message);
   const auto end = rest.find(". ");
   return end == std::string::npos ? rest : rest.substr(end + 2);
+}
+
+// Gloo's TCP transport runs a thread of its own (the device's event loop). An error it meets
+// there, typically a peer that has already left ("getpeername: Transport endpoint is not
+// connected"), is thrown in that thread where nothing can catch it: std::terminate, SIGABRT. That
+// reads as a crash of this rank and outranks the peer's own exit 3 as the job's cause. The
+// process-wide terminate handler says what it is instead, a communication failure, and exits 3.
+std::atomic<int> g_terminate_rank{-1};
+std::terminate_handler g_previous_terminate = nullptr;
+
+[[noreturn]] void on_terminate() {
+  if (const std::exception_ptr current = std::current_exception()) {
+    std::string cause;
+    try {
+      std::rethrow_exception(current);
+    } catch (const gloo::EnforceNotMet& error) {
+      cause = enforce_message(error.what());
+    } catch (const gloo::Exception& error) {
+      cause = without_source_location(error.what());
+    } catch (...) {
+    }
+    if (!cause.empty()) {
+      const std::string line = fmt::format(
+          "dptrain: error: rank {}: gloo communication failed in Gloo's transport thread: {}\n",
+          g_terminate_rank.load(), cause);
+      // Straight to the descriptor, no stdio: the main thread may hold its locks. (Ranks flush
+      // their stdout after every line they print.)
+      [[maybe_unused]] const ssize_t written = ::write(STDERR_FILENO, line.data(), line.size());
+      std::_Exit(exit_code(ErrorKind::comm));
+    }
+  }
+  if (g_previous_terminate != nullptr) g_previous_terminate();
+  std::abort();
 }
 
 // NaN-propagating, so the result does not depend on which operand the ring hands in first.
@@ -399,6 +437,7 @@ void GlooCommunicator::fail(const std::string& operation, const std::string& cau
 
 GlooCommunicator::GlooCommunicator(Store& store, int rank, int size, const GlooOptions& options)
     : rank_(rank), size_(size), timeout_(options.timeout) {
+  install_gloo_terminate_handler(rank);
   guarded(
       [&] {
         return fmt::format("rendezvous of {} ranks via {} on '{}'", size, store.describe(),
@@ -558,6 +597,12 @@ int GlooCommunicator::recv_any(void* data, size_t bytes, const std::vector<int>&
 }
 
 }  // namespace
+
+void install_gloo_terminate_handler(int rank) {
+  g_terminate_rank.store(rank);
+  static std::once_flag installed;
+  std::call_once(installed, [] { g_previous_terminate = std::set_terminate(on_terminate); });
+}
 
 std::unique_ptr<Communicator> make_gloo_communicator(Store& store, int rank, int size,
                                                      const GlooOptions& options) {

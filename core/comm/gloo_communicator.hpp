@@ -20,4 +20,11 @@ struct GlooOptions {
 std::unique_ptr<Communicator> make_gloo_communicator(Store& store, int rank, int size,
                                                      const GlooOptions& options);
 
+// Makes an exception that escapes one of Gloo's own threads (its transport's event loop, where
+// nothing can catch it) end the process as a communication failure of `rank`: one
+// "dptrain: error: rank N: gloo communication failed ..." line on stderr and exit 3, not
+// std::terminate's SIGABRT. Other uncaught exceptions terminate as before. Every Gloo
+// communicator installs it; idempotent.
+void install_gloo_terminate_handler(int rank);
+
 }  // namespace dptrain

@@ -1,5 +1,9 @@
 // Tests for the gloo Communicator: N ranks as threads over a real TcpStoreServer on 127.0.0.1.
 #include <doctest/doctest.h>
+#include <gloo/common/error.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cmath>
@@ -326,6 +330,56 @@ TEST_CASE("gloo: a rank whose peer never shows up fails with a comm error naming
     CHECK_MESSAGE(message.find("rank 0: gloo rendezvous of 2 ranks") == 0, message);
     CHECK_MESSAGE(message.find("timed out after 0.5s waiting for key 'gen7/") != std::string::npos,
                   message);
+  }
+}
+
+// Runs `body` in a child process with the Gloo terminate handler of rank 5 installed and its
+// stderr in a pipe: its wait status and what it wrote.
+std::pair<int, std::string> in_child_with_terminate_handler(const std::function<void()>& body) {
+  int fds[2];
+  REQUIRE(::pipe(fds) == 0);
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    ::dup2(fds[1], STDERR_FILENO);
+    ::close(fds[0]);
+    ::signal(SIGABRT, SIG_DFL);  // not the test framework's crash report, in this process
+    install_gloo_terminate_handler(5);
+    body();
+    std::_Exit(0);
+  }
+  ::close(fds[1]);
+  std::string text;
+  char buffer[512];
+  for (ssize_t n; (n = ::read(fds[0], buffer, sizeof buffer)) > 0;)
+    text.append(buffer, static_cast<size_t>(n));
+  ::close(fds[0]);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return {status, text};
+}
+
+TEST_CASE("gloo: an exception escaping a Gloo thread is a communication failure, exit 3") {
+  SUBCASE("Gloo's own errors: one error line naming the rank, exit 3") {
+    const auto [status, text] = in_child_with_terminate_handler([] {
+      std::thread([] {
+        throw gloo::IoException(
+            "[/build/gloo/pair.cc:12] getpeername: Transport endpoint is not "
+            "connected");
+      }).join();
+    });
+    REQUIRE(WIFEXITED(status));
+    CHECK(WEXITSTATUS(status) == 3);
+    CHECK(text ==
+          "dptrain: error: rank 5: gloo communication failed in Gloo's transport thread: "
+          "getpeername: Transport endpoint is not connected\n");
+  }
+  SUBCASE("any other exception still terminates the way it did") {
+    const auto [status, text] = in_child_with_terminate_handler(
+        [] { std::thread([] { throw std::logic_error("a bug"); }).join(); });
+    REQUIRE(WIFSIGNALED(status));
+    CHECK(WTERMSIG(status) == SIGABRT);
+    CHECK(text.find("a bug") != std::string::npos);  // the runtime's own report
   }
 }
 

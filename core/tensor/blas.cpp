@@ -3,10 +3,13 @@
 
 #include <cblas.h>  // the types and constants; nothing of it is linked
 
+#include <dlfcn.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -20,13 +23,20 @@ namespace dptrain {
 
 namespace {
 
+std::string openblas_library_name() {
+  const char* configured = std::getenv(kOpenBlasLibraryEnv);
+  return configured != nullptr && *configured != '\0' ? configured : kOpenBlasLibrary;
+}
+
 struct OpenBlas {
-  DynamicLibrary library{kOpenBlasLibrary};
+  DynamicLibrary library{openblas_library_name()};
   decltype(&cblas_sgemm) sgemm = nullptr;
   decltype(&openblas_set_num_threads) set_num_threads = nullptr;
+  decltype(&openblas_get_config) get_config = nullptr;
   OpenBlas() {
     library.bind("cblas_sgemm", sgemm);
     library.bind("openblas_set_num_threads", set_num_threads);
+    library.bind("openblas_get_config", get_config);
   }
 };
 
@@ -66,8 +76,11 @@ const OpenBlas& load_openblas() {
   if (const std::string problem = blas.library.problem(); !problem.empty()) {
     throw Error(ErrorKind::io,
                 fmt::format("{} (dptrain computes on the CPU with OpenBLAS: install its runtime, "
-                            "Debian's libopenblas0)",
-                            problem));
+                            "Debian's libopenblas0{})",
+                            problem,
+                            std::getenv(kOpenBlasLibraryEnv) != nullptr
+                                ? fmt::format(", or correct {}", kOpenBlasLibraryEnv)
+                                : ""));
   }
   // The products' threads are the ones asked for from the first on.
   if (const int threads = g_threads.load(); threads > 0) blas.set_num_threads(threads);
@@ -98,6 +111,18 @@ void blas_sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, flo
   openblas().sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
                    trans_b ? CblasTrans : CblasNoTrans, blas_dim(m), blas_dim(n), blas_dim(k),
                    alpha, a, blas_dim(lda), b, blas_dim(ldb), beta, c, blas_dim(ldc));
+}
+
+std::string blas_description() {
+  const OpenBlas& blas = openblas();
+  void* symbol = nullptr;
+  std::memcpy(&symbol, &blas.sgemm, sizeof symbol);  // function pointer -> object pointer (POSIX)
+  Dl_info info{};
+  const bool found = ::dladdr(symbol, &info) != 0 && info.dli_fname != nullptr;
+  std::string config = blas.get_config();
+  while (!config.empty() && config.back() == ' ')
+    config.pop_back();
+  return fmt::format("{} at {}", config, found ? info.dli_fname : blas.library.name());
 }
 
 void set_blas_threads(int threads) {

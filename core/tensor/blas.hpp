@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace dptrain {
 
@@ -20,7 +21,14 @@ void blas_sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, flo
 // OpenBLAS threads for this process (a rank usually wants few: ranks already share the cores).
 void set_blas_threads(int threads);
 
-// The library's file name, as dlopen looks for it.
+// The OpenBLAS this process computes with, loaded and checked as for the first product, for
+// doctor: "OpenBLAS 0.3.21 DYNAMIC_ARCH NO_AFFINITY Haswell MAX_THREADS=64 at PATH". Error(io) as
+// blas_sgemm's.
+std::string blas_description();
+
+// The library's file name, as dlopen looks for it; env DPTRAIN_OPENBLAS_LIBRARY, when set, names
+// another (a path, or a file name the loader searches for).
 inline constexpr const char* kOpenBlasLibrary = "libopenblas.so.0";
+inline constexpr const char* kOpenBlasLibraryEnv = "DPTRAIN_OPENBLAS_LIBRARY";
 
 }  // namespace dptrain
