@@ -196,6 +196,19 @@ int run_bench_launcher(const BenchCommOptions& o) {
     spec.world_size = o.nproc;
   }
   options.validate(spec.world_size, o.backend);
+  if (o.min_busbw_flag->count() > 0 && o.min_busbw > 0) {
+    // A collective whose bus factor is 0 here moves nothing between ranks: no busbw can pass.
+    std::vector<std::string> none;
+    for (Collective op : options.ops) {
+      if (bus_factor(op, spec.world_size) == 0) none.push_back(collective_name(op));
+    }
+    if (!none.empty()) {
+      throw Error(ErrorKind::usage,
+                  fmt::format("--min-busbw: with 1 rank, {} move(s) nothing between ranks (busbw "
+                              "0 at every size): use 2 or more ranks, or leave out --min-busbw",
+                              fmt::join(none, ", ")));
+    }
+  }
   if (o.hosts.hosts.empty() && o.backend == "gloo") check_local_memory(options, spec.world_size);
   if (o.backend == "nccl" && o.hosts.hosts.empty()) check_local_nccl(spec.world_size);
   spec.nominal_world = spec.world_size;

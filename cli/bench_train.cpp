@@ -16,6 +16,7 @@
 #include "core/tensor/device.hpp"
 #include "launch/bench_train.hpp"
 #include "launch/job.hpp"
+#include "launch/status.hpp"
 #include "launch/supervisor.hpp"
 
 namespace dptrain::cli {
@@ -230,13 +231,13 @@ int run_bench_train_cmd(const BenchTrainCliOptions& o) {
   const fs::path sweep_dir = create_sweep_dir(o.run_dir, o.runs_root);
   report.run_dir = sweep_dir.string();
 
-  run_bench_train(
-      spec.recipe, worlds, job_runner(spec, sweep_dir),
-      [](const std::string& line) {
-        std::fprintf(stderr, "%s\n", line.c_str());
-        std::fflush(stderr);
-      },
-      report);
+  {
+    // A line per run; on a terminal also the running one's progress, rewritten in place.
+    StatusPrinter terminal(stderr, StatusPrinter::is_terminal(stderr));
+    run_bench_train(
+        spec.recipe, worlds, job_runner(spec, sweep_dir, &terminal),
+        [&terminal](const std::string& line) { terminal.line(line); }, report);
+  }
 
   nlohmann::json out = report.to_json();
   const std::vector<std::string> shortfalls = report.shortfalls(o.min);

@@ -637,9 +637,9 @@ fs::path create_sweep_dir(const fs::path& dir, const fs::path& runs_root) {
   return fs::absolute(path).lexically_normal();
 }
 
-BenchRunner job_runner(const JobSpec& spec, const fs::path& sweep_dir) {
-  return [spec, sweep_dir](const Recipe& recipe, const BenchWorld& world,
-                           const std::string& label) -> json {
+BenchRunner job_runner(const JobSpec& spec, const fs::path& sweep_dir, StatusPrinter* terminal) {
+  return [spec, sweep_dir, terminal](const Recipe& recipe, const BenchWorld& world,
+                                     const std::string& label) -> json {
     if (const int sig = pending_stop_signal(); sig != 0) {
       throw Error(sig == SIGTERM ? ErrorKind::terminated : ErrorKind::interrupted,
                   fmt::format("bench train: stopped by {} before world size {}",
@@ -664,6 +664,7 @@ BenchRunner job_runner(const JobSpec& spec, const fs::path& sweep_dir) {
     JobOutcome outcome;
     {
       StatusPrinter status(console.get(), false);
+      if (terminal != nullptr) status.mirror_progress(terminal, "bench train: " + label + ": ");
       outcome = run_job(run, job, status);
     }
     if (outcome.exit_code == 130 || outcome.exit_code == 143) {

@@ -94,6 +94,9 @@ void StatusPrinter::line(const std::string& text) {
 void StatusPrinter::event(const nlohmann::json& e) {
   const std::string text = format_event(e);
   const std::string kind = e.value("event", "");
+  if (mirror_ != nullptr && (kind == "progress" || kind == "bench_progress")) {
+    mirror_->progress(mirror_prefix_ + text);
+  }
   // A benchmark's step by step progress: a terminal's only (in a pipe, other lines say what runs).
   if (kind == "bench_progress") {
     progress(text);

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <mutex>
 #include <string>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -35,7 +36,14 @@ class StatusPrinter {
   // the permanent lines say what was done).
   void progress(const std::string& text);
   void erase_progress();  // removes a pending progress line, e.g. before a summary on stdout
-  void finish();          // ends a pending progress line
+  // Progress events also go to `terminal`'s progress line, after `prefix`: a printer whose lines
+  // go to a file (a benchmark run's console.log) still shows on a terminal how far it is.
+  // `terminal` must outlive this printer.
+  void mirror_progress(StatusPrinter* terminal, std::string prefix) {
+    mirror_ = terminal;
+    mirror_prefix_ = std::move(prefix);
+  }
+  void finish();  // ends a pending progress line
 
  private:
   void clear_progress();
@@ -43,6 +51,8 @@ class StatusPrinter {
   std::FILE* out_;
   bool tty_;
   bool progress_shown_ = false;
+  StatusPrinter* mirror_ = nullptr;
+  std::string mirror_prefix_;
   std::mutex mutex_;
 };
 

@@ -119,3 +119,20 @@ TEST_CASE("status: a benchmark's progress event is rewritten on a terminal, drop
   CHECK(printed(true, use) ==
         "\r\033[Kbench comm: allreduce 8 bytes (1/2)\r\033[Kbench comm: broadcast on 2 rank(s)\n");
 }
+
+TEST_CASE("status: a printer to a file can mirror its progress on a terminal's progress line") {
+  std::string console;
+  const std::string terminal = printed(true, [&console](StatusPrinter& tty) {
+    console = printed(false, [&tty](StatusPrinter& file) {
+      file.mirror_progress(&tty, "bench train: w2: ");
+      file.event(progress);
+      file.line("rank 0: a line of its own");
+    });
+    tty.line("bench train: world 2: 1234.0 samples/s");
+  });
+  const std::string step = format_event(progress);
+  // The file has every line; the terminal the progress in place, then the next line over it.
+  CHECK(console == step + "\nrank 0: a line of its own\n");
+  CHECK(terminal ==
+        "\r\033[Kbench train: w2: " + step + "\r\033[Kbench train: world 2: 1234.0 samples/s\n");
+}

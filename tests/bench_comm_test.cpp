@@ -345,6 +345,9 @@ TEST_CASE("bench comm: a bad flag exits 2 naming it and creates nothing") {
       {{"-n", "0"}, "-n/--iters: must be >= 1, got 0"},
       {{"-w", "-1"}, "-w/--warmup: must be >= 0, got -1"},
       {{"--min-busbw", "-1"}, "--min-busbw: must be >= 0"},
+      {{"--op", "broadcast,allgather", "--min-busbw", "1"},
+       "--min-busbw: with 1 rank, allgather move(s) nothing between ranks (busbw 0 at every "
+       "size): use 2 or more ranks, or leave out --min-busbw"},
       {{"--timeout", "0"}, "--timeout: must be > 0"},
       {{"--hosts", "localhost:2", "--nproc", "2"}, "--nproc: not with --hosts"},
       {{"--iters", "x"}, "--iters"},

@@ -133,6 +133,24 @@ TEST_CASE("bench train prints a table naming recipe, steps, machine and weak sca
   CHECK(rows[0].find("100.0") != std::string::npos);  // efficiency of the baseline
 }
 
+TEST_CASE("bench train on a terminal shows the running world's progress in place") {
+  TempDir tmp;
+  const auto r = run_dptrain_on_terminal({"bench", "train", quickstart(), "--nproc", "1,2",
+                                          "--steps", "20", "--runs-root", (tmp / "runs").string()});
+  INFO(r.out);
+  REQUIRE(r.exit_code == 0);
+  // Each run's steps, rewritten in place on the line below the run's own line...
+  CHECK(r.out.find("\r\033[Kbench train: w1: step 20/20 ") != std::string::npos);
+  CHECK(r.out.find("\r\033[Kbench train: w2: step 20/20 ") != std::string::npos);
+  // ...and replaced by the run's result line.
+  CHECK(r.out.find("\r\033[Kbench train: world 2: ") != std::string::npos);
+  // A pipe gets the plain lines only (the other tests read stderr through one).
+  const auto piped = bench(tmp, {quickstart(), "--nproc", "1", "--steps", "20"});
+  REQUIRE(piped.exit_code == 0);
+  CHECK(piped.err.find('\033') == std::string::npos);
+  CHECK(piped.err.find("step 20/20") == std::string::npos);
+}
+
 TEST_CASE("a bad --nproc list exits 2 naming it, before anything is created") {
   TempDir tmp;
   for (const std::string bad : {"1,0", "1,x", "1,,2", "", "2,2"}) {

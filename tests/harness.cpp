@@ -2,6 +2,8 @@
 #include "tests/harness.hpp"
 
 #include <fcntl.h>
+#include <poll.h>
+#include <pty.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -33,24 +35,31 @@ fs::path source_dir() {
 
 namespace {
 
+// dptrain's argv and environment (this process's, with `env` on top), as execve takes them.
+struct ExecArgs {
+  std::vector<std::string> argv_s, env_s;
+  std::vector<char*> argv, envp;
+  ExecArgs(const std::vector<std::string>& args, const Env& env) {
+    argv_s = {binary()};
+    argv_s.insert(argv_s.end(), args.begin(), args.end());
+    for (char** e = environ; *e; ++e) {
+      const std::string entry(*e);
+      if (!env.count(entry.substr(0, entry.find('=')))) env_s.push_back(entry);
+    }
+    for (const auto& [k, v] : env)
+      env_s.push_back(k + "=" + v);
+    for (auto& a : argv_s)
+      argv.push_back(a.data());
+    argv.push_back(nullptr);
+    for (auto& e : env_s)
+      envp.push_back(e.data());
+    envp.push_back(nullptr);
+  }
+};
+
 pid_t spawn(const std::vector<std::string>& args, const Env& env, const fs::path& out,
             const fs::path& err, StartWith start = StartWith::nothing) {
-  std::vector<std::string> argv_s = {binary()};
-  argv_s.insert(argv_s.end(), args.begin(), args.end());
-  std::vector<std::string> env_s;
-  for (char** e = environ; *e; ++e) {
-    const std::string entry(*e);
-    if (!env.count(entry.substr(0, entry.find('=')))) env_s.push_back(entry);
-  }
-  for (const auto& [k, v] : env)
-    env_s.push_back(k + "=" + v);
-  std::vector<char*> argv, envp;
-  for (auto& a : argv_s)
-    argv.push_back(a.data());
-  argv.push_back(nullptr);
-  for (auto& e : env_s)
-    envp.push_back(e.data());
-  envp.push_back(nullptr);
+  ExecArgs exec(args, env);
   sigset_t term;
   sigemptyset(&term);
   sigaddset(&term, SIGTERM);
@@ -66,7 +75,7 @@ pid_t spawn(const std::vector<std::string>& args, const Env& env, const fs::path
     ::dup2(o, 1);
     ::dup2(e, 2);
     ::dup2(in, 0);
-    ::execve(argv[0], argv.data(), envp.data());
+    ::execve(exec.argv[0], exec.argv.data(), exec.envp.data());
     ::_exit(127);
   }
   if (pid < 0) throw std::runtime_error("fork failed");
@@ -133,6 +142,43 @@ CommandResult run_dptrain(const std::vector<std::string>& args, const Env& env,
   r.exit_code = p.wait(timeout);
   r.out = p.out();
   r.err = p.err();
+  r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  return r;
+}
+
+CommandResult run_dptrain_on_terminal(const std::vector<std::string>& args, const Env& env,
+                                      std::chrono::seconds timeout) {
+  const auto t0 = Clock::now();
+  ExecArgs exec(args, env);
+  winsize size{};
+  size.ws_row = 40;
+  size.ws_col = 200;
+  int terminal = -1;
+  const pid_t pid = ::forkpty(&terminal, nullptr, nullptr, &size);
+  if (pid == 0) {
+    ::execve(exec.argv[0], exec.argv.data(), exec.envp.data());
+    ::_exit(127);
+  }
+  if (pid < 0) throw std::runtime_error("forkpty failed");
+  CommandResult r;
+  const auto deadline = t0 + timeout;
+  for (;;) {
+    pollfd p{terminal, POLLIN, 0};
+    if (::poll(&p, 1, 100) > 0) {
+      char buffer[4096];
+      const ssize_t n = ::read(terminal, buffer, sizeof buffer);
+      if (n <= 0) break;  // EIO once every holder of the terminal's other side has closed it
+      r.out.append(buffer, static_cast<size_t>(n));
+    }
+    if (Clock::now() > deadline) {
+      ::kill(pid, SIGKILL);
+      break;
+    }
+  }
+  ::close(terminal);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  r.exit_code = Clock::now() > deadline ? -1 : decode(status);
   r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   return r;
 }
