@@ -1,6 +1,8 @@
 // The ranks of one node: plan, worker process specs, and the agent loop.
 #include "launch/agent.hpp"
 
+#include <unistd.h>
+
 #include <csignal>
 #include <cstdlib>
 #include <mutex>
@@ -264,6 +266,15 @@ int run_agent(const AgentPlan& given, std::FILE* out, int stop_fd) {
       if (e.exit_code != 143) return e.exit_code;
     }
     return 143;
+  }
+  std::fprintf(out, "%s\n", kAgentDoneLine);
+  std::fflush(out);
+  if (std::getenv("DPTRAIN_TEST_AGENT_SILENT_AT_END") != nullptr) {
+    // For tests: a host that stops answering once its ranks are done. Nothing more is said
+    // until the launcher's side has gone (its end of the connection closes).
+    char c;
+    while (::read(stop_fd, &c, 1) > 0) {
+    }
   }
   return 0;
 }

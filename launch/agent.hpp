@@ -69,9 +69,12 @@ std::vector<ProcessSpec> worker_specs(const AgentPlan& plan,
 //   "@alive"            every second: the agent runs and its host answers (the relay takes a
 //                       host that sends nothing for 3 SSH keepalive intervals as lost, and drops
 //                       these lines)
+//   "@done"             every rank of the host exited 0 (the agent's last line then): the
+//                       relay takes the host as completed even if it is not heard from again
 constexpr const char* kAgentRankPrefix = "@rank ";
 constexpr const char* kAgentFailurePrefix = "@failure ";
 constexpr const char* kAgentAliveLine = "@alive";
+constexpr const char* kAgentDoneLine = "@done";
 constexpr std::chrono::seconds kAgentAliveInterval{1};
 
 // An "@failure" line for a failure of the host rather than of one of its ranks (rank -1): the

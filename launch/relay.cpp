@@ -112,8 +112,10 @@ int run_relay(const RelayPlan& plan) {
     return 4;
   }
   // The agent's lines go on to the launcher, but for its "@alive" ones: what they say is that
-  // the host answers, which is when anything was last heard.
+  // the host answers, which is when anything was last heard. "@done" says every rank there
+  // exited 0: the host is complete, whatever becomes of the connection after it.
   auto last_heard = std::chrono::steady_clock::now();
+  bool done = false;
   std::string partial;
   const auto sink = [&](std::string_view data, bool) {
     last_heard = std::chrono::steady_clock::now();
@@ -121,7 +123,10 @@ int run_relay(const RelayPlan& plan) {
     std::string lines;
     size_t start = 0;
     for (size_t end; (end = partial.find('\n', start)) != std::string::npos; start = end + 1) {
-      if (std::string_view(partial).substr(start, end - start) != kAgentAliveLine) {
+      const std::string_view line = std::string_view(partial).substr(start, end - start);
+      if (line == kAgentDoneLine) {
+        done = true;
+      } else if (line != kAgentAliveLine) {
         lines.append(partial, start, end + 1 - start);
       }
     }
@@ -158,6 +163,15 @@ int run_relay(const RelayPlan& plan) {
         why ? *why : fmt::format("{}: cannot start the agent: {}", plan.host.display(), e.what()));
     return 4;
   }
+  // The host's end after "@done": completed, with a line saying what became of it.
+  const auto completed_anyway = [&](const std::string& what) {
+    std::fprintf(stdout,
+                 "warning: %s after every rank there exited 0; its part of the job is taken as "
+                 "completed\n",
+                 what.c_str());
+    std::fflush(stdout);
+    return 0;
+  };
   int terms_sent = 0;
   int interrupts_sent = 0;
   try {
@@ -172,6 +186,10 @@ int run_relay(const RelayPlan& plan) {
         channel->write("interrupt\n");
       if (plan.ssh.keepalive_interval_s > 0 &&
           std::chrono::steady_clock::now() - last_heard > silence_limit) {
+        if (done) {
+          return completed_anyway(fmt::format("{} has not answered for {} s", host_and_ranks(plan),
+                                              silence_limit.count()));
+        }
         write_host_failure(
             stdout,
             fmt::format(
@@ -183,11 +201,19 @@ int run_relay(const RelayPlan& plan) {
     }
     if (!partial.empty()) std::fwrite(partial.data(), 1, partial.size(), stdout);
   } catch (const Error& e) {
+    if (done) {
+      return completed_anyway(
+          fmt::format("lost the SSH connection to {}: {}", host_and_ranks(plan), e.what()));
+    }
     write_host_failure(
         stdout, fmt::format("lost the SSH connection to {}: {}", host_and_ranks(plan), e.what()));
     return 3;
   }
   const auto status = channel->exit_status();
+  if (!status && done) {
+    return completed_anyway(
+        fmt::format("the agent on {} ended without an exit status", host_and_ranks(plan)));
+  }
   if (!status) {
     write_host_failure(
         stdout, fmt::format("the agent on {} ended without an exit status (connection lost?)",

@@ -308,6 +308,32 @@ TEST_CASE("a host that stops answering (its sshd frozen) is lost within 3 keepal
   }
 }
 
+TEST_CASE("a host that stops answering once its ranks completed leaves the run completed") {
+  Cluster c;
+  const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
+  // The hosts' dptrain, with the test setting that makes an agent fall silent after "@done".
+  const fs::path wrapper = c.tmp / "silent-at-end.sh";
+  write_text(wrapper,
+             "#!/bin/sh\nDPTRAIN_TEST_AGENT_SILENT_AT_END=1 exec '" + binary() + "' \"$@\"\n");
+  fs::permissions(wrapper, fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec |
+                               fs::perms::others_read | fs::perms::others_exec);
+  auto args = c.launch_args(recipe, c.tmp / "silent");
+  *(std::find(args.begin(), args.end(), "--remote-binary") + 1) = wrapper.string();
+  args.insert(args.end(), {"--ssh-keepalive", "1", "--json"});
+  const auto r = run_dptrain(args, {}, std::chrono::seconds(120));
+  INFO(r.err);
+  CHECK(r.exit_code == 0);
+  const json out = parse_json(r.out);
+  CHECK(out["status"] == "completed");
+  for (const std::string& address : {c.sshd.addresses()[1], c.sshd.addresses()[2]}) {
+    CAPTURE(address);
+    CHECK(r.err.find(c.sshd.host(address).display() + " (ranks ") != std::string::npos);
+    CHECK(r.err.find("has not answered for 3 s after every rank there exited 0; its part of the "
+                     "job is taken as completed") != std::string::npos);
+  }
+  CHECK(parse_json(read_text(c.tmp / "silent" / "run.json"))["status"] == "completed");
+}
+
 TEST_CASE("killing one remote worker tears down all 4 ranks and names it") {
   Cluster c;
   const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
