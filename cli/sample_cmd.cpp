@@ -1,6 +1,7 @@
 // `dptrain sample RUN_DIR`: text from a gpt run's checkpoint, to see what the model learned.
 #include <charconv>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <limits>
 #include <memory>
@@ -20,6 +21,7 @@
 #include "core/tensor/cpu_ops.hpp"
 #include "core/tensor/random.hpp"
 #include "launch/run_dir.hpp"
+#include "launch/supervisor.hpp"
 
 namespace dptrain::cli {
 
@@ -105,7 +107,8 @@ int32_t draw(std::vector<float> logits, int64_t vocab, double temperature, int64
 }
 
 // The newest valid checkpoint of the run. Error(checkpoint) saying there is nothing to sample
-// from when the run has written none yet, or when none of them is valid.
+// from when the run has written none yet, or when none of them is valid; or naming a newer one
+// that is out of reach (a permission), as resume does.
 fs::path newest_checkpoint(const RunDirectory& run) {
   if (list_checkpoints(run.checkpoints()).empty() && latest_checkpoint(run.checkpoints()).empty()) {
     throw Error(ErrorKind::checkpoint,
@@ -113,16 +116,38 @@ fs::path newest_checkpoint(const RunDirectory& run) {
                             "wait for its first checkpoint)",
                             run.path().string()));
   }
-  try {
-    return find_valid_checkpoint(run.checkpoints(), [](const std::string& w) {
-      std::fprintf(stderr, "dptrain: warning: %s\n", w.c_str());
-    });
-  } catch (const Error& e) {
-    if (e.kind() != ErrorKind::checkpoint) throw;
+  const auto found = try_find_valid_checkpoint(run.checkpoints(), [](const std::string& w) {
+    std::fprintf(stderr, "dptrain: warning: %s\n", w.c_str());
+  });
+  if (!found) {
     throw Error(ErrorKind::checkpoint,
                 fmt::format("{}: no valid checkpoint, nothing to sample from (see 'dptrain "
                             "ckpt verify {} --all')",
                             run.path().string(), run.path().string()));
+  }
+  return *found;
+}
+
+// A checkpoint written with other data, or by another recipe, than the run's as they are now.
+// Other token data: Error(recipe), as a resume refuses it (its tokenizer may not be the one the
+// model learned). Another recipe with the same model: a warning.
+void check_checkpoint_origin(const fs::path& from, const TrainingPosition& position,
+                             const Recipe& recipe) {
+  if (!position.data_fingerprint.empty() && recipe.data.type == "tokens") {
+    const std::string now = token_data_fingerprint(recipe.data);
+    if (now != position.data_fingerprint) {
+      throw Error(
+          ErrorKind::recipe,
+          fmt::format("{}: written while training on other data: {} then, {} now (data.path "
+                      "{}): its tokens may not be the ones the model learned; put the "
+                      "dataset back as it was",
+                      from.string(), position.data_fingerprint, now, recipe.data.path));
+    }
+  }
+  if (const std::string hash = recipe_hash(recipe); position.recipe_hash != hash) {
+    std::fprintf(stderr,
+                 "dptrain: warning: %s: written by a different recipe (hash %s, this run's %s)\n",
+                 from.string().c_str(), position.recipe_hash.c_str(), hash.c_str());
   }
 }
 
@@ -140,6 +165,8 @@ int run_sample(const SampleOptions& o) {
   }
   if (o.top_k < 0)
     throw Error(ErrorKind::usage, fmt::format("--top-k: must be >= 0, got {}", o.top_k));
+  // A stop ends the text where it is, with the status (and the JSON) every command gives one.
+  install_stop_signal_handlers();
   RunDirectory run = RunDirectory::open(o.run_dir);
   if (!run.info().contains("recipe")) {
     throw Error(ErrorKind::usage, fmt::format("{}: run.json has no recipe", o.run_dir));
@@ -158,6 +185,7 @@ int run_sample(const SampleOptions& o) {
                             ? fs::path(o.checkpoint)
                             : checkpoint_named(run.checkpoints(), o.checkpoint);
   const CheckpointData ckpt = read_checkpoint(from);
+  check_checkpoint_origin(from, ckpt.position, recipe);
   auto model = make_gpt(recipe.model, std::make_shared<CpuOps>());
   auto& gpt = dynamic_cast<Gpt&>(*model);
   if (ckpt.params.size() != gpt.num_params()) {
@@ -182,6 +210,12 @@ int run_sample(const SampleOptions& o) {
     std::fflush(stdout);
   }
   for (int64_t i = 0; i < o.tokens; ++i) {
+    if (const int sig = pending_stop_signal(); sig != 0) {
+      if (stream) std::printf("\n");
+      throw Error(sig == SIGTERM ? ErrorKind::terminated : ErrorKind::interrupted,
+                  fmt::format("sample: stopped by {} after {} of {} tokens",
+                              sig == SIGTERM ? "SIGTERM" : "SIGINT", i, o.tokens));
+    }
     const int32_t next = draw(gpt.next_token_logits(ckpt.params, context), tokenizer.vocab(),
                               o.temperature, o.top_k, rng);
     context.push_back(next);

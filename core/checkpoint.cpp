@@ -140,6 +140,9 @@ Meta parse_meta(const json& meta) {
   p.optimizer_steps = int_field(meta, "optimizer_steps");
   p.recipe_hash = string_field(meta, "", "recipe_hash");
   p.rng_state = string_field(meta, "", "rng_state");
+  if (meta.contains("data_fingerprint")) {  // absent before it was recorded
+    p.data_fingerprint = string_field(meta, "", "data_fingerprint");
+  }
   // Both absent before mixed precision existed.
   if (meta.contains("loss_scale")) {
     if (!meta["loss_scale"].is_number()) meta_problem("field 'loss_scale' is not a number");
@@ -380,6 +383,7 @@ fs::path write_checkpoint(const fs::path& checkpoints_dir, const TrainingPositio
                  {"global_batch", pos.global_batch},
                  {"optimizer_steps", pos.optimizer_steps},
                  {"recipe_hash", pos.recipe_hash},
+                 {"data_fingerprint", pos.data_fingerprint},
                  {"rng_state", pos.rng_state},
                  {"loss_scale", pos.loss_scale},
                  {"loss_scale_clean_steps", pos.loss_scale_clean_steps},

@@ -21,6 +21,9 @@ struct TrainingPosition {
   int64_t global_batch = 1;
   int64_t optimizer_steps = 0;
   std::string recipe_hash;
+  // What the data held when it was written (DataSplits::fingerprint): a resume on data that has
+  // changed since would not continue the same run. Empty in older checkpoints.
+  std::string data_fingerprint;
   std::string rng_state;               // the trainer's generator, as text
   double loss_scale = 1.0;             // fp16's dynamic loss scale
   int64_t loss_scale_clean_steps = 0;  // clean steps since it last changed

@@ -31,6 +31,7 @@ TrainingPosition position(int64_t step) {
   p.global_batch = 128;
   p.optimizer_steps = step;
   p.recipe_hash = "0123456789abcdef";
+  p.data_fingerprint = "values 0011223344556677";
   p.rng_state = "sampler seed=1 epoch=2";
   p.loss_scale = 32768.0;
   p.loss_scale_clean_steps = 17;
@@ -63,6 +64,7 @@ TEST_CASE("checkpoint: write, read back, latest") {
   CHECK(back.position.world_size == 2);
   CHECK(back.position.global_batch == 128);
   CHECK(back.position.recipe_hash == "0123456789abcdef");
+  CHECK(back.position.data_fingerprint == "values 0011223344556677");
   CHECK(back.position.rng_state == "sampler seed=1 epoch=2");
   CHECK(back.position.loss_scale == 32768.0);  // fp16's scaler resumes where it was
   CHECK(back.position.loss_scale_clean_steps == 17);

@@ -587,6 +587,15 @@ class TrainingRun {
                     fmt::format("{}: written by a different recipe (hash {}, this recipe {})",
                                 dir.string(), p.recipe_hash, recipe_hash(recipe_)));
       }
+      if (!p.data_fingerprint.empty() && p.data_fingerprint != data_.fingerprint) {
+        throw Error(ErrorKind::recipe,
+                    fmt::format("{}: written while training on other data: {} then, {} now "
+                                "({}): a resume on it would not continue the same run; put the "
+                                "data back as it was, or start a new run",
+                                dir.string(), p.data_fingerprint, data_.fingerprint,
+                                recipe_.data.path.empty() ? "data.type " + recipe_.data.type
+                                                          : "data.path " + recipe_.data.path));
+      }
       if (ckpt.params.size() != params_.size() ||
           ckpt.optimizer_state.size() != state_per_param() * num_params_) {
         throw Error(ErrorKind::checkpoint,
@@ -1286,6 +1295,7 @@ class TrainingRun {
       pos.global_batch = global_batch_;
       pos.optimizer_steps = ps_ ? step : optimizer_->steps();  // workers hold no optimizer
       pos.recipe_hash = recipe_hash(recipe_);
+      pos.data_fingerprint = data_.fingerprint;
       pos.rng_state = fmt::format("sampler seed={} epoch={}", recipe_.seed, position_.epoch);
       pos.loss_scale = scaler_.scale();
       pos.loss_scale_clean_steps = scaler_.clean_steps();

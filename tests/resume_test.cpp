@@ -99,6 +99,58 @@ TEST_CASE("SIGKILL of one rank: launcher exits 3 naming it; resume finishes bit-
   CHECK(std::adjacent_find(steps.begin(), steps.end()) == steps.end());
 }
 
+TEST_CASE(
+    "resume on data that changed since the checkpoint refuses, naming it; restored, it goes on") {
+  TempDir tmp;
+  // A CSV dataset: 5 classes of 32 features, separable.
+  const auto csv_text = [](double shift) {
+    std::string text = "label";
+    for (int f = 0; f < 32; ++f)
+      text += ",f" + std::to_string(f);
+    text += "\n";
+    for (int i = 0; i < 600; ++i) {
+      const int label = i % 5;
+      text += std::to_string(label);
+      for (int f = 0; f < 32; ++f)
+        text += "," + std::to_string((f % 5 == label ? 2.0 : 0.0) + 0.01 * ((i * 7 + f) % 13) +
+                                     (i == 17 ? shift : 0.0));
+      text += "\n";
+    }
+    return text;
+  };
+  write_text(tmp / "data.csv", csv_text(0.0));
+  auto recipe = resumable_recipe();
+  recipe["data"] = {{"type", "csv"}, {"path", "data.csv"}};
+  const auto path = write_recipe(tmp.path(), recipe);
+  const fs::path run = tmp / "run";
+  auto failed = run_dptrain(
+      {"launch", path.string(), "--nproc", "2", "--run-dir", run.string(), "--max-restarts", "0"},
+      {{"DPTRAIN_FAULT", "exit@step=50,rank=1,code=7"}});
+  REQUIRE(failed.exit_code == 3);
+  REQUIRE(fs::exists(run / "checkpoints/step-000040"));
+  const std::string meta = read_text(run / "checkpoints/step-000040/meta.json");
+  CHECK(parse_json(meta)["data_fingerprint"].get<std::string>().rfind("values ", 0) == 0);
+
+  // One value of one row changed: the run would no longer be the one it checkpointed.
+  write_text(tmp / "data.csv", csv_text(0.5));
+  auto refused = run_dptrain({"resume", run.string()});
+  INFO(refused.err);
+  CHECK(refused.exit_code == 3);
+  CHECK(refused.err.find("exited with code 2: " + (run / "checkpoints/step-000040").string() +
+                         ": written while training on other data: values ") != std::string::npos);
+  CHECK(refused.err.find("(data.path " + (tmp / "data.csv").string() +
+                         "): a resume on it would not continue the same run") != std::string::npos);
+  // Not restarted (an exit 2 would meet the same data again), nothing set aside.
+  CHECK(parse_json(read_text(run / "run.json"))["generations"].size() == 2);
+  CHECK(read_text(run / "checkpoints/step-000040/meta.json") == meta);
+
+  write_text(tmp / "data.csv", csv_text(0.0));
+  auto resumed = run_dptrain({"resume", run.string(), "--json"});
+  INFO(resumed.err);
+  CHECK(resumed.exit_code == 0);
+  CHECK(parse_json(resumed.out)["status"] == "completed");
+}
+
 TEST_CASE("resume on another world size reshards and completes") {
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), resumable_recipe());

@@ -2,10 +2,13 @@
 // yields an id the tokenizer cannot decode, numbers out of range are refused instead of wrapped,
 // and a run with nothing to sample from says so.
 #include <doctest/doctest.h>
+#include <signal.h>
 
 #include <algorithm>
 #include <set>
+#include <sstream>
 #include <string>
+#include <thread>
 
 #include "tests/harness.hpp"
 #include "tests/text_corpus.hpp"
@@ -190,4 +193,42 @@ TEST_CASE("sample: numbers out of range are refused, not wrapped; a run without 
   CHECK(invalid.exit_code == 5);
   CHECK(invalid.err.find("no valid checkpoint, nothing to sample from") != std::string::npos);
   CHECK(invalid.err.find("resume") == std::string::npos);
+}
+
+TEST_CASE(
+    "sample: a dataset prepared again since the checkpoint is refused; a stop gives its JSON") {
+  Dataset data("char");
+  const fs::path run_dir = train(data.tmp.path(), small_gpt(data.dir, 256), "1");
+  // A stop while it draws: the status every command's --json has (here SIGTERM: 143).
+  {
+    Background p({"sample", run_dir.string(), "--tokens", "1000000000", "--json"});
+    // Once it handles SIGTERM (its SigCgt mask in /proc), which it does before it draws.
+    const auto catches_sigterm = [&p] {
+      std::istringstream status(read_text("/proc/" + std::to_string(p.pid()) + "/status"));
+      for (std::string line; std::getline(status, line);) {
+        if (line.rfind("SigCgt:", 0) == 0) {
+          return (std::stoull(line.substr(7), nullptr, 16) >> (SIGTERM - 1) & 1) == 1;
+        }
+      }
+      return false;
+    };
+    REQUIRE(eventually(catches_sigterm));
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    REQUIRE(::kill(p.pid(), SIGTERM) == 0);
+    CHECK(p.wait(std::chrono::seconds(30)) == 143);
+    const json out = parse_json(p.out());
+    CHECK(out["status"] == "terminated");
+    CHECK(out["exit_code"] == 143);
+    CHECK(out["error"].get<std::string>().rfind("sample: stopped by SIGTERM after ", 0) == 0);
+  }
+  // The same place, another text: other tokens, maybe another tokenizer.
+  write_text(data.tmp / "other.txt", synthetic_text(11, 20000));
+  const auto prepared = run_dptrain({"data", "prepare", "--text", (data.tmp / "other.txt").string(),
+                                     "--out", data.dir.string(), "--tokenizer", "char", "--force"});
+  REQUIRE(prepared.exit_code == 0);
+  const auto r = sample(run_dir, {"--tokens", "5"});
+  CHECK(r.exit_code == 2);
+  CHECK(r.out.empty());
+  CHECK_MESSAGE(
+      r.err.find(": written while training on other data: train.bin ") != std::string::npos, r.err);
 }

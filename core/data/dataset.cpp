@@ -13,6 +13,7 @@
 #include <random>
 #include <string_view>
 
+#include "core/checksum.hpp"
 #include "core/data/tokens.hpp"
 #include "core/error.hpp"
 #include "core/tensor/random.hpp"
@@ -324,8 +325,12 @@ DataSplits split_samples(std::shared_ptr<const SampleTable> samples, double eval
   std::mt19937_64 rng(derive_seed(seed, kSplitStream));
   shuffle(rng, std::span<int64_t>(order));
   const auto train_end = order.begin() + (size - eval_size);
+  const uint64_t values =
+      checksum64(samples->y.data(), samples->y.size() * sizeof(int32_t),
+                 checksum64(samples->x.data(), samples->x.size() * sizeof(float)));
   return {std::make_shared<TableDataset>(samples, std::vector<int64_t>(order.begin(), train_end)),
-          std::make_shared<TableDataset>(samples, std::vector<int64_t>(train_end, order.end()))};
+          std::make_shared<TableDataset>(samples, std::vector<int64_t>(train_end, order.end())),
+          "values " + checksum_hex(values)};
 }
 
 int64_t training_samples(const DataSpec& data, const ModelSpec& model, uint64_t seed) {

@@ -31,6 +31,9 @@ class Dataset {
 
 struct DataSplits {
   std::shared_ptr<const Dataset> train, eval;
+  // What the data holds, for a resume to find that it changed: the token files' checksums
+  // ("train.bin 0123456789abcdef val.bin ..."), or a checksum of a table's values ("values ...").
+  std::string fingerprint;
 };
 
 // Every sample of a source, before the split: features in one row-major vector.

@@ -539,24 +539,38 @@ void check_against_model(const TokenDatasetFiles& files, const TokenFileHeader& 
   }
 }
 
+std::string token_fingerprint(const TokenFileHeader& train, const TokenFileHeader& val) {
+  return fmt::format("train.bin {} val.bin {}", checksum_hex(train.checksum),
+                     checksum_hex(val.checksum));
+}
+
 }  // namespace
 
 DataSplits load_token_data(const DataSpec& data, const ModelSpec& model) {
   const TokenDatasetFiles files = dataset_files(data);
   // Headers first: a model that cannot use the data fails before any token is read.
   const auto header = [](const fs::path& f) { return read_token_header(f); };
-  check_against_model(files, read_as_data(files.train, header), read_as_data(files.val, header),
-                      model);
+  const TokenFileHeader train_header = read_as_data(files.train, header);
+  const TokenFileHeader val_header = read_as_data(files.val, header);
+  check_against_model(files, train_header, val_header, model);
   const auto tokens = [](const fs::path& f) { return read_token_file(f); };
   TokenFile train = read_as_data(files.train, tokens);
   TokenFile val = read_as_data(files.val, tokens);
   const int64_t vocab = train.vocab;
+  // read_token_file checked the tokens against the headers' checksums.
   return {std::make_shared<TokenWindows>(
               std::make_shared<const std::vector<int32_t>>(std::move(train.tokens)), vocab,
               model.context, 1),
           std::make_shared<TokenWindows>(
               std::make_shared<const std::vector<int32_t>>(std::move(val.tokens)), vocab,
-              model.context, model.context)};
+              model.context, model.context),
+          token_fingerprint(train_header, val_header)};
+}
+
+std::string token_data_fingerprint(const DataSpec& data) {
+  const TokenDatasetFiles files = dataset_files(data);
+  const auto header = [](const fs::path& f) { return read_token_header(f); };
+  return token_fingerprint(read_as_data(files.train, header), read_as_data(files.val, header));
 }
 
 int64_t token_training_samples(const DataSpec& data, const ModelSpec& model) {

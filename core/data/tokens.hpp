@@ -144,6 +144,8 @@ int64_t token_window_count(int64_t n, int64_t context, int64_t stride);
 // /model/vocab and the file: a missing directory or file, a damaged file, a vocabulary larger
 // than model.vocab, train.bin (or a non-empty val.bin) shorter than one window.
 DataSplits load_token_data(const DataSpec& data, const ModelSpec& model);
+// The dataset's DataSplits::fingerprint, from the files' headers (their recorded checksums).
+std::string token_data_fingerprint(const DataSpec& data);
 // The size of the training split from the headers only (sizes and vocab checked, not checksums).
 int64_t token_training_samples(const DataSpec& data, const ModelSpec& model);
 
