@@ -39,7 +39,8 @@ struct SampleOptions {
   double temperature = 1.0;
   int64_t top_k = 0;
   uint64_t seed = 1;
-  std::string checkpoint;  // a directory; empty: the newest valid one
+  std::string checkpoint;                          // a directory; empty: the newest valid one
+  const CLI::Option* checkpoint_option = nullptr;  // given (possibly as "")
   bool json = false;
 };
 
@@ -180,10 +181,19 @@ int run_sample(const SampleOptions& o) {
   const Tokenizer tokenizer = Tokenizer::load(recipe.data.path);
   // --checkpoint: a directory, or a name or step of the run's checkpoints (as ckpt verify takes).
   std::error_code ec;
+  if (o.checkpoint_option->count() > 0 && o.checkpoint.empty()) {
+    throw Error(ErrorKind::usage, "--checkpoint: empty (a directory, a name or a step)");
+  }
   const fs::path from = o.checkpoint.empty() ? newest_checkpoint(run)
                         : fs::is_directory(o.checkpoint, ec)
                             ? fs::path(o.checkpoint)
                             : checkpoint_named(run.checkpoints(), o.checkpoint);
+  if (!o.checkpoint.empty() && !fs::exists(from / "meta.json", ec) && checkpoint_step(from) < 0) {
+    throw Error(ErrorKind::usage,
+                fmt::format("--checkpoint {}: not a checkpoint directory (no meta.json, and not "
+                            "named step-N)",
+                            o.checkpoint));
+  }
   const CheckpointData ckpt = read_checkpoint(from);
   check_checkpoint_origin(from, ckpt.position, recipe);
   auto model = make_gpt(recipe.model, std::make_shared<CpuOps>());
@@ -193,7 +203,12 @@ int run_sample(const SampleOptions& o) {
                 fmt::format("{}: holds {} parameters, the recipe's model has {}", from.string(),
                             ckpt.params.size(), gpt.num_params()));
   }
-  std::vector<int32_t> context = tokenizer.encode(o.prompt);
+  std::vector<int32_t> context;
+  try {
+    context = tokenizer.encode(o.prompt);
+  } catch (const Error& e) {
+    throw Error(e.kind(), fmt::format("--prompt: {}", e.what()));
+  }
   if (context.empty()) {
     // No prompt: start from a newline (or token 0 when the vocabulary has none).
     try {
@@ -265,9 +280,10 @@ void setup_sample(CLI::App& app, Outcome& outcome) {
   app.add_option("--seed", o->seed, "Seed of the sampling: the same seed, the same text")
       ->capture_default_str()
       ->check(whole_number<uint64_t>(""));
-  app.add_option("--checkpoint", o->checkpoint,
-                 "Checkpoint: a directory, or one of the run's by name (step-000200) or step "
-                 "(200) (default: the newest valid one)");
+  o->checkpoint_option =
+      app.add_option("--checkpoint", o->checkpoint,
+                     "Checkpoint: a directory, or one of the run's by name (step-000200) or step "
+                     "(200) (default: the newest valid one)");
   app.add_flag(
       "--json", o->json,
       "Print {checkpoint, step, prompt, tokens, temperature, top_k, seed, text} at the end "

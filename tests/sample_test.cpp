@@ -221,6 +221,20 @@ TEST_CASE(
     CHECK(out["exit_code"] == 143);
     CHECK(out["error"].get<std::string>().rfind("sample: stopped by SIGTERM after ", 0) == 0);
   }
+  // What it is given, named.
+  for (const auto& [args, message] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--checkpoint", ""}, "--checkpoint: empty (a directory, a name or a step)"},
+           {{"--checkpoint", data.tmp.path().string()},
+            "--checkpoint " + data.tmp.path().string() + ": not a checkpoint directory"},
+           {{"--prompt", "\xE2\x82\xAC"},
+            "--prompt: character '\xE2\x82\xAC' (U+20AC) at byte offset 0"}}) {
+    CAPTURE(message);
+    std::vector<std::string> full = args;
+    full.insert(full.end(), {"--tokens", "5"});
+    const auto r = sample(run_dir, full);
+    CHECK(r.exit_code == 2);
+    CHECK_MESSAGE(r.err.find("dptrain: error: " + message) == 0, r.err);
+  }
   // The same place, another text: other tokens, maybe another tokenizer.
   write_text(data.tmp / "other.txt", synthetic_text(11, 20000));
   const auto prepared = run_dptrain({"data", "prepare", "--text", (data.tmp / "other.txt").string(),
