@@ -635,12 +635,12 @@ LatestStatus check_latest(const fs::path& checkpoints_dir) {
 std::optional<fs::path> try_find_valid_checkpoint(
     const fs::path& checkpoints_dir, const std::function<void(const std::string&)>& warn) {
   std::vector<fs::path> candidates;
-  try {
-    if (fs::path latest = latest_checkpoint(checkpoints_dir); !latest.empty()) {
-      candidates.push_back(std::move(latest));
-    }
-  } catch (const Error& e) {
-    warn(e.what());
+  // `latest` first; one that cannot be followed is said to be (the step-* directories are
+  // tried all the same).
+  if (const LatestStatus latest = check_latest(checkpoints_dir); !latest.ok()) {
+    warn(fmt::format("{}: {}", (checkpoints_dir / "latest").string(), latest.problem));
+  } else if (!latest.dir.empty()) {
+    candidates.push_back(latest.dir);
   }
   for (auto& dir : list_checkpoints(checkpoints_dir)) {
     if (std::find(candidates.begin(), candidates.end(), dir) == candidates.end()) {

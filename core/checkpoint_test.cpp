@@ -191,9 +191,14 @@ TEST_CASE("find_valid_checkpoint: newest valid wins, damaged ones are reported")
   REQUIRE(warnings.size() == 1);
   CHECK(warnings[0].find("step-000030") != std::string::npos);
 
-  // `latest` pointing at a directory that is gone, or holding garbage, is not fatal.
+  // `latest` pointing at a directory that is gone, or holding garbage, is not fatal; the
+  // warning says what is wrong with it.
+  warnings.clear();
   write_file_atomic(tmp.path() / "latest", "step-000099\n");
   CHECK(find_valid_checkpoint(tmp.path(), warn).filename() == "step-000020");
+  REQUIRE_FALSE(warnings.empty());
+  CHECK(warnings[0] ==
+        (tmp.path() / "latest").string() + ": names step-000099, which does not exist");
   write_file_atomic(tmp.path() / "latest", "../../etc\n");
   CHECK(find_valid_checkpoint(tmp.path(), warn).filename() == "step-000020");
 
