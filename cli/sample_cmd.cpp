@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <random>
 
 #include <fmt/format.h>
@@ -13,6 +14,7 @@
 #include "cli/commands.hpp"
 #include "cli/run_report.hpp"
 #include "core/checkpoint.hpp"
+#include "core/data/dataset.hpp"
 #include "core/data/tokens.hpp"
 #include "core/error.hpp"
 #include "core/json_error.hpp"
@@ -130,19 +132,21 @@ fs::path newest_checkpoint(const RunDirectory& run) {
 }
 
 // A checkpoint written with other data, or by another recipe, than the run's as they are now.
-// Other token data: Error(recipe), as a resume refuses it (its tokenizer may not be the one the
-// model learned). Another recipe with the same model: a warning.
+// A dataset prepared again since: Error(recipe), as a resume refuses it (its tokenizer may not
+// be the one the model learned). A dataset whose token files are gone (only its tokenizer kept
+// with the run) is not checked. Another recipe with the same model: a warning.
 void check_checkpoint_origin(const fs::path& from, const TrainingPosition& position,
                              const Recipe& recipe) {
   if (!position.data_fingerprint.empty() && recipe.data.type == "tokens") {
-    const std::string now = token_data_fingerprint(recipe.data);
-    if (now != position.data_fingerprint) {
-      throw Error(
-          ErrorKind::recipe,
-          fmt::format("{}: written while training on other data: {} then, {} now (data.path "
-                      "{}): its tokens may not be the ones the model learned; put the "
-                      "dataset back as it was",
-                      from.string(), position.data_fingerprint, now, recipe.data.path));
+    std::optional<std::string> now;
+    try {
+      now = token_data_fingerprint(recipe.data);
+    } catch (const Error&) {
+    }
+    if (now) {
+      require_same_data(from, position.data_fingerprint, *now, recipe.data,
+                        "the dataset was prepared again since, and its tokenizer may not be the "
+                        "one the model learned; put the dataset back as it was");
     }
   }
   if (const std::string hash = recipe_hash(recipe); position.recipe_hash != hash) {
@@ -168,6 +172,7 @@ int run_sample(const SampleOptions& o) {
     throw Error(ErrorKind::usage, fmt::format("--top-k: must be >= 0, got {}", o.top_k));
   // A stop ends the text where it is, with the status (and the JSON) every command gives one.
   install_stop_signal_handlers();
+  std::signal(SIGPIPE, SIG_DFL);  // `sample | head` ends it, as any filter's reader does
   RunDirectory run = RunDirectory::open(o.run_dir);
   if (!run.info().contains("recipe")) {
     throw Error(ErrorKind::usage, fmt::format("{}: run.json has no recipe", o.run_dir));

@@ -38,6 +38,15 @@ class DynamicLibrary {
     std::memcpy(&out, &address, sizeof out);  // object pointer -> function pointer, as POSIX allows
   }
 
+  // The same for a symbol the library may lack (another version's): `out` stays null, and
+  // problem() does not name it.
+  template <typename Function>
+  void bind_optional(const char* symbol, Function& out) {
+    void* address = handle_ != nullptr ? dlsym(handle_, symbol) : nullptr;
+    static_assert(sizeof(out) == sizeof(address));
+    std::memcpy(&out, &address, sizeof out);
+  }
+
   // Empty when the library loaded and every bound symbol was found; else "NAME could not be
   // loaded: <dlerror>" or "NAME has no SYMBOL".
   std::string problem() const {

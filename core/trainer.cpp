@@ -587,15 +587,9 @@ class TrainingRun {
                     fmt::format("{}: written by a different recipe (hash {}, this recipe {})",
                                 dir.string(), p.recipe_hash, recipe_hash(recipe_)));
       }
-      if (!p.data_fingerprint.empty() && p.data_fingerprint != data_.fingerprint) {
-        throw Error(ErrorKind::recipe,
-                    fmt::format("{}: written while training on other data: {} then, {} now "
-                                "({}): a resume on it would not continue the same run; put the "
-                                "data back as it was, or start a new run",
-                                dir.string(), p.data_fingerprint, data_.fingerprint,
-                                recipe_.data.path.empty() ? "data.type " + recipe_.data.type
-                                                          : "data.path " + recipe_.data.path));
-      }
+      require_same_data(dir, p.data_fingerprint, data_.fingerprint, recipe_.data,
+                        "a resume on it would not continue the same run; put the data back as "
+                        "it was, or start a new run");
       if (ckpt.params.size() != params_.size() ||
           ckpt.optimizer_state.size() != state_per_param() * num_params_) {
         throw Error(ErrorKind::checkpoint,

@@ -369,21 +369,22 @@ class Doctor {
     }
     // With what a rank there would get from the launcher's environment (OPENBLAS_CORETYPE, ...):
     // the line names the kernels its ranks would use.
-    std::vector<std::string> argv;
+    std::string command = remote_path_word(s.binary) + " _probe blas";
     if (!h.is_local()) {
-      argv.push_back("env");
+      std::vector<std::string> env = {"env"};
       for (const auto& [name, value] : forwarded_environment())
-        argv.push_back(name + "=" + value);
+        env.push_back(name + "=" + value);
+      command = shell_command(env) + " " + command;
     }
-    argv.insert(argv.end(), {s.binary, "_probe", "blas"});
-    const auto r = s.shell->run(shell_command(argv));
+    const auto r = s.shell->run(command);
     const bool ok = r.exit_status == 0;
     std::string detail = first_line(ok || r.err.empty() ? r.out : r.err);
     if (detail.starts_with(kErrorLinePrefix)) detail.erase(0, kErrorLinePrefix.size());
     if (detail.empty()) detail = fmt::format("'_probe blas' exited with status {}", r.exit_status);
     s.checks.push_back({"blas", h.display(), ok, detail,
                         "install OpenBLAS's runtime there (Debian: libopenblas0), or point "
-                        "DPTRAIN_OPENBLAS_LIBRARY at it"});
+                        "DPTRAIN_OPENBLAS_LIBRARY at it (GPU ranks do not need it: give doctor "
+                        "the cuda recipe)"});
   }
 
   // Runs `_probe connect` on host i (in-process for this machine); "" when it connected.

@@ -257,11 +257,12 @@ TEST_CASE("bench comm: DPTRAIN_FAULT counts each measurement as a step") {
     const auto r = bench(tmp,
                          {"--nproc", "2", "-b", "1K", "-e", "4K", "-n", "1", "-w", "0", "--timeout",
                           "5", "--run-dir", (tmp / "run").string(), "--json"},
-                         {{"DPTRAIN_FAULT", "exit@step=2,rank=1,code=3"}});
+                         {{"DPTRAIN_FAULT", "exit@step=2,rank=1,code=7"}});
     CHECK(r.exit_code == 3);
     const json j = parse_json(r.out);
     CHECK(j["errors"][0].get<std::string>().find("rank 1 (pid ") == 0);
-    CHECK(j["errors"][0].get<std::string>().find("exited with code 3") != std::string::npos);
+    // (7 outranks the exit 3 rank 0 makes as its peer leaves.)
+    CHECK(j["errors"][0].get<std::string>().find("exited with code 7") != std::string::npos);
     // Rank 0 measured the first two sizes, not the third.
     const std::string log = read_text(tmp / "run" / "logs" / "localhost-rank0.log");
     CAPTURE(log);

@@ -319,7 +319,7 @@ TEST_CASE("a host that stops answering once its ranks completed leaves the run c
                                fs::perms::others_read | fs::perms::others_exec);
   auto args = c.launch_args(recipe, c.tmp / "silent");
   *(std::find(args.begin(), args.end(), "--remote-binary") + 1) = wrapper.string();
-  args.insert(args.end(), {"--ssh-keepalive", "1", "--json"});
+  args.insert(args.end(), {"--ssh-keepalive", "2", "--json"});
   const auto r = run_dptrain(args, {}, std::chrono::seconds(120));
   INFO(r.err);
   CHECK(r.exit_code == 0);
@@ -328,7 +328,7 @@ TEST_CASE("a host that stops answering once its ranks completed leaves the run c
   for (const std::string& address : {c.sshd.addresses()[1], c.sshd.addresses()[2]}) {
     CAPTURE(address);
     CHECK(r.err.find(c.sshd.host(address).display() + " (ranks ") != std::string::npos);
-    CHECK(r.err.find("has not answered for 3 s after every rank there exited 0; its part of the "
+    CHECK(r.err.find("has not answered for 6 s after every rank there exited 0; its part of the "
                      "job is taken as completed") != std::string::npos);
   }
   CHECK(parse_json(read_text(c.tmp / "silent" / "run.json"))["status"] == "completed");

@@ -344,6 +344,7 @@ std::pair<int, std::string> in_child_with_terminate_handler(const std::function<
     ::dup2(fds[1], STDERR_FILENO);
     ::close(fds[0]);
     ::signal(SIGABRT, SIG_DFL);  // not the test framework's crash report, in this process
+    ::alarm(30);                 // a child that hangs fails the test instead of blocking it
     install_gloo_terminate_handler(5);
     body();
     std::_Exit(0);

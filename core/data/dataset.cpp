@@ -13,6 +13,8 @@
 #include <random>
 #include <string_view>
 
+#include <fmt/format.h>
+
 #include "core/checksum.hpp"
 #include "core/data/tokens.hpp"
 #include "core/error.hpp"
@@ -341,23 +343,39 @@ int64_t training_samples(const DataSpec& data, const ModelSpec& model, uint64_t 
   return load_data(data, model, seed).train->size();
 }
 
+void require_same_data(const std::filesystem::path& checkpoint, const std::string& recorded,
+                       const std::string& now, const DataSpec& data,
+                       const std::string& consequence) {
+  if (recorded.empty() || recorded == now) return;
+  throw Error(ErrorKind::recipe,
+              fmt::format("{}: written while training on other data: {} then, {} now ({}): {}",
+                          checkpoint.string(), recorded, now,
+                          data.path.empty() ? "data.type " + data.type : "data.path " + data.path,
+                          consequence));
+}
+
 DataSplits load_data(const DataSpec& data, const ModelSpec& model, uint64_t seed) {
   // Token data is split when it is prepared (train.bin, val.bin), not here: no seed.
   if (data.type == "tokens") return load_token_data(data, model);
-  std::shared_ptr<SampleTable> samples;
   if (data.type == "synthetic-classification") {
-    samples = std::make_shared<SampleTable>(make_synthetic_samples(data, model, seed));
-  } else if (data.type == "csv") {
-    if (data.path.empty()) throw Error(ErrorKind::recipe, "data.path: required for csv data");
-    require_at_least("model.input", model.input, 1);
-    require_at_least("model.classes", model.classes, 2);
-    samples = std::make_shared<SampleTable>(
-        read_csv_samples(data.path, data.header, model.input, model.classes));
-  } else {
+    DataSplits splits =
+        split_samples(std::make_shared<SampleTable>(make_synthetic_samples(data, model, seed)),
+                      data.eval_fraction, seed);
+    // No fingerprint: the recipe (its hash) determines the data, and a build whose floating point
+    // rounds otherwise must not read as other data.
+    splits.fingerprint.clear();
+    return splits;
+  }
+  if (data.type != "csv") {
     throw Error(ErrorKind::recipe, "data.type: unknown data '" + data.type +
                                        "' (expected synthetic-classification, csv or tokens)");
   }
-  return split_samples(std::move(samples), data.eval_fraction, seed);
+  if (data.path.empty()) throw Error(ErrorKind::recipe, "data.path: required for csv data");
+  require_at_least("model.input", model.input, 1);
+  require_at_least("model.classes", model.classes, 2);
+  return split_samples(std::make_shared<SampleTable>(
+                           read_csv_samples(data.path, data.header, model.input, model.classes)),
+                       data.eval_fraction, seed);
 }
 
 }  // namespace dptrain

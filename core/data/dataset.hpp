@@ -45,6 +45,13 @@ struct SampleTable {
   int64_t size() const { return static_cast<int64_t>(y.size()); }
 };
 
+// Error(recipe) when `now` (this data's DataSplits::fingerprint) is not `recorded` (a checkpoint's,
+// at `checkpoint`; empty in older ones: no check): the checkpoint was written while training on
+// other data, and `consequence` ends the message: what going on would mean, and what to do.
+void require_same_data(const std::filesystem::path& checkpoint, const std::string& recorded,
+                       const std::string& now, const DataSpec& data,
+                       const std::string& consequence);
+
 // Loads the data the spec names, for a model with model.input features and model.classes classes,
 // and splits it. Errors are Error(recipe) naming the file and line (csv) or the field.
 DataSplits load_data(const DataSpec& data, const ModelSpec& model, uint64_t seed);

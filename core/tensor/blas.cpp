@@ -36,7 +36,7 @@ struct OpenBlas {
   OpenBlas() {
     library.bind("cblas_sgemm", sgemm);
     library.bind("openblas_set_num_threads", set_num_threads);
-    library.bind("openblas_get_config", get_config);
+    library.bind_optional("openblas_get_config", get_config);  // for doctor's line only
   }
 };
 
@@ -78,7 +78,7 @@ const OpenBlas& load_openblas() {
                 fmt::format("{} (dptrain computes on the CPU with OpenBLAS: install its runtime, "
                             "Debian's libopenblas0{})",
                             problem,
-                            std::getenv(kOpenBlasLibraryEnv) != nullptr
+                            openblas_library_name() != kOpenBlasLibrary
                                 ? fmt::format(", or correct {}", kOpenBlasLibraryEnv)
                                 : ""));
   }
@@ -119,7 +119,7 @@ std::string blas_description() {
   std::memcpy(&symbol, &blas.sgemm, sizeof symbol);  // function pointer -> object pointer (POSIX)
   Dl_info info{};
   const bool found = ::dladdr(symbol, &info) != 0 && info.dli_fname != nullptr;
-  std::string config = blas.get_config();
+  std::string config = blas.get_config != nullptr ? blas.get_config() : "OpenBLAS";
   while (!config.empty() && config.back() == ' ')
     config.pop_back();
   return fmt::format("{} at {}", config, found ? info.dli_fname : blas.library.name());
