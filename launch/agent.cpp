@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "core/comm/auth.hpp"
+#include "core/data/tokens.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
 #include "core/json_error.hpp"
@@ -58,7 +59,8 @@ json AgentPlan::to_json(bool redact_secret) const {
           {"env", env},
           {"worker_args", worker_args},
           {"data_dir", data_dir},
-          {"data_sha256", data_sha256}};
+          {"data_sha256", data_sha256},
+          {"data_fingerprint", data_fingerprint}};
 }
 
 AgentPlan AgentPlan::from_json(const json& j) {
@@ -79,6 +81,7 @@ AgentPlan AgentPlan::from_json(const json& j) {
     p.env = j.at("env").get<std::map<std::string, std::string>>();
     p.data_dir = j.value("data_dir", std::string());
     p.data_sha256 = j.value("data_sha256", std::string());
+    p.data_fingerprint = j.value("data_fingerprint", std::string());
     p.worker_args = j.value("worker_args", std::vector<std::string>{});
     return p;
   } catch (const json::exception& e) {
@@ -174,6 +177,25 @@ std::vector<ProcessSpec> worker_specs(const AgentPlan& plan, const fs::path& wor
 // not exist on this host (no shared filesystem).
 void prepare_data(AgentPlan& plan) {
   auto& data = plan.recipe["data"];
+  if (data.value("type", "") == "tokens" && !plan.data_fingerprint.empty()) {
+    DataSpec tokens;
+    tokens.type = "tokens";
+    tokens.path = data.value("path", std::string());
+    std::string here;
+    try {
+      here = token_data_fingerprint(tokens);
+    } catch (const Error&) {
+      return;  // missing or damaged: the ranks say so, naming the file
+    }
+    if (here != plan.data_fingerprint) {
+      throw Error(ErrorKind::usage,
+                  fmt::format("{} on {} is not the launcher's dataset ({} there, the launcher's "
+                              "{}): its ranks would train on other data; prepare it there from "
+                              "the same text with the same options, or copy the launcher's",
+                              tokens.path, plan.host, here, plan.data_fingerprint));
+    }
+    return;
+  }
   if (plan.data_dir.empty() || data.value("type", "") != "csv") return;
   fs::path path = data.value("path", std::string());
   std::error_code ec;

@@ -39,6 +39,9 @@ struct AgentPlan {
   // The sha256 of the launcher's CSV data file (remote hosts; empty: not checked): the file a
   // host's ranks read must be the same, or they would train on other data than the rest.
   std::string data_sha256;
+  // The launcher's token dataset as its headers record it (DataSplits::fingerprint; remote hosts;
+  // empty: not checked): a host's dataset at the same path must hold the same tokens.
+  std::string data_fingerprint;
 
   nlohmann::json to_json(bool redact_secret = false) const;
   static AgentPlan from_json(const nlohmann::json& j);  // Error(usage) on a malformed plan
@@ -54,7 +57,9 @@ std::string gpu_of_local_rank(int local_rank,
 
 // The data file a host's ranks read: the recipe's path when it exists there, else the copy
 // provision put in data_dir (the recipe is pointed at it). Error(usage) naming the host and
-// the file when it differs from the launcher's (data_sha256): provision again.
+// the file when it differs from the launcher's (data_sha256): provision again. A token dataset
+// is read where the recipe says; Error(usage) when its headers' checksums are not the
+// launcher's (data_fingerprint).
 void prepare_data(AgentPlan& plan);
 
 // The worker processes of a plan: argv, environment (the secret through the environment only),

@@ -5,6 +5,7 @@
 
 #include <string>
 
+#include "core/data/tokens.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
 #include "launch/provision.hpp"
@@ -124,6 +125,42 @@ TEST_CASE("agent: a host's copy of the CSV data must be the launcher's") {
   stale.data_sha256.clear();
   CHECK_NOTHROW(prepare_data(stale));
   CHECK(AgentPlan::from_json(plan.to_json()).data_sha256 == plan.data_sha256);
+}
+
+TEST_CASE("agent: a host's token dataset must hold the launcher's tokens") {
+  dptrain::test::TempDir tmp;
+  const auto make_dataset = [&](const std::string& name, int32_t first) {
+    const auto dir = tmp / name;
+    std::filesystem::create_directories(dir);
+    const std::vector<int32_t> tokens = {first, 1, 2, 3, 4, 5, 6, 7};
+    write_token_file(dir / "train.bin", 16, tokens, 2);
+    write_token_file(dir / "val.bin", 16, tokens, 2);
+    DataSpec spec;
+    spec.type = "tokens";
+    spec.path = dir.string();
+    return spec;
+  };
+  const DataSpec launcher = make_dataset("launcher", 0);
+  const DataSpec other = make_dataset("other", 9);
+  AgentPlan plan = two_rank_plan();
+  plan.host = "node-2";
+  plan.data_fingerprint = token_data_fingerprint(launcher);
+  plan.recipe = {{"data", {{"type", "tokens"}, {"path", launcher.path}}}};
+  CHECK_NOTHROW(prepare_data(plan));
+  plan.recipe["data"]["path"] = other.path;
+  CHECK_THROWS_WITH_AS(
+      prepare_data(plan),
+      doctest::Contains(
+          (other.path + " on node-2 is not the launcher's dataset (train.bin ").c_str()),
+      Error);
+  // Missing there: the ranks say so, naming the file; a plan without the fingerprint: no check.
+  plan.recipe["data"]["path"] = (tmp / "missing").string();
+  CHECK_NOTHROW(prepare_data(plan));
+  plan.recipe["data"]["path"] = other.path;
+  plan.data_fingerprint.clear();
+  CHECK_NOTHROW(prepare_data(plan));
+  plan.data_fingerprint = token_data_fingerprint(launcher);
+  CHECK(AgentPlan::from_json(plan.to_json()).data_fingerprint == plan.data_fingerprint);
 }
 
 TEST_CASE("agent: every variable it sets for a rank is one --env may not change") {

@@ -18,6 +18,7 @@
 #include "core/comm/auth.hpp"
 #include "core/comm/net.hpp"
 #include "core/comm/tcp_store.hpp"
+#include "core/data/tokens.hpp"
 #include "core/error.hpp"
 #include "core/fault.hpp"
 #include "core/fs.hpp"
@@ -348,6 +349,21 @@ JobPlan plan_job(const JobSpec& spec, const fs::path& run_path, const std::strin
     }
     return *data_sha256;
   };
+  // The launcher's token dataset, from its headers, for remote hosts to check theirs against;
+  // none when the launcher cannot read it (it may exist on the hosts only).
+  std::optional<std::string> data_fingerprint;
+  const auto launcher_data_fingerprint = [&]() -> std::string {
+    if (!data_fingerprint) {
+      data_fingerprint.emplace();
+      if (spec.worker_args.empty() && spec.recipe.data.type == "tokens") {
+        try {
+          *data_fingerprint = token_data_fingerprint(spec.recipe.data);
+        } catch (const Error&) {
+        }
+      }
+    }
+    return *data_fingerprint;
+  };
   for (const auto& h : plan.hosts) {
     AgentPlan a;
     a.host = h.is_local() ? "localhost" : h.host;
@@ -372,6 +388,7 @@ JobPlan plan_job(const JobSpec& spec, const fs::path& run_path, const std::strin
     if (!h.is_local()) {
       a.data_dir = spec.remote.workdir + "/data";
       a.data_sha256 = launcher_data_sha256();
+      a.data_fingerprint = launcher_data_fingerprint();
     }
     plan.agents.push_back(std::move(a));
   }

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "tests/cluster.hpp"
+#include "tests/text_corpus.hpp"
 
 using namespace dptrain::test;
 namespace fs = std::filesystem;
@@ -332,6 +333,33 @@ TEST_CASE("a host that stops answering once its ranks completed leaves the run c
                      "job is taken as completed") != std::string::npos);
   }
   CHECK(parse_json(read_text(c.tmp / "silent" / "run.json"))["status"] == "completed");
+}
+
+TEST_CASE("a GPT on a token dataset trains across hosts, theirs checked against the launcher's") {
+  TwoHostCluster c(1);
+  write_text(c.tmp / "text.txt", synthetic_text(3, 20000));
+  const auto prepared = run_dptrain({"data", "prepare", "--text", (c.tmp / "text.txt").string(),
+                                     "--out", (c.tmp / "dataset").string()});
+  REQUIRE(prepared.exit_code == 0);
+  json r = parse_json(read_text(source_dir() / "recipes/gpt-tiny.json"));
+  r["data"]["path"] = (c.tmp / "dataset").string();
+  r["model"] = {{"type", "gpt"}, {"vocab", 256}, {"context", 16},
+                {"layers", 1},   {"heads", 2},   {"width", 32}};
+  r["train"] = {{"steps", 10}, {"batch_per_rank", 4}};
+  r["optimizer"]["schedule"] = {{"type", "cosine"}, {"warmup", 2}};
+  r["checkpoint"] = {{"every", 5}, {"keep", 2}};
+  r["eval"] = {{"every", 0}, {"max_samples", 16}};
+  r["distributed"]["check_every"] = 5;
+  const auto recipe = write_recipe(c.tmp.path(), r);
+  auto args = c.launch_args(recipe, c.tmp / "gpt");
+  args.push_back("--json");
+  const auto launched = run_dptrain(args);
+  INFO(launched.err);
+  REQUIRE(launched.exit_code == 0);
+  CHECK(parse_json(launched.out)["status"] == "completed");
+  // Each host's agent compared its dataset with the launcher's fingerprint: the same files here
+  // (a host with others is refused, as the agent's unit test shows), so no false refusal.
+  CHECK(parse_json(read_text(c.tmp / "gpt" / "run.json"))["status"] == "completed");
 }
 
 TEST_CASE("killing one remote worker tears down all 4 ranks and names it") {
