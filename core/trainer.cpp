@@ -1455,7 +1455,8 @@ void check_runnable(const Recipe& recipe, int world_size, int nominal_world) {
                             recipe.distributed.servers, world_size));
   }
   check_levers(recipe);
-  // Its size only: synthetic data is not generated here (the ranks do), CSV rows are checked.
+  // Its size only: synthetic data is not generated here (the ranks do); CSV rows and token
+  // checksums are checked.
   DistributedSampler sampler(training_samples(recipe.data, recipe.model, recipe.seed),
                              global_batch(recipe, world_size, nominal_world), recipe.seed);
 }

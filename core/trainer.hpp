@@ -80,8 +80,9 @@ struct TrainResult {
 };
 
 // What a rank would find wrong only after it started: the data (a bad CSV row, a split smaller
-// than one global batch), and check_levers. Reads a CSV file once and token files' headers;
-// synthetic data is only counted, not generated. Error(recipe) naming the file, line or fields.
+// than one global batch), and check_levers. Reads a CSV file once and token files whole (their
+// checksums); synthetic data is only counted, not generated. Error(recipe) naming the file, line
+// or fields.
 void check_runnable(const Recipe& recipe, int world_size, int nominal_world = 0);
 
 // What the recipe's communication settings cannot do with its model, found from the model's

@@ -3,7 +3,9 @@
 // `dptrain sample` writes text, and GPT-2 small's recipe validates with its exact size.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <fstream>
 
 #include "tests/harness.hpp"
 #include "tests/text_corpus.hpp"
@@ -163,6 +165,21 @@ TEST_CASE("gpt: sample refuses what it cannot do, with one line") {
   CHECK(refused.exit_code == 2);
   CHECK(refused.err.find("/model/vocab") != std::string::npos);
   CHECK_FALSE(fs::exists(data.tmp / "no"));
+
+  // So is a token file damaged after its header was written (one bit of one token): the launch
+  // reads it as the ranks will, checksum and all, and names the file.
+  {
+    std::fstream f(data.dir / "train.bin", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(64 + 1000);
+    f.put('\x01');
+  }
+  const auto damaged =
+      run_dptrain({"launch", recipe.string(), "--run-dir", (data.tmp / "damaged").string()});
+  CHECK(damaged.exit_code == 2);
+  CHECK(damaged.err.starts_with("dptrain: error: /data/path: " + (data.dir / "train.bin").string() +
+                                ": checksum mismatch (the header says "));
+  CHECK(std::count(damaged.err.begin(), damaged.err.end(), '\n') == 1);
+  CHECK_FALSE(fs::exists(data.tmp / "damaged"));
 }
 
 TEST_CASE("recipes/gpt2-124m.json validates with GPT-2 small's exact parameter count") {

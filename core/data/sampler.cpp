@@ -2,9 +2,7 @@
 // step.
 #include "core/data/sampler.hpp"
 
-#include <algorithm>
-#include <numeric>
-#include <random>
+#include <bit>
 #include <span>
 #include <string>
 
@@ -17,6 +15,39 @@ namespace {
 constexpr uint64_t kSamplerStream = 0x5a3b;  // derive_seed stream of the epoch permutations
 
 }  // namespace
+
+EpochPermutation::EpochPermutation(int64_t n, uint64_t key) : n_(static_cast<uint64_t>(n)) {
+  if (n < 1) {
+    throw Error(ErrorKind::internal, "epoch permutation of " + std::to_string(n) + " samples");
+  }
+  // The smallest even number of bits (at least 2) whose range holds [0, n).
+  int bits = n_ <= 1 ? 1 : static_cast<int>(std::bit_width(n_ - 1));
+  bits += bits % 2;
+  half_bits_ = bits / 2;
+  half_mask_ = (uint64_t{1} << half_bits_) - 1;
+  for (int r = 0; r < kRounds; ++r)
+    round_keys_[static_cast<size_t>(r)] = derive_seed(key, static_cast<uint64_t>(r));
+}
+
+int64_t EpochPermutation::operator()(int64_t i) const {
+  auto x = static_cast<uint64_t>(i);
+  if (i < 0 || x >= n_) {
+    throw Error(ErrorKind::internal, "epoch permutation: index " + std::to_string(i) +
+                                         " outside [0, " + std::to_string(n_) + ")");
+  }
+  // Cycle walking: the network permutes [0, 2^bits); an index it maps past n is mapped again
+  // until it lands inside, which restricts the permutation to [0, n).
+  do {
+    uint64_t left = x >> half_bits_, right = x & half_mask_;
+    for (const uint64_t k : round_keys_) {
+      const uint64_t next = left ^ (mix64(right ^ k) & half_mask_);
+      left = right;
+      right = next;
+    }
+    x = (left << half_bits_) | right;
+  } while (x >= n_);
+  return static_cast<int64_t>(x);
+}
 
 DistributedSampler::DistributedSampler(int64_t dataset_size, int64_t global_batch, uint64_t seed)
     : dataset_size_(dataset_size), global_batch_(global_batch), seed_(seed), steps_per_epoch_(0) {
@@ -36,13 +67,17 @@ DistributedSampler::DistributedSampler(int64_t dataset_size, int64_t global_batc
   steps_per_epoch_ = dataset_size / global_batch;
 }
 
+EpochPermutation DistributedSampler::epoch_permutation(int64_t epoch) const {
+  return EpochPermutation(
+      dataset_size_, derive_seed(derive_seed(seed_, kSamplerStream), static_cast<uint64_t>(epoch)));
+}
+
 std::vector<int64_t> DistributedSampler::permutation(int64_t epoch) const {
-  std::vector<int64_t> perm(static_cast<size_t>(dataset_size_));
-  std::iota(perm.begin(), perm.end(), int64_t{0});
-  std::mt19937_64 rng(
-      derive_seed(derive_seed(seed_, kSamplerStream), static_cast<uint64_t>(epoch)));
-  shuffle(rng, std::span<int64_t>(perm));
-  return perm;
+  const EpochPermutation perm = epoch_permutation(epoch);
+  std::vector<int64_t> out(static_cast<size_t>(dataset_size_));
+  for (int64_t i = 0; i < dataset_size_; ++i)
+    out[static_cast<size_t>(i)] = perm(i);
+  return out;
 }
 
 std::vector<int64_t> DistributedSampler::indices(int64_t epoch, int64_t batch_in_epoch,
@@ -82,12 +117,9 @@ void DistributedSampler::indices(DataPosition at, int64_t offset, std::span<int6
                     std::to_string(global_batch_) + " in " + std::to_string(dataset_size_) +
                     " samples");
   }
-  if (at.epoch != cached_epoch_) {
-    cached_permutation_ = permutation(at.epoch);
-    cached_epoch_ = at.epoch;
-  }
-  const auto begin = cached_permutation_.begin() + at.sample + offset;
-  std::copy(begin, begin + count, out.begin());
+  const EpochPermutation perm = epoch_permutation(at.epoch);
+  for (int64_t i = 0; i < count; ++i)
+    out[static_cast<size_t>(i)] = perm(at.sample + offset + i);
 }
 
 }  // namespace dptrain

@@ -1,11 +1,18 @@
 // Token files, tokenizers and token-window datasets (see tokens.hpp for the formats).
 #include "core/data/tokens.hpp"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <bit>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <system_error>
 #include <utility>
 
@@ -36,6 +43,49 @@ uint64_t get_le(const unsigned char* p, int bytes) {
   return value;
 }
 
+// Token files are little-endian, and so is every host this builds for: tokens are read as they
+// lie, without a per-byte decode (a run's data can be many gigabytes).
+static_assert(std::endian::native == std::endian::little, "token files are read as little-endian");
+
+template <class Stored>
+void decode_tokens(const unsigned char* p, size_t n, int32_t* out) {
+  for (size_t i = 0; i < n; ++i) {
+    Stored token;
+    std::memcpy(&token, p + i * sizeof(Stored), sizeof(Stored));
+    out[i] = static_cast<int32_t>(token);
+  }
+}
+
+template <class Stored>
+std::optional<size_t> first_at_least(const unsigned char* p, size_t count, uint64_t limit) {
+  // The largest of each block first (a loop that vectorises), the index only in a block that
+  // holds one.
+  constexpr size_t kBlock = size_t{1} << 16;
+  for (size_t begin = 0; begin < count; begin += kBlock) {
+    const size_t end = std::min(count, begin + kBlock);
+    Stored largest = 0;
+    for (size_t i = begin; i < end; ++i) {
+      Stored token;
+      std::memcpy(&token, p + i * sizeof(Stored), sizeof(Stored));
+      largest = std::max(largest, token);
+    }
+    if (largest < limit) continue;
+    for (size_t i = begin; i < end; ++i) {
+      Stored token;
+      std::memcpy(&token, p + i * sizeof(Stored), sizeof(Stored));
+      if (token >= limit) return i;
+    }
+  }
+  return std::nullopt;
+}
+
+// The index of the first of `count` tokens of `width` bytes that is not below `limit`.
+std::optional<size_t> first_token_at_least(const unsigned char* p, size_t count, int width,
+                                           uint64_t limit) {
+  return width == 2 ? first_at_least<uint16_t>(p, count, limit)
+                    : first_at_least<uint32_t>(p, count, limit);
+}
+
 [[noreturn]] void bad_file(const fs::path& path, const std::string& what) {
   throw Error(ErrorKind::recipe, fmt::format("{}: {}", path.string(), what));
 }
@@ -52,21 +102,6 @@ uint64_t regular_file_size(const fs::path& path) {
   const uintmax_t size = fs::file_size(path, ec);
   if (ec) bad_file(path, fmt::format("cannot read: {}", ec.message()));
   return size;
-}
-
-// Reads `bytes` bytes at `offset`; a short read is a truncated file.
-std::string read_range(const fs::path& path, uint64_t offset, uint64_t bytes) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) bad_file(path, fmt::format("cannot read: {}", std::strerror(errno)));
-  std::string buf(bytes, '\0');
-  in.seekg(static_cast<std::streamoff>(offset));
-  in.read(buf.data(), static_cast<std::streamsize>(bytes));
-  const auto got = static_cast<uint64_t>(in.gcount());
-  if (got != bytes) {
-    bad_file(path,
-             fmt::format("truncated: expected {} bytes, got {}", offset + bytes, offset + got));
-  }
-  return buf;
 }
 
 std::string code_point_name(char32_t cp) {
@@ -194,30 +229,82 @@ TokenFileHeader read_token_header(const fs::path& path) {
   return header;
 }
 
-TokenFile read_token_file(const fs::path& path) {
-  const TokenFileHeader header = read_token_header(path);
-  const auto width = static_cast<size_t>(header.dtype_bytes);
-  const auto count = static_cast<size_t>(header.count);
-  const std::string raw = read_range(path, kTokenHeaderBytes, count * width);
-  const uint64_t actual = checksum64(raw.data(), raw.size());
-  if (actual != header.checksum) {
-    bad_file(path, fmt::format("checksum mismatch (the header says {}, the tokens give {})",
-                               checksum_hex(header.checksum), checksum_hex(actual)));
-  }
-  TokenFile file;
-  file.vocab = header.vocab;
-  file.dtype_bytes = header.dtype_bytes;
-  file.tokens.resize(count);
-  const auto* p = reinterpret_cast<const unsigned char*>(raw.data());
-  const auto vocab = static_cast<uint64_t>(header.vocab);
-  for (size_t i = 0; i < count; ++i) {
-    const uint64_t token = get_le(p + i * width, header.dtype_bytes);
-    if (token >= vocab) {
-      bad_file(path, fmt::format("token {} at index {} is not below the vocab {}", token, i,
-                                 header.vocab));
+MappedTokens::MappedTokens(const fs::path& path) : path_(path), header_(read_token_header(path)) {
+  const auto width = static_cast<size_t>(header_.dtype_bytes);
+  const auto count = static_cast<size_t>(header_.count);
+  const size_t bytes = kTokenHeaderBytes + count * width;
+  if (count > 0) {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) bad_file(path, fmt::format("cannot read: {}", std::strerror(errno)));
+    struct stat st {};
+    const bool sized = ::fstat(fd, &st) == 0;
+    // The header was read from the file as it was; one replaced or cut since is read again.
+    if (!sized || static_cast<uint64_t>(st.st_size) != bytes) {
+      ::close(fd);
+      bad_file(path, sized ? fmt::format("changed while it was read: {} bytes, the header says {}",
+                                         st.st_size, bytes)
+                           : fmt::format("cannot read: {}", std::strerror(errno)));
     }
-    file.tokens[i] = static_cast<int32_t>(token);
+    void* map = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0);
+    const int map_errno = errno;
+    ::close(fd);
+    if (map == MAP_FAILED) {
+      bad_file(path, fmt::format("cannot map {} bytes: {}", bytes, std::strerror(map_errno)));
+    }
+    map_ = map;
+    map_bytes_ = bytes;
   }
+  try {
+    const unsigned char* tokens = nullptr;
+    if (map_ != nullptr) {
+      tokens = static_cast<const unsigned char*>(map_) + kTokenHeaderBytes;
+      ::madvise(map_, map_bytes_, MADV_SEQUENTIAL);
+    }
+    const uint64_t actual = checksum64(tokens, count * width);
+    if (actual != header_.checksum) {
+      bad_file(path, fmt::format("checksum mismatch (the header says {}, the tokens give {})",
+                                 checksum_hex(header_.checksum), checksum_hex(actual)));
+    }
+    if (const auto bad = first_token_at_least(tokens, count, header_.dtype_bytes,
+                                              static_cast<uint64_t>(header_.vocab))) {
+      bad_file(path, fmt::format("token {} at index {} is not below the vocab {}",
+                                 get_le(tokens + *bad * width, header_.dtype_bytes), *bad,
+                                 header_.vocab));
+    }
+    // Windows are read where the sampler puts them, not in order.
+    if (map_ != nullptr) ::madvise(map_, map_bytes_, MADV_NORMAL);
+  } catch (...) {
+    if (map_ != nullptr) ::munmap(map_, map_bytes_);
+    throw;
+  }
+}
+
+MappedTokens::~MappedTokens() {
+  if (map_ != nullptr) ::munmap(map_, map_bytes_);
+}
+
+void MappedTokens::copy(int64_t start, int64_t n, int32_t* out) const {
+  if (start < 0 || n < 0 || start > header_.count - n) {
+    throw Error(ErrorKind::internal, fmt::format("{}: tokens [{}, {}) outside [0, {})",
+                                                 path_.string(), start, start + n, header_.count));
+  }
+  if (n == 0) return;
+  const auto* p = static_cast<const unsigned char*>(map_) + kTokenHeaderBytes +
+                  static_cast<size_t>(start) * static_cast<size_t>(header_.dtype_bytes);
+  if (header_.dtype_bytes == 2) {
+    decode_tokens<uint16_t>(p, static_cast<size_t>(n), out);
+  } else {
+    decode_tokens<uint32_t>(p, static_cast<size_t>(n), out);
+  }
+}
+
+TokenFile read_token_file(const fs::path& path) {
+  const MappedTokens mapped(path);
+  TokenFile file;
+  file.vocab = mapped.vocab();
+  file.dtype_bytes = mapped.header().dtype_bytes;
+  file.tokens.resize(static_cast<size_t>(mapped.size()));
+  mapped.copy(0, mapped.size(), file.tokens.data());
   return file;
 }
 
@@ -440,15 +527,19 @@ int64_t token_window_count(int64_t n, int64_t context, int64_t stride) {
   return (n - context - 1) / stride + 1;
 }
 
-TokenWindows::TokenWindows(std::shared_ptr<const std::vector<int32_t>> tokens, int64_t vocab,
-                           int64_t context, int64_t stride)
-    : tokens_(std::move(tokens)), vocab_(vocab), context_(context), stride_(stride), size_(0) {
+TokenWindows::TokenWindows(std::shared_ptr<const MappedTokens> tokens, int64_t context,
+                           int64_t stride)
+    : tokens_(std::move(tokens)),
+      vocab_(tokens_->vocab()),
+      context_(context),
+      stride_(stride),
+      size_(0) {
   if (context_ < 1 || stride_ < 1) {
     throw Error(
         ErrorKind::internal,
         fmt::format("token windows: context {} and stride {} must be >= 1", context_, stride_));
   }
-  size_ = token_window_count(static_cast<int64_t>(tokens_->size()), context_, stride_);
+  size_ = token_window_count(tokens_->size(), context_, stride_);
 }
 
 void TokenWindows::gather(std::span<const int64_t> indices, float* /*x*/, int32_t* y) const {
@@ -459,8 +550,7 @@ void TokenWindows::gather(std::span<const int64_t> indices, float* /*x*/, int32_
       throw Error(ErrorKind::internal,
                   fmt::format("token windows gather: index {} outside [0, {})", index, size_));
     }
-    const auto start = static_cast<size_t>(index * stride_);
-    std::copy_n(tokens_->data() + start, window, y + i * window);
+    tokens_->copy(index * stride_, context_ + 1, y + i * window);
   }
 }
 
@@ -553,17 +643,12 @@ DataSplits load_token_data(const DataSpec& data, const ModelSpec& model) {
   const TokenFileHeader train_header = read_as_data(files.train, header);
   const TokenFileHeader val_header = read_as_data(files.val, header);
   check_against_model(files, train_header, val_header, model);
-  const auto tokens = [](const fs::path& f) { return read_token_file(f); };
-  TokenFile train = read_as_data(files.train, tokens);
-  TokenFile val = read_as_data(files.val, tokens);
-  const int64_t vocab = train.vocab;
-  // read_token_file checked the tokens against the headers' checksums.
-  return {std::make_shared<TokenWindows>(
-              std::make_shared<const std::vector<int32_t>>(std::move(train.tokens)), vocab,
-              model.context, 1),
-          std::make_shared<TokenWindows>(
-              std::make_shared<const std::vector<int32_t>>(std::move(val.tokens)), vocab,
-              model.context, model.context),
+  const auto map = [](const fs::path& f) { return std::make_shared<const MappedTokens>(f); };
+  auto train = read_as_data(files.train, map);
+  auto val = read_as_data(files.val, map);
+  // The mappings checked the tokens against the headers' checksums and the vocab.
+  return {std::make_shared<TokenWindows>(std::move(train), model.context, 1),
+          std::make_shared<TokenWindows>(std::move(val), model.context, model.context),
           token_fingerprint(train_header, val_header)};
 }
 
@@ -574,11 +659,8 @@ std::string token_data_fingerprint(const DataSpec& data) {
 }
 
 int64_t token_training_samples(const DataSpec& data, const ModelSpec& model) {
-  const TokenDatasetFiles files = dataset_files(data);
-  const auto header = [](const fs::path& f) { return read_token_header(f); };
-  const TokenFileHeader train = read_as_data(files.train, header);
-  check_against_model(files, train, read_as_data(files.val, header), model);
-  return token_window_count(train.count, model.context, 1);
+  // Loaded as a rank loads it: a damaged token is found before any rank starts.
+  return load_token_data(data, model).train->size();
 }
 
 }  // namespace dptrain

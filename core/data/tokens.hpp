@@ -64,7 +64,33 @@ std::string dtype_name(int dtype_bytes);
 // Error(recipe), one line naming the file and the problem: missing or unreadable, not a dptrain
 // token file (bad magic), unknown version or dtype, truncated (expected N bytes, got M).
 TokenFileHeader read_token_header(const std::filesystem::path& path);
-// read_token_header, then the tokens: also a checksum mismatch, or a token >= vocab.
+// A token file's tokens where they lie: the file is mapped read-only, so the ranks of a node
+// share one copy in the page cache however large it is, and nothing is converted up front.
+// Construction checks what read_token_header does, then the checksum and that every token is
+// below the vocab (one pass over the file): a mapping is only ever handed out whole and sound.
+// The file must not be rewritten in place while mapped (`data prepare` replaces files by rename,
+// which leaves a mapped one as it was).
+class MappedTokens {
+ public:
+  explicit MappedTokens(const std::filesystem::path& path);
+  ~MappedTokens();
+  MappedTokens(const MappedTokens&) = delete;
+  MappedTokens& operator=(const MappedTokens&) = delete;
+
+  const TokenFileHeader& header() const { return header_; }
+  int64_t size() const { return header_.count; }
+  int64_t vocab() const { return header_.vocab; }
+  // Tokens [start, start + n) as ids; Error(internal) for a range outside the file.
+  void copy(int64_t start, int64_t n, int32_t* out) const;
+
+ private:
+  std::filesystem::path path_;
+  TokenFileHeader header_;
+  void* map_ = nullptr;
+  size_t map_bytes_ = 0;
+};
+
+// MappedTokens' checks, then every token in memory (for tools and tests; a run maps them).
 TokenFile read_token_file(const std::filesystem::path& path);
 // Atomic and fsynced (temporary name, rename, directory fsync). Error(usage) when vocab does not
 // fit the dtype; Error(internal) for a token outside [0, vocab) or a dtype other than 2 or 4.
@@ -118,8 +144,7 @@ class Tokenizer {
 // past the end are not samples. gather() writes each window to y, row after row; x is unused.
 class TokenWindows final : public Dataset {
  public:
-  TokenWindows(std::shared_ptr<const std::vector<int32_t>> tokens, int64_t vocab, int64_t context,
-               int64_t stride);
+  TokenWindows(std::shared_ptr<const MappedTokens> tokens, int64_t context, int64_t stride);
 
   int64_t size() const override { return size_; }
   int64_t features() const override { return 0; }
@@ -131,7 +156,7 @@ class TokenWindows final : public Dataset {
   int64_t stride() const { return stride_; }
 
  private:
-  std::shared_ptr<const std::vector<int32_t>> tokens_;
+  std::shared_ptr<const MappedTokens> tokens_;
   int64_t vocab_, context_, stride_, size_;
 };
 
@@ -146,7 +171,8 @@ int64_t token_window_count(int64_t n, int64_t context, int64_t stride);
 DataSplits load_token_data(const DataSpec& data, const ModelSpec& model);
 // The dataset's DataSplits::fingerprint, from the files' headers (their recorded checksums).
 std::string token_data_fingerprint(const DataSpec& data);
-// The size of the training split from the headers only (sizes and vocab checked, not checksums).
+// The size of the training split, with every check load_token_data makes (the checksums too:
+// one read of the files, which leaves them in the page cache for the ranks that map them).
 int64_t token_training_samples(const DataSpec& data, const ModelSpec& model);
 
 }  // namespace dptrain

@@ -8,6 +8,7 @@
 #include <map>
 #include <numeric>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "core/checksum.hpp"
@@ -205,6 +206,17 @@ TEST_CASE("each kind of damage to a token file is one recipe error naming the fi
   const fs::path lowered = fresh("lowered.bin");
   overwrite(lowered, 16, std::string("\x05\0\0\0\0\0\0\0", 8));
   CHECK(read_error(lowered) == "token 5 at index 4 is not below the vocab 5");
+
+  // Tokens are checked a block of 65536 at a time: one past the first block is found and named.
+  for (const int width : {2, 4}) {
+    std::vector<int32_t> many(70000, 3);
+    many[69001] = 9;
+    const fs::path file = tmp / fmt::format("many{}.bin", width);
+    write_token_file(file, 10, many, width);
+    CHECK(read_token_file(file).tokens == many);
+    overwrite(file, 16, std::string("\x09\0\0\0\0\0\0\0", 8));
+    CHECK(read_error(file) == "token 9 at index 69001 is not below the vocab 9");
+  }
 }
 
 TEST_CASE("byte tokenizer: every byte is its own id, and back") {
@@ -381,11 +393,16 @@ TEST_CASE("tokenizers save to and load from tokenizer.json") {
 }
 
 TEST_CASE("token windows: sizes for both strides, gathered contents, bad indices") {
+  TempDir tmp;
   std::vector<int32_t> values(20);
   std::iota(values.begin(), values.end(), 100);
-  const auto tokens = std::make_shared<const std::vector<int32_t>>(values);
+  // Windows read the mapped files, in both token widths.
+  write_token_file(tmp / "u16.bin", 300, values, 2);
+  write_token_file(tmp / "u32.bin", 300, values, 4);
+  const auto u16 = std::make_shared<const MappedTokens>(tmp / "u16.bin");
+  const auto u32 = std::make_shared<const MappedTokens>(tmp / "u32.bin");
 
-  const TokenWindows train(tokens, 300, 4, 1);
+  const TokenWindows train(u16, 4, 1);
   CHECK(train.size() == 16);  // n - context
   CHECK(train.features() == 0);
   CHECK(train.classes() == 300);
@@ -400,7 +417,7 @@ TEST_CASE("token windows: sizes for both strides, gathered contents, bad indices
   const std::vector<int64_t> negative = {-1};
   CHECK_THROWS_AS(train.gather(negative, nullptr, y.data()), Error);
 
-  const TokenWindows eval(tokens, 300, 4, 4);
+  const TokenWindows eval(u32, 4, 4);
   CHECK(eval.size() == 4);  // floor((20 - 1) / 4)
   const auto windows = gather_all(eval);
   REQUIRE(windows.size() == 20);
@@ -502,10 +519,15 @@ TEST_CASE("load_token_data: a model that cannot use the data, and missing or dam
         "/data/path: " + (dir / "val.bin").string() + ": missing (is " + dir.string() +
             " a dataset that 'dptrain data prepare' wrote?)");
 
-  // Damage only the tokens show: load_token_data reads them, the header check does not.
+  // Damage only the tokens show: load_token_data reads them, and so does the launch's count
+  // (the fingerprint of the headers does not).
   write_token_file(dir / "val.bin", 256, iota_mod(20, 256), 2);
-  overwrite(dir / "train.bin", 64 + 10, std::string("\x07", 1));
   CHECK(token_training_samples(tokens_at(dir), gpt(256, 8)) == 92);
+  const std::string fingerprint = token_data_fingerprint(tokens_at(dir));
+  overwrite(dir / "train.bin", 64 + 10, std::string("\x07", 1));
+  CHECK(token_data_fingerprint(tokens_at(dir)) == fingerprint);
+  CHECK_THROWS_WITH_AS(token_training_samples(tokens_at(dir), gpt(256, 8)),
+                       doctest::Contains("train.bin: checksum mismatch"), Error);
   try {
     load_token_data(tokens_at(dir), gpt(256, 8));
     FAIL("no error");
