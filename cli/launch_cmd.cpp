@@ -100,10 +100,13 @@ int run_launch(const LaunchOptions& o) {
   o.restart.validate();
   JobSpec spec = job_spec(o);
   check_runnable(spec.recipe, spec.world_size, spec.nominal_world);
-  check_hosts_resolve(spec);        // a host name that does not resolve: exit 4, nothing created
-  check_fault_injection(spec);      // one that does not parse: exit 2, nothing created
+  check_hosts_resolve(spec);  // a host name that does not resolve: exit 4, nothing created
+  // One that does not parse: exit 2, nothing created; the launch warns about the others.
+  const auto fault_warnings = check_fault_injection(spec);
   check_events(o.restart, o.json);  // the plan is refused for what the launch would refuse
   if (o.dry_run) {
+    for (const auto& warning : fault_warnings)
+      std::fprintf(stderr, "dptrain: warning: %s\n", warning.c_str());
     // The directory a launch would create (its time is filled in then).
     const std::string run_dir =
         !o.run_dir.empty()

@@ -3,6 +3,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
@@ -11,6 +12,7 @@
 #include <thread>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/error.hpp"
 
@@ -107,7 +109,8 @@ std::vector<Fault> parse_faults(const std::string& text) {
 }
 
 std::vector<std::string> unreachable_faults(const std::vector<Fault>& faults, int64_t steps,
-                                            int world, int64_t checkpoint_every, int64_t first_step,
+                                            int world, int64_t checkpoint_every,
+                                            const std::vector<int>& writers, int64_t first_step,
                                             int first_generation) {
   std::vector<std::string> out;
   for (const auto& f : faults) {
@@ -125,6 +128,12 @@ std::vector<std::string> unreachable_faults(const std::vector<Fault>& faults, in
     } else if (f.kind == Fault::Kind::crash_in_checkpoint && checkpoint_every == kNoCheckpoints) {
       out.push_back(
           fmt::format("DPTRAIN_FAULT '{}' never fires: these ranks write no checkpoints", f.text));
+    } else if (f.kind == Fault::Kind::crash_in_checkpoint && f.rank >= 0 &&
+               std::find(writers.begin(), writers.end(), f.rank) == writers.end()) {
+      out.push_back(fmt::format(
+          "DPTRAIN_FAULT '{}' never fires: rank {} writes no checkpoints (rank{} {} do{})", f.text,
+          f.rank, writers.size() == 1 ? "" : "s", fmt::join(writers, ", "),
+          writers.size() == 1 ? "es" : ""));
     } else if (f.kind == Fault::Kind::crash_in_checkpoint) {
       const bool scheduled = f.step == steps || (checkpoint_every > 0 && f.step > 0 &&
                                                  f.step < steps && f.step % checkpoint_every == 0);

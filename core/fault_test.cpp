@@ -66,6 +66,20 @@ TEST_CASE("faults that can never fire are named") {
   CHECK(none[3] ==
         "DPTRAIN_FAULT 'crash-in-checkpoint@step=40' never fires: these ranks write no "
         "checkpoints");
+  // Only the ranks that write checkpoints can crash in one.
+  const auto ranks = parse_faults(
+      "crash-in-checkpoint@step=20,rank=1;crash-in-checkpoint@step=20,rank=4;"
+      "crash-in-checkpoint@step=20");
+  const auto one_host = unreachable_faults(ranks, 40, 8, 10);
+  REQUIRE(one_host.size() == 2);
+  CHECK(one_host[0] ==
+        "DPTRAIN_FAULT 'crash-in-checkpoint@step=20,rank=1' never fires: rank 1 writes no "
+        "checkpoints (rank 0 does)");
+  const auto two_hosts = unreachable_faults(ranks, 40, 8, 10, {0, 4});
+  REQUIRE(two_hosts.size() == 1);
+  CHECK(two_hosts[0] ==
+        "DPTRAIN_FAULT 'crash-in-checkpoint@step=20,rank=1' never fires: rank 1 writes no "
+        "checkpoints (ranks 0, 4 do)");
 }
 
 TEST_CASE("fault specs with values out of range or a field twice are refused") {
@@ -96,7 +110,7 @@ TEST_CASE("fault specs with values out of range or a field twice are refused") {
 TEST_CASE("on a resume, faults before its step or generation never fire") {
   const auto faults =
       parse_faults("crash@step=5;crash@step=30,gen=1;crash@step=30,gen=2;slow@step=1,ms=1");
-  const auto warnings = unreachable_faults(faults, 40, 2, 10, 21, 2);
+  const auto warnings = unreachable_faults(faults, 40, 2, 10, {0}, 21, 2);
   REQUIRE(warnings.size() == 2);
   CHECK(warnings[0] == "DPTRAIN_FAULT 'crash@step=5' never fires: the run continues from step 21");
   CHECK(warnings[1] ==

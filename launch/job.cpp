@@ -321,8 +321,15 @@ std::vector<Fault> job_faults(const JobSpec& spec) {
 
 std::vector<std::string> check_fault_injection(const JobSpec& spec, int64_t first_step,
                                                int first_generation) {
+  // Rank 0 and the first rank of every further host write checkpoints.
+  std::vector<int> writers;
+  int rank = 0;
+  for (const auto& h : job_hosts(spec)) {
+    writers.push_back(rank);
+    rank += h.slots;
+  }
   return unreachable_faults(job_faults(spec), spec.recipe.train.steps, spec.world_size,
-                            spec.recipe.checkpoint.every, first_step, first_generation);
+                            spec.recipe.checkpoint.every, writers, first_step, first_generation);
 }
 
 std::vector<std::string> check_benchmark_fault_injection(const JobSpec& spec, int64_t steps) {

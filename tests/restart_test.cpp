@@ -505,6 +505,13 @@ TEST_CASE("DPTRAIN_FAULT: a fault that can never fire is warned about; a bad one
   CHECK(r.exit_code == 0);
   CHECK((r.out + r.err).find("warning: DPTRAIN_FAULT 'crash@step=60,rank=1' never fires") !=
         std::string::npos);
+  // A dry run warns as the launch would: a checkpoint crash on a rank that writes none.
+  r = run_dptrain({"launch", recipe.string(), "--nproc", "2", "--dry-run"},
+                  {{"DPTRAIN_FAULT", "crash-in-checkpoint@step=20,rank=1"}});
+  CHECK(r.exit_code == 0);
+  CHECK(r.err ==
+        "dptrain: warning: DPTRAIN_FAULT 'crash-in-checkpoint@step=20,rank=1' never fires: rank 1 "
+        "writes no checkpoints (rank 0 does)\n");
   r = run_dptrain({"launch", recipe.string(), "--run-dir", (tmp / "bad").string()},
                   {{"DPTRAIN_FAULT", "boom@step=3"}});
   CHECK(r.exit_code == 2);
