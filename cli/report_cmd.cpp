@@ -31,6 +31,31 @@ struct StatusOptions {
   bool json = false;
 };
 
+// The report replaces the file --out names (by rename): never one of the run's own files, and
+// never what is not a plain file (a link would be replaced itself, not its target; a device or
+// a pipe by a regular file).
+void check_report_out(const std::string& given, const fs::path& out, const fs::path& run_dir) {
+  std::error_code ec;
+  const fs::path parent = fs::weakly_canonical(out.parent_path(), ec);
+  const fs::path run = fs::weakly_canonical(run_dir, ec);
+  const fs::path inside = (parent / out.filename()).lexically_relative(run);
+  if (!inside.empty() && *inside.begin() != ".." && inside != "report.html") {
+    throw Error(ErrorKind::usage,
+                fmt::format("--out {}: inside the run directory {}, whose files a report must not "
+                            "replace; name a file elsewhere (without --out the report is {})",
+                            given, run_dir.string(), (run_dir / "report.html").string()));
+  }
+  const fs::file_status status = fs::symlink_status(out, ec);
+  if (!ec && fs::exists(status) && !fs::is_regular_file(status)) {
+    throw Error(
+        ErrorKind::usage,
+        fmt::format("--out {}: is {}, not a regular file; the report replaces what it "
+                    "names: name a regular file or a new one",
+                    given,
+                    fs::is_symlink(status) ? "a symbolic link" : "a device, pipe or socket"));
+  }
+}
+
 int run_report(const ReportOptions& o) {
   const bool given = o.out_flag != nullptr && o.out_flag->count() > 0;
   if (given && o.out.empty()) {
@@ -55,6 +80,7 @@ int run_report(const ReportOptions& o) {
     throw Error(ErrorKind::usage,
                 fmt::format("--out {}: no such directory {}", o.out, out.parent_path().string()));
   }
+  if (given) check_report_out(o.out, out, run.dir);
   write_file_atomic(out, report_html(run));
   const nlohmann::json summary = report_summary(run, out);
   if (o.json) {

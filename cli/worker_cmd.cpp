@@ -13,6 +13,7 @@
 #include "cli/commands.hpp"
 #include "cli/env.hpp"
 #include "cli/run_report.hpp"
+#include "core/checkpoint.hpp"
 #include "core/comm/auth.hpp"
 #include "core/comm/gloo_communicator.hpp"
 #include "core/comm/nccl_communicator.hpp"
@@ -161,6 +162,19 @@ int run_worker(WorkerOptions o) {
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(
       1000.0 * (o.timeout_s > 0 ? o.timeout_s : recipe.distributed.timeout_s)));
   const auto [host, port] = parse_host_port(o.store);
+  // A fresh start writes its checkpoints over any that the directory holds (a requeued job, a
+  // run directory reused by mistake): refused before any rank connects. Only the node's
+  // checkpoint writer looks; the others fail as their peer leaves.
+  if (o.resume.empty() && o.local_rank == 0) {
+    const auto held = list_checkpoints(std::filesystem::path(o.run_dir) / "checkpoints");
+    if (!held.empty()) {
+      throw Error(ErrorKind::usage,
+                  fmt::format("--run-dir {}: holds checkpoints (the newest {}), which a fresh "
+                              "start would write over; continue them with --resume newest, or "
+                              "give a new --run-dir",
+                              o.run_dir, held.front().filename().string()));
+    }
+  }
   std::filesystem::create_directories(o.run_dir);
 
   // The job secret comes through the environment only; "" means an open store (by hand).

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/checkpoint.hpp"
 #include "core/checksum.hpp"
@@ -423,7 +424,34 @@ class TrainingRun {
     return static_cast<double>(optimizer_->state().size_bytes()) / (1024.0 * 1024.0);
   }
 
+  // Ranks started by hand or by another scheduler may have been given different recipes: their
+  // collectives would mismatch (or, worse, match and train something nobody asked for). One
+  // allgather of the recipes' hashes compares them, data.path aside (each host may keep the data
+  // elsewhere; the data itself is compared by its fingerprint where a launcher places it).
+  void check_same_recipe() {
+    Recipe comparable = recipe_;
+    comparable.data.path.clear();
+    const uint64_t mine = std::stoull(recipe_hash(comparable), nullptr, 16);
+    std::vector<uint64_t> hashes(static_cast<size_t>(world_));
+    mark_collective("allgather of the recipes' hashes");
+    comm_.allgather(&mine, sizeof(mine), hashes.data());
+    std::vector<std::string> others;
+    for (int r = 1; r < world_; ++r) {
+      const uint64_t h = hashes[static_cast<size_t>(r)];
+      if (h != hashes[0]) others.push_back(fmt::format("rank {} ({:016x})", r, h));
+    }
+    if (!others.empty()) {
+      throw Error(
+          ErrorKind::recipe,
+          fmt::format("rank {}: the ranks were given different recipes: {} differ{} from "
+                      "rank 0's ({:016x}; hashes of the recipe with every default, "
+                      "data.path aside): start every rank with the same recipe",
+                      rank_, fmt::join(others, ", "), others.size() == 1 ? "s" : "", hashes[0]));
+    }
+  }
+
   void start() {
+    check_same_recipe();
     claim_run_directory();
     if (writes_checkpoints()) remove_incomplete_checkpoints(options_.run_dir / "checkpoints");
     if (data_world_ > micro_batches_) {

@@ -137,23 +137,37 @@ Placed place_generation(RunDirectory& run, JobSpec& spec, StatusPrinter& status,
                             batch, absent.empty() ? "" : "; without " + join(absent, "; "))}}};
 }
 
-// Where the next generation continues from: rank 0's node holds the newest checkpoint when it
-// is this machine (returned, and named in `name`); otherwise the ranks find the newest any node
-// holds (an empty path). With no checkpoint yet the job starts over, and its metrics with it.
-fs::path newest_local_checkpoint(RunDirectory& run, const JobSpec& spec, StatusPrinter& status,
-                                 std::string& name) {
+// Where the next generation continues from (its JobSpec::resume_from): the newest valid
+// checkpoint when rank 0's node is this machine (named in `name`); otherwise "newest" (the ranks
+// find the newest any node holds) once a checkpoint was committed, else "newest-or-start". With
+// no checkpoint yet the job starts over, and its metrics with it; with checkpoints of which none
+// verifies it does not (a restart would write over them and lose their steps, silently):
+// Error(checkpoint), as a resume would meet.
+fs::path next_generation_source(RunDirectory& run, const JobSpec& spec, StatusPrinter& status,
+                                std::string& name) {
   name = "the newest checkpoint on the nodes";
-  if (!rank0_local(spec)) return {};
+  if (!rank0_local(spec)) {
+    // One was committed: the ranks finding none is a checkpoint error (exit 5), not a start over.
+    return run.info().value("last_checkpoint", json()).is_object() ? fs::path("newest")
+                                                                   : fs::path("newest-or-start");
+  }
   // One out of reach (a permission) is an error, not "none": starting over would lose its steps.
   if (auto from = try_find_valid_checkpoint(
           run.checkpoints(), [&status](const std::string& w) { status.line("warning: " + w); })) {
     name = from->filename().string();
     return std::move(*from);
   }
+  if (const auto all = list_checkpoints(run.checkpoints()); !all.empty()) {
+    throw Error(ErrorKind::checkpoint,
+                fmt::format("{}: none of its {} checkpoint(s) verifies (the warnings above say "
+                            "why), and starting over would write over them; repair them, or move "
+                            "them away to start over, then 'dptrain resume'",
+                            run.checkpoints().string(), all.size()));
+  }
   name = "step 0";
   std::error_code ignored;
   fs::remove(run.path() / "metrics.jsonl", ignored);
-  return {};
+  return "newest-or-start";
 }
 
 // Too few hosts or ranks are left for the next generation.
@@ -266,7 +280,7 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
       // Not a failure and not a restart: the next generation continues from the checkpoint the
       // ranks just wrote, with the hosts that answer now.
       std::string from_name;
-      const fs::path from = newest_local_checkpoint(run, spec, status, from_name);
+      const fs::path from = next_generation_source(run, spec, status, from_name);
       json& resizes = run.info()["resizes"];
       if (!resizes.is_array()) resizes = json::array();
       resizes.push_back({{"after_generation", run.info()["generations"].size()},
@@ -278,7 +292,7 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
       if (!grown.error.empty()) return finish(failed_placement(run, outcome, grown.error, ""));
       if (const int sig = pending_stop_signal()) return finish(stopped_waiting(run, outcome, sig));
       record_world_size_change(run, spec, status, grown.change);
-      spec.resume_from = rank0_local(spec) && !from.empty() ? from : fs::path("newest-or-start");
+      spec.resume_from = from;
       continue;
     }
     // A stop asked for (SIGTERM, Ctrl-C) is never answered with a restart.
@@ -347,7 +361,7 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
     std::string from_name;
     fs::path from;
     try {
-      from = newest_local_checkpoint(run, spec, status, from_name);
+      from = next_generation_source(run, spec, status, from_name);
     } catch (const Error& e) {
       // The newest checkpoint is out of reach: the generation's failure stays the message's
       // first line, and why there is no restart follows it.
@@ -385,7 +399,7 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
     record_world_size_change(run, spec, status, placed.change);
     // A checkpoint on this machine is named when rank 0 still runs here; otherwise the ranks
     // find the newest any node holds (rank 0 may be on another host now).
-    spec.resume_from = rank0_local(spec) && !from.empty() ? from : fs::path("newest-or-start");
+    spec.resume_from = from;
   }
 }
 

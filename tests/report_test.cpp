@@ -3,6 +3,7 @@
 // whose launcher was killed (running, then stale), torn and empty metrics, and bad run dirs.
 #include <doctest/doctest.h>
 #include <signal.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -590,4 +591,41 @@ TEST_CASE("report and status of what is not a run: exit 2 naming it") {
   CHECK(in_the_way.exit_code == 1);
   CHECK(contains(in_the_way.err, (tmp / "ok/report.html").string() + ": is a directory"));
   CHECK_FALSE(contains(in_the_way.err, "error: --out"));
+  fs::remove(tmp / "ok/report.html");
+
+  // --out never replaces the run's own files, a link, or what is not a plain file; the run's
+  // report.html, named by any path, is still the report's to replace.
+  const std::string run_json = read_text(tmp / "ok/run.json");
+  for (const fs::path& inside :
+       {tmp / "ok/run.json", tmp / "ok/new.html", tmp / "ok/../ok/run.json"}) {
+    CAPTURE(inside);
+    auto refused = run_dptrain({"report", (tmp / "ok").string(), "--out", inside.string()});
+    CHECK(refused.exit_code == 2);
+    CHECK(refused.err == "dptrain: error: --out " + inside.string() +
+                             ": inside the run directory " + (tmp / "ok").string() +
+                             ", whose files a report must not replace; name a file elsewhere "
+                             "(without --out the report is " +
+                             (tmp / "ok/report.html").string() + ")\n");
+  }
+  CHECK(read_text(tmp / "ok/run.json") == run_json);
+  CHECK_FALSE(fs::exists(tmp / "ok/new.html"));
+  write_text(tmp / "target.html", "kept");
+  fs::create_symlink(tmp / "target.html", tmp / "link.html");
+  auto link = run_dptrain({"report", (tmp / "ok").string(), "--out", (tmp / "link.html").string()});
+  CHECK(link.exit_code == 2);
+  CHECK(contains(link.err, "link.html: is a symbolic link, not a regular file"));
+  CHECK(fs::is_symlink(tmp / "link.html"));
+  CHECK(read_text(tmp / "target.html") == "kept");
+  REQUIRE(::mkfifo((tmp / "pipe").c_str(), 0600) == 0);
+  auto pipe = run_dptrain({"report", (tmp / "ok").string(), "--out", (tmp / "pipe").string()});
+  CHECK(pipe.exit_code == 2);
+  CHECK(contains(pipe.err, "pipe: is a device, pipe or socket, not a regular file"));
+  auto own = run_dptrain(
+      {"report", (tmp / "ok").string(), "--out", (tmp / "ok/../ok/report.html").string()});
+  CHECK(own.exit_code == 0);
+  CHECK(fs::is_regular_file(tmp / "ok/report.html"));
+  auto outside =
+      run_dptrain({"report", (tmp / "ok").string(), "--out", (tmp / "target.html").string()});
+  CHECK(outside.exit_code == 0);
+  CHECK(read_text(tmp / "target.html").starts_with("<!DOCTYPE html>"));
 }

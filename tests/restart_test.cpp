@@ -5,8 +5,11 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <fstream>
 #include <sstream>
 #include <thread>
+
+#include <fmt/format.h>
 
 #include "tests/harness.hpp"
 
@@ -145,6 +148,47 @@ TEST_CASE("a stop while waiting to restart keeps the failure it was for in the m
       error.starts_with("stopped by SIGTERM while waiting to restart (a resume continues from "
                         "step-000020) after: rank 1 "));
   CHECK(parse_json(read_text(run_dir / "run.json"))["error"] == error);
+}
+
+TEST_CASE("a restart with no checkpoint that verifies stops with exit 5, writing over none") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  const fs::path run_dir = tmp / "spoiled";
+  Background launcher({"launch", recipe.string(), "--nproc", "2", "--run-dir", run_dir.string(),
+                       "--max-restarts", "2", "--restart-backoff", "3", "--json"},
+                      {{"DPTRAIN_FAULT", "crash@step=25,rank=1,gen=1"}});
+  REQUIRE(eventually([&] {
+    return fs::exists(run_dir / "run.json") &&
+           parse_json(read_text(run_dir / "run.json")).contains("pending_restart");
+  }));
+  // Every checkpoint is damaged while the launcher waits to restart.
+  std::vector<fs::path> blobs;
+  for (const auto& entry : fs::directory_iterator(run_dir / "checkpoints")) {
+    if (entry.path().filename().string().starts_with("step-")) {
+      blobs.push_back(entry.path() / "params.bin");
+      std::ofstream(blobs.back(), std::ios::app | std::ios::binary) << 'x';
+    }
+  }
+  REQUIRE_FALSE(blobs.empty());
+  std::vector<std::string> damaged;
+  for (const auto& b : blobs)
+    damaged.push_back(read_text(b));
+  CHECK(launcher.wait(std::chrono::seconds(60)) == 5);
+  const json out = parse_json(launcher.out());
+  const std::string error = out["error"];
+  INFO(error, launcher.err());
+  CHECK(error.starts_with("rank 1 "));  // the failure first, then why it was not restarted
+  CHECK(error.find(fmt::format("(not restarted: {}: none of its {} checkpoint(s) verifies",
+                               (run_dir / "checkpoints").string(), blobs.size())) !=
+        std::string::npos);
+  // Nothing started over: the damaged checkpoints are as they were, and no restart is recorded.
+  for (size_t i = 0; i < blobs.size(); ++i)
+    CHECK(read_text(blobs[i]) == damaged[i]);
+  const json info = parse_json(read_text(run_dir / "run.json"));
+  CHECK(info["status"] == "failed");
+  CHECK(info.value("restarts", json::array()).empty());
+  CHECK(launcher.err().find("warning: skipping checkpoint step-000020: params.bin") !=
+        std::string::npos);
 }
 
 TEST_CASE("without --max-restarts a failure is final; with it exhausted the message says so") {

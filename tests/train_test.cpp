@@ -202,6 +202,37 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
   CHECK(c1 == 0);
   CHECK(fs::exists(tmp / "run/result.json"));
   CHECK(fs::exists(tmp / "run/metrics.jsonl"));
+
+  // Started again into the same directory without --resume (a requeued job), rank 0 refuses
+  // before it connects rather than write a fresh start over the checkpoints.
+  const std::string metrics = read_text(tmp / "run/metrics.jsonl");
+  const std::string latest = read_text(tmp / "run/checkpoints/latest");
+  auto again = run_dptrain({"worker", recipe.string()}, env0, std::chrono::seconds(60));
+  CHECK(again.exit_code == 2);
+  CHECK(again.err == "dptrain: error: --run-dir " + (tmp / "run").string() +
+                         ": holds checkpoints (the newest step-000060), which a fresh start "
+                         "would write over; continue them with --resume newest, or give a new "
+                         "--run-dir\n");
+  CHECK(read_text(tmp / "run/metrics.jsonl") == metrics);
+  CHECK(read_text(tmp / "run/checkpoints/latest") == latest);
+
+  // Ranks given different recipes (here only the learning rate differs) stop at once, each
+  // naming the difference, instead of training apart until a checksum notices.
+  auto other = small_recipe();
+  other["optimizer"]["lr"] = other["optimizer"].value("lr", 0.01) * 2;
+  const auto other_path = write_recipe(tmp.path(), other, "other.json");
+  env0["DPTRAIN_RUN_DIR"] = env1["DPTRAIN_RUN_DIR"] = (tmp / "mixed").string();
+  env0["MASTER_PORT"] = env1["MASTER_PORT"] = std::to_string(unused_port());
+  Background m0({"worker", recipe.string()}, env0);
+  Background m1({"worker", other_path.string()}, env1);
+  CHECK(m1.wait(std::chrono::seconds(120)) == 2);
+  CHECK(m0.wait(std::chrono::seconds(120)) == 2);
+  for (const std::string& err : {m0.err(), m1.err()}) {
+    CAPTURE(err);
+    CHECK(err.find("the ranks were given different recipes: rank 1 (") != std::string::npos);
+    CHECK(err.find("start every rank with the same recipe") != std::string::npos);
+  }
+  CHECK_FALSE(fs::exists(tmp / "mixed/checkpoints/latest"));
 }
 
 TEST_CASE("a worker started by srun takes its local rank from SLURM_LOCALID") {
