@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <thread>
 
@@ -130,17 +131,33 @@ TEST_CASE("failures in a row at one step count over the run: a resume loop stops
   CHECK(info["generations"].size() == 3);
 }
 
-TEST_CASE("a stop while waiting to restart keeps the failure it was for in the message") {
-  TempDir tmp;
-  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
-  const fs::path run_dir = tmp / "waiting";
-  Background launcher({"launch", recipe.string(), "--nproc", "2", "--run-dir", run_dir.string(),
-                       "--max-restarts", "1", "--restart-backoff", "30", "--json"},
-                      {{"DPTRAIN_FAULT", "crash@step=25,rank=1"}});
+namespace {
+
+// A 2-rank launch of resumable_recipe() (written beside run_dir) whose rank 1 crashes at step 25
+// (in generation 1 only with `first_only`), waiting `backoff` seconds to restart; returns once it
+// waits.
+std::unique_ptr<Background> launch_until_restart_wait(const fs::path& run_dir,
+                                                      const std::string& backoff, bool first_only) {
+  const auto recipe = write_recipe(run_dir.parent_path(), resumable_recipe());
+  auto launcher = std::make_unique<Background>(
+      std::vector<std::string>{"launch", recipe.string(), "--nproc", "2", "--run-dir",
+                               run_dir.string(), "--max-restarts", "2", "--restart-backoff",
+                               backoff, "--json"},
+      Env{{"DPTRAIN_FAULT", first_only ? "crash@step=25,rank=1,gen=1" : "crash@step=25,rank=1"}});
   REQUIRE(eventually([&] {
     return fs::exists(run_dir / "run.json") &&
            parse_json(read_text(run_dir / "run.json")).contains("pending_restart");
   }));
+  return launcher;
+}
+
+}  // namespace
+
+TEST_CASE("a stop while waiting to restart keeps the failure it was for in the message") {
+  TempDir tmp;
+  const fs::path run_dir = tmp / "waiting";
+  const auto waiting = launch_until_restart_wait(run_dir, "30", false);
+  Background& launcher = *waiting;
   REQUIRE(::kill(launcher.pid(), SIGTERM) == 0);
   CHECK(launcher.wait(std::chrono::seconds(20)) == 143);
   const std::string error = parse_json(launcher.out())["error"];
@@ -152,15 +169,9 @@ TEST_CASE("a stop while waiting to restart keeps the failure it was for in the m
 
 TEST_CASE("a restart with no checkpoint that verifies stops with exit 5, writing over none") {
   TempDir tmp;
-  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
   const fs::path run_dir = tmp / "spoiled";
-  Background launcher({"launch", recipe.string(), "--nproc", "2", "--run-dir", run_dir.string(),
-                       "--max-restarts", "2", "--restart-backoff", "3", "--json"},
-                      {{"DPTRAIN_FAULT", "crash@step=25,rank=1,gen=1"}});
-  REQUIRE(eventually([&] {
-    return fs::exists(run_dir / "run.json") &&
-           parse_json(read_text(run_dir / "run.json")).contains("pending_restart");
-  }));
+  const auto waiting = launch_until_restart_wait(run_dir, "3", true);
+  Background& launcher = *waiting;
   // Every checkpoint is damaged while the launcher waits to restart.
   std::vector<fs::path> blobs;
   for (const auto& entry : fs::directory_iterator(run_dir / "checkpoints")) {
