@@ -2,6 +2,9 @@
 #include "core/error.hpp"
 
 #include <sstream>
+#include <string_view>
+
+#include <fmt/format.h>
 
 namespace dptrain {
 
@@ -78,6 +81,26 @@ std::string first_line(const std::string& text) {
     return line.substr(begin, line.find_last_not_of(" \t\r") - begin + 1);
   }
   return "";
+}
+
+namespace {
+constexpr std::string_view kExcerptLead = "; its last lines (full log: ";
+constexpr std::string_view kExcerptLeadEnd = "):";
+}  // namespace
+
+std::string log_excerpt_lead(const std::string& log) {
+  return fmt::format("{}{}{}", kExcerptLead, log, kExcerptLeadEnd);
+}
+
+std::string error_headline(const std::string& text) {
+  std::string line = first_line(text);
+  const size_t lead = line.rfind(kExcerptLead);
+  if (lead != std::string::npos && line.ends_with(kExcerptLeadEnd)) {
+    const size_t log = lead + kExcerptLead.size();
+    line = fmt::format("{}; full log: {}", line.substr(0, lead),
+                       line.substr(log, line.size() - kExcerptLeadEnd.size() - log));
+  }
+  return line;
 }
 
 std::string printable_excerpt(std::string_view text, size_t max) {

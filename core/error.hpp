@@ -37,6 +37,12 @@ std::vector<std::string> error_messages(const std::string& text);
 // The first line of a message that holds text (another program's stderr), without the
 // whitespace around it; "" when there is none.
 std::string first_line(const std::string& text);
+// The lead-in of a log excerpt that ends a failure's first line, "; its last lines (full log:
+// LOG):", before the excerpt's indented lines.
+std::string log_excerpt_lead(const std::string& log);
+// A failure's first line, complete on its own (a restart's cause, an event, a summary): a log
+// excerpt's lead-in at its end becomes "; full log: LOG".
+std::string error_headline(const std::string& text);
 // Untrusted text (a field of a data file) for a one-line message: control characters and NUL
 // as \xNN, cut to `max` bytes with "..." after.
 std::string printable_excerpt(std::string_view text, size_t max = 60);

@@ -854,7 +854,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
                       sup.stop_signal == SIGTERM ? "SIGTERM" : "SIGINT", checkpoint_note());
     }
     if (!last_lines.empty()) {
-      out.error += fmt::format("; its last lines (full log: {}):", log_hint);
+      out.error += log_excerpt_lead(log_hint);
       for (const auto& l : last_lines)
         out.error += "\n  " + l;
     }
@@ -896,7 +896,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
                 {{"process", process},
                  {"exit_code", exit_code >= 0 && signal == 0 ? json(exit_code) : json(nullptr)},
                  {"signal", signal != 0 ? json(signal) : json(nullptr)},
-                 {"message", out.error.substr(0, out.error.find('\n'))}});
+                 {"message", error_headline(out.error)}});
   }
   events.emit("generation_ended",
               {{"generation", generation}, {"status", out.status}, {"exit_code", out.exit_code}});

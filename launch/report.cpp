@@ -660,7 +660,7 @@ std::string generations_table(const json& info) {
         integer(g, "generation", 0), html(text(g, "started_at")), html(text(g, "ended_at")),
         html(text(g, "world_size")), html(fmt::format("{}", fmt::join(hosts, ", "))),
         html(text(g, "resumed_from").empty() ? "start" : text(g, "resumed_from")), html(status),
-        html(first_line(error)));
+        html(error_headline(error)));
   }
   return "<table><thead><tr><th>#</th><th>Started</th><th>Ended</th><th>World size</th>"
          "<th>Hosts</th><th>Resumed from</th><th>Status</th><th>Error</th></tr></thead>\n<tbody>" +
@@ -1054,7 +1054,7 @@ json report_summary(const RunView& run, const fs::path& report_file) {
                 {"world_sizes", world_sizes(run.info)},
                 {"checkpoints_failed", failed},
                 {"metrics_lines_skipped", run.metrics.skipped_lines},
-                {"error", or_null(first_line(run_error(run.info)))}});
+                {"error", or_null(error_headline(run_error(run.info)))}});
   return j;
 }
 

@@ -336,7 +336,7 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
     const int attempt = restarts + 1;
     const auto backoff = std::min<std::chrono::milliseconds>(
         policy.backoff * (int64_t{1} << std::min(attempt - 1, 15)), std::chrono::seconds(30));
-    const std::string cause = first_line(outcome.error);
+    const std::string cause = error_headline(outcome.error);
     // Nothing is recorded as a restart until one happens: the back-off may be cut short by a
     // stop, and an elastic job may find too few hosts or ranks for another generation.
     // Seen by `dptrain status` as restarting (while this launcher lives).

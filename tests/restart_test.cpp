@@ -41,6 +41,19 @@ TEST_CASE(
   REQUIRE(info["restarts"].size() == 3);
   CHECK(info["restarts"][0]["from"] == "step-000020");
   CHECK(info["restarts"][0]["cause"].get<std::string>().find("rank 1") != std::string::npos);
+  // A cause is one line complete in itself: where the rank left lines, it names its log, with
+  // no excerpt to follow.
+  int naming_log = 0;
+  for (const auto& restart : info["restarts"]) {
+    const std::string cause = restart["cause"];
+    CAPTURE(cause);
+    CHECK(cause.find('\n') == std::string::npos);
+    CHECK_FALSE(cause.ends_with(":"));
+    if (cause.find("; full log: " + (tmp / "faulty/logs").string()) != std::string::npos) {
+      ++naming_log;
+    }
+  }
+  CHECK(naming_log >= 1);  // rank 0's crash: its progress lines
   CHECK(info["restarts"][1]["from"] == "step-000040");
   CHECK(info["restarts"][2]["cause"].get<std::string>().find("exited with code 9") !=
         std::string::npos);
