@@ -16,6 +16,7 @@
 
 #include "cli/commands.hpp"
 #include "cli/json_errors.hpp"
+#include "cli/run_report.hpp"
 #include "core/checkpoint.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
@@ -346,7 +347,9 @@ void setup_ckpt(CLI::App& app, Outcome& outcome) {
 
   CLI::App* list = app.add_subcommand(
       "list", "Every checkpoint, newest first: step, epoch, world size, size, time, verified");
-  list->add_option("run_dir", o->run_dir, "Run directory made by 'dptrain launch'")->required();
+  list->add_option("run_dir", o->run_dir, "Run directory made by 'dptrain launch'")
+      ->required()
+      ->check(run_directory());
   list->add_flag("--json", o->json, "Print one JSON object on stdout");
   list->callback([o, &outcome] {
     outcome.json = o->json;
@@ -355,7 +358,9 @@ void setup_ckpt(CLI::App& app, Outcome& outcome) {
 
   CLI::App* verify = app.add_subcommand(
       "verify", "Check every blob's size and checksum; exit 5 naming any that fails");
-  verify->add_option("run_dir", o->run_dir, "Run directory made by 'dptrain launch'")->required();
+  verify->add_option("run_dir", o->run_dir, "Run directory made by 'dptrain launch'")
+      ->required()
+      ->check(run_directory());
   CLI::Option* step = verify->add_option(
       "step", o->step,
       "Step number or directory name (default: the one 'latest' names, else the newest)");

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.hpp"
+#include "cli/run_report.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
 #include "core/json_error.hpp"
@@ -105,7 +106,9 @@ int run_status(const StatusOptions& o) {
 
 void setup_report(CLI::App& app, Outcome& outcome) {
   auto o = std::make_shared<ReportOptions>();
-  app.add_option("run_dir", o->run_dir, "Run directory made by 'dptrain launch'")->required();
+  app.add_option("run_dir", o->run_dir, "Run directory made by 'dptrain launch'")
+      ->required()
+      ->check(run_directory());
   o->out_flag =
       app.add_option("--out", o->out, "Write the HTML here instead of RUN_DIR/report.html");
   app.add_flag("--json", o->json, "Print the summary as one JSON object on stdout");
@@ -117,7 +120,9 @@ void setup_report(CLI::App& app, Outcome& outcome) {
 
 void setup_status(CLI::App& app, Outcome& outcome) {
   auto o = std::make_shared<StatusOptions>();
-  app.add_option("run_dir", o->run_dir, "Run directory made by 'dptrain launch'")->required();
+  app.add_option("run_dir", o->run_dir, "Run directory made by 'dptrain launch'")
+      ->required()
+      ->check(run_directory());
   app.add_flag("--json", o->json, "Print one JSON object on stdout");
   app.callback([o, &outcome] {
     outcome.json = o->json;

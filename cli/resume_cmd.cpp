@@ -179,7 +179,9 @@ int run_resume(const ResumeOptions& o) {
 
 void setup_resume(CLI::App& app, Outcome& outcome) {
   auto o = std::make_shared<ResumeOptions>();
-  app.add_option("run_dir", o->run_dir, "Run directory made by 'dptrain launch'")->required();
+  app.add_option("run_dir", o->run_dir, "Run directory made by 'dptrain launch'")
+      ->required()
+      ->check(run_directory());
   app.add_option("-n,--nproc", o->nproc,
                  "Local ranks, N or MIN:MAX for an elastic job (default: the run's recorded world "
                  "size); on another world size the global batch stays the run's (see "

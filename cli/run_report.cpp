@@ -134,6 +134,15 @@ const CLI::Validator& seconds() {
   return check;
 }
 
+const CLI::Validator& run_directory() {
+  static const CLI::Validator check(
+      [](std::string& value) -> std::string {
+        return value.empty() ? "is empty; name a run directory" : "";
+      },
+      "RUN_DIR");
+  return check;
+}
+
 void add_restart_options(CLI::App& app, RestartOptions& o) {
   app.add_option("--events", o.events,
                  "Write one JSON line per state change (generation, rendezvous, checkpoint, "

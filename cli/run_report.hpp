@@ -3,7 +3,13 @@
 
 #include <CLI/CLI.hpp>
 
+#include <charconv>
+#include <limits>
 #include <memory>
+#include <string>
+#include <system_error>
+
+#include <fmt/format.h>
 
 #include "launch/events.hpp"
 #include "launch/job.hpp"
@@ -32,6 +38,34 @@ void add_restart_options(CLI::App& app, RestartOptions& o);
 const CLI::Validator& non_negative_number();
 // A number of seconds: non_negative_number, at most kMaxSeconds.
 const CLI::Validator& seconds();
+// A CLI11 check for a run directory argument: not empty (an empty path names no directory, and
+// would fail deep inside as "cannot make absolute path").
+const CLI::Validator& run_directory();
+
+// A CLI11 check that the value is a whole number T holds, so that the conversion cannot wrap or
+// saturate one too large. Every option it checks counts from 0, hence the range it names.
+template <typename T>
+CLI::Validator whole_number(const char* description) {
+  return CLI::Validator(
+      [](std::string& value) -> std::string {
+        T parsed{};
+        const char* end = value.data() + value.size();
+        const auto [ptr, ec] = std::from_chars(value.data(), end, parsed);
+        if (value.empty() || ptr != end ||
+            (ec != std::errc() && ec != std::errc::result_out_of_range)) {
+          return "'" + value +
+                 (value.starts_with('-') ? "' must be a whole number >= 0"
+                                         : "' is not a whole number");
+        }
+        if (ec == std::errc() && parsed < T{0})
+          return "'" + value + "' must be a whole number >= 0";
+        if (ec == std::errc::result_out_of_range) {
+          return fmt::format("'{}' is out of range [0, {}]", value, std::numeric_limits<T>::max());
+        }
+        return {};
+      },
+      description);
+}
 
 // Error(usage) when --events would share stdout with --json.
 void check_events(const RestartOptions& o, bool json);

@@ -46,30 +46,6 @@ struct SampleOptions {
   bool json = false;
 };
 
-// A CLI11 check that the value is a whole number T holds, so that the conversion cannot wrap or
-// saturate one too large. Every option it checks counts from 0 (run_sample refuses a negative
-// one), hence the range it names.
-template <typename T>
-CLI::Validator whole_number(const char* description) {
-  return CLI::Validator(
-      [](std::string& value) -> std::string {
-        T parsed{};
-        const char* end = value.data() + value.size();
-        const auto [ptr, ec] = std::from_chars(value.data(), end, parsed);
-        if (value.empty() || ptr != end ||
-            (ec != std::errc() && ec != std::errc::result_out_of_range)) {
-          return "'" + value +
-                 (value.starts_with('-') ? "' must be a whole number >= 0"
-                                         : "' is not a whole number");
-        }
-        if (ec == std::errc::result_out_of_range) {
-          return fmt::format("'{}' is out of range [0, {}]", value, std::numeric_limits<T>::max());
-        }
-        return {};
-      },
-      description);
-}
-
 // Draws an id from softmax(logits / temperature) restricted to the top_k largest (0: all) of the
 // first `vocab` logits: ids the model has but the tokenizer cannot decode (a model.vocab larger
 // than the dataset's vocabulary) are never drawn. Temperature 0 takes the largest (the first on
@@ -268,7 +244,9 @@ int run_sample(const SampleOptions& o) {
 
 void setup_sample(CLI::App& app, Outcome& outcome) {
   auto o = std::make_shared<SampleOptions>();
-  app.add_option("run_dir", o->run_dir, "Run directory of a gpt run")->required();
+  app.add_option("run_dir", o->run_dir, "Run directory of a gpt run")
+      ->required()
+      ->check(run_directory());
   app.add_option(
       "--prompt", o->prompt,
       "Text to continue (default: none; the model is given a newline to start from, which is "

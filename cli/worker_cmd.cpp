@@ -82,7 +82,20 @@ void fill_from_env(WorkerOptions& o) {
   }
   if (!o.host_store) o.host_store = env("DPTRAIN_HOST_STORE").value_or("0") == "1";
   if (o.bind.empty()) o.bind = env("DPTRAIN_BIND_ADDR").value_or("");
-  if (o.world_size < 1 || o.rank >= o.world_size) {
+  // Flags were checked by CLI11; values from the environment are checked here, before any
+  // connection, naming the variable.
+  const auto at_least = [](const char* name, int value, int least) {
+    if (value < least) {
+      throw Error(ErrorKind::usage,
+                  fmt::format("{}: must be at least {}, got {}", name, least, value));
+    }
+  };
+  at_least("rank (--rank or RANK)", o.rank, 0);
+  at_least("world size (--world-size or WORLD_SIZE)", o.world_size, 1);
+  at_least("local rank (--local-rank or LOCAL_RANK)", o.local_rank, 0);
+  at_least("nominal world (--nominal-world or DPTRAIN_NOMINAL_WORLD)", o.nominal_world, 0);
+  at_least("generation (--generation or DPTRAIN_GENERATION)", o.generation, 1);
+  if (o.rank >= o.world_size) {
     throw Error(ErrorKind::usage,
                 fmt::format("rank {} is outside world size {}", o.rank, o.world_size));
   }
@@ -258,21 +271,26 @@ void setup_worker(CLI::App& app, Outcome& outcome) {
   app.add_option("--resume", o->resume,
                  "Checkpoint directory to continue from; \"newest\": the newest valid one any "
                  "node holds; \"newest-or-start\": that, or step 0 when there is none");
-  app.add_option("--rank", o->rank, "This rank (env RANK)");
-  app.add_option("--world-size", o->world_size, "Number of ranks (env WORLD_SIZE)");
+  // Negative values are refused here: inside, -1 stands for "not given".
+  app.add_option("--rank", o->rank, "This rank (env RANK)")->check(whole_number<int>("RANK"));
+  app.add_option("--world-size", o->world_size, "Number of ranks (env WORLD_SIZE)")
+      ->check(whole_number<int>("SIZE"));
   app.add_option("--local-rank", o->local_rank,
-                 "Rank on this node (env LOCAL_RANK); local rank 0 writes the node's checkpoints");
+                 "Rank on this node (env LOCAL_RANK); local rank 0 writes the node's checkpoints")
+      ->check(whole_number<int>("RANK"));
   app.add_option("--nominal-world", o->nominal_world,
                  "World size the job's global batch is defined by (env DPTRAIN_NOMINAL_WORLD; "
-                 "default: the world size)");
+                 "default and 0: the world size)")
+      ->check(whole_number<int>("SIZE"));
   app.add_option("--store", o->store,
                  "Store HOST:PORT (env DPTRAIN_STORE, or MASTER_ADDR and MASTER_PORT)");
   app.add_flag("--host-store", o->host_store,
                "Rank 0 serves the store itself on the store's port (env DPTRAIN_HOST_STORE=1)");
-  app.add_option("--generation", o->generation, "Restart generation (env DPTRAIN_GENERATION)");
+  app.add_option("--generation", o->generation, "Restart generation (env DPTRAIN_GENERATION)")
+      ->check(whole_number<int>("N"));
   app.add_option("--bind", o->bind, "Address for this rank's transport (env DPTRAIN_BIND_ADDR)");
   app.add_option("--timeout", o->timeout_s,
-                 "Seconds for store and collective waits (default: distributed.timeout_s)")
+                 "Seconds for store and collective waits (default and 0: distributed.timeout_s)")
       ->check(seconds());
   app.callback([o, &outcome] {
     try {

@@ -557,6 +557,18 @@ TEST_CASE("a running launch stamps run.json with its host and a renewed alive_at
 
 TEST_CASE("report and status of what is not a run: exit 2 naming it") {
   TempDir tmp;
+  // An empty RUN_DIR names no directory, for every command that takes one.
+  for (const std::vector<std::string>& args : {std::vector<std::string>{"status", ""},
+                                               {"report", ""},
+                                               {"ckpt", "list", ""},
+                                               {"ckpt", "verify", ""},
+                                               {"resume", ""},
+                                               {"sample", ""}}) {
+    CAPTURE(args[0]);
+    auto empty = run_dptrain(args);
+    CHECK(empty.exit_code == 2);
+    CHECK(empty.err.starts_with("dptrain: error: run_dir: is empty; name a run directory"));
+  }
   for (const char* cmd : {"report", "status"}) {
     CAPTURE(cmd);
     auto missing = run_dptrain({cmd, (tmp / "nope").string()});

@@ -9,6 +9,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <tuple>
 
 #include "tests/harness.hpp"
 #include "tests/sshd.hpp"
@@ -280,6 +281,36 @@ TEST_CASE("a worker missing its identity says which variable is missing") {
   auto r = run_dptrain({"worker", recipe.string()}, {{"RANK", ""}, {"WORLD_SIZE", ""}});
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("RANK") != std::string::npos);
+
+  // Values out of range are refused before any connection (no store listens here), naming the
+  // flag or variable.
+  const std::vector<std::string> base = {
+      "worker", recipe.string(), "--run-dir", (tmp / "run").string(), "--store", "127.0.0.1:1"};
+  for (const auto& [extra, env, message] :
+       std::vector<std::tuple<std::vector<std::string>, Env, std::string>>{
+           {{"--rank", "-1", "--world-size", "2"}, {}, "--rank: '-1' must be a whole number >= 0"},
+           {{"--rank", "0", "--world-size", "99999999999"},
+            {},
+            "--world-size: '99999999999' is out of range [0, 2147483647]"},
+           {{"--rank", "0", "--world-size", "0"},
+            {},
+            "world size (--world-size or WORLD_SIZE): must be at least 1, got 0"},
+           {{"--rank", "0", "--world-size", "2", "--generation", "0"},
+            {},
+            "generation (--generation or DPTRAIN_GENERATION): must be at least 1, got 0"},
+           {{"--world-size", "2"}, {{"RANK", "-1"}}, "rank (--rank or RANK): must be at least 0"},
+           {{"--rank", "0", "--world-size", "2"},
+            {{"LOCAL_RANK", "-3"}},
+            "local rank (--local-rank or LOCAL_RANK): must be at least 0, got -3"}}) {
+    std::vector<std::string> args = base;
+    args.insert(args.end(), extra.begin(), extra.end());
+    auto bad = run_dptrain(args, env, std::chrono::seconds(60));
+    CAPTURE(bad.err);
+    CHECK(bad.exit_code == 2);
+    CHECK(bad.err.find(message) != std::string::npos);
+    CHECK(std::count(bad.err.begin(), bad.err.end(), '\n') == 1);
+  }
+  CHECK_FALSE(fs::exists(tmp / "run"));
 }
 
 TEST_CASE("fp16 and bf16 gradient compression: half the bytes, the held-out loss within 2%") {
