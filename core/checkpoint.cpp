@@ -584,7 +584,8 @@ void point_latest_at(const fs::path& checkpoints_dir, const fs::path& checkpoint
 
 fs::path latest_checkpoint(const fs::path& checkpoints_dir) {
   std::error_code ec;
-  if (!fs::exists(checkpoints_dir / kLatestFile, ec)) return {};
+  // Missing, or not a file (a pipe would block the reader): no `latest`.
+  if (!fs::is_regular_file(fs::symlink_status(checkpoints_dir / kLatestFile, ec))) return {};
   std::string name = read_file(checkpoints_dir / kLatestFile);
   while (!name.empty() && (name.back() == '\n' || name.back() == ' '))
     name.pop_back();

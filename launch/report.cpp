@@ -2,9 +2,12 @@
 #include "launch/report.hpp"
 
 #include <time.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <limits>
 #include <optional>
@@ -799,12 +802,40 @@ RunView load_run(const fs::path& dir, bool verify_checkpoints) {
   RunView run;
   run.dir = fs::absolute(dir).lexically_normal();
   run.info = read_run_json(dir);
-  run.result = read_json_file(dir / "result.json");
+  // A part that is there but cannot be read is named, not fatal; a pipe is never opened (its
+  // reader would wait for a writer). `blocked` is false for a part that is missing.
+  const auto blocked = [&run](const fs::path& file) {
+    std::error_code ec;
+    const fs::file_status st = fs::status(file, ec);
+    if (st.type() == fs::file_type::not_found) return false;
+    std::string why;
+    if (ec) {
+      why = ec.message();
+    } else if (st.type() != fs::file_type::regular && st.type() != fs::file_type::directory) {
+      why = "not a regular file";
+    } else if (::access(file.c_str(), fs::is_directory(st) ? R_OK | X_OK : R_OK) != 0) {
+      why = std::strerror(errno);
+    }
+    if (why.empty()) return false;
+    run.unreadable.push_back(fmt::format("{}: {}", file.string(), why));
+    return true;
+  };
+  if (!blocked(dir / "result.json")) run.result = read_json_file(dir / "result.json");
   if (!run.result.is_object() && run.info.contains("result")) run.result = run.info["result"];
   if (!run.result.is_object()) run.result = nullptr;
-  run.metrics = read_metrics(dir / "metrics.jsonl");
+  try {
+    if (!blocked(dir / "metrics.jsonl")) run.metrics = read_metrics(dir / "metrics.jsonl");
+  } catch (const Error& e) {
+    run.unreadable.push_back(e.what());
+  }
   run.state = run_state(run.info);
-  run.checkpoints = summarize_checkpoints(dir / "checkpoints", verify_checkpoints);
+  try {
+    if (!blocked(dir / "checkpoints") && !blocked(dir / "checkpoints" / "latest")) {
+      run.checkpoints = summarize_checkpoints(dir / "checkpoints", verify_checkpoints);
+    }
+  } catch (const Error& e) {
+    run.unreadable.push_back(e.what());
+  }
   return run;
 }
 
@@ -872,6 +903,7 @@ json summary_fields(const RunView& run) {
     checkpoint_host = remote->host;
   }
   return {{"run_dir", run.dir.string()},
+          {"unreadable", run.unreadable},
           {"name", or_null(text(recipe, "name"))},
           {"status", run.state.status},
           {"step", step},
@@ -971,6 +1003,8 @@ std::string status_text(const RunView& run) {
       out += fmt::format("  {:<12} {}\n", "", line);
   }
   if (!s["hint"].is_null()) row("hint", text(s, "hint"));
+  for (const std::string& part : run.unreadable)
+    row("unreadable", part);
   return out;
 }
 
@@ -1093,6 +1127,8 @@ std::string report_summary_text(const json& s) {
   if (!s["error"].is_null() && text(s, "status") != "completed") {
     out += "error: " + text(s, "error") + "\n";
   }
+  for (const auto& part : s["unreadable"])
+    out += "unreadable: " + part.get<std::string>() + "\n";
   out += "report: " + text(s, "report") + "\n";
   return out;
 }

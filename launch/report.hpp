@@ -71,11 +71,14 @@ struct RunView {
   RunMetrics metrics;
   RunState state;
   std::vector<CheckpointSummary> checkpoints;  // newest first
+  // What could not be read besides run.json (a permission, a pipe where a file should be): the
+  // view shows the rest, and says what it left out.
+  std::vector<std::string> unreadable;
 };
 
 // Reads RUN_DIR: Error(usage) naming it when it has no readable run.json (nothing is created
-// or changed there). `verify`: check every checkpoint's checksums (the report does; status
-// only lists them).
+// or changed there); any other part it cannot read is left out and named in `unreadable`. `verify`:
+// check every checkpoint's checksums (the report does; status only lists them).
 RunView load_run(const std::filesystem::path& dir, bool verify_checkpoints);
 
 // `dptrain status --json`: status, step, last checkpoint, restarts, world size, generations,

@@ -79,6 +79,13 @@ nlohmann::json read_run_json(const fs::path& dir) {
                 fmt::format("{}: is a directory, not a file: {} is not a run directory",
                             file.string(), dir.string()));
   }
+  if (const auto type = fs::status(file, ec).type();
+      type != fs::file_type::regular && type != fs::file_type::not_found && !ec) {
+    // A pipe would block the reader.
+    throw Error(
+        ErrorKind::usage,
+        fmt::format("{}: not a run directory (run.json is not a regular file)", dir.string()));
+  }
   std::string text;
   try {
     text = read_file(file);

@@ -628,6 +628,26 @@ TEST_CASE("report and status of what is not a run: exit 2 naming it") {
   CHECK(contains(link.err, "link.html: is a symbolic link, not a regular file"));
   CHECK(fs::is_symlink(tmp / "link.html"));
   CHECK(read_text(tmp / "target.html") == "kept");
+  // Pipes where a run's files belong are never opened (a reader would wait for a writer).
+  REQUIRE(::mkfifo((tmp / "ok/metrics.jsonl").c_str(), 0600) == 0);
+  fs::create_directories(tmp / "ok/checkpoints");
+  REQUIRE(::mkfifo((tmp / "ok/checkpoints/latest").c_str(), 0600) == 0);
+  for (const char* cmd : {"status", "report"}) {
+    auto piped = run_dptrain({cmd, (tmp / "ok").string(), "--json"}, {}, std::chrono::seconds(30));
+    CHECK(piped.exit_code == 0);
+    CHECK(parse_json(piped.out)["unreadable"] ==
+          json{(tmp / "ok/metrics.jsonl").string() + ": not a regular file",
+               (tmp / "ok/checkpoints/latest").string() + ": not a regular file"});
+  }
+  auto listed = run_dptrain({"ckpt", "list", (tmp / "ok").string()}, {}, std::chrono::seconds(30));
+  CHECK(listed.exit_code == 0);
+  fs::remove(tmp / "ok/metrics.jsonl");
+  fs::remove_all(tmp / "ok/checkpoints");
+  fs::create_directories(tmp / "piped");
+  REQUIRE(::mkfifo((tmp / "piped/run.json").c_str(), 0600) == 0);
+  auto piped_run = run_dptrain({"status", (tmp / "piped").string()}, {}, std::chrono::seconds(30));
+  CHECK(piped_run.exit_code == 2);
+  CHECK(contains(piped_run.err, "not a run directory (run.json is not a regular file)"));
   REQUIRE(::mkfifo((tmp / "pipe").c_str(), 0600) == 0);
   auto pipe = run_dptrain({"report", (tmp / "ok").string(), "--out", (tmp / "pipe").string()});
   CHECK(pipe.exit_code == 2);

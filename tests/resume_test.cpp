@@ -276,6 +276,21 @@ TEST_CASE("a newest checkpoint out of reach (a permission) stops resume: nothing
             .find(ck.string() + ": cannot list the checkpoints: Permission denied") !=
         std::string::npos);
   CHECK(read_text(run_dir / "metrics.jsonl") == metrics);
+
+  // status and report show what they can read, name what they cannot, and exit 0.
+  fs::permissions(ck, fs::perms::none);
+  fs::permissions(run_dir / "metrics.jsonl", fs::perms::none);
+  CHECK(run_as_owner("status --json '" + run_dir.string() + "'") == 0);
+  const nlohmann::json status = parse_json(read_text(tmp / "out"));
+  CHECK(status["unreadable"] ==
+        nlohmann::json{(run_dir / "metrics.jsonl").string() + ": Permission denied",
+                       ck.string() + ": Permission denied"});
+  CHECK(status["status"] == "failed");
+  CHECK(run_as_owner("report '" + run_dir.string() + "'") == 0);
+  CHECK(read_text(tmp / "out").find("unreadable: " + ck.string() + ": Permission denied\n") !=
+        std::string::npos);
+  fs::permissions(ck, fs::perms::owner_all);
+  fs::permissions(run_dir / "metrics.jsonl", fs::perms::owner_read | fs::perms::owner_write);
 }
 
 TEST_CASE("a restart that meets its checkpoint out of reach stops, keeping the failure's cause") {
