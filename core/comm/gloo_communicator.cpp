@@ -15,11 +15,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <charconv>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <system_error>
 #include <type_traits>
 
 #include <fmt/format.h>
@@ -32,27 +34,68 @@ namespace dptrain {
 namespace {
 
 // Presents our Store to Gloo's rendezvous. Gloo also calls the timeout-less get/wait, expecting
-// them to block until the key appears, so those wait up to the communicator's timeout.
+// them to block until the key appears, so those wait up to the communicator's timeout. Gloo's
+// keys are the ranks' numbers (each rank sets its own address under it): a wait that times out
+// names the ranks that never joined rather than the keys, and a rank number taken twice.
 class GlooStoreAdapter : public gloo::rendezvous::Store {
  public:
-  GlooStoreAdapter(dptrain::Store& store, std::chrono::milliseconds timeout)
-      : store_(store), timeout_(timeout) {}
+  GlooStoreAdapter(dptrain::Store& store, int rank, int size, std::chrono::milliseconds timeout)
+      : store_(store), rank_(rank), size_(size), timeout_(timeout) {}
 
   void set(const std::string& key, const std::vector<char>& data) override {
     store_.set(key, std::string(data.begin(), data.end()));
+    if (key == std::to_string(rank_)) store_.add(joins_key(rank_), 1);
   }
   std::vector<char> get(const std::string& key) override {
-    const std::string value = store_.get(key, timeout_);
+    std::string value;
+    waiting({key}, timeout_, [&] { value = store_.get(key, timeout_); });
     return std::vector<char>(value.begin(), value.end());
   }
-  void wait(const std::vector<std::string>& keys) override { store_.wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys) override {
+    waiting(keys, timeout_, [&] { store_.wait(keys, timeout_); });
+  }
   void wait(const std::vector<std::string>& keys,
             const std::chrono::milliseconds& timeout) override {
-    store_.wait(keys, timeout);
+    waiting(keys, timeout, [&] { store_.wait(keys, timeout); });
   }
 
  private:
+  static std::string joins_key(int rank) { return fmt::format("joins/{}", rank); }
+
+  template <typename Wait>
+  void waiting(const std::vector<std::string>& keys, std::chrono::milliseconds timeout, Wait wait) {
+    try {
+      wait();
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::comm) throw;
+      std::vector<int> missing;
+      for (const auto& key : keys) {
+        int r = -1;
+        const auto [end, ec] = std::from_chars(key.data(), key.data() + key.size(), r);
+        if (ec == std::errc() && end == key.data() + key.size() && r >= 0 && r < size_ &&
+            !store_.check({key})) {
+          missing.push_back(r);
+        }
+      }
+      if (missing.empty()) throw;
+      std::string twice;
+      if (const int64_t joins = store_.add(joins_key(rank_), 0); joins > 1) {
+        twice = fmt::format(
+            "; and {} processes joined as rank {}: each rank number must be "
+            "given to one process",
+            joins, rank_);
+      }
+      throw Error(ErrorKind::comm,
+                  fmt::format("rank{} {} of {} did not join within {} (nothing from {} at {}){}; "
+                              "start every rank with the same store and world size",
+                              missing.size() == 1 ? "" : "s", fmt::join(missing, ", "), size_,
+                              format_timeout(timeout), missing.size() == 1 ? "it" : "them",
+                              store_.describe(), twice));
+    }
+  }
+
   dptrain::Store& store_;
+  int rank_, size_;
   std::chrono::milliseconds timeout_;
 };
 
@@ -449,7 +492,7 @@ GlooCommunicator::GlooCommunicator(Store& store, int rank, int size, const GlooO
         auto device = gloo::transport::tcp::CreateDevice(attributes);
         auto context = std::make_shared<gloo::rendezvous::Context>(rank, size);
         context->setTimeout(options.timeout);
-        GlooStoreAdapter adapter(store, options.timeout);
+        GlooStoreAdapter adapter(store, rank, size, options.timeout);
         context->connectFullMesh(adapter, device);
         context_ = std::move(context);
       });

@@ -328,9 +328,40 @@ TEST_CASE("gloo: a rank whose peer never shows up fails with a comm error naming
     const std::string message = error.what();
     CHECK(error.kind() == ErrorKind::comm);
     CHECK_MESSAGE(message.find("rank 0: gloo rendezvous of 2 ranks") == 0, message);
-    CHECK_MESSAGE(message.find("timed out after 0.5s waiting for key 'gen7/") != std::string::npos,
-                  message);
+    CHECK_MESSAGE(
+        message.find("failed: rank 1 of 2 did not join within 0.5s (nothing from it "
+                     "at store 127.0.0.1:" +
+                     std::to_string(server.port()) +
+                     "); start every rank with the same store and world size") != std::string::npos,
+        message);
   }
+}
+
+TEST_CASE("gloo: two processes given one rank number are named when the rendezvous fails") {
+  TcpStoreServer server;
+  std::vector<std::string> messages(2);
+  std::vector<std::thread> twins;
+  for (size_t i = 0; i < 2; ++i) {
+    twins.emplace_back([&, i] {
+      TcpStoreClient client("127.0.0.1", server.port(), 10s);
+      PrefixStore store("gen1", client);
+      try {
+        make_gloo_communicator(store, 0, 2, test_options(1000ms));
+      } catch (const Error& error) {
+        messages[i] = error.what();
+      }
+    });
+  }
+  for (auto& t : twins)
+    t.join();
+  // Each waited for rank 1; the one that gave up after both had joined also says why.
+  const bool named = messages[0].find(
+                         "; and 2 processes joined as rank 0: each rank number must "
+                         "be given to one process") != std::string::npos ||
+                     messages[1].find("; and 2 processes joined as rank 0") != std::string::npos;
+  CHECK_MESSAGE(named, messages[0], " | ", messages[1]);
+  for (const auto& m : messages)
+    CHECK_MESSAGE(m.find("rank 1 of 2 did not join within 1s") != std::string::npos, m);
 }
 
 // Runs `body` in a child process with the Gloo terminate handler of rank 5 installed and its
