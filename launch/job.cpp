@@ -768,6 +768,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
                               !result.is_null() &&
                               std::none_of(sup.exits.begin(), sup.exits.end(),
                                            [](const ProcessExit& e) { return e.exit_code == 143; });
+  std::optional<ProcessExit> early_exit;  // a rank that exited 0 before the end: the cause
   if (sup.stop_signal == SIGTERM && !sup.failure && !finished_first) {
     out.exit_code = 143;
     out.status = "terminated";
@@ -848,6 +849,21 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     if (const std::string own = take_rank_error(last_lines, failed_rank); !own.empty()) {
       out.error += ": " + own;
     }
+    // A rank that exited 0 before the run ended (no result) leaves its peers to fail in their
+    // next collective (exit 3): it is the cause, and the peer's failure what followed.
+    if (relay == relay_hosts.end() && f.exit_code == 3 && result.is_null()) {
+      for (const ProcessExit& e : sup.exits) {
+        if (e.pid != f.pid && e.exit_code == 0 && e.signal == 0 &&
+            relay_hosts.count(e.label) == 0) {
+          early_exit = e;
+          out.error = fmt::format(
+              "{} (pid {}) exited with code 0 before the run ended{}; then {}", e.label, e.pid,
+              trace.step >= 0 ? fmt::format(" (the ranks had reached step {})", trace.step) : "",
+              out.error);
+          break;
+        }
+      }
+    }
     if (sup.stop_signal != 0) {
       out.error +=
           fmt::format("; then the launcher got {}{}",
@@ -874,12 +890,12 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   }
   if (sup.failure) {
     const ProcessFailure& f = *sup.failure;
-    out.failed_rank = f.rank;
+    out.failed_rank = early_exit ? early_exit->rank : f.rank;
     // A remote rank's own exit, as its agent reported it (the relay only carries a status):
     // named and typed as a local rank's is.
-    std::string process = f.label;
-    int exit_code = f.exit_code;
-    int signal = f.signal;
+    std::string process = early_exit ? early_exit->label : f.label;
+    int exit_code = early_exit ? 0 : f.exit_code;
+    int signal = early_exit ? 0 : f.signal;
     if (const json* r = agent_report(f); r != nullptr && r->value("rank", -1) >= 0) {
       process = fmt::format("rank {} on {}", r->value("rank", -1), relay_hosts.at(f.label));
       exit_code = r->value("exit_code", -1);

@@ -563,6 +563,28 @@ TEST_CASE("restarts are numbered over the run: a resume continues the numbering"
   CHECK(info["restarts"][1]["failed_after_step"].get<int64_t>() > 45);
 }
 
+TEST_CASE("a rank that exits 0 before the end is the cause, not the peer it leaves behind") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), small_recipe());
+  const fs::path events = tmp / "events.jsonl";
+  auto r = run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir",
+                        (tmp / "early").string(), "--events", events.string()},
+                       {{"DPTRAIN_FAULT", "exit@step=10,rank=1,code=0"}});
+  INFO(r.err);
+  CHECK(r.exit_code == 3);
+  CHECK(r.err.find("error: rank 1 (pid ") != std::string::npos);
+  CHECK(r.err.find(" exited with code 0 before the run ended (the ranks had reached step 10); "
+                   "then rank 0 (pid ") != std::string::npos);
+  bool named = false;
+  for (const json& e : read_jsonl(events)) {
+    if (e["event"] != "rank_exited") continue;
+    CHECK(e["process"] == "rank 1");
+    CHECK(e["exit_code"] == 0);
+    named = true;
+  }
+  CHECK(named);
+}
+
 TEST_CASE("DPTRAIN_FAULT: a fault that can never fire is warned about; a bad one is refused") {
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), small_recipe());
