@@ -56,22 +56,9 @@ void set_aside_newer(const fs::path& checkpoints, const fs::path& chosen, Status
   if (moved) point_latest_at(checkpoints, chosen);
 }
 
-int run_resume(const ResumeOptions& o) {
-  install_stop_signal_handlers();
-  o.restart.validate();
-  RunDirectory run = RunDirectory::open(o.run_dir);
-  // A launcher still driving the run is refused before anything is written: one on this machine
-  // holds the lock; one elsewhere (a shared filesystem) shows in status's view of the run.
-  run.lock();
-  if (const RunState state = load_run(run.path(), false).state;
-      state.status == "running" || state.status == "restarting" || state.status == "resizing") {
-    throw Error(
-        ErrorKind::usage,
-        fmt::format("{}: the run is {}{}; stop its launcher first or wait for it", o.run_dir,
-                    state.status, state.note.empty() ? "" : " (" + state.note + ")"));
-  }
-  const auto events = open_events(o.restart, o.json);
-  std::FILE* status_out = status_stream(o.json, *events);
+// The resume once its events stream is open.
+int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
+  std::FILE* status_out = status_stream(o.json, events);
   StatusPrinter status(status_out, StatusPrinter::is_terminal(status_out));
   if (run.info().value("status", "") == "completed") {
     status.line(fmt::format("{}: the run already completed; nothing to resume", o.run_dir));
@@ -172,7 +159,39 @@ int run_resume(const ResumeOptions& o) {
                     "step 0 unless a node holds one",
                     DPTRAIN_VERSION, run.path().string(), where));
   }
-  return run_to_end(run, spec, o.restart, o.json, *events, status);
+  return run_to_end(run, spec, o.restart, o.json, events, status);
+}
+
+int run_resume(const ResumeOptions& o) {
+  install_stop_signal_handlers();
+  o.restart.validate();
+  RunDirectory run = RunDirectory::open(o.run_dir);
+  // A launcher still driving the run is refused before anything is written: one on this machine
+  // holds the lock; one elsewhere (a shared filesystem) shows in status's view of the run.
+  run.lock();
+  if (const RunState state = load_run(run.path(), false).state;
+      state.status == "running" || state.status == "restarting" || state.status == "resizing") {
+    throw Error(
+        ErrorKind::usage,
+        fmt::format("{}: the run is {}{}; stop its launcher first or wait for it", o.run_dir,
+                    state.status, state.note.empty() ? "" : " (" + state.note + ")"));
+  }
+  const auto events = open_events(o.restart, o.json);
+  try {
+    return resume_run(o, run, *events);
+  } catch (const std::exception& e) {
+    // A resume that cannot start (no valid checkpoint, hosts that are gone) still ends its
+    // events stream, which a pipeline reads to its run_finished; run.json is left as it was.
+    if (!events->finished()) {
+      const auto* error = dynamic_cast<const Error*>(&e);
+      events->emit("run_finished",
+                   {{"status", "failed"},
+                    {"exit_code", error != nullptr ? exit_code(error->kind()) : 1},
+                    {"run_dir", run.path().string()},
+                    {"error", fmt::format("the resume did not start: {}", e.what())}});
+    }
+    throw;
+  }
 }
 
 }  // namespace

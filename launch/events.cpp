@@ -30,6 +30,7 @@ EventLog::~EventLog() {
 
 void EventLog::emit(const std::string& name, nlohmann::json fields) {
   if (out_ == nullptr) return;
+  if (name == "run_finished") finished_ = true;
   nlohmann::json line = {{"time", utc_timestamp()}, {"event", name}};
   for (auto& [k, v] : fields.items())
     line[k] = std::move(v);

@@ -21,11 +21,14 @@ class EventLog {
 
   bool enabled() const { return out_ != nullptr; }
   bool to_stdout() const { return out_ == stdout; }
+  // Whether a run_finished event was written: every stream ends with one.
+  bool finished() const { return finished_; }
   // Writes {"time": ISO-8601 UTC, "event": name, ...fields} and flushes it.
   void emit(const std::string& name, nlohmann::json fields = nlohmann::json::object());
 
  private:
   std::FILE* out_ = nullptr;
+  bool finished_ = false;
 };
 
 }  // namespace dptrain

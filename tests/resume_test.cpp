@@ -208,9 +208,20 @@ TEST_CASE("a corrupt or truncated newest checkpoint is skipped; none valid exits
   for (const auto& e : fs::directory_iterator(ck)) {
     if (e.is_directory()) fs::remove(e.path() / "meta.json");
   }
-  auto none = run_dptrain({"resume", (tmp / "straight").string()});
+  const std::string run_json = read_text(tmp / "straight/run.json");
+  auto none = run_dptrain(
+      {"resume", (tmp / "straight").string(), "--events", (tmp / "events.jsonl").string()});
   CHECK(none.exit_code == 5);
   CHECK(none.err.find("no valid checkpoint") != std::string::npos);
+  // Its events stream still ends with run_finished, for the pipeline that waits for one; the
+  // run's record is as it was.
+  const auto events = read_jsonl(tmp / "events.jsonl");
+  REQUIRE_FALSE(events.empty());
+  CHECK(events.back()["event"] == "run_finished");
+  CHECK(events.back()["exit_code"] == 5);
+  CHECK(events.back()["status"] == "failed");
+  CHECK(events.back()["error"].get<std::string>().starts_with("the resume did not start: "));
+  CHECK(read_text(tmp / "straight/run.json") == run_json);
 }
 
 TEST_CASE("a newest checkpoint out of reach (a permission) stops resume: nothing skipped or lost") {
