@@ -1,10 +1,14 @@
 // `dptrain worker RECIPE`: one rank. Identity comes from flags or the environment (RANK,
 // WORLD_SIZE, LOCAL_RANK, DPTRAIN_STORE or MASTER_ADDR/MASTER_PORT), so it also runs under srun or
 // mpirun without the launcher.
+#include <unistd.h>
+
 #include <atomic>
+#include <cerrno>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <optional>
 
@@ -188,7 +192,22 @@ int run_worker(WorkerOptions o) {
                               o.run_dir, held.front().filename().string()));
     }
   }
-  std::filesystem::create_directories(o.run_dir);
+  {
+    // The directory's problems named as the launcher names them (exit 2), not as the first file
+    // a rank fails to write there.
+    std::error_code ec;
+    std::filesystem::create_directories(o.run_dir, ec);
+    if (!std::filesystem::is_directory(o.run_dir)) {
+      throw Error(ErrorKind::usage, fmt::format("--run-dir {}: {}", o.run_dir,
+                                                std::filesystem::exists(o.run_dir) || !ec
+                                                    ? std::string("not a directory")
+                                                    : "cannot create it: " + ec.message()));
+    }
+    if (::access(o.run_dir.c_str(), W_OK | X_OK) != 0) {
+      throw Error(ErrorKind::usage,
+                  fmt::format("--run-dir {}: not writable: {}", o.run_dir, std::strerror(errno)));
+    }
+  }
 
   // The job secret comes through the environment only; "" means an open store (by hand).
   const std::string secret = env(kStoreSecretEnv).value_or("");

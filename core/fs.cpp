@@ -72,19 +72,30 @@ void fsync_directory(const std::filesystem::path& dir) {
   if (::fsync(fd.get()) != 0) throw_io(dir, "fsync directory");
 }
 
+namespace {
+
+// Writes `file`; errors name `shown` (the file a temporary stands in for).
+void write_synced(const std::filesystem::path& file, std::span<const std::byte> content,
+                  const std::filesystem::path& shown) {
+  Fd fd(::open(file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (fd.get() < 0) throw_io(shown, "create");
+  write_all(fd.get(), content.data(), content.size(), shown);
+  if (::fsync(fd.get()) != 0) throw_io(shown, "fsync");
+  if (::close(fd.release()) != 0) throw_io(shown, "close");
+}
+
+}  // namespace
+
 void write_file_synced(const std::filesystem::path& path, std::span<const std::byte> content) {
-  Fd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-  if (fd.get() < 0) throw_io(path, "create");
-  write_all(fd.get(), content.data(), content.size(), path);
-  if (::fsync(fd.get()) != 0) throw_io(path, "fsync");
-  if (::close(fd.release()) != 0) throw_io(path, "close");
+  write_synced(path, content, path);
 }
 
 void write_file_atomic(const std::filesystem::path& path, std::string_view content) {
   auto tmp = path;
   tmp += fmt::format(".tmp-{}", ::getpid());
   try {
-    write_file_synced(tmp, std::as_bytes(std::span(content.data(), content.size())));
+    // The temporary's name means nothing to the user: errors name the file being written.
+    write_synced(tmp, std::as_bytes(std::span(content.data(), content.size())), path);
   } catch (const Error&) {
     ::unlink(tmp.c_str());  // a full disk must not leave a stray temporary behind
     throw;

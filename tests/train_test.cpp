@@ -311,6 +311,14 @@ TEST_CASE("a worker missing its identity says which variable is missing") {
     CHECK(std::count(bad.err.begin(), bad.err.end(), '\n') == 1);
   }
   CHECK_FALSE(fs::exists(tmp / "run"));
+
+  // A --run-dir that is a file is refused as the launcher refuses it (exit 2).
+  write_text(tmp / "afile", "");
+  auto file = run_dptrain({"worker", recipe.string(), "--run-dir", (tmp / "afile").string(),
+                           "--store", "127.0.0.1:1", "--rank", "0", "--world-size", "1"});
+  CHECK(file.exit_code == 2);
+  CHECK(file.err ==
+        "dptrain: error: rank 0: --run-dir " + (tmp / "afile").string() + ": not a directory\n");
 }
 
 TEST_CASE("fp16 and bf16 gradient compression: half the bytes, the held-out loss within 2%") {
