@@ -783,6 +783,15 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     } else {
       out.error = fmt::format("stopped by SIGTERM, but not every rank checkpointed: {}{}",
                               not_checkpointed(), checkpoint_note());
+      // Each rank that did not stop as asked exited on its own account: an event each.
+      for (const auto& e : sup.exits) {
+        if (e.exit_code == 143 || e.exit_code == 0) continue;
+        events.emit("rank_exited",
+                    {{"process", e.label},
+                     {"exit_code", e.signal == 0 ? json(e.exit_code) : json(nullptr)},
+                     {"signal", e.signal != 0 ? json(e.signal) : json(nullptr)},
+                     {"message", e.describe()}});
+      }
     }
   } else if (sup.stop_signal == SIGINT) {
     out.exit_code = 130;

@@ -9,6 +9,8 @@
 #include <fstream>
 #include <thread>
 
+#include <fmt/format.h>
+
 #include "tests/harness.hpp"
 #include "tests/sshd.hpp"
 
@@ -355,6 +357,37 @@ TEST_CASE("Ctrl-C stops every rank and exits 130") {
   CHECK(run.launcher.wait(std::chrono::seconds(60)) == 130);
   check_all_gone(run.pids);
   CHECK(parse_json(read_text(run.run_dir / "run.json"))["status"] == "interrupted");
+}
+
+TEST_CASE("SIGTERM whose checkpoint fails on a rank: exit 143 says so, with that rank's event") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  // Rank 0 dies while writing whichever step's checkpoint the stop asks for.
+  std::string faults;
+  for (int step = 21; step < 120; ++step)
+    faults += fmt::format("{}crash-in-checkpoint@step={},rank=0", faults.empty() ? "" : ";", step);
+  const fs::path events = tmp / "events.jsonl";
+  SlowRun run(recipe, tmp / "run", {"--events", events.string()}, {{"DPTRAIN_FAULT", faults}});
+  REQUIRE(::kill(run.launcher.pid(), SIGTERM) == 0);
+  CHECK(run.launcher.wait(std::chrono::seconds(60)) == 143);
+  INFO(run.launcher.err());
+  CHECK(run.launcher.err().find("stopped by SIGTERM, but not every rank checkpointed: rank 0 was "
+                                "killed by SIGKILL") != std::string::npos);
+  // An event for each rank that did not stop as asked: rank 0, and rank 1 when its collective
+  // with rank 0 then failed (rather than it stopping first).
+  std::vector<nlohmann::json> exited;
+  for (const nlohmann::json& e : read_jsonl(events)) {
+    if (e["event"] == "rank_exited") exited.push_back(e);
+  }
+  REQUIRE_FALSE(exited.empty());
+  CHECK(exited.size() <= 2);
+  CHECK(exited[0]["process"] == "rank 0");
+  CHECK(exited[0]["signal"] == SIGKILL);
+  CHECK(exited[0]["exit_code"].is_null());
+  if (exited.size() == 2) {
+    CHECK(exited[1]["process"] == "rank 1");
+    CHECK(exited[1]["exit_code"] == 3);
+  }
 }
 
 TEST_CASE("SIGTERM: every rank checkpoints its step and stops, exit 143; resume is bit-identical") {
