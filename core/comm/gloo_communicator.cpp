@@ -475,7 +475,16 @@ void GlooCommunicator::guarded(Describe&& describe, Body&& body) {
 
 void GlooCommunicator::fail(const std::string& operation, const std::string& cause) {
   *failure_ = cause;
-  throw Error(ErrorKind::comm, fmt::format("rank {}: gloo {} failed: {}", rank_, operation, cause));
+  // A connection a peer closed or reset means the peer is gone (it exited or was killed): say
+  // so, as the socket error alone reads like a network fault.
+  const bool peer_gone = cause.find("Connection reset by peer") != std::string::npos ||
+                         cause.find("Connection closed by peer") != std::string::npos ||
+                         cause.find("Broken pipe") != std::string::npos;
+  throw Error(ErrorKind::comm,
+              fmt::format("rank {}: gloo {} failed: {}{}", rank_, operation, cause,
+                          peer_gone ? " (a peer rank has exited or was killed: its own exit "
+                                      "or log says why)"
+                                    : ""));
 }
 
 GlooCommunicator::GlooCommunicator(Store& store, int rank, int size, const GlooOptions& options)

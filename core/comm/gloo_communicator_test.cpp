@@ -444,6 +444,10 @@ TEST_CASE("gloo: a peer that leaves makes the next collective fail, not hang") {
   rank1.join();
   CHECK_MESSAGE(message.find("rank 0: gloo allreduce(sum) of 1000 elements failed: ") == 0,
                 message);
+  // The socket error of a peer that went away (reset, closed, a broken pipe) says that it did.
+  CHECK_MESSAGE(message.ends_with(" (a peer rank has exited or was killed: its own exit or log "
+                                  "says why)"),
+                message);
   CHECK_MESSAGE(
       second_message.find("rank 0: cannot run barrier: the communicator failed earlier") == 0,
       second_message);
