@@ -12,6 +12,8 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <system_error>
 #include <utility>
@@ -659,8 +661,27 @@ std::string token_data_fingerprint(const DataSpec& data) {
 }
 
 int64_t token_training_samples(const DataSpec& data, const ModelSpec& model) {
-  // Loaded as a rank loads it: a damaged token is found before any rank starts.
-  return load_token_data(data, model).train->size();
+  // Loaded as a rank loads it: a damaged token is found before any rank starts. Once per
+  // process for files that have not changed since (a benchmark checks each world size).
+  const TokenDatasetFiles files = dataset_files(data);
+  const auto stamp = [](const fs::path& f) {
+    std::error_code ec;
+    const auto size = fs::file_size(f, ec);
+    const auto time = fs::last_write_time(f, ec).time_since_epoch().count();
+    return fmt::format("{}:{}:{}", f.string(), ec ? 0 : size, ec ? 0 : time);
+  };
+  const std::string key =
+      fmt::format("{} {} {} {}", stamp(files.train), stamp(files.val), model.context, model.vocab);
+  static std::mutex mutex;
+  static std::map<std::string, int64_t> checked;
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    if (const auto found = checked.find(key); found != checked.end()) return found->second;
+  }
+  const int64_t samples = load_token_data(data, model).train->size();
+  const std::lock_guard<std::mutex> lock(mutex);
+  checked[key] = samples;
+  return samples;
 }
 
 }  // namespace dptrain

@@ -172,7 +172,8 @@ DataSplits load_token_data(const DataSpec& data, const ModelSpec& model);
 // The dataset's DataSplits::fingerprint, from the files' headers (their recorded checksums).
 std::string token_data_fingerprint(const DataSpec& data);
 // The size of the training split, with every check load_token_data makes (the checksums too:
-// one read of the files, which leaves them in the page cache for the ranks that map them).
+// one read of the files, which leaves them in the page cache for the ranks that map them). Kept
+// for the process while the files' sizes and modification times stay the same.
 int64_t token_training_samples(const DataSpec& data, const ModelSpec& model);
 
 }  // namespace dptrain
