@@ -96,7 +96,8 @@ bool launcher_alive(const json& info) {
   const std::string host = text(launcher, "host");
   if (!host.empty() && host != this_host()) {
     const auto alive = age_s(text(info, "alive_at"));
-    return alive && *alive < kAliveStaleS;
+    // A stamp far in the future (clocks that disagree) tells nothing: not alive.
+    return alive && *alive<kAliveStaleS&& * alive> - kAliveStaleS;
   }
   const auto args = live_process_args(integer(launcher, "pid", -1));
   return args && args->size() >= 2 &&
@@ -192,7 +193,13 @@ RunState run_state(const json& info) {
   if (!launcher_host.empty() && launcher_host != this_host()) {
     if (state.recorded_status == "running") {
       const auto alive = age_s(text(info, "alive_at"));
-      if (alive && *alive < kAliveStaleS) {
+      if (alive && *alive <= -kAliveStaleS) {
+        state.status = "stale";
+        state.note = fmt::format(
+            "launched on {}, whose stamp is {} s in the future: its clock and this machine's "
+            "disagree, so whether its launcher lives cannot be told from here",
+            launcher_host, -*alive);
+      } else if (alive && *alive < kAliveStaleS) {
         state.note = fmt::format("launched on {}, which stamped the run {} s ago", launcher_host,
                                  std::max<int64_t>(*alive, 0));
       } else {

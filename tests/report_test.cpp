@@ -525,6 +525,12 @@ TEST_CASE("status of a run launched on another machine: its launcher's stamp tel
   s = parse_json(run_dptrain({"status", (tmp / "run").string(), "--json"}).out);
   CHECK(s["status"] == "stale");
   CHECK(contains(s["note"].get<std::string>(), "has not stamped the run for"));
+
+  // A stamp an hour ahead (clocks that disagree) tells nothing: never "running" forever.
+  write_text(tmp / "run/run.json", run_json(std::time(nullptr) + 3600));
+  s = parse_json(run_dptrain({"status", (tmp / "run").string(), "--json"}).out);
+  CHECK(s["status"] == "stale");
+  CHECK(contains(s["note"].get<std::string>(), "s in the future: its clock and this machine's"));
 }
 
 TEST_CASE("a running launch stamps run.json with its host and a renewed alive_at") {
