@@ -768,6 +768,15 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
                               !result.is_null() &&
                               std::none_of(sup.exits.begin(), sup.exits.end(),
                                            [](const ProcessExit& e) { return e.exit_code == 143; });
+  // The event for a process that exited on its own account: its exit code, or the signal.
+  const auto rank_exited = [&events](const std::string& process, int exit_code, int signal,
+                                     const std::string& message) {
+    events.emit("rank_exited",
+                {{"process", process},
+                 {"exit_code", exit_code >= 0 && signal == 0 ? json(exit_code) : json(nullptr)},
+                 {"signal", signal != 0 ? json(signal) : json(nullptr)},
+                 {"message", message}});
+  };
   std::optional<ProcessExit> early_exit;  // a rank that exited 0 before the end: the cause
   if (sup.stop_signal == SIGTERM && !sup.failure && !finished_first) {
     out.exit_code = 143;
@@ -786,11 +795,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       // Each rank that did not stop as asked exited on its own account: an event each.
       for (const auto& e : sup.exits) {
         if (e.exit_code == 143 || e.exit_code == 0) continue;
-        events.emit("rank_exited",
-                    {{"process", e.label},
-                     {"exit_code", e.signal == 0 ? json(e.exit_code) : json(nullptr)},
-                     {"signal", e.signal != 0 ? json(e.signal) : json(nullptr)},
-                     {"message", e.describe()}});
+        rank_exited(e.label, e.exit_code, e.signal, e.describe());
       }
     }
   } else if (sup.stop_signal == SIGINT) {
@@ -917,11 +922,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       out.failed_rank = trace.sigterm_ranks.front();
       process = rank_name(out.failed_rank);
     }
-    events.emit("rank_exited",
-                {{"process", process},
-                 {"exit_code", exit_code >= 0 && signal == 0 ? json(exit_code) : json(nullptr)},
-                 {"signal", signal != 0 ? json(signal) : json(nullptr)},
-                 {"message", error_headline(out.error)}});
+    rank_exited(process, exit_code, signal, error_headline(out.error));
   }
   events.emit("generation_ended",
               {{"generation", generation}, {"status", out.status}, {"exit_code", out.exit_code}});

@@ -32,17 +32,9 @@ struct TextDataset {
   }
 };
 
-json tiny_recipe_for(const fs::path& dataset) {
-  json r = parse_json(read_text(source_dir() / "recipes/gpt-tiny.json"));
-  r["data"]["path"] = dataset.string();
-  return r;
-}
-
 // A smaller gpt for the tests that compare runs.
 json small_gpt(const fs::path& dataset) {
-  json r = tiny_recipe_for(dataset);
-  r["model"] = {{"type", "gpt"}, {"vocab", 256}, {"context", 16},
-                {"layers", 2},   {"heads", 2},   {"width", 32}};
+  json r = gpt_recipe(dataset, 2, 32);
   r["train"] = {{"steps", 24}, {"batch_per_rank", 4}};
   r["optimizer"]["schedule"] = {{"type", "cosine"}, {"warmup", 4}};
   r["checkpoint"] = {{"every", 8}, {"keep", 3}};
@@ -60,7 +52,7 @@ std::vector<float> final_params(const fs::path& run_dir) {
 
 TEST_CASE("gpt-tiny on 2 ranks learns generated text well below its unigram entropy") {
   TextDataset data(400000);
-  const auto recipe = write_recipe(data.tmp.path(), tiny_recipe_for(data.dir));
+  const auto recipe = write_recipe(data.tmp.path(), gpt_recipe(data.dir));
   const auto run_dir = data.tmp / "run";
   const auto r = run_dptrain(
       {"launch", recipe.string(), "--nproc", "2", "--run-dir", run_dir.string(), "--json"});

@@ -231,6 +231,16 @@ nlohmann::json resumable_recipe() {
   return r;
 }
 
+nlohmann::json gpt_recipe(const fs::path& dataset, int layers, int width, int64_t vocab) {
+  nlohmann::json r = nlohmann::json::parse(read_text(source_dir() / "recipes/gpt-tiny.json"));
+  r["data"]["path"] = dataset.string();
+  if (layers > 0) {
+    r["model"] = {{"type", "gpt"},    {"vocab", vocab}, {"context", 16},
+                  {"layers", layers}, {"heads", 2},     {"width", width}};
+  }
+  return r;
+}
+
 fs::path latest_params(const fs::path& run_dir) {
   const std::string latest = read_text(run_dir / "checkpoints/latest");
   return run_dir / "checkpoints" / latest.substr(0, latest.find('\n')) / "params.bin";

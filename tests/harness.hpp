@@ -73,6 +73,10 @@ std::filesystem::path write_recipe(const std::filesystem::path& dir, const nlohm
 nlohmann::json small_recipe();
 // small_recipe() made long enough to crash and resume in: 120 steps, a checkpoint every 20.
 nlohmann::json resumable_recipe();
+// recipes/gpt-tiny.json on the token dataset at `dataset`; with `layers` > 0 its model shrunk to
+// a GPT that trains in seconds: context 16, 2 heads, `layers` blocks of `width` (vocab `vocab`).
+nlohmann::json gpt_recipe(const std::filesystem::path& dataset, int layers = 0, int width = 32,
+                          int64_t vocab = 256);
 // params.bin of the checkpoint `latest` names in run_dir.
 std::filesystem::path latest_params(const std::filesystem::path& run_dir);
 nlohmann::json parse_json(const std::string& text);

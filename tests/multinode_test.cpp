@@ -341,10 +341,7 @@ TEST_CASE("a GPT on a token dataset trains across hosts, theirs checked against 
   const auto prepared = run_dptrain({"data", "prepare", "--text", (c.tmp / "text.txt").string(),
                                      "--out", (c.tmp / "dataset").string()});
   REQUIRE(prepared.exit_code == 0);
-  json r = parse_json(read_text(source_dir() / "recipes/gpt-tiny.json"));
-  r["data"]["path"] = (c.tmp / "dataset").string();
-  r["model"] = {{"type", "gpt"}, {"vocab", 256}, {"context", 16},
-                {"layers", 1},   {"heads", 2},   {"width", 32}};
+  json r = gpt_recipe(c.tmp / "dataset", 1, 32);
   r["train"] = {{"steps", 10}, {"batch_per_rank", 4}};
   r["optimizer"]["schedule"] = {{"type", "cosine"}, {"warmup", 2}};
   r["checkpoint"] = {{"every", 5}, {"keep", 2}};

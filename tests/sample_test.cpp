@@ -42,10 +42,7 @@ struct Dataset {
 // A small gpt trained briefly: its logits are still close to uniform, so without the mask most
 // draws would land on ids beyond the tokenizer's vocabulary.
 json small_gpt(const fs::path& dataset, int64_t vocab) {
-  json r = parse_json(read_text(source_dir() / "recipes/gpt-tiny.json"));
-  r["data"]["path"] = dataset.string();
-  r["model"] = {{"type", "gpt"}, {"vocab", vocab}, {"context", 16},
-                {"layers", 2},   {"heads", 2},     {"width", 32}};
+  json r = gpt_recipe(dataset, 2, 32, vocab);
   r["train"] = {{"steps", 6}, {"batch_per_rank", 4}};
   r["optimizer"]["schedule"] = {{"type", "cosine"}, {"warmup", 2}};
   r["checkpoint"] = {{"every", 3}, {"keep", 3}};

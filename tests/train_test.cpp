@@ -396,10 +396,7 @@ TEST_CASE("a token dataset prepared with --val-fraction 0 reports a null eval lo
                                      "--out", (tmp / "data").string(), "--val-fraction", "0"});
   INFO(prepared.err);
   REQUIRE(prepared.exit_code == 0);
-  auto recipe = parse_json(read_text(source_dir() / "recipes/gpt-tiny.json"));
-  recipe["data"]["path"] = (tmp / "data").string();
-  recipe["model"] = {{"type", "gpt"}, {"vocab", 256}, {"context", 16},
-                     {"layers", 1},   {"heads", 2},   {"width", 16}};
+  auto recipe = gpt_recipe(tmp / "data", 1, 16);
   recipe["train"] = {{"steps", 4}, {"batch_per_rank", 4}};
   recipe["optimizer"]["schedule"] = {{"type", "cosine"}, {"warmup", 1}};
   recipe["checkpoint"] = {{"every", 0}, {"keep", 1}};
