@@ -125,10 +125,8 @@ void check_checkpoint_origin(const fs::path& from, const TrainingPosition& posit
                         "one the model learned; put the dataset back as it was");
     }
   }
-  if (const std::string hash = recipe_hash(recipe); position.recipe_hash != hash) {
-    std::fprintf(stderr,
-                 "dptrain: warning: %s: written by a different recipe (hash %s, this run's %s)\n",
-                 from.string().c_str(), position.recipe_hash.c_str(), hash.c_str());
+  if (const std::string why = recipe_mismatch(recipe, position.recipe_hash); !why.empty()) {
+    std::fprintf(stderr, "dptrain: warning: %s: %s\n", from.string().c_str(), why.c_str());
   }
 }
 

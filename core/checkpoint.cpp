@@ -634,7 +634,8 @@ LatestStatus check_latest(const fs::path& checkpoints_dir) {
 }
 
 std::optional<fs::path> try_find_valid_checkpoint(
-    const fs::path& checkpoints_dir, const std::function<void(const std::string&)>& warn) {
+    const fs::path& checkpoints_dir, const std::function<void(const std::string&)>& warn,
+    const CheckpointFilter& unusable) {
   std::vector<fs::path> candidates;
   // `latest` first; one that cannot be followed is said to be (the step-* directories are
   // tried all the same).
@@ -653,7 +654,13 @@ std::optional<fs::path> try_find_valid_checkpoint(
                    [](const fs::path& a, const fs::path& b) { return step_of(a) > step_of(b); });
   for (const auto& dir : candidates) {
     const CheckpointStatus checked = verify_checkpoint(dir);
-    if (checked.ok()) return dir;
+    if (checked.ok()) {
+      const std::string why =
+          unusable && checked.position ? unusable(*checked.position) : std::string();
+      if (why.empty()) return dir;
+      warn(fmt::format("skipping checkpoint {}: {}", dir.filename().string(), why));
+      continue;
+    }
     const std::string problems = fmt::format("{}", fmt::join(checked.problems(), "; "));
     if (checked.denied()) {
       // Not damage: skipping it would throw away its steps, and resume would set it aside.
@@ -668,8 +675,11 @@ std::optional<fs::path> try_find_valid_checkpoint(
 }
 
 fs::path find_valid_checkpoint(const fs::path& checkpoints_dir,
-                               const std::function<void(const std::string&)>& warn) {
-  if (auto found = try_find_valid_checkpoint(checkpoints_dir, warn)) return std::move(*found);
+                               const std::function<void(const std::string&)>& warn,
+                               const CheckpointFilter& unusable) {
+  if (auto found = try_find_valid_checkpoint(checkpoints_dir, warn, unusable)) {
+    return std::move(*found);
+  }
   throw Error(ErrorKind::checkpoint,
               fmt::format("{}: no valid checkpoint to resume from", checkpoints_dir.string()));
 }

@@ -156,12 +156,17 @@ LatestStatus check_latest(const std::filesystem::path& checkpoints_dir);
 // The newest checkpoint that verifies, trying `latest` first, then every step-* newest first;
 // none when none does. Each skipped one is reported through `warn`. Error(checkpoint) when one
 // newer than any valid one is out of reach (a permission): skipping it would lose its steps,
-// which is not what "no checkpoint" (start over) means.
+// which is not what "no checkpoint" (start over) means. `unusable`, when given, says why a
+// checkpoint that verifies cannot be used all the same (written by another recipe: one copied
+// in from another run); empty when it can. Such a one is skipped and reported as damaged ones
+// are.
+using CheckpointFilter = std::function<std::string(const TrainingPosition&)>;
 std::optional<std::filesystem::path> try_find_valid_checkpoint(
     const std::filesystem::path& checkpoints_dir,
-    const std::function<void(const std::string&)>& warn);
+    const std::function<void(const std::string&)>& warn, const CheckpointFilter& unusable = {});
 // The same, with Error(checkpoint) "no valid checkpoint to resume from" when none is valid.
 std::filesystem::path find_valid_checkpoint(const std::filesystem::path& checkpoints_dir,
-                                            const std::function<void(const std::string&)>& warn);
+                                            const std::function<void(const std::string&)>& warn,
+                                            const CheckpointFilter& unusable = {});
 
 }  // namespace dptrain

@@ -214,6 +214,28 @@ TEST_CASE("find_valid_checkpoint: newest valid wins, damaged ones are reported")
   CHECK_THROWS_AS(find_valid_checkpoint(tmp.path() / "absent", warn), Error);
 }
 
+TEST_CASE("find_valid_checkpoint: a filter skips checkpoints that verify but cannot be used") {
+  TempDir tmp;
+  const auto p = values(64, 5.0f);
+  for (int64_t s : {10, 20})
+    write_checkpoint(tmp.path(), position(s), p, p, 5);
+  TrainingPosition foreign = position(30);
+  foreign.recipe_hash = "fedcba9876543210";
+  write_checkpoint(tmp.path(), foreign, p, p, 5);  // `latest` names it
+  std::vector<std::string> warnings;
+  auto warn = [&](const std::string& w) { warnings.push_back(w); };
+  const CheckpointFilter ours = [](const TrainingPosition& pos) {
+    return pos.recipe_hash == "0123456789abcdef" ? std::string() : "another recipe's";
+  };
+  CHECK(find_valid_checkpoint(tmp.path(), warn, ours).filename() == "step-000020");
+  CHECK(warnings == std::vector<std::string>{"skipping checkpoint step-000030: another recipe's"});
+  // Without one, it is the newest valid one.
+  CHECK(find_valid_checkpoint(tmp.path(), warn).filename() == "step-000030");
+  // None usable is none valid.
+  const CheckpointFilter none = [](const TrainingPosition&) { return std::string("no"); };
+  CHECK_FALSE(try_find_valid_checkpoint(tmp.path(), warn, none));
+}
+
 TEST_CASE("checkpoint: a write that cannot happen leaves latest alone") {
   TempDir tmp;
   const auto p = values(8, 1.0f);

@@ -19,6 +19,7 @@
 
 #include <fmt/format.h>
 
+#include "core/checkpoint.hpp"
 #include "core/data/dataset.hpp"
 #include "core/error.hpp"
 #include "core/json_error.hpp"
@@ -1051,14 +1052,35 @@ json to_json(const Recipe& r) {
   return writer.take();
 }
 
-std::string recipe_hash(const Recipe& r) {
-  // Over every field, those that do not apply too: checkpoints written before to_json left
-  // those out keep their hash. json objects keep keys sorted, so dump() is a canonical form
-  // independent of the input order.
-  Recipe copy = r;
+namespace {
+
+// Over every field, those that do not apply too: checkpoints written before to_json left those
+// out keep their hash. json objects keep keys sorted, so dump() is a canonical form independent
+// of the input order.
+std::string hash_of_fields(Recipe copy) {
   Writer writer(true);
   visit_fields(writer, copy);
   return fmt::format("{:016x}", fnv1a_64(writer.take().dump()));
+}
+
+}  // namespace
+
+std::string recipe_hash(const Recipe& r) {
+  Recipe copy = r;
+  copy.data.path.clear();
+  return hash_of_fields(std::move(copy));
+}
+
+std::string recipe_mismatch(const Recipe& r, const std::string& recorded) {
+  const std::string hash = recipe_hash(r);
+  // Checkpoints of earlier builds hashed data.path too.
+  if (recorded == hash || (!r.data.path.empty() && recorded == hash_of_fields(r))) return {};
+  return fmt::format("written by a different recipe (hash {}, this run's {})",
+                     recorded.empty() ? "none" : recorded, hash);
+}
+
+std::function<std::string(const TrainingPosition&)> written_by(const Recipe& r) {
+  return [r](const TrainingPosition& p) { return recipe_mismatch(r, p.recipe_hash); };
 }
 
 std::optional<uint64_t> parameter_count(const ModelSpec& model) {

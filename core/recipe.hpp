@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -10,6 +11,8 @@
 #include <nlohmann/json.hpp>
 
 namespace dptrain {
+
+struct TrainingPosition;  // core/checkpoint.hpp
 
 struct ModelSpec {
   std::string type = "mlp";  // "mlp" | "gpt"
@@ -190,7 +193,16 @@ nlohmann::json to_json(const Recipe& r);
 // computed without building it; nothing when the count passes 2^64 - 1. parse_recipe refuses
 // models above 2^40 parameters.
 std::optional<uint64_t> parameter_count(const ModelSpec& model);
-// A stable hex digest of every field (those that do not apply too), recorded in checkpoints.
+// A stable hex digest of every field (those that do not apply too) but data.path, recorded in
+// checkpoints and compared between ranks. Where the data lies is left out: each host may keep
+// it elsewhere (a provisioned copy), and what it holds is compared by its fingerprint.
 std::string recipe_hash(const Recipe& r);
+// Why a checkpoint whose recorded recipe hash is `recorded` was not written by this recipe
+// ("written by a different recipe (hash ..., this run's ...)"); empty when it was. Hashes that
+// earlier builds wrote (data.path included) are recognised.
+std::string recipe_mismatch(const Recipe& r, const std::string& recorded);
+// recipe_mismatch as a filter for try_find_valid_checkpoint: checkpoints of other recipes (one
+// copied in from another run) are skipped, not resumed from to fail there.
+std::function<std::string(const TrainingPosition&)> written_by(const Recipe& r);
 
 }  // namespace dptrain

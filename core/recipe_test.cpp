@@ -12,6 +12,7 @@
 
 #include <doctest/doctest.h>
 
+#include "core/checkpoint.hpp"
 #include "core/error.hpp"
 #include "core/model/model.hpp"
 
@@ -945,6 +946,32 @@ TEST_CASE("recipe: the hash is a stable digest of the resolved recipe") {
   changed = r;
   changed.model.hidden = {256, 255};
   CHECK(recipe_hash(changed) != hash);
+}
+
+TEST_CASE("recipe: the hash leaves out where the data lies; checkpoints of earlier builds match") {
+  Recipe r;
+  r.data.type = "csv";
+  r.data.path = "/a/data.csv";
+  Recipe moved = r;
+  moved.data.path = "/b/copy.csv";
+  CHECK(recipe_hash(moved) == recipe_hash(r));
+  CHECK(recipe_mismatch(r, recipe_hash(moved)).empty());
+  // Earlier builds hashed data.path too: the hash they recorded is recognised, for this path.
+  CHECK(recipe_mismatch(r, "20c553d9ba052533").empty());
+  CHECK_FALSE(recipe_mismatch(moved, "20c553d9ba052533").empty());
+  const std::string earlier = "a6d3c1ba2f0b1e5c";  // no recipe has it
+  CHECK(recipe_mismatch(r, earlier) ==
+        "written by a different recipe (hash a6d3c1ba2f0b1e5c, "
+        "this run's " +
+            recipe_hash(r) + ")");
+  CHECK(recipe_mismatch(r, "").starts_with("written by a different recipe (hash none, "));
+  Recipe other = r;
+  other.optimizer.lr *= 2;
+  CHECK_FALSE(recipe_mismatch(r, recipe_hash(other)).empty());
+  TrainingPosition p;
+  p.recipe_hash = recipe_hash(other);
+  CHECK(written_by(other)(p).empty());
+  CHECK(written_by(r)(p) == recipe_mismatch(r, p.recipe_hash));
 }
 
 }  // namespace

@@ -426,12 +426,10 @@ class TrainingRun {
 
   // Ranks started by hand or by another scheduler may have been given different recipes: their
   // collectives would mismatch (or, worse, match and train something nobody asked for). One
-  // allgather of the recipes' hashes compares them, data.path aside (each host may keep the data
-  // elsewhere; the data itself is compared by its fingerprint where a launcher places it).
+  // allgather of the recipes' hashes compares them (recipe_hash leaves data.path out: each host
+  // may keep the data elsewhere; the data itself is compared by its fingerprint).
   void check_same_recipe() {
-    Recipe comparable = recipe_;
-    comparable.data.path.clear();
-    const uint64_t mine = std::stoull(recipe_hash(comparable), nullptr, 16);
+    const uint64_t mine = std::stoull(recipe_hash(recipe_), nullptr, 16);
     std::vector<uint64_t> hashes(static_cast<size_t>(world_));
     mark_collective("allgather of the recipes' hashes");
     comm_.allgather(&mine, sizeof(mine), hashes.data());
@@ -575,9 +573,11 @@ class TrainingRun {
     if (writes_checkpoints()) {
       // None on this node is not an error (another may hold one); one out of reach is.
       if (auto found = try_find_valid_checkpoint(
-              options_.run_dir / "checkpoints", [this](const std::string& w) {
+              options_.run_dir / "checkpoints",
+              [this](const std::string& w) {
                 emit({{"event", "info"}, {"message", "warning: " + w}});
-              })) {
+              },
+              written_by(recipe_))) {
         mine = std::move(*found);
         my_step = checkpoint_step(mine);
       }
@@ -610,10 +610,8 @@ class TrainingRun {
     if (rank_ == source) {
       CheckpointData ckpt = read_checkpoint(dir);
       const auto& p = ckpt.position;
-      if (p.recipe_hash != recipe_hash(recipe_)) {
-        throw Error(ErrorKind::checkpoint,
-                    fmt::format("{}: written by a different recipe (hash {}, this recipe {})",
-                                dir.string(), p.recipe_hash, recipe_hash(recipe_)));
+      if (const std::string why = recipe_mismatch(recipe_, p.recipe_hash); !why.empty()) {
+        throw Error(ErrorKind::checkpoint, fmt::format("{}: {}", dir.string(), why));
       }
       require_same_data(dir, p.data_fingerprint, data_.fingerprint, recipe_.data,
                         "a resume on it would not continue the same run; put the data back as "

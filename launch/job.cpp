@@ -215,10 +215,11 @@ class RemoteRankLogs {
 
 // The newest checkpoint in this run directory that verifies (nothing is set aside or changed),
 // or nothing; `unreachable` says why when a newer one is out of reach (a permission).
-std::optional<std::string> newest_valid_checkpoint(const RunDirectory& run,
+std::optional<std::string> newest_valid_checkpoint(const RunDirectory& run, const Recipe& recipe,
                                                    std::string& unreachable) {
   try {
-    const auto found = try_find_valid_checkpoint(run.checkpoints(), [](const std::string&) {});
+    const auto found = try_find_valid_checkpoint(
+        run.checkpoints(), [](const std::string&) {}, written_by(recipe));
     if (found) return found->filename().string();
   } catch (const Error& e) {
     unreachable = e.what();
@@ -741,7 +742,8 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   };
   std::optional<std::string> newest;
   std::string unreachable;
-  if (trains && !rank0_remote && !sup.ok()) newest = newest_valid_checkpoint(run, unreachable);
+  if (trains && !rank0_remote && !sup.ok())
+    newest = newest_valid_checkpoint(run, spec.recipe, unreachable);
   if (newest) out.last_checkpoint = *newest;
   const auto checkpoint_note = [&]() -> std::string {
     if (!trains) return "";

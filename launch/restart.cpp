@@ -153,15 +153,16 @@ fs::path next_generation_source(RunDirectory& run, const JobSpec& spec, StatusPr
   }
   // One out of reach (a permission) is an error, not "none": starting over would lose its steps.
   if (auto from = try_find_valid_checkpoint(
-          run.checkpoints(), [&status](const std::string& w) { status.line("warning: " + w); })) {
+          run.checkpoints(), [&status](const std::string& w) { status.line("warning: " + w); },
+          written_by(spec.recipe))) {
     name = from->filename().string();
     return std::move(*from);
   }
   if (const auto all = list_checkpoints(run.checkpoints()); !all.empty()) {
     throw Error(ErrorKind::checkpoint,
-                fmt::format("{}: none of its {} checkpoint(s) verifies (the warnings above say "
-                            "why), and starting over would write over them; repair them, or move "
-                            "them away to start over, then 'dptrain resume'",
+                fmt::format("{}: none of its {} checkpoint(s) is usable (the warnings above "
+                            "say why), and starting over would write over them; repair them, or "
+                            "move them away to start over, then 'dptrain resume'",
                             run.checkpoints().string(), all.size()));
   }
   name = "step 0";

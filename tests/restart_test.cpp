@@ -202,7 +202,7 @@ TEST_CASE("a restart with no checkpoint that verifies stops with exit 5, writing
   const std::string error = out["error"];
   INFO(error, launcher.err());
   CHECK(error.starts_with("rank 1 "));  // the failure first, then why it was not restarted
-  CHECK(error.find(fmt::format("(not restarted: {}: none of its {} checkpoint(s) verifies",
+  CHECK(error.find(fmt::format("(not restarted: {}: none of its {} checkpoint(s) is usable",
                                (run_dir / "checkpoints").string(), blobs.size())) !=
         std::string::npos);
   // Nothing started over: the damaged checkpoints are as they were, and no restart is recorded.
@@ -213,6 +213,53 @@ TEST_CASE("a restart with no checkpoint that verifies stops with exit 5, writing
   CHECK(info.value("restarts", json::array()).empty());
   CHECK(launcher.err().find("warning: skipping checkpoint step-000020: params.bin") !=
         std::string::npos);
+}
+
+TEST_CASE("a restart skips a checkpoint of another recipe copied into the run") {
+  TempDir tmp;
+  // Another run's checkpoints, of a recipe that differs in its learning rate only.
+  auto other = resumable_recipe();
+  other["optimizer"]["lr"] = other["optimizer"].value("lr", 0.01) * 2;
+  const auto other_recipe = write_recipe(tmp.path(), other, "other.json");
+  REQUIRE(run_dptrain({"launch", other_recipe.string(), "--nproc", "2", "--run-dir",
+                       (tmp / "other").string()})
+              .exit_code == 0);
+  const fs::path foreign = tmp / "other/checkpoints/step-000120";
+  const std::string foreign_params = read_text(foreign / "params.bin");
+
+  const fs::path run_dir = tmp / "run";
+  const auto waiting = launch_until_restart_wait(run_dir, "3", true);
+  Background& launcher = *waiting;
+  // Copied in, newer than any of the run's, and named by `latest`, while the launcher waits.
+  fs::copy(foreign, run_dir / "checkpoints/step-000120");
+  write_text(run_dir / "checkpoints/latest", "step-000120\n");
+  CHECK(launcher.wait(std::chrono::seconds(120)) == 0);
+  INFO(launcher.err());
+  CHECK(launcher.err().find("warning: skipping checkpoint step-000120: written by a different "
+                            "recipe (hash ") != std::string::npos);
+  const json info = parse_json(read_text(run_dir / "run.json"));
+  CHECK(info["status"] == "completed");
+  REQUIRE(info["restarts"].size() == 1);
+  CHECK(info["restarts"][0]["from"] == "step-000020");
+  // The run wrote its own step 120 in the end.
+  CHECK(read_text(latest_params(run_dir)) != foreign_params);
+  CHECK(run_dptrain({"ckpt", "verify", run_dir.string()}).exit_code == 0);
+
+  // resume skips it too, and sets it aside as it does a damaged one.
+  json failed = info;
+  failed["status"] = "failed";  // as if it had died after its last checkpoint
+  write_text(run_dir / "run.json", failed.dump());
+  const std::string own_params = read_text(latest_params(run_dir));
+  fs::remove_all(run_dir / "checkpoints/step-000120");
+  fs::copy(foreign, run_dir / "checkpoints/step-000120");
+  const auto resumed = run_dptrain({"resume", run_dir.string()});
+  INFO(resumed.out, resumed.err);
+  CHECK(resumed.exit_code == 0);
+  CHECK(resumed.out.find("skipping checkpoint step-000120: written by a different recipe") !=
+        std::string::npos);
+  CHECK(resumed.out.find("from step-000100") != std::string::npos);
+  CHECK(fs::exists(run_dir / "checkpoints/step-000120.corrupt"));
+  CHECK(read_text(latest_params(run_dir)) == own_params);
 }
 
 TEST_CASE("without --max-restarts a failure is final; with it exhausted the message says so") {
