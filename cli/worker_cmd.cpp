@@ -31,6 +31,7 @@
 #include "core/recipe.hpp"
 #include "core/tensor/device.hpp"
 #include "core/trainer.hpp"
+#include "launch/run_dir.hpp"
 #include "launch/status.hpp"
 
 namespace dptrain::cli {
@@ -179,6 +180,14 @@ int run_worker(WorkerOptions o) {
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(
       1000.0 * (o.timeout_s > 0 ? o.timeout_s : recipe.distributed.timeout_s)));
   const auto [host, port] = parse_host_port(o.store);
+  // A launcher drives a run in this directory: a rank it did not start would write its metrics
+  // and checkpoints into that run's.
+  if (!env(kLaunchedEnv) && run_locked(o.run_dir)) {
+    throw Error(ErrorKind::usage,
+                fmt::format("--run-dir {}: a launcher on this machine is running a run there (it "
+                            "holds {}/.lock); give another --run-dir",
+                            o.run_dir, o.run_dir));
+  }
   // A fresh start writes its checkpoints over any that the directory holds (a requeued job, a
   // run directory reused by mistake): refused before any rank connects. Only the node's
   // checkpoint writer looks; the others fail as their peer leaves.

@@ -17,6 +17,7 @@
 #include "core/json_error.hpp"
 #include "launch/job.hpp"
 #include "launch/provision.hpp"
+#include "launch/run_dir.hpp"
 
 namespace dptrain {
 
@@ -147,7 +148,8 @@ std::vector<ProcessSpec> worker_specs(const AgentPlan& plan, const fs::path& wor
              {"DPTRAIN_STORE", plan.store},
              {"DPTRAIN_GENERATION", std::to_string(plan.generation)},
              {"DPTRAIN_BACKEND", plan.backend},
-             {"DPTRAIN_EVENTS", "1"}};
+             {"DPTRAIN_EVENTS", "1"},
+             {kLaunchedEnv, "1"}};
     if (plan.nominal_world > 0) {
       p.env.emplace_back("DPTRAIN_NOMINAL_WORLD", std::to_string(plan.nominal_world));
     }

@@ -9,6 +9,7 @@
 #include "core/comm/auth.hpp"
 #include "core/error.hpp"
 #include "launch/agent.hpp"
+#include "launch/run_dir.hpp"
 
 namespace dptrain {
 
@@ -23,6 +24,7 @@ constexpr std::string_view kSetForEachRank[] = {"RANK",
                                                 "DPTRAIN_BACKEND",
                                                 "DPTRAIN_EVENTS",
                                                 "DPTRAIN_NOMINAL_WORLD",
+                                                kLaunchedEnv,
                                                 kStoreSecretEnv};
 
 bool is_variable_name(std::string_view name) {

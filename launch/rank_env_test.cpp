@@ -50,6 +50,7 @@ TEST_CASE("--env refuses what is not a variable, what the launcher sets, and wha
   CHECK(usage_error({"A-B=1"}).find("'A-B' is not a variable name") != std::string::npos);
   CHECK(usage_error({"RANK=3"}) == "--env RANK: the launcher sets RANK for each rank itself");
   CHECK(usage_error({"DPTRAIN_STORE_SECRET"}).find("the launcher sets") != std::string::npos);
+  CHECK(usage_error({"DPTRAIN_LAUNCHED=1"}).find("the launcher sets") != std::string::npos);
   unsetenv("DPTRAIN_TEST_UNSET");
   CHECK(usage_error({"DPTRAIN_TEST_UNSET"}) ==
         "--env DPTRAIN_TEST_UNSET is not set in this environment: export it, or give --env "

@@ -248,6 +248,17 @@ void RunDirectory::lock() {
   lock_ = std::move(held);
 }
 
+bool run_locked(const fs::path& dir) {
+  // Not a FIFO's open that waits for a writer, nor a link followed elsewhere.
+  const int fd = ::open((dir / kLockFile).c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd < 0) return false;
+  // Shared: it meets a launcher's exclusive lock and keeps no other reader out. Released at
+  // once; a launcher taking the lock in that instant reports it held, as for any other process.
+  const bool held = ::flock(fd, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK;
+  ::close(fd);
+  return held;
+}
+
 void RunDirectory::save() const {
   write_file_atomic(path_ / "run.json", json_text(info_, 2) + "\n");
 }

@@ -49,6 +49,15 @@ class RunDirectory {
   std::shared_ptr<const int> lock_;  // the locked descriptor, closed with the last copy
 };
 
+// The variable a launcher sets ("1") for every rank it starts: such a rank belongs to the run
+// whose lock its launcher holds. `dptrain worker` started otherwise refuses such a directory.
+constexpr const char* kLaunchedEnv = "DPTRAIN_LAUNCHED";
+
+// Whether a process on this machine holds DIR's lock (RunDirectory::lock: a launcher drives a
+// run there). Never throws, and creates nothing: false when there is no .lock or it cannot be
+// opened.
+bool run_locked(const std::filesystem::path& dir);
+
 // DIR/run.json as a JSON object; Error(usage) naming the file or directory when DIR holds none,
 // when it is not a file, not valid JSON (at line L, column C) or not an object.
 nlohmann::json read_run_json(const std::filesystem::path& dir);

@@ -234,6 +234,28 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
     CHECK(err.find("start every rank with the same recipe") != std::string::npos);
   }
   CHECK_FALSE(fs::exists(tmp / "mixed/checkpoints/latest"));
+
+  // A launch running in a directory (here before its first checkpoint) keeps ranks it did not
+  // start out: their metrics would be interleaved with its ranks'.
+  const fs::path live = tmp / "live";
+  Background launch({"launch", recipe.string(), "--nproc", "1", "--run-dir", live.string()},
+                    Env{{"DPTRAIN_DEBUG_STEP_DELAY_MS", "200"}});
+  REQUIRE(eventually([&] { return fs::exists(live / "metrics.jsonl"); }));
+  env0["DPTRAIN_RUN_DIR"] = live.string();
+  env0["MASTER_PORT"] = std::to_string(unused_port());
+  auto intruder = run_dptrain({"worker", recipe.string()}, env0, std::chrono::seconds(60));
+  CHECK(intruder.exit_code == 2);
+  CHECK(intruder.err == "dptrain: error: --run-dir " + live.string() +
+                            ": a launcher on this machine is running a run there (it holds " +
+                            live.string() + "/.lock); give another --run-dir\n");
+  REQUIRE(::kill(launch.pid(), SIGINT) == 0);
+  CHECK(launch.wait(std::chrono::seconds(60)) == 130);
+  // Once the launcher is gone the lock is free: a worker may continue the run by hand.
+  env0["WORLD_SIZE"] = "1";
+  auto continued = run_dptrain({"worker", recipe.string(), "--resume", "newest-or-start"}, env0,
+                               std::chrono::seconds(120));
+  INFO(continued.err);
+  CHECK(continued.exit_code == 0);
 }
 
 TEST_CASE("a worker started by srun takes its local rank from SLURM_LOCALID") {
