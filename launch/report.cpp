@@ -11,6 +11,7 @@
 #include <fstream>
 #include <limits>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <system_error>
 
@@ -183,7 +184,19 @@ RunState between_generations(const json& info, const json& generations, RunState
 RunState run_state(const json& info) {
   RunState state;
   state.recorded_status = text(info, "status");
-  state.status = state.recorded_status.empty() ? "unknown" : state.recorded_status;
+  state.status = state.recorded_status;
+  // What launchers write; anything else (an edited or foreign run.json) is not echoed as if it
+  // were a status.
+  static const std::set<std::string> recorded = {"running",     "completed",  "failed",
+                                                 "interrupted", "terminated", "resized"};
+  if (const auto it = info.find("status");
+      it == info.end() || !it->is_string() || recorded.count(state.recorded_status) == 0) {
+    state.status = "unknown";
+    state.note = it == info.end() ? "run.json records no status"
+                                  : fmt::format("run.json's status is {}, not one dptrain records",
+                                                printable_excerpt(it->dump()));
+    return state;
+  }
   const json& generations = array_at(info, "generations");
   const json last = generations.empty() ? json::object() : generations.back();
   // Launched on another machine (seen over a shared filesystem): its processes are not this
@@ -770,7 +783,16 @@ RunMetrics read_metrics(const fs::path& file) {
       continue;
     }
     const int64_t step = integer(j, "step", 0);
+    // A loss is a number, or null (not finite: a diverged step); anything else is not a line
+    // the trainer wrote.
+    const auto loss_field = [&j](const char* key) {
+      return j.contains(key) && (j[key].is_number() || j[key].is_null());
+    };
     if (j.contains("eval_loss")) {
+      if (!loss_field("eval_loss")) {
+        ++m.skipped_lines;
+        continue;
+      }
       EvalMetrics e;
       e.step = step;
       e.loss = json_number(j, "eval_loss");
@@ -780,7 +802,7 @@ RunMetrics read_metrics(const fs::path& file) {
       m.evals.push_back(e);
       continue;
     }
-    if (!j.contains("loss")) {
+    if (!loss_field("loss")) {
       ++m.skipped_lines;
       continue;
     }

@@ -314,6 +314,7 @@ TEST_CASE("status of a running run, then of one whose launcher was killed: stale
   // A crash can tear the last metrics line: it is skipped, and said so.
   {
     std::ofstream metrics(run_dir / "metrics.jsonl", std::ios::app);
+    metrics << "{\"step\": 97, \"loss\": \"x\"}\n{\"step\": 98, \"eval_loss\": [1]}\n";
     metrics << "{\"step\": 99, \"epo";
   }
   auto report = run_dptrain({"report", run_dir.string(), "--json"});
@@ -321,11 +322,12 @@ TEST_CASE("status of a running run, then of one whose launcher was killed: stale
   REQUIRE(report.exit_code == 0);
   const json summary = parse_json(report.out);
   CHECK(summary["status"] == "stale");
-  CHECK(summary["metrics_lines_skipped"] == 1);
+  // So is a line whose loss is not a number (nor null: the trainer's NaN).
+  CHECK(summary["metrics_lines_skipped"] == 3);
   CHECK(summary["step"].get<int64_t>() < 99);
   const std::string html = read_text(run_dir / "report.html");
   CHECK(contains(html, "<span class=\"badge stale\">stale</span>"));
-  CHECK(contains(html, "1 unreadable line(s) of metrics.jsonl skipped"));
+  CHECK(contains(html, "3 unreadable line(s) of metrics.jsonl skipped"));
   CHECK(count_occurrences(html, "<svg ") >= 4);
   CHECK(count_occurrences(html, "<g class=\"marker\">") == 0);
   check_self_contained(html);
@@ -531,6 +533,30 @@ TEST_CASE("status of a run launched on another machine: its launcher's stamp tel
   s = parse_json(run_dptrain({"status", (tmp / "run").string(), "--json"}).out);
   CHECK(s["status"] == "stale");
   CHECK(contains(s["note"].get<std::string>(), "s in the future: its clock and this machine's"));
+}
+
+TEST_CASE("status of a run.json whose status dptrain never writes: unknown, saying what it is") {
+  TempDir tmp;
+  fs::create_directories(tmp / "run");
+  const std::vector<std::pair<json, std::string>> cases = {
+      {5, "run.json's status is 5, not one dptrain records"},
+      {"sleeping", "run.json's status is \"sleeping\", not one dptrain records"},
+      {json::object(), "run.json's status is {}, not one dptrain records"},
+      {nullptr, "run.json records no status"}};
+  for (const auto& [status, note] : cases) {
+    json info = {{"world_size", 1}, {"recipe", resumable_recipe()}};
+    if (!status.is_null()) info["status"] = status;
+    write_text(tmp / "run/run.json", info.dump());
+    const auto r = run_dptrain({"status", (tmp / "run").string(), "--json"});
+    CAPTURE(status.dump());
+    CHECK(r.exit_code == 0);
+    const json s = parse_json(r.out);
+    CHECK(s["status"] == "unknown");
+    CHECK(s["note"] == note);
+    const auto text = run_dptrain({"status", (tmp / "run").string()});
+    CHECK(contains(text.out, "unknown"));
+    CHECK(contains(text.out, note));
+  }
 }
 
 TEST_CASE("a running launch stamps run.json with its host and a renewed alive_at") {
