@@ -6,7 +6,6 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <memory>
 #include <optional>
 
@@ -82,18 +81,6 @@ CommBenchOptions bench_options(const BenchCommOptions& o) {
   b.warmup = o.warmup;
   b.iters = o.iters;
   return b;
-}
-
-// MemAvailable of /proc/meminfo in bytes, or 0 when it cannot be read.
-uint64_t available_memory() {
-  std::ifstream meminfo("/proc/meminfo");
-  std::string key;
-  uint64_t kib = 0;
-  std::string unit;
-  while (meminfo >> key >> kib >> unit) {
-    if (key == "MemAvailable:") return kib * 1024;
-  }
-  return 0;
 }
 
 // Local Gloo ranks hold the largest size in host memory: an input and an output buffer, the

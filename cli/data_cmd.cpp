@@ -8,11 +8,13 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <memory>
+#include <set>
 #include <string_view>
 #include <system_error>
 #include <utility>
@@ -23,6 +25,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.hpp"
+#include "cli/env.hpp"
 #include "core/data/tokens.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
@@ -147,6 +150,21 @@ bool looks_like_dataset(const fs::path& dir) {
   return fs::exists(dir / "meta.json", ec) || fs::exists(dir / "train.bin", ec);
 }
 
+// The first entry of a dataset directory that a prepare does not write (a file of the user's
+// that --force would delete with it); empty when there is none.
+std::string foreign_entry(const fs::path& dir) {
+  static const std::set<std::string> ours = {"meta.json", "train.bin", "val.bin", "tokenizer.json"};
+  std::vector<std::string> others;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (ours.count(name) == 0) others.push_back(name);
+  }
+  if (ec) return fmt::format("(cannot list it: {})", ec.message());
+  std::sort(others.begin(), others.end());
+  return others.empty() ? std::string() : others.front();
+}
+
 // Before any text is read: OUT must be new, empty, or (with --force) a dataset to replace.
 void check_output(const fs::path& out, bool force) {
   std::error_code ec;
@@ -174,6 +192,12 @@ void check_output(const fs::path& out, bool force) {
                     "only a dataset",
                     out.string()));
   }
+  if (const std::string other = foreign_entry(out); !other.empty()) {
+    refuse(
+        fmt::format("{}: holds {}, which is not part of a token dataset; --force replaces only "
+                    "a dataset's own files: move it away first",
+                    out.string(), printable_excerpt(other)));
+  }
 }
 
 constexpr size_t kReadChunk = size_t{8} << 20;
@@ -189,17 +213,41 @@ struct FileDescriptor {
   FileDescriptor& operator=(const FileDescriptor&) = delete;
 };
 
+// A prepare holds the whole text and then its tokens (int32, 4 bytes a byte at most) at once.
+constexpr uint64_t kBytesPerTextByte = 5;
+
+// The most text this machine's available memory lets a prepare hold; no limit when unknown.
+uint64_t text_limit() {
+  const uint64_t available = available_memory();
+  return available == 0 ? UINT64_MAX : available / kBytesPerTextByte;
+}
+
+// Refused before the memory runs out (the kernel would kill the prepare, or another process,
+// with no word of why): `what` is how much text there is, or would be.
+[[noreturn]] void refuse_too_much_text(const std::string& what, uint64_t limit) {
+  refuse(fmt::format(
+      "{}: a prepare holds the text and its tokens in memory ({} bytes a byte of "
+      "text), and {} is available (MemAvailable): at most {} of text; prepare "
+      "less text, or free memory",
+      what, kBytesPerTextByte, human_size(limit * kBytesPerTextByte), human_size(limit)));
+}
+
 // Appends the file's bytes to text, a chunk at a time: the progress line moves and a stop signal
-// is seen between chunks (also while a read from a pipe waits).
-void append_text(const fs::path& path, std::string& text, PrepareStatus& status) {
+// is seen between chunks (also while a read from a pipe waits). More than `limit` bytes of text
+// in all is refused as it is reached (a pipe, or a device such as /dev/zero, has no size).
+void append_text(const fs::path& path, std::string& text, uint64_t limit, PrepareStatus& status) {
   std::error_code ec;
   if (fs::is_directory(path, ec))
     refuse(fmt::format("{}: cannot read: is a directory", path.string()));
-  const FileDescriptor in(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  int fd = -1;
+  // A FIFO's open waits for a writer: a stop signal ends the wait.
+  while ((fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC)) < 0 && errno == EINTR)
+    status.check_stop();
+  const FileDescriptor in(fd);
   if (in.fd < 0) refuse(fmt::format("{}: cannot read: {}", path.string(), std::strerror(errno)));
   struct stat st {};
-  const uint64_t size =
-      ::fstat(in.fd, &st) == 0 && S_ISREG(st.st_mode) ? static_cast<uint64_t>(st.st_size) : 0;
+  const bool regular = ::fstat(in.fd, &st) == 0 && S_ISREG(st.st_mode);
+  const uint64_t size = regular ? static_cast<uint64_t>(st.st_size) : 0;
   const std::string what = "reading " + path.filename().string();
   uint64_t done = 0;
   for (;;) {
@@ -217,6 +265,22 @@ void append_text(const fs::path& path, std::string& text, PrepareStatus& status)
       refuse(fmt::format("{}: cannot read: {}", path.string(), std::strerror(error)));
     }
     done += static_cast<uint64_t>(n);
+    if (text.size() > limit) {
+      refuse_too_much_text(fmt::format("{}: the text passes {} ({} of this file read)",
+                                       path.string(), human_size(limit), human_size(done)),
+                           limit);
+    }
+  }
+  // A file written to while it was read holds neither the old text nor the new one.
+  struct stat after {};
+  if (regular &&
+      (::fstat(in.fd, &after) != 0 || done != size ||
+       static_cast<uint64_t>(after.st_size) != size || after.st_mtim.tv_sec != st.st_mtim.tv_sec ||
+       after.st_mtim.tv_nsec != st.st_mtim.tv_nsec)) {
+    refuse(
+        fmt::format("{}: changed while it was read ({} bytes when opened, {} read, {} now); "
+                    "prepare it once nothing writes to it",
+                    path.string(), size, done, static_cast<uint64_t>(after.st_size)));
   }
 }
 
@@ -447,17 +511,22 @@ int run_prepare(const PrepareOptions& o) {
   std::error_code ec;
   status.set_output(s.path, fs::exists(fs::symlink_status(s.path, ec)));
 
-  uint64_t expected = kReadChunk;  // room for the read that finds the end
+  const uint64_t limit = text_limit();
+  uint64_t expected = 0;
   for (const auto& name : o.text) {
     const uintmax_t size = fs::file_size(name, ec);
     if (!ec) expected += size;
   }
+  if (expected > limit) {
+    refuse_too_much_text(
+        fmt::format("{}: {} of text", fmt::join(o.text, ", "), human_size(expected)), limit);
+  }
   std::string text;
-  text.reserve(expected);
+  text.reserve(expected + kReadChunk);  // room for the read that finds the end
   for (const auto& name : o.text) {
     const fs::path path = name;
     const size_t start = text.size();
-    append_text(path, text, status);
+    append_text(path, text, limit, status);
     const std::string_view part = std::string_view(text).substr(start);
     if (o.tokenizer == "char") {
       try {

@@ -2,6 +2,7 @@
 #include "cli/env.hpp"
 
 #include <cstdlib>
+#include <fstream>
 
 #include <fmt/format.h>
 
@@ -29,6 +30,17 @@ int env_int(const char* name, std::optional<int> fallback, const std::string& wh
   } catch (const std::exception&) {
   }
   throw Error(ErrorKind::usage, fmt::format("{}: not an integer: '{}'", name, *v));
+}
+
+uint64_t available_memory() {
+  std::ifstream meminfo(env("DPTRAIN_TEST_MEMINFO").value_or("/proc/meminfo"));
+  std::string key;
+  uint64_t kib = 0;
+  std::string unit;
+  while (meminfo >> key >> kib >> unit) {
+    if (key == "MemAvailable:") return kib * 1024;
+  }
+  return 0;
 }
 
 }  // namespace dptrain::cli

@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <fstream>
 #include <optional>
@@ -187,6 +188,46 @@ TEST_CASE("data prepare: SIGINT while it waits to read a pipe stops it at once, 
   ::kill(p.pid(), SIGINT);
   check_stopped(p, 130, "SIGINT");
   ::close(writer);
+  CHECK_FALSE(fs::exists(tmp / "ds"));
+  CHECK(entries_starting(tmp.path(), ".ds").empty());
+}
+
+TEST_CASE("data prepare: SIGTERM while it waits for a pipe's writer stops it, exit 143") {
+  TempDir tmp;
+  const fs::path fifo = tmp / "text.fifo";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  // No writer: the prepare waits in open().
+  Background p({"data", "prepare", "--text", fifo.string(), "--out", (tmp / "ds").string()});
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  REQUIRE(process_alive(p.pid()));
+  ::kill(p.pid(), SIGTERM);
+  check_stopped(p, 143, "SIGTERM");
+  CHECK_FALSE(fs::exists(tmp / "ds"));
+}
+
+TEST_CASE("data prepare refuses a text file that changes while it is read") {
+  TempDir tmp;
+  const fs::path text = tmp / "growing.txt";
+  write_big_text(text, 64);
+  // A writer appends to it all the while (a log still being written, a download not done).
+  std::atomic<bool> done{false};
+  std::atomic<int64_t> appended{0};
+  std::thread writer([&] {
+    const int fd = ::open(text.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
+    while (fd >= 0 && !done.load()) {
+      if (::write(fd, "x", 1) == 1) ++appended;
+    }
+    if (fd >= 0) ::close(fd);
+  });
+  REQUIRE(eventually([&] { return appended.load() > 0; }));
+  auto r =
+      run_dptrain({"data", "prepare", "--text", text.string(), "--out", (tmp / "ds").string()});
+  done = true;
+  writer.join();
+  INFO(r.err);
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.starts_with("dptrain: error: " + text.string() + ": changed while it was read ("));
+  CHECK(contains(r.err, "; prepare it once nothing writes to it\n"));
   CHECK_FALSE(fs::exists(tmp / "ds"));
   CHECK(entries_starting(tmp.path(), ".ds").empty());
 }

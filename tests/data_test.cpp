@@ -235,6 +235,35 @@ TEST_CASE("data prepare refuses bad input with exit 2 and one line, writing noth
   CHECK(dptrain::read_token_file(tmp / "out/val.bin").tokens.empty());
 }
 
+TEST_CASE("data prepare refuses more text than the memory holds, before it runs out") {
+  TempDir tmp;
+  // 50 MiB available: at most 10 MiB of text (the text and its int32 tokens are held at once).
+  write_text(tmp / "meminfo", "MemTotal: 1000000 kB\nMemAvailable: 51200 kB\n");
+  const Env env = {{"DPTRAIN_TEST_MEMINFO", (tmp / "meminfo").string()}};
+  const std::string out = (tmp / "out").string();
+  const std::string limits =
+      ": a prepare holds the text and its tokens in memory (5 bytes a byte of text), and 50.0 "
+      "MiB is available (MemAvailable): at most 10.0 MiB of text; prepare less text, or free "
+      "memory\n";
+  // Files whose sizes add up to too much: refused before any is read.
+  write_text(tmp / "a.txt", std::string(6 << 20, 'a'));
+  write_text(tmp / "b.txt", std::string(6 << 20, 'b'));
+  const std::string a = (tmp / "a.txt").string(), b = (tmp / "b.txt").string();
+  auto sized = run_dptrain({"data", "prepare", "--text", a, b, "--out", out}, env);
+  CHECK(sized.exit_code == 2);
+  CHECK(sized.err == "dptrain: error: " + a + ", " + b + ": 12.0 MiB of text" + limits);
+  // A source with no size (a device, a pipe): refused as the text passes the limit, not read on
+  // until the memory runs out.
+  auto endless = run_dptrain({"data", "prepare", "--text", a, "/dev/zero", "--out", out}, env);
+  CHECK(endless.exit_code == 2);
+  CHECK(endless.err.starts_with("dptrain: error: /dev/zero: the text passes 10.0 MiB ("));
+  CHECK(endless.err.ends_with(" of this file read)" + limits));
+  CHECK_FALSE(fs::exists(out));
+  check_no_leftovers(tmp.path(), 3);  // meminfo, a.txt, b.txt
+  // Within the limit it is prepared.
+  CHECK(run_dptrain({"data", "prepare", "--text", a, "--out", out}, env).exit_code == 0);
+}
+
 TEST_CASE("data prepare keeps an existing dataset unless --force, and --force only replaces one") {
   TempDir tmp;
   write_text(tmp / "one.txt", synthetic_text(4, 600));
@@ -277,6 +306,14 @@ TEST_CASE("data prepare keeps an existing dataset unless --force, and --force on
         "dptrain: error: " + (tmp / "dangling").string() + ": is a symbolic link to " +
             (tmp / "nowhere").string() +
             " (which does not exist); give the directory itself as --out");
+  CHECK(decoded(out) == synthetic_text(5, 900));
+  // A dataset directory that also holds a file of the user's: --force would delete it too.
+  write_text(out / "notes.txt", "keep me");
+  CHECK(refusal({"--text", (tmp / "one.txt").string(), "--out", out.string(), "--force"}) ==
+        "dptrain: error: " + out.string() +
+            ": holds notes.txt, which is not part of a token dataset; --force replaces only a "
+            "dataset's own files: move it away first");
+  CHECK(read_text(out / "notes.txt") == "keep me");
   CHECK(decoded(out) == synthetic_text(5, 900));
 }
 
