@@ -1,8 +1,10 @@
 // dptrain's entry point: dispatches to a subcommand and maps errors to exit codes.
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <new>
 #include <string>
@@ -117,9 +119,27 @@ std::string plain_parse_error(const Command& c, const std::string& what) {
   return fmt::format("{}: '{}' is not {}", name, value, expected);
 }
 
+int run(int argc, char** argv);
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  int code = run(argc, argv);
+  // What was written to standard output must have arrived: a full disk or a closed descriptor
+  // behind `dptrain ... > FILE` is a failure, not a silent success (as coreutils' close_stdout).
+  const bool flushed = std::fflush(stdout) == 0;
+  const int error = errno;
+  if ((!flushed || std::ferror(stdout)) && code == 0) {
+    std::fprintf(stderr, "dptrain: error: standard output: cannot write%s%s\n", flushed ? "" : ": ",
+                 flushed ? "" : std::strerror(error));
+    code = 1;
+  }
+  return code;
+}
+
+namespace {
+
+int run(int argc, char** argv) {
   if (argc > 1 && std::string_view(argv[1]) == "worker")
     dptrain::cli::install_worker_signal_handlers();
   // A launcher starts its ranks with SIGTERM blocked (ProcessSpec::hold_sigterm): one that came
@@ -191,3 +211,5 @@ int main(int argc, char** argv) {
   }
   return outcome.exit_code;
 }
+
+}  // namespace

@@ -34,6 +34,31 @@ TEST_CASE("--version and --help for dptrain and every subcommand") {
   }
 }
 
+TEST_CASE("output that cannot be written (a full disk) is exit 1, not a silent success") {
+  TempDir tmp;
+  const std::string recipe = (source_dir() / "recipes/quickstart.json").string();
+  const auto to_full = [&](const std::string& args) {
+    const int status = std::system(
+        ("'" + binary() + "' " + args + " > /dev/full 2> '" + (tmp / "err").string() + "'")
+            .c_str());
+    REQUIRE(WIFEXITED(status));
+    return WEXITSTATUS(status);
+  };
+  for (const std::string& args : {"recipe show '" + recipe + "'", std::string("--help"),
+                                  "recipe validate '" + recipe + "' --json"}) {
+    CAPTURE(args);
+    CHECK(to_full(args) == 1);
+    CHECK(
+        read_text(tmp / "err")
+            .ends_with("dptrain: error: standard output: cannot write: No space left on device\n"));
+  }
+  // A failure keeps its own exit code and message.
+  CHECK(to_full("recipe show '" + (tmp / "missing.json").string() + "'") == 2);
+  CHECK(read_text(tmp / "err") == "dptrain: error: " + (tmp / "missing.json").string() +
+                                      ": cannot read: No such file or "
+                                      "directory\n");
+}
+
 TEST_CASE("usage errors exit 2") {
   CHECK(run_dptrain({}).exit_code == 2);
   auto unknown = run_dptrain({"lanuch"});
