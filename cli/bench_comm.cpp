@@ -212,6 +212,7 @@ int run_bench_launcher(const BenchCommOptions& o) {
   const int hosts = spec.hosts.empty() ? 1 : static_cast<int>(spec.hosts.size());
 
   check_hosts_resolve(spec);  // a host name that does not resolve: exit 4, nothing created
+  check_store_port(spec);     // a --master-port another process holds: exit 2
   // One that does not parse: exit 2, nothing created. A rank's steps are its measurements.
   const auto fault_warnings = check_benchmark_fault_injection(
       spec, static_cast<int64_t>(

@@ -178,6 +178,7 @@ int run_bench_train_cmd(const BenchTrainCliOptions& o) {
     largest.hosts = worlds.back().hosts;
     largest.world_size = worlds.back().world;
     check_hosts_resolve(largest);
+    check_store_port(largest);
     check_fault_injection(largest);
   }
 

@@ -104,6 +104,7 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
   spec.env = RankEnv::resumed(run.info().value("env", nlohmann::json::object()),
                               (run.path() / "run.json").string(), o.remote.rank_env());
   check_hosts_resolve(spec);  // a host name that does not resolve: exit 4, run.json untouched
+  check_store_port(spec);     // a --master-port another process holds: exit 2
   if (!run.info().contains("recipe")) {
     throw Error(ErrorKind::usage,
                 fmt::format("{}: run.json has no recipe (a benchmark's run?): there is nothing "

@@ -17,6 +17,7 @@
 #include "core/checkpoint.hpp"
 #include "core/comm/auth.hpp"
 #include "core/comm/net.hpp"
+#include "core/comm/socket.hpp"
 #include "core/comm/tcp_store.hpp"
 #include "core/data/tokens.hpp"
 #include "core/error.hpp"
@@ -305,6 +306,25 @@ void check_hosts_resolve(const JobSpec& spec) {
   if (!spec.candidates.empty()) return;
   for (const auto& h : spec.hosts) {
     if (!h.is_local()) address_towards(h);
+  }
+}
+
+void check_store_port(const JobSpec& spec) {
+  const uint16_t port = spec.remote.master_port;
+  if (port == 0) return;
+  std::string addr;
+  try {
+    addr = resolve_master_addr(spec);
+  } catch (const Error&) {
+    return;  // the hosts' own checks say why
+  }
+  try {
+    listen_tcp(addr, port);  // closed at once; the store listens there again when it starts
+  } catch (const Error& e) {
+    throw Error(ErrorKind::usage,
+                fmt::format("--master-port {}: the store cannot listen there ({}); choose another "
+                            "port, or leave --master-port out for a free one",
+                            port, first_line(e.what())));
   }
 }
 

@@ -133,6 +133,10 @@ std::string resolve_master_addr(const JobSpec& spec);
 // Error(ssh) naming a host that does not resolve, for a job that needs every host it names (no
 // --nnodes): found before anything is made for the run.
 void check_hosts_resolve(const JobSpec& spec);
+// Error(usage) when --master-port names a port the store cannot listen on (another process
+// holds it): found before anything is made for the run, not as every rank failing. Nothing to
+// check for a free port (0), or when the store's address cannot be told yet.
+void check_store_port(const JobSpec& spec);
 
 // DPTRAIN_FAULT (fault injection for tests; the launcher's, or the job's --env) as the ranks
 // will read it: Error(usage) when it does

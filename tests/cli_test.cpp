@@ -1,7 +1,11 @@
 // The command line itself: help, version, recipe validate/show, bad input and exit codes.
 #include <doctest/doctest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -137,6 +141,32 @@ TEST_CASE("usage errors exit 2") {
   CHECK(elsewhere.err.find("--master-addr 192.0.2.1: the store cannot listen there") !=
         std::string::npos);
   CHECK_FALSE(fs::exists(tmp / "runs"));
+  // So is a --master-port another process listens on: not every rank failing with exit 3.
+  const int holder = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE(holder >= 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof(address);
+  REQUIRE(::bind(holder, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0);
+  REQUIRE(::listen(holder, 1) == 0);
+  REQUIRE(::getsockname(holder, reinterpret_cast<sockaddr*>(&address), &length) == 0);
+  const std::string held = std::to_string(ntohs(address.sin_port));
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"launch", recipe.string(), "--nproc", "2"},
+        std::vector<std::string>{"bench", "comm", "--nproc", "2", "-e", "1K"}}) {
+    std::vector<std::string> all = args;
+    all.insert(all.end(), {"--master-port", held, "--runs-root", (tmp / "runs").string()});
+    auto busy = run_dptrain(all);
+    CAPTURE(args[0]);
+    CHECK(busy.exit_code == 2);
+    CHECK(busy.err == "dptrain: error: --master-port " + held +
+                          ": the store cannot listen there (cannot listen on 127.0.0.1:" + held +
+                          ": Address already in use); choose another port, or leave "
+                          "--master-port out for a free one\n");
+    CHECK_FALSE(fs::exists(tmp / "runs"));
+  }
+  ::close(holder);
   // --dry-run refuses what the launch would: events and JSON both on stdout.
   auto dry = run_dptrain({"launch", recipe.string(), "--dry-run", "--events", "-", "--json"});
   CHECK(dry.exit_code == 2);
