@@ -126,6 +126,9 @@ class PrepareStatus {
 void check_options(const PrepareOptions& o) {
   if (o.text.empty()) refuse("data prepare: no --text FILE given (the text to tokenize)");
   if (o.out.empty()) refuse("data prepare: no --out DATASET given (the directory to write)");
+  if (std::find(o.text.begin(), o.text.end(), "") != o.text.end()) {
+    refuse("--text '': an empty file name (give the text's path)");
+  }
   if (o.tokenizer != "byte" && o.tokenizer != "char") {
     refuse(fmt::format("--tokenizer: must be byte or char, got '{}'", o.tokenizer));
   }

@@ -96,8 +96,14 @@ std::string unknown_word(const Command& c, int argc, char** argv) {
 }
 
 // CLI11's "Could not convert: --nproc = abc" in the words of the other usage errors:
-// "--nproc: 'abc' is not an integer". Other messages as they are.
+// "--nproc: 'abc' is not an integer", and its "--tokens: At Most 1 required but received 2" as
+// "--tokens: given 2 times; give it once". Other messages as they are.
 std::string plain_parse_error(const Command& c, const std::string& what) {
+  constexpr std::string_view kRepeated = ": At Most 1 required but received ";
+  if (const auto at = what.find(kRepeated); at != std::string::npos) {
+    return fmt::format("{}: given {} times; give it once", what.substr(0, at),
+                       what.substr(at + kRepeated.size()));
+  }
   constexpr std::string_view kPrefix = "Could not convert: ";
   const auto equals = what.find(" = ");
   if (!what.starts_with(kPrefix) || equals == std::string::npos) return what;

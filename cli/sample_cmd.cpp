@@ -121,8 +121,9 @@ void check_checkpoint_origin(const fs::path& from, const TrainingPosition& posit
     }
     if (now) {
       require_same_data(from, position.data_fingerprint, *now, recipe.data,
-                        "the dataset was prepared again since, and its tokenizer may not be the "
-                        "one the model learned; put the dataset back as it was");
+                        "the checkpoint is another run's, or the dataset was prepared again "
+                        "since; its tokenizer may not be the one the model learned: sample the "
+                        "run that wrote it, or put the dataset back as it was");
     }
   }
   if (const std::string why = recipe_mismatch(recipe, position.recipe_hash); !why.empty()) {

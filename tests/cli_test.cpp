@@ -141,6 +141,11 @@ TEST_CASE("usage errors exit 2") {
   CHECK(elsewhere.err.find("--master-addr 192.0.2.1: the store cannot listen there") !=
         std::string::npos);
   CHECK_FALSE(fs::exists(tmp / "runs"));
+  // An option given twice, in the words of the other usage errors.
+  auto twice = run_dptrain({"data", "prepare", "--out", "a", "--out", "b"});
+  CHECK(twice.exit_code == 2);
+  CHECK(twice.err ==
+        "dptrain: error: --out: given 2 times; give it once (see 'dptrain data prepare --help')\n");
   // So is a --master-port another process listens on: not every rank failing with exit 3.
   const int holder = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   REQUIRE(holder >= 0);

@@ -188,6 +188,8 @@ TEST_CASE("data prepare refuses bad input with exit 2 and one line, writing noth
   CHECK(refusal({"--text", t, (tmp / "missing.txt").string(), "--out", out}) ==
         "dptrain: error: " + (tmp / "missing.txt").string() +
             ": cannot read: No such file or directory");
+  CHECK(refusal({"--text", t, "", "--out", out}) ==
+        "dptrain: error: --text '': an empty file name (give the text's path)");
   CHECK(refusal({"--text", tmp.path().string(), "--out", out}) ==
         "dptrain: error: " + tmp.path().string() + ": cannot read: is a directory");
   CHECK(refusal({"--text", (tmp / "empty.txt").string(), (tmp / "empty.txt").string(), "--out",

@@ -242,4 +242,6 @@ TEST_CASE(
   CHECK(r.out.empty());
   CHECK_MESSAGE(
       r.err.find(": written while training on other data: train.bin ") != std::string::npos, r.err);
+  CHECK(r.err.find("the checkpoint is another run's, or the dataset was prepared again since") !=
+        std::string::npos);
 }
