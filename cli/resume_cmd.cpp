@@ -105,6 +105,12 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
                               (run.path() / "run.json").string(), o.remote.rank_env());
   check_hosts_resolve(spec);  // a host name that does not resolve: exit 4, run.json untouched
   check_store_port(spec);     // a --master-port another process holds: exit 2
+  if (started_by_workers(run.info())) {
+    throw Error(ErrorKind::usage,
+                fmt::format("{}: its workers were started without a launcher (by hand, srun, "
+                            "mpirun): start them again with '--resume newest' to continue it",
+                            o.run_dir));
+  }
   if (!run.info().contains("recipe")) {
     throw Error(ErrorKind::usage,
                 fmt::format("{}: run.json has no recipe (a benchmark's run?): there is nothing "

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <optional>
 
@@ -26,6 +27,7 @@
 #include "core/comm/tcp_store.hpp"
 #include "core/error.hpp"
 #include "core/fault.hpp"
+#include "core/fs.hpp"
 #include "core/heartbeat.hpp"
 #include "core/json_error.hpp"
 #include "core/recipe.hpp"
@@ -160,7 +162,79 @@ void install_worker_signal_handlers() {
 
 namespace {
 
-int run_worker(WorkerOptions o) {
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+// A job of workers started by hand or by another scheduler (srun, mpirun) has no launcher to
+// record it: rank 0 keeps run.json instead, so that status, report, ckpt and sample read the run
+// as they read a launcher's. Each such start is a generation; its pid is rank 0's, so status
+// tells a running job from one whose rank 0 is gone. A run.json a launcher wrote (or one that
+// cannot be read) is left alone.
+class HandRunRecord {
+ public:
+  HandRunRecord(const WorkerOptions& o, const Recipe& recipe) {
+    if (o.rank != 0 || env(kLaunchedEnv)) return;
+    const fs::path dir = o.run_dir;
+    std::error_code ec;
+    if (fs::exists(fs::symlink_status(dir / "run.json", ec))) {
+      try {
+        info_ = read_run_json(dir);
+      } catch (const Error&) {
+        return;
+      }
+      if (!started_by_workers(info_)) return;
+    } else {
+      info_ = {{"id", generate_job_secret().substr(0, 12)},
+               {"created_at", utc_timestamp()},
+               {"started_by", kStartedByWorkers},
+               {"generations", json::array()}};
+    }
+    file_ = dir / "run.json";
+    info_["dptrain_version"] = DPTRAIN_VERSION;
+    info_["name"] = recipe.name;
+    info_["recipe"] = to_json(recipe);
+    info_["world_size"] = o.world_size;
+    info_["nominal_world_size"] = o.nominal_world > 0 ? o.nominal_world : o.world_size;
+    info_["status"] = "running";
+    info_.erase("error");
+    if (!info_["generations"].is_array()) info_["generations"] = json::array();
+    json gen = {{"generation", info_["generations"].size() + 1},
+                {"started_at", utc_timestamp()},
+                {"world_size", o.world_size},
+                {"hosts", json::array({this_host()})},
+                {"pids", json::array({::getpid()})}};
+    if (!o.resume.empty()) gen["resumed_from"] = fs::path(o.resume).filename().string();
+    info_["generations"].push_back(std::move(gen));
+    save();
+  }
+
+  // How the generation ended: completed, terminated (SIGTERM, after a checkpoint) or failed.
+  void finish(const std::string& status, const std::string& error = {}) {
+    if (file_.empty()) return;
+    info_["status"] = status;
+    json& gen = info_["generations"].back();
+    gen["ended_at"] = utc_timestamp();
+    gen["status"] = status;
+    if (!error.empty()) info_["error"] = gen["error"] = error;
+    save();
+  }
+
+ private:
+  void save() {
+    try {
+      write_file_atomic(file_, json_text(info_, 2) + "\n");
+    } catch (const Error& e) {
+      // The run's record, not the run: training goes on without it.
+      std::fprintf(stderr, "dptrain: warning: %s\n", e.what());
+      file_.clear();
+    }
+  }
+
+  fs::path file_;  // empty: nothing to keep
+  json info_;
+};
+
+int run_worker(WorkerOptions o, std::optional<HandRunRecord>& record) {
   install_worker_signal_handlers();  // again: main installs them first, for `dptrain worker`
   fill_from_env(o);
   const FaultInjector faults(parse_faults(env("DPTRAIN_FAULT").value_or("")), o.rank, o.generation);
@@ -217,6 +291,7 @@ int run_worker(WorkerOptions o) {
                   fmt::format("--run-dir {}: not writable: {}", o.run_dir, std::strerror(errno)));
     }
   }
+  record.emplace(o, recipe);
 
   // The job secret comes through the environment only; "" means an open store (by hand).
   const std::string secret = env(kStoreSecretEnv).value_or("");
@@ -285,7 +360,11 @@ int run_worker(WorkerOptions o) {
     };
   }
   const TrainResult result = train(recipe, *comm, topts);
-  if (result.stopped) return 143;
+  if (result.stopped) {
+    record->finish("terminated", "stopped by SIGTERM after a checkpoint");
+    return 143;
+  }
+  record->finish("completed");
   status.finish();
   return 0;
 }
@@ -321,14 +400,19 @@ void setup_worker(CLI::App& app, Outcome& outcome) {
                  "Seconds for store and collective waits (default and 0: distributed.timeout_s)")
       ->check(seconds());
   app.callback([o, &outcome] {
+    std::optional<HandRunRecord> record;
     try {
-      outcome.exit_code = run_worker(*o);
+      outcome.exit_code = run_worker(*o, record);
     } catch (const Error& e) {
       // Name the rank: many ranks' errors end up interleaved in one terminal. Some name it
       // themselves (the trainer's, for a launcher that reads only that line).
       const std::string own = fmt::format("rank {}: ", o->rank);
       const std::string what = e.what();
-      throw Error(e.kind(), o->rank >= 0 && !what.starts_with(own) ? own + what : what);
+      const std::string named = o->rank >= 0 && !what.starts_with(own) ? own + what : what;
+      if (record) {
+        record->finish(e.kind() == ErrorKind::terminated ? "terminated" : "failed", named);
+      }
+      throw Error(e.kind(), named);
     }
   });
 }

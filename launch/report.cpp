@@ -235,8 +235,9 @@ RunState run_state(const json& info) {
     const bool starting = !last.contains("pids") && started && *started < kStartingGraceS;
     if (!starting) {
       state.status = "stale";
-      state.note = "the launcher is gone: no rank of generation " +
-                   std::to_string(generations.size()) + " is alive";
+      state.note = (started_by_workers(info) ? "its rank 0 is gone" : "the launcher is gone") +
+                   std::string(": no rank of generation ") + std::to_string(generations.size()) +
+                   " is alive";
     }
   }
   return between_generations(info, generations, std::move(state));
@@ -454,6 +455,10 @@ std::string hint(const RunView& run) {
     // A benchmark's ranks train nothing: there is nothing to resume, only to run again.
     if (!run.info.contains("recipe") || run.info.contains("bench")) {
       return "a benchmark's run: run the benchmark again";
+    }
+    if (started_by_workers(run.info)) {
+      return "its workers were started without a launcher: start them again with "
+             "'--resume newest' to continue it";
     }
     return fmt::format("continue it with 'dptrain resume {}'", dir);
   }

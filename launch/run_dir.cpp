@@ -248,6 +248,10 @@ void RunDirectory::lock() {
   lock_ = std::move(held);
 }
 
+bool started_by_workers(const nlohmann::json& info) {
+  return info.is_object() && info.value("started_by", nlohmann::json()) == kStartedByWorkers;
+}
+
 bool run_locked(const fs::path& dir) {
   // Not a FIFO's open that waits for a writer, nor a link followed elsewhere.
   const int fd = ::open((dir / kLockFile).c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);

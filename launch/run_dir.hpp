@@ -53,6 +53,11 @@ class RunDirectory {
 // whose lock its launcher holds. `dptrain worker` started otherwise refuses such a directory.
 constexpr const char* kLaunchedEnv = "DPTRAIN_LAUNCHED";
 
+// run.json's "started_by" when no launcher started the run: workers started by hand or by
+// another scheduler, whose rank 0 keeps run.json (dptrain-worker(1)).
+constexpr const char* kStartedByWorkers = "dptrain worker";
+bool started_by_workers(const nlohmann::json& info);
+
 // Whether a process on this machine holds DIR's lock (RunDirectory::lock: a launcher drives a
 // run there). Never throws, and creates nothing: false when there is no .lock or it cannot be
 // opened.

@@ -8,15 +8,12 @@
 #include "core/checkpoint.hpp"
 #include "tests/damage.hpp"
 #include "tests/harness.hpp"
+#include "tests/strings.hpp"
 
 using namespace dptrain::test;
 namespace fs = std::filesystem;
 
 namespace {
-
-bool contains(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
-}
 
 // A finished 2-rank run with checkpoints at steps 20, 40 and 60; `latest` names step-000060.
 fs::path make_run(const TempDir& tmp) {

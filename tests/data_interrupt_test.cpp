@@ -28,10 +28,6 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-bool contains(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
-}
-
 // `mib` MiB of text: a seeded corpus repeated, written fast.
 void write_big_text(const fs::path& path, int mib) {
   const std::string block = synthetic_text(11, 1 << 20);

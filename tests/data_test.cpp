@@ -10,16 +10,13 @@
 
 #include "core/data/tokens.hpp"
 #include "tests/harness.hpp"
+#include "tests/strings.hpp"
 #include "tests/text_corpus.hpp"
 
 using namespace dptrain::test;
 namespace fs = std::filesystem;
 
 namespace {
-
-bool contains(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
-}
 
 CommandResult prepare(const std::vector<std::string>& args) {
   std::vector<std::string> all = {"data", "prepare"};

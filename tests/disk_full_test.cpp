@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "tests/harness.hpp"
+#include "tests/strings.hpp"
 
 using namespace dptrain::test;
 namespace fs = std::filesystem;
@@ -79,10 +80,6 @@ std::vector<std::string> nonempty_lines(const std::string& text) {
     if (!line.empty()) out.push_back(line);
   }
   return out;
-}
-
-bool contains(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
 }
 
 }  // namespace

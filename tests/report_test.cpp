@@ -21,10 +21,6 @@ using nlohmann::json;
 
 namespace {
 
-bool contains(const std::string& text, const std::string& what) {
-  return text.find(what) != std::string::npos;
-}
-
 // The report must stand alone: no script, and nothing it would fetch (the SVG namespace URI
 // is a name, not a fetch).
 void check_self_contained(const std::string& html) {

@@ -8,6 +8,11 @@
 
 namespace dptrain::test {
 
+// Whether `part` occurs in `text`.
+inline bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
 // How many times `what` occurs in `text`, overlapping occurrences included.
 inline size_t count_occurrences(const std::string& text, const std::string& what) {
   size_t n = 0;

@@ -13,9 +13,11 @@
 
 #include "tests/harness.hpp"
 #include "tests/sshd.hpp"
+#include "tests/strings.hpp"
 #include "tests/text_corpus.hpp"
 
 using namespace dptrain::test;
+using nlohmann::json;
 namespace fs = std::filesystem;
 
 namespace {
@@ -203,6 +205,32 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
   CHECK(c1 == 0);
   CHECK(fs::exists(tmp / "run/result.json"));
   CHECK(fs::exists(tmp / "run/metrics.jsonl"));
+  // With no launcher, rank 0 keeps run.json: status and report read the run as a launcher's.
+  const json info = parse_json(read_text(tmp / "run/run.json"));
+  CHECK(info["started_by"] == "dptrain worker");
+  CHECK(info["status"] == "completed");
+  CHECK(info["world_size"] == 2);
+  REQUIRE(info["generations"].size() == 1);
+  CHECK(info["generations"][0]["status"] == "completed");
+  CHECK(info["generations"][0]["pids"] == json::array({r0.pid()}));
+  const auto status = run_dptrain({"status", (tmp / "run").string(), "--json"});
+  CHECK(status.exit_code == 0);
+  CHECK(parse_json(status.out)["status"] == "completed");
+  CHECK(parse_json(status.out)["step"] == small_recipe()["train"]["steps"]);
+  CHECK(run_dptrain({"report", (tmp / "run").string(), "--json"}).exit_code == 0);
+  // resume would start the ranks itself, which the workers' scheduler does: it says how instead.
+  json failed = info;
+  failed["status"] = "failed";
+  write_text(tmp / "run/run.json", failed.dump());
+  const auto resumed = run_dptrain({"resume", (tmp / "run").string()});
+  CHECK(resumed.exit_code == 2);
+  CHECK(contains(resumed.err,
+                 ": its workers were started without a launcher (by hand, srun, "
+                 "mpirun): start them again with '--resume newest' to continue it"));
+  CHECK(parse_json(run_dptrain({"status", (tmp / "run").string(), "--json"}).out)["hint"] ==
+        "its workers were started without a launcher: start them again with '--resume newest' "
+        "to continue it");
+  write_text(tmp / "run/run.json", info.dump());
 
   // Started again into the same directory without --resume (a requeued job), rank 0 refuses
   // before it connects rather than write a fresh start over the checkpoints.
@@ -234,6 +262,9 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
     CHECK(err.find("start every rank with the same recipe") != std::string::npos);
   }
   CHECK_FALSE(fs::exists(tmp / "mixed/checkpoints/latest"));
+  const json mixed = parse_json(read_text(tmp / "mixed/run.json"));
+  CHECK(mixed["status"] == "failed");
+  CHECK(contains(mixed["error"].get<std::string>(), "the ranks were given different recipes"));
 
   // A launch running in a directory (here before its first checkpoint) keeps ranks it did not
   // start out: their metrics would be interleaved with its ranks'.
@@ -250,12 +281,14 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
                             live.string() + "/.lock); give another --run-dir\n");
   REQUIRE(::kill(launch.pid(), SIGINT) == 0);
   CHECK(launch.wait(std::chrono::seconds(60)) == 130);
+  const std::string launched = read_text(live / "run.json");
   // Once the launcher is gone the lock is free: a worker may continue the run by hand.
   env0["WORLD_SIZE"] = "1";
   auto continued = run_dptrain({"worker", recipe.string(), "--resume", "newest-or-start"}, env0,
                                std::chrono::seconds(120));
   INFO(continued.err);
   CHECK(continued.exit_code == 0);
+  CHECK(read_text(live / "run.json") == launched);  // the launcher's record, left alone
 }
 
 TEST_CASE("a worker started by srun takes its local rank from SLURM_LOCALID") {
