@@ -216,29 +216,39 @@ struct FileDescriptor {
   FileDescriptor& operator=(const FileDescriptor&) = delete;
 };
 
-// A prepare holds the whole text and then its tokens (int32, 4 bytes a byte at most) at once.
-constexpr uint64_t kBytesPerTextByte = 5;
+// How much text a prepare may hold: what it holds in memory for each byte of text, at most (the
+// text and its int32 tokens, one a byte at most, while it tokenizes; then the tokens and a token
+// file's bytes, 2 or 4 a token, while it writes; the width is known before reading unless the
+// char vocabulary decides it), and so the most text this machine's available memory allows
+// (no limit when that is unknown).
+struct TextBudget {
+  uint64_t per_byte = 0;
+  uint64_t limit = UINT64_MAX;
 
-// The most text this machine's available memory lets a prepare hold; no limit when unknown.
-uint64_t text_limit() {
-  const uint64_t available = available_memory();
-  return available == 0 ? UINT64_MAX : available / kBytesPerTextByte;
-}
+  explicit TextBudget(const PrepareOptions& o) {
+    const bool wide = o.dtype == "uint32" || (o.tokenizer == "char" && o.dtype != "uint16");
+    per_byte = 4 + (wide ? 4 : 2);
+    if (const uint64_t available = available_memory(); available > 0) {
+      limit = available / per_byte;
+    }
+  }
 
-// Refused before the memory runs out (the kernel would kill the prepare, or another process,
-// with no word of why): `what` is how much text there is, or would be.
-[[noreturn]] void refuse_too_much_text(const std::string& what, uint64_t limit) {
-  refuse(fmt::format(
-      "{}: a prepare holds the text and its tokens in memory ({} bytes a byte of "
-      "text), and {} is available (MemAvailable): at most {} of text; prepare "
-      "less text, or free memory",
-      what, kBytesPerTextByte, human_size(limit * kBytesPerTextByte), human_size(limit)));
-}
+  // Refused before the memory runs out (the kernel would kill the prepare, or another process,
+  // with no word of why): `what` is how much text there is, or would be.
+  [[noreturn]] void refuse_over(const std::string& what) const {
+    refuse(
+        fmt::format("{}: a prepare holds the text and its tokens in memory ({} bytes a byte of "
+                    "text), and {} is available (MemAvailable): at most {} of text; prepare "
+                    "less text, or free memory",
+                    what, per_byte, human_size(limit * per_byte), human_size(limit)));
+  }
+};
 
 // Appends the file's bytes to text, a chunk at a time: the progress line moves and a stop signal
 // is seen between chunks (also while a read from a pipe waits). More than `limit` bytes of text
 // in all is refused as it is reached (a pipe, or a device such as /dev/zero, has no size).
-void append_text(const fs::path& path, std::string& text, uint64_t limit, PrepareStatus& status) {
+void append_text(const fs::path& path, std::string& text, const TextBudget& budget,
+                 PrepareStatus& status) {
   std::error_code ec;
   if (fs::is_directory(path, ec))
     refuse(fmt::format("{}: cannot read: is a directory", path.string()));
@@ -268,18 +278,18 @@ void append_text(const fs::path& path, std::string& text, uint64_t limit, Prepar
       refuse(fmt::format("{}: cannot read: {}", path.string(), std::strerror(error)));
     }
     done += static_cast<uint64_t>(n);
-    if (text.size() > limit) {
-      refuse_too_much_text(fmt::format("{}: the text passes {} ({} of this file read)",
-                                       path.string(), human_size(limit), human_size(done)),
-                           limit);
+    if (text.size() > budget.limit) {
+      budget.refuse_over(fmt::format("{}: the text passes {} ({} of this file read)", path.string(),
+                                     human_size(budget.limit), human_size(done)));
     }
   }
-  // A file written to while it was read holds neither the old text nor the new one.
+  // A file written to while it was read holds neither the old text nor the new one. (Fewer
+  // bytes than its size: truncated; more: appended, or a file whose size says nothing, as
+  // /proc's, which its size and mtime then tell apart.)
   struct stat after {};
   if (regular &&
-      (::fstat(in.fd, &after) != 0 || done != size ||
-       static_cast<uint64_t>(after.st_size) != size || after.st_mtim.tv_sec != st.st_mtim.tv_sec ||
-       after.st_mtim.tv_nsec != st.st_mtim.tv_nsec)) {
+      (::fstat(in.fd, &after) != 0 || done < size || static_cast<uint64_t>(after.st_size) != size ||
+       after.st_mtim.tv_sec != st.st_mtim.tv_sec || after.st_mtim.tv_nsec != st.st_mtim.tv_nsec)) {
     refuse(
         fmt::format("{}: changed while it was read ({} bytes when opened, {} read, {} now); "
                     "prepare it once nothing writes to it",
@@ -514,22 +524,22 @@ int run_prepare(const PrepareOptions& o) {
   std::error_code ec;
   status.set_output(s.path, fs::exists(fs::symlink_status(s.path, ec)));
 
-  const uint64_t limit = text_limit();
+  const TextBudget budget(o);
   uint64_t expected = 0;
   for (const auto& name : o.text) {
     const uintmax_t size = fs::file_size(name, ec);
     if (!ec) expected += size;
   }
-  if (expected > limit) {
-    refuse_too_much_text(
-        fmt::format("{}: {} of text", fmt::join(o.text, ", "), human_size(expected)), limit);
+  if (expected > budget.limit) {
+    budget.refuse_over(
+        fmt::format("{}: {} of text", fmt::join(o.text, ", "), human_size(expected)));
   }
   std::string text;
   text.reserve(expected + kReadChunk);  // room for the read that finds the end
   for (const auto& name : o.text) {
     const fs::path path = name;
     const size_t start = text.size();
-    append_text(path, text, limit, status);
+    append_text(path, text, budget, status);
     const std::string_view part = std::string_view(text).substr(start);
     if (o.tokenizer == "char") {
       try {

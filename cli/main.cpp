@@ -1,4 +1,7 @@
 // dptrain's entry point: dispatches to a subcommand and maps errors to exit codes.
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
@@ -133,9 +136,13 @@ int main(int argc, char** argv) {
   int code = run(argc, argv);
   // What was written to standard output must have arrived: a full disk or a closed descriptor
   // behind `dptrain ... > FILE` is a failure, not a silent success (as coreutils' close_stdout).
+  // A pipe fails only when its reader has gone (`dptrain ... | head -1`), which is the reader's
+  // choice, as SIGPIPE would have been.
   const bool flushed = std::fflush(stdout) == 0;
   const int error = errno;
-  if ((!flushed || std::ferror(stdout)) && code == 0) {
+  struct stat out {};
+  const bool pipe = ::fstat(STDOUT_FILENO, &out) == 0 && S_ISFIFO(out.st_mode);
+  if ((!flushed || std::ferror(stdout)) && code == 0 && !pipe) {
     std::fprintf(stderr, "dptrain: error: standard output: cannot write%s%s\n", flushed ? "" : ": ",
                  flushed ? "" : std::strerror(error));
     code = 1;

@@ -105,12 +105,6 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
                               (run.path() / "run.json").string(), o.remote.rank_env());
   check_hosts_resolve(spec);  // a host name that does not resolve: exit 4, run.json untouched
   check_store_port(spec);     // a --master-port another process holds: exit 2
-  if (started_by_workers(run.info())) {
-    throw Error(ErrorKind::usage,
-                fmt::format("{}: its workers were started without a launcher (by hand, srun, "
-                            "mpirun): start them again with '--resume newest' to continue it",
-                            o.run_dir));
-  }
   if (!run.info().contains("recipe")) {
     throw Error(ErrorKind::usage,
                 fmt::format("{}: run.json has no recipe (a benchmark's run?): there is nothing "
@@ -174,6 +168,13 @@ int run_resume(const ResumeOptions& o) {
   install_stop_signal_handlers();
   o.restart.validate();
   RunDirectory run = RunDirectory::open(o.run_dir);
+  if (started_by_workers(run.info())) {
+    // Their scheduler starts the ranks, not dptrain: nothing here is to be written.
+    throw Error(ErrorKind::usage,
+                fmt::format("{}: its workers were started without a launcher (by hand, srun, "
+                            "mpirun): start them again with '{}' to continue it",
+                            o.run_dir, hand_resume_flag(run.path())));
+  }
   // A launcher still driving the run is refused before anything is written: one on this machine
   // holds the lock; one elsewhere (a shared filesystem) shows in status's view of the run.
   run.lock();

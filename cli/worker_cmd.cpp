@@ -165,6 +165,11 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
+// Whether a launcher started this rank (it sets DPTRAIN_LAUNCHED=1 for every rank it starts).
+bool started_by_launcher() {
+  return env(kLaunchedEnv) == "1";
+}
+
 // A job of workers started by hand or by another scheduler (srun, mpirun) has no launcher to
 // record it: rank 0 keeps run.json instead, so that status, report, ckpt and sample read the run
 // as they read a launcher's. Each such start is a generation; its pid is rank 0's, so status
@@ -173,13 +178,14 @@ using nlohmann::json;
 class HandRunRecord {
  public:
   HandRunRecord(const WorkerOptions& o, const Recipe& recipe) {
-    if (o.rank != 0 || env(kLaunchedEnv)) return;
+    if (o.rank != 0 || started_by_launcher()) return;
     const fs::path dir = o.run_dir;
     std::error_code ec;
     if (fs::exists(fs::symlink_status(dir / "run.json", ec))) {
       try {
         info_ = read_run_json(dir);
-      } catch (const Error&) {
+      } catch (const Error& e) {
+        std::fprintf(stderr, "dptrain: warning: %s: this run is not recorded there\n", e.what());
         return;
       }
       if (!started_by_workers(info_)) return;
@@ -203,7 +209,10 @@ class HandRunRecord {
                 {"world_size", o.world_size},
                 {"hosts", json::array({this_host()})},
                 {"pids", json::array({::getpid()})}};
-    if (!o.resume.empty()) gen["resumed_from"] = fs::path(o.resume).filename().string();
+    // A checkpoint named; "newest" and "newest-or-start" find theirs as the ranks meet.
+    if (!o.resume.empty() && o.resume != "newest" && o.resume != "newest-or-start") {
+      gen["resumed_from"] = fs::path(o.resume).filename().string();
+    }
     info_["generations"].push_back(std::move(gen));
     save();
   }
@@ -256,12 +265,7 @@ int run_worker(WorkerOptions o, std::optional<HandRunRecord>& record) {
   const auto [host, port] = parse_host_port(o.store);
   // A launcher drives a run in this directory: a rank it did not start would write its metrics
   // and checkpoints into that run's.
-  if (!env(kLaunchedEnv) && run_locked(o.run_dir)) {
-    throw Error(ErrorKind::usage,
-                fmt::format("--run-dir {}: a launcher on this machine is running a run there (it "
-                            "holds {}/.lock); give another --run-dir",
-                            o.run_dir, o.run_dir));
-  }
+
   // A fresh start writes its checkpoints over any that the directory holds (a requeued job, a
   // run directory reused by mistake): refused before any rank connects. Only the node's
   // checkpoint writer looks; the others fail as their peer leaves.
@@ -290,6 +294,18 @@ int run_worker(WorkerOptions o, std::optional<HandRunRecord>& record) {
       throw Error(ErrorKind::usage,
                   fmt::format("--run-dir {}: not writable: {}", o.run_dir, std::strerror(errno)));
     }
+  }
+  // Another dptrain drives a run in this directory (a launcher, or the rank 0 of another job of
+  // workers started without one): this job's metrics and checkpoints would mix with that run's.
+  // Rank 0 of workers started without a launcher holds the run's lock, as a launcher does.
+  std::shared_ptr<const int> lock;
+  if (o.rank == 0 && !started_by_launcher() && !(lock = try_lock_run(o.run_dir))) {
+    throw Error(
+        ErrorKind::usage,
+        fmt::format("--run-dir {}: another dptrain is running a run there (a launcher, "
+                    "or workers started without one: it holds {}); give another "
+                    "--run-dir",
+                    o.run_dir, (fs::path(o.run_dir) / ".lock").lexically_normal().string()));
   }
   record.emplace(o, recipe);
 
@@ -413,6 +429,10 @@ void setup_worker(CLI::App& app, Outcome& outcome) {
         record->finish(e.kind() == ErrorKind::terminated ? "terminated" : "failed", named);
       }
       throw Error(e.kind(), named);
+    } catch (const std::exception& e) {
+      // Not dptrain's own (out of memory, a filesystem error): main says what; the record ends.
+      if (record) record->finish("failed", fmt::format("rank {}: {}", o->rank, e.what()));
+      throw;
     }
   });
 }

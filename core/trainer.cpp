@@ -569,7 +569,7 @@ class TrainingRun {
     source_rank_ = 0;
     if (how != "newest" && how != "newest-or-start") return options_.resume_from;
     fs::path mine;
-    int64_t my_step = -1;
+    int64_t my_step = -1;  // -2: this node holds checkpoints, but none this run can use
     if (writes_checkpoints()) {
       // None on this node is not an error (another may hold one); one out of reach is.
       if (auto found = try_find_valid_checkpoint(
@@ -580,6 +580,8 @@ class TrainingRun {
               written_by(recipe_))) {
         mine = std::move(*found);
         my_step = checkpoint_step(mine);
+      } else if (!list_checkpoints(options_.run_dir / "checkpoints").empty()) {
+        my_step = -2;
       }
     }
     std::vector<int64_t> steps(static_cast<size_t>(world_));
@@ -587,6 +589,16 @@ class TrainingRun {
     comm_.allgather(&my_step, sizeof(my_step), steps.data());
     const auto newest = std::max_element(steps.begin(), steps.end());
     if (*newest < 0) {
+      // Starting over would write over them (another recipe's, or damaged ones): as a restart
+      // or a resume, this stops instead.
+      if (const auto holder = std::find(steps.begin(), steps.end(), int64_t{-2});
+          holder != steps.end()) {
+        throw Error(ErrorKind::checkpoint,
+                    fmt::format("rank {}'s run directory holds checkpoints, but none this run can "
+                                "use (the warnings say why): starting over would write over them; "
+                                "repair them, or move them away to start over",
+                                holder - steps.begin()));
+      }
       if (how == "newest") {
         throw Error(
             ErrorKind::checkpoint,

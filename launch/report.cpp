@@ -225,6 +225,19 @@ RunState run_state(const json& info) {
     }
     return between_generations(info, generations, std::move(state));
   }
+  // Hand-started workers record rank 0's pid: only its own machine can check it.
+  if (started_by_workers(info) && state.recorded_status == "running") {
+    const json& hosts = array_at(last, "hosts");
+    const std::string rank0_host =
+        hosts.empty() || !hosts[0].is_string() ? std::string() : hosts[0].get<std::string>();
+    if (!rank0_host.empty() && rank0_host != this_host()) {
+      state.note = fmt::format(
+          "its rank 0 runs on {} (workers started without a launcher): whether it lives cannot "
+          "be checked from here",
+          rank0_host);
+      return state;
+    }
+  }
   for (const auto& pid : array_at(last, "pids")) {
     if (pid.is_number_integer() && rank_process_alive(pid.get<int>())) {
       state.live_pids.push_back(pid.get<int>());
@@ -457,8 +470,10 @@ std::string hint(const RunView& run) {
       return "a benchmark's run: run the benchmark again";
     }
     if (started_by_workers(run.info)) {
-      return "its workers were started without a launcher: start them again with "
-             "'--resume newest' to continue it";
+      return fmt::format(
+          "its workers were started without a launcher: start them again with '{}' to continue "
+          "it",
+          hand_resume_flag(run.dir));
     }
     return fmt::format("continue it with 'dptrain resume {}'", dir);
   }

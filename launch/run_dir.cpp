@@ -12,6 +12,7 @@
 
 #include <fmt/format.h>
 
+#include "core/checkpoint.hpp"
 #include "core/comm/auth.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
@@ -217,9 +218,8 @@ RunDirectory RunDirectory::open(const fs::path& dir) {
   return RunDirectory(fs::absolute(dir).lexically_normal(), std::move(info));
 }
 
-void RunDirectory::lock() {
-  if (lock_) return;
-  const fs::path file = path_ / kLockFile;
+std::shared_ptr<const int> try_lock_run(const fs::path& dir) {
+  const fs::path file = dir / kLockFile;
   const int fd = ::open(file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0) {
     throw Error(ErrorKind::usage,
@@ -231,36 +231,37 @@ void RunDirectory::lock() {
   });
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int error = errno;
-    if (error == EWOULDBLOCK) {
-      const auto it = info_.find("launcher");
-      const std::string who = it != info_.end() && it->is_object()
-                                  ? fmt::format("its launcher (pid {} on {})", it->value("pid", 0),
-                                                it->value("host", std::string("?")))
-                                  : std::string("another dptrain");
-      throw Error(ErrorKind::usage,
-                  fmt::format("{}: {} is still running it; stop it first (SIGTERM checkpoints) or "
-                              "wait for it",
-                              path_.string(), who));
-    }
+    if (error == EWOULDBLOCK) return nullptr;
     throw Error(ErrorKind::usage,
                 fmt::format("{}: cannot lock: {}", file.string(), std::strerror(error)));
   }
-  lock_ = std::move(held);
+  return held;
+}
+
+void RunDirectory::lock() {
+  if (lock_) return;
+  lock_ = try_lock_run(path_);
+  if (lock_) return;
+  // Its launcher, or the rank 0 of workers started by hand into it (run.json names neither then).
+  const auto it = info_.find("launcher");
+  const std::string who =
+      it != info_.end() && it->is_object()
+          ? fmt::format(" (its launcher, pid {} on {}, or workers started without one)",
+                        it->value("pid", 0), it->value("host", std::string("?")))
+          : std::string();
+  throw Error(ErrorKind::usage,
+              fmt::format("{}: another dptrain is still running it{}; stop it first (SIGTERM "
+                          "checkpoints) or wait for it",
+                          path_.string(), who));
 }
 
 bool started_by_workers(const nlohmann::json& info) {
   return info.is_object() && info.value("started_by", nlohmann::json()) == kStartedByWorkers;
 }
 
-bool run_locked(const fs::path& dir) {
-  // Not a FIFO's open that waits for a writer, nor a link followed elsewhere.
-  const int fd = ::open((dir / kLockFile).c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
-  if (fd < 0) return false;
-  // Shared: it meets a launcher's exclusive lock and keeps no other reader out. Released at
-  // once; a launcher taking the lock in that instant reports it held, as for any other process.
-  const bool held = ::flock(fd, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK;
-  ::close(fd);
-  return held;
+std::string hand_resume_flag(const fs::path& run_dir) {
+  return list_checkpoints(run_dir / "checkpoints").empty() ? "--resume newest-or-start"
+                                                           : "--resume newest";
 }
 
 void RunDirectory::save() const {

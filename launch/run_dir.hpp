@@ -57,11 +57,15 @@ constexpr const char* kLaunchedEnv = "DPTRAIN_LAUNCHED";
 // another scheduler, whose rank 0 keeps run.json (dptrain-worker(1)).
 constexpr const char* kStartedByWorkers = "dptrain worker";
 bool started_by_workers(const nlohmann::json& info);
+// What such a run's workers are started again with to continue it: "--resume newest", or
+// "--resume newest-or-start" when it holds no checkpoint yet (newest would find none: exit 5).
+std::string hand_resume_flag(const std::filesystem::path& run_dir);
 
-// Whether a process on this machine holds DIR's lock (RunDirectory::lock: a launcher drives a
-// run there). Never throws, and creates nothing: false when there is no .lock or it cannot be
-// opened.
-bool run_locked(const std::filesystem::path& dir);
+// Takes DIR's lock (an flock on DIR/.lock, made when missing), held while the result or a copy
+// lives and released when the process ends however it ends; null when another process holds
+// it (a launcher driving the run, or the rank 0 of workers started without one).
+// Error(usage) naming the file when it cannot be opened or locked otherwise.
+std::shared_ptr<const int> try_lock_run(const std::filesystem::path& dir);
 
 // DIR/run.json as a JSON object; Error(usage) naming the file or directory when DIR holds none,
 // when it is not a file, not valid JSON (at line L, column C) or not an object.

@@ -236,13 +236,13 @@ TEST_CASE("data prepare refuses bad input with exit 2 and one line, writing noth
 
 TEST_CASE("data prepare refuses more text than the memory holds, before it runs out") {
   TempDir tmp;
-  // 50 MiB available: at most 10 MiB of text (the text and its int32 tokens are held at once).
+  // 50 MiB available: at most 8.3 MiB of text (int32 tokens, then 2-byte token files, a byte).
   write_text(tmp / "meminfo", "MemTotal: 1000000 kB\nMemAvailable: 51200 kB\n");
   const Env env = {{"DPTRAIN_TEST_MEMINFO", (tmp / "meminfo").string()}};
   const std::string out = (tmp / "out").string();
   const std::string limits =
-      ": a prepare holds the text and its tokens in memory (5 bytes a byte of text), and 50.0 "
-      "MiB is available (MemAvailable): at most 10.0 MiB of text; prepare less text, or free "
+      ": a prepare holds the text and its tokens in memory (6 bytes a byte of text), and 50.0 "
+      "MiB is available (MemAvailable): at most 8.3 MiB of text; prepare less text, or free "
       "memory\n";
   // Files whose sizes add up to too much: refused before any is read.
   write_text(tmp / "a.txt", std::string(6 << 20, 'a'));
@@ -255,12 +255,23 @@ TEST_CASE("data prepare refuses more text than the memory holds, before it runs 
   // until the memory runs out.
   auto endless = run_dptrain({"data", "prepare", "--text", a, "/dev/zero", "--out", out}, env);
   CHECK(endless.exit_code == 2);
-  CHECK(endless.err.starts_with("dptrain: error: /dev/zero: the text passes 10.0 MiB ("));
+  CHECK(endless.err.starts_with("dptrain: error: /dev/zero: the text passes 8.3 MiB ("));
   CHECK(endless.err.ends_with(" of this file read)" + limits));
   CHECK_FALSE(fs::exists(out));
   check_no_leftovers(tmp.path(), 3);  // meminfo, a.txt, b.txt
-  // Within the limit it is prepared.
+  // Within the limit it is prepared; 4-byte tokens (a char vocabulary may need them) halve it.
+  write_text(tmp / "c.txt", std::string(7 << 20, 'c'));
+  CHECK(contains(run_dptrain({"data", "prepare", "--text", (tmp / "c.txt").string(), "--out", out,
+                              "--tokenizer", "char"},
+                             env)
+                     .err,
+                 ": 7.0 MiB of text: a prepare holds the text and its tokens in memory (8 bytes a "
+                 "byte of text), and 50.0 MiB is available (MemAvailable): at most 6.2 MiB"));
   CHECK(run_dptrain({"data", "prepare", "--text", a, "--out", out}, env).exit_code == 0);
+  // A file whose size says nothing (/proc's) is read as it is, not taken as changed.
+  CHECK(run_dptrain({"data", "prepare", "--text", "/proc/self/status", "--out",
+                     (tmp / "proc").string(), "--val-fraction", "0"})
+            .exit_code == 0);
 }
 
 TEST_CASE("data prepare keeps an existing dataset unless --force, and --force only replaces one") {

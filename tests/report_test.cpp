@@ -2,8 +2,10 @@
 // change (markers, checkpoints, the summary), the HTML rendered by headless Chromium, a run
 // whose launcher was killed (running, then stale), torn and empty metrics, and bad run dirs.
 #include <doctest/doctest.h>
+
 #include <signal.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -553,6 +555,43 @@ TEST_CASE("status of a run.json whose status dptrain never writes: unknown, sayi
     CHECK(contains(text.out, "unknown"));
     CHECK(contains(text.out, note));
   }
+}
+
+TEST_CASE("status of workers started without a launcher: judged by rank 0 on its own machine") {
+  TempDir tmp;
+  fs::create_directories(tmp / "run");
+  const auto hand_run = [&](const std::string& host) {
+    return json{{"status", "running"},
+                {"started_by", "dptrain worker"},
+                {"world_size", 2},
+                {"recipe", resumable_recipe()},
+                {"generations",
+                 {{{"generation", 1},
+                   {"started_at", "2026-01-01T00:00:00Z"},
+                   {"world_size", 2},
+                   {"hosts", {host}},
+                   {"pids", {999999}}}}}}
+        .dump();
+  };
+  // Elsewhere (a shared filesystem): its pid is not this machine's to check.
+  write_text(tmp / "run/run.json", hand_run("a-node-that-is-not-this-one"));
+  json s = parse_json(run_dptrain({"status", (tmp / "run").string(), "--json"}).out);
+  CHECK(s["status"] == "running");
+  CHECK(s["note"] ==
+        "its rank 0 runs on a-node-that-is-not-this-one (workers started without a "
+        "launcher): whether it lives cannot be checked from here");
+  // Here, with rank 0 gone: stale, and the hint says how its workers continue it.
+  json info = parse_json(hand_run("x"));
+  char name[256] = {};
+  REQUIRE(::gethostname(name, sizeof name - 1) == 0);
+  info["generations"][0]["hosts"] = {std::string(name)};
+  write_text(tmp / "run/run.json", info.dump());
+  s = parse_json(run_dptrain({"status", (tmp / "run").string(), "--json"}).out);
+  CHECK(s["status"] == "stale");
+  CHECK(s["note"] == "its rank 0 is gone: no rank of generation 1 is alive");
+  CHECK(s["hint"] ==
+        "its workers were started without a launcher: start them again with "
+        "'--resume newest-or-start' to continue it");
 }
 
 TEST_CASE("a running launch stamps run.json with its host and a renewed alive_at") {

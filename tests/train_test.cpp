@@ -250,6 +250,27 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
   auto other = small_recipe();
   other["optimizer"]["lr"] = other["optimizer"].value("lr", 0.01) * 2;
   const auto other_path = write_recipe(tmp.path(), other, "other.json");
+  // Continued with another recipe: none of the checkpoints is this recipe's, and starting over
+  // would write over them: exit 5, nothing touched.
+  {
+    Env alone = env0;
+    alone["WORLD_SIZE"] = "1";
+    alone["MASTER_PORT"] = std::to_string(unused_port());
+    const std::string run_json = read_text(tmp / "run/run.json");
+    auto foreign = run_dptrain({"worker", other_path.string(), "--resume", "newest-or-start"},
+                               alone, std::chrono::seconds(60));
+    CHECK(foreign.exit_code == 5);
+    CHECK(contains(foreign.out,
+                   "warning: skipping checkpoint step-000060: written by a "
+                   "different recipe"));
+    CHECK(contains(foreign.err,
+                   "rank 0's run directory holds checkpoints, but none this run can "
+                   "use (the warnings say why): starting over would write over them"));
+    CHECK(read_text(tmp / "run/metrics.jsonl") == metrics);
+    CHECK(read_text(tmp / "run/checkpoints/latest") == latest);
+    CHECK(parse_json(read_text(tmp / "run/run.json"))["status"] == "failed");
+    write_text(tmp / "run/run.json", run_json);
+  }
   env0["DPTRAIN_RUN_DIR"] = env1["DPTRAIN_RUN_DIR"] = (tmp / "mixed").string();
   env0["MASTER_PORT"] = env1["MASTER_PORT"] = std::to_string(unused_port());
   Background m0({"worker", recipe.string()}, env0);
@@ -276,18 +297,34 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
   env0["MASTER_PORT"] = std::to_string(unused_port());
   auto intruder = run_dptrain({"worker", recipe.string()}, env0, std::chrono::seconds(60));
   CHECK(intruder.exit_code == 2);
-  CHECK(intruder.err == "dptrain: error: --run-dir " + live.string() +
-                            ": a launcher on this machine is running a run there (it holds " +
-                            live.string() + "/.lock); give another --run-dir\n");
+  const std::string refused = "dptrain: error: --run-dir " + live.string() +
+                              ": another dptrain is running a run there (a launcher, or workers "
+                              "started without one: it holds " +
+                              live.string() + "/.lock); give another --run-dir\n";
+  CHECK(intruder.err == refused);
   REQUIRE(::kill(launch.pid(), SIGINT) == 0);
   CHECK(launch.wait(std::chrono::seconds(60)) == 130);
   const std::string launched = read_text(live / "run.json");
-  // Once the launcher is gone the lock is free: a worker may continue the run by hand.
+  const std::string launched_metrics = read_text(live / "metrics.jsonl");
+  // Once the launcher is gone the lock is free: a worker may continue the run by hand. Its rank
+  // 0 holds the lock meanwhile: neither a second job of workers nor a resume gets in.
   env0["WORLD_SIZE"] = "1";
-  auto continued = run_dptrain({"worker", recipe.string(), "--resume", "newest-or-start"}, env0,
-                               std::chrono::seconds(120));
-  INFO(continued.err);
-  CHECK(continued.exit_code == 0);
+  env0["DPTRAIN_DEBUG_STEP_DELAY_MS"] = "100";
+  Background continued({"worker", recipe.string(), "--resume", "newest-or-start"}, env0);
+  REQUIRE(eventually(
+      [&] { return read_text(live / "metrics.jsonl").size() > launched_metrics.size(); }));
+  Env second = env0;
+  second["MASTER_PORT"] = std::to_string(unused_port());
+  auto twice = run_dptrain({"worker", recipe.string(), "--resume", "newest-or-start"}, second,
+                           std::chrono::seconds(60));
+  CHECK(twice.exit_code == 2);
+  CHECK(twice.err == refused);
+  auto resumed_too = run_dptrain({"resume", live.string()});
+  CHECK(resumed_too.exit_code == 2);
+  INFO(resumed_too.err);
+  CHECK(contains(resumed_too.err, "another dptrain is still running it"));
+  CHECK(continued.wait(std::chrono::seconds(120)) == 0);
+  INFO(continued.err());
   CHECK(read_text(live / "run.json") == launched);  // the launcher's record, left alone
 }
 
