@@ -36,26 +36,6 @@ struct ResumeOptions {
   bool json = false;
 };
 
-// Checkpoints newer than the chosen one failed verification. They are renamed, not deleted (they
-// may still hold something worth recovering by hand), so the resumed run cannot trip over them;
-// `latest` then names the chosen one.
-void set_aside_newer(const fs::path& checkpoints, const fs::path& chosen, StatusPrinter& status) {
-  bool moved = false;
-  for (const auto& dir : list_checkpoints(checkpoints)) {
-    if (dir == chosen) break;
-    fs::path aside = dir;
-    aside += ".corrupt";
-    std::error_code ec;
-    fs::rename(dir, aside, ec);
-    if (!ec) {
-      moved = true;
-      status.line(fmt::format("warning: set aside {} as {}", dir.filename().string(),
-                              aside.filename().string()));
-    }
-  }
-  if (moved) point_latest_at(checkpoints, chosen);
-}
-
 // The resume once its events stream is open.
 int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
   std::FILE* status_out = status_stream(o.json, events);

@@ -149,6 +149,14 @@ std::vector<std::string> check_benchmark_fault_injection(const JobSpec& spec, in
 
 // Runs one generation to its end, recording it in run.json. Never throws for a rank's failure:
 // that is an outcome with exit code 3 (4 when a host cannot be reached over SSH).
+// The checkpoints newer than `chosen`, which the search for one to continue from skipped
+// (damaged, or another recipe's), renamed step-N.corrupt, not deleted (they may hold something
+// worth recovering by hand), so that the run neither trips over them nor writes its own
+// checkpoints of those steps over them; `latest` then names the chosen one. Resume and restarts
+// both do this.
+void set_aside_newer(const std::filesystem::path& checkpoints, const std::filesystem::path& chosen,
+                     StatusPrinter& status);
+
 JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status);
 
 // run_job, and after a rank or host failure (exit 3 or 4) a new generation from the newest

@@ -19,6 +19,28 @@ namespace dptrain {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
+void set_aside_newer(const fs::path& checkpoints, const fs::path& chosen, StatusPrinter& status) {
+  bool moved = false;
+  for (const auto& dir : list_checkpoints(checkpoints)) {
+    if (dir == chosen) break;
+    fs::path aside = dir;
+    aside += ".corrupt";
+    std::error_code ec;
+    fs::rename(dir, aside, ec);
+    if (!ec) {
+      moved = true;
+      status.line(fmt::format("warning: set aside {} as {}", dir.filename().string(),
+                              aside.filename().string()));
+    } else {
+      status.line(
+          fmt::format("warning: cannot set aside {} as {}: {}; it stays, and the run "
+                      "writes its own checkpoint of that step over it",
+                      dir.filename().string(), aside.filename().string(), ec.message()));
+    }
+  }
+  if (moved) point_latest_at(checkpoints, chosen);
+}
+
 namespace {
 
 bool restartable(const JobOutcome& outcome) {
@@ -156,6 +178,7 @@ fs::path next_generation_source(RunDirectory& run, const JobSpec& spec, StatusPr
           run.checkpoints(), [&status](const std::string& w) { status.line("warning: " + w); },
           written_by(spec.recipe))) {
     name = from->filename().string();
+    set_aside_newer(run.checkpoints(), *from, status);
     return std::move(*from);
   }
   if (const auto all = list_checkpoints(run.checkpoints()); !all.empty()) {

@@ -241,9 +241,13 @@ TEST_CASE("a restart skips a checkpoint of another recipe copied into the run") 
   CHECK(info["status"] == "completed");
   REQUIRE(info["restarts"].size() == 1);
   CHECK(info["restarts"][0]["from"] == "step-000020");
-  // The run wrote its own step 120 in the end.
+  // Set aside, not written over: the run wrote its own step 120 in the end.
+  CHECK(launcher.err().find("warning: set aside step-000120 as step-000120.corrupt") !=
+        std::string::npos);
+  CHECK(read_text(run_dir / "checkpoints/step-000120.corrupt/params.bin") == foreign_params);
   CHECK(read_text(latest_params(run_dir)) != foreign_params);
   CHECK(run_dptrain({"ckpt", "verify", run_dir.string()}).exit_code == 0);
+  fs::remove_all(run_dir / "checkpoints/step-000120.corrupt");
 
   // resume skips it too, and sets it aside as it does a damaged one.
   json failed = info;
