@@ -153,21 +153,6 @@ bool looks_like_dataset(const fs::path& dir) {
   return fs::exists(dir / "meta.json", ec) || fs::exists(dir / "train.bin", ec);
 }
 
-// The first entry of a dataset directory that a prepare does not write (a file of the user's
-// that --force would delete with it); empty when there is none.
-std::string foreign_entry(const fs::path& dir) {
-  static const std::set<std::string> ours = {"meta.json", "train.bin", "val.bin", "tokenizer.json"};
-  std::vector<std::string> others;
-  std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    const std::string name = entry.path().filename().string();
-    if (ours.count(name) == 0) others.push_back(name);
-  }
-  if (ec) return fmt::format("(cannot list it: {})", ec.message());
-  std::sort(others.begin(), others.end());
-  return others.empty() ? std::string() : others.front();
-}
-
 // Before any text is read: OUT must be new, empty, or (with --force) a dataset to replace.
 void check_output(const fs::path& out, bool force) {
   std::error_code ec;
@@ -195,11 +180,16 @@ void check_output(const fs::path& out, bool force) {
                     "only a dataset",
                     out.string()));
   }
-  if (const std::string other = foreign_entry(out); !other.empty()) {
+  // A file of the user's there would go with the dataset.
+  static const std::set<std::string> dataset_files = {"meta.json", "train.bin", "val.bin",
+                                                      "tokenizer.json"};
+  if (const auto other = unclaimed_entry(out, [](const fs::directory_entry& e) {
+        return dataset_files.count(e.path().filename().string()) != 0;
+      })) {
     refuse(
         fmt::format("{}: holds {}, which is not part of a token dataset; --force replaces only "
                     "a dataset's own files: move it away first",
-                    out.string(), printable_excerpt(other)));
+                    out.string(), printable_excerpt(*other)));
   }
 }
 

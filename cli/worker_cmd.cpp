@@ -190,10 +190,8 @@ class HandRunRecord {
       }
       if (!started_by_workers(info_)) return;
     } else {
-      info_ = {{"id", generate_job_secret().substr(0, 12)},
-               {"created_at", utc_timestamp()},
-               {"started_by", kStartedByWorkers},
-               {"generations", json::array()}};
+      info_ = new_run_info();
+      info_["started_by"] = kStartedByWorkers;
     }
     file_ = dir / "run.json";
     info_["dptrain_version"] = DPTRAIN_VERSION;

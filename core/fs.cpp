@@ -150,4 +150,19 @@ std::string cwd_gone_note(const std::filesystem::path& path) {
                                                     : "";
 }
 
+std::optional<std::string> unclaimed_entry(
+    const std::filesystem::path& dir,
+    const std::function<bool(const std::filesystem::directory_entry&)>& ours) {
+  std::optional<std::string> first;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (!ours(entry) && (!first || name < *first)) first = name;
+  }
+  if (ec) {
+    throw Error(ErrorKind::usage, fmt::format("{}: cannot list: {}", dir.string(), ec.message()));
+  }
+  return first;
+}
+
 }  // namespace dptrain

@@ -3,6 +3,8 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -23,6 +25,13 @@ void fsync_directory(const std::filesystem::path& dir);
 
 // Bytes of the regular files under dir, recursively; unreadable entries count as 0.
 uint64_t size_on_disk(const std::filesystem::path& dir);
+
+// The first name, in sorted order, of an entry of `dir` that `ours` does not claim (a file of
+// the user's where only dptrain's may be); none when `ours` claims every one. Error(usage)
+// naming `dir` when it cannot be listed.
+std::optional<std::string> unclaimed_entry(
+    const std::filesystem::path& dir,
+    const std::function<bool(const std::filesystem::directory_entry&)>& ours);
 
 // "512 B", "3.4 MiB", "1.2 GiB": binary units, one decimal above bytes.
 std::string human_size(uint64_t bytes);

@@ -48,14 +48,12 @@ constexpr const char* kLockFile = ".lock";
 // Nothing in `dir` but what a start that failed before its run.json leaves: the lock and empty
 // logs/ and checkpoints/. Anything else (another run's checkpoints, the user's files) is not ours.
 std::optional<std::string> foreign_entry(const fs::path& dir) {
-  std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+  return unclaimed_entry(dir, [](const fs::directory_entry& entry) {
     const std::string name = entry.path().filename().string();
-    const bool layout = (name == "logs" || name == "checkpoints") && entry.is_directory(ec) &&
-                        fs::is_empty(entry.path(), ec);
-    if (name != kLockFile && !layout) return name;
-  }
-  return std::nullopt;
+    std::error_code ec;
+    return name == kLockFile || ((name == "logs" || name == "checkpoints") &&
+                                 entry.is_directory(ec) && fs::is_empty(entry.path(), ec));
+  });
 }
 
 }  // namespace
@@ -205,10 +203,7 @@ RunDirectory RunDirectory::create(const fs::path& dir, const fs::path& runs_root
   RunDirectory run(fs::absolute(path).lexically_normal(), nlohmann::json::object());
   run.lock();
   holds_run(path);  // a launch that won the race for this --run-dir and has finished already
-  run.info_["id"] = generate_job_secret().substr(0, 12);
-  run.info_["created_at"] = utc_timestamp();
-  run.info_["dptrain_version"] = DPTRAIN_VERSION;
-  run.info_["generations"] = nlohmann::json::array();
+  run.info_ = new_run_info();
   return run;
 }
 
@@ -216,6 +211,13 @@ RunDirectory RunDirectory::open(const fs::path& dir) {
   nlohmann::json info = read_run_json(dir);
   make_layout(dir);
   return RunDirectory(fs::absolute(dir).lexically_normal(), std::move(info));
+}
+
+nlohmann::json new_run_info() {
+  return {{"id", generate_job_secret().substr(0, 12)},
+          {"created_at", utc_timestamp()},
+          {"dptrain_version", DPTRAIN_VERSION},
+          {"generations", nlohmann::json::array()}};
 }
 
 std::shared_ptr<const int> try_lock_run(const fs::path& dir) {

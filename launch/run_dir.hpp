@@ -67,6 +67,10 @@ std::string hand_resume_flag(const std::filesystem::path& run_dir);
 // Error(usage) naming the file when it cannot be opened or locked otherwise.
 std::shared_ptr<const int> try_lock_run(const std::filesystem::path& dir);
 
+// A new run's run.json before anything else is known of it: its id, created_at,
+// dptrain_version and no generations.
+nlohmann::json new_run_info();
+
 // DIR/run.json as a JSON object; Error(usage) naming the file or directory when DIR holds none,
 // when it is not a file, not valid JSON (at line L, column C) or not an object.
 nlohmann::json read_run_json(const std::filesystem::path& dir);
