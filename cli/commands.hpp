@@ -42,6 +42,14 @@ void setup_relay(CLI::App& app, Outcome& outcome);
 void setup_doctor(CLI::App& app, Outcome& outcome);
 void setup_probe(CLI::App& app, Outcome& outcome);
 
+// Marks an option whose command handles an empty value itself: it means something (sample's
+// --prompt '') or gets a message of its own (data prepare's --text ''). main refuses an empty
+// value for every other option, which CLI11 would read as 0, or as not given.
+inline constexpr const char* kHandlesEmpty = "handles-empty";
+inline CLI::Validator handles_empty() {
+  return CLI::Validator([](std::string&) { return std::string(); }, "", kHandlesEmpty);
+}
+
 inline const std::vector<Subcommand>& subcommands() {
   static const std::vector<Subcommand> table = {
       {"launch", "Start a training run from a recipe on local ranks or on hosts over SSH",

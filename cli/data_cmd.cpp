@@ -580,7 +580,8 @@ void setup_data(CLI::App& app, Outcome& outcome) {
   CLI::App* prepare = app.add_subcommand(
       "prepare", "Tokenize text files into a dataset directory (train.bin, val.bin, tokenizer)");
   prepare->add_option("--text", o->text, "Text files, concatenated in this order")
-      ->type_name("FILE");
+      ->type_name("FILE")
+      ->check(handles_empty());
   prepare
       ->add_option("--out", o->out,
                    "Dataset directory to write (a recipe's data.path); must be new or empty")

@@ -99,13 +99,22 @@ std::string unknown_word(const Command& c, int argc, char** argv) {
 }
 
 // CLI11's "Could not convert: --nproc = abc" in the words of the other usage errors:
-// "--nproc: 'abc' is not an integer", and its "--tokens: At Most 1 required but received 2" as
-// "--tokens: given 2 times; give it once". Other messages as they are.
+// "--nproc: 'abc' is not an integer", its "--tokens: At Most 1 required but received 2" as
+// "--tokens: given 2 times; give it once", and its "--run-dir: 1 required TEXT missing" (the
+// last argument, or "--run-dir=") as "--run-dir: no value given". Other messages as they are.
 std::string plain_parse_error(const Command& c, const std::string& what) {
   constexpr std::string_view kRepeated = ": At Most 1 required but received ";
   if (const auto at = what.find(kRepeated); at != std::string::npos) {
     return fmt::format("{}: given {} times; give it once", what.substr(0, at),
                        what.substr(at + kRepeated.size()));
+  }
+  if (what.ends_with(" missing")) {
+    const auto colon = what.find(": ");
+    const auto required = what.find(" required ");
+    if (colon != std::string::npos && required != std::string::npos && colon < required &&
+        what.find_first_not_of("0123456789", colon + 2) == required) {
+      return fmt::format("{}: no value given", what.substr(0, colon));
+    }
   }
   constexpr std::string_view kPrefix = "Could not convert: ";
   const auto equals = what.find(" = ");
@@ -126,6 +135,29 @@ std::string plain_parse_error(const Command& c, const std::string& what) {
     }
   }
   return fmt::format("{}: '{}' is not {}", name, value, expected);
+}
+
+// Every option given an empty value ("--nproc ''", "--run-dir ''") is refused, unless its
+// command handles one (kHandlesEmpty): CLI11 would take "" as 0 for a number, and as not given
+// (the default) for text, so a script's unset variable would pass unnoticed.
+void refuse_empty_values(CLI::App& app) {
+  for (CLI::Option* o : app.get_options()) {
+    if (o->get_type_size() == 0) continue;  // a flag
+    bool handled = true;
+    try {
+      o->get_validator(dptrain::cli::kHandlesEmpty);
+    } catch (const CLI::OptionNotFound&) {
+      handled = false;
+    }
+    if (handled) continue;
+    o->check(CLI::Validator(
+        [](std::string& value) {
+          return std::string(value.empty() ? "is empty; give a value" : "");
+        },
+        ""));
+  }
+  for (CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; }))
+    refuse_empty_values(*sub);
 }
 
 int run(int argc, char** argv);
@@ -175,6 +207,7 @@ int run(int argc, char** argv) {
     CLI::App* sub = app.add_subcommand(cmd.name, cmd.summary);
     cmd.setup(*sub, outcome);
   }
+  refuse_empty_values(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

@@ -247,9 +247,10 @@ void setup_sample(CLI::App& app, Outcome& outcome) {
       ->required()
       ->check(run_directory());
   app.add_option(
-      "--prompt", o->prompt,
-      "Text to continue (default: none; the model is given a newline to start from, which is "
-      "not printed)");
+         "--prompt", o->prompt,
+         "Text to continue (default: none; the model is given a newline to start from, which is "
+         "not printed)")
+      ->check(handles_empty());
   app.add_option("--tokens", o->tokens, "Tokens to generate")
       ->capture_default_str()
       ->check(whole_number<int64_t>(""));
@@ -265,7 +266,8 @@ void setup_sample(CLI::App& app, Outcome& outcome) {
   o->checkpoint_option =
       app.add_option("--checkpoint", o->checkpoint,
                      "Checkpoint: a directory, or one of the run's by name (step-000200) or step "
-                     "(200) (default: the newest valid one)");
+                     "(200) (default: the newest valid one)")
+          ->check(handles_empty());
   app.add_flag(
       "--json", o->json,
       "Print {checkpoint, step, prompt, tokens, temperature, top_k, seed, text} at the end "

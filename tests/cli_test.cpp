@@ -197,6 +197,40 @@ TEST_CASE("usage errors exit 2") {
   CHECK(resume.err.find("nothing-here: no such run directory") != std::string::npos);
 }
 
+TEST_CASE("an empty option value is refused, not read as 0 or as not given") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), small_recipe());
+  const std::string runs = (tmp / "runs").string();
+  // An unset variable in a script ("--run-dir $DIR"): one line naming the option, exit 2, and
+  // nothing made or run with a default in its place.
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"launch", recipe.string(), "--run-dir", "", "--runs-root", runs},
+           {"launch", recipe.string(), "--nproc", "", "--runs-root", runs},
+           {"launch", recipe.string(), "--events", "", "--runs-root", runs},
+           {"launch", "", "--runs-root", runs},
+           {"bench", "comm", "--iters", "", "--runs-root", runs},
+           {"data", "prepare", "--text", recipe.string(), "--out", (tmp / "ds").string(),
+            "--val-fraction", ""}}) {
+    const auto named = std::find(args.begin(), args.end(), "");
+    const std::string option = named[-1].starts_with("-") ? named[-1] : std::string("recipe");
+    CAPTURE(option);
+    auto r = run_dptrain(args);
+    CHECK(r.exit_code == 2);
+    CHECK_MESSAGE(r.err.starts_with("dptrain: error: " + option + ": is empty; give a value (see"),
+                  r.err);
+    CHECK(lines_of(r.err).size() == 1);
+  }
+  CHECK_FALSE(fs::exists(tmp / "runs"));
+  CHECK_FALSE(fs::exists(tmp / "ds"));
+  // An option left without its value, at the end or as "--run-dir=".
+  for (const char* last : {"--run-dir", "--run-dir="}) {
+    auto r = run_dptrain({"launch", recipe.string(), "--runs-root", runs, last});
+    CHECK(r.exit_code == 2);
+    CHECK(r.err == "dptrain: error: --run-dir: no value given (see 'dptrain launch --help')\n");
+  }
+  CHECK_FALSE(fs::exists(tmp / "runs"));
+}
+
 TEST_CASE("a run.json that is a directory or not JSON is named plainly, without parser internals") {
   TempDir tmp;
   fs::create_directories(tmp / "dir/run.json");
