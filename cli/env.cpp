@@ -1,6 +1,9 @@
 // The environment a rank reads its identity and settings from.
 #include "cli/env.hpp"
 
+#include <sys/resource.h>
+
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
 
@@ -41,6 +44,16 @@ uint64_t available_memory() {
     if (key == "MemAvailable:") return kib * 1024;
   }
   return 0;
+}
+
+void raise_open_file_limit() {
+  rlimit files{};
+  if (::getrlimit(RLIMIT_NOFILE, &files) != 0 || files.rlim_cur >= files.rlim_max) return;
+  // An unlimited hard limit is still bounded by the kernel's fs.nr_open (2^20 by default).
+  uint64_t nr_open = 0;
+  if (!(std::ifstream("/proc/sys/fs/nr_open") >> nr_open) || nr_open == 0) nr_open = 1 << 20;
+  files.rlim_cur = std::min<rlim_t>(files.rlim_max, static_cast<rlim_t>(nr_open));
+  ::setrlimit(RLIMIT_NOFILE, &files);
 }
 
 }  // namespace dptrain::cli

@@ -18,4 +18,10 @@ int env_int(const char* name, std::optional<int> fallback, const std::string& wh
 // 0 when it cannot be read.
 uint64_t available_memory();
 
+// Raises this process's soft limit on open files (ulimit -n) to its hard limit, as its children
+// inherit. A launcher holds a few descriptors per local rank and a Gloo rank one per peer, so
+// the usual soft limit of 1024 stopped a job of a few hundred ranks on one machine with "Too
+// many open files", where the hard limit (often 524288) allows it. Failure changes nothing.
+void raise_open_file_limit();
+
 }  // namespace dptrain::cli

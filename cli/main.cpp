@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.hpp"
+#include "cli/env.hpp"
 #include "cli/json_errors.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
@@ -165,6 +166,7 @@ int run(int argc, char** argv);
 }  // namespace
 
 int main(int argc, char** argv) {
+  dptrain::cli::raise_open_file_limit();
   int code = run(argc, argv);
   // What was written to standard output must have arrived: a full disk or a closed descriptor
   // behind `dptrain ... > FILE` is a failure, not a silent success (as coreutils' close_stdout).

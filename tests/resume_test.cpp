@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -669,6 +670,33 @@ TEST_CASE("a launcher that fails mid-job (too few file descriptors) records the 
   CHECK(info["error"].get<std::string>().rfind("the launcher failed: ", 0) == 0);
   const auto s = parse_json(run_dptrain({"status", run_dir.string(), "--json"}).out);
   CHECK(s["status"] == "failed");  // not "running", then "stale"
+}
+
+TEST_CASE("a low soft limit on open files (ulimit -Sn) is raised to the hard one for the ranks") {
+  // 40 descriptors are too few for a launcher of 12 ranks (three each: output pipes, a log, a
+  // store connection); the hard limit allows them, as a login's 1024 against 524288 does.
+  rlimit files{};
+  REQUIRE(::getrlimit(RLIMIT_NOFILE, &files) == 0);
+  if (files.rlim_max < 256) {
+    MESSAGE("skipped: this test's own hard limit on open files is below 256");
+    return;
+  }
+  TempDir tmp;
+  auto small = small_recipe();
+  small["train"]["steps"] = 6;
+  small["optimizer"]["schedule"]["warmup"] = 1;
+  small["checkpoint"]["every"] = 6;
+  small["eval"]["every"] = 6;
+  const auto recipe = write_recipe(tmp.path(), small);
+  const std::string command = "ulimit -Sn 40 && exec '" + binary() + "' launch '" +
+                              recipe.string() + "' --nproc 12 --run-dir '" +
+                              (tmp / "run").string() + "' > /dev/null 2> '" +
+                              (tmp / "err").string() + "'";
+  const int status = std::system(("bash -c \"" + command + "\"").c_str());
+  INFO(read_text(tmp / "err"));
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  CHECK(parse_json(read_text(tmp / "run/run.json"))["status"] == "completed");
 }
 
 TEST_CASE("under a tight address-space limit (ulimit -v) a launch fails saying so, not hangs") {

@@ -362,6 +362,16 @@ std::string format_time_us(double us) {
   return fmt::format("{:7.2f}", us);
 }
 
+// A bandwidth in the table's 6 columns: two decimals while they fit (nccl-tests' %6.2f), fewer
+// from 1000 GB/s on (a 1-rank or shared-memory run), so the columns after it stay in place.
+std::string format_bandwidth(double gbs) {
+  for (int decimals = 2; decimals > 0; --decimals) {
+    std::string text = fmt::format("{:6.{}f}", gbs, decimals);
+    if (text.size() <= 6) return text;
+  }
+  return fmt::format("{:6.0f}", gbs);
+}
+
 json row_to_json(const CommBenchRow& r) {
   return {{"op", collective_name(r.op)},
           {"size", r.size},
@@ -719,9 +729,10 @@ std::string format_comm_table(const CommBenchResult& r) {
     for (const auto& row : r.rows) {
       if (row.op != op) continue;
       wrong += row.wrong;
-      out += fmt::format("{:>12}  {:>12}  {:>8}  {:>6}  {:>6}  {:>7}  {:>6.2f}  {:>6.2f}  {:>5}\n",
-                         row.size, row.count, row.type, row.redop, row.root,
-                         format_time_us(row.time_us), row.algbw, row.busbw, row.wrong);
+      out +=
+          fmt::format("{:>12}  {:>12}  {:>8}  {:>6}  {:>6}  {:>7}  {:>6}  {:>6}  {:>5}\n", row.size,
+                      row.count, row.type, row.redop, row.root, format_time_us(row.time_us),
+                      format_bandwidth(row.algbw), format_bandwidth(row.busbw), row.wrong);
     }
     out += fmt::format("# Out of bounds values : {} {}\n", wrong, wrong == 0 ? "OK" : "FAILED");
     out += fmt::format("# Avg bus bandwidth    : {:g}\n", r.avg_busbw(op));

@@ -316,6 +316,13 @@ TEST_CASE("format_comm_table: nccl-tests' column headers, rows and summary lines
   CHECK(lines[18].find("  250.2  ") != std::string::npos);  // one decimal from 100 us on
   CHECK(lines[19] == "# Out of bounds values : 0 OK");
   CHECK(lines[21] == "#");
+  // From 1000 GB/s on (one rank, shared memory) fewer decimals keep the columns in place.
+  CommBenchResult fast = r;
+  fast.rows[0].algbw = 1024.004;
+  fast.rows[0].busbw = 12345.6;
+  const auto fast_lines = lines_of(format_comm_table(fast));
+  CHECK(fast_lines[6].size() == lines[6].size());
+  CHECK_MESSAGE(fast_lines[6].ends_with("    42.12  1024.0   12346      0"), fast_lines[6]);
 }
 
 TEST_CASE("result JSON: the same rows, averages and wrong count; round trip") {
