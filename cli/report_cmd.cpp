@@ -22,8 +22,7 @@ namespace {
 
 struct ReportOptions {
   std::string run_dir;
-  std::string out;                  // RUN_DIR/report.html when --out is not given
-  CLI::Option* out_flag = nullptr;  // whether --out was given (empty is not a file)
+  std::string out;  // RUN_DIR/report.html when --out is not given (main refuses an empty one)
   bool json = false;
 };
 
@@ -33,9 +32,9 @@ struct StatusOptions {
 };
 
 // The report replaces the file --out names (by rename): never one of the run's own files, and
-// never what is not a plain file (a link would be replaced itself, not its target; a device or
-// a pipe by a regular file).
+// never what is not a plain file (check_output_file).
 void check_report_out(const std::string& given, const fs::path& out, const fs::path& run_dir) {
+  check_output_file("--out", given, "the HTML file");
   std::error_code ec;
   const fs::path parent = fs::weakly_canonical(out.parent_path(), ec);
   const fs::path run = fs::weakly_canonical(run_dir, ec);
@@ -46,40 +45,20 @@ void check_report_out(const std::string& given, const fs::path& out, const fs::p
                             "replace; name a file elsewhere (without --out the report is {})",
                             given, run_dir.string(), (run_dir / "report.html").string()));
   }
-  const fs::file_status status = fs::symlink_status(out, ec);
-  if (!ec && fs::exists(status) && !fs::is_regular_file(status)) {
-    throw Error(
-        ErrorKind::usage,
-        fmt::format("--out {}: is {}, not a regular file; the report replaces what it "
-                    "names: name a regular file or a new one",
-                    given,
-                    fs::is_symlink(status) ? "a symbolic link" : "a device, pipe or socket"));
-  }
 }
 
 int run_report(const ReportOptions& o) {
-  const bool given = o.out_flag != nullptr && o.out_flag->count() > 0;
-  if (given && o.out.empty()) {
-    throw Error(ErrorKind::usage, "--out: empty; name the HTML file to write");
-  }
+  const bool given = !o.out.empty();
   const RunView run = load_run(o.run_dir, /*verify_checkpoints=*/true);
   const fs::path out = given ? fs::absolute(o.out) : run.dir / "report.html";
   std::error_code ec;
-  if (fs::is_directory(out, ec)) {
-    // A bad --out is the caller's to fix; RUN_DIR/report.html in the way is a report that
-    // cannot be written.
-    if (!given) {
-      throw Error(ErrorKind::internal,
-                  fmt::format("{}: is a directory, so the report cannot be written there; give "
-                              "--out FILE",
-                              out.string()));
-    }
-    throw Error(ErrorKind::usage,
-                fmt::format("--out {}: is a directory; name the HTML file to write", o.out));
-  }
-  if (!fs::is_directory(out.parent_path(), ec)) {
-    throw Error(ErrorKind::usage,
-                fmt::format("--out {}: no such directory {}", o.out, out.parent_path().string()));
+  // A bad --out is the caller's to fix; RUN_DIR/report.html in the way is a report that cannot
+  // be written.
+  if (!given && fs::is_directory(out, ec)) {
+    throw Error(ErrorKind::internal,
+                fmt::format("{}: is a directory, so the report cannot be written there; give "
+                            "--out FILE",
+                            out.string()));
   }
   if (given) check_report_out(o.out, out, run.dir);
   write_file_atomic(out, report_html(run));
@@ -109,8 +88,7 @@ void setup_report(CLI::App& app, Outcome& outcome) {
   app.add_option("run_dir", o->run_dir, "Run directory made by 'dptrain launch'")
       ->required()
       ->check(run_directory());
-  o->out_flag =
-      app.add_option("--out", o->out, "Write the HTML here instead of RUN_DIR/report.html");
+  app.add_option("--out", o->out, "Write the HTML here instead of RUN_DIR/report.html");
   app.add_flag("--json", o->json, "Print the summary as one JSON object on stdout");
   app.callback([o, &outcome] {
     outcome.json = o->json;

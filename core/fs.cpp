@@ -130,6 +130,29 @@ uint64_t size_on_disk(const std::filesystem::path& dir) {
   return total;
 }
 
+void check_output_file(const std::string& flag, const std::string& given, std::string_view what) {
+  namespace fs = std::filesystem;
+  const fs::path out = fs::absolute(given);
+  std::error_code ec;
+  const fs::file_status status = fs::symlink_status(out, ec);
+  if (fs::is_directory(status)) {
+    throw Error(ErrorKind::usage,
+                fmt::format("{} {}: is a directory; name {} to write", flag, given, what));
+  }
+  if (!fs::is_directory(out.parent_path(), ec)) {
+    throw Error(ErrorKind::usage, fmt::format("{} {}: no such directory {}", flag, given,
+                                              out.parent_path().string()));
+  }
+  if (fs::exists(status) && !fs::is_regular_file(status)) {
+    throw Error(
+        ErrorKind::usage,
+        fmt::format("{} {}: is {}, not a regular file; it would be replaced, not written "
+                    "through: name a regular file or a new one",
+                    flag, given,
+                    fs::is_symlink(status) ? "a symbolic link" : "a device, pipe or socket"));
+  }
+}
+
 std::string human_size(uint64_t bytes) {
   if (bytes < 1024) return fmt::format("{} B", bytes);
   double size = static_cast<double>(bytes);

@@ -23,6 +23,13 @@ void write_file_synced(const std::filesystem::path& path, std::span<const std::b
 void append_line(const std::filesystem::path& path, std::string_view line);
 void fsync_directory(const std::filesystem::path& dir);
 
+// Error(usage) "FLAG GIVEN: ..." when write_file_atomic could not write the file an option
+// names, found before the work that makes it: a directory, a directory that does not exist, or
+// an entry that is not a regular file (a link would be replaced itself, not written through; a
+// device or a pipe, /dev/null included, by a regular file). `what` names the file in the
+// directory's message ("the HTML file").
+void check_output_file(const std::string& flag, const std::string& given, std::string_view what);
+
 // Bytes of the regular files under dir, recursively; unreadable entries count as 0.
 uint64_t size_on_disk(const std::filesystem::path& dir);
 

@@ -3,6 +3,8 @@
 // too small, bf16 on the CPU, cuda without a GPU) or after (exit 3).
 #include <doctest/doctest.h>
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <csignal>
 #include <sstream>
@@ -160,6 +162,32 @@ TEST_CASE("a bad --nproc list exits 2 naming it, before anything is created") {
     CHECK(r.err.find("--nproc") != std::string::npos);
     CHECK(nothing_created(tmp));
   }
+}
+
+TEST_CASE(
+    "an --svg that cannot be replaced by a file exits 2 before any run, and stays as it was") {
+  TempDir tmp;
+  REQUIRE(::mkfifo((tmp / "fifo").c_str(), 0600) == 0);
+  fs::create_directory(tmp / "dir");
+  write_text(tmp / "target.svg", "mine");
+  fs::create_symlink(tmp / "target.svg", tmp / "link.svg");
+  for (const auto& [name, says] : std::vector<std::pair<std::string, std::string>>{
+           {"fifo", "is a device, pipe or socket, not a regular file"},
+           {"link.svg", "is a symbolic link, not a regular file"},
+           {"dir", "is a directory; name the SVG file to write"},
+           {"no/such/chart.svg", "no such directory"}}) {
+    CAPTURE(name);
+    auto r =
+        bench(tmp, {quickstart(), "--nproc", "1", "--steps", "2", "--svg", (tmp / name).string()});
+    CHECK(r.exit_code == 2);
+    CHECK(one_error_line(r.err));
+    CHECK_MESSAGE(r.err.find("--svg " + (tmp / name).string() + ": " + says) != std::string::npos,
+                  r.err);
+    CHECK(nothing_created(tmp));
+  }
+  CHECK(fs::is_fifo(tmp / "fifo"));
+  CHECK(fs::is_symlink(tmp / "link.svg"));
+  CHECK(read_text(tmp / "target.svg") == "mine");
 }
 
 TEST_CASE("--strong refuses a world size that cannot share the global batch, naming it") {

@@ -662,7 +662,7 @@ TEST_CASE("report and status of what is not a run: exit 2 naming it") {
   CHECK(contains(out_dir.err, "--out"));
   auto empty = run_dptrain({"report", (tmp / "ok").string(), "--out", ""});
   CHECK(empty.exit_code == 2);
-  CHECK(contains(empty.err, "--out: empty"));
+  CHECK(contains(empty.err, "--out: is empty; give a value"));
   CHECK_FALSE(fs::exists(tmp / "ok/report.html"));
   // Without --out, a directory where the report goes is a report that cannot be written.
   fs::create_directories(tmp / "ok/report.html");
