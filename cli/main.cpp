@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <new>
 #include <string>
 #include <string_view>
@@ -138,10 +139,20 @@ std::string plain_parse_error(const Command& c, const std::string& what) {
   return fmt::format("{}: '{}' is not {}", name, value, expected);
 }
 
-// Every option given an empty value ("--nproc ''", "--run-dir ''") is refused, unless its
-// command handles one (kHandlesEmpty): CLI11 would take "" as 0 for a number, and as not given
-// (the default) for text, so a script's unset variable would pass unnoticed.
-void refuse_empty_values(CLI::App& app) {
+// Every option's value is checked for two slips of a script, unless its command handles an
+// empty one itself (kHandlesEmpty):
+// - an empty value ("--run-dir ''"), which CLI11 would take as 0 for a number and as not given
+//   (the default) for text, so an unset variable would pass unnoticed;
+// - another of the command's options where the value belongs ("--out --json", from an unquoted
+//   empty $OUT), which CLI11 would take as the value, and the option it names as not given.
+void check_option_values(CLI::App& app) {
+  auto names = std::make_shared<std::vector<std::string>>();
+  for (const CLI::Option* o : app.get_options()) {
+    for (const auto& l : o->get_lnames())
+      names->push_back("--" + l);
+    for (const auto& n : o->get_snames())
+      names->push_back("-" + n);
+  }
   for (CLI::Option* o : app.get_options()) {
     if (o->get_type_size() == 0) continue;  // a flag
     bool handled = true;
@@ -151,14 +162,18 @@ void refuse_empty_values(CLI::App& app) {
       handled = false;
     }
     if (handled) continue;
+    const std::string name = o->get_name();
     o->check(CLI::Validator(
-        [](std::string& value) {
-          return std::string(value.empty() ? "is empty; give a value" : "");
+        [names, name](std::string& value) -> std::string {
+          if (value.empty()) return "is empty; give a value";
+          if (std::find(names->begin(), names->end(), value) == names->end()) return {};
+          return fmt::format("got the option {} where its value belongs; give {} a value", value,
+                             name);
         },
         ""));
   }
   for (CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; }))
-    refuse_empty_values(*sub);
+    check_option_values(*sub);
 }
 
 int run(int argc, char** argv);
@@ -209,7 +224,7 @@ int run(int argc, char** argv) {
     CLI::App* sub = app.add_subcommand(cmd.name, cmd.summary);
     cmd.setup(*sub, outcome);
   }
-  refuse_empty_values(app);
+  check_option_values(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

@@ -197,7 +197,7 @@ TEST_CASE("usage errors exit 2") {
   CHECK(resume.err.find("nothing-here: no such run directory") != std::string::npos);
 }
 
-TEST_CASE("an empty option value is refused, not read as 0 or as not given") {
+TEST_CASE("an empty option value, or an option in its place, is refused, not read as 0 or a name") {
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), small_recipe());
   const std::string runs = (tmp / "runs").string();
@@ -228,6 +228,17 @@ TEST_CASE("an empty option value is refused, not read as 0 or as not given") {
     CHECK(r.exit_code == 2);
     CHECK(r.err == "dptrain: error: --run-dir: no value given (see 'dptrain launch --help')\n");
   }
+  CHECK_FALSE(fs::exists(tmp / "runs"));
+  // An unquoted empty $OUT: "--out --json" is not a file named --json and no JSON asked for.
+  auto swallowed = run_dptrain({"report", (tmp / "none").string(), "--out", "--json"});
+  CHECK(swallowed.exit_code == 2);
+  CHECK(swallowed.err ==
+        "dptrain: error: --out: got the option --json where its value belongs; give --out a value "
+        "(see 'dptrain report --help')\n");
+  CHECK(parse_json(swallowed.out)["exit_code"] == 2);
+  auto short_name = run_dptrain({"launch", recipe.string(), "--nproc", "-h", "--runs-root", runs});
+  CHECK(short_name.exit_code == 2);
+  CHECK(contains(short_name.err, "--nproc: got the option -h where its value belongs"));
   CHECK_FALSE(fs::exists(tmp / "runs"));
 }
 
