@@ -903,11 +903,21 @@ std::string read_file(const std::filesystem::path& path) {
     throw Error(ErrorKind::recipe,
                 fmt::format("{}: cannot read: {}", path.string(), std::strerror(errno)));
   }
+  // A recipe is a few KiB of JSON; /dev/zero or a log named by mistake would be read until
+  // memory ran out.
+  constexpr size_t kMaxRecipeBytes = size_t{16} << 20;
   std::string text;
   char buffer[1 << 16];
   size_t count = 0;
-  while ((count = std::fread(buffer, 1, sizeof buffer, file.get())) > 0)
+  while ((count = std::fread(buffer, 1, sizeof buffer, file.get())) > 0) {
     text.append(buffer, count);
+    if (text.size() > kMaxRecipeBytes) {
+      throw Error(ErrorKind::recipe,
+                  fmt::format("{}: more than {} MiB; a recipe is a JSON file of a few KiB (is "
+                              "this the recipe?)",
+                              path.string(), kMaxRecipeBytes >> 20));
+    }
+  }
   if (std::ferror(file.get())) {
     throw Error(ErrorKind::recipe,
                 fmt::format("{}: cannot read: {}", path.string(), std::strerror(errno)));
@@ -951,47 +961,42 @@ Recipe parse_recipe(const json& j, const std::string& source, const std::filesys
 }
 
 // JSON allows an object to name a key twice and nlohmann keeps the last one: in a recipe that is
-// an edit gone wrong. Collects "POINTER: duplicate key ..." for each repeat while parsing, and
-// stops at nesting no recipe has (its pointers would cost time and memory quadratic in depth).
+// an edit gone wrong. A SAX pass over the text, before the document is built, collects
+// "POINTER: duplicate key ..." for each repeat, and stops at nesting no recipe has (its
+// pointers would cost time and memory quadratic in depth). A handler of its own, not
+// json::parse's callback: that one's end_object scans the whole enclosing array (nlohmann
+// 3.11), so a recipe holding many objects took minutes.
 class DuplicateKeys {
  public:
   static constexpr size_t kMaxNesting = 64;
 
   explicit DuplicateKeys(std::string source) : source_(std::move(source)) {}
 
-  bool operator()(int, json::parse_event_t event, json& parsed) {
-    using E = json::parse_event_t;
-    switch (event) {
-      case E::object_start:
-      case E::array_start:
-        if (frames_.size() >= kMaxNesting) {
-          throw Error(ErrorKind::recipe,
-                      fmt::format("{}: nested more than {} levels deep (at {}); a recipe is a "
-                                  "few levels of objects",
-                                  source_, kMaxNesting, printable_excerpt(child_pointer(), 40)));
-        }
-        frames_.push_back({event == E::array_start, 0, {}, child_pointer(), {}});
-        break;
-      case E::key: {
-        Frame& top = frames_.back();
-        top.key = parsed.get<std::string>();
-        if (!top.keys.insert(top.key).second) {
-          problems_.push_back(fmt::format("{}: duplicate key '{}': the object sets it twice",
-                                          pointer_to(top.pointer, top.key), top.key));
-        }
-        break;
-      }
-      case E::object_end:
-      case E::array_end:
-        frames_.pop_back();
-        element_done();
-        break;
-      case E::value:
-        element_done();
-        break;
+  bool null() { return element_done(); }
+  bool boolean(bool) { return element_done(); }
+  bool number_integer(json::number_integer_t) { return element_done(); }
+  bool number_unsigned(json::number_unsigned_t) { return element_done(); }
+  bool number_float(json::number_float_t, const json::string_t&) { return element_done(); }
+  bool string(json::string_t&) { return element_done(); }
+  bool binary(json::binary_t&) { return element_done(); }
+  bool start_object(size_t) { return open(false); }
+  bool start_array(size_t) { return open(true); }
+  bool end_object() { return close(); }
+  bool end_array() { return close(); }
+  bool key(json::string_t& key) {
+    Frame& top = frames_.back();
+    top.key = key;
+    if (!top.keys.insert(top.key).second) {
+      problems_.push_back(fmt::format("{}: duplicate key '{}': the object sets it twice",
+                                      pointer_to(top.pointer, top.key), top.key));
     }
     return true;
   }
+  template <typename Exception>
+  bool parse_error(size_t, const std::string&, const Exception& e) {
+    throw e;  // the caller's json::exception handler names the line and column
+  }
+
   const std::vector<std::string>& problems() const { return problems_; }
 
  private:
@@ -1002,14 +1007,29 @@ class DuplicateKeys {
     std::string pointer;
     std::string key;
   };
+  bool open(bool array) {
+    if (frames_.size() >= kMaxNesting) {
+      throw Error(ErrorKind::recipe,
+                  fmt::format("{}: nested more than {} levels deep (at {}); a recipe is a "
+                              "few levels of objects",
+                              source_, kMaxNesting, printable_excerpt(child_pointer(), 40)));
+    }
+    frames_.push_back({array, 0, {}, child_pointer(), {}});
+    return true;
+  }
+  bool close() {
+    frames_.pop_back();
+    return element_done();
+  }
   std::string child_pointer() const {
     if (frames_.empty()) return "";
     const Frame& top = frames_.back();
     return top.array ? top.pointer + "/" + std::to_string(top.index)
                      : pointer_to(top.pointer, top.key);
   }
-  void element_done() {
+  bool element_done() {
     if (!frames_.empty() && frames_.back().array) ++frames_.back().index;
+    return true;
   }
 
   std::string source_;
@@ -1022,7 +1042,8 @@ Recipe load_recipe(const std::filesystem::path& path, DataCheck data) {
   json j;
   DuplicateKeys duplicates(path.string());
   try {
-    j = json::parse(text, std::ref(duplicates));
+    json::sax_parse(text, &duplicates);
+    j = json::parse(text);
   } catch (const json::exception& e) {
     throw Error(ErrorKind::recipe, json_parse_problem(path.string(), text, e));
   }

@@ -296,6 +296,27 @@ TEST_CASE("a current directory that was deleted is named as the cause of a relat
         "directory (the current directory no longer exists)\n");
 }
 
+TEST_CASE("recipe validate: what is not a recipe's size or shape is refused, not read for ever") {
+  // /dev/zero (or a log named by mistake) is refused at 16 MiB, not read until memory runs out.
+  auto zero = run_dptrain({"recipe", "validate", "/dev/zero"}, {}, std::chrono::seconds(60));
+  CHECK(zero.exit_code == 2);
+  CHECK(zero.err ==
+        "dptrain: error: /dev/zero: more than 16 MiB; a recipe is a JSON file of a few KiB (is "
+        "this the recipe?)\n");
+  // A million objects under an unknown key: named at once. Parsing took time quadratic in their
+  // number (hours for these) while the duplicate-key check used json::parse's callback.
+  TempDir tmp;
+  std::string notes = R"({"name": "many", "notes": [{})";
+  for (int i = 1; i < 1000000; ++i)
+    notes += ",{}";
+  write_text(tmp / "many.json", notes + "]}");
+  auto many = run_dptrain({"recipe", "validate", (tmp / "many.json").string()}, {},
+                          std::chrono::seconds(60));
+  CHECK(many.exit_code == 2);
+  CHECK(many.err ==
+        "dptrain: error: " + (tmp / "many.json").string() + ": /notes: unknown key 'notes'\n");
+}
+
 TEST_CASE("recipe validate: a number beyond a double is invalid JSON, exit 2, in JSON too") {
   TempDir tmp;
   write_text(tmp / "inf.json", R"({"optimizer": {"lr": 1e400}})");
