@@ -21,6 +21,7 @@
 #include "core/error.hpp"
 #include "core/fs.hpp"
 #include "core/json_error.hpp"
+#include "core/recipe.hpp"
 #include "launch/run_dir.hpp"
 #include "launch/supervisor.hpp"
 
@@ -62,9 +63,11 @@ std::string latest_line(const LatestStatus& latest) {
   return fmt::format("checkpoints/latest: FAILED: {}", latest.problem);
 }
 
-CheckpointRow inspect(const fs::path& dir, const fs::path& latest) {
+CheckpointRow inspect(const fs::path& dir, const fs::path& latest,
+                      const CheckpointFilter& unusable) {
   CheckpointRow row;
   row.status = verify_checkpoint(dir);
+  if (unusable && row.status.position) row.status.unusable = unusable(*row.status.position);
   row.bytes_on_disk = size_on_disk(dir);
   row.written = written_time(dir);
   row.latest = dir == latest;
@@ -167,6 +170,7 @@ void print_list_table(const fs::path& run_dir, const std::vector<CheckpointRow>&
 // meta.json's line: its own checksum, and whether its content matches it.
 std::string meta_verdict(const CheckpointStatus& status) {
   if (!status.meta_problem.empty()) return status.meta_problem;
+  if (!status.unusable.empty()) return status.unusable;
   if (!status.meta_checked()) {
     return "not checked: it records no checksum of itself (written by an older dptrain)";
   }
@@ -203,8 +207,21 @@ struct CheckedRun {
   // Where run.json says rank 0 committed the newest checkpoint when that was another host:
   // " (its newest checkpoint, PATH, is on HOST, where rank 0 ran)"; empty otherwise.
   std::string elsewhere;
+  // Checkpoints the run's recipe did not write, as resume skips them (written_by); none when
+  // its recipe.json cannot be read (then only the files are checked).
+  CheckpointFilter unusable;
   fs::path checkpoints() const { return path / "checkpoints"; }
 };
+
+CheckpointFilter recipe_filter(const fs::path& run) {
+  std::error_code ec;
+  if (!fs::is_regular_file(run / "recipe.json", ec)) return {};
+  try {
+    return written_by(load_recipe(run / "recipe.json"));
+  } catch (const Error&) {
+    return {};
+  }
+}
 
 // run.json's record of a checkpoint rank 0 committed on another host.
 std::string recorded_elsewhere(const json& info) {
@@ -224,26 +241,28 @@ CheckedRun open_run(const std::string& dir) {
     throw Error(ErrorKind::checkpoint,
                 fmt::format("{}: not a directory", (absolute / "checkpoints").string()));
   }
-  if (!fs::exists(p / "run.json", ec) && has_checkpoints) return {absolute, ""};
+  if (!fs::exists(p / "run.json", ec) && has_checkpoints)
+    return {absolute, "", recipe_filter(absolute)};
   try {
-    return {absolute, recorded_elsewhere(read_run_json(p))};
+    return {absolute, recorded_elsewhere(read_run_json(p)), recipe_filter(absolute)};
   } catch (const Error& e) {
     // Only checkpoints/ is read: a run.json torn by a crash does not keep them from being checked.
     if (!has_checkpoints || e.kind() != ErrorKind::usage) throw;
     std::fprintf(stderr, "dptrain: warning: %s; checking its checkpoints/ all the same\n",
                  first_line(e.what()).c_str());
-    return {absolute, ""};
+    return {absolute, "", recipe_filter(absolute)};
   }
 }
 
-// Each of `dirs` verified, in order; when `stop` says so (a SIGINT or SIGTERM came), the rest are
-// left out.
-std::vector<CheckpointRow> inspect_all(const std::vector<fs::path>& dirs, const fs::path& latest,
+// Each of `dirs` of the run verified, in order; when `stop` says so (a SIGINT or SIGTERM came),
+// the rest are left out.
+std::vector<CheckpointRow> inspect_all(const CheckedRun& run, const std::vector<fs::path>& dirs,
+                                       const fs::path& latest,
                                        const std::function<bool()>& stop = {}) {
   std::vector<CheckpointRow> rows;
   for (const auto& dir : dirs) {
     if (stop && stop()) break;
-    CheckpointRow row = inspect(dir, latest);
+    CheckpointRow row = inspect(dir, latest, run.unusable);
     if (!row.status.gone) rows.push_back(std::move(row));  // pruned by the run meanwhile
   }
   return rows;
@@ -253,7 +272,7 @@ int run_list(const CkptOptions& o) {
   const CheckedRun run = open_run(o.run_dir);
   const LatestStatus latest = check_latest(run.checkpoints());
   const auto rows =
-      inspect_all(list_checkpoints(run.checkpoints(), SetAside::include), followable(latest));
+      inspect_all(run, list_checkpoints(run.checkpoints(), SetAside::include), followable(latest));
   if (!o.json) {
     print_list_table(run.path, rows, latest, run.elsewhere);
     return 0;
@@ -288,7 +307,7 @@ int run_verify(const CkptOptions& o) {
   const LatestStatus latest = check_latest(run.checkpoints());
   const auto dirs = checkpoints_to_verify(run, o, followable(latest));
   const auto rows =
-      inspect_all(dirs, followable(latest), [] { return pending_stop_signal() != 0; });
+      inspect_all(run, dirs, followable(latest), [] { return pending_stop_signal() != 0; });
   // `latest` is part of what is verified unless a STEP names the checkpoint to check.
   const bool check_latest_too = o.step.empty();
   std::vector<std::string> errors;

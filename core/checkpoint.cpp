@@ -464,12 +464,12 @@ CheckpointData read_checkpoint(const fs::path& dir) {
 }
 
 bool CheckpointStatus::ok() const {
-  return meta_problem.empty() &&
+  return meta_problem.empty() && unusable.empty() &&
          std::all_of(blobs.begin(), blobs.end(), [](const BlobStatus& b) { return b.ok(); });
 }
 
 bool CheckpointStatus::denied() const {
-  return !ok() && (meta_problem.empty() || meta_denied) &&
+  return !ok() && unusable.empty() && (meta_problem.empty() || meta_denied) &&
          std::all_of(blobs.begin(), blobs.end(),
                      [](const BlobStatus& b) { return b.ok() || b.denied; });
 }
@@ -477,6 +477,7 @@ bool CheckpointStatus::denied() const {
 std::vector<std::string> CheckpointStatus::problems() const {
   std::vector<std::string> out;
   if (!meta_problem.empty()) out.push_back(fmt::format("{}: {}", kMetaFile, meta_problem));
+  if (!unusable.empty()) out.push_back(fmt::format("{}: {}", kMetaFile, unusable));
   for (const auto& blob : blobs) {
     if (!blob.ok()) out.push_back(fmt::format("{}: {}", blob.file, blob.problem));
   }

@@ -71,6 +71,10 @@ struct CheckpointStatus {
   std::string meta_checksum;         // what meta.json records of itself; empty when none (older)
   std::string meta_actual_checksum;  // of its content as read; empty when unusable
   std::vector<BlobStatus> blobs;
+  // Why the run cannot use it although every file verifies (a checkpoint another recipe wrote,
+  // copied in), as a CheckpointFilter says: set by a caller that knows the run's recipe (ckpt),
+  // as resume and restarts skip such checkpoints. Empty otherwise.
+  std::string unusable;
   // The directory was removed while it was read (pruned by a run that goes on, which renames a
   // checkpoint away before deleting it): not a damaged checkpoint, one that no longer exists.
   bool gone = false;

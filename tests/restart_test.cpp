@@ -256,6 +256,17 @@ TEST_CASE("a restart skips a checkpoint of another recipe copied into the run") 
   const std::string own_params = read_text(latest_params(run_dir));
   fs::remove_all(run_dir / "checkpoints/step-000120");
   fs::copy(foreign, run_dir / "checkpoints/step-000120");
+  // ckpt makes the check resume makes: its files verify, but this run cannot use it.
+  const auto verify = run_dptrain({"ckpt", "verify", run_dir.string(), "step-000120"});
+  CHECK(verify.exit_code == 5);
+  CHECK_MESSAGE(verify.err.find((run_dir / "checkpoints/step-000120/meta.json").string() +
+                                ": written by a different recipe (hash ") != std::string::npos,
+                verify.err);
+  const json listed = parse_json(run_dptrain({"ckpt", "list", run_dir.string(), "--json"}).out);
+  for (const auto& row : listed["checkpoints"]) {
+    CAPTURE(row["name"]);
+    CHECK(row["ok"] == (row["name"] != "step-000120"));
+  }
   const auto resumed = run_dptrain({"resume", run_dir.string()});
   INFO(resumed.out, resumed.err);
   CHECK(resumed.exit_code == 0);
