@@ -44,6 +44,10 @@ constexpr int64_t kMaxGradAccum = int64_t{1} << 20;     // 1,048,576
 // batch_per_rank x grad_accum: times a world size below 2^31, the global batch stays below 2^62.
 constexpr int64_t kMaxSamplesPerRankStep = int64_t{1} << 31;
 constexpr int64_t kMaxThreadsPerRank = 256;
+// Every count of steps (train.steps, warm-up, the every/period fields): far beyond any run, and
+// far inside int64 and a double's exact integers, so that step arithmetic (the warm-up's
+// fraction, steps x batch) cannot overflow or round.
+constexpr int64_t kMaxSteps = 1'000'000'000'000;
 constexpr int64_t kMaxDimension = (int64_t{1} << 31) - 1;    // every model size field
 constexpr uint64_t kMaxParameters = uint64_t{1} << 40;       // 1,099,511,627,776 (4 TiB in f32)
 constexpr uint64_t kMaxSyntheticValues = uint64_t{1} << 40;  // data.samples x model.input
@@ -230,6 +234,11 @@ auto between(int64_t lo, int64_t hi) {
     if (value >= lo && value <= hi) return std::nullopt;
     return fmt::format("must be in [{}, {}]", lo, hi);
   };
+}
+
+// A count of steps from `min` to kMaxSteps.
+auto steps_from(int64_t min) {
+  return both(at_least(min), at_most(kMaxSteps, "10^12 steps"));
 }
 
 // A duration in seconds: at most kMaxSeconds, so deadlines stay far inside a clock's range.
@@ -469,7 +478,7 @@ void visit_fields(Visitor& v, DataSpec& d) {
 
 template <class Visitor>
 void visit_fields(Visitor& v, TrainSpec& t) {
-  v.field("steps", t.steps, at_least(int64_t{0}));
+  v.field("steps", t.steps, steps_from(0));
   v.field("batch_per_rank", t.batch_per_rank,
           both(at_least(int64_t{1}), at_most(kMaxBatchPerRank, "2^24")));
   v.field("grad_accum", t.grad_accum, both(at_least(int64_t{1}), at_most(kMaxGradAccum, "2^20")));
@@ -482,7 +491,7 @@ void visit_fields(Visitor& v, TrainSpec& t) {
 template <class Visitor>
 void visit_fields(Visitor& v, ScheduleSpec& s) {
   v.field("type", s.type, one_of({"constant", "cosine", "linear"}));
-  v.field("warmup", s.warmup, at_least(int64_t{0}));  // and <= /train/steps, checked later
+  v.field("warmup", s.warmup, steps_from(0));  // and <= /train/steps, checked later
   v.field("min_lr_ratio", s.min_lr_ratio, in_range(0.0, 1.0, true),
           only_for("/optimizer/schedule/type", s.type, {"cosine", "linear"}));
 }
@@ -507,9 +516,11 @@ template <class Visitor>
 void visit_fields(Visitor& v, CompressionSpec& c) {
   v.field("type", c.type, one_of({"none", "fp16", "bf16", "int8", "topk", "powersgd"}));
   const std::string kind = "/distributed/compression/type";
-  v.field("block", c.block, at_least(int64_t{1}), only_for(kind, c.type, {"int8"}));
+  v.field("block", c.block, both(at_least(int64_t{1}), at_most(kMaxDimension, "2^31 - 1")),
+          only_for(kind, c.type, {"int8"}));
   v.field("ratio", c.ratio, positive_share, only_for(kind, c.type, {"topk"}));
-  v.field("rank", c.rank, at_least(int64_t{1}), only_for(kind, c.type, {"powersgd"}));
+  v.field("rank", c.rank, both(at_least(int64_t{1}), at_most(kMaxDimension, "2^31 - 1")),
+          only_for(kind, c.type, {"powersgd"}));
 }
 
 template <class Visitor>
@@ -518,34 +529,34 @@ void visit_fields(Visitor& v, DistributedSpec& d) {
   v.field("sync", d.sync, one_of({"allreduce", "local_sgd", "ps"}));
   const Applies local_sgd = only_for("/distributed/sync", d.sync, {"local_sgd"});
   const Applies ps = only_for("/distributed/sync", d.sync, {"ps"});
-  v.field("period", d.period, at_least(int64_t{1}), local_sgd);
-  v.field("start", d.start, at_least(int64_t{0}), local_sgd);
-  v.field("servers", d.servers, at_least(int64_t{1}), ps);
-  v.field("staleness", d.staleness, at_least(int64_t{0}), ps);
+  v.field("period", d.period, steps_from(1), local_sgd);
+  v.field("start", d.start, steps_from(0), local_sgd);
+  v.field("servers", d.servers, both(at_least(int64_t{1}), at_most(kMaxDimension, "2^31 - 1")), ps);
+  v.field("staleness", d.staleness, steps_from(0), ps);
   v.field("zero", d.zero, between(0, 1));
-  v.field("bucket_mb", d.bucket_mb, greater_than(0.0));
+  v.field("bucket_mb", d.bucket_mb, both(greater_than(0.0), at_most(1048576.0, "1 TiB")));
   v.field("overlap", d.overlap, no_check);
   v.section("compression", d.compression);
-  v.field("check_every", d.check_every, at_least(int64_t{0}));
+  v.field("check_every", d.check_every, steps_from(0));
   v.field("timeout_s", d.timeout_s, both(greater_than(0.0), seconds_limit()));
   v.field("resize", d.resize, one_of({"keep_global_batch", "scale_lr"}));
 }
 
 template <class Visitor>
 void visit_fields(Visitor& v, CheckpointSpec& c) {
-  v.field("every", c.every, at_least(int64_t{0}));
+  v.field("every", c.every, steps_from(0));
   v.field("keep", c.keep, at_least(int64_t{1}));
 }
 
 template <class Visitor>
 void visit_fields(Visitor& v, EvalSpec& e) {
-  v.field("every", e.every, at_least(int64_t{0}));
+  v.field("every", e.every, steps_from(0));
   v.field("max_samples", e.max_samples, at_least(int64_t{0}));
 }
 
 template <class Visitor>
 void visit_fields(Visitor& v, LogSpec& l) {
-  v.field("every", l.every, at_least(int64_t{1}));
+  v.field("every", l.every, steps_from(1));
 }
 
 template <class Visitor>
