@@ -207,7 +207,8 @@ RunState run_state(const json& info) {
     if (state.recorded_status == "running") {
       const auto alive = age_s(text(info, "alive_at"));
       if (alive && *alive <= -kAliveStaleS) {
-        state.status = "stale";
+        // Neither running nor stale, and no hint to resume it: its launcher may well live.
+        state.status = "unknown";
         state.note = fmt::format(
             "launched on {}, whose stamp is {} s in the future: its clock and this machine's "
             "disagree, so whether its launcher lives cannot be told from here",

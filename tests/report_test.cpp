@@ -526,11 +526,14 @@ TEST_CASE("status of a run launched on another machine: its launcher's stamp tel
   CHECK(s["status"] == "stale");
   CHECK(contains(s["note"].get<std::string>(), "has not stamped the run for"));
 
-  // A stamp an hour ahead (clocks that disagree) tells nothing: never "running" forever.
+  // A stamp an hour ahead (clocks that disagree) tells nothing: never "running" forever, nor
+  // "stale" with a hint to resume what may still run.
   write_text(tmp / "run/run.json", run_json(std::time(nullptr) + 3600));
   s = parse_json(run_dptrain({"status", (tmp / "run").string(), "--json"}).out);
-  CHECK(s["status"] == "stale");
+  CHECK(s["status"] == "unknown");
   CHECK(contains(s["note"].get<std::string>(), "s in the future: its clock and this machine's"));
+  CHECK(s["hint"].is_null());
+  CHECK_FALSE(contains(run_dptrain({"status", (tmp / "run").string()}).out, "resume"));
 }
 
 TEST_CASE("status of a run.json whose status dptrain never writes: unknown, saying what it is") {
