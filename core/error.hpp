@@ -46,6 +46,10 @@ std::string error_headline(const std::string& text);
 // Untrusted text (a field of a data file) for a one-line message: control characters and NUL
 // as \xNN, cut to `max` bytes with "..." after.
 std::string printable_excerpt(std::string_view text, size_t max = 60);
+// The same, whole: a name from a file (a JSON key, a path) that must not break a message's line.
+inline std::string printable(std::string_view text) {
+  return printable_excerpt(text, std::string_view::npos);
+}
 
 class Error : public std::runtime_error {
  public:

@@ -64,12 +64,13 @@ class Problems {
     return std::any_of(entries_.begin(), entries_.end(),
                        [&](const auto& entry) { return entry.first == pointer; });
   }
-  // One line per problem, in the order found.
+  // One line per problem, in the order found: a key holding a newline or an escape (a pointer,
+  // or a message quoting it) is shown as \x0a, never splitting the line or reaching a terminal.
   std::string report(const std::string& source) const {
     std::string text;
     for (const auto& [pointer, what] : entries_) {
       if (!text.empty()) text += '\n';
-      text += fmt::format("{}: {}: {}", source, pointer.empty() ? "/" : pointer, what);
+      text += printable(fmt::format("{}: {}: {}", source, pointer.empty() ? "/" : pointer, what));
     }
     return text;
   }
@@ -912,7 +913,7 @@ std::string read_file(const std::filesystem::path& path) {
   std::unique_ptr<std::FILE, FileCloser> file(std::fopen(path.c_str(), "rb"));
   if (!file) {
     throw Error(ErrorKind::recipe,
-                fmt::format("{}: cannot read: {}", path.string(), std::strerror(errno)));
+                fmt::format("{}: cannot read: {}", printable(path.string()), std::strerror(errno)));
   }
   // A recipe is a few KiB of JSON; /dev/zero or a log named by mistake would be read until
   // memory ran out.
@@ -926,12 +927,12 @@ std::string read_file(const std::filesystem::path& path) {
       throw Error(ErrorKind::recipe,
                   fmt::format("{}: more than {} MiB; a recipe is a JSON file of a few KiB (is "
                               "this the recipe?)",
-                              path.string(), kMaxRecipeBytes >> 20));
+                              printable(path.string()), kMaxRecipeBytes >> 20));
     }
   }
   if (std::ferror(file.get())) {
     throw Error(ErrorKind::recipe,
-                fmt::format("{}: cannot read: {}", path.string(), std::strerror(errno)));
+                fmt::format("{}: cannot read: {}", printable(path.string()), std::strerror(errno)));
   }
   return text;
 }
@@ -998,8 +999,8 @@ class DuplicateKeys {
     Frame& top = frames_.back();
     top.key = key;
     if (!top.keys.insert(top.key).second) {
-      problems_.push_back(fmt::format("{}: duplicate key '{}': the object sets it twice",
-                                      pointer_to(top.pointer, top.key), top.key));
+      problems_.push_back(printable(fmt::format("{}: duplicate key '{}': the object sets it twice",
+                                                pointer_to(top.pointer, top.key), top.key)));
     }
     return true;
   }
@@ -1051,28 +1052,29 @@ class DuplicateKeys {
 Recipe load_recipe(const std::filesystem::path& path, DataCheck data) {
   std::string text = read_file(path);
   json j;
-  DuplicateKeys duplicates(path.string());
+  const std::string source = printable(path.string());
+  DuplicateKeys duplicates(source);
   try {
     json::sax_parse(text, &duplicates);
     j = json::parse(text);
   } catch (const json::exception& e) {
-    throw Error(ErrorKind::recipe, json_parse_problem(path.string(), text, e));
+    throw Error(ErrorKind::recipe, json_parse_problem(source, text, e));
   }
   if (!duplicates.problems().empty()) {
     // Every problem at once, as for any recipe: the repeats, then what the fields (each with its
     // last value) have wrong.
     std::string report;
     for (const auto& problem : duplicates.problems())
-      report += (report.empty() ? "" : "\n") + path.string() + ": " + problem;
+      report += (report.empty() ? "" : "\n") + source + ": " + problem;
     try {
-      parse_recipe(j, path.string(), path.parent_path(), RecipeOrigin::user, data);
+      parse_recipe(j, source, path.parent_path(), RecipeOrigin::user, data);
     } catch (const Error& e) {
       if (e.kind() != ErrorKind::recipe) throw;
       report += "\n" + std::string(e.what());
     }
     throw Error(ErrorKind::recipe, report);
   }
-  return parse_recipe(j, path.string(), path.parent_path(), RecipeOrigin::user, data);
+  return parse_recipe(j, source, path.parent_path(), RecipeOrigin::user, data);
 }
 
 json to_json(const Recipe& r) {

@@ -317,6 +317,25 @@ TEST_CASE("recipe validate: what is not a recipe's size or shape is refused, not
         "dptrain: error: " + (tmp / "many.json").string() + ": /notes: unknown key 'notes'\n");
 }
 
+TEST_CASE("recipe validate: a key or file name with a newline or escape stays on its line") {
+  TempDir tmp;
+  const fs::path file = tmp / "odd\nname.json";
+  write_text(file, R"({"train": {"st\neps": 1, "a\u001b[31mb": 2}, "x": 1, "x": 2})");
+  const std::string shown = (tmp / "odd\\x0aname.json").string();
+  auto r = run_dptrain({"recipe", "validate", file.string(), "--json"});
+  CHECK(r.exit_code == 2);
+  const std::vector<std::string> expected = {
+      shown + ": /x: duplicate key 'x': the object sets it twice",
+      shown + ": /train/a\\x1b[31mb: unknown key 'a\\x1b[31mb'",
+      shown + ": /train/st\\x0aeps: unknown key 'st\\x0aeps'; did you mean 'steps'?",
+      shown + ": /x: unknown key 'x'"};
+  CHECK(parse_json(r.out)["errors"] == nlohmann::json(expected));
+  std::string lines;
+  for (const auto& line : expected)
+    lines += "dptrain: error: " + line + "\n";
+  CHECK(r.err == lines);
+}
+
 TEST_CASE("recipe validate: a number beyond a double is invalid JSON, exit 2, in JSON too") {
   TempDir tmp;
   write_text(tmp / "inf.json", R"({"optimizer": {"lr": 1e400}})");
