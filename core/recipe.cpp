@@ -66,11 +66,19 @@ class Problems {
   }
   // One line per problem, in the order found: a key holding a newline or an escape (a pointer,
   // or a message quoting it) is shown as \x0a, never splitting the line or reaching a terminal.
+  // At most kMostListed of them, as for a CSV file's rows: 80,000 wrong entries of a list are
+  // one mistake, not a screenful per second.
   std::string report(const std::string& source) const {
+    constexpr size_t kMostListed = 50;
     std::string text;
-    for (const auto& [pointer, what] : entries_) {
+    for (size_t i = 0; i < entries_.size() && i < kMostListed; ++i) {
+      const auto& [pointer, what] = entries_[i];
       if (!text.empty()) text += '\n';
       text += printable(fmt::format("{}: {}: {}", source, pointer.empty() ? "/" : pointer, what));
+    }
+    if (entries_.size() > kMostListed) {
+      text += fmt::format("\n{}: {} more problem(s), not listed", source,
+                          entries_.size() - kMostListed);
     }
     return text;
   }

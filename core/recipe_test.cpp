@@ -138,6 +138,17 @@ TEST_CASE("recipe: an empty object gives the documented defaults") {
   CHECK(r.log.every == 10);
 }
 
+TEST_CASE("problems: at most 50 listed, then how many more") {
+  std::string hidden = "[-1";
+  for (int i = 1; i < 60; ++i)
+    hidden += ", -1";
+  const auto lines = lines_of(problems_of(R"({"model": {"hidden": )" + hidden + "]}}"));
+  REQUIRE(lines.size() == 51);
+  CHECK(lines[0] == "test.json: /model/hidden/0: must be >= 1, got -1");
+  CHECK(lines[49] == "test.json: /model/hidden/49: must be >= 1, got -1");
+  CHECK(lines[50] == "test.json: 10 more problem(s), not listed");
+}
+
 TEST_CASE("recipe: the DESIGN.md example parses into the values it names") {
   Recipe r = parse_recipe(json::parse(R"({
     "name": "mlp-synthetic", "seed": 1,
