@@ -7,6 +7,7 @@
 #include <cmath>
 #include <limits>
 #include <regex>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -279,4 +280,36 @@ TEST_CASE("svg chart: dashed lines, dots on points, a lone point, palette and gi
   CHECK(svg.find("stroke=\"#1f77b4\"") != std::string::npos);  // the palette's first colour
   CHECK(count_occurrences(svg, "<circle") == 4);               // three dots + the lone point
   CHECK(balanced(svg));
+}
+
+TEST_CASE("svg chart: a long line keeps a few points per column, its spikes included") {
+  // 200,000 steps of a noisy loss with one spike: the path is not 200,000 points long, and the
+  // spike is still drawn.
+  std::vector<std::pair<double, double>> points;
+  for (int i = 0; i < 200000; ++i)
+    points.emplace_back(i, 2.0 + 0.1 * std::sin(i * 0.37) + (i == 123457 ? 5.0 : 0.0));
+  ChartOptions o;
+  const std::string svg = svg_line_chart({line("loss", points)}, o);
+  CHECK(svg.size() < 200000);
+  // The path's points (std::regex would recurse too deep on so long an attribute).
+  const std::string key = "<path class=\"series\" d=\"";
+  const size_t start = svg.find(key);
+  REQUIRE(start != std::string::npos);
+  std::istringstream d(
+      svg.substr(start + key.size(), svg.find('"', start + key.size()) - start - key.size()));
+  std::vector<std::pair<double, double>> at;
+  char command = 0, comma = 0;
+  double x = 0, y = 0;
+  while (d >> command >> x >> comma >> y) {
+    CHECK((command == (at.empty() ? 'M' : 'L')));
+    at.emplace_back(x, y);
+  }
+  CHECK(at.size() <= 8 * static_cast<size_t>(o.width));
+  CHECK(at.size() >= static_cast<size_t>(o.width) / 2);  // every column still has its points
+  CHECK(std::is_sorted(at.begin(), at.end(),
+                       [](const auto& a, const auto& b) { return a.first < b.first; }));
+  // y grows downwards: the spike is the smallest y, far above the first point.
+  const auto top = std::min_element(
+      at.begin(), at.end(), [](const auto& a, const auto& b) { return a.second < b.second; });
+  CHECK(top->second < at.front().second - 50);
 }
