@@ -216,12 +216,18 @@ RunState run_state(const json& info) {
       } else if (alive && *alive < kAliveStaleS) {
         state.note = fmt::format("launched on {}, which stamped the run {} s ago", launcher_host,
                                  std::max<int64_t>(*alive, 0));
+      } else if (alive) {
+        state.status = "stale";
+        state.note = fmt::format(
+            "launched on {}, which has not stamped the run for {} s (over {} s): the launcher is "
+            "gone",
+            launcher_host, *alive, kAliveStaleS);
       } else {
         state.status = "stale";
         state.note = fmt::format(
-            "launched on {}, which has not stamped the run for {} (over {} s): the launcher is "
-            "gone",
-            launcher_host, alive ? fmt::format("{} s", *alive) : std::string("ever"), kAliveStaleS);
+            "launched on {}, but run.json has no readable stamp of its launcher (alive_at), which "
+            "a live one renews every {} s: the launcher is gone",
+            launcher_host, kAliveEveryS);
       }
     }
     return between_generations(info, generations, std::move(state));

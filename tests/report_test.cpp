@@ -526,6 +526,15 @@ TEST_CASE("status of a run launched on another machine: its launcher's stamp tel
   CHECK(s["status"] == "stale");
   CHECK(contains(s["note"].get<std::string>(), "has not stamped the run for"));
 
+  // No stamp it can read: stale, saying so, not "for ever".
+  json garbled = parse_json(run_json(std::time(nullptr)));
+  garbled["alive_at"] = "yesterday";
+  write_text(tmp / "run/run.json", garbled.dump());
+  s = parse_json(run_dptrain({"status", (tmp / "run").string(), "--json"}).out);
+  CHECK(s["status"] == "stale");
+  CHECK(contains(s["note"].get<std::string>(),
+                 "run.json has no readable stamp of its launcher (alive_at)"));
+
   // A stamp an hour ahead (clocks that disagree) tells nothing: never "running" forever, nor
   // "stale" with a hint to resume what may still run.
   write_text(tmp / "run/run.json", run_json(std::time(nullptr) + 3600));
