@@ -263,14 +263,24 @@ RunState run_state(const json& info) {
   return between_generations(info, generations, std::move(state));
 }
 
-json read_json_file(const fs::path& file) {
+// The JSON object in `file`; null when it is missing, and also when it is damaged, which
+// `damaged` then says ("not a JSON object (...)").
+// `damaged` then says why ("FILE: not valid JSON at line 1, column 9: ...").
+json read_json_object(const fs::path& file, std::string& damaged) {
   std::error_code ec;
   if (!fs::exists(file, ec)) return nullptr;
+  std::string text;
   try {
-    return json::parse(read_file(file));
-  } catch (const std::exception&) {
-    return nullptr;
+    text = read_file(file);
+    json j = json::parse(text);
+    if (j.is_object()) return j;
+    damaged = file.string() + ": not a JSON object";
+  } catch (const json::exception& e) {
+    damaged = json_parse_problem(file.string(), text, e);
+  } catch (const Error& e) {
+    damaged = first_line(e.what());
   }
+  return nullptr;
 }
 
 std::vector<CheckpointSummary> summarize_checkpoints(const fs::path& checkpoints_dir, bool verify) {
@@ -876,7 +886,13 @@ RunView load_run(const fs::path& dir, bool verify_checkpoints) {
     run.unreadable.push_back(fmt::format("{}: {}", file.string(), why));
     return true;
   };
-  if (!blocked(dir / "result.json")) run.result = read_json_file(dir / "result.json");
+  if (!blocked(dir / "result.json")) {
+    std::string damaged;
+    run.result = read_json_object(dir / "result.json", damaged);
+    if (!damaged.empty()) {
+      run.unreadable.push_back(damaged + "; run.json's copy of the result is used");
+    }
+  }
   if (!run.result.is_object() && run.info.contains("result")) run.result = run.info["result"];
   if (!run.result.is_object()) run.result = nullptr;
   try {
@@ -1185,6 +1201,10 @@ std::string report_summary_text(const json& s) {
   }
   for (const auto& part : s["unreadable"])
     out += "unreadable: " + part.get<std::string>() + "\n";
+  if (s["metrics_lines_skipped"].get<int64_t>() > 0) {
+    out += fmt::format("metrics.jsonl: {} unreadable line(s) skipped\n",
+                       s["metrics_lines_skipped"].dump());
+  }
   out += "report: " + text(s, "report") + "\n";
   return out;
 }

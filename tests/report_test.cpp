@@ -329,6 +329,15 @@ TEST_CASE("status of a running run, then of one whose launcher was killed: stale
   CHECK(count_occurrences(html, "<svg ") >= 4);
   CHECK(count_occurrences(html, "<g class=\"marker\">") == 0);
   check_self_contained(html);
+  // The summary for people says it too, and names a torn result.json it could not use.
+  write_text(run_dir / "result.json", "{\"final_loss\": 1.2,");
+  auto plain = run_dptrain({"report", run_dir.string()});
+  REQUIRE(plain.exit_code == 0);
+  CHECK(contains(plain.out, "metrics.jsonl: 3 unreadable line(s) skipped\n"));
+  CHECK(contains(plain.out, "unreadable: " + (run_dir / "result.json").string() +
+                                ": not valid JSON at line 1, column"));
+  const json torn = parse_json(run_dptrain({"report", run_dir.string(), "--json"}).out);
+  CHECK(contains(torn["unreadable"].dump(), "result.json: not valid JSON"));
 }
 
 TEST_CASE("a run with no steps logged yet: the report says so instead of failing") {
