@@ -40,10 +40,33 @@ constexpr int64_t kStartingGraceS = 60;
 constexpr int64_t kMaxBackoffS = 30;
 constexpr int64_t kPlacementMarginS = 60;
 
-int64_t integer(const json& j, const char* key, int64_t otherwise) {
+// j[key] when it is a whole number an int64 holds (exactly: not through a double); none when it
+// is missing or anything else (run.json edited by hand: "forty", 1e300, -0.5).
+std::optional<int64_t> integer_at(const json& j, const char* key) {
   const auto it = j.find(key);
-  if (it == j.end() || !it->is_number()) return otherwise;
-  return static_cast<int64_t>(it->get<double>());
+  if (it == j.end()) return std::nullopt;
+  if (it->is_number_integer() && !it->is_number_unsigned()) return it->get<int64_t>();
+  if (it->is_number_unsigned()) {
+    const auto v = it->get<uint64_t>();
+    if (v <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+      return static_cast<int64_t>(v);
+    return std::nullopt;
+  }
+  if (it->is_number_float()) {
+    const double v = it->get<double>();
+    if (std::isfinite(v) && v == std::floor(v) && std::abs(v) < 9.2e18)
+      return static_cast<int64_t>(v);
+  }
+  return std::nullopt;
+}
+
+int64_t integer(const json& j, const char* key, int64_t otherwise) {
+  return integer_at(j, key).value_or(otherwise);
+}
+
+json integer_or_null(const json& j, const char* key) {
+  const auto v = integer_at(j, key);
+  return v ? json(*v) : json(nullptr);
 }
 
 std::string text(const json& j, const char* key) {
@@ -979,8 +1002,9 @@ json summary_fields(const RunView& run) {
           {"name", or_null(text(recipe, "name"))},
           {"status", run.state.status},
           {"step", step},
-          {"steps",
-           recipe.contains("train") ? json(integer(recipe["train"], "steps", 0)) : json(nullptr)},
+          {"steps", recipe.contains("train") && recipe["train"].is_object()
+                        ? integer_or_null(recipe["train"], "steps")
+                        : json(nullptr)},
           {"loss", last ? or_null(last->loss) : json(nullptr)},
           {"final_loss",
            run.result.is_object() ? or_null(json_number(run.result, "final_loss")) : json(nullptr)},
@@ -1013,8 +1037,7 @@ json status_json(const RunView& run) {
                 {"live_pids", run.state.live_pids},
                 {"epoch", last ? json(last->epoch) : json(nullptr)},
                 {"world_size", info.contains("world_size") ? info["world_size"] : json(nullptr)},
-                {"nominal_world_size",
-                 info.contains("nominal_world_size") ? info["nominal_world_size"] : json(nullptr)},
+                {"nominal_world_size", integer_or_null(info, "nominal_world_size")},
                 {"generations", array_at(info, "generations").size()},
                 {"last_restart", last_restart},
                 {"error", or_null(run_error(info))},

@@ -578,6 +578,29 @@ TEST_CASE("status of a run.json whose status dptrain never writes: unknown, sayi
   }
 }
 
+TEST_CASE("status of a run.json whose numbers were edited into words: null, not 0 or a string") {
+  TempDir tmp;
+  fs::create_directories(tmp / "run");
+  json recipe = resumable_recipe();
+  for (const json& steps : {json("forty"), json(1e300), json(-0.5), json(18446744073709551615u)}) {
+    CAPTURE(steps.dump());
+    recipe["train"]["steps"] = steps;
+    const json info = {{"status", "completed"},
+                       {"world_size", 1},
+                       {"nominal_world_size", "two"},
+                       {"recipe", recipe}};
+    write_text(tmp / "run/run.json", info.dump());
+    const json s = parse_json(run_dptrain({"status", (tmp / "run").string(), "--json"}).out);
+    CHECK(s["steps"].is_null());
+    CHECK(s["nominal_world_size"].is_null());
+  }
+  recipe["train"]["steps"] = 9007199254740993;  // not through a double: exactly this
+  write_text(tmp / "run/run.json",
+             json{{"status", "completed"}, {"world_size", 1}, {"recipe", recipe}}.dump());
+  const json s = parse_json(run_dptrain({"status", (tmp / "run").string(), "--json"}).out);
+  CHECK(s["steps"] == 9007199254740993);
+}
+
 TEST_CASE("status of workers started without a launcher: judged by rank 0 on its own machine") {
   TempDir tmp;
   fs::create_directories(tmp / "run");
