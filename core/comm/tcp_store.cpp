@@ -545,10 +545,12 @@ struct TcpStoreClient::HelloReply {
 };
 
 TcpStoreClient::TcpStoreClient(std::string host, uint16_t port,
-                               std::chrono::milliseconds connect_timeout, std::string secret)
+                               std::chrono::milliseconds connect_timeout, std::string secret,
+                               std::chrono::milliseconds handshake_timeout)
     : host_(std::move(host)),
       port_(port),
       connect_timeout_(connect_timeout),
+      handshake_timeout_(handshake_timeout),
       secret_(std::move(secret)) {
   std::lock_guard lock(mutex_);
   connect_locked();
@@ -576,7 +578,7 @@ void TcpStoreClient::connect_locked() {
     }
     std::this_thread::sleep_for(std::min<Clock::duration>(kConnectRetryPause, deadline - now));
   }
-  handshake_locked(std::max(deadline, Clock::now() + std::chrono::seconds(5)));
+  handshake_locked(Clock::now() + handshake_timeout_);
 }
 
 void TcpStoreClient::handshake_locked(SteadyTime deadline) {
@@ -668,8 +670,14 @@ TcpStoreClient::Reply TcpStoreClient::handshake_exchange_locked(const std::strin
   try {
     return exchange_locked(frame, deadline);
   } catch (const Error& error) {
-    throw Error(ErrorKind::comm, fmt::format("no handshake from store at {}: {}",
-                                             format_host_port(host_, port_), error.what()));
+    const bool silent = std::string_view(error.what()) == "timed out";
+    throw Error(ErrorKind::comm,
+                fmt::format("no handshake from store at {}: {}", format_host_port(host_, port_),
+                            silent ? fmt::format("something accepted the connection but did not "
+                                                 "answer as a dptrain store within {} (another "
+                                                 "service on that port?)",
+                                                 format_timeout(handshake_timeout_))
+                                   : std::string(error.what())));
   }
 }
 

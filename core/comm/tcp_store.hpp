@@ -53,9 +53,14 @@ class TcpStoreClient : public Store {
   // "cannot reach store at HOST:PORT within Ns: <reason>". With a `secret`, the client proves it
   // and refuses a server that cannot prove it back (or does not ask for it); without one, a server
   // that asks for a secret refuses the client. A refusal throws Error(comm)
-  // "store HOST:PORT refused this client: wrong or missing job secret".
+  // "store HOST:PORT refused this client: wrong or missing job secret". A dptrain store answers
+  // the handshake at once: a listener that accepts the connection and stays silent for
+  // `handshake_timeout` (another service on that port) is an Error(comm) saying so, not a wait
+  // for the whole connect_timeout.
+  static constexpr std::chrono::milliseconds kHandshakeTimeout{30000};
   TcpStoreClient(std::string host, uint16_t port, std::chrono::milliseconds connect_timeout,
-                 std::string secret = "");
+                 std::string secret = "",
+                 std::chrono::milliseconds handshake_timeout = kHandshakeTimeout);
   ~TcpStoreClient() override;
 
   void set(const std::string& key, const std::string& value) override;
@@ -86,6 +91,7 @@ class TcpStoreClient : public Store {
   std::string host_;
   uint16_t port_;
   std::chrono::milliseconds connect_timeout_;
+  std::chrono::milliseconds handshake_timeout_;
   std::string secret_;
   std::mutex mutex_;
   UniqueFd socket_;

@@ -304,6 +304,20 @@ TEST_CASE(
   CHECK(message.find("refused") != std::string::npos);
 }
 
+TEST_CASE("tcp store: a listener that accepts and stays silent is named, not waited on for ever") {
+  // Another service on MASTER_PORT: the kernel accepts the connection, nothing answers. The
+  // client gives up after its handshake timeout, not its (long) connect timeout.
+  const UniqueFd silent = listen_tcp("127.0.0.1", 0);
+  const uint16_t port = local_port(silent.get());
+  const std::string message =
+      error_message([&] { TcpStoreClient("127.0.0.1", port, std::chrono::hours(1), "", 300ms); },
+                    ErrorKind::comm);
+  CHECK(message == fmt::format("no handshake from store at 127.0.0.1:{}: something accepted the "
+                               "connection but did not answer as a dptrain store within 0.3s "
+                               "(another service on that port?)",
+                               port));
+}
+
 TEST_CASE("tcp store: a client whose server stops gets a comm error, not a hang") {
   auto server = std::make_unique<TcpStoreServer>();
   TcpStoreClient store = connect_to(*server);
