@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.hpp"
+#include "cli/json_errors.hpp"
 #include "cli/run_report.hpp"
 #include "core/checkpoint.hpp"
 #include "core/data/dataset.hpp"
@@ -204,12 +205,34 @@ int run_sample(const SampleOptions& o) {
     std::fputs(o.prompt.c_str(), stdout);
     std::fflush(stdout);
   }
+  // The text so far, as --json prints it (bytes that are not UTF-8, a byte model's output, are
+  // replaced, so the JSON stays valid).
+  const auto result = [&] {
+    const auto generated = std::span(context).subspan(prompt_tokens);
+    return json{{"checkpoint", from.filename().string()},
+                {"step", ckpt.position.step},
+                {"prompt", o.prompt},
+                {"tokens", o.tokens},
+                {"tokens_generated", generated.size()},
+                {"temperature", o.temperature},
+                {"top_k", o.top_k},
+                {"seed", o.seed},
+                {"text", tokenizer.decode(generated)}};
+  };
   for (int64_t i = 0; i < o.tokens; ++i) {
     if (const int sig = pending_stop_signal(); sig != 0) {
       if (stream) std::printf("\n");
-      throw Error(sig == SIGTERM ? ErrorKind::terminated : ErrorKind::interrupted,
-                  fmt::format("sample: stopped by {} after {} of {} tokens",
-                              sig == SIGTERM ? "SIGTERM" : "SIGINT", i, o.tokens));
+      const ErrorKind kind = sig == SIGTERM ? ErrorKind::terminated : ErrorKind::interrupted;
+      const std::string why = fmt::format("sample: stopped by {} after {} of {} tokens",
+                                          sig == SIGTERM ? "SIGTERM" : "SIGINT", i, o.tokens);
+      if (!o.json) throw Error(kind, why);
+      // One JSON object still, with what was generated before the stop.
+      json out = result();
+      out["status"] = failure_status(kind);
+      add_failure(out, exit_code(kind), why);
+      std::printf("%s\n", json_text(out).c_str());
+      print_error_lines(why);
+      return exit_code(kind);
     }
     const int32_t next = draw(gpt.next_token_logits(ckpt.params, context), tokenizer.vocab(),
                               o.temperature, o.top_k, rng);
@@ -220,19 +243,8 @@ int run_sample(const SampleOptions& o) {
       std::fflush(stdout);
     }
   }
-  const std::string generated =
-      tokenizer.decode(std::span(context).subspan(prompt_tokens, static_cast<size_t>(o.tokens)));
   if (o.json) {
-    // Bytes that are not UTF-8 (a byte model's output) are replaced, so the JSON stays valid.
-    const json out = {{"checkpoint", from.filename().string()},
-                      {"step", ckpt.position.step},
-                      {"prompt", o.prompt},
-                      {"tokens", o.tokens},
-                      {"temperature", o.temperature},
-                      {"top_k", o.top_k},
-                      {"seed", o.seed},
-                      {"text", generated}};
-    std::printf("%s\n", json_text(out).c_str());
+    std::printf("%s\n", json_text(result()).c_str());
   } else {
     std::printf("\n");
   }
@@ -270,7 +282,8 @@ void setup_sample(CLI::App& app, Outcome& outcome) {
           ->check(handles_empty());
   app.add_flag(
       "--json", o->json,
-      "Print {checkpoint, step, prompt, tokens, temperature, top_k, seed, text} at the end "
+      "Print {checkpoint, step, prompt, tokens, tokens_generated, temperature, top_k, seed, "
+      "text} at the end "
       "instead of streaming the text");
   app.callback([o, &outcome] {
     outcome.json = o->json;

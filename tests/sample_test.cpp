@@ -10,6 +10,8 @@
 #include <string>
 #include <thread>
 
+#include <fmt/format.h>
+
 #include "tests/harness.hpp"
 #include "tests/text_corpus.hpp"
 
@@ -217,6 +219,14 @@ TEST_CASE(
     CHECK(out["status"] == "terminated");
     CHECK(out["exit_code"] == 143);
     CHECK(out["error"].get<std::string>().rfind("sample: stopped by SIGTERM after ", 0) == 0);
+    // With the text drawn before the stop, as many tokens as it says.
+    const int64_t drawn = out["tokens_generated"].get<int64_t>();
+    CHECK(drawn > 0);
+    CHECK(drawn < 1000000000);
+    CHECK(out["text"].get<std::string>().size() == static_cast<size_t>(drawn));  // one char each
+    CHECK(out["error"] ==
+          fmt::format("sample: stopped by SIGTERM after {} of 1000000000 tokens", drawn));
+    CHECK(p.err() == out["error"].get<std::string>().insert(0, "dptrain: error: ") + "\n");
   }
   // What it is given, named.
   for (const auto& [args, message] : std::vector<std::pair<std::vector<std::string>, std::string>>{
