@@ -235,7 +235,7 @@ std::string recorded_elsewhere(const json& info) {
 CheckedRun open_run(const std::string& dir) {
   std::error_code ec;
   const fs::path p(dir);
-  const fs::path absolute = fs::absolute(p).lexically_normal();
+  const fs::path absolute = resolved_path(p);
   const bool has_checkpoints = fs::is_directory(p / "checkpoints", ec);
   if (!has_checkpoints && fs::exists(fs::symlink_status(p / "checkpoints", ec))) {
     throw Error(ErrorKind::checkpoint,

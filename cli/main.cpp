@@ -154,7 +154,7 @@ void check_option_values(CLI::App& app) {
       names->push_back("-" + n);
   }
   for (CLI::Option* o : app.get_options()) {
-    if (o->get_type_size() == 0) continue;  // a flag
+    if (o->get_expected_max() == 0) continue;  // a flag
     bool handled = true;
     try {
       o->get_validator(dptrain::cli::kHandlesEmpty);
@@ -162,7 +162,9 @@ void check_option_values(CLI::App& app) {
       handled = false;
     }
     if (handled) continue;
-    const std::string name = o->get_name();
+    const std::string name = !o->get_lnames().empty()   ? "--" + o->get_lnames().front()
+                             : !o->get_snames().empty() ? "-" + o->get_snames().front()
+                                                        : o->get_name();
     o->check(CLI::Validator(
         [names, name](std::string& value) -> std::string {
           if (value.empty()) return "is empty; give a value";

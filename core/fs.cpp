@@ -153,6 +153,13 @@ void check_output_file(const std::string& flag, const std::string& given, std::s
   }
 }
 
+std::filesystem::path resolved_path(const std::filesystem::path& path) {
+  const std::filesystem::path absolute = std::filesystem::absolute(path);
+  std::error_code ec;
+  std::filesystem::path resolved = std::filesystem::weakly_canonical(absolute, ec);
+  return ec ? absolute.lexically_normal() : resolved;
+}
+
 std::string human_size(uint64_t bytes) {
   if (bytes < 1024) return fmt::format("{} B", bytes);
   double size = static_cast<double>(bytes);

@@ -47,4 +47,9 @@ std::string human_size(uint64_t bytes);
 // directory has been deleted (what an ENOENT for a relative path then means); "" otherwise.
 std::string cwd_gone_note(const std::filesystem::path& path);
 
+// `path` made absolute as the kernel resolves it: symbolic links in the part that exists are
+// followed before ".." applies ("link/../x" is the x beside the link's target, not beside the
+// link), and the rest is normalised. The lexical form when that fails (a permission).
+std::filesystem::path resolved_path(const std::filesystem::path& path);
+
 }  // namespace dptrain

@@ -22,6 +22,7 @@
 #include "core/checkpoint.hpp"
 #include "core/data/dataset.hpp"
 #include "core/error.hpp"
+#include "core/fs.hpp"
 #include "core/json_error.hpp"
 #include "core/suggest.hpp"
 
@@ -902,8 +903,7 @@ void check_data_path(DataSpec& data, const std::filesystem::path& base_dir, Prob
     problems.add(pointer, fmt::format("required when /data/type is \"{}\"", data.type));
     return;
   }
-  std::filesystem::path resolved =
-      std::filesystem::absolute(base_dir / data.path).lexically_normal();
+  const std::filesystem::path resolved = resolved_path(base_dir / data.path);
   data.path = resolved.string();
   if (data.type == "tokens") return;  // a dataset directory, checked when a run loads it
   if (auto why = unreadable(resolved)) {
@@ -917,7 +917,7 @@ struct FileCloser {
   void operator()(std::FILE* file) const { std::fclose(file); }
 };
 
-std::string read_file(const std::filesystem::path& path) {
+std::string read_recipe_text(const std::filesystem::path& path) {
   std::unique_ptr<std::FILE, FileCloser> file(std::fopen(path.c_str(), "rb"));
   if (!file) {
     throw Error(ErrorKind::recipe,
@@ -1058,7 +1058,7 @@ class DuplicateKeys {
 };
 
 Recipe load_recipe(const std::filesystem::path& path, DataCheck data) {
-  std::string text = read_file(path);
+  std::string text = read_recipe_text(path);
   json j;
   const std::string source = printable(path.string());
   DuplicateKeys duplicates(source);
@@ -1071,9 +1071,15 @@ Recipe load_recipe(const std::filesystem::path& path, DataCheck data) {
   if (!duplicates.problems().empty()) {
     // Every problem at once, as for any recipe: the repeats, then what the fields (each with its
     // last value) have wrong.
+    // As many as Problems::report lists, then how many more.
     std::string report;
-    for (const auto& problem : duplicates.problems())
-      report += (report.empty() ? "" : "\n") + source + ": " + problem;
+    const auto& repeats = duplicates.problems();
+    for (size_t i = 0; i < repeats.size() && i < 50; ++i)
+      report += (report.empty() ? "" : "\n") + source + ": " + repeats[i];
+    if (repeats.size() > 50) {
+      report +=
+          fmt::format("\n{}: {} more duplicate key(s), not listed", source, repeats.size() - 50);
+    }
     try {
       parse_recipe(j, source, path.parent_path(), RecipeOrigin::user, data);
     } catch (const Error& e) {

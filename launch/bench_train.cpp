@@ -634,7 +634,7 @@ fs::path create_sweep_dir(const fs::path& dir, const fs::path& runs_root) {
     throw Error(ErrorKind::io, fmt::format("{}: cannot create the benchmark directory: {}",
                                            path.string(), ec.message()));
   }
-  return fs::absolute(path).lexically_normal();
+  return resolved_path(path);
 }
 
 BenchRunner job_runner(const JobSpec& spec, const fs::path& sweep_dir, StatusPrinter* terminal) {

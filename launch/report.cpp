@@ -889,7 +889,7 @@ RunMetrics read_metrics(const fs::path& file) {
 
 RunView load_run(const fs::path& dir, bool verify_checkpoints) {
   RunView run;
-  run.dir = fs::absolute(dir).lexically_normal();
+  run.dir = resolved_path(dir);
   run.info = read_run_json(dir);
   // A part that is there but cannot be read is named, not fatal; a pipe is never opened (its
   // reader would wait for a writer). `blocked` is false for a part that is missing.

@@ -200,7 +200,7 @@ RunDirectory RunDirectory::create(const fs::path& dir, const fs::path& runs_root
     }
   }
   make_layout(path);
-  RunDirectory run(fs::absolute(path).lexically_normal(), nlohmann::json::object());
+  RunDirectory run(resolved_path(path), nlohmann::json::object());
   run.lock();
   holds_run(path);  // a launch that won the race for this --run-dir and has finished already
   run.info_ = new_run_info();
@@ -210,7 +210,7 @@ RunDirectory RunDirectory::create(const fs::path& dir, const fs::path& runs_root
 RunDirectory RunDirectory::open(const fs::path& dir) {
   nlohmann::json info = read_run_json(dir);
   make_layout(dir);
-  return RunDirectory(fs::absolute(dir).lexically_normal(), std::move(info));
+  return RunDirectory(resolved_path(dir), std::move(info));
 }
 
 nlohmann::json new_run_info() {

@@ -242,6 +242,31 @@ TEST_CASE("an empty option value, or an option in its place, is refused, not rea
   CHECK_FALSE(fs::exists(tmp / "runs"));
 }
 
+TEST_CASE("paths through a symbolic link and '..' mean what the kernel makes of them") {
+  // sub -> a/b, so sub/../x is a/x, not ./x: a run there never touches ./x, an existing run.
+  TempDir tmp;
+  fs::create_directories(tmp / "a/b");
+  fs::create_directory_symlink(tmp / "a/b", tmp / "sub");
+  const auto recipe = write_recipe(tmp.path(), small_recipe());
+  REQUIRE(run_dptrain({"launch", recipe.string(), "--run-dir", (tmp / "x").string()}).exit_code ==
+          0);
+  const std::string kept = read_text(tmp / "x/run.json");
+  auto through = run_dptrain({"launch", recipe.string(), "--run-dir", (tmp / "sub/../x").string()});
+  INFO(through.err);
+  CHECK(through.exit_code == 0);
+  CHECK(read_text(tmp / "x/run.json") == kept);
+  CHECK(parse_json(read_text(tmp / "a/x/run.json"))["status"] == "completed");
+  // A recipe's relative data.path too: from sub/r.json, ../d.csv is a/d.csv.
+  write_text(tmp / "a/d.csv", "f0,label\n1,0\n");
+  write_text(tmp / "d.csv", "f0,label\n1,0\n");
+  write_text(tmp / "a/b/r.json",
+             R"({"model": {"input": 1}, "data": {"type": "csv", "path": "../d.csv"}})");
+  auto shown = run_dptrain({"recipe", "show", (tmp / "sub/r.json").string()});
+  INFO(shown.err);
+  REQUIRE(shown.exit_code == 0);
+  CHECK(parse_json(shown.out)["data"]["path"] == fs::canonical(tmp / "a/d.csv").string());
+}
+
 TEST_CASE("a run.json that is a directory or not JSON is named plainly, without parser internals") {
   TempDir tmp;
   fs::create_directories(tmp / "dir/run.json");

@@ -578,7 +578,10 @@ void TcpStoreClient::connect_locked() {
     }
     std::this_thread::sleep_for(std::min<Clock::duration>(kConnectRetryPause, deadline - now));
   }
-  handshake_locked(Clock::now() + handshake_timeout_);
+  // At least 5 s, at most handshake_timeout_, else what is left of the connect timeout.
+  const SteadyTime now = Clock::now();
+  handshake_locked(
+      std::min(std::max(deadline, now + std::chrono::seconds(5)), now + handshake_timeout_));
 }
 
 void TcpStoreClient::handshake_locked(SteadyTime deadline) {
