@@ -208,17 +208,33 @@ struct CheckedRun {
   // " (its newest checkpoint, PATH, is on HOST, where rank 0 ran)"; empty otherwise.
   std::string elsewhere;
   // Checkpoints the run's recipe did not write, as resume skips them (written_by); none when
-  // its recipe.json cannot be read (then only the files are checked).
+  // the run has no recipe to read (then only the files are checked).
   CheckpointFilter unusable;
   fs::path checkpoints() const { return path / "checkpoints"; }
 };
 
-CheckpointFilter recipe_filter(const fs::path& run) {
-  std::error_code ec;
-  if (!fs::is_regular_file(run / "recipe.json", ec)) return {};
+// The recipe whose hash the run's ranks wrote into their checkpoints: run.json's copy (the one
+// resume reads), else recipe.json. Its data is not read: a dataset moved since, or a hung mount,
+// must not keep the checkpoints from being checked. None where the run holds no recipe (a node's
+// copy of a run, which holds checkpoints/ only); one that cannot be read is warned about.
+CheckpointFilter recipe_filter(const fs::path& run, const json& info) {
   try {
-    return written_by(load_recipe(run / "recipe.json"));
-  } catch (const Error&) {
+    if (info.contains("recipe")) {
+      return written_by(parse_recipe(info["recipe"], (run / "run.json").string(), run,
+                                     RecipeOrigin::stored, DataCheck::none));
+    }
+    std::error_code ec;
+    const fs::path copy = run / "recipe.json";
+    if (!fs::exists(fs::symlink_status(copy, ec))) return {};
+    if (!fs::is_regular_file(copy, ec)) {
+      throw Error(ErrorKind::recipe, fmt::format("{}: not a regular file", copy.string()));
+    }
+    return written_by(load_recipe(copy, DataCheck::none));
+  } catch (const Error& e) {
+    std::fprintf(stderr,
+                 "dptrain: warning: the run's recipe cannot be read (%s): its checkpoints are "
+                 "checked as files, not for which recipe wrote them\n",
+                 printable(first_line(e.what())).c_str());
     return {};
   }
 }
@@ -242,16 +258,18 @@ CheckedRun open_run(const std::string& dir) {
                 fmt::format("{}: not a directory", (absolute / "checkpoints").string()));
   }
   if (!fs::exists(p / "run.json", ec) && has_checkpoints)
-    return {absolute, "", recipe_filter(absolute)};
+    return {absolute, "", recipe_filter(absolute, json::object())};
+  json info;
   try {
-    return {absolute, recorded_elsewhere(read_run_json(p)), recipe_filter(absolute)};
+    info = read_run_json(p);
   } catch (const Error& e) {
     // Only checkpoints/ is read: a run.json torn by a crash does not keep them from being checked.
     if (!has_checkpoints || e.kind() != ErrorKind::usage) throw;
     std::fprintf(stderr, "dptrain: warning: %s; checking its checkpoints/ all the same\n",
                  first_line(e.what()).c_str());
-    return {absolute, "", recipe_filter(absolute)};
+    return {absolute, "", recipe_filter(absolute, json::object())};
   }
+  return {absolute, recorded_elsewhere(info), recipe_filter(absolute, info)};
 }
 
 // Each of `dirs` of the run verified, in order; when `stop` says so (a SIGINT or SIGTERM came),

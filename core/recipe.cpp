@@ -52,6 +52,8 @@ constexpr int64_t kMaxSteps = 1'000'000'000'000;
 constexpr int64_t kMaxDimension = (int64_t{1} << 31) - 1;    // every model size field
 constexpr uint64_t kMaxParameters = uint64_t{1} << 40;       // 1,099,511,627,776 (4 TiB in f32)
 constexpr uint64_t kMaxSyntheticValues = uint64_t{1} << 40;  // data.samples x model.input
+// Problems listed before the rest are counted: 80,000 wrong entries of a list are one mistake.
+constexpr size_t kMostListed = 50;
 
 // ---- problem collection ----------------------------------------------------------------------
 
@@ -70,7 +72,6 @@ class Problems {
   // At most kMostListed of them, as for a CSV file's rows: 80,000 wrong entries of a list are
   // one mistake, not a screenful per second.
   std::string report(const std::string& source) const {
-    constexpr size_t kMostListed = 50;
     std::string text;
     for (size_t i = 0; i < entries_.size() && i < kMostListed; ++i) {
       const auto& [pointer, what] = entries_[i];
@@ -855,8 +856,9 @@ void check_synthetic_size(const Recipe& r, Problems& problems) {
 // Only that row is read (a file can be large) unless `check` asks for every row, which is then
 // checked by the code a launch loads it with (csv_problems), the labels' range too.
 void check_csv_rows(const Recipe& r, DataCheck check, Problems& problems) {
-  if (r.data.type != "csv" || r.model.type != "mlp" || problems.at("/data/type") ||
-      problems.at("/data/path") || problems.at("/data/header") || problems.at("/model/input")) {
+  if (check == DataCheck::none || r.data.type != "csv" || r.model.type != "mlp" ||
+      problems.at("/data/type") || problems.at("/data/path") || problems.at("/data/header") ||
+      problems.at("/model/input")) {
     return;
   }
   std::optional<CsvRow> row;
@@ -890,7 +892,8 @@ void check_csv_rows(const Recipe& r, DataCheck check, Problems& problems) {
   }
 }
 
-void check_data_path(DataSpec& data, const std::filesystem::path& base_dir, Problems& problems) {
+void check_data_path(DataSpec& data, const std::filesystem::path& base_dir, DataCheck check,
+                     Problems& problems) {
   const std::string pointer = "/data/path";
   if (problems.at("/data/type") || problems.at(pointer)) return;
   if (data.type != "csv" && data.type != "tokens") {
@@ -901,6 +904,10 @@ void check_data_path(DataSpec& data, const std::filesystem::path& base_dir, Prob
   }
   if (data.path.empty()) {
     problems.add(pointer, fmt::format("required when /data/type is \"{}\"", data.type));
+    return;
+  }
+  if (check == DataCheck::none) {  // not even a stat: the path may be on a hung mount
+    data.path = (base_dir / data.path).lexically_normal().string();
     return;
   }
   const std::filesystem::path resolved = resolved_path(base_dir / data.path);
@@ -969,7 +976,7 @@ Recipe parse_recipe(const json& j, const std::string& source, const std::filesys
   root.reject_unknown_keys();
   check_warmup(recipe, problems);
   check_batch(recipe, problems);
-  check_data_path(recipe.data, base_dir, problems);
+  check_data_path(recipe.data, base_dir, data, problems);
   check_model(recipe, problems);
   check_model_size(recipe, problems);
   check_synthetic_size(recipe, problems);
@@ -1074,11 +1081,11 @@ Recipe load_recipe(const std::filesystem::path& path, DataCheck data) {
     // As many as Problems::report lists, then how many more.
     std::string report;
     const auto& repeats = duplicates.problems();
-    for (size_t i = 0; i < repeats.size() && i < 50; ++i)
+    for (size_t i = 0; i < repeats.size() && i < kMostListed; ++i)
       report += (report.empty() ? "" : "\n") + source + ": " + repeats[i];
-    if (repeats.size() > 50) {
-      report +=
-          fmt::format("\n{}: {} more duplicate key(s), not listed", source, repeats.size() - 50);
+    if (repeats.size() > kMostListed) {
+      report += fmt::format("\n{}: {} more duplicate key(s), not listed", source,
+                            repeats.size() - kMostListed);
     }
     try {
       parse_recipe(j, source, path.parent_path(), RecipeOrigin::user, data);

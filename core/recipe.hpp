@@ -174,8 +174,9 @@ enum class RecipeOrigin { user, stored };
 // How much of a CSV dataset parsing reads: its first data row, whose columns must match
 // model.input (cheap: every load of a recipe does it), or every row, each checked as a launch
 // reads it (labels in [0, classes), numbers; `recipe validate`), every wrong row a problem at
-// /data/path naming the file and line.
-enum class DataCheck { first_row, every_row };
+// /data/path naming the file and line; or none: the data is not read at all (the recipe of a run
+// whose data has moved or sits on a hung mount, read to tell which checkpoints it wrote).
+enum class DataCheck { none, first_row, every_row };
 
 // Parses and validates. `source` names the file in error messages; `base_dir` resolves relative
 // data paths (which are stored absolute in the result). Throws Error(recipe) whose message holds

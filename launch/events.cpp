@@ -12,7 +12,7 @@
 
 namespace dptrain {
 
-EventLog::EventLog(const std::string& target) {
+EventLog::EventLog(const std::string& target) : target_(target) {
   if (target == "-") {
     out_ = stdout;
     return;
@@ -34,8 +34,16 @@ void EventLog::emit(const std::string& name, nlohmann::json fields) {
   nlohmann::json line = {{"time", utc_timestamp()}, {"event", name}};
   for (auto& [k, v] : fields.items())
     line[k] = std::move(v);
-  std::fprintf(out_, "%s\n", json_text(line).c_str());
-  std::fflush(out_);
+  errno = 0;
+  const bool written = std::fprintf(out_, "%s\n", json_text(line).c_str()) >= 0;
+  if (std::fflush(out_) == 0 && written) return;
+  const std::string why = errno != 0 ? std::strerror(errno) : "write failed";
+  std::fprintf(stderr,
+               "dptrain: warning: --events: cannot write %s: %s; the events from here on are "
+               "lost\n",
+               target_ == "-" ? "stdout" : printable(target_).c_str(), why.c_str());
+  if (out_ != stdout) std::fclose(out_);
+  out_ = nullptr;
 }
 
 }  // namespace dptrain

@@ -20,14 +20,17 @@ class EventLog {
   EventLog& operator=(const EventLog&) = delete;
 
   bool enabled() const { return out_ != nullptr; }
-  bool to_stdout() const { return out_ == stdout; }
+  bool to_stdout() const { return target_ == "-"; }
   // Whether a run_finished event was written: every stream ends with one.
   bool finished() const { return finished_; }
-  // Writes {"time": ISO-8601 UTC, "event": name, ...fields} and flushes it.
+  // Writes {"time": ISO-8601 UTC, "event": name, ...fields} and flushes it. A write that fails
+  // (a full disk, a reader gone from the pipe) is warned about once on stderr and ends the
+  // stream: a reader must not find a torn line followed by more events. The job goes on.
   void emit(const std::string& name, nlohmann::json fields = nlohmann::json::object());
 
  private:
   std::FILE* out_ = nullptr;
+  std::string target_;
   bool finished_ = false;
 };
 

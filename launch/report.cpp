@@ -287,7 +287,6 @@ RunState run_state(const json& info) {
 }
 
 // The JSON object in `file`; null when it is missing, and also when it is damaged, which
-// `damaged` then says ("not a JSON object (...)").
 // `damaged` then says why ("FILE: not valid JSON at line 1, column 9: ...").
 json read_json_object(const fs::path& file, std::string& damaged) {
   std::error_code ec;

@@ -1,9 +1,12 @@
 // `dptrain ckpt list|verify` on real runs: healthy, damaged, set aside, `latest` moved, bad input.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <csignal>
 #include <fstream>
 #include <sstream>
+
+#include <fmt/format.h>
 
 #include "core/checkpoint.hpp"
 #include "tests/damage.hpp"
@@ -496,4 +499,51 @@ TEST_CASE("ckpt verify --json stopped by SIGINT still prints its object: interru
   CHECK(out["ok"] == false);
   CHECK(contains(out["error"].get<std::string>(), "ckpt verify stopped by SIGINT after"));
   CHECK(out["checkpoints"].size() < 1503);
+}
+
+TEST_CASE("ckpt checks the recipe from run.json, its data not read; an unreadable one is warned") {
+  TempDir tmp;
+  std::string rows;
+  for (int i = 0; i < 200; ++i)
+    rows += fmt::format("{},{},{},{}\n", i % 3, i % 7, i % 5, i % 3);
+  write_text(tmp / "data.csv", rows);
+  auto recipe = small_recipe();
+  recipe["model"] = {{"type", "mlp"}, {"input", 3}, {"hidden", {8}}, {"classes", 3}};
+  recipe["data"] = {{"type", "csv"}, {"path", "data.csv"}};
+  recipe["train"]["steps"] = 40;
+  const fs::path run = tmp / "run";
+  auto launched = run_dptrain({"launch", write_recipe(tmp.path(), recipe).string(), "--nproc", "2",
+                               "--run-dir", run.string()});
+  INFO(launched.err);
+  REQUIRE(launched.exit_code == 0);
+  // Another recipe's checkpoint, sealed as it would be; then the dataset moves away (and the
+  // copy in recipe.json is broken, as run.json's is the one resume reads).
+  edit_meta(
+      run / "checkpoints/step-000040",
+      [](nlohmann::json& m) { m["recipe_hash"] = "0123456789abcdef"; }, Seal::recompute);
+  fs::rename(tmp / "data.csv", tmp / "moved.csv");
+  write_text(run / "recipe.json", "{");
+
+  const auto verify = run_dptrain({"ckpt", "verify", run.string(), "step-000040"});
+  CHECK(verify.exit_code == 5);
+  CHECK_MESSAGE(contains(verify.err, (run / "checkpoints/step-000040/meta.json").string() +
+                                         ": written by a different recipe (hash 0123456789abcdef"),
+                verify.err);
+  CHECK_FALSE(contains(verify.err, "warning"));
+  const auto listed = list_json(run);
+  for (const auto& row : listed["checkpoints"]) {
+    CAPTURE(row["name"]);
+    CHECK(row["ok"] == (row["name"] != "step-000040"));
+  }
+
+  // A run.json whose recipe no longer parses: one warning line, and the files are still checked.
+  auto info = parse_json(read_text(run / "run.json"));
+  info["recipe"]["model"]["hidden"] = "wide";
+  write_text(run / "run.json", info.dump());
+  const auto unchecked = run_dptrain({"ckpt", "verify", run.string(), "step-000040"});
+  CHECK(unchecked.exit_code == 0);
+  CHECK_MESSAGE(contains(unchecked.err, "dptrain: warning: the run's recipe cannot be read (" +
+                                            (run / "run.json").string() + ": /model/hidden: "),
+                unchecked.err);
+  CHECK(std::count(unchecked.err.begin(), unchecked.err.end(), '\n') == 1);
 }

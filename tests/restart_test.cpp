@@ -403,6 +403,17 @@ TEST_CASE("--events writes one JSON line per state change, restarts included") {
   }
   CHECK(parsed >= 4);
   CHECK(run_dptrain({"launch", recipe.string(), "--events", "-", "--json"}).exit_code == 2);
+
+  // A stream that cannot be written (a full disk) is warned about once; the run goes on.
+  if (!fs::exists("/dev/full")) return;
+  auto full = run_dptrain(
+      {"launch", recipe.string(), "--run-dir", (tmp / "ev3").string(), "--events", "/dev/full"});
+  INFO(full.err);
+  CHECK(full.exit_code == 0);
+  CHECK(full.err.find("dptrain: warning: --events: cannot write /dev/full: No space left on "
+                      "device; the events from here on are lost\n") != std::string::npos);
+  CHECK(std::count(full.err.begin(), full.err.end(), '\n') == 1);
+  CHECK(parse_json(read_text(tmp / "ev3/run.json"))["status"] == "completed");
 }
 
 TEST_CASE(
