@@ -4,7 +4,9 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <sstream>
+#include <system_error>
 
 #include <fmt/format.h>
 
@@ -68,9 +70,14 @@ using nlohmann::json;
 void record_launcher_failure(RunDirectory& run, EventLog& events, const std::exception& e,
                              int code) {
   const std::string error = fmt::format("the launcher failed: {}", e.what());
+  std::error_code ec;
+  namespace fs = std::filesystem;
+  // Failed before its first run.json (a full disk): there is no run to record, and the
+  // directory, left as a failed start leaves it, takes a launch again.
+  const bool recorded = fs::exists(fs::symlink_status(run.path() / "run.json", ec));
   try {
     record_run_failure(run.info(), error);
-    run.save();
+    if (recorded) run.save();
   } catch (const std::exception&) {
     // The directory takes no writes (a full disk): the error on stderr is all there is.
   }
@@ -81,7 +88,8 @@ void record_launcher_failure(RunDirectory& run, EventLog& events, const std::exc
                                  {"error", error}});
   } catch (const std::exception&) {
   }
-  std::fprintf(stderr, "dptrain: run directory: %s\n", run.path().c_str());
+  std::fprintf(stderr, "dptrain: run directory: %s%s\n", run.path().c_str(),
+               recorded ? "" : " (nothing was started: a launch may use it again)");
 }
 
 }  // namespace

@@ -381,7 +381,13 @@ class TrainingRun {
         token = (uint64_t{random()} << 32) | random();
       marker = options_.run_dir / writer_marker(token);
       fs::create_directories(options_.run_dir);
-      write_file_atomic(marker, std::to_string(rank_) + "\n");
+      try {
+        write_file_atomic(marker, std::to_string(rank_) + "\n");
+      } catch (const Error& e) {
+        // The marker's own name would mean nothing to the reader.
+        throw Error(e.kind(), fmt::format("{}: the run directory takes no writes ({})",
+                                          options_.run_dir.string(), first_line(e.what())));
+      }
     }
     std::vector<uint64_t> tokens(static_cast<size_t>(world_));
     mark_collective("allgather of the shared-directory tokens");

@@ -555,7 +555,17 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   }
   if (!resumed_from.is_null()) gen["resumed_from"] = resumed_from;
   info["generations"].push_back(gen);
-  run.save();
+  std::error_code ec;
+  const bool first_record = !fs::exists(fs::symlink_status(run.path() / "run.json", ec));
+  try {
+    run.save();
+  } catch (const Error&) {
+    // Nothing has started, and without run.json there is no run: the recipe.json this start
+    // wrote goes too, so that a launch into the directory is not refused for it (and a resume
+    // would have nothing to read).
+    if (first_record && trains) fs::remove(run.path() / "recipe.json", ec);
+    throw;
+  }
 
   EventLog no_events;
   EventLog& events = spec.events ? *spec.events : no_events;
@@ -593,7 +603,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
                                  {"step", event.value("step", int64_t{-1})},
                                  {"host", rank0.is_local() ? json(nullptr) : json(rank0.display())},
                                  {"path", path.string()}};
-      run.save();
+      run.record();
     }
     if (kind == "rendezvous") {
       // Where the ranks found their checkpoint (it may be on another node).
@@ -602,7 +612,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       } else if (!spec.resume_from.empty()) {
         info["generations"].back()["resumed_from"] = "step 0";  // no checkpoint on any node
       }
-      run.save();
+      run.record();
       // Rank 0 keeps its own metrics in order; a remote rank 0's are mirrored here.
       if (rank0_remote) {
         truncate_metrics_after(run.path() / "metrics.jsonl", event.value("step", int64_t{0}));
@@ -661,7 +671,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   };
   options.on_started = [&](const std::vector<pid_t>& pids) {
     info["generations"].back()["pids"] = pids;
-    run.save();
+    run.record();
   };
   std::unique_ptr<TcpStoreClient> watch_client;
   std::unique_ptr<PrefixStore> watch_store;
@@ -717,7 +727,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     if (now - stamped < std::chrono::seconds(kAliveEveryS)) return;
     stamped = now;
     info["alive_at"] = utc_timestamp();
-    run.save();
+    run.record();
   };
   const SupervisionResult sup = supervise(procs, options);
   host_watch.reset();
@@ -958,7 +968,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   if (!out.error.empty()) info["generations"].back()["error"] = out.error;
   if (out.resized) info["generations"].back()["stopped_for"] = sup.requested;
   if (!out.result.is_null()) info["result"] = out.result;
-  run.save();
+  run.record();
   return out;
 }
 

@@ -80,7 +80,7 @@ void record_world_size_change(RunDirectory& run, const JobSpec& spec, StatusPrin
   json& changes = run.info()["world_size_changes"];
   if (!changes.is_array()) changes = json::array();
   changes.push_back(record);
-  run.save();
+  run.record();
 }
 
 // Chooses the hosts (or local ranks) of the next generation of an elastic job.
@@ -203,7 +203,7 @@ JobOutcome failed_placement(RunDirectory& run, JobOutcome outcome, const std::st
   outcome.error = cause.empty() ? error : error + "\n  (the failure before: " + cause + ")";
   run.info()["status"] = "failed";
   run.info()["error"] = outcome.error;  // the run's, after its last generation's
-  run.save();
+  run.record();
   return outcome;
 }
 
@@ -227,7 +227,7 @@ JobOutcome stopped_waiting(RunDirectory& run, JobOutcome outcome, int sig) {
   outcome.resized = false;
   run.info()["status"] = outcome.status;
   run.info()["error"] = outcome.error;
-  run.save();
+  run.record();
   return outcome;
 }
 
@@ -295,7 +295,7 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
     }
     info["status"] = out.status;
     info["error"] = error;
-    run.save();
+    run.record();
     return finish(out);
   }
   for (;;) {
@@ -311,7 +311,7 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
                          {"after_step", outcome.last_step},
                          {"from", from_name},
                          {"at", utc_timestamp()}});
-      run.save();
+      run.record();
       const Placed grown = place_generation(run, spec, status, Placement::grow);
       if (!grown.error.empty()) return finish(failed_placement(run, outcome, grown.error, ""));
       if (const int sig = pending_stop_signal()) return finish(stopped_waiting(run, outcome, sig));
@@ -369,7 +369,7 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
                                      {"backoff_s", static_cast<double>(backoff.count()) / 1000.0},
                                      {"at", utc_timestamp()}};
     run.info()["alive_at"] = utc_timestamp();
-    run.save();
+    run.record();
     int sig = sleep_unless_stopped(backoff);
     Placed placed;  // its change of world size is recorded after the restart it belongs to
     if (sig == 0) {
@@ -419,7 +419,7 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
                              {"failed_before_first_step", before_first_step},
                              {"from", from_name},
                              {"at", utc_timestamp()}});
-    run.save();
+    run.record();
     record_world_size_change(run, spec, status, placed.change);
     // A checkpoint on this machine is named when rank 0 still runs here; otherwise the ranks
     // find the newest any node holds (rank 0 may be on another host now).

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <ctime>
 #include <system_error>
@@ -268,6 +269,23 @@ std::string hand_resume_flag(const fs::path& run_dir) {
 
 void RunDirectory::save() const {
   write_file_atomic(path_ / "run.json", json_text(info_, 2) + "\n");
+}
+
+bool RunDirectory::record() {
+  try {
+    save();
+  } catch (const Error& e) {
+    if (!behind_) {
+      std::fprintf(stderr,
+                   "dptrain: warning: %s; the job goes on, and run.json is behind until it can be "
+                   "written\n",
+                   first_line(e.what()).c_str());
+    }
+    behind_ = true;
+    return false;
+  }
+  behind_ = false;
+  return true;
 }
 
 }  // namespace dptrain

@@ -39,6 +39,11 @@ class RunDirectory {
   // id, so two runs that share a name never share a directory there.
   std::string remote_name() const;
   void save() const;  // run.json, atomically
+  // save() while a job runs, where run.json only records it: a write that fails (a full disk)
+  // must not stop ranks that are training, nor hide why they stop. Warned about on stderr, once
+  // until a write succeeds again; false when it failed. status(1) then finds the launcher gone
+  // by its pid or stamp as for any run.json left behind.
+  bool record();
 
  private:
   RunDirectory(std::filesystem::path path, nlohmann::json info)
@@ -47,6 +52,7 @@ class RunDirectory {
   std::filesystem::path path_;
   nlohmann::json info_;
   std::shared_ptr<const int> lock_;  // the locked descriptor, closed with the last copy
+  bool behind_ = false;              // record() failed and no save has succeeded since
 };
 
 // The variable a launcher sets ("1") for every rank it starts: such a rank belongs to the run

@@ -1,10 +1,11 @@
-// A full disk during a checkpoint write, on a real small filesystem: a tmpfs mounted in a user +
-// mount namespace (`unshare -Urm`, no real root needed, nothing left mounted) that holds two
-// checkpoints of the run but not a third.
+// A full disk on a real small filesystem: a tmpfs mounted in a user + mount namespace
+// (`unshare -Urm`, no real root needed, nothing left mounted) that holds two checkpoints of the
+// run but not a third; one with no room for run.json; one that fills while the ranks train.
 #include <doctest/doctest.h>
 
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <sstream>
 
@@ -173,4 +174,87 @@ TEST_CASE("a full disk during a checkpoint write: exit 5, one clear error, previ
   INFO("checkpoints/ after resume:\n", after);
   CHECK_FALSE(contains(after, ".tmp-"));
   CHECK(contains(after, "step-000120"));
+}
+
+namespace {
+
+// A disk with no room for run.json at the start, then one that fills while the ranks train.
+constexpr const char* kRunJsonScript = R"(set -u
+bin=$1 short=$2 long=$3 out=$4
+mnt=$out/mnt
+mount -t tmpfs -o size=4k dptrain-run-json "$mnt" || exit 90
+run=$mnt/run
+"$bin" launch "$short" --nproc 2 --run-dir "$run" >"$out/first.out" 2>"$out/first.err"
+echo $? >"$out/first.rc"
+ls -A "$run" >"$out/first-ls.txt"
+mount -o remount,size=64m "$mnt" || exit 91
+"$bin" launch "$short" --nproc 2 --run-dir "$run" >"$out/again.out" 2>"$out/again.err"
+echo $? >"$out/again.rc"
+filled=$mnt/filled
+"$bin" launch "$long" --nproc 2 --run-dir "$filled" >"$out/filled.out" 2>"$out/filled.err" &
+launcher=$!
+for i in $(seq 600); do grep -q '"pids"' "$filled/run.json" 2>/dev/null && break; sleep 0.1; done
+head -c 100M /dev/zero >"$mnt/fill" 2>/dev/null
+wait $launcher
+echo $? >"$out/filled.rc"
+"$bin" status "$filled" --json >"$out/filled-status.json" 2>"$out/filled-status.err"
+exit 0
+)";
+
+}  // namespace
+
+TEST_CASE(
+    "no room for run.json: a start leaves a directory a launch takes again; mid-run, the "
+    "ranks' error is the one reported") {
+  TempDir tmp;
+  auto long_recipe = small_recipe();
+  long_recipe["name"] = "long";
+  long_recipe["train"]["steps"] = 20000;
+  long_recipe["checkpoint"] = {{"every", 10000}, {"keep", 1}};
+  const fs::path out = tmp / "out";
+  fs::create_directories(out / "mnt");
+  fs::create_directories(tmp / "long");
+  write_text(tmp / "run-json.sh", kRunJsonScript);
+  const int script =
+      run_in_namespace(tmp / "run-json.sh",
+                       {binary(), write_recipe(tmp.path(), small_recipe()).string(),
+                        write_recipe(tmp / "long", long_recipe).string(), out.string()},
+                       tmp / "script.log");
+  INFO("script: ", read_text(tmp / "script.log"));
+  REQUIRE(script == 0);
+
+  // Nothing started, no run recorded, and nothing left that a launch into it would refuse.
+  const std::string run = (out / "mnt/run").string();
+  const std::string first_err = read_text(out / "first.err");
+  INFO("first launch:\n", first_err);
+  CHECK(read_code(out / "first.rc") == 1);
+  CHECK(nonempty_lines(first_err) ==
+        std::vector<std::string>{
+            "dptrain: run directory: " + run + " (nothing was started: a launch may use it again)",
+            "dptrain: error: " + run + "/run.json: cannot write: No space left on device"});
+  CHECK(nonempty_lines(read_text(out / "first-ls.txt")) ==
+        std::vector<std::string>{".lock", "checkpoints", "logs"});
+  INFO("again:\n", read_text(out / "again.err"));
+  CHECK(read_code(out / "again.rc") == 0);
+
+  // Filled mid-run: run.json cannot follow the job, which is said once; the error reported is
+  // the rank's that could not write, with the rank failure's exit code, not the launcher's.
+  const std::string filled_err = read_text(out / "filled.err");
+  INFO("filled:\n", filled_err);
+  CHECK(read_code(out / "filled.rc") == 3);
+  const auto lines = nonempty_lines(filled_err);
+  const std::string warning = "dptrain: warning: " + (out / "mnt/filled/run.json").string() +
+                              ": cannot write: No space left on device; the job goes on";
+  CHECK(std::count_if(lines.begin(), lines.end(),
+                      [&](const std::string& l) { return l.rfind(warning, 0) == 0; }) == 1);
+  const auto error = std::find_if(lines.begin(), lines.end(), [](const std::string& l) {
+    return l.rfind("dptrain: error: ", 0) == 0;
+  });
+  REQUIRE(error != lines.end());
+  CHECK(error->rfind("dptrain: error: rank 0 (pid ", 0) == 0);
+  CHECK(contains(*error, "No space left on device"));
+  // run.json still says running, but its launcher is gone: stale, so a resume may take it.
+  INFO("status: ", read_text(out / "filled-status.err"));
+  const auto status = parse_json(read_text(out / "filled-status.json"));
+  CHECK(status["status"] == "stale");
 }

@@ -439,6 +439,32 @@ TEST_CASE("status between a failed generation and the next: restarting, then fai
   CHECK(s["error"] == "rank 1 was killed by signal 9 (SIGKILL)");
 }
 
+TEST_CASE(
+    "status of a generation with no pids yet: starting while its launcher lives, else stale") {
+  TempDir tmp;
+  char host[256] = {};
+  REQUIRE(::gethostname(host, sizeof host - 1) == 0);
+  const std::time_t now = std::time(nullptr);
+  json info = {
+      {"status", "running"},
+      {"world_size", 2},
+      {"recipe", resumable_recipe()},
+      {"generations", {{{"generation", 1}, {"started_at", utc(now - 5)}, {"world_size", 2}}}}};
+  fs::create_directories(tmp / "run");
+  // Recorded before launchers recorded themselves: the timing alone tells.
+  write_text(tmp / "run/run.json", info.dump());
+  json s = parse_json(run_dptrain({"status", (tmp / "run").string(), "--json"}).out);
+  CHECK(s["status"] == "running");
+  // Its launcher on this machine has exited (as one does when run.json's next write fails): no
+  // minute of "running" that a resume would be refused for.
+  info["launcher"] = {{"host", host}, {"pid", 999999}};
+  info["alive_at"] = utc(now - 5);
+  write_text(tmp / "run/run.json", info.dump());
+  s = parse_json(run_dptrain({"status", (tmp / "run").string(), "--json"}).out);
+  CHECK(s["status"] == "stale");
+  CHECK(s["note"] == "the launcher is gone: no rank of generation 1 is alive");
+}
+
 TEST_CASE("status: an earlier generation's error is not the newest one's, running or stale") {
   TempDir tmp;
   const std::time_t now = std::time(nullptr);
