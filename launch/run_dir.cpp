@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <climits>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
@@ -45,6 +46,23 @@ void make_layout(const fs::path& dir) {
 }
 
 constexpr const char* kLockFile = ".lock";
+
+// Room the run's own files need below its directory: the longest are a checkpoint blob's
+// temporary file ("checkpoints/.tmp-step-1000000000000-PID/optimizer.bin.tmp-PID", 70 bytes)
+// and a rank's log named by its host ("logs/HOST-rankN.log").
+constexpr size_t kRoomForFiles = 160;
+
+// A directory so deep that the files under it would pass the system's limit on a path is
+// refused before anything is made, not found out by a rank at its first checkpoint.
+void check_path_room(const fs::path& dir, const char* option) {
+  const std::string absolute = resolved_path(dir).string();
+  if (absolute.size() + kRoomForFiles <= PATH_MAX) return;
+  throw Error(ErrorKind::usage,
+              fmt::format("{}: {}: a path of {} bytes leaves less than the {} a run's files need "
+                          "below the system's limit of {} bytes on a path; choose a shorter one",
+                          option, printable_excerpt(absolute, 80), absolute.size(), kRoomForFiles,
+                          PATH_MAX));
+}
 
 // Nothing in `dir` but what a start that failed before its run.json leaves: the lock and empty
 // logs/ and checkpoints/. Anything else (another run's checkpoints, the user's files) is not ours.
@@ -172,6 +190,7 @@ RunDirectory RunDirectory::create(const fs::path& dir, const fs::path& runs_root
     // create_directory is the claim: of two launches racing for one name, one makes it and the
     // other moves on to the next suffix.
     const fs::path base = runs_root / fmt::format("{}-{}", name, utc_format("%Y%m%d-%H%M%S"));
+    check_path_room(base.string() + "-99", "--runs-root");
     if (!runs_root.empty()) fs::create_directories(runs_root, ec);
     for (int i = 1; !ec; ++i) {
       path = i == 1 ? base : fs::path(fmt::format("{}-{}", base.string(), i));
@@ -185,6 +204,7 @@ RunDirectory RunDirectory::create(const fs::path& dir, const fs::path& runs_root
                               cwd_gone_note(where)));
     }
   } else {
+    check_path_room(path, "--run-dir");
     holds_run(path);
     if (fs::exists(path, ec)) {
       if (!fs::is_directory(path, ec)) {

@@ -495,6 +495,25 @@ TEST_CASE("a bad recipe runs nothing: exit 2, one line per problem, no run direc
   CHECK(missing.err.find("absent.json") != std::string::npos);
 }
 
+TEST_CASE("a run directory too deep for its files is refused before anything is made") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), small_recipe());
+  // Below the system's limit itself, but with no room for a checkpoint's files under it.
+  fs::path deep = tmp / "deep";
+  while (deep.string().size() < 4000)
+    deep /= std::string(200, 'd');
+  for (const auto& [option, path] :
+       std::vector<std::pair<std::string, fs::path>>{{"--run-dir", deep}, {"--runs-root", deep}}) {
+    CAPTURE(option);
+    auto r = run_dptrain({"launch", recipe.string(), option, path.string()});
+    CHECK(r.exit_code == 2);
+    CHECK(r.err.rfind("dptrain: error: " + option + ": " + (tmp / "deep").string(), 0) == 0);
+    CHECK(contains(r.err, "bytes on a path; choose a shorter one\n"));
+    CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+    CHECK_FALSE(fs::exists(tmp / "deep"));
+  }
+}
+
 TEST_CASE("train.device cuda where no GPU is visible: exit 1, one line, no run directory") {
   TempDir tmp;
   auto recipe = small_recipe();
