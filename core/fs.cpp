@@ -2,6 +2,7 @@
 #include "core/fs.hpp"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -109,7 +110,21 @@ void write_file_atomic(const std::filesystem::path& path, std::string_view conte
   fsync_directory(path.parent_path());
 }
 
+void check_regular_or_missing(const std::filesystem::path& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0 || S_ISREG(st.st_mode)) return;
+  const char* what = S_ISFIFO(st.st_mode)   ? "a pipe"
+                     : S_ISDIR(st.st_mode)  ? "a directory"
+                     : S_ISSOCK(st.st_mode) ? "a socket"
+                                            : "a device";
+  throw Error(ErrorKind::io,
+              fmt::format("{}: is {}, not a regular file: dptrain writes this file itself; move "
+                          "it away",
+                          path.string(), what));
+}
+
 void append_line(const std::filesystem::path& path, std::string_view line) {
+  check_regular_or_missing(path);
   Fd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
   if (fd.get() < 0) throw_io(path, "open for append");
   std::string buf(line);

@@ -19,8 +19,12 @@ void write_file_atomic(const std::filesystem::path& path, std::string_view conte
 // Writes a new file (truncating) and fsyncs it; for files inside a directory that is renamed later.
 void write_file_synced(const std::filesystem::path& path, std::span<const std::byte> content);
 // Appends one line and flushes it to the OS (not fsynced: metrics may lose the last lines in a
-// crash).
+// crash). check_regular_or_missing first.
 void append_line(const std::filesystem::path& path, std::string_view line);
+// Error(io) "PATH: is a pipe, not a regular file: ..." when `path` is a pipe, a device or a
+// directory: a file of the run that dptrain reads or appends to, where a pipe with no other end
+// would block the process for good.
+void check_regular_or_missing(const std::filesystem::path& path);
 void fsync_directory(const std::filesystem::path& dir);
 
 // Error(usage) "FLAG GIVEN: ..." when write_file_atomic could not write the file an option

@@ -1,12 +1,15 @@
 // Tests of the durable file helpers, on real files.
 #include "core/fs.hpp"
 
+#include <sys/stat.h>
+
 #include <doctest/doctest.h>
 
 #include <filesystem>
 #include <string>
 
 #include "core/error.hpp"
+#include "core/trainer.hpp"
 #include "tests/temp_dir.hpp"
 
 using namespace dptrain;
@@ -28,4 +31,38 @@ TEST_CASE("write_file_atomic: replaces the file whole; an error names it, not it
     CHECK(e.kind() == ErrorKind::io);
     CHECK(std::string(e.what()) == nowhere.string() + ": cannot create: No such file or directory");
   }
+}
+
+TEST_CASE("append_line and truncate_metrics_after refuse a pipe instead of blocking on it") {
+  test::TempDir tmp;
+  const fs::path metrics = tmp / "metrics.jsonl";
+  append_line(metrics, R"({"step": 1})");
+  append_line(metrics, R"({"step": 2})");
+  truncate_metrics_after(metrics, 1);
+  CHECK(read_file(metrics) == "{\"step\": 1}\n");
+
+  fs::remove(metrics);
+  REQUIRE(::mkfifo(metrics.c_str(), 0644) == 0);
+  const std::string expected =
+      metrics.string() +
+      ": is a pipe, not a regular file: dptrain writes this file itself; move "
+      "it away";
+  for (int i = 0; i < 2; ++i) {
+    CAPTURE(i);
+    try {
+      if (i == 0) append_line(metrics, "{}");
+      if (i == 1) truncate_metrics_after(metrics, 0);
+      FAIL("used a pipe as the metrics file");
+    } catch (const Error& e) {
+      CHECK(e.kind() == ErrorKind::io);
+      CHECK(std::string(e.what()) == expected);
+    }
+  }
+  fs::remove(metrics);
+  fs::create_directory(metrics);
+  CHECK_THROWS_WITH_AS(append_line(metrics, "{}"),
+                       (metrics.string() + ": is a directory, not a regular file: dptrain writes "
+                                           "this file itself; move it away")
+                           .c_str(),
+                       Error);
 }

@@ -1441,6 +1441,7 @@ class TrainingRun {
 void truncate_metrics_after(const fs::path& metrics_file, int64_t step) {
   std::error_code ec;
   if (!fs::exists(metrics_file, ec)) return;
+  check_regular_or_missing(metrics_file);
   std::string kept;
   const std::string text = read_file(metrics_file);
   size_t pos = 0;
