@@ -423,7 +423,8 @@ fs::path write_checkpoint(const fs::path& checkpoints_dir, const TrainingPositio
   try {
     point_latest_at(checkpoints_dir, final_dir);
   } catch (const Error& e) {
-    fail(checkpoints_dir / kLatestFile, e.what());
+    // Its message names the file already: "DIR/latest: cannot write: ...", as a checkpoint error.
+    throw Error(ErrorKind::checkpoint, e.what());
   }
   const auto all = list_checkpoints(checkpoints_dir);
   for (size_t i = static_cast<size_t>(std::max<int64_t>(keep, 1)); i < all.size(); ++i) {

@@ -247,6 +247,21 @@ TEST_CASE("checkpoint: a write that cannot happen leaves latest alone") {
   CHECK(read_file(tmp.path() / "latest") == "step-000001\n");
 }
 
+TEST_CASE("checkpoint: a `latest` that cannot be written is named once, as a checkpoint error") {
+  TempDir tmp;
+  const auto p = values(8, 1.0f);
+  fs::create_directories(tmp.path() / "latest/in-the-way");  // rename cannot replace it
+  try {
+    write_checkpoint(tmp.path(), position(1), p, p, 3);
+    FAIL("moved latest over a directory");
+  } catch (const Error& e) {
+    CHECK(e.kind() == ErrorKind::checkpoint);
+    const std::string what = e.what();
+    CHECK(what.starts_with((tmp.path() / "latest").string() + ": cannot "));
+    CHECK(what.find("latest", what.find(':')) == std::string::npos);
+  }
+}
+
 TEST_CASE("verify_checkpoint: reports every damaged blob, not just the first") {
   TempDir tmp;
   const auto p = values(100, 1.0f);

@@ -47,7 +47,8 @@ constexpr int64_t kMaxSamplesPerRankStep = int64_t{1} << 31;
 constexpr int64_t kMaxThreadsPerRank = 256;
 // Every count of steps (train.steps, warm-up, the every/period fields): far beyond any run, and
 // far inside int64 and a double's exact integers, so that step arithmetic (the warm-up's
-// fraction, steps x batch) cannot overflow or round.
+// fraction, a step + an interval) cannot overflow or round. (Steps x global batch, for the
+// samples per second, is computed in double.)
 constexpr int64_t kMaxSteps = 1'000'000'000'000;
 constexpr int64_t kMaxDimension = (int64_t{1} << 31) - 1;    // every model size field
 constexpr uint64_t kMaxParameters = uint64_t{1} << 40;       // 1,099,511,627,776 (4 TiB in f32)

@@ -247,7 +247,8 @@ class TrainingRun {
         if (!std::isfinite(loss) && !overflow_skips) throw diverged(done, "loss", loss);
         last_loss_ = loss;
         const double window_s = ms_since(window_start) / 1000.0;
-        log_step(done, loss, lr, norm, static_cast<double>(window_steps * global_batch_) / window_s,
+        log_step(done, loss, lr, norm,
+                 static_cast<double>(window_steps) * static_cast<double>(global_batch_) / window_s,
                  step_ms, window_phases.per(window_steps));
         window_start = Clock::now();
         window_steps = 0;
@@ -271,7 +272,8 @@ class TrainingRun {
     result.tokens_per_sample = tokens_per_sample_;
     result.final_loss = last_loss_;
     if (steady_steps > 0 && steady_s > 0) {
-      result.samples_per_s = static_cast<double>(steady_steps * global_batch_) / steady_s;
+      result.samples_per_s =
+          static_cast<double>(steady_steps) * static_cast<double>(global_batch_) / steady_s;
     }
     return finish(result);
   }
