@@ -205,6 +205,13 @@ RunDirectory RunDirectory::create(const fs::path& dir, const fs::path& runs_root
     }
   } else {
     check_path_room(path, "--run-dir");
+    if (fs::is_symlink(fs::symlink_status(path, ec)) && !fs::exists(path, ec)) {
+      // mkdir through a dangling link fails with a bare "File exists".
+      throw Error(ErrorKind::usage,
+                  fmt::format("{}: a symbolic link to {}, which does not exist: create the "
+                              "directory it names, or choose another --run-dir",
+                              path.string(), fs::read_symlink(path, ec).string()));
+    }
     holds_run(path);
     if (fs::exists(path, ec)) {
       if (!fs::is_directory(path, ec)) {

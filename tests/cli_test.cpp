@@ -495,7 +495,7 @@ TEST_CASE("a bad recipe runs nothing: exit 2, one line per problem, no run direc
   CHECK(missing.err.find("absent.json") != std::string::npos);
 }
 
-TEST_CASE("a run directory too deep for its files is refused before anything is made") {
+TEST_CASE("a run directory too deep for its files, or a dangling link, is refused up front") {
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), small_recipe());
   // Below the system's limit itself, but with no room for a checkpoint's files under it.
@@ -512,6 +512,12 @@ TEST_CASE("a run directory too deep for its files is refused before anything is 
     CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
     CHECK_FALSE(fs::exists(tmp / "deep"));
   }
+  fs::create_symlink("missing", tmp / "link");
+  auto r = run_dptrain({"launch", recipe.string(), "--run-dir", (tmp / "link").string()});
+  CHECK(r.exit_code == 2);
+  CHECK(r.err == "dptrain: error: " + (tmp / "link").string() +
+                     ": a symbolic link to missing, which does not exist: create the directory it "
+                     "names, or choose another --run-dir\n");
 }
 
 TEST_CASE("train.device cuda where no GPU is visible: exit 1, one line, no run directory") {
