@@ -25,6 +25,7 @@
 #include "core/fs.hpp"
 #include "core/json_error.hpp"
 #include "core/suggest.hpp"
+#include "launch/supervisor.hpp"
 
 namespace {
 
@@ -247,8 +248,16 @@ int run(int argc, char** argv) {
     print_error(fmt::format("{} (see '{} --help')", message, command.name), 2, "error", json);
     return 2;
   } catch (const dptrain::Error& e) {
-    const int code = dptrain::exit_code(e.kind());
-    print_error(e.what(), code, dptrain::cli::failure_status(e.kind()), outcome.json);
+    dptrain::ErrorKind kind = e.kind();
+    // A stop signal that came while the command worked (a recipe read from a pipe that never
+    // wrote, interrupted) made this failure: the signal's exit code, as any stopped command's.
+    if (const int sig = dptrain::pending_stop_signal(); sig != 0 &&
+                                                        kind != dptrain::ErrorKind::interrupted &&
+                                                        kind != dptrain::ErrorKind::terminated) {
+      kind = sig == SIGINT ? dptrain::ErrorKind::interrupted : dptrain::ErrorKind::terminated;
+    }
+    const int code = dptrain::exit_code(kind);
+    print_error(e.what(), code, dptrain::cli::failure_status(kind), outcome.json);
     return code;
   } catch (const std::filesystem::filesystem_error& e) {
     // Not a bug: a path that cannot be used ("runs/x: cannot make absolute path: No such file or

@@ -478,17 +478,9 @@ TEST_CASE("ckpt verify --json stopped by SIGINT still prints its object: interru
         fs::copy_options::recursive);
   }
   Background verify({"ckpt", "verify", run.string(), "--all", "--json"});
-  // SIGINT once its handler is in place (SigCgt in /proc lists the signals a process catches),
-  // in dptrain itself rather than in the test's fork before the exec.
-  const auto catches_sigint = [&] {
-    std::ifstream status("/proc/" + std::to_string(verify.pid()) + "/status");
-    for (std::string line; std::getline(status, line);) {
-      if (line.rfind("Name:", 0) == 0 && line.find("dptrain") == std::string::npos) return false;
-      if (line.rfind("SigCgt:", 0) == 0) return (std::stoull(line.substr(7), nullptr, 16) & 2) != 0;
-    }
-    return false;
-  };
-  REQUIRE(eventually(catches_sigint, std::chrono::seconds(30)));
+  // SIGINT once its handler is in place, in dptrain itself rather than in the test's fork.
+  REQUIRE(
+      eventually([&] { return catches_signal(verify.pid(), SIGINT); }, std::chrono::seconds(30)));
   ::kill(verify.pid(), SIGINT);
   const int code = verify.wait();
   INFO(verify.out(), verify.err());

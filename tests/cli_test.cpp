@@ -4,11 +4,13 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <array>
+#include <csignal>
 #include <cstdlib>
 #include <utility>
 #include <vector>
@@ -548,4 +550,25 @@ TEST_CASE("train.device cuda where no GPU is visible: exit 1, one line, no run d
   auto bf16 = run_dptrain({"launch", write_recipe(tmp.path(), recipe).string(), "--nproc", "1"});
   CHECK(bf16.exit_code == 2);
   CHECK(bf16.err.find("/train/precision") != std::string::npos);
+}
+
+TEST_CASE("a stop signal while the recipe is read from a pipe: the signal's exit code") {
+  TempDir tmp;
+  const fs::path fifo = tmp / "recipe.fifo";
+  REQUIRE(::mkfifo(fifo.c_str(), 0644) == 0);
+  for (const int sig : {SIGINT, SIGTERM}) {
+    CAPTURE(sig);
+    // Nothing ever writes the pipe: launch waits in its open until the signal comes.
+    Background launch({"launch", fifo.string(), "--run-dir", (tmp / "run").string(), "--json"});
+    REQUIRE(eventually([&] { return catches_signal(launch.pid(), sig); }));
+    REQUIRE(::kill(launch.pid(), sig) == 0);
+    const int expected = sig == SIGINT ? 130 : 143;
+    CHECK(launch.wait(std::chrono::seconds(30)) == expected);
+    INFO(launch.out(), launch.err());
+    const auto out = parse_json(launch.out());
+    CHECK(out["exit_code"] == expected);
+    CHECK(out["status"] == (sig == SIGINT ? "interrupted" : "terminated"));
+    CHECK(contains(out["error"].get<std::string>(), fifo.string()));
+    CHECK_FALSE(fs::exists(tmp / "run"));
+  }
 }

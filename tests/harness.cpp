@@ -268,6 +268,17 @@ bool eventually(const std::function<bool()>& condition, std::chrono::millisecond
   return condition();
 }
 
+bool catches_signal(pid_t pid, int sig) {
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("Name:", 0) == 0 && line.find("dptrain") == std::string::npos) return false;
+    if (line.rfind("SigCgt:", 0) == 0) {
+      return (std::stoull(line.substr(7), nullptr, 16) >> (sig - 1) & 1) == 1;
+    }
+  }
+  return false;
+}
+
 bool process_alive(pid_t pid) {
   std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
   if (!stat) return false;

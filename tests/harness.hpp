@@ -86,6 +86,9 @@ std::vector<nlohmann::json> read_jsonl(const std::filesystem::path& path);
 bool eventually(const std::function<bool()>& condition,
                 std::chrono::milliseconds timeout = std::chrono::seconds(60));
 bool process_alive(pid_t pid);  // exists and is not a zombie
+// Whether `pid` is dptrain itself (not the test's fork before its exec) and has a handler for
+// `sig` in place (its SigCgt mask in /proc): a signal sent then reaches the command's own code.
+bool catches_signal(pid_t pid, int sig);
 // Worker pids of the newest generation recorded in run_dir/run.json.
 std::vector<pid_t> worker_pids(const std::filesystem::path& run_dir);
 

@@ -201,17 +201,8 @@ TEST_CASE(
   // A stop while it draws: the status every command's --json has (here SIGTERM: 143).
   {
     Background p({"sample", run_dir.string(), "--tokens", "1000000000", "--json"});
-    // Once it handles SIGTERM (its SigCgt mask in /proc), which it does before it draws.
-    const auto catches_sigterm = [&p] {
-      std::istringstream status(read_text("/proc/" + std::to_string(p.pid()) + "/status"));
-      for (std::string line; std::getline(status, line);) {
-        if (line.rfind("SigCgt:", 0) == 0) {
-          return (std::stoull(line.substr(7), nullptr, 16) >> (SIGTERM - 1) & 1) == 1;
-        }
-      }
-      return false;
-    };
-    REQUIRE(eventually(catches_sigterm));
+    // Once it handles SIGTERM, which it does before it draws.
+    REQUIRE(eventually([&p] { return catches_signal(p.pid(), SIGTERM); }));
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
     REQUIRE(::kill(p.pid(), SIGTERM) == 0);
     CHECK(p.wait(std::chrono::seconds(30)) == 143);
