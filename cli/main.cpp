@@ -140,10 +140,10 @@ std::string plain_parse_error(const Command& c, const std::string& what) {
   return fmt::format("{}: '{}' is not {}", name, value, expected);
 }
 
-// Every option's value is checked for two slips of a script, unless its command handles an
-// empty one itself (kHandlesEmpty):
+// Every option's value is checked for two slips of a script:
 // - an empty value ("--run-dir ''"), which CLI11 would take as 0 for a number and as not given
-//   (the default) for text, so an unset variable would pass unnoticed;
+//   (the default) for text, so an unset variable would pass unnoticed (unless the command
+//   handles an empty one itself: kHandlesEmpty);
 // - another of the command's options where the value belongs ("--out --json", from an unquoted
 //   empty $OUT), which CLI11 would take as the value, and the option it names as not given.
 void check_option_values(CLI::App& app) {
@@ -156,19 +156,18 @@ void check_option_values(CLI::App& app) {
   }
   for (CLI::Option* o : app.get_options()) {
     if (o->get_expected_max() == 0) continue;  // a flag
-    bool handled = true;
+    bool empty_ok = true;
     try {
       o->get_validator(dptrain::cli::kHandlesEmpty);
     } catch (const CLI::OptionNotFound&) {
-      handled = false;
+      empty_ok = false;
     }
-    if (handled) continue;
     const std::string name = !o->get_lnames().empty()   ? "--" + o->get_lnames().front()
                              : !o->get_snames().empty() ? "-" + o->get_snames().front()
                                                         : o->get_name();
     o->check(CLI::Validator(
-        [names, name](std::string& value) -> std::string {
-          if (value.empty()) return "is empty; give a value";
+        [names, name, empty_ok](std::string& value) -> std::string {
+          if (value.empty()) return empty_ok ? "" : "is empty; give a value";
           if (std::find(names->begin(), names->end(), value) == names->end()) return {};
           return fmt::format("got the option {} where its value belongs; give {} a value", value,
                              name);

@@ -242,6 +242,10 @@ TEST_CASE("an empty option value, or an option in its place, is refused, not rea
   CHECK(short_name.exit_code == 2);
   CHECK(contains(short_name.err, "--nproc: got the option -h where its value belongs"));
   CHECK_FALSE(fs::exists(tmp / "runs"));
+  // An option that takes '' (sample's empty prompt) still refuses an option as its value.
+  auto prompt = run_dptrain({"sample", (tmp / "none").string(), "--prompt", "--json"});
+  CHECK(prompt.exit_code == 2);
+  CHECK(contains(prompt.err, "--prompt: got the option --json where its value belongs"));
 }
 
 TEST_CASE("paths through a symbolic link and '..' mean what the kernel makes of them") {
