@@ -917,7 +917,9 @@ RunView load_run(const fs::path& dir, bool verify_checkpoints) {
     std::string damaged;
     run.result = read_json_object(dir / "result.json", damaged);
     if (!damaged.empty()) {
-      run.unreadable.push_back(damaged + "; run.json's copy of the result is used");
+      const bool copy = run.info.contains("result") && run.info["result"].is_object();
+      run.unreadable.push_back(damaged + (copy ? "; run.json's copy of the result is used"
+                                               : "; run.json holds no copy of it"));
     }
   }
   if (!run.result.is_object() && run.info.contains("result")) run.result = run.info["result"];

@@ -338,6 +338,8 @@ TEST_CASE("status of a running run, then of one whose launcher was killed: stale
                                 ": not valid JSON at line 1, column"));
   const json torn = parse_json(run_dptrain({"report", run_dir.string(), "--json"}).out);
   CHECK(contains(torn["unreadable"].dump(), "result.json: not valid JSON"));
+  // A killed run's run.json has no result to fall back on: not said to be used.
+  CHECK(contains(torn["unreadable"].dump(), "; run.json holds no copy of it"));
 }
 
 TEST_CASE("a run with no steps logged yet: the report says so instead of failing") {
