@@ -1042,7 +1042,7 @@ json status_json(const RunView& run) {
                 {"note", or_null(run.state.note)},
                 {"live_pids", run.state.live_pids},
                 {"epoch", last ? json(last->epoch) : json(nullptr)},
-                {"world_size", info.contains("world_size") ? info["world_size"] : json(nullptr)},
+                {"world_size", integer_or_null(info, "world_size")},
                 {"nominal_world_size", integer_or_null(info, "nominal_world_size")},
                 {"generations", array_at(info, "generations").size()},
                 {"last_restart", last_restart},

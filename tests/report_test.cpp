@@ -614,12 +614,13 @@ TEST_CASE("status of a run.json whose numbers were edited into words: null, not 
     CAPTURE(steps.dump());
     recipe["train"]["steps"] = steps;
     const json info = {{"status", "completed"},
-                       {"world_size", 1},
+                       {"world_size", steps},
                        {"nominal_world_size", "two"},
                        {"recipe", recipe}};
     write_text(tmp / "run/run.json", info.dump());
     const json s = parse_json(run_dptrain({"status", (tmp / "run").string(), "--json"}).out);
     CHECK(s["steps"].is_null());
+    CHECK(s["world_size"].is_null());
     CHECK(s["nominal_world_size"].is_null());
   }
   recipe["train"]["steps"] = 9007199254740993;  // not through a double: exactly this
