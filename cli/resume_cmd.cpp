@@ -1,5 +1,9 @@
 // `dptrain resume RUN_DIR`: continue a run from its newest valid checkpoint.
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <system_error>
@@ -154,6 +158,12 @@ int run_resume(const ResumeOptions& o) {
                 fmt::format("{}: its workers were started without a launcher (by hand, srun, "
                             "mpirun): start them again with '{}' to continue it",
                             o.run_dir, hand_resume_flag(run.path())));
+  }
+  // Found before the resume announces itself and places ranks: every generation writes here.
+  if (::access(run.path().c_str(), W_OK) != 0) {
+    throw Error(ErrorKind::usage, fmt::format("{}: cannot resume it here: the directory takes no "
+                                              "writes ({})",
+                                              run.path().string(), std::strerror(errno)));
   }
   // A launcher still driving the run is refused before anything is written: one on this machine
   // holds the lock; one elsewhere (a shared filesystem) shows in status's view of the run.

@@ -198,6 +198,10 @@ head -c 100M /dev/zero >"$mnt/fill" 2>/dev/null
 wait $launcher
 echo $? >"$out/filled.rc"
 "$bin" status "$filled" --json >"$out/filled-status.json" 2>"$out/filled-status.err"
+rm -f "$mnt/fill"
+mount -o remount,ro "$mnt" || exit 92
+"$bin" resume "$filled" >"$out/ro.out" 2>"$out/ro.err"
+echo $? >"$out/ro.rc"
 exit 0
 )";
 
@@ -257,4 +261,10 @@ TEST_CASE(
   INFO("status: ", read_text(out / "filled-status.err"));
   const auto status = parse_json(read_text(out / "filled-status.json"));
   CHECK(status["status"] == "stale");
+  // A directory that takes no writes at all (read-only) is refused before anything is tried.
+  CHECK(read_code(out / "ro.rc") == 2);
+  CHECK(read_text(out / "ro.err") == "dptrain: error: " + (out / "mnt/filled").string() +
+                                         ": cannot resume it here: the directory takes no writes "
+                                         "(Read-only file system)\n");
+  CHECK(read_text(out / "ro.out").empty());
 }
