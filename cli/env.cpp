@@ -1,9 +1,12 @@
 // The environment a rank reads its identity and settings from.
 #include "cli/env.hpp"
 
+#include <fcntl.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
 #include <fstream>
 
@@ -54,6 +57,15 @@ void raise_open_file_limit() {
   if (!(std::ifstream("/proc/sys/fs/nr_open") >> nr_open) || nr_open == 0) nr_open = 1 << 20;
   files.rlim_cur = std::min<rlim_t>(files.rlim_max, static_cast<rlim_t>(nr_open));
   ::setrlimit(RLIMIT_NOFILE, &files);
+}
+
+void fill_closed_std_descriptors() {
+  for (int fd = 0; fd <= 2; ++fd) {
+    if (::fcntl(fd, F_GETFD) != -1 || errno != EBADF) continue;
+    // The lowest free descriptor is `fd` itself, the lower ones being open by now.
+    const int filler = ::open("/dev/null", O_RDONLY);
+    if (filler >= 0 && filler != fd) ::close(filler);  // /dev/null missing: nothing to do
+  }
 }
 
 }  // namespace dptrain::cli

@@ -24,4 +24,10 @@ uint64_t available_memory();
 // many open files", where the hard limit (often 524288) allows it. Failure changes nothing.
 void raise_open_file_limit();
 
+// Fills a closed standard descriptor (`dptrain ... >&-`) with /dev/null opened read-only, so
+// that the first file this process opens (a run's .lock, a rank's log) does not become its
+// "stdout" and take its output; writes to it fail with EBADF as to the closed one, so the exit
+// check in main still finds the output lost. Children inherit the placeholder, not a file.
+void fill_closed_std_descriptors();
+
 }  // namespace dptrain::cli

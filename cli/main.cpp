@@ -183,6 +183,7 @@ int run(int argc, char** argv);
 }  // namespace
 
 int main(int argc, char** argv) {
+  dptrain::cli::fill_closed_std_descriptors();  // before anything opens a file
   dptrain::cli::raise_open_file_limit();
   int code = run(argc, argv);
   // What was written to standard output must have arrived: a full disk or a closed descriptor
@@ -190,12 +191,15 @@ int main(int argc, char** argv) {
   // A pipe fails only when its reader has gone (`dptrain ... | head -1`), which is the reader's
   // choice, as SIGPIPE would have been.
   const bool flushed = std::fflush(stdout) == 0;
-  const int error = errno;
+  int error = flushed ? 0 : errno;
   struct stat out {};
   const bool pipe = ::fstat(STDOUT_FILENO, &out) == 0 && S_ISFIFO(out.st_mode);
   if ((!flushed || std::ferror(stdout)) && code == 0 && !pipe) {
-    std::fprintf(stderr, "dptrain: error: standard output: cannot write%s%s\n", flushed ? "" : ": ",
-                 flushed ? "" : std::strerror(error));
+    // A write that failed earlier left no errno: a write of nothing still fails on a closed
+    // descriptor (EBADF); a full disk then only shows as the earlier failure.
+    if (error == 0 && ::write(STDOUT_FILENO, "", 0) != 0) error = errno;
+    std::fprintf(stderr, "dptrain: error: standard output: cannot write%s%s\n", error ? ": " : "",
+                 error ? std::strerror(error) : "");
     code = 1;
   }
   return code;

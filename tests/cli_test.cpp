@@ -65,6 +65,35 @@ TEST_CASE("output that cannot be written (a full disk) is exit 1, not a silent s
                                       "directory\n");
 }
 
+TEST_CASE("a closed stdout is exit 1, and no file the command opens takes its output") {
+  TempDir tmp;
+  const fs::path run = tmp / "run";
+  const auto closed = [&](const std::string& args) {
+    const int status = std::system(
+        ("'" + binary() + "' " + args + " >&- 2> '" + (tmp / "err").string() + "'").c_str());
+    REQUIRE(WIFEXITED(status));
+    return WEXITSTATUS(status);
+  };
+  const auto recipe = write_recipe(tmp.path(), small_recipe());
+  // The first file a launch opens (its lock, a rank's log) would otherwise be descriptor 1.
+  CHECK(closed("launch '" + recipe.string() + "' --nproc 2 --run-dir '" + run.string() +
+               "' --json") == 1);
+  CHECK(read_text(tmp / "err")
+            .ends_with("dptrain: error: standard output: cannot write: Bad file descriptor\n"));
+  CHECK(fs::file_size(run / ".lock") == 0);
+  CHECK(parse_json(read_text(run / "run.json"))["status"] == "completed");
+  for (const auto& log : fs::directory_iterator(run / "logs"))
+    CHECK_FALSE(contains(read_text(log.path()), "\"exit_code\""));
+  for (const std::string& args :
+       {"ckpt verify '" + run.string() + "'", "ckpt verify '" + run.string() + "' --json",
+        "status '" + run.string() + "'"}) {
+    CAPTURE(args);
+    CHECK(closed(args) == 1);
+    CHECK(read_text(tmp / "err") ==
+          "dptrain: error: standard output: cannot write: Bad file descriptor\n");
+  }
+}
+
 TEST_CASE("usage errors exit 2") {
   CHECK(run_dptrain({}).exit_code == 2);
   auto unknown = run_dptrain({"lanuch"});
