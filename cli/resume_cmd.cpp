@@ -165,6 +165,7 @@ int run_resume(const ResumeOptions& o) {
                                               "writes ({})",
                                               run.path().string(), std::strerror(errno)));
   }
+  check_run_files(run.path());
   // A launcher still driving the run is refused before anything is written: one on this machine
   // holds the lock; one elsewhere (a shared filesystem) shows in status's view of the run.
   run.lock();

@@ -241,6 +241,16 @@ RunDirectory RunDirectory::open(const fs::path& dir) {
   return RunDirectory(resolved_path(dir), std::move(info));
 }
 
+void check_run_files(const fs::path& run_dir) {
+  for (const char* name : {"recipe.json", "metrics.jsonl", "result.json", "checkpoints/latest"}) {
+    try {
+      check_regular_or_missing(run_dir / name);
+    } catch (const Error& e) {
+      throw Error(ErrorKind::usage, e.what());
+    }
+  }
+}
+
 nlohmann::json new_run_info() {
   return {{"id", generate_job_secret().substr(0, 12)},
           {"created_at", utc_timestamp()},

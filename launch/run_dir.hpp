@@ -73,6 +73,11 @@ std::string hand_resume_flag(const std::filesystem::path& run_dir);
 // Error(usage) naming the file when it cannot be opened or locked otherwise.
 std::shared_ptr<const int> try_lock_run(const std::filesystem::path& dir);
 
+// Error(usage) naming the first of the files a run's launcher and ranks write in place
+// (recipe.json, metrics.jsonl, result.json, checkpoints/latest) that is a directory, a pipe or
+// a device: found before a resume starts ranks, not by rank 0 steps later, again at each restart.
+void check_run_files(const std::filesystem::path& run_dir);
+
 // A new run's run.json before anything else is known of it: its id, created_at,
 // dptrain_version and no generations.
 nlohmann::json new_run_info();

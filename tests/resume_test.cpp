@@ -4,6 +4,7 @@
 
 #include <signal.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -225,6 +226,40 @@ TEST_CASE("a corrupt or truncated newest checkpoint is skipped; none valid exits
   CHECK(events.back()["status"] == "failed");
   CHECK(events.back()["error"].get<std::string>().starts_with("the resume did not start: "));
   CHECK(read_text(tmp / "straight/run.json") == run_json);
+}
+
+TEST_CASE("a directory or a pipe where a run's file belongs stops resume before any rank starts") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), small_recipe());
+  const fs::path run = tmp / "run";
+  REQUIRE(run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir", run.string()})
+              .exit_code == 0);
+  auto info = parse_json(read_text(run / "run.json"));
+  info["status"] = "failed";  // as if it had died after its last checkpoint
+  write_text(run / "run.json", info.dump());
+  const std::string run_json = read_text(run / "run.json");
+  for (const std::string name : {"metrics.jsonl", "recipe.json", "checkpoints/latest"}) {
+    for (const bool pipe : {false, true}) {
+      CAPTURE(name);
+      CAPTURE(pipe);
+      const fs::path file = run / name;
+      fs::rename(file, tmp / "kept");
+      if (pipe) {
+        REQUIRE(::mkfifo(file.c_str(), 0644) == 0);
+      } else {
+        fs::create_directory(file);
+      }
+      const auto r = run_dptrain({"resume", run.string()});
+      CHECK(r.exit_code == 2);
+      CHECK(r.err == "dptrain: error: " + file.string() + ": is " +
+                         (pipe ? "a pipe" : "a directory") +
+                         ", not a regular file: dptrain writes this file itself; move it away\n");
+      CHECK(r.out.empty());
+      CHECK(read_text(run / "run.json") == run_json);
+      fs::remove(file);
+      fs::rename(tmp / "kept", file);
+    }
+  }
 }
 
 TEST_CASE("a newest checkpoint out of reach (a permission) stops resume: nothing skipped or lost") {
