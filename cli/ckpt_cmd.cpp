@@ -216,8 +216,9 @@ struct CheckedRun {
 // The recipe whose hash the run's ranks wrote into their checkpoints: run.json's copy (the one
 // resume reads), else recipe.json. Its data is not read: a dataset moved since, or a hung mount,
 // must not keep the checkpoints from being checked. None where the run holds no recipe (a node's
-// copy of a run, which holds checkpoints/ only); one that cannot be read is warned about.
-CheckpointFilter recipe_filter(const fs::path& run, const json& info) {
+// copy of a run, which holds checkpoints/ only, `recorded` false); one that cannot be read, or a
+// run.json (torn or whole) with no recipe to be found, is warned about.
+CheckpointFilter recipe_filter(const fs::path& run, const json& info, bool recorded) {
   try {
     if (info.contains("recipe")) {
       return written_by(parse_recipe(info["recipe"], (run / "run.json").string(), run,
@@ -225,7 +226,11 @@ CheckpointFilter recipe_filter(const fs::path& run, const json& info) {
     }
     std::error_code ec;
     const fs::path copy = run / "recipe.json";
-    if (!fs::exists(fs::symlink_status(copy, ec))) return {};
+    if (!fs::exists(fs::symlink_status(copy, ec))) {
+      if (!recorded) return {};
+      throw Error(ErrorKind::recipe, fmt::format("neither {} nor {} holds one",
+                                                 (run / "run.json").string(), copy.string()));
+    }
     if (!fs::is_regular_file(copy, ec)) {
       throw Error(ErrorKind::recipe, fmt::format("{}: not a regular file", copy.string()));
     }
@@ -258,7 +263,7 @@ CheckedRun open_run(const std::string& dir) {
                 fmt::format("{}: not a directory", (absolute / "checkpoints").string()));
   }
   if (!fs::exists(p / "run.json", ec) && has_checkpoints)
-    return {absolute, "", recipe_filter(absolute, json::object())};
+    return {absolute, "", recipe_filter(absolute, json::object(), false)};
   json info;
   try {
     info = read_run_json(p);
@@ -267,9 +272,9 @@ CheckedRun open_run(const std::string& dir) {
     if (!has_checkpoints || e.kind() != ErrorKind::usage) throw;
     std::fprintf(stderr, "dptrain: warning: %s; checking its checkpoints/ all the same\n",
                  first_line(e.what()).c_str());
-    return {absolute, "", recipe_filter(absolute, json::object())};
+    return {absolute, "", recipe_filter(absolute, json::object(), true)};
   }
-  return {absolute, recorded_elsewhere(info), recipe_filter(absolute, info)};
+  return {absolute, recorded_elsewhere(info), recipe_filter(absolute, info, true)};
 }
 
 // Each of `dirs` of the run verified, in order; when `stop` says so (a SIGINT or SIGTERM came),

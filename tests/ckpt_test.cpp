@@ -538,4 +538,14 @@ TEST_CASE("ckpt checks the recipe from run.json, its data not read; an unreadabl
                                             (run / "run.json").string() + ": /model/hidden: "),
                 unchecked.err);
   CHECK(std::count(unchecked.err.begin(), unchecked.err.end(), '\n') == 1);
+  // Nor is a run whose recipe is nowhere to be found checked in silence.
+  info.erase("recipe");
+  write_text(run / "run.json", info.dump());
+  fs::remove(run / "recipe.json");
+  const auto none = run_dptrain({"ckpt", "verify", run.string(), "step-000020"});
+  CHECK(none.exit_code == 0);
+  CHECK(none.err == "dptrain: warning: the run's recipe cannot be read (neither " +
+                        (run / "run.json").string() + " nor " + (run / "recipe.json").string() +
+                        " holds one): its checkpoints are checked as files, not for which recipe "
+                        "wrote them\n");
 }
