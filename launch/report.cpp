@@ -896,16 +896,17 @@ RunView load_run(const fs::path& dir, bool verify_checkpoints) {
   run.dir = resolved_path(dir);
   run.info = read_run_json(dir);
   // A part that is there but cannot be read is named, not fatal; a pipe is never opened (its
-  // reader would wait for a writer). `blocked` is false for a part that is missing.
-  const auto blocked = [&run](const fs::path& file) {
+  // reader would wait for a writer), nor a directory where a file belongs taken for an empty
+  // part. `blocked` is false for a part that is missing.
+  const auto blocked = [&run](const fs::path& file, fs::file_type expected) {
     std::error_code ec;
     const fs::file_status st = fs::status(file, ec);
     if (st.type() == fs::file_type::not_found) return false;
     std::string why;
     if (ec) {
       why = ec.message();
-    } else if (st.type() != fs::file_type::regular && st.type() != fs::file_type::directory) {
-      why = "not a regular file";
+    } else if (st.type() != expected) {
+      why = expected == fs::file_type::directory ? "not a directory" : "not a regular file";
     } else if (::access(file.c_str(), fs::is_directory(st) ? R_OK | X_OK : R_OK) != 0) {
       why = std::strerror(errno);
     }
@@ -913,7 +914,7 @@ RunView load_run(const fs::path& dir, bool verify_checkpoints) {
     run.unreadable.push_back(fmt::format("{}: {}", file.string(), why));
     return true;
   };
-  if (!blocked(dir / "result.json")) {
+  if (!blocked(dir / "result.json", fs::file_type::regular)) {
     std::string damaged;
     run.result = read_json_object(dir / "result.json", damaged);
     if (!damaged.empty()) {
@@ -925,13 +926,15 @@ RunView load_run(const fs::path& dir, bool verify_checkpoints) {
   if (!run.result.is_object() && run.info.contains("result")) run.result = run.info["result"];
   if (!run.result.is_object()) run.result = nullptr;
   try {
-    if (!blocked(dir / "metrics.jsonl")) run.metrics = read_metrics(dir / "metrics.jsonl");
+    if (!blocked(dir / "metrics.jsonl", fs::file_type::regular))
+      run.metrics = read_metrics(dir / "metrics.jsonl");
   } catch (const Error& e) {
     run.unreadable.push_back(e.what());
   }
   run.state = run_state(run.info);
   try {
-    if (!blocked(dir / "checkpoints") && !blocked(dir / "checkpoints" / "latest")) {
+    if (!blocked(dir / "checkpoints", fs::file_type::directory) &&
+        !blocked(dir / "checkpoints" / "latest", fs::file_type::regular)) {
       run.checkpoints = summarize_checkpoints(dir / "checkpoints", verify_checkpoints);
     }
   } catch (const Error& e) {

@@ -783,6 +783,18 @@ TEST_CASE("report and status of what is not a run: exit 2 naming it") {
   CHECK(listed.exit_code == 0);
   fs::remove(tmp / "ok/metrics.jsonl");
   fs::remove_all(tmp / "ok/checkpoints");
+  // Nor is a directory there taken for a run with nothing logged.
+  fs::create_directories(tmp / "ok/metrics.jsonl");
+  fs::create_directories(tmp / "ok/checkpoints/latest");
+  for (const char* cmd : {"status", "report"}) {
+    auto dirs = run_dptrain({cmd, (tmp / "ok").string(), "--json"});
+    CHECK(dirs.exit_code == 0);
+    CHECK(parse_json(dirs.out)["unreadable"] ==
+          json{(tmp / "ok/metrics.jsonl").string() + ": not a regular file",
+               (tmp / "ok/checkpoints/latest").string() + ": not a regular file"});
+  }
+  fs::remove(tmp / "ok/metrics.jsonl");
+  fs::remove_all(tmp / "ok/checkpoints");
   fs::create_directories(tmp / "piped");
   REQUIRE(::mkfifo((tmp / "piped/run.json").c_str(), 0600) == 0);
   auto piped_run = run_dptrain({"status", (tmp / "piped").string()}, {}, std::chrono::seconds(30));
