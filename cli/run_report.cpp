@@ -73,8 +73,10 @@ void record_launcher_failure(RunDirectory& run, EventLog& events, const std::exc
   std::error_code ec;
   namespace fs = std::filesystem;
   // Failed before its first run.json (a full disk): there is no run to record, and the
-  // directory, left as a failed start leaves it, takes a launch again.
+  // directory, left as a failed start leaves it (without the recipe.json this start wrote),
+  // takes a launch again.
   const bool recorded = fs::exists(fs::symlink_status(run.path() / "run.json", ec));
+  if (!recorded) fs::remove(run.path() / "recipe.json", ec);
   try {
     record_run_failure(run.info(), error);
     if (recorded) run.save();

@@ -1065,6 +1065,25 @@ class DuplicateKeys {
   std::vector<std::string> problems_;
 };
 
+namespace {
+
+// Where a recipe's relative data paths start: its folder, unless it has none of its own (a
+// recipe from process substitution, <(...) as /dev/fd/63, or /dev/stdin): then the current
+// directory, where the user who wrote the paths stands.
+std::filesystem::path recipe_folder(const std::filesystem::path& path) {
+  const std::string parent = path.parent_path().lexically_normal().string();
+  const bool proc_fd = parent.starts_with("/proc/") && parent.ends_with("/fd") &&
+                       std::count(parent.begin(), parent.end(), '/') == 3;
+  if (parent == "/dev" || parent == "/dev/fd" || proc_fd) {
+    std::error_code ec;
+    const std::filesystem::path cwd = std::filesystem::current_path(ec);
+    if (!ec) return cwd;
+  }
+  return path.parent_path();
+}
+
+}  // namespace
+
 Recipe load_recipe(const std::filesystem::path& path, DataCheck data) {
   std::string text = read_recipe_text(path);
   json j;
@@ -1089,14 +1108,14 @@ Recipe load_recipe(const std::filesystem::path& path, DataCheck data) {
                             repeats.size() - kMostListed);
     }
     try {
-      parse_recipe(j, source, path.parent_path(), RecipeOrigin::user, data);
+      parse_recipe(j, source, recipe_folder(path), RecipeOrigin::user, data);
     } catch (const Error& e) {
       if (e.kind() != ErrorKind::recipe) throw;
       report += "\n" + std::string(e.what());
     }
     throw Error(ErrorKind::recipe, report);
   }
-  return parse_recipe(j, source, path.parent_path(), RecipeOrigin::user, data);
+  return parse_recipe(j, source, recipe_folder(path), RecipeOrigin::user, data);
 }
 
 json to_json(const Recipe& r) {

@@ -386,9 +386,13 @@ class TrainingRun {
       try {
         write_file_atomic(marker, std::to_string(rank_) + "\n");
       } catch (const Error& e) {
-        // The marker's own name would mean nothing to the reader.
-        throw Error(e.kind(), fmt::format("{}: the run directory takes no writes ({})",
-                                          options_.run_dir.string(), first_line(e.what())));
+        // The hidden marker's own name would mean nothing to the reader: only why.
+        const std::string what = first_line(e.what());
+        const size_t reason = what.rfind(": ");
+        throw Error(e.kind(),
+                    fmt::format("{}: cannot write a file in the run directory: {}",
+                                options_.run_dir.string(),
+                                reason == std::string::npos ? what : what.substr(reason + 2)));
       }
     }
     std::vector<uint64_t> tokens(static_cast<size_t>(world_));

@@ -42,7 +42,11 @@ void EventLog::emit(const std::string& name, nlohmann::json fields) {
                "dptrain: warning: --events: cannot write %s: %s; the events from here on are "
                "lost\n",
                target_ == "-" ? "stdout" : printable(target_).c_str(), why.c_str());
-  if (out_ != stdout) std::fclose(out_);
+  if (out_ != stdout) {
+    std::fclose(out_);
+  } else {
+    std::clearerr(stdout);  // said above: not "standard output: cannot write" again at exit
+  }
   out_ = nullptr;
 }
 

@@ -555,16 +555,14 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   }
   if (!resumed_from.is_null()) gen["resumed_from"] = resumed_from;
   info["generations"].push_back(gen);
+  // The run's first run.json must be written before any rank starts (without it there is no
+  // run: record_launcher_failure then leaves the directory as a launch takes it again); later
+  // generations' are records of a job that goes on, as every write while it runs.
   std::error_code ec;
-  const bool first_record = !fs::exists(fs::symlink_status(run.path() / "run.json", ec));
-  try {
+  if (fs::exists(fs::symlink_status(run.path() / "run.json", ec))) {
+    run.record();
+  } else {
     run.save();
-  } catch (const Error&) {
-    // Nothing has started, and without run.json there is no run: the recipe.json this start
-    // wrote goes too, so that a launch into the directory is not refused for it (and a resume
-    // would have nothing to read).
-    if (first_record && trains) fs::remove(run.path() / "recipe.json", ec);
-    throw;
   }
 
   EventLog no_events;

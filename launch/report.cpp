@@ -275,12 +275,13 @@ RunState run_state(const json& info) {
   }
   if (state.recorded_status == "running" && state.live_pids.empty()) {
     const auto started = age_s(text(last, "started_at"));
-    // Until its ranks are recorded, a generation is starting while its launcher lives (one
-    // recorded before launchers recorded themselves: for a while).
-    const bool launcher_gone =
-        !started_by_workers(info) && info.contains("launcher") && !launcher_alive(info);
+    // Until its ranks are recorded, a generation is starting while its launcher lives (which
+    // also keeps a job whose run.json could not take the pids running); one recorded before
+    // launchers recorded themselves, for a while.
+    const bool recorded_launcher = !started_by_workers(info) && info.contains("launcher");
     const bool starting =
-        !last.contains("pids") && started && *started < kStartingGraceS && !launcher_gone;
+        !last.contains("pids") &&
+        (recorded_launcher ? launcher_alive(info) : started && *started < kStartingGraceS);
     if (!starting) {
       state.status = "stale";
       state.note = (started_by_workers(info) ? "its rank 0 is gone" : "the launcher is gone") +

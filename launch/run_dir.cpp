@@ -55,7 +55,12 @@ constexpr size_t kRoomForFiles = 160;
 // A directory so deep that the files under it would pass the system's limit on a path is
 // refused before anything is made, not found out by a rank at its first checkpoint.
 void check_path_room(const fs::path& dir, const char* option) {
-  const std::string absolute = resolved_path(dir).string();
+  std::string absolute;
+  try {
+    absolute = resolved_path(dir).string();
+  } catch (const fs::filesystem_error&) {
+    return;  // no absolute form (the current directory is gone): making it says why
+  }
   if (absolute.size() + kRoomForFiles <= PATH_MAX) return;
   throw Error(ErrorKind::usage,
               fmt::format("{}: {}: a path of {} bytes leaves less than the {} a run's files need "
@@ -205,12 +210,21 @@ RunDirectory RunDirectory::create(const fs::path& dir, const fs::path& runs_root
     }
   } else {
     check_path_room(path, "--run-dir");
-    if (fs::is_symlink(fs::symlink_status(path, ec)) && !fs::exists(path, ec)) {
+    if (fs::is_symlink(fs::symlink_status(path, ec))) {
       // mkdir through a dangling link fails with a bare "File exists".
-      throw Error(ErrorKind::usage,
-                  fmt::format("{}: a symbolic link to {}, which does not exist: create the "
-                              "directory it names, or choose another --run-dir",
-                              path.string(), fs::read_symlink(path, ec).string()));
+      std::error_code target_ec;
+      const bool reached = fs::exists(path, target_ec);
+      if (!reached) {
+        const std::string target = fs::read_symlink(path, ec).string();
+        throw Error(ErrorKind::usage,
+                    target_ec ? fmt::format("{}: a symbolic link to {}, which cannot be followed: "
+                                            "{}; choose another --run-dir",
+                                            path.string(), target, target_ec.message())
+                              : fmt::format("{}: a symbolic link to {}, which does not exist: "
+                                            "create the directory it names, or choose another "
+                                            "--run-dir",
+                                            path.string(), target));
+      }
     }
     holds_run(path);
     if (fs::exists(path, ec)) {

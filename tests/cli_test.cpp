@@ -461,6 +461,23 @@ TEST_CASE("recipe validate and show") {
   CHECK_FALSE(fs::exists(tmp / "lever"));
 }
 
+TEST_CASE("a recipe from process substitution finds relative data from the current directory") {
+  TempDir tmp;
+  write_text(tmp / "data.csv", "0,1,2\n1,3,4\n2,5,6\n");
+  auto recipe = small_recipe();
+  recipe["model"] = {{"type", "mlp"}, {"input", 2}, {"hidden", {8}}, {"classes", 3}};
+  recipe["data"] = {{"type", "csv"}, {"path", "data.csv"}};
+  const auto path = write_recipe(tmp.path(), recipe);
+  // <(...) is /dev/fd/63, a link into /proc/PID/fd: no folder of its own to start from.
+  const std::string command = "cd '" + tmp.path().string() + "' && exec '" + binary() +
+                              "' recipe show <(cat '" + path.string() + "') > out 2> err";
+  const int status = std::system(("bash -c \"" + command + "\"").c_str());
+  INFO(read_text(tmp / "err"));
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  CHECK(parse_json(read_text(tmp / "out"))["data"]["path"] == (tmp / "data.csv").string());
+}
+
 TEST_CASE("recipe validate: every wrong row of a CSV dataset, one line each, as launch finds it") {
   TempDir tmp;
   write_text(tmp / "data.csv",

@@ -457,7 +457,7 @@ TEST_CASE(
   write_text(tmp / "run/run.json", info.dump());
   json s = parse_json(run_dptrain({"status", (tmp / "run").string(), "--json"}).out);
   CHECK(s["status"] == "running");
-  // Its launcher on this machine has exited (as one does when run.json's next write fails): no
+  // Its launcher on this machine has exited (killed, or failed before its ranks started): no
   // minute of "running" that a resume would be refused for.
   info["launcher"] = {{"host", host}, {"pid", 999999}};
   info["alive_at"] = utc(now - 5);

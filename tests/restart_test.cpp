@@ -3,8 +3,10 @@
 #include <doctest/doctest.h>
 
 #include <signal.h>
+#include <sys/wait.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -13,6 +15,7 @@
 #include <fmt/format.h>
 
 #include "tests/harness.hpp"
+#include "tests/strings.hpp"
 
 using namespace dptrain::test;
 namespace fs = std::filesystem;
@@ -414,6 +417,19 @@ TEST_CASE("--events writes one JSON line per state change, restarts included") {
                       "device; the events from here on are lost\n") != std::string::npos);
   CHECK(std::count(full.err.begin(), full.err.end(), '\n') == 1);
   CHECK(parse_json(read_text(tmp / "ev3/run.json"))["status"] == "completed");
+  // On stdout, the warning is the one word about it: the job's exit code stands.
+  const int status = std::system(
+      ("'" + binary() + "' launch '" + recipe.string() + "' --run-dir '" + (tmp / "ev4").string() +
+       "' --events - > /dev/full 2> '" + (tmp / "ev4.err").string() + "'")
+          .c_str());
+  const std::string err = read_text(tmp / "ev4.err");
+  INFO(err);
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  CHECK(contains(err,
+                 "dptrain: warning: --events: cannot write stdout: No space left on device; "
+                 "the events from here on are lost\n"));
+  CHECK_FALSE(contains(err, "standard output"));
 }
 
 TEST_CASE(
