@@ -295,7 +295,9 @@ class TrainingRun {
     result.last_checkpoint = checkpoint(step_);
     mark(Phase::done);
     if (rank_ == 0) {
-      write_file_atomic(options_.run_dir / "result.json", json_text(result.to_json(), 2) + "\n");
+      run_file_write([&] {
+        write_file_atomic(options_.run_dir / "result.json", json_text(result.to_json(), 2) + "\n");
+      });
       json event = result.to_json();
       event["event"] = "result";
       emit(event);
@@ -389,7 +391,7 @@ class TrainingRun {
         // The hidden marker's own name would mean nothing to the reader: only why.
         const std::string what = first_line(e.what());
         const size_t reason = what.rfind(": ");
-        throw Error(e.kind(),
+        throw Error(ErrorKind::checkpoint,
                     fmt::format("{}: cannot write a file in the run directory: {}",
                                 options_.run_dir.string(),
                                 reason == std::string::npos ? what : what.substr(reason + 2)));
@@ -1155,7 +1157,7 @@ class TrainingRun {
     if (tokens_per_sample_ > 0) {
       line["tokens_per_s"] = samples_per_s * static_cast<double>(tokens_per_sample_);
     }
-    append_line(options_.run_dir / "metrics.jsonl", json_text(line));
+    run_file_write([&] { append_line(options_.run_dir / "metrics.jsonl", json_text(line)); });
     json event = line;
     event["event"] = "progress";
     event["steps"] = recipe_.train.steps;
@@ -1203,7 +1205,7 @@ class TrainingRun {
     const double accuracy = sums[1] / sums[2];
     if (rank_ == 0) {
       const json line = {{"step", step}, {"eval_loss", loss}, {"eval_accuracy", accuracy}};
-      append_line(options_.run_dir / "metrics.jsonl", json_text(line));
+      run_file_write([&] { append_line(options_.run_dir / "metrics.jsonl", json_text(line)); });
       json event = line;
       event["event"] = "eval";
       emit(event);
@@ -1361,7 +1363,21 @@ class TrainingRun {
   }
 
   void truncate_metrics_after(int64_t step) {
-    dptrain::truncate_metrics_after(options_.run_dir / "metrics.jsonl", step);
+    run_file_write(
+        [&] { dptrain::truncate_metrics_after(options_.run_dir / "metrics.jsonl", step); });
+  }
+
+  // A file of the run that cannot be written (a full disk, a pipe in its place) fails the rank
+  // as a checkpoint that cannot be written does (exit 5): a restart would meet it again, so the
+  // launcher does not make one.
+  template <typename Write>
+  static void run_file_write(Write&& write) {
+    try {
+      write();
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::io) throw;
+      throw Error(ErrorKind::checkpoint, e.what());
+    }
   }
 
   void emit(const json& event) {

@@ -324,8 +324,8 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
         pending_stop_signal() != 0) {
       if (outcome.exit_code == 5 && policy.max_restarts > 0) {
         outcome.error +=
-            "\n  (not restarted: a checkpoint error would meet the next generation too; fix what "
-            "it says, then 'dptrain resume')";
+            "\n  (not restarted: a checkpoint or run file that cannot be written would meet the "
+            "next generation too; fix what it says, then 'dptrain resume')";
       } else if (outcome.repeats && policy.max_restarts > 0) {
         outcome.error +=
             "\n  (not restarted: the rank's error is one a restart from a checkpoint would meet "

@@ -142,7 +142,9 @@ TEST_CASE("a full disk during a checkpoint write: exit 5, one clear error, previ
   // Rank 1's broken barrier is a consequence, not a second error to read.
   CHECK_FALSE(contains(launch_err, "barrier"));
   // Not restarted, though restarts were allowed: the next generation would fill the disk too.
-  CHECK(contains(launch_err, "not restarted: a checkpoint error would meet the next generation"));
+  CHECK(contains(launch_err,
+                 "not restarted: a checkpoint or run file that cannot be written "
+                 "would meet the next generation"));
   CHECK_FALSE(contains(read_text(out / "launch.out"), "restart 1/2"));
 
   // `latest` still names the previous checkpoint, and it verifies.
@@ -191,7 +193,8 @@ mount -o remount,size=64m "$mnt" || exit 91
 "$bin" launch "$short" --nproc 2 --run-dir "$run" >"$out/again.out" 2>"$out/again.err"
 echo $? >"$out/again.rc"
 filled=$mnt/filled
-"$bin" launch "$long" --nproc 2 --run-dir "$filled" >"$out/filled.out" 2>"$out/filled.err" &
+"$bin" launch "$long" --nproc 2 --run-dir "$filled" --max-restarts 2 --restart-backoff 0.1 \
+  >"$out/filled.out" 2>"$out/filled.err" &
 launcher=$!
 for i in $(seq 600); do grep -q '"pids"' "$filled/run.json" 2>/dev/null && break; sleep 0.1; done
 head -c 100M /dev/zero >"$mnt/fill" 2>/dev/null
@@ -242,10 +245,12 @@ TEST_CASE(
   CHECK(read_code(out / "again.rc") == 0);
 
   // Filled mid-run: run.json cannot follow the job, which is said once; the error reported is
-  // the rank's that could not write, with the rank failure's exit code, not the launcher's.
+  // the rank's that could not write, with the exit code of a file that cannot be written (5: not
+  // restarted), not the launcher's.
   const std::string filled_err = read_text(out / "filled.err");
   INFO("filled:\n", filled_err);
-  CHECK(read_code(out / "filled.rc") == 3);
+  CHECK(read_code(out / "filled.rc") == 5);
+  CHECK(contains(filled_err, "(not restarted: a checkpoint or run file that cannot be written"));
   const auto lines = nonempty_lines(filled_err);
   const std::string warning = "dptrain: warning: " + (out / "mnt/filled/run.json").string() +
                               ": cannot write: No space left on device; the job goes on";
