@@ -70,13 +70,12 @@ using nlohmann::json;
 void record_launcher_failure(RunDirectory& run, EventLog& events, const std::exception& e,
                              int code) {
   const std::string error = fmt::format("the launcher failed: {}", e.what());
-  std::error_code ec;
-  namespace fs = std::filesystem;
   // Failed before its first run.json (a full disk): there is no run to record, and the
   // directory, left as a failed start leaves it (without the recipe.json this start wrote),
   // takes a launch again.
-  const bool recorded = fs::exists(fs::symlink_status(run.path() / "run.json", ec));
-  if (!recorded) fs::remove(run.path() / "recipe.json", ec);
+  const bool recorded = run.has_record();
+  std::error_code ec;
+  if (!recorded) std::filesystem::remove(run.path() / "recipe.json", ec);
   try {
     record_run_failure(run.info(), error);
     if (recorded) run.save();

@@ -558,8 +558,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   // The run's first run.json must be written before any rank starts (without it there is no
   // run: record_launcher_failure then leaves the directory as a launch takes it again); later
   // generations' are records of a job that goes on, as every write while it runs.
-  std::error_code ec;
-  if (fs::exists(fs::symlink_status(run.path() / "run.json", ec))) {
+  if (run.has_record()) {
     run.record();
   } else {
     run.save();

@@ -322,6 +322,11 @@ void RunDirectory::save() const {
   write_file_atomic(path_ / "run.json", json_text(info_, 2) + "\n");
 }
 
+bool RunDirectory::has_record() const {
+  std::error_code ec;
+  return fs::exists(fs::symlink_status(path_ / "run.json", ec));
+}
+
 bool RunDirectory::record() {
   try {
     save();

@@ -39,6 +39,8 @@ class RunDirectory {
   // id, so two runs that share a name never share a directory there.
   std::string remote_name() const;
   void save() const;  // run.json, atomically
+  // Whether run.json exists: false until a new run's first save(), before which there is no run.
+  bool has_record() const;
   // save() while a job runs, where run.json only records it: a write that fails (a full disk)
   // must not stop ranks that are training, nor hide why they stop. Warned about on stderr, once
   // until a write succeeds again; false when it failed. status(1) then finds the launcher gone

@@ -57,6 +57,16 @@ struct SlowRun {
   }
 };
 
+// A finished 2-rank run of `recipe` in run_dir, recorded as failed after its last checkpoint (as
+// if it had died then: resume leaves a completed run alone).
+void launch_as_failed(const fs::path& recipe, const fs::path& run_dir) {
+  REQUIRE(run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir", run_dir.string()})
+              .exit_code == 0);
+  auto info = parse_json(read_text(run_dir / "run.json"));
+  info["status"] = "failed";
+  write_text(run_dir / "run.json", info.dump());
+}
+
 }  // namespace
 
 TEST_CASE("SIGKILL of one rank: launcher exits 3 naming it; resume finishes bit-identically") {
@@ -232,11 +242,7 @@ TEST_CASE("a directory or a pipe where a run's file belongs stops resume before 
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), small_recipe());
   const fs::path run = tmp / "run";
-  REQUIRE(run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir", run.string()})
-              .exit_code == 0);
-  auto info = parse_json(read_text(run / "run.json"));
-  info["status"] = "failed";  // as if it had died after its last checkpoint
-  write_text(run / "run.json", info.dump());
+  launch_as_failed(recipe, run);
   const std::string run_json = read_text(run / "run.json");
   for (const std::string name : {"metrics.jsonl", "recipe.json", "checkpoints/latest"}) {
     for (const bool pipe : {false, true}) {
@@ -266,11 +272,7 @@ TEST_CASE("a newest checkpoint out of reach (a permission) stops resume: nothing
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), resumable_recipe());
   const fs::path run_dir = tmp / "run";
-  REQUIRE(run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir", run_dir.string()})
-              .exit_code == 0);
-  auto info = parse_json(read_text(run_dir / "run.json"));
-  info["status"] = "failed";  // as if it had died after its last checkpoint
-  write_text(run_dir / "run.json", info.dump());
+  launch_as_failed(recipe, run_dir);
   const fs::path ck = run_dir / "checkpoints";
   fs::permissions(ck / "step-000120/params.bin", fs::perms::none);
   // Root reads any file: as root, the commands run as the unprivileged owner of the run.
