@@ -251,14 +251,9 @@ int run(int argc, char** argv) {
     print_error(fmt::format("{} (see '{} --help')", message, command.name), 2, "error", json);
     return 2;
   } catch (const dptrain::Error& e) {
-    dptrain::ErrorKind kind = e.kind();
     // A stop signal that came while the command worked (a recipe read from a pipe that never
     // wrote, interrupted) made this failure: the signal's exit code, as any stopped command's.
-    if (const int sig = dptrain::pending_stop_signal(); sig != 0 &&
-                                                        kind != dptrain::ErrorKind::interrupted &&
-                                                        kind != dptrain::ErrorKind::terminated) {
-      kind = sig == SIGINT ? dptrain::ErrorKind::interrupted : dptrain::ErrorKind::terminated;
-    }
+    const dptrain::ErrorKind kind = dptrain::kind_after_stop(e.kind());
     const int code = dptrain::exit_code(kind);
     print_error(e.what(), code, dptrain::cli::failure_status(kind), outcome.json);
     return code;

@@ -15,6 +15,7 @@
 #include "core/json_error.hpp"
 #include "core/recipe.hpp"
 #include "launch/status.hpp"
+#include "launch/supervisor.hpp"
 
 namespace dptrain::cli {
 
@@ -68,8 +69,12 @@ using nlohmann::json;
 // the run is recorded as failed with that error, as far as the run directory still takes
 // writes, instead of staying "running" until status calls it stale.
 void record_launcher_failure(RunDirectory& run, EventLog& events, const std::exception& e,
-                             int code) {
+                             ErrorKind kind) {
   const std::string error = fmt::format("the launcher failed: {}", e.what());
+  // Stopped by SIGINT or SIGTERM: recorded as stopped runs are, with the code the command exits
+  // with (main maps the error the same way).
+  const bool stopped = kind == ErrorKind::interrupted || kind == ErrorKind::terminated;
+  const std::string status = stopped ? cli::failure_status(kind) : "failed";
   // Failed before its first run.json (a full disk): there is no run to record, and the
   // directory, left as a failed start leaves it (without the recipe.json this start wrote),
   // takes a launch again.
@@ -78,13 +83,14 @@ void record_launcher_failure(RunDirectory& run, EventLog& events, const std::exc
   if (!recorded) std::filesystem::remove(run.path() / "recipe.json", ec);
   try {
     record_run_failure(run.info(), error);
+    run.info()["status"] = status;
     if (recorded) run.save();
   } catch (const std::exception&) {
     // The directory takes no writes (a full disk): the error on stderr is all there is.
   }
   try {
-    events.emit("run_finished", {{"status", "failed"},
-                                 {"exit_code", code},
+    events.emit("run_finished", {{"status", status},
+                                 {"exit_code", exit_code(kind)},
                                  {"run_dir", run.path().string()},
                                  {"error", error}});
   } catch (const std::exception&) {
@@ -105,9 +111,11 @@ int run_to_end(RunDirectory& run, JobSpec spec, const RestartOptions& o, bool js
     outcome = run_job_with_restarts(run, spec, status, o.policy(spec.recipe.fault_tolerance));
   } catch (const std::exception& e) {
     status.finish();
-    // A dptrain::Error's code, else (thread creation, the library's own) 1, as main gives it.
+    // A dptrain::Error's kind, else (thread creation, the library's own) internal: exit 1, as
+    // main gives it.
     const auto* error = dynamic_cast<const Error*>(&e);
-    record_launcher_failure(run, events, e, error != nullptr ? exit_code(error->kind()) : 1);
+    record_launcher_failure(
+        run, events, e, error != nullptr ? kind_after_stop(error->kind()) : ErrorKind::internal);
     throw;
   }
   events.emit("run_finished", outcome.to_json(run));

@@ -502,6 +502,12 @@ int pending_stop_signal() {
   return g_stop_signal.load();
 }
 
+ErrorKind kind_after_stop(ErrorKind kind) {
+  const int sig = pending_stop_signal();
+  if (sig == 0 || kind == ErrorKind::interrupted || kind == ErrorKind::terminated) return kind;
+  return sig == SIGINT ? ErrorKind::interrupted : ErrorKind::terminated;
+}
+
 int sleep_unless_stopped(std::chrono::milliseconds duration) {
   const auto deadline = std::chrono::steady_clock::now() + duration;
   while (std::chrono::steady_clock::now() < deadline) {

@@ -12,6 +12,8 @@
 #include <utility>
 #include <vector>
 
+#include "core/error.hpp"
+
 namespace dptrain {
 
 struct ProcessSpec {
@@ -85,6 +87,10 @@ struct SupervisorOptions {
 void install_stop_signal_handlers();
 // The SIGINT or SIGTERM received since the handlers were installed, or 0.
 int pending_stop_signal();
+// The kind a failure ends with: when SIGINT or SIGTERM came while the command worked, the failure
+// is the stop's doing (a read interrupted, a wait cut short), so it is the signal's kind
+// (interrupted, terminated), as any stopped command's; otherwise `kind`.
+ErrorKind kind_after_stop(ErrorKind kind);
 // Sleeps up to `duration`, returning early (with the signal) when SIGINT or SIGTERM arrives.
 int sleep_unless_stopped(std::chrono::milliseconds duration);
 
