@@ -110,13 +110,29 @@ void write_file_atomic(const std::filesystem::path& path, std::string_view conte
   fsync_directory(path.parent_path());
 }
 
+const char* non_regular_kind(const std::filesystem::file_status& status) {
+  switch (status.type()) {
+    case std::filesystem::file_type::none:
+    case std::filesystem::file_type::not_found:
+    case std::filesystem::file_type::regular:
+      return nullptr;
+    case std::filesystem::file_type::directory:
+      return "a directory";
+    case std::filesystem::file_type::symlink:
+      return "a symbolic link";
+    case std::filesystem::file_type::fifo:
+      return "a pipe";
+    case std::filesystem::file_type::socket:
+      return "a socket";
+    default:
+      return "a device";
+  }
+}
+
 void check_regular_or_missing(const std::filesystem::path& path) {
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0 || S_ISREG(st.st_mode)) return;
-  const char* what = S_ISFIFO(st.st_mode)   ? "a pipe"
-                     : S_ISDIR(st.st_mode)  ? "a directory"
-                     : S_ISSOCK(st.st_mode) ? "a socket"
-                                            : "a device";
+  std::error_code ec;
+  const char* what = non_regular_kind(std::filesystem::status(path, ec));
+  if (what == nullptr) return;
   throw Error(ErrorKind::io,
               fmt::format("{}: is {}, not a regular file: dptrain writes this file itself; move "
                           "it away",
@@ -158,13 +174,11 @@ void check_output_file(const std::string& flag, const std::string& given, std::s
     throw Error(ErrorKind::usage, fmt::format("{} {}: no such directory {}", flag, given,
                                               out.parent_path().string()));
   }
-  if (fs::exists(status) && !fs::is_regular_file(status)) {
-    throw Error(
-        ErrorKind::usage,
-        fmt::format("{} {}: is {}, not a regular file; it would be replaced, not written "
-                    "through: name a regular file or a new one",
-                    flag, given,
-                    fs::is_symlink(status) ? "a symbolic link" : "a device, pipe or socket"));
+  if (const char* kind = non_regular_kind(status)) {
+    throw Error(ErrorKind::usage,
+                fmt::format("{} {}: is {}, not a regular file; it would be replaced, not written "
+                            "through: name a regular file or a new one",
+                            flag, given, kind));
   }
 }
 

@@ -21,6 +21,9 @@ void write_file_synced(const std::filesystem::path& path, std::span<const std::b
 // Appends one line and flushes it to the OS (not fsynced: metrics may lose the last lines in a
 // crash). check_regular_or_missing first.
 void append_line(const std::filesystem::path& path, std::string_view line);
+// What a file that is not a regular one is, for messages: "a pipe", "a directory", "a socket",
+// "a device", "a symbolic link" (of a symlink_status); nullptr for a regular file or none.
+const char* non_regular_kind(const std::filesystem::file_status& status);
 // Error(io) "PATH: is a pipe, not a regular file: ..." when `path` is a pipe, a device or a
 // directory: a file of the run that dptrain reads or appends to, where a pipe with no other end
 // would block the process for good.

@@ -907,7 +907,9 @@ RunView load_run(const fs::path& dir, bool verify_checkpoints) {
     if (ec) {
       why = ec.message();
     } else if (st.type() != expected) {
-      why = expected == fs::file_type::directory ? "not a directory" : "not a regular file";
+      const char* kind = fs::is_regular_file(st) ? "a regular file" : non_regular_kind(st);
+      why = fmt::format("is {}, not {}", kind,
+                        expected == fs::file_type::directory ? "a directory" : "a regular file");
     } else if (::access(file.c_str(), fs::is_directory(st) ? R_OK | X_OK : R_OK) != 0) {
       why = std::strerror(errno);
     }

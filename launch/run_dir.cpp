@@ -97,17 +97,11 @@ nlohmann::json read_run_json(const fs::path& dir) {
                             fs::exists(dir, ec) ? "not a run directory (not a directory)"
                                                 : "no such run directory"));
   }
-  if (fs::is_directory(file, ec)) {
+  // A pipe would block the reader; a directory is no run's record.
+  if (const char* kind = non_regular_kind(fs::status(file, ec))) {
     throw Error(ErrorKind::usage,
-                fmt::format("{}: is a directory, not a file: {} is not a run directory",
-                            file.string(), dir.string()));
-  }
-  if (const auto type = fs::status(file, ec).type();
-      type != fs::file_type::regular && type != fs::file_type::not_found && !ec) {
-    // A pipe would block the reader.
-    throw Error(
-        ErrorKind::usage,
-        fmt::format("{}: not a run directory (run.json is not a regular file)", dir.string()));
+                fmt::format("{}: is {}, not a regular file: {} is not a run directory",
+                            file.string(), kind, dir.string()));
   }
   std::string text;
   try {

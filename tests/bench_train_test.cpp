@@ -172,7 +172,7 @@ TEST_CASE(
   write_text(tmp / "target.svg", "mine");
   fs::create_symlink(tmp / "target.svg", tmp / "link.svg");
   for (const auto& [name, says] : std::vector<std::pair<std::string, std::string>>{
-           {"fifo", "is a device, pipe or socket, not a regular file"},
+           {"fifo", "is a pipe, not a regular file"},
            {"link.svg", "is a symbolic link, not a regular file"},
            {"dir", "is a directory; name the SVG file to write"},
            {"no/such/chart.svg", "no such directory"}}) {

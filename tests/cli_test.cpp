@@ -313,8 +313,8 @@ TEST_CASE("a run.json that is a directory or not JSON is named plainly, without 
     CAPTURE(cmd);
     auto dir = run_dptrain({cmd, (tmp / "dir").string()});
     CHECK(dir.exit_code == 2);
-    CHECK_MESSAGE(dir.err.find((tmp / "dir/run.json").string() + ": is a directory, not a file") !=
-                      std::string::npos,
+    CHECK_MESSAGE(dir.err.find((tmp / "dir/run.json").string() +
+                               ": is a directory, not a regular file") != std::string::npos,
                   dir.err);
     auto cut = run_dptrain({cmd, (tmp / "cut").string()});
     CHECK(cut.exit_code == 2);

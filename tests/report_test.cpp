@@ -776,8 +776,8 @@ TEST_CASE("report and status of what is not a run: exit 2 naming it") {
     auto piped = run_dptrain({cmd, (tmp / "ok").string(), "--json"}, {}, std::chrono::seconds(30));
     CHECK(piped.exit_code == 0);
     CHECK(parse_json(piped.out)["unreadable"] ==
-          json{(tmp / "ok/metrics.jsonl").string() + ": not a regular file",
-               (tmp / "ok/checkpoints/latest").string() + ": not a regular file"});
+          json{(tmp / "ok/metrics.jsonl").string() + ": is a pipe, not a regular file",
+               (tmp / "ok/checkpoints/latest").string() + ": is a pipe, not a regular file"});
   }
   auto listed = run_dptrain({"ckpt", "list", (tmp / "ok").string()}, {}, std::chrono::seconds(30));
   CHECK(listed.exit_code == 0);
@@ -790,8 +790,8 @@ TEST_CASE("report and status of what is not a run: exit 2 naming it") {
     auto dirs = run_dptrain({cmd, (tmp / "ok").string(), "--json"});
     CHECK(dirs.exit_code == 0);
     CHECK(parse_json(dirs.out)["unreadable"] ==
-          json{(tmp / "ok/metrics.jsonl").string() + ": not a regular file",
-               (tmp / "ok/checkpoints/latest").string() + ": not a regular file"});
+          json{(tmp / "ok/metrics.jsonl").string() + ": is a directory, not a regular file",
+               (tmp / "ok/checkpoints/latest").string() + ": is a directory, not a regular file"});
   }
   fs::remove(tmp / "ok/metrics.jsonl");
   fs::remove_all(tmp / "ok/checkpoints");
@@ -799,11 +799,12 @@ TEST_CASE("report and status of what is not a run: exit 2 naming it") {
   REQUIRE(::mkfifo((tmp / "piped/run.json").c_str(), 0600) == 0);
   auto piped_run = run_dptrain({"status", (tmp / "piped").string()}, {}, std::chrono::seconds(30));
   CHECK(piped_run.exit_code == 2);
-  CHECK(contains(piped_run.err, "not a run directory (run.json is not a regular file)"));
+  CHECK(contains(piped_run.err, "piped/run.json: is a pipe, not a regular file: " +
+                                    (tmp / "piped").string() + " is not a run directory"));
   REQUIRE(::mkfifo((tmp / "pipe").c_str(), 0600) == 0);
   auto pipe = run_dptrain({"report", (tmp / "ok").string(), "--out", (tmp / "pipe").string()});
   CHECK(pipe.exit_code == 2);
-  CHECK(contains(pipe.err, "pipe: is a device, pipe or socket, not a regular file"));
+  CHECK(contains(pipe.err, "pipe: is a pipe, not a regular file"));
   auto own = run_dptrain(
       {"report", (tmp / "ok").string(), "--out", (tmp / "ok/../ok/report.html").string()});
   CHECK(own.exit_code == 0);
