@@ -2,6 +2,7 @@
 #include "core/trainer.hpp"
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <chrono>
 #include <cmath>
@@ -438,32 +439,78 @@ class TrainingRun {
     return static_cast<double>(optimizer_->state().size_bytes()) / (1024.0 * 1024.0);
   }
 
-  // Ranks started by hand or by another scheduler may have been given different recipes: their
-  // collectives would mismatch (or, worse, match and train something nobody asked for). One
-  // allgather of the recipes' hashes compares them (recipe_hash leaves data.path out: each host
-  // may keep the data elsewhere; the data itself is compared by its fingerprint).
-  void check_same_recipe() {
-    const uint64_t mine = std::stoull(recipe_hash(recipe_), nullptr, 16);
-    std::vector<uint64_t> hashes(static_cast<size_t>(world_));
-    mark_collective("allgather of the recipes' hashes");
-    comm_.allgather(&mine, sizeof(mine), hashes.data());
-    std::vector<std::string> others;
-    for (int r = 1; r < world_; ++r) {
-      const uint64_t h = hashes[static_cast<size_t>(r)];
-      if (h != hashes[0]) others.push_back(fmt::format("rank {} ({:016x})", r, h));
+  // Ranks started by hand or by another scheduler may have been given different recipes, data or
+  // start options: their collectives would mismatch (a hang until the timeout) or, worse, match
+  // and train something nobody asked for. One allgather compares what every rank must share: the
+  // recipe's hash (recipe_hash leaves data.path out: each host may keep the data elsewhere), the
+  // data's fingerprint, how the ranks start (--resume) and the nominal world size.
+  void check_same_start() {
+    enum Field : size_t { kRecipe, kData, kResume, kNominal, kFields };
+    const std::string& how = options_.resume_from.native();
+    std::array<uint64_t, kFields> mine{};
+    mine[kRecipe] = std::stoull(recipe_hash(recipe_), nullptr, 16);
+    mine[kData] = checksum64(data_.fingerprint.data(), data_.fingerprint.size());
+    mine[kResume] = how.empty() ? 0 : how == "newest" ? 1 : how == "newest-or-start" ? 2 : 3;
+    mine[kNominal] = static_cast<uint64_t>(nominal_world_);
+    std::vector<std::array<uint64_t, kFields>> all(static_cast<size_t>(world_));
+    mark_collective("allgather of what the ranks start with");
+    comm_.allgather(mine.data(), sizeof(mine), all.data());
+    // "rank 1 (X), rank 3 (Y) differ(s) from rank 0's (Z)", X as `name` gives a rank's value.
+    const auto differing = [&](Field field, const auto& name) {
+      std::vector<std::string> others;
+      for (size_t r = 1; r < all.size(); ++r) {
+        if (all[r][field] != all[0][field])
+          others.push_back(fmt::format("rank {} ({})", r, name(all[r][field])));
+      }
+      if (others.empty()) return std::string();
+      return fmt::format("{} differ{} from rank 0's ({})", fmt::join(others, ", "),
+                         others.size() == 1 ? "s" : "", name(all[0][field]));
+    };
+    const auto hex = [](uint64_t v) { return fmt::format("{:016x}", v); };
+    if (const std::string d = differing(kRecipe, hex); !d.empty()) {
+      throw Error(ErrorKind::recipe,
+                  fmt::format("rank {}: the ranks were given different recipes: {}; hashes of the "
+                              "recipe with every default, data.path aside: start every rank with "
+                              "the same recipe",
+                              rank_, d));
     }
-    if (!others.empty()) {
+    if (const std::string d = differing(kData, hex); !d.empty()) {
       throw Error(
           ErrorKind::recipe,
-          fmt::format("rank {}: the ranks were given different recipes: {} differ{} from "
-                      "rank 0's ({:016x}; hashes of the recipe with every default, "
-                      "data.path aside): start every rank with the same recipe",
-                      rank_, fmt::join(others, ", "), others.size() == 1 ? "s" : "", hashes[0]));
+          fmt::format("rank {}: the ranks were given different data: {} (checksums of each "
+                      "rank's data fingerprint; this rank's {} holds '{}'): give every rank the "
+                      "same data (token files prepared from the same text with the same options, "
+                      "or copies)",
+                      rank_, d,
+                      recipe_.data.path.empty() ? "data.type " + recipe_.data.type
+                                                : "data.path " + recipe_.data.path,
+                      data_.fingerprint));
+    }
+    if (const std::string d = differing(kResume,
+                                        [](uint64_t v) {
+                                          return v == 0   ? std::string("no --resume")
+                                                 : v == 1 ? std::string("--resume newest")
+                                                 : v == 2 ? std::string("--resume newest-or-start")
+                                                          : std::string("--resume CHECKPOINT");
+                                        });
+        !d.empty()) {
+      throw Error(ErrorKind::usage,
+                  fmt::format("rank {}: the ranks were started with different --resume: {}: "
+                              "start every rank with the same --resume",
+                              rank_, d));
+    }
+    if (const std::string d = differing(kNominal, [](uint64_t v) { return std::to_string(v); });
+        !d.empty()) {
+      throw Error(ErrorKind::usage,
+                  fmt::format("rank {}: the ranks were given different nominal world sizes "
+                              "(--nominal-world, DPTRAIN_NOMINAL_WORLD; default the world size): "
+                              "{}: give every rank the same",
+                              rank_, d));
     }
   }
 
   void start() {
-    check_same_recipe();
+    check_same_start();
     claim_run_directory();
     if (writes_checkpoints()) remove_incomplete_checkpoints(options_.run_dir / "checkpoints");
     if (data_world_ > micro_batches_) {

@@ -7,9 +7,12 @@
 #include <cmath>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <tuple>
+
+#include <fmt/format.h>
 
 #include "tests/harness.hpp"
 #include "tests/sshd.hpp"
@@ -326,6 +329,86 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
   CHECK(continued.wait(std::chrono::seconds(120)) == 0);
   INFO(continued.err());
   CHECK(read_text(live / "run.json") == launched);  // the launcher's record, left alone
+}
+
+TEST_CASE("workers given different data, --resume or nominal world stop at once, naming it") {
+  TempDir tmp;
+  // Two tables of one shape that differ in one value: the recipes' hashes (data.path aside)
+  // agree, the data does not.
+  std::string rows = "label,f0,f1\n";
+  for (int i = 0; i < 400; ++i)
+    rows += fmt::format("{},{},{}\n", i % 2, i % 2 == 0 ? 1.0 : -1.0, 0.01 * i);
+  write_text(tmp / "a.csv", rows);
+  rows.replace(rows.rfind(",3.99"), 5, ",3.98");
+  write_text(tmp / "b.csv", rows);
+  auto recipe = small_recipe();
+  recipe["model"] = {{"type", "mlp"}, {"input", 2}, {"hidden", {8}}, {"classes", 2}};
+  recipe["data"] = {{"type", "csv"}, {"path", "a.csv"}};
+  recipe["train"]["steps"] = 20;
+  const auto a = write_recipe(tmp.path(), recipe, "a.json");
+  recipe["data"]["path"] = "b.csv";
+  const auto b = write_recipe(tmp.path(), recipe, "b.json");
+  struct Rank {
+    fs::path recipe;
+    std::vector<std::string> args;
+    Env env;
+  };
+  // Both ranks' exit codes and stderr.
+  const auto pair = [&](const std::string& run, Rank r0, Rank r1) {
+    const std::string port = std::to_string(unused_port());
+    r0.env.insert({{"RANK", "0"}, {"DPTRAIN_HOST_STORE", "1"}});
+    r1.env["RANK"] = "1";
+    std::vector<std::unique_ptr<Background>> ranks;
+    for (Rank* r : {&r0, &r1}) {
+      r->env.insert({{"WORLD_SIZE", "2"},
+                     {"MASTER_ADDR", "127.0.0.1"},
+                     {"MASTER_PORT", port},
+                     {"DPTRAIN_RUN_DIR", (tmp / run).string()}});
+      std::vector<std::string> argv = {"worker", r->recipe.string()};
+      argv.insert(argv.end(), r->args.begin(), r->args.end());
+      ranks.push_back(std::make_unique<Background>(argv, r->env));
+    }
+    std::vector<std::pair<int, std::string>> out;
+    for (auto& r : ranks) {
+      const int code = r->wait(std::chrono::seconds(120));
+      out.emplace_back(code, r->err());
+    }
+    return out;
+  };
+  const auto data = pair("data", {a, {}, {}}, {b, {}, {}});
+  for (const auto& [code, err] : data) {
+    CAPTURE(err);
+    CHECK(code == 2);
+    CHECK(contains(err, "the ranks were given different data: rank 1 ("));
+    CHECK(contains(err, "give every rank the same data"));
+  }
+  CHECK(contains(data[1].second, "data.path " + (tmp / "b.csv").string()));
+  CHECK_FALSE(fs::exists(tmp / "data/checkpoints/latest"));
+  CHECK(parse_json(read_text(tmp / "data/run.json"))["status"] == "failed");
+  // Nothing to resume from is no matter: one rank would search every node's checkpoints (a
+  // collective), the other not.
+  for (const auto& [code, err] :
+       pair("resume", {a, {"--resume", "newest-or-start"}, {}}, {a, {}, {}})) {
+    CAPTURE(err);
+    CHECK(code == 2);
+    CHECK(contains(err,
+                   "the ranks were started with different --resume: rank 1 (no --resume) "
+                   "differs from rank 0's (--resume newest-or-start)"));
+  }
+  for (const auto& [code, err] :
+       pair("nominal", {a, {}, {}}, {a, {}, {{"DPTRAIN_NOMINAL_WORLD", "4"}}})) {
+    CAPTURE(err);
+    CHECK(code == 2);
+    CHECK(contains(err,
+                   "different nominal world sizes (--nominal-world, DPTRAIN_NOMINAL_WORLD; "
+                   "default the world size): rank 1 (4) differs from rank 0's (2)"));
+  }
+  // The same data under two names trains.
+  fs::copy_file(tmp / "a.csv", tmp / "b.csv", fs::copy_options::overwrite_existing);
+  for (const auto& [code, err] : pair("same", {a, {}, {}}, {b, {}, {}})) {
+    CAPTURE(err);
+    CHECK(code == 0);
+  }
 }
 
 TEST_CASE("a worker started by srun takes its local rank from SLURM_LOCALID") {
