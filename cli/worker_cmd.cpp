@@ -1,8 +1,11 @@
 // `dptrain worker RECIPE`: one rank. Identity comes from flags or the environment (RANK,
 // WORLD_SIZE, LOCAL_RANK, DPTRAIN_STORE or MASTER_ADDR/MASTER_PORT), so it also runs under srun or
 // mpirun without the launcher.
+#include <fcntl.h>
+#include <poll.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <csignal>
@@ -11,7 +14,9 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -109,9 +114,27 @@ void fill_from_env(WorkerOptions& o) {
 }
 
 std::atomic<bool> g_stop_requested{false};
+// The stop signals' bytes, for the StopWatcher thread; a 0 byte tells it to end.
+int g_signal_pipe[2] = {-1, -1};
+// Who answers SIGTERM: 0 before the trainer's first step boundary (the StopWatcher, at once),
+// 1 the trainer (a checkpoint at the step's end), 2 the StopWatcher has taken it (the process
+// is ending).
+std::atomic<int> g_stop_answer{0};
 
-void on_sigterm(int) {
-  g_stop_requested = true;
+void on_stop_signal(int sig) {
+  const int saved = errno;
+  if (sig == SIGTERM) g_stop_requested = true;
+  const char byte = static_cast<char>(sig);
+  if (g_signal_pipe[1] >= 0) (void)!::write(g_signal_pipe[1], &byte, 1);
+  errno = saved;
+}
+
+void catch_signal(int sig) {
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  ::sigaction(sig, &sa, nullptr);
 }
 
 // The backend every rank uses. "auto" is nccl when every rank computes on a GPU and can load
@@ -156,8 +179,11 @@ void install_worker_signal_handlers() {
   // this rank dying of SIGPIPE on the broken socket.
   std::signal(SIGPIPE, SIG_IGN);
   // SIGTERM (the launcher stopping the job, a spot instance going away) stops every rank at
-  // the next step boundary, after a checkpoint.
-  std::signal(SIGTERM, on_sigterm);
+  // the next step boundary, after a checkpoint; before the first one, at once (StopWatcher).
+  if (g_signal_pipe[0] < 0 && ::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
+    g_signal_pipe[0] = g_signal_pipe[1] = -1;
+  }
+  catch_signal(SIGTERM);
 }
 
 namespace {
@@ -215,13 +241,39 @@ class HandRunRecord {
     save();
   }
 
-  // How the generation ended: completed, terminated (SIGTERM, after a checkpoint) or failed.
+  // Whether this process keeps the run's record (rank 0 of workers started without a launcher).
+  bool active() const { return !file_.empty(); }
+
+  // Where the ranks found their checkpoint (rank 0's "rendezvous" event), as a launcher records
+  // it: a checkpoint's name, or "step 0" when a search found none.
+  void rendezvous(const json& event, const std::string& resume) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (file_.empty() || closed_) return;
+    json& gen = info_["generations"].back();
+    if (event.contains("resumed_from")) {
+      gen["resumed_from"] = event["resumed_from"];
+    } else if (!resume.empty()) {
+      gen["resumed_from"] = "step 0";
+    }
+    step_ = event.value("step", int64_t{0});
+    save();
+  }
+  void reached(int64_t step) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    step_ = std::max(step_, step);
+  }
+
+  // How the generation ended: completed, terminated (SIGTERM), interrupted (SIGINT) or failed.
+  // The first end is the record's: the StopWatcher may end it while the ranks still work.
   void finish(const std::string& status, const std::string& error = {}) {
-    if (file_.empty()) return;
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (file_.empty() || closed_) return;
+    closed_ = true;
     info_["status"] = status;
     json& gen = info_["generations"].back();
     gen["ended_at"] = utc_timestamp();
     gen["status"] = status;
+    if (step_ >= 0) gen["step"] = step_;
     if (!error.empty()) info_["error"] = gen["error"] = error;
     save();
   }
@@ -239,6 +291,58 @@ class HandRunRecord {
 
   fs::path file_;  // empty: nothing to keep
   json info_;
+  std::mutex mutex_;
+  bool closed_ = false;
+  int64_t step_ = -1;  // the step the generation started from, then the furthest logged
+};
+
+// Stop signals, answered from a thread of their own. A rank answers SIGTERM at a step boundary,
+// with a checkpoint; one still meeting its peers (waiting for the store or the other ranks, up
+// to distributed.timeout_s) or reading its checkpoint has none to write and stops at once, exit
+// 143. SIGINT, caught only by rank 0 of workers started without a launcher, stops it at once
+// (exit 130) after recording the run as interrupted: dying of the signal left run.json
+// "running".
+class StopWatcher {
+ public:
+  StopWatcher(int rank, HandRunRecord* record) : thread_([rank, record] { watch(rank, record); }) {}
+  ~StopWatcher() {
+    const char end = 0;
+    (void)!::write(g_signal_pipe[1], &end, 1);
+    thread_.join();
+  }
+
+ private:
+  static void watch(int rank, HandRunRecord* record) {
+    for (;;) {
+      pollfd fd{g_signal_pipe[0], POLLIN, 0};
+      if (::poll(&fd, 1, -1) < 0 && errno != EINTR) return;
+      char byte = 0;
+      if (::read(g_signal_pipe[0], &byte, 1) != 1) continue;
+      if (byte == 0) return;
+      if (byte == SIGINT) {
+        g_stop_answer = 2;
+        stop(rank, record, 130, "interrupted",
+             "stopped by SIGINT (no checkpoint is written for it: a resume continues from the "
+             "newest one)");
+      }
+      int before_first_step = 0;
+      if (byte == SIGTERM && g_stop_answer.compare_exchange_strong(before_first_step, 2)) {
+        stop(rank, record, 143, "terminated",
+             "stopped by SIGTERM before its first step (nothing to checkpoint yet)");
+      }
+    }
+  }
+
+  [[noreturn]] static void stop(int rank, HandRunRecord* record, int code, const char* status,
+                                const std::string& why) {
+    const std::string error = fmt::format("rank {}: {}", rank, why);
+    if (record != nullptr) record->finish(status, error);
+    const std::string line = fmt::format("{}{}\n", kErrorLinePrefix, error);
+    (void)!::write(STDERR_FILENO, line.data(), line.size());
+    ::_exit(code);
+  }
+
+  std::thread thread_;
 };
 
 int run_worker(WorkerOptions o, std::optional<HandRunRecord>& record) {
@@ -306,6 +410,9 @@ int run_worker(WorkerOptions o, std::optional<HandRunRecord>& record) {
                     o.run_dir, (fs::path(o.run_dir) / ".lock").lexically_normal().string()));
   }
   record.emplace(o, recipe);
+  if (g_signal_pipe[0] < 0) throw Error(ErrorKind::internal, "cannot make the signal pipe");
+  const StopWatcher watcher(o.rank, record->active() ? &*record : nullptr);
+  if (record->active()) catch_signal(SIGINT);
 
   // The job secret comes through the environment only; "" means an open store (by hand).
   const std::string secret = env(kStoreSecretEnv).value_or("");
@@ -345,6 +452,9 @@ int run_worker(WorkerOptions o, std::optional<HandRunRecord>& record) {
   topts.nominal_world = o.nominal_world;
   topts.debug_step_delay_ms = std::atoll(env("DPTRAIN_DEBUG_STEP_DELAY_MS").value_or("0").c_str());
   topts.on_event = [&](const nlohmann::json& e) {
+    const std::string kind = e.value("event", "");
+    if (kind == "rendezvous") record->rendezvous(e, o.resume);
+    if (kind == "progress") record->reached(e.value("step", int64_t{0}));
     if (events) {
       std::printf("@event %s\n", json_text(e).c_str());
       std::fflush(stdout);
@@ -354,6 +464,12 @@ int run_worker(WorkerOptions o, std::optional<HandRunRecord>& record) {
   };
   topts.progress = &progress;
   topts.stop_requested = [rank = o.rank, &store, announced = false]() mutable {
+    // From the first step boundary on, the trainer answers SIGTERM; unless the StopWatcher took
+    // one that came before (the process is ending).
+    if (int before = 0; !g_stop_answer.compare_exchange_strong(before, 1) && before == 2) {
+      for (;;)
+        ::pause();
+    }
     if (!g_stop_requested.load()) return false;
     if (!announced) {
       std::printf("received SIGTERM: rank %d checkpoints at the end of this step and stops\n",

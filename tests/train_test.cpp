@@ -411,6 +411,73 @@ TEST_CASE("workers given different data, --resume or nominal world stop at once,
   }
 }
 
+TEST_CASE("workers stopped before their first step, or rank 0 by SIGINT, record how they ended") {
+  TempDir tmp;
+  auto r = resumable_recipe();
+  const auto recipe = write_recipe(tmp.path(), r);
+  const auto env_of = [&](int rank, const std::string& port) {
+    Env e = {{"RANK", std::to_string(rank)},
+             {"WORLD_SIZE", "2"},
+             {"MASTER_ADDR", "127.0.0.1"},
+             {"MASTER_PORT", port},
+             {"DPTRAIN_RUN_DIR", (tmp / "run").string()}};
+    if (rank == 0) e["DPTRAIN_HOST_STORE"] = "1";
+    return e;
+  };
+  // Rank 0 waits for a rank 1 that never comes (distributed.timeout_s is 60): SIGTERM stops it
+  // at once, as there is nothing to checkpoint.
+  {
+    Background alone({"worker", recipe.string()}, env_of(0, std::to_string(unused_port())));
+    REQUIRE(eventually([&] { return catches_signal(alone.pid(), SIGTERM); }));
+    REQUIRE(eventually([&] { return fs::exists(tmp / "run/run.json"); }));
+    ::kill(alone.pid(), SIGTERM);
+    CHECK(alone.wait(std::chrono::seconds(20)) == 143);
+    CHECK(alone.err() ==
+          "dptrain: error: rank 0: stopped by SIGTERM before its first step "
+          "(nothing to checkpoint yet)\n");
+    const json info = parse_json(read_text(tmp / "run/run.json"));
+    CHECK(info["status"] == "terminated");
+    CHECK(info["generations"][0]["status"] == "terminated");
+  }
+  // SIGINT to rank 0 mid-run: no checkpoint, exit 130, and the run reads as interrupted, not as
+  // running until status finds rank 0 gone.
+  const std::string port = std::to_string(unused_port());
+  Env slow0 = env_of(0, port), slow1 = env_of(1, port);
+  slow0["DPTRAIN_DEBUG_STEP_DELAY_MS"] = slow1["DPTRAIN_DEBUG_STEP_DELAY_MS"] = "50";
+  {
+    Background r0({"worker", recipe.string(), "--resume", "newest-or-start"}, slow0);
+    Background r1({"worker", recipe.string(), "--resume", "newest-or-start"}, slow1);
+    REQUIRE(eventually([&] { return fs::exists(tmp / "run/checkpoints/step-000040"); },
+                       std::chrono::seconds(120)));
+    REQUIRE(catches_signal(r0.pid(), SIGINT));
+    ::kill(r0.pid(), SIGINT);
+    CHECK(r0.wait(std::chrono::seconds(30)) == 130);
+    CHECK(contains(r0.err(), "dptrain: error: rank 0: stopped by SIGINT"));
+    CHECK(r1.wait(std::chrono::seconds(90)) == 3);
+  }
+  const json stopped = parse_json(read_text(tmp / "run/run.json"));
+  CHECK(stopped["status"] == "interrupted");
+  REQUIRE(stopped["generations"].size() == 2);
+  CHECK(stopped["generations"][1]["status"] == "interrupted");
+  CHECK(stopped["generations"][1]["resumed_from"] == "step 0");  // a search that found none
+  CHECK(stopped["generations"][1]["step"].get<int64_t>() >= 40);
+  CHECK(parse_json(run_dptrain({"status", (tmp / "run").string(), "--json"}).out)["status"] ==
+        "interrupted");
+  // Started again, they continue from the newest checkpoint, and run.json says which.
+  slow0["MASTER_PORT"] = slow1["MASTER_PORT"] = std::to_string(unused_port());
+  slow0.erase("DPTRAIN_DEBUG_STEP_DELAY_MS");
+  slow1.erase("DPTRAIN_DEBUG_STEP_DELAY_MS");
+  Background again0({"worker", recipe.string(), "--resume", "newest"}, slow0);
+  Background again1({"worker", recipe.string(), "--resume", "newest"}, slow1);
+  CHECK(again1.wait(std::chrono::seconds(120)) == 0);
+  CHECK(again0.wait(std::chrono::seconds(120)) == 0);
+  const json done = parse_json(read_text(tmp / "run/run.json"));
+  CHECK(done["status"] == "completed");
+  REQUIRE(done["generations"].size() == 3);
+  CHECK(done["generations"][2]["resumed_from"].get<std::string>().starts_with("step-0000"));
+  CHECK(done["generations"][2]["step"] == r["train"]["steps"]);
+}
+
 TEST_CASE("a worker started by srun takes its local rank from SLURM_LOCALID") {
   // Rank 1 is the first rank of a second node: a node leader, it keeps its own checkpoints.
   TempDir tmp;
