@@ -494,13 +494,45 @@ int device_count() {
 }
 
 namespace {
+
+// "13.0" for the CUDA version code 13000.
+std::string cuda_version_text(int code) {
+  return std::to_string(code / 1000) + "." + std::to_string(code % 1000 / 10);
+}
+
+// Why device_count() finds no device: cudaGetDeviceCount's error with the driver's and this
+// binary's runtime's CUDA versions (a driver older than the runtime reads as "insufficient"),
+// or "" when there are devices. Never throws.
+std::string no_device_reason() {
+  int n = 0;
+  const cudaError_t error = cudaGetDeviceCount(&n);
+  if (error == cudaSuccess) return n > 0 ? "" : "cudaGetDeviceCount found no device";
+  cudaGetLastError();  // not sticky; leave no error behind for the next call
+  int driver = 0;
+  int runtime = 0;
+  if (cudaDriverGetVersion(&driver) != cudaSuccess) driver = 0;
+  if (cudaRuntimeGetVersion(&runtime) != cudaSuccess) runtime = 0;
+  cudaGetLastError();
+  std::string reason = std::string("cudaGetDeviceCount failed: ") + cudaGetErrorString(error) +
+                       " (" + cudaGetErrorName(error) + "); ";
+  // cudaDriverGetVersion gives 0 when no driver is installed.
+  reason += driver == 0 ? std::string("no CUDA driver is installed")
+                        : "the driver supports CUDA " + cuda_version_text(driver);
+  return reason + ", this binary's runtime is CUDA " + cuda_version_text(runtime);
+}
+
 void require_device(int device) {
   const int count = device_count();
   if (device < 0 || device >= count) {
-    throw Error(ErrorKind::cuda, device_label(device) + " does not exist (" +
-                                     std::to_string(count) + " CUDA devices are visible)");
+    std::string message = device_label(device) + " does not exist (" + std::to_string(count) +
+                          " CUDA devices are visible)";
+    if (count == 0) {
+      if (const std::string why = no_device_reason(); !why.empty()) message += ": " + why;
+    }
+    throw Error(ErrorKind::cuda, message);
   }
 }
+
 }  // namespace
 
 std::string device_name(int device) {

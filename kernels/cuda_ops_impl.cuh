@@ -191,6 +191,13 @@ class CudaOps final : public Ops {
   void* attention_scratch(size_t bytes);
 
  private:
+  // Threads: the table is used by one thread at a time, except that a gradient reducer's
+  // communication thread (core/ddp/reducer.cpp) calls bind_thread, device, cast (copy when the
+  // types are equal), upload and download while the training thread queues other ops. Those
+  // methods touch only the stream, the constant members and the profile (which locks its own
+  // mutex), so the members below need no lock: the reduce scratch and the pinned buffer (losses,
+  // counts, device errors), the matmul plans (gemm, linear) and the attention scratch belong to
+  // the training thread. Calling any other method from a second thread needs a lock here first.
   int device_ = 0;
   cudaStream_t stream_ = nullptr;
   cublasLtHandle_t lt_ = nullptr;

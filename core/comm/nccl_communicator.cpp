@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <thread>
 #endif
@@ -295,12 +296,19 @@ struct NcclCommunicator::State {
   void* scratch = nullptr;  // grow-only staging for host operands
   size_t scratch_bytes = 0;
   std::string failure;  // set by the first failure; later calls refuse to run
+  // Exceptions in flight when this was made: more at destruction means an error is unwinding
+  // through the communicator's owner.
+  const int uncaught_at_start = std::uncaught_exceptions();
 };
 
 NcclCommunicator::State::~State() {
   // Never throws: a destructor may run while an error unwinds.
   cudaSetDevice(device);
-  if (comm != nullptr && failure.empty()) {
+  // Unwinding from an error that is not NCCL's (the data, a kernel, a checkpoint): the peers may
+  // be waiting in a collective this rank will never join, and finalize would wait for them up to
+  // the timeout. Abort at once instead; the peers fail at their own deadline either way.
+  const bool unwinding = std::uncaught_exceptions() > uncaught_at_start;
+  if (comm != nullptr && failure.empty() && !unwinding) {
     // Finalize flushes outstanding work and waits for the peers; it must end by the deadline,
     // or the communicator is aborted instead (a peer that died cannot hang this rank's exit).
     bool finalized = false;

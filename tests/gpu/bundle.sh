@@ -19,7 +19,9 @@ done
 # Every library either binary loads, and OpenBLAS (opened with dlopen, so ldd does not list it)
 # with what it loads, less the C runtime (the GPU machine's own is newer) and the GPU stack (too
 # large to carry, and there already).
-openblas=$(ldconfig -p | awk '$1 == "libopenblas.so.0" && /x86-64/ {print $NF; exit}')
+# awk reads all of ldconfig's output (no exit): an early exit would end ldconfig with SIGPIPE,
+# which pipefail and set -e turn into a silent exit of this script.
+openblas=$(ldconfig -p | awk '$1 == "libopenblas.so.0" && /x86-64/ && !f {print $NF; f = 1}')
 [[ -n $openblas ]] || { echo "bundle.sh: libopenblas.so.0 is missing here" >&2; exit 1; }
 cp -L "$openblas" "$out/lib/libopenblas.so.0"
 skip='^(linux-vdso|ld-linux|libc\.|libm\.|libdl\.|libpthread\.|librt\.|libresolv\.|libcuda\.|libcublas|libcublasLt|libnccl|libcudart)'
@@ -28,8 +30,11 @@ ldd "$out/bin/dptrain" "$out/bin/gpu_tests" "$openblas" | awk '/=> \// {print $1
     if [[ $name =~ ^(libstdc\+\+|libgcc_s)\. ]]; then cp -L "$path" "$out/lib-cxx/$name"  # fallback only: needs glibc 2.36
     elif [[ ! $name =~ $skip ]]; then cp -L "$path" "$out/lib/$name"; fi
   done
-if ldd "$out/bin/dptrain" "$out/bin/gpu_tests" "$openblas" | grep -v -E 'libcublas' | grep -q 'not found'; then
-  echo "bundle.sh: a library is missing here" >&2; exit 1
+# Not grep -q: it would stop reading early, and the SIGPIPE of the commands before it would make
+# the pipeline fail (pipefail), reading as "nothing missing".
+missing=$(ldd "$out/bin/dptrain" "$out/bin/gpu_tests" "$openblas" | grep -v -E 'libcublas' | grep 'not found' || true)
+if [[ -n $missing ]]; then
+  echo "bundle.sh: a library is missing here:" >&2; echo "$missing" >&2; exit 1
 fi
 tar -C "$(dirname "$out")" -cJf "$out.tar.xz" "$(basename "$out")"
 du -sh "$out" "$out.tar.xz"

@@ -56,8 +56,8 @@ std::vector<uint16_t> bits16(const void* data, size_t n) {
   return out;
 }
 
-// Every element within tol relative to itself (for values far below 1, which check_close's
-// max(1, |want|) scale would not see).
+// Every element within tol relative to itself (stricter than check_close, whose allowance is set
+// by the largest reference value).
 void check_relative(const std::vector<float>& got, const std::vector<float>& want, double tol,
                     const std::string& what) {
   REQUIRE(got.size() == want.size());
@@ -257,6 +257,21 @@ TEST_CASE("cuda_ops: a large gemm") {
              9);
   check_gemm(512, 768, 3072, Transpose::no, Transpose::no, DType::f16, DType::f16, 1.0f, 0.0f, 0,
              10);
+}
+
+TEST_CASE("cuda_ops: the GPT-2 LM head's gemms, vocabulary 50257") {
+  // The tied head's three products (core/model/gpt.cpp) at 512 rows, width 768 and GPT-2's
+  // vocabulary: 50257 is an odd leading dimension, so in 16 bits every row after the first is
+  // only 2-byte aligned (4-byte in f32). Forward: logits = lnf wte^T.
+  check_gemm(512, 50257, 768, Transpose::no, Transpose::yes, DType::bf16, DType::bf16, 1.0f, 0.0f,
+             0, 11);
+  check_gemm(512, 50257, 768, Transpose::no, Transpose::yes, DType::f32, DType::f32, 1.0f, 0.0f, 0,
+             12);
+  // Backward: wte's f32 gradient += dlogits^T lnf, and dlnf = dlogits wte.
+  check_gemm(50257, 768, 512, Transpose::yes, Transpose::no, DType::bf16, DType::f32, 1.0f, 1.0f, 0,
+             13);
+  check_gemm(512, 768, 50257, Transpose::no, Transpose::no, DType::bf16, DType::bf16, 1.0f, 0.0f, 0,
+             14);
 }
 
 TEST_CASE("cuda_ops: gemm edge cases and bad calls") {

@@ -74,7 +74,8 @@ inline std::vector<float> rounded(const std::vector<float>& host, DType dtype) {
   return to_host(d.data(), host.size(), dtype);
 }
 
-// Relative tolerance of a result computed in `dtype` against the f32 CPU reference.
+// Tolerance of a kernel's result computed in `dtype` against the f32 CPU reference, relative to
+// the reference's largest value (check_close).
 inline double tolerance(DType dtype) {
   switch (dtype) {
     case DType::f32:
@@ -87,13 +88,19 @@ inline double tolerance(DType dtype) {
   return 0;
 }
 
-// Every element of got within tol * max(1, max |want|) of want; the message names the worst.
-inline void check_close(const std::vector<float>& got, const std::vector<float>& want, double tol,
-                        const std::string& what) {
+// The largest |value| of v (0 for an empty or all-zero v).
+inline double max_abs(const std::vector<float>& v) {
+  double m = 0;
+  for (float x : v)
+    m = std::max(m, static_cast<double>(std::fabs(x)));
+  return m;
+}
+
+// Every element of got within tol * scale of want; the message names the worst.
+inline void check_close_scaled(const std::vector<float>& got, const std::vector<float>& want,
+                               double tol, double scale, const std::string& what) {
   REQUIRE_MESSAGE(got.size() == want.size(), what << ": sizes differ");
-  double scale = 1.0;
-  for (float w : want)
-    scale = std::max(scale, static_cast<double>(std::fabs(w)));
+  if (got.empty()) return;
   double worst = 0;
   size_t at = 0;
   for (size_t i = 0; i < got.size(); ++i) {
@@ -106,6 +113,41 @@ inline void check_close(const std::vector<float>& got, const std::vector<float>&
   CHECK_MESSAGE(worst <= tol * scale, what << ": element " << at << " is " << got[at]
                                            << ", the CPU reference " << want[at] << " (error "
                                            << worst << ", allowed " << tol * scale << ")");
+}
+
+// Every element of got within tol * max |want| of want: the allowance scales with the reference
+// itself, however small its values are (softmax probabilities, gradients), so zeros or flipped
+// signs fail. Elements near zero next to larger ones get the same absolute allowance.
+inline void check_close(const std::vector<float>& got, const std::vector<float>& want, double tol,
+                        const std::string& what) {
+  check_close_scaled(got, want, tol, max_abs(want), what);
+}
+
+// Every element of got within tol * max(1, max |want|) of want: for values whose error is
+// absolute below 1, such as a log-sum-exp (an error of 1e-4 there is a relative 1e-4 in the
+// probabilities, whatever the value itself).
+inline void check_close_unit_floor(const std::vector<float>& got, const std::vector<float>& want,
+                                   double tol, const std::string& what) {
+  check_close_scaled(got, want, tol, std::max(1.0, max_abs(want)), what);
+}
+
+// ||got - want|| within tol * ||want|| (Euclidean norms): how far the values are off as a whole,
+// so a group of small values that is wrong counts even where check_close's allowance, set by the
+// largest value, would hide it.
+inline void check_norm_close(const std::vector<float>& got, const std::vector<float>& want,
+                             double tol, const std::string& what) {
+  REQUIRE_MESSAGE(got.size() == want.size(), what << ": sizes differ");
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double d = static_cast<double>(got[i]) - want[i];
+    diff += d * d;
+    norm += static_cast<double>(want[i]) * want[i];
+  }
+  diff = std::sqrt(diff);
+  norm = std::sqrt(norm);
+  CHECK_MESSAGE(diff <= tol * norm, what << ": ||got - want|| is " << diff << ", "
+                                         << (norm > 0 ? diff / norm : INFINITY) << " of ||want|| ("
+                                         << norm << "); allowed " << tol);
 }
 
 }  // namespace dptrain::gputest
