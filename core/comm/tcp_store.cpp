@@ -580,6 +580,7 @@ void TcpStoreClient::connect_locked() {
   }
   // At least 5 s, at most handshake_timeout_, else what is left of the connect timeout.
   const SteadyTime now = Clock::now();
+  handshake_began_ = now;
   handshake_locked(
       std::min(std::max(deadline, now + std::chrono::seconds(5)), now + handshake_timeout_));
 }
@@ -670,6 +671,9 @@ void TcpStoreClient::authenticate_locked(const std::string& client_nonce, const 
 
 TcpStoreClient::Reply TcpStoreClient::handshake_exchange_locked(const std::string& frame,
                                                                 SteadyTime deadline) {
+  const auto waited = [this](SteadyTime until) {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(until - handshake_began_);
+  };
   try {
     return exchange_locked(frame, deadline);
   } catch (const Error& error) {
@@ -679,7 +683,7 @@ TcpStoreClient::Reply TcpStoreClient::handshake_exchange_locked(const std::strin
                             silent ? fmt::format("something accepted the connection but did not "
                                                  "answer as a dptrain store within {} (another "
                                                  "service on that port?)",
-                                                 format_timeout(handshake_timeout_))
+                                                 format_timeout(waited(deadline)))
                                    : std::string(error.what())));
   }
 }

@@ -92,6 +92,8 @@ class TcpStoreClient : public Store {
   uint16_t port_;
   std::chrono::milliseconds connect_timeout_;
   std::chrono::milliseconds handshake_timeout_;
+  // When the handshake in progress began: its messages say how long it waited.
+  SteadyTime handshake_began_{};
   std::string secret_;
   std::mutex mutex_;
   UniqueFd socket_;

@@ -316,6 +316,11 @@ TEST_CASE("tcp store: a listener that accepts and stays silent is named, not wai
                                "connection but did not answer as a dptrain store within 0.3s "
                                "(another service on that port?)",
                                port));
+  // A short connect timeout still leaves the handshake 5 s, and the message says so.
+  const std::string floor =
+      error_message([&] { TcpStoreClient("127.0.0.1", port, 1s, "", std::chrono::seconds(30)); },
+                    ErrorKind::comm);
+  CHECK(floor.find("did not answer as a dptrain store within 5s ") != std::string::npos);
 }
 
 TEST_CASE("tcp store: a client whose server stops gets a comm error, not a hang") {
