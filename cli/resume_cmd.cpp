@@ -154,6 +154,13 @@ int run_resume(const ResumeOptions& o) {
   RunDirectory run = RunDirectory::open(o.run_dir);
   if (started_by_workers(run.info())) {
     // Their scheduler starts the ranks, not dptrain: nothing here is to be written.
+    const RunState state = load_run(run.path(), false).state;
+    if (state.status == "running") {
+      throw Error(ErrorKind::usage,
+                  fmt::format("{}: its workers (started without a launcher: by hand, srun, "
+                              "mpirun) are running it{}; nothing to resume while they do",
+                              o.run_dir, state.note.empty() ? "" : " (" + state.note + ")"));
+    }
     throw Error(ErrorKind::usage,
                 fmt::format("{}: its workers were started without a launcher (by hand, srun, "
                             "mpirun): start them again with '{}' to continue it",
@@ -186,7 +193,7 @@ int run_resume(const ResumeOptions& o) {
       const auto* error = dynamic_cast<const Error*>(&e);
       events->emit("run_finished",
                    {{"status", "failed"},
-                    {"exit_code", error != nullptr ? exit_code(error->kind()) : 1},
+                    {"exit_code", error != nullptr ? exit_code(kind_after_stop(error->kind())) : 1},
                     {"run_dir", run.path().string()},
                     {"error", fmt::format("the resume did not start: {}", e.what())}});
     }

@@ -676,8 +676,9 @@ class TrainingRun {
   // broadcasts it, so ranks on other nodes need no copy.
   void restore(const fs::path& dir, int source) {
     // step, epoch, samples_in_epoch, optimizer_steps, loss scale (a power of two), its clean
-    // steps, the size of the comm state, the world size that wrote it, the last loss (its bits)
-    std::vector<int64_t> header(9, 0);
+    // steps, the size of the comm state, the world size that wrote it, the last loss (its bits),
+    // the global batch it was written with
+    std::vector<int64_t> header(10, 0);
     std::vector<float> full_state;  // ZeRO-1: the whole optimizer state, for every rank's shard
     std::vector<float> comm_state;
     if (rank_ == source) {
@@ -711,7 +712,8 @@ class TrainingRun {
                 p.loss_scale_clean_steps,
                 static_cast<int64_t>(comm_state.size()),
                 p.world_size,
-                std::bit_cast<int64_t>(p.loss)};
+                std::bit_cast<int64_t>(p.loss),
+                p.global_batch};
     }
     comm_.broadcast(header.data(), header.size() * sizeof(int64_t), source);
     broadcast_device(params_.data(), params_.size_bytes(), source);
@@ -737,6 +739,18 @@ class TrainingRun {
     emit({{"event", "info"},
           {"message", fmt::format("resumed from {}{} at step {} on {} rank(s), global batch {}",
                                   dir.filename().string(), where, step_, world_, global_batch_)}});
+    // keep_global_batch keeps it over any world size, given the job's nominal one: ranks started
+    // without a launcher on fewer ranks than wrote the checkpoint and no --nominal-world change
+    // the batch, and so the training, unless told.
+    if (header[9] > 0 && header[9] != global_batch_ && recipe_.distributed.resize != "scale_lr") {
+      emit({{"event", "info"},
+            {"message",
+             fmt::format("warning: the global batch changes from the checkpoint's {} to {} "
+                         "(distributed.resize is \"{}\"; the nominal world size here is {}): "
+                         "workers keep the batch of {} with --nominal-world {}",
+                         header[9], global_batch_, recipe_.distributed.resize, nominal_world_,
+                         header[9], header[9] * nominal_world_ / global_batch_)}});
+    }
   }
 
   // The replica states a checkpoint holds (`size` values on the source rank, all_replica_states):

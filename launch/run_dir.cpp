@@ -172,18 +172,28 @@ RunDirectory RunDirectory::create(const fs::path& dir, const fs::path& runs_root
   const auto holds_run = [](const fs::path& p) {
     std::error_code exists_ec;
     if (!fs::exists(p / "run.json", exists_ec)) return;
-    // A benchmark's run (no recipe) has nothing to resume.
-    bool bench = false;
+    // A benchmark's run (no recipe) has nothing to resume; workers started without a launcher
+    // continue theirs themselves.
+    nlohmann::json info;
     try {
-      bench = !read_run_json(p).contains("recipe");
+      info = read_run_json(p);
     } catch (const Error&) {
     }
-    throw Error(ErrorKind::usage,
-                bench ? fmt::format("{}: already holds a benchmark's run; choose another --run-dir",
-                                    p.string())
-                      : fmt::format("{}: already holds a run; continue it with 'dptrain resume {}' "
-                                    "or choose another --run-dir",
-                                    p.string(), p.string()));
+    std::string how = fmt::format("continue it with 'dptrain resume {}'", p.string());
+    if (info.is_object() && !info.contains("recipe")) {
+      throw Error(
+          ErrorKind::usage,
+          fmt::format("{}: already holds a benchmark's run; choose another --run-dir", p.string()));
+    }
+    if (info.is_object() && started_by_workers(info)) {
+      how = fmt::format(
+          "its workers were started without a launcher: start them again with '{}' "
+          "to continue it",
+          hand_resume_flag(p));
+    }
+    throw Error(ErrorKind::usage, fmt::format("{}: already holds a run; {}, or choose another "
+                                              "--run-dir",
+                                              p.string(), how));
   };
   if (path.empty()) {
     // create_directory is the claim: of two launches racing for one name, one makes it and the

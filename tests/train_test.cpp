@@ -230,10 +230,28 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
   CHECK(contains(resumed.err,
                  ": its workers were started without a launcher (by hand, srun, "
                  "mpirun): start them again with '--resume newest' to continue it"));
+  const auto relaunch =
+      run_dptrain({"launch", recipe.string(), "--run-dir", (tmp / "run").string()});
+  CHECK(relaunch.exit_code == 2);
+  CHECK(contains(relaunch.err,
+                 "already holds a run; its workers were started without a launcher: "
+                 "start them again with '--resume newest' to continue it, or "
+                 "choose another --run-dir"));
   CHECK(parse_json(run_dptrain({"status", (tmp / "run").string(), "--json"}).out)["hint"] ==
         "its workers were started without a launcher: start them again with '--resume newest' "
         "to continue it");
   write_text(tmp / "run/run.json", info.dump());
+  // Continued on one rank without --nominal-world: the global batch halves, and it says so.
+  Env one_rank = env0;
+  one_rank["WORLD_SIZE"] = "1";
+  one_rank["MASTER_PORT"] = std::to_string(unused_port());
+  const auto halved = run_dptrain({"worker", recipe.string(), "--resume", "newest"}, one_rank,
+                                  std::chrono::seconds(60));
+  CHECK(halved.exit_code == 0);
+  CHECK(contains(halved.out,
+                 "warning: the global batch changes from the checkpoint's 32 to 16 "
+                 "(distributed.resize is \"keep_global_batch\"; the nominal world "
+                 "size here is 1): workers keep the batch of 32 with --nominal-world 2"));
 
   // Started again into the same directory without --resume (a requeued job), rank 0 refuses
   // before it connects rather than write a fresh start over the checkpoints.
@@ -430,6 +448,11 @@ TEST_CASE("workers stopped before their first step, or rank 0 by SIGINT, record 
     Background alone({"worker", recipe.string()}, env_of(0, std::to_string(unused_port())));
     REQUIRE(eventually([&] { return catches_signal(alone.pid(), SIGTERM); }));
     REQUIRE(eventually([&] { return fs::exists(tmp / "run/run.json"); }));
+    const auto busy = run_dptrain({"resume", (tmp / "run").string()});
+    CHECK(busy.exit_code == 2);
+    CHECK(contains(busy.err,
+                   "its workers (started without a launcher: by hand, srun, mpirun) "
+                   "are running it; nothing to resume while they do"));
     ::kill(alone.pid(), SIGTERM);
     CHECK(alone.wait(std::chrono::seconds(20)) == 143);
     CHECK(alone.err() ==
