@@ -237,6 +237,21 @@ class HandRunRecord {
     if (!o.resume.empty() && o.resume != "newest" && o.resume != "newest-or-start") {
       gen["resumed_from"] = fs::path(o.resume).filename().string();
     }
+    // Started again on another number of ranks: a change of world size, as a launcher records
+    // one (status and report count them).
+    const json& before = info_["generations"].empty() ? json() : info_["generations"].back();
+    if (before.is_object() && before.value("world_size", o.world_size) != o.world_size) {
+      json& changes = info_["world_size_changes"];
+      if (!changes.is_array()) changes = json::array();
+      changes.push_back({{"from", before.value("world_size", 0)},
+                         {"to", o.world_size},
+                         {"hosts", json::array({this_host()})},
+                         {"lost", json::array()},
+                         {"joined", json::array()},
+                         {"global_batch", global_batch(recipe, o.world_size, o.nominal_world)},
+                         {"generation", info_["generations"].size() + 1},
+                         {"at", utc_timestamp()}});
+    }
     info_["generations"].push_back(std::move(gen));
     save();
   }

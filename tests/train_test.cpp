@@ -252,6 +252,15 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
                  "warning: the global batch changes from the checkpoint's 32 to 16 "
                  "(distributed.resize is \"keep_global_batch\"; the nominal world "
                  "size here is 1): workers keep the batch of 32 with --nominal-world 2"));
+  // run.json counts the change of world size, as a launcher's does.
+  const json changes = parse_json(read_text(tmp / "run/run.json"))["world_size_changes"];
+  REQUIRE(changes.size() == 1);
+  CHECK(changes[0]["from"] == 2);
+  CHECK(changes[0]["to"] == 1);
+  CHECK(changes[0]["global_batch"] == 16);
+  CHECK(parse_json(
+            run_dptrain({"status", (tmp / "run").string(), "--json"}).out)["world_size_changes"] ==
+        1);
 
   // Started again into the same directory without --resume (a requeued job), rank 0 refuses
   // before it connects rather than write a fresh start over the checkpoints.
