@@ -433,7 +433,10 @@ int run_worker(WorkerOptions o, std::optional<HandRunRecord>& record) {
   const std::string secret = env(kStoreSecretEnv).value_or("");
   std::unique_ptr<TcpStoreServer> server;
   if (o.host_store && o.rank == 0) {
-    server = std::make_unique<TcpStoreServer>("0.0.0.0", port, secret);
+    // A loopback store address keeps the store on this machine: nothing beyond it can reach
+    // it (a store started by hand has no secret unless DPTRAIN_STORE_SECRET gives one).
+    server =
+        std::make_unique<TcpStoreServer>(is_loopback_host(host) ? host : "0.0.0.0", port, secret);
   }
   TcpStoreClient client(host, port, timeout, secret);
   PrefixStore store(fmt::format("gen{}", o.generation), client);

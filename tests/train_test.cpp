@@ -454,9 +454,14 @@ TEST_CASE("workers stopped before their first step, or rank 0 by SIGINT, record 
   // Rank 0 waits for a rank 1 that never comes (distributed.timeout_s is 60): SIGTERM stops it
   // at once, as there is nothing to checkpoint.
   {
-    Background alone({"worker", recipe.string()}, env_of(0, std::to_string(unused_port())));
+    const int port = unused_port();
+    Background alone({"worker", recipe.string()}, env_of(0, std::to_string(port)));
     REQUIRE(eventually([&] { return catches_signal(alone.pid(), SIGTERM); }));
     REQUIRE(eventually([&] { return fs::exists(tmp / "run/run.json"); }));
+    // Its store, at a loopback MASTER_ADDR, listens on loopback only (state 0A: listening).
+    const std::string listening = fmt::format(":{:04X} 00000000:0000 0A", port);
+    REQUIRE(eventually([&] { return contains(read_text("/proc/net/tcp"), listening); }));
+    CHECK(contains(read_text("/proc/net/tcp"), "0100007F" + listening));
     const auto busy = run_dptrain({"resume", (tmp / "run").string()});
     CHECK(busy.exit_code == 2);
     CHECK(contains(busy.err,
