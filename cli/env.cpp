@@ -26,6 +26,11 @@ int env_int(const char* name, std::optional<int> fallback, const std::string& wh
   const auto v = env(name);
   if (!v) {
     if (fallback) return *fallback;
+    // Set to nothing (an unset variable in a script, quoted) is not "not set": said as an empty
+    // option value is.
+    if (const char* given = std::getenv(name); given != nullptr) {
+      throw Error(ErrorKind::usage, fmt::format("{}: is empty; give a value", name));
+    }
     throw Error(ErrorKind::usage,
                 when_missing.empty() ? fmt::format("{} is not set", name) : when_missing);
   }

@@ -108,8 +108,8 @@ void fill_from_env(WorkerOptions& o) {
   at_least("nominal world (--nominal-world or DPTRAIN_NOMINAL_WORLD)", o.nominal_world, 0);
   at_least("generation (--generation or DPTRAIN_GENERATION)", o.generation, 1);
   if (o.rank >= o.world_size) {
-    throw Error(ErrorKind::usage,
-                fmt::format("rank {} is outside world size {}", o.rank, o.world_size));
+    throw Error(ErrorKind::usage, fmt::format("rank {}: outside world size {} (ranks are 0 to {})",
+                                              o.rank, o.world_size, o.world_size - 1));
   }
 }
 

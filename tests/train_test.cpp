@@ -559,7 +559,10 @@ TEST_CASE("a worker missing its identity says which variable is missing") {
   const auto recipe = write_recipe(tmp.path(), small_recipe());
   auto r = run_dptrain({"worker", recipe.string()}, {{"RANK", ""}, {"WORLD_SIZE", ""}});
   CHECK(r.exit_code == 2);
-  CHECK(r.err.find("RANK") != std::string::npos);
+  CHECK(r.err == "dptrain: error: RANK: is empty; give a value\n");
+  auto unset = run_dptrain({"worker", recipe.string()}, {{"WORLD_SIZE", "2"}});
+  CHECK(unset.exit_code == 2);
+  CHECK(unset.err == "dptrain: error: --rank not given and RANK is not set\n");
 
   // Values out of range are refused before any connection (no store listens here), naming the
   // flag or variable.
@@ -578,6 +581,9 @@ TEST_CASE("a worker missing its identity says which variable is missing") {
             {},
             "generation (--generation or DPTRAIN_GENERATION): must be at least 1, got 0"},
            {{"--world-size", "2"}, {{"RANK", "-1"}}, "rank (--rank or RANK): must be at least 0"},
+           {{"--rank", "3", "--world-size", "2"},
+            {},
+            "dptrain: error: rank 3: outside world size 2 (ranks are 0 to 1)\n"},
            {{"--rank", "0", "--world-size", "2"},
             {{"LOCAL_RANK", "-3"}},
             "local rank (--local-rank or LOCAL_RANK): must be at least 0, got -3"}}) {
