@@ -457,7 +457,12 @@ int run_worker(WorkerOptions o, std::optional<HandRunRecord>& record) {
     comm = make_gloo_communicator(store, o.rank, o.world_size, gloo);
   }
   ProgressTracker progress;
-  const HeartbeatSender heartbeat(store, o.rank, progress, std::chrono::seconds(1));
+  // The heartbeats' own connection, quick to give up: a store gone with its process (rank 0
+  // with --host-store) would otherwise hold each beat, and this rank's exit, for the job's
+  // whole timeout.
+  TcpStoreClient beat_client(host, port, std::chrono::seconds(2), secret);
+  PrefixStore beat_store(fmt::format("gen{}", o.generation), beat_client);
+  const HeartbeatSender heartbeat(beat_store, o.rank, progress, std::chrono::seconds(1));
 
   const bool events = env("DPTRAIN_EVENTS").value_or("0") == "1";
   StatusPrinter status(stdout, !events && StatusPrinter::is_terminal(stdout));
@@ -507,7 +512,21 @@ int run_worker(WorkerOptions o, std::optional<HandRunRecord>& record) {
       faults.before_checkpoint_commit(step);
     };
   }
-  const TrainResult result = train(recipe, *comm, topts);
+  TrainResult result;
+  try {
+    result = train(recipe, *comm, topts);
+  } catch (const Error& e) {
+    // A collective failed because a peer is gone: a launcher names it; without one the
+    // heartbeats do (2.5 s, over two of their intervals).
+    if (e.kind() != ErrorKind::comm || started_by_launcher() || o.world_size < 2) throw;
+    // Through the heartbeats' connection, quick to give up: the job's waits up to the timeout
+    // for a store that is gone with the peer.
+    const std::string who =
+        silent_peers(beat_store, o.rank, o.world_size, std::chrono::milliseconds(2500));
+    if (who.empty()) throw;
+    throw Error(e.kind(),
+                fmt::format("{}; {}{}", e.what(), who.starts_with("rank ") ? "silent: " : "", who));
+  }
   if (result.stopped) {
     record->finish("terminated", "stopped by SIGTERM after a checkpoint");
     return 143;

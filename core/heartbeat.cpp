@@ -2,8 +2,12 @@
 #include "core/heartbeat.hpp"
 
 #include <algorithm>
+#include <string>
+#include <thread>
+#include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 namespace dptrain {
 
@@ -45,6 +49,38 @@ std::string heartbeat_key(int rank) {
 
 std::string sigterm_key(int rank) {
   return fmt::format("sigterm/{}", rank);
+}
+
+std::string silent_peers(Store& store, int rank, int world, std::chrono::milliseconds apart) {
+  // Each peer's beat count; -1 where it has published none (it never started).
+  const auto beats = [&] {
+    std::vector<int64_t> out(static_cast<size_t>(world), -1);
+    for (int r = 0; r < world; ++r) {
+      if (r == rank || !store.check({heartbeat_key(r)})) continue;
+      const auto beat = nlohmann::json::parse(store.get(heartbeat_key(r), std::chrono::seconds(2)),
+                                              nullptr, false);
+      if (beat.is_object()) out[static_cast<size_t>(r)] = beat.value("beat", int64_t{-1});
+    }
+    return out;
+  };
+  std::vector<int64_t> before, after;
+  try {
+    before = beats();
+    std::this_thread::sleep_for(apart);
+    after = beats();
+  } catch (const std::exception&) {
+    return fmt::format(
+        "the {} does not answer either: the process serving it (rank 0 "
+        "with --host-store) has likely exited or was killed",
+        store.describe());
+  }
+  std::vector<std::string> silent;
+  for (size_t r = 0; r < before.size(); ++r) {
+    if (before[r] >= 0 && before[r] == after[r]) silent.push_back(fmt::format("rank {}", r));
+  }
+  if (silent.empty()) return "";
+  return fmt::format("{} (no heartbeat for {:.1f}s: exited, killed or frozen)",
+                     fmt::join(silent, ", "), std::chrono::duration<double>(apart).count());
 }
 
 HeartbeatSender::HeartbeatSender(Store& store, int rank, const ProgressTracker& tracker,

@@ -63,6 +63,13 @@ std::string heartbeat_key(int rank);  // "heartbeat/<rank>", under the generatio
 // it: every rank then stops, and the first to exit is not necessarily the one signalled.
 std::string sigterm_key(int rank);  // "sigterm/<rank>", under the generation's prefix
 
+// After a collective failed on `rank` (a peer gone, without a launcher to say which): the other
+// ranks whose heartbeat stood still over `apart` (longer than a sender's interval), as
+// "rank 1 (no heartbeat for 2.5s: exited, killed or frozen)"; or that the store
+// itself stopped answering (the process serving it is gone, e.g. rank 0 with --host-store).
+// "" when every peer still beats or the heartbeats say nothing. Never throws.
+std::string silent_peers(Store& store, int rank, int world, std::chrono::milliseconds apart);
+
 // Sends the tracker's snapshot to the store every `interval`, and within kStepPoll of a step
 // change or of entering eval or a checkpoint, until destroyed; a last one as it is destroyed (a
 // rank that fails unwinds through it, so the store holds the step it failed at). Each carries

@@ -112,3 +112,20 @@ TEST_CASE("heartbeat: entering eval or a checkpoint is published at once; beats 
   CHECK(beat["step"] == 10);
   CHECK(beat["beat"].get<int64_t>() > first);
 }
+
+TEST_CASE("heartbeat: silent_peers names the ranks whose beats stand still, or a store gone") {
+  ProgressTracker tracker;
+  std::optional<TcpStoreServer> server(std::in_place);
+  TcpStoreClient store("127.0.0.1", server->port(), 1s);
+  const HeartbeatSender alive(store, 1, tracker, 10ms);
+  { const HeartbeatSender gone(store, 2, tracker, 10ms); }  // beat, then stopped
+  // Rank 3 never beat (it never started): nothing is said of it.
+  CHECK(silent_peers(store, 0, 4, 200ms) ==
+        "rank 2 (no heartbeat for 0.2s: exited, killed or frozen)");
+  CHECK(silent_peers(store, 2, 3, 200ms).empty());  // the rank asking is not its own peer
+  server.reset();
+  CHECK(silent_peers(store, 0, 4, 200ms) ==
+        "the " + store.describe() +
+            " does not answer either: the process serving it (rank 0 with --host-store) has "
+            "likely exited or was killed");
+}

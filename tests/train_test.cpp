@@ -515,6 +515,41 @@ TEST_CASE("workers stopped before their first step, or rank 0 by SIGINT, record 
   CHECK(done["generations"][2]["step"] == r["train"]["steps"]);
 }
 
+TEST_CASE("without a launcher, a rank whose peer is killed names it from the heartbeats") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  for (const int victim : {1, 0}) {
+    CAPTURE(victim);
+    const std::string port = std::to_string(unused_port());
+    std::vector<std::unique_ptr<Background>> ranks;
+    for (int r = 0; r < 2; ++r) {
+      Env e = {{"RANK", std::to_string(r)},
+               {"WORLD_SIZE", "2"},
+               {"MASTER_ADDR", "127.0.0.1"},
+               {"MASTER_PORT", port},
+               {"DPTRAIN_DEBUG_STEP_DELAY_MS", "50"},
+               {"DPTRAIN_RUN_DIR", (tmp / fmt::format("run{}", victim)).string()}};
+      if (r == 0) e["DPTRAIN_HOST_STORE"] = "1";
+      ranks.push_back(
+          std::make_unique<Background>(std::vector<std::string>{"worker", recipe.string()}, e));
+    }
+    REQUIRE(eventually([&] {
+      return contains(read_text(tmp / fmt::format("run{}/metrics.jsonl", victim)), "\"step\":10");
+    }));
+    ::kill(ranks[static_cast<size_t>(victim)]->pid(), SIGKILL);
+    Background& survivor = *ranks[static_cast<size_t>(1 - victim)];
+    CHECK(survivor.wait(std::chrono::seconds(60)) == 3);
+    CAPTURE(survivor.err());
+    // Rank 1 gone: its heartbeat stands still. Rank 0 gone: the store it served with it.
+    CHECK(contains(survivor.err(), victim == 1
+                                       ? "; silent: rank 1 (no heartbeat for 2.5s: exited, killed "
+                                         "or frozen)"
+                                       : "does not answer either: the process serving it (rank 0 "
+                                         "with --host-store) has likely exited or was killed"));
+    ranks[static_cast<size_t>(victim)]->wait(std::chrono::seconds(10));
+  }
+}
+
 TEST_CASE("a worker started by srun takes its local rank from SLURM_LOCALID") {
   // Rank 1 is the first rank of a second node: a node leader, it keeps its own checkpoints.
   TempDir tmp;
