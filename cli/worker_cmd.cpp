@@ -337,8 +337,8 @@ class StopWatcher {
       if (byte == SIGINT) {
         g_stop_answer = 2;
         stop(rank, record, 130, "interrupted",
-             "stopped by SIGINT (no checkpoint is written for it: a resume continues from the "
-             "newest one)");
+             "stopped by SIGINT (no checkpoint is written for it: the workers started again "
+             "with '--resume newest' continue from the newest one)");
       }
       int before_first_step = 0;
       if (byte == SIGTERM && g_stop_answer.compare_exchange_strong(before_first_step, 2)) {
@@ -424,6 +424,9 @@ int run_worker(WorkerOptions o, std::optional<HandRunRecord>& record) {
                     "--run-dir",
                     o.run_dir, (fs::path(o.run_dir) / ".lock").lexically_normal().string()));
   }
+  // A pipe or a directory where rank 0 writes the run's files: exit 2 before any rank meets,
+  // as resume says it, not a failed write steps later.
+  if (o.rank == 0) check_run_files(o.run_dir);
   record.emplace(o, recipe);
   if (g_signal_pipe[0] < 0) throw Error(ErrorKind::internal, "cannot make the signal pipe");
   const StopWatcher watcher(o.rank, record->active() ? &*record : nullptr);

@@ -467,24 +467,24 @@ class TrainingRun {
                          others.size() == 1 ? "s" : "", name(all[0][field]));
     };
     const auto hex = [](uint64_t v) { return fmt::format("{:016x}", v); };
+    // Every difference is named, not only the first: one restart fixes them all.
+    std::vector<std::string> problems;
     if (const std::string d = differing(kRecipe, hex); !d.empty()) {
-      throw Error(ErrorKind::recipe,
-                  fmt::format("rank {}: the ranks were given different recipes: {}; hashes of the "
-                              "recipe with every default, data.path aside: start every rank with "
-                              "the same recipe",
-                              rank_, d));
+      problems.push_back(
+          fmt::format("the ranks were given different recipes: {}; hashes of the "
+                      "recipe with every default, data.path aside: start every "
+                      "rank with the same recipe",
+                      d));
     }
     if (const std::string d = differing(kData, hex); !d.empty()) {
-      throw Error(
-          ErrorKind::recipe,
-          fmt::format("rank {}: the ranks were given different data: {} (checksums of each "
-                      "rank's data fingerprint; this rank's {} holds '{}'): give every rank the "
-                      "same data (token files prepared from the same text with the same options, "
-                      "or copies)",
-                      rank_, d,
-                      recipe_.data.path.empty() ? "data.type " + recipe_.data.type
-                                                : "data.path " + recipe_.data.path,
-                      data_.fingerprint));
+      problems.push_back(fmt::format(
+          "the ranks were given different data: {} (checksums of each rank's data fingerprint; "
+          "this rank's {} holds '{}'): give every rank the same data (token files prepared from "
+          "the same text with the same options, or copies)",
+          d,
+          recipe_.data.path.empty() ? "data.type " + recipe_.data.type
+                                    : "data.path " + recipe_.data.path,
+          data_.fingerprint));
     }
     if (const std::string d = differing(kResume,
                                         [](uint64_t v) {
@@ -494,18 +494,21 @@ class TrainingRun {
                                                           : std::string("--resume CHECKPOINT");
                                         });
         !d.empty()) {
-      throw Error(ErrorKind::usage,
-                  fmt::format("rank {}: the ranks were started with different --resume: {}: "
-                              "start every rank with the same --resume",
-                              rank_, d));
+      problems.push_back(
+          fmt::format("the ranks were started with different --resume: {}: start "
+                      "every rank with the same --resume",
+                      d));
     }
     if (const std::string d = differing(kNominal, [](uint64_t v) { return std::to_string(v); });
         !d.empty()) {
-      throw Error(ErrorKind::usage,
-                  fmt::format("rank {}: the ranks were given different nominal world sizes "
-                              "(--nominal-world, DPTRAIN_NOMINAL_WORLD; default the world size): "
-                              "{}: give every rank the same",
-                              rank_, d));
+      problems.push_back(
+          fmt::format("the ranks were given different nominal world sizes "
+                      "(--nominal-world, DPTRAIN_NOMINAL_WORLD; default the world "
+                      "size): {}: give every rank the same",
+                      d));
+    }
+    if (!problems.empty()) {
+      throw Error(ErrorKind::recipe, fmt::format("rank {}: {}", rank_, fmt::join(problems, "; ")));
     }
   }
 

@@ -2,6 +2,7 @@
 #include <doctest/doctest.h>
 
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -430,6 +431,14 @@ TEST_CASE("workers given different data, --resume or nominal world stop at once,
                    "different nominal world sizes (--nominal-world, DPTRAIN_NOMINAL_WORLD; "
                    "default the world size): rank 1 (4) differs from rank 0's (2)"));
   }
+  // Every difference is named at once.
+  for (const auto& [code, err] :
+       pair("both", {a, {"--resume", "newest-or-start"}, {}}, {b, {}, {}})) {
+    CAPTURE(err);
+    CHECK(code == 2);
+    CHECK(contains(err, "the ranks were given different data: rank 1 ("));
+    CHECK(contains(err, "; the ranks were started with different --resume: rank 1 (no --resume)"));
+  }
   // The same data under two names trains.
   fs::copy_file(tmp / "a.csv", tmp / "b.csv", fs::copy_options::overwrite_existing);
   for (const auto& [code, err] : pair("same", {a, {}, {}}, {b, {}, {}})) {
@@ -639,6 +648,15 @@ TEST_CASE("a worker missing its identity says which variable is missing") {
   CHECK(file.exit_code == 2);
   CHECK(file.err ==
         "dptrain: error: rank 0: --run-dir " + (tmp / "afile").string() + ": not a directory\n");
+  // A pipe where rank 0 writes its metrics: exit 2 before it meets any rank, as resume says it.
+  fs::create_directories(tmp / "piped");
+  REQUIRE(::mkfifo((tmp / "piped/metrics.jsonl").c_str(), 0600) == 0);
+  auto piped = run_dptrain({"worker", recipe.string(), "--run-dir", (tmp / "piped").string(),
+                            "--store", "127.0.0.1:1", "--rank", "0", "--world-size", "1"});
+  CHECK(piped.exit_code == 2);
+  CHECK(contains(piped.err, (tmp / "piped/metrics.jsonl").string() +
+                                ": is a pipe, not a regular file: dptrain writes this file "
+                                "itself; move it away"));
 }
 
 TEST_CASE("fp16 and bf16 gradient compression: half the bytes, the held-out loss within 2%") {
