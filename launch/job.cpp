@@ -788,6 +788,11 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
                : std::string("; no checkpoint exists: a resume starts from step 0");
   };
   const auto checkpointed_note = [&]() -> std::string {
+    // Stopped while meeting (no heartbeat past "starting", no step logged): nothing was trained,
+    // so nothing was checkpointed.
+    if (trace.step < 0 && last_step < 0) {
+      return "every rank stopped before its first step (nothing to checkpoint)" + checkpoint_note();
+    }
     return newest ? fmt::format("every rank checkpointed its last step ({}) and stopped", *newest)
                   : std::string("every rank checkpointed its last step and stopped");
   };
