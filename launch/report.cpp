@@ -936,8 +936,10 @@ RunView load_run(const fs::path& dir, bool verify_checkpoints) {
   }
   run.state = run_state(run.info);
   try {
-    if (!blocked(dir / "checkpoints", fs::file_type::directory) &&
-        !blocked(dir / "checkpoints" / "latest", fs::file_type::regular)) {
+    if (!blocked(dir / "checkpoints", fs::file_type::directory)) {
+      // A `latest` that cannot be read is named; the checkpoints are still listed (none is
+      // taken for latest, as summarize_checkpoints never opens a pipe there).
+      blocked(dir / "checkpoints" / "latest", fs::file_type::regular);
       run.checkpoints = summarize_checkpoints(dir / "checkpoints", verify_checkpoints);
     }
   } catch (const Error& e) {

@@ -770,11 +770,13 @@ TEST_CASE("report and status of what is not a run: exit 2 naming it") {
   CHECK(read_text(tmp / "target.html") == "kept");
   // Pipes where a run's files belong are never opened (a reader would wait for a writer).
   REQUIRE(::mkfifo((tmp / "ok/metrics.jsonl").c_str(), 0600) == 0);
-  fs::create_directories(tmp / "ok/checkpoints");
+  fs::create_directories(tmp / "ok/checkpoints/step-000010");
   REQUIRE(::mkfifo((tmp / "ok/checkpoints/latest").c_str(), 0600) == 0);
   for (const char* cmd : {"status", "report"}) {
     auto piped = run_dptrain({cmd, (tmp / "ok").string(), "--json"}, {}, std::chrono::seconds(30));
     CHECK(piped.exit_code == 0);
+    // The checkpoints are still listed, without a `latest` to mark.
+    CHECK(parse_json(piped.out)["checkpoints"] == 1);
     CHECK(parse_json(piped.out)["unreadable"] ==
           json{(tmp / "ok/metrics.jsonl").string() + ": is a pipe, not a regular file",
                (tmp / "ok/checkpoints/latest").string() + ": is a pipe, not a regular file"});
