@@ -190,10 +190,10 @@ int run_resume(const ResumeOptions& o) {
     // A resume that cannot start (no valid checkpoint, hosts that are gone) still ends its
     // events stream, which a pipeline reads to its run_finished; run.json is left as it was.
     if (!events->finished()) {
-      const auto* error = dynamic_cast<const Error*>(&e);
+      const FailureEnd end = failure_end(e);
       events->emit("run_finished",
-                   {{"status", "failed"},
-                    {"exit_code", error != nullptr ? exit_code(kind_after_stop(error->kind())) : 1},
+                   {{"status", end.status},
+                    {"exit_code", end.exit_code},
                     {"run_dir", run.path().string()},
                     {"error", fmt::format("the resume did not start: {}", e.what())}});
     }

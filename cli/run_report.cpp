@@ -57,6 +57,13 @@ std::unique_ptr<EventLog> open_events(const RestartOptions& o, bool json) {
   return std::make_unique<EventLog>(o.events);
 }
 
+FailureEnd failure_end(const std::exception& e) {
+  const auto* error = dynamic_cast<const Error*>(&e);
+  const ErrorKind kind = error != nullptr ? kind_after_stop(error->kind()) : ErrorKind::internal;
+  const bool stopped = kind == ErrorKind::interrupted || kind == ErrorKind::terminated;
+  return {kind, exit_code(kind), stopped ? failure_status(kind) : "failed"};
+}
+
 std::FILE* status_stream(bool json, const EventLog& events) {
   return json || events.to_stdout() ? stderr : stdout;
 }
@@ -68,13 +75,10 @@ using nlohmann::json;
 // The launcher itself failed mid-job (too few file descriptors, a full disk under run.json, ...):
 // the run is recorded as failed with that error, as far as the run directory still takes
 // writes, instead of staying "running" until status calls it stale.
-void record_launcher_failure(RunDirectory& run, EventLog& events, const std::exception& e,
-                             ErrorKind kind) {
+void record_launcher_failure(RunDirectory& run, EventLog& events, const std::exception& e) {
   const std::string error = fmt::format("the launcher failed: {}", e.what());
-  // Stopped by SIGINT or SIGTERM: recorded as stopped runs are, with the code the command exits
-  // with (main maps the error the same way).
-  const bool stopped = kind == ErrorKind::interrupted || kind == ErrorKind::terminated;
-  const std::string status = stopped ? cli::failure_status(kind) : "failed";
+  // Stopped by SIGINT or SIGTERM: recorded as stopped runs are, with the code the command exits.
+  const FailureEnd end = failure_end(e);
   // Failed before its first run.json (a full disk): there is no run to record, and the
   // directory, left as a failed start leaves it (without the recipe.json this start wrote),
   // takes a launch again.
@@ -83,14 +87,19 @@ void record_launcher_failure(RunDirectory& run, EventLog& events, const std::exc
   if (!recorded) std::filesystem::remove(run.path() / "recipe.json", ec);
   try {
     record_run_failure(run.info(), error);
-    run.info()["status"] = status;
+    run.info()["status"] = end.status;
+    json& generations = run.info()["generations"];
+    if (generations.is_array() && !generations.empty() &&
+        generations.back().value("status", "") == "failed") {
+      generations.back()["status"] = end.status;
+    }
     if (recorded) run.save();
   } catch (const std::exception&) {
     // The directory takes no writes (a full disk): the error on stderr is all there is.
   }
   try {
-    events.emit("run_finished", {{"status", status},
-                                 {"exit_code", exit_code(kind)},
+    events.emit("run_finished", {{"status", end.status},
+                                 {"exit_code", end.exit_code},
                                  {"run_dir", run.path().string()},
                                  {"error", error}});
   } catch (const std::exception&) {
@@ -111,11 +120,7 @@ int run_to_end(RunDirectory& run, JobSpec spec, const RestartOptions& o, bool js
     outcome = run_job_with_restarts(run, spec, status, o.policy(spec.recipe.fault_tolerance));
   } catch (const std::exception& e) {
     status.finish();
-    // A dptrain::Error's kind, else (thread creation, the library's own) internal: exit 1, as
-    // main gives it.
-    const auto* error = dynamic_cast<const Error*>(&e);
-    record_launcher_failure(
-        run, events, e, error != nullptr ? kind_after_stop(error->kind()) : ErrorKind::internal);
+    record_launcher_failure(run, events, e);
     throw;
   }
   events.emit("run_finished", outcome.to_json(run));

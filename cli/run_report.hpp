@@ -71,6 +71,16 @@ CLI::Validator whole_number(const char* description) {
 void check_events(const RestartOptions& o, bool json);
 // The --events stream (disabled when not asked for); check_events first.
 std::unique_ptr<EventLog> open_events(const RestartOptions& o, bool json);
+// How a failure (an exception out of a command's work) ends a run: the kind main exits with (a
+// stop signal's, when one came meanwhile; internal for what is not a dptrain::Error), its exit
+// code, and the run's status for run.json and run_finished ("failed", "interrupted",
+// "terminated").
+struct FailureEnd {
+  ErrorKind kind;
+  int exit_code;
+  std::string status;
+};
+FailureEnd failure_end(const std::exception& e);
 // Where progress goes: stderr when stdout carries JSON (the outcome or the events).
 std::FILE* status_stream(bool json, const EventLog& events);
 

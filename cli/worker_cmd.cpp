@@ -116,9 +116,10 @@ void fill_from_env(WorkerOptions& o) {
 std::atomic<bool> g_stop_requested{false};
 // The stop signals' bytes, for the StopWatcher thread; a 0 byte tells it to end.
 int g_signal_pipe[2] = {-1, -1};
-// Who answers SIGTERM: 0 before the trainer's first step boundary (the StopWatcher, at once),
-// 1 the trainer (a checkpoint at the step's end), 2 the StopWatcher has taken it (the process
-// is ending).
+// Who answers a stop signal: 0 the StopWatcher, at once, for SIGTERM only before the training
+// loop began (ProgressTracker::stepping; after it the trainer checkpoints at a step's end);
+// 2 the StopWatcher took one (the process is ending); 3 training is over (what is left is
+// recording how it ended: signals wait for the exit).
 std::atomic<int> g_stop_answer{0};
 
 void on_stop_signal(int sig) {
@@ -237,20 +238,14 @@ class HandRunRecord {
     if (!o.resume.empty() && o.resume != "newest" && o.resume != "newest-or-start") {
       gen["resumed_from"] = fs::path(o.resume).filename().string();
     }
-    // Started again on another number of ranks: a change of world size, as a launcher records
-    // one (status and report count them).
+    // Started again on another number of ranks: a change of world size, recorded once the
+    // ranks have met (a start that fails first changed nothing).
     const json& before = info_["generations"].empty() ? json() : info_["generations"].back();
     if (before.is_object() && before.value("world_size", o.world_size) != o.world_size) {
-      json& changes = info_["world_size_changes"];
-      if (!changes.is_array()) changes = json::array();
-      changes.push_back({{"from", before.value("world_size", 0)},
-                         {"to", o.world_size},
-                         {"hosts", json::array({this_host()})},
-                         {"lost", json::array()},
-                         {"joined", json::array()},
-                         {"global_batch", global_batch(recipe, o.world_size, o.nominal_world)},
-                         {"generation", info_["generations"].size() + 1},
-                         {"at", utc_timestamp()}});
+      change_ = world_size_change(before.value("world_size", 0), o.world_size,
+                                  json::array({this_host()}), json::array(), json::array(),
+                                  global_batch(recipe, o.world_size, o.nominal_world),
+                                  static_cast<int64_t>(info_["generations"].size()) + 1);
     }
     info_["generations"].push_back(std::move(gen));
     save();
@@ -271,6 +266,12 @@ class HandRunRecord {
       gen["resumed_from"] = "step 0";
     }
     step_ = event.value("step", int64_t{0});
+    if (change_.is_object()) {
+      json& changes = info_["world_size_changes"];
+      if (!changes.is_array()) changes = json::array();
+      changes.push_back(std::move(change_));
+      change_ = nullptr;
+    }
     save();
   }
   void reached(int64_t step) {
@@ -309,6 +310,7 @@ class HandRunRecord {
   std::mutex mutex_;
   bool closed_ = false;
   int64_t step_ = -1;  // the step the generation started from, then the furthest logged
+  json change_;        // a change of world size to record when the ranks meet
 };
 
 // Stop signals, answered from a thread of their own. A rank answers SIGTERM at a step boundary,
@@ -319,7 +321,8 @@ class HandRunRecord {
 // "running".
 class StopWatcher {
  public:
-  StopWatcher(int rank, HandRunRecord* record) : thread_([rank, record] { watch(rank, record); }) {}
+  StopWatcher(int rank, HandRunRecord* record, const ProgressTracker& progress)
+      : thread_([rank, record, &progress] { watch(rank, record, progress); }) {}
   ~StopWatcher() {
     const char end = 0;
     (void)!::write(g_signal_pipe[1], &end, 1);
@@ -327,21 +330,22 @@ class StopWatcher {
   }
 
  private:
-  static void watch(int rank, HandRunRecord* record) {
+  static void watch(int rank, HandRunRecord* record, const ProgressTracker& progress) {
     for (;;) {
       pollfd fd{g_signal_pipe[0], POLLIN, 0};
       if (::poll(&fd, 1, -1) < 0 && errno != EINTR) return;
       char byte = 0;
       if (::read(g_signal_pipe[0], &byte, 1) != 1) continue;
       if (byte == 0) return;
-      if (byte == SIGINT) {
-        g_stop_answer = 2;
+      int answer = 0;
+      if (byte == SIGINT && g_stop_answer.compare_exchange_strong(answer, 2)) {
         stop(rank, record, 130, "interrupted",
              "stopped by SIGINT (no checkpoint is written for it: the workers started again "
              "with '--resume newest' continue from the newest one)");
       }
-      int before_first_step = 0;
-      if (byte == SIGTERM && g_stop_answer.compare_exchange_strong(before_first_step, 2)) {
+      answer = 0;
+      if (byte == SIGTERM && !progress.stepping() &&
+          g_stop_answer.compare_exchange_strong(answer, 2)) {
         stop(rank, record, 143, "terminated",
              "stopped by SIGTERM before its first step (nothing to checkpoint yet)");
       }
@@ -429,8 +433,13 @@ int run_worker(WorkerOptions o, std::optional<HandRunRecord>& record) {
   if (o.rank == 0) check_run_files(o.run_dir);
   record.emplace(o, recipe);
   if (g_signal_pipe[0] < 0) throw Error(ErrorKind::internal, "cannot make the signal pipe");
-  const StopWatcher watcher(o.rank, record->active() ? &*record : nullptr);
-  if (record->active()) catch_signal(SIGINT);
+  ProgressTracker progress;
+  const StopWatcher watcher(o.rank, record->active() ? &*record : nullptr, progress);
+  // Not where the worker was started ignoring it (`worker ... &` from a script): it stays so.
+  if (struct sigaction sa{};
+      record->active() && ::sigaction(SIGINT, nullptr, &sa) == 0 && sa.sa_handler != SIG_IGN) {
+    catch_signal(SIGINT);
+  }
 
   // The job secret comes through the environment only; "" means an open store (by hand).
   const std::string secret = env(kStoreSecretEnv).value_or("");
@@ -438,8 +447,11 @@ int run_worker(WorkerOptions o, std::optional<HandRunRecord>& record) {
   if (o.host_store && o.rank == 0) {
     // A loopback store address keeps the store on this machine: nothing beyond it can reach
     // it (a store started by hand has no secret unless DPTRAIN_STORE_SECRET gives one).
-    server =
-        std::make_unique<TcpStoreServer>(is_loopback_host(host) ? host : "0.0.0.0", port, secret);
+    // "localhost" as 127.0.0.1: a name binds only the first address it resolves to.
+    const std::string bind = host == "localhost"      ? "127.0.0.1"
+                             : is_loopback_host(host) ? host
+                                                      : "0.0.0.0";
+    server = std::make_unique<TcpStoreServer>(bind, port, secret);
   }
   TcpStoreClient client(host, port, timeout, secret);
   PrefixStore store(fmt::format("gen{}", o.generation), client);
@@ -459,12 +471,18 @@ int run_worker(WorkerOptions o, std::optional<HandRunRecord>& record) {
     gloo.timeout = timeout;
     comm = make_gloo_communicator(store, o.rank, o.world_size, gloo);
   }
-  ProgressTracker progress;
   // The heartbeats' own connection, quick to give up: a store gone with its process (rank 0
   // with --host-store) would otherwise hold each beat, and this rank's exit, for the job's
-  // whole timeout.
-  TcpStoreClient beat_client(host, port, std::chrono::seconds(2), secret);
-  PrefixStore beat_store(fmt::format("gen{}", o.generation), beat_client);
+  // whole timeout. Where the store has no room for it (or is slow to answer now), the job's
+  // connection carries them.
+  std::optional<TcpStoreClient> beat_client;
+  std::optional<PrefixStore> beat_prefix;
+  try {
+    beat_client.emplace(host, port, std::chrono::seconds(2), secret);
+    beat_prefix.emplace(fmt::format("gen{}", o.generation), *beat_client);
+  } catch (const Error&) {
+  }
+  Store& beat_store = beat_prefix ? static_cast<Store&>(*beat_prefix) : store;
   const HeartbeatSender heartbeat(beat_store, o.rank, progress, std::chrono::seconds(1));
 
   const bool events = env("DPTRAIN_EVENTS").value_or("0") == "1";
@@ -490,9 +508,9 @@ int run_worker(WorkerOptions o, std::optional<HandRunRecord>& record) {
   };
   topts.progress = &progress;
   topts.stop_requested = [rank = o.rank, &store, announced = false]() mutable {
-    // From the first step boundary on, the trainer answers SIGTERM; unless the StopWatcher took
-    // one that came before (the process is ending).
-    if (int before = 0; !g_stop_answer.compare_exchange_strong(before, 1) && before == 2) {
+    // In the training loop the trainer answers SIGTERM, unless the StopWatcher took one that
+    // came before (the process is ending).
+    if (g_stop_answer.load() == 2) {
       for (;;)
         ::pause();
     }
@@ -519,6 +537,19 @@ int run_worker(WorkerOptions o, std::optional<HandRunRecord>& record) {
   try {
     result = train(recipe, *comm, topts);
   } catch (const Error& e) {
+    if (int answer = 0; !g_stop_answer.compare_exchange_strong(answer, 3)) {
+      for (;;)  // the StopWatcher is ending the process
+        ::pause();
+    }
+    // Asked to stop, and a peer left a collective: it stopped before its first step, as this
+    // rank would have (each rank decides that alone) - the stop, not a failure.
+    if (e.kind() == ErrorKind::comm && g_stop_requested.load()) {
+      throw Error(
+          ErrorKind::terminated,
+          fmt::format("stopped by SIGTERM; a peer left a collective meanwhile (one stops at once "
+                      "before its first step): {}",
+                      e.what()));
+    }
     // A collective failed because a peer is gone: a launcher names it; without one the
     // heartbeats do (2.5 s, over two of their intervals).
     if (e.kind() != ErrorKind::comm || started_by_launcher() || o.world_size < 2) throw;
@@ -529,6 +560,11 @@ int run_worker(WorkerOptions o, std::optional<HandRunRecord>& record) {
     if (who.empty()) throw;
     throw Error(e.kind(),
                 fmt::format("{}; {}{}", e.what(), who.starts_with("rank ") ? "silent: " : "", who));
+  }
+  // Training is over: a signal now waits for the record of how it ended, and the exit.
+  if (int answer = 0; !g_stop_answer.compare_exchange_strong(answer, 3)) {
+    for (;;)
+      ::pause();
   }
   if (result.stopped) {
     record->finish("terminated", "stopped by SIGTERM after a checkpoint");

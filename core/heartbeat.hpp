@@ -23,7 +23,13 @@ const char* phase_name(Phase phase);
 // Written by the training loop (cheap atomics), read by the heartbeat thread.
 class ProgressTracker {
  public:
-  void set_step(int64_t step) { step_.store(step, std::memory_order_relaxed); }
+  // Called as each step begins: from the first on, the rank is in its training loop.
+  void set_step(int64_t step) {
+    step_.store(step, std::memory_order_relaxed);
+    stepping_.store(true, std::memory_order_release);
+  }
+  // Whether the training loop has begun (the first step started), not only the meeting.
+  bool stepping() const { return stepping_.load(std::memory_order_acquire); }
   void enter(Phase phase) {
     phase_.store(static_cast<int>(phase), std::memory_order_relaxed);
     progress_.fetch_add(1, std::memory_order_relaxed);
@@ -56,6 +62,7 @@ class ProgressTracker {
   std::atomic<const char*> what_{""};
   std::atomic<int64_t> index_{-1};
   std::atomic<int64_t> progress_{0};
+  std::atomic<bool> stepping_{false};
 };
 
 std::string heartbeat_key(int rank);  // "heartbeat/<rank>", under the generation's prefix

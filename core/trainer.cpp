@@ -746,13 +746,19 @@ class TrainingRun {
     // without a launcher on fewer ranks than wrote the checkpoint and no --nominal-world change
     // the batch, and so the training, unless told.
     if (header[9] > 0 && header[9] != global_batch_ && recipe_.distributed.resize != "scale_lr") {
+      // The nominal world that gives the checkpoint's batch here (servers and all), if any.
+      std::string keep;
+      for (int n = 1; n <= 65536 && keep.empty(); ++n) {
+        if (global_batch(recipe_, world_, n) == header[9])
+          keep =
+              fmt::format(": workers keep the batch of {} with --nominal-world {}", header[9], n);
+      }
       emit({{"event", "info"},
-            {"message",
-             fmt::format("warning: the global batch changes from the checkpoint's {} to {} "
-                         "(distributed.resize is \"{}\"; the nominal world size here is {}): "
-                         "workers keep the batch of {} with --nominal-world {}",
-                         header[9], global_batch_, recipe_.distributed.resize, nominal_world_,
-                         header[9], header[9] * nominal_world_ / global_batch_)}});
+            {"message", fmt::format("warning: the global batch changes from the checkpoint's {} "
+                                    "to {} (distributed.resize is \"{}\"; the nominal world size "
+                                    "here is {}){}",
+                                    header[9], global_batch_, recipe_.distributed.resize,
+                                    nominal_world_, keep)}});
     }
   }
 

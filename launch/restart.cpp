@@ -143,20 +143,13 @@ Placed place_generation(RunDirectory& run, JobSpec& spec, StatusPrinter& status,
                     [&](const HostSpec& b) { return b.display() == h.display(); });
     if (why != Placement::first && !before_too) joined.push_back(h.display());
   }
-  return {
-      "",
-      {{"from", before},
-       {"to", spec.world_size},
-       {"hosts", hosts},
-       {"lost", absent},
-       {"joined", joined},
-       {"global_batch", batch},
-       {"generation", run.info()["generations"].size() + 1},
-       {"at", utc_timestamp()},
-       {"line", fmt::format("world size {} -> {}{}; global batch {}{}", before, spec.world_size,
-                            spec.hosts.empty() ? std::string()
-                                               : fmt::format(" ({} host(s))", spec.hosts.size()),
-                            batch, absent.empty() ? "" : "; without " + join(absent, "; "))}}};
+  json change = world_size_change(before, spec.world_size, hosts, absent, joined, batch,
+                                  static_cast<int64_t>(run.info()["generations"].size()) + 1);
+  change["line"] = fmt::format(
+      "world size {} -> {}{}; global batch {}{}", before, spec.world_size,
+      spec.hosts.empty() ? std::string() : fmt::format(" ({} host(s))", spec.hosts.size()), batch,
+      absent.empty() ? "" : "; without " + join(absent, "; "));
+  return {"", change};
 }
 
 // Where the next generation continues from (its JobSpec::resume_from): the newest valid

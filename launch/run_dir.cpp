@@ -148,6 +148,19 @@ void record_run_failure(nlohmann::json& info, const std::string& error) {
   last["error"] = error;
 }
 
+nlohmann::json world_size_change(int64_t from, int64_t to, nlohmann::json hosts,
+                                 nlohmann::json lost, nlohmann::json joined, int64_t global_batch,
+                                 int64_t generation) {
+  return {{"from", from},
+          {"to", to},
+          {"hosts", std::move(hosts)},
+          {"lost", std::move(lost)},
+          {"joined", std::move(joined)},
+          {"global_batch", global_batch},
+          {"generation", generation},
+          {"at", utc_timestamp()}};
+}
+
 std::string utc_timestamp() {
   return utc_format("%Y-%m-%dT%H:%M:%SZ");
 }

@@ -100,6 +100,11 @@ std::optional<RemoteCheckpoint> remote_last_checkpoint(const nlohmann::json& inf
 // generation's too when that one had not ended or had completed (a benchmark whose verdict
 // failed); a generation's own failure stays as it was recorded.
 void record_run_failure(nlohmann::json& info, const std::string& error);
+// One entry of run.json's world_size_changes: the world size `from` -> `to` as `generation`
+// starts on `hosts`, with the hosts or ranks lost and the hosts joined, and its global batch.
+nlohmann::json world_size_change(int64_t from, int64_t to, nlohmann::json hosts,
+                                 nlohmann::json lost, nlohmann::json joined, int64_t global_batch,
+                                 int64_t generation);
 
 std::string utc_timestamp();  // 2026-11-30T08:43:38Z
 std::string this_host();      // this machine's host name (run.json's "launcher")

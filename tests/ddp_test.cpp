@@ -2,11 +2,14 @@
 // ZeRO-1 and local SGD, each with crashes and resumes where its state must survive them.
 #include <doctest/doctest.h>
 
+#include <signal.h>
+
 #include <cmath>
 #include <map>
 #include <string>
 
 #include "tests/harness.hpp"
+#include "tests/strings.hpp"
 
 using namespace dptrain::test;
 namespace fs = std::filesystem;
@@ -277,6 +280,26 @@ TEST_CASE("parameter servers: a crashed server or worker restarts, bit-identical
   recipe["distributed"]["servers"] = 2;
   check_restarts_bit_identical(tmp.path(), recipe, 4,
                                "crash@step=33,rank=3,gen=1;crash@step=71,rank=0,gen=2", 2);
+}
+
+TEST_CASE("parameter servers: SIGTERM before a server's first sync point still checkpoints") {
+  // A server looks for a stop only at its sync points (where a log line is due): SIGTERM
+  // between them is answered there by every rank, with a checkpoint, not by a server that
+  // leaves at once.
+  TempDir tmp;
+  json recipe = resumable_recipe();
+  recipe["distributed"]["sync"] = "ps";
+  recipe["log"]["every"] = 60;
+  const auto path = write_recipe(tmp.path(), recipe);
+  Background launch({"launch", path.string(), "--nproc", "2", "--run-dir", (tmp / "run").string()},
+                    Env{{"DPTRAIN_DEBUG_STEP_DELAY_MS", "50"}});
+  REQUIRE(eventually([&] { return fs::exists(tmp / "run/checkpoints/step-000020"); },
+                     std::chrono::seconds(120)));
+  ::kill(launch.pid(), SIGTERM);
+  CHECK(launch.wait(std::chrono::seconds(120)) == 143);
+  INFO(launch.out(), launch.err());
+  CHECK(contains(launch.err(), "stopped by SIGTERM; every rank checkpointed its last step"));
+  CHECK(run_dptrain({"resume", (tmp / "run").string()}).exit_code == 0);
 }
 
 TEST_CASE("parameter servers: too many servers, or NCCL, is one clear error") {
