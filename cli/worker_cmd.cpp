@@ -507,6 +507,8 @@ int run_worker(WorkerOptions o, std::optional<HandRunRecord>& record) {
     }
   };
   topts.progress = &progress;
+  if (!started_by_launcher())
+    topts.resume_how = "starting the workers again with '--resume newest'";
   topts.stop_requested = [rank = o.rank, &store, announced = false]() mutable {
     // In the training loop the trainer answers SIGTERM, unless the StopWatcher took one that
     // came before (the process is ending).

@@ -363,8 +363,9 @@ class TrainingRun {
     if (recipe_.eval.every > 0 && step_ % recipe_.eval.every == 0) evaluate(step_);
     result.last_checkpoint = checkpoint(step_);
     emit({{"event", "info"},
-          {"message", fmt::format("stopped on request after step {}; resume continues from {}",
-                                  step_, result.last_checkpoint.filename().string())}});
+          {"message",
+           fmt::format("stopped on request after step {}; {} continues from {}", step_,
+                       options_.resume_how, result.last_checkpoint.filename().string())}});
     return result;
   }
 

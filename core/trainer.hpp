@@ -43,6 +43,9 @@ struct TrainerOptions {
   // Polled once a step on every rank: when any rank says yes (SIGTERM, a spot instance going
   // away), all ranks finish that step, checkpoint it, and train() returns with `stopped`.
   std::function<bool()> stop_requested;
+  // How the run is continued, for the message after such a stop: "dptrain resume", or for
+  // workers started without a launcher "'--resume newest'".
+  std::string resume_how = "dptrain resume";
   // Where this rank is, for hang attribution (published by a HeartbeatSender); may be null.
   ProgressTracker* progress = nullptr;
   // Called at the start of every step with the step about to run (fault injection in tests).

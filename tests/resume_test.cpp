@@ -452,6 +452,10 @@ TEST_CASE("SIGTERM: every rank checkpoints its step and stops, exit 143; resume 
   CHECK(stopped_at > 20);
   CHECK(stopped_at < 120);
   CHECK(stopped_at % 20 != 0);  // not a periodic one: the stop wrote it
+  CHECK(contains(run.launcher.out(),
+                 fmt::format("stopped on request after step {}; dptrain resume continues from "
+                             "step-{:06d}",
+                             stopped_at, stopped_at)));
   auto resumed = run_dptrain({"resume", run.run_dir.string()});
   INFO(resumed.out, resumed.err);
   REQUIRE(resumed.exit_code == 0);
