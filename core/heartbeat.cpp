@@ -47,6 +47,15 @@ std::string heartbeat_key(int rank) {
   return fmt::format("heartbeat/{}", rank);
 }
 
+std::optional<nlohmann::json> read_heartbeat(Store& store, int rank) {
+  const std::string key = heartbeat_key(rank);
+  if (!store.check({key})) return std::nullopt;
+  nlohmann::json beat =
+      nlohmann::json::parse(store.get(key, std::chrono::seconds(2)), nullptr, false);
+  if (!beat.is_object()) return std::nullopt;
+  return beat;
+}
+
 std::string sigterm_key(int rank) {
   return fmt::format("sigterm/{}", rank);
 }
@@ -56,10 +65,9 @@ std::string silent_peers(Store& store, int rank, int world, std::chrono::millise
   const auto beats = [&] {
     std::vector<int64_t> out(static_cast<size_t>(world), -1);
     for (int r = 0; r < world; ++r) {
-      if (r == rank || !store.check({heartbeat_key(r)})) continue;
-      const auto beat = nlohmann::json::parse(store.get(heartbeat_key(r), std::chrono::seconds(2)),
-                                              nullptr, false);
-      if (beat.is_object()) out[static_cast<size_t>(r)] = beat.value("beat", int64_t{-1});
+      if (r == rank) continue;
+      if (const auto beat = read_heartbeat(store, r))
+        out[static_cast<size_t>(r)] = beat->value("beat", int64_t{-1});
     }
     return out;
   };

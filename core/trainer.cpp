@@ -746,7 +746,8 @@ class TrainingRun {
     // keep_global_batch keeps it over any world size, given the job's nominal one: ranks started
     // without a launcher on fewer ranks than wrote the checkpoint and no --nominal-world change
     // the batch, and so the training, unless told.
-    if (header[9] > 0 && header[9] != global_batch_ && recipe_.distributed.resize != "scale_lr") {
+    if (rank_ == 0 && header[9] > 0 && header[9] != global_batch_ &&
+        recipe_.distributed.resize != "scale_lr") {
       // The nominal world that gives the checkpoint's batch here (servers and all), if any.
       std::string keep;
       for (int n = 1; n <= 65536 && keep.empty(); ++n) {

@@ -244,11 +244,9 @@ GenerationTrace read_generation_trace(const std::string& addr, uint16_t port,
     PrefixStore store(fmt::format("gen{}", generation), client);
     for (int r = 0; r < world; ++r) {
       if (store.check({sigterm_key(r)})) trace.sigterm_ranks.push_back(r);
-      const std::string key = heartbeat_key(r);
-      if (!store.check({key})) continue;
-      const json beat = json::parse(store.get(key, std::chrono::seconds(2)), nullptr, false);
-      if (beat.is_discarded() || beat.value("phase", "") == "starting") continue;
-      trace.step = std::max(trace.step, beat.value("step", int64_t{-1}));
+      const auto beat = read_heartbeat(store, r);
+      if (!beat || beat->value("phase", "") == "starting") continue;
+      trace.step = std::max(trace.step, beat->value("step", int64_t{-1}));
     }
   } catch (const std::exception&) {
   }
