@@ -117,6 +117,11 @@ int run_launch(const LaunchOptions& o) {
     return 0;
   }
   check_local_gpus(spec);
+  // Said before "already holds a run": its workers are not to be started again.
+  if (const std::string running = o.run_dir.empty() ? "" : running_hand_run(o.run_dir);
+      !running.empty()) {
+    throw Error(ErrorKind::usage, running + "; choose another --run-dir");
+  }
   const auto events = open_events(o.restart, o.json);  // a bad --events path: nothing created
   RunDirectory run = RunDirectory::create(o.run_dir, o.runs_root, spec.recipe.name);
   run.info()["recipe_file"] = std::filesystem::absolute(o.recipe).string();

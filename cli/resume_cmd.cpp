@@ -154,12 +154,8 @@ int run_resume(const ResumeOptions& o) {
   RunDirectory run = RunDirectory::open(o.run_dir);
   if (started_by_workers(run.info())) {
     // Their scheduler starts the ranks, not dptrain: nothing here is to be written.
-    const RunState state = load_run(run.path(), false).state;
-    if (state.status == "running") {
-      throw Error(ErrorKind::usage,
-                  fmt::format("{}: its workers (started without a launcher: by hand, srun, "
-                              "mpirun) are running it{}; nothing to resume while they do",
-                              o.run_dir, state.note.empty() ? "" : " (" + state.note + ")"));
+    if (const std::string running = running_hand_run(o.run_dir); !running.empty()) {
+      throw Error(ErrorKind::usage, running + "; nothing to resume while they do");
     }
     throw Error(ErrorKind::usage,
                 fmt::format("{}: its workers were started without a launcher (by hand, srun, "

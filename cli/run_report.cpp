@@ -14,6 +14,7 @@
 #include "core/error.hpp"
 #include "core/json_error.hpp"
 #include "core/recipe.hpp"
+#include "launch/report.hpp"
 #include "launch/status.hpp"
 #include "launch/supervisor.hpp"
 
@@ -66,6 +67,23 @@ FailureEnd failure_end(const std::exception& e) {
 
 std::FILE* status_stream(bool json, const EventLog& events) {
   return json || events.to_stdout() ? stderr : stdout;
+}
+
+std::string running_hand_run(const std::filesystem::path& dir) {
+  std::error_code ec;
+  if (!std::filesystem::exists(dir / "run.json", ec)) return {};
+  nlohmann::json info;
+  try {
+    info = read_run_json(dir);
+  } catch (const Error&) {
+    return {};  // not a run this can tell anything of; the caller says what it finds
+  }
+  if (!started_by_workers(info)) return {};
+  const RunState state = run_state(info);
+  if (state.status != "running") return {};
+  return fmt::format(
+      "{}: its workers (started without a launcher: by hand, srun, mpirun) are running it{}",
+      dir.string(), state.note.empty() ? "" : " (" + state.note + ")");
 }
 
 namespace {

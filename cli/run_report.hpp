@@ -84,6 +84,11 @@ FailureEnd failure_end(const std::exception& e);
 // Where progress goes: stderr when stdout carries JSON (the outcome or the events).
 std::FILE* status_stream(bool json, const EventLog& events);
 
+// For a run in `dir` whose workers, started without a launcher (by hand, srun, mpirun), are
+// running it now: "DIR: its workers (started without a launcher: ...) are running it (NOTE)".
+// Empty for any other run, or where there is none.
+std::string running_hand_run(const std::filesystem::path& dir);
+
 // Prints the outcome (a summary on stdout, or one JSON object with --json; errors on stderr)
 // and returns the exit code.
 // The human summary goes to `summary`.

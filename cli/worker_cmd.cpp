@@ -216,6 +216,14 @@ class HandRunRecord {
         return;
       }
       if (!started_by_workers(info_)) return;
+      // Started again to continue a run that completed: nothing to train, nothing to record.
+      // (With another recipe it is not this run: its checkpoints are skipped as another's.)
+      if (info_.value("status", "") == "completed" &&
+          info_.value("recipe", json()) == to_json(recipe) &&
+          (o.resume == "newest" || o.resume == "newest-or-start")) {
+        completed_ = true;
+        return;
+      }
     } else {
       info_ = new_run_info();
       info_["started_by"] = kStartedByWorkers;
@@ -253,6 +261,9 @@ class HandRunRecord {
 
   // Whether this process keeps the run's record (rank 0 of workers started without a launcher).
   bool active() const { return !file_.empty(); }
+  // Whether the record says the run completed, and this start would continue it: it has nothing
+  // to do (and keeps no record).
+  bool completed() const { return completed_; }
 
   // Where the ranks found their checkpoint (rank 0's "rendezvous" event), as a launcher records
   // it: a checkpoint's name, or "step 0" when a search found none.
@@ -309,6 +320,7 @@ class HandRunRecord {
   json info_;
   std::mutex mutex_;
   bool closed_ = false;
+  bool completed_ = false;
   int64_t step_ = -1;  // the step the generation started from, then the furthest logged
   json change_;        // a change of world size to record when the ranks meet
 };
@@ -451,7 +463,19 @@ int run_worker(WorkerOptions o, std::optional<HandRunRecord>& record) {
     const std::string bind = host == "localhost"      ? "127.0.0.1"
                              : is_loopback_host(host) ? host
                                                       : "0.0.0.0";
-    server = std::make_unique<TcpStoreServer>(bind, port, secret);
+    try {
+      server = std::make_unique<TcpStoreServer>(bind, port, secret);
+    } catch (const Error& e) {
+      // The ranks' settings, not the network: exit 2, as a launcher's --master-port in use.
+      const std::string cause = e.what();
+      throw Error(ErrorKind::usage,
+                  fmt::format("--host-store: the store cannot listen on port {} ({}); give the "
+                              "store (--store, DPTRAIN_STORE or MASTER_PORT) a free port",
+                              port,
+                              cause.starts_with("cannot listen on ")
+                                  ? cause.substr(std::string("cannot listen on ").size())
+                                  : cause));
+    }
   }
   TcpStoreClient client(host, port, timeout, secret);
   PrefixStore store(fmt::format("gen{}", o.generation), client);
@@ -494,6 +518,7 @@ int run_worker(WorkerOptions o, std::optional<HandRunRecord>& record) {
   topts.resume_from = o.resume;
   topts.node_leader = o.local_rank == 0;
   topts.nominal_world = o.nominal_world;
+  topts.run_completed = record->completed();
   topts.debug_step_delay_ms = std::atoll(env("DPTRAIN_DEBUG_STEP_DELAY_MS").value_or("0").c_str());
   topts.on_event = [&](const nlohmann::json& e) {
     const std::string kind = e.value("event", "");
@@ -567,6 +592,12 @@ int run_worker(WorkerOptions o, std::optional<HandRunRecord>& record) {
   if (int answer = 0; !g_stop_answer.compare_exchange_strong(answer, 3)) {
     for (;;)
       ::pause();
+  }
+  if (result.already_completed) {
+    if (o.rank == 0) {
+      std::printf("%s: the run already completed; nothing to resume\n", o.run_dir.c_str());
+    }
+    return 0;
   }
   if (result.stopped) {
     record->finish("terminated", "stopped by SIGTERM after a checkpoint");

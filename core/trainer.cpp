@@ -185,7 +185,11 @@ class TrainingRun {
   }
 
   TrainResult run() {
-    start();
+    if (!start()) {
+      TrainResult done;
+      done.already_completed = true;
+      return done;
+    }
     if (server_) return serve();
     const int64_t total = recipe_.train.steps;
     const int64_t warmup = std::min<int64_t>(10, (total - step_) / 5);
@@ -444,15 +448,18 @@ class TrainingRun {
   // start options: their collectives would mismatch (a hang until the timeout) or, worse, match
   // and train something nobody asked for. One allgather compares what every rank must share: the
   // recipe's hash (recipe_hash leaves data.path out: each host may keep the data elsewhere), the
-  // data's fingerprint, how the ranks start (--resume) and the nominal world size.
-  void check_same_start() {
-    enum Field : size_t { kRecipe, kData, kResume, kNominal, kFields };
+  // data's fingerprint, how the ranks start (--resume) and the nominal world size. It also
+  // carries rank 0's word that the run already completed (TrainerOptions::run_completed): the
+  // return value, the same on every rank.
+  bool check_same_start() {
+    enum Field : size_t { kRecipe, kData, kResume, kNominal, kCompleted, kFields };
     const std::string& how = options_.resume_from.native();
     std::array<uint64_t, kFields> mine{};
     mine[kRecipe] = std::stoull(recipe_hash(recipe_), nullptr, 16);
     mine[kData] = checksum64(data_.fingerprint.data(), data_.fingerprint.size());
     mine[kResume] = how.empty() ? 0 : how == "newest" ? 1 : how == "newest-or-start" ? 2 : 3;
     mine[kNominal] = static_cast<uint64_t>(nominal_world_);
+    mine[kCompleted] = rank_ == 0 && options_.run_completed ? 1 : 0;
     std::vector<std::array<uint64_t, kFields>> all(static_cast<size_t>(world_));
     mark_collective("allgather of what the ranks start with");
     comm_.allgather(mine.data(), sizeof(mine), all.data());
@@ -511,10 +518,12 @@ class TrainingRun {
     if (!problems.empty()) {
       throw Error(ErrorKind::recipe, fmt::format("rank {}: {}", rank_, fmt::join(problems, "; ")));
     }
+    return all[0][kCompleted] != 0;
   }
 
-  void start() {
-    check_same_start();
+  // Whether there is a run to train: false when rank 0's record says it already completed.
+  bool start() {
+    if (check_same_start()) return false;
     claim_run_directory();
     if (writes_checkpoints()) remove_incomplete_checkpoints(options_.run_dir / "checkpoints");
     if (data_world_ > micro_batches_) {
@@ -536,6 +545,7 @@ class TrainingRun {
                        {"step", step_}};
     if (!from.empty()) rendezvous["resumed_from"] = from.filename().string();
     emit(rendezvous);
+    return true;
   }
 
   void fresh_start() {

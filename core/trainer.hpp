@@ -43,6 +43,10 @@ struct TrainerOptions {
   // Polled once a step on every rank: when any rank says yes (SIGTERM, a spot instance going
   // away), all ranks finish that step, checkpoint it, and train() returns with `stopped`.
   std::function<bool()> stop_requested;
+  // Rank 0: the run's record says it completed (workers started without a launcher, started
+  // again with --resume newest or newest-or-start). Every rank learns it as they meet, and
+  // train() returns at once with `already_completed`, touching nothing in the run directory.
+  bool run_completed = false;
   // How the run is continued, for the message after such a stop: "dptrain resume", or for
   // workers started without a launcher "'--resume newest'".
   std::string resume_how = "dptrain resume";
@@ -78,7 +82,8 @@ struct TrainResult {
   double peak_rss_mib = 0;         // the largest peak resident memory of any rank
   std::string params_checksum;
   std::filesystem::path last_checkpoint;
-  bool stopped = false;  // stopped early on request, after checkpointing `steps`
+  bool stopped = false;            // stopped early on request, after checkpointing `steps`
+  bool already_completed = false;  // nothing ran: rank 0's record says the run completed
   nlohmann::json to_json() const;
 };
 

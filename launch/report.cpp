@@ -204,6 +204,8 @@ RunState between_generations(const json& info, const json& generations, RunState
   return state;
 }
 
+}  // namespace
+
 RunState run_state(const json& info) {
   RunState state;
   state.recorded_status = text(info, "status");
@@ -291,6 +293,8 @@ RunState run_state(const json& info) {
   }
   return between_generations(info, generations, std::move(state));
 }
+
+namespace {
 
 // The JSON object in `file`; null when it is missing, and also when it is damaged, which
 // `damaged` then says why ("FILE: not valid JSON at line 1, column 9: ...").

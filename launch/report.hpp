@@ -51,6 +51,10 @@ struct RunState {
   std::string note;             // why it is stale, restarting or resizing; empty otherwise
 };
 
+// Where the run that `info` (its run.json) records stands now: for one marked running, whether
+// its launcher or (workers started without one) its rank 0 lives.
+RunState run_state(const nlohmann::json& info);
+
 // One checkpoint of the run, verified (every blob's size and checksum) or only listed.
 struct CheckpointSummary {
   std::string name;

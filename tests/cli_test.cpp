@@ -202,6 +202,15 @@ TEST_CASE("usage errors exit 2") {
                           "--master-port out for a free one\n");
     CHECK_FALSE(fs::exists(tmp / "runs"));
   }
+  // And a worker that would host the store on it.
+  auto hosting =
+      run_dptrain({"worker", recipe.string(), "--rank", "0", "--world-size", "1", "--host-store",
+                   "--store", "127.0.0.1:" + held, "--run-dir", (tmp / "hand").string()});
+  CHECK(hosting.exit_code == 2);
+  CHECK(hosting.err == "dptrain: error: rank 0: --host-store: the store cannot listen on port " +
+                           held + " (127.0.0.1:" + held +
+                           ": Address already in use); give the store (--store, DPTRAIN_STORE or "
+                           "MASTER_PORT) a free port\n");
   ::close(holder);
   // --dry-run refuses what the launch would: events and JSON both on stdout.
   auto dry = run_dptrain({"launch", recipe.string(), "--dry-run", "--events", "-", "--json"});

@@ -242,7 +242,35 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
         "its workers were started without a launcher: start them again with '--resume newest' "
         "to continue it");
   write_text(tmp / "run/run.json", info.dump());
-  // Continued on one rank without --nominal-world: the global batch halves, and it says so.
+  // Started again to continue it once it completed: nothing to do, and the run is left alone
+  // (its final checkpoint, metrics and record), as resume leaves it.
+  const auto snapshot = [&] {
+    std::string all = read_text(tmp / "run/run.json") + read_text(tmp / "run/metrics.jsonl") +
+                      read_text(tmp / "run/result.json");
+    for (const auto& entry : fs::recursive_directory_iterator(tmp / "run/checkpoints")) {
+      all += entry.path().string() + " " +
+             std::to_string(entry.last_write_time().time_since_epoch().count()) + "\n";
+    }
+    return all;
+  };
+  {
+    const std::string before = snapshot();
+    Env again0 = env0, again1 = env1;
+    again0["MASTER_PORT"] = again1["MASTER_PORT"] = std::to_string(unused_port());
+    Background a0({"worker", recipe.string(), "--resume", "newest"}, again0);
+    Background a1({"worker", recipe.string(), "--resume", "newest"}, again1);
+    CHECK(a1.wait(std::chrono::seconds(60)) == 0);
+    CHECK(a0.wait(std::chrono::seconds(60)) == 0);
+    INFO(a0.err(), a1.err());
+    CHECK(contains(a0.out(),
+                   (tmp / "run").string() + ": the run already completed; nothing to resume\n"));
+    CHECK(snapshot() == before);
+  }
+  // Continued on one rank without --nominal-world (a run that failed after its last
+  // checkpoint): the global batch halves, and it says so.
+  json unfinished = info;
+  unfinished["status"] = "failed";
+  write_text(tmp / "run/run.json", unfinished.dump());
   Env one_rank = env0;
   one_rank["WORLD_SIZE"] = "1";
   one_rank["MASTER_PORT"] = std::to_string(unused_port());
@@ -431,6 +459,16 @@ TEST_CASE("workers given different data, --resume or nominal world stop at once,
                    "different nominal world sizes (--nominal-world, DPTRAIN_NOMINAL_WORLD; "
                    "default the world size): rank 1 (4) differs from rank 0's (2)"));
   }
+  // A world size that differs is found as the ranks connect, before these checks can run.
+  const auto sizes = pair("sizes", {a, {}, {}}, {a, {}, {{"WORLD_SIZE", "3"}}});
+  CHECK(sizes[0].first == 2);
+  CHECK(sizes[1].first == 2);
+  CHECK(sizes[0].second ==
+        "dptrain: error: rank 0: rank 1 was started with another world size than this rank's 2 "
+        "(it was given 3): start every rank with the same world size\n");
+  CHECK(sizes[1].second ==
+        "dptrain: error: rank 1: rank 0 was started with another world size than this rank's 3 "
+        "(it was given 2): start every rank with the same world size\n");
   // Every difference is named at once.
   for (const auto& [code, err] :
        pair("both", {a, {"--resume", "newest-or-start"}, {}}, {b, {}, {}})) {
@@ -476,6 +514,13 @@ TEST_CASE("workers stopped before their first step, or rank 0 by SIGINT, record 
     CHECK(contains(busy.err,
                    "its workers (started without a launcher: by hand, srun, mpirun) "
                    "are running it; nothing to resume while they do"));
+    // Nor does a launch start ranks of its own into it.
+    const auto launched =
+        run_dptrain({"launch", recipe.string(), "--run-dir", (tmp / "run").string()});
+    CHECK(launched.exit_code == 2);
+    CHECK(launched.err == "dptrain: error: " + (tmp / "run").string() +
+                              ": its workers (started without a launcher: by hand, srun, mpirun) "
+                              "are running it; choose another --run-dir\n");
     ::kill(alone.pid(), SIGTERM);
     CHECK(alone.wait(std::chrono::seconds(20)) == 143);
     CHECK(alone.err() ==

@@ -36,19 +36,35 @@ namespace {
 // Presents our Store to Gloo's rendezvous. Gloo also calls the timeout-less get/wait, expecting
 // them to block until the key appears, so those wait up to the communicator's timeout. Gloo's
 // keys are the ranks' numbers (each rank sets its own address under it): a wait that times out
-// names the ranks that never joined rather than the keys, and a rank number taken twice.
+// names the ranks that never joined rather than the keys, and a rank number taken twice. Each
+// rank's address carries the world size it was given (a 4-byte trailer, taken off before Gloo
+// reads it): ranks started with different sizes (by hand, srun) are told so, Error(usage),
+// instead of failing on Gloo's "136 vs 272" of the addresses' lengths.
 class GlooStoreAdapter : public gloo::rendezvous::Store {
  public:
   GlooStoreAdapter(dptrain::Store& store, int rank, int size, std::chrono::milliseconds timeout)
       : store_(store), rank_(rank), size_(size), timeout_(timeout) {}
 
   void set(const std::string& key, const std::vector<char>& data) override {
-    store_.set(key, std::string(data.begin(), data.end()));
-    if (key == std::to_string(rank_)) store_.add(joins_key(rank_), 1);
+    std::string value(data.begin(), data.end());
+    const bool address = key == std::to_string(rank_);
+    if (address) value += size_trailer(size_);
+    store_.set(key, value);
+    if (address) store_.add(joins_key(rank_), 1);
   }
   std::vector<char> get(const std::string& key) override {
     std::string value;
     waiting({key}, timeout_, [&] { value = store_.get(key, timeout_); });
+    if (const int peer = rank_of(key); peer >= 0) {
+      const std::string trailer = size_trailer(size_);
+      if (value.size() < trailer.size() || !value.ends_with(trailer)) {
+        throw Error(ErrorKind::usage,
+                    fmt::format("rank {} was started with another world size than this rank's "
+                                "{}{}: start every rank with the same world size",
+                                peer, size_, peer_size(value)));
+      }
+      value.resize(value.size() - trailer.size());
+    }
     return std::vector<char>(value.begin(), value.end());
   }
   void wait(const std::vector<std::string>& keys) override {
@@ -62,6 +78,27 @@ class GlooStoreAdapter : public gloo::rendezvous::Store {
  private:
   static std::string joins_key(int rank) { return fmt::format("joins/{}", rank); }
 
+  static std::string size_trailer(int size) {
+    const auto n = static_cast<uint32_t>(size);
+    return {static_cast<char>(n & 0xff), static_cast<char>((n >> 8) & 0xff),
+            static_cast<char>((n >> 16) & 0xff), static_cast<char>((n >> 24) & 0xff)};
+  }
+  // " (it was given 4)" from the trailer of a peer's address; empty where there is none.
+  static std::string peer_size(const std::string& value) {
+    if (value.size() < 4) return {};
+    uint32_t n = 0;
+    for (size_t i = 0; i < 4; ++i)
+      n |= static_cast<uint32_t>(static_cast<unsigned char>(value[value.size() - 4 + i]))
+           << (8 * i);
+    return fmt::format(" (it was given {})", n);
+  }
+  // The rank whose address `key` names, or -1 for another of Gloo's keys.
+  int rank_of(const std::string& key) const {
+    int r = -1;
+    const auto [end, ec] = std::from_chars(key.data(), key.data() + key.size(), r);
+    return ec == std::errc() && end == key.data() + key.size() && r >= 0 && r < size_ ? r : -1;
+  }
+
   template <typename Wait>
   void waiting(const std::vector<std::string>& keys, std::chrono::milliseconds timeout, Wait wait) {
     try {
@@ -70,12 +107,7 @@ class GlooStoreAdapter : public gloo::rendezvous::Store {
       if (e.kind() != ErrorKind::comm) throw;
       std::vector<int> missing;
       for (const auto& key : keys) {
-        int r = -1;
-        const auto [end, ec] = std::from_chars(key.data(), key.data() + key.size(), r);
-        if (ec == std::errc() && end == key.data() + key.size() && r >= 0 && r < size_ &&
-            !store_.check({key})) {
-          missing.push_back(r);
-        }
+        if (const int r = rank_of(key); r >= 0 && !store_.check({key})) missing.push_back(r);
       }
       if (missing.empty()) throw;
       std::string twice;
@@ -468,6 +500,12 @@ void GlooCommunicator::guarded(Describe&& describe, Body&& body) {
     body();
   } catch (const gloo::EnforceNotMet& error) {
     fail(describe(), enforce_message(error.what()));
+  } catch (const Error& error) {
+    // The ranks' own mistakes (a world size that differs) stay theirs; the rest is comm.
+    if (error.kind() != ErrorKind::comm) {
+      throw Error(error.kind(), fmt::format("rank {}: {}", rank_, error.what()));
+    }
+    fail(describe(), error.what());
   } catch (const std::exception& error) {
     fail(describe(), without_source_location(error.what()));
   }

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -362,6 +363,36 @@ TEST_CASE("gloo: two processes given one rank number are named when the rendezvo
   CHECK_MESSAGE(named, messages[0], " | ", messages[1]);
   for (const auto& m : messages)
     CHECK_MESSAGE(m.find("rank 1 of 2 did not join within 1s") != std::string::npos, m);
+}
+
+TEST_CASE("gloo: ranks given different world sizes are told so, as a usage error") {
+  TcpStoreServer server;
+  const std::array<int, 2> sizes = {2, 3};
+  std::array<std::string, 2> messages;
+  std::array<ErrorKind, 2> kinds{};
+  std::vector<std::thread> ranks;
+  for (size_t r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      TcpStoreClient client("127.0.0.1", server.port(), 10s);
+      PrefixStore store("gen1", client);
+      try {
+        make_gloo_communicator(store, static_cast<int>(r), sizes[r], test_options(20s));
+      } catch (const Error& error) {
+        messages[r] = error.what();
+        kinds[r] = error.kind();
+      }
+    });
+  }
+  for (auto& t : ranks)
+    t.join();
+  CHECK(kinds[0] == ErrorKind::usage);
+  CHECK(kinds[1] == ErrorKind::usage);
+  CHECK(messages[0] ==
+        "rank 0: rank 1 was started with another world size than this rank's 2 (it was given "
+        "3): start every rank with the same world size");
+  CHECK(messages[1] ==
+        "rank 1: rank 0 was started with another world size than this rank's 3 (it was given "
+        "2): start every rank with the same world size");
 }
 
 // Runs `body` in a child process with the Gloo terminate handler of rank 5 installed and its

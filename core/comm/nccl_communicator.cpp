@@ -15,6 +15,7 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -477,7 +478,10 @@ void NcclCommunicator::State::init(Store& store) {
       failure = cause;
       throw Error(ErrorKind::comm, fmt::format("rank 0: {} failed: {}", what(), cause));
     }
-    store.set(kUniqueIdKey, kIdTag + std::string(id.internal, sizeof id.internal));
+    // With rank 0's world size after the id: ranks started with another one (by hand, srun)
+    // are told so, instead of waiting in ncclCommInitRank until the deadline.
+    store.set(kUniqueIdKey,
+              kIdTag + std::string(id.internal, sizeof id.internal) + std::to_string(size));
     published = true;
   } else {
     std::string value;
@@ -494,11 +498,23 @@ void NcclCommunicator::State::init(Store& store) {
                                                what(), value.substr(std::strlen(kErrorTag))));
     }
     const size_t tag = std::strlen(kIdTag);
-    if (value.size() != tag + sizeof id.internal || value.rfind(kIdTag, 0) != 0) {
+    const size_t id_end = tag + sizeof id.internal;
+    int rank0_size = 0;
+    const char* const end = value.data() + value.size();
+    if (value.size() <= id_end || value.rfind(kIdTag, 0) != 0 ||
+        std::from_chars(value.data() + id_end, end, rank0_size).ptr != end) {
       failure = "bad unique id";
       throw Error(ErrorKind::comm,
                   fmt::format("rank {}: {}: the store's '{}' is not an NCCL unique id ({} bytes)",
                               rank, what(), kUniqueIdKey, value.size()));
+    }
+    if (rank0_size != size) {
+      failure = "another world size";
+      throw Error(ErrorKind::usage,
+                  fmt::format("rank {}: rank 0 was started with another world size than this "
+                              "rank's {} (it was given {}): start every rank with the same world "
+                              "size",
+                              rank, size, rank0_size));
     }
     std::memcpy(id.internal, value.data() + tag, sizeof id.internal);
   }

@@ -541,6 +541,16 @@ TEST_CASE("nccl: a rank that never comes -> NCCL init times out and aborts, nami
   double value = 2;
   comm.allreduce(&value, 1, ReduceOp::sum);
   CHECK(value == 2);
+  // Rank 1 of 2 where rank 0 was started as a world of 1: told so at once, a usage error.
+  try {
+    NcclCommunicator wrong(fresh, 1, 2, options_for(ops, 0, 10s));
+    FAIL("a rank of another world size joined");
+  } catch (const Error& e) {
+    CHECK(e.kind() == ErrorKind::usage);
+    CHECK(std::string(e.what()) ==
+          "rank 1: rank 0 was started with another world size than this rank's 2 (it was given "
+          "1): start every rank with the same world size");
+  }
 }
 
 TEST_CASE("nccl: a collective a peer skips times out, aborts, and later calls refuse to run") {
