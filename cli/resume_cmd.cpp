@@ -152,7 +152,9 @@ int run_resume(const ResumeOptions& o) {
   install_stop_signal_handlers();
   o.restart.validate();
   RunDirectory run = RunDirectory::open(o.run_dir);
-  if (started_by_workers(run.info())) {
+  // A completed one (any run) has nothing to resume, which resume_run says, exit 0.
+  if (started_by_workers(run.info()) &&
+      run.info().value("status", nlohmann::json()) != "completed") {
     // Their scheduler starts the ranks, not dptrain: nothing here is to be written.
     if (const std::string running = running_hand_run(o.run_dir); !running.empty()) {
       throw Error(ErrorKind::usage, running + "; nothing to resume while they do");

@@ -25,6 +25,7 @@
 #include "cli/run_report.hpp"
 #include "core/checkpoint.hpp"
 #include "core/comm/auth.hpp"
+#include "core/comm/backend_choice.hpp"
 #include "core/comm/gloo_communicator.hpp"
 #include "core/comm/nccl_communicator.hpp"
 #include "core/comm/net.hpp"
@@ -139,38 +140,30 @@ void catch_signal(int sig) {
 }
 
 // The backend every rank uses. "auto" is nccl when every rank computes on a GPU and can load
-// NCCL, gloo otherwise: the ranks agree through the store, so one node without NCCL makes the
-// whole job use Gloo rather than split it. "nccl" where NCCL cannot work is Error(comm) naming
-// the reason.
+// NCCL, gloo otherwise: the ranks agree through the store (agree_on_backend, which also finds
+// world sizes that differ). "nccl" where NCCL cannot work is Error(comm) naming the rank and the
+// reason.
 std::string choose_backend(Store& store, int rank, int world, const std::string& requested,
                            Ops& ops, std::chrono::milliseconds timeout) {
   if (requested == "gloo") return "gloo";
-  std::string why_not;
   if (ops.device() == "cpu") {
-    why_not = "this rank computes on the CPU (train.device is \"cpu\")";
-  } else if (auto reason = nccl_unavailable_reason()) {
-    why_not = *reason;
-  }
-  if (requested == "nccl") {
-    if (!why_not.empty()) {
-      throw Error(ErrorKind::comm, fmt::format("rank {}: backend nccl: {}", rank, why_not));
+    // The recipe is the same on every rank: they all say so.
+    if (requested == "nccl") {
+      throw Error(ErrorKind::comm,
+                  fmt::format("rank {}: backend nccl: this rank computes on the CPU (train.device "
+                              "is \"cpu\")",
+                              rank));
     }
-    return "nccl";
+    return "gloo";
   }
-  if (ops.device() == "cpu") return "gloo";  // the recipe is the same on every rank
-  store.set(fmt::format("backend/nccl/{}", rank), why_not.empty() ? "yes" : why_not);
-  for (int r = 0; r < world; ++r) {
-    const std::string answer = store.get(fmt::format("backend/nccl/{}", r), timeout);
-    if (answer != "yes") {
-      if (r == rank) {
-        std::printf("warning: backend auto uses gloo: rank %d cannot use NCCL: %s\n", r,
-                    answer.c_str());
-        std::fflush(stdout);
-      }
-      return "gloo";
-    }
+  const BackendChoice choice = agree_on_backend(store, rank, world, requested == "nccl",
+                                                nccl_unavailable_reason().value_or(""), timeout);
+  if (choice.backend == "gloo" && choice.rank == rank) {
+    std::printf("warning: backend auto uses gloo: rank %d cannot use NCCL: %s\n", rank,
+                choice.why_not.c_str());
+    std::fflush(stdout);
   }
-  return "nccl";
+  return choice.backend;
 }
 
 }  // namespace
@@ -218,7 +211,7 @@ class HandRunRecord {
       if (!started_by_workers(info_)) return;
       // Started again to continue a run that completed: nothing to train, nothing to record.
       // (With another recipe it is not this run: its checkpoints are skipped as another's.)
-      if (info_.value("status", "") == "completed" &&
+      if (info_.value("status", json()) == "completed" &&
           info_.value("recipe", json()) == to_json(recipe) &&
           (o.resume == "newest" || o.resume == "newest-or-start")) {
         completed_ = true;
@@ -443,16 +436,8 @@ int run_worker(WorkerOptions o, std::optional<HandRunRecord>& record) {
   // A pipe or a directory where rank 0 writes the run's files: exit 2 before any rank meets,
   // as resume says it, not a failed write steps later.
   if (o.rank == 0) check_run_files(o.run_dir);
-  record.emplace(o, recipe);
-  if (g_signal_pipe[0] < 0) throw Error(ErrorKind::internal, "cannot make the signal pipe");
-  ProgressTracker progress;
-  const StopWatcher watcher(o.rank, record->active() ? &*record : nullptr, progress);
-  // Not where the worker was started ignoring it (`worker ... &` from a script): it stays so.
-  if (struct sigaction sa{};
-      record->active() && ::sigaction(SIGINT, nullptr, &sa) == 0 && sa.sa_handler != SIG_IGN) {
-    catch_signal(SIGINT);
-  }
-
+  // The store before the run's record: a port it cannot have fails the start with nothing
+  // recorded.
   // The job secret comes through the environment only; "" means an open store (by hand).
   const std::string secret = env(kStoreSecretEnv).value_or("");
   std::unique_ptr<TcpStoreServer> server;
@@ -477,6 +462,16 @@ int run_worker(WorkerOptions o, std::optional<HandRunRecord>& record) {
                                   : cause));
     }
   }
+  record.emplace(o, recipe);
+  if (g_signal_pipe[0] < 0) throw Error(ErrorKind::internal, "cannot make the signal pipe");
+  ProgressTracker progress;
+  const StopWatcher watcher(o.rank, record->active() ? &*record : nullptr, progress);
+  // Not where the worker was started ignoring it (`worker ... &` from a script): it stays so.
+  if (struct sigaction sa{};
+      record->active() && ::sigaction(SIGINT, nullptr, &sa) == 0 && sa.sa_handler != SIG_IGN) {
+    catch_signal(SIGINT);
+  }
+
   TcpStoreClient client(host, port, timeout, secret);
   PrefixStore store(fmt::format("gen{}", o.generation), client);
 

@@ -185,8 +185,8 @@ RunDirectory RunDirectory::create(const fs::path& dir, const fs::path& runs_root
   const auto holds_run = [](const fs::path& p) {
     std::error_code exists_ec;
     if (!fs::exists(p / "run.json", exists_ec)) return;
-    // A benchmark's run (no recipe) has nothing to resume; workers started without a launcher
-    // continue theirs themselves.
+    // A benchmark's run (no recipe) or a completed one has nothing to resume; workers started
+    // without a launcher continue theirs themselves.
     nlohmann::json info;
     try {
       info = read_run_json(p);
@@ -197,6 +197,11 @@ RunDirectory RunDirectory::create(const fs::path& dir, const fs::path& runs_root
       throw Error(
           ErrorKind::usage,
           fmt::format("{}: already holds a benchmark's run; choose another --run-dir", p.string()));
+    }
+    if (info.is_object() && info.value("status", nlohmann::json()) == "completed") {
+      throw Error(ErrorKind::usage,
+                  fmt::format("{}: already holds a run, which completed; choose another --run-dir",
+                              p.string()));
     }
     if (info.is_object() && started_by_workers(info)) {
       how = fmt::format(

@@ -211,6 +211,7 @@ TEST_CASE("usage errors exit 2") {
                            held + " (127.0.0.1:" + held +
                            ": Address already in use); give the store (--store, DPTRAIN_STORE or "
                            "MASTER_PORT) a free port\n");
+  CHECK_FALSE(fs::exists(tmp / "hand/run.json"));  // a start that failed first records nothing
   ::close(holder);
   // --dry-run refuses what the launch would: events and JSON both on stdout.
   auto dry = run_dptrain({"launch", recipe.string(), "--dry-run", "--events", "-", "--json"});

@@ -265,6 +265,18 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
     CHECK(contains(a0.out(),
                    (tmp / "run").string() + ": the run already completed; nothing to resume\n"));
     CHECK(snapshot() == before);
+    // resume and launch say as much, as of a launcher's run.
+    const auto resumed_done = run_dptrain({"resume", (tmp / "run").string()});
+    CHECK(resumed_done.exit_code == 0);
+    CHECK(contains(resumed_done.out,
+                   (tmp / "run").string() + ": the run already completed; nothing to resume"));
+    const auto launched_done =
+        run_dptrain({"launch", recipe.string(), "--run-dir", (tmp / "run").string()});
+    CHECK(launched_done.exit_code == 2);
+    CHECK(launched_done.err == "dptrain: error: " + (tmp / "run").string() +
+                                   ": already holds a run, which completed; choose another "
+                                   "--run-dir\n");
+    CHECK(snapshot() == before);
   }
   // Continued on one rank without --nominal-world (a run that failed after its last
   // checkpoint): the global batch halves, and it says so.

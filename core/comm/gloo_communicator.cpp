@@ -21,6 +21,8 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <optional>
+#include <string_view>
 #include <system_error>
 #include <type_traits>
 
@@ -37,7 +39,7 @@ namespace {
 // them to block until the key appears, so those wait up to the communicator's timeout. Gloo's
 // keys are the ranks' numbers (each rank sets its own address under it): a wait that times out
 // names the ranks that never joined rather than the keys, and a rank number taken twice. Each
-// rank's address carries the world size it was given (a 4-byte trailer, taken off before Gloo
+// rank's address carries the world size it was given (an 8-byte trailer, taken off before Gloo
 // reads it): ranks started with different sizes (by hand, srun) are told so, Error(usage),
 // instead of failing on Gloo's "136 vs 272" of the addresses' lengths.
 class GlooStoreAdapter : public gloo::rendezvous::Store {
@@ -57,11 +59,17 @@ class GlooStoreAdapter : public gloo::rendezvous::Store {
     waiting({key}, timeout_, [&] { value = store_.get(key, timeout_); });
     if (const int peer = rank_of(key); peer >= 0) {
       const std::string trailer = size_trailer(size_);
-      if (value.size() < trailer.size() || !value.ends_with(trailer)) {
+      if (!value.ends_with(trailer)) {
+        const std::optional<uint32_t> given = peer_size(value);
         throw Error(ErrorKind::usage,
-                    fmt::format("rank {} was started with another world size than this rank's "
-                                "{}{}: start every rank with the same world size",
-                                peer, size_, peer_size(value)));
+                    given ? fmt::format("rank {} was started with another world size than this "
+                                        "rank's {} (it was given {}): start every rank with the "
+                                        "same world size",
+                                        peer, size_, *given)
+                          : fmt::format("rank {} runs another version of dptrain (its address "
+                                        "carries no world size): run the same dptrain on every "
+                                        "rank",
+                                        peer));
       }
       value.resize(value.size() - trailer.size());
     }
@@ -78,19 +86,25 @@ class GlooStoreAdapter : public gloo::rendezvous::Store {
  private:
   static std::string joins_key(int rank) { return fmt::format("joins/{}", rank); }
 
+  // "dpws" and the world size, 4 bytes little-endian.
+  static constexpr std::string_view kSizeTag = "dpws";
   static std::string size_trailer(int size) {
     const auto n = static_cast<uint32_t>(size);
-    return {static_cast<char>(n & 0xff), static_cast<char>((n >> 8) & 0xff),
-            static_cast<char>((n >> 16) & 0xff), static_cast<char>((n >> 24) & 0xff)};
+    return std::string(kSizeTag) +
+           std::string{static_cast<char>(n & 0xff), static_cast<char>((n >> 8) & 0xff),
+                       static_cast<char>((n >> 16) & 0xff), static_cast<char>((n >> 24) & 0xff)};
   }
-  // " (it was given 4)" from the trailer of a peer's address; empty where there is none.
-  static std::string peer_size(const std::string& value) {
-    if (value.size() < 4) return {};
+  // The world size a peer's address carries; none from a dptrain without the trailer.
+  static std::optional<uint32_t> peer_size(const std::string& value) {
+    const size_t length = kSizeTag.size() + 4;
+    if (value.size() < length ||
+        value.compare(value.size() - length, kSizeTag.size(), kSizeTag) != 0)
+      return std::nullopt;
     uint32_t n = 0;
     for (size_t i = 0; i < 4; ++i)
       n |= static_cast<uint32_t>(static_cast<unsigned char>(value[value.size() - 4 + i]))
            << (8 * i);
-    return fmt::format(" (it was given {})", n);
+    return n;
   }
   // The rank whose address `key` names, or -1 for another of Gloo's keys.
   int rank_of(const std::string& key) const {

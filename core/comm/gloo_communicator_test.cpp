@@ -395,6 +395,17 @@ TEST_CASE("gloo: ranks given different world sizes are told so, as a usage error
         "2): start every rank with the same world size");
 }
 
+TEST_CASE("gloo: a peer whose address carries no world size runs another dptrain") {
+  TcpStoreServer server;
+  TcpStoreClient client("127.0.0.1", server.port(), 10s);
+  PrefixStore store("gen1", client);
+  store.set("1", std::string(64, 'x'));  // an address as an older dptrain posts it
+  CHECK_THROWS_WITH_AS(make_gloo_communicator(store, 0, 2, test_options(5s)),
+                       "rank 0: rank 1 runs another version of dptrain (its address carries no "
+                       "world size): run the same dptrain on every rank",
+                       Error);
+}
+
 // Runs `body` in a child process with the Gloo terminate handler of rank 5 installed and its
 // stderr in a pipe: its wait status and what it wrote.
 std::pair<int, std::string> in_child_with_terminate_handler(const std::function<void()>& body) {

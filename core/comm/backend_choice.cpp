@@ -1,0 +1,108 @@
+// The ranks' agreement on NCCL or Gloo, through the store.
+#include "core/comm/backend_choice.hpp"
+
+#include <charconv>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "core/error.hpp"
+
+namespace dptrain {
+
+namespace {
+
+constexpr const char* kChoiceKey = "backend/choice";
+
+std::string answer_key(int rank) {
+  return fmt::format("backend/nccl/{}", rank);
+}
+
+// The leading number of "N rest" and the rest; -1 when there is none.
+std::pair<int, std::string> split_number(const std::string& text) {
+  const size_t space = text.find(' ');
+  const char* const end = text.data() + (space == std::string::npos ? text.size() : space);
+  int number = -1;
+  if (const auto [ptr, ec] = std::from_chars(text.data(), end, number);
+      ec != std::errc() || ptr != end) {
+    number = -1;
+  }
+  return {number, space == std::string::npos ? std::string() : text.substr(space + 1)};
+}
+
+Error other_size(int rank, int world, int other, int given, const char* whose) {
+  return Error(ErrorKind::usage,
+               fmt::format("rank {}: rank {} was started with another world size than {} {} (it "
+                           "was given {}): start every rank with the same world size",
+                           rank, other, whose, world, given));
+}
+
+// What `waited_for` posted under `key`; its absence after `timeout` is Error(comm) naming it.
+std::string read_posted(Store& store, const std::string& key, int rank,
+                        const std::string& waited_for, std::chrono::milliseconds timeout) {
+  try {
+    return store.get(key, timeout);
+  } catch (const Error& e) {
+    if (e.kind() != ErrorKind::comm) throw;
+    throw Error(ErrorKind::comm,
+                fmt::format("rank {}: {} within {} (nothing from it at {}); start every rank with "
+                            "the same store and world size",
+                            rank, waited_for, format_timeout(timeout), store.describe()));
+  }
+}
+
+}  // namespace
+
+BackendChoice agree_on_backend(Store& store, int rank, int world, bool required,
+                               const std::string& why_not, std::chrono::milliseconds timeout) {
+  store.set(answer_key(rank), fmt::format("{} {}", world, why_not.empty() ? "yes" : why_not));
+  if (required && !why_not.empty()) {
+    throw Error(ErrorKind::comm, fmt::format("rank {}: backend nccl: {}", rank, why_not));
+  }
+  std::string choice;
+  if (rank == 0) {
+    // "size R W" (rank R was given world size W), else "gloo R WHY" / "fail R WHY" for the first
+    // rank that cannot use NCCL, else "nccl".
+    std::string refusal = why_not.empty() ? std::string() : "0 " + why_not;
+    for (int r = 1; r < world && choice.empty(); ++r) {
+      const auto [given, status] =
+          split_number(read_posted(store, answer_key(r), rank,
+                                   fmt::format("rank {} of {} did not join", r, world), timeout));
+      if (given != world) {
+        choice = fmt::format("size {} {}", r, given);
+      } else if (status != "yes" && refusal.empty()) {
+        refusal = fmt::format("{} {}", r, status);
+      }
+    }
+    if (choice.empty()) {
+      choice = refusal.empty() ? "nccl" : (required ? "fail " : "gloo ") + refusal;
+    }
+    store.set(kChoiceKey, choice);
+  } else {
+    const int given =
+        split_number(read_posted(store, answer_key(0), rank,
+                                 fmt::format("rank 0 of {} did not join", world), timeout))
+            .first;
+    if (given != world) throw other_size(rank, world, 0, given, "this rank's");
+    choice = read_posted(store, kChoiceKey, rank, "rank 0 posted no choice of backend", timeout);
+  }
+  if (choice == "nccl") return {"nccl", -1, {}};
+  const size_t space = choice.find(' ');
+  const std::string kind = choice.substr(0, space);
+  const auto [other, rest] =
+      split_number(space == std::string::npos ? std::string() : choice.substr(space + 1));
+  if (kind == "size") {
+    throw other_size(rank, world, other, split_number(rest).first,
+                     rank == 0 ? "this rank's" : "rank 0's");
+  }
+  if (kind == "fail") {
+    throw Error(ErrorKind::comm, fmt::format("rank {}: backend nccl: rank {} cannot use NCCL: {}",
+                                             rank, other, rest));
+  }
+  if (kind == "gloo") return {"gloo", other, rest};
+  throw Error(ErrorKind::comm,
+              fmt::format("rank {}: the store's '{}' is not a choice of backend: '{}'", rank,
+                          kChoiceKey, choice));
+}
+
+}  // namespace dptrain
