@@ -22,15 +22,17 @@ std::optional<std::string> env(const char* name) {
   return std::string(v);
 }
 
+std::optional<std::string> env_value(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return std::nullopt;
+  if (*v == '\0') throw Error(ErrorKind::usage, fmt::format("{}: is empty; give a value", name));
+  return std::string(v);
+}
+
 int env_int(const char* name, std::optional<int> fallback, const std::string& when_missing) {
-  const auto v = env(name);
+  const auto v = env_value(name);
   if (!v) {
     if (fallback) return *fallback;
-    // Set to nothing (an unset variable in a script, quoted) is not "not set": said as an empty
-    // option value is.
-    if (const char* given = std::getenv(name); given != nullptr) {
-      throw Error(ErrorKind::usage, fmt::format("{}: is empty; give a value", name));
-    }
     throw Error(ErrorKind::usage,
                 when_missing.empty() ? fmt::format("{} is not set", name) : when_missing);
   }

@@ -10,8 +10,14 @@ namespace dptrain::cli {
 // The variable's value; nullopt when it is unset or empty.
 std::optional<std::string> env(const char* name);
 
+// The variable's value; nullopt when it is unset. Set to nothing (an unset variable in a script,
+// quoted) is Error(usage) "NAME: is empty; give a value", as an empty option value is: never the
+// default.
+std::optional<std::string> env_value(const char* name);
+
 // The integer in the variable. Unset: `fallback`, or without one Error(usage) with
-// `when_missing`. Error(usage) "NAME: not an integer: 'x'" for anything else.
+// `when_missing`; set to nothing, Error(usage) as env_value says. Error(usage) "NAME: not an
+// integer: 'x'" for anything else.
 int env_int(const char* name, std::optional<int> fallback, const std::string& when_missing = "");
 
 // MemAvailable of /proc/meminfo in bytes (DPTRAIN_TEST_MEMINFO names another file, for tests);

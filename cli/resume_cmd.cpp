@@ -50,7 +50,9 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
       // The fields a launch's outcome has, from what the run recorded.
       JobOutcome done;
       done.status = "completed";
-      done.result = run.info().value("result", nlohmann::json::object());
+      // run.json's copy (a launcher's), else result.json (workers started without one).
+      done.result = load_run(run.path(), false).result;
+      if (!done.result.is_object()) done.result = nlohmann::json::object();
       done.world_size = run.info().value("world_size", 0);
       done.restarts =
           static_cast<int>(run.info().value("restarts", nlohmann::json::array()).size());
@@ -60,6 +62,7 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
     }
     return 0;
   }
+  run.make_layout();
   JobSpec spec;
   place_ranks(spec, o.hosts, o.nproc, o.nnodes, run.info().value("world_size", 1));
   if (o.hosts.hosts.empty()) {
@@ -163,6 +166,11 @@ int run_resume(const ResumeOptions& o) {
                 fmt::format("{}: its workers were started without a launcher (by hand, srun, "
                             "mpirun): start them again with '{}' to continue it",
                             o.run_dir, hand_resume_flag(run.path())));
+  }
+  // A completed run is left as it is: not even locked.
+  if (run.info().value("status", nlohmann::json()) == "completed") {
+    const auto events = open_events(o.restart, o.json);
+    return resume_run(o, run, *events);
   }
   // Found before the resume announces itself and places ranks: every generation writes here.
   if (::access(run.path().c_str(), W_OK) != 0) {

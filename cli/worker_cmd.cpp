@@ -75,26 +75,41 @@ void fill_from_env(WorkerOptions& o) {
       if (env(name)) o.local_rank = env_int(name, o.rank);
     }
   }
+  // Set to nothing, a variable is named (env_value), not taken as unset.
   if (o.store.empty()) {
-    if (auto s = env("DPTRAIN_STORE")) {
+    if (auto s = env_value("DPTRAIN_STORE")) {
       o.store = *s;
-    } else if (env("MASTER_ADDR") && env("MASTER_PORT")) {
-      o.store = *env("MASTER_ADDR") + ":" + *env("MASTER_PORT");
     } else {
-      throw Error(ErrorKind::usage,
-                  "--store not given and neither DPTRAIN_STORE nor MASTER_ADDR/MASTER_PORT is set");
+      const auto addr = env_value("MASTER_ADDR");
+      const auto port = env_value("MASTER_PORT");
+      if (!addr || !port) {
+        throw Error(ErrorKind::usage,
+                    fmt::format("--store not given and neither DPTRAIN_STORE nor {} is set",
+                                addr   ? "MASTER_PORT"
+                                : port ? "MASTER_ADDR"
+                                       : "MASTER_ADDR/MASTER_PORT"));
+      }
+      o.store = *addr + ":" + *port;
     }
   }
   if (o.nominal_world < 0) {
     o.nominal_world = env_int("DPTRAIN_NOMINAL_WORLD", 0);
   }
   if (o.generation < 0) o.generation = env_int("DPTRAIN_GENERATION", 1);
-  if (o.run_dir.empty()) o.run_dir = env("DPTRAIN_RUN_DIR").value_or("");
+  if (o.run_dir.empty()) o.run_dir = env_value("DPTRAIN_RUN_DIR").value_or("");
   if (o.run_dir.empty()) {
     throw Error(ErrorKind::usage, "--run-dir not given and DPTRAIN_RUN_DIR is not set");
   }
-  if (!o.host_store) o.host_store = env("DPTRAIN_HOST_STORE").value_or("0") == "1";
-  if (o.bind.empty()) o.bind = env("DPTRAIN_BIND_ADDR").value_or("");
+  if (const auto hosting = env_value("DPTRAIN_HOST_STORE"); hosting && !o.host_store) {
+    if (*hosting != "0" && *hosting != "1") {
+      throw Error(ErrorKind::usage,
+                  fmt::format("DPTRAIN_HOST_STORE: '{}' is neither 1 (rank 0 serves the store) "
+                              "nor 0",
+                              *hosting));
+    }
+    o.host_store = *hosting == "1";
+  }
+  if (o.bind.empty()) o.bind = env_value("DPTRAIN_BIND_ADDR").value_or("");
   // Flags were checked by CLI11; values from the environment are checked here, before any
   // connection, naming the variable.
   const auto at_least = [](const char* name, int value, int least) {
@@ -209,10 +224,21 @@ class HandRunRecord {
         return;
       }
       if (!started_by_workers(info_)) return;
+      // Continued with another recipe: none of the checkpoints is this recipe's, and the record
+      // would take the new recipe, under which `ckpt verify` finds every one of them foreign.
+      // (data.path aside: each host may keep the data elsewhere.) Refused before anything is
+      // written, as the other ranks then fail to meet rank 0.
+      const std::string recorded = recorded_recipe_hash(dir);
+      if (!o.resume.empty() && !recorded.empty() && recorded != recipe_hash(recipe)) {
+        throw Error(ErrorKind::usage,
+                    fmt::format("--run-dir {}: its run.json records the run of another recipe "
+                                "('{}', hash {}; {} has hash {}): continue it with the recipe "
+                                "it records, or give a new --run-dir",
+                                o.run_dir, info_["recipe"].value("name", std::string("?")),
+                                recorded, o.recipe, recipe_hash(recipe)));
+      }
       // Started again to continue a run that completed: nothing to train, nothing to record.
-      // (With another recipe it is not this run: its checkpoints are skipped as another's.)
       if (info_.value("status", json()) == "completed" &&
-          info_.value("recipe", json()) == to_json(recipe) &&
           (o.resume == "newest" || o.resume == "newest-or-start")) {
         completed_ = true;
         return;
@@ -250,6 +276,17 @@ class HandRunRecord {
     }
     info_["generations"].push_back(std::move(gen));
     save();
+  }
+
+  // The hash of the recipe run.json records (recipe_hash); empty where it has none that reads.
+  std::string recorded_recipe_hash(const fs::path& dir) const {
+    try {
+      if (!info_.contains("recipe")) return {};
+      return recipe_hash(parse_recipe(info_["recipe"], (dir / "run.json").string(), dir,
+                                      RecipeOrigin::stored, DataCheck::none));
+    } catch (const Error&) {
+      return {};
+    }
   }
 
   // Whether this process keeps the run's record (rank 0 of workers started without a launcher).
@@ -326,8 +363,11 @@ class HandRunRecord {
 // "running".
 class StopWatcher {
  public:
-  StopWatcher(int rank, HandRunRecord* record, const ProgressTracker& progress)
-      : thread_([rank, record, &progress] { watch(rank, record, progress); }) {}
+  StopWatcher(int rank, HandRunRecord* record, const ProgressTracker& progress,
+              std::filesystem::path run_dir)
+      : thread_([rank, record, &progress, run_dir = std::move(run_dir)] {
+          watch(rank, record, progress, run_dir);
+        }) {}
   ~StopWatcher() {
     const char end = 0;
     (void)!::write(g_signal_pipe[1], &end, 1);
@@ -335,7 +375,8 @@ class StopWatcher {
   }
 
  private:
-  static void watch(int rank, HandRunRecord* record, const ProgressTracker& progress) {
+  static void watch(int rank, HandRunRecord* record, const ProgressTracker& progress,
+                    const std::filesystem::path& run_dir) {
     for (;;) {
       pollfd fd{g_signal_pipe[0], POLLIN, 0};
       if (::poll(&fd, 1, -1) < 0 && errno != EINTR) return;
@@ -344,9 +385,11 @@ class StopWatcher {
       if (byte == 0) return;
       int answer = 0;
       if (byte == SIGINT && g_stop_answer.compare_exchange_strong(answer, 2)) {
+        // newest-or-start before the first checkpoint: "newest" would find none.
         stop(rank, record, 130, "interrupted",
-             "stopped by SIGINT (no checkpoint is written for it: the workers started again "
-             "with '--resume newest' continue from the newest one)");
+             fmt::format("stopped by SIGINT (no checkpoint is written for it: the workers "
+                         "started again with '{}' continue the run)",
+                         hand_resume_flag(run_dir)));
       }
       answer = 0;
       if (byte == SIGTERM && !progress.stepping() &&
@@ -369,7 +412,8 @@ class StopWatcher {
   std::thread thread_;
 };
 
-int run_worker(WorkerOptions o, std::optional<HandRunRecord>& record) {
+// `o` is the command line's: filled from the environment here, so that the caller names the rank.
+int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record) {
   install_worker_signal_handlers();  // again: main installs them first, for `dptrain worker`
   fill_from_env(o);
   const FaultInjector faults(parse_faults(env("DPTRAIN_FAULT").value_or("")), o.rank, o.generation);
@@ -436,6 +480,15 @@ int run_worker(WorkerOptions o, std::optional<HandRunRecord>& record) {
   // A pipe or a directory where rank 0 writes the run's files: exit 2 before any rank meets,
   // as resume says it, not a failed write steps later.
   if (o.rank == 0) check_run_files(o.run_dir);
+  // And the run's record, which rank 0 keeps without a launcher: one it cannot write would
+  // leave the run unrecorded, for status, report and resume to refuse.
+  if (o.rank == 0 && !started_by_launcher()) {
+    try {
+      check_regular_or_missing(fs::path(o.run_dir) / "run.json");
+    } catch (const Error& e) {
+      throw Error(ErrorKind::usage, e.what());
+    }
+  }
   // The store before the run's record: a port it cannot have fails the start with nothing
   // recorded.
   // The job secret comes through the environment only; "" means an open store (by hand).
@@ -465,7 +518,7 @@ int run_worker(WorkerOptions o, std::optional<HandRunRecord>& record) {
   record.emplace(o, recipe);
   if (g_signal_pipe[0] < 0) throw Error(ErrorKind::internal, "cannot make the signal pipe");
   ProgressTracker progress;
-  const StopWatcher watcher(o.rank, record->active() ? &*record : nullptr, progress);
+  const StopWatcher watcher(o.rank, record->active() ? &*record : nullptr, progress, o.run_dir);
   // Not where the worker was started ignoring it (`worker ... &` from a script): it stays so.
   if (struct sigaction sa{};
       record->active() && ::sigaction(SIGINT, nullptr, &sa) == 0 && sa.sa_handler != SIG_IGN) {
@@ -509,7 +562,8 @@ int run_worker(WorkerOptions o, std::optional<HandRunRecord>& record) {
   TrainerOptions topts;
   topts.ops = ops;
   topts.device_index = gpu;
-  topts.run_dir = o.run_dir;
+  // Absolute, as a launcher gives it: result.json's last_checkpoint is a path to it.
+  topts.run_dir = std::filesystem::absolute(o.run_dir);
   topts.resume_from = o.resume;
   topts.node_leader = o.local_rank == 0;
   topts.nominal_world = o.nominal_world;

@@ -107,8 +107,13 @@ nlohmann::json read_run_json(const fs::path& dir) {
   try {
     text = read_file(file);
   } catch (const Error&) {
-    throw Error(ErrorKind::usage,
-                fmt::format("{}: not a run directory (no readable run.json)", dir.string()));
+    // Why, where it is more than a missing file (a directory or run.json this user may not
+    // read): "... (no readable run.json: Permission denied)".
+    const int why = ::access(file.c_str(), R_OK) == 0 ? 0 : errno;
+    throw Error(
+        ErrorKind::usage,
+        fmt::format("{}: not a run directory (no readable run.json{})", dir.string(),
+                    why == 0 || why == ENOENT ? "" : ": " + std::string(std::strerror(why))));
   }
   nlohmann::json info;
   try {
@@ -263,7 +268,7 @@ RunDirectory RunDirectory::create(const fs::path& dir, const fs::path& runs_root
       }
     }
   }
-  make_layout(path);
+  dptrain::make_layout(path);
   RunDirectory run(resolved_path(path), nlohmann::json::object());
   run.lock();
   holds_run(path);  // a launch that won the race for this --run-dir and has finished already
@@ -273,8 +278,11 @@ RunDirectory RunDirectory::create(const fs::path& dir, const fs::path& runs_root
 
 RunDirectory RunDirectory::open(const fs::path& dir) {
   nlohmann::json info = read_run_json(dir);
-  make_layout(dir);
   return RunDirectory(resolved_path(dir), std::move(info));
+}
+
+void RunDirectory::make_layout() const {
+  dptrain::make_layout(path_);
 }
 
 void check_run_files(const fs::path& run_dir) {

@@ -21,7 +21,11 @@ class RunDirectory {
   static RunDirectory create(const std::filesystem::path& dir,
                              const std::filesystem::path& runs_root, const std::string& name);
   // An existing run: Error(usage) as read_run_json says when its run.json cannot be used.
+  // Nothing is created or changed there (a reader, or a resume with nothing to do).
   static RunDirectory open(const std::filesystem::path& dir);
+  // Makes logs/ and checkpoints/ where they are missing (a run about to start ranks): Error(usage)
+  // naming the directory when it cannot.
+  void make_layout() const;
 
   // Takes this machine's lock on the run (an flock on .lock, held while this object or a copy
   // lives and released when the process ends however it ends), so that two launchers on this

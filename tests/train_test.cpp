@@ -270,6 +270,17 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
     CHECK(resumed_done.exit_code == 0);
     CHECK(contains(resumed_done.out,
                    (tmp / "run").string() + ": the run already completed; nothing to resume"));
+    CHECK_FALSE(fs::exists(tmp / "run/logs"));  // nothing made there either
+    // With --json, the outcome's fields from the run's result.json.
+    const auto resumed_json = run_dptrain({"resume", (tmp / "run").string(), "--json"});
+    CHECK(resumed_json.exit_code == 0);
+    const json outcome = parse_json(resumed_json.out);
+    CHECK(outcome["status"] == "completed");
+    CHECK(outcome["resumed"] == false);
+    CHECK(outcome["step"] == 60);
+    CHECK(outcome["final_loss"].is_number());
+    CHECK(outcome["params_checksum"] ==
+          parse_json(read_text(tmp / "run/result.json"))["params_checksum"]);
     const auto launched_done =
         run_dptrain({"launch", recipe.string(), "--run-dir", (tmp / "run").string()});
     CHECK(launched_done.exit_code == 2);
@@ -309,7 +320,7 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
   const std::string latest = read_text(tmp / "run/checkpoints/latest");
   auto again = run_dptrain({"worker", recipe.string()}, env0, std::chrono::seconds(60));
   CHECK(again.exit_code == 2);
-  CHECK(again.err == "dptrain: error: --run-dir " + (tmp / "run").string() +
+  CHECK(again.err == "dptrain: error: rank 0: --run-dir " + (tmp / "run").string() +
                          ": holds checkpoints (the newest step-000060), which a fresh start "
                          "would write over; continue them with --resume newest, or give a new "
                          "--run-dir\n");
@@ -321,8 +332,9 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
   auto other = small_recipe();
   other["optimizer"]["lr"] = other["optimizer"].value("lr", 0.01) * 2;
   const auto other_path = write_recipe(tmp.path(), other, "other.json");
-  // Continued with another recipe: none of the checkpoints is this recipe's, and starting over
-  // would write over them: exit 5, nothing touched.
+  // Continued with another recipe: rank 0 refuses before anything is written, as run.json
+  // records another (it would take this one, under which ckpt verify finds every checkpoint
+  // foreign).
   {
     Env alone = env0;
     alone["WORLD_SIZE"] = "1";
@@ -330,6 +342,19 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
     const std::string run_json = read_text(tmp / "run/run.json");
     auto foreign = run_dptrain({"worker", other_path.string(), "--resume", "newest-or-start"},
                                alone, std::chrono::seconds(60));
+    CAPTURE(foreign.err);
+    CHECK(foreign.exit_code == 2);
+    CHECK(contains(foreign.err, "dptrain: error: rank 0: --run-dir " + (tmp / "run").string() +
+                                    ": its run.json records the run of another recipe ("));
+    CHECK(contains(foreign.err, "continue it with the recipe it records, or give a new --run-dir"));
+    CHECK(read_text(tmp / "run/run.json") == run_json);
+    CHECK(read_text(tmp / "run/metrics.jsonl") == metrics);
+    CHECK(read_text(tmp / "run/checkpoints/latest") == latest);
+    // Without the record (a node's copy of the run holds its checkpoints only): none of them is
+    // this recipe's, and starting over would write over them: exit 5, nothing touched.
+    fs::rename(tmp / "run/run.json", tmp / "run.json.aside");
+    foreign = run_dptrain({"worker", other_path.string(), "--resume", "newest-or-start"}, alone,
+                          std::chrono::seconds(60));
     CHECK(foreign.exit_code == 5);
     CHECK(contains(foreign.out,
                    "warning: skipping checkpoint step-000060: written by a "
@@ -339,8 +364,7 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
                    "use (the warnings say why): starting over would write over them"));
     CHECK(read_text(tmp / "run/metrics.jsonl") == metrics);
     CHECK(read_text(tmp / "run/checkpoints/latest") == latest);
-    CHECK(parse_json(read_text(tmp / "run/run.json"))["status"] == "failed");
-    write_text(tmp / "run/run.json", run_json);
+    fs::rename(tmp / "run.json.aside", tmp / "run/run.json");
   }
   env0["DPTRAIN_RUN_DIR"] = env1["DPTRAIN_RUN_DIR"] = (tmp / "mixed").string();
   env0["MASTER_PORT"] = env1["MASTER_PORT"] = std::to_string(unused_port());
@@ -368,7 +392,7 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
   env0["MASTER_PORT"] = std::to_string(unused_port());
   auto intruder = run_dptrain({"worker", recipe.string()}, env0, std::chrono::seconds(60));
   CHECK(intruder.exit_code == 2);
-  const std::string refused = "dptrain: error: --run-dir " + live.string() +
+  const std::string refused = "dptrain: error: rank 0: --run-dir " + live.string() +
                               ": another dptrain is running a run there (a launcher, or workers "
                               "started without one: it holds " +
                               live.string() + "/.lock); give another --run-dir\n";
@@ -666,6 +690,42 @@ TEST_CASE("a worker missing its identity says which variable is missing") {
   auto unset = run_dptrain({"worker", recipe.string()}, {{"WORLD_SIZE", "2"}});
   CHECK(unset.exit_code == 2);
   CHECK(unset.err == "dptrain: error: --rank not given and RANK is not set\n");
+  // No other variable set to nothing is taken as unset, nor a value it does not understand as
+  // its default.
+  const Env store = {{"DPTRAIN_STORE", "127.0.0.1:1"}};
+  const Env dir = {{"DPTRAIN_STORE", "127.0.0.1:1"}, {"DPTRAIN_RUN_DIR", (tmp / "r").string()}};
+  for (const auto& [given, message] : std::vector<std::pair<Env, std::string>>{
+           {{{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", ""}}, "MASTER_PORT: is empty"},
+           {{{"MASTER_ADDR", "127.0.0.1"}},
+            "--store not given and neither DPTRAIN_STORE nor MASTER_PORT is set"},
+           {{{"DPTRAIN_STORE", ""}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "1"}},
+            "DPTRAIN_STORE: is empty"},
+           {{{"DPTRAIN_RUN_DIR", ""}}, "DPTRAIN_RUN_DIR: is empty"},
+           {{{"DPTRAIN_NOMINAL_WORLD", ""}}, "DPTRAIN_NOMINAL_WORLD: is empty"},
+           {{{"DPTRAIN_HOST_STORE", "yes"}},
+            "DPTRAIN_HOST_STORE: 'yes' is neither 1 (rank 0 serves the store) nor 0"},
+           {{{"DPTRAIN_BIND_ADDR", ""}}, "DPTRAIN_BIND_ADDR: is empty"}}) {
+    Env all = {{"RANK", "0"}, {"WORLD_SIZE", "1"}};
+    const bool own_store = given.count("MASTER_ADDR") > 0;
+    for (const auto& [name, value] : own_store                        ? Env{}
+                                     : given.count("DPTRAIN_RUN_DIR") ? store
+                                                                      : dir)
+      all[name] = value;
+    for (const auto& [name, value] : given)
+      all[name] = value;
+    auto bad = run_dptrain({"worker", recipe.string()}, all, std::chrono::seconds(60));
+    CAPTURE(message);
+    CHECK(bad.exit_code == 2);
+    CHECK(bad.err == "dptrain: error: rank 0: " + message +
+                         (message.ends_with("is empty") ? "; give a value\n" : "\n"));
+  }
+  // A run.json rank 0 cannot keep (a directory there) is refused before it connects.
+  fs::create_directories(tmp / "held/run.json");
+  auto held = run_dptrain({"worker", recipe.string(), "--rank", "0", "--world-size", "1", "--store",
+                           "127.0.0.1:1", "--run-dir", (tmp / "held").string()});
+  CHECK(held.exit_code == 2);
+  CHECK(contains(held.err, "dptrain: error: rank 0: " + (tmp / "held/run.json").string() +
+                               ": is a directory"));
 
   // Values out of range are refused before any connection (no store listens here), naming the
   // flag or variable.
