@@ -292,7 +292,8 @@ int run_bench_worker(const std::string& serialized) {
     throw Error(ErrorKind::usage, "--worker: not a JSON object of bench comm options");
   }
   CommBenchOptions options = CommBenchOptions::from_json(j);
-  options.corrupt_rank = rank_env_int("DPTRAIN_BENCH_CORRUPT", -1);  // tests of the check
+  options.corrupt_rank = env("DPTRAIN_BENCH_CORRUPT") ? rank_env_int("DPTRAIN_BENCH_CORRUPT")
+                                                      : -1;  // tests of the check
   const auto timeout =
       std::chrono::milliseconds(static_cast<int64_t>(1000.0 * j.value("timeout_s", 60.0)));
   const int rank = rank_env_int("RANK");

@@ -44,13 +44,13 @@ struct ResumeOptions {
 int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
   std::FILE* status_out = status_stream(o.json, events);
   StatusPrinter status(status_out, StatusPrinter::is_terminal(status_out));
-  if (run.info().value("status", "") == "completed") {
+  if (run.info().value("status", nlohmann::json()) == "completed") {
     status.line(fmt::format("{}: the run already completed; nothing to resume", o.run_dir));
     if (o.json) {
       // The fields a launch's outcome has, from what the run recorded.
       JobOutcome done;
       done.status = "completed";
-      // run.json's copy (a launcher's), else result.json (workers started without one).
+      // result.json, else run.json's copy (a run whose result.json is gone): load_run's.
       done.result = load_run(run.path(), false).result;
       if (!done.result.is_object()) done.result = nlohmann::json::object();
       done.world_size = run.info().value("world_size", 0);

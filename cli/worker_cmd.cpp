@@ -61,6 +61,11 @@ struct WorkerOptions {
   double timeout_s = 0;
 };
 
+// Whether a launcher started this rank (it sets DPTRAIN_LAUNCHED=1 for every rank it starts).
+bool started_by_launcher() {
+  return env(kLaunchedEnv) == "1";
+}
+
 // Flags win over the environment; every missing piece is named.
 void fill_from_env(WorkerOptions& o) {
   if (o.rank < 0) o.rank = env_int("RANK", std::nullopt, "--rank not given and RANK is not set");
@@ -100,16 +105,23 @@ void fill_from_env(WorkerOptions& o) {
   if (o.run_dir.empty()) {
     throw Error(ErrorKind::usage, "--run-dir not given and DPTRAIN_RUN_DIR is not set");
   }
-  if (const auto hosting = env_value("DPTRAIN_HOST_STORE"); hosting && !o.host_store) {
-    if (*hosting != "0" && *hosting != "1") {
-      throw Error(ErrorKind::usage,
-                  fmt::format("DPTRAIN_HOST_STORE: '{}' is neither 1 (rank 0 serves the store) "
-                              "nor 0",
-                              *hosting));
+  // Read only by ranks started without a launcher: a launcher's ranks inherit its environment,
+  // where such a variable means nothing to them.
+  if (!o.host_store && !started_by_launcher()) {
+    if (const auto hosting = env_value("DPTRAIN_HOST_STORE")) {
+      if (*hosting != "0" && *hosting != "1") {
+        throw Error(ErrorKind::usage,
+                    fmt::format("DPTRAIN_HOST_STORE: '{}' is neither 1 (rank 0 serves the store) "
+                                "nor 0",
+                                *hosting));
+      }
+      o.host_store = *hosting == "1";
     }
-    o.host_store = *hosting == "1";
   }
-  if (o.bind.empty()) o.bind = env_value("DPTRAIN_BIND_ADDR").value_or("");
+  if (o.bind.empty()) {
+    o.bind = (started_by_launcher() ? env("DPTRAIN_BIND_ADDR") : env_value("DPTRAIN_BIND_ADDR"))
+                 .value_or("");
+  }
   // Flags were checked by CLI11; values from the environment are checked here, before any
   // connection, naming the variable.
   const auto at_least = [](const char* name, int value, int least) {
@@ -200,11 +212,6 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-// Whether a launcher started this rank (it sets DPTRAIN_LAUNCHED=1 for every rank it starts).
-bool started_by_launcher() {
-  return env(kLaunchedEnv) == "1";
-}
-
 // A job of workers started by hand or by another scheduler (srun, mpirun) has no launcher to
 // record it: rank 0 keeps run.json instead, so that status, report, ckpt and sample read the run
 // as they read a launcher's. Each such start is a generation; its pid is rank 0's, so status
@@ -238,8 +245,10 @@ class HandRunRecord {
                                 recorded, o.recipe, recipe_hash(recipe)));
       }
       // Started again to continue a run that completed: nothing to train, nothing to record.
+      // (A recorded recipe this build cannot read must at least be the very one given.)
       if (info_.value("status", json()) == "completed" &&
-          (o.resume == "newest" || o.resume == "newest-or-start")) {
+          (o.resume == "newest" || o.resume == "newest-or-start") &&
+          (!recorded.empty() || info_.value("recipe", json()) == to_json(recipe))) {
         completed_ = true;
         return;
       }
@@ -385,11 +394,17 @@ class StopWatcher {
       if (byte == 0) return;
       int answer = 0;
       if (byte == SIGINT && g_stop_answer.compare_exchange_strong(answer, 2)) {
-        // newest-or-start before the first checkpoint: "newest" would find none.
+        // newest-or-start before the first checkpoint: "newest" would find none. (A directory
+        // that cannot be listed now says the one that works either way.)
+        std::string how = "--resume newest-or-start";
+        try {
+          how = hand_resume_flag(run_dir);
+        } catch (const std::exception&) {
+        }
         stop(rank, record, 130, "interrupted",
              fmt::format("stopped by SIGINT (no checkpoint is written for it: the workers "
                          "started again with '{}' continue the run)",
-                         hand_resume_flag(run_dir)));
+                         how));
       }
       answer = 0;
       if (byte == SIGTERM && !progress.stepping() &&
@@ -563,7 +578,7 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record) {
   topts.ops = ops;
   topts.device_index = gpu;
   // Absolute, as a launcher gives it: result.json's last_checkpoint is a path to it.
-  topts.run_dir = std::filesystem::absolute(o.run_dir);
+  topts.run_dir = std::filesystem::absolute(o.run_dir).lexically_normal();
   topts.resume_from = o.resume;
   topts.node_leader = o.local_rank == 0;
   topts.nominal_world = o.nominal_world;

@@ -2,6 +2,7 @@
 #include "core/comm/backend_choice.hpp"
 
 #include <charconv>
+#include <string_view>
 #include <utility>
 
 #include <fmt/format.h>
@@ -31,6 +32,12 @@ std::pair<int, std::string> split_number(const std::string& text) {
 }
 
 Error other_size(int rank, int world, int other, int given, const char* whose) {
+  if (given < 0) {  // an answer without a number: not this protocol
+    return Error(ErrorKind::usage,
+                 fmt::format("rank {}: rank {} runs another version of dptrain (its answer "
+                             "carries no world size): run the same dptrain on every rank",
+                             rank, other));
+  }
   return Error(ErrorKind::usage,
                fmt::format("rank {}: rank {} was started with another world size than {} {} (it "
                            "was given {}): start every rank with the same world size",
@@ -38,12 +45,16 @@ Error other_size(int rank, int world, int other, int given, const char* whose) {
 }
 
 // What `waited_for` posted under `key`; its absence after `timeout` is Error(comm) naming it.
+// Other failures (a store that is gone, a refused secret) say themselves.
 std::string read_posted(Store& store, const std::string& key, int rank,
                         const std::string& waited_for, std::chrono::milliseconds timeout) {
   try {
     return store.get(key, timeout);
   } catch (const Error& e) {
-    if (e.kind() != ErrorKind::comm) throw;
+    if (e.kind() != ErrorKind::comm ||
+        std::string_view(e.what()).find("timed out") == std::string_view::npos) {
+      throw;
+    }
     throw Error(ErrorKind::comm,
                 fmt::format("rank {}: {} within {} (nothing from it at {}); start every rank with "
                             "the same store and world size",
@@ -57,6 +68,8 @@ BackendChoice agree_on_backend(Store& store, int rank, int world, bool required,
                                const std::string& why_not, std::chrono::milliseconds timeout) {
   store.set(answer_key(rank), fmt::format("{} {}", world, why_not.empty() ? "yes" : why_not));
   if (required && !why_not.empty()) {
+    // Rank 0's is the choice too: the others learn it at once.
+    if (rank == 0) store.set(kChoiceKey, "fail 0 " + why_not);
     throw Error(ErrorKind::comm, fmt::format("rank {}: backend nccl: {}", rank, why_not));
   }
   std::string choice;
@@ -65,9 +78,19 @@ BackendChoice agree_on_backend(Store& store, int rank, int world, bool required,
     // rank that cannot use NCCL, else "nccl".
     std::string refusal = why_not.empty() ? std::string() : "0 " + why_not;
     for (int r = 1; r < world && choice.empty(); ++r) {
-      const auto [given, status] =
-          split_number(read_posted(store, answer_key(r), rank,
-                                   fmt::format("rank {} of {} did not join", r, world), timeout));
+      std::string answer;
+      try {
+        answer = read_posted(store, answer_key(r), rank,
+                             fmt::format("rank {} of {} did not join", r, world), timeout);
+      } catch (const Error&) {
+        // The others learn which rank never came, rather than blame rank 0.
+        try {
+          store.set(kChoiceKey, fmt::format("absent {}", r));
+        } catch (const Error&) {
+        }
+        throw;
+      }
+      const auto [given, status] = split_number(answer);
       if (given != world) {
         choice = fmt::format("size {} {}", r, given);
       } else if (status != "yes" && refusal.empty()) {
@@ -84,7 +107,9 @@ BackendChoice agree_on_backend(Store& store, int rank, int world, bool required,
                                  fmt::format("rank 0 of {} did not join", world), timeout))
             .first;
     if (given != world) throw other_size(rank, world, 0, given, "this rank's");
-    choice = read_posted(store, kChoiceKey, rank, "rank 0 posted no choice of backend", timeout);
+    // Longer than rank 0 waits for any one rank: it posts which one never came.
+    choice =
+        read_posted(store, kChoiceKey, rank, "rank 0 posted no choice of backend", 2 * timeout);
   }
   if (choice == "nccl") return {"nccl", -1, {}};
   const size_t space = choice.find(' ');
@@ -94,6 +119,12 @@ BackendChoice agree_on_backend(Store& store, int rank, int world, bool required,
   if (kind == "size") {
     throw other_size(rank, world, other, split_number(rest).first,
                      rank == 0 ? "this rank's" : "rank 0's");
+  }
+  if (kind == "absent") {
+    throw Error(ErrorKind::comm,
+                fmt::format("rank {}: rank {} of {} did not join within {} (rank 0 waited for it "
+                            "at {}); start every rank with the same store and world size",
+                            rank, other, world, format_timeout(timeout), store.describe()));
   }
   if (kind == "fail") {
     throw Error(ErrorKind::comm, fmt::format("rank {}: backend nccl: rank {} cannot use NCCL: {}",

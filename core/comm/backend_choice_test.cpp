@@ -77,6 +77,13 @@ TEST_CASE("backend choice: with nccl required, a rank without it fails every ran
   CHECK(out[2].error == "rank 2: backend nccl: rank 1 cannot use NCCL: no libnccl.so.2");
 }
 
+TEST_CASE("backend choice: with nccl required, rank 0 without it fails every rank at once") {
+  const auto out = agree({3, 3, 3}, {"no GPU", "", ""}, true, 30s);
+  CHECK(out[0].error == "rank 0: backend nccl: no GPU");
+  CHECK(out[1].error == "rank 1: backend nccl: rank 0 cannot use NCCL: no GPU");
+  CHECK(out[2].error == "rank 2: backend nccl: rank 0 cannot use NCCL: no GPU");
+}
+
 TEST_CASE("backend choice: ranks given different world sizes are told so") {
   const auto out = agree({2, 3, 3}, {"", "", ""}, false);
   for (const Outcome& o : out)
@@ -98,12 +105,15 @@ TEST_CASE("backend choice: ranks given different world sizes are told so") {
         "start every rank with the same world size");
 }
 
-TEST_CASE("backend choice: a rank that never comes is named after the timeout") {
-  const auto out = agree({2}, {""}, false, 300ms);
+TEST_CASE("backend choice: a rank that never comes is named after the timeout, on every rank") {
+  const auto out = agree({3, 3}, {"", ""}, false, 300ms);
   CHECK(out[0].kind == ErrorKind::comm);
   CHECK(out[0].error.starts_with(
-      "rank 0: rank 1 of 2 did not join within 0.3s (nothing from it at store 127.0.0.1:"));
+      "rank 0: rank 2 of 3 did not join within 0.3s (nothing from it at store 127.0.0.1:"));
   CHECK(out[0].error.ends_with("); start every rank with the same store and world size"));
+  CHECK(out[1].kind == ErrorKind::comm);
+  CHECK(out[1].error.starts_with(
+      "rank 1: rank 2 of 3 did not join within 0.3s (rank 0 waited for it at store 127.0.0.1:"));
 }
 
 }  // namespace
