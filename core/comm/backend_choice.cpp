@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include "core/comm/communicator.hpp"
 #include "core/error.hpp"
 
 namespace dptrain {
@@ -32,16 +33,9 @@ std::pair<int, std::string> split_number(const std::string& text) {
 }
 
 Error other_size(int rank, int world, int other, int given, const char* whose) {
-  if (given < 0) {  // an answer without a number: not this protocol
-    return Error(ErrorKind::usage,
-                 fmt::format("rank {}: rank {} runs another version of dptrain (its answer "
-                             "carries no world size): run the same dptrain on every rank",
-                             rank, other));
-  }
-  return Error(ErrorKind::usage,
-               fmt::format("rank {}: rank {} was started with another world size than {} {} (it "
-                           "was given {}): start every rank with the same world size",
-                           rank, other, whose, world, given));
+  return Error(
+      ErrorKind::usage,
+      fmt::format("rank {}: {}", rank, world_size_mismatch(other, whose, world, given, "answer")));
 }
 
 // What `waited_for` posted under `key`; its absence after `timeout` is Error(comm) naming it.

@@ -1,5 +1,7 @@
-// Names of reduce operations, for messages and benchmark tables.
+// Names of reduce operations, for messages and benchmark tables; the world-size mismatch message.
 #include "core/comm/communicator.hpp"
+
+#include <fmt/format.h>
 
 namespace dptrain {
 
@@ -15,6 +17,20 @@ const char* reduce_op_name(ReduceOp op) {
       return "min";
   }
   return "unknown";
+}
+
+std::string world_size_mismatch(int other, const char* whose, int world, int64_t given,
+                                const char* posted) {
+  if (given < 0) {
+    return fmt::format(
+        "rank {} runs another version of dptrain (its {} carries no world size): "
+        "run the same dptrain on every rank",
+        other, posted);
+  }
+  return fmt::format(
+      "rank {} was started with another world size than {} {} (it was given "
+      "{}): start every rank with the same world size",
+      other, whose, world, given);
 }
 
 }  // namespace dptrain

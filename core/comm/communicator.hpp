@@ -18,6 +18,13 @@ enum class ReduceOp { sum, avg, max, min };
 // "sum", "avg", "max", "min".
 const char* reduce_op_name(ReduceOp op);
 
+// What ranks started with different world sizes (by hand, srun) are told, the same by every
+// backend's rendezvous: "rank OTHER was started with another world size than WHOSE WORLD (it was
+// given GIVEN): ...". GIVEN < 0: what OTHER posted (`posted`: "address", "answer") carries no
+// world size, so it runs another version of dptrain.
+std::string world_size_mismatch(int other, const char* whose, int world, int64_t given,
+                                const char* posted);
+
 // One rank's handle on a group of `size()` ranks. Every rank must call the same collectives in the
 // same order with the same counts. Calls are not thread-safe: one thread at a time per
 // communicator. Failures (a peer that died, a timeout) throw Error(ErrorKind::comm) naming the rank

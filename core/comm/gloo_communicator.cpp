@@ -61,15 +61,8 @@ class GlooStoreAdapter : public gloo::rendezvous::Store {
       const std::string trailer = size_trailer(size_);
       if (!value.ends_with(trailer)) {
         const std::optional<uint32_t> given = peer_size(value);
-        throw Error(ErrorKind::usage,
-                    given ? fmt::format("rank {} was started with another world size than this "
-                                        "rank's {} (it was given {}): start every rank with the "
-                                        "same world size",
-                                        peer, size_, *given)
-                          : fmt::format("rank {} runs another version of dptrain (its address "
-                                        "carries no world size): run the same dptrain on every "
-                                        "rank",
-                                        peer));
+        throw Error(ErrorKind::usage, world_size_mismatch(peer, "this rank's", size_,
+                                                          given ? int64_t{*given} : -1, "address"));
       }
       value.resize(value.size() - trailer.size());
     }

@@ -511,10 +511,8 @@ void NcclCommunicator::State::init(Store& store) {
     if (rank0_size != size) {
       failure = "another world size";
       throw Error(ErrorKind::usage,
-                  fmt::format("rank {}: rank 0 was started with another world size than this "
-                              "rank's {} (it was given {}): start every rank with the same world "
-                              "size",
-                              rank, size, rank0_size));
+                  fmt::format("rank {}: {}", rank,
+                              world_size_mismatch(0, "this rank's", size, rank0_size, "id")));
     }
     std::memcpy(id.internal, value.data() + tag, sizeof id.internal);
   }
