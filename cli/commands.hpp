@@ -12,6 +12,9 @@ namespace dptrain::cli {
 struct Outcome {
   int exit_code = 0;
   bool json = false;  // errors are also printed as a JSON object on stdout
+  // Run by main after it printed the outcome (an error's line), just before it exits: a worker
+  // that failed to start tells its peers why, out of the way of its own message.
+  std::function<void()> finally;
 };
 
 struct Subcommand {

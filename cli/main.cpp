@@ -226,6 +226,17 @@ int run(int argc, char** argv) {
   app.require_subcommand(1);
   app.fallthrough(false);
   dptrain::cli::Outcome outcome;
+  // After the outcome is printed, whichever way this function returns.
+  struct Finally {
+    dptrain::cli::Outcome& outcome;
+    ~Finally() {
+      if (!outcome.finally) return;
+      try {
+        outcome.finally();
+      } catch (...) {
+      }
+    }
+  } finally{outcome};
   for (const auto& cmd : dptrain::cli::subcommands()) {
     CLI::App* sub = app.add_subcommand(cmd.name, cmd.summary);
     cmd.setup(*sub, outcome);

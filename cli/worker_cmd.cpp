@@ -25,10 +25,10 @@
 #include "cli/run_report.hpp"
 #include "core/checkpoint.hpp"
 #include "core/comm/auth.hpp"
-#include "core/comm/backend_choice.hpp"
 #include "core/comm/gloo_communicator.hpp"
 #include "core/comm/nccl_communicator.hpp"
 #include "core/comm/net.hpp"
+#include "core/comm/start_agreement.hpp"
 #include "core/comm/store.hpp"
 #include "core/comm/tcp_store.hpp"
 #include "core/error.hpp"
@@ -166,26 +166,19 @@ void catch_signal(int sig) {
   ::sigaction(sig, &sa, nullptr);
 }
 
-// The backend every rank uses. "auto" is nccl when every rank computes on a GPU and can load
-// NCCL, gloo otherwise: the ranks agree through the store (agree_on_backend, which also finds
-// world sizes that differ). "nccl" where NCCL cannot work is Error(comm) naming the rank and the
-// reason.
+// The backend every rank uses, as the ranks agree to start (agree_to_start, which also finds
+// world sizes that differ and a rank that could not start). "auto" is nccl when every rank
+// computes on a GPU and can load NCCL, gloo otherwise. "nccl" where NCCL cannot work is
+// Error(comm) naming the rank and the reason.
 std::string choose_backend(Store& store, int rank, int world, const std::string& requested,
                            Ops& ops, std::chrono::milliseconds timeout) {
-  if (requested == "gloo") return "gloo";
-  if (ops.device() == "cpu") {
-    // The recipe is the same on every rank: they all say so.
-    if (requested == "nccl") {
-      throw Error(ErrorKind::comm,
-                  fmt::format("rank {}: backend nccl: this rank computes on the CPU (train.device "
-                              "is \"cpu\")",
-                              rank));
-    }
-    return "gloo";
-  }
-  const BackendChoice choice = agree_on_backend(store, rank, world, requested == "nccl",
-                                                nccl_unavailable_reason().value_or(""), timeout);
-  if (choice.backend == "gloo" && choice.rank == rank) {
+  const bool gpu = ops.device() != "cpu";
+  const BackendChoice choice = agree_to_start(store, rank, world, requested == "nccl",
+                                              requested == "gloo" ? "the backend asked for is gloo"
+                                              : !gpu              ? "it computes on the CPU"
+                                                     : nccl_unavailable_reason().value_or(""),
+                                              timeout);
+  if (choice.backend == "gloo" && choice.rank == rank && requested == "auto" && gpu) {
     std::printf("warning: backend auto uses gloo: rank %d cannot use NCCL: %s\n", rank,
                 choice.why_not.c_str());
     std::fflush(stdout);
@@ -427,10 +420,83 @@ class StopWatcher {
   std::thread thread_;
 };
 
+// Restores the default action of the signals the worker answers: nothing answers them any more.
+void default_stop_signals() {
+  for (const int sig : {SIGINT, SIGTERM}) {
+    struct sigaction sa {};
+    if (::sigaction(sig, nullptr, &sa) == 0 && sa.sa_handler == on_stop_signal) {
+      std::signal(sig, SIG_DFL);
+    }
+  }
+}
+
+// What a worker that failed leaves for after its error is printed (main runs it just before the
+// worker exits). Where it could not start, its peers learn why through the store and fail at once
+// naming it, rather than wait for it until their timeout; where rank 0 serves the store, the store
+// stays up until the others have read why the start failed (a few seconds at most).
+struct Farewell {
+  static constexpr std::chrono::seconds kWait{5};
+  std::unique_ptr<TcpStoreServer> server;
+  // The store, once known (and, with --host-store, rank 0's started): nothing is told before.
+  std::string host;
+  uint16_t port = 0;
+  std::string secret;
+  std::string prefix;
+  int rank = -1;
+  int world = 0;
+  bool at_start = false;  // it went to the store to start: a failure since is not a refusal
+  std::optional<Error> refusal;
+
+  void operator()() const {
+    if (world < 2 || host.empty() || (!refusal && !server)) return;
+    default_stop_signals();
+    try {
+      TcpStoreClient client(host, port, kWait, secret, kWait);
+      PrefixStore store(prefix, client);
+      if (refusal) refuse_to_start(store, rank, world, *refusal);
+      if (server) wait_until_told(store, world, kWait);
+    } catch (const std::exception&) {
+      // A store that is not there (rank 0 did not start it): nobody to tell.
+    }
+  }
+};
+
 // `o` is the command line's: filled from the environment here, so that the caller names the rank.
-int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record) {
+int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell& farewell) {
   install_worker_signal_handlers();  // again: main installs them first, for `dptrain worker`
   fill_from_env(o);
+  const auto [host, port] = parse_host_port(o.store);
+  // The job secret comes through the environment only; "" means an open store (by hand).
+  const std::string secret = env(kStoreSecretEnv).value_or("");
+  // Rank 0 serving the store starts it first: the other ranks learn through it why this one
+  // cannot start (Farewell).
+  if (o.host_store && o.rank == 0) {
+    // A loopback store address keeps the store on this machine: nothing beyond it can reach
+    // it (a store started by hand has no secret unless DPTRAIN_STORE_SECRET gives one).
+    // "localhost" as 127.0.0.1: a name binds only the first address it resolves to.
+    const std::string bind = host == "localhost"      ? "127.0.0.1"
+                             : is_loopback_host(host) ? host
+                                                      : "0.0.0.0";
+    try {
+      farewell.server = std::make_unique<TcpStoreServer>(bind, port, secret);
+    } catch (const Error& e) {
+      // The ranks' settings, not the network: exit 2, as a launcher's --master-port in use.
+      const std::string cause = e.what();
+      throw Error(ErrorKind::usage,
+                  fmt::format("--host-store: the store cannot listen on port {} ({}); give the "
+                              "store (--store, DPTRAIN_STORE or MASTER_PORT) a free port",
+                              port,
+                              cause.starts_with("cannot listen on ")
+                                  ? cause.substr(std::string("cannot listen on ").size())
+                                  : cause));
+    }
+  }
+  farewell.host = host;
+  farewell.port = port;
+  farewell.secret = secret;
+  farewell.prefix = fmt::format("gen{}", o.generation);
+  farewell.rank = o.rank;
+  farewell.world = o.world_size;
   const FaultInjector faults(parse_faults(env("DPTRAIN_FAULT").value_or("")), o.rank, o.generation);
   const Recipe recipe = load_recipe(o.recipe);
   // The parameter-server mode's messages go through Gloo (the recipe refuses "nccl" with it).
@@ -447,9 +513,13 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record) {
   const std::shared_ptr<Ops> ops = make_ops(recipe.train.device, gpu);
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(
       1000.0 * (o.timeout_s > 0 ? o.timeout_s : recipe.distributed.timeout_s)));
-  const auto [host, port] = parse_host_port(o.store);
-  // A launcher drives a run in this directory: a rank it did not start would write its metrics
-  // and checkpoints into that run's.
+  // The recipe is the same on every rank: they all say so.
+  if (requested == "nccl" && ops->device() == "cpu") {
+    throw Error(ErrorKind::comm,
+                fmt::format("rank {}: backend nccl: this rank computes on the CPU (train.device "
+                            "is \"cpu\")",
+                            o.rank));
+  }
 
   // A fresh start writes its checkpoints over any that the directory holds (a requeued job, a
   // run directory reused by mistake): refused before any rank connects. Only the node's
@@ -504,32 +574,6 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record) {
       throw Error(ErrorKind::usage, e.what());
     }
   }
-  // The store before the run's record: a port it cannot have fails the start with nothing
-  // recorded.
-  // The job secret comes through the environment only; "" means an open store (by hand).
-  const std::string secret = env(kStoreSecretEnv).value_or("");
-  std::unique_ptr<TcpStoreServer> server;
-  if (o.host_store && o.rank == 0) {
-    // A loopback store address keeps the store on this machine: nothing beyond it can reach
-    // it (a store started by hand has no secret unless DPTRAIN_STORE_SECRET gives one).
-    // "localhost" as 127.0.0.1: a name binds only the first address it resolves to.
-    const std::string bind = host == "localhost"      ? "127.0.0.1"
-                             : is_loopback_host(host) ? host
-                                                      : "0.0.0.0";
-    try {
-      server = std::make_unique<TcpStoreServer>(bind, port, secret);
-    } catch (const Error& e) {
-      // The ranks' settings, not the network: exit 2, as a launcher's --master-port in use.
-      const std::string cause = e.what();
-      throw Error(ErrorKind::usage,
-                  fmt::format("--host-store: the store cannot listen on port {} ({}); give the "
-                              "store (--store, DPTRAIN_STORE or MASTER_PORT) a free port",
-                              port,
-                              cause.starts_with("cannot listen on ")
-                                  ? cause.substr(std::string("cannot listen on ").size())
-                                  : cause));
-    }
-  }
   record.emplace(o, recipe);
   if (g_signal_pipe[0] < 0) throw Error(ErrorKind::internal, "cannot make the signal pipe");
   ProgressTracker progress;
@@ -540,8 +584,9 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record) {
     catch_signal(SIGINT);
   }
 
+  farewell.at_start = true;
   TcpStoreClient client(host, port, timeout, secret);
-  PrefixStore store(fmt::format("gen{}", o.generation), client);
+  PrefixStore store(farewell.prefix, client);
 
   std::unique_ptr<Communicator> comm;
   if (choose_backend(store, o.rank, o.world_size, requested, *ops, timeout) == "nccl") {
@@ -704,9 +749,13 @@ void setup_worker(CLI::App& app, Outcome& outcome) {
       ->check(seconds());
   app.callback([o, &outcome] {
     std::optional<HandRunRecord> record;
+    auto farewell = std::make_shared<Farewell>();
+    const auto leave = [&] { outcome.finally = [farewell] { (*farewell)(); }; };
     try {
-      outcome.exit_code = run_worker(*o, record);
+      outcome.exit_code = run_worker(*o, record, *farewell);
     } catch (const Error& e) {
+      if (!farewell->at_start) farewell->refusal = e;
+      leave();
       // Name the rank: many ranks' errors end up interleaved in one terminal. Some name it
       // themselves (the trainer's, for a launcher that reads only that line).
       const std::string own = fmt::format("rank {}: ", o->rank);
@@ -718,6 +767,7 @@ void setup_worker(CLI::App& app, Outcome& outcome) {
       throw Error(e.kind(), named);
     } catch (const std::exception& e) {
       // Not dptrain's own (out of memory, a filesystem error): main says what; the record ends.
+      leave();
       if (record) record->finish("failed", fmt::format("rank {}: {}", o->rank, e.what()));
       throw;
     }

@@ -315,15 +315,38 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
         1);
 
   // Started again into the same directory without --resume (a requeued job), rank 0 refuses
-  // before it connects rather than write a fresh start over the checkpoints.
+  // before it connects rather than write a fresh start over the checkpoints; rank 1 learns why
+  // through rank 0's store at once (its timeout is the recipe's 60 s), not as a store that
+  // never answers.
   const std::string metrics = read_text(tmp / "run/metrics.jsonl");
   const std::string latest = read_text(tmp / "run/checkpoints/latest");
-  auto again = run_dptrain({"worker", recipe.string()}, env0, std::chrono::seconds(60));
-  CHECK(again.exit_code == 2);
-  CHECK(again.err == "dptrain: error: rank 0: --run-dir " + (tmp / "run").string() +
-                         ": holds checkpoints (the newest step-000060), which a fresh start "
-                         "would write over; continue them with --resume newest, or give a new "
-                         "--run-dir\n");
+  const std::string held = "--run-dir " + (tmp / "run").string() +
+                           ": holds checkpoints (the newest step-000060), which a fresh start "
+                           "would write over; continue them with --resume newest, or give a new "
+                           "--run-dir\n";
+  {
+    Background again0({"worker", recipe.string()}, env0);
+    Background again1({"worker", recipe.string()}, env1);
+    CHECK(again1.wait(std::chrono::seconds(60)) == 2);
+    CHECK(again0.wait(std::chrono::seconds(60)) == 2);
+    CHECK(again0.err() == "dptrain: error: rank 0: " + held);
+    CHECK(again1.err() == "dptrain: error: rank 1: rank 0 cannot start: " + held);
+  }
+  // The same of rank 1 (the checkpoint writer of its own node's copy of the run): rank 0 learns
+  // why, at once.
+  {
+    Env node0 = env0, node1 = env1;
+    node0["MASTER_PORT"] = node1["MASTER_PORT"] = std::to_string(unused_port());
+    node0["DPTRAIN_RUN_DIR"] = (tmp / "node0").string();
+    node1["LOCAL_RANK"] = "0";
+    Background again0({"worker", recipe.string()}, node0);
+    Background again1({"worker", recipe.string()}, node1);
+    CHECK(again1.wait(std::chrono::seconds(60)) == 2);
+    CHECK(again0.wait(std::chrono::seconds(60)) == 2);
+    CHECK(again1.err() == "dptrain: error: rank 1: " + held);
+    CHECK(again0.err() == "dptrain: error: rank 0: rank 1 cannot start: " + held);
+    CHECK_FALSE(fs::exists(tmp / "node0/checkpoints"));
+  }
   CHECK(read_text(tmp / "run/metrics.jsonl") == metrics);
   CHECK(read_text(tmp / "run/checkpoints/latest") == latest);
 

@@ -1,8 +1,10 @@
-#include "core/comm/backend_choice.hpp"
+#include "core/comm/start_agreement.hpp"
 
 #include <doctest/doctest.h>
+#include <fmt/format.h>
 
 #include <functional>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -21,9 +23,11 @@ struct Outcome {
   ErrorKind kind = ErrorKind::internal;
 };
 
-// One thread per rank, each with its world size and its reason not to use NCCL ("" = it can).
+// One thread per rank, each with its world size and its reason not to use NCCL ("" = it can); a
+// rank with a `refusals` entry cannot start and posts that instead.
 std::vector<Outcome> agree(const std::vector<int>& worlds, const std::vector<std::string>& why_not,
-                           bool required, std::chrono::milliseconds timeout = 20s) {
+                           bool required, std::chrono::milliseconds timeout = 20s,
+                           const std::vector<std::optional<Error>>& refusals = {}) {
   TcpStoreServer server;
   std::vector<Outcome> out(worlds.size());
   std::vector<std::thread> ranks;
@@ -32,8 +36,12 @@ std::vector<Outcome> agree(const std::vector<int>& worlds, const std::vector<std
       TcpStoreClient client("127.0.0.1", server.port(), 10s);
       PrefixStore store("gen1", client);
       try {
+        if (r < refusals.size() && refusals[r]) {
+          refuse_to_start(store, static_cast<int>(r), worlds[r], *refusals[r]);
+          throw *refusals[r];
+        }
         out[r].choice =
-            agree_on_backend(store, static_cast<int>(r), worlds[r], required, why_not[r], timeout);
+            agree_to_start(store, static_cast<int>(r), worlds[r], required, why_not[r], timeout);
       } catch (const Error& e) {
         out[r].error = e.what();
         out[r].kind = e.kind();
@@ -45,7 +53,7 @@ std::vector<Outcome> agree(const std::vector<int>& worlds, const std::vector<std
   return out;
 }
 
-TEST_CASE("backend choice: nccl when every rank can use it") {
+TEST_CASE("start agreement: nccl when every rank can use it") {
   for (const bool required : {false, true}) {
     for (const Outcome& o : agree({3, 3, 3}, {"", "", ""}, required)) {
       CHECK(o.error.empty());
@@ -54,7 +62,7 @@ TEST_CASE("backend choice: nccl when every rank can use it") {
   }
 }
 
-TEST_CASE("backend choice: one rank without NCCL moves every rank to gloo, naming it") {
+TEST_CASE("start agreement: one rank without NCCL moves every rank to gloo, naming it") {
   for (const Outcome& o : agree({3, 3, 3}, {"", "", "no libnccl.so.2"}, false)) {
     CHECK(o.error.empty());
     CHECK(o.choice.backend == "gloo");
@@ -68,7 +76,7 @@ TEST_CASE("backend choice: one rank without NCCL moves every rank to gloo, namin
   }
 }
 
-TEST_CASE("backend choice: with nccl required, a rank without it fails every rank, naming it") {
+TEST_CASE("start agreement: with nccl required, a rank without it fails every rank, naming it") {
   const auto out = agree({3, 3, 3}, {"", "no libnccl.so.2", ""}, true);
   for (const Outcome& o : out)
     CHECK(o.kind == ErrorKind::comm);
@@ -77,14 +85,14 @@ TEST_CASE("backend choice: with nccl required, a rank without it fails every ran
   CHECK(out[2].error == "rank 2: backend nccl: rank 1 cannot use NCCL: no libnccl.so.2");
 }
 
-TEST_CASE("backend choice: with nccl required, rank 0 without it fails every rank at once") {
+TEST_CASE("start agreement: with nccl required, rank 0 without it fails every rank at once") {
   const auto out = agree({3, 3, 3}, {"no GPU", "", ""}, true, 30s);
   CHECK(out[0].error == "rank 0: backend nccl: no GPU");
   CHECK(out[1].error == "rank 1: backend nccl: rank 0 cannot use NCCL: no GPU");
   CHECK(out[2].error == "rank 2: backend nccl: rank 0 cannot use NCCL: no GPU");
 }
 
-TEST_CASE("backend choice: ranks given different world sizes are told so") {
+TEST_CASE("start agreement: ranks given different world sizes are told so") {
   const auto out = agree({2, 3, 3}, {"", "", ""}, false);
   for (const Outcome& o : out)
     CHECK(o.kind == ErrorKind::usage);
@@ -105,7 +113,7 @@ TEST_CASE("backend choice: ranks given different world sizes are told so") {
         "start every rank with the same world size");
 }
 
-TEST_CASE("backend choice: a rank that never comes is named after the timeout, on every rank") {
+TEST_CASE("start agreement: a rank that never comes is named after the timeout, on every rank") {
   const auto out = agree({3, 3}, {"", ""}, false, 300ms);
   CHECK(out[0].kind == ErrorKind::comm);
   CHECK(out[0].error.starts_with(
@@ -114,6 +122,54 @@ TEST_CASE("backend choice: a rank that never comes is named after the timeout, o
   CHECK(out[1].kind == ErrorKind::comm);
   CHECK(out[1].error.starts_with(
       "rank 1: rank 2 of 3 did not join within 0.3s (rank 0 waited for it at store 127.0.0.1:"));
+}
+
+TEST_CASE("start agreement: a rank that cannot start fails every rank at once, naming it") {
+  // Rank 2 (its run directory holds checkpoints): the others learn it rather than wait for the
+  // timeout, with its error's kind (exit 2).
+  const Error held(ErrorKind::usage, "rank 2: --run-dir run: holds checkpoints");
+  auto out = agree({3, 3, 3}, {"", "", ""}, false, 60s, {std::nullopt, std::nullopt, held});
+  for (const int r : {0, 1}) {
+    CHECK(out[r].kind == ErrorKind::usage);
+    CHECK(out[r].error ==
+          fmt::format("rank {}: rank 2 cannot start: --run-dir run: holds checkpoints", r));
+  }
+  // Rank 0's refusal is the choice: the others do not wait for any rank.
+  const Error recipe(ErrorKind::recipe, "r.json: /train/steps: must be at least 1");
+  out = agree({3, 3, 3}, {"", "", ""}, true, 60s, {recipe});
+  for (const int r : {1, 2}) {
+    CHECK(out[r].kind == ErrorKind::recipe);
+    CHECK(out[r].error ==
+          fmt::format("rank {}: rank 0 cannot start: r.json: /train/steps: must be at least 1", r));
+  }
+  // Every rank refusing (one recipe file for all): each says its own.
+  out = agree({2, 2}, {"", ""}, false, 60s, {recipe, recipe});
+  CHECK(out[0].error == recipe.what());
+  CHECK(out[1].error == recipe.what());
+}
+
+TEST_CASE("start agreement: rank 0 serving the store waits for the others to be told, no longer") {
+  TcpStoreServer server;
+  TcpStoreClient client("127.0.0.1", server.port(), 10s);
+  PrefixStore store("gen1", client);
+  // Nobody else: it waits its bound, then goes.
+  wait_until_told(store, 2, 200ms);
+  refuse_to_start(store, 0, 2, Error(ErrorKind::usage, "no"));
+  std::string told;
+  std::thread rank1([&] {
+    TcpStoreClient other("127.0.0.1", server.port(), 10s);
+    PrefixStore gen("gen1", other);
+    try {
+      agree_to_start(gen, 1, 2, false, "", 10s);
+    } catch (const Error& e) {
+      told = e.what();
+    }
+  });
+  // Once rank 1 has read why, rank 0 need not wait: well within the 60 s bound.
+  wait_until_told(store, 2, 60s);
+  rank1.join();
+  CHECK(told == "rank 1: rank 0 cannot start: no");
+  CHECK(store.check({"backend/told/1"}));
 }
 
 }  // namespace

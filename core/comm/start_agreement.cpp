@@ -1,9 +1,10 @@
-// The ranks' agreement on NCCL or Gloo, through the store.
-#include "core/comm/backend_choice.hpp"
+// The ranks' agreement to start (world size, every rank able to, NCCL or Gloo), through the store.
+#include "core/comm/start_agreement.hpp"
 
 #include <charconv>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -16,8 +17,16 @@ namespace {
 
 constexpr const char* kChoiceKey = "backend/choice";
 
+// Each rank's answer: "W ok", "W no WHY" (it cannot use NCCL) or "W refused KIND MESSAGE" (it
+// cannot start), W its world size.
 std::string answer_key(int rank) {
   return fmt::format("backend/nccl/{}", rank);
+}
+
+// Posted by each rank other than 0 once it read the choice or refused: rank 0, serving the store,
+// keeps it up until then (wait_until_told).
+std::string told_key(int rank) {
+  return fmt::format("backend/told/{}", rank);
 }
 
 // The leading number of "N rest" and the rest; -1 when there is none.
@@ -30,6 +39,15 @@ std::pair<int, std::string> split_number(const std::string& text) {
     number = -1;
   }
   return {number, space == std::string::npos ? std::string() : text.substr(space + 1)};
+}
+
+// "KIND MESSAGE" of a refusal, as the Error it stands for, told to `rank` about rank `other`.
+Error refusal_error(int rank, int other, const std::string& text) {
+  const auto [kind, message] = split_number(text);
+  const bool known = kind >= 0 && kind <= static_cast<int>(ErrorKind::terminated);
+  return Error(
+      known ? static_cast<ErrorKind>(kind) : ErrorKind::comm,
+      fmt::format("rank {}: rank {} cannot start: {}", rank, other, known ? message : text));
 }
 
 Error other_size(int rank, int world, int other, int given, const char* whose) {
@@ -58,9 +76,10 @@ std::string read_posted(Store& store, const std::string& key, int rank,
 
 }  // namespace
 
-BackendChoice agree_on_backend(Store& store, int rank, int world, bool required,
-                               const std::string& why_not, std::chrono::milliseconds timeout) {
-  store.set(answer_key(rank), fmt::format("{} {}", world, why_not.empty() ? "yes" : why_not));
+BackendChoice agree_to_start(Store& store, int rank, int world, bool required,
+                             const std::string& why_not, std::chrono::milliseconds timeout) {
+  store.set(answer_key(rank),
+            fmt::format("{} {}", world, why_not.empty() ? "ok" : "no " + why_not));
   if (required && !why_not.empty()) {
     // Rank 0's is the choice too: the others learn it at once.
     if (rank == 0) store.set(kChoiceKey, "fail 0 " + why_not);
@@ -68,8 +87,9 @@ BackendChoice agree_on_backend(Store& store, int rank, int world, bool required,
   }
   std::string choice;
   if (rank == 0) {
-    // "size R W" (rank R was given world size W), else "gloo R WHY" / "fail R WHY" for the first
-    // rank that cannot use NCCL, else "nccl".
+    // For the first rank with a problem: "size R W" (it was given world size W) or "refused R
+    // KIND MESSAGE" (it cannot start); else "gloo R WHY" / "fail R WHY" for the first rank that
+    // cannot use NCCL, else "nccl".
     std::string refusal = why_not.empty() ? std::string() : "0 " + why_not;
     for (int r = 1; r < world && choice.empty(); ++r) {
       std::string answer;
@@ -87,8 +107,10 @@ BackendChoice agree_on_backend(Store& store, int rank, int world, bool required,
       const auto [given, status] = split_number(answer);
       if (given != world) {
         choice = fmt::format("size {} {}", r, given);
-      } else if (status != "yes" && refusal.empty()) {
-        refusal = fmt::format("{} {}", r, status);
+      } else if (status.starts_with("refused ")) {
+        choice = fmt::format("refused {} {}", r, status.substr(8));
+      } else if (status != "ok" && refusal.empty()) {
+        refusal = fmt::format("{} {}", r, status.starts_with("no ") ? status.substr(3) : status);
       }
     }
     if (choice.empty()) {
@@ -104,6 +126,10 @@ BackendChoice agree_on_backend(Store& store, int rank, int world, bool required,
     // Longer than rank 0 waits for any one rank: it posts which one never came.
     choice =
         read_posted(store, kChoiceKey, rank, "rank 0 posted no choice of backend", 2 * timeout);
+    try {
+      store.set(told_key(rank), "1");
+    } catch (const Error&) {
+    }
   }
   if (choice == "nccl") return {"nccl", -1, {}};
   const size_t space = choice.find(' ');
@@ -114,6 +140,7 @@ BackendChoice agree_on_backend(Store& store, int rank, int world, bool required,
     throw other_size(rank, world, other, split_number(rest).first,
                      rank == 0 ? "this rank's" : "rank 0's");
   }
+  if (kind == "refused") throw refusal_error(rank, other, rest);
   if (kind == "absent") {
     throw Error(ErrorKind::comm,
                 fmt::format("rank {}: rank {} of {} did not join within {} (rank 0 waited for it "
@@ -128,6 +155,31 @@ BackendChoice agree_on_backend(Store& store, int rank, int world, bool required,
   throw Error(ErrorKind::comm,
               fmt::format("rank {}: the store's '{}' is not a choice of backend: '{}'", rank,
                           kChoiceKey, choice));
+}
+
+void refuse_to_start(Store& store, int rank, int world, const Error& error) {
+  std::string message = error.what();
+  if (const std::string own = fmt::format("rank {}: ", rank); message.starts_with(own)) {
+    message.erase(0, own.size());
+  }
+  const std::string refusal = fmt::format("{} {}", static_cast<int>(error.kind()), message);
+  store.set(answer_key(rank), fmt::format("{} refused {}", world, refusal));
+  if (rank == 0) {
+    store.set(kChoiceKey, "refused 0 " + refusal);
+  } else {
+    store.set(told_key(rank), "1");
+  }
+}
+
+void wait_until_told(Store& store, int world, std::chrono::milliseconds bound) {
+  std::vector<std::string> keys;
+  for (int r = 1; r < world; ++r)
+    keys.push_back(told_key(r));
+  try {
+    if (!keys.empty()) store.wait(keys, bound);
+  } catch (const Error&) {
+    // Those that have not come by now start too late to learn it.
+  }
 }
 
 }  // namespace dptrain

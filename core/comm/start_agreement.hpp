@@ -1,0 +1,42 @@
+// How the ranks of a job agree to start, through the store: on their world size, on every rank
+// being able to start at all, and on their backend (NCCL or Gloo).
+#pragma once
+
+#include <chrono>
+#include <string>
+
+#include "core/comm/store.hpp"
+#include "core/error.hpp"
+
+namespace dptrain {
+
+struct BackendChoice {
+  std::string backend;  // "nccl" or "gloo"
+  // With "gloo": the first rank that cannot use NCCL, and why.
+  int rank = -1;
+  std::string why_not;
+};
+
+// Every rank posts its world size and whether it can use NCCL (`why_not` empty) or why not; rank
+// 0 reads them all and posts the choice, which the others read (one store read each besides rank
+// 0's answer). NCCL when every rank can use it; else Gloo, so that one node without NCCL moves
+// the whole job rather than splitting it; with `required` (the recipe asks for nccl) a rank that
+// cannot fails the job instead: Error(comm) on every rank naming it and why. Ranks started with
+// different world sizes (by hand, srun) are Error(usage) naming the rank and both sizes; a rank
+// that never posts is Error(comm) naming it, after `timeout`; a rank that could not start
+// (refuse_to_start) fails every rank with its error's kind, naming it and why.
+BackendChoice agree_to_start(Store& store, int rank, int world, bool required,
+                             const std::string& why_not, std::chrono::milliseconds timeout);
+
+// A rank that cannot start (a recipe it cannot read, a run directory it must not write over)
+// posts why in place of its answer, so that the ranks at agree_to_start fail at once naming it
+// instead of waiting for it until their timeout. Rank 0's post is the choice itself. A leading
+// "rank R: " of the error's text is left out (the others name the rank).
+void refuse_to_start(Store& store, int rank, int world, const Error& error);
+
+// For rank 0 serving the store itself, before it exits with a failure at or before the start:
+// waits until every other rank has read the choice or refused (up to `bound`), so that they learn
+// why rather than lose the store. Returns at once where they all have.
+void wait_until_told(Store& store, int world, std::chrono::milliseconds bound);
+
+}  // namespace dptrain
