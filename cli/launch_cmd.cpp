@@ -104,7 +104,8 @@ int run_launch(const LaunchOptions& o) {
   check_store_port(spec);     // a --master-port another process holds: exit 2
   // One that does not parse: exit 2, nothing created; the launch warns about the others.
   const auto fault_warnings = check_fault_injection(spec);
-  check_events(o.restart, o.json);  // the plan is refused for what the launch would refuse
+  check_events(o.restart, o.json,
+               o.run_dir);  // the plan is refused for what the launch would refuse
   if (o.dry_run) {
     for (const auto& warning : fault_warnings)
       std::fprintf(stderr, "dptrain: warning: %s\n", warning.c_str());
@@ -122,8 +123,20 @@ int run_launch(const LaunchOptions& o) {
       !running.empty()) {
     throw Error(ErrorKind::usage, running + "; choose another --run-dir");
   }
-  const auto events = open_events(o.restart, o.json);  // a bad --events path: nothing created
-  RunDirectory run = RunDirectory::create(o.run_dir, o.runs_root, spec.recipe.name);
+  // A bad --events path: nothing created. One in the run directory (RUN_DIR/events.jsonl) is
+  // opened once the directory is made.
+  const bool events_in_run = events_in_run_dir(o.restart, o.run_dir);
+  auto events =
+      events_in_run ? std::make_unique<EventLog>() : open_events(o.restart, o.json, o.run_dir);
+  RunDirectory run = [&] {
+    try {
+      return RunDirectory::create(o.run_dir, o.runs_root, spec.recipe.name);
+    } catch (const std::exception& e) {
+      finish_events_with_failure(*events, e, o.run_dir, "the launch did not start");
+      throw;
+    }
+  }();
+  if (events_in_run) events = open_events(o.restart, o.json, o.run_dir);
   run.info()["recipe_file"] = std::filesystem::absolute(o.recipe).string();
   std::FILE* status_out = status_stream(o.json, *events);
   StatusPrinter status(status_out, StatusPrinter::is_terminal(status_out));

@@ -31,8 +31,8 @@ struct StatusOptions {
   bool json = false;
 };
 
-// The report replaces the file --out names (by rename): never one of the run's own files, and
-// never what is not a plain file (check_output_file).
+// The report replaces the file --out names (by rename): never one of the run's own files, nor a
+// file in another run's directory, and never what is not a plain file (check_output_file).
 void check_report_out(const std::string& given, const fs::path& out, const fs::path& run_dir) {
   check_output_file("--out", given, "the HTML file");
   std::error_code ec;
@@ -44,6 +44,12 @@ void check_report_out(const std::string& given, const fs::path& out, const fs::p
                 fmt::format("--out {}: inside the run directory {}, whose files a report must not "
                             "replace; name a file elsewhere (without --out the report is {})",
                             given, run_dir.string(), (run_dir / "report.html").string()));
+  }
+  if (const auto other = run_dir_holding(out); other && *other != run) {
+    throw Error(ErrorKind::usage,
+                fmt::format("--out {}: inside the run directory {}, another run's, whose files a "
+                            "report must not replace; name a file outside every run directory",
+                            given, other->string()));
   }
 }
 

@@ -46,20 +46,19 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
   StatusPrinter status(status_out, StatusPrinter::is_terminal(status_out));
   if (run.info().value("status", nlohmann::json()) == "completed") {
     status.line(fmt::format("{}: the run already completed; nothing to resume", o.run_dir));
-    if (o.json) {
-      // The fields a launch's outcome has, from what the run recorded.
-      JobOutcome done;
-      done.status = "completed";
-      // result.json, else run.json's copy (a run whose result.json is gone): load_run's.
-      done.result = load_run(run.path(), false).result;
-      if (!done.result.is_object()) done.result = nlohmann::json::object();
-      done.world_size = run.info().value("world_size", 0);
-      done.restarts =
-          static_cast<int>(run.info().value("restarts", nlohmann::json::array()).size());
-      nlohmann::json out = done.to_json(run);
-      out["resumed"] = false;
-      std::printf("%s\n", json_text(out).c_str());
-    }
+    // The fields a launch's outcome has, from what the run recorded: the --json outcome, and the
+    // events stream's run_finished.
+    JobOutcome done;
+    done.status = "completed";
+    // result.json, else run.json's copy (a run whose result.json is gone): load_run's.
+    done.result = load_run(run.path(), false).result;
+    if (!done.result.is_object()) done.result = nlohmann::json::object();
+    done.world_size = run.info().value("world_size", 0);
+    done.restarts = static_cast<int>(run.info().value("restarts", nlohmann::json::array()).size());
+    nlohmann::json out = done.to_json(run);
+    out["resumed"] = false;
+    events.emit("run_finished", out);
+    if (o.json) std::printf("%s\n", json_text(out).c_str());
     return 0;
   }
   run.make_layout();
@@ -169,7 +168,7 @@ int run_resume(const ResumeOptions& o) {
   }
   // A completed run is left as it is: not even locked.
   if (run.info().value("status", nlohmann::json()) == "completed") {
-    const auto events = open_events(o.restart, o.json);
+    const auto events = open_events(o.restart, o.json, o.run_dir);
     return resume_run(o, run, *events);
   }
   // Found before the resume announces itself and places ranks: every generation writes here.
@@ -189,20 +188,13 @@ int run_resume(const ResumeOptions& o) {
         fmt::format("{}: the run is {}{}; stop its launcher first or wait for it", o.run_dir,
                     state.status, state.note.empty() ? "" : " (" + state.note + ")"));
   }
-  const auto events = open_events(o.restart, o.json);
+  const auto events = open_events(o.restart, o.json, o.run_dir);
   try {
     return resume_run(o, run, *events);
   } catch (const std::exception& e) {
     // A resume that cannot start (no valid checkpoint, hosts that are gone) still ends its
     // events stream, which a pipeline reads to its run_finished; run.json is left as it was.
-    if (!events->finished()) {
-      const FailureEnd end = failure_end(e);
-      events->emit("run_finished",
-                   {{"status", end.status},
-                    {"exit_code", end.exit_code},
-                    {"run_dir", run.path().string()},
-                    {"error", fmt::format("the resume did not start: {}", e.what())}});
-    }
+    finish_events_with_failure(*events, e, run.path().string(), "the resume did not start");
     throw;
   }
 }

@@ -46,16 +46,40 @@ std::chrono::milliseconds RestartOptions::rejoin_timeout(const FaultToleranceSpe
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
 }
 
-void check_events(const RestartOptions& o, bool json) {
+void check_events(const RestartOptions& o, bool json, const std::filesystem::path& run_dir) {
   if (o.events == "-" && json) {
     throw Error(ErrorKind::usage, "--events -: not with --json (both write to stdout)");
   }
+  if (!o.events.empty() && o.events != "-") check_events_place("--events", o.events, run_dir);
 }
 
-std::unique_ptr<EventLog> open_events(const RestartOptions& o, bool json) {
+bool events_in_run_dir(const RestartOptions& o, const std::filesystem::path& run_dir) {
+  if (o.events.empty() || o.events == "-" || run_dir.empty()) return false;
+  std::error_code ec;
+  const auto full = [&](const std::filesystem::path& p) {
+    return std::filesystem::weakly_canonical(std::filesystem::absolute(p, ec), ec);
+  };
+  return full(o.events).parent_path() == full(run_dir);
+}
+
+std::unique_ptr<EventLog> open_events(const RestartOptions& o, bool json,
+                                      const std::filesystem::path& run_dir) {
   if (o.events.empty()) return std::make_unique<EventLog>();
-  check_events(o, json);
+  check_events(o, json, run_dir);
   return std::make_unique<EventLog>(o.events);
+}
+
+void finish_events_with_failure(EventLog& events, const std::exception& e,
+                                const std::string& run_dir, const std::string& what) {
+  if (events.finished()) return;
+  const FailureEnd end = failure_end(e);
+  try {
+    events.emit("run_finished", {{"status", end.status},
+                                 {"exit_code", end.exit_code},
+                                 {"run_dir", run_dir},
+                                 {"error", fmt::format("{}: {}", what, e.what())}});
+  } catch (const std::exception&) {
+  }
 }
 
 FailureEnd failure_end(const std::exception& e) {
@@ -115,13 +139,7 @@ void record_launcher_failure(RunDirectory& run, EventLog& events, const std::exc
   } catch (const std::exception&) {
     // The directory takes no writes (a full disk): the error on stderr is all there is.
   }
-  try {
-    events.emit("run_finished", {{"status", end.status},
-                                 {"exit_code", end.exit_code},
-                                 {"run_dir", run.path().string()},
-                                 {"error", error}});
-  } catch (const std::exception&) {
-  }
+  finish_events_with_failure(events, e, run.path().string(), "the launcher failed");
   std::fprintf(stderr, "dptrain: run directory: %s%s\n", run.path().c_str(),
                recorded ? "" : " (nothing was started: a launch may use it again)");
 }
@@ -232,6 +250,11 @@ int report_outcome(const RunDirectory& run, const JobOutcome& outcome, bool json
     }
     if (outcome.repeats) {  // a resume would meet the same error
       std::fprintf(stderr, "dptrain: run directory: %s\n", run.path().c_str());
+    } else if (outcome.deterministic) {
+      std::fprintf(stderr,
+                   "dptrain: run directory: %s (once the cause is fixed, continue with 'dptrain "
+                   "resume %s')\n",
+                   run.path().c_str(), run.path().c_str());
     } else {
       std::fprintf(stderr, "dptrain: run directory: %s (continue with 'dptrain resume %s')\n",
                    run.path().c_str(), run.path().c_str());

@@ -67,10 +67,20 @@ CLI::Validator whole_number(const char* description) {
       description);
 }
 
-// Error(usage) when --events would share stdout with --json.
-void check_events(const RestartOptions& o, bool json);
+// Error(usage) when --events would share stdout with --json, or lies among a run's files
+// (check_events_place; `run_dir` is the command's own run, "" when it has none yet).
+void check_events(const RestartOptions& o, bool json, const std::filesystem::path& run_dir);
+// Whether the --events file lies in `run_dir` itself (RUN_DIR/events.jsonl): a launch opens it
+// once it has made the directory.
+bool events_in_run_dir(const RestartOptions& o, const std::filesystem::path& run_dir);
 // The --events stream (disabled when not asked for); check_events first.
-std::unique_ptr<EventLog> open_events(const RestartOptions& o, bool json);
+std::unique_ptr<EventLog> open_events(const RestartOptions& o, bool json,
+                                      const std::filesystem::path& run_dir);
+// Ends the events stream of a command that failed outside its job (a launch or resume that did
+// not start, the launcher's own failure) with run_finished, its error "WHAT: ...", unless it
+// ended already: a pipeline reads every stream to its run_finished.
+void finish_events_with_failure(EventLog& events, const std::exception& e,
+                                const std::string& run_dir, const std::string& what);
 // How a failure (an exception out of a command's work) ends a run: the kind main exits with (a
 // stop signal's, when one came meanwhile; internal for what is not a dptrain::Error), its exit
 // code, and the run's status for run.json and run_finished ("failed", "interrupted",

@@ -680,11 +680,11 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
     // Asked to stop, and a peer left a collective: it stopped before its first step, as this
     // rank would have (each rank decides that alone) - the stop, not a failure.
     if (e.kind() == ErrorKind::comm && g_stop_requested.load()) {
-      throw Error(
-          ErrorKind::terminated,
-          fmt::format("stopped by SIGTERM; a peer left a collective meanwhile (one stops at once "
-                      "before its first step): {}",
-                      e.what()));
+      throw Error(ErrorKind::terminated,
+                  fmt::format("stopped by SIGTERM; a peer left a collective meanwhile{}: {}",
+                              progress.stepping() ? " (stopped too, or gone)"
+                                                  : " (one stops at once before its first step)",
+                              e.what()));
     }
     // A collective failed because a peer is gone: a launcher names it; without one the
     // heartbeats do (2.5 s, over two of their intervals).

@@ -340,20 +340,44 @@ int64_t step_of(const fs::path& dir) {
   return step;
 }
 
+// The name's step-N part when it is a set-aside name (step-N.corrupt, or step-N.corrupt-K where
+// that was taken), else "".
+std::string set_aside_base(const std::string& name) {
+  const size_t at = name.rfind(kSetAsideSuffix);
+  if (at == std::string::npos) return {};
+  const std::string_view tail = std::string_view(name).substr(at + kSetAsideSuffix.size());
+  if (!tail.empty() &&
+      (tail.size() < 2 || tail[0] != '-' ||
+       !std::all_of(tail.begin() + 1, tail.end(), [](char c) { return c >= '0' && c <= '9'; }))) {
+    return {};
+  }
+  return name.substr(0, at);
+}
+
 bool is_set_aside(const fs::path& dir) {
-  return dir.filename().string().ends_with(kSetAsideSuffix);
+  return !set_aside_base(dir.filename().string()).empty();
 }
 
 }  // namespace
+
+fs::path set_aside_path(const fs::path& dir) {
+  fs::path aside = dir;
+  aside += kSetAsideSuffix;
+  std::error_code ec;
+  for (int k = 2; fs::exists(fs::symlink_status(aside, ec)); ++k) {
+    aside = dir;
+    aside += fmt::format("{}-{}", kSetAsideSuffix, k);
+  }
+  return aside;
+}
 
 std::string checkpoint_name(int64_t step) {
   return fmt::format("step-{:06d}", step);
 }
 
 int64_t checkpoint_step(const fs::path& dir) {
-  if (!is_set_aside(dir)) return step_of(dir);
-  const std::string name = dir.filename().string();
-  return step_of(name.substr(0, name.size() - kSetAsideSuffix.size()));
+  const std::string base = set_aside_base(dir.filename().string());
+  return step_of(base.empty() ? dir : fs::path(base));
 }
 
 fs::path write_checkpoint(const fs::path& checkpoints_dir, const TrainingPosition& pos,

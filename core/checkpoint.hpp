@@ -101,8 +101,12 @@ std::string meta_json_checksum(const std::string& meta_text);
 
 // "step-000100" for 100.
 std::string checkpoint_name(int64_t step);
-// The step a checkpoint directory's name says (step-000100 or step-000100.corrupt); -1 otherwise.
+// The step a checkpoint directory's name says (step-000100, or step-000100.corrupt and
+// step-000100.corrupt-2 set aside); -1 otherwise.
 int64_t checkpoint_step(const std::filesystem::path& dir);
+// Where resume sets aside a checkpoint that failed verification: DIR.corrupt, or DIR.corrupt-K
+// (K = 2, 3, ...) where that name is taken (a step set aside before): none is ever replaced.
+std::filesystem::path set_aside_path(const std::filesystem::path& dir);
 
 // `before_commit` runs when every file is written and synced, just before the rename that
 // commits it (fault injection: a crash there must leave `latest` on the previous checkpoint).

@@ -314,6 +314,17 @@ TEST_CASE("list_checkpoints with set-aside ones, checkpoint_step, latest_checkpo
   CHECK(checkpoint_step(all[1]) == 20);
   CHECK(checkpoint_step(tmp.path() / "step-000030.old") == -1);
   CHECK(checkpoint_step(tmp.path() / "latest") == -1);
+  // Set aside again at that step: the next free name, none replaced.
+  CHECK(set_aside_path(all[0]) == tmp.path() / "step-000020.corrupt-2");
+  fs::rename(all[0], set_aside_path(all[0]));
+  write_checkpoint(tmp.path(), position(20), p, p, 5);
+  CHECK(set_aside_path(all[0]) == tmp.path() / "step-000020.corrupt-3");
+  CHECK(set_aside_path(all[2]) == tmp.path() / "step-000010.corrupt");
+  CHECK(checkpoint_step(tmp.path() / "step-000020.corrupt-2") == 20);
+  CHECK(checkpoint_step(tmp.path() / "step-000020.corrupt-") == -1);
+  CHECK(checkpoint_step(tmp.path() / "step-000020.corrupt-x") == -1);
+  CHECK(list_checkpoints(tmp.path()).size() == 2);
+  CHECK(list_checkpoints(tmp.path(), SetAside::include).size() == 4);
 
   CHECK(latest_checkpoint(tmp.path()) == tmp.path() / "step-000020");
   write_file_atomic(tmp.path() / "latest", "../step-000010\n");  // never outside checkpoints/

@@ -320,10 +320,11 @@ class TrainingRun {
   Error diverged(int64_t done, const char* what, double value) const {
     return Error(
         ErrorKind::recipe,
-        fmt::format("rank {}: the training diverged at step {}: its {} is {}; a restart "
-                    "would diverge again: lower /optimizer/lr or set "
+        fmt::format("rank {}: the training diverged at step {} (after {} done): its {} is {}; a "
+                    "restart would diverge again: lower /optimizer/lr or set "
                     "/optimizer/clip_grad_norm, and launch again",
-                    rank_, done, what, std::isnan(value) ? "nan" : fmt::format("{}", value)));
+                    rank_, done, done - 1, what,
+                    std::isnan(value) ? "nan" : fmt::format("{}", value)));
   }
 
   // Whether step `done` ends with the loss summed over the ranks (and logged): every log.every

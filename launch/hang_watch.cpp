@@ -66,6 +66,12 @@ std::optional<std::string> HangWatch::check() {
 
 std::string HangWatch::describe(const std::map<int, json>& beats,
                                 std::chrono::milliseconds stalled_for, const RankName& rank_name) {
+  return fmt::format("hang: no progress for {}s; ",
+                     std::chrono::duration_cast<std::chrono::seconds>(stalled_for).count()) +
+         positions(beats, rank_name);
+}
+
+std::string HangWatch::positions(const std::map<int, json>& beats, const RankName& rank_name) {
   const auto name = [&rank_name](int rank) {
     return rank_name ? rank_name(rank) : fmt::format("rank {}", rank);
   };
@@ -104,15 +110,11 @@ std::string HangWatch::describe(const std::map<int, json>& beats,
                                    step, phase, collective(beat)));
     }
   }
-  std::string text =
-      fmt::format("hang: no progress for {}s; ",
-                  std::chrono::duration_cast<std::chrono::seconds>(stalled_for).count());
   if (behind.empty()) {
-    text += fmt::format("every rank waits in collective {} (a network or transport problem?)",
-                        waited_in);
-    return text;
+    return fmt::format("every rank waits in collective {} (a network or transport problem?)",
+                       waited_in);
   }
-  text += "stuck: ";
+  std::string text = "stuck: ";
   for (size_t i = 0; i < behind.size(); ++i)
     text += (i ? ", " : "") + behind[i];
   if (!waiting.empty()) {

@@ -37,6 +37,11 @@ class HangWatch {
   static std::string describe(const std::map<int, nlohmann::json>& beats,
                               std::chrono::milliseconds stalled_for,
                               const RankName& rank_name = {});
+  // Its part after "hang: no progress for Ns; ": who is behind, and who waits for them in which
+  // collective ("stuck: rank 1 at step 15 in phase forward (after collective #31); waiting for
+  // it in collective #32: rank 0"), or that every rank waits in one collective.
+  static std::string positions(const std::map<int, nlohmann::json>& beats,
+                               const RankName& rank_name = {});
 
  private:
   struct Seen {

@@ -234,6 +234,7 @@ std::optional<std::string> newest_valid_checkpoint(const RunDirectory& run, cons
 struct GenerationTrace {
   int64_t step = -1;
   std::vector<int> sigterm_ranks;
+  std::map<int, json> beats;  // each rank's last heartbeat, once it began a step
 };
 
 GenerationTrace read_generation_trace(const std::string& addr, uint16_t port,
@@ -247,6 +248,7 @@ GenerationTrace read_generation_trace(const std::string& addr, uint16_t port,
       const auto beat = read_heartbeat(store, r);
       if (!beat || beat->value("phase", "") == "starting") continue;
       trace.step = std::max(trace.step, beat->value("step", int64_t{-1}));
+      trace.beats[r] = *beat;
     }
   } catch (const std::exception&) {
   }
@@ -895,6 +897,14 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     if (const std::string own = take_rank_error(last_lines, failed_rank); !own.empty()) {
       out.error += ": " + own;
     }
+    // A collective that timed out names the rank that gave up waiting, not the one it waited
+    // for (without --hang-timeout nothing else named it): the heartbeats the ranks left say.
+    if (f.exit_code == 3 && trace.beats.size() >= 2 &&
+        (out.error.find("timed out") != std::string::npos ||
+         out.error.find("Timed out") != std::string::npos)) {
+      out.error +=
+          "; by the ranks' last heartbeats, " + HangWatch::positions(trace.beats, rank_name);
+    }
     // A rank that exited 0 before the run ended (no result) leaves its peers to fail in their
     // next collective (exit 3): it is the cause, and the peer's failure what followed.
     if (relay == relay_hosts.end() && f.exit_code == 3 && result.is_null()) {
@@ -966,6 +976,8 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       out.result.is_object() ? out.result.value("steps", out.last_step)
                              : std::max({out.failed_step, out.last_step, out.start_step});
   if (!out.error.empty()) info["generations"].back()["error"] = out.error;
+  // A recipe or data problem, or a diverged training: status and report do not offer a resume.
+  if (out.repeats) info["generations"].back()["would_repeat"] = true;
   if (out.resized) info["generations"].back()["stopped_for"] = sup.requested;
   if (!out.result.is_null()) info["result"] = out.result;
   run.record();

@@ -80,6 +80,8 @@ struct JobOutcome {
   // The failed rank exited 2: a recipe or data problem, or a diverged training, which a restart
   // from a checkpoint would meet again.
   bool repeats = false;
+  // Stopped after kSameStepLimit failures in a row at one step (run_job_with_restarts).
+  bool deterministic = false;
   int failed_rank = -1;  // the rank whose failure ended the generation, when one did
   // Not a failure: the ranks checkpointed and stopped so that hosts that answer again can join
   // (an elastic job below its maximum size); exit_code 0, status "resized".
@@ -94,7 +96,7 @@ struct JobOutcome {
 struct RestartPolicy {
   int max_restarts = 0;                     // for the job as a whole
   std::chrono::milliseconds backoff{1000};  // doubled after every restart, at most 30 s
-  int same_step_limit = 3;  // this many failures in a row at one step: deterministic, stop
+  int same_step_limit = kSameStepLimit;     // failures in a row at one step: deterministic, stop
 };
 
 // Resolves "auto" to the backend this build and machine use.

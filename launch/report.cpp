@@ -524,6 +524,24 @@ std::string hint(const RunView& run) {
           "it",
           hand_resume_flag(run.dir));
     }
+    if (run.state.status == "failed") {
+      const json generations = run.info.value("generations", json::array());
+      const bool would_repeat = generations.is_array() && !generations.empty() &&
+                                generations.back().is_object() &&
+                                generations.back().value("would_repeat", false);
+      if (would_repeat) {
+        return "a resume would meet its error again (the recipe, its data or a setting: see the "
+               "error); fix that first: data or a setting, then resume; a changed recipe, "
+               "launched into a new run directory";
+      }
+      if (const RepeatedFailure repeated = repeated_failure(run.info);
+          repeated.times >= kSameStepLimit) {
+        return fmt::format(
+            "it failed {} times in a row at step {}: once the cause is fixed (see the error), "
+            "continue it with 'dptrain resume {}'",
+            repeated.times, repeated.step, dir);
+      }
+    }
     return fmt::format("continue it with 'dptrain resume {}'", dir);
   }
   return {};
@@ -1030,7 +1048,11 @@ json summary_fields(const RunView& run) {
           {"eval_accuracy", or_null(eval_accuracy)},
           {"last_checkpoint", last_checkpoint},
           {"last_checkpoint_host", checkpoint_host},
-          {"checkpoints", run.checkpoints.size()},
+          // Those a resume may use; the ones it set aside (they failed verification) apart.
+          {"checkpoints", std::count_if(run.checkpoints.begin(), run.checkpoints.end(),
+                                        [](const auto& c) { return !c.set_aside; })},
+          {"checkpoints_set_aside", std::count_if(run.checkpoints.begin(), run.checkpoints.end(),
+                                                  [](const auto& c) { return c.set_aside; })},
           {"restarts", array_at(run.info, "restarts").size()},
           {"world_size_changes", array_at(run.info, "world_size_changes").size()},
           {"benchmark", comm_benchmark(run.info)}};
@@ -1228,10 +1250,14 @@ std::string report_summary_text(const json& s) {
     out += fmt::format("throughput {} {}; ", rate(s["throughput"].get<double>()),
                        text(s, "throughput_unit"));
   }
-  out += fmt::format("{} restart(s); world size {}; {} checkpoint(s){}\n", s["restarts"].dump(),
+  out += fmt::format("{} restart(s); world size {}; {} checkpoint(s){}{}\n", s["restarts"].dump(),
                      text(s, "world_sizes"), s["checkpoints"].dump(),
                      s["checkpoints_failed"].get<size_t>() > 0
                          ? fmt::format(", {} FAILED verification", s["checkpoints_failed"].dump())
+                         : "",
+                     s["checkpoints_set_aside"].get<size_t>() > 0
+                         ? fmt::format(" ({} more set aside by a resume: they failed verification)",
+                                       s["checkpoints_set_aside"].dump())
                          : "");
   if (!s["last_checkpoint_host"].is_null()) {
     out += fmt::format("checkpoints on {}: the last recorded is {}\n",

@@ -23,8 +23,7 @@ void set_aside_newer(const fs::path& checkpoints, const fs::path& chosen, Status
   bool moved = false;
   for (const auto& dir : list_checkpoints(checkpoints)) {
     if (dir == chosen) break;
-    fs::path aside = dir;
-    aside += ".corrupt";
+    const fs::path aside = set_aside_path(dir);
     std::error_code ec;
     fs::rename(dir, aside, ec);
     if (!ec) {
@@ -255,18 +254,9 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
   // Failures in a row at one step, counted over the run, not this invocation: the failed
   // generations an earlier launch or resume ended with count (a CI loop that resumes a run
   // whose failure repeats stops as early as one launch would).
-  int same_step = 0;
-  int64_t previous_step = -2;
-  {
-    const json& generations = run.info().value("generations", json::array());
-    for (auto it = generations.rbegin(); it != generations.rend(); ++it) {
-      const json step = it->value("step", json());
-      if (it->value("status", "") != "failed" || !step.is_number_integer()) break;
-      if (same_step > 0 && step.get<int64_t>() != previous_step) break;
-      previous_step = step.get<int64_t>();
-      ++same_step;
-    }
-  }
+  const RepeatedFailure before = repeated_failure(run.info());
+  int same_step = before.times;
+  int64_t previous_step = before.times > 0 ? before.step : -2;
   const Placed first = place_generation(run, spec, status, Placement::first);
   record_world_size_change(run, spec, status, first.change);
   if (const std::string& error = first.error; !error.empty()) {
@@ -343,6 +333,7 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
           "the job failed {} times in a row {}: this looks deterministic (a bad batch, a bug, a "
           "broken host), so it is not restarted again; the last failure: {}",
           same_step, where, outcome.error);
+      outcome.deterministic = true;
       return finish(outcome);
     }
     if (restarts >= policy.max_restarts) {
@@ -388,9 +379,13 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
     }
     restarts = attempt;
     const int number = numbered_before + restarts;
-    status.line(fmt::format("restart {}/{} after {:.1f}s from {}: {}", restarts,
-                            policy.max_restarts, static_cast<double>(backoff.count()) / 1000.0,
-                            from_name, cause));
+    // Numbered as run.json numbers it; the budget is this invocation's.
+    status.line(fmt::format("restart {} after {:.1f}s from {}: {}",
+                            numbered_before == 0
+                                ? fmt::format("{}/{}", restarts, policy.max_restarts)
+                                : fmt::format("{} of the run ({}/{} of this invocation)", number,
+                                              restarts, policy.max_restarts),
+                            static_cast<double>(backoff.count()) / 1000.0, from_name, cause));
     if (spec.events) {
       spec.events->emit("restart", {{"restart", number},
                                     {"attempt", restarts},

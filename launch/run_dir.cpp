@@ -5,6 +5,8 @@
 #include <sys/file.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <array>
 #include <cerrno>
 #include <climits>
 #include <cstdio>
@@ -37,11 +39,26 @@ std::string utc_format(const char* format) {
 
 void make_layout(const fs::path& dir) {
   std::error_code ec;
-  fs::create_directories(dir / "logs", ec);
-  if (!ec) fs::create_directories(dir / "checkpoints", ec);
+  fs::create_directories(dir, ec);
   if (ec) {
     throw Error(ErrorKind::usage, fmt::format("{}: cannot create run directory: {}{}", dir.string(),
                                               ec.message(), cwd_gone_note(dir)));
+  }
+  // Its parts, named where one is in the way (a file named logs).
+  for (const char* part : {"logs", "checkpoints"}) {
+    fs::create_directories(dir / part, ec);
+    if (ec) {
+      std::error_code type_ec;
+      const bool blocked = fs::exists(fs::symlink_status(dir / part, type_ec)) &&
+                           !fs::is_directory(dir / part, type_ec);
+      throw Error(ErrorKind::usage,
+                  blocked
+                      ? fmt::format("{}: not a directory, where the run keeps its {}; move it "
+                                    "away",
+                                    (dir / part).string(), part)
+                      : fmt::format("{}: cannot make the run's {} directory: {}{}",
+                                    (dir / part).string(), part, ec.message(), cwd_gone_note(dir)));
+    }
   }
 }
 
@@ -187,9 +204,25 @@ RunDirectory RunDirectory::create(const fs::path& dir, const fs::path& runs_root
                                   const std::string& name) {
   fs::path path = dir;
   std::error_code ec;
-  const auto holds_run = [](const fs::path& p) {
+  // `mine`: this launch holds the directory's lock (it made the layout).
+  const auto holds_run = [](const fs::path& p, bool mine) {
     std::error_code exists_ec;
     if (!fs::exists(p / "run.json", exists_ec)) return;
+    // Still running (its launcher, or its workers' rank 0, holds the lock): neither resume nor a
+    // start of its workers is for now.
+    std::shared_ptr<const int> free;
+    try {
+      free = mine ? nullptr : try_lock_run(p);
+    } catch (const Error&) {
+      free = std::make_shared<const int>(-1);  // not lockable here: say what run.json says
+    }
+    if (!mine && !free) {
+      throw Error(ErrorKind::usage,
+                  fmt::format("{}: already holds a run, which another dptrain is running now (a "
+                              "launcher, or workers started without one: it holds {}); choose "
+                              "another --run-dir",
+                              p.string(), (p / kLockFile).string()));
+    }
     // A benchmark's run (no recipe) or a completed one has nothing to resume; workers started
     // without a launcher continue theirs themselves.
     nlohmann::json info;
@@ -253,7 +286,7 @@ RunDirectory RunDirectory::create(const fs::path& dir, const fs::path& runs_root
                                             path.string(), target));
       }
     }
-    holds_run(path);
+    holds_run(path, false);
     if (fs::exists(path, ec)) {
       if (!fs::is_directory(path, ec)) {
         throw Error(ErrorKind::usage,
@@ -271,7 +304,7 @@ RunDirectory RunDirectory::create(const fs::path& dir, const fs::path& runs_root
   dptrain::make_layout(path);
   RunDirectory run(resolved_path(path), nlohmann::json::object());
   run.lock();
-  holds_run(path);  // a launch that won the race for this --run-dir and has finished already
+  holds_run(path, true);  // a launch that won the race for this --run-dir and has finished already
   run.info_ = new_run_info();
   return run;
 }
@@ -293,6 +326,69 @@ void check_run_files(const fs::path& run_dir) {
       throw Error(ErrorKind::usage, e.what());
     }
   }
+}
+
+std::optional<fs::path> run_dir_holding(const fs::path& file) {
+  std::error_code ec;
+  const fs::path full = fs::weakly_canonical(fs::absolute(file, ec), ec);
+  if (ec) return std::nullopt;
+  for (fs::path dir = full.parent_path(); !dir.empty(); dir = dir.parent_path()) {
+    // dptrain's run.json (another tool's may have that name too), or one too damaged to tell.
+    if (fs::is_regular_file(dir / "run.json", ec)) {
+      try {
+        const nlohmann::json info = read_run_json(dir);
+        for (const char* key : {"dptrain_version", "generations", "status", "recipe"}) {
+          if (info.contains(key)) return dir;
+        }
+      } catch (const Error&) {
+        return dir;
+      }
+    }
+    if (dir == dir.root_path()) break;
+  }
+  return std::nullopt;
+}
+
+void check_events_place(const std::string& flag, const fs::path& file, const fs::path& own) {
+  std::error_code ec;
+  const fs::path mine = own.empty() ? fs::path() : fs::weakly_canonical(fs::absolute(own, ec), ec);
+  const fs::path full = fs::weakly_canonical(fs::absolute(file, ec), ec);
+  const auto holder = run_dir_holding(file);
+  if (!holder && (mine.empty() || full.parent_path() != mine)) return;
+  // The run's own names, and what a run directory may come to hold.
+  static constexpr std::array kRunNames = {"run.json",    "metrics.jsonl", "result.json",
+                                           "recipe.json", "report.html",   kLockFile,
+                                           "logs",        "checkpoints"};
+  const std::string name = full.filename().string();
+  const bool own_file = !mine.empty() && full.parent_path() == mine &&
+                        std::find(kRunNames.begin(), kRunNames.end(), name) == kRunNames.end();
+  if (own_file) return;
+  const fs::path run = holder ? *holder : mine;
+  throw Error(
+      ErrorKind::usage,
+      fmt::format("{} {}: {} the run directory {}, whose files the events must not mix "
+                  "with; name a file outside every run directory, or one of its own "
+                  "next to run.json in the run's directory (such as {})",
+                  flag, file.string(),
+                  run == mine && full.parent_path() == mine ? "one of the files of" : "inside",
+                  run.string(),
+                  ((own.empty() ? fs::path("RUN_DIR") : own) / "events.jsonl").string()));
+}
+
+RepeatedFailure repeated_failure(const nlohmann::json& info) {
+  RepeatedFailure out;
+  if (!info.is_object()) return out;
+  const nlohmann::json generations = info.value("generations", nlohmann::json::array());
+  if (!generations.is_array()) return out;
+  for (auto it = generations.rbegin(); it != generations.rend(); ++it) {
+    if (!it->is_object()) break;
+    const nlohmann::json step = it->value("step", nlohmann::json());
+    if (it->value("status", "") != "failed" || !step.is_number_integer()) break;
+    if (out.times > 0 && step.get<int64_t>() != out.step) break;
+    out.step = step.get<int64_t>();
+    ++out.times;
+  }
+  return out;
 }
 
 nlohmann::json new_run_info() {

@@ -84,6 +84,28 @@ std::shared_ptr<const int> try_lock_run(const std::filesystem::path& dir);
 // a device: found before a resume starts ranks, not by rank 0 steps later, again at each restart.
 void check_run_files(const std::filesystem::path& run_dir);
 
+// The run directory that holds `file` (the nearest directory above it with dptrain's run.json:
+// an object with a status, generations, recipe or dptrain_version; or one too damaged to tell),
+// as weakly_canonical gives it; none outside every run. For the files
+// a command writes of its own (--events, report's --out): never among a run's files.
+std::optional<std::filesystem::path> run_dir_holding(const std::filesystem::path& file);
+
+// Error(usage) naming `flag` when `file` (for the events stream a launch or resume of `own`
+// appends to) lies in a run directory: any but `own`, or in `own` anywhere but a file of its own
+// next to run.json that the run does not use (own/events.jsonl is one). `own` may not exist yet.
+void check_events_place(const std::string& flag, const std::filesystem::path& file,
+                        const std::filesystem::path& own);
+
+// This many failures in a row at one step look deterministic: the launcher stops restarting.
+constexpr int kSameStepLimit = 3;
+// The failures in a row at one step that end run.json's generations (the newest failed ones, all
+// at the same step), counted over the run; step -1 where the newest generation did not fail.
+struct RepeatedFailure {
+  int times = 0;
+  int64_t step = -1;
+};
+RepeatedFailure repeated_failure(const nlohmann::json& info);
+
 // A new run's run.json before anything else is known of it: its id, created_at,
 // dptrain_version and no generations.
 nlohmann::json new_run_info();

@@ -761,6 +761,21 @@ TEST_CASE("report and status of what is not a run: exit 2 naming it") {
   }
   CHECK(read_text(tmp / "ok/run.json") == run_json);
   CHECK_FALSE(fs::exists(tmp / "ok/new.html"));
+  // Nor another run's files, at any depth (its report.html too: that one is its own report's).
+  fs::create_directories(tmp / "other/checkpoints");
+  fs::copy_file(tmp / "ok/run.json", tmp / "other/run.json");
+  for (const fs::path& inside :
+       {tmp / "other/run.json", tmp / "other/report.html", tmp / "other/checkpoints/x.html"}) {
+    CAPTURE(inside);
+    auto refused = run_dptrain({"report", (tmp / "ok").string(), "--out", inside.string()});
+    CHECK(refused.exit_code == 2);
+    CHECK(refused.err == "dptrain: error: --out " + inside.string() +
+                             ": inside the run directory " + (tmp / "other").string() +
+                             ", another run's, whose files a report must not replace; name a "
+                             "file outside every run directory\n");
+  }
+  CHECK(read_text(tmp / "other/run.json") == run_json);
+  CHECK_FALSE(fs::exists(tmp / "other/report.html"));
   write_text(tmp / "target.html", "kept");
   fs::create_symlink(tmp / "target.html", tmp / "link.html");
   auto link = run_dptrain({"report", (tmp / "ok").string(), "--out", (tmp / "link.html").string()});

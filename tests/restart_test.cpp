@@ -120,9 +120,16 @@ TEST_CASE("the same failure three times at one step stops with exit 3: looks det
   INFO(r.err);
   CHECK(r.exit_code == 3);
   CHECK(r.err.find("deterministic") != std::string::npos);
+  CHECK(contains(r.err, "dptrain: run directory: " + (tmp / "det").string() +
+                            " (once the cause is fixed, continue with 'dptrain resume "));
   const json info = parse_json(read_text(tmp / "det/run.json"));
   CHECK(info["restarts"].size() == 2);
   CHECK(info["generations"].size() == 3);
+  // status says as much.
+  CHECK(parse_json(run_dptrain({"status", (tmp / "det").string(), "--json"}).out)["hint"] ==
+        "it failed 3 times in a row at step 33: once the cause is fixed (see the error), continue "
+        "it with 'dptrain resume " +
+            (tmp / "det").string() + "'");
 }
 
 TEST_CASE("failures in a row at one step count over the run: a resume loop stops as early") {
@@ -311,6 +318,11 @@ TEST_CASE("a diverging run is not restarted: its error names the step, events an
   CHECK(out["error"].get<std::string>().find("(not restarted") != std::string::npos);
   CHECK(out["restarts"] == 0);
   CHECK(r.err.find("dptrain resume") == std::string::npos);  // it would diverge again
+  // Nor does status offer one.
+  CHECK(parse_json(run_dptrain({"status", run_dir.string(), "--json"}).out)["hint"] ==
+        "a resume would meet its error again (the recipe, its data or a setting: see the error); "
+        "fix that first: data or a setting, then resume; a changed recipe, launched into a new "
+        "run directory");
   const json info = parse_json(read_text(run_dir / "run.json"));
   CHECK(info["status"] == "failed");
   CHECK(info["generations"].size() == 1);
@@ -361,6 +373,22 @@ TEST_CASE("a hang is detected within hang-timeout + 5 s, named, and the run reco
   CHECK(info["restarts"][0]["cause"].get<std::string>().find("hang:") != std::string::npos);
 }
 
+TEST_CASE("without --hang-timeout, a collective that times out names the rank it waited for") {
+  TempDir tmp;
+  auto recipe_json = resumable_recipe();
+  recipe_json["distributed"]["timeout_s"] = 3;
+  const auto recipe = write_recipe(tmp.path(), recipe_json);
+  auto r = run_dptrain(
+      {"launch", recipe.string(), "--nproc", "2", "--run-dir", (tmp / "timeout").string()},
+      {{"DPTRAIN_FAULT", "hang@step=15,rank=1"}});
+  INFO(r.err);
+  CHECK(r.exit_code == 3);
+  // Rank 0 gave up waiting; rank 1, which it waited for, is the one named stuck.
+  CHECK(contains(r.err, "rank 0 (pid "));
+  CHECK(contains(r.err, "; by the ranks' last heartbeats, stuck: rank 1 at step 15"));
+  CHECK(contains(r.err, "; waiting for it in collective #"));
+}
+
 TEST_CASE("--events writes one JSON line per state change, restarts included") {
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), resumable_recipe());
@@ -406,6 +434,49 @@ TEST_CASE("--events writes one JSON line per state change, restarts included") {
   }
   CHECK(parsed >= 4);
   CHECK(run_dptrain({"launch", recipe.string(), "--events", "-", "--json"}).exit_code == 2);
+
+  // Beside the run's own files (made with the directory), the stream is the run's; among another
+  // run's files (or the run's own), it is refused before anything is written.
+  const fs::path own = tmp / "own";
+  auto beside = run_dptrain({"launch", recipe.string(), "--run-dir", own.string(), "--events",
+                             (own / "events.jsonl").string()});
+  INFO(beside.err);
+  REQUIRE(beside.exit_code == 0);
+  CHECK(read_jsonl(own / "events.jsonl").back()["event"] == "run_finished");
+  CHECK(run_dptrain({"status", own.string()}).exit_code == 0);
+  const std::string ev_run = read_text(tmp / "ev/run.json");
+  const std::string ev_meta = read_text(tmp / "ev/checkpoints/step-000120/meta.json");
+  for (const fs::path& target :
+       {tmp / "ev/run.json", tmp / "ev/checkpoints/step-000120/meta.json", tmp / "ev/x.jsonl"}) {
+    auto refused = run_dptrain({"launch", recipe.string(), "--run-dir", (tmp / "ev5").string(),
+                                "--events", target.string()});
+    CHECK(refused.exit_code == 2);
+    CHECK(refused.err == "dptrain: error: --events " + target.string() +
+                             ": inside the run directory " + (tmp / "ev").string() +
+                             ", whose files the events must not mix with; name a file outside "
+                             "every run directory, or one of its own next to run.json in the "
+                             "run's directory (such as " +
+                             (tmp / "ev5/events.jsonl").string() + ")\n");
+    CHECK_FALSE(fs::exists(tmp / "ev5"));
+  }
+  auto own_file = run_dptrain({"launch", recipe.string(), "--run-dir", (tmp / "ev6").string(),
+                               "--events", (tmp / "ev6/metrics.jsonl").string()});
+  CHECK(own_file.exit_code == 2);
+  CHECK(contains(own_file.err, ": one of the files of the run directory "));
+  CHECK_FALSE(fs::exists(tmp / "ev6"));
+  CHECK(read_text(tmp / "ev/run.json") == ev_run);
+  CHECK(read_text(tmp / "ev/checkpoints/step-000120/meta.json") == ev_meta);
+  // A launch refused at its run directory still ends the stream it opened.
+  const fs::path refused_events = tmp / "refused.jsonl";
+  CHECK(run_dptrain({"launch", recipe.string(), "--run-dir", (tmp / "ev").string(), "--events",
+                     refused_events.string()})
+            .exit_code == 2);
+  const auto refused_stream = read_jsonl(refused_events);
+  REQUIRE(refused_stream.size() == 1);
+  CHECK(refused_stream[0]["event"] == "run_finished");
+  CHECK(refused_stream[0]["exit_code"] == 2);
+  CHECK(refused_stream[0]["error"].get<std::string>().starts_with(
+      "the launch did not start: " + (tmp / "ev").string() + ": already holds a run"));
 
   // A stream that cannot be written (a full disk) is warned about once; the run goes on.
   if (!fs::exists("/dev/full")) return;
@@ -644,6 +715,8 @@ TEST_CASE("restarts are numbered over the run: a resume continues the numbering"
   INFO(resumed.err);
   REQUIRE(resumed.exit_code == 0);
   CHECK(parse_json(resumed.out)["restarts"] == 2);
+  // Printed as run.json numbers it (the run's second), with this resume's budget.
+  CHECK(contains(resumed.err, "restart 2 of the run (1/1 of this invocation) after 0.1s"));
   const json info = parse_json(read_text(dir / "run.json"));
   REQUIRE(info["restarts"].size() == 2);
   CHECK(info["restarts"][0]["restart"] == 1);

@@ -216,6 +216,33 @@ TEST_CASE("a corrupt or truncated newest checkpoint is skipped; none valid exits
   CHECK(fs::exists(ck / "step-000100.corrupt"));
   CHECK(read_text(latest_params(tmp / "straight")) == expected);
 
+  // Damaged again at a step set aside before: the first one set aside stays as it was, the new
+  // one goes beside it.
+  const std::string aside_before = read_text(ck / "step-000120.corrupt/params.bin");
+  fs::resize_file(ck / "step-000120/params.bin", 10);
+  info = parse_json(read_text(tmp / "straight/run.json"));
+  info["status"] = "failed";
+  write_text(tmp / "straight/run.json", info.dump());
+  auto again = run_dptrain({"resume", (tmp / "straight").string()});
+  INFO(again.out, again.err);
+  REQUIRE(again.exit_code == 0);
+  CHECK(contains(again.out, "warning: set aside step-000120 as step-000120.corrupt-2"));
+  CHECK(read_text(ck / "step-000120.corrupt/params.bin") == aside_before);
+  CHECK(fs::file_size(ck / "step-000120.corrupt-2/params.bin") == 10);
+  CHECK(read_text(latest_params(tmp / "straight")) == expected);
+  // Reports count them apart from the checkpoints a resume may use.
+  const auto summary = parse_json(run_dptrain({"report", (tmp / "straight").string(), "--json",
+                                               "--out", (tmp / "straight.html").string()})
+                                      .out);
+  CHECK(summary["checkpoints_set_aside"] == 3);
+  CHECK(summary["checkpoints"] == 3);
+  CHECK(summary["checkpoints_failed"] == 0);
+  const auto list = parse_json(
+      run_dptrain({"ckpt", "list", (tmp / "straight").string(), "--json"}).out)["checkpoints"];
+  CHECK(std::count_if(list.begin(), list.end(), [](const nlohmann::json& c) {
+          return c["set_aside"] == true && c["step"] == 120;
+        }) == 2);
+
   // Now break every checkpoint (of a run that again did not finish).
   info = parse_json(read_text(tmp / "straight/run.json"));
   info["status"] = "failed";
@@ -266,6 +293,22 @@ TEST_CASE("a directory or a pipe where a run's file belongs stops resume before 
       fs::remove(file);
       fs::rename(tmp / "kept", file);
     }
+  }
+  // And a file where the run keeps a directory of its own.
+  for (const std::string name : {"logs", "checkpoints"}) {
+    CAPTURE(name);
+    const fs::path dir = run / name;
+    fs::rename(dir, tmp / "kept");
+    write_text(dir, "");
+    const auto r = run_dptrain({"resume", run.string()});
+    CHECK(r.exit_code == 2);
+    CHECK(contains(r.err, "dptrain: error: " + dir.string() +
+                              ": not a directory, where the run "
+                              "keeps its " +
+                              name + "; move it away\n"));
+    CHECK(read_text(run / "run.json") == run_json);
+    fs::remove(dir);
+    fs::rename(tmp / "kept", dir);
   }
 }
 
@@ -610,6 +653,16 @@ TEST_CASE("resume of a completed run changes nothing; of a running one it is ref
   CHECK(read_text(done / "run.json") == run_json);
   CHECK(read_text(done / "result.json") == result_json);
   CHECK(read_text(done / "metrics.jsonl") == metrics);
+  // Its events stream ends as any does, with run_finished: the outcome --json gives.
+  const fs::path events = tmp / "done.events";
+  CHECK(run_dptrain({"resume", done.string(), "--events", events.string()}).exit_code == 0);
+  const auto stream = read_jsonl(events);
+  REQUIRE(stream.size() == 1);
+  CHECK(stream[0]["event"] == "run_finished");
+  CHECK(stream[0]["status"] == "completed");
+  CHECK(stream[0]["resumed"] == false);
+  CHECK(stream[0]["final_loss"] == out["final_loss"]);
+  CHECK(read_text(done / "run.json") == run_json);
 
   // While a launcher drives a run, a resume (or a second launch into it) writes nothing.
   const fs::path live = tmp / "live";
@@ -620,6 +673,13 @@ TEST_CASE("resume of a completed run changes nothing; of a running one it is ref
   CHECK(refused.exit_code == 2);
   CHECK_MESSAGE(refused.err.find(live.string() + ": ") != std::string::npos, refused.err);
   CHECK_MESSAGE(refused.err.find("is still running it") != std::string::npos, refused.err);
+  // A launch into it says it runs, not "resume it" (which is refused as long as it does).
+  auto launched = run_dptrain({"launch", recipe.string(), "--run-dir", live.string()});
+  CHECK(launched.exit_code == 2);
+  CHECK(launched.err == "dptrain: error: " + live.string() +
+                            ": already holds a run, which another dptrain is running now (a "
+                            "launcher, or workers started without one: it holds " +
+                            live.string() + "/.lock); choose another --run-dir\n");
   REQUIRE(launcher.wait(std::chrono::seconds(60)) == 0);
   const auto info = parse_json(read_text(live / "run.json"));
   CHECK(info["generations"].size() == 1);
