@@ -54,12 +54,7 @@ void check_events(const RestartOptions& o, bool json, const std::filesystem::pat
 }
 
 bool events_in_run_dir(const RestartOptions& o, const std::filesystem::path& run_dir) {
-  if (o.events.empty() || o.events == "-" || run_dir.empty()) return false;
-  std::error_code ec;
-  const auto full = [&](const std::filesystem::path& p) {
-    return std::filesystem::weakly_canonical(std::filesystem::absolute(p, ec), ec);
-  };
-  return full(o.events).parent_path() == full(run_dir);
+  return !o.events.empty() && o.events != "-" && !run_dir.empty() && lies_in(o.events, run_dir);
 }
 
 std::unique_ptr<EventLog> open_events(const RestartOptions& o, bool json,
@@ -140,6 +135,10 @@ void record_launcher_failure(RunDirectory& run, EventLog& events, const std::exc
     // The directory takes no writes (a full disk): the error on stderr is all there is.
   }
   finish_events_with_failure(events, e, run.path().string(), "the launcher failed");
+  // Nor the events stream the launch kept in it (RUN_DIR/events.jsonl), once it has ended.
+  if (!recorded && !events.path().empty() && lies_in(events.path(), run.path())) {
+    std::filesystem::remove(events.path(), ec);
+  }
   std::fprintf(stderr, "dptrain: run directory: %s%s\n", run.path().c_str(),
                recorded ? "" : " (nothing was started: a launch may use it again)");
 }

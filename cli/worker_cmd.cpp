@@ -41,6 +41,7 @@
 #include "core/trainer.hpp"
 #include "launch/run_dir.hpp"
 #include "launch/status.hpp"
+#include "launch/supervisor.hpp"
 
 namespace dptrain::cli {
 
@@ -420,14 +421,40 @@ class StopWatcher {
   std::thread thread_;
 };
 
-// Restores the default action of the signals the worker answers: nothing answers them any more.
-void default_stop_signals() {
-  for (const int sig : {SIGINT, SIGTERM}) {
+// The exit code of a worker waiting in its Farewell: a stop signal then ends the wait, with the
+// code its error chose.
+volatile std::sig_atomic_t g_farewell_code = 1;
+
+void on_signal_in_farewell(int) {
+  ::_exit(g_farewell_code);
+}
+
+// A stop signal now ends the process at once with `code`, the one its error chose (nothing
+// answers the worker's stop any more); one that came since the StopWatcher ended: at once.
+void exit_on_stop_signals(int code) {
+  g_farewell_code = code;
+  for (const int sig : {SIGINT, SIGTERM, SIGHUP}) {
     struct sigaction sa {};
     if (::sigaction(sig, nullptr, &sa) == 0 && sa.sa_handler == on_stop_signal) {
-      std::signal(sig, SIG_DFL);
+      sa.sa_handler = on_signal_in_farewell;
+      sigemptyset(&sa.sa_mask);
+      sa.sa_flags = 0;
+      ::sigaction(sig, &sa, nullptr);
     }
   }
+  // (A 0 byte is the StopWatcher's own end.)
+  for (char byte = 0; g_signal_pipe[0] >= 0 && ::read(g_signal_pipe[0], &byte, 1) == 1;) {
+    if (byte != 0) ::_exit(code);
+  }
+}
+
+// Rank 0's refusal of a run directory whose lock another dptrain holds.
+Error run_dir_locked(const std::string& run_dir) {
+  return Error(ErrorKind::usage,
+               fmt::format("--run-dir {}: another dptrain is running a run there (a launcher, "
+                           "or workers started without one: it holds {}); give another "
+                           "--run-dir",
+                           run_dir, (fs::path(run_dir) / ".lock").lexically_normal().string()));
 }
 
 // What a worker that failed leaves for after its error is printed (main runs it just before the
@@ -446,10 +473,13 @@ struct Farewell {
   int world = 0;
   bool at_start = false;  // it went to the store to start: a failure since is not a refusal
   std::optional<Error> refusal;
+  int exit_code = 1;  // the one its error chose
 
   void operator()() const {
-    if (world < 2 || host.empty() || (!refusal && !server)) return;
-    default_stop_signals();
+    // A launcher stops every rank as soon as one exits, naming that one: the others are told
+    // nothing (they would fail with its code, and could be taken for the cause).
+    if (world < 2 || host.empty() || (!refusal && !server) || started_by_launcher()) return;
+    exit_on_stop_signals(exit_code);
     try {
       TcpStoreClient client(host, port, kWait, secret, kWait);
       PrefixStore store(prefix, client);
@@ -480,6 +510,17 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
     try {
       farewell.server = std::make_unique<TcpStoreServer>(bind, port, secret);
     } catch (const Error& e) {
+      // Most likely the very job that runs in this directory (started again by mistake): that
+      // is what to say. The probe takes the lock only for as long as it looks.
+      std::error_code ec;
+      if (!started_by_launcher() && fs::exists(fs::path(o.run_dir) / ".lock", ec)) {
+        bool held = false;
+        try {
+          held = try_lock_run(o.run_dir) == nullptr;
+        } catch (const Error&) {
+        }
+        if (held) throw run_dir_locked(o.run_dir);
+      }
       // The ranks' settings, not the network: exit 2, as a launcher's --master-port in use.
       const std::string cause = e.what();
       throw Error(ErrorKind::usage,
@@ -521,6 +562,26 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
                             o.rank));
   }
 
+  // A checkpoint named that is none: rank 0, which reads it, refuses before the ranks meet (the
+  // others learn why from the store) rather than fail at its meta.json once they have.
+  if (o.rank == 0 && !o.resume.empty() && o.resume != "newest" && o.resume != "newest-or-start") {
+    std::error_code ec;
+    const fs::path dir = o.resume;
+    if (!fs::is_directory(dir, ec)) {
+      throw Error(ErrorKind::checkpoint,
+                  fmt::format("--resume {}: {}", o.resume,
+                              fs::exists(fs::symlink_status(dir, ec))
+                                  ? "not a directory (a checkpoint is a run's "
+                                    "checkpoints/step-NNNNNN directory)"
+                                  : "no such checkpoint directory"));
+    }
+    if (!fs::exists(dir / "meta.json", ec)) {
+      throw Error(
+          ErrorKind::checkpoint,
+          fmt::format("--resume {}: not a checkpoint directory (it holds no meta.json)", o.resume));
+    }
+  }
+
   // A fresh start writes its checkpoints over any that the directory holds (a requeued job, a
   // run directory reused by mistake): refused before any rank connects. Only the node's
   // checkpoint writer looks; the others fail as their peer leaves.
@@ -555,12 +616,7 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
   // Rank 0 of workers started without a launcher holds the run's lock, as a launcher does.
   std::shared_ptr<const int> lock;
   if (o.rank == 0 && !started_by_launcher() && !(lock = try_lock_run(o.run_dir))) {
-    throw Error(
-        ErrorKind::usage,
-        fmt::format("--run-dir {}: another dptrain is running a run there (a launcher, "
-                    "or workers started without one: it holds {}); give another "
-                    "--run-dir",
-                    o.run_dir, (fs::path(o.run_dir) / ".lock").lexically_normal().string()));
+    throw run_dir_locked(o.run_dir);
   }
   // A pipe or a directory where rank 0 writes the run's files: exit 2 before any rank meets,
   // as resume says it, not a failed write steps later.
@@ -755,6 +811,7 @@ void setup_worker(CLI::App& app, Outcome& outcome) {
       outcome.exit_code = run_worker(*o, record, *farewell);
     } catch (const Error& e) {
       if (!farewell->at_start) farewell->refusal = e;
+      farewell->exit_code = exit_code(kind_after_stop(e.kind()));
       leave();
       // Name the rank: many ranks' errors end up interleaved in one terminal. Some name it
       // themselves (the trainer's, for a launcher that reads only that line).
@@ -767,6 +824,7 @@ void setup_worker(CLI::App& app, Outcome& outcome) {
       throw Error(e.kind(), named);
     } catch (const std::exception& e) {
       // Not dptrain's own (out of memory, a filesystem error): main says what; the record ends.
+      if (!farewell->at_start) farewell->refusal = Error(ErrorKind::internal, e.what());
       leave();
       if (record) record->finish("failed", fmt::format("rank {}: {}", o->rank, e.what()));
       throw;

@@ -293,12 +293,34 @@ class TrainingRun {
     comm_.allreduce(maxima, 2, ReduceOp::max);
     result.peak_rss_mib = maxima[0];
     result.optimizer_state_mib = maxima[1];
-    const auto [eval_loss, eval_acc] = evaluate(step_);
+    // Resumed at the last step from the run directory's own checkpoint of it (the run ended
+    // after its final checkpoint, before it was recorded as done): nothing trained here. The
+    // evaluation at this step is in metrics.jsonl already, and the checkpoint is this step's:
+    // neither is made again. The run's measurements stand, where result.json holds this state.
+    // Rank 0's word, as the checkpoint's collectives are every rank's.
+    bool again = resumed_ && step_ == first_step_;
+    if (again) {
+      int64_t own = 0;
+      if (rank_ == 0) {
+        const std::string& how = options_.resume_from.native();
+        std::error_code ec;
+        own =
+            how == "newest" || how == "newest-or-start" ||
+            fs::weakly_canonical(options_.resume_from, ec) ==
+                fs::weakly_canonical(options_.run_dir / "checkpoints" / checkpoint_name(step_), ec);
+      }
+      mark_collective("broadcast of whether the run's own final checkpoint was resumed");
+      comm_.broadcast(&own, sizeof(own), 0);
+      again = own != 0;
+    }
+    const auto [eval_loss, eval_acc] = evaluate(step_, /*record=*/!again);
     result.eval_loss = eval_loss;
     result.eval_accuracy = eval_acc;
     result.params_checksum = check_replicas(step_);
-    result.last_checkpoint = checkpoint(step_);
+    result.last_checkpoint =
+        again ? options_.run_dir / "checkpoints" / checkpoint_name(step_) : checkpoint(step_);
     mark(Phase::done);
+    if (again && rank_ == 0) keep_measurements(result);
     if (rank_ == 0) {
       run_file_write([&] {
         write_file_atomic(options_.run_dir / "result.json", json_text(result.to_json(), 2) + "\n");
@@ -538,6 +560,7 @@ class TrainingRun {
       fresh_start();
     } else {
       restore(from, source_rank_);
+      resumed_ = true;
     }
     json rendezvous = {{"event", "rendezvous"},
                        {"world_size", world_},
@@ -1252,9 +1275,41 @@ class TrainingRun {
     emit(event);
   }
 
+  // The measurements of the run's result.json (throughput, phases, peak memory) when it is of
+  // the state `result` ends in (its steps and parameters): a resume at the last step measured
+  // nothing.
+  void keep_measurements(TrainResult& result) const {
+    json before;
+    try {
+      before = json::parse(read_file(options_.run_dir / "result.json"));
+    } catch (const std::exception&) {
+      return;  // none, or unreadable: this result is all there is
+    }
+    if (!before.is_object() || before.value("steps", int64_t{-1}) != result.steps ||
+        before.value("params_checksum", std::string()) != result.params_checksum) {
+      return;
+    }
+    const auto number = [&](const char* key, double fallback) {
+      const auto it = before.find(key);
+      return it != before.end() && it->is_number() ? it->get<double>() : fallback;
+    };
+    result.samples_per_s = number("samples_per_s", result.samples_per_s);
+    result.comm_total_ms = number("comm_total_ms", result.comm_total_ms);
+    result.bytes_per_step = number("bytes_per_step", result.bytes_per_step);
+    result.peak_rss_mib = number("peak_rss_mib", result.peak_rss_mib);
+    if (const auto it = before.find("phases_ms"); it != before.end() && it->is_object()) {
+      const char* names[] = {"data", "compute", "comm", "optimizer"};
+      for (size_t i = 0; i < result.phases_ms.size(); ++i) {
+        const auto v = it->find(names[i]);
+        if (v != it->end() && v->is_number()) result.phases_ms[i] = v->get<double>();
+      }
+    }
+  }
+
   // Each rank scores a strided shard of the held-out split; the sums are reduced. Loss and
-  // accuracy are NaN (none, nothing logged) when there is no held-out data.
-  std::pair<double, double> evaluate(int64_t step) {
+  // accuracy are NaN (none, nothing logged) when there is no held-out data. Rank 0 logs them,
+  // unless `record` is false (they are logged already).
+  std::pair<double, double> evaluate(int64_t step, bool record = true) {
     mark(Phase::eval);
     const auto& eval = *data_.eval;
     int64_t n = eval.size();
@@ -1286,7 +1341,7 @@ class TrainingRun {
     }
     const double loss = sums[0] / sums[2];
     const double accuracy = sums[1] / sums[2];
-    if (rank_ == 0) {
+    if (rank_ == 0 && record) {
       const json line = {{"step", step}, {"eval_loss", loss}, {"eval_accuracy", accuracy}};
       run_file_write([&] { append_line(options_.run_dir / "metrics.jsonl", json_text(line)); });
       json event = line;
@@ -1532,6 +1587,7 @@ class TrainingRun {
   std::vector<int32_t> y_;
   int64_t step_ = 0;
   int64_t first_step_ = 0;
+  bool resumed_ = false;  // from a checkpoint
   // The loss last logged (summed over the ranks), or the checkpoint's resumed from; NaN when none.
   double last_loss_ = std::numeric_limits<double>::quiet_NaN();
   Clock::time_point run_start_;

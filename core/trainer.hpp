@@ -68,7 +68,9 @@ struct TrainResult {
   double eval_loss = std::numeric_limits<double>::quiet_NaN();
   double eval_accuracy = std::numeric_limits<double>::quiet_NaN();
   // Steady state: the first warm-up steps of this process are excluded. NaN (null) when this
-  // process measured no step (a resume from the final step's checkpoint).
+  // process measured no step (a resume from the final step's checkpoint), unless the run's
+  // result.json of that very state holds the measurements (they are kept, as are phases_ms,
+  // comm_total_ms, bytes_per_step and peak_rss_mib).
   double samples_per_s = std::numeric_limits<double>::quiet_NaN();
   int64_t tokens_per_sample = 0;  // a token model's context (tokens/s = samples/s x this); else 0
   // Mean ms per steady-state step in data, compute (forward + backward), comm (exposed gradient

@@ -21,6 +21,8 @@ class EventLog {
 
   bool enabled() const { return out_ != nullptr; }
   bool to_stdout() const { return target_ == "-"; }
+  // The file it appends to; "" when disabled or on stdout.
+  std::string path() const { return enabled() && !to_stdout() ? target_ : std::string(); }
   // Whether a run_finished event was written: every stream ends with one.
   bool finished() const { return finished_; }
   // Writes {"time": ISO-8601 UTC, "event": name, ...fields} and flushes it. A write that fails

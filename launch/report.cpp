@@ -528,7 +528,7 @@ std::string hint(const RunView& run) {
       const json generations = run.info.value("generations", json::array());
       const bool would_repeat = generations.is_array() && !generations.empty() &&
                                 generations.back().is_object() &&
-                                generations.back().value("would_repeat", false);
+                                generations.back().value("would_repeat", json()) == true;
       if (would_repeat) {
         return "a resume would meet its error again (the recipe, its data or a setting: see the "
                "error); fix that first: data or a setting, then resume; a changed recipe, "

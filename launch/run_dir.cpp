@@ -349,30 +349,53 @@ std::optional<fs::path> run_dir_holding(const fs::path& file) {
   return std::nullopt;
 }
 
-void check_events_place(const std::string& flag, const fs::path& file, const fs::path& own) {
+namespace {
+
+// Absolute, with links resolved as far as the path exists, and without a trailing separator or
+// "." ("runs/new/" and "runs/new/." are runs/new, made or not).
+fs::path full_path(const fs::path& path) {
   std::error_code ec;
-  const fs::path mine = own.empty() ? fs::path() : fs::weakly_canonical(fs::absolute(own, ec), ec);
-  const fs::path full = fs::weakly_canonical(fs::absolute(file, ec), ec);
+  fs::path full = fs::weakly_canonical(fs::absolute(path, ec), ec);
+  while (!full.has_filename() && full.has_relative_path())
+    full = full.parent_path();
+  return full;
+}
+
+}  // namespace
+
+bool lies_in(const fs::path& file, const fs::path& dir) {
+  return full_path(file).parent_path() == full_path(dir);
+}
+
+void check_events_place(const std::string& flag, const fs::path& file, const fs::path& own) {
+  const fs::path mine = own.empty() ? fs::path() : full_path(own);
+  const fs::path full = full_path(file);
   const auto holder = run_dir_holding(file);
-  if (!holder && (mine.empty() || full.parent_path() != mine)) return;
+  // Where it lies in the run's own directory (made or not yet).
+  fs::path within;
+  if (!mine.empty()) {
+    within = full.lexically_relative(mine);
+    if (within.empty() || *within.begin() == ".." || within == ".") within.clear();
+  }
+  if (!holder && within.empty()) return;
   // The run's own names, and what a run directory may come to hold.
   static constexpr std::array kRunNames = {"run.json",    "metrics.jsonl", "result.json",
                                            "recipe.json", "report.html",   kLockFile,
                                            "logs",        "checkpoints"};
-  const std::string name = full.filename().string();
-  const bool own_file = !mine.empty() && full.parent_path() == mine &&
-                        std::find(kRunNames.begin(), kRunNames.end(), name) == kRunNames.end();
-  if (own_file) return;
-  const fs::path run = holder ? *holder : mine;
-  throw Error(
-      ErrorKind::usage,
-      fmt::format("{} {}: {} the run directory {}, whose files the events must not mix "
-                  "with; name a file outside every run directory, or one of its own "
-                  "next to run.json in the run's directory (such as {})",
-                  flag, file.string(),
-                  run == mine && full.parent_path() == mine ? "one of the files of" : "inside",
-                  run.string(),
-                  ((own.empty() ? fs::path("RUN_DIR") : own) / "events.jsonl").string()));
+  const bool next_to_run_json = !within.empty() && !within.has_parent_path();
+  const bool ours = !within.empty() && (!holder || *holder == mine);
+  if (ours && next_to_run_json &&
+      std::find(kRunNames.begin(), kRunNames.end(), within.string()) == kRunNames.end()) {
+    return;
+  }
+  const fs::path run = ours ? mine : *holder;
+  throw Error(ErrorKind::usage,
+              fmt::format("{} {}: {} the run directory {}, whose files the events must not mix "
+                          "with; name a file outside every run directory, or one of its own "
+                          "next to run.json in the run's directory (such as {})",
+                          flag, file.string(),
+                          ours && next_to_run_json ? "one of the files of" : "inside", run.string(),
+                          ((own.empty() ? fs::path("RUN_DIR") : own) / "events.jsonl").string()));
 }
 
 RepeatedFailure repeated_failure(const nlohmann::json& info) {

@@ -95,6 +95,8 @@ std::optional<std::filesystem::path> run_dir_holding(const std::filesystem::path
 // next to run.json that the run does not use (own/events.jsonl is one). `own` may not exist yet.
 void check_events_place(const std::string& flag, const std::filesystem::path& file,
                         const std::filesystem::path& own);
+// Whether `file` lies directly in `dir` (made or not yet; "dir/" and "dir/." are dir).
+bool lies_in(const std::filesystem::path& file, const std::filesystem::path& dir);
 
 // This many failures in a row at one step look deterministic: the launcher stops restarting.
 constexpr int kSameStepLimit = 3;

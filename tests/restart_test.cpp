@@ -444,6 +444,18 @@ TEST_CASE("--events writes one JSON line per state change, restarts included") {
   REQUIRE(beside.exit_code == 0);
   CHECK(read_jsonl(own / "events.jsonl").back()["event"] == "run_finished");
   CHECK(run_dptrain({"status", own.string()}).exit_code == 0);
+  // Named with a trailing separator, the run directory is the same one.
+  CHECK(run_dptrain({"launch", recipe.string(), "--run-dir", (tmp / "own2").string() + "/",
+                     "--events", (tmp / "own2/events.jsonl").string()})
+            .exit_code == 0);
+  CHECK(read_jsonl(tmp / "own2/events.jsonl").back()["status"] == "completed");
+  // Below the run directory's top (its logs/, made already): refused, nothing written.
+  fs::create_directories(tmp / "own3/logs");
+  auto below = run_dptrain({"launch", recipe.string(), "--run-dir", (tmp / "own3").string(),
+                            "--events", (tmp / "own3/logs/e.jsonl").string()});
+  CHECK(below.exit_code == 2);
+  CHECK(contains(below.err, ": inside the run directory " + (tmp / "own3").string()));
+  CHECK_FALSE(fs::exists(tmp / "own3/logs/e.jsonl"));
   const std::string ev_run = read_text(tmp / "ev/run.json");
   const std::string ev_meta = read_text(tmp / "ev/checkpoints/step-000120/meta.json");
   for (const fs::path& target :

@@ -266,6 +266,34 @@ TEST_CASE("a corrupt or truncated newest checkpoint is skipped; none valid exits
   CHECK(read_text(tmp / "straight/run.json") == run_json);
 }
 
+TEST_CASE(
+    "resume of a run that ended after its final checkpoint adds nothing, keeps its measures") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), small_recipe());
+  const fs::path run = tmp / "run";
+  launch_as_failed(recipe, run);  // as if it died after its final checkpoint
+  const std::string metrics = read_text(run / "metrics.jsonl");
+  const nlohmann::json before = parse_json(read_text(run / "result.json"));
+  const fs::path last = run / "checkpoints" / read_text(run / "checkpoints/latest").substr(0, 11);
+  const auto written = fs::last_write_time(last / "meta.json");
+  auto resumed = run_dptrain({"resume", run.string(), "--json"});
+  INFO(resumed.err);
+  REQUIRE(resumed.exit_code == 0);
+  // No second evaluation line, no checkpoint written again, and the throughput the run
+  // measured (this process trained no step) in result.json and the outcome.
+  CHECK(read_text(run / "metrics.jsonl") == metrics);
+  CHECK(fs::last_write_time(last / "meta.json") == written);
+  const nlohmann::json after = parse_json(read_text(run / "result.json"));
+  for (const char* key : {"samples_per_s", "phases_ms", "comm_total_ms", "bytes_per_step",
+                          "params_checksum", "final_loss", "eval_loss", "steps"}) {
+    CAPTURE(key);
+    CHECK(after[key] == before[key]);
+  }
+  CHECK(after["samples_per_s"].is_number());
+  CHECK(parse_json(resumed.out)["samples_per_s"] == before["samples_per_s"]);
+  CHECK(parse_json(read_text(run / "run.json"))["status"] == "completed");
+}
+
 TEST_CASE("a directory or a pipe where a run's file belongs stops resume before any rank starts") {
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), small_recipe());

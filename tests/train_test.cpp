@@ -347,6 +347,27 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
     CHECK(again0.err() == "dptrain: error: rank 0: rank 1 cannot start: " + held);
     CHECK_FALSE(fs::exists(tmp / "node0/checkpoints"));
   }
+  // A --resume checkpoint that is none: rank 0 refuses before the ranks meet (exit 5), and
+  // rank 1 says why with the same code.
+  for (const fs::path& named :
+       {tmp / "run/checkpoints/step-000099", tmp / "run/run.json", tmp / "run/checkpoints"}) {
+    CAPTURE(named);
+    Env e0 = env0, e1 = env1;
+    e0["MASTER_PORT"] = e1["MASTER_PORT"] = std::to_string(unused_port());
+    Background resume0({"worker", recipe.string(), "--resume", named.string()}, e0);
+    Background resume1({"worker", recipe.string(), "--resume", named.string()}, e1);
+    CHECK(resume1.wait(std::chrono::seconds(60)) == 5);
+    CHECK(resume0.wait(std::chrono::seconds(60)) == 5);
+    const std::string why =
+        "--resume " + named.string() + ": " +
+        (named.filename() == "step-000099" ? "no such checkpoint directory"
+         : named.filename() == "run.json"
+             ? "not a directory (a checkpoint is a run's checkpoints/step-NNNNNN directory)"
+             : "not a checkpoint directory (it holds no meta.json)") +
+        "\n";
+    CHECK(resume0.err() == "dptrain: error: rank 0: " + why);
+    CHECK(resume1.err() == "dptrain: error: rank 1: rank 0 cannot start: " + why);
+  }
   CHECK(read_text(tmp / "run/metrics.jsonl") == metrics);
   CHECK(read_text(tmp / "run/checkpoints/latest") == latest);
 
@@ -437,6 +458,12 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
                            std::chrono::seconds(60));
   CHECK(twice.exit_code == 2);
   CHECK(twice.err == refused);
+  // The same job started again as it was (its port too): the directory in use is what is said,
+  // not the port.
+  auto same = run_dptrain({"worker", recipe.string(), "--resume", "newest-or-start"}, env0,
+                          std::chrono::seconds(60));
+  CHECK(same.exit_code == 2);
+  CHECK(same.err == refused);
   auto resumed_too = run_dptrain({"resume", live.string()});
   CHECK(resumed_too.exit_code == 2);
   INFO(resumed_too.err);

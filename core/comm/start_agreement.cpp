@@ -1,6 +1,7 @@
 // The ranks' agreement to start (world size, every rank able to, NCCL or Gloo), through the store.
 #include "core/comm/start_agreement.hpp"
 
+#include <algorithm>
 #include <charconv>
 #include <string_view>
 #include <utility>
@@ -41,13 +42,27 @@ std::pair<int, std::string> split_number(const std::string& text) {
   return {number, space == std::string::npos ? std::string() : text.substr(space + 1)};
 }
 
-// "KIND MESSAGE" of a refusal, as the Error it stands for, told to `rank` about rank `other`.
+// A kind as a refusal carries it: its name, one word ("usage_error").
+std::string kind_word(ErrorKind kind) {
+  std::string word = kind_name(kind);
+  std::replace(word.begin(), word.end(), ' ', '_');
+  return word;
+}
+
+// "KIND MESSAGE" of a refusal, as the Error it stands for, told to `rank` about rank `other`;
+// a kind this build does not know is a communication error.
 Error refusal_error(int rank, int other, const std::string& text) {
-  const auto [kind, message] = split_number(text);
-  const bool known = kind >= 0 && kind <= static_cast<int>(ErrorKind::terminated);
-  return Error(
-      known ? static_cast<ErrorKind>(kind) : ErrorKind::comm,
-      fmt::format("rank {}: rank {} cannot start: {}", rank, other, known ? message : text));
+  const size_t space = text.find(' ');
+  const std::string word = text.substr(0, space);
+  const std::string message = space == std::string::npos ? std::string() : text.substr(space + 1);
+  for (int k = 0; k <= static_cast<int>(ErrorKind::terminated); ++k) {
+    if (kind_word(static_cast<ErrorKind>(k)) == word) {
+      return Error(static_cast<ErrorKind>(k),
+                   fmt::format("rank {}: rank {} cannot start: {}", rank, other, message));
+    }
+  }
+  return Error(ErrorKind::comm,
+               fmt::format("rank {}: rank {} cannot start: {}", rank, other, text));
 }
 
 Error other_size(int rank, int world, int other, int given, const char* whose) {
@@ -162,7 +177,7 @@ void refuse_to_start(Store& store, int rank, int world, const Error& error) {
   if (const std::string own = fmt::format("rank {}: ", rank); message.starts_with(own)) {
     message.erase(0, own.size());
   }
-  const std::string refusal = fmt::format("{} {}", static_cast<int>(error.kind()), message);
+  const std::string refusal = fmt::format("{} {}", kind_word(error.kind()), message);
   store.set(answer_key(rank), fmt::format("{} refused {}", world, refusal));
   if (rank == 0) {
     store.set(kChoiceKey, "refused 0 " + refusal);
