@@ -471,20 +471,29 @@ struct Farewell {
   std::string prefix;
   int rank = -1;
   int world = 0;
-  bool at_start = false;  // it went to the store to start: a failure since is not a refusal
+  bool at_start = false;   // it went to the store to start: a failure since is not a refusal
+  bool met = false;        // the ranks agreed to start: a failure since may be its own
+  bool from_peer = false;  // its error is a peer's failure, which that peer posted
   std::optional<Error> refusal;
+  // A failure of its own once the ranks met (not a communication error: a peer's exit causes
+  // those; nor a stop), for the peers whose collectives fail as it leaves (peer_failure).
+  std::optional<Error> failure;
   int exit_code = 1;  // the one its error chose
 
   void operator()() const {
     // A launcher stops every rank as soon as one exits, naming that one: the others are told
     // nothing (they would fail with its code, and could be taken for the cause).
-    if (world < 2 || host.empty() || (!refusal && !server) || started_by_launcher()) return;
+    if (world < 2 || host.empty() || (!refusal && !failure && !server) || started_by_launcher()) {
+      return;
+    }
     exit_on_stop_signals(exit_code);
     try {
       TcpStoreClient client(host, port, kWait, secret, kWait);
       PrefixStore store(prefix, client);
       if (refusal) refuse_to_start(store, rank, world, *refusal);
+      if (failure) report_failure(store, rank, *failure);
       if (server) wait_until_told(store, world, kWait);
+      if (server && failure) wait_until_heard(store, world, kWait);
     } catch (const std::exception&) {
       // A store that is not there (rank 0 did not start it): nobody to tell.
     }
@@ -659,6 +668,7 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
     gloo.timeout = timeout;
     comm = make_gloo_communicator(store, o.rank, o.world_size, gloo);
   }
+  farewell.met = true;
   // The heartbeats' own connection, quick to give up: a store gone with its process (rank 0
   // with --host-store) would otherwise hold each beat, and this rank's exit, for the job's
   // whole timeout. Where the store has no room for it (or is slow to answer now), the job's
@@ -749,6 +759,12 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
     // for a store that is gone with the peer.
     const std::string who =
         silent_peers(beat_store, o.rank, o.world_size, std::chrono::milliseconds(2500));
+    // A peer that failed of itself (its data, say) posted why as it left: that, not the
+    // connection it closed.
+    if (auto told = peer_failure(beat_store, o.rank, o.world_size, progress.stepping())) {
+      farewell.from_peer = true;
+      throw *told;
+    }
     if (who.empty()) throw;
     throw Error(e.kind(),
                 fmt::format("{}; {}{}", e.what(), who.starts_with("rank ") ? "silent: " : "", who));
@@ -810,7 +826,12 @@ void setup_worker(CLI::App& app, Outcome& outcome) {
     try {
       outcome.exit_code = run_worker(*o, record, *farewell);
     } catch (const Error& e) {
-      if (!farewell->at_start) farewell->refusal = e;
+      if (!farewell->at_start) {
+        farewell->refusal = e;
+      } else if (farewell->met && !farewell->from_peer && e.kind() != ErrorKind::comm &&
+                 e.kind() != ErrorKind::terminated && e.kind() != ErrorKind::interrupted) {
+        farewell->failure = e;
+      }
       farewell->exit_code = exit_code(kind_after_stop(e.kind()));
       leave();
       // Name the rank: many ranks' errors end up interleaved in one terminal. Some name it

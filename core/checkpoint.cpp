@@ -604,6 +604,27 @@ fs::path checkpoint_named(const fs::path& checkpoints_dir, const std::string& na
                   names.empty() ? "none" : fmt::format("{}", fmt::join(names, ", "))));
 }
 
+bool set_aside_newer(const fs::path& checkpoints_dir, int64_t step,
+                     const std::function<void(const std::string&)>& warn) {
+  bool moved = false;
+  for (const auto& dir : list_checkpoints(checkpoints_dir)) {
+    if (checkpoint_step(dir) <= step) break;  // newest first
+    const fs::path aside = set_aside_path(dir);
+    std::error_code ec;
+    fs::rename(dir, aside, ec);
+    if (!ec) {
+      moved = true;
+      warn(fmt::format("set aside {} as {}", dir.filename().string(), aside.filename().string()));
+    } else {
+      warn(
+          fmt::format("cannot set aside {} as {}: {}; it stays, and the run writes its own "
+                      "checkpoint of that step over it",
+                      dir.filename().string(), aside.filename().string(), ec.message()));
+    }
+  }
+  return moved;
+}
+
 void point_latest_at(const fs::path& checkpoints_dir, const fs::path& checkpoint) {
   write_file_atomic(checkpoints_dir / kLatestFile, checkpoint.filename().string() + "\n");
 }

@@ -147,6 +147,13 @@ std::filesystem::path checkpoint_named(const std::filesystem::path& checkpoints_
 // Points `latest` at `checkpoint` (a step-N directory in checkpoints_dir), atomically.
 void point_latest_at(const std::filesystem::path& checkpoints_dir,
                      const std::filesystem::path& checkpoint);
+// The checkpoints of steps after `step` (the one a run continues from), which the search for it
+// skipped (damaged, or another recipe's): renamed as set_aside_path says, not deleted (they may
+// hold something worth recovering by hand), so that the run neither trips over them nor writes
+// its own checkpoints of those steps over them. Each is warned about ("set aside step-N as
+// step-N.corrupt", or why it could not be); returns whether any was moved.
+bool set_aside_newer(const std::filesystem::path& checkpoints_dir, int64_t step,
+                     const std::function<void(const std::string&)>& warn);
 
 // `checkpoints/latest` checked: the checkpoint directory it names, or why it cannot be followed.
 struct LatestStatus {

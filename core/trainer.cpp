@@ -701,11 +701,21 @@ class TrainingRun {
       if (how == "newest") {
         throw Error(
             ErrorKind::checkpoint,
-            fmt::format("no valid checkpoint on any of the {} node(s) of this run", world_));
+            fmt::format("no valid checkpoint on any node of this run ({} rank(s))", world_));
       }
       return {};
     }
     source_rank_ = static_cast<int>(newest - steps.begin());
+    // What this node holds past the step continued from was skipped (damaged, another
+    // recipe's): set aside, as resume does, before the run writes its own of those steps.
+    if (writes_checkpoints() &&
+        set_aside_newer(options_.run_dir / "checkpoints", *newest,
+                        [this](const std::string& w) {
+                          emit({{"event", "info"}, {"message", "warning: " + w}});
+                        }) &&
+        my_step == *newest) {
+      point_latest_at(options_.run_dir / "checkpoints", mine);
+    }
     // Every rank needs the name only for messages; the source rank holds the real path.
     return rank_ == source_rank_ ? mine : fs::path(checkpoint_name(*newest));
   }

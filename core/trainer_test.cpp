@@ -701,7 +701,8 @@ TEST_CASE("trainer: \"newest\" resumes from the node leader that holds the newes
   // With none anywhere, "newest" is a checkpoint error and "newest-or-start" starts over.
   TempDir empty0, empty1;
   const auto none = two_nodes(empty0, empty1, "newest");
-  CHECK(none[0].error.find("no valid checkpoint on any of the 2 node(s)") != std::string::npos);
+  CHECK(none[0].error.find("no valid checkpoint on any node of this run (2 rank(s))") !=
+        std::string::npos);
   const auto fresh = two_nodes(empty0, empty1, "newest-or-start");
   REQUIRE(fresh[0].error.empty());
   CHECK(final_params(empty0.path(), 30) == final_params(source.path(), 30));

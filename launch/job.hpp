@@ -151,11 +151,9 @@ std::vector<std::string> check_benchmark_fault_injection(const JobSpec& spec, in
 
 // Runs one generation to its end, recording it in run.json. Never throws for a rank's failure:
 // that is an outcome with exit code 3 (4 when a host cannot be reached over SSH).
-// The checkpoints newer than `chosen`, which the search for one to continue from skipped
-// (damaged, or another recipe's), renamed step-N.corrupt, not deleted (they may hold something
-// worth recovering by hand), so that the run neither trips over them nor writes its own
-// checkpoints of those steps over them; `latest` then names the chosen one. Resume and restarts
-// both do this.
+// The checkpoints newer than `chosen` set aside (the core set_aside_newer, warned about on
+// `status`); `latest` then names the chosen one. Resume and restarts both do this, and workers
+// continuing from the newest.
 void set_aside_newer(const std::filesystem::path& checkpoints, const std::filesystem::path& chosen,
                      StatusPrinter& status);
 

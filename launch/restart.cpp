@@ -20,24 +20,10 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 void set_aside_newer(const fs::path& checkpoints, const fs::path& chosen, StatusPrinter& status) {
-  bool moved = false;
-  for (const auto& dir : list_checkpoints(checkpoints)) {
-    if (dir == chosen) break;
-    const fs::path aside = set_aside_path(dir);
-    std::error_code ec;
-    fs::rename(dir, aside, ec);
-    if (!ec) {
-      moved = true;
-      status.line(fmt::format("warning: set aside {} as {}", dir.filename().string(),
-                              aside.filename().string()));
-    } else {
-      status.line(
-          fmt::format("warning: cannot set aside {} as {}: {}; it stays, and the run "
-                      "writes its own checkpoint of that step over it",
-                      dir.filename().string(), aside.filename().string(), ec.message()));
-    }
+  if (set_aside_newer(checkpoints, checkpoint_step(chosen),
+                      [&status](const std::string& w) { status.line("warning: " + w); })) {
+    point_latest_at(checkpoints, chosen);
   }
-  if (moved) point_latest_at(checkpoints, chosen);
 }
 
 namespace {

@@ -527,6 +527,25 @@ TEST_CASE("workers given different data, --resume or nominal world stop at once,
   CHECK(contains(data[1].second, "data.path " + (tmp / "b.csv").string()));
   CHECK_FALSE(fs::exists(tmp / "data/checkpoints/latest"));
   CHECK(parse_json(read_text(tmp / "data/run.json"))["status"] == "failed");
+  // Data that one rank cannot read once the ranks met (a bad row): its peer says why, with its
+  // code, rather than name the connection it closed. Either rank.
+  write_text(tmp / "bad.csv", read_text(tmp / "a.csv") + "1,abc\n");
+  recipe["data"]["path"] = "bad.csv";
+  const auto bad = write_recipe(tmp.path(), recipe, "bad.json");
+  const std::string unreadable = (tmp / "bad.csv").string() + ":402: ";
+  for (const int broken : {0, 1}) {
+    CAPTURE(broken);
+    const auto out = pair(fmt::format("bad{}", broken), {broken == 0 ? bad : a, {}, {}},
+                          {broken == 1 ? bad : a, {}, {}});
+    for (int r = 0; r < 2; ++r) {
+      CAPTURE(out[r].second);
+      CHECK(out[r].first == 2);
+      CHECK(out[r].second.starts_with(
+          r == broken ? fmt::format("dptrain: error: rank {}: {}", r, unreadable)
+                      : fmt::format("dptrain: error: rank {}: rank {} cannot start: {}", r, broken,
+                                    unreadable)));
+    }
+  }
   // Nothing to resume from is no matter: one rank would search every node's checkpoints (a
   // collective), the other not.
   for (const auto& [code, err] :

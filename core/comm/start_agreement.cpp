@@ -49,20 +49,40 @@ std::string kind_word(ErrorKind kind) {
   return word;
 }
 
-// "KIND MESSAGE" of a refusal, as the Error it stands for, told to `rank` about rank `other`;
-// a kind this build does not know is a communication error.
-Error refusal_error(int rank, int other, const std::string& text) {
+// "KIND MESSAGE" of a refusal, as the Error it stands for, told to `rank` about rank `other`
+// ("rank R: rank P cannot start: MESSAGE"); a kind this build does not know is a communication
+// error. With `failed`, a failure after the start: "failed", and a communication error.
+Error refusal_error(int rank, int other, const std::string& text, bool failed = false) {
   const size_t space = text.find(' ');
   const std::string word = text.substr(0, space);
-  const std::string message = space == std::string::npos ? std::string() : text.substr(space + 1);
+  ErrorKind kind = ErrorKind::comm;
+  std::string message = text;
   for (int k = 0; k <= static_cast<int>(ErrorKind::terminated); ++k) {
     if (kind_word(static_cast<ErrorKind>(k)) == word) {
-      return Error(static_cast<ErrorKind>(k),
-                   fmt::format("rank {}: rank {} cannot start: {}", rank, other, message));
+      kind = static_cast<ErrorKind>(k);
+      message = space == std::string::npos ? std::string() : text.substr(space + 1);
     }
   }
-  return Error(ErrorKind::comm,
-               fmt::format("rank {}: rank {} cannot start: {}", rank, other, text));
+  return Error(failed ? ErrorKind::comm : kind,
+               fmt::format("rank {}: rank {} {}: {}", rank, other,
+                           failed ? "failed" : "cannot start", message));
+}
+
+// "KIND MESSAGE" of `error`, without the leading "rank R: " of its text.
+std::string posted_error(int rank, const Error& error) {
+  std::string message = error.what();
+  if (const std::string own = fmt::format("rank {}: ", rank); message.starts_with(own)) {
+    message.erase(0, own.size());
+  }
+  return fmt::format("{} {}", kind_word(error.kind()), message);
+}
+
+std::string failed_key(int rank) {
+  return fmt::format("failed/{}", rank);
+}
+
+std::string heard_key(int rank) {
+  return fmt::format("heard/{}", rank);
 }
 
 Error other_size(int rank, int world, int other, int given, const char* whose) {
@@ -93,6 +113,14 @@ std::string read_posted(Store& store, const std::string& key, int rank,
 
 BackendChoice agree_to_start(Store& store, int rank, int world, bool required,
                              const std::string& why_not, std::chrono::milliseconds timeout) {
+  // Two processes given one rank (a script's slip): the second is told at once, rather than
+  // wait in Gloo's rendezvous for a peer that paired with the first.
+  if (store.add(fmt::format("backend/rank/{}", rank), 1) > 1) {
+    throw Error(ErrorKind::usage,
+                fmt::format("rank {}: another process joined this job as rank {} already (at "
+                            "{}): give each process its own rank",
+                            rank, rank, store.describe()));
+  }
   store.set(answer_key(rank),
             fmt::format("{} {}", world, why_not.empty() ? "ok" : "no " + why_not));
   if (required && !why_not.empty()) {
@@ -137,7 +165,13 @@ BackendChoice agree_to_start(Store& store, int rank, int world, bool required,
         split_number(read_posted(store, answer_key(0), rank,
                                  fmt::format("rank 0 of {} did not join", world), timeout))
             .first;
-    if (given != world) throw other_size(rank, world, 0, given, "this rank's");
+    if (given != world) {
+      try {
+        store.set(told_key(rank), "1");  // rank 0 need not wait for it to read the choice
+      } catch (const Error&) {
+      }
+      throw other_size(rank, world, 0, given, "this rank's");
+    }
     // Longer than rank 0 waits for any one rank: it posts which one never came.
     choice =
         read_posted(store, kChoiceKey, rank, "rank 0 posted no choice of backend", 2 * timeout);
@@ -173,16 +207,40 @@ BackendChoice agree_to_start(Store& store, int rank, int world, bool required,
 }
 
 void refuse_to_start(Store& store, int rank, int world, const Error& error) {
-  std::string message = error.what();
-  if (const std::string own = fmt::format("rank {}: ", rank); message.starts_with(own)) {
-    message.erase(0, own.size());
-  }
-  const std::string refusal = fmt::format("{} {}", kind_word(error.kind()), message);
+  const std::string refusal = posted_error(rank, error);
   store.set(answer_key(rank), fmt::format("{} refused {}", world, refusal));
   if (rank == 0) {
     store.set(kChoiceKey, "refused 0 " + refusal);
   } else {
     store.set(told_key(rank), "1");
+  }
+}
+
+void report_failure(Store& store, int rank, const Error& error) {
+  store.set(failed_key(rank), posted_error(rank, error));
+}
+
+std::optional<Error> peer_failure(Store& store, int rank, int world, bool stepping) {
+  std::optional<Error> found;
+  try {
+    for (int r = 0; r < world && !found; ++r) {
+      if (r == rank || !store.check({failed_key(r)})) continue;
+      found = refusal_error(rank, r, store.get(failed_key(r), std::chrono::seconds(2)), stepping);
+    }
+    store.set(heard_key(rank), "1");
+  } catch (const Error&) {
+    // The store is gone too: nothing to learn there.
+  }
+  return found;
+}
+
+void wait_until_heard(Store& store, int world, std::chrono::milliseconds bound) {
+  std::vector<std::string> keys;
+  for (int r = 1; r < world; ++r)
+    keys.push_back(heard_key(r));
+  try {
+    if (!keys.empty()) store.wait(keys, bound);
+  } catch (const Error&) {
   }
 }
 

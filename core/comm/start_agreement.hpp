@@ -3,6 +3,7 @@
 #pragma once
 
 #include <chrono>
+#include <optional>
 #include <string>
 
 #include "core/comm/store.hpp"
@@ -33,6 +34,21 @@ BackendChoice agree_to_start(Store& store, int rank, int world, bool required,
 // instead of waiting for it until their timeout. Rank 0's post is the choice itself. A leading
 // "rank R: " of the error's text is left out (the others name the rank).
 void refuse_to_start(Store& store, int rank, int world, const Error& error);
+
+// A rank that failed once the ranks met (its data, its BLAS library, a checkpoint it reads; not
+// a communication failure, which is what a peer's exit causes, nor a stop) posts why, for the
+// peers whose collectives then fail: peer_failure names it to them.
+void report_failure(Store& store, int rank, const Error& error);
+
+// After a collective failed: the first other rank that posted a failure (report_failure), as
+// this rank's error: "rank R: rank P cannot start: ..." with P's kind before the first step
+// (`stepping` false), "rank R: rank P failed: ..." (comm) after it; none when no peer posted
+// one. Either way this rank says it looked (for wait_until_heard).
+std::optional<Error> peer_failure(Store& store, int rank, int world, bool stepping);
+
+// For rank 0 serving the store itself, after it posted a failure: waits (up to `bound`) until
+// every other rank has looked (peer_failure).
+void wait_until_heard(Store& store, int world, std::chrono::milliseconds bound);
 
 // For rank 0 serving the store itself, before it exits with a failure at or before the start:
 // waits until every other rank has read the choice or refused (up to `bound`), so that they learn

@@ -172,5 +172,53 @@ TEST_CASE("start agreement: rank 0 serving the store waits for the others to be 
   CHECK(store.check({"backend/told/1"}));
 }
 
+TEST_CASE("start agreement: a second process with one rank's number is told at once") {
+  TcpStoreServer server;
+  std::vector<std::string> errors(3);
+  std::vector<std::thread> ranks;
+  for (const int rank : {0, 1, 1}) {
+    const size_t i = ranks.size();
+    ranks.emplace_back([&, rank, i] {
+      TcpStoreClient client("127.0.0.1", server.port(), 10s);
+      PrefixStore store("gen1", client);
+      try {
+        agree_to_start(store, rank, 2, false, "", 20s);
+      } catch (const Error& e) {
+        errors[i] = e.kind() == ErrorKind::usage ? e.what() : std::string("wrong kind");
+      }
+    });
+  }
+  for (auto& t : ranks)
+    t.join();
+  CHECK(errors[0].empty());
+  // Whichever came second.
+  CHECK(errors[1].empty() != errors[2].empty());
+  CHECK((errors[1] + errors[2])
+            .starts_with("rank 1: another process joined this job as rank 1 already (at store "
+                         "127.0.0.1:"));
+}
+
+TEST_CASE("peer failures: a rank's own failure is named to the peers it leaves") {
+  TcpStoreServer server;
+  TcpStoreClient client("127.0.0.1", server.port(), 10s);
+  PrefixStore store("gen1", client);
+  CHECK_FALSE(peer_failure(store, 0, 3, false));  // none posted
+  CHECK(store.check({"heard/0"}));
+  report_failure(store, 2, Error(ErrorKind::recipe, "rank 2: d.csv:402: 1 features"));
+  // Before the first step: its kind, "cannot start"; after it: a communication error.
+  auto before = peer_failure(store, 1, 3, false);
+  REQUIRE(before);
+  CHECK(before->kind() == ErrorKind::recipe);
+  CHECK(std::string(before->what()) == "rank 1: rank 2 cannot start: d.csv:402: 1 features");
+  auto after = peer_failure(store, 0, 3, true);
+  REQUIRE(after);
+  CHECK(after->kind() == ErrorKind::comm);
+  CHECK(std::string(after->what()) == "rank 0: rank 2 failed: d.csv:402: 1 features");
+  // Its own post is not a peer's.
+  CHECK_FALSE(peer_failure(store, 2, 3, false));
+  // Every other rank has looked: rank 0 need not wait.
+  wait_until_heard(store, 3, 60s);
+}
+
 }  // namespace
 }  // namespace dptrain
