@@ -433,7 +433,7 @@ void on_signal_in_farewell(int) {
 // answers the worker's stop any more); one that came since the StopWatcher ended: at once.
 void exit_on_stop_signals(int code) {
   g_farewell_code = code;
-  for (const int sig : {SIGINT, SIGTERM, SIGHUP}) {
+  for (const int sig : {SIGINT, SIGTERM}) {
     struct sigaction sa {};
     if (::sigaction(sig, nullptr, &sa) == 0 && sa.sa_handler == on_stop_signal) {
       sa.sa_handler = on_signal_in_farewell;
@@ -474,6 +474,7 @@ struct Farewell {
   bool at_start = false;   // it went to the store to start: a failure since is not a refusal
   bool met = false;        // the ranks agreed to start: a failure since may be its own
   bool from_peer = false;  // its error is a peer's failure, which that peer posted
+  bool stopped = false;    // by a signal: the peers stop too, and look for nothing
   std::optional<Error> refusal;
   // A failure of its own once the ranks met (not a communication error: a peer's exit causes
   // those; nor a stop), for the peers whose collectives fail as it leaves (peer_failure).
@@ -493,7 +494,9 @@ struct Farewell {
       if (refusal) refuse_to_start(store, rank, world, *refusal);
       if (failure) report_failure(store, rank, *failure);
       if (server) wait_until_told(store, world, kWait);
-      if (server && failure) wait_until_heard(store, world, kWait);
+      // Once the ranks met, whoever failed: the peers look for a failure posted (their own
+      // collectives may fail seconds apart, and with the store they would lose the answer).
+      if (server && met && !stopped) wait_until_heard(store, world, kWait);
     } catch (const std::exception&) {
       // A store that is not there (rank 0 did not start it): nobody to tell.
     }
@@ -833,6 +836,8 @@ void setup_worker(CLI::App& app, Outcome& outcome) {
         farewell->failure = e;
       }
       farewell->exit_code = exit_code(kind_after_stop(e.kind()));
+      farewell->stopped = kind_after_stop(e.kind()) == ErrorKind::terminated ||
+                          kind_after_stop(e.kind()) == ErrorKind::interrupted;
       leave();
       // Name the rank: many ranks' errors end up interleaved in one terminal. Some name it
       // themselves (the trainer's, for a launcher that reads only that line).
@@ -845,7 +850,11 @@ void setup_worker(CLI::App& app, Outcome& outcome) {
       throw Error(e.kind(), named);
     } catch (const std::exception& e) {
       // Not dptrain's own (out of memory, a filesystem error): main says what; the record ends.
-      if (!farewell->at_start) farewell->refusal = Error(ErrorKind::internal, e.what());
+      if (!farewell->at_start) {
+        farewell->refusal = Error(ErrorKind::internal, e.what());
+      } else if (farewell->met) {
+        farewell->failure = Error(ErrorKind::internal, e.what());
+      }
       leave();
       if (record) record->finish("failed", fmt::format("rank {}: {}", o->rank, e.what()));
       throw;

@@ -304,8 +304,9 @@ class TrainingRun {
       if (rank_ == 0) {
         const std::string& how = options_.resume_from.native();
         std::error_code ec;
+        // "newest": rank 0's own only where it read it (another node's is not in its directory).
         own =
-            how == "newest" || how == "newest-or-start" ||
+            ((how == "newest" || how == "newest-or-start") && source_rank_ == 0) ||
             fs::weakly_canonical(options_.resume_from, ec) ==
                 fs::weakly_canonical(options_.run_dir / "checkpoints" / checkpoint_name(step_), ec);
       }
@@ -562,6 +563,7 @@ class TrainingRun {
       restore(from, source_rank_);
       resumed_ = true;
     }
+    first_step_ = step_;  // parameter servers too, which never enter run()'s loop
     json rendezvous = {{"event", "rendezvous"},
                        {"world_size", world_},
                        {"nominal_world_size", nominal_world_},
@@ -708,13 +710,16 @@ class TrainingRun {
     source_rank_ = static_cast<int>(newest - steps.begin());
     // What this node holds past the step continued from was skipped (damaged, another
     // recipe's): set aside, as resume does, before the run writes its own of those steps.
-    if (writes_checkpoints() &&
-        set_aside_newer(options_.run_dir / "checkpoints", *newest,
-                        [this](const std::string& w) {
-                          emit({{"event", "info"}, {"message", "warning: " + w}});
-                        }) &&
-        my_step == *newest) {
-      point_latest_at(options_.run_dir / "checkpoints", mine);
+    const auto warn = [this](const std::string& w) {
+      emit({{"event", "info"}, {"message", "warning: " + w}});
+    };
+    if (writes_checkpoints() && set_aside_newer(options_.run_dir / "checkpoints", *newest, warn) &&
+        !mine.empty()) {
+      try {
+        point_latest_at(options_.run_dir / "checkpoints", mine);
+      } catch (const Error& e) {
+        warn(e.what());  // `latest` is rewritten with the next checkpoint
+      }
     }
     // Every rank needs the name only for messages; the source rank holds the real path.
     return rank_ == source_rank_ ? mine : fs::path(checkpoint_name(*newest));
@@ -1292,12 +1297,12 @@ class TrainingRun {
     json before;
     try {
       before = json::parse(read_file(options_.run_dir / "result.json"));
+      if (!before.is_object() || before.value("steps", json()) != result.steps ||
+          before.value("params_checksum", json()) != result.params_checksum) {
+        return;
+      }
     } catch (const std::exception&) {
       return;  // none, or unreadable: this result is all there is
-    }
-    if (!before.is_object() || before.value("steps", int64_t{-1}) != result.steps ||
-        before.value("params_checksum", std::string()) != result.params_checksum) {
-      return;
     }
     const auto number = [&](const char* key, double fallback) {
       const auto it = before.find(key);

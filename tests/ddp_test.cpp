@@ -258,6 +258,17 @@ TEST_CASE("parameter servers, synchronous: the same training as all-reduce, shar
     return parse_json(read_text(latest_params(tmp / run).parent_path() / "meta.json"));
   };
   CHECK(meta("ps")["blobs"]["optimizer"]["bytes"] == meta("plain")["blobs"]["optimizer"]["bytes"]);
+  // Resumed at its final step (as if it died after that checkpoint), the servers and workers
+  // agree that nothing is left to do: the run completes at once, as it was.
+  auto info = parse_json(read_text(tmp / "ps/run.json"));
+  info["status"] = "failed";
+  write_text(tmp / "ps/run.json", info.dump());
+  const std::string metrics = read_text(tmp / "ps/metrics.jsonl");
+  auto resumed = run_dptrain({"resume", (tmp / "ps").string()});
+  INFO(resumed.err);
+  CHECK(resumed.exit_code == 0);
+  CHECK(read_text(tmp / "ps/metrics.jsonl") == metrics);
+  CHECK(parse_json(read_text(tmp / "ps/result.json"))["samples_per_s"] == ps["samples_per_s"]);
 }
 
 TEST_CASE("parameter servers with staleness: workers run ahead, and the run still converges") {

@@ -113,14 +113,21 @@ std::string read_posted(Store& store, const std::string& key, int rank,
 
 BackendChoice agree_to_start(Store& store, int rank, int world, bool required,
                              const std::string& why_not, std::chrono::milliseconds timeout) {
-  // Two processes given one rank (a script's slip): the second is told at once, rather than
-  // wait in Gloo's rendezvous for a peer that paired with the first.
-  if (store.add(fmt::format("backend/rank/{}", rank), 1) > 1) {
+  // A second process given a rank that one running the job has (a script's slip): told at
+  // once, rather than left in Gloo's rendezvous for a peer that paired with the first. (One
+  // that came before and is still waiting, or gone, is no reason: it may be this one's earlier
+  // start.)
+  const std::string met = fmt::format("backend/met/{}", rank);
+  if (store.check({met})) {
     throw Error(ErrorKind::usage,
-                fmt::format("rank {}: another process joined this job as rank {} already (at "
-                            "{}): give each process its own rank",
+                fmt::format("rank {}: another process joined this job as rank {} already and "
+                            "runs it (at {}): give each process its own rank",
                             rank, rank, store.describe()));
   }
+  const auto agreed = [&](BackendChoice choice) {
+    store.set(met, "1");
+    return choice;
+  };
   store.set(answer_key(rank),
             fmt::format("{} {}", world, why_not.empty() ? "ok" : "no " + why_not));
   if (required && !why_not.empty()) {
@@ -180,7 +187,7 @@ BackendChoice agree_to_start(Store& store, int rank, int world, bool required,
     } catch (const Error&) {
     }
   }
-  if (choice == "nccl") return {"nccl", -1, {}};
+  if (choice == "nccl") return agreed({"nccl", -1, {}});
   const size_t space = choice.find(' ');
   const std::string kind = choice.substr(0, space);
   const auto [other, rest] =
@@ -200,7 +207,7 @@ BackendChoice agree_to_start(Store& store, int rank, int world, bool required,
     throw Error(ErrorKind::comm, fmt::format("rank {}: backend nccl: rank {} cannot use NCCL: {}",
                                              rank, other, rest));
   }
-  if (kind == "gloo") return {"gloo", other, rest};
+  if (kind == "gloo") return agreed({"gloo", other, rest});
   throw Error(ErrorKind::comm,
               fmt::format("rank {}: the store's '{}' is not a choice of backend: '{}'", rank,
                           kChoiceKey, choice));
@@ -218,6 +225,7 @@ void refuse_to_start(Store& store, int rank, int world, const Error& error) {
 
 void report_failure(Store& store, int rank, const Error& error) {
   store.set(failed_key(rank), posted_error(rank, error));
+  store.set(heard_key(rank), "1");  // nothing to look for: rank 0 need not wait for it
 }
 
 std::optional<Error> peer_failure(Store& store, int rank, int world, bool stepping) {
