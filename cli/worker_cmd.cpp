@@ -523,15 +523,9 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
       farewell.server = std::make_unique<TcpStoreServer>(bind, port, secret);
     } catch (const Error& e) {
       // Most likely the very job that runs in this directory (started again by mistake): that
-      // is what to say. The probe takes the lock only for as long as it looks.
-      std::error_code ec;
-      if (!started_by_launcher() && fs::exists(fs::path(o.run_dir) / ".lock", ec)) {
-        bool held = false;
-        try {
-          held = try_lock_run(o.run_dir) == nullptr;
-        } catch (const Error&) {
-        }
-        if (held) throw run_dir_locked(o.run_dir);
+      // is what to say.
+      if (!started_by_launcher() && run_locked_by_another(o.run_dir)) {
+        throw run_dir_locked(o.run_dir);
       }
       // The ranks' settings, not the network: exit 2, as a launcher's --master-port in use.
       const std::string cause = e.what();

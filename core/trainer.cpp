@@ -61,10 +61,9 @@ nlohmann::json TrainResult::to_json() const {
   if (tokens_per_sample > 0) {
     j["tokens_per_s"] = or_null(samples_per_s * static_cast<double>(tokens_per_sample));
   }
-  j["phases_ms"] = {{"data", phases_ms[0]},
-                    {"compute", phases_ms[1]},
-                    {"comm", phases_ms[2]},
-                    {"optimizer", phases_ms[3]}};
+  j["phases_ms"] = nlohmann::json::object();
+  for (size_t i = 0; i < phases_ms.size(); ++i)
+    j["phases_ms"][TrainResult::kPhaseNames[i]] = phases_ms[i];
   j["comm_total_ms"] = comm_total_ms;
   j["bytes_per_step"] = bytes_per_step;
   j["optimizer_state_mib"] = optimizer_state_mib;
@@ -199,7 +198,6 @@ class TrainingRun {
     int64_t window_steps = 0;
     PhaseTimes window_phases, steady_phases;
     const int64_t first_step = step_;
-    first_step_ = step_;
     run_start_ = Clock::now();
     bool stop = false;
     for (; step_ < total && !stop; ++step_) {
@@ -1313,9 +1311,8 @@ class TrainingRun {
     result.bytes_per_step = number("bytes_per_step", result.bytes_per_step);
     result.peak_rss_mib = number("peak_rss_mib", result.peak_rss_mib);
     if (const auto it = before.find("phases_ms"); it != before.end() && it->is_object()) {
-      const char* names[] = {"data", "compute", "comm", "optimizer"};
       for (size_t i = 0; i < result.phases_ms.size(); ++i) {
-        const auto v = it->find(names[i]);
+        const auto v = it->find(TrainResult::kPhaseNames[i]);
         if (v != it->end() && v->is_number()) result.phases_ms[i] = v->get<double>();
       }
     }

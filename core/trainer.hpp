@@ -76,6 +76,8 @@ struct TrainResult {
   // Mean ms per steady-state step in data, compute (forward + backward), comm (exposed gradient
   // all-reduce) and optimizer, on rank 0.
   std::array<double, 4> phases_ms{};
+  static constexpr std::array<const char*, 4> kPhaseNames = {"data", "compute", "comm",
+                                                             "optimizer"};
   // Steady-state means per step: all communication (overlapped or not; phases_ms' comm is the
   // exposed part) and the bytes each rank put on the wire.
   double comm_total_ms = 0;

@@ -210,13 +210,7 @@ RunDirectory RunDirectory::create(const fs::path& dir, const fs::path& runs_root
     if (!fs::exists(p / "run.json", exists_ec)) return;
     // Still running (its launcher, or its workers' rank 0, holds the lock): neither resume nor a
     // start of its workers is for now.
-    std::shared_ptr<const int> free;
-    try {
-      free = mine ? nullptr : try_lock_run(p);
-    } catch (const Error&) {
-      free = std::make_shared<const int>(-1);  // not lockable here: say what run.json says
-    }
-    if (!mine && !free) {
+    if (!mine && run_locked_by_another(p)) {
       throw Error(ErrorKind::usage,
                   fmt::format("{}: already holds a run, which another dptrain is running now (a "
                               "launcher, or workers started without one: it holds {}); choose "
@@ -439,6 +433,16 @@ std::shared_ptr<const int> try_lock_run(const fs::path& dir) {
                 fmt::format("{}: cannot lock: {}", file.string(), std::strerror(error)));
   }
   return held;
+}
+
+bool run_locked_by_another(const fs::path& dir) {
+  std::error_code ec;
+  if (!fs::exists(dir / kLockFile, ec)) return false;
+  try {
+    return try_lock_run(dir) == nullptr;  // held only while it looks
+  } catch (const Error&) {
+    return false;  // not lockable here: nothing to tell
+  }
 }
 
 void RunDirectory::lock() {

@@ -78,6 +78,9 @@ std::string hand_resume_flag(const std::filesystem::path& run_dir);
 // it (a launcher driving the run, or the rank 0 of workers started without one).
 // Error(usage) naming the file when it cannot be opened or locked otherwise.
 std::shared_ptr<const int> try_lock_run(const std::filesystem::path& dir);
+// Whether another process holds DIR's lock now (false where DIR has no lock file, or it cannot
+// be opened); makes no lock file.
+bool run_locked_by_another(const std::filesystem::path& dir);
 
 // Error(usage) naming the first of the files a run's launcher and ranks write in place
 // (recipe.json, metrics.jsonl, result.json, checkpoints/latest) that is a directory, a pipe or

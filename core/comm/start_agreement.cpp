@@ -242,25 +242,29 @@ std::optional<Error> peer_failure(Store& store, int rank, int world, bool steppi
   return found;
 }
 
-void wait_until_heard(Store& store, int world, std::chrono::milliseconds bound) {
+namespace {
+
+// Waits up to `bound` for every rank but 0 to post its key(rank); those that have not by then
+// come too late to learn anything.
+void wait_for_others(Store& store, int world, std::string (*key)(int),
+                     std::chrono::milliseconds bound) {
   std::vector<std::string> keys;
   for (int r = 1; r < world; ++r)
-    keys.push_back(heard_key(r));
+    keys.push_back(key(r));
   try {
     if (!keys.empty()) store.wait(keys, bound);
   } catch (const Error&) {
   }
 }
 
+}  // namespace
+
+void wait_until_heard(Store& store, int world, std::chrono::milliseconds bound) {
+  wait_for_others(store, world, heard_key, bound);
+}
+
 void wait_until_told(Store& store, int world, std::chrono::milliseconds bound) {
-  std::vector<std::string> keys;
-  for (int r = 1; r < world; ++r)
-    keys.push_back(told_key(r));
-  try {
-    if (!keys.empty()) store.wait(keys, bound);
-  } catch (const Error&) {
-    // Those that have not come by now start too late to learn it.
-  }
+  wait_for_others(store, world, told_key, bound);
 }
 
 }  // namespace dptrain
