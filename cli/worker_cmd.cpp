@@ -666,18 +666,8 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
     comm = make_gloo_communicator(store, o.rank, o.world_size, gloo);
   }
   farewell.met = true;
-  // The heartbeats' own connection, quick to give up: a store gone with its process (rank 0
-  // with --host-store) would otherwise hold each beat, and this rank's exit, for the job's
-  // whole timeout. Where the store has no room for it (or is slow to answer now), the job's
-  // connection carries them.
-  std::optional<TcpStoreClient> beat_client;
-  std::optional<PrefixStore> beat_prefix;
-  try {
-    beat_client.emplace(host, port, std::chrono::seconds(2), secret);
-    beat_prefix.emplace(fmt::format("gen{}", o.generation), *beat_client);
-  } catch (const Error&) {
-  }
-  Store& beat_store = beat_prefix ? static_cast<Store&>(*beat_prefix) : store;
+  BeatStore beats(host, port, secret, o.generation, store);
+  Store& beat_store = beats.store();
   const HeartbeatSender heartbeat(beat_store, o.rank, progress, std::chrono::seconds(1));
 
   const bool events = env("DPTRAIN_EVENTS").value_or("0") == "1";

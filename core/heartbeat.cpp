@@ -9,6 +9,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "core/error.hpp"
+
 namespace dptrain {
 
 const char* phase_name(Phase phase) {
@@ -29,6 +31,8 @@ const char* phase_name(Phase phase) {
       return "checkpoint";
     case Phase::done:
       return "done";
+    case Phase::measure:
+      return "measure";
   }
   return "unknown";
 }
@@ -89,6 +93,17 @@ std::string silent_peers(Store& store, int rank, int world, std::chrono::millise
   if (silent.empty()) return "";
   return fmt::format("{} (no heartbeat for {:.1f}s: exited, killed or frozen)",
                      fmt::join(silent, ", "), std::chrono::duration<double>(apart).count());
+}
+
+BeatStore::BeatStore(const std::string& host, uint16_t port, const std::string& secret,
+                     int generation, Store& fallback)
+    : fallback_(fallback) {
+  try {
+    client_.emplace(host, port, std::chrono::seconds(2), secret);
+    prefix_.emplace(fmt::format("gen{}", generation), *client_);
+  } catch (const Error&) {
+    client_.reset();
+  }
 }
 
 HeartbeatSender::HeartbeatSender(Store& store, int rank, const ProgressTracker& tracker,

@@ -15,10 +15,22 @@
 #include <nlohmann/json.hpp>
 
 #include "core/comm/store.hpp"
+#include "core/comm/tcp_store.hpp"
 
 namespace dptrain {
 
-enum class Phase : int { starting, data, compute, collective, optimizer, eval, checkpoint, done };
+// `measure`: a benchmark's own work between its collectives (filling and checking buffers).
+enum class Phase : int {
+  starting,
+  data,
+  compute,
+  collective,
+  optimizer,
+  eval,
+  checkpoint,
+  done,
+  measure
+};
 const char* phase_name(Phase phase);
 
 // Written by the training loop (cheap atomics), read by the heartbeat thread.
@@ -80,6 +92,22 @@ std::string sigterm_key(int rank);  // "sigterm/<rank>", under the generation's 
 // itself stopped answering (the process serving it is gone, e.g. rank 0 with --host-store).
 // "" when every peer still beats or the heartbeats say nothing. Never throws.
 std::string silent_peers(Store& store, int rank, int world, std::chrono::milliseconds apart);
+
+// The heartbeats' own connection to the store at host:port (under the generation's prefix), quick
+// to give up: a store gone with its process (rank 0 with --host-store) would otherwise hold each
+// beat, and the rank's exit, for the job's whole timeout. Where the store has no room for it (or
+// is slow to answer now), `fallback`, the job's connection, carries them.
+class BeatStore {
+ public:
+  BeatStore(const std::string& host, uint16_t port, const std::string& secret, int generation,
+            Store& fallback);
+  Store& store() { return prefix_ ? static_cast<Store&>(*prefix_) : fallback_; }
+
+ private:
+  std::optional<TcpStoreClient> client_;
+  std::optional<PrefixStore> prefix_;
+  Store& fallback_;
+};
 
 // Sends the tracker's snapshot to the store every `interval`, and within kStepPoll of a step
 // change or of entering eval or a checkpoint, until destroyed; a last one as it is destroyed (a

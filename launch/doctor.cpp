@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <sstream>
 #include <string_view>
 #include <system_error>
@@ -224,10 +225,15 @@ class Doctor {
       if (says("fewer than one window")) {
         return "use a smaller model.context, or prepare the dataset from more text";
       }
+      // data prepare refuses a directory that holds something unless told to replace it.
+      std::error_code ec;
+      const bool holds_something = std::filesystem::exists(r.data.path, ec) &&
+                                   !(std::filesystem::is_directory(r.data.path, ec) &&
+                                     std::filesystem::is_empty(r.data.path, ec));
       return fmt::format(
           "prepare a token dataset with 'dptrain data prepare --text FILE... "
-          "--out {}', or point data.path at one",
-          r.data.path);
+          "--out {}{}', or point data.path at one",
+          r.data.path, holds_something ? " --force" : "");
     }
     return fmt::format("correct the recipe ('dptrain recipe validate {}' lists what it can see)",
                        options_.recipe.string());

@@ -735,9 +735,15 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   out.start_step = std::max<int64_t>(start_step, 0);
   out.world_size = world;
   GenerationTrace trace;
-  if (trains && (sup.failure || !sup.watchdog.empty() || sup.stop_signal != 0)) {
+  if (sup.failure || !sup.watchdog.empty() || sup.stop_signal != 0) {
     trace = read_generation_trace(addr, store.port(), secret, generation, world);
-    out.failed_step = std::max(last_step, trace.step);
+    // A benchmark's steps are its measurements: the heartbeats name who is behind, but there is
+    // no training step to report or resume from.
+    if (trains) {
+      out.failed_step = std::max(last_step, trace.step);
+    } else {
+      trace.step = -1;
+    }
   }
   // Whether every process took its own SIGTERM path (a checkpoint of its last step, exit 143);
   // one that finished the run first exited 0.

@@ -269,6 +269,17 @@ TEST_CASE("bench comm: DPTRAIN_FAULT counts each measurement as a step") {
     CHECK(log.find("bench comm: allreduce 2048 bytes (2/3)") != std::string::npos);
     CHECK(log.find("(3/3)") == std::string::npos);
   }
+  SUBCASE("a rank that hangs before the second: the timeout names it, not the one waiting") {
+    const auto r = bench(tmp,
+                         {"--nproc", "2", "-b", "1K", "-e", "4K", "-n", "1", "-w", "0", "--timeout",
+                          "3", "--run-dir", (tmp / "run").string()},
+                         {{"DPTRAIN_FAULT", "hang@step=1,rank=1"}});
+    CHECK(r.exit_code == 3);
+    CHECK_MESSAGE(r.err.find("by the ranks' last heartbeats, stuck: rank 1 at step 1 in phase "
+                             "measure (after collective #5 (allreduce of the checks)); waiting "
+                             "for it in collective #6 (barrier): rank 0") != std::string::npos,
+                  r.err);
+  }
   SUBCASE("faults that can never fire are warned about; the benchmark runs") {
     const auto r = bench(tmp, {"--nproc", "2", "-b", "1K", "-e", "4K", "-n", "1", "-w", "0"},
                          {{"DPTRAIN_FAULT", "crash@step=3;crash-in-checkpoint@step=1"}});
@@ -346,9 +357,9 @@ TEST_CASE("bench comm: a bad flag exits 2 naming it and creates nothing") {
       {{"-n", "0"}, "-n/--iters: must be >= 1, got 0"},
       {{"-w", "-1"}, "-w/--warmup: must be >= 0, got -1"},
       {{"--min-busbw", "-1"}, "--min-busbw: must be >= 0"},
-      {{"--op", "broadcast,allgather", "--min-busbw", "1"},
-       "--min-busbw: with 1 rank, allgather move(s) nothing between ranks (busbw 0 at every "
-       "size): use 2 or more ranks, or leave out --min-busbw"},
+      {{"--op", "broadcast", "--min-busbw", "1"},
+       "--min-busbw: with 1 rank no collective moves data between ranks (busbw is 0, or a "
+       "memory copy for broadcast): use 2 or more ranks, or leave out --min-busbw"},
       {{"--timeout", "0"}, "--timeout: must be > 0"},
       {{"--hosts", "localhost:2", "--nproc", "2"}, "--nproc: not with --hosts"},
       {{"--iters", "x"}, "--iters"},

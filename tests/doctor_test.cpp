@@ -4,6 +4,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <fstream>
 #include <set>
 #include <sstream>
 #include <string>
@@ -236,6 +237,15 @@ json local_doctor(const TempDir& tmp, const json& recipe) {
   return report;
 }
 
+// A small gpt recipe whose token dataset is `path` (relative to the recipe).
+json gpt_recipe_reading(const std::string& path) {
+  auto recipe = small_recipe();
+  recipe["model"] = {{"type", "gpt"}, {"vocab", 256}, {"context", 8},
+                     {"layers", 1},   {"heads", 2},   {"width", 16}};
+  recipe["data"] = {{"type", "tokens"}, {"path", path}};
+  return recipe;
+}
+
 // The one check named `name` about this machine's view of the recipe (host null).
 json check_named(const json& report, const std::string& name) {
   json found;
@@ -314,16 +324,23 @@ TEST_CASE("doctor: the data check's fix fits what is wrong with the data") {
     CHECK(data["fix"].get<std::string>().find(more_data) == std::string::npos);
   }
   SUBCASE("a token dataset that is not there") {
-    auto recipe = small_recipe();
-    recipe["model"] = {{"type", "gpt"}, {"vocab", 256}, {"context", 8},
-                       {"layers", 1},   {"heads", 2},   {"width", 16}};
-    recipe["data"] = {{"type", "tokens"}, {"path", "no-such-dataset"}};
-    const json data = check_named(local_doctor(tmp, recipe), "data");
+    const json data = check_named(local_doctor(tmp, gpt_recipe_reading("no-such-dataset")), "data");
     CAPTURE(data.dump());
     CHECK(data["ok"] == false);
     CHECK(data["detail"].get<std::string>().find("no-such-dataset") != std::string::npos);
     CHECK(data["fix"].get<std::string>().find("dptrain data prepare") != std::string::npos);
+    CHECK(data["fix"].get<std::string>().find("--force") == std::string::npos);
     CHECK(data["fix"].get<std::string>().find(more_data) == std::string::npos);
+  }
+  SUBCASE("a token dataset directory that holds something else") {
+    // data prepare refuses such a directory without --force: the fix says it.
+    fs::create_directories(tmp / "not-a-dataset");
+    std::ofstream(tmp / "not-a-dataset" / "notes.txt") << "x\n";
+    const json data = check_named(local_doctor(tmp, gpt_recipe_reading("not-a-dataset")), "data");
+    CAPTURE(data.dump());
+    CHECK(data["ok"] == false);
+    const auto fix = data["fix"].get<std::string>();
+    CHECK(fix.find("not-a-dataset --force'") != std::string::npos);
   }
   SUBCASE("too few samples for one global batch") {
     const json data = check_named(local_doctor(tmp, csv_recipe(tmp, many_rows(3))), "data");

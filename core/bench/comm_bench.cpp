@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "core/error.hpp"
+#include "core/heartbeat.hpp"
 #include "core/suggest.hpp"
 #include "core/tensor/ops.hpp"
 
@@ -318,28 +319,45 @@ class CollectiveRun {
   Buffer device_out_;
 };
 
+// Where this rank is, for hang attribution: each collective call by name, and the work between
+// them; a no-op without a tracker.
+class Whereabouts {
+ public:
+  explicit Whereabouts(ProgressTracker* progress) : progress_(progress) {}
+  template <typename Call>
+  void in(const char* what, Call&& call) {
+    if (progress_ != nullptr) progress_->enter_collective(what);
+    call();
+    if (progress_ != nullptr) progress_->enter(Phase::measure);
+  }
+
+ private:
+  ProgressTracker* progress_;
+};
+
 template <typename T>
 CommBenchRow measure(Communicator& comm, const CommBenchOptions& options, Collective op,
-                     uint64_t requested_bytes, Ops* device) {
+                     uint64_t requested_bytes, Ops* device, Whereabouts& at) {
   const CollectiveShape shape = collective_shape(op, requested_bytes, sizeof(T), comm.size());
   CollectiveRun<T> run(comm, options, op, shape, device);
+  const char* name = collective_name(op);
   run.fill();
   for (int i = 0; i < options.warmup; ++i)
-    run.call();
-  comm.barrier();
+    at.in(name, [&] { run.call(); });
+  at.in("barrier", [&] { comm.barrier(); });
   const auto start = std::chrono::steady_clock::now();
   for (int i = 0; i < options.iters; ++i)
-    run.call();
+    at.in(name, [&] { run.call(); });
   const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;
   double seconds = elapsed.count() / options.iters;
   run.fill();
-  run.call();
+  at.in(name, [&] { run.call(); });
   run.fetch();
   if (comm.rank() == options.corrupt_rank) run.spoil_one();
   double wrong = static_cast<double>(run.wrong());
   // The slowest rank's time; every rank's wrong elements.
-  comm.allreduce(&seconds, 1, ReduceOp::max);
-  comm.allreduce(&wrong, 1, ReduceOp::sum);
+  at.in("allreduce of the times", [&] { comm.allreduce(&seconds, 1, ReduceOp::max); });
+  at.in("allreduce of the checks", [&] { comm.allreduce(&wrong, 1, ReduceOp::sum); });
 
   CommBenchRow row;
   row.op = op;
@@ -680,8 +698,16 @@ CommBenchResult CommBenchResult::from_json(const json& j) {
 
 CommBenchResult run_comm_bench(Communicator& comm, const CommBenchOptions& options,
                                const std::function<void(Collective)>& on_collective, Ops* device,
-                               const CommRowCallback& on_row) {
+                               const CommRowCallback& on_row, ProgressTracker* progress) {
   options.validate(comm.size(), comm.backend());
+  Whereabouts at(progress);
+  // A step is one measurement: the next one's number as soon as one is done, so that a rank
+  // held up between two says which it has yet to begin.
+  int64_t measured = 0;
+  if (progress != nullptr) {
+    progress->set_step(measured);
+    progress->enter(Phase::measure);
+  }
   CommBenchResult result;
   result.ranks = comm.size();
   result.backend = comm.backend();
@@ -693,18 +719,20 @@ CommBenchResult run_comm_bench(Communicator& comm, const CommBenchOptions& optio
       const uint64_t size = sizes[i];
       switch (options.dtype) {
         case BenchDtype::float32:
-          result.rows.push_back(measure<float>(comm, options, op, size, device));
+          result.rows.push_back(measure<float>(comm, options, op, size, device, at));
           break;
         case BenchDtype::float16:
-          result.rows.push_back(measure<Half>(comm, options, op, size, device));
+          result.rows.push_back(measure<Half>(comm, options, op, size, device, at));
           break;
         case BenchDtype::bfloat16:
-          result.rows.push_back(measure<BFloat16>(comm, options, op, size, device));
+          result.rows.push_back(measure<BFloat16>(comm, options, op, size, device, at));
           break;
       }
+      if (progress != nullptr) progress->set_step(++measured);
       if (on_row) on_row(result.rows.back(), i + 1, sizes.size());
     }
   }
+  if (progress != nullptr) progress->enter(Phase::done);
   return result;
 }
 

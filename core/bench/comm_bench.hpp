@@ -15,6 +15,7 @@
 namespace dptrain {
 
 class Ops;
+class ProgressTracker;
 
 enum class Collective { allreduce, broadcast, reduce_scatter, allgather };
 enum class BenchDtype { float32, float16, bfloat16 };
@@ -117,9 +118,12 @@ struct CommBenchResult {
 // `on_row` is told each row as it is measured, with how many of the collective's sizes are done
 // and how many there are (progress on a terminal).
 using CommRowCallback = std::function<void(const CommBenchRow&, size_t done, size_t sizes)>;
+// With `progress`, the rank says where it is for hang attribution (a HeartbeatSender publishes
+// it): a step is one measurement, and each collective call is entered by name.
 CommBenchResult run_comm_bench(Communicator& comm, const CommBenchOptions& options,
                                const std::function<void(Collective)>& on_collective = {},
-                               Ops* device = nullptr, const CommRowCallback& on_row = {});
+                               Ops* device = nullptr, const CommRowCallback& on_row = {},
+                               ProgressTracker* progress = nullptr);
 
 // The nccl-tests table: for each collective a '#' header block, the two column header lines, one
 // row per size, and the "Out of bounds values" and "Avg bus bandwidth" lines.
