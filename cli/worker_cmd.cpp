@@ -19,6 +19,7 @@
 #include <thread>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "cli/commands.hpp"
 #include "cli/env.hpp"
@@ -585,6 +586,14 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
       throw Error(
           ErrorKind::checkpoint,
           fmt::format("--resume {}: not a checkpoint directory (it holds no meta.json)", o.resume));
+    }
+    // Without a launcher (which verified it before it started the ranks), its checksums too:
+    // a damaged one is refused before the run's record takes a generation that could not start.
+    if (!started_by_launcher()) {
+      if (const CheckpointStatus checked = verify_checkpoint(dir); !checked.ok()) {
+        throw Error(ErrorKind::checkpoint,
+                    fmt::format("--resume {}: {}", o.resume, fmt::join(checked.problems(), "; ")));
+      }
     }
   }
 

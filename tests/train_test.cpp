@@ -15,6 +15,7 @@
 
 #include <fmt/format.h>
 
+#include "tests/damage.hpp"
 #include "tests/harness.hpp"
 #include "tests/sshd.hpp"
 #include "tests/strings.hpp"
@@ -367,6 +368,26 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
         "\n";
     CHECK(resume0.err() == "dptrain: error: rank 0: " + why);
     CHECK(resume1.err() == "dptrain: error: rank 1: rank 0 cannot start: " + why);
+  }
+  // A damaged one likewise, by its checksums: the completed run's record keeps its status and
+  // takes no generation that could not start.
+  {
+    const std::string record = read_text(tmp / "run/run.json");
+    const fs::path damaged = tmp / "damaged" / "step-000060";
+    fs::create_directories(damaged.parent_path());
+    fs::copy(tmp / "run/checkpoints/step-000060", damaged);
+    flip_byte(damaged / "params.bin", 5);
+    Env e0 = env0, e1 = env1;
+    e0["MASTER_PORT"] = e1["MASTER_PORT"] = std::to_string(unused_port());
+    Background resume0({"worker", recipe.string(), "--resume", damaged.string()}, e0);
+    Background resume1({"worker", recipe.string(), "--resume", damaged.string()}, e1);
+    CHECK(resume1.wait(std::chrono::seconds(60)) == 5);
+    CHECK(resume0.wait(std::chrono::seconds(60)) == 5);
+    const std::string why = "--resume " + damaged.string() + ": params.bin: checksum mismatch";
+    CHECK_MESSAGE(resume0.err().starts_with("dptrain: error: rank 0: " + why), resume0.err());
+    CHECK_MESSAGE(resume1.err().starts_with("dptrain: error: rank 1: rank 0 cannot start: " + why),
+                  resume1.err());
+    CHECK(read_text(tmp / "run/run.json") == record);
   }
   CHECK(read_text(tmp / "run/metrics.jsonl") == metrics);
   CHECK(read_text(tmp / "run/checkpoints/latest") == latest);
