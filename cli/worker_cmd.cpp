@@ -137,10 +137,6 @@ void fill_from_env(WorkerOptions& o) {
   at_least("local rank (--local-rank or LOCAL_RANK)", o.local_rank, 0);
   at_least("nominal world (--nominal-world or DPTRAIN_NOMINAL_WORLD)", o.nominal_world, 0);
   at_least("generation (--generation or DPTRAIN_GENERATION)", o.generation, 1);
-  if (o.rank >= o.world_size) {
-    throw Error(ErrorKind::usage, fmt::format("rank {}: outside world size {} (ranks are 0 to {})",
-                                              o.rank, o.world_size, o.world_size - 1));
-  }
 }
 
 std::atomic<bool> g_stop_requested{false};
@@ -485,7 +481,9 @@ struct Farewell {
   void operator()() const {
     // A launcher stops every rank as soon as one exits, naming that one: the others are told
     // nothing (they would fail with its code, and could be taken for the cause).
-    if (world < 2 || host.empty() || (!refusal && !failure && !server) || started_by_launcher()) {
+    // (A rank other than 0 always has rank 0 to tell, even given a world size of 1 by mistake.)
+    if ((world < 2 && rank < 1) || host.empty() || (!refusal && !failure && !server) ||
+        started_by_launcher()) {
       return;
     }
     exit_on_stop_signals(exit_code);
@@ -545,6 +543,12 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
   farewell.prefix = fmt::format("gen{}", o.generation);
   farewell.rank = o.rank;
   farewell.world = o.world_size;
+  // Checked once the farewell knows the store: rank 0 (of the job's true world size) learns at
+  // once that this rank was given another one, rather than wait for it until its timeout.
+  if (o.rank >= o.world_size) {
+    throw Error(ErrorKind::usage, fmt::format("rank {}: outside world size {} (ranks are 0 to {})",
+                                              o.rank, o.world_size, o.world_size - 1));
+  }
   const FaultInjector faults(parse_faults(env("DPTRAIN_FAULT").value_or("")), o.rank, o.generation);
   const Recipe recipe = load_recipe(o.recipe);
   // The parameter-server mode's messages go through Gloo (the recipe refuses "nccl" with it).

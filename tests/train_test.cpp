@@ -849,6 +849,24 @@ TEST_CASE("a worker missing its identity says which variable is missing") {
     CHECK(std::count(bad.err.begin(), bad.err.end(), '\n') == 1);
   }
   CHECK_FALSE(fs::exists(tmp / "run"));
+  // A rank given a world size below its rank tells rank 0, which serves the store, at once:
+  // rank 0 names the other world size rather than wait its timeout for a rank that left.
+  {
+    const std::string port = std::to_string(unused_port());
+    Background rank0({"worker", recipe.string(), "--rank", "0", "--world-size", "2", "--store",
+                      "127.0.0.1:" + port, "--host-store", "--timeout", "120", "--run-dir",
+                      (tmp / "world0").string()});
+    auto rank1 =
+        run_dptrain({"worker", recipe.string(), "--rank", "1", "--world-size", "1", "--store",
+                     "127.0.0.1:" + port, "--run-dir", (tmp / "world1").string()},
+                    {}, std::chrono::seconds(60));
+    CHECK(rank1.exit_code == 2);
+    CHECK(rank1.err == "dptrain: error: rank 1: outside world size 1 (ranks are 0 to 0)\n");
+    CHECK(rank0.wait(std::chrono::seconds(60)) == 2);
+    CHECK(rank0.err() ==
+          "dptrain: error: rank 0: rank 1 was started with another world size than this rank's 2 "
+          "(it was given 1): start every rank with the same world size\n");
+  }
 
   // A --run-dir that is a file is refused as the launcher refuses it (exit 2).
   write_text(tmp / "afile", "");
