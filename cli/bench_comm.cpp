@@ -221,7 +221,7 @@ int run_bench_launcher(const BenchCommOptions& o) {
       spec.hosts.empty() ? std::string("this machine") : fmt::format("{} host(s)", hosts),
       run.path().string()));
   for (const auto& warning : fault_warnings)
-    status.line("warning: " + warning);
+    status.warning(warning);
   const JobOutcome outcome = run_job(run, spec, status);
   status.finish();
   if (outcome.exit_code != 0) throw Error(failure_kind(outcome.exit_code), outcome.error);

@@ -315,14 +315,13 @@ int run_list(const CkptOptions& o) {
 }
 
 // Empty when there is none (a failed verification, reported with the others' results).
-std::vector<fs::path> checkpoints_to_verify(const CheckedRun& run, const CkptOptions& o,
-                                            const fs::path& latest) {
+std::vector<fs::path> checkpoints_to_verify(const CheckedRun& run, const CkptOptions& o) {
   if (!o.step.empty()) return {checkpoint_named(run.checkpoints(), o.step)};
   // Set-aside checkpoints are known to be damaged and never used again: --all leaves them out.
+  // By default the newest, which a resume continues from: normally the one `latest` names, which
+  // can lag behind it (a rank stopped between a checkpoint's commit and `latest`'s update).
   const auto live = list_checkpoints(run.checkpoints());
   if (live.empty() || o.all) return live;
-  std::error_code ec;
-  if (!latest.empty() && fs::is_directory(latest, ec)) return {latest};
   return {live.front()};
 }
 
@@ -332,7 +331,7 @@ int run_verify(const CkptOptions& o) {
   install_stop_signal_handlers();
   const CheckedRun run = open_run(o.run_dir);
   const LatestStatus latest = check_latest(run.checkpoints());
-  const auto dirs = checkpoints_to_verify(run, o, followable(latest));
+  const auto dirs = checkpoints_to_verify(run, o);
   const auto rows =
       inspect_all(run, dirs, followable(latest), [] { return pending_stop_signal() != 0; });
   // `latest` is part of what is verified unless a STEP names the checkpoint to check.

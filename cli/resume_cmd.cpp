@@ -123,7 +123,7 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
                             DPTRAIN_VERSION, run.path().string(), where));
   } else if (hosts.empty() || hosts.front().is_local()) {
     spec.resume_from = find_valid_checkpoint(
-        run.checkpoints(), [&status](const std::string& w) { status.line("warning: " + w); },
+        run.checkpoints(), [&status](const std::string& w) { status.warning(w); },
         written_by(spec.recipe));
     set_aside_newer(run.checkpoints(), spec.resume_from, status);
     status.line(fmt::format("dptrain {}: resuming {} from {} on {}", DPTRAIN_VERSION,

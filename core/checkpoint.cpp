@@ -417,6 +417,10 @@ fs::path write_checkpoint(const fs::path& checkpoints_dir, const TrainingPositio
     const std::string text = meta.dump(2) + "\n";
     write_file_synced(tmp_dir / kMetaFile, std::as_bytes(std::span(text.data(), text.size())));
     fsync_directory(tmp_dir);
+    // What landed on disk is verified before it takes the step's name: one that does not read
+    // back is never committed, and the commit that follows (rename, `latest`, pruning) is short,
+    // so that a rank stopped by a signal rarely leaves `latest` behind the newest checkpoint.
+    read_checkpoint(tmp_dir);
     // A checkpoint of the same step (a resumed run repeating it) is replaced whole.
     if (fs::exists(final_dir)) fs::remove_all(final_dir);
     if (before_commit) before_commit();
@@ -443,7 +447,6 @@ fs::path write_checkpoint(const fs::path& checkpoints_dir, const TrainingPositio
     }
     fail(final_dir, fmt::format("cannot write: {}", what));
   }
-  read_checkpoint(final_dir);  // verify what landed on disk before `latest` moves
   try {
     point_latest_at(checkpoints_dir, final_dir);
   } catch (const Error& e) {

@@ -110,9 +110,10 @@ std::filesystem::path set_aside_path(const std::filesystem::path& dir);
 
 // `before_commit` runs when every file is written and synced, just before the rename that
 // commits it (fault injection: a crash there must leave `latest` on the previous checkpoint).
-// Writes checkpoints/step-N atomically (temp dir, fsync files and dir, rename, fsync parent),
-// re-reads and verifies it, then points `latest` at it and removes all but the `keep` newest.
-// Error(checkpoint) on any failure; `latest` is never touched unless the new one verified.
+// Writes checkpoints/step-N atomically (temp dir, fsync files and dir, re-read and verify, rename,
+// fsync parent), then points `latest` at it and removes all but the `keep` newest.
+// Error(checkpoint) on any failure; a checkpoint that does not verify never takes its step's name,
+// and `latest` is never touched unless the new one verified.
 std::filesystem::path write_checkpoint(const std::filesystem::path& checkpoints_dir,
                                        const TrainingPosition& position,
                                        std::span<const float> params,

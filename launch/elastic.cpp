@@ -13,13 +13,16 @@ namespace dptrain {
 
 namespace {
 
+// As many as a hostfile's slots allow (2^20).
+constexpr int kMaxSize = 1 << 20;
+
 bool parse_positive(const std::string& text, int& out) {
-  if (text.empty() || text.size() > 6) return false;
+  if (text.empty() || text.size() > 7) return false;
   for (char c : text) {
     if (c < '0' || c > '9') return false;
   }
   out = std::stoi(text);
-  return out >= 1;
+  return out >= 1 && out <= kMaxSize;
 }
 
 }  // namespace
@@ -32,9 +35,9 @@ SizeRange parse_size_range(const std::string& text, const std::string& flag) {
                       : parse_positive(text.substr(0, colon), r.min) &&
                             parse_positive(text.substr(colon + 1), r.max);
   if (!ok || r.min > r.max) {
-    throw Error(
-        ErrorKind::usage,
-        fmt::format("{}: expected N or MIN:MAX with 1 <= MIN <= MAX, got '{}'", flag, text));
+    throw Error(ErrorKind::usage,
+                fmt::format("{}: expected N or MIN:MAX with 1 <= MIN <= MAX <= {}, got '{}'", flag,
+                            kMaxSize, text));
   }
   return r;
 }

@@ -61,10 +61,15 @@ TEST_CASE("elastic: --nnodes and --nproc ranges") {
   CHECK(r.min == 1);
   CHECK(r.max == 4);
   CHECK(r.elastic());
-  for (const char* bad : {"", "0", "2:1", "1:", ":2", "a", "1:2:3", "-1", "9999999"}) {
+  // Up to a hostfile's most slots, 2^20; the message says the bound.
+  CHECK(parse_size_range("1048576", "--nproc").max == 1048576);
+  for (const char* bad :
+       {"", "0", "2:1", "1:", ":2", "a", "1:2:3", "-1", "9999999", "1048577", "1:1048577"}) {
     CAPTURE(bad);
-    CHECK_THROWS_WITH_AS(parse_size_range(bad, "--nnodes"),
-                         doctest::Contains("--nnodes: expected N or MIN:MAX"), Error);
+    CHECK_THROWS_WITH_AS(
+        parse_size_range(bad, "--nnodes"),
+        doctest::Contains("--nnodes: expected N or MIN:MAX with 1 <= MIN <= MAX <= 1048576"),
+        Error);
   }
 }
 

@@ -448,12 +448,12 @@ std::string world_size_text(const json& info) {
   return out;
 }
 
+// The checkpoint a resume continues from, as the launcher names it: the newest that is not set
+// aside (and verifies, where verification ran). `latest` can lag behind it (a rank stopped
+// between a checkpoint's commit and `latest`'s update), and resume does not follow it then.
 std::string last_checkpoint_name(const RunView& run) {
   for (const auto& c : run.checkpoints) {
-    if (c.latest) return c.name;
-  }
-  for (const auto& c : run.checkpoints) {
-    if (!c.set_aside) return c.name;
+    if (!c.set_aside && (!c.verified || c.problems.empty())) return c.name;
   }
   return {};
 }

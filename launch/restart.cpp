@@ -21,7 +21,7 @@ using nlohmann::json;
 
 void set_aside_newer(const fs::path& checkpoints, const fs::path& chosen, StatusPrinter& status) {
   if (set_aside_newer(checkpoints, checkpoint_step(chosen),
-                      [&status](const std::string& w) { status.line("warning: " + w); })) {
+                      [&status](const std::string& w) { status.warning(w); })) {
     point_latest_at(checkpoints, chosen);
   }
 }
@@ -153,7 +153,7 @@ fs::path next_generation_source(RunDirectory& run, const JobSpec& spec, StatusPr
   }
   // One out of reach (a permission) is an error, not "none": starting over would lose its steps.
   if (auto from = try_find_valid_checkpoint(
-          run.checkpoints(), [&status](const std::string& w) { status.line("warning: " + w); },
+          run.checkpoints(), [&status](const std::string& w) { status.warning(w); },
           written_by(spec.recipe))) {
     name = from->filename().string();
     set_aside_newer(run.checkpoints(), *from, status);
@@ -235,7 +235,7 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
     }
     for (const auto& warning :
          check_fault_injection(spec, first_step, static_cast<int>(generations.size()) + 1))
-      status.line("warning: " + warning);
+      status.warning(warning);
   }
   // Failures in a row at one step, counted over the run, not this invocation: the failed
   // generations an earlier launch or resume ended with count (a CI loop that resumes a run

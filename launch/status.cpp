@@ -91,6 +91,14 @@ void StatusPrinter::line(const std::string& text) {
   std::fflush(out_);
 }
 
+void StatusPrinter::warning(const std::string& text) {
+  std::lock_guard lock(mutex_);
+  clear_progress();
+  std::fflush(out_);
+  std::fprintf(stderr, "dptrain: warning: %s\n", text.c_str());
+  std::fflush(stderr);
+}
+
 void StatusPrinter::event(const nlohmann::json& e) {
   const std::string text = format_event(e);
   const std::string kind = e.value("event", "");

@@ -30,7 +30,10 @@ class StatusPrinter {
 
   static bool is_terminal(std::FILE* f);
 
-  void line(const std::string& text);       // a permanent line
+  void line(const std::string& text);  // a permanent line
+  // "dptrain: warning: TEXT" on stderr, as every warning: apart from the lines a script reads
+  // on stdout (a pending progress line is cleared first).
+  void warning(const std::string& text);
   void event(const nlohmann::json& event);  // progress rewrites in place on a terminal
   // A progress line for a long step: rewritten in place on a terminal, dropped in a pipe (where
   // the permanent lines say what was done).

@@ -175,16 +175,24 @@ TEST_CASE("ckpt verify exits 5 naming a corrupted and a truncated blob; list mar
   CHECK(list_json(run)["checkpoints"][2]["step"] == 20);  // from the directory's name
 }
 
-TEST_CASE("ckpt follows `latest` and shows checkpoints that resume set aside") {
+TEST_CASE("ckpt verifies the newest checkpoint when `latest` lags, and shows those set aside") {
   TempDir tmp;
   const fs::path run = make_run(tmp);
   const fs::path ck = run / "checkpoints";
 
+  // `latest` behind the newest checkpoint (a rank stopped between a commit and its update):
+  // verify, status and report name the one a resume continues from, as the launcher does.
   write_text(ck / "latest", "step-000040\n");
   auto moved = run_dptrain({"ckpt", "verify", run.string()});
   INFO(moved.out, moved.err);
   CHECK(moved.exit_code == 0);
-  CHECK(contains(moved.out, "step-000040 (latest): ok"));
+  CHECK(contains(moved.out, "step-000060: ok"));
+  CHECK(parse_json(run_dptrain({"status", run.string(), "--json"}).out)["last_checkpoint"]
+            .get<std::string>()
+            .ends_with("step-000060"));
+  CHECK(parse_json(run_dptrain({"report", run.string(), "--json"}).out)["last_checkpoint"]
+            .get<std::string>()
+            .ends_with("step-000060"));
   auto list = list_json(run);
   CHECK(list["latest"] == "step-000040");
   CHECK(list["checkpoints"][0]["latest"] == false);

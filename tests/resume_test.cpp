@@ -226,7 +226,7 @@ TEST_CASE("a corrupt or truncated newest checkpoint is skipped; none valid exits
   auto again = run_dptrain({"resume", (tmp / "straight").string()});
   INFO(again.out, again.err);
   REQUIRE(again.exit_code == 0);
-  CHECK(contains(again.out, "warning: set aside step-000120 as step-000120.corrupt-2"));
+  CHECK(contains(again.err, "dptrain: warning: set aside step-000120 as step-000120.corrupt-2"));
   CHECK(read_text(ck / "step-000120.corrupt/params.bin") == aside_before);
   CHECK(fs::file_size(ck / "step-000120.corrupt-2/params.bin") == 10);
   CHECK(read_text(latest_params(tmp / "straight")) == expected);
