@@ -9,6 +9,7 @@
 #include <system_error>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "cli/commands.hpp"
 #include "cli/host_options.hpp"
@@ -65,16 +66,20 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
   JobSpec spec;
   place_ranks(spec, o.hosts, o.nproc, o.nnodes, run.info().value("world_size", 1));
   if (o.hosts.hosts.empty()) {
-    std::string remote;
+    // As a hostfile's lines: the form that gives each again as it was ("user@host:port" pasted
+    // into --hosts would make the port a slot count).
+    std::vector<std::string> lines;
+    bool remote = false;
     for (const auto& h : run.info().value("hosts", nlohmann::json::array())) {
       const std::string name = h.value("host", std::string("localhost"));
-      if (name != "localhost") remote += (remote.empty() ? "" : ", ") + name;
+      remote = remote || name != "localhost";
+      lines.push_back("'" + recorded_host_line(name, h.value("slots", 1)) + "'");
     }
-    if (!remote.empty()) {
+    if (remote) {
       throw Error(ErrorKind::usage,
-                  fmt::format("{}: this run used hosts ({}): give them again with --hosts, and "
-                              "the SSH options its launch used",
-                              o.run_dir, remote));
+                  fmt::format("{}: this run used hosts: give them again with --hosts FILE, a "
+                              "hostfile of these lines: {}; and the SSH options its launch used",
+                              o.run_dir, fmt::join(lines, ", ")));
     }
   }
   // Remote hosts are reached as the launch recorded, unless the flags say otherwise: a run's

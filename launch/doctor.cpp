@@ -335,14 +335,28 @@ class Doctor {
     std::string binary =
         options_.remote_binary.empty() ? s.facts.workdir + "/bin/dptrain" : options_.remote_binary;
     std::string version = s.facts.dptrain_version;
-    if (!options_.remote_binary.empty()) {
+    std::string why;  // what running it printed, where it did not run
+    if (!options_.remote_binary.empty() || version.empty()) {
       const auto r = s.shell->run(remote_path_word(binary) + " --version");
-      version = r.exit_status == 0 ? first_line(r.out) : "";
+      version = r.exit_status == 0 ? version_line(r.out) : "";
+      if (version.empty()) why = first_line(r.err.empty() ? r.out : r.err);
     }
     if (version.empty()) {
-      s.checks.push_back({"version", h.display(), false,
-                          fmt::format("no dptrain that runs at {}", binary),
-                          "run 'dptrain provision --hosts ...' to install it"});
+      // A binary that is there but lacks a library (the loader's message): provisioning it
+      // again would not help.
+      const auto library = why.find("error while loading shared libraries");
+      if (library != std::string::npos) {
+        s.checks.push_back(
+            {"version", h.display(), false,
+             fmt::format("dptrain at {} cannot start: {}", binary, why.substr(library)),
+             fmt::format("install the libraries it needs on the host ('ldd {}' "
+                         "there lists them)",
+                         binary)});
+      } else {
+        s.checks.push_back({"version", h.display(), false,
+                            fmt::format("no dptrain that runs at {}", binary),
+                            "run 'dptrain provision --hosts ...' to install it"});
+      }
       s.held_back = "it has no dptrain that runs";
       return;
     }

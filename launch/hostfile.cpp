@@ -245,6 +245,33 @@ std::string HostSpec::display() const {
   return text + (port == kDefaultSshPort ? host : format_host_port(host, port));
 }
 
+std::string recorded_host_line(const std::string& display, int slots) {
+  std::string_view text = display;
+  std::string user;
+  if (const size_t at = text.find('@'); at != std::string_view::npos) {
+    user = std::string(text.substr(0, at));
+    text.remove_prefix(at + 1);
+  }
+  std::string_view host = text;
+  std::string_view port;
+  if (text.starts_with('[')) {  // "[v6]:port", as format_host_port writes an IPv6 address
+    const size_t close = text.find(']');
+    host = text.substr(1, close == std::string_view::npos ? text.size() - 1 : close - 1);
+    if (close != std::string_view::npos && text.substr(close + 1).starts_with(':')) {
+      port = text.substr(close + 2);
+    }
+  } else if (const size_t colon = text.find(':');
+             colon != std::string_view::npos &&
+             text.find(':', colon + 1) == std::string_view::npos) {
+    host = text.substr(0, colon);
+    port = text.substr(colon + 1);
+  }
+  std::string line = fmt::format("{} slots={}", host, slots);
+  if (!user.empty()) line += " user=" + user;
+  if (!port.empty()) line += fmt::format(" port={}", port);
+  return line;
+}
+
 std::vector<HostSpec> parse_hostfile(const std::filesystem::path& path) {
   const std::string name = path.string();
   std::error_code error;

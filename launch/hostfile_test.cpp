@@ -97,6 +97,23 @@ TEST_CASE("hostfile: hosts, attributes, comments and blank lines") {
   CHECK(hosts[7].origin == name + ":10");
 }
 
+TEST_CASE("hostfile: a recorded host as a hostfile line parses back to the same host") {
+  CHECK(recorded_host_line("alice@10.0.0.1:2222", 2) == "10.0.0.1 slots=2 user=alice port=2222");
+  CHECK(recorded_host_line("[fd00::2]:2200", 1) == "fd00::2 slots=1 port=2200");
+  CHECK(recorded_host_line("node3", 4) == "node3 slots=4");
+  HostSpec h;
+  h.host = "10.0.0.1";
+  h.user = "alice";
+  h.port = 2222;
+  h.slots = 2;
+  test::TempDir dir;
+  const auto back =
+      parse_hostfile(write_file(dir, "hosts", recorded_host_line(h.display(), h.slots) + "\n"));
+  REQUIRE(back.size() == 1);
+  CHECK(back[0].display() == h.display());
+  CHECK(back[0].slots == 2);
+}
+
 TEST_CASE("hostfile: a relative key is the hostfile directory's; ~user/ is kept as written") {
   test::TempDir dir;
   const auto path = write_file(dir, "hosts", "a key=keys/id\nb key=~other/id\nc key=../k\n");

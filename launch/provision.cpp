@@ -207,6 +207,21 @@ std::vector<PlannedFile> plan_files(const ProvisionOptions& options,
   for (const auto& extra : options.uploads) {
     files.push_back(planned(extra, extra.filename().string(), file_mode(extra)));
   }
+  // The workdir's directories (bin/, data/, runs/ where remote runs go): a file uploaded as one
+  // of them would be renamed into it, never installed.
+  std::set<std::string> dirs = {"runs"};
+  for (const auto& f : files) {
+    for (fs::path d = fs::path(f.remote).parent_path(); !d.empty(); d = d.parent_path())
+      dirs.insert(d.string());
+  }
+  for (const auto& f : files) {
+    if (dirs.count(f.remote) > 0) {
+      throw Error(ErrorKind::usage,
+                  fmt::format("--upload {}: WORKDIR/{} is a directory dptrain uses there; "
+                              "upload the file under another name",
+                              f.source.string(), f.remote));
+    }
+  }
   std::map<std::string, fs::path> by_remote;
   for (const auto& f : files) {
     const auto [it, inserted] = by_remote.emplace(f.remote, f.source);
@@ -478,15 +493,24 @@ void provision_host(HostReport& report, const ProvisionOptions& options,
                 fmt::format("the dptrain installed in {} does not run on {} (exit {}): {}", workdir,
                             name, version.exit_status, first_line(version.err + version.out)));
   }
-  report.facts.dptrain_version = trim(version.out);
+  report.facts.dptrain_version = version_line(version.out);
 }
 
 }  // namespace
 
+std::string version_line(const std::string& output) {
+  std::string found;
+  std::istringstream lines(output);
+  for (std::string line; std::getline(lines, line);) {
+    if (const std::string t = trim(line); t.starts_with("dptrain ")) found = t;
+  }
+  return found.empty() ? trim(output) : found;
+}
+
 HostFacts survey_host(HostShell& shell, const HostSpec& host, const std::string& workdir) {
   HostFacts facts = parse_facts(prepare_workdir(shell, host, workdir, {}).out);
   const auto version = installed_version(shell, facts.workdir);
-  if (version.exit_status == 0) facts.dptrain_version = trim(version.out);
+  if (version.exit_status == 0) facts.dptrain_version = version_line(version.out);
   return facts;
 }
 

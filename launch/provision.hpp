@@ -102,6 +102,10 @@ nlohmann::json to_json(const HostReport& report);
 
 // Parsers of what the facts script prints (exposed for tests).
 HostFacts parse_facts(const std::string& output);
+// What `dptrain --version` printed over SSH: its "dptrain X.Y.Z" line, the last one of the output
+// that starts so (a login shell's start-up files may print a banner before it); the trimmed
+// output where no line does.
+std::string version_line(const std::string& output);
 // Lines of `nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader`.
 std::vector<GpuFact> parse_gpus(const std::string& csv);
 

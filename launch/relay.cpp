@@ -1,6 +1,8 @@
 // The launcher's side of one remote host: SSH connection, agent start, output relay.
 #include "launch/relay.hpp"
 
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
 #include <csignal>
@@ -21,15 +23,31 @@ namespace {
 // The launcher's stop signals, in order: each SIGTERM or SIGINT is passed on to the agent.
 std::atomic<int> g_terms{0};
 std::atomic<int> g_interrupts{0};
+// Whether the agent has its plan: before, nothing runs on the host for this relay (it is still
+// connecting, which may take the whole connect timeout), and a stop signal ends it at once.
+std::atomic<bool> g_plan_sent{false};
+static_assert(std::atomic<bool>::is_always_lock_free);
 
 void on_stop(int sig) {
+  if (!g_plan_sent.load()) ::_exit(sig == SIGINT ? 130 : 143);
   (sig == SIGINT ? g_interrupts : g_terms).fetch_add(1);
 }
 
 // The remote shell's status when it could not run the binary (127: not found, 126: not
 // executable) means a host that was not provisioned: a set-up problem, not a rank's failure.
-std::optional<std::string> not_runnable(int status, const RelayPlan& plan) {
+// The dynamic loader exits 127 too, for a library the binary needs that the host lacks: its line
+// (the host's last) says which, and provisioning again would not help.
+std::optional<std::string> not_runnable(int status, const RelayPlan& plan,
+                                        const std::string& last_line) {
   if (status != 127 && status != 126) return std::nullopt;
+  if (last_line.find("error while loading shared libraries") != std::string::npos) {
+    return fmt::format(
+        "{}: '{}' cannot start there: {} (install the libraries it needs on the host: 'ldd {}' "
+        "there lists them)",
+        plan.host.display(), plan.remote_binary,
+        last_line.substr(last_line.find("error while loading shared libraries")),
+        plan.remote_binary);
+  }
   return fmt::format(
       "{}: cannot run '{}' there ({}): install it with 'dptrain provision' (see "
       "dptrain-provision(1)) or name it with --remote-binary",
@@ -117,6 +135,7 @@ int run_relay(const RelayPlan& plan) {
   auto last_heard = std::chrono::steady_clock::now();
   bool done = false;
   std::string partial;
+  std::string last_line;  // the host's last line of output, for not_runnable
   const auto sink = [&](std::string_view data, bool) {
     last_heard = std::chrono::steady_clock::now();
     partial.append(data);
@@ -128,6 +147,7 @@ int run_relay(const RelayPlan& plan) {
         done = true;
       } else if (line != kAgentAliveLine) {
         lines.append(partial, start, end + 1 - start);
+        last_line = line;
       }
     }
     partial.erase(0, start);
@@ -147,6 +167,7 @@ int run_relay(const RelayPlan& plan) {
   }
   try {
     channel->write(json_text(plan.agent.to_json()) + "\n");
+    g_plan_sent.store(true);
   } catch (const Error& e) {
     // The command may have ended at once (no such binary there): its status says why.
     try {
@@ -157,7 +178,7 @@ int run_relay(const RelayPlan& plan) {
     } catch (const Error&) {
     }
     const auto status = channel->exit_status();
-    const auto why = status ? not_runnable(*status, plan) : std::nullopt;
+    const auto why = status ? not_runnable(*status, plan, last_line) : std::nullopt;
     write_host_failure(
         stdout,
         why ? *why : fmt::format("{}: cannot start the agent: {}", plan.host.display(), e.what()));
@@ -220,7 +241,7 @@ int run_relay(const RelayPlan& plan) {
                             host_and_ranks(plan)));
     return 3;
   }
-  if (const auto why = not_runnable(*status, plan)) {
+  if (const auto why = not_runnable(*status, plan, last_line)) {
     write_host_failure(stdout, *why);
     return 4;
   }

@@ -18,6 +18,7 @@
 #include <mutex>
 #include <random>
 #include <set>
+#include <sstream>
 #include <utility>
 
 #include <fmt/format.h>
@@ -286,6 +287,30 @@ std::optional<KnownEntry> conflicting_entry(const fs::path& file, const std::str
   return found;
 }
 
+// The first "@revoked" line of `file` whose key is `offered`, whatever its host patterns (a key
+// revoked is trusted nowhere), as OpenSSH refuses it; libssh reads no markers. Call with
+// known_hosts_mutex held.
+std::optional<KnownEntry> revoking_entry(const fs::path& file, ssh_key offered) {
+  std::ifstream in(file);
+  int number = 0;
+  for (std::string line; std::getline(in, line);) {
+    ++number;
+    std::istringstream fields(line);
+    std::string marker, patterns, type, base64;
+    if (!(fields >> marker >> patterns >> type >> base64) || marker != "@revoked") continue;
+    ssh_key raw = nullptr;
+    if (ssh_pki_import_pubkey_base64(base64.c_str(), ssh_key_type_from_name(type.c_str()), &raw) !=
+        SSH_OK) {
+      continue;
+    }
+    const KeyPtr key(raw);
+    if (ssh_key_cmp(key.get(), offered, SSH_KEY_CMP_PUBLIC) == 0) {
+      return KnownEntry{file, number, sha256_fingerprint(offered)};
+    }
+  }
+  return std::nullopt;
+}
+
 void verify_host_key(ssh_session session, const HostSpec& host, const fs::path& known_hosts,
                      bool accept_new) {
   ssh_key raw_key = nullptr;
@@ -295,6 +320,16 @@ void verify_host_key(ssh_session session, const HostSpec& host, const fs::path& 
   const KeyPtr offered(raw_key);
   const std::string offered_fingerprint = sha256_fingerprint(offered.get());
   const std::lock_guard lock(known_hosts_mutex());
+  for (const fs::path& file : {known_hosts, fs::path("/etc/ssh/ssh_known_hosts")}) {
+    if (const auto revoked = revoking_entry(file, offered.get())) {
+      throw Error(
+          ErrorKind::ssh,
+          fmt::format("HOST KEY OF {} IS REVOKED: {} line {} revokes the key the host "
+                      "offers ({}); refusing (possible man-in-the-middle, or a host "
+                      "still using a retired key)",
+                      host.display(), revoked->file.string(), revoked->line, offered_fingerprint));
+    }
+  }
   switch (ssh_session_is_known_server(session)) {
     case SSH_KNOWN_HOSTS_OK:
       return;

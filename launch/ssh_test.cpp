@@ -396,6 +396,31 @@ TEST_CASE("connect: a changed host key is refused naming both fingerprints and t
   CHECK(connect_to("127.0.0.3", options)->run("true").exit_status == 0);
 }
 
+TEST_CASE("connect: a key an @revoked line names is refused, even with accept_new_host_keys") {
+  const auto& sshd = LoopbackSshd::instance();
+  TempDir dir;
+  SshOptions options = fixture_options();
+  options.known_hosts = dir / "known_hosts";
+  // The host's key revoked for every host, before the lines that trust it (OpenSSH refuses it).
+  const std::string revoked = "@revoked * " + slurp(sshd.host_public_key());
+  std::ofstream(options.known_hosts) << revoked << slurp(sshd.known_hosts());
+  const std::string offered = fingerprint_of(sshd.host_public_key());
+  const std::string message = error_of([&] { connect_to("127.0.0.2", options); });
+  CAPTURE(message);
+  CHECK(message == "HOST KEY OF " + sshd.host("127.0.0.2").display() +
+                       " IS REVOKED: " + options.known_hosts.string() +
+                       " line 1 revokes the key the host offers (" + offered +
+                       "); refusing (possible man-in-the-middle, or a host still using a retired "
+                       "key)");
+  // Never recorded as trusted either.
+  options.known_hosts = dir / "only-revoked";
+  std::ofstream(options.known_hosts) << revoked;
+  options.accept_new_host_keys = true;
+  CHECK(error_of([&] { connect_to("127.0.0.3", options); }).find("IS REVOKED") !=
+        std::string::npos);
+  CHECK(slurp(options.known_hosts) == revoked);
+}
+
 TEST_CASE("connect: an unknown host is refused unless accept_new_host_keys, which records it") {
   TempDir dir;
   SshOptions options = fixture_options();

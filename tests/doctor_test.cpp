@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
@@ -106,20 +107,33 @@ TEST_CASE("doctor: another build there fails the version check and holds back th
   CHECK(r.out.find("not run: its dptrain is another build") != std::string::npos);
 }
 
+TEST_CASE("doctor: a binary there that lacks a library says so, not to provision it") {
+  DoctorFixture f;
+  const fs::path nolib = f.tmp / "nolib";
+  write_text(nolib,
+             "#!/bin/sh\necho \"$0: error while loading shared libraries: libgloo.so.0: cannot "
+             "open shared object file: No such file or directory\" >&2\nexit 127\n");
+  fs::permissions(nolib, fs::perms::owner_all);
+  auto r = f.doctor({"--remote-binary", nolib.string()});
+  INFO(r.out, r.err);
+  CHECK(r.exit_code == 4);
+  const auto fails = failure_lines(r.out);
+  REQUIRE_FALSE(fails.empty());
+  CHECK(fails.front().starts_with("FAIL version"));
+  CHECK(fails.front().find("cannot start: error while loading shared libraries: libgloo.so.0") !=
+        std::string::npos);
+  CHECK(fails.front().find("install the libraries it needs on the host ('ldd ") !=
+        std::string::npos);
+  CHECK(r.out.find("dptrain provision") == std::string::npos);
+}
+
 TEST_CASE("doctor: a store port that cannot be used is one line naming it") {
   DoctorFixture f;
   // Hold a port on every address so doctor's store cannot listen there.
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
-  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
-  REQUIRE(::listen(fd, 4) == 0);
-  socklen_t len = sizeof addr;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  const std::string port = std::to_string(ntohs(addr.sin_port));
+  std::optional<HeldPort> held(std::in_place, true);
+  const std::string port = std::to_string(held->port());
   auto r = f.doctor({"--master-port", port});
-  ::close(fd);
+  held.reset();
   INFO(r.out);
   CHECK(r.exit_code == 4);
   const auto lines = failure_lines(r.out);

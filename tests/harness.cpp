@@ -2,9 +2,11 @@
 #include "tests/harness.hpp"
 
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <pty.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -298,6 +300,22 @@ std::vector<pid_t> worker_pids(const fs::path& run_dir) {
   const auto& gen = info["generations"].back();
   if (gen.contains("pids")) pids = gen["pids"].get<std::vector<pid_t>>();
   return pids;
+}
+
+HeldPort::HeldPort(bool any) : fd_(::socket(AF_INET, SOCK_STREAM, 0)) {
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(any ? INADDR_ANY : INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  if (fd_ < 0 || ::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+      ::listen(fd_, 8) != 0 || ::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    throw std::runtime_error(std::string("HeldPort: ") + std::strerror(errno));
+  }
+  port_ = ntohs(addr.sin_port);
+}
+
+HeldPort::~HeldPort() {
+  if (fd_ >= 0) ::close(fd_);
 }
 
 }  // namespace dptrain::test

@@ -4,6 +4,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <cstdint>
 #include <filesystem>
 #include <functional>
 #include <map>
@@ -91,5 +92,21 @@ bool process_alive(pid_t pid);  // exists and is not a zombie
 bool catches_signal(pid_t pid, int sig);
 // Worker pids of the newest generation recorded in run_dir/run.json.
 std::vector<pid_t> worker_pids(const std::filesystem::path& run_dir);
+
+// A TCP port held by a socket that listens and never accepts (the kernel completes connections
+// into its backlog): a port another program cannot listen on, or a server that never says a
+// word. `any`: on every address, else on 127.0.0.1. Closed when destroyed.
+class HeldPort {
+ public:
+  explicit HeldPort(bool any);
+  ~HeldPort();
+  HeldPort(const HeldPort&) = delete;
+  HeldPort& operator=(const HeldPort&) = delete;
+  uint16_t port() const { return port_; }
+
+ private:
+  int fd_ = -1;
+  uint16_t port_ = 0;
+};
 
 }  // namespace dptrain::test

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <fstream>
 #include <sstream>
+#include <thread>
 
 #include "tests/cluster.hpp"
 #include "tests/text_corpus.hpp"
@@ -474,6 +475,47 @@ TEST_CASE("a host without the binary fails the launch with exit 4 and says how t
   CHECK(r.err.find("not-installed/dptrain' there (no such file or command): install it with "
                    "'dptrain provision'") != std::string::npos);
   CHECK(parse_json(r.out)["exit_code"] == 4);
+}
+
+TEST_CASE("a host whose binary lacks a library fails the launch with exit 4 naming it") {
+  Cluster c;
+  const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
+  // What the dynamic loader prints, and its exit status 127, for a library the host lacks.
+  const fs::path nolib = c.tmp / "nolib.sh";
+  write_text(nolib,
+             "#!/bin/sh\necho \"$0: error while loading shared libraries: libgloo.so.0: cannot "
+             "open shared object file: No such file or directory\" >&2\nexit 127\n");
+  fs::permissions(nolib, fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec |
+                             fs::perms::others_read | fs::perms::others_exec);
+  auto args = c.launch_args(recipe, c.tmp / "nolib");
+  *(std::find(args.begin(), args.end(), "--remote-binary") + 1) = nolib.string();
+  auto r = run_dptrain(args);
+  INFO(r.err);
+  CHECK(r.exit_code == 4);
+  CHECK(r.err.find("nolib.sh' cannot start there: error while loading shared libraries: "
+                   "libgloo.so.0: cannot open shared object file: No such file or directory "
+                   "(install the libraries it needs on the host: 'ldd ") != std::string::npos);
+  CHECK(r.err.find("no such file or command") == std::string::npos);
+}
+
+TEST_CASE("SIGTERM while a host is still connecting stops the launch at once") {
+  TempDir tmp;
+  // A port that accepts connections and never says a word: the SSH connection to it waits for
+  // the whole connect timeout (100 s here), which a stop signal does not.
+  const HeldPort silent(false);
+  write_text(tmp / "hosts",
+             "localhost slots=1\n127.0.0.1 slots=1 port=" + std::to_string(silent.port()) + "\n");
+  const auto recipe = write_recipe(tmp.path(), quick_recipe());
+  Background launcher({"launch", recipe.string(), "--hosts", (tmp / "hosts").string(),
+                       "--connect-timeout", "100", "--run-dir", (tmp / "run").string()});
+  CHECK(eventually([&] { return fs::exists(tmp / "run" / "run.json"); }, std::chrono::seconds(30)));
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  ::kill(launcher.pid(), SIGTERM);
+  CHECK(launcher.wait(std::chrono::seconds(40)) == 143);
+  INFO(launcher.err());
+  CHECK(launcher.err().find("dptrain: error: stopped by SIGTERM; every rank stopped before its "
+                            "first step (nothing to checkpoint)") != std::string::npos);
+  CHECK(launcher.err().find("exited with code 4") == std::string::npos);
 }
 
 TEST_CASE("an unreachable host fails the launch with exit 4 naming it") {

@@ -325,6 +325,19 @@ TEST_CASE("provision: a missing upload or a bad recipe is a usage error before a
       {"provision", "--hosts", (tmp / "hosts").string(), "--upload", (tmp / "dir").string()});
   CHECK(dir.exit_code == 2);
   CHECK(dir.err.find("dir: is a directory; name the files in it") != std::string::npos);
+  // A file named as one of the workdir's directories would land inside it, not be installed.
+  for (const char* name : {"bin", "runs"}) {
+    CAPTURE(name);
+    fs::create_directories(tmp / "files");
+    write_text(tmp / "files" / name, "x\n");
+    auto taken = run_dptrain({"provision", "--hosts", (tmp / "hosts").string(), "--upload",
+                              (tmp / "files" / name).string()});
+    CHECK(taken.exit_code == 2);
+    CHECK(taken.err == "dptrain: error: --upload " + (tmp / "files" / name).string() +
+                           ": WORKDIR/" + name +
+                           " is a directory dptrain uses there; upload the file under another "
+                           "name\n");
+  }
   write_text(tmp / "bad.json", "{\"model\": 3}");
   auto bad = run_dptrain(
       {"provision", "--hosts", (tmp / "hosts").string(), "--recipe", (tmp / "bad.json").string()});
@@ -354,6 +367,10 @@ TEST_CASE("provision: not enough free disk in the workdir is reported as disk fu
 }
 
 TEST_CASE("facts and nvidia-smi lines parse; no GPU is a fact") {
+  // A login banner (a start-up file's echo) before `dptrain --version`'s line is passed over.
+  CHECK(dptrain::version_line("Welcome to node b\n\ndptrain 0.1.0\n") == "dptrain 0.1.0");
+  CHECK(dptrain::version_line("dptrain 0.1.0\n") == "dptrain 0.1.0");
+  CHECK(dptrain::version_line("  something else \n") == "something else");
   const auto gpus = dptrain::parse_gpus(
       "NVIDIA H200, 143771 MiB, 550.54.15\nNVIDIA H200, 143771 MiB, 550.54.15\n\n");
   REQUIRE(gpus.size() == 2);

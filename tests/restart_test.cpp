@@ -280,7 +280,7 @@ TEST_CASE("a restart skips a checkpoint of another recipe copied into the run") 
   const auto resumed = run_dptrain({"resume", run_dir.string()});
   INFO(resumed.out, resumed.err);
   CHECK(resumed.exit_code == 0);
-  CHECK(resumed.out.find("skipping checkpoint step-000120: written by a different recipe") !=
+  CHECK(resumed.err.find("skipping checkpoint step-000120: written by a different recipe") !=
         std::string::npos);
   CHECK(resumed.out.find("from step-000100") != std::string::npos);
   CHECK(fs::exists(run_dir / "checkpoints/step-000120.corrupt"));

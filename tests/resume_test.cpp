@@ -172,6 +172,24 @@ TEST_CASE("resume on another world size reshards and completes") {
   SlowRun run(recipe, tmp / "run");
   ::kill(run.pids[0], SIGKILL);
   CHECK(run.launcher.wait(std::chrono::seconds(60)) == 3);
+  {
+    // A run on hosts, resumed without --hosts: the message gives them as a hostfile's lines
+    // (their "user@host:port" pasted into the --hosts list would make each port a slot count).
+    const std::string kept = read_text(run.run_dir / "run.json");
+    auto info = parse_json(kept);
+    info["hosts"] = nlohmann::json::array({{{"host", "alice@10.0.0.1:2222"}, {"slots", 2}},
+                                           {{"host", "[fd00::2]:2200"}, {"slots", 1}},
+                                           {{"host", "node3"}, {"slots", 4}}});
+    write_text(run.run_dir / "run.json", info.dump());
+    auto hosts = run_dptrain({"resume", run.run_dir.string()});
+    CHECK(hosts.exit_code == 2);
+    CHECK(hosts.err == "dptrain: error: " + run.run_dir.string() +
+                           ": this run used hosts: give them again with --hosts FILE, a hostfile "
+                           "of these lines: '10.0.0.1 slots=2 user=alice port=2222', 'fd00::2 "
+                           "slots=1 port=2200', 'node3 slots=4'; and the SSH options its launch "
+                           "used\n");
+    write_text(run.run_dir / "run.json", kept);
+  }
   auto resumed = run_dptrain({"resume", run.run_dir.string(), "--nproc", "1", "--json"});
   INFO(resumed.err);
   REQUIRE(resumed.exit_code == 0);
@@ -206,9 +224,9 @@ TEST_CASE("a corrupt or truncated newest checkpoint is skipped; none valid exits
   auto resumed = run_dptrain({"resume", (tmp / "straight").string()});
   INFO(resumed.err, resumed.out);
   REQUIRE(resumed.exit_code == 0);
-  CHECK(resumed.out.find("skipping checkpoint step-000120") != std::string::npos);
-  CHECK(resumed.out.find("checksum mismatch") != std::string::npos);
-  CHECK(resumed.out.find("skipping checkpoint step-000100") != std::string::npos);
+  CHECK(resumed.err.find("dptrain: warning: skipping checkpoint step-000120") != std::string::npos);
+  CHECK(resumed.err.find("checksum mismatch") != std::string::npos);
+  CHECK(resumed.err.find("dptrain: warning: skipping checkpoint step-000100") != std::string::npos);
   CHECK(resumed.out.find("resuming") != std::string::npos);
   CHECK(resumed.out.find("step-000080") != std::string::npos);
   // The corrupt ones were set aside, not deleted.
