@@ -12,6 +12,7 @@
 #include "core/error.hpp"
 #include "launch/agent.hpp"
 #include "launch/relay.hpp"
+#include "launch/supervisor.hpp"
 
 namespace dptrain::cli {
 
@@ -41,6 +42,10 @@ std::string read_plan_line() {
 
 void setup_agent(CLI::App& app, Outcome& outcome) {
   app.callback([&outcome] {
+    // SIGTERM to the agent (a node shutting down signals every process) is a stop as the
+    // launcher's "stop" is: its ranks checkpoint at the next step and exit 143; SIGINT stops them
+    // without one. Left to the default, it killed the agent and its ranks with it.
+    install_stop_signal_handlers();
     const auto j = nlohmann::json::parse(read_plan_line(), nullptr, false);
     if (!j.is_object()) {
       throw Error(ErrorKind::usage,

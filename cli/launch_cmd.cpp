@@ -99,7 +99,7 @@ int run_launch(const LaunchOptions& o) {
   install_stop_signal_handlers();
   o.restart.validate();
   JobSpec spec = job_spec(o);
-  check_runnable(spec.recipe, spec.world_size, spec.nominal_world);
+  check_runnable(spec.recipe, spec.world_size, spec.nominal_world, o.recipe);
   check_hosts_resolve(spec);  // a host name that does not resolve: exit 4, nothing created
   check_store_port(spec);     // a --master-port another process holds: exit 2
   // One that does not parse: exit 2, nothing created; the launch warns about the others.

@@ -108,7 +108,8 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
   spec.worker_binary = self_executable();
   // The global batch stays the run's, whatever the world size now (distributed.resize).
   spec.nominal_world = run.info().value("nominal_world_size", run.info().value("world_size", 1));
-  check_runnable(spec.recipe, spec.world_size, spec.nominal_world);
+  check_runnable(spec.recipe, spec.world_size, spec.nominal_world,
+                 (run.path() / "run.json").string());
   check_local_gpus(spec);
   std::string where = spec.hosts.empty() ? fmt::format("{} local rank(s)", spec.world_size)
                                          : fmt::format("{} rank(s) on {} host(s)", spec.world_size,

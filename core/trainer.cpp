@@ -1665,7 +1665,9 @@ void check_levers(const Recipe& recipe) {
   }
 }
 
-void check_runnable(const Recipe& recipe, int world_size, int nominal_world) {
+namespace {
+
+void check_runnable_here(const Recipe& recipe, int world_size, int nominal_world) {
   if (recipe.distributed.sync == "ps" && recipe.distributed.servers >= world_size) {
     throw Error(ErrorKind::recipe,
                 fmt::format("/distributed/servers: {} parameter server(s) leave no worker among "
@@ -1677,6 +1679,19 @@ void check_runnable(const Recipe& recipe, int world_size, int nominal_world) {
   // checksums are checked.
   DistributedSampler sampler(training_samples(recipe.data, recipe.model, recipe.seed),
                              global_batch(recipe, world_size, nominal_world), recipe.seed);
+}
+
+}  // namespace
+
+void check_runnable(const Recipe& recipe, int world_size, int nominal_world,
+                    const std::string& origin) {
+  try {
+    check_runnable_here(recipe, world_size, nominal_world);
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    if (origin.empty() || e.kind() != ErrorKind::recipe || what.starts_with(origin + ": ")) throw;
+    throw Error(ErrorKind::recipe, origin + ": " + what);
+  }
 }
 
 TrainResult train(const Recipe& recipe, Communicator& comm, const TrainerOptions& options) {

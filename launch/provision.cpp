@@ -269,7 +269,10 @@ fi
 for f in)sh";
   for (const auto& f : files)
     script += " " + shell_quote(f.remote);
+  // An upload cut off without its shell's cleanup (killed outright) leaves FILE.tmp-XXXXXXXXXXXX:
+  // removed once it is an hour old (not one a provision running now still writes).
   script += R"sh(; do
+  find "$(dirname -- "$f")" -maxdepth 1 -type f -name "$(basename -- "$f").tmp-????????????" -mmin +60 -exec rm -f -- {} + 2>/dev/null
   [ -f "$f" ] && echo "sha256=$(sha256sum < "$f" 2>/dev/null | cut -d' ' -f1) $(stat -c %a "$f" 2>/dev/null || echo -) $f"
 done
 exit 0

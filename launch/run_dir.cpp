@@ -287,6 +287,13 @@ RunDirectory RunDirectory::create(const fs::path& dir, const fs::path& runs_root
                     fmt::format("{}: is not a directory; choose another --run-dir", path.string()));
       }
       if (const auto entry = foreign_entry(path)) {
+        // A launch that made it a moment ago and holds it (its run.json not yet written).
+        if (run_locked_by_another(path)) {
+          throw Error(ErrorKind::usage,
+                      fmt::format("{}: another dptrain is starting a run there (it holds {}); "
+                                  "give another --run-dir",
+                                  path.string(), (path / ".lock").string()));
+        }
         throw Error(ErrorKind::usage,
                     fmt::format("{}: holds '{}' but no run.json: not a run directory, and its "
                                 "files would be taken for the run's; choose an empty or new "

@@ -641,12 +641,15 @@ std::string random_suffix() {
 // The remote half of an upload: sh -c UPLOAD_SCRIPT sh TEMP BYTES MODE DEST, the file on stdin.
 // It writes stdin to TEMP (a new file, only the user's), checks that every byte arrived, sets the
 // mode and renames TEMP over DEST: rename(2) is atomic, so a reader sees the old file or the new
-// one. On any failure TEMP is removed and stderr's first line says why.
+// one. On any failure TEMP is removed and stderr's first line says why; so too when the upload is
+// cut off (the client stopped, the connection dropped): the signals that brings (a hangup, a
+// write to the closed stderr) end the script through its EXIT trap rather than past it.
 constexpr const char* kUploadScript = R"sh(t=$1 n=$2 m=$3 dest=$4
 d=$(dirname -- "$dest")
 [ -d "$d" ] || { echo "no such directory: $d" >&2; exit 1; }
 [ -w "$d" ] || { echo "permission denied: cannot write in $d" >&2; exit 1; }
 trap 'rm -f -- "$t"' EXIT
+trap 'exit 1' HUP INT TERM PIPE
 set -C
 umask 077
 cat >"$t" || { s=$?; echo "writing $t failed (cat exited with $s)" >&2; exit 1; }

@@ -168,7 +168,9 @@ TEST_CASE("gpt: sample refuses what it cannot do, with one line") {
   const auto damaged =
       run_dptrain({"launch", recipe.string(), "--run-dir", (data.tmp / "damaged").string()});
   CHECK(damaged.exit_code == 2);
-  CHECK(damaged.err.starts_with("dptrain: error: /data/path: " + (data.dir / "train.bin").string() +
+  // The recipe first, as every recipe error names it.
+  CHECK(damaged.err.starts_with("dptrain: error: " + recipe.string() +
+                                ": /data/path: " + (data.dir / "train.bin").string() +
                                 ": checksum mismatch (the header says "));
   CHECK(std::count(damaged.err.begin(), damaged.err.end(), '\n') == 1);
   CHECK_FALSE(fs::exists(data.tmp / "damaged"));

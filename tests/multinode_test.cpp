@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -58,6 +59,21 @@ json quick_recipe() {
   r["train"]["steps"] = 200;
   r["checkpoint"]["every"] = 50;
   return r;
+}
+
+// The quick recipe launched across the cluster into c.tmp/NAME, each step slowed (30 ms) so that
+// a test can act mid-run: its 4 workers by rank once they all run (and, with `stepping`, have
+// logged a step).
+std::map<int, pid_t> start_slowed(Cluster& c, const std::string& name,
+                                  std::optional<Background>& launcher, bool stepping) {
+  const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
+  launcher.emplace(c.launch_args(recipe, c.tmp / name), Env{{"DPTRAIN_DEBUG_STEP_DELAY_MS", "30"}});
+  std::map<int, pid_t> workers;
+  REQUIRE(eventually([&] {
+    workers = workers_of(name);
+    return workers.size() == 4 && (!stepping || fs::exists(c.tmp / name / "metrics.jsonl"));
+  }));
+  return workers;
 }
 
 }  // namespace
@@ -362,17 +378,11 @@ TEST_CASE("a GPT on a token dataset trains across hosts, theirs checked against 
 
 TEST_CASE("killing one remote worker tears down all 4 ranks and names it") {
   Cluster c;
-  const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
-  auto args = c.launch_args(recipe, c.tmp / "killremote");
-  Background launcher(args, {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "30"}});
-  std::map<int, pid_t> workers;
-  REQUIRE(eventually([&] {
-    workers = workers_of("killremote");
-    return workers.size() == 4 && fs::exists(c.tmp / "killremote/metrics.jsonl");
-  }));
+  std::optional<Background> launcher;
+  auto workers = start_slowed(c, "killremote", launcher, true);
   REQUIRE(::kill(workers[3], SIGKILL) == 0);
-  const int code = launcher.wait(std::chrono::seconds(60));
-  const std::string err = launcher.err();
+  const int code = launcher->wait(std::chrono::seconds(60));
+  const std::string err = launcher->err();
   INFO(err);
   CHECK(code == 3);
   CHECK(err.find("rank 3") != std::string::npos);
@@ -384,18 +394,29 @@ TEST_CASE("killing one remote worker tears down all 4 ranks and names it") {
   }
 }
 
+TEST_CASE("SIGTERM to a host's agent (a node shutting down) checkpoints every rank, exit 143") {
+  Cluster c;
+  std::optional<Background> launcher;
+  auto workers = start_slowed(c, "agentterm", launcher, true);
+  // The agent is rank 3's parent (its host's ranks are its children).
+  std::ifstream stat("/proc/" + std::to_string(workers[3]) + "/stat");
+  std::string pid, name, state;
+  pid_t agent = 0;
+  stat >> pid >> name >> state >> agent;
+  REQUIRE(agent > 1);
+  REQUIRE(::kill(agent, SIGTERM) == 0);
+  CHECK(launcher->wait(std::chrono::seconds(90)) == 143);
+  INFO(launcher->err());
+  CHECK(launcher->err().find("was stopped by SIGTERM; every rank checkpointed its last step") !=
+        std::string::npos);
+}
+
 TEST_CASE("killing the launcher leaves no worker behind on any host") {
   Cluster c;
-  const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
-  Background launcher(c.launch_args(recipe, c.tmp / "orphans"),
-                      {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "30"}});
-  std::map<int, pid_t> workers;
-  REQUIRE(eventually([&] {
-    workers = workers_of("orphans");
-    return workers.size() == 4;
-  }));
-  REQUIRE(::kill(launcher.pid(), SIGKILL) == 0);
-  launcher.wait(std::chrono::seconds(10));
+  std::optional<Background> launcher;
+  auto workers = start_slowed(c, "orphans", launcher, false);
+  REQUIRE(::kill(launcher->pid(), SIGKILL) == 0);
+  launcher->wait(std::chrono::seconds(10));
   for (const auto& [rank, pid] : workers) {
     CAPTURE(rank);
     CHECK(eventually([pid] { return !process_alive(pid); }, std::chrono::seconds(20)));

@@ -307,6 +307,17 @@ TEST_CASE("provision: localhost is provisioned in-process, without SSH") {
   CHECK(mode_of(workdir / "bin/dptrain") == binary_mode);
   CHECK(mode_of(workdir / "run.sh") == mode_of(tmp / "src/run.sh"));
 
+  // An upload cut off without its cleanup (killed outright) leaves a temporary file: removed
+  // by a later provision once an hour old; a recent one may be another provision's, kept.
+  const fs::path stale = workdir / "bin/dptrain.tmp-0123456789ab";
+  const fs::path recent = workdir / "bin/dptrain.tmp-ba9876543210";
+  write_text(stale, "partial");
+  write_text(recent, "partial");
+  fs::last_write_time(stale, fs::last_write_time(stale) - std::chrono::hours(2));
+  CHECK(parse_json(run_dptrain(args, env).out)["hosts"][0]["ok"] == true);
+  CHECK_FALSE(fs::exists(stale));
+  CHECK(fs::exists(recent));
+
   auto unwritable = run_dptrain({"provision", "--hosts", "localhost", "--workdir", "/proc/nope"});
   CHECK(unwritable.exit_code == 4);
   CHECK(unwritable.err.find("cannot use the workdir /proc/nope on localhost") != std::string::npos);

@@ -2,7 +2,9 @@
 // checkpoints, Ctrl-C, a killed launcher, and no orphans in any of these.
 #include <doctest/doctest.h>
 
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -768,6 +770,21 @@ TEST_CASE("launch claims its run directory: no foreign files, and racing launche
                 refused.err);
   CHECK_FALSE(fs::exists(orphan / "run.json"));
   CHECK_FALSE(fs::exists(orphan / "logs"));
+
+  // The same seen by a launch that lost a race for one --run-dir: the winner holds the lock
+  // and has not written run.json yet. The message says so, not that the files are foreign.
+  const fs::path starting = tmp / "starting";
+  fs::create_directories(starting);
+  write_text(starting / "recipe.json.tmp-1", "{}");
+  const int lock = ::open((starting / ".lock").c_str(), O_RDWR | O_CREAT, 0644);
+  REQUIRE(lock >= 0);
+  REQUIRE(::flock(lock, LOCK_EX) == 0);
+  auto lost = run_dptrain({"launch", recipe.string(), "--run-dir", starting.string()});
+  ::close(lock);
+  CHECK(lost.exit_code == 2);
+  CHECK(lost.err == "dptrain: error: " + starting.string() +
+                        ": another dptrain is starting a run there (it holds " +
+                        (starting / ".lock").string() + "); give another --run-dir\n");
 
   // A bad --events path creates nothing; the retry finds the directory usable.
   const fs::path fresh = tmp / "fresh";

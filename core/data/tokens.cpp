@@ -422,7 +422,10 @@ Tokenizer Tokenizer::load(const fs::path& dataset_dir) {
     text = read_file(file);
   } catch (const Error&) {
     std::error_code ec;
-    bad_file(file, fs::exists(file, ec) ? "cannot read" : "missing");
+    const bool exists = fs::exists(file, ec);
+    bad_file(file, exists ? "cannot read"
+                   : ec   ? "cannot read: " + ec.message()
+                          : std::string("missing"));
   }
   nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) bad_file(file, "not a JSON object");
@@ -570,7 +573,13 @@ TokenDatasetFiles dataset_files(const DataSpec& data) {
   }
   const fs::path dir = data.path;
   std::error_code ec;
+  // A path that cannot be looked at (a directory on the way without search permission) says so,
+  // not that it is missing.
   if (!fs::is_directory(dir, ec)) {
+    if (ec && ec != std::errc::no_such_file_or_directory) {
+      throw Error(ErrorKind::recipe,
+                  fmt::format("/data/path: {}: cannot read: {}", dir.string(), ec.message()));
+    }
     throw Error(
         ErrorKind::recipe,
         fmt::format("/data/path: {}: {} (make a dataset with 'dptrain data prepare')", dir.string(),
@@ -579,6 +588,10 @@ TokenDatasetFiles dataset_files(const DataSpec& data) {
   TokenDatasetFiles files{dir / "train.bin", dir / "val.bin"};
   for (const fs::path& file : {files.train, files.val}) {
     if (!fs::exists(file, ec)) {
+      if (ec) {
+        throw Error(ErrorKind::recipe,
+                    fmt::format("/data/path: {}: cannot read: {}", file.string(), ec.message()));
+      }
       throw Error(ErrorKind::recipe,
                   fmt::format("/data/path: {}: missing (is {} a dataset that 'dptrain data "
                               "prepare' wrote?)",
