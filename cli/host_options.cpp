@@ -2,6 +2,8 @@
 #include "cli/host_options.hpp"
 #include "cli/run_report.hpp"
 
+#include <filesystem>
+
 #include <fmt/format.h>
 
 #include "core/comm/socket.hpp"
@@ -23,7 +25,38 @@ SshOptions HostOptions::ssh() const {
 
 std::vector<HostSpec> HostOptions::load() const {
   if (hosts.empty()) throw Error(ErrorKind::usage, "--hosts: required");
-  return load_hosts(hosts);
+  if (!(connect_timeout_s > 0)) {
+    throw Error(ErrorKind::usage, "--connect-timeout: must be more than 0 seconds");
+  }
+  std::vector<HostSpec> specs = load_hosts(hosts);
+  // The SSH files named, before any host is tried: a typo in a path is exit 2 here, not a key
+  // quietly left out (--identity) or an authentication refused on every host.
+  std::error_code ec;
+  const auto missing = [&ec](const std::filesystem::path& path) {
+    return std::filesystem::is_directory(path, ec)       ? "is a directory"
+           : !std::filesystem::exists(path, ec)          ? "no such file"
+           : !std::filesystem::is_regular_file(path, ec) ? "not a regular file"
+                                                         : "";
+  };
+  for (const auto& id : identities) {
+    if (const std::string why = missing(id); !why.empty()) {
+      throw Error(ErrorKind::usage, fmt::format("--identity {}: {}", id, why));
+    }
+  }
+  for (const auto& h : specs) {
+    // A key under ~ is the connecting user's home's, expanded as it is read.
+    if (h.key.empty() || h.key.starts_with("~")) continue;
+    if (const std::string why = missing(h.key); !why.empty()) {
+      throw Error(ErrorKind::usage, fmt::format("{}: key={}: {}", h.origin, h.key, why));
+    }
+  }
+  if (!known_hosts.empty() && std::filesystem::is_directory(known_hosts, ec)) {
+    throw Error(ErrorKind::usage,
+                fmt::format("--known-hosts {}: is a directory; give the known_hosts file (it "
+                            "need not exist yet with --accept-new-host-keys)",
+                            known_hosts));
+  }
+  return specs;
 }
 
 std::vector<HostSpec> HostOptions::load_for_job(bool nproc_given) const {

@@ -283,6 +283,8 @@ std::vector<HostSpec> parse_hostfile(const std::filesystem::path& path) {
   std::vector<HostSpec> hosts;
   std::string line;
   for (int number = 1; std::getline(in, line); ++number) {
+    // A byte order mark some editors write first is no part of the host's name.
+    if (number == 1 && line.starts_with("\xEF\xBB\xBF")) line.erase(0, 3);
     const std::string_view content = trim(std::string_view(line).substr(0, line.find('#')));
     if (content.empty()) continue;
     const std::string where = fmt::format("{}:{}", name, number);

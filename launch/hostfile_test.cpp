@@ -97,6 +97,14 @@ TEST_CASE("hostfile: hosts, attributes, comments and blank lines") {
   CHECK(hosts[7].origin == name + ":10");
 }
 
+TEST_CASE("hostfile: a byte order mark before the first host is passed over") {
+  test::TempDir dir;
+  const auto hosts = parse_hostfile(write_file(dir, "hosts", "\xEF\xBB\xBFnode1 slots=2\nnode2\n"));
+  REQUIRE(hosts.size() == 2);
+  CHECK(hosts[0].host == "node1");
+  CHECK(hosts[0].slots == 2);
+}
+
 TEST_CASE("hostfile: a recorded host as a hostfile line parses back to the same host") {
   CHECK(recorded_host_line("alice@10.0.0.1:2222", 2) == "10.0.0.1 slots=2 user=alice port=2222");
   CHECK(recorded_host_line("[fd00::2]:2200", 1) == "fd00::2 slots=1 port=2200");

@@ -592,10 +592,15 @@ std::unique_ptr<SshSession> SshSession::connect(const HostSpec& host, const SshO
   const fs::path known_hosts =
       options.known_hosts.empty() ? default_known_hosts() : options.known_hosts;
   set_options(handle->session, host, options, known_hosts);
+  const auto started = std::chrono::steady_clock::now();
   if (ssh_connect(handle->session) != SSH_OK) {
-    throw Error(ErrorKind::ssh,
-                fmt::format("cannot connect to {} within {}: {}", host.display(),
-                            seconds_text(options.connect_timeout), handle->error()));
+    // "within" only where the time ran out: a refusal comes at once.
+    const bool waited = std::chrono::steady_clock::now() - started >= options.connect_timeout / 2;
+    throw Error(
+        ErrorKind::ssh,
+        fmt::format("cannot connect to {}{}: {}", host.display(),
+                    waited ? " within " + seconds_text(options.connect_timeout) : std::string(),
+                    handle->error()));
   }
   enable_tcp_keepalive(handle->session, options.keepalive_interval_s);
   verify_host_key(handle->session, host, known_hosts, options.accept_new_host_keys);
