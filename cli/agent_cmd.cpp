@@ -2,6 +2,7 @@
 // `dptrain _relay`, the launcher-side end of that SSH connection.
 #include <unistd.h>
 
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -53,6 +54,11 @@ void setup_agent(CLI::App& app, Outcome& outcome) {
                   "by 'dptrain launch --hosts', which writes one)");
     }
     const auto plan = AgentPlan::from_json(j);
+    // A stop that came while the plan was awaited: no rank is started only to be stopped.
+    if (const int sig = pending_stop_signal(); sig != 0) {
+      outcome.exit_code = sig == SIGINT ? 130 : 143;
+      return;
+    }
     try {
       outcome.exit_code = run_agent(plan, stdout, STDIN_FILENO);
     } catch (const Error& e) {

@@ -318,10 +318,15 @@ int run_list(const CkptOptions& o) {
 std::vector<fs::path> checkpoints_to_verify(const CheckedRun& run, const CkptOptions& o) {
   if (!o.step.empty()) return {checkpoint_named(run.checkpoints(), o.step)};
   // Set-aside checkpoints are known to be damaged and never used again: --all leaves them out.
-  // By default the newest, which a resume continues from: normally the one `latest` names, which
-  // can lag behind it (a rank stopped between a checkpoint's commit and `latest`'s update).
+  // By default the newest that is the run's recipe's (resume skips another's), which a resume
+  // continues from: normally the one `latest` names, which can lag behind it (a rank stopped
+  // between a checkpoint's commit and `latest`'s update).
   const auto live = list_checkpoints(run.checkpoints());
   if (live.empty() || o.all) return live;
+  for (const auto& dir : live) {
+    const auto position = run.unusable ? checkpoint_position(dir) : std::nullopt;
+    if (!position || run.unusable(*position).empty()) return {dir};
+  }
   return {live.front()};
 }
 
@@ -408,7 +413,8 @@ void setup_ckpt(CLI::App& app, Outcome& outcome) {
       ->check(run_directory());
   CLI::Option* step = verify->add_option(
       "step", o->step,
-      "Step number or directory name (default: the one 'latest' names, else the newest)");
+      "Step number or directory name (default: the newest of the run's recipe, which a resume "
+      "continues from)");
   verify->add_flag("--all", o->all, "Verify every checkpoint (not those set aside as .corrupt)")
       ->excludes(step);
   verify->add_flag("--json", o->json, "Print one JSON object on stdout");

@@ -502,6 +502,12 @@ bool CheckpointStatus::denied() const {
                      [](const BlobStatus& b) { return b.ok() || b.denied; });
 }
 
+std::optional<TrainingPosition> checkpoint_position(const fs::path& dir) {
+  MetaCheck checked = check_meta(dir);
+  if (!checked.problem.empty() || !checked.meta) return std::nullopt;
+  return checked.meta->position;
+}
+
 std::vector<std::string> CheckpointStatus::problems() const {
   std::vector<std::string> out;
   if (!meta_problem.empty()) out.push_back(fmt::format("{}: {}", kMetaFile, meta_problem));

@@ -94,6 +94,10 @@ struct CheckpointStatus {
 // read_checkpoint applies the same checks.
 CheckpointStatus verify_checkpoint(const std::filesystem::path& dir);
 
+// The position meta.json records when it reads and matches its own checksum, without reading the
+// blobs (cheap: which recipe wrote a checkpoint, its step); none otherwise.
+std::optional<TrainingPosition> checkpoint_position(const std::filesystem::path& dir);
+
 // The checksum meta.json records of itself in its "meta_checksum" field: checksum64 of the
 // compact JSON text (no whitespace, keys sorted) of its content without that field, so the
 // layout of the file does not matter. Error(checkpoint) when `meta_text` is not a JSON object.

@@ -225,15 +225,25 @@ class Doctor {
       if (says("fewer than one window")) {
         return "use a smaller model.context, or prepare the dataset from more text";
       }
-      // data prepare refuses a directory that holds something unless told to replace it.
+      // data prepare writes into a new or empty directory; it replaces a dataset (a damaged one)
+      // only with --force, and nothing else at all.
       std::error_code ec;
-      const bool holds_something = std::filesystem::exists(r.data.path, ec) &&
-                                   !(std::filesystem::is_directory(r.data.path, ec) &&
-                                     std::filesystem::is_empty(r.data.path, ec));
+      const std::filesystem::path dir = r.data.path;
+      const bool usable =
+          !std::filesystem::exists(dir, ec) ||
+          (std::filesystem::is_directory(dir, ec) && std::filesystem::is_empty(dir, ec));
+      const bool dataset = std::filesystem::exists(dir / "meta.json", ec) ||
+                           std::filesystem::exists(dir / "train.bin", ec);
+      if (!usable && !dataset) {
+        return fmt::format(
+            "{} holds other files: prepare a token dataset with 'dptrain data prepare --text "
+            "FILE... --out NEW_DIR' and point data.path at it",
+            r.data.path);
+      }
       return fmt::format(
           "prepare a token dataset with 'dptrain data prepare --text FILE... "
           "--out {}{}', or point data.path at one",
-          r.data.path, holds_something ? " --force" : "");
+          r.data.path, dataset ? " --force" : "");
     }
     return fmt::format("correct the recipe ('dptrain recipe validate {}' lists what it can see)",
                        options_.recipe.string());
@@ -335,23 +345,21 @@ class Doctor {
     std::string binary =
         options_.remote_binary.empty() ? s.facts.workdir + "/bin/dptrain" : options_.remote_binary;
     std::string version = s.facts.dptrain_version;
-    std::string why;  // what running it printed, where it did not run
+    std::string why;  // the loader's complaint, where it did not run for a missing library
     if (!options_.remote_binary.empty() || version.empty()) {
       const auto r = s.shell->run(remote_path_word(binary) + " --version");
       version = r.exit_status == 0 ? version_line(r.out) : "";
-      if (version.empty()) why = first_line(r.err.empty() ? r.out : r.err);
+      if (version.empty()) why = loader_failure(r.err + "\n" + r.out);
     }
     if (version.empty()) {
       // A binary that is there but lacks a library (the loader's message): provisioning it
       // again would not help.
-      const auto library = why.find("error while loading shared libraries");
-      if (library != std::string::npos) {
-        s.checks.push_back(
-            {"version", h.display(), false,
-             fmt::format("dptrain at {} cannot start: {}", binary, why.substr(library)),
-             fmt::format("install the libraries it needs on the host ('ldd {}' "
-                         "there lists them)",
-                         binary)});
+      if (!why.empty()) {
+        s.checks.push_back({"version", h.display(), false,
+                            fmt::format("dptrain at {} cannot start: {}", binary, why),
+                            fmt::format("install the libraries it needs on the host ('ldd {}' "
+                                        "there lists them)",
+                                        binary)});
       } else {
         s.checks.push_back({"version", h.display(), false,
                             fmt::format("no dptrain that runs at {}", binary),

@@ -510,6 +510,13 @@ std::string version_line(const std::string& output) {
   return found.empty() ? trim(output) : found;
 }
 
+std::string loader_failure(const std::string& output) {
+  constexpr std::string_view kPhrase = "error while loading shared libraries";
+  const size_t at = output.find(kPhrase);
+  if (at == std::string::npos) return {};
+  return trim(output.substr(at, output.find('\n', at) - at));
+}
+
 HostFacts survey_host(HostShell& shell, const HostSpec& host, const std::string& workdir) {
   HostFacts facts = parse_facts(prepare_workdir(shell, host, workdir, {}).out);
   const auto version = installed_version(shell, facts.workdir);

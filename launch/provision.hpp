@@ -106,6 +106,10 @@ HostFacts parse_facts(const std::string& output);
 // that starts so (a login shell's start-up files may print a banner before it); the trimmed
 // output where no line does.
 std::string version_line(const std::string& output);
+// The dynamic loader's complaint in a program's output ("error while loading shared libraries:
+// libgloo.so.0: cannot open shared object file: ..."), from that phrase on, wherever it is among
+// the lines (a login banner may come first); empty when there is none.
+std::string loader_failure(const std::string& output);
 // Lines of `nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader`.
 std::vector<GpuFact> parse_gpus(const std::string& csv);
 

@@ -13,6 +13,7 @@
 
 #include "core/error.hpp"
 #include "core/json_error.hpp"
+#include "launch/provision.hpp"
 
 namespace dptrain {
 
@@ -40,13 +41,11 @@ void on_stop(int sig) {
 std::optional<std::string> not_runnable(int status, const RelayPlan& plan,
                                         const std::string& last_line) {
   if (status != 127 && status != 126) return std::nullopt;
-  if (last_line.find("error while loading shared libraries") != std::string::npos) {
+  if (const std::string loader = loader_failure(last_line); !loader.empty()) {
     return fmt::format(
         "{}: '{}' cannot start there: {} (install the libraries it needs on the host: 'ldd {}' "
         "there lists them)",
-        plan.host.display(), plan.remote_binary,
-        last_line.substr(last_line.find("error while loading shared libraries")),
-        plan.remote_binary);
+        plan.host.display(), plan.remote_binary, loader, plan.remote_binary);
   }
   return fmt::format(
       "{}: cannot run '{}' there ({}): install it with 'dptrain provision' (see "

@@ -22,6 +22,7 @@
 #include "core/error.hpp"
 #include "core/fs.hpp"
 #include "core/json_error.hpp"
+#include "core/recipe.hpp"
 #include "launch/run_dir.hpp"
 #include "launch/status.hpp"
 #include "launch/svg_chart.hpp"
@@ -449,11 +450,12 @@ std::string world_size_text(const json& info) {
 }
 
 // The checkpoint a resume continues from, as the launcher names it: the newest that is not set
-// aside (and verifies, where verification ran). `latest` can lag behind it (a rank stopped
-// between a checkpoint's commit and `latest`'s update), and resume does not follow it then.
+// aside nor another recipe's (and verifies, where verification ran). `latest` can lag behind it (a
+// rank stopped between a checkpoint's commit and `latest`'s update), and resume does not follow it
+// then.
 std::string last_checkpoint_name(const RunView& run) {
   for (const auto& c : run.checkpoints) {
-    if (!c.set_aside && (!c.verified || c.problems.empty())) return c.name;
+    if (!c.set_aside && !c.foreign && (!c.verified || c.problems.empty())) return c.name;
   }
   return {};
 }
@@ -914,6 +916,25 @@ RunMetrics read_metrics(const fs::path& file) {
   return m;
 }
 
+// Marks the checkpoints another recipe than the run's wrote (by their meta.json's recipe hash),
+// as resume skips them. Nothing is marked where the run's recipe cannot be read.
+void mark_foreign(const fs::path& dir, const json& info, std::vector<CheckpointSummary>& list) {
+  CheckpointFilter unusable;
+  try {
+    if (!info.contains("recipe")) return;
+    unusable = written_by(parse_recipe(info["recipe"], (dir / "run.json").string(), dir,
+                                       RecipeOrigin::stored, DataCheck::none));
+  } catch (const Error&) {
+    return;
+  }
+  for (auto& c : list) {
+    if (c.set_aside) continue;
+    if (const auto position = checkpoint_position(dir / "checkpoints" / c.name)) {
+      c.foreign = !unusable(*position).empty();
+    }
+  }
+}
+
 RunView load_run(const fs::path& dir, bool verify_checkpoints) {
   RunView run;
   run.dir = resolved_path(dir);
@@ -963,6 +984,7 @@ RunView load_run(const fs::path& dir, bool verify_checkpoints) {
       // taken for latest, as summarize_checkpoints never opens a pipe there).
       blocked(dir / "checkpoints" / "latest", fs::file_type::regular);
       run.checkpoints = summarize_checkpoints(dir / "checkpoints", verify_checkpoints);
+      mark_foreign(run.dir, run.info, run.checkpoints);
     }
   } catch (const Error& e) {
     run.unreadable.push_back(e.what());

@@ -64,6 +64,9 @@ struct CheckpointSummary {
   uint64_t bytes = 0;
   bool latest = false;
   bool set_aside = false;
+  // Written by another recipe than the run's (copied in): resume skips it, as it does one set
+  // aside; from its meta.json, whether or not verification ran.
+  bool foreign = false;
   bool verified = false;              // verification ran
   std::vector<std::string> problems;  // empty: it verifies (when verified)
 };

@@ -346,15 +346,24 @@ TEST_CASE("doctor: the data check's fix fits what is wrong with the data") {
     CHECK(data["fix"].get<std::string>().find("--force") == std::string::npos);
     CHECK(data["fix"].get<std::string>().find(more_data) == std::string::npos);
   }
-  SUBCASE("a token dataset directory that holds something else") {
-    // data prepare refuses such a directory without --force: the fix says it.
-    fs::create_directories(tmp / "not-a-dataset");
-    std::ofstream(tmp / "not-a-dataset" / "notes.txt") << "x\n";
-    const json data = check_named(local_doctor(tmp, gpt_recipe_reading("not-a-dataset")), "data");
+  SUBCASE("a damaged token dataset, or a directory that holds something else") {
+    // data prepare replaces a dataset only with --force, and writes into no other directory
+    // that holds files: each fix says what works there.
+    fs::create_directories(tmp / "damaged");
+    write_text(tmp / "damaged" / "train.bin", "x");
+    json data = check_named(local_doctor(tmp, gpt_recipe_reading("damaged")), "data");
     CAPTURE(data.dump());
     CHECK(data["ok"] == false);
+    CHECK(data["fix"].get<std::string>().find("damaged --force'") != std::string::npos);
+    fs::create_directories(tmp / "not-a-dataset");
+    write_text(tmp / "not-a-dataset" / "notes.txt", "x\n");
+    data = check_named(local_doctor(tmp, gpt_recipe_reading("not-a-dataset")), "data");
+    CHECK(data["ok"] == false);
     const auto fix = data["fix"].get<std::string>();
-    CHECK(fix.find("not-a-dataset --force'") != std::string::npos);
+    CHECK(fix.find("not-a-dataset holds other files: prepare a token dataset with 'dptrain data "
+                   "prepare --text FILE... --out NEW_DIR' and point data.path at it") !=
+          std::string::npos);
+    CHECK(fix.find("--force") == std::string::npos);
   }
   SUBCASE("too few samples for one global batch") {
     const json data = check_named(local_doctor(tmp, csv_recipe(tmp, many_rows(3))), "data");

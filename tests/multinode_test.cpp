@@ -582,6 +582,14 @@ TEST_CASE("a host name that does not resolve fails with exit 4 before anything i
     CHECK(parse_json(r.out)["exit_code"] == 4);
     CHECK_FALSE(fs::exists(tmp / "never"));
   }
+  // A plan drafted where the cluster's names mean nothing (the store's address given): shown,
+  // with a warning.
+  auto drafted = run_dptrain({"launch", recipe.string(), "--hosts", "no-such-host.invalid:1",
+                              "--master-addr", "127.0.0.1", "--dry-run", "--json"});
+  CHECK(drafted.exit_code == 0);
+  CHECK(
+      drafted.err.starts_with("dptrain: warning: no-such-host.invalid (--hosts): cannot resolve"));
+  CHECK(parse_json(drafted.out)["hosts"][0]["host"] == "no-such-host.invalid");
   // The benchmarks too, and a second host that does not resolve as well as a first.
   const std::vector<std::vector<std::string>> others = {
       {"bench", "comm", "--hosts", "no-such-host.invalid:1", "--runs-root", (tmp / "bc").string()},

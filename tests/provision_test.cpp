@@ -394,6 +394,11 @@ TEST_CASE("facts and nvidia-smi lines parse; no GPU is a fact") {
   CHECK(dptrain::version_line("Welcome to node b\n\ndptrain 0.1.0\n") == "dptrain 0.1.0");
   CHECK(dptrain::version_line("dptrain 0.1.0\n") == "dptrain 0.1.0");
   CHECK(dptrain::version_line("  something else \n") == "something else");
+  // The loader's complaint wherever it is among the lines (a banner first, on stderr too).
+  CHECK(dptrain::loader_failure("Welcome\n/x/dptrain: error while loading shared libraries: "
+                                "libgloo.so.0: cannot open shared object file\n") ==
+        "error while loading shared libraries: libgloo.so.0: cannot open shared object file");
+  CHECK(dptrain::loader_failure("sh: 1: dptrain: not found\n").empty());
   const auto gpus = dptrain::parse_gpus(
       "NVIDIA H200, 143771 MiB, 550.54.15\nNVIDIA H200, 143771 MiB, 550.54.15\n\n");
   REQUIRE(gpus.size() == 2);

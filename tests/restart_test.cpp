@@ -277,6 +277,17 @@ TEST_CASE("a restart skips a checkpoint of another recipe copied into the run") 
     CAPTURE(row["name"]);
     CHECK(row["ok"] == (row["name"] != "step-000120"));
   }
+  // Newer than the run's own, it is still not what status, report and a plain verify name:
+  // they name the one resume continues from.
+  const auto plain = run_dptrain({"ckpt", "verify", run_dir.string()});
+  CHECK(plain.exit_code == 0);
+  CHECK(plain.out.find("step-000100") != std::string::npos);
+  CHECK(plain.out.find("step-000120") == std::string::npos);
+  for (const char* command : {"status", "report"}) {
+    CAPTURE(command);
+    const json seen = parse_json(run_dptrain({command, run_dir.string(), "--json"}).out);
+    CHECK(seen["last_checkpoint"].get<std::string>().ends_with("step-000100"));
+  }
   const auto resumed = run_dptrain({"resume", run_dir.string()});
   INFO(resumed.out, resumed.err);
   CHECK(resumed.exit_code == 0);
