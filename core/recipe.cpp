@@ -907,6 +907,13 @@ void check_data_path(DataSpec& data, const std::filesystem::path& base_dir, Data
     problems.add(pointer, fmt::format("required when /data/type is \"{}\"", data.type));
     return;
   }
+  // No shell expands it: "~/data" would be a folder named "~" beside the recipe.
+  if (data.path == "~" || data.path.starts_with("~/")) {
+    problems.add(pointer, fmt::format("\"{}\": a leading ~ is not expanded; give the path from "
+                                      "the recipe's folder, or an absolute one",
+                                      data.path));
+    return;
+  }
   if (check == DataCheck::none) {  // not even a stat: the path may be on a hung mount
     data.path = (base_dir / data.path).lexically_normal().string();
     return;

@@ -426,6 +426,8 @@ TEST_CASE("recipe: each bad recipe is rejected naming its JSON path") {
       {R"({"data": {"type": "csv", "path": "/dev/null", "header": "maybe"}})", "/data/header",
        R"(must be "auto", "yes" or "no")"},
       {R"({"data": {"type": "csv"}})", "/data/path", R"(required when /data/type is "csv")"},
+      {R"({"data": {"type": "csv", "path": "~/data/x.csv"}})", "/data/path",
+       R"("~/data/x.csv": a leading ~ is not expanded; give the path from the recipe's folder, or an absolute one)"},
       {R"({"optimizer": {"lr": -1}})", "/optimizer/lr", "must be > 0, got -1"},
       {R"({"optimizer": {"lr": 0}})", "/optimizer/lr", "must be > 0, got 0"},
       {R"({"optimizer": {"lr": "0.1"}})", "/optimizer/lr", R"(expected a number, got "0.1")"},

@@ -154,6 +154,16 @@ void set_attribute(HostSpec& spec, std::string_view name, std::string_view value
   }
 }
 
+// localhost's ranks are started directly, not over SSH: what only SSH uses would be ignored.
+void check_local_attributes(const HostSpec& spec) {
+  if (!spec.is_local()) return;
+  if (!spec.user.empty() || spec.port != kDefaultSshPort || !spec.key.empty()) {
+    fail(
+        "localhost runs its ranks directly, without SSH: a user, port or key does not apply "
+        "(to reach this machine over SSH, name it 127.0.0.1)");
+  }
+}
+
 // One hostfile line, without its comment and not blank.
 HostSpec parse_hostfile_line(std::string_view line) {
   const std::vector<std::string_view> fields = words(line);
@@ -186,6 +196,7 @@ HostSpec parse_hostfile_line(std::string_view line) {
     seen.push_back(name);
     set_attribute(spec, name, fields[i].substr(equals + 1));
   }
+  check_local_attributes(spec);
   return spec;
 }
 
@@ -228,6 +239,7 @@ HostSpec parse_hosts_entry(std::string_view entry) {
   spec.host = std::string(host);
   check_host(spec.host);
   if (slots) spec.slots = parse_slots(*slots);
+  check_local_attributes(spec);
   return spec;
 }
 

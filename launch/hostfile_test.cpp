@@ -97,6 +97,17 @@ TEST_CASE("hostfile: hosts, attributes, comments and blank lines") {
   CHECK(hosts[7].origin == name + ":10");
 }
 
+TEST_CASE("hostfile: localhost with a user, port or key is refused (they would be ignored)") {
+  const std::string why =
+      "localhost runs its ranks directly, without SSH: a user, port or key does not apply (to "
+      "reach this machine over SSH, name it 127.0.0.1)";
+  CHECK(hostfile_error("localhost slots=2 port=2222\n") == "hosts:1: " + why);
+  CHECK(hostfile_error("localhost user=alice\n") == "hosts:1: " + why);
+  CHECK(usage_error([] { parse_hosts_list("alice@localhost:2"); }) ==
+        "--hosts entry 'alice@localhost:2': " + why);
+  CHECK(parse_hosts_list("localhost:2").front().slots == 2);
+}
+
 TEST_CASE("hostfile: a byte order mark before the first host is passed over") {
   test::TempDir dir;
   const auto hosts = parse_hostfile(write_file(dir, "hosts", "\xEF\xBB\xBFnode1 slots=2\nnode2\n"));
