@@ -19,6 +19,12 @@ namespace dptrain::cli {
 
 namespace {
 
+Error stopped_before_plan(int sig) {
+  return Error(sig == SIGINT ? ErrorKind::interrupted : ErrorKind::terminated,
+               fmt::format("dptrain agent: stopped by {} before its plan came; no rank was started",
+                           sig == SIGINT ? "SIGINT" : "SIGTERM"));
+}
+
 // The plan is the first line of stdin. Read byte by byte: whatever follows must stay unread, as
 // the end of stdin is the signal to stop.
 std::string read_plan_line() {
@@ -32,7 +38,11 @@ std::string read_plan_line() {
       if (line.size() > (64u << 20)) throw Error(ErrorKind::usage, "agent plan too large");
       continue;
     }
-    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno == EINTR) {
+      // A stop signal while the plan is awaited ends the agent: no rank is started.
+      if (const int sig = pending_stop_signal(); sig != 0) throw stopped_before_plan(sig);
+      continue;
+    }
     throw Error(ErrorKind::usage,
                 "dptrain agent: no plan on stdin (it is started by "
                 "'dptrain launch --hosts', which writes one)");
@@ -55,10 +65,7 @@ void setup_agent(CLI::App& app, Outcome& outcome) {
     }
     const auto plan = AgentPlan::from_json(j);
     // A stop that came while the plan was awaited: no rank is started only to be stopped.
-    if (const int sig = pending_stop_signal(); sig != 0) {
-      outcome.exit_code = sig == SIGINT ? 130 : 143;
-      return;
-    }
+    if (const int sig = pending_stop_signal(); sig != 0) throw stopped_before_plan(sig);
     try {
       outcome.exit_code = run_agent(plan, stdout, STDIN_FILENO);
     } catch (const Error& e) {

@@ -148,51 +148,6 @@ fs::path output_path(const std::string& out) {
   return path;
 }
 
-bool looks_like_dataset(const fs::path& dir) {
-  std::error_code ec;
-  return fs::exists(dir / "meta.json", ec) || fs::exists(dir / "train.bin", ec);
-}
-
-// Before any text is read: OUT must be new, empty, or (with --force) a dataset to replace.
-void check_output(const fs::path& out, bool force) {
-  std::error_code ec;
-  const fs::file_status status = fs::symlink_status(out, ec);
-  if (!fs::exists(status)) return;
-  if (fs::is_symlink(status)) {
-    // The dataset would replace the link, not what it points to: name the real place instead.
-    // A dangling link has no canonical form: its own text, as from its directory.
-    const bool dangling = !fs::exists(out, ec);
-    fs::path target = dangling ? fs::read_symlink(out, ec) : fs::weakly_canonical(out, ec);
-    if (!ec && target.is_relative()) target = (out.parent_path() / target).lexically_normal();
-    refuse(fmt::format("{}: is a symbolic link{}{}; give the directory itself as --out",
-                       out.string(), ec ? "" : " to " + target.string(),
-                       dangling ? " (which does not exist)" : ""));
-  }
-  if (!fs::is_directory(status))
-    refuse(fmt::format("{}: exists and is not a directory", out.string()));
-  if (fs::is_empty(out, ec)) return;
-  if (!force) {
-    refuse(fmt::format("{}: exists and is not empty (use --force to replace it)", out.string()));
-  }
-  if (!looks_like_dataset(out)) {
-    refuse(
-        fmt::format("{}: not a token dataset (no meta.json or train.bin); --force replaces "
-                    "only a dataset",
-                    out.string()));
-  }
-  // A file of the user's there would go with the dataset.
-  static const std::set<std::string> dataset_files = {"meta.json", "train.bin", "val.bin",
-                                                      "tokenizer.json"};
-  if (const auto other = unclaimed_entry(out, [](const fs::directory_entry& e) {
-        return dataset_files.count(e.path().filename().string()) != 0;
-      })) {
-    refuse(
-        fmt::format("{}: holds {}, which is not part of a token dataset; --force replaces only "
-                    "a dataset's own files: move it away first",
-                    out.string(), printable_excerpt(*other)));
-  }
-}
-
 constexpr size_t kReadChunk = size_t{8} << 20;
 
 // An open file descriptor, closed when it goes.
@@ -418,7 +373,7 @@ void write_dataset(const PrepareSummary& s, const Tokenizer& tokenizer,
     fsync_directory(tmp);
     status.check_stop();  // the last moment a stop leaves OUT as it was
     if (!force) {
-      // What check_output allowed (OUT absent, or an empty directory) or nothing: another
+      // What check_dataset_output allowed (OUT absent, or an empty directory) or nothing: another
       // process that wrote OUT meanwhile wins, and this one is refused. Renaming onto an empty
       // directory fails once it is not empty; onto nothing, RENAME_NOREPLACE fails once OUT is.
       // A filesystem without rename flags (NFS, SMB: EINVAL) gets the same one-winner rule from
@@ -510,7 +465,7 @@ int run_prepare(const PrepareOptions& o) {
   PrepareSummary s;
   s.path = output_path(o.out);
   remove_stale_siblings(s.path, status);
-  check_output(s.path, o.force);
+  check_dataset_output(s.path, o.force);
   std::error_code ec;
   status.set_output(s.path, fs::exists(fs::symlink_status(s.path, ec)));
 

@@ -8,6 +8,7 @@
 
 #include "core/comm/socket.hpp"
 #include "core/error.hpp"
+#include "launch/agent.hpp"
 #include "launch/elastic.hpp"
 
 namespace dptrain::cli {
@@ -25,8 +26,9 @@ SshOptions HostOptions::ssh() const {
 
 std::vector<HostSpec> HostOptions::load() const {
   if (hosts.empty()) throw Error(ErrorKind::usage, "--hosts: required");
-  if (!(connect_timeout_s > 0)) {
-    throw Error(ErrorKind::usage, "--connect-timeout: must be more than 0 seconds");
+  // Whole milliseconds reach libssh, where 0 means its own default.
+  if (!(connect_timeout_s >= 0.001)) {
+    throw Error(ErrorKind::usage, "--connect-timeout: must be at least 0.001 seconds");
   }
   std::vector<HostSpec> specs = load_hosts(hosts);
   // The SSH files named, before any host is tried: a typo in a path is exit 2 here, not a key
@@ -39,7 +41,8 @@ std::vector<HostSpec> HostOptions::load() const {
                                                          : "";
   };
   for (const auto& id : identities) {
-    if (const std::string why = missing(id); !why.empty()) {
+    // "~/..." as the connection expands it.
+    if (const std::string why = missing(expand_home(id)); !why.empty()) {
       throw Error(ErrorKind::usage, fmt::format("--identity {}: {}", id, why));
     }
   }

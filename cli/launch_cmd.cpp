@@ -105,7 +105,8 @@ int run_launch(const LaunchOptions& o) {
   try {
     check_hosts_resolve(spec);
   } catch (const Error& e) {
-    if (!o.dry_run || e.kind() != ErrorKind::ssh) throw;
+    // (Without the store's address, the plan needs a host's name resolved to make one.)
+    if (!o.dry_run || spec.remote.master_addr.empty() || e.kind() != ErrorKind::ssh) throw;
     std::fprintf(stderr, "dptrain: warning: %s (the plan is shown all the same)\n", e.what());
   }
   check_store_port(spec);  // a --master-port another process holds: exit 2

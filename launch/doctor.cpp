@@ -20,6 +20,7 @@
 #include "core/comm/socket.hpp"
 #include "core/comm/store.hpp"
 #include "core/data/dataset.hpp"
+#include "core/data/tokens.hpp"
 #include "core/error.hpp"
 #include "core/recipe.hpp"
 #include "core/tensor/device.hpp"
@@ -225,25 +226,25 @@ class Doctor {
       if (says("fewer than one window")) {
         return "use a smaller model.context, or prepare the dataset from more text";
       }
-      // data prepare writes into a new or empty directory; it replaces a dataset (a damaged one)
-      // only with --force, and nothing else at all.
-      std::error_code ec;
-      const std::filesystem::path dir = r.data.path;
-      const bool usable =
-          !std::filesystem::exists(dir, ec) ||
-          (std::filesystem::is_directory(dir, ec) && std::filesystem::is_empty(dir, ec));
-      const bool dataset = std::filesystem::exists(dir / "meta.json", ec) ||
-                           std::filesystem::exists(dir / "train.bin", ec);
-      if (!usable && !dataset) {
-        return fmt::format(
-            "{} holds other files: prepare a token dataset with 'dptrain data prepare --text "
-            "FILE... --out NEW_DIR' and point data.path at it",
-            r.data.path);
+      // What data prepare would say of data.path as its --out: the fix that works there.
+      std::string flag;
+      try {
+        check_dataset_output(r.data.path, false);
+      } catch (const Error&) {
+        try {
+          check_dataset_output(r.data.path, true);
+          flag = " --force";
+        } catch (const Error& e) {
+          return fmt::format(
+              "prepare a token dataset with 'dptrain data prepare --text FILE... "
+              "--out NEW_DIR' and point data.path at it ({})",
+              e.what());
+        }
       }
       return fmt::format(
           "prepare a token dataset with 'dptrain data prepare --text FILE... "
           "--out {}{}', or point data.path at one",
-          r.data.path, dataset ? " --force" : "");
+          r.data.path, flag);
     }
     return fmt::format("correct the recipe ('dptrain recipe validate {}' lists what it can see)",
                        options_.recipe.string());

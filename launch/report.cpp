@@ -1070,9 +1070,10 @@ json summary_fields(const RunView& run) {
           {"eval_accuracy", or_null(eval_accuracy)},
           {"last_checkpoint", last_checkpoint},
           {"last_checkpoint_host", checkpoint_host},
-          // Those a resume may use; the ones it set aside (they failed verification) apart.
+          // Those a resume may use (not another recipe's); the ones it set aside (they failed
+          // verification) apart.
           {"checkpoints", std::count_if(run.checkpoints.begin(), run.checkpoints.end(),
-                                        [](const auto& c) { return !c.set_aside; })},
+                                        [](const auto& c) { return !c.set_aside && !c.foreign; })},
           {"checkpoints_set_aside", std::count_if(run.checkpoints.begin(), run.checkpoints.end(),
                                                   [](const auto& c) { return c.set_aside; })},
           {"restarts", array_at(run.info, "restarts").size()},

@@ -594,7 +594,8 @@ std::unique_ptr<SshSession> SshSession::connect(const HostSpec& host, const SshO
   set_options(handle->session, host, options, known_hosts);
   const auto started = std::chrono::steady_clock::now();
   if (ssh_connect(handle->session) != SSH_OK) {
-    // "within" only where the time ran out: a refusal comes at once.
+    // "within" only where the time (most likely) ran out: a refusal comes at once. A guess from
+    // the time taken: libssh does not say which it was.
     const bool waited = std::chrono::steady_clock::now() - started >= options.connect_timeout / 2;
     throw Error(
         ErrorKind::ssh,

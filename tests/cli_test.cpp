@@ -2,6 +2,7 @@
 #include <doctest/doctest.h>
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -611,6 +612,39 @@ TEST_CASE("train.device cuda where no GPU is visible: exit 1, one line, no run d
   auto bf16 = run_dptrain({"launch", write_recipe(tmp.path(), recipe).string(), "--nproc", "1"});
   CHECK(bf16.exit_code == 2);
   CHECK(bf16.err.find("/train/precision") != std::string::npos);
+}
+
+TEST_CASE("agent: a stop signal while it waits for its plan ends it, no rank started") {
+  TempDir tmp;
+  for (const int sig : {SIGTERM, SIGINT}) {
+    CAPTURE(sig);
+    // Its stdin a pipe kept open and empty, as an SSH channel before the launcher writes.
+    int feed[2];
+    REQUIRE(::pipe(feed) == 0);
+    const fs::path err = tmp / "agent.err";
+    const std::string bin = binary();  // nothing but system calls after the fork
+    const pid_t pid = ::fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+      ::dup2(feed[0], 0);
+      const int e = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      ::dup2(e, 2);
+      ::close(feed[1]);
+      ::execl(bin.c_str(), bin.c_str(), "agent", static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    ::close(feed[0]);
+    REQUIRE(eventually([&] { return catches_signal(pid, sig); }));
+    REQUIRE(::kill(pid, sig) == 0);
+    int status = 0;
+    REQUIRE(::waitpid(pid, &status, 0) == pid);
+    ::close(feed[1]);
+    REQUIRE(WIFEXITED(status));
+    CHECK(WEXITSTATUS(status) == (sig == SIGINT ? 130 : 143));
+    CHECK(read_text(err) == std::string("dptrain: error: dptrain agent: stopped by ") +
+                                (sig == SIGINT ? "SIGINT" : "SIGTERM") +
+                                " before its plan came; no rank was started\n");
+  }
 }
 
 TEST_CASE("a stop signal while the recipe is read from a pipe: the signal's exit code") {

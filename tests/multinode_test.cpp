@@ -579,6 +579,7 @@ TEST_CASE("a host name that does not resolve fails with exit 4 before anything i
     auto r = run_dptrain(args);
     CHECK(r.exit_code == 4);
     CHECK(r.err.find("no-such-host.invalid (--hosts): cannot resolve") != std::string::npos);
+    CHECK(r.err.find("warning") == std::string::npos);  // one error line, even in a dry run
     CHECK(parse_json(r.out)["exit_code"] == 4);
     CHECK_FALSE(fs::exists(tmp / "never"));
   }

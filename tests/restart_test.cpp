@@ -287,6 +287,11 @@ TEST_CASE("a restart skips a checkpoint of another recipe copied into the run") 
     CAPTURE(command);
     const json seen = parse_json(run_dptrain({command, run_dir.string(), "--json"}).out);
     CHECK(seen["last_checkpoint"].get<std::string>().ends_with("step-000100"));
+    // Nor is it counted among those a resume may use.
+    CHECK(seen["checkpoints"] ==
+          parse_json(run_dptrain({"ckpt", "list", run_dir.string(), "--json"}).out)["checkpoints"]
+                  .size() -
+              1);
   }
   const auto resumed = run_dptrain({"resume", run_dir.string()});
   INFO(resumed.out, resumed.err);

@@ -15,6 +15,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <system_error>
 #include <utility>
 
@@ -695,6 +696,58 @@ int64_t token_training_samples(const DataSpec& data, const ModelSpec& model) {
   const std::lock_guard<std::mutex> lock(mutex);
   checked[key] = samples;
   return samples;
+}
+
+namespace {
+
+bool looks_like_dataset(const fs::path& dir) {
+  std::error_code ec;
+  return fs::exists(dir / "meta.json", ec) || fs::exists(dir / "train.bin", ec);
+}
+
+[[noreturn]] void refuse(const std::string& message) {
+  throw Error(ErrorKind::usage, message);
+}
+
+}  // namespace
+
+void check_dataset_output(const fs::path& out, bool force) {
+  std::error_code ec;
+  const fs::file_status status = fs::symlink_status(out, ec);
+  if (!fs::exists(status)) return;
+  if (fs::is_symlink(status)) {
+    // The dataset would replace the link, not what it points to: name the real place instead.
+    // A dangling link has no canonical form: its own text, as from its directory.
+    const bool dangling = !fs::exists(out, ec);
+    fs::path target = dangling ? fs::read_symlink(out, ec) : fs::weakly_canonical(out, ec);
+    if (!ec && target.is_relative()) target = (out.parent_path() / target).lexically_normal();
+    refuse(fmt::format("{}: is a symbolic link{}{}; give the directory itself as --out",
+                       out.string(), ec ? "" : " to " + target.string(),
+                       dangling ? " (which does not exist)" : ""));
+  }
+  if (!fs::is_directory(status))
+    refuse(fmt::format("{}: exists and is not a directory", out.string()));
+  if (fs::is_empty(out, ec)) return;
+  if (!force) {
+    refuse(fmt::format("{}: exists and is not empty (use --force to replace it)", out.string()));
+  }
+  if (!looks_like_dataset(out)) {
+    refuse(
+        fmt::format("{}: not a token dataset (no meta.json or train.bin); --force replaces "
+                    "only a dataset",
+                    out.string()));
+  }
+  // A file of the user's there would go with the dataset.
+  static const std::set<std::string> dataset_files = {"meta.json", "train.bin", "val.bin",
+                                                      "tokenizer.json"};
+  if (const auto other = unclaimed_entry(out, [](const fs::directory_entry& e) {
+        return dataset_files.count(e.path().filename().string()) != 0;
+      })) {
+    refuse(
+        fmt::format("{}: holds {}, which is not part of a token dataset; --force replaces only "
+                    "a dataset's own files: move it away first",
+                    out.string(), printable_excerpt(*other)));
+  }
 }
 
 }  // namespace dptrain

@@ -176,4 +176,8 @@ std::string token_data_fingerprint(const DataSpec& data);
 // for the process while the files' sizes and modification times stay the same.
 int64_t token_training_samples(const DataSpec& data, const ModelSpec& model);
 
+// Before `data prepare` reads any text: OUT must be new, empty, or (with `force`) a dataset to
+// replace, holding only a dataset's files. Error(usage) saying why not, with what to do.
+void check_dataset_output(const std::filesystem::path& out, bool force);
+
 }  // namespace dptrain
