@@ -8,7 +8,7 @@
 
 #include "core/comm/socket.hpp"
 #include "core/error.hpp"
-#include "launch/agent.hpp"
+#include "core/fs.hpp"
 #include "launch/elastic.hpp"
 
 namespace dptrain::cli {

@@ -2,10 +2,12 @@
 #include "core/fs.hpp"
 
 #include <fcntl.h>
+#include <pwd.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -222,6 +224,18 @@ std::optional<std::string> unclaimed_entry(
     throw Error(ErrorKind::usage, fmt::format("{}: cannot list: {}", dir.string(), ec.message()));
   }
   return first;
+}
+
+std::filesystem::path home_directory() {
+  if (const char* home = std::getenv("HOME"); home && *home) return home;
+  if (const passwd* pw = ::getpwuid(::getuid()); pw && pw->pw_dir) return pw->pw_dir;
+  return "/";
+}
+
+std::filesystem::path expand_home(const std::string& path) {
+  if (path == "~") return home_directory();
+  if (path.starts_with("~/")) return home_directory() / path.substr(2);
+  return path;
 }
 
 }  // namespace dptrain

@@ -59,4 +59,9 @@ std::string cwd_gone_note(const std::filesystem::path& path);
 // link), and the rest is normalised. The lexical form when that fails (a permission).
 std::filesystem::path resolved_path(const std::filesystem::path& path);
 
+// This user's home directory: $HOME, else the password database's, else "/".
+std::filesystem::path home_directory();
+// "~" and "~/x" under home_directory(); anything else ("~user/x" too) unchanged.
+std::filesystem::path expand_home(const std::string& path);
+
 }  // namespace dptrain

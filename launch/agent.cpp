@@ -92,12 +92,6 @@ AgentPlan AgentPlan::from_json(const json& j) {
   }
 }
 
-fs::path expand_home(const std::string& path) {
-  if (path != "~" && path.rfind("~/", 0) != 0) return path;
-  const char* home = std::getenv("HOME");
-  return fs::path(home ? home : "/") / path.substr(std::min<size_t>(2, path.size()));
-}
-
 std::string gpu_of_local_rank(int local_rank, const std::map<std::string, std::string>& job_env) {
   const auto given = job_env.find("CUDA_VISIBLE_DEVICES");
   const char* visible =

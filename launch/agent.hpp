@@ -47,9 +47,6 @@ struct AgentPlan {
   static AgentPlan from_json(const nlohmann::json& j);  // Error(usage) on a malformed plan
 };
 
-// "~/x" -> $HOME/x; anything else unchanged.
-std::filesystem::path expand_home(const std::string& path);
-
 // The GPU local rank i gets: the i-th entry of the job's CUDA_VISIBLE_DEVICES (--env) when it
 // has one, else of this process's when set ("-1", none, past its end), else "i".
 std::string gpu_of_local_rank(int local_rank,

@@ -16,6 +16,7 @@
 
 #include "core/comm/store.hpp"
 #include "core/error.hpp"
+#include "core/fs.hpp"
 #include "core/suggest.hpp"
 
 namespace dptrain {
@@ -128,14 +129,6 @@ int parse_slots(std::string_view value) {
   return static_cast<int>(*slots);
 }
 
-std::string expand_home(std::string_view path) {
-  if (!path.starts_with("~/")) return std::string(path);
-  const char* home = std::getenv("HOME");
-  if (home == nullptr || *home == '\0')
-    fail(fmt::format("cannot expand '{}': HOME is not set", path));
-  return std::string(home) + std::string(path.substr(1));
-}
-
 void set_attribute(HostSpec& spec, std::string_view name, std::string_view value) {
   if (name == "slots") {
     spec.slots = parse_slots(value);
@@ -148,7 +141,7 @@ void set_attribute(HostSpec& spec, std::string_view name, std::string_view value
     spec.port = static_cast<uint16_t>(*port);
   } else if (name == "key") {
     if (value.empty()) fail("key= needs the path of an identity file");
-    spec.key = expand_home(value);
+    spec.key = expand_home(std::string(value)).string();
   } else {
     fail(unknown_attribute(name));
   }

@@ -4,7 +4,6 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
-#include <pwd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -25,6 +24,8 @@
 #include <libssh/callbacks.h>
 #include <libssh/libssh.h>
 #include <libssh/server.h>  // ssh_send_keepalive, which a client may send as well
+
+#include "core/fs.hpp"
 
 namespace dptrain {
 
@@ -69,18 +70,6 @@ std::string shell_command(const std::vector<std::string>& argv) {
 // ---- helpers ----
 
 namespace {
-
-fs::path home_directory() {
-  if (const char* home = std::getenv("HOME"); home && *home) return home;
-  if (const passwd* pw = ::getpwuid(::getuid()); pw && pw->pw_dir) return pw->pw_dir;
-  return "/";
-}
-
-fs::path expand_home(const std::string& path) {
-  if (path == "~") return home_directory();
-  if (path.rfind("~/", 0) == 0) return home_directory() / path.substr(2);
-  return path;
-}
 
 std::string seconds_text(milliseconds ms) {
   if (ms.count() % 1000 == 0) return fmt::format("{}s", ms.count() / 1000);
