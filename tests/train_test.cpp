@@ -348,17 +348,23 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
     CHECK(again0.err() == "dptrain: error: rank 0: rank 1 cannot start: " + held);
     CHECK_FALSE(fs::exists(tmp / "node0/checkpoints"));
   }
+  // Both ranks started with --resume CHECKPOINT on a fresh store port; their stderr once both
+  // exited with `code`.
+  const auto resume_both = [&](const fs::path& checkpoint, int code) {
+    Env e0 = env0, e1 = env1;
+    e0["MASTER_PORT"] = e1["MASTER_PORT"] = std::to_string(unused_port());
+    Background resume0({"worker", recipe.string(), "--resume", checkpoint.string()}, e0);
+    Background resume1({"worker", recipe.string(), "--resume", checkpoint.string()}, e1);
+    CHECK(resume1.wait(std::chrono::seconds(60)) == code);
+    CHECK(resume0.wait(std::chrono::seconds(60)) == code);
+    return std::pair(resume0.err(), resume1.err());
+  };
   // A --resume checkpoint that is none: rank 0 refuses before the ranks meet (exit 5), and
   // rank 1 says why with the same code.
   for (const fs::path& named :
        {tmp / "run/checkpoints/step-000099", tmp / "run/run.json", tmp / "run/checkpoints"}) {
     CAPTURE(named);
-    Env e0 = env0, e1 = env1;
-    e0["MASTER_PORT"] = e1["MASTER_PORT"] = std::to_string(unused_port());
-    Background resume0({"worker", recipe.string(), "--resume", named.string()}, e0);
-    Background resume1({"worker", recipe.string(), "--resume", named.string()}, e1);
-    CHECK(resume1.wait(std::chrono::seconds(60)) == 5);
-    CHECK(resume0.wait(std::chrono::seconds(60)) == 5);
+    const auto [err0, err1] = resume_both(named, 5);
     const std::string why =
         "--resume " + named.string() + ": " +
         (named.filename() == "step-000099" ? "no such checkpoint directory"
@@ -366,8 +372,8 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
              ? "not a directory (a checkpoint is a run's checkpoints/step-NNNNNN directory)"
              : "not a checkpoint directory (it holds no meta.json)") +
         "\n";
-    CHECK(resume0.err() == "dptrain: error: rank 0: " + why);
-    CHECK(resume1.err() == "dptrain: error: rank 1: rank 0 cannot start: " + why);
+    CHECK(err0 == "dptrain: error: rank 0: " + why);
+    CHECK(err1 == "dptrain: error: rank 1: rank 0 cannot start: " + why);
   }
   // A damaged one likewise, by its checksums: the completed run's record keeps its status and
   // takes no generation that could not start.
@@ -377,16 +383,10 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
     fs::create_directories(damaged.parent_path());
     fs::copy(tmp / "run/checkpoints/step-000060", damaged);
     flip_byte(damaged / "params.bin", 5);
-    Env e0 = env0, e1 = env1;
-    e0["MASTER_PORT"] = e1["MASTER_PORT"] = std::to_string(unused_port());
-    Background resume0({"worker", recipe.string(), "--resume", damaged.string()}, e0);
-    Background resume1({"worker", recipe.string(), "--resume", damaged.string()}, e1);
-    CHECK(resume1.wait(std::chrono::seconds(60)) == 5);
-    CHECK(resume0.wait(std::chrono::seconds(60)) == 5);
+    const auto [err0, err1] = resume_both(damaged, 5);
     const std::string why = "--resume " + damaged.string() + ": params.bin: checksum mismatch";
-    CHECK_MESSAGE(resume0.err().starts_with("dptrain: error: rank 0: " + why), resume0.err());
-    CHECK_MESSAGE(resume1.err().starts_with("dptrain: error: rank 1: rank 0 cannot start: " + why),
-                  resume1.err());
+    CHECK_MESSAGE(err0.starts_with("dptrain: error: rank 0: " + why), err0);
+    CHECK_MESSAGE(err1.starts_with("dptrain: error: rank 1: rank 0 cannot start: " + why), err1);
     CHECK(read_text(tmp / "run/run.json") == record);
   }
   CHECK(read_text(tmp / "run/metrics.jsonl") == metrics);
