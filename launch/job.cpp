@@ -84,13 +84,22 @@ json JobOutcome::to_json(const RunDirectory& run) const {
     const int64_t reached = std::max(failed_step, last_step);
     j["step"] = reached >= 0 ? json(reached) : json(start_step);
     j["world_size"] = world_size > 0 ? json(world_size) : json(nullptr);
-    // A path, as the trainer's result has it.
+    // A path, as the trainer's result has it; for a rank 0 on another host, where it wrote its
+    // newest (run.json's record, as status and report name it).
     j["last_checkpoint"] = last_checkpoint.empty()
                                ? json(nullptr)
                                : json((run.checkpoints() / last_checkpoint).string());
+    if (const auto remote = remote_last_checkpoint(run.info()); last_checkpoint.empty() && remote) {
+      j["last_checkpoint"] = remote->path;
+    }
   }
   for (const auto& [k, v] : result.items())
     j[k] = v;
+  // The host it lies on when that is not this one (null: here, or none).
+  const auto remote = remote_last_checkpoint(run.info());
+  j["last_checkpoint_host"] = remote && j.value("last_checkpoint", json()) == remote->path
+                                  ? json(remote->host)
+                                  : json(nullptr);
   // As in status and report: the step reached, the steps planned (a completed run's result
   // counts the steps it did, which are all of them).
   if (result.is_object()) j["step"] = result.value("steps", json(nullptr));

@@ -67,7 +67,9 @@ json quick_recipe() {
 std::map<int, pid_t> start_slowed(Cluster& c, const std::string& name,
                                   std::optional<Background>& launcher, bool stepping) {
   const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
-  launcher.emplace(c.launch_args(recipe, c.tmp / name), Env{{"DPTRAIN_DEBUG_STEP_DELAY_MS", "30"}});
+  auto args = c.launch_args(recipe, c.tmp / name);
+  args.push_back("--json");
+  launcher.emplace(args, Env{{"DPTRAIN_DEBUG_STEP_DELAY_MS", "30"}});
   std::map<int, pid_t> workers;
   REQUIRE(eventually([&] {
     workers = workers_of(name);
@@ -92,14 +94,19 @@ TEST_CASE("2 hosts x 2 slots train to the same parameters as 4 local ranks") {
   auto args = c.launch_args(recipe, c.tmp / "remote");
   const auto flag = std::find(args.begin(), args.end(), "--remote-binary");
   args.erase(flag, flag + 2);
+  args.push_back("--json");
   auto remote = run_dptrain(args);
   INFO(remote.err, remote.out);
   REQUIRE(remote.exit_code == 0);
+  // Rank 0's newest checkpoint lies on the first host, and the launch's output says so.
+  const json out = parse_json(remote.out);
+  CHECK(out["last_checkpoint"].get<std::string>().ends_with("/checkpoints/step-000200"));
+  CHECK(out["last_checkpoint_host"] == c.sshd.host(c.sshd.addresses()[1]).display());
   const json result = parse_json(read_text(c.tmp / "remote/result.json"));
   CHECK(result["world_size"] == 4);
   CHECK(result["params_checksum"] == parse_json(local.out)["params_checksum"]);
   // Output came back prefixed with host and rank; every rank has a log in the launcher's run.
-  CHECK(remote.out.find("run directory") != std::string::npos);
+  CHECK(remote.err.find("run directory") != std::string::npos);
   for (int rank = 0; rank < 4; ++rank) {
     const std::string host = c.sshd.addresses()[rank < 2 ? 1 : 2];
     CAPTURE(rank);
@@ -409,6 +416,11 @@ TEST_CASE("SIGTERM to a host's agent (a node shutting down) checkpoints every ra
   INFO(launcher->err());
   CHECK(launcher->err().find("was stopped by SIGTERM; every rank checkpointed its last step") !=
         std::string::npos);
+  // Rank 0 ran on the first host: the checkpoint it committed there is named with its host.
+  const json out = parse_json(launcher->out());
+  CHECK(out["exit_code"] == 143);
+  CHECK(out["last_checkpoint"].get<std::string>().find("/checkpoints/step-") != std::string::npos);
+  CHECK(out["last_checkpoint_host"] == c.sshd.host(c.sshd.addresses()[1]).display());
 }
 
 TEST_CASE("killing the launcher leaves no worker behind on any host") {
