@@ -212,12 +212,10 @@ void prepare_data(AgentPlan& plan) {
   }
 }
 
-void write_host_failure(std::FILE* out, const std::string& description) {
-  const json report = {{"rank", -1},
-                       {"exit_code", -1},
-                       {"signal", 0},
-                       {"description", description},
-                       {"last_lines", json::array()}};
+void write_host_failure(std::FILE* out, const std::string& description, bool refused) {
+  const json report = {{"rank", -1},         {"exit_code", -1},
+                       {"signal", 0},        {"description", description},
+                       {"refused", refused}, {"last_lines", json::array()}};
   std::fprintf(out, "%s%s\n", kAgentFailurePrefix, json_text(report).c_str());
   std::fflush(out);
 }

@@ -884,6 +884,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
         const int rank = r.value("rank", -1);
         failed_rank = rank;
         if (rank < 0 && f.exit_code == 4) out.exit_code = 4;  // the relay could not reach it
+        out.host_refused = rank < 0 && r.value("refused", false);
         if (rank >= 0 && r.value("exit_code", -1) == 5) out.exit_code = 5;
         out.repeats = rank >= 0 && r.value("exit_code", -1) == 2;
         out.error = rank >= 0 ? fmt::format("{} on host {}", r.value("description", ""), host)

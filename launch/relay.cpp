@@ -124,6 +124,9 @@ int run_relay(const RelayPlan& plan) {
   std::unique_ptr<SshSession> session;
   try {
     session = SshSession::connect(plan.host, plan.ssh);
+  } catch (const SshRefused& e) {
+    write_host_failure(stdout, e.what(), true);
+    return 4;
   } catch (const Error& e) {
     write_host_failure(stdout, e.what());
     return 4;

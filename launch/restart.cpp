@@ -288,10 +288,16 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
       spec.resume_from = from;
       continue;
     }
-    // A stop asked for (SIGTERM, Ctrl-C) is never answered with a restart.
-    if (!restartable(outcome) || outcome.repeats || policy.max_restarts == 0 ||
+    // A stop asked for (SIGTERM, Ctrl-C) is never answered with a restart; nor, in a job of
+    // fixed hosts, a host that refused the connection (an elastic job leaves it out instead).
+    const bool refused = outcome.host_refused && spec.candidates.empty();
+    if (!restartable(outcome) || outcome.repeats || refused || policy.max_restarts == 0 ||
         pending_stop_signal() != 0) {
-      if (outcome.exit_code == 5 && policy.max_restarts > 0) {
+      if (refused && policy.max_restarts > 0) {
+        outcome.error +=
+            "\n  (not restarted: the host would refuse the connection again; fix its key or "
+            "known_hosts entry, then 'dptrain resume')";
+      } else if (outcome.exit_code == 5 && policy.max_restarts > 0) {
         outcome.error +=
             "\n  (not restarted: a checkpoint or run file that cannot be written would meet the "
             "next generation too; fix what it says, then 'dptrain resume')";

@@ -311,8 +311,7 @@ void verify_host_key(ssh_session session, const HostSpec& host, const fs::path& 
   const std::lock_guard lock(known_hosts_mutex());
   for (const fs::path& file : {known_hosts, fs::path("/etc/ssh/ssh_known_hosts")}) {
     if (const auto revoked = revoking_entry(file, offered.get())) {
-      throw Error(
-          ErrorKind::ssh,
+      throw SshRefused(
           fmt::format("HOST KEY OF {} IS REVOKED: {} line {} revokes the key the host "
                       "offers ({}); refusing (possible man-in-the-middle, or a host "
                       "still using a retired key)",
@@ -328,20 +327,19 @@ void verify_host_key(ssh_session session, const HostSpec& host, const fs::path& 
       auto entry = conflicting_entry(known_hosts, name, offered.get());
       if (!entry) entry = conflicting_entry("/etc/ssh/ssh_known_hosts", name, offered.get());
       const KnownEntry known = entry.value_or(KnownEntry{known_hosts, 0, "another key"});
-      throw Error(ErrorKind::ssh,
-                  fmt::format("HOST KEY OF {} CHANGED: known_hosts has {}, the host offers {}; "
-                              "refusing (possible man-in-the-middle; fix {} line {} if the "
-                              "change is expected)",
-                              host.display(), known.fingerprint, offered_fingerprint,
-                              known.file.string(), known.line));
+      throw SshRefused(fmt::format(
+          "HOST KEY OF {} CHANGED: known_hosts has {}, the host offers {}; "
+          "refusing (possible man-in-the-middle; fix {} line {} if the "
+          "change is expected)",
+          host.display(), known.fingerprint, offered_fingerprint, known.file.string(), known.line));
     }
     case SSH_KNOWN_HOSTS_UNKNOWN:
     case SSH_KNOWN_HOSTS_NOT_FOUND:
       if (!accept_new) {
-        throw Error(ErrorKind::ssh,
-                    fmt::format("host key of {} is not in known_hosts {} (the host offers {}); "
-                                "verify it and add it, or pass --accept-new-host-keys",
-                                host.display(), known_hosts.string(), offered_fingerprint));
+        throw SshRefused(
+            fmt::format("host key of {} is not in known_hosts {} (the host offers {}); "
+                        "verify it and add it, or pass --accept-new-host-keys",
+                        host.display(), known_hosts.string(), offered_fingerprint));
       }
       if (ssh_session_update_known_hosts(session) != SSH_OK) {
         throw Error(ErrorKind::ssh,
@@ -415,8 +413,8 @@ void authenticate(ssh_session session, const HostSpec& host, const SshOptions& o
   }
   const std::string list =
       tried.empty() ? "no agent and no identity file" : fmt::format("{}", fmt::join(tried, ", "));
-  throw Error(ErrorKind::ssh, fmt::format("authentication refused for {} (tried: {}){}",
-                                          host.display(), list, ended));
+  throw SshRefused(
+      fmt::format("authentication refused for {} (tried: {}){}", host.display(), list, ended));
 }
 
 }  // namespace

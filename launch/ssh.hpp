@@ -82,12 +82,20 @@ class SshChannel {
   std::optional<int> exit_status_;
 };
 
+// The host answered and refused this client: authentication, or its host key (unknown, changed
+// or revoked). Unlike an unreachable host, a retry meets the same refusal until someone changes a
+// key or known_hosts.
+class SshRefused : public Error {
+ public:
+  explicit SshRefused(const std::string& message) : Error(ErrorKind::ssh, message) {}
+};
+
 class SshSession {
  public:
   // Connects, verifies the host key against known_hosts, authenticates (agent, then HostSpec::key,
   // then options.identities, then ~/.ssh/id_ed25519, id_ecdsa, id_rsa). Error(ssh) with a one-line
   // message naming host.display() and the reason (unreachable, auth refused, host key unknown or
-  // changed).
+  // changed); SshRefused for a refusal.
   static std::unique_ptr<SshSession> connect(const HostSpec& host, const SshOptions& options);
   ~SshSession();
   SshSession(const SshSession&) = delete;

@@ -579,6 +579,32 @@ TEST_CASE("an unreachable host fails the launch with exit 4 naming it") {
   }
 }
 
+TEST_CASE("a host that refuses the key is not restarted: --max-restarts would meet it again") {
+  Cluster c;
+  const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
+  const std::string& refusing = c.sshd.addresses()[2];
+  c.sshd.write_hostfile(c.tmp / "refusing.txt", {c.sshd.addresses()[1]}, 2);
+  write_text(c.tmp / "refusing.txt", read_text(c.tmp / "refusing.txt") + refusing +
+                                         " slots=1 port=" + std::to_string(c.sshd.port()) +
+                                         " user=" + c.sshd.user() +
+                                         " key=" + c.sshd.wrong_key().string() + "\n");
+  auto args = c.launch_args(recipe, c.tmp / "refused");
+  args[3] = (c.tmp / "refusing.txt").string();  // --hosts
+  for (const char* more : {"--max-restarts", "3", "--json"})
+    args.emplace_back(more);
+  auto r = run_dptrain(args);
+  INFO(r.err);
+  CHECK(r.exit_code == 4);
+  CHECK(r.err.find("authentication refused for " + c.sshd.host(refusing).display()) !=
+        std::string::npos);
+  CHECK(r.err.find("(not restarted: the host would refuse the connection again") !=
+        std::string::npos);
+  CHECK(r.err.find("restart 1") == std::string::npos);
+  const json out = parse_json(r.out);
+  CHECK(out["restarts"] == 0);
+  CHECK(parse_json(read_text(c.tmp / "refused/run.json"))["generations"].size() == 1);
+}
+
 TEST_CASE("a host name that does not resolve fails with exit 4 before anything is created") {
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), quick_recipe());
