@@ -3,6 +3,7 @@
 
 #include <fcntl.h>
 #include <pwd.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -189,6 +190,25 @@ std::filesystem::path resolved_path(const std::filesystem::path& path) {
   std::error_code ec;
   std::filesystem::path resolved = std::filesystem::weakly_canonical(absolute, ec);
   return ec ? absolute.lexically_normal() : resolved;
+}
+
+void require_open_files(uint64_t needed, const std::string& what) {
+  rlimit files{};
+  if (::getrlimit(RLIMIT_NOFILE, &files) != 0 || files.rlim_cur == RLIM_INFINITY) return;
+  std::error_code ec;
+  uint64_t open_now = 0;
+  for (std::filesystem::directory_iterator it("/proc/self/fd", ec), end; !ec && it != end;
+       it.increment(ec))
+    ++open_now;
+  if (open_now + needed <= files.rlim_cur) return;
+  throw Error(ErrorKind::usage,
+              fmt::format("{} need about {} open files here, more than the {} this process may "
+                          "open ({} already are; 'ulimit -n' says the limit, hard limit {}): "
+                          "raise it (ulimit -n, LimitNOFILE= for a systemd service, nofile in "
+                          "limits.conf), or run fewer ranks on this machine",
+                          what, needed, files.rlim_cur, open_now,
+                          files.rlim_max == RLIM_INFINITY ? std::string("unlimited")
+                                                          : std::to_string(files.rlim_max)));
 }
 
 std::string human_size(uint64_t bytes) {

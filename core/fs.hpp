@@ -47,6 +47,12 @@ std::optional<std::string> unclaimed_entry(
     const std::filesystem::path& dir,
     const std::function<bool(const std::filesystem::directory_entry&)>& ours);
 
+// Error(usage) when `needed` more descriptors than this process holds open now would pass its
+// limit on open files (RLIMIT_NOFILE, as main raised it to the hard limit): "WHAT need(s) about N
+// open files here, ..." with the limit and how to raise it. Found before the work that opens
+// them, not as "Too many open files" from whichever open comes last.
+void require_open_files(uint64_t needed, const std::string& what);
+
 // "512 B", "3.4 MiB", "1.2 GiB": binary units, one decimal above bytes.
 std::string human_size(uint64_t bytes);
 

@@ -1,6 +1,7 @@
 // Tests of the durable file helpers, on real files.
 #include "core/fs.hpp"
 
+#include <sys/resource.h>
 #include <sys/stat.h>
 
 #include <doctest/doctest.h>
@@ -65,4 +66,32 @@ TEST_CASE("append_line and truncate_metrics_after refuse a pipe instead of block
                                            "this file itself; move it away")
                            .c_str(),
                        Error);
+}
+
+TEST_CASE("require_open_files: refused past the soft limit, counting those open, naming both") {
+  rlimit saved{};
+  REQUIRE(::getrlimit(RLIMIT_NOFILE, &saved) == 0);
+  size_t open_now = 0;
+  for (const auto& e : fs::directory_iterator("/proc/self/fd")) {
+    (void)e;
+    ++open_now;
+  }
+  rlimit lowered = saved;
+  lowered.rlim_cur = open_now + 20;
+  if (saved.rlim_max != RLIM_INFINITY && lowered.rlim_cur > saved.rlim_max) return;
+  REQUIRE(::setrlimit(RLIMIT_NOFILE, &lowered) == 0);
+  CHECK_NOTHROW(require_open_files(10, "ten"));
+  std::string message;
+  try {
+    require_open_files(40, "4 rank(s) on this machine");
+  } catch (const Error& e) {
+    message = e.what();
+    CHECK(e.kind() == ErrorKind::usage);
+  }
+  ::setrlimit(RLIMIT_NOFILE, &saved);
+  CHECK(
+      message.starts_with("4 rank(s) on this machine need about 40 open files here, more than "
+                          "the " +
+                          std::to_string(open_now + 20) + " this process may open"));
+  CHECK(message.find("ulimit -n") != std::string::npos);
 }

@@ -505,6 +505,15 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       procs.push_back(std::move(p));
     }
   }
+  // Each local rank's output pipe and log file, and every rank's connection to the store (a
+  // remote host's ranks through their own), with room for the launcher's own.
+  const size_t store_clients = static_cast<size_t>(plan.agents.front().world_size);
+  const size_t local_ranks = procs.size() - relay_hosts.size();
+  require_open_files(
+      2 * local_ranks + 2 * relay_hosts.size() + store_clients + 32,
+      local_ranks == store_clients
+          ? fmt::format("{} rank(s) on this machine", local_ranks)
+          : fmt::format("{} rank(s) ({} on this machine)", store_clients, local_ranks));
 
   const int world = plan.agents.front().world_size;
   if (trains) info["recipe"] = to_json(spec.recipe);

@@ -811,27 +811,45 @@ TEST_CASE("launch claims its run directory: no foreign files, and racing launche
   }
 }
 
-TEST_CASE("a launcher that fails mid-job (too few file descriptors) records the run as failed") {
+TEST_CASE(
+    "too few file descriptors for the ranks: exit 2 naming the limit; a resume's is recorded") {
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), small_recipe());
   const fs::path run_dir = tmp / "fds";
-  // 12 descriptors: the run directory is made, the pipes for the ranks' output are not. Only
-  // 0-2 are open when it starts, whatever this test process holds.
+  // 12 descriptors: too few for 2 ranks' output pipes, logs and store connections. Only 0-2 are
+  // open when it starts, whatever this test process holds.
   write_text(tmp / "run.sh",
              "for fd in /proc/self/fd/*; do n=${fd##*/}; [ \"$n\" -gt 2 ] && eval \"exec $n>&-\"; "
              "done 2>/dev/null\nulimit -n 12\nexec \"$@\" 2> \"$ERR\"\n");
-  const std::string command = "ERR='" + (tmp / "err").string() + "' bash '" +
-                              (tmp / "run.sh").string() + "' '" + binary() + "' launch '" +
-                              recipe.string() + "' --nproc 2 --run-dir '" + run_dir.string() + "'";
-  const int status = std::system(command.c_str());
-  REQUIRE(WIFEXITED(status));
-  CHECK(WEXITSTATUS(status) == 1);
-  const std::string err = read_text(tmp / "err");
-  CHECK(err.find(": Too many open files\n") != std::string::npos);
-  CHECK(err.find("dptrain: run directory: " + run_dir.string()) != std::string::npos);
+  const auto limited = [&](const std::string& args) {
+    const std::string command = "ERR='" + (tmp / "err").string() + "' bash '" +
+                                (tmp / "run.sh").string() + "' '" + binary() + "' " + args;
+    const int status = std::system(command.c_str());
+    REQUIRE(WIFEXITED(status));
+    return WEXITSTATUS(status);
+  };
+  const std::string needs = "2 rank(s) on this machine need about ";
+  CHECK(limited("launch '" + recipe.string() + "' --nproc 2 --run-dir '" + run_dir.string() +
+                "'") == 2);
+  std::string err = read_text(tmp / "err");
+  CHECK(err.find("dptrain: error: " + needs) != std::string::npos);
+  CHECK(err.find("more than the 12 this process may open") != std::string::npos);
+  CHECK(err.find("Too many open files") == std::string::npos);
+  // Found before any rank started: the directory takes a launch again.
+  CHECK_FALSE(fs::exists(run_dir / "run.json"));
+
+  // A run that failed (recorded), resumed with too few: the launcher fails as its generation
+  // starts, and the run is recorded as failed with that error, not left "running".
+  auto failed =
+      run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir", run_dir.string()},
+                  Env{{"DPTRAIN_FAULT", "exit@step=3,rank=1,code=7"}});
+  REQUIRE(failed.exit_code == 3);
+  CHECK(limited("resume '" + run_dir.string() + "'") == 2);
+  err = read_text(tmp / "err");
+  CHECK(err.find("dptrain: error: " + needs) != std::string::npos);
   const auto info = parse_json(read_text(run_dir / "run.json"));
   CHECK(info["status"] == "failed");
-  CHECK(info["error"].get<std::string>().rfind("the launcher failed: ", 0) == 0);
+  CHECK(info["error"].get<std::string>().rfind("the launcher failed: " + needs, 0) == 0);
   const auto s = parse_json(run_dptrain({"status", run_dir.string(), "--json"}).out);
   CHECK(s["status"] == "failed");  // not "running", then "stale"
 }
