@@ -123,7 +123,20 @@ class CsvRows {
   bool next(std::vector<std::string_view>& fields, int64_t& line_number) {
     while (std::getline(in_, line_)) {
       ++line_number_;
-      if (trim(line_).empty()) continue;
+      // A byte order mark (what spreadsheets write) is not part of the first field: read as one,
+      // it made a first data row look like a header, dropped without a word.
+      if (line_number_ == 1 && line_.starts_with("\xEF\xBB\xBF")) line_.erase(0, 3);
+      const std::string_view content = trim(line_);
+      if (content.empty()) continue;
+      // A carriage return inside a line: the file's lines end in CR alone (classic Mac OS), and
+      // it reads as one line; named, not "no data rows" or a field that is not a number.
+      if (content.find('\r') != std::string_view::npos) {
+        throw Error(ErrorKind::recipe,
+                    fmt::format("{}:{}: a carriage return inside the line: its lines end in CR "
+                                "alone (classic Mac OS); convert them to LF or CRLF, e.g. with "
+                                "tr '\\r' '\\n'",
+                                path_.string(), line_number_));
+      }
       split_fields(line_, fields);
       if (first_row_) {
         first_row_ = false;

@@ -184,6 +184,22 @@ TEST_CASE("csv: header detection, blank lines, CRLF and whitespace") {
   CHECK(read_csv_samples(numeric, "no", 2, 3).size() == 2);
   CHECK(read_csv_samples(numeric, "yes", 2, 3).size() == 1);
   CHECK(read_csv_samples(dir.write("c.csv", "2.0,1,1\n"), "no", 2, 3).y[0] == 2);
+
+  // A byte order mark (a spreadsheet's export) is passed over: the first row stays a data row,
+  // and a header after it is still one.
+  const auto bom = dir.write("d.csv",
+                             "\xEF\xBB\xBF"
+                             "1,0.5,2\r\n0,1,1\r\n");
+  for (const char* header : {"auto", "no"}) {
+    CAPTURE(header);
+    const SampleTable d = read_csv_samples(bom, header, 2, 3);
+    CHECK(d.y == std::vector<int32_t>{1, 0});
+  }
+  CHECK(read_csv_samples(dir.write("e.csv",
+                                   "\xEF\xBB\xBF"
+                                   "label,a,b\n1,0.5,2\n"),
+                         "auto", 2, 3)
+            .size() == 1);
 }
 
 TEST_CASE("csv: every bad row is a recipe error naming the file and line") {
@@ -202,6 +218,10 @@ TEST_CASE("csv: every bad row is a recipe error naming the file and line") {
   CHECK(csv_error("a,b,c\n", "auto") == ": no data rows");
   CHECK(csv_error("a,b,c\n1,2,3\n", "no") == ":1: label 'a' is not a number");
   CHECK(csv_error("1,2,3\n", "maybe").find("data.header") != std::string::npos);
+  // Lines ended by CR alone read as one: named as that, not as a header with no rows after it.
+  CHECK(csv_error("a,b,c\r1,2,0\r0,1,1\r") ==
+        ":1: a carriage return inside the line: its lines end in CR alone (classic Mac OS); "
+        "convert them to LF or CRLF, e.g. with tr '\\r' '\\n'");
 }
 
 TEST_CASE("csv: every wrong row is listed, the same by csv_problems and read_csv_samples") {
