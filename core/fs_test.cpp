@@ -95,3 +95,13 @@ TEST_CASE("require_open_files: refused past the soft limit, counting those open,
                           std::to_string(open_now + 20) + " this process may open"));
   CHECK(message.find("ulimit -n") != std::string::npos);
 }
+
+TEST_CASE("truncate_metrics_after keeps the steps up to the checkpoint's, passing over odd lines") {
+  test::TempDir tmp;
+  const fs::path metrics = tmp / "metrics.jsonl";
+  write_file_atomic(metrics,
+                    "{\"step\":1,\"loss\":2}\n{\"step\":\"x\",\"loss\":2}\n[1,2]\n{\"loss\":1}\n"
+                    "{\"step\":2,\"loss\":1.5}\n{\"step\":3,\"loss\":1}\n{\"step\":4,\"lo");
+  truncate_metrics_after(metrics, 2);
+  CHECK(read_file(metrics) == "{\"step\":1,\"loss\":2}\n{\"step\":2,\"loss\":1.5}\n");
+}

@@ -1624,8 +1624,12 @@ void truncate_metrics_after(const fs::path& metrics_file, int64_t step) {
     const std::string line = text.substr(pos, end - pos);
     pos = end + 1;
     const json j = json::parse(line, nullptr, false);
-    if (j.is_discarded() || !j.contains("step")) continue;  // a torn last line from the crash
-    if (j["step"].get<int64_t>() <= step) kept += line + "\n";
+    // A torn last line from the crash, or one that is not the trainer's (a step that is not a
+    // number): status and report pass over it, and so does a resume.
+    if (j.is_discarded() || !j.is_object() || !j.contains("step") || !j["step"].is_number()) {
+      continue;
+    }
+    if (j["step"].get<double>() <= static_cast<double>(step)) kept += line + "\n";
   }
   write_file_atomic(metrics_file, kept);
 }
