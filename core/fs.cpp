@@ -201,12 +201,14 @@ void require_open_files(uint64_t needed, const std::string& what) {
        it.increment(ec))
     ++open_now;
   if (open_now + needed <= files.rlim_cur) return;
+  // Not counted when even the listing found no descriptor free.
+  const std::string held = ec ? std::string() : fmt::format("{} already are; ", open_now);
   throw Error(ErrorKind::usage,
               fmt::format("{} need about {} open files here, more than the {} this process may "
-                          "open ({} already are; 'ulimit -n' says the limit, hard limit {}): "
-                          "raise it (ulimit -n, LimitNOFILE= for a systemd service, nofile in "
-                          "limits.conf), or run fewer ranks on this machine",
-                          what, needed, files.rlim_cur, open_now,
+                          "open ({}'ulimit -n' says the limit, hard limit {}): raise it (ulimit "
+                          "-n, LimitNOFILE= for a systemd service, nofile in limits.conf), or run "
+                          "fewer ranks on this machine",
+                          what, needed, files.rlim_cur, held,
                           files.rlim_max == RLIM_INFINITY ? std::string("unlimited")
                                                           : std::to_string(files.rlim_max)));
 }

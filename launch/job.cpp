@@ -468,6 +468,24 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   const int generation = static_cast<int>(info["generations"].size()) + 1;
   const std::string addr = resolve_master_addr(spec);
   const std::string secret = generate_job_secret();
+  {
+    // Each local rank's output pipe and log file, each remote host's relay, and every rank's
+    // connection to the store, with room for the launcher's own: found before the store opens.
+    size_t local_ranks = spec.hosts.empty() ? static_cast<size_t>(spec.world_size) : 0;
+    size_t relays = 0;
+    for (const HostSpec& h : spec.hosts) {
+      if (h.is_local()) {
+        local_ranks += static_cast<size_t>(h.slots);
+      } else {
+        ++relays;
+      }
+    }
+    const auto world = static_cast<size_t>(spec.world_size);
+    require_open_files(2 * local_ranks + 2 * relays + world + 32,
+                       local_ranks == world
+                           ? fmt::format("{} rank(s) on this machine", local_ranks)
+                           : fmt::format("{} rank(s) ({} on this machine)", world, local_ranks));
+  }
   TcpStoreServer store(addr, spec.remote.master_port, secret);
   const JobPlan plan =
       plan_job(spec, run.path(), run.remote_name(), generation, addr, store.port(), secret);
@@ -505,16 +523,6 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       procs.push_back(std::move(p));
     }
   }
-  // Each local rank's output pipe and log file, and every rank's connection to the store (a
-  // remote host's ranks through their own), with room for the launcher's own.
-  const size_t store_clients = static_cast<size_t>(plan.agents.front().world_size);
-  const size_t local_ranks = procs.size() - relay_hosts.size();
-  require_open_files(
-      2 * local_ranks + 2 * relay_hosts.size() + store_clients + 32,
-      local_ranks == store_clients
-          ? fmt::format("{} rank(s) on this machine", local_ranks)
-          : fmt::format("{} rank(s) ({} on this machine)", store_clients, local_ranks));
-
   const int world = plan.agents.front().world_size;
   if (trains) info["recipe"] = to_json(spec.recipe);
   info["world_size"] = world;

@@ -91,9 +91,16 @@ void check_path_room(const fs::path& dir, const char* option) {
 std::optional<std::string> foreign_entry(const fs::path& dir) {
   return unclaimed_entry(dir, [](const fs::directory_entry& entry) {
     const std::string name = entry.path().filename().string();
+    if (name == kLockFile) return true;
+    if (name != "logs" && name != "checkpoints") return false;
     std::error_code ec;
-    return name == kLockFile || ((name == "logs" || name == "checkpoints") &&
-                                 entry.is_directory(ec) && fs::is_empty(entry.path(), ec));
+    const bool empty = entry.is_directory(ec) && fs::is_empty(entry.path(), ec);
+    // One that cannot be listed (no descriptor free, a permission) is not taken for full.
+    if (ec) {
+      throw Error(ErrorKind::usage,
+                  fmt::format("{}: cannot list: {}", entry.path().string(), ec.message()));
+    }
+    return empty;
   });
 }
 
