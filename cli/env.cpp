@@ -7,8 +7,10 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <cstdlib>
 #include <fstream>
+#include <limits>
 
 #include <fmt/format.h>
 
@@ -36,12 +38,15 @@ int env_int(const char* name, std::optional<int> fallback, const std::string& wh
     throw Error(ErrorKind::usage,
                 when_missing.empty() ? fmt::format("{} is not set", name) : when_missing);
   }
-  try {
-    size_t used = 0;
-    const int n = std::stoi(*v, &used);
-    if (used == v->size()) return n;
-  } catch (const std::exception&) {
+  int n = 0;
+  const char* end = v->data() + v->size();
+  const auto [ptr, ec] = std::from_chars(v->data(), end, n);
+  if (ptr == end && ec == std::errc::result_out_of_range) {
+    throw Error(ErrorKind::usage,
+                fmt::format("{}: '{}' is out of range [{}, {}]", name, *v,
+                            std::numeric_limits<int>::min(), std::numeric_limits<int>::max()));
   }
+  if (ptr == end && ec == std::errc()) return n;
   throw Error(ErrorKind::usage, fmt::format("{}: not an integer: '{}'", name, *v));
 }
 

@@ -165,9 +165,10 @@ int run_to_end(RunDirectory& run, JobSpec spec, const RestartOptions& o, bool js
 const CLI::Validator& non_negative_number() {
   static const CLI::Validator check(
       [](std::string& value) -> std::string {
+        if (value.empty()) return "is empty; give a value";  // as every option says it
         char* end = nullptr;
         const double v = std::strtod(value.c_str(), &end);
-        if (value.empty() || end == value.c_str() || *end != '\0') {
+        if (end == value.c_str() || *end != '\0') {
           return "'" + value + "' is not a number";
         }
         if (!std::isfinite(v) || v < 0) return "'" + value + "' must be a finite number >= 0";

@@ -48,6 +48,7 @@ template <typename T>
 CLI::Validator whole_number(const char* description) {
   return CLI::Validator(
       [](std::string& value) -> std::string {
+        if (value.empty()) return "is empty; give a value";  // as every option says it
         T parsed{};
         const char* end = value.data() + value.size();
         const auto [ptr, ec] = std::from_chars(value.data(), end, parsed);

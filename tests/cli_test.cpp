@@ -253,7 +253,12 @@ TEST_CASE("an empty option value, or an option in its place, is refused, not rea
            {"launch", "", "--runs-root", runs},
            {"bench", "comm", "--iters", "", "--runs-root", runs},
            {"data", "prepare", "--text", recipe.string(), "--out", (tmp / "ds").string(),
-            "--val-fraction", ""}}) {
+            "--val-fraction", ""},
+           // Options with checks of their own (a whole number, a number >= 0, seconds).
+           {"launch", recipe.string(), "--max-restarts", "", "--runs-root", runs},
+           {"launch", recipe.string(), "--hang-timeout", "", "--runs-root", runs},
+           {"sample", runs, "--tokens", ""},
+           {"worker", recipe.string(), "--rank", "", "--run-dir", runs}}) {
     const auto named = std::find(args.begin(), args.end(), "");
     const std::string option = named[-1].starts_with("-") ? named[-1] : std::string("recipe");
     CAPTURE(option);

@@ -777,6 +777,11 @@ TEST_CASE("a worker missing its identity says which variable is missing") {
   auto r = run_dptrain({"worker", recipe.string()}, {{"RANK", ""}, {"WORLD_SIZE", ""}});
   CHECK(r.exit_code == 2);
   CHECK(r.err == "dptrain: error: RANK: is empty; give a value\n");
+  // One past what a rank number holds: out of range, not "not an integer".
+  auto huge =
+      run_dptrain({"worker", recipe.string()}, {{"RANK", "0"}, {"WORLD_SIZE", "2147483648"}});
+  CHECK(huge.exit_code == 2);
+  CHECK(huge.err.find("WORLD_SIZE: '2147483648' is out of range [") != std::string::npos);
   auto unset = run_dptrain({"worker", recipe.string()}, {{"WORLD_SIZE", "2"}});
   CHECK(unset.exit_code == 2);
   CHECK(unset.err == "dptrain: error: --rank not given and RANK is not set\n");
