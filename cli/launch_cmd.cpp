@@ -114,7 +114,14 @@ int run_launch(const LaunchOptions& o) {
   const auto fault_warnings = check_fault_injection(spec);
   check_events(o.restart, o.json,
                o.run_dir);  // the plan is refused for what the launch would refuse
+  // Said before "already holds a run": its workers are not to be started again.
+  if (const std::string running = o.run_dir.empty() ? "" : running_hand_run(o.run_dir);
+      !running.empty()) {
+    throw Error(ErrorKind::usage, running + "; choose another --run-dir");
+  }
   if (o.dry_run) {
+    // A plan for a directory the launch would refuse (one holding a run) is refused as well.
+    if (!o.run_dir.empty()) RunDirectory::check_new(o.run_dir);
     for (const auto& warning : fault_warnings)
       std::fprintf(stderr, "dptrain: warning: %s\n", warning.c_str());
     // The directory a launch would create (its time is filled in then).
@@ -126,11 +133,6 @@ int run_launch(const LaunchOptions& o) {
     return 0;
   }
   check_local_gpus(spec);
-  // Said before "already holds a run": its workers are not to be started again.
-  if (const std::string running = o.run_dir.empty() ? "" : running_hand_run(o.run_dir);
-      !running.empty()) {
-    throw Error(ErrorKind::usage, running + "; choose another --run-dir");
-  }
   // A bad --events path: nothing created. One in the run directory (RUN_DIR/events.jsonl) is
   // opened once the directory is made.
   const bool events_in_run = events_in_run_dir(o.restart, o.run_dir);

@@ -207,51 +207,99 @@ std::optional<int64_t> seconds_since(const std::string& stamp) {
   return static_cast<int64_t>(std::time(nullptr) - ::timegm(&tm));
 }
 
+namespace {
+
+// Error(usage) when `p` holds a run a launch must not start over; `mine`: this launch holds the
+// directory's lock (it made the layout).
+void refuse_held_run(const fs::path& p, bool mine) {
+  std::error_code exists_ec;
+  if (!fs::exists(p / "run.json", exists_ec)) return;
+  // Still running (its launcher, or its workers' rank 0, holds the lock): neither resume nor a
+  // start of its workers is for now.
+  if (!mine && run_locked_by_another(p)) {
+    throw Error(ErrorKind::usage,
+                fmt::format("{}: already holds a run, which another dptrain is running now (a "
+                            "launcher, or workers started without one: it holds {}); choose "
+                            "another --run-dir",
+                            p.string(), (p / kLockFile).string()));
+  }
+  // A benchmark's run (no recipe) or a completed one has nothing to resume; workers started
+  // without a launcher continue theirs themselves.
+  nlohmann::json info;
+  try {
+    info = read_run_json(p);
+  } catch (const Error&) {
+  }
+  std::string how = fmt::format("continue it with 'dptrain resume {}'", p.string());
+  if (info.is_object() && !info.contains("recipe")) {
+    throw Error(
+        ErrorKind::usage,
+        fmt::format("{}: already holds a benchmark's run; choose another --run-dir", p.string()));
+  }
+  if (info.is_object() && info.value("status", nlohmann::json()) == "completed") {
+    throw Error(ErrorKind::usage,
+                fmt::format("{}: already holds a run, which completed; choose another --run-dir",
+                            p.string()));
+  }
+  if (info.is_object() && started_by_workers(info)) {
+    how = fmt::format(
+        "its workers were started without a launcher: start them again with '{}' "
+        "to continue it",
+        hand_resume_flag(p));
+  }
+  throw Error(ErrorKind::usage, fmt::format("{}: already holds a run; {}, or choose another "
+                                            "--run-dir",
+                                            p.string(), how));
+}
+
+}  // namespace
+
+void RunDirectory::check_new(const fs::path& path) {
+  std::error_code ec;
+  check_path_room(path, "--run-dir");
+  if (fs::is_symlink(fs::symlink_status(path, ec))) {
+    // mkdir through a dangling link fails with a bare "File exists".
+    std::error_code target_ec;
+    const bool reached = fs::exists(path, target_ec);
+    if (!reached) {
+      const std::string target = fs::read_symlink(path, ec).string();
+      throw Error(ErrorKind::usage,
+                  target_ec ? fmt::format("{}: a symbolic link to {}, which cannot be followed: "
+                                          "{}; choose another --run-dir",
+                                          path.string(), target, target_ec.message())
+                            : fmt::format("{}: a symbolic link to {}, which does not exist: "
+                                          "create the directory it names, or choose another "
+                                          "--run-dir",
+                                          path.string(), target));
+    }
+  }
+  refuse_held_run(path, false);
+  if (fs::exists(path, ec)) {
+    if (!fs::is_directory(path, ec)) {
+      throw Error(ErrorKind::usage,
+                  fmt::format("{}: is not a directory; choose another --run-dir", path.string()));
+    }
+    if (const auto entry = foreign_entry(path)) {
+      // A launch that made it a moment ago and holds it (its run.json not yet written).
+      if (run_locked_by_another(path)) {
+        throw Error(ErrorKind::usage,
+                    fmt::format("{}: another dptrain is starting a run there (it holds {}); "
+                                "give another --run-dir",
+                                path.string(), (path / ".lock").string()));
+      }
+      throw Error(ErrorKind::usage,
+                  fmt::format("{}: holds '{}' but no run.json: not a run directory, and its "
+                              "files would be taken for the run's; choose an empty or new "
+                              "--run-dir",
+                              path.string(), *entry));
+    }
+  }
+}
+
 RunDirectory RunDirectory::create(const fs::path& dir, const fs::path& runs_root,
                                   const std::string& name) {
   fs::path path = dir;
   std::error_code ec;
-  // `mine`: this launch holds the directory's lock (it made the layout).
-  const auto holds_run = [](const fs::path& p, bool mine) {
-    std::error_code exists_ec;
-    if (!fs::exists(p / "run.json", exists_ec)) return;
-    // Still running (its launcher, or its workers' rank 0, holds the lock): neither resume nor a
-    // start of its workers is for now.
-    if (!mine && run_locked_by_another(p)) {
-      throw Error(ErrorKind::usage,
-                  fmt::format("{}: already holds a run, which another dptrain is running now (a "
-                              "launcher, or workers started without one: it holds {}); choose "
-                              "another --run-dir",
-                              p.string(), (p / kLockFile).string()));
-    }
-    // A benchmark's run (no recipe) or a completed one has nothing to resume; workers started
-    // without a launcher continue theirs themselves.
-    nlohmann::json info;
-    try {
-      info = read_run_json(p);
-    } catch (const Error&) {
-    }
-    std::string how = fmt::format("continue it with 'dptrain resume {}'", p.string());
-    if (info.is_object() && !info.contains("recipe")) {
-      throw Error(
-          ErrorKind::usage,
-          fmt::format("{}: already holds a benchmark's run; choose another --run-dir", p.string()));
-    }
-    if (info.is_object() && info.value("status", nlohmann::json()) == "completed") {
-      throw Error(ErrorKind::usage,
-                  fmt::format("{}: already holds a run, which completed; choose another --run-dir",
-                              p.string()));
-    }
-    if (info.is_object() && started_by_workers(info)) {
-      how = fmt::format(
-          "its workers were started without a launcher: start them again with '{}' "
-          "to continue it",
-          hand_resume_flag(p));
-    }
-    throw Error(ErrorKind::usage, fmt::format("{}: already holds a run; {}, or choose another "
-                                              "--run-dir",
-                                              p.string(), how));
-  };
   if (path.empty()) {
     // create_directory is the claim: of two launches racing for one name, one makes it and the
     // other moves on to the next suffix.
@@ -270,49 +318,13 @@ RunDirectory RunDirectory::create(const fs::path& dir, const fs::path& runs_root
                               cwd_gone_note(where)));
     }
   } else {
-    check_path_room(path, "--run-dir");
-    if (fs::is_symlink(fs::symlink_status(path, ec))) {
-      // mkdir through a dangling link fails with a bare "File exists".
-      std::error_code target_ec;
-      const bool reached = fs::exists(path, target_ec);
-      if (!reached) {
-        const std::string target = fs::read_symlink(path, ec).string();
-        throw Error(ErrorKind::usage,
-                    target_ec ? fmt::format("{}: a symbolic link to {}, which cannot be followed: "
-                                            "{}; choose another --run-dir",
-                                            path.string(), target, target_ec.message())
-                              : fmt::format("{}: a symbolic link to {}, which does not exist: "
-                                            "create the directory it names, or choose another "
-                                            "--run-dir",
-                                            path.string(), target));
-      }
-    }
-    holds_run(path, false);
-    if (fs::exists(path, ec)) {
-      if (!fs::is_directory(path, ec)) {
-        throw Error(ErrorKind::usage,
-                    fmt::format("{}: is not a directory; choose another --run-dir", path.string()));
-      }
-      if (const auto entry = foreign_entry(path)) {
-        // A launch that made it a moment ago and holds it (its run.json not yet written).
-        if (run_locked_by_another(path)) {
-          throw Error(ErrorKind::usage,
-                      fmt::format("{}: another dptrain is starting a run there (it holds {}); "
-                                  "give another --run-dir",
-                                  path.string(), (path / ".lock").string()));
-        }
-        throw Error(ErrorKind::usage,
-                    fmt::format("{}: holds '{}' but no run.json: not a run directory, and its "
-                                "files would be taken for the run's; choose an empty or new "
-                                "--run-dir",
-                                path.string(), *entry));
-      }
-    }
+    check_new(path);
   }
   dptrain::make_layout(path);
   RunDirectory run(resolved_path(path), nlohmann::json::object());
   run.lock();
-  holds_run(path, true);  // a launch that won the race for this --run-dir and has finished already
+  // A launch that won the race for this --run-dir and has finished already.
+  refuse_held_run(path, true);
   run.info_ = new_run_info();
   return run;
 }

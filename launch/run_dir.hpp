@@ -20,6 +20,8 @@ class RunDirectory {
   // Either way the new run directory is lock()ed. Error(usage) naming it when it cannot be made.
   static RunDirectory create(const std::filesystem::path& dir,
                              const std::filesystem::path& runs_root, const std::string& name);
+  // What create refuses a given `dir` for, checked without making anything (launch --dry-run).
+  static void check_new(const std::filesystem::path& dir);
   // An existing run: Error(usage) as read_run_json says when its run.json cannot be used.
   // Nothing is created or changed there (a reader, or a resume with nothing to do).
   static RunDirectory open(const std::filesystem::path& dir);

@@ -288,6 +288,11 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
     CHECK(launched_done.err == "dptrain: error: " + (tmp / "run").string() +
                                    ": already holds a run, which completed; choose another "
                                    "--run-dir\n");
+    // A dry run is refused as the launch is: a plan for it is no preflight otherwise.
+    const auto planned =
+        run_dptrain({"launch", recipe.string(), "--run-dir", (tmp / "run").string(), "--dry-run"});
+    CHECK(planned.exit_code == 2);
+    CHECK(planned.err == launched_done.err);
     CHECK(snapshot() == before);
   }
   // Continued on one rank without --nominal-world (a run that failed after its last
