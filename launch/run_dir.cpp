@@ -329,8 +329,71 @@ RunDirectory RunDirectory::create(const fs::path& dir, const fs::path& runs_root
   return run;
 }
 
+namespace {
+
+// Error(usage) "FILE: /POINTER: expected KIND, got VALUE" for the first field of run.json that a
+// resume reads and that is not of its type (a record edited by hand, or damaged): named, before
+// anything is started or written, not a JSON library's type error from deep inside (which, once
+// the launch had begun, was even recorded as the run's failure).
+void check_record_types(const nlohmann::json& info, const fs::path& file) {
+  using nlohmann::json;
+  struct Kind {
+    const char* name;
+    bool (*is)(const json&);
+  };
+  static constexpr Kind kString{"a string", [](const json& j) { return j.is_string(); }};
+  static constexpr Kind kInteger{"an integer", [](const json& j) { return j.is_number_integer(); }};
+  static constexpr Kind kArray{"an array", [](const json& j) { return j.is_array(); }};
+  static constexpr Kind kObject{"an object", [](const json& j) { return j.is_object(); }};
+  const auto check = [&](const json& parent, const std::string& pointer, const char* key,
+                         const Kind& kind) {
+    const auto it = parent.find(key);
+    if (it == parent.end() || it->is_null() || kind.is(*it)) return;
+    throw Error(
+        ErrorKind::usage,
+        fmt::format("{}: {}/{}: expected {}, got {} (the record was edited or damaged: "
+                    "fix that field)",
+                    file.string(), pointer, key, kind.name, printable_excerpt(json_text(*it))));
+  };
+  for (const char* key : {"id", "status", "backend", "recipe_file", "started_by", "error", "store",
+                          "alive_at", "created_at"})
+    check(info, "", key, kString);
+  for (const char* key : {"world_size", "nominal_world_size"})
+    check(info, "", key, kInteger);
+  for (const char* key : {"generations", "hosts", "restarts", "resizes", "world_size_changes"}) {
+    check(info, "", key, kArray);
+    if (!info.contains(key) || info[key].is_null()) continue;
+    for (size_t i = 0; i < info[key].size(); ++i) {
+      const std::string at = fmt::format("/{}/{}", key, i);
+      if (!info[key][i].is_object()) {
+        throw Error(ErrorKind::usage,
+                    fmt::format("{}: {}: expected an object, got {} (the record was edited or "
+                                "damaged: fix that field)",
+                                file.string(), at, printable_excerpt(json_text(info[key][i]))));
+      }
+    }
+  }
+  for (size_t i = 0; i < info.value("generations", json::array()).size(); ++i) {
+    const json& g = info["generations"][i];
+    const std::string at = fmt::format("/generations/{}", i);
+    for (const char* key : {"status", "started_at", "ended_at", "error"})
+      check(g, at, key, kString);
+    for (const char* key : {"world_size", "step"})
+      check(g, at, key, kInteger);
+  }
+  for (size_t i = 0; i < info.value("hosts", json::array()).size(); ++i) {
+    check(info["hosts"][i], fmt::format("/hosts/{}", i), "host", kString);
+    check(info["hosts"][i], fmt::format("/hosts/{}", i), "slots", kInteger);
+  }
+  for (const char* key : {"last_checkpoint", "launcher", "result", "pending_restart"})
+    check(info, "", key, kObject);
+}
+
+}  // namespace
+
 RunDirectory RunDirectory::open(const fs::path& dir) {
   nlohmann::json info = read_run_json(dir);
+  check_record_types(info, dir / "run.json");
   return RunDirectory(resolved_path(dir), std::move(info));
 }
 

@@ -348,6 +348,36 @@ TEST_CASE("a run.json that is a directory or not JSON is named plainly, without 
   }
 }
 
+TEST_CASE("resume of a run.json with a field of the wrong type names it and changes nothing") {
+  using nlohmann::json;
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), small_recipe());
+  const fs::path run = tmp / "run";
+  auto failed = run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir", run.string()},
+                            Env{{"DPTRAIN_FAULT", "exit@step=3,rank=1,code=7"}});
+  REQUIRE(failed.exit_code == 3);
+  const json good = parse_json(read_text(run / "run.json"));
+  const std::vector<std::pair<std::string, json>> edits = {
+      {"/world_size", "two"},       {"/id", 5},
+      {"/generations", "x"},        {"/hosts", "localhost"},
+      {"/generations/0/status", 9}, {"/hosts/0", "localhost"}};
+  for (const auto& [pointer, value] : edits) {
+    CAPTURE(pointer);
+    json edited = good;
+    edited[json::json_pointer(pointer)] = value;
+    const std::string text = edited.dump(2);
+    write_text(run / "run.json", text);
+    auto r = run_dptrain({"resume", run.string(), "--json"});
+    CHECK(r.exit_code == 2);
+    CHECK_MESSAGE(r.err.starts_with("dptrain: error: " + (run / "run.json").string() + ": " +
+                                    pointer + ": expected "),
+                  r.err);
+    CHECK(r.err.find("json.exception") == std::string::npos);
+    CHECK(parse_json(r.out)["exit_code"] == 2);
+    CHECK(read_text(run / "run.json") == text);  // not rewritten as a failed launch
+  }
+}
+
 TEST_CASE("a current directory that was deleted is named as the cause of a relative path's error") {
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), small_recipe());
