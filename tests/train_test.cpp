@@ -616,6 +616,42 @@ TEST_CASE("workers given different data, --resume or nominal world stop at once,
   }
 }
 
+TEST_CASE("a second process given a rank another is joining with is refused at once") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), small_recipe());
+  const std::string port = std::to_string(unused_port());
+  const auto env_of = [&](int rank) {
+    Env e = {{"RANK", std::to_string(rank)},
+             {"WORLD_SIZE", "3"},
+             {"MASTER_ADDR", "127.0.0.1"},
+             {"MASTER_PORT", port},
+             {"DPTRAIN_RUN_DIR", (tmp / "run").string()}};
+    if (rank == 0) e["DPTRAIN_HOST_STORE"] = "1";
+    return e;
+  };
+  // Both given rank 1 while rank 2 is not there yet: whichever joins second is refused (they
+  // would pair in Gloo's rendezvous as one rank, and the job hang or lose the first); the other
+  // goes on, and the job completes once rank 2 comes.
+  Background r0({"worker", recipe.string()}, env_of(0));
+  Background first({"worker", recipe.string()}, env_of(1));
+  Background second({"worker", recipe.string()}, env_of(1));
+  REQUIRE(eventually([&] { return !process_alive(first.pid()) || !process_alive(second.pid()); },
+                     std::chrono::seconds(60)));
+  Background r2({"worker", recipe.string()}, env_of(2));
+  const int a = first.wait(std::chrono::seconds(120));
+  const int b = second.wait(std::chrono::seconds(120));
+  INFO(first.err(), second.err());
+  CHECK(r0.wait(std::chrono::seconds(120)) == 0);
+  CHECK(r2.wait(std::chrono::seconds(120)) == 0);
+  CHECK(std::min(a, b) == 0);
+  CHECK(std::max(a, b) == 2);
+  const std::string refused = a == 2 ? first.err() : second.err();
+  CHECK(refused.starts_with("dptrain: error: rank 1: another process (pid " +
+                            std::to_string(a == 2 ? second.pid() : first.pid()) + " on "));
+  CHECK(contains(refused, "is joining this job as rank 1 already"));
+  CHECK(parse_json(read_text(tmp / "run/run.json"))["status"] == "completed");
+}
+
 TEST_CASE("workers stopped before their first step, or rank 0 by SIGINT, record how they ended") {
   TempDir tmp;
   auto r = resumable_recipe();

@@ -1,8 +1,13 @@
 // The ranks' agreement to start (world size, every rank able to, NCCL or Gloo), through the store.
 #include "core/comm/start_agreement.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <charconv>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -109,6 +114,73 @@ std::string read_posted(Store& store, const std::string& key, int rank,
   }
 }
 
+// This process as the kernel tells it from any other on the machine: its pid namespace, pid and
+// start time (in clock ticks since boot; a pid reused later starts later). Empty when /proc does
+// not say.
+std::string process_identity(pid_t pid) {
+  std::error_code ec;
+  const auto ns = std::filesystem::read_symlink(fmt::format("/proc/{}/ns/pid", pid), ec);
+  std::ifstream stat(fmt::format("/proc/{}/stat", pid));
+  std::string text;
+  std::getline(stat, text);
+  // The fields after the command's name, which may hold spaces and parentheses: state is the
+  // first, the start time the twentieth.
+  const size_t close = text.rfind(')');
+  if (ec || close == std::string::npos) return {};
+  std::istringstream fields(text.substr(close + 1));
+  std::string field, state, start;
+  for (int i = 1; fields >> field && i <= 20; ++i) {
+    if (i == 1) state = field;
+    if (i == 20) start = field;
+  }
+  if (start.empty() || state == "Z" || state == "X") return {};  // gone, or a zombie
+  return fmt::format("{} {} {}", ns.string(), pid, start);
+}
+
+std::string this_host() {
+  char name[256] = {};
+  return ::gethostname(name, sizeof name - 1) == 0 ? std::string(name) : std::string();
+}
+
+// A second process given the rank of one still waiting to start on this machine (a script's
+// slip, two started where one was meant): Error(usage) naming it, at once. Each process that
+// joins as `rank` claims a number (the store's counter) and posts "HOST IDENTITY" under it; an
+// earlier claim of this machine whose process still lives is the duplicate's reason. One that
+// is gone is no reason (this may be its start again), nor is one on another machine: its pid
+// says nothing here (a duplicate there is refused once the first runs the job: backend/met).
+void refuse_duplicate_start(Store& store, int rank) {
+  const std::string host = this_host();
+  const std::string me = process_identity(::getpid());
+  if (host.empty() || me.empty()) return;
+  const std::string base = fmt::format("backend/claim/{}", rank);
+  const int64_t number = store.add(base, 1);
+  store.set(fmt::format("{}/{}", base, number), host + " " + me);
+  for (int64_t earlier = 1; earlier < number; ++earlier) {
+    const std::string key = fmt::format("{}/{}", base, earlier);
+    // Posted a moment after its number: one that never posts it died in between.
+    std::string claim;
+    try {
+      claim = store.get(key, std::chrono::seconds(2));
+    } catch (const Error&) {
+      continue;
+    }
+    const size_t space = claim.find(' ');
+    if (space == std::string::npos || claim.substr(0, space) != host) continue;
+    const std::string identity = claim.substr(space + 1);
+    // "NS PID START": the same process, if it still lives, reads the same now.
+    std::istringstream parts(identity);
+    std::string ns;
+    pid_t pid = 0;
+    if (!(parts >> ns >> pid) || pid <= 0 || identity == me) continue;
+    if (process_identity(pid) != identity) continue;
+    throw Error(
+        ErrorKind::usage,
+        fmt::format("rank {}: another process (pid {} on {}) is joining this job as rank {} "
+                    "already (at {}): give each process its own rank",
+                    rank, pid, host, rank, store.describe()));
+  }
+}
+
 }  // namespace
 
 BackendChoice agree_to_start(Store& store, int rank, int world, bool required,
@@ -124,6 +196,7 @@ BackendChoice agree_to_start(Store& store, int rank, int world, bool required,
                             "runs it (at {}): give each process its own rank",
                             rank, rank, store.describe()));
   }
+  refuse_duplicate_start(store, rank);
   const auto agreed = [&](BackendChoice choice) {
     store.set(met, "1");
     return choice;
