@@ -36,6 +36,17 @@ double max_relative_difference(const std::vector<float>& a, const std::vector<fl
   return max_diff / max_abs;
 }
 
+// A worker started by hand into `run_dir`, from the environment (rank 0 serving the store).
+Env hand_env(int rank, int world, const std::string& port, const fs::path& run_dir) {
+  Env e = {{"RANK", std::to_string(rank)},
+           {"WORLD_SIZE", std::to_string(world)},
+           {"MASTER_ADDR", "127.0.0.1"},
+           {"MASTER_PORT", port},
+           {"DPTRAIN_RUN_DIR", run_dir.string()}};
+  if (rank == 0) e["DPTRAIN_HOST_STORE"] = "1";
+  return e;
+}
+
 }  // namespace
 
 TEST_CASE("quickstart on 2 ranks learns well above chance and ranks agree") {
@@ -620,15 +631,7 @@ TEST_CASE("a second process given a rank another is joining with is refused at o
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), small_recipe());
   const std::string port = std::to_string(unused_port());
-  const auto env_of = [&](int rank) {
-    Env e = {{"RANK", std::to_string(rank)},
-             {"WORLD_SIZE", "3"},
-             {"MASTER_ADDR", "127.0.0.1"},
-             {"MASTER_PORT", port},
-             {"DPTRAIN_RUN_DIR", (tmp / "run").string()}};
-    if (rank == 0) e["DPTRAIN_HOST_STORE"] = "1";
-    return e;
-  };
+  const auto env_of = [&](int rank) { return hand_env(rank, 3, port, tmp / "run"); };
   // Both given rank 1 while rank 2 is not there yet: whichever joins second is refused (they
   // would pair in Gloo's rendezvous as one rank, and the job hang or lose the first); the other
   // goes on, and the job completes once rank 2 comes.
@@ -657,13 +660,7 @@ TEST_CASE("workers stopped before their first step, or rank 0 by SIGINT, record 
   auto r = resumable_recipe();
   const auto recipe = write_recipe(tmp.path(), r);
   const auto env_of = [&](int rank, const std::string& port) {
-    Env e = {{"RANK", std::to_string(rank)},
-             {"WORLD_SIZE", "2"},
-             {"MASTER_ADDR", "127.0.0.1"},
-             {"MASTER_PORT", port},
-             {"DPTRAIN_RUN_DIR", (tmp / "run").string()}};
-    if (rank == 0) e["DPTRAIN_HOST_STORE"] = "1";
-    return e;
+    return hand_env(rank, 2, port, tmp / "run");
   };
   // Rank 0 waits for a rank 1 that never comes (distributed.timeout_s is 60): SIGTERM stops it
   // at once, as there is nothing to checkpoint.
@@ -746,13 +743,8 @@ TEST_CASE("without a launcher, a rank whose peer is killed names it from the hea
     const std::string port = std::to_string(unused_port());
     std::vector<std::unique_ptr<Background>> ranks;
     for (int r = 0; r < 2; ++r) {
-      Env e = {{"RANK", std::to_string(r)},
-               {"WORLD_SIZE", "2"},
-               {"MASTER_ADDR", "127.0.0.1"},
-               {"MASTER_PORT", port},
-               {"DPTRAIN_DEBUG_STEP_DELAY_MS", "50"},
-               {"DPTRAIN_RUN_DIR", (tmp / fmt::format("run{}", victim)).string()}};
-      if (r == 0) e["DPTRAIN_HOST_STORE"] = "1";
+      Env e = hand_env(r, 2, port, tmp / fmt::format("run{}", victim));
+      e["DPTRAIN_DEBUG_STEP_DELAY_MS"] = "50";
       ranks.push_back(
           std::make_unique<Background>(std::vector<std::string>{"worker", recipe.string()}, e));
     }
