@@ -502,9 +502,12 @@ bool CheckpointStatus::denied() const {
                      [](const BlobStatus& b) { return b.ok() || b.denied; });
 }
 
-std::optional<TrainingPosition> checkpoint_position(const fs::path& dir) {
+std::optional<TrainingPosition> checkpoint_position(const fs::path& dir, std::string* problem) {
   MetaCheck checked = check_meta(dir);
-  if (!checked.problem.empty() || !checked.meta) return std::nullopt;
+  if (!checked.problem.empty() || !checked.meta) {
+    if (problem != nullptr) *problem = fmt::format("{}: {}", kMetaFile, checked.problem);
+    return std::nullopt;
+  }
   return checked.meta->position;
 }
 

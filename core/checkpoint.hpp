@@ -95,8 +95,10 @@ struct CheckpointStatus {
 CheckpointStatus verify_checkpoint(const std::filesystem::path& dir);
 
 // The position meta.json records when it reads and matches its own checksum, without reading the
-// blobs (cheap: which recipe wrote a checkpoint, its step); none otherwise.
-std::optional<TrainingPosition> checkpoint_position(const std::filesystem::path& dir);
+// blobs (cheap: which recipe wrote a checkpoint, its step); none otherwise, and then `problem`
+// (when given) says why, as verify_checkpoint does.
+std::optional<TrainingPosition> checkpoint_position(const std::filesystem::path& dir,
+                                                    std::string* problem = nullptr);
 
 // The checksum meta.json records of itself in its "meta_checksum" field: checksum64 of the
 // compact JSON text (no whitespace, keys sorted) of its content without that field, so the

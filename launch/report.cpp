@@ -342,6 +342,13 @@ std::vector<CheckpointSummary> summarize_checkpoints(const fs::path& checkpoints
         c.epoch = status.position->epoch;
         c.world_size = status.position->world_size;
       }
+    } else if (std::string problem; const auto position = checkpoint_position(dir, &problem)) {
+      // Unverified, its meta.json still says what it is (cheap): one that does not read (an
+      // empty directory, a copy under another step's name) is no checkpoint a resume uses.
+      c.epoch = position->epoch;
+      c.world_size = position->world_size;
+    } else {
+      c.problems.push_back(problem);
     }
     out.push_back(std::move(c));
   }
@@ -455,7 +462,7 @@ std::string world_size_text(const json& info) {
 // then.
 std::string last_checkpoint_name(const RunView& run) {
   for (const auto& c : run.checkpoints) {
-    if (!c.set_aside && !c.foreign && (!c.verified || c.problems.empty())) return c.name;
+    if (!c.set_aside && !c.foreign && c.problems.empty()) return c.name;
   }
   return {};
 }
@@ -823,10 +830,8 @@ std::string checkpoints_table(const RunView& run) {
   std::string rows;
   for (const auto& c : run.checkpoints) {
     std::string verdict;
-    if (!c.verified) {
-      verdict = "not verified";
-    } else if (c.problems.empty()) {
-      verdict = "<span class=\"ok\">ok</span>";
+    if (c.problems.empty()) {
+      verdict = c.verified ? "<span class=\"ok\">ok</span>" : "not verified";
     } else {
       verdict =
           "<span class=\"bad\">FAILED: " + html(fmt::format("{}", fmt::join(c.problems, "; "))) +
@@ -1073,7 +1078,9 @@ json summary_fields(const RunView& run) {
           // Those a resume may use (not another recipe's); the ones it set aside (they failed
           // verification) apart.
           {"checkpoints", std::count_if(run.checkpoints.begin(), run.checkpoints.end(),
-                                        [](const auto& c) { return !c.set_aside && !c.foreign; })},
+                                        [](const auto& c) {
+                                          return !c.set_aside && !c.foreign && c.problems.empty();
+                                        })},
           {"checkpoints_set_aside", std::count_if(run.checkpoints.begin(), run.checkpoints.end(),
                                                   [](const auto& c) { return c.set_aside; })},
           {"restarts", array_at(run.info, "restarts").size()},

@@ -198,6 +198,20 @@ TEST_CASE("ckpt verifies the newest checkpoint when `latest` lags, and shows tho
   CHECK(list["checkpoints"][0]["latest"] == false);
   CHECK(list["checkpoints"][1]["latest"] == true);
 
+  // A newer directory that is no checkpoint a resume would use (an empty one left behind, a
+  // checkpoint copied under another step's name): status and report pass over it alike, and
+  // count only those a resume may use.
+  fs::create_directory(ck / "step-000099");
+  fs::copy(ck / "step-000040", ck / "step-000080", fs::copy_options::recursive);
+  const auto s = parse_json(run_dptrain({"status", run.string(), "--json"}).out);
+  const auto r = parse_json(run_dptrain({"report", run.string(), "--json"}).out);
+  CHECK(s["last_checkpoint"].get<std::string>().ends_with("step-000060"));
+  CHECK(r["last_checkpoint"] == s["last_checkpoint"]);
+  CHECK(s["checkpoints"] == r["checkpoints"]);
+  CHECK(r["checkpoints_failed"] == 2);
+  fs::remove_all(ck / "step-000099");
+  fs::remove_all(ck / "step-000080");
+
   fs::remove(ck / "latest");
   auto newest = run_dptrain({"ckpt", "verify", run.string()});
   CHECK(contains(newest.out, "step-000060: ok"));
