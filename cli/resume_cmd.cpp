@@ -193,6 +193,13 @@ int run_resume(const ResumeOptions& o) {
         ErrorKind::usage,
         fmt::format("{}: the run is {}{}; stop its launcher first or wait for it", o.run_dir,
                     state.status, state.note.empty() ? "" : " (" + state.note + ")"));
+  } else if (state.status == "unknown" && state.recorded_status == "running") {
+    // Its launcher on another machine may live (a clock ahead of this one's): two launchers
+    // would drive one run.
+    throw Error(ErrorKind::usage,
+                fmt::format("{}: the run may still be running ({}); resume it on that machine, or "
+                            "here once its stamp is in the past and status calls it stale",
+                            o.run_dir, state.note));
   }
   const auto events = open_events(o.restart, o.json, o.run_dir);
   try {

@@ -580,6 +580,14 @@ TEST_CASE("status of a run launched on another machine: its launcher's stamp tel
   CHECK(contains(s["note"].get<std::string>(), "s in the future: its clock and this machine's"));
   CHECK(s["hint"].is_null());
   CHECK_FALSE(contains(run_dptrain({"status", (tmp / "run").string()}).out, "resume"));
+  // Nor does resume go ahead: two launchers would drive the run.
+  const std::string before = read_text(tmp / "run/run.json");
+  auto resumed = run_dptrain({"resume", (tmp / "run").string()});
+  CHECK(resumed.exit_code == 2);
+  CHECK(contains(resumed.err,
+                 "the run may still be running (launched on "
+                 "login-node-that-is-not-this-one, whose stamp is "));
+  CHECK(read_text(tmp / "run/run.json") == before);
 }
 
 TEST_CASE("status of a run.json whose status dptrain never writes: unknown, saying what it is") {
