@@ -2,6 +2,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -152,6 +153,14 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
         fmt::format("dptrain {}: resuming {} on {}: it recorded no checkpoint, so from "
                     "step 0 unless a node holds one",
                     DPTRAIN_VERSION, run.path().string(), where));
+  }
+  // A stop that came while the checkpoints were checked (large ones take seconds): no rank is
+  // started, and run.json stays as it was.
+  if (const int sig = pending_stop_signal()) {
+    status.finish();
+    throw Error(sig == SIGTERM ? ErrorKind::terminated : ErrorKind::interrupted,
+                fmt::format("stopped by {} before any rank started (run.json is as it was)",
+                            sig == SIGTERM ? "SIGTERM" : "SIGINT"));
   }
   return run_to_end(run, spec, o.restart, o.json, events, status);
 }
