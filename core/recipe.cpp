@@ -853,6 +853,32 @@ void check_synthetic_size(const Recipe& r, Problems& problems) {
                            with_commas(kMaxSyntheticValues)));
 }
 
+// Synthetic data's split is the recipe's alone: a held-out share that leaves no training sample,
+// or fewer training samples than one rank's batch, is found here as the launch would find it.
+void check_synthetic_split(const Recipe& r, Problems& problems) {
+  if (r.data.type != "synthetic-classification" || problems.at("/data/samples") ||
+      problems.at("/data/eval_fraction") || problems.at("/train/batch_per_rank") ||
+      problems.at("/train/grad_accum")) {
+    return;
+  }
+  int64_t training = 0;
+  try {
+    training = r.data.samples - eval_split_size(r.data.samples, r.data.eval_fraction);
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    problems.add("/data/eval_fraction", what.substr(what.find(": ") + 2));
+    return;
+  }
+  const auto per_rank = CheckedCount(r.train.batch_per_rank) * CheckedCount(r.train.grad_accum);
+  if (const auto batch = per_rank.value(); !batch || static_cast<uint64_t>(training) < *batch) {
+    problems.add("/train/batch_per_rank",
+                 fmt::format("{} training samples (/data/samples less the /data/eval_fraction "
+                             "share) are fewer than one rank's batch ({} x {} train.grad_accum), "
+                             "even on one rank",
+                             training, r.train.batch_per_rank, r.train.grad_accum));
+  }
+}
+
 // The CSV file's first data row against model.input: the row is the label and then the features.
 // Only that row is read (a file can be large) unless `check` asks for every row, which is then
 // checked by the code a launch loads it with (csv_problems), the labels' range too.
@@ -988,6 +1014,7 @@ Recipe parse_recipe(const json& j, const std::string& source, const std::filesys
   check_model(recipe, problems);
   check_model_size(recipe, problems);
   check_synthetic_size(recipe, problems);
+  check_synthetic_split(recipe, problems);
   check_csv_rows(recipe, data, problems);
   check_device(recipe, problems);
   check_sync(recipe, problems);

@@ -776,22 +776,28 @@ TEST_CASE("recipe: load_recipe reports unreadable files and invalid JSON with a 
 
 TEST_CASE("recipe: values at the upper bounds are accepted") {
   const std::string name(100, 'n');
+  // (A batch of 2^31 samples per rank needs as many training samples: 2^31 x 512 inputs is
+  // what synthetic data may hold at most.)
+  CHECK(parse_recipe(json::parse(R"({"model": {"input": 2147483647, "hidden": [256],
+      "classes": 2}, "data": {"samples": 512}})"),
+                     "test.json", "/")
+            .model.input == 2147483647);
   const Recipe r = parse_recipe(json::parse(R"({"name": ")" + name + R"(",
-      "model": {"input": 2147483647, "hidden": [256], "classes": 2},
-      "data": {"samples": 512},
+      "model": {"input": 512, "hidden": [256], "classes": 2},
+      "data": {"samples": 2147483648, "eval_fraction": 0},
       "train": {"batch_per_rank": 2048, "grad_accum": 1048576, "threads_per_rank": 256},
       "distributed": {"timeout_s": 1e6},
       "fault_tolerance": {"hang_timeout_s": 1e6, "rejoin_timeout_s": 1e6,
                           "restart_backoff_s": 1e6}})"),
                                 "test.json", "/");
   CHECK(r.name == name);
-  CHECK(r.model.input == 2147483647);
   CHECK(r.train.batch_per_rank * r.train.grad_accum == int64_t{1} << 31);
   CHECK(r.train.threads_per_rank == 256);
   CHECK(r.distributed.timeout_s == 1e6);
   CHECK(r.fault_tolerance.restart_backoff_s == 1e6);
   // batch_per_rank at its own bound, with a grad_accum that keeps the product in range.
-  CHECK(parse_recipe(json::parse(R"({"train": {"batch_per_rank": 16777216, "grad_accum": 128}})"),
+  CHECK(parse_recipe(json::parse(R"({"train": {"batch_per_rank": 16777216, "grad_accum": 128},
+      "model": {"input": 512}, "data": {"samples": 2147483648, "eval_fraction": 0}})"),
                      "test.json", "/")
             .train.batch_per_rank == 16777216);
   // An mlp input -> 2^20 -> 2 has (input + 3) x 2^20 + 2 parameters: input 2^20 - 4 is the
@@ -802,6 +808,19 @@ TEST_CASE("recipe: values at the upper bounds are accepted") {
   CHECK(has_problem(problems_of(R"({"model": {"input": 1048573, "hidden": [1048576],
       "classes": 2}, "data": {"samples": 1000}})"),
                     "/model/hidden/0", "the mlp would have 1,099,511,627,778 parameters"));
+}
+
+TEST_CASE("recipe: synthetic data's split leaves training samples for one rank's batch") {
+  CHECK(problems_of(R"({"data": {"samples": 10, "eval_fraction": 0.99}})") ==
+        "test.json: /data/eval_fraction: 0.99 of 10 samples leaves none for training");
+  CHECK(problems_of(R"({"data": {"samples": 10}, "train": {"batch_per_rank": 5,
+      "grad_accum": 2}})") ==
+        "test.json: /train/batch_per_rank: 9 training samples (/data/samples less the "
+        "/data/eval_fraction share) are fewer than one rank's batch (5 x 2 train.grad_accum), "
+        "even on one rank");
+  CHECK_NOTHROW(
+      parse_recipe(json::parse(R"({"data": {"samples": 10}, "train": {"batch_per_rank": 9}})"),
+                   "test.json", "/"));
 }
 
 TEST_CASE("recipe: -0 is the integer 0") {

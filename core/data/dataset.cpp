@@ -320,13 +320,14 @@ std::optional<CsvRow> csv_first_row(const std::filesystem::path& path, const std
 int64_t eval_split_size(int64_t size, double eval_fraction) {
   if (!(eval_fraction >= 0.0 && eval_fraction < 1.0)) {
     throw Error(ErrorKind::recipe,
-                "data.eval_fraction: must be in [0, 1), got " + std::to_string(eval_fraction));
+                fmt::format("/data/eval_fraction: must be in [0, 1), got {:g}", eval_fraction));
   }
   const auto eval_size =
       static_cast<int64_t>(std::llround(static_cast<double>(size) * eval_fraction));
   if (eval_size >= size) {
-    throw Error(ErrorKind::recipe, "data.eval_fraction: " + std::to_string(eval_fraction) + " of " +
-                                       std::to_string(size) + " samples leaves none for training");
+    throw Error(ErrorKind::recipe,
+                fmt::format("/data/eval_fraction: {:g} of {} samples leaves none for training",
+                            eval_fraction, size));
   }
   return eval_size;
 }
