@@ -224,6 +224,7 @@ class TrainingRun {
       if (!ps_) norm = update(lr, local, phases);
       if (!std::isfinite(norm) && !overflow_skips) throw diverged(done, "gradient norm", norm);
       if (local && averaging_step(done)) stop = average_replicas(stop_flag, phases);
+      const int64_t batch_epoch = position_.epoch;  // the epoch this step's batch came from
       advance_sampler();
       ops_->synchronize();
       // ZeRO-1's all-gather and local SGD's averaging happen in this phase but are communication.
@@ -250,7 +251,7 @@ class TrainingRun {
         if (!std::isfinite(loss) && !overflow_skips) throw diverged(done, "loss", loss);
         last_loss_ = loss;
         const double window_s = ms_since(window_start) / 1000.0;
-        log_step(done, loss, lr, norm,
+        log_step(done, batch_epoch, loss, lr, norm,
                  static_cast<double>(window_steps) * static_cast<double>(global_batch_) / window_s,
                  step_ms, window_phases.per(window_steps));
         window_start = Clock::now();
@@ -1257,11 +1258,11 @@ class TrainingRun {
     return {words[0], words[1]};
   }
 
-  void log_step(int64_t step, double loss, double lr, double norm, double samples_per_s,
-                double step_ms, const PhaseTimes& phases) {
+  void log_step(int64_t step, int64_t epoch, double loss, double lr, double norm,
+                double samples_per_s, double step_ms, const PhaseTimes& phases) {
     if (rank_ != 0) return;
     json line = {{"step", step},
-                 {"epoch", position_.epoch},
+                 {"epoch", epoch},
                  {"loss", loss},
                  {"lr", lr},
                  {"grad_norm", norm},

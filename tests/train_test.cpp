@@ -84,6 +84,10 @@ TEST_CASE("quickstart on 2 ranks learns well above chance and ranks agree") {
         CAPTURE(k);
         CHECK(m.contains(k));
       }
+      // The epoch the step's batch came from: 18,000 training samples make 140 global batches
+      // of 128, so steps 1-140 are epoch 0 (step 140 its last), 141-280 epoch 1.
+      CAPTURE(m["step"]);
+      CHECK(m["epoch"] == (m["step"].get<int64_t>() - 1) / 140);
     }
     if (m.contains("eval_accuracy")) ++evals;
   }
