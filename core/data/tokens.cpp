@@ -229,6 +229,15 @@ TokenFileHeader read_token_header(const fs::path& path) {
   }
   header.count = static_cast<int64_t>(count);
   header.checksum = get_le(p + 32, 8);
+  // Bytes 40-63 are zero in version 1: others are a file damaged there, or one whose writer
+  // means something by them that this reader would ignore.
+  for (size_t at = 40; at < kTokenHeaderBytes; ++at) {
+    if (p[at] != 0) {
+      bad_file(path, fmt::format("header byte {} is {:#04x}, where version 1 has zero (bytes "
+                                 "40-63): damaged, or not written by dptrain",
+                                 at, static_cast<unsigned>(p[at])));
+    }
+  }
   return header;
 }
 

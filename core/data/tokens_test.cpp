@@ -184,6 +184,12 @@ TEST_CASE("each kind of damage to a token file is one recipe error naming the fi
   overwrite(vocab, 16, std::string("\x01\0\x01\0\0\0\0\0", 8));  // 65537
   CHECK(read_error(vocab) == "vocab 65537 does not fit its dtype uint16");
 
+  const fs::path reserved = fresh("reserved.bin");
+  overwrite(reserved, 50, std::string("\x07", 1));
+  CHECK(read_error(reserved) ==
+        "header byte 50 is 0x07, where version 1 has zero (bytes 40-63): damaged, or not written "
+        "by dptrain");
+
   const fs::path truncated = fresh("truncated.bin", 4);
   fs::resize_file(truncated, 64 + 4 * 8 - 3);
   CHECK(read_error(truncated) == "truncated: expected 96 bytes, got 93");
