@@ -136,10 +136,12 @@ void check_regular_or_missing(const std::filesystem::path& path) {
   std::error_code ec;
   const char* what = non_regular_kind(std::filesystem::status(path, ec));
   if (what == nullptr) return;
+  // A link to a directory is named as the link it is, as ckpt names it.
+  const bool link = std::filesystem::is_symlink(std::filesystem::symlink_status(path, ec));
   throw Error(ErrorKind::io,
-              fmt::format("{}: is {}, not a regular file: dptrain writes this file itself; move "
-                          "it away",
-                          path.string(), what));
+              fmt::format("{}: is {}{}, not a regular file: dptrain writes this file itself; "
+                          "move it away",
+                          path.string(), link ? "a symbolic link to " : "", what));
 }
 
 void append_line(const std::filesystem::path& path, std::string_view line) {

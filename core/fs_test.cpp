@@ -66,6 +66,14 @@ TEST_CASE("append_line and truncate_metrics_after refuse a pipe instead of block
                                            "this file itself; move it away")
                            .c_str(),
                        Error);
+  // A symbolic link to a directory is named as one.
+  const fs::path link = tmp / "linked.jsonl";
+  fs::create_directory_symlink(metrics, link);
+  CHECK_THROWS_WITH_AS(append_line(link, "{}"),
+                       (link.string() + ": is a symbolic link to a directory, not a regular "
+                                        "file: dptrain writes this file itself; move it away")
+                           .c_str(),
+                       Error);
 }
 
 TEST_CASE("require_open_files: refused past the soft limit, counting those open, naming both") {
