@@ -595,9 +595,13 @@ std::vector<fs::path> list_checkpoints(const fs::path& checkpoints_dir, SetAside
   return out;
 }
 
-fs::path checkpoint_named(const fs::path& checkpoints_dir, const std::string& name) {
+fs::path checkpoint_named(const fs::path& checkpoints_dir, const std::string& given) {
   // Newest first, a live checkpoint before a set-aside one of the same step.
   const auto all = list_checkpoints(checkpoints_dir, SetAside::include);
+  // "step-000030/", as a shell completes a directory's name.
+  std::string name = given;
+  while (name.size() > 1 && name.back() == '/')
+    name.pop_back();
   std::optional<int64_t> number;
   int64_t step = 0;
   const char* end = name.data() + name.size();

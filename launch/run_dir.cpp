@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <fstream>
 #include <system_error>
 
 #include <fmt/format.h>
@@ -192,12 +193,6 @@ nlohmann::json world_size_change(int64_t from, int64_t to, nlohmann::json hosts,
 
 std::string utc_timestamp() {
   return utc_format("%Y-%m-%dT%H:%M:%SZ");
-}
-
-std::string this_host() {
-  char name[256] = {};
-  if (::gethostname(name, sizeof(name) - 1) != 0) return "localhost";
-  return name;
 }
 
 std::optional<int64_t> seconds_since(const std::string& stamp) {
@@ -521,6 +516,12 @@ std::shared_ptr<const int> try_lock_run(const fs::path& dir) {
     throw Error(ErrorKind::usage,
                 fmt::format("{}: cannot lock: {}", file.string(), std::strerror(error)));
   }
+  // Who holds it, for the refusal another process meets ("PID HOST"): run.json names the run's
+  // launcher only once it has written it, and an earlier one's until then.
+  const std::string holder = fmt::format("{} {}\n", ::getpid(), this_host());
+  if (::ftruncate(fd, 0) == 0) {
+    [[maybe_unused]] const auto written = ::pwrite(fd, holder.data(), holder.size(), 0);
+  }
   return held;
 }
 
@@ -538,13 +539,13 @@ void RunDirectory::lock() {
   if (lock_) return;
   lock_ = try_lock_run(path_);
   if (lock_) return;
-  // Its launcher, or the rank 0 of workers started by hand into it (run.json names neither then).
-  const auto it = info_.find("launcher");
-  const std::string who =
-      it != info_.end() && it->is_object()
-          ? fmt::format(" (its launcher, pid {} on {}, or workers started without one)",
-                        it->value("pid", 0), it->value("host", std::string("?")))
-          : std::string();
+  // The process that holds the lock, as it wrote itself into the lock file: a launcher, a
+  // resume, or the rank 0 of workers started by hand into it.
+  std::string who;
+  std::ifstream holder(path_ / kLockFile);
+  long pid = 0;
+  std::string host;
+  if (holder >> pid >> host && pid > 0) who = fmt::format(" (pid {} on {})", pid, host);
   throw Error(ErrorKind::usage,
               fmt::format("{}: another dptrain is still running it{}; stop it first (SIGTERM "
                           "checkpoints) or wait for it",

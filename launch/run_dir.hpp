@@ -9,6 +9,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/comm/net.hpp"  // this_host
+
 namespace dptrain {
 
 class RunDirectory {
@@ -140,7 +142,6 @@ nlohmann::json world_size_change(int64_t from, int64_t to, nlohmann::json hosts,
                                  int64_t generation);
 
 std::string utc_timestamp();  // 2026-11-30T08:43:38Z
-std::string this_host();      // this machine's host name (run.json's "launcher")
 // Seconds from a utc_timestamp() to now; none when it does not parse.
 std::optional<int64_t> seconds_since(const std::string& stamp);
 

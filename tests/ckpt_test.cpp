@@ -236,6 +236,8 @@ TEST_CASE("ckpt: a missing step or a directory that is not a run is a usage erro
   TempDir tmp;
   const fs::path run = make_run(tmp);
 
+  // A name as a shell completes it, with a slash after.
+  CHECK(run_dptrain({"ckpt", "verify", run.string(), "step-000060/"}).exit_code == 0);
   auto missing = run_dptrain({"ckpt", "verify", run.string(), "999"});
   INFO(missing.err);
   CHECK(missing.exit_code == 2);

@@ -721,6 +721,10 @@ TEST_CASE("resume of a completed run changes nothing; of a running one it is ref
   CHECK(refused.exit_code == 2);
   CHECK_MESSAGE(refused.err.find(live.string() + ": ") != std::string::npos, refused.err);
   CHECK_MESSAGE(refused.err.find("is still running it") != std::string::npos, refused.err);
+  // Named by the process that holds the lock (not a pid an earlier launcher left in run.json).
+  CHECK_MESSAGE(
+      refused.err.find("(pid " + std::to_string(launcher.pid()) + " on ") != std::string::npos,
+      refused.err);
   // A launch into it says it runs, not "resume it" (which is refused as long as it does).
   auto launched = run_dptrain({"launch", recipe.string(), "--run-dir", live.string()});
   CHECK(launched.exit_code == 2);

@@ -15,6 +15,12 @@
 
 namespace dptrain {
 
+std::string this_host() {
+  char name[256] = {};
+  if (::gethostname(name, sizeof(name) - 1) != 0) return "localhost";
+  return name;
+}
+
 bool is_loopback_host(const std::string& host) {
   return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
 }

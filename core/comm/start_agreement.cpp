@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 
 #include "core/comm/communicator.hpp"
+#include "core/comm/net.hpp"
 #include "core/error.hpp"
 
 namespace dptrain {
@@ -137,11 +138,6 @@ std::string process_identity(pid_t pid) {
   return fmt::format("{} {} {}", ns.string(), pid, start);
 }
 
-std::string this_host() {
-  char name[256] = {};
-  return ::gethostname(name, sizeof name - 1) == 0 ? std::string(name) : std::string();
-}
-
 // A second process given the rank of one still waiting to start on this machine (a script's
 // slip, two started where one was meant): Error(usage) naming it, at once. Each process that
 // joins as `rank` claims a number (the store's counter) and posts "HOST IDENTITY" under it; an
@@ -151,7 +147,7 @@ std::string this_host() {
 void refuse_duplicate_start(Store& store, int rank) {
   const std::string host = this_host();
   const std::string me = process_identity(::getpid());
-  if (host.empty() || me.empty()) return;
+  if (me.empty()) return;
   const std::string base = fmt::format("backend/claim/{}", rank);
   const int64_t number = store.add(base, 1);
   store.set(fmt::format("{}/{}", base, number), host + " " + me);
