@@ -1,4 +1,5 @@
 // `dptrain launch RECIPE`: start a run on local ranks, or across hosts over SSH.
+#include <csignal>
 #include <cstdio>
 #include <memory>
 
@@ -133,6 +134,12 @@ int run_launch(const LaunchOptions& o) {
     return 0;
   }
   check_local_gpus(spec);
+  // Stopped while it read and checked (a pipeline's timeout at once): nothing is made.
+  if (const int sig = pending_stop_signal()) {
+    throw Error(sig == SIGTERM ? ErrorKind::terminated : ErrorKind::interrupted,
+                fmt::format("stopped by {} before the launch made anything",
+                            sig == SIGTERM ? "SIGTERM" : "SIGINT"));
+  }
   // A bad --events path: nothing created. One in the run directory (RUN_DIR/events.jsonl) is
   // opened once the directory is made.
   const bool events_in_run = events_in_run_dir(o.restart, o.run_dir);

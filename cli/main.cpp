@@ -210,6 +210,17 @@ namespace {
 int run(int argc, char** argv) {
   if (argc > 1 && std::string_view(argv[1]) == "worker")
     dptrain::cli::install_worker_signal_handlers();
+  // A launch or resume stopped while it still loads and reads its options (a pipeline's timeout
+  // at once) is answered as a stop, with its JSON, not a death by the signal. (Only these: a
+  // command that never looks for the stop would ignore the signal.)
+  if (argc > 1 &&
+      (std::string_view(argv[1]) == "launch" || std::string_view(argv[1]) == "resume")) {
+    try {
+      dptrain::install_stop_signal_handlers();
+    } catch (const dptrain::Error&) {
+      // No pipe to wake on (no descriptor free): the command installs them again, and says so.
+    }
+  }
   // A launcher starts its ranks with SIGTERM blocked (ProcessSpec::hold_sigterm): one that came
   // while this process loaded is delivered now, to the handler just installed.
   sigset_t held;

@@ -619,6 +619,19 @@ TEST_CASE("a rank that gets SIGTERM itself (preemption) stops the whole job afte
   CHECK(run_dptrain({"resume", run.run_dir.string()}).exit_code == 0);
 }
 
+TEST_CASE("a SIGTERM that reaches a launch while it loads stops it with its JSON, nothing made") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), small_recipe());
+  Background launch({"launch", recipe.string(), "--run-dir", (tmp / "run").string(), "--json"}, {},
+                    StartWith::pending_sigterm);
+  CHECK(launch.wait(std::chrono::seconds(60)) == 143);
+  INFO(launch.err());
+  const auto out = parse_json(launch.out());
+  CHECK(out["status"] == "terminated");
+  CHECK(out["error"] == "stopped by SIGTERM before the launch made anything");
+  CHECK_FALSE(fs::exists(tmp / "run"));
+}
+
 TEST_CASE("a SIGTERM that reaches a rank while it loads is a stop, not a death") {
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), resumable_recipe());
