@@ -96,9 +96,22 @@ void print_dry_run(const JobSpec& spec, const std::string& run_dir, bool json) {
   }
 }
 
-int run_launch(const LaunchOptions& o) {
-  install_stop_signal_handlers();
-  o.restart.validate();
+// A launch refused before it opened its events stream (its recipe, an option, a host, workers
+// running in its directory) still ends the stream with run_finished, as one refused at its run
+// directory does: a pipeline reads every stream to its end. Not a stream in the run directory
+// (nothing is made there), nor one whose path the launch refused itself.
+void end_unopened_events(const LaunchOptions& o, const std::exception& e) {
+  if (o.dry_run || o.restart.events.empty() || events_in_run_dir(o.restart, o.run_dir)) return;
+  try {
+    check_events(o.restart, o.json, o.run_dir);
+    const auto events = open_events(o.restart, o.json, o.run_dir);
+    finish_events_with_failure(*events, e, o.run_dir, "the launch did not start");
+  } catch (const std::exception&) {
+    // The path is what was refused: there is no stream to end.
+  }
+}
+
+int start_launch(const LaunchOptions& o, bool& events_opened) {
   JobSpec spec = job_spec(o);
   check_runnable(spec.recipe, spec.world_size, spec.nominal_world, o.recipe);
   // A host name that does not resolve: exit 4, nothing created. A plan may be drafted where the
@@ -143,6 +156,7 @@ int run_launch(const LaunchOptions& o) {
   // A bad --events path: nothing created. One in the run directory (RUN_DIR/events.jsonl) is
   // opened once the directory is made.
   const bool events_in_run = events_in_run_dir(o.restart, o.run_dir);
+  events_opened = true;
   auto events =
       events_in_run ? std::make_unique<EventLog>() : open_events(o.restart, o.json, o.run_dir);
   RunDirectory run = [&] {
@@ -163,6 +177,18 @@ int run_launch(const LaunchOptions& o) {
                                              : fmt::format(" across {} host(s)", spec.hosts.size()),
                           run.path().string()));
   return run_to_end(run, spec, o.restart, o.json, *events, status);
+}
+
+int run_launch(const LaunchOptions& o) {
+  install_stop_signal_handlers();
+  o.restart.validate();
+  bool events_opened = false;
+  try {
+    return start_launch(o, events_opened);
+  } catch (const std::exception& e) {
+    if (!events_opened) end_unopened_events(o, e);
+    throw;
+  }
 }
 
 }  // namespace

@@ -69,10 +69,12 @@ void finish_events_with_failure(EventLog& events, const std::exception& e,
   if (events.finished()) return;
   const FailureEnd end = failure_end(e);
   try {
-    events.emit("run_finished", {{"status", end.status},
-                                 {"exit_code", end.exit_code},
-                                 {"run_dir", run_dir},
-                                 {"error", fmt::format("{}: {}", what, e.what())}});
+    events.emit("run_finished",
+                {{"status", end.status},
+                 {"exit_code", end.exit_code},
+                 // None yet: a launch refused before it made one.
+                 {"run_dir", run_dir.empty() ? nlohmann::json() : nlohmann::json(run_dir)},
+                 {"error", fmt::format("{}: {}", what, e.what())}});
   } catch (const std::exception&) {
   }
 }

@@ -505,6 +505,17 @@ TEST_CASE("--events writes one JSON line per state change, restarts included") {
   CHECK(refused_stream[0]["exit_code"] == 2);
   CHECK(refused_stream[0]["error"].get<std::string>().starts_with(
       "the launch did not start: " + (tmp / "ev").string() + ": already holds a run"));
+  // So does one refused before that: its recipe missing, no run directory made yet.
+  const fs::path early_events = tmp / "early.jsonl";
+  CHECK(run_dptrain({"launch", (tmp / "missing.json").string(), "--events", early_events.string()})
+            .exit_code == 2);
+  const auto early_stream = read_jsonl(early_events);
+  REQUIRE(early_stream.size() == 1);
+  CHECK(early_stream[0]["event"] == "run_finished");
+  CHECK(early_stream[0]["exit_code"] == 2);
+  CHECK(early_stream[0]["run_dir"].is_null());
+  CHECK(early_stream[0]["error"].get<std::string>().starts_with(
+      "the launch did not start: " + (tmp / "missing.json").string() + ": cannot read"));
 
   // A stream that cannot be written (a full disk) is warned about once; the run goes on.
   if (!fs::exists("/dev/full")) return;
