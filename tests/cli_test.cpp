@@ -82,7 +82,10 @@ TEST_CASE("a closed stdout is exit 1, and no file the command opens takes its ou
                "' --json") == 1);
   CHECK(read_text(tmp / "err")
             .ends_with("dptrain: error: standard output: cannot write: Bad file descriptor\n"));
-  CHECK(fs::file_size(run / ".lock") == 0);
+  // The lock file holds only its holder's "PID HOST".
+  const std::string lock = read_text(run / ".lock");
+  CHECK(lock.find_first_not_of("0123456789") == lock.find(' '));
+  CHECK_FALSE(contains(lock, "{"));
   CHECK(parse_json(read_text(run / "run.json"))["status"] == "completed");
   for (const auto& log : fs::directory_iterator(run / "logs"))
     CHECK_FALSE(contains(read_text(log.path()), "\"exit_code\""));

@@ -184,7 +184,7 @@ namespace {
 constexpr const char* kRunJsonScript = R"(set -u
 bin=$1 short=$2 long=$3 out=$4
 mnt=$out/mnt
-mount -t tmpfs -o size=4k dptrain-run-json "$mnt" || exit 90
+mount -t tmpfs -o size=8k dptrain-run-json "$mnt" || exit 90
 run=$mnt/run
 "$bin" launch "$short" --nproc 2 --run-dir "$run" >"$out/first.out" 2>"$out/first.err"
 echo $? >"$out/first.rc"
