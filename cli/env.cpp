@@ -39,8 +39,13 @@ int env_int(const char* name, std::optional<int> fallback, const std::string& wh
                 when_missing.empty() ? fmt::format("{} is not set", name) : when_missing);
   }
   int n = 0;
+  // As stoi read them before: leading blanks and a '+' sign (a script's "+0", " 1").
+  const char* begin = v->data();
   const char* end = v->data() + v->size();
-  const auto [ptr, ec] = std::from_chars(v->data(), end, n);
+  while (begin != end && (*begin == ' ' || *begin == '\t'))
+    ++begin;
+  if (end - begin > 1 && *begin == '+' && begin[1] != '-') ++begin;
+  const auto [ptr, ec] = std::from_chars(begin, end, n);
   if (ptr == end && ec == std::errc::result_out_of_range) {
     throw Error(ErrorKind::usage,
                 fmt::format("{}: '{}' is out of range [{}, {}]", name, *v,

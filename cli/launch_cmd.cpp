@@ -134,6 +134,10 @@ int start_launch(const LaunchOptions& o, bool& events_opened) {
     throw Error(ErrorKind::usage, running + "; choose another --run-dir");
   }
   if (o.dry_run) {
+    if (const int sig = pending_stop_signal()) {
+      throw Error(sig == SIGTERM ? ErrorKind::terminated : ErrorKind::interrupted,
+                  fmt::format("stopped by {}", sig == SIGTERM ? "SIGTERM" : "SIGINT"));
+    }
     // A plan for a directory the launch would refuse (one holding a run) is refused as well.
     if (!o.run_dir.empty()) RunDirectory::check_new(o.run_dir);
     for (const auto& warning : fault_warnings)
@@ -147,6 +151,7 @@ int start_launch(const LaunchOptions& o, bool& events_opened) {
     return 0;
   }
   check_local_gpus(spec);
+  check_open_files(spec);
   // Stopped while it read and checked (a pipeline's timeout at once): nothing is made.
   if (const int sig = pending_stop_signal()) {
     throw Error(sig == SIGTERM ? ErrorKind::terminated : ErrorKind::interrupted,

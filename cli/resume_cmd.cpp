@@ -154,6 +154,8 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
                     "step 0 unless a node holds one",
                     DPTRAIN_VERSION, run.path().string(), where));
   }
+  // Too few open files for the ranks: refused before run.json changes.
+  check_open_files(spec);
   // A stop that came while the checkpoints were checked (large ones take seconds): no rank is
   // started, and run.json stays as it was.
   if (const int sig = pending_stop_signal()) {

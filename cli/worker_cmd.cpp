@@ -659,20 +659,21 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
     catch_signal(SIGINT);
   }
 
+  // Gloo connects every rank to every other (a full mesh): a connection to each, and room for
+  // the rank's own files. Where Gloo is the only choice this is found before the rank goes to
+  // the store to start: a refusal, which its peers learn at once (Farewell).
+  const bool gloo_only = requested == "gloo" || ops->device() == "cpu";
+  const auto require_mesh_files = [&] {
+    require_open_files(
+        static_cast<uint64_t>(o.world_size) - 1 + 32,
+        fmt::format("rank {}: the connections to {} other rank(s)", o.rank, o.world_size - 1),
+        "start fewer ranks in the job");
+  };
+  if (gloo_only) require_mesh_files();
   farewell.at_start = true;
   TcpStoreClient client(host, port, timeout, secret);
   PrefixStore store(farewell.prefix, client);
 
-  // Gloo connects every rank to every other (a full mesh): a connection to each, and room for
-  // the rank's own files. Found as the ranks agree to start where gloo is the only choice, so
-  // that the others hear of it then.
-  const bool gloo_only = requested == "gloo" || ops->device() == "cpu";
-  const auto require_mesh_files = [&] {
-    require_open_files(
-        static_cast<uint64_t>(o.world_size) + 64,
-        fmt::format("rank {}: the connections to {} other rank(s)", o.rank, o.world_size - 1));
-  };
-  if (gloo_only) require_mesh_files();
   std::unique_ptr<Communicator> comm;
   if (choose_backend(store, o.rank, o.world_size, requested, *ops, timeout) == "nccl") {
     NcclOptions nccl;
@@ -686,7 +687,7 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
                                     : (is_loopback_host(host) ? "127.0.0.1"
                                                               : local_address_towards(host, port));
     gloo.timeout = timeout;
-    if (!gloo_only) require_mesh_files();
+    if (!gloo_only) require_mesh_files();  // moved to Gloo: the others learn it as it fails
     comm = make_gloo_communicator(store, o.rank, o.world_size, gloo);
   }
   farewell.met = true;

@@ -194,7 +194,7 @@ std::filesystem::path resolved_path(const std::filesystem::path& path) {
   return ec ? absolute.lexically_normal() : resolved;
 }
 
-void require_open_files(uint64_t needed, const std::string& what) {
+void require_open_files(uint64_t needed, const std::string& what, const std::string& instead) {
   rlimit files{};
   if (::getrlimit(RLIMIT_NOFILE, &files) != 0 || files.rlim_cur == RLIM_INFINITY) return;
   std::error_code ec;
@@ -202,17 +202,20 @@ void require_open_files(uint64_t needed, const std::string& what) {
   for (std::filesystem::directory_iterator it("/proc/self/fd", ec), end; !ec && it != end;
        it.increment(ec))
     ++open_now;
+  // No descriptor free even to list them: every one is taken. (Without /proc: none counted.)
+  const bool full =
+      ec == std::errc::too_many_files_open || ec == std::errc::too_many_files_open_in_system;
+  if (full) open_now = files.rlim_cur;
   if (open_now + needed <= files.rlim_cur) return;
-  // Not counted when even the listing found no descriptor free.
   const std::string held = ec ? std::string() : fmt::format("{} already are; ", open_now);
   throw Error(ErrorKind::usage,
               fmt::format("{} need about {} open files here, more than the {} this process may "
                           "open ({}'ulimit -n' says the limit, hard limit {}): raise it (ulimit "
-                          "-n, LimitNOFILE= for a systemd service, nofile in limits.conf), or run "
-                          "fewer ranks on this machine",
+                          "-n, LimitNOFILE= for a systemd service, nofile in limits.conf), or {}",
                           what, needed, files.rlim_cur, held,
                           files.rlim_max == RLIM_INFINITY ? std::string("unlimited")
-                                                          : std::to_string(files.rlim_max)));
+                                                          : std::to_string(files.rlim_max),
+                          instead));
 }
 
 std::string human_size(uint64_t bytes) {

@@ -51,7 +51,9 @@ std::optional<std::string> unclaimed_entry(
 // limit on open files (RLIMIT_NOFILE, as main raised it to the hard limit): "WHAT need(s) about N
 // open files here, ..." with the limit and how to raise it. Found before the work that opens
 // them, not as "Too many open files" from whichever open comes last.
-void require_open_files(uint64_t needed, const std::string& what);
+// `instead` is the other way out than raising the limit.
+void require_open_files(uint64_t needed, const std::string& what,
+                        const std::string& instead = "run fewer ranks on this machine");
 
 // "512 B", "3.4 MiB", "1.2 GiB": binary units, one decimal above bytes.
 std::string human_size(uint64_t bytes);

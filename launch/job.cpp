@@ -463,29 +463,33 @@ json JobPlan::to_json(const JobSpec& spec) const {
   return {{"store", store}, {"world_size", total_slots(hosts)}, {"hosts", hosts_json}};
 }
 
+void check_open_files(const JobSpec& spec) {
+  // Each local rank's output pipe and log file, each remote host's relay, and every rank's
+  // connection to the store, with room for the launcher's own. At least what a Gloo rank of the
+  // job needs itself (world - 1 connections + 32, as the worker checks), so that a launch is
+  // refused here rather than by its ranks.
+  size_t local_ranks = spec.hosts.empty() ? static_cast<size_t>(spec.world_size) : 0;
+  size_t relays = 0;
+  for (const HostSpec& h : spec.hosts) {
+    if (h.is_local()) {
+      local_ranks += static_cast<size_t>(h.slots);
+    } else {
+      ++relays;
+    }
+  }
+  const auto world = static_cast<size_t>(spec.world_size);
+  require_open_files(2 * local_ranks + 2 * relays + world + 32,
+                     local_ranks == world
+                         ? fmt::format("{} rank(s) on this machine", local_ranks)
+                         : fmt::format("{} rank(s) ({} on this machine)", world, local_ranks));
+}
+
 JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status) {
   json& info = run.info();
   const int generation = static_cast<int>(info["generations"].size()) + 1;
   const std::string addr = resolve_master_addr(spec);
   const std::string secret = generate_job_secret();
-  {
-    // Each local rank's output pipe and log file, each remote host's relay, and every rank's
-    // connection to the store, with room for the launcher's own: found before the store opens.
-    size_t local_ranks = spec.hosts.empty() ? static_cast<size_t>(spec.world_size) : 0;
-    size_t relays = 0;
-    for (const HostSpec& h : spec.hosts) {
-      if (h.is_local()) {
-        local_ranks += static_cast<size_t>(h.slots);
-      } else {
-        ++relays;
-      }
-    }
-    const auto world = static_cast<size_t>(spec.world_size);
-    require_open_files(2 * local_ranks + 2 * relays + world + 32,
-                       local_ranks == world
-                           ? fmt::format("{} rank(s) on this machine", local_ranks)
-                           : fmt::format("{} rank(s) ({} on this machine)", world, local_ranks));
-  }
+  check_open_files(spec);  // a generation of another size (an elastic job's) is checked again
   TcpStoreServer store(addr, spec.remote.master_port, secret);
   const JobPlan plan =
       plan_job(spec, run.path(), run.remote_name(), generation, addr, store.port(), secret);

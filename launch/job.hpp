@@ -161,6 +161,10 @@ void set_aside_newer(const std::filesystem::path& checkpoints, const std::filesy
                      StatusPrinter& status);
 
 JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status);
+// Error(usage) when this process's limit on open files is too low for the job's ranks (their
+// pipes, logs and store connections here): a launch and a resume check it before they make or
+// change anything, run_job again for each generation.
+void check_open_files(const JobSpec& spec);
 
 // run_job, and after a rank or host failure (exit 3 or 4) a new generation from the newest
 // valid checkpoint (or from step 0 when there is none), with exponential back-off, until the

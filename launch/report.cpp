@@ -348,6 +348,8 @@ std::vector<CheckpointSummary> summarize_checkpoints(const fs::path& checkpoints
       c.epoch = position->epoch;
       c.world_size = position->world_size;
     } else {
+      std::error_code gone;
+      if (!fs::exists(dir, gone)) continue;  // pruned by the run meanwhile
       c.problems.push_back(problem);
     }
     out.push_back(std::move(c));

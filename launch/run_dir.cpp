@@ -499,7 +499,7 @@ nlohmann::json new_run_info() {
           {"generations", nlohmann::json::array()}};
 }
 
-std::shared_ptr<const int> try_lock_run(const fs::path& dir) {
+std::shared_ptr<const int> try_lock_run(const fs::path& dir, bool record_holder) {
   const fs::path file = dir / kLockFile;
   const int fd = ::open(file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0) {
@@ -519,7 +519,7 @@ std::shared_ptr<const int> try_lock_run(const fs::path& dir) {
   // Who holds it, for the refusal another process meets ("PID HOST"): run.json names the run's
   // launcher only once it has written it, and an earlier one's until then.
   const std::string holder = fmt::format("{} {}\n", ::getpid(), this_host());
-  if (::ftruncate(fd, 0) == 0) {
+  if (record_holder && ::ftruncate(fd, 0) == 0) {
     [[maybe_unused]] const auto written = ::pwrite(fd, holder.data(), holder.size(), 0);
   }
   return held;
@@ -529,7 +529,7 @@ bool run_locked_by_another(const fs::path& dir) {
   std::error_code ec;
   if (!fs::exists(dir / kLockFile, ec)) return false;
   try {
-    return try_lock_run(dir) == nullptr;  // held only while it looks
+    return try_lock_run(dir, false) == nullptr;  // held only while it looks
   } catch (const Error&) {
     return false;  // not lockable here: nothing to tell
   }

@@ -80,8 +80,10 @@ std::string hand_resume_flag(const std::filesystem::path& run_dir);
 // Takes DIR's lock (an flock on DIR/.lock, made when missing), held while the result or a copy
 // lives and released when the process ends however it ends; null when another process holds
 // it (a launcher driving the run, or the rank 0 of workers started without one).
-// Error(usage) naming the file when it cannot be opened or locked otherwise.
-std::shared_ptr<const int> try_lock_run(const std::filesystem::path& dir);
+// Error(usage) naming the file when it cannot be opened or locked otherwise. The holder writes
+// its "PID HOST" into the file (not a probe: `record_holder` false), for another's refusal.
+std::shared_ptr<const int> try_lock_run(const std::filesystem::path& dir,
+                                        bool record_holder = true);
 // Whether another process holds DIR's lock now (false where DIR has no lock file, or it cannot
 // be opened); makes no lock file.
 bool run_locked_by_another(const std::filesystem::path& dir);

@@ -413,8 +413,12 @@ void authenticate(ssh_session session, const HostSpec& host, const SshOptions& o
   }
   const std::string list =
       tried.empty() ? "no agent and no identity file" : fmt::format("{}", fmt::join(tried, ", "));
-  throw SshRefused(
-      fmt::format("authentication refused for {} (tried: {}){}", host.display(), list, ended));
+  std::string message =
+      fmt::format("authentication refused for {} (tried: {}){}", host.display(), list, ended);
+  // The server that closed the connection mid-way (a network drop, LoginGraceTime under load)
+  // may take the next try: only a refusal it answered is settled.
+  if (!ended.empty()) throw Error(ErrorKind::ssh, message);
+  throw SshRefused(message);
 }
 
 }  // namespace

@@ -182,9 +182,9 @@ void refuse_duplicate_start(Store& store, int rank) {
 BackendChoice agree_to_start(Store& store, int rank, int world, bool required,
                              const std::string& why_not, std::chrono::milliseconds timeout) {
   // A second process given a rank that one running the job has (a script's slip): told at
-  // once, rather than left in Gloo's rendezvous for a peer that paired with the first. (One
-  // that came before and is still waiting, or gone, is no reason: it may be this one's earlier
-  // start.)
+  // once, rather than left in Gloo's rendezvous for a peer that paired with the first. One that
+  // came before and still waits is a reason where it runs on this machine
+  // (refuse_duplicate_start); one that is gone is none: it may be this one's earlier start.
   const std::string met = fmt::format("backend/met/{}", rank);
   if (store.check({met})) {
     throw Error(ErrorKind::usage,
