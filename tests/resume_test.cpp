@@ -2,10 +2,13 @@
 // checkpoints, Ctrl-C, a killed launcher, and no orphans in any of these.
 #include <doctest/doctest.h>
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <sys/file.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -864,6 +867,45 @@ TEST_CASE("too few file descriptors for the ranks: exit 2 naming the limit, the 
   err = read_text(tmp / "err");
   CHECK(err.find("dptrain: error: " + needs) != std::string::npos);
   CHECK(read_text(run_dir / "run.json") == recorded);
+}
+
+TEST_CASE("a launcher that fails mid-job (its store's port taken) records the run as failed") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), small_recipe());
+  const fs::path run_dir = tmp / "run";
+  const uint16_t port = unused_port();
+  // Rank 1 fails in the first generation; during the restart's back-off another process takes
+  // the fixed --master-port, and the next generation's store cannot listen.
+  Background launcher(
+      {"launch", recipe.string(), "--nproc", "2", "--run-dir", run_dir.string(), "--master-port",
+       std::to_string(port), "--max-restarts", "1", "--restart-backoff", "3", "--json"},
+      {{"DPTRAIN_FAULT", "exit@step=3,rank=1,code=7,gen=1"}});
+  REQUIRE(eventually([&] {
+    return fs::exists(run_dir / "run.json") &&
+           contains(read_text(run_dir / "run.json"), "\"pending_restart\"");
+  }));
+  const int holder = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE(holder >= 0);
+  // Past the first store's connections in TIME_WAIT; listening, it still keeps the port.
+  const int on = 1;
+  REQUIRE(::setsockopt(holder, SOL_SOCKET, SO_REUSEADDR, &on, sizeof(on)) == 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = htons(port);
+  REQUIRE(::bind(holder, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0);
+  REQUIRE(::listen(holder, 1) == 0);
+  const int code = launcher.wait(std::chrono::seconds(60));
+  ::close(holder);
+  INFO(launcher.err());
+  CHECK(code == 3);  // the store's failure, a communication error
+  const auto info = parse_json(read_text(run_dir / "run.json"));
+  CHECK(info["status"] == "failed");
+  CHECK(info["error"].get<std::string>().starts_with("the launcher failed: "));
+  CHECK(contains(info["error"].get<std::string>(), std::to_string(port)));
+  CHECK(parse_json(launcher.out())["exit_code"] == 3);
+  const auto s = parse_json(run_dptrain({"status", run_dir.string(), "--json"}).out);
+  CHECK(s["status"] == "failed");  // not "running", then "stale"
 }
 
 TEST_CASE("a low soft limit on open files (ulimit -Sn) is raised to the hard one for the ranks") {
