@@ -82,9 +82,7 @@ class PrepareStatus {
   void check_stop() const {
     const int sig = pending_stop_signal();
     if (sig == 0) return;
-    throw Error(sig == SIGTERM ? ErrorKind::terminated : ErrorKind::interrupted,
-                fmt::format("data prepare stopped by {}: nothing was written{}",
-                            sig == SIGTERM ? "SIGTERM" : "SIGINT", out_note_));
+    throw stop_error(sig, "data prepare ", ": nothing was written" + out_note_);
   }
   // After what the stop message says about DATASET.
   void set_output(const fs::path& out, bool existed) {

@@ -1,5 +1,4 @@
 // `dptrain launch RECIPE`: start a run on local ranks, or across hosts over SSH.
-#include <csignal>
 #include <cstdio>
 #include <memory>
 
@@ -135,8 +134,7 @@ int start_launch(const LaunchOptions& o, bool& events_opened) {
   }
   if (o.dry_run) {
     if (const int sig = pending_stop_signal()) {
-      throw Error(sig == SIGTERM ? ErrorKind::terminated : ErrorKind::interrupted,
-                  fmt::format("stopped by {}", sig == SIGTERM ? "SIGTERM" : "SIGINT"));
+      throw stop_error(sig, "", "");
     }
     // A plan for a directory the launch would refuse (one holding a run) is refused as well.
     if (!o.run_dir.empty()) RunDirectory::check_new(o.run_dir);
@@ -154,9 +152,7 @@ int start_launch(const LaunchOptions& o, bool& events_opened) {
   check_open_files(spec);
   // Stopped while it read and checked (a pipeline's timeout at once): nothing is made.
   if (const int sig = pending_stop_signal()) {
-    throw Error(sig == SIGTERM ? ErrorKind::terminated : ErrorKind::interrupted,
-                fmt::format("stopped by {} before the launch made anything",
-                            sig == SIGTERM ? "SIGTERM" : "SIGINT"));
+    throw stop_error(sig, "", " before the launch made anything");
   }
   // A bad --events path: nothing created. One in the run directory (RUN_DIR/events.jsonl) is
   // opened once the directory is made.

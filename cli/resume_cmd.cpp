@@ -2,7 +2,6 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -160,9 +159,7 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
   // started, and run.json stays as it was.
   if (const int sig = pending_stop_signal()) {
     status.finish();
-    throw Error(sig == SIGTERM ? ErrorKind::terminated : ErrorKind::interrupted,
-                fmt::format("stopped by {} before any rank started (run.json is as it was)",
-                            sig == SIGTERM ? "SIGTERM" : "SIGINT"));
+    throw stop_error(sig, "", " before any rank started (run.json is as it was)");
   }
   return run_to_end(run, spec, o.restart, o.json, events, status);
 }

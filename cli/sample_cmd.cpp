@@ -222,10 +222,11 @@ int run_sample(const SampleOptions& o) {
   for (int64_t i = 0; i < o.tokens; ++i) {
     if (const int sig = pending_stop_signal(); sig != 0) {
       if (stream) std::printf("\n");
-      const ErrorKind kind = sig == SIGTERM ? ErrorKind::terminated : ErrorKind::interrupted;
-      const std::string why = fmt::format("sample: stopped by {} after {} of {} tokens",
-                                          sig == SIGTERM ? "SIGTERM" : "SIGINT", i, o.tokens);
-      if (!o.json) throw Error(kind, why);
+      const Error stopped =
+          stop_error(sig, "sample: ", fmt::format(" after {} of {} tokens", i, o.tokens));
+      const ErrorKind kind = stopped.kind();
+      const std::string why = stopped.what();
+      if (!o.json) throw stopped;
       // One JSON object still, with what was generated before the stop.
       json out = result();
       out["status"] = failure_status(kind);

@@ -72,6 +72,7 @@ void check_local_gpus(const JobSpec& spec) {
 }
 
 json JobOutcome::to_json(const RunDirectory& run) const {
+  const auto remote = remote_last_checkpoint(run.info());  // rank 0's, when on another host
   json j = {{"status", status},
             {"exit_code", exit_code},
             {"run_dir", run.path().string()},
@@ -89,14 +90,11 @@ json JobOutcome::to_json(const RunDirectory& run) const {
     j["last_checkpoint"] = last_checkpoint.empty()
                                ? json(nullptr)
                                : json((run.checkpoints() / last_checkpoint).string());
-    if (const auto remote = remote_last_checkpoint(run.info()); last_checkpoint.empty() && remote) {
-      j["last_checkpoint"] = remote->path;
-    }
+    if (remote && last_checkpoint.empty()) j["last_checkpoint"] = remote->path;
   }
   for (const auto& [k, v] : result.items())
     j[k] = v;
   // The host it lies on when that is not this one (null: here, or none).
-  const auto remote = remote_last_checkpoint(run.info());
   j["last_checkpoint_host"] = remote && j.value("last_checkpoint", json()) == remote->path
                                   ? json(remote->host)
                                   : json(nullptr);

@@ -498,6 +498,12 @@ void install_stop_signal_handlers() {
   ::signal(SIGPIPE, SIG_IGN);
 }
 
+Error stop_error(int sig, std::string_view before, std::string_view after) {
+  return Error(
+      sig == SIGTERM ? ErrorKind::terminated : ErrorKind::interrupted,
+      fmt::format("{}stopped by {}{}", before, sig == SIGTERM ? "SIGTERM" : "SIGINT", after));
+}
+
 int pending_stop_signal() {
   return g_stop_signal.load();
 }

@@ -9,6 +9,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -87,6 +88,9 @@ struct SupervisorOptions {
 void install_stop_signal_handlers();
 // The SIGINT or SIGTERM received since the handlers were installed, or 0.
 int pending_stop_signal();
+// The error a command stopped by `sig` (SIGTERM or SIGINT) ends with: "BEFOREstopped by SIGTERM
+// AFTER", of kind terminated (143) or interrupted (130).
+Error stop_error(int sig, std::string_view before, std::string_view after);
 // The kind a failure ends with: when SIGINT or SIGTERM came while the command worked, the failure
 // is the stop's doing (a read interrupted, a wait cut short), so it is the signal's kind
 // (interrupted, terminated), as any stopped command's; otherwise `kind`.
