@@ -1,4 +1,5 @@
 // `dptrain sample RUN_DIR`: text from a gpt run's checkpoint, to see what the model learned.
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <csignal>
@@ -7,6 +8,9 @@
 #include <memory>
 #include <optional>
 #include <random>
+#include <span>
+#include <string>
+#include <vector>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -44,8 +48,79 @@ struct SampleOptions {
   uint64_t seed = 1;
   std::string checkpoint;                          // a directory; empty: the newest valid one
   const CLI::Option* checkpoint_option = nullptr;  // given (possibly as "")
+  bool ids = false;                                // prompt and output as token ids
   bool json = false;
 };
+
+// The dataset's tokenizer; none when the dataset has no tokenizer.json (token files made with
+// another tokenizer) and --ids asks for ids, which need none. Without --ids its absence is named
+// with the way out.
+std::optional<Tokenizer> load_tokenizer(const DataSpec& data, bool ids) {
+  std::error_code ec;
+  const fs::path file = fs::path(data.path) / "tokenizer.json";
+  if (ids && !fs::exists(file, ec) && !ec) return std::nullopt;
+  try {
+    return Tokenizer::load(data.path);
+  } catch (const Error& e) {
+    if (fs::exists(file, ec) || ec) throw;
+    throw Error(e.kind(), fmt::format("{}; the dataset has no tokenizer (its token files were made "
+                                      "by another one): sample token ids with --ids",
+                                      e.what()));
+  }
+}
+
+// The ids the model may draw: the tokenizer's vocabulary, or without one the dataset's (its
+// training file's header), or else the model's.
+int64_t drawable_vocab(const std::optional<Tokenizer>& tokenizer, const Recipe& recipe) {
+  if (tokenizer) return tokenizer->vocab();
+  try {
+    return std::min(read_token_header(fs::path(recipe.data.path) / "train.bin").vocab,
+                    recipe.model.vocab);
+  } catch (const Error&) {
+    return recipe.model.vocab;
+  }
+}
+
+// --prompt under --ids: whole numbers separated by blanks or commas, each below `vocab`.
+std::vector<int32_t> parse_prompt_ids(const std::string& text, int64_t vocab) {
+  std::vector<int32_t> ids;
+  size_t i = 0;
+  while (i < text.size()) {
+    if (text[i] == ' ' || text[i] == ',' || text[i] == '\t' || text[i] == '\n') {
+      ++i;
+      continue;
+    }
+    size_t end = text.find_first_of(" ,\t\n", i);
+    if (end == std::string::npos) end = text.size();
+    const std::string word = text.substr(i, end - i);
+    int64_t id = -1;
+    const auto [ptr, ec] = std::from_chars(word.data(), word.data() + word.size(), id);
+    if (ec != std::errc() || ptr != word.data() + word.size() || id < 0) {
+      throw Error(ErrorKind::usage,
+                  fmt::format("--prompt: '{}' is not a token id (with --ids, whole numbers "
+                              "separated by spaces or commas)",
+                              word));
+    }
+    if (id >= vocab) {
+      throw Error(ErrorKind::usage,
+                  fmt::format("--prompt: token id {} is out of the vocabulary (ids 0 to {})", id,
+                              vocab - 1));
+    }
+    ids.push_back(static_cast<int32_t>(id));
+    i = end;
+  }
+  return ids;
+}
+
+// Ids as --ids streams them: each followed by a space except the last.
+std::string ids_text(std::span<const int32_t> ids) {
+  std::string out;
+  for (const int32_t id : ids) {
+    if (!out.empty()) out += ' ';
+    out += std::to_string(id);
+  }
+  return out;
+}
 
 // Draws an id from softmax(logits / temperature) restricted to the top_k largest (0: all) of the
 // first `vocab` logits: ids the model has but the tokenizer cannot decode (a model.vocab larger
@@ -159,7 +234,8 @@ int run_sample(const SampleOptions& o) {
     throw Error(ErrorKind::usage, fmt::format("{}: sample needs a gpt run; this one trains an {}",
                                               o.run_dir, recipe.model.type));
   }
-  const Tokenizer tokenizer = Tokenizer::load(recipe.data.path);
+  const std::optional<Tokenizer> tokenizer = load_tokenizer(recipe.data, o.ids);
+  const int64_t vocab = drawable_vocab(tokenizer, recipe);
   // --checkpoint: a directory, or a name or step of the run's checkpoints (as ckpt verify takes).
   std::error_code ec;
   if (o.checkpoint_option->count() > 0 && o.checkpoint.empty()) {
@@ -185,15 +261,20 @@ int run_sample(const SampleOptions& o) {
                             ckpt.params.size(), gpt.num_params()));
   }
   std::vector<int32_t> context;
-  try {
-    context = tokenizer.encode(o.prompt);
-  } catch (const Error& e) {
-    throw Error(e.kind(), fmt::format("--prompt: {}", e.what()));
+  if (o.ids) {
+    context = parse_prompt_ids(o.prompt, vocab);
+  } else {
+    try {
+      context = tokenizer->encode(o.prompt);
+    } catch (const Error& e) {
+      throw Error(e.kind(), fmt::format("--prompt: {}", e.what()));
+    }
   }
+  const bool given_prompt = !context.empty();
   if (context.empty()) {
     // No prompt: start from a newline (or token 0 when the vocabulary has none).
     try {
-      context = tokenizer.encode("\n");
+      context = tokenizer ? tokenizer->encode("\n") : std::vector<int32_t>{0};
     } catch (const Error&) {
       context = {0};
     }
@@ -202,7 +283,8 @@ int run_sample(const SampleOptions& o) {
   std::mt19937_64 rng(derive_seed(o.seed, kSampleStream));
   const bool stream = !o.json;
   if (stream) {
-    std::fputs(o.prompt.c_str(), stdout);
+    const std::string shown = !o.ids ? o.prompt : given_prompt ? ids_text(context) : std::string();
+    std::fputs(shown.c_str(), stdout);
     std::fflush(stdout);
   }
   // The text so far, as --json prints it (bytes that are not UTF-8, a byte model's output, are
@@ -217,7 +299,9 @@ int run_sample(const SampleOptions& o) {
                 {"temperature", o.temperature},
                 {"top_k", o.top_k},
                 {"seed", o.seed},
-                {"text", tokenizer.decode(generated)}};
+                {"prompt_ids", std::span(context).first(prompt_tokens)},
+                {"ids", generated},
+                {"text", tokenizer ? json(tokenizer->decode(generated)) : json(nullptr)}};
   };
   for (int64_t i = 0; i < o.tokens; ++i) {
     if (const int sig = pending_stop_signal(); sig != 0) {
@@ -235,11 +319,14 @@ int run_sample(const SampleOptions& o) {
       print_error_lines(why);
       return exit_code(kind);
     }
-    const int32_t next = draw(gpt.next_token_logits(ckpt.params, context), tokenizer.vocab(),
-                              o.temperature, o.top_k, rng);
+    const int32_t next =
+        draw(gpt.next_token_logits(ckpt.params, context), vocab, o.temperature, o.top_k, rng);
     context.push_back(next);
     if (stream) {
-      const std::string piece = tokenizer.decode(std::span(&context.back(), 1));
+      const bool first = context.size() == prompt_tokens + 1 && !given_prompt;
+      const std::string piece = !o.ids  ? tokenizer->decode(std::span(&context.back(), 1))
+                                : first ? std::to_string(next)
+                                        : " " + std::to_string(next);
       std::fwrite(piece.data(), 1, piece.size(), stdout);
       std::fflush(stdout);
     }
@@ -261,8 +348,8 @@ void setup_sample(CLI::App& app, Outcome& outcome) {
       ->check(run_directory());
   app.add_option(
          "--prompt", o->prompt,
-         "Text to continue (default: none; the model is given a newline to start from, which is "
-         "not printed)")
+         "Text to continue, or with --ids token ids (default: none; the model is given a newline "
+         "to start from, which is not printed)")
       ->check(handles_empty());
   app.add_option("--tokens", o->tokens, "Tokens to generate")
       ->capture_default_str()
@@ -276,6 +363,9 @@ void setup_sample(CLI::App& app, Outcome& outcome) {
   app.add_option("--seed", o->seed, "Seed of the sampling: the same seed, the same text")
       ->capture_default_str()
       ->check(whole_number<uint64_t>(""));
+  app.add_flag("--ids", o->ids,
+               "Token ids instead of text: --prompt as ids (separated by spaces or commas), the "
+               "output as ids separated by spaces; needs no tokenizer.json");
   o->checkpoint_option =
       app.add_option("--checkpoint", o->checkpoint,
                      "Checkpoint: a directory, or one of the run's by name (step-000200) or step "
@@ -284,7 +374,7 @@ void setup_sample(CLI::App& app, Outcome& outcome) {
   app.add_flag(
       "--json", o->json,
       "Print {checkpoint, step, prompt, tokens, tokens_generated, temperature, top_k, seed, "
-      "text} at the end "
+      "prompt_ids, ids, text} at the end "
       "instead of streaming the text");
   app.callback([o, &outcome] {
     outcome.json = o->json;

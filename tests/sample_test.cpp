@@ -246,3 +246,73 @@ TEST_CASE(
   CHECK(r.err.find("the checkpoint is another run's, or the dataset was prepared again since") !=
         std::string::npos);
 }
+
+TEST_CASE("sample --ids: ids in and out, the same draws as text; a dataset without a tokenizer") {
+  Dataset data("char");
+  const fs::path run_dir = train(data.tmp.path(), small_gpt(data.dir, data.vocab + 40), "1");
+  const auto text =
+      sample(run_dir, {"--prompt", "the ", "--tokens", "30", "--seed", "4", "--json"});
+  const auto ids =
+      sample(run_dir, {"--prompt", "the ", "--ids", "--tokens", "30", "--seed", "4", "--json"});
+  // "the " as ids is not the same prompt: ids mode reads numbers. Give the same ids instead.
+  CHECK(ids.exit_code == 2);
+  CHECK_MESSAGE(ids.err.find("dptrain: error: --prompt: 'the' is not a token id") == 0, ids.err);
+  REQUIRE(text.exit_code == 0);
+  const json t = parse_json(text.out);
+  const auto prompt_ids = t["prompt_ids"].get<std::vector<int32_t>>();
+  REQUIRE(prompt_ids.size() == 4);
+  const std::string as_ids =
+      fmt::format("{},{} {}  {}", prompt_ids[0], prompt_ids[1], prompt_ids[2], prompt_ids[3]);
+  const auto same =
+      sample(run_dir, {"--prompt", as_ids, "--ids", "--tokens", "30", "--seed", "4", "--json"});
+  INFO(same.err);
+  REQUIRE(same.exit_code == 0);
+  const json s = parse_json(same.out);
+  CHECK(s["ids"] == t["ids"]);
+  CHECK(s["prompt_ids"] == t["prompt_ids"]);
+  CHECK(s["text"] == t["text"]);  // the tokenizer is there: the text comes too
+  CHECK(t["ids"].size() == 30);
+
+  // Token files made by another tokenizer: no tokenizer.json. Text is refused with the way out.
+  fs::remove(data.dir / "tokenizer.json");
+  const auto refused = sample(run_dir, {"--tokens", "5"});
+  CHECK(refused.exit_code == 2);
+  CHECK(refused.out.empty());
+  CHECK_MESSAGE(refused.err.find("tokenizer.json: missing; the dataset has no tokenizer") !=
+                    std::string::npos,
+                refused.err);
+  CHECK(refused.err.find("sample token ids with --ids") != std::string::npos);
+  const auto bare =
+      sample(run_dir, {"--prompt", as_ids, "--ids", "--tokens", "30", "--seed", "4", "--json"});
+  INFO(bare.err);
+  REQUIRE(bare.exit_code == 0);
+  const json b = parse_json(bare.out);
+  CHECK(b["ids"] == t["ids"]);  // the vocabulary comes from train.bin's header: the same draws
+  CHECK(b["text"].is_null());
+  // Streamed: the prompt's ids, then each drawn id, separated by spaces, and a closing newline.
+  const auto streamed =
+      sample(run_dir, {"--prompt", as_ids, "--ids", "--tokens", "30", "--seed", "4"});
+  REQUIRE(streamed.exit_code == 0);
+  std::string expected;
+  for (const auto& id : b["prompt_ids"])
+    expected += std::to_string(id.get<int>()) + " ";
+  for (const auto& id : b["ids"])
+    expected += std::to_string(id.get<int>()) + " ";
+  expected.back() = '\n';
+  CHECK(streamed.out == expected);
+  // Without a prompt the stream starts with the first drawn id.
+  const auto unprompted = sample(run_dir, {"--ids", "--tokens", "3"});
+  REQUIRE(unprompted.exit_code == 0);
+  CHECK(unprompted.out.size() >= 6);
+  CHECK(unprompted.out[0] != ' ');
+  for (const auto& [prompt, message] : std::vector<std::pair<std::string, std::string>>{
+           {"1 -2", "--prompt: '-2' is not a token id"},
+           {"1 2x", "--prompt: '2x' is not a token id"},
+           {std::to_string(data.vocab), fmt::format("--prompt: token id {} is out of the "
+                                                    "vocabulary (ids 0 to {})",
+                                                    data.vocab, data.vocab - 1)}}) {
+    const auto r = sample(run_dir, {"--prompt", prompt, "--ids", "--tokens", "3"});
+    CHECK(r.exit_code == 2);
+    CHECK_MESSAGE(r.err.find("dptrain: error: " + message) == 0, r.err);
+  }
+}
