@@ -462,10 +462,10 @@ json JobPlan::to_json(const JobSpec& spec) const {
 }
 
 void check_open_files(const JobSpec& spec) {
-  // Each local rank's output pipe and log file, each remote host's relay, and every rank's
-  // connection to the store, with room for the launcher's own. At least what a Gloo rank of the
-  // job needs itself (world - 1 connections + 32, as the worker checks), so that a launch is
-  // refused here rather than by its ranks.
+  // Each local rank's output pipe and log file, each remote host's relay, and every rank's two
+  // connections to the store (requests, heartbeats), with room for the launcher's own. At least
+  // what a Gloo rank of the job needs itself (world - 1 connections + 32, as the worker checks), so
+  // that a launch is refused here rather than by its ranks.
   size_t local_ranks = spec.hosts.empty() ? static_cast<size_t>(spec.world_size) : 0;
   size_t relays = 0;
   for (const HostSpec& h : spec.hosts) {
@@ -476,7 +476,7 @@ void check_open_files(const JobSpec& spec) {
     }
   }
   const auto world = static_cast<size_t>(spec.world_size);
-  require_open_files(2 * local_ranks + 2 * relays + world + 32,
+  require_open_files(2 * local_ranks + 2 * relays + 2 * world + 32,
                      local_ranks == world
                          ? fmt::format("{} rank(s) on this machine", local_ranks)
                          : fmt::format("{} rank(s) ({} on this machine)", world, local_ranks));

@@ -110,8 +110,9 @@ class GlooStoreAdapter : public gloo::rendezvous::Store {
   void waiting(const std::vector<std::string>& keys, std::chrono::milliseconds timeout, Wait wait) {
     try {
       wait();
-    } catch (const Error& e) {
-      if (e.kind() != ErrorKind::comm) throw;
+    } catch (const KeyTimeout&) {
+      // Only a wait that timed out asks the store which ranks are missing: after a lost
+      // connection (a store that is gone) the question would wait to reconnect, and blame them.
       std::vector<int> missing;
       for (const auto& key : keys) {
         if (const int r = rank_of(key); r >= 0 && !store_.check({key})) missing.push_back(r);
@@ -284,7 +285,9 @@ void check_broadcast_root(int rank, int size, int root) {
 // (gloo/types.h; the legacy algorithms, unused here, take small slots from Context::nextSlot).
 // User messages take prefix 0xd7, which Gloo does not use, so no user tag can ever meet a
 // collective's slot, whatever next_tag() has reached. Under the prefix: the user's 32-bit tag,
-// then 24 bits folded from the byte count, so a receive only matches a send of the same size.
+// then 24 bits hashed from the byte count, so a receive matches only a send of the same size
+// (or, with odds of one in 16 million, of a size whose hash is the same: a multiplicative hash, so
+// that sizes apart by a power of two, the likely mistakes, do not share one as a fold would).
 // Gloo itself would complete a shorter message into a longer buffer as a success (the rest left
 // stale), and a longer one fails an assertion on its event-loop thread, which ends the process;
 // with the size in the slot either mistake becomes a timeout naming the peer and tag.
@@ -292,7 +295,7 @@ constexpr uint64_t kMessageSlotPrefix = 0xd7;
 
 uint64_t message_slot(uint32_t tag, size_t bytes) {
   const auto b = static_cast<uint64_t>(bytes);
-  const uint64_t size_bits = (b ^ (b >> 24) ^ (b >> 48)) & 0xffffff;
+  const uint64_t size_bits = (b * 0x9e3779b97f4a7c15ULL) >> 40;  // the top 24 bits
   return kMessageSlotPrefix << 56 | uint64_t{tag} << 24 | size_bits;
 }
 

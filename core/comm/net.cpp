@@ -7,6 +7,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
 #include <memory>
 
 #include <fmt/format.h>
@@ -27,22 +29,34 @@ bool is_loopback_host(const std::string& host) {
 
 std::string local_address_towards(const std::string& host, uint16_t port) {
   addrinfo hints{};
-  hints.ai_family = AF_INET;
+  hints.ai_family = AF_UNSPEC;  // an IPv6 store too (a --store [ADDR]:PORT)
   hints.ai_socktype = SOCK_DGRAM;
   addrinfo* res = nullptr;
-  if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res) != 0 || !res) {
-    throw Error(ErrorKind::comm, fmt::format("cannot resolve host '{}'", host));
+  if (const int status = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res);
+      status != 0 || !res) {
+    throw Error(ErrorKind::comm, fmt::format("cannot resolve host '{}': {}", host,
+                                             status != 0 ? ::gai_strerror(status) : "no address"));
   }
   std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> guard(res, ::freeaddrinfo);
-  const int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-  sockaddr_in local{};
+  // A datagram socket's connect sends nothing: it only asks the kernel which local address
+  // routes there.
+  const int fd = ::socket(res->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  sockaddr_storage local{};
   socklen_t len = sizeof local;
   const bool ok = fd >= 0 && ::connect(fd, res->ai_addr, res->ai_addrlen) == 0 &&
                   ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0;
+  const int error = errno;
   if (fd >= 0) ::close(fd);
-  if (!ok) throw Error(ErrorKind::comm, fmt::format("no route to host '{}'", host));
-  char buf[INET_ADDRSTRLEN];
-  ::inet_ntop(AF_INET, &local.sin_addr, buf, sizeof buf);
+  if (!ok) {
+    throw Error(ErrorKind::comm, fmt::format("no local address routes to host '{}': {}", host,
+                                             std::strerror(error)));
+  }
+  char buf[INET6_ADDRSTRLEN] = {};
+  const void* address =
+      local.ss_family == AF_INET6
+          ? static_cast<const void*>(&reinterpret_cast<const sockaddr_in6*>(&local)->sin6_addr)
+          : static_cast<const void*>(&reinterpret_cast<const sockaddr_in*>(&local)->sin_addr);
+  ::inet_ntop(local.ss_family, address, buf, sizeof buf);
   return buf;
 }
 

@@ -68,7 +68,10 @@ void wait_ready(int fd, short events, SteadyTime deadline) {
 }
 
 // Connects one resolved address, waiting for the non-blocking connect up to `deadline`.
-UniqueFd connect_address(const addrinfo& address, SteadyTime deadline, std::string& failure) {
+// `refused`: whether the address answered "connection refused".
+UniqueFd connect_address(const addrinfo& address, SteadyTime deadline, std::string& failure,
+                         bool& refused) {
+  refused = false;
   UniqueFd fd(socket(address.ai_family, address.ai_socktype | SOCK_CLOEXEC, address.ai_protocol));
   if (!fd) {
     failure = errno_text(errno);
@@ -77,6 +80,7 @@ UniqueFd connect_address(const addrinfo& address, SteadyTime deadline, std::stri
   set_nonblocking(fd.get());
   if (connect(fd.get(), address.ai_addr, address.ai_addrlen) != 0) {
     if (errno != EINPROGRESS) {
+      refused = errno == ECONNREFUSED;
       failure = errno_text(errno);
       return {};
     }
@@ -93,6 +97,7 @@ UniqueFd connect_address(const addrinfo& address, SteadyTime deadline, std::stri
     socklen_t length = sizeof(error);
     getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &error, &length);
     if (error != 0) {
+      refused = error == ECONNREFUSED;
       failure = errno_text(error);
       return {};
     }
@@ -170,10 +175,14 @@ uint16_t local_port(int fd) {
 ConnectAttempt connect_tcp(const std::string& host, uint16_t port, SteadyTime deadline) {
   ConnectAttempt attempt;
   const AddrInfoList addresses = resolve(host, port, 0, attempt.failure);
+  bool every_refused = addresses != nullptr;
   for (const addrinfo* entry = addresses.get(); entry != nullptr; entry = entry->ai_next) {
-    attempt.fd = connect_address(*entry, deadline, attempt.failure);
+    bool refused = false;
+    attempt.fd = connect_address(*entry, deadline, attempt.failure, refused);
     if (attempt.fd) return attempt;
+    every_refused = every_refused && refused;
   }
+  attempt.refused = every_refused;
   return attempt;
 }
 

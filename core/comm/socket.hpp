@@ -41,6 +41,7 @@ uint16_t local_port(int fd);
 struct ConnectAttempt {
   UniqueFd fd;
   std::string failure;
+  bool refused = false;  // every address answered "connection refused": nothing listens there
 };
 ConnectAttempt connect_tcp(const std::string& host, uint16_t port, SteadyTime deadline);
 

@@ -97,22 +97,25 @@ Error other_size(int rank, int world, int other, int given, const char* whose) {
       fmt::format("rank {}: {}", rank, world_size_mismatch(other, whose, world, given, "answer")));
 }
 
-// What `waited_for` posted under `key`; its absence after `timeout` is Error(comm) naming it.
-// Other failures (a store that is gone, a refused secret) say themselves.
+// What `waited_for` posted under `key`, waiting up to `timeout` (`said`, in the message, is the
+// wait the reader was promised); its absence then is a KeyTimeout naming it. Other failures (a
+// store that is gone, a refused secret) say themselves.
 std::string read_posted(Store& store, const std::string& key, int rank,
-                        const std::string& waited_for, std::chrono::milliseconds timeout) {
+                        const std::string& waited_for, std::chrono::milliseconds timeout,
+                        std::chrono::milliseconds said) {
   try {
     return store.get(key, timeout);
-  } catch (const Error& e) {
-    if (e.kind() != ErrorKind::comm ||
-        std::string_view(e.what()).find("timed out") == std::string_view::npos) {
-      throw;
-    }
-    throw Error(ErrorKind::comm,
-                fmt::format("rank {}: {} within {} (nothing from it at {}); start every rank with "
-                            "the same store and world size",
-                            rank, waited_for, format_timeout(timeout), store.describe()));
+  } catch (const KeyTimeout&) {
+    throw KeyTimeout(
+        fmt::format("rank {}: {} within {} (nothing from it at {}); start every "
+                    "rank with the same store and world size",
+                    rank, waited_for, format_timeout(said), store.describe()));
   }
+}
+
+std::string read_posted(Store& store, const std::string& key, int rank,
+                        const std::string& waited_for, std::chrono::milliseconds timeout) {
+  return read_posted(store, key, rank, waited_for, timeout, timeout);
 }
 
 // This process as the kernel tells it from any other on the machine: its pid namespace, pid and
@@ -210,13 +213,20 @@ BackendChoice agree_to_start(Store& store, int rank, int world, bool required,
     // KIND MESSAGE" (it cannot start); else "gloo R WHY" / "fail R WHY" for the first rank that
     // cannot use NCCL, else "nccl".
     std::string refusal = why_not.empty() ? std::string() : "0 " + why_not;
+    // One deadline for every answer: the others wait for the choice about as long as rank 0
+    // waits for all of them, not for each in turn.
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
     for (int r = 1; r < world && choice.empty(); ++r) {
       std::string answer;
       try {
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+            deadline - std::chrono::steady_clock::now());
         answer = read_posted(store, answer_key(r), rank,
-                             fmt::format("rank {} of {} did not join", r, world), timeout);
-      } catch (const Error&) {
-        // The others learn which rank never came, rather than blame rank 0.
+                             fmt::format("rank {} of {} did not join", r, world),
+                             std::max(left, std::chrono::milliseconds(1)), timeout);
+      } catch (const KeyTimeout&) {
+        // The others learn which rank never came, rather than blame rank 0. (A store that
+        // failed otherwise, gone or refusing, is not a rank's absence: that error stands.)
         try {
           store.set(kChoiceKey, fmt::format("absent {}", r));
         } catch (const Error&) {

@@ -7,11 +7,21 @@
 #include <utility>
 #include <vector>
 
+#include "core/error.hpp"
+
 namespace dptrain {
 
+// What a store throws when keys are still missing at the deadline (key_timeout_message): the
+// store answered, and the keys are not there. Anything else (a lost connection, a store that
+// is gone) is another Error(comm), which callers must not take for a peer that never came.
+class KeyTimeout : public Error {
+ public:
+  explicit KeyTimeout(const std::string& message) : Error(ErrorKind::comm, message) {}
+};
+
 // A key/value store shared by all ranks of a job. Values are opaque bytes; counters made by add()
-// are stored as decimal text. Every blocking call has a deadline and throws Error(ErrorKind::comm)
-// naming the key(s), the store and the timeout when it passes.
+// are stored as decimal text. Every blocking call has a deadline and throws KeyTimeout (an
+// Error(ErrorKind::comm)) naming the key(s), the store and the timeout when it passes.
 class Store {
  public:
   virtual ~Store() = default;

@@ -102,6 +102,12 @@ class TcpStoreServer::Loop {
   static constexpr int kChunksPerWakeup = 16;
   // A client that stops reading its replies cannot make the server hold more than this.
   static constexpr size_t kMaxOutbox = 2 * size_t{protocol::kMaxFrameBytes};
+  // The largest frame before a connection is ready (hello, proof: tens of bytes): a stranger
+  // cannot make the server buffer more than this.
+  static constexpr uint32_t kMaxHandshakeFrame = 1024;
+  // How long the listener rests after accept failed for want of descriptors or memory: the
+  // pending connection keeps it readable, so polling it at once would spin.
+  static constexpr std::chrono::milliseconds kAcceptPause{100};
 
   int poll_timeout_ms() const;
   SteadyTime earliest_deadline() const;
@@ -132,6 +138,8 @@ class TcpStoreServer::Loop {
   UniqueFd wake_read_;
   UniqueFd wake_write_;
   std::atomic<bool> stopping_{false};
+  SteadyTime accept_paused_until_{};
+  bool accept_failure_said_ = false;
   std::map<uint64_t, Connection> connections_;
   uint64_t next_connection_id_ = 0;
   std::list<Waiter> waiters_;
@@ -163,6 +171,7 @@ void TcpStoreServer::Loop::request_stop() {
 
 SteadyTime TcpStoreServer::Loop::earliest_deadline() const {
   SteadyTime earliest = SteadyTime::max();
+  if (accept_paused_until_ != SteadyTime{}) earliest = accept_paused_until_;
   for (const auto& waiter : waiters_)
     earliest = std::min(earliest, waiter.deadline);
   for (const auto& [id, connection] : connections_) {
@@ -184,7 +193,11 @@ void TcpStoreServer::Loop::run() {
   std::vector<pollfd> fds;
   std::vector<uint64_t> ids;
   while (!stopping_) {
-    fds.assign({{wake_read_.get(), POLLIN, 0}, {listener_.get(), POLLIN, 0}});
+    if (accept_paused_until_ != SteadyTime{} && Clock::now() >= accept_paused_until_)
+      accept_paused_until_ = SteadyTime{};
+    const bool accepting = accept_paused_until_ == SteadyTime{};
+    fds.assign({{wake_read_.get(), POLLIN, 0},
+                {listener_.get(), static_cast<short>(accepting ? POLLIN : 0), 0}});
     ids.clear();
     for (const auto& [id, connection] : connections_) {
       const short events = static_cast<short>(POLLIN | (connection.outbox.empty() ? 0 : POLLOUT));
@@ -223,7 +236,22 @@ void TcpStoreServer::Loop::run() {
 void TcpStoreServer::Loop::accept_connections() {
   while (true) {
     UniqueFd fd(accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
-    if (!fd) return;  // EAGAIN, or a transient failure (EMFILE…) the next wakeup retries
+    if (!fd) {
+      const int error = errno;
+      if (error == EMFILE || error == ENFILE || error == ENOBUFS || error == ENOMEM) {
+        // The connection stays pending (its client waits in the handshake): tried again after
+        // a pause, once connections that end have given descriptors back.
+        accept_paused_until_ = Clock::now() + kAcceptPause;
+        if (!accept_failure_said_) {
+          accept_failure_said_ = true;
+          std::fprintf(stderr,
+                       "dptrain: warning: store server on port %u cannot accept connections: %s "
+                       "(raise the limit on open files, ulimit -n)\n",
+                       port_, std::strerror(error));
+        }
+      }
+      return;  // EAGAIN, or a connection that went away before it was accepted
+    }
     if (connections_.size() >= kMaxConnections) continue;  // closing it tells the client
     set_no_delay(fd.get());
     Connection& connection = connections_[next_connection_id_++];
@@ -257,7 +285,9 @@ void TcpStoreServer::Loop::serve(uint64_t id) {
     while (!connection.dead && !connection.parked && !connection.close_after_flush &&
            connection.inbox.size() >= protocol::kLengthBytes) {
       const uint32_t length = protocol::frame_length(connection.inbox);
-      if (length == 0 || length > protocol::kMaxFrameBytes) {
+      const uint32_t most =
+          connection.stage == Stage::ready ? protocol::kMaxFrameBytes : kMaxHandshakeFrame;
+      if (length == 0 || length > most) {
         throw Error(ErrorKind::comm, fmt::format("frame length {} out of range", length));
       }
       if (connection.inbox.size() < protocol::kLengthBytes + length) break;
@@ -269,8 +299,9 @@ void TcpStoreServer::Loop::serve(uint64_t id) {
     if (connection.inbox.size() > protocol::kLengthBytes + protocol::kMaxFrameBytes + kReadChunk) {
       throw Error(ErrorKind::comm, "too many queued bytes");
     }
-  } catch (const Error&) {
-    // Not our protocol, or a client that misbehaves: drop only this connection.
+  } catch (const std::exception&) {
+    // Not our protocol, a client that misbehaves, or one whose request cannot be held (memory):
+    // drop only this connection, never the store.
     connection.dead = true;
   }
 }
@@ -570,6 +601,12 @@ void TcpStoreClient::connect_locked() {
       socket_ = std::move(attempt.fd);
       break;
     }
+    if (served_ && attempt.refused) {
+      throw Error(ErrorKind::comm,
+                  fmt::format("store at {} is gone: it served this process, and now nothing "
+                              "listens there ({})",
+                              format_host_port(host_, port_), attempt.failure));
+    }
     const auto now = Clock::now();
     if (now >= deadline) {
       throw Error(ErrorKind::comm, fmt::format("cannot reach store at {} within {}: {}",
@@ -603,6 +640,7 @@ void TcpStoreClient::handshake_locked(SteadyTime deadline) {
   }
   try {
     authenticate_locked(client_nonce, parse_hello_reply(answer.fields), deadline);
+    served_ = true;
   } catch (const Error&) {
     // Not authenticated, so the connection must not serve requests.
     socket_.reset();
@@ -723,8 +761,8 @@ std::string TcpStoreClient::request(const std::string& frame, const std::string&
     case Status::ok:
       return std::move(answer.fields);
     case Status::timeout:
-      throw Error(ErrorKind::comm,
-                  key_timeout_message(FrameReader(answer.fields).strs(), key_timeout, describe()));
+      throw KeyTimeout(
+          key_timeout_message(FrameReader(answer.fields).strs(), key_timeout, describe()));
     case Status::error:
       throw Error(ErrorKind::comm, fmt::format("{} rejected {}: {}", describe(), what,
                                                FrameReader(answer.fields).str()));

@@ -46,7 +46,9 @@ class TcpStoreServer {
 
 // A Store talking to a TcpStoreServer over one connection. Thread-safe: requests from several
 // threads are serialised. After a broken connection the next request reconnects (and
-// authenticates again).
+// authenticates again); when nothing listens at the store's address any more (connection
+// refused), the store is gone and the request fails at once, rather than after the connect
+// timeout.
 class TcpStoreClient : public Store {
  public:
   // Retries connecting until connect_timeout, then throws Error(comm)
@@ -94,6 +96,9 @@ class TcpStoreClient : public Store {
   std::chrono::milliseconds handshake_timeout_;
   // When the handshake in progress began: its messages say how long it waited.
   SteadyTime handshake_began_{};
+  // Whether a connection was ever authenticated: a store that served this client and then
+  // refuses connections is gone (its process ended), not yet to come.
+  bool served_ = false;
   std::string secret_;
   std::mutex mutex_;
   UniqueFd socket_;

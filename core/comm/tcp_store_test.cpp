@@ -128,6 +128,8 @@ TEST_CASE("tcp store: a timed-out get names the key, the store and the timeout")
       error_message([&] { store.get("gen1/rank3", 200ms); }, ErrorKind::comm);
   CHECK(message == "timed out after 0.2s waiting for key 'gen1/rank3' at store 127.0.0.1:" +
                        std::to_string(server.port()));
+  // A key that is not there is a KeyTimeout: callers tell it from a store that failed.
+  CHECK_THROWS_AS(store.get("gen1/rank3", 10ms), KeyTimeout);
 
   store.set("present", "1");
   const std::string wait_message = error_message(
@@ -248,6 +250,17 @@ TEST_CASE("tcp store: garbage on a socket drops only that connection") {
     send_all(raw.get(), std::string(64, '\xff'), deadline());
     CHECK(closed_by_server(raw.get()));
   }
+  SUBCASE("a handshake frame of megabytes, before any proof") {
+    // A stranger cannot make the server hold more than a handshake's size: dropped as soon as
+    // the length is read, not once the bytes arrive.
+    UniqueFd raw = raw_connection(server);
+    std::string header(store_protocol::kLengthBytes, '\0');
+    const uint32_t length = 8u << 20;
+    for (size_t i = 0; i < header.size(); ++i)
+      header[i] = static_cast<char>((length >> (8 * i)) & 0xff);
+    send_all(raw.get(), header + std::string(1024, 'x'), deadline());
+    CHECK(closed_by_server(raw.get()));
+  }
   SUBCASE("a well-formed frame that is not hello") {
     UniqueFd raw = raw_connection(server);
     send_all(raw.get(), store_protocol::FrameWriter().u8(3).str("x").u64(0).finish(), deadline());
@@ -335,6 +348,37 @@ TEST_CASE("tcp store: a client whose server stops gets a comm error, not a hang"
   blocked.join();
   CHECK(message.find("store 127.0.0.1:") != std::string::npos);
   CHECK(message.find("'never'") != std::string::npos);
+}
+
+TEST_CASE("tcp store: a store that served a client and is gone fails its next request at once") {
+  auto server = std::make_unique<TcpStoreServer>();
+  const uint16_t port = server->port();
+  // A connect timeout far beyond the test's: a request that retried for it would hang the test.
+  TcpStoreClient store("127.0.0.1", port, std::chrono::hours(1));
+  store.set("k", "v");
+  server->stop();
+  server.reset();
+  // The request on the connection it had: "connection closed by peer".
+  try {
+    store.get("k", 1s);
+    FAIL("a get from a store that is gone succeeded");
+  } catch (const KeyTimeout&) {
+    FAIL("a store that is gone is not a missing key");
+  } catch (const Error& e) {
+    CHECK(e.kind() == ErrorKind::comm);
+  }
+  // The next ones would reconnect: nothing listens, and the store served this client, so it is
+  // gone (not retried for the connect timeout, as at the start, when it may be yet to come).
+  std::string message;
+  try {
+    store.check({"k"});
+  } catch (const Error& e) {
+    message = e.what();
+  }
+  CHECK_MESSAGE(
+      message.find(fmt::format("store at 127.0.0.1:{} is gone", port)) != std::string::npos,
+      message);
+  CHECK_THROWS_WITH_AS(store.set("k", "w"), doctest::Contains("is gone"), Error);
 }
 
 // ---- job secret ----
