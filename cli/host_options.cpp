@@ -124,10 +124,14 @@ void add_host_options(CLI::App& app, HostOptions& o, bool hosts_required) {
       ->capture_default_str();
 }
 
-RemoteOptions RemoteJobOptions::get(const HostOptions& hosts) const {
+void RemoteJobOptions::check() const {
   if (master_port < 0 || master_port > 65535) {
     throw Error(ErrorKind::usage, fmt::format("--master-port: not a port: {}", master_port));
   }
+}
+
+RemoteOptions RemoteJobOptions::get(const HostOptions& hosts) const {
+  check();
   if (!master_addr.empty()) {
     // The store listens there: an address that is not this machine's (or no address at all)
     // would only show as every rank failing to reach it.

@@ -46,6 +46,8 @@ struct RemoteJobOptions {
   std::vector<std::string> env;  // --env NAME[=VALUE], repeatable
   // Error(usage) for a bad port.
   RemoteOptions get(const HostOptions& hosts) const;
+  // What can be refused without hosts: --master-port out of range (exit 2).
+  void check() const;
   // --env as the ranks get it; Error(usage) naming a bad setting.
   RankEnv rank_env() const { return RankEnv::parse(env); }
 };

@@ -68,14 +68,7 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
   if (o.hosts.hosts.empty()) {
     // As a hostfile's lines: the form that gives each again as it was ("user@host:port" pasted
     // into --hosts would make the port a slot count).
-    std::vector<std::string> lines;
-    bool remote = false;
-    for (const auto& h : run.info().value("hosts", nlohmann::json::array())) {
-      const std::string name = h.value("host", std::string("localhost"));
-      remote = remote || name != "localhost";
-      lines.push_back("'" + recorded_host_line(name, h.value("slots", 1)) + "'");
-    }
-    if (remote) {
+    if (const auto lines = recorded_remote_hosts(run.info()); !lines.empty()) {
       throw Error(ErrorKind::usage,
                   fmt::format("{}: this run used hosts: give them again with --hosts FILE, a "
                               "hostfile of these lines: {}; and the SSH options its launch used",
@@ -167,7 +160,18 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
 int run_resume(const ResumeOptions& o) {
   install_stop_signal_handlers();
   o.restart.validate();
+  o.remote.check();  // also for a run that completed: a bad option is refused whatever the run
   RunDirectory run = RunDirectory::open(o.run_dir);
+  // A benchmark's world (bench train): measured, not trained; a resume would train the rest of
+  // its steps as if it were a run.
+  if (const nlohmann::json& bench = run.info().value("bench", nlohmann::json());
+      bench.is_object() && run.info().value("status", nlohmann::json()) != "completed") {
+    throw Error(ErrorKind::usage,
+                fmt::format("{}: a benchmark's run (bench {}, {} rank(s)): a benchmark is not "
+                            "resumed: run it again",
+                            o.run_dir, bench.value("benchmark", std::string("train")),
+                            bench.value("world", 0)));
+  }
   // A completed one (any run) has nothing to resume, which resume_run says, exit 0.
   if (started_by_workers(run.info()) &&
       run.info().value("status", nlohmann::json()) != "completed") {

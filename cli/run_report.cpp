@@ -252,14 +252,10 @@ int report_outcome(const RunDirectory& run, const JobOutcome& outcome, bool json
     }
     if (outcome.repeats) {  // a resume would meet the same error
       std::fprintf(stderr, "dptrain: run directory: %s\n", run.path().c_str());
-    } else if (outcome.deterministic) {
-      std::fprintf(stderr,
-                   "dptrain: run directory: %s (once the cause is fixed, continue with 'dptrain "
-                   "resume %s')\n",
-                   run.path().c_str(), run.path().c_str());
     } else {
-      std::fprintf(stderr, "dptrain: run directory: %s (continue with 'dptrain resume %s')\n",
-                   run.path().c_str(), run.path().c_str());
+      std::fprintf(stderr, "dptrain: run directory: %s (%scontinue with %s)\n", run.path().c_str(),
+                   outcome.deterministic ? "once the cause is fixed, " : "",
+                   resume_command(run.path(), run.info()).c_str());
     }
   }
   if (json) {

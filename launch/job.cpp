@@ -795,12 +795,27 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   };
   // For a relay's failure: the report its agent sent ("@failure": the rank, its exit, its last
   // lines), or null when none came (the relay itself failed, or the connection dropped).
-  const auto agent_report = [&](const ProcessFailure& f) -> const json* {
-    const auto relay = relay_hosts.find(f.label);
+  const auto report_of = [&](const std::string& label) -> const json* {
+    const auto relay = relay_hosts.find(label);
     if (relay == relay_hosts.end()) return nullptr;
     const auto report = agent_failures.find(relay->second);
     return report == agent_failures.end() ? nullptr : &report->second;
   };
+  const auto agent_report = [&](const ProcessFailure& f) { return report_of(f.label); };
+  // A host lost by its relay (the SSH connection dropped, or the host went silent; not refused):
+  // its agent then stops its ranks with SIGTERM, and the others checkpoint and stop with them,
+  // which would look like a preemption. The relay's exit, when one reported so.
+  const auto lost_host = [&]() -> std::optional<ProcessExit> {
+    for (const auto& e : sup.exits) {
+      const json* r = report_of(e.label);
+      if (r != nullptr && r->value("rank", -1) < 0 && !r->value("refused", false)) return e;
+    }
+    return std::nullopt;
+  };
+  // Only where the first exit looks like a preemption: a relay that failed first says itself.
+  const std::optional<ProcessExit> lost =
+      sup.stop_signal == 0 && sup.failure && sup.failure->exit_code == 143 ? lost_host()
+                                                                           : std::nullopt;
   std::optional<std::string> newest;
   std::string unreachable;
   if (trains && !rank0_remote && !sup.ok())
@@ -874,6 +889,12 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     out.exit_code = 3;
     out.status = "failed";
     out.error = sup.watchdog;
+  } else if (lost) {
+    // Not a preemption but a lost host, which a restart may cure (the host answers again, or an
+    // elastic job goes on without it).
+    out.exit_code = 3;
+    out.status = "failed";
+    out.error = report_of(lost->label)->value("description", std::string()) + checkpoint_note();
   } else if (sup.failure && sup.failure->exit_code == 143) {
     // A rank got SIGTERM itself (a node being preempted): every rank checkpoints and stops. The
     // first process to exit is any of them; the store says which got the signal.
@@ -995,9 +1016,15 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     // A rank stopped by its own SIGTERM: every rank checkpoints and exits 143, and the first to
     // exit is any of them; the rank that got the signal is the one that exited, as the message
     // says.
-    if (exit_code == 143 && !trace.sigterm_ranks.empty()) {
+    if (exit_code == 143 && !trace.sigterm_ranks.empty() && !lost) {
       out.failed_rank = trace.sigterm_ranks.front();
       process = rank_name(out.failed_rank);
+    }
+    if (lost) {  // the host, as its relay reported it
+      out.failed_rank = -1;
+      process = lost->label;
+      exit_code = lost->exit_code;
+      signal = lost->signal;
     }
     rank_exited(process, exit_code, signal, error_headline(out.error));
   }

@@ -549,11 +549,11 @@ std::string hint(const RunView& run) {
           repeated.times >= kSameStepLimit) {
         return fmt::format(
             "it failed {} times in a row at step {}: once the cause is fixed (see the error), "
-            "continue it with 'dptrain resume {}'",
-            repeated.times, repeated.step, dir);
+            "continue it with {}",
+            repeated.times, repeated.step, resume_command(run.dir, run.info));
       }
     }
-    return fmt::format("continue it with 'dptrain resume {}'", dir);
+    return "continue it with " + resume_command(run.dir, run.info);
   }
   return {};
 }

@@ -16,12 +16,14 @@
 #include <system_error>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/checkpoint.hpp"
 #include "core/comm/auth.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
 #include "core/json_error.hpp"
+#include "launch/hostfile.hpp"
 
 namespace dptrain {
 
@@ -559,6 +561,28 @@ bool started_by_workers(const nlohmann::json& info) {
 std::string hand_resume_flag(const fs::path& run_dir) {
   return list_checkpoints(run_dir / "checkpoints").empty() ? "--resume newest-or-start"
                                                            : "--resume newest";
+}
+
+std::vector<std::string> recorded_remote_hosts(const nlohmann::json& info) {
+  std::vector<std::string> lines;
+  bool remote = false;
+  const nlohmann::json hosts = info.value("hosts", nlohmann::json::array());
+  for (const auto& h : hosts.is_array() ? hosts : nlohmann::json::array()) {
+    if (!h.is_object()) continue;
+    const std::string name = h.value("host", std::string("localhost"));
+    remote = remote || name != "localhost";
+    lines.push_back("'" + recorded_host_line(name, h.value("slots", 1)) + "'");
+  }
+  return remote ? lines : std::vector<std::string>{};
+}
+
+std::string resume_command(const fs::path& run_dir, const nlohmann::json& info) {
+  const auto hosts = recorded_remote_hosts(info);
+  if (hosts.empty()) return fmt::format("'dptrain resume {}'", run_dir.string());
+  return fmt::format(
+      "'dptrain resume {} --hosts FILE' with the SSH options its launch used (FILE: a hostfile of "
+      "these lines: {})",
+      run_dir.string(), fmt::join(hosts, ", "));
 }
 
 void RunDirectory::save() const {

@@ -6,6 +6,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -76,6 +77,13 @@ bool started_by_workers(const nlohmann::json& info);
 // What such a run's workers are started again with to continue it: "--resume newest", or
 // "--resume newest-or-start" when it holds no checkpoint yet (newest would find none: exit 5).
 std::string hand_resume_flag(const std::filesystem::path& run_dir);
+// The recorded hosts of a run that used remote ones, as hostfile lines ('user@host port=P
+// slots=N', quoted); none for a run on this machine alone.
+std::vector<std::string> recorded_remote_hosts(const nlohmann::json& info);
+// How a launched run is continued, as a hint says it: "'dptrain resume DIR'", and for a run on
+// remote hosts " with --hosts FILE (a hostfile of these lines: ...) and the SSH options its launch
+// used" after it (resume does not keep SSH options: keys and known_hosts are given again).
+std::string resume_command(const std::filesystem::path& run_dir, const nlohmann::json& info);
 
 // Takes DIR's lock (an flock on DIR/.lock, made when missing), held while the result or a copy
 // lives and released when the process ends however it ends; null when another process holds

@@ -8,6 +8,8 @@
 #include <sstream>
 #include <thread>
 
+#include <fmt/format.h>
+
 #include "tests/cluster.hpp"
 #include "tests/text_corpus.hpp"
 
@@ -65,9 +67,11 @@ json quick_recipe() {
 // a test can act mid-run: its 4 workers by rank once they all run (and, with `stepping`, have
 // logged a step).
 std::map<int, pid_t> start_slowed(Cluster& c, const std::string& name,
-                                  std::optional<Background>& launcher, bool stepping) {
+                                  std::optional<Background>& launcher, bool stepping,
+                                  const std::vector<std::string>& extra = {}) {
   const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
   auto args = c.launch_args(recipe, c.tmp / name);
+  args.insert(args.end(), extra.begin(), extra.end());
   args.push_back("--json");
   launcher.emplace(args, Env{{"DPTRAIN_DEBUG_STEP_DELAY_MS", "30"}});
   std::map<int, pid_t> workers;
@@ -137,6 +141,15 @@ TEST_CASE("a multi-host run that failed before its first checkpoint resumes from
       run_dptrain(c.launch_args(recipe, run_dir), {{"DPTRAIN_FAULT", "crash@step=5,rank=1"}});
   INFO(failed.err);
   REQUIRE(failed.exit_code == 3);
+  // How to continue it names the hosts to give again: resume keeps no SSH options.
+  const std::string how = fmt::format(
+      "'dptrain resume {} --hosts FILE' with the SSH options its launch used (FILE: a hostfile "
+      "of these lines: '",
+      run_dir.string());
+  CHECK_MESSAGE(failed.err.find("(continue with " + how) != std::string::npos, failed.err);
+  const json status = parse_json(run_dptrain({"status", run_dir.string(), "--json"}).out);
+  CHECK(status["hint"].get<std::string>().rfind("continue it with " + how, 0) == 0);
+  CHECK(status["hint"].get<std::string>().find(c.sshd.addresses()[2]) != std::string::npos);
   auto args = c.launch_args(recipe, run_dir);
   args[0] = "resume";
   args.erase(args.begin() + 1);  // no recipe: run.json has it
@@ -301,28 +314,27 @@ std::string comm_of(pid_t pid) {
   return comm.substr(0, comm.find('\n'));
 }
 
-TEST_CASE("a host that stops answering (its sshd frozen) is lost within 3 keepalives, named") {
-  Cluster c;
-  const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
-  auto args = c.launch_args(recipe, c.tmp / "frozen");
-  args.insert(args.end(), {"--ssh-keepalive", "1", "--json"});
-  Background launcher(args, {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "30"}});
-  std::map<int, pid_t> workers;
-  REQUIRE(eventually([&] {
-    workers = workers_of("frozen");
-    return workers.size() == 4;
-  }));
-  // The SSH server process that serves rank 2's host: up from the rank, past its agent.
-  pid_t sshd = workers.at(2);
+// The SSH server process of the connection that serves a remote worker's host: up from the
+// worker, past its agent.
+pid_t sshd_serving(pid_t worker) {
+  pid_t sshd = worker;
   while (sshd > 1 && comm_of(sshd) != "sshd")
     sshd = parent_of(sshd);
   REQUIRE(sshd > 1);
+  return sshd;
+}
+
+TEST_CASE("a host that stops answering (its sshd frozen) is lost within 3 keepalives, named") {
+  Cluster c;
+  std::optional<Background> launcher;
+  const auto workers = start_slowed(c, "frozen", launcher, false, {"--ssh-keepalive", "1"});
+  const pid_t sshd = sshd_serving(workers.at(2));
   REQUIRE(::kill(sshd, SIGSTOP) == 0);
-  const int code = launcher.wait(std::chrono::seconds(60));
+  const int code = launcher->wait(std::chrono::seconds(60));
   ::kill(sshd, SIGCONT);
-  INFO(launcher.err());
+  INFO(launcher->err());
   CHECK(code == 3);
-  const std::string error = parse_json(launcher.out())["error"];
+  const std::string error = parse_json(launcher->out())["error"];
   CHECK(error.find(c.sshd.addresses()[2]) != std::string::npos);
   CHECK(error.find(c.sshd.host(c.sshd.addresses()[2]).display() +
                    " (ranks 2-3) has not answered for 3 s") != std::string::npos);
@@ -331,6 +343,27 @@ TEST_CASE("a host that stops answering (its sshd frozen) is lost within 3 keepal
     CAPTURE(rank);
     CHECK(eventually([pid] { return !process_alive(pid); }, std::chrono::seconds(20)));
   }
+}
+
+TEST_CASE("a dropped SSH connection is a lost host, not a SIGTERM stop: --max-restarts restarts") {
+  Cluster c;
+  std::optional<Background> launcher;
+  const auto workers =
+      start_slowed(c, "dropped", launcher, true, {"--max-restarts", "1", "--restart-backoff", "0"});
+  // Killed, the connection drops. The host's agent then stops its ranks with SIGTERM, and every
+  // rank checkpoints: not a preemption.
+  REQUIRE(::kill(sshd_serving(workers.at(2)), SIGKILL) == 0);
+  const int code = launcher->wait(std::chrono::seconds(120));
+  INFO(launcher->err());
+  CHECK(code == 0);
+  const json out = parse_json(launcher->out());
+  CHECK(out["status"] == "completed");
+  CHECK(out["restarts"] == 1);
+  const json run = parse_json(read_text(c.tmp / "dropped" / "run.json"));
+  REQUIRE(run["generations"].size() == 2);
+  CHECK(run["generations"][0]["status"] == "failed");
+  CHECK(launcher->err().find("lost the SSH connection to " +
+                             c.sshd.host(c.sshd.addresses()[2]).display()) != std::string::npos);
 }
 
 TEST_CASE("a host that stops answering once its ranks completed leaves the run completed") {
