@@ -14,6 +14,7 @@
 #include "core/tensor/blas.hpp"
 #include "launch/doctor.hpp"
 #include "launch/job.hpp"
+#include "launch/supervisor.hpp"
 
 namespace dptrain::cli {
 
@@ -43,6 +44,9 @@ int run_doctor_cmd(const DoctorCliOptions& o) {
   d.local_binary = self_executable();
   d.ssh = o.hosts.ssh();
   d.allreduce = !o.no_allreduce;
+  // A stop ends the checks between steps: those done are shown, then the stop, as every
+  // command's (exit 130 or 143; with --json in the one object).
+  install_stop_signal_handlers();
   const auto checks = run_doctor(o.hosts.load(), d);
   int failed = 0, skipped = 0;
   nlohmann::json list = nlohmann::json::array();
@@ -51,6 +55,18 @@ int run_doctor_cmd(const DoctorCliOptions& o) {
     skipped += c.skipped ? 1 : 0;
     list.push_back(c.to_json());
     if (!o.json) std::printf("%s\n", c.line().c_str());
+  }
+  const int sig = pending_stop_signal();
+  if (sig != 0) {
+    const Error stopped =
+        stop_error(sig, "doctor ", fmt::format(" after {} check(s)", checks.size()));
+    if (!o.json) throw stopped;
+    nlohmann::json out = {
+        {"ok", false}, {"checks", list}, {"status", failure_status(stopped.kind())}};
+    add_failure(out, exit_code(stopped.kind()), std::vector<std::string>{stopped.what()});
+    std::printf("%s\n", json_text(out).c_str());
+    print_error_lines(stopped.what());
+    return exit_code(stopped.kind());
   }
   const int code = doctor_exit_code(checks);
   if (o.json) {

@@ -18,6 +18,7 @@
 #include "core/json_error.hpp"
 #include "launch/provision.hpp"
 #include "launch/status.hpp"
+#include "launch/supervisor.hpp"
 
 namespace dptrain::cli {
 
@@ -121,6 +122,9 @@ void print_table(const std::vector<HostReport>& reports) {
 }
 
 int run_provision(const ProvisionCliOptions& o) {
+  // A stop ends each host's work between steps and upload chunks; the report still comes, with
+  // what each host got by then.
+  install_stop_signal_handlers();
   ProvisionOptions options;
   options.workdir = o.workdir;
   options.recipe = o.recipe;
@@ -136,7 +140,14 @@ int run_provision(const ProvisionCliOptions& o) {
   for (const auto& r : reports) {
     if (!r.ok()) errors.push_back(r.error);
   }
-  const int code = errors.empty() ? 0 : exit_code(ErrorKind::ssh);
+  int code = errors.empty() ? 0 : exit_code(ErrorKind::ssh);
+  std::string status = code == 0 ? "ok" : "error";
+  if (const int sig = pending_stop_signal()) {
+    const Error stopped = stop_error(sig, "provision ", "");
+    errors.insert(errors.begin(), stopped.what());
+    code = exit_code(stopped.kind());
+    status = failure_status(stopped.kind());
+  }
   if (o.json) {
     nlohmann::json hosts = nlohmann::json::array();
     for (const auto& r : reports)
@@ -146,6 +157,7 @@ int run_provision(const ProvisionCliOptions& o) {
       out.update({{"status", "ok"}, {"exit_code", 0}, {"errors", nlohmann::json::array()}});
     } else {
       add_failure(out, code, errors);
+      out["status"] = status;
     }
     std::printf("%s\n", json_text(out).c_str());
   } else {

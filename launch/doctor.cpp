@@ -27,6 +27,7 @@
 #include "core/trainer.hpp"
 #include "launch/job.hpp"
 #include "launch/provision.hpp"
+#include "launch/supervisor.hpp"
 
 namespace dptrain {
 
@@ -114,16 +115,14 @@ class Doctor {
       : hosts_(hosts), options_(options), world_(total_slots(hosts)) {}
 
   std::vector<DoctorCheck> run() {
-    check_recipe();
-    check_local_gpus_for_recipe();
-    survey_hosts();
-    check_store_port();
-    check_peer_ports();
-    check_data_on_hosts();
-    if (options_.allreduce) {
-      check_allreduce();
-    } else {
-      skip("allreduce", "", "--no-allreduce");
+    // A stop signal ends the checks between steps (the trial job stops its own ranks): the
+    // checks done by then are reported, and the command says it was stopped.
+    for (const auto step :
+         {&Doctor::check_recipe, &Doctor::check_local_gpus_for_recipe, &Doctor::survey_hosts,
+          &Doctor::check_store_port, &Doctor::check_peer_ports, &Doctor::check_data_on_hosts,
+          &Doctor::check_allreduce_unless_off}) {
+      if (pending_stop_signal() != 0) break;
+      (this->*step)();
     }
     return std::move(checks_);
   }
@@ -594,6 +593,14 @@ class Doctor {
     }
   }
 
+  void check_allreduce_unless_off() {
+    if (options_.allreduce) {
+      check_allreduce();
+    } else {
+      skip("allreduce", "", "--no-allreduce");
+    }
+  }
+
   void check_allreduce() {
     if (any_failed()) {
       skip("allreduce", "", "fix the failures above first");
@@ -627,6 +634,11 @@ class Doctor {
       outcome.error = e.what();
     }
     const bool ok = outcome.exit_code == 0;
+    if (!ok && pending_stop_signal() != 0) {
+      // Stopped, not failed: its directories say nothing worth keeping.
+      remove_trial_run(dir, remote_name);
+      return;
+    }
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     std::string fix = "see the line above; 'dptrain launch --dry-run' shows what was started where";
     if (ok) {

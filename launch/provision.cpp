@@ -25,6 +25,7 @@
 #include "core/json_error.hpp"
 #include "core/recipe.hpp"
 #include "launch/job.hpp"
+#include "launch/supervisor.hpp"
 
 namespace dptrain {
 
@@ -437,10 +438,19 @@ SshSession::Result installed_version(HostShell& shell, const std::string& absolu
 // ---- one host ----
 
 // `report.uploads` lists `files`, in order, each pending; each is marked as it is done.
+// A stop signal (SIGINT, SIGTERM) ends a host's provisioning between its steps and between an
+// upload's chunks: Error(interrupted | terminated) saying where. An upload cut off leaves nothing
+// (its remote shell removes the partial file at the short count).
+void check_stop(std::string_view where) {
+  if (const int sig = pending_stop_signal()) throw stop_error(sig, "", where);
+}
+
 void provision_host(HostReport& report, const ProvisionOptions& options,
                     const std::vector<PlannedFile>& files) {
   const std::string name = report.host.display();
+  check_stop(" before connecting");
   auto target = open_host_shell(report.host, options.ssh);
+  check_stop(" after connecting");
   const auto prepared = prepare_workdir(*target, report.host, options.workdir, files);
   report.facts = parse_facts(prepared.out);
   report.facts_known = true;
@@ -475,14 +485,14 @@ void provision_host(HostReport& report, const ProvisionOptions& options,
   }
   for (size_t i = 0; i < files.size(); ++i) {
     if (report.uploads[i].status == UploadRecord::Status::pending) {
-      std::function<void(uint64_t)> sent;
-      if (options.on_upload) {
-        const PlannedFile& f = files[i];
-        options.on_upload(name, f.remote, 0, f.bytes);
-        sent = [&options, &name, &f](uint64_t bytes) {
-          options.on_upload(name, f.remote, bytes, f.bytes);
-        };
-      }
+      const PlannedFile& f = files[i];
+      const std::string during = fmt::format(" while uploading {}", f.remote);
+      check_stop(during);
+      if (options.on_upload) options.on_upload(name, f.remote, 0, f.bytes);
+      const std::function<void(uint64_t)> sent = [&options, &name, &f, &during](uint64_t bytes) {
+        if (options.on_upload) options.on_upload(name, f.remote, bytes, f.bytes);
+        if (bytes < f.bytes) check_stop(during);  // a finished upload is reported as such
+      };
       const auto started = std::chrono::steady_clock::now();
       target->upload(files[i].local, workdir + "/" + files[i].remote, files[i].mode, sent);
       report.uploads[i].seconds =
@@ -490,6 +500,7 @@ void provision_host(HostReport& report, const ProvisionOptions& options,
       report.uploads[i].status = UploadRecord::Status::uploaded;
     }
   }
+  check_stop(" after the uploads");
   const auto version = installed_version(*target, workdir);
   if (version.exit_status != 0) {
     throw Error(ErrorKind::ssh,

@@ -1,6 +1,7 @@
 // `dptrain doctor` against the loopback sshd: all green, then one line per planted problem.
 #include <doctest/doctest.h>
 #include <netinet/in.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -211,6 +212,27 @@ TEST_CASE("doctor: an unreachable host is named, the others still checked") {
   CHECK(report["errors"][0].get<std::string>().starts_with("ssh "));
   CHECK(report["errors"][0].get<std::string>().find(" -- fix:") == std::string::npos);
   CHECK(report["error"] == report["errors"][0]);
+}
+
+TEST_CASE("doctor: SIGINT stops it with exit 130 and the checks done so far, as --json says") {
+  DoctorFixture f;
+  Background p({"doctor", "--hosts", f.hostfile.string(), "--known-hosts",
+                f.sshd.known_hosts().string(), "--json"});
+  REQUIRE(eventually([&] { return catches_signal(p.pid(), SIGINT); }));
+  REQUIRE(::kill(p.pid(), SIGINT) == 0);
+  const int code = p.wait(std::chrono::seconds(60));
+  INFO(p.err());
+  CHECK(code == 130);
+  const json out = parse_json(p.out());
+  CHECK(out["status"] == "interrupted");
+  CHECK(out["exit_code"] == 130);
+  CHECK(out["ok"] == false);
+  CHECK(out["checks"].is_array());
+  CHECK(out["error"].get<std::string>().rfind("doctor stopped by SIGINT after ", 0) == 0);
+  CHECK(p.err().find("dptrain: error: doctor stopped by SIGINT after ") != std::string::npos);
+  // Its trial job's directory here is gone (or was never made).
+  CHECK_FALSE(
+      fs::exists(fs::temp_directory_path() / ("dptrain-doctor-" + std::to_string(p.pid()))));
 }
 
 TEST_CASE("doctor removes its trial run's directories on every host when it passes") {

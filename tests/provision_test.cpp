@@ -1,6 +1,7 @@
 // `dptrain provision` through the real binary against the loopback sshd (127.0.0.2 and .3).
 #include <doctest/doctest.h>
 #include <netinet/in.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -235,6 +236,48 @@ TEST_CASE("provision: an unreachable port is reported within the connect timeout
     CHECK(host["uploads"][0]["file"] == "bin/dptrain");
     CHECK(host["uploads"][0]["status"] == "pending");
   }
+}
+
+TEST_CASE("provision: SIGINT mid-upload stops it: exit 130, the report so far, nothing partial") {
+  const auto& sshd = LoopbackSshd::instance();
+  TempDir tmp;
+  const std::string address = sshd.addresses()[1];
+  sshd.write_hostfile(tmp / "hosts", {address});
+  // Large enough that the upload is under way when the signal comes (a sparse file: no disk).
+  const fs::path big = tmp / "big.bin";
+  {
+    std::ofstream out(big, std::ios::binary);
+    out.seekp((std::streamoff{1} << 30) - 1);
+    out.put('\0');
+  }
+  const fs::path workdir = tmp / "work";
+  Background p(provision_args(tmp / "hosts", sshd.known_hosts(),
+                              {"--workdir", workdir.string(), "--upload", big.string(), "--json"}));
+  REQUIRE(eventually([&] { return p.err().find("uploading big.bin") != std::string::npos; }));
+  REQUIRE(::kill(p.pid(), SIGINT) == 0);
+  const int code = p.wait(std::chrono::seconds(60));
+  INFO(p.err());
+  CHECK(code == 130);
+  const json report = parse_json(p.out());
+  CHECK(report["status"] == "interrupted");
+  CHECK(report["exit_code"] == 130);
+  CHECK(report["ok"] == false);
+  CHECK(report["error"] == "provision stopped by SIGINT");
+  REQUIRE(report["hosts"].size() == 1);
+  const json& host = report["hosts"][0];
+  CHECK(host["ok"] == false);
+  CHECK(host["error"].get<std::string>().find("stopped by SIGINT while uploading big.bin") !=
+        std::string::npos);
+  CHECK(status_of(host, "big.bin") == "pending");
+  CHECK(status_of(host, "bin/dptrain") == "uploaded");
+  CHECK(p.err().find("dptrain: error: provision stopped by SIGINT") != std::string::npos);
+  // Nothing partial is left: neither the file nor its temporary (the remote shell removes it).
+  CHECK(eventually([&] {
+    for (const auto& e : fs::directory_iterator(workdir)) {
+      if (e.path().filename().string().rfind("big.bin", 0) == 0) return false;
+    }
+    return true;
+  }));
 }
 
 TEST_CASE("provision: an unknown host is refused; --accept-new-host-keys accepts and records") {
