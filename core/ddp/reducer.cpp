@@ -82,6 +82,7 @@ GradientReducer::GradientReducer(Communicator& comm, Ops& ops, std::span<float> 
       options_(options),
       wire_(wire_type(options.compression)),
       codec_(is_error_feedback_codec(options.compression.type)),
+      alone_(comm.size() == 1 && !codec_ && wire_ == DType::f32),
       buckets_(make_buckets(tensors, options.bucket_elems)) {
   const size_t count = grads.size();
   if (buckets_.front().end != count) {
@@ -101,7 +102,7 @@ GradientReducer::GradientReducer(Communicator& comm, Ops& ops, std::span<float> 
     bytes_per_step_ = (count + 1) * dtype_size(wire_);
   }
   if (wire_ != DType::f32) wire_buffer_ = ops_.allocate((count + 1) * dtype_size(wire_));
-  if (options_.overlap) thread_ = std::thread([this] { comm_loop(); });
+  if (options_.overlap && !alone_) thread_ = std::thread([this] { comm_loop(); });
 }
 
 GradientReducer::~GradientReducer() {
@@ -114,6 +115,7 @@ GradientReducer::~GradientReducer() {
 }
 
 void GradientReducer::begin() {
+  if (alone_) return;
   std::lock_guard<std::mutex> lock(mutex_);
   if (open_) throw Error(ErrorKind::internal, "GradientReducer::begin: the last step is open");
   open_ = true;
@@ -124,7 +126,7 @@ void GradientReducer::begin() {
 }
 
 void GradientReducer::ready(size_t from) {
-  if (!options_.overlap) return;
+  if (!options_.overlap || alone_) return;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!open_) return;  // an accumulation micro-batch: nothing moves until the last one
@@ -140,6 +142,10 @@ void GradientReducer::launch(size_t bucket) {
 
 ExchangeStats GradientReducer::finish() {
   ExchangeStats stats;
+  if (alone_) {
+    stats.bytes = bytes_per_step_;  // the payload, which one rank moves nowhere
+    return stats;
+  }
   const auto t0 = Clock::now();
   if (options_.overlap) {
     std::unique_lock<std::mutex> lock(mutex_);
@@ -165,8 +171,14 @@ ExchangeStats GradientReducer::finish() {
     reduce_plain(flag, 1);
     stats.comm_ms += ms_since(tf);
   }
-  stats.exposed_ms = ms_since(t0);
-  if (!options_.overlap) stats.comm_ms = stats.exposed_ms;
+  const double waited = ms_since(t0);
+  if (options_.overlap) {
+    // The wait includes handing the last buckets to the communication thread and its wake-up:
+    // what the step waited for is communication only as far as there was any.
+    stats.exposed_ms = std::min(waited, stats.comm_ms);
+  } else {
+    stats.comm_ms = stats.exposed_ms = waited;
+  }
   stats.bytes = bytes_per_step_;
   return stats;
 }

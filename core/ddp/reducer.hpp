@@ -47,9 +47,10 @@ void allreduce_device(Communicator& comm, Ops& ops, float* data, size_t count, R
 
 // One step's exchange, on this rank.
 struct ExchangeStats {
-  double comm_ms = 0;     // the collectives and codecs, start to end of each bucket, summed
-  double exposed_ms = 0;  // how long finish() waited: the communication the backward did not hide
-  uint64_t bytes = 0;     // this rank's payload (what it put on the wire)
+  double comm_ms = 0;  // the collectives and codecs, start to end of each bucket, summed
+  // How long finish() waited, at most comm_ms: the communication the backward did not hide.
+  double exposed_ms = 0;
+  uint64_t bytes = 0;  // this rank's payload (what it put on the wire)
 };
 
 struct ReducerOptions {
@@ -111,6 +112,10 @@ class GradientReducer {
   const ReducerOptions options_;
   const DType wire_;
   const bool codec_;  // an error-feedback codec: the flag travels alone
+  // One rank, gradients sent as they are: the sum over the ranks is the rank's own, so nothing is
+  // started (no thread, no hand-off whose wake-up would count as communication waited for). A
+  // codec or a wire type still runs: its rounding is part of the training.
+  const bool alone_;
   std::vector<Bucket> buckets_;
   std::vector<std::unique_ptr<GradientCodec>> codecs_;  // one per bucket when codec_
   uint64_t bytes_per_step_ = 0;
