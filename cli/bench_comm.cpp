@@ -166,9 +166,6 @@ int run_bench_launcher(const BenchCommOptions& o) {
   // Every flag is checked before anything is created.
   check_backend(o.backend);
   const CommBenchOptions options = bench_options(o);
-  if (o.min_busbw_flag->count() > 0 && !(o.min_busbw >= 0)) {
-    throw Error(ErrorKind::usage, fmt::format("--min-busbw: must be >= 0, got {}", o.min_busbw));
-  }
   if (!(o.timeout_s > 0)) {
     throw Error(ErrorKind::usage, fmt::format("--timeout: must be > 0, got {}", o.timeout_s));
   }
@@ -420,9 +417,10 @@ void setup_bench_comm(CLI::App& app, Outcome& outcome) {
   app.add_option("-w,--warmup", o->warmup, "Untimed iterations before each size's timed ones")
       ->capture_default_str();
   app.add_option("-n,--iters", o->iters, "Timed iterations per size")->capture_default_str();
-  o->min_busbw_flag = app.add_option(
-      "--min-busbw", o->min_busbw,
-      "Exit 6 when a collective's busbw at its largest size is below this many GB/s");
+  o->min_busbw_flag =
+      app.add_option("--min-busbw", o->min_busbw,
+                     "Exit 6 when a collective's busbw at its largest size is below this many GB/s")
+          ->check(non_negative_number());
   app.add_option("--timeout", o->timeout_s, "Seconds for the rendezvous and for each collective")
       ->check(seconds())
       ->capture_default_str();

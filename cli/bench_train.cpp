@@ -1,4 +1,5 @@
 // `dptrain bench train RECIPE`: training throughput and scaling of a recipe per world size.
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -124,10 +125,11 @@ int run_bench_train_cmd(const BenchTrainCliOptions& o) {
   BenchTrainOptions bench = o.bench;
   bench.scaling = o.strong ? BatchScaling::strong : BatchScaling::weak;
 
-  if (o.peak_given && !(o.peak_tflops > 0)) {
+  if (o.peak_given && !(o.peak_tflops > 0 && std::isfinite(o.peak_tflops))) {
     throw Error(
         ErrorKind::usage,
-        fmt::format("--peak-tflops: must be > 0 (one device's peak), got {}", o.peak_tflops));
+        fmt::format("--peak-tflops: must be a finite number > 0 (one device's peak), got {}",
+                    o.peak_tflops));
   }
   if (o.device_given && o.device != "cpu" && o.device != "cuda") {
     throw Error(ErrorKind::usage,

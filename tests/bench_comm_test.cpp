@@ -356,7 +356,8 @@ TEST_CASE("bench comm: a bad flag exits 2 naming it and creates nothing") {
       {{"--nproc", "2", "--op", "broadcast", "--root", "2"}, "--root: 2 is not a rank (0..1)"},
       {{"-n", "0"}, "-n/--iters: must be >= 1, got 0"},
       {{"-w", "-1"}, "-w/--warmup: must be >= 0, got -1"},
-      {{"--min-busbw", "-1"}, "--min-busbw: must be >= 0"},
+      {{"--min-busbw", "-1"}, "--min-busbw: '-1' must be a finite number >= 0"},
+      {{"--min-busbw", "inf"}, "--min-busbw: 'inf' must be a finite number >= 0"},
       {{"--op", "broadcast", "--min-busbw", "1"},
        "--min-busbw: with 1 rank no collective moves data between ranks (busbw is 0, or a "
        "memory copy for broadcast): use 2 or more ranks, or leave out --min-busbw"},

@@ -325,9 +325,14 @@ TEST_CASE("--backend nccl on a CPU recipe is the recipe's own error, exit 2, not
 TEST_CASE("bad --precision, --device and --peak-tflops values exit 2 naming the option") {
   TempDir tmp;
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
-      {{"--precision", "fp8"}, "--precision"},   {{"--precision", "bf16,bf16"}, "--precision"},
-      {{"--precision", ""}, "--precision"},      {{"--device", "gpu"}, "--device gpu"},
-      {{"--peak-tflops", "0"}, "--peak-tflops"}, {{"--peak-tflops", "-5"}, "--peak-tflops"},
+      {{"--precision", "fp8"}, "--precision"},
+      {{"--precision", "bf16,bf16"}, "--precision"},
+      {{"--precision", ""}, "--precision"},
+      {{"--device", "gpu"}, "--device gpu"},
+      {{"--peak-tflops", "0"}, "--peak-tflops"},
+      {{"--peak-tflops", "-5"}, "--peak-tflops"},
+      {{"--peak-tflops", "inf"}, "--peak-tflops: must be a finite number > 0"},
+      {{"--peak-tflops", "1e400"}, "--peak-tflops"},
   };
   for (const auto& [args, named] : cases) {
     CAPTURE(named);
@@ -408,4 +413,11 @@ TEST_CASE("SIGINT during a run: exit 130, and the message does not point at a re
   CHECK(out["status"] == "interrupted");
   CHECK(out["exit_code"] == 130);
   CHECK(out["errors"].size() == 2);  // the stop, and the run directory
+  // Its world's directory is a benchmark's, not a run to train to its end: resume refuses it.
+  const auto resumed = run_dptrain({"resume", (sweep / "w1").string()});
+  CHECK(resumed.exit_code == 2);
+  CHECK_MESSAGE(resumed.err.find("w1: a benchmark's run (bench train, 1 rank(s)): a benchmark is "
+                                 "not resumed: run it again") != std::string::npos,
+                resumed.err);
+  CHECK(parse_json(read_text(sweep / "w1/run.json"))["status"] == "interrupted");
 }
