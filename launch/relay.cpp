@@ -247,6 +247,20 @@ int run_relay(const RelayPlan& plan) {
     write_host_failure(stdout, *why);
     return 4;
   }
+  if (*status == 0 && !done) {
+    // An agent says "@done" before it exits 0: a program that did not is not this dptrain's
+    // agent (another build, or another program at that path), and its ranks never ran.
+    write_host_failure(
+        stdout,
+        fmt::format("{}: '{}' there exited 0 without running its ranks{}: it is not this "
+                    "dptrain's agent (another version?); 'dptrain doctor' checks it, 'dptrain "
+                    "provision' installs this one (or name the right one with --remote-binary)",
+                    plan.host.display(), plan.remote_binary,
+                    last_line.empty()
+                        ? std::string()
+                        : fmt::format(" (its last line: {})", printable_excerpt(last_line, 80))));
+    return 4;
+  }
   return *status;
 }
 

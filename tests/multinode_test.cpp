@@ -527,19 +527,40 @@ TEST_CASE("Ctrl-C with a hung rank: no rank outlives the launcher, and no checkp
   CHECK(remote_checkpoints(c, run_dir) == before);
 }
 
-TEST_CASE("a host without the binary fails the launch with exit 4 and says how to install it") {
-  Cluster c;
+// The quick recipe launched across the cluster into c.tmp/NAME with `binary` as the hosts'
+// dptrain, to its end (--json).
+CommandResult launch_with_remote_binary(Cluster& c, const std::string& name,
+                                        const fs::path& binary) {
   const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
-  auto args = c.launch_args(recipe, c.tmp / "nobinary");
+  auto args = c.launch_args(recipe, c.tmp / name);
   const auto flag = std::find(args.begin(), args.end(), "--remote-binary");
   REQUIRE(flag != args.end());
-  *(flag + 1) = (c.tmp / "not-installed/dptrain").string();
+  *(flag + 1) = binary.string();
   args.push_back("--json");
-  auto r = run_dptrain(args);
+  return run_dptrain(args);
+}
+
+TEST_CASE("a host without the binary fails the launch with exit 4 and says how to install it") {
+  Cluster c;
+  auto r = launch_with_remote_binary(c, "nobinary", c.tmp / "not-installed/dptrain");
   INFO(r.err);
   CHECK(r.exit_code == 4);
   CHECK(r.err.find("not-installed/dptrain' there (no such file or command): install it with "
                    "'dptrain provision'") != std::string::npos);
+  CHECK(parse_json(r.out)["exit_code"] == 4);
+}
+
+TEST_CASE("a program at --remote-binary that is not this dptrain's agent: exit 4 naming it") {
+  Cluster c;
+  const fs::path fake = c.tmp / "old-dptrain";
+  write_text(fake, "#!/bin/sh\necho 'dptrain 0.0.9'\n");
+  fs::permissions(fake, fs::perms::owner_all);
+  auto r = launch_with_remote_binary(c, "fake", fake);
+  INFO(r.err);
+  CHECK(r.exit_code == 4);
+  CHECK(r.err.find("old-dptrain' there exited 0 without running its ranks (its last line: "
+                   "dptrain 0.0.9): it is not this dptrain's agent") != std::string::npos);
+  CHECK(r.err.find("reported no result") == std::string::npos);
   CHECK(parse_json(r.out)["exit_code"] == 4);
 }
 
