@@ -84,18 +84,21 @@ CommBenchOptions bench_options(const BenchCommOptions& o) {
   return b;
 }
 
-// Local Gloo ranks hold the largest size in host memory: an input and an output buffer, the
-// output `ranks` times larger for an allgather. A size that cannot fit is refused up front, not
+// Local Gloo ranks hold the largest size in host memory: for an allgather (size: the gathered
+// output) the output and a 1/ranks input, for a reduce-scatter the reverse; for the others the
+// buffer and as much again for Gloo's scratch. A size that cannot fit is refused up front, not
 // left to fail every rank with an allocation error.
 void check_local_memory(const CommBenchOptions& options, int ranks) {
   const uint64_t available = available_memory();
   if (available == 0) return;
-  const bool gathers = std::find(options.ops.begin(), options.ops.end(), Collective::allgather) !=
-                           options.ops.end() ||
-                       std::find(options.ops.begin(), options.ops.end(),
-                                 Collective::reduce_scatter) != options.ops.end();
-  const long double per_rank = static_cast<long double>(options.max_bytes) *
-                               (gathers ? 1.0L + static_cast<long double>(ranks) : 2.0L);
+  // The largest need of the collectives asked for: 2 sizes for any but the gathers (whose
+  // 1 + 1/ranks is never more).
+  const bool only_gathers = std::all_of(options.ops.begin(), options.ops.end(), [](Collective op) {
+    return op == Collective::allgather || op == Collective::reduce_scatter;
+  });
+  const long double per_rank =
+      static_cast<long double>(options.max_bytes) *
+      (only_gathers ? 1.0L + 1.0L / static_cast<long double>(ranks) : 2.0L);
   const long double needed = per_rank * static_cast<long double>(ranks);
   if (needed > static_cast<long double>(available)) {
     throw Error(ErrorKind::usage,

@@ -16,6 +16,7 @@
 
 #include "core/error.hpp"
 #include "core/fs.hpp"
+#include "core/json_error.hpp"
 #include "core/model/flops.hpp"
 #include "core/tensor/device.hpp"
 #include "core/trainer.hpp"
@@ -685,7 +686,20 @@ BenchRunner job_runner(const JobSpec& spec, const fs::path& sweep_dir, StatusPri
     std::error_code ec;
     for (const auto& entry : fs::directory_iterator(run.checkpoints(), ec))
       fs::remove_all(entry.path(), ec);
+    // Their record goes with them: the run's result and run.json name no checkpoint.
     json result = outcome.result;
+    if (result.contains("last_checkpoint")) result["last_checkpoint"] = nullptr;
+    try {
+      json recorded = json::parse(read_file(run.path() / "result.json"));
+      if (recorded.is_object() && recorded.contains("last_checkpoint")) {
+        recorded["last_checkpoint"] = nullptr;
+        write_file_atomic(run.path() / "result.json", json_text(recorded, 2) + "\n");
+      }
+    } catch (const std::exception&) {
+      // No result.json to correct (rank 0 on another host keeps it there).
+    }
+    run.info().erase("last_checkpoint");
+    run.save();
     result["run_dir"] = run.path().string();
     return result;
   };

@@ -763,6 +763,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   out.start_step = std::max<int64_t>(start_step, 0);
   out.world_size = world;
   GenerationTrace trace;
+  int64_t measured = -1;  // a benchmark's: the measurement its ranks reached (dptrain-bench(1))
   if (sup.failure || !sup.watchdog.empty() || sup.stop_signal != 0) {
     trace = read_generation_trace(addr, store.port(), secret, generation, world);
     // A benchmark's steps are its measurements: the heartbeats name who is behind, but there is
@@ -770,6 +771,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     if (trains) {
       out.failed_step = std::max(last_step, trace.step);
     } else {
+      measured = trace.step;
       trace.step = -1;
     }
   }
@@ -1033,10 +1035,12 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   info["status"] = out.status;
   info["generations"].back()["ended_at"] = utc_timestamp();
   info["generations"].back()["status"] = out.status;
-  // The step it reached (steps done), which status and report show for a run that ended here.
+  // The step it reached (steps done), which status and report show for a run that ended here; a
+  // benchmark's, the measurement it reached (-1: none, or one that completed: its result says).
   info["generations"].back()["step"] =
       out.result.is_object() ? out.result.value("steps", out.last_step)
-                             : std::max({out.failed_step, out.last_step, out.start_step});
+      : trains               ? std::max({out.failed_step, out.last_step, out.start_step})
+                             : measured;
   if (!out.error.empty()) info["generations"].back()["error"] = out.error;
   // A recipe or data problem, or a diverged training: status and report do not offer a resume.
   if (out.repeats) info["generations"].back()["would_repeat"] = true;

@@ -279,6 +279,10 @@ TEST_CASE("bench comm: DPTRAIN_FAULT counts each measurement as a step") {
                              "measure (after collective #5 (allreduce of the checks)); waiting "
                              "for it in collective #6 (barrier): rank 0") != std::string::npos,
                   r.err);
+    // status says the step (the measurement) the error names, not 0.
+    const json s = parse_json(run_dptrain({"status", (tmp / "run").string(), "--json"}).out);
+    CHECK(s["status"] == "failed");
+    CHECK(s["step"] == 1);
   }
   SUBCASE("faults that can never fire are warned about; the benchmark runs") {
     const auto r = bench(tmp, {"--nproc", "2", "-b", "1K", "-e", "4K", "-n", "1", "-w", "0"},
@@ -365,7 +369,11 @@ TEST_CASE("bench comm: a bad flag exits 2 naming it and creates nothing") {
       {{"--hosts", "localhost:2", "--nproc", "2"}, "--nproc: not with --hosts"},
       {{"--iters", "x"}, "--iters"},
       {{"--bogus"}, "--bogus"},
-      {{"--nproc", "2", "-e", "1T"}, "-e/--maxbytes: 1099511627776 bytes would take about"},
+      {{"--nproc", "2", "-e", "1T"},
+       "-e/--maxbytes: 1099511627776 bytes would take about 4096.0 GiB on 2 local rank(s)"},
+      // An allgather's size is its gathered output: each rank holds it and its own half.
+      {{"--nproc", "2", "-e", "1T", "-o", "allgather"},
+       "-e/--maxbytes: 1099511627776 bytes would take about 3072.0 GiB on 2 local rank(s)"},
   };
   for (const auto& [args, message] : cases) {
     CAPTURE(message);

@@ -69,10 +69,13 @@ TEST_CASE("bench train quickstart --nproc 1,2 --json --svg: a row per world, all
     CHECK(row["global_batch"] == 64 * world);  // weak scaling
     CHECK(row["samples_per_s"].get<double>() > 0);
     CHECK(row["step_ms"].get<double>() > 0);
-    for (const char* phase : {"data", "compute", "comm", "optimizer"}) {
+    for (const char* phase : {"data", "compute", "optimizer"}) {
       CAPTURE(phase);
       CHECK(row["phases_ms"][phase].get<double>() > 0);
     }
+    // One rank communicates nothing, and waits for nothing.
+    if (world == 1) CHECK(row["phases_ms"]["comm"].get<double>() == 0.0);
+    if (world > 1) CHECK(row["phases_ms"]["comm"].get<double>() > 0);
     // The phases are a split of the step: together not more than its wall time.
     double phases = 0;
     for (const auto& [k, v] : row["phases_ms"].items())
@@ -87,6 +90,11 @@ TEST_CASE("bench train quickstart --nproc 1,2 --json --svg: a row per world, all
     CHECK(fs::exists(run / "result.json"));
     CHECK(fs::exists(run / "console.log"));
     CHECK(fs::is_empty(run / "checkpoints"));  // a benchmark keeps no checkpoint
+    // ... and names none: its result and run.json say so, as status does.
+    CHECK(parse_json(read_text(run / "result.json"))["last_checkpoint"].is_null());
+    CHECK_FALSE(parse_json(read_text(run / "run.json")).contains("last_checkpoint"));
+    CHECK(parse_json(run_dptrain({"status", run.string(), "--json"}).out)["last_checkpoint"]
+              .is_null());
     // The run trained exactly --steps, nothing else timed in it.
     const json recipe = parse_json(read_text(run / "recipe.json"));
     CHECK(recipe["train"]["steps"] == 20);
