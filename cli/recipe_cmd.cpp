@@ -31,6 +31,18 @@ Recipe checked_recipe(const std::string& file) {
   return r;
 }
 
+// What validate and show --json say of a valid recipe, with the fields of a success.
+nlohmann::json recipe_facts(const Recipe& r) {
+  const auto model = make_model(r.model);
+  return {{"name", r.name},
+          {"hash", recipe_hash(r)},
+          {"model", model->describe()},
+          {"parameters", model->num_params()},
+          {"status", "ok"},
+          {"exit_code", 0},
+          {"errors", nlohmann::json::array()}};
+}
+
 int run_validate(const RecipeOptions& o) {
   if (!o.json) {
     const Recipe r = checked_recipe(o.recipe);
@@ -41,16 +53,8 @@ int run_validate(const RecipeOptions& o) {
   nlohmann::json out;
   int code = 0;
   try {
-    const Recipe r = checked_recipe(o.recipe);
-    const auto model = make_model(r.model);
-    out = {{"valid", true},
-           {"name", r.name},
-           {"hash", recipe_hash(r)},
-           {"model", model->describe()},
-           {"parameters", model->num_params()},
-           {"status", "ok"},
-           {"exit_code", 0},
-           {"errors", nlohmann::json::array()}};
+    out = recipe_facts(checked_recipe(o.recipe));
+    out["valid"] = true;
   } catch (const Error& e) {
     if (e.kind() != ErrorKind::recipe) throw;
     code = exit_code(e.kind());
@@ -78,8 +82,19 @@ void setup_recipe(CLI::App& app, Outcome& outcome) {
 
   CLI::App* show = app.add_subcommand("show", "Print the resolved recipe, every default filled in");
   show->add_option("recipe", o->recipe, "Recipe JSON file")->required();
+  show->add_flag("--json", o->json,
+                 "Print {\"recipe\", \"name\", \"hash\", \"model\", \"parameters\", ...} on stdout "
+                 "as one line");
   show->callback([o, &outcome] {
+    outcome.json = o->json;  // a recipe that does not load answers in JSON too
     const Recipe r = load_recipe(o->recipe);
+    if (o->json) {
+      nlohmann::json out = recipe_facts(r);
+      out["recipe"] = to_json(r);
+      std::printf("%s\n", json_text(out).c_str());
+      outcome.exit_code = 0;
+      return;
+    }
     std::printf("%s\n", json_text(to_json(r), 2).c_str());
     // stdout stays the resolved recipe alone (it parses back); the model's size goes beside it.
     std::fprintf(stderr, "model: %s\n", make_model(r.model)->describe().c_str());

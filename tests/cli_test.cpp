@@ -480,6 +480,19 @@ TEST_CASE("recipe validate and show") {
   CHECK(resolved["model"]["hidden"] == nlohmann::json({48, 24}));
   CHECK(resolved["optimizer"]["beta2"].get<double>() == doctest::Approx(0.999));  // a default
   CHECK(resolved["distributed"]["bucket_mb"].get<double>() == doctest::Approx(25.0));
+  // --json: one object, the same recipe in it, with what validate --json says of it.
+  auto shown_json = run_dptrain({"recipe", "show", good.string(), "--json"});
+  REQUIRE(shown_json.exit_code == 0);
+  const auto object = parse_json(shown_json.out);
+  CHECK(object["recipe"] == resolved);
+  CHECK(object["status"] == "ok");
+  CHECK(object["exit_code"] == 0);
+  CHECK(object["parameters"].get<int64_t>() > 0);
+  const auto validated =
+      parse_json(run_dptrain({"recipe", "validate", good.string(), "--json"}).out);
+  CHECK(object["hash"] == validated["hash"]);
+  CHECK(object["model"] == validated["model"]);
+  CHECK(std::count(shown_json.out.begin(), shown_json.out.end(), '\n') == 1);
 
   auto bad_json = small_recipe();
   bad_json["optimizer"]["lr"] = -1;
@@ -496,6 +509,11 @@ TEST_CASE("recipe validate and show") {
   const auto j = parse_json(vj.out);
   CHECK(j["valid"] == false);
   CHECK(j["errors"].size() == 3);
+  auto sj = run_dptrain({"recipe", "show", bad.string(), "--json"});
+  CHECK(sj.exit_code == 2);
+  const auto shown_bad = parse_json(sj.out);
+  CHECK(shown_bad["status"] == "error");
+  CHECK(shown_bad["errors"].size() == 3);
 
   // What the model says of the other settings: a PowerSGD rank that factorises no matrix (the
   // small recipe's 32-48-24-5 MLP gains up to rank 19).
@@ -715,4 +733,21 @@ TEST_CASE("a stop signal while the recipe is read from a pipe: the signal's exit
     CHECK(contains(out["error"].get<std::string>(), fifo.string()));
     CHECK_FALSE(fs::exists(tmp / "run"));
   }
+}
+
+TEST_CASE("a command started ignoring SIGINT (a script's background job) keeps ignoring it") {
+  TempDir tmp;
+  const fs::path fifo = tmp / "recipe.fifo";
+  REQUIRE(::mkfifo(fifo.c_str(), 0644) == 0);
+  // Nothing ever writes the pipe: launch waits in its open until a signal it takes comes.
+  Background launch({"launch", fifo.string(), "--run-dir", (tmp / "run").string(), "--json"}, {},
+                    StartWith::sigint_ignored);
+  REQUIRE(eventually([&] { return catches_signal(launch.pid(), SIGTERM); }));
+  CHECK_FALSE(catches_signal(launch.pid(), SIGINT));
+  REQUIRE(::kill(launch.pid(), SIGINT) == 0);
+  REQUIRE(::kill(launch.pid(), SIGTERM) == 0);
+  // Had SIGINT been taken, it would have been the stop (130): it was not, SIGTERM was.
+  CHECK(launch.wait(std::chrono::seconds(30)) == 143);
+  INFO(launch.err());
+  CHECK(parse_json(launch.out())["status"] == "terminated");
 }
