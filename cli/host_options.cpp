@@ -120,7 +120,7 @@ void add_host_options(CLI::App& app, HostOptions& o, bool hosts_required) {
       ->capture_default_str();
   app.add_option("--ssh-keepalive", o.keepalive_s,
                  "Seconds between SSH keepalives; a host silent for 3 of them is lost (0: never)")
-      ->check(CLI::Range(0, 3600))
+      ->check(whole_number<int>("SECONDS", 3600))
       ->capture_default_str();
 }
 

@@ -137,6 +137,13 @@ std::string plain_parse_error(const Command& c, const std::string& what) {
       }
     }
   }
+  // Digits that did not convert: a number too large for the option's type.
+  const size_t digits = value.starts_with('-') || value.starts_with('+') ? 1 : 0;
+  if (expected != "a number" && value.size() > digits &&
+      value.find_first_not_of("0123456789", digits) == std::string::npos) {
+    return fmt::format("{}: '{}' is out of range (too {})", name, value,
+                       value.starts_with('-') ? "small" : "large");
+  }
   return fmt::format("{}: '{}' is not {}", name, value, expected);
 }
 

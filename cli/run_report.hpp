@@ -42,12 +42,13 @@ const CLI::Validator& seconds();
 // would fail deep inside as "cannot make absolute path").
 const CLI::Validator& run_directory();
 
-// A CLI11 check that the value is a whole number T holds, so that the conversion cannot wrap or
-// saturate one too large. Every option it checks counts from 0, hence the range it names.
+// A CLI11 check that the value is a whole number T holds (at most `most`), so that the
+// conversion cannot wrap or saturate one too large. Every option it checks counts from 0, hence
+// the range it names.
 template <typename T>
-CLI::Validator whole_number(const char* description) {
+CLI::Validator whole_number(const char* description, T most = std::numeric_limits<T>::max()) {
   return CLI::Validator(
-      [](std::string& value) -> std::string {
+      [most](std::string& value) -> std::string {
         if (value.empty()) return "is empty; give a value";  // as every option says it
         T parsed{};
         const char* end = value.data() + value.size();
@@ -60,8 +61,8 @@ CLI::Validator whole_number(const char* description) {
         }
         if (ec == std::errc() && parsed < T{0})
           return "'" + value + "' must be a whole number >= 0";
-        if (ec == std::errc::result_out_of_range) {
-          return fmt::format("'{}' is out of range [0, {}]", value, std::numeric_limits<T>::max());
+        if (ec == std::errc::result_out_of_range || parsed > most) {
+          return fmt::format("'{}' is out of range [0, {}]", value, most);
         }
         return {};
       },
