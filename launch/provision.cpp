@@ -597,7 +597,7 @@ nlohmann::json to_json(const HostReport& report) {
   json uploads = json::array();
   for (const auto& u : report.uploads) {
     uploads.push_back({{"file", u.remote},
-                       {"local", u.local.string()},
+                       {"local", fs::absolute(u.local).string()},
                        {"bytes", u.bytes},
                        {"status", upload_status_name(u.status)},
                        {"seconds", u.status == UploadRecord::Status::uploaded ? json(u.seconds)

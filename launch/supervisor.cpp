@@ -488,12 +488,15 @@ void install_stop_signal_handlers() {
   struct sigaction sa {};
   sa.sa_handler = on_stop_signal;
   sigemptyset(&sa.sa_mask);
-  ::sigaction(SIGINT, &sa, nullptr);
   ::sigaction(SIGTERM, &sa, nullptr);
-  // Under nohup (SIGHUP ignored) a hangup stays ignored: the job outlives the session.
-  struct sigaction hup {};
-  if (::sigaction(SIGHUP, nullptr, &hup) == 0 && hup.sa_handler != SIG_IGN) {
-    ::sigaction(SIGHUP, &sa, nullptr);
+  // A signal this process was started ignoring stays ignored, as shells and other programs keep
+  // it: SIGHUP under nohup (the job outlives the session), SIGINT in a script's background job
+  // (`dptrain ... &`, which a Ctrl-C meant for the script must not stop).
+  for (const int sig : {SIGINT, SIGHUP}) {
+    struct sigaction was {};
+    if (::sigaction(sig, nullptr, &was) == 0 && was.sa_handler != SIG_IGN) {
+      ::sigaction(sig, &sa, nullptr);
+    }
   }
   ::signal(SIGPIPE, SIG_IGN);
 }

@@ -40,8 +40,9 @@ CommandResult run_dptrain_on_terminal(const std::vector<std::string>& args, cons
 
 // How a Background process starts: as usual, or as a launcher starts a rank (SIGTERM blocked
 // across exec, ProcessSpec::hold_sigterm) with a SIGTERM already pending: a preemption that
-// comes while the rank is still loading.
-enum class StartWith { nothing, pending_sigterm };
+// comes while the rank is still loading. Or ignoring SIGINT, as a shell script starts a job in
+// the background ("dptrain ... &").
+enum class StartWith { nothing, pending_sigterm, sigint_ignored };
 
 // A dptrain process running in the background; output goes to files. Killed on destruction.
 class Background {
