@@ -185,10 +185,10 @@ int run_bench_launcher(const BenchCommOptions& o) {
   }
   options.validate(spec.world_size, o.backend);
   if (o.min_busbw_flag->count() > 0 && o.min_busbw > 0 && spec.world_size == 1) {
-    // One rank moves nothing between ranks: allreduce's busbw is 0 and broadcast's a memory copy.
+    // One rank moves nothing between ranks: every busbw is 0.
     throw Error(ErrorKind::usage,
-                "--min-busbw: with 1 rank no collective moves data between ranks (busbw is 0, or "
-                "a memory copy for broadcast): use 2 or more ranks, or leave out --min-busbw");
+                "--min-busbw: with 1 rank no collective moves data between ranks (busbw is 0): "
+                "use 2 or more ranks, or leave out --min-busbw");
   }
   if (o.hosts.hosts.empty() && o.backend == "gloo") check_local_memory(options, spec.world_size);
   if (o.backend == "nccl" && o.hosts.hosts.empty()) check_local_nccl(spec.world_size);

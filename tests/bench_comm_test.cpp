@@ -363,8 +363,8 @@ TEST_CASE("bench comm: a bad flag exits 2 naming it and creates nothing") {
       {{"--min-busbw", "-1"}, "--min-busbw: '-1' must be a finite number >= 0"},
       {{"--min-busbw", "inf"}, "--min-busbw: 'inf' must be a finite number >= 0"},
       {{"--op", "broadcast", "--min-busbw", "1"},
-       "--min-busbw: with 1 rank no collective moves data between ranks (busbw is 0, or a "
-       "memory copy for broadcast): use 2 or more ranks, or leave out --min-busbw"},
+       "--min-busbw: with 1 rank no collective moves data between ranks (busbw is 0): use 2 or "
+       "more ranks, or leave out --min-busbw"},
       {{"--timeout", "0"}, "--timeout: must be > 0"},
       {{"--hosts", "localhost:2", "--nproc", "2"}, "--nproc: not with --hosts"},
       {{"--iters", "x"}, "--iters"},

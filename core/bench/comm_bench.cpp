@@ -558,7 +558,9 @@ double bus_factor(Collective op, int ranks) {
     case Collective::allgather:
       return (n - 1) / n;
     case Collective::broadcast:
-      return 1.0;
+      // nccl-tests' 1, but for one rank: nothing leaves it (an in-place broadcast of one rank
+      // does nothing at all), so 1 would show the call's overhead as bandwidth.
+      return ranks > 1 ? 1.0 : 0.0;
   }
   return 0.0;
 }

@@ -132,7 +132,8 @@ TEST_CASE("bus_factor: nccl-tests' definitions") {
   CHECK(bus_factor(Collective::reduce_scatter, 4) == 0.75);
   CHECK(bus_factor(Collective::allgather, 2) == 0.5);
   CHECK(bus_factor(Collective::allgather, 1) == 0.0);
-  CHECK(bus_factor(Collective::broadcast, 1) == 1.0);
+  CHECK(bus_factor(Collective::broadcast, 1) == 0.0);  // nothing leaves the one rank
+  CHECK(bus_factor(Collective::broadcast, 2) == 1.0);
   CHECK(bus_factor(Collective::broadcast, 7) == 1.0);
 }
 
