@@ -299,9 +299,7 @@ class Doctor {
       auto& outcome = outcomes[i];
       if (!outcome.ok()) {
         const std::string host = hosts_[i].display();
-        add("ssh", host, false, outcome.error->what(),
-            "check the host is up, sshd listens on its port, the key is authorized "
-            "(ssh-copy-id) and its host key is in known_hosts (or --accept-new-host-keys)");
+        add("ssh", host, false, outcome.error->what(), ssh_fix(outcome.error->what()));
         HostSurvey unreachable;
         unreachable.held_back = "its ssh check failed";
         for (const char* check : {"workdir", "version"})
@@ -315,6 +313,20 @@ class Doctor {
         checks_.push_back(std::move(c));
       surveys_.push_back(std::move(*outcome.value));
     }
+  }
+
+  // The fix for what the SSH connection's failure says: a host key, an authentication, or the
+  // connection itself.
+  static std::string ssh_fix(std::string_view failure) {
+    if (failure.find("host key") != std::string_view::npos) {
+      return "put the host's key in known_hosts (ssh-keyscan), or give --accept-new-host-keys "
+             "for a new host; a changed key: see the line";
+    }
+    if (failure.find("authentication refused") != std::string_view::npos) {
+      return "authorize the key on the host (ssh-copy-id), or name the right one (--identity, "
+             "key= in the hostfile)";
+    }
+    return "check the host is up and sshd listens on its port (port= in the hostfile)";
   }
 
   // Ranks on this machine are started directly, by this binary, in the run directory: no work
@@ -361,9 +373,12 @@ class Doctor {
                                         "there lists them)",
                                         binary)});
       } else {
-        s.checks.push_back({"version", h.display(), false,
-                            fmt::format("no dptrain that runs at {}", binary),
-                            "run 'dptrain provision --hosts ...' to install it"});
+        s.checks.push_back(
+            {"version", h.display(), false, fmt::format("no dptrain that runs at {}", binary),
+             options_.remote_binary.empty()
+                 ? "run 'dptrain provision --hosts ...' to install it"
+                 : "install it there, or name the right one with --remote-binary ('dptrain "
+                   "provision' installs WORKDIR/bin/dptrain, the default)"});
       }
       s.held_back = "it has no dptrain that runs";
       return;
@@ -372,7 +387,11 @@ class Doctor {
     const bool same = version == mine;
     s.checks.push_back({"version", h.display(), same,
                         same ? version : fmt::format("{} there, {} here", version, mine),
-                        same ? "" : "run 'dptrain provision --hosts ...' to install this build"});
+                        same                             ? ""
+                        : options_.remote_binary.empty() ? "run 'dptrain provision --hosts ...' to "
+                                                           "install this build"
+                                                         : "install this build there, or name it "
+                                                           "with --remote-binary"});
     // The probes run that binary: another build's answers would be about the wrong program.
     if (!same) s.held_back = "its dptrain is another build";
   }

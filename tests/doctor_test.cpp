@@ -102,8 +102,11 @@ TEST_CASE("doctor: another build there fails the version check and holds back th
   CHECK(r.exit_code == 4);
   const auto fails = failure_lines(r.out);
   REQUIRE(fails.size() == 2);  // one version line per host, nothing the old build answered
-  for (const auto& line : fails)
+  for (const auto& line : fails) {
     CHECK(line.starts_with("FAIL version"));
+    // provision would not put anything at --remote-binary's path: the fix says so.
+    CHECK(line.ends_with("-- fix: install this build there, or name it with --remote-binary"));
+  }
   CHECK(r.out.find(fmt_skip("peer-port")) != std::string::npos);
   CHECK(r.out.find("not run: its dptrain is another build") != std::string::npos);
 }
@@ -160,6 +163,34 @@ TEST_CASE("doctor: a missing data file is one line naming it") {
   CHECK(lines[0].find("/data/path") != std::string::npos);
 }
 
+TEST_CASE("doctor: the ssh check's fix fits the failure: a host key, or the key refused") {
+  DoctorFixture f;
+  const std::string address = f.sshd.addresses()[1];
+  // Nothing in known_hosts: the host's key is unknown.
+  write_text(f.tmp / "empty_known_hosts", "");
+  write_text(f.tmp / "one.txt", address + " port=" + std::to_string(f.sshd.port()) + " user=" +
+                                    f.sshd.user() + " key=" + f.sshd.client_key().string() + "\n");
+  auto unknown = run_dptrain({"doctor", "--hosts", (f.tmp / "one.txt").string(), "--known-hosts",
+                              (f.tmp / "empty_known_hosts").string(), "--no-allreduce"});
+  CHECK(unknown.exit_code == 4);
+  auto lines = failure_lines(unknown.out);
+  REQUIRE(lines.size() == 1);
+  CHECK_MESSAGE(lines[0].find("-- fix: put the host's key in known_hosts (ssh-keyscan), or give "
+                              "--accept-new-host-keys for a new host") != std::string::npos,
+                lines[0]);
+  // A key the host does not authorize.
+  write_text(f.tmp / "wrong.txt", address + " port=" + std::to_string(f.sshd.port()) + " user=" +
+                                      f.sshd.user() + " key=" + f.sshd.wrong_key().string() + "\n");
+  auto refused = run_dptrain({"doctor", "--hosts", (f.tmp / "wrong.txt").string(), "--known-hosts",
+                              f.sshd.known_hosts().string(), "--no-allreduce"});
+  CHECK(refused.exit_code == 4);
+  lines = failure_lines(refused.out);
+  REQUIRE(lines.size() == 1);
+  CHECK_MESSAGE(lines[0].find("-- fix: authorize the key on the host (ssh-copy-id), or name the "
+                              "right one") != std::string::npos,
+                lines[0]);
+}
+
 TEST_CASE("doctor: an unreachable host is named, the others still checked") {
   DoctorFixture f;
   write_text(f.tmp / "mixed.txt",
@@ -174,6 +205,9 @@ TEST_CASE("doctor: an unreachable host is named, the others still checked") {
   REQUIRE(lines.size() == 1);  // the rest is held back, not failed
   CHECK(lines[0].find("FAIL ssh") == 0);
   CHECK(lines[0].find(f.sshd.addresses()[2]) != std::string::npos);
+  // The fix for a connection that is refused: the host and its sshd, not keys.
+  CHECK(lines[0].ends_with(
+      "-- fix: check the host is up and sshd listens on its port (port= in the hostfile)"));
   CHECK(r.out.find("ok   version") != std::string::npos);  // the good host was checked
   // The bad host's other checks are skip lines saying why, not missing.
   for (const char* check : {"workdir", "version", "blas", "store-port", "peer-port"}) {
