@@ -3,6 +3,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdlib>
 #include <mutex>
@@ -274,7 +275,12 @@ int run_agent(const AgentPlan& given, std::FILE* out, int stop_fd) {
     return f.signal != 0 ? 128 + f.signal : f.exit_code;
   }
   if (result.stop_signal == SIGINT) return 130;
-  if (result.stop_signal != 0 || !result.requested.empty()) {
+  const bool all_finished =
+      std::all_of(result.exits.begin(), result.exits.end(),
+                  [](const ProcessExit& e) { return e.signal == 0 && e.exit_code == 0; });
+  // A stop that came during the last step: the ranks finished the run instead (exit 0), and the
+  // host is done like any other.
+  if (!all_finished && (result.stop_signal != 0 || !result.requested.empty())) {
     // 143 says every rank checkpointed and stopped: only when each did. Otherwise the first one
     // that did not, as its own status, for the launcher to report.
     for (const ProcessExit& e : result.exits) {

@@ -81,7 +81,8 @@ constexpr std::chrono::seconds kAgentAliveInterval{1};
 
 // An "@failure" line for a failure of the host rather than of one of its ranks (rank -1): the
 // agent could not start them, or the relay lost the host; `refused` when the host refused the
-// launcher's SSH connection (SshRefused), which a retry would meet again.
+// launcher's SSH connection (SshRefused) or cannot run this dptrain there (none, a library
+// missing, another program), which a retry would meet again.
 void write_host_failure(std::FILE* out, const std::string& description, bool refused = false);
 
 // Runs the plan's ranks to the end, writing the lines above to `out`. End of input on `stop_fd`

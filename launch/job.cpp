@@ -599,7 +599,10 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
                                      {"hosts", gen["hosts"]},
                                      {"resumed_from", resumed_from}});
   json result;
-  std::map<std::string, json> agent_failures;  // host -> the agent's "@failure" report
+  // Relay label -> its agent's "@failure" report (by label: two hosts may share a name, on two
+  // ports).
+  std::map<std::string, json> agent_failures;
+  bool event_write_failed = false;  // said once: the job goes on
   RemoteRankLogs remote_logs(run.logs());
   int64_t last_step = -1;
   // The step this generation started from: the resumed checkpoint's, or 0.
@@ -670,7 +673,19 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       // Only rank 0 sends events: keep them in its log like a local rank 0's.
       if (relay != relay_hosts.end()) remote_logs.append(relay->second, 0, line);
       const json event = json::parse(line.substr(7), nullptr, false);
-      if (!event.is_discarded()) return handle_event(event);
+      if (event.is_discarded()) return;
+      try {
+        handle_event(event);
+      } catch (const Error& e) {
+        // A file of the run that cannot be written here (a full disk: metrics.jsonl, result.json
+        // of a remote rank 0) must not bring the job down with it: its ranks train on.
+        if (!event_write_failed) {
+          std::fprintf(stderr, "dptrain: warning: %s; the job goes on without it\n",
+                       first_line(e.what()).c_str());
+        }
+        event_write_failed = true;
+      }
+      return;
     }
     if (relay == relay_hosts.end()) {
       const std::string who =
@@ -681,7 +696,9 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     if (line.rfind(kAgentFailurePrefix, 0) == 0) {
       const json report =
           json::parse(line.substr(std::string(kAgentFailurePrefix).size()), nullptr, false);
-      if (!report.is_discarded() && !agent_failures.count(host)) agent_failures[host] = report;
+      if (!report.is_discarded() && !agent_failures.count(p.label)) {
+        agent_failures[p.label] = report;
+      }
       return;
     }
     if (line.rfind(kAgentRankPrefix, 0) == 0) {
@@ -798,9 +815,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   // For a relay's failure: the report its agent sent ("@failure": the rank, its exit, its last
   // lines), or null when none came (the relay itself failed, or the connection dropped).
   const auto report_of = [&](const std::string& label) -> const json* {
-    const auto relay = relay_hosts.find(label);
-    if (relay == relay_hosts.end()) return nullptr;
-    const auto report = agent_failures.find(relay->second);
+    const auto report = agent_failures.find(label);
     return report == agent_failures.end() ? nullptr : &report->second;
   };
   const auto agent_report = [&](const ProcessFailure& f) { return report_of(f.label); };
@@ -925,10 +940,14 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
         const json& r = *report;
         const int rank = r.value("rank", -1);
         failed_rank = rank;
-        if (rank < 0 && f.exit_code == 4) out.exit_code = 4;  // the relay could not reach it
+        // The rank's exit, or for a failure of the host (rank -1) its agent's, which the relay
+        // exits with (4: it could not reach the host or run dptrain there; 2: the agent refused
+        // its plan, say the host's data differs).
+        const int code = rank >= 0 ? r.value("exit_code", -1) : f.exit_code;
+        if (rank < 0 && code == 4) out.exit_code = 4;
         out.host_refused = rank < 0 && r.value("refused", false);
-        if (rank >= 0 && r.value("exit_code", -1) == 5) out.exit_code = 5;
-        out.repeats = rank >= 0 && r.value("exit_code", -1) == 2;
+        if (code == 5) out.exit_code = 5;
+        out.repeats = code == 2;
         out.error = rank >= 0 ? fmt::format("{} on host {}", r.value("description", ""), host)
                               : r.value("description", std::string());
         last_lines = r.value("last_lines", std::vector<std::string>{});
@@ -1043,7 +1062,9 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
                              : measured;
   if (!out.error.empty()) info["generations"].back()["error"] = out.error;
   // A recipe or data problem, or a diverged training: status and report do not offer a resume.
+  info["generations"].back()["exit_code"] = out.exit_code;
   if (out.repeats) info["generations"].back()["would_repeat"] = true;
+  if (out.host_refused) info["generations"].back()["host_refused"] = true;
   if (out.resized) info["generations"].back()["stopped_for"] = sup.requested;
   if (!out.result.is_null()) info["result"] = out.result;
   run.record();

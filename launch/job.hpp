@@ -80,8 +80,9 @@ struct JobOutcome {
   // The failed rank exited 2: a recipe or data problem, or a diverged training, which a restart
   // from a checkpoint would meet again.
   bool repeats = false;
-  // A host refused the launcher's SSH connection (authentication, host key): a restart to the
-  // same hosts would be refused again.
+  // A host refused the launcher's SSH connection (authentication, host key), or cannot run this
+  // dptrain (none there, a library missing, another program): a restart to the same hosts would
+  // meet it again.
   bool host_refused = false;
   // Stopped after kSameStepLimit failures in a row at one step (run_job_with_restarts).
   bool deterministic = false;

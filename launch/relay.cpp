@@ -136,6 +136,7 @@ int run_relay(const RelayPlan& plan) {
   // exited 0: the host is complete, whatever becomes of the connection after it.
   auto last_heard = std::chrono::steady_clock::now();
   bool done = false;
+  bool heard_agent = false;  // a line of the agent's protocol ("@..."): it is an agent
   std::string partial;
   std::string last_line;  // the host's last line of output, for not_runnable
   const auto sink = [&](std::string_view data, bool) {
@@ -145,6 +146,7 @@ int run_relay(const RelayPlan& plan) {
     size_t start = 0;
     for (size_t end; (end = partial.find('\n', start)) != std::string::npos; start = end + 1) {
       const std::string_view line = std::string_view(partial).substr(start, end - start);
+      heard_agent = heard_agent || line.starts_with('@');
       if (line == kAgentDoneLine) {
         done = true;
       } else if (line != kAgentAliveLine) {
@@ -244,12 +246,13 @@ int run_relay(const RelayPlan& plan) {
     return 3;
   }
   if (const auto why = not_runnable(*status, plan, last_line)) {
-    write_host_failure(stdout, *why);
+    write_host_failure(stdout, *why, /*refused=*/true);  // a restart would meet it again
     return 4;
   }
-  if (*status == 0 && !done) {
-    // An agent says "@done" before it exits 0: a program that did not is not this dptrain's
-    // agent (another build, or another program at that path), and its ranks never ran.
+  if (*status == 0 && !done && !heard_agent) {
+    // An agent speaks its protocol ("@alive", "@rank N ...") and says "@done" before it exits
+    // 0: a program that did neither is not this dptrain's agent (another build, or another
+    // program at that path), and its ranks never ran.
     write_host_failure(
         stdout,
         fmt::format("{}: '{}' there exited 0 without running its ranks{}: it is not this "
@@ -258,7 +261,8 @@ int run_relay(const RelayPlan& plan) {
                     plan.host.display(), plan.remote_binary,
                     last_line.empty()
                         ? std::string()
-                        : fmt::format(" (its last line: {})", printable_excerpt(last_line, 80))));
+                        : fmt::format(" (its last line: {})", printable_excerpt(last_line, 80))),
+        /*refused=*/true);
     return 4;
   }
   return *status;

@@ -522,7 +522,6 @@ json or_null(const std::string& s) {
 }
 
 std::string hint(const RunView& run) {
-  const std::string dir = run.dir.string();
   if (run.state.status == "stale" || run.state.status == "failed" ||
       run.state.status == "interrupted" || run.state.status == "terminated") {
     // A benchmark's ranks train nothing: there is nothing to resume, only to run again.
@@ -537,10 +536,11 @@ std::string hint(const RunView& run) {
     }
     if (run.state.status == "failed") {
       const json generations = run.info.value("generations", json::array());
-      const bool would_repeat = generations.is_array() && !generations.empty() &&
-                                generations.back().is_object() &&
-                                generations.back().value("would_repeat", json()) == true;
-      if (would_repeat) {
+      const json last =
+          generations.is_array() && !generations.empty() && generations.back().is_object()
+              ? generations.back()
+              : json::object();
+      if (last.value("would_repeat", json()) == true) {
         return "a resume would meet its error again (the recipe, its data or a setting: see the "
                "error); fix that first: data or a setting, then resume; a changed recipe, "
                "launched into a new run directory";
@@ -551,6 +551,19 @@ std::string hint(const RunView& run) {
             "it failed {} times in a row at step {}: once the cause is fixed (see the error), "
             "continue it with {}",
             repeated.times, repeated.step, resume_command(run.dir, run.info));
+      }
+      // What a resume would meet again unless it is fixed first: a host that refused the SSH
+      // connection, or checkpoints that could not be used or written.
+      if (last.value("host_refused", json()) == true) {
+        return "a host refused the SSH connection or cannot run dptrain (the error says which "
+               "and why): once that is fixed, continue it with " +
+               resume_command(run.dir, run.info);
+      }
+      if (last.value("exit_code", json()) == 5) {
+        return fmt::format(
+            "a checkpoint problem (see the error; 'dptrain ckpt verify {} --all' checks every "
+            "checkpoint): once it is fixed, continue it with {}",
+            run.dir.string(), resume_command(run.dir, run.info));
       }
     }
     return "continue it with " + resume_command(run.dir, run.info);

@@ -295,8 +295,8 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
         pending_stop_signal() != 0) {
       if (refused && policy.max_restarts > 0) {
         outcome.error +=
-            "\n  (not restarted: the host would refuse the connection again; fix its key or "
-            "known_hosts entry, then 'dptrain resume')";
+            "\n  (not restarted: the host would fail the same way again; fix what it says, "
+            "then 'dptrain resume')";
       } else if (outcome.exit_code == 5 && policy.max_restarts > 0) {
         outcome.error +=
             "\n  (not restarted: a checkpoint or run file that cannot be written would meet the "

@@ -364,9 +364,16 @@ class Supervision {
     }
   }
 
-  void read_from(Child& c) {
+  // At most kReadsPerRound reads of a child a round: one that writes faster than its lines
+  // are handled cannot keep the loop from reaping, watching and stopping. A line longer than
+  // kMaxLine is cut into pieces of that size rather than held whole. Returns whether more may be
+  // waiting (the round ended at its limit).
+  static constexpr int kReadsPerRound = 16;
+  static constexpr size_t kMaxLine = size_t{1} << 20;
+
+  bool read_from(Child& c) {
     char buf[65536];
-    for (;;) {
+    for (int round = 0; round < kReadsPerRound; ++round) {
       const ssize_t n = ::read(c.out_fd, buf, sizeof buf);
       if (n > 0) {
         c.partial.append(buf, static_cast<size_t>(n));
@@ -375,16 +382,21 @@ class Supervision {
           emit_line(c, c.partial.substr(0, pos));
           c.partial.erase(0, pos + 1);
         }
+        while (c.partial.size() >= kMaxLine) {
+          emit_line(c, c.partial.substr(0, kMaxLine));
+          c.partial.erase(0, kMaxLine);
+        }
         continue;
       }
-      if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+      if (n < 0 && (errno == EAGAIN || errno == EINTR)) return false;
       // EOF: the process and everything it started closed their output.
       if (!c.partial.empty()) emit_line(c, c.partial);
       c.partial.clear();
       ::close(c.out_fd);
       c.out_fd = -1;
-      return;
+      return false;
     }
+    return true;
   }
 
   void emit_line(Child& c, const std::string& line) {
@@ -400,7 +412,11 @@ class Supervision {
       if (c.exited) continue;
       int status = 0;
       const pid_t r = ::waitpid(c.pid, &status, WNOHANG);
-      if (r != c.pid) continue;
+      // ECHILD: reaped by someone else (never here: supervise restores SIGCHLD's default), its
+      // status lost; taken as a failure rather than waited for.
+      const bool lost = r < 0 && errno == ECHILD;
+      if (r != c.pid && !lost) continue;
+      if (lost) status = 255 << 8;
       c.exited = true;
       c.status = status;
       const bool clean = WIFEXITED(status) && WEXITSTATUS(status) == 0;
@@ -444,7 +460,8 @@ class Supervision {
 
   void drain() {
     for (auto& c : children_) {
-      if (c.out_fd >= 0) read_from(c);
+      while (c.out_fd >= 0 && read_from(c)) {
+      }
     }
   }
 
@@ -531,6 +548,17 @@ int sleep_unless_stopped(std::chrono::milliseconds duration) {
 
 SupervisionResult supervise(const std::vector<ProcessSpec>& specs,
                             const SupervisorOptions& options) {
+  // SIGCHLD ignored (inherited from a parent that set SIG_IGN, or SA_NOCLDWAIT) makes the kernel
+  // reap the children itself: waitpid would never report their exits, and the job would wait
+  // for ever. The default is restored before any child starts.
+  if (struct sigaction chld{};
+      ::sigaction(SIGCHLD, nullptr, &chld) == 0 &&
+      (chld.sa_handler == SIG_IGN || (chld.sa_flags & SA_NOCLDWAIT) != 0)) {
+    struct sigaction restored {};
+    restored.sa_handler = SIG_DFL;
+    sigemptyset(&restored.sa_mask);
+    ::sigaction(SIGCHLD, &restored, nullptr);
+  }
   Supervision s(specs, options);
   return s.run();
 }

@@ -751,3 +751,18 @@ TEST_CASE("a command started ignoring SIGINT (a script's background job) keeps i
   INFO(launch.err());
   CHECK(parse_json(launch.out())["status"] == "terminated");
 }
+
+TEST_CASE("a launch started with SIGCHLD ignored still sees its ranks exit") {
+  // An ignored SIGCHLD survives exec and makes the kernel reap children itself: a launcher that
+  // waited for them by pid would wait for ever.
+  TempDir tmp;
+  auto recipe = small_recipe();
+  recipe["train"]["steps"] = 20;
+  const auto file = write_recipe(tmp.path(), recipe);
+  Background launch(
+      {"launch", file.string(), "--nproc", "2", "--run-dir", (tmp / "run").string(), "--json"}, {},
+      StartWith::sigchld_ignored);
+  CHECK(launch.wait(std::chrono::seconds(120)) == 0);
+  INFO(launch.err());
+  CHECK(parse_json(launch.out())["status"] == "completed");
+}

@@ -72,6 +72,7 @@ pid_t spawn(const std::vector<std::string>& args, const Env& env, const fs::path
       ::kill(::getpid(), SIGTERM);  // pending until the program unblocks it
     }
     if (start == StartWith::sigint_ignored) ::signal(SIGINT, SIG_IGN);
+    if (start == StartWith::sigchld_ignored) ::signal(SIGCHLD, SIG_IGN);
     const int o = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     const int e = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     const int in = ::open("/dev/null", O_RDONLY);

@@ -42,7 +42,8 @@ CommandResult run_dptrain_on_terminal(const std::vector<std::string>& args, cons
 // across exec, ProcessSpec::hold_sigterm) with a SIGTERM already pending: a preemption that
 // comes while the rank is still loading. Or ignoring SIGINT, as a shell script starts a job in
 // the background ("dptrain ... &").
-enum class StartWith { nothing, pending_sigterm, sigint_ignored };
+// Or with SIGCHLD ignored, as some parents (a CI harness) leave it.
+enum class StartWith { nothing, pending_sigterm, sigint_ignored, sigchld_ignored };
 
 // A dptrain process running in the background; output goes to files. Killed on destruction.
 class Background {

@@ -529,13 +529,14 @@ TEST_CASE("Ctrl-C with a hung rank: no rank outlives the launcher, and no checkp
 
 // The quick recipe launched across the cluster into c.tmp/NAME with `binary` as the hosts'
 // dptrain, to its end (--json).
-CommandResult launch_with_remote_binary(Cluster& c, const std::string& name,
-                                        const fs::path& binary) {
+CommandResult launch_with_remote_binary(Cluster& c, const std::string& name, const fs::path& binary,
+                                        const std::vector<std::string>& extra = {}) {
   const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
   auto args = c.launch_args(recipe, c.tmp / name);
   const auto flag = std::find(args.begin(), args.end(), "--remote-binary");
   REQUIRE(flag != args.end());
   *(flag + 1) = binary.string();
+  args.insert(args.end(), extra.begin(), extra.end());
   args.push_back("--json");
   return run_dptrain(args);
 }
@@ -562,6 +563,27 @@ TEST_CASE("a program at --remote-binary that is not this dptrain's agent: exit 4
                    "dptrain 0.0.9): it is not this dptrain's agent") != std::string::npos);
   CHECK(r.err.find("reported no result") == std::string::npos);
   CHECK(parse_json(r.out)["exit_code"] == 4);
+}
+
+TEST_CASE("an agent that refuses its plan (exit 2, its host's data differs) is not restarted") {
+  Cluster c;
+  // What an agent says when its host's copy of the data is not the launcher's: a failure of
+  // the host (rank -1), exit 2.
+  const fs::path refusing = c.tmp / "refusing-agent";
+  write_text(refusing,
+             "#!/bin/sh\n"
+             "echo '@failure {\"rank\":-1,\"exit_code\":-1,\"signal\":0,\"description\":"
+             "\"data/train.csv on this host is not the launcher'\"'\"'s\",\"refused\":false,"
+             "\"last_lines\":[]}'\n"
+             "exit 2\n");
+  fs::permissions(refusing, fs::perms::owner_all);
+  auto r = launch_with_remote_binary(c, "refusing", refusing, {"--max-restarts", "2"});
+  INFO(r.err);
+  CHECK(r.exit_code == 3);
+  CHECK(r.err.find("data/train.csv on this host is not the launcher's") != std::string::npos);
+  CHECK(r.err.find("(not restarted: the rank's error is one a restart from a checkpoint would "
+                   "meet again)") != std::string::npos);
+  CHECK(parse_json(r.out)["restarts"] == 0);
 }
 
 TEST_CASE("a host whose binary lacks a library fails the launch with exit 4 naming it") {
@@ -651,12 +673,18 @@ TEST_CASE("a host that refuses the key is not restarted: --max-restarts would me
   CHECK(r.exit_code == 4);
   CHECK(r.err.find("authentication refused for " + c.sshd.host(refusing).display()) !=
         std::string::npos);
-  CHECK(r.err.find("(not restarted: the host would refuse the connection again") !=
-        std::string::npos);
+  CHECK(r.err.find("(not restarted: the host would fail the same way again; fix what it says, "
+                   "then 'dptrain resume')") != std::string::npos);
   CHECK(r.err.find("restart 1") == std::string::npos);
   const json out = parse_json(r.out);
   CHECK(out["restarts"] == 0);
   CHECK(parse_json(read_text(c.tmp / "refused/run.json"))["generations"].size() == 1);
+  // status: a resume would be refused too until the host accepts the connection.
+  const json s = parse_json(run_dptrain({"status", (c.tmp / "refused").string(), "--json"}).out);
+  CHECK(s["hint"].get<std::string>().rfind(
+            "a host refused the SSH connection or cannot run dptrain (the error says which and "
+            "why): once that is fixed, continue it with 'dptrain resume ",
+            0) == 0);
 }
 
 TEST_CASE("a host name that does not resolve fails with exit 4 before anything is created") {

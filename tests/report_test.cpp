@@ -14,6 +14,8 @@
 #include <regex>
 #include <sstream>
 
+#include <fmt/format.h>
+
 #include "tests/harness.hpp"
 #include "tests/strings.hpp"
 
@@ -840,4 +842,20 @@ TEST_CASE("report and status of what is not a run: exit 2 naming it") {
       run_dptrain({"report", (tmp / "ok").string(), "--out", (tmp / "target.html").string()});
   CHECK(outside.exit_code == 0);
   CHECK(read_text(tmp / "target.html").starts_with("<!DOCTYPE html>"));
+}
+
+TEST_CASE("status: a run that failed on a checkpoint problem (exit 5) says to fix it first") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), small_recipe());
+  const fs::path run_dir = tmp / "run";
+  auto r = run_dptrain({"launch", recipe.string(), "--run-dir", run_dir.string()},
+                       {{"DPTRAIN_FAULT", "exit@step=3,rank=0,code=5"}});
+  CHECK(r.exit_code == 5);
+  const json info = parse_json(read_text(run_dir / "run.json"));
+  CHECK(info["generations"].back()["exit_code"] == 5);
+  const json s = parse_json(run_dptrain({"status", run_dir.string(), "--json"}).out);
+  CHECK(s["hint"] == fmt::format("a checkpoint problem (see the error; 'dptrain ckpt verify {} "
+                                 "--all' checks every checkpoint): once it is fixed, continue it "
+                                 "with 'dptrain resume {}'",
+                                 run_dir.string(), run_dir.string()));
 }
