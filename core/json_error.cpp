@@ -43,15 +43,40 @@ std::string explanation(const std::string& what) {
   return rest;
 }
 
+// nlohmann gives no position for a number too large for a double ("number overflow parsing
+// '1e400'", out_of_range 406): the 1-based byte where that number first stands in the text as
+// a token of its own, or 0.
+size_t overflow_byte(std::string_view text, const std::string& what) {
+  const size_t open = what.find("parsing '");
+  const size_t close = open == std::string::npos ? open : what.find('\'', open + 9);
+  if (close == std::string::npos) return 0;
+  const std::string token = what.substr(open + 9, close - open - 9);
+  if (token.empty()) return 0;
+  constexpr std::string_view kBefore = " \t\r\n:,[";
+  constexpr std::string_view kAfter = " \t\r\n,]}";
+  for (size_t at = text.find(token); at != std::string_view::npos; at = text.find(token, at + 1)) {
+    const size_t end = at + token.size();
+    if ((at == 0 || kBefore.find(text[at - 1]) != std::string_view::npos) &&
+        (end == text.size() || kAfter.find(text[end]) != std::string_view::npos)) {
+      return at + 1;
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 std::string json_parse_problem(const std::string& file, std::string_view text,
                                const nlohmann::json::exception& e) {
   if (text.empty()) return fmt::format("{}: empty file, not valid JSON", file);
   const std::string problem = explanation(e.what());
-  if (const auto* parse = dynamic_cast<const nlohmann::json::parse_error*>(&e);
-      parse != nullptr && parse->byte > 0) {
-    const auto [line, column] = line_and_column(text, parse->byte);
+  const auto* parse = dynamic_cast<const nlohmann::json::parse_error*>(&e);
+  const size_t byte = parse != nullptr ? parse->byte
+                      : dynamic_cast<const nlohmann::json::out_of_range*>(&e) != nullptr
+                          ? overflow_byte(text, problem)
+                          : 0;
+  if (byte > 0) {
+    const auto [line, column] = line_and_column(text, byte);
     return fmt::format("{}: not valid JSON at line {}, column {}: {}", file, line, column, problem);
   }
   return fmt::format("{}: not valid JSON: {}", file, problem);

@@ -451,9 +451,9 @@ TEST_CASE("recipe validate: a number beyond a double is invalid JSON, exit 2, in
   write_text(tmp / "inf.json", R"({"optimizer": {"lr": 1e400}})");
   auto plain = run_dptrain({"recipe", "validate", (tmp / "inf.json").string()});
   CHECK(plain.exit_code == 2);
-  CHECK_MESSAGE(
-      plain.err.find((tmp / "inf.json").string() + ": not valid JSON: ") != std::string::npos,
-      plain.err);
+  CHECK_MESSAGE(plain.err.find((tmp / "inf.json").string() +
+                               ": not valid JSON at line 1, column 22: ") != std::string::npos,
+                plain.err);
   CHECK(plain.err.find("1e400") != std::string::npos);
   auto json = run_dptrain({"recipe", "validate", (tmp / "inf.json").string(), "--json"});
   CHECK(json.exit_code == 2);
