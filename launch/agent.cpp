@@ -4,10 +4,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <csignal>
 #include <cstdlib>
 #include <mutex>
+#include <stop_token>
 #include <system_error>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -230,11 +233,27 @@ int run_agent(const AgentPlan& given, std::FILE* out, int stop_fd) {
     throw Error(ErrorKind::io, fmt::format("{}: cannot create run directory on {}: {}",
                                            plan.run_dir.string(), plan.host, ec.message()));
   }
+  std::mutex out_mutex;
+  const auto say_alive = [&] {
+    std::lock_guard lock(out_mutex);
+    std::fprintf(out, "%s\n", kAgentAliveLine);
+    std::fflush(out);
+  };
   if (plan.worker_args.empty()) {  // the trainer's ranks read it; a benchmark's do not
+    // Checking the host's data (hashing a large CSV) may take longer than the relay waits for
+    // a word: the agent says it is alive meanwhile, as its supervision does once ranks run.
+    std::mutex wait_mutex;
+    std::condition_variable_any wake;
+    std::jthread alive([&](std::stop_token stop) {
+      std::unique_lock lock(wait_mutex);
+      while (!wake.wait_for(lock, stop, kAgentAliveInterval, [] { return false; })) {
+        if (stop.stop_requested()) return;
+        say_alive();
+      }
+    });
     prepare_data(plan);
     write_file_atomic(plan.run_dir / "recipe.json", json_text(plan.recipe, 2) + "\n");
   }
-  std::mutex out_mutex;
   SupervisorOptions options;
   options.stop_fd = stop_fd;
   // Inside the launcher's own grace periods, so the agent reports before it is cut off.
@@ -245,9 +264,7 @@ int run_agent(const AgentPlan& given, std::FILE* out, int stop_fd) {
     const auto now = std::chrono::steady_clock::now();
     if (now - last_alive < kAgentAliveInterval) return;
     last_alive = now;
-    std::lock_guard lock(out_mutex);
-    std::fprintf(out, "%s\n", kAgentAliveLine);
-    std::fflush(out);
+    say_alive();
   };
   options.on_line = [&](const ProcessSpec& p, const std::string& line) {
     std::lock_guard lock(out_mutex);
