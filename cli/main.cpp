@@ -192,6 +192,10 @@ int run(int argc, char** argv);
 int main(int argc, char** argv) {
   dptrain::cli::fill_closed_std_descriptors();  // before anything opens a file
   dptrain::cli::raise_open_file_limit();
+  // Every command that starts a process waits for it by pid (ranks, provision's and doctor's
+  // local commands): an ignored SIGCHLD inherited from the parent would have the kernel reap
+  // them unseen.
+  std::signal(SIGCHLD, SIG_DFL);
   int code = run(argc, argv);
   // What was written to standard output must have arrived: a full disk or a closed descriptor
   // behind `dptrain ... > FILE` is a failure, not a silent success (as coreutils' close_stdout).

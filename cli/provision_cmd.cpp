@@ -125,6 +125,7 @@ int run_provision(const ProvisionCliOptions& o) {
   // A stop ends each host's work between steps and upload chunks; the report still comes, with
   // what each host got by then.
   install_stop_signal_handlers();
+  exit_on_second_interrupt();  // a connection being made is not cut short by the first
   ProvisionOptions options;
   options.workdir = o.workdir;
   options.recipe = o.recipe;

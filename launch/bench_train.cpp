@@ -699,7 +699,10 @@ BenchRunner job_runner(const JobSpec& spec, const fs::path& sweep_dir, StatusPri
       // No result.json to correct (rank 0 on another host keeps it there).
     }
     run.info().erase("last_checkpoint");
-    run.save();
+    if (run.info().contains("result") && run.info()["result"].is_object()) {
+      run.info()["result"]["last_checkpoint"] = nullptr;  // run.json's copy of the result
+    }
+    run.record();  // a full disk leaves run.json behind, not the measurement failed
     result["run_dir"] = run.path().string();
     return result;
   };

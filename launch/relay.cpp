@@ -183,9 +183,11 @@ int run_relay(const RelayPlan& plan) {
     }
     const auto status = channel->exit_status();
     const auto why = status ? not_runnable(*status, plan, last_line) : std::nullopt;
+    // Cannot run dptrain there: a restart would meet it again, as at the end below.
     write_host_failure(
         stdout,
-        why ? *why : fmt::format("{}: cannot start the agent: {}", plan.host.display(), e.what()));
+        why ? *why : fmt::format("{}: cannot start the agent: {}", plan.host.display(), e.what()),
+        /*refused=*/why.has_value());
     return 4;
   }
   // The host's end after "@done": completed, with a line saying what became of it.

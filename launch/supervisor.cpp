@@ -55,6 +55,7 @@ ProcessExit process_exit(const ProcessSpec& spec, pid_t pid, bool exited, int st
 
 std::atomic<int> g_stop_signal{0};
 std::atomic<int> g_sigint_count{0};
+std::atomic<bool> g_second_interrupt_exits{false};
 int g_wake_pipe[2] = {-1, -1};
 
 void on_stop_signal(int sig) {
@@ -64,7 +65,9 @@ void on_stop_signal(int sig) {
   g_stop_signal.compare_exchange_strong(expected, sig);
   // Schedulers send SIGTERM more than once (`timeout` signals the child and its group): that is
   // one stop request. Only a second Ctrl-C means "now".
-  if (sig == SIGINT) g_sigint_count.fetch_add(1);
+  if (sig == SIGINT && g_sigint_count.fetch_add(1) >= 1 && g_second_interrupt_exits.load()) {
+    ::_exit(130);
+  }
   if (g_wake_pipe[1] >= 0) {
     const char c = 1;
     [[maybe_unused]] auto n = ::write(g_wake_pipe[1], &c, 1);
@@ -516,6 +519,10 @@ void install_stop_signal_handlers() {
     }
   }
   ::signal(SIGPIPE, SIG_IGN);
+}
+
+void exit_on_second_interrupt() {
+  g_second_interrupt_exits.store(true);
 }
 
 Error stop_error(int sig, std::string_view before, std::string_view after) {

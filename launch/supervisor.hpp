@@ -86,6 +86,10 @@ struct SupervisorOptions {
 
 // Installs SIGINT/SIGTERM handlers that the supervisor loop observes; call once from main.
 void install_stop_signal_handlers();
+// For a command that stops only between steps it cannot cut short (an SSH connection being
+// made, a remote command): a second Ctrl-C ends the process at once, exit 130, as a second one
+// ends a launch's ranks at once.
+void exit_on_second_interrupt();
 // The SIGINT or SIGTERM received since the handlers were installed, or 0.
 int pending_stop_signal();
 // The error a command stopped by `sig` (SIGTERM or SIGINT) ends with: "BEFOREstopped by SIGTERM

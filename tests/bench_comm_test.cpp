@@ -303,7 +303,7 @@ TEST_CASE("bench comm: DPTRAIN_FAULT counts each measurement as a step") {
   }
 }
 
-TEST_CASE("bench comm --nproc 1: allreduce's bus factor is 0, broadcast's 1") {
+TEST_CASE("bench comm --nproc 1: nothing leaves the one rank, so every busbw is 0") {
   TempDir tmp;
   const auto r = bench(tmp, {"-b", "4K", "-e", "4K", "--op", "allreduce,broadcast", "--json"});
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
@@ -311,7 +311,8 @@ TEST_CASE("bench comm --nproc 1: allreduce's bus factor is 0, broadcast's 1") {
   CHECK(j["ranks"] == 1);
   REQUIRE(j["rows"].size() == 2);
   CHECK(j["rows"][0]["busbw"] == 0.0);
-  CHECK(j["rows"][1]["busbw"].get<double>() == doctest::Approx(j["rows"][1]["algbw"]));
+  CHECK(j["rows"][1]["busbw"] == 0.0);  // nccl-tests' factor 1 would show the call's overhead
+  CHECK(j["rows"][1]["algbw"].get<double>() > 0);
   // A benchmark's run has no steps: status says so, with no sentinel.
   auto status = run_dptrain({"status", j["run_dir"].get<std::string>(), "--json"});
   REQUIRE_MESSAGE(status.exit_code == 0, status.err);

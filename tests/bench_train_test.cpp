@@ -92,7 +92,9 @@ TEST_CASE("bench train quickstart --nproc 1,2 --json --svg: a row per world, all
     CHECK(fs::is_empty(run / "checkpoints"));  // a benchmark keeps no checkpoint
     // ... and names none: its result and run.json say so, as status does.
     CHECK(parse_json(read_text(run / "result.json"))["last_checkpoint"].is_null());
-    CHECK_FALSE(parse_json(read_text(run / "run.json")).contains("last_checkpoint"));
+    const json info = parse_json(read_text(run / "run.json"));
+    CHECK_FALSE(info.contains("last_checkpoint"));
+    CHECK(info["result"]["last_checkpoint"].is_null());
     CHECK(parse_json(run_dptrain({"status", run.string(), "--json"}).out)["last_checkpoint"]
               .is_null());
     // The run trained exactly --steps, nothing else timed in it.

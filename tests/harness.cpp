@@ -71,8 +71,10 @@ pid_t spawn(const std::vector<std::string>& args, const Env& env, const fs::path
       ::sigprocmask(SIG_BLOCK, &term, nullptr);
       ::kill(::getpid(), SIGTERM);  // pending until the program unblocks it
     }
-    if (start == StartWith::sigint_ignored) ::signal(SIGINT, SIG_IGN);
-    if (start == StartWith::sigchld_ignored) ::signal(SIGCHLD, SIG_IGN);
+    // The test runner's own dispositions (a script's `ctest &` ignores SIGINT) are not the
+    // command's: each starts with the defaults unless a test asks otherwise.
+    ::signal(SIGINT, start == StartWith::sigint_ignored ? SIG_IGN : SIG_DFL);
+    ::signal(SIGCHLD, start == StartWith::sigchld_ignored ? SIG_IGN : SIG_DFL);
     const int o = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     const int e = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     const int in = ::open("/dev/null", O_RDONLY);
@@ -160,6 +162,8 @@ CommandResult run_dptrain_on_terminal(const std::vector<std::string>& args, cons
   int terminal = -1;
   const pid_t pid = ::forkpty(&terminal, nullptr, nullptr, &size);
   if (pid == 0) {
+    ::signal(SIGINT, SIG_DFL);  // as spawn: not the test runner's dispositions
+    ::signal(SIGCHLD, SIG_DFL);
     ::execve(exec.argv[0], exec.argv.data(), exec.envp.data());
     ::_exit(127);
   }
