@@ -193,8 +193,8 @@ int main(int argc, char** argv) {
   dptrain::cli::fill_closed_std_descriptors();  // before anything opens a file
   dptrain::cli::raise_open_file_limit();
   // Every command that starts a process waits for it by pid (ranks, provision's and doctor's
-  // local commands): an ignored SIGCHLD inherited from the parent would have the kernel reap
-  // them unseen.
+  // local commands): SIGCHLD ignored (SIG_IGN or SA_NOCLDWAIT, inherited across exec) would
+  // have the kernel reap them unseen, and a launcher wait for ever. signal() clears both.
   std::signal(SIGCHLD, SIG_DFL);
   int code = run(argc, argv);
   // What was written to standard output must have arrived: a full disk or a closed descriptor

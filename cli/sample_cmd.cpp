@@ -13,6 +13,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.hpp"
@@ -110,16 +111,6 @@ std::vector<int32_t> parse_prompt_ids(const std::string& text, int64_t vocab) {
     i = end;
   }
   return ids;
-}
-
-// Ids as --ids streams them: each followed by a space except the last.
-std::string ids_text(std::span<const int32_t> ids) {
-  std::string out;
-  for (const int32_t id : ids) {
-    if (!out.empty()) out += ' ';
-    out += std::to_string(id);
-  }
-  return out;
 }
 
 // Draws an id from softmax(logits / temperature) restricted to the top_k largest (0: all) of the
@@ -283,7 +274,9 @@ int run_sample(const SampleOptions& o) {
   std::mt19937_64 rng(derive_seed(o.seed, kSampleStream));
   const bool stream = !o.json;
   if (stream) {
-    const std::string shown = !o.ids ? o.prompt : given_prompt ? ids_text(context) : std::string();
+    const std::string shown = !o.ids         ? o.prompt
+                              : given_prompt ? fmt::format("{}", fmt::join(context, " "))
+                                             : std::string();
     std::fputs(shown.c_str(), stdout);
     std::fflush(stdout);
   }

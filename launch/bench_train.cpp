@@ -686,23 +686,18 @@ BenchRunner job_runner(const JobSpec& spec, const fs::path& sweep_dir, StatusPri
     std::error_code ec;
     for (const auto& entry : fs::directory_iterator(run.checkpoints(), ec))
       fs::remove_all(entry.path(), ec);
-    // Their record goes with them: the run's result and run.json name no checkpoint.
+    // Their record goes with them: the result, result.json (the same object, written by rank 0
+    // or for a remote one by the launcher) and run.json's copy name no checkpoint. A full disk
+    // leaves those files behind; the measurement stands.
     json result = outcome.result;
-    if (result.contains("last_checkpoint")) result["last_checkpoint"] = nullptr;
+    result["last_checkpoint"] = nullptr;
     try {
-      json recorded = json::parse(read_file(run.path() / "result.json"));
-      if (recorded.is_object() && recorded.contains("last_checkpoint")) {
-        recorded["last_checkpoint"] = nullptr;
-        write_file_atomic(run.path() / "result.json", json_text(recorded, 2) + "\n");
-      }
-    } catch (const std::exception&) {
-      // No result.json to correct (rank 0 on another host keeps it there).
+      write_file_atomic(run.path() / "result.json", json_text(result, 2) + "\n");
+    } catch (const Error&) {
     }
     run.info().erase("last_checkpoint");
-    if (run.info().contains("result") && run.info()["result"].is_object()) {
-      run.info()["result"]["last_checkpoint"] = nullptr;  // run.json's copy of the result
-    }
-    run.record();  // a full disk leaves run.json behind, not the measurement failed
+    run.info()["result"] = result;
+    run.record();
     result["run_dir"] = run.path().string();
     return result;
   };

@@ -415,7 +415,7 @@ class Supervision {
       if (c.exited) continue;
       int status = 0;
       const pid_t r = ::waitpid(c.pid, &status, WNOHANG);
-      // ECHILD: reaped by someone else (never here: supervise restores SIGCHLD's default), its
+      // ECHILD: reaped by someone else (never here: main restores SIGCHLD's default), its
       // status lost; taken as a failure rather than waited for.
       const bool lost = r < 0 && errno == ECHILD;
       if (r != c.pid && !lost) continue;
@@ -555,17 +555,6 @@ int sleep_unless_stopped(std::chrono::milliseconds duration) {
 
 SupervisionResult supervise(const std::vector<ProcessSpec>& specs,
                             const SupervisorOptions& options) {
-  // SIGCHLD ignored (inherited from a parent that set SIG_IGN, or SA_NOCLDWAIT) makes the kernel
-  // reap the children itself: waitpid would never report their exits, and the job would wait
-  // for ever. The default is restored before any child starts.
-  if (struct sigaction chld{};
-      ::sigaction(SIGCHLD, nullptr, &chld) == 0 &&
-      (chld.sa_handler == SIG_IGN || (chld.sa_flags & SA_NOCLDWAIT) != 0)) {
-    struct sigaction restored {};
-    restored.sa_handler = SIG_DFL;
-    sigemptyset(&restored.sa_mask);
-    ::sigaction(SIGCHLD, &restored, nullptr);
-  }
   Supervision s(specs, options);
   return s.run();
 }
