@@ -511,7 +511,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     write_file_atomic(run.path() / "recipe.json", json_text(to_json(spec.recipe), 2) + "\n");
 
   std::vector<ProcessSpec> procs;
-  std::map<std::string, std::string> relay_hosts;  // process label -> host
+  std::map<std::string, HostSpec> relay_hosts;  // process label -> host
   for (size_t i = 0; i < plan.hosts.size(); ++i) {
     const HostSpec& h = plan.hosts[i];
     if (h.is_local()) {
@@ -521,7 +521,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       }
     } else {
       ProcessSpec p = relay_spec(spec, relay_plan(spec, h, plan.agents[i]), run.logs());
-      relay_hosts[p.label] = h.host;
+      relay_hosts[p.label] = h;
       procs.push_back(std::move(p));
     }
   }
@@ -671,7 +671,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     const auto relay = relay_hosts.find(p.label);
     if (line.rfind("@event ", 0) == 0) {
       // Only rank 0 sends events: keep them in its log like a local rank 0's.
-      if (relay != relay_hosts.end()) remote_logs.append(relay->second, 0, line);
+      if (relay != relay_hosts.end()) remote_logs.append(relay->second.host, 0, line);
       const json event = json::parse(line.substr(7), nullptr, false);
       if (event.is_discarded()) return;
       try {
@@ -692,7 +692,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
           multi_host ? fmt::format("localhost:{}", p.rank) : fmt::format("rank {}", p.rank);
       return status.line(fmt::format("[{}] {}", who, line));
     }
-    const std::string& host = relay->second;
+    const std::string& host = relay->second.host;
     if (line.rfind(kAgentFailurePrefix, 0) == 0) {
       const json report =
           json::parse(line.substr(std::string(kAgentFailurePrefix).size()), nullptr, false);
@@ -935,7 +935,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     std::string log_hint;
     const auto relay = relay_hosts.find(f.label);
     if (relay != relay_hosts.end()) {
-      const std::string& host = relay->second;
+      const std::string& host = relay->second.host;
       if (const json* report = agent_report(f)) {
         const json& r = *report;
         const int rank = r.value("rank", -1);
@@ -946,6 +946,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
         const int code = rank >= 0 ? r.value("exit_code", -1) : f.exit_code;
         if (rank < 0 && code == 4) out.exit_code = 4;
         out.host_refused = rank < 0 && r.value("refused", false);
+        if (out.host_refused) out.refused_host = relay->second.display();
         if (code == 5) out.exit_code = 5;
         out.repeats = code == 2;
         out.error = rank >= 0 ? fmt::format("{} on host {}", r.value("description", ""), host)
@@ -1030,7 +1031,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     int exit_code = early_exit ? 0 : f.exit_code;
     int signal = early_exit ? 0 : f.signal;
     if (const json* r = agent_report(f); r != nullptr && r->value("rank", -1) >= 0) {
-      process = fmt::format("rank {} on {}", r->value("rank", -1), relay_hosts.at(f.label));
+      process = fmt::format("rank {} on {}", r->value("rank", -1), relay_hosts.at(f.label).host);
       exit_code = r->value("exit_code", -1);
       signal = r->value("signal", 0);
     }

@@ -44,6 +44,10 @@ struct JobSpec {
   // limit) is capacity lost: the next generation has one rank fewer. A fixed size: min == max.
   SizeRange nodes{0, 0};  // {0, 0}: every host given, or world_size ranks
   std::vector<HostSpec> candidates;
+  // Candidates taken out for the rest of this invocation, each as "HOST: why": a host that
+  // refused its generation (it cannot run this dptrain) would refuse the next one too, though it
+  // still answers SSH.
+  std::vector<std::string> left_out;
   std::chrono::milliseconds rejoin_timeout{60000};
   int nominal_world = 0;  // the world size the global batch is defined by; 0: world_size
   std::string backend = "auto";
@@ -84,6 +88,7 @@ struct JobOutcome {
   // dptrain (none there, a library missing, another program): a restart to the same hosts would
   // meet it again.
   bool host_refused = false;
+  std::string refused_host;  // that host (HostSpec::display)
   // Stopped after kSameStepLimit failures in a row at one step (run_job_with_restarts).
   bool deterministic = false;
   int failed_rank = -1;  // the rank whose failure ended the generation, when one did

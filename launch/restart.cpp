@@ -93,6 +93,7 @@ Placed place_generation(RunDirectory& run, JobSpec& spec, StatusPrinter& status,
                                   static_cast<double>(wait.count()) / 1000.0, join(missing, "; ")));
         });
     absent = sel.absent;
+    absent.insert(absent.end(), spec.left_out.begin(), spec.left_out.end());
     if (static_cast<int>(sel.hosts.size()) < spec.nodes.min) {
       return {fmt::format("only {} of the {} host(s) this job needs at least answered{}: {}",
                           sel.hosts.size(), spec.nodes.min,
@@ -170,6 +171,19 @@ fs::path next_generation_source(RunDirectory& run, const JobSpec& spec, StatusPr
   std::error_code ignored;
   fs::remove(run.path() / "metrics.jsonl", ignored);
   return "newest-or-start";
+}
+
+// An elastic job's host that refused its generation (it cannot run this dptrain) is no longer a
+// candidate in this invocation; a resume tries it again.
+void leave_out(JobSpec& spec, const JobOutcome& refused) {
+  const auto it =
+      std::find_if(spec.candidates.begin(), spec.candidates.end(),
+                   [&](const HostSpec& h) { return h.display() == refused.refused_host; });
+  if (it == spec.candidates.end()) return;
+  spec.candidates.erase(it);
+  // The headline names the host.
+  spec.left_out.push_back(
+      fmt::format("{} (left out of this invocation's generations)", error_headline(refused.error)));
 }
 
 // Too few hosts or ranks are left for the next generation.
@@ -289,8 +303,10 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
       continue;
     }
     // A stop asked for (SIGTERM, Ctrl-C) is never answered with a restart; nor, in a job of
-    // fixed hosts, a host that refused the connection (an elastic job leaves it out instead).
+    // fixed hosts, a host that refused the connection (an elastic job leaves it out instead:
+    // it answers SSH, so a probe alone would place it again, to refuse again).
     const bool refused = outcome.host_refused && spec.candidates.empty();
+    if (outcome.host_refused && !spec.candidates.empty()) leave_out(spec, outcome);
     if (!restartable(outcome) || outcome.repeats || refused || policy.max_restarts == 0 ||
         pending_stop_signal() != 0) {
       if (refused && policy.max_restarts > 0) {

@@ -274,6 +274,36 @@ TEST_CASE("a spare host stands in for an unreachable one: --nnodes 1 of 2 hosts"
         json::array({c.sshd.host(c.sshd.addresses()[2]).display()}));
 }
 
+TEST_CASE("--nnodes 1:2: a host that answers SSH but cannot run dptrain is left out, not retried") {
+  TwoHosts c;
+  const auto recipe = write_recipe(c.tmp.path(), small_recipe());
+  // "~/" is each host's own home: the binary is installed on the second host only.
+  const std::string bare = c.sshd.addresses()[1], installed = c.sshd.addresses()[2];
+  fs::create_directories(c.sshd.home(installed) / "bin");
+  fs::create_symlink(binary(), c.sshd.home(installed) / "bin/dptrain");
+  auto args = c.launch_args(recipe, c.tmp / "bare");
+  *(std::find(args.begin(), args.end(), "--remote-binary") + 1) = "~/bin/dptrain";
+  for (const char* a : {"--nnodes", "1:2", "--rejoin-timeout", "1", "--max-restarts", "3",
+                        "--restart-backoff", "0.1", "--json"})
+    args.push_back(a);
+  const auto r = run_dptrain(args);
+  fs::remove_all(c.sshd.home(installed) / "bin");
+  INFO(r.out, r.err);
+  REQUIRE(r.exit_code == 0);
+  // One restart: the next generation runs without the host, which a probe alone would place
+  // again (it answers SSH), to fail the same way until the restarts ran out.
+  CHECK(parse_json(r.out)["restarts"] == 1);
+  const std::string bare_host = c.sshd.host(bare).display();
+  CHECK(r.err.find("without " + bare_host +
+                   ": cannot run '~/bin/dptrain' there (no such file or "
+                   "command)") != std::string::npos);
+  CHECK(r.err.find("(left out of this invocation's generations)") != std::string::npos);
+  const json info = parse_json(read_text(c.tmp / "bare/run.json"));
+  REQUIRE(info["generations"].size() == 2);
+  CHECK(info["generations"][0]["host_refused"] == true);
+  CHECK(info["generations"][1]["hosts"] == json::array({c.sshd.host(installed).display()}));
+}
+
 TEST_CASE("with --nnodes, a host name that does not resolve is a host that does not answer") {
   TwoHosts c;
   const auto recipe = write_recipe(c.tmp.path(), small_recipe());
