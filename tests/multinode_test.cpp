@@ -439,6 +439,24 @@ TEST_CASE("killing one remote worker tears down all 4 ranks and names it") {
   }
 }
 
+TEST_CASE("a remote rank's own failure is the cause, not its local peer's exit 3 that follows") {
+  Cluster c;
+  // Rank 0 here, rank 1 on a host: rank 0 sees its peer go at once (a communication error, exit
+  // 3), while the host's agent reports its rank's exit a moment later, after its own wait.
+  c.sshd.write_hostfile(c.hostfile, {c.sshd.addresses()[1]}, 1);
+  write_text(c.hostfile, "localhost slots=1\n" + read_text(c.hostfile));
+  const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
+  auto args = c.launch_args(recipe, c.tmp / "cause");
+  args.push_back("--json");
+  const auto r = run_dptrain(args, {{"DPTRAIN_FAULT", "exit@step=20,rank=1,code=7"}});
+  INFO(r.err);
+  CHECK(r.exit_code == 3);
+  const std::string error = parse_json(r.out)["error"];
+  CHECK(error.rfind("rank 1", 0) == 0);
+  CHECK(error.find("exited with code 7") != std::string::npos);
+  CHECK(error.find(c.sshd.addresses()[1]) != std::string::npos);
+}
+
 TEST_CASE("SIGTERM to a host's agent (a node shutting down) checkpoints every rank, exit 143") {
   Cluster c;
   std::optional<Background> launcher;
