@@ -1,5 +1,5 @@
 // dptrain's entry point: dispatches to a subcommand and maps errors to exit codes.
-#include <sys/stat.h>
+#include <poll.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -192,6 +192,11 @@ int run(int argc, char** argv);
 int main(int argc, char** argv) {
   dptrain::cli::fill_closed_std_descriptors();  // before anything opens a file
   dptrain::cli::raise_open_file_limit();
+  // Whether whoever started us ignores SIGPIPE (commands that run processes ignore it from here
+  // on): it decides how output to a pipe whose reader has gone ends, below.
+  struct sigaction sigpipe_at_start {};
+  const bool sigpipe_ignored = ::sigaction(SIGPIPE, nullptr, &sigpipe_at_start) == 0 &&
+                               sigpipe_at_start.sa_handler == SIG_IGN;
   // Every command that starts a process waits for it by pid (ranks, provision's and doctor's
   // local commands): SIGCHLD ignored (SIG_IGN or SA_NOCLDWAIT, inherited across exec) would
   // have the kernel reap them unseen, and a launcher wait for ever. signal() clears both.
@@ -199,16 +204,23 @@ int main(int argc, char** argv) {
   int code = run(argc, argv);
   // What was written to standard output must have arrived: a full disk or a closed descriptor
   // behind `dptrain ... > FILE` is a failure, not a silent success (as coreutils' close_stdout).
-  // A pipe fails only when its reader has gone (`dptrain ... | head -1`), which is the reader's
-  // choice, as SIGPIPE would have been.
   const bool flushed = std::fflush(stdout) == 0;
   int error = flushed ? 0 : errno;
-  struct stat out {};
-  const bool pipe = ::fstat(STDOUT_FILENO, &out) == 0 && S_ISFIFO(out.st_mode);
-  if ((!flushed || std::ferror(stdout)) && code == 0 && !pipe) {
+  if ((!flushed || std::ferror(stdout)) && code == 0) {
     // A write that failed earlier left no errno: a write of nothing still fails on a closed
-    // descriptor (EBADF); a full disk then only shows as the earlier failure.
+    // descriptor (EBADF); a pipe whose reader has gone polls as an error; a full disk then only
+    // shows as the earlier failure.
+    pollfd out{STDOUT_FILENO, POLLOUT, 0};
+    if (error == 0 && ::poll(&out, 1, 0) == 1 && (out.revents & POLLERR) != 0) error = EPIPE;
     if (error == 0 && ::write(STDOUT_FILENO, "", 0) != 0) error = errno;
+    // The reader of a pipe has gone (`dptrain ... | head -1`): the end every command meets,
+    // whether it wrote as it went or at its end, is SIGPIPE's (exit 141 to a shell), unless the
+    // caller ignores that signal (then an error, as coreutils give).
+    if (error == EPIPE && !sigpipe_ignored) {
+      std::signal(SIGPIPE, SIG_DFL);
+      std::raise(SIGPIPE);
+      return 128 + SIGPIPE;
+    }
     std::fprintf(stderr, "dptrain: error: standard output: cannot write%s%s\n", error ? ": " : "",
                  error ? std::strerror(error) : "");
     code = 1;

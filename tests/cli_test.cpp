@@ -17,6 +17,8 @@
 #include <utility>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "tests/harness.hpp"
 #include "tests/strings.hpp"
 
@@ -96,6 +98,34 @@ TEST_CASE("a closed stdout is exit 1, and no file the command opens takes its ou
     CHECK(closed(args) == 1);
     CHECK(read_text(tmp / "err") ==
           "dptrain: error: standard output: cannot write: Bad file descriptor\n");
+  }
+}
+
+TEST_CASE("output to a pipe whose reader has gone ends as SIGPIPE does, or exit 1 if ignored") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), small_recipe());
+  // The reader (`true`) has gone before the command writes; the command's status goes to a file.
+  const auto into_gone_pipe = [&](const std::string& args, bool ignore_sigpipe) {
+    const std::string script =
+        fmt::format("{}{{ sleep 0.5; '{}' {} 2> '{}'; echo \\$? > '{}'; }} | true",
+                    ignore_sigpipe ? "trap '' PIPE; " : "", binary(), args, (tmp / "err").string(),
+                    (tmp / "status").string());
+    REQUIRE(std::system(("bash -c \"" + script + "\"").c_str()) == 0);
+    return std::stoi(read_text(tmp / "status"));
+  };
+  const std::string run = (tmp / "run").string();
+  // A launch ignores SIGPIPE while it runs its ranks, and wrote its JSON at the end: it ends as
+  // a command that met SIGPIPE as it wrote does, not as a success whose output went nowhere.
+  CHECK(into_gone_pipe("launch '" + recipe.string() + "' --run-dir '" + run + "' --json", false) ==
+        141);
+  CHECK(read_text(tmp / "err").find("error") == std::string::npos);
+  CHECK(parse_json(read_text(tmp / "run/run.json"))["status"] == "completed");
+  for (const std::string& args : {"status '" + run + "' --json", "ckpt verify '" + run + "'"}) {
+    CAPTURE(args);
+    CHECK(into_gone_pipe(args, false) == 141);
+    // Whoever ignores SIGPIPE hears of it as of any other write that failed.
+    CHECK(into_gone_pipe(args, true) == 1);
+    CHECK(read_text(tmp / "err") == "dptrain: error: standard output: cannot write: Broken pipe\n");
   }
 }
 
