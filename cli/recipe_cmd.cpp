@@ -9,6 +9,7 @@
 #include "core/model/model.hpp"
 #include "core/recipe.hpp"
 #include "core/trainer.hpp"
+#include "launch/supervisor.hpp"
 
 namespace dptrain::cli {
 
@@ -19,10 +20,27 @@ struct RecipeOptions {
   bool json = false;
 };
 
+// load_recipe, answering a stop signal as a stop (130 or 143, with its JSON): one cuts short a
+// read that waits (a recipe from a pipe that never writes), one that came as the recipe or its
+// data was checked ends the command when that is done.
+Recipe load_stoppable(const std::string& file, DataCheck check) {
+  install_stop_signal_handlers();
+  Recipe r;
+  try {
+    r = load_recipe(file, check);
+  } catch (const Error& e) {
+    // A read cut short may also have left a recipe that does not parse.
+    if (pending_stop_signal() != 0) throw Error(kind_after_stop(e.kind()), e.what());
+    throw;
+  }
+  if (const int sig = pending_stop_signal()) throw stop_error(sig, file + ": ", "");
+  return r;
+}
+
 // load_recipe, every row of a CSV dataset checked as a launch would load it, then what the model
 // says of the other settings (check_levers), named by file.
 Recipe checked_recipe(const std::string& file) {
-  Recipe r = load_recipe(file, DataCheck::every_row);
+  Recipe r = load_stoppable(file, DataCheck::every_row);
   try {
     check_levers(r);
   } catch (const Error& e) {
@@ -87,7 +105,7 @@ void setup_recipe(CLI::App& app, Outcome& outcome) {
                  "as one line");
   show->callback([o, &outcome] {
     outcome.json = o->json;  // a recipe that does not load answers in JSON too
-    const Recipe r = load_recipe(o->recipe);
+    const Recipe r = load_stoppable(o->recipe, DataCheck::first_row);
     if (o->json) {
       nlohmann::json out = recipe_facts(r);
       out["recipe"] = to_json(r);

@@ -14,6 +14,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <fstream>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -127,6 +128,27 @@ TEST_CASE("output to a pipe whose reader has gone ends as SIGPIPE does, or exit 
     CHECK(into_gone_pipe(args, true) == 1);
     CHECK(read_text(tmp / "err") == "dptrain: error: standard output: cannot write: Broken pipe\n");
   }
+}
+
+TEST_CASE("recipe validate/show stopped while reading a pipe that never writes: 130/143, JSON") {
+  TempDir tmp;
+  const fs::path fifo = tmp / "recipe.json";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  // Held open for writing, never written: the command's read waits.
+  const int writer = ::open(fifo.c_str(), O_RDWR | O_CLOEXEC);
+  REQUIRE(writer >= 0);
+  for (const auto& [cmd, sig] : {std::pair{"validate", SIGTERM}, std::pair{"show", SIGINT}}) {
+    CAPTURE(cmd);
+    Background b({"recipe", cmd, fifo.string(), "--json"});
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    REQUIRE(::kill(b.pid(), sig) == 0);
+    const int code = b.wait(std::chrono::seconds(20));
+    CHECK(code == (sig == SIGTERM ? 143 : 130));
+    const nlohmann::json out = parse_json(b.out());
+    CHECK(out["status"] == (sig == SIGTERM ? "terminated" : "interrupted"));
+    CHECK(out["exit_code"] == code);
+  }
+  ::close(writer);
 }
 
 TEST_CASE("usage errors exit 2") {
