@@ -159,8 +159,12 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
 
 int run_resume(const ResumeOptions& o) {
   install_stop_signal_handlers();
+  // A bad option is refused whatever the run, also one that completed (nothing is placed then).
   o.restart.validate();
-  o.remote.check();  // also for a run that completed: a bad option is refused whatever the run
+  o.remote.check();
+  o.remote.rank_env();
+  JobSpec unplaced;
+  place_ranks(unplaced, o.hosts, o.nproc, o.nnodes, 1);
   RunDirectory run = RunDirectory::open(o.run_dir);
   // A benchmark's world (bench train): measured, not trained; a resume would train the rest of
   // its steps as if it were a run.

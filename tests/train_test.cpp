@@ -287,6 +287,14 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
     CHECK(contains(resumed_done.out,
                    (tmp / "run").string() + ": the run already completed; nothing to resume"));
     CHECK_FALSE(fs::exists(tmp / "run/logs"));  // nothing made there either
+    // A bad option is refused all the same: a script's broken flag does not pass unseen.
+    for (const auto& [flag, value] :
+         {std::pair{"--nproc", "abc"}, std::pair{"--env", "RANK=3"}, std::pair{"--nnodes", "2"}}) {
+      CAPTURE(flag);
+      const auto bad = run_dptrain({"resume", (tmp / "run").string(), flag, value});
+      CHECK(bad.exit_code == 2);
+      CHECK(contains(bad.err, std::string("dptrain: error: ") + flag));
+    }
     // With --json, the outcome's fields from the run's result.json.
     const auto resumed_json = run_dptrain({"resume", (tmp / "run").string(), "--json"});
     CHECK(resumed_json.exit_code == 0);
