@@ -57,9 +57,12 @@ void print_dry_run(const JobSpec& spec, const std::string& run_dir, bool json) {
   const std::string addr = resolve_master_addr(spec);
   const JobPlan plan = plan_job(spec, run_dir, spec.recipe.name + "-<time>-<id>", 1, addr,
                                 spec.remote.master_port, "<redacted>");
-  const nlohmann::json j = plan.to_json(spec);
+  nlohmann::json j = plan.to_json(spec);
   if (json) {
-    std::printf("%s\n", json_text(j, 2).c_str());
+    // One line, as every --json output, with the fields of a success.
+    j["status"] = "planned";
+    j["exit_code"] = 0;
+    std::printf("%s\n", json_text(j).c_str());
     return;
   }
   std::printf(
@@ -132,6 +135,14 @@ int start_launch(const LaunchOptions& o, bool& events_opened) {
       !running.empty()) {
     throw Error(ErrorKind::usage, running + "; choose another --run-dir");
   }
+  try {
+    check_local_gpus(spec);
+  } catch (const Error& e) {
+    // A plan drafted on a machine without the GPUs (a login node) still shows each rank's.
+    if (!o.dry_run) throw;
+    std::fprintf(stderr, "dptrain: warning: %s (the plan is shown all the same)\n", e.what());
+  }
+  check_open_files(spec);
   if (o.dry_run) {
     if (const int sig = pending_stop_signal()) {
       throw stop_error(sig, "", "");
@@ -140,16 +151,17 @@ int start_launch(const LaunchOptions& o, bool& events_opened) {
     if (!o.run_dir.empty()) RunDirectory::check_new(o.run_dir);
     for (const auto& warning : fault_warnings)
       std::fprintf(stderr, "dptrain: warning: %s\n", warning.c_str());
-    // The directory a launch would create (its time is filled in then).
+    // The directory a launch would create (its time is filled in then), absolute as the ranks
+    // are given it.
     const std::string run_dir =
-        !o.run_dir.empty()
-            ? o.run_dir
-            : (std::filesystem::path(o.runs_root) / (spec.recipe.name + "-<time>")).string();
+        std::filesystem::absolute(!o.run_dir.empty() ? std::filesystem::path(o.run_dir)
+                                                     : std::filesystem::path(o.runs_root) /
+                                                           (spec.recipe.name + "-<time>"))
+            .lexically_normal()
+            .string();
     print_dry_run(spec, run_dir, o.json);
     return 0;
   }
-  check_local_gpus(spec);
-  check_open_files(spec);
   // Stopped while it read and checked (a pipeline's timeout at once): nothing is made.
   if (const int sig = pending_stop_signal()) {
     throw stop_error(sig, "", " before the launch made anything");

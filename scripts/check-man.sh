@@ -2,8 +2,8 @@
 # Every subcommand has a man page, every page renders without a groff warning, and every option a
 # command's --help lists is in its man page (or, for resume, in launch's, which it refers to).
 set -euo pipefail
+bin=$(realpath -e "${1:-$(dirname "$0")/../build/dptrain}") || { echo "no dptrain binary: ${1:-build/dptrain}" >&2; exit 1; }
 cd "$(dirname "$0")/.."
-bin=${1:-build/dptrain}
 status=0
 for cmd in $("$bin" --help | awk '/^Subcommands:/{s=1;next} s&&NF{print $1}'); do
   [ -f "man/dptrain-$cmd.1" ] || { echo "missing man page man/dptrain-$cmd.1" >&2; status=1; }

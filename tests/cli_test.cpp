@@ -710,7 +710,15 @@ TEST_CASE("train.device cuda where no GPU is visible: exit 1, one line, no run d
   auto plan = run_dptrain({"launch", path.string(), "--nproc", "2", "--dry-run", "--json"},
                           {{"CUDA_VISIBLE_DEVICES", "3,1"}});
   REQUIRE(plan.exit_code == 0);
+  // A plan may be drafted away from the GPUs: what the launch would refuse here is a warning.
+  CHECK(plan.err.find("dptrain: warning: train.device \"cuda\": 2 rank(s) on this machine need "
+                      "a GPU each") != std::string::npos);
+  CHECK(plan.err.find("(the plan is shown all the same)") != std::string::npos);
+  CHECK(std::count(plan.out.begin(), plan.out.end(), '\n') == 1);  // one line, as every --json
+  CHECK(parse_json(plan.out)["status"] == "planned");
   const auto workers = parse_json(plan.out)["hosts"][0]["workers"];
+  // The exact command: the run directory (under the relative --runs-root) as the ranks get it.
+  CHECK(fs::path(workers[0]["command"][2].get<std::string>()).is_absolute());
   CHECK(workers[0]["env"]["CUDA_VISIBLE_DEVICES"] == "3");
   CHECK(workers[1]["env"]["CUDA_VISIBLE_DEVICES"] == "1");
 

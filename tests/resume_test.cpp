@@ -856,6 +856,9 @@ TEST_CASE("too few file descriptors for the ranks: exit 2 naming the limit, the 
   CHECK(err.find("Too many open files") == std::string::npos);
   // Found before any rank started: the directory takes a launch again.
   CHECK_FALSE(fs::exists(run_dir / "run.json"));
+  // A dry run, a preflight check, refuses it as well.
+  CHECK(limited("launch '" + recipe.string() + "' --nproc 2 --dry-run") == 2);
+  CHECK(read_text(tmp / "err").find("dptrain: error: " + needs) != std::string::npos);
 
   // A run that stopped (recorded), resumed with too few: refused before run.json changes.
   auto failed =
