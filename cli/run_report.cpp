@@ -47,14 +47,18 @@ std::chrono::milliseconds RestartOptions::rejoin_timeout(const FaultToleranceSpe
 }
 
 void check_events(const RestartOptions& o, bool json, const std::filesystem::path& run_dir) {
-  if (o.events == "-" && json) {
-    throw Error(ErrorKind::usage, "--events -: not with --json (both write to stdout)");
+  const bool to_stdout = !o.events.empty() && names_standard_output(o.events);
+  if (to_stdout && json) {
+    throw Error(ErrorKind::usage,
+                fmt::format("--events {}: not with --json (both write to stdout{})", o.events,
+                            o.events == "-" ? "" : ": it names standard output"));
   }
-  if (!o.events.empty() && o.events != "-") check_events_place("--events", o.events, run_dir);
+  if (!o.events.empty() && !to_stdout) check_events_place("--events", o.events, run_dir);
 }
 
 bool events_in_run_dir(const RestartOptions& o, const std::filesystem::path& run_dir) {
-  return !o.events.empty() && o.events != "-" && !run_dir.empty() && lies_in(o.events, run_dir);
+  return !o.events.empty() && !names_standard_output(o.events) && !run_dir.empty() &&
+         lies_in(o.events, run_dir);
 }
 
 std::unique_ptr<EventLog> open_events(const RestartOptions& o, bool json,

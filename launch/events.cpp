@@ -1,6 +1,9 @@
 // The events stream: one JSON object per line for every state change of a job.
 #include "launch/events.hpp"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cerrno>
 #include <cstring>
 
@@ -12,9 +15,18 @@
 
 namespace dptrain {
 
+bool names_standard_output(const std::string& target) {
+  if (target == "-") return true;
+  struct stat named {
+  }, out{};
+  return ::stat(target.c_str(), &named) == 0 && ::fstat(STDOUT_FILENO, &out) == 0 &&
+         named.st_dev == out.st_dev && named.st_ino == out.st_ino;
+}
+
 EventLog::EventLog(const std::string& target) : target_(target) {
-  if (target == "-") {
+  if (names_standard_output(target)) {
     out_ = stdout;
+    to_stdout_ = true;
     return;
   }
   out_ = std::fopen(target.c_str(), "a");
@@ -41,7 +53,7 @@ void EventLog::emit(const std::string& name, nlohmann::json fields) {
   std::fprintf(stderr,
                "dptrain: warning: --events: cannot write %s: %s; the events from here on are "
                "lost\n",
-               target_ == "-" ? "stdout" : printable(target_).c_str(), why.c_str());
+               to_stdout() ? "stdout" : printable(target_).c_str(), why.c_str());
   if (out_ != stdout) {
     std::fclose(out_);
   } else {

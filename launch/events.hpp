@@ -10,17 +10,23 @@
 
 namespace dptrain {
 
+// Whether an --events target is this process's standard output: "-", or a path to the file
+// descriptor 1 is open on (/dev/stdout, /dev/fd/1, the file stdout was redirected to). Written
+// through a second opening, its lines and stdout's would overwrite each other.
+bool names_standard_output(const std::string& target);
+
 class EventLog {
  public:
   EventLog() = default;  // disabled: emit() does nothing
-  // "-" is stdout; a file is appended to. Error(usage) naming it when it cannot be opened.
+  // "-" (or another name of stdout, names_standard_output) is stdout; a file is appended to.
+  // Error(usage) naming it when it cannot be opened.
   explicit EventLog(const std::string& target);
   ~EventLog();
   EventLog(const EventLog&) = delete;
   EventLog& operator=(const EventLog&) = delete;
 
   bool enabled() const { return out_ != nullptr; }
-  bool to_stdout() const { return target_ == "-"; }
+  bool to_stdout() const { return to_stdout_; }
   // The file it appends to; "" when disabled or on stdout.
   std::string path() const { return enabled() && !to_stdout() ? target_ : std::string(); }
   // Whether a run_finished event was written: every stream ends with one.
@@ -33,6 +39,7 @@ class EventLog {
  private:
   std::FILE* out_ = nullptr;
   std::string target_;
+  bool to_stdout_ = false;  // also once a failed write ended the stream
   bool finished_ = false;
 };
 

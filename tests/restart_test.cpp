@@ -517,6 +517,25 @@ TEST_CASE("--events writes one JSON line per state change, restarts included") {
   CHECK(early_stream[0]["error"].get<std::string>().starts_with(
       "the launch did not start: " + (tmp / "missing.json").string() + ": cannot read"));
 
+  // Another name of stdout is stdout: refused with --json, else the events alone go there.
+  const auto named = run_dptrain({"launch", recipe.string(), "--run-dir", (tmp / "ev5").string(),
+                                  "--events", "/dev/stdout", "--json"});
+  CHECK(named.exit_code == 2);
+  CHECK(contains(named.err, "dptrain: error: --events /dev/stdout: not with --json"));
+  CHECK_FALSE(fs::exists(tmp / "ev5"));
+  const auto plain = run_dptrain(
+      {"launch", recipe.string(), "--run-dir", (tmp / "ev6").string(), "--events", "/dev/stdout"});
+  CHECK(plain.exit_code == 0);
+  std::istringstream plain_lines(plain.out);
+  std::string line, last_event;
+  while (std::getline(plain_lines, line)) {
+    CAPTURE(line);
+    const json event = parse_json(line);
+    last_event = event["event"];
+  }
+  CHECK(last_event == "run_finished");
+  CHECK(contains(plain.err, "run directory " + (tmp / "ev6").string()));
+
   // A stream that cannot be written (a full disk) is warned about once; the run goes on.
   if (!fs::exists("/dev/full")) return;
   auto full = run_dptrain(
