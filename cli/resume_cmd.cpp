@@ -117,6 +117,7 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
   if ((hosts.empty() || hosts.front().is_local()) && list_checkpoints(run.checkpoints()).empty()) {
     // Stopped before its first checkpoint (or with checkpoints off): it starts over, as a
     // restart would.
+    require_recorded_checkpoint(run);
     spec.resume_from = "newest-or-start";
     status.line(fmt::format("dptrain {}: resuming {} from step 0 (it has no checkpoint) on {}",
                             DPTRAIN_VERSION, run.path().string(), where));

@@ -177,6 +177,11 @@ void check_open_files(const JobSpec& spec);
 // job completes, restarts run out, or the failure repeats at one step. Every restart is
 // recorded in run.json with its cause. An elastic job (spec.nodes) picks its hosts or ranks
 // before every generation, and records every change of world size.
+// Error(checkpoint) when run.json records a checkpoint committed on this machine (rank 0 ran
+// here) and the run's checkpoints directory holds none: moved away, or its filesystem not
+// mounted. A resume or restart would otherwise train from step 0 as if none had been written.
+void require_recorded_checkpoint(const RunDirectory& run);
+
 JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter& status,
                                  const RestartPolicy& policy);
 

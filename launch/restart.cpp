@@ -26,6 +26,19 @@ void set_aside_newer(const fs::path& checkpoints, const fs::path& chosen, Status
   }
 }
 
+void require_recorded_checkpoint(const RunDirectory& run) {
+  const json& recorded = run.info().value("last_checkpoint", json());
+  if (!recorded.is_object() || !recorded.value("host", json()).is_null()) return;
+  if (!list_checkpoints(run.checkpoints()).empty()) return;
+  throw Error(
+      ErrorKind::checkpoint,
+      fmt::format("{}: holds no checkpoint, but run.json records {} committed there: "
+                  "were they moved away, or is their filesystem not mounted? Put them "
+                  "back and resume; to start over, launch the recipe into a new run "
+                  "directory",
+                  run.checkpoints().string(), recorded.value("name", std::string("a checkpoint"))));
+}
+
 namespace {
 
 bool restartable(const JobOutcome& outcome) {
@@ -163,10 +176,12 @@ fs::path next_generation_source(RunDirectory& run, const JobSpec& spec, StatusPr
   if (const auto all = list_checkpoints(run.checkpoints()); !all.empty()) {
     throw Error(ErrorKind::checkpoint,
                 fmt::format("{}: none of its {} checkpoint(s) is usable (the warnings above "
-                            "say why), and starting over would write over them; repair them, or "
-                            "move them away to start over, then 'dptrain resume'",
+                            "say why), and starting over would write over them; repair them, "
+                            "then 'dptrain resume'; to start over, launch the recipe into a new "
+                            "run directory",
                             run.checkpoints().string(), all.size()));
   }
+  require_recorded_checkpoint(run);
   name = "step 0";
   std::error_code ignored;
   fs::remove(run.path() / "metrics.jsonl", ignored);

@@ -777,6 +777,36 @@ TEST_CASE("resume of a run stopped before its first checkpoint starts it over fr
   CHECK(info["result"]["steps"] == 60);
 }
 
+TEST_CASE("resume of a run whose checkpoints are gone (moved, not mounted) is refused, exit 5") {
+  TempDir tmp;
+  auto r = small_recipe();
+  r["checkpoint"] = {{"every", 20}};
+  const auto recipe = write_recipe(tmp.path(), r);
+  const fs::path dir = tmp / "gone";
+  REQUIRE(run_dptrain({"launch", recipe.string(), "--run-dir", dir.string()},
+                      {{"DPTRAIN_FAULT", "exit@step=50,code=7"}})
+              .exit_code == 3);
+  // An empty directory in their place, as a mount point whose filesystem is not mounted.
+  fs::rename(dir / "checkpoints", tmp / "elsewhere");
+  fs::create_directory(dir / "checkpoints");
+  const std::string recorded = read_text(dir / "run.json");
+  auto resumed = run_dptrain({"resume", dir.string()});
+  CHECK(resumed.exit_code == 5);
+  CHECK(resumed.err == "dptrain: error: " + (dir / "checkpoints").string() +
+                           ": holds no checkpoint, but run.json records step-000040 committed "
+                           "there: were they moved away, or is their filesystem not mounted? Put "
+                           "them back and resume; to start over, launch the recipe into a new "
+                           "run directory\n");
+  CHECK(read_text(dir / "run.json") == recorded);
+  CHECK(fs::is_empty(dir / "checkpoints"));
+  // Put back, the run continues from its checkpoint.
+  fs::remove(dir / "checkpoints");
+  fs::rename(tmp / "elsewhere", dir / "checkpoints");
+  auto back = run_dptrain({"resume", dir.string()});
+  CHECK(back.exit_code == 0);
+  CHECK(contains(back.out + back.err, "from step-000040"));
+}
+
 TEST_CASE("launch claims its run directory: no foreign files, and racing launches get their own") {
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), small_recipe());
