@@ -122,9 +122,15 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
     status.line(fmt::format("dptrain {}: resuming {} from step 0 (it has no checkpoint) on {}",
                             DPTRAIN_VERSION, run.path().string(), where));
   } else if (hosts.empty() || hosts.front().is_local()) {
+    // A stop while checkpoints are verified (a large one takes seconds) ends the search before
+    // the next one, and sets nothing aside.
+    const auto check_stop = [] {
+      throw_if_stopped(" while resume verified checkpoints (nothing was set aside)");
+    };
     spec.resume_from = find_valid_checkpoint(
         run.checkpoints(), [&status](const std::string& w) { status.warning(w); },
-        written_by(spec.recipe));
+        written_by(spec.recipe), check_stop);
+    check_stop();
     set_aside_newer(run.checkpoints(), spec.resume_from, status);
     status.line(fmt::format("dptrain {}: resuming {} from {} on {}", DPTRAIN_VERSION,
                             run.path().string(), spec.resume_from.filename().string(), where));

@@ -698,7 +698,7 @@ LatestStatus check_latest(const fs::path& checkpoints_dir) {
 
 std::optional<fs::path> try_find_valid_checkpoint(
     const fs::path& checkpoints_dir, const std::function<void(const std::string&)>& warn,
-    const CheckpointFilter& unusable) {
+    const CheckpointFilter& unusable, const std::function<void()>& check_stop) {
   std::vector<fs::path> candidates;
   // `latest` first; one that cannot be followed is said to be (the step-* directories are
   // tried all the same).
@@ -716,6 +716,7 @@ std::optional<fs::path> try_find_valid_checkpoint(
   std::stable_sort(candidates.begin(), candidates.end(),
                    [](const fs::path& a, const fs::path& b) { return step_of(a) > step_of(b); });
   for (const auto& dir : candidates) {
+    if (check_stop) check_stop();
     const CheckpointStatus checked = verify_checkpoint(dir);
     if (checked.ok()) {
       const std::string why =
@@ -739,8 +740,9 @@ std::optional<fs::path> try_find_valid_checkpoint(
 
 fs::path find_valid_checkpoint(const fs::path& checkpoints_dir,
                                const std::function<void(const std::string&)>& warn,
-                               const CheckpointFilter& unusable) {
-  if (auto found = try_find_valid_checkpoint(checkpoints_dir, warn, unusable)) {
+                               const CheckpointFilter& unusable,
+                               const std::function<void()>& check_stop) {
+  if (auto found = try_find_valid_checkpoint(checkpoints_dir, warn, unusable, check_stop)) {
     return std::move(*found);
   }
   throw Error(ErrorKind::checkpoint,

@@ -181,14 +181,17 @@ LatestStatus check_latest(const std::filesystem::path& checkpoints_dir);
 // which is not what "no checkpoint" (start over) means. `unusable`, when given, says why a
 // checkpoint that verifies cannot be used all the same (written by another recipe: one copied
 // in from another run); empty when it can. Such a one is skipped and reported as damaged ones
-// are.
+// are. `check_stop`, when given, is called before each checkpoint is verified (a large one takes
+// seconds): it throws to stop the search.
 using CheckpointFilter = std::function<std::string(const TrainingPosition&)>;
 std::optional<std::filesystem::path> try_find_valid_checkpoint(
     const std::filesystem::path& checkpoints_dir,
-    const std::function<void(const std::string&)>& warn, const CheckpointFilter& unusable = {});
+    const std::function<void(const std::string&)>& warn, const CheckpointFilter& unusable = {},
+    const std::function<void()>& check_stop = {});
 // The same, with Error(checkpoint) "no valid checkpoint to resume from" when none is valid.
 std::filesystem::path find_valid_checkpoint(const std::filesystem::path& checkpoints_dir,
                                             const std::function<void(const std::string&)>& warn,
-                                            const CheckpointFilter& unusable = {});
+                                            const CheckpointFilter& unusable = {},
+                                            const std::function<void()>& check_stop = {});
 
 }  // namespace dptrain

@@ -166,10 +166,15 @@ fs::path next_generation_source(RunDirectory& run, const JobSpec& spec, StatusPr
                                                                    : fs::path("newest-or-start");
   }
   // One out of reach (a permission) is an error, not "none": starting over would lose its steps.
+  // A stop while checkpoints are verified ends the search, setting nothing aside.
+  const auto check_stop = [] {
+    throw_if_stopped(" while checkpoints were verified (nothing was set aside)");
+  };
   if (auto from = try_find_valid_checkpoint(
           run.checkpoints(), [&status](const std::string& w) { status.warning(w); },
-          written_by(spec.recipe))) {
+          written_by(spec.recipe), check_stop)) {
     name = from->filename().string();
+    check_stop();
     set_aside_newer(run.checkpoints(), *from, status);
     return std::move(*from);
   }

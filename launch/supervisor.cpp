@@ -531,6 +531,10 @@ Error stop_error(int sig, std::string_view before, std::string_view after) {
       fmt::format("{}stopped by {}{}", before, sig == SIGTERM ? "SIGTERM" : "SIGINT", after));
 }
 
+void throw_if_stopped(std::string_view after) {
+  if (const int sig = pending_stop_signal()) throw stop_error(sig, "", after);
+}
+
 int pending_stop_signal() {
   return g_stop_signal.load();
 }

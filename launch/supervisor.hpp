@@ -95,6 +95,8 @@ int pending_stop_signal();
 // The error a command stopped by `sig` (SIGTERM or SIGINT) ends with: "BEFOREstopped by SIGTERM
 // AFTER", of kind terminated (143) or interrupted (130).
 Error stop_error(int sig, std::string_view before, std::string_view after);
+// Throws stop_error(sig, "", after) when SIGINT or SIGTERM came (pending_stop_signal).
+void throw_if_stopped(std::string_view after);
 // The kind a failure ends with: when SIGINT or SIGTERM came while the command worked, the failure
 // is the stop's doing (a read interrupted, a wait cut short), so it is the signal's kind
 // (interrupted, terminated), as any stopped command's; otherwise `kind`.

@@ -635,6 +635,32 @@ TEST_CASE("a SIGTERM that reaches a launch while it loads stops it with its JSON
   CHECK_FALSE(fs::exists(tmp / "run"));
 }
 
+TEST_CASE("a stop while resume verifies checkpoints ends it there: nothing is set aside") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  const fs::path run_dir = tmp / "run";
+  launch_as_failed(recipe, run_dir);
+  {
+    // The newest is damaged: a resume would set it aside.
+    std::fstream f(run_dir / "checkpoints/step-000120/params.bin",
+                   std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(17);
+    f.put('\x7f');
+  }
+  const std::string recorded = read_text(run_dir / "run.json");
+  // SIGTERM already there when it starts: the search stops before the first checkpoint.
+  Background resume({"resume", run_dir.string(), "--json"}, {}, StartWith::pending_sigterm);
+  CHECK(resume.wait(std::chrono::seconds(60)) == 143);
+  INFO(resume.err());
+  const auto out = parse_json(resume.out());
+  CHECK(out["status"] == "terminated");
+  CHECK(out["error"] ==
+        "stopped by SIGTERM while resume verified checkpoints (nothing was set aside)");
+  CHECK(fs::exists(run_dir / "checkpoints/step-000120"));
+  CHECK_FALSE(fs::exists(run_dir / "checkpoints/step-000120.corrupt"));
+  CHECK(read_text(run_dir / "run.json") == recorded);
+}
+
 TEST_CASE("a SIGTERM that reaches a rank while it loads is a stop, not a death") {
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), resumable_recipe());
