@@ -98,21 +98,6 @@ void print_dry_run(const JobSpec& spec, const std::string& run_dir, bool json) {
   }
 }
 
-// A launch refused before it opened its events stream (its recipe, an option, a host, workers
-// running in its directory) still ends the stream with run_finished, as one refused at its run
-// directory does: a pipeline reads every stream to its end. Not a stream in the run directory
-// (nothing is made there), nor one whose path the launch refused itself.
-void end_unopened_events(const LaunchOptions& o, const std::exception& e) {
-  if (o.dry_run || o.restart.events.empty() || events_in_run_dir(o.restart, o.run_dir)) return;
-  try {
-    check_events(o.restart, o.json, o.run_dir);
-    const auto events = open_events(o.restart, o.json, o.run_dir);
-    finish_events_with_failure(*events, e, o.run_dir, "the launch did not start");
-  } catch (const std::exception&) {
-    // The path is what was refused: there is no stream to end.
-  }
-}
-
 int start_launch(const LaunchOptions& o, bool& events_opened) {
   JobSpec spec = job_spec(o);
   check_runnable(spec.recipe, spec.world_size, spec.nominal_world, o.recipe);
@@ -199,7 +184,9 @@ int run_launch(const LaunchOptions& o) {
   try {
     return start_launch(o, events_opened);
   } catch (const std::exception& e) {
-    if (!events_opened) end_unopened_events(o, e);
+    if (!events_opened && !o.dry_run) {
+      end_unopened_events(o.restart, o.json, o.run_dir, e, "the launch did not start");
+    }
     throw;
   }
 }

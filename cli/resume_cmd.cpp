@@ -164,8 +164,7 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
   return run_to_end(run, spec, o.restart, o.json, events, status);
 }
 
-int run_resume(const ResumeOptions& o) {
-  install_stop_signal_handlers();
+int start_resume(const ResumeOptions& o, bool& events_opened) {
   // A bad option is refused whatever the run, also one that completed (nothing is placed then).
   o.restart.validate();
   o.remote.check();
@@ -197,6 +196,7 @@ int run_resume(const ResumeOptions& o) {
   }
   // A completed run is left as it is: not even locked.
   if (run.info().value("status", nlohmann::json()) == "completed") {
+    events_opened = true;
     const auto events = open_events(o.restart, o.json, o.run_dir);
     return resume_run(o, run, *events);
   }
@@ -224,6 +224,7 @@ int run_resume(const ResumeOptions& o) {
                             "here once its stamp is in the past and status calls it stale",
                             o.run_dir, state.note));
   }
+  events_opened = true;
   const auto events = open_events(o.restart, o.json, o.run_dir);
   try {
     return resume_run(o, run, *events);
@@ -231,6 +232,20 @@ int run_resume(const ResumeOptions& o) {
     // A resume that cannot start (no valid checkpoint, hosts that are gone) still ends its
     // events stream, which a pipeline reads to its run_finished; run.json is left as it was.
     finish_events_with_failure(*events, e, run.path().string(), "the resume did not start");
+    throw;
+  }
+}
+
+int run_resume(const ResumeOptions& o) {
+  install_stop_signal_handlers();
+  bool events_opened = false;
+  try {
+    return start_resume(o, events_opened);
+  } catch (const std::exception& e) {
+    // Refused before its stream was opened (an option, a run being run, a run.json that does not
+    // read): the stream still ends.
+    if (!events_opened)
+      end_unopened_events(o.restart, o.json, o.run_dir, e, "the resume did not start");
     throw;
   }
 }

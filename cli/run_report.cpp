@@ -83,6 +83,19 @@ void finish_events_with_failure(EventLog& events, const std::exception& e,
   }
 }
 
+void end_unopened_events(const RestartOptions& o, bool json, const std::string& run_dir,
+                         const std::exception& e, const std::string& what) {
+  if (o.events.empty() || events_in_run_dir(o, run_dir)) return;
+  try {
+    check_events(o, json, run_dir);
+    const auto events = open_events(o, json, run_dir);
+    finish_events_with_failure(
+        *events, e, run_dir.empty() ? run_dir : std::filesystem::absolute(run_dir).string(), what);
+  } catch (const std::exception&) {
+    // The path is what was refused: there is no stream to end.
+  }
+}
+
 FailureEnd failure_end(const std::exception& e) {
   const auto* error = dynamic_cast<const Error*>(&e);
   const ErrorKind kind = error != nullptr ? kind_after_stop(error->kind()) : ErrorKind::internal;

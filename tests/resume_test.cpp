@@ -287,6 +287,24 @@ TEST_CASE("a corrupt or truncated newest checkpoint is skipped; none valid exits
   CHECK(events.back()["status"] == "failed");
   CHECK(events.back()["error"].get<std::string>().starts_with("the resume did not start: "));
   CHECK(read_text(tmp / "straight/run.json") == run_json);
+
+  // So does one refused before its stream is opened: a run.json that does not read, a run
+  // directory that is not there (named absolute, as the other events name it).
+  fs::create_directory(tmp / "torn");
+  write_text(tmp / "torn/run.json", run_json.substr(0, run_json.size() / 2));
+  for (const fs::path& dir : {tmp / "torn", tmp / "missing"}) {
+    CAPTURE(dir);
+    const fs::path stream = tmp / (dir.filename().string() + ".jsonl");
+    auto refused = run_dptrain({"resume", dir.string(), "--events", stream.string()});
+    CHECK(refused.exit_code == 2);
+    const auto ended = read_jsonl(stream);
+    REQUIRE(ended.size() == 1);
+    CHECK(ended[0]["event"] == "run_finished");
+    CHECK(ended[0]["exit_code"] == 2);
+    CHECK(ended[0]["run_dir"] == dir.string());
+    CHECK(ended[0]["error"].get<std::string>().starts_with("the resume did not start: " +
+                                                           dir.string()));
+  }
 }
 
 TEST_CASE(
