@@ -225,7 +225,13 @@ void refuse_held_run(const fs::path& p, bool mine) {
   nlohmann::json info;
   try {
     info = read_run_json(p);
-  } catch (const Error&) {
+  } catch (const Error& e) {
+    // Torn (a disk's or filesystem's damage): a resume cannot read it either.
+    throw Error(ErrorKind::usage,
+                fmt::format("{}: already holds a run whose record does not read ({}): neither a "
+                            "resume nor a launch continues it; repair run.json (its checkpoints "
+                            "and recipe.json are there), or choose another --run-dir",
+                            p.string(), first_line(e.what())));
   }
   std::string how = fmt::format("continue it with 'dptrain resume {}'", p.string());
   if (info.is_object() && !info.contains("recipe")) {

@@ -739,6 +739,13 @@ TEST_CASE("launching into a directory that holds a run is refused") {
   CHECK(bench.err.find(": already holds a benchmark's run; choose another --run-dir") !=
         std::string::npos);
   CHECK(bench.err.find("resume") == std::string::npos);
+  // A torn record: resume cannot read it either, so it is not sent there.
+  write_text(tmp / "run.json", R"({"recipe": {"name": "x)");
+  auto torn = run_dptrain({"launch", recipe.string(), "--run-dir", tmp.path().string()});
+  CHECK(torn.exit_code == 2);
+  CHECK(contains(torn.err, ": already holds a run whose record does not read (" +
+                               (tmp / "run.json").string() + ": not valid JSON"));
+  CHECK(contains(torn.err, "neither a resume nor a launch continues it; repair run.json"));
 }
 
 TEST_CASE("resume of a completed run changes nothing; of a running one it is refused") {
