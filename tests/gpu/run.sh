@@ -61,7 +61,19 @@ out=$(cd "$out" && pwd)
 
 if [[ -n $prebuilt ]]; then
   bin=$prebuilt/bin
-  bundle_libs=$prebuilt/lib
+  # The bundle's libraries, less the RDMA stack where this machine has its own: libibverbs and
+  # librdmacm load the machine's provider plugins, which must match their own version (a foreign
+  # copy would leave NCCL without InfiniBand, or worse).
+  bundle_libs=$(mktemp -d)
+  cache=$(ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null || true)
+  for lib in "$prebuilt"/lib/*; do
+    name=$(basename "$lib")
+    if [[ $name =~ ^(libibverbs|librdmacm|libnl-3|libnl-route-3)\. && $cache == *$'\t'"$name ("* ]]; then
+      echo "run.sh: $name: this machine's, not the bundle's"
+      continue
+    fi
+    ln -s "$lib" "$bundle_libs/$name"
+  done
   # The bundle's libstdc++ (GCC 12, Debian 12) needs glibc 2.36: only where the machine's own lacks GLIBCXX_3.4.30.
   sys_cxx=$(ldconfig -p 2>/dev/null | awk '$1 == "libstdc++.so.6" && /x86-64/ && !f {print $NF; f = 1}')
   if [[ -z $sys_cxx ]] || ! grep -qa 'GLIBCXX_3\.4\.30' "$sys_cxx"; then bundle_libs="$bundle_libs:$prebuilt/lib-cxx"; fi
