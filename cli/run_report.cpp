@@ -233,7 +233,7 @@ void add_restart_options(CLI::App& app, RestartOptions& o) {
                  "Restart after a rank or host failure from the newest valid checkpoint, at most "
                  "this many times per launch or resume, counted over all ranks and hosts "
                  "(default: the recipe's fault_tolerance.max_restarts, 0)")
-      ->check(non_negative_number());
+      ->check(whole_number<int>(""));
   app.add_option("--rejoin-timeout", o.rejoin_timeout_s,
                  "Elastic jobs (--nnodes or --nproc MIN:MAX): seconds a lost host may take to "
                  "answer again before the job continues without it (default: the recipe's "

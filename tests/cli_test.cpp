@@ -194,7 +194,7 @@ TEST_CASE("usage errors exit 2") {
   // Bad numbers say what is wrong with them, and NaN does not turn the hang watch off.
   for (const auto& [flag, value, says] : std::vector<std::array<std::string, 3>>{
            {"--hang-timeout", "nan", "must be a finite number"},
-           {"--max-restarts", "-1", "must be a finite number"},
+           {"--max-restarts", "-1", "must be a whole number >= 0"},
            {"--restart-backoff", "soon", "is not a number"},
            {"--hang-timeout", "1e9", "is more than 1000000 seconds"},
            {"--rejoin-timeout", "1e300", "is more than"},
