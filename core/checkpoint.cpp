@@ -285,6 +285,12 @@ MetaCheck check_meta(const fs::path& dir) {
       problems.push_back(fmt::format(
           "checksum mismatch (edited or corrupted): {} computed from its content, {} recorded",
           out.actual_checksum, out.checksum));
+    } else if (out.checksum.empty() && meta.contains("data_fingerprint")) {
+      // Every dptrain that records the data's fingerprint checksums meta.json too: without the
+      // checksum, its content cannot be trusted (an edit that took it out along).
+      problems.push_back(fmt::format(
+          "field '{}' is missing, which the dptrain that wrote it always records (edited?)",
+          kMetaChecksumKey));
     }
     if (const int64_t named = checkpoint_step(dir); named >= 0 && named != parsed.position.step) {
       problems.push_back(fmt::format("step {} does not match the directory's name {}",

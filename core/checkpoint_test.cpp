@@ -484,8 +484,14 @@ TEST_CASE("checkpoint: meta.json records a checksum of its own content") {
   }
   SUBCASE("older checkpoints record none: read, but not checked") {
     write_file_atomic(dir / "meta.json", original);
+    // Older than the data's fingerprint too; with that field, the checksum is missing.
     test::edit_meta(
         dir, [](nlohmann::json&) {}, test::Seal::remove);
+    CHECK(verify_checkpoint(dir).problems() ==
+          std::vector<std::string>{"meta.json: field 'meta_checksum' is missing, which the "
+                                   "dptrain that wrote it always records (edited?)"});
+    test::edit_meta(
+        dir, [](nlohmann::json& m) { m.erase("data_fingerprint"); }, test::Seal::remove);
     const CheckpointStatus older = verify_checkpoint(dir);
     CHECK(older.ok());
     CHECK_FALSE(older.meta_checked());
@@ -494,6 +500,7 @@ TEST_CASE("checkpoint: meta.json records a checksum of its own content") {
     // Its step is still held to the directory's name.
     test::edit_meta(
         dir, [](nlohmann::json& m) { m["step"] = 21; }, test::Seal::remove);
+    REQUIRE_FALSE(nlohmann::json::parse(read_file(dir / "meta.json")).contains("data_fingerprint"));
     CHECK(verify_checkpoint(dir).problems() ==
           std::vector<std::string>{
               "meta.json: step 21 does not match the directory's name step-000020"});
@@ -566,6 +573,7 @@ TEST_CASE("checkpoint: a malformed meta.json is named plainly, field by field") 
         m.erase("loss_scale");
         m.erase("loss_scale_clean_steps");
         m.erase("loss");
+        m.erase("data_fingerprint");
       },
       test::Seal::remove);
   CHECK(read_checkpoint(dir).position.loss_scale == 1.0);

@@ -365,9 +365,25 @@ TEST_CASE("ckpt verify detects an edited meta.json; an older one without a check
   REQUIRE(errors.size() == 1);
   CHECK(contains(errors[0], "step-000060/meta.json: checksum mismatch (edited or corrupted)"));
 
-  // One written before meta.json recorded a checksum of itself still verifies, and says so.
+  const auto position = parse_json(read_text(ck / "step-000040/meta.json"));
+  // Its checksum taken out along with an edit: the dptrain that records the data's fingerprint
+  // always records one, so it cannot be an older checkpoint.
   edit_meta(
-      ck / "step-000040", [](nlohmann::json&) {}, Seal::remove);
+      ck / "step-000040", [](nlohmann::json& m) { m["samples_in_epoch"] = 0; }, Seal::remove);
+  auto unsealed = run_dptrain({"ckpt", "verify", run.string(), "40"});
+  CHECK(unsealed.exit_code == 5);
+  CHECK(contains(unsealed.err,
+                 "step-000040/meta.json: field 'meta_checksum' is missing, which "
+                 "the dptrain that wrote it always records (edited?)"));
+  // One written before meta.json recorded a checksum of itself (nor the data's fingerprint)
+  // still verifies, and says so.
+  edit_meta(
+      ck / "step-000040",
+      [&](nlohmann::json& m) {
+        m["samples_in_epoch"] = position["samples_in_epoch"];
+        m.erase("data_fingerprint");
+      },
+      Seal::remove);
   auto older = run_dptrain({"ckpt", "verify", run.string(), "40"});
   INFO(older.out, older.err);
   CHECK(older.exit_code == 0);
