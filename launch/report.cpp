@@ -403,7 +403,7 @@ std::string html(const std::string& s) {
 }
 
 std::string num(double v, int significant = 4) {
-  if (!std::isfinite(v)) return "\u2013";
+  if (!std::isfinite(v)) return "-";
   if (std::fabs(v) >= 1e5) return fmt::format("{:.0f}", v);
   return fmt::format("{:.{}g}", v, significant);
 }
@@ -413,7 +413,7 @@ std::string loss_num(double v) {
 }
 
 std::string rate(double v) {
-  if (!std::isfinite(v)) return "\u2013";
+  if (!std::isfinite(v)) return "-";
   return v >= 100 ? fmt::format("{:.0f}", v) : fmt::format("{:.3g}", v);
 }
 
@@ -430,10 +430,11 @@ std::string model_summary(const json& model) {
                        text(model, "layers"), text(model, "heads"), text(model, "width"),
                        text(model, "context"), text(model, "vocab"));
   }
-  return type.empty() ? "\u2013" : type;
+  return type.empty() ? "-" : type;
 }
 
-// "2 → 1 → 2": the world size of each generation, repeats folded.
+// "2 -> 1 -> 2": the world size of each generation, repeats folded (ASCII: a terminal in the C
+// locale shows it too).
 std::string world_sizes(const json& info) {
   std::vector<int64_t> sizes;
   for (const auto& g : array_at(info, "generations")) {
@@ -441,10 +442,10 @@ std::string world_sizes(const json& info) {
     if (w > 0 && (sizes.empty() || sizes.back() != w)) sizes.push_back(w);
   }
   if (sizes.empty()) return text(info, "world_size").empty() ? "unknown" : text(info, "world_size");
-  return fmt::format("{}", fmt::join(sizes, " \u2192 "));
+  return fmt::format("{}", fmt::join(sizes, " -> "));
 }
 
-// "1 (nominal 2; per generation: 2 → 1)", the parts that say something.
+// "1 (nominal 2; per generation: 2 -> 1)", the parts that say something.
 std::string world_size_text(const json& info) {
   const std::string current = text(info, "world_size");
   if (current.empty()) return "unknown";
@@ -1059,6 +1060,14 @@ json summary_fields(const RunView& run) {
       if (step.is_null() || reached.get<int64_t>() > step.get<int64_t>()) step = reached;
     }
   }
+  // Or further where a checkpoint the run holds is (a launcher killed before it recorded how
+  // far its ranks got, checkpointing more often than they log).
+  for (const auto& c : run.checkpoints) {
+    if (!c.set_aside && !c.foreign && c.problems.empty() &&
+        (step.is_null() || c.step > step.get<int64_t>())) {
+      step = c.step;
+    }
+  }
   const EvalMetrics* eval = last_eval(run);
   double eval_loss = eval ? eval->loss : kNoValue;
   double eval_accuracy = eval ? eval->accuracy : kNoValue;
@@ -1132,7 +1141,8 @@ json status_json(const RunView& run) {
 
 std::string status_text(const RunView& run) {
   const json s = status_json(run);
-  std::string out = fmt::format("{}: {}", run.dir.string(), run.state.status);
+  // A name with a control character in it (a newline, an escape) must not break the lines.
+  std::string out = fmt::format("{}: {}", printable(run.dir.string()), run.state.status);
   if (!run.state.note.empty()) out += " (" + run.state.note + ")";
   out += "\n";
   const auto row = [&out](const char* name, const std::string& value) {
@@ -1146,7 +1156,7 @@ std::string status_text(const RunView& run) {
     row("step", fmt::format("{}{}{}", s["step"].get<int64_t>(),
                             s["steps"].is_null() ? "" : fmt::format(" of {}", s["steps"].dump()),
                             s["epoch"].is_null() ? "" : " (epoch " + s["epoch"].dump() + ")"));
-    std::string loss = s["loss"].is_null() ? "\u2013" : loss_num(s["loss"].get<double>());
+    std::string loss = s["loss"].is_null() ? "-" : loss_num(s["loss"].get<double>());
     if (!s["eval_loss"].is_null()) {
       loss += fmt::format(" (eval {}{})", loss_num(s["eval_loss"].get<double>()),
                           run.metrics.evals.empty()

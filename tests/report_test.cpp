@@ -133,7 +133,7 @@ TEST_CASE(
   REQUIRE(report.exit_code == 0);
   const fs::path html_file = run_dir / "report.html";
   CHECK(contains(report.out, "completed: step 120 of 120"));
-  CHECK(contains(report.out, "1 restart(s); world size 2 \u2192 1"));
+  CHECK(contains(report.out, "1 restart(s); world size 2 -> 1"));
   CHECK(contains(report.out, "samples/s"));
   CHECK(contains(report.out, "report: " + html_file.string()));
   REQUIRE(fs::exists(html_file));
@@ -389,6 +389,29 @@ TEST_CASE("a run with no steps logged yet: the report says so instead of failing
   CHECK(status["error"] == "rank 1 exited with code 3\n  its last line");
   CHECK(contains(status["hint"].get<std::string>(), "dptrain resume"));
   CHECK(contains(run_dptrain({"status", run_dir.string()}).out, "no steps logged yet"));
+}
+
+TEST_CASE("status: the step reached is at least that of the newest checkpoint the run holds") {
+  TempDir tmp;
+  auto recipe = small_recipe();
+  recipe["checkpoint"] = {{"every", 20}};
+  const fs::path run_dir = tmp / "run";
+  REQUIRE(run_dptrain(
+              {"launch", write_recipe(tmp.path(), recipe).string(), "--run-dir", run_dir.string()})
+              .exit_code == 0);
+  // As a launcher killed at once leaves a run that checkpoints more often than it logs: no step
+  // logged nor recorded, a checkpoint of step 60.
+  json info = parse_json(read_text(run_dir / "run.json"));
+  info["status"] = "failed";
+  info.erase("result");
+  info["generations"][0].erase("step");
+  write_text(run_dir / "run.json", info.dump());
+  write_text(run_dir / "metrics.jsonl", "");
+  fs::remove(run_dir / "result.json");
+  const json status = parse_json(run_dptrain({"status", run_dir.string(), "--json"}).out);
+  CHECK(status["step"] == 60);
+  CHECK(status["last_checkpoint"] == (run_dir / "checkpoints/step-000060").string());
+  CHECK(contains(run_dptrain({"status", run_dir.string()}).out, "step         60 of 60"));
 }
 
 namespace {
