@@ -810,6 +810,8 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     for (const auto& e : sup.exits) {
       if (e.exit_code != 143 && e.exit_code != 0) list += (list.empty() ? "" : ", ") + e.describe();
     }
+    // Killed by this launcher, not by the OOM killer or another's hand.
+    if (!sup.killed_why.empty()) list += " (the launcher's SIGKILL: " + sup.killed_why + ")";
     return list;
   };
   // For a relay's failure: the report its agent sent ("@failure": the rank, its exit, its last

@@ -243,6 +243,10 @@ class Supervision {
         // A second Ctrl-C (or one after a SIGTERM): at once. So too when the launcher that asked
         // for the stop is gone: nobody waits for the checkpoint, and ranks left running would
         // outlive it.
+        result.killed_why = gone_while_stopping ? "the launcher that asked for the stop is gone"
+                            : result.stop_signal == SIGINT
+                                ? "a second SIGINT (Ctrl-C) asked for an end at once"
+                                : "a SIGINT (Ctrl-C) after the SIGTERM asked for an end at once";
         signal_all(SIGKILL);
         stop_deadline = kNever;
       } else if (stop_deadline != kNever && result.watchdog.empty() && options_.watchdog &&
@@ -253,10 +257,14 @@ class Supervision {
           signal_all(SIGKILL);
           stop_deadline = kNever;
         } else if (std::chrono::steady_clock::now() >= stop_deadline) {
+          result.killed_why = grace_ran_out(options_.stop_grace);
           signal_all(SIGKILL);
           stop_deadline = kNever;
         }
       } else if (std::chrono::steady_clock::now() >= stop_deadline) {
+        result.killed_why = grace_ran_out(result.stop_signal == SIGTERM || !result.requested.empty()
+                                              ? options_.stop_grace
+                                              : options_.grace);
         signal_all(SIGKILL);
         stop_deadline = kNever;
       }
@@ -452,6 +460,11 @@ class Supervision {
       candidate_ = f;
       candidate_rank_ = r;
     }
+  }
+
+  static std::string grace_ran_out(std::chrono::milliseconds grace) {
+    return fmt::format("they were still running {:g} s after they were asked to stop",
+                       static_cast<double>(grace.count()) / 1000.0);
   }
 
   void signal_all(int sig) {

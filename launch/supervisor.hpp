@@ -51,9 +51,13 @@ struct ProcessFailure : ProcessExit {
 struct SupervisionResult {
   // The first process that failed on its own (also when a stop signal came after it).
   std::optional<ProcessFailure> failure;
-  int stop_signal = 0;             // SIGINT / SIGTERM received by the launcher
-  std::string watchdog;            // the watchdog's message, when it stopped the run
-  std::string requested;           // the stop request's message, when it stopped the run
+  int stop_signal = 0;    // SIGINT / SIGTERM received by the launcher
+  std::string watchdog;   // the watchdog's message, when it stopped the run
+  std::string requested;  // the stop request's message, when it stopped the run
+  // Why the processes got SIGKILL during a stop, when they did: a second Ctrl-C, the grace
+  // running out, the side that asked for the stop gone (so that a rank killed then is not
+  // taken for one the OOM killer struck).
+  std::string killed_why;
   std::vector<ProcessExit> exits;  // every process, in the order given
   bool ok() const { return !failure && stop_signal == 0 && watchdog.empty() && requested.empty(); }
 };

@@ -587,6 +587,27 @@ TEST_CASE("SIGTERM: every rank checkpoints its step and stops, exit 143; resume 
   CHECK(evals(run.run_dir) == straight_evals);
 }
 
+TEST_CASE("Ctrl-C after a SIGTERM kills the ranks at once, and the message says who killed them") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  const fs::path run_dir = tmp / "run";
+  // Steps slow enough that the ranks are mid-step, far from the boundary they would checkpoint
+  // at, when the Ctrl-C follows.
+  Background launcher({"launch", recipe.string(), "--nproc", "2", "--run-dir", run_dir.string()},
+                      {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "1500"}});
+  REQUIRE(eventually([&] { return worker_pids(run_dir).size() == 2; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(2000));
+  REQUIRE(::kill(launcher.pid(), SIGTERM) == 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  REQUIRE(::kill(launcher.pid(), SIGINT) == 0);
+  CHECK(launcher.wait(std::chrono::seconds(60)) == 143);
+  INFO(launcher.err());
+  CHECK(contains(launcher.err(),
+                 "stopped by SIGTERM, but not every rank checkpointed: rank 0 was killed by "
+                 "SIGKILL, rank 1 was killed by SIGKILL (the launcher's SIGKILL: a SIGINT "
+                 "(Ctrl-C) after the SIGTERM asked for an end at once)"));
+}
+
 TEST_CASE("SIGTERM during the last step: nothing is left to stop, the run completes") {
   TempDir tmp;
   auto j = small_recipe();
