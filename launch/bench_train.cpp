@@ -372,7 +372,7 @@ json BenchTrainReport::to_json() const {
   for (const auto& ratio : precision_ratios())
     ratios.push_back(ratio.to_json());
   json mfu = {{"peak_tflops", peak_tflops ? json(*peak_tflops) : json(nullptr)},
-              {"peak_source", peak_source},
+              {"peak_source", peak_source.empty() ? json(nullptr) : json(peak_source)},
               {"formula", flops_formula}};
   mfu[tokens ? "flops_per_token" : "flops_per_sample"] = flops_per_unit;
   return {{"benchmark", "train"},
