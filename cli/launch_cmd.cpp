@@ -115,10 +115,13 @@ int start_launch(const LaunchOptions& o, bool& events_opened) {
   const auto fault_warnings = check_fault_injection(spec);
   check_events(o.restart, o.json,
                o.run_dir);  // the plan is refused for what the launch would refuse
-  // Said before "already holds a run": its workers are not to be started again.
-  if (const std::string running = o.run_dir.empty() ? "" : running_hand_run(o.run_dir);
-      !running.empty()) {
-    throw Error(ErrorKind::usage, running + "; choose another --run-dir");
+  // Said before "already holds a run": its workers are not to be started again, nor is a resume
+  // what to do while a launcher drives it without holding its lock here (the lock file removed,
+  // or a launcher on another machine; one that holds it is named by "already holds a run").
+  if (!o.run_dir.empty()) {
+    std::string running = running_hand_run(o.run_dir);
+    if (running.empty() && !run_locked_by_another(o.run_dir)) running = driven_run(o.run_dir);
+    if (!running.empty()) throw Error(ErrorKind::usage, running + "; choose another --run-dir");
   }
   try {
     check_local_gpus(spec);

@@ -210,13 +210,11 @@ int start_resume(const ResumeOptions& o, bool& events_opened) {
   // A launcher still driving the run is refused before anything is written: one on this machine
   // holds the lock; one elsewhere (a shared filesystem) shows in status's view of the run.
   run.lock();
+  if (const std::string driven = driven_run(o.run_dir); !driven.empty()) {
+    throw Error(ErrorKind::usage, driven + "; stop its launcher first or wait for it");
+  }
   if (const RunState state = load_run(run.path(), false).state;
-      state.status == "running" || state.status == "restarting" || state.status == "resizing") {
-    throw Error(
-        ErrorKind::usage,
-        fmt::format("{}: the run is {}{}; stop its launcher first or wait for it", o.run_dir,
-                    state.status, state.note.empty() ? "" : " (" + state.note + ")"));
-  } else if (state.status == "unknown" && state.recorded_status == "running") {
+      state.status == "unknown" && state.recorded_status == "running") {
     // Its launcher on another machine may live (a clock ahead of this one's): two launchers
     // would drive one run.
     throw Error(ErrorKind::usage,

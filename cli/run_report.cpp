@@ -124,6 +124,21 @@ std::string running_hand_run(const std::filesystem::path& dir) {
       dir.string(), state.note.empty() ? "" : " (" + state.note + ")");
 }
 
+std::string driven_run(const std::filesystem::path& dir) {
+  std::error_code ec;
+  if (!std::filesystem::exists(dir / "run.json", ec)) return {};
+  RunState state;
+  try {
+    state = run_state(read_run_json(dir));
+  } catch (const Error&) {
+    return {};  // not a run this can tell anything of; the caller says what it finds
+  }
+  if (state.status != "running" && state.status != "restarting" && state.status != "resizing")
+    return {};
+  return fmt::format("{}: the run is {}{}", dir.string(), state.status,
+                     state.note.empty() ? "" : " (" + state.note + ")");
+}
+
 namespace {
 
 using nlohmann::json;

@@ -107,6 +107,10 @@ std::FILE* status_stream(bool json, const EventLog& events);
 // running it now: "DIR: its workers (started without a launcher: ...) are running it (NOTE)".
 // Empty for any other run, or where there is none.
 std::string running_hand_run(const std::filesystem::path& dir);
+// For a run in `dir` that its record says a launcher drives now (running, restarting or
+// resizing, that launcher alive), whether or not it holds the lock here (its lock file removed,
+// a launcher on another machine): "DIR: the run is STATUS (NOTE)". Empty otherwise.
+std::string driven_run(const std::filesystem::path& dir);
 
 // Prints the outcome (a summary on stdout, or one JSON object with --json; errors on stderr)
 // and returns the exit code.

@@ -820,6 +820,14 @@ TEST_CASE("resume of a completed run changes nothing; of a running one it is ref
                             ": already holds a run, which another dptrain is running now (a "
                             "launcher, or workers started without one: it holds " +
                             live.string() + "/.lock); choose another --run-dir\n");
+  // With its lock file removed, the run's record still tells: not "resume it".
+  fs::remove(live / ".lock");
+  auto unlocked = run_dptrain({"launch", recipe.string(), "--run-dir", live.string()});
+  CHECK(unlocked.exit_code == 2);
+  CHECK_MESSAGE(contains(unlocked.err, "dptrain: error: " + live.string() + ": the run is running"),
+                unlocked.err);
+  CHECK_MESSAGE(contains(unlocked.err, "; choose another --run-dir"), unlocked.err);
+  CHECK_FALSE(contains(unlocked.err, "dptrain resume"));
   REQUIRE(launcher.wait(std::chrono::seconds(60)) == 0);
   const auto info = parse_json(read_text(live / "run.json"));
   CHECK(info["generations"].size() == 1);
