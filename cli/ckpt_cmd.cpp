@@ -300,14 +300,26 @@ int run_list(const CkptOptions& o) {
   const LatestStatus latest = check_latest(run.checkpoints());
   const auto rows =
       inspect_all(run, list_checkpoints(run.checkpoints(), SetAside::include), followable(latest));
+  // Not checkpoints, but room on the disk: a write or prune cut short (or one going on now).
+  json incomplete = json::array();
+  for (const auto& dir : incomplete_checkpoints(run.checkpoints()))
+    incomplete.push_back({{"name", dir.filename().string()}, {"bytes", size_on_disk(dir)}});
   if (!o.json) {
     print_list_table(run.path, rows, latest, run.elsewhere);
+    for (const auto& i : incomplete) {
+      std::printf(
+          "incomplete: %s (%s): a checkpoint write or prune cut short, or one going on "
+          "now; the next resume or restart removes it\n",
+          printable(i["name"].get<std::string>()).c_str(),
+          human_size(i["bytes"].get<uint64_t>()).c_str());
+    }
     return 0;
   }
   json out = {{"run_dir", run.path.string()},
               {"latest", latest_json(latest)},
               {"latest_problem", or_null(latest.problem)},
-              {"checkpoints", json::array()}};
+              {"checkpoints", json::array()},
+              {"incomplete", incomplete}};
   for (const auto& row : rows)
     out["checkpoints"].push_back(row_json(row));
   std::printf("%s\n", json_text(out).c_str());

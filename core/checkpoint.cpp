@@ -472,14 +472,21 @@ fs::path write_checkpoint(const fs::path& checkpoints_dir, const TrainingPositio
   return final_dir;
 }
 
-void remove_incomplete_checkpoints(const fs::path& checkpoints_dir) {
+std::vector<fs::path> incomplete_checkpoints(const fs::path& checkpoints_dir) {
+  std::vector<fs::path> out;
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(checkpoints_dir, ec)) {
     const std::string name = entry.path().filename().string();
-    if (name.starts_with(".tmp-") || name.starts_with(kPrunedPrefix)) {
-      std::error_code ignored;
-      fs::remove_all(entry.path(), ignored);
-    }
+    if (name.starts_with(".tmp-") || name.starts_with(kPrunedPrefix)) out.push_back(entry.path());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+void remove_incomplete_checkpoints(const fs::path& checkpoints_dir) {
+  for (const auto& dir : incomplete_checkpoints(checkpoints_dir)) {
+    std::error_code ignored;
+    fs::remove_all(dir, ignored);
   }
 }
 

@@ -127,9 +127,11 @@ std::filesystem::path write_checkpoint(const std::filesystem::path& checkpoints_
                                        const std::function<void()>& before_commit = {},
                                        std::span<const float> comm_state = {});
 
-// Removes what interrupted writes and prunes left behind (.tmp-* and .pruned-* directories). Only
-// when no writer runs:
-// rank 0 calls it as a generation starts.
+// What interrupted writes and prunes left behind (.tmp-* and .pruned-* directories), or what a
+// writer is writing now; in name order.
+std::vector<std::filesystem::path> incomplete_checkpoints(
+    const std::filesystem::path& checkpoints_dir);
+// Removes them. Only when no writer runs: rank 0 calls it as a generation starts.
 void remove_incomplete_checkpoints(const std::filesystem::path& checkpoints_dir);
 
 // Reads and verifies one checkpoint directory: Error(checkpoint) naming the file and what is wrong.

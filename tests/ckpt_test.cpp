@@ -76,6 +76,7 @@ TEST_CASE("ckpt list and verify on a healthy run") {
 
   const auto list = list_json(run);
   CHECK(list["latest"] == "step-000060");
+  CHECK(list["incomplete"] == nlohmann::json::array());
   REQUIRE(list["checkpoints"].size() == 3);
   int64_t expected_step = 60;
   for (const auto& c : list["checkpoints"]) {
@@ -112,6 +113,20 @@ TEST_CASE("ckpt list and verify on a healthy run") {
     CHECK(blob["bytes"] == blob["actual_bytes"]);
     CHECK(blob["checksum"].get<std::string>().size() == 16);
   }
+
+  // What a rank killed mid-write leaves is shown (it takes room), not listed as a checkpoint.
+  const fs::path partial = run / "checkpoints/.tmp-step-000080-4242";
+  fs::create_directories(partial);
+  write_text(partial / "params.bin", std::string(5000, 'x'));
+  auto with_partial = run_dptrain({"ckpt", "list", run.string()});
+  CHECK(contains(with_partial.out,
+                 "incomplete: .tmp-step-000080-4242 (4.9 KiB): a checkpoint write or prune cut "
+                 "short, or one going on now; the next resume or restart removes it\n"));
+  const auto partial_json = list_json(run);
+  CHECK(partial_json["checkpoints"].size() == 3);
+  REQUIRE(partial_json["incomplete"].size() == 1);
+  CHECK(partial_json["incomplete"][0]["name"] == ".tmp-step-000080-4242");
+  CHECK(partial_json["incomplete"][0]["bytes"].get<int64_t>() >= 5000);
 }
 
 TEST_CASE("ckpt verify exits 5 naming a corrupted and a truncated blob; list marks them") {
