@@ -82,8 +82,9 @@ json JobOutcome::to_json(const RunDirectory& run) const {
     j["errors"] = error_messages(error);  // as every command's --json failure has them
   }
   if (result.is_null() || !result.is_object()) {
-    const int64_t reached = std::max(failed_step, last_step);
-    j["step"] = reached >= 0 ? json(reached) : json(start_step);
+    // A generation that failed as it started (its heartbeats at step 0, say) still reached the
+    // step it continued from.
+    j["step"] = std::max({failed_step, last_step, start_step});
     j["world_size"] = world_size > 0 ? json(world_size) : json(nullptr);
     // A path, as the trainer's result has it; for a rank 0 on another host, where it wrote its
     // newest (run.json's record, as status and report name it).

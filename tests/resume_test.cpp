@@ -153,9 +153,12 @@ TEST_CASE(
 
   // One value of one row changed: the run would no longer be the one it checkpointed.
   write_text(tmp / "data.csv", csv_text(0.5));
-  auto refused = run_dptrain({"resume", run.string()});
+  auto refused = run_dptrain({"resume", run.string(), "--json"});
   INFO(refused.err);
   CHECK(refused.exit_code == 3);
+  // It failed as it started: the step reached is the one it continued from, as status says.
+  CHECK(parse_json(refused.out)["step"] == 40);
+  CHECK(parse_json(run_dptrain({"status", run.string(), "--json"}).out)["step"].get<int>() >= 40);
   CHECK(refused.err.find("exited with code 2: " + (run / "checkpoints/step-000040").string() +
                          ": written while training on other data: values ") != std::string::npos);
   CHECK(refused.err.find("(data.path " + (tmp / "data.csv").string() +
