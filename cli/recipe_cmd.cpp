@@ -25,6 +25,7 @@ struct RecipeOptions {
 // data was checked ends the command when that is done.
 Recipe load_stoppable(const std::string& file, DataCheck check) {
   install_stop_signal_handlers();
+  exit_on_second_interrupt();  // a scan of a large CSV file looks for the stop only at its end
   Recipe r;
   try {
     r = load_recipe(file, check);

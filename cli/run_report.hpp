@@ -87,7 +87,8 @@ void finish_events_with_failure(EventLog& events, const std::exception& e,
 // option, a host, a run directory that holds a run or is being run): opened and ended with
 // run_finished, `run_dir` (absolute; null when "") as the command was given it. Not a stream in
 // the run directory (a launch made nothing there; another launcher may be writing it), nor one
-// whose path is itself what is refused.
+// for a run another process drives (the stream may be its own), nor one whose path is itself
+// what is refused.
 void end_unopened_events(const RestartOptions& o, bool json, const std::string& run_dir,
                          const std::exception& e, const std::string& what);
 // How a failure (an exception out of a command's work) ends a run: the kind main exits with (a

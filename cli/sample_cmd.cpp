@@ -60,6 +60,15 @@ std::optional<Tokenizer> load_tokenizer(const DataSpec& data, bool ids) {
   std::error_code ec;
   const fs::path file = fs::path(data.path) / "tokenizer.json";
   if (ids && !fs::exists(file, ec) && !ec) return std::nullopt;
+  // The whole dataset gone (moved, deleted, another machine's path): said as such, not as a
+  // dataset made by another tokenizer.
+  if (std::error_code dir_ec; !fs::exists(data.path, dir_ec) && !dir_ec) {
+    throw Error(ErrorKind::recipe,
+                fmt::format("data.path {}: no such directory (the dataset was moved or deleted): "
+                            "the text needs its tokenizer.json; put the dataset back, or sample "
+                            "token ids with --ids",
+                            data.path));
+  }
   try {
     return Tokenizer::load(data.path);
   } catch (const Error& e) {

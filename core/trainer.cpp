@@ -696,7 +696,7 @@ class TrainingRun {
         throw Error(ErrorKind::checkpoint,
                     fmt::format("rank {}'s run directory holds checkpoints, but none this run can "
                                 "use (the warnings say why): starting over would write over them; "
-                                "repair them, or move them away to start over",
+                                "repair them; to start over, launch into a new run directory",
                                 holder - steps.begin()));
       }
       if (how == "newest") {

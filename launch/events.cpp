@@ -17,10 +17,13 @@ namespace dptrain {
 
 bool names_standard_output(const std::string& target) {
   if (target == "-") return true;
-  struct stat named {
-  }, out{};
+  // A file or a pipe: a terminal or /dev/null opened again overwrites nothing, and a terminal's
+  // other name may be stderr's.
+  struct stat named {};
+  struct stat out {};
   return ::stat(target.c_str(), &named) == 0 && ::fstat(STDOUT_FILENO, &out) == 0 &&
-         named.st_dev == out.st_dev && named.st_ino == out.st_ino;
+         named.st_dev == out.st_dev && named.st_ino == out.st_ino &&
+         (S_ISREG(named.st_mode) || S_ISFIFO(named.st_mode) || S_ISSOCK(named.st_mode));
 }
 
 EventLog::EventLog(const std::string& target) : target_(target) {

@@ -10,9 +10,10 @@
 
 namespace dptrain {
 
-// Whether an --events target is this process's standard output: "-", or a path to the file
-// descriptor 1 is open on (/dev/stdout, /dev/fd/1, the file stdout was redirected to). Written
-// through a second opening, its lines and stdout's would overwrite each other.
+// Whether an --events target is this process's standard output: "-", or a path to the file or
+// pipe descriptor 1 is open on (/dev/stdout, /dev/fd/1, the file stdout was redirected to).
+// Written through a second opening, its lines and stdout's would overwrite or mix with each
+// other. (A terminal or /dev/null is not: nothing is overwritten there.)
 bool names_standard_output(const std::string& target);
 
 class EventLog {

@@ -28,7 +28,7 @@ void set_aside_newer(const fs::path& checkpoints, const fs::path& chosen, Status
 
 void require_recorded_checkpoint(const RunDirectory& run) {
   const json& recorded = run.info().value("last_checkpoint", json());
-  if (!recorded.is_object() || !recorded.value("host", json()).is_null()) return;
+  if (!recorded.is_object() || remote_last_checkpoint(run.info())) return;
   if (!list_checkpoints(run.checkpoints()).empty()) return;
   throw Error(
       ErrorKind::checkpoint,
@@ -194,16 +194,19 @@ fs::path next_generation_source(RunDirectory& run, const JobSpec& spec, StatusPr
 }
 
 // An elastic job's host that refused its generation (it cannot run this dptrain) is no longer a
-// candidate in this invocation; a resume tries it again.
-void leave_out(JobSpec& spec, const JobOutcome& refused) {
+// candidate in this invocation; a resume tries it again. False, leaving it, when it is the last
+// candidate: no host is left to place (an empty list would read as a job of fixed hosts).
+bool leave_out(JobSpec& spec, const JobOutcome& refused) {
   const auto it =
       std::find_if(spec.candidates.begin(), spec.candidates.end(),
                    [&](const HostSpec& h) { return h.display() == refused.refused_host; });
-  if (it == spec.candidates.end()) return;
+  if (it == spec.candidates.end()) return true;
+  if (spec.candidates.size() == 1) return false;
   spec.candidates.erase(it);
   // The headline names the host.
   spec.left_out.push_back(
       fmt::format("{} (left out of this invocation's generations)", error_headline(refused.error)));
+  return true;
 }
 
 // Too few hosts or ranks are left for the next generation.
@@ -325,8 +328,8 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
     // A stop asked for (SIGTERM, Ctrl-C) is never answered with a restart; nor, in a job of
     // fixed hosts, a host that refused the connection (an elastic job leaves it out instead:
     // it answers SSH, so a probe alone would place it again, to refuse again).
-    const bool refused = outcome.host_refused && spec.candidates.empty();
-    if (outcome.host_refused && !spec.candidates.empty()) leave_out(spec, outcome);
+    const bool refused =
+        outcome.host_refused && (spec.candidates.empty() || !leave_out(spec, outcome));
     if (!restartable(outcome) || outcome.repeats || refused || policy.max_restarts == 0 ||
         pending_stop_signal() != 0) {
       if (refused && policy.max_restarts > 0) {
@@ -399,6 +402,11 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
     try {
       from = next_generation_source(run, spec, status, from_name);
     } catch (const Error& e) {
+      // A stop while the checkpoints were verified: stopped as during the back-off.
+      if (const int stop = pending_stop_signal();
+          stop != 0 && (e.kind() == ErrorKind::terminated || e.kind() == ErrorKind::interrupted)) {
+        return finish(stopped_waiting(run, outcome, stop));
+      }
       // The newest checkpoint is out of reach: the generation's failure stays the message's
       // first line, and why there is no restart follows it.
       outcome.error += fmt::format("\n  (not restarted: {})", e.what());

@@ -199,6 +199,7 @@ class Supervision {
     bool stopping = false;
     constexpr auto kNever = std::chrono::steady_clock::time_point::max();
     auto stop_deadline = kNever;
+    std::chrono::milliseconds granted{0};  // the grace stop_deadline gives, for the message
     while (!all_done()) {
       const bool stop_fd_was_open = !stop_fd_closed_;
       poll_output(100);
@@ -223,7 +224,8 @@ class Supervision {
             result.requested = *reason;
             stopping = true;
             signal_all(SIGTERM);
-            stop_deadline = std::chrono::steady_clock::now() + options_.stop_grace;
+            granted = options_.stop_grace;
+            stop_deadline = std::chrono::steady_clock::now() + granted;
             continue;
           }
         }
@@ -234,8 +236,8 @@ class Supervision {
           // A vanished launcher (end of stop_fd) waits for nothing: the short grace.
           const bool checkpointing = result.stop_signal == SIGTERM && !stop_fd_closed_;
           signal_all(result.stop_signal == SIGINT ? SIGINT : SIGTERM);
-          stop_deadline = std::chrono::steady_clock::now() +
-                          (checkpointing ? options_.stop_grace : options_.grace);
+          granted = checkpointing ? options_.stop_grace : options_.grace;
+          stop_deadline = std::chrono::steady_clock::now() + granted;
         }
       } else if (stop_deadline != kNever && (g_sigint_count.load() + stop_fd_interrupts_ >
                                                  (result.stop_signal == SIGINT ? 1 : 0) ||
@@ -257,14 +259,12 @@ class Supervision {
           signal_all(SIGKILL);
           stop_deadline = kNever;
         } else if (std::chrono::steady_clock::now() >= stop_deadline) {
-          result.killed_why = grace_ran_out(options_.stop_grace);
+          result.killed_why = grace_ran_out(granted);
           signal_all(SIGKILL);
           stop_deadline = kNever;
         }
       } else if (std::chrono::steady_clock::now() >= stop_deadline) {
-        result.killed_why = grace_ran_out(result.stop_signal == SIGTERM || !result.requested.empty()
-                                              ? options_.stop_grace
-                                              : options_.grace);
+        result.killed_why = grace_ran_out(granted);
         signal_all(SIGKILL);
         stop_deadline = kNever;
       }

@@ -302,6 +302,16 @@ TEST_CASE("--nnodes 1:2: a host that answers SSH but cannot run dptrain is left 
   REQUIRE(info["generations"].size() == 2);
   CHECK(info["generations"][0]["host_refused"] == true);
   CHECK(info["generations"][1]["hosts"] == json::array({c.sshd.host(installed).display()}));
+
+  // Neither host has it (the binary is gone since): the last candidate is not left out (no host
+  // would remain) nor placed again: the job ends, saying a restart would meet the same.
+  *(std::find(args.begin(), args.end(), "--run-dir") + 1) = (c.tmp / "none").string();
+  const auto none = run_dptrain(args);
+  INFO(none.err);
+  CHECK(none.exit_code == 4);
+  CHECK(parse_json(none.out)["restarts"] == 1);
+  CHECK(none.err.find("(not restarted: the host would fail the same way again") !=
+        std::string::npos);
 }
 
 TEST_CASE("with --nnodes, a host name that does not resolve is a host that does not answer") {

@@ -536,6 +536,15 @@ TEST_CASE("--events writes one JSON line per state change, restarts included") {
   CHECK(last_event == "run_finished");
   CHECK(contains(plain.err, "run directory " + (tmp / "ev6").string()));
 
+  // /dev/null as both is not stdout shared: nothing is overwritten there.
+  const int null_status = std::system(
+      ("'" + binary() + "' launch '" + recipe.string() + "' --run-dir '" + (tmp / "ev7").string() +
+       "' --events /dev/null --json > /dev/null 2> '" + (tmp / "ev7.err").string() + "'")
+          .c_str());
+  CHECK(WIFEXITED(null_status));
+  CHECK(WEXITSTATUS(null_status) == 0);
+  CHECK_FALSE(contains(read_text(tmp / "ev7.err"), "not with --json"));
+
   // A stream that cannot be written (a full disk) is warned about once; the run goes on.
   if (!fs::exists("/dev/full")) return;
   auto full = run_dptrain(

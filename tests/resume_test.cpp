@@ -594,12 +594,12 @@ TEST_CASE("Ctrl-C after a SIGTERM kills the ranks at once, and the message says 
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), resumable_recipe());
   const fs::path run_dir = tmp / "run";
-  // Steps slow enough that the ranks are mid-step, far from the boundary they would checkpoint
-  // at, when the Ctrl-C follows.
+  // A pause after each step far longer than the test: the ranks, past their first step, reach
+  // the boundary they would checkpoint at only after the Ctrl-C has come.
   Background launcher({"launch", recipe.string(), "--nproc", "2", "--run-dir", run_dir.string()},
-                      {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "1500"}});
+                      {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "60000"}});
   REQUIRE(eventually([&] { return worker_pids(run_dir).size() == 2; }));
-  std::this_thread::sleep_for(std::chrono::milliseconds(2000));
+  std::this_thread::sleep_for(std::chrono::milliseconds(4000));
   REQUIRE(::kill(launcher.pid(), SIGTERM) == 0);
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   REQUIRE(::kill(launcher.pid(), SIGINT) == 0);
@@ -804,11 +804,13 @@ TEST_CASE("resume of a completed run changes nothing; of a running one it is ref
   CHECK(read_text(done / "run.json") == run_json);
 
   // While a launcher drives a run, a resume (or a second launch into it) writes nothing.
-  const fs::path live = tmp / "live";
-  Background launcher({"launch", recipe.string(), "--run-dir", live.string()},
-                      {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "50"}});
+  const fs::path live = tmp / "live", live_events = tmp / "live.jsonl";
+  Background launcher(
+      {"launch", recipe.string(), "--run-dir", live.string(), "--events", live_events.string()},
+      {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "50"}});
   REQUIRE(eventually([&] { return fs::exists(live / "run.json"); }));
-  auto refused = run_dptrain({"resume", live.string()});
+  // Given the live run's own events stream (a retry wrapper), it leaves the stream alone.
+  auto refused = run_dptrain({"resume", live.string(), "--events", live_events.string()});
   CHECK(refused.exit_code == 2);
   CHECK_MESSAGE(refused.err.find(live.string() + ": ") != std::string::npos, refused.err);
   CHECK_MESSAGE(refused.err.find("is still running it") != std::string::npos, refused.err);
@@ -832,6 +834,10 @@ TEST_CASE("resume of a completed run changes nothing; of a running one it is ref
   CHECK_MESSAGE(contains(unlocked.err, "; choose another --run-dir"), unlocked.err);
   CHECK_FALSE(contains(unlocked.err, "dptrain resume"));
   REQUIRE(launcher.wait(std::chrono::seconds(60)) == 0);
+  const auto live_stream = read_jsonl(live_events);
+  CHECK(std::count_if(live_stream.begin(), live_stream.end(),
+                      [](const nlohmann::json& e) { return e["event"] == "run_finished"; }) == 1);
+  CHECK(live_stream.back()["status"] == "completed");
   const auto info = parse_json(read_text(live / "run.json"));
   CHECK(info["generations"].size() == 1);
   CHECK(info["status"] == "completed");

@@ -315,4 +315,14 @@ TEST_CASE("sample --ids: ids in and out, the same draws as text; a dataset witho
     CHECK(r.exit_code == 2);
     CHECK_MESSAGE(r.err.find("dptrain: error: " + message) == 0, r.err);
   }
+
+  // The whole dataset gone: said as such, not as a dataset made by another tokenizer.
+  fs::remove_all(data.dir);
+  const auto gone = sample(run_dir, {"--tokens", "5"});
+  CHECK(gone.exit_code == 2);
+  CHECK_MESSAGE(gone.err == "dptrain: error: data.path " + data.dir.string() +
+                                ": no such directory (the dataset was moved or deleted): the "
+                                "text needs its tokenizer.json; put the dataset back, or sample "
+                                "token ids with --ids\n",
+                gone.err);
 }
