@@ -647,6 +647,34 @@ void CudaOps::bind_thread() {
   check_cuda(cudaSetDevice(device_), (device_label(device_) + ": cudaSetDevice").c_str());
 }
 
+namespace {
+
+// An Ops::Marker of a CUDA table: an event (without timing) recorded on the table's stream.
+class StreamMarker final : public Ops::Marker {
+ public:
+  StreamMarker(int device, cudaStream_t stream) : stream_(stream) {
+    check_cuda(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming),
+               (device_label(device) + ": cudaEventCreate of a stream marker").c_str());
+  }
+  ~StreamMarker() override { cudaEventDestroy(event_); }
+  StreamMarker(const StreamMarker&) = delete;
+  StreamMarker& operator=(const StreamMarker&) = delete;
+  void record() override {
+    check_cuda(cudaEventRecord(event_, stream_), "cudaEventRecord of a stream marker");
+  }
+  void* handle() const override { return event_; }
+
+ private:
+  cudaStream_t stream_;
+  cudaEvent_t event_ = nullptr;
+};
+
+}  // namespace
+
+std::unique_ptr<Ops::Marker> CudaOps::make_marker() {
+  return std::make_unique<StreamMarker>(device_, stream_);
+}
+
 void CudaOps::download(const void* device, void* host, size_t bytes) {
   const OpTimer timer(*this, "download");
   if (bytes == 0) return;

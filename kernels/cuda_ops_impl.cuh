@@ -134,6 +134,7 @@ class CudaOps final : public Ops {
   void fill_zero(void* data, size_t bytes) override;
   void synchronize() override;
   void bind_thread() override;
+  std::unique_ptr<Marker> make_marker() override;
   void cast(const void* src, DType from, void* dst, DType to, int64_t n) override;
 
   void gemm(ConstMatrix a, Transpose transpose_a, ConstMatrix b, Transpose transpose_b, Matrix c,
@@ -192,12 +193,13 @@ class CudaOps final : public Ops {
 
  private:
   // Threads: the table is used by one thread at a time, except that a gradient reducer's
-  // communication thread (core/ddp/reducer.cpp) calls bind_thread, device, cast (copy when the
-  // types are equal), upload and download while the training thread queues other ops. Those
-  // methods touch only the stream, the constant members and the profile (which locks its own
-  // mutex), so the members below need no lock: the reduce scratch and the pinned buffer (losses,
-  // counts, device errors), the matmul plans (gemm, linear) and the attention scratch belong to
-  // the training thread. Calling any other method from a second thread needs a lock here first.
+  // communication thread (core/ddp/reducer.cpp) calls bind_thread, device, upload and download
+  // (buckets staged through host memory), and reads its markers' handles, while the training
+  // thread queues other ops. Those methods touch only the stream, the constant members and the
+  // profile (which locks its own mutex), so the members below need no lock: the reduce scratch and
+  // the pinned buffer (losses, counts, device errors), the matmul plans (gemm, linear) and the
+  // attention scratch belong to the training thread. Calling any other method from a second thread
+  // needs a lock here first.
   int device_ = 0;
   cudaStream_t stream_ = nullptr;
   cublasLtHandle_t lt_ = nullptr;

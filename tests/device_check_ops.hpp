@@ -62,7 +62,7 @@ class DeviceMemory {
   std::vector<std::string> violations_;
 };
 
-class DeviceCheckingOps final : public Ops {
+class DeviceCheckingOps : public Ops {
  public:
   explicit DeviceCheckingOps(std::shared_ptr<Ops> inner) : inner_(std::move(inner)) {}
 

@@ -39,6 +39,12 @@ class Communicator {
   // Whether the collectives take device memory (NCCL: CUDA device pointers, and host pointers
   // too, staged through the device). Gloo takes host memory only.
   virtual bool device_memory() const { return false; }
+  // A device communicator orders each collective after all the work queued on its op table's
+  // stream when the collective is called. A caller on another thread, while that stream is still
+  // being fed (the gradient exchange during the backward pass), names what its data waits for
+  // instead: the next collective waits only for `marker`, an Ops::Marker's handle() recorded
+  // after the data's producers. Null, or a host communicator: nothing changes.
+  virtual void start_after(void* /*marker*/) {}
   // In place: on return every rank holds the reduction of all ranks' `data`.
   virtual void allreduce(float* data, size_t count, ReduceOp op) = 0;
   virtual void allreduce(double* data, size_t count, ReduceOp op) = 0;

@@ -21,6 +21,7 @@
 #include <exception>
 #include <functional>
 #include <thread>
+#include <utility>
 #endif
 
 namespace dptrain {
@@ -258,6 +259,7 @@ struct NcclCommunicator::State {
   void barrier();
   void send(const void* data, size_t bytes, int peer);
   void recv(void* data, size_t bytes, int peer);
+  void start_after(void* marker) { after = static_cast<cudaEvent_t>(marker); }
   std::string describe() const {
     return fmt::format("nccl {} on cuda:{}", version_text(nccl.version), device);
   }
@@ -291,7 +293,8 @@ struct NcclCommunicator::State {
   const std::chrono::milliseconds timeout;
   cudaStream_t compute;           // the op table's; null: the legacy default stream
   cudaStream_t stream = nullptr;  // communication, non-blocking
-  cudaEvent_t ready = nullptr;    // recorded on `compute` before each call
+  cudaEvent_t ready = nullptr;    // recorded on `compute` before each call, unless
+  cudaEvent_t after = nullptr;    // the caller's event (start_after) orders the next one
   cudaEvent_t done = nullptr;     // recorded on `stream` after each call
   ncclComm_t comm = nullptr;
   void* scratch = nullptr;  // grow-only staging for host operands
@@ -531,6 +534,7 @@ void NcclCommunicator::State::init(Store& store) {
 void NcclCommunicator::State::run(const Describe& what, const void* in, size_t in_bytes, void* out,
                                   size_t out_bytes,
                                   const std::function<ncclResult_t(const void*, void*)>& call) {
+  const cudaEvent_t marker = std::exchange(after, nullptr);  // for this call only
   if (!failure.empty()) {
     throw Error(ErrorKind::comm,
                 fmt::format("rank {}: cannot run {}: the communicator failed earlier: {}", rank,
@@ -554,8 +558,11 @@ void NcclCommunicator::State::run(const Describe& what, const void* in, size_t i
                "cudaMemcpyAsync to the device");
   }
   const auto deadline = Clock::now() + timeout;
-  check_cuda(cudaEventRecord(ready, compute), what, "cudaEventRecord on the compute stream");
-  check_cuda(cudaStreamWaitEvent(stream, ready, 0), what, "cudaStreamWaitEvent");
+  if (marker == nullptr) {
+    check_cuda(cudaEventRecord(ready, compute), what, "cudaEventRecord on the compute stream");
+  }
+  check_cuda(cudaStreamWaitEvent(stream, marker != nullptr ? marker : ready, 0), what,
+             "cudaStreamWaitEvent");
   const ncclResult_t result = call(device_in, device_out);
   if (result == ncclInProgress) {
     wait_ready(what, deadline);
@@ -708,6 +715,7 @@ struct NcclCommunicator::State {
   void barrier() { none(); }
   void send(const void*, size_t, int) { none(); }
   void recv(void*, size_t, int) { none(); }
+  void start_after(void*) { none(); }
   std::string describe() const { none(); }
 };
 
@@ -764,6 +772,9 @@ void NcclCommunicator::allgather(const void* in, size_t bytes_per_rank, void* ou
 }
 void NcclCommunicator::barrier() {
   state_->barrier();
+}
+void NcclCommunicator::start_after(void* marker) {
+  state_->start_after(marker);
 }
 void NcclCommunicator::send(const void* data, size_t bytes, int peer) {
   state_->send(data, bytes, peer);

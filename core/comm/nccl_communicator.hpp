@@ -51,6 +51,10 @@ class NcclCommunicator : public Communicator {
   int size() const override { return size_; }
   std::string backend() const override { return "nccl"; }
   bool device_memory() const override { return true; }
+  // The next collective's stream waits for this cudaEvent_t (recorded on the compute stream)
+  // instead of an event recorded on the compute stream when it is called. The event is the
+  // caller's; a call that fails before the collective starts forgets it too.
+  void start_after(void* marker) override;
   // "nccl 2.28.9 on cuda:0": the library that was loaded and the device.
   std::string describe() const;
 

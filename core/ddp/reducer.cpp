@@ -83,6 +83,7 @@ GradientReducer::GradientReducer(Communicator& comm, Ops& ops, std::span<float> 
       wire_(wire_type(options.compression)),
       codec_(is_error_feedback_codec(options.compression.type)),
       alone_(comm.size() == 1 && !codec_ && wire_ == DType::f32),
+      device_casts_(!codec_ && wire_ != DType::f32 && options.overlap && ops.device() != "cpu"),
       buckets_(make_buckets(tensors, options.bucket_elems)) {
   const size_t count = grads.size();
   if (buckets_.front().end != count) {
@@ -102,7 +103,11 @@ GradientReducer::GradientReducer(Communicator& comm, Ops& ops, std::span<float> 
     bytes_per_step_ = (count + 1) * dtype_size(wire_);
   }
   if (wire_ != DType::f32) wire_buffer_ = ops_.allocate((count + 1) * dtype_size(wire_));
-  if (options_.overlap && !alone_) thread_ = std::thread([this] { comm_loop(); });
+  if (options_.overlap && !alone_) {
+    for (size_t i = 0; i < buckets_.size(); ++i)
+      markers_.push_back(ops_.make_marker());
+    thread_ = std::thread([this] { comm_loop(); });
+  }
 }
 
 GradientReducer::~GradientReducer() {
@@ -137,7 +142,18 @@ void GradientReducer::ready(size_t from) {
 }
 
 void GradientReducer::launch(size_t bucket) {
+  if (device_casts_) {
+    const size_t begin = buckets_[bucket].begin;
+    ops_.cast(grads_.data() + begin, DType::f32, wire_buffer_.as<uint16_t>() + begin, wire_,
+              static_cast<int64_t>(bucket_count(bucket)));
+  }
+  markers_[bucket]->record();
   queue_.push_back(bucket);
+}
+
+size_t GradientReducer::bucket_count(size_t bucket) const {
+  // Bucket 0 ends where the gradients end: the flag rides along unless a codec would mangle it.
+  return buckets_[bucket].size() + (bucket == 0 && !codec_ ? 1 : 0);
 }
 
 ExchangeStats GradientReducer::finish() {
@@ -156,6 +172,10 @@ ExchangeStats GradientReducer::finish() {
     open_ = false;
     stats.comm_ms = comm_ms_;
     if (failure_) std::rethrow_exception(std::exchange(failure_, nullptr));
+    if (device_casts_) {
+      ops_.cast(wire_buffer_.data(), wire_, grads_.data(), DType::f32,
+                static_cast<int64_t>(grads_.size() + 1));
+    }
   } else {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -231,9 +251,12 @@ void GradientReducer::run_bucket(size_t bucket) {
     options_.progress->enter_collective("allreduce of gradient bucket",
                                         static_cast<int64_t>(bucket));
   }
-  // Bucket 0 ends where the gradients end: the flag rides along unless a codec would mangle it.
-  const size_t count = b.size() + (bucket == 0 && !codec_ ? 1 : 0);
+  const size_t count = bucket_count(bucket);
   float* data = grads_.data() + b.begin;
+  // Issued from the communication thread: the collective waits for the bucket's own marker.
+  if (!markers_.empty() && !codec_ && !options_.staged) {
+    comm_.start_after(markers_[bucket]->handle());
+  }
   if (codec_) {
     reduce_codec(bucket, data, count);
   } else if (wire_ != DType::f32) {
@@ -251,7 +274,7 @@ void GradientReducer::reduce_plain(float* data, size_t count) {
 void GradientReducer::reduce_wire(float* data, size_t count, size_t offset) {
   void* wire = wire_buffer_.as<uint16_t>() + offset;
   const auto n = static_cast<int64_t>(count);
-  ops_.cast(data, DType::f32, wire, wire_, n);
+  if (!device_casts_) ops_.cast(data, DType::f32, wire, wire_, n);
   void* host = wire;
   if (options_.staged) {
     wire_staging_.resize(count);
@@ -264,7 +287,7 @@ void GradientReducer::reduce_wire(float* data, size_t count, size_t offset) {
     comm_.allreduce(static_cast<Half*>(host), count, ReduceOp::sum);
   }
   if (options_.staged) ops_.upload(wire_staging_.data(), wire, count * sizeof(uint16_t));
-  ops_.cast(wire, wire_, data, DType::f32, n);
+  if (!device_casts_) ops_.cast(wire, wire_, data, DType::f32, n);
 }
 
 // The codecs work on host memory: on a GPU the bucket goes down and back up.

@@ -99,7 +99,8 @@ class GradientReducer {
   void restore_state(std::span<const float> state);
 
  private:
-  void launch(size_t bucket);  // under mutex_
+  void launch(size_t bucket);                // under mutex_
+  size_t bucket_count(size_t bucket) const;  // its values, and the flag's with bucket 0
   void run_bucket(size_t bucket);
   void reduce_plain(float* data, size_t count);
   void reduce_wire(float* data, size_t count, size_t offset);
@@ -116,12 +117,20 @@ class GradientReducer {
   // started (no thread, no hand-off whose wake-up would count as communication waited for). A
   // codec or a wire type still runs: its rounding is part of the training.
   const bool alone_;
+  // A device's gradients overlapped in a 16-bit wire type: the casts run on the training thread
+  // in stream order with the backward pass (to the wire type as each bucket is launched, back
+  // once in finish()). Queued from the communication thread they would run after all the
+  // backward work queued by then, and the bucket's collective with them.
+  const bool device_casts_;
   std::vector<Bucket> buckets_;
   std::vector<std::unique_ptr<GradientCodec>> codecs_;  // one per bucket when codec_
   uint64_t bytes_per_step_ = 0;
   Buffer wire_buffer_;                  // the gradients cast to wire_, on the device
   std::vector<float> staging_;          // host copies for staged or codec buckets
   std::vector<uint16_t> wire_staging_;  // and of the 16-bit wire buffer
+  // Per bucket (overlap only): recorded on the op table's stream when the bucket is launched, so
+  // its collective waits for the backward work that produced it and not for what came after.
+  std::vector<std::unique_ptr<Ops::Marker>> markers_;
 
   // The communication thread (overlap only) and the step's state, under mutex_.
   std::mutex mutex_;

@@ -4,11 +4,15 @@
 
 #include <atomic>
 #include <cstring>
+#include <mutex>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "core/ddp/reducer.hpp"
 #include "core/error.hpp"
 #include "core/tensor/cpu_ops.hpp"
+#include "tests/device_check_ops.hpp"
 #include "tests/gloo_ranks.hpp"
 
 namespace dptrain {
@@ -184,6 +188,136 @@ TEST_CASE("a bucket that fails on the communication thread fails finish(), namin
       [](std::unique_ptr<Communicator> inner) -> std::unique_ptr<Communicator> {
         return std::make_unique<Failing>(std::move(inner));
       });
+}
+
+TEST_CASE("on a device, each bucket's collective waits for its own marker, not the whole stream") {
+  const auto tensors = sample_tensors();
+  const size_t n = total_size(tensors);
+  // What one rank did, in order, on either thread: "ready FROM" (the backward pass), "record B"
+  // (a bucket's marker), "cast" (from the training thread; "cast elsewhere" from another),
+  // "start B" (a collective told to wait for marker B), "allreduce".
+  struct Log {
+    std::mutex mutex;
+    std::vector<std::string> lines;
+    void add(std::string line) {
+      std::lock_guard lock(mutex);
+      lines.push_back(std::move(line));
+    }
+  };
+  // A GPU's op table, as the trainer's device tests pose it, whose markers log their records.
+  struct MarkingOps : test::DeviceCheckingOps {
+    MarkingOps(Log& log, std::thread::id training)
+        : DeviceCheckingOps(std::make_shared<CpuOps>()), log_(log), training_(training) {}
+    struct Marker : Ops::Marker {
+      Marker(Log& log, int id) : log_(log), id_(id) {}
+      void record() override { log_.add("record " + std::to_string(id_)); }
+      void* handle() const override { return const_cast<int*>(&id_); }
+      Log& log_;
+      const int id_;
+    };
+    std::unique_ptr<Ops::Marker> make_marker() override {
+      return std::make_unique<Marker>(log_, markers_++);
+    }
+    void cast(const void* src, DType from, void* dst, DType to, int64_t count) override {
+      log_.add(std::this_thread::get_id() == training_ ? "cast" : "cast elsewhere");
+      DeviceCheckingOps::cast(src, from, dst, to, count);
+    }
+    Log& log_;
+    const std::thread::id training_;
+    int markers_ = 0;
+  };
+  struct Starting : test::ForwardingCommunicator {
+    using ForwardingCommunicator::ForwardingCommunicator;
+    Log log;
+    void start_after(void* marker) override {
+      log.add("start " + std::to_string(*static_cast<int*>(marker)));
+    }
+    void allreduce(float* data, size_t count, ReduceOp op) override {
+      log.add("allreduce");
+      ForwardingCommunicator::allreduce(data, count, op);
+    }
+    void allreduce(BFloat16* data, size_t count, ReduceOp op) override {
+      log.add("allreduce");
+      ForwardingCommunicator::allreduce(data, count, op);
+    }
+  };
+  for (const char* wire : {"none", "bf16"}) {
+    CAPTURE(wire);
+    run_ranks(
+        2,
+        [&](Communicator& comm) {
+          Log& log = dynamic_cast<Starting&>(comm).log;
+          MarkingOps ops(log, std::this_thread::get_id());
+          Buffer buffer = ops.allocate((n + 1) * sizeof(float));
+          std::span<float> grads(buffer.as<float>(), n);
+          ReducerOptions options;
+          options.bucket_elems = 14;
+          options.compression.type = wire;
+          GradientReducer reducer(comm, ops, grads, tensors, options);
+          const auto& buckets = reducer.buckets();
+          for (int step = 0; step < 2; ++step) {
+            log.lines.clear();
+            for (size_t i = 0; i < n; ++i)
+              grads[i] = value(comm.rank(), i + static_cast<size_t>(step));
+            grads.data()[n] = 1.0f;  // both ranks ask to stop
+            reducer.begin();
+            for (size_t i = tensors.size(); i-- > 0;) {
+              log.add("ready " + std::to_string(tensors[i].offset));
+              reducer.ready(tensors[i].offset);
+            }
+            reducer.finish();
+            for (size_t i = 0; i < n; ++i) {
+              REQUIRE(grads[i] == value(0, i + static_cast<size_t>(step)) +
+                                      value(1, i + static_cast<size_t>(step)));
+            }
+            CHECK(grads.data()[n] == 2.0f);
+            // Each bucket's marker is recorded by the ready() call that completed it, and its
+            // collective waits for that marker and nothing else.
+            const std::vector<std::string> lines = log.lines;
+            for (size_t b = 0; b < buckets.size(); ++b) {
+              CAPTURE(b);
+              const auto at = [&](const std::string& line) {
+                return static_cast<size_t>(std::find(lines.begin(), lines.end(), line) -
+                                           lines.begin());
+              };
+              const size_t record = at("record " + std::to_string(b));
+              const size_t start = at("start " + std::to_string(b));
+              REQUIRE(record < lines.size());
+              REQUIRE(start < lines.size());
+              CHECK(record < start);
+              CHECK(std::count(lines.begin(), lines.end(), lines[start]) == 1);
+              // The collective right after its start_after (casts run on the other thread).
+              size_t next = start + 1;
+              while (next < lines.size() && lines[next].rfind("allreduce", 0) != 0 &&
+                     lines[next].rfind("start", 0) != 0) {
+                ++next;
+              }
+              REQUIRE(next < lines.size());
+              CHECK(lines[next] == "allreduce");
+              size_t ready = record;
+              while (ready > 0 && lines[ready].rfind("ready ", 0) != 0)
+                --ready;
+              CHECK(std::stoul(lines[ready].substr(6)) <= buckets[b].begin);
+              for (size_t i = 0; i < ready; ++i) {
+                if (lines[i].rfind("ready ", 0) == 0) {
+                  CHECK(std::stoul(lines[i].substr(6)) > buckets[b].begin);
+                }
+              }
+            }
+            // The 16-bit casts run on the training thread: one per bucket, one back.
+            const bool bf16 = std::string(wire) == "bf16";
+            CHECK(std::count(lines.begin(), lines.end(), "cast") ==
+                  (bf16 ? static_cast<long>(buckets.size()) + 1 : 0));
+            CHECK(std::count(lines.begin(), lines.end(), "cast elsewhere") == 0);
+            CHECK(std::count(lines.begin(), lines.end(), "allreduce") ==
+                  static_cast<long>(buckets.size()));
+          }
+          CHECK(test::DeviceMemory::instance().take_violations().empty());
+        },
+        [](std::unique_ptr<Communicator> inner) -> std::unique_ptr<Communicator> {
+          return std::make_unique<Starting>(std::move(inner));
+        });
+  }
 }
 
 TEST_CASE("an error-feedback codec per bucket: its state checkpoints, the flag travels alone") {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "core/tensor/tensor.hpp"
@@ -57,6 +58,18 @@ class Ops {
   // device is per thread, so a thread other than the one that made the table (the gradient
   // exchange's) calls this first. Nothing to do on the CPU.
   virtual void bind_thread() {}
+  // A point in this table's stream, for work another thread issues on its own stream (the
+  // gradient exchange's collectives): record() marks the ops queued so far by the calling thread;
+  // handle() is what a device communicator's stream waits on (Communicator::start_after), a
+  // cudaEvent_t for the CUDA table. Ops that run as they are called (the CPU's) have nothing to
+  // mark: the default does nothing, and its handle is null.
+  class Marker {
+   public:
+    virtual ~Marker() = default;
+    virtual void record() {}
+    virtual void* handle() const { return nullptr; }
+  };
+  virtual std::unique_ptr<Marker> make_marker() { return std::make_unique<Marker>(); }
   // dst[i] = src[i] converted (round to nearest even), n elements; between f32 and a 16-bit type
   // (the CPU op table too: gradients travel compressed), or a copy when the types are equal.
   virtual void cast(const void* src, DType from, void* dst, DType to, int64_t n) = 0;

@@ -284,6 +284,25 @@ void check_compute_stream_order(NcclCommunicator& comm, Ops& ops) {
   for (float v : averaged)
     wrong += v != 256.0f;
   CHECK_MESSAGE(wrong == 0, wrong << " element(s) of the allreduce were out of order");
+  // start_after (the gradient reducer's thread): the collective waits for a marker recorded
+  // after the work that made its data, and the next one for the whole stream again.
+  Buffer marked = upload(ops, ones);
+  for (int i = 0; i < 10; ++i)
+    ops.scale(static_cast<int64_t>(n), 2.0f, marked.as<float>());
+  const auto marker = ops.make_marker();
+  REQUIRE(marker->handle() != nullptr);
+  marker->record();
+  comm.start_after(marker->handle());
+  comm.allreduce(marked.as<float>(), n, ReduceOp::avg);
+  ops.scale(static_cast<int64_t>(n), 2.0f, marked.as<float>());
+  comm.allreduce(marked.as<float>(), n, ReduceOp::avg);
+  ops.scale(static_cast<int64_t>(n), 0.25f, marked.as<float>());
+  const auto after_marker = download<float>(ops, marked.data(), n);
+  wrong = 0;
+  for (float v : after_marker)
+    wrong += v != 512.0f;
+  CHECK_MESSAGE(wrong == 0, wrong << " element(s) of the allreduces after a marker were out of "
+                                     "order");
 }
 
 NcclOptions options_for(Ops& ops, int device, std::chrono::milliseconds timeout = 60s) {
