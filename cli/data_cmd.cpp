@@ -26,6 +26,7 @@
 
 #include "cli/commands.hpp"
 #include "cli/env.hpp"
+#include "cli/run_report.hpp"
 #include "core/data/tokens.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
@@ -549,6 +550,7 @@ void setup_data(CLI::App& app, Outcome& outcome) {
       ->add_option("--val-fraction", o->val_fraction,
                    "Share of the tokens, at the end of the text, held out as val.bin; in [0, 1)")
       ->type_name("F")
+      ->check(non_negative_number())
       ->capture_default_str();
   prepare
       ->add_option("--dtype", o->dtype,

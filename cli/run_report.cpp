@@ -1,6 +1,7 @@
 // Shared ending of launch and resume: print a job's outcome for people or scripts.
 #include "cli/run_report.hpp"
 
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -206,11 +207,15 @@ const CLI::Validator& non_negative_number() {
   static const CLI::Validator check(
       [](std::string& value) -> std::string {
         if (value.empty()) return "is empty; give a value";  // as every option says it
-        char* end = nullptr;
-        const double v = std::strtod(value.c_str(), &end);
-        if (end == value.c_str() || *end != '\0') {
+        // Plain decimal (or exponent) notation only: strtod would also take leading blanks and
+        // hexadecimal ("0x10" seconds).
+        double v = 0;
+        const char* end = value.data() + value.size();
+        const auto [ptr, ec] = std::from_chars(value.data(), end, v);
+        if (ptr != end || (ec != std::errc() && ec != std::errc::result_out_of_range)) {
           return "'" + value + "' is not a number";
         }
+        if (ec == std::errc::result_out_of_range) return "'" + value + "' is out of range";
         if (!std::isfinite(v) || v < 0) return "'" + value + "' must be a finite number >= 0";
         return {};
       },

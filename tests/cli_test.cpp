@@ -196,6 +196,8 @@ TEST_CASE("usage errors exit 2") {
            {"--hang-timeout", "nan", "must be a finite number"},
            {"--max-restarts", "-1", "must be a whole number >= 0"},
            {"--restart-backoff", "soon", "is not a number"},
+           {"--hang-timeout", "0x10", "is not a number"},
+           {"--restart-backoff", " 1", "is not a number"},
            {"--hang-timeout", "1e9", "is more than 1000000 seconds"},
            {"--rejoin-timeout", "1e300", "is more than"},
            {"--connect-timeout", "2e6", "is more than"}}) {

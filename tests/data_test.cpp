@@ -201,8 +201,12 @@ TEST_CASE("data prepare refuses bad input with exit 2 and one line, writing noth
       "leaves 0 for training and 4 for validation"));
   CHECK(refusal({"--text", t, "--out", out, "--val-fraction", "1"}) ==
         "dptrain: error: --val-fraction: must be in [0, 1), got 1");
-  CHECK(refusal({"--text", t, "--out", out, "--val-fraction", "-0.5"}) ==
-        "dptrain: error: --val-fraction: must be in [0, 1), got -0.5");
+  for (const char* value : {"-0.5", "0x0.1", " 0.1", "1e999"}) {
+    CAPTURE(value);
+    const std::string said = refusal({"--text", t, "--out", out, "--val-fraction", value});
+    CHECK(said.starts_with(std::string("dptrain: error: --val-fraction: '") + value + "' "));
+    CHECK(said.ends_with("(see 'dptrain data prepare --help')"));
+  }
   CHECK(refusal({"--text", t, "--out", out, "--tokenizer", "bpe"}) ==
         "dptrain: error: --tokenizer: must be byte or char, got 'bpe'");
   CHECK(refusal({"--text", t, "--out", out, "--dtype", "int8"}) ==
