@@ -107,10 +107,18 @@ std::optional<std::vector<std::string>> live_process_args(int64_t pid) {
   return args;
 }
 
-// A live dptrain worker or relay, not a zombie and not another program that got the pid since.
+// A rank's command line: a worker, a relay, or a collective benchmark's rank ("bench comm
+// --worker").
+bool rank_args(const std::vector<std::string>& args) {
+  if (args.size() < 2) return false;
+  if (args[1] == "worker" || args[1] == "_relay") return true;
+  return args.size() >= 4 && args[1] == "bench" && args[2] == "comm" && args[3] == "--worker";
+}
+
+// A live dptrain rank (rank_args), not a zombie and not another program that got the pid since.
 bool rank_process_alive(int pid) {
   const auto args = live_process_args(pid);
-  return args && args->size() >= 2 && ((*args)[1] == "worker" || (*args)[1] == "_relay");
+  return args && rank_args(*args);
 }
 
 // The process run.json names as the launcher: on this machine, a live dptrain process (not a
@@ -127,7 +135,7 @@ bool launcher_alive(const json& info) {
   const auto args = live_process_args(integer(launcher, "pid", -1));
   return args && args->size() >= 2 &&
          fs::path((*args)[0]).filename().string().find("dptrain") != std::string::npos &&
-         (*args)[1] != "worker" && (*args)[1] != "_relay";
+         !rank_args(*args);
 }
 
 // A run whose launcher is between two generations: after a resize, or after a failure with a

@@ -2,6 +2,7 @@
 // JSON, the data check, --min-busbw and bad flags.
 #include <doctest/doctest.h>
 
+#include <csignal>
 #include <sstream>
 
 #include "core/comm/nccl_communicator.hpp"
@@ -283,6 +284,26 @@ TEST_CASE("bench comm: DPTRAIN_FAULT counts each measurement as a step") {
     const json s = parse_json(run_dptrain({"status", (tmp / "run").string(), "--json"}).out);
     CHECK(s["status"] == "failed");
     CHECK(s["step"] == 1);
+  }
+  SUBCASE("while a rank hangs, status and report say running, with both ranks' pids") {
+    const fs::path run = tmp / "run";
+    Background launcher({"bench", "comm", "--nproc", "2", "-b", "1K", "-e", "4K", "-n", "1", "-w",
+                         "0", "--timeout", "120", "--run-dir", run.string()},
+                        {{"DPTRAIN_FAULT", "hang@step=1,rank=1"}});
+    json s;
+    REQUIRE(eventually(
+        [&] {
+          const auto r = run_dptrain({"status", run.string(), "--json"});
+          if (r.exit_code != 0) return false;
+          s = parse_json(r.out);
+          return s["live_pids"].size() == 2;
+        },
+        std::chrono::seconds(60)));
+    CHECK(s["status"] == "running");
+    const auto report = run_dptrain({"report", run.string(), "--json"});
+    CHECK(parse_json(report.out)["status"] == "running");
+    kill(launcher.pid(), SIGTERM);
+    CHECK(launcher.wait(std::chrono::seconds(60)) == 143);
   }
   SUBCASE("faults that can never fire are warned about; the benchmark runs") {
     const auto r = bench(tmp, {"--nproc", "2", "-b", "1K", "-e", "4K", "-n", "1", "-w", "0"},
