@@ -1026,9 +1026,22 @@ RunView load_run(const fs::path& dir, bool verify_checkpoints) {
 // loss, the result's final loss (null until the run completes), the newest checkpoint's path.
 // A bench comm run's outcome, from the result run.json keeps (null for any other run): what
 // status and report show in place of training steps.
+// One that ended before its result (stopped, failed) has its options' ops and sizes, and null
+// figures.
 json comm_benchmark(const json& info) {
   const json result = info.value("result", json());
-  if (!result.is_object() || result.value("benchmark", "") != "comm") return nullptr;
+  if (!result.is_object() || result.value("benchmark", "") != "comm") {
+    const json options = info.value("benchmark", json());
+    if (!options.is_object()) return nullptr;
+    return {{"benchmark", "comm"},
+            {"status", nullptr},
+            {"ops", options.value("ops", json::array())},
+            {"min_bytes", options.value("min_bytes", json())},
+            {"max_bytes", options.value("max_bytes", json())},
+            {"avg_busbw", nullptr},
+            {"avg_busbw_by_op", json::object()},
+            {"wrong", nullptr}};
+  }
   return {{"benchmark", "comm"},
           {"status", result.value("status", json())},
           {"ops", result.value("ops", json::array())},
@@ -1047,12 +1060,11 @@ std::string comm_benchmark_text(const json& b) {
   const auto bytes = [](const json& v) {
     return v.is_number() ? human_size(v.get<uint64_t>()) : std::string("?");
   };
-  return fmt::format("bench comm {} from {} to {}: avg busbw {} GB/s, {} wrong element(s)",
-                     fmt::join(ops, ", "), bytes(b["min_bytes"]), bytes(b["max_bytes"]),
-                     b["avg_busbw"].is_number()
-                         ? fmt::format("{:.3g}", b["avg_busbw"].get<double>())
-                         : std::string("?"),
-                     b["wrong"].dump());
+  const std::string what = fmt::format("bench comm {} from {} to {}", fmt::join(ops, ", "),
+                                       bytes(b["min_bytes"]), bytes(b["max_bytes"]));
+  if (!b["avg_busbw"].is_number()) return what + ": no result (it did not finish)";
+  return fmt::format("{}: avg busbw {:.3g} GB/s, {} wrong element(s)", what,
+                     b["avg_busbw"].get<double>(), b["wrong"].dump());
 }
 
 json summary_fields(const RunView& run) {
@@ -1156,8 +1168,11 @@ std::string status_text(const RunView& run) {
   const auto row = [&out](const char* name, const std::string& value) {
     out += fmt::format("  {:<12} {}\n", name, value);
   };
-  if (s["step"].is_null() && !s["benchmark"].is_null()) {
+  if (!s["benchmark"].is_null()) {
     row("benchmark", comm_benchmark_text(s["benchmark"]));
+    // One that did not finish: the measurement it reached (each is a step).
+    if (!s["step"].is_null())
+      row("step", fmt::format("{} (a step is one measurement)", s["step"].dump()));
   } else if (s["step"].is_null()) {
     row("step", "no steps logged yet");
   } else {
@@ -1282,7 +1297,8 @@ json report_summary(const RunView& run, const fs::path& report_file) {
   json j = summary_fields(run);
   j.update(json{{"report", report_file.string()},
                 {"throughput", or_null(t.value)},
-                {"throughput_unit", t.unit},
+                // A collective benchmark moves bytes, not samples: its figures are "benchmark".
+                {"throughput_unit", j["benchmark"].is_null() ? json(t.unit) : json(nullptr)},
                 {"world_sizes", world_sizes(run.info)},
                 {"checkpoints_failed", failed},
                 {"metrics_lines_skipped", run.metrics.skipped_lines},
@@ -1292,7 +1308,7 @@ json report_summary(const RunView& run, const fs::path& report_file) {
 
 std::string report_summary_text(const json& s) {
   std::string out = text(s, "status");
-  if (s["step"].is_null() && !s["benchmark"].is_null()) {
+  if (!s["benchmark"].is_null()) {
     out += ": " + comm_benchmark_text(s["benchmark"]);
   } else if (s["step"].is_null()) {
     out += ": no steps logged yet";

@@ -304,6 +304,21 @@ TEST_CASE("bench comm: DPTRAIN_FAULT counts each measurement as a step") {
     CHECK(parse_json(report.out)["status"] == "running");
     kill(launcher.pid(), SIGTERM);
     CHECK(launcher.wait(std::chrono::seconds(60)) == 143);
+    // Stopped before its result: still a collective benchmark, of the sizes it was given.
+    s = parse_json(run_dptrain({"status", run.string(), "--json"}).out);
+    CHECK(s["status"] == "terminated");
+    CHECK(s["benchmark"]["benchmark"] == "comm");
+    CHECK(s["benchmark"]["ops"] == json({"allreduce"}));
+    CHECK(s["benchmark"]["max_bytes"] == 4096);
+    CHECK(s["benchmark"]["avg_busbw"].is_null());
+    const json r = parse_json(run_dptrain({"report", run.string(), "--json"}).out);
+    CHECK(r["throughput_unit"].is_null());
+    CHECK(r["benchmark"]["wrong"].is_null());
+    const auto text = run_dptrain({"status", run.string()});
+    CHECK_MESSAGE(contains(text.out,
+                           "bench comm allreduce from 1.0 KiB to 4.0 KiB: no result (it "
+                           "did not finish)"),
+                  text.out);
   }
   SUBCASE("faults that can never fire are warned about; the benchmark runs") {
     const auto r = bench(tmp, {"--nproc", "2", "-b", "1K", "-e", "4K", "-n", "1", "-w", "0"},
