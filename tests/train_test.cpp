@@ -763,7 +763,21 @@ TEST_CASE("without a launcher, a rank whose peer is killed names it from the hea
     REQUIRE(eventually([&] {
       return contains(read_text(tmp / fmt::format("run{}/metrics.jsonl", victim)), "\"step\":10");
     }));
-    ::kill(ranks[static_cast<size_t>(victim)]->pid(), SIGKILL);
+    const pid_t killed = ranks[static_cast<size_t>(victim)]->pid();
+    ::kill(killed, SIGKILL);
+    if (victim == 1) {
+      // Started again (by hand, by a scheduler) while rank 0 still serves the store: the job
+      // has failed, which it is told, as a failure (exit 3), not as a second rank 1 (exit 2).
+      ranks[1]->wait(std::chrono::seconds(10));
+      Background again({"worker", recipe.string()}, hand_env(1, 2, port, tmp / "run1"));
+      CHECK(again.wait(std::chrono::seconds(60)) == 3);
+      CHECK_MESSAGE(contains(again.err(), fmt::format("rank 1: this job (at store 127.0.0.1:{}) "
+                                                      "started already, and its rank 1 (pid {}) "
+                                                      "is gone: a started job takes no rank back",
+                                                      port, killed)),
+                    again.err());
+      CHECK(contains(again.err(), "start every rank again (with --resume newest"));
+    }
     Background& survivor = *ranks[static_cast<size_t>(1 - victim)];
     CHECK(survivor.wait(std::chrono::seconds(60)) == 3);
     CAPTURE(survivor.err());

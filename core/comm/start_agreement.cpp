@@ -147,6 +147,26 @@ std::string process_identity(pid_t pid) {
 // earlier claim of this machine whose process still lives is the duplicate's reason. One that
 // is gone is no reason (this may be its start again), nor is one on another machine: its pid
 // says nothing here (a duplicate there is refused once the first runs the job: backend/met).
+// A claim, "HOST IDENTITY" (process_identity), as this machine can tell it.
+struct Claim {
+  enum class Is { elsewhere, alive, gone } is = Is::elsewhere;  // elsewhere: cannot be told
+  pid_t pid = 0;
+  std::string host;
+};
+Claim read_claim(const std::string& claim, const std::string& host) {
+  Claim out;
+  const size_t space = claim.find(' ');
+  out.host = claim.substr(0, space);
+  if (space == std::string::npos || out.host != host) return out;
+  const std::string identity = claim.substr(space + 1);
+  // "NS PID START": the same process, if it still lives, reads the same now.
+  std::istringstream parts(identity);
+  std::string ns;
+  if (!(parts >> ns >> out.pid) || out.pid <= 0) return out;
+  out.is = process_identity(out.pid) == identity ? Claim::Is::alive : Claim::Is::gone;
+  return out;
+}
+
 void refuse_duplicate_start(Store& store, int rank) {
   const std::string host = this_host();
   const std::string me = process_identity(::getpid());
@@ -157,21 +177,16 @@ void refuse_duplicate_start(Store& store, int rank) {
   for (int64_t earlier = 1; earlier < number; ++earlier) {
     const std::string key = fmt::format("{}/{}", base, earlier);
     // Posted a moment after its number: one that never posts it died in between.
-    std::string claim;
+    std::string text;
     try {
-      claim = store.get(key, std::chrono::seconds(2));
+      text = store.get(key, std::chrono::seconds(2));
     } catch (const Error&) {
       continue;
     }
-    const size_t space = claim.find(' ');
-    if (space == std::string::npos || claim.substr(0, space) != host) continue;
-    const std::string identity = claim.substr(space + 1);
-    // "NS PID START": the same process, if it still lives, reads the same now.
-    std::istringstream parts(identity);
-    std::string ns;
-    pid_t pid = 0;
-    if (!(parts >> ns >> pid) || pid <= 0 || identity == me) continue;
-    if (process_identity(pid) != identity) continue;
+    if (text == host + " " + me) continue;
+    const Claim claim = read_claim(text, host);
+    if (claim.is != Claim::Is::alive) continue;
+    const pid_t pid = claim.pid;
     throw Error(
         ErrorKind::usage,
         fmt::format("rank {}: another process (pid {} on {}) is joining this job as rank {} "
@@ -188,16 +203,38 @@ BackendChoice agree_to_start(Store& store, int rank, int world, bool required,
   // once, rather than left in Gloo's rendezvous for a peer that paired with the first. One that
   // came before and still waits is a reason where it runs on this machine
   // (refuse_duplicate_start); one that is gone is none: it may be this one's earlier start.
+  // The one that ran it and is gone (killed, say, and started again by hand or by a scheduler):
+  // the job has failed with it, since a started job takes no rank back; its ranks all start
+  // again. A communication error, as the rank's own failure was.
   const std::string met = fmt::format("backend/met/{}", rank);
+  const std::string host = this_host();
   if (store.check({met})) {
+    const Claim earlier = read_claim(store.get(met, std::chrono::seconds(2)), host);
+    if (earlier.is == Claim::Is::gone) {
+      throw Error(ErrorKind::comm,
+                  fmt::format("rank {}: this job (at {}) started already, and its rank {} (pid "
+                              "{}) is gone: a started job takes no rank back, so it has failed; "
+                              "start every rank again (with --resume newest to continue from "
+                              "the last checkpoint)",
+                              rank, store.describe(), rank, earlier.pid));
+    }
     throw Error(ErrorKind::usage,
-                fmt::format("rank {}: another process joined this job as rank {} already and "
-                            "runs it (at {}): give each process its own rank",
-                            rank, rank, store.describe()));
+                fmt::format("rank {}: another process {}joined this job as rank {} already and "
+                            "runs it (at {}): give each process its own rank{}",
+                            rank,
+                            earlier.is == Claim::Is::alive
+                                ? fmt::format("(pid {} on {}) ", earlier.pid, earlier.host)
+                                : std::string(),
+                            rank, store.describe(),
+                            earlier.is == Claim::Is::alive
+                                ? std::string()
+                                : " (or, if that process is gone, start every rank again: a "
+                                  "started job takes no rank back)"));
   }
   refuse_duplicate_start(store, rank);
+  const std::string me = process_identity(::getpid());
   const auto agreed = [&](BackendChoice choice) {
-    store.set(met, "1");
+    store.set(met, me.empty() ? std::string("1") : host + " " + me);
     return choice;
   };
   store.set(answer_key(rank),
