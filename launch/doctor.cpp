@@ -145,16 +145,24 @@ class Doctor {
   bool cpu_recipe() const { return !recipe_ || recipe_->train.device != "cuda"; }
 
   void check_recipe() {
-    if (options_.recipe.empty()) return;
+    if (options_.recipe.empty()) {
+      // Never left out: a reader of the list sees what was not checked.
+      skip("recipe", "", "no recipe given: give one to check it and its data");
+      skip("data", "", "no recipe given");
+      return;
+    }
     try {
       recipe_ = load_recipe(options_.recipe);
       add("recipe", "", true, fmt::format("{} is valid", options_.recipe.string()));
     } catch (const Error& e) {
       std::istringstream lines(e.what());
       for (std::string line; std::getline(lines, line);) {
+        const bool unreadable = line.starts_with(options_.recipe.string() + ": cannot read");
         add("recipe", "", false, line,
-            fmt::format("correct the recipe ('dptrain recipe validate {}' lists every problem)",
-                        options_.recipe.string()));
+            unreadable ? std::string("give the recipe's right path (this file cannot be read)")
+                       : fmt::format("correct the recipe ('dptrain recipe validate {}' lists "
+                                     "every problem)",
+                                     options_.recipe.string()));
       }
       skip("data", "", "the recipe is not valid");
       return;
@@ -326,7 +334,20 @@ class Doctor {
       return "authorize the key on the host (ssh-copy-id), or name the right one (--identity, "
              "key= in the hostfile)";
     }
+    if (names_unresolved(failure)) {
+      return "check the host's name: this machine cannot resolve it (a typo, or a name DNS or "
+             "/etc/hosts does not know)";
+    }
     return "check the host is up and sshd listens on its port (port= in the hostfile)";
+  }
+
+  // Whether a failure says a name does not resolve (getaddrinfo's and libssh's words).
+  static bool names_unresolved(std::string_view failure) {
+    for (const char* says : {"resolve", "Name or service not known",
+                             "Temporary failure in name resolution", "No address associated"}) {
+      if (failure.find(says) != std::string_view::npos) return true;
+    }
+    return false;
   }
 
   // Ranks on this machine are started directly, by this binary, in the run directory: no work
@@ -466,7 +487,20 @@ class Doctor {
     try {
       master_addr_ = resolve_master_addr_for(hosts_);
     } catch (const Error& e) {
-      add("store-port", "", false, e.what(), "pass --master-addr");
+      // The store's address comes from a host's name that its ssh check found unresolvable
+      // already: one problem, one FAIL line.
+      for (size_t i = 0; i < hosts_.size(); ++i) {
+        if (options_.master_addr.empty() && !can_probe(i) &&
+            std::string_view(e.what()).find("'" + hosts_[i].host + "'") != std::string::npos) {
+          skip_all(fmt::format("no store address: it would be {}'s, whose ssh check failed",
+                               hosts_[i].host));
+          return;
+        }
+      }
+      add("store-port", "", false, e.what(),
+          options_.master_addr.empty() ? "pass --master-addr (an address of this machine the "
+                                         "hosts reach)"
+                                       : "correct --master-addr");
       skip_all("no store address (see the line above)");
       return;
     }
@@ -475,7 +509,9 @@ class Doctor {
       listener = listen_tcp(master_addr_, options_.master_port);
     } catch (const Error& e) {
       add("store-port", "", false, e.what(),
-          "choose another --master-port (or free that one), or another --master-addr");
+          names_unresolved(e.what())
+              ? "correct --master-addr: give an address of this machine, or a name it resolves"
+              : "choose another --master-port (or free that one), or another --master-addr");
       skip_all("the store cannot listen (see the line above)");
       return;
     }

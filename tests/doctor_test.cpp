@@ -14,6 +14,7 @@
 
 #include "tests/harness.hpp"
 #include "tests/sshd.hpp"
+#include "tests/strings.hpp"
 
 using namespace dptrain::test;
 namespace fs = std::filesystem;
@@ -237,7 +238,7 @@ TEST_CASE("doctor: an unreachable host is named, the others still checked") {
     skipped += c["skipped"] == true ? 1 : 0;
   }
   CHECK(failed == 1);
-  CHECK(skipped == 6);  // workdir, version, blas, store-port, peer-port, allreduce
+  CHECK(skipped == 8);  // recipe, data, workdir, version, blas, store-port, peer-port, allreduce
   CHECK(passed >= 4);   // the good host's ssh, workdir, version, store-port
   // The failure fields every command's JSON has.
   CHECK(report["exit_code"] == 4);
@@ -516,6 +517,11 @@ TEST_CASE("doctor: a missing or invalid recipe exits 2, the data check a skip li
     CHECK(recipe_check["ok"] == false);
     CHECK(recipe_check["detail"].get<std::string>().find(
               missing ? "missing.json" : "/train/steps") != std::string::npos);
+    // A file that cannot be read is a path to fix, not a recipe to validate.
+    CHECK(recipe_check["fix"] == (missing ? "give the recipe's right path (this file cannot be "
+                                            "read)"
+                                          : "correct the recipe ('dptrain recipe validate " +
+                                                recipe.string() + "' lists every problem)"));
     const json data = check_named(report, "data");
     CHECK(data["ok"].is_null());
     CHECK(data["skipped"] == true);
@@ -530,6 +536,39 @@ TEST_CASE("doctor: a missing or invalid recipe exits 2, the data check a skip li
   CHECK(table.out.find("skip data       not run: the recipe is not valid") != std::string::npos);
   // Bad usage is 2 as well.
   CHECK(run_dptrain({"doctor", "--hosts", "localhost:2", "--master-port", "70000"}).exit_code == 2);
+}
+
+TEST_CASE("doctor: a name that does not resolve is one FAIL whose fix is the name") {
+  // A host: its ssh check fails, and the store's address, which would come from its name, is a
+  // skip line rather than a second failure.
+  auto host = run_dptrain({"doctor", "--hosts", "nosuch.invalid:1", "--connect-timeout", "3"});
+  INFO(host.out);
+  CHECK(host.exit_code == 4);
+  auto lines = failure_lines(host.out);
+  REQUIRE(lines.size() == 1);
+  CHECK(lines[0].starts_with("FAIL ssh        nosuch.invalid: "));
+  CHECK(
+      lines[0].ends_with("-- fix: check the host's name: this machine cannot resolve it (a "
+                         "typo, or a name DNS or /etc/hosts does not know)"));
+  CHECK(contains(host.out,
+                 "skip store-port nosuch.invalid: not run: no store address: it would "
+                 "be nosuch.invalid's, whose ssh check failed"));
+  // No recipe: its checks are skip lines, never left out.
+  CHECK(contains(host.out,
+                 "skip recipe     not run: no recipe given: give one to check it and "
+                 "its data"));
+  CHECK(contains(host.out, "skip data       not run: no recipe given"));
+  // --master-addr: the fix is that address, not the port.
+  auto addr = run_dptrain(
+      {"doctor", "--hosts", "localhost:1", "--master-addr", "nosuch.invalid", "--no-allreduce"});
+  INFO(addr.out);
+  CHECK(addr.exit_code == 4);
+  lines = failure_lines(addr.out);
+  REQUIRE(lines.size() == 1);
+  CHECK(lines[0].starts_with("FAIL store-port cannot listen on nosuch.invalid:"));
+  CHECK(
+      lines[0].ends_with("-- fix: correct --master-addr: give an address of this machine, or a "
+                         "name it resolves"));
 }
 
 TEST_CASE("doctor on this machine creates no workdir in $HOME and leaves no run directory") {
