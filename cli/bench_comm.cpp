@@ -169,9 +169,6 @@ int run_bench_launcher(const BenchCommOptions& o) {
   // Every flag is checked before anything is created.
   check_backend(o.backend);
   const CommBenchOptions options = bench_options(o);
-  if (!(o.timeout_s > 0)) {
-    throw Error(ErrorKind::usage, fmt::format("--timeout: must be > 0, got {}", o.timeout_s));
-  }
   JobSpec spec;
   spec.recipe.name = "bench-comm";
   if (!o.hosts.hosts.empty()) {
@@ -189,6 +186,22 @@ int run_bench_launcher(const BenchCommOptions& o) {
     throw Error(ErrorKind::usage,
                 "--min-busbw: with 1 rank no collective moves data between ranks (busbw is 0): "
                 "use 2 or more ranks, or leave out --min-busbw");
+  }
+  if (o.min_busbw_flag->count() > 0) {
+    // The threshold is judged at each collective's largest size: one that rounds down to no
+    // data (whole elements on every rank) leaves nothing to judge.
+    const uint64_t largest =
+        sweep_sizes(options.min_bytes, options.max_bytes, options.step_factor).back();
+    for (Collective op : options.ops) {
+      if (collective_shape(op, largest, dtype_size(options.dtype), spec.world_size).bytes > 0) {
+        continue;
+      }
+      throw Error(ErrorKind::usage,
+                  fmt::format("--min-busbw: {} moves no data at its largest size, {} bytes, on {} "
+                              "ranks (each rank's part rounds down to whole elements): raise "
+                              "-e/--maxbytes",
+                              collective_name(op), largest, spec.world_size));
+    }
   }
   if (o.hosts.hosts.empty() && o.backend == "gloo") check_local_memory(options, spec.world_size);
   if (o.backend == "nccl" && o.hosts.hosts.empty()) check_local_nccl(spec.world_size);
@@ -410,6 +423,7 @@ void setup_bench_comm(CLI::App& app, Outcome& outcome) {
   app.add_option("-e,--maxbytes", o->max_bytes, "Largest size in bytes (K, M, G, T suffixes)")
       ->capture_default_str();
   app.add_option("-f,--stepfactor", o->step_factor, "Multiply the size by this between rows")
+      ->check(whole_number<uint64_t>("FACTOR"))
       ->capture_default_str();
   app.add_option("-d,--dtype", o->dtype, "Element type: float, half or bf16")
       ->capture_default_str();
@@ -425,7 +439,7 @@ void setup_bench_comm(CLI::App& app, Outcome& outcome) {
                      "Exit 6 when a collective's busbw at its largest size is below this many GB/s")
           ->check(non_negative_number());
   app.add_option("--timeout", o->timeout_s, "Seconds for the rendezvous and for each collective")
-      ->check(seconds())
+      ->check(positive_seconds())
       ->capture_default_str();
   app.add_option("--run-dir", o->run_dir,
                  "Run directory for the ranks' logs and the result (default: "

@@ -271,6 +271,7 @@ void setup_bench_train(CLI::App& app, Outcome& outcome) {
                      "time; default 1, 2, 4, ... and all of them)");
   app.add_option("--steps", o->bench.steps,
                  "Training steps per run (the recipe's train.steps is overridden)")
+      ->check(whole_number<int64_t>("N"))
       ->capture_default_str();
   app.add_option("--repeats", o->bench.repeats,
                  "Runs per world size; every number reported is their median")

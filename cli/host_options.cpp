@@ -116,7 +116,7 @@ void add_host_options(CLI::App& app, HostOptions& o, bool hosts_required) {
                "Accept and record the keys of hosts not in known_hosts (a changed key is always "
                "refused)");
   app.add_option("--connect-timeout", o.connect_timeout_s, "Seconds to connect to a host")
-      ->check(seconds())
+      ->check(positive_seconds())
       ->capture_default_str();
   app.add_option("--ssh-keepalive", o.keepalive_s,
                  "Seconds between SSH keepalives; a host silent for 3 of them is lost (0: never)")

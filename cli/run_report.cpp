@@ -237,6 +237,18 @@ const CLI::Validator& seconds() {
   return check;
 }
 
+const CLI::Validator& positive_seconds() {
+  static const CLI::Validator check(
+      [](std::string& value) -> std::string {
+        std::string wrong = seconds()(value);
+        if (wrong.empty() && std::strtod(value.c_str(), nullptr) > 0) return {};
+        if (!wrong.empty() && !wrong.ends_with("must be a finite number >= 0")) return wrong;
+        return "'" + value + "' must be a number of seconds > 0";
+      },
+      "SECONDS>0");
+  return check;
+}
+
 const CLI::Validator& run_directory() {
   static const CLI::Validator check(
       [](std::string& value) -> std::string {

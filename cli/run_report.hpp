@@ -38,6 +38,8 @@ void add_restart_options(CLI::App& app, RestartOptions& o);
 const CLI::Validator& non_negative_number();
 // A number of seconds: non_negative_number, at most kMaxSeconds.
 const CLI::Validator& seconds();
+// A number of seconds more than 0 (a wait that must last some time): seconds(), and not 0.
+const CLI::Validator& positive_seconds();
 // A CLI11 check for a run directory argument: not empty (an empty path names no directory, and
 // would fail deep inside as "cannot make absolute path").
 const CLI::Validator& run_directory();

@@ -632,8 +632,9 @@ fs::path create_sweep_dir(const fs::path& dir, const fs::path& runs_root) {
   }
   fs::create_directories(path, ec);
   if (ec) {
-    throw Error(ErrorKind::io, fmt::format("{}: cannot create the benchmark directory: {}",
-                                           path.string(), ec.message()));
+    // The caller's to fix, as a launch's run directory is: a usage error.
+    throw Error(ErrorKind::usage, fmt::format("{}: cannot create the benchmark directory: {}",
+                                              path.string(), ec.message()));
   }
   return resolved_path(path);
 }

@@ -402,7 +402,11 @@ TEST_CASE("bench comm: a bad flag exits 2 naming it and creates nothing") {
       {{"--op", "broadcast", "--min-busbw", "1"},
        "--min-busbw: with 1 rank no collective moves data between ranks (busbw is 0): use 2 or "
        "more ranks, or leave out --min-busbw"},
-      {{"--timeout", "0"}, "--timeout: must be > 0"},
+      {{"--timeout", "0"}, "--timeout: '0' must be a number of seconds > 0"},
+      {{"--timeout", "-1"}, "--timeout: '-1' must be a number of seconds > 0"},
+      {{"-f", "99999999999999999999"}, "--stepfactor: '99999999999999999999' is out of range"},
+      {{"--nproc", "2", "--op", "allgather", "-b", "4", "-e", "4", "--min-busbw", "0.1"},
+       "--min-busbw: allgather moves no data at its largest size, 4 bytes, on 2 ranks"},
       {{"--hosts", "localhost:2", "--nproc", "2"}, "--nproc: not with --hosts"},
       {{"--iters", "x"}, "--iters"},
       {{"--bogus"}, "--bogus"},

@@ -172,6 +172,20 @@ TEST_CASE("a bad --nproc list exits 2 naming it, before anything is created") {
     CHECK(r.err.find("--nproc") != std::string::npos);
     CHECK(nothing_created(tmp));
   }
+  // A --runs-root that cannot be made is the caller's to fix, as for launch.
+  write_text(tmp / "afile", "x");
+  const auto root = run_dptrain({"bench", "train", quickstart(), "--nproc", "1", "--runs-root",
+                                 (tmp / "afile/runs").string()});
+  CHECK(root.exit_code == 2);
+  CHECK_MESSAGE(root.err.find("cannot create the benchmark directory") != std::string::npos,
+                root.err);
+  fs::remove(tmp / "afile");
+  // A --steps too large for a number is named as given, not as what it was clamped to.
+  const auto r = bench(tmp, {quickstart(), "--nproc", "1", "--steps", "99999999999999999999"});
+  CHECK(r.exit_code == 2);
+  CHECK_MESSAGE(r.err.find("--steps: '99999999999999999999' is out of range") != std::string::npos,
+                r.err);
+  CHECK(nothing_created(tmp));
 }
 
 TEST_CASE(

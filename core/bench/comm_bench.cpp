@@ -775,12 +775,16 @@ std::vector<std::string> busbw_shortfalls(const CommBenchResult& result, double 
   std::vector<std::string> lines;
   for (Collective op : result.options.ops) {
     const CommBenchRow* largest = nullptr;
+    // A size that rounds down to nothing moves nothing: not one to judge.
     for (const auto& row : result.rows) {
-      if (row.op == op && (largest == nullptr || row.size >= largest->size)) largest = &row;
+      if (row.op == op && row.size > 0 && (largest == nullptr || row.size >= largest->size)) {
+        largest = &row;
+      }
     }
+    // Three significant digits: a threshold below 0.01 GB/s is compared with what it can see.
     if (largest != nullptr && largest->busbw < min_busbw) {
       lines.push_back(
-          fmt::format("{} at {} bytes: busbw {:.2f} GB/s is below --min-busbw {:g} GB/s",
+          fmt::format("{} at {} bytes: busbw {:.3g} GB/s is below --min-busbw {:g} GB/s",
                       collective_name(op), largest->size, largest->busbw, min_busbw));
     }
   }

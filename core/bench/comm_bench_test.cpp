@@ -356,7 +356,7 @@ TEST_CASE("busbw_shortfalls: the largest size of each collective against the thr
   CHECK(busbw_shortfalls(r, 0.05).empty());
   auto lines = busbw_shortfalls(r, 1.0);
   REQUIRE(lines.size() == 1);
-  CHECK(lines[0] == "allreduce at 1048576 bytes: busbw 0.08 GB/s is below --min-busbw 1 GB/s");
+  CHECK(lines[0] == "allreduce at 1048576 bytes: busbw 0.0849 GB/s is below --min-busbw 1 GB/s");
   lines = busbw_shortfalls(r, 1e9);
   REQUIRE(lines.size() == 2);
   CHECK(lines[1].rfind("broadcast at 1048576 bytes: busbw 4.19 GB/s", 0) == 0);
