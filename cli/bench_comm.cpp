@@ -164,6 +164,44 @@ std::vector<std::string> wrong_data_lines(const CommBenchResult& result) {
   return lines;
 }
 
+// A benchmark that ended before its result (stopped, a rank that failed or hung): the sizes
+// measured before the end are kept (table.txt, and result.json with "partial": true) and
+// printed, then the error; with --json, one object with them, the run directory and the
+// failure's fields.
+int report_unfinished(const BenchCommOptions& o, const RunDirectory& run,
+                      const CommBenchResult& partial, const JobOutcome& outcome) {
+  // As main ends a failed command: a stop signal that came meanwhile is the exit.
+  const ErrorKind kind = kind_after_stop(failure_kind(outcome.exit_code));
+  const int code = exit_code(kind);
+  json j = {{"status", failure_status(kind)}};
+  const size_t planned =
+      partial.options.ops.size() *
+      sweep_sizes(partial.options.min_bytes, partial.options.max_bytes, partial.options.step_factor)
+          .size();
+  std::string table;
+  if (!partial.rows.empty()) {
+    j.update(partial.to_json());
+    j["partial"] = true;
+    table = format_comm_table(partial) +
+            fmt::format("# Partial: {} of {} measurements before the end (see the error)\n",
+                        partial.rows.size(), planned);
+  }
+  j["run_dir"] = run.path().string();
+  add_failure(j, code, outcome.error);
+  if (!partial.rows.empty()) {
+    write_file_atomic(run.path() / "table.txt", table);
+    write_file_atomic(run.path() / "result.json", json_text(j, 2) + "\n");
+  }
+  if (o.json) {
+    std::printf("%s\n", json_text(j).c_str());
+  } else {
+    std::fputs(table.c_str(), stdout);
+  }
+  std::fflush(stdout);
+  print_error_lines(outcome.error);
+  return code;
+}
+
 int run_bench_launcher(const BenchCommOptions& o) {
   install_stop_signal_handlers();
   // Every flag is checked before anything is created.
@@ -235,11 +273,25 @@ int run_bench_launcher(const BenchCommOptions& o) {
       run.path().string()));
   for (const auto& warning : fault_warnings)
     status.warning(warning);
+  // Rank 0's rows as it measures them: what is kept of a benchmark that does not finish.
+  CommBenchResult result;
+  result.ranks = spec.world_size;
+  result.hosts = hosts;
+  result.backend = o.backend;
+  result.options = options;
+  spec.on_event = [&result](const json& event) {
+    if (event.value("event", "") != "bench_progress" || !event.contains("row")) return;
+    try {
+      result.rows.push_back(row_from_json(event["row"]));
+    } catch (const json::exception&) {
+      // Another build's rank 0: its progress stays progress.
+    }
+  };
   const JobOutcome outcome = run_job(run, spec, status);
   status.finish();
-  if (outcome.exit_code != 0) throw Error(failure_kind(outcome.exit_code), outcome.error);
+  if (outcome.exit_code != 0) return report_unfinished(o, run, result, outcome);
 
-  CommBenchResult result = CommBenchResult::from_json(outcome.result);
+  result = CommBenchResult::from_json(outcome.result);
   result.hosts = hosts;
   const std::string table = format_comm_table(result);
   write_file_atomic(run.path() / "table.txt", table);
@@ -385,7 +437,8 @@ int run_bench_worker(const std::string& serialized) {
                 {"message",
                  fmt::format("bench comm: {} {} bytes ({}/{}): {:.2f} us, busbw {:.2f} GB/s",
                              collective_name(row.op), row.size, done, count, row.time_us,
-                             row.busbw)}});
+                             row.busbw)},
+                {"row", row_to_json(row)}});
         }
         if (++measured < measurements) faults.before_step(static_cast<int64_t>(measured));
       },

@@ -617,6 +617,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   }
   const auto handle_event = [&](const json& event) {
     const std::string kind = event.value("event", "");
+    if (spec.on_event) spec.on_event(event);
     if (kind == "progress") last_step = event.value("step", int64_t{-1});
     if (kind == "rendezvous") start_step = event.value("step", start_step);
     if (kind == "rendezvous" || kind == "checkpoint") {

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -64,6 +65,9 @@ struct JobSpec {
   std::vector<std::string> worker_args;
   std::chrono::milliseconds hang_timeout{0};  // 0: no hang detection
   EventLog* events = nullptr;                 // the --events stream, if any
+  // Told every event of rank 0 as it comes (a benchmark keeps what it measured, for an end
+  // before its result).
+  std::function<void(const nlohmann::json&)> on_event;
 };
 
 struct JobOutcome {

@@ -264,6 +264,14 @@ TEST_CASE("bench comm: DPTRAIN_FAULT counts each measurement as a step") {
     CHECK(j["errors"][0].get<std::string>().find("rank 1 (pid ") == 0);
     // (7 outranks the exit 3 rank 0 makes as its peer leaves.)
     CHECK(j["errors"][0].get<std::string>().find("exited with code 7") != std::string::npos);
+    // What was measured before the end is kept: in the JSON, in result.json and table.txt.
+    CHECK(j["partial"] == true);
+    CHECK(j["run_dir"] == fs::absolute(tmp / "run").string());
+    REQUIRE(j["rows"].size() == 2);
+    CHECK(j["rows"][1]["size"] == 2048);
+    CHECK(parse_json(read_text(tmp / "run" / "result.json"))["rows"] == j["rows"]);
+    CHECK(contains(read_text(tmp / "run" / "table.txt"),
+                   "# Partial: 2 of 3 measurements before the end (see the error)"));
     // Rank 0 measured the first two sizes, not the third.
     const std::string log = read_text(tmp / "run" / "logs" / "localhost-rank0.log");
     CAPTURE(log);
@@ -304,6 +312,10 @@ TEST_CASE("bench comm: DPTRAIN_FAULT counts each measurement as a step") {
     CHECK(parse_json(report.out)["status"] == "running");
     kill(launcher.pid(), SIGTERM);
     CHECK(launcher.wait(std::chrono::seconds(60)) == 143);
+    // The one size measured before the hang is printed, as a partial table.
+    CHECK(contains(launcher.out(), "# Partial: 1 of 3 measurements before the end"));
+    CHECK(contains(launcher.out(), "        1024           256     float     sum      -1"));
+    CHECK(contains(launcher.err(), "dptrain: error: stopped by SIGTERM"));
     // Stopped before its result: still a collective benchmark, of the sizes it was given.
     s = parse_json(run_dptrain({"status", run.string(), "--json"}).out);
     CHECK(s["status"] == "terminated");

@@ -390,6 +390,8 @@ std::string format_bandwidth(double gbs) {
   return fmt::format("{:6.0f}", gbs);
 }
 
+}  // namespace
+
 json row_to_json(const CommBenchRow& r) {
   return {{"op", collective_name(r.op)},
           {"size", r.size},
@@ -417,8 +419,6 @@ CommBenchRow row_from_json(const json& j) {
   r.wrong = j.at("wrong").get<uint64_t>();
   return r;
 }
-
-}  // namespace
 
 const char* collective_name(Collective op) {
   switch (op) {

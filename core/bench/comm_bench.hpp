@@ -87,6 +87,10 @@ struct CommBenchRow {
   uint64_t wrong = 0;  // elements that differ from the expected result, summed over ranks
 };
 
+// A row as the result's JSON holds it, and back (json::exception when malformed).
+nlohmann::json row_to_json(const CommBenchRow& row);
+CommBenchRow row_from_json(const nlohmann::json& j);
+
 struct CommBenchResult {
   int ranks = 1;
   int hosts = 1;
