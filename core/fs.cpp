@@ -2,11 +2,13 @@
 #include "core/fs.hpp"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <pwd.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -68,6 +70,52 @@ std::string read_file(const std::filesystem::path& path) {
   ss << in.rdbuf();
   if (in.bad()) throw_io(path, "read");
   return std::move(ss).str();
+}
+
+namespace {
+std::atomic<int (*)()> g_pending_stop{nullptr};
+}  // namespace
+
+void set_stop_check(int (*pending_stop)()) {
+  g_pending_stop.store(pending_stop);
+}
+
+int read_stoppable(const std::filesystem::path& path, size_t limit, std::string& out,
+                   bool& too_long) {
+  too_long = false;
+  // Non-blocking: opening a FIFO for reading would wait for a writer, where no stop could end
+  // the wait once its signal had come before it.
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
+  if (fd.get() < 0) return -1;
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) return -1;
+  const bool pipe = S_ISFIFO(st.st_mode);
+  // Anything else reads as usual (a terminal, a device: blocking).
+  if (!pipe && ::fcntl(fd.get(), F_SETFL, 0) != 0) return -1;
+  char buffer[1 << 16];
+  for (;;) {
+    if (pipe) {
+      const auto check = g_pending_stop.load();
+      if (check != nullptr && check() != 0) {
+        errno = EINTR;
+        return -1;
+      }
+      // Linux reports nothing on a FIFO no writer has opened yet: the wait goes on.
+      pollfd p{fd.get(), POLLIN, 0};
+      const int ready = ::poll(&p, 1, 100);
+      if (ready < 0 && errno != EINTR) return -1;
+      if (ready <= 0) continue;
+    }
+    const ssize_t n = ::read(fd.get(), buffer, sizeof buffer);
+    if (n < 0 && (errno == EAGAIN || (pipe && errno == EINTR))) continue;
+    if (n < 0) return -1;
+    if (n == 0) return 0;
+    out.append(buffer, static_cast<size_t>(n));
+    if (out.size() > limit) {
+      too_long = true;
+      return 0;
+    }
+  }
 }
 
 void fsync_directory(const std::filesystem::path& dir) {

@@ -13,6 +13,15 @@ namespace dptrain {
 
 // Reads a whole file; Error(io) "PATH: cannot read: reason".
 std::string read_file(const std::filesystem::path& path);
+// Where a stop signal is recorded (the commands' handlers, launch/supervisor.cpp, install it):
+// the pending stop's signal, 0 for none. Reads that can wait for ever look at it between waits.
+void set_stop_check(int (*pending_stop)());
+// Opens `path` for reading and reads at most `limit` bytes of it (more: `too_long` is set and
+// the rest is left). From a pipe (a FIFO someone has yet to open or write) it waits in slices of
+// at most 100 ms, and ends with errno EINTR once a stop is pending (set_stop_check), even one
+// that came before the wait began. A failure is reported as errno, -1 returned; else 0.
+int read_stoppable(const std::filesystem::path& path, size_t limit, std::string& out,
+                   bool& too_long);
 // Writes to a temporary name beside `path`, fsyncs it, renames over `path`, fsyncs the directory.
 // A crash leaves either the old file or the new one, never a torn file.
 void write_file_atomic(const std::filesystem::path& path, std::string_view content);

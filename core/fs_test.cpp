@@ -3,11 +3,16 @@
 
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <doctest/doctest.h>
 
+#include <cerrno>
+#include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <string>
+#include <thread>
 
 #include "core/error.hpp"
 #include "core/trainer.hpp"
@@ -112,4 +117,41 @@ TEST_CASE("truncate_metrics_after keeps the steps up to the checkpoint's, passin
                     "{\"step\":2,\"loss\":1.5}\n{\"step\":3,\"loss\":1}\n{\"step\":4,\"lo");
   truncate_metrics_after(metrics, 2);
   CHECK(read_file(metrics) == "{\"step\":1,\"loss\":2}\n{\"step\":2,\"loss\":1.5}\n");
+}
+
+namespace {
+int g_pretend_stop = 0;
+int pretend_stop() {
+  return g_pretend_stop;
+}
+}  // namespace
+
+TEST_CASE("read_stoppable: a pipe is read to its end, and a stop ends a wait for a writer") {
+  dptrain::test::TempDir dir;
+  const auto fifo = dir / "recipe.fifo";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  set_stop_check(&pretend_stop);
+  // A writer that comes later: the read waits for it and takes all it writes.
+  std::thread writer([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    std::ofstream(fifo) << std::string(100000, 'x');
+  });
+  std::string text;
+  bool too_long = true;
+  CHECK(read_stoppable(fifo, size_t{1} << 20, text, too_long) == 0);
+  writer.join();
+  CHECK(text == std::string(100000, 'x'));
+  CHECK_FALSE(too_long);
+  // A stop that came before the wait began (no signal arrives during it): EINTR, not a wait for
+  // ever for a writer that never comes.
+  g_pretend_stop = 15;
+  text.clear();
+  CHECK(read_stoppable(fifo, size_t{1} << 20, text, too_long) == -1);
+  CHECK(errno == EINTR);
+  g_pretend_stop = 0;
+  set_stop_check(nullptr);
+  // A regular file past the limit: too long, the rest left.
+  write_file_atomic(dir / "big", std::string(5000, 'y'));
+  CHECK(read_stoppable(dir / "big", 1000, text, too_long) == 0);
+  CHECK(too_long);
 }

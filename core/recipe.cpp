@@ -954,34 +954,22 @@ void check_data_path(DataSpec& data, const std::filesystem::path& base_dir, Data
 
 // ---- file reading ----------------------------------------------------------------------------
 
-struct FileCloser {
-  void operator()(std::FILE* file) const { std::fclose(file); }
-};
-
 std::string read_recipe_text(const std::filesystem::path& path) {
-  std::unique_ptr<std::FILE, FileCloser> file(std::fopen(path.c_str(), "rb"));
-  if (!file) {
-    throw Error(ErrorKind::recipe,
-                fmt::format("{}: cannot read: {}", printable(path.string()), std::strerror(errno)));
-  }
   // A recipe is a few KiB of JSON; /dev/zero or a log named by mistake would be read until
   // memory ran out.
   constexpr size_t kMaxRecipeBytes = size_t{16} << 20;
   std::string text;
-  char buffer[1 << 16];
-  size_t count = 0;
-  while ((count = std::fread(buffer, 1, sizeof buffer, file.get())) > 0) {
-    text.append(buffer, count);
-    if (text.size() > kMaxRecipeBytes) {
-      throw Error(ErrorKind::recipe,
-                  fmt::format("{}: more than {} MiB; a recipe is a JSON file of a few KiB (is "
-                              "this the recipe?)",
-                              printable(path.string()), kMaxRecipeBytes >> 20));
-    }
-  }
-  if (std::ferror(file.get())) {
+  bool too_long = false;
+  // A pipe (a recipe a script writes) is waited for as long as it takes, but a stop ends it.
+  if (read_stoppable(path, kMaxRecipeBytes, text, too_long) != 0) {
     throw Error(ErrorKind::recipe,
                 fmt::format("{}: cannot read: {}", printable(path.string()), std::strerror(errno)));
+  }
+  if (too_long) {
+    throw Error(ErrorKind::recipe,
+                fmt::format("{}: more than {} MiB; a recipe is a JSON file of a few KiB (is "
+                            "this the recipe?)",
+                            printable(path.string()), kMaxRecipeBytes >> 20));
   }
   return text;
 }
