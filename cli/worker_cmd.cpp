@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -40,6 +41,7 @@
 #include "core/recipe.hpp"
 #include "core/tensor/device.hpp"
 #include "core/trainer.hpp"
+#include "launch/hang_watch.hpp"
 #include "launch/run_dir.hpp"
 #include "launch/status.hpp"
 #include "launch/supervisor.hpp"
@@ -777,9 +779,33 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
       farewell.from_peer = true;
       throw *told;
     }
-    if (who.empty()) throw;
-    throw Error(e.kind(),
-                fmt::format("{}; {}{}", e.what(), who.starts_with("rank ") ? "silent: " : "", who));
+    if (!who.empty()) {
+      throw Error(e.kind(), fmt::format("{}; {}{}", e.what(),
+                                        who.starts_with("rank ") ? "silent: " : "", who));
+    }
+    // Every peer still beats, and the collective timed out: one is stuck outside it (its data,
+    // say). Where each rank is, as a launcher says it.
+    const std::string what = e.what();
+    if (what.find("timed out") == std::string::npos &&
+        what.find("Timed out") == std::string::npos) {
+      throw;
+    }
+    std::map<int, json> last_beats;
+    bool store_gone = false;
+    try {
+      for (int r = 0; r < o.world_size; ++r) {
+        if (r == o.rank) {
+          last_beats[r] = progress.snapshot();
+        } else if (auto beat = read_heartbeat(beat_store, r)) {
+          last_beats[r] = std::move(*beat);
+        }
+      }
+    } catch (const std::exception&) {
+      store_gone = true;  // the error as it was
+    }
+    if (store_gone || last_beats.size() < 2) throw;
+    throw Error(e.kind(), fmt::format("{}; by the ranks' last heartbeats, {}", what,
+                                      HangWatch::positions(last_beats)));
   }
   // Training is over: a signal now waits for the record of how it ended, and the exit.
   if (int answer = 0; !g_stop_answer.compare_exchange_strong(answer, 3)) {

@@ -19,6 +19,7 @@
 #include <fmt/format.h>
 
 #include "core/error.hpp"
+#include "core/fs.hpp"
 #include "launch/status.hpp"
 
 extern char** environ;
@@ -470,7 +471,12 @@ class Supervision {
   void signal_all(int sig) {
     stopping_signalled_ = true;
     for (auto& c : children_) {
-      if (!c.exited) ::kill(-c.pid, sig);
+      if (c.exited) continue;
+      ::kill(-c.pid, sig);
+      // A stopped rank (SIGSTOP, a debugger let go of) acts on a SIGTERM or SIGINT only once it
+      // runs again, as a shell's kill does for a stopped job: else its grace would pass in vain
+      // and SIGKILL end it, with nothing said.
+      if (sig != SIGKILL) ::kill(-c.pid, SIGCONT);
     }
   }
 
@@ -518,6 +524,7 @@ void install_stop_signal_handlers() {
       throw Error(ErrorKind::internal, fmt::format("pipe: {}", std::strerror(errno)));
     }
   }
+  set_stop_check(&pending_stop_signal);  // a read waiting on a pipe looks at it
   struct sigaction sa {};
   sa.sa_handler = on_stop_signal;
   sigemptyset(&sa.sa_mask);

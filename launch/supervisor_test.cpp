@@ -118,6 +118,28 @@ TEST_CASE("supervisor: a process that ignores SIGTERM is killed after the grace 
   CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20));
 }
 
+TEST_CASE("supervisor: a stopped process (SIGSTOP) is let run to act on its SIGTERM") {
+  Fixture f;
+  // Rank 0 stops itself, as a debugger or `kill -STOP` would leave it; rank 1 then fails. The
+  // SIGTERM that follows reaches rank 0's handler (with a SIGCONT), not the grace's SIGKILL.
+  const auto result =
+      supervise({f.shell(0, "trap 'echo got TERM; exit 7' TERM; kill -STOP $$; sleep 30"),
+                 f.shell(1, "sleep 0.3; exit 1")},
+                f.options);
+  REQUIRE(result.failure);
+  CHECK(result.failure->rank == 1);
+  bool reported = false;
+  for (const auto& e : result.exits) {
+    if (e.label != "rank 0") continue;
+    reported = true;
+    CHECK(e.signal == 0);
+    CHECK(e.exit_code == 7);
+  }
+  CHECK(reported);
+  std::lock_guard lock(f.mutex);
+  CHECK(f.lines["rank 0"] == std::vector<std::string>{"got TERM"});
+}
+
 TEST_CASE("supervisor: a grandchild holding the output open does not keep it waiting") {
   Fixture f;
   const auto result = supervise({f.shell(0, "(sleep 30 &) ; echo started; exit 5")}, f.options);

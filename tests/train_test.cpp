@@ -791,6 +791,27 @@ TEST_CASE("without a launcher, a rank whose peer is killed names it from the hea
   }
 }
 
+TEST_CASE("without a launcher, a collective that times out names the rank stuck outside it") {
+  TempDir tmp;
+  auto r = resumable_recipe();
+  r["distributed"]["timeout_s"] = 3;
+  const auto recipe = write_recipe(tmp.path(), r);
+  const std::string port = std::to_string(unused_port());
+  // Rank 1 hangs in its own work at step 5 (its heartbeat goes on): rank 0 waits in the next
+  // collective until the timeout, then says where each rank was.
+  Env e0 = hand_env(0, 2, port, tmp / "run");
+  Env e1 = hand_env(1, 2, port, tmp / "run");
+  e0["DPTRAIN_FAULT"] = e1["DPTRAIN_FAULT"] = "hang@step=5,rank=1";
+  Background r0({"worker", recipe.string()}, e0);
+  Background r1({"worker", recipe.string()}, e1);
+  CHECK(r0.wait(std::chrono::seconds(120)) == 3);
+  CAPTURE(r0.err());
+  CHECK(contains(r0.err(), "; by the ranks' last heartbeats, stuck: rank 1 at step 5 in phase "));
+  CHECK(contains(r0.err(), "; waiting for it in collective #"));
+  ::kill(r1.pid(), SIGKILL);
+  r1.wait(std::chrono::seconds(10));
+}
+
 TEST_CASE("a worker started by srun takes its local rank from SLURM_LOCALID") {
   // Rank 1 is the first rank of a second node: a node leader, it keeps its own checkpoints.
   TempDir tmp;
