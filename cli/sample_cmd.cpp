@@ -79,6 +79,24 @@ std::optional<Tokenizer> load_tokenizer(const DataSpec& data, bool ids) {
   }
 }
 
+// A tokenizer.json put in from another dataset would decode the model's ids into other
+// characters: its vocabulary must be the token files' (train.bin's header), as data prepare
+// wrote them together. What is wrong, or "" (also when the token files cannot be read).
+std::string tokenizer_misfit(const Tokenizer& tokenizer, const DataSpec& data) {
+  int64_t vocab = 0;
+  try {
+    vocab = read_token_header(fs::path(data.path) / "train.bin").vocab;
+  } catch (const Error&) {
+    return "";
+  }
+  if (vocab == tokenizer.vocab()) return "";
+  return fmt::format(
+      "{}: {} ids, but the tokens of {} have {} (its header): the tokenizer is "
+      "another dataset's",
+      (fs::path(data.path) / "tokenizer.json").string(), tokenizer.vocab(),
+      (fs::path(data.path) / "train.bin").string(), vocab);
+}
+
 // The ids the model may draw: the tokenizer's vocabulary, or without one the dataset's (its
 // training file's header), or else the model's.
 int64_t drawable_vocab(const std::optional<Tokenizer>& tokenizer, const Recipe& recipe) {
@@ -234,7 +252,20 @@ int run_sample(const SampleOptions& o) {
     throw Error(ErrorKind::usage, fmt::format("{}: sample needs a gpt run; this one trains an {}",
                                               o.run_dir, recipe.model.type));
   }
-  const std::optional<Tokenizer> tokenizer = load_tokenizer(recipe.data, o.ids);
+  std::optional<Tokenizer> tokenizer = load_tokenizer(recipe.data, o.ids);
+  if (tokenizer) {
+    if (const std::string misfit = tokenizer_misfit(*tokenizer, recipe.data); !misfit.empty()) {
+      if (!o.ids) {
+        throw Error(ErrorKind::recipe,
+                    misfit +
+                        ": put this dataset's tokenizer.json back, or sample token ids "
+                        "with --ids");
+      }
+      // Ids need no tokenizer: the token files' vocabulary, and no text.
+      std::fprintf(stderr, "dptrain: warning: %s: ids only, no text\n", misfit.c_str());
+      tokenizer.reset();
+    }
+  }
   const int64_t vocab = drawable_vocab(tokenizer, recipe);
   // --checkpoint: a directory, or a name or step of the run's checkpoints (as ckpt verify takes).
   std::error_code ec;

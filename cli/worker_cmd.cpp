@@ -474,6 +474,7 @@ struct Farewell {
   bool met = false;        // the ranks agreed to start: a failure since may be its own
   bool from_peer = false;  // its error is a peer's failure, which that peer posted
   bool stopped = false;    // by a signal: the peers stop too, and look for nothing
+  std::vector<int> gone;   // peers whose heartbeats stood still: none will look either
   std::optional<Error> refusal;
   // A failure of its own once the ranks met (not a communication error: a peer's exit causes
   // those; nor a stop), for the peers whose collectives fail as it leaves (peer_failure).
@@ -497,7 +498,7 @@ struct Farewell {
       if (server) wait_until_told(store, world, kWait);
       // Once the ranks met, whoever failed: the peers look for a failure posted (their own
       // collectives may fail seconds apart, and with the store they would lose the answer).
-      if (server && met && !stopped) wait_until_heard(store, world, kWait);
+      if (server && met && !stopped) wait_until_heard(store, world, kWait, gone);
     } catch (const std::exception&) {
       // A store that is not there (rank 0 did not start it): nobody to tell.
     }
@@ -771,8 +772,8 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
     if (e.kind() != ErrorKind::comm || started_by_launcher() || o.world_size < 2) throw;
     // Through the heartbeats' connection, quick to give up: the job's waits up to the timeout
     // for a store that is gone with the peer.
-    const std::string who =
-        silent_peers(beat_store, o.rank, o.world_size, std::chrono::milliseconds(2500));
+    const std::string who = silent_peers(beat_store, o.rank, o.world_size,
+                                         std::chrono::milliseconds(2500), &farewell.gone);
     // A peer that failed of itself (its data, say) posted why as it left: that, not the
     // connection it closed.
     if (auto told = peer_failure(beat_store, o.rank, o.world_size, progress.stepping())) {

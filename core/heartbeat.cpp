@@ -64,7 +64,8 @@ std::string sigterm_key(int rank) {
   return fmt::format("sigterm/{}", rank);
 }
 
-std::string silent_peers(Store& store, int rank, int world, std::chrono::milliseconds apart) {
+std::string silent_peers(Store& store, int rank, int world, std::chrono::milliseconds apart,
+                         std::vector<int>* silent_ranks) {
   // Each peer's beat count; -1 where it has published none (it never started).
   const auto beats = [&] {
     std::vector<int64_t> out(static_cast<size_t>(world), -1);
@@ -88,7 +89,10 @@ std::string silent_peers(Store& store, int rank, int world, std::chrono::millise
   }
   std::vector<std::string> silent;
   for (size_t r = 0; r < before.size(); ++r) {
-    if (before[r] >= 0 && before[r] == after[r]) silent.push_back(fmt::format("rank {}", r));
+    if (before[r] >= 0 && before[r] == after[r]) {
+      silent.push_back(fmt::format("rank {}", r));
+      if (silent_ranks != nullptr) silent_ranks->push_back(static_cast<int>(r));
+    }
   }
   if (silent.empty()) return "";
   return fmt::format("{} (no heartbeat for {:.1f}s: exited, killed or frozen)",

@@ -11,6 +11,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -90,8 +91,10 @@ std::string sigterm_key(int rank);  // "sigterm/<rank>", under the generation's 
 // ranks whose heartbeat stood still over `apart` (longer than a sender's interval), as
 // "rank 1 (no heartbeat for 2.5s: exited, killed or frozen)"; or that the store
 // itself stopped answering (the process serving it is gone, e.g. rank 0 with --host-store).
-// "" when every peer still beats or the heartbeats say nothing. Never throws.
-std::string silent_peers(Store& store, int rank, int world, std::chrono::milliseconds apart);
+// "" when every peer still beats or the heartbeats say nothing. Never throws. `silent`, when
+// given, gets those ranks.
+std::string silent_peers(Store& store, int rank, int world, std::chrono::milliseconds apart,
+                         std::vector<int>* silent = nullptr);
 
 // The heartbeats' own connection to the store at host:port (under the generation's prefix), quick
 // to give up: a store gone with its process (rank 0 with --host-store) would otherwise hold each

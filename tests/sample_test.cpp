@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 
 #include "tests/harness.hpp"
+#include "tests/strings.hpp"
 #include "tests/text_corpus.hpp"
 
 using namespace dptrain::test;
@@ -272,6 +273,27 @@ TEST_CASE("sample --ids: ids in and out, the same draws as text; a dataset witho
   CHECK(s["prompt_ids"] == t["prompt_ids"]);
   CHECK(s["text"] == t["text"]);  // the tokenizer is there: the text comes too
   CHECK(t["ids"].size() == 30);
+
+  // Another dataset's tokenizer.json (3 characters for this one's data.vocab): its text would be
+  // other characters. Refused, naming both files; ids still come, without text.
+  const std::string own = read_text(data.dir / "tokenizer.json");
+  write_text(data.dir / "tokenizer.json", R"({"type": "char", "chars": [97, 98, 99]})");
+  const auto misfit = sample(run_dir, {"--tokens", "5"});
+  CHECK(misfit.exit_code == 2);
+  CHECK(misfit.out.empty());
+  CHECK_MESSAGE(contains(misfit.err, fmt::format("tokenizer.json: 3 ids, but the tokens of {} "
+                                                 "have {} (its header): the tokenizer is another "
+                                                 "dataset's: put this dataset's tokenizer.json "
+                                                 "back, or sample token ids with --ids",
+                                                 (data.dir / "train.bin").string(), data.vocab)),
+                misfit.err);
+  const auto misfit_ids =
+      sample(run_dir, {"--prompt", as_ids, "--ids", "--tokens", "30", "--seed", "4", "--json"});
+  REQUIRE(misfit_ids.exit_code == 0);
+  CHECK(parse_json(misfit_ids.out)["ids"] == t["ids"]);
+  CHECK(parse_json(misfit_ids.out)["text"].is_null());
+  CHECK(contains(misfit_ids.err, "the tokenizer is another dataset's: ids only, no text"));
+  write_text(data.dir / "tokenizer.json", own);
 
   // Token files made by another tokenizer: no tokenizer.json. Text is refused with the way out.
   fs::remove(data.dir / "tokenizer.json");

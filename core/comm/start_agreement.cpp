@@ -363,10 +363,11 @@ namespace {
 // Waits up to `bound` for every rank but 0 to post its key(rank); those that have not by then
 // come too late to learn anything.
 void wait_for_others(Store& store, int world, std::string (*key)(int),
-                     std::chrono::milliseconds bound) {
+                     std::chrono::milliseconds bound, const std::vector<int>& gone = {}) {
   std::vector<std::string> keys;
-  for (int r = 1; r < world; ++r)
-    keys.push_back(key(r));
+  for (int r = 1; r < world; ++r) {
+    if (std::find(gone.begin(), gone.end(), r) == gone.end()) keys.push_back(key(r));
+  }
   try {
     if (!keys.empty()) store.wait(keys, bound);
   } catch (const Error&) {
@@ -375,8 +376,9 @@ void wait_for_others(Store& store, int world, std::string (*key)(int),
 
 }  // namespace
 
-void wait_until_heard(Store& store, int world, std::chrono::milliseconds bound) {
-  wait_for_others(store, world, heard_key, bound);
+void wait_until_heard(Store& store, int world, std::chrono::milliseconds bound,
+                      const std::vector<int>& gone) {
+  wait_for_others(store, world, heard_key, bound, gone);
 }
 
 void wait_until_told(Store& store, int world, std::chrono::milliseconds bound) {

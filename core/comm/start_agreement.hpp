@@ -5,6 +5,7 @@
 #include <chrono>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "core/comm/store.hpp"
 #include "core/error.hpp"
@@ -47,8 +48,10 @@ void report_failure(Store& store, int rank, const Error& error);
 std::optional<Error> peer_failure(Store& store, int rank, int world, bool stepping);
 
 // For rank 0 serving the store itself, after it posted a failure: waits (up to `bound`) until
-// every other rank has looked (peer_failure).
-void wait_until_heard(Store& store, int world, std::chrono::milliseconds bound);
+// every other rank has looked (peer_failure), but for those in `gone` (known to have exited:
+// their heartbeats stood still), which never will.
+void wait_until_heard(Store& store, int world, std::chrono::milliseconds bound,
+                      const std::vector<int>& gone = {});
 
 // For rank 0 serving the store itself, before it exits with a failure at or before the start:
 // waits until every other rank has read the choice or refused (up to `bound`), so that they learn

@@ -5,6 +5,7 @@
 
 #include <unistd.h>
 
+#include <chrono>
 #include <functional>
 #include <optional>
 #include <string>
@@ -231,6 +232,18 @@ TEST_CASE("peer failures: a rank's own failure is named to the peers it leaves")
   CHECK_FALSE(peer_failure(store, 2, 3, false));
   // Every other rank has looked: rank 0 need not wait.
   wait_until_heard(store, 3, 60s);
+}
+
+TEST_CASE("peer failures: rank 0 waits for no word from peers known to be gone") {
+  TcpStoreServer server;
+  TcpStoreClient client("127.0.0.1", server.port(), 10s);
+  PrefixStore store("gen1", client);
+  report_failure(store, 0, Error(ErrorKind::recipe, "rank 0: d.csv:402: 1 features"));
+  CHECK(peer_failure(store, 2, 3, true));  // rank 2 looked; rank 1's heartbeat stood still
+  // Bound against a hang: waiting for rank 1 would take the whole 120 s.
+  const auto t0 = std::chrono::steady_clock::now();
+  wait_until_heard(store, 3, 120s, {1});
+  CHECK(std::chrono::steady_clock::now() - t0 < 60s);
 }
 
 }  // namespace
