@@ -131,6 +131,7 @@ int start_launch(const LaunchOptions& o, bool& events_opened) {
     std::fprintf(stderr, "dptrain: warning: %s (the plan is shown all the same)\n", e.what());
   }
   check_open_files(spec);
+  check_local_memory(spec, o.recipe);
   if (o.dry_run) {
     if (const int sig = pending_stop_signal()) {
       throw stop_error(sig, "", "");

@@ -155,6 +155,7 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
   }
   // Too few open files for the ranks: refused before run.json changes.
   check_open_files(spec);
+  check_local_memory(spec, (run.path() / "run.json").string());
   // A stop that came while the checkpoints were checked (large ones take seconds): no rank is
   // started, and run.json stays as it was.
   if (const int sig = pending_stop_signal()) {

@@ -11,8 +11,10 @@
 
 #include <fmt/format.h>
 
+#include "cli/env.hpp"
 #include "cli/json_errors.hpp"
 #include "core/error.hpp"
+#include "core/fs.hpp"
 #include "core/json_error.hpp"
 #include "core/recipe.hpp"
 #include "launch/report.hpp"
@@ -201,6 +203,32 @@ int run_to_end(RunDirectory& run, JobSpec spec, const RestartOptions& o, bool js
   }
   events.emit("run_finished", outcome.to_json(run));
   return report_outcome(run, outcome, json, events.to_stdout() ? stderr : stdout);
+}
+
+void check_local_memory(const JobSpec& spec, const std::string& origin) {
+  const Recipe& r = spec.recipe;
+  const int ranks = local_rank_count(spec);
+  if (r.train.device != "cpu" || ranks < 1) return;
+  const uint64_t available = available_memory();
+  const auto params = parameter_count(r.model);
+  if (available == 0 || !params) return;
+  // f32 values a rank keeps per parameter: itself and its gradient, and the optimizer's state
+  // (sharded over the ranks with ZeRO-1; on the servers, sharded, in parameter-server mode).
+  double state = r.optimizer.type == "adamw" ? 2 : r.optimizer.momentum > 0 ? 1 : 0;
+  if (r.distributed.zero == 1) state /= spec.world_size;
+  if (r.distributed.sync == "ps") state = 0;
+  const double per_rank = static_cast<double>(*params) * 4.0 * (2.0 + state);
+  const double needed = per_rank * ranks;
+  if (needed <= static_cast<double>(available)) return;
+  const auto size = [](double bytes) { return human_size(static_cast<uint64_t>(bytes)); };
+  throw Error(
+      ErrorKind::recipe,
+      fmt::format("{}: /model: its {} parameters take at least {} a rank (parameters, "
+                  "gradients and the {} state, in f32, before any activation), {} for "
+                  "the {} rank(s) on this machine, which has {} available (MemAvailable): "
+                  "a smaller model, or fewer ranks here",
+                  origin, *params, size(per_rank), r.optimizer.type == "adamw" ? "AdamW" : "SGD",
+                  size(needed), ranks, size(static_cast<double>(available))));
 }
 
 const CLI::Validator& non_negative_number() {

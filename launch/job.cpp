@@ -462,20 +462,23 @@ json JobPlan::to_json(const JobSpec& spec) const {
   return {{"store", store}, {"world_size", total_slots(hosts)}, {"hosts", hosts_json}};
 }
 
+int local_rank_count(const JobSpec& spec) {
+  if (spec.hosts.empty()) return spec.world_size;
+  int local = 0;
+  for (const HostSpec& h : spec.hosts)
+    local += h.is_local() ? h.slots : 0;
+  return local;
+}
+
 void check_open_files(const JobSpec& spec) {
   // Each local rank's output pipe and log file, each remote host's relay, and every rank's two
   // connections to the store (requests, heartbeats), with room for the launcher's own. At least
   // what a Gloo rank of the job needs itself (world - 1 connections + 32, as the worker checks), so
   // that a launch is refused here rather than by its ranks.
-  size_t local_ranks = spec.hosts.empty() ? static_cast<size_t>(spec.world_size) : 0;
+  const auto local_ranks = static_cast<size_t>(local_rank_count(spec));
   size_t relays = 0;
-  for (const HostSpec& h : spec.hosts) {
-    if (h.is_local()) {
-      local_ranks += static_cast<size_t>(h.slots);
-    } else {
-      ++relays;
-    }
-  }
+  for (const HostSpec& h : spec.hosts)
+    relays += h.is_local() ? 0 : 1;
   const auto world = static_cast<size_t>(spec.world_size);
   require_open_files(2 * local_ranks + 2 * relays + 2 * world + 32,
                      local_ranks == world

@@ -175,6 +175,8 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
 // pipes, logs and store connections here): a launch and a resume check it before they make or
 // change anything, run_job again for each generation.
 void check_open_files(const JobSpec& spec);
+// The ranks the job runs on this machine (those of local hosts, or all without hosts).
+int local_rank_count(const JobSpec& spec);
 
 // run_job, and after a rank or host failure (exit 3 or 4) a new generation from the newest
 // valid checkpoint (or from step 0 when there is none), with exponential back-off, until the

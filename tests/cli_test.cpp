@@ -669,6 +669,30 @@ TEST_CASE("a bad recipe runs nothing: exit 2, one line per problem, no run direc
   CHECK(missing.err.find("absent.json") != std::string::npos);
 }
 
+TEST_CASE("a model this machine's memory cannot hold is refused before anything starts") {
+  TempDir tmp;
+  const fs::path recipe = source_dir() / "recipes/quickstart.json";
+  // 2 ranks of quickstart's MLP (269,322 parameters) with AdamW: 4.1 MiB each, at the least.
+  write_text(tmp / "meminfo", "MemTotal: 1000000 kB\nMemAvailable: 6000 kB\n");
+  const Env small = {{"DPTRAIN_TEST_MEMINFO", (tmp / "meminfo").string()}};
+  auto r = run_dptrain(
+      {"launch", recipe.string(), "--nproc", "2", "--runs-root", (tmp / "runs").string(), "--json"},
+      small);
+  CHECK(r.exit_code == 2);
+  CHECK_MESSAGE(r.err == "dptrain: error: " + recipe.string() +
+                             ": /model: its 269322 parameters take at least 4.1 MiB a rank "
+                             "(parameters, gradients and the AdamW state, in f32, before any "
+                             "activation), 8.2 MiB for the 2 rank(s) on this machine, which has "
+                             "5.9 MiB available (MemAvailable): a smaller model, or fewer ranks "
+                             "here\n",
+                r.err);
+  CHECK(parse_json(r.out)["exit_code"] == 2);
+  CHECK_FALSE(fs::exists(tmp / "runs"));
+  // One rank fits.
+  auto one = run_dptrain({"launch", recipe.string(), "--nproc", "1", "--dry-run"}, small);
+  CHECK_MESSAGE(one.exit_code == 0, one.err);
+}
+
 TEST_CASE("a run directory too deep for its files, or a dangling link, is refused up front") {
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), small_recipe());
