@@ -180,17 +180,28 @@ int report_unfinished(const BenchCommOptions& o, const RunDirectory& run,
           .size();
   std::string table;
   if (!partial.rows.empty()) {
-    j.update(partial.to_json());
+    // Only the collectives it reached: one not begun has no figures, not zero ones.
+    CommBenchResult measured = partial;
+    std::erase_if(measured.options.ops, [&](Collective op) {
+      return std::none_of(partial.rows.begin(), partial.rows.end(),
+                          [op](const CommBenchRow& row) { return row.op == op; });
+    });
+    j.update(measured.to_json());
     j["partial"] = true;
-    table = format_comm_table(partial) +
+    table = format_comm_table(measured) +
             fmt::format("# Partial: {} of {} measurements before the end (see the error)\n",
                         partial.rows.size(), planned);
   }
   j["run_dir"] = run.path().string();
   add_failure(j, code, outcome.error);
   if (!partial.rows.empty()) {
-    write_file_atomic(run.path() / "table.txt", table);
-    write_file_atomic(run.path() / "result.json", json_text(j, 2) + "\n");
+    // Kept where it can be: a full disk must not hide the benchmark's own end.
+    try {
+      write_file_atomic(run.path() / "table.txt", table);
+      write_file_atomic(run.path() / "result.json", json_text(j, 2) + "\n");
+    } catch (const Error& e) {
+      std::fprintf(stderr, "dptrain: warning: %s (the partial result is not kept)\n", e.what());
+    }
   }
   if (o.json) {
     std::printf("%s\n", json_text(j).c_str());
@@ -283,7 +294,7 @@ int run_bench_launcher(const BenchCommOptions& o) {
     if (event.value("event", "") != "bench_progress" || !event.contains("row")) return;
     try {
       result.rows.push_back(row_from_json(event["row"]));
-    } catch (const json::exception&) {
+    } catch (const std::exception&) {
       // Another build's rank 0: its progress stays progress.
     }
   };
@@ -476,7 +487,7 @@ void setup_bench_comm(CLI::App& app, Outcome& outcome) {
   app.add_option("-e,--maxbytes", o->max_bytes, "Largest size in bytes (K, M, G, T suffixes)")
       ->capture_default_str();
   app.add_option("-f,--stepfactor", o->step_factor, "Multiply the size by this between rows")
-      ->check(whole_number<uint64_t>("FACTOR"))
+      ->check(whole_number<int64_t>("FACTOR"))
       ->capture_default_str();
   app.add_option("-d,--dtype", o->dtype, "Element type: float, half or bf16")
       ->capture_default_str();

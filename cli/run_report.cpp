@@ -235,15 +235,20 @@ const CLI::Validator& non_negative_number() {
   static const CLI::Validator check(
       [](std::string& value) -> std::string {
         if (value.empty()) return "is empty; give a value";  // as every option says it
-        // Plain decimal (or exponent) notation only: strtod would also take leading blanks and
-        // hexadecimal ("0x10" seconds).
+        // Plain decimal (or exponent) notation, with a '+' if need be: strtod would also take
+        // leading blanks and hexadecimal ("0x10" seconds).
         double v = 0;
+        const char* begin = value.data() + (value.size() > 1 && value[0] == '+' ? 1 : 0);
         const char* end = value.data() + value.size();
-        const auto [ptr, ec] = std::from_chars(value.data(), end, v);
-        if (ptr != end || (ec != std::errc() && ec != std::errc::result_out_of_range)) {
+        const auto [ptr, ec] = std::from_chars(begin, end, v);
+        if (ptr != end || (*begin == '-' && begin != value.data()) ||
+            (ec != std::errc() && ec != std::errc::result_out_of_range)) {
           return "'" + value + "' is not a number";
         }
-        if (ec == std::errc::result_out_of_range) return "'" + value + "' is out of range";
+        // Too small for a double is as good as 0; too large is out of range.
+        if (ec == std::errc::result_out_of_range && std::isinf(std::strtod(begin, nullptr))) {
+          return "'" + value + "' is out of range";
+        }
         if (!std::isfinite(v) || v < 0) return "'" + value + "' must be a finite number >= 0";
         return {};
       },

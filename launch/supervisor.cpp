@@ -60,6 +60,7 @@ std::atomic<bool> g_second_interrupt_exits{false};
 int g_wake_pipe[2] = {-1, -1};
 
 void on_stop_signal(int sig) {
+  const int saved_errno = errno;  // the code it interrupted may look at errno next
   // A hangup (the terminal or SSH session closed) is a stop like SIGTERM: every rank checkpoints.
   if (sig == SIGHUP) sig = SIGTERM;
   int expected = 0;
@@ -73,6 +74,7 @@ void on_stop_signal(int sig) {
     const char c = 1;
     [[maybe_unused]] auto n = ::write(g_wake_pipe[1], &c, 1);
   }
+  errno = saved_errno;
 }
 
 constexpr size_t kTailLines = 20;

@@ -122,10 +122,14 @@ TEST_CASE("supervisor: a stopped process (SIGSTOP) is let run to act on its SIGT
   Fixture f;
   // Rank 0 stops itself, as a debugger or `kill -STOP` would leave it; rank 1 then fails. The
   // SIGTERM that follows reaches rank 0's handler (with a SIGCONT), not the grace's SIGKILL.
-  const auto result =
-      supervise({f.shell(0, "trap 'echo got TERM; exit 7' TERM; kill -STOP $$; sleep 30"),
-                 f.shell(1, "sleep 0.3; exit 1")},
-                f.options);
+  const std::string pid_file = (f.dir / "rank0.pid").string();
+  const auto result = supervise(
+      {f.shell(0, "trap 'echo got TERM; exit 7' TERM; echo $$ > " + pid_file + ".tmp; mv " +
+                      pid_file + ".tmp " + pid_file + "; kill -STOP $$; sleep 30"),
+       // Fails once rank 0 is stopped (state T in its stat), not before.
+       f.shell(1, "until [ -s " + pid_file + " ] && grep -q ') T' /proc/$(cat " + pid_file +
+                      ")/stat; do sleep 0.02; done; exit 1")},
+      f.options);
   REQUIRE(result.failure);
   CHECK(result.failure->rank == 1);
   bool reported = false;

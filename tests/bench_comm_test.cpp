@@ -308,6 +308,11 @@ TEST_CASE("bench comm: DPTRAIN_FAULT counts each measurement as a step") {
         },
         std::chrono::seconds(60)));
     CHECK(s["status"] == "running");
+    // The first size measured (and its row sent to the launcher) before the stop.
+    REQUIRE(eventually([&] {
+      return contains(read_text(run / "logs" / "localhost-rank0.log"),
+                      "bench comm: allreduce 1024 bytes (1/3)");
+    }));
     const auto report = run_dptrain({"report", run.string(), "--json"});
     CHECK(parse_json(report.out)["status"] == "running");
     kill(launcher.pid(), SIGTERM);

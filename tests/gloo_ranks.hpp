@@ -64,6 +64,7 @@ class ForwardingCommunicator : public Communicator {
     inner_->allgather(in, bytes, out);
   }
   void barrier() override { inner_->barrier(); }
+  void start_after(void* marker) override { inner_->start_after(marker); }
 
  private:
   std::unique_ptr<Communicator> inner_;

@@ -763,21 +763,7 @@ TEST_CASE("without a launcher, a rank whose peer is killed names it from the hea
     REQUIRE(eventually([&] {
       return contains(read_text(tmp / fmt::format("run{}/metrics.jsonl", victim)), "\"step\":10");
     }));
-    const pid_t killed = ranks[static_cast<size_t>(victim)]->pid();
-    ::kill(killed, SIGKILL);
-    if (victim == 1) {
-      // Started again (by hand, by a scheduler) while rank 0 still serves the store: the job
-      // has failed, which it is told, as a failure (exit 3), not as a second rank 1 (exit 2).
-      ranks[1]->wait(std::chrono::seconds(10));
-      Background again({"worker", recipe.string()}, hand_env(1, 2, port, tmp / "run1"));
-      CHECK(again.wait(std::chrono::seconds(60)) == 3);
-      CHECK_MESSAGE(contains(again.err(), fmt::format("rank 1: this job (at store 127.0.0.1:{}) "
-                                                      "started already, and its rank 1 (pid {}) "
-                                                      "is gone: a started job takes no rank back",
-                                                      port, killed)),
-                    again.err());
-      CHECK(contains(again.err(), "start every rank again (with --resume newest"));
-    }
+    ::kill(ranks[static_cast<size_t>(victim)]->pid(), SIGKILL);
     Background& survivor = *ranks[static_cast<size_t>(1 - victim)];
     CHECK(survivor.wait(std::chrono::seconds(60)) == 3);
     CAPTURE(survivor.err());
@@ -789,6 +775,35 @@ TEST_CASE("without a launcher, a rank whose peer is killed names it from the hea
                                          "with --host-store) has likely exited or was killed"));
     ranks[static_cast<size_t>(victim)]->wait(std::chrono::seconds(10));
   }
+}
+
+TEST_CASE("without a launcher, a rank started again after the job started is told it failed") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  const std::string port = std::to_string(unused_port());
+  // Rank 0 hangs in its own work at step 12, serving the store all the while: rank 1 waits in a
+  // collective for it, is killed there, and is started again (by hand, by a scheduler).
+  Env e0 = hand_env(0, 2, port, tmp / "run");
+  Env e1 = hand_env(1, 2, port, tmp / "run");
+  e0["DPTRAIN_FAULT"] = e1["DPTRAIN_FAULT"] = "hang@step=12,rank=0";
+  Background r0({"worker", recipe.string()}, e0);
+  Background r1({"worker", recipe.string()}, e1);
+  REQUIRE(
+      eventually([&] { return contains(read_text(tmp / "run/metrics.jsonl"), "\"step\":10"); }));
+  const pid_t killed = r1.pid();
+  ::kill(killed, SIGKILL);
+  r1.wait(std::chrono::seconds(10));
+  // The job has failed with it: a failure (exit 3), not a second rank 1 (exit 2).
+  Background again({"worker", recipe.string()}, e1);
+  CHECK(again.wait(std::chrono::seconds(60)) == 3);
+  CHECK_MESSAGE(contains(again.err(), fmt::format("rank 1: this job (at store 127.0.0.1:{}) "
+                                                  "started already, and its rank 1 (pid {}) is "
+                                                  "gone: a started job takes no rank back",
+                                                  port, killed)),
+                again.err());
+  CHECK(contains(again.err(), "start every rank again (with --resume newest"));
+  ::kill(r0.pid(), SIGKILL);
+  r0.wait(std::chrono::seconds(10));
 }
 
 TEST_CASE("without a launcher, a collective that times out names the rank stuck outside it") {

@@ -777,7 +777,7 @@ std::vector<std::string> busbw_shortfalls(const CommBenchResult& result, double 
     const CommBenchRow* largest = nullptr;
     // A size that rounds down to nothing moves nothing: not one to judge.
     for (const auto& row : result.rows) {
-      if (row.op == op && row.size > 0 && (largest == nullptr || row.size >= largest->size)) {
+      if (row.op == op && row.count > 0 && (largest == nullptr || row.size >= largest->size)) {
         largest = &row;
       }
     }

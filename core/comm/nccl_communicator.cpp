@@ -260,6 +260,12 @@ struct NcclCommunicator::State {
   void send(const void* data, size_t bytes, int peer);
   void recv(void* data, size_t bytes, int peer);
   void start_after(void* marker) { after = static_cast<cudaEvent_t>(marker); }
+  // Clears start_after's marker as a call ends, however it ends (an early return for nothing to
+  // move, a refusal): the next, unrelated call must not wait on it.
+  struct ForgetMarker {
+    cudaEvent_t& marker;
+    ~ForgetMarker() { marker = nullptr; }
+  };
   std::string describe() const {
     return fmt::format("nccl {} on cuda:{}", version_text(nccl.version), device);
   }
@@ -592,6 +598,7 @@ void NcclCommunicator::State::run(const Describe& what, const void* in, size_t i
 }
 
 void NcclCommunicator::State::allreduce(void* data, size_t count, Element element, ReduceOp op) {
+  const ForgetMarker forget{after};  // start_after is for this call only, whatever it does
   if (count == 0) return;
   const size_t bytes = count * element_size(element);
   run(
@@ -607,6 +614,7 @@ void NcclCommunicator::State::allreduce(void* data, size_t count, Element elemen
 
 void NcclCommunicator::State::reduce_scatter(const void* in, void* out, size_t count,
                                              Element element, ReduceOp op) {
+  const ForgetMarker forget{after};  // start_after is for this call only, whatever it does
   if (count == 0) return;
   const size_t bytes = count * element_size(element);
   run(
@@ -622,6 +630,7 @@ void NcclCommunicator::State::reduce_scatter(const void* in, void* out, size_t c
 }
 
 void NcclCommunicator::State::broadcast(void* data, size_t bytes, int root) {
+  const ForgetMarker forget{after};  // start_after is for this call only, whatever it does
   check_peer(rank, size, root, "broadcast root");
   if (bytes == 0) return;
   run([&] { return fmt::format("broadcast of {} bytes from rank {}", bytes, root); }, data, bytes,
@@ -632,6 +641,7 @@ void NcclCommunicator::State::broadcast(void* data, size_t bytes, int root) {
 }
 
 void NcclCommunicator::State::allgather(const void* in, size_t bytes_per_rank, void* out) {
+  const ForgetMarker forget{after};  // start_after is for this call only, whatever it does
   if (bytes_per_rank == 0) return;
   run([&] { return fmt::format("allgather of {} bytes per rank", bytes_per_rank); }, in,
       bytes_per_rank, out, bytes_per_rank * static_cast<size_t>(size),
@@ -641,6 +651,7 @@ void NcclCommunicator::State::allgather(const void* in, size_t bytes_per_rank, v
 }
 
 void NcclCommunicator::State::barrier() {
+  const ForgetMarker forget{after};  // start_after is for this call only, whatever it does
   const Describe what = [] { return std::string("barrier"); };
   if (failure.empty()) {
     select_device(what);  // the scratch belongs on this communicator's GPU, whatever the thread's
@@ -653,6 +664,7 @@ void NcclCommunicator::State::barrier() {
 }
 
 void NcclCommunicator::State::send(const void* data, size_t bytes, int peer) {
+  const ForgetMarker forget{after};  // start_after is for this call only, whatever it does
   check_peer(rank, size, peer, "send peer");
   if (peer == rank) {
     throw Error(ErrorKind::internal, fmt::format("rank {}: send to itself", rank));
@@ -664,6 +676,7 @@ void NcclCommunicator::State::send(const void* data, size_t bytes, int peer) {
 }
 
 void NcclCommunicator::State::recv(void* data, size_t bytes, int peer) {
+  const ForgetMarker forget{after};  // start_after is for this call only, whatever it does
   check_peer(rank, size, peer, "recv peer");
   if (peer == rank) {
     throw Error(ErrorKind::internal, fmt::format("rank {}: receive from itself", rank));

@@ -147,7 +147,15 @@ std::string process_identity(pid_t pid) {
 // earlier claim of this machine whose process still lives is the duplicate's reason. One that
 // is gone is no reason (this may be its start again), nor is one on another machine: its pid
 // says nothing here (a duplicate there is refused once the first runs the job: backend/met).
-// A claim, "HOST IDENTITY" (process_identity), as this machine can tell it.
+// This machine in a claim: its name and boot id ("HOST|BOOT"), so that a clone of it under the
+// same name (a copied VM) is another machine.
+std::string claim_machine() {
+  std::string boot;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
+  return this_host() + "|" + boot;
+}
+
+// A claim, "MACHINE IDENTITY" (claim_machine, process_identity), as this machine can tell it.
 struct Claim {
   enum class Is { elsewhere, alive, gone } is = Is::elsewhere;  // elsewhere: cannot be told
   pid_t pid = 0;
@@ -156,19 +164,24 @@ struct Claim {
 Claim read_claim(const std::string& claim, const std::string& host) {
   Claim out;
   const size_t space = claim.find(' ');
-  out.host = claim.substr(0, space);
-  if (space == std::string::npos || out.host != host) return out;
+  const std::string machine = claim.substr(0, space);
+  out.host = machine.substr(0, machine.find('|'));  // its name, for messages
+  if (space == std::string::npos || machine != host) return out;
   const std::string identity = claim.substr(space + 1);
-  // "NS PID START": the same process, if it still lives, reads the same now.
+  // "NS PID START": the same process, if it still lives, reads the same now. One of another pid
+  // namespace (a container sharing this host's name) cannot be looked at from here.
   std::istringstream parts(identity);
   std::string ns;
   if (!(parts >> ns >> out.pid) || out.pid <= 0) return out;
+  std::istringstream mine(process_identity(::getpid()));
+  std::string my_ns;
+  if (!(mine >> my_ns) || my_ns != ns) return out;
   out.is = process_identity(out.pid) == identity ? Claim::Is::alive : Claim::Is::gone;
   return out;
 }
 
 void refuse_duplicate_start(Store& store, int rank) {
-  const std::string host = this_host();
+  const std::string host = claim_machine();
   const std::string me = process_identity(::getpid());
   if (me.empty()) return;
   const std::string base = fmt::format("backend/claim/{}", rank);
@@ -191,7 +204,7 @@ void refuse_duplicate_start(Store& store, int rank) {
         ErrorKind::usage,
         fmt::format("rank {}: another process (pid {} on {}) is joining this job as rank {} "
                     "already (at {}): give each process its own rank",
-                    rank, pid, host, rank, store.describe()));
+                    rank, pid, claim.host, rank, store.describe()));
   }
 }
 
@@ -207,7 +220,7 @@ BackendChoice agree_to_start(Store& store, int rank, int world, bool required,
   // the job has failed with it, since a started job takes no rank back; its ranks all start
   // again. A communication error, as the rank's own failure was.
   const std::string met = fmt::format("backend/met/{}", rank);
-  const std::string host = this_host();
+  const std::string host = claim_machine();
   if (store.check({met})) {
     const Claim earlier = read_claim(store.get(met, std::chrono::seconds(2)), host);
     if (earlier.is == Claim::Is::gone) {

@@ -135,8 +135,12 @@ void GradientReducer::ready(size_t from) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!open_) return;  // an accumulation micro-batch: nothing moves until the last one
-    while (next_ < buckets_.size() && buckets_[next_].begin >= from)
-      launch(next_++);
+    // Counted once launched: a device error launching one (its cast, its marker) leaves it
+    // not started, for finish() to start or the failed step to drop.
+    while (next_ < buckets_.size() && buckets_[next_].begin >= from) {
+      launch(next_);
+      ++next_;
+    }
   }
   wake_.notify_one();
 }
@@ -165,8 +169,10 @@ ExchangeStats GradientReducer::finish() {
   const auto t0 = Clock::now();
   if (options_.overlap) {
     std::unique_lock<std::mutex> lock(mutex_);
-    while (next_ < buckets_.size())
-      launch(next_++);
+    while (next_ < buckets_.size()) {
+      launch(next_);
+      ++next_;
+    }
     wake_.notify_one();
     done_.wait(lock, [this] { return completed_ == buckets_.size(); });
     open_ = false;

@@ -71,7 +71,8 @@ struct ReducerOptions {
 // CPU).
 //
 // A step: begin(), then ready() as the backward pass completes gradients (the model's hook),
-// then finish(). Only finish() may throw a failed bucket's error. While a step is open the
+// then finish(). Only finish() may throw a failed bucket's error; ready() and finish() also throw
+// a device's error (Error(cuda)) as they queue a bucket's work on a GPU. While a step is open the
 // communicator belongs to the reducer: call no other collective on it until finish() returns.
 class GradientReducer {
  public:

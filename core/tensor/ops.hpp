@@ -59,9 +59,9 @@ class Ops {
   // exchange's) calls this first. Nothing to do on the CPU.
   virtual void bind_thread() {}
   // A point in this table's stream, for work another thread issues on its own stream (the
-  // gradient exchange's collectives): record() marks the ops queued so far by the calling thread;
-  // handle() is what a device communicator's stream waits on (Communicator::start_after), a
-  // cudaEvent_t for the CUDA table. Ops that run as they are called (the CPU's) have nothing to
+  // gradient exchange's collectives): record() marks the ops queued on the stream so far (by any
+  // thread); handle() is what a device communicator's stream waits on (Communicator::start_after),
+  // a cudaEvent_t for the CUDA table. Ops that run as they are called (the CPU's) have nothing to
   // mark: the default does nothing, and its handle is null.
   class Marker {
    public:
