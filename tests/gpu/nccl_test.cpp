@@ -3,6 +3,7 @@
 // that never comes, a collective a peer skips) that abort instead of hanging; and `dptrain bench
 // comm --backend nccl`. World 1 on device 0; with two or more devices also 2 ranks (threads, or
 // processes for the benchmark) on devices 0 and 1.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -303,6 +304,24 @@ void check_compute_stream_order(NcclCommunicator& comm, Ops& ops) {
     wrong += v != 512.0f;
   CHECK_MESSAGE(wrong == 0, wrong << " element(s) of the allreduces after a marker were out of "
                                      "order");
+  // And it does not wait for what was queued after the marker: 201 sign flips of the input
+  // (milliseconds of work) queued after it, the gather that waits for the marker alone copies
+  // the input before most of them; had it waited for the whole stream, every element would be
+  // the last flip's.
+  if (comm.size() == 1) {
+    Buffer flipped = upload(ops, ones);
+    Buffer gathered = ops.allocate(n * sizeof(float));
+    marker->record();
+    for (int i = 0; i < 201; ++i)
+      ops.scale(static_cast<int64_t>(n), -1.0f, flipped.as<float>());
+    comm.start_after(marker->handle());
+    comm.allgather(flipped.data(), n * sizeof(float), gathered.data());
+    const auto snapshot = download<float>(ops, gathered.data(), n);
+    const auto last = std::count(snapshot.begin(), snapshot.end(), -1.0f);
+    CHECK_MESSAGE(static_cast<size_t>(last) < n,
+                  "every element gathered after the marker was the last flip's: the gather "
+                  "waited for the work queued after its marker");
+  }
 }
 
 NcclOptions options_for(Ops& ops, int device, std::chrono::milliseconds timeout = 60s) {
