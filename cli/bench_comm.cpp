@@ -174,10 +174,6 @@ int report_unfinished(const BenchCommOptions& o, const RunDirectory& run,
   const ErrorKind kind = kind_after_stop(failure_kind(outcome.exit_code));
   const int code = exit_code(kind);
   json j = {{"status", failure_status(kind)}};
-  const size_t planned =
-      partial.options.ops.size() *
-      sweep_sizes(partial.options.min_bytes, partial.options.max_bytes, partial.options.step_factor)
-          .size();
   std::string table;
   if (!partial.rows.empty()) {
     // Only the collectives it reached: one not begun has no figures, not zero ones.
@@ -190,7 +186,7 @@ int report_unfinished(const BenchCommOptions& o, const RunDirectory& run,
     j["partial"] = true;
     table = format_comm_table(measured) +
             fmt::format("# Partial: {} of {} measurements before the end (see the error)\n",
-                        partial.rows.size(), planned);
+                        partial.rows.size(), partial.options.measurements());
   }
   j["run_dir"] = run.path().string();
   add_failure(j, code, outcome.error);
@@ -239,8 +235,7 @@ int run_bench_launcher(const BenchCommOptions& o) {
   if (o.min_busbw_flag->count() > 0) {
     // The threshold is judged at each collective's largest size: one that rounds down to no
     // data (whole elements on every rank) leaves nothing to judge.
-    const uint64_t largest =
-        sweep_sizes(options.min_bytes, options.max_bytes, options.step_factor).back();
+    const uint64_t largest = options.sizes().back();
     for (Collective op : options.ops) {
       if (collective_shape(op, largest, dtype_size(options.dtype), spec.world_size).bytes > 0) {
         continue;
@@ -270,10 +265,8 @@ int run_bench_launcher(const BenchCommOptions& o) {
   check_hosts_resolve(spec);  // a host name that does not resolve: exit 4, nothing created
   check_store_port(spec);     // a --master-port another process holds: exit 2
   // One that does not parse: exit 2, nothing created. A rank's steps are its measurements.
-  const auto fault_warnings = check_benchmark_fault_injection(
-      spec, static_cast<int64_t>(
-                options.ops.size() *
-                sweep_sizes(options.min_bytes, options.max_bytes, options.step_factor).size()));
+  const auto fault_warnings =
+      check_benchmark_fault_injection(spec, static_cast<int64_t>(options.measurements()));
   RunDirectory run = RunDirectory::create(o.run_dir, o.runs_root, "bench-comm");
   run.info()["benchmark"] = worker;
   // stdout carries only the table or the JSON; progress and rank output go to stderr.
@@ -425,7 +418,7 @@ int run_bench_worker(const std::string& serialized) {
   ProgressTracker progress;
   BeatStore beats(host, port, secret, generation, store);
   const HeartbeatSender heartbeat(beats.store(), rank, progress, std::chrono::seconds(1));
-  const auto sizes = sweep_sizes(options.min_bytes, options.max_bytes, options.step_factor);
+  const auto sizes = options.sizes();
   const size_t measurements = options.ops.size() * sizes.size();
   size_t measured = 0;
   const CommBenchResult result = run_comm_bench(

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <optional>
 #include <sstream>
 #include <system_error>
 
@@ -116,36 +117,44 @@ std::FILE* status_stream(bool json, const EventLog& events) {
   return json || events.to_stdout() ? stderr : stdout;
 }
 
-std::string running_hand_run(const std::filesystem::path& dir) {
+namespace {
+
+// The run.json of `dir`, when there is one this can tell anything of (the callers say what they
+// find otherwise).
+std::optional<nlohmann::json> readable_run_json(const std::filesystem::path& dir) {
   std::error_code ec;
-  if (!std::filesystem::exists(dir / "run.json", ec)) return {};
-  nlohmann::json info;
+  if (!std::filesystem::exists(dir / "run.json", ec)) return std::nullopt;
   try {
-    info = read_run_json(dir);
+    return read_run_json(dir);
   } catch (const Error&) {
-    return {};  // not a run this can tell anything of; the caller says what it finds
+    return std::nullopt;
   }
-  if (!started_by_workers(info)) return {};
-  const RunState state = run_state(info);
+}
+
+// " (NOTE)" of a state's note, or "".
+std::string note_of(const RunState& state) {
+  return state.note.empty() ? "" : " (" + state.note + ")";
+}
+
+}  // namespace
+
+std::string running_hand_run(const std::filesystem::path& dir) {
+  const auto info = readable_run_json(dir);
+  if (!info || !started_by_workers(*info)) return {};
+  const RunState state = run_state(*info);
   if (state.status != "running") return {};
   return fmt::format(
       "{}: its workers (started without a launcher: by hand, srun, mpirun) are running it{}",
-      dir.string(), state.note.empty() ? "" : " (" + state.note + ")");
+      dir.string(), note_of(state));
 }
 
 std::string driven_run(const std::filesystem::path& dir) {
-  std::error_code ec;
-  if (!std::filesystem::exists(dir / "run.json", ec)) return {};
-  RunState state;
-  try {
-    state = run_state(read_run_json(dir));
-  } catch (const Error&) {
-    return {};  // not a run this can tell anything of; the caller says what it finds
-  }
+  const auto info = readable_run_json(dir);
+  if (!info) return {};
+  const RunState state = run_state(*info);
   if (state.status != "running" && state.status != "restarting" && state.status != "resizing")
     return {};
-  return fmt::format("{}: the run is {}{}", dir.string(), state.status,
-                     state.note.empty() ? "" : " (" + state.note + ")");
+  return fmt::format("{}: the run is {}{}", dir.string(), state.status, note_of(state));
 }
 
 namespace {
@@ -231,25 +240,41 @@ void check_local_memory(const JobSpec& spec, const std::string& origin) {
                   size(needed), ranks, size(static_cast<double>(available))));
 }
 
+namespace {
+
+// `value` as a number in plain decimal (or exponent) notation, with a '+' if need be (strtod
+// would also take leading blanks and hexadecimal: "0x10" seconds); a value too small for a
+// double is 0. Else what is wrong with it, as a CLI11 check says it.
+std::optional<double> plain_number(const std::string& value, std::string& wrong) {
+  if (value.empty()) {
+    wrong = "is empty; give a value";  // as every option says it
+    return std::nullopt;
+  }
+  double v = 0;
+  const char* begin = value.data() + (value.size() > 1 && value[0] == '+' ? 1 : 0);
+  const char* end = value.data() + value.size();
+  const auto [ptr, ec] = std::from_chars(begin, end, v);
+  if (ptr != end || (*begin == '-' && begin != value.data()) ||
+      (ec != std::errc() && ec != std::errc::result_out_of_range)) {
+    wrong = "'" + value + "' is not a number";
+    return std::nullopt;
+  }
+  if (ec == std::errc::result_out_of_range && std::isinf(std::strtod(begin, nullptr))) {
+    wrong = "'" + value + "' is out of range";
+    return std::nullopt;
+  }
+  return v;
+}
+
+}  // namespace
+
 const CLI::Validator& non_negative_number() {
   static const CLI::Validator check(
       [](std::string& value) -> std::string {
-        if (value.empty()) return "is empty; give a value";  // as every option says it
-        // Plain decimal (or exponent) notation, with a '+' if need be: strtod would also take
-        // leading blanks and hexadecimal ("0x10" seconds).
-        double v = 0;
-        const char* begin = value.data() + (value.size() > 1 && value[0] == '+' ? 1 : 0);
-        const char* end = value.data() + value.size();
-        const auto [ptr, ec] = std::from_chars(begin, end, v);
-        if (ptr != end || (*begin == '-' && begin != value.data()) ||
-            (ec != std::errc() && ec != std::errc::result_out_of_range)) {
-          return "'" + value + "' is not a number";
-        }
-        // Too small for a double is as good as 0; too large is out of range.
-        if (ec == std::errc::result_out_of_range && std::isinf(std::strtod(begin, nullptr))) {
-          return "'" + value + "' is out of range";
-        }
-        if (!std::isfinite(v) || v < 0) return "'" + value + "' must be a finite number >= 0";
+        std::string wrong;
+        const auto v = plain_number(value, wrong);
+        if (!v) return wrong;
+        if (!std::isfinite(*v) || *v < 0) return "'" + value + "' must be a finite number >= 0";
         return {};
       },
       "NUMBER>=0");
@@ -273,10 +298,11 @@ const CLI::Validator& seconds() {
 const CLI::Validator& positive_seconds() {
   static const CLI::Validator check(
       [](std::string& value) -> std::string {
-        std::string wrong = seconds()(value);
-        if (wrong.empty() && std::strtod(value.c_str(), nullptr) > 0) return {};
-        if (!wrong.empty() && !wrong.ends_with("must be a finite number >= 0")) return wrong;
-        return "'" + value + "' must be a number of seconds > 0";
+        std::string wrong;
+        const auto v = plain_number(value, wrong);
+        if (!v) return wrong;
+        if (!std::isfinite(*v) || *v <= 0) return "'" + value + "' must be a number of seconds > 0";
+        return seconds()(value);  // its upper bound
       },
       "SECONDS>0");
   return check;

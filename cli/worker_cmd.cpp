@@ -787,10 +787,7 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
     // Every peer still beats, and the collective timed out: one is stuck outside it (its data,
     // say). Where each rank is, as a launcher says it.
     const std::string what = e.what();
-    if (what.find("timed out") == std::string::npos &&
-        what.find("Timed out") == std::string::npos) {
-      throw;
-    }
+    if (!HangWatch::timed_out(what)) throw;
     std::map<int, json> last_beats;
     bool store_gone = false;
     try {

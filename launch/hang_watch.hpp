@@ -7,6 +7,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <string_view>
 
 #include <nlohmann/json.hpp>
 
@@ -42,6 +43,13 @@ class HangWatch {
   // it in collective #32: rank 0"), or that every rank waits in one collective.
   static std::string positions(const std::map<int, nlohmann::json>& beats,
                                const RankName& rank_name = {});
+  // Whether a rank's error says a collective (or a wait) timed out (Gloo's "Timed out", ours
+  // "timed out"): then it names the rank that gave up waiting, and positions() the one waited
+  // for.
+  static bool timed_out(std::string_view error) {
+    return error.find("timed out") != std::string_view::npos ||
+           error.find("Timed out") != std::string_view::npos;
+  }
 
  private:
   struct Seen {

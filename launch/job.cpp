@@ -984,9 +984,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     }
     // A collective that timed out names the rank that gave up waiting, not the one it waited
     // for (without --hang-timeout nothing else named it): the heartbeats the ranks left say.
-    if (f.exit_code == 3 && trace.beats.size() >= 2 &&
-        (out.error.find("timed out") != std::string::npos ||
-         out.error.find("Timed out") != std::string::npos)) {
+    if (f.exit_code == 3 && trace.beats.size() >= 2 && HangWatch::timed_out(out.error)) {
       out.error +=
           "; by the ranks' last heartbeats, " + HangWatch::positions(trace.beats, rank_name);
     }

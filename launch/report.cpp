@@ -1026,30 +1026,21 @@ RunView load_run(const fs::path& dir, bool verify_checkpoints) {
 // loss, the result's final loss (null until the run completes), the newest checkpoint's path.
 // A bench comm run's outcome, from the result run.json keeps (null for any other run): what
 // status and report show in place of training steps.
-// One that ended before its result (stopped, failed) has its options' ops and sizes, and null
-// figures.
+// One that ended before its result (stopped, failed) has its options' ops and sizes (run.json's
+// "benchmark"), which hold no figures: those are null.
 json comm_benchmark(const json& info) {
   const json result = info.value("result", json());
-  if (!result.is_object() || result.value("benchmark", "") != "comm") {
-    const json options = info.value("benchmark", json());
-    if (!options.is_object()) return nullptr;
-    return {{"benchmark", "comm"},
-            {"status", nullptr},
-            {"ops", options.value("ops", json::array())},
-            {"min_bytes", options.value("min_bytes", json())},
-            {"max_bytes", options.value("max_bytes", json())},
-            {"avg_busbw", nullptr},
-            {"avg_busbw_by_op", json::object()},
-            {"wrong", nullptr}};
-  }
+  const bool finished = result.is_object() && result.value("benchmark", "") == "comm";
+  const json from = finished ? result : info.value("benchmark", json());
+  if (!from.is_object()) return nullptr;
   return {{"benchmark", "comm"},
-          {"status", result.value("status", json())},
-          {"ops", result.value("ops", json::array())},
-          {"min_bytes", result.value("min_bytes", json())},
-          {"max_bytes", result.value("max_bytes", json())},
-          {"avg_busbw", result.value("avg_busbw", json())},
-          {"avg_busbw_by_op", result.value("avg_busbw_by_op", json::object())},
-          {"wrong", result.value("wrong", json())}};
+          {"status", from.value("status", json())},
+          {"ops", from.value("ops", json::array())},
+          {"min_bytes", from.value("min_bytes", json())},
+          {"max_bytes", from.value("max_bytes", json())},
+          {"avg_busbw", from.value("avg_busbw", json())},
+          {"avg_busbw_by_op", from.value("avg_busbw_by_op", json::object())},
+          {"wrong", from.value("wrong", json())}};
 }
 
 // "allreduce, broadcast from 8 B to 64.0 MiB: avg busbw 1.23 GB/s, 0 wrong elements".

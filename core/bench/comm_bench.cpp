@@ -579,6 +579,10 @@ CollectiveShape collective_shape(Collective op, uint64_t requested_bytes, size_t
   return shape;
 }
 
+std::vector<uint64_t> CommBenchOptions::sizes() const {
+  return sweep_sizes(min_bytes, max_bytes, step_factor);
+}
+
 void CommBenchOptions::validate(int ranks, const std::string& backend) const {
   if (ops.empty()) throw Error(ErrorKind::usage, "-o/--op: no collective given");
   if (min_bytes < 1) {
@@ -714,7 +718,7 @@ CommBenchResult run_comm_bench(Communicator& comm, const CommBenchOptions& optio
   result.ranks = comm.size();
   result.backend = comm.backend();
   result.options = options;
-  const auto sizes = sweep_sizes(options.min_bytes, options.max_bytes, options.step_factor);
+  const auto sizes = options.sizes();
   for (Collective op : options.ops) {
     if (on_collective) on_collective(op);
     for (size_t i = 0; i < sizes.size(); ++i) {

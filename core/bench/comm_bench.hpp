@@ -67,6 +67,11 @@ struct CommBenchOptions {
   // checked call, before it is checked. -1: none. Not part of the JSON.
   int corrupt_rank = -1;
 
+  // The sizes run (sweep_sizes of -b, -e, -f), and the measurements the sweep makes: each size
+  // of each collective.
+  std::vector<uint64_t> sizes() const;
+  size_t measurements() const { return ops.size() * sizes().size(); }
+
   // Error(usage) naming the flag (-b, -e, -f, -w, -n, --root); `ranks` < 1: not known yet.
   // `backend`'s limits too (gloo: reduce_scatter of at most INT_MAX bytes).
   void validate(int ranks, const std::string& backend = "gloo") const;
