@@ -42,13 +42,15 @@ Fault parse_one(const std::string& text) {
     f.kind = Fault::Kind::exit;
   } else if (kind == "hang") {
     f.kind = Fault::Kind::hang;
+  } else if (kind == "freeze") {
+    f.kind = Fault::Kind::freeze;
   } else if (kind == "slow") {
     f.kind = Fault::Kind::slow;
   } else if (kind == "crash-in-checkpoint") {
     f.kind = Fault::Kind::crash_in_checkpoint;
   } else {
     throw Error(ErrorKind::usage, fmt::format("DPTRAIN_FAULT: unknown fault '{}' in '{}' (crash, "
-                                              "exit, hang, slow, crash-in-checkpoint)",
+                                              "exit, hang, freeze, slow, crash-in-checkpoint)",
                                               kind, text));
   }
   bool has_step = false;
@@ -178,6 +180,10 @@ void FaultInjector::before_step(int64_t step) const {
       case Fault::Kind::hang:
         for (;;)
           std::this_thread::sleep_for(std::chrono::hours(1));
+      case Fault::Kind::freeze:
+        // As a debugger or a swapping host would: every thread stops until SIGCONT.
+        ::kill(::getpid(), SIGSTOP);
+        break;
       case Fault::Kind::slow:
       case Fault::Kind::crash_in_checkpoint:
         break;

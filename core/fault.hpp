@@ -2,6 +2,7 @@
 //   "crash@step=37,rank=1"            SIGKILL itself on rank 1 once 37 steps are done
 //   "exit@step=20,rank=0,code=7"      exit with code 7
 //   "hang@step=50,rank=0"             stop making progress (sleep until killed)
+//   "freeze@step=50,rank=0"           SIGSTOP itself: the whole process stops, heartbeat too
 //   "slow@step=10,rank=1,ms=200"      sleep 200 ms before every step from step 10 on
 //   "crash-in-checkpoint@step=40"     SIGKILL itself while writing the checkpoint of step 40,
 //                                     after its files are written, before it is committed
@@ -17,7 +18,7 @@
 namespace dptrain {
 
 struct Fault {
-  enum class Kind { crash, exit, hang, slow, crash_in_checkpoint };
+  enum class Kind { crash, exit, hang, freeze, slow, crash_in_checkpoint };
   Kind kind = Kind::crash;
   int64_t step = 0;
   int rank = -1;        // -1: every rank

@@ -25,6 +25,7 @@ std::optional<std::string> HangWatch::check() {
   const auto now = Clock::now();
   if (now < next_read_) return std::nullopt;
   next_read_ = now + std::chrono::seconds(1);
+  last_read_ = now;
   for (int r = 0; r < world_size_; ++r) {
     const std::string key = heartbeat_key(r);
     try {
@@ -52,7 +53,11 @@ std::optional<std::string> HangWatch::check() {
     stalled =
         std::max(stalled, std::chrono::duration_cast<std::chrono::milliseconds>(now - s.since));
   }
-  if (stalled <= timeout_) return std::nullopt;
+  if (timeout_.count() <= 0 || stalled <= timeout_) return std::nullopt;
+  return describe(beats_at(now), stalled, rank_name_);
+}
+
+std::map<int, json> HangWatch::beats_at(Clock::time_point now) const {
   std::map<int, json> beats;
   for (const auto& [rank, s] : seen_) {
     beats[rank] = s.beat;
@@ -61,7 +66,15 @@ std::optional<std::string> HangWatch::check() {
     const auto silent = std::chrono::duration_cast<std::chrono::milliseconds>(now - s.heard);
     if (s.beats >= 0 && silent > kSilentAfter) beats[rank]["silent_ms"] = silent.count();
   }
-  return describe(beats, stalled, rank_name_);
+  return beats;
+}
+
+std::map<int, int64_t> HangWatch::silent() const {
+  std::map<int, int64_t> out;
+  for (const auto& [rank, beat] : beats_at(last_read_)) {
+    if (beat.contains("silent_ms")) out[rank] = beat["silent_ms"].get<int64_t>();
+  }
+  return out;
 }
 
 std::string HangWatch::describe(const std::map<int, json>& beats,

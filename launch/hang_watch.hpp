@@ -20,7 +20,8 @@ class HangWatch {
   // How a rank is named in messages: "rank 3", or "rank 3 on node2" in a multi-host job.
   using RankName = std::function<std::string(int)>;
 
-  // `store` is the generation's prefix store (the launcher's own client).
+  // `store` is the generation's prefix store (the launcher's own client). A timeout of 0 only
+  // watches: check() never finds a hang, and silent() says who had stopped beating.
   HangWatch(Store& store, int world_size, std::chrono::milliseconds timeout,
             RankName rank_name = {});
 
@@ -28,6 +29,11 @@ class HangWatch {
   // step and phase, and the ranks waiting for them, once some rank made no progress for longer
   // than the timeout; nothing otherwise.
   std::optional<std::string> check();
+
+  // The ranks whose heartbeat had stopped (for longer than kSilentAfter) when check() last read
+  // the store, and for how many milliseconds: what a failure that came then is told about a
+  // frozen rank, since its last heartbeat alone does not show it.
+  std::map<int, int64_t> silent() const;
 
   // A rank whose heartbeat has not changed for this long is named as frozen or unreachable (its
   // sender writes every second).
@@ -63,7 +69,11 @@ class HangWatch {
   int world_size_;
   std::chrono::milliseconds timeout_;
   RankName rank_name_;
+  // The heartbeats as last read, those silent at `now` marked with "silent_ms".
+  std::map<int, nlohmann::json> beats_at(std::chrono::steady_clock::time_point now) const;
+
   std::chrono::steady_clock::time_point next_read_;
+  std::chrono::steady_clock::time_point last_read_;
   std::map<int, Seen> seen_;
 };
 

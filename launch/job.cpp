@@ -723,7 +723,9 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   std::unique_ptr<TcpStoreClient> watch_client;
   std::unique_ptr<PrefixStore> watch_store;
   std::unique_ptr<HangWatch> hang_watch;
-  if (spec.hang_timeout.count() > 0) {
+  // Without --hang-timeout the watch only listens: a rank that froze is then named when a peer's
+  // collective times out waiting for it.
+  if (world > 1) {
     watch_client =
         std::make_unique<TcpStoreClient>(addr, store.port(), std::chrono::seconds(10), secret);
     watch_store = std::make_unique<PrefixStore>(fmt::format("gen{}", generation), *watch_client);
@@ -788,6 +790,11 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   int64_t measured = -1;  // a benchmark's: the measurement its ranks reached (dptrain-bench(1))
   if (sup.failure || !sup.watchdog.empty() || sup.stop_signal != 0) {
     trace = read_generation_trace(addr, store.port(), secret, generation, world);
+    if (hang_watch) {
+      for (const auto& [rank, ms] : hang_watch->silent()) {
+        if (trace.beats.count(rank)) trace.beats[rank]["silent_ms"] = ms;
+      }
+    }
     // A benchmark's steps are its measurements: the heartbeats name who is behind, but there is
     // no training step to report or resume from.
     if (trains) {
