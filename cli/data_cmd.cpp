@@ -195,13 +195,14 @@ void append_text(const fs::path& path, std::string& text, const TextBudget& budg
                  PrepareStatus& status) {
   std::error_code ec;
   if (fs::is_directory(path, ec))
-    refuse(fmt::format("{}: cannot read: is a directory", path.string()));
+    refuse(fmt::format("{}: cannot read: is a directory", printable(path.string())));
   int fd = -1;
   // A FIFO's open waits for a writer: a stop signal ends the wait.
   while ((fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC)) < 0 && errno == EINTR)
     status.check_stop();
   const FileDescriptor in(fd);
-  if (in.fd < 0) refuse(fmt::format("{}: cannot read: {}", path.string(), std::strerror(errno)));
+  if (in.fd < 0)
+    refuse(fmt::format("{}: cannot read: {}", printable(path.string()), std::strerror(errno)));
   struct stat st {};
   const bool regular = ::fstat(in.fd, &st) == 0 && S_ISREG(st.st_mode);
   const uint64_t size = regular ? static_cast<uint64_t>(st.st_size) : 0;
@@ -219,7 +220,7 @@ void append_text(const fs::path& path, std::string& text, const TextBudget& budg
     if (n == 0) break;
     if (n < 0) {
       if (error == EINTR) continue;
-      refuse(fmt::format("{}: cannot read: {}", path.string(), std::strerror(error)));
+      refuse(fmt::format("{}: cannot read: {}", printable(path.string()), std::strerror(error)));
     }
     done += static_cast<uint64_t>(n);
     if (text.size() > budget.limit) {
@@ -350,7 +351,8 @@ void write_dataset(const PrepareSummary& s, const Tokenizer& tokenizer,
   const fs::path parent = out.parent_path();
   std::error_code ec;
   if (!fs::create_directories(parent, ec) && ec) {
-    throw Error(ErrorKind::io, fmt::format("{}: cannot create: {}", parent.string(), ec.message()));
+    throw Error(ErrorKind::io,
+                fmt::format("{}: cannot create: {}", printable(parent.string()), ec.message()));
   }
   const fs::path tmp = sibling(out, "tmp", ::getpid());
   const fs::path old = sibling(out, "old", ::getpid());
@@ -414,15 +416,15 @@ void write_dataset(const PrepareSummary& s, const Tokenizer& tokenizer,
       throw;
     } catch (const fs::filesystem_error& e) {
       throw Error(ErrorKind::io,
-                  fmt::format("{}: cannot write the dataset, nothing was written: {}", out.string(),
-                              e.code().message()));
+                  fmt::format("{}: cannot write the dataset, nothing was written: {}",
+                              printable(out.string()), e.code().message()));
     } catch (const Error& e) {
       if (e.kind() != ErrorKind::io) throw;
       // A write cut short by a stop signal is the stop, not a broken disk.
       status.check_stop();
       throw Error(ErrorKind::io,
-                  fmt::format("{}: cannot write the dataset, nothing was written: {}", out.string(),
-                              e.what()));
+                  fmt::format("{}: cannot write the dataset, nothing was written: {}",
+                              printable(out.string()), e.what()));
     }
   }
   if (moved_old) fs::remove_all(old, ec);

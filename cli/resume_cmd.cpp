@@ -203,9 +203,10 @@ int start_resume(const ResumeOptions& o, bool& events_opened) {
   }
   // Found before the resume announces itself and places ranks: every generation writes here.
   if (::access(run.path().c_str(), W_OK) != 0) {
-    throw Error(ErrorKind::usage, fmt::format("{}: cannot resume it here: the directory takes no "
-                                              "writes ({})",
-                                              run.path().string(), std::strerror(errno)));
+    throw Error(ErrorKind::usage,
+                fmt::format("{}: cannot resume it here: the directory takes no "
+                            "writes ({})",
+                            printable(run.path().string()), std::strerror(errno)));
   }
   check_run_files(run.path());
   // A launcher still driving the run is refused before anything is written: one on this machine

@@ -590,8 +590,9 @@ std::vector<fs::path> list_checkpoints(const fs::path& checkpoints_dir, SetAside
   fs::directory_iterator entries(checkpoints_dir, ec);
   // Missing is "none yet"; out of reach (a permission) is not: starting over would lose them.
   if (ec && ec != std::errc::no_such_file_or_directory && ec != std::errc::not_a_directory) {
-    throw Error(ErrorKind::checkpoint, fmt::format("{}: cannot list the checkpoints: {}",
-                                                   checkpoints_dir.string(), ec.message()));
+    throw Error(ErrorKind::checkpoint,
+                fmt::format("{}: cannot list the checkpoints: {}",
+                            printable(checkpoints_dir.string()), ec.message()));
   }
   for (const auto& entry : entries) {
     const bool aside = is_set_aside(entry.path());

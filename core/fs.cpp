@@ -44,8 +44,8 @@ class Fd {
 };
 
 [[noreturn]] void throw_io(const std::filesystem::path& path, const char* what) {
-  throw Error(ErrorKind::io,
-              fmt::format("{}: cannot {}: {}", path.string(), what, std::strerror(errno)));
+  throw Error(ErrorKind::io, fmt::format("{}: cannot {}: {}", printable(path.string()), what,
+                                         std::strerror(errno)));
 }
 
 void write_all(int fd, const void* data, size_t size, const std::filesystem::path& path) {
@@ -296,7 +296,8 @@ std::optional<std::string> unclaimed_entry(
     if (!ours(entry) && (!first || name < *first)) first = name;
   }
   if (ec) {
-    throw Error(ErrorKind::usage, fmt::format("{}: cannot list: {}", dir.string(), ec.message()));
+    throw Error(ErrorKind::usage,
+                fmt::format("{}: cannot list: {}", printable(dir.string()), ec.message()));
   }
   return first;
 }

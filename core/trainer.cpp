@@ -422,7 +422,7 @@ class TrainingRun {
         const size_t reason = what.rfind(": ");
         throw Error(ErrorKind::checkpoint,
                     fmt::format("{}: cannot write a file in the run directory: {}",
-                                options_.run_dir.string(),
+                                printable(options_.run_dir.string()),
                                 reason == std::string::npos ? what : what.substr(reason + 2)));
       }
     }
@@ -737,7 +737,7 @@ class TrainingRun {
       CheckpointData ckpt = read_checkpoint(dir);
       const auto& p = ckpt.position;
       if (const std::string why = recipe_mismatch(recipe_, p.recipe_hash); !why.empty()) {
-        throw Error(ErrorKind::checkpoint, fmt::format("{}: {}", dir.string(), why));
+        throw Error(ErrorKind::checkpoint, fmt::format("{}: {}", printable(dir.string()), why));
       }
       require_same_data(dir, p.data_fingerprint, data_.fingerprint, recipe_.data,
                         "a resume on it would not continue the same run; put the data back as "

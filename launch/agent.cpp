@@ -230,8 +230,9 @@ int run_agent(const AgentPlan& given, std::FILE* out, int stop_fd) {
   std::error_code ec;
   fs::create_directories(plan.run_dir / "logs", ec);
   if (ec) {
-    throw Error(ErrorKind::io, fmt::format("{}: cannot create run directory on {}: {}",
-                                           plan.run_dir.string(), plan.host, ec.message()));
+    throw Error(ErrorKind::io,
+                fmt::format("{}: cannot create run directory on {}: {}",
+                            printable(plan.run_dir.string()), plan.host, ec.message()));
   }
   std::mutex out_mutex;
   const auto say_alive = [&] {

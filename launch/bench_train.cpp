@@ -634,7 +634,7 @@ fs::path create_sweep_dir(const fs::path& dir, const fs::path& runs_root) {
   if (ec) {
     // The caller's to fix, as a launch's run directory is: a usage error.
     throw Error(ErrorKind::usage, fmt::format("{}: cannot create the benchmark directory: {}",
-                                              path.string(), ec.message()));
+                                              printable(path.string()), ec.message()));
   }
   return resolved_path(path);
 }
@@ -660,8 +660,9 @@ BenchRunner job_runner(const JobSpec& spec, const fs::path& sweep_dir, StatusPri
     std::unique_ptr<std::FILE, int (*)(std::FILE*)> console(std::fopen(console_path.c_str(), "w"),
                                                             &std::fclose);
     if (!console) {
-      throw Error(ErrorKind::io, fmt::format("{}: cannot create: {}", console_path.string(),
-                                             std::strerror(errno)));
+      throw Error(ErrorKind::io,
+                  fmt::format("{}: cannot create: {}", printable(console_path.string()),
+                              std::strerror(errno)));
     }
     JobOutcome outcome;
     {

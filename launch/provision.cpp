@@ -48,7 +48,7 @@ std::string human_bytes(uint64_t bytes) {
 
 std::string sha256_file(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(ErrorKind::io, fmt::format("{}: cannot read", path.string()));
+  if (!in) throw Error(ErrorKind::io, fmt::format("{}: cannot read", printable(path.string())));
   std::unique_ptr<EVP_MD_CTX, decltype(&EVP_MD_CTX_free)> context(EVP_MD_CTX_new(),
                                                                   &EVP_MD_CTX_free);
   if (!context || EVP_DigestInit_ex(context.get(), EVP_sha256(), nullptr) != 1) {

@@ -44,8 +44,9 @@ void make_layout(const fs::path& dir) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) {
-    throw Error(ErrorKind::usage, fmt::format("{}: cannot create run directory: {}{}", dir.string(),
-                                              ec.message(), cwd_gone_note(dir)));
+    throw Error(ErrorKind::usage,
+                fmt::format("{}: cannot create run directory: {}{}", printable(dir.string()),
+                            ec.message(), cwd_gone_note(dir)));
   }
   // Its parts, named where one is in the way (a file named logs).
   for (const char* part : {"logs", "checkpoints"}) {
@@ -55,12 +56,12 @@ void make_layout(const fs::path& dir) {
       const bool blocked = fs::exists(fs::symlink_status(dir / part, type_ec)) &&
                            !fs::is_directory(dir / part, type_ec);
       throw Error(ErrorKind::usage,
-                  blocked
-                      ? fmt::format("{}: not a directory, where the run keeps its {}; move it "
-                                    "away",
-                                    (dir / part).string(), part)
-                      : fmt::format("{}: cannot make the run's {} directory: {}{}",
-                                    (dir / part).string(), part, ec.message(), cwd_gone_note(dir)));
+                  blocked ? fmt::format("{}: not a directory, where the run keeps its {}; move it "
+                                        "away",
+                                        printable((dir / part).string()), part)
+                          : fmt::format("{}: cannot make the run's {} directory: {}{}",
+                                        printable((dir / part).string()), part, ec.message(),
+                                        cwd_gone_note(dir)));
     }
   }
 }
@@ -100,8 +101,8 @@ std::optional<std::string> foreign_entry(const fs::path& dir) {
     const bool empty = entry.is_directory(ec) && fs::is_empty(entry.path(), ec);
     // One that cannot be listed (no descriptor free, a permission) is not taken for full.
     if (ec) {
-      throw Error(ErrorKind::usage,
-                  fmt::format("{}: cannot list: {}", entry.path().string(), ec.message()));
+      throw Error(ErrorKind::usage, fmt::format("{}: cannot list: {}",
+                                                printable(entry.path().string()), ec.message()));
     }
     return empty;
   });
@@ -120,7 +121,7 @@ nlohmann::json read_run_json(const fs::path& dir) {
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) {
     throw Error(ErrorKind::usage,
-                fmt::format("{}: {}", dir.string(),
+                fmt::format("{}: {}", printable(dir.string()),
                             fs::exists(dir, ec) ? "not a run directory (not a directory)"
                                                 : "no such run directory"));
   }
@@ -128,7 +129,7 @@ nlohmann::json read_run_json(const fs::path& dir) {
   if (const char* kind = non_regular_kind(fs::status(file, ec))) {
     throw Error(ErrorKind::usage,
                 fmt::format("{}: is {}, not a regular file: {} is not a run directory",
-                            file.string(), kind, dir.string()));
+                            printable(file.string()), kind, dir.string()));
   }
   std::string text;
   try {
@@ -317,8 +318,8 @@ RunDirectory RunDirectory::create(const fs::path& dir, const fs::path& runs_root
       // The runs root itself may be what could not be made.
       const fs::path where = path.empty() ? (runs_root.empty() ? base : runs_root) : path;
       throw Error(ErrorKind::usage,
-                  fmt::format("{}: cannot create run directory: {}{}", where.string(), ec.message(),
-                              cwd_gone_note(where)));
+                  fmt::format("{}: cannot create run directory: {}{}", printable(where.string()),
+                              ec.message(), cwd_gone_note(where)));
     }
   } else {
     check_new(path);
@@ -512,7 +513,7 @@ std::shared_ptr<const int> try_lock_run(const fs::path& dir, bool record_holder)
   const int fd = ::open(file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0) {
     throw Error(ErrorKind::usage,
-                fmt::format("{}: cannot open: {}", file.string(), std::strerror(errno)));
+                fmt::format("{}: cannot open: {}", printable(file.string()), std::strerror(errno)));
   }
   auto held = std::shared_ptr<const int>(new int(fd), [](const int* p) {
     ::close(*p);  // releases the flock
@@ -522,7 +523,7 @@ std::shared_ptr<const int> try_lock_run(const fs::path& dir, bool record_holder)
     const int error = errno;
     if (error == EWOULDBLOCK) return nullptr;
     throw Error(ErrorKind::usage,
-                fmt::format("{}: cannot lock: {}", file.string(), std::strerror(error)));
+                fmt::format("{}: cannot lock: {}", printable(file.string()), std::strerror(error)));
   }
   // Who holds it, for the refusal another process meets ("PID HOST"): run.json names the run's
   // launcher only once it has written it, and an earlier one's until then.

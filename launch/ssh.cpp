@@ -663,7 +663,7 @@ void SshSession::upload(const fs::path& local, const std::string& remote_path, i
   std::error_code ec;
   const uint64_t bytes = in ? fs::file_size(local, ec) : 0;
   if (!in || ec) {
-    throw Error(ErrorKind::io, fmt::format("{}: cannot read: {}", local.string(),
+    throw Error(ErrorKind::io, fmt::format("{}: cannot read: {}", printable(local.string()),
                                            ec ? ec.message() : std::strerror(errno)));
   }
   const auto failure = [&](const std::string& reason) {

@@ -306,7 +306,7 @@ class Supervision {
         ::close(fds[0]);
         ::close(fds[1]);
         throw Error(ErrorKind::io, fmt::format("{}: cannot open log file for writing: {}",
-                                               c.spec->log_file.string(),
+                                               printable(c.spec->log_file.string()),
                                                why != 0 ? std::strerror(why) : "unknown error"));
       }
       try {

@@ -56,6 +56,21 @@ TEST_CASE("--json failures carry status, exit_code, error and errors for every f
     CHECK(out["errors"].size() == 2);
     CHECK_FALSE(fs::exists(tmp / "runs"));
   }
+  SUBCASE("a path with a newline stays on the message's one line") {
+    const std::string odd = (tmp / "no\nsuch").string();
+    const std::string shown = (tmp / "no\\x0asuch").string();
+    const std::vector<std::vector<std::string>> commands = {
+        {"data", "prepare", "--text", odd, "--out", (tmp / "ds").string(), "--json"},
+        {"ckpt", "list", odd, "--json"},
+        {"ckpt", "verify", odd, "--json"},
+        {"sample", odd, "--json"},
+        {"resume", odd, "--json"}};
+    for (const auto& command : commands) {
+      auto out = check_failure(run_dptrain(command), 2);
+      CHECK(out["errors"].size() == 1);
+      CHECK(out["error"].get<std::string>().rfind(shown + ": ", 0) == 0);
+    }
+  }
   SUBCASE("recipe validate keeps valid, and says why") {
     auto out = check_failure(
         run_dptrain({"recipe", "validate", (tmp / "nope.json").string(), "--json"}), 2);
