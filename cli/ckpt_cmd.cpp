@@ -327,19 +327,30 @@ int run_list(const CkptOptions& o) {
 }
 
 // Empty when there is none (a failed verification, reported with the others' results).
-std::vector<fs::path> checkpoints_to_verify(const CheckedRun& run, const CkptOptions& o) {
+std::vector<fs::path> checkpoints_to_verify(const CheckedRun& run, const CkptOptions& o,
+                                            const fs::path& latest) {
   if (!o.step.empty()) return {checkpoint_named(run.checkpoints(), o.step)};
   // Set-aside checkpoints are known to be damaged and never used again: --all leaves them out.
   // By default the newest that is the run's recipe's (resume skips another's), which a resume
   // continues from: normally the one `latest` names, which can lag behind it (a rank stopped
-  // between a checkpoint's commit and `latest`'s update).
+  // between a checkpoint's commit and `latest`'s update). The one `latest` names is verified as
+  // well: one another recipe wrote (copied in) fails, as `latest` is part of what is checked.
   const auto live = list_checkpoints(run.checkpoints());
   if (live.empty() || o.all) return live;
+  fs::path chosen = live.front();
   for (const auto& dir : live) {
     const auto position = run.unusable ? checkpoint_position(dir) : std::nullopt;
-    if (!position || run.unusable(*position).empty()) return {dir};
+    if (!position || run.unusable(*position).empty()) {
+      chosen = dir;
+      break;
+    }
   }
-  return {live.front()};
+  std::vector<fs::path> dirs;
+  for (const auto& dir : live) {
+    if (dir == chosen || (!latest.empty() && dir.filename() == latest.filename()))
+      dirs.push_back(dir);
+  }
+  return dirs;
 }
 
 int run_verify(const CkptOptions& o) {
@@ -348,7 +359,7 @@ int run_verify(const CkptOptions& o) {
   install_stop_signal_handlers();
   const CheckedRun run = open_run(o.run_dir);
   const LatestStatus latest = check_latest(run.checkpoints());
-  const auto dirs = checkpoints_to_verify(run, o);
+  const auto dirs = checkpoints_to_verify(run, o, followable(latest));
   const auto rows =
       inspect_all(run, dirs, followable(latest), [] { return pending_stop_signal() != 0; });
   // `latest` is part of what is verified unless a STEP names the checkpoint to check.

@@ -577,6 +577,17 @@ TEST_CASE("ckpt checks the recipe from run.json, its data not read; an unreadabl
                                          ": written by a different recipe (hash 0123456789abcdef"),
                 verify.err);
   CHECK_FALSE(contains(verify.err, "warning"));
+  // By default the newest of this recipe is verified, and the one `latest` names as well.
+  const auto by_default = run_dptrain({"ckpt", "verify", run.string(), "--json"});
+  CHECK(by_default.exit_code == 5);
+  CHECK_MESSAGE(contains(by_default.err, (run / "checkpoints/step-000040/meta.json").string() +
+                                             ": written by a different recipe"),
+                by_default.err);
+  const auto verified = parse_json(by_default.out);
+  REQUIRE(verified["checkpoints"].size() == 2);
+  CHECK(verified["checkpoints"][0]["name"] == "step-000040");
+  CHECK(verified["checkpoints"][0]["ok"] == false);
+  CHECK(verified["checkpoints"][1]["ok"] == true);
   const auto listed = list_json(run);
   for (const auto& row : listed["checkpoints"]) {
     CAPTURE(row["name"]);
