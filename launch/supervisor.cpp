@@ -28,17 +28,21 @@ namespace dptrain {
 
 namespace {
 
-// The tail a failure quotes: what the process printed, and its trainer events (rank 0's
-// progress, which it prints as events only) as the launcher shows them; no other protocol line.
+// A line of a process as its log and a failure's excerpt show it: as printed, or a trainer event
+// (rank 0's progress, which it prints as events only) as the launcher shows it; none for any
+// other protocol line.
+std::optional<std::string> shown_line(const std::string& line) {
+  if (!line.starts_with("@event ")) return line;
+  const auto event = nlohmann::json::parse(line.substr(7), nullptr, false);
+  if (event.is_object() && event.contains("event")) return format_event(event);
+  return std::nullopt;
+}
+
+// The tail a failure quotes.
 std::vector<std::string> shown_tail(const std::deque<std::string>& tail) {
   std::vector<std::string> shown;
   for (const std::string& line : tail) {
-    if (!line.starts_with("@event ")) {
-      shown.push_back(line);
-      continue;
-    }
-    const auto event = nlohmann::json::parse(line.substr(7), nullptr, false);
-    if (event.is_object() && event.contains("event")) shown.push_back(format_event(event));
+    if (auto text = shown_line(line)) shown.push_back(std::move(*text));
   }
   return shown;
 }
@@ -414,8 +418,10 @@ class Supervision {
   }
 
   void emit_line(Child& c, const std::string& line) {
-    c.log << line << '\n';
-    c.log.flush();
+    if (const auto text = shown_line(line)) {
+      c.log << *text << '\n';
+      c.log.flush();
+    }
     c.tail.push_back(line);  // as printed: shown_tail formats it only if a failure quotes it
     if (c.tail.size() > kTailLines) c.tail.pop_front();
     if (options_.on_line) options_.on_line(*c.spec, line);

@@ -88,6 +88,8 @@ TEST_CASE("supervisor: a failing process stops the others and is named with its 
   CHECK(result.failure->describe().find("exited with code 7") != std::string::npos);
   // A trainer event is quoted as the launcher shows it; anything else of the protocol is not.
   CHECK(result.failure->last_lines == std::vector<std::string>{"one", "hello", "two"});
+  // And so does its log.
+  CHECK(slurp(f.dir / "rank1.log") == "one\nhello\ntwo\n");
   for (pid_t p : f.pids)
     CHECK_FALSE(alive(p));
 }
