@@ -218,8 +218,13 @@ TokenFileHeader read_token_header(const fs::path& path) {
   header.vocab = static_cast<int64_t>(vocab);
   const uint64_t count = get_le(p + 24, 8);
   const uint64_t max_count = (std::numeric_limits<uint64_t>::max() - kTokenHeaderBytes) / dtype;
-  const uint64_t expected = count <= max_count ? kTokenHeaderBytes + count * dtype : 0;
-  if (count > max_count || expected < size) {
+  if (count > max_count) {
+    bad_file(path, fmt::format("the header's token count {} is impossible (no file holds more "
+                               "than {} {} tokens)",
+                               count, max_count, dtype_name(header.dtype_bytes)));
+  }
+  const uint64_t expected = kTokenHeaderBytes + count * dtype;
+  if (expected < size) {
     bad_file(path,
              fmt::format("size mismatch: the header's {} tokens take {} bytes, the file has {}",
                          count, expected, size));

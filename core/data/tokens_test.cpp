@@ -202,6 +202,13 @@ TEST_CASE("each kind of damage to a token file is one recipe error naming the fi
   CHECK(read_error(longer) ==
         "size mismatch: the header's 8 tokens take 80 bytes, the file has 82");
 
+  // A count whose bytes no file can hold (2^63 + 8 uint16 tokens) is not a size of 0 bytes.
+  const fs::path huge = fresh("huge.bin");
+  overwrite(huge, 24, std::string("\x08\0\0\0\0\0\0\x80", 8));
+  CHECK(read_error(huge) ==
+        "the header's token count 9223372036854775816 is impossible (no file holds more than "
+        "9223372036854775775 uint16 tokens)");
+
   const fs::path flipped = fresh("flipped.bin");
   overwrite(flipped, 64 + 2, std::string("\x05", 1));  // token 4 -> 5: still in the vocab
   const std::string mismatch = read_error(flipped);
