@@ -59,7 +59,7 @@ DistributedSampler::DistributedSampler(int64_t dataset_size, int64_t global_batc
   }
   if (dataset_size < global_batch) {
     throw Error(ErrorKind::recipe,
-                "the training split has " + std::to_string(dataset_size) +
+                "/train/batch_per_rank: the training split has " + std::to_string(dataset_size) +
                     " samples, fewer than one global batch (world x train.batch_per_rank x "
                     "train.grad_accum = " +
                     std::to_string(global_batch) + ")");

@@ -146,7 +146,9 @@ TEST_CASE("2 ranks x B, 1 rank x 2B and 1 rank x B x 2 micro-batches see the sam
 
 TEST_CASE("a dataset smaller than one global batch names both sizes") {
   CHECK_THROWS_WITH_AS(DistributedSampler(10, 16, 1),
-                       doctest::Contains("10 samples, fewer than one global batch"), Error);
+                       doctest::Contains("/train/batch_per_rank: the training split has 10 "
+                                         "samples, fewer than one global batch"),
+                       Error);
   CHECK_THROWS_WITH_AS(DistributedSampler(10, 16, 1), doctest::Contains("= 16"), Error);
   const DistributedSampler sampler(10, 4, 1);
   CHECK_THROWS_AS(sampler.indices(0, 2, 0, 4), Error);  // only 2 batches per epoch
