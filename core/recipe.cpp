@@ -148,17 +148,22 @@ std::optional<double> integral_float(const json& value) {
   return number;
 }
 
+// What an integer too large for its field's type is told, before the value.
+constexpr const char* kBeyondInt64 = "out of range of a 64-bit integer (-2^63 to 2^63-1), got ";
+constexpr const char* kBeyondUint64 =
+    "out of range of an unsigned 64-bit integer (0 to 2^64-1), got ";
+
 Verdict convert(const json& value, int64_t& out) {
   constexpr double kTwoTo63 = 9223372036854775808.0;
   if (value.is_number_unsigned()) {
     if (value.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-      return "out of range, got " + describe(value);
+      return kBeyondInt64 + describe(value);
     }
     out = static_cast<int64_t>(value.get<uint64_t>());
   } else if (value.is_number_integer()) {
     out = value.get<int64_t>();
   } else if (auto number = integral_float(value)) {
-    if (*number < -kTwoTo63 || *number >= kTwoTo63) return "out of range, got " + describe(value);
+    if (*number < -kTwoTo63 || *number >= kTwoTo63) return kBeyondInt64 + describe(value);
     out = static_cast<int64_t>(*number);
   } else {
     return "expected an integer, got " + describe(value);
@@ -176,7 +181,7 @@ Verdict convert(const json& value, uint64_t& out) {
     out = 0;
   } else if (auto number = integral_float(value)) {
     if (*number < 0) return "must be >= 0, got " + describe(value);
-    if (*number >= kTwoTo64) return "out of range, got " + describe(value);
+    if (*number >= kTwoTo64) return kBeyondUint64 + describe(value);
     out = static_cast<uint64_t>(*number);
   } else {
     return "expected an integer, got " + describe(value);
