@@ -487,10 +487,15 @@ void setup_bench_comm(CLI::App& app, Outcome& outcome) {
   app.add_option("--redop", o->redop,
                  "Reduction of allreduce and reduce_scatter: sum, avg, max or min")
       ->capture_default_str();
-  app.add_option("--root", o->root, "Broadcast's root rank")->capture_default_str();
-  app.add_option("-w,--warmup", o->warmup, "Untimed iterations before each size's timed ones")
+  app.add_option("--root", o->root, "Broadcast's root rank")
+      ->check(whole_number<int>("RANK"))
       ->capture_default_str();
-  app.add_option("-n,--iters", o->iters, "Timed iterations per size")->capture_default_str();
+  app.add_option("-w,--warmup", o->warmup, "Untimed iterations before each size's timed ones")
+      ->check(whole_number<int>("N"))
+      ->capture_default_str();
+  app.add_option("-n,--iters", o->iters, "Timed iterations per size")
+      ->check(whole_number<int>("N"))
+      ->capture_default_str();
   o->min_busbw_flag =
       app.add_option("--min-busbw", o->min_busbw,
                      "Exit 6 when a collective's busbw at its largest size is below this many GB/s")

@@ -275,6 +275,7 @@ void setup_bench_train(CLI::App& app, Outcome& outcome) {
       ->capture_default_str();
   app.add_option("--repeats", o->bench.repeats,
                  "Runs per world size; every number reported is their median")
+      ->check(whole_number<int>("N"))
       ->capture_default_str();
   app.add_flag("--strong", o->strong,
                "Strong scaling: keep the smallest world's global batch (batch_per_rank shrinks "
@@ -295,10 +296,12 @@ void setup_bench_train(CLI::App& app, Outcome& outcome) {
                      "their throughput ratio (default: the recipe's train.precision)");
   auto* batch = app.add_option("--batch-per-rank", o->batch_per_rank,
                                "Samples (sequences) per rank and micro-batch (default: the "
-                               "recipe's train.batch_per_rank)");
+                               "recipe's train.batch_per_rank)")
+                    ->check(whole_number<int64_t>("N"));
   auto* peak = app.add_option("--peak-tflops", o->peak_tflops,
                               "One device's peak TFLOP/s for MFU (default on cuda: 989, the "
-                              "H100/H200 dense bf16 peak; on cpu MFU is n/a without it)");
+                              "H100/H200 dense bf16 peak; on cpu MFU is n/a without it)")
+                   ->check(non_negative_number());
   add_host_options(app, o->hosts, false);
   add_remote_job_options(app, o->remote);
   app.add_flag("--json", o->json, "Print one JSON object with every row on stdout");

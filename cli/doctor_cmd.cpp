@@ -9,6 +9,7 @@
 #include "cli/commands.hpp"
 #include "cli/host_options.hpp"
 #include "cli/json_errors.hpp"
+#include "cli/run_report.hpp"
 #include "core/error.hpp"
 #include "core/json_error.hpp"
 #include "core/tensor/blas.hpp"
@@ -32,9 +33,6 @@ struct DoctorCliOptions {
 };
 
 int run_doctor_cmd(const DoctorCliOptions& o) {
-  if (o.master_port < 0 || o.master_port > 65535) {
-    throw Error(ErrorKind::usage, fmt::format("--master-port: not a port: {}", o.master_port));
-  }
   DoctorOptions d;
   d.workdir = o.workdir;
   d.remote_binary = o.remote_binary;
@@ -106,7 +104,8 @@ void setup_doctor(CLI::App& app, Outcome& outcome) {
   app.add_option("--remote-binary", o->remote_binary,
                  "dptrain on the hosts (default: WORKDIR/bin/dptrain)");
   app.add_option("--master-addr", o->master_addr, "The store address launch would use");
-  app.add_option("--master-port", o->master_port, "The store port launch would use (0: any)");
+  app.add_option("--master-port", o->master_port, "The store port launch would use (0: any)")
+      ->check(whole_number<int>("PORT", 65535));
   app.add_flag("--no-allreduce", o->no_allreduce, "Skip the tiny all-reduce job across all ranks");
   app.add_flag("--json", o->json,
                "Print {\"ok\", \"status\", \"exit_code\", \"checks\": [...]} on stdout (and "

@@ -124,14 +124,7 @@ void add_host_options(CLI::App& app, HostOptions& o, bool hosts_required) {
       ->capture_default_str();
 }
 
-void RemoteJobOptions::check() const {
-  if (master_port < 0 || master_port > 65535) {
-    throw Error(ErrorKind::usage, fmt::format("--master-port: not a port: {}", master_port));
-  }
-}
-
 RemoteOptions RemoteJobOptions::get(const HostOptions& hosts) const {
-  check();
   if (!master_addr.empty()) {
     // The store listens there: an address that is not this machine's (or no address at all)
     // would only show as every rank failing to reach it.
@@ -162,7 +155,8 @@ void add_remote_job_options(CLI::App& app, RemoteJobOptions& o) {
   app.add_option("--master-addr", o.master_addr,
                  "Address the store listens on and ranks dial (default: 127.0.0.1 on one "
                  "machine, else the address this machine reaches the first remote host from)");
-  app.add_option("--master-port", o.master_port, "Store port (default: a free port)");
+  app.add_option("--master-port", o.master_port, "Store port (default: a free port)")
+      ->check(whole_number<int>("PORT", 65535));
   app.add_option("--env", o.env,
                  "NAME=VALUE: set NAME for every rank on every host; NAME: pass this "
                  "environment's NAME (its value is neither printed nor recorded). Repeatable")

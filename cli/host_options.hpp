@@ -44,10 +44,7 @@ struct RemoteJobOptions {
   std::string master_addr;
   int master_port = 0;
   std::vector<std::string> env;  // --env NAME[=VALUE], repeatable
-  // Error(usage) for a bad port.
   RemoteOptions get(const HostOptions& hosts) const;
-  // What can be refused without hosts: --master-port out of range (exit 2).
-  void check() const;
   // --env as the ranks get it; Error(usage) naming a bad setting.
   RankEnv rank_env() const { return RankEnv::parse(env); }
 };

@@ -168,7 +168,6 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
 int start_resume(const ResumeOptions& o, bool& events_opened) {
   // A bad option is refused whatever the run, also one that completed (nothing is placed then).
   o.restart.validate();
-  o.remote.check();
   o.remote.rank_env();
   JobSpec unplaced;
   place_ranks(unplaced, o.hosts, o.nproc, o.nnodes, 1);

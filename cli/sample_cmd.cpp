@@ -137,6 +137,12 @@ std::vector<int32_t> parse_prompt_ids(const std::string& text, int64_t vocab) {
     ids.push_back(static_cast<int32_t>(id));
     i = end;
   }
+  if (ids.empty() && !text.empty()) {
+    throw Error(ErrorKind::usage,
+                fmt::format("--prompt: '{}' holds no token id (with --ids, whole numbers "
+                            "separated by spaces or commas)",
+                            printable(text)));
+  }
   return ids;
 }
 
@@ -226,19 +232,6 @@ void check_checkpoint_origin(const fs::path& from, const TrainingPosition& posit
 }
 
 int run_sample(const SampleOptions& o) {
-  if (o.tokens < 0) {
-    throw Error(ErrorKind::usage, fmt::format("--tokens: must be >= 0, got {}", o.tokens));
-  }
-  if (!std::isfinite(o.temperature)) {
-    throw Error(ErrorKind::usage,
-                fmt::format("--temperature: must be a finite number >= 0, got {}", o.temperature));
-  }
-  if (o.temperature < 0.0) {
-    throw Error(ErrorKind::usage,
-                fmt::format("--temperature: must be >= 0, got {}", o.temperature));
-  }
-  if (o.top_k < 0)
-    throw Error(ErrorKind::usage, fmt::format("--top-k: must be >= 0, got {}", o.top_k));
   // A stop ends the text where it is, with the status (and the JSON) every command gives one.
   install_stop_signal_handlers();
   std::signal(SIGPIPE, SIG_DFL);  // `sample | head` ends it, as any filter's reader does
@@ -389,7 +382,8 @@ void setup_sample(CLI::App& app, Outcome& outcome) {
       ->check(whole_number<int64_t>(""));
   app.add_option("--temperature", o->temperature,
                  "Softmax temperature; 0 takes the most likely token every time")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(non_negative_number());
   app.add_option("--top-k", o->top_k, "Sample among the K most likely tokens only (0: all)")
       ->capture_default_str()
       ->check(whole_number<int64_t>(""));

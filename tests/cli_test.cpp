@@ -282,6 +282,35 @@ TEST_CASE("usage errors exit 2") {
   CHECK(no_hosts.exit_code == 2);
   CHECK(no_hosts.err.find("--hosts: empty") != std::string::npos);
   CHECK_FALSE(fs::exists(tmp / "runs"));
+  // Every command's numbers are plain decimals: no hex, no values out of the option's range.
+  const std::string nothing = (tmp / "nothing-here").string();
+  for (const auto& [args, says] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"sample", nothing, "--temperature", "0x10"}, "--temperature: '0x10' is not a number"},
+           {{"sample", nothing, "--temperature", "-1"},
+            "--temperature: '-1' must be a finite number >= 0"},
+           {{"bench", "train", recipe.string(), "--peak-tflops", "0x10"},
+            "--peak-tflops: '0x10' is not a number"},
+           {{"bench", "train", recipe.string(), "--repeats", "0x2"},
+            "--repeats: '0x2' is not a whole number"},
+           {{"bench", "train", recipe.string(), "--batch-per-rank", "0x1"},
+            "--batch-per-rank: '0x1' is not a whole number"},
+           {{"bench", "comm", "--root", "0x1"}, "--root: '0x1' is not a whole number"},
+           {{"bench", "comm", "-w", "-1"}, "--warmup: '-1' must be a whole number >= 0"},
+           {{"bench", "comm", "-n", "0x1"}, "--iters: '0x1' is not a whole number"},
+           {{"launch", recipe.string(), "--master-port", "0x10"},
+            "--master-port: '0x10' is not a whole number"},
+           {{"doctor", "--master-port", "70000"},
+            "--master-port: '70000' is out of range [0, "
+            "65535]"}}) {
+    std::vector<std::string> all = args;
+    all.insert(all.end(), {"--runs-root", (tmp / "runs").string()});
+    if (args[0] == "sample" || args[0] == "doctor") all.resize(args.size());
+    auto bad = run_dptrain(all);
+    CAPTURE(args);
+    CHECK(bad.exit_code == 2);
+    CHECK_MESSAGE(bad.err.find(says) != std::string::npos, bad.err);
+  }
+  CHECK_FALSE(fs::exists(tmp / "runs"));
   // Unsigned options do not wrap a negative value around.
   auto seed = run_dptrain({"sample", (tmp / "nothing-here").string(), "--seed", "-1"});
   CHECK(seed.exit_code == 2);

@@ -330,6 +330,7 @@ TEST_CASE("sample --ids: ids in and out, the same draws as text; a dataset witho
   for (const auto& [prompt, message] : std::vector<std::pair<std::string, std::string>>{
            {"1 -2", "--prompt: '-2' is not a token id"},
            {"1 2x", "--prompt: '2x' is not a token id"},
+           {" , ", "--prompt: ' , ' holds no token id"},
            {std::to_string(data.vocab), fmt::format("--prompt: token id {} is out of the "
                                                     "vocabulary (ids 0 to {})",
                                                     data.vocab, data.vocab - 1)}}) {
