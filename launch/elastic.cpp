@@ -2,7 +2,10 @@
 #include "launch/elastic.hpp"
 
 #include <algorithm>
-#include <future>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <optional>
 #include <thread>
 
 #include <fmt/format.h>
@@ -56,14 +59,43 @@ HostProbe ssh_probe(const SshOptions& options) {
 
 namespace {
 
-// Probes every host at once; "" for each that answers, else why not.
-std::vector<std::string> probe_all(const std::vector<HostSpec>& hosts, const HostProbe& probe) {
-  std::vector<std::future<std::string>> answers;
-  for (const auto& h : hosts)
-    answers.push_back(std::async(std::launch::async, probe, h));
+using Clock = std::chrono::steady_clock;
+
+// Probes every host at once, each on a thread of its own; "" for each that answers, else why
+// not. Stops waiting when `should_stop` says so (nothing then) or at `until`, where a probe still
+// going gives `late`. A probe waited for no longer runs on, on what it copied (the probe, its
+// host), and its answer is dropped.
+std::optional<std::vector<std::string>> probe_all(const std::vector<HostSpec>& hosts,
+                                                  const HostProbe& probe,
+                                                  const std::function<bool()>& should_stop,
+                                                  Clock::time_point until,
+                                                  const std::string& late) {
+  struct Answers {
+    std::mutex mutex;
+    std::condition_variable done;
+    std::vector<std::optional<std::string>> why;
+    size_t left = 0;
+  };
+  const auto answers = std::make_shared<Answers>();
+  answers->why.resize(hosts.size());
+  answers->left = hosts.size();
+  for (size_t i = 0; i < hosts.size(); ++i) {
+    std::thread([answers, probe, host = hosts[i], i] {
+      std::string why = probe(host);
+      std::lock_guard lock(answers->mutex);
+      answers->why[i] = std::move(why);
+      --answers->left;
+      answers->done.notify_all();
+    }).detach();
+  }
+  std::unique_lock lock(answers->mutex);
+  while (answers->left > 0 && Clock::now() < until) {
+    if (should_stop && should_stop()) return std::nullopt;
+    answers->done.wait_until(lock, std::min(until, Clock::now() + std::chrono::milliseconds(100)));
+  }
   std::vector<std::string> why;
-  for (auto& a : answers)
-    why.push_back(a.get());
+  for (const auto& w : answers->why)
+    why.push_back(w.value_or(late));
   return why;
 }
 
@@ -74,14 +106,28 @@ HostSelection select_hosts(
     const HostProbe& probe, const std::function<bool()>& should_stop,
     std::chrono::milliseconds interval,
     const std::function<void(const std::vector<std::string>& absent)>& waiting) {
-  const auto deadline = std::chrono::steady_clock::now() + wait;
+  const auto deadline = Clock::now() + wait;
+  const std::string late = fmt::format("no answer within {:g} s (--rejoin-timeout)",
+                                       static_cast<double>(wait.count()) / 1000.0);
   std::vector<std::string> why(candidates.size());
   bool told = false;  // `waiting`
+  HostSelection out;
   for (;;) {
-    why = probe_all(candidates, probe);
+    const auto until = wait.count() > 0 ? std::max(deadline, Clock::now() + std::chrono::seconds(1))
+                                        : Clock::time_point::max();
+    auto round = probe_all(candidates, probe, should_stop, until, late);
+    if (!round) {
+      out.stopped = true;
+      break;
+    }
+    why = std::move(*round);
     const auto up = std::count_if(why.begin(), why.end(), [](const auto& w) { return w.empty(); });
-    const auto now = std::chrono::steady_clock::now();
-    if (up >= max_nodes || now >= deadline || (should_stop && should_stop())) break;
+    const auto now = Clock::now();
+    if (up >= max_nodes || now >= deadline) break;
+    if (should_stop && should_stop()) {
+      out.stopped = true;
+      break;
+    }
     if (waiting && !told) {
       told = true;
       std::vector<std::string> absent;
@@ -92,10 +138,12 @@ HostSelection select_hosts(
       waiting(absent);
     }
     // The last probe at the deadline itself: a host that answers then is not missed.
-    std::this_thread::sleep_for(
-        std::min<std::chrono::steady_clock::duration>(interval, deadline - now));
+    const auto next = std::min<Clock::time_point>(now + interval, deadline);
+    while (Clock::now() < next && !(should_stop && should_stop()))
+      std::this_thread::sleep_for(
+          std::min<Clock::duration>(std::chrono::milliseconds(100), next - Clock::now()));
   }
-  HostSelection out;
+  if (out.stopped) return out;
   for (size_t i = 0; i < candidates.size(); ++i) {
     if (!why[i].empty()) {
       out.absent.push_back(fmt::format("{}: {}", candidates[i].display(), why[i]));
@@ -137,10 +185,17 @@ void HostWatch::run() {
       std::unique_lock lock(mutex_);
       if (wake_.wait_for(lock, interval_, [this] { return stop_; })) return;
     }
-    const std::vector<std::string> why = probe_all(hosts_, probe_);
+    const auto why = probe_all(
+        hosts_, probe_,
+        [this] {
+          std::lock_guard lock(mutex_);
+          return stop_;
+        },
+        Clock::time_point::max(), "");
+    if (!why) return;
     std::lock_guard lock(mutex_);
     for (size_t i = 0; i < hosts_.size(); ++i) {
-      if (why[i].empty()) answered_.push_back(hosts_[i]);
+      if ((*why)[i].empty()) answered_.push_back(hosts_[i]);
     }
     if (!answered_.empty() || stop_) return;
   }

@@ -32,12 +32,17 @@ HostProbe ssh_probe(const SshOptions& options);
 struct HostSelection {
   std::vector<HostSpec> hosts;      // in the order of the candidates, at most max_nodes
   std::vector<std::string> absent;  // "HOST: why" for each candidate not taken as unreachable
+  bool stopped = false;             // `should_stop` ended the wait: hosts and absent are partial
 };
 
 // The hosts of the next generation: the first `max_nodes` candidates that answer. Probes every
 // candidate (all at once) and again each `interval` until max_nodes answer or `wait` has passed;
-// returns what it has then. `should_stop` is polled between rounds (a stop signal); `waiting`,
-// when given, is told once, before the first wait, which candidates did not answer ("HOST: why").
+// returns what it has then. A probe still going when `wait` has passed (a host that takes the
+// connection but does not speak SSH holds one for the whole connect timeout) is given up on, a
+// second after its round began at the earliest; with no wait, each round waits for every probe.
+// `should_stop` is polled every 100 ms, during probes too (a stop signal): it ends the wait at
+// once, `stopped` set; `waiting`, when given, is told once, before the first wait, which
+// candidates did not answer ("HOST: why").
 HostSelection select_hosts(
     const std::vector<HostSpec>& candidates, int max_nodes, std::chrono::milliseconds wait,
     const HostProbe& probe, const std::function<bool()>& should_stop,
@@ -50,8 +55,8 @@ std::chrono::milliseconds rejoin_probe_interval(std::chrono::milliseconds rejoin
 
 // Watches, while a generation runs below its job's maximum size, for hosts that answer again: a
 // thread probes `hosts` every `interval` (all at once, the first round after one interval) until
-// at least one answers. The destructor stops it; it waits for a probe in flight (an SSH login
-// attempt, bounded by the connect timeout).
+// at least one answers. The destructor stops it at once, leaving a probe in flight (an SSH login
+// attempt) to end on its own.
 class HostWatch {
  public:
   HostWatch(std::vector<HostSpec> hosts, HostProbe probe, std::chrono::milliseconds interval);

@@ -141,3 +141,62 @@ TEST_CASE("elastic: a host watch is stopped by its destructor while it waits") {
   CHECK(std::chrono::steady_clock::now() - t0 < 5s);  // bound against a hang, not a timing
   CHECK(p.count("x") == 0);                           // the first round comes after one interval
 }
+
+// A login that hangs (a host that takes the connection and never speaks SSH) until `release`;
+// shared, as a probe given up on runs on after the test.
+struct HangingProbe {
+  std::shared_ptr<std::atomic<bool>> release = std::make_shared<std::atomic<bool>>(false);
+  HostProbe probe() const {
+    return [release = release](const HostSpec&) {
+      while (!release->load())
+        std::this_thread::sleep_for(10ms);
+      return std::string("released");
+    };
+  }
+  ~HangingProbe() { release->store(true); }
+};
+
+TEST_CASE("elastic: a probe that hangs is given up on at the wait's end, or at a stop") {
+  HangingProbe hanging;
+  ScriptedProbe p;
+  p.up = {"a"};
+  const HostProbe both = [&p, h = hanging.probe()](const HostSpec& s) {
+    return s.host == "b" ? h(s) : p.probe()(s);
+  };
+  SUBCASE("the wait's end") {
+    const auto sel = select_hosts({host("a"), host("b")}, 2, 1500ms, both, nullptr, 100ms);
+    CHECK(names(sel.hosts) == std::vector<std::string>{"a"});
+    REQUIRE(sel.absent.size() == 1);
+    CHECK(sel.absent[0] == "b: no answer within 1.5 s (--rejoin-timeout)");
+    CHECK_FALSE(sel.stopped);
+  }
+  SUBCASE("a stop") {
+    std::atomic<bool> stop{false};
+    std::thread later([&stop] {
+      std::this_thread::sleep_for(200ms);
+      stop = true;
+    });
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto sel =
+        select_hosts({host("a"), host("b")}, 2, 1h, both, [&stop] { return stop.load(); });
+    later.join();
+    CHECK(sel.stopped);
+    CHECK(std::chrono::steady_clock::now() - t0 < 30s);  // bound against a hang, not a timing
+  }
+}
+
+TEST_CASE("elastic: a host watch's destructor does not wait for a probe that hangs") {
+  HangingProbe hanging;
+  std::atomic<int> calls{0};
+  const HostProbe counted = [&calls, h = hanging.probe()](const HostSpec& s) {
+    ++calls;
+    return h(s);
+  };
+  const auto t0 = std::chrono::steady_clock::now();
+  {
+    HostWatch watch({host("x")}, counted, 10ms);
+    while (calls.load() == 0)
+      std::this_thread::sleep_for(5ms);
+  }
+  CHECK(std::chrono::steady_clock::now() - t0 < 30s);  // bound against a hang, not a timing
+}

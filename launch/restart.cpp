@@ -61,10 +61,12 @@ std::string join(const std::vector<std::string>& parts, const std::string& sep) 
 enum class Placement { first, after_failure, grow };
 
 // Where the next generation goes: an error message when fewer than the minimum hosts or ranks
-// are left; otherwise a change of world size to record (null when the size stays).
+// are left; otherwise a change of world size to record (null when the size stays). `stopped`: a
+// stop signal ended the wait for hosts, and nothing was placed.
 struct Placed {
   std::string error;
   json change;
+  bool stopped = false;
 };
 
 // Says and records a change of world size (the event, run.json's world_size_changes).
@@ -105,6 +107,7 @@ Placed place_generation(RunDirectory& run, JobSpec& spec, StatusPrinter& status,
           status.line(fmt::format("waiting up to {:g} s (--rejoin-timeout) for hosts to answer: {}",
                                   static_cast<double>(wait.count()) / 1000.0, join(missing, "; ")));
         });
+    if (sel.stopped) return {"", json(), true};
     absent = sel.absent;
     absent.insert(absent.end(), spec.left_out.begin(), spec.left_out.end());
     if (static_cast<int>(sel.hosts.size()) < spec.nodes.min) {
@@ -282,11 +285,20 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
   int64_t previous_step = before.times > 0 ? before.step : -2;
   const Placed first = place_generation(run, spec, status, Placement::first);
   record_world_size_change(run, spec, status, first.change);
-  if (const std::string& error = first.error; !error.empty()) {
+  if (!first.error.empty() || first.stopped) {
     JobOutcome out;
-    out.exit_code = 4;
-    out.status = "failed";
-    out.error = error;
+    if (first.stopped) {
+      const bool term = pending_stop_signal() == SIGTERM;
+      out.exit_code = term ? 143 : 130;
+      out.status = term ? "terminated" : "interrupted";
+      out.error =
+          fmt::format("stopped by {} while waiting for the hosts to answer; no rank started",
+                      term ? "SIGTERM" : "SIGINT");
+    } else {
+      out.exit_code = 4;
+      out.status = "failed";
+      out.error = first.error;
+    }
     json& info = run.info();
     // No generation ran, but the run is one to resume once the hosts answer: what a resume
     // needs (the recipe, the hosts, the job's size) is recorded as a generation would.
@@ -300,7 +312,7 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
       info["hosts"] = hosts;
     }
     info["status"] = out.status;
-    info["error"] = error;
+    info["error"] = out.error;
     run.record();
     return finish(out);
   }

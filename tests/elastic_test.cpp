@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 
 #include "tests/cluster.hpp"
+#include "tests/strings.hpp"
 
 using namespace dptrain::test;
 namespace fs = std::filesystem;
@@ -257,6 +258,47 @@ TEST_CASE("--nnodes N waits up to --rejoin-timeout for a host still booting at t
   const json info = parse_json(read_text(c.tmp / "late/run.json"));
   CHECK(info["generations"].size() == 1);
   CHECK(info["generations"][0]["hosts"].size() == 2);
+}
+
+TEST_CASE("a host that takes the connection but never speaks SSH holds up neither wait nor stop") {
+  TwoHosts c;
+  const auto recipe = write_recipe(c.tmp.path(), small_recipe());
+  const HeldPort silent(false);  // listens, never accepts: a login waits for its banner
+  const std::string silent_host = "127.0.0.1:" + std::to_string(silent.port());
+  write_text(c.hostfile, "127.0.0.1 slots=1 port=" + std::to_string(silent.port()) + "\n" +
+                             read_text(c.hostfile));
+  const auto t0 = std::chrono::steady_clock::now();
+  SUBCASE("the wait for it ends at --rejoin-timeout, not at --connect-timeout") {
+    auto args = c.launch_args(recipe, c.tmp / "late");
+    for (const char* a : {"--nnodes", "1:2", "--rejoin-timeout", "2", "--connect-timeout", "120"})
+      args.push_back(a);
+    const auto r = run_dptrain(args);
+    INFO(r.out, r.err);
+    REQUIRE(r.exit_code == 0);
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(100));  // not 120 s
+    const json hosts = parse_json(read_text(c.tmp / "late/run.json"))["generations"][0]["hosts"];
+    CHECK(hosts.size() == 2);
+    CHECK_FALSE(contains(hosts.dump(), silent_host));
+  }
+  SUBCASE("a stop while waiting for it is the stop's, at once: 130, the run interrupted") {
+    auto args = c.launch_args(recipe, c.tmp / "stopped");
+    for (const char* a :
+         {"--nnodes", "3", "--rejoin-timeout", "110", "--connect-timeout", "120", "--json"})
+      args.push_back(a);
+    Background job(args);
+    REQUIRE(eventually([&] { return catches_signal(job.pid(), SIGINT); }));
+    std::this_thread::sleep_for(std::chrono::seconds(1));  // into the probes
+    ::kill(job.pid(), SIGINT);
+    const int code = job.wait(std::chrono::seconds(60));
+    INFO(job.out(), job.err());
+    CHECK(code == 130);
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(100));  // not 110 s
+    const json out = parse_json(job.out());
+    CHECK(out["status"] == "interrupted");
+    CHECK(contains(out["error"].get<std::string>(),
+                   "stopped by SIGINT while waiting for the hosts to answer; no rank started"));
+    CHECK(parse_json(read_text(c.tmp / "stopped/run.json"))["status"] == "interrupted");
+  }
 }
 
 TEST_CASE("a spare host stands in for an unreachable one: --nnodes 1 of 2 hosts") {
