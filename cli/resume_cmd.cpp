@@ -1,6 +1,7 @@
 // `dptrain resume RUN_DIR`: continue a run from its newest valid checkpoint.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -144,6 +145,17 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
         "on {}), on {}",
         DPTRAIN_VERSION, run.path().string(), recorded.value("path", std::string()),
         recorded.value("host", std::string()), where));
+    // Left out of this resume, its host cannot offer it: the ranks take the newest the others
+    // hold, which may be older, and the steps after that are trained again.
+    const std::string holder = recorded.value("host", std::string());
+    if (!holder.empty() && std::none_of(hosts.begin(), hosts.end(),
+                                        [&](const HostSpec& h) { return h.display() == holder; })) {
+      status.warning(fmt::format(
+          "the last recorded checkpoint (step {}) is on {}, which is not among this resume's "
+          "hosts: the ranks continue from the newest checkpoint these hosts hold, which may be "
+          "older (its later steps are trained again); add {} to --hosts to continue from step {}",
+          recorded.value("step", int64_t{0}), holder, holder, recorded.value("step", int64_t{0})));
+    }
   } else {
     // None was ever committed (stopped before its first checkpoint): it starts over, as a
     // restart would, unless a node holds one after all.

@@ -511,20 +511,33 @@ TEST_CASE("resume --nnodes 1:2 with a host gone continues on the other from its 
     CHECK(bad.err.find(flag) != std::string::npos);
   }
 
-  // Rank 0's host (and its checkpoints) is gone: the other continues from its own copy.
-  const LostHost gone(c.sshd, c.sshd.addresses()[1]);
+  // Rank 0's host (and its checkpoints) is gone, or left out of the resume's hosts: the other
+  // continues from its own copy; left out, the user is told it may be older than the last.
+  std::optional<LostHost> gone;
+  bool left_out = false;
+  SUBCASE("gone") {
+    gone.emplace(c.sshd, c.sshd.addresses()[1]);
+  }
+  SUBCASE("left out") {
+    left_out = true;
+    c.sshd.write_hostfile(c.hostfile, {c.sshd.addresses()[2]}, 1);
+  }
   auto args = c.launch_args(recipe, run_dir);
   args.erase(args.begin(), args.begin() + 2);  // "launch RECIPE"
   const auto run_flag = std::find(args.begin(), args.end(), "--run-dir");
   args.erase(run_flag, run_flag + 2);
   args.insert(args.begin(), {"resume", run_dir.string()});
-  for (const std::string& a : std::vector<std::string>{"--nnodes", "1:2", "--rejoin-timeout", "1",
-                                                       "--events", events.string()})
+  for (const std::string& a :
+       std::vector<std::string>{"--rejoin-timeout", "1", "--events", events.string()})
     args.push_back(a);
+  if (!left_out) args.insert(args.end(), {"--nnodes", "1:2"});
   const auto resumed = run_dptrain(args);
   INFO(resumed.out, resumed.err);
   REQUIRE(resumed.exit_code == 0);
-  CHECK(resumed.out.find("(hosts 1:2)") != std::string::npos);
+  CHECK(contains(resumed.out, "(hosts 1:2)") != left_out);
+  CHECK(contains(resumed.err, "dptrain: warning: the last recorded checkpoint (step ") == left_out);
+  CHECK(contains(resumed.err, "is on " + c.sshd.host(c.sshd.addresses()[1]).display() +
+                                  ", which is not among this resume's hosts") == left_out);
   const auto changes = events_named(events, "world_size_changed");
   REQUIRE(changes.size() == 1);
   CHECK(changes[0]["from"] == 2);
