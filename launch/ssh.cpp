@@ -636,6 +636,7 @@ std::string random_suffix() {
 }
 
 // The remote half of an upload: sh -c UPLOAD_SCRIPT sh TEMP BYTES MODE DEST, the file on stdin.
+// A directory at DEST is refused, before and after the transfer (mv would move TEMP into it).
 // It writes stdin to TEMP (a new file, only the user's), checks that every byte arrived, sets the
 // mode and renames TEMP over DEST: rename(2) is atomic, so a reader sees the old file or the new
 // one. On any failure TEMP is removed and stderr's first line says why; so too when the upload is
@@ -645,6 +646,8 @@ constexpr const char* kUploadScript = R"sh(t=$1 n=$2 m=$3 dest=$4
 d=$(dirname -- "$dest")
 [ -d "$d" ] || { echo "no such directory: $d" >&2; exit 1; }
 [ -w "$d" ] || { echo "permission denied: cannot write in $d" >&2; exit 1; }
+isdir() { [ -d "$dest" ] && { echo "$dest is a directory: move it away" >&2; exit 1; }; }
+isdir
 trap 'rm -f -- "$t"' EXIT
 trap 'exit 1' HUP INT TERM PIPE
 set -C
@@ -652,6 +655,7 @@ umask 077
 cat >"$t" || { s=$?; echo "writing $t failed (cat exited with $s)" >&2; exit 1; }
 got=$(wc -c <"$t") || exit 1
 [ "$got" -eq "$n" ] || { echo "received $got of $n bytes" >&2; exit 1; }
+isdir
 chmod "$m" "$t" && mv -f -- "$t" "$dest" || exit 1
 trap - EXIT)sh";
 

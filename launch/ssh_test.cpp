@@ -267,6 +267,12 @@ TEST_CASE("upload: content, permissions, atomic replacement, no temporary left b
       error_of([&] { session->upload(local, (dir / "missing" / "x").string(), 0644); });
   CHECK(message.find("no such directory: " + (dir / "missing").string()) != std::string::npos);
   CHECK(message.find(session->host().display()) != std::string::npos);
+  // A directory in the file's place is refused, not moved into (and left there, a temporary).
+  fs::create_directories(dir / "taken");
+  CHECK(error_of([&] {
+          session->upload(local, (dir / "taken").string(), 0644);
+        }).find((dir / "taken").string() + " is a directory: move it away") != std::string::npos);
+  CHECK(fs::is_empty(dir / "taken"));
   CHECK(error_of([&] { session->upload(dir / "nope", remote.string(), 0644); }, ErrorKind::io)
             .find("nope") != std::string::npos);
 }
