@@ -629,6 +629,10 @@ class Doctor {
   void check_data_on_hosts() {
     if (!recipe_ || recipe_->data.type != "csv") return;
     const fs::path path = recipe_->data.path;
+    // The launcher's file, as each host's agent checks its copy against it (none where this
+    // machine lacks it: the hosts may hold the only copies).
+    std::error_code ec;
+    const std::string here = fs::is_regular_file(path, ec) ? sha256_file(path) : std::string();
     for (size_t i = 0; i < hosts_.size(); ++i) {
       if (hosts_[i].is_local()) continue;
       if (!surveys_[i].shell || surveys_[i].facts.workdir.empty()) {
@@ -637,14 +641,38 @@ class Doctor {
       }
       const std::string provisioned =
           surveys_[i].facts.workdir + "/data/" + path.filename().string();
-      const auto r = surveys_[i].shell->run(fmt::format(
-          "test -r {} || test -r {}", shell_quote(path.string()), shell_quote(provisioned)));
-      add("data", hosts_[i].display(), r.exit_status == 0,
-          r.exit_status == 0 ? fmt::format("{} is there", path.filename().string())
-                             : fmt::format("data file {} not found (looked at {} and {})",
-                                           path.filename().string(), path.string(), provisioned),
-          fmt::format("copy it there: dptrain provision --hosts ... --recipe {}",
-                      options_.recipe.string()));
+      // The file the agent would use (the recipe's path, else the provisioned copy), then its
+      // sha256 where the host has sha256sum.
+      const auto r = surveys_[i].shell->run(
+          fmt::format("for f in {} {}; do if test -r \"$f\"; then printf '%s\\n' \"$f\"; "
+                      "sha256sum -- \"$f\" 2>/dev/null | cut -c1-64; exit 0; fi; done; exit 1",
+                      shell_quote(path.string()), shell_quote(provisioned)));
+      const std::string fix = fmt::format(
+          "copy it there: dptrain provision --hosts ... --recipe {}", options_.recipe.string());
+      if (r.exit_status != 0) {
+        add("data", hosts_[i].display(), false,
+            fmt::format("data file {} not found (looked at {} and {})", path.filename().string(),
+                        path.string(), provisioned),
+            fix);
+        continue;
+      }
+      std::istringstream lines(r.out);
+      std::string found, sum;
+      std::getline(lines, found);
+      std::getline(lines, sum);
+      const bool differs = !here.empty() && sum.size() == 64 && sum != here;
+      add("data", hosts_[i].display(), !differs,
+          differs ? fmt::format("{} is not the launcher's data file (sha256 {}..., the "
+                                "launcher's {}...): its ranks would refuse it",
+                                found, sum.substr(0, 12), here.substr(0, 12))
+          : sum.size() == 64 || here.empty()
+              ? fmt::format("{} is there", path.filename().string())
+              : fmt::format("{} is there (not compared with the launcher's: no sha256sum there)",
+                            path.filename().string()),
+          differs ? fmt::format("run 'dptrain provision --hosts ... --recipe {}' again, or put "
+                                "the same file there",
+                                options_.recipe.string())
+                  : fix);
     }
   }
 

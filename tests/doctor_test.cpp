@@ -633,3 +633,33 @@ TEST_CASE("doctor: a host where OpenBLAS cannot be loaded fails the blas check, 
   for (const auto& c : parse_json(g.out)["checks"])
     CHECK(c["check"] != "blas");
 }
+
+TEST_CASE(
+    "doctor: a host whose copy of the CSV data is not the launcher's fails, as launch would") {
+  DoctorFixture f;
+  const fs::path recipe = write_recipe(f.tmp.path(), csv_recipe(f.tmp, many_rows(40)));
+  // The launcher sees other rows at the recipe's path (bound over it in a mount namespace of its
+  // own); the loopback hosts see the file as written.
+  write_text(f.tmp / "mine.csv", many_rows(41));
+  std::string command = "mount --bind '" + (f.tmp / "mine.csv").string() + "' '" +
+                        (f.tmp / "d.csv").string() + "' && exec '" + binary() + "'";
+  for (const std::string& arg : {std::string("doctor"), std::string("--hosts"), f.hostfile.string(),
+                                 std::string("--known-hosts"), f.sshd.known_hosts().string(),
+                                 recipe.string(), std::string("--no-allreduce")})
+    command += " '" + arg + "'";
+  write_text(f.tmp / "doctor.sh", command + "\n");
+  const int status =
+      std::system(("timeout -s KILL 120 unshare -Urm bash '" + (f.tmp / "doctor.sh").string() +
+                   "' >'" + (f.tmp / "out").string() + "' 2>&1")
+                      .c_str());
+  const std::string out = read_text(f.tmp / "out");
+  INFO(out);
+  REQUIRE_MESSAGE(WIFEXITED(status), "this test needs user namespaces (unshare -Urm)");
+  CHECK(WEXITSTATUS(status) == 4);
+  const auto lines = failure_lines(out);
+  REQUIRE(lines.size() == 2);  // one per host
+  for (const auto& line : lines) {
+    CHECK(contains(line, (f.tmp / "d.csv").string() + " is not the launcher's data file (sha256 "));
+    CHECK(contains(line, "-- fix: run 'dptrain provision --hosts ... --recipe "));
+  }
+}
