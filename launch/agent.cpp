@@ -230,9 +230,14 @@ int run_agent(const AgentPlan& given, std::FILE* out, int stop_fd) {
   std::error_code ec;
   fs::create_directories(plan.run_dir / "logs", ec);
   if (ec) {
-    throw Error(ErrorKind::io,
-                fmt::format("{}: cannot create run directory on {}: {}",
-                            printable(plan.run_dir.string()), plan.host, ec.message()));
+    // A host that cannot hold the run (a file where its directory goes, a workdir it may not
+    // write) meets the same in every generation: it cannot run this job, as a host without
+    // dptrain cannot (exit 4, not restarted; an elastic job leaves it out).
+    write_host_failure(out,
+                       fmt::format("{}: cannot create run directory on {}: {}",
+                                   printable(plan.run_dir.string()), plan.host, ec.message()),
+                       /*refused=*/true);
+    return exit_code(ErrorKind::ssh);
   }
   std::mutex out_mutex;
   const auto say_alive = [&] {

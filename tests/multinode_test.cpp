@@ -611,6 +611,22 @@ TEST_CASE("an agent that refuses its plan (exit 2, its host's data differs) is n
   CHECK(parse_json(r.out)["restarts"] == 0);
 }
 
+TEST_CASE("a host that cannot make the run directory fails with exit 4, not restarted") {
+  Cluster c;
+  // A file where the hosts' runs/ goes: every generation would meet it again.
+  fs::create_directories(c.tmp / "workdir");
+  write_text(c.tmp / "workdir/runs", "");
+  auto r = launch_with_remote_binary(c, "nodir", binary(),
+                                     {"--workdir", (c.tmp / "workdir").string(), "--max-restarts",
+                                      "2", "--restart-backoff", "0.1"});
+  INFO(r.err);
+  CHECK(r.exit_code == 4);
+  CHECK(r.err.find(": cannot create run directory on ") != std::string::npos);
+  const json out = parse_json(r.out);
+  CHECK(out["exit_code"] == 4);
+  CHECK(out["restarts"] == 0);
+}
+
 TEST_CASE("a host whose binary lacks a library fails the launch with exit 4 naming it") {
   Cluster c;
   const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
