@@ -250,7 +250,7 @@ std::string HostSpec::display() const {
   return text + (port == kDefaultSshPort ? host : format_host_port(host, port));
 }
 
-std::string recorded_host_line(const std::string& display, int slots) {
+std::string recorded_host_line(const std::string& display, int slots, const std::string& key) {
   std::string_view text = display;
   std::string user;
   if (const size_t at = text.find('@'); at != std::string_view::npos) {
@@ -274,6 +274,7 @@ std::string recorded_host_line(const std::string& display, int slots) {
   std::string line = fmt::format("{} slots={}", host, slots);
   if (!user.empty()) line += " user=" + user;
   if (!port.empty()) line += fmt::format(" port={}", port);
+  if (!key.empty()) line += " key=" + key;
   return line;
 }
 

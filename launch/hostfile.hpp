@@ -34,10 +34,10 @@ int total_slots(const std::vector<HostSpec>& hosts);
 std::vector<HostSpec> parse_hostfile(const std::filesystem::path& path);
 // "a:2,b:2,user@c:4,d" (slots default 1; "[::1]:2" for IPv6). Error(usage) naming the entry.
 std::vector<HostSpec> parse_hosts_list(const std::string& text);
-// A host as run.json records it (its display(), and its slots) as a hostfile line: "host slots=N
-// user=U port=P", the form that gives it again unambiguously (in the --hosts list form, "host:N"
-// is a slot count, not a port).
-std::string recorded_host_line(const std::string& display, int slots);
+// A host as run.json records it (its display(), its slots, and its hostfile key= when it had one)
+// as a hostfile line: "host slots=N user=U port=P key=PATH", the form that gives it again
+// unambiguously (in the --hosts list form, "host:N" is a slot count, not a port).
+std::string recorded_host_line(const std::string& display, int slots, const std::string& key = "");
 // The value of --hosts: an existing file is a hostfile, anything else a list.
 std::vector<HostSpec> load_hosts(const std::string& value);
 

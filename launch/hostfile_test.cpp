@@ -120,6 +120,7 @@ TEST_CASE("hostfile: a recorded host as a hostfile line parses back to the same 
   CHECK(recorded_host_line("alice@10.0.0.1:2222", 2) == "10.0.0.1 slots=2 user=alice port=2222");
   CHECK(recorded_host_line("[fd00::2]:2200", 1) == "fd00::2 slots=1 port=2200");
   CHECK(recorded_host_line("node3", 4) == "node3 slots=4");
+  CHECK(recorded_host_line("node3", 4, "/keys/id") == "node3 slots=4 key=/keys/id");
   HostSpec h;
   h.host = "10.0.0.1";
   h.user = "alice";

@@ -541,6 +541,8 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
                           {"slots", plan.hosts[i].slots},
                           {"ranks", plan.agents[i].ranks},
                           {"run_dir", plan.agents[i].run_dir.string()}});
+    // The hostfile's key= (a path, not the key): a resume's hint gives the host back with it.
+    if (!plan.hosts[i].key.empty()) hosts_json.back()["key"] = plan.hosts[i].key;
   }
   info["hosts"] = hosts_json;
   // How remote hosts were reached, for `dptrain resume` to default to: their run directories

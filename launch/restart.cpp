@@ -307,8 +307,10 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
       info["nominal_world_size"] = spec.nominal_world > 0 ? spec.nominal_world : spec.world_size;
       info["backend"] = spec.backend;
       json hosts = json::array();
-      for (const auto& h : spec.candidates.empty() ? spec.hosts : spec.candidates)
+      for (const auto& h : spec.candidates.empty() ? spec.hosts : spec.candidates) {
         hosts.push_back({{"host", h.display()}, {"slots", h.slots}});
+        if (!h.key.empty()) hosts.back()["key"] = h.key;
+      }
       info["hosts"] = hosts;
     }
     info["status"] = out.status;

@@ -387,6 +387,7 @@ void check_record_types(const nlohmann::json& info, const fs::path& file) {
   }
   for (size_t i = 0; i < info.value("hosts", json::array()).size(); ++i) {
     check(info["hosts"][i], fmt::format("/hosts/{}", i), "host", kString);
+    check(info["hosts"][i], fmt::format("/hosts/{}", i), "key", kString);
     check(info["hosts"][i], fmt::format("/hosts/{}", i), "slots", kInteger);
   }
   for (const char* key : {"last_checkpoint", "launcher", "result", "pending_restart"})
@@ -578,7 +579,8 @@ std::vector<std::string> recorded_remote_hosts(const nlohmann::json& info) {
     if (!h.is_object()) continue;
     const std::string name = h.value("host", std::string("localhost"));
     remote = remote || name != "localhost";
-    lines.push_back("'" + recorded_host_line(name, h.value("slots", 1)) + "'");
+    lines.push_back(
+        "'" + recorded_host_line(name, h.value("slots", 1), h.value("key", std::string())) + "'");
   }
   return remote ? lines : std::vector<std::string>{};
 }

@@ -147,6 +147,8 @@ TEST_CASE("a multi-host run that failed before its first checkpoint resumes from
       "of these lines: '",
       run_dir.string());
   CHECK_MESSAGE(failed.err.find("(continue with " + how) != std::string::npos, failed.err);
+  // With the key each host was reached with: the lines work as a hostfile as they are.
+  CHECK(failed.err.find(" key=" + c.sshd.client_key().string() + "'") != std::string::npos);
   const json status = parse_json(run_dptrain({"status", run_dir.string(), "--json"}).out);
   CHECK(status["hint"].get<std::string>().rfind("continue it with " + how, 0) == 0);
   CHECK(status["hint"].get<std::string>().find(c.sshd.addresses()[2]) != std::string::npos);
