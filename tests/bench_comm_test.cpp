@@ -413,7 +413,7 @@ TEST_CASE("bench comm: a bad flag exits 2 naming it and creates nothing") {
       {{"--nproc", "0"}, "--nproc: must be at least 1, got 0"},
       {{"--nproc", "2", "--op", "broadcast", "--root", "2"}, "--root: 2 is not a rank (0..1)"},
       {{"-n", "0"}, "-n/--iters: must be >= 1, got 0"},
-      {{"-w", "-1"}, "-w/--warmup: must be >= 0, got -1"},
+      {{"-w", "-1"}, "--warmup: '-1' must be a whole number >= 0"},
       {{"--min-busbw", "-1"}, "--min-busbw: '-1' must be a finite number >= 0"},
       {{"--min-busbw", "inf"}, "--min-busbw: 'inf' must be a finite number >= 0"},
       {{"--op", "broadcast", "--min-busbw", "1"},

@@ -202,9 +202,9 @@ TEST_CASE("a usage error points at the help of the command given, sub-subcommand
   }
   // A value of the wrong type says what was expected, in one line.
   for (const auto& [args, says] : std::vector<std::pair<std::vector<std::string>, std::string>>{
-           {{"bench", "comm", "--iters", "abc"}, "--iters: 'abc' is not an integer"},
+           {{"bench", "comm", "--iters", "abc"}, "--iters: 'abc' is not a whole number"},
            {{"bench", "comm", "--iters", "99999999999"},
-            "--iters: '99999999999' is out of range (too large)"},
+            "--iters: '99999999999' is out of range [0, 2147483647]"},
            {{"launch", "x.json", "--ssh-keepalive", ""}, "--ssh-keepalive: is empty; give a value"},
            {{"launch", "x.json", "--ssh-keepalive", "3601"},
             "--ssh-keepalive: '3601' is out of range [0, 3600]"},
