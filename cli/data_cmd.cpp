@@ -415,9 +415,12 @@ void write_dataset(const PrepareSummary& s, const Tokenizer& tokenizer,
     try {
       throw;
     } catch (const fs::filesystem_error& e) {
+      // The file it failed on, where that is not the dataset itself (its temporary directory).
+      const std::string at =
+          e.path1().empty() || e.path1() == out ? "" : printable(e.path1().string()) + ": ";
       throw Error(ErrorKind::io,
-                  fmt::format("{}: cannot write the dataset, nothing was written: {}",
-                              printable(out.string()), e.code().message()));
+                  fmt::format("{}: cannot write the dataset, nothing was written: {}{}",
+                              printable(out.string()), at, e.code().message()));
     } catch (const Error& e) {
       if (e.kind() != ErrorKind::io) throw;
       // A write cut short by a stop signal is the stop, not a broken disk.

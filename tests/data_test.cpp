@@ -414,6 +414,19 @@ TEST_CASE("data prepare on a full disk: exit 1, one line, no partial dataset, th
   CHECK(read_text(out / "after-train.bin") == read_text(out / "small-train.bin"));
 }
 
+TEST_CASE("data prepare where nothing can be made: exit 1 naming the file it could not make") {
+  TempDir tmp;
+  write_text(tmp / "in.txt", synthetic_text(3, 2000));
+  // /proc takes no new files: the temporary directory beside --out cannot be made.
+  const auto r = run_dptrain(
+      {"data", "prepare", "--text", (tmp / "in.txt").string(), "--out", "/proc/no-dataset-here"});
+  CHECK(r.exit_code == 1);
+  CHECK_MESSAGE(r.err.starts_with("dptrain: error: /proc/no-dataset-here: cannot write the "
+                                  "dataset, nothing was written: /proc/.no-dataset-here.tmp-"),
+                r.err);
+  CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+}
+
 TEST_CASE("data --help and data prepare --help") {
   auto top = run_dptrain({"--help"});
   CHECK(top.exit_code == 0);
