@@ -96,14 +96,26 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
                             "to resume",
                             o.run_dir));
   }
-  spec.recipe = parse_recipe(run.info()["recipe"], (run.path() / "run.json").string(), run.path(),
-                             RecipeOrigin::stored);
   spec.backend = run.info().value("backend", std::string("auto"));
   spec.worker_binary = self_executable();
   // The global batch stays the run's, whatever the world size now (distributed.resize).
   spec.nominal_world = run.info().value("nominal_world_size", run.info().value("world_size", 1));
-  check_runnable(spec.recipe, spec.world_size, spec.nominal_world,
-                 (run.path() / "run.json").string());
+  try {
+    spec.recipe = parse_recipe(run.info()["recipe"], (run.path() / "run.json").string(), run.path(),
+                               RecipeOrigin::stored);
+    check_runnable(spec.recipe, spec.world_size, spec.nominal_world,
+                   (run.path() / "run.json").string());
+  } catch (const Error& e) {
+    // The recipe is the run's own: its data moved or changed, which a new dataset does not cure.
+    if (e.kind() != ErrorKind::recipe ||
+        std::string_view(e.what()).find(": /data/path: ") == std::string_view::npos) {
+      throw;
+    }
+    throw Error(ErrorKind::recipe,
+                std::string(e.what()) +
+                    "\n  this is the run's own data: put it back where the run had it (the same "
+                    "data: a checkpoint refuses other), or start a new run");
+  }
   check_local_gpus(spec);
   std::string where = spec.hosts.empty() ? fmt::format("{} local rank(s)", spec.world_size)
                                          : fmt::format("{} rank(s) on {} host(s)", spec.world_size,

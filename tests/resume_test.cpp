@@ -167,6 +167,15 @@ TEST_CASE(
   CHECK(parse_json(read_text(run / "run.json"))["generations"].size() == 2);
   CHECK(read_text(run / "checkpoints/step-000040/meta.json") == meta);
 
+  // Moved away: the run's own data is to be put back, nothing is started.
+  fs::remove(tmp / "data.csv");
+  auto gone = run_dptrain({"resume", run.string(), "--json"});
+  CHECK(gone.exit_code == 2);
+  CHECK_MESSAGE(gone.err.find("\n  this is the run's own data: put it back where the run had it") !=
+                    std::string::npos,
+                gone.err);
+  CHECK(parse_json(read_text(run / "run.json"))["generations"].size() == 2);
+
   write_text(tmp / "data.csv", csv_text(0.0));
   auto resumed = run_dptrain({"resume", run.string(), "--json"});
   INFO(resumed.err);
