@@ -589,6 +589,9 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   }
   if (!resumed_from.is_null()) gen["resumed_from"] = resumed_from;
   info["generations"].push_back(gen);
+  // A restart that was pending is this generation, or was cut short (a launcher killed in its
+  // back-off) and is not coming.
+  info.erase("pending_restart");
   // The run's first run.json must be written before any rank starts (without it there is no
   // run: record_launcher_failure then leaves the directory as a launch takes it again); later
   // generations' are records of a job that goes on, as every write while it runs.

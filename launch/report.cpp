@@ -97,9 +97,13 @@ std::optional<std::vector<std::string>> live_process_args(int64_t pid) {
   if (paren == std::string::npos || paren + 2 >= stat.size() || stat[paren + 2] == 'Z') {
     return std::nullopt;
   }
-  std::ifstream cmdline_file(fmt::format("/proc/{}/cmdline", pid), std::ios::binary);
-  std::string cmdline((std::istreambuf_iterator<char>(cmdline_file)),
-                      std::istreambuf_iterator<char>());
+  // Reaped between the two reads, its cmdline reads as an error (ESRCH): gone.
+  std::string cmdline;
+  try {
+    cmdline = read_file(fmt::format("/proc/{}/cmdline", pid));
+  } catch (const Error&) {
+    return std::nullopt;
+  }
   std::vector<std::string> args;
   std::istringstream in(cmdline);
   for (std::string arg; std::getline(in, arg, '\0');)
@@ -968,6 +972,7 @@ RunView load_run(const fs::path& dir, bool verify_checkpoints) {
   RunView run;
   run.dir = resolved_path(dir);
   run.info = read_run_json(dir);
+  check_record_types(run.info, dir / "run.json");
   // A part that is there but cannot be read is named, not fatal; a pipe is never opened (its
   // reader would wait for a writer), nor a directory where a file belongs taken for an empty
   // part. `blocked` is false for a part that is missing.

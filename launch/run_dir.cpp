@@ -333,12 +333,8 @@ RunDirectory RunDirectory::create(const fs::path& dir, const fs::path& runs_root
   return run;
 }
 
-namespace {
+namespace {}  // namespace
 
-// Error(usage) "FILE: /POINTER: expected KIND, got VALUE" for the first field of run.json that a
-// resume reads and that is not of its type (a record edited by hand, or damaged): named, before
-// anything is started or written, not a JSON library's type error from deep inside (which, once
-// the launch had begun, was even recorded as the run's failure).
 void check_record_types(const nlohmann::json& info, const fs::path& file) {
   using nlohmann::json;
   struct Kind {
@@ -347,6 +343,9 @@ void check_record_types(const nlohmann::json& info, const fs::path& file) {
   };
   static constexpr Kind kString{"a string", [](const json& j) { return j.is_string(); }};
   static constexpr Kind kInteger{"an integer", [](const json& j) { return j.is_number_integer(); }};
+  static constexpr Kind kPositive{"an integer >= 1", [](const json& j) {
+                                    return j.is_number_integer() && j.get<int64_t>() >= 1;
+                                  }};
   static constexpr Kind kArray{"an array", [](const json& j) { return j.is_array(); }};
   static constexpr Kind kObject{"an object", [](const json& j) { return j.is_object(); }};
   const auto check = [&](const json& parent, const std::string& pointer, const char* key,
@@ -363,7 +362,7 @@ void check_record_types(const nlohmann::json& info, const fs::path& file) {
                           "alive_at", "created_at"})
     check(info, "", key, kString);
   for (const char* key : {"world_size", "nominal_world_size"})
-    check(info, "", key, kInteger);
+    check(info, "", key, kPositive);
   for (const char* key : {"generations", "hosts", "restarts", "resizes", "world_size_changes"}) {
     check(info, "", key, kArray);
     if (!info.contains(key) || info[key].is_null()) continue;
@@ -393,8 +392,6 @@ void check_record_types(const nlohmann::json& info, const fs::path& file) {
   for (const char* key : {"last_checkpoint", "launcher", "result", "pending_restart"})
     check(info, "", key, kObject);
 }
-
-}  // namespace
 
 RunDirectory RunDirectory::open(const fs::path& dir) {
   nlohmann::json info = read_run_json(dir);

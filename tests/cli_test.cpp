@@ -434,7 +434,7 @@ TEST_CASE("a run.json that is a directory or not JSON is named plainly, without 
   }
 }
 
-TEST_CASE("resume of a run.json with a field of the wrong type names it and changes nothing") {
+TEST_CASE("resume, status, report: a run.json field of the wrong type is named, nothing changed") {
   using nlohmann::json;
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), small_recipe());
@@ -446,21 +446,25 @@ TEST_CASE("resume of a run.json with a field of the wrong type names it and chan
   const std::vector<std::pair<std::string, json>> edits = {
       {"/world_size", "two"},       {"/id", 5},
       {"/generations", "x"},        {"/hosts", "localhost"},
-      {"/generations/0/status", 9}, {"/hosts/0", "localhost"}};
+      {"/generations/0/status", 9}, {"/hosts/0", "localhost"},
+      {"/generations/0", nullptr},  {"/world_size", 0}};
   for (const auto& [pointer, value] : edits) {
-    CAPTURE(pointer);
     json edited = good;
     edited[json::json_pointer(pointer)] = value;
     const std::string text = edited.dump(2);
     write_text(run / "run.json", text);
-    auto r = run_dptrain({"resume", run.string(), "--json"});
-    CHECK(r.exit_code == 2);
-    CHECK_MESSAGE(r.err.starts_with("dptrain: error: " + (run / "run.json").string() + ": " +
-                                    pointer + ": expected "),
-                  r.err);
-    CHECK(r.err.find("json.exception") == std::string::npos);
-    CHECK(parse_json(r.out)["exit_code"] == 2);
-    CHECK(read_text(run / "run.json") == text);  // not rewritten as a failed launch
+    for (const char* command : {"resume", "status", "report"}) {
+      CAPTURE(pointer);
+      CAPTURE(command);
+      auto r = run_dptrain({command, run.string(), "--json"});
+      CHECK(r.exit_code == 2);
+      CHECK_MESSAGE(r.err.starts_with("dptrain: error: " + (run / "run.json").string() + ": " +
+                                      pointer + ": expected "),
+                    r.err);
+      CHECK(r.err.find("json.exception") == std::string::npos);
+      CHECK(parse_json(r.out)["exit_code"] == 2);
+      CHECK(read_text(run / "run.json") == text);  // not rewritten as a failed launch
+    }
   }
 }
 

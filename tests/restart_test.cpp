@@ -190,6 +190,20 @@ TEST_CASE("a stop while waiting to restart keeps the failure it was for in the m
   CHECK(parse_json(read_text(run_dir / "run.json"))["error"] == error);
 }
 
+TEST_CASE("a launcher killed while waiting to restart: resume leaves no pending restart behind") {
+  TempDir tmp;
+  const fs::path run_dir = tmp / "killed";
+  const auto waiting = launch_until_restart_wait(run_dir, "30", true);
+  REQUIRE(::kill(waiting->pid(), SIGKILL) == 0);
+  waiting->wait(std::chrono::seconds(20));
+  auto resumed = run_dptrain({"resume", run_dir.string(), "--json"});
+  INFO(resumed.err);
+  REQUIRE(resumed.exit_code == 0);
+  const json info = parse_json(read_text(run_dir / "run.json"));
+  CHECK(info["status"] == "completed");
+  CHECK_FALSE(info.contains("pending_restart"));
+}
+
 TEST_CASE("a restart with no checkpoint that verifies stops with exit 5, writing over none") {
   TempDir tmp;
   const fs::path run_dir = tmp / "spoiled";
