@@ -290,10 +290,51 @@ void write_markers(std::string& svg, const std::vector<ChartMarker>& markers, co
 
 }  // namespace
 
+namespace {
+
+// The length of the well-formed UTF-8 sequence `text` starts with (1 to 4 bytes); 0 when it does
+// not start with one (a stray byte, an overlong form, a surrogate, past U+10FFFF, cut short).
+size_t utf8_sequence(std::string_view text) {
+  const auto byte = [&text](size_t i) { return static_cast<unsigned char>(text[i]); };
+  const unsigned char lead = byte(0);
+  if (lead < 0x80) return 1;
+  size_t n = 0;
+  unsigned char low = 0x80, high = 0xBF;  // the range of the second byte
+  if (lead >= 0xC2 && lead <= 0xDF) {
+    n = 2;
+  } else if (lead >= 0xE0 && lead <= 0xEF) {
+    n = 3;
+    if (lead == 0xE0) low = 0xA0;
+    if (lead == 0xED) high = 0x9F;
+  } else if (lead >= 0xF0 && lead <= 0xF4) {
+    n = 4;
+    if (lead == 0xF0) low = 0x90;
+    if (lead == 0xF4) high = 0x8F;
+  } else {
+    return 0;
+  }
+  if (text.size() < n || byte(1) < low || byte(1) > high) return 0;
+  for (size_t i = 2; i < n; ++i) {
+    if (byte(i) < 0x80 || byte(i) > 0xBF) return 0;
+  }
+  return n;
+}
+
+}  // namespace
+
 std::string xml_escape(const std::string& text) {
   std::string out;
   out.reserve(text.size());
-  for (const char c : text) {
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (static_cast<unsigned char>(c) >= 0x80) {
+      // The page says UTF-8: a byte that is not part of UTF-8 (a path in another encoding) is
+      // U+FFFD, as in every JSON file dptrain writes.
+      const size_t n = utf8_sequence(std::string_view(text).substr(i));
+      out += n == 0 ? std::string("\xEF\xBF\xBD") : text.substr(i, n);
+      if (n > 1) i += n - 1;
+      continue;
+    }
     switch (c) {
       case '&':
         out += "&amp;";

@@ -35,7 +35,8 @@ struct ChartOptions {
 };
 
 // Text for XML and HTML content and attribute values: & < > " ' escaped; control characters
-// other than tab and newlines (not allowed in XML at all) become spaces.
+// other than tab and newlines (not allowed in XML at all) become spaces, and bytes that are not
+// well-formed UTF-8 U+FFFD (the page's encoding).
 std::string xml_escape(const std::string& text);
 
 // One <svg> element (with a <title>, axes with rounded tick labels, grid, legend). Text is

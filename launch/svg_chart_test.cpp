@@ -313,3 +313,15 @@ TEST_CASE("svg chart: a long line keeps a few points per column, its spikes incl
       at.begin(), at.end(), [](const auto& a, const auto& b) { return a.second < b.second; });
   CHECK(top->second < at.front().second - 50);
 }
+
+TEST_CASE("xml_escape: markup escaped, control characters and bytes that are not UTF-8 replaced") {
+  CHECK(xml_escape("a<b & \"c\" 'd'>") == "a&lt;b &amp; &quot;c&quot; &#39;d&#39;&gt;");
+  CHECK(xml_escape("x\x01y\tz") == "x y\tz");
+  CHECK(xml_escape("caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80") ==
+        "caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80");
+  const std::string replacement = "\xef\xbf\xbd";
+  CHECK(xml_escape("lat\xe9run") == "lat" + replacement + "run");                // Latin-1
+  CHECK(xml_escape("\xc0\xaf") == replacement + replacement);                    // overlong
+  CHECK(xml_escape("\xed\xa0\x80") == replacement + replacement + replacement);  // surrogate
+  CHECK(xml_escape("end\xe2\x82") == "end" + replacement + replacement);         // cut short
+}
