@@ -21,6 +21,7 @@
 #include "cli/commands.hpp"
 #include "cli/env.hpp"
 #include "cli/json_errors.hpp"
+#include "cli/run_report.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
 #include "core/json_error.hpp"
@@ -57,6 +58,22 @@ Command named_command(const CLI::App& app, int argc, char** argv) {
     c.app = *named;
   }
   return c;
+}
+
+// A launch or resume refused at its options (one CLI11 could not convert) still ends the
+// --events stream it was given with run_finished, as one refused later does.
+void end_refused_events(const Command& c, int argc, char** argv, bool json,
+                        const std::string& message) {
+  if (c.name != "dptrain launch" && c.name != "dptrain resume") return;
+  dptrain::cli::RestartOptions restart;
+  for (int i = c.next; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    if (arg == "--events" && i + 1 < argc) restart.events = argv[i + 1];
+    if (arg.starts_with("--events=")) restart.events = std::string(arg.substr(9));
+  }
+  dptrain::cli::end_unopened_events(
+      restart, json, "", dptrain::Error(dptrain::ErrorKind::usage, message),
+      c.name == "dptrain launch" ? "the launch did not start" : "the resume did not start");
 }
 
 // What a parse error is about, in the words of the command line: an unknown subcommand or
@@ -293,7 +310,9 @@ int run(int argc, char** argv) {
     std::string message = unknown_word(command, argc, argv);
     if (message.empty()) message = plain_parse_error(command, e.what());
     // One line: what is wrong, and where the options are told.
-    print_error(fmt::format("{} (see '{} --help')", message, command.name), 2, "error", json);
+    const std::string line = fmt::format("{} (see '{} --help')", message, command.name);
+    print_error(line, 2, "error", json);
+    end_refused_events(command, argc, argv, json, line);
     return 2;
   } catch (const dptrain::Error& e) {
     // A stop signal that came while the command worked (a recipe read from a pipe that never

@@ -542,6 +542,22 @@ TEST_CASE("--events writes one JSON line per state change, restarts included") {
   CHECK(early_stream[0]["run_dir"].is_null());
   CHECK(early_stream[0]["error"].get<std::string>().starts_with(
       "the launch did not start: " + (tmp / "missing.json").string() + ": cannot read"));
+  // And one refused at an option's value, whichever option it is.
+  for (const std::string command : {"launch", "resume"}) {
+    CAPTURE(command);
+    const fs::path option_events = tmp / (command + "-option.jsonl");
+    CHECK(run_dptrain({command, (tmp / "x").string(), "--events", option_events.string(),
+                       "--max-restarts", "abc"})
+              .exit_code == 2);
+    const auto option_stream = read_jsonl(option_events);
+    REQUIRE(option_stream.size() == 1);
+    CHECK(option_stream[0]["event"] == "run_finished");
+    CHECK(option_stream[0]["exit_code"] == 2);
+    CHECK(option_stream[0]["error"] == "the " + command +
+                                           " did not start: --max-restarts: 'abc' is not a whole "
+                                           "number (see 'dptrain " +
+                                           command + " --help')");
+  }
 
   // Another name of stdout is stdout: refused with --json, else the events alone go there.
   const auto named = run_dptrain({"launch", recipe.string(), "--run-dir", (tmp / "ev5").string(),
