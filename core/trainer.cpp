@@ -266,7 +266,11 @@ class TrainingRun {
     // A stop agreed on at the last step finds nothing left to stop: the run completes.
     if (stop && step_ < total) return stop_early();
     TrainResult result;
-    const PhaseTimes per_step = steady_phases.per(steady_steps);
+    // Measured per steady step; none (null in result.json, as samples_per_s) when this
+    // invocation ran no step (a resume from the final checkpoint).
+    const double none = std::numeric_limits<double>::quiet_NaN();
+    const PhaseTimes per_step = steady_steps > 0 ? steady_phases.per(steady_steps)
+                                                 : PhaseTimes{none, none, none, none, none, none};
     result.phases_ms = {per_step.data, per_step.compute, per_step.comm, per_step.optimizer};
     result.comm_total_ms = per_step.comm_total;
     result.bytes_per_step = per_step.bytes;

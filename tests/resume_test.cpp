@@ -345,6 +345,26 @@ TEST_CASE(
   CHECK(after["samples_per_s"].is_number());
   CHECK(parse_json(resumed.out)["samples_per_s"] == before["samples_per_s"]);
   CHECK(parse_json(read_text(run / "run.json"))["status"] == "completed");
+
+  // Without the run's result.json to keep them from, what no step here measured is null, not 0.
+  launch_as_failed(recipe, tmp / "bare");
+  fs::remove(tmp / "bare/result.json");
+  auto info = parse_json(read_text(tmp / "bare/run.json"));
+  info.erase("result");
+  write_text(tmp / "bare/run.json", info.dump());
+  auto bare = run_dptrain({"resume", (tmp / "bare").string(), "--json"});
+  INFO(bare.err);
+  REQUIRE(bare.exit_code == 0);
+  const nlohmann::json measured = parse_json(bare.out);
+  for (const char* key : {"samples_per_s", "comm_total_ms", "bytes_per_step"}) {
+    CAPTURE(key);
+    CHECK(measured[key].is_null());
+  }
+  for (const auto& [phase, ms] : measured["phases_ms"].items()) {
+    CAPTURE(phase);
+    CHECK(ms.is_null());
+  }
+  CHECK(measured["phases_ms"].size() == 4);
 }
 
 TEST_CASE("a directory or a pipe where a run's file belongs stops resume before any rank starts") {
