@@ -165,7 +165,8 @@ int start_launch(const LaunchOptions& o, bool& events_opened) {
     try {
       return RunDirectory::create(o.run_dir, o.runs_root, spec.recipe.name);
     } catch (const std::exception& e) {
-      finish_events_with_failure(*events, e, o.run_dir, "the launch did not start");
+      // It made no run directory (one that holds a run is another's): run_dir is null.
+      finish_events_with_failure(*events, e, "", "the launch did not start");
       throw;
     }
   }();

@@ -70,9 +70,17 @@ void end_refused_events(const Command& c, int argc, char** argv, bool json,
     const std::string_view arg = argv[i];
     if (arg == "--events" && i + 1 < argc) restart.events = argv[i + 1];
     if (arg.starts_with("--events=")) restart.events = std::string(arg.substr(9));
+    if (arg == "--dry-run") return;  // a plan only: it writes no events
+  }
+  // A resume's run, where its name was read before the refusal: not a stream another launcher
+  // of that run may be writing.
+  std::string run_dir;
+  if (const CLI::Option* dir = c.app->get_option_no_throw("run_dir");
+      c.name == "dptrain resume" && dir != nullptr && !dir->results().empty()) {
+    run_dir = dir->results().front();
   }
   dptrain::cli::end_unopened_events(
-      restart, json, "", dptrain::Error(dptrain::ErrorKind::usage, message),
+      restart, json, run_dir, dptrain::Error(dptrain::ErrorKind::usage, message),
       c.name == "dptrain launch" ? "the launch did not start" : "the resume did not start");
 }
 

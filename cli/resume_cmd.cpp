@@ -152,16 +152,20 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
     // Rank 0 runs elsewhere: the ranks find the newest valid checkpoint any node holds; one was
     // committed, so finding none is a checkpoint error (exit 5), not a reason to start over.
     spec.resume_from = "newest";
+    // Its host: null where rank 0 was this machine's.
+    const std::string holder = recorded.contains("host") && recorded["host"].is_string()
+                                   ? recorded["host"].get<std::string>()
+                                   : std::string("this machine");
     status.line(fmt::format(
         "dptrain {}: resuming {} from the newest checkpoint on its hosts (the last recorded: {} "
         "on {}), on {}",
-        DPTRAIN_VERSION, run.path().string(), recorded.value("path", std::string()),
-        recorded.value("host", std::string()), where));
+        DPTRAIN_VERSION, run.path().string(), recorded.value("path", std::string()), holder,
+        where));
     // Left out of this resume, its host cannot offer it: the ranks take the newest the others
     // hold, which may be older, and the steps after that are trained again.
-    const std::string holder = recorded.value("host", std::string());
-    if (!holder.empty() && std::none_of(hosts.begin(), hosts.end(),
-                                        [&](const HostSpec& h) { return h.display() == holder; })) {
+    if (holder != "this machine" &&
+        std::none_of(hosts.begin(), hosts.end(),
+                     [&](const HostSpec& h) { return h.display() == holder; })) {
       status.warning(fmt::format(
           "the last recorded checkpoint (step {}) is on {}, which is not among this resume's "
           "hosts: the ranks continue from the newest checkpoint these hosts hold, which may be "

@@ -632,7 +632,12 @@ class Doctor {
     // The launcher's file, as each host's agent checks its copy against it (none where this
     // machine lacks it: the hosts may hold the only copies).
     std::error_code ec;
-    const std::string here = fs::is_regular_file(path, ec) ? sha256_file(path) : std::string();
+    std::string here;
+    try {
+      if (fs::is_regular_file(path, ec)) here = sha256_file(path);
+    } catch (const Error&) {
+      // Unreadable here: the recipe check says so; the hosts' copies are not compared.
+    }
     for (size_t i = 0; i < hosts_.size(); ++i) {
       if (hosts_[i].is_local()) continue;
       if (!surveys_[i].shell || surveys_[i].facts.workdir.empty()) {
@@ -642,11 +647,13 @@ class Doctor {
       const std::string provisioned =
           surveys_[i].facts.workdir + "/data/" + path.filename().string();
       // The file the agent would use (the recipe's path, else the provisioned copy), then its
-      // sha256 where the host has sha256sum.
-      const auto r = surveys_[i].shell->run(
-          fmt::format("for f in {} {}; do if test -r \"$f\"; then printf '%s\\n' \"$f\"; "
-                      "sha256sum -- \"$f\" 2>/dev/null | cut -c1-64; exit 0; fi; done; exit 1",
-                      shell_quote(path.string()), shell_quote(provisioned)));
+      // sha256 where the host has sha256sum (read from stdin: a name with a backslash would be
+      // escaped in its output); in sh, whatever the user's login shell is.
+      const std::string script = fmt::format(
+          "for f in {} {}; do if test -r \"$f\"; then printf '%s\\n' \"$f\"; "
+          "sha256sum <\"$f\" 2>/dev/null | cut -c1-64; exit 0; fi; done; exit 1",
+          shell_quote(path.string()), shell_quote(provisioned));
+      const auto r = surveys_[i].shell->run("sh -c " + shell_quote(script));
       const std::string fix = fmt::format(
           "copy it there: dptrain provision --hosts ... --recipe {}", options_.recipe.string());
       if (r.exit_status != 0) {
@@ -656,10 +663,18 @@ class Doctor {
             fix);
         continue;
       }
+      // The last two lines: start-up files of the account may print before them.
+      std::vector<std::string> out_lines;
       std::istringstream lines(r.out);
+      for (std::string line; std::getline(lines, line);)
+        out_lines.push_back(line);
       std::string found, sum;
-      std::getline(lines, found);
-      std::getline(lines, sum);
+      if (out_lines.size() >= 2 && out_lines.back().size() == 64) {
+        found = out_lines[out_lines.size() - 2];
+        sum = out_lines.back();
+      } else if (!out_lines.empty()) {
+        found = out_lines.back();  // no sha256sum there: the name alone
+      }
       const bool differs = !here.empty() && sum.size() == 64 && sum != here;
       add("data", hosts_[i].display(), !differs,
           differs ? fmt::format("{} is not the launcher's data file (sha256 {}..., the "

@@ -158,12 +158,12 @@ struct HangingProbe {
 
 TEST_CASE("elastic: a probe that hangs is given up on at the wait's end, or at a stop") {
   HangingProbe hanging;
-  ScriptedProbe p;
-  p.up = {"a"};
-  const HostProbe both = [&p, h = hanging.probe()](const HostSpec& s) {
-    return s.host == "b" ? h(s) : p.probe()(s);
-  };
   SUBCASE("the wait's end") {
+    ScriptedProbe p;
+    p.up = {"a"};
+    const HostProbe both = [&p, h = hanging.probe()](const HostSpec& s) {
+      return s.host == "b" ? h(s) : p.probe()(s);
+    };
     const auto sel = select_hosts({host("a"), host("b")}, 2, 1500ms, both, nullptr, 100ms);
     CHECK(names(sel.hosts) == std::vector<std::string>{"a"});
     REQUIRE(sel.absent.size() == 1);
@@ -177,8 +177,9 @@ TEST_CASE("elastic: a probe that hangs is given up on at the wait's end, or at a
       stop = true;
     });
     const auto t0 = std::chrono::steady_clock::now();
-    const auto sel =
-        select_hosts({host("a"), host("b")}, 2, 1h, both, [&stop] { return stop.load(); });
+    // Both hang (a probe given up on must hold nothing of the test's).
+    const auto sel = select_hosts({host("a"), host("b")}, 2, 1h, hanging.probe(),
+                                  [&stop] { return stop.load(); });
     later.join();
     CHECK(sel.stopped);
     CHECK(std::chrono::steady_clock::now() - t0 < 30s);  // bound against a hang, not a timing

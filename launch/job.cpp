@@ -680,10 +680,13 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   options.on_line = [&](const ProcessSpec& p, const std::string& line) {
     const auto relay = relay_hosts.find(p.label);
     if (line.rfind("@event ", 0) == 0) {
-      // Only rank 0 sends events: keep them in its log like a local rank 0's.
-      if (relay != relay_hosts.end()) remote_logs.append(relay->second.host, 0, line);
+      // Only rank 0 sends events: kept in its log as a local rank 0's are, as the launcher
+      // shows them.
       const json event = json::parse(line.substr(7), nullptr, false);
       if (event.is_discarded()) return;
+      if (relay != relay_hosts.end() && event.is_object() && event.contains("event")) {
+        remote_logs.append(relay->second.host, 0, format_event(event));
+      }
       try {
         handle_event(event);
       } catch (const Error& e) {

@@ -972,7 +972,7 @@ RunView load_run(const fs::path& dir, bool verify_checkpoints) {
   RunView run;
   run.dir = resolved_path(dir);
   run.info = read_run_json(dir);
-  check_record_types(run.info, dir / "run.json");
+  check_record_types(run.info, dir / "run.json", RecordCheck::lists);
   // A part that is there but cannot be read is named, not fatal; a pipe is never opened (its
   // reader would wait for a writer), nor a directory where a file belongs taken for an empty
   // part. `blocked` is false for a part that is missing.

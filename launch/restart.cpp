@@ -315,6 +315,7 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
     }
     info["status"] = out.status;
     info["error"] = out.error;
+    info.erase("pending_restart");  // a launcher killed in its back-off left it: not coming
     run.record();
     return finish(out);
   }

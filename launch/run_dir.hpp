@@ -133,10 +133,14 @@ nlohmann::json new_run_info();
 // when it is not a file, not valid JSON (at line L, column C) or not an object.
 nlohmann::json read_run_json(const std::filesystem::path& dir);
 // Error(usage) "FILE: /POINTER: expected KIND, got VALUE" for the first field of run.json that a
-// resume, status or report reads and that is not of its type (a record edited by hand, or
-// damaged): named, before anything is started or written, not a JSON library's type error from
-// deep inside (which, once the launch had begun, was even recorded as the run's failure).
-void check_record_types(const nlohmann::json& info, const std::filesystem::path& file);
+// resume reads and that is not of its type (a record edited by hand, or damaged): named, before
+// anything is started or written, not a JSON library's type error from deep inside (which, once
+// the launch had begun, was even recorded as the run's failure). `lists` checks only that the
+// entries of its lists (generations, hosts, restarts, ...) are objects: status and report show
+// what else is wrong as unknown or null.
+enum class RecordCheck { all, lists };
+void check_record_types(const nlohmann::json& info, const std::filesystem::path& file,
+                        RecordCheck what = RecordCheck::all);
 
 // run.json's record of the newest checkpoint when rank 0 committed it on another host: the
 // only trace of it on this machine. None when rank 0 ran here (its checkpoints/ says all).

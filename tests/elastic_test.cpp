@@ -286,8 +286,9 @@ TEST_CASE("a host that takes the connection but never speaks SSH holds up neithe
          {"--nnodes", "3", "--rejoin-timeout", "110", "--connect-timeout", "120", "--json"})
       args.push_back(a);
     Background job(args);
-    REQUIRE(eventually([&] { return catches_signal(job.pid(), SIGINT); }));
-    std::this_thread::sleep_for(std::chrono::seconds(1));  // into the probes
+    // Into the probes: its run directory is made, and its first generation not started.
+    REQUIRE(eventually([&] { return fs::exists(c.tmp / "stopped"); }));
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
     ::kill(job.pid(), SIGINT);
     const int code = job.wait(std::chrono::seconds(60));
     INFO(job.out(), job.err());

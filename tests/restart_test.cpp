@@ -529,6 +529,7 @@ TEST_CASE("--events writes one JSON line per state change, restarts included") {
   REQUIRE(refused_stream.size() == 1);
   CHECK(refused_stream[0]["event"] == "run_finished");
   CHECK(refused_stream[0]["exit_code"] == 2);
+  CHECK(refused_stream[0]["run_dir"].is_null());  // this launch made none
   CHECK(refused_stream[0]["error"].get<std::string>().starts_with(
       "the launch did not start: " + (tmp / "ev").string() + ": already holds a run"));
   // So does one refused before that: its recipe missing, no run directory made yet.
