@@ -54,27 +54,27 @@ std::optional<std::string> HangWatch::check() {
         std::max(stalled, std::chrono::duration_cast<std::chrono::milliseconds>(now - s.since));
   }
   if (timeout_.count() <= 0 || stalled <= timeout_) return std::nullopt;
-  return describe(beats_at(now), stalled, rank_name_);
+  std::map<int, json> beats;
+  for (const auto& [rank, s] : seen_)
+    beats[rank] = s.beat;
+  for (const auto& [rank, ms] : silent_at(now))
+    beats[rank]["silent_ms"] = ms;
+  return describe(beats, stalled, rank_name_);
 }
 
-std::map<int, json> HangWatch::beats_at(Clock::time_point now) const {
-  std::map<int, json> beats;
+std::map<int, int64_t> HangWatch::silent_at(Clock::time_point now) const {
+  std::map<int, int64_t> out;
   for (const auto& [rank, s] : seen_) {
-    beats[rank] = s.beat;
     // A heartbeat thread sends at least every second: silence well beyond that is a process
     // that is stopped (SIGSTOP, a debugger, swapping) or unreachable.
     const auto silent = std::chrono::duration_cast<std::chrono::milliseconds>(now - s.heard);
-    if (s.beats >= 0 && silent > kSilentAfter) beats[rank]["silent_ms"] = silent.count();
+    if (s.beats >= 0 && silent > kSilentAfter) out[rank] = silent.count();
   }
-  return beats;
+  return out;
 }
 
 std::map<int, int64_t> HangWatch::silent() const {
-  std::map<int, int64_t> out;
-  for (const auto& [rank, beat] : beats_at(last_read_)) {
-    if (beat.contains("silent_ms")) out[rank] = beat["silent_ms"].get<int64_t>();
-  }
-  return out;
+  return silent_at(last_read_);
 }
 
 std::string HangWatch::describe(const std::map<int, json>& beats,

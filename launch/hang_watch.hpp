@@ -69,8 +69,8 @@ class HangWatch {
   int world_size_;
   std::chrono::milliseconds timeout_;
   RankName rank_name_;
-  // The heartbeats as last read, those silent at `now` marked with "silent_ms".
-  std::map<int, nlohmann::json> beats_at(std::chrono::steady_clock::time_point now) const;
+  // The ranks whose heartbeat had stopped at `now`, and for how many milliseconds.
+  std::map<int, int64_t> silent_at(std::chrono::steady_clock::time_point now) const;
 
   std::chrono::steady_clock::time_point next_read_;
   std::chrono::steady_clock::time_point last_read_;

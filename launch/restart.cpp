@@ -226,10 +226,16 @@ JobOutcome failed_placement(RunDirectory& run, JobOutcome outcome, const std::st
 }
 
 // SIGTERM or SIGINT between two generations.
-JobOutcome stopped_waiting(RunDirectory& run, JobOutcome outcome, int sig) {
+// A job stopped by `sig` (SIGTERM or SIGINT) outside a generation: its exit code and status;
+// returns the signal's name.
+const char* mark_stopped(JobOutcome& outcome, int sig) {
   outcome.exit_code = sig == SIGTERM ? 143 : 130;
   outcome.status = sig == SIGTERM ? "terminated" : "interrupted";
-  const char* name = sig == SIGTERM ? "SIGTERM" : "SIGINT";
+  return sig == SIGTERM ? "SIGTERM" : "SIGINT";
+}
+
+JobOutcome stopped_waiting(RunDirectory& run, JobOutcome outcome, int sig) {
+  const char* name = mark_stopped(outcome, sig);
   // The failure the restart was for stays in the message: which rank, and where a resume starts.
   if (outcome.resized) {
     outcome.error =
@@ -288,12 +294,9 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
   if (!first.error.empty() || first.stopped) {
     JobOutcome out;
     if (first.stopped) {
-      const bool term = pending_stop_signal() == SIGTERM;
-      out.exit_code = term ? 143 : 130;
-      out.status = term ? "terminated" : "interrupted";
       out.error =
           fmt::format("stopped by {} while waiting for the hosts to answer; no rank started",
-                      term ? "SIGTERM" : "SIGINT");
+                      mark_stopped(out, pending_stop_signal()));
     } else {
       out.exit_code = 4;
       out.status = "failed";

@@ -38,15 +38,6 @@ std::optional<std::string> shown_line(const std::string& line) {
   return std::nullopt;
 }
 
-// The tail a failure quotes.
-std::vector<std::string> shown_tail(const std::deque<std::string>& tail) {
-  std::vector<std::string> shown;
-  for (const std::string& line : tail) {
-    if (auto text = shown_line(line)) shown.push_back(std::move(*text));
-  }
-  return shown;
-}
-
 // What waitpid's `status` says of a process (nothing yet when it has not `exited`).
 ProcessExit process_exit(const ProcessSpec& spec, pid_t pid, bool exited, int status) {
   ProcessExit e;
@@ -90,7 +81,7 @@ struct Child {
   bool exited = false;
   int status = 0;
   std::string partial;
-  std::deque<std::string> tail;
+  std::deque<std::string> tail;  // its last lines as its log shows them (shown_line)
   std::ofstream log;
 };
 
@@ -288,7 +279,7 @@ class Supervision {
     if (result.failure) {
       for (auto& c : children_) {
         if (c.pid == result.failure->pid) {
-          result.failure->last_lines = shown_tail(c.tail);
+          result.failure->last_lines.assign(c.tail.begin(), c.tail.end());
         }
       }
     }
@@ -418,12 +409,13 @@ class Supervision {
   }
 
   void emit_line(Child& c, const std::string& line) {
-    if (const auto text = shown_line(line)) {
+    // Formatted once, for the log and the tail a failure quotes.
+    if (auto text = shown_line(line)) {
       c.log << *text << '\n';
       c.log.flush();
+      c.tail.push_back(std::move(*text));
+      if (c.tail.size() > kTailLines) c.tail.pop_front();
     }
-    c.tail.push_back(line);  // as printed: shown_tail formats it only if a failure quotes it
-    if (c.tail.size() > kTailLines) c.tail.pop_front();
     if (options_.on_line) options_.on_line(*c.spec, line);
   }
 
