@@ -61,42 +61,87 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Probes every host at once, each on a thread of its own; "" for each that answers, else why
-// not. Stops waiting when `should_stop` says so (nothing then) or at `until`, where a probe still
-// going gives `late`. A probe waited for no longer runs on, on what it copied (the probe, its
-// host), and its answer is dropped.
-std::optional<std::vector<std::string>> probe_all(const std::vector<HostSpec>& hosts,
-                                                  const HostProbe& probe,
-                                                  const std::function<bool()>& should_stop,
-                                                  Clock::time_point until,
-                                                  const std::string& late) {
-  struct Answers {
-    std::mutex mutex;
-    std::condition_variable done;
-    std::vector<std::optional<std::string>> why;
-    size_t left = 0;
+// A probe that has run this long without an answer is given up on once the wait is over.
+constexpr auto kProbeGrace = std::chrono::seconds(1);
+
+// Probes of a fixed list of hosts, at most one in flight per host, each on a detached thread of
+// its own: one host that hangs holds no other's probes. A probe no longer waited for runs on, on
+// what it copied (the probe, its host), and its answer is dropped.
+class Probes {
+ public:
+  struct Host {
+    bool in_flight = false;
+    Clock::time_point started{};
+    std::optional<std::string> answer;  // of the last probe that ended: "" when the host answered
+    Clock::time_point answered{};
+    bool up() const { return answer && answer->empty(); }
+    // Its answer is known, or it is taken as not answering for now (its probe ran too long).
+    bool settled(Clock::time_point now, bool grace) const {
+      return !in_flight || (grace && now - started >= kProbeGrace);
+    }
   };
-  const auto answers = std::make_shared<Answers>();
-  answers->why.resize(hosts.size());
-  answers->left = hosts.size();
-  for (size_t i = 0; i < hosts.size(); ++i) {
-    std::thread([answers, probe, host = hosts[i], i] {
+
+  Probes(std::vector<HostSpec> hosts, HostProbe probe)
+      : shared_(std::make_shared<Shared>()), specs_(std::move(hosts)), probe_(std::move(probe)) {
+    shared_->hosts.resize(specs_.size());
+  }
+
+  // Starts a probe of host i, unless one is in flight.
+  void start(size_t i) {
+    {
+      std::lock_guard lock(shared_->mutex);
+      Host& h = shared_->hosts[i];
+      if (h.in_flight) return;
+      h.in_flight = true;
+      h.started = Clock::now();
+    }
+    std::thread([shared = shared_, probe = probe_, host = specs_[i], i] {
       std::string why = probe(host);
-      std::lock_guard lock(answers->mutex);
-      answers->why[i] = std::move(why);
-      --answers->left;
-      answers->done.notify_all();
+      std::lock_guard lock(shared->mutex);
+      Host& h = shared->hosts[i];
+      h.in_flight = false;
+      h.answer = std::move(why);
+      h.answered = Clock::now();
+      shared->done.notify_all();
     }).detach();
   }
-  std::unique_lock lock(answers->mutex);
-  while (answers->left > 0 && Clock::now() < until) {
-    if (should_stop && should_stop()) return std::nullopt;
-    answers->done.wait_until(lock, std::min(until, Clock::now() + std::chrono::milliseconds(100)));
+
+  std::vector<Host> hosts() const {
+    std::lock_guard lock(shared_->mutex);
+    return shared_->hosts;
   }
-  std::vector<std::string> why;
-  for (const auto& w : answers->why)
-    why.push_back(w.value_or(late));
-  return why;
+
+  // Until a probe ends or `until`, 100 ms at most (the caller's stop is polled that often).
+  void wait(Clock::time_point until) const {
+    std::unique_lock lock(shared_->mutex);
+    shared_->done.wait_until(lock, std::min(until, Clock::now() + std::chrono::milliseconds(100)));
+  }
+
+ private:
+  struct Shared {
+    std::mutex mutex;
+    std::condition_variable done;
+    std::vector<Host> hosts;
+  };
+  const std::shared_ptr<Shared> shared_;
+  const std::vector<HostSpec> specs_;
+  const HostProbe probe_;
+};
+
+// Whether the hosts chosen are known: walking the candidates in order, `max_nodes` are up before
+// one whose answer is still awaited (a host earlier in the list is preferred to a later one, but
+// not waited for past its grace).
+bool chosen(const std::vector<Probes::Host>& hosts, int max_nodes, Clock::time_point now) {
+  int up = 0;
+  for (const auto& h : hosts) {
+    if (up >= max_nodes) break;
+    if (h.up()) {
+      ++up;
+    } else if (!h.settled(now, true)) {
+      return false;
+    }
+  }
+  return up >= max_nodes;
 }
 
 }  // namespace
@@ -107,46 +152,73 @@ HostSelection select_hosts(
     std::chrono::milliseconds interval,
     const std::function<void(const std::vector<std::string>& absent)>& waiting) {
   const auto deadline = Clock::now() + wait;
+  const bool bounded = wait.count() > 0;
   const std::string late = fmt::format("no answer within {:g} s (--rejoin-timeout)",
                                        static_cast<double>(wait.count()) / 1000.0);
-  std::vector<std::string> why(candidates.size());
+  Probes probes(candidates, probe);
+  for (size_t i = 0; i < candidates.size(); ++i)
+    probes.start(i);
+  bool last = false;  // the last probes, at the deadline, are started
   bool told = false;  // `waiting`
   HostSelection out;
+  std::vector<Probes::Host> hosts;
   for (;;) {
-    const auto until = wait.count() > 0 ? std::max(deadline, Clock::now() + std::chrono::seconds(1))
-                                        : Clock::time_point::max();
-    auto round = probe_all(candidates, probe, should_stop, until, late);
-    if (!round) {
-      out.stopped = true;
-      break;
-    }
-    why = std::move(*round);
-    const auto up = std::count_if(why.begin(), why.end(), [](const auto& w) { return w.empty(); });
-    const auto now = Clock::now();
-    if (up >= max_nodes || now >= deadline) break;
     if (should_stop && should_stop()) {
       out.stopped = true;
-      break;
+      return out;
     }
-    if (waiting && !told) {
-      told = true;
-      std::vector<std::string> absent;
-      for (size_t i = 0; i < candidates.size(); ++i) {
-        if (!why[i].empty())
-          absent.push_back(fmt::format("{}: {}", candidates[i].display(), why[i]));
+    const auto now = Clock::now();
+    hosts = probes.hosts();
+    if (chosen(hosts, max_nodes, now)) break;
+    const auto settled = [&](bool grace) {
+      return std::all_of(hosts.begin(), hosts.end(),
+                         [&](const Probes::Host& h) { return h.settled(now, grace); });
+    };
+    if (!bounded) {
+      if (settled(false)) break;
+    } else if (last) {
+      if (settled(true)) break;
+    } else if (now >= deadline) {
+      // The last probe at the deadline itself: a host that answers then is not missed.
+      last = true;
+      for (size_t i = 0; i < hosts.size(); ++i) {
+        if (!hosts[i].up()) probes.start(i);
       }
-      waiting(absent);
+      continue;
+    } else {
+      // A host that did not answer is probed again an interval after its last answer.
+      for (size_t i = 0; i < hosts.size(); ++i) {
+        if (!hosts[i].in_flight && !hosts[i].up() && now - hosts[i].answered >= interval)
+          probes.start(i);
+      }
+      const bool all_heard = std::all_of(hosts.begin(), hosts.end(), [&](const Probes::Host& h) {
+        return h.answer || h.settled(now, true);
+      });
+      if (waiting && !told && all_heard) {
+        told = true;
+        std::vector<std::string> absent;
+        for (size_t i = 0; i < candidates.size(); ++i) {
+          if (!hosts[i].up())
+            absent.push_back(fmt::format("{}: {}", candidates[i].display(),
+                                         hosts[i].answer.value_or("no answer yet")));
+        }
+        waiting(absent);
+      }
     }
-    // The last probe at the deadline itself: a host that answers then is not missed.
-    const auto next = std::min<Clock::time_point>(now + interval, deadline);
-    while (Clock::now() < next && !(should_stop && should_stop()))
-      std::this_thread::sleep_for(
-          std::min<Clock::duration>(std::chrono::milliseconds(100), next - Clock::now()));
+    probes.wait(bounded && !last ? deadline : Clock::time_point::max());
   }
-  if (out.stopped) return out;
+  const auto end = Clock::now();
   for (size_t i = 0; i < candidates.size(); ++i) {
-    if (!why[i].empty()) {
-      out.absent.push_back(fmt::format("{}: {}", candidates[i].display(), why[i]));
+    if (static_cast<int>(out.hosts.size()) >= max_nodes && hosts[i].in_flight) {
+      continue;  // not needed, and not known not to answer
+    } else if (!hosts[i].up()) {
+      // A probe still going: the wait is over, or enough hosts earlier in the list answered.
+      const std::string why =
+          !hosts[i].in_flight ? hosts[i].answer.value_or(late)
+          : last              ? late
+                              : fmt::format("no answer within {:.1f} s",
+                                            std::chrono::duration<double>(end - hosts[i].started).count());
+      out.absent.push_back(fmt::format("{}: {}", candidates[i].display(), why));
     } else if (static_cast<int>(out.hosts.size()) < max_nodes) {
       out.hosts.push_back(candidates[i]);
     }
@@ -180,24 +252,32 @@ std::vector<HostSpec> HostWatch::answered() const {
 }
 
 void HostWatch::run() {
+  Probes probes(hosts_, probe_);
+  const auto first = Clock::now() + interval_;
   for (;;) {
     {
       std::unique_lock lock(mutex_);
-      if (wake_.wait_for(lock, interval_, [this] { return stop_; })) return;
+      if (wake_.wait_for(
+              lock, std::min<std::chrono::milliseconds>(interval_, std::chrono::milliseconds(100)),
+              [this] { return stop_; }))
+        return;
     }
-    const auto why = probe_all(
-        hosts_, probe_,
-        [this] {
-          std::lock_guard lock(mutex_);
-          return stop_;
-        },
-        Clock::time_point::max(), "");
-    if (!why) return;
-    std::lock_guard lock(mutex_);
-    for (size_t i = 0; i < hosts_.size(); ++i) {
-      if ((*why)[i].empty()) answered_.push_back(hosts_[i]);
+    const auto now = Clock::now();
+    const auto hosts = probes.hosts();
+    std::vector<HostSpec> up;
+    for (size_t i = 0; i < hosts.size(); ++i) {
+      if (hosts[i].up()) up.push_back(hosts_[i]);
     }
-    if (!answered_.empty() || stop_) return;
+    if (!up.empty()) {
+      std::lock_guard lock(mutex_);
+      answered_ = std::move(up);
+      return;
+    }
+    // Each host every interval, the first time one interval after the start.
+    for (size_t i = 0; i < hosts.size(); ++i) {
+      const auto due = hosts[i].answer ? hosts[i].answered + interval_ : first;
+      if (!hosts[i].in_flight && now >= due) probes.start(i);
+    }
   }
 }
 

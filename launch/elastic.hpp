@@ -35,14 +35,16 @@ struct HostSelection {
   bool stopped = false;             // `should_stop` ended the wait: hosts and absent are partial
 };
 
-// The hosts of the next generation: the first `max_nodes` candidates that answer. Probes every
-// candidate (all at once) and again each `interval` until max_nodes answer or `wait` has passed;
-// returns what it has then. A probe still going when `wait` has passed (a host that takes the
-// connection but does not speak SSH holds one for the whole connect timeout) is given up on, a
-// second after its round began at the earliest; with no wait, each round waits for every probe.
+// The hosts of the next generation: the first `max_nodes` candidates that answer, in the order of
+// the list. Probes every candidate at once, each on its own, and one that did not answer again
+// each `interval` after its answer, until max_nodes answer or `wait` has passed, then once more
+// at the deadline; returns what it has then. A probe that has run a second without an answer
+// (a host that takes the connection but does not speak SSH holds one for the whole connect
+// timeout) holds up no other host's probes, nor the choice of hosts later in the list once it is
+// over its second, nor the end of the wait; with no wait, it waits for every probe to end.
 // `should_stop` is polled every 100 ms, during probes too (a stop signal): it ends the wait at
 // once, `stopped` set; `waiting`, when given, is told once, before the first wait, which
-// candidates did not answer ("HOST: why").
+// candidates have not answered ("HOST: why", "no answer yet" for a probe still going).
 HostSelection select_hosts(
     const std::vector<HostSpec>& candidates, int max_nodes, std::chrono::milliseconds wait,
     const HostProbe& probe, const std::function<bool()>& should_stop,
@@ -54,16 +56,16 @@ HostSelection select_hosts(
 std::chrono::milliseconds rejoin_probe_interval(std::chrono::milliseconds rejoin_timeout);
 
 // Watches, while a generation runs below its job's maximum size, for hosts that answer again: a
-// thread probes `hosts` every `interval` (all at once, the first round after one interval) until
-// at least one answers. The destructor stops it at once, leaving a probe in flight (an SSH login
-// attempt) to end on its own.
+// thread probes each of `hosts` every `interval` (the first time one interval after the start),
+// one probe in flight per host, until at least one answers. The destructor stops it at once,
+// leaving a probe in flight (an SSH login attempt) to end on its own.
 class HostWatch {
  public:
   HostWatch(std::vector<HostSpec> hosts, HostProbe probe, std::chrono::milliseconds interval);
   ~HostWatch();
   HostWatch(const HostWatch&) = delete;
   HostWatch& operator=(const HostWatch&) = delete;
-  // Those that answered in the round where the first did; empty until then.
+  // Those that had answered when the first was seen to; empty until then.
   std::vector<HostSpec> answered() const;
 
  private:
