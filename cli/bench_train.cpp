@@ -126,10 +126,9 @@ int run_bench_train_cmd(const BenchTrainCliOptions& o) {
   bench.scaling = o.strong ? BatchScaling::strong : BatchScaling::weak;
 
   if (o.peak_given && !(o.peak_tflops > 0 && std::isfinite(o.peak_tflops))) {
-    throw Error(
-        ErrorKind::usage,
-        fmt::format("--peak-tflops: must be a finite number > 0 (one device's peak), got {}",
-                    o.peak_tflops));
+    throw Error(ErrorKind::usage,
+                fmt::format("--peak-tflops: '{}' must be a finite number > 0 (one device's peak)",
+                            o.peak_tflops));
   }
   if (o.device_given && o.device != "cpu" && o.device != "cuda") {
     throw Error(ErrorKind::usage,

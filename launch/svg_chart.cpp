@@ -329,9 +329,12 @@ std::string xml_escape(const std::string& text) {
     const char c = text[i];
     if (static_cast<unsigned char>(c) >= 0x80) {
       // The page says UTF-8: a byte that is not part of UTF-8 (a path in another encoding) is
-      // U+FFFD, as in every JSON file dptrain writes.
+      // U+FFFD, as in every JSON file dptrain writes; so are U+FFFE and U+FFFF, which XML does
+      // not allow.
       const size_t n = utf8_sequence(std::string_view(text).substr(i));
-      out += n == 0 ? std::string("\xEF\xBF\xBD") : text.substr(i, n);
+      const bool allowed = n != 0 && !(n == 3 && text.compare(i, 2, "\xEF\xBF") == 0 &&
+                                       static_cast<unsigned char>(text[i + 2]) >= 0xBE);
+      out += allowed ? text.substr(i, n) : std::string("\xEF\xBF\xBD");
       if (n > 1) i += n - 1;
       continue;
     }

@@ -324,4 +324,7 @@ TEST_CASE("xml_escape: markup escaped, control characters and bytes that are not
   CHECK(xml_escape("\xc0\xaf") == replacement + replacement);                    // overlong
   CHECK(xml_escape("\xed\xa0\x80") == replacement + replacement + replacement);  // surrogate
   CHECK(xml_escape("end\xe2\x82") == "end" + replacement + replacement);         // cut short
+  // Not characters XML allows; U+FFFD and U+FFFC are.
+  CHECK(xml_escape("\xef\xbf\xbe|\xef\xbf\xbf|\xef\xbf\xbd|\xef\xbf\xbc") ==
+        replacement + "|" + replacement + "|\xef\xbf\xbd|\xef\xbf\xbc");
 }

@@ -290,6 +290,8 @@ TEST_CASE("usage errors exit 2") {
             "--temperature: '-1' must be a finite number >= 0"},
            {{"bench", "train", recipe.string(), "--peak-tflops", "0x10"},
             "--peak-tflops: '0x10' is not a number"},
+           {{"bench", "train", recipe.string(), "--peak-tflops", "0"},
+            "--peak-tflops: '0' must be a finite number > 0 (one device's peak)"},
            {{"bench", "train", recipe.string(), "--repeats", "0x2"},
             "--repeats: '0x2' is not a whole number"},
            {{"bench", "train", recipe.string(), "--batch-per-rank", "0x1"},
