@@ -322,9 +322,11 @@ class HandRunRecord {
     step_ = std::max(step_, step);
   }
 
-  // How the generation ended: completed, terminated (SIGTERM), interrupted (SIGINT) or failed.
-  // The first end is the record's: the StopWatcher may end it while the ranks still work.
-  void finish(const std::string& status, const std::string& error = {}) {
+  // How the generation ended: completed, terminated (SIGTERM), interrupted (SIGINT) or failed,
+  // with rank 0's exit code, as a launcher records the failed rank's (2: a recipe or data problem
+  // or a diverged training, which a resume would meet again). The first end is the record's: the
+  // StopWatcher may end it while the ranks still work.
+  void finish(const std::string& status, const std::string& error = {}, int exit_code = 0) {
     const std::lock_guard<std::mutex> lock(mutex_);
     if (file_.empty() || closed_) return;
     closed_ = true;
@@ -334,6 +336,8 @@ class HandRunRecord {
     gen["status"] = status;
     if (step_ >= 0) gen["step"] = step_;
     if (!error.empty()) info_["error"] = gen["error"] = error;
+    gen["exit_code"] = exit_code;
+    if (exit_code == 2) gen["would_repeat"] = true;
     save();
   }
 
@@ -411,7 +415,7 @@ class StopWatcher {
   [[noreturn]] static void stop(int rank, HandRunRecord* record, int code, const char* status,
                                 const std::string& why) {
     const std::string error = fmt::format("rank {}: {}", rank, why);
-    if (record != nullptr) record->finish(status, error);
+    if (record != nullptr) record->finish(status, error, code);
     const std::string line = fmt::format("{}{}\n", kErrorLinePrefix, error);
     (void)!::write(STDERR_FILENO, line.data(), line.size());
     ::_exit(code);
@@ -696,7 +700,7 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
   farewell.met = true;
   BeatStore beats(host, port, secret, o.generation, store);
   Store& beat_store = beats.store();
-  const HeartbeatSender heartbeat(beat_store, o.rank, progress, std::chrono::seconds(1));
+  HeartbeatSender heartbeat(beat_store, o.rank, progress, std::chrono::seconds(1));
 
   const bool events = env("DPTRAIN_EVENTS").value_or("0") == "1";
   StatusPrinter status(stdout, !events && StatusPrinter::is_terminal(stdout));
@@ -745,7 +749,9 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
     return true;
   };
   if (!faults.empty()) {
-    topts.before_step = [&faults](int64_t step) { faults.before_step(step); };
+    topts.before_step = [&faults, &heartbeat](int64_t step) {
+      faults.before_step(step, [&heartbeat] { heartbeat.flush(); });
+    };
     topts.before_checkpoint_commit = [&faults](int64_t step) {
       faults.before_checkpoint_commit(step);
     };
@@ -817,7 +823,7 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
     return 0;
   }
   if (result.stopped) {
-    record->finish("terminated", "stopped by SIGTERM after a checkpoint");
+    record->finish("terminated", "stopped by SIGTERM after a checkpoint", 143);
     return 143;
   }
   record->finish("completed");
@@ -878,7 +884,8 @@ void setup_worker(CLI::App& app, Outcome& outcome) {
       const std::string what = e.what();
       const std::string named = o->rank >= 0 && !what.starts_with(own) ? own + what : what;
       if (record) {
-        record->finish(e.kind() == ErrorKind::terminated ? "terminated" : "failed", named);
+        record->finish(e.kind() == ErrorKind::terminated ? "terminated" : "failed", named,
+                       farewell->exit_code);
       }
       throw Error(e.kind(), named);
     } catch (const std::exception& e) {
@@ -889,7 +896,7 @@ void setup_worker(CLI::App& app, Outcome& outcome) {
         farewell->failure = Error(ErrorKind::internal, e.what());
       }
       leave();
-      if (record) record->finish("failed", fmt::format("rank {}: {}", o->rank, e.what()));
+      if (record) record->finish("failed", fmt::format("rank {}: {}", o->rank, e.what()), 1);
       throw;
     }
   });

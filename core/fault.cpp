@@ -163,13 +163,14 @@ FaultInjector::FaultInjector(std::vector<Fault> faults, int rank, int generation
   }
 }
 
-void FaultInjector::before_step(int64_t step) const {
+void FaultInjector::before_step(int64_t step, const std::function<void()>& before_fault) const {
   for (const auto& f : faults_) {
     if (f.kind == Fault::Kind::slow && step >= f.step) {
       std::this_thread::sleep_for(std::chrono::milliseconds(f.ms));
       continue;
     }
     if (step != f.step) continue;
+    if (before_fault && f.kind != Fault::Kind::crash_in_checkpoint) before_fault();
     switch (f.kind) {
       case Fault::Kind::crash:
         ::kill(::getpid(), SIGKILL);

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -47,7 +48,10 @@ std::vector<std::string> unreachable_faults(const std::vector<Fault>& faults, in
 class FaultInjector {
  public:
   FaultInjector(std::vector<Fault> faults, int rank, int generation);
-  void before_step(int64_t step) const;               // may not return (crash, exit, hang)
+  // May not return (crash, exit, hang, freeze); `before_fault`, when given, is called first, as
+  // one of those fires (the worker publishes its heartbeat: the step reached, as a failure in the
+  // step's work would find it, not the one a heartbeat sent a moment before named).
+  void before_step(int64_t step, const std::function<void()>& before_fault = {}) const;
   void before_checkpoint_commit(int64_t step) const;  // may not return
   bool empty() const { return faults_.empty(); }
 

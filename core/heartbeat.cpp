@@ -126,6 +126,7 @@ HeartbeatSender::~HeartbeatSender() {
 }
 
 void HeartbeatSender::publish() {
+  const std::lock_guard lock(publish_mutex_);
   try {
     nlohmann::json beat = tracker_.snapshot();
     beat["beat"] = ++beats_;

@@ -130,6 +130,9 @@ class HeartbeatSender {
   // cost of at most 1/kStepPoll store writes a second.
   static constexpr std::chrono::milliseconds kStepPoll{20};
 
+  // Sends the snapshot now, from the caller's thread (what a failure about to happen leaves).
+  void flush() { publish(); }
+
  private:
   void publish();
   void loop();
@@ -141,7 +144,8 @@ class HeartbeatSender {
   std::mutex mutex_;
   std::condition_variable wake_;
   bool stop_ = false;
-  int64_t beats_ = 0;  // only the sender's thread touches it
+  std::mutex publish_mutex_;  // flush() publishes from another thread
+  int64_t beats_ = 0;         // under publish_mutex_
   std::thread thread_;
 };
 

@@ -541,23 +541,28 @@ std::string hint(const RunView& run) {
     if (!run.info.contains("recipe") || run.info.contains("bench")) {
       return "a benchmark's run: run the benchmark again";
     }
-    if (started_by_workers(run.info)) {
+    const json generations = run.info.value("generations", json::array());
+    const json last =
+        generations.is_array() && !generations.empty() && generations.back().is_object()
+            ? generations.back()
+            : json::object();
+    const bool hand = started_by_workers(run.info);
+    if (run.state.status == "failed" && last.value("would_repeat", json()) == true) {
+      return fmt::format(
+          "a resume would meet its error again (the recipe, its data or a setting: see the "
+          "error); fix that first: data or a setting, then {}; a changed recipe, {} into a new "
+          "run directory",
+          hand ? fmt::format("start the workers again with '{}'", hand_resume_flag(run.dir))
+               : "resume",
+          hand ? "started" : "launched");
+    }
+    if (hand) {
       return fmt::format(
           "its workers were started without a launcher: start them again with '{}' to continue "
           "it",
           hand_resume_flag(run.dir));
     }
     if (run.state.status == "failed") {
-      const json generations = run.info.value("generations", json::array());
-      const json last =
-          generations.is_array() && !generations.empty() && generations.back().is_object()
-              ? generations.back()
-              : json::object();
-      if (last.value("would_repeat", json()) == true) {
-        return "a resume would meet its error again (the recipe, its data or a setting: see the "
-               "error); fix that first: data or a setting, then resume; a changed recipe, "
-               "launched into a new run directory";
-      }
       if (const RepeatedFailure repeated = repeated_failure(run.info);
           repeated.times >= kSameStepLimit) {
         return fmt::format(

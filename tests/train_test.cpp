@@ -522,6 +522,39 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
   CHECK(read_text(live / "run.json") == launched);  // the launcher's record, left alone
 }
 
+TEST_CASE("workers by hand: a training that diverged is one a resume would meet again") {
+  TempDir tmp;
+  json recipe = small_recipe();
+  recipe["optimizer"] = {{"type", "sgd"}, {"lr", 1e30}, {"momentum", 0.9}};
+  const auto path = write_recipe(tmp.path(), recipe);
+  const std::string port = std::to_string(unused_port());
+  Env base = {{"WORLD_SIZE", "2"},
+              {"MASTER_ADDR", "127.0.0.1"},
+              {"MASTER_PORT", port},
+              {"DPTRAIN_RUN_DIR", (tmp / "run").string()}};
+  Env env0 = base, env1 = base;
+  env0["RANK"] = "0";
+  env0["DPTRAIN_HOST_STORE"] = "1";
+  env1["RANK"] = "1";
+  Background r0({"worker", path.string()}, env0);
+  Background r1({"worker", path.string()}, env1);
+  const int c1 = r1.wait(std::chrono::seconds(120));
+  const int c0 = r0.wait(std::chrono::seconds(120));
+  INFO(r0.err(), r1.err());
+  CHECK(c0 == 2);
+  CHECK(c1 == 2);
+  const json info = parse_json(read_text(tmp / "run/run.json"));
+  CHECK(info["status"] == "failed");
+  CHECK(info["generations"][0]["exit_code"] == 2);
+  CHECK(info["generations"][0]["would_repeat"] == true);
+  // Not the hint to start them again as they were: they would diverge again.
+  const auto status = run_dptrain({"status", (tmp / "run").string(), "--json"});
+  CHECK(parse_json(status.out)["hint"] ==
+        "a resume would meet its error again (the recipe, its data or a setting: see the error); "
+        "fix that first: data or a setting, then start the workers again with '--resume "
+        "newest-or-start'; a changed recipe, started into a new run directory");
+}
+
 TEST_CASE("workers given different data, --resume or nominal world stop at once, naming it") {
   TempDir tmp;
   // Two tables of one shape that differ in one value: the recipes' hashes (data.path aside)
