@@ -297,6 +297,32 @@ class HandRunRecord {
   // to do (and keeps no record).
   bool completed() const { return completed_; }
 
+  // Once the ranks met: their backend, store and hosts (`hosts`: each rank's host name, by rank;
+  // empty where one did not say), as a launcher records them: hosts with their slots and ranks.
+  void met(const std::string& backend, const std::string& store,
+           const std::vector<std::string>& hosts) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (file_.empty() || closed_) return;
+    info_["backend"] = backend;
+    info_["store"] = store;
+    json by_host = json::array(), names = json::array();
+    for (size_t r = 0; r < hosts.size(); ++r) {
+      if (hosts[r].empty()) continue;
+      auto same = std::find_if(by_host.begin(), by_host.end(),
+                               [&](const json& h) { return h["host"] == hosts[r]; });
+      if (same == by_host.end()) {
+        by_host.push_back({{"host", hosts[r]}, {"slots", 0}, {"ranks", json::array()}});
+        names.push_back(hosts[r]);
+        same = by_host.end() - 1;
+      }
+      (*same)["slots"] = (*same)["slots"].get<int>() + 1;
+      (*same)["ranks"].push_back(r);
+    }
+    info_["hosts"] = std::move(by_host);
+    if (!names.empty()) info_["generations"].back()["hosts"] = std::move(names);
+    save();
+  }
+
   // Where the ranks found their checkpoint (rank 0's "rendezvous" event), as a launcher records
   // it: a checkpoint's name, or "step 0" when a search found none.
   void rendezvous(const json& event, const std::string& resume) {
@@ -681,8 +707,12 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
   TcpStoreClient client(host, port, timeout, secret);
   PrefixStore store(farewell.prefix, client);
 
+  // Workers without a launcher say their host, for rank 0's record of the run (posted before
+  // the answer rank 0 waits for, so it is there once the ranks agree).
+  if (!started_by_launcher()) store.set(fmt::format("host/{}", o.rank), this_host());
   std::unique_ptr<Communicator> comm;
-  if (choose_backend(store, o.rank, o.world_size, requested, *ops, timeout) == "nccl") {
+  const std::string backend = choose_backend(store, o.rank, o.world_size, requested, *ops, timeout);
+  if (backend == "nccl") {
     NcclOptions nccl;
     nccl.timeout = timeout;
     nccl.device = gpu;
@@ -698,6 +728,17 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
     comm = make_gloo_communicator(store, o.rank, o.world_size, gloo);
   }
   farewell.met = true;
+  if (record->active()) {
+    std::vector<std::string> hosts(static_cast<size_t>(o.world_size));
+    for (int r = 0; r < o.world_size; ++r) {
+      try {
+        hosts[static_cast<size_t>(r)] =
+            store.get(fmt::format("host/{}", r), std::chrono::milliseconds(500));
+      } catch (const std::exception&) {
+      }
+    }
+    record->met(backend, format_host_port(host, port), hosts);
+  }
   BeatStore beats(host, port, secret, o.generation, store);
   Store& beat_store = beats.store();
   HeartbeatSender heartbeat(beat_store, o.rank, progress, std::chrono::seconds(1));

@@ -230,6 +230,12 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
   CHECK(info["started_by"] == "dptrain worker");
   CHECK(info["status"] == "completed");
   CHECK(info["world_size"] == 2);
+  // What the ranks met with, as a launcher records it: the backend, the store, the hosts.
+  CHECK(info["backend"] == "gloo");
+  CHECK(info["store"] == "127.0.0.1:" + port);
+  REQUIRE(info["hosts"].size() == 1);
+  CHECK(info["hosts"][0]["slots"] == 2);
+  CHECK(info["hosts"][0]["ranks"] == json::array({0, 1}));
   REQUIRE(info["generations"].size() == 1);
   CHECK(info["generations"][0]["status"] == "completed");
   CHECK(info["generations"][0]["pids"] == json::array({r0.pid()}));
