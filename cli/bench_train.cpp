@@ -163,13 +163,16 @@ int run_bench_train_cmd(const BenchTrainCliOptions& o) {
   // Every refusal (a world size the data or --strong cannot take, a host name that does not
   // resolve, a DPTRAIN_FAULT that does not parse) before anything is made.
   check_bench_worlds(spec.recipe, worlds, bench, hosts.empty() ? "--nproc" : "--nnodes");
+  std::vector<std::string> fault_warnings;  // faults that fire in no run of the sweep
   {
     JobSpec largest = spec;
+    largest.recipe.train.steps = bench.steps;  // as every run has it (bench_recipe)
+    largest.recipe.checkpoint.every = 0;
     largest.hosts = worlds.back().hosts;
     largest.world_size = worlds.back().world;
     check_hosts_resolve(largest);
     check_store_port(largest);
-    check_fault_injection(largest);
+    fault_warnings = check_fault_injection(largest);
   }
 
   BenchTrainReport report;
@@ -225,6 +228,8 @@ int run_bench_train_cmd(const BenchTrainCliOptions& o) {
   {
     // A line per run; on a terminal also the running one's progress, rewritten in place.
     StatusPrinter terminal(stderr, StatusPrinter::is_terminal(stderr));
+    for (const auto& warning : fault_warnings)
+      terminal.warning(warning);
     run_bench_train(
         spec.recipe, worlds, job_runner(spec, sweep_dir, &terminal),
         [&terminal](const std::string& line) { terminal.line(line); }, report);

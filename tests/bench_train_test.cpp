@@ -11,6 +11,7 @@
 
 #include "core/tensor/device.hpp"
 #include "tests/harness.hpp"
+#include "tests/strings.hpp"
 
 using namespace dptrain::test;
 namespace fs = std::filesystem;
@@ -247,6 +248,20 @@ TEST_CASE("a failed run exits 3 with its error and the world size") {
   CHECK(r.err.find("rank 1") != std::string::npos);
   CHECK(r.err.find("bench train: world 1: ") != std::string::npos);  // measured before
   CHECK(r.out.empty());                                              // no table for a partial sweep
+}
+
+TEST_CASE("a DPTRAIN_FAULT that fires in no run of the sweep is warned about") {
+  TempDir tmp;
+  const fs::path file = write_recipe(tmp.path(), small_recipe());
+  // Past the runs' --steps (not the recipe's), and on a rank no world size of the sweep has.
+  const auto r = bench(tmp, {file.string(), "--nproc", "1", "--steps", "3"},
+                       {{"DPTRAIN_FAULT", "exit@step=5;exit@step=1,rank=1"}});
+  INFO(r.err);
+  CHECK(r.exit_code == 0);
+  CHECK(contains(r.err,
+                 "warning: DPTRAIN_FAULT 'exit@step=5' never fires: step 5 is past the "
+                 "run's steps (0 to 2)"));
+  CHECK(contains(r.err, "warning: DPTRAIN_FAULT 'exit@step=1,rank=1' never fires"));
 }
 
 TEST_CASE("--precision fp32 --peak-tflops 1 on the CPU: every row has an MFU, the JSON says how") {
