@@ -60,6 +60,13 @@ std::string format_event(const nlohmann::json& e) {
     return fmt::format("all {} ranks met; starting at step {}", e.value("world_size", 0),
                        e.value("step", int64_t{0}));
   }
+  if (kind == "result" && e.value("benchmark", std::string()) == "comm") {
+    const size_t rows = e.contains("rows") && e["rows"].is_array() ? e["rows"].size() : 0;
+    return fmt::format(
+        "bench comm finished: {} row(s) on {} rank(s), average busbw {:.2f} GB/s, "
+        "{} wrong element(s)",
+        rows, e.value("ranks", 0), num("avg_busbw"), e.value("wrong", uint64_t{0}));
+  }
   if (kind == "result") {
     return fmt::format("finished {} steps on {} rank(s): {}  parameters {}",
                        e.value("steps", int64_t{0}), e.value("world_size", int64_t{0}),

@@ -46,6 +46,14 @@ TEST_CASE("status: events are formatted for people") {
   CHECK(format_event({{"event", "eval"}, {"step", 5}, {"eval_loss", 0.25}, {"eval_accuracy", 0.5}})
             .find("accuracy 50.00%") != std::string::npos);
   CHECK(format_event({{"event", "info"}, {"message", "hello"}}) == "hello");
+  // A collective benchmark's result is not a training's.
+  CHECK(format_event({{"event", "result"},
+                      {"benchmark", "comm"},
+                      {"ranks", 2},
+                      {"rows", nlohmann::json::array({{{"size", 8}}, {{"size", 16}}})},
+                      {"avg_busbw", 1.234},
+                      {"wrong", 0}}) ==
+        "bench comm finished: 2 row(s) on 2 rank(s), average busbw 1.23 GB/s, 0 wrong element(s)");
   // A NaN or infinity is written as null: shown as nan, never an exception.
   nlohmann::json nulls = progress;
   for (const char* key : {"loss", "lr", "grad_norm", "eta_s", "step_ms"})
