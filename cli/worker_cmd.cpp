@@ -492,6 +492,9 @@ Error run_dir_locked(const std::string& run_dir) {
 // stays up until the others have read why the start failed (a few seconds at most).
 struct Farewell {
   static constexpr std::chrono::seconds kWait{5};
+  // How long it waits for the store and for the peers: kWait, or the rank's --timeout (or
+  // distributed.timeout_s) when that is shorter.
+  std::chrono::milliseconds wait = kWait;
   std::unique_ptr<TcpStoreServer> server;
   // The store, once known (and, with --host-store, rank 0's started): nothing is told before.
   std::string host;
@@ -504,7 +507,10 @@ struct Farewell {
   bool met = false;        // the ranks agreed to start: a failure since may be its own
   bool from_peer = false;  // its error is a peer's failure, which that peer posted
   bool stopped = false;    // by a signal: the peers stop too, and look for nothing
-  std::vector<int> gone;   // peers whose heartbeats stood still: none will look either
+  // Rank 0 waited its whole timeout for the peers' answers: one that gave none by then is not
+  // there to be told anything.
+  bool waited_out = false;
+  std::vector<int> gone;  // peers whose heartbeats stood still: none will look either
   std::optional<Error> refusal;
   // A failure of its own once the ranks met (not a communication error: a peer's exit causes
   // those; nor a stop), for the peers whose collectives fail as it leaves (peer_failure).
@@ -521,14 +527,14 @@ struct Farewell {
     }
     exit_on_stop_signals(exit_code);
     try {
-      TcpStoreClient client(host, port, kWait, secret, kWait);
+      TcpStoreClient client(host, port, wait, secret, wait);
       PrefixStore store(prefix, client);
       if (refusal) refuse_to_start(store, rank, world, *refusal);
       if (failure) report_failure(store, rank, *failure);
-      if (server) wait_until_told(store, world, kWait);
+      if (server) wait_until_told(store, world, wait, waited_out);
       // Once the ranks met, whoever failed: the peers look for a failure posted (their own
       // collectives may fail seconds apart, and with the store they would lose the answer).
-      if (server && met && !stopped) wait_until_heard(store, world, kWait, gone);
+      if (server && met && !stopped) wait_until_heard(store, world, wait, gone);
     } catch (const std::exception&) {
       // A store that is not there (rank 0 did not start it): nobody to tell.
     }
@@ -576,6 +582,10 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
   farewell.prefix = fmt::format("gen{}", o.generation);
   farewell.rank = o.rank;
   farewell.world = o.world_size;
+  if (o.timeout_s > 0) {
+    farewell.wait = std::min<std::chrono::milliseconds>(
+        Farewell::kWait, std::chrono::milliseconds(static_cast<int64_t>(1000.0 * o.timeout_s)));
+  }
   // Checked once the farewell knows the store: rank 0 (of the job's true world size) learns at
   // once that this rank was given another one, rather than wait for it until its timeout.
   if (o.rank >= o.world_size) {
@@ -598,6 +608,7 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
   const std::shared_ptr<Ops> ops = make_ops(recipe.train.device, gpu);
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(
       1000.0 * (o.timeout_s > 0 ? o.timeout_s : recipe.distributed.timeout_s)));
+  farewell.wait = std::min<std::chrono::milliseconds>(Farewell::kWait, timeout);
   // The recipe is the same on every rank: they all say so.
   if (requested == "nccl" && ops->device() == "cpu") {
     throw Error(ErrorKind::comm,
@@ -711,7 +722,14 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
   // the answer rank 0 waits for, so it is there once the ranks agree).
   if (!started_by_launcher()) store.set(fmt::format("host/{}", o.rank), this_host());
   std::unique_ptr<Communicator> comm;
-  const std::string backend = choose_backend(store, o.rank, o.world_size, requested, *ops, timeout);
+  const std::string backend = [&] {
+    try {
+      return choose_backend(store, o.rank, o.world_size, requested, *ops, timeout);
+    } catch (const KeyTimeout&) {
+      farewell.waited_out = true;
+      throw;
+    }
+  }();
   if (backend == "nccl") {
     NcclOptions nccl;
     nccl.timeout = timeout;

@@ -1007,6 +1007,27 @@ TEST_CASE("a worker missing its identity says which variable is missing") {
           "(it was given 1): start every rank with the same world size\n");
   }
 
+  // Its farewell (telling the others why it stops) waits no longer than the rank's --timeout:
+  // not for a store that is not there, nor, on rank 0, for a peer that never came. (The bound is
+  // the 5 s such a wait takes at most otherwise; --timeout is 1 s.)
+  for (const auto& [rank, code, says] : std::vector<std::tuple<std::string, int, std::string>>{
+           {"3", 2, "rank 3: outside world size 2"},
+           {"0", 3, "rank 0: rank 1 of 2 did not join within 1s"}}) {
+    CAPTURE(rank);
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<std::string> args = {"worker",       recipe.string(),
+                                     "--rank",       rank,
+                                     "--world-size", "2",
+                                     "--store",      "127.0.0.1:" + std::to_string(unused_port()),
+                                     "--timeout",    "1",
+                                     "--run-dir",    (tmp / ("alone" + rank)).string()};
+    if (rank == "0") args.push_back("--host-store");
+    auto alone = run_dptrain(args, {}, std::chrono::seconds(60));
+    CHECK(alone.exit_code == code);
+    CHECK(contains(alone.err, says));
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5));
+  }
+
   // A --run-dir that is a file is refused as the launcher refuses it (exit 2).
   write_text(tmp / "afile", "");
   auto file = run_dptrain({"worker", recipe.string(), "--run-dir", (tmp / "afile").string(),

@@ -394,8 +394,15 @@ void wait_until_heard(Store& store, int world, std::chrono::milliseconds bound,
   wait_for_others(store, world, heard_key, bound, gone);
 }
 
-void wait_until_told(Store& store, int world, std::chrono::milliseconds bound) {
-  wait_for_others(store, world, told_key, bound);
+void wait_until_told(Store& store, int world, std::chrono::milliseconds bound, bool answered_only) {
+  std::vector<int> silent;
+  for (int r = 1; answered_only && r < world; ++r) {
+    try {
+      if (!store.check({answer_key(r)})) silent.push_back(r);
+    } catch (const Error&) {
+    }
+  }
+  wait_for_others(store, world, told_key, bound, silent);
 }
 
 }  // namespace dptrain

@@ -55,7 +55,9 @@ void wait_until_heard(Store& store, int world, std::chrono::milliseconds bound,
 
 // For rank 0 serving the store itself, before it exits with a failure at or before the start:
 // waits until every other rank has read the choice or refused (up to `bound`), so that they learn
-// why rather than lose the store. Returns at once where they all have.
-void wait_until_told(Store& store, int world, std::chrono::milliseconds bound);
+// why rather than lose the store. Returns at once where they all have. With `answered_only`
+// (rank 0 already waited its whole timeout for the answers) not for a rank that gave none.
+void wait_until_told(Store& store, int world, std::chrono::milliseconds bound,
+                     bool answered_only = false);
 
 }  // namespace dptrain
