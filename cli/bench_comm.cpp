@@ -71,10 +71,6 @@ CommBenchOptions bench_options(const BenchCommOptions& o) {
   b.ops = parse_collectives(o.op, "-o/--op");
   b.min_bytes = parse_size(o.min_bytes, "-b/--minbytes");
   b.max_bytes = parse_size(o.max_bytes, "-e/--maxbytes");
-  if (o.step_factor < 2) {
-    throw Error(ErrorKind::usage,
-                fmt::format("-f/--stepfactor: must be at least 2, got {}", o.step_factor));
-  }
   b.step_factor = static_cast<uint64_t>(o.step_factor);
   b.dtype = parse_dtype(o.dtype, "-d/--dtype");
   b.redop = parse_reduce_op(o.redop, "--redop");
@@ -480,7 +476,7 @@ void setup_bench_comm(CLI::App& app, Outcome& outcome) {
   app.add_option("-e,--maxbytes", o->max_bytes, "Largest size in bytes (K, M, G, T suffixes)")
       ->capture_default_str();
   app.add_option("-f,--stepfactor", o->step_factor, "Multiply the size by this between rows")
-      ->check(whole_number<int64_t>("FACTOR"))
+      ->check(whole_number<int64_t>("FACTOR", std::numeric_limits<int64_t>::max(), 2))
       ->capture_default_str();
   app.add_option("-d,--dtype", o->dtype, "Element type: float, half or bf16")
       ->capture_default_str();
@@ -494,7 +490,7 @@ void setup_bench_comm(CLI::App& app, Outcome& outcome) {
       ->check(whole_number<int>("N"))
       ->capture_default_str();
   app.add_option("-n,--iters", o->iters, "Timed iterations per size")
-      ->check(whole_number<int>("N"))
+      ->check(whole_number<int>("N", std::numeric_limits<int>::max(), 1))
       ->capture_default_str();
   o->min_busbw_flag =
       app.add_option("--min-busbw", o->min_busbw,

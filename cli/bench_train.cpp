@@ -115,28 +115,13 @@ void check_local_gpus_for(const BenchTrainCliOptions& o, const BenchWorld& large
 
 int run_bench_train_cmd(const BenchTrainCliOptions& o) {
   install_stop_signal_handlers();
-  if (o.bench.steps < 1) {
-    throw Error(ErrorKind::usage, fmt::format("--steps: must be >= 1, got {}", o.bench.steps));
-  }
-  if (o.bench.repeats < 1) {
-    throw Error(ErrorKind::usage, fmt::format("--repeats: must be >= 1, got {}", o.bench.repeats));
-  }
   if (!o.svg.empty()) check_output_file("--svg", o.svg, "the SVG file");  // before any run
   BenchTrainOptions bench = o.bench;
   bench.scaling = o.strong ? BatchScaling::strong : BatchScaling::weak;
 
-  if (o.peak_given && !(o.peak_tflops > 0 && std::isfinite(o.peak_tflops))) {
-    throw Error(ErrorKind::usage,
-                fmt::format("--peak-tflops: '{}' must be a finite number > 0 (one device's peak)",
-                            o.peak_tflops));
-  }
   if (o.device_given && o.device != "cpu" && o.device != "cuda") {
     throw Error(ErrorKind::usage,
                 fmt::format("--device {}: unknown device (use cpu or cuda)", o.device));
-  }
-  if (o.batch_given && o.batch_per_rank < 1) {
-    throw Error(ErrorKind::usage,
-                fmt::format("--batch-per-rank: must be >= 1, got {}", o.batch_per_rank));
   }
   Recipe loaded = load_recipe(o.recipe);
   if (o.batch_given) loaded.train.batch_per_rank = o.batch_per_rank;
@@ -209,15 +194,6 @@ int run_bench_train_cmd(const BenchTrainCliOptions& o) {
           report.machine.cpus / spec.recipe.train.threads_per_rank));
     }
   }
-  if (o.min.efficiency && *o.min.efficiency > 1) {
-    throw Error(ErrorKind::usage, fmt::format("--min-efficiency: '{:g}' is more than 1 (it is a "
-                                              "fraction: 0.8 for 80%)",
-                                              *o.min.efficiency));
-  }
-  if (o.min.mfu_percent && *o.min.mfu_percent > 100) {
-    throw Error(ErrorKind::usage, fmt::format("--min-mfu: '{:g}' is more than 100 (a percentage)",
-                                              *o.min.mfu_percent));
-  }
   if (o.min.mfu_percent && !report.peak_tflops) {
     throw Error(ErrorKind::usage,
                 "--min-mfu: MFU needs a peak: give --peak-tflops (on cuda it defaults to 989)");
@@ -275,11 +251,11 @@ void setup_bench_train(CLI::App& app, Outcome& outcome) {
                      "time; default 1, 2, 4, ... and all of them)");
   app.add_option("--steps", o->bench.steps,
                  "Training steps per run (the recipe's train.steps is overridden)")
-      ->check(whole_number<int64_t>("N"))
+      ->check(whole_number<int64_t>("N", std::numeric_limits<int64_t>::max(), 1))
       ->capture_default_str();
   app.add_option("--repeats", o->bench.repeats,
                  "Runs per world size; every number reported is their median")
-      ->check(whole_number<int>("N"))
+      ->check(whole_number<int>("N", std::numeric_limits<int>::max(), 1))
       ->capture_default_str();
   app.add_flag("--strong", o->strong,
                "Strong scaling: keep the smallest world's global batch (batch_per_rank shrinks "
@@ -301,11 +277,11 @@ void setup_bench_train(CLI::App& app, Outcome& outcome) {
   auto* batch = app.add_option("--batch-per-rank", o->batch_per_rank,
                                "Samples (sequences) per rank and micro-batch (default: the "
                                "recipe's train.batch_per_rank)")
-                    ->check(whole_number<int64_t>("N"));
+                    ->check(whole_number<int64_t>("N", std::numeric_limits<int64_t>::max(), 1));
   auto* peak = app.add_option("--peak-tflops", o->peak_tflops,
                               "One device's peak TFLOP/s for MFU (default on cuda: 989, the "
                               "H100/H200 dense bf16 peak; on cpu MFU is n/a without it)")
-                   ->check(non_negative_number());
+                   ->check(positive_number());
   add_host_options(app, o->hosts, false);
   add_remote_job_options(app, o->remote);
   app.add_flag("--json", o->json, "Print one JSON object with every row on stdout");
@@ -319,11 +295,11 @@ void setup_bench_train(CLI::App& app, Outcome& outcome) {
   auto* efficiency =
       app.add_option("--min-efficiency", o->min_efficiency,
                      "Exit 6 when a world's scaling efficiency (a fraction) is below this")
-          ->check(non_negative_number());
+          ->check(number_at_most(1, "FRACTION", "it is a fraction: 0.8 for 80%"));
   auto* mfu = app.add_option("--min-mfu", o->min_mfu,
                              "Exit 6 when a precision's largest world's MFU is below this "
                              "percentage (needs a peak: cuda, or --peak-tflops)")
-                  ->check(non_negative_number());
+                  ->check(number_at_most(100, "PERCENT", "a percentage"));
   app.callback(
       [o, &outcome, nproc, nnodes, peak, batch, device, precision, throughput, efficiency, mfu] {
         if (throughput->count() > 0) o->min.throughput = o->min_throughput;

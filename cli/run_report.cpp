@@ -268,17 +268,45 @@ std::optional<double> plain_number(const std::string& value, std::string& wrong)
 
 }  // namespace
 
-const CLI::Validator& non_negative_number() {
-  static const CLI::Validator check(
-      [](std::string& value) -> std::string {
+namespace {
+
+// A CLI11 check for a finite number above 0 (`above`) or at least 0.
+CLI::Validator finite_number(bool above) {
+  return CLI::Validator(
+      [above](std::string& value) -> std::string {
         std::string wrong;
         const auto v = plain_number(value, wrong);
         if (!v) return wrong;
-        if (!std::isfinite(*v) || *v < 0) return "'" + value + "' must be a finite number >= 0";
+        if (!std::isfinite(*v) || *v < 0 || (above && *v == 0)) {
+          return "'" + value + "' must be a finite number " + (above ? "> 0" : ">= 0");
+        }
         return {};
       },
-      "NUMBER>=0");
+      above ? "NUMBER>0" : "NUMBER>=0");
+}
+
+}  // namespace
+
+const CLI::Validator& non_negative_number() {
+  static const CLI::Validator check = finite_number(false);
   return check;
+}
+
+const CLI::Validator& positive_number() {
+  static const CLI::Validator check = finite_number(true);
+  return check;
+}
+
+CLI::Validator number_at_most(double most, const char* description, const char* unit) {
+  return CLI::Validator(
+      [most, unit](std::string& value) -> std::string {
+        if (std::string wrong = non_negative_number()(value); !wrong.empty()) return wrong;
+        if (std::strtod(value.c_str(), nullptr) > most) {
+          return fmt::format("'{}' is more than {:g} ({})", value, most, unit);
+        }
+        return {};
+      },
+      description);
 }
 
 const CLI::Validator& seconds() {

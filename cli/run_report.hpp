@@ -43,6 +43,10 @@ void check_local_memory(const JobSpec& spec, const std::string& origin);
 // A CLI11 check for a finite number >= 0 that says what is wrong in plain words (CLI11's own
 // range check prints DBL_MAX in full, lets "nan" through, and unsigned options wrap "-1").
 const CLI::Validator& non_negative_number();
+// The same, > 0.
+const CLI::Validator& positive_number();
+// A non_negative_number at most `most`, which `unit` explains ("a fraction: 0.8 for 80%").
+CLI::Validator number_at_most(double most, const char* description, const char* unit);
 // A number of seconds: non_negative_number, at most kMaxSeconds.
 const CLI::Validator& seconds();
 // A number of seconds more than 0 (a wait that must last some time): seconds(), and not 0.
@@ -51,31 +55,30 @@ const CLI::Validator& positive_seconds();
 // would fail deep inside as "cannot make absolute path").
 const CLI::Validator& run_directory();
 
-// A CLI11 check that the value is a whole number T holds (at most `most`), so that the
-// conversion cannot wrap or saturate one too large. Every option it checks counts from 0, hence
-// the range it names.
+// A CLI11 check that the value is a whole number T holds, at least `least` (0 or more) and at
+// most `most`, so that the conversion cannot wrap or saturate one too large; the help shows
+// `description` with the least when it is not 0 ("N>=1").
 template <typename T>
-CLI::Validator whole_number(const char* description, T most = std::numeric_limits<T>::max()) {
+CLI::Validator whole_number(const char* description, T most = std::numeric_limits<T>::max(),
+                            T least = T{0}) {
   return CLI::Validator(
-      [most](std::string& value) -> std::string {
+      [most, least](std::string& value) -> std::string {
         if (value.empty()) return "is empty; give a value";  // as every option says it
         T parsed{};
         const char* end = value.data() + value.size();
         const auto [ptr, ec] = std::from_chars(value.data(), end, parsed);
+        const std::string at_least = fmt::format("'{}' must be a whole number >= {}", value, least);
         if (value.empty() || ptr != end ||
             (ec != std::errc() && ec != std::errc::result_out_of_range)) {
-          return "'" + value +
-                 (value.starts_with('-') ? "' must be a whole number >= 0"
-                                         : "' is not a whole number");
+          return value.starts_with('-') ? at_least : "'" + value + "' is not a whole number";
         }
-        if (ec == std::errc() && parsed < T{0})
-          return "'" + value + "' must be a whole number >= 0";
+        if (ec == std::errc() && parsed < least) return at_least;
         if (ec == std::errc::result_out_of_range || parsed > most) {
-          return fmt::format("'{}' is out of range [0, {}]", value, most);
+          return fmt::format("'{}' is out of range [{}, {}]", value, least, most);
         }
         return {};
       },
-      description);
+      least == T{0} ? std::string(description) : fmt::format("{}>={}", description, least));
 }
 
 // Error(usage) when --events would share stdout with --json, or lies among a run's files

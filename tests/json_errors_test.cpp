@@ -204,7 +204,7 @@ TEST_CASE("a usage error points at the help of the command given, sub-subcommand
   for (const auto& [args, says] : std::vector<std::pair<std::vector<std::string>, std::string>>{
            {{"bench", "comm", "--iters", "abc"}, "--iters: 'abc' is not a whole number"},
            {{"bench", "comm", "--iters", "99999999999"},
-            "--iters: '99999999999' is out of range [0, 2147483647]"},
+            "--iters: '99999999999' is out of range [1, 2147483647]"},
            {{"launch", "x.json", "--ssh-keepalive", ""}, "--ssh-keepalive: is empty; give a value"},
            {{"launch", "x.json", "--ssh-keepalive", "3601"},
             "--ssh-keepalive: '3601' is out of range [0, 3600]"},
