@@ -190,7 +190,7 @@ int run_launch(const LaunchOptions& o) {
     return start_launch(o, events_opened);
   } catch (const std::exception& e) {
     if (!events_opened && !o.dry_run) {
-      end_unopened_events(o.restart, o.json, o.run_dir, e, "the launch did not start");
+      end_unopened_events(o.restart, o.json, o.run_dir, false, e, "the launch did not start");
     }
     throw;
   }

@@ -80,7 +80,8 @@ void end_refused_events(const Command& c, int argc, char** argv, bool json,
     run_dir = dir->results().front();
   }
   dptrain::cli::end_unopened_events(
-      restart, json, run_dir, dptrain::Error(dptrain::ErrorKind::usage, message),
+      restart, json, run_dir, c.name == "dptrain resume",
+      dptrain::Error(dptrain::ErrorKind::usage, message),
       c.name == "dptrain launch" ? "the launch did not start" : "the resume did not start");
 }
 

@@ -272,7 +272,7 @@ int run_resume(const ResumeOptions& o) {
     // Refused before its stream was opened (an option, a run being run, a run.json that does not
     // read): the stream still ends.
     if (!events_opened)
-      end_unopened_events(o.restart, o.json, o.run_dir, e, "the resume did not start");
+      end_unopened_events(o.restart, o.json, o.run_dir, true, e, "the resume did not start");
     throw;
   }
 }

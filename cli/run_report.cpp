@@ -88,7 +88,7 @@ void finish_events_with_failure(EventLog& events, const std::exception& e,
 }
 
 void end_unopened_events(const RestartOptions& o, bool json, const std::string& run_dir,
-                         const std::exception& e, const std::string& what) {
+                         bool resumed, const std::exception& e, const std::string& what) {
   if (o.events.empty() || events_in_run_dir(o, run_dir)) return;
   // Refused because another process drives the run: the stream may be that run's own, whose
   // end is not this command's to write.
@@ -99,8 +99,11 @@ void end_unopened_events(const RestartOptions& o, bool json, const std::string& 
   try {
     check_events(o, json, run_dir);
     const auto events = open_events(o, json, run_dir);
+    // A launch's directory is not made yet (one that exists is another run's, which refused it).
     finish_events_with_failure(
-        *events, e, run_dir.empty() ? run_dir : std::filesystem::absolute(run_dir).string(), what);
+        *events, e,
+        resumed && !run_dir.empty() ? std::filesystem::absolute(run_dir).string() : std::string(),
+        what);
   } catch (const std::exception&) {
     // The path is what was refused: there is no stream to end.
   }

@@ -97,12 +97,13 @@ void finish_events_with_failure(EventLog& events, const std::exception& e,
                                 const std::string& run_dir, const std::string& what);
 // The same for a stream not opened yet (a launch or resume refused before that: its recipe, an
 // option, a host, a run directory that holds a run or is being run): opened and ended with
-// run_finished, `run_dir` (absolute; null when "") as the command was given it. Not a stream in
+// run_finished, its run_dir the `resumed` run's `run_dir` (absolute) as the command was given
+// it, or null for a launch (which made none). Not a stream in
 // the run directory (a launch made nothing there; another launcher may be writing it), nor one
 // for a run another process drives (the stream may be its own), nor one whose path is itself
 // what is refused.
 void end_unopened_events(const RestartOptions& o, bool json, const std::string& run_dir,
-                         const std::exception& e, const std::string& what);
+                         bool resumed, const std::exception& e, const std::string& what);
 // How a failure (an exception out of a command's work) ends a run: the kind main exits with (a
 // stop signal's, when one came meanwhile; internal for what is not a dptrain::Error), its exit
 // code, and the run's status for run.json and run_finished ("failed", "interrupted",

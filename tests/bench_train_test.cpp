@@ -370,7 +370,7 @@ TEST_CASE("bad --precision, --device and --peak-tflops values exit 2 naming the 
       {{"--device", "gpu"}, "--device gpu"},
       {{"--peak-tflops", "0"}, "--peak-tflops"},
       {{"--peak-tflops", "-5"}, "--peak-tflops"},
-      {{"--peak-tflops", "inf"}, "--peak-tflops: 'inf' must be a finite number >= 0"},
+      {{"--peak-tflops", "inf"}, "--peak-tflops: 'inf' must be a finite number > 0"},
       {{"--peak-tflops", "1e400"}, "--peak-tflops"},
   };
   for (const auto& [args, named] : cases) {

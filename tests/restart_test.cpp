@@ -539,10 +539,13 @@ TEST_CASE("--events writes one JSON line per state change, restarts included") {
   CHECK(refused_stream[0]["run_dir"].is_null());  // this launch made none
   CHECK(refused_stream[0]["error"].get<std::string>().starts_with(
       "the launch did not start: " + (tmp / "ev").string() + ": already holds a run"));
-  // So does one refused before that: its recipe missing, no run directory made yet.
+  // So does one refused before that: its recipe missing, no run directory made yet (the one it
+  // was given is not named: it does not exist).
   const fs::path early_events = tmp / "early.jsonl";
-  CHECK(run_dptrain({"launch", (tmp / "missing.json").string(), "--events", early_events.string()})
+  CHECK(run_dptrain({"launch", (tmp / "missing.json").string(), "--run-dir",
+                     (tmp / "early").string(), "--events", early_events.string()})
             .exit_code == 2);
+  CHECK_FALSE(fs::exists(tmp / "early"));
   const auto early_stream = read_jsonl(early_events);
   REQUIRE(early_stream.size() == 1);
   CHECK(early_stream[0]["event"] == "run_finished");
