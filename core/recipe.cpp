@@ -486,7 +486,15 @@ void visit_fields(Visitor& v, DataSpec& d) {
   const Applies csv = only_for("/data/type", d.type, {"csv"});
   v.field("samples", d.samples, at_least(int64_t{2}), synthetic);
   v.field("noise", d.noise, at_least(0.0), synthetic);
-  v.field("path", d.path, no_check, file);  // required for them, checked once both are known
+  // Required for them, checked once both are known; given, it names something.
+  v.field(
+      "path", d.path,
+      [&d](const std::string& path) -> Verdict {
+        // (A stored recipe of other data has "": nothing.)
+        if (!path.empty() || (d.type != "csv" && d.type != "tokens")) return std::nullopt;
+        return "must name the data (from the recipe's folder, or absolute)";
+      },
+      file);
   v.field("header", d.header, one_of({"auto", "yes", "no"}), csv);
   // Token data has its own validation file.
   v.field("eval_fraction", d.eval_fraction, in_range(0.0, 1.0, false),

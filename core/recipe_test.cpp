@@ -414,6 +414,8 @@ TEST_CASE("recipe: each bad recipe is rejected naming its JSON path") {
        "/model/context", "must be >= 1"},
       {R"({"model": {"type": "gpt"}, "data": {"type": "tokens"}})", "/data/path",
        R"(required when /data/type is "tokens")"},
+      {R"({"model": {"type": "gpt"}, "data": {"type": "tokens", "path": ""}})", "/data/path",
+       R"(must name the data (from the recipe's folder, or absolute), got "")"},
       {R"({"model": {"input": 0}})", "/model/input", "must be >= 1, got 0"},
       {R"({"model": {"hidden": 256}})", "/model/hidden", "expected an array, got 256"},
       {R"({"model": {"hidden": [256, 0]}})", "/model/hidden/1", "must be >= 1, got 0"},
