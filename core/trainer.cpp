@@ -1676,6 +1676,23 @@ void check_levers(const Recipe& recipe) {
 
 namespace {
 
+// `text` with `prefix` before each of its lines.
+std::string each_line(const std::string& text, const std::string& prefix) {
+  std::string out;
+  size_t start = 0;
+  for (;;) {
+    const size_t end = text.find('\n', start);
+    out += prefix + text.substr(start, end - start);
+    if (end == std::string::npos) return out;
+    out += '\n';
+    start = end + 1;
+  }
+}
+
+}  // namespace
+
+namespace {
+
 void check_runnable_here(const Recipe& recipe, int world_size, int nominal_world) {
   if (recipe.distributed.sync == "ps" && recipe.distributed.servers >= world_size) {
     throw Error(ErrorKind::recipe,
@@ -1685,9 +1702,16 @@ void check_runnable_here(const Recipe& recipe, int world_size, int nominal_world
   }
   check_levers(recipe);
   // Its size only: synthetic data is not generated here (the ranks do); CSV rows and token
-  // checksums are checked.
-  DistributedSampler sampler(training_samples(recipe.data, recipe.model, recipe.seed),
-                             global_batch(recipe, world_size, nominal_world), recipe.seed);
+  // checksums are checked. A CSV file's rows are /data/path's problems, one a line, as `recipe
+  // validate` words them.
+  int64_t samples = 0;
+  try {
+    samples = training_samples(recipe.data, recipe.model, recipe.seed);
+  } catch (const Error& e) {
+    if (recipe.data.type != "csv" || e.kind() != ErrorKind::recipe) throw;
+    throw Error(ErrorKind::recipe, each_line(e.what(), "/data/path: "));
+  }
+  DistributedSampler sampler(samples, global_batch(recipe, world_size, nominal_world), recipe.seed);
 }
 
 }  // namespace
@@ -1699,7 +1723,7 @@ void check_runnable(const Recipe& recipe, int world_size, int nominal_world,
   } catch (const Error& e) {
     const std::string what = e.what();
     if (origin.empty() || e.kind() != ErrorKind::recipe || what.starts_with(origin + ": ")) throw;
-    throw Error(ErrorKind::recipe, origin + ": " + what);
+    throw Error(ErrorKind::recipe, each_line(what, origin + ": "));
   }
 }
 
