@@ -132,6 +132,7 @@ class Probes {
 // one whose answer is still awaited (a host earlier in the list is preferred to a later one, but
 // not waited for past its grace).
 bool chosen(const std::vector<Probes::Host>& hosts, int max_nodes, Clock::time_point now) {
+  max_nodes = std::min(max_nodes, static_cast<int>(hosts.size()));  // all there are, at most
   int up = 0;
   for (const auto& h : hosts) {
     if (up >= max_nodes) break;
@@ -147,14 +148,15 @@ bool chosen(const std::vector<Probes::Host>& hosts, int max_nodes, Clock::time_p
 }  // namespace
 
 HostSelection select_hosts(
-    const std::vector<HostSpec>& candidates, int max_nodes, std::chrono::milliseconds wait,
-    const HostProbe& probe, const std::function<bool()>& should_stop,
-    std::chrono::milliseconds interval,
+    const std::vector<HostSpec>& candidates, int max_nodes,
+    std::optional<std::chrono::milliseconds> wait, const HostProbe& probe,
+    const std::function<bool()>& should_stop, std::chrono::milliseconds interval,
     const std::function<void(const std::vector<std::string>& absent)>& waiting) {
-  const auto deadline = Clock::now() + wait;
-  const bool bounded = wait.count() > 0;
-  const std::string late = fmt::format("no answer within {:g} s (--rejoin-timeout)",
-                                       static_cast<double>(wait.count()) / 1000.0);
+  const bool bounded = wait.has_value();
+  const auto deadline = Clock::now() + wait.value_or(std::chrono::milliseconds(0));
+  const std::string late = fmt::format(
+      "no answer within {:g} s (--rejoin-timeout)",
+      static_cast<double>(wait.value_or(std::chrono::milliseconds(0)).count()) / 1000.0);
   Probes probes(candidates, probe);
   for (size_t i = 0; i < candidates.size(); ++i)
     probes.start(i);

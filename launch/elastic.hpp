@@ -6,6 +6,7 @@
 #include <condition_variable>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -41,13 +42,15 @@ struct HostSelection {
 // at the deadline; returns what it has then. A probe that has run a second without an answer
 // (a host that takes the connection but does not speak SSH holds one for the whole connect
 // timeout) holds up no other host's probes, nor the choice of hosts later in the list once it is
-// over its second, nor the end of the wait; with no wait, it waits for every probe to end.
+// over its second, nor the end of the wait (a wait of 0 included); with no wait (nullopt) it waits
+// for every probe to end. Fewer candidates than max_nodes that all answered end the wait too.
 // `should_stop` is polled every 100 ms, during probes too (a stop signal): it ends the wait at
 // once, `stopped` set; `waiting`, when given, is told once, before the first wait, which
 // candidates have not answered ("HOST: why", "no answer yet" for a probe still going).
 HostSelection select_hosts(
-    const std::vector<HostSpec>& candidates, int max_nodes, std::chrono::milliseconds wait,
-    const HostProbe& probe, const std::function<bool()>& should_stop,
+    const std::vector<HostSpec>& candidates, int max_nodes,
+    std::optional<std::chrono::milliseconds> wait, const HostProbe& probe,
+    const std::function<bool()>& should_stop,
     std::chrono::milliseconds interval = std::chrono::milliseconds(1000),
     const std::function<void(const std::vector<std::string>& absent)>& waiting = {});
 

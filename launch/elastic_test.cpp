@@ -244,3 +244,23 @@ TEST_CASE("elastic: a host watch probes the others while one probe hangs") {
     std::this_thread::sleep_for(10ms);
   CHECK(names(watch.answered()) == std::vector<std::string>{"y"});
 }
+
+TEST_CASE("elastic: a wait of 0 still gives up on a probe that hangs; all the hosts there are do") {
+  HangingProbe hanging;
+  ScriptedProbe p;
+  p.up = {"b"};
+  const HostProbe mixed = [&p, h = hanging.probe()](const HostSpec& s) {
+    return s.host == "a" ? h(s) : p.probe()(s);
+  };
+  // --rejoin-timeout 0: the hanging probe is given up on after its second, not held until the
+  // login's own timeout.
+  const auto sel = select_hosts({host("a"), host("b")}, 2, 0ms, mixed, nullptr, 100ms);
+  CHECK(names(sel.hosts) == std::vector<std::string>{"b"});
+  CHECK(sel.absent == std::vector<std::string>{"a: no answer within 0 s (--rejoin-timeout)"});
+  // Fewer candidates than the job's maximum (one was left out), every one answering: nothing
+  // more to wait for. (The bound is against a wait of the hour, not a timing.)
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto all = select_hosts({host("b")}, 2, 1h, p.probe(), nullptr);
+  CHECK(names(all.hosts) == std::vector<std::string>{"b"});
+  CHECK(std::chrono::steady_clock::now() - t0 < 30s);
+}

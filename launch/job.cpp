@@ -365,6 +365,18 @@ std::vector<std::string> check_benchmark_fault_injection(const JobSpec& spec, in
   return unreachable_faults(job_faults(spec), steps, spec.world_size, kNoCheckpoints);
 }
 
+void record_job_settings(json& info, const JobSpec& spec, bool remote) {
+  // How remote hosts were reached, for `dptrain resume` to default to: their run directories
+  // are under this workdir.
+  if (remote) {
+    info["remote"] = {{"workdir", spec.remote.workdir},
+                      {"remote_binary", spec.remote.remote_binary}};
+  }
+  // What --env gave the ranks, for `dptrain resume` to give them again (a value taken from the
+  // launcher's environment is null: it is taken from resume's then).
+  info["env"] = spec.env.record();
+}
+
 JobPlan plan_job(const JobSpec& spec, const fs::path& run_path, const std::string& remote_name,
                  int generation, const std::string& store_addr, uint16_t store_port,
                  const std::string& secret) {
@@ -545,15 +557,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     if (!plan.hosts[i].key.empty()) hosts_json.back()["key"] = plan.hosts[i].key;
   }
   info["hosts"] = hosts_json;
-  // How remote hosts were reached, for `dptrain resume` to default to: their run directories
-  // are under this workdir.
-  if (multi_host) {
-    info["remote"] = {{"workdir", spec.remote.workdir},
-                      {"remote_binary", spec.remote.remote_binary}};
-  }
-  // What --env gave the ranks, for `dptrain resume` to give them again (a value taken from the
-  // launcher's environment is null: it is taken from resume's then).
-  info["env"] = spec.env.record();
+  record_job_settings(info, spec, multi_host);
   // A generation whose launcher was killed (or whose machine went down) never recorded its end:
   // closed now, as lost, when it was last known alive.
   if (json& gens = info["generations"]; gens.is_array() && !gens.empty() &&

@@ -125,6 +125,11 @@ void require_local_gpus(const std::vector<HostSpec>& hosts, int world, const std
 // (Error(usage)).
 void check_local_gpus(const JobSpec& spec);
 
+// What run.json records of how the job's ranks are started, for `dptrain resume` to start them
+// alike: "remote" (workdir, remote_binary) when `remote` (some host is not this machine), "env"
+// (what --env gave).
+void record_job_settings(nlohmann::json& info, const JobSpec& spec, bool remote);
+
 // The plan of a job: hosts in order, ranks assigned in blocks of their slots.
 struct JobPlan {
   std::string store;   // HOST:PORT

@@ -1,6 +1,8 @@
 // The restart policy: after a rank or host failure, a new generation from the newest valid
 // checkpoint, with back-off, until the job completes or the failure looks deterministic; and
 // for elastic jobs, the hosts or ranks of every generation.
+#include <unistd.h>
+
 #include <algorithm>
 #include <charconv>
 #include <csignal>
@@ -9,9 +11,11 @@
 #include <fmt/format.h>
 
 #include "core/checkpoint.hpp"
+#include "core/comm/net.hpp"
 #include "core/error.hpp"
 #include "core/trainer.hpp"
 #include "launch/job.hpp"
+#include "launch/run_dir.hpp"
 #include "launch/supervisor.hpp"
 
 namespace dptrain {
@@ -99,13 +103,25 @@ Placed place_generation(RunDirectory& run, JobSpec& spec, StatusPrinter& status,
     // MIN:MAX: nodes still booting, as a rendezvous waits for them). Hosts that just answered
     // again are taken as they answer now.
     const bool waits = why == Placement::after_failure || why == Placement::first;
-    const auto wait = waits ? spec.rejoin_timeout : std::chrono::milliseconds(0);
+    const std::optional<std::chrono::milliseconds> wait =
+        waits ? std::optional(spec.rejoin_timeout) : std::nullopt;
+    // While it waits, the launcher says it is alive, as it does while a generation runs.
+    auto stamped = std::chrono::steady_clock::now();
     const HostSelection sel = select_hosts(
         spec.candidates, spec.nodes.max, wait, ssh_probe(spec.remote.ssh),
-        [] { return pending_stop_signal() != 0; }, std::chrono::milliseconds(1000),
+        [&run, &stamped] {
+          if (std::chrono::steady_clock::now() - stamped >= std::chrono::seconds(kAliveEveryS)) {
+            stamped = std::chrono::steady_clock::now();
+            run.info()["alive_at"] = utc_timestamp();
+            run.record();
+          }
+          return pending_stop_signal() != 0;
+        },
+        std::chrono::milliseconds(1000),
         [&](const std::vector<std::string>& missing) {
           status.line(fmt::format("waiting up to {:g} s (--rejoin-timeout) for hosts to answer: {}",
-                                  static_cast<double>(wait.count()) / 1000.0, join(missing, "; ")));
+                                  static_cast<double>(wait->count()) / 1000.0,
+                                  join(missing, "; ")));
         });
     if (sel.stopped) return {"", json(), true};
     absent = sel.absent;
@@ -114,7 +130,7 @@ Placed place_generation(RunDirectory& run, JobSpec& spec, StatusPrinter& status,
       return {fmt::format("only {} of the {} host(s) this job needs at least answered{}: {}",
                           sel.hosts.size(), spec.nodes.min,
                           waits ? fmt::format(" within {:g} s (--rejoin-timeout)",
-                                              static_cast<double>(wait.count()) / 1000.0)
+                                              static_cast<double>(wait->count()) / 1000.0)
                                 : std::string(),
                           join(absent, "; ")),
               json()};
@@ -289,6 +305,32 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
   const RepeatedFailure before = repeated_failure(run.info());
   int same_step = before.times;
   int64_t previous_step = before.times > 0 ? before.step : -2;
+  if (!spec.candidates.empty() && spec.worker_args.empty()) {
+    // The first generation waits for its hosts (up to the rejoin timeout): the run is recorded
+    // as this launcher's from now on (status says running, resume refuses it), with what a resume
+    // needs should it end before a generation ran (the recipe, the hosts, how they are reached,
+    // the job's size).
+    json& info = run.info();
+    json hosts = json::array();
+    for (const auto& h : spec.candidates) {
+      hosts.push_back({{"host", h.display()}, {"slots", h.slots}});
+      if (!h.key.empty()) hosts.back()["key"] = h.key;
+    }
+    // Every host it chooses among, for a resume's hint: a generation records only its own.
+    info["job_hosts"] = hosts;
+    if (!info.contains("recipe")) {
+      info["recipe"] = to_json(spec.recipe);
+      info["nominal_world_size"] = spec.nominal_world > 0 ? spec.nominal_world : spec.world_size;
+      info["backend"] = spec.backend;
+      info["hosts"] = hosts;
+      record_job_settings(info, spec, true);
+    }
+    info["status"] = "running";
+    info.erase("error");
+    info["launcher"] = {{"host", this_host()}, {"pid", ::getpid()}};
+    info["alive_at"] = utc_timestamp();
+    run.record();
+  }
   const Placed first = place_generation(run, spec, status, Placement::first);
   record_world_size_change(run, spec, status, first.change);
   if (!first.error.empty() || first.stopped) {
@@ -302,20 +344,8 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
       out.status = "failed";
       out.error = first.error;
     }
+    // No generation ran, but the run is one to resume once the hosts answer: recorded so above.
     json& info = run.info();
-    // No generation ran, but the run is one to resume once the hosts answer: what a resume
-    // needs (the recipe, the hosts, the job's size) is recorded as a generation would.
-    if (spec.worker_args.empty() && !info.contains("recipe")) {
-      info["recipe"] = to_json(spec.recipe);
-      info["nominal_world_size"] = spec.nominal_world > 0 ? spec.nominal_world : spec.world_size;
-      info["backend"] = spec.backend;
-      json hosts = json::array();
-      for (const auto& h : spec.candidates.empty() ? spec.hosts : spec.candidates) {
-        hosts.push_back({{"host", h.display()}, {"slots", h.slots}});
-        if (!h.key.empty()) hosts.back()["key"] = h.key;
-      }
-      info["hosts"] = hosts;
-    }
     info["status"] = out.status;
     info["error"] = out.error;
     info.erase("pending_restart");  // a launcher killed in its back-off left it: not coming

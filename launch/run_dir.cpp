@@ -364,7 +364,8 @@ void check_record_types(const nlohmann::json& info, const fs::path& file, Record
     if (all) check(info, "", key, kString);
   for (const char* key : {"world_size", "nominal_world_size"})
     if (all) check(info, "", key, kPositive);
-  for (const char* key : {"generations", "hosts", "restarts", "resizes", "world_size_changes"}) {
+  for (const char* key :
+       {"generations", "hosts", "job_hosts", "restarts", "resizes", "world_size_changes"}) {
     if (all) check(info, "", key, kArray);
     if (!info.contains(key) || !info[key].is_array()) continue;
     for (size_t i = 0; i < info[key].size(); ++i) {
@@ -386,10 +387,13 @@ void check_record_types(const nlohmann::json& info, const fs::path& file, Record
     for (const char* key : {"world_size", "step"})
       check(g, at, key, kInteger);
   }
-  for (size_t i = 0; i < info.value("hosts", json::array()).size(); ++i) {
-    check(info["hosts"][i], fmt::format("/hosts/{}", i), "host", kString);
-    check(info["hosts"][i], fmt::format("/hosts/{}", i), "key", kString);
-    check(info["hosts"][i], fmt::format("/hosts/{}", i), "slots", kInteger);
+  for (const char* list : {"hosts", "job_hosts"}) {
+    for (size_t i = 0; i < info.value(list, json::array()).size(); ++i) {
+      const std::string at = fmt::format("/{}/{}", list, i);
+      check(info[list][i], at, "host", kString);
+      check(info[list][i], at, "key", kString);
+      check(info[list][i], at, "slots", kInteger);
+    }
   }
   for (const char* key : {"last_checkpoint", "launcher", "result", "pending_restart"})
     check(info, "", key, kObject);
@@ -573,7 +577,10 @@ std::string hand_resume_flag(const fs::path& run_dir) {
 std::vector<std::string> recorded_remote_hosts(const nlohmann::json& info) {
   std::vector<std::string> lines;
   bool remote = false;
-  const nlohmann::json hosts = info.value("hosts", nlohmann::json::array());
+  // An elastic job's every host (spares, and those lost along the way), else the last
+  // generation's.
+  const nlohmann::json hosts =
+      info.value("job_hosts", info.value("hosts", nlohmann::json::array()));
   for (const auto& h : hosts.is_array() ? hosts : nlohmann::json::array()) {
     if (!h.is_object()) continue;
     const std::string name = h.value("host", std::string("localhost"));

@@ -78,7 +78,8 @@ bool started_by_workers(const nlohmann::json& info);
 // "--resume newest-or-start" when it holds no checkpoint yet (newest would find none: exit 5).
 std::string hand_resume_flag(const std::filesystem::path& run_dir);
 // The recorded hosts of a run that used remote ones, as hostfile lines ('user@host port=P
-// slots=N', quoted); none for a run on this machine alone.
+// slots=N', quoted): all those its launch was given when it chose among them (job_hosts: --nnodes
+// with spares, hosts lost), else its last generation's; none for a run on this machine alone.
 std::vector<std::string> recorded_remote_hosts(const nlohmann::json& info);
 // How a launched run is continued, as a hint says it: "'dptrain resume DIR'", and for a run on
 // remote hosts " with --hosts FILE (a hostfile of these lines: ...) and the SSH options its launch

@@ -269,16 +269,24 @@ TEST_CASE("a host that takes the connection but never speaks SSH holds up neithe
                              read_text(c.hostfile));
   const auto t0 = std::chrono::steady_clock::now();
   SUBCASE("the wait for it ends at --rejoin-timeout, not at --connect-timeout") {
-    auto args = c.launch_args(recipe, c.tmp / "late");
-    for (const char* a : {"--nnodes", "1:2", "--rejoin-timeout", "2", "--connect-timeout", "120"})
-      args.push_back(a);
-    const auto r = run_dptrain(args);
-    INFO(r.out, r.err);
-    REQUIRE(r.exit_code == 0);
-    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(100));  // not 120 s
-    const json hosts = parse_json(read_text(c.tmp / "late/run.json"))["generations"][0]["hosts"];
-    CHECK(hosts.size() == 2);
-    CHECK_FALSE(contains(hosts.dump(), silent_host));
+    // With --rejoin-timeout 0 too: a second after its probe began.
+    for (const std::string rejoin : {"2", "0"}) {
+      CAPTURE(rejoin);
+      const auto started = std::chrono::steady_clock::now();
+      auto args = c.launch_args(recipe, c.tmp / ("late" + rejoin));
+      for (const std::string& a :
+           {std::string("--nnodes"), std::string("1:2"), std::string("--rejoin-timeout"), rejoin,
+            std::string("--connect-timeout"), std::string("120")})
+        args.push_back(a);
+      const auto r = run_dptrain(args);
+      INFO(r.out, r.err);
+      REQUIRE(r.exit_code == 0);
+      CHECK(std::chrono::steady_clock::now() - started < std::chrono::seconds(100));  // not 120
+      const json hosts =
+          parse_json(read_text(c.tmp / ("late" + rejoin) / "run.json"))["generations"][0]["hosts"];
+      CHECK(hosts.size() == 2);
+      CHECK_FALSE(contains(hosts.dump(), silent_host));
+    }
   }
   SUBCASE("a stop while waiting for it is the stop's, at once: 130, the run interrupted") {
     auto args = c.launch_args(recipe, c.tmp / "stopped");
@@ -286,8 +294,12 @@ TEST_CASE("a host that takes the connection but never speaks SSH holds up neithe
          {"--nnodes", "3", "--rejoin-timeout", "110", "--connect-timeout", "120", "--json"})
       args.push_back(a);
     Background job(args);
-    // Into the probes: its run directory is made, and its first generation not started.
-    REQUIRE(eventually([&] { return fs::exists(c.tmp / "stopped"); }));
+    // Into the probes: its run directory is made, and its first generation not started. The run
+    // is this launcher's already: status says running, as a resume would be refused.
+    REQUIRE(eventually([&] { return fs::exists(c.tmp / "stopped/run.json"); }));
+    const auto waiting = run_dptrain({"status", (c.tmp / "stopped").string(), "--json"});
+    CHECK(waiting.exit_code == 0);
+    CHECK(parse_json(waiting.out)["status"] == "running");
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
     ::kill(job.pid(), SIGINT);
     const int code = job.wait(std::chrono::seconds(60));
@@ -298,7 +310,13 @@ TEST_CASE("a host that takes the connection but never speaks SSH holds up neithe
     CHECK(out["status"] == "interrupted");
     CHECK(contains(out["error"].get<std::string>(),
                    "stopped by SIGINT while waiting for the hosts to answer; no rank started"));
-    CHECK(parse_json(read_text(c.tmp / "stopped/run.json"))["status"] == "interrupted");
+    const json info = parse_json(read_text(c.tmp / "stopped/run.json"));
+    CHECK(info["status"] == "interrupted");
+    // What a resume needs to reach the hosts as this launch did.
+    const auto given = std::find(args.begin(), args.end(), "--remote-binary");
+    REQUIRE(given != args.end());
+    CHECK(info["remote"]["remote_binary"] == *(given + 1));
+    CHECK(info["env"].is_object());
   }
 }
 
@@ -315,6 +333,8 @@ TEST_CASE("a spare host stands in for an unreachable one: --nnodes 1 of 2 hosts"
   const json info = parse_json(read_text(c.tmp / "spare/run.json"));
   CHECK(info["generations"][0]["hosts"] ==
         json::array({c.sshd.host(c.sshd.addresses()[2]).display()}));
+  // Both hosts it chose among, for a resume's hint.
+  CHECK(info["job_hosts"].size() == 2);
 }
 
 TEST_CASE("--nnodes 1:2: a host that answers SSH but cannot run dptrain is left out, not retried") {

@@ -205,6 +205,12 @@ TEST_CASE("resume on another world size reshards and completes") {
                            "of these lines: '10.0.0.1 slots=2 user=alice port=2222', 'fd00::2 "
                            "slots=1 port=2200', 'node3 slots=4'; and the SSH options its launch "
                            "used\n");
+    // An elastic job's every host, those its last generation lost too.
+    info["job_hosts"] = nlohmann::json::array(
+        {{{"host", "node3"}, {"slots", 4}}, {{"host", "node4"}, {"slots", 4}}});
+    write_text(run.run_dir / "run.json", info.dump());
+    CHECK(contains(run_dptrain({"resume", run.run_dir.string()}).err,
+                   "a hostfile of these lines: 'node3 slots=4', 'node4 slots=4';"));
     write_text(run.run_dir / "run.json", kept);
   }
   auto resumed = run_dptrain({"resume", run.run_dir.string(), "--nproc", "1", "--json"});
