@@ -149,6 +149,12 @@ struct HangingProbe {
       return std::string("released");
     };
   }
+  // The host named `name` hangs; the others answer as `others` says.
+  HostProbe for_host(const std::string& name, ScriptedProbe& others) const {
+    return [name, &others, h = probe()](const HostSpec& s) {
+      return s.host == name ? h(s) : others.probe()(s);
+    };
+  }
   ~HangingProbe() { release->store(true); }
 };
 
@@ -157,9 +163,7 @@ TEST_CASE("elastic: a probe that hangs is given up on at the wait's end, or at a
   SUBCASE("the wait's end") {
     ScriptedProbe p;
     p.up = {"a"};
-    const HostProbe both = [&p, h = hanging.probe()](const HostSpec& s) {
-      return s.host == "b" ? h(s) : p.probe()(s);
-    };
+    const HostProbe both = hanging.for_host("b", p);
     const auto sel = select_hosts({host("a"), host("b")}, 2, 1500ms, both, nullptr, 100ms);
     CHECK(names(sel.hosts) == std::vector<std::string>{"a"});
     REQUIRE(sel.absent.size() == 1);
@@ -202,9 +206,7 @@ TEST_CASE("elastic: a probe that hangs holds up no other host's") {
   HangingProbe hanging;
   ScriptedProbe p;
   p.up = {"b"};
-  const HostProbe mixed = [&p, h = hanging.probe()](const HostSpec& s) {
-    return s.host == "a" ? h(s) : p.probe()(s);
-  };
+  const HostProbe mixed = hanging.for_host("a", p);
   SUBCASE("a host that comes back meanwhile is taken, and one that hangs passed over") {
     std::thread back([&p] {
       std::this_thread::sleep_for(300ms);
@@ -233,9 +235,7 @@ TEST_CASE("elastic: a probe that hangs holds up no other host's") {
 TEST_CASE("elastic: a host watch probes the others while one probe hangs") {
   HangingProbe hanging;
   ScriptedProbe p;
-  const HostProbe mixed = [&p, h = hanging.probe()](const HostSpec& s) {
-    return s.host == "x" ? h(s) : p.probe()(s);
-  };
+  const HostProbe mixed = hanging.for_host("x", p);
   HostWatch watch({host("x"), host("y")}, mixed, 20ms);
   std::this_thread::sleep_for(200ms);
   CHECK(p.count("y") >= 2);
@@ -249,9 +249,7 @@ TEST_CASE("elastic: a wait of 0 still gives up on a probe that hangs; all the ho
   HangingProbe hanging;
   ScriptedProbe p;
   p.up = {"b"};
-  const HostProbe mixed = [&p, h = hanging.probe()](const HostSpec& s) {
-    return s.host == "a" ? h(s) : p.probe()(s);
-  };
+  const HostProbe mixed = hanging.for_host("a", p);
   // --rejoin-timeout 0: the hanging probe is given up on after its second, not held until the
   // login's own timeout.
   const auto sel = select_hosts({host("a"), host("b")}, 2, 0ms, mixed, nullptr, 100ms);
