@@ -177,8 +177,10 @@ ProcessSpec relay_spec(const JobSpec& spec, const RelayPlan& plan, const fs::pat
   p.rank = plan.agent.ranks.empty() ? 0 : plan.agent.ranks.front();
   p.argv = {spec.worker_binary.string(), "_relay"};
   p.env = {{kRelayPlanEnv, json_text(plan.to_json())}};
-  // Hosts that share a name (one machine's sshd on two ports) get one log each.
-  const auto same_name = std::count_if(spec.hosts.begin(), spec.hosts.end(),
+  // Hosts that share a name (one machine's sshd on two ports) get one log each, named alike in
+  // every generation: by all the hosts an elastic job chooses among.
+  const auto& all = spec.candidates.empty() ? spec.hosts : spec.candidates;
+  const auto same_name = std::count_if(all.begin(), all.end(),
                                        [&](const HostSpec& h) { return h.host == plan.host.host; });
   p.log_file =
       logs / (same_name > 1 ? fmt::format("{}-{}-agent.log", plan.host.host, plan.host.port)

@@ -696,6 +696,20 @@ TEST_CASE("an unreachable host fails the launch with exit 4 naming it") {
     REQUIRE(fs::exists(log));
     CHECK(read_text(log).find(":" + port) != std::string::npos);
   }
+  // So in an elastic job whose generation has only one of them: its log is named as it would be
+  // in a generation with both, so that no two hosts ever write one log.
+  c.sshd.write_hostfile(c.tmp / "one-up.txt", {address}, 1);
+  write_text(c.tmp / "one-up.txt",
+             read_text(c.tmp / "one-up.txt") + address + " slots=1 port=" + p2 + "\n");
+  auto args = c.launch_args(recipe, c.tmp / "one");
+  *(std::find(args.begin(), args.end(), c.hostfile.string())) = (c.tmp / "one-up.txt").string();
+  for (const char* a : {"--nnodes", "1:2", "--rejoin-timeout", "0", "--connect-timeout", "3"})
+    args.push_back(a);
+  auto one = run_dptrain(args);
+  INFO(one.err);
+  CHECK(one.exit_code == 0);
+  CHECK(fs::exists(c.tmp / "one/logs" /
+                   (address + "-" + std::to_string(c.sshd.port()) + "-agent.log")));
 }
 
 TEST_CASE("a host that refuses the key is not restarted: --max-restarts would meet it again") {
