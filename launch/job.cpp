@@ -977,14 +977,17 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
         if (out.host_refused) out.refused_host = relay->second.display();
         if (code == 5) out.exit_code = 5;
         out.repeats = code == 2;
-        out.error = rank >= 0 ? fmt::format("{} on host {}", r.value("description", ""), host)
+        // The host as the hostfile gives it (user@host:port): hosts may share a name.
+        out.error = rank >= 0 ? fmt::format("{} on host {}", r.value("description", ""),
+                                            relay->second.display())
                               : r.value("description", std::string());
         last_lines = r.value("last_lines", std::vector<std::string>{});
         if (rank >= 0) {
           log_hint = (run.logs() / fmt::format("{}-rank{}.log", host, rank)).string();
         }
       } else {
-        out.error = fmt::format("the agent on {} failed: {}", host, f.describe());
+        out.error =
+            fmt::format("the agent on {} failed: {}", relay->second.display(), f.describe());
         log_hint = procs[0].log_file.string();
         for (const auto& p : procs) {
           if (p.label == f.label) log_hint = p.log_file.string();
@@ -1057,7 +1060,8 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     int exit_code = early_exit ? 0 : f.exit_code;
     int signal = early_exit ? 0 : f.signal;
     if (const json* r = agent_report(f); r != nullptr && r->value("rank", -1) >= 0) {
-      process = fmt::format("rank {} on {}", r->value("rank", -1), relay_hosts.at(f.label).host);
+      process =
+          fmt::format("rank {} on {}", r->value("rank", -1), relay_hosts.at(f.label).display());
       exit_code = r->value("exit_code", -1);
       signal = r->value("signal", 0);
     }

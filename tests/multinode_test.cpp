@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "tests/cluster.hpp"
+#include "tests/strings.hpp"
 #include "tests/text_corpus.hpp"
 
 using namespace dptrain::test;
@@ -141,6 +142,8 @@ TEST_CASE("a multi-host run that failed before its first checkpoint resumes from
       run_dptrain(c.launch_args(recipe, run_dir), {{"DPTRAIN_FAULT", "crash@step=5,rank=1"}});
   INFO(failed.err);
   REQUIRE(failed.exit_code == 3);
+  // The host named as the hostfile gives it (several may share an address).
+  CHECK(contains(failed.err, " on host " + c.sshd.host(c.sshd.addresses()[1]).display()));
   // How to continue it names the hosts to give again: resume keeps no SSH options.
   const std::string how = fmt::format(
       "'dptrain resume {} --hosts FILE' with the SSH options its launch used (FILE: a hostfile "
