@@ -72,8 +72,8 @@ std::string shell_command(const std::vector<std::string>& argv) {
 namespace {
 
 std::string seconds_text(milliseconds ms) {
-  if (ms.count() % 1000 == 0) return fmt::format("{}s", ms.count() / 1000);
-  return fmt::format("{:.1f}s", static_cast<double>(ms.count()) / 1000.0);
+  // 0.04s, not 0.0s: a timeout under a tenth of a second is still given in full.
+  return fmt::format("{:g}s", static_cast<double>(ms.count()) / 1000.0);
 }
 
 // Commands can be long scripts; a message shows their start.
@@ -161,6 +161,7 @@ struct SessionHandle {
   ssh_session session = nullptr;
   ssh_event event = nullptr;  // lets one wait serve both output streams of every channel
   std::string display;
+  milliseconds request_timeout{0};  // --connect-timeout: libssh applies it to every blocking call
 
   ~SessionHandle() {
     if (event) {
@@ -172,7 +173,13 @@ struct SessionHandle {
       ssh_free(session);
     }
   }
-  std::string error() const { return clean_reason(ssh_get_error(session)); }
+  // libssh's reason; for a blocking call that ran out of time, which it leaves unsaid, the timeout.
+  std::string error() const {
+    const std::string reason = clean_reason(ssh_get_error(session));
+    if (reason != "unknown error") return reason;
+    return fmt::format("no answer within {} (--connect-timeout, which bounds each SSH request)",
+                       seconds_text(request_timeout));
+  }
   bool connected() const {
     return ssh_is_connected(session) &&
            !(ssh_get_status(session) & (SSH_CLOSED | SSH_CLOSED_ERROR));
@@ -578,6 +585,7 @@ SshSession::~SshSession() = default;
 std::unique_ptr<SshSession> SshSession::connect(const HostSpec& host, const SshOptions& options) {
   auto handle = std::make_shared<SessionHandle>();
   handle->display = host.display();
+  handle->request_timeout = options.connect_timeout;
   handle->session = ssh_new();
   if (!handle->session) throw Error(ErrorKind::internal, "cannot create an SSH session");
   const fs::path known_hosts =
