@@ -299,6 +299,7 @@ class HandRunRecord {
 
   // Once the ranks met: their backend, store and hosts (`hosts`: each rank's host name, by rank;
   // empty where one did not say), as a launcher records them: hosts with their slots and ranks.
+  // The generation's hosts start with rank 0's, whose pid it records.
   void met(const std::string& backend, const std::string& store,
            const std::vector<std::string>& hosts) {
     const std::lock_guard<std::mutex> lock(mutex_);
@@ -747,8 +748,10 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
   }
   farewell.met = true;
   if (record->active()) {
+    // Rank 0's (this process's) first: status checks its pid only on the generation's first host.
     std::vector<std::string> hosts(static_cast<size_t>(o.world_size));
-    for (int r = 0; r < o.world_size; ++r) {
+    hosts[0] = this_host();
+    for (int r = 1; r < o.world_size; ++r) {
       try {
         hosts[static_cast<size_t>(r)] =
             store.get(fmt::format("host/{}", r), std::chrono::milliseconds(500));
