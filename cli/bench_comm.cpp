@@ -413,14 +413,15 @@ int run_bench_worker(const std::string& serialized) {
   // Where each rank is, so that a collective that times out names the rank it waited for.
   ProgressTracker progress;
   BeatStore beats(host, port, secret, generation, store);
-  const HeartbeatSender heartbeat(beats.store(), rank, progress, std::chrono::seconds(1));
+  HeartbeatSender heartbeat(beats.store(), rank, progress, std::chrono::seconds(1));
+  const auto flush = [&heartbeat] { heartbeat.flush(); };  // a fault sends it first
   const auto sizes = options.sizes();
   const size_t measurements = options.ops.size() * sizes.size();
   size_t measured = 0;
   const CommBenchResult result = run_comm_bench(
       *comm, options,
       [&](Collective op) {
-        if (measured == 0) faults.before_step(0);
+        if (measured == 0) faults.before_step(0, flush);
         if (!events) return;
         emit(
             {{"event", "info"},
@@ -440,7 +441,7 @@ int run_bench_worker(const std::string& serialized) {
                              row.busbw)},
                 {"row", row_to_json(row)}});
         }
-        if (++measured < measurements) faults.before_step(static_cast<int64_t>(measured));
+        if (++measured < measurements) faults.before_step(static_cast<int64_t>(measured), flush);
       },
       &progress);
   if (rank == 0) {

@@ -157,7 +157,7 @@ int run_bench_train_cmd(const BenchTrainCliOptions& o) {
     largest.world_size = worlds.back().world;
     check_hosts_resolve(largest);
     check_store_port(largest);
-    fault_warnings = check_fault_injection(largest);
+    fault_warnings = check_fault_injection(largest, 0, 1, true);
   }
 
   BenchTrainReport report;

@@ -82,6 +82,7 @@ void place_ranks(JobSpec& spec, const HostOptions& hosts, const std::string& npr
       }
       // Hosts past the first MAX are spares: they stand in for lost ones.
       spec.candidates = spec.hosts;
+      spec.all_hosts = spec.hosts;
       spec.hosts.resize(static_cast<size_t>(spec.nodes.max));
     }
     spec.world_size = total_slots(spec.hosts);

@@ -320,7 +320,10 @@ class HandRunRecord {
       (*same)["ranks"].push_back(r);
     }
     info_["hosts"] = std::move(by_host);
-    if (!names.empty()) info_["generations"].back()["hosts"] = std::move(names);
+    if (!names.empty()) {
+      if (change_.is_object()) change_["hosts"] = names;  // a change of size, still to record
+      info_["generations"].back()["hosts"] = std::move(names);
+    }
     save();
   }
 
@@ -946,8 +949,12 @@ void setup_worker(CLI::App& app, Outcome& outcome) {
       const std::string what = e.what();
       const std::string named = o->rank >= 0 && !what.starts_with(own) ? own + what : what;
       if (record) {
-        record->finish(e.kind() == ErrorKind::terminated ? "terminated" : "failed", named,
-                       farewell->exit_code);
+        // As its exit code says it: a failure while a stop signal was pending is the stop's.
+        const ErrorKind kind = kind_after_stop(e.kind());
+        record->finish(kind == ErrorKind::terminated    ? "terminated"
+                       : kind == ErrorKind::interrupted ? "interrupted"
+                                                        : "failed",
+                       named, farewell->exit_code);
       }
       throw Error(e.kind(), named);
     } catch (const std::exception& e) {

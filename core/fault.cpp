@@ -113,7 +113,7 @@ std::vector<Fault> parse_faults(const std::string& text) {
 std::vector<std::string> unreachable_faults(const std::vector<Fault>& faults, int64_t steps,
                                             int world, int64_t checkpoint_every,
                                             const std::vector<int>& writers, int64_t first_step,
-                                            int first_generation) {
+                                            int first_generation, bool one_generation) {
   std::vector<std::string> out;
   for (const auto& f : faults) {
     if (f.generation >= 0 && f.generation < first_generation) {
@@ -121,6 +121,10 @@ std::vector<std::string> unreachable_faults(const std::vector<Fault>& faults, in
           fmt::format("DPTRAIN_FAULT '{}' never fires: this invocation starts at "
                       "generation {}",
                       f.text, first_generation));
+    } else if (one_generation && f.generation > first_generation) {
+      out.push_back(fmt::format(
+          "DPTRAIN_FAULT '{}' never fires: a benchmark's run is generation {} alone (no restart)",
+          f.text, first_generation));
     } else if (f.kind != Fault::Kind::slow && f.step < first_step) {
       out.push_back(fmt::format("DPTRAIN_FAULT '{}' never fires: the run continues from step {}",
                                 f.text, first_step));

@@ -38,12 +38,14 @@ inline constexpr int64_t kNoCheckpoints = -1;
 // Why each of `faults` can never fire in a run of `steps` steps on `world` ranks that
 // checkpoints every `checkpoint_every` steps (0: only at the end; kNoCheckpoints: never) from
 // the ranks `writers` (rank 0, and the first rank of each further host), continued from
-// `first_step` in generation `first_generation` (a resume), one message for each: a test whose
-// fault never fires would pass without testing anything.
+// `first_step` in generation `first_generation` (a resume) and, with `one_generation` (a
+// benchmark's run), in that generation alone, one message for each: a test whose fault never
+// fires would pass without testing anything.
 std::vector<std::string> unreachable_faults(const std::vector<Fault>& faults, int64_t steps,
                                             int world, int64_t checkpoint_every,
                                             const std::vector<int>& writers = {0},
-                                            int64_t first_step = 0, int first_generation = 1);
+                                            int64_t first_step = 0, int first_generation = 1,
+                                            bool one_generation = false);
 
 class FaultInjector {
  public:

@@ -45,8 +45,9 @@ struct HostSelection {
 // over its second, nor the end of the wait (a wait of 0 included); with no wait (nullopt) it waits
 // for every probe to end. Fewer candidates than max_nodes that all answered end the wait too.
 // `should_stop` is polled every 100 ms, during probes too (a stop signal): it ends the wait at
-// once, `stopped` set; `waiting`, when given, is told once, before the first wait, which
-// candidates have not answered ("HOST: why", "no answer yet" for a probe still going).
+// once, `stopped` set; `waiting`, when given, is told once, when every candidate has answered
+// or its probe has gone a second (never, where the selection ends first), which candidates have
+// not answered ("HOST: why", "no answer yet" for a probe still going).
 HostSelection select_hosts(
     const std::vector<HostSpec>& candidates, int max_nodes,
     std::optional<std::chrono::milliseconds> wait, const HostProbe& probe,

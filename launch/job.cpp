@@ -179,7 +179,7 @@ ProcessSpec relay_spec(const JobSpec& spec, const RelayPlan& plan, const fs::pat
   p.env = {{kRelayPlanEnv, json_text(plan.to_json())}};
   // Hosts that share a name (one machine's sshd on two ports) get one log each, named alike in
   // every generation: by all the hosts an elastic job chooses among.
-  const auto& all = spec.candidates.empty() ? spec.hosts : spec.candidates;
+  const auto& all = spec.all_hosts.empty() ? spec.hosts : spec.all_hosts;
   const auto same_name = std::count_if(all.begin(), all.end(),
                                        [&](const HostSpec& h) { return h.host == plan.host.host; });
   p.log_file =
@@ -351,7 +351,7 @@ std::vector<Fault> job_faults(const JobSpec& spec) {
 }  // namespace
 
 std::vector<std::string> check_fault_injection(const JobSpec& spec, int64_t first_step,
-                                               int first_generation) {
+                                               int first_generation, bool one_generation) {
   // Rank 0 and the first rank of every further host write checkpoints.
   std::vector<int> writers;
   int rank = 0;
@@ -360,11 +360,26 @@ std::vector<std::string> check_fault_injection(const JobSpec& spec, int64_t firs
     rank += h.slots;
   }
   return unreachable_faults(job_faults(spec), spec.recipe.train.steps, spec.world_size,
-                            spec.recipe.checkpoint.every, writers, first_step, first_generation);
+                            spec.recipe.checkpoint.every, writers, first_step, first_generation,
+                            one_generation);
 }
 
 std::vector<std::string> check_benchmark_fault_injection(const JobSpec& spec, int64_t steps) {
-  return unreachable_faults(job_faults(spec), steps, spec.world_size, kNoCheckpoints);
+  return unreachable_faults(job_faults(spec), steps, spec.world_size, kNoCheckpoints, {0}, 0, 1,
+                            true);
+}
+
+void close_lost_generation(json& info) {
+  if (json& gens = info["generations"]; gens.is_array() && !gens.empty() &&
+                                        gens.back().is_object() &&
+                                        !gens.back().contains("ended_at")) {
+    json& lost = gens.back();
+    lost["status"] = "lost";
+    lost["ended_at"] = info.value("alive_at", json(nullptr));
+    lost["error"] =
+        "its launcher ended without recording how the generation ended (killed, or its machine "
+        "went down)";
+  }
 }
 
 void record_job_settings(json& info, const JobSpec& spec, bool remote) {
@@ -560,18 +575,8 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   }
   info["hosts"] = hosts_json;
   record_job_settings(info, spec, multi_host);
-  // A generation whose launcher was killed (or whose machine went down) never recorded its end:
-  // closed now, as lost, when it was last known alive.
-  if (json& gens = info["generations"]; gens.is_array() && !gens.empty() &&
-                                        gens.back().is_object() &&
-                                        !gens.back().contains("ended_at")) {
-    json& lost = gens.back();
-    lost["status"] = "lost";
-    lost["ended_at"] = info.value("alive_at", json(nullptr));
-    lost["error"] =
-        "its launcher ended without recording how the generation ended (killed, or its machine "
-        "went down)";
-  }
+  close_lost_generation(info);
+  info.erase("placing");  // the hosts are placed
   info["status"] = "running";
   info.erase("error");  // an earlier invocation's end, between generations
   // Who runs the job, and a stamp renewed while it does: how `dptrain status` on another machine

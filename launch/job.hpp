@@ -45,6 +45,9 @@ struct JobSpec {
   // limit) is capacity lost: the next generation has one rank fewer. A fixed size: min == max.
   SizeRange nodes{0, 0};  // {0, 0}: every host given, or world_size ranks
   std::vector<HostSpec> candidates;
+  // Every host given (candidates, before any is left out): what names each host's log alike in
+  // every generation.
+  std::vector<HostSpec> all_hosts;
   // Candidates taken out for the rest of this invocation, each as "HOST: why": a host that
   // refused its generation (it cannot run this dptrain) would refuse the next one too, though it
   // still answers SSH.
@@ -125,6 +128,11 @@ void require_local_gpus(const std::vector<HostSpec>& hosts, int world, const std
 // (Error(usage)).
 void check_local_gpus(const JobSpec& spec);
 
+// A generation whose launcher was killed (or whose machine went down) never recorded its end:
+// closed in `info` (run.json) as lost, when it was last known alive (alive_at, which a new
+// launcher must not have stamped yet).
+void close_lost_generation(nlohmann::json& info);
+
 // What run.json records of how the job's ranks are started, for `dptrain resume` to start them
 // alike: "remote" (workdir, remote_binary) when `remote` (some host is not this machine), "env"
 // (what --env gave).
@@ -161,9 +169,10 @@ void check_store_port(const JobSpec& spec);
 // DPTRAIN_FAULT (fault injection for tests; the launcher's, or the job's --env) as the ranks
 // will read it: Error(usage) when it does
 // not parse; a warning for each fault that can never fire in this job, continued from
-// `first_step` in generation `first_generation`.
+// `first_step` in generation `first_generation` (and no other, with `one_generation`).
 std::vector<std::string> check_fault_injection(const JobSpec& spec, int64_t first_step = 0,
-                                               int first_generation = 1);
+                                               int first_generation = 1,
+                                               bool one_generation = false);
 // The same for ranks that are not the trainer (`bench comm`'s): `steps` steps, no checkpoints.
 std::vector<std::string> check_benchmark_fault_injection(const JobSpec& spec, int64_t steps);
 

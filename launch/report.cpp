@@ -294,8 +294,11 @@ RunState run_state(const json& info) {
     // also keeps a job whose run.json could not take the pids running); one recorded before
     // launchers recorded themselves, for a while.
     const bool recorded_launcher = !started_by_workers(info) && info.contains("launcher");
+    // So is a job whose launcher is placing its first generation (waiting for its hosts): the
+    // last generation is an earlier invocation's.
+    const bool placing = recorded_launcher && info.contains("placing");
     const bool starting =
-        !last.contains("pids") &&
+        (placing || !last.contains("pids")) &&
         (recorded_launcher ? launcher_alive(info) : started && *started < kStartingGraceS);
     if (!starting) {
       state.status = "stale";

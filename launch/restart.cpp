@@ -325,11 +325,17 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
       info["hosts"] = hosts;
       record_job_settings(info, spec, true);
     }
+    close_lost_generation(info);  // by the last stamp, before this launcher's
     info["status"] = "running";
     info.erase("error");
+    // Placing its first generation: status asks whether this launcher lives, as it does for a
+    // generation not started yet, rather than look at the last generation's processes.
+    info["placing"] = {{"at", utc_timestamp()}};
     info["launcher"] = {{"host", this_host()}, {"pid", ::getpid()}};
     info["alive_at"] = utc_timestamp();
     run.record();
+  } else {
+    run.info().erase("job_hosts");  // an earlier invocation's choice, not this one's hosts
   }
   const Placed first = place_generation(run, spec, status, Placement::first);
   record_world_size_change(run, spec, status, first.change);
@@ -346,6 +352,7 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
     }
     // No generation ran, but the run is one to resume once the hosts answer: recorded so above.
     json& info = run.info();
+    info.erase("placing");
     info["status"] = out.status;
     info["error"] = out.error;
     info.erase("pending_restart");  // a launcher killed in its back-off left it: not coming

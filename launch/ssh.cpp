@@ -72,8 +72,12 @@ std::string shell_command(const std::vector<std::string>& argv) {
 namespace {
 
 std::string seconds_text(milliseconds ms) {
-  // 0.04s, not 0.0s: a timeout under a tenth of a second is still given in full.
-  return fmt::format("{:g}s", static_cast<double>(ms.count()) / 1000.0);
+  // To the millisecond, without trailing zeros: 0.04s (not 0.0s), 1000000s (not 1e+06s).
+  std::string text = fmt::format("{}.{:03d}", ms.count() / 1000, ms.count() % 1000);
+  while (text.back() == '0')
+    text.pop_back();
+  if (text.back() == '.') text.pop_back();
+  return text + "s";
 }
 
 // Commands can be long scripts; a message shows their start.
@@ -173,13 +177,7 @@ struct SessionHandle {
       ssh_free(session);
     }
   }
-  // libssh's reason; for a blocking call that ran out of time, which it leaves unsaid, the timeout.
-  std::string error() const {
-    const std::string reason = clean_reason(ssh_get_error(session));
-    if (reason != "unknown error") return reason;
-    return fmt::format("no answer within {} (--connect-timeout, which bounds each SSH request)",
-                       seconds_text(request_timeout));
-  }
+  std::string error() const { return clean_reason(ssh_get_error(session)); }
   bool connected() const {
     return ssh_is_connected(session) &&
            !(ssh_get_status(session) & (SSH_CLOSED | SSH_CLOSED_ERROR));
@@ -479,7 +477,17 @@ SshChannel::SshChannel(std::shared_ptr<SessionHandle> session, std::string comma
       last_keepalive_(Clock::now()) {
   Handle& h = *handle_;
   h.channel = ssh_channel_new(session_->session);
+  const auto asked = Clock::now();
   if (!h.channel || ssh_channel_open_session(h.channel) != SSH_OK) {
+    // libssh leaves a request that ran out of time (it bounds each by the connect timeout)
+    // without a reason: said so where the time did run out.
+    if (h.channel && session_->error() == "unknown error" &&
+        Clock::now() - asked >= session_->request_timeout) {
+      throw Error(ErrorKind::ssh, fmt::format("cannot open a channel {} on {}: no answer within {} "
+                                              "(--connect-timeout, which bounds each SSH request)",
+                                              command_excerpt(command_), session_->display,
+                                              seconds_text(session_->request_timeout)));
+    }
     fail("cannot open a channel");
   }
   h.callbacks.userdata = &h;

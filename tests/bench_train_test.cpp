@@ -255,13 +255,17 @@ TEST_CASE("a DPTRAIN_FAULT that fires in no run of the sweep is warned about") {
   const fs::path file = write_recipe(tmp.path(), small_recipe());
   // Past the runs' --steps (not the recipe's), and on a rank no world size of the sweep has.
   const auto r = bench(tmp, {file.string(), "--nproc", "1", "--steps", "3"},
-                       {{"DPTRAIN_FAULT", "exit@step=5;exit@step=1,rank=1"}});
+                       {{"DPTRAIN_FAULT", "exit@step=5;exit@step=1,rank=1;exit@step=1,gen=2"}});
   INFO(r.err);
   CHECK(r.exit_code == 0);
   CHECK(contains(r.err,
                  "warning: DPTRAIN_FAULT 'exit@step=5' never fires: step 5 is past the "
                  "run's steps (0 to 2)"));
   CHECK(contains(r.err, "warning: DPTRAIN_FAULT 'exit@step=1,rank=1' never fires"));
+  // Nor in a later generation: a benchmark's run has no restart.
+  CHECK(contains(r.err,
+                 "warning: DPTRAIN_FAULT 'exit@step=1,gen=2' never fires: a benchmark's "
+                 "run is generation 1 alone (no restart)"));
 }
 
 TEST_CASE("--precision fp32 --peak-tflops 1 on the CPU: every row has an MFU, the JSON says how") {

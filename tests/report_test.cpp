@@ -561,6 +561,44 @@ TEST_CASE("status between a generation stopped to grow and the next: resizing, t
   CHECK(contains(s["note"].get<std::string>(), "the launcher is gone"));
 }
 
+TEST_CASE("status of a resume waiting for its first hosts: running while its launcher lives") {
+  TempDir tmp;
+  // A live dptrain that is no rank stands for the launcher: one blocked opening a FIFO.
+  const fs::path fifo = tmp / "fifo";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  Background launcher({"recipe", "validate", fifo.string()});
+  char host[256] = {};
+  REQUIRE(::gethostname(host, sizeof host - 1) == 0);
+  const auto run_json = [&](bool placing) {
+    json info{{"status", "running"},
+              {"world_size", 2},
+              {"nominal_world_size", 2},
+              {"recipe", resumable_recipe()},
+              {"launcher", {{"host", host}, {"pid", launcher.pid()}}},
+              {"alive_at", utc(std::time(nullptr))},
+              // The earlier invocation's generation, its ranks long gone.
+              {"generations",
+               {{{"generation", 1},
+                 {"started_at", utc(std::time(nullptr) - 3600)},
+                 {"ended_at", utc(std::time(nullptr) - 3000)},
+                 {"status", "terminated"},
+                 {"world_size", 2},
+                 {"pids", {999999}}}}}};
+    if (placing) info["placing"] = {{"at", utc(std::time(nullptr))}};
+    return info.dump();
+  };
+  fs::create_directories(tmp / "run");
+  write_text(tmp / "run/run.json", run_json(true));
+  json s = parse_json(run_dptrain({"status", (tmp / "run").string(), "--json"}).out);
+  CHECK(s["status"] == "running");
+  // Without the mark, the last generation's processes tell: gone.
+  write_text(tmp / "run/run.json", run_json(false));
+  s = parse_json(run_dptrain({"status", (tmp / "run").string(), "--json"}).out);
+  CHECK(s["status"] == "stale");
+  std::ofstream(fifo) << "{}";  // lets the stand-in end
+  launcher.wait(std::chrono::seconds(30));
+}
+
 TEST_CASE("status of a run launched on another machine: its launcher's stamp tells") {
   // Seen over a shared filesystem: the pids are not this machine's to check.
   TempDir tmp;
