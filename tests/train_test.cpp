@@ -27,6 +27,20 @@ namespace fs = std::filesystem;
 
 namespace {
 
+// The environments of two workers started by hand into `run_dir`, rank 0 serving the store on
+// 127.0.0.1:`port`.
+std::pair<Env, Env> hand_worker_envs(const fs::path& run_dir, const std::string& port) {
+  const Env base = {{"WORLD_SIZE", "2"},
+                    {"MASTER_ADDR", "127.0.0.1"},
+                    {"MASTER_PORT", port},
+                    {"DPTRAIN_RUN_DIR", run_dir.string()}};
+  Env env0 = base, env1 = base;
+  env0["RANK"] = "0";
+  env0["DPTRAIN_HOST_STORE"] = "1";
+  env1["RANK"] = "1";
+  return {env0, env1};
+}
+
 double max_relative_difference(const std::vector<float>& a, const std::vector<float>& b) {
   double max_abs = 0, max_diff = 0;
   for (size_t i = 0; i < a.size(); ++i) {
@@ -208,14 +222,7 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), small_recipe());
   const std::string port = std::to_string(unused_port());
-  Env base = {{"WORLD_SIZE", "2"},
-              {"MASTER_ADDR", "127.0.0.1"},
-              {"MASTER_PORT", port},
-              {"DPTRAIN_RUN_DIR", (tmp / "run").string()}};
-  Env env0 = base, env1 = base;
-  env0["RANK"] = "0";
-  env0["DPTRAIN_HOST_STORE"] = "1";
-  env1["RANK"] = "1";
+  auto [env0, env1] = hand_worker_envs(tmp / "run", port);
   Background r0({"worker", recipe.string()}, env0);
   Background r1({"worker", recipe.string()}, env1);
   const int c1 = r1.wait(std::chrono::seconds(120));
@@ -534,14 +541,7 @@ TEST_CASE("workers by hand: a training that diverged is one a resume would meet 
   recipe["optimizer"] = {{"type", "sgd"}, {"lr", 1e30}, {"momentum", 0.9}};
   const auto path = write_recipe(tmp.path(), recipe);
   const std::string port = std::to_string(unused_port());
-  Env base = {{"WORLD_SIZE", "2"},
-              {"MASTER_ADDR", "127.0.0.1"},
-              {"MASTER_PORT", port},
-              {"DPTRAIN_RUN_DIR", (tmp / "run").string()}};
-  Env env0 = base, env1 = base;
-  env0["RANK"] = "0";
-  env0["DPTRAIN_HOST_STORE"] = "1";
-  env1["RANK"] = "1";
+  auto [env0, env1] = hand_worker_envs(tmp / "run", port);
   Background r0({"worker", path.string()}, env0);
   Background r1({"worker", path.string()}, env1);
   const int c1 = r1.wait(std::chrono::seconds(120));
