@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <set>
 
@@ -23,25 +24,30 @@ HostSpec host(const std::string& name) {
 }
 
 // Answers for the hosts in `up` (changeable while probes run); counts the probes of each host.
+// Its state is shared with the probes: one given up on runs on after the selection (and the
+// test) ended, on what it copied.
 struct ScriptedProbe {
-  std::mutex mutex;
-  std::set<std::string> up;
-  std::map<std::string, int> probes;
+  struct State {
+    std::mutex mutex;
+    std::set<std::string> up;
+    std::map<std::string, int> probes;
+  };
+  std::shared_ptr<State> state = std::make_shared<State>();
 
-  HostProbe probe() {
-    return [this](const HostSpec& h) -> std::string {
-      std::lock_guard lock(mutex);
-      ++probes[h.host];
-      return up.count(h.host) ? "" : "connection refused";
+  HostProbe probe() const {
+    return [state = state](const HostSpec& h) -> std::string {
+      std::lock_guard lock(state->mutex);
+      ++state->probes[h.host];
+      return state->up.count(h.host) ? "" : "connection refused";
     };
   }
   void set_up(const std::string& name) {
-    std::lock_guard lock(mutex);
-    up.insert(name);
+    std::lock_guard lock(state->mutex);
+    state->up.insert(name);
   }
   int count(const std::string& name) {
-    std::lock_guard lock(mutex);
-    return probes[name];
+    std::lock_guard lock(state->mutex);
+    return state->probes[name];
   }
 };
 
@@ -75,7 +81,7 @@ TEST_CASE("elastic: --nnodes and --nproc ranges") {
 
 TEST_CASE("elastic: the first MAX hosts that answer, in order; the others named with why") {
   ScriptedProbe p;
-  p.up = {"b", "c", "d"};
+  p.state->up = {"b", "c", "d"};
   const auto sel =
       select_hosts({host("a"), host("b"), host("c"), host("d")}, 2, 0ms, p.probe(), nullptr);
   CHECK(names(sel.hosts) == std::vector<std::string>{"b", "c"});
@@ -85,7 +91,7 @@ TEST_CASE("elastic: the first MAX hosts that answer, in order; the others named 
 
 TEST_CASE("elastic: a host that comes back within the wait is taken") {
   ScriptedProbe p;
-  p.up = {"a"};
+  p.state->up = {"a"};
   std::thread back([&p] {
     std::this_thread::sleep_for(150ms);
     p.set_up("b");
@@ -101,7 +107,7 @@ TEST_CASE("elastic: the wait ends with a probe at its deadline, not an interval 
   // The interval (1 s) is longer than what is left of the wait when the host comes back: it must
   // still be probed at the deadline.
   ScriptedProbe p;
-  p.up = {"a"};
+  p.state->up = {"a"};
   std::thread back([&p] {
     std::this_thread::sleep_for(300ms);
     p.set_up("b");
@@ -150,9 +156,9 @@ struct HangingProbe {
     };
   }
   // The host named `name` hangs; the others answer as `others` says.
-  HostProbe for_host(const std::string& name, ScriptedProbe& others) const {
-    return [name, &others, h = probe()](const HostSpec& s) {
-      return s.host == name ? h(s) : others.probe()(s);
+  HostProbe for_host(const std::string& name, const ScriptedProbe& others) const {
+    return [name, other = others.probe(), h = probe()](const HostSpec& s) {
+      return s.host == name ? h(s) : other(s);
     };
   }
   ~HangingProbe() { release->store(true); }
@@ -162,7 +168,7 @@ TEST_CASE("elastic: a probe that hangs is given up on at the wait's end, or at a
   HangingProbe hanging;
   SUBCASE("the wait's end") {
     ScriptedProbe p;
-    p.up = {"a"};
+    p.state->up = {"a"};
     const HostProbe both = hanging.for_host("b", p);
     const auto sel = select_hosts({host("a"), host("b")}, 2, 1500ms, both, nullptr, 100ms);
     CHECK(names(sel.hosts) == std::vector<std::string>{"a"});
@@ -205,7 +211,7 @@ TEST_CASE("elastic: a host watch's destructor does not wait for a probe that han
 TEST_CASE("elastic: a probe that hangs holds up no other host's") {
   HangingProbe hanging;
   ScriptedProbe p;
-  p.up = {"b"};
+  p.state->up = {"b"};
   const HostProbe mixed = hanging.for_host("a", p);
   SUBCASE("a host that comes back meanwhile is taken, and one that hangs passed over") {
     std::thread back([&p] {
@@ -248,7 +254,7 @@ TEST_CASE("elastic: a host watch probes the others while one probe hangs") {
 TEST_CASE("elastic: a wait of 0 still gives up on a probe that hangs; all the hosts there are do") {
   HangingProbe hanging;
   ScriptedProbe p;
-  p.up = {"b"};
+  p.state->up = {"b"};
   const HostProbe mixed = hanging.for_host("a", p);
   // --rejoin-timeout 0: the hanging probe is given up on after its second, not held until the
   // login's own timeout.
