@@ -42,6 +42,31 @@ struct ResumeOptions {
   bool json = false;
 };
 
+// The --nproc and --nnodes of this resume: its own, else the run's recorded job size where it
+// fits (an elastic local run stays elastic; a run on hosts keeps its --nnodes over the hosts
+// given again, its MAX at most their number).
+std::pair<std::string, std::string> job_size(const ResumeOptions& o, const RunDirectory& run) {
+  const nlohmann::json size = run.info().value("job_size", nlohmann::json());
+  if (!o.nproc.empty() || !o.nnodes.empty() || !size.is_object()) return {o.nproc, o.nnodes};
+  const int least = size.value("min", 1);
+  const int most = size.value("max", 1);
+  const std::string of = size.value("of", std::string());
+  if (o.hosts.hosts.empty()) {
+    return {of == "ranks" ? fmt::format("{}:{}", least, most) : std::string(), std::string()};
+  }
+  if (of != "hosts") return {o.nproc, o.nnodes};
+  const int given = static_cast<int>(o.hosts.load().size());
+  if (given < least) {
+    throw Error(ErrorKind::usage,
+                fmt::format("--hosts: {} host(s) given, and the run was launched with --nnodes "
+                            "{}:{} (run.json job_size): give at least {}, or --nnodes for this "
+                            "resume",
+                            given, least, most, least));
+  }
+  const int upto = std::min(most, given);
+  return {std::string(), least == upto ? std::to_string(least) : fmt::format("{}:{}", least, upto)};
+}
+
 // The resume once its events stream is open.
 int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
   std::FILE* status_out = status_stream(o.json, events);
@@ -65,7 +90,8 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
   }
   run.make_layout();
   JobSpec spec;
-  place_ranks(spec, o.hosts, o.nproc, o.nnodes, run.info().value("world_size", 1));
+  const auto [nproc, nnodes] = job_size(o, run);
+  place_ranks(spec, o.hosts, nproc, nnodes, run.info().value("world_size", 1));
   if (o.hosts.hosts.empty()) {
     // As a hostfile's lines: the form that gives each again as it was ("user@host:port" pasted
     // into --hosts would make the port a slot count).
@@ -285,12 +311,13 @@ void setup_resume(CLI::App& app, Outcome& outcome) {
       ->required()
       ->check(run_directory());
   app.add_option("-n,--nproc", o->nproc,
-                 "Local ranks, N or MIN:MAX for an elastic job (default: the run's recorded world "
-                 "size); on another world size the global batch stays the run's (see "
-                 "distributed.resize)");
+                 "Local ranks, N or MIN:MAX for an elastic job (default: the run's MIN:MAX if "
+                 "it was elastic, else its recorded world size); on another world size the "
+                 "global batch stays the run's (see distributed.resize)");
   app.add_option("--nnodes", o->nnodes,
                  "With --hosts: N hosts, or MIN:MAX elastically; hosts after the first MAX are "
-                 "spares (default: every host)");
+                 "spares (default: the run's --nnodes, MAX at most the hosts given; else every "
+                 "host)");
   add_host_options(app, o->hosts, false);
   add_remote_job_options(app, o->remote);
   add_restart_options(app, o->restart);

@@ -392,6 +392,16 @@ void record_job_settings(json& info, const JobSpec& spec, bool remote) {
   // What --env gave the ranks, for `dptrain resume` to give them again (a value taken from the
   // launcher's environment is null: it is taken from resume's then).
   info["env"] = spec.env.record();
+  // The job's size as --nnodes (hosts) or an elastic --nproc (local ranks) gave it, for
+  // `dptrain resume` to continue as it was launched; without either, an earlier invocation's is
+  // dropped.
+  if (spec.nodes.elastic() || !spec.candidates.empty()) {
+    info["job_size"] = {{"min", spec.nodes.min},
+                        {"max", spec.nodes.max},
+                        {"of", spec.candidates.empty() ? "ranks" : "hosts"}};
+  } else {
+    info.erase("job_size");
+  }
 }
 
 JobPlan plan_job(const JobSpec& spec, const fs::path& run_path, const std::string& remote_name,

@@ -323,8 +323,8 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
       info["nominal_world_size"] = spec.nominal_world > 0 ? spec.nominal_world : spec.world_size;
       info["backend"] = spec.backend;
       info["hosts"] = hosts;
-      record_job_settings(info, spec, true);
     }
+    record_job_settings(info, spec, true);
     close_lost_generation(info);  // by the last stamp, before this launcher's
     info["status"] = "running";
     info.erase("error");

@@ -333,8 +333,6 @@ RunDirectory RunDirectory::create(const fs::path& dir, const fs::path& runs_root
   return run;
 }
 
-namespace {}  // namespace
-
 void check_record_types(const nlohmann::json& info, const fs::path& file, RecordCheck what) {
   using nlohmann::json;
   struct Kind {
@@ -395,8 +393,13 @@ void check_record_types(const nlohmann::json& info, const fs::path& file, Record
       check(info[list][i], at, "slots", kInteger);
     }
   }
-  for (const char* key : {"last_checkpoint", "launcher", "result", "pending_restart"})
+  for (const char* key : {"last_checkpoint", "launcher", "result", "pending_restart", "job_size"})
     check(info, "", key, kObject);
+  if (info.contains("job_size")) {
+    for (const char* key : {"min", "max"})
+      check(info["job_size"], "/job_size", key, kPositive);
+    check(info["job_size"], "/job_size", "of", kString);
+  }
 }
 
 RunDirectory RunDirectory::open(const fs::path& dir) {

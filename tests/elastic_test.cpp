@@ -231,8 +231,17 @@ TEST_CASE("a lost node does not leave a job below --nnodes MIN: exit 4 naming th
   resume[0] = "resume";
   resume.erase(resume.begin() + 1);  // run.json has the recipe
   resume.erase(std::find(resume.begin(), resume.end(), "--run-dir"));
-  for (const char* a : {"--nnodes", "2:2", "--json"})
-    resume.push_back(a);
+  resume.push_back("--json");
+  // The run's --nnodes holds without the flag: fewer hosts than its MIN are refused.
+  const fs::path one_host = c.tmp / "one-host";
+  c.sshd.write_hostfile(one_host, {c.sshd.addresses()[1]}, 1);
+  auto too_few = resume;
+  *std::next(std::find(too_few.begin(), too_few.end(), "--hosts")) = one_host.string();
+  const auto refused = run_dptrain(too_few);
+  CHECK(refused.exit_code == 2);
+  CHECK(contains(refused.err,
+                 "--hosts: 1 host(s) given, and the run was launched with --nnodes "
+                 "2:2 (run.json job_size): give at least 2"));
   const auto resumed = run_dptrain(resume);
   INFO(resumed.err);
   CHECK(resumed.exit_code == 0);
@@ -456,6 +465,15 @@ TEST_CASE("--nproc 1:2: a rank killed by SIGKILL is capacity lost; the job goes 
   CHECK(floor.exit_code == 3);
   CHECK(floor.err.find("only 1 would remain, fewer than the minimum of 2 (--nproc 2:3)") !=
         std::string::npos);
+  const json size = parse_json(read_text(tmp / "floor/run.json"))["job_size"];
+  CHECK(size == json{{"min", 2}, {"max", 3}, {"of", "ranks"}});
+
+  // A resume without --nproc is as elastic as the launch was, back at its MAX.
+  const auto resumed = run_dptrain({"resume", (tmp / "floor").string(), "--json"});
+  INFO(resumed.err);
+  CHECK(resumed.exit_code == 0);
+  CHECK(contains(resumed.err, "on 3 local rank(s) (ranks 2:3)"));
+  CHECK(parse_json(resumed.out)["world_size"] == 3);
 }
 
 TEST_CASE("--nproc and --nnodes ranges are checked") {
