@@ -460,16 +460,32 @@ std::string world_sizes(const json& info) {
   return fmt::format("{}", fmt::join(sizes, " -> "));
 }
 
-// "1 (nominal 2; per generation: 2 -> 1)", the parts that say something.
+// The job's size as its flag gave it ("--nnodes 1:2", "--nproc 2:3"); empty when none was
+// recorded (a fixed local world).
+std::string job_size_flag(const json& info) {
+  const json size = info.value("job_size", json());
+  if (!size.is_object()) return {};
+  const int64_t least = integer(size, "min", 0), most = integer(size, "max", 0);
+  if (least <= 0 || most <= 0) return {};
+  return fmt::format("{} {}", text(size, "of") == "hosts" ? "--nnodes" : "--nproc",
+                     least == most ? std::to_string(least) : fmt::format("{}:{}", least, most));
+}
+
+// "1 (nominal 2; per generation: 2 -> 1; --nproc 1:2)", the parts that say something.
 std::string world_size_text(const json& info) {
   const std::string current = text(info, "world_size");
-  if (current.empty()) return "unknown";
+  const std::string size = job_size_flag(info);
+  if (current.empty()) {
+    // Waiting for its first hosts.
+    return size.empty() ? "unknown" : fmt::format("not placed yet ({})", size);
+  }
   std::string out = current;
   const std::string nominal = text(info, "nominal_world_size");
   std::vector<std::string> notes;
   if (!nominal.empty() && nominal != current) notes.push_back("nominal " + nominal);
   const std::string sizes = world_sizes(info);
   if (sizes != current) notes.push_back("per generation: " + sizes);
+  if (!size.empty()) notes.push_back(size);
   if (!notes.empty()) out += fmt::format(" ({})", fmt::join(notes, "; "));
   return out;
 }
@@ -1156,6 +1172,7 @@ json status_json(const RunView& run) {
                 {"epoch", last ? json(last->epoch) : json(nullptr)},
                 {"world_size", integer_or_null(info, "world_size")},
                 {"nominal_world_size", integer_or_null(info, "nominal_world_size")},
+                {"job_size", info.value("job_size", json(nullptr))},
                 {"generations", array_at(info, "generations").size()},
                 {"last_restart", last_restart},
                 {"error", or_null(run_error(info))},

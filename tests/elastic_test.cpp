@@ -309,6 +309,9 @@ TEST_CASE("a host that takes the connection but never speaks SSH holds up neithe
     const auto waiting = run_dptrain({"status", (c.tmp / "stopped").string(), "--json"});
     CHECK(waiting.exit_code == 0);
     CHECK(parse_json(waiting.out)["status"] == "running");
+    CHECK(parse_json(waiting.out)["job_size"] == json{{"min", 3}, {"max", 3}, {"of", "hosts"}});
+    const auto text = run_dptrain({"status", (c.tmp / "stopped").string()});
+    CHECK(contains(text.out, "world size   not placed yet (--nnodes 3)"));
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
     ::kill(job.pid(), SIGINT);
     const int code = job.wait(std::chrono::seconds(60));
@@ -467,6 +470,7 @@ TEST_CASE("--nproc 1:2: a rank killed by SIGKILL is capacity lost; the job goes 
         std::string::npos);
   const json size = parse_json(read_text(tmp / "floor/run.json"))["job_size"];
   CHECK(size == json{{"min", 2}, {"max", 3}, {"of", "ranks"}});
+  CHECK(contains(run_dptrain({"status", (tmp / "floor").string()}).out, "--nproc 2:3)"));
 
   // A resume without --nproc is as elastic as the launch was, back at its MAX.
   const auto resumed = run_dptrain({"resume", (tmp / "floor").string(), "--json"});
