@@ -108,6 +108,13 @@ json JobOutcome::to_json(const RunDirectory& run) const {
   return j;
 }
 
+std::string host_tag(const JobSpec& spec, const HostSpec& host) {
+  const auto& all = spec.all_hosts.empty() ? spec.hosts : spec.all_hosts;
+  const auto same_name =
+      std::count_if(all.begin(), all.end(), [&](const HostSpec& h) { return h.host == host.host; });
+  return same_name > 1 ? fmt::format("{}-{}", host.host, host.port) : host.host;
+}
+
 namespace {
 
 // What the launcher's environment passes on to ranks on other hosts (local ones inherit all of
@@ -177,14 +184,7 @@ ProcessSpec relay_spec(const JobSpec& spec, const RelayPlan& plan, const fs::pat
   p.rank = plan.agent.ranks.empty() ? 0 : plan.agent.ranks.front();
   p.argv = {spec.worker_binary.string(), "_relay"};
   p.env = {{kRelayPlanEnv, json_text(plan.to_json())}};
-  // Hosts that share a name (one machine's sshd on two ports) get one log each, named alike in
-  // every generation: by all the hosts an elastic job chooses among.
-  const auto& all = spec.all_hosts.empty() ? spec.hosts : spec.all_hosts;
-  const auto same_name = std::count_if(all.begin(), all.end(),
-                                       [&](const HostSpec& h) { return h.host == plan.host.host; });
-  p.log_file =
-      logs / (same_name > 1 ? fmt::format("{}-{}-agent.log", plan.host.host, plan.host.port)
-                            : fmt::format("{}-agent.log", plan.host.host));
+  p.log_file = logs / (host_tag(spec, plan.host) + "-agent.log");
   return p;
 }
 
@@ -741,9 +741,9 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       const std::string rank = rest.substr(0, space);
       const std::string text = space == std::string::npos ? "" : rest.substr(space + 1);
       remote_logs.append(host, std::atoi(rank.c_str()), text);
-      return status.line(fmt::format("[{}:{}] {}", host, rank, text));
+      return status.line(fmt::format("[{}:{}] {}", host_tag(spec, relay->second), rank, text));
     }
-    status.line(fmt::format("[{}] {}", host, line));
+    status.line(fmt::format("[{}] {}", host_tag(spec, relay->second), line));
   };
   options.on_started = [&](const std::vector<pid_t>& pids) {
     info["generations"].back()["pids"] = pids;

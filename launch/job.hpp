@@ -191,6 +191,11 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
 void check_open_files(const JobSpec& spec);
 // The ranks the job runs on this machine (those of local hosts, or all without hosts).
 int local_rank_count(const JobSpec& spec);
+// How a host is told apart in its agent log's name (TAG-agent.log) and its lines on the console
+// ([TAG] and [TAG:RANK]): its name, and where hosts share one (a machine's sshd on two ports,
+// hosts behind one forwarding gateway) NAME-PORT. Decided over all the hosts an elastic job
+// chooses among (spec.all_hosts), so alike in every generation.
+std::string host_tag(const JobSpec& spec, const HostSpec& host);
 
 // run_job, and after a rank or host failure (exit 3 or 4) a new generation from the newest
 // valid checkpoint (or from step 0 when there is none), with exponential back-off, until the
