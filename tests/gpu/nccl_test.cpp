@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -22,6 +23,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cuda_runtime.h>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -256,6 +258,47 @@ void exercise_collectives(NcclCommunicator& comm, Ops& ops) {
   comm.broadcast(nullptr, 0, 0);
 }
 
+// A host function on `stream` that holds it (and everything queued after it) until open() is
+// called, or until `limit` passes. The destructor opens it and waits until the function has
+// returned, so the gate outlives it whatever the test does in between.
+class StreamGate {
+ public:
+  StreamGate(cudaStream_t stream, std::chrono::milliseconds limit) : limit_(limit) {
+    REQUIRE(cudaLaunchHostFunc(stream, &StreamGate::hold, this) == cudaSuccess);
+  }
+  ~StreamGate() {
+    open();
+    std::unique_lock lock(mutex_);
+    changed_.wait(lock, [this] { return returned_; });
+  }
+  StreamGate(const StreamGate&) = delete;
+  StreamGate& operator=(const StreamGate&) = delete;
+  // Opens it: true when it was still holding (it had not given up on its own).
+  bool open() {
+    std::lock_guard lock(mutex_);
+    opened_ = true;
+    changed_.notify_all();
+    return !gave_up_;
+  }
+
+ private:
+  static void CUDART_CB hold(void* self) {
+    auto& gate = *static_cast<StreamGate*>(self);
+    std::unique_lock lock(gate.mutex_);
+    if (!gate.changed_.wait_for(lock, gate.limit_, [&gate] { return gate.opened_; })) {
+      gate.gave_up_ = true;
+    }
+    gate.returned_ = true;
+    gate.changed_.notify_all();
+  }
+  std::chrono::milliseconds limit_;
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  bool opened_ = false;
+  bool gave_up_ = false;
+  bool returned_ = false;
+};
+
 // Work queued on the compute stream comes before the collective: a chain of kernels doubles the
 // buffer ten times, then an out-of-place collective reads it at once. Work queued after the
 // collective sees its result.
@@ -304,23 +347,26 @@ void check_compute_stream_order(NcclCommunicator& comm, Ops& ops) {
     wrong += v != 512.0f;
   CHECK_MESSAGE(wrong == 0, wrong << " element(s) of the allreduces after a marker were out of "
                                      "order");
-  // And it does not wait for what was queued after the marker: 201 sign flips of the input
-  // (milliseconds of work) queued after it, the gather that waits for the marker alone copies
-  // the input before most of them; had it waited for the whole stream, every element would be
-  // the last flip's.
+  // And it does not wait for what was queued after the marker: a host function queued after it
+  // holds the compute stream until the test opens it, after the gather has returned. Had the
+  // gather waited for the whole stream, it could not return until the gate gave up on its own
+  // (then the check fails, after 20 s, instead of hanging). A sign flip queued behind the gate
+  // cannot have run before the gather copied its input.
   if (comm.size() == 1) {
-    Buffer flipped = upload(ops, ones);
+    Buffer input = upload(ops, ones);
     Buffer gathered = ops.allocate(n * sizeof(float));
     marker->record();
-    for (int i = 0; i < 201; ++i)
-      ops.scale(static_cast<int64_t>(n), -1.0f, flipped.as<float>());
+    StreamGate gate(static_cast<cudaStream_t>(kernels::compute_stream(ops)), 20s);
+    ops.scale(static_cast<int64_t>(n), -1.0f, input.as<float>());
     comm.start_after(marker->handle());
-    comm.allgather(flipped.data(), n * sizeof(float), gathered.data());
+    comm.allgather(input.data(), n * sizeof(float), gathered.data());
+    CHECK_MESSAGE(gate.open(),
+                  "the gather waited for the work queued after its marker: it returned only when "
+                  "the gate holding the compute stream gave up after 20 s");
     const auto snapshot = download<float>(ops, gathered.data(), n);
-    const auto last = std::count(snapshot.begin(), snapshot.end(), -1.0f);
-    CHECK_MESSAGE(static_cast<size_t>(last) < n,
-                  "every element gathered after the marker was the last flip's: the gather "
-                  "waited for the work queued after its marker");
+    CHECK(std::count(snapshot.begin(), snapshot.end(), 1.0f) == static_cast<ptrdiff_t>(n));
+    const auto flipped = download<float>(ops, input.data(), n);
+    CHECK(std::count(flipped.begin(), flipped.end(), -1.0f) == static_cast<ptrdiff_t>(n));
   }
 }
 

@@ -436,11 +436,13 @@ TEST_CASE("nn_kernels: a token outside the vocabulary is a recipe error at the n
     const Buffer tokens = to_device(std::vector<int32_t>{1, 2, 3, 4, 5, 53, 7, 8});
     const Buffer out = gpu().allocate(static_cast<size_t>(8 * width) * dtype_size(dtype));
     const Matrix out_m{out.data(), 8, width, dtype};
-    gpu().embedding_forward(tokens.as<int32_t>(), seq, vocab, wte.data(), wpe.data(), out_m);
-    // The backward of the same tokens must not write outside dwte before the error surfaces.
+    // Made before the forward: to_device synchronises (a cast to bf16 or fp16), which would
+    // surface the error there.
     const Buffer dout = to_device(random_vector(static_cast<size_t>(8 * width), 27), dtype);
     const Buffer dwte = gpu().allocate(static_cast<size_t>(vocab * width) * sizeof(float));
     const Buffer dwpe = gpu().allocate(static_cast<size_t>(seq * width) * sizeof(float));
+    gpu().embedding_forward(tokens.as<int32_t>(), seq, vocab, wte.data(), wpe.data(), out_m);
+    // The backward of the same tokens must not write outside dwte before the error surfaces.
     gpu().embedding_backward(tokens.as<int32_t>(), seq, ConstMatrix{dout.data(), 8, width, dtype},
                              dwte.as<float>(), dwpe.as<float>());
     check_error([&] { gpu().synchronize(); }, ErrorKind::recipe, "token 53",

@@ -147,12 +147,12 @@ TEST_CASE("gpu: gpt-tiny trains on one GPU to the CPU's held-out loss, in every 
   const json cpu = run.train(run.recipe("cpu", "fp32"), "cpu");
   const double cpu_loss = cpu["eval_loss"].get<double>();
   struct Case {
-    const char* precision;
-    double tolerance;  // relative, on the held-out loss after 150 steps
+    std::string precision;  // not a const char*: doctest's MESSAGE would print its address
+    double tolerance;       // relative, on the held-out loss after 150 steps
   };
   for (const Case& c : {Case{"fp32", 0.01}, Case{"bf16", 0.03}, Case{"fp16", 0.03}}) {
     CAPTURE(c.precision);
-    const json gpu = run.train(run.recipe("cuda", c.precision), std::string("cuda-") + c.precision);
+    const json gpu = run.train(run.recipe("cuda", c.precision), "cuda-" + c.precision);
     MESSAGE(c.precision << ": held-out loss " << gpu["eval_loss"] << " (CPU fp32 " << cpu_loss
                         << "), " << gpu["tokens_per_s"] << " tokens/s");
     CHECK(gpu["eval_loss"].get<double>() == doctest::Approx(cpu_loss).epsilon(c.tolerance));
