@@ -185,23 +185,26 @@ int32_t draw(std::vector<float> logits, int64_t vocab, double temperature, int64
   return 0;
 }
 
-// The newest valid checkpoint of the run. Error(checkpoint) saying there is nothing to sample
-// from when the run has written none yet, or when none of them is valid; or naming a newer one
-// that is out of reach (a permission), as resume does.
-fs::path newest_checkpoint(const RunDirectory& run) {
+// The newest valid checkpoint of the run that its recipe wrote: the one a resume continues from
+// (one copied in from another recipe is skipped with a warning; --checkpoint can name it).
+// Error(checkpoint) saying there is nothing to sample from when the run has written none yet, or
+// when none of them is valid; or naming a newer one that is out of reach (a permission), as
+// resume does.
+fs::path newest_checkpoint(const RunDirectory& run, const Recipe& recipe) {
   if (list_checkpoints(run.checkpoints()).empty() && latest_checkpoint(run.checkpoints()).empty()) {
     throw Error(ErrorKind::checkpoint,
                 fmt::format("{}: no checkpoint yet, nothing to sample from (train the run, or "
                             "wait for its first checkpoint)",
                             run.path().string()));
   }
-  const auto found = try_find_valid_checkpoint(run.checkpoints(), [](const std::string& w) {
-    std::fprintf(stderr, "dptrain: warning: %s\n", w.c_str());
-  });
+  const auto found = try_find_valid_checkpoint(
+      run.checkpoints(),
+      [](const std::string& w) { std::fprintf(stderr, "dptrain: warning: %s\n", w.c_str()); },
+      written_by(recipe));
   if (!found) {
     throw Error(ErrorKind::checkpoint,
                 fmt::format("{}: no valid checkpoint, nothing to sample from (see 'dptrain "
-                            "ckpt verify {} --all')",
+                            "ckpt list {}'; --checkpoint names one another recipe wrote)",
                             run.path().string(), run.path().string()));
   }
   return *found;
@@ -265,7 +268,7 @@ int run_sample(const SampleOptions& o) {
   if (o.checkpoint_option->count() > 0 && o.checkpoint.empty()) {
     throw Error(ErrorKind::usage, "--checkpoint: empty (a directory, a name or a step)");
   }
-  const fs::path from = o.checkpoint.empty() ? newest_checkpoint(run)
+  const fs::path from = o.checkpoint.empty() ? newest_checkpoint(run, recipe)
                         : fs::is_directory(o.checkpoint, ec)
                             ? fs::path(o.checkpoint)
                             : checkpoint_named(run.checkpoints(), o.checkpoint);

@@ -974,7 +974,8 @@ RunMetrics read_metrics(const fs::path& file) {
 }
 
 // Marks the checkpoints another recipe than the run's wrote (by their meta.json's recipe hash),
-// as resume skips them. Nothing is marked where the run's recipe cannot be read.
+// as resume skips them, with the mismatch as one of their problems: they fail verification as
+// `ckpt list` and `ckpt verify` say. Nothing is marked where the run's recipe cannot be read.
 void mark_foreign(const fs::path& dir, const json& info, std::vector<CheckpointSummary>& list) {
   CheckpointFilter unusable;
   try {
@@ -987,7 +988,10 @@ void mark_foreign(const fs::path& dir, const json& info, std::vector<CheckpointS
   for (auto& c : list) {
     if (c.set_aside) continue;
     if (const auto position = checkpoint_position(dir / "checkpoints" / c.name)) {
-      c.foreign = !unusable(*position).empty();
+      if (std::string why = unusable(*position); !why.empty()) {
+        c.foreign = true;
+        c.problems.push_back(std::move(why));
+      }
     }
   }
 }

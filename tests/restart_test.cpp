@@ -315,6 +315,13 @@ TEST_CASE("a restart skips a checkpoint of another recipe copied into the run") 
                   .size() -
               1);
   }
+  // report counts it among those that fail verification, saying why, as ckpt list does.
+  const json report = parse_json(
+      run_dptrain({"report", run_dir.string(), "--json", "--out", (tmp / "report.html").string()})
+          .out);
+  CHECK(report["checkpoints_failed"] == 1);
+  CHECK(read_text(tmp / "report.html").find("FAILED: written by a different recipe (hash ") !=
+        std::string::npos);
   const auto resumed = run_dptrain({"resume", run_dir.string()});
   INFO(resumed.out, resumed.err);
   CHECK(resumed.exit_code == 0);

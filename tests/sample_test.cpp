@@ -193,6 +193,24 @@ TEST_CASE("sample: numbers out of range are refused, not wrapped; a run without 
   CHECK(invalid.exit_code == 5);
   CHECK(invalid.err.find("no valid checkpoint, nothing to sample from") != std::string::npos);
   CHECK(invalid.err.find("resume") == std::string::npos);
+
+  // Checkpoints another recipe wrote (here the run's recipe changed since): not taken by
+  // default, as a resume would not take them; --checkpoint names one, with a warning.
+  const fs::path other = data.tmp / "other";
+  fs::copy(run_dir, other, fs::copy_options::recursive);
+  json info = parse_json(read_text(other / "run.json"));
+  info["recipe"]["optimizer"]["lr"] = info["recipe"]["optimizer"].value("lr", 0.01) * 2;
+  write_text(other / "run.json", info.dump());
+  const auto foreign = sample(other, {"--tokens", "5"});
+  CHECK(foreign.exit_code == 5);
+  CHECK(foreign.err.find("warning: skipping checkpoint step-000006: written by a different "
+                         "recipe (hash ") != std::string::npos);
+  CHECK(foreign.err.find("no valid checkpoint, nothing to sample from") != std::string::npos);
+  CHECK(foreign.err.find("--checkpoint names one another recipe wrote") != std::string::npos);
+  const auto named = sample(other, {"--checkpoint", "6", "--tokens", "5", "--json"});
+  INFO(named.err);
+  CHECK(named.exit_code == 0);
+  CHECK(named.err.find("step-000006: written by a different recipe (hash ") != std::string::npos);
 }
 
 TEST_CASE(
