@@ -95,6 +95,14 @@ json JobOutcome::to_json(const RunDirectory& run) const {
   }
   for (const auto& [k, v] : result.items())
     j[k] = v;
+  // The trainer's result names the checkpoint where the run lay then: a run moved or copied since
+  // (resume of a completed one reads it back) names it where it lies now, as status does.
+  if (const json& path = j.value("last_checkpoint", json());
+      path.is_string() && !(remote && path == remote->path)) {
+    std::error_code ec;
+    const fs::path here = run.checkpoints() / fs::path(path.get<std::string>()).filename();
+    if (fs::is_directory(here, ec)) j["last_checkpoint"] = here.string();
+  }
   // The host it lies on when that is not this one (null: here, or none).
   j["last_checkpoint_host"] = remote && j.value("last_checkpoint", json()) == remote->path
                                   ? json(remote->host)

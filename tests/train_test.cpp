@@ -318,6 +318,14 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
     CHECK(outcome["final_loss"].is_number());
     CHECK(outcome["params_checksum"] ==
           parse_json(read_text(tmp / "run/result.json"))["params_checksum"]);
+    CHECK(outcome["last_checkpoint"] == (tmp / "run/checkpoints/step-000060").string());
+    // Moved elsewhere, its checkpoint is named where it lies now, as status names it.
+    fs::copy(tmp / "run", tmp / "moved", fs::copy_options::recursive);
+    const json moved = parse_json(run_dptrain({"resume", (tmp / "moved").string(), "--json"}).out);
+    CHECK(moved["last_checkpoint"] == (tmp / "moved/checkpoints/step-000060").string());
+    CHECK(moved["last_checkpoint"] ==
+          parse_json(
+              run_dptrain({"status", (tmp / "moved").string(), "--json"}).out)["last_checkpoint"]);
     const auto launched_done =
         run_dptrain({"launch", recipe.string(), "--run-dir", (tmp / "run").string()});
     CHECK(launched_done.exit_code == 2);

@@ -11,7 +11,9 @@
 #include <limits>
 #include <numeric>
 #include <random>
+#include <string>
 #include <string_view>
+#include <type_traits>
 
 #include <fmt/format.h>
 
@@ -90,8 +92,20 @@ void split_fields(std::string_view line, std::vector<std::string_view>& fields) 
 template <typename T>
 bool parse_number(std::string_view s, T& value) {
   if (!s.empty() && s.front() == '+') s.remove_prefix(1);  // from_chars rejects a leading '+'
-  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), value);
-  return ec == std::errc() && end == s.data() + s.size() && !s.empty() && std::isfinite(value);
+  const char* last = s.data() + s.size();
+  const auto [end, ec] = std::from_chars(s.data(), last, value);
+  if constexpr (std::is_floating_point_v<T>) {
+    // Nearer zero than T holds (1e-400): read as strtod reads it, zero or the nearest subnormal,
+    // as numpy and pandas do. One beyond T's largest stays refused.
+    if (ec == std::errc::result_out_of_range && end == last) {
+      const long double wide = std::strtold(std::string(s).c_str(), nullptr);
+      if (std::fabs(wide) < 1) {
+        value = static_cast<T>(wide);
+        return true;
+      }
+    }
+  }
+  return ec == std::errc() && end == last && !s.empty() && std::isfinite(value);
 }
 
 bool all_numeric(const std::vector<std::string_view>& fields) {

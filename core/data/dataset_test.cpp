@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <limits>
 #include <numeric>
 #include <set>
 
@@ -222,6 +223,20 @@ TEST_CASE("csv: every bad row is a recipe error naming the file and line") {
   CHECK(csv_error("a,b,c\r1,2,0\r0,1,1\r") ==
         ":1: a carriage return inside the line: its lines end in CR alone (classic Mac OS); "
         "convert them to LF or CRLF, e.g. with tr '\\r' '\\n'");
+}
+
+TEST_CASE("csv: a feature nearer zero than a float holds reads as zero; one too large is refused") {
+  TempDir dir;
+  const auto file = dir.write("tiny.csv", "1,1e-400,-2.5e-4000\n0,3,1e-45\n");
+  const auto table = read_csv_samples(file, "no", 2, 3);
+  REQUIRE(table.x.size() == 4);
+  CHECK(table.x[0] == 0.0f);
+  CHECK(table.x[1] == 0.0f);
+  CHECK(table.x[2] == 3.0f);
+  CHECK(table.x[3] >= 0.0f);
+  CHECK(table.x[3] <= std::numeric_limits<float>::denorm_min());
+  CHECK(csv_error("1,2,3\n0,1,1e400\n") == ":2: column 3 '1e400' is not a finite number");
+  CHECK(csv_error("1,2,3\n0,1,-3e39\n") == ":2: column 3 '-3e39' is not a finite number");
 }
 
 TEST_CASE("csv: every wrong row is listed, the same by csv_problems and read_csv_samples") {

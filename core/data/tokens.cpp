@@ -211,7 +211,8 @@ TokenFileHeader read_token_header(const fs::path& path) {
   TokenFileHeader header;
   header.dtype_bytes = static_cast<int>(dtype);
   const uint64_t vocab = get_le(p + 16, 8);
-  if (vocab < 1 || vocab > static_cast<uint64_t>(dtype_capacity(header.dtype_bytes))) {
+  if (vocab < 1) bad_file(path, "vocab 0: a vocabulary holds at least 1 token");
+  if (vocab > static_cast<uint64_t>(dtype_capacity(header.dtype_bytes))) {
     bad_file(path, fmt::format("vocab {} does not fit its dtype {}", vocab,
                                dtype_name(header.dtype_bytes)));
   }

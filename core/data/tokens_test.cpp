@@ -183,6 +183,9 @@ TEST_CASE("each kind of damage to a token file is one recipe error naming the fi
   const fs::path vocab = fresh("vocab.bin");
   overwrite(vocab, 16, std::string("\x01\0\x01\0\0\0\0\0", 8));  // 65537
   CHECK(read_error(vocab) == "vocab 65537 does not fit its dtype uint16");
+  const fs::path no_vocab = fresh("no-vocab.bin");
+  overwrite(no_vocab, 16, std::string(8, '\0'));
+  CHECK(read_error(no_vocab) == "vocab 0: a vocabulary holds at least 1 token");
 
   const fs::path reserved = fresh("reserved.bin");
   overwrite(reserved, 50, std::string("\x07", 1));
