@@ -2,7 +2,9 @@
 # The GPU checks in one go, for a machine with an NVIDIA GPU: every GPU test (each kernel against
 # the CPU op table, the models on the GPU against the CPU, gpt-tiny training in fp32/bf16/fp16,
 # NCCL with one rank), then the GPU benchmarks (GPT-2 124M training in bf16 and fp32 with MFU,
-# a per-op profile of bf16 training, NCCL all-reduce). Results go to OUT_DIR as JSON and logs.
+# a per-op profile of bf16 training, NCCL all-reduce, PyTorch's training of the same model as the
+# peer the figures are read against, and GPT-2 with its vocabulary padded to 50304, to measure
+# what an LM head aligned for the tensor cores would gain). Results go to OUT_DIR as JSON and logs.
 # The whole script, kill grace included, ends within DPTRAIN_GPU_BUDGET_S (default 540 s: under
 # 560 s, with room for the few unbounded steps): each test file has its own cap, and the
 # benchmarks run only when 150 s are left after the tests.
@@ -236,6 +238,70 @@ if [[ $bench -eq 1 ]]; then
   echo "bench profile: exit $? ($(ls "$out/profile" 2>/dev/null | wc -l) profile file(s) in $out/profile)"
   capped 60 "$bin/dptrain" bench comm --backend nccl --nproc 1 --runs-root "$work/runs-comm" --json >"$out/bench-comm.json" 2>"$out/bench-comm.log"
   echo "bench comm: exit $?"
+  # The PyTorch peer of `bench train`, so that its figures read as a ratio: bench/gpt_ddp_peer.py
+  # trains the same GPT from the same recipe and tokens on the GPU (SDPA attention, fused AdamW,
+  # bf16 autocast; fp32 without TF32), 30 steps of 16 x 1024. Last, and only with 120 s left, so
+  # that it never starves the steps before it. peer-train.json: a JSON array, one result per run.
+  # Its Python: the first of the candidates above that has torch (found, not imported: fast).
+  peer_py=""
+  for py in ${DPTRAIN_PYTHON:-} python3 python /opt/torch/.venv/bin/python3 /opt/conda/bin/python; do
+    command -v "$py" >/dev/null 2>&1 || continue
+    if timeout -k 2 10 "$py" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)' 2>/dev/null; then
+      peer_py=$py
+      break
+    fi
+  done
+  declare -A peer_cap=([bf16]=50 [fp32]=70)  # an fp32 step (no TF32) takes about 4 bf16 steps
+  if (($(left 120) < 120)); then
+    echo "peer train: not run: $(left 120) s of the budget left, it needs 120" | tee "$out/peer-skipped.txt"
+  elif [[ -z $peer_py ]]; then
+    echo "peer train: not run: no Python with torch (tried \$DPTRAIN_PYTHON, python3, python, /opt/torch/.venv, /opt/conda)" | tee "$out/peer-skipped.txt"
+  else
+    peer_runs="["
+    : >"$out/peer-train.log"
+    for precision in bf16 fp32; do
+      echo "== $precision" >>"$out/peer-train.log"
+      capped "${peer_cap[$precision]}" "$peer_py" "$here/bench/gpt_ddp_peer.py" "$work/gpt2.json" \
+        --device cuda --precision "$precision" --batch-per-rank 16 --nproc 1 --steps 30 --json \
+        >"$work/peer-$precision.json" 2>>"$out/peer-train.log"
+      rc=$?
+      echo "peer train $precision: exit $rc"
+      [[ $rc -eq 0 ]] && peer_runs="$peer_runs$(tail -n 1 "$work/peer-$precision.json"),"
+      echo "${peer_runs%,}]" >"$out/peer-train.json"  # after every run: a kill later keeps it
+    done
+    # dptrain / PyTorch tokens/s per precision, from both JSON files.
+    "$peer_py" -c '
+import json, sys
+def load(path, empty):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return empty
+dptrain = {r.get("precision"): r.get("tokens_per_s") for r in load(sys.argv[1], {}).get("rows", [])
+           if r.get("world") == 1}
+pytorch = {r.get("precision"): r.get("tokens_per_s") for r in load(sys.argv[2], [])}
+def text(rate):
+    return format(rate, ".0f") if rate else "none"
+parts = []
+for p in ("bf16", "fp32"):
+    d, t = dptrain.get(p), pytorch.get(p)
+    ratio = format(d / t, ".2f") + "x" if d and t else "n/a"
+    parts.append(f"{p} {text(d)} / {text(t)} = {ratio}")
+print("peer train: dptrain / PyTorch tokens/s, one GPU: " + ", ".join(parts))
+' "$out/bench-train.json" "$out/peer-train.json" || echo "peer train: no ratio (see bench-train.json, peer-train.json)"
+  fi
+  # The same bf16 training with the vocabulary padded from 50257 to 50304 (a multiple of 64, as
+  # llm.c pads it; the tokens stay below 256): how much the LM head's unaligned matrices cost.
+  if (($(left 60) < 60)); then
+    echo "bench train vocab 50304: not run: $(left 60) s of the budget left, it needs 60"
+  else
+    sed -e 's#"vocab": [0-9]*#"vocab": 50304#' "$work/gpt2.json" >"$work/gpt2-50304.json"
+    capped 60 "$bin/dptrain" bench train "$work/gpt2-50304.json" --device cuda --precision bf16 \
+      --batch-per-rank 16 --nproc 1 --steps 20 --runs-root "$work/runs-50304" --json \
+      >"$out/bench-train-50304.json" 2>"$out/bench-train-50304.log"
+    echo "bench train vocab 50304: exit $? ($(grep -o '[0-9.]* tokens/s, [0-9.]* ms/step' "$out/bench-train-50304.log" | tail -1))"
+  fi
 fi
 echo "run.sh: $failed of ${#files[@]} GPU test files failed or did not run; $(($(date +%s) - started)) s; results in $out"
 exit $((failed > 0))
