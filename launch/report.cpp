@@ -688,8 +688,11 @@ std::string facts_table(const RunView& run) {
                      (r.contains("tokens_per_s")
                           ? html(fmt::format(", {} tokens/s", rate(json_number(r, "tokens_per_s"))))
                           : ""));
-    if (r.contains("phases_ms")) {
-      const json& p = r["phases_ms"];
+    // No split where the run timed none of its steps (all of them warm-up): no row of dashes.
+    const json& p = r.value("phases_ms", json());
+    if (p.is_object() && std::any_of(p.begin(), p.end(), [](const json& v) {
+          return v.is_number() && std::isfinite(v.get<double>());
+        })) {
       rows += fact(
           "Step time split",
           html(fmt::format("data {} ms, compute {} ms, comm {} ms, optimizer {} ms",

@@ -391,6 +391,24 @@ TEST_CASE("a run with no steps logged yet: the report says so instead of failing
   CHECK(contains(run_dptrain({"status", run_dir.string()}).out, "no steps logged yet"));
 }
 
+TEST_CASE("report of a run that trained no steps: no step time split of dashes") {
+  TempDir tmp;
+  json recipe = small_recipe();
+  recipe["train"]["steps"] = 0;
+  recipe["optimizer"]["schedule"]["warmup"] = 0;
+  const auto file = write_recipe(tmp.path(), recipe);
+  const fs::path run_dir = tmp / "run";
+  REQUIRE(run_dptrain({"launch", file.string(), "--run-dir", run_dir.string()}).exit_code == 0);
+  // It timed no step: its phases are null.
+  CHECK(parse_json(read_text(run_dir / "result.json"))["phases_ms"]["compute"].is_null());
+  const auto r = run_dptrain({"report", run_dir.string()});
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  const std::string html = read_text(run_dir / "report.html");
+  CHECK(contains(html, "Throughput"));
+  CHECK_FALSE(contains(html, "Step time split"));
+}
+
 TEST_CASE("status: the step reached is at least that of the newest checkpoint the run holds") {
   TempDir tmp;
   auto recipe = small_recipe();
