@@ -587,21 +587,25 @@ Isolated run_isolated(const std::string& filter, std::chrono::seconds limit) {
   return result;
 }
 
+// True in the child process run_isolated started: the caller runs its checks there. Elsewhere,
+// runs the test case `filter` names in such a child, checks that it passed within `limit`, and
+// returns false.
+bool isolated_here(const std::string& filter, std::chrono::seconds limit) {
+  if (std::getenv(kIsolatedEnv) != nullptr) return true;
+  const Isolated child = run_isolated(filter, limit);
+  INFO("the test's own output:\n" << child.output);
+  CHECK_MESSAGE(!child.timed_out, "the test hung: killed after " << limit.count() << " s");
+  CHECK(child.exit_code == 0);
+  // It ran, not a filter that matched nothing (which exits 0 as well).
+  CHECK(child.output.find(" 1 passed") != std::string::npos);
+  return false;
+}
+
 TEST_CASE("nccl: a rank that never comes -> NCCL init times out and aborts, naming the rank") {
   require_nccl();
-  if (std::getenv(kIsolatedEnv) == nullptr) {
-    // The checks below rely on ncclCommAbort returning while NCCL's init waits in its bootstrap
-    // for the missing rank. Should it hang instead, only this test is lost: it runs in a child
-    // process of its own, killed at its deadline.
-    const auto limit = 45s;
-    const Isolated child = run_isolated("nccl: a rank that never comes*", limit);
-    INFO("the test's own output:\n" << child.output);
-    CHECK_MESSAGE(!child.timed_out, "the test hung: killed after " << limit.count() << " s");
-    CHECK(child.exit_code == 0);
-    // It ran, not a filter that matched nothing (which exits 0 as well).
-    CHECK(child.output.find(" 1 passed") != std::string::npos);
-    return;
-  }
+  // The checks below rely on ncclCommAbort returning while NCCL's init waits in its bootstrap
+  // for the missing rank. Should it hang instead, only this test is lost.
+  if (!isolated_here("nccl: a rank that never comes*", 45s)) return;
   TcpStoreServer server("127.0.0.1", 0);
   TcpStoreClient client("127.0.0.1", server.port(), 10s);
   PrefixStore store("gen1", client);
@@ -635,6 +639,45 @@ TEST_CASE("nccl: a rank that never comes -> NCCL init times out and aborts, nami
           "rank 1: rank 0 was started with another world size than this rank's 2 (it was given "
           "1): start every rank with the same world size");
   }
+}
+
+TEST_CASE(
+    "nccl: a collective held past its deadline times out, aborts, later calls refuse (1 GPU)") {
+  require_nccl();
+  // What a collective a peer never joins does, on one device: the compute stream is held (a
+  // gate) past the collective's deadline, and the collective starts only after the work queued
+  // there. Should ncclCommAbort hang with the collective still queued, only this test is lost.
+  if (!isolated_here("nccl: a collective held past its deadline*", 60s)) return;
+  TcpStoreServer server("127.0.0.1", 0);
+  TcpStoreClient client("127.0.0.1", server.port(), 10s);
+  PrefixStore store("gen1", client);
+  Ops& ops = gputest::gpu();
+  NcclCommunicator comm(store, 0, 1, options_for(ops, 0, 2s));
+  Buffer data = upload(ops, std::vector<float>(1024, 1.0f));
+  ops.synchronize();
+  std::string error;
+  {
+    StreamGate gate(static_cast<cudaStream_t>(kernels::compute_stream(ops)), 30s);
+    try {
+      comm.allreduce(data.as<float>(), 1024, ReduceOp::sum);
+    } catch (const Error& e) {
+      error = e.what();
+    }
+    CHECK_MESSAGE(gate.open(), "the gate gave up (30 s) before the collective timed out (2 s)");
+  }
+  CHECK(error ==
+        "rank 0: allreduce(sum) of 1024 floats timed out after 2s (NCCL); communicator aborted");
+  std::string later;
+  try {
+    comm.barrier();
+  } catch (const Error& e) {
+    later = e.what();
+  }
+  CHECK_MESSAGE(
+      later.rfind("rank 0: cannot run barrier: the communicator failed earlier: ", 0) == 0, later);
+  // The op table goes on: the compute stream was not left waiting for the aborted collective.
+  const auto back = download<float>(ops, data.data(), 1024);
+  CHECK(std::count(back.begin(), back.end(), 1.0f) == 1024);
 }
 
 TEST_CASE("nccl: a collective a peer skips times out, aborts, and later calls refuse to run") {
