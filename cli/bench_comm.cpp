@@ -164,8 +164,8 @@ std::vector<std::string> wrong_data_lines(const CommBenchResult& result) {
 // measured before the end are kept (table.txt, and result.json with "partial": true) and
 // printed, then the error; with --json, one object with them, the run directory and the
 // failure's fields.
-int report_unfinished(const BenchCommOptions& o, const RunDirectory& run,
-                      const CommBenchResult& partial, const JobOutcome& outcome) {
+int report_unfinished(const BenchCommOptions& o, RunDirectory& run, const CommBenchResult& partial,
+                      const JobOutcome& outcome) {
   // As main ends a failed command: a stop signal that came meanwhile is the exit.
   const ErrorKind kind = kind_after_stop(failure_kind(outcome.exit_code));
   const int code = exit_code(kind);
@@ -191,6 +191,10 @@ int report_unfinished(const BenchCommOptions& o, const RunDirectory& run,
     try {
       write_file_atomic(run.path() / "table.txt", table);
       write_file_atomic(run.path() / "result.json", json_text(j, 2) + "\n");
+      // Also under result in run.json, as a finished one's: status and report show the figures,
+      // saying they are partial.
+      run.info()["result"] = j;
+      run.save();
     } catch (const Error& e) {
       std::fprintf(stderr, "dptrain: warning: %s (the partial result is not kept)\n", e.what());
     }

@@ -206,9 +206,23 @@ int run_bench_train_cmd(const BenchTrainCliOptions& o) {
     StatusPrinter terminal(stderr, StatusPrinter::is_terminal(stderr));
     for (const auto& warning : fault_warnings)
       terminal.warning(warning);
-    run_bench_train(
-        spec.recipe, worlds, job_runner(spec, sweep_dir, &terminal),
-        [&terminal](const std::string& line) { terminal.line(line); }, report);
+    try {
+      run_bench_train(
+          spec.recipe, worlds, job_runner(spec, sweep_dir, &terminal),
+          [&terminal](const std::string& line) { terminal.line(line); }, report);
+    } catch (const Error& e) {
+      if (!o.json) throw;
+      // A run that failed or was stopped: the failure's object names the benchmark's directory
+      // (each world's run is under it, with its console.log and logs/), as bench comm's does.
+      terminal.finish();
+      const ErrorKind kind = kind_after_stop(e.kind());
+      nlohmann::json out = {{"status", failure_status(kind)}, {"run_dir", sweep_dir.string()}};
+      add_failure(out, exit_code(kind), e.what());
+      std::printf("%s\n", json_text(out).c_str());
+      std::fflush(stdout);
+      print_error_lines(e.what());
+      return exit_code(kind);
+    }
   }
 
   nlohmann::json out = report.to_json();

@@ -318,17 +318,20 @@ std::vector<std::string> BenchTrainReport::shortfalls(const BenchThresholds& min
     const bool largest = i + 1 == rows.size() || rows[i + 1].precision != row.precision;
     const std::string where = fmt::format("{} at world {}", row.precision, row.world);
     if (min.efficiency && row.efficiency < *min.efficiency) {
-      out.push_back(fmt::format("{}: scaling efficiency {:.2f} is below --min-efficiency {:g}",
+      out.push_back(fmt::format("{}: scaling efficiency {:.3g} is below --min-efficiency {:g}",
                                 where, row.efficiency, *min.efficiency));
     }
     if (!largest) continue;
     const double throughput = tokens ? row.tokens_per_s : row.samples_per_s;
     if (min.throughput && throughput < *min.throughput) {
-      out.push_back(fmt::format("{}: {:.0f} {} is below --min-throughput {:g}", where, throughput,
-                                unit, *min.throughput));
+      // Whole numbers, but never a 0 for a small figure.
+      const std::string shown =
+          throughput < 100 ? fmt::format("{:.3g}", throughput) : fmt::format("{:.0f}", throughput);
+      out.push_back(fmt::format("{}: {} {} is below --min-throughput {:g}", where, shown, unit,
+                                *min.throughput));
     }
     if (min.mfu_percent && row.mfu && 100.0 * *row.mfu < *min.mfu_percent) {
-      out.push_back(fmt::format("{}: MFU {:.1f}% is below --min-mfu {:g}%", where, 100.0 * *row.mfu,
+      out.push_back(fmt::format("{}: MFU {:.3g}% is below --min-mfu {:g}%", where, 100.0 * *row.mfu,
                                 *min.mfu_percent));
     }
   }
@@ -670,6 +673,18 @@ BenchRunner job_runner(const JobSpec& spec, const fs::path& sweep_dir, StatusPri
       if (terminal != nullptr) status.mirror_progress(terminal, "bench train: " + label + ": ");
       outcome = run_job(run, job, status);
     }
+    // A benchmark's run is never resumed: its checkpoints (a stop's too, which the ranks write
+    // on SIGTERM as any run's do) would only fill the disk, however the run ended.
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(run.checkpoints(), ec))
+      fs::remove_all(entry.path(), ec);
+    if (outcome.exit_code != 0 && run.info().contains("last_checkpoint")) {
+      run.info().erase("last_checkpoint");
+      try {
+        run.record();
+      } catch (const Error&) {  // a full disk: the error below says what matters
+      }
+    }
     if (outcome.exit_code == 130 || outcome.exit_code == 143) {
       // The job's message would point at a resume, which a benchmark's run never gets.
       const bool term = outcome.exit_code == 143;
@@ -685,12 +700,9 @@ BenchRunner job_runner(const JobSpec& spec, const fs::path& sweep_dir, StatusPri
                               "directory: {} (console.log, logs/)",
                               world.world, outcome.error, run.path().string()));
     }
-    std::error_code ec;
-    for (const auto& entry : fs::directory_iterator(run.checkpoints(), ec))
-      fs::remove_all(entry.path(), ec);
-    // Their record goes with them: the result, result.json (the same object, written by rank 0
-    // or for a remote one by the launcher) and run.json's copy name no checkpoint. A full disk
-    // leaves those files behind; the measurement stands.
+    // The checkpoints' record goes with them: the result, result.json (the same object, written by
+    // rank 0 or for a remote one by the launcher) and run.json's copy name no checkpoint. A full
+    // disk leaves those files behind; the measurement stands.
     json result = outcome.result;
     result["last_checkpoint"] = nullptr;
     try {

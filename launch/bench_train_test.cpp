@@ -577,6 +577,20 @@ TEST_CASE("thresholds: each shortfall is one line naming precision, world, figur
   lm.mfu_percent = 40;
   CHECK(tokens.shortfalls(lm) ==
         std::vector<std::string>{"fp32 at world 2: MFU 39.5% is below --min-mfu 40%"});
+  // Small figures keep their digits: a 0.00 or a 0 would say nothing of what was measured.
+  BenchTrainReport slow = report_with_rows(false);
+  slow.rows.back().efficiency = 0.00497;
+  slow.rows.back().samples_per_s = 0.25;
+  BenchThresholds strict;
+  strict.efficiency = 0.05;
+  strict.throughput = 1;
+  CHECK(slow.shortfalls(strict) ==
+        std::vector<std::string>{
+            "fp32 at world 2: scaling efficiency 0.00497 is below --min-efficiency 0.05",
+            "fp32 at world 2: 0.25 samples/s is below --min-throughput 1"});
+  tokens.rows.back().mfu = 0.000412;
+  CHECK(tokens.shortfalls(lm) ==
+        std::vector<std::string>{"fp32 at world 2: MFU 0.0412% is below --min-mfu 40%"});
   // Every precision's largest world is checked.
   BenchTrainReport two = report_with_rows(false);
   for (BenchTrainRow row : report_with_rows(false).rows) {

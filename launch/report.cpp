@@ -1076,7 +1076,9 @@ json comm_benchmark(const json& info) {
           {"max_bytes", from.value("max_bytes", json())},
           {"avg_busbw", from.value("avg_busbw", json())},
           {"avg_busbw_by_op", from.value("avg_busbw_by_op", json::object())},
-          {"wrong", from.value("wrong", json())}};
+          {"wrong", from.value("wrong", json())},
+          // Ended early (stopped, a rank failed): the figures are those of the sizes it measured.
+          {"partial", from.value("partial", false)}};
 }
 
 // "allreduce, broadcast from 8 B to 64.0 MiB: avg busbw 1.23 GB/s, 0 wrong elements".
@@ -1090,8 +1092,10 @@ std::string comm_benchmark_text(const json& b) {
   const std::string what = fmt::format("bench comm {} from {} to {}", fmt::join(ops, ", "),
                                        bytes(b["min_bytes"]), bytes(b["max_bytes"]));
   if (!b["avg_busbw"].is_number()) return what + ": no result (it did not finish)";
-  return fmt::format("{}: avg busbw {:.3g} GB/s, {} wrong element(s)", what,
-                     b["avg_busbw"].get<double>(), b["wrong"].dump());
+  return fmt::format(
+      "{}: {}avg busbw {:.3g} GB/s, {} wrong element(s)", what,
+      b.value("partial", false) ? "it did not finish; over the sizes it measured, " : "",
+      b["avg_busbw"].get<double>(), b["wrong"].dump());
 }
 
 json summary_fields(const RunView& run) {

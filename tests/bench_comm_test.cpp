@@ -279,6 +279,14 @@ TEST_CASE("bench comm: DPTRAIN_FAULT counts each measurement as a step") {
     CAPTURE(log);
     CHECK(log.find("bench comm: allreduce 2048 bytes (2/3)") != std::string::npos);
     CHECK(log.find("(3/3)") == std::string::npos);
+    // run.json keeps it too: status and report give its figures, saying they are partial.
+    CHECK(parse_json(read_text(tmp / "run" / "run.json"))["result"]["rows"] == j["rows"]);
+    const json s = parse_json(run_dptrain({"status", (tmp / "run").string(), "--json"}).out);
+    CHECK(s["status"] == "failed");
+    CHECK(s["benchmark"]["partial"] == true);
+    CHECK(s["benchmark"]["avg_busbw"] == j["avg_busbw"]);
+    CHECK(contains(run_dptrain({"status", (tmp / "run").string()}).out,
+                   "it did not finish; over the sizes it measured, avg busbw "));
   }
   SUBCASE("a rank that hangs before the second: the timeout names it, not the one waiting") {
     const auto r = bench(tmp,
@@ -323,20 +331,22 @@ TEST_CASE("bench comm: DPTRAIN_FAULT counts each measurement as a step") {
     CHECK(contains(launcher.out(), "# Partial: 1 of 3 measurements before the end"));
     CHECK(contains(launcher.out(), "        1024           256     float     sum      -1"));
     CHECK(contains(launcher.err(), "dptrain: error: stopped by SIGTERM"));
-    // Stopped before its result: still a collective benchmark, of the sizes it was given.
+    // Stopped before its result: still a collective benchmark, of the sizes it was given, with
+    // the figures of the one it measured, said to be partial.
     s = parse_json(run_dptrain({"status", run.string(), "--json"}).out);
     CHECK(s["status"] == "terminated");
     CHECK(s["benchmark"]["benchmark"] == "comm");
     CHECK(s["benchmark"]["ops"] == json({"allreduce"}));
     CHECK(s["benchmark"]["max_bytes"] == 4096);
-    CHECK(s["benchmark"]["avg_busbw"].is_null());
+    CHECK(s["benchmark"]["avg_busbw"].is_number());
+    CHECK(s["benchmark"]["partial"] == true);
     const json r = parse_json(run_dptrain({"report", run.string(), "--json"}).out);
     CHECK(r["throughput_unit"].is_null());
-    CHECK(r["benchmark"]["wrong"].is_null());
+    CHECK(r["benchmark"]["wrong"] == 0);
     const auto text = run_dptrain({"status", run.string()});
     CHECK_MESSAGE(contains(text.out,
-                           "bench comm allreduce from 1.0 KiB to 4.0 KiB: no result (it "
-                           "did not finish)"),
+                           "bench comm allreduce from 1.0 KiB to 4.0 KiB: it did not finish; "
+                           "over the sizes it measured, avg busbw "),
                   text.out);
   }
   SUBCASE("faults that can never fire are warned about; the benchmark runs") {

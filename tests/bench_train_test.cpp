@@ -434,33 +434,46 @@ TEST_CASE("--batch-per-rank overrides the recipe's batch for every run") {
   CHECK(parse_json(read_text(run / "recipe.json"))["train"]["batch_per_rank"] == 16);
 }
 
-TEST_CASE("SIGINT during a run: exit 130, and the message does not point at a resume") {
-  TempDir tmp;
-  const fs::path file = write_recipe(tmp.path(), small_recipe());
-  const fs::path sweep = tmp / "sweep";
-  Background b({"bench", "train", file.string(), "--nproc", "1", "--steps", "2000", "--run-dir",
-                sweep.string(), "--json"},
-               {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "20"}});
-  // The run has begun once rank 0 logged a step.
-  REQUIRE(eventually([&] {
-    std::error_code ec;
-    return fs::file_size(sweep / "w1/metrics.jsonl", ec) > 0 && !ec;
-  }));
-  ::kill(b.pid(), SIGINT);
-  CHECK(b.wait(std::chrono::seconds(60)) == 130);
-  INFO(b.err());
-  CHECK(b.err().find("bench train: stopped by SIGINT during the run at world size 1; a "
-                     "benchmark is not resumed") != std::string::npos);
-  CHECK(b.err().find("resume") == b.err().find("resumed"));  // no hint at 'dptrain resume'
-  const json out = parse_json(b.out());
-  CHECK(out["status"] == "interrupted");
-  CHECK(out["exit_code"] == 130);
-  CHECK(out["errors"].size() == 2);  // the stop, and the run directory
-  // Its world's directory is a benchmark's, not a run to train to its end: resume refuses it.
-  const auto resumed = run_dptrain({"resume", (sweep / "w1").string()});
-  CHECK(resumed.exit_code == 2);
-  CHECK_MESSAGE(resumed.err.find("w1: a benchmark's run (bench train, 1 rank(s)): a benchmark is "
-                                 "not resumed: run it again") != std::string::npos,
-                resumed.err);
-  CHECK(parse_json(read_text(sweep / "w1/run.json"))["status"] == "interrupted");
+TEST_CASE("a stop during a run: exit 130 or 143, no checkpoint kept, no pointer at a resume") {
+  for (const int sig : {SIGINT, SIGTERM}) {
+    const std::string name = sig == SIGINT ? "SIGINT" : "SIGTERM";
+    CAPTURE(name);
+    TempDir tmp;
+    json recipe = small_recipe();
+    recipe["checkpoint"] = {{"every", 1000}, {"keep", 2}};  // none before the stop
+    const fs::path file = write_recipe(tmp.path(), recipe);
+    const fs::path sweep = tmp / "sweep";
+    Background b({"bench", "train", file.string(), "--nproc", "1", "--steps", "2000", "--run-dir",
+                  sweep.string(), "--json"},
+                 {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "20"}});
+    // The run has begun once rank 0 logged a step.
+    REQUIRE(eventually([&] {
+      std::error_code ec;
+      return fs::file_size(sweep / "w1/metrics.jsonl", ec) > 0 && !ec;
+    }));
+    ::kill(b.pid(), sig);
+    const int code = sig == SIGINT ? 130 : 143;
+    CHECK(b.wait(std::chrono::seconds(60)) == code);
+    INFO(b.err());
+    CHECK(b.err().find("bench train: stopped by " + name +
+                       " during the run at world size 1; a benchmark is not resumed") !=
+          std::string::npos);
+    CHECK(b.err().find("resume") == b.err().find("resumed"));  // no hint at 'dptrain resume'
+    const json out = parse_json(b.out());
+    CHECK(out["status"] == (sig == SIGINT ? "interrupted" : "terminated"));
+    CHECK(out["exit_code"] == code);
+    CHECK(out["errors"].size() == 2);  // the stop, and the run directory
+    CHECK(out["run_dir"] == fs::absolute(sweep).string());
+    // The checkpoint the ranks write as SIGTERM stops them is not kept: nothing resumes it.
+    CHECK(fs::is_empty(sweep / "w1/checkpoints"));
+    const json recorded = parse_json(read_text(sweep / "w1/run.json"));
+    CHECK_FALSE(recorded.contains("last_checkpoint"));
+    CHECK(recorded["status"] == out["status"]);
+    // Its world's directory is a benchmark's, not a run to train to its end: resume refuses it.
+    const auto resumed = run_dptrain({"resume", (sweep / "w1").string()});
+    CHECK(resumed.exit_code == 2);
+    CHECK_MESSAGE(resumed.err.find("w1: a benchmark's run (bench train, 1 rank(s)): a benchmark "
+                                   "is not resumed: run it again") != std::string::npos,
+                  resumed.err);
+  }
 }
