@@ -140,7 +140,8 @@ class Doctor {
     }
     return false;
   }
-  bool nccl_recipe() const { return recipe_ && recipe_->distributed.backend == "nccl"; }
+  // Ranks that compute on GPUs (one per local rank, whatever the backend).
+  bool gpu_recipe() const { return recipe_ && recipe_->train.device == "cuda"; }
   // Ranks that compute on the CPU, with OpenBLAS: those of a CPU recipe, or of any without one.
   bool cpu_recipe() const { return !recipe_ || recipe_->train.device != "cuda"; }
 
@@ -262,6 +263,7 @@ class Doctor {
   void check_local_gpus_for_recipe() {
     if (!recipe_ || recipe_->train.device != "cuda") return;
     if (const auto why = gpus_missing(1)) {
+      local_gpu_missing_ = true;
       add("gpu", "localhost", false, *why,
           built_with_cuda() ? "install the NVIDIA driver, or check CUDA_VISIBLE_DEVICES"
                             : "rebuild where the CUDA toolkit is installed");
@@ -294,7 +296,7 @@ class Doctor {
                             "pass a writable --workdir, or free space there"});
         s.held_back = "its workdir check failed";
         s.checks.push_back(skipped_check("version", h.display(), s.held_back));
-        if (nccl_recipe()) s.checks.push_back(skipped_check("gpus", h.display(), s.held_back));
+        if (gpu_recipe()) s.checks.push_back(skipped_check("gpus", h.display(), s.held_back));
         if (cpu_recipe()) s.checks.push_back(skipped_check("blas", h.display(), s.held_back));
         return s;
       }
@@ -312,7 +314,7 @@ class Doctor {
         unreachable.held_back = "its ssh check failed";
         for (const char* check : {"workdir", "version"})
           skip(check, host, unreachable.held_back);
-        if (nccl_recipe()) skip("gpus", host, unreachable.held_back);
+        if (gpu_recipe()) skip("gpus", host, unreachable.held_back);
         if (cpu_recipe()) skip("blas", host, unreachable.held_back);
         surveys_.push_back(std::move(unreachable));
         continue;
@@ -357,7 +359,12 @@ class Doctor {
                                      "this machine starts its ranks directly and uses no workdir"));
     check_version(h, s);
     check_blas(h, s);
-    if (!nccl_recipe()) return;
+    if (!gpu_recipe()) return;
+    if (local_gpu_missing_) {
+      // One cause, one failure: the gpu check above already says this machine has none.
+      s.checks.push_back(skipped_check("gpus", h.display(), "the gpu check found no CUDA device"));
+      return;
+    }
     try {
       // The survey's directory only has to exist: the current one, so nothing is created.
       s.facts = survey_host(*s.shell, h, fs::current_path().string());
@@ -418,7 +425,7 @@ class Doctor {
   }
 
   void check_gpus(const HostSpec& h, HostSurvey& s) const {
-    if (!nccl_recipe()) return;
+    if (!gpu_recipe()) return;
     const int gpus = static_cast<int>(s.facts.gpus.size());
     s.checks.push_back({"gpus", h.display(), gpus >= h.slots,
                         fmt::format("{} GPU(s) for {} slot(s){}", gpus, h.slots,
@@ -799,6 +806,7 @@ class Doctor {
   const DoctorOptions& options_;
   int world_ = 0;
   std::optional<Recipe> recipe_;
+  bool local_gpu_missing_ = false;  // the gpu check failed: this machine has no CUDA device
   std::vector<HostSurvey> surveys_;
   std::string master_addr_;
   std::vector<DoctorCheck> checks_;

@@ -364,7 +364,9 @@ TEST_CASE("ckpt verify detects an edited meta.json; an older one without a check
 
   auto healthy = run_dptrain({"ckpt", "verify", run.string(), "--all", "--json"});
   REQUIRE(healthy.exit_code == 0);
-  for (const auto& c : parse_json(healthy.out)["checkpoints"]) {
+  const nlohmann::json checked = parse_json(healthy.out)["checkpoints"];
+  REQUIRE_FALSE(checked.empty());
+  for (const auto& c : checked) {
     CHECK(c["meta"]["checked"] == true);
     CHECK(c["meta"]["ok"] == true);
     CHECK(c["meta"]["checksum"] == c["meta"]["actual_checksum"]);

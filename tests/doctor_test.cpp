@@ -630,8 +630,38 @@ TEST_CASE("doctor: a host where OpenBLAS cannot be loaded fails the blas check, 
   const auto gpu_recipe = write_recipe(tmp.path(), gpu, "gpu.json");
   auto g = run_dptrain(
       {"doctor", "--hosts", "localhost:1", gpu_recipe.string(), "--no-allreduce", "--json"}, bad);
-  for (const auto& c : parse_json(g.out)["checks"])
+  // (Named first: a range-for over a member of a temporary would read a destroyed object.)
+  const json gpu_checks = parse_json(g.out)["checks"];
+  REQUIRE_FALSE(gpu_checks.empty());
+  for (const auto& c : gpu_checks)
     CHECK(c["check"] != "blas");
+
+  // No GPU here: the gpu check fails, once; this machine's gpus check (GPUs per slot, for any
+  // backend: each local rank gets one) is a skip line naming it.
+  for (const std::string backend : {"auto", "nccl"}) {
+    CAPTURE(backend);
+    gpu["distributed"]["backend"] = backend;
+    const auto file = write_recipe(tmp.path(), gpu, "gpu-" + backend + ".json");
+    const auto checked = run_dptrain(
+        {"doctor", "--hosts", "localhost:2", file.string(), "--no-allreduce", "--json"});
+    CHECK(checked.exit_code != 0);
+    int failed = 0;
+    bool gpus_skipped = false;
+    const json checks = parse_json(checked.out)["checks"];
+    for (const auto& c : checks) {
+      CAPTURE(c.dump());
+      if (c["ok"] == false) {
+        ++failed;
+        CHECK(c["check"] == "gpu");
+      }
+      if (c["check"] == "gpus") {
+        gpus_skipped = c["ok"].is_null() && contains(c["detail"].get<std::string>(),
+                                                     "the gpu check found no CUDA device");
+      }
+    }
+    CHECK(failed == 1);
+    CHECK(gpus_skipped);
+  }
 }
 
 TEST_CASE(
