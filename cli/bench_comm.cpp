@@ -232,9 +232,10 @@ int run_bench_launcher(const BenchCommOptions& o) {
                 "--min-busbw: with 1 rank no collective moves data between ranks (busbw is 0): "
                 "use 2 or more ranks, or leave out --min-busbw");
   }
-  if (o.min_busbw_flag->count() > 0) {
+  if (o.min_busbw_flag->count() > 0 && o.min_busbw > 0) {
     // The threshold is judged at each collective's largest size: one that rounds down to no
-    // data (whole elements on every rank) leaves nothing to judge.
+    // data (whole elements on every rank) leaves nothing to judge. (0 never fails: allowed, as
+    // with one rank.)
     const uint64_t largest = options.sizes().back();
     for (Collective op : options.ops) {
       if (collective_shape(op, largest, dtype_size(options.dtype), spec.world_size).bytes > 0) {

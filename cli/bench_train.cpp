@@ -10,6 +10,7 @@
 #include "cli/host_options.hpp"
 #include "cli/json_errors.hpp"
 #include "cli/run_report.hpp"
+#include "core/data/dataset.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
 #include "core/json_error.hpp"
@@ -147,6 +148,14 @@ int run_bench_train_cmd(const BenchTrainCliOptions& o) {
   spec.worker_binary = self_executable();
   // Every refusal (a world size the data or --strong cannot take, a host name that does not
   // resolve, a DPTRAIN_FAULT that does not parse) before anything is made.
+  // The data first, whatever the world size: a dataset that is not there is the recipe's
+  // problem, named by its file, not by the world-size flag.
+  try {
+    training_samples(spec.recipe.data, spec.recipe.model, spec.recipe.seed);
+  } catch (const Error& e) {
+    if (e.kind() != ErrorKind::recipe) throw;
+    throw Error(ErrorKind::recipe, fmt::format("{}: {}", o.recipe, e.what()));
+  }
   check_bench_worlds(spec.recipe, worlds, bench, hosts.empty() ? "--nproc" : "--nnodes");
   std::vector<std::string> fault_warnings;  // faults that fire in no run of the sweep
   {

@@ -443,7 +443,10 @@ void print_summary(const PrepareSummary& s, bool as_json) {
                       {"vocab", s.vocab},
                       {"train_tokens", s.train_tokens},
                       {"val_tokens", s.val_tokens},
-                      {"dtype", dtype_name(s.dtype_bytes)}};
+                      {"dtype", dtype_name(s.dtype_bytes)},
+                      // As every command's object on success (recipe validate, doctor, ...).
+                      {"status", "ok"},
+                      {"exit_code", 0}};
     std::printf("%s\n", json_text(out).c_str());
     return;
   }

@@ -97,10 +97,11 @@ std::vector<int> parse_world_list(const std::string& text, const std::string& fl
       }
     }
     if (!ok || used != item.size() || value < 1) {
-      throw Error(ErrorKind::usage,
-                  fmt::format("{} {}: '{}' is not a world size (a list of positive integers, "
-                              "e.g. 1,2,4)",
-                              flag, text, item));
+      // --nnodes lists numbers of hosts, --nproc world sizes.
+      throw Error(
+          ErrorKind::usage,
+          fmt::format("{} {}: '{}' is not {} (a list of positive integers, e.g. 1,2,4)", flag, text,
+                      item, flag == "--nnodes" ? "a number of hosts" : "a world size"));
     }
     if (std::find(worlds.begin(), worlds.end(), value) != worlds.end()) {
       throw Error(ErrorKind::usage, fmt::format("{} {}: {} is listed twice", flag, text, value));

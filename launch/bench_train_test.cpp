@@ -79,6 +79,15 @@ TEST_CASE("a world list is positive integers, sorted, each once") {
   }
   CHECK_THROWS_WITH_AS(parse_world_list("1,2,1", "--nnodes"), doctest::Contains("listed twice"),
                        Error);
+  // --nnodes counts hosts, --nproc ranks: each says which.
+  CHECK_THROWS_WITH_AS(parse_world_list("0", "--nnodes"),
+                       "--nnodes 0: '0' is not a number of hosts (a list of positive integers, "
+                       "e.g. 1,2,4)",
+                       Error);
+  CHECK_THROWS_WITH_AS(parse_world_list("0", "--nproc"),
+                       "--nproc 0: '0' is not a world size (a list of positive integers, e.g. "
+                       "1,2,4)",
+                       Error);
 }
 
 TEST_CASE("default host counts double up to every host") {

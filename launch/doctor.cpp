@@ -154,7 +154,9 @@ class Doctor {
     }
     try {
       recipe_ = load_recipe(options_.recipe);
-      add("recipe", "", true, fmt::format("{} is valid", options_.recipe.string()));
+      // Its fields: what is wrong in the data it names is the data check's (recipe validate,
+      // which stops at neither, counts both).
+      add("recipe", "", true, fmt::format("{}: its fields are valid", options_.recipe.string()));
     } catch (const Error& e) {
       std::istringstream lines(e.what());
       for (std::string line; std::getline(lines, line);) {
@@ -518,6 +520,9 @@ class Doctor {
       add("store-port", "", false, e.what(),
           names_unresolved(e.what())
               ? "correct --master-addr: give an address of this machine, or a name it resolves"
+          : options_.master_port == 0
+              // Any free port was asked for: the address is what cannot be used.
+              ? "give --master-addr an address of this machine"
               : "choose another --master-port (or free that one), or another --master-addr");
       skip_all("the store cannot listen (see the line above)");
       return;

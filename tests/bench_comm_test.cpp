@@ -457,6 +457,12 @@ TEST_CASE("bench comm: a bad flag exits 2 naming it and creates nothing") {
   const auto j = bench(tmp, {"--backend", "mpi", "--json"});
   CHECK(j.exit_code == 2);
   CHECK(parse_json(j.out)["exit_code"] == 2);  // errors are JSON too with --json
+  // A threshold of 0 can never fail: allowed where there is nothing to judge, as with one rank.
+  const auto zero = bench(tmp, {"--nproc", "2", "--op", "allgather", "-b", "4", "-e", "4",
+                                "--min-busbw", "0", "--json"});
+  INFO(zero.err);
+  CHECK(zero.exit_code == 0);
+  CHECK(parse_json(zero.out)["status"] == "ok");
 }
 
 TEST_CASE("bench comm --backend nccl where NCCL cannot be used: exit 3, one line with the reason") {

@@ -235,6 +235,18 @@ TEST_CASE("a world size whose global batch the data cannot hold exits 2 naming i
   CHECK(r.err.find("--nproc: world size 16: ") != std::string::npos);
   CHECK(r.err.find("fewer than one global batch") != std::string::npos);
   CHECK(nothing_created(tmp));
+  // Data that is not there at all is the recipe's, named by its file, whatever the world size.
+  json tokens = small_recipe();
+  tokens["model"] = {{"type", "gpt"}, {"vocab", 64}, {"context", 16},
+                     {"layers", 1},   {"heads", 2},  {"width", 16}};
+  tokens["data"] = {{"type", "tokens"}, {"path", (tmp / "nodata").string()}};
+  const fs::path missing = write_recipe(tmp.path(), tokens, "missing.json");
+  const auto gone = bench(tmp, {missing.string(), "--nproc", "1,2"});
+  CHECK(gone.exit_code == 2);
+  CHECK_MESSAGE(gone.err.rfind("dptrain: error: " + missing.string() + ": /data/path: ", 0) == 0,
+                gone.err);
+  CHECK(gone.err.find("--nproc") == std::string::npos);
+  CHECK(nothing_created(tmp));
 }
 
 TEST_CASE("a failed run exits 3 with its error and the world size") {

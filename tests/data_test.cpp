@@ -31,7 +31,10 @@ nlohmann::json prepare_json(const std::vector<std::string>& args) {
   INFO(r.out, r.err);
   REQUIRE(r.exit_code == 0);
   CHECK(r.err.empty());
-  return parse_json(r.out);
+  const nlohmann::json out = parse_json(r.out);
+  CHECK(out["status"] == "ok");
+  CHECK(out["exit_code"] == 0);
+  return out;
 }
 
 // A refusal: exit 2 and exactly one error line, which is returned.

@@ -374,6 +374,11 @@ TEST_CASE("doctor: the data check's fix fits what is wrong with the data") {
           std::string::npos);
     CHECK(data["fix"].get<std::string>().find("model.classes") != std::string::npos);
     CHECK(data["fix"].get<std::string>().find(more_data) == std::string::npos);
+    // The recipe's own fields are right: its check says that much, not that all is valid.
+    const json recipe =
+        check_named(local_doctor(tmp, csv_recipe(tmp, many_rows(40) + "7,1,1\n")), "recipe");
+    CHECK(recipe["ok"] == true);
+    CHECK(recipe["detail"].get<std::string>().ends_with(": its fields are valid"));
   }
   SUBCASE("several wrong rows: a failed data line each") {
     const json report = local_doctor(tmp, csv_recipe(tmp, many_rows(40) + "7,1,1\n1,1,x\n"));
@@ -569,6 +574,16 @@ TEST_CASE("doctor: a name that does not resolve is one FAIL whose fix is the nam
   CHECK(
       lines[0].ends_with("-- fix: correct --master-addr: give an address of this machine, or a "
                          "name it resolves"));
+  // An address that resolves but is not this machine's, with any free port (the default): no
+  // other port would help.
+  auto foreign = run_dptrain(
+      {"doctor", "--hosts", "localhost:1", "--master-addr", "192.0.2.1", "--no-allreduce"});
+  INFO(foreign.out);
+  CHECK(foreign.exit_code == 4);
+  lines = failure_lines(foreign.out);
+  REQUIRE(lines.size() == 1);
+  CHECK(lines[0].starts_with("FAIL store-port cannot listen on 192.0.2.1:0"));
+  CHECK(lines[0].ends_with("-- fix: give --master-addr an address of this machine"));
 }
 
 TEST_CASE("doctor on this machine creates no workdir in $HOME and leaves no run directory") {
