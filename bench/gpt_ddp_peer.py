@@ -76,7 +76,8 @@ def supported(recipe):
         ("/data/type", recipe["data"]["type"], {"tokens"}),
         ("/train/grad_accum", recipe["train"]["grad_accum"], {1}),
         # Which of these a device takes: PRECISIONS, after the command line's overrides.
-        ("/train/precision", recipe["train"]["precision"], {"fp32", "bf16"}),
+        # fp16 too: --precision may replace it; PRECISIONS refuses what is left after that.
+        ("/train/precision", recipe["train"]["precision"], {"fp32", "bf16", "fp16"}),
         ("/optimizer/type", recipe["optimizer"]["type"], {"adamw"}),
         ("/optimizer/schedule/type", recipe["optimizer"]["schedule"]["type"],
          {"constant", "cosine", "linear"}),

@@ -652,8 +652,10 @@ TEST_CASE("doctor: a host where OpenBLAS cannot be loaded fails the blas check, 
     CAPTURE(backend);
     gpu["distributed"]["backend"] = backend;
     const auto file = write_recipe(tmp.path(), gpu, "gpu-" + backend + ".json");
-    const auto checked = run_dptrain(
-        {"doctor", "--hosts", "localhost:2", file.string(), "--no-allreduce", "--json"});
+    // (No device visible, also where the tests run on a GPU machine.)
+    const auto checked =
+        run_dptrain({"doctor", "--hosts", "localhost:2", file.string(), "--no-allreduce", "--json"},
+                    {{"CUDA_VISIBLE_DEVICES", ""}});
     CHECK(checked.exit_code != 0);
     int failed = 0;
     bool gpus_skipped = false;

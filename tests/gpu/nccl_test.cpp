@@ -14,6 +14,7 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -259,44 +260,62 @@ void exercise_collectives(NcclCommunicator& comm, Ops& ops) {
 }
 
 // A host function on `stream` that holds it (and everything queued after it) until open() is
-// called, or until `limit` passes. The destructor opens it and waits until the function has
-// returned, so the gate outlives it whatever the test does in between.
+// called, or until `limit` passes. Its state is shared with the function, which may outlive the
+// gate: CUDA skips a host function whose context has failed, and then nothing would ever wake a
+// destructor waiting for it (it waits `limit` and a little more, then leaves the state to the
+// function, if it ever runs).
+// CUDA asks that a host function not wait for work that is not ordered before it; this one waits
+// for the test, which opens it once a collective on another stream has finished. That holds as
+// long as nothing else in the process queues a host function meanwhile (the runtime may run them
+// one at a time): NCCL with one rank does not. Should that change, the check it guards fails
+// after `limit`, it does not hang.
 class StreamGate {
  public:
-  StreamGate(cudaStream_t stream, std::chrono::milliseconds limit) : limit_(limit) {
-    REQUIRE(cudaLaunchHostFunc(stream, &StreamGate::hold, this) == cudaSuccess);
+  StreamGate(cudaStream_t stream, std::chrono::milliseconds limit)
+      : state_(std::make_shared<State>()) {
+    state_->limit = limit;
+    // The function's own reference, released by it (or leaked, if it never runs).
+    auto* held = new std::shared_ptr<State>(state_);
+    if (cudaLaunchHostFunc(stream, &StreamGate::hold, held) != cudaSuccess) {
+      delete held;
+      FAIL("cudaLaunchHostFunc failed");
+    }
   }
   ~StreamGate() {
     open();
-    std::unique_lock lock(mutex_);
-    changed_.wait(lock, [this] { return returned_; });
+    std::unique_lock lock(state_->mutex);
+    state_->changed.wait_for(lock, state_->limit + 5s, [this] { return state_->returned; });
   }
   StreamGate(const StreamGate&) = delete;
   StreamGate& operator=(const StreamGate&) = delete;
   // Opens it: true when it was still holding (it had not given up on its own).
   bool open() {
-    std::lock_guard lock(mutex_);
-    opened_ = true;
-    changed_.notify_all();
-    return !gave_up_;
+    std::lock_guard lock(state_->mutex);
+    state_->opened = true;
+    state_->changed.notify_all();
+    return !state_->gave_up;
   }
 
  private:
-  static void CUDART_CB hold(void* self) {
-    auto& gate = *static_cast<StreamGate*>(self);
-    std::unique_lock lock(gate.mutex_);
-    if (!gate.changed_.wait_for(lock, gate.limit_, [&gate] { return gate.opened_; })) {
-      gate.gave_up_ = true;
+  struct State {
+    std::chrono::milliseconds limit{};
+    std::mutex mutex;
+    std::condition_variable changed;
+    bool opened = false;
+    bool gave_up = false;
+    bool returned = false;
+  };
+  static void CUDART_CB hold(void* data) {
+    const std::unique_ptr<std::shared_ptr<State>> held(static_cast<std::shared_ptr<State>*>(data));
+    State& state = **held;
+    std::unique_lock lock(state.mutex);
+    if (!state.changed.wait_for(lock, state.limit, [&state] { return state.opened; })) {
+      state.gave_up = true;
     }
-    gate.returned_ = true;
-    gate.changed_.notify_all();
+    state.returned = true;
+    state.changed.notify_all();
   }
-  std::chrono::milliseconds limit_;
-  std::mutex mutex_;
-  std::condition_variable changed_;
-  bool opened_ = false;
-  bool gave_up_ = false;
-  bool returned_ = false;
+  std::shared_ptr<State> state_;
 };
 
 // Work queued on the compute stream comes before the collective: a chain of kernels doubles the
@@ -652,7 +671,8 @@ TEST_CASE(
   TcpStoreClient client("127.0.0.1", server.port(), 10s);
   PrefixStore store("gen1", client);
   Ops& ops = gputest::gpu();
-  NcclCommunicator comm(store, 0, 1, options_for(ops, 0, 2s));
+  // 5 s: the communicator's init (in a fresh process) must fit in it too.
+  NcclCommunicator comm(store, 0, 1, options_for(ops, 0, 5s));
   Buffer data = upload(ops, std::vector<float>(1024, 1.0f));
   ops.synchronize();
   std::string error;
@@ -663,10 +683,10 @@ TEST_CASE(
     } catch (const Error& e) {
       error = e.what();
     }
-    CHECK_MESSAGE(gate.open(), "the gate gave up (30 s) before the collective timed out (2 s)");
+    CHECK_MESSAGE(gate.open(), "the gate gave up (30 s) before the collective timed out (5 s)");
   }
   CHECK(error ==
-        "rank 0: allreduce(sum) of 1024 floats timed out after 2s (NCCL); communicator aborted");
+        "rank 0: allreduce(sum) of 1024 floats timed out after 5s (NCCL); communicator aborted");
   std::string later;
   try {
     comm.barrier();
