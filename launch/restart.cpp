@@ -283,6 +283,18 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
       listed != run.info().end() && listed->is_array() ? static_cast<int>(listed->size()) : 0;
   const auto finish = [&](JobOutcome outcome) {
     outcome.restarts = numbered_before + restarts;
+    // The run's end, where it says more than its last generation's failure (stopped as
+    // deterministic, restarts exhausted, not restarted and why): run.json's error, which status
+    // and report give, is what the launch said. (A new generation erases it.)
+    if (outcome.exit_code != 0 && !outcome.error.empty()) {
+      const json& generations = run.info().value("generations", json::array());
+      const std::string last =
+          generations.empty() ? std::string() : generations.back().value("error", std::string());
+      if (outcome.error != last && run.info().value("error", std::string()) != outcome.error) {
+        run.info()["error"] = outcome.error;
+        run.record();
+      }
+    }
     return outcome;
   };
   {
@@ -302,6 +314,14 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
   // Failures in a row at one step, counted over the run, not this invocation: the failed
   // generations an earlier launch or resume ended with count (a CI loop that resumes a run
   // whose failure repeats stops as early as one launch would).
+  // "1/3", or after an earlier invocation's restarts "4 of the run (1/3 of this invocation)":
+  // numbered as run.json numbers them; the budget is this invocation's.
+  const auto restart_label = [&](int attempt) {
+    return numbered_before == 0
+               ? fmt::format("{}/{}", attempt, policy.max_restarts)
+               : fmt::format("{} of the run ({}/{} of this invocation)", numbered_before + attempt,
+                             attempt, policy.max_restarts);
+  };
   const RepeatedFailure before = repeated_failure(run.info());
   int same_step = before.times;
   int64_t previous_step = before.times > 0 ? before.step : -2;
@@ -440,6 +460,10 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
                                      {"at", utc_timestamp()}};
     run.info()["alive_at"] = utc_timestamp();
     run.record();
+    // Said before the wait (up to 30 s): which rank failed, and that a restart is to come (it
+    // may not: a stop, or an elastic job left with too few hosts or ranks).
+    status.line(fmt::format("{}; waiting {:.1f}s to restart (attempt {})", cause,
+                            static_cast<double>(backoff.count()) / 1000.0, restart_label(attempt)));
     int sig = sleep_unless_stopped(backoff);
     Placed placed;  // its change of world size is recorded after the restart it belongs to
     if (sig == 0) {
@@ -471,11 +495,7 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
     restarts = attempt;
     const int number = numbered_before + restarts;
     // Numbered as run.json numbers it; the budget is this invocation's.
-    status.line(fmt::format("restart {} after {:.1f}s from {}: {}",
-                            numbered_before == 0
-                                ? fmt::format("{}/{}", restarts, policy.max_restarts)
-                                : fmt::format("{} of the run ({}/{} of this invocation)", number,
-                                              restarts, policy.max_restarts),
+    status.line(fmt::format("restart {} after {:.1f}s from {}: {}", restart_label(restarts),
                             static_cast<double>(backoff.count()) / 1000.0, from_name, cause));
     if (spec.events) {
       spec.events->emit("restart", {{"restart", number},

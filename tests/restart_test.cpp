@@ -132,11 +132,23 @@ TEST_CASE("the same failure three times at one step stops with exit 3: looks det
   const json info = parse_json(read_text(tmp / "det/run.json"));
   CHECK(info["restarts"].size() == 2);
   CHECK(info["generations"].size() == 3);
-  // status says as much.
-  CHECK(parse_json(run_dptrain({"status", (tmp / "det").string(), "--json"}).out)["hint"] ==
+  // status says as much, and its error (report's too) is the launch's, not the last
+  // generation's alone.
+  const json status = parse_json(run_dptrain({"status", (tmp / "det").string(), "--json"}).out);
+  CHECK(status["hint"] ==
         "it failed 3 times in a row at step 33: once the cause is fixed (see the error), continue "
         "it with 'dptrain resume " +
             (tmp / "det").string() + "'");
+  CHECK(status["error"].get<std::string>().starts_with(
+      "the job failed 3 times in a row at step 33: this looks deterministic"));
+  CHECK(parse_json(run_dptrain({"report", (tmp / "det").string(), "--json"}).out)["error"]
+            .get<std::string>()
+            .starts_with("the job failed 3 times in a row at step 33: this looks deterministic"));
+  // Each failure was said before its back-off, naming the rank, then the restart after it.
+  INFO(r.out);
+  const auto said = r.out.find("; waiting 0.1s to restart (attempt 1/10)");
+  CHECK(said != std::string::npos);
+  CHECK(said < r.out.find("restart 1/10 after 0.1s from "));
 }
 
 TEST_CASE("failures in a row at one step count over the run: a resume loop stops as early") {
@@ -341,6 +353,10 @@ TEST_CASE("without --max-restarts a failure is final; with it exhausted the mess
                   {{"DPTRAIN_FAULT", "crash@step=25,rank=1,gen=1;crash@step=65,rank=1,gen=2"}});
   CHECK(r.exit_code == 3);
   CHECK(r.err.find("restarts exhausted: 1 of 1") != std::string::npos);
+  // status gives the whole of it, as the launch said it.
+  CHECK(contains(parse_json(run_dptrain({"status", (tmp / "once").string(), "--json"}).out)["error"]
+                     .get<std::string>(),
+                 "(restarts exhausted: 1 of 1 for this invocation)"));
   CHECK(run_dptrain({"launch", recipe.string(), "--max-restarts", "-1"}).exit_code == 2);
 }
 
