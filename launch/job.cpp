@@ -943,6 +943,14 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     } else {
       out.error = fmt::format("stopped by SIGTERM, but not every rank checkpointed: {}{}",
                               not_checkpointed(), checkpoint_note());
+      // A rank that could not stop as asked (hung, with no --hang-timeout to name it): the
+      // ranks' last heartbeats say which, when the others wait for it in a collective.
+      if (trace.beats.size() >= 2) {
+        const std::string where = HangWatch::positions(trace.beats, rank_name);
+        if (where.find("; waiting for it in collective") != std::string::npos) {
+          out.error += "; by the ranks' last heartbeats, " + where;
+        }
+      }
       // Each rank that did not stop as asked exited on its own account: an event each.
       for (const auto& e : sup.exits) {
         if (e.exit_code == 143 || e.exit_code == 0) continue;

@@ -646,6 +646,25 @@ TEST_CASE("Ctrl-C after a SIGTERM kills the ranks at once, and the message says 
                  "(Ctrl-C) after the SIGTERM asked for an end at once)"));
 }
 
+TEST_CASE("SIGTERM with a hung rank and no --hang-timeout: the heartbeats name the hung one") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  const fs::path run_dir = tmp / "run";
+  Background launcher({"launch", recipe.string(), "--nproc", "2", "--run-dir", run_dir.string()},
+                      {{"DPTRAIN_FAULT", "hang@step=3,rank=1"}});
+  REQUIRE(eventually([&] { return worker_pids(run_dir).size() == 2; }));
+  // Rank 1 hangs before step 3, a few milliseconds in; rank 0 then waits for it.
+  std::this_thread::sleep_for(std::chrono::milliseconds(3000));
+  REQUIRE(::kill(launcher.pid(), SIGTERM) == 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  REQUIRE(::kill(launcher.pid(), SIGINT) == 0);  // no need to wait out the stop's grace
+  CHECK(launcher.wait(std::chrono::seconds(60)) == 143);
+  INFO(launcher.err());
+  CHECK(contains(launcher.err(), "stopped by SIGTERM, but not every rank checkpointed: "));
+  CHECK(contains(launcher.err(), "; by the ranks' last heartbeats, stuck: rank 1 at step 3 "));
+  CHECK(contains(launcher.err(), "; waiting for it in collective #"));
+}
+
 TEST_CASE("SIGTERM during the last step: nothing is left to stop, the run completes") {
   TempDir tmp;
   auto j = small_recipe();
