@@ -263,7 +263,7 @@ class Doctor {
   // A cuda recipe needs GPUs (and, for NCCL, the library) where its ranks run. This machine's
   // are checked here; a remote host's ranks check their own when they start.
   void check_local_gpus_for_recipe() {
-    if (!recipe_ || recipe_->train.device != "cuda") return;
+    if (!gpu_recipe()) return;
     if (const auto why = gpus_missing(1)) {
       local_gpu_missing_ = true;
       add("gpu", "localhost", false, *why,

@@ -562,7 +562,8 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     write_file_atomic(run.path() / "recipe.json", json_text(to_json(spec.recipe), 2) + "\n");
 
   std::vector<ProcessSpec> procs;
-  std::map<std::string, HostSpec> relay_hosts;  // process label -> host
+  std::map<std::string, HostSpec> relay_hosts;    // process label -> host
+  std::map<std::string, std::string> relay_tags;  // process label -> host_tag, for its lines
   for (size_t i = 0; i < plan.hosts.size(); ++i) {
     const HostSpec& h = plan.hosts[i];
     if (h.is_local()) {
@@ -573,6 +574,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     } else {
       ProcessSpec p = relay_spec(spec, relay_plan(spec, h, plan.agents[i]), run.logs());
       relay_hosts[p.label] = h;
+      relay_tags[p.label] = host_tag(spec, h);
       procs.push_back(std::move(p));
     }
   }
@@ -749,9 +751,9 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       const std::string rank = rest.substr(0, space);
       const std::string text = space == std::string::npos ? "" : rest.substr(space + 1);
       remote_logs.append(host, std::atoi(rank.c_str()), text);
-      return status.line(fmt::format("[{}:{}] {}", host_tag(spec, relay->second), rank, text));
+      return status.line(fmt::format("[{}:{}] {}", relay_tags.at(p.label), rank, text));
     }
-    status.line(fmt::format("[{}] {}", host_tag(spec, relay->second), line));
+    status.line(fmt::format("[{}] {}", relay_tags.at(p.label), line));
   };
   options.on_started = [&](const std::vector<pid_t>& pids) {
     info["generations"].back()["pids"] = pids;

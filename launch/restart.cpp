@@ -287,9 +287,11 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
     // deterministic, restarts exhausted, not restarted and why): run.json's error, which status
     // and report give, is what the launch said. (A new generation erases it.)
     if (outcome.exit_code != 0 && !outcome.error.empty()) {
-      const json& generations = run.info().value("generations", json::array());
+      const auto generations = run.info().find("generations");
       const std::string last =
-          generations.empty() ? std::string() : generations.back().value("error", std::string());
+          generations != run.info().end() && generations->is_array() && !generations->empty()
+              ? generations->back().value("error", std::string())
+              : std::string();
       if (outcome.error != last && run.info().value("error", std::string()) != outcome.error) {
         run.info()["error"] = outcome.error;
         run.record();
@@ -311,9 +313,6 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
          check_fault_injection(spec, first_step, static_cast<int>(generations.size()) + 1))
       status.warning(warning);
   }
-  // Failures in a row at one step, counted over the run, not this invocation: the failed
-  // generations an earlier launch or resume ended with count (a CI loop that resumes a run
-  // whose failure repeats stops as early as one launch would).
   // "1/3", or after an earlier invocation's restarts "4 of the run (1/3 of this invocation)":
   // numbered as run.json numbers them; the budget is this invocation's.
   const auto restart_label = [&](int attempt) {
@@ -322,6 +321,9 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
                : fmt::format("{} of the run ({}/{} of this invocation)", numbered_before + attempt,
                              attempt, policy.max_restarts);
   };
+  // Failures in a row at one step, counted over the run, not this invocation: the failed
+  // generations an earlier launch or resume ended with count (a CI loop that resumes a run
+  // whose failure repeats stops as early as one launch would).
   const RepeatedFailure before = repeated_failure(run.info());
   int same_step = before.times;
   int64_t previous_step = before.times > 0 ? before.step : -2;
@@ -494,7 +496,6 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
     }
     restarts = attempt;
     const int number = numbered_before + restarts;
-    // Numbered as run.json numbers it; the budget is this invocation's.
     status.line(fmt::format("restart {} after {:.1f}s from {}: {}", restart_label(restarts),
                             static_cast<double>(backoff.count()) / 1000.0, from_name, cause));
     if (spec.events) {

@@ -397,6 +397,14 @@ NcclOptions options_for(Ops& ops, int device, std::chrono::milliseconds timeout 
   return options;
 }
 
+// A store on loopback for the ranks of this process: its server, a client, and the first
+// generation's keys.
+struct LoopbackStore {
+  TcpStoreServer server{"127.0.0.1", 0};
+  TcpStoreClient client{"127.0.0.1", server.port(), 10s};
+  PrefixStore store{"gen1", client};
+};
+
 // Runs body on `size` ranks, rank r a thread on device r with its own op table and store
 // client; fails the test with the first rank's error.
 void run_ranks(int size, const std::function<void(NcclCommunicator&, Ops&)>& body,
@@ -429,11 +437,9 @@ void run_ranks(int size, const std::function<void(NcclCommunicator&, Ops&)>& bod
 
 TEST_CASE("nccl: world 1 on cuda:0, every collective and type, device and host memory") {
   require_nccl();
-  TcpStoreServer server("127.0.0.1", 0);
-  TcpStoreClient client("127.0.0.1", server.port(), 10s);
-  PrefixStore store("gen1", client);
+  LoopbackStore loopback;
   Ops& ops = gputest::gpu();
-  auto comm = make_nccl_communicator(store, 0, 1, options_for(ops, 0));
+  auto comm = make_nccl_communicator(loopback.store, 0, 1, options_for(ops, 0));
   auto* nccl = dynamic_cast<NcclCommunicator*>(comm.get());
   REQUIRE(nccl != nullptr);
   MESSAGE(nccl->describe());
@@ -495,12 +501,10 @@ TEST_CASE("nccl: the gradient reducer on device memory, overlapped, in every wir
 
 TEST_CASE("nccl: the legacy default stream as the compute stream") {
   require_nccl();
-  TcpStoreServer server("127.0.0.1", 0);
-  TcpStoreClient client("127.0.0.1", server.port(), 10s);
-  PrefixStore store("gen1", client);
+  LoopbackStore loopback;
   NcclOptions options;  // compute_stream null
   options.timeout = 60s;
-  NcclCommunicator comm(store, 0, 1, options);
+  NcclCommunicator comm(loopback.store, 0, 1, options);
   Ops& ops = gputest::gpu();
   const std::vector<float> values = {1, -2, 3.5f};
   Buffer data = upload(ops, values);
@@ -625,25 +629,23 @@ TEST_CASE("nccl: a rank that never comes -> NCCL init times out and aborts, nami
   // The checks below rely on ncclCommAbort returning while NCCL's init waits in its bootstrap
   // for the missing rank. Should it hang instead, only this test is lost.
   if (!isolated_here("nccl: a rank that never comes*", 45s)) return;
-  TcpStoreServer server("127.0.0.1", 0);
-  TcpStoreClient client("127.0.0.1", server.port(), 10s);
-  PrefixStore store("gen1", client);
+  LoopbackStore loopback;
   Ops& ops = gputest::gpu();
   const auto start = std::chrono::steady_clock::now();
   // Rank 0 of 2 publishes the id and waits in NCCL's init for rank 1, which never comes.
-  CHECK_THROWS_WITH_AS(NcclCommunicator(store, 0, 2, options_for(ops, 0, 3s)),
+  CHECK_THROWS_WITH_AS(NcclCommunicator(loopback.store, 0, 2, options_for(ops, 0, 3s)),
                        "rank 0: NCCL init of 2 rank(s) on cuda:0 timed out after 3s (NCCL); "
                        "communicator aborted",
                        Error);
   CHECK(std::chrono::steady_clock::now() - start < 60s);
   // Rank 1 of 2 in a generation where rank 0 never published its id: the store's deadline.
-  PrefixStore later("gen2", client);
+  PrefixStore later("gen2", loopback.client);
   CHECK_THROWS_WITH_AS(NcclCommunicator(later, 1, 2, options_for(ops, 0, 1s)),
                        doctest::Contains("rank 1: NCCL init of 2 rank(s) on cuda:0: no unique id "
                                          "from rank 0: timed out after 1s"),
                        Error);
   // The communicator still works afterwards in this process (aborting left NCCL usable).
-  PrefixStore fresh("gen3", client);
+  PrefixStore fresh("gen3", loopback.client);
   NcclCommunicator comm(fresh, 0, 1, options_for(ops, 0));
   double value = 2;
   comm.allreduce(&value, 1, ReduceOp::sum);
@@ -667,12 +669,10 @@ TEST_CASE(
   // gate) past the collective's deadline, and the collective starts only after the work queued
   // there. Should ncclCommAbort hang with the collective still queued, only this test is lost.
   if (!isolated_here("nccl: a collective held past its deadline*", 60s)) return;
-  TcpStoreServer server("127.0.0.1", 0);
-  TcpStoreClient client("127.0.0.1", server.port(), 10s);
-  PrefixStore store("gen1", client);
+  LoopbackStore loopback;
   Ops& ops = gputest::gpu();
   // 5 s: the communicator's init (in a fresh process) must fit in it too.
-  NcclCommunicator comm(store, 0, 1, options_for(ops, 0, 5s));
+  NcclCommunicator comm(loopback.store, 0, 1, options_for(ops, 0, 5s));
   Buffer data = upload(ops, std::vector<float>(1024, 1.0f));
   ops.synchronize();
   std::string error;
