@@ -667,7 +667,10 @@ TEST_CASE(
   require_nccl();
   // What a collective a peer never joins does, on one device: the compute stream is held (a
   // gate) past the collective's deadline, and the collective starts only after the work queued
-  // there. Should ncclCommAbort hang with the collective still queued, only this test is lost.
+  // there. ncclCommAbort waits for the device's queued work (seen on an H200: the abort returned
+  // only when the gate did), so a thread opens the gate 4 s after the deadline, as a finished
+  // kernel would; the verdict was reached by then. Should the abort hang even so, only this test
+  // is lost.
   if (!isolated_here("nccl: a collective held past its deadline*", 60s)) return;
   LoopbackStore loopback;
   Ops& ops = gputest::gpu();
@@ -676,15 +679,26 @@ TEST_CASE(
   Buffer data = upload(ops, std::vector<float>(1024, 1.0f));
   ops.synchronize();
   std::string error;
+  std::chrono::steady_clock::duration took{};
   {
     StreamGate gate(static_cast<cudaStream_t>(kernels::compute_stream(ops)), 30s);
+    std::atomic<bool> held_until_opened{false};
+    std::thread opener([&] {
+      std::this_thread::sleep_for(9s);
+      held_until_opened = gate.open();
+    });
+    const auto start = std::chrono::steady_clock::now();
     try {
       comm.allreduce(data.as<float>(), 1024, ReduceOp::sum);
     } catch (const Error& e) {
       error = e.what();
     }
-    CHECK_MESSAGE(gate.open(), "the gate gave up (30 s) before the collective timed out (5 s)");
+    took = std::chrono::steady_clock::now() - start;
+    opener.join();
+    CHECK_MESSAGE(held_until_opened, "the gate gave up (30 s) before the opener opened it (9 s)");
   }
+  CHECK_MESSAGE(took >= 5s, "the collective returned before its deadline");
+  CHECK_MESSAGE(took < 25s, "the abort did not return once the stream could run");
   CHECK(error ==
         "rank 0: allreduce(sum) of 1024 floats timed out after 5s (NCCL); communicator aborted");
   std::string later;
