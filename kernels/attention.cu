@@ -418,6 +418,8 @@ int64_t check_attention(const char* op, ConstMatrix qkv, int64_t batch, int64_t 
     precondition_failed(op, std::string("qkv is ") + dtype_name(qkv.dtype) + " but out is " +
                                 dtype_name(out.dtype));
   }
+  require_contiguous(op, qkv, "qkv");
+  require_contiguous(op, out, "out");
   const int64_t hd = width / heads;
   if (hd != 32 && hd != 64 && hd != 128) {
     precondition_failed(op, "head size " + std::to_string(hd) +
@@ -489,6 +491,8 @@ void CudaOps::attention_backward(ConstMatrix qkv, ConstMatrix out, const float* 
                                 " differs from qkv " + shape(qkv.rows, qkv.cols) + " " +
                                 dtype_name(qkv.dtype));
   }
+  require_contiguous(op, dout, "dout");
+  require_contiguous(op, dqkv, "dqkv");
   if (batch == 0 || seq == 0) return;
   const int64_t rows = batch * seq;
   float* delta =

@@ -272,6 +272,9 @@ GemmShape gemm_shape(const char* what, ConstMatrix a, Transpose transpose_a, Con
   if (a.rows < 0 || a.cols < 0 || b.rows < 0 || b.cols < 0 || c.rows < 0 || c.cols < 0) {
     precondition_failed(what, "a, b and c need sizes of at least 0");
   }
+  require_stride(what, a, "a");
+  require_stride(what, b, "b");
+  require_stride(what, c, "c");
   const bool ta = transpose_a == Transpose::yes, tb = transpose_b == Transpose::yes;
   const GemmShape s{ta ? a.cols : a.rows, tb ? b.rows : b.cols, ta ? a.rows : a.cols};
   const int64_t kb = tb ? b.cols : b.rows;
@@ -288,6 +291,7 @@ GemmShape gemm_shape(const char* what, ConstMatrix a, Transpose transpose_a, Con
 // (and the bias pointer's) decide which kernels the heuristic may choose.
 struct MatmulKey {
   int64_t m = 0, n = 0, k = 0;
+  int64_t lda = 0, ldb = 0, ldc = 0;  // row strides (padded rows change the kernels that fit)
   int32_t transpose_a = 0, transpose_b = 0;
   int32_t ab_type = 0, c_type = 0;
   uint32_t align_a = 0, align_b = 0, align_c = 0, align_bias = 0;  // align_bias 0: no bias
@@ -303,6 +307,9 @@ struct MatmulKeyHash {
     mix(static_cast<uint64_t>(key.m));
     mix(static_cast<uint64_t>(key.n));
     mix(static_cast<uint64_t>(key.k));
+    mix(static_cast<uint64_t>(key.lda));
+    mix(static_cast<uint64_t>(key.ldb));
+    mix(static_cast<uint64_t>(key.ldc));
     mix(static_cast<uint64_t>(key.transpose_a) | static_cast<uint64_t>(key.transpose_b) << 1 |
         static_cast<uint64_t>(key.ab_type) << 8 | static_cast<uint64_t>(key.c_type) << 24);
     mix(static_cast<uint64_t>(key.align_a) | static_cast<uint64_t>(key.align_b) << 16 |
@@ -385,13 +392,13 @@ std::unique_ptr<MatmulPlan> make_plan(const char* op, cublasLtHandle_t lt, const
     set_desc(op, plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
   }
   check_lt(cublaslt().matrix_layout_create(&plan->first, ab_type, static_cast<uint64_t>(b.cols),
-                                           static_cast<uint64_t>(b.rows), b.cols),
+                                           static_cast<uint64_t>(b.rows), key.ldb),
            op, "cublasLtMatrixLayoutCreate");
   check_lt(cublaslt().matrix_layout_create(&plan->second, ab_type, static_cast<uint64_t>(a.cols),
-                                           static_cast<uint64_t>(a.rows), a.cols),
+                                           static_cast<uint64_t>(a.rows), key.lda),
            op, "cublasLtMatrixLayoutCreate");
   check_lt(cublaslt().matrix_layout_create(&plan->out, c_type, static_cast<uint64_t>(c.cols),
-                                           static_cast<uint64_t>(c.rows), c.cols),
+                                           static_cast<uint64_t>(c.rows), key.ldc),
            op, "cublasLtMatrixLayoutCreate");
 
   PreferenceHandle pref;
@@ -429,6 +436,10 @@ bool lt_matmul(const char* op, PlanMap& plans, cublasLtHandle_t lt, void* worksp
   key.m = shape.m;
   key.n = shape.n;
   key.k = shape.k;
+  // cuBLASLt rejects a leading dimension of 0, which an empty operand would have.
+  key.lda = std::max<int64_t>(a.row_stride(), 1);
+  key.ldb = std::max<int64_t>(b.row_stride(), 1);
+  key.ldc = std::max<int64_t>(c.row_stride(), 1);
   key.transpose_a = transpose_a == Transpose::yes ? 1 : 0;
   key.transpose_b = transpose_b == Transpose::yes ? 1 : 0;
   key.ab_type = static_cast<int32_t>(cuda_type(a.dtype));
@@ -480,6 +491,21 @@ void check_cublas(cublasStatus_t status, const char* what) {
 
 void precondition_failed(const char* what, const std::string& reason) {
   throw Error(ErrorKind::internal, std::string(what) + ": " + reason);
+}
+
+void require_stride(const char* what, ConstMatrix m, const char* name) {
+  if (m.row_stride() < m.cols) {
+    precondition_failed(what, std::string(name) + " has rows " + std::to_string(m.row_stride()) +
+                                  " elements apart for " + std::to_string(m.cols) + " columns");
+  }
+}
+
+void require_contiguous(const char* what, ConstMatrix m, const char* name) {
+  if (!m.contiguous()) {
+    precondition_failed(what, std::string(name) + " has padded rows (" +
+                                  std::to_string(m.row_stride()) + " elements apart for " +
+                                  std::to_string(m.cols) + " columns)");
+  }
 }
 
 // ---- cuda_ops.hpp.
@@ -768,6 +794,7 @@ void CudaOps::gemm(ConstMatrix a, Transpose transpose_a, ConstMatrix b, Transpos
   const GemmShape shape = gemm_shape("gemm", a, transpose_a, b, transpose_b, c);
   if (shape.m == 0 || shape.n == 0) return;
   if (shape.k == 0) {  // an empty product: c = beta c
+    if (!c.contiguous()) precondition_failed("gemm", "an empty product into padded rows of c");
     if (beta == 0.0f) {
       fill_zero(c.data, c.bytes());
     } else if (beta != 1.0f) {

@@ -27,6 +27,10 @@ void check_launch(const char* kernel);
 void check_cublas(cublasStatus_t status, const char* what);
 // Error(internal) "WHAT: REASON" for a precondition a caller broke (shapes, dtypes, alignment).
 [[noreturn]] void precondition_failed(const char* what, const std::string& reason);
+// Matrices with padded rows: rows at least cols apart (the ops that take them), or none at all
+// (require_contiguous: every other op). A broken one is precondition_failed naming `name`.
+void require_stride(const char* what, ConstMatrix m, const char* name);
+void require_contiguous(const char* what, ConstMatrix m, const char* name);
 
 // Element types <-> DType, and float conversion in kernels.
 template <typename T>
@@ -150,6 +154,8 @@ class CudaOps final : public Ops {
                                        Matrix probs) override;
   void softmax_cross_entropy_backward(ConstMatrix probs, const int32_t* labels, Matrix dlogits,
                                       float scale) override;
+  double softmax_cross_entropy(ConstMatrix logits, const int32_t* labels, Matrix dlogits,
+                               float scale) override;
   int64_t count_correct(ConstMatrix scores, const int32_t* labels) override;
   void add(ConstMatrix x, Matrix y) override;  // in elementwise.cu
 

@@ -19,6 +19,8 @@ void CudaOps::add(ConstMatrix x, Matrix y) {
   if (x.rows != y.rows || x.cols != y.cols || x.dtype != y.dtype) {
     precondition_failed("add", "x and y differ in shape or dtype");
   }
+  require_contiguous("add", x, "x");
+  require_contiguous("add", y, "y");
   const int64_t n = x.size();
   if (n == 0) return;
   constexpr int kThreads = 256;

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 #include "kernels/cuda_ops_impl.cuh"
 
@@ -114,9 +115,23 @@ struct Sum {
     return x + y;
   }
 };
-struct Max {
-  __device__ float operator()(float x, float y) const { return fmaxf(x, y); }
-};
+
+// Lane (this lane ^ offset)'s v: a number, or a struct of 4-byte words moved word by word.
+template <typename V>
+__device__ __forceinline__ V shuffle_xor(V v, int offset) {
+  if constexpr (std::is_arithmetic_v<V>) {
+    return __shfl_xor_sync(0xffffffffu, v, offset);
+  } else {
+    static_assert(sizeof(V) % sizeof(int) == 0, "a struct of 4-byte words");
+    int words[sizeof(V) / sizeof(int)];
+    memcpy(words, &v, sizeof(V));
+#pragma unroll
+    for (int& word : words)
+      word = __shfl_xor_sync(0xffffffffu, word, offset);
+    memcpy(&v, words, sizeof(V));
+    return v;
+  }
+}
 
 // Butterfly over the warp: every lane ends with the same value (the ops are commutative), in an
 // order fixed by the lane numbers.
@@ -124,12 +139,13 @@ template <typename V, typename Op>
 __device__ __forceinline__ V warp_reduce(V v, Op op) {
 #pragma unroll
   for (int offset = kWarp / 2; offset > 0; offset /= 2)
-    v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    v = op(v, shuffle_xor(v, offset));
   return v;
 }
 
 // The block's values combined in a fixed order (warps, then the warps' results), returned to
-// every thread. blockDim.x is a multiple of 32; every thread of the block must call it.
+// every thread. blockDim.x is a multiple of 32; every thread of the block must call it. V is
+// trivially constructible (it lives in shared memory).
 template <typename V, typename Op>
 __device__ V block_reduce(V v, Op op, V identity) {
   __shared__ V partial[kWarp];
@@ -154,29 +170,9 @@ __device__ __forceinline__ Best better(Best a, Best b) {
 }
 
 __device__ Best block_argmax(Best v) {
-  __shared__ float values[kWarp];
-  __shared__ int64_t indices[kWarp];
-  const auto warp_best = [](Best b) {
-#pragma unroll
-    for (int offset = kWarp / 2; offset > 0; offset /= 2) {
-      b = better(b, Best{__shfl_xor_sync(0xffffffffu, b.value, offset),
-                         __shfl_xor_sync(0xffffffffu, b.index, offset)});
-    }
-    return b;
-  };
-  v = warp_best(v);
-  const int lane = static_cast<int>(threadIdx.x) % kWarp;
-  const int warp = static_cast<int>(threadIdx.x) / kWarp;
-  __syncthreads();
-  if (lane == 0) {
-    values[warp] = v.value;
-    indices[warp] = v.index;
-  }
-  __syncthreads();
-  v = lane < static_cast<int>(blockDim.x) / kWarp
-          ? Best{values[lane], indices[lane]}
-          : Best{-INFINITY, std::numeric_limits<int64_t>::max()};
-  return warp_best(v);
+  return block_reduce(
+      v, [](Best a, Best b) { return better(a, b); },
+      Best{-INFINITY, std::numeric_limits<int64_t>::max()});
 }
 
 // Records the first input error of the stream (the host throws it at the next synchronisation).
@@ -293,35 +289,67 @@ __global__ void activation_backward_kernel(const T* pre, const T* dout, T* dpre,
                 });
 }
 
-// One block per row (rows blockIdx.x, + gridDim.x, ...): the row's max, then the sum of
-// exp(z - max), then probs; every pass reads the whole row before the last one writes it, so
-// probs may alias logits. Thread 0 adds the block's row losses in row order into
-// block_loss[blockIdx.x] (double); an out-of-range label is recorded instead of read.
-template <typename T>
+// The running maximum m of a row and the sum s of exp(v - m) over its values, in one pass (the
+// online softmax): a larger value rescales the sum so far. An empty part is no_values().
+struct MaxSum {
+  float max;
+  float sum;
+  __device__ __forceinline__ void add(float v) {
+    if (v > max) {
+      sum = sum * expf(max - v) + 1.0f;  // expf(-inf) = 0 for the first value
+      max = v;
+    } else if (v > -INFINITY) {  // -inf adds nothing (and -inf - -inf would be NaN)
+      sum += expf(v - max);
+    }
+  }
+};
+__device__ __forceinline__ MaxSum no_values() {
+  return MaxSum{-INFINITY, 0.0f};
+}
+
+__device__ __forceinline__ MaxSum combine(MaxSum a, MaxSum b) {
+  const float max = fmaxf(a.max, b.max);
+  if (max == -INFINITY) return a;  // both empty (or all -inf): nothing to rescale
+  return MaxSum{max, a.sum * expf(a.max - max) + b.sum * expf(b.max - max)};
+}
+
+// One block per row (rows blockIdx.x, + gridDim.x, ...): the row's max and sum of exp(z - max)
+// in one pass, then a second that writes probs (kGradient false) or, fused with the backward,
+// dlogits = row_scale * (probs - onehot(label)) (kGradient true). Each pass reads the whole row
+// before the next writes it, so `out` may alias logits; the second pass mostly reads from L2.
+// Thread 0 adds the block's row losses in row order into block_loss[blockIdx.x] (double); an
+// out-of-range label is recorded instead of read, and its row's gradient has no -row_scale.
+// Rows are `in_stride` and `out_stride` elements apart (padded logits).
+template <typename T, bool kGradient>
 __global__ void __launch_bounds__(1024)
-    softmax_xent_forward_kernel(const T* logits, const int32_t* labels, T* probs, int64_t rows,
-                                int64_t cols, DeviceErrors* errors, double* block_loss) {
+    softmax_xent_forward_kernel(const T* logits, const int32_t* labels, T* out, int64_t rows,
+                                int64_t cols, int64_t in_stride, int64_t out_stride,
+                                float row_scale, DeviceErrors* errors, double* block_loss) {
   double loss = 0.0;
   for (int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
-    const T* z = logits + i * cols;
-    T* p = probs + i * cols;
+    const T* z = logits + i * in_stride;
+    T* p = out + i * out_stride;
     const int32_t label = labels[i];
     const bool valid = label >= 0 && label < cols;
     const float target = valid && threadIdx.x == 0 ? to_f32(z[label]) : 0.0f;
-    float row_max = -INFINITY;
-    walk_row<1, false>(cols, p, z, z, z,
-                       [&](int64_t, float v, float, float) { row_max = fmaxf(row_max, v); });
-    row_max = block_reduce(row_max, Max{}, -INFINITY);
-    float sum = 0.0f;
-    walk_row<1, false>(cols, p, z, z, z,
-                       [&](int64_t, float v, float, float) { sum += expf(v - row_max); });
-    sum = block_reduce(sum, Sum{}, 0.0f);
-    const float inv_sum = 1.0f / sum;
-    walk_row<1, true>(cols, p, z, z, z,
-                      [&](int64_t, float v, float, float) { return expf(v - row_max) * inv_sum; });
+    MaxSum part = no_values();
+    walk_row<1, false>(cols, p, z, z, z, [&](int64_t, float v, float, float) { part.add(v); });
+    const MaxSum row = block_reduce(
+        part, [](MaxSum a, MaxSum b) { return combine(a, b); }, no_values());
+    const float inv_sum = 1.0f / row.sum;
+    if constexpr (kGradient) {
+      walk_row<1, true>(cols, p, z, z, z, [&](int64_t j, float v, float, float) {
+        const float d = row_scale * (expf(v - row.max) * inv_sum);
+        return j == label ? d - row_scale : d;
+      });
+    } else {
+      walk_row<1, true>(cols, p, z, z, z, [&](int64_t, float v, float, float) {
+        return expf(v - row.max) * inv_sum;
+      });
+    }
     if (threadIdx.x == 0) {
       if (valid) {
-        loss += log(static_cast<double>(sum)) - static_cast<double>(target - row_max);
+        loss += log(static_cast<double>(row.sum)) - static_cast<double>(target - row.max);
       } else {
         record_error(errors, 2, label, static_cast<int32_t>(cols));
       }
@@ -345,15 +373,17 @@ __global__ void __launch_bounds__(1024)
 template <typename T>
 __global__ void __launch_bounds__(1024)
     softmax_xent_backward_kernel(const T* probs, const int32_t* labels, T* dlogits, int64_t rows,
-                                 int64_t cols, float row_scale, DeviceErrors* errors) {
+                                 int64_t cols, int64_t in_stride, int64_t out_stride,
+                                 float row_scale, DeviceErrors* errors) {
   for (int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
     const int32_t label = labels[i];
     if (threadIdx.x == 0 && (label < 0 || label >= cols)) {
       record_error(errors, 2, label, static_cast<int32_t>(cols));
     }
-    walk_row<1, true>(cols, dlogits + i * cols, probs + i * cols, probs, probs,
-                      [&](int64_t j, float p, float, float) {
-                        const float d = row_scale * p;
+    const T* p = probs + i * in_stride;
+    walk_row<1, true>(cols, dlogits + i * out_stride, p, p, p,
+                      [&](int64_t j, float v, float, float) {
+                        const float d = row_scale * v;
                         return j == label ? d - row_scale : d;
                       });
   }
@@ -364,9 +394,9 @@ __global__ void __launch_bounds__(1024)
 template <typename T>
 __global__ void __launch_bounds__(1024)
     count_correct_kernel(const T* scores, const int32_t* labels, int64_t rows, int64_t cols,
-                         unsigned long long* correct) {
+                         int64_t stride, unsigned long long* correct) {
   for (int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
-    const T* s = scores + i * cols;
+    const T* s = scores + i * stride;
     Best best{-INFINITY, std::numeric_limits<int64_t>::max()};
     walk_row<1, false>(cols, static_cast<T*>(nullptr), s, s, s,
                        [&](int64_t j, float v, float, float) {
@@ -513,12 +543,23 @@ std::string shape(ConstMatrix m) {
   return "[" + std::to_string(m.rows) + ", " + std::to_string(m.cols) + "] " + dtype_name(m.dtype);
 }
 
-void require_same(const char* op, ConstMatrix a, const char* a_name, ConstMatrix b,
-                  const char* b_name) {
+// a and b have one shape and dtype; padded rows allowed where their strides are legal.
+void require_same_shape(const char* op, ConstMatrix a, const char* a_name, ConstMatrix b,
+                        const char* b_name) {
   if (a.rows != b.rows || a.cols != b.cols || a.dtype != b.dtype) {
     precondition_failed(
         op, std::string(a_name) + " " + shape(a) + " and " + b_name + " " + shape(b) + " differ");
   }
+  require_stride(op, a, a_name);
+  require_stride(op, b, b_name);
+}
+
+// The same for contiguous matrices.
+void require_same(const char* op, ConstMatrix a, const char* a_name, ConstMatrix b,
+                  const char* b_name) {
+  require_same_shape(op, a, a_name, b, b_name);
+  require_contiguous(op, a, a_name);
+  require_contiguous(op, b, b_name);
 }
 
 void require_int32(const char* op, const char* what, int64_t value) {
@@ -640,6 +681,7 @@ void CudaOps::add_bias_rows(Matrix x, const void* bias) {
   const OpTimer timer(*this, "add_bias_rows");
   if (x.size() == 0) return;
   if (bias == nullptr) precondition_failed("add_bias_rows", "bias is null");
+  require_contiguous("add_bias_rows", x, "x");
   dispatch_dtype(x.dtype, [&]<typename T>() {
     add_bias_rows_kernel<T>
         <<<row_blocks(x.rows), row_threads(x.cols, sizeof(T), 256), 0, stream()>>>(
@@ -651,6 +693,7 @@ void CudaOps::add_bias_rows(Matrix x, const void* bias) {
 void CudaOps::bias_grad(ConstMatrix dy, float* bias_grad) {
   const OpTimer timer(*this, "bias_grad");
   if (dy.size() == 0) return;
+  require_contiguous("bias_grad", dy, "dy");
   dispatch_dtype(dy.dtype, [&]<typename T>() {
     column_sums<T, false>(stream(), "bias_grad", typed<T>(dy.data), nullptr, nullptr, nullptr,
                           dy.rows, dy.cols, bias_grad, nullptr);
@@ -695,44 +738,63 @@ void CudaOps::activation_backward(Activation activation, ConstMatrix pre, ConstM
   check_launch("activation_backward");
 }
 
+namespace {
+
+// The softmax cross-entropy forward over logits (padded rows allowed) into `out`: probs, or
+// with kGradient the backward's dlogits as well (scaled by row_scale). Returns the mean loss;
+// waits for the stream (the loss is read back) and throws what the kernel recorded.
+template <bool kGradient>
+double softmax_xent(CudaOps& ops, const char* op, ConstMatrix logits, const int32_t* labels,
+                    Matrix out, float scale) {
+  require_same_shape(op, logits, "logits", out, kGradient ? "dlogits" : "probs");
+  if (logits.rows == 0) return 0.0;
+  if (logits.cols == 0) precondition_failed(op, "logits have no columns");
+  require_int32(op, "the class count", logits.cols);
+  // Each block adds its rows' losses in row order into its own slot; one more block adds the
+  // slots in a fixed order: the mean has the same bits on every run.
+  const int64_t slots = static_cast<int64_t>(CudaOps::kReduceSlots) - 1;
+  const int64_t blocks = logits.rows < slots ? logits.rows : slots;
+  double* block_loss = ops.reduce_scratch();
+  double* total = ops.reduce_scratch() + slots;
+  const float row_scale = scale / static_cast<float>(logits.rows);
+  dispatch_dtype(logits.dtype, [&]<typename T>() {
+    softmax_xent_forward_kernel<T, kGradient>
+        <<<static_cast<int>(blocks), row_threads(logits.cols, sizeof(T), 1024), 0, ops.stream()>>>(
+            typed<T>(logits.data), labels, typed<T>(out.data), logits.rows, logits.cols,
+            logits.row_stride(), out.row_stride(), row_scale, ops.device_errors(), block_loss);
+  });
+  check_launch(op);
+  sum_doubles_kernel<<<1, 1024, 0, ops.stream()>>>(block_loss, blocks, total);
+  check_launch("softmax_cross_entropy (loss sum)");
+  check_cuda(
+      cudaMemcpyAsync(ops.pinned(), total, sizeof(double), cudaMemcpyDeviceToHost, ops.stream()),
+      "softmax_cross_entropy: reading the loss");
+  check_cuda(cudaStreamSynchronize(ops.stream()), "softmax_cross_entropy: synchronising");
+  double loss_sum = 0.0;
+  std::memcpy(&loss_sum, ops.pinned(), sizeof(loss_sum));  // before check_device_errors reuses it
+  ops.check_device_errors();
+  return loss_sum / static_cast<double>(logits.rows);
+}
+
+}  // namespace
+
 double CudaOps::softmax_cross_entropy_forward(ConstMatrix logits, const int32_t* labels,
                                               Matrix probs) {
   const OpTimer timer(*this, "softmax_cross_entropy_forward");
-  constexpr const char* kOp = "softmax_cross_entropy_forward";
-  require_same(kOp, logits, "logits", probs, "probs");
-  if (logits.rows == 0) return 0.0;
-  if (logits.cols == 0) precondition_failed(kOp, "logits have no columns");
-  require_int32(kOp, "the class count", logits.cols);
-  // Each block adds its rows' losses in row order into its own slot; one more block adds the
-  // slots in a fixed order: the mean has the same bits on every run.
-  const int64_t blocks = logits.rows < static_cast<int64_t>(kReduceSlots) - 1
-                             ? logits.rows
-                             : static_cast<int64_t>(kReduceSlots) - 1;
-  double* block_loss = reduce_scratch();
-  double* total = reduce_scratch() + kReduceSlots - 1;
-  dispatch_dtype(logits.dtype, [&]<typename T>() {
-    softmax_xent_forward_kernel<T>
-        <<<static_cast<int>(blocks), row_threads(logits.cols, sizeof(T), 1024), 0, stream()>>>(
-            typed<T>(logits.data), labels, typed<T>(probs.data), logits.rows, logits.cols,
-            device_errors(), block_loss);
-  });
-  check_launch(kOp);
-  sum_doubles_kernel<<<1, 1024, 0, stream()>>>(block_loss, blocks, total);
-  check_launch("softmax_cross_entropy_forward (loss sum)");
-  check_cuda(cudaMemcpyAsync(pinned(), total, sizeof(double), cudaMemcpyDeviceToHost, stream()),
-             "softmax_cross_entropy_forward: reading the loss");
-  check_cuda(cudaStreamSynchronize(stream()), "softmax_cross_entropy_forward: synchronising");
-  double loss_sum = 0.0;
-  std::memcpy(&loss_sum, pinned(), sizeof(loss_sum));  // before check_device_errors reuses pinned()
-  check_device_errors();
-  return loss_sum / static_cast<double>(logits.rows);
+  return softmax_xent<false>(*this, "softmax_cross_entropy_forward", logits, labels, probs, 1.0f);
+}
+
+double CudaOps::softmax_cross_entropy(ConstMatrix logits, const int32_t* labels, Matrix dlogits,
+                                      float scale) {
+  const OpTimer timer(*this, "softmax_cross_entropy");
+  return softmax_xent<true>(*this, "softmax_cross_entropy", logits, labels, dlogits, scale);
 }
 
 void CudaOps::softmax_cross_entropy_backward(ConstMatrix probs, const int32_t* labels,
                                              Matrix dlogits, float scale) {
   const OpTimer timer(*this, "softmax_cross_entropy_backward");
   constexpr const char* kOp = "softmax_cross_entropy_backward";
-  require_same(kOp, probs, "probs", dlogits, "dlogits");
+  require_same_shape(kOp, probs, "probs", dlogits, "dlogits");
   if (probs.rows == 0) return;
   if (probs.cols == 0) precondition_failed(kOp, "probs have no columns");
   require_int32(kOp, "the class count", probs.cols);
@@ -740,8 +802,8 @@ void CudaOps::softmax_cross_entropy_backward(ConstMatrix probs, const int32_t* l
   dispatch_dtype(probs.dtype, [&]<typename T>() {
     softmax_xent_backward_kernel<T>
         <<<row_blocks(probs.rows), row_threads(probs.cols, sizeof(T), 1024), 0, stream()>>>(
-            typed<T>(probs.data), labels, typed<T>(dlogits.data), probs.rows, probs.cols, row_scale,
-            device_errors());
+            typed<T>(probs.data), labels, typed<T>(dlogits.data), probs.rows, probs.cols,
+            probs.row_stride(), dlogits.row_stride(), row_scale, device_errors());
   });
   check_launch(kOp);
 }
@@ -749,6 +811,7 @@ void CudaOps::softmax_cross_entropy_backward(ConstMatrix probs, const int32_t* l
 int64_t CudaOps::count_correct(ConstMatrix scores, const int32_t* labels) {
   const OpTimer timer(*this, "count_correct");
   constexpr const char* kOp = "count_correct";
+  require_stride(kOp, scores, "scores");
   if (scores.rows == 0) return 0;
   if (scores.cols == 0) precondition_failed(kOp, "scores have no columns");
   auto* correct = reinterpret_cast<unsigned long long*>(reduce_scratch());
@@ -757,7 +820,7 @@ int64_t CudaOps::count_correct(ConstMatrix scores, const int32_t* labels) {
   dispatch_dtype(scores.dtype, [&]<typename T>() {
     count_correct_kernel<T>
         <<<row_blocks(scores.rows), row_threads(scores.cols, sizeof(T), 1024), 0, stream()>>>(
-            typed<T>(scores.data), labels, scores.rows, scores.cols, correct);
+            typed<T>(scores.data), labels, scores.rows, scores.cols, scores.row_stride(), correct);
   });
   check_launch(kOp);
   check_cuda(cudaMemcpyAsync(pinned(), correct, sizeof(*correct), cudaMemcpyDeviceToHost, stream()),
@@ -816,6 +879,7 @@ void CudaOps::embedding_forward(const int32_t* tokens, int64_t seq, int64_t voca
         kOp, std::to_string(out.rows) + " rows are not a multiple of seq " + std::to_string(seq));
   }
   require_int32(kOp, "the vocabulary size", vocab);
+  require_contiguous(kOp, out, "out");
   if (out.size() == 0) return;
   dispatch_dtype(out.dtype, [&]<typename T>() {
     embedding_forward_kernel<T>
@@ -841,6 +905,7 @@ void CudaOps::embedding_backward(const int32_t* tokens, int64_t seq, ConstMatrix
         kOp, std::to_string(dout.rows) + " rows are not a multiple of seq " + std::to_string(seq));
   }
   require_int32(kOp, "the token count", dout.rows);
+  require_contiguous(kOp, dout, "dout");
   if (dout.size() == 0) return;
   const int64_t n = dout.rows;
   const int64_t width = dout.cols;

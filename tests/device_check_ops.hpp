@@ -147,6 +147,13 @@ class DeviceCheckingOps : public Ops {
     dev(dlogits.data, "softmax_cross_entropy_backward", "dlogits");
     inner_->softmax_cross_entropy_backward(probs, labels, dlogits, scale);
   }
+  double softmax_cross_entropy(ConstMatrix logits, const int32_t* labels, Matrix dlogits,
+                               float scale) override {
+    dev(logits.data, "softmax_cross_entropy", "logits");
+    dev(labels, "softmax_cross_entropy", "labels");
+    dev(dlogits.data, "softmax_cross_entropy", "dlogits");
+    return inner_->softmax_cross_entropy(logits, labels, dlogits, scale);
+  }
   int64_t count_correct(ConstMatrix scores, const int32_t* labels) override {
     dev(scores.data, "count_correct", "scores");
     dev(labels, "count_correct", "labels");

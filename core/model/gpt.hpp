@@ -83,7 +83,7 @@ class Gpt final : public Model {
     Buffer att_out;         // [layers][rows, width]
     Buffer fc, gelu;        // [layers][rows, mlp]
     Buffer lnf;             // [rows, width]
-    Buffer logits;          // [rows, vocab]
+    Buffer logits;          // [rows, logits_stride()]: the padded vocabulary's logits
     size_t att_floats = 0;  // attention state per layer
   };
   void require_size(const char* what, size_t size) const;
@@ -102,6 +102,13 @@ class Gpt final : public Model {
   // The compute-dtype parameter at `offset` of the flat buffer `params`.
   const void* at(const void* params, size_t offset) const;
   Matrix rows_of(const Buffer& buffer, int64_t index, int64_t cols) const;
+  // The vocabulary padded for the LM head's matmuls, and the real classes' logits (rows that
+  // far apart).
+  int64_t logits_stride() const;
+  Matrix logits() const;
+  // The LM head's compute-dtype weight over the padded vocabulary: wte itself when no padding
+  // is needed, else head_, wte's rows (copied when `refresh`) then zero rows.
+  const void* head_weight(const void* params, bool refresh);
   float* stats(int64_t which, int64_t kind);  // which: 2l (ln1), 2l+1 (ln2), 2L (lnf)
 
   GptConfig config_;
@@ -112,6 +119,8 @@ class Gpt final : public Model {
   ComputeParams compute_;
   Workspace ws_;
   Buffer d_residual_, d_mid_, d_tmp_, d_wide_, d_qkv_;  // backward scratch
+  Buffer head_;                                         // see head_weight
+  Buffer head_grad_;  // f32 [logits_stride(), width]: the padded head's weight gradient
 };
 
 // The configuration a recipe's model spec names (no checks).

@@ -4,8 +4,10 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
+#include <span>
 
 #include "core/error.hpp"
 #include "core/optim/optimizer.hpp"
@@ -168,6 +170,35 @@ TEST_CASE("gpt: a position sees only earlier tokens; shorter inputs give the sam
   std::vector<int32_t> longer = {7, 7};
   longer.insert(longer.end(), tokens.begin(), tokens.end());
   CHECK(model.next_token_logits(params, longer) == full);
+}
+
+TEST_CASE("gpt: the loss is the cross-entropy over the real vocabulary, not the padded head's") {
+  // 11 classes, padded to 128 for the LM head's matmuls: were the 117 padding classes (logit 0)
+  // in the softmax, the loss would be far larger than the one computed here from the logits.
+  const GptConfig c = tiny_config();
+  Gpt model(c, std::make_unique<CpuOps>());
+  std::vector<float> params(model.num_params());
+  model.init_params(params, 5);
+  const auto window = random_windows(1, c, 6);
+  double want = 0;
+  for (int64_t t = 1; t <= c.context; ++t) {
+    // Position t - 1 predicts token t; the logits for it come from the first t tokens.
+    const auto logits = model.next_token_logits(params, std::span(window).first(size_t(t)));
+    REQUIRE(logits.size() == static_cast<size_t>(c.vocab));
+    double max = logits[0], sum = 0;
+    for (float z : logits)
+      max = std::max(max, double(z));
+    for (float z : logits)
+      sum += std::exp(z - max);
+    want += std::log(sum) + max - logits[static_cast<size_t>(window[size_t(t)])];
+  }
+  want /= static_cast<double>(c.context);
+  std::vector<float> grads(params.size(), 0.0f);
+  CHECK(model.forward_backward(params, Batch{nullptr, window.data(), 1}, grads, 1.0f) ==
+        doctest::Approx(want).epsilon(1e-5));
+  const EvalStats eval = model.evaluate(params, Batch{nullptr, window.data(), 1});
+  CHECK(eval.count == c.context);
+  CHECK(eval.loss_sum / static_cast<double>(eval.count) == doctest::Approx(want).epsilon(1e-5));
 }
 
 TEST_CASE("gpt: a token outside the vocabulary is a recipe error naming it") {

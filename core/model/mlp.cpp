@@ -157,8 +157,7 @@ double Mlp::forward_backward(std::span<const float> params, const Batch& batch,
   // Softmax, loss gradient and the gradient of every layer's output overwrite the activations in
   // place, once nothing later reads them: the backward pass needs no memory of its own.
   Matrix delta = forward(p, x);
-  const double loss = ops_->softmax_cross_entropy_forward(delta, labels, delta);
-  ops_->softmax_cross_entropy_backward(delta, labels, delta, scale);
+  const double loss = ops_->softmax_cross_entropy(delta, labels, delta, scale);
 
   for (size_t l = layers_.size(); l-- > 0;) {
     const LinearLayout& layer = layers_[l];

@@ -55,10 +55,13 @@ static void gemm_f32(CMat a, Transpose transpose_a, CMat b, Transpose transpose_
     throw Error(ErrorKind::internal, "gemm: op(a) " + shape(m, k) + " times op(b) " + shape(kb, n) +
                                          " does not fit c " + shape(c.rows, c.cols));
   }
+  if (a.row_stride() < a.cols || b.row_stride() < b.cols || c.row_stride() < c.cols) {
+    throw Error(ErrorKind::internal, "gemm: a matrix has rows closer together than its columns");
+  }
   if (m == 0 || n == 0) return;
   // cblas rejects a leading dimension of 0, which an empty operand would have.
-  blas_sgemm(ta, tb, m, n, k, alpha, a.data, std::max<int64_t>(a.cols, 1), b.data,
-             std::max<int64_t>(b.cols, 1), beta, c.data, c.cols);
+  blas_sgemm(ta, tb, m, n, k, alpha, a.data, std::max<int64_t>(a.row_stride(), 1), b.data,
+             std::max<int64_t>(b.row_stride(), 1), beta, c.data, c.row_stride());
 }
 
 static void add_bias_rows_f32(Mat x, const float* bias) {
@@ -271,7 +274,7 @@ void CpuOps::cast(const void* src, DType from, void* dst, DType to, int64_t n) {
 
 void CpuOps::gemm(ConstMatrix a, Transpose transpose_a, ConstMatrix b, Transpose transpose_b,
                   Matrix c, float alpha, float beta) {
-  gemm_f32(f32(a), transpose_a, f32(b), transpose_b, f32(c), alpha, beta);
+  gemm_f32(f32_strided(a), transpose_a, f32_strided(b), transpose_b, f32_strided(c), alpha, beta);
 }
 
 void CpuOps::add_bias_rows(Matrix x, const void* bias) {
@@ -293,16 +296,16 @@ void CpuOps::activation_backward(Activation activation, ConstMatrix pre, ConstMa
 
 double CpuOps::softmax_cross_entropy_forward(ConstMatrix logits, const int32_t* labels,
                                              Matrix probs) {
-  return softmax_cross_entropy_forward_f32(f32(logits), labels, f32(probs));
+  return softmax_cross_entropy_forward_f32(f32_strided(logits), labels, f32_strided(probs));
 }
 
 void CpuOps::softmax_cross_entropy_backward(ConstMatrix probs, const int32_t* labels,
                                             Matrix dlogits, float scale) {
-  softmax_cross_entropy_backward_f32(f32(probs), labels, f32(dlogits), scale);
+  softmax_cross_entropy_backward_f32(f32_strided(probs), labels, f32_strided(dlogits), scale);
 }
 
 int64_t CpuOps::count_correct(ConstMatrix scores, const int32_t* labels) {
-  return count_correct_f32(f32(scores), labels);
+  return count_correct_f32(f32_strided(scores), labels);
 }
 
 void CpuOps::add(ConstMatrix x, Matrix y) {

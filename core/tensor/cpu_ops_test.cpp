@@ -5,10 +5,12 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <numbers>
 #include <vector>
 
 #include "core/error.hpp"
+#include "core/tensor/emulated_ops.hpp"
 
 namespace dptrain {
 namespace {
@@ -154,6 +156,128 @@ TEST_CASE("count_correct takes the first maximum") {
         3);
   CHECK(ops.count_correct(ConstMatrix{scores.data(), 3, 3}, std::vector<int32_t>{2, 1, 2}.data()) ==
         0);
+}
+
+namespace {
+
+// `rows` rows of `cols` values from `values`, `stride` apart; the gaps hold `gap`.
+std::vector<float> padded(const std::vector<float>& values, int64_t rows, int64_t cols,
+                          int64_t stride, float gap) {
+  std::vector<float> out(static_cast<size_t>(rows * stride), gap);
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = 0; j < cols; ++j)
+      out[static_cast<size_t>(i * stride + j)] = values[static_cast<size_t>(i * cols + j)];
+  }
+  return out;
+}
+
+// The rows of a padded f32 matrix of dtype `dtype` as contiguous floats, and whether every gap
+// still holds `gap` (in `dtype`'s encoding).
+struct Unpadded {
+  std::vector<float> values;
+  bool gaps_kept = true;
+};
+Unpadded unpadded(Ops& ops, const std::vector<char>& bytes, DType dtype, int64_t rows, int64_t cols,
+                  int64_t stride, const std::vector<char>& gap_bytes) {
+  const size_t size = dtype_size(dtype);
+  std::vector<float> wide(static_cast<size_t>(rows * stride));
+  ops.cast(bytes.data(), dtype, wide.data(), DType::f32, rows * stride);
+  Unpadded out;
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = 0; j < stride; ++j) {
+      const size_t at = static_cast<size_t>(i * stride + j);
+      if (j < cols) {
+        out.values.push_back(wide[at]);
+      } else if (std::memcmp(bytes.data() + at * size, gap_bytes.data() + at * size, size) != 0) {
+        out.gaps_kept = false;
+      }
+    }
+  }
+  return out;
+}
+
+// f32 values as `dtype` bytes.
+std::vector<char> encoded(Ops& ops, const std::vector<float>& values, DType dtype) {
+  std::vector<char> out(values.size() * dtype_size(dtype));
+  ops.cast(values.data(), DType::f32, out.data(), dtype, static_cast<int64_t>(values.size()));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("padded rows: gemm and the softmax cross-entropy ops use only each row's columns") {
+  CpuOps cpu;
+  EmulatedHalfOps emulated;
+  const int64_t m = 3, k = 5, n = 7, stride = 8;
+  const float gap = 768.0f;  // exact in bf16 and f16 (3 x 2^8)
+  const std::vector<float> a = counting(m * k, -1.0f, 0.125f);
+  const std::vector<float> b = counting(n * k, 0.5f, -0.0625f);  // [n, k], used transposed
+  const std::vector<int32_t> labels = {0, 6, 3};
+  for (const DType dtype : {DType::f32, DType::bf16}) {
+    CAPTURE(dtype_name(dtype));
+    Ops& ops = dtype == DType::f32 ? static_cast<Ops&>(cpu) : static_cast<Ops&>(emulated);
+    const std::vector<char> ea = encoded(ops, a, dtype), eb = encoded(ops, b, dtype);
+    // The same gemm into a contiguous c and into one padded to 8 per row (a padded too).
+    std::vector<char> c = encoded(ops, std::vector<float>(m * n, 0.0f), dtype);
+    ops.gemm(ConstMatrix{ea.data(), m, k, dtype}, Transpose::no,
+             ConstMatrix{eb.data(), n, k, dtype}, Transpose::yes, Matrix{c.data(), m, n, dtype},
+             1.0f, 0.0f);
+    const std::vector<char> pa = encoded(ops, padded(a, m, k, stride, gap), dtype);
+    const std::vector<char> gaps =
+        encoded(ops, padded(std::vector<float>(m * n, 0.0f), m, n, stride, gap), dtype);
+    std::vector<char> pc = gaps;
+    ops.gemm(ConstMatrix{pa.data(), m, k, dtype, stride}, Transpose::no,
+             ConstMatrix{eb.data(), n, k, dtype}, Transpose::yes,
+             Matrix{pc.data(), m, n, dtype, stride}, 1.0f, 0.0f);
+    std::vector<float> want(static_cast<size_t>(m * n));
+    ops.cast(c.data(), dtype, want.data(), DType::f32, m * n);
+    Unpadded got = unpadded(ops, pc, dtype, m, n, stride, gaps);
+    CHECK(got.values == want);
+    CHECK(got.gaps_kept);
+
+    // Softmax cross-entropy over the padded logits: the loss, probs, gradient and the fused op
+    // equal the contiguous ones; the gaps (768, far above every logit) are never read.
+    const Matrix z{c.data(), m, n, dtype};
+    const Matrix pz{pc.data(), m, n, dtype, stride};
+    CHECK(ops.count_correct(pz, labels.data()) == ops.count_correct(z, labels.data()));
+    std::vector<char> probs = c;
+    const double loss =
+        ops.softmax_cross_entropy_forward(z, labels.data(), Matrix{probs.data(), m, n, dtype});
+    std::vector<char> pprobs = pc;
+    const Matrix pp{pprobs.data(), m, n, dtype, stride};
+    CHECK(ops.softmax_cross_entropy_forward(pz, labels.data(), pp) == loss);
+    std::vector<float> want_probs(static_cast<size_t>(m * n));
+    ops.cast(probs.data(), dtype, want_probs.data(), DType::f32, m * n);
+    got = unpadded(ops, pprobs, dtype, m, n, stride, gaps);
+    CHECK(got.values == want_probs);
+    CHECK(got.gaps_kept);
+    ops.softmax_cross_entropy_backward(Matrix{probs.data(), m, n, dtype}, labels.data(),
+                                       Matrix{probs.data(), m, n, dtype}, 2.0f);
+    ops.softmax_cross_entropy_backward(pp, labels.data(), pp, 2.0f);
+    std::vector<float> want_grad(static_cast<size_t>(m * n));
+    ops.cast(probs.data(), dtype, want_grad.data(), DType::f32, m * n);
+    got = unpadded(ops, pprobs, dtype, m, n, stride, gaps);
+    CHECK(got.values == want_grad);
+    CHECK(got.gaps_kept);
+    // The fused op: the same loss and gradient, in place.
+    std::vector<char> fused = pc;
+    const Matrix pf{fused.data(), m, n, dtype, stride};
+    CHECK(ops.softmax_cross_entropy(pf, labels.data(), pf, 2.0f) == loss);
+    got = unpadded(ops, fused, dtype, m, n, stride, gaps);
+    CHECK(got.values == want_grad);
+    CHECK(got.gaps_kept);
+  }
+  // The other ops take contiguous matrices only: a padded one is a bug, said so.
+  std::vector<float> x(16);
+  try {
+    cpu.activation_forward(Activation::relu, ConstMatrix{x.data(), 2, 6, DType::f32, 8},
+                           Matrix{x.data(), 2, 6, DType::f32, 8});
+    FAIL("a padded matrix was taken");
+  } catch (const Error& e) {
+    CHECK(e.kind() == ErrorKind::internal);
+    CHECK(std::string(e.what()) ==
+          "a contiguous matrix was expected, got rows 8 elements apart for 6 columns");
+  }
 }
 
 TEST_CASE("axpy and scale") {

@@ -19,9 +19,12 @@ class Wide {
     cpu.cast(data, dtype, storage_.data(), DType::f32, n);
     data_ = storage_.data();
   }
-  Wide(CpuOps& cpu, ConstMatrix m) : Wide(cpu, m.data, m.dtype, m.size()) { shape_ = m; }
+  // A matrix with padded rows is widened gaps and all, and keeps its stride.
+  Wide(CpuOps& cpu, ConstMatrix m) : Wide(cpu, m.data, m.dtype, m.span()) { shape_ = m; }
   const float* data() const { return data_; }
-  ConstMatrix matrix() const { return {data_, shape_.rows, shape_.cols}; }
+  ConstMatrix matrix() const {
+    return {data_, shape_.rows, shape_.cols, DType::f32, shape_.stride};
+  }
 
  private:
   std::vector<float> storage_;
@@ -30,7 +33,9 @@ class Wide {
 };
 
 // An output in f32: for a 16-bit matrix, f32 scratch (holding its current values when the op
-// reads them: accumulating outputs) rounded back into it by commit(); an f32 one in place.
+// reads them: accumulating outputs) rounded back into it by commit(); an f32 one in place. A
+// matrix with padded rows keeps its stride; its gaps are read too, so that commit() writes them
+// back unchanged (16 bits widen to f32 and round back exactly).
 class Narrow {
  public:
   Narrow(CpuOps& cpu, Matrix m, bool read) : cpu_(cpu), target_(m) {
@@ -38,14 +43,14 @@ class Narrow {
       data_ = static_cast<float*>(m.data);
       return;
     }
-    storage_.resize(static_cast<size_t>(m.size()));
-    if (read) cpu.cast(m.data, m.dtype, storage_.data(), DType::f32, m.size());
+    storage_.resize(static_cast<size_t>(m.span()));
+    if (read || !m.contiguous()) cpu.cast(m.data, m.dtype, storage_.data(), DType::f32, m.span());
     data_ = storage_.data();
   }
-  Matrix matrix() const { return {data_, target_.rows, target_.cols}; }
+  Matrix matrix() const { return {data_, target_.rows, target_.cols, DType::f32, target_.stride}; }
   void commit() {
     if (target_.dtype != DType::f32) {
-      cpu_.cast(storage_.data(), DType::f32, target_.data, target_.dtype, target_.size());
+      cpu_.cast(storage_.data(), DType::f32, target_.data, target_.dtype, target_.span());
     }
   }
 

@@ -32,7 +32,8 @@ struct AdamWCoefficients {
 // CudaOps) unless a method says otherwise. Unless a method says otherwise, outputs must not alias
 // inputs, and activations (every Matrix and the parameter pointers read with them: biases,
 // LayerNorm gamma/beta, embeddings) share one dtype; parameter gradients, LayerNorm statistics
-// and attention state are f32. A CPU op table takes f32 only. Shape or dtype mismatches throw
+// and attention state are f32. Matrices are contiguous except where a method says it takes padded
+// rows (a stride wider than cols). A CPU op table takes f32 only. Shape or dtype mismatches throw
 // Error(internal): they are bugs in the caller. Device failures throw Error(cuda) naming the
 // kernel. Ops run in order on the table's stream; results a method returns to the host (losses,
 // counts, norms) wait for the work before them.
@@ -76,7 +77,8 @@ class Ops {
 
   // ---- Dense layers.
   // c = alpha * op(a) * op(b) + beta * c, op = optional transpose. beta = 1 accumulates. a and b
-  // share a dtype; c has it too, or is f32 (weight gradients accumulate in f32).
+  // share a dtype; c has it too, or is f32 (weight gradients accumulate in f32). a, b and c may
+  // have padded rows.
   virtual void gemm(ConstMatrix a, Transpose transpose_a, ConstMatrix b, Transpose transpose_b,
                     Matrix c, float alpha, float beta) = 0;
   // y = x W^T + bias (accumulate: y += x W^T + bias), W [y.cols, x.cols] in x's dtype, bias
@@ -107,8 +109,18 @@ class Ops {
   // dlogits may alias probs.
   virtual void softmax_cross_entropy_backward(ConstMatrix probs, const int32_t* labels,
                                               Matrix dlogits, float scale) = 0;
+  // Both in one: returns the forward's mean loss and writes the backward's dlogits (which may
+  // alias logits). A device may fuse them (one pass less over the logits, no probs).
+  virtual double softmax_cross_entropy(ConstMatrix logits, const int32_t* labels, Matrix dlogits,
+                                       float scale) {
+    const double loss = softmax_cross_entropy_forward(logits, labels, dlogits);
+    softmax_cross_entropy_backward(dlogits, labels, dlogits, scale);
+    return loss;
+  }
   // Rows whose largest score (first one on ties) is at the label's column.
   virtual int64_t count_correct(ConstMatrix scores, const int32_t* labels) = 0;
+  // The softmax cross-entropy ops and count_correct take padded rows (the columns past cols are
+  // neither read nor written).
 
   // y += x elementwise, in the activation dtype (residual connections).
   virtual void add(ConstMatrix x, Matrix y) = 0;

@@ -188,42 +188,74 @@ TEST_CASE("cuda_ops: bf16 and f16 casts round to nearest even") {
   }
 }
 
+// Padding at the end of each row of a, b and c (elements): rows `cols + pad` apart.
+struct Pads {
+  int64_t a = 0, b = 0, c = 0;
+};
+
 // c = alpha op(a) op(b) + beta c for an [m, k] x [k, n] product; `offset` elements shift every
-// device pointer off cudaMalloc's alignment.
+// device pointer off cudaMalloc's alignment; with `pads`, the padding holds 768 (exact in every
+// dtype), the result equals the CPU's on the same padded layout, and no padding of c changes.
 void check_gemm(int64_t m, int64_t n, int64_t k, Transpose ta, Transpose tb, DType dtype,
-                DType c_dtype, float alpha, float beta, size_t offset, uint64_t seed) {
+                DType c_dtype, float alpha, float beta, size_t offset, uint64_t seed,
+                Pads pads = {}) {
   CAPTURE(m);
   CAPTURE(n);
   CAPTURE(k);
   CAPTURE(name_of(ta));
   CAPTURE(name_of(tb));
-  CAPTURE(dtype_name(dtype));
-  CAPTURE(dtype_name(c_dtype));
+  CAPTURE(std::string(dtype_name(dtype)));
+  CAPTURE(std::string(dtype_name(c_dtype)));
   CAPTURE(beta);
   CAPTURE(offset);
+  CAPTURE(pads.a);
+  CAPTURE(pads.b);
+  CAPTURE(pads.c);
+  constexpr float kGap = 768.0f;
   const int64_t ar = ta == Transpose::no ? m : k, ac = ta == Transpose::no ? k : m;
   const int64_t br = tb == Transpose::no ? k : n, bc = tb == Transpose::no ? n : k;
-  const auto sz = [](int64_t r, int64_t c) { return static_cast<size_t>(r * c); };
-  const std::vector<float> a = rounded(random_vector(sz(ar, ac) + offset, seed), dtype);
-  const std::vector<float> b = rounded(random_vector(sz(br, bc) + offset, seed + 1), dtype);
-  const std::vector<float> c0 = rounded(random_vector(sz(m, n) + offset, seed + 2), c_dtype);
+  // `offset` values, then rows x (cols + pad) random values with kGap in each row's padding.
+  const auto matrix = [&](int64_t rows, int64_t cols, int64_t pad, uint64_t s, DType t) {
+    std::vector<float> v = random_vector(static_cast<size_t>(rows * (cols + pad)) + offset, s);
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t j = cols; j < cols + pad; ++j)
+        v[offset + static_cast<size_t>(i * (cols + pad) + j)] = kGap;
+    }
+    return rounded(v, t);
+  };
+  const std::vector<float> a = matrix(ar, ac, pads.a, seed, dtype);
+  const std::vector<float> b = matrix(br, bc, pads.b, seed + 1, dtype);
+  const std::vector<float> c0 = matrix(m, n, pads.c, seed + 2, c_dtype);
+  const int64_t lda = ac + pads.a, ldb = bc + pads.b, ldc = n + pads.c;
 
   CpuOps cpu;
   std::vector<float> want(c0.begin() + static_cast<ptrdiff_t>(offset), c0.end());
-  cpu.gemm(ConstMatrix{a.data() + offset, ar, ac}, ta, ConstMatrix{b.data() + offset, br, bc}, tb,
-           Matrix{want.data(), m, n}, alpha, beta);
+  cpu.gemm(ConstMatrix{a.data() + offset, ar, ac, DType::f32, lda}, ta,
+           ConstMatrix{b.data() + offset, br, bc, DType::f32, ldb}, tb,
+           Matrix{want.data(), m, n, DType::f32, ldc}, alpha, beta);
 
   const Buffer da = to_device(a, dtype), db = to_device(b, dtype);
   Buffer dc = to_device(c0, c_dtype);
   const auto at = [offset](const Buffer& buf, DType t) {
     return static_cast<char*>(buf.data()) + offset * dtype_size(t);
   };
-  gpu().gemm(ConstMatrix{at(da, dtype), ar, ac, dtype}, ta,
-             ConstMatrix{at(db, dtype), br, bc, dtype}, tb, Matrix{at(dc, c_dtype), m, n, c_dtype},
-             alpha, beta);
-  const std::vector<float> got = to_host(at(dc, c_dtype), sz(m, n), c_dtype);
+  gpu().gemm(ConstMatrix{at(da, dtype), ar, ac, dtype, lda}, ta,
+             ConstMatrix{at(db, dtype), br, bc, dtype, ldb}, tb,
+             Matrix{at(dc, c_dtype), m, n, c_dtype, ldc}, alpha, beta);
+  const std::vector<float> got = to_host(at(dc, c_dtype), want.size(), c_dtype);
+  std::vector<float> got_values, want_values;
+  size_t gaps_changed = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (static_cast<int64_t>(i) % ldc < n) {
+      got_values.push_back(got[i]);
+      want_values.push_back(want[i]);
+    } else {
+      gaps_changed += got[i] != kGap;
+    }
+  }
   // An f32 c holds f32 sums of exact products of the rounded inputs: f32 accuracy.
-  check_close(got, want, tolerance(c_dtype), "gemm");
+  check_close(got_values, want_values, tolerance(c_dtype), "gemm");
+  CHECK_MESSAGE(gaps_changed == 0, gaps_changed << " padding element(s) of c were written");
 }
 
 TEST_CASE("cuda_ops: gemm, every transpose, dtype and beta") {
@@ -272,6 +304,38 @@ TEST_CASE("cuda_ops: the GPT-2 LM head's gemms, vocabulary 50257") {
              13);
   check_gemm(512, 768, 50257, Transpose::no, Transpose::no, DType::bf16, DType::bf16, 1.0f, 0.0f, 0,
              14);
+}
+
+TEST_CASE("cuda_ops: gemm with padded rows, and the LM head's gemms on logits 50304 apart") {
+  uint64_t seed = 900;
+  for (Transpose ta : {Transpose::no, Transpose::yes}) {
+    for (Transpose tb : {Transpose::no, Transpose::yes}) {
+      for (DType dtype : kDtypes) {
+        check_gemm(17, 7, 33, ta, tb, dtype, dtype, 1.0f, 0.0f, 0, seed += 3, {1, 2, 1});
+        check_gemm(17, 7, 33, ta, tb, dtype, DType::f32, 1.0f, 1.0f, 0, seed += 3, {9, 0, 9});
+      }
+    }
+  }
+  // The tied head's three products (core/model/gpt.cpp) with only the logits' rows padded, from
+  // 50257 to 50304 elements: the forward into them, then wte's f32 gradient += dlogits^T lnf and
+  // dlnf = dlogits wte from them.
+  check_gemm(512, 50257, 768, Transpose::no, Transpose::yes, DType::bf16, DType::bf16, 1.0f, 0.0f,
+             0, seed += 3, {0, 0, 47});
+  check_gemm(50257, 768, 512, Transpose::yes, Transpose::no, DType::bf16, DType::f32, 1.0f, 1.0f, 0,
+             seed += 3, {47, 0, 0});
+  check_gemm(512, 768, 50257, Transpose::no, Transpose::no, DType::bf16, DType::bf16, 1.0f, 0.0f, 0,
+             seed += 3, {47, 0, 0});
+  // Rows closer together than their columns, and an empty product into padded rows: bugs.
+  const Buffer x = to_device(random_vector(64, 3), DType::f32);
+  Buffer y = gpu().allocate(64 * sizeof(float));
+  CHECK_THROWS_WITH_AS(
+      gpu().gemm(ConstMatrix{x.data(), 4, 4, DType::f32, 3}, Transpose::no,
+                 ConstMatrix{x.data(), 4, 4}, Transpose::no, Matrix{y.data(), 4, 4}, 1.0f, 0.0f),
+      "gemm: a has rows 3 elements apart for 4 columns", Error);
+  CHECK_THROWS_WITH_AS(
+      gpu().gemm(ConstMatrix{x.data(), 4, 0}, Transpose::no, ConstMatrix{x.data(), 0, 4},
+                 Transpose::no, Matrix{y.data(), 4, 4, DType::f32, 8}, 1.0f, 0.0f),
+      "gemm: an empty product into padded rows of c", Error);
 }
 
 TEST_CASE("cuda_ops: gemm edge cases and bad calls") {

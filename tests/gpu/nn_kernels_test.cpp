@@ -244,6 +244,103 @@ TEST_CASE("nn_kernels: softmax cross-entropy forward and backward") {
   }
 }
 
+TEST_CASE("nn_kernels: the fused softmax cross-entropy, and padded rows") {
+  CpuOps cpu_table;
+  Ops& cpu = cpu_table;
+  constexpr float kGap = 768.0f;  // exact in every dtype; far above every logit, were it read
+  for (DType dtype : kDtypes) {
+    for (Shape s : kShapes) {
+      const std::string what = label("softmax_cross_entropy (fused)", dtype, s);
+      const std::vector<float> logits = random_vector(count(s), 31, 6.0f);
+      const std::vector<int32_t> labels =
+          random_ints(static_cast<size_t>(s.rows), static_cast<int32_t>(s.cols), 32);
+      const Buffer dlabels = to_device(labels);
+      // The CPU's forward then backward, from the logits the device sees.
+      std::vector<float> logits_r = rounded(logits, dtype);
+      const float scale = 2.0f * static_cast<float>(s.rows);
+      std::vector<float> want_grad(count(s));
+      const double want_loss = cpu.softmax_cross_entropy_forward(
+          host_matrix(logits_r, s), labels.data(), host_matrix(want_grad, s));
+      cpu.softmax_cross_entropy_backward(host_matrix(want_grad, s), labels.data(),
+                                         host_matrix(want_grad, s), scale);
+      const auto close_loss = [&](double loss, const std::string& how) {
+        CHECK_MESSAGE(std::fabs(loss - want_loss) <= 1e-4 * std::max(1.0, std::fabs(want_loss)),
+                      what << " " << how << ": loss " << loss << ", the CPU's " << want_loss);
+      };
+
+      // Contiguous, into another buffer and in place; the same bits on every run.
+      const DeviceMatrix dlogits = device_matrix(logits, s, dtype);
+      const Buffer grad = gpu().allocate(dlogits.m.bytes());
+      const Matrix grad_m{grad.data(), s.rows, s.cols, dtype};
+      const double loss =
+          gpu().softmax_cross_entropy(dlogits.m, dlabels.as<int32_t>(), grad_m, scale);
+      close_loss(loss, "contiguous");
+      check_close(download(grad_m), want_grad, tolerance(dtype), what + " gradient");
+      const double again =
+          gpu().softmax_cross_entropy(dlogits.m, dlabels.as<int32_t>(), grad_m, scale);
+      CHECK_MESSAGE(std::memcmp(&again, &loss, sizeof loss) == 0, what << ": two runs differ");
+      const DeviceMatrix in_place = device_matrix(logits, s, dtype);
+      CHECK(gpu().softmax_cross_entropy(in_place.m, dlabels.as<int32_t>(), in_place.m, scale) ==
+            loss);
+      check_close(download(in_place.m), want_grad, tolerance(dtype), what + " in place");
+
+      // Rows padded to a multiple of 128 (at least one gap element), holding kGap: the fused op,
+      // the forward, the backward and count_correct read and write each row's columns only.
+      const int64_t stride = (s.cols / 128 + 1) * 128;
+      std::vector<float> host_padded(static_cast<size_t>(s.rows * stride), kGap);
+      for (int64_t i = 0; i < s.rows; ++i) {
+        std::copy_n(logits.begin() + i * s.cols, s.cols, host_padded.begin() + i * stride);
+      }
+      const auto unpad = [&](const Buffer& buffer, size_t& gaps_changed) {
+        const std::vector<float> all = to_host(buffer.data(), host_padded.size(), dtype);
+        std::vector<float> values;
+        for (size_t i = 0; i < all.size(); ++i) {
+          if (static_cast<int64_t>(i) % stride < s.cols) {
+            values.push_back(all[i]);
+          } else {
+            gaps_changed += all[i] != kGap;
+          }
+        }
+        return values;
+      };
+      size_t gaps_changed = 0;
+      const Buffer padded = to_device(host_padded, dtype);
+      const Matrix pm{padded.data(), s.rows, s.cols, dtype, stride};
+      std::vector<float> logits_cpu = logits_r;
+      CHECK_MESSAGE(gpu().count_correct(pm, dlabels.as<int32_t>()) ==
+                        cpu.count_correct(host_matrix(logits_cpu, s), labels.data()),
+                    what << ": count_correct on padded rows");
+      const Buffer probs_padded = to_device(host_padded, dtype);
+      const Matrix ppm{probs_padded.data(), s.rows, s.cols, dtype, stride};
+      close_loss(gpu().softmax_cross_entropy_forward(pm, dlabels.as<int32_t>(), ppm), "padded");
+      std::vector<float> want_probs(count(s));
+      cpu.softmax_cross_entropy_forward(host_matrix(logits_cpu, s), labels.data(),
+                                        host_matrix(want_probs, s));
+      check_close(unpad(probs_padded, gaps_changed), want_probs, tolerance(dtype),
+                  what + " padded probs");
+      gpu().softmax_cross_entropy_backward(ppm, dlabels.as<int32_t>(), ppm, scale);
+      check_close(unpad(probs_padded, gaps_changed), want_grad, tolerance(dtype),
+                  what + " padded backward");
+      close_loss(gpu().softmax_cross_entropy(pm, dlabels.as<int32_t>(), pm, scale), "padded fused");
+      check_close(unpad(padded, gaps_changed), want_grad, tolerance(dtype),
+                  what + " padded fused gradient");
+      CHECK_MESSAGE(gaps_changed == 0, what << ": " << gaps_changed << " gap element(s) written");
+    }
+  }
+  // A label outside the classes: a recipe error, as for the forward.
+  const Shape s{3, 7};
+  const DeviceMatrix logits = device_matrix(random_vector(count(s), 33), s, DType::bf16);
+  const Buffer bad = to_device(std::vector<int32_t>{1, 9, 0});
+  check_error([&] { gpu().softmax_cross_entropy(logits.m, bad.as<int32_t>(), logits.m, 1.0f); },
+              ErrorKind::recipe, "label 9", "fused");
+  // Ops that take contiguous matrices only say so for a padded one.
+  const Matrix padded{logits.m.data, 2, 7, DType::bf16, 10};
+  check_error([&] { gpu().activation_forward(Activation::gelu, padded, padded); },
+              ErrorKind::internal,
+              "activation_forward: pre has padded rows (10 elements apart for 7 columns)",
+              "padded activation");
+}
+
 TEST_CASE("nn_kernels: a label outside the classes is a recipe error naming it") {
   const Shape s{3, 7};
   for (DType dtype : kDtypes) {

@@ -2,9 +2,8 @@
 # The GPU checks in one go, for a machine with an NVIDIA GPU: every GPU test (each kernel against
 # the CPU op table, the models on the GPU against the CPU, gpt-tiny training in fp32/bf16/fp16,
 # NCCL with one rank), then the GPU benchmarks (GPT-2 124M training in bf16 and fp32 with MFU,
-# a per-op profile of bf16 training, NCCL all-reduce, PyTorch's training of the same model as the
-# peer the figures are read against, and GPT-2 with its vocabulary padded to 50304, to measure
-# what an LM head aligned for the tensor cores would gain). Results go to OUT_DIR as JSON and logs.
+# a per-op profile of bf16 training, NCCL all-reduce, and PyTorch's training of the same model as
+# the peer the figures are read against). Results go to OUT_DIR as JSON and logs.
 # The whole script, kill grace included, ends within DPTRAIN_GPU_BUDGET_S (default 540 s: under
 # 560 s, with room for the few unbounded steps): each test file has its own cap, and the
 # benchmarks run only when 150 s are left after the tests.
@@ -290,17 +289,6 @@ for p in ("bf16", "fp32"):
     parts.append(f"{p} {text(d)} / {text(t)} = {ratio}")
 print("peer train: dptrain / PyTorch tokens/s, one GPU: " + ", ".join(parts))
 ' "$out/bench-train.json" "$out/peer-train.json" || echo "peer train: no ratio (see bench-train.json, peer-train.json)"
-  fi
-  # The same bf16 training with the vocabulary padded from 50257 to 50304 (a multiple of 64, as
-  # llm.c pads it; the tokens stay below 256): how much the LM head's unaligned matrices cost.
-  if (($(left 60) < 60)); then
-    echo "bench train vocab 50304: not run: $(left 60) s of the budget left, it needs 60"
-  else
-    sed -e 's#"vocab": [0-9]*#"vocab": 50304#' "$work/gpt2.json" >"$work/gpt2-50304.json"
-    capped 60 "$bin/dptrain" bench train "$work/gpt2-50304.json" --device cuda --precision bf16 \
-      --batch-per-rank 16 --nproc 1 --steps 20 --runs-root "$work/runs-50304" --json \
-      >"$out/bench-train-50304.json" 2>"$out/bench-train-50304.log"
-    echo "bench train vocab 50304: exit $? ($(grep -o '[0-9.]* tokens/s, [0-9.]* ms/step' "$out/bench-train-50304.log" | tail -1))"
   fi
 fi
 echo "run.sh: $failed of ${#files[@]} GPU test files failed or did not run; $(($(date +%s) - started)) s; results in $out"
