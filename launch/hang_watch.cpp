@@ -84,15 +84,27 @@ std::string HangWatch::describe(const std::map<int, json>& beats,
          positions(beats, rank_name);
 }
 
+namespace {
+
+// "#12 (allreduce of the loss)": a collective by number and, where the rank said, by name.
+std::string collective(const json& beat) {
+  const auto seq = beat.value("seq", int64_t{0});
+  const std::string what = beat.value("collective", std::string());
+  return what.empty() ? fmt::format("#{}", seq) : fmt::format("#{} ({})", seq, what);
+}
+
+}  // namespace
+
+std::string HangWatch::position(const json& beat) {
+  const std::string phase = beat.value("phase", std::string("?"));
+  const int64_t step = beat.value("step", int64_t{0});
+  if (phase == "collective") return fmt::format("step {} in collective {}", step, collective(beat));
+  return fmt::format("step {} in phase {} (after collective {})", step, phase, collective(beat));
+}
+
 std::string HangWatch::positions(const std::map<int, json>& beats, const RankName& rank_name) {
   const auto name = [&rank_name](int rank) {
     return rank_name ? rank_name(rank) : fmt::format("rank {}", rank);
-  };
-  // "#12 (allreduce of the loss)": a collective by number and, where the rank said, by name.
-  const auto collective = [](const json& beat) {
-    const auto seq = beat.value("seq", int64_t{0});
-    const std::string what = beat.value("collective", std::string());
-    return what.empty() ? fmt::format("#{}", seq) : fmt::format("#{} ({})", seq, what);
   };
   // The ranks that entered the most collectives wait in the last one; the others are behind.
   int64_t max_seq = -1;
@@ -115,12 +127,8 @@ std::string HangWatch::positions(const std::map<int, json>& beats, const RankNam
     } else if (seq == max_seq && phase == "collective") {
       if (waiting.empty()) waited_in = collective(beat);
       waiting.push_back(name(rank));
-    } else if (phase == "collective") {
-      behind.push_back(
-          fmt::format("{} at step {} in collective {}", name(rank), step, collective(beat)));
     } else {
-      behind.push_back(fmt::format("{} at step {} in phase {} (after collective {})", name(rank),
-                                   step, phase, collective(beat)));
+      behind.push_back(fmt::format("{} at {}", name(rank), position(beat)));
     }
   }
   if (behind.empty()) {

@@ -49,6 +49,9 @@ class HangWatch {
   // it in collective #32: rank 0"), or that every rank waits in one collective.
   static std::string positions(const std::map<int, nlohmann::json>& beats,
                                const RankName& rank_name = {});
+  // Where one rank's heartbeat says it is: "step 15 in phase forward (after collective #31)" or
+  // "step 15 in collective #32 (allreduce of the loss)".
+  static std::string position(const nlohmann::json& beat);
   // Whether a rank's error says a collective (or a wait) timed out (Gloo's "Timed out", ours
   // "timed out"): then it names the rank that gave up waiting, and positions() the one waited
   // for.

@@ -109,6 +109,13 @@ TEST_CASE("--json failures carry status, exit_code, error and errors for every f
     CHECK(out["errors"][0].get<std::string>().find("rank 1") != std::string::npos);
     for (const auto& e : out["errors"])
       CHECK(e.get<std::string>().rfind(" ", 0) != 0);  // log lines stay in "error" only
+    // An injected exit prints nothing: no excerpt, but where the rank was and where its log is.
+    const std::string error = out["error"];
+    CAPTURE(error);
+    CHECK(error.find(" exited with code 7; its last heartbeat: step 3 in phase ") !=
+          std::string::npos);
+    CHECK(error.ends_with("; it printed nothing (log: " +
+                          (tmp / "failed" / "logs" / "localhost-rank1.log").string() + ")"));
   }
   SUBCASE("a rank that printed only its progress: the progress is the excerpt") {
     // Rank 0 reports progress as events only; their lines stand for it.
