@@ -819,6 +819,8 @@ void CudaOps::gemm(ConstMatrix a, Transpose transpose_a, ConstMatrix b, Transpos
 void CudaOps::linear(ConstMatrix x, const void* weight, const void* bias, Matrix y,
                      bool accumulate) {
   const OpTimer timer(*this, "linear");
+  require_contiguous("linear", x, "x");
+  require_contiguous("linear", y, "y");
   const ConstMatrix w{weight, y.cols, x.cols, x.dtype};
   // cuBLASLt's bias epilogue: bias in D's dtype (y's, which must then be x's), the bias
   // 16-byte aligned (narrower bias pointers fail on some GPUs), and no accumulation (we do not

@@ -298,8 +298,8 @@ struct MaxSum {
     if (v > max) {
       sum = sum * expf(max - v) + 1.0f;  // expf(-inf) = 0 for the first value
       max = v;
-    } else if (v > -INFINITY) {  // -inf adds nothing (and -inf - -inf would be NaN)
-      sum += expf(v - max);
+    } else if (v != -INFINITY) {  // -inf adds nothing (-inf - -inf would be NaN); NaN does
+      sum += expf(v - max);       // (a NaN logit makes the loss NaN, as on the CPU)
     }
   }
 };
@@ -309,7 +309,8 @@ __device__ __forceinline__ MaxSum no_values() {
 
 __device__ __forceinline__ MaxSum combine(MaxSum a, MaxSum b) {
   const float max = fmaxf(a.max, b.max);
-  if (max == -INFINITY) return a;  // both empty (or all -inf): nothing to rescale
+  // Both empty or all -inf (fmaxf passes over NaN): nothing to rescale, but a NaN sum stays.
+  if (max == -INFINITY) return MaxSum{max, a.sum + b.sum};
   return MaxSum{max, a.sum * expf(a.max - max) + b.sum * expf(b.max - max)};
 }
 
@@ -765,11 +766,11 @@ double softmax_xent(CudaOps& ops, const char* op, ConstMatrix logits, const int3
   });
   check_launch(op);
   sum_doubles_kernel<<<1, 1024, 0, ops.stream()>>>(block_loss, blocks, total);
-  check_launch("softmax_cross_entropy (loss sum)");
+  check_launch((std::string(op) + " (loss sum)").c_str());
   check_cuda(
       cudaMemcpyAsync(ops.pinned(), total, sizeof(double), cudaMemcpyDeviceToHost, ops.stream()),
-      "softmax_cross_entropy: reading the loss");
-  check_cuda(cudaStreamSynchronize(ops.stream()), "softmax_cross_entropy: synchronising");
+      (std::string(op) + ": reading the loss").c_str());
+  check_cuda(cudaStreamSynchronize(ops.stream()), (std::string(op) + ": synchronising").c_str());
   double loss_sum = 0.0;
   std::memcpy(&loss_sum, ops.pinned(), sizeof(loss_sum));  // before check_device_errors reuses it
   ops.check_device_errors();

@@ -1040,9 +1040,23 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     if (!own.empty()) out.error += ": " + own;
     // A collective that timed out names the rank that gave up waiting, not the one it waited
     // for (without --hang-timeout nothing else named it): the heartbeats the ranks left say.
-    if (f.exit_code == 3 && trace.beats.size() >= 2 && HangWatch::timed_out(out.error)) {
+    const bool placed =
+        f.exit_code == 3 && trace.beats.size() >= 2 && HangWatch::timed_out(out.error);
+    if (placed) {
       out.error +=
           "; by the ranks' last heartbeats, " + HangWatch::positions(trace.beats, rank_name);
+    }
+    if (last_lines.empty()) {
+      // No lines to show (a rank killed, or one that exits before it prints, or only its error
+      // line): where the rank was, by its last heartbeat, and where its log is.
+      const auto beat = trace.beats.find(failed_rank);
+      if (!placed && beat != trace.beats.end()) {
+        out.error += "; its last heartbeat: " + HangWatch::position(beat->second);
+      }
+      if (!log_hint.empty()) {
+        out.error += own.empty() ? fmt::format("; it printed nothing (log: {})", log_hint)
+                                 : fmt::format("; log: {}", log_hint);
+      }
     }
     // A rank that exited 0 before the run ended (no result) leaves its peers to fail in their
     // next collective (exit 3): it is the cause, and the peer's failure what followed.
@@ -1068,16 +1082,6 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       out.error += log_excerpt_lead(log_hint);
       for (const auto& l : last_lines)
         out.error += "\n  " + l;
-    } else if (!early_exit) {
-      // No lines to show (a rank killed, or one that exits before it prints): where the rank
-      // was, by its last heartbeat, and where its log is.
-      if (const auto beat = trace.beats.find(failed_rank); beat != trace.beats.end()) {
-        out.error += "; its last heartbeat: " + HangWatch::position(beat->second);
-      }
-      if (!log_hint.empty()) {
-        out.error += own.empty() ? fmt::format("; it printed nothing (log: {})", log_hint)
-                                 : fmt::format("; log: {}", log_hint);
-      }
     }
   } else if (!sup.requested.empty() && result.is_null()) {
     // Every rank checkpointed and stopped for the hosts that came back (a rank that finished

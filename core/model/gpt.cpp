@@ -260,7 +260,7 @@ void Gpt::linear_backward(ConstMatrix dy, ConstMatrix x, const void* weight, flo
              1.0f, 0.0f);
 }
 
-// Expects ws_.logits to hold d(loss)/d(logits).
+// Expects ws_.logits to hold d(loss)/d(logits), with 0 in the padding classes' columns.
 void Gpt::backward(const void* p, float* g) {
   const int64_t c = config_.width;
   const int64_t rows = ws_.rows;

@@ -41,6 +41,16 @@ double loss_at(Gpt& model, const std::vector<float>& params, const std::vector<i
   return model.forward_backward(params, Batch{nullptr, windows.data(), sequences}, scratch, 0.0f);
 }
 
+// The tiny model on the CPU, its parameters initialised from `seed`.
+struct TinyModel {
+  GptConfig c = tiny_config();
+  Gpt model{c, std::make_unique<CpuOps>()};
+  std::vector<float> params;
+  explicit TinyModel(uint64_t seed) : params(model.num_params()) {
+    model.init_params(params, seed);
+  }
+};
+
 double stddev(const float* v, int64_t n) {
   double sum = 0, sq = 0;
   for (int64_t i = 0; i < n; ++i) {
@@ -175,10 +185,10 @@ TEST_CASE("gpt: a position sees only earlier tokens; shorter inputs give the sam
 TEST_CASE("gpt: the loss is the cross-entropy over the real vocabulary, not the padded head's") {
   // 11 classes, padded to 128 for the LM head's matmuls: were the 117 padding classes (logit 0)
   // in the softmax, the loss would be far larger than the one computed here from the logits.
-  const GptConfig c = tiny_config();
-  Gpt model(c, std::make_unique<CpuOps>());
-  std::vector<float> params(model.num_params());
-  model.init_params(params, 5);
+  TinyModel tiny(5);
+  const GptConfig& c = tiny.c;
+  Gpt& model = tiny.model;
+  const std::vector<float>& params = tiny.params;
   const auto window = random_windows(1, c, 6);
   double want = 0;
   for (int64_t t = 1; t <= c.context; ++t) {
@@ -199,6 +209,33 @@ TEST_CASE("gpt: the loss is the cross-entropy over the real vocabulary, not the 
   const EvalStats eval = model.evaluate(params, Batch{nullptr, window.data(), 1});
   CHECK(eval.count == c.context);
   CHECK(eval.loss_sum / static_cast<double>(eval.count) == doctest::Approx(want).epsilon(1e-5));
+}
+
+TEST_CASE("gpt: gradients accumulate over calls, the padded LM head's too") {
+  // Gradient accumulation calls forward_backward into the same gradients: the padded head's
+  // weight gradient (computed into scratch, then added) must add up like every other.
+  TinyModel tiny(8);
+  Gpt& model = tiny.model;
+  const std::vector<float>& params = tiny.params;
+  const auto windows = random_windows(2, tiny.c, 9);
+  const Batch batch{nullptr, windows.data(), 2};
+  std::vector<float> once(params.size(), 0.0f);
+  model.forward_backward(params, batch, once, 1.0f);
+  std::vector<float> twice(params.size(), 0.0f);
+  model.forward_backward(params, batch, twice, 1.0f);
+  model.forward_backward(params, batch, twice, 1.0f);
+  // Within rounding of the largest gradient (sums that cancel to about 0 differ in their
+  // last bits); a gradient that did not add up is off by all of itself.
+  double largest = 0;
+  for (float g : once)
+    largest = std::max(largest, std::fabs(double(g)));
+  REQUIRE(largest > 0);
+  size_t wrong = 0;
+  for (size_t i = 0; i < once.size(); ++i)
+    wrong += std::fabs(twice[i] - 2.0 * once[i]) > 1e-5 * largest;
+  CHECK(wrong == 0);
+  const GptLayout& l = model.layout();
+  CHECK(twice[l.wte] != 0.0f);
 }
 
 TEST_CASE("gpt: a token outside the vocabulary is a recipe error naming it") {

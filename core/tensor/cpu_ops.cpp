@@ -55,9 +55,6 @@ static void gemm_f32(CMat a, Transpose transpose_a, CMat b, Transpose transpose_
     throw Error(ErrorKind::internal, "gemm: op(a) " + shape(m, k) + " times op(b) " + shape(kb, n) +
                                          " does not fit c " + shape(c.rows, c.cols));
   }
-  if (a.row_stride() < a.cols || b.row_stride() < b.cols || c.row_stride() < c.cols) {
-    throw Error(ErrorKind::internal, "gemm: a matrix has rows closer together than its columns");
-  }
   if (m == 0 || n == 0) return;
   // cblas rejects a leading dimension of 0, which an empty operand would have.
   blas_sgemm(ta, tb, m, n, k, alpha, a.data, std::max<int64_t>(a.row_stride(), 1), b.data,

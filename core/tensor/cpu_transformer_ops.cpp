@@ -439,9 +439,10 @@ void CpuOps::attention_forward(ConstMatrix qkv, int64_t batch, int64_t seq, int6
   attention_forward_f32(f32(qkv), batch, seq, heads, f32(out), state);
 }
 
-void CpuOps::attention_backward(ConstMatrix qkv, ConstMatrix /*out*/, const float* state,
+void CpuOps::attention_backward(ConstMatrix qkv, ConstMatrix out, const float* state,
                                 ConstMatrix dout, int64_t batch, int64_t seq, int64_t heads,
                                 Matrix dqkv) {
+  f32(out);  // unused (the probabilities are kept), but an f32 contiguous matrix like the rest
   attention_backward_f32(f32(qkv), state, f32(dout), batch, seq, heads, f32(dqkv));
 }
 

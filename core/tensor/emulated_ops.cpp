@@ -35,7 +35,7 @@ class Wide {
 // An output in f32: for a 16-bit matrix, f32 scratch (holding its current values when the op
 // reads them: accumulating outputs) rounded back into it by commit(); an f32 one in place. A
 // matrix with padded rows keeps its stride; its gaps are read too, so that commit() writes them
-// back unchanged (16 bits widen to f32 and round back exactly).
+// back unchanged (16 bits widen to f32 and round back exactly, a signalling NaN aside).
 class Narrow {
  public:
   Narrow(CpuOps& cpu, Matrix m, bool read) : cpu_(cpu), target_(m) {

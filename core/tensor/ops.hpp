@@ -85,6 +85,9 @@ class Ops {
   // y.cols entries or null. The default is gemm then add_bias_rows; a device may fuse them.
   virtual void linear(ConstMatrix x, const void* weight, const void* bias, Matrix y,
                       bool accumulate) {
+    if (!x.contiguous() || !y.contiguous()) {
+      throw Error(ErrorKind::internal, "linear: x and y must be contiguous, not padded rows");
+    }
     gemm(x, Transpose::no, ConstMatrix{weight, y.cols, x.cols, x.dtype}, Transpose::yes, y, 1.0f,
          accumulate ? 1.0f : 0.0f);
     if (bias != nullptr) add_bias_rows(y, bias);
@@ -119,8 +122,9 @@ class Ops {
   }
   // Rows whose largest score (first one on ties) is at the label's column.
   virtual int64_t count_correct(ConstMatrix scores, const int32_t* labels) = 0;
-  // The softmax cross-entropy ops and count_correct take padded rows (the columns past cols are
-  // neither read nor written).
+  // The softmax cross-entropy ops and count_correct take padded rows: the columns past cols are
+  // not part of the matrix, and never enter a result (a 16-bit CPU table writes them back as
+  // they were).
 
   // y += x elementwise, in the activation dtype (residual connections).
   virtual void add(ConstMatrix x, Matrix y) = 0;

@@ -85,6 +85,11 @@ auto f32_strided(BasicMatrix<Void> m) {
     throw Error(ErrorKind::internal,
                 std::string("an f32 matrix was expected, got ") + dtype_name(m.dtype));
   }
+  if (m.row_stride() < m.cols) {
+    throw Error(ErrorKind::internal, "a matrix has rows " + std::to_string(m.row_stride()) +
+                                         " elements apart for " + std::to_string(m.cols) +
+                                         " columns");
+  }
   return MatrixView<Float>{static_cast<Float*>(m.data), m.rows, m.cols, m.stride};
 }
 

@@ -327,6 +327,31 @@ TEST_CASE("nn_kernels: the fused softmax cross-entropy, and padded rows") {
       CHECK_MESSAGE(gaps_changed == 0, what << ": " << gaps_changed << " gap element(s) written");
     }
   }
+  // A NaN logit makes the loss NaN, as on the CPU (the online max/sum must not pass over it),
+  // wherever it is in its row; -inf logits are zero probabilities.
+  for (DType dtype : kDtypes) {
+    for (int64_t at : {0, 5, 3000}) {
+      const Shape s{2, 4000};
+      std::vector<float> logits = random_vector(count(s), 34);
+      logits[static_cast<size_t>(s.cols + at)] = NAN;  // row 1
+      const DeviceMatrix z = device_matrix(logits, s, dtype);
+      const Buffer labels = to_device(std::vector<int32_t>{1, 2});
+      const std::string what = label("softmax_cross_entropy NaN", dtype, s);
+      CHECK_MESSAGE(std::isnan(gpu().softmax_cross_entropy(z.m, labels.as<int32_t>(), z.m, 1.0f)),
+                    what << " at column " << at);
+      const DeviceMatrix z2 = device_matrix(logits, s, dtype);
+      CHECK_MESSAGE(
+          std::isnan(gpu().softmax_cross_entropy_forward(z2.m, labels.as<int32_t>(), z2.m)),
+          what << " (forward) at column " << at);
+      std::vector<float> with_inf = random_vector(count(s), 35);
+      with_inf[static_cast<size_t>(at)] = -INFINITY;  // row 0, not its label's column 1
+      const DeviceMatrix z3 = device_matrix(with_inf, s, dtype);
+      CHECK_MESSAGE(
+          std::isfinite(gpu().softmax_cross_entropy(z3.m, labels.as<int32_t>(), z3.m, 1.0f)),
+          what << ": -inf at column " << at);
+      CHECK_MESSAGE(download(z3.m)[static_cast<size_t>(at)] == 0.0f, what << ": -inf's gradient");
+    }
+  }
   // A label outside the classes: a recipe error, as for the forward.
   const Shape s{3, 7};
   const DeviceMatrix logits = device_matrix(random_vector(count(s), 33), s, DType::bf16);
