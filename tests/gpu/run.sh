@@ -2,8 +2,9 @@
 # The GPU checks in one go, for a machine with an NVIDIA GPU: every GPU test (each kernel against
 # the CPU op table, the models on the GPU against the CPU, gpt-tiny training in fp32/bf16/fp16,
 # NCCL with one rank), then the GPU benchmarks (GPT-2 124M training in bf16 and fp32 with MFU,
-# a per-op profile of bf16 training, NCCL all-reduce, and PyTorch's training of the same model as
-# the peer the figures are read against). Results go to OUT_DIR as JSON and logs.
+# a per-op profile of bf16 training, NCCL all-reduce, PyTorch's training of the same model as
+# the peer the figures are read against, and a per-op profile of fp32 training). Results go to
+# OUT_DIR as JSON and logs.
 # The whole script, kill grace included, ends within DPTRAIN_GPU_BUDGET_S (default 540 s: under
 # 560 s, with room for the few unbounded steps): each test file has its own cap, and the
 # benchmarks run only when 150 s are left after the tests.
@@ -289,6 +290,17 @@ for p in ("bf16", "fp32"):
     parts.append(f"{p} {text(d)} / {text(t)} = {ratio}")
 print("peer train: dptrain / PyTorch tokens/s, one GPU: " + ", ".join(parts))
 ' "$out/bench-train.json" "$out/peer-train.json" || echo "peer train: no ratio (see bench-train.json, peer-train.json)"
+  fi
+  # Where an fp32 step's time goes (PyTorch's fp32 is faster; bf16's profile is above): last, and
+  # only with 60 s left.
+  if (($(left 60) < 60)); then
+    echo "bench profile fp32: not run: $(left 60) s of the budget left, it needs 60"
+  else
+    capped 60 env DPTRAIN_PROFILE="$out/profile-fp32" "$bin/dptrain" bench train "$work/gpt2.json" \
+      --device cuda --precision fp32 --batch-per-rank 16 --nproc 1 --steps 5 \
+      --runs-root "$work/runs-profile-fp32" --json >"$out/bench-profile-fp32.json" \
+      2>"$out/bench-profile-fp32.log"
+    echo "bench profile fp32: exit $? ($(ls "$out/profile-fp32" 2>/dev/null | wc -l) profile file(s))"
   fi
 fi
 echo "run.sh: $failed of ${#files[@]} GPU test files failed or did not run; $(($(date +%s) - started)) s; results in $out"
