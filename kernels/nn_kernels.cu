@@ -337,7 +337,10 @@ __global__ void __launch_bounds__(1024)
     walk_row<1, false>(cols, p, z, z, z, [&](int64_t, float v, float, float) { part.add(v); });
     const MaxSum row = block_reduce(
         part, [](MaxSum a, MaxSum b) { return combine(a, b); }, no_values());
-    const float inv_sum = 1.0f / row.sum;
+    // A +inf logit makes the row NaN, as on the CPU (exp(inf - inf)); the online sum would
+    // have counted a lone one as 1.
+    const float sum = row.max == INFINITY ? NAN : row.sum;
+    const float inv_sum = 1.0f / sum;
     if constexpr (kGradient) {
       walk_row<1, true>(cols, p, z, z, z, [&](int64_t j, float v, float, float) {
         const float d = row_scale * (expf(v - row.max) * inv_sum);
@@ -350,7 +353,7 @@ __global__ void __launch_bounds__(1024)
     }
     if (threadIdx.x == 0) {
       if (valid) {
-        loss += log(static_cast<double>(row.sum)) - static_cast<double>(target - row.max);
+        loss += log(static_cast<double>(sum)) - static_cast<double>(target - row.max);
       } else {
         record_error(errors, 2, label, static_cast<int32_t>(cols));
       }

@@ -45,11 +45,11 @@ class HangWatch {
                               std::chrono::milliseconds stalled_for,
                               const RankName& rank_name = {});
   // Its part after "hang: no progress for Ns; ": who is behind, and who waits for them in which
-  // collective ("stuck: rank 1 at step 15 in phase forward (after collective #31); waiting for
+  // collective ("stuck: rank 1 at step 15 in phase data (after collective #31); waiting for
   // it in collective #32: rank 0"), or that every rank waits in one collective.
   static std::string positions(const std::map<int, nlohmann::json>& beats,
                                const RankName& rank_name = {});
-  // Where one rank's heartbeat says it is: "step 15 in phase forward (after collective #31)" or
+  // Where one rank's heartbeat says it is: "step 15 in phase data (after collective #31)" or
   // "step 15 in collective #32 (allreduce of the loss)".
   static std::string position(const nlohmann::json& beat);
   // Whether a rank's error says a collective (or a wait) timed out (Gloo's "Timed out", ours

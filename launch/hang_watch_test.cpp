@@ -39,6 +39,16 @@ TEST_CASE("hang verdict: the rank behind is named with its step and phase, the w
                "rank 2") != std::string::npos);
 }
 
+TEST_CASE("hang verdict: one rank's position, as a failed rank's message gives it") {
+  CHECK(HangWatch::position({{"step", 5},
+                             {"phase", "data"},
+                             {"seq", 8},
+                             {"collective", "allreduce of gradient bucket 0"}}) ==
+        "step 5 in phase data (after collective #8 (allreduce of gradient bucket 0))");
+  CHECK(HangWatch::position({{"step", 7}, {"phase", "collective"}, {"seq", 12}}) ==
+        "step 7 in collective #12");
+}
+
 TEST_CASE("hang verdict: a rank stuck in an earlier collective is named in it") {
   const std::map<int, json> beats = {
       {0, {{"step", 9}, {"phase", "collective"}, {"seq", 40}, {"collective", "barrier"}}},

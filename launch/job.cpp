@@ -993,6 +993,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     out.status = "failed";
     std::vector<std::string> last_lines = f.last_lines;
     int failed_rank = f.rank;  // a remote one's as its agent reported it
+    bool rank_failed = true;   // not an agent that failed without a report
     std::string log_hint;
     const auto relay = relay_hosts.find(f.label);
     if (relay != relay_hosts.end()) {
@@ -1019,6 +1020,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
           log_hint = (run.logs() / fmt::format("{}-rank{}.log", host, rank)).string();
         }
       } else {
+        rank_failed = false;
         out.error =
             fmt::format("the agent on {} failed: {}", relay->second.display(), f.describe());
         log_hint = procs[0].log_file.string();
@@ -1050,7 +1052,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       // No lines to show (a rank killed, or one that exits before it prints, or only its error
       // line): where the rank was, by its last heartbeat, and where its log is.
       const auto beat = trace.beats.find(failed_rank);
-      if (!placed && beat != trace.beats.end()) {
+      if (!placed && rank_failed && beat != trace.beats.end()) {
         out.error += "; its last heartbeat: " + HangWatch::position(beat->second);
       }
       if (!log_hint.empty()) {

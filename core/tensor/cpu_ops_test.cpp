@@ -267,8 +267,17 @@ TEST_CASE("padded rows: gemm and the softmax cross-entropy ops use only each row
     CHECK(got.values == want_grad);
     CHECK(got.gaps_kept);
   }
-  // The other ops take contiguous matrices only: a padded one is a bug, said so.
+  // The other ops take contiguous matrices only: a padded one is a bug, said so; rows closer
+  // together than their columns are one everywhere.
   std::vector<float> x(16);
+  const std::vector<float> w(36, 1.0f);
+  CHECK_THROWS_WITH_AS(cpu.linear(ConstMatrix{x.data(), 2, 6, DType::f32, 8}, w.data(), nullptr,
+                                  Matrix{x.data(), 2, 6}, false),
+                       "linear: x and y must be contiguous, not padded rows", Error);
+  const std::vector<int32_t> two_labels = {0, 1};
+  CHECK_THROWS_WITH_AS(
+      cpu.count_correct(ConstMatrix{x.data(), 2, 6, DType::f32, 4}, two_labels.data()),
+      "a matrix has rows 4 elements apart for 6 columns", Error);
   try {
     cpu.activation_forward(Activation::relu, ConstMatrix{x.data(), 2, 6, DType::f32, 8},
                            Matrix{x.data(), 2, 6, DType::f32, 8});

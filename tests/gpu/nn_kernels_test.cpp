@@ -351,6 +351,23 @@ TEST_CASE("nn_kernels: the fused softmax cross-entropy, and padded rows") {
           what << ": -inf at column " << at);
       CHECK_MESSAGE(download(z3.m)[static_cast<size_t>(at)] == 0.0f, what << ": -inf's gradient");
     }
+    // A NaN among -inf: whole packs of -inf (threads with nothing) and one thread whose values
+    // are a NaN and -inf only: combining the threads' parts must keep the NaN. And a lone +inf
+    // (not the label) makes the loss NaN, as exp(inf - inf) does on the CPU.
+    const Shape s{2, 4000};
+    const Buffer labels = to_device(std::vector<int32_t>{1, 2});
+    std::vector<float> logits = random_vector(count(s), 36);
+    for (int64_t j = 4; j < 128; ++j)
+      logits[static_cast<size_t>(s.cols + j)] = -INFINITY;
+    logits[static_cast<size_t>(s.cols + 70)] = NAN;
+    const DeviceMatrix z = device_matrix(logits, s, dtype);
+    CHECK_MESSAGE(std::isnan(gpu().softmax_cross_entropy(z.m, labels.as<int32_t>(), z.m, 1.0f)),
+                  label("softmax_cross_entropy NaN among -inf", dtype, s));
+    std::vector<float> with_inf = random_vector(count(s), 37);
+    with_inf[static_cast<size_t>(s.cols + 9)] = INFINITY;
+    const DeviceMatrix zi = device_matrix(with_inf, s, dtype);
+    CHECK_MESSAGE(std::isnan(gpu().softmax_cross_entropy(zi.m, labels.as<int32_t>(), zi.m, 1.0f)),
+                  label("softmax_cross_entropy +inf", dtype, s));
   }
   // A label outside the classes: a recipe error, as for the forward.
   const Shape s{3, 7};

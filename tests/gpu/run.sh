@@ -240,8 +240,8 @@ if [[ $bench -eq 1 ]]; then
   echo "bench comm: exit $?"
   # The PyTorch peer of `bench train`, so that its figures read as a ratio: bench/gpt_ddp_peer.py
   # trains the same GPT from the same recipe and tokens on the GPU (SDPA attention, fused AdamW,
-  # bf16 autocast; fp32 without TF32), 30 steps of 16 x 1024. Last, and only with 120 s left, so
-  # that it never starves the steps before it. peer-train.json: a JSON array, one result per run.
+  # bf16 autocast; fp32 without TF32), 30 steps of 16 x 1024. Only with 120 s left, so that it
+  # never starves the steps before it. peer-train.json: a JSON array, one result per run.
   # Its Python: the first of the candidates above that has torch (found, not imported: fast).
   peer_py=""
   for py in ${DPTRAIN_PYTHON:-} python3 python /opt/torch/.venv/bin/python3 /opt/conda/bin/python; do
@@ -297,7 +297,7 @@ print("peer train: dptrain / PyTorch tokens/s, one GPU: " + ", ".join(parts))
     echo "bench profile fp32: not run: $(left 60) s of the budget left, it needs 60"
   else
     capped 60 env DPTRAIN_PROFILE="$out/profile-fp32" "$bin/dptrain" bench train "$work/gpt2.json" \
-      --device cuda --precision fp32 --batch-per-rank 16 --nproc 1 --steps 5 \
+      --device cuda --precision fp32 --batch-per-rank 16 --nproc 1 --steps 10 \
       --runs-root "$work/runs-profile-fp32" --json >"$out/bench-profile-fp32.json" \
       2>"$out/bench-profile-fp32.log"
     echo "bench profile fp32: exit $? ($(ls "$out/profile-fp32" 2>/dev/null | wc -l) profile file(s))"
