@@ -171,18 +171,20 @@ int64_t Gpt::logits_stride() const {
   return (config_.vocab + kVocabAlign - 1) / kVocabAlign * kVocabAlign;
 }
 
-const void* Gpt::head_weight(const void* p, bool refresh) {
+const void* Gpt::compute_params(std::span<const float> params) {
+  const void* p = compute_.get(params);
   const int64_t padded = logits_stride();
-  if (padded == config_.vocab) return at(p, layout_.wte);
+  if (padded == config_.vocab) return p;
   const size_t row_bytes = static_cast<size_t>(config_.width) * dtype_size(dtype_);
   if (head_.bytes() < static_cast<size_t>(padded) * row_bytes) {
     head_ = ops_->allocate(static_cast<size_t>(padded) * row_bytes);  // zeroed: the padding
-    refresh = true;
   }
-  if (refresh) {
-    ops_->copy(at(p, layout_.wte), head_.data(), static_cast<size_t>(config_.vocab) * row_bytes);
-  }
-  return head_.data();
+  ops_->copy(at(p, layout_.wte), head_.data(), static_cast<size_t>(config_.vocab) * row_bytes);
+  return p;
+}
+
+const void* Gpt::head_weight(const void* p) const {
+  return logits_stride() == config_.vocab ? at(p, layout_.wte) : head_.data();
 }
 
 Matrix Gpt::logits() const {
@@ -242,8 +244,8 @@ Matrix Gpt::forward(const void* p) {
                           stats(2 * config_.layers, 0), stats(2 * config_.layers, 1));
   // Over the padded vocabulary: the padding classes' logits are 0 (their weights are).
   const int64_t padded = logits_stride();
-  ops_->gemm(lnf, Transpose::no, ConstMatrix{head_weight(p, true), padded, c, dtype_},
-             Transpose::yes, Matrix{ws_.logits.data(), ws_.rows, padded, dtype_}, 1.0f, 0.0f);
+  ops_->gemm(lnf, Transpose::no, ConstMatrix{head_weight(p), padded, c, dtype_}, Transpose::yes,
+             Matrix{ws_.logits.data(), ws_.rows, padded, dtype_}, 1.0f, 0.0f);
   return logits();
 }
 
@@ -292,8 +294,8 @@ void Gpt::backward(const void* p, float* g) {
              1.0f, 0.0f);
     ops.axpy(vocab * c, 1.0f, head_grad_.as<float>(), g + layout_.wte);
   }
-  ops.gemm(dlogits, Transpose::no, ConstMatrix{head_weight(p, false), padded, c, dtype_},
-           Transpose::no, dtmp, 1.0f, 0.0f);
+  ops.gemm(dlogits, Transpose::no, ConstMatrix{head_weight(p), padded, c, dtype_}, Transpose::no,
+           dtmp, 1.0f, 0.0f);
   ops.layernorm_backward(rows_of(ws_.residual, config_.layers, c), at(p, layout_.lnf_gamma),
                          stats(2 * config_.layers, 0), stats(2 * config_.layers, 1), dtmp, dx,
                          g + layout_.lnf_gamma, g + layout_.lnf_beta);
@@ -333,7 +335,7 @@ double Gpt::forward_backward(std::span<const float> params, const Batch& batch,
   require_size("forward_backward: grads", grads.size());
   if (batch.size <= 0) return 0.0;
   load_windows(batch.y, batch.size, config_.context);
-  const void* p = compute_.get(params);
+  const void* p = compute_params(params);
   const Matrix logits = forward(p);
   const int32_t* targets = ws_.targets.as<int32_t>();
   const double loss = ops_->softmax_cross_entropy(logits, targets, logits, scale);
@@ -345,7 +347,7 @@ EvalStats Gpt::evaluate(std::span<const float> params, const Batch& batch) {
   require_size("evaluate: params", params.size());
   EvalStats stats;
   const int64_t seq = config_.context;
-  const void* p = compute_.get(params);
+  const void* p = compute_params(params);
   for (int64_t begin = 0; begin < batch.size; begin += kEvalChunkSequences) {
     const int64_t sequences = std::min(kEvalChunkSequences, batch.size - begin);
     load_windows(batch.y + begin * (seq + 1), sequences, seq);
@@ -368,7 +370,7 @@ std::vector<float> Gpt::next_token_logits(std::span<const float> params,
   std::copy(tokens.end() - seq, tokens.end(), ws_.host_inputs.begin());
   ops_->upload(ws_.host_inputs.data(), ws_.inputs.data(),
                static_cast<size_t>(seq) * sizeof(int32_t));
-  const Matrix logits = forward(compute_.get(params));
+  const Matrix logits = forward(compute_params(params));
   return download_row(*ops_, logits, seq - 1);
 }
 

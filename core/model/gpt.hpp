@@ -106,9 +106,12 @@ class Gpt final : public Model {
   // far apart).
   int64_t logits_stride() const;
   Matrix logits() const;
+  // The compute-dtype parameters for one call (forward_backward, evaluate, a sample), with head_
+  // refreshed from them.
+  const void* compute_params(std::span<const float> params);
   // The LM head's compute-dtype weight over the padded vocabulary: wte itself when no padding
-  // is needed, else head_, wte's rows (copied when `refresh`) then zero rows.
-  const void* head_weight(const void* params, bool refresh);
+  // is needed, else head_ (wte's rows as compute_params copied them, then zero rows).
+  const void* head_weight(const void* params) const;
   float* stats(int64_t which, int64_t kind);  // which: 2l (ln1), 2l+1 (ln2), 2L (lnf)
 
   GptConfig config_;
