@@ -432,18 +432,19 @@ int64_t check_attention(const char* op, ConstMatrix qkv, int64_t batch, int64_t 
   return hd;
 }
 
-bool tensor_core_attention(DType dtype, std::initializer_list<const void*> buffers) {
+AttentionKernels attention_kernels(DType dtype, std::initializer_list<const void*> buffers) {
   const char* how = std::getenv("DPTRAIN_ATTENTION");
   const std::string choice = how == nullptr ? "auto" : how;
-  if (choice == "simt") return false;
-  if (choice != "auto") {
-    precondition_failed("attention", "DPTRAIN_ATTENTION=" + choice + ": use auto or simt");
+  if (choice == "simt") return AttentionKernels::simt;
+  if (choice != "auto" && choice != "wmma" && choice != "mma") {
+    precondition_failed("attention",
+                        "DPTRAIN_ATTENTION=" + choice + ": use auto, simt, wmma or mma");
   }
-  if (dtype == DType::f32) return false;
+  if (dtype == DType::f32) return AttentionKernels::simt;
   for (const void* p : buffers) {
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return AttentionKernels::simt;
   }
-  return true;
+  return choice == "mma" ? AttentionKernels::mma : AttentionKernels::wmma;
 }
 
 size_t CudaOps::attention_state_floats(int64_t batch, int64_t seq, int64_t heads) const {
@@ -456,12 +457,17 @@ void CudaOps::attention_forward(ConstMatrix qkv, int64_t batch, int64_t seq, int
   const OpTimer timer(*this, "attention_forward");
   const int64_t hd = check_attention("attention_forward", qkv, batch, seq, heads, out);
   if (batch == 0 || seq == 0) return;
-  if (tensor_core_attention(qkv.dtype, {qkv.data, out.data})) {
-    attention_forward_tc(stream(), qkv, batch, seq, heads, hd, out, state);
-    return;
+  switch (attention_kernels(qkv.dtype, {qkv.data, out.data})) {
+    case AttentionKernels::wmma:
+      attention_forward_tc(stream(), qkv, batch, seq, heads, hd, out, state);
+      return;
+    case AttentionKernels::mma:
+      attention_forward_mma(stream(), qkv, batch, seq, heads, hd, out, state);
+      return;
+    case AttentionKernels::simt:
+      break;
   }
-  const dim3 grid(static_cast<unsigned>(batch * heads),
-                  static_cast<unsigned>((seq + kTile - 1) / kTile));
+  const dim3 grid = attention_grid(batch, seq, heads);
   dispatch_dtype(qkv.dtype, [&]<typename T>() {
     dispatch_head_size(hd, [&]<int HD>() {
       constexpr int floats = forward_smem_floats<HD>();
@@ -497,17 +503,22 @@ void CudaOps::attention_backward(ConstMatrix qkv, ConstMatrix out, const float* 
   const int64_t rows = batch * seq;
   float* delta =
       static_cast<float*>(attention_scratch(static_cast<size_t>(rows * heads) * sizeof(float)));
-  const dim3 grid(static_cast<unsigned>(batch * heads),
-                  static_cast<unsigned>((seq + kTile - 1) / kTile));
+  const dim3 grid = attention_grid(batch, seq, heads);
   const auto delta_blocks = static_cast<unsigned>((rows * heads + kWarps - 1) / kWarps);
   dispatch_dtype(qkv.dtype, [&]<typename T>() {
     attention_delta_kernel<T><<<delta_blocks, kThreads, 0, stream()>>>(
         static_cast<const T*>(out.data), static_cast<const T*>(dout.data), delta, rows,
         static_cast<int>(seq), static_cast<int>(heads), static_cast<int>(hd));
     check_launch("attention_delta_kernel");
-    if (tensor_core_attention(qkv.dtype, {qkv.data, dout.data, dqkv.data})) {
-      attention_backward_tc(stream(), qkv, state, delta, dout, batch, seq, heads, hd, dqkv);
-      return;
+    switch (attention_kernels(qkv.dtype, {qkv.data, dout.data, dqkv.data})) {
+      case AttentionKernels::wmma:
+        attention_backward_tc(stream(), qkv, state, delta, dout, batch, seq, heads, hd, dqkv);
+        return;
+      case AttentionKernels::mma:
+        attention_backward_mma(stream(), qkv, state, delta, dout, batch, seq, heads, hd, dqkv);
+        return;
+      case AttentionKernels::simt:
+        break;
     }
     dispatch_head_size(hd, [&]<int HD>() {
       const auto* q = static_cast<const T*>(qkv.data);

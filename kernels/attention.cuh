@@ -1,7 +1,8 @@
-// What the two implementations of causal attention share: the SIMT kernels for every dtype
-// (attention.cu, which also holds CudaOps' attention methods) and the tensor-core kernels for
-// 16-bit inputs (attention_tc.cu). Both cut the work into kTile x kTile tiles of one (sequence,
-// head), keep one log-sum-exp per query row, and sum in a fixed order (bit-identical runs).
+// What the three implementations of causal attention share: the SIMT kernels for every dtype
+// (attention.cu, which also holds CudaOps' attention methods) and two tensor-core versions for
+// 16-bit inputs (attention_tc.cu through WMMA, attention_mma.cu through mma.sync). All cut the work
+// into kTile x kTile tiles of one (sequence, head), keep one log-sum-exp per query row, and sum in
+// a fixed order (bit-identical runs).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -92,6 +93,25 @@ void dispatch_head_size(int64_t hd, F&& f) {
   }
 }
 
+// Calls f.template operator()<T>() with T the CUDA type of a 16-bit dtype (the tensor-core
+// kernels' inputs).
+template <typename F>
+void dispatch_16bit(DType dtype, F&& f) {
+  if (dtype == DType::bf16) {
+    f.template operator()<__nv_bfloat16>();
+  } else if (dtype == DType::f16) {
+    f.template operator()<__half>();
+  } else {
+    precondition_failed("attention (tensor cores)", "takes bf16 or f16 only");
+  }
+}
+
+// Every implementation's grid: block (b * heads + h, y) for tile y of one (sequence, head).
+inline dim3 attention_grid(int64_t batch, int64_t seq, int64_t heads) {
+  return dim3(static_cast<unsigned>(batch * heads),
+              static_cast<unsigned>((seq + kTile - 1) / kTile));
+}
+
 // Kernels over 48 KB of dynamic shared memory must opt in, per kernel.
 template <typename Kernel>
 void allow_shared_memory(Kernel* kernel, size_t bytes, const char* name) {
@@ -104,10 +124,13 @@ inline float attention_scale(int64_t hd) {
   return 1.0f / std::sqrt(static_cast<float>(hd));
 }
 
-// Whether the tensor-core kernels take a call: 16-bit inputs whose buffers all start 16-byte
-// aligned, unless the environment asks for the SIMT kernels (DPTRAIN_ATTENTION=simt: the
-// fallback, and the reference the GPU tests compare with; "auto" or unset: tensor cores).
-bool tensor_core_attention(DType dtype, std::initializer_list<const void*> buffers);
+// Which kernels compute a call. DPTRAIN_ATTENTION picks: "auto" (or unset) the WMMA kernels
+// for 16-bit inputs, "wmma" the same, "mma" the register-resident mma.sync kernels
+// (attention_mma.cu: opt-in until they have run on a GPU), "simt" the f32-math kernels (the
+// fallback, and the reference the GPU tests compare with). f32 inputs, and 16-bit inputs with a
+// buffer not 16-byte aligned, always take the SIMT kernels.
+enum class AttentionKernels { simt, wmma, mma };
+AttentionKernels attention_kernels(DType dtype, std::initializer_list<const void*> buffers);
 
 // attention_tc.cu. The forward writes out and the log-sum-exp of every query row (lse); the
 // backward needs the forward's lse and delta (dout . out per row and head, from the SIMT
@@ -117,5 +140,12 @@ void attention_forward_tc(cudaStream_t stream, ConstMatrix qkv, int64_t batch, i
 void attention_backward_tc(cudaStream_t stream, ConstMatrix qkv, const float* lse,
                            const float* delta, ConstMatrix dout, int64_t batch, int64_t seq,
                            int64_t heads, int64_t hd, Matrix dqkv);
+
+// attention_mma.cu: the same contract as the two above.
+void attention_forward_mma(cudaStream_t stream, ConstMatrix qkv, int64_t batch, int64_t seq,
+                           int64_t heads, int64_t hd, Matrix out, float* lse);
+void attention_backward_mma(cudaStream_t stream, ConstMatrix qkv, const float* lse,
+                            const float* delta, ConstMatrix dout, int64_t batch, int64_t seq,
+                            int64_t heads, int64_t hd, Matrix dqkv);
 
 }  // namespace dptrain::kernels

@@ -481,22 +481,6 @@ __global__ void __launch_bounds__(kTcThreads)
   write_part(hb, dqkv, 0, q0 + w0, sw, SLD, scale, lane);
 }
 
-template <typename F>
-void dispatch_16bit(DType dtype, F&& f) {
-  if (dtype == DType::bf16) {
-    f.template operator()<__nv_bfloat16>();
-  } else if (dtype == DType::f16) {
-    f.template operator()<__half>();
-  } else {
-    precondition_failed("attention (tensor cores)", "takes bf16 or f16 only");
-  }
-}
-
-dim3 attention_grid(int64_t batch, int64_t seq, int64_t heads) {
-  return dim3(static_cast<unsigned>(batch * heads),
-              static_cast<unsigned>((seq + kTile - 1) / kTile));
-}
-
 }  // namespace
 
 void attention_forward_tc(cudaStream_t stream, ConstMatrix qkv, int64_t batch, int64_t seq,

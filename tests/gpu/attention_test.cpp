@@ -271,6 +271,41 @@ TEST_CASE("attention: the SIMT kernels take 16-bit inputs too (DPTRAIN_ATTENTION
   }
 }
 
+TEST_CASE("attention: the mma.sync kernels (DPTRAIN_ATTENTION=mma) against the CPU") {
+  // Every shape the default kernels meet above: one position, short, ragged, head sizes 32 and
+  // 128, several tiles, GPT-2 small's heads.
+  const ScopedEnv mma("DPTRAIN_ATTENTION", "mma");
+  for (DType t : {DType::bf16, DType::f16}) {
+    check_against_cpu({1, 1, 1, 32}, t, 71);
+    check_against_cpu({2, 17, 2, 64}, t, 72);
+    check_against_cpu({1, 130, 3, 64}, t, 73);
+    check_against_cpu({3, 100, 2, 32}, t, 74);
+    check_against_cpu({2, 256, 4, 128}, t, 75);
+  }
+  check_against_cpu({1, 1024, 12, 64}, DType::bf16, 76);
+  // f32 inputs take the SIMT kernels whatever the variable says.
+  check_against_cpu({1, 130, 3, 64}, DType::f32, 77);
+}
+
+TEST_CASE("attention: the mma.sync kernels are bit-identical from run to run") {
+  const ScopedEnv mma("DPTRAIN_ATTENTION", "mma");
+  for (const Shape& s : {Shape{2, 256, 4, 128}, Shape{1, 130, 3, 64}}) {
+    INFO(s.name());
+    DeviceAttention dev(s, DType::bf16, random_qkv(s, DType::bf16, 78),
+                        random_dout(s, DType::bf16, 78));
+    dev.forward();
+    dev.backward();
+    const std::vector<char> out = dev.raw(dev.out), state = dev.raw(dev.state),
+                            dqkv = dev.raw(dev.dqkv);
+    gpu().fill_zero(dev.dqkv.data(), dev.dqkv.bytes());
+    dev.forward();
+    dev.backward();
+    CHECK(dev.raw(dev.out) == out);
+    CHECK(dev.raw(dev.state) == state);
+    CHECK(dev.raw(dev.dqkv) == dqkv);
+  }
+}
+
 TEST_CASE("attention: tensor cores against the SIMT kernels on GPT-2 small's shape") {
   // Times both on the same inputs (a report, not an assertion) and compares their outputs.
   const Shape s{16, 1024, 12, 64};
@@ -291,25 +326,34 @@ TEST_CASE("attention: tensor cores against the SIMT kernels on GPT-2 small's sha
     forward_ms = Ms(t1 - t0).count();
     backward_ms = Ms(t2 - t1).count();
   };
-  DeviceAttention tc(s, dtype, qkv, dout);
-  double tc_fwd = 0, tc_bwd = 0, simt_fwd = 0, simt_bwd = 0;
+  DeviceAttention tc(s, dtype, qkv, dout), mma(s, dtype, qkv, dout);
+  double tc_fwd = 0, tc_bwd = 0, mma_fwd = 0, mma_bwd = 0, simt_fwd = 0, simt_bwd = 0;
   timed(tc, tc_fwd, tc_bwd);
+  {
+    const ScopedEnv choice("DPTRAIN_ATTENTION", "mma");
+    timed(mma, mma_fwd, mma_bwd);
+  }
   DeviceAttention reference(s, dtype, qkv, dout);
   {
     const ScopedEnv simt("DPTRAIN_ATTENTION", "simt");
     timed(reference, simt_fwd, simt_bwd);
   }
-  MESSAGE("attention " << s.name() << " bf16: tensor cores forward " << tc_fwd << " ms, backward "
-                       << tc_bwd << " ms; SIMT forward " << simt_fwd << " ms, backward " << simt_bwd
+  MESSAGE("attention " << s.name() << " bf16: WMMA forward " << tc_fwd << " ms, backward " << tc_bwd
+                       << " ms; mma.sync forward " << mma_fwd << " ms, backward " << mma_bwd
+                       << " ms; SIMT forward " << simt_fwd << " ms, backward " << simt_bwd
                        << " ms");
   const size_t n = count(s.rows() * s.width());
-  check_close(to_host(tc.out.data(), n, dtype), to_host(reference.out.data(), n, dtype),
-              tolerance(dtype), "out: tensor cores vs SIMT");
-  check_close(to_host(tc.dqkv.data(), 3 * n, dtype), to_host(reference.dqkv.data(), 3 * n, dtype),
-              tolerance(dtype), "dqkv: tensor cores vs SIMT");
+  for (const DeviceAttention* dev : {&tc, &mma}) {
+    const std::string name = dev == &tc ? "WMMA" : "mma.sync";
+    check_close(to_host(dev->out.data(), n, dtype), to_host(reference.out.data(), n, dtype),
+                tolerance(dtype), "out: " + name + " vs SIMT");
+    check_close(to_host(dev->dqkv.data(), 3 * n, dtype),
+                to_host(reference.dqkv.data(), 3 * n, dtype), tolerance(dtype),
+                "dqkv: " + name + " vs SIMT");
+  }
 }
 
-TEST_CASE("attention: DPTRAIN_ATTENTION other than auto or simt is an error naming it") {
+TEST_CASE("attention: DPTRAIN_ATTENTION other than auto, simt, wmma or mma is an error naming it") {
   const ScopedEnv bad("DPTRAIN_ATTENTION", "fast");
   const Shape s{1, 64, 1, 64};
   DeviceAttention dev(s, DType::bf16, random_qkv(s, DType::bf16, 61),
