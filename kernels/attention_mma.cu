@@ -63,12 +63,12 @@ __device__ __forceinline__ uint32_t shared_address(const void* p) {
 // writes zeros (src-size 0); its source must still be a mapped address, so callers pass one.
 __device__ __forceinline__ void copy16_async(void* dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)),
-               "l"(src), "r"(valid ? 16 : 0)
+               "l"(__cvta_generic_to_global(src)), "r"(valid ? 16 : 0)
                : "memory");
 }
 __device__ __forceinline__ void copy4_async(void* dst, const void* src, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(shared_address(dst)),
-               "l"(src), "r"(valid ? 4 : 0)
+               "l"(__cvta_generic_to_global(src)), "r"(valid ? 4 : 0)
                : "memory");
 }
 __device__ __forceinline__ void commit_copies() {
@@ -104,12 +104,14 @@ using Acc = float[4];
 __device__ __forceinline__ void load_x4(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(shared_address(p)));
+               : "r"(shared_address(p))
+               : "memory");
 }
 __device__ __forceinline__ void load_x4_trans(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(shared_address(p)));
+               : "r"(shared_address(p))
+               : "memory");
 }
 
 // d += a b for one m16n8k16 step.

@@ -235,7 +235,7 @@ if [[ $bench -eq 1 ]]; then
   # The same bf16 run on the mma.sync attention kernels (DPTRAIN_ATTENTION=mma: opt-in until
   # measured here; bench-train.json has the default WMMA kernels).
   capped 90 env DPTRAIN_ATTENTION=mma "$bin/dptrain" bench train "$work/gpt2.json" --device cuda \
-    --precision bf16 --batch-per-rank 16 --nproc 1 --steps 20 --runs-root "$work/runs-mma" --json \
+    --precision bf16 --batch-per-rank 16 --nproc 1 --steps 30 --runs-root "$work/runs-mma" --json \
     >"$out/bench-train-mma.json" 2>"$out/bench-train-mma.log"
   echo "bench train (attention mma): exit $?"
   # Where a bf16 step's GPU time goes, op by op (a separate short run: the events cost a little).
