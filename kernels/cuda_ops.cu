@@ -426,12 +426,14 @@ std::unique_ptr<MatmulPlan> make_plan(const char* op, cublasLtHandle_t lt, const
   return plan;
 }
 
-// c = alpha op(a) op(b) + beta c (+ bias per column of c), shapes already checked and non-empty.
-// False when cuBLASLt has no algorithm for it (the caller decides what that means).
+// c = alpha op(a) op(b) + beta c_in (+ bias per column of c), shapes already checked and
+// non-empty; c_in is c's buffer when null, or another matrix of c's shape and type (cuBLASLt's C,
+// with c as D). False when cuBLASLt has no algorithm for it (the caller decides what that means).
 bool lt_matmul(const char* op, PlanMap& plans, cublasLtHandle_t lt, void* workspace,
                cudaStream_t stream, const GemmShape& shape, ConstMatrix a, Transpose transpose_a,
                ConstMatrix b, Transpose transpose_b, Matrix c, float alpha, float beta,
-               const void* bias) {
+               const void* bias, const void* c_in = nullptr) {
+  if (c_in == nullptr) c_in = c.data;
   MatmulKey key;
   key.m = shape.m;
   key.n = shape.n;
@@ -446,7 +448,7 @@ bool lt_matmul(const char* op, PlanMap& plans, cublasLtHandle_t lt, void* worksp
   key.c_type = static_cast<int32_t>(cuda_type(c.dtype));
   key.align_a = alignment(a.data);
   key.align_b = alignment(b.data);
-  key.align_c = alignment(c.data);
+  key.align_c = std::min(alignment(c.data), alignment(c_in));
   key.align_bias = bias != nullptr ? alignment(bias) : 0;
 
   auto it = plans.find(key);
@@ -457,9 +459,9 @@ bool lt_matmul(const char* op, PlanMap& plans, cublasLtHandle_t lt, void* worksp
   MatmulPlan& plan = *it->second;
   if (!plan.has_algo) return false;
   if (bias != nullptr) set_desc(op, plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
-  // C and D are the same buffer and layout: beta = 1 accumulates in place.
+  // C and D share the layout: beta = 1 accumulates (in place when c_in is c).
   check_lt(cublaslt().matmul(lt, plan.desc, &alpha, b.data, plan.first, a.data, plan.second, &beta,
-                             c.data, plan.out, c.data, plan.out, &plan.algo, workspace,
+                             c_in, plan.out, c.data, plan.out, &plan.algo, workspace,
                              CudaOps::kLtWorkspaceBytes, stream),
            op, "cublasLtMatmul");
   return true;
@@ -817,24 +819,29 @@ void CudaOps::gemm(ConstMatrix a, Transpose transpose_a, ConstMatrix b, Transpos
 }
 
 void CudaOps::linear(ConstMatrix x, const void* weight, const void* bias, Matrix y,
-                     bool accumulate) {
+                     const void* residual) {
   const OpTimer timer(*this, "linear");
   require_contiguous("linear", x, "x");
   require_contiguous("linear", y, "y");
   const ConstMatrix w{weight, y.cols, x.cols, x.dtype};
-  // cuBLASLt's bias epilogue: bias in D's dtype (y's, which must then be x's), the bias
-  // 16-byte aligned (narrower bias pointers fail on some GPUs), and no accumulation (we do not
-  // rely on where the epilogue adds the bias relative to beta * C).
-  const bool fuse = bias != nullptr && !accumulate && y.dtype == x.dtype && alignment(bias) >= 16;
-  if (fuse) {
-    const GemmShape shape = gemm_shape("linear", x, Transpose::no, w, Transpose::yes, y);
-    if (shape.m == 0 || shape.n == 0) return;
-    if (shape.k > 0 && lt_matmul("linear", matmul_plans_->plans, lt_, lt_workspace_, stream_, shape,
-                                 x, Transpose::no, w, Transpose::yes, y, 1.0f, 0.0f, bias)) {
-      return;
-    }
+  const GemmShape shape = gemm_shape("linear", x, Transpose::no, w, Transpose::yes, y);
+  if (shape.m == 0 || shape.n == 0) return;
+  const float beta = residual != nullptr ? 1.0f : 0.0f;
+  // One cuBLASLt call where it can: the residual as C (read in place of a copy into y first),
+  // and the bias through the epilogue when it has D's dtype (y's, which must then be x's) and is
+  // 16-byte aligned (narrower bias pointers fail on some GPUs). With alpha = 1 the bias is added
+  // once, wherever the epilogue puts it relative to beta * C.
+  const void* fused_bias =
+      bias != nullptr && y.dtype == x.dtype && alignment(bias) >= 16 ? bias : nullptr;
+  if (shape.k > 0 &&
+      lt_matmul("linear", matmul_plans_->plans, lt_, lt_workspace_, stream_, shape, x,
+                Transpose::no, w, Transpose::yes, y, 1.0f, beta, fused_bias, residual)) {
+    if (bias != nullptr && fused_bias == nullptr) add_bias_rows(y, bias);
+    return;
   }
-  gemm(x, Transpose::no, w, Transpose::yes, y, 1.0f, accumulate ? 1.0f : 0.0f);
+  // An empty product, or no algorithm for the fused call: the steps one by one.
+  if (residual != nullptr && residual != y.data) copy(residual, y.data, y.bytes());
+  gemm(x, Transpose::no, w, Transpose::yes, y, 1.0f, beta);
   if (bias != nullptr) add_bias_rows(y, bias);
 }
 

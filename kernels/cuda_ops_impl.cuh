@@ -144,7 +144,7 @@ class CudaOps final : public Ops {
   void gemm(ConstMatrix a, Transpose transpose_a, ConstMatrix b, Transpose transpose_b, Matrix c,
             float alpha, float beta) override;
   void linear(ConstMatrix x, const void* weight, const void* bias, Matrix y,
-              bool accumulate) override;
+              const void* residual) override;
   void add_bias_rows(Matrix x, const void* bias) override;
   void bias_grad(ConstMatrix dy, float* bias_grad) override;
   void activation_forward(Activation activation, ConstMatrix pre, Matrix out) override;

@@ -219,24 +219,22 @@ Matrix Gpt::forward(const void* p) {
     ops_->layernorm_forward(x, at(p, b.ln1_gamma), at(p, b.ln1_beta), ln1, stats(2 * l, 0),
                             stats(2 * l, 1));
     const Matrix qkv = rows_of(ws_.qkv, l, 3 * c);
-    linear(ln1, at(p, b.qkv_weight), at(p, b.qkv_bias), qkv, false);
+    linear(ln1, at(p, b.qkv_weight), at(p, b.qkv_bias), qkv, nullptr);
     const Matrix att_out = rows_of(ws_.att_out, l, c);
     ops_->attention_forward(qkv, ws_.sequences, ws_.seq, config_.heads, att_out,
                             ws_.att.as<float>() + static_cast<size_t>(l) * ws_.att_floats);
     const Matrix mid = rows_of(ws_.mid, l, c);
-    ops_->copy(x.data, mid.data, x.bytes());
-    linear(att_out, at(p, b.proj_weight), at(p, b.proj_bias), mid, true);
+    linear(att_out, at(p, b.proj_weight), at(p, b.proj_bias), mid, x.data);
     // MLP: next = mid + fc_proj(gelu(fc(ln2(mid))))
     const Matrix ln2 = rows_of(ws_.ln2, l, c);
     ops_->layernorm_forward(mid, at(p, b.ln2_gamma), at(p, b.ln2_beta), ln2, stats(2 * l + 1, 0),
                             stats(2 * l + 1, 1));
     const Matrix fc = rows_of(ws_.fc, l, mlp_);
-    linear(ln2, at(p, b.fc_weight), at(p, b.fc_bias), fc, false);
+    linear(ln2, at(p, b.fc_weight), at(p, b.fc_bias), fc, nullptr);
     const Matrix gelu = rows_of(ws_.gelu, l, mlp_);
     ops_->activation_forward(Activation::gelu, fc, gelu);
     const Matrix next = rows_of(ws_.residual, l + 1, c);
-    ops_->copy(mid.data, next.data, mid.bytes());
-    linear(gelu, at(p, b.fc_proj_weight), at(p, b.fc_proj_bias), next, true);
+    linear(gelu, at(p, b.fc_proj_weight), at(p, b.fc_proj_bias), next, mid.data);
     x = next;
   }
   const Matrix lnf = rows_of(ws_.lnf, 0, c);
@@ -249,8 +247,9 @@ Matrix Gpt::forward(const void* p) {
   return logits();
 }
 
-void Gpt::linear(ConstMatrix x, const void* weight, const void* bias, Matrix y, bool accumulate) {
-  ops_->linear(x, weight, bias, y, accumulate);
+void Gpt::linear(ConstMatrix x, const void* weight, const void* bias, Matrix y,
+                 const void* residual) {
+  ops_->linear(x, weight, bias, y, residual);
 }
 
 void Gpt::linear_backward(ConstMatrix dy, ConstMatrix x, const void* weight, float* weight_grad,

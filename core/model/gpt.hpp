@@ -93,8 +93,8 @@ class Gpt final : public Model {
   // The forward pass over ws_.inputs with compute-dtype parameters; returns the logits.
   Matrix forward(const void* params);
   void backward(const void* params, float* grads);
-  // y = x W^T + b, W [y.cols, x.cols]; accumulate adds to y instead of overwriting it.
-  void linear(ConstMatrix x, const void* weight, const void* bias, Matrix y, bool accumulate);
+  // y = x W^T + b (+ residual, which may be y), W [y.cols, x.cols]: Ops::linear.
+  void linear(ConstMatrix x, const void* weight, const void* bias, Matrix y, const void* residual);
   // dW += dy^T x, db += the column sums of dy, dx = dy W (overwritten).
   void linear_backward(ConstMatrix dy, ConstMatrix x, const void* weight, float* weight_grad,
                        float* bias_grad, Matrix dx);

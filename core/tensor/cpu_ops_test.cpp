@@ -96,6 +96,25 @@ TEST_CASE("bias rows are added and bias gradients accumulate column sums") {
   CHECK(grad == std::vector<float>{26, 48, 70});
 }
 
+TEST_CASE("linear: x W^T plus a bias, plus y itself or a separate residual") {
+  CpuOps ops;
+  const std::vector<float> x = {1, 2, 3, 4};        // [2, 2]
+  const std::vector<float> w = {1, 0, 0, 1, 1, 1};  // [3, 2]: x W^T = [[1, 2, 3], [3, 4, 7]]
+  const std::vector<float> bias = {10, 20, 30};
+  const std::vector<float> residual = {100, 200, 300, 400, 500, 600};
+  std::vector<float> y(6, -1.0f);
+  ops.linear(ConstMatrix{x.data(), 2, 2}, w.data(), bias.data(), Matrix{y.data(), 2, 3}, nullptr);
+  CHECK(y == std::vector<float>{11, 22, 33, 13, 24, 37});
+  // In place: y += x W^T + bias.
+  ops.linear(ConstMatrix{x.data(), 2, 2}, w.data(), bias.data(), Matrix{y.data(), 2, 3}, y.data());
+  CHECK(y == std::vector<float>{22, 44, 66, 26, 48, 74});
+  // A residual connection: y's old values go, the residual is read and left as it was.
+  ops.linear(ConstMatrix{x.data(), 2, 2}, w.data(), nullptr, Matrix{y.data(), 2, 3},
+             residual.data());
+  CHECK(y == std::vector<float>{101, 202, 303, 403, 504, 607});
+  CHECK(residual == std::vector<float>{100, 200, 300, 400, 500, 600});
+}
+
 TEST_CASE("relu and gelu forward and backward") {
   CpuOps ops;
   const std::vector<float> pre = {-2.0f, -0.5f, 0.0f, 0.3f, 1.0f, 3.0f};
@@ -272,7 +291,7 @@ TEST_CASE("padded rows: gemm and the softmax cross-entropy ops use only each row
   std::vector<float> x(16);
   const std::vector<float> w(36, 1.0f);
   CHECK_THROWS_WITH_AS(cpu.linear(ConstMatrix{x.data(), 2, 6, DType::f32, 8}, w.data(), nullptr,
-                                  Matrix{x.data(), 2, 6}, false),
+                                  Matrix{x.data(), 2, 6}, nullptr),
                        "linear: x and y must be contiguous, not padded rows", Error);
   const std::vector<int32_t> two_labels = {0, 1};
   CHECK_THROWS_WITH_AS(

@@ -81,15 +81,18 @@ class Ops {
   // have padded rows.
   virtual void gemm(ConstMatrix a, Transpose transpose_a, ConstMatrix b, Transpose transpose_b,
                     Matrix c, float alpha, float beta) = 0;
-  // y = x W^T + bias (accumulate: y += x W^T + bias), W [y.cols, x.cols] in x's dtype, bias
-  // y.cols entries or null. The default is gemm then add_bias_rows; a device may fuse them.
+  // y = x W^T + bias + residual, W [y.cols, x.cols] in x's dtype, bias y.cols entries or null,
+  // residual a contiguous [y.rows, y.cols] matrix in y's dtype or null: y itself (y += ...), or
+  // a matrix that does not overlap y (a residual connection). The default is a copy of the
+  // residual, gemm and add_bias_rows; a device may fuse them.
   virtual void linear(ConstMatrix x, const void* weight, const void* bias, Matrix y,
-                      bool accumulate) {
+                      const void* residual) {
     if (!x.contiguous() || !y.contiguous()) {
       throw Error(ErrorKind::internal, "linear: x and y must be contiguous, not padded rows");
     }
+    if (residual != nullptr && residual != y.data) copy(residual, y.data, y.bytes());
     gemm(x, Transpose::no, ConstMatrix{weight, y.cols, x.cols, x.dtype}, Transpose::yes, y, 1.0f,
-         accumulate ? 1.0f : 0.0f);
+         residual != nullptr ? 1.0f : 0.0f);
     if (bias != nullptr) add_bias_rows(y, bias);
   }
   // x[i, :] += bias for every row i; bias has x.cols entries of x's dtype.

@@ -388,11 +388,15 @@ struct LinearShape {
 };
 constexpr LinearShape kLinearShapes[] = {{17, 33, 7}, {64, 128, 96}, {1, 768, 2304}};
 
-TEST_CASE("cuda_ops: linear with and without bias, overwrite and accumulate") {
+// What linear adds to x W^T + bias: nothing, y itself (accumulate in place), or another matrix
+// (a residual connection: cuBLASLt's C, with y as D).
+enum class Residual { none, in_place, separate };
+
+TEST_CASE("cuda_ops: linear with and without bias, overwrite, accumulate and a residual") {
   uint64_t seed = 500;
   for (DType dtype : kDtypes) {
     for (bool with_bias : {false, true}) {
-      for (bool accumulate : {false, true}) {
+      for (Residual residual : {Residual::none, Residual::in_place, Residual::separate}) {
         // Offset 1 puts the bias off the 16-byte alignment the fused epilogue wants.
         for (size_t bias_offset : {size_t{0}, size_t{1}}) {
           if (!with_bias && bias_offset != 0) continue;
@@ -400,7 +404,7 @@ TEST_CASE("cuda_ops: linear with and without bias, overwrite and accumulate") {
             const int64_t rows = shape.rows, in = shape.in, out = shape.out;
             CAPTURE(dtype_name(dtype));
             CAPTURE(with_bias);
-            CAPTURE(accumulate);
+            CAPTURE(static_cast<int>(residual));
             CAPTURE(bias_offset);
             CAPTURE(rows);
             CAPTURE(in);
@@ -411,23 +415,34 @@ TEST_CASE("cuda_ops: linear with and without bias, overwrite and accumulate") {
             const std::vector<float> bias =
                 rounded(random_vector(static_cast<size_t>(out) + bias_offset, seed++), dtype);
             const std::vector<float> y0 = rounded(random_vector(count(rows, out), seed++), dtype);
+            const std::vector<float> r0 = rounded(random_vector(count(rows, out), seed++), dtype);
 
             CpuOps cpu;
             std::vector<float> want = y0;
+            const void* cpu_residual = residual == Residual::in_place   ? want.data()
+                                       : residual == Residual::separate ? r0.data()
+                                                                        : nullptr;
             cpu.linear(ConstMatrix{x.data(), rows, in}, w.data(),
                        with_bias ? bias.data() + bias_offset : nullptr,
-                       Matrix{want.data(), rows, out}, accumulate);
+                       Matrix{want.data(), rows, out}, cpu_residual);
 
             const Buffer dx = to_device(x, dtype), dw = to_device(w, dtype);
-            const Buffer db = to_device(bias, dtype);
+            const Buffer db = to_device(bias, dtype), dr = to_device(r0, dtype);
             Buffer dy = to_device(y0, dtype);
             const void* bias_ptr =
                 with_bias ? static_cast<const char*>(db.data()) + bias_offset * dtype_size(dtype)
                           : nullptr;
+            const void* gpu_residual = residual == Residual::in_place   ? dy.data()
+                                       : residual == Residual::separate ? dr.data()
+                                                                        : nullptr;
             gpu().linear(ConstMatrix{dx.data(), rows, in, dtype}, dw.data(), bias_ptr,
-                         Matrix{dy.data(), rows, out, dtype}, accumulate);
+                         Matrix{dy.data(), rows, out, dtype}, gpu_residual);
             check_close(to_host(dy.data(), count(rows, out), dtype), want, tolerance(dtype),
                         "linear");
+            // A separate residual is read, never written.
+            if (residual == Residual::separate) {
+              CHECK(to_host(dr.data(), r0.size(), dtype) == r0);
+            }
           }
         }
       }
