@@ -224,16 +224,21 @@ class CudaOps final : public Ops {
 };
 
 // Times the op it lives in when the table profiles (DPTRAIN_PROFILE); nothing otherwise. The
-// first line of every CudaOps op: `const OpTimer timer(*this, "gemm");`.
+// first line of every CudaOps op: `const OpTimer timer(*this, "gemm");`. An op called by another
+// (linear's gemm, say) is part of the outer op's time, not timed again: the ops' shares add up to
+// the whole.
 class OpTimer {
  public:
-  OpTimer(const CudaOps& ops, const char* op) : profile_(ops.profile()), op_(op) {
+  OpTimer(const CudaOps& ops, const char* op)
+      : profile_(depth_ == 0 ? ops.profile() : nullptr), op_(op) {
     if (profile_ != nullptr) {
       stream_ = ops.stream();
-      start_ = profile_->open(stream_);
+      start_ = profile_->open(stream_);  // may throw: the depth is raised after
     }
+    ++depth_;
   }
   ~OpTimer() {
+    --depth_;
     if (profile_ == nullptr) return;
     try {
       profile_->close(op_, start_, stream_);
@@ -245,6 +250,7 @@ class OpTimer {
   OpTimer& operator=(const OpTimer&) = delete;
 
  private:
+  static thread_local inline int depth_ = 0;  // ops open on this thread
   OpProfile* profile_;
   const char* op_;
   cudaStream_t stream_ = nullptr;

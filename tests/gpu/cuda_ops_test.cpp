@@ -560,6 +560,10 @@ TEST_CASE("cuda ops: DPTRAIN_PROFILE writes every op's calls and GPU time when t
                 Transpose::no, Matrix{c.data(), n, n}, 1.0f, 0.0f);
     }
     ops->scale(n * n, 0.5f, c.as<float>());
+    // A linear whose bias cannot go through the epilogue (4-byte aligned, not 16) adds it with
+    // add_bias_rows inside linear: timed as linear only.
+    ops->linear(ConstMatrix{a.data(), n, n}, a.data(), static_cast<const float*>(a.data()) + 1,
+                Matrix{c.data(), n, n}, nullptr);
     ops->synchronize();
   }
   std::vector<std::filesystem::path> files;
@@ -576,6 +580,12 @@ TEST_CASE("cuda ops: DPTRAIN_PROFILE writes every op's calls and GPU time when t
   CHECK(ops["gemm"]["ms"].get<double>() > 0);
   CHECK(ops["scale"]["calls"] == 1);
   CHECK(ops["allocate"]["calls"] == 2);
+  CHECK(ops["linear"]["calls"] == 1);
+  CHECK(ops.count("add_bias_rows") == 0);  // an op inside another counts as the outer one
+  double shares = 0;
+  for (const auto& [name, op] : ops)
+    shares += op["share"].get<double>();
+  CHECK(shares == doctest::Approx(1.0).epsilon(0.01));
   CHECK(profile["total_ms"].get<double>() >= ops["gemm"]["ms"].get<double>());
 }
 
