@@ -501,8 +501,7 @@ void CudaOps::attention_backward(ConstMatrix qkv, ConstMatrix out, const float* 
   require_contiguous(op, dqkv, "dqkv");
   if (batch == 0 || seq == 0) return;
   const int64_t rows = batch * seq;
-  float* delta =
-      static_cast<float*>(attention_scratch(static_cast<size_t>(rows * heads) * sizeof(float)));
+  float* delta = static_cast<float*>(scratch(static_cast<size_t>(rows * heads) * sizeof(float)));
   const dim3 grid = attention_grid(batch, seq, heads);
   const auto delta_blocks = static_cast<unsigned>((rows * heads + kWarps - 1) / kWarps);
   dispatch_dtype(qkv.dtype, [&]<typename T>() {

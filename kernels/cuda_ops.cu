@@ -287,14 +287,29 @@ GemmShape gemm_shape(const char* what, ConstMatrix a, Transpose transpose_a, Con
   return s;
 }
 
+// What cuBLASLt does with a product on its way out (in row-major terms, c = op(a) op(b)):
+// nothing; BIAS adds `vector` to every row of c; BGRADB writes the column sums of op(a) over k
+// (a linear layer's bias gradient, when op(a) = dy^T... read as [k, m]: see linear_weight_grad)
+// into `vector`; DGELU multiplies the product by gelu'(aux), aux a matrix of c's shape whose rows
+// are aux_ld elements apart. `vector` has c's dtype.
+struct Epilogue {
+  cublasLtEpilogue_t kind = CUBLASLT_EPILOGUE_DEFAULT;
+  const void* vector = nullptr;
+  const void* aux = nullptr;
+  int64_t aux_ld = 0;
+};
+
 // What a plan depends on. The layouts follow from the shape and transposes; the alignments
-// (and the bias pointer's) decide which kernels the heuristic may choose.
+// (and the epilogue's pointers') decide which kernels the heuristic may choose.
 struct MatmulKey {
   int64_t m = 0, n = 0, k = 0;
   int64_t lda = 0, ldb = 0, ldc = 0;  // row strides (padded rows change the kernels that fit)
+  int64_t aux_ld = 0;
   int32_t transpose_a = 0, transpose_b = 0;
   int32_t ab_type = 0, c_type = 0;
-  uint32_t align_a = 0, align_b = 0, align_c = 0, align_bias = 0;  // align_bias 0: no bias
+  int32_t epilogue = 0;
+  uint32_t align_a = 0, align_b = 0, align_c = 0;
+  uint32_t align_vector = 0, align_aux = 0;  // 0: no such pointer
   bool operator==(const MatmulKey&) const = default;
 };
 
@@ -313,7 +328,9 @@ struct MatmulKeyHash {
     mix(static_cast<uint64_t>(key.transpose_a) | static_cast<uint64_t>(key.transpose_b) << 1 |
         static_cast<uint64_t>(key.ab_type) << 8 | static_cast<uint64_t>(key.c_type) << 24);
     mix(static_cast<uint64_t>(key.align_a) | static_cast<uint64_t>(key.align_b) << 16 |
-        static_cast<uint64_t>(key.align_c) << 32 | static_cast<uint64_t>(key.align_bias) << 48);
+        static_cast<uint64_t>(key.align_c) << 32 | static_cast<uint64_t>(key.align_vector) << 48);
+    mix(static_cast<uint64_t>(key.aux_ld));
+    mix(static_cast<uint64_t>(key.epilogue) | static_cast<uint64_t>(key.align_aux) << 32);
     return h;
   }
 };
@@ -373,8 +390,11 @@ void set_pref(const char* op, cublasLtMatmulPreference_t pref,
 // cuBLASLt's first operand is b's buffer (column-major [b.cols, b.rows]) with b's transpose, its
 // second a's buffer with a's, and its output c's buffer as column-major [n, m]. A bias then has
 // one entry per output row of cuBLASLt's D, i.e. per column of c: the broadcast linear() needs.
+// BGRADB reduces cuBLASLt's B (a's buffer) over k into one entry per column of D (row of c); a
+// GELU input (aux) has D's column-major layout, as c's row-major one.
 std::unique_ptr<MatmulPlan> make_plan(const char* op, cublasLtHandle_t lt, const MatmulKey& key,
-                                      ConstMatrix a, ConstMatrix b, Matrix c, const void* bias) {
+                                      ConstMatrix a, ConstMatrix b, Matrix c,
+                                      const Epilogue& epilogue) {
   auto plan = std::make_unique<MatmulPlan>();
   const auto ab_type = static_cast<cudaDataType_t>(key.ab_type);
   const auto c_type = static_cast<cudaDataType_t>(key.c_type);
@@ -384,12 +404,20 @@ std::unique_ptr<MatmulPlan> make_plan(const char* op, cublasLtHandle_t lt, const
   const int32_t op_second = key.transpose_a != 0 ? CUBLAS_OP_T : CUBLAS_OP_N;
   set_desc(op, plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, op_first);
   set_desc(op, plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, op_second);
-  if (bias != nullptr) {
-    // The bias has D's type (cuBLASLt's rule for non-integer, non-fp8 matmuls).
-    set_desc(op, plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE,
-             static_cast<uint32_t>(CUBLASLT_EPILOGUE_BIAS));
+  if (epilogue.kind != CUBLASLT_EPILOGUE_DEFAULT) {
+    set_desc(op, plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, static_cast<uint32_t>(epilogue.kind));
+  }
+  if (epilogue.vector != nullptr) {
+    // A bias, or a bias gradient, has D's type (cuBLASLt's rule for non-integer, non-fp8
+    // matmuls).
     set_desc(op, plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, static_cast<int32_t>(c_type));
-    set_desc(op, plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
+    set_desc(op, plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, epilogue.vector);
+  }
+  if (epilogue.aux != nullptr) {
+    set_desc(op, plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE,
+             static_cast<int32_t>(c_type));
+    set_desc(op, plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, epilogue.aux_ld);
+    set_desc(op, plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, epilogue.aux);
   }
   check_lt(cublaslt().matrix_layout_create(&plan->first, ab_type, static_cast<uint64_t>(b.cols),
                                            static_cast<uint64_t>(b.rows), key.ldb),
@@ -432,7 +460,7 @@ std::unique_ptr<MatmulPlan> make_plan(const char* op, cublasLtHandle_t lt, const
 bool lt_matmul(const char* op, PlanMap& plans, cublasLtHandle_t lt, void* workspace,
                cudaStream_t stream, const GemmShape& shape, ConstMatrix a, Transpose transpose_a,
                ConstMatrix b, Transpose transpose_b, Matrix c, float alpha, float beta,
-               const void* bias, const void* c_in = nullptr) {
+               const Epilogue& epilogue = {}, const void* c_in = nullptr) {
   if (c_in == nullptr) c_in = c.data;
   MatmulKey key;
   key.m = shape.m;
@@ -449,16 +477,25 @@ bool lt_matmul(const char* op, PlanMap& plans, cublasLtHandle_t lt, void* worksp
   key.align_a = alignment(a.data);
   key.align_b = alignment(b.data);
   key.align_c = std::min(alignment(c.data), alignment(c_in));
-  key.align_bias = bias != nullptr ? alignment(bias) : 0;
+  key.epilogue = static_cast<int32_t>(epilogue.kind);
+  key.align_vector = epilogue.vector != nullptr ? alignment(epilogue.vector) : 0;
+  key.align_aux = epilogue.aux != nullptr ? alignment(epilogue.aux) : 0;
+  key.aux_ld = epilogue.aux_ld;
 
   auto it = plans.find(key);
   if (it == plans.end()) {
     if (plans.size() >= kMaxPlans) plans.clear();
-    it = plans.emplace(key, make_plan(op, lt, key, a, b, c, bias)).first;
+    it = plans.emplace(key, make_plan(op, lt, key, a, b, c, epilogue)).first;
   }
   MatmulPlan& plan = *it->second;
   if (!plan.has_algo) return false;
-  if (bias != nullptr) set_desc(op, plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
+  // The plan is shared by every call of its key: this call's pointers.
+  if (epilogue.vector != nullptr) {
+    set_desc(op, plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, epilogue.vector);
+  }
+  if (epilogue.aux != nullptr) {
+    set_desc(op, plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, epilogue.aux);
+  }
   // C and D share the layout: beta = 1 accumulates (in place when c_in is c).
   check_lt(cublaslt().matmul(lt, plan.desc, &alpha, b.data, plan.first, a.data, plan.second, &beta,
                              c_in, plan.out, c.data, plan.out, &plan.algo, workspace,
@@ -629,8 +666,7 @@ CudaOps::CudaOps(int device) : device_(device) {
   } catch (...) {
     profile_.reset();
     matmul_plans_.reset();
-    release_resources(stream_, lt_, lt_workspace_, errors_, reduce_scratch_, pinned_,
-                      attention_scratch_);
+    release_resources(stream_, lt_, lt_workspace_, errors_, reduce_scratch_, pinned_, scratch_);
     throw;
   }
 }
@@ -639,8 +675,7 @@ CudaOps::~CudaOps() {
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);  // no matmul still uses a plan
   profile_.reset();                                        // writes the profile
   matmul_plans_.reset();
-  release_resources(stream_, lt_, lt_workspace_, errors_, reduce_scratch_, pinned_,
-                    attention_scratch_);
+  release_resources(stream_, lt_, lt_workspace_, errors_, reduce_scratch_, pinned_, scratch_);
 }
 
 std::string CudaOps::device() const {
@@ -754,21 +789,20 @@ void CudaOps::check_device_errors() {
   }
 }
 
-void* CudaOps::attention_scratch(size_t bytes) {
-  if (bytes <= attention_scratch_bytes_) return attention_scratch_;
+void* CudaOps::scratch(size_t bytes) {
+  if (bytes <= scratch_bytes_) return scratch_;
   // Earlier kernels may still use the old block: free it only once they are done.
-  check_cuda(cudaStreamSynchronize(stream_), "attention_scratch: cudaStreamSynchronize");
-  if (attention_scratch_ != nullptr) {
-    check_cuda(cudaFree(attention_scratch_), "attention_scratch: cudaFree");
-    attention_scratch_ = nullptr;
-    attention_scratch_bytes_ = 0;
+  check_cuda(cudaStreamSynchronize(stream_), "scratch: cudaStreamSynchronize");
+  if (scratch_ != nullptr) {
+    check_cuda(cudaFree(scratch_), "scratch: cudaFree");
+    scratch_ = nullptr;
+    scratch_bytes_ = 0;
   }
   check_cuda(
-      cudaMalloc(&attention_scratch_, bytes),
-      ("attention_scratch: cannot allocate " + std::to_string(bytes) + " bytes on " + device())
-          .c_str());
-  attention_scratch_bytes_ = bytes;
-  return attention_scratch_;
+      cudaMalloc(&scratch_, bytes),
+      ("scratch: cannot allocate " + std::to_string(bytes) + " bytes on " + device()).c_str());
+  scratch_bytes_ = bytes;
+  return scratch_;
 }
 
 void CudaOps::cast(const void* src, DType from, void* dst, DType to, int64_t n) {
@@ -809,7 +843,7 @@ void CudaOps::gemm(ConstMatrix a, Transpose transpose_a, ConstMatrix b, Transpos
     return;
   }
   if (!lt_matmul("gemm", matmul_plans_->plans, lt_, lt_workspace_, stream_, shape, a, transpose_a,
-                 b, transpose_b, c, alpha, beta, nullptr)) {
+                 b, transpose_b, c, alpha, beta)) {
     throw Error(ErrorKind::cuda, std::string("gemm: cuBLASLt has no algorithm for [") +
                                      std::to_string(shape.m) + ", " + std::to_string(shape.k) +
                                      "] x [" + std::to_string(shape.k) + ", " +
@@ -833,9 +867,11 @@ void CudaOps::linear(ConstMatrix x, const void* weight, const void* bias, Matrix
   // once, wherever the epilogue puts it relative to beta * C.
   const void* fused_bias =
       bias != nullptr && y.dtype == x.dtype && alignment(bias) >= 16 ? bias : nullptr;
+  const Epilogue epilogue{
+      fused_bias != nullptr ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT, fused_bias};
   if (shape.k > 0 &&
       lt_matmul("linear", matmul_plans_->plans, lt_, lt_workspace_, stream_, shape, x,
-                Transpose::no, w, Transpose::yes, y, 1.0f, beta, fused_bias, residual)) {
+                Transpose::no, w, Transpose::yes, y, 1.0f, beta, epilogue, residual)) {
     if (bias != nullptr && fused_bias == nullptr) add_bias_rows(y, bias);
     return;
   }
@@ -843,6 +879,56 @@ void CudaOps::linear(ConstMatrix x, const void* weight, const void* bias, Matrix
   if (residual != nullptr && residual != y.data) copy(residual, y.data, y.bytes());
   gemm(x, Transpose::no, w, Transpose::yes, y, 1.0f, beta);
   if (bias != nullptr) add_bias_rows(y, bias);
+}
+
+void CudaOps::linear_weight_grad(ConstMatrix dy, ConstMatrix x, float* dweight, float* dbias) {
+  const OpTimer timer(*this, "linear_weight_grad");
+  const Matrix dw{dweight, dy.cols, x.cols};
+  const GemmShape shape =
+      gemm_shape("linear_weight_grad", dy, Transpose::yes, x, Transpose::no, dw);
+  // cuBLASLt's BGRADB epilogue writes dy's column sums (the bias gradient, in dweight's f32)
+  // while it accumulates dy^T x: dy is read once, not again by bias_grad. It writes rather than
+  // adds, so the sums go to scratch and are added to dbias after.
+  if (dbias != nullptr && shape.m > 0 && shape.n > 0 && shape.k > 0 && dy.contiguous()) {
+    float* sums = static_cast<float*>(scratch(static_cast<size_t>(dy.cols) * sizeof(float)));
+    if (lt_matmul("linear_weight_grad", matmul_plans_->plans, lt_, lt_workspace_, stream_, shape,
+                  dy, Transpose::yes, x, Transpose::no, dw, 1.0f, 1.0f,
+                  Epilogue{CUBLASLT_EPILOGUE_BGRADB, sums})) {
+      axpy(dy.cols, 1.0f, sums, dbias);
+      return;
+    }
+  }
+  // No bias, an empty product or no algorithm for the fused call: one op after the other.
+  gemm(dy, Transpose::yes, x, Transpose::no, dw, 1.0f, 1.0f);
+  if (dbias != nullptr) bias_grad(dy, dbias);
+}
+
+void CudaOps::linear_activation_grad(ConstMatrix dy, const void* weight, Activation activation,
+                                     ConstMatrix pre, Matrix dpre) {
+  const OpTimer timer(*this, "linear_activation_grad");
+  const ConstMatrix w{weight, dy.cols, dpre.cols, dy.dtype};
+  const GemmShape shape =
+      gemm_shape("linear_activation_grad", dy, Transpose::no, w, Transpose::no, dpre);
+  if (pre.rows != dpre.rows || pre.cols != dpre.cols || pre.dtype != dpre.dtype) {
+    precondition_failed("linear_activation_grad",
+                        "pre [" + std::to_string(pre.rows) + ", " + std::to_string(pre.cols) +
+                            "] " + dtype_name(pre.dtype) + " differs from dpre [" +
+                            std::to_string(dpre.rows) + ", " + std::to_string(dpre.cols) + "] " +
+                            dtype_name(dpre.dtype));
+  }
+  // cuBLASLt's DGELU epilogue (GELU's tanh approximation, as Activation::gelu) multiplies the
+  // product by gelu'(pre) on its way out, reading pre as its GELU input: no separate pass over
+  // dpre. It wants the input's rows a multiple of 8 elements apart, like D's.
+  if (activation == Activation::gelu && shape.m > 0 && shape.n > 0 && shape.k > 0 &&
+      pre.contiguous() && dpre.contiguous() && dpre.cols % 8 == 0 && dpre.dtype == dy.dtype) {
+    if (lt_matmul("linear_activation_grad", matmul_plans_->plans, lt_, lt_workspace_, stream_,
+                  shape, dy, Transpose::no, w, Transpose::no, dpre, 1.0f, 0.0f,
+                  Epilogue{CUBLASLT_EPILOGUE_DGELU, nullptr, pre.data, pre.cols})) {
+      return;
+    }
+  }
+  gemm(dy, Transpose::no, w, Transpose::no, dpre, 1.0f, 0.0f);
+  activation_backward(activation, pre, dpre, dpre);
 }
 
 // ---- Flat f32 buffers.

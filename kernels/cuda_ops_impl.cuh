@@ -145,6 +145,9 @@ class CudaOps final : public Ops {
             float alpha, float beta) override;
   void linear(ConstMatrix x, const void* weight, const void* bias, Matrix y,
               const void* residual) override;
+  void linear_weight_grad(ConstMatrix dy, ConstMatrix x, float* dweight, float* dbias) override;
+  void linear_activation_grad(ConstMatrix dy, const void* weight, Activation activation,
+                              ConstMatrix pre, Matrix dpre) override;
   void add_bias_rows(Matrix x, const void* bias) override;
   void bias_grad(ConstMatrix dy, float* bias_grad) override;
   void activation_forward(Activation activation, ConstMatrix pre, Matrix out) override;
@@ -194,8 +197,9 @@ class CudaOps final : public Ops {
   void* lt_workspace() const { return lt_workspace_; }
   // Waits for the stream, then throws what a kernel recorded in device_errors() (and clears it).
   void check_device_errors();
-  // Device scratch of at least `bytes` for attention_backward (grown in stream order, kept).
-  void* attention_scratch(size_t bytes);
+  // Device scratch of at least `bytes` for one op's own use (attention_backward's D, the bias
+  // gradient linear_weight_grad adds): grown in stream order, kept; the next op may reuse it.
+  void* scratch(size_t bytes);
 
  private:
   // Threads: the table is used by one thread at a time, except that a gradient reducer's
@@ -204,17 +208,17 @@ class CudaOps final : public Ops {
   // thread queues other ops. Those methods touch only the stream, the constant members and the
   // profile (which locks its own mutex), so the members below need no lock: the reduce scratch and
   // the pinned buffer (losses, counts, device errors), the matmul plans (gemm, linear) and the
-  // attention scratch belong to the training thread. Calling any other method from a second thread
+  // scratch belong to the training thread. Calling any other method from a second thread
   // needs a lock here first.
   int device_ = 0;
   cudaStream_t stream_ = nullptr;
   cublasLtHandle_t lt_ = nullptr;
   void* lt_workspace_ = nullptr;
-  DeviceErrors* errors_ = nullptr;     // device memory, zeroed
-  double* reduce_scratch_ = nullptr;   // device
-  void* pinned_ = nullptr;             // host pinned
-  void* attention_scratch_ = nullptr;  // device
-  size_t attention_scratch_bytes_ = 0;
+  DeviceErrors* errors_ = nullptr;    // device memory, zeroed
+  double* reduce_scratch_ = nullptr;  // device
+  void* pinned_ = nullptr;            // host pinned
+  void* scratch_ = nullptr;           // device
+  size_t scratch_bytes_ = 0;
 
   // ---- cuda_ops.cu (gemm, linear): cuBLASLt plans (descriptors, layouts, the heuristic's
   // algorithm) by shape, dtypes, transposes and alignment, so a step asks the heuristic once.

@@ -254,9 +254,7 @@ void Gpt::linear(ConstMatrix x, const void* weight, const void* bias, Matrix y,
 
 void Gpt::linear_backward(ConstMatrix dy, ConstMatrix x, const void* weight, float* weight_grad,
                           float* bias_grad, Matrix dx) {
-  ops_->gemm(dy, Transpose::yes, x, Transpose::no, Matrix{weight_grad, dy.cols, x.cols}, 1.0f,
-             1.0f);
-  ops_->bias_grad(dy, bias_grad);
+  ops_->linear_weight_grad(dy, x, weight_grad, bias_grad);
   ops_->gemm(dy, Transpose::no, ConstMatrix{weight, dy.cols, x.cols, dtype_}, Transpose::no, dx,
              1.0f, 0.0f);
 }
@@ -302,10 +300,12 @@ void Gpt::backward(const void* p, float* g) {
 
   for (int64_t l = config_.layers; l-- > 0;) {
     const GptLayerLayout& b = layout_.layers[static_cast<size_t>(l)];
-    // next = mid + fc_proj(gelu): dx flows to mid unchanged and into the MLP.
-    linear_backward(dx, rows_of(ws_.gelu, l, mlp_), at(p, b.fc_proj_weight), g + b.fc_proj_weight,
-                    g + b.fc_proj_bias, dwide);
-    ops.activation_backward(Activation::gelu, rows_of(ws_.fc, l, mlp_), dwide, dwide);
+    // next = mid + fc_proj(gelu(fc)): dx flows to mid unchanged and into the MLP, where dwide =
+    // d(loss)/d(fc), through fc_proj and the GELU.
+    ops.linear_weight_grad(dx, rows_of(ws_.gelu, l, mlp_), g + b.fc_proj_weight,
+                           g + b.fc_proj_bias);
+    ops.linear_activation_grad(dx, at(p, b.fc_proj_weight), Activation::gelu,
+                               rows_of(ws_.fc, l, mlp_), dwide);
     linear_backward(dwide, rows_of(ws_.ln2, l, c), at(p, b.fc_weight), g + b.fc_weight,
                     g + b.fc_bias, dtmp);
     ops.layernorm_backward(rows_of(ws_.mid, l, c), at(p, b.ln2_gamma), stats(2 * l + 1, 0),

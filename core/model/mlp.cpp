@@ -163,15 +163,13 @@ double Mlp::forward_backward(std::span<const float> params, const Batch& batch,
   for (size_t l = layers_.size(); l-- > 0;) {
     const LinearLayout& layer = layers_[l];
     const ConstMatrix input = l == 0 ? x : ConstMatrix(post_activation(l - 1, rows));
-    const Matrix weight_grad{grads.data() + layer.weight_offset, layer.out, layer.in};
-    ops_->gemm(delta, Transpose::yes, input, Transpose::no, weight_grad, 1.0f, 1.0f);
-    ops_->bias_grad(delta, grads.data() + layer.bias_offset);
+    ops_->linear_weight_grad(delta, input, grads.data() + layer.weight_offset,
+                             grads.data() + layer.bias_offset);
     gradients_ready(layer.weight_offset);
     if (l == 0) break;
-    const ConstMatrix weight{at(p, layer.weight_offset), layer.out, layer.in, dtype_};
     const Matrix input_grad = post_activation(l - 1, rows);  // its values were used just above
-    ops_->gemm(delta, Transpose::no, weight, Transpose::no, input_grad, 1.0f, 0.0f);
-    ops_->activation_backward(activation_, pre_activation(l - 1, rows), input_grad, input_grad);
+    ops_->linear_activation_grad(delta, at(p, layer.weight_offset), activation_,
+                                 pre_activation(l - 1, rows), input_grad);
     delta = input_grad;
   }
   return loss;

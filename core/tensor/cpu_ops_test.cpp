@@ -115,6 +115,29 @@ TEST_CASE("linear: x W^T plus a bias, plus y itself or a separate residual") {
   CHECK(residual == std::vector<float>{100, 200, 300, 400, 500, 600});
 }
 
+TEST_CASE("a linear layer's parameter gradients accumulate; its input gradient goes through f'") {
+  CpuOps ops;
+  const std::vector<float> dy = {1, 2, 3, 4};       // [2, 2]
+  const std::vector<float> x = {1, 0, 2, 0, 1, 1};  // [2, 3]
+  std::vector<float> dw(6, 1.0f), db = {10, 20};
+  ops.linear_weight_grad(ConstMatrix{dy.data(), 2, 2}, ConstMatrix{x.data(), 2, 3}, dw.data(),
+                         db.data());
+  // dy^T x = [[1, 3, 5], [2, 4, 8]], plus the 1s there; column sums of dy: 4, 6.
+  CHECK(dw == std::vector<float>{2, 4, 6, 3, 5, 9});
+  CHECK(db == std::vector<float>{14, 26});
+  ops.linear_weight_grad(ConstMatrix{dy.data(), 2, 2}, ConstMatrix{x.data(), 2, 3}, dw.data(),
+                         nullptr);
+  CHECK(dw == std::vector<float>{3, 7, 11, 5, 9, 17});
+
+  // dy W with W [2, 3] = [[1, 0, -1], [0, 1, 1]]: [[1, 2, 1], [3, 4, 1]], times relu'(pre).
+  const std::vector<float> w = {1, 0, -1, 0, 1, 1};
+  const std::vector<float> pre = {1, -1, 1, -1, 1, 1};
+  std::vector<float> dpre(6, 99.0f);
+  ops.linear_activation_grad(ConstMatrix{dy.data(), 2, 2}, w.data(), Activation::relu,
+                             ConstMatrix{pre.data(), 2, 3}, Matrix{dpre.data(), 2, 3});
+  CHECK(dpre == std::vector<float>{1, 0, 1, 0, 4, 1});
+}
+
 TEST_CASE("relu and gelu forward and backward") {
   CpuOps ops;
   const std::vector<float> pre = {-2.0f, -0.5f, 0.0f, 0.3f, 1.0f, 3.0f};

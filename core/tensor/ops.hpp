@@ -95,6 +95,23 @@ class Ops {
          residual != nullptr ? 1.0f : 0.0f);
     if (bias != nullptr) add_bias_rows(y, bias);
   }
+  // A linear layer's parameter gradients: dweight [dy.cols, x.cols] (f32) += dy^T x and, unless
+  // null, dbias += the column sums of dy. The default is gemm then bias_grad; a device may fuse
+  // them.
+  virtual void linear_weight_grad(ConstMatrix dy, ConstMatrix x, float* dweight, float* dbias) {
+    gemm(dy, Transpose::yes, x, Transpose::no, Matrix{dweight, dy.cols, x.cols}, 1.0f, 1.0f);
+    if (dbias != nullptr) bias_grad(dy, dbias);
+  }
+  // The gradient through a linear layer and the activation before it, for y = f(pre) W^T + b:
+  // dpre = (dy W) * f'(pre), W [dy.cols, dpre.cols] in dy's dtype, pre and dpre of one shape
+  // (dpre is overwritten and must not overlap pre). The default is gemm then activation_backward; a
+  // device may fuse them.
+  virtual void linear_activation_grad(ConstMatrix dy, const void* weight, Activation activation,
+                                      ConstMatrix pre, Matrix dpre) {
+    gemm(dy, Transpose::no, ConstMatrix{weight, dy.cols, dpre.cols, dy.dtype}, Transpose::no, dpre,
+         1.0f, 0.0f);
+    activation_backward(activation, pre, dpre, dpre);
+  }
   // x[i, :] += bias for every row i; bias has x.cols entries of x's dtype.
   virtual void add_bias_rows(Matrix x, const void* bias) = 0;
   // bias_grad[j] += sum_i dy[i, j] (f32): accumulates like the weight gradients.

@@ -450,6 +450,67 @@ TEST_CASE("cuda_ops: linear with and without bias, overwrite, accumulate and a r
   }
 }
 
+TEST_CASE("cuda_ops: a linear layer's weight, bias and activation gradients") {
+  // linear_weight_grad (BGRADB epilogue where cuBLASLt has one) and linear_activation_grad
+  // (DGELU epilogue for GELU) against the CPU's gemm + bias_grad and gemm + activation_backward.
+  // [17, 33, 7] has widths no epilogue takes (the unfused path); GPT-2's fc_proj is the last.
+  constexpr LinearShape kShapes[] = {{17, 33, 7}, {64, 128, 96}, {512, 3072, 768}};
+  uint64_t seed = 700;
+  for (DType dtype : kDtypes) {
+    for (const LinearShape& shape : kShapes) {
+      const int64_t rows = shape.rows, in = shape.in, out = shape.out;
+      CAPTURE(dtype_name(dtype));
+      CAPTURE(rows);
+      CAPTURE(in);
+      CAPTURE(out);
+      const auto count = [](int64_t r, int64_t c) { return static_cast<size_t>(r * c); };
+      const std::vector<float> dy = rounded(random_vector(count(rows, out), seed++), dtype);
+      const std::vector<float> x = rounded(random_vector(count(rows, in), seed++), dtype);
+      const std::vector<float> w = rounded(random_vector(count(out, in), seed++), dtype);
+      const std::vector<float> pre = rounded(random_vector(count(rows, in), seed++, 3.0f), dtype);
+      // Gradients accumulate: start from values already there.
+      const std::vector<float> dw0 = random_vector(count(out, in), seed++);
+      const std::vector<float> db0 = random_vector(static_cast<size_t>(out), seed++);
+
+      CpuOps cpu;
+      std::vector<float> want_dw = dw0, want_db = db0;
+      cpu.linear_weight_grad(ConstMatrix{dy.data(), rows, out}, ConstMatrix{x.data(), rows, in},
+                             want_dw.data(), want_db.data());
+      std::vector<float> want_dpre(count(rows, in));
+      for (Activation activation : {Activation::gelu, Activation::relu}) {
+        CAPTURE(activation == Activation::gelu ? "gelu" : "relu");
+        cpu.linear_activation_grad(ConstMatrix{dy.data(), rows, out}, w.data(), activation,
+                                   ConstMatrix{pre.data(), rows, in},
+                                   Matrix{want_dpre.data(), rows, in});
+        const Buffer ddy = to_device(dy, dtype), dwt = to_device(w, dtype);
+        const Buffer dpre_in = to_device(pre, dtype);
+        Buffer dpre = gpu().allocate(count(rows, in) * dtype_size(dtype));
+        gpu().linear_activation_grad(ConstMatrix{ddy.data(), rows, out, dtype}, dwt.data(),
+                                     activation, ConstMatrix{dpre_in.data(), rows, in, dtype},
+                                     Matrix{dpre.data(), rows, in, dtype});
+        check_close(to_host(dpre.data(), count(rows, in), dtype), want_dpre, tolerance(dtype),
+                    "linear_activation_grad");
+      }
+
+      const Buffer ddy = to_device(dy, dtype), dx = to_device(x, dtype);
+      Buffer ddw = to_device(dw0), ddb = to_device(db0);
+      gpu().linear_weight_grad(ConstMatrix{ddy.data(), rows, out, dtype},
+                               ConstMatrix{dx.data(), rows, in, dtype}, ddw.as<float>(),
+                               ddb.as<float>());
+      check_close(to_host(ddw.data(), want_dw.size()), want_dw, tolerance(dtype),
+                  "linear_weight_grad: weight");
+      check_close(to_host(ddb.data(), want_db.size()), want_db, tolerance(dtype),
+                  "linear_weight_grad: bias");
+      // Without a bias gradient, only the weight's.
+      Buffer ddw2 = to_device(dw0);
+      gpu().linear_weight_grad(ConstMatrix{ddy.data(), rows, out, dtype},
+                               ConstMatrix{dx.data(), rows, in, dtype}, ddw2.as<float>(), nullptr);
+      check_close(to_host(ddw2.data(), want_dw.size()), want_dw, tolerance(dtype),
+                  "linear_weight_grad without a bias");
+    }
+  }
+}
+
 TEST_CASE("cuda_ops: axpy and scale") {
   CpuOps cpu;
   for (size_t n : {size_t{1}, size_t{1000}, size_t{100003}}) {
