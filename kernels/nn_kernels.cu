@@ -78,12 +78,14 @@ __device__ __forceinline__ void walk(int64_t n, int64_t first, int64_t stride, T
     one(j);
   constexpr int kP = kPack<T>;
   const int64_t packs = (n - head) / kP;
-  for (int64_t k = first; k < packs; k += stride) {
-    const int64_t j0 = head + k * kP;
-    const Pack<T> pa = *reinterpret_cast<const Pack<T>*>(a + j0);
-    Pack<T> pb = pa, pc = pa;
-    if constexpr (kIn >= 2) pb = *reinterpret_cast<const Pack<T>*>(b + j0);
-    if constexpr (kIn >= 3) pc = *reinterpret_cast<const Pack<T>*>(c + j0);
+  // A thread's packs k, k + stride, ... go in groups of kGroup: the group's loads are all issued
+  // before the first is used, so a row kernel's few threads keep several loads in flight each
+  // (one at a time left them waiting on memory). f still sees the elements in the same order.
+  constexpr int kGroup = kIn == 1 ? 4 : 2;
+  const auto load = [](const T* row, int64_t j0) {
+    return *reinterpret_cast<const Pack<T>*>(row + j0);
+  };
+  const auto use = [&](int64_t j0, const Pack<T>& pa, const Pack<T>& pb, const Pack<T>& pc) {
     Pack<T> po;
 #pragma unroll
     for (int e = 0; e < kP; ++e) {
@@ -97,6 +99,25 @@ __device__ __forceinline__ void walk(int64_t n, int64_t first, int64_t stride, T
       }
     }
     if constexpr (kWrite) *reinterpret_cast<Pack<T>*>(out + j0) = po;
+  };
+  int64_t k = first;
+  for (; k + (kGroup - 1) * stride < packs; k += kGroup * stride) {
+    Pack<T> pa[kGroup], pb[kGroup], pc[kGroup];
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g) {
+      const int64_t j0 = head + (k + g * stride) * kP;
+      pa[g] = load(a, j0);
+      pb[g] = kIn >= 2 ? load(b, j0) : pa[g];
+      pc[g] = kIn >= 3 ? load(c, j0) : pa[g];
+    }
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g)
+      use(head + (k + g * stride) * kP, pa[g], pb[g], pc[g]);
+  }
+  for (; k < packs; k += stride) {
+    const int64_t j0 = head + k * kP;
+    const Pack<T> pa = load(a, j0);
+    use(j0, pa, kIn >= 2 ? load(b, j0) : pa, kIn >= 3 ? load(c, j0) : pa);
   }
   for (int64_t j = head + packs * kP + first; j < n; j += stride)
     one(j);
