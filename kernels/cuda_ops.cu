@@ -291,7 +291,8 @@ GemmShape gemm_shape(const char* what, ConstMatrix a, Transpose transpose_a, Con
 // nothing; BIAS adds `vector` to every row of c; BGRADB writes the column sums of op(a) over k
 // (a linear layer's bias gradient, when op(a) = dy^T... read as [k, m]: see linear_weight_grad)
 // into `vector`; DGELU multiplies the product by gelu'(aux), aux a matrix of c's shape whose rows
-// are aux_ld elements apart. `vector` has c's dtype.
+// are aux_ld elements apart; GELU_AUX_BIAS adds the bias `vector`, writes that to aux (written,
+// not read) and its GELU to c. `vector` and aux have c's dtype.
 struct Epilogue {
   cublasLtEpilogue_t kind = CUBLASLT_EPILOGUE_DEFAULT;
   const void* vector = nullptr;
@@ -879,6 +880,36 @@ void CudaOps::linear(ConstMatrix x, const void* weight, const void* bias, Matrix
   if (residual != nullptr && residual != y.data) copy(residual, y.data, y.bytes());
   gemm(x, Transpose::no, w, Transpose::yes, y, 1.0f, beta);
   if (bias != nullptr) add_bias_rows(y, bias);
+}
+
+void CudaOps::linear_activation(ConstMatrix x, const void* weight, const void* bias,
+                                Activation activation, Matrix pre, Matrix out) {
+  const OpTimer timer(*this, "linear_activation");
+  require_contiguous("linear_activation", x, "x");
+  require_contiguous("linear_activation", pre, "pre");
+  require_contiguous("linear_activation", out, "out");
+  const ConstMatrix w{weight, pre.cols, x.cols, x.dtype};
+  const GemmShape shape = gemm_shape("linear_activation", x, Transpose::no, w, Transpose::yes, out);
+  if (pre.rows != out.rows || pre.cols != out.cols || pre.dtype != out.dtype) {
+    precondition_failed("linear_activation",
+                        "pre [" + std::to_string(pre.rows) + ", " + std::to_string(pre.cols) +
+                            "] " + dtype_name(pre.dtype) + " differs from out [" +
+                            std::to_string(out.rows) + ", " + std::to_string(out.cols) + "] " +
+                            dtype_name(out.dtype));
+  }
+  // cuBLASLt's GELU_AUX_BIAS epilogue (GELU's tanh approximation, as Activation::gelu) writes
+  // gelu(x W^T + bias) as D and x W^T + bias as its GELU input (aux): no separate pass reading
+  // pre back. The bias as in linear (D's dtype, 16-byte aligned); rows a multiple of 8 apart.
+  if (activation == Activation::gelu && bias != nullptr && shape.m > 0 && shape.n > 0 &&
+      shape.k > 0 && out.dtype == x.dtype && alignment(bias) >= 16 && out.cols % 8 == 0) {
+    if (lt_matmul("linear_activation", matmul_plans_->plans, lt_, lt_workspace_, stream_, shape, x,
+                  Transpose::no, w, Transpose::yes, out, 1.0f, 0.0f,
+                  Epilogue{CUBLASLT_EPILOGUE_GELU_AUX_BIAS, bias, pre.data, pre.cols})) {
+      return;
+    }
+  }
+  linear(x, weight, bias, pre, nullptr);
+  activation_forward(activation, pre, out);
 }
 
 void CudaOps::linear_weight_grad(ConstMatrix dy, ConstMatrix x, float* dweight, float* dbias) {

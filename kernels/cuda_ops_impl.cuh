@@ -145,6 +145,8 @@ class CudaOps final : public Ops {
             float alpha, float beta) override;
   void linear(ConstMatrix x, const void* weight, const void* bias, Matrix y,
               const void* residual) override;
+  void linear_activation(ConstMatrix x, const void* weight, const void* bias, Activation activation,
+                         Matrix pre, Matrix out) override;
   void linear_weight_grad(ConstMatrix dy, ConstMatrix x, float* dweight, float* dbias) override;
   void linear_activation_grad(ConstMatrix dy, const void* weight, Activation activation,
                               ConstMatrix pre, Matrix dpre) override;

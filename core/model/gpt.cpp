@@ -230,9 +230,8 @@ Matrix Gpt::forward(const void* p) {
     ops_->layernorm_forward(mid, at(p, b.ln2_gamma), at(p, b.ln2_beta), ln2, stats(2 * l + 1, 0),
                             stats(2 * l + 1, 1));
     const Matrix fc = rows_of(ws_.fc, l, mlp_);
-    linear(ln2, at(p, b.fc_weight), at(p, b.fc_bias), fc, nullptr);
     const Matrix gelu = rows_of(ws_.gelu, l, mlp_);
-    ops_->activation_forward(Activation::gelu, fc, gelu);
+    ops_->linear_activation(ln2, at(p, b.fc_weight), at(p, b.fc_bias), Activation::gelu, fc, gelu);
     const Matrix next = rows_of(ws_.residual, l + 1, c);
     linear(gelu, at(p, b.fc_proj_weight), at(p, b.fc_proj_bias), next, mid.data);
     x = next;

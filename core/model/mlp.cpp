@@ -123,12 +123,14 @@ Matrix Mlp::forward(const void* params, ConstMatrix x) {
   for (size_t l = 0; l < layers_.size(); ++l) {
     const LinearLayout& layer = layers_[l];
     pre = pre_activation(l, x.rows);
-    ops_->linear(input, at(params, layer.weight_offset), at(params, layer.bias_offset), pre,
-                 nullptr);
     if (l + 1 < layers_.size()) {
       const Matrix post = post_activation(l, x.rows);
-      ops_->activation_forward(activation_, pre, post);
+      ops_->linear_activation(input, at(params, layer.weight_offset), at(params, layer.bias_offset),
+                              activation_, pre, post);
       input = post;
+    } else {
+      ops_->linear(input, at(params, layer.weight_offset), at(params, layer.bias_offset), pre,
+                   nullptr);
     }
   }
   return pre;

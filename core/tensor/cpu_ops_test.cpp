@@ -115,6 +115,18 @@ TEST_CASE("linear: x W^T plus a bias, plus y itself or a separate residual") {
   CHECK(residual == std::vector<float>{100, 200, 300, 400, 500, 600});
 }
 
+TEST_CASE("a linear layer with its activation keeps the pre-activation") {
+  CpuOps ops;
+  const std::vector<float> x = {1, 2, 3, 4};         // [2, 2]
+  const std::vector<float> w = {1, 0, 0, -1, 1, 1};  // [3, 2]: x W^T = [[1, -2, 3], [3, -4, 7]]
+  const std::vector<float> bias = {0, 1, -5};
+  std::vector<float> pre(6), out(6);
+  ops.linear_activation(ConstMatrix{x.data(), 2, 2}, w.data(), bias.data(), Activation::relu,
+                        Matrix{pre.data(), 2, 3}, Matrix{out.data(), 2, 3});
+  CHECK(pre == std::vector<float>{1, -1, -2, 3, -3, 2});
+  CHECK(out == std::vector<float>{1, 0, 0, 3, 0, 2});
+}
+
 TEST_CASE("a linear layer's parameter gradients accumulate; its input gradient goes through f'") {
   CpuOps ops;
   const std::vector<float> dy = {1, 2, 3, 4};       // [2, 2]

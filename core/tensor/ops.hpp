@@ -95,6 +95,15 @@ class Ops {
          residual != nullptr ? 1.0f : 0.0f);
     if (bias != nullptr) add_bias_rows(y, bias);
   }
+  // A linear layer and the activation after it: pre = x W^T + bias (bias may be null), out =
+  // f(pre); pre is kept for the backward (linear_activation_grad). pre and out are contiguous,
+  // of one shape, and do not overlap. The default is linear then activation_forward; a device
+  // may fuse them.
+  virtual void linear_activation(ConstMatrix x, const void* weight, const void* bias,
+                                 Activation activation, Matrix pre, Matrix out) {
+    linear(x, weight, bias, pre, nullptr);
+    activation_forward(activation, pre, out);
+  }
   // A linear layer's parameter gradients: dweight [dy.cols, x.cols] (f32) += dy^T x and, unless
   // null, dbias += the column sums of dy. The default is gemm then bias_grad; a device may fuse
   // them.

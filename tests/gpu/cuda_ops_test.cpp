@@ -450,6 +450,51 @@ TEST_CASE("cuda_ops: linear with and without bias, overwrite, accumulate and a r
   }
 }
 
+TEST_CASE("cuda_ops: a linear layer and its activation, pre-activation kept") {
+  // linear_activation (GELU_AUX_BIAS epilogue for GELU with a 16-byte aligned bias) against the
+  // CPU's linear + activation_forward: both outputs. [17, 33, 7] fits no epilogue; a bias off
+  // the alignment takes the unfused path too; GPT-2's fc is the last shape.
+  constexpr LinearShape kShapes[] = {{17, 33, 7}, {64, 128, 96}, {512, 768, 3072}};
+  uint64_t seed = 800;
+  for (DType dtype : kDtypes) {
+    for (const LinearShape& shape : kShapes) {
+      for (Activation activation : {Activation::gelu, Activation::relu}) {
+        for (size_t bias_offset : {size_t{0}, size_t{1}}) {
+          const int64_t rows = shape.rows, in = shape.in, out = shape.out;
+          CAPTURE(dtype_name(dtype));
+          CAPTURE(rows);
+          CAPTURE(in);
+          CAPTURE(out);
+          CAPTURE(activation == Activation::gelu ? "gelu" : "relu");
+          CAPTURE(bias_offset);
+          const auto count = [](int64_t r, int64_t c) { return static_cast<size_t>(r * c); };
+          const std::vector<float> x = rounded(random_vector(count(rows, in), seed++), dtype);
+          const std::vector<float> w = rounded(random_vector(count(out, in), seed++), dtype);
+          const std::vector<float> bias =
+              rounded(random_vector(static_cast<size_t>(out) + 1, seed++), dtype);
+          CpuOps cpu;
+          std::vector<float> want_pre(count(rows, out)), want_out(count(rows, out));
+          cpu.linear_activation(
+              ConstMatrix{x.data(), rows, in}, w.data(), bias.data() + bias_offset, activation,
+              Matrix{want_pre.data(), rows, out}, Matrix{want_out.data(), rows, out});
+          const Buffer dx = to_device(x, dtype), dw = to_device(w, dtype);
+          const Buffer db = to_device(bias, dtype);
+          Buffer pre = gpu().allocate(count(rows, out) * dtype_size(dtype));
+          Buffer post = gpu().allocate(count(rows, out) * dtype_size(dtype));
+          gpu().linear_activation(
+              ConstMatrix{dx.data(), rows, in, dtype}, dw.data(),
+              static_cast<const char*>(db.data()) + bias_offset * dtype_size(dtype), activation,
+              Matrix{pre.data(), rows, out, dtype}, Matrix{post.data(), rows, out, dtype});
+          check_close(to_host(pre.data(), want_pre.size(), dtype), want_pre, tolerance(dtype),
+                      "linear_activation: pre");
+          check_close(to_host(post.data(), want_out.size(), dtype), want_out, tolerance(dtype),
+                      "linear_activation: out");
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("cuda_ops: a linear layer's weight, bias and activation gradients") {
   // linear_weight_grad (BGRADB epilogue where cuBLASLt has one) and linear_activation_grad
   // (DGELU epilogue for GELU) against the CPU's gemm + bias_grad and gemm + activation_backward.
