@@ -855,7 +855,7 @@ void CudaOps::gemm(ConstMatrix a, Transpose transpose_a, ConstMatrix b, Transpos
 
 void CudaOps::linear(ConstMatrix x, const void* weight, const void* bias, Matrix y,
                      const void* residual) {
-  const OpTimer timer(*this, "linear");
+  OpTimer timer(*this, "linear");
   require_contiguous("linear", x, "x");
   require_contiguous("linear", y, "y");
   const ConstMatrix w{weight, y.cols, x.cols, x.dtype};
@@ -873,10 +873,14 @@ void CudaOps::linear(ConstMatrix x, const void* weight, const void* bias, Matrix
   if (shape.k > 0 &&
       lt_matmul("linear", matmul_plans_->plans, lt_, lt_workspace_, stream_, shape, x,
                 Transpose::no, w, Transpose::yes, y, 1.0f, beta, epilogue, residual)) {
-    if (bias != nullptr && fused_bias == nullptr) add_bias_rows(y, bias);
+    if (bias != nullptr && fused_bias == nullptr) {
+      timer.rename("linear (unfused)");
+      add_bias_rows(y, bias);
+    }
     return;
   }
   // An empty product, or no algorithm for the fused call: the steps one by one.
+  if (residual != nullptr || bias != nullptr) timer.rename("linear (unfused)");
   if (residual != nullptr && residual != y.data) copy(residual, y.data, y.bytes());
   gemm(x, Transpose::no, w, Transpose::yes, y, 1.0f, beta);
   if (bias != nullptr) add_bias_rows(y, bias);
@@ -884,7 +888,7 @@ void CudaOps::linear(ConstMatrix x, const void* weight, const void* bias, Matrix
 
 void CudaOps::linear_activation(ConstMatrix x, const void* weight, const void* bias,
                                 Activation activation, Matrix pre, Matrix out) {
-  const OpTimer timer(*this, "linear_activation");
+  OpTimer timer(*this, "linear_activation");
   require_contiguous("linear_activation", x, "x");
   require_contiguous("linear_activation", pre, "pre");
   require_contiguous("linear_activation", out, "out");
@@ -908,12 +912,13 @@ void CudaOps::linear_activation(ConstMatrix x, const void* weight, const void* b
       return;
     }
   }
+  timer.rename("linear_activation (unfused)");
   linear(x, weight, bias, pre, nullptr);
   activation_forward(activation, pre, out);
 }
 
 void CudaOps::linear_weight_grad(ConstMatrix dy, ConstMatrix x, float* dweight, float* dbias) {
-  const OpTimer timer(*this, "linear_weight_grad");
+  OpTimer timer(*this, "linear_weight_grad");
   const Matrix dw{dweight, dy.cols, x.cols};
   const GemmShape shape =
       gemm_shape("linear_weight_grad", dy, Transpose::yes, x, Transpose::no, dw);
@@ -930,13 +935,14 @@ void CudaOps::linear_weight_grad(ConstMatrix dy, ConstMatrix x, float* dweight, 
     }
   }
   // No bias, an empty product or no algorithm for the fused call: one op after the other.
+  if (dbias != nullptr) timer.rename("linear_weight_grad (unfused)");
   gemm(dy, Transpose::yes, x, Transpose::no, dw, 1.0f, 1.0f);
   if (dbias != nullptr) bias_grad(dy, dbias);
 }
 
 void CudaOps::linear_activation_grad(ConstMatrix dy, const void* weight, Activation activation,
                                      ConstMatrix pre, Matrix dpre) {
-  const OpTimer timer(*this, "linear_activation_grad");
+  OpTimer timer(*this, "linear_activation_grad");
   const ConstMatrix w{weight, dy.cols, dpre.cols, dy.dtype};
   const GemmShape shape =
       gemm_shape("linear_activation_grad", dy, Transpose::no, w, Transpose::no, dpre);
@@ -958,6 +964,7 @@ void CudaOps::linear_activation_grad(ConstMatrix dy, const void* weight, Activat
       return;
     }
   }
+  timer.rename("linear_activation_grad (unfused)");
   gemm(dy, Transpose::no, w, Transpose::no, dpre, 1.0f, 0.0f);
   activation_backward(activation, pre, dpre, dpre);
 }
