@@ -121,7 +121,7 @@ cublaslt=$(for d in ${LD_LIBRARY_PATH//:/ }; do [[ -e $d/libcublasLt.so.13 ]] &&
 # So is OpenBLAS, for the CPU reference.
 openblas=$(for d in ${LD_LIBRARY_PATH//:/ }; do [[ -e $d/libopenblas.so.0 ]] && echo "$d/libopenblas.so.0"; done | head -1)
 { echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"; echo "DPTRAIN_NCCL_LIBRARY=${DPTRAIN_NCCL_LIBRARY:-}"
-  echo "cuBLASLt=${cublaslt:-not on LD_LIBRARY_PATH (the loader's cache or the binary's RUNPATH may have it)}"
+  echo "cuBLASLt=${cublaslt:-not on LD_LIBRARY_PATH (the loader cache or the RUNPATH of the binary may have it)}"
   echo "OpenBLAS=${openblas:-not on LD_LIBRARY_PATH (then from the loader cache, if there)}"
   ldd "$bin/dptrain" "$bin/gpu_tests"; } >"$out/libs.txt" 2>&1
 if grep -q 'not found' "$out/libs.txt"; then echo "run.sh: libraries missing (see libs.txt):" >&2; grep 'not found' "$out/libs.txt" | sort -u >&2; fi
@@ -237,9 +237,15 @@ if [[ $bench -eq 1 ]]; then
   capped 90 env DPTRAIN_ATTENTION=mma "$bin/dptrain" bench train "$work/gpt2.json" --device cuda \
     --precision bf16 --batch-per-rank 16 --nproc 1 --steps 30 --runs-root "$work/runs-mma" --json \
     >"$out/bench-train-mma.json" 2>"$out/bench-train-mma.log"
-  echo "bench train (attention mma): exit $?"
+  mma_rc=$?
+  echo "bench train (attention mma): exit $mma_rc"
   # Where a bf16 step's GPU time goes, op by op (a separate short run: the events cost a little).
-  capped 90 env DPTRAIN_PROFILE="$out/profile" "$bin/dptrain" bench train "$work/gpt2.json" \
+  # On the mma attention kernels when their run above passed (the WMMA kernels' share is in the
+  # last recorded profile), else on the default ones.
+  attention=auto
+  [[ $mma_rc -eq 0 ]] && attention=mma
+  echo "bench profile: DPTRAIN_ATTENTION=$attention"
+  capped 90 env DPTRAIN_ATTENTION=$attention DPTRAIN_PROFILE="$out/profile" "$bin/dptrain" bench train "$work/gpt2.json" \
     --device cuda --precision bf16 --batch-per-rank 16 --nproc 1 --steps 10 \
     --runs-root "$work/runs-profile" --json >"$out/bench-profile.json" 2>"$out/bench-profile.log"
   echo "bench profile: exit $? ($(ls "$out/profile" 2>/dev/null | wc -l) profile file(s) in $out/profile)"
