@@ -409,14 +409,16 @@ std::unique_ptr<MatmulPlan> make_plan(const char* op, cublasLtHandle_t lt, const
     set_desc(op, plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, static_cast<uint32_t>(epilogue.kind));
   }
   if (epilogue.vector != nullptr) {
-    // A bias, or a bias gradient, has D's type (cuBLASLt's rule for non-integer, non-fp8
-    // matmuls).
-    set_desc(op, plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, static_cast<int32_t>(c_type));
+    // A bias has D's type (cuBLASLt's rule for non-integer, non-fp8 matmuls), said explicitly
+    // as the GPU runs so far did; a bias gradient and a GELU input take D's type by default
+    // (setting their types where a combination does not support it would fail in the matmul,
+    // not in the heuristic, past the fallback).
+    if (epilogue.kind == CUBLASLT_EPILOGUE_BIAS) {
+      set_desc(op, plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, static_cast<int32_t>(c_type));
+    }
     set_desc(op, plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, epilogue.vector);
   }
   if (epilogue.aux != nullptr) {
-    set_desc(op, plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE,
-             static_cast<int32_t>(c_type));
     set_desc(op, plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, epilogue.aux_ld);
     set_desc(op, plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, epilogue.aux);
   }
@@ -444,8 +446,9 @@ std::unique_ptr<MatmulPlan> make_plan(const char* op, cublasLtHandle_t lt, const
   const cublasStatus_t status =
       cublaslt().matmul_algo_get_heuristic(lt, plan->desc, plan->first, plan->second, plan->out,
                                            plan->out, pref.pref, 1, &result, &found);
-  // NOT_SUPPORTED is the heuristic's "nothing fits this configuration".
-  if (status != CUBLAS_STATUS_NOT_SUPPORTED) {
+  // NOT_SUPPORTED is the heuristic's "nothing fits this configuration"; with an epilogue, any
+  // refusal is (the caller runs the steps one by one).
+  if (status != CUBLAS_STATUS_NOT_SUPPORTED && key.epilogue == CUBLASLT_EPILOGUE_DEFAULT) {
     check_lt(status, op, "cublasLtMatmulAlgoGetHeuristic");
   }
   if (status == CUBLAS_STATUS_SUCCESS && found > 0 && result.state == CUBLAS_STATUS_SUCCESS) {
@@ -498,10 +501,17 @@ bool lt_matmul(const char* op, PlanMap& plans, cublasLtHandle_t lt, void* worksp
     set_desc(op, plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, epilogue.aux);
   }
   // C and D share the layout: beta = 1 accumulates (in place when c_in is c).
-  check_lt(cublaslt().matmul(lt, plan.desc, &alpha, b.data, plan.first, a.data, plan.second, &beta,
-                             c_in, plan.out, c.data, plan.out, &plan.algo, workspace,
-                             CudaOps::kLtWorkspaceBytes, stream),
-           op, "cublasLtMatmul");
+  const cublasStatus_t status = cublaslt().matmul(
+      lt, plan.desc, &alpha, b.data, plan.first, a.data, plan.second, &beta, c_in, plan.out, c.data,
+      plan.out, &plan.algo, workspace, CudaOps::kLtWorkspaceBytes, stream);
+  // An epilogue the matmul refuses for its arguments (cuBLASLt checks some only here, and then
+  // launches nothing): the plan is marked unusable and the caller runs the steps one by one.
+  if (status != CUBLAS_STATUS_SUCCESS && epilogue.kind != CUBLASLT_EPILOGUE_DEFAULT &&
+      (status == CUBLAS_STATUS_INVALID_VALUE || status == CUBLAS_STATUS_NOT_SUPPORTED)) {
+    plan.has_algo = false;
+    return false;
+  }
+  check_lt(status, op, "cublasLtMatmul");
   return true;
 }
 
@@ -866,23 +876,22 @@ void CudaOps::linear(ConstMatrix x, const void* weight, const void* bias, Matrix
   // and the bias through the epilogue when it has D's dtype (y's, which must then be x's) and is
   // 16-byte aligned (narrower bias pointers fail on some GPUs). With alpha = 1 the bias is added
   // once, wherever the epilogue puts it relative to beta * C.
-  const void* fused_bias =
-      bias != nullptr && y.dtype == x.dtype && alignment(bias) >= 16 ? bias : nullptr;
-  const Epilogue epilogue{
-      fused_bias != nullptr ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT, fused_bias};
-  if (shape.k > 0 &&
-      lt_matmul("linear", matmul_plans_->plans, lt_, lt_workspace_, stream_, shape, x,
-                Transpose::no, w, Transpose::yes, y, 1.0f, beta, epilogue, residual)) {
-    if (bias != nullptr && fused_bias == nullptr) {
-      timer.rename("linear (unfused)");
-      add_bias_rows(y, bias);
-    }
-    return;
+  const auto matmul = [&](const void* epilogue_bias) {
+    const Epilogue epilogue{
+        epilogue_bias != nullptr ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT,
+        epilogue_bias};
+    return shape.k > 0 &&
+           lt_matmul("linear", matmul_plans_->plans, lt_, lt_workspace_, stream_, shape, x,
+                     Transpose::no, w, Transpose::yes, y, 1.0f, beta, epilogue, residual);
+  };
+  if (bias != nullptr && y.dtype == x.dtype && alignment(bias) >= 16 && matmul(bias)) return;
+  // The bias on its own: not the epilogue's dtype or alignment, or no algorithm with it.
+  if (bias != nullptr) timer.rename("linear (unfused)");
+  if (!matmul(nullptr)) {
+    // An empty product, or no algorithm even without an epilogue: gemm says which.
+    if (residual != nullptr && residual != y.data) copy(residual, y.data, y.bytes());
+    gemm(x, Transpose::no, w, Transpose::yes, y, 1.0f, beta);
   }
-  // An empty product, or no algorithm for the fused call: the steps one by one.
-  if (residual != nullptr || bias != nullptr) timer.rename("linear (unfused)");
-  if (residual != nullptr && residual != y.data) copy(residual, y.data, y.bytes());
-  gemm(x, Transpose::no, w, Transpose::yes, y, 1.0f, beta);
   if (bias != nullptr) add_bias_rows(y, bias);
 }
 
@@ -911,8 +920,8 @@ void CudaOps::linear_activation(ConstMatrix x, const void* weight, const void* b
                   Epilogue{CUBLASLT_EPILOGUE_GELU_AUX_BIAS, bias, pre.data, pre.cols})) {
       return;
     }
+    timer.rename("linear_activation (unfused)");  // no algorithm with the epilogue
   }
-  timer.rename("linear_activation (unfused)");
   linear(x, weight, bias, pre, nullptr);
   activation_forward(activation, pre, out);
 }
@@ -933,9 +942,9 @@ void CudaOps::linear_weight_grad(ConstMatrix dy, ConstMatrix x, float* dweight, 
       axpy(dy.cols, 1.0f, sums, dbias);
       return;
     }
+    timer.rename("linear_weight_grad (unfused)");  // no algorithm with the epilogue
   }
   // No bias, an empty product or no algorithm for the fused call: one op after the other.
-  if (dbias != nullptr) timer.rename("linear_weight_grad (unfused)");
   gemm(dy, Transpose::yes, x, Transpose::no, dw, 1.0f, 1.0f);
   if (dbias != nullptr) bias_grad(dy, dbias);
 }
@@ -963,8 +972,8 @@ void CudaOps::linear_activation_grad(ConstMatrix dy, const void* weight, Activat
                   Epilogue{CUBLASLT_EPILOGUE_DGELU, nullptr, pre.data, pre.cols})) {
       return;
     }
+    timer.rename("linear_activation_grad (unfused)");  // no algorithm with the epilogue
   }
-  timer.rename("linear_activation_grad (unfused)");
   gemm(dy, Transpose::no, w, Transpose::no, dpre, 1.0f, 0.0f);
   activation_backward(activation, pre, dpre, dpre);
 }

@@ -87,10 +87,10 @@ struct DeviceErrors {
 };
 
 // DPTRAIN_PROFILE=DIR: every op's GPU time, measured with a pair of CUDA events around it on the
-// op table's stream (an op that calls another op counts in both), summed per op and written to
-// DIR/cuda-ops-DEVICE-PID.json ({"ops": [{"op", "calls", "ms", "share"}], sorted by time) when
-// the op table is destroyed. Pairs are resolved at synchronisation points. Thread-safe: the
-// gradient exchange's thread runs ops too.
+// op table's stream (an op that calls another counts once, as the outer op), summed per op and
+// written to DIR/cuda-ops-DEVICE-PID.json ({"ops": [{"op", "calls", "ms", "share"}], sorted by
+// time) when the op table is destroyed. Pairs are resolved at synchronisation points. Thread-safe:
+// the gradient exchange's thread runs ops too.
 class OpProfile {
  public:
   static std::unique_ptr<OpProfile> from_environment(int device);  // null when not asked for

@@ -113,8 +113,8 @@ class Ops {
   }
   // The gradient through a linear layer and the activation before it, for y = f(pre) W^T + b:
   // dpre = (dy W) * f'(pre), W [dy.cols, dpre.cols] in dy's dtype, pre and dpre of one shape
-  // (dpre is overwritten and must not overlap pre). The default is gemm then activation_backward; a
-  // device may fuse them.
+  // (dpre is overwritten and must not overlap pre or dy). The default is gemm then
+  // activation_backward; a device may fuse them.
   virtual void linear_activation_grad(ConstMatrix dy, const void* weight, Activation activation,
                                       ConstMatrix pre, Matrix dpre) {
     gemm(dy, Transpose::no, ConstMatrix{weight, dy.cols, dpre.cols, dy.dtype}, Transpose::no, dpre,
