@@ -239,6 +239,18 @@ if [[ $bench -eq 1 ]]; then
     >"$out/bench-train-mma.json" 2>"$out/bench-train-mma.log"
   mma_rc=$?
   echo "bench train (attention mma): exit $mma_rc"
+  # The two bf16 rates side by side, without Python: split at braces, a row's precision and rate
+  # fall in one piece (its only nested object, phases_ms, comes before both).
+  bf16_rate() {
+    [[ -f $1 ]] || return 0
+    tr '{}' '\n\n' <"$1" | grep '"precision": *"bf16"' | grep -o '"tokens_per_s": *[0-9.]*' |
+      head -n 1 | grep -o '[0-9.]*$'
+  }
+  wmma_rate=$(bf16_rate "$out/bench-train.json")
+  mma_rate=$(bf16_rate "$out/bench-train-mma.json")
+  echo "bench train bf16 tokens/s: attention mma ${mma_rate:-none} / wmma ${wmma_rate:-none}$(
+    [[ -n $mma_rate && -n $wmma_rate ]] && awk "BEGIN{printf \" = %.2fx\", $mma_rate / $wmma_rate}")" |
+    tee "$out/attention-mma-vs-wmma.txt"
   # Where a bf16 step's GPU time goes, op by op (a separate short run: the events cost a little).
   # On the mma attention kernels when their run above passed (the WMMA kernels' share is in the
   # last recorded profile), else on the default ones.
