@@ -124,6 +124,64 @@ inline float attention_scale(int64_t hd) {
   return 1.0f / std::sqrt(static_cast<float>(hd));
 }
 
+// A tensor-core implementation's three kernels for one 16-bit type and head size, with the
+// dynamic shared memory each takes: what the host side below launches.
+template <typename T>
+struct TcKernels {
+  void (*forward)(const T*, T*, float*, int, int, float);
+  size_t forward_bytes;
+  void (*dkdv)(const T*, const T*, const float*, const float*, T*, int, int, float);
+  size_t dkdv_bytes;
+  void (*dq)(const T*, const T*, const float*, const float*, T*, int, int, float);
+  size_t dq_bytes;
+};
+
+// The host side both tensor-core implementations share. `pick` is a generic lambda:
+// pick.template operator()<T, HD>() returns the TcKernels<T> for head size HD; `threads` is
+// their block size and `variant` completes their names in errors ("tc":
+// attention_forward_tc_kernel, "mma": attention_forward_mma_kernel, and so on).
+template <typename Pick>
+void launch_tc_forward(const char* variant, int threads, Pick&& pick, cudaStream_t stream,
+                       ConstMatrix qkv, int64_t batch, int64_t seq, int64_t heads, int64_t hd,
+                       Matrix out, float* lse) {
+  const dim3 grid = attention_grid(batch, seq, heads);
+  dispatch_16bit(qkv.dtype, [&]<typename T>() {
+    dispatch_head_size(hd, [&]<int HD>() {
+      const TcKernels<T> k = pick.template operator()<T, HD>();
+      const std::string what = std::string("attention_forward_") + variant + "_kernel";
+      allow_shared_memory(k.forward, k.forward_bytes, (what + ": cudaFuncSetAttribute").c_str());
+      k.forward<<<grid, threads, k.forward_bytes, stream>>>(
+          static_cast<const T*>(qkv.data), static_cast<T*>(out.data), lse, static_cast<int>(seq),
+          static_cast<int>(heads), attention_scale(HD));
+      check_launch(what.c_str());
+    });
+  });
+}
+
+// The backward's dK/dV kernel, then its dQ kernel (the same arguments and grid).
+template <typename Pick>
+void launch_tc_backward(const char* variant, int threads, Pick&& pick, cudaStream_t stream,
+                        ConstMatrix qkv, const float* lse, const float* delta, ConstMatrix dout,
+                        int64_t batch, int64_t seq, int64_t heads, int64_t hd, Matrix dqkv) {
+  const dim3 grid = attention_grid(batch, seq, heads);
+  dispatch_16bit(qkv.dtype, [&]<typename T>() {
+    dispatch_head_size(hd, [&]<int HD>() {
+      const TcKernels<T> k = pick.template operator()<T, HD>();
+      const auto launch = [&](auto* kernel, size_t bytes, const char* part) {
+        const std::string what = std::string("attention_") + part + "_" + variant + "_kernel";
+        allow_shared_memory(kernel, bytes, (what + ": cudaFuncSetAttribute").c_str());
+        kernel<<<grid, threads, bytes, stream>>>(static_cast<const T*>(qkv.data),
+                                                 static_cast<const T*>(dout.data), lse, delta,
+                                                 static_cast<T*>(dqkv.data), static_cast<int>(seq),
+                                                 static_cast<int>(heads), attention_scale(HD));
+        check_launch(what.c_str());
+      };
+      launch(k.dkdv, k.dkdv_bytes, "dkdv");
+      launch(k.dq, k.dq_bytes, "dq");
+    });
+  });
+}
+
 // Which kernels compute a call. DPTRAIN_ATTENTION picks: "auto" (or unset) the WMMA kernels
 // for 16-bit inputs, "wmma" the same, "mma" the register-resident mma.sync kernels
 // (attention_mma.cu: opt-in until they have run on a GPU), "simt" the f32-math kernels (the

@@ -550,46 +550,29 @@ static_assert(tile_elems<32>() * sizeof(__half) % 16 == 0 &&
               tile_elems<64>() * sizeof(__half) % 16 == 0 &&
               tile_elems<128>() * sizeof(__half) % 16 == 0);
 
+// The kernels above for T and HD, for the shared host side (attention.cuh).
+template <typename T, int HD>
+TcKernels<T> mma_kernels() {
+  return {attention_forward_mma_kernel<T, HD>, forward_bytes<T, HD>(),
+          attention_dkdv_mma_kernel<T, HD>,    dkdv_bytes<T, HD>(),
+          attention_dq_mma_kernel<T, HD>,      dq_bytes<T, HD>()};
+}
+
 }  // namespace
 
 void attention_forward_mma(cudaStream_t stream, ConstMatrix qkv, int64_t batch, int64_t seq,
                            int64_t heads, int64_t hd, Matrix out, float* lse) {
-  const dim3 grid = attention_grid(batch, seq, heads);
-  dispatch_16bit(qkv.dtype, [&]<typename T>() {
-    dispatch_head_size(hd, [&]<int HD>() {
-      constexpr size_t bytes = forward_bytes<T, HD>();
-      allow_shared_memory(attention_forward_mma_kernel<T, HD>, bytes,
-                          "attention_forward: cudaFuncSetAttribute (mma)");
-      attention_forward_mma_kernel<T, HD><<<grid, kMmaThreads, bytes, stream>>>(
-          static_cast<const T*>(qkv.data), static_cast<T*>(out.data), lse, static_cast<int>(seq),
-          static_cast<int>(heads), attention_scale(HD));
-      check_launch("attention_forward_mma_kernel");
-    });
-  });
+  launch_tc_forward(
+      "mma", kMmaThreads, [&]<typename T, int HD>() { return mma_kernels<T, HD>(); }, stream, qkv,
+      batch, seq, heads, hd, out, lse);
 }
 
 void attention_backward_mma(cudaStream_t stream, ConstMatrix qkv, const float* lse,
                             const float* delta, ConstMatrix dout, int64_t batch, int64_t seq,
                             int64_t heads, int64_t hd, Matrix dqkv) {
-  const dim3 grid = attention_grid(batch, seq, heads);
-  dispatch_16bit(qkv.dtype, [&]<typename T>() {
-    dispatch_head_size(hd, [&]<int HD>() {
-      const auto* q = static_cast<const T*>(qkv.data);
-      const auto* dy = static_cast<const T*>(dout.data);
-      auto* g = static_cast<T*>(dqkv.data);
-      const float scale = attention_scale(HD);
-      const auto launch = [&](auto* kernel, size_t bytes, const char* attribute, const char* name) {
-        allow_shared_memory(kernel, bytes, attribute);
-        kernel<<<grid, kMmaThreads, bytes, stream>>>(q, dy, lse, delta, g, static_cast<int>(seq),
-                                                     static_cast<int>(heads), scale);
-        check_launch(name);
-      };
-      launch(attention_dkdv_mma_kernel<T, HD>, dkdv_bytes<T, HD>(),
-             "attention_backward: cudaFuncSetAttribute (dK, dV, mma)", "attention_dkdv_mma_kernel");
-      launch(attention_dq_mma_kernel<T, HD>, dq_bytes<T, HD>(),
-             "attention_backward: cudaFuncSetAttribute (dQ, mma)", "attention_dq_mma_kernel");
-    });
-  });
+  launch_tc_backward(
+      "mma", kMmaThreads, [&]<typename T, int HD>() { return mma_kernels<T, HD>(); }, stream, qkv,
+      lse, delta, dout, batch, seq, heads, hd, dqkv);
 }
 
 }  // namespace dptrain::kernels

@@ -550,6 +550,20 @@ void require_stride(const char* what, ConstMatrix m, const char* name) {
   }
 }
 
+void require_same_shape(const char* what, ConstMatrix a, const char* a_name, ConstMatrix b,
+                        const char* b_name) {
+  if (a.rows != b.rows || a.cols != b.cols || a.dtype != b.dtype) {
+    const auto text = [](ConstMatrix m) {
+      return "[" + std::to_string(m.rows) + ", " + std::to_string(m.cols) + "] " +
+             dtype_name(m.dtype);
+    };
+    precondition_failed(
+        what, std::string(a_name) + " " + text(a) + " and " + b_name + " " + text(b) + " differ");
+  }
+  require_stride(what, a, a_name);
+  require_stride(what, b, b_name);
+}
+
 void require_contiguous(const char* what, ConstMatrix m, const char* name) {
   if (!m.contiguous()) {
     precondition_failed(what, std::string(name) + " has padded rows (" +
@@ -885,8 +899,10 @@ void CudaOps::linear(ConstMatrix x, const void* weight, const void* bias, Matrix
                      Transpose::no, w, Transpose::yes, y, 1.0f, beta, epilogue, residual);
   };
   if (bias != nullptr && y.dtype == x.dtype && alignment(bias) >= 16 && matmul(bias)) return;
-  // The bias on its own: not the epilogue's dtype or alignment, or no algorithm with it.
-  if (bias != nullptr) timer.rename("linear (unfused)");
+  // The bias on its own: not the epilogue's dtype or alignment, or no algorithm with it. (Here
+  // and in the ops below, an op with work for an epilogue that ran without one is filed as
+  // "(unfused)" in the profile, whatever the reason; an empty product is not.)
+  if (bias != nullptr && shape.k > 0) timer.rename("linear (unfused)");
   if (!matmul(nullptr)) {
     // An empty product, or no algorithm even without an epilogue: gemm says which.
     if (residual != nullptr && residual != y.data) copy(residual, y.data, y.bytes());
@@ -903,25 +919,19 @@ void CudaOps::linear_activation(ConstMatrix x, const void* weight, const void* b
   require_contiguous("linear_activation", out, "out");
   const ConstMatrix w{weight, pre.cols, x.cols, x.dtype};
   const GemmShape shape = gemm_shape("linear_activation", x, Transpose::no, w, Transpose::yes, out);
-  if (pre.rows != out.rows || pre.cols != out.cols || pre.dtype != out.dtype) {
-    precondition_failed("linear_activation",
-                        "pre [" + std::to_string(pre.rows) + ", " + std::to_string(pre.cols) +
-                            "] " + dtype_name(pre.dtype) + " differs from out [" +
-                            std::to_string(out.rows) + ", " + std::to_string(out.cols) + "] " +
-                            dtype_name(out.dtype));
-  }
+  require_same_shape("linear_activation", pre, "pre", out, "out");
   // cuBLASLt's GELU_AUX_BIAS epilogue (GELU's tanh approximation, as Activation::gelu) writes
   // gelu(x W^T + bias) as D and x W^T + bias as its GELU input (aux): no separate pass reading
   // pre back. The bias as in linear (D's dtype, 16-byte aligned); rows a multiple of 8 apart.
-  if (activation == Activation::gelu && bias != nullptr && shape.m > 0 && shape.n > 0 &&
-      shape.k > 0 && out.dtype == x.dtype && alignment(bias) >= 16 && out.cols % 8 == 0) {
-    if (lt_matmul("linear_activation", matmul_plans_->plans, lt_, lt_workspace_, stream_, shape, x,
-                  Transpose::no, w, Transpose::yes, out, 1.0f, 0.0f,
-                  Epilogue{CUBLASLT_EPILOGUE_GELU_AUX_BIAS, bias, pre.data, pre.cols})) {
-      return;
-    }
-    timer.rename("linear_activation (unfused)");  // no algorithm with the epilogue
+  const bool wanted = activation == Activation::gelu && bias != nullptr && shape.m > 0 &&
+                      shape.n > 0 && shape.k > 0;
+  if (wanted && out.dtype == x.dtype && alignment(bias) >= 16 && out.cols % 8 == 0 &&
+      lt_matmul("linear_activation", matmul_plans_->plans, lt_, lt_workspace_, stream_, shape, x,
+                Transpose::no, w, Transpose::yes, out, 1.0f, 0.0f,
+                Epilogue{CUBLASLT_EPILOGUE_GELU_AUX_BIAS, bias, pre.data, pre.cols})) {
+    return;
   }
+  if (wanted) timer.rename("linear_activation (unfused)");
   linear(x, weight, bias, pre, nullptr);
   activation_forward(activation, pre, out);
 }
@@ -934,7 +944,8 @@ void CudaOps::linear_weight_grad(ConstMatrix dy, ConstMatrix x, float* dweight, 
   // cuBLASLt's BGRADB epilogue writes dy's column sums (the bias gradient, in dweight's f32)
   // while it accumulates dy^T x: dy is read once, not again by bias_grad. It writes rather than
   // adds, so the sums go to scratch and are added to dbias after.
-  if (dbias != nullptr && shape.m > 0 && shape.n > 0 && shape.k > 0 && dy.contiguous()) {
+  const bool wanted = dbias != nullptr && shape.m > 0 && shape.n > 0 && shape.k > 0;
+  if (wanted && dy.contiguous()) {
     float* sums = static_cast<float*>(scratch(static_cast<size_t>(dy.cols) * sizeof(float)));
     if (lt_matmul("linear_weight_grad", matmul_plans_->plans, lt_, lt_workspace_, stream_, shape,
                   dy, Transpose::yes, x, Transpose::no, dw, 1.0f, 1.0f,
@@ -942,8 +953,8 @@ void CudaOps::linear_weight_grad(ConstMatrix dy, ConstMatrix x, float* dweight, 
       axpy(dy.cols, 1.0f, sums, dbias);
       return;
     }
-    timer.rename("linear_weight_grad (unfused)");  // no algorithm with the epilogue
   }
+  if (wanted) timer.rename("linear_weight_grad (unfused)");
   // No bias, an empty product or no algorithm for the fused call: one op after the other.
   gemm(dy, Transpose::yes, x, Transpose::no, dw, 1.0f, 1.0f);
   if (dbias != nullptr) bias_grad(dy, dbias);
@@ -955,25 +966,19 @@ void CudaOps::linear_activation_grad(ConstMatrix dy, const void* weight, Activat
   const ConstMatrix w{weight, dy.cols, dpre.cols, dy.dtype};
   const GemmShape shape =
       gemm_shape("linear_activation_grad", dy, Transpose::no, w, Transpose::no, dpre);
-  if (pre.rows != dpre.rows || pre.cols != dpre.cols || pre.dtype != dpre.dtype) {
-    precondition_failed("linear_activation_grad",
-                        "pre [" + std::to_string(pre.rows) + ", " + std::to_string(pre.cols) +
-                            "] " + dtype_name(pre.dtype) + " differs from dpre [" +
-                            std::to_string(dpre.rows) + ", " + std::to_string(dpre.cols) + "] " +
-                            dtype_name(dpre.dtype));
-  }
+  require_same_shape("linear_activation_grad", pre, "pre", dpre, "dpre");
   // cuBLASLt's DGELU epilogue (GELU's tanh approximation, as Activation::gelu) multiplies the
   // product by gelu'(pre) on its way out, reading pre as its GELU input: no separate pass over
   // dpre. It wants the input's rows a multiple of 8 elements apart, like D's.
-  if (activation == Activation::gelu && shape.m > 0 && shape.n > 0 && shape.k > 0 &&
-      pre.contiguous() && dpre.contiguous() && dpre.cols % 8 == 0 && dpre.dtype == dy.dtype) {
-    if (lt_matmul("linear_activation_grad", matmul_plans_->plans, lt_, lt_workspace_, stream_,
-                  shape, dy, Transpose::no, w, Transpose::no, dpre, 1.0f, 0.0f,
-                  Epilogue{CUBLASLT_EPILOGUE_DGELU, nullptr, pre.data, pre.cols})) {
-      return;
-    }
-    timer.rename("linear_activation_grad (unfused)");  // no algorithm with the epilogue
+  const bool wanted = activation == Activation::gelu && shape.m > 0 && shape.n > 0 && shape.k > 0;
+  if (wanted && pre.contiguous() && dpre.contiguous() && dpre.cols % 8 == 0 &&
+      dpre.dtype == dy.dtype &&
+      lt_matmul("linear_activation_grad", matmul_plans_->plans, lt_, lt_workspace_, stream_, shape,
+                dy, Transpose::no, w, Transpose::no, dpre, 1.0f, 0.0f,
+                Epilogue{CUBLASLT_EPILOGUE_DGELU, nullptr, pre.data, pre.cols})) {
+    return;
   }
+  if (wanted) timer.rename("linear_activation_grad (unfused)");
   gemm(dy, Transpose::no, w, Transpose::no, dpre, 1.0f, 0.0f);
   activation_backward(activation, pre, dpre, dpre);
 }

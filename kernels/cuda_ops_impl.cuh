@@ -31,6 +31,9 @@ void check_cublas(cublasStatus_t status, const char* what);
 // (require_contiguous: every other op). A broken one is precondition_failed naming `name`.
 void require_stride(const char* what, ConstMatrix m, const char* name);
 void require_contiguous(const char* what, ConstMatrix m, const char* name);
+// a and b have one shape and dtype (else precondition_failed naming both), and legal strides.
+void require_same_shape(const char* what, ConstMatrix a, const char* a_name, ConstMatrix b,
+                        const char* b_name);
 
 // Element types <-> DType, and float conversion in kernels.
 template <typename T>

@@ -564,21 +564,6 @@ __global__ void embedding_backward_wte_kernel(const int32_t* sorted_tokens, cons
 
 // ---- Host helpers.
 
-std::string shape(ConstMatrix m) {
-  return "[" + std::to_string(m.rows) + ", " + std::to_string(m.cols) + "] " + dtype_name(m.dtype);
-}
-
-// a and b have one shape and dtype; padded rows allowed where their strides are legal.
-void require_same_shape(const char* op, ConstMatrix a, const char* a_name, ConstMatrix b,
-                        const char* b_name) {
-  if (a.rows != b.rows || a.cols != b.cols || a.dtype != b.dtype) {
-    precondition_failed(
-        op, std::string(a_name) + " " + shape(a) + " and " + b_name + " " + shape(b) + " differ");
-  }
-  require_stride(op, a, a_name);
-  require_stride(op, b, b_name);
-}
-
 // The same for contiguous matrices.
 void require_same(const char* op, ConstMatrix a, const char* a_name, ConstMatrix b,
                   const char* b_name) {

@@ -204,25 +204,27 @@ TEST_CASE("attention: GPT-2 small heads at 1024 positions") {
   check_against_cpu({1, 1024, 12, 64}, DType::bf16, 17);
 }
 
+// A forward and backward run twice on the same inputs (every result cleared in between, so that
+// one never written fails too) give the same bits.
+void check_bit_identical(const Shape& s, DType dtype, uint64_t seed) {
+  INFO(s.name() << " " << dtype_name(dtype));
+  DeviceAttention dev(s, dtype, random_qkv(s, dtype, seed), random_dout(s, dtype, seed));
+  dev.forward();
+  dev.backward();
+  const std::vector<char> out = dev.raw(dev.out), state = dev.raw(dev.state),
+                          dqkv = dev.raw(dev.dqkv);
+  for (Buffer* b : {&dev.out, &dev.state, &dev.dqkv})
+    gpu().fill_zero(b->data(), b->bytes());
+  dev.forward();
+  dev.backward();
+  CHECK(dev.raw(dev.out) == out);
+  CHECK(dev.raw(dev.state) == state);
+  CHECK(dev.raw(dev.dqkv) == dqkv);
+}
+
 TEST_CASE("attention: forward and backward are bit-identical from run to run") {
-  const Shape shapes[] = {{2, 256, 4, 128}, {1, 130, 3, 64}};
-  const DType types[] = {DType::bf16, DType::f32};
-  for (int i = 0; i < 2; ++i) {
-    const Shape& s = shapes[i];
-    INFO(s.name() << " " << dtype_name(types[i]));
-    DeviceAttention dev(s, types[i], random_qkv(s, types[i], 21), random_dout(s, types[i], 21));
-    dev.forward();
-    const std::vector<char> out = dev.raw(dev.out);
-    const std::vector<char> state = dev.raw(dev.state);
-    dev.backward();
-    const std::vector<char> dqkv = dev.raw(dev.dqkv);
-    gpu().fill_zero(dev.dqkv.data(), dev.dqkv.bytes());
-    dev.forward();
-    dev.backward();
-    CHECK(dev.raw(dev.out) == out);
-    CHECK(dev.raw(dev.state) == state);
-    CHECK(dev.raw(dev.dqkv) == dqkv);
-  }
+  check_bit_identical({2, 256, 4, 128}, DType::bf16, 21);
+  check_bit_identical({1, 130, 3, 64}, DType::f32, 21);
 }
 
 TEST_CASE("attention: 4096 positions keep O(seq) state and allocate nothing quadratic") {
@@ -290,22 +292,8 @@ TEST_CASE("attention: the mma.sync kernels (DPTRAIN_ATTENTION=mma) against the C
 
 TEST_CASE("attention: the mma.sync kernels are bit-identical from run to run") {
   const ScopedEnv mma("DPTRAIN_ATTENTION", "mma");
-  for (const Shape& s : {Shape{2, 256, 4, 128}, Shape{1, 130, 3, 64}}) {
-    INFO(s.name());
-    DeviceAttention dev(s, DType::bf16, random_qkv(s, DType::bf16, 78),
-                        random_dout(s, DType::bf16, 78));
-    dev.forward();
-    dev.backward();
-    const std::vector<char> out = dev.raw(dev.out), state = dev.raw(dev.state),
-                            dqkv = dev.raw(dev.dqkv);
-    for (Buffer* b : {&dev.out, &dev.state, &dev.dqkv})  // every result is written again
-      gpu().fill_zero(b->data(), b->bytes());
-    dev.forward();
-    dev.backward();
-    CHECK(dev.raw(dev.out) == out);
-    CHECK(dev.raw(dev.state) == state);
-    CHECK(dev.raw(dev.dqkv) == dqkv);
-  }
+  check_bit_identical({2, 256, 4, 128}, DType::bf16, 78);
+  check_bit_identical({1, 130, 3, 64}, DType::bf16, 78);
 }
 
 TEST_CASE("attention: DPTRAIN_ATTENTION=wmma is what auto picks for 16-bit inputs") {
@@ -364,6 +352,7 @@ TEST_CASE("attention: tensor cores against the SIMT kernels on GPT-2 small's sha
   // Evidence that DPTRAIN_ATTENTION=mma reached other kernels than the default: the two round
   // differently (exp2 of prescaled scores against exp), so some of 12 million outputs differ.
   CHECK(mma.raw(mma.out) != tc.raw(tc.out));
+  CHECK(mma.raw(mma.out) != reference.raw(reference.out));  // nor did they fall back to SIMT
   for (const DeviceAttention* dev : {&tc, &mma}) {
     const std::string name = dev == &tc ? "WMMA" : "mma.sync";
     check_close(to_host(dev->out.data(), n, dtype), to_host(reference.out.data(), n, dtype),

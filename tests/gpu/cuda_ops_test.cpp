@@ -716,33 +716,56 @@ std::map<std::string, nlohmann::json> profiled_ops(F&& run) {
 TEST_CASE("cuda ops: the GPT's bf16 matmul epilogues apply (none is filed as unfused)") {
   // The speed of the fused linear ops rests on cuBLASLt having an algorithm for each epilogue
   // at the GPT's shapes; without one they fall back, correct but slower, and say so in the
-  // profile. GPT-2 small's fc and fc_proj at 512 rows, in bf16.
-  const int64_t rows = 512, c = 768, wide = 3072;
+  // profile. GPT-2 small's four linear layers at the benchmark's 16 x 1024 rows, in bf16, as
+  // the GPT calls them.
+  const int64_t rows = 16 * 1024, c = 768;
   const DType t = DType::bf16;
   const auto ops = profiled_ops([&](Ops& gpu_ops) {
-    const auto bf16 = [&](int64_t n) { return gpu_ops.allocate(static_cast<size_t>(n) * 2); };
-    Buffer x = bf16(rows * c), w = bf16(wide * c), bias = bf16(wide), pre = bf16(rows * wide);
-    Buffer out = bf16(rows * wide), y = bf16(rows * c), residual = bf16(rows * c);
-    Buffer dw = gpu_ops.allocate(static_cast<size_t>(wide * c) * sizeof(float));
-    Buffer db = gpu_ops.allocate(static_cast<size_t>(wide) * sizeof(float));
-    for (Buffer* b : {&x, &w, &bias, &residual, &dw, &db})
-      gpu_ops.fill_zero(b->data(), b->bytes());
+    const auto bf16 = [&](int64_t n) {
+      Buffer b = gpu_ops.allocate(static_cast<size_t>(n) * 2);
+      gpu_ops.fill_zero(b.data(), b.bytes());
+      return b;
+    };
+    const auto f32 = [&](int64_t n) {
+      Buffer b = gpu_ops.allocate(static_cast<size_t>(n) * sizeof(float));
+      gpu_ops.fill_zero(b.data(), b.bytes());
+      return b;
+    };
+    const Buffer x = bf16(rows * c), residual = bf16(rows * c), w = bf16(4 * c * c);
+    const Buffer bias = bf16(4 * c), dy = bf16(rows * 4 * c);
+    Buffer pre = bf16(rows * 4 * c), out = bf16(rows * 4 * c), y = bf16(rows * c);
+    Buffer dw = f32(4 * c * c), db = f32(4 * c);
+    // Forward: qkv and fc (with its GELU), proj and fc_proj (onto the residual).
+    gpu_ops.linear(ConstMatrix{x.data(), rows, c, t}, w.data(), bias.data(),
+                   Matrix{out.data(), rows, 3 * c, t}, nullptr);
     gpu_ops.linear_activation(ConstMatrix{x.data(), rows, c, t}, w.data(), bias.data(),
-                              Activation::gelu, Matrix{pre.data(), rows, wide, t},
-                              Matrix{out.data(), rows, wide, t});
-    gpu_ops.linear(ConstMatrix{out.data(), rows, wide, t}, w.data(), bias.data(),
+                              Activation::gelu, Matrix{pre.data(), rows, 4 * c, t},
+                              Matrix{out.data(), rows, 4 * c, t});
+    gpu_ops.linear(ConstMatrix{x.data(), rows, c, t}, w.data(), bias.data(),
                    Matrix{y.data(), rows, c, t}, residual.data());
-    gpu_ops.linear_weight_grad(ConstMatrix{pre.data(), rows, wide, t},
-                               ConstMatrix{x.data(), rows, c, t}, dw.as<float>(), db.as<float>());
-    gpu_ops.linear_activation_grad(ConstMatrix{y.data(), rows, c, t}, w.data(), Activation::gelu,
-                                   ConstMatrix{pre.data(), rows, wide, t},
-                                   Matrix{out.data(), rows, wide, t});
+    gpu_ops.linear(ConstMatrix{out.data(), rows, 4 * c, t}, w.data(), bias.data(),
+                   Matrix{y.data(), rows, c, t}, residual.data());
+    // Backward: every layer's weight and bias gradients, and fc_proj's through the GELU.
+    for (int64_t width : {3 * c, 4 * c, c}) {
+      gpu_ops.linear_weight_grad(ConstMatrix{dy.data(), rows, width, t},
+                                 ConstMatrix{x.data(), rows, c, t}, dw.as<float>(), db.as<float>());
+    }
+    gpu_ops.linear_weight_grad(ConstMatrix{dy.data(), rows, c, t},
+                               ConstMatrix{out.data(), rows, 4 * c, t}, dw.as<float>(),
+                               db.as<float>());
+    gpu_ops.linear_activation_grad(ConstMatrix{dy.data(), rows, c, t}, w.data(), Activation::gelu,
+                                   ConstMatrix{pre.data(), rows, 4 * c, t},
+                                   Matrix{out.data(), rows, 4 * c, t});
   });
-  for (const char* op :
-       {"linear_activation", "linear", "linear_weight_grad", "linear_activation_grad"}) {
+  const std::map<std::string, int> calls = {{"linear", 3},
+                                            {"linear_activation", 1},
+                                            {"linear_weight_grad", 4},
+                                            {"linear_activation_grad", 1}};
+  for (const auto& [op, n] : calls) {
     INFO(op);
-    CHECK(ops.count(op) == 1);
-    CHECK(ops.count(std::string(op) + " (unfused)") == 0);
+    REQUIRE(ops.count(op) == 1);
+    CHECK(ops.at(op)["calls"] == n);
+    CHECK(ops.count(op + " (unfused)") == 0);
   }
 }
 
