@@ -302,6 +302,23 @@ std::optional<std::string> unclaimed_entry(
   return first;
 }
 
+std::filesystem::path make_temp_directory(const std::string& stem) {
+  std::error_code ec;
+  const std::filesystem::path base = std::filesystem::temp_directory_path(ec);
+  if (ec) {
+    const char* tmpdir = std::getenv("TMPDIR");
+    throw Error(ErrorKind::io, fmt::format("{}: not a usable temporary folder: {}",
+                                           tmpdir != nullptr ? tmpdir : "/tmp", ec.message()));
+  }
+  std::string pattern = (base / (stem + "-XXXXXX")).string();
+  if (::mkdtemp(pattern.data()) == nullptr) {
+    throw Error(ErrorKind::io, fmt::format("{}: cannot create a temporary directory: {}",
+                                           std::filesystem::path(pattern).parent_path().string(),
+                                           std::strerror(errno)));
+  }
+  return pattern;
+}
+
 std::filesystem::path home_directory() {
   if (const char* home = std::getenv("HOME"); home && *home) return home;
   if (const passwd* pw = ::getpwuid(::getuid()); pw && pw->pw_dir) return pw->pw_dir;

@@ -81,4 +81,9 @@ std::filesystem::path home_directory();
 // "~" and "~/x" under home_directory(); anything else ("~user/x" too) unchanged.
 std::filesystem::path expand_home(const std::string& path);
 
+// A new, empty directory under the system temp folder named STEM-XXXXXX (mkdtemp: mode 0700, a
+// name no other process holds, never one a killed process left behind with the same pid).
+// Error(io) naming the folder when it cannot be made.
+std::filesystem::path make_temp_directory(const std::string& stem);
+
 }  // namespace dptrain

@@ -16,10 +16,35 @@
 
 #include "core/error.hpp"
 #include "core/trainer.hpp"
+#include "tests/scoped_env.hpp"
 #include "tests/temp_dir.hpp"
 
 using namespace dptrain;
 namespace fs = std::filesystem;
+
+TEST_CASE("make_temp_directory: a new, private, empty directory each time; a bad TMPDIR named") {
+  test::TempDir tmp;
+  const ScopedEnv tmpdir("TMPDIR", tmp.path().string());
+  // One that a killed process left behind with files in it is never handed out again.
+  fs::create_directories(tmp / "stale-000000");
+  std::ofstream(tmp / "stale-000000" / "left.bin") << "x";
+  const fs::path a = make_temp_directory("stale");
+  const fs::path b = make_temp_directory("stale");
+  CHECK(a != b);
+  for (const fs::path& d : {a, b}) {
+    CAPTURE(d);
+    CHECK(d.parent_path() == tmp.path());
+    CHECK(d.filename().string().starts_with("stale-"));
+    CHECK(fs::is_directory(d));
+    CHECK(fs::is_empty(d));
+    CHECK((fs::status(d).permissions() & fs::perms::all) == fs::perms::owner_all);
+  }
+
+  const std::string missing = (tmp / "no-such-folder").string();
+  const ScopedEnv unusable("TMPDIR", missing);
+  const std::string expected = missing + ": not a usable temporary folder";
+  CHECK_THROWS_WITH_AS(make_temp_directory("x"), doctest::Contains(expected.c_str()), Error);
+}
 
 TEST_CASE("write_file_atomic: replaces the file whole; an error names it, not its temporary") {
   test::TempDir tmp;

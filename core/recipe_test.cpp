@@ -1,8 +1,6 @@
 // Tests for the recipe layer: defaults, round trip, validation messages, files and the hash.
 #include "core/recipe.hpp"
 
-#include <unistd.h>
-
 #include <cstdlib>
 #include <fstream>
 #include <set>
@@ -15,6 +13,7 @@
 #include "core/checkpoint.hpp"
 #include "core/error.hpp"
 #include "core/model/model.hpp"
+#include "tests/temp_dir.hpp"
 
 namespace dptrain {
 namespace {
@@ -22,32 +21,7 @@ namespace {
 using nlohmann::json;
 namespace fs = std::filesystem;
 
-// A fresh directory under the system temp dir, removed with everything in it.
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "dptrain-recipe-XXXXXX").string();
-    REQUIRE(mkdtemp(pattern.data()) != nullptr);
-    path_ = pattern;
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-
-  const fs::path& path() const { return path_; }
-  fs::path write(const fs::path& relative, const std::string& text) const {
-    fs::path file = path_ / relative;
-    fs::create_directories(file.parent_path());
-    std::ofstream(file) << text;
-    return file;
-  }
-
- private:
-  fs::path path_;
-};
+using test::TempDir;
 
 // The message of the Error(recipe) that parsing `text` throws; fails the test if none is thrown.
 std::string problems_of(const std::string& text, const fs::path& base_dir = fs::path("/")) {

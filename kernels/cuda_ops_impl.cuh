@@ -124,6 +124,8 @@ class OpProfile {
   std::vector<cudaEvent_t> free_;
   std::vector<Pending> pending_;
   std::map<std::string, Total> totals_;
+  cudaEvent_t first_ = nullptr;  // recorded before the first op: the start of span_ms_
+  double span_ms_ = 0;           // from first_ to the latest resolved op's end
 };
 
 class CudaOps final : public Ops {

@@ -1,5 +1,7 @@
 // Per-op GPU time for DPTRAIN_PROFILE: CUDA events around every op of a CudaOps, resolved at
-// synchronisation points, written as JSON when the op table goes away.
+// synchronisation points, written as JSON when the op table goes away. The span from the first
+// op's start to the last op's end beside the ops' total says how much of the time the stream sat
+// waiting for the host (launch overhead, host work between ops, synchronisations).
 #include <unistd.h>
 
 #include <algorithm>
@@ -35,6 +37,7 @@ OpProfile::~OpProfile() {
   } catch (...) {
     // A profile is diagnostics: never a reason to fail the run at its end.
   }
+  if (first_ != nullptr) cudaEventDestroy(first_);
   for (cudaEvent_t e : free_)
     cudaEventDestroy(e);
   for (const Pending& p : pending_) {
@@ -57,6 +60,10 @@ cudaEvent_t OpProfile::take() {
 
 cudaEvent_t OpProfile::open(cudaStream_t stream) {
   std::lock_guard lock(mutex_);
+  if (first_ == nullptr) {
+    first_ = take();
+    check_cuda(cudaEventRecord(first_, stream), "DPTRAIN_PROFILE: cudaEventRecord");
+  }
   cudaEvent_t start = take();
   check_cuda(cudaEventRecord(start, stream), "DPTRAIN_PROFILE: cudaEventRecord");
   return start;
@@ -90,6 +97,9 @@ void OpProfile::resolve_locked(bool wait) {
     Total& t = totals_[p.op];
     ++t.calls;
     t.ms += ms;
+    float span = 0;
+    check_cuda(cudaEventElapsedTime(&span, first_, p.end), "DPTRAIN_PROFILE: cudaEventElapsedTime");
+    span_ms_ = std::max(span_ms_, static_cast<double>(span));
     free_.push_back(p.start);
     free_.push_back(p.end);
   }
@@ -107,7 +117,9 @@ void OpProfile::write() const {
   std::filesystem::create_directories(std::filesystem::path(path_).parent_path(), ignored);
   std::ofstream out(path_);
   out << "{\"device\": \"cuda:" << device_ << "\", \"pid\": " << ::getpid()
-      << ", \"total_ms\": " << total << ", \"ops\": [";
+      << ", \"total_ms\": " << total << ", \"span_ms\": " << span_ms_
+      << ", \"busy_share\": " << (span_ms_ > 0 ? std::min(1.0, total / span_ms_) : 0.0)
+      << ", \"ops\": [";
   for (size_t i = 0; i < rows.size(); ++i) {
     out << (i == 0 ? "" : ", ") << "{\"op\": \"" << rows[i].first
         << "\", \"calls\": " << rows[i].second.calls << ", \"ms\": " << rows[i].second.ms

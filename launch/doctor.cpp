@@ -22,6 +22,7 @@
 #include "core/data/dataset.hpp"
 #include "core/data/tokens.hpp"
 #include "core/error.hpp"
+#include "core/fs.hpp"
 #include "core/recipe.hpp"
 #include "core/tensor/device.hpp"
 #include "core/trainer.hpp"
@@ -716,7 +717,6 @@ class Doctor {
       skip("allreduce", "", "fix the failures above first");
       return;
     }
-    const fs::path dir = fs::temp_directory_path() / fmt::format("dptrain-doctor-{}", ::getpid());
     JobSpec spec;
     spec.hosts = hosts_;
     spec.world_size = world_;
@@ -730,7 +730,9 @@ class Doctor {
     const auto t0 = Clock::now();
     JobOutcome outcome;
     std::string remote_name;  // the run's directory on the remote hosts: WORKDIR/runs/NAME
+    fs::path dir;  // the trial run's directory, new and empty: a failed trial's stays for its logs
     try {
+      dir = make_temp_directory("dptrain-doctor");
       RunDirectory run = RunDirectory::create(dir, "", spec.recipe.name);
       remote_name = run.remote_name();
       std::FILE* sink = std::fopen("/dev/null", "w");
@@ -753,7 +755,7 @@ class Doctor {
     std::string fix = "see the line above; 'dptrain launch --dry-run' shows what was started where";
     if (ok) {
       remove_trial_run(dir, remote_name);
-    } else if (std::error_code ec; fs::exists(dir / "logs", ec)) {
+    } else if (std::error_code ec; !dir.empty() && fs::exists(dir / "logs", ec)) {
       // The ranks' logs say why: the run directories stay for them (see dptrain-doctor(1)).
       fix += fmt::format("; the ranks' logs are in {}/logs", dir.string());
       const bool remote_hosts = std::any_of(hosts_.begin(), hosts_.end(),

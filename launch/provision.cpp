@@ -22,6 +22,7 @@
 #include <openssl/evp.h>
 
 #include "core/error.hpp"
+#include "core/fs.hpp"
 #include "core/json_error.hpp"
 #include "core/recipe.hpp"
 #include "launch/job.hpp"
@@ -144,21 +145,21 @@ struct PlannedFile {
   std::string sha256;
 };
 
-// A local temporary file, removed with this object.
+// A local temporary file NAME in a private directory of its own, both removed with this object.
 class TempFile {
  public:
   explicit TempFile(const std::string& name)
-      : path_(fs::temp_directory_path() /
-              fmt::format("dptrain-provision-{}-{}", ::getpid(), name)) {}
+      : dir_(make_temp_directory("dptrain-provision")), path_(dir_ / name) {}
   ~TempFile() {
     std::error_code ec;
-    fs::remove(path_, ec);
+    fs::remove_all(dir_, ec);
   }
   TempFile(const TempFile&) = delete;
   TempFile& operator=(const TempFile&) = delete;
   const fs::path& path() const { return path_; }
 
  private:
+  fs::path dir_;
   fs::path path_;
 };
 

@@ -1,6 +1,8 @@
 // The supervisor with real child processes: output relay, failure attribution, stopping the rest.
 #include "launch/supervisor.hpp"
 
+#include "tests/temp_dir.hpp"
+
 #include <doctest/doctest.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -20,14 +22,14 @@ using namespace dptrain;
 namespace {
 
 struct Fixture {
-  fs::path dir = fs::temp_directory_path() / ("supervisor-test-" + std::to_string(::getpid()));
+  test::TempDir tmp;
+  const fs::path& dir = tmp.path();
   std::map<std::string, std::vector<std::string>> lines;
   std::vector<pid_t> pids;
   std::mutex mutex;
   SupervisorOptions options;
 
   Fixture() {
-    fs::create_directories(dir);
     options.grace = std::chrono::milliseconds(300);
     options.on_line = [this](const ProcessSpec& p, const std::string& line) {
       std::lock_guard lock(mutex);
@@ -35,7 +37,6 @@ struct Fixture {
     };
     options.on_started = [this](const std::vector<pid_t>& started) { pids = started; };
   }
-  ~Fixture() { fs::remove_all(dir); }
 
   ProcessSpec shell(int rank, const std::string& script) {
     ProcessSpec p;

@@ -270,10 +270,21 @@ TEST_CASE("doctor: SIGINT stops it with exit 130 and the checks done so far, as 
 TEST_CASE("doctor: SIGINT during its trial job stops it and removes the job's directory") {
   // On this machine, with each step slowed, so that the trial job is under way when the
   // signal comes.
+  TempDir tmp;  // the doctor's TMPDIR, where its trial run's directory appears
   Background p({"doctor", "--hosts", "localhost:2", "--json"},
-               {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "1000"}});
-  const fs::path trial = fs::temp_directory_path() / ("dptrain-doctor-" + std::to_string(p.pid()));
-  REQUIRE(eventually([&] { return fs::exists(trial / "logs"); }));
+               {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "1000"}, {"TMPDIR", tmp.path().string()}});
+  fs::path trial;
+  REQUIRE(eventually([&] {
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(tmp.path(), ec)) {
+      if (entry.path().filename().string().starts_with("dptrain-doctor-") &&
+          fs::exists(entry.path() / "logs", ec)) {
+        trial = entry.path();
+        return true;
+      }
+    }
+    return false;
+  }));
   REQUIRE(::kill(p.pid(), SIGINT) == 0);
   CHECK(p.wait(std::chrono::seconds(60)) == 130);
   INFO(p.err());

@@ -1,18 +1,24 @@
 // A temporary directory that removes itself: shared by unit and integration tests.
+//
+// Names come from mkdtemp (and a random part for unique_path), never from the process id alone:
+// a test killed part-way leaves its directory behind, and a later process that happens to get
+// the same pid must not find those files in what it takes for a fresh, empty directory.
 #pragma once
-
-#include <unistd.h>
 
 #include <atomic>
 #include <filesystem>
+#include <fstream>
+#include <random>
 #include <string>
 #include <system_error>
+
+#include "core/fs.hpp"
 
 namespace dptrain::test {
 
 class TempDir {
  public:
-  TempDir() : path_(unique_path("dptrain-test")) { std::filesystem::create_directories(path_); }
+  TempDir() : path_(make_temp_directory("dptrain-test")) {}
   ~TempDir() {
     std::error_code ec;
     std::filesystem::remove_all(path_, ec);
@@ -23,11 +29,25 @@ class TempDir {
   const std::filesystem::path& path() const { return path_; }
   std::filesystem::path operator/(const std::string& name) const { return path_ / name; }
 
-  // A fresh name under the system temp folder (nothing is created).
+  // Writes `contents` to `relative` under this directory (its parents made as needed).
+  std::filesystem::path write(const std::filesystem::path& relative,
+                              const std::string& contents) const {
+    const std::filesystem::path file = path_ / relative;
+    std::filesystem::create_directories(file.parent_path());
+    std::ofstream(file, std::ios::binary) << contents;
+    return file;
+  }
+
+  // A name under the system temp folder that no other process can have chosen (nothing is
+  // created): a random part besides the counter, since pids repeat.
   static std::filesystem::path unique_path(const std::string& stem) {
     static std::atomic<int> counter{0};
+    static const unsigned long long salt = [] {
+      std::random_device random;
+      return (static_cast<unsigned long long>(random()) << 32) | random();
+    }();
     return std::filesystem::temp_directory_path() /
-           (stem + "-" + std::to_string(::getpid()) + "-" + std::to_string(++counter));
+           (stem + "-" + std::to_string(salt) + "-" + std::to_string(++counter));
   }
 
  private:

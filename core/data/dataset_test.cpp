@@ -3,8 +3,6 @@
 
 #include <doctest/doctest.h>
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <fstream>
 #include <limits>
@@ -16,35 +14,12 @@
 #include "core/model/model.hpp"
 #include "core/optim/optimizer.hpp"
 #include "core/tensor/cpu_ops.hpp"
+#include "tests/temp_dir.hpp"
 
 namespace dptrain {
 namespace {
 
-class TempDir {
- public:
-  TempDir() {
-    path_ =
-        std::filesystem::temp_directory_path() /
-        ("dptrain-dataset-test-" + std::to_string(::getpid()) + "-" + std::to_string(counter_++));
-    std::filesystem::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-
-  std::filesystem::path write(const std::string& name, const std::string& contents) const {
-    const std::filesystem::path file = path_ / name;
-    std::ofstream(file, std::ios::binary) << contents;
-    return file;
-  }
-
- private:
-  static inline int counter_ = 0;
-  std::filesystem::path path_;
-};
+using test::TempDir;
 
 struct Rows {
   std::vector<float> x;
@@ -305,7 +280,7 @@ TEST_CASE("csv_first_row: the first data row as read_csv_samples sees it") {
   CHECK_FALSE(csv_first_row(dir.write("e.csv", "1,2\n"), "yes").has_value());
   CHECK_THROWS_WITH_AS(csv_first_row(dir.write("f.csv", "1,2\n"), "maybe"),
                        doctest::Contains("data.header"), Error);
-  const auto missing = std::filesystem::temp_directory_path() / "dptrain-no-such-file.csv";
+  const auto missing = dir / "dptrain-no-such-file.csv";
   CHECK_THROWS_WITH_AS(csv_first_row(missing, "auto"),
                        doctest::Contains("dptrain-no-such-file.csv: cannot open"), Error);
 }
@@ -329,7 +304,7 @@ TEST_CASE("load_data: csv through the spec, missing files and unknown types") {
   CHECK(splits.train->size() == 15);
   CHECK(splits.eval->size() == 5);
 
-  data.path = (std::filesystem::temp_directory_path() / "dptrain-no-such-file.csv").string();
+  data.path = (dir / "dptrain-no-such-file.csv").string();
   CHECK_THROWS_WITH_AS(load_data(data, model_of(2, 3), 1),
                        doctest::Contains("dptrain-no-such-file.csv: cannot open"), Error);
   data.path.clear();

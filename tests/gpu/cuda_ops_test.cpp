@@ -686,6 +686,13 @@ TEST_CASE("cuda ops: DPTRAIN_PROFILE writes every op's calls and GPU time when t
   CHECK(ops["gemm"]["ms"].get<double>() > 0);
   CHECK(ops["scale"]["calls"] == 1);
   CHECK(ops["allocate"]["calls"] == 2);
+  // The span from the first op's start to the last one's end holds every op's time (and the
+  // gaps between them): busy_share is their ratio.
+  const double total = profile["total_ms"].get<double>();
+  const double span = profile["span_ms"].get<double>();
+  CHECK(total > 0);
+  CHECK(span >= 0.99 * total);
+  CHECK(profile["busy_share"].get<double>() == doctest::Approx(std::min(1.0, total / span)));
   // The bias off the epilogue's alignment was added on its own: filed as unfused.
   REQUIRE(ops.count("linear (unfused)") == 1);
   CHECK(ops["linear (unfused)"]["calls"] == 1);
