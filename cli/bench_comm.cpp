@@ -275,7 +275,7 @@ int run_bench_launcher(const BenchCommOptions& o) {
   status.line(fmt::format(
       "dptrain bench comm: {} rank(s) on {}, run directory {}", spec.world_size,
       spec.hosts.empty() ? std::string("this machine") : fmt::format("{} host(s)", hosts),
-      run.path().string()));
+      printable(run.path().string())));
   for (const auto& warning : fault_warnings)
     status.warning(warning);
   // Rank 0's rows as it measures them: what is kept of a benchmark that does not finish.

@@ -166,6 +166,8 @@ int run_bench_train_cmd(const BenchTrainCliOptions& o) {
     largest.world_size = worlds.back().world;
     check_hosts_resolve(largest);
     check_store_port(largest);
+    // As launch refuses it: a model whose ranks cannot fit in this machine's memory.
+    check_local_memory(largest, o.recipe);
     fault_warnings = check_fault_injection(largest, 0, 1, true);
   }
 

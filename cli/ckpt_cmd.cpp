@@ -229,14 +229,16 @@ CheckpointFilter recipe_filter(const fs::path& run, const json& info, bool recor
     if (!fs::exists(fs::symlink_status(copy, ec))) {
       // A benchmark's run has no recipe to check against.
       if (!recorded || info.contains("benchmark") || info.contains("bench")) return {};
-      throw Error(ErrorKind::recipe,
-                  info.empty()
-                      ? fmt::format("run.json cannot be read, and there is no {}", copy.string())
-                      : fmt::format("neither {} nor {} holds one", (run / "run.json").string(),
-                                    copy.string()));
+      throw Error(
+          ErrorKind::recipe,
+          info.empty()
+              ? fmt::format("run.json cannot be read, and there is no {}", printable(copy.string()))
+              : fmt::format("neither {} nor {} holds one", (run / "run.json").string(),
+                            printable(copy.string())));
     }
     if (!fs::is_regular_file(copy, ec)) {
-      throw Error(ErrorKind::recipe, fmt::format("{}: not a regular file", copy.string()));
+      throw Error(ErrorKind::recipe,
+                  fmt::format("{}: not a regular file", printable(copy.string())));
     }
     return written_by(load_recipe(copy, DataCheck::none));
   } catch (const Error& e) {
@@ -264,7 +266,7 @@ CheckedRun open_run(const std::string& dir) {
   const bool has_checkpoints = fs::is_directory(p / "checkpoints", ec);
   if (!has_checkpoints && fs::exists(fs::symlink_status(p / "checkpoints", ec))) {
     throw Error(ErrorKind::checkpoint,
-                fmt::format("{}: not a directory", (absolute / "checkpoints").string()));
+                fmt::format("{}: not a directory", printable((absolute / "checkpoints").string())));
   }
   if (!fs::exists(p / "run.json", ec) && has_checkpoints)
     return {absolute, "", recipe_filter(absolute, json::object(), false)};
@@ -366,16 +368,16 @@ int run_verify(const CkptOptions& o) {
   const bool check_latest_too = o.step.empty();
   std::vector<std::string> errors;
   if (dirs.empty()) {
-    errors.push_back(
-        fmt::format("{}: no checkpoints to verify{}", run.checkpoints().string(), run.elsewhere));
+    errors.push_back(fmt::format("{}: no checkpoints to verify{}",
+                                 printable(run.checkpoints().string()), run.elsewhere));
   }
   for (const auto& row : rows) {
     for (const auto& problem : row.status.problems())
-      errors.push_back(fmt::format("{}/{}", row.status.dir.string(), problem));
+      errors.push_back(fmt::format("{}/{}", printable(row.status.dir.string()), problem));
   }
   if (check_latest_too && !latest.ok()) {
     errors.push_back(
-        fmt::format("{}: {}", (run.checkpoints() / "latest").string(), latest.problem));
+        fmt::format("{}: {}", printable((run.checkpoints() / "latest").string()), latest.problem));
   }
   int code = errors.empty() ? 0 : exit_code(ErrorKind::checkpoint);
   const char* status = errors.empty() ? "ok" : "error";

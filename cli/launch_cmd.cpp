@@ -178,7 +178,7 @@ int start_launch(const LaunchOptions& o, bool& events_opened) {
                           spec.recipe.name, spec.world_size,
                           spec.hosts.empty() ? std::string(" on this machine")
                                              : fmt::format(" across {} host(s)", spec.hosts.size()),
-                          run.path().string()));
+                          printable(run.path().string())));
   return run_to_end(run, spec, o.restart, o.json, *events, status);
 }
 

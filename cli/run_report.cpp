@@ -144,7 +144,7 @@ std::string note_of(const RunState& state) {
 std::string running_hand_run(const std::filesystem::path& dir) {
   const auto info = readable_run_json(dir);
   if (!info || !started_by_workers(*info)) return {};
-  const RunState state = run_state(*info);
+  const RunState state = run_state(*info, dir);
   if (state.status != "running") return {};
   return fmt::format(
       "{}: its workers (started without a launcher: by hand, srun, mpirun) are running it{}",
@@ -154,7 +154,7 @@ std::string running_hand_run(const std::filesystem::path& dir) {
 std::string driven_run(const std::filesystem::path& dir) {
   const auto info = readable_run_json(dir);
   if (!info) return {};
-  const RunState state = run_state(*info);
+  const RunState state = run_state(*info, dir);
   if (state.status != "running" && state.status != "restarting" && state.status != "resizing")
     return {};
   return fmt::format("{}: the run is {}{}", dir.string(), state.status, note_of(state));

@@ -38,7 +38,7 @@ const std::string kPrunedPrefix = ".pruned-";
 constexpr const char* kMetaChecksumKey = "meta_checksum";
 
 [[noreturn]] void fail(const fs::path& where, const std::string& what) {
-  throw Error(ErrorKind::checkpoint, fmt::format("{}: {}", where.string(), what));
+  throw Error(ErrorKind::checkpoint, fmt::format("{}: {}", printable(where.string()), what));
 }
 
 json blob_entry(const char* file, std::span<const float> data) {
@@ -447,9 +447,10 @@ fs::path write_checkpoint(const fs::path& checkpoints_dir, const TrainingPositio
     // Name the checkpoint, not the temporary directory just removed:
     // ".../step-000060/optimizer.bin: cannot write: No space left on device".
     const std::string what = e.what();
-    const std::string tmp_name = tmp_dir.string();
+    const std::string tmp_name = printable(tmp_dir.string());  // as the message shows it
     if (what.starts_with(tmp_name + "/")) {
-      throw Error(ErrorKind::checkpoint, final_dir.string() + what.substr(tmp_name.size()));
+      throw Error(ErrorKind::checkpoint,
+                  printable(final_dir.string()) + what.substr(tmp_name.size()));
     }
     fail(final_dir, fmt::format("cannot write: {}", what));
   }
@@ -628,10 +629,10 @@ fs::path checkpoint_named(const fs::path& checkpoints_dir, const std::string& gi
   std::vector<std::string> names;
   for (const auto& dir : all)
     names.push_back(dir.filename().string());
-  throw Error(
-      ErrorKind::usage,
-      fmt::format("{}: no checkpoint {} (it has {})", checkpoints_dir.parent_path().string(), name,
-                  names.empty() ? "none" : fmt::format("{}", fmt::join(names, ", "))));
+  throw Error(ErrorKind::usage,
+              fmt::format("{}: no checkpoint {} (it has {})",
+                          printable(checkpoints_dir.parent_path().string()), name,
+                          names.empty() ? "none" : fmt::format("{}", fmt::join(names, ", "))));
 }
 
 bool set_aside_newer(const fs::path& checkpoints_dir, int64_t step,
@@ -717,7 +718,7 @@ std::optional<fs::path> try_find_valid_checkpoint(
   // `latest` first; one that cannot be followed is said to be (the step-* directories are
   // tried all the same).
   if (const LatestStatus latest = check_latest(checkpoints_dir); !latest.ok()) {
-    warn(fmt::format("{}: {}", (checkpoints_dir / "latest").string(), latest.problem));
+    warn(fmt::format("{}: {}", printable((checkpoints_dir / "latest").string()), latest.problem));
   } else if (!latest.dir.empty()) {
     candidates.push_back(latest.dir);
   }
@@ -745,7 +746,7 @@ std::optional<fs::path> try_find_valid_checkpoint(
       throw Error(ErrorKind::checkpoint,
                   fmt::format("{}: {}: the checkpoint is out of reach, not damaged; give dptrain "
                               "read access to it (or move it away) and try again",
-                              dir.string(), problems));
+                              printable(dir.string()), problems));
     }
     warn(fmt::format("skipping checkpoint {}: {}", dir.filename().string(), problems));
   }
@@ -759,8 +760,8 @@ fs::path find_valid_checkpoint(const fs::path& checkpoints_dir,
   if (auto found = try_find_valid_checkpoint(checkpoints_dir, warn, unusable, check_stop)) {
     return std::move(*found);
   }
-  throw Error(ErrorKind::checkpoint,
-              fmt::format("{}: no valid checkpoint to resume from", checkpoints_dir.string()));
+  throw Error(ErrorKind::checkpoint, fmt::format("{}: no valid checkpoint to resume from",
+                                                 printable(checkpoints_dir.string())));
 }
 
 }  // namespace dptrain

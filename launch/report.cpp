@@ -219,7 +219,7 @@ RunState between_generations(const json& info, const json& generations, RunState
 
 }  // namespace
 
-RunState run_state(const json& info) {
+RunState run_state(const json& info, const fs::path& dir) {
   RunState state;
   state.recorded_status = text(info, "status");
   state.status = state.recorded_status;
@@ -300,7 +300,17 @@ RunState run_state(const json& info) {
     const bool starting =
         (placing || !last.contains("pids")) &&
         (recorded_launcher ? launcher_alive(info) : started && *started < kStartingGraceS);
-    if (!starting) {
+    if (starting) {
+      // Its ranks are not recorded yet, or the launcher waits for its hosts: as recorded.
+    } else if (recorded_launcher && launcher_alive(info) && run_locked_by_another(dir)) {
+      // The ranks have exited and the launcher, alive and holding the run's lock, is recording
+      // how the generation ended (completed, failed, restarting): running until it says. (The
+      // lock tells the run's launcher from a process that only took its pid.)
+      state.note = fmt::format(
+          "no rank of generation {} is alive; its launcher is recording how "
+          "the generation ended",
+          generations.size());
+    } else {
       state.status = "stale";
       state.note = (started_by_workers(info) ? "its rank 0 is gone" : "the launcher is gone") +
                    std::string(": no rank of generation ") + std::to_string(generations.size()) +
@@ -1042,7 +1052,7 @@ RunView load_run(const fs::path& dir, bool verify_checkpoints) {
   } catch (const Error& e) {
     run.unreadable.push_back(e.what());
   }
-  run.state = run_state(run.info);
+  run.state = run_state(run.info, dir);
   try {
     if (!blocked(dir / "checkpoints", fs::file_type::directory)) {
       // A `latest` that cannot be read is named; the checkpoints are still listed (none is

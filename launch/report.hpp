@@ -51,9 +51,9 @@ struct RunState {
   std::string note;             // why it is stale, restarting or resizing; empty otherwise
 };
 
-// Where the run that `info` (its run.json) records stands now: for one marked running, whether
-// its launcher or (workers started without one) its rank 0 lives.
-RunState run_state(const nlohmann::json& info);
+// Where the run in `dir` that `info` (its run.json) records stands now: for one marked running,
+// whether its launcher or (workers started without one) its rank 0 lives.
+RunState run_state(const nlohmann::json& info, const std::filesystem::path& dir);
 
 // One checkpoint of the run, verified (every blob's size and checksum) or only listed.
 struct CheckpointSummary {

@@ -8,12 +8,14 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
+#include <chrono>
 #include <climits>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
 #include <fstream>
 #include <system_error>
+#include <thread>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -140,17 +142,17 @@ nlohmann::json read_run_json(const fs::path& dir) {
     const int why = ::access(file.c_str(), R_OK) == 0 ? 0 : errno;
     throw Error(
         ErrorKind::usage,
-        fmt::format("{}: not a run directory (no readable run.json{})", dir.string(),
+        fmt::format("{}: not a run directory (no readable run.json{})", printable(dir.string()),
                     why == 0 || why == ENOENT ? "" : ": " + std::string(std::strerror(why))));
   }
   nlohmann::json info;
   try {
     info = nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
-    throw Error(ErrorKind::usage, json_parse_problem(file.string(), text, e));
+    throw Error(ErrorKind::usage, json_parse_problem(printable(file.string()), text, e));
   }
   if (!info.is_object()) {
-    throw Error(ErrorKind::usage, fmt::format("{}: not a JSON object", file.string()));
+    throw Error(ErrorKind::usage, fmt::format("{}: not a JSON object", printable(file.string())));
   }
   return info;
 }
@@ -219,7 +221,7 @@ void refuse_held_run(const fs::path& p, bool mine) {
                 fmt::format("{}: already holds a run, which another dptrain is running now (a "
                             "launcher, or workers started without one: it holds {}); choose "
                             "another --run-dir",
-                            p.string(), (p / kLockFile).string()));
+                            printable(p.string()), printable((p / kLockFile).string())));
   }
   // A benchmark's run (no recipe) or a completed one has nothing to resume; workers started
   // without a launcher continue theirs themselves.
@@ -232,18 +234,18 @@ void refuse_held_run(const fs::path& p, bool mine) {
                 fmt::format("{}: already holds a run whose record does not read ({}): neither a "
                             "resume nor a launch continues it; repair run.json (its checkpoints "
                             "and recipe.json are there), or choose another --run-dir",
-                            p.string(), first_line(e.what())));
+                            printable(p.string()), first_line(e.what())));
   }
-  std::string how = fmt::format("continue it with 'dptrain resume {}'", p.string());
+  std::string how = fmt::format("continue it with 'dptrain resume {}'", printable(p.string()));
   if (info.is_object() && !info.contains("recipe")) {
-    throw Error(
-        ErrorKind::usage,
-        fmt::format("{}: already holds a benchmark's run; choose another --run-dir", p.string()));
+    throw Error(ErrorKind::usage,
+                fmt::format("{}: already holds a benchmark's run; choose another --run-dir",
+                            printable(p.string())));
   }
   if (info.is_object() && info.value("status", nlohmann::json()) == "completed") {
     throw Error(ErrorKind::usage,
                 fmt::format("{}: already holds a run, which completed; choose another --run-dir",
-                            p.string()));
+                            printable(p.string())));
   }
   if (info.is_object() && started_by_workers(info)) {
     how = fmt::format(
@@ -266,22 +268,22 @@ void RunDirectory::check_new(const fs::path& path) {
     std::error_code target_ec;
     const bool reached = fs::exists(path, target_ec);
     if (!reached) {
-      const std::string target = fs::read_symlink(path, ec).string();
+      const std::string target = printable(fs::read_symlink(path, ec).string());
       throw Error(ErrorKind::usage,
                   target_ec ? fmt::format("{}: a symbolic link to {}, which cannot be followed: "
                                           "{}; choose another --run-dir",
-                                          path.string(), target, target_ec.message())
+                                          printable(path.string()), target, target_ec.message())
                             : fmt::format("{}: a symbolic link to {}, which does not exist: "
                                           "create the directory it names, or choose another "
                                           "--run-dir",
-                                          path.string(), target));
+                                          printable(path.string()), target));
     }
   }
   refuse_held_run(path, false);
   if (fs::exists(path, ec)) {
     if (!fs::is_directory(path, ec)) {
-      throw Error(ErrorKind::usage,
-                  fmt::format("{}: is not a directory; choose another --run-dir", path.string()));
+      throw Error(ErrorKind::usage, fmt::format("{}: is not a directory; choose another --run-dir",
+                                                printable(path.string())));
     }
     if (const auto entry = foreign_entry(path)) {
       // A launch that made it a moment ago and holds it (its run.json not yet written).
@@ -289,13 +291,13 @@ void RunDirectory::check_new(const fs::path& path) {
         throw Error(ErrorKind::usage,
                     fmt::format("{}: another dptrain is starting a run there (it holds {}); "
                                 "give another --run-dir",
-                                path.string(), (path / ".lock").string()));
+                                printable(path.string()), printable((path / ".lock").string())));
       }
       throw Error(ErrorKind::usage,
                   fmt::format("{}: holds '{}' but no run.json: not a run directory, and its "
                               "files would be taken for the run's; choose an empty or new "
                               "--run-dir",
-                              path.string(), *entry));
+                              printable(path.string()), printable(*entry)));
     }
   }
 }
@@ -483,13 +485,15 @@ void check_events_place(const std::string& flag, const fs::path& file, const fs:
     return;
   }
   const fs::path run = ours ? mine : *holder;
-  throw Error(ErrorKind::usage,
-              fmt::format("{} {}: {} the run directory {}, whose files the events must not mix "
-                          "with; name a file outside every run directory, or one of its own "
-                          "next to run.json in the run's directory (such as {})",
-                          flag, file.string(),
-                          ours && next_to_run_json ? "one of the files of" : "inside", run.string(),
-                          ((own.empty() ? fs::path("RUN_DIR") : own) / "events.jsonl").string()));
+  throw Error(
+      ErrorKind::usage,
+      fmt::format(
+          "{} {}: {} the run directory {}, whose files the events must not mix "
+          "with; name a file outside every run directory, or one of its own "
+          "next to run.json in the run's directory (such as {})",
+          flag, printable(file.string()),
+          ours && next_to_run_json ? "one of the files of" : "inside", printable(run.string()),
+          printable(((own.empty() ? fs::path("RUN_DIR") : own) / "events.jsonl").string())));
 }
 
 RepeatedFailure repeated_failure(const nlohmann::json& info) {
@@ -553,7 +557,12 @@ bool run_locked_by_another(const fs::path& dir) {
 
 void RunDirectory::lock() {
   if (lock_) return;
-  lock_ = try_lock_run(path_);
+  // `dptrain status` and a refused launch probe the lock by taking it for a moment: a few tries
+  // over a quarter of a second tell such a probe from a process that runs the job.
+  for (int attempt = 0; !lock_ && attempt < 25; ++attempt) {
+    if (attempt > 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    lock_ = try_lock_run(path_);
+  }
   if (lock_) return;
   // The process that holds the lock, as it wrote itself into the lock file: a launcher, a
   // resume, or the rank 0 of workers started by hand into it.
@@ -565,7 +574,7 @@ void RunDirectory::lock() {
   throw Error(ErrorKind::usage,
               fmt::format("{}: another dptrain is still running it{}; stop it first (SIGTERM "
                           "checkpoints) or wait for it",
-                          path_.string(), who));
+                          printable(path_.string()), who));
 }
 
 bool started_by_workers(const nlohmann::json& info) {
@@ -596,11 +605,11 @@ std::vector<std::string> recorded_remote_hosts(const nlohmann::json& info) {
 
 std::string resume_command(const fs::path& run_dir, const nlohmann::json& info) {
   const auto hosts = recorded_remote_hosts(info);
-  if (hosts.empty()) return fmt::format("'dptrain resume {}'", run_dir.string());
+  if (hosts.empty()) return fmt::format("'dptrain resume {}'", printable(run_dir.string()));
   return fmt::format(
       "'dptrain resume {} --hosts FILE' with the SSH options its launch used (FILE: a hostfile of "
       "these lines: {})",
-      run_dir.string(), fmt::join(hosts, ", "));
+      printable(run_dir.string()), fmt::join(hosts, ", "));
 }
 
 void RunDirectory::save() const {

@@ -377,6 +377,22 @@ TEST_CASE("--backend nccl on a CPU recipe is the recipe's own error, exit 2, not
   CHECK(nothing_created(tmp));
 }
 
+TEST_CASE(
+    "a model the largest world's ranks cannot hold in memory: exit 2 as launch, nothing made") {
+  TempDir tmp;
+  // quickstart's MLP with AdamW takes at least 4.1 MiB a rank: 1 rank fits in 5.9 MiB, 2 do not.
+  write_text(tmp / "meminfo", "MemTotal: 1000000 kB\nMemAvailable: 6000 kB\n");
+  const Env small = {{"DPTRAIN_TEST_MEMINFO", (tmp / "meminfo").string()}};
+  const auto r = bench(tmp, {quickstart(), "--nproc", "1,2", "--steps", "2", "--json"}, small);
+  CHECK(r.exit_code == 2);
+  CHECK(one_error_line(r.err));
+  CHECK(r.err.find(quickstart() + ": /model: its 269322 parameters take at least 4.1 MiB a rank") !=
+        std::string::npos);
+  CHECK(r.err.find("8.2 MiB for the 2 rank(s) on this machine") != std::string::npos);
+  CHECK(parse_json(r.out)["exit_code"] == 2);
+  CHECK(nothing_created(tmp));
+}
+
 TEST_CASE("bad --precision, --device and --peak-tflops values exit 2 naming the option") {
   TempDir tmp;
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {

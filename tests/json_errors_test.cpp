@@ -71,6 +71,23 @@ TEST_CASE("--json failures carry status, exit_code, error and errors for every f
       CHECK(out["error"].get<std::string>().rfind(shown + ": ", 0) == 0);
     }
   }
+  SUBCASE("a run directory with a newline in its path: its refusals stay on one line") {
+    const std::string odd = (tmp / "run\nx").string();
+    const std::string shown = (tmp / "run\\x0ax").string();
+    const auto file = write_recipe(tmp.path(), small_recipe(), "small.json");
+    const auto first = run_dptrain({"launch", file.string(), "--nproc", "1", "--run-dir", odd});
+    REQUIRE_MESSAGE(first.exit_code == 0, first.err);
+    CHECK(first.out.find("run directory " + shown + "\n") != std::string::npos);
+    const std::vector<std::vector<std::string>> commands = {
+        {"launch", file.string(), "--nproc", "1", "--run-dir", odd, "--json"},
+        {"ckpt", "verify", odd, "99", "--json"}};
+    for (const auto& command : commands) {
+      CAPTURE(command[0]);
+      auto out = check_failure(run_dptrain(command), 2);
+      CHECK(out["errors"].size() == 1);
+      CHECK(out["error"].get<std::string>().rfind(shown + ": ", 0) == 0);
+    }
+  }
   SUBCASE("recipe validate keeps valid, and says why") {
     auto out = check_failure(
         run_dptrain({"recipe", "validate", (tmp / "nope.json").string(), "--json"}), 2);

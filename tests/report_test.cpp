@@ -3,7 +3,9 @@
 // whose launcher was killed (running, then stale), torn and empty metrics, and bad run dirs.
 #include <doctest/doctest.h>
 
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -611,6 +613,21 @@ TEST_CASE("status of a resume waiting for its first hosts: running while its lau
   CHECK(s["status"] == "running");
   // Without the mark, the last generation's processes tell: gone.
   write_text(tmp / "run/run.json", run_json(false));
+  s = parse_json(run_dptrain({"status", (tmp / "run").string(), "--json"}).out);
+  CHECK(s["status"] == "stale");
+  {
+    // Unless the run's lock is held too, as the launcher holds it from its start to its end:
+    // its ranks have exited and it is recording how they ended (a window at the end of every
+    // generation, which a script polling status must not read as stale).
+    const int fd = ::open((tmp / "run/.lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    REQUIRE(fd >= 0);
+    REQUIRE(::flock(fd, LOCK_EX | LOCK_NB) == 0);
+    s = parse_json(run_dptrain({"status", (tmp / "run").string(), "--json"}).out);
+    CHECK(s["status"] == "running");
+    CHECK(s["note"] ==
+          "no rank of generation 1 is alive; its launcher is recording how the generation ended");
+    ::close(fd);
+  }
   s = parse_json(run_dptrain({"status", (tmp / "run").string(), "--json"}).out);
   CHECK(s["status"] == "stale");
   std::ofstream(fifo) << "{}";  // lets the stand-in end
