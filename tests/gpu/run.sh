@@ -252,6 +252,17 @@ if [[ $bench -eq 1 ]]; then
   echo "bench train bf16 tokens/s: attention mma ${mma_rate:-none} / wmma ${wmma_rate:-none}$(
     [[ -n $mma_rate && -n $wmma_rate ]] && awk "BEGIN{printf \" = %.2fx\", $mma_rate / $wmma_rate}")" |
     tee "$out/attention-mma-vs-wmma.txt"
+  # A profile's line for the log: how busy the stream was between its first and last op, and its
+  # six slowest ops with their shares of the ops' time (the files have it all).
+  profile_summary() {
+    local file
+    file=$(find "$1" -name '*.json' 2>/dev/null | head -n 1)
+    [[ -n $file ]] || return 0
+    echo "$2: busy_share $(grep -o '"busy_share": *[0-9.e+-]*' "$file" | grep -o '[0-9.e+-]*$'); slowest: $(
+      grep -o '"op": "[^"]*", "calls": [0-9]*, "ms": [0-9.e+-]*, "share": [0-9.e+-]*' "$file" |
+        head -n 6 | sed -E 's/"op": "([^"]*)", "calls": ([0-9]*), "ms": ([0-9.e+-]*), "share": ([0-9.e+-]*)/\1 x\2 \3 ms (\4)/' |
+        paste -sd ';' -)"
+  }
   # Where a bf16 step's GPU time goes, op by op (a separate short run: the events cost a little).
   # On the mma attention kernels when their run above passed and was the faster (what the
   # default would then become), else on the default ones.
@@ -265,6 +276,7 @@ if [[ $bench -eq 1 ]]; then
     --device cuda --precision bf16 --batch-per-rank 16 --nproc 1 --steps 10 \
     --runs-root "$work/runs-profile" --json >"$out/bench-profile.json" 2>"$out/bench-profile.log"
   echo "bench profile: exit $? ($(ls "$out/profile" 2>/dev/null | wc -l) profile file(s) in $out/profile)"
+  profile_summary "$out/profile" "bench profile"
   capped 60 "$bin/dptrain" bench comm --backend nccl --nproc 1 --runs-root "$work/runs-comm" --json >"$out/bench-comm.json" 2>"$out/bench-comm.log"
   echo "bench comm: exit $?"
   # The PyTorch peer of `bench train`, so that its figures read as a ratio: bench/gpt_ddp_peer.py
@@ -330,6 +342,7 @@ print("peer train: dptrain / PyTorch tokens/s, one GPU: " + ", ".join(parts))
       --runs-root "$work/runs-profile-fp32" --json >"$out/bench-profile-fp32.json" \
       2>"$out/bench-profile-fp32.log"
     echo "bench profile fp32: exit $? ($(ls "$out/profile-fp32" 2>/dev/null | wc -l) profile file(s))"
+    profile_summary "$out/profile-fp32" "bench profile fp32"
   fi
 fi
 echo "run.sh: $failed of ${#files[@]} GPU test files failed or did not run; $(($(date +%s) - started)) s; results in $out"
