@@ -18,7 +18,13 @@ namespace dptrain::test {
 
 class TempDir {
  public:
-  TempDir() : path_(make_temp_directory("dptrain-test")) {}
+  // 0755 rather than mkdtemp's 0700: some tests run commands as another user inside it.
+  TempDir() : path_(make_temp_directory("dptrain-test")) {
+    std::filesystem::permissions(
+        path_, std::filesystem::perms::owner_all | std::filesystem::perms::group_read |
+                   std::filesystem::perms::group_exec | std::filesystem::perms::others_read |
+                   std::filesystem::perms::others_exec);
+  }
   ~TempDir() {
     std::error_code ec;
     std::filesystem::remove_all(path_, ec);
