@@ -129,6 +129,7 @@ void check_local_nccl(int local_ranks) {
 ErrorKind failure_kind(int exit_code) {
   switch (exit_code) {
     case 3:
+    case 5:  // a rank's own exit 5 (a job's checkpoint code): this benchmark writes none
       return ErrorKind::rank_failed;
     case 4:
       return ErrorKind::ssh;

@@ -29,12 +29,13 @@ Recipe load_stoppable(const std::string& file, DataCheck check) {
   Recipe r;
   try {
     r = load_recipe(file, check);
-  } catch (const Error& e) {
-    // A read cut short may also have left a recipe that does not parse.
-    if (pending_stop_signal() != 0) throw Error(kind_after_stop(e.kind()), e.what());
+  } catch (const Error&) {
+    // A read the signal cut short ("Interrupted system call", or half a recipe that does not
+    // parse): the stop is what happened.
+    if (const int sig = pending_stop_signal()) throw stop_error(sig, printable(file) + ": ", "");
     throw;
   }
-  if (const int sig = pending_stop_signal()) throw stop_error(sig, file + ": ", "");
+  if (const int sig = pending_stop_signal()) throw stop_error(sig, printable(file) + ": ", "");
   return r;
 }
 

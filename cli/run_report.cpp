@@ -90,10 +90,14 @@ void finish_events_with_failure(EventLog& events, const std::exception& e,
 void end_unopened_events(const RestartOptions& o, bool json, const std::string& run_dir,
                          bool resumed, const std::exception& e, const std::string& what) {
   if (o.events.empty() || events_in_run_dir(o, run_dir)) return;
-  // Refused because another process drives the run: the stream may be that run's own, whose
-  // end is not this command's to write.
-  if (!run_dir.empty() && (run_locked_by_another(run_dir) || !driven_run(run_dir).empty() ||
-                           !running_hand_run(run_dir).empty())) {
+  // Refused because another process drives the run: a file that exists may be that run's own
+  // stream, whose end is not this command's to write. This command's stdout, or a file it
+  // would create, is its own.
+  std::error_code ec;
+  const bool may_be_anothers = o.events != "-" && std::filesystem::exists(o.events, ec);
+  if (may_be_anothers && !run_dir.empty() &&
+      (run_locked_by_another(run_dir) || !driven_run(run_dir).empty() ||
+       !running_hand_run(run_dir).empty())) {
     return;
   }
   try {

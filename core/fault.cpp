@@ -91,10 +91,24 @@ Fault parse_one(const std::string& text) {
   };
   if (f.step < 0) throw out_of_range("step", f.step, "a step (0 or more)");
   if (f.code < 0 || f.code > 255) throw out_of_range("code", f.code, "an exit code (0 to 255)");
-  if (f.ms < 0) throw out_of_range("ms", f.ms, "a duration (0 or more)");
+  if (seen.count("ms") && f.ms < 1) throw out_of_range("ms", f.ms, "a pause (1 ms or more)");
   if (seen.count("rank") && f.rank < 0) throw out_of_range("rank", f.rank, "a rank (0 or more)");
   if (seen.count("gen") && f.generation < 1) {
     throw out_of_range("gen", f.generation, "a generation (1 or more)");
+  }
+  // A field its kind does not read would pass for a fault it is not; a slow with no pause does
+  // nothing, so a test of it would pass without its fault.
+  if (seen.count("code") && f.kind != Fault::Kind::exit) {
+    throw Error(ErrorKind::usage,
+                fmt::format("DPTRAIN_FAULT: code= in '{}' is only for exit faults", text));
+  }
+  if (seen.count("ms") && f.kind != Fault::Kind::slow) {
+    throw Error(ErrorKind::usage,
+                fmt::format("DPTRAIN_FAULT: ms= in '{}' is only for slow faults", text));
+  }
+  if (f.kind == Fault::Kind::slow && !seen.count("ms")) {
+    throw Error(ErrorKind::usage,
+                fmt::format("DPTRAIN_FAULT: '{}' needs ms=M, its pause before every step", text));
   }
   return f;
 }

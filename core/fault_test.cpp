@@ -82,14 +82,20 @@ TEST_CASE("faults that can never fire are named") {
         "checkpoints (ranks 0, 4 do)");
 }
 
-TEST_CASE("fault specs with values out of range or a field twice are refused") {
+TEST_CASE("fault specs with values out of range, a field twice or for another kind are refused") {
   for (const auto& [spec, message] : std::vector<std::pair<std::string, std::string>>{
            {"exit@step=3,code=300",
             "DPTRAIN_FAULT: code=300 in 'exit@step=3,code=300' is not an "
             "exit code (0 to 255)"},
            {"slow@step=3,ms=-5",
-            "DPTRAIN_FAULT: ms=-5 in 'slow@step=3,ms=-5' is not a duration "
-            "(0 or more)"},
+            "DPTRAIN_FAULT: ms=-5 in 'slow@step=3,ms=-5' is not a pause (1 ms or more)"},
+           {"slow@step=3,ms=0",
+            "DPTRAIN_FAULT: ms=0 in 'slow@step=3,ms=0' is not a pause (1 ms or more)"},
+           {"slow@step=5", "DPTRAIN_FAULT: 'slow@step=5' needs ms=M, its pause before every step"},
+           {"crash@step=5,ms=100",
+            "DPTRAIN_FAULT: ms= in 'crash@step=5,ms=100' is only for slow faults"},
+           {"slow@step=5,ms=10,code=3",
+            "DPTRAIN_FAULT: code= in 'slow@step=5,ms=10,code=3' is only for exit faults"},
            {"crash@step=-1", "DPTRAIN_FAULT: step=-1 in 'crash@step=-1' is not a step (0 or more)"},
            {"crash@step=3,rank=1,rank=0",
             "DPTRAIN_FAULT: 'rank' is given twice in 'crash@step=3,rank=1,rank=0'"},

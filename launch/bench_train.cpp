@@ -232,7 +232,7 @@ BenchTrainRow row_from_results(const std::vector<json>& results, int world, int6
   row.world = world;
   row.batch_per_rank = batch_per_rank;
   row.global_batch = global_batch_size;
-  std::vector<double> samples, tokens, peak;
+  std::vector<double> samples, tokens, peak, step_ms;
   std::array<std::vector<double>, 4> phases;
   for (const auto& r : results) {
     const json& measured = r.value("samples_per_s", json());
@@ -243,6 +243,7 @@ BenchTrainRow row_from_results(const std::vector<json>& results, int world, int6
                               world, s));
     }
     samples.push_back(s);
+    step_ms.push_back(1000.0 * static_cast<double>(global_batch_size) / s);
     tokens.push_back(r.value("tokens_per_s", 0.0));
     peak.push_back(r.value("peak_rss_mib", 0.0));
     const json p = r.value("phases_ms", json::object());
@@ -255,7 +256,9 @@ BenchTrainRow row_from_results(const std::vector<json>& results, int world, int6
   row.peak_rss_mib = median(peak);
   for (size_t i = 0; i < phases.size(); ++i)
     row.phases_ms[i] = median(phases[i]);
-  row.step_ms = 1000.0 * static_cast<double>(global_batch_size) / row.samples_per_s;
+  // Each field's median on its own: with an even count of runs, the step time's is not the one
+  // the median throughput implies.
+  row.step_ms = median(step_ms);
   return row;
 }
 

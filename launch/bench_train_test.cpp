@@ -178,6 +178,12 @@ TEST_CASE("a row takes the median of every field over repeats") {
   CHECK(row.tokens_per_s == 0);
   CHECK_FALSE(row.mfu.has_value());
   CHECK(row.run_dirs == std::vector<std::string>{"a", "b", "c"});
+  // Of two runs, each field's median on its own: the step time's is the mean of the two runs'
+  // step times, not the step time of the mean throughput.
+  const BenchTrainRow two = row_from_results(
+      {result(1000, 0.3, 30, 3, 1, 100, "a"), result(3000, 0.1, 10, 1, 3, 120, "b")}, 2, 32, 64);
+  CHECK(two.samples_per_s == 2000);
+  CHECK(two.step_ms == doctest::Approx((64.0 + 64.0 / 3) / 2));
 
   json with_tokens = result(10, 1, 1, 1, 1, 1);
   with_tokens["tokens_per_s"] = 1280.0;

@@ -23,6 +23,7 @@
 #include "core/fs.hpp"
 #include "core/json_error.hpp"
 #include "core/recipe.hpp"
+#include "launch/bench_train.hpp"
 #include "launch/run_dir.hpp"
 #include "launch/status.hpp"
 #include "launch/svg_chart.hpp"
@@ -521,13 +522,13 @@ std::string run_error(const json& info) {
   return text(generations.back(), "error");
 }
 
-double median(std::vector<double> values) {
+// The median of the finite values (of an even count, the mean of the two middle ones, as bench
+// train takes it); kNoValue when none is.
+double finite_median(std::vector<double> values) {
   values.erase(
       std::remove_if(values.begin(), values.end(), [](double v) { return !std::isfinite(v); }),
       values.end());
-  if (values.empty()) return kNoValue;
-  std::nth_element(values.begin(), values.begin() + values.size() / 2, values.end());
-  return values[values.size() / 2];
+  return values.empty() ? kNoValue : median(std::move(values));
 }
 
 struct Throughput {
@@ -546,7 +547,7 @@ Throughput throughput(const RunView& run) {
     std::vector<double> logged;
     for (const auto& s : run.metrics.steps)
       logged.push_back(tokens ? s.tokens_per_s : s.samples_per_s);
-    t.value = median(logged);
+    t.value = finite_median(logged);
   }
   return t;
 }

@@ -87,6 +87,20 @@ void record_world_size_change(RunDirectory& run, const JobSpec& spec, StatusPrin
   run.record();
 }
 
+// Why an elastic job of local ranks cannot go on after `failed` took a rank's capacity (killed by
+// SIGKILL) and fewer than its minimum would remain; empty when it can. Known at once: no wait
+// brings the rank back.
+std::string too_few_after_lost_rank(const JobSpec& spec, const JobOutcome* failed) {
+  if (!spec.candidates.empty() || failed == nullptr || !failed->rank_killed ||
+      !spec.nodes.elastic() || spec.world_size - 1 >= spec.nodes.min) {
+    return {};
+  }
+  return fmt::format(
+      "a rank was lost (killed by SIGKILL) and only {} would remain, fewer than the minimum of {} "
+      "(--nproc {}:{})",
+      spec.world_size - 1, spec.nodes.min, spec.nodes.min, spec.nodes.max);
+}
+
 // Chooses the hosts (or local ranks) of the next generation of an elastic job.
 Placed place_generation(RunDirectory& run, JobSpec& spec, StatusPrinter& status, Placement why,
                         const JobOutcome* failed = nullptr) {
@@ -138,11 +152,8 @@ Placed place_generation(RunDirectory& run, JobSpec& spec, StatusPrinter& status,
     spec.hosts = sel.hosts;
     spec.world_size = total_slots(spec.hosts);
   } else if (failed != nullptr && failed->rank_killed && spec.nodes.elastic()) {
-    if (spec.world_size - 1 < spec.nodes.min) {
-      return {fmt::format("a rank was lost (killed by SIGKILL) and only {} would remain, fewer "
-                          "than the minimum of {} (--nproc {}:{})",
-                          spec.world_size - 1, spec.nodes.min, spec.nodes.min, spec.nodes.max),
-              json()};
+    if (std::string too_few = too_few_after_lost_rank(spec, failed); !too_few.empty()) {
+      return {std::move(too_few), json()};
     }
     --spec.world_size;
     absent.push_back(fmt::format(
@@ -448,6 +459,11 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
       outcome.error += fmt::format("\n  (restarts exhausted: {} of {} for this invocation)",
                                    restarts, policy.max_restarts);
       return finish(outcome);
+    }
+    // Too few local ranks left for another generation: said now, not after a back-off that
+    // announced a restart which cannot come.
+    if (const std::string too_few = too_few_after_lost_rank(spec, &outcome); !too_few.empty()) {
+      return finish(failed_placement(run, outcome, too_few, error_headline(outcome.error)));
     }
     const int attempt = restarts + 1;
     const auto backoff = std::min<std::chrono::milliseconds>(

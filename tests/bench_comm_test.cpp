@@ -288,6 +288,16 @@ TEST_CASE("bench comm: DPTRAIN_FAULT counts each measurement as a step") {
     CHECK(contains(run_dptrain({"status", (tmp / "run").string()}).out,
                    "it did not finish; over the sizes it measured, avg busbw "));
   }
+  SUBCASE("a rank that exits with 5, a job's checkpoint code: still a failed rank, exit 3") {
+    const auto r = bench(tmp,
+                         {"--nproc", "2", "-b", "1K", "-e", "4K", "-n", "1", "-w", "0", "--timeout",
+                          "5", "--run-dir", (tmp / "run5").string(), "--json"},
+                         {{"DPTRAIN_FAULT", "exit@step=2,rank=1,code=5"}});
+    CHECK(r.exit_code == 3);
+    const json j = parse_json(r.out);
+    CHECK(j["exit_code"] == 3);
+    CHECK(j["errors"][0].get<std::string>().find("exited with code 5") != std::string::npos);
+  }
   SUBCASE("a rank that hangs before the second: the timeout names it, not the one waiting") {
     const auto r = bench(tmp,
                          {"--nproc", "2", "-b", "1K", "-e", "4K", "-n", "1", "-w", "0", "--timeout",

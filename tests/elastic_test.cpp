@@ -468,6 +468,10 @@ TEST_CASE("--nproc 1:2: a rank killed by SIGKILL is capacity lost; the job goes 
   CHECK(floor.exit_code == 3);
   CHECK(floor.err.find("only 1 would remain, fewer than the minimum of 2 (--nproc 2:3)") !=
         std::string::npos);
+  // Said as the second rank is lost, not after a back-off that announced a restart which could
+  // not come: the first loss waited to restart, the second did not.
+  CHECK(contains(floor.out + floor.err, "(attempt 1/3)"));
+  CHECK_FALSE(contains(floor.out + floor.err, "(attempt 2/3)"));
   const json size = parse_json(read_text(tmp / "floor/run.json"))["job_size"];
   CHECK(size == json{{"min", 2}, {"max", 3}, {"of", "ranks"}});
   CHECK(contains(run_dptrain({"status", (tmp / "floor").string()}).out, "--nproc 2:3)"));

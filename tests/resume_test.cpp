@@ -872,6 +872,16 @@ TEST_CASE("resume of a completed run changes nothing; of a running one it is ref
   CHECK_MESSAGE(
       refused.err.find("(pid " + std::to_string(launcher.pid()) + " on ") != std::string::npos,
       refused.err);
+  // Given a stream of its own (a file it makes), the refusal ends that stream as any does.
+  const fs::path own_events = tmp / "refused.jsonl";
+  auto refused_own = run_dptrain({"resume", live.string(), "--events", own_events.string()});
+  CHECK(refused_own.exit_code == 2);
+  const auto own = read_jsonl(own_events);
+  REQUIRE(own.size() == 1);
+  CHECK(own[0]["event"] == "run_finished");
+  CHECK(own[0]["status"] == "failed");
+  CHECK(own[0]["exit_code"] == 2);
+  CHECK(contains(own[0]["error"].get<std::string>(), "the resume did not start: "));
   // A launch into it says it runs, not "resume it" (which is refused as long as it does).
   auto launched = run_dptrain({"launch", recipe.string(), "--run-dir", live.string()});
   CHECK(launched.exit_code == 2);
