@@ -10,6 +10,7 @@
 #include "cli/host_options.hpp"
 #include "cli/json_errors.hpp"
 #include "cli/run_report.hpp"
+#include "core/comm/store.hpp"
 #include "core/error.hpp"
 #include "core/json_error.hpp"
 #include "core/tensor/blas.hpp"
@@ -37,7 +38,7 @@ int run_doctor_cmd(const DoctorCliOptions& o) {
   d.workdir = o.workdir;
   d.remote_binary = o.remote_binary;
   d.recipe = o.recipe;
-  d.master_addr = o.master_addr;
+  d.master_addr = unbracketed(o.master_addr);  // "[::1]" is ::1
   d.master_port = static_cast<uint16_t>(o.master_port);
   d.local_binary = self_executable();
   d.ssh = o.hosts.ssh();

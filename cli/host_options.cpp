@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "core/comm/socket.hpp"
+#include "core/comm/store.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
 #include "launch/elastic.hpp"
@@ -126,11 +127,12 @@ void add_host_options(CLI::App& app, HostOptions& o, bool hosts_required) {
 }
 
 RemoteOptions RemoteJobOptions::get(const HostOptions& hosts) const {
-  if (!master_addr.empty()) {
+  const std::string addr = unbracketed(master_addr);  // "[::1]" is ::1
+  if (!addr.empty()) {
     // The store listens there: an address that is not this machine's (or no address at all)
     // would only show as every rank failing to reach it.
     try {
-      listen_tcp(master_addr, 0);
+      listen_tcp(addr, 0);
     } catch (const Error& e) {
       throw Error(ErrorKind::usage,
                   fmt::format("--master-addr {}: the store cannot listen there ({}); give an "
@@ -142,7 +144,7 @@ RemoteOptions RemoteJobOptions::get(const HostOptions& hosts) const {
   r.ssh = hosts.ssh();
   r.workdir = workdir.empty() ? std::string(kDefaultWorkdir) : workdir;
   r.remote_binary = remote_binary;
-  r.master_addr = master_addr;
+  r.master_addr = addr;
   r.master_port = static_cast<uint16_t>(master_port);
   return r;
 }

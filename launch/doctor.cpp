@@ -528,7 +528,7 @@ class Doctor {
       skip_all("the store cannot listen (see the line above)");
       return;
     }
-    const std::string address = fmt::format("{}:{}", master_addr_, local_port(listener.get()));
+    const std::string address = format_host_port(master_addr_, local_port(listener.get()));
     std::vector<std::string> failures(hosts_.size());
     {
       std::vector<std::jthread> probes;
@@ -577,7 +577,7 @@ class Doctor {
       try {
         if (hosts_[j].is_local()) {
           l.local = listen_tcp("0.0.0.0", 0);
-          l.address = fmt::format("{}:{}", master_addr_, local_port(l.local.get()));
+          l.address = format_host_port(master_addr_, local_port(l.local.get()));
           continue;
         }
         l.session = SshSession::connect(hosts_[j], options_.ssh);
@@ -590,7 +590,7 @@ class Doctor {
         }
         unsigned port = 0;
         if (std::sscanf(out.c_str(), "port %u", &port) == 1) {
-          l.address = fmt::format("{}:{}", hosts_[j].host, port);
+          l.address = format_host_port(hosts_[j].host, static_cast<uint16_t>(port));
         } else {
           l.failure = out.empty() ? "'dptrain _probe listen' printed no port within 10 s"
                                   : "'dptrain _probe listen' said: " + first_line(out);

@@ -416,7 +416,7 @@ JobPlan plan_job(const JobSpec& spec, const fs::path& run_path, const std::strin
                  int generation, const std::string& store_addr, uint16_t store_port,
                  const std::string& secret) {
   JobPlan plan;
-  plan.store = fmt::format("{}:{}", store_addr, store_port);
+  plan.store = format_host_port(store_addr, store_port);  // [v6]:port for an IPv6 address
   plan.secret = secret;
   plan.hosts = job_hosts(spec);
   int next_rank = 0;

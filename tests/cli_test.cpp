@@ -153,6 +153,36 @@ TEST_CASE("recipe validate/show stopped while reading a pipe that never writes: 
   ::close(writer);
 }
 
+TEST_CASE("an IPv6 --master-addr (::1 or [::1]) reaches the ranks as [::1]:PORT") {
+  // Only where this machine has an IPv6 loopback (some containers have none).
+  const int probe = ::socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in6 loopback{};
+  loopback.sin6_family = AF_INET6;
+  loopback.sin6_addr = in6addr_loopback;
+  const bool has_v6 =
+      probe >= 0 && ::bind(probe, reinterpret_cast<sockaddr*>(&loopback), sizeof loopback) == 0;
+  if (probe >= 0) ::close(probe);
+  if (!has_v6) {
+    MESSAGE("skipped: no IPv6 loopback here");
+    return;
+  }
+  TempDir tmp;
+  auto recipe = small_recipe();
+  recipe["train"]["steps"] = 10;
+  const auto file = write_recipe(tmp.path(), recipe);
+  for (const std::string addr : {"::1", "[::1]"}) {
+    CAPTURE(addr);
+    const auto plan = run_dptrain(
+        {"launch", file.string(), "--nproc", "2", "--master-addr", addr, "--dry-run", "--json"});
+    REQUIRE_MESSAGE(plan.exit_code == 0, plan.err);
+    CHECK(parse_json(plan.out)["store"].get<std::string>().starts_with("[::1]:"));
+    const auto run = run_dptrain({"launch", file.string(), "--nproc", "2", "--master-addr", addr,
+                                  "--runs-root", (tmp / "runs").string(), "--json"});
+    CHECK_MESSAGE(run.exit_code == 0, run.err);
+    CHECK(parse_json(run.out)["status"] == "completed");
+  }
+}
+
 TEST_CASE("usage errors exit 2") {
   CHECK(run_dptrain({}).exit_code == 2);
   auto unknown = run_dptrain({"lanuch"});

@@ -59,7 +59,7 @@ std::pair<std::string, uint16_t> parse_host_port(const std::string& text) {
   std::string host = text.substr(0, colon);
   const std::string port_text = text.substr(colon + 1);
   if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
-    host = host.substr(1, host.size() - 2);
+    host = unbracketed(host);
   } else if (host.find(':') != std::string::npos) {
     throw malformed("an IPv6 address needs brackets");
   }
@@ -71,6 +71,13 @@ std::pair<std::string, uint16_t> parse_host_port(const std::string& text) {
     throw malformed("port must be a number in 1..65535");
   }
   return {host, static_cast<uint16_t>(port)};
+}
+
+std::string unbracketed(const std::string& host) {
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    return host.substr(1, host.size() - 2);
+  }
+  return host;
 }
 
 std::string format_host_port(const std::string& host, uint16_t port) {

@@ -69,6 +69,10 @@ std::pair<std::string, uint16_t> parse_host_port(const std::string& text);
 // "host:port", with brackets around an IPv6 address.
 std::string format_host_port(const std::string& host, uint16_t port);
 
+// A host as given, with the brackets of "[v6-address]" taken off (as an option such as
+// --master-addr may write it); anything else unchanged.
+std::string unbracketed(const std::string& host);
+
 // A timeout for messages: "30s", "1.5s", "0.25s".
 std::string format_timeout(std::chrono::milliseconds timeout);
 
