@@ -233,7 +233,7 @@ CheckpointFilter recipe_filter(const fs::path& run, const json& info, bool recor
           ErrorKind::recipe,
           info.empty()
               ? fmt::format("run.json cannot be read, and there is no {}", printable(copy.string()))
-              : fmt::format("neither {} nor {} holds one", (run / "run.json").string(),
+              : fmt::format("neither {} nor {} holds one", printable((run / "run.json").string()),
                             printable(copy.string())));
     }
     if (!fs::is_regular_file(copy, ec)) {

@@ -90,11 +90,12 @@ void finish_events_with_failure(EventLog& events, const std::exception& e,
 void end_unopened_events(const RestartOptions& o, bool json, const std::string& run_dir,
                          bool resumed, const std::exception& e, const std::string& what) {
   if (o.events.empty() || events_in_run_dir(o, run_dir)) return;
-  // Refused because another process drives the run: a file that exists may be that run's own
-  // stream, whose end is not this command's to write. This command's stdout, or a file it
-  // would create, is its own.
+  // Refused because another process drives the run: a regular file that exists may be that
+  // run's own stream, whose end is not this command's to write. This command's stdout (also as
+  // /dev/stdout), a pipe it was handed, or a file it would create, is its own.
   std::error_code ec;
-  const bool may_be_anothers = o.events != "-" && std::filesystem::exists(o.events, ec);
+  const bool may_be_anothers =
+      !names_standard_output(o.events) && std::filesystem::is_regular_file(o.events, ec);
   if (may_be_anothers && !run_dir.empty() &&
       (run_locked_by_another(run_dir) || !driven_run(run_dir).empty() ||
        !running_hand_run(run_dir).empty())) {
@@ -152,7 +153,7 @@ std::string running_hand_run(const std::filesystem::path& dir) {
   if (state.status != "running") return {};
   return fmt::format(
       "{}: its workers (started without a launcher: by hand, srun, mpirun) are running it{}",
-      dir.string(), note_of(state));
+      printable(dir.string()), note_of(state));
 }
 
 std::string driven_run(const std::filesystem::path& dir) {
@@ -161,7 +162,7 @@ std::string driven_run(const std::filesystem::path& dir) {
   const RunState state = run_state(*info, dir);
   if (state.status != "running" && state.status != "restarting" && state.status != "resizing")
     return {};
-  return fmt::format("{}: the run is {}{}", dir.string(), state.status, note_of(state));
+  return fmt::format("{}: the run is {}{}", printable(dir.string()), state.status, note_of(state));
 }
 
 namespace {

@@ -61,8 +61,9 @@ cudaEvent_t OpProfile::take() {
 cudaEvent_t OpProfile::open(cudaStream_t stream) {
   std::lock_guard lock(mutex_);
   if (first_ == nullptr) {
-    first_ = take();
-    check_cuda(cudaEventRecord(first_, stream), "DPTRAIN_PROFILE: cudaEventRecord");
+    cudaEvent_t first = take();
+    check_cuda(cudaEventRecord(first, stream), "DPTRAIN_PROFILE: cudaEventRecord");
+    first_ = first;  // only once recorded: a failed record leaves no event to time from
   }
   cudaEvent_t start = take();
   check_cuda(cudaEventRecord(start, stream), "DPTRAIN_PROFILE: cudaEventRecord");

@@ -85,7 +85,9 @@ struct BenchTrainRow {
   int64_t global_batch = 0;
   double samples_per_s = 0;  // steady state, the median over repeats
   double tokens_per_s = 0;   // token models (gpt); else 0
-  double step_ms = 0;        // wall time of a steady step: 1000 x global_batch / samples_per_s
+  // Wall time of a steady step: the median over repeats of 1000 x global_batch / samples_per_s
+  // (with an even count of repeats, not quite that of the median samples_per_s).
+  double step_ms = 0;
   // Mean ms per steady step on rank 0: data, forward+backward, exposed gradient all-reduce,
   // optimizer (each the median over repeats).
   std::array<double, 4> phases_ms{};

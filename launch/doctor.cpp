@@ -763,6 +763,8 @@ class Doctor {
       if (!remote_name.empty() && remote_hosts) {
         fix += fmt::format(" and, on each remote host, WORKDIR/runs/{}/logs", remote_name);
       }
+    } else if (!dir.empty()) {
+      fs::remove_all(dir, ec);  // failed before any rank logged: nothing worth keeping
     }
     add("allreduce", "", ok,
         ok ? fmt::format("{} rank(s) on {} host(s) met and all-reduced in {:.1f}s", world_,

@@ -3,6 +3,7 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,8 +15,12 @@
 #include <cstring>
 #include <ctime>
 #include <fstream>
+#include <mutex>
+#include <optional>
+#include <set>
 #include <system_error>
 #include <thread>
+#include <utility>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -131,7 +136,7 @@ nlohmann::json read_run_json(const fs::path& dir) {
   if (const char* kind = non_regular_kind(fs::status(file, ec))) {
     throw Error(ErrorKind::usage,
                 fmt::format("{}: is {}, not a regular file: {} is not a run directory",
-                            printable(file.string()), kind, dir.string()));
+                            printable(file.string()), kind, printable(dir.string())));
   }
   std::string text;
   try {
@@ -255,7 +260,7 @@ void refuse_held_run(const fs::path& p, bool mine) {
   }
   throw Error(ErrorKind::usage, fmt::format("{}: already holds a run; {}, or choose another "
                                             "--run-dir",
-                                            p.string(), how));
+                                            printable(p.string()), how));
 }
 
 }  // namespace
@@ -519,23 +524,50 @@ nlohmann::json new_run_info() {
           {"generations", nlohmann::json::array()}};
 }
 
+namespace {
+
+// The lock files (device, inode) this process holds: a probe of one of them from this process
+// would take a second open file's flock for someone else's.
+std::mutex g_held_mutex;
+std::set<std::pair<dev_t, ino_t>> g_held;
+
+std::optional<std::pair<dev_t, ino_t>> file_id(int fd) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return std::nullopt;
+  return std::pair{st.st_dev, st.st_ino};
+}
+
+}  // namespace
+
 std::shared_ptr<const int> try_lock_run(const fs::path& dir, bool record_holder) {
   const fs::path file = dir / kLockFile;
-  const int fd = ::open(file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  // A probe only reads (a viewer may not write the run); a holder creates and writes it.
+  const int fd = record_holder ? ::open(file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644)
+                               : ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     throw Error(ErrorKind::usage,
                 fmt::format("{}: cannot open: {}", printable(file.string()), std::strerror(errno)));
   }
-  auto held = std::shared_ptr<const int>(new int(fd), [](const int* p) {
-    ::close(*p);  // releases the flock
-    delete p;
-  });
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int error = errno;
+    ::close(fd);
     if (error == EWOULDBLOCK) return nullptr;
     throw Error(ErrorKind::usage,
                 fmt::format("{}: cannot lock: {}", printable(file.string()), std::strerror(error)));
   }
+  const auto id = file_id(fd);
+  if (id) {
+    std::lock_guard lock(g_held_mutex);
+    g_held.insert(*id);
+  }
+  auto held = std::shared_ptr<const int>(new int(fd), [id](const int* p) {
+    if (id) {
+      std::lock_guard lock(g_held_mutex);
+      g_held.erase(*id);
+    }
+    ::close(*p);  // releases the flock
+    delete p;
+  });
   // Who holds it, for the refusal another process meets ("PID HOST"): run.json names the run's
   // launcher only once it has written it, and an earlier one's until then.
   const std::string holder = fmt::format("{} {}\n", ::getpid(), this_host());
@@ -548,6 +580,10 @@ std::shared_ptr<const int> try_lock_run(const fs::path& dir, bool record_holder)
 bool run_locked_by_another(const fs::path& dir) {
   std::error_code ec;
   if (!fs::exists(dir / kLockFile, ec)) return false;
+  if (struct stat st{}; ::stat((dir / kLockFile).c_str(), &st) == 0) {
+    std::lock_guard lock(g_held_mutex);
+    if (g_held.count({st.st_dev, st.st_ino}) > 0) return false;  // this process holds it
+  }
   try {
     return try_lock_run(dir, false) == nullptr;  // held only while it looks
   } catch (const Error&) {

@@ -87,6 +87,14 @@ TEST_CASE("--json failures carry status, exit_code, error and errors for every f
       CHECK(out["errors"].size() == 1);
       CHECK(out["error"].get<std::string>().rfind(shown + ": ", 0) == 0);
     }
+    // One that failed: the refusal that says to resume it, on one line too.
+    json info = parse_json(read_text(fs::path(odd) / "run.json"));
+    info["status"] = "failed";
+    write_text(fs::path(odd) / "run.json", info.dump());
+    auto out = check_failure(
+        run_dptrain({"launch", file.string(), "--nproc", "1", "--run-dir", odd, "--json"}), 2);
+    CHECK(out["errors"].size() == 1);
+    CHECK(out["error"].get<std::string>().rfind(shown + ": already holds a run; ", 0) == 0);
   }
   SUBCASE("recipe validate keeps valid, and says why") {
     auto out = check_failure(

@@ -256,9 +256,10 @@ if [[ $bench -eq 1 ]]; then
   # six slowest ops with their shares of the ops' time (the files have it all).
   profile_summary() {
     local file
-    file=$(find "$1" -name '*.json' 2>/dev/null | head -n 1)
+    # The largest file: the op table that did the most (a run may have more than one).
+    file=$(find "$1" -name '*.json' -printf '%s %p\n' 2>/dev/null | sort -rn | head -n 1 | cut -d' ' -f2-)
     [[ -n $file ]] || return 0
-    echo "$2: busy_share $(grep -o '"busy_share": *[0-9.e+-]*' "$file" | grep -o '[0-9.e+-]*$'); slowest: $(
+    echo "$2 ($(basename "$file")): busy_share $(grep -o '"busy_share": *[0-9.e+-]*' "$file" | grep -o '[0-9.e+-]*$'); slowest: $(
       grep -o '"op": "[^"]*", "calls": [0-9]*, "ms": [0-9.e+-]*, "share": [0-9.e+-]*' "$file" |
         head -n 6 | sed -E 's/"op": "([^"]*)", "calls": ([0-9]*), "ms": ([0-9.e+-]*), "share": ([0-9.e+-]*)/\1 x\2 \3 ms (\4)/' |
         paste -sd ';' -)"
