@@ -1023,6 +1023,9 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
         rank_failed = false;
         out.error =
             fmt::format("the agent on {} failed: {}", relay->second.display(), f.describe());
+        // An agent that exits 2 with no report refused what it was given (a plan it cannot
+        // read, a dptrain there without the agent command): the next generation meets the same.
+        out.repeats = f.exit_code == 2;
         log_hint = procs[0].log_file.string();
         for (const auto& p : procs) {
           if (p.label == f.label) log_hint = p.log_file.string();

@@ -402,6 +402,29 @@ TEST_CASE("a host that stops answering once its ranks completed leaves the run c
   CHECK(parse_json(read_text(c.tmp / "silent" / "run.json"))["status"] == "completed");
 }
 
+TEST_CASE("an agent that exits 2 without a report (it refused its plan) is not restarted") {
+  Cluster c;
+  const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
+  // The hosts' dptrain as an older one without the agent command would answer: a usage error.
+  const fs::path wrapper = c.tmp / "no-agent.sh";
+  write_text(wrapper,
+             "#!/bin/sh\nif [ \"$1\" = agent ]; then echo \"dptrain: error: unknown "
+             "command 'agent'\" >&2; exit 2; fi\nexec '" +
+                 binary() + "' \"$@\"\n");
+  fs::permissions(wrapper, fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec |
+                               fs::perms::others_read | fs::perms::others_exec);
+  auto args = c.launch_args(recipe, c.tmp / "old");
+  *(std::find(args.begin(), args.end(), "--remote-binary") + 1) = wrapper.string();
+  args.insert(args.end(), {"--max-restarts", "2", "--restart-backoff", "0.1"});
+  const auto r = run_dptrain(args, {}, std::chrono::seconds(120));
+  INFO(r.out, r.err);
+  CHECK(r.exit_code != 0);
+  CHECK(contains(r.err, "the agent on "));
+  CHECK_FALSE(contains(r.out + r.err, "restart 1/2"));
+  CHECK(contains(r.err, "(not restarted: "));
+  CHECK(parse_json(read_text(c.tmp / "old" / "run.json"))["generations"].size() == 1);
+}
+
 TEST_CASE("a GPT on a token dataset trains across hosts, theirs checked against the launcher's") {
   TwoHostCluster c(1);
   write_text(c.tmp / "text.txt", synthetic_text(3, 20000));
