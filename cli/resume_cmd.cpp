@@ -153,14 +153,20 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
   // An elastic job's first generation takes the first candidates that answer; this machine
   // always does.
   const auto& hosts = spec.candidates.empty() ? spec.hosts : spec.candidates;
-  if ((hosts.empty() || hosts.front().is_local()) && list_checkpoints(run.checkpoints()).empty()) {
+  const bool rank0_here = hosts.empty() || hosts.front().is_local();
+  const bool none_here = list_checkpoints(run.checkpoints()).empty();
+  // Rank 0 here now, but the last checkpoint was committed where rank 0 ran before (another
+  // host): the ranks look for the newest on their nodes, as when rank 0 is elsewhere, never
+  // "from step 0" (or from an older copy here) unawares.
+  const bool recorded_elsewhere = remote_last_checkpoint(run.info()).has_value();
+  if (rank0_here && none_here && !recorded_elsewhere) {
     // Stopped before its first checkpoint (or with checkpoints off): it starts over, as a
     // restart would.
     require_recorded_checkpoint(run);
     spec.resume_from = "newest-or-start";
     status.line(fmt::format("dptrain {}: resuming {} from step 0 (it has no checkpoint) on {}",
                             DPTRAIN_VERSION, run.path().string(), where));
-  } else if (hosts.empty() || hosts.front().is_local()) {
+  } else if (rank0_here && !recorded_elsewhere) {
     // A stop while checkpoints are verified (a large one takes seconds) ends the search before
     // the next one, and sets nothing aside.
     const auto check_stop = [] {

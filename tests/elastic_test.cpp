@@ -523,6 +523,16 @@ TEST_CASE("SIGTERM and resume of a run whose rank 0 is remote continue bit-ident
   args.erase(args.begin(), args.begin() + 2);  // "launch RECIPE"
   const auto run_flag = std::find(args.begin(), args.end(), "--run-dir");
   args.erase(run_flag, run_flag + 2);
+
+  // On this machine alone, which holds no checkpoint of it: never "from step 0" unawares. The
+  // ranks look for the newest on their nodes, the holder is named, and finding none is exit 5.
+  const auto here = run_dptrain({"resume", run_dir.string(), "--hosts", "localhost:1"});
+  INFO(here.out, here.err);
+  CHECK(here.exit_code == 5);
+  CHECK_FALSE(contains(here.out + here.err, "from step 0"));
+  CHECK(contains(here.out + here.err, "from the newest checkpoint on its hosts"));
+  CHECK(contains(here.err, "which is not among this resume's hosts"));
+
   args.insert(args.begin(), {"resume", run_dir.string()});
   args.push_back("--json");
   const auto resumed = run_dptrain(args);
