@@ -67,6 +67,8 @@ class Background {
 };
 
 void write_text(const std::filesystem::path& path, const std::string& text);
+// write_text, then mode 0755: a script a test hands dptrain to run (as a host's binary, say).
+void write_script(const std::filesystem::path& path, const std::string& text);
 std::string read_text(const std::filesystem::path& path);
 std::vector<float> read_floats(const std::filesystem::path& path);
 // Writes `recipe` as JSON into dir/name and returns the path.

@@ -381,10 +381,8 @@ TEST_CASE("a host that stops answering once its ranks completed leaves the run c
   const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
   // The hosts' dptrain, with the test setting that makes an agent fall silent after "@done".
   const fs::path wrapper = c.tmp / "silent-at-end.sh";
-  write_text(wrapper,
-             "#!/bin/sh\nDPTRAIN_TEST_AGENT_SILENT_AT_END=1 exec '" + binary() + "' \"$@\"\n");
-  fs::permissions(wrapper, fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec |
-                               fs::perms::others_read | fs::perms::others_exec);
+  write_script(wrapper,
+               "#!/bin/sh\nDPTRAIN_TEST_AGENT_SILENT_AT_END=1 exec '" + binary() + "' \"$@\"\n");
   auto args = c.launch_args(recipe, c.tmp / "silent");
   *(std::find(args.begin(), args.end(), "--remote-binary") + 1) = wrapper.string();
   args.insert(args.end(), {"--ssh-keepalive", "2", "--json"});
@@ -407,12 +405,10 @@ TEST_CASE("an agent that exits 2 without a report (it refused its plan) is not r
   const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
   // The hosts' dptrain as an older one without the agent command would answer: a usage error.
   const fs::path wrapper = c.tmp / "no-agent.sh";
-  write_text(wrapper,
-             "#!/bin/sh\nif [ \"$1\" = agent ]; then echo \"dptrain: error: unknown "
-             "command 'agent'\" >&2; exit 2; fi\nexec '" +
-                 binary() + "' \"$@\"\n");
-  fs::permissions(wrapper, fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec |
-                               fs::perms::others_read | fs::perms::others_exec);
+  write_script(wrapper,
+               "#!/bin/sh\nif [ \"$1\" = agent ]; then echo \"dptrain: error: unknown "
+               "command 'agent'\" >&2; exit 2; fi\nexec '" +
+                   binary() + "' \"$@\"\n");
   auto args = c.launch_args(recipe, c.tmp / "old");
   *(std::find(args.begin(), args.end(), "--remote-binary") + 1) = wrapper.string();
   args.insert(args.end(), {"--max-restarts", "2", "--restart-backoff", "0.1"});
@@ -660,11 +656,9 @@ TEST_CASE("a host whose binary lacks a library fails the launch with exit 4 nami
   const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
   // What the dynamic loader prints, and its exit status 127, for a library the host lacks.
   const fs::path nolib = c.tmp / "nolib.sh";
-  write_text(nolib,
-             "#!/bin/sh\necho \"$0: error while loading shared libraries: libgloo.so.0: cannot "
-             "open shared object file: No such file or directory\" >&2\nexit 127\n");
-  fs::permissions(nolib, fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec |
-                             fs::perms::others_read | fs::perms::others_exec);
+  write_script(nolib,
+               "#!/bin/sh\necho \"$0: error while loading shared libraries: libgloo.so.0: cannot "
+               "open shared object file: No such file or directory\" >&2\nexit 127\n");
   auto args = c.launch_args(recipe, c.tmp / "nolib");
   *(std::find(args.begin(), args.end(), "--remote-binary") + 1) = nolib.string();
   auto r = run_dptrain(args);
