@@ -55,8 +55,11 @@ JobSpec job_spec(const LaunchOptions& o) {
 
 void print_dry_run(const JobSpec& spec, const std::string& run_dir, bool json) {
   const std::string addr = resolve_master_addr(spec);
-  const JobPlan plan = plan_job(spec, run_dir, spec.recipe.name + "-<time>-<id>", 1, addr,
-                                spec.remote.master_port, "<redacted>");
+  // A host's run directory is named as RunDirectory::remote_name names it: this one's name and
+  // the run's id (made by the launch).
+  const JobPlan plan =
+      plan_job(spec, run_dir, std::filesystem::path(run_dir).filename().string() + "-<id>", 1, addr,
+               spec.remote.master_port, "<redacted>");
   nlohmann::json j = plan.to_json(spec);
   if (json) {
     // One line, as every --json output, with the fields of a success.

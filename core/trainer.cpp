@@ -711,12 +711,15 @@ class TrainingRun {
       return {};
     }
     source_rank_ = static_cast<int>(newest - steps.begin());
-    // What this node holds past the step continued from was skipped (damaged, another
-    // recipe's): set aside, as resume does, before the run writes its own of those steps.
+    // What this node holds past its own valid one was skipped (damaged, another recipe's), even
+    // where another node's copy of that step is the one continued from: set aside, as resume
+    // does, so that neither `latest` nor a later search here leads to it, and the run writes its
+    // own checkpoints of those steps.
     const auto warn = [this](const std::string& w) {
       emit({{"event", "info"}, {"message", "warning: " + w}});
     };
-    if (writes_checkpoints() && set_aside_newer(options_.run_dir / "checkpoints", *newest, warn) &&
+    if (writes_checkpoints() &&
+        set_aside_newer(options_.run_dir / "checkpoints", std::max<int64_t>(my_step, -1), warn) &&
         !mine.empty()) {
       try {
         point_latest_at(options_.run_dir / "checkpoints", mine);

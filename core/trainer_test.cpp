@@ -698,6 +698,30 @@ TEST_CASE("trainer: \"newest\" resumes from the node leader that holds the newes
   // Both node leaders wrote their own copy of the final checkpoint.
   CHECK(final_params(rank1_dir.path(), 30) == final_params(source.path(), 30));
 
+  // Rank 0's node holds a damaged copy of step 20 (and a good step 10): rank 1's copy is the
+  // one continued from, and the damaged one is set aside (a later search there skips nothing).
+  TempDir damaged0, good1;
+  for (const auto& [dir, steps] : {std::pair{&damaged0, std::vector<int64_t>{10, 20}},
+                                   std::pair{&good1, std::vector<int64_t>{20}}}) {
+    fs::create_directories(dir->path() / "checkpoints");
+    for (const int64_t step : steps) {
+      fs::copy(source.path() / "checkpoints" / checkpoint_name(step),
+               dir->path() / "checkpoints" / checkpoint_name(step), fs::copy_options::recursive);
+    }
+  }
+  const fs::path bad = damaged0.path() / "checkpoints" / checkpoint_name(20);
+  fs::resize_file(bad / "params.bin", 12);
+  point_latest_at(damaged0.path() / "checkpoints", bad);
+  const auto skipped = two_nodes(damaged0, good1, "newest");
+  for (const auto& o : skipped) {
+    CAPTURE(o.error);
+    REQUIRE(o.error.empty());
+  }
+  CHECK_FALSE(fs::exists(bad));
+  CHECK(fs::exists(fs::path(bad.string() + ".corrupt")));
+  CHECK(final_params(damaged0.path(), 30) == final_params(source.path(), 30));
+  CHECK(latest_checkpoint(damaged0.path() / "checkpoints").filename() == checkpoint_name(30));
+
   // With none anywhere, "newest" is a checkpoint error and "newest-or-start" starts over.
   TempDir empty0, empty1;
   const auto none = two_nodes(empty0, empty1, "newest");

@@ -216,9 +216,9 @@ void prepare_data(AgentPlan& plan) {
   }
 }
 
-void write_host_failure(std::FILE* out, const std::string& description, bool refused) {
+void write_host_failure(std::FILE* out, const std::string& description, bool refused, int signal) {
   const json report = {{"rank", -1},         {"exit_code", -1},
-                       {"signal", 0},        {"description", description},
+                       {"signal", signal},   {"description", description},
                        {"refused", refused}, {"last_lines", json::array()}};
   std::fprintf(out, "%s%s\n", kAgentFailurePrefix, json_text(report).c_str());
   std::fflush(out);

@@ -82,8 +82,10 @@ constexpr std::chrono::seconds kAgentAliveInterval{1};
 // An "@failure" line for a failure of the host rather than of one of its ranks (rank -1): the
 // agent could not start them, or the relay lost the host; `refused` when the host refused the
 // launcher's SSH connection (SshRefused) or cannot run this dptrain there (none, a library
-// missing, another program), which a retry would meet again.
-void write_host_failure(std::FILE* out, const std::string& description, bool refused = false);
+// missing, another program), which a retry would meet again; `signal`: the one that killed the
+// host's agent itself, as its SSH server reported it.
+void write_host_failure(std::FILE* out, const std::string& description, bool refused = false,
+                        int signal = 0);
 
 // Runs the plan's ranks to the end, writing the lines above to `out`. End of input on `stop_fd`
 // (the SSH channel closing) stops the ranks. Returns the exit code: 0; when a rank failed, its

@@ -247,20 +247,33 @@ int run_relay(const RelayPlan& plan) {
                             host_and_ranks(plan)));
     return 3;
   }
+  if (const int sig = channel->exit_signal(); sig != 0) {
+    // The agent itself killed (its ranks die with it): its SSH server says by what.
+    const std::string what = fmt::format(
+        "the agent on {} was killed by {} (by hand, the kernel's OOM killer or the "
+        "node's scheduler)",
+        host_and_ranks(plan), signal_name(sig));
+    if (done) return completed_anyway(what);
+    write_host_failure(stdout, what + "; its ranks are taken as lost", /*refused=*/false, sig);
+    return 3;
+  }
   if (const auto why = not_runnable(*status, plan, last_line)) {
     write_host_failure(stdout, *why, /*refused=*/true);  // a restart would meet it again
     return 4;
   }
-  if (*status == 0 && !done && !heard_agent) {
-    // An agent speaks its protocol ("@alive", "@rank N ...") and says "@done" before it exits
-    // 0: a program that did neither is not this dptrain's agent (another build, or another
-    // program at that path), and its ranks never ran.
+  // An agent speaks its protocol ("@alive", "@rank N ...", "@failure ...") and says "@done"
+  // before it exits 0. A program that did neither is not this dptrain's agent (another build, or
+  // another program at that path: /bin/false), and its ranks never ran: a restart would meet it
+  // again. Not an agent's own silent exits: 2 (it refused its plan), or a stop before its plan.
+  const bool agents_silent_exit = *status == 2 || *status == 130 || *status == 143;
+  if (!done && !heard_agent && !agents_silent_exit) {
     write_host_failure(
         stdout,
-        fmt::format("{}: '{}' there exited 0 without running its ranks{}: it is not this "
+        fmt::format("{}: '{}' there exited {} without running its ranks{}: it is not this "
                     "dptrain's agent (another version?); 'dptrain doctor' checks it, 'dptrain "
                     "provision' installs this one (or name the right one with --remote-binary)",
                     plan.host.display(), plan.remote_binary,
+                    *status == 0 ? std::string("0") : fmt::format("with code {}", *status),
                     last_line.empty()
                         ? std::string()
                         : fmt::format(" (its last line: {})", printable_excerpt(last_line, 80))),

@@ -25,6 +25,7 @@
 #include <libssh/libssh.h>
 #include <libssh/server.h>  // ssh_send_keepalive, which a client may send as well
 
+#include "core/comm/socket.hpp"
 #include "core/fs.hpp"
 
 namespace dptrain {
@@ -437,6 +438,7 @@ struct SshChannel::Handle {
   bool eof = false;
   bool closed = false;
   std::optional<int> exit_status;
+  int exit_signal = 0;
 
   ~Handle() {
     if (channel) ssh_channel_free(channel);
@@ -465,7 +467,9 @@ struct SshChannel::Handle {
   }
   static void on_exit_signal(ssh_session, ssh_channel, const char* signal, int, const char*,
                              const char*, void* self) {
-    static_cast<Handle*>(self)->exit_status = 128 + signal_number(signal ? signal : "");
+    Handle& h = *static_cast<Handle*>(self);
+    h.exit_signal = signal_number(signal ? signal : "");
+    h.exit_status = 128 + h.exit_signal;
   }
 };
 
@@ -553,6 +557,7 @@ bool SshChannel::read(const std::function<void(std::string_view data, bool is_st
     if (drain(sink)) return true;
     if (finished()) {
       exit_status_ = handle_->exit_status;
+      exit_signal_ = handle_->exit_signal;
       return false;
     }
     const auto now = Clock::now();
@@ -604,6 +609,16 @@ std::unique_ptr<SshSession> SshSession::connect(const HostSpec& host, const SshO
     // "within" only where the time (most likely) ran out: a refusal comes at once. A guess from
     // the time taken: libssh does not say which it was.
     const bool waited = std::chrono::steady_clock::now() - started >= options.connect_timeout / 2;
+    // libssh says "Timeout connecting" whether the TCP connection or the SSH server's greeting
+    // never came: a port that takes connections says which.
+    if (waited && ssh_get_serverbanner(handle->session) == nullptr &&
+        connect_tcp(host.host, host.port, Clock::now() + std::chrono::seconds(1)).fd) {
+      throw Error(ErrorKind::ssh,
+                  fmt::format("cannot connect to {}: its port {} takes TCP connections, but no "
+                              "SSH server answered there within {} (another service on that "
+                              "port, or an SSH server that is stuck)",
+                              host.display(), host.port, seconds_text(options.connect_timeout)));
+    }
     throw Error(
         ErrorKind::ssh,
         fmt::format("cannot connect to {}{}: {}", host.display(),

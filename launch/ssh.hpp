@@ -64,6 +64,8 @@ class SshChannel {
   // Known after read() returned false: the exit status, or 128 + N when signal N killed the
   // command; nullopt when the remote side reported neither.
   std::optional<int> exit_status() const { return exit_status_; }
+  // The signal that killed the command, as the server named it (SIGKILL: 9); 0 when it exited.
+  int exit_signal() const { return exit_signal_; }
   void close();  // idempotent; the destructor does it too
 
  private:
@@ -80,6 +82,7 @@ class SshChannel {
   int keepalive_s_;
   std::chrono::steady_clock::time_point last_keepalive_;
   std::optional<int> exit_status_;
+  int exit_signal_ = 0;
 };
 
 // The host answered and refused this client: authentication, or its host key (unknown, changed

@@ -166,10 +166,14 @@ std::string oom_note(int64_t before) {
       now - before == 1 ? std::string("a process") : fmt::format("{} processes", now - before));
 }
 
+}  // namespace
+
 std::string signal_name(int sig) {
   const char* abbrev = ::sigabbrev_np(sig);
   return abbrev ? fmt::format("SIG{}", abbrev) : fmt::format("signal {}", sig);
 }
+
+namespace {
 
 class Supervision {
  public:

@@ -88,6 +88,9 @@ struct SupervisorOptions {
   std::function<void()> tick;
 };
 
+// "SIGKILL" (or "signal 99" for a number without a name).
+std::string signal_name(int sig);
+
 // Installs SIGINT/SIGTERM handlers that the supervisor loop observes; call once from main.
 void install_stop_signal_handlers();
 // For a command that stops only between steps it cannot cut short (an SSH connection being

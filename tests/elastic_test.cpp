@@ -533,6 +533,21 @@ TEST_CASE("SIGTERM and resume of a run whose rank 0 is remote continue bit-ident
   CHECK(contains(here.out + here.err, "from the newest checkpoint on its hosts"));
   CHECK(contains(here.err, "which is not among this resume's hosts"));
 
+  // Rank 0 moved here, the holder of the last checkpoint the other host: the ranks continue from
+  // its copy, and the records say so (never "step 0").
+  const std::string last =
+      parse_json(read_text(run_dir / "run.json"))["last_checkpoint"]["name"].get<std::string>();
+  SUBCASE("the hosts it ran on") {}
+  SUBCASE("rank 0 here") {
+    const std::string holder = c.sshd.addresses()[1];
+    const fs::path mixed = c.tmp / "mixed.txt", events = c.tmp / "events.jsonl";
+    c.sshd.write_hostfile(mixed, {holder});
+    write_text(mixed, "localhost slots=1\n" + read_text(mixed));
+    const auto hostfile = std::find(args.begin(), args.end(), c.hostfile.string());
+    REQUIRE(hostfile != args.end());
+    *hostfile = mixed.string();
+    args.insert(args.end(), {"--events", events.string()});
+  }
   args.insert(args.begin(), {"resume", run_dir.string()});
   args.push_back("--json");
   const auto resumed = run_dptrain(args);
@@ -540,6 +555,16 @@ TEST_CASE("SIGTERM and resume of a run whose rank 0 is remote continue bit-ident
   REQUIRE(resumed.exit_code == 0);
   CHECK(resumed.err.find("from the newest checkpoint on its hosts") != std::string::npos);
   CHECK(parse_json(resumed.out)["params_checksum"] == parse_json(clean.out)["params_checksum"]);
+  const json info = parse_json(read_text(run_dir / "run.json"));
+  CHECK(info["generations"].back()["resumed_from"] == last);
+  if (fs::exists(c.tmp / "events.jsonl")) {
+    const auto started = events_named(c.tmp / "events.jsonl", "generation_started");
+    REQUIRE(started.size() == 1);
+    CHECK(started[0]["resumed_from"].is_null());
+    const auto met = events_named(c.tmp / "events.jsonl", "rendezvous_done");
+    REQUIRE(met.size() == 1);
+    CHECK(met[0]["resumed_from"] == last);
+  }
 }
 
 TEST_CASE("resume --nnodes 1:2 with a host gone continues on the other from its checkpoint copy") {

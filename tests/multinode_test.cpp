@@ -233,6 +233,8 @@ TEST_CASE("--dry-run --json prints the plan and starts nothing") {
   CHECK(plan["hosts"][1]["workers"][1]["env"]["RANK"] == "3");
   CHECK(plan["hosts"][1]["workers"][1]["env"]["LOCAL_RANK"] == "1");
   CHECK(plan["hosts"][1]["workers"][1]["env"]["DPTRAIN_STORE_SECRET"] == "<redacted>");
+  // A host's run directory is named after --run-dir's, as the launch names it.
+  CHECK(plan["hosts"][1]["run_dir"] == "~/.dptrain/runs/dry-<id>");
   CHECK_FALSE(fs::exists(c.tmp / "dry"));
   auto table =
       run_dptrain({"launch", recipe.string(), "--hosts", c.hostfile.string(), "--dry-run"});
@@ -503,6 +505,35 @@ TEST_CASE("SIGTERM to a host's agent (a node shutting down) checkpoints every ra
   CHECK(out["last_checkpoint_host"] == c.sshd.host(c.sshd.addresses()[1]).display());
 }
 
+TEST_CASE("SIGKILL of a host's agent: exit 3 naming the host, its ranks and the signal") {
+  Cluster c;
+  std::optional<Background> launcher;
+  const fs::path events = c.tmp / "events.jsonl";
+  auto workers = start_slowed(c, "agentkill", launcher, true, {"--events", events.string()});
+  std::ifstream stat("/proc/" + std::to_string(workers[3]) + "/stat");
+  std::string pid, name, state;
+  pid_t agent = 0;
+  stat >> pid >> name >> state >> agent;
+  REQUIRE(agent > 1);
+  REQUIRE(::kill(agent, SIGKILL) == 0);
+  CHECK(launcher->wait(std::chrono::seconds(60)) == 3);
+  const std::string error = parse_json(launcher->out())["error"];
+  INFO(launcher->err());
+  CHECK(contains(error, "the agent on " + c.sshd.host(c.sshd.addresses()[2]).display() +
+                            " (ranks 2-3) was killed by SIGKILL"));
+  CHECK_FALSE(contains(error, "code 137"));
+  json exited;
+  for (const auto& e : read_jsonl(events)) {
+    if (e["event"] == "rank_exited") exited = e;
+  }
+  CHECK(exited["signal"] == SIGKILL);
+  CHECK(exited["exit_code"].is_null());
+  for (const auto& [rank, worker] : workers) {
+    CAPTURE(rank);
+    CHECK(eventually([worker] { return !process_alive(worker); }, std::chrono::seconds(15)));
+  }
+}
+
 TEST_CASE("killing the launcher leaves no worker behind on any host") {
   Cluster c;
   std::optional<Background> launcher;
@@ -612,6 +643,16 @@ TEST_CASE("a program at --remote-binary that is not this dptrain's agent: exit 4
                    "dptrain 0.0.9): it is not this dptrain's agent") != std::string::npos);
   CHECK(r.err.find("reported no result") == std::string::npos);
   CHECK(parse_json(r.out)["exit_code"] == 4);
+
+  // One that fails without a word (/bin/false): the same, and not restarted.
+  const auto silent = launch_with_remote_binary(c, "false", "/bin/false", {"--max-restarts", "2"});
+  INFO(silent.err);
+  CHECK(silent.exit_code == 4);
+  CHECK(contains(silent.err,
+                 "'/bin/false' there exited with code 1 without running its ranks: "
+                 "it is not this dptrain's agent"));
+  CHECK(contains(silent.err, "(not restarted: the host would fail the same way again"));
+  CHECK(parse_json(silent.out)["restarts"] == 0);
 }
 
 TEST_CASE("an agent that refuses its plan (exit 2, its host's data differs) is not restarted") {
