@@ -67,8 +67,9 @@ struct PrepareSummary {
   int dtype_bytes = 2;
 };
 
+// One line, whatever the paths in it hold (a file name with a newline).
 [[noreturn]] void refuse(const std::string& message) {
-  throw Error(ErrorKind::usage, message);
+  throw Error(ErrorKind::usage, printable(message));
 }
 
 // A prepare of a large text takes a while: it shows where it is on a terminal (stderr, rewritten

@@ -234,18 +234,38 @@ void check_local_memory(const JobSpec& spec, const std::string& origin) {
   double state = r.optimizer.type == "adamw" ? 2 : r.optimizer.momentum > 0 ? 1 : 0;
   if (r.distributed.zero == 1) state /= spec.world_size;
   if (r.distributed.sync == "ps") state = 0;
-  const double per_rank = static_cast<double>(*params) * 4.0 * (2.0 + state);
+  const double model_bytes = static_cast<double>(*params) * 4.0 * (2.0 + state);
+  // Every rank generates the whole synthetic set: f32 features, an int32 label and a 64-bit
+  // index (its split's order) a sample.
+  const double data_bytes =
+      r.data.type == "synthetic-classification"
+          ? static_cast<double>(r.data.samples) * (4.0 * static_cast<double>(r.model.input) + 12.0)
+          : 0.0;
+  const double per_rank = model_bytes + data_bytes;
   const double needed = per_rank * ranks;
   if (needed <= static_cast<double>(available)) return;
   const auto size = [](double bytes) { return human_size(static_cast<uint64_t>(bytes)); };
+  if (data_bytes > model_bytes) {
+    throw Error(ErrorKind::recipe,
+                fmt::format("{}: /data/samples: its {} samples of {} features take {} a rank "
+                            "(every rank generates the whole synthetic set, in f32), {} for the "
+                            "{} rank(s) on this machine with the model's state ({} a rank), which "
+                            "has {} available (MemAvailable): fewer samples, or fewer ranks here",
+                            origin, r.data.samples, r.model.input, size(data_bytes), size(needed),
+                            ranks, size(model_bytes), size(static_cast<double>(available))));
+  }
   throw Error(
       ErrorKind::recipe,
       fmt::format("{}: /model: its {} parameters take at least {} a rank (parameters, "
                   "gradients and the {} state, in f32, before any activation), {} for "
-                  "the {} rank(s) on this machine, which has {} available (MemAvailable): "
+                  "the {} rank(s) on this machine{}, which has {} available (MemAvailable): "
                   "a smaller model, or fewer ranks here",
-                  origin, *params, size(per_rank), r.optimizer.type == "adamw" ? "AdamW" : "SGD",
-                  size(needed), ranks, size(static_cast<double>(available))));
+                  origin, *params, size(model_bytes), r.optimizer.type == "adamw" ? "AdamW" : "SGD",
+                  size(needed), ranks,
+                  data_bytes > 0
+                      ? fmt::format(" with their synthetic data ({} a rank)", size(data_bytes))
+                      : std::string(),
+                  size(static_cast<double>(available))));
 }
 
 namespace {

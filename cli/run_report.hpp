@@ -34,10 +34,11 @@ struct RestartOptions {
 void add_restart_options(CLI::App& app, RestartOptions& o);
 
 // Error(recipe) naming /model when the CPU ranks this machine would run cannot hold the model's
-// state (parameters, gradients and the optimizer's, in f32: a floor, activations come on top) in
-// the memory it has available: refused before anything starts, not left to the ranks' allocation
-// failures; `origin` (the recipe's file) leads the message. Nothing for a GPU recipe or where the
-// memory is not known.
+// state (parameters, gradients and the optimizer's, in f32: a floor, activations come on top)
+// and their synthetic data (each rank generates it whole; /data/samples is named where it is the
+// larger part) in the memory it has available: refused before anything starts, not left to the
+// ranks' allocation failures; `origin` (the recipe's file) leads the message. Nothing for a GPU
+// recipe or where the memory is not known.
 void check_local_memory(const JobSpec& spec, const std::string& origin);
 
 // A CLI11 check for a finite number >= 0 that says what is wrong in plain words (CLI11's own

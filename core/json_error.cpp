@@ -86,6 +86,16 @@ std::string json_text(const nlohmann::json& j, int indent) {
   return j.dump(indent, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
+bool is_utf8(std::string_view text) {
+  // The strict dump refuses exactly what json_text would replace.
+  try {
+    (void)nlohmann::json(std::string(text)).dump();
+    return true;
+  } catch (const nlohmann::json::type_error&) {
+    return false;
+  }
+}
+
 double json_number(const nlohmann::json& j, const char* key) {
   if (!j.is_object()) return std::numeric_limits<double>::quiet_NaN();
   const auto it = j.find(key);

@@ -27,6 +27,9 @@ std::string without_json_tag(const std::string& what);
 // then still one JSON document, and an error still gets reported.
 std::string json_text(const nlohmann::json& j, int indent = -1);
 
+// Whether `text` is UTF-8 (json_text writes it as it is, byte for byte).
+bool is_utf8(std::string_view text);
+
 // `j[key]` as a double; NaN when it is absent or not a number (a NaN or an infinity is written as
 // null, as a diverged loss is).
 double json_number(const nlohmann::json& j, const char* key);

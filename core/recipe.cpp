@@ -946,6 +946,13 @@ void check_data_path(DataSpec& data, const std::filesystem::path& base_dir, Data
     problems.add(pointer, fmt::format("required when /data/type is \"{}\"", data.type));
     return;
   }
+  // A control character (a NUL would cut the path short) is no part of a path to give.
+  if (std::any_of(data.path.begin(), data.path.end(),
+                  [](char c) { return static_cast<unsigned char>(c) < 0x20 || c == 0x7f; })) {
+    problems.add(pointer,
+                 fmt::format("\"{}\": a control character in a path", printable(data.path)));
+    return;
+  }
   // No shell expands it: "~/data" would be a folder named "~" beside the recipe.
   if (data.path == "~" || data.path.starts_with("~/")) {
     problems.add(pointer, fmt::format("\"{}\": a leading ~ is not expanded; give the path from "
@@ -959,6 +966,15 @@ void check_data_path(DataSpec& data, const std::filesystem::path& base_dir, Data
   }
   const std::filesystem::path resolved = resolved_path(base_dir / data.path);
   data.path = resolved.string();
+  // The run's copy of the recipe (JSON, which the ranks read) holds UTF-8 only.
+  if (!is_utf8(data.path)) {
+    problems.add(pointer,
+                 fmt::format("\"{}\" is not UTF-8 (a name in another encoding): a run's copy of "
+                             "the recipe cannot hold it; rename it, or give a path through a "
+                             "link whose name is UTF-8",
+                             printable(data.path)));
+    return;
+  }
   if (data.type == "tokens") return;  // a dataset directory, checked when a run loads it
   if (auto why = unreadable(resolved)) {
     problems.add(pointer, fmt::format("cannot read \"{}\": {}", data.path, *why));

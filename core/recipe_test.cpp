@@ -656,6 +656,20 @@ TEST_CASE("recipe: csv paths resolve against the recipe's folder and must be rea
     CHECK(has_problem(message, "/data/path", (dir.path() / "nope.csv").string()));
     CHECK(has_problem(message, "/data/path", "No such file or directory"));
   }
+  SUBCASE("a control character, or a folder named in another encoding, is refused up front") {
+    CHECK(has_problem(
+        problems_of("{\"data\": {\"type\": \"tokens\", \"path\": \"ds\\n\"}}", dir.path()),
+        "/data/path", "\"ds\\x0a\": a control character in a path"));
+    CHECK(has_problem(
+        problems_of("{\"data\": {\"type\": \"csv\", \"path\": \"d.csv\\u0000x\"}}", dir.path()),
+        "/data/path", "\"d.csv\\x00x\": a control character in a path"));
+    // The name is found (it exists), but a run's recipe.json could not name it.
+    const fs::path latin1 = dir.path() / "lat\xe9";
+    fs::create_directories(latin1 / "ds");
+    const std::string message =
+        problems_of(R"({"data": {"type": "tokens", "path": "ds"}})", latin1);
+    CHECK(has_problem(message, "/data/path", "is not UTF-8 (a name in another encoding)"));
+  }
   SUBCASE("a directory is not a data file") {
     std::string message = problems_of(R"({"data": {"type": "csv", "path": "data"}})", dir.path());
     CHECK(has_problem(message, "/data/path", "is a directory"));

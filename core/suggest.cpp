@@ -30,6 +30,19 @@ std::optional<std::string> closest_match(std::string_view unknown,
   };
   std::optional<std::string> best;
   size_t best_distance = std::numeric_limits<size_t>::max();
+  // The start of a name ("--temp" for "--temperature", "lr_sch" for "lr_schedule") is what was
+  // meant before a short name a couple of edits away ("--help"): the shortest such name wins.
+  if (unknown.find_first_not_of('-') != std::string_view::npos &&
+      unknown.size() - unknown.find_first_not_of('-') >= 2) {
+    for (const auto& candidate : known) {
+      if (candidate.size() > unknown.size() && std::string_view(candidate).starts_with(unknown) &&
+          candidate.size() < best_distance) {
+        best = candidate;
+        best_distance = candidate.size();
+      }
+    }
+    if (best) return best;
+  }
   for (const auto& candidate : known) {
     const size_t distance = edit_distance(unknown, candidate);
     const bool close = distance <= kMaxTypoDistance || one_prefixes_other(unknown, candidate);

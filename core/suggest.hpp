@@ -10,8 +10,9 @@ namespace dptrain {
 
 size_t edit_distance(std::string_view a, std::string_view b);
 
-// The known word closest to `unknown` if it is a plausible typo of it: at most two edits away,
-// or one is a prefix of the other.
+// The known word closest to `unknown` if it is a plausible typo of it: the shortest one that
+// `unknown` (two characters or more besides leading dashes) starts, else one at most two edits
+// away, or one that is a prefix of the other.
 std::optional<std::string> closest_match(std::string_view unknown,
                                          const std::vector<std::string>& known);
 

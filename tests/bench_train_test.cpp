@@ -380,15 +380,16 @@ TEST_CASE("--backend nccl on a CPU recipe is the recipe's own error, exit 2, not
 TEST_CASE(
     "a model the largest world's ranks cannot hold in memory: exit 2 as launch, nothing made") {
   TempDir tmp;
-  // quickstart's MLP with AdamW takes at least 4.1 MiB a rank: 1 rank fits in 5.9 MiB, 2 do not.
-  write_text(tmp / "meminfo", "MemTotal: 1000000 kB\nMemAvailable: 6000 kB\n");
+  // quickstart's synthetic data and MLP with AdamW take at least 64.2 MiB a rank: 1 rank fits in
+  // 97.7 MiB, 2 do not.
+  write_text(tmp / "meminfo", "MemTotal: 1000000 kB\nMemAvailable: 100000 kB\n");
   const Env small = {{"DPTRAIN_TEST_MEMINFO", (tmp / "meminfo").string()}};
   const auto r = bench(tmp, {quickstart(), "--nproc", "1,2", "--steps", "2", "--json"}, small);
   CHECK(r.exit_code == 2);
   CHECK(one_error_line(r.err));
-  CHECK(r.err.find(quickstart() + ": /model: its 269322 parameters take at least 4.1 MiB a rank") !=
-        std::string::npos);
-  CHECK(r.err.find("8.2 MiB for the 2 rank(s) on this machine") != std::string::npos);
+  CHECK(r.err.find(quickstart() + ": /data/samples: its 20000 samples of 784 features take 60.0 "
+                                  "MiB a rank") != std::string::npos);
+  CHECK(r.err.find("128.3 MiB for the 2 rank(s) on this machine") != std::string::npos);
   CHECK(parse_json(r.out)["exit_code"] == 2);
   CHECK(nothing_created(tmp));
 }

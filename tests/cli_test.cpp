@@ -749,8 +749,11 @@ TEST_CASE("a bad recipe runs nothing: exit 2, one line per problem, no run direc
 
 TEST_CASE("a model this machine's memory cannot hold is refused before anything starts") {
   TempDir tmp;
-  const fs::path recipe = source_dir() / "recipes/quickstart.json";
-  // 2 ranks of quickstart's MLP (269,322 parameters) with AdamW: 4.1 MiB each, at the least.
+  // 2 ranks of quickstart's MLP (269,322 parameters) with AdamW: 4.1 MiB each, at the least,
+  // and 300 synthetic samples (0.9 MiB).
+  nlohmann::json small_data = parse_json(read_text(source_dir() / "recipes/quickstart.json"));
+  small_data["data"]["samples"] = 300;
+  const fs::path recipe = write_recipe(tmp.path(), small_data);
   write_text(tmp / "meminfo", "MemTotal: 1000000 kB\nMemAvailable: 6000 kB\n");
   const Env small = {{"DPTRAIN_TEST_MEMINFO", (tmp / "meminfo").string()}};
   auto r = run_dptrain(
@@ -760,15 +763,24 @@ TEST_CASE("a model this machine's memory cannot hold is refused before anything 
   CHECK_MESSAGE(r.err == "dptrain: error: " + recipe.string() +
                              ": /model: its 269322 parameters take at least 4.1 MiB a rank "
                              "(parameters, gradients and the AdamW state, in f32, before any "
-                             "activation), 8.2 MiB for the 2 rank(s) on this machine, which has "
-                             "5.9 MiB available (MemAvailable): a smaller model, or fewer ranks "
-                             "here\n",
+                             "activation), 10.0 MiB for the 2 rank(s) on this machine with their "
+                             "synthetic data (922.3 KiB a rank), which has 5.9 MiB available "
+                             "(MemAvailable): a smaller model, or fewer ranks here\n",
                 r.err);
   CHECK(parse_json(r.out)["exit_code"] == 2);
   CHECK_FALSE(fs::exists(tmp / "runs"));
   // One rank fits.
   auto one = run_dptrain({"launch", recipe.string(), "--nproc", "1", "--dry-run"}, small);
   CHECK_MESSAGE(one.exit_code == 0, one.err);
+  // Synthetic data every rank generates whole, larger than the model: named.
+  auto data = run_dptrain(
+      {"launch", (source_dir() / "recipes/quickstart.json").string(), "--nproc", "1", "--dry-run"},
+      small);
+  CHECK(data.exit_code == 2);
+  CHECK(contains(data.err,
+                 "quickstart.json: /data/samples: its 20000 samples of 784 features "
+                 "take 60.0 MiB a rank (every rank generates the whole synthetic set, "
+                 "in f32), 64.2 MiB for the 1 rank(s) on this machine"));
 }
 
 TEST_CASE("a run directory too deep for its files, or a dangling link, is refused up front") {

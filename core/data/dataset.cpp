@@ -108,10 +108,17 @@ bool parse_number(std::string_view s, T& value) {
   return ec == std::errc() && end == last && !s.empty() && std::isfinite(value);
 }
 
+// Whether a first row is data rather than a header: every field reads as a number. A NaN or an
+// infinity reads as one too: a data row that holds one is refused with its line, as on any other
+// row, not dropped as a header without a word.
 bool all_numeric(const std::vector<std::string_view>& fields) {
-  double ignored = 0;
-  return std::all_of(fields.begin(), fields.end(),
-                     [&](std::string_view f) { return parse_number(f, ignored); });
+  return std::all_of(fields.begin(), fields.end(), [](std::string_view f) {
+    if (!f.empty() && f.front() == '+') f.remove_prefix(1);
+    double ignored = 0;
+    const char* last = f.data() + f.size();
+    const auto [end, ec] = std::from_chars(f.data(), last, ignored);
+    return !f.empty() && end == last && (ec == std::errc() || ec == std::errc::result_out_of_range);
+  });
 }
 
 bool parse_header_setting(const std::string& header, bool& auto_detect) {

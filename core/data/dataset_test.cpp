@@ -160,6 +160,9 @@ TEST_CASE("csv: header detection, blank lines, CRLF and whitespace") {
   CHECK(read_csv_samples(numeric, "no", 2, 3).size() == 2);
   CHECK(read_csv_samples(numeric, "yes", 2, 3).size() == 1);
   CHECK(read_csv_samples(dir.write("c.csv", "2.0,1,1\n"), "no", 2, 3).y[0] == 2);
+  // A first data row with a NaN is a data row (refused as one), not a header dropped unsaid.
+  CHECK(csv_error("0,1,nan\n1,2,2\n") == ":1: column 3 'nan' is not a finite number");
+  CHECK(csv_error("0,inf,1\n1,2,2\n") == ":1: column 2 'inf' is not a finite number");
 
   // A byte order mark (a spreadsheet's export) is passed over: the first row stays a data row,
   // and a header after it is still one.

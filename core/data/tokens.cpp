@@ -720,8 +720,9 @@ bool looks_like_dataset(const fs::path& dir) {
   return fs::exists(dir / "meta.json", ec) || fs::exists(dir / "train.bin", ec);
 }
 
+// One line, whatever the paths in it hold (a file name with a newline).
 [[noreturn]] void refuse(const std::string& message) {
-  throw Error(ErrorKind::usage, message);
+  throw Error(ErrorKind::usage, printable(message));
 }
 
 }  // namespace
