@@ -719,8 +719,14 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
   };
   if (gloo_only) require_mesh_files();
   farewell.at_start = true;
+  faults.before_join();
   TcpStoreClient client(host, port, timeout, secret);
   PrefixStore store(farewell.prefix, client);
+  // Beating from here on, before the ranks meet: a launcher's --hang-timeout then also names a
+  // rank that froze while the others wait for it to join.
+  BeatStore beats(host, port, secret, o.generation, store);
+  Store& beat_store = beats.store();
+  HeartbeatSender heartbeat(beat_store, o.rank, progress, std::chrono::seconds(1));
 
   // Workers without a launcher say their host, for rank 0's record of the run (posted before
   // the answer rank 0 waits for, so it is there once the ranks agree).
@@ -763,9 +769,6 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
     }
     record->met(backend, format_host_port(host, port), hosts);
   }
-  BeatStore beats(host, port, secret, o.generation, store);
-  Store& beat_store = beats.store();
-  HeartbeatSender heartbeat(beat_store, o.rank, progress, std::chrono::seconds(1));
 
   const bool events = env("DPTRAIN_EVENTS").value_or("0") == "1";
   StatusPrinter status(stdout, !events && StatusPrinter::is_terminal(stdout));

@@ -48,10 +48,13 @@ Fault parse_one(const std::string& text) {
     f.kind = Fault::Kind::slow;
   } else if (kind == "crash-in-checkpoint") {
     f.kind = Fault::Kind::crash_in_checkpoint;
+  } else if (kind == "freeze-before-join") {
+    f.kind = Fault::Kind::freeze_before_join;
   } else {
-    throw Error(ErrorKind::usage, fmt::format("DPTRAIN_FAULT: unknown fault '{}' in '{}' (crash, "
-                                              "exit, hang, freeze, slow, crash-in-checkpoint)",
-                                              kind, text));
+    throw Error(ErrorKind::usage,
+                fmt::format("DPTRAIN_FAULT: unknown fault '{}' in '{}' (crash, exit, hang, freeze, "
+                            "slow, crash-in-checkpoint, freeze-before-join)",
+                            kind, text));
   }
   bool has_step = false;
   std::set<std::string> seen;
@@ -82,7 +85,12 @@ Fault parse_one(const std::string& text) {
                               key, text));
     }
   }
-  if (!has_step) {
+  // Before the ranks meet there is no step.
+  if (f.kind == Fault::Kind::freeze_before_join && has_step) {
+    throw Error(ErrorKind::usage,
+                fmt::format("DPTRAIN_FAULT: '{}': freeze-before-join takes no step=", text));
+  }
+  if (!has_step && f.kind != Fault::Kind::freeze_before_join) {
     throw Error(ErrorKind::usage, fmt::format("DPTRAIN_FAULT: '{}' needs step=N", text));
   }
   const auto out_of_range = [&text](const char* field, int64_t value, const char* range) {
@@ -139,6 +147,11 @@ std::vector<std::string> unreachable_faults(const std::vector<Fault>& faults, in
       out.push_back(fmt::format(
           "DPTRAIN_FAULT '{}' never fires: a benchmark's run is generation {} alone (no restart)",
           f.text, first_generation));
+    } else if (f.kind == Fault::Kind::freeze_before_join) {
+      if (f.rank >= world) {
+        out.push_back(fmt::format("DPTRAIN_FAULT '{}' never fires: there are ranks 0 to {}", f.text,
+                                  world - 1));
+      }
     } else if (f.kind != Fault::Kind::slow && f.step < first_step) {
       out.push_back(fmt::format("DPTRAIN_FAULT '{}' never fires: the run continues from step {}",
                                 f.text, first_step));
@@ -205,8 +218,15 @@ void FaultInjector::before_step(int64_t step, const std::function<void()>& befor
         break;
       case Fault::Kind::slow:
       case Fault::Kind::crash_in_checkpoint:
+      case Fault::Kind::freeze_before_join:
         break;
     }
+  }
+}
+
+void FaultInjector::before_join() const {
+  for (const auto& f : faults_) {
+    if (f.kind == Fault::Kind::freeze_before_join) ::kill(::getpid(), SIGSTOP);
   }
 }
 

@@ -6,6 +6,8 @@
 //   "slow@step=10,rank=1,ms=200"      sleep 200 ms before every step from step 10 on
 //   "crash-in-checkpoint@step=40"     SIGKILL itself while writing the checkpoint of step 40,
 //                                     after its files are written, before it is committed
+//   "freeze-before-join@rank=1"       SIGSTOP itself before it reaches the store (no step=): a
+//                                     rank frozen, or cut off, before the ranks meet
 // Several faults are separated by ';'. Each may add "gen=N" to fire only in generation N
 // (the first launch is generation 1, every restart or resume adds one); without it, it fires
 // in every generation. rank may be omitted: every rank.
@@ -19,7 +21,7 @@
 namespace dptrain {
 
 struct Fault {
-  enum class Kind { crash, exit, hang, freeze, slow, crash_in_checkpoint };
+  enum class Kind { crash, exit, hang, freeze, slow, crash_in_checkpoint, freeze_before_join };
   Kind kind = Kind::crash;
   int64_t step = 0;
   int rank = -1;        // -1: every rank
@@ -55,6 +57,7 @@ class FaultInjector {
   // step's work would find it, not the one a heartbeat sent a moment before named).
   void before_step(int64_t step, const std::function<void()>& before_fault = {}) const;
   void before_checkpoint_commit(int64_t step) const;  // may not return
+  void before_join() const;                           // may not return until a SIGCONT
   bool empty() const { return faults_.empty(); }
 
  private:

@@ -22,11 +22,18 @@ TEST_CASE("fault specs parse, with every field and several faults") {
   CHECK(faults[2].rank == -1);
   CHECK(faults[2].ms == 20);
   CHECK(parse_faults("").empty());
+  // Before the ranks meet there is no step.
+  const auto join = parse_faults("freeze-before-join@rank=1,gen=1");
+  REQUIRE(join.size() == 1);
+  CHECK(join[0].kind == Fault::Kind::freeze_before_join);
+  CHECK(join[0].rank == 1);
+  CHECK(unreachable_faults(join, 10, 2, 0).empty());
+  CHECK(unreachable_faults(join, 10, 1, 0).size() == 1);  // no rank 1
 }
 
 TEST_CASE("bad fault specs are usage errors naming the part") {
-  for (const char* bad :
-       {"explode@step=3", "crash@rank=1", "crash@step=x", "crash@step=1,when=2"}) {
+  for (const char* bad : {"explode@step=3", "crash@rank=1", "crash@step=x", "crash@step=1,when=2",
+                          "freeze-before-join@step=0,rank=1"}) {
     CAPTURE(bad);
     try {
       parse_faults(bad);

@@ -32,6 +32,7 @@ std::optional<std::string> HangWatch::check() {
       if (!store_.check({key})) continue;
       const json beat = json::parse(store_.get(key, std::chrono::seconds(2)), nullptr, false);
       if (beat.is_discarded()) continue;
+      if (!first_heard_) first_heard_ = now;
       Seen& s = seen_[r];
       const int64_t progress = beat.value("progress", int64_t{-1});
       if (progress != s.progress) {
@@ -53,8 +54,17 @@ std::optional<std::string> HangWatch::check() {
     stalled =
         std::max(stalled, std::chrono::duration_cast<std::chrono::milliseconds>(now - s.since));
   }
-  if (timeout_.count() <= 0 || stalled <= timeout_) return std::nullopt;
+  // A rank that never beat while another has for longer than the timeout: frozen, or unable to
+  // reach the store, before it joined (the others wait for it to meet).
   std::map<int, json> beats;
+  if (first_heard_ && static_cast<int>(seen_.size()) < world_size_) {
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - *first_heard_);
+    for (int r = 0; r < world_size_; ++r) {
+      if (!seen_.count(r)) beats[r] = {{"never_ms", waited.count()}};
+    }
+    stalled = std::max(stalled, waited);
+  }
+  if (timeout_.count() <= 0 || stalled <= timeout_) return std::nullopt;
   for (const auto& [rank, s] : seen_)
     beats[rank] = s.beat;
   for (const auto& [rank, ms] : silent_at(now))
@@ -110,13 +120,20 @@ std::string HangWatch::positions(const std::map<int, json>& beats, const RankNam
   int64_t max_seq = -1;
   for (const auto& [rank, beat] : beats)
     max_seq = std::max(max_seq, beat.value("seq", int64_t{0}));
-  std::vector<std::string> behind, waiting;
+  const bool unjoined = std::any_of(beats.begin(), beats.end(),
+                                    [](const auto& b) { return b.second.contains("never_ms"); });
+  std::vector<std::string> behind, waiting, joining;
   std::string waited_in = fmt::format("#{}", max_seq);
   for (const auto& [rank, beat] : beats) {
     const int64_t seq = beat.value("seq", int64_t{0});
     const std::string phase = beat.value("phase", std::string("?"));
     const int64_t step = beat.value("step", int64_t{0});
-    if (beat.contains("silent_ms")) {
+    if (beat.contains("never_ms")) {
+      behind.push_back(
+          fmt::format("{} (no heartbeat in the {}s the others waited: frozen, or "
+                      "unable to reach the store, before it joined)",
+                      name(rank), beat["never_ms"].get<int64_t>() / 1000));
+    } else if (beat.contains("silent_ms")) {
       // Frozen or gone: its last word may be a collective or two behind what it really did.
       behind.push_back(fmt::format(
           "{} (its heartbeat stopped {}s ago: frozen or unreachable; it last said step {}, {})",
@@ -124,6 +141,8 @@ std::string HangWatch::positions(const std::map<int, json>& beats, const RankNam
           phase == "collective"
               ? "in collective " + collective(beat)
               : fmt::format("phase {} after collective {}", phase, collective(beat))));
+    } else if (unjoined && phase == "starting") {
+      joining.push_back(name(rank));
     } else if (seq == max_seq && phase == "collective") {
       if (waiting.empty()) waited_in = collective(beat);
       waiting.push_back(name(rank));
@@ -135,14 +154,14 @@ std::string HangWatch::positions(const std::map<int, json>& beats, const RankNam
     return fmt::format("every rank waits in collective {} (a network or transport problem?)",
                        waited_in);
   }
-  std::string text = "stuck: ";
-  for (size_t i = 0; i < behind.size(); ++i)
-    text += (i ? ", " : "") + behind[i];
+  const char* them = behind.size() == 1 ? "it" : "them";
+  std::string text = fmt::format("stuck: {}", fmt::join(behind, ", "));
   if (!waiting.empty()) {
-    text += fmt::format("; waiting for it in collective {}: ", waited_in);
-    for (size_t i = 0; i < waiting.size(); ++i)
-      text += (i ? ", " : "") + waiting[i];
+    text += fmt::format("; waiting for {} in collective {}: {}", them, waited_in,
+                        fmt::join(waiting, ", "));
   }
+  if (!joining.empty())
+    text += fmt::format("; waiting for {} to join: {}", them, fmt::join(joining, ", "));
   return text;
 }
 

@@ -75,6 +75,7 @@ class HangWatch {
   // The ranks whose heartbeat had stopped at `now`, and for how many milliseconds.
   std::map<int, int64_t> silent_at(std::chrono::steady_clock::time_point now) const;
 
+  std::optional<std::chrono::steady_clock::time_point> first_heard_;  // any rank's first beat
   std::chrono::steady_clock::time_point next_read_;
   std::chrono::steady_clock::time_point last_read_;
   std::map<int, Seen> seen_;

@@ -131,3 +131,41 @@ TEST_CASE("hang watch: a heartbeat that stands still is told from one that waits
   CHECK(verdict->find("waiting for it in collective #12 (allreduce of the loss): rank 0") !=
         std::string::npos);
 }
+
+TEST_CASE("hang verdict: several ranks behind are waited for as them") {
+  const std::map<int, json> beats = {
+      {0, {{"step", 9}, {"phase", "data"}, {"seq", 40}}},
+      {1, {{"step", 9}, {"phase", "data"}, {"seq", 40}}},
+      {2, {{"step", 9}, {"phase", "collective"}, {"seq", 41}, {"collective", "allgather"}}}};
+  const std::string v = HangWatch::describe(beats, std::chrono::seconds(3));
+  CHECK(v.find("; waiting for them in collective #41 (allgather): rank 2") != std::string::npos);
+}
+
+TEST_CASE("hang watch: a rank that never beats while the others wait to meet is named") {
+  TcpStoreServer server;
+  TcpStoreClient store("127.0.0.1", server.port(), std::chrono::seconds(5));
+  const auto starting = [](int64_t beats) {
+    return json{{"step", 0}, {"phase", "starting"}, {"seq", 0}, {"progress", 0}, {"beat", beats}}
+        .dump();
+  };
+  HangWatch watch(store, 3, std::chrono::milliseconds(1500));
+  std::optional<std::string> verdict;
+  // Nobody has beaten yet: no verdict however long (the ranks may still be starting).
+  for (int i = 0; i < 5; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(400));
+    CHECK_FALSE(watch.check());
+  }
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  for (int64_t n = 1; !verdict && std::chrono::steady_clock::now() < until; ++n) {
+    store.set(heartbeat_key(0), starting(n));
+    store.set(heartbeat_key(2), starting(n));
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    verdict = watch.check();
+  }
+  REQUIRE(verdict.has_value());
+  INFO(*verdict);
+  // Read once a second: 1 or 2 s past the first beat.
+  CHECK(verdict->find("stuck: rank 1 (no heartbeat in the ") != std::string::npos);
+  CHECK(verdict->find("s the others waited: frozen, or unable to reach the store, before it "
+                      "joined); waiting for it to join: rank 0, rank 2") != std::string::npos);
+}

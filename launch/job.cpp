@@ -946,8 +946,13 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       out.error = fmt::format("stopped by SIGTERM, but not every rank checkpointed: {}{}",
                               not_checkpointed(), checkpoint_note());
       // A rank that could not stop as asked (hung, with no --hang-timeout to name it): the
-      // ranks' last heartbeats say which, when the others wait for it in a collective.
-      if (trace.beats.size() >= 2) {
+      // ranks' last heartbeats say which, when the others wait for it in a collective. Not where
+      // a rank was killed by a signal of its own (not the launcher's): that is what happened,
+      // and its last heartbeat is only where it was when it died.
+      const bool killed_on_its_own =
+          sup.killed_why.empty() && std::any_of(sup.exits.begin(), sup.exits.end(),
+                                                [](const ProcessExit& e) { return e.signal != 0; });
+      if (trace.beats.size() >= 2 && !killed_on_its_own) {
         const std::string where = HangWatch::positions(trace.beats, rank_name);
         if (where.find("; waiting for it in collective") != std::string::npos) {
           out.error += "; by the ranks' last heartbeats, " + where;

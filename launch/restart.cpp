@@ -441,9 +441,11 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
     const int64_t failed_at = step_known ? outcome.failed_step : outcome.start_step;
     // No step of this generation completed (a failure at start-up, or in its first step).
     const bool before_first_step = failed_at <= outcome.start_step;
+    // Of the failures in a row only the last is known to have come before its generation did a
+    // step: the step says where they all came.
     const std::string where =
         before_first_step
-            ? fmt::format("before the generation's first step was done (from step {})", failed_at)
+            ? fmt::format("at step {} (the last before its generation finished a step)", failed_at)
             : fmt::format("at step {}", failed_at);
     same_step = failed_at == previous_step ? same_step + 1 : 1;
     previous_step = failed_at;
@@ -480,7 +482,7 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
     run.record();
     // Said before the wait (up to 30 s): which rank failed, and that a restart is to come (it
     // may not: a stop, or an elastic job left with too few hosts or ranks).
-    status.line(fmt::format("{}; waiting {:.1f}s to restart (attempt {})", cause,
+    status.line(fmt::format("{}; waiting {:g}s to restart (attempt {})", cause,
                             static_cast<double>(backoff.count()) / 1000.0, restart_label(attempt)));
     int sig = sleep_unless_stopped(backoff);
     Placed placed;  // its change of world size is recorded after the restart it belongs to
@@ -512,7 +514,7 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
     }
     restarts = attempt;
     const int number = numbered_before + restarts;
-    status.line(fmt::format("restart {} after {:.1f}s from {}: {}", restart_label(restarts),
+    status.line(fmt::format("restart {} after {:g}s from {}: {}", restart_label(restarts),
                             static_cast<double>(backoff.count()) / 1000.0, from_name, cause));
     if (spec.events) {
       spec.events->emit("restart", {{"restart", number},

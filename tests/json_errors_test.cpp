@@ -303,18 +303,31 @@ TEST_CASE(
   CHECK_NOTHROW(parse_json(prepared.out));
 }
 
-TEST_CASE("data too large for memory is said to be, by the rank that loads it") {
+TEST_CASE("data too large for memory is refused by the launcher, and said to be by a rank") {
   TempDir tmp;
   // About 4 TB of synthetic samples: within the recipe's bounds, beyond any machine's memory.
-  // The ranks generate it (the launcher only counts it, and may run on another machine).
   auto r = small_recipe();
   r["model"]["input"] = 1024;
   r["data"]["samples"] = 1000000000;
   const auto recipe = write_recipe(tmp.path(), r);
+  // The launcher counts it (every rank generates it whole): refused before anything starts.
   auto out = check_failure(run_dptrain({"launch", recipe.string(), "--nproc", "1", "--run-dir",
                                         (tmp / "huge").string(), "--json"}),
-                           3);
+                           2);
   CHECK(out["error"].get<std::string>().find(
-            "exited with code 1: out of memory: an allocation failed (data or a model too large") !=
+            "/data/samples: its 1000000000 samples of 1024 features take ") != std::string::npos);
+  CHECK_FALSE(fs::exists(tmp / "huge"));
+  // A rank started by hand, with no launcher to count it, says what ran out.
+  uint16_t port = 0;
+  {
+    const HeldPort free(false);
+    port = free.port();
+  }
+  const auto worker = run_dptrain({"worker", recipe.string(), "--rank", "0", "--world-size", "1",
+                                   "--host-store", "--store", "127.0.0.1:" + std::to_string(port),
+                                   "--run-dir", (tmp / "hand").string()});
+  INFO(worker.err);
+  CHECK(worker.exit_code == 1);
+  CHECK(worker.err.find("out of memory: an allocation failed (data or a model too large") !=
         std::string::npos);
 }

@@ -434,6 +434,32 @@ TEST_CASE("a hang is detected within hang-timeout + 5 s, named, and the run reco
   CHECK(info["restarts"][0]["cause"].get<std::string>().find("hang:") != std::string::npos);
 }
 
+TEST_CASE("a rank frozen before the ranks meet is named within hang-timeout + 5 s, not timeout_s") {
+  TempDir tmp;
+  auto recipe_json = resumable_recipe();
+  recipe_json["distributed"]["timeout_s"] = 120;  // the wait the others would otherwise sit out
+  const auto recipe = write_recipe(tmp.path(), recipe_json);
+  const fs::path events = tmp / "events.jsonl";
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto r = run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir",
+                              (tmp / "join").string(), "--hang-timeout", "3", "--max-restarts", "1",
+                              "--restart-backoff", "0.1", "--events", events.string(), "--json"},
+                             {{"DPTRAIN_FAULT", "freeze-before-join@rank=1,gen=1"}});
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);  // found, stopped, and restarted: generation 2 has no fault
+  CHECK(seconds < 60);        // not the 120 s the ranks' own wait takes
+  std::string verdict;
+  for (const auto& e : read_jsonl(events)) {
+    if (e["event"] == "hang_detected") verdict = e["message"];
+  }
+  CHECK(contains(verdict, "stuck: rank 1 (no heartbeat in the "));
+  CHECK(contains(verdict, "frozen, or unable to reach the store, before it joined)"));
+  CHECK(contains(verdict, "; waiting for it to join: rank 0"));
+  CHECK(parse_json(r.out)["restarts"] == 1);
+}
+
 TEST_CASE("without --hang-timeout, a collective that times out names the rank it waited for") {
   TempDir tmp;
   auto recipe_json = resumable_recipe();
