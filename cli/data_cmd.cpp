@@ -203,7 +203,8 @@ void append_text(const fs::path& path, std::string& text, const TextBudget& budg
     status.check_stop();
   const FileDescriptor in(fd);
   if (in.fd < 0)
-    refuse(fmt::format("{}: cannot read: {}", printable(path.string()), std::strerror(errno)));
+    refuse(fmt::format("{}: cannot read: {}{}", printable(path.string()), std::strerror(errno),
+                       path == "-" ? " (for standard input, give /dev/stdin)" : ""));
   struct stat st {};
   const bool regular = ::fstat(in.fd, &st) == 0 && S_ISREG(st.st_mode);
   const uint64_t size = regular ? static_cast<uint64_t>(st.st_size) : 0;

@@ -590,7 +590,8 @@ std::vector<fs::path> list_checkpoints(const fs::path& checkpoints_dir, SetAside
   std::error_code ec;
   fs::directory_iterator entries(checkpoints_dir, ec);
   // Missing is "none yet"; out of reach (a permission) is not: starting over would lose them.
-  if (ec && ec != std::errc::no_such_file_or_directory && ec != std::errc::not_a_directory) {
+  // Nor is a file (or a link loop) where the directory belongs: said so, not "no checkpoint".
+  if (ec && ec != std::errc::no_such_file_or_directory) {
     throw Error(ErrorKind::checkpoint,
                 fmt::format("{}: cannot list the checkpoints: {}",
                             printable(checkpoints_dir.string()), ec.message()));

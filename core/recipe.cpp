@@ -992,7 +992,8 @@ std::string read_recipe_text(const std::filesystem::path& path) {
   // A pipe (a recipe a script writes) is waited for as long as it takes, but a stop ends it.
   if (read_stoppable(path, kMaxRecipeBytes, text, too_long) != 0) {
     throw Error(ErrorKind::recipe,
-                fmt::format("{}: cannot read: {}", printable(path.string()), std::strerror(errno)));
+                fmt::format("{}: cannot read: {}{}", printable(path.string()), std::strerror(errno),
+                            path == "-" ? " (for standard input, give /dev/stdin)" : ""));
   }
   if (too_long) {
     throw Error(ErrorKind::recipe,

@@ -177,6 +177,13 @@ TEST_CASE("sample: numbers out of range are refused, not wrapped; a run without 
   CHECK(none.err.find("nothing to sample from") != std::string::npos);
   CHECK(none.err.find("first checkpoint") != std::string::npos);
   CHECK(none.err.find("resume") == std::string::npos);
+  // A file where the checkpoints directory belongs is said to be, not "no checkpoint yet".
+  fs::remove_all(bare / "checkpoints");
+  write_text(bare / "checkpoints", "");
+  const auto file = sample(bare, {});
+  CHECK(file.exit_code == 5);
+  CHECK(file.err.find("checkpoints: cannot list the checkpoints: Not a directory") !=
+        std::string::npos);
 
   // Checkpoints that are all damaged: the same, after a warning for each.
   const fs::path damaged = data.tmp / "damaged";
