@@ -55,9 +55,12 @@ std::vector<Bucket> make_buckets(std::span<const ParamTensor> tensors, size_t bu
   Bucket bucket;
   bucket.end = expected;
   for (size_t i = tensors.size(); i-- > 0;) {
-    bucket.tensors.insert(bucket.tensors.begin(), tensors[i]);
+    // Gathered last first, put in order as the bucket closes (inserting each at the front took
+    // time quadratic in the tensors: minutes for a model of many small layers).
+    bucket.tensors.push_back(tensors[i]);
     bucket.begin = tensors[i].offset;
     if (bucket.size() >= bucket_elems || i == 0) {
+      std::reverse(bucket.tensors.begin(), bucket.tensors.end());
       for (ParamTensor& t : bucket.tensors)
         t.offset -= bucket.begin;
       out.push_back(std::move(bucket));
