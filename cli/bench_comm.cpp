@@ -383,6 +383,7 @@ int run_bench_worker(const std::string& serialized) {
   };
   const auto [host, port] = parse_host_port(store_addr);
   const std::string secret = env(kStoreSecretEnv).value_or("");
+  faults.before_join();
   TcpStoreClient client(host, port, timeout, secret);
   PrefixStore store(fmt::format("gen{}", generation), client);
   std::shared_ptr<Ops> device;  // NCCL's buffers live on it; declared first, destroyed last

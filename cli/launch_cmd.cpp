@@ -8,6 +8,7 @@
 #include "cli/host_options.hpp"
 #include "cli/run_report.hpp"
 #include "core/error.hpp"
+#include "core/fs.hpp"
 #include "core/json_error.hpp"
 #include "core/recipe.hpp"
 #include "core/trainer.hpp"
@@ -55,11 +56,12 @@ JobSpec job_spec(const LaunchOptions& o) {
 
 void print_dry_run(const JobSpec& spec, const std::string& run_dir, bool json) {
   const std::string addr = resolve_master_addr(spec);
-  // A host's run directory is named as RunDirectory::remote_name names it: this one's name and
-  // the run's id (made by the launch).
-  const JobPlan plan =
-      plan_job(spec, run_dir, std::filesystem::path(run_dir).filename().string() + "-<id>", 1, addr,
-               spec.remote.master_port, "<redacted>");
+  // A host's run directory is named as RunDirectory::remote_name names it: this one's name (as
+  // resolved, without a trailing '/') and the run's id (made by the launch).
+  std::filesystem::path named = resolved_path(run_dir);
+  if (!named.has_filename()) named = named.parent_path();
+  const JobPlan plan = plan_job(spec, run_dir, named.filename().string() + "-<id>", 1, addr,
+                                spec.remote.master_port, "<redacted>");
   nlohmann::json j = plan.to_json(spec);
   if (json) {
     // One line, as every --json output, with the fields of a success.

@@ -42,6 +42,7 @@
 #include "core/tensor/device.hpp"
 #include "core/trainer.hpp"
 #include "launch/hang_watch.hpp"
+#include "launch/job.hpp"
 #include "launch/run_dir.hpp"
 #include "launch/status.hpp"
 #include "launch/supervisor.hpp"
@@ -258,6 +259,9 @@ class HandRunRecord {
     info_["status"] = "running";
     info_.erase("error");
     if (!info_["generations"].is_array()) info_["generations"] = json::array();
+    // The one before, which no rank 0 closed (killed, as a crash in a checkpoint is): lost, as
+    // a launcher records it.
+    close_lost_generation(info_, "its rank 0");
     json gen = {{"generation", info_["generations"].size() + 1},
                 {"started_at", utc_timestamp()},
                 {"world_size", o.world_size},
@@ -649,19 +653,6 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
     }
   }
 
-  // A fresh start writes its checkpoints over any that the directory holds (a requeued job, a
-  // run directory reused by mistake): refused before any rank connects. Only the node's
-  // checkpoint writer looks; the others fail as their peer leaves.
-  if (o.resume.empty() && o.local_rank == 0) {
-    const auto held = list_checkpoints(std::filesystem::path(o.run_dir) / "checkpoints");
-    if (!held.empty()) {
-      throw Error(ErrorKind::usage,
-                  fmt::format("--run-dir {}: holds checkpoints (the newest {}), which a fresh "
-                              "start would write over; continue them with --resume newest, or "
-                              "give a new --run-dir",
-                              o.run_dir, held.front().filename().string()));
-    }
-  }
   {
     // The directory's problems named as the launcher names them (exit 2), not as the first file
     // a rank fails to write there.
@@ -676,6 +667,19 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
     if (::access(o.run_dir.c_str(), W_OK | X_OK) != 0) {
       throw Error(ErrorKind::usage,
                   fmt::format("--run-dir {}: not writable: {}", o.run_dir, std::strerror(errno)));
+    }
+  }
+  // A fresh start writes its checkpoints over any that the directory holds (a requeued job, a
+  // run directory reused by mistake): refused before any rank connects. Only the node's
+  // checkpoint writer looks; the others fail as their peer leaves.
+  if (o.resume.empty() && o.local_rank == 0) {
+    const auto held = list_checkpoints(std::filesystem::path(o.run_dir) / "checkpoints");
+    if (!held.empty()) {
+      throw Error(ErrorKind::usage,
+                  fmt::format("--run-dir {}: holds checkpoints (the newest {}), which a fresh "
+                              "start would write over; continue them with --resume newest, or "
+                              "give a new --run-dir",
+                              o.run_dir, held.front().filename().string()));
     }
   }
   // Another dptrain drives a run in this directory (a launcher, or the rank 0 of another job of
@@ -718,15 +722,24 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
         "start fewer ranks in the job");
   };
   if (gloo_only) require_mesh_files();
+  // One it cannot bind is its own refusal, which the others learn at once (Gloo crashed on a
+  // name that does not resolve, and left them waiting for one it cannot bind).
+  if (!o.bind.empty()) check_bind_address(o.bind, "--bind (DPTRAIN_BIND_ADDR)");
   farewell.at_start = true;
   faults.before_join();
   TcpStoreClient client(host, port, timeout, secret);
   PrefixStore store(farewell.prefix, client);
-  // Beating from here on, before the ranks meet: a launcher's --hang-timeout then also names a
-  // rank that froze while the others wait for it to join.
+  // Beating from here on, before the ranks meet, where a launcher started every rank on its
+  // machine together: its --hang-timeout then also names a rank that froze while the others wait
+  // for it to join. Not a process given a rank that ran the job already (started again by hand,
+  // refused as the ranks agree to start): its beats would hide that rank's silence.
   BeatStore beats(host, port, secret, o.generation, store);
   Store& beat_store = beats.store();
-  HeartbeatSender heartbeat(beat_store, o.rank, progress, std::chrono::seconds(1));
+  std::optional<HeartbeatSender> heartbeat;
+  const auto start_beating = [&] {
+    if (!heartbeat) heartbeat.emplace(beat_store, o.rank, progress, std::chrono::seconds(1));
+  };
+  if (env(kBeatBeforeJoinEnv).value_or("") == "1" && !rank_met(store, o.rank)) start_beating();
 
   // Workers without a launcher say their host, for rank 0's record of the run (posted before
   // the answer rank 0 waits for, so it is there once the ranks agree).
@@ -756,6 +769,7 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
     comm = make_gloo_communicator(store, o.rank, o.world_size, gloo);
   }
   farewell.met = true;
+  start_beating();
   if (record->active()) {
     // Rank 0's (this process's) first: status checks its pid only on the generation's first host.
     std::vector<std::string> hosts(static_cast<size_t>(o.world_size));
@@ -818,7 +832,7 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
   };
   if (!faults.empty()) {
     topts.before_step = [&faults, &heartbeat](int64_t step) {
-      faults.before_step(step, [&heartbeat] { heartbeat.flush(); });
+      faults.before_step(step, [&heartbeat] { heartbeat->flush(); });
     };
     topts.before_checkpoint_commit = [&faults](int64_t step) {
       faults.before_checkpoint_commit(step);

@@ -73,14 +73,30 @@ std::vector<std::string> error_messages(const std::string& text) {
   return messages;
 }
 
-std::string first_line(const std::string& text) {
+namespace {
+
+// Its lines that hold text, without the whitespace around them.
+std::vector<std::string> text_lines(const std::string& text) {
+  std::vector<std::string> out;
   std::istringstream lines(text);
   for (std::string line; std::getline(lines, line);) {
     const auto begin = line.find_first_not_of(" \t\r");
     if (begin == std::string::npos) continue;
-    return line.substr(begin, line.find_last_not_of(" \t\r") - begin + 1);
+    out.push_back(line.substr(begin, line.find_last_not_of(" \t\r") - begin + 1));
   }
-  return "";
+  return out;
+}
+
+}  // namespace
+
+std::string first_line(const std::string& text) {
+  const auto lines = text_lines(text);
+  return lines.empty() ? "" : lines.front();
+}
+
+std::string last_line(const std::string& text) {
+  const auto lines = text_lines(text);
+  return lines.empty() ? "" : lines.back();
 }
 
 namespace {

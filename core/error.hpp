@@ -37,6 +37,9 @@ std::vector<std::string> error_messages(const std::string& text);
 // The first line of a message that holds text (another program's stderr), without the
 // whitespace around it; "" when there is none.
 std::string first_line(const std::string& text);
+// The same, of its last line that holds text (a command's one line after a login shell's
+// greeting).
+std::string last_line(const std::string& text);
 // The lead-in of a log excerpt that ends a failure's first line, "; its last lines (full log:
 // LOG):", before the excerpt's indented lines.
 std::string log_excerpt_lead(const std::string& log);

@@ -151,6 +151,12 @@ std::vector<std::string> unreachable_faults(const std::vector<Fault>& faults, in
       if (f.rank >= world) {
         out.push_back(fmt::format("DPTRAIN_FAULT '{}' never fires: there are ranks 0 to {}", f.text,
                                   world - 1));
+      } else if (world < 2 || f.rank < 0) {
+        // Nothing then beats for a launcher to compare: the job waits until it is killed.
+        out.push_back(
+            fmt::format("DPTRAIN_FAULT '{}' freezes every rank: no rank is left to "
+                        "notice it; give rank=R of 2 or more ranks",
+                        f.text));
       }
     } else if (f.kind != Fault::Kind::slow && f.step < first_step) {
       out.push_back(fmt::format("DPTRAIN_FAULT '{}' never fires: the run continues from step {}",

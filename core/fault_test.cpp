@@ -29,6 +29,7 @@ TEST_CASE("fault specs parse, with every field and several faults") {
   CHECK(join[0].rank == 1);
   CHECK(unreachable_faults(join, 10, 2, 0).empty());
   CHECK(unreachable_faults(join, 10, 1, 0).size() == 1);  // no rank 1
+  CHECK(unreachable_faults(parse_faults("freeze-before-join"), 10, 2, 0).size() == 1);
 }
 
 TEST_CASE("bad fault specs are usage errors naming the part") {

@@ -970,8 +970,7 @@ void check_data_path(DataSpec& data, const std::filesystem::path& base_dir, Data
   if (!is_utf8(data.path)) {
     problems.add(pointer,
                  fmt::format("\"{}\" is not UTF-8 (a name in another encoding): a run's copy of "
-                             "the recipe cannot hold it; rename it, or give a path through a "
-                             "link whose name is UTF-8",
+                             "the recipe cannot hold it; rename it",
                              printable(data.path)));
     return;
   }

@@ -27,6 +27,10 @@ struct AgentPlan {
   std::string backend = "gloo";
   // Local rank i sees one GPU: the i-th of the node's CUDA_VISIBLE_DEVICES, or device i.
   bool one_gpu_per_rank = false;
+  // A job on this machine alone (its ranks started together): they beat before they meet, so
+  // that --hang-timeout names one that never joins. Not sent to other hosts, whose ranks start
+  // as their agents get to them (the launcher's own clock would call them late).
+  bool beat_before_join = false;
   std::string resume_from;  // a checkpoint directory on that host, "newest[-or-start]", or empty
   std::vector<int> ranks;   // global ranks on this host; local rank = index
   // Extra environment for the workers: the job's --env, and on remote hosts what the launcher

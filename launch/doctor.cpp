@@ -331,7 +331,8 @@ class Doctor {
   // The fix for what the SSH connection's failure says: a host key, an authentication, or the
   // connection itself.
   static std::string ssh_fix(std::string_view failure) {
-    if (failure.find("host key") != std::string_view::npos) {
+    if (failure.find("host key") != std::string_view::npos ||
+        failure.find("HOST KEY") != std::string_view::npos) {
       return "put the host's key in known_hosts (ssh-keyscan), or give --accept-new-host-keys "
              "for a new host; a changed key: see the line";
     }
@@ -456,7 +457,8 @@ class Doctor {
     }
     const auto r = s.shell->run(command);
     const bool ok = r.exit_status == 0;
-    std::string detail = first_line(ok || r.err.empty() ? r.out : r.err);
+    // Its one line comes last: a login shell's greeting may come before it.
+    std::string detail = ok ? last_line(r.out) : first_line(r.err.empty() ? r.out : r.err);
     if (detail.starts_with(kErrorLinePrefix)) detail.erase(0, kErrorLinePrefix.size());
     if (detail.empty()) detail = fmt::format("'_probe blas' exited with status {}", r.exit_status);
     s.checks.push_back({"blas", h.display(), ok, detail,
@@ -474,8 +476,10 @@ class Doctor {
           Clock::now() + std::chrono::milliseconds(static_cast<int>(kProbeSeconds * 1000)));
       return attempt.fd ? "" : attempt.failure;
     }
-    const auto r = surveys_[i].shell->run(shell_command(
-        {surveys_[i].binary, "_probe", "connect", address, fmt::format("{}", kProbeSeconds)}));
+    // The binary as the other checks run it (a leading ~ is the host's home).
+    const auto r = surveys_[i].shell->run(
+        remote_path_word(surveys_[i].binary) + " " +
+        shell_command({"_probe", "connect", address, fmt::format("{}", kProbeSeconds)}));
     if (r.exit_status == 0) return "";
     return first_line(r.err.empty() ? r.out : r.err);
   }
@@ -581,15 +585,23 @@ class Doctor {
           continue;
         }
         l.session = SshSession::connect(hosts_[j], options_.ssh);
-        l.channel = l.session->start(shell_command({surveys_[j].binary, "_probe", "listen"}));
+        l.channel = l.session->start(remote_path_word(surveys_[j].binary) + " _probe listen");
+        // Its "port N" line, after whatever a login shell prints first.
         std::string out;
+        unsigned port = 0;
+        const auto said_port = [&] {
+          std::istringstream lines(out);
+          for (std::string line; std::getline(lines, line);) {
+            if (!lines.eof() && std::sscanf(line.c_str(), "port %u", &port) == 1) return true;
+          }
+          return false;
+        };
         const auto deadline = Clock::now() + std::chrono::seconds(10);
-        while (out.find('\n') == std::string::npos && Clock::now() < deadline &&
+        while (!said_port() && Clock::now() < deadline &&
                l.channel->read([&](std::string_view d, bool) { out.append(d); },
                                std::chrono::milliseconds(200))) {
         }
-        unsigned port = 0;
-        if (std::sscanf(out.c_str(), "port %u", &port) == 1) {
+        if (said_port()) {
           l.address = format_host_port(hosts_[j].host, static_cast<uint16_t>(port));
         } else {
           l.failure = out.empty() ? "'dptrain _probe listen' printed no port within 10 s"

@@ -14,11 +14,12 @@ using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
 HangWatch::HangWatch(Store& store, int world_size, std::chrono::milliseconds timeout,
-                     RankName rank_name)
+                     RankName rank_name, bool joining)
     : store_(store),
       world_size_(world_size),
       timeout_(timeout),
       rank_name_(std::move(rank_name)),
+      joining_(joining),
       next_read_(Clock::now()) {}
 
 std::optional<std::string> HangWatch::check() {
@@ -57,7 +58,7 @@ std::optional<std::string> HangWatch::check() {
   // A rank that never beat while another has for longer than the timeout: frozen, or unable to
   // reach the store, before it joined (the others wait for it to meet).
   std::map<int, json> beats;
-  if (first_heard_ && static_cast<int>(seen_.size()) < world_size_) {
+  if (joining_ && first_heard_ && static_cast<int>(seen_.size()) < world_size_) {
     const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - *first_heard_);
     for (int r = 0; r < world_size_; ++r) {
       if (!seen_.count(r)) beats[r] = {{"never_ms", waited.count()}};

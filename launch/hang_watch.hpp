@@ -22,8 +22,10 @@ class HangWatch {
 
   // `store` is the generation's prefix store (the launcher's own client). A timeout of 0 only
   // watches: check() never finds a hang, and silent() says who had stopped beating.
+  // `joining`: the ranks beat before they meet (all started together on the launcher's machine),
+  // so one that never beats while another has for the timeout is named as never having joined.
   HangWatch(Store& store, int world_size, std::chrono::milliseconds timeout,
-            RankName rank_name = {});
+            RankName rank_name = {}, bool joining = false);
 
   // Call often; reads the store at most once a second. A message naming the stuck rank(s), their
   // step and phase, and the ranks waiting for them, once some rank made no progress for longer
@@ -75,6 +77,7 @@ class HangWatch {
   // The ranks whose heartbeat had stopped at `now`, and for how many milliseconds.
   std::map<int, int64_t> silent_at(std::chrono::steady_clock::time_point now) const;
 
+  bool joining_;
   std::optional<std::chrono::steady_clock::time_point> first_heard_;  // any rank's first beat
   std::chrono::steady_clock::time_point next_read_;
   std::chrono::steady_clock::time_point last_read_;

@@ -148,7 +148,7 @@ TEST_CASE("hang watch: a rank that never beats while the others wait to meet is 
     return json{{"step", 0}, {"phase", "starting"}, {"seq", 0}, {"progress", 0}, {"beat", beats}}
         .dump();
   };
-  HangWatch watch(store, 3, std::chrono::milliseconds(1500));
+  HangWatch watch(store, 3, std::chrono::milliseconds(1500), {}, /*joining=*/true);
   std::optional<std::string> verdict;
   // Nobody has beaten yet: no verdict however long (the ranks may still be starting).
   for (int i = 0; i < 5; ++i) {

@@ -377,16 +377,16 @@ std::vector<std::string> check_benchmark_fault_injection(const JobSpec& spec, in
                             true);
 }
 
-void close_lost_generation(json& info) {
+void close_lost_generation(json& info, const std::string& recorder) {
   if (json& gens = info["generations"]; gens.is_array() && !gens.empty() &&
                                         gens.back().is_object() &&
                                         !gens.back().contains("ended_at")) {
     json& lost = gens.back();
     lost["status"] = "lost";
     lost["ended_at"] = info.value("alive_at", json(nullptr));
-    lost["error"] =
-        "its launcher ended without recording how the generation ended (killed, or its machine "
-        "went down)";
+    lost["error"] = recorder +
+                    " ended without recording how the generation ended (killed, or its machine "
+                    "went down)";
   }
 }
 
@@ -419,6 +419,7 @@ JobPlan plan_job(const JobSpec& spec, const fs::path& run_path, const std::strin
   plan.store = format_host_port(store_addr, store_port);  // [v6]:port for an IPv6 address
   plan.secret = secret;
   plan.hosts = job_hosts(spec);
+  const bool single_host = plan.hosts.size() == 1 && plan.hosts.front().is_local();
   int next_rank = 0;
   const int world = total_slots(plan.hosts);
   // The launcher's CSV file, hashed once, for remote hosts to check their copy against.
@@ -459,6 +460,7 @@ JobPlan plan_job(const JobSpec& spec, const fs::path& run_path, const std::strin
     a.nominal_world = spec.nominal_world;
     a.backend = resolve_backend(spec.backend);
     a.one_gpu_per_rank = spec.one_gpu_per_rank || spec.recipe.train.device == "cuda";
+    a.beat_before_join = single_host;
     a.resume_from = spec.resume_from.string();
     for (int i = 0; i < h.slots; ++i)
       a.ranks.push_back(next_rank++);
@@ -768,7 +770,8 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     watch_client =
         std::make_unique<TcpStoreClient>(addr, store.port(), std::chrono::seconds(10), secret);
     watch_store = std::make_unique<PrefixStore>(fmt::format("gen{}", generation), *watch_client);
-    hang_watch = std::make_unique<HangWatch>(*watch_store, world, spec.hang_timeout, rank_name);
+    hang_watch = std::make_unique<HangWatch>(*watch_store, world, spec.hang_timeout, rank_name,
+                                             /*joining=*/!multi_host);
     options.watchdog = [&]() -> std::optional<std::string> {
       auto verdict = hang_watch->check();
       if (verdict) {
@@ -949,12 +952,17 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       // ranks' last heartbeats say which, when the others wait for it in a collective. Not where
       // a rank was killed by a signal of its own (not the launcher's): that is what happened,
       // and its last heartbeat is only where it was when it died.
+      // (A remote one as its agent reported it.)
       const bool killed_on_its_own =
-          sup.killed_why.empty() && std::any_of(sup.exits.begin(), sup.exits.end(),
-                                                [](const ProcessExit& e) { return e.signal != 0; });
+          sup.killed_why.empty() &&
+          (std::any_of(sup.exits.begin(), sup.exits.end(),
+                       [](const ProcessExit& e) { return e.signal != 0; }) ||
+           std::any_of(agent_failures.begin(), agent_failures.end(),
+                       [](const auto& f) { return f.second.value("signal", 0) != 0; }));
       if (trace.beats.size() >= 2 && !killed_on_its_own) {
         const std::string where = HangWatch::positions(trace.beats, rank_name);
-        if (where.find("; waiting for it in collective") != std::string::npos) {
+        if (where.find("; waiting for it in collective") != std::string::npos ||
+            where.find("; waiting for them in collective") != std::string::npos) {
           out.error += "; by the ranks' last heartbeats, " + where;
         }
       }

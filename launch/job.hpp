@@ -131,7 +131,7 @@ void check_local_gpus(const JobSpec& spec);
 // A generation whose launcher was killed (or whose machine went down) never recorded its end:
 // closed in `info` (run.json) as lost, when it was last known alive (alive_at, which a new
 // launcher must not have stamped yet).
-void close_lost_generation(nlohmann::json& info);
+void close_lost_generation(nlohmann::json& info, const std::string& recorder = "its launcher");
 
 // What run.json records of how the job's ranks are started, for `dptrain resume` to start them
 // alike: "remote" (workdir, remote_binary) when `remote` (some host is not this machine), "env"

@@ -24,6 +24,7 @@ constexpr std::string_view kSetForEachRank[] = {"RANK",
                                                 "DPTRAIN_BACKEND",
                                                 "DPTRAIN_EVENTS",
                                                 "DPTRAIN_NOMINAL_WORLD",
+                                                kBeatBeforeJoinEnv,
                                                 kLaunchedEnv,
                                                 kStoreSecretEnv};
 

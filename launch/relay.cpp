@@ -250,12 +250,13 @@ int run_relay(const RelayPlan& plan) {
   if (const int sig = channel->exit_signal(); sig != 0) {
     // The agent itself killed (its ranks die with it): its SSH server says by what.
     const std::string what = fmt::format(
-        "the agent on {} was killed by {} (by hand, the kernel's OOM killer or the "
-        "node's scheduler)",
-        host_and_ranks(plan), signal_name(sig));
+        "the agent on {} was killed by {}{}", host_and_ranks(plan), signal_name(sig),
+        sig == SIGKILL ? " (by hand, the kernel's OOM killer or the node's scheduler)" : "");
     if (done) return completed_anyway(what);
     write_host_failure(stdout, what + "; its ranks are taken as lost", /*refused=*/false, sig);
-    return 3;
+    // As a process killed by it exits: the launcher takes such a death for the cause before the
+    // communication errors it sets off in the ranks on other hosts.
+    return 128 + sig;
   }
   if (const auto why = not_runnable(*status, plan, last_line)) {
     write_host_failure(stdout, *why, /*refused=*/true);  // a restart would meet it again
@@ -264,8 +265,11 @@ int run_relay(const RelayPlan& plan) {
   // An agent speaks its protocol ("@alive", "@rank N ...", "@failure ...") and says "@done"
   // before it exits 0. A program that did neither is not this dptrain's agent (another build, or
   // another program at that path: /bin/false), and its ranks never ran: a restart would meet it
-  // again. Not an agent's own silent exits: 2 (it refused its plan), or a stop before its plan.
-  const bool agents_silent_exit = *status == 2 || *status == 130 || *status == 143;
+  // again. Not an agent's own silent exits: 2 (it refused its plan), 128 + N (a stop before its
+  // plan, or a signal through a shell that did not exec it), or one that failed before it spoke,
+  // saying why on its own error line.
+  const bool agents_silent_exit =
+      *status == 2 || *status >= 128 || last_line.starts_with("dptrain: ");
   if (!done && !heard_agent && !agents_silent_exit) {
     write_host_failure(
         stdout,

@@ -445,7 +445,8 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
     // step: the step says where they all came.
     const std::string where =
         before_first_step
-            ? fmt::format("at step {} (the last before its generation finished a step)", failed_at)
+            ? fmt::format("at step {} (the last of them before its generation completed a step)",
+                          failed_at)
             : fmt::format("at step {}", failed_at);
     same_step = failed_at == previous_step ? same_step + 1 : 1;
     previous_step = failed_at;

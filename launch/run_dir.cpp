@@ -618,8 +618,13 @@ bool started_by_workers(const nlohmann::json& info) {
 }
 
 std::string hand_resume_flag(const fs::path& run_dir) {
-  return list_checkpoints(run_dir / "checkpoints").empty() ? "--resume newest-or-start"
-                                                           : "--resume newest";
+  // A hint: checkpoints/ that cannot be listed (a file there) is for the resume to say.
+  try {
+    return list_checkpoints(run_dir / "checkpoints").empty() ? "--resume newest-or-start"
+                                                             : "--resume newest";
+  } catch (const Error&) {
+    return "--resume newest";
+  }
 }
 
 std::vector<std::string> recorded_remote_hosts(const nlohmann::json& info) {

@@ -473,11 +473,13 @@ struct SshChannel::Handle {
   }
 };
 
-SshChannel::SshChannel(std::shared_ptr<SessionHandle> session, std::string command, int keepalive_s)
+SshChannel::SshChannel(std::shared_ptr<SessionHandle> session, std::string command, int keepalive_s,
+                       std::chrono::milliseconds write_timeout)
     : session_(std::move(session)),
       handle_(std::make_unique<Handle>()),
       command_(std::move(command)),
       keepalive_s_(keepalive_s),
+      write_timeout_(write_timeout),
       last_keepalive_(Clock::now()) {
   Handle& h = *handle_;
   h.channel = ssh_channel_new(session_->session);
@@ -520,10 +522,28 @@ void SshChannel::fail(const std::string& what) const {
 
 void SshChannel::write(std::string_view data) {
   if (!handle_->channel) fail("write to a closed channel of");
+  auto moved = Clock::now();  // when the host last took some
   while (!data.empty()) {
     const auto chunk = static_cast<uint32_t>(std::min<size_t>(data.size(), 1u << 20));
     const int written = ssh_channel_write(handle_->channel, data.data(), chunk);
-    if (written <= 0) fail("cannot write to the stdin of");
+    if (written < 0) fail("cannot write to the stdin of");
+    if (written == 0) {
+      // libssh gave up waiting for the host to take more (the session's timeout, which is the
+      // connect timeout): a host that reads slowly (a busy disk, a shared file system) is waited
+      // for while its channel stays open, up to the command timeout without progress.
+      if (!ssh_channel_is_open(handle_->channel) || !session_->connected()) {
+        fail("cannot write to the stdin of");
+      }
+      if (Clock::now() - moved > write_timeout_) {
+        throw Error(ErrorKind::ssh,
+                    fmt::format("cannot write to the stdin of {} on {}: the host took no more of "
+                                "it for {}",
+                                command_excerpt(command_), session_->display,
+                                seconds_text(write_timeout_)));
+      }
+      continue;
+    }
+    moved = Clock::now();
     data.remove_prefix(static_cast<size_t>(written));
   }
 }
@@ -610,14 +630,20 @@ std::unique_ptr<SshSession> SshSession::connect(const HostSpec& host, const SshO
     // the time taken: libssh does not say which it was.
     const bool waited = std::chrono::steady_clock::now() - started >= options.connect_timeout / 2;
     // libssh says "Timeout connecting" whether the TCP connection or the SSH server's greeting
-    // never came: a port that takes connections says which.
-    if (waited && ssh_get_serverbanner(handle->session) == nullptr &&
+    // never came, and "disconnected" for a service that closed it: a port that takes
+    // connections says which.
+    if (ssh_get_serverbanner(handle->session) == nullptr &&
         connect_tcp(host.host, host.port, Clock::now() + std::chrono::seconds(1)).fd) {
-      throw Error(ErrorKind::ssh,
-                  fmt::format("cannot connect to {}: its port {} takes TCP connections, but no "
-                              "SSH server answered there within {} (another service on that "
-                              "port, or an SSH server that is stuck)",
-                              host.display(), host.port, seconds_text(options.connect_timeout)));
+      throw Error(
+          ErrorKind::ssh,
+          waited ? fmt::format("cannot connect to {}: its port {} takes TCP connections, but no "
+                               "SSH server answered there within {} (another service on that "
+                               "port, or an SSH server that is stuck)",
+                               host.display(), host.port, seconds_text(options.connect_timeout))
+                 : fmt::format("cannot connect to {}: its port {} takes TCP connections, but "
+                               "what answers there spoke no SSH ({}: another service on that "
+                               "port, or an SSH server turning connections away, MaxStartups)",
+                               host.display(), host.port, handle->error()));
     }
     throw Error(
         ErrorKind::ssh,
@@ -633,7 +659,7 @@ std::unique_ptr<SshSession> SshSession::connect(const HostSpec& host, const SshO
 
 std::unique_ptr<SshChannel> SshSession::start(const std::string& command) {
   return std::unique_ptr<SshChannel>(
-      new SshChannel(session_, command, options_.keepalive_interval_s));
+      new SshChannel(session_, command, options_.keepalive_interval_s, options_.command_timeout));
 }
 
 SshSession::Result SshSession::run(const std::string& command, const std::string& stdin_data) {

@@ -71,7 +71,8 @@ class SshChannel {
  private:
   friend class SshSession;
   struct Handle;
-  SshChannel(std::shared_ptr<SessionHandle> session, std::string command, int keepalive_s);
+  SshChannel(std::shared_ptr<SessionHandle> session, std::string command, int keepalive_s,
+             std::chrono::milliseconds write_timeout);
   bool drain(const std::function<void(std::string_view, bool)>& sink);
   bool finished();
   [[noreturn]] void fail(const std::string& what) const;
@@ -80,6 +81,7 @@ class SshChannel {
   std::unique_ptr<Handle> handle_;
   std::string command_;  // for messages
   int keepalive_s_;
+  std::chrono::milliseconds write_timeout_;  // a write that makes no progress this long fails
   std::chrono::steady_clock::time_point last_keepalive_;
   std::optional<int> exit_status_;
   int exit_signal_ = 0;

@@ -236,6 +236,11 @@ TEST_CASE("--dry-run --json prints the plan and starts nothing") {
   // A host's run directory is named after --run-dir's, as the launch names it.
   CHECK(plan["hosts"][1]["run_dir"] == "~/.dptrain/runs/dry-<id>");
   CHECK_FALSE(fs::exists(c.tmp / "dry"));
+  auto slash = c.launch_args(recipe, (c.tmp / "dry").string() + "/");
+  slash.insert(slash.end(), {"--dry-run", "--json"});
+  const auto slashed = run_dptrain(slash);
+  REQUIRE(slashed.exit_code == 0);
+  CHECK(parse_json(slashed.out)["hosts"][1]["run_dir"] == "~/.dptrain/runs/dry-<id>");
   auto table =
       run_dptrain({"launch", recipe.string(), "--hosts", c.hostfile.string(), "--dry-run"});
   CHECK(table.exit_code == 0);

@@ -218,6 +218,30 @@ TEST_CASE("a dataset smaller than one global batch is refused before anything ru
   CHECK_FALSE(fs::exists(tmp / "b"));
 }
 
+TEST_CASE("a --bind a rank cannot bind is its refusal (exit 2), which the other learns at once") {
+  TempDir tmp;
+  auto recipe_json = small_recipe();
+  recipe_json["distributed"]["timeout_s"] = 120;  // the wait it would otherwise sit out
+  const auto recipe = write_recipe(tmp.path(), recipe_json);
+  for (const std::string bind : {"no-such-host.invalid", "192.0.2.1"}) {
+    CAPTURE(bind);
+    const std::string port = std::to_string(unused_port());
+    auto [env0, env1] = hand_worker_envs(tmp / ("run-" + bind), port);
+    env1["DPTRAIN_BIND_ADDR"] = bind;
+    const auto t0 = std::chrono::steady_clock::now();
+    Background r0({"worker", recipe.string()}, env0);
+    Background r1({"worker", recipe.string()}, env1);
+    const int c1 = r1.wait(std::chrono::seconds(60));
+    const int c0 = r0.wait(std::chrono::seconds(60));
+    INFO(r0.err(), r1.err());
+    CHECK(c1 == 2);
+    CHECK(contains(r1.err(), "--bind (DPTRAIN_BIND_ADDR) '" + bind + "': "));
+    CHECK(c0 == 2);
+    CHECK(contains(r0.err(), "rank 1"));
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(60));  // not the 120 s
+  }
+}
+
 TEST_CASE("workers started by hand from the environment, rank 0 hosting the store") {
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), small_recipe());

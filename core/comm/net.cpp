@@ -60,4 +60,28 @@ std::string local_address_towards(const std::string& host, uint16_t port) {
   return buf;
 }
 
+void check_bind_address(const std::string& host, const std::string& what) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (const int status = ::getaddrinfo(host.c_str(), "0", &hints, &res); status != 0 || !res) {
+    throw Error(ErrorKind::usage,
+                fmt::format("{} '{}': cannot resolve it: {}", what, printable(host),
+                            status != 0 ? ::gai_strerror(status) : "no address"));
+  }
+  std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> guard(res, ::freeaddrinfo);
+  const int fd = ::socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const bool bound = fd >= 0 && ::bind(fd, res->ai_addr, res->ai_addrlen) == 0;
+  const int error = errno;
+  if (fd >= 0) ::close(fd);
+  if (!bound) {
+    throw Error(
+        ErrorKind::usage,
+        fmt::format("{} '{}': {} ({}); give an address of this machine", what, printable(host),
+                    error == EADDRNOTAVAIL ? "not an address of this machine" : "cannot bind there",
+                    std::strerror(error)));
+  }
+}
+
 }  // namespace dptrain

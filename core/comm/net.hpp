@@ -15,4 +15,8 @@ std::string this_host();
 // can reach this machine on. A UDP connect sends nothing. Error(comm) naming the host.
 std::string local_address_towards(const std::string& host, uint16_t port);
 
+// Error(usage) naming `what` (the option that gave it) when a rank cannot bind its transport to
+// `host`: a name that does not resolve, or an address this machine does not have.
+void check_bind_address(const std::string& host, const std::string& what);
+
 }  // namespace dptrain

@@ -210,6 +210,19 @@ void refuse_duplicate_start(Store& store, int rank) {
 
 }  // namespace
 
+namespace {
+
+// Set by a rank as it joins the job (its process, which a second one given the rank is told).
+std::string met_key(int rank) {
+  return fmt::format("backend/met/{}", rank);
+}
+
+}  // namespace
+
+bool rank_met(Store& store, int rank) {
+  return store.check({met_key(rank)});
+}
+
 BackendChoice agree_to_start(Store& store, int rank, int world, bool required,
                              const std::string& why_not, std::chrono::milliseconds timeout) {
   // A second process given a rank that one running the job has (a script's slip): told at
@@ -219,7 +232,7 @@ BackendChoice agree_to_start(Store& store, int rank, int world, bool required,
   // The one that ran it and is gone (killed, say, and started again by hand or by a scheduler):
   // the job has failed with it, since a started job takes no rank back; its ranks all start
   // again. A communication error, as the rank's own failure was.
-  const std::string met = fmt::format("backend/met/{}", rank);
+  const std::string met = met_key(rank);
   const std::string host = claim_machine();
   if (store.check({met})) {
     const Claim earlier = read_claim(store.get(met, std::chrono::seconds(2)), host);

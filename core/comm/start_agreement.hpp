@@ -30,6 +30,10 @@ struct BackendChoice {
 BackendChoice agree_to_start(Store& store, int rank, int world, bool required,
                              const std::string& why_not, std::chrono::milliseconds timeout);
 
+// Whether a process has joined this store's job as `rank` already (agree_to_start refuses
+// another).
+bool rank_met(Store& store, int rank);
+
 // A rank that cannot start (a recipe it cannot read, a run directory it must not write over)
 // posts why in place of its answer, so that the ranks at agree_to_start fail at once naming it
 // instead of waiting for it until their timeout. Rank 0's post is the choice itself. A leading

@@ -557,9 +557,8 @@ void TcpStoreServer::stop() {
 
 namespace {
 
-// Bounds requests that never block on the server (set, add, check, the handshake), and how much
-// longer than a get/wait timeout the client waits for the server's own timeout reply.
-constexpr std::chrono::seconds kRequestTimeout{60};
+// How much longer than a get/wait timeout the client waits for the server's own timeout reply.
+// (Requests that never block on the server are bounded by the client's request timeout.)
 constexpr std::chrono::seconds kTimeoutReplyGrace{10};
 constexpr std::chrono::milliseconds kConnectRetryPause{100};
 
@@ -775,7 +774,7 @@ std::string TcpStoreClient::request(const std::string& frame, const std::string&
 void TcpStoreClient::set(const std::string& key, const std::string& value) {
   const std::string frame =
       FrameWriter().u8(static_cast<uint8_t>(Op::set)).str(key).str(value).finish();
-  request(frame, fmt::format("set '{}'", key), deadline_after(kRequestTimeout));
+  request(frame, fmt::format("set '{}'", key), deadline_after(request_timeout_));
 }
 
 std::string TcpStoreClient::get(const std::string& key, std::chrono::milliseconds timeout) {
@@ -800,14 +799,14 @@ int64_t TcpStoreClient::add(const std::string& key, int64_t delta) {
   const std::string frame =
       FrameWriter().u8(static_cast<uint8_t>(Op::add)).str(key).i64(delta).finish();
   const std::string fields =
-      request(frame, fmt::format("add '{}'", key), deadline_after(kRequestTimeout));
+      request(frame, fmt::format("add '{}'", key), deadline_after(request_timeout_));
   return FrameReader(fields).i64();
 }
 
 bool TcpStoreClient::check(const std::vector<std::string>& keys) {
   const std::string frame = FrameWriter().u8(static_cast<uint8_t>(Op::check)).strs(keys).finish();
   const std::string fields =
-      request(frame, "check " + quoted_keys(keys), deadline_after(kRequestTimeout));
+      request(frame, "check " + quoted_keys(keys), deadline_after(request_timeout_));
   return FrameReader(fields).u8() != 0;
 }
 

@@ -74,6 +74,10 @@ class TcpStoreClient : public Store {
 
   const std::string& host() const { return host_; }
   uint16_t port() const { return port_; }
+  // How long a request that never blocks on the server (set, add, check) may take: 60 s by
+  // default. A client whose requests may be given up on (heartbeats) sets a short one, so that a
+  // store that stopped answering (its process frozen) holds no caller of it for a minute.
+  void set_request_timeout(std::chrono::milliseconds timeout) { request_timeout_ = timeout; }
 
  private:
   struct Reply;
@@ -94,6 +98,7 @@ class TcpStoreClient : public Store {
   uint16_t port_;
   std::chrono::milliseconds connect_timeout_;
   std::chrono::milliseconds handshake_timeout_;
+  std::chrono::milliseconds request_timeout_{std::chrono::seconds(60)};
   // When the handshake in progress began: its messages say how long it waited.
   SteadyTime handshake_began_{};
   // Whether a connection was ever authenticated: a store that served this client and then
