@@ -103,7 +103,7 @@ BeatStore::BeatStore(const std::string& host, uint16_t port, const std::string& 
                      int generation, Store& fallback)
     : fallback_(fallback) {
   try {
-    client_.emplace(host, port, std::chrono::seconds(2), secret);
+    client_.emplace(host, port, std::chrono::seconds(2), secret, std::chrono::seconds(2));
     // A beat is sent again a second later: one the store does not take within 2 s is dropped,
     // not waited for (holding the rank's reads of its peers' heartbeats with it).
     client_->set_request_timeout(std::chrono::seconds(2));

@@ -458,7 +458,7 @@ class Doctor {
     const auto r = s.shell->run(command);
     const bool ok = r.exit_status == 0;
     // Its one line comes last: a login shell's greeting may come before it.
-    std::string detail = ok ? last_line(r.out) : first_line(r.err.empty() ? r.out : r.err);
+    std::string detail = last_line(ok || r.err.empty() ? r.out : r.err);
     if (detail.starts_with(kErrorLinePrefix)) detail.erase(0, kErrorLinePrefix.size());
     if (detail.empty()) detail = fmt::format("'_probe blas' exited with status {}", r.exit_status);
     s.checks.push_back({"blas", h.display(), ok, detail,
@@ -481,7 +481,7 @@ class Doctor {
         remote_path_word(surveys_[i].binary) + " " +
         shell_command({"_probe", "connect", address, fmt::format("{}", kProbeSeconds)}));
     if (r.exit_status == 0) return "";
-    return first_line(r.err.empty() ? r.out : r.err);
+    return last_line(r.err.empty() ? r.out : r.err);  // its own line, after any greeting
   }
 
   bool can_probe(size_t i) const { return surveys_[i].held_back.empty(); }
@@ -605,7 +605,7 @@ class Doctor {
           l.address = format_host_port(hosts_[j].host, static_cast<uint16_t>(port));
         } else {
           l.failure = out.empty() ? "'dptrain _probe listen' printed no port within 10 s"
-                                  : "'dptrain _probe listen' said: " + first_line(out);
+                                  : "'dptrain _probe listen' said: " + last_line(out);
         }
       } catch (const Error& e) {
         l.failure = e.what();

@@ -1142,7 +1142,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       exit_code = lost->exit_code;
       signal = lost->signal;
     }
-    // A host's agent killed by a signal: its relay exited 3 saying so, and the signal is the
+    // A host's agent killed by a signal: its relay exited 128 + N saying so, and the signal is the
     // host's exit.
     if (const json* r = agent_report(f); r != nullptr && r->value("rank", -1) < 0 &&
                                          r->value("signal", 0) != 0 && !early_exit && !lost) {

@@ -247,7 +247,14 @@ int run_relay(const RelayPlan& plan) {
                             host_and_ranks(plan)));
     return 3;
   }
-  if (const int sig = channel->exit_signal(); sig != 0) {
+  // The signal that killed the agent: as its SSH server reports it, or (through a shell that did
+  // not exec it) as 128 + N from an agent that never spoke (an agent's stops exit 130 or 143).
+  int sig = channel->exit_signal();
+  if (sig == 0 && !heard_agent && *status > 128 && *status < 128 + 65 && *status != 130 &&
+      *status != 143) {
+    sig = *status - 128;
+  }
+  if (sig != 0) {
     // The agent itself killed (its ranks die with it): its SSH server says by what.
     const std::string what = fmt::format(
         "the agent on {} was killed by {}{}", host_and_ranks(plan), signal_name(sig),
@@ -269,7 +276,7 @@ int run_relay(const RelayPlan& plan) {
   // plan, or a signal through a shell that did not exec it), or one that failed before it spoke,
   // saying why on its own error line.
   const bool agents_silent_exit =
-      *status == 2 || *status >= 128 || last_line.starts_with("dptrain: ");
+      *status == 2 || *status >= 128 || last_line.starts_with(kErrorLinePrefix);
   if (!done && !heard_agent && !agents_silent_exit) {
     write_host_failure(
         stdout,

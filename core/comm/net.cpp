@@ -71,10 +71,16 @@ void check_bind_address(const std::string& host, const std::string& what) {
                             status != 0 ? ::gai_strerror(status) : "no address"));
   }
   std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> guard(res, ::freeaddrinfo);
-  const int fd = ::socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  const bool bound = fd >= 0 && ::bind(fd, res->ai_addr, res->ai_addrlen) == 0;
-  const int error = errno;
-  if (fd >= 0) ::close(fd);
+  // As Gloo takes it: the first of its addresses that binds ("localhost" may give ::1 first on
+  // a machine without IPv6 on its loopback).
+  bool bound = false;
+  int error = 0;
+  for (const addrinfo* a = res; a && !bound; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    bound = fd >= 0 && ::bind(fd, a->ai_addr, a->ai_addrlen) == 0;
+    if (!bound && error == 0) error = errno;
+    if (fd >= 0) ::close(fd);
+  }
   if (!bound) {
     throw Error(
         ErrorKind::usage,
