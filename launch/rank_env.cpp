@@ -60,7 +60,7 @@ RankEnv RankEnv::parse(const std::vector<std::string>& settings) {
     }
     if (set_for_each_rank(name)) {
       throw Error(ErrorKind::usage,
-                  fmt::format("--env {}: the launcher sets {} for its ranks itself", name, name));
+                  fmt::format("--env {}: the launcher sets {} for each rank itself", name, name));
     }
     if (eq != std::string::npos) {
       env.values[name] = setting.substr(eq + 1);

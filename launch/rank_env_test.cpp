@@ -48,7 +48,7 @@ TEST_CASE("--env refuses what is not a variable, what the launcher sets, and wha
   CHECK(usage_error({"1ABC=x"}).find("--env '1ABC=x': '1ABC' is not a variable name") == 0);
   CHECK(usage_error({"=x"}).find("--env '=x': '' is not a variable name") == 0);
   CHECK(usage_error({"A-B=1"}).find("'A-B' is not a variable name") != std::string::npos);
-  CHECK(usage_error({"RANK=3"}) == "--env RANK: the launcher sets RANK for its ranks itself");
+  CHECK(usage_error({"RANK=3"}) == "--env RANK: the launcher sets RANK for each rank itself");
   CHECK(usage_error({"DPTRAIN_STORE_SECRET"}).find("the launcher sets") != std::string::npos);
   CHECK(usage_error({"DPTRAIN_LAUNCHED=1"}).find("the launcher sets") != std::string::npos);
   unsetenv("DPTRAIN_TEST_UNSET");
