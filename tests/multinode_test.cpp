@@ -64,6 +64,15 @@ json quick_recipe() {
   return r;
 }
 
+// The agent that runs a remote worker: its parent (a host's ranks are its agent's children).
+pid_t agent_of(pid_t worker) {
+  std::ifstream stat("/proc/" + std::to_string(worker) + "/stat");
+  std::string pid, name, state;
+  pid_t parent = 0;
+  stat >> pid >> name >> state >> parent;
+  return parent;
+}
+
 // The quick recipe launched across the cluster into c.tmp/NAME, each step slowed (30 ms) so that
 // a test can act mid-run: its 4 workers by rank once they all run (and, with `stepping`, have
 // logged a step).
@@ -492,11 +501,7 @@ TEST_CASE("SIGTERM to a host's agent (a node shutting down) checkpoints every ra
   Cluster c;
   std::optional<Background> launcher;
   auto workers = start_slowed(c, "agentterm", launcher, true);
-  // The agent is rank 3's parent (its host's ranks are its children).
-  std::ifstream stat("/proc/" + std::to_string(workers[3]) + "/stat");
-  std::string pid, name, state;
-  pid_t agent = 0;
-  stat >> pid >> name >> state >> agent;
+  const pid_t agent = agent_of(workers[3]);
   REQUIRE(agent > 1);
   REQUIRE(::kill(agent, SIGTERM) == 0);
   CHECK(launcher->wait(std::chrono::seconds(90)) == 143);
@@ -515,10 +520,7 @@ TEST_CASE("SIGKILL of a host's agent: exit 3 naming the host, its ranks and the 
   std::optional<Background> launcher;
   const fs::path events = c.tmp / "events.jsonl";
   auto workers = start_slowed(c, "agentkill", launcher, true, {"--events", events.string()});
-  std::ifstream stat("/proc/" + std::to_string(workers[3]) + "/stat");
-  std::string pid, name, state;
-  pid_t agent = 0;
-  stat >> pid >> name >> state >> agent;
+  const pid_t agent = agent_of(workers[3]);
   REQUIRE(agent > 1);
   REQUIRE(::kill(agent, SIGKILL) == 0);
   CHECK(launcher->wait(std::chrono::seconds(60)) == 3);
