@@ -194,6 +194,7 @@ void print_verify_table(const std::vector<CheckpointRow>& rows, const LatestStat
     }
   }
   if (latest && !latest->ok()) std::printf("%s\n", latest_line(*latest).c_str());
+  if (latest && !latest->exists && !rows.empty()) std::printf("checkpoints/latest: missing\n");
 }
 
 json latest_json(const LatestStatus& latest) {
@@ -381,6 +382,14 @@ int run_verify(const CkptOptions& o) {
   }
   int code = errors.empty() ? 0 : exit_code(ErrorKind::checkpoint);
   const char* status = errors.empty() ? "ok" : "error";
+  // No `latest` beside checkpoints is not damage (a rank stopped between a checkpoint's commit
+  // and `latest`'s first write, or it was removed by hand): resume takes the newest valid one.
+  // Said, so that a check before copying the run does not pass over it in silence.
+  std::string warning;
+  if (check_latest_too && !latest.exists && !dirs.empty()) {
+    warning = fmt::format("{}: missing; resume continues from the newest checkpoint that verifies",
+                          printable((run.checkpoints() / "latest").string()));
+  }
   if (const int sig = pending_stop_signal(); sig != 0) {
     const bool term = sig == SIGTERM;
     code = exit_code(term ? ErrorKind::terminated : ErrorKind::interrupted);
@@ -393,6 +402,7 @@ int run_verify(const CkptOptions& o) {
     if (check_latest_too) {
       out["latest"] = latest_json(latest);
       out["latest_problem"] = or_null(latest.problem);
+      out["warnings"] = warning.empty() ? json::array() : json::array({warning});
     }
     out["checkpoints"] = json::array();
     for (const auto& row : rows)
@@ -409,6 +419,7 @@ int run_verify(const CkptOptions& o) {
     print_verify_table(rows, check_latest_too ? &latest : nullptr);
   }
   std::fflush(stdout);
+  if (!warning.empty()) std::fprintf(stderr, "dptrain: warning: %s\n", warning.c_str());
   for (const auto& line : errors)
     std::fprintf(stderr, "dptrain: error: %s\n", line.c_str());
   return code;

@@ -617,12 +617,14 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(
       1000.0 * (o.timeout_s > 0 ? o.timeout_s : recipe.distributed.timeout_s)));
   farewell.wait = std::min<std::chrono::milliseconds>(Farewell::kWait, timeout);
-  // The recipe is the same on every rank: they all say so.
+  // The recipe is the same on every rank: they all say so, as the launcher does (exit 2).
   if (requested == "nccl" && ops->device() == "cpu") {
-    throw Error(ErrorKind::comm,
-                fmt::format("rank {}: backend nccl: this rank computes on the CPU (train.device "
-                            "is \"cpu\")",
-                            o.rank));
+    throw Error(
+        ErrorKind::usage,
+        fmt::format("rank {}: backend nccl ({}): this rank computes on the CPU "
+                    "(train.device \"{}\"); NCCL needs \"cuda\": use gloo or auto",
+                    o.rank, env("DPTRAIN_BACKEND") ? "DPTRAIN_BACKEND" : "distributed.backend",
+                    recipe.train.device));
   }
 
   // A checkpoint named that is none: rank 0, which reads it, refuses before the ranks meet (the

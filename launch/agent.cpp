@@ -151,7 +151,9 @@ std::vector<ProcessSpec> worker_specs(const AgentPlan& plan, const fs::path& wor
     if (plan.nominal_world > 0) {
       p.env.emplace_back("DPTRAIN_NOMINAL_WORLD", std::to_string(plan.nominal_world));
     }
-    if (plan.beat_before_join) p.env.emplace_back(kBeatBeforeJoinEnv, "1");
+    // Always set: one left in the launcher's (or agent's) own environment must not reach ranks
+    // whose launcher does not watch for it (a multi-host job's local ranks).
+    p.env.emplace_back(kBeatBeforeJoinEnv, plan.beat_before_join ? "1" : "0");
     if (plan.one_gpu_per_rank) {
       p.env.emplace_back("CUDA_VISIBLE_DEVICES", gpu_of_local_rank(local, plan.env));
     }

@@ -10,6 +10,7 @@
 #include "core/fs.hpp"
 #include "launch/provision.hpp"
 #include "launch/rank_env.hpp"
+#include "launch/run_dir.hpp"
 #include "tests/scoped_env.hpp"
 #include "tests/temp_dir.hpp"
 
@@ -194,6 +195,17 @@ TEST_CASE("agent: ranks' OpenBLAS pool is the recipe's threads_per_rank unless t
   plan.env.erase("OPENBLAS_NUM_THREADS");
   ScopedEnv mine("OPENBLAS_NUM_THREADS", "2");  // this host's own: the ranks inherit it
   CHECK(threads(worker_specs(plan, "/bin/dptrain").front()).empty());
+}
+
+TEST_CASE("agent: ranks beat before they meet only when the plan says so, whatever it inherits") {
+  // One left in the launcher's own environment must not reach a multi-host job's ranks.
+  ScopedEnv leaked(kBeatBeforeJoinEnv, "1");
+  AgentPlan plan = two_rank_plan();
+  auto specs = worker_specs(plan, "/bin/dptrain");
+  CHECK(env_of(specs[0], kBeatBeforeJoinEnv) == "0");
+  plan.beat_before_join = true;
+  specs = worker_specs(plan, "/bin/dptrain");
+  CHECK(env_of(specs[1], kBeatBeforeJoinEnv) == "1");
 }
 
 }  // namespace dptrain

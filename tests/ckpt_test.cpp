@@ -229,7 +229,14 @@ TEST_CASE("ckpt verifies the newest checkpoint when `latest` lags, and shows tho
 
   fs::remove(ck / "latest");
   auto newest = run_dptrain({"ckpt", "verify", run.string()});
+  CHECK(newest.exit_code == 0);  // resume copes: not damage, but said
   CHECK(contains(newest.out, "step-000060: ok"));
+  CHECK(contains(newest.out, "checkpoints/latest: missing"));
+  CHECK(contains(newest.err, "warning: " + (ck / "latest").string() + ": missing; resume"));
+  const auto missing = parse_json(run_dptrain({"ckpt", "verify", run.string(), "--json"}).out);
+  CHECK(missing["ok"] == true);
+  REQUIRE(missing["warnings"].size() == 1);
+  CHECK(contains(missing["warnings"][0].get<std::string>(), "latest: missing"));
   CHECK(list_json(run)["latest"].is_null());
 
   // What resume does with a damaged newest checkpoint: rename it, never delete it.

@@ -215,6 +215,28 @@ TEST_CASE("usage errors exit 2") {
                     std::string::npos,
                 nccl.err);
   CHECK_FALSE(fs::exists(tmp / "runs"));
+  // And a rank started by hand that is told to (DPTRAIN_BACKEND): the same usage error, exit 2.
+  auto nccl_rank =
+      run_dptrain({"worker", recipe.string(), "--rank", "0", "--world-size", "1", "--store",
+                   "127.0.0.1:9", "--run-dir", (tmp / "nccl-rank").string()},
+                  {{"DPTRAIN_BACKEND", "nccl"}});
+  CHECK(nccl_rank.exit_code == 2);
+  CHECK_MESSAGE(nccl_rank.err ==
+                    "dptrain: error: rank 0: backend nccl (DPTRAIN_BACKEND): this "
+                    "rank computes on the CPU (train.device \"cpu\"); NCCL needs "
+                    "\"cuda\": use gloo or auto\n",
+                nccl_rank.err);
+  // The identity from the environment: a value past int names the bound it is past.
+  for (const auto& [value, says] : std::vector<std::pair<std::string, std::string>>{
+           {"2147483648", "RANK: '2147483648' is too large (at most 2147483647)"},
+           {"-99999999999", "RANK: '-99999999999' is too small (at least -2147483648)"},
+           {"1x", "RANK: not an integer: '1x'"}}) {
+    auto bad = run_dptrain(
+        {"worker", recipe.string(), "--run-dir", (tmp / "by-env").string()},
+        {{"RANK", value}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "9"}});
+    CHECK(bad.exit_code == 2);
+    CHECK(bad.err == "dptrain: error: " + says + "\n");
+  }
   // A run directory that cannot be made is the caller's to fix: a usage error naming it.
   write_text(tmp / "afile", "x");
   auto unwritable =
