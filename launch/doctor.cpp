@@ -337,6 +337,14 @@ class Doctor {
              "for a new host; a changed key: see the line";
     }
     if (failure.find("authentication refused") != std::string_view::npos) {
+      // A key file named that could not be used at all: authorizing it would not help.
+      for (const char* unusable : {"(a public key, not", "(passphrase-protected", "(cannot be read",
+                                   "(not a private key", "libssh cannot read)", " (missing)"}) {
+        if (failure.find(unusable) != std::string_view::npos) {
+          return "name a private key file (not its .pub) that needs no passphrase, or load the "
+                 "key into ssh-agent (--identity, key= in the hostfile)";
+        }
+      }
       return "authorize the key on the host (ssh-copy-id), or name the right one (--identity, "
              "key= in the hostfile)";
     }
@@ -388,12 +396,30 @@ class Doctor {
     }
     std::string binary =
         options_.remote_binary.empty() ? s.facts.workdir + "/bin/dptrain" : options_.remote_binary;
-    std::string version = s.facts.dptrain_version;
+    std::string version;
     std::string why;  // the loader's complaint, where it did not run for a missing library
-    if (!options_.remote_binary.empty() || version.empty()) {
-      const auto r = s.shell->run(remote_path_word(binary) + " --version");
+    try {
+      const auto r = s.shell->run(version_command(remote_path_word(binary)));
+      if (r.exit_status == kVersionTimedOut) {
+        s.checks.push_back(
+            {"version", h.display(), false,
+             fmt::format("dptrain at {} did not answer --version within {} s (it hangs as it "
+                         "starts)",
+                         binary, version_probe_seconds()),
+             fmt::format("run '{} --version' on the host to see where it stops; install a "
+                         "build that starts there",
+                         binary)});
+        s.held_back = "its dptrain does not answer";
+        return;
+      }
       version = r.exit_status == 0 ? version_line(r.out) : "";
       if (version.empty()) why = loader_failure(r.err + "\n" + r.out);
+    } catch (const Error& e) {
+      // The connection, not the binary: the version is not known.
+      s.checks.push_back({"version", h.display(), false, e.what(),
+                          "check the host is up and sshd listens on its port"});
+      s.held_back = "its version check failed";
+      return;
     }
     if (version.empty()) {
       // A binary that is there but lacks a library (the loader's message): provisioning it

@@ -433,7 +433,7 @@ SshSession::Result prepare_workdir(HostShell& shell, const HostSpec& host,
 }
 
 SshSession::Result installed_version(HostShell& shell, const std::string& absolute_workdir) {
-  return shell.run(shell_command({absolute_workdir + "/bin/dptrain", "--version"}));
+  return shell.run(version_command(shell_quote(absolute_workdir + "/bin/dptrain")));
 }
 
 // ---- one host ----
@@ -503,6 +503,12 @@ void provision_host(HostReport& report, const ProvisionOptions& options,
   }
   check_stop(" after the uploads");
   const auto version = installed_version(*target, workdir);
+  if (version.exit_status == kVersionTimedOut) {
+    throw Error(ErrorKind::ssh,
+                fmt::format("the dptrain installed in {} on {} did not answer --version within "
+                            "{} s (it hangs as it starts)",
+                            workdir, name, version_probe_seconds()));
+  }
   if (version.exit_status != 0) {
     throw Error(ErrorKind::ssh,
                 fmt::format("the dptrain installed in {} does not run on {} (exit {}): {}", workdir,
@@ -530,10 +536,21 @@ std::string loader_failure(const std::string& output) {
 }
 
 HostFacts survey_host(HostShell& shell, const HostSpec& host, const std::string& workdir) {
-  HostFacts facts = parse_facts(prepare_workdir(shell, host, workdir, {}).out);
-  const auto version = installed_version(shell, facts.workdir);
-  if (version.exit_status == 0) facts.dptrain_version = version_line(version.out);
-  return facts;
+  return parse_facts(prepare_workdir(shell, host, workdir, {}).out);
+}
+
+std::string version_command(const std::string& binary_word) {
+  // timeout(1) is coreutils' (every Linux host dptrain runs on has it); without it, the plain
+  // command, under the SSH command timeout.
+  return fmt::format(
+      "if command -v timeout >/dev/null 2>&1; then timeout -k 5 {} {} --version; else {} "
+      "--version; fi",
+      version_probe_seconds(), binary_word, binary_word);
+}
+
+int version_probe_seconds() {
+  const char* test = std::getenv("DPTRAIN_TEST_VERSION_PROBE_S");
+  return test != nullptr && std::atoi(test) > 0 ? std::atoi(test) : 30;
 }
 
 std::vector<HostReport> provision(const std::vector<HostSpec>& hosts,

@@ -85,9 +85,18 @@ class HostShell {
 std::unique_ptr<HostShell> open_host_shell(const HostSpec& host, const SshOptions& options);
 
 // Facts about one host without uploading anything: the workdir is created (its free space and
-// absolute path are facts), and the installed dptrain's version read when there is one (empty
-// otherwise).
+// absolute path are facts). The installed dptrain's version is not read (version_command):
+// a binary that hangs is a version problem, not the workdir's.
 HostFacts survey_host(HostShell& shell, const HostSpec& host, const std::string& workdir);
+
+// `BINARY --version` as a remote sh command line (`binary_word` already quoted for sh, as
+// remote_path_word gives it) that gives up after version_probe_seconds(), with exit
+// kVersionTimedOut, rather than hold the connection for the SSH command timeout: a binary that
+// hangs as it starts is said to.
+constexpr int kVersionTimedOut = 124;  // timeout(1)'s status
+std::string version_command(const std::string& binary_word);
+// 30, or DPTRAIN_TEST_VERSION_PROBE_S (tests).
+int version_probe_seconds();
 
 // Provisions every host in parallel and reports each, failures included. Throws only for
 // problems with the local side, before any host is contacted (a missing file, a bad recipe).

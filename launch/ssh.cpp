@@ -128,8 +128,26 @@ std::string clean_reason(std::string reason) {
 }
 
 // Refuses to prompt for a key's passphrase: dptrain runs unattended; such keys belong in the agent.
-int no_passphrase(const char*, char*, size_t, int, int, void*) {
+// `asked` (a bool*) records that one was asked for.
+int no_passphrase(const char*, char*, size_t, int, int, void* asked) {
+  if (asked != nullptr) *static_cast<bool*>(asked) = true;
   return -1;
+}
+
+// Why libssh could not take `path` as a private key, for the list of what was tried.
+std::string unusable_key(const fs::path& path, bool passphrase_asked) {
+  if (passphrase_asked) return "passphrase-protected: load it into ssh-agent";
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return fmt::format("cannot be read: {}", std::strerror(errno));
+  std::string head(256, '\0');
+  in.read(head.data(), static_cast<std::streamsize>(head.size()));
+  head.resize(static_cast<size_t>(in.gcount()));
+  for (const char* type : {"ssh-", "ecdsa-", "sk-ssh-", "sk-ecdsa-"}) {
+    if (head.starts_with(type)) return "a public key, not a private key";
+  }
+  if (head.find("PUBLIC KEY") != std::string::npos) return "a public key, not a private key";
+  if (head.find("PRIVATE KEY") == std::string::npos) return "not a private key file";
+  return "a private key libssh cannot read";
 }
 
 int signal_number(const std::string& name) {
@@ -397,9 +415,9 @@ void authenticate(ssh_session session, const HostSpec& host, const SshOptions& o
       return false;
     }
     ssh_key raw = nullptr;
-    if (ssh_pki_import_privkey_file(path.c_str(), nullptr, no_passphrase, nullptr, &raw) !=
-        SSH_OK) {
-      tried.push_back(path.string() + " (unreadable or passphrase-protected)");
+    bool asked = false;
+    if (ssh_pki_import_privkey_file(path.c_str(), nullptr, no_passphrase, &asked, &raw) != SSH_OK) {
+      tried.push_back(fmt::format("{} ({})", path.string(), unusable_key(path, asked)));
       return false;
     }
     const KeyPtr key(raw);

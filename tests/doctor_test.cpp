@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <fstream>
 #include <optional>
 #include <set>
@@ -32,11 +33,11 @@ struct DoctorFixture {
         {"provision", "--hosts", hostfile.string(), "--known-hosts", sshd.known_hosts().string()});
     REQUIRE(p.exit_code == 0);
   }
-  CommandResult doctor(std::vector<std::string> extra) const {
+  CommandResult doctor(std::vector<std::string> extra, const Env& env = {}) const {
     std::vector<std::string> args = {"doctor", "--hosts", hostfile.string(), "--known-hosts",
                                      sshd.known_hosts().string()};
     args.insert(args.end(), extra.begin(), extra.end());
-    return run_dptrain(args);
+    return run_dptrain(args, env);
   }
 };
 
@@ -132,6 +133,26 @@ TEST_CASE("doctor: a binary there that lacks a library says so, not to provision
   CHECK(r.out.find("dptrain provision") == std::string::npos);
 }
 
+TEST_CASE("doctor: a binary there that hangs fails the version check, not the workdir's") {
+  DoctorFixture f;
+  const fs::path hangs = f.tmp / "hangs";
+  write_text(hangs, "#!/bin/sh\nexec sleep 600\n");
+  fs::permissions(hangs, fs::perms::owner_all);
+  // The probe's limit (30 s) shortened for the test.
+  auto r = f.doctor({"--remote-binary", hangs.string()}, {{"DPTRAIN_TEST_VERSION_PROBE_S", "2"}});
+  INFO(r.out, r.err);
+  CHECK(r.exit_code == 4);
+  const auto fails = failure_lines(r.out);
+  REQUIRE(fails.size() == 2);  // one per host, and only the version check
+  for (const auto& line : fails) {
+    CHECK(line.starts_with("FAIL version"));
+    CHECK(contains(line, "dptrain at " + hangs.string() +
+                             " did not answer --version within 2 s (it hangs as it starts)"));
+  }
+  CHECK(contains(r.out, "not run: its dptrain does not answer"));
+  CHECK(r.out.find("FAIL workdir") == std::string::npos);
+}
+
 TEST_CASE("doctor: a store port that cannot be used is one line naming it") {
   DoctorFixture f;
   // Hold a port on every address so doctor's store cannot listen there.
@@ -190,6 +211,33 @@ TEST_CASE("doctor: the ssh check's fix fits the failure: a host key, or the key 
   CHECK_MESSAGE(lines[0].find("-- fix: authorize the key on the host (ssh-copy-id), or name the "
                               "right one") != std::string::npos,
                 lines[0]);
+  // A key file that cannot be used at all (the .pub given for the private key, one with a
+  // passphrase, not a key): each says why, and the fix is not ssh-copy-id.
+  const fs::path pub = f.tmp / "id.pub";
+  write_text(pub, "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIJ0000000000000000000000000000 me@there\n");
+  const fs::path locked = f.tmp / "locked";
+  REQUIRE(std::system(("ssh-keygen -q -t ed25519 -N secret -f " + locked.string()).c_str()) == 0);
+  const fs::path junk = f.tmp / "junk";
+  write_text(junk, "not a key\n");
+  fs::create_directories(f.tmp / "home");
+  for (const auto& [key, why] : std::vector<std::pair<fs::path, std::string>>{
+           {pub, "a public key, not a private key"},
+           {locked, "passphrase-protected: load it into ssh-agent"},
+           {junk, "not a private key file"}}) {
+    write_text(f.tmp / "key.txt", address + " port=" + std::to_string(f.sshd.port()) +
+                                      " user=" + f.sshd.user() + " key=" + key.string() + "\n");
+    auto unusable = run_dptrain({"doctor", "--hosts", (f.tmp / "key.txt").string(), "--known-hosts",
+                                 f.sshd.known_hosts().string(), "--no-allreduce"},
+                                {{"HOME", (f.tmp / "home").string()}, {"SSH_AUTH_SOCK", ""}});
+    CHECK(unusable.exit_code == 4);
+    lines = failure_lines(unusable.out);
+    REQUIRE(lines.size() == 1);
+    CHECK_MESSAGE(contains(lines[0], key.string() + " (" + why + ")"), lines[0]);
+    CHECK_MESSAGE(contains(lines[0],
+                           "-- fix: name a private key file (not its .pub) that needs "
+                           "no passphrase"),
+                  lines[0]);
+  }
 }
 
 TEST_CASE("doctor: an unreachable host is named, the others still checked") {
