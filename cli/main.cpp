@@ -189,6 +189,23 @@ void check_option_values(CLI::App& app) {
   }
   for (CLI::Option* o : app.get_options()) {
     if (o->get_expected_max() == 0) continue;  // a flag
+    // CLI11 converts an integer as strtoll does with base 0: "010" would be 8 and "09" refused
+    // as too large. Every integer option is decimal: leading zeros go before it converts.
+    if (const std::string type = o->get_type_name();
+        type.starts_with("INT") || type.starts_with("UINT")) {
+      o->transform(CLI::Validator(
+          [](std::string& value) {
+            const size_t sign = value.starts_with('-') || value.starts_with('+') ? 1 : 0;
+            // Not a plain decimal: the option's own check says what it is.
+            if (value.size() > sign + 1 &&
+                value.find_first_not_of("0123456789", sign) == std::string::npos) {
+              const size_t first = std::min(value.find_first_not_of('0', sign), value.size() - 1);
+              value.erase(sign, first - sign);
+            }
+            return std::string();
+          },
+          ""));
+    }
     bool empty_ok = true;
     try {
       o->get_validator(dptrain::cli::kHandlesEmpty);

@@ -371,6 +371,14 @@ TEST_CASE("usage errors exit 2") {
     CHECK_MESSAGE(bad.err.find(says) != std::string::npos, bad.err);
   }
   CHECK_FALSE(fs::exists(tmp / "runs"));
+  // A leading zero is decimal, not octal: 010 is ten, 09 nine (CLI11 alone reads 8 and refuses).
+  auto zeros = run_dptrain({"launch", recipe.string(), "--master-port", "010", "--max-restarts",
+                            "09", "--dry-run", "--json"});
+  CHECK(zeros.exit_code == 0);
+  const auto planned = parse_json(zeros.out);
+  CHECK(planned["store"] == "127.0.0.1:10");
+  auto top_k = run_dptrain({"sample", nothing, "--top-k", "09", "--tokens", "010"});
+  CHECK_MESSAGE(top_k.err == "dptrain: error: " + nothing + ": no such run directory\n", top_k.err);
   // Unsigned options do not wrap a negative value around.
   auto seed = run_dptrain({"sample", (tmp / "nothing-here").string(), "--seed", "-1"});
   CHECK(seed.exit_code == 2);
