@@ -22,6 +22,7 @@
 #include "core/checksum.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
+#include "core/json_error.hpp"
 
 namespace dptrain {
 
@@ -266,7 +267,7 @@ MetaCheck check_meta(const fs::path& dir) {
   }
   json meta;
   try {
-    meta = json::parse(*text);
+    meta = parse_json(*text);
   } catch (const json::exception&) {
     out.problem = "not valid JSON (truncated?)";
     return out;
@@ -570,7 +571,7 @@ CheckpointStatus verify_checkpoint(const fs::path& dir) {
 std::string meta_json_checksum(const std::string& meta_text) {
   json meta;
   try {
-    meta = json::parse(meta_text);
+    meta = parse_json(meta_text);
   } catch (const json::exception&) {
     throw Error(ErrorKind::checkpoint, fmt::format("{}: not valid JSON", kMetaFile));
   }

@@ -82,6 +82,33 @@ std::string json_parse_problem(const std::string& file, std::string_view text,
   return fmt::format("{}: not valid JSON: {}", file, problem);
 }
 
+nlohmann::json parse_json(std::string_view text, bool allow_exceptions) {
+  size_t depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > kMaxJsonNesting) {
+        if (!allow_exceptions) return nlohmann::json(nlohmann::json::value_t::discarded);
+        throw nlohmann::json::parse_error::create(
+            101, i + 1, fmt::format("nested more than {} levels deep", kMaxJsonNesting),
+            static_cast<const nlohmann::json*>(nullptr));
+      }
+    } else if ((c == ']' || c == '}') && depth > 0) {
+      --depth;
+    }
+  }
+  return nlohmann::json::parse(text, nullptr, allow_exceptions);
+}
+
 std::string json_text(const nlohmann::json& j, int indent) {
   return j.dump(indent, ' ', false, nlohmann::json::error_handler_t::replace);
 }

@@ -17,6 +17,16 @@ namespace dptrain {
 std::string json_parse_problem(const std::string& file, std::string_view text,
                                const nlohmann::json::exception& e);
 
+// nlohmann::json::parse(text) for a file the project reads, refusing nesting deeper than
+// kMaxJsonNesting objects and arrays (json::parse_error at the bracket past it, which
+// json_parse_problem words as "...: not valid JSON at line L, column C: nested more than 128
+// levels deep"): the parser builds any depth, but writing the value (dump) recurses, so a
+// damaged or hostile run.json, tokenizer.json or meta.json would end the process on a stack
+// overflow instead of an error naming the file. `allow_exceptions` false: a discarded value
+// for any problem, as json::parse gives.
+constexpr size_t kMaxJsonNesting = 128;
+nlohmann::json parse_json(std::string_view text, bool allow_exceptions = true);
+
 // A JSON library message without its "[json.exception.out_of_range.403] " tag: "key 'host' not
 // found".
 std::string without_json_tag(const std::string& what);

@@ -56,3 +56,27 @@ TEST_CASE("json_text: bytes that are not UTF-8 become U+FFFD; the rest is dump()
   CHECK(nlohmann::json::parse(text)["path"] == "runs/caf\xef\xbf\xbd/x");
   CHECK(json_text({{"a", 1}}, 2) == nlohmann::json({{"a", 1}}).dump(2));
 }
+
+TEST_CASE("parse_json refuses nesting past kMaxJsonNesting, naming where; strings do not count") {
+  const auto nested = [](size_t depth) {
+    return std::string(depth, '[') + std::string(depth, ']');
+  };
+  CHECK(parse_json(nested(kMaxJsonNesting)).is_array());
+  const std::string deep = "{\"a\": " + nested(kMaxJsonNesting) + "}";
+  try {
+    (void)parse_json(deep);
+    FAIL("parsed");
+  } catch (const nlohmann::json::exception& e) {
+    CHECK(json_parse_problem("run.json", deep, e) == "run.json: not valid JSON at line 1, column " +
+                                                         std::to_string(6 + kMaxJsonNesting) +
+                                                         ": nested more than 128 levels deep");
+  }
+  CHECK(parse_json(deep, false).is_discarded());
+  CHECK(parse_json("{", false).is_discarded());
+  // Brackets in strings, escaped quotes included, are text.
+  const std::string in_string = "{\"a\": \"" + nested(500) + "\\\"[[[[\"}";
+  CHECK(parse_json(in_string)["a"].get<std::string>().size() == 1005);
+  // What it parses is what json::parse gives.
+  CHECK(parse_json(R"({"x": [1, {"y": null}]})") ==
+        nlohmann::json::parse(R"({"x": [1, {"y": null}]})"));
+}

@@ -1302,7 +1302,7 @@ class TrainingRun {
   void keep_measurements(TrainResult& result) const {
     json before;
     try {
-      before = json::parse(read_file(options_.run_dir / "result.json"));
+      before = parse_json(read_file(options_.run_dir / "result.json"));
       if (!before.is_object() || before.value("steps", json()) != result.steps ||
           before.value("params_checksum", json()) != result.params_checksum) {
         return;
@@ -1631,7 +1631,7 @@ void truncate_metrics_after(const fs::path& metrics_file, int64_t step) {
     if (end == std::string::npos) end = text.size();
     const std::string line = text.substr(pos, end - pos);
     pos = end + 1;
-    const json j = json::parse(line, nullptr, false);
+    const json j = parse_json(line, false);
     // A torn last line from the crash, or one that is not the trainer's (a step that is not a
     // number): status and report pass over it, and so does a resume.
     if (j.is_discarded() || !j.is_object() || !j.contains("step") || !j["step"].is_number()) {

@@ -331,7 +331,7 @@ json read_json_object(const fs::path& file, std::string& damaged) {
   std::string text;
   try {
     text = read_file(file);
-    json j = json::parse(text);
+    json j = parse_json(text);
     if (j.is_object()) return j;
     damaged = file.string() + ": not a JSON object";
   } catch (const json::exception& e) {
@@ -937,7 +937,7 @@ RunMetrics read_metrics(const fs::path& file) {
   std::istringstream in(read_file(file));
   for (std::string line; std::getline(in, line);) {
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    const json j = json::parse(line, nullptr, false);
+    const json j = parse_json(line, false);
     if (j.is_discarded() || !j.is_object() || !j.contains("step") || !j["step"].is_number()) {
       ++m.skipped_lines;
       continue;

@@ -152,7 +152,7 @@ nlohmann::json read_run_json(const fs::path& dir) {
   }
   nlohmann::json info;
   try {
-    info = nlohmann::json::parse(text);
+    info = parse_json(text);
   } catch (const nlohmann::json::exception& e) {
     throw Error(ErrorKind::usage, json_parse_problem(printable(file.string()), text, e));
   }

@@ -832,6 +832,17 @@ TEST_CASE("report and status of what is not a run: exit 2 naming it") {
     auto bad = run_dptrain({cmd, (tmp / "bad").string()});
     CHECK(bad.exit_code == 2);
     CHECK(contains(bad.err, (tmp / "bad/run.json").string() + ": not valid JSON"));
+
+    // Nested deeper than any run.json (writing it back would overflow the stack): one line.
+    write_text(tmp / "bad/run.json",
+               "{\"status\": \"completed\", \"recipe\": {\"name\": " + std::string(100000, '[') +
+                   std::string(100000, ']') + "}}");
+    auto deep = run_dptrain({cmd, (tmp / "bad").string(), "--json"});
+    CHECK(deep.exit_code == 2);
+    CHECK(deep.err == "dptrain: error: " + (tmp / "bad/run.json").string() +
+                          ": not valid JSON at line 1, column 170: nested more than 128 levels "
+                          "deep\n");
+    CHECK(parse_json(deep.out)["exit_code"] == 2);
   }
   fs::create_directories(tmp / "ok");
   write_text(tmp / "ok/run.json", "{\"status\": \"completed\"}");

@@ -3,6 +3,7 @@
 // and a run with nothing to sample from says so.
 #include <doctest/doctest.h>
 #include <signal.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <set>
@@ -318,6 +319,15 @@ TEST_CASE("sample --ids: ids in and out, the same draws as text; a dataset witho
   CHECK(parse_json(misfit_ids.out)["ids"] == t["ids"]);
   CHECK(parse_json(misfit_ids.out)["text"].is_null());
   CHECK(contains(misfit_ids.err, "the tokenizer is another dataset's: ids only, no text"));
+  // A pipe in its place would block the read for ever: refused at once, naming it.
+  fs::remove(data.dir / "tokenizer.json");
+  REQUIRE(::mkfifo((data.dir / "tokenizer.json").c_str(), 0600) == 0);
+  const auto pipe = sample(run_dir, {"--tokens", "5"});
+  CHECK(pipe.exit_code == 2);
+  CHECK_MESSAGE(contains(pipe.err, (data.dir / "tokenizer.json").string() +
+                                       ": cannot read: not a regular file"),
+                pipe.err);
+  fs::remove(data.dir / "tokenizer.json");
   write_text(data.dir / "tokenizer.json", own);
 
   // Token files made by another tokenizer: no tokenizer.json. Text is refused with the way out.

@@ -25,6 +25,7 @@
 #include "core/checksum.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
+#include "core/json_error.hpp"
 
 namespace dptrain {
 
@@ -433,6 +434,12 @@ Tokenizer Tokenizer::chars_of(std::string_view text, const WorkProgress& progres
 
 Tokenizer Tokenizer::load(const fs::path& dataset_dir) {
   const fs::path file = dataset_dir / "tokenizer.json";
+  // A pipe would block the read until something writes to it: refused, as the other files.
+  std::error_code st_error;
+  if (const fs::file_status st = fs::status(file, st_error);
+      fs::exists(st) && !fs::is_regular_file(st)) {
+    bad_file(file, "cannot read: not a regular file");
+  }
   std::string text;
   try {
     text = read_file(file);
@@ -443,8 +450,13 @@ Tokenizer Tokenizer::load(const fs::path& dataset_dir) {
                    : ec   ? "cannot read: " + ec.message()
                           : std::string("missing"));
   }
-  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) bad_file(file, "not a JSON object");
+  nlohmann::json j;
+  try {
+    j = parse_json(text);
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(ErrorKind::recipe, json_parse_problem(file.string(), text, e));
+  }
+  if (!j.is_object()) bad_file(file, "not a JSON object");
   if (!j.contains("type") || !j["type"].is_string()) bad_file(file, "no \"type\" string");
   const std::string type = j["type"].get<std::string>();
   if (type == "byte") return byte();
@@ -458,7 +470,8 @@ Tokenizer Tokenizer::load(const fs::path& dataset_dir) {
   for (const auto& value : j["chars"]) {
     if (!value.is_number_unsigned() || value.get<uint64_t>() > kMaxCodePoint ||
         (value.get<uint64_t>() >= 0xd800 && value.get<uint64_t>() <= 0xdfff)) {
-      bad_file(file, fmt::format("\"chars\": {} is not a Unicode code point", value.dump()));
+      bad_file(file, fmt::format("\"chars\": {} is not a Unicode code point",
+                                 printable_excerpt(json_text(value), 40)));
     }
     chars.push_back(static_cast<char32_t>(value.get<uint64_t>()));
   }

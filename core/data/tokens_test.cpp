@@ -395,7 +395,16 @@ TEST_CASE("tokenizers save to and load from tokenizer.json") {
     }
     return "no error";
   };
-  CHECK(load_error("{") == "not a JSON object");
+  CHECK(load_error("{") ==
+        "not valid JSON at line 1, column 2: syntax error while parsing object key - unexpected "
+        "end of input; expected string literal");
+  // Nesting no tokenizer has (writing it back would overflow the stack): refused at the bracket.
+  CHECK(load_error(std::string(200000, '[') + std::string(200000, ']')) ==
+        "not valid JSON at line 1, column 129: nested more than 128 levels deep");
+  CHECK(load_error("[]") == "not a JSON object");
+  // A long wrong element is cut short in the line.
+  CHECK(load_error(R"({"type":"char","chars":[")" + std::string(1000, 'x') + R"("]})") ==
+        "\"chars\": \"" + std::string(39, 'x') + "... is not a Unicode code point");
   CHECK(load_error(R"({"type":"bpe"})") ==
         "unknown tokenizer type \"bpe\" (expected byte or char)");
   CHECK(load_error(R"({"type":"char"})") == "\"chars\" must be a non-empty array of code points");
