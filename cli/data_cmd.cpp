@@ -145,6 +145,29 @@ fs::path output_path(const std::string& out) {
   fs::path path = fs::absolute(out).lexically_normal();
   if (path.filename().empty()) path = path.parent_path();
   if (path == path.root_path()) refuse(fmt::format("--out: cannot write a dataset to {}", out));
+  // The dataset replaces OUT by a rename: OUT holding the current directory would take the
+  // directory the user stands in away from under them.
+  std::error_code ec;
+  const fs::path here = fs::current_path(ec);
+  const fs::path real = fs::weakly_canonical(path, ec);
+  if (!here.empty() && !ec) {
+    const auto [end, at] = std::mismatch(real.begin(), real.end(), here.begin(), here.end());
+    if (end == real.end()) {
+      refuse(
+          fmt::format("--out {}: {} the current directory (the dataset replaces its "
+                      "directory): give the name of a directory to create, as --out DATASET",
+                      out, real == here ? "is" : "holds"));
+    }
+  }
+  // A file where a parent directory should be: the caller's to fix, as for a file at OUT.
+  for (fs::path up = path.parent_path(); up != up.root_path(); up = up.parent_path()) {
+    const fs::file_status st = fs::status(up, ec);
+    if (!fs::exists(st)) continue;
+    if (!fs::is_directory(st)) {
+      refuse(fmt::format("--out {}: {} is not a directory", out, up.string()));
+    }
+    break;
+  }
   return path;
 }
 

@@ -110,23 +110,45 @@ pid_t spawn(const ProcessSpec& spec, int out_fd) {
   for (auto& e : env)
     env_p.push_back(e.data());
   env_p.push_back(nullptr);
-  sigset_t held;
-  sigemptyset(&held);
-  if (spec.hold_sigterm) sigaddset(&held, SIGTERM);
+  // Every signal is blocked across fork until the child has put the launcher's handlers back
+  // to the default: one sent to the child in between (the launcher forwarding a SIGTERM just
+  // after it started the rank) would otherwise run the launcher's handler in the child and be
+  // lost, leaving a rank that never stops. Blocked, it waits for the default action, or, with
+  // hold_sigterm, for the rank's own handler after exec.
+  sigset_t all, before;
+  sigfillset(&all);
+  ::pthread_sigmask(SIG_SETMASK, &all, &before);
+  sigset_t child_mask = before;
+  if (spec.hold_sigterm) sigaddset(&child_mask, SIGTERM);
+  // Tests: the child waits this long before it resets the handlers, so that a signal can be
+  // sent to it in that window on purpose.
+  const char* pause_env = std::getenv("DPTRAIN_TEST_SPAWN_PAUSE_MS");
+  const long pause_ms = pause_env != nullptr ? std::atol(pause_env) : 0;
+  const timespec pause{pause_ms / 1000, (pause_ms % 1000) * 1000000};
   const pid_t parent = ::getpid();
   const pid_t pid = ::fork();
   if (pid < 0) {
+    const int fork_errno = errno;
+    ::pthread_sigmask(SIG_SETMASK, &before, nullptr);
     throw Error(ErrorKind::internal,
-                fmt::format("cannot start {}: fork: {}", spec.label, std::strerror(errno)));
+                fmt::format("cannot start {}: fork: {}", spec.label, std::strerror(fork_errno)));
   }
   if (pid == 0) {
     ::setpgid(0, 0);  // Ctrl-C reaches the launcher only; it stops the ranks in order
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (::getppid() != parent) ::_exit(127);  // the launcher died before prctl took effect
-    ::signal(SIGINT, SIG_DFL);
-    ::signal(SIGTERM, SIG_DFL);
-    ::signal(SIGPIPE, SIG_DFL);
-    ::sigprocmask(SIG_BLOCK, &held, nullptr);
+    if (pause_ms > 0) ::nanosleep(&pause, nullptr);
+    for (int sig = 1; sig < NSIG; ++sig) {
+      struct sigaction was {};
+      if (sig == SIGKILL || sig == SIGSTOP || ::sigaction(sig, nullptr, &was) != 0) continue;
+      // Caught ones (SIGHUP...), and SIGINT, SIGTERM and SIGPIPE even where the launcher
+      // ignores them: a rank stops as the launcher tells it.
+      const bool always = sig == SIGINT || sig == SIGTERM || sig == SIGPIPE;
+      if (was.sa_handler != SIG_DFL && (was.sa_handler != SIG_IGN || always)) {
+        ::signal(sig, SIG_DFL);
+      }
+    }
+    ::sigprocmask(SIG_SETMASK, &child_mask, nullptr);
     ::dup2(out_fd, STDOUT_FILENO);
     ::dup2(out_fd, STDERR_FILENO);
     ::close(out_fd);
@@ -138,6 +160,7 @@ pid_t spawn(const ProcessSpec& spec, int out_fd) {
     ::_exit(127);
   }
   ::setpgid(pid, pid);  // also from the parent, so the group exists before we might signal it
+  ::pthread_sigmask(SIG_SETMASK, &before, nullptr);
   return pid;
 }
 

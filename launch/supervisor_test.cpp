@@ -1,6 +1,7 @@
 // The supervisor with real child processes: output relay, failure attribution, stopping the rest.
 #include "launch/supervisor.hpp"
 
+#include "tests/scoped_env.hpp"
 #include "tests/temp_dir.hpp"
 
 #include <doctest/doctest.h>
@@ -350,4 +351,38 @@ TEST_CASE("supervisor: hold_sigterm starts a process with SIGTERM blocked, other
   CHECK(result.ok());
   CHECK(f.lines["rank 0"] == std::vector<std::string>{"blocked"});
   CHECK(f.lines["rank 1"] == std::vector<std::string>{"open"});
+}
+
+namespace {
+void ignore_in_test(int) {}
+}  // namespace
+
+TEST_CASE("supervisor: a SIGTERM sent as a process starts is not lost to the launcher's handler") {
+  // The launcher catches SIGTERM; its child runs that handler until it resets it. One sent to
+  // the child in that window (held open here for 300 ms) must still stop it, at once.
+  struct sigaction mine {
+  }, was{};
+  mine.sa_handler = ignore_in_test;
+  sigemptyset(&mine.sa_mask);
+  ::sigaction(SIGTERM, &mine, &was);
+  sigset_t mask_before, mask_after;
+  ::pthread_sigmask(SIG_SETMASK, nullptr, &mask_before);
+  {
+    ScopedEnv pause("DPTRAIN_TEST_SPAWN_PAUSE_MS", "300");
+    Fixture f;
+    f.options.on_started = [](const std::vector<pid_t>& started) {
+      for (pid_t p : started)
+        ::kill(p, SIGTERM);
+    };
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto result = supervise({f.shell(0, "sleep 30")}, f.options);
+    REQUIRE(result.failure);
+    CHECK(result.failure->signal == SIGTERM);
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20));  // not the sleep
+  }
+  // The launcher's own mask is as it was.
+  ::pthread_sigmask(SIG_SETMASK, nullptr, &mask_after);
+  for (int sig : {SIGTERM, SIGINT, SIGCHLD})
+    CHECK(sigismember(&mask_after, sig) == sigismember(&mask_before, sig));
+  ::sigaction(SIGTERM, &was, nullptr);
 }

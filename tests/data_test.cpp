@@ -222,6 +222,19 @@ TEST_CASE("data prepare refuses bad input with exit 2 and one line, writing noth
           "(--tokenizer char needs UTF-8 text)");
   CHECK(refusal({"--text", t, "--out", t}) ==
         "dptrain: error: " + t + ": exists and is not a directory");
+  CHECK(refusal({"--text", t, "--out", t + "/sub/ds"}) ==
+        "dptrain: error: --out " + t + "/sub/ds: " + t + " is not a directory");
+  // The directory the command runs in (or one holding it) would be renamed away under it.
+  const std::string here = fs::current_path().string();
+  CHECK(refusal({"--text", t, "--out", here, "--force"}) ==
+        "dptrain: error: --out " + here +
+            ": is the current directory (the dataset replaces its directory): give the name of a "
+            "directory to create, as --out DATASET");
+  const std::string above = fs::current_path().parent_path().string() + "/";
+  CHECK(refusal({"--text", t, "--out", above}) ==
+        "dptrain: error: --out " + above +
+            ": holds the current directory (the dataset replaces its directory): give the name "
+            "of a directory to create, as --out DATASET");
   CHECK_FALSE(fs::exists(out));
   check_no_leftovers(tmp.path(), 4);
 

@@ -147,10 +147,11 @@ char32_t next_code_point(std::string_view text, size_t& i) {
   } else {
     bad_utf8(i, lead, "not a UTF-8 lead byte");
   }
-  if (i + static_cast<size_t>(length) > text.size()) {
-    bad_utf8(i, lead, "the sequence is cut short by the end of the text");
-  }
   for (int k = 1; k < length; ++k) {
+    // What cuts it short first: a byte that does not continue it, or the end of the text.
+    if (i + static_cast<size_t>(k) >= text.size()) {
+      bad_utf8(i, lead, "the sequence is cut short by the end of the text");
+    }
     const auto next = static_cast<unsigned char>(text[i + static_cast<size_t>(k)]);
     if ((next & 0xc0) != 0x80) bad_utf8(i, lead, "the sequence is cut short");
     cp = (cp << 6) | (next & 0x3f);

@@ -304,6 +304,12 @@ TEST_CASE("invalid UTF-8 is an error naming the byte offset") {
   CHECK(offset_error("\xe2\x82x") ==
         "invalid UTF-8 at byte offset 0 (byte 0xe2: the sequence is "
         "cut short)");
+  // A byte that does not continue it comes before the end of the text: that is what is said.
+  CHECK(offset_error("xy\xe9z") ==
+        "invalid UTF-8 at byte offset 2 (byte 0xe9: the sequence is cut short)");
+  CHECK(offset_error("xy\xe9\x82") ==
+        "invalid UTF-8 at byte offset 2 (byte 0xe9: the sequence is cut short by the end of the "
+        "text)");
   CHECK(offset_error("\xc0\xaf") ==
         "invalid UTF-8 at byte offset 0 (byte 0xc0: an overlong encoding)");
   CHECK(offset_error("x\xed\xa0\x80") ==
