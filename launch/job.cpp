@@ -919,9 +919,11 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
                   : std::string("every rank checkpointed its last step and stopped");
   };
   // A SIGTERM during the last step: the ranks agree on the stop after it, when nothing is left to
-  // stop, and finish the run (exit 0, a result): that is a completed run.
-  const bool finished_first = sup.stop_signal == SIGTERM && !sup.failure && sup.watchdog.empty() &&
-                              !result.is_null() &&
+  // stop, and finish the run (exit 0, a result): that is a completed run. So is one a SIGINT
+  // reached after rank 0 reported the result (its last act): only the ranks' exits were cut
+  // short, and a resume would have nothing to train.
+  const bool finished_first = (sup.stop_signal == SIGTERM || sup.stop_signal == SIGINT) &&
+                              !sup.failure && sup.watchdog.empty() && !result.is_null() &&
                               std::none_of(sup.exits.begin(), sup.exits.end(),
                                            [](const ProcessExit& e) { return e.exit_code == 143; });
   // The event for a process that exited on its own account: its exit code, or the signal.
@@ -972,7 +974,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
         rank_exited(e.label, e.exit_code, e.signal, e.describe());
       }
     }
-  } else if (sup.stop_signal == SIGINT) {
+  } else if (sup.stop_signal == SIGINT && !finished_first) {
     out.exit_code = 130;
     out.status = "interrupted";
     out.error = "stopped by SIGINT; all ranks were stopped" + checkpoint_note();

@@ -31,6 +31,7 @@
 #include "core/fs.hpp"
 #include "core/json_error.hpp"
 #include "launch/hostfile.hpp"
+#include "launch/ssh.hpp"
 
 namespace dptrain {
 
@@ -645,12 +646,17 @@ std::vector<std::string> recorded_remote_hosts(const nlohmann::json& info) {
 }
 
 std::string resume_command(const fs::path& run_dir, const nlohmann::json& info) {
+  // A command to paste: the directory quoted for the shell where it has to be (a space, a
+  // quote, a '$'); then without quotes of its own around it, which would read as nested.
+  const std::string dir = printable(run_dir.string());
+  const std::string word = shell_quote(dir);
+  const std::string_view mark = word == dir ? "'" : "";
   const auto hosts = recorded_remote_hosts(info);
-  if (hosts.empty()) return fmt::format("'dptrain resume {}'", printable(run_dir.string()));
+  if (hosts.empty()) return fmt::format("{}dptrain resume {}{}", mark, word, mark);
   return fmt::format(
-      "'dptrain resume {} --hosts FILE' with the SSH options its launch used (FILE: a hostfile of "
-      "these lines: {})",
-      printable(run_dir.string()), fmt::join(hosts, ", "));
+      "{}dptrain resume {} --hosts FILE{} with the SSH options its launch used (FILE: a hostfile "
+      "of these lines: {})",
+      mark, word, mark, fmt::join(hosts, ", "));
 }
 
 void RunDirectory::save() const {

@@ -45,3 +45,11 @@ TEST_CASE("run_locked_by_another: held by another process, never by this one's o
   CHECK_FALSE(run_locked_by_another(tmp.path()));
   CHECK_FALSE(held_as_another_sees_it(tmp.path()));
 }
+
+TEST_CASE("resume_command: a command to paste, the directory quoted for the shell where needed") {
+  const nlohmann::json local = nlohmann::json::object();
+  CHECK(resume_command("/runs/exp1", local) == "'dptrain resume /runs/exp1'");
+  CHECK(resume_command("/runs/my run", local) == "dptrain resume '/runs/my run'");
+  CHECK(resume_command("/runs/it's", local) == "dptrain resume '/runs/it'\\''s'");
+  CHECK(resume_command("/runs/$HOME", local) == "dptrain resume '/runs/$HOME'");
+}

@@ -695,6 +695,26 @@ TEST_CASE("SIGTERM during the last step: nothing is left to stop, the run comple
   CHECK(fs::exists(run_dir / "result.json"));
 }
 
+TEST_CASE("SIGINT once rank 0 reported the result: the run completed, not interrupted") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), small_recipe());
+  const fs::path run_dir = tmp / "done";
+  Background job(
+      {"launch", recipe.string(), "--nproc", "2", "--run-dir", run_dir.string(), "--json"});
+  // As soon as the launcher has written result.json (the ranks are then leaving).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (!fs::exists(run_dir / "result.json") && process_alive(job.pid()) &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  ::kill(job.pid(), SIGINT);
+  const int code = job.wait(std::chrono::seconds(60));
+  INFO(job.err());
+  CHECK(code == 0);
+  CHECK(parse_json(job.out())["status"] == "completed");
+  CHECK(parse_json(read_text(run_dir / "run.json"))["status"] == "completed");
+}
+
 TEST_CASE("a rank that gets SIGTERM itself (preemption) stops the whole job after a checkpoint") {
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), resumable_recipe());
