@@ -1342,6 +1342,8 @@ class TrainingRun {
     // Parameter servers hold no whole model: they add nothing.
     for (int64_t begin = data_rank_ * kChunk; data_rank_ >= 0 && begin < n;
          begin += data_world_ * kChunk) {
+      // Each chunk is progress: an eval longer than --hang-timeout that moves is not a hang.
+      mark(Phase::eval);
       const int64_t count = std::min(kChunk, n - begin);
       idx.resize(static_cast<size_t>(count));
       for (int64_t i = 0; i < count; ++i)
