@@ -264,11 +264,33 @@ void refuse_held_run(const fs::path& p, bool mine) {
                                             printable(p.string()), how));
 }
 
+// Error(usage) when a run directory made at `path` (or, with `is_parent`, in it) would lie in
+// another run's checkpoints/ or logs/ (below a directory holding a run.json): that run's resume
+// would take it for a damaged checkpoint and set it aside, and its pruning could remove it.
+void refuse_inside_run(const fs::path& path, const char* option, bool is_parent = false) {
+  std::error_code ec;
+  const fs::path real = fs::weakly_canonical(fs::absolute(path.empty() ? "." : path, ec), ec);
+  if (ec) return;
+  fs::path below;  // the entry of `up` that leads to `real`
+  for (fs::path up = is_parent ? real : real.parent_path(); !up.empty(); up = up.parent_path()) {
+    if ((below == "checkpoints" || below == "logs") && fs::is_regular_file(up / "run.json", ec)) {
+      throw Error(
+          ErrorKind::usage,
+          fmt::format("{} {}: inside {}/ of the run {}, whose resume or pruning would "
+                      "move or remove it; choose a directory outside it",
+                      option, printable(path.string()), below.string(), printable(up.string())));
+    }
+    if (up == up.root_path()) break;
+    below = up.filename();
+  }
+}
+
 }  // namespace
 
 void RunDirectory::check_new(const fs::path& path) {
   std::error_code ec;
   check_path_room(path, "--run-dir");
+  refuse_inside_run(path, "--run-dir");
   if (fs::is_symlink(fs::symlink_status(path, ec))) {
     // mkdir through a dangling link fails with a bare "File exists".
     std::error_code target_ec;
@@ -317,6 +339,7 @@ RunDirectory RunDirectory::create(const fs::path& dir, const fs::path& runs_root
     // other moves on to the next suffix.
     const fs::path base = runs_root / fmt::format("{}-{}", name, utc_format("%Y%m%d-%H%M%S"));
     check_path_room(base.string() + "-99", "--runs-root");
+    refuse_inside_run(runs_root, "--runs-root", /*is_parent=*/true);
     if (!runs_root.empty()) fs::create_directories(runs_root, ec);
     for (int i = 1; !ec; ++i) {
       path = i == 1 ? base : fs::path(fmt::format("{}-{}", base.string(), i));

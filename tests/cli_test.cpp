@@ -237,6 +237,24 @@ TEST_CASE("usage errors exit 2") {
     CHECK(bad.exit_code == 2);
     CHECK(bad.err == "dptrain: error: " + says + "\n");
   }
+  // Inside another run's checkpoints/ (or logs/): its resume would set the new run aside as a
+  // damaged checkpoint. Beside them (the run directory itself) is no such place.
+  fs::create_directories(tmp / "outer/checkpoints");
+  write_text(tmp / "outer/run.json", "{}");
+  for (const auto& [args, says] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--run-dir", (tmp / "outer/checkpoints/step-000999").string()},
+            "--run-dir " + (tmp / "outer/checkpoints/step-000999").string() +
+                ": inside checkpoints/ of the run " + (tmp / "outer").string()},
+           {{"--runs-root", (tmp / "outer/checkpoints").string()},
+            "--runs-root " + (tmp / "outer/checkpoints").string() +
+                ": inside checkpoints/ of the run " + (tmp / "outer").string()}}) {
+    std::vector<std::string> all = {"launch", recipe.string()};
+    all.insert(all.end(), args.begin(), args.end());
+    auto inside = run_dptrain(all);
+    CHECK(inside.exit_code == 2);
+    CHECK_MESSAGE(inside.err.starts_with("dptrain: error: " + says + ", whose resume"), inside.err);
+  }
+  CHECK(fs::is_empty(tmp / "outer/checkpoints"));
   // A run directory that cannot be made is the caller's to fix: a usage error naming it.
   write_text(tmp / "afile", "x");
   auto unwritable =
