@@ -224,6 +224,14 @@ void check_output_file(const std::string& flag, const std::string& given, std::s
                 fmt::format("{} {}: is a directory; name {} to write", flag, given, what));
   }
   if (!fs::is_directory(out.parent_path(), ec)) {
+    // The nearest of its parents that exists, when that is not a directory (a file in the way).
+    fs::path up = out.parent_path();
+    while (up != up.root_path() && !fs::exists(fs::symlink_status(up, ec)))
+      up = up.parent_path();
+    if (up != up.root_path() && !fs::is_directory(up, ec)) {
+      throw Error(ErrorKind::usage,
+                  fmt::format("{} {}: {} is not a directory", flag, given, up.string()));
+    }
     throw Error(ErrorKind::usage, fmt::format("{} {}: no such directory {}", flag, given,
                                               out.parent_path().string()));
   }

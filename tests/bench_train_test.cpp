@@ -200,7 +200,8 @@ TEST_CASE(
            {"fifo", "is a pipe, not a regular file"},
            {"link.svg", "is a symbolic link, not a regular file"},
            {"dir", "is a directory; name the SVG file to write"},
-           {"no/such/chart.svg", "no such directory"}}) {
+           {"no/such/chart.svg", "no such directory"},
+           {"target.svg/chart.svg", (tmp / "target.svg").string() + " is not a directory"}}) {
     CAPTURE(name);
     auto r =
         bench(tmp, {quickstart(), "--nproc", "1", "--steps", "2", "--svg", (tmp / name).string()});
