@@ -226,6 +226,15 @@ std::vector<PlannedFile> plan_files(const ProvisionOptions& options,
   }
   std::map<std::string, fs::path> by_remote;
   for (const auto& f : files) {
+    // The host reports what it holds one file a line: a name with a line break (or another
+    // control character) would never match, and be uploaded again every time.
+    if (std::any_of(f.remote.begin(), f.remote.end(),
+                    [](char c) { return static_cast<unsigned char>(c) < 0x20 || c == 0x7f; })) {
+      throw Error(ErrorKind::usage,
+                  fmt::format("--upload {}: its name holds a control character (a line break?); "
+                              "rename the file",
+                              printable(f.source.string())));
+    }
     const auto [it, inserted] = by_remote.emplace(f.remote, f.source);
     if (!inserted) {
       throw Error(ErrorKind::usage, fmt::format("{} and {} would both be WORKDIR/{}; rename one",

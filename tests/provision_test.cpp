@@ -390,6 +390,15 @@ TEST_CASE("provision: a missing upload or a bad recipe is a usage error before a
                            " is a directory dptrain uses there; upload the file under another "
                            "name\n");
   }
+  // A name the host's one-a-line listing cannot hold: refused, not uploaded again every time.
+  write_text(tmp / "files" / "two\nlines.txt", "x\n");
+  auto newline = run_dptrain({"provision", "--hosts", (tmp / "hosts").string(), "--upload",
+                              (tmp / "files" / "two\nlines.txt").string()});
+  CHECK(newline.exit_code == 2);
+  CHECK_MESSAGE(newline.err == "dptrain: error: --upload " + (tmp / "files").string() +
+                                   "/two\\x0alines.txt: its name holds a control character (a "
+                                   "line break?); rename the file\n",
+                newline.err);
   // SSH files named that are not there: exit 2 naming the flag or the line, before any host.
   auto identity = run_dptrain(
       {"provision", "--hosts", (tmp / "hosts").string(), "--identity", (tmp / "nokey").string()});
