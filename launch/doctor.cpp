@@ -705,8 +705,13 @@ class Doctor {
           "sha256sum <\"$f\" 2>/dev/null | cut -c1-64; exit 0; fi; done; exit 1",
           shell_quote(path.string()), shell_quote(provisioned));
       const auto r = surveys_[i].shell->run("sh -c " + shell_quote(script));
-      const std::string fix = fmt::format(
-          "copy it there: dptrain provision --hosts ... --recipe {}", options_.recipe.string());
+      // With the doctor's --workdir where it is not the default: provision's must be the same.
+      const std::string workdir_flag = options_.workdir == kDefaultWorkdir
+                                           ? std::string()
+                                           : " --workdir " + shell_quote(options_.workdir);
+      const std::string fix =
+          fmt::format("copy it there: dptrain provision --hosts ...{} --recipe {}", workdir_flag,
+                      options_.recipe.string());
       if (r.exit_status != 0) {
         add("data", hosts_[i].display(), false,
             fmt::format("data file {} not found (looked at {} and {})", path.filename().string(),
@@ -735,9 +740,9 @@ class Doctor {
               ? fmt::format("{} is there", path.filename().string())
               : fmt::format("{} is there (not compared with the launcher's: no sha256sum there)",
                             path.filename().string()),
-          differs ? fmt::format("run 'dptrain provision --hosts ... --recipe {}' again, or put "
+          differs ? fmt::format("run 'dptrain provision --hosts ...{} --recipe {}' again, or put "
                                 "the same file there",
-                                options_.recipe.string())
+                                workdir_flag, options_.recipe.string())
                   : fix);
     }
   }

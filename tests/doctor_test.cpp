@@ -767,3 +767,40 @@ TEST_CASE(
     CHECK(contains(line, "-- fix: run 'dptrain provision --hosts ... --recipe "));
   }
 }
+
+TEST_CASE("doctor: data a host lacks is named, and the fix keeps the doctor's --workdir") {
+  REQUIRE_MESSAGE(std::system("unshare -Urm true >/dev/null 2>&1") == 0,
+                  "this test needs user and mount namespaces (unshare -Urm)");
+  DoctorFixture f;
+  // The launcher sees the recipe and its data in a tmpfs of its own mount namespace; the
+  // loopback hosts see that directory empty.
+  const fs::path hidden = f.tmp / "hidden";
+  fs::create_directories(hidden);
+  write_recipe(f.tmp.path(), csv_recipe(f.tmp, many_rows(40)));
+  const fs::path workdir = f.tmp / "my work";
+  std::string command = "mount -t tmpfs none '" + hidden.string() + "' && cp '" +
+                        (f.tmp / "recipe.json").string() + "' '" + (f.tmp / "d.csv").string() +
+                        "' '" + hidden.string() + "/' && exec '" + binary() + "'";
+  for (const std::string& arg :
+       {std::string("doctor"), std::string("--hosts"), f.hostfile.string(),
+        std::string("--known-hosts"), f.sshd.known_hosts().string(),
+        (hidden / "recipe.json").string(), std::string("--no-allreduce"), std::string("--workdir"),
+        workdir.string(), std::string("--remote-binary"), binary()})
+    command += " '" + arg + "'";
+  write_text(f.tmp / "doctor.sh", command + "\n");
+  const int status =
+      std::system(("timeout -s KILL 120 unshare -Urm bash '" + (f.tmp / "doctor.sh").string() +
+                   "' >'" + (f.tmp / "out").string() + "' 2>&1")
+                      .c_str());
+  const std::string out = read_text(f.tmp / "out");
+  INFO(out);
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 4);
+  const auto lines = failure_lines(out);
+  REQUIRE(lines.size() == 2);  // one per host
+  for (const auto& line : lines) {
+    CHECK(contains(line, "data file d.csv not found (looked at " + (hidden / "d.csv").string()));
+    CHECK(contains(line, "-- fix: copy it there: dptrain provision --hosts ... --workdir '" +
+                             workdir.string() + "' --recipe " + (hidden / "recipe.json").string()));
+  }
+}
