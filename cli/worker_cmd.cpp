@@ -261,7 +261,11 @@ class HandRunRecord {
     if (!info_["generations"].is_array()) info_["generations"] = json::array();
     // The one before, which no rank 0 closed (killed, as a crash in a checkpoint is): lost, as
     // a launcher records it.
-    close_lost_generation(info_, "its rank 0");
+    // Its end as the run's files last changed (no launcher kept an alive_at): the newer of
+    // run.json (not yet rewritten here) and metrics.jsonl.
+    close_lost_generation(
+        info_, "its rank 0",
+        std::max(utc_timestamp_of(file_), utc_timestamp_of(dir / "metrics.jsonl")));
     json gen = {{"generation", info_["generations"].size() + 1},
                 {"started_at", utc_timestamp()},
                 {"world_size", o.world_size},

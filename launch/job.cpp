@@ -377,13 +377,13 @@ std::vector<std::string> check_benchmark_fault_injection(const JobSpec& spec, in
                             true);
 }
 
-void close_lost_generation(json& info, const std::string& recorder) {
+void close_lost_generation(json& info, const std::string& recorder, const std::string& last_seen) {
   if (json& gens = info["generations"]; gens.is_array() && !gens.empty() &&
                                         gens.back().is_object() &&
                                         !gens.back().contains("ended_at")) {
     json& lost = gens.back();
     lost["status"] = "lost";
-    lost["ended_at"] = info.value("alive_at", json(nullptr));
+    lost["ended_at"] = info.value("alive_at", last_seen.empty() ? json(nullptr) : json(last_seen));
     lost["error"] = recorder +
                     " ended without recording how the generation ended (killed, or its machine "
                     "went down)";

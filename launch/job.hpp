@@ -131,7 +131,10 @@ void check_local_gpus(const JobSpec& spec);
 // A generation whose launcher was killed (or whose machine went down) never recorded its end:
 // closed in `info` (run.json) as lost, when it was last known alive (alive_at, which a new
 // launcher must not have stamped yet).
-void close_lost_generation(nlohmann::json& info, const std::string& recorder = "its launcher");
+// `last_seen` (a utc_timestamp) is its ended_at where the record has no alive_at (a run of
+// workers started without a launcher, which keep none).
+void close_lost_generation(nlohmann::json& info, const std::string& recorder = "its launcher",
+                           const std::string& last_seen = "");
 
 // What run.json records of how the job's ranks are started, for `dptrain resume` to start them
 // alike: "remote" (workdir, remote_binary) when `remote` (some host is not this machine), "env"

@@ -206,6 +206,16 @@ std::string utc_timestamp() {
   return utc_format("%Y-%m-%dT%H:%M:%SZ");
 }
 
+std::string utc_timestamp_of(const fs::path& file) {
+  struct stat st {};
+  if (::stat(file.c_str(), &st) != 0) return "";
+  std::tm tm{};
+  ::gmtime_r(&st.st_mtime, &tm);
+  char buf[64];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
 std::optional<int64_t> seconds_since(const std::string& stamp) {
   std::tm tm{};
   const char* end = ::strptime(stamp.c_str(), "%Y-%m-%dT%H:%M:%SZ", &tm);

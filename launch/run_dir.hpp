@@ -164,6 +164,8 @@ nlohmann::json world_size_change(int64_t from, int64_t to, nlohmann::json hosts,
                                  int64_t generation);
 
 std::string utc_timestamp();  // 2026-11-30T08:43:38Z
+// When `file` was last modified, as utc_timestamp writes it; "" when it cannot be read.
+std::string utc_timestamp_of(const std::filesystem::path& file);
 // Seconds from a utc_timestamp() to now; none when it does not parse.
 std::optional<int64_t> seconds_since(const std::string& stamp);
 

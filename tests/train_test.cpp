@@ -818,6 +818,41 @@ TEST_CASE("workers stopped before their first step, or rank 0 by SIGINT, record 
   CHECK(done["generations"][2]["step"] == r["train"]["steps"]);
 }
 
+TEST_CASE("without a launcher, a generation whose rank 0 was killed is closed as lost, with when") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  std::string port = std::to_string(unused_port());
+  Env e0 = hand_env(0, 2, port, tmp / "run"), e1 = hand_env(1, 2, port, tmp / "run");
+  e0["DPTRAIN_DEBUG_STEP_DELAY_MS"] = e1["DPTRAIN_DEBUG_STEP_DELAY_MS"] = "50";
+  {
+    Background r0({"worker", recipe.string(), "--resume", "newest-or-start"}, e0);
+    Background r1({"worker", recipe.string(), "--resume", "newest-or-start"}, e1);
+    REQUIRE(eventually([&] { return fs::exists(tmp / "run/checkpoints/step-000020"); },
+                       std::chrono::seconds(120)));
+    ::kill(r0.pid(), SIGKILL);  // nothing recorded how generation 1 ended
+    CHECK(r0.wait(std::chrono::seconds(30)) == 128 + SIGKILL);
+    CHECK(r1.wait(std::chrono::seconds(120)) == 3);
+  }
+  port = std::to_string(unused_port());
+  e0 = hand_env(0, 2, port, tmp / "run");
+  e1 = hand_env(1, 2, port, tmp / "run");
+  Background again0({"worker", recipe.string(), "--resume", "newest"}, e0);
+  Background again1({"worker", recipe.string(), "--resume", "newest"}, e1);
+  CHECK(again1.wait(std::chrono::seconds(120)) == 0);
+  CHECK(again0.wait(std::chrono::seconds(120)) == 0);
+  const json info = parse_json(read_text(tmp / "run/run.json"));
+  REQUIRE(info["generations"].size() == 2);
+  const json& lost = info["generations"][0];
+  CHECK(lost["status"] == "lost");
+  CHECK(contains(lost["error"].get<std::string>(), "its rank 0 ended without recording"));
+  // When the run's files last changed: after it started, no later than the next one started.
+  REQUIRE(lost["ended_at"].is_string());
+  CHECK(lost["ended_at"].get<std::string>() >= lost["started_at"].get<std::string>());
+  CHECK(lost["ended_at"].get<std::string>() <=
+        info["generations"][1]["started_at"].get<std::string>());
+  CHECK(info["status"] == "completed");
+}
+
 TEST_CASE("without a launcher, a rank whose peer is killed names it from the heartbeats") {
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), resumable_recipe());
