@@ -137,6 +137,17 @@ void fill_from_env(WorkerOptions& o) {
   };
   at_least("rank (--rank or RANK)", o.rank, 0);
   at_least("world size (--world-size or WORLD_SIZE)", o.world_size, 1);
+  // Far above any job (and what the store's per-rank keys can hold in memory): a value past it
+  // is a slip (2147483647), not one to allocate a key per rank for while rank 0 waits.
+  constexpr int kMaxWorld = 1 << 20;
+  for (const auto& [name, value] :
+       {std::pair<const char*, int>{"world size (--world-size or WORLD_SIZE)", o.world_size},
+        {"nominal world (--nominal-world or DPTRAIN_NOMINAL_WORLD)", o.nominal_world}}) {
+    if (value > kMaxWorld) {
+      throw Error(ErrorKind::usage,
+                  fmt::format("{}: at most {} ranks, got {}", name, kMaxWorld, value));
+    }
+  }
   at_least("local rank (--local-rank or LOCAL_RANK)", o.local_rank, 0);
   at_least("nominal world (--nominal-world or DPTRAIN_NOMINAL_WORLD)", o.nominal_world, 0);
   at_least("generation (--generation or DPTRAIN_GENERATION)", o.generation, 1);

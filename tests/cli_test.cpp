@@ -226,6 +226,16 @@ TEST_CASE("usage errors exit 2") {
                     "rank computes on the CPU (train.device \"cpu\"); NCCL needs "
                     "\"cuda\": use gloo or auto\n",
                 nccl_rank.err);
+  // A world size no job has: refused before anything waits for its ranks.
+  auto huge = run_dptrain({"worker", recipe.string(), "--run-dir", (tmp / "by-env").string()},
+                          {{"RANK", "0"},
+                           {"WORLD_SIZE", "2147483647"},
+                           {"MASTER_ADDR", "127.0.0.1"},
+                           {"MASTER_PORT", "9"}});
+  CHECK(huge.exit_code == 2);
+  CHECK(huge.err ==
+        "dptrain: error: rank 0: world size (--world-size or WORLD_SIZE): at most 1048576 "
+        "ranks, got 2147483647\n");
   // The identity from the environment: a value past int names the bound it is past.
   for (const auto& [value, says] : std::vector<std::pair<std::string, std::string>>{
            {"2147483648", "RANK: '2147483648' is too large (at most 2147483647)"},
