@@ -565,7 +565,11 @@ struct Farewell {
 };
 
 // `o` is the command line's: filled from the environment here, so that the caller names the rank.
-int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell& farewell) {
+// `lock`: the run's lock, held by rank 0 of workers started without a launcher; the caller
+// keeps it until the record is finished, so that a rank 0 started again at once cannot read the
+// record before this one has written how its generation ended.
+int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell& farewell,
+               std::shared_ptr<const int>& lock) {
   install_worker_signal_handlers();  // again: main installs them first, for `dptrain worker`
   fill_from_env(o);
   const auto [host, port] = parse_host_port(o.store);
@@ -702,7 +706,6 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
   // Another dptrain drives a run in this directory (a launcher, or the rank 0 of another job of
   // workers started without one): this job's metrics and checkpoints would mix with that run's.
   // Rank 0 of workers started without a launcher holds the run's lock, as a launcher does.
-  std::shared_ptr<const int> lock;
   if (o.rank == 0 && !started_by_launcher() && !(lock = try_lock_run(o.run_dir))) {
     throw run_dir_locked(o.run_dir);
   }
@@ -961,11 +964,12 @@ void setup_worker(CLI::App& app, Outcome& outcome) {
                  "Seconds for store and collective waits (default and 0: distributed.timeout_s)")
       ->check(seconds());
   app.callback([o, &outcome] {
+    std::shared_ptr<const int> lock;  // released after the record is finished
     std::optional<HandRunRecord> record;
     auto farewell = std::make_shared<Farewell>();
     const auto leave = [&] { outcome.finally = [farewell] { (*farewell)(); }; };
     try {
-      outcome.exit_code = run_worker(*o, record, *farewell);
+      outcome.exit_code = run_worker(*o, record, *farewell, lock);
     } catch (const Error& e) {
       if (!farewell->at_start) {
         farewell->refusal = e;
