@@ -133,8 +133,10 @@ class TrainingRun {
         micro_batch_(recipe.train.batch_per_rank),
         global_batch_(global_batch(recipe, world_, nominal_world_)),
         micro_batches_(global_batch_ / micro_batch_),
-        lr_scale_(recipe.distributed.resize == "scale_lr"
-                      ? static_cast<double>(world_) / static_cast<double>(nominal_world_)
+        // As the global batch scales: by the workers (parameter servers compute no gradients).
+        lr_scale_(recipe.distributed.resize == "scale_lr" && nominal_world_ > servers_
+                      ? static_cast<double>(data_world_) /
+                            static_cast<double>(nominal_world_ - servers_)
                       : 1.0),
         ops_(options.ops ? options.ops : make_ops(recipe.train.device, options.device_index)),
         dtype_(parse_precision(recipe.train.precision)),

@@ -670,6 +670,36 @@ TEST_CASE("trainer: scale_lr keeps micro-batches per rank and scales the learnin
   CHECK(moved_half / moved_whole == doctest::Approx(0.5).epsilon(1e-3));
 }
 
+TEST_CASE("trainer: scale_lr with parameter servers scales by the workers, as the batch does") {
+  Recipe r = tiny_recipe();
+  r.distributed.resize = "scale_lr";
+  r.distributed.sync = "ps";
+  r.distributed.servers = 1;
+  r.optimizer.schedule.type = "constant";
+  r.train.steps = 2;
+  r.log.every = 1;
+  r.checkpoint.every = 0;
+  // 3 ranks (2 workers) of a job sized for 4 (3 workers): the batch is 2/3 of it, so the rate.
+  TempDir dir;
+  const auto done = train_ranks(r, 3, [&](int) {
+    TrainerOptions o;
+    o.run_dir = dir.path();
+    o.nominal_world = 4;
+    return o;
+  });
+  REQUIRE(done[0].error.empty());
+  CHECK(global_batch(r, 3, 4) == 2 * r.train.batch_per_rank);
+  std::istringstream lines(read_file(dir.path() / "metrics.jsonl"));
+  int logged = 0;
+  for (std::string line; std::getline(lines, line);) {
+    const auto m = nlohmann::json::parse(line);
+    if (!m.contains("lr")) continue;
+    ++logged;
+    CHECK(m["lr"].get<double>() == doctest::Approx(r.optimizer.lr * 2.0 / 3.0));
+  }
+  CHECK(logged == 2);
+}
+
 TEST_CASE("trainer: \"newest\" resumes from the node leader that holds the newest checkpoint") {
   Recipe r = tiny_recipe();
   r.checkpoint.every = 10;

@@ -178,16 +178,22 @@ Recipe bench_recipe(const Recipe& recipe, int world, int base_world,
   // The schedule only sets the learning rate, not the cost of a step; warm-up must fit the run.
   r.optimizer.schedule.warmup = std::min(r.optimizer.schedule.warmup, options.steps);
   if (options.scaling == BatchScaling::strong) {
-    const int64_t ranks_x_batch = recipe.train.batch_per_rank * base_world;
-    if (ranks_x_batch % world != 0) {
+    // Over the ranks that compute gradients (parameter servers take no batch).
+    const int servers =
+        recipe.distributed.sync == "ps" ? static_cast<int>(recipe.distributed.servers) : 0;
+    const int workers = world - servers;
+    const int base_workers = base_world - servers;
+    const int64_t ranks_x_batch = recipe.train.batch_per_rank * base_workers;
+    if (workers < 1 || ranks_x_batch % workers != 0) {
       throw Error(ErrorKind::usage,
                   fmt::format("--strong: world size {} cannot keep the global batch of world size "
-                              "{} (batch_per_rank {} x {} rank(s) x grad_accum {}): {} does not "
-                              "split evenly over {} ranks; choose world sizes that divide {}",
-                              world, base_world, recipe.train.batch_per_rank, base_world,
-                              recipe.train.grad_accum, ranks_x_batch, world, ranks_x_batch));
+                              "{} (batch_per_rank {} x {} worker rank(s) x grad_accum {}): {} does "
+                              "not split evenly over {} worker rank(s); choose world sizes whose "
+                              "workers divide {}",
+                              world, base_world, recipe.train.batch_per_rank, base_workers,
+                              recipe.train.grad_accum, ranks_x_batch, workers, ranks_x_batch));
     }
-    r.train.batch_per_rank = ranks_x_batch / world;
+    r.train.batch_per_rank = ranks_x_batch / workers;
   }
   // The final evaluation is not timed; a slice of the held-out split keeps it short.
   const int64_t eval_cap = global_batch(r, world);
@@ -209,11 +215,17 @@ double median(std::vector<double> values) {
 }
 
 json BenchTrainRow::to_json() const {
-  json j = {{"precision", precision},           {"world", world},
-            {"batch_per_rank", batch_per_rank}, {"global_batch", global_batch},
-            {"samples_per_s", samples_per_s},   {"step_ms", step_ms},
-            {"efficiency", efficiency},         {"mfu", mfu ? json(*mfu) : json(nullptr)},
-            {"peak_rss_mib", peak_rss_mib},     {"run_dirs", run_dirs}};
+  json j = {{"precision", precision},
+            {"world", world},
+            {"workers", computing()},
+            {"batch_per_rank", batch_per_rank},
+            {"global_batch", global_batch},
+            {"samples_per_s", samples_per_s},
+            {"step_ms", step_ms},
+            {"efficiency", efficiency},
+            {"mfu", mfu ? json(*mfu) : json(nullptr)},
+            {"peak_rss_mib", peak_rss_mib},
+            {"run_dirs", run_dirs}};
   if (nodes > 0) j["nodes"] = nodes;
   if (tokens_per_s > 0) j["tokens_per_s"] = tokens_per_s;
   json phases = json::object();
@@ -267,8 +279,8 @@ void fill_efficiency(std::vector<BenchTrainRow>& rows) {
     const auto base = std::find_if(rows.begin(), rows.end(), [&row](const BenchTrainRow& r) {
       return r.precision == row.precision;
     });
-    row.efficiency =
-        scaling_efficiency(row.samples_per_s, row.world, base->samples_per_s, base->world);
+    row.efficiency = scaling_efficiency(row.samples_per_s, row.computing(), base->samples_per_s,
+                                        base->computing());
   }
 }
 
@@ -427,24 +439,34 @@ std::string BenchTrainReport::table() const {
   const int base = base_world();
   if (!rows.empty()) {
     const BenchTrainRow& first = rows.front();
-    const int64_t accum =
-        first.batch_per_rank > 0 ? first.global_batch / (first.batch_per_rank * first.world) : 1;
+    const int64_t accum = first.batch_per_rank > 0
+                              ? first.global_batch / (first.batch_per_rank * first.computing())
+                              : 1;
+    // Parameter servers take no batch: the worker ranks (world less the servers) do.
+    const std::string ranks =
+        first.computing() != first.world
+            ? fmt::format("(world - {} servers)", first.world - first.computing())
+            : std::string("world");
     if (options.scaling == BatchScaling::weak) {
       add(
           fmt::format("# weak scaling: batch_per_rank {} stays, so the global batch grows with "
-                      "the world (world x {} x grad_accum {})",
-                      first.batch_per_rank, first.batch_per_rank, accum));
+                      "the world ({} x {} x grad_accum {})",
+                      first.batch_per_rank, ranks, first.batch_per_rank, accum));
     } else {
       add(
           fmt::format("# strong scaling: the global batch stays {} (world {}'s), so "
-                      "batch_per_rank = {} / (world x grad_accum {})",
-                      first.global_batch, base, first.global_batch, accum));
+                      "batch_per_rank = {} / ({} x grad_accum {})",
+                      first.global_batch, base, first.global_batch, ranks, accum));
     }
   }
-  add((base == 1 ? "# efficiency: throughput(W) / (W x throughput(1)); 100% is linear scaling"
-                 : fmt::format("# efficiency: throughput(W) x {} / (W x throughput({})); 100% is "
-                               "linear scaling",
-                               base, base)) +
+  // W counts the ranks that compute gradients: with parameter servers, the world less them.
+  const int servers = rows.empty() ? 0 : rows.front().world - rows.front().computing();
+  const int base_w = base - servers;
+  add((base_w == 1 ? "# efficiency: throughput(W) / (W x throughput(1)); 100% is linear scaling"
+                   : fmt::format("# efficiency: throughput(W) x {} / (W x throughput({})); 100% is "
+                                 "linear scaling",
+                                 base_w, base_w)) +
+      (servers > 0 ? fmt::format(", W the worker ranks (world - {} servers)", servers) : "") +
       (several ? " (each precision against its own)" : ""));
   add("# ms: steady-state mean per step on rank 0 (warm-up steps excluded); fwd+bwd = forward "
       "and backward, comm = exposed gradient all-reduce");
@@ -508,12 +530,12 @@ std::string BenchTrainReport::svg() const {
     const auto first = std::find_if(
         rows.begin(), rows.end(), [&](const BenchTrainRow& r) { return r.precision == precision; });
     const double base_throughput = throughput(*first, tokens);
-    const double base = static_cast<double>(first->world);
+    const double base = static_cast<double>(first->computing());
     for (const auto& r : rows) {
       if (r.precision != precision) continue;
       const double w = static_cast<double>(r.world);
       measured.points.emplace_back(w, throughput(r, tokens));
-      ideal.points.emplace_back(w, base_throughput * w / base);
+      ideal.points.emplace_back(w, base_throughput * static_cast<double>(r.computing()) / base);
     }
     series.push_back(measured);
     series.push_back(ideal);
@@ -579,6 +601,8 @@ void run_bench_train(const Recipe& recipe, const std::vector<BenchWorld>& worlds
       }
       BenchTrainRow row =
           row_from_results(results, w.world, r.train.batch_per_rank, global_batch(r, w.world));
+      row.workers =
+          w.world - (r.distributed.sync == "ps" ? static_cast<int>(r.distributed.servers) : 0);
       row.precision = precision;
       row.nodes = static_cast<int>(w.hosts.size());
       if (report.peak_tflops) {

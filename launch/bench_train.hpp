@@ -80,6 +80,9 @@ double median(std::vector<double> values);
 struct BenchTrainRow {
   std::string precision = "fp32";  // train.precision of the runs
   int world = 1;
+  // The ranks that compute gradients: the world less a parameter-server recipe's servers (0:
+  // the world). Batches and scaling are theirs.
+  int workers = 0;
   int nodes = 0;  // hosts used with --hosts; 0: local ranks
   int64_t batch_per_rank = 0;
   int64_t global_batch = 0;
@@ -95,6 +98,7 @@ struct BenchTrainRow {
   std::optional<double> mfu;  // model_flops_utilization; only with a peak (GPU, --peak-tflops)
   double peak_rss_mib = 0;    // the largest of any rank
   std::vector<std::string> run_dirs;
+  int computing() const { return workers > 0 ? workers : world; }
   nlohmann::json to_json() const;
 };
 

@@ -144,6 +144,30 @@ TEST_CASE("strong scaling keeps the smallest world's global batch or names the w
   }
 }
 
+TEST_CASE("with parameter servers, batches and efficiency are the worker ranks'") {
+  Recipe base = small_recipe();  // batch_per_rank 12, grad_accum 2
+  base.distributed.sync = "ps";
+  base.distributed.servers = 1;
+  BenchTrainOptions o;
+  o.scaling = BatchScaling::strong;
+  // World 2 is 1 worker: its global batch of 24 over 2 workers (world 3), 4 (world 5).
+  CHECK(bench_recipe(base, 3, 2, o).train.batch_per_rank == 6);
+  CHECK(bench_recipe(base, 5, 2, o).train.batch_per_rank == 3);
+  CHECK(global_batch(bench_recipe(base, 5, 2, o), 5) == global_batch(base, 2));
+  CHECK_THROWS_AS(bench_recipe(base, 1, 1, o), Error);  // no worker at all
+  // Efficiency per worker: 2 workers at twice 1 worker's throughput is linear.
+  std::vector<BenchTrainRow> rows(2);
+  rows[0].world = 2;
+  rows[0].workers = 1;
+  rows[0].samples_per_s = 1000;
+  rows[1].world = 3;
+  rows[1].workers = 2;
+  rows[1].samples_per_s = 2000;
+  fill_efficiency(rows);
+  CHECK(rows[1].efficiency == doctest::Approx(1.0));
+  CHECK(rows[1].to_json()["workers"] == 2);
+}
+
 TEST_CASE("scaling efficiency is throughput per rank against the smallest world") {
   CHECK(scaling_efficiency(1000, 1, 1000, 1) == 1.0);
   CHECK(scaling_efficiency(2000, 2, 1000, 1) == 1.0);
