@@ -148,9 +148,10 @@ void set_attribute(HostSpec& spec, std::string_view name, std::string_view value
 }
 
 // localhost's ranks are started directly, not over SSH: what only SSH uses would be ignored.
-void check_local_attributes(const HostSpec& spec) {
+// `port_given`: a port= attribute was written, even the default one (22).
+void check_local_attributes(const HostSpec& spec, bool port_given = false) {
   if (!spec.is_local()) return;
-  if (!spec.user.empty() || spec.port != kDefaultSshPort || !spec.key.empty()) {
+  if (!spec.user.empty() || port_given || spec.port != kDefaultSshPort || !spec.key.empty()) {
     fail(
         "localhost runs its ranks directly, without SSH: a user, port or key does not apply "
         "(to reach this machine over SSH, name it 127.0.0.1)");
@@ -189,7 +190,7 @@ HostSpec parse_hostfile_line(std::string_view line) {
     seen.push_back(name);
     set_attribute(spec, name, fields[i].substr(equals + 1));
   }
-  check_local_attributes(spec);
+  check_local_attributes(spec, std::find(seen.begin(), seen.end(), "port") != seen.end());
   return spec;
 }
 

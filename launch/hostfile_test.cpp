@@ -103,6 +103,7 @@ TEST_CASE("hostfile: localhost with a user, port or key is refused (they would b
       "reach this machine over SSH, name it 127.0.0.1)";
   CHECK(hostfile_error("localhost slots=2 port=2222\n") == "hosts:1: " + why);
   CHECK(hostfile_error("localhost user=alice\n") == "hosts:1: " + why);
+  CHECK(hostfile_error("localhost port=22\n") == "hosts:1: " + why);  // the default, written
   CHECK(usage_error([] { parse_hosts_list("alice@localhost:2"); }) ==
         "--hosts entry 'alice@localhost:2': " + why);
   CHECK(parse_hosts_list("localhost:2").front().slots == 2);
