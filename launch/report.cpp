@@ -1146,6 +1146,9 @@ json summary_fields(const RunView& run) {
     last_checkpoint = remote->path;
     checkpoint_host = remote->host;
   }
+  const auto usable =
+      std::count_if(run.checkpoints.begin(), run.checkpoints.end(),
+                    [](const auto& c) { return !c.set_aside && !c.foreign && c.problems.empty(); });
   return {{"run_dir", run.dir.string()},
           {"unreadable", run.unreadable},
           {"name", or_null(text(recipe, "name"))},
@@ -1163,10 +1166,8 @@ json summary_fields(const RunView& run) {
           {"last_checkpoint_host", checkpoint_host},
           // Those a resume may use (not another recipe's); the ones it set aside (they failed
           // verification) apart.
-          {"checkpoints", std::count_if(run.checkpoints.begin(), run.checkpoints.end(),
-                                        [](const auto& c) {
-                                          return !c.set_aside && !c.foreign && c.problems.empty();
-                                        })},
+          // Null where rank 0 kept them on another host and none is here: not counted, not 0.
+          {"checkpoints", usable == 0 && !checkpoint_host.is_null() ? json(nullptr) : json(usable)},
           {"checkpoints_set_aside", std::count_if(run.checkpoints.begin(), run.checkpoints.end(),
                                                   [](const auto& c) { return c.set_aside; })},
           {"restarts", array_at(run.info, "restarts").size()},
@@ -1372,15 +1373,17 @@ std::string report_summary_text(const json& s) {
     out += fmt::format("throughput {} {}; ", rate(s["throughput"].get<double>()),
                        text(s, "throughput_unit"));
   }
-  out += fmt::format("{} restart(s); world size {}; {} checkpoint(s){}{}\n", s["restarts"].dump(),
-                     text(s, "world_sizes"), s["checkpoints"].dump(),
-                     s["checkpoints_failed"].get<size_t>() > 0
-                         ? fmt::format(", {} FAILED verification", s["checkpoints_failed"].dump())
-                         : "",
-                     s["checkpoints_set_aside"].get<size_t>() > 0
-                         ? fmt::format(" ({} more set aside by a resume: they failed verification)",
-                                       s["checkpoints_set_aside"].dump())
-                         : "");
+  out += fmt::format(
+      "{} restart(s); world size {}; {}{}{}\n", s["restarts"].dump(), text(s, "world_sizes"),
+      s["checkpoints"].is_null() ? std::string("checkpoints on rank 0's host, not counted here")
+                                 : s["checkpoints"].dump() + " checkpoint(s)",
+      s["checkpoints_failed"].get<size_t>() > 0
+          ? fmt::format(", {} FAILED verification", s["checkpoints_failed"].dump())
+          : "",
+      s["checkpoints_set_aside"].get<size_t>() > 0
+          ? fmt::format(" ({} more set aside by a resume: they failed verification)",
+                        s["checkpoints_set_aside"].dump())
+          : "");
   if (!s["last_checkpoint_host"].is_null()) {
     out += fmt::format("checkpoints on {}: the last recorded is {}\n",
                        text(s, "last_checkpoint_host"), text(s, "last_checkpoint"));

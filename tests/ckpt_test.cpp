@@ -465,6 +465,10 @@ TEST_CASE("ckpt of a run whose rank 0 checkpointed on another host points there"
   CHECK(contains(list.out, "no checkpoints (" + there));
   const auto status = parse_json(run_dptrain({"status", run.string(), "--json"}).out);
   CHECK(status["last_checkpoint_host"] == "trainer@10.0.0.2:22");
+  CHECK(status["checkpoints"].is_null());  // not counted here, not 0
+  CHECK(here["checkpoints"] == 0);         // rank 0 ran here: none is none
+  CHECK(contains(run_dptrain({"report", run.string(), "--out", (tmp / "r.html").string()}).out,
+                 "checkpoints on rank 0's host, not counted here"));
   CHECK_FALSE(fs::exists(run / "checkpoints"));  // list and verify change nothing, make nothing
   // A file in its place is named as such: a checkpoint error.
   write_text(run / "checkpoints", "");
