@@ -254,6 +254,16 @@ int run_relay(const RelayPlan& plan) {
       *status != 143) {
     sig = *status - 128;
   }
+  // The agent stopped by a SIGINT on its host (by hand, say), not sent by this launcher: its
+  // ranks stopped without a checkpoint. Named, with its host and ranks, not as an exit code.
+  if (sig == 0 && *status == 130 && interrupts_sent == 0 && !done) {
+    write_host_failure(stdout,
+                       fmt::format("the agent on {} was stopped by SIGINT on its host (not by this "
+                                   "launcher): its ranks stopped without a checkpoint",
+                                   host_and_ranks(plan)),
+                       /*refused=*/false, SIGINT);
+    return 130;
+  }
   if (sig != 0) {
     // The agent itself killed (its ranks die with it): its SSH server says by what.
     const std::string what = fmt::format(

@@ -541,6 +541,25 @@ TEST_CASE("SIGKILL of a host's agent: exit 3 naming the host, its ranks and the 
   }
 }
 
+TEST_CASE("SIGINT to a host's agent: exit 3 naming the host, its ranks and SIGINT") {
+  Cluster c;
+  std::optional<Background> launcher;
+  auto workers = start_slowed(c, "agentint", launcher, true);
+  const pid_t agent = agent_of(workers[3]);
+  REQUIRE(agent > 1);
+  REQUIRE(::kill(agent, SIGINT) == 0);
+  CHECK(launcher->wait(std::chrono::seconds(60)) == 3);
+  const std::string error = parse_json(launcher->out())["error"];
+  INFO(launcher->err());
+  CHECK(contains(error, "the agent on " + c.sshd.host(c.sshd.addresses()[2]).display() +
+                            " (ranks 2-3) was stopped by SIGINT on its host"));
+  CHECK_FALSE(contains(error, "code 130"));
+  for (const auto& [rank, worker] : workers) {
+    CAPTURE(rank);
+    CHECK(eventually([worker] { return !process_alive(worker); }, std::chrono::seconds(15)));
+  }
+}
+
 TEST_CASE("killing the launcher leaves no worker behind on any host") {
   Cluster c;
   std::optional<Background> launcher;
