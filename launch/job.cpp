@@ -813,6 +813,12 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     };
   }
   auto stamped = std::chrono::steady_clock::now();
+  // The ranks' heartbeats as the first rank failed: a straggler that wakes up within the stop's
+  // grace would read afterwards as one more rank waiting in the collective.
+  std::optional<GenerationTrace> at_failure;
+  options.on_first_failure = [&] {
+    at_failure = read_generation_trace(addr, store.port(), secret, generation, world);
+  };
   options.tick = [&] {
     const auto now = std::chrono::steady_clock::now();
     if (now - stamped < std::chrono::seconds(kAliveEveryS)) return;
@@ -832,6 +838,10 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   int64_t measured = -1;  // a benchmark's: the measurement its ranks reached (dptrain-bench(1))
   if (sup.failure || !sup.watchdog.empty() || sup.stop_signal != 0) {
     trace = read_generation_trace(addr, store.port(), secret, generation, world);
+    if (sup.failure && at_failure && at_failure->beats.size() >= 2) {
+      trace.beats = at_failure->beats;
+      trace.step = at_failure->step;
+    }
     if (hang_watch) {
       for (const auto& [rank, ms] : hang_watch->silent()) {
         if (trace.beats.count(rank)) trace.beats[rank]["silent_ms"] = ms;

@@ -483,6 +483,7 @@ class Supervision {
 
   void consider_failure(const ProcessFailure& f) {
     const int r = rank_of_cause(f);
+    if (!candidate_ && options_.on_first_failure) options_.on_first_failure();
     if (!candidate_ || r < candidate_rank_) {
       if (!candidate_) decide_by_ = std::chrono::steady_clock::now() + kCauseWindow;
       candidate_ = f;

@@ -86,6 +86,9 @@ struct SupervisorOptions {
   std::function<std::optional<std::string>()> stop_request;
   // Called every loop (about ten times a second) while the processes run.
   std::function<void()> tick;
+  // Called once, as the first process fails on its own, before the others are stopped: what
+  // they are doing then (their heartbeats) is where the failure found them.
+  std::function<void()> on_first_failure;
 };
 
 // "SIGKILL" (or "signal 99" for a number without a name).

@@ -498,6 +498,12 @@ TEST_CASE("without --hang-timeout, a collective that times out names the rank it
     fault = "freeze@step=15,rank=1";
     named = "; by the ranks' last heartbeats, stuck: rank 1 (its heartbeat stopped ";
   }
+  SUBCASE("a straggler that catches up within the stop's grace") {
+    // Behind by 8 s, past the 5 s timeout: it enters the collective after its peer gave up, and
+    // the heartbeats as the peer failed, not as it then is, name it.
+    fault = "slow@step=15,rank=1,ms=8000";
+    named = "; by the ranks' last heartbeats, stuck: rank 1 at step 15 in phase data";
+  }
   auto r = run_dptrain(
       {"launch", recipe.string(), "--nproc", "2", "--run-dir", (tmp / "timeout").string()},
       {{"DPTRAIN_FAULT", fault}});
