@@ -39,6 +39,22 @@ struct DoctorFixture {
     args.insert(args.end(), extra.begin(), extra.end());
     return run_dptrain(args, env);
   }
+  // doctor with `extra` in a user and mount namespace of its own, after the shell commands
+  // `setup` there (a mount the loopback hosts do not see): its exit status and output.
+  std::pair<int, std::string> doctor_in_namespace(const std::string& setup,
+                                                  const std::vector<std::string>& extra) const {
+    std::string command = setup + " && exec '" + binary() + "' doctor --hosts '" +
+                          hostfile.string() + "' --known-hosts '" + sshd.known_hosts().string() +
+                          "'";
+    for (const std::string& arg : extra)
+      command += " '" + arg + "'";
+    write_text(tmp / "doctor.sh", command + "\n");
+    const int status =
+        std::system(("timeout -s KILL 120 unshare -Urm bash '" + (tmp / "doctor.sh").string() +
+                     "' >'" + (tmp / "out").string() + "' 2>&1")
+                        .c_str());
+    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, read_text(tmp / "out")};
+  }
 };
 
 // How a skip line of `check` starts: "skip CHECK      " (the check padded to 10).
@@ -745,21 +761,11 @@ TEST_CASE(
   // The launcher sees other rows at the recipe's path (bound over it in a mount namespace of its
   // own); the loopback hosts see the file as written.
   write_text(f.tmp / "mine.csv", many_rows(41));
-  std::string command = "mount --bind '" + (f.tmp / "mine.csv").string() + "' '" +
-                        (f.tmp / "d.csv").string() + "' && exec '" + binary() + "'";
-  for (const std::string& arg : {std::string("doctor"), std::string("--hosts"), f.hostfile.string(),
-                                 std::string("--known-hosts"), f.sshd.known_hosts().string(),
-                                 recipe.string(), std::string("--no-allreduce")})
-    command += " '" + arg + "'";
-  write_text(f.tmp / "doctor.sh", command + "\n");
-  const int status =
-      std::system(("timeout -s KILL 120 unshare -Urm bash '" + (f.tmp / "doctor.sh").string() +
-                   "' >'" + (f.tmp / "out").string() + "' 2>&1")
-                      .c_str());
-  const std::string out = read_text(f.tmp / "out");
+  const auto [status, out] = f.doctor_in_namespace(
+      "mount --bind '" + (f.tmp / "mine.csv").string() + "' '" + (f.tmp / "d.csv").string() + "'",
+      {recipe.string(), "--no-allreduce"});
   INFO(out);
-  REQUIRE(WIFEXITED(status));
-  CHECK(WEXITSTATUS(status) == 4);
+  CHECK(status == 4);
   const auto lines = failure_lines(out);
   REQUIRE(lines.size() == 2);  // one per host
   for (const auto& line : lines) {
@@ -778,24 +784,13 @@ TEST_CASE("doctor: data a host lacks is named, and the fix keeps the doctor's --
   fs::create_directories(hidden);
   write_recipe(f.tmp.path(), csv_recipe(f.tmp, many_rows(40)));
   const fs::path workdir = f.tmp / "my work";
-  std::string command = "mount -t tmpfs none '" + hidden.string() + "' && cp '" +
-                        (f.tmp / "recipe.json").string() + "' '" + (f.tmp / "d.csv").string() +
-                        "' '" + hidden.string() + "/' && exec '" + binary() + "'";
-  for (const std::string& arg :
-       {std::string("doctor"), std::string("--hosts"), f.hostfile.string(),
-        std::string("--known-hosts"), f.sshd.known_hosts().string(),
-        (hidden / "recipe.json").string(), std::string("--no-allreduce"), std::string("--workdir"),
-        workdir.string(), std::string("--remote-binary"), binary()})
-    command += " '" + arg + "'";
-  write_text(f.tmp / "doctor.sh", command + "\n");
-  const int status =
-      std::system(("timeout -s KILL 120 unshare -Urm bash '" + (f.tmp / "doctor.sh").string() +
-                   "' >'" + (f.tmp / "out").string() + "' 2>&1")
-                      .c_str());
-  const std::string out = read_text(f.tmp / "out");
+  const auto [status, out] = f.doctor_in_namespace(
+      "mount -t tmpfs none '" + hidden.string() + "' && cp '" + (f.tmp / "recipe.json").string() +
+          "' '" + (f.tmp / "d.csv").string() + "' '" + hidden.string() + "/'",
+      {(hidden / "recipe.json").string(), "--no-allreduce", "--workdir", workdir.string(),
+       "--remote-binary", binary()});
   INFO(out);
-  REQUIRE(WIFEXITED(status));
-  CHECK(WEXITSTATUS(status) == 4);
+  CHECK(status == 4);
   const auto lines = failure_lines(out);
   REQUIRE(lines.size() == 2);  // one per host
   for (const auto& line : lines) {
