@@ -153,7 +153,11 @@ int start_launch(const LaunchOptions& o, bool& events_opened) {
       throw stop_error(sig, "", "");
     }
     // A plan for a directory the launch would refuse (one holding a run) is refused as well.
-    if (!o.run_dir.empty()) RunDirectory::check_new(o.run_dir);
+    if (!o.run_dir.empty()) {
+      RunDirectory::check_new(o.run_dir);
+    } else {
+      RunDirectory::check_runs_root(o.runs_root);
+    }
     for (const auto& warning : fault_warnings)
       std::fprintf(stderr, "dptrain: warning: %s\n", warning.c_str());
     // The directory a launch would create (its time is filled in then), absolute as the ranks

@@ -297,6 +297,10 @@ void refuse_inside_run(const fs::path& path, const char* option, bool is_parent 
 
 }  // namespace
 
+void RunDirectory::check_runs_root(const fs::path& runs_root) {
+  refuse_inside_run(runs_root, "--runs-root", /*is_parent=*/true);
+}
+
 void RunDirectory::check_new(const fs::path& path) {
   std::error_code ec;
   check_path_room(path, "--run-dir");
@@ -349,7 +353,7 @@ RunDirectory RunDirectory::create(const fs::path& dir, const fs::path& runs_root
     // other moves on to the next suffix.
     const fs::path base = runs_root / fmt::format("{}-{}", name, utc_format("%Y%m%d-%H%M%S"));
     check_path_room(base.string() + "-99", "--runs-root");
-    refuse_inside_run(runs_root, "--runs-root", /*is_parent=*/true);
+    check_runs_root(runs_root);
     if (!runs_root.empty()) fs::create_directories(runs_root, ec);
     for (int i = 1; !ec; ++i) {
       path = i == 1 ? base : fs::path(fmt::format("{}-{}", base.string(), i));

@@ -25,6 +25,8 @@ class RunDirectory {
                              const std::filesystem::path& runs_root, const std::string& name);
   // What create refuses a given `dir` for, checked without making anything (launch --dry-run).
   static void check_new(const std::filesystem::path& dir);
+  // What create refuses a `runs_root` for (inside another run's checkpoints/ or logs/).
+  static void check_runs_root(const std::filesystem::path& runs_root);
   // An existing run: Error(usage) as read_run_json says when its run.json cannot be used.
   // Nothing is created or changed there (a reader, or a resume with nothing to do).
   static RunDirectory open(const std::filesystem::path& dir);

@@ -263,6 +263,8 @@ TEST_CASE("usage errors exit 2") {
     auto inside = run_dptrain(all);
     CHECK(inside.exit_code == 2);
     CHECK_MESSAGE(inside.err.starts_with("dptrain: error: " + says + ", whose resume"), inside.err);
+    all.push_back("--dry-run");  // the plan is refused as the launch is
+    CHECK(run_dptrain(all).exit_code == 2);
   }
   CHECK(fs::is_empty(tmp / "outer/checkpoints"));
   // A run directory that cannot be made is the caller's to fix: a usage error naming it.
