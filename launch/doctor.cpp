@@ -415,9 +415,14 @@ class Doctor {
       version = r.exit_status == 0 ? version_line(r.out) : "";
       if (version.empty()) why = loader_failure(r.err + "\n" + r.out);
     } catch (const Error& e) {
-      // The connection, not the binary: the version is not known.
-      s.checks.push_back({"version", h.display(), false, e.what(),
-                          "check the host is up and sshd listens on its port"});
+      // No answer within the SSH command timeout (a host without timeout(1), or the connection
+      // lost): the version is not known.
+      s.checks.push_back({"version", h.display(), false,
+                          fmt::format("dptrain at {}: --version did not complete: {}", binary,
+                                      first_line(e.what())),
+                          fmt::format("run '{} --version' on the host to see where it stops; "
+                                      "check the host is up",
+                                      binary)});
       s.held_back = "its version check failed";
       return;
     }

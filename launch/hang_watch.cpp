@@ -49,11 +49,23 @@ std::optional<std::string> HangWatch::check() {
       return std::nullopt;  // the store is the launcher's own; a hiccup is not a hang
     }
   }
+  // A rank waiting in a collective is as stalled as the job: while another rank still makes
+  // progress (the workers' eval chunks, which parameter servers wait out in the eval's
+  // all-reduce), it is only waiting for it. A rank that is not in a collective (stuck in its
+  // step) counts by its own clock, and so do ranks that all wait in collectives.
+  const auto since = [&](const Seen& s) {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(now - s.since);
+  };
+  std::optional<std::chrono::milliseconds> freshest;
+  for (const auto& [rank, s] : seen_) {
+    if (s.beat.value("phase", "") == "done") continue;
+    freshest = freshest ? std::min(*freshest, since(s)) : since(s);
+  }
   std::chrono::milliseconds stalled{0};
   for (const auto& [rank, s] : seen_) {
     if (s.beat.value("phase", "") == "done") continue;
-    stalled =
-        std::max(stalled, std::chrono::duration_cast<std::chrono::milliseconds>(now - s.since));
+    const bool waiting = s.beat.value("phase", "") == "collective";
+    stalled = std::max(stalled, waiting ? std::min(since(s), *freshest) : since(s));
   }
   // A rank that never beat while another has for longer than the timeout: frozen, or unable to
   // reach the store, before it joined (the others wait for it to meet).

@@ -132,6 +132,37 @@ TEST_CASE("hang watch: a heartbeat that stands still is told from one that waits
         std::string::npos);
 }
 
+TEST_CASE("hang watch: a rank waiting in a collective while another progresses is no hang") {
+  // A parameter server waits in the eval's all-reduce while the workers evaluate chunk after
+  // chunk: past the timeout, no verdict. When the worker stops progressing (outside any
+  // collective), the verdict comes.
+  TcpStoreServer server;
+  TcpStoreClient store("127.0.0.1", server.port(), std::chrono::seconds(5));
+  const auto beat = [](const char* phase, int64_t progress, int64_t beats) {
+    return json{{"step", 4},        {"phase", phase}, {"seq", 10}, {"progress", progress},
+                {"collective", ""}, {"beat", beats}}
+        .dump();
+  };
+  store.set(heartbeat_key(1), beat("collective", 7, 1));
+  HangWatch watch(store, 2, std::chrono::milliseconds(1500));
+  for (int64_t n = 1; n <= 30; ++n) {  // 3 s of eval chunks: twice the timeout
+    store.set(heartbeat_key(0), beat("eval", 100 + n, n));
+    store.set(heartbeat_key(1), beat("collective", 7, n));
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    CHECK_FALSE(watch.check().has_value());
+  }
+  std::optional<std::string> verdict;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  for (int64_t n = 31; !verdict && std::chrono::steady_clock::now() < until; ++n) {
+    store.set(heartbeat_key(0), beat("eval", 130, n));  // stuck in its chunk now
+    store.set(heartbeat_key(1), beat("collective", 7, n));
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    verdict = watch.check();
+  }
+  REQUIRE(verdict.has_value());
+  CHECK(verdict->find("rank 0 at step 4 in phase eval") != std::string::npos);
+}
+
 TEST_CASE("hang verdict: several ranks behind are waited for as them") {
   const std::map<int, json> beats = {
       {0, {{"step", 9}, {"phase", "data"}, {"seq", 40}}},

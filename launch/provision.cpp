@@ -550,11 +550,14 @@ HostFacts survey_host(HostShell& shell, const HostSpec& host, const std::string&
 
 std::string version_command(const std::string& binary_word) {
   // timeout(1) is coreutils' (every Linux host dptrain runs on has it); without it, the plain
-  // command, under the SSH command timeout.
-  return fmt::format(
-      "if command -v timeout >/dev/null 2>&1; then timeout -k 5 {} {} --version; else {} "
-      "--version; fi",
-      version_probe_seconds(), binary_word, binary_word);
+  // command, under the SSH command timeout. 137: the binary ignored timeout's SIGTERM and was
+  // killed 5 s later. In sh, whatever the user's login shell is (tcsh has no if/then/fi).
+  const std::string script = fmt::format(
+      "if command -v timeout >/dev/null 2>&1; then timeout -k 5 {} {} --version; s=$?; "
+      "if [ $s -eq 124 ] || [ $s -eq 137 ]; then exit {}; fi; exit $s; else exec {} --version; "
+      "fi",
+      version_probe_seconds(), binary_word, kVersionTimedOut, binary_word);
+  return "sh -c " + shell_quote(script);
 }
 
 int version_probe_seconds() {

@@ -25,6 +25,7 @@
 #include "core/recipe.hpp"
 #include "launch/bench_train.hpp"
 #include "launch/run_dir.hpp"
+#include "launch/ssh.hpp"
 #include "launch/status.hpp"
 #include "launch/svg_chart.hpp"
 
@@ -611,7 +612,7 @@ std::string hint(const RunView& run) {
         return fmt::format(
             "a checkpoint problem (see the error; 'dptrain ckpt verify {} --all' checks every "
             "checkpoint): once it is fixed, continue it with {}",
-            run.dir.string(), resume_command(run.dir, run.info));
+            shell_quote(run.dir.string()), resume_command(run.dir, run.info));
       }
     }
     return "continue it with " + resume_command(run.dir, run.info);

@@ -252,7 +252,7 @@ void refuse_held_run(const fs::path& p, bool mine) {
                             "and recipe.json are there), or choose another --run-dir",
                             printable(p.string()), first_line(e.what())));
   }
-  std::string how = fmt::format("continue it with 'dptrain resume {}'", printable(p.string()));
+  std::string how = "continue it with " + resume_command(p, info);
   if (info.is_object() && !info.contains("recipe")) {
     throw Error(ErrorKind::usage,
                 fmt::format("{}: already holds a benchmark's run; choose another --run-dir",
@@ -281,7 +281,7 @@ void refuse_inside_run(const fs::path& path, const char* option, bool is_parent 
   std::error_code ec;
   const fs::path real = fs::weakly_canonical(fs::absolute(path.empty() ? "." : path, ec), ec);
   if (ec) return;
-  fs::path below;  // the entry of `up` that leads to `real`
+  fs::path below = is_parent ? fs::path() : real.filename();  // the entry of `up` toward `real`
   for (fs::path up = is_parent ? real : real.parent_path(); !up.empty(); up = up.parent_path()) {
     if ((below == "checkpoints" || below == "logs") && fs::is_regular_file(up / "run.json", ec)) {
       throw Error(
@@ -667,6 +667,7 @@ std::string hand_resume_flag(const fs::path& run_dir) {
 
 std::vector<std::string> recorded_remote_hosts(const nlohmann::json& info) {
   std::vector<std::string> lines;
+  if (!info.is_object()) return lines;
   bool remote = false;
   // An elastic job's every host (spares, and those lost along the way), else the last
   // generation's.

@@ -255,6 +255,9 @@ TEST_CASE("usage errors exit 2") {
            {{"--run-dir", (tmp / "outer/checkpoints/step-000999").string()},
             "--run-dir " + (tmp / "outer/checkpoints/step-000999").string() +
                 ": inside checkpoints/ of the run " + (tmp / "outer").string()},
+           {{"--run-dir", (tmp / "outer/logs").string()},
+            "--run-dir " + (tmp / "outer/logs").string() + ": inside logs/ of the run " +
+                (tmp / "outer").string()},
            {{"--runs-root", (tmp / "outer/checkpoints").string()},
             "--runs-root " + (tmp / "outer/checkpoints").string() +
                 ": inside checkpoints/ of the run " + (tmp / "outer").string()}}) {

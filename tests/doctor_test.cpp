@@ -152,7 +152,8 @@ TEST_CASE("doctor: a binary there that lacks a library says so, not to provision
 TEST_CASE("doctor: a binary there that hangs fails the version check, not the workdir's") {
   DoctorFixture f;
   const fs::path hangs = f.tmp / "hangs";
-  write_text(hangs, "#!/bin/sh\nexec sleep 600\n");
+  // It ignores timeout(1)'s SIGTERM as well: killed 5 s later, still named a hang.
+  write_text(hangs, "#!/bin/sh\ntrap '' TERM\nsleep 600\n");
   fs::permissions(hangs, fs::perms::owner_all);
   // The probe's limit (30 s) shortened for the test.
   auto r = f.doctor({"--remote-binary", hangs.string()}, {{"DPTRAIN_TEST_VERSION_PROBE_S", "2"}});
