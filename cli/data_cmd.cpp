@@ -160,13 +160,8 @@ fs::path output_path(const std::string& out) {
     }
   }
   // A file where a parent directory should be: the caller's to fix, as for a file at OUT.
-  for (fs::path up = path.parent_path(); up != up.root_path(); up = up.parent_path()) {
-    const fs::file_status st = fs::status(up, ec);
-    if (!fs::exists(st)) continue;
-    if (!fs::is_directory(st)) {
-      refuse(fmt::format("--out {}: {} is not a directory", out, up.string()));
-    }
-    break;
+  if (const auto file = file_in_the_way(path)) {
+    refuse(fmt::format("--out {}: {} is not a directory", out, file->string()));
   }
   return path;
 }

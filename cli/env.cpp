@@ -47,13 +47,13 @@ int env_int(const char* name, std::optional<int> fallback, const std::string& wh
   if (end - begin > 1 && *begin == '+' && begin[1] != '-') ++begin;
   const auto [ptr, ec] = std::from_chars(begin, end, n);
   if (ptr == end && ec == std::errc::result_out_of_range) {
-    // Every such setting is a count or an index: the bound the value is past, not int's range.
-    const bool negative = *begin == '-';
+    // Every such setting is a count or an index (at least 0): the bound it is past.
     throw Error(
         ErrorKind::usage,
-        fmt::format("{}: '{}' is too {} (at {} {})", name, *v, negative ? "small" : "large",
-                    negative ? "least" : "most",
-                    negative ? std::numeric_limits<int>::min() : std::numeric_limits<int>::max()));
+        *begin == '-'
+            ? fmt::format("{}: '{}' is negative (a count or an index: at least 0)", name, *v)
+            : fmt::format("{}: '{}' is too large (at most {})", name, *v,
+                          std::numeric_limits<int>::max()));
   }
   if (ptr == end && ec == std::errc()) return n;
   throw Error(ErrorKind::usage, fmt::format("{}: not an integer: '{}'", name, *v));

@@ -194,8 +194,13 @@ void check_option_values(CLI::App& app) {
     if (const std::string type = o->get_type_name();
         type.starts_with("INT") || type.starts_with("UINT")) {
       o->transform(CLI::Validator(
-          [](std::string& value) {
+          [](std::string& value) -> std::string {
             const size_t sign = value.starts_with('-') || value.starts_with('+') ? 1 : 0;
+            // CLI11 would read 0x10 as 16 (and 0b, 0o likewise): decimal only.
+            if (value.size() > sign + 2 && value[sign] == '0' &&
+                std::string_view("xXbBoO").find(value[sign + 1]) != std::string_view::npos) {
+              return fmt::format("'{}' is not a whole number", value);
+            }
             // Not a plain decimal: the option's own check says what it is.
             if (value.size() > sign + 1 &&
                 value.find_first_not_of("0123456789", sign) == std::string::npos) {

@@ -224,13 +224,9 @@ void check_output_file(const std::string& flag, const std::string& given, std::s
                 fmt::format("{} {}: is a directory; name {} to write", flag, given, what));
   }
   if (!fs::is_directory(out.parent_path(), ec)) {
-    // The nearest of its parents that exists, when that is not a directory (a file in the way).
-    fs::path up = out.parent_path();
-    while (up != up.root_path() && !fs::exists(fs::symlink_status(up, ec)))
-      up = up.parent_path();
-    if (up != up.root_path() && !fs::is_directory(up, ec)) {
+    if (const auto file = file_in_the_way(out)) {
       throw Error(ErrorKind::usage,
-                  fmt::format("{} {}: {} is not a directory", flag, given, up.string()));
+                  fmt::format("{} {}: {} is not a directory", flag, given, file->string()));
     }
     throw Error(ErrorKind::usage, fmt::format("{} {}: no such directory {}", flag, given,
                                               out.parent_path().string()));
@@ -241,6 +237,20 @@ void check_output_file(const std::string& flag, const std::string& given, std::s
                             "through: name a regular file or a new one",
                             flag, given, kind));
   }
+}
+
+std::optional<std::filesystem::path> file_in_the_way(const std::filesystem::path& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  // Followed as the path would be (a link to a directory is one); a dangling link is no file.
+  for (fs::path up = path.parent_path(); !up.empty() && up != up.root_path();
+       up = up.parent_path()) {
+    const fs::file_status st = fs::status(up, ec);
+    if (!fs::exists(st)) continue;
+    if (fs::is_directory(st)) return std::nullopt;
+    return up;
+  }
+  return std::nullopt;
 }
 
 std::filesystem::path resolved_path(const std::filesystem::path& path) {

@@ -45,6 +45,9 @@ void fsync_directory(const std::filesystem::path& dir);
 // device or a pipe, /dev/null included, by a regular file). `what` names the file in the
 // directory's message ("the HTML file").
 void check_output_file(const std::string& flag, const std::string& given, std::string_view what);
+// The nearest of `path`'s parents that exists, when it is not a directory (a file where a
+// directory of the path should be); none otherwise.
+std::optional<std::filesystem::path> file_in_the_way(const std::filesystem::path& path);
 
 // Bytes of the regular files under dir, recursively; unreadable entries count as 0.
 uint64_t size_on_disk(const std::filesystem::path& dir);

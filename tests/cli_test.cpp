@@ -239,7 +239,7 @@ TEST_CASE("usage errors exit 2") {
   // The identity from the environment: a value past int names the bound it is past.
   for (const auto& [value, says] : std::vector<std::pair<std::string, std::string>>{
            {"2147483648", "RANK: '2147483648' is too large (at most 2147483647)"},
-           {"-99999999999", "RANK: '-99999999999' is too small (at least -2147483648)"},
+           {"-99999999999", "RANK: '-99999999999' is negative (a count or an index: at least 0)"},
            {"1x", "RANK: not an integer: '1x'"}}) {
     auto bad = run_dptrain(
         {"worker", recipe.string(), "--run-dir", (tmp / "by-env").string()},
@@ -388,6 +388,8 @@ TEST_CASE("usage errors exit 2") {
            {{"bench", "train", recipe.string(), "--batch-per-rank", "0x1"},
             "--batch-per-rank: '0x1' is not a whole number"},
            {{"bench", "comm", "--root", "0x1"}, "--root: '0x1' is not a whole number"},
+           {{"sample", nothing, "--tokens", "0x10"}, "--tokens: '0x10' is not a whole number"},
+           {{"sample", nothing, "--top-k", "0b11"}, "--top-k: '0b11' is not a whole number"},
            {{"bench", "comm", "-w", "-1"}, "--warmup: '-1' must be a whole number >= 0"},
            {{"bench", "comm", "-n", "0x1"}, "--iters: '0x1' is not a whole number"},
            {{"launch", recipe.string(), "--master-port", "0x10"},
