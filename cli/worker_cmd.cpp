@@ -818,6 +818,12 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
   topts.debug_step_delay_ms = std::atoll(env("DPTRAIN_DEBUG_STEP_DELAY_MS").value_or("0").c_str());
   topts.on_event = [&](const nlohmann::json& e) {
     const std::string kind = e.value("event", "");
+    // The result is rank 0's last act of training: a signal from here on waits for the record
+    // of how the run ended and the exit (a run that completed, not one interrupted).
+    if (kind == "result") {
+      int answer = 0;
+      g_stop_answer.compare_exchange_strong(answer, 3);
+    }
     if (kind == "rendezvous") record->rendezvous(e, o.resume);
     if (kind == "progress") record->reached(e.value("step", int64_t{0}));
     if (events) {
@@ -862,7 +868,7 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
   try {
     result = train(recipe, *comm, topts);
   } catch (const Error& e) {
-    if (int answer = 0; !g_stop_answer.compare_exchange_strong(answer, 3)) {
+    if (int answer = 0; !g_stop_answer.compare_exchange_strong(answer, 3) && answer != 3) {
       for (;;)  // the StopWatcher is ending the process
         ::pause();
     }
@@ -914,7 +920,7 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
                                       HangWatch::positions(last_beats)));
   }
   // Training is over: a signal now waits for the record of how it ended, and the exit.
-  if (int answer = 0; !g_stop_answer.compare_exchange_strong(answer, 3)) {
+  if (int answer = 0; !g_stop_answer.compare_exchange_strong(answer, 3) && answer != 3) {
     for (;;)
       ::pause();
   }

@@ -328,12 +328,14 @@ class TrainingRun {
     mark(Phase::done);
     if (again && rank_ == 0) keep_measurements(result);
     if (rank_ == 0) {
-      run_file_write([&] {
-        write_file_atomic(options_.run_dir / "result.json", json_text(result.to_json(), 2) + "\n");
-      });
+      // The event first: from it on, a stop signal no longer ends the run as interrupted (the
+      // worker's), so a result.json on disk is never one of a run recorded as interrupted.
       json event = result.to_json();
       event["event"] = "result";
       emit(event);
+      run_file_write([&] {
+        write_file_atomic(options_.run_dir / "result.json", json_text(result.to_json(), 2) + "\n");
+      });
     }
     return result;
   }
