@@ -1217,4 +1217,17 @@ bool is_error_feedback_codec(const std::string& type) {
   return type == "int8" || type == "topk" || type == "powersgd";
 }
 
+int server_ranks(const Recipe& r) {
+  return r.distributed.sync == "ps" ? static_cast<int>(r.distributed.servers) : 0;
+}
+
+void check_has_workers(const Recipe& r, int world_size) {
+  if (server_ranks(r) >= world_size) {
+    throw Error(ErrorKind::recipe,
+                fmt::format("/distributed/servers: {} parameter server(s) leave no worker among "
+                            "{} rank(s); the servers are the last ranks, the workers the others",
+                            r.distributed.servers, world_size));
+  }
+}
+
 }  // namespace dptrain

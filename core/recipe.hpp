@@ -194,6 +194,12 @@ nlohmann::json to_json(const Recipe& r);
 // computed without building it; nothing when the count passes 2^64 - 1. parse_recipe refuses
 // models above 2^40 parameters.
 std::optional<uint64_t> parameter_count(const ModelSpec& model);
+// The ranks that hold the parameters and take no batch: the last /distributed/servers ranks
+// under sync "ps", none otherwise.
+int server_ranks(const Recipe& r);
+// Refuses (a recipe error naming /distributed/servers) a world of `world_size` ranks in which the
+// parameter servers leave no worker.
+void check_has_workers(const Recipe& r, int world_size);
 // A stable hex digest of every field (those that do not apply too) but data.path, recorded in
 // checkpoints and compared between ranks. Where the data lies is left out: each host may keep
 // it elsewhere (a provisioned copy), and what it holds is compared by its fingerprint.

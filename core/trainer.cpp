@@ -126,8 +126,7 @@ class TrainingRun {
         rank_(comm.rank()),
         world_(comm.size()),
         nominal_world_(options.nominal_world > 0 ? options.nominal_world : world_),
-        servers_(recipe.distributed.sync == "ps" ? static_cast<int>(recipe.distributed.servers)
-                                                 : 0),
+        servers_(server_ranks(recipe)),
         data_world_(world_ - servers_),
         data_rank_(rank_ < data_world_ ? rank_ : -1),
         micro_batch_(recipe.train.batch_per_rank),
@@ -1652,8 +1651,7 @@ int64_t global_batch(const Recipe& recipe, int world_size, int nominal_world) {
   const int batch_world =
       recipe.distributed.resize == "scale_lr" || nominal_world <= 0 ? world_size : nominal_world;
   // Parameter servers compute no gradients: the batch is the workers'.
-  const int64_t servers = recipe.distributed.sync == "ps" ? recipe.distributed.servers : 0;
-  return std::max<int64_t>(batch_world - servers, 0) * recipe.train.batch_per_rank *
+  return std::max<int64_t>(batch_world - server_ranks(recipe), 0) * recipe.train.batch_per_rank *
          recipe.train.grad_accum;
 }
 
@@ -1703,12 +1701,7 @@ std::string each_line(const std::string& text, const std::string& prefix) {
 namespace {
 
 void check_runnable_here(const Recipe& recipe, int world_size, int nominal_world) {
-  if (recipe.distributed.sync == "ps" && recipe.distributed.servers >= world_size) {
-    throw Error(ErrorKind::recipe,
-                fmt::format("/distributed/servers: {} parameter server(s) leave no worker among "
-                            "{} rank(s); the servers are the last ranks, the workers the others",
-                            recipe.distributed.servers, world_size));
-  }
+  check_has_workers(recipe, world_size);
   check_levers(recipe);
   // Its size only: synthetic data is not generated here (the ranks do); CSV rows and token
   // checksums are checked. A CSV file's rows are /data/path's problems, one a line, as `recipe
@@ -1737,12 +1730,7 @@ void check_runnable(const Recipe& recipe, int world_size, int nominal_world,
 }
 
 TrainResult train(const Recipe& recipe, Communicator& comm, const TrainerOptions& options) {
-  if (recipe.distributed.sync == "ps" && recipe.distributed.servers >= comm.size()) {
-    throw Error(ErrorKind::recipe,
-                fmt::format("/distributed/servers: {} parameter server(s) leave no worker among "
-                            "the {} rank(s) there are",
-                            recipe.distributed.servers, comm.size()));
-  }
+  check_has_workers(recipe, comm.size());
   if (comm.backend() == "nccl" && !options.ops) {
     // NCCL orders its stream after the op table's compute stream: it must be the one used here.
     throw Error(ErrorKind::internal,

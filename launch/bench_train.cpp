@@ -179,12 +179,13 @@ Recipe bench_recipe(const Recipe& recipe, int world, int base_world,
   r.optimizer.schedule.warmup = std::min(r.optimizer.schedule.warmup, options.steps);
   if (options.scaling == BatchScaling::strong) {
     // Over the ranks that compute gradients (parameter servers take no batch).
-    const int servers =
-        recipe.distributed.sync == "ps" ? static_cast<int>(recipe.distributed.servers) : 0;
+    check_has_workers(recipe, base_world);
+    check_has_workers(recipe, world);
+    const int servers = server_ranks(recipe);
     const int workers = world - servers;
     const int base_workers = base_world - servers;
     const int64_t ranks_x_batch = recipe.train.batch_per_rank * base_workers;
-    if (workers < 1 || ranks_x_batch % workers != 0) {
+    if (ranks_x_batch % workers != 0) {
       throw Error(ErrorKind::usage,
                   fmt::format("--strong: world size {} cannot keep the global batch of world size "
                               "{} (batch_per_rank {} x {} worker rank(s) x grad_accum {}): {} does "
@@ -601,8 +602,7 @@ void run_bench_train(const Recipe& recipe, const std::vector<BenchWorld>& worlds
       }
       BenchTrainRow row =
           row_from_results(results, w.world, r.train.batch_per_rank, global_batch(r, w.world));
-      row.workers =
-          w.world - (r.distributed.sync == "ps" ? static_cast<int>(r.distributed.servers) : 0);
+      row.workers = w.world - server_ranks(r);
       row.precision = precision;
       row.nodes = static_cast<int>(w.hosts.size());
       if (report.peak_tflops) {

@@ -154,7 +154,19 @@ TEST_CASE("with parameter servers, batches and efficiency are the worker ranks'"
   CHECK(bench_recipe(base, 3, 2, o).train.batch_per_rank == 6);
   CHECK(bench_recipe(base, 5, 2, o).train.batch_per_rank == 3);
   CHECK(global_batch(bench_recipe(base, 5, 2, o), 5) == global_batch(base, 2));
-  CHECK_THROWS_AS(bench_recipe(base, 1, 1, o), Error);  // no worker at all
+  // No worker at all, in the measured world or in the base one: the recipe's problem, named.
+  for (const auto& [world, base_world] : {std::pair{1, 1}, std::pair{3, 1}}) {
+    CAPTURE(world);
+    try {
+      bench_recipe(base, world, base_world, o);
+      FAIL("accepted");
+    } catch (const Error& e) {
+      CHECK(e.kind() == ErrorKind::recipe);
+      CHECK(std::string(e.what()) ==
+            "/distributed/servers: 1 parameter server(s) leave no worker among 1 rank(s); the "
+            "servers are the last ranks, the workers the others");
+    }
+  }
   // Efficiency per worker: 2 workers at twice 1 worker's throughput is linear.
   std::vector<BenchTrainRow> rows(2);
   rows[0].world = 2;

@@ -192,7 +192,7 @@ class Doctor {
   // too few samples for a global batch is not the same problem as a file that does not fit the
   // model, nor as a dataset that is not there.
   std::string data_fix(const Recipe& r) const {
-    if (r.distributed.sync == "ps" && r.distributed.servers >= world_) {
+    if (server_ranks(r) >= world_) {
       return fmt::format("use fewer distributed.servers than the {} rank(s), or more ranks",
                          world_);
     }

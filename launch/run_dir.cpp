@@ -277,21 +277,29 @@ void refuse_held_run(const fs::path& p, bool mine) {
 // Error(usage) when a run directory made at `path` (or, with `is_parent`, in it) would lie in
 // another run's checkpoints/ or logs/ (below a directory holding a run.json): that run's resume
 // would take it for a damaged checkpoint and set it aside, and its pruning could remove it.
+// Both the path as written and the one it resolves to are walked: a run's checkpoints/ may be a
+// link to scratch space, and a path through the link is inside the run all the same.
 void refuse_inside_run(const fs::path& path, const char* option, bool is_parent = false) {
   std::error_code ec;
-  const fs::path real = fs::weakly_canonical(fs::absolute(path.empty() ? "." : path, ec), ec);
+  const fs::path absolute = fs::absolute(path.empty() ? "." : path, ec);
   if (ec) return;
-  fs::path below = is_parent ? fs::path() : real.filename();  // the entry of `up` toward `real`
-  for (fs::path up = is_parent ? real : real.parent_path(); !up.empty(); up = up.parent_path()) {
-    if ((below == "checkpoints" || below == "logs") && fs::is_regular_file(up / "run.json", ec)) {
-      throw Error(
-          ErrorKind::usage,
-          fmt::format("{} {}: inside {}/ of the run {}, whose resume or pruning would "
-                      "move or remove it; choose a directory outside it",
-                      option, printable(path.string()), below.string(), printable(up.string())));
+  const fs::path real = fs::weakly_canonical(absolute, ec);
+  if (ec) return;
+  for (const fs::path& walked : {real, absolute.lexically_normal()}) {
+    // The entry of `up` toward `walked`.
+    fs::path below = is_parent ? fs::path() : walked.filename();
+    for (fs::path up = is_parent ? walked : walked.parent_path(); !up.empty();
+         up = up.parent_path()) {
+      if ((below == "checkpoints" || below == "logs") && fs::is_regular_file(up / "run.json", ec)) {
+        throw Error(
+            ErrorKind::usage,
+            fmt::format("{} {}: inside {}/ of the run {}, whose resume or pruning would "
+                        "move or remove it; choose a directory outside it",
+                        option, printable(path.string()), below.string(), printable(up.string())));
+      }
+      if (up == up.root_path()) break;
+      below = up.filename();
     }
-    if (up == up.root_path()) break;
-    below = up.filename();
   }
 }
 

@@ -270,6 +270,20 @@ TEST_CASE("usage errors exit 2") {
     CHECK(run_dptrain(all).exit_code == 2);
   }
   CHECK(fs::is_empty(tmp / "outer/checkpoints"));
+  // A run whose checkpoints/ is a link to scratch space: a path through the link is inside it.
+  fs::create_directories(tmp / "scratch");
+  fs::create_directories(tmp / "linked");
+  write_text(tmp / "linked/run.json", "{}");
+  fs::create_directory_symlink(tmp / "scratch", tmp / "linked/checkpoints");
+  auto linked = run_dptrain(
+      {"launch", recipe.string(), "--run-dir", (tmp / "linked/checkpoints/new").string()});
+  CHECK(linked.exit_code == 2);
+  CHECK_MESSAGE(linked.err.starts_with("dptrain: error: --run-dir " +
+                                       (tmp / "linked/checkpoints/new").string() +
+                                       ": inside checkpoints/ of the run " +
+                                       (tmp / "linked").string() + ", whose resume"),
+                linked.err);
+  CHECK(fs::is_empty(tmp / "scratch"));
   // A run directory that cannot be made is the caller's to fix: a usage error naming it.
   write_text(tmp / "afile", "x");
   auto unwritable =
