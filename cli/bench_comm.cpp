@@ -81,20 +81,22 @@ CommBenchOptions bench_options(const BenchCommOptions& o) {
 }
 
 // Local Gloo ranks hold the largest size in host memory: for an allgather (size: the gathered
-// output) the output and a 1/ranks input, for a reduce-scatter the reverse; for the others the
-// buffer and as much again for Gloo's scratch. A size that cannot fit is refused up front, not
-// left to fail every rank with an allocation error.
+// output) the output and a 1/ranks input; for a reduce-scatter (size: the input) the input, the
+// copy of it that is all-reduced and a 1/ranks output; for the others the buffer and as much
+// again for Gloo's scratch. A size that cannot fit is refused up front, not left to fail every
+// rank with an allocation error (or the machine's OOM killer to end them).
 void check_local_memory(const CommBenchOptions& options, int ranks) {
   const uint64_t available = available_memory();
   if (available == 0) return;
-  // The largest need of the collectives asked for: 2 sizes for any but the gathers (whose
-  // 1 + 1/ranks is never more).
-  const bool only_gathers = std::all_of(options.ops.begin(), options.ops.end(), [](Collective op) {
-    return op == Collective::allgather || op == Collective::reduce_scatter;
-  });
-  const long double per_rank =
-      static_cast<long double>(options.max_bytes) *
-      (only_gathers ? 1.0L + 1.0L / static_cast<long double>(ranks) : 2.0L);
+  // The largest need of the collectives asked for, in sizes.
+  const long double part = 1.0L / static_cast<long double>(ranks);
+  long double sizes = 0;
+  for (const Collective op : options.ops) {
+    sizes = std::max(sizes, op == Collective::allgather        ? 1.0L + part
+                            : op == Collective::reduce_scatter ? 2.0L + part
+                                                               : 2.0L);
+  }
+  const long double per_rank = static_cast<long double>(options.max_bytes) * sizes;
   const long double needed = per_rank * static_cast<long double>(ranks);
   if (needed > static_cast<long double>(available)) {
     throw Error(ErrorKind::usage,

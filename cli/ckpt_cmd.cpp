@@ -299,10 +299,13 @@ std::vector<CheckpointRow> inspect_all(const CheckedRun& run, const std::vector<
 }
 
 int run_list(const CkptOptions& o) {
+  // A stop ends the listing at the next checkpoint, as a stop (130 or 143, with its JSON).
+  install_stop_signal_handlers();
   const CheckedRun run = open_run(o.run_dir);
   const LatestStatus latest = check_latest(run.checkpoints());
-  const auto rows =
-      inspect_all(run, list_checkpoints(run.checkpoints(), SetAside::include), followable(latest));
+  const auto rows = inspect_all(run, list_checkpoints(run.checkpoints(), SetAside::include),
+                                followable(latest), [] { return pending_stop_signal() != 0; });
+  throw_if_stopped(" while ckpt list read the checkpoints");
   // Not checkpoints, but room on the disk: a write or prune cut short (or one going on now).
   json incomplete = json::array();
   for (const auto& dir : incomplete_checkpoints(run.checkpoints()))

@@ -13,6 +13,7 @@
 #include "core/fs.hpp"
 #include "core/json_error.hpp"
 #include "launch/report.hpp"
+#include "launch/supervisor.hpp"
 
 namespace dptrain::cli {
 
@@ -53,9 +54,18 @@ void check_report_out(const std::string& given, const fs::path& out, const fs::p
   }
 }
 
+// A stop signal ends a status or report that reads a long metrics.jsonl or verifies large
+// checkpoints at the next line batch or checkpoint, as a stop (130 or 143, with its JSON); a
+// report is then not written.
+bool stop_pending() {
+  return pending_stop_signal() != 0;
+}
+
 int run_report(const ReportOptions& o) {
+  install_stop_signal_handlers();
   const bool given = !o.out.empty();
-  const RunView run = load_run(o.run_dir, /*verify_checkpoints=*/true);
+  const RunView run = load_run(o.run_dir, /*verify_checkpoints=*/true, stop_pending);
+  throw_if_stopped(" before the report was written");
   const fs::path out = given ? fs::absolute(o.out) : run.dir / "report.html";
   std::error_code ec;
   // A bad --out is the caller's to fix; RUN_DIR/report.html in the way is a report that cannot
@@ -78,7 +88,9 @@ int run_report(const ReportOptions& o) {
 }
 
 int run_status(const StatusOptions& o) {
-  const RunView run = load_run(o.run_dir, /*verify_checkpoints=*/false);
+  install_stop_signal_handlers();
+  const RunView run = load_run(o.run_dir, /*verify_checkpoints=*/false, stop_pending);
+  throw_if_stopped(" while status read the run");
   if (o.json) {
     std::printf("%s\n", json_text(status_json(run)).c_str());
   } else {

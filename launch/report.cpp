@@ -343,7 +343,8 @@ json read_json_object(const fs::path& file, std::string& damaged) {
   return nullptr;
 }
 
-std::vector<CheckpointSummary> summarize_checkpoints(const fs::path& checkpoints_dir, bool verify) {
+std::vector<CheckpointSummary> summarize_checkpoints(const fs::path& checkpoints_dir, bool verify,
+                                                     const std::function<bool()>& stopped) {
   std::vector<CheckpointSummary> out;
   std::error_code ec;
   if (!fs::is_directory(checkpoints_dir, ec)) return out;
@@ -353,6 +354,7 @@ std::vector<CheckpointSummary> summarize_checkpoints(const fs::path& checkpoints
   } catch (const Error&) {
   }
   for (const auto& dir : list_checkpoints(checkpoints_dir, SetAside::include)) {
+    if (stopped && stopped()) break;
     CheckpointSummary c;
     c.name = dir.filename().string();
     c.step = checkpoint_step(dir);
@@ -365,6 +367,7 @@ std::vector<CheckpointSummary> summarize_checkpoints(const fs::path& checkpoints
       c.verified = true;
       c.step = status.step;
       c.problems = status.problems();
+      c.denied = status.denied();
       if (status.position) {
         c.epoch = status.position->epoch;
         c.world_size = status.position->world_size;
@@ -378,6 +381,8 @@ std::vector<CheckpointSummary> summarize_checkpoints(const fs::path& checkpoints
       std::error_code gone;
       if (!fs::exists(dir, gone)) continue;  // pruned by the run meanwhile
       c.problems.push_back(problem);
+      c.denied =
+          ::access((dir / "meta.json").c_str(), R_OK) != 0 && (errno == EACCES || errno == EPERM);
     }
     out.push_back(std::move(c));
   }
@@ -931,12 +936,14 @@ bool RunMetrics::has_phases() const {
   });
 }
 
-RunMetrics read_metrics(const fs::path& file) {
+RunMetrics read_metrics(const fs::path& file, const std::function<bool()>& stopped) {
   RunMetrics m;
   std::error_code ec;
   if (!fs::exists(file, ec)) return m;
   std::istringstream in(read_file(file));
+  uint64_t lines = 0;
   for (std::string line; std::getline(in, line);) {
+    if (stopped && ++lines % 4096 == 0 && stopped()) break;
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     const json j = parse_json(line, false);
     if (j.is_discarded() || !j.is_object() || !j.contains("step") || !j["step"].is_number()) {
@@ -1011,11 +1018,14 @@ void mark_foreign(const fs::path& dir, const json& info, std::vector<CheckpointS
   }
 }
 
-RunView load_run(const fs::path& dir, bool verify_checkpoints) {
+RunView load_run(const fs::path& dir, bool verify_checkpoints,
+                 const std::function<bool()>& stopped) {
   RunView run;
   run.dir = resolved_path(dir);
   run.info = read_run_json(dir);
   check_record_types(run.info, dir / "run.json", RecordCheck::lists);
+  // The parts below are named by absolute path (as run_dir is), whatever the caller's cwd.
+  const fs::path& at = run.dir;
   // A part that is there but cannot be read is named, not fatal; a pipe is never opened (its
   // reader would wait for a writer), nor a directory where a file belongs taken for an empty
   // part. `blocked` is false for a part that is missing.
@@ -1037,9 +1047,9 @@ RunView load_run(const fs::path& dir, bool verify_checkpoints) {
     run.unreadable.push_back(fmt::format("{}: {}", file.string(), why));
     return true;
   };
-  if (!blocked(dir / "result.json", fs::file_type::regular)) {
+  if (!blocked(at / "result.json", fs::file_type::regular)) {
     std::string damaged;
-    run.result = read_json_object(dir / "result.json", damaged);
+    run.result = read_json_object(at / "result.json", damaged);
     if (!damaged.empty()) {
       const bool copy = run.info.contains("result") && run.info["result"].is_object();
       run.unreadable.push_back(damaged + (copy ? "; run.json's copy of the result is used"
@@ -1049,19 +1059,25 @@ RunView load_run(const fs::path& dir, bool verify_checkpoints) {
   if (!run.result.is_object() && run.info.contains("result")) run.result = run.info["result"];
   if (!run.result.is_object()) run.result = nullptr;
   try {
-    if (!blocked(dir / "metrics.jsonl", fs::file_type::regular))
-      run.metrics = read_metrics(dir / "metrics.jsonl");
+    if (!blocked(at / "metrics.jsonl", fs::file_type::regular))
+      run.metrics = read_metrics(at / "metrics.jsonl", stopped);
   } catch (const Error& e) {
     run.unreadable.push_back(e.what());
   }
   run.state = run_state(run.info, dir);
   try {
-    if (!blocked(dir / "checkpoints", fs::file_type::directory)) {
+    if (!blocked(at / "checkpoints", fs::file_type::directory)) {
       // A `latest` that cannot be read is named; the checkpoints are still listed (none is
       // taken for latest, as summarize_checkpoints never opens a pipe there).
-      blocked(dir / "checkpoints" / "latest", fs::file_type::regular);
-      run.checkpoints = summarize_checkpoints(dir / "checkpoints", verify_checkpoints);
+      blocked(at / "checkpoints" / "latest", fs::file_type::regular);
+      run.checkpoints = summarize_checkpoints(at / "checkpoints", verify_checkpoints, stopped);
       mark_foreign(run.dir, run.info, run.checkpoints);
+      for (const auto& c : run.checkpoints) {
+        if (c.denied && !c.problems.empty()) {
+          run.unreadable.push_back(
+              fmt::format("{}/{}", (at / "checkpoints" / c.name).string(), c.problems.front()));
+        }
+      }
     }
   } catch (const Error& e) {
     run.unreadable.push_back(e.what());
@@ -1338,7 +1354,7 @@ json report_summary(const RunView& run, const fs::path& report_file) {
   const Throughput t = throughput(run);
   size_t failed = 0;
   for (const auto& c : run.checkpoints)
-    failed += !c.set_aside && !c.problems.empty();
+    failed += !c.set_aside && !c.problems.empty() && !c.denied;
   json j = summary_fields(run);
   j.update(json{{"report", report_file.string()},
                 {"throughput", or_null(t.value)},

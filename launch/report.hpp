@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <string>
 #include <vector>
@@ -39,8 +40,10 @@ struct RunMetrics {
 };
 
 // metrics.jsonl: torn or foreign lines are skipped and counted; a step logged again (a restart
-// that rewound) replaces what was logged from that step on. No file: no metrics.
-RunMetrics read_metrics(const std::filesystem::path& file);
+// that rewound) replaces what was logged from that step on. No file: no metrics. Once `stopped`
+// (looked at every few thousand lines) says so, the rest is left unread.
+RunMetrics read_metrics(const std::filesystem::path& file,
+                        const std::function<bool()>& stopped = {});
 
 // Where a run stands, from run.json and, for one marked running, whether its ranks still live.
 struct RunState {
@@ -69,6 +72,9 @@ struct CheckpointSummary {
   bool foreign = false;
   bool verified = false;              // verification ran
   std::vector<std::string> problems;  // empty: it verifies (when verified)
+  // Only a permission stops its reads: out of reach, maybe intact (named as unreadable, not
+  // counted as failed).
+  bool denied = false;
 };
 
 struct RunView {
@@ -85,8 +91,11 @@ struct RunView {
 
 // Reads RUN_DIR: Error(usage) naming it when it has no readable run.json (nothing is created
 // or changed there); any other part it cannot read is left out and named in `unreadable`. `verify`:
-// check every checkpoint's checksums (the report does; status only lists them).
-RunView load_run(const std::filesystem::path& dir, bool verify_checkpoints);
+// check every checkpoint's checksums (the report does; status only lists them). `stopped` (a
+// stop signal came) is looked at between metrics lines and checkpoints: once it says so, the rest
+// is left unread, for the caller to end with the stop.
+RunView load_run(const std::filesystem::path& dir, bool verify_checkpoints,
+                 const std::function<bool()>& stopped = {});
 
 // `dptrain status --json`: status, step, last checkpoint, restarts, world size, generations,
 // error, hint.

@@ -455,6 +455,15 @@ TEST_CASE("bench comm: a bad flag exits 2 naming it and creates nothing") {
       // An allgather's size is its gathered output: each rank holds it and its own half.
       {{"--nproc", "2", "-e", "1T", "-o", "allgather"},
        "-e/--maxbytes: 1099511627776 bytes would take about 3072.0 GiB on 2 local rank(s)"},
+      // A reduce-scatter's size is its input: each rank holds it, the copy it all-reduces and
+      // its half of the output; with every collective, that largest need counts.
+      // (Gloo's reduce-scatter takes at most 2 GiB: many ranks make the need.)
+      {{"--nproc", "64", "-e", "2047M", "-o", "reduce_scatter"},
+       "-e/--maxbytes: 2146435072 bytes would take about 257.9 GiB on 64 local rank(s)"},
+      {{"--nproc", "64", "-e", "2047M", "-o", "all"},
+       "-e/--maxbytes: 2146435072 bytes would take about 257.9 GiB on 64 local rank(s)"},
+      {{"--nproc", "64", "-e", "2047M"},
+       "-e/--maxbytes: 2146435072 bytes would take about 255.9 GiB on 64 local rank(s)"},
   };
   for (const auto& [args, message] : cases) {
     CAPTURE(message);

@@ -5,6 +5,8 @@
 #include <csignal>
 #include <fstream>
 #include <sstream>
+#include <tuple>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -559,6 +561,50 @@ TEST_CASE("ckpt verify --json stopped by SIGINT still prints its object: interru
   CHECK(out["ok"] == false);
   CHECK(contains(out["error"].get<std::string>(), "ckpt verify stopped by SIGINT after"));
   CHECK(out["checkpoints"].size() < 1503);
+}
+
+TEST_CASE("status, report and ckpt list --json stopped by a signal print their object: 130/143") {
+  TempDir tmp;
+  const fs::path run = make_run(tmp);
+  // Enough checkpoints and metrics lines that each command still reads when the signal comes.
+  for (int step = 100; step < 1600; ++step) {
+    fs::copy(
+        run / "checkpoints/step-000020",
+        run / "checkpoints" /
+            ("step-" + std::string(6 - std::to_string(step).size(), '0') + std::to_string(step)),
+        fs::copy_options::recursive);
+  }
+  {
+    std::ofstream metrics(run / "metrics.jsonl", std::ios::app);
+    for (int step = 100; step < 300100; ++step)
+      metrics << R"({"step":)" << step << R"(,"loss":1.25,"lr":0.001,"samples_per_s":1000.5})"
+              << '\n';
+  }
+  const auto report_before = fs::exists(run / "report.html");
+  for (const auto& [args, sig, says] :
+       std::vector<std::tuple<std::vector<std::string>, int, std::string>>{
+           {{"status", run.string(), "--json"}, SIGINT, "stopped by SIGINT while status read"},
+           {{"report", run.string(), "--json"},
+            SIGTERM,
+            "stopped by SIGTERM before the report was written"},
+           {{"ckpt", "list", run.string(), "--json"},
+            SIGINT,
+            "stopped by SIGINT while ckpt list read"}}) {
+    CAPTURE(args[0]);
+    Background command(args);
+    // The signal once its handler is in place, in dptrain itself rather than in the test's fork.
+    REQUIRE(
+        eventually([&] { return catches_signal(command.pid(), sig); }, std::chrono::seconds(30)));
+    ::kill(command.pid(), sig);
+    const int code = command.wait();
+    INFO(command.out(), command.err());
+    REQUIRE(code == 128 + sig);
+    const auto out = parse_json(command.out());
+    CHECK(out["status"] == (sig == SIGINT ? "interrupted" : "terminated"));
+    CHECK(out["exit_code"] == 128 + sig);
+    CHECK(contains(out["error"].get<std::string>(), says));
+  }
+  CHECK(fs::exists(run / "report.html") == report_before);  // a stopped report writes nothing
 }
 
 TEST_CASE("ckpt checks the recipe from run.json, its data not read; an unreadable one is warned") {

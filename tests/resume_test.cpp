@@ -493,6 +493,23 @@ TEST_CASE("a newest checkpoint out of reach (a permission) stops resume: nothing
         std::string::npos);
   fs::permissions(ck, fs::perms::owner_all);
   fs::permissions(run_dir / "metrics.jsonl", fs::perms::owner_read | fs::perms::owner_write);
+  // A checkpoint whose meta.json is out of reach is named as unreadable (maybe intact), not
+  // passed over in silence nor counted as failed; named by absolute path from a relative one.
+  fs::permissions(ck / "step-000120/meta.json", fs::perms::none);
+  const std::string unreadable_meta =
+      (ck / "step-000120").string() + "/meta.json: cannot read: Permission denied";
+  for (const std::string command : {"status", "report"}) {
+    CAPTURE(command);
+    const int code = std::system(("cd '" + tmp.path().string() + "' && " + as_owner + "'" +
+                                  program.string() + "' " + command + " --json run > '" +
+                                  (tmp / "out").string() + "' 2> '" + (tmp / "err").string() + "'")
+                                     .c_str());
+    CHECK(code == 0);
+    const nlohmann::json seen = parse_json(read_text(tmp / "out"));
+    INFO(seen.dump());
+    CHECK(seen["unreadable"] == nlohmann::json{unreadable_meta});
+    if (command == "report") CHECK(seen["checkpoints_failed"] == 0);
+  }
 }
 
 TEST_CASE("a restart that meets its checkpoint out of reach stops, keeping the failure's cause") {

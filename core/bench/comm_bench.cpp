@@ -531,8 +531,9 @@ uint64_t parse_size(const std::string& text, const std::string& flag) {
   constexpr uint64_t kMax = uint64_t{1} << 62;
   uint64_t number = 0;
   for (size_t i = 0; i < digits; ++i) {
-    number = number * 10 + static_cast<uint64_t>(text[i] - '0');
-    if (number > kMax) throw bad("too large:");
+    const auto digit = static_cast<uint64_t>(text[i] - '0');
+    if (number > (kMax - digit) / 10) throw bad("too large:");  // before it could wrap
+    number = number * 10 + digit;
   }
   if (number > (kMax >> shift)) throw bad("too large:");
   if (number == 0) throw bad("must be at least 1 byte, got");

@@ -108,6 +108,13 @@ TEST_CASE("parse_size: bytes with K, M, G, T suffixes; every bad size names the 
       CHECK_MESSAGE(message.find(std::string("'") + bad + "'") != std::string::npos, message);
     }
   }
+  // Digits past 2^64 are too large, not wrapped around to a small size (2^64 + 1024 is not 1K).
+  for (const char* huge : {"18446744073709552640", "18446744073709551616", "4611686018427387905",
+                           "184467440737095516160K"}) {
+    CAPTURE(std::string(huge));
+    CHECK_THROWS_WITH_AS(parse_size(huge, "-e"), doctest::Contains("-e: too large:"), Error);
+  }
+  CHECK(parse_size("4611686018427387904", "-e") == uint64_t{1} << 62);
 }
 
 TEST_CASE("sweep_sizes: min, min*f, ... up to max, without overflow") {
