@@ -233,6 +233,16 @@ class TrainingRun {
       if (options_.debug_step_delay_ms > 0) {
         std::this_thread::sleep_for(std::chrono::milliseconds(options_.debug_step_delay_ms));
       }
+      // A stop asked for while this step ran is answered at its end, not after one more step
+      // (the flag that rode the gradient exchange was read as the step began): a long step's
+      // stop must fit the launcher's grace. A log step carries it on the loss's all-reduce;
+      // local SGD's and the parameter servers' ranks step apart, so only there and at averaging.
+      if (!stop && !local && !ps_ && !log_step_due(done, false) && options_.stop_requested) {
+        float asked = options_.stop_requested() ? 1.0f : 0.0f;
+        mark_collective("allreduce of the stop flag");
+        comm_.allreduce(&asked, 1, ReduceOp::sum);
+        stop = asked > 0.0f;
+      }
       const double step_ms = ms_since(t0);
       ++window_steps;
       window_phases.add(phases);
@@ -362,13 +372,14 @@ class TrainingRun {
     return done % recipe_.log.every == 0 || done == recipe_.train.steps || stop;
   }
 
-  // Sums `loss` over the ranks. With parameter servers the stop requests ride along (their only
-  // common step boundaries are these); returns whether to stop.
+  // Sums `loss` over the ranks, the stop requests riding along (a stop asked for during the step
+  // is answered at its end; with parameter servers these are the only common step boundaries);
+  // returns whether to stop.
   bool sum_loss_and_stop(double& loss, bool stop) {
     double sums[2] = {loss, 0.0};
-    if (ps_ && options_.stop_requested && options_.stop_requested()) sums[1] = 1.0;
+    if (options_.stop_requested && options_.stop_requested()) sums[1] = 1.0;
     mark_collective("allreduce of the loss");
-    comm_.allreduce(sums, ps_ ? 2 : 1, ReduceOp::sum);
+    comm_.allreduce(sums, 2, ReduceOp::sum);
     loss = sums[0];
     return stop || sums[1] > 0.0;
   }
@@ -709,7 +720,9 @@ class TrainingRun {
       if (how == "newest") {
         throw Error(
             ErrorKind::checkpoint,
-            fmt::format("no valid checkpoint on any node of this run ({} rank(s))", world_));
+            fmt::format("no valid checkpoint on any node of this run ({} rank(s); rank {} looked "
+                        "in {})",
+                        world_, rank_, printable((options_.run_dir / "checkpoints").string())));
       }
       return {};
     }

@@ -375,9 +375,39 @@ TEST_CASE("trainer: a diverging run fails on every rank at its first non-finite 
   CHECK(fp16[0].error.find("the training diverged at step") != std::string::npos);
 }
 
+TEST_CASE("trainer: a stop asked for during a step is answered at that step's end") {
+  // The request comes after the step read its flag for the gradient exchange (the second look
+  // within step index 11): the ranks still stop after that step, not after one more, whether or
+  // not the step is a log step (log.every 10: step 10 is one, 12 is not).
+  for (const int64_t asked_in : {int64_t{11}, int64_t{9}}) {
+    CAPTURE(asked_in);
+    Recipe r = tiny_recipe();
+    r.checkpoint.every = 0;
+    TempDir dir;
+    const auto out = train_ranks(r, 2, [&](int) {
+      TrainerOptions o;
+      o.run_dir = dir.path();
+      auto step = std::make_shared<int64_t>(0);
+      auto looks = std::make_shared<int>(0);
+      o.before_step = [step, looks](int64_t s) {
+        *step = s;
+        *looks = 0;
+      };
+      o.stop_requested = [step, looks, asked_in] {
+        return *step > asked_in || (*step == asked_in && ++*looks >= 2);
+      };
+      return o;
+    });
+    REQUIRE(out[0].error.empty());
+    CHECK(out[0].result.stopped);
+    CHECK(out[0].result.steps == asked_in + 1);
+    CHECK(fs::exists(dir.path() / "checkpoints" / checkpoint_name(asked_in + 1)));
+  }
+}
+
 TEST_CASE("trainer: a stop agreed on at the last step completes the run") {
-  // A SIGTERM during the step before the last one is honoured after the last: nothing is left to
-  // stop, and the result is the complete run's, not a stop at the final step.
+  // A SIGTERM during the last step is honoured after it: nothing is left to stop, and the
+  // result is the complete run's, not a stop at the final step.
   for (const std::string sync : {"allreduce", "ps"}) {
     CAPTURE(sync);
     Recipe r = tiny_recipe();
@@ -755,8 +785,10 @@ TEST_CASE("trainer: \"newest\" resumes from the node leader that holds the newes
   // With none anywhere, "newest" is a checkpoint error and "newest-or-start" starts over.
   TempDir empty0, empty1;
   const auto none = two_nodes(empty0, empty1, "newest");
-  CHECK(none[0].error.find("no valid checkpoint on any node of this run (2 rank(s))") !=
-        std::string::npos);
+  // Where it looked is named: a mistyped workdir shows there.
+  CHECK(none[0].error.find("no valid checkpoint on any node of this run (2 rank(s); rank 0 "
+                           "looked in " +
+                           (empty0.path() / "checkpoints").string() + ")") != std::string::npos);
   const auto fresh = two_nodes(empty0, empty1, "newest-or-start");
   REQUIRE(fresh[0].error.empty());
   CHECK(final_params(empty0.path(), 30) == final_params(source.path(), 30));

@@ -581,6 +581,16 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     }
   }
   const int world = plan.agents.front().world_size;
+  // How the job was placed and reached before this generation (a resume's or a restart's): put
+  // back if no rank of this one joined (a mistyped --workdir or hostfile, a host that refused),
+  // so that the next resume defaults to what last ran, not to what never started.
+  json placed_before = json::object();
+  if (info.contains("hosts")) {
+    for (const char* key : {"hosts", "remote", "env", "job_size", "world_size", "backend"}) {
+      if (info.contains(key)) placed_before[key] = info[key];
+    }
+  }
+  bool ranks_joined = false;
   if (trains) info["recipe"] = to_json(spec.recipe);
   info["world_size"] = world;
   info["nominal_world_size"] = spec.nominal_world > 0 ? spec.nominal_world : world;
@@ -660,7 +670,10 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     const std::string kind = event.value("event", "");
     if (spec.on_event) spec.on_event(event);
     if (kind == "progress") last_step = event.value("step", int64_t{-1});
-    if (kind == "rendezvous") start_step = event.value("step", start_step);
+    if (kind == "rendezvous") {
+      start_step = event.value("step", start_step);
+      ranks_joined = true;
+    }
     if (kind == "rendezvous" || kind == "checkpoint") {
       json fields = event;
       fields.erase("event");
@@ -1180,6 +1193,15 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   if (out.host_refused) info["generations"].back()["host_refused"] = true;
   if (out.resized) info["generations"].back()["stopped_for"] = sup.requested;
   if (!out.result.is_null()) info["result"] = out.result;
+  if (!ranks_joined && !placed_before.empty() && out.result.is_null()) {
+    for (const char* key : {"hosts", "remote", "env", "job_size", "world_size", "backend"}) {
+      if (placed_before.contains(key)) {
+        info[key] = placed_before[key];
+      } else {
+        info.erase(key);
+      }
+    }
+  }
   run.record();
   return out;
 }

@@ -193,6 +193,22 @@ TEST_CASE("resume reaches the hosts through the workdir and binary the launch us
   CHECK(info["remote"]["workdir"] == workdir.string());
   CHECK(info["remote"]["remote_binary"] == binary());
   REQUIRE(info["last_checkpoint"]["step"] == 50);
+  // A resume whose ranks never got together (a mistyped --workdir: no checkpoint there) leaves
+  // the record of how the job is reached as it was: the next resume defaults to what last ran.
+  const fs::path typo = c.tmp / "remote typo";
+  auto mistyped =
+      run_dptrain({"resume", run_dir.string(), "--hosts", c.hostfile.string(), "--known-hosts",
+                   c.sshd.known_hosts().string(), "--workdir", typo.string()});
+  CHECK(mistyped.exit_code == 5);
+  CHECK_MESSAGE(contains(mistyped.err,
+                         "no valid checkpoint on any node of this run (4 rank(s); "
+                         "rank 0 looked in " +
+                             typo.string()),
+                mistyped.err);
+  const json kept = parse_json(read_text(run_dir / "run.json"));
+  CHECK(kept["remote"] == info["remote"]);
+  CHECK(kept["hosts"] == info["hosts"]);
+  CHECK(kept["generations"].size() == info["generations"].size() + 1);  // its try is history
   // Only the hosts and SSH options again: the checkpoint is under the launch's workdir, and no
   // dptrain was provisioned to the default one.
   auto resumed = run_dptrain({"resume", run_dir.string(), "--hosts", c.hostfile.string(),
