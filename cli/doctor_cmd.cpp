@@ -101,9 +101,11 @@ void setup_doctor(CLI::App& app, Outcome& outcome) {
   add_host_options(app, o->hosts, true);
   app.add_option("recipe", o->recipe, "Recipe to check against the hosts (optional)");
   app.add_option("--workdir", o->workdir, "Work directory on the hosts, as for provision")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(remote_path());
   app.add_option("--remote-binary", o->remote_binary,
-                 "dptrain on the hosts (default: WORKDIR/bin/dptrain)");
+                 "dptrain on the hosts (default: WORKDIR/bin/dptrain)")
+      ->check(remote_path());
   app.add_option("--master-addr", o->master_addr, "The store address launch would use");
   app.add_option("--master-port", o->master_port, "The store port launch would use (0: any)")
       ->check(whole_number<int>("PORT", 65535));

@@ -152,9 +152,11 @@ RemoteOptions RemoteJobOptions::get(const HostOptions& hosts) const {
 void add_remote_job_options(CLI::App& app, RemoteJobOptions& o) {
   app.add_option("--workdir", o.workdir,
                  "On remote hosts: where bin/dptrain is (see provision) and runs/ go")
-      ->default_str(kDefaultWorkdir);
+      ->default_str(kDefaultWorkdir)
+      ->check(remote_path());
   app.add_option("--remote-binary", o.remote_binary,
-                 "dptrain on remote hosts (default: WORKDIR/bin/dptrain)");
+                 "dptrain on remote hosts (default: WORKDIR/bin/dptrain)")
+      ->check(remote_path());
   app.add_option("--master-addr", o.master_addr,
                  "Address the store listens on and ranks dial (default: 127.0.0.1 on one "
                  "machine, else the address this machine reaches the first remote host from)");

@@ -14,6 +14,7 @@
 #include "cli/commands.hpp"
 #include "cli/host_options.hpp"
 #include "cli/json_errors.hpp"
+#include "cli/run_report.hpp"
 #include "core/error.hpp"
 #include "core/json_error.hpp"
 #include "launch/provision.hpp"
@@ -178,7 +179,8 @@ void setup_provision(CLI::App& app, Outcome& outcome) {
   app.add_option("--workdir", o->workdir,
                  "Work directory on every host (~/ is the home there); dptrain goes to "
                  "WORKDIR/bin/dptrain")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(remote_path());
   app.add_option("--recipe", o->recipe,
                  "Recipe to upload into the workdir, with its csv data file (as data/NAME)");
   app.add_option("--upload", o->uploads, "Extra files to upload into the workdir (repeatable)");

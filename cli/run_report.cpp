@@ -364,6 +364,19 @@ const CLI::Validator& positive_seconds() {
   return check;
 }
 
+const CLI::Validator& remote_path() {
+  static const CLI::Validator check(
+      [](std::string& value) -> std::string {
+        if (!value.starts_with('~') || value == "~" || value.starts_with("~/")) return {};
+        return fmt::format(
+            "'{}': only ~ and ~/ (the login's home on each host) are expanded; "
+            "give an absolute path or one under ~/",
+            printable(value));
+      },
+      "PATH");
+  return check;
+}
+
 const CLI::Validator& run_directory() {
   static const CLI::Validator check(
       [](std::string& value) -> std::string {

@@ -52,6 +52,9 @@ CLI::Validator number_at_most(double most, const char* description, const char* 
 const CLI::Validator& seconds();
 // A number of seconds more than 0 (a wait that must last some time): seconds(), and not 0.
 const CLI::Validator& positive_seconds();
+// A CLI11 check for a path on the remote hosts (--workdir, --remote-binary): ~ and ~/... are the
+// login's home there; ~user/... is refused (it would be taken as a directory named "~user").
+const CLI::Validator& remote_path();
 // A CLI11 check for a run directory argument: not empty (an empty path names no directory, and
 // would fail deep inside as "cannot make absolute path").
 const CLI::Validator& run_directory();

@@ -82,9 +82,21 @@ std::string json_parse_problem(const std::string& file, std::string_view text,
   return fmt::format("{}: not valid JSON: {}", file, problem);
 }
 
+void refuse_nul_byte(std::string_view text) {
+  if (const size_t at = text.find('\0'); at != std::string_view::npos) {
+    throw nlohmann::json::parse_error::create(
+        101, at + 1, "a NUL byte, which JSON text never holds (UTF-16 text, or a binary file?)",
+        static_cast<const nlohmann::json*>(nullptr));
+  }
+}
+
 nlohmann::json parse_json(std::string_view text, bool allow_exceptions) {
   size_t depth = 0;
   bool in_string = false;
+  if (text.find('\0') != std::string_view::npos) {
+    if (!allow_exceptions) return nlohmann::json(nlohmann::json::value_t::discarded);
+    refuse_nul_byte(text);
+  }
   for (size_t i = 0; i < text.size(); ++i) {
     const char c = text[i];
     if (in_string) {

@@ -22,9 +22,13 @@ std::string json_parse_problem(const std::string& file, std::string_view text,
 // json_parse_problem words as "...: not valid JSON at line L, column C: nested more than 128
 // levels deep"): the parser builds any depth, but writing the value (dump) recurses, so a
 // damaged or hostile run.json, tokenizer.json or meta.json would end the process on a stack
-// overflow instead of an error naming the file. `allow_exceptions` false: a discarded value
-// for any problem, as json::parse gives.
+// overflow instead of an error naming the file. A NUL byte is refused as refuse_nul_byte does.
+// `allow_exceptions` false: a discarded value for any problem, as json::parse gives.
 constexpr size_t kMaxJsonNesting = 128;
+// json::parse_error at the first NUL byte of `text`, if any ("a NUL byte, which JSON text never
+// holds (UTF-16 text, or a binary file?)"): nlohmann's parser takes one for the end of the text,
+// so "{}\0junk" would pass as {}.
+void refuse_nul_byte(std::string_view text);
 nlohmann::json parse_json(std::string_view text, bool allow_exceptions = true);
 
 // A JSON library message without its "[json.exception.out_of_range.403] " tag: "key 'host' not

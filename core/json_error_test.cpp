@@ -72,6 +72,17 @@ TEST_CASE("parse_json refuses nesting past kMaxJsonNesting, naming where; string
                                                          ": nested more than 128 levels deep");
   }
   CHECK(parse_json(deep, false).is_discarded());
+  // A NUL byte is not the end of the text (UTF-16, a file cut into by binary junk).
+  const std::string nul = std::string("{}\0{\"junk", 8);
+  try {
+    (void)parse_json(nul);
+    FAIL("parsed");
+  } catch (const nlohmann::json::exception& e) {
+    CHECK(json_parse_problem("run.json", nul, e) ==
+          "run.json: not valid JSON at line 1, column 3: a NUL byte, which JSON text never holds "
+          "(UTF-16 text, or a binary file?)");
+  }
+  CHECK(parse_json(nul, false).is_discarded());
   CHECK(parse_json("{", false).is_discarded());
   // Brackets in strings, escaped quotes included, are text.
   const std::string in_string = "{\"a\": \"" + nested(500) + "\\\"[[[[\"}";

@@ -373,10 +373,14 @@ class Reader {
     if (object_ == nullptr) return;
     for (const auto& [key, value] : object_->items()) {
       if (std::find(known_.begin(), known_.end(), key) != known_.end()) continue;
-      std::string what = "unknown key '" + key + "'";
+      // A long key is shown cut, as a long value is (in the pointer too): a megabyte of key is
+      // one mistake, not two megabytes of error line.
+      constexpr size_t kMaxShown = 60;
+      const std::string shown = key.size() > kMaxShown ? key.substr(0, kMaxShown) + "..." : key;
+      std::string what = "unknown key '" + shown + "'";
       if (auto suggestion = closest_match(key, known_))
         what += "; did you mean '" + *suggestion + "'?";
-      problems_.add(pointer_to(pointer_, key), what);
+      problems_.add(pointer_to(pointer_, shown), what);
     }
   }
 
@@ -1141,6 +1145,7 @@ Recipe load_recipe(const std::filesystem::path& path, DataCheck data) {
   const std::string source = printable(path.string());
   DuplicateKeys duplicates(source);
   try {
+    refuse_nul_byte(text);
     json::sax_parse(text, &duplicates);
     j = json::parse(text);
   } catch (const json::exception& e) {

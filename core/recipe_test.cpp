@@ -615,6 +615,14 @@ TEST_CASE("recipe: a bad value keeps the warm-up cross-check quiet") {
   CHECK(has_problem(message, "/train/steps", "must be >= 0"));
 }
 
+TEST_CASE("recipe: a long unknown key is shown cut, in the pointer and the message") {
+  const std::string key(100000, 'k');
+  const std::string shown = std::string(60, 'k') + "...";
+  const std::string message = problems_of(json{{key, 1}}.dump());
+  CHECK(has_problem(message, "/" + shown, "unknown key '" + shown + "'"));
+  CHECK(message.size() < 200);
+}
+
 TEST_CASE("recipe: unknown keys suggest a close known key") {
   CHECK(has_problem(problems_of(R"({"model": {"hiden": [8]}})"), "/model/hiden",
                     "unknown key 'hiden'; did you mean 'hidden'?"));
@@ -756,6 +764,15 @@ TEST_CASE("recipe: load_recipe reports unreadable files and invalid JSON with a 
     CAPTURE(message);
     CHECK(message.starts_with(file.string() + ": not valid JSON at line 3, column 11: "));
     CHECK(message.find("json.exception") == std::string::npos);
+  }
+  SUBCASE("a NUL byte: UTF-16 text, or junk after a recipe, is not read as the text before it") {
+    fs::path cut = dir.write("nul.json", std::string("{\"seed\": 5}\0garbage", 20));
+    CHECK(load_problems(cut) == cut.string() +
+                                    ": not valid JSON at line 1, column 12: a NUL byte, which JSON "
+                                    "text never holds (UTF-16 text, or a binary file?)");
+    fs::path utf16 = dir.write("u16.json", std::string("{\0}\0", 4));
+    CHECK(load_problems(utf16).find(": not valid JSON at line 1, column 2: a NUL byte") !=
+          std::string::npos);
   }
   SUBCASE("an empty file") {
     fs::path file = dir.write("empty.json", "");

@@ -235,10 +235,12 @@ class TrainingRun {
       }
       // A stop asked for while this step ran is answered at its end, not after one more step
       // (the flag that rode the gradient exchange was read as the step began): a long step's
-      // stop must fit the launcher's grace. A log step carries it on the loss's all-reduce;
-      // local SGD's and the parameter servers' ranks step apart, so only there and at averaging.
-      if (!stop && !local && !ps_ && !log_step_due(done, false) && options_.stop_requested) {
-        float asked = options_.stop_requested() ? 1.0f : 0.0f;
+      // stop must fit the launcher's grace. A log step carries it on the loss's all-reduce.
+      // Not for local SGD (its replicas differ until the next averaging, which takes the stop)
+      // nor parameter servers (their only common step boundaries are the log steps). Every rank
+      // makes this call, whether or not it has a stop_requested.
+      if (!stop && !local && !ps_ && !log_step_due(done, false)) {
+        float asked = options_.stop_requested && options_.stop_requested() ? 1.0f : 0.0f;
         mark_collective("allreduce of the stop flag");
         comm_.allreduce(&asked, 1, ReduceOp::sum);
         stop = asked > 0.0f;
@@ -256,7 +258,8 @@ class TrainingRun {
       }
       if (log_step_due(done, stop)) {
         double loss = local_loss;
-        stop = sum_loss_and_stop(loss, stop);
+        // Local SGD's replicas differ between averagings: a stop waits for the next one.
+        stop = sum_loss_and_stop(loss, stop, /*take_stop=*/!local);
         loss /= static_cast<double>(micro_batches_);
         // fp16 above the smallest scale: an overflowed forward is a skipped step, as above.
         if (!std::isfinite(loss) && !overflow_skips) throw diverged(done, "loss", loss);
@@ -375,13 +378,15 @@ class TrainingRun {
   // Sums `loss` over the ranks, the stop requests riding along (a stop asked for during the step
   // is answered at its end; with parameter servers these are the only common step boundaries);
   // returns whether to stop.
-  bool sum_loss_and_stop(double& loss, bool stop) {
+  // `take_stop` false (a local SGD step between averagings): the requests are summed (every rank
+  // makes the same call) but not acted on.
+  bool sum_loss_and_stop(double& loss, bool stop, bool take_stop = true) {
     double sums[2] = {loss, 0.0};
     if (options_.stop_requested && options_.stop_requested()) sums[1] = 1.0;
     mark_collective("allreduce of the loss");
     comm_.allreduce(sums, 2, ReduceOp::sum);
     loss = sums[0];
-    return stop || sums[1] > 0.0;
+    return stop || (take_stop && sums[1] > 0.0);
   }
 
   // What every rank does after step `done`, the same collectives in the same order: the replica

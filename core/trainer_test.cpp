@@ -429,6 +429,30 @@ TEST_CASE("trainer: a stop agreed on at the last step completes the run") {
   }
 }
 
+TEST_CASE("trainer: local SGD takes a stop at the next averaging, not at a log step between") {
+  // Period 8, a log step at 30: a stop asked for at step 25 waits for the averaging after 32
+  // (at 30 the replicas differ, and a checkpoint there would not be the run's one model).
+  Recipe r = tiny_recipe();
+  r.train.steps = 60;
+  r.distributed.sync = "local_sgd";
+  r.distributed.period = 8;
+  r.checkpoint.every = 0;
+  r.eval.every = 0;
+  r.distributed.check_every = 0;  // (a replica check averages first: 30 would be one)
+  TempDir dir;
+  const auto out = train_ranks(r, 2, [&](int) {
+    TrainerOptions o;
+    o.run_dir = dir.path();
+    auto step = std::make_shared<int64_t>(0);
+    o.before_step = [step](int64_t s) { *step = s; };
+    o.stop_requested = [step] { return *step >= 25; };
+    return o;
+  });
+  REQUIRE(out[0].error.empty());
+  CHECK(out[0].result.stopped);
+  CHECK(out[0].result.steps == 32);
+}
+
 TEST_CASE("trainer: local SGD stopped between checkpoints resumes bit-identically") {
   // A stop (SIGTERM) writes a checkpoint the straight run does not: it must hold every replica's
   // optimizer state, not make the ranks share one, or the resumed run would go another way.

@@ -383,7 +383,10 @@ void close_lost_generation(json& info, const std::string& recorder, const std::s
                                         !gens.back().contains("ended_at")) {
     json& lost = gens.back();
     lost["status"] = "lost";
-    lost["ended_at"] = info.value("alive_at", last_seen.empty() ? json(nullptr) : json(last_seen));
+    const json alive = info.value("alive_at", json());
+    const std::string stamp =
+        alive.is_string() ? std::max(alive.get<std::string>(), last_seen) : last_seen;
+    lost["ended_at"] = stamp.empty() ? json(nullptr) : json(stamp);
     lost["error"] = recorder +
                     " ended without recording how the generation ended (killed, or its machine "
                     "went down)";
@@ -582,8 +585,8 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   }
   const int world = plan.agents.front().world_size;
   // How the job was placed and reached before this generation (a resume's or a restart's): put
-  // back if no rank of this one joined (a mistyped --workdir or hostfile, a host that refused),
-  // so that the next resume defaults to what last ran, not to what never started.
+  // back if it failed before its ranks joined (a mistyped --workdir or hostfile, a host that
+  // refused), so that the next resume defaults to what last ran, not to what never started.
   json placed_before = json::object();
   if (info.contains("hosts")) {
     for (const char* key : {"hosts", "remote", "env", "job_size", "world_size", "backend"}) {
@@ -607,7 +610,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   }
   info["hosts"] = hosts_json;
   record_job_settings(info, spec, multi_host);
-  close_lost_generation(info);
+  close_lost_generation(info, "its launcher", utc_timestamp_of(run.path() / "metrics.jsonl"));
   info.erase("placing");  // the hosts are placed
   info["status"] = "running";
   info.erase("error");  // an earlier invocation's end, between generations
@@ -1018,13 +1021,13 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     for (int r : trace.sigterm_ranks)
       who += (who.empty() ? "" : ", ") + rank_name(r);
     if (who.empty()) who = sup.failure->label;
+    const char* was = trace.sigterm_ranks.size() > 1 ? "were" : "was";
     out.exit_code = 143;
     out.status = "terminated";
-    out.error =
-        all_checkpointed()
-            ? fmt::format("{} was stopped by SIGTERM; {}", who, checkpointed_note())
-            : fmt::format("{} was stopped by SIGTERM, but not every rank checkpointed: {}{}", who,
-                          not_checkpointed(), checkpoint_note());
+    out.error = all_checkpointed()
+                    ? fmt::format("{} {} stopped by SIGTERM; {}", who, was, checkpointed_note())
+                    : fmt::format("{} {} stopped by SIGTERM, but not every rank checkpointed: {}{}",
+                                  who, was, not_checkpointed(), checkpoint_note());
   } else if (sup.failure) {
     const ProcessFailure& f = *sup.failure;
     out.exit_code = 3;
@@ -1193,7 +1196,8 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   if (out.host_refused) info["generations"].back()["host_refused"] = true;
   if (out.resized) info["generations"].back()["stopped_for"] = sup.requested;
   if (!out.result.is_null()) info["result"] = out.result;
-  if (!ranks_joined && !placed_before.empty() && out.result.is_null()) {
+  // (Not after a stop: the settings may be right, the ranks only not together yet.)
+  if (!ranks_joined && !placed_before.empty() && out.status == "failed") {
     for (const char* key : {"hosts", "remote", "env", "job_size", "world_size", "backend"}) {
       if (placed_before.contains(key)) {
         info[key] = placed_before[key];

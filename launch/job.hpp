@@ -129,10 +129,10 @@ void require_local_gpus(const std::vector<HostSpec>& hosts, int world, const std
 void check_local_gpus(const JobSpec& spec);
 
 // A generation whose launcher was killed (or whose machine went down) never recorded its end:
-// closed in `info` (run.json) as lost, when it was last known alive (alive_at, which a new
-// launcher must not have stamped yet).
-// `last_seen` (a utc_timestamp) is its ended_at where the record has no alive_at (a run of
-// workers started without a launcher, which keep none).
+// closed in `info` (run.json) as lost, when it was last known alive: the newer of alive_at
+// (stamped every few seconds; a new launcher must not have stamped it yet) and `last_seen` (a
+// utc_timestamp: when the run's files last changed, as its metrics.jsonl; a run of workers
+// started without a launcher keeps no alive_at).
 void close_lost_generation(nlohmann::json& info, const std::string& recorder = "its launcher",
                            const std::string& last_seen = "");
 

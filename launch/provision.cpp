@@ -261,6 +261,12 @@ std::string facts_script(const std::string& workdir, const std::vector<PlannedFi
 if ! err=$({ : >"$w"; } 2>&1); then echo "cannot write in $(pwd -P): ${err##*: }" >&2; exit 1; fi
 rm -f -- "$w"
 )sh";
+  // The runs go to WORKDIR/runs: something else there fails every launch.
+  script += R"sh(if [ -e runs ] || [ -L runs ]; then
+  if [ ! -d runs ]; then echo "$(pwd -P)/runs is not a directory (a job's run directories go there)" >&2; exit 1; fi
+  if [ ! -w runs ] || [ ! -x runs ]; then echo "$(pwd -P)/runs takes no writes (a job's run directories go there)" >&2; exit 1; fi
+fi
+)sh";
   // nvidia-smi can hang on a wedged driver: it gets its own timeout.
   script += R"sh(echo "workdir=$(pwd -P)"
 echo "hostname=$(hostname 2>/dev/null || cat /proc/sys/kernel/hostname)"

@@ -904,6 +904,9 @@ std::string checkpoints_table(const RunView& run) {
     std::string verdict;
     if (c.problems.empty()) {
       verdict = c.verified ? "<span class=\"ok\">ok</span>" : "not verified";
+    } else if (c.denied) {  // out of reach, maybe intact (as ckpt verify says)
+      verdict = "<span class=\"bad\">UNREADABLE: " +
+                html(fmt::format("{}", fmt::join(c.problems, "; "))) + "</span>";
     } else {
       verdict =
           "<span class=\"bad\">FAILED: " + html(fmt::format("{}", fmt::join(c.problems, "; "))) +
@@ -1097,13 +1100,15 @@ json comm_benchmark(const json& info) {
   const bool finished = result.is_object() && result.value("benchmark", "") == "comm";
   const json from = finished ? result : info.value("benchmark", json());
   if (!from.is_object()) return nullptr;
+  // One that measured nothing has no figures at all: null, as avg_busbw; its status is the run's
+  // (its options hold none).
   return {{"benchmark", "comm"},
-          {"status", from.value("status", json())},
+          {"status", from.value("status", info.value("status", json()))},
           {"ops", from.value("ops", json::array())},
           {"min_bytes", from.value("min_bytes", json())},
           {"max_bytes", from.value("max_bytes", json())},
           {"avg_busbw", from.value("avg_busbw", json())},
-          {"avg_busbw_by_op", from.value("avg_busbw_by_op", json::object())},
+          {"avg_busbw_by_op", from.value("avg_busbw_by_op", json())},
           {"wrong", from.value("wrong", json())},
           // Ended early (stopped, a rank failed): the figures are those of the sizes it measured.
           {"partial", from.value("partial", false)}};

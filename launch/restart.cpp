@@ -358,7 +358,8 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
       info["hosts"] = hosts;
     }
     record_job_settings(info, spec, true);
-    close_lost_generation(info);  // by the last stamp, before this launcher's
+    // By the last stamp (before this launcher's) or the last metrics line, whichever is newer.
+    close_lost_generation(info, "its launcher", utc_timestamp_of(run.path() / "metrics.jsonl"));
     info["status"] = "running";
     info.erase("error");
     // Placing its first generation: status asks whether this launcher lives, as it does for a

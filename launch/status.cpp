@@ -1,6 +1,7 @@
 // The one status printer: a rewritten progress line on a terminal, plain lines in a pipe.
 #include "launch/status.hpp"
 
+#include <sys/ioctl.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -124,11 +125,27 @@ void StatusPrinter::event(const nlohmann::json& e) {
   progress(text);
 }
 
+std::string fit_columns(const std::string& text, int columns) {
+  if (columns <= 0) return text;
+  const auto keep = static_cast<size_t>(columns - 1);
+  size_t shown = 0;  // characters so far (UTF-8 continuation bytes are part of one)
+  for (size_t i = 0; i < text.size(); ++i) {
+    if ((static_cast<unsigned char>(text[i]) & 0xC0) == 0x80) continue;
+    if (shown++ == keep) return text.substr(0, i);
+  }
+  return text;
+}
+
 void StatusPrinter::progress(const std::string& text) {
   if (!tty_) return;
   std::lock_guard lock(mutex_);
+  // A line wider than the terminal would wrap, and "\r\033[K" clears only its last row: each
+  // update would leave a row behind. It is cut to the terminal's width (as it is now: resized
+  // terminals too), short of the last column.
+  winsize size{};
+  const int columns = ::ioctl(::fileno(out_), TIOCGWINSZ, &size) == 0 ? size.ws_col : 0;
   std::fputs("\r\033[K", out_);
-  std::fputs(text.c_str(), out_);
+  std::fputs(fit_columns(text, columns).c_str(), out_);
   std::fflush(out_);
   progress_shown_ = true;
 }

@@ -20,6 +20,10 @@ std::string format_event(const nlohmann::json& event);
 // lacks (no step ran, no held-out data).
 std::string format_losses(const nlohmann::json& result);
 
+// `text` cut to fit a terminal `columns` wide, short of its last column (where the cursor would
+// wrap to the next row); as it is for 0 (not known). Counts characters, not UTF-8 bytes.
+std::string fit_columns(const std::string& text, int columns);
+
 class StatusPrinter {
  public:
   // `tty`: rewrite one progress line in place; otherwise every line is printed as it comes.

@@ -102,6 +102,14 @@ TEST_CASE("status: a terminal gets one progress line rewritten in place") {
   CHECK(out.find("checkpoint\n") != std::string::npos);
 }
 
+TEST_CASE("status: a progress line is cut to the terminal's width, by characters") {
+  CHECK(fit_columns("step 10/100", 0) == "step 10/100");  // width not known
+  CHECK(fit_columns("step 10/100", 12) == "step 10/100");
+  CHECK(fit_columns("step 10/100", 6) == "step ");
+  // "\u00d7" is two bytes, one column.
+  CHECK(fit_columns("4 \u00d7 8 ranks", 6) == "4 \u00d7 8");
+}
+
 TEST_CASE("status: a progress text is rewritten on a terminal and dropped in a pipe") {
   const auto use = [](StatusPrinter& p) {
     p.progress("reading a.txt: 1.0 MiB of 4.0 MiB");

@@ -288,6 +288,19 @@ TEST_CASE("bench comm: DPTRAIN_FAULT counts each measurement as a step") {
     CHECK(contains(run_dptrain({"status", (tmp / "run").string()}).out,
                    "it did not finish; over the sizes it measured, avg busbw "));
   }
+  SUBCASE("a rank that exits before the first measurement: no figures, null, status failed") {
+    const auto r = bench(tmp,
+                         {"--nproc", "2", "-b", "1K", "-e", "4K", "-n", "1", "-w", "0", "--timeout",
+                          "5", "--run-dir", (tmp / "run0").string(), "--json"},
+                         {{"DPTRAIN_FAULT", "exit@step=0,rank=1,code=7"}});
+    CHECK(r.exit_code == 3);
+    const json s = parse_json(run_dptrain({"status", (tmp / "run0").string(), "--json"}).out);
+    CHECK(s["status"] == "failed");
+    CHECK(s["benchmark"]["status"] == "failed");
+    CHECK(s["benchmark"]["avg_busbw"].is_null());
+    CHECK(s["benchmark"]["avg_busbw_by_op"].is_null());
+    CHECK(s["benchmark"]["partial"] == false);
+  }
   SUBCASE("a rank that exits with 5, a job's checkpoint code: still a failed rank, exit 3") {
     const auto r = bench(tmp,
                          {"--nproc", "2", "-b", "1K", "-e", "4K", "-n", "1", "-w", "0", "--timeout",
@@ -457,13 +470,13 @@ TEST_CASE("bench comm: a bad flag exits 2 naming it and creates nothing") {
        "-e/--maxbytes: 1099511627776 bytes would take about 3072.0 GiB on 2 local rank(s)"},
       // A reduce-scatter's size is its input: each rank holds it, the copy it all-reduces and
       // its half of the output; with every collective, that largest need counts.
-      // (Gloo's reduce-scatter takes at most 2 GiB: many ranks make the need.)
-      {{"--nproc", "64", "-e", "2047M", "-o", "reduce_scatter"},
-       "-e/--maxbytes: 2146435072 bytes would take about 257.9 GiB on 64 local rank(s)"},
-      {{"--nproc", "64", "-e", "2047M", "-o", "all"},
-       "-e/--maxbytes: 2146435072 bytes would take about 257.9 GiB on 64 local rank(s)"},
-      {{"--nproc", "64", "-e", "2047M"},
-       "-e/--maxbytes: 2146435072 bytes would take about 255.9 GiB on 64 local rank(s)"},
+      // (Gloo's reduce-scatter takes at most 2 GiB: many ranks make a need no machine has.)
+      {{"--nproc", "4096", "-e", "2047M", "-o", "reduce_scatter"},
+       "-e/--maxbytes: 2146435072 bytes would take about 16378.0 GiB on 4096 local rank(s)"},
+      {{"--nproc", "4096", "-e", "2047M", "-o", "all"},
+       "-e/--maxbytes: 2146435072 bytes would take about 16378.0 GiB on 4096 local rank(s)"},
+      {{"--nproc", "4096", "-e", "2047M"},
+       "-e/--maxbytes: 2146435072 bytes would take about 16376.0 GiB on 4096 local rank(s)"},
   };
   for (const auto& [args, message] : cases) {
     CAPTURE(message);

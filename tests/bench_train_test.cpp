@@ -157,6 +157,23 @@ TEST_CASE("bench train on a terminal shows the running world's progress in place
   CHECK(r.out.find("\r\033[Kbench train: w2: step 20/20 ") != std::string::npos);
   // ...and replaced by the run's result line.
   CHECK(r.out.find("\r\033[Kbench train: world 2: ") != std::string::npos);
+  // On a narrow terminal each progress line is cut short of its width: a wrapped line would
+  // leave a row behind at every update ("\r\033[K" clears only the last row).
+  const auto narrow =
+      run_dptrain_on_terminal({"bench", "train", quickstart(), "--nproc", "1", "--steps", "20",
+                               "--runs-root", (tmp / "runs").string()},
+                              {}, std::chrono::seconds(300), 40);
+  INFO(narrow.out);
+  REQUIRE(narrow.exit_code == 0);
+  size_t progress_lines = 0;
+  for (size_t at = narrow.out.find("\r\033[Kbench train: w1: step "); at != std::string::npos;
+       at = narrow.out.find("\r\033[Kbench train: w1: step ", at + 1)) {
+    const size_t start = at + 4;
+    const size_t end = narrow.out.find('\r', start);
+    CHECK((end == std::string::npos ? narrow.out.size() : end) - start <= 39);
+    ++progress_lines;
+  }
+  CHECK(progress_lines > 0);
   // A pipe gets the plain lines only (the other tests read stderr through one).
   const auto piped = bench(tmp, {quickstart(), "--nproc", "1", "--steps", "20"});
   REQUIRE(piped.exit_code == 0);

@@ -30,6 +30,17 @@ fs::path make_run(const TempDir& tmp) {
   return run_dir;
 }
 
+// `count` copies of the run's checkpoint of step 20, as steps 100 on: a run with many checkpoints.
+void add_checkpoint_copies(const fs::path& run, int count) {
+  for (int step = 100; step < 100 + count; ++step) {
+    fs::copy(
+        run / "checkpoints/step-000020",
+        run / "checkpoints" /
+            ("step-" + std::string(6 - std::to_string(step).size(), '0') + std::to_string(step)),
+        fs::copy_options::recursive);
+  }
+}
+
 nlohmann::json list_json(const fs::path& run_dir) {
   auto r = run_dptrain({"ckpt", "list", run_dir.string(), "--json"});
   INFO(r.err);
@@ -540,13 +551,7 @@ TEST_CASE("ckpt verify --json stopped by SIGINT still prints its object: interru
   TempDir tmp;
   const fs::path run = make_run(tmp);
   // Enough checkpoints that the verification is still going when the signal comes.
-  for (int step = 100; step < 1600; ++step) {
-    fs::copy(
-        run / "checkpoints/step-000020",
-        run / "checkpoints" /
-            ("step-" + std::string(6 - std::to_string(step).size(), '0') + std::to_string(step)),
-        fs::copy_options::recursive);
-  }
+  add_checkpoint_copies(run, 1500);
   Background verify({"ckpt", "verify", run.string(), "--all", "--json"});
   // SIGINT once its handler is in place, in dptrain itself rather than in the test's fork.
   REQUIRE(
@@ -567,13 +572,7 @@ TEST_CASE("status, report and ckpt list --json stopped by a signal print their o
   TempDir tmp;
   const fs::path run = make_run(tmp);
   // Enough checkpoints and metrics lines that each command still reads when the signal comes.
-  for (int step = 100; step < 1600; ++step) {
-    fs::copy(
-        run / "checkpoints/step-000020",
-        run / "checkpoints" /
-            ("step-" + std::string(6 - std::to_string(step).size(), '0') + std::to_string(step)),
-        fs::copy_options::recursive);
-  }
+  add_checkpoint_copies(run, 1500);
   {
     std::ofstream metrics(run / "metrics.jsonl", std::ios::app);
     for (int step = 100; step < 300100; ++step)

@@ -497,6 +497,26 @@ TEST_CASE("an empty option value, or an option in its place, is refused, not rea
   CHECK(contains(prompt.err, "--prompt: got the option --json where its value belongs"));
 }
 
+TEST_CASE("a remote path under ~user is refused: only ~ and ~/ are the login's home") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), small_recipe());
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"launch", recipe.string(), "--hosts", "localhost", "--workdir", "~root/x"},
+           {"resume", (tmp / "none").string(), "--remote-binary", "~root/bin/dptrain"},
+           {"doctor", "--hosts", "localhost", "--workdir", "~root/x"},
+           {"provision", "--hosts", "localhost", "--workdir", "~root/x"}}) {
+    CAPTURE(args[0]);
+    auto r = run_dptrain(args);
+    CHECK(r.exit_code == 2);
+    CHECK_MESSAGE(contains(r.err, "'~root/"), r.err);
+    CHECK_MESSAGE(contains(r.err,
+                           ": only ~ and ~/ (the login's home on each host) are "
+                           "expanded; give an absolute path or one under ~/"),
+                  r.err);
+    CHECK(lines_of(r.err).size() == 1);
+  }
+}
+
 TEST_CASE("paths through a symbolic link and '..' mean what the kernel makes of them") {
   // sub -> a/b, so sub/../x is a/x, not ./x: a run there never touches ./x, an existing run.
   TempDir tmp;

@@ -108,6 +108,18 @@ TEST_CASE("doctor: a workdir that exists but cannot be written fails its check, 
   CHECK(fails.front().find("cannot use the workdir /proc/self on ") != std::string::npos);
   CHECK(fails.front().find(": cannot write in /proc/") != std::string::npos);
   CHECK(r.out.find("is writable") == std::string::npos);
+  // A file where the run directories go (WORKDIR/runs) fails every launch: the check's too.
+  const fs::path workdir = f.tmp / "wd";
+  fs::create_directories(workdir);
+  write_text(workdir / "runs", "x");
+  auto runs = f.doctor({"--workdir", workdir.string(), "--no-allreduce"});
+  INFO(runs.out);
+  CHECK(runs.exit_code == 4);
+  const auto runs_fails = failure_lines(runs.out);
+  REQUIRE_FALSE(runs_fails.empty());
+  CHECK(runs_fails.front().starts_with("FAIL workdir"));
+  CHECK(contains(runs_fails.front(), (workdir / "runs").string() +
+                                         " is not a directory (a job's run directories go there)"));
 }
 
 TEST_CASE("doctor: another build there fails the version check and holds back the probes") {

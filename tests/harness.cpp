@@ -153,12 +153,12 @@ CommandResult run_dptrain(const std::vector<std::string>& args, const Env& env,
 }
 
 CommandResult run_dptrain_on_terminal(const std::vector<std::string>& args, const Env& env,
-                                      std::chrono::seconds timeout) {
+                                      std::chrono::seconds timeout, int columns) {
   const auto t0 = Clock::now();
   ExecArgs exec(args, env);
   winsize size{};
   size.ws_row = 40;
-  size.ws_col = 200;
+  size.ws_col = static_cast<unsigned short>(columns);
   int terminal = -1;
   const pid_t pid = ::forkpty(&terminal, nullptr, nullptr, &size);
   if (pid == 0) {

@@ -33,10 +33,11 @@ std::filesystem::path source_dir();  // the repository
 CommandResult run_dptrain(const std::vector<std::string>& args, const Env& env = {},
                           std::chrono::seconds timeout = std::chrono::seconds(300));
 
-// The same on a terminal of its own (a pseudo-terminal 200 columns wide): what a person sees,
+// The same on a terminal of its own (a pseudo-terminal `columns` wide): what a person sees,
 // stdout and stderr together in `out`, with the terminal's "\r\n" line ends.
 CommandResult run_dptrain_on_terminal(const std::vector<std::string>& args, const Env& env = {},
-                                      std::chrono::seconds timeout = std::chrono::seconds(300));
+                                      std::chrono::seconds timeout = std::chrono::seconds(300),
+                                      int columns = 200);
 
 // How a Background process starts: as usual, or as a launcher starts a rank (SIGTERM blocked
 // across exec, ProcessSpec::hold_sigterm) with a SIGTERM already pending: a preemption that
