@@ -57,6 +57,10 @@ void setup_agent(CLI::App& app, Outcome& outcome) {
     // launcher's "stop" is: its ranks checkpoint at the next step and exit 143; SIGINT stops them
     // without one. Left to the default, it killed the agent and its ranks with it.
     install_stop_signal_handlers();
+    // Said at once: the launcher's end then knows an agent runs there, before the plan is read
+    // (a program at that path that never speaks is named as maybe not this dptrain's).
+    std::printf("%s\n", kAgentAliveLine);
+    std::fflush(stdout);
     const auto j = nlohmann::json::parse(read_plan_line(), nullptr, false);
     if (!j.is_object()) {
       throw Error(ErrorKind::usage,

@@ -15,6 +15,9 @@ struct Outcome {
   // Run by main after it printed the outcome (an error's line), just before it exits: a worker
   // that failed to start tells its peers why, out of the way of its own message.
   std::function<void()> finally;
+  // The run directory a failed command made (launch's, whose name it chose): its JSON error
+  // names it, as the events stream's run_finished does.
+  std::string run_dir;
 };
 
 struct Subcommand {

@@ -103,7 +103,7 @@ void print_dry_run(const JobSpec& spec, const std::string& run_dir, bool json) {
   }
 }
 
-int start_launch(const LaunchOptions& o, bool& events_opened) {
+int start_launch(const LaunchOptions& o, bool& events_opened, Outcome& outcome) {
   JobSpec spec = [&] {
     try {
       return job_spec(o);
@@ -190,6 +190,7 @@ int start_launch(const LaunchOptions& o, bool& events_opened) {
       throw;
     }
   }();
+  outcome.run_dir = run.path().string();
   if (events_in_run) events = open_events(o.restart, o.json, o.run_dir);
   run.info()["recipe_file"] = std::filesystem::absolute(o.recipe).string();
   std::FILE* status_out = status_stream(o.json, *events);
@@ -202,12 +203,12 @@ int start_launch(const LaunchOptions& o, bool& events_opened) {
   return run_to_end(run, spec, o.restart, o.json, *events, status);
 }
 
-int run_launch(const LaunchOptions& o) {
+int run_launch(const LaunchOptions& o, Outcome& outcome) {
   install_stop_signal_handlers();
   o.restart.validate();
   bool events_opened = false;
   try {
-    return start_launch(o, events_opened);
+    return start_launch(o, events_opened, outcome);
   } catch (const std::exception& e) {
     if (!events_opened && !o.dry_run) {
       end_unopened_events(o.restart, o.json, o.run_dir, false, e, "the launch did not start");
@@ -244,7 +245,7 @@ void setup_launch(CLI::App& app, Outcome& outcome) {
   app.add_flag("--json", o->json, "Print one JSON object with the outcome (or plan) on stdout");
   app.callback([o, &outcome] {
     outcome.json = o->json;
-    outcome.exit_code = run_launch(*o);
+    outcome.exit_code = run_launch(*o, outcome);
   });
 }
 

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.hpp"
@@ -26,14 +27,19 @@
 #include "core/fs.hpp"
 #include "core/json_error.hpp"
 #include "core/suggest.hpp"
+#include "launch/relay.hpp"
 #include "launch/supervisor.hpp"
 
 namespace {
 
-void print_error(const std::string& message, int code, const char* status, bool json) {
+namespace fs = std::filesystem;
+
+void print_error(const std::string& message, int code, const char* status, bool json,
+                 const std::string& run_dir = "") {
   dptrain::cli::print_error_lines(message);
   if (json) {
     nlohmann::json out = {{"status", status}};
+    if (!run_dir.empty()) out["run_dir"] = run_dir;
     dptrain::cli::add_failure(out, code, message);
     std::printf("%s\n", dptrain::json_text(out).c_str());
   }
@@ -99,9 +105,21 @@ std::string unknown_word(const Command& c, int argc, char** argv) {
   if (!subs.empty() && c.next < argc && argv[c.next][0] != '-') {
     const std::string prefix = words.empty() ? "" : words + " ";
     std::vector<std::string> known;
-    for (const CLI::App* s : subs)
+    std::vector<std::string> names;
+    for (const CLI::App* s : subs) {
       known.push_back(prefix + s->get_name());
+      if (!s->get_group().empty()) names.push_back(s->get_name());  // not the hidden ones
+    }
     const std::string given = prefix + argv[c.next];
+    // A file where the command belongs ("dptrain recipe r.json"): the command comes first.
+    const std::string_view word(argv[c.next]);
+    if (!words.empty() && !names.empty() &&
+        (word.find_first_of("/.") != std::string_view::npos || fs::exists(std::string(word)))) {
+      return fmt::format(
+          "'{}' is not a command of 'dptrain {}', which takes one first ({}): "
+          "'dptrain {} {} {}', say",
+          word, words, fmt::join(names, ", "), words, names.front(), word);
+    }
     return fmt::format("unknown command '{}'{}", given, suggest(given, known));
   }
   std::vector<std::string> known;
@@ -132,6 +150,13 @@ std::string unknown_word(const Command& c, int argc, char** argv) {
 // "--tokens: given 2 times; give it once", and its "--run-dir: 1 required TEXT missing" (the
 // last argument, or "--run-dir=") as "--run-dir: no value given". Other messages as they are.
 std::string plain_parse_error(const Command& c, const std::string& what) {
+  if (what == "A subcommand is required") {
+    std::vector<std::string> names;
+    for (const CLI::App* s : c.app->get_subcommands([](const CLI::App*) { return true; })) {
+      if (!s->get_group().empty()) names.push_back(s->get_name());  // not the hidden ones
+    }
+    return fmt::format("'{}' needs a command: {}", c.name, fmt::join(names, ", "));
+  }
   constexpr std::string_view kRepeated = ": At Most 1 required but received ";
   if (const auto at = what.find(kRepeated); at != std::string::npos) {
     return fmt::format("{}: given {} times; give it once", what.substr(0, at),
@@ -281,6 +306,7 @@ namespace {
 int run(int argc, char** argv) {
   if (argc > 1 && std::string_view(argv[1]) == "worker")
     dptrain::cli::install_worker_signal_handlers();
+  if (argc > 1 && std::string_view(argv[1]) == "_relay") dptrain::install_relay_signal_handlers();
   // A launch or resume stopped while it still loads and reads its options (a pipeline's timeout
   // at once) is answered as a stop, with its JSON, not a death by the signal. (Only these: a
   // command that never looks for the stop would ignore the signal.)
@@ -350,7 +376,7 @@ int run(int argc, char** argv) {
     // wrote, interrupted) made this failure: the signal's exit code, as any stopped command's.
     const dptrain::ErrorKind kind = dptrain::kind_after_stop(e.kind());
     const int code = dptrain::exit_code(kind);
-    print_error(e.what(), code, dptrain::cli::failure_status(kind), outcome.json);
+    print_error(e.what(), code, dptrain::cli::failure_status(kind), outcome.json, outcome.run_dir);
     return code;
   } catch (const std::filesystem::filesystem_error& e) {
     // Not a bug: a path that cannot be used ("runs/x: cannot make absolute path: No such file or
@@ -363,17 +389,18 @@ int run(int argc, char** argv) {
     print_error(path.empty()
                     ? what
                     : fmt::format("{}: {}{}", path, what, dptrain::cwd_gone_note(e.path1())),
-                1, "error", outcome.json);
+                1, "error", outcome.json, outcome.run_dir);
     return 1;
   } catch (const std::bad_alloc&) {
     // Not a bug: the machine (or its limits) has less memory than the job asked for.
     print_error(
         "out of memory: an allocation failed (data or a model too large for this machine's "
         "memory or its limits: ulimit -v, a cgroup)",
-        1, "error", outcome.json);
+        1, "error", outcome.json, outcome.run_dir);
     return 1;
   } catch (const std::exception& e) {
-    print_error(fmt::format("internal error: {}", e.what()), 1, "error", outcome.json);
+    print_error(fmt::format("internal error: {}", e.what()), 1, "error", outcome.json,
+                outcome.run_dir);
     return 1;
   }
   return outcome.exit_code;

@@ -870,17 +870,17 @@ void check_synthetic_size(const Recipe& r, Problems& problems) {
                            with_commas(kMaxSyntheticValues)));
 }
 
-// Synthetic data's split is the recipe's alone: a held-out share that leaves no training sample,
-// or fewer training samples than one rank's batch, is found here as the launch would find it.
-void check_synthetic_split(const Recipe& r, Problems& problems) {
-  if (r.data.type != "synthetic-classification" || problems.at("/data/samples") ||
-      problems.at("/data/eval_fraction") || problems.at("/train/batch_per_rank") ||
+// The split of `samples` (the data's, `whose` says what they are): a held-out share that leaves
+// no training sample, or fewer training samples than one rank's batch, is found here as the
+// launch would find it.
+void check_split(const Recipe& r, int64_t samples, const std::string& whose, Problems& problems) {
+  if (problems.at("/data/eval_fraction") || problems.at("/train/batch_per_rank") ||
       problems.at("/train/grad_accum")) {
     return;
   }
   int64_t training = 0;
   try {
-    training = r.data.samples - eval_split_size(r.data.samples, r.data.eval_fraction);
+    training = samples - eval_split_size(samples, r.data.eval_fraction);
   } catch (const Error& e) {
     const std::string what = e.what();
     problems.add("/data/eval_fraction", what.substr(what.find(": ") + 2));
@@ -889,11 +889,17 @@ void check_synthetic_split(const Recipe& r, Problems& problems) {
   const auto per_rank = CheckedCount(r.train.batch_per_rank) * CheckedCount(r.train.grad_accum);
   if (const auto batch = per_rank.value(); !batch || static_cast<uint64_t>(training) < *batch) {
     problems.add("/train/batch_per_rank",
-                 fmt::format("{} training samples (/data/samples less the /data/eval_fraction "
-                             "share) are fewer than one rank's batch ({} x {} train.grad_accum), "
-                             "even on one rank",
-                             training, r.train.batch_per_rank, r.train.grad_accum));
+                 fmt::format("{} training samples ({} less the /data/eval_fraction share) are "
+                             "fewer than one rank's batch ({} x {} train.grad_accum), even on one "
+                             "rank",
+                             training, whose, r.train.batch_per_rank, r.train.grad_accum));
   }
+}
+
+// Synthetic data's split is the recipe's alone.
+void check_synthetic_split(const Recipe& r, Problems& problems) {
+  if (r.data.type != "synthetic-classification" || problems.at("/data/samples")) return;
+  check_split(r, r.data.samples, "/data/samples", problems);
 }
 
 // The CSV file's first data row against model.input: the row is the label and then the features.
@@ -927,12 +933,18 @@ void check_csv_rows(const Recipe& r, DataCheck check, Problems& problems) {
     return;  // every row would say so
   }
   if (check != DataCheck::every_row || problems.at("/model/classes")) return;
+  int64_t data_rows = 0;
   try {
     for (const std::string& problem :
-         csv_problems(r.data.path, r.data.header, r.model.input, r.model.classes))
+         csv_problems(r.data.path, r.data.header, r.model.input, r.model.classes, &data_rows))
       problems.add("/data/path", problem);
   } catch (const Error& e) {
     problems.add("/data/path", e.what());
+  }
+  // Every row right: its split, as a launch splits it.
+  if (!problems.at("/data/path")) {
+    check_split(r, data_rows, fmt::format("the {} data row(s) of \"{}\"", data_rows, r.data.path),
+                problems);
   }
 }
 

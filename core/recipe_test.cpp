@@ -968,6 +968,16 @@ TEST_CASE("recipe: every CSV row is checked when asked (recipe validate), not on
   CHECK(has_problem(classes, "/model/classes", ""));
 
   dir.write("d.csv", "label,a,b\n1,2,3\n2,4,5\n");
+  // Two rows split as a launch splits them: fewer training rows than one rank's batch...
+  CHECK(has_problem(every_row_problems(fine), "/train/batch_per_rank",
+                    "2 training samples (the 2 data row(s) of \"" + csv.string() +
+                        "\" less the /data/eval_fraction share) are fewer than one rank's batch"));
+  // ...or a held-out share that leaves none.
+  fine["train"]["batch_per_rank"] = 1;
+  fine["data"]["eval_fraction"] = 0.9;
+  CHECK(has_problem(every_row_problems(fine), "/data/eval_fraction",
+                    "0.9 of 2 samples leaves none for training"));
+  fine["data"].erase("eval_fraction");
   CHECK(every_row_problems(fine).empty());
   CHECK(load_recipe(dir.write("ok.json", fine.dump()), DataCheck::every_row).data.type == "csv");
 }

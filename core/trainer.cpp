@@ -240,10 +240,11 @@ class TrainingRun {
       // nor parameter servers (their only common step boundaries are the log steps). Every rank
       // makes this call, whether or not it has a stop_requested.
       if (!stop && !local && !ps_ && !log_step_due(done, false)) {
-        float asked = options_.stop_requested && options_.stop_requested() ? 1.0f : 0.0f;
+        // (In f64, as the loss's: a sum of 0s and 1s.)
+        double asked = options_.stop_requested && options_.stop_requested() ? 1.0 : 0.0;
         mark_collective("allreduce of the stop flag");
         comm_.allreduce(&asked, 1, ReduceOp::sum);
-        stop = asked > 0.0f;
+        stop = asked > 0.5;
       }
       const double step_ms = ms_since(t0);
       ++window_steps;
@@ -1729,7 +1730,10 @@ void check_runnable_here(const Recipe& recipe, int world_size, int nominal_world
     samples = training_samples(recipe.data, recipe.model, recipe.seed);
   } catch (const Error& e) {
     if (recipe.data.type != "csv" || e.kind() != ErrorKind::recipe) throw;
-    throw Error(ErrorKind::recipe, each_line(e.what(), "/data/path: "));
+    // A problem that names its own field (the split's /data/eval_fraction) keeps it.
+    const std::string what = e.what();
+    throw Error(ErrorKind::recipe,
+                what.starts_with("/data/") ? what : each_line(what, "/data/path: "));
   }
   DistributedSampler sampler(samples, global_batch(recipe, world_size, nominal_world), recipe.seed);
 }

@@ -331,6 +331,11 @@ class Doctor {
   // The fix for what the SSH connection's failure says: a host key, an authentication, or the
   // connection itself.
   static std::string ssh_fix(std::string_view failure) {
+    // A key the known_hosts file revokes: no new key to accept, a host to look into.
+    if (failure.find("IS REVOKED") != std::string_view::npos) {
+      return "find out why the host offers a revoked key (a retired key still in use, or another "
+             "machine at its address); once it has a new key, put that in known_hosts";
+    }
     if (failure.find("host key") != std::string_view::npos ||
         failure.find("HOST KEY") != std::string_view::npos) {
       return "put the host's key in known_hosts (ssh-keyscan), or give --accept-new-host-keys "

@@ -191,6 +191,7 @@ ProcessSpec relay_spec(const JobSpec& spec, const RelayPlan& plan, const fs::pat
   p.label = fmt::format("host {}", plan.host.display());
   p.rank = plan.agent.ranks.empty() ? 0 : plan.agent.ranks.front();
   p.argv = {spec.worker_binary.string(), "_relay"};
+  p.hold_sigterm = true;  // a stop while it loads is answered by its handler (main installs it)
   p.env = {{kRelayPlanEnv, json_text(plan.to_json())}};
   p.log_file = logs / (host_tag(spec, plan.host) + "-agent.log");
   return p;

@@ -115,12 +115,16 @@ RelayPlan RelayPlan::from_json(const json& j) {
   }
 }
 
-int run_relay(const RelayPlan& plan) {
+void install_relay_signal_handlers() {
   struct sigaction sa {};
   sa.sa_handler = on_stop;
   sigemptyset(&sa.sa_mask);
   ::sigaction(SIGTERM, &sa, nullptr);
   ::sigaction(SIGINT, &sa, nullptr);
+}
+
+int run_relay(const RelayPlan& plan) {
+  install_relay_signal_handlers();
   std::unique_ptr<SshSession> session;
   try {
     session = SshSession::connect(plan.host, plan.ssh);
@@ -217,12 +221,21 @@ int run_relay(const RelayPlan& plan) {
           return completed_anyway(fmt::format("{} has not answered for {} s", host_and_ranks(plan),
                                               silence_limit.count()));
         }
+        // An agent says it is alive as it starts and every second after: a program that never
+        // said a word may be no agent at all (a program that waits, or a build that hangs).
         write_host_failure(
             stdout,
-            fmt::format(
-                "{} has not answered for {} s (its agent says it is alive every second): the host, "
-                "its SSH server or the network is stuck; its ranks are taken as lost",
-                host_and_ranks(plan), silence_limit.count()));
+            heard_agent
+                ? fmt::format("{} has not answered for {} s (its agent says it is alive every "
+                              "second): the host, its SSH server or the network is stuck; its "
+                              "ranks are taken as lost",
+                              host_and_ranks(plan), silence_limit.count())
+                : fmt::format("{} has not answered for {} s, and '{}' there has said nothing "
+                              "since it was started: it may not be this dptrain's agent (a "
+                              "program that waits, or a build that hangs: 'dptrain doctor' checks "
+                              "it), or the host, its SSH server or the network is stuck; its ranks "
+                              "are taken as lost",
+                              host_and_ranks(plan), silence_limit.count(), plan.remote_binary));
         return 3;
       }
     }

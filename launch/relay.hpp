@@ -28,6 +28,11 @@ struct RelayPlan {
 // job secret).
 constexpr const char* kRelayPlanEnv = "DPTRAIN_RELAY_PLAN";
 
+// The relay's SIGTERM/SIGINT handlers: before the agent has its plan a stop ends the relay at
+// once (exit 143 or 130, nothing ran on the host); after, it is passed on to the agent. main
+// installs them first thing: the launcher starts a relay with SIGTERM held, and one that came
+// while it loaded is a stop, not a death by the signal ("host ... was killed by SIGTERM").
+void install_relay_signal_handlers();
 // Connects, starts the agent, writes its plan, relays its output to stdout until it ends.
 // SIGTERM or SIGINT closes the agent's input, which stops its ranks. Returns the agent's exit code;
 // 4 when the host cannot be reached or authenticated; 3 when the connection is lost (with an

@@ -814,7 +814,36 @@ TEST_CASE("recipe validate: every wrong row of a CSV dataset, one line each, as 
   }
   CHECK_FALSE(fs::exists(tmp / "run"));
 
+  // Its rows' split too, as the launch splits them: a held-out share that leaves none, or fewer
+  // training rows than one rank's batch (one line naming the field, not /data/path as well).
   write_text(tmp / "data.csv", "label,f0,f1\n0,1,2\n1,3,4\n2,1,1\n");
+  recipe["data"]["eval_fraction"] = 0.9;
+  write_recipe(tmp.path(), recipe);
+  const std::string none = path.string() +
+                           ": /data/eval_fraction: 0.9 of 3 samples leaves none "
+                           "for training\n";
+  auto split = run_dptrain({"recipe", "validate", path.string()});
+  CHECK(split.exit_code == 2);
+  CHECK(split.err == "dptrain: error: " + none);
+  auto split_launch = run_dptrain({"launch", path.string(), "--run-dir", (tmp / "run").string()});
+  CHECK(split_launch.exit_code == 2);
+  CHECK_MESSAGE(contains(split_launch.err, "dptrain: error: " + none), split_launch.err);
+  recipe["data"].erase("eval_fraction");
+  write_recipe(tmp.path(), recipe);
+  auto small = run_dptrain({"recipe", "validate", path.string()});
+  CHECK(small.exit_code == 2);
+  CHECK_MESSAGE(contains(small.err, path.string() +
+                                        ": /train/batch_per_rank: 3 training samples (the 3 "
+                                        "data row(s) of \"" +
+                                        csv +
+                                        "\" less the "
+                                        "/data/eval_fraction share) are fewer than one rank's "
+                                        "batch (16 x 1 train.grad_accum), even on one rank"),
+                small.err);
+  CHECK(run_dptrain({"launch", path.string(), "--run-dir", (tmp / "run").string()}).exit_code == 2);
+  CHECK_FALSE(fs::exists(tmp / "run"));
+  recipe["train"]["batch_per_rank"] = 1;
+  write_recipe(tmp.path(), recipe);
   auto ok = run_dptrain({"recipe", "validate", path.string()});
   CHECK_MESSAGE(ok.exit_code == 0, ok.err);
 }

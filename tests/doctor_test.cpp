@@ -267,6 +267,21 @@ TEST_CASE("doctor: the ssh check's fix fits the failure: a host key, or the key 
                            "no passphrase"),
                   lines[0]);
   }
+  // A host key the known_hosts file revokes: no new key to accept.
+  std::istringstream known(read_text(f.sshd.known_hosts()));
+  std::string host_patterns, type, base64;
+  known >> host_patterns >> type >> base64;
+  REQUIRE_FALSE(base64.empty());
+  write_text(f.tmp / "revoking",
+             "@revoked * " + type + " " + base64 + "\n" + read_text(f.sshd.known_hosts()));
+  auto revoked = run_dptrain({"doctor", "--hosts", (f.tmp / "one.txt").string(), "--known-hosts",
+                              (f.tmp / "revoking").string(), "--no-allreduce"});
+  CHECK(revoked.exit_code == 4);
+  lines = failure_lines(revoked.out);
+  REQUIRE(lines.size() == 1);
+  CHECK_MESSAGE(contains(lines[0], "IS REVOKED"), lines[0]);
+  CHECK_MESSAGE(contains(lines[0], "-- fix: find out why the host offers a revoked key"), lines[0]);
+  CHECK_FALSE(contains(lines[0], "--accept-new-host-keys"));
 }
 
 TEST_CASE("doctor: an unreachable host is named, the others still checked") {

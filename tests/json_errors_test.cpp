@@ -220,6 +220,12 @@ TEST_CASE("a usage error points at the help of the command given, sub-subcommand
            {{"ckpt", "verfy", "run"}, "unknown command 'ckpt verfy' (did you mean 'ckpt verify'?)"},
            {{"recipe", "valdate", "x.json"},
             "unknown command 'recipe valdate' (did you mean 'recipe validate'?)"},
+           // A file where the command belongs: the command comes first.
+           {{"recipe", "x.json"},
+            "'x.json' is not a command of 'dptrain recipe', which takes one first (validate, "
+            "show): 'dptrain recipe validate x.json', say"},
+           // None at all: the ones there are, in words like every other error's.
+           {{"recipe"}, "'dptrain recipe' needs a command: validate, show"},
            {{"status", "--jsn", "run"}, "status: unknown option '--jsn' (did you mean '--json'?)"},
            {{"report", "--ot", "x.html", "run"},
             "report: unknown option '--ot' (did you mean '--out'?)"},

@@ -696,6 +696,19 @@ TEST_CASE("a program at --remote-binary that is not this dptrain's agent: exit 4
                  "it is not this dptrain's agent"));
   CHECK(contains(silent.err, "(not restarted: the host would fail the same way again"));
   CHECK(parse_json(silent.out)["restarts"] == 0);
+
+  // One that waits without a word (it reads its stdin to the end, which the launcher's end
+  // closes): not said to be an agent that went quiet.
+  const fs::path waits = c.tmp / "waits";
+  write_text(waits, "#!/bin/sh\ncat >/dev/null\n");
+  fs::permissions(waits, fs::perms::owner_all);
+  const auto mute = launch_with_remote_binary(c, "mute", waits, {"--ssh-keepalive", "1"});
+  INFO(mute.err);
+  CHECK(mute.exit_code == 3);
+  CHECK(contains(mute.err, "has not answered for 3 s, and '" + waits.string() +
+                               "' there has said nothing since it was started: it may not be "
+                               "this dptrain's agent"));
+  CHECK_FALSE(contains(mute.err, "says it is alive every second"));
 }
 
 TEST_CASE("an agent that refuses its plan (exit 2, its host's data differs) is not restarted") {
@@ -772,6 +785,24 @@ TEST_CASE("SIGTERM while a host is still connecting stops the launch at once") {
   CHECK(launcher.err().find("dptrain: error: stopped by SIGTERM; every rank stopped before its "
                             "first step (nothing to checkpoint)") != std::string::npos);
   CHECK(launcher.err().find("exited with code 4") == std::string::npos);
+}
+
+TEST_CASE("SIGTERM as the relays start is a stop before the first step, not hosts killed") {
+  Cluster c;
+  const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
+  const fs::path run_dir = c.tmp / "early-term";
+  // Each process the launcher starts waits 3 s before it takes its own signal handlers: the
+  // SIGTERM passed on to the relays meanwhile must wait for theirs (it is a stop, not a death).
+  Background launcher(c.launch_args(recipe, run_dir), {{"DPTRAIN_TEST_SPAWN_PAUSE_MS", "3000"}});
+  REQUIRE(eventually([&] { return fs::exists(run_dir / "run.json"); }, std::chrono::seconds(30)));
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  ::kill(launcher.pid(), SIGTERM);
+  CHECK(launcher.wait(std::chrono::seconds(60)) == 143);
+  INFO(launcher.err());
+  CHECK(contains(launcher.err(),
+                 "dptrain: error: stopped by SIGTERM; every rank stopped before "
+                 "its first step (nothing to checkpoint)"));
+  CHECK_FALSE(contains(launcher.err(), "killed by SIGTERM"));
 }
 
 TEST_CASE("an unreachable host fails the launch with exit 4 naming it") {

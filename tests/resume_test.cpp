@@ -1136,6 +1136,8 @@ TEST_CASE("a launcher that fails mid-job (its store's port taken) records the ru
   CHECK(info["error"].get<std::string>().starts_with("the launcher failed: "));
   CHECK(contains(info["error"].get<std::string>(), std::to_string(port)));
   CHECK(parse_json(launcher.out())["exit_code"] == 3);
+  // Its --json names the run directory, as the events stream's run_finished does.
+  CHECK(parse_json(launcher.out())["run_dir"] == run_dir.string());
   const auto s = parse_json(run_dptrain({"status", run_dir.string(), "--json"}).out);
   CHECK(s["status"] == "failed");  // not "running", then "stale"
 }

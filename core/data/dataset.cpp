@@ -238,7 +238,8 @@ class CsvRowParser {
 // Every data row of a CSV file through CsvRowParser, the right ones into `table` (when not null);
 // returns the problems as csv_problems words them.
 std::vector<std::string> scan_csv(const std::filesystem::path& path, const std::string& header,
-                                  int64_t features, int64_t classes, SampleTable* table) {
+                                  int64_t features, int64_t classes, SampleTable* table,
+                                  int64_t* data_rows = nullptr) {
   CsvRows rows(path, header);
   CsvRowParser parser(features, classes);
   std::vector<std::string> problems;
@@ -259,6 +260,7 @@ std::vector<std::string> scan_csv(const std::filesystem::path& path, const std::
                        " more row(s) with a problem, not listed");
   }
   if (rows_read == 0) problems.push_back(path.string() + ": no data rows");
+  if (data_rows != nullptr) *data_rows = rows_read;
   return problems;
 }
 
@@ -326,8 +328,8 @@ SampleTable read_csv_samples(const std::filesystem::path& path, const std::strin
 }
 
 std::vector<std::string> csv_problems(const std::filesystem::path& path, const std::string& header,
-                                      int64_t features, int64_t classes) {
-  return scan_csv(path, header, features, classes, nullptr);
+                                      int64_t features, int64_t classes, int64_t* data_rows) {
+  return scan_csv(path, header, features, classes, nullptr, data_rows);
 }
 
 std::optional<CsvRow> csv_first_row(const std::filesystem::path& path, const std::string& header) {

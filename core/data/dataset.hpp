@@ -75,10 +75,12 @@ SampleTable read_csv_samples(const std::filesystem::path& path, const std::strin
 // not a number, not an integer, or outside [0, classes); a feature that is not a finite number;
 // a row of another column count), the first kMostCsvProblems of them, then
 // "PATH: N more row(s) with a problem, not listed"; or "PATH: no data rows". Empty when every row
-// is right; Error(recipe) naming the file when it cannot be read.
+// is right; Error(recipe) naming the file when it cannot be read. `data_rows`, when given, gets
+// how many data rows the file has.
 inline constexpr size_t kMostCsvProblems = 20;
 std::vector<std::string> csv_problems(const std::filesystem::path& path, const std::string& header,
-                                      int64_t features, int64_t classes);
+                                      int64_t features, int64_t classes,
+                                      int64_t* data_rows = nullptr);
 
 // The first data row of a CSV file as read_csv_samples sees it (blank lines and, as `header`
 // says, a header row skipped): its column count (the label and the features) and 1-based line.
