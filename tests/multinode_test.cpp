@@ -255,6 +255,18 @@ TEST_CASE("--dry-run --json prints the plan and starts nothing") {
   CHECK(plan["hosts"][0]["ranks"] == json({0, 1}));
   CHECK(plan["hosts"][1]["ranks"] == json({2, 3}));
   CHECK(plan["hosts"][0]["via"] == "ssh");
+  // The exact command: with the hostfile's key and --known-hosts, the remote command as sent.
+  const json& command = plan["hosts"][0]["command"];
+  CHECK(command.front() == "ssh");
+  CHECK(command.back() == binary() + " agent");
+  const auto has_pair = [&command](const std::string& flag, const std::string& value) {
+    for (size_t i = 0; i + 1 < command.size(); ++i) {
+      if (command[i] == flag && command[i + 1] == value) return true;
+    }
+    return false;
+  };
+  CHECK(has_pair("-i", c.sshd.client_key().string()));
+  CHECK(has_pair("-o", "UserKnownHostsFile=" + c.sshd.known_hosts().string()));
   CHECK(plan["hosts"][1]["workers"][1]["env"]["RANK"] == "3");
   CHECK(plan["hosts"][1]["workers"][1]["env"]["LOCAL_RANK"] == "1");
   CHECK(plan["hosts"][1]["workers"][1]["env"]["DPTRAIN_STORE_SECRET"] == "<redacted>");
