@@ -235,11 +235,12 @@ class TrainingRun {
       }
       // A stop asked for while this step ran is answered at its end, not after one more step
       // (the flag that rode the gradient exchange was read as the step began): a long step's
-      // stop must fit the launcher's grace. A log step carries it on the loss's all-reduce.
+      // stop must fit the launcher's grace. A log step carries it on the loss's all-reduce; the
+      // others, when the steps are long (TrainerOptions::stop_check_step_ms), on their own.
       // Not for local SGD (its replicas differ until the next averaging, which takes the stop)
       // nor parameter servers (their only common step boundaries are the log steps). Every rank
       // makes this call, whether or not it has a stop_requested.
-      if (!stop && !local && !ps_ && !log_step_due(done, false)) {
+      if (!stop && !local && !ps_ && !log_step_due(done, false) && stop_check_each_step_) {
         // (In f64, as the loss's: a sum of 0s and 1s.)
         double asked = options_.stop_requested && options_.stop_requested() ? 1.0 : 0.0;
         mark_collective("allreduce of the stop flag");
@@ -260,7 +261,7 @@ class TrainingRun {
       if (log_step_due(done, stop)) {
         double loss = local_loss;
         // Local SGD's replicas differ between averagings: a stop waits for the next one.
-        stop = sum_loss_and_stop(loss, stop, /*take_stop=*/!local);
+        stop = sum_loss_and_stop(loss, stop, /*take_stop=*/!local, step_ms);
         loss /= static_cast<double>(micro_batches_);
         // fp16 above the smallest scale: an overflowed forward is a skipped step, as above.
         if (!std::isfinite(loss) && !overflow_skips) throw diverged(done, "loss", loss);
@@ -380,13 +381,16 @@ class TrainingRun {
   // is answered at its end; with parameter servers these are the only common step boundaries);
   // returns whether to stop.
   // `take_stop` false (a local SGD step between averagings): the requests are summed (every rank
-  // makes the same call) but not acted on.
-  bool sum_loss_and_stop(double& loss, bool stop, bool take_stop = true) {
-    double sums[2] = {loss, 0.0};
+  // makes the same call) but not acted on. `step_ms`, this rank's time for the step, is averaged
+  // over the ranks: whether the steps until the next log step sum the stop at their end
+  // (stop_check_each_step_), the same on every rank.
+  bool sum_loss_and_stop(double& loss, bool stop, bool take_stop = true, double step_ms = 0) {
+    double sums[3] = {loss, 0.0, step_ms};
     if (options_.stop_requested && options_.stop_requested()) sums[1] = 1.0;
     mark_collective("allreduce of the loss");
-    comm_.allreduce(sums, 2, ReduceOp::sum);
+    comm_.allreduce(sums, 3, ReduceOp::sum);
     loss = sums[0];
+    stop_check_each_step_ = sums[2] / static_cast<double>(world_) >= options_.stop_check_step_ms;
     return stop || (take_stop && sums[1] > 0.0);
   }
 
@@ -1588,6 +1592,9 @@ class TrainingRun {
   const bool local_sgd_ = recipe_.distributed.sync == "local_sgd";
   const bool zero_ = recipe_.distributed.zero == 1;
   const bool ps_ = servers_ > 0;
+  // Whether a step that is not a log step sums the stop at its end (sum_loss_and_stop decides,
+  // at each log step, from the ranks' mean step time): off until the first log step.
+  bool stop_check_each_step_ = false;
   // ZeRO-1 over Gloo: its reduce-scatter is an all-reduce and a slice anyway, so the bucketed,
   // overlapped all-reduce serves, and each rank updates its shard of the summed gradients. NCCL
   // reduce-scatters (half the bytes, no overlap).

@@ -375,33 +375,42 @@ TEST_CASE("trainer: a diverging run fails on every rank at its first non-finite 
   CHECK(fp16[0].error.find("the training diverged at step") != std::string::npos);
 }
 
-TEST_CASE("trainer: a stop asked for during a step is answered at that step's end") {
+TEST_CASE("trainer: a stop asked for during a long step is answered at that step's end") {
   // The request comes after the step read its flag for the gradient exchange (the second look
-  // within step index 11): the ranks still stop after that step, not after one more, whether or
-  // not the step is a log step (log.every 10: step 10 is one, 12 is not).
-  for (const int64_t asked_in : {int64_t{11}, int64_t{9}}) {
-    CAPTURE(asked_in);
+  // within step index 11): with steps long enough (stop_check_step_ms; 0 here, as the ranks'
+  // mean step time agreed at the log step 10 is), the ranks still stop after that step, not
+  // after one more; a log step takes it at its end whatever the steps' length (log.every 10:
+  // step 10 is one). Short steps leave it to the next step's exchange (13, not 12).
+  struct Case {
+    int64_t asked_in;
+    double check_ms;
+    int64_t stops_after;
+  };
+  for (const Case& c : {Case{11, 0, 12}, Case{9, 0, 10}, Case{9, 1e9, 10}, Case{11, 1e9, 13}}) {
+    CAPTURE(c.asked_in);
+    CAPTURE(c.check_ms);
     Recipe r = tiny_recipe();
     r.checkpoint.every = 0;
     TempDir dir;
     const auto out = train_ranks(r, 2, [&](int) {
       TrainerOptions o;
       o.run_dir = dir.path();
+      o.stop_check_step_ms = c.check_ms;
       auto step = std::make_shared<int64_t>(0);
       auto looks = std::make_shared<int>(0);
       o.before_step = [step, looks](int64_t s) {
         *step = s;
         *looks = 0;
       };
-      o.stop_requested = [step, looks, asked_in] {
-        return *step > asked_in || (*step == asked_in && ++*looks >= 2);
+      o.stop_requested = [step, looks, asked = c.asked_in] {
+        return *step > asked || (*step == asked && ++*looks >= 2);
       };
       return o;
     });
     REQUIRE(out[0].error.empty());
     CHECK(out[0].result.stopped);
-    CHECK(out[0].result.steps == asked_in + 1);
-    CHECK(fs::exists(dir.path() / "checkpoints" / checkpoint_name(asked_in + 1)));
+    CHECK(out[0].result.steps == c.stops_after);
+    CHECK(fs::exists(dir.path() / "checkpoints" / checkpoint_name(c.stops_after)));
   }
 }
 
