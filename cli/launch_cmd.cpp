@@ -14,6 +14,7 @@
 #include "core/trainer.hpp"
 #include "launch/job.hpp"
 #include "launch/run_dir.hpp"
+#include "launch/ssh.hpp"
 #include "launch/status.hpp"
 #include "launch/supervisor.hpp"
 
@@ -81,13 +82,11 @@ void print_dry_run(const JobSpec& spec, const std::string& run_dir, bool json) {
                               : ranks.size() == 1
                                   ? std::to_string(ranks.front())
                                   : fmt::format("{}-{}", ranks.front(), ranks.back());
-    std::string command;
-    if (h.contains("command")) {
-      for (const auto& part : h["command"])
-        command += part.get<std::string>() + " ";
-    } else {
-      command = "(spawned directly)";
-    }
+    // One line a shell runs as it is: each word quoted as needed ("$HOME" in the remote
+    // command is the host's, not this shell's).
+    std::string command = "(spawned directly)";
+    if (h.contains("command"))
+      command = shell_command(h["command"].get<std::vector<std::string>>());
     std::printf("%-24s %-8s %-12s %s\n", h["host"].get<std::string>().c_str(),
                 h["via"].get<std::string>().c_str(), range.c_str(), command.c_str());
     for (const auto& w : h["workers"]) {

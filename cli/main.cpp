@@ -106,19 +106,25 @@ std::string unknown_word(const Command& c, int argc, char** argv) {
     const std::string prefix = words.empty() ? "" : words + " ";
     std::vector<std::string> known;
     std::vector<std::string> names;
+    std::string takes_it;  // the first command that takes a positional argument, for the example
     for (const CLI::App* s : subs) {
       known.push_back(prefix + s->get_name());
-      if (!s->get_group().empty()) names.push_back(s->get_name());  // not the hidden ones
+      if (s->get_group().empty()) continue;  // not the hidden ones
+      names.push_back(s->get_name());
+      const auto positionals =
+          s->get_options([](const CLI::Option* o) { return o->get_positional(); });
+      if (takes_it.empty() && !positionals.empty()) takes_it = s->get_name();
     }
     const std::string given = prefix + argv[c.next];
     // A file where the command belongs ("dptrain recipe r.json"): the command comes first.
     const std::string_view word(argv[c.next]);
     if (!words.empty() && !names.empty() &&
         (word.find_first_of("/.") != std::string_view::npos || fs::exists(std::string(word)))) {
-      return fmt::format(
-          "'{}' is not a command of 'dptrain {}', which takes one first ({}): "
-          "'dptrain {} {} {}', say",
-          word, words, fmt::join(names, ", "), words, names.front(), word);
+      return fmt::format("'{}' is not a command of 'dptrain {}', which takes one first ({}){}",
+                         word, words, fmt::join(names, ", "),
+                         takes_it.empty()
+                             ? std::string()
+                             : fmt::format(": 'dptrain {} {} {}', say", words, takes_it, word));
     }
     return fmt::format("unknown command '{}'{}", given, suggest(given, known));
   }

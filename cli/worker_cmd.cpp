@@ -845,8 +845,10 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
     }
     if (!g_stop_requested.load()) return false;
     if (!announced) {
-      std::printf("received SIGTERM: rank %d checkpoints at the end of this step and stops\n",
-                  rank);
+      std::printf(
+          "received SIGTERM: rank %d checkpoints at the end of this step (or of the next, where "
+          "steps are short) and stops\n",
+          rank);
       std::fflush(stdout);
       announced = true;
       try {

@@ -1593,8 +1593,9 @@ class TrainingRun {
   const bool zero_ = recipe_.distributed.zero == 1;
   const bool ps_ = servers_ > 0;
   // Whether a step that is not a log step sums the stop at its end (sum_loss_and_stop decides,
-  // at each log step, from the ranks' mean step time): off until the first log step.
-  bool stop_check_each_step_ = false;
+  // at each log step, from the ranks' mean step time): on until the first log step, whose steps
+  // are not measured yet (every rank starts alike; the first steps of a long run may be long).
+  bool stop_check_each_step_ = true;
   // ZeRO-1 over Gloo: its reduce-scatter is an all-reduce and a slice anyway, so the bucketed,
   // overlapped all-reduce serves, and each rank updates its shard of the summed gradients. NCCL
   // reduce-scatters (half the bytes, no overlap).
@@ -1737,10 +1738,11 @@ void check_runnable_here(const Recipe& recipe, int world_size, int nominal_world
     samples = training_samples(recipe.data, recipe.model, recipe.seed);
   } catch (const Error& e) {
     if (recipe.data.type != "csv" || e.kind() != ErrorKind::recipe) throw;
-    // A problem that names its own field (the split's /data/eval_fraction) keeps it.
+    // A problem that names its own field (the split's /data/eval_fraction) keeps it; a row's
+    // problem starts with the file's path, which may lie under /data/ too.
     const std::string what = e.what();
     throw Error(ErrorKind::recipe,
-                what.starts_with("/data/") ? what : each_line(what, "/data/path: "));
+                what.starts_with("/data/eval_fraction: ") ? what : each_line(what, "/data/path: "));
   }
   DistributedSampler sampler(samples, global_batch(recipe, world_size, nominal_world), recipe.seed);
 }

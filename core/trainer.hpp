@@ -42,9 +42,10 @@ struct TrainerOptions {
   int64_t debug_step_delay_ms = 0;  // tests slow a run down to kill it mid-way
   // A synchronous rank's stop request rides the next step's gradient exchange, so a stop asked
   // for during a step is taken after the one after it; log steps take it at their end. Steps at
-  // least this long (the ranks' mean, agreed at the last log step) also sum the stop at their
-  // end, so a long step's stop is its own checkpoint within the launcher's grace. (A shorter
-  // step's extra all-reduce would cost more than the step it saves.)
+  // least this long (the ranks' mean, agreed at the last log step; every step before the first
+  // log step) also sum the stop at their end, so a long step's stop is its own checkpoint within
+  // the launcher's grace. (A shorter step's extra all-reduce would cost more than the step it
+  // saves.)
   double stop_check_step_ms = 200;
   // Polled once a step on every rank: when any rank says yes (SIGTERM, a spot instance going
   // away), all ranks finish that step, checkpoint it, and train() returns with `stopped`.

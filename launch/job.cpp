@@ -506,22 +506,22 @@ json JobPlan::to_json(const JobSpec& spec) const {
       host["via"] = "local";
     } else {
       host["via"] = "ssh";
-      // As an OpenSSH client would reach it with the launcher's options: the hostfile's key (or
-      // --identity), --known-hosts, and the remote command the launcher sends, word for word.
+      // As an OpenSSH client would reach it with the launcher's options: the key files it names
+      // (the hostfile's key=, then each --identity), --known-hosts, how an unknown host key is
+      // taken, never a prompt, and the remote command the launcher sends, word for word.
       json command = {"ssh", "-p", std::to_string(h.port)};
-      if (!h.key.empty()) {
-        command.insert(command.end(), {"-i", h.key});
-      } else {
-        for (const auto& identity : spec.remote.ssh.identities)
-          command.insert(command.end(), {"-i", identity.string()});
+      for (const auto& [file, named] : identity_files(h, spec.remote.ssh)) {
+        if (named) command.insert(command.end(), {"-i", file.string()});
       }
       if (!spec.remote.ssh.known_hosts.empty()) {
         command.insert(command.end(),
                        {"-o", "UserKnownHostsFile=" + spec.remote.ssh.known_hosts.string()});
       }
-      if (spec.remote.ssh.accept_new_host_keys) {
-        command.insert(command.end(), {"-o", "StrictHostKeyChecking=accept-new"});
-      }
+      command.insert(command.end(),
+                     {"-o",
+                      std::string("StrictHostKeyChecking=") +
+                          (spec.remote.ssh.accept_new_host_keys ? "accept-new" : "yes"),
+                      "-o", "BatchMode=yes"});
       command.push_back(h.user.empty() ? h.host : h.user + "@" + h.host);
       command.push_back(remote_path_word(remote_binary(spec)) + " agent");
       host["command"] = command;

@@ -261,7 +261,8 @@ int run_relay(const RelayPlan& plan) {
     return 3;
   }
   // The signal that killed the agent: as its SSH server reports it, or (through a shell that did
-  // not exec it) as 128 + N from an agent that never spoke (an agent's stops exit 130 or 143).
+  // not exec it) as 128 + N from a program that never spoke (an agent's stops exit 130 or 143).
+  // An agent says @alive as it starts, so one killed through such a shell shows as its code.
   int sig = channel->exit_signal();
   if (sig == 0 && !heard_agent && *status > 128 && *status < 128 + 65 && *status != 130 &&
       *status != 143) {

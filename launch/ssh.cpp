@@ -379,24 +379,6 @@ void verify_host_key(ssh_session session, const HostSpec& host, const fs::path& 
                           known_hosts.string(), clean_reason(ssh_get_error(session))));
 }
 
-// HostSpec::key, then --identity files, then the usual default keys that exist (flagged false).
-std::vector<std::pair<fs::path, bool>> identity_files(const HostSpec& host,
-                                                      const SshOptions& options) {
-  std::vector<std::pair<fs::path, bool>> files;  // path, named explicitly
-  std::set<std::string> seen;
-  const auto add = [&](const fs::path& path, bool explicit_file) {
-    if (seen.insert(path.lexically_normal().string()).second)
-      files.emplace_back(path, explicit_file);
-  };
-  if (!host.key.empty()) add(expand_home(host.key), true);
-  for (const auto& identity : options.identities)
-    add(expand_home(identity.string()), true);
-  for (const char* name : {"id_ed25519", "id_ecdsa", "id_rsa"}) {
-    add(home_directory() / ".ssh" / name, false);
-  }
-  return files;
-}
-
 void authenticate(ssh_session session, const HostSpec& host, const SshOptions& options) {
   std::vector<std::string> tried;
   std::string ended;  // why the server stopped listening, if it did
@@ -446,6 +428,23 @@ void authenticate(ssh_session session, const HostSpec& host, const SshOptions& o
 }
 
 }  // namespace
+
+std::vector<std::pair<fs::path, bool>> identity_files(const HostSpec& host,
+                                                      const SshOptions& options) {
+  std::vector<std::pair<fs::path, bool>> files;  // path, named explicitly
+  std::set<std::string> seen;
+  const auto add = [&](const fs::path& path, bool explicit_file) {
+    if (seen.insert(path.lexically_normal().string()).second)
+      files.emplace_back(path, explicit_file);
+  };
+  if (!host.key.empty()) add(expand_home(host.key), true);
+  for (const auto& identity : options.identities)
+    add(expand_home(identity.string()), true);
+  for (const char* name : {"id_ed25519", "id_ecdsa", "id_rsa"}) {
+    add(home_directory() / ".ssh" / name, false);
+  }
+  return files;
+}
 
 // ---- SshChannel ----
 

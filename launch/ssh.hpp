@@ -13,6 +13,7 @@
 #include <string_view>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "core/error.hpp"
@@ -39,6 +40,10 @@ std::string shell_command(const std::vector<std::string>& argv);
 // A path on the remote host as one shell word: a leading "~" or "~/" expands to that host's
 // $HOME there; everything else stays literal.
 std::string remote_path_word(const std::string& path);
+// The key files a connection to `host` tries, in order: HostSpec::key, then the --identity files
+// (each once), then the usual default keys (~/.ssh/id_*; flagged false: not named by the user).
+std::vector<std::pair<std::filesystem::path, bool>> identity_files(const HostSpec& host,
+                                                                   const SshOptions& options);
 
 // The known_hosts file used when SshOptions::known_hosts is empty: $HOME/.ssh/known_hosts.
 std::filesystem::path default_known_hosts();

@@ -224,6 +224,9 @@ TEST_CASE("a usage error points at the help of the command given, sub-subcommand
            {{"recipe", "x.json"},
             "'x.json' is not a command of 'dptrain recipe', which takes one first (validate, "
             "show): 'dptrain recipe validate x.json', say"},
+           {{"bench", "x.json"},
+            "'x.json' is not a command of 'dptrain bench', which takes one first (comm, train): "
+            "'dptrain bench train x.json', say"},
            // None at all: the ones there are, in words like every other error's.
            {{"recipe"}, "'dptrain recipe' needs a command: validate, show"},
            {{"status", "--jsn", "run"}, "status: unknown option '--jsn' (did you mean '--json'?)"},

@@ -267,6 +267,23 @@ TEST_CASE("--dry-run --json prints the plan and starts nothing") {
   };
   CHECK(has_pair("-i", c.sshd.client_key().string()));
   CHECK(has_pair("-o", "UserKnownHostsFile=" + c.sshd.known_hosts().string()));
+  CHECK(has_pair("-o", "StrictHostKeyChecking=yes"));  // the launcher refuses unknown keys
+  CHECK(has_pair("-o", "BatchMode=yes"));              // and never prompts
+  // The default binary, and --identity after the hostfile's key=: as the launcher tries them.
+  auto defaults = c.launch_args(recipe, c.tmp / "dry");
+  const auto binary_flag = std::find(defaults.begin(), defaults.end(), "--remote-binary");
+  REQUIRE(binary_flag != defaults.end());
+  defaults.erase(binary_flag, binary_flag + 2);
+  fs::copy_file(c.sshd.client_key(), c.tmp / "other_key");
+  defaults.insert(defaults.end(), {"--identity", (c.tmp / "other_key").string(), "--dry-run"});
+  auto as_run = run_dptrain(defaults);
+  INFO(as_run.err);
+  REQUIRE(as_run.exit_code == 0);
+  // The table's command line runs in a shell as it is: the host's $HOME, quoted for this one.
+  CHECK_MESSAGE(contains(as_run.out, "-i " + c.sshd.client_key().string() + " -i " +
+                                         (c.tmp / "other_key").string() + " "),
+                as_run.out);
+  CHECK_MESSAGE(contains(as_run.out, " '\"$HOME\"/.dptrain/bin/dptrain agent'"), as_run.out);
   CHECK(plan["hosts"][1]["workers"][1]["env"]["RANK"] == "3");
   CHECK(plan["hosts"][1]["workers"][1]["env"]["LOCAL_RANK"] == "1");
   CHECK(plan["hosts"][1]["workers"][1]["env"]["DPTRAIN_STORE_SECRET"] == "<redacted>");
