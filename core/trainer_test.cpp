@@ -375,6 +375,30 @@ TEST_CASE("trainer: a diverging run fails on every rank at its first non-finite 
   CHECK(fp16[0].error.find("the training diverged at step") != std::string::npos);
 }
 
+// Options for a rank writing to `run_dir` whose stop is asked for (as a SIGTERM would be) from
+// step index `from` on.
+TrainerOptions stopping_from(const fs::path& run_dir, int64_t from) {
+  TrainerOptions o;
+  o.run_dir = run_dir;
+  auto step = std::make_shared<int64_t>(0);
+  o.before_step = [step](int64_t s) { *step = s; };
+  o.stop_requested = [step, from] { return *step >= from; };
+  return o;
+}
+
+// Local SGD on tiny_recipe for 60 steps, averaging every `period` steps, with no checkpoint,
+// evaluation or replica check between (a replica check averages first).
+Recipe local_sgd_recipe(int64_t period) {
+  Recipe r = tiny_recipe();
+  r.train.steps = 60;
+  r.distributed.sync = "local_sgd";
+  r.distributed.period = period;
+  r.checkpoint.every = 0;
+  r.eval.every = 0;
+  r.distributed.check_every = 0;
+  return r;
+}
+
 TEST_CASE("trainer: a stop asked for during a long step is answered at that step's end") {
   // The request comes after the step read its flag for the gradient exchange (the second look
   // within step index 11): with steps long enough (stop_check_step_ms; 0 here, as the ranks'
@@ -424,14 +448,8 @@ TEST_CASE("trainer: a stop agreed on at the last step completes the run") {
     Recipe r = tiny_recipe();
     r.distributed.sync = sync;
     TempDir dir;
-    const auto out = train_ranks(r, 2, [&](int) {
-      TrainerOptions o;
-      o.run_dir = dir.path();
-      auto step = std::make_shared<int64_t>(0);
-      o.before_step = [step](int64_t s) { *step = s; };
-      o.stop_requested = [step, &r] { return *step >= r.train.steps - 1; };
-      return o;
-    });
+    const auto out =
+        train_ranks(r, 2, [&](int) { return stopping_from(dir.path(), r.train.steps - 1); });
     REQUIRE(out[0].error.empty());
     CHECK_FALSE(out[0].result.stopped);
     CHECK(out[0].result.steps == r.train.steps);
@@ -443,22 +461,9 @@ TEST_CASE("trainer: a stop agreed on at the last step completes the run") {
 TEST_CASE("trainer: local SGD takes a stop at the next averaging, not at a log step between") {
   // Period 8, a log step at 30: a stop asked for at step 25 waits for the averaging after 32
   // (at 30 the replicas differ, and a checkpoint there would not be the run's one model).
-  Recipe r = tiny_recipe();
-  r.train.steps = 60;
-  r.distributed.sync = "local_sgd";
-  r.distributed.period = 8;
-  r.checkpoint.every = 0;
-  r.eval.every = 0;
-  r.distributed.check_every = 0;  // (a replica check averages first: 30 would be one)
+  const Recipe r = local_sgd_recipe(8);
   TempDir dir;
-  const auto out = train_ranks(r, 2, [&](int) {
-    TrainerOptions o;
-    o.run_dir = dir.path();
-    auto step = std::make_shared<int64_t>(0);
-    o.before_step = [step](int64_t s) { *step = s; };
-    o.stop_requested = [step] { return *step >= 25; };
-    return o;
-  });
+  const auto out = train_ranks(r, 2, [&](int) { return stopping_from(dir.path(), 25); });
   REQUIRE(out[0].error.empty());
   CHECK(out[0].result.stopped);
   CHECK(out[0].result.steps == 32);
@@ -467,24 +472,12 @@ TEST_CASE("trainer: local SGD takes a stop at the next averaging, not at a log s
 TEST_CASE("trainer: local SGD stopped between checkpoints resumes bit-identically") {
   // A stop (SIGTERM) writes a checkpoint the straight run does not: it must hold every replica's
   // optimizer state, not make the ranks share one, or the resumed run would go another way.
-  Recipe r = tiny_recipe();
-  r.train.steps = 60;
-  r.distributed.sync = "local_sgd";
-  r.distributed.period = 4;
-  r.checkpoint.every = 0;
-  r.eval.every = 0;
-  r.distributed.check_every = 0;
+  const Recipe r = local_sgd_recipe(4);
   TempDir whole, stopped, resumed;
   const auto full = train_ranks(r, 2, whole.path());
   REQUIRE(full[0].error.empty());
-  const auto halted = train_ranks(r, 2, [&](int) {
-    TrainerOptions o;
-    o.run_dir = stopped.path();
-    auto step = std::make_shared<int64_t>(0);
-    o.before_step = [step](int64_t s) { *step = s; };
-    o.stop_requested = [step] { return *step >= 21; };  // honoured at the averaging after step 24
-    return o;
-  });
+  // Honoured at the averaging after step 24.
+  const auto halted = train_ranks(r, 2, [&](int) { return stopping_from(stopped.path(), 21); });
   REQUIRE(halted[0].error.empty());
   REQUIRE(halted[0].result.stopped);
   CHECK(halted[0].result.steps == 24);
