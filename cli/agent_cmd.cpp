@@ -31,6 +31,10 @@ std::string read_plan_line() {
   std::string line;
   char c;
   while (true) {
+    // A stop signal while the plan is awaited ends the agent: no rank is started.
+    if (const int sig = wait_readable_unless_stopped(STDIN_FILENO); sig != 0) {
+      throw stopped_before_plan(sig);
+    }
     const ssize_t n = ::read(STDIN_FILENO, &c, 1);
     if (n == 1) {
       if (c == '\n') return line;
@@ -38,11 +42,7 @@ std::string read_plan_line() {
       if (line.size() > (64u << 20)) throw Error(ErrorKind::usage, "agent plan too large");
       continue;
     }
-    if (n < 0 && errno == EINTR) {
-      // A stop signal while the plan is awaited ends the agent: no rank is started.
-      if (const int sig = pending_stop_signal(); sig != 0) throw stopped_before_plan(sig);
-      continue;
-    }
+    if (n < 0 && errno == EINTR) continue;
     throw Error(ErrorKind::usage,
                 "dptrain agent: no plan on stdin (it is started by "
                 "'dptrain launch --hosts', which writes one)");

@@ -605,6 +605,16 @@ int sleep_unless_stopped(std::chrono::milliseconds duration) {
   return pending_stop_signal();
 }
 
+int wait_readable_unless_stopped(int fd) {
+  for (;;) {
+    if (const int sig = pending_stop_signal()) return sig;
+    // The wake pipe ends the wait at once; the slice is for a pipe another wait has drained.
+    pollfd fds[2] = {{fd, POLLIN, 0}, {g_wake_pipe[0], POLLIN, 0}};
+    const int ready = ::poll(fds, g_wake_pipe[0] >= 0 ? 2 : 1, 200);
+    if (ready > 0 && fds[0].revents != 0) return pending_stop_signal();
+  }
+}
+
 SupervisionResult supervise(const std::vector<ProcessSpec>& specs,
                             const SupervisorOptions& options) {
   Supervision s(specs, options);

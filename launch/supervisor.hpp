@@ -113,6 +113,10 @@ void throw_if_stopped(std::string_view after);
 ErrorKind kind_after_stop(ErrorKind kind);
 // Sleeps up to `duration`, returning early (with the signal) when SIGINT or SIGTERM arrives.
 int sleep_unless_stopped(std::chrono::milliseconds duration);
+// Waits until `fd` has something to read (or its end, or an error) and returns 0, or returns the
+// SIGINT or SIGTERM that came, also one that came before the wait began (a plain blocking read
+// would miss a signal handled just before it started, and wait for ever).
+int wait_readable_unless_stopped(int fd);
 
 // Runs the processes to completion. Each runs in its own process group with a parent-death signal,
 // so none outlives the launcher. When one exits non-zero or by a signal, the others get SIGTERM,
