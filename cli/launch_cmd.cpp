@@ -64,6 +64,19 @@ void print_dry_run(const JobSpec& spec, const std::string& run_dir, bool json) {
   const JobPlan plan = plan_job(spec, run_dir, named.filename().string() + "-<id>", 1, addr,
                                 spec.remote.master_port, "<redacted>");
   nlohmann::json j = plan.to_json(spec);
+  // A port the launch chooses (--master-port 0, the default) is not known yet: "ADDR:<port>",
+  // not a store at port 0, wherever the plan names the store.
+  if (spec.remote.master_port == 0 && plan.store.ends_with(":0")) {
+    const std::string chosen = plan.store.substr(0, plan.store.size() - 1) + "<port>";
+    const std::function<void(nlohmann::json&)> fill = [&](nlohmann::json& v) {
+      if (v.is_string() && v.get<std::string>() == plan.store) v = chosen;
+      if (v.is_structured()) {
+        for (auto& item : v)
+          fill(item);
+      }
+    };
+    fill(j);
+  }
   if (json) {
     // One line, as every --json output, with the fields of a success.
     j["status"] = "planned";
@@ -74,7 +87,7 @@ void print_dry_run(const JobSpec& spec, const std::string& run_dir, bool json) {
   std::printf(
       "store %s, %d rank(s) on %zu host(s); the store secret goes through the "
       "environment only\n",
-      plan.store.c_str(), j["world_size"].get<int>(), plan.hosts.size());
+      j["store"].get<std::string>().c_str(), j["world_size"].get<int>(), plan.hosts.size());
   std::printf("%-24s %-8s %-12s %s\n", "HOST", "VIA", "RANKS", "COMMAND");
   for (const auto& h : j["hosts"]) {
     const auto ranks = h["ranks"].get<std::vector<int>>();

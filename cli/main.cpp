@@ -173,7 +173,16 @@ std::string plain_parse_error(const Command& c, const std::string& what) {
     const auto required = what.find(" required ");
     if (colon != std::string::npos && required != std::string::npos && colon < required &&
         what.find_first_not_of("0123456789", colon + 2) == required) {
-      return fmt::format("{}: no value given", what.substr(0, colon));
+      std::string name = what.substr(0, colon);
+      // CLI11 names a hidden option (group "") as "": the command's hidden one that takes a
+      // value is the one.
+      for (const CLI::Option* o : c.app->get_options()) {
+        if (name.empty() && o->get_group().empty() && o->get_expected_max() != 0 &&
+            !o->get_lnames().empty()) {
+          name = "--" + o->get_lnames().front();
+        }
+      }
+      return fmt::format("{}: no value given", name);
     }
   }
   constexpr std::string_view kPrefix = "Could not convert: ";

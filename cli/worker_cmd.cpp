@@ -790,6 +790,7 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
   }
   farewell.met = true;
   start_beating();
+  faults.after_join();  // slow-start: a long start, the heartbeat going on
   if (record->active()) {
     // Rank 0's (this process's) first: status checks its pid only on the generation's first host.
     std::vector<std::string> hosts(static_cast<size_t>(o.world_size));

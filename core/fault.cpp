@@ -50,10 +50,12 @@ Fault parse_one(const std::string& text) {
     f.kind = Fault::Kind::crash_in_checkpoint;
   } else if (kind == "freeze-before-join") {
     f.kind = Fault::Kind::freeze_before_join;
+  } else if (kind == "slow-start") {
+    f.kind = Fault::Kind::slow_start;
   } else {
     throw Error(ErrorKind::usage,
                 fmt::format("DPTRAIN_FAULT: unknown fault '{}' in '{}' (crash, exit, hang, freeze, "
-                            "slow, crash-in-checkpoint, freeze-before-join)",
+                            "slow, crash-in-checkpoint, freeze-before-join, slow-start)",
                             kind, text));
   }
   bool has_step = false;
@@ -85,12 +87,14 @@ Fault parse_one(const std::string& text) {
                               key, text));
     }
   }
-  // Before the ranks meet there is no step.
-  if (f.kind == Fault::Kind::freeze_before_join && has_step) {
+  // Before the first step there is no step.
+  const bool at_start =
+      f.kind == Fault::Kind::freeze_before_join || f.kind == Fault::Kind::slow_start;
+  if (at_start && has_step) {
     throw Error(ErrorKind::usage,
-                fmt::format("DPTRAIN_FAULT: '{}': freeze-before-join takes no step=", text));
+                fmt::format("DPTRAIN_FAULT: '{}': {} takes no step=", text, kind));
   }
-  if (!has_step && f.kind != Fault::Kind::freeze_before_join) {
+  if (!has_step && !at_start) {
     throw Error(ErrorKind::usage, fmt::format("DPTRAIN_FAULT: '{}' needs step=N", text));
   }
   const auto out_of_range = [&text](const char* field, int64_t value, const char* range) {
@@ -110,13 +114,17 @@ Fault parse_one(const std::string& text) {
     throw Error(ErrorKind::usage,
                 fmt::format("DPTRAIN_FAULT: code= in '{}' is only for exit faults", text));
   }
-  if (seen.count("ms") && f.kind != Fault::Kind::slow) {
-    throw Error(ErrorKind::usage,
-                fmt::format("DPTRAIN_FAULT: ms= in '{}' is only for slow faults", text));
+  const bool pauses = f.kind == Fault::Kind::slow || f.kind == Fault::Kind::slow_start;
+  if (seen.count("ms") && !pauses) {
+    throw Error(
+        ErrorKind::usage,
+        fmt::format("DPTRAIN_FAULT: ms= in '{}' is only for slow and slow-start faults", text));
   }
-  if (f.kind == Fault::Kind::slow && !seen.count("ms")) {
-    throw Error(ErrorKind::usage,
-                fmt::format("DPTRAIN_FAULT: '{}' needs ms=M, its pause before every step", text));
+  if (pauses && !seen.count("ms")) {
+    throw Error(
+        ErrorKind::usage,
+        fmt::format("DPTRAIN_FAULT: '{}' needs ms=M, its pause {}", text,
+                    f.kind == Fault::Kind::slow ? "before every step" : "before the first step"));
   }
   return f;
 }
@@ -147,6 +155,11 @@ std::vector<std::string> unreachable_faults(const std::vector<Fault>& faults, in
       out.push_back(fmt::format(
           "DPTRAIN_FAULT '{}' never fires: a benchmark's run is generation {} alone (no restart)",
           f.text, first_generation));
+    } else if (f.kind == Fault::Kind::slow_start) {
+      if (f.rank >= world) {
+        out.push_back(fmt::format("DPTRAIN_FAULT '{}' never fires: there are ranks 0 to {}", f.text,
+                                  world - 1));
+      }
     } else if (f.kind == Fault::Kind::freeze_before_join) {
       if (f.rank >= world) {
         out.push_back(fmt::format("DPTRAIN_FAULT '{}' never fires: there are ranks 0 to {}", f.text,
@@ -202,6 +215,7 @@ FaultInjector::FaultInjector(std::vector<Fault> faults, int rank, int generation
 
 void FaultInjector::before_step(int64_t step, const std::function<void()>& before_fault) const {
   for (const auto& f : faults_) {
+    if (f.kind == Fault::Kind::freeze_before_join || f.kind == Fault::Kind::slow_start) continue;
     if (f.kind == Fault::Kind::slow && step >= f.step) {
       std::this_thread::sleep_for(std::chrono::milliseconds(f.ms));
       continue;
@@ -225,6 +239,7 @@ void FaultInjector::before_step(int64_t step, const std::function<void()>& befor
       case Fault::Kind::slow:
       case Fault::Kind::crash_in_checkpoint:
       case Fault::Kind::freeze_before_join:
+      case Fault::Kind::slow_start:
         break;
     }
   }
@@ -233,6 +248,13 @@ void FaultInjector::before_step(int64_t step, const std::function<void()>& befor
 void FaultInjector::before_join() const {
   for (const auto& f : faults_) {
     if (f.kind == Fault::Kind::freeze_before_join) ::kill(::getpid(), SIGSTOP);
+  }
+}
+
+void FaultInjector::after_join() const {
+  for (const auto& f : faults_) {
+    if (f.kind == Fault::Kind::slow_start)
+      std::this_thread::sleep_for(std::chrono::milliseconds(f.ms));
   }
 }
 

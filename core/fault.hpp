@@ -8,6 +8,8 @@
 //                                     after its files are written, before it is committed
 //   "freeze-before-join@rank=1"       SIGSTOP itself before it reaches the store (no step=): a
 //                                     rank frozen, or cut off, before the ranks meet
+//   "slow-start@rank=1,ms=5000"      sleep 5 s once the ranks have met, before the first step
+//                                     (no step=), its heartbeat going on: a long data load
 // Several faults are separated by ';'. Each may add "gen=N" to fire only in generation N
 // (the first launch is generation 1, every restart or resume adds one); without it, it fires
 // in every generation. rank may be omitted: every rank.
@@ -21,13 +23,22 @@
 namespace dptrain {
 
 struct Fault {
-  enum class Kind { crash, exit, hang, freeze, slow, crash_in_checkpoint, freeze_before_join };
+  enum class Kind {
+    crash,
+    exit,
+    hang,
+    freeze,
+    slow,
+    crash_in_checkpoint,
+    freeze_before_join,
+    slow_start
+  };
   Kind kind = Kind::crash;
   int64_t step = 0;
   int rank = -1;        // -1: every rank
   int generation = -1;  // -1: every generation
   int code = 1;         // exit
-  int64_t ms = 0;       // slow
+  int64_t ms = 0;       // slow, slow-start
   std::string text;     // as written: "crash@step=37,rank=1"
 };
 
@@ -58,6 +69,7 @@ class FaultInjector {
   void before_step(int64_t step, const std::function<void()>& before_fault = {}) const;
   void before_checkpoint_commit(int64_t step) const;  // may not return
   void before_join() const;                           // may not return until a SIGCONT
+  void after_join() const;                            // slow-start's pause
   bool empty() const { return faults_.empty(); }
 
  private:

@@ -3,6 +3,8 @@
 
 #include <doctest/doctest.h>
 
+#include <chrono>
+
 #include "core/error.hpp"
 
 using namespace dptrain;
@@ -30,11 +32,24 @@ TEST_CASE("fault specs parse, with every field and several faults") {
   CHECK(unreachable_faults(join, 10, 2, 0).empty());
   CHECK(unreachable_faults(join, 10, 1, 0).size() == 1);  // no rank 1
   CHECK(unreachable_faults(parse_faults("freeze-before-join"), 10, 2, 0).size() == 1);
+  // A slow start: after the ranks meet, before the first step; every rank may have one.
+  const auto start = parse_faults("slow-start@rank=1,ms=250");
+  REQUIRE(start.size() == 1);
+  CHECK(start[0].kind == Fault::Kind::slow_start);
+  CHECK(start[0].ms == 250);
+  CHECK(unreachable_faults(start, 10, 2, 0).empty());
+  CHECK(unreachable_faults(parse_faults("slow-start@ms=5"), 10, 1, 0).empty());
+  CHECK(unreachable_faults(start, 10, 1, 0).size() == 1);  // no rank 1
+  const auto t0 = std::chrono::steady_clock::now();
+  FaultInjector(start, 1, 1).before_step(0);  // not a step's fault
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(200));
+  FaultInjector(start, 1, 1).after_join();
+  CHECK(std::chrono::steady_clock::now() - t0 >= std::chrono::milliseconds(250));
 }
 
 TEST_CASE("bad fault specs are usage errors naming the part") {
   for (const char* bad : {"explode@step=3", "crash@rank=1", "crash@step=x", "crash@step=1,when=2",
-                          "freeze-before-join@step=0,rank=1"}) {
+                          "freeze-before-join@step=0,rank=1", "slow-start@step=0,ms=5"}) {
     CAPTURE(bad);
     try {
       parse_faults(bad);
@@ -101,7 +116,9 @@ TEST_CASE("fault specs with values out of range, a field twice or for another ki
             "DPTRAIN_FAULT: ms=0 in 'slow@step=3,ms=0' is not a pause (1 ms or more)"},
            {"slow@step=5", "DPTRAIN_FAULT: 'slow@step=5' needs ms=M, its pause before every step"},
            {"crash@step=5,ms=100",
-            "DPTRAIN_FAULT: ms= in 'crash@step=5,ms=100' is only for slow faults"},
+            "DPTRAIN_FAULT: ms= in 'crash@step=5,ms=100' is only for slow and slow-start faults"},
+           {"slow-start@rank=1",
+            "DPTRAIN_FAULT: 'slow-start@rank=1' needs ms=M, its pause before the first step"},
            {"slow@step=5,ms=10,code=3",
             "DPTRAIN_FAULT: code= in 'slow@step=5,ms=10,code=3' is only for exit faults"},
            {"crash@step=-1", "DPTRAIN_FAULT: step=-1 in 'crash@step=-1' is not a step (0 or more)"},

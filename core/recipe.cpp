@@ -912,16 +912,15 @@ void check_csv_rows(const Recipe& r, DataCheck check, Problems& problems) {
     return;
   }
   std::optional<CsvRow> row;
+  std::string empty_note;
   try {
-    row = csv_first_row(r.data.path, r.data.header);
+    row = csv_first_row(r.data.path, r.data.header, &empty_note);
   } catch (const Error& e) {
     problems.add("/data/path", e.what());
     return;
   }
   if (!row) {
-    problems.add("/data/path",
-                 fmt::format("\"{}\" has no data rows{}", r.data.path,
-                             r.data.header == "yes" ? " (after the header row)" : ""));
+    problems.add("/data/path", fmt::format("\"{}\" has no data rows{}", r.data.path, empty_note));
     return;
   }
   const int64_t features = row->columns - 1;

@@ -911,6 +911,9 @@ TEST_CASE("recipe: a CSV file's columns must match model.input") {
     const fs::path empty = dir.write("e.csv", "label,a,b\n\n");
     CHECK(has_problem(problems_of(recipe(2, "e.csv", "yes"), dir.path()), "/data/path",
                       "\"" + empty.string() + "\" has no data rows (after the header row)"));
+    dir.write("one.csv", "label,a,b\n");
+    CHECK(has_problem(problems_of(recipe(2, "one.csv", "auto"), dir.path()), "/data/path",
+                      "has no data rows (its one row, line 1, was taken for a header row"));
     dir.write("blank.csv", "");
     CHECK(has_problem(problems_of(recipe(2, "blank.csv", "no"), dir.path()), "/data/path",
                       "has no data rows"));

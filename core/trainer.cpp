@@ -419,8 +419,11 @@ class TrainingRun {
     result.last_checkpoint = checkpoint(step_);
     emit({{"event", "info"},
           {"message",
-           fmt::format("stopped on request after step {}; {} continues from {}", step_,
-                       options_.resume_how, result.last_checkpoint.filename().string())}});
+           options_.resume_how.empty()
+               ? fmt::format("stopped on request after step {}; checkpointed as {}", step_,
+                             result.last_checkpoint.filename().string())
+               : fmt::format("stopped on request after step {}; {} continues from {}", step_,
+                             options_.resume_how, result.last_checkpoint.filename().string())}});
     return result;
   }
 

@@ -54,9 +54,11 @@ struct TrainerOptions {
   // again with --resume newest or newest-or-start). Every rank learns it as they meet, and
   // train() returns at once with `already_completed`, touching nothing in the run directory.
   bool run_completed = false;
-  // How the run is continued, for the message after such a stop: "dptrain resume", or for
-  // workers started without a launcher "'--resume newest'".
-  std::string resume_how = "dptrain resume";
+  // How the run is continued, for the message after such a stop, where the rank's own line is
+  // what its user reads (workers started without a launcher: "starting the workers again with
+  // '--resume newest'"). Empty under a launcher, which says what comes next: a resume, or a
+  // generation of its own (an elastic job stopped to take a host back).
+  std::string resume_how;
   // Where this rank is, for hang attribution (published by a HeartbeatSender); may be null.
   ProgressTracker* progress = nullptr;
   // Called at the start of every step with the step about to run (fault injection in tests).

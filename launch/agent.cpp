@@ -50,6 +50,7 @@ bool blas_threads_given(const std::map<std::string, std::string>& job_env) {
 
 json AgentPlan::to_json(bool redact_secret) const {
   return {{"host", host},
+          {"display", display},
           {"run_dir", run_dir.string()},
           {"recipe", recipe},
           {"store", store},
@@ -72,6 +73,7 @@ AgentPlan AgentPlan::from_json(const json& j) {
   try {
     AgentPlan p;
     p.host = j.at("host").get<std::string>();
+    p.display = j.value("display", std::string());
     p.run_dir = j.at("run_dir").get<std::string>();
     p.recipe = j.at("recipe");
     p.store = j.at("store").get<std::string>();
@@ -195,7 +197,7 @@ void prepare_data(AgentPlan& plan) {
                   fmt::format("{} on {} is not the launcher's dataset ({} there, the launcher's "
                               "{}): its ranks would train on other data; prepare it there from "
                               "the same text with the same options, or copy the launcher's",
-                              tokens.path, plan.host, here, plan.data_fingerprint));
+                              tokens.path, plan.named(), here, plan.data_fingerprint));
     }
     return;
   }
@@ -210,12 +212,12 @@ void prepare_data(AgentPlan& plan) {
   }
   if (plan.data_sha256.empty()) return;
   if (const std::string here = sha256_file(path); here != plan.data_sha256) {
-    throw Error(
-        ErrorKind::usage,
-        fmt::format("{} on {} is not the launcher's data file (sha256 {}..., the "
-                    "launcher's {}...): its ranks would train on other data; run "
-                    "'dptrain provision --recipe' again, or put the same file there",
-                    path.string(), plan.host, here.substr(0, 12), plan.data_sha256.substr(0, 12)));
+    throw Error(ErrorKind::usage,
+                fmt::format("{} on {} is not the launcher's data file (sha256 {}..., the "
+                            "launcher's {}...): its ranks would train on other data; run "
+                            "'dptrain provision --recipe' again, or put the same file there",
+                            path.string(), plan.named(), here.substr(0, 12),
+                            plan.data_sha256.substr(0, 12)));
   }
 }
 
@@ -238,7 +240,7 @@ int run_agent(const AgentPlan& given, std::FILE* out, int stop_fd) {
     // dptrain cannot (exit 4, not restarted; an elastic job leaves it out).
     write_host_failure(out,
                        fmt::format("{}: cannot create run directory on {}: {}",
-                                   printable(plan.run_dir.string()), plan.host, ec.message()),
+                                   printable(plan.run_dir.string()), plan.named(), ec.message()),
                        /*refused=*/true);
     return exit_code(ErrorKind::ssh);
   }

@@ -16,7 +16,11 @@
 namespace dptrain {
 
 struct AgentPlan {
-  std::string host;               // as the launcher names it, for labels: "127.0.0.2"
+  std::string host;  // as the launcher names it, for labels: "127.0.0.2"
+  // As messages name it, with its port where it has one ("127.0.0.2:2222"): hosts that share a
+  // name differ by it. An older launcher's plan has none: `host` then (named()).
+  std::string display;
+  const std::string& named() const { return display.empty() ? host : display; }
   std::filesystem::path run_dir;  // on that host
   nlohmann::json recipe;          // resolved; written to run_dir/recipe.json there
   std::string store;              // HOST:PORT of the launcher's store

@@ -53,8 +53,18 @@ std::optional<std::string> HangWatch::check() {
   // progress (the workers' eval chunks, which parameter servers wait out in the eval's
   // all-reduce), it is only waiting for it. A rank that is not in a collective (stuck in its
   // step) counts by its own clock, and so do ranks that all wait in collectives.
+  // A rank still starting (loading its data, meeting the others) is not hung while its heartbeat
+  // goes on: the start is bounded by the join's timeout (distributed.timeout_s), and a large
+  // dataset may take longer to load than a step may take. Once its heartbeat stops (frozen), it
+  // counts from then.
   const auto since = [&](const Seen& s) {
-    return std::chrono::duration_cast<std::chrono::milliseconds>(now - s.since);
+    using std::chrono::duration_cast;
+    using std::chrono::milliseconds;
+    if (s.beats >= 0 && s.beat.value("phase", "") == "starting") {
+      const auto quiet = duration_cast<milliseconds>(now - s.heard);
+      return quiet > kSilentAfter ? quiet : milliseconds(0);
+    }
+    return duration_cast<milliseconds>(now - s.since);
   };
   std::optional<std::chrono::milliseconds> freshest;
   for (const auto& [rank, s] : seen_) {

@@ -163,6 +163,37 @@ TEST_CASE("hang watch: a rank waiting in a collective while another progresses i
   CHECK(verdict->find("rank 0 at step 4 in phase eval") != std::string::npos);
 }
 
+TEST_CASE("hang watch: a rank still starting is no hang while it beats; frozen, it counts") {
+  // Rank 1 loads a large dataset (phase starting, heartbeat going on) for three times the
+  // timeout while rank 0 waits for it in a collective: no verdict. Then rank 1 freezes: named.
+  TcpStoreServer server;
+  TcpStoreClient store("127.0.0.1", server.port(), std::chrono::seconds(5));
+  const auto beat = [](const char* phase, int64_t beats) {
+    return json{{"step", 0},     {"phase", phase},   {"seq", 1},
+                {"progress", 0}, {"collective", ""}, {"beat", beats}}
+        .dump();
+  };
+  HangWatch watch(store, 2, std::chrono::milliseconds(1000));
+  for (int64_t n = 1; n <= 30; ++n) {
+    store.set(heartbeat_key(0), beat("collective", n));
+    store.set(heartbeat_key(1), beat("starting", n));
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    CHECK_FALSE(watch.check().has_value());
+  }
+  std::optional<std::string> verdict;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  for (int64_t n = 31; !verdict && std::chrono::steady_clock::now() < until; ++n) {
+    store.set(heartbeat_key(0), beat("collective", n));  // rank 1's beat stands still
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    verdict = watch.check();
+  }
+  REQUIRE(verdict.has_value());
+  INFO(*verdict);
+  CHECK(verdict->find("rank 1 (its heartbeat stopped") != std::string::npos);
+  // Counted from its silence (over 3 s), not from its start.
+  CHECK(verdict->starts_with("hang: no progress for "));
+}
+
 TEST_CASE("hang verdict: several ranks behind are waited for as them") {
   const std::map<int, json> beats = {
       {0, {{"step", 9}, {"phase", "data"}, {"seq", 40}}},

@@ -455,6 +455,7 @@ JobPlan plan_job(const JobSpec& spec, const fs::path& run_path, const std::strin
   for (const auto& h : plan.hosts) {
     AgentPlan a;
     a.host = h.is_local() ? "localhost" : h.host;
+    a.display = h.is_local() ? "localhost" : h.display();
     a.run_dir = h.is_local() ? run_path : fs::path(spec.remote.workdir) / "runs" / remote_name;
     a.recipe = to_json(spec.recipe);
     a.store = plan.store;
@@ -1020,7 +1021,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   } else if (sup.stop_signal == SIGINT && !finished_first) {
     out.exit_code = 130;
     out.status = "interrupted";
-    out.error = "stopped by SIGINT; all ranks were stopped" + checkpoint_note();
+    out.error = "stopped by SIGINT; every rank was stopped" + checkpoint_note();
   } else if (!sup.watchdog.empty()) {
     out.exit_code = 3;
     out.status = "failed";

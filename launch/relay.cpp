@@ -221,6 +221,11 @@ int run_relay(const RelayPlan& plan) {
           return completed_anyway(fmt::format("{} has not answered for {} s", host_and_ranks(plan),
                                               silence_limit.count()));
         }
+        // Whatever runs there is not left behind where its host still listens: a frozen agent
+        // (SIGSTOP, a debugger) would wait for ever with its ranks, a program that waits too.
+        // SIGKILL reaches a stopped process; its ranks die with their agent. Where the host or
+        // the network is what is stuck, the request is lost with the connection.
+        channel->send_signal("KILL");
         // An agent says it is alive as it starts and every second after: a program that never
         // said a word may be no agent at all (a program that waits, or a build that hangs).
         write_host_failure(
@@ -289,7 +294,9 @@ int run_relay(const RelayPlan& plan) {
     // communication errors it sets off in the ranks on other hosts.
     return 128 + sig;
   }
-  if (const auto why = not_runnable(*status, plan, last_line)) {
+  // 126/127 from a program that never spoke: the shell could not run it. Not from an agent (it
+  // says @alive first): that is its rank's exit code passed on, the rank's failure.
+  if (const auto why = heard_agent ? std::nullopt : not_runnable(*status, plan, last_line)) {
     write_host_failure(stdout, *why, /*refused=*/true);  // a restart would meet it again
     return 4;
   }

@@ -616,6 +616,14 @@ bool SshChannel::read(const std::function<void(std::string_view data, bool is_st
   }
 }
 
+bool SshChannel::send_signal(const char* name) noexcept {
+  if (!handle_ || !handle_->channel || !ssh_channel_is_open(handle_->channel) ||
+      !session_->connected()) {
+    return false;
+  }
+  return ssh_channel_request_send_signal(handle_->channel, name) == SSH_OK;
+}
+
 void SshChannel::close() {
   if (!handle_ || !handle_->channel) return;
   if (ssh_channel_is_open(handle_->channel) && session_->connected()) {

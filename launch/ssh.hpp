@@ -71,6 +71,10 @@ class SshChannel {
   std::optional<int> exit_status() const { return exit_status_; }
   // The signal that killed the command, as the server named it (SIGKILL: 9); 0 when it exited.
   int exit_signal() const { return exit_signal_; }
+  // Asks the host's SSH server to send signal `name` ("KILL") to the command's process group
+  // (OpenSSH 7.9 and later do for a plain command; others ignore it). Best effort, without
+  // waiting for an answer: false when it could not even be sent.
+  bool send_signal(const char* name) noexcept;
   void close();  // idempotent; the destructor does it too
 
  private:

@@ -426,6 +426,14 @@ TEST_CASE("usage errors exit 2") {
   CHECK(zeros.exit_code == 0);
   const auto planned = parse_json(zeros.out);
   CHECK(planned["store"] == "127.0.0.1:10");
+  // Without --master-port the launch picks a free port: the plan says so, not a store at port 0.
+  auto free_port = run_dptrain({"launch", recipe.string(), "--nproc", "2", "--dry-run", "--json"});
+  CHECK(free_port.exit_code == 0);
+  const auto chosen = parse_json(free_port.out);
+  CHECK(chosen["store"] == "127.0.0.1:<port>");
+  CHECK(chosen["hosts"][0]["workers"][1]["env"]["DPTRAIN_STORE"] == "127.0.0.1:<port>");
+  auto free_text = run_dptrain({"launch", recipe.string(), "--nproc", "2", "--dry-run"});
+  CHECK(free_text.out.starts_with("store 127.0.0.1:<port>, 2 rank(s) on 1 host(s)"));
   auto top_k = run_dptrain({"sample", nothing, "--top-k", "09", "--tokens", "010"});
   CHECK_MESSAGE(top_k.err == "dptrain: error: " + nothing + ": no such run directory\n", top_k.err);
   // Unsigned options do not wrap a negative value around.
@@ -479,6 +487,11 @@ TEST_CASE("an empty option value, or an option in its place, is refused, not rea
     CHECK(r.exit_code == 2);
     CHECK(r.err == "dptrain: error: --run-dir: no value given (see 'dptrain launch --help')\n");
   }
+  // An internal option (not in --help) is named too, not as ''.
+  auto hidden = run_dptrain({"bench", "comm", "--worker"});
+  CHECK(hidden.exit_code == 2);
+  CHECK(hidden.err ==
+        "dptrain: error: --worker: no value given (see 'dptrain bench comm --help')\n");
   CHECK_FALSE(fs::exists(tmp / "runs"));
   // An unquoted empty $OUT: "--out --json" is not a file named --json and no JSON asked for.
   auto swallowed = run_dptrain({"report", (tmp / "none").string(), "--out", "--json"});

@@ -172,6 +172,9 @@ TEST_CASE("a host that answers again rejoins: the job grows back to --nnodes MAX
   INFO(job.out(), job.err());
   REQUIRE(code == 0);
   CHECK(job.out().find(c.sshd.host(away).display() + " answers again") != std::string::npos);
+  // The ranks' stop for the resize is not one a user must act on: no "dptrain resume" advice.
+  CHECK(job.out().find("stopped on request after step ") != std::string::npos);
+  CHECK(job.out().find("dptrain resume") == std::string::npos);
 
   const json result = parse_json(read_text(run_dir / "result.json"));
   CHECK(result["world_size"] == 2);

@@ -532,15 +532,22 @@ TEST_CASE("a remote rank's own failure is the cause, not its local peer's exit 3
   c.sshd.write_hostfile(c.hostfile, {c.sshd.addresses()[1]}, 1);
   write_text(c.hostfile, "localhost slots=1\n" + read_text(c.hostfile));
   const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
-  auto args = c.launch_args(recipe, c.tmp / "cause");
-  args.push_back("--json");
-  const auto r = run_dptrain(args, {{"DPTRAIN_FAULT", "exit@step=20,rank=1,code=7"}});
-  INFO(r.err);
-  CHECK(r.exit_code == 3);
-  const std::string error = parse_json(r.out)["error"];
-  CHECK(error.rfind("rank 1", 0) == 0);
-  CHECK(error.find("exited with code 7") != std::string::npos);
-  CHECK(error.find(c.sshd.addresses()[1]) != std::string::npos);
+  // 127 and 126 too: the codes of a command the host's shell cannot run, but from a rank that
+  // ran, passed on by an agent that spoke: the rank's failure, not "cannot run dptrain there".
+  for (const int code : {7, 127, 126}) {
+    CAPTURE(code);
+    auto args = c.launch_args(recipe, c.tmp / ("cause" + std::to_string(code)));
+    args.push_back("--json");
+    const auto r =
+        run_dptrain(args, {{"DPTRAIN_FAULT", "exit@step=20,rank=1,code=" + std::to_string(code)}});
+    INFO(r.err);
+    CHECK(r.exit_code == 3);
+    const std::string error = parse_json(r.out)["error"];
+    CHECK(error.rfind("rank 1", 0) == 0);
+    CHECK(error.find("exited with code " + std::to_string(code)) != std::string::npos);
+    CHECK(error.find(c.sshd.addresses()[1]) != std::string::npos);
+    CHECK(r.err.find("cannot run") == std::string::npos);
+  }
 }
 
 TEST_CASE("SIGTERM to a host's agent (a node shutting down) checkpoints every rank, exit 143") {
@@ -772,7 +779,15 @@ TEST_CASE("a host that cannot make the run directory fails with exit 4, not rest
                                       "2", "--restart-backoff", "0.1"});
   INFO(r.err);
   CHECK(r.exit_code == 4);
-  CHECK(r.err.find(": cannot create run directory on ") != std::string::npos);
+  // Named as the launcher names the host, with its SSH port: hosts sharing a name differ by it.
+  // (Whichever host fails first is the one named.)
+  bool named = false;
+  for (const auto& address : {c.sshd.addresses()[1], c.sshd.addresses()[2]}) {
+    const std::string display = c.sshd.host(address).display();
+    CHECK(display.find(':') != std::string::npos);
+    named = named || contains(r.err, ": cannot create run directory on " + display + ": ");
+  }
+  CHECK(named);
   const json out = parse_json(r.out);
   CHECK(out["exit_code"] == 4);
   CHECK(out["restarts"] == 0);

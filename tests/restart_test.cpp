@@ -472,6 +472,29 @@ TEST_CASE("an eval longer than --hang-timeout that makes progress is not a hang"
   CHECK(eval_s > kTimeout);
 }
 
+TEST_CASE("a start longer than --hang-timeout (a long data load) is not a hang") {
+  TempDir tmp;
+  auto j = small_recipe();
+  j["train"]["steps"] = 20;
+  const auto recipe = write_recipe(tmp.path(), j);
+  const fs::path events = tmp / "events.jsonl";
+  // Rank 1 takes three times the hang timeout between meeting the others and its first step;
+  // its heartbeat goes on. Rank 0 waits for it.
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto r =
+      run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir", (tmp / "slow").string(),
+                   "--hang-timeout", "2", "--events", events.string(), "--json"},
+                  {{"DPTRAIN_FAULT", "slow-start@rank=1,ms=6000"}});
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  INFO(r.err);
+  CHECK(seconds > 6);  // the pause was there
+  CHECK(r.exit_code == 0);
+  CHECK(parse_json(r.out)["restarts"] == 0);
+  for (const auto& e : read_jsonl(events))
+    CHECK(e["event"] != "hang_detected");
+}
+
 TEST_CASE("a rank frozen before the ranks meet is named within hang-timeout + 5 s, not timeout_s") {
   TempDir tmp;
   auto recipe_json = resumable_recipe();

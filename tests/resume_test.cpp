@@ -621,10 +621,11 @@ TEST_CASE("SIGTERM: every rank checkpoints its step and stops, exit 143; resume 
   CHECK(stopped_at > 20);
   CHECK(stopped_at < 120);
   CHECK(stopped_at % 20 != 0);  // not a periodic one: the stop wrote it
-  CHECK(contains(run.launcher.out(),
-                 fmt::format("stopped on request after step {}; dptrain resume continues from "
-                             "step-{:06d}",
-                             stopped_at, stopped_at)));
+  // The rank's line says what it wrote; the launcher's last lines say how to go on.
+  CHECK(contains(run.launcher.out(), fmt::format("stopped on request after step {}; checkpointed "
+                                                 "as step-{:06d}",
+                                                 stopped_at, stopped_at)));
+  CHECK(contains(run.launcher.err(), "(continue with 'dptrain resume "));
   auto resumed = run_dptrain({"resume", run.run_dir.string()});
   INFO(resumed.out, resumed.err);
   REQUIRE(resumed.exit_code == 0);

@@ -2,6 +2,7 @@
 // in no command line, log or run file.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <sstream>
 
 #include "core/comm/store.hpp"
@@ -55,6 +56,17 @@ TEST_CASE("a client without the job secret is refused, the job completes, the se
   CHECK(refusal(store, "").find("refused") != std::string::npos);
   CHECK(refusal(store, std::string(64, 'a')).find("refused") != std::string::npos);
   CHECK(refusal(store, secret).empty());  // the real secret does get in
+  // A rank started by hand with a wrong secret: a setting, not a fault to restart (exit 2), one
+  // line naming the store; the job goes on.
+  const auto intruder = run_dptrain({"worker", path.string(), "--rank", "1", "--world-size", "2",
+                                     "--store", store, "--run-dir", (tmp / "intruder").string()},
+                                    {{"DPTRAIN_STORE_SECRET", std::string(64, 'a')}});
+  CHECK(intruder.exit_code == 2);
+  CHECK_MESSAGE(intruder.err.find("store " + store +
+                                  " refused this client: wrong or missing job "
+                                  "secret") != std::string::npos,
+                intruder.err);
+  CHECK(std::count(intruder.err.begin(), intruder.err.end(), '\n') == 1);
 
   // No process shows it on its command line (what `ps` prints).
   for (const auto& e : fs::directory_iterator("/proc")) {

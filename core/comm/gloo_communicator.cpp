@@ -125,12 +125,12 @@ class GlooStoreAdapter : public gloo::rendezvous::Store {
             "given to one process",
             joins, rank_);
       }
-      throw Error(ErrorKind::comm,
-                  fmt::format("rank{} {} of {} did not join within {} (nothing from {} at {}){}; "
-                              "start every rank with the same store and world size",
-                              missing.size() == 1 ? "" : "s", fmt::join(missing, ", "), size_,
-                              format_timeout(timeout), missing.size() == 1 ? "it" : "them",
-                              store_.describe(), twice));
+      throw Error(
+          ErrorKind::comm,
+          fmt::format("rank{} {} of {} did not join within {} (nothing from {} at {}){}; {}",
+                      missing.size() == 1 ? "" : "s", fmt::join(missing, ", "), size_,
+                      format_timeout(timeout), missing.size() == 1 ? "it" : "them",
+                      store_.describe(), twice, join_hint(timeout)));
     }
   }
 

@@ -106,10 +106,9 @@ std::string read_posted(Store& store, const std::string& key, int rank,
   try {
     return store.get(key, timeout);
   } catch (const KeyTimeout&) {
-    throw KeyTimeout(
-        fmt::format("rank {}: {} within {} (nothing from it at {}); start every "
-                    "rank with the same store and world size",
-                    rank, waited_for, format_timeout(said), store.describe()));
+    throw KeyTimeout(fmt::format("rank {}: {} within {} (nothing from it at {}); {}", rank,
+                                 waited_for, format_timeout(said), store.describe(),
+                                 join_hint(said)));
   }
 }
 
@@ -342,8 +341,9 @@ BackendChoice agree_to_start(Store& store, int rank, int world, bool required,
   if (kind == "absent") {
     throw Error(ErrorKind::comm,
                 fmt::format("rank {}: rank {} of {} did not join within {} (rank 0 waited for it "
-                            "at {}); start every rank with the same store and world size",
-                            rank, other, world, format_timeout(timeout), store.describe()));
+                            "at {}); {}",
+                            rank, other, world, format_timeout(timeout), store.describe(),
+                            join_hint(timeout)));
   }
   if (kind == "fail") {
     throw Error(ErrorKind::comm, fmt::format("rank {}: backend nccl: rank {} cannot use NCCL: {}",

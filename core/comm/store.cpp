@@ -91,6 +91,16 @@ std::string format_timeout(std::chrono::milliseconds timeout) {
   return fmt::format("{:g}s", static_cast<double>(ms) / 1000.0);
 }
 
+std::string join_hint(std::chrono::milliseconds timeout) {
+  std::string hint = "start every rank with the same store and world size";
+  if (timeout < std::chrono::seconds(10)) {
+    hint += fmt::format(
+        ", or give them longer than {} to start (distributed.timeout_s, or a worker's --timeout)",
+        format_timeout(timeout));
+  }
+  return hint;
+}
+
 std::string key_timeout_message(const std::vector<std::string>& missing_keys,
                                 std::chrono::milliseconds timeout,
                                 const std::string& store_description) {

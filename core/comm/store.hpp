@@ -76,6 +76,11 @@ std::string unbracketed(const std::string& host);
 // A timeout for messages: "30s", "1.5s", "0.25s".
 std::string format_timeout(std::chrono::milliseconds timeout);
 
+// What a rank that did not join within `timeout` asks for: "start every rank with the same store
+// and world size", and where the timeout is shorter than ranks take to start (under 10 s, where
+// a process start, a data load or a busy machine can take longer), a longer one.
+std::string join_hint(std::chrono::milliseconds timeout);
+
 // The message of the comm error a store throws when keys are still missing at the deadline, e.g.
 // "timed out after 30s waiting for key 'gen1/rank3' at store 127.0.0.1:4242".
 std::string key_timeout_message(const std::vector<std::string>& missing_keys,

@@ -672,16 +672,18 @@ TcpStoreClient::HelloReply TcpStoreClient::parse_hello_reply(const std::string& 
 
 void TcpStoreClient::authenticate_locked(const std::string& client_nonce, const HelloReply& hello,
                                          SteadyTime deadline) {
+  // Each refusal here is a setting (the secret, the store's address), not a fault a retry or a
+  // restart would cure: a usage error (exit 2), as a wrong --store's world size is.
   if (hello.auth == protocol::Auth::none) {
     if (secret_.empty()) return;
     // Any listener can skip the challenge; only one that proves the secret is this job's store.
-    throw Error(ErrorKind::comm,
+    throw Error(ErrorKind::usage,
                 fmt::format("{} does not ask for the job secret, so it cannot be this job's store "
                             "(another job's store or an older dptrain on that port?)",
                             describe()));
   }
   if (secret_.empty()) {
-    throw Error(ErrorKind::comm,
+    throw Error(ErrorKind::usage,
                 fmt::format("{} refused this client: {} (this client has none; the launcher "
                             "passes it in {})",
                             describe(), protocol::kWrongSecretReason, kStoreSecretEnv));
@@ -693,13 +695,13 @@ void TcpStoreClient::authenticate_locked(const std::string& client_nonce, const 
           .finish();
   const Reply verdict = handshake_exchange_locked(proof, deadline);
   if (verdict.status != Status::ok) {
-    throw Error(ErrorKind::comm, fmt::format("{} refused this client: {}", describe(),
-                                             FrameReader(verdict.fields).str()));
+    throw Error(ErrorKind::usage, fmt::format("{} refused this client: {}", describe(),
+                                              FrameReader(verdict.fields).str()));
   }
   FrameReader reader(verdict.fields);
   if (!auth_proof_matches(proof_field(reader), secret_, AuthRole::server, client_nonce,
                           hello.server_nonce)) {
-    throw Error(ErrorKind::comm,
+    throw Error(ErrorKind::usage,
                 fmt::format("{} accepted this client but could not prove it holds the job secret "
                             "itself, so it is not this job's store: refusing to use it",
                             describe()));

@@ -470,11 +470,11 @@ TEST_CASE("tcp store with a secret: wrong and missing secrets are refused, the j
   });
   std::vector<std::string> messages;
   for (int i = 0; i < 10; ++i) {
-    messages.push_back(error_message([&] { connect_to(server, wrong_secret); }, ErrorKind::comm));
-    messages.push_back(error_message([&] { connect_to(server); }, ErrorKind::comm));
+    messages.push_back(error_message([&] { connect_to(server, wrong_secret); }, ErrorKind::usage));
+    messages.push_back(error_message([&] { connect_to(server); }, ErrorKind::usage));
     // Close to the secret is as wrong as anything else.
     messages.push_back(
-        error_message([&] { connect_to(server, secret.substr(1)); }, ErrorKind::comm));
+        error_message([&] { connect_to(server, secret.substr(1)); }, ErrorKind::usage));
   }
   legitimate.join();
   CHECK(legitimate_failure.empty());
@@ -597,7 +597,7 @@ TEST_CASE("tcp store with a secret: anything but the right proof is refused") {
 TEST_CASE("tcp store without a secret: a client with one refuses it, and it serves the rest") {
   TcpStoreServer server;
   const std::string secret = generate_job_secret();
-  const std::string message = error_message([&] { connect_to(server, secret); }, ErrorKind::comm);
+  const std::string message = error_message([&] { connect_to(server, secret); }, ErrorKind::usage);
   CHECK(message == fmt::format("store 127.0.0.1:{} does not ask for the job secret, so it cannot "
                                "be this job's store (another job's store or an older dptrain on "
                                "that port?)",
@@ -652,7 +652,7 @@ TEST_CASE("tcp store with a secret: a client refuses a store that cannot prove t
   FakeStore fake;
   const std::string secret = generate_job_secret();
   const std::string message = error_message(
-      [&] { TcpStoreClient("127.0.0.1", fake.port(), kConnectTimeout, secret); }, ErrorKind::comm);
+      [&] { TcpStoreClient("127.0.0.1", fake.port(), kConnectTimeout, secret); }, ErrorKind::usage);
   CHECK(message == fmt::format("store 127.0.0.1:{} accepted this client but could not prove it "
                                "holds the job secret itself, so it is not this job's store: "
                                "refusing to use it",
@@ -702,6 +702,14 @@ TEST_CASE("format_timeout") {
   CHECK(format_timeout(1500ms) == "1.5s");
   CHECK(format_timeout(250ms) == "0.25s");
   CHECK(format_timeout(0ms) == "0s");
+}
+
+TEST_CASE("join hint: a timeout shorter than ranks take to start is named as a cause") {
+  CHECK(join_hint(30s) == "start every rank with the same store and world size");
+  CHECK(join_hint(10s) == "start every rank with the same store and world size");
+  CHECK(join_hint(1ms) ==
+        "start every rank with the same store and world size, or give them longer than 0.001s "
+        "to start (distributed.timeout_s, or a worker's --timeout)");
 }
 
 }  // namespace

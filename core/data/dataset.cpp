@@ -161,7 +161,10 @@ class CsvRows {
       split_fields(line_, fields);
       if (first_row_) {
         first_row_ = false;
-        if (skip_first_ || (auto_detect_ && !all_numeric(fields))) continue;
+        if (skip_first_ || (auto_detect_ && !all_numeric(fields))) {
+          header_line_ = line_number_;
+          continue;
+        }
       }
       line_number = line_number_;
       return true;
@@ -172,6 +175,17 @@ class CsvRows {
     return false;
   }
 
+  // Where no data row came: what was skipped as the header, if a row was (" (after the header
+  // row)"; for data.header auto, that it was taken for one and why), else "".
+  std::string empty_note() const {
+    if (header_line_ == 0) return {};
+    if (!auto_detect_) return " (after the header row)";
+    return fmt::format(
+        " (its one row, line {}, was taken for a header row: not every field is a number; with "
+        "data.header \"no\" it is read as data)",
+        header_line_);
+  }
+
  private:
   std::filesystem::path path_;
   bool auto_detect_ = false;
@@ -179,6 +193,7 @@ class CsvRows {
   std::ifstream in_;
   std::string line_;  // the fields point into it until the next call
   int64_t line_number_ = 0;
+  int64_t header_line_ = 0;  // the line skipped as the header row, 0 for none
   bool first_row_ = true;
 };
 
@@ -259,7 +274,7 @@ std::vector<std::string> scan_csv(const std::filesystem::path& path, const std::
     problems.push_back(path.string() + ": " + std::to_string(unlisted) +
                        " more row(s) with a problem, not listed");
   }
-  if (rows_read == 0) problems.push_back(path.string() + ": no data rows");
+  if (rows_read == 0) problems.push_back(path.string() + ": no data rows" + rows.empty_note());
   if (data_rows != nullptr) *data_rows = rows_read;
   return problems;
 }
@@ -332,11 +347,15 @@ std::vector<std::string> csv_problems(const std::filesystem::path& path, const s
   return scan_csv(path, header, features, classes, nullptr, data_rows);
 }
 
-std::optional<CsvRow> csv_first_row(const std::filesystem::path& path, const std::string& header) {
+std::optional<CsvRow> csv_first_row(const std::filesystem::path& path, const std::string& header,
+                                    std::string* empty_note) {
   CsvRows rows(path, header);
   std::vector<std::string_view> fields;
   int64_t number = 0;
-  if (!rows.next(fields, number)) return std::nullopt;
+  if (!rows.next(fields, number)) {
+    if (empty_note != nullptr) *empty_note = rows.empty_note();
+    return std::nullopt;
+  }
   return CsvRow{static_cast<int64_t>(fields.size()), number};
 }
 

@@ -91,7 +91,11 @@ struct CsvRow {
   int64_t columns = 0;
   int64_t line = 0;
 };
-std::optional<CsvRow> csv_first_row(const std::filesystem::path& path, const std::string& header);
+// Where there is none, `empty_note` (when given) says what was skipped as a header row, as the
+// "no data rows" problem does: "" or " (after the header row)" or, for header auto, why its one
+// row was taken for a header.
+std::optional<CsvRow> csv_first_row(const std::filesystem::path& path, const std::string& header,
+                                    std::string* empty_note = nullptr);
 
 // A seeded shuffle of the table's rows: the last round(size * eval_fraction) are the eval split,
 // the rest the train split. Both share the table; nothing is copied.

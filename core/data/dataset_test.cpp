@@ -194,7 +194,12 @@ TEST_CASE("csv: every bad row is a recipe error naming the file and line") {
   CHECK(csv_error(std::string("1,2,3\n1,1\0,2\n", 13)) ==
         ":2: column 2 '1\\x00' is not a finite number");
   CHECK(csv_error("1,2,3\n1\x1b[31m,1,2\n") == ":2: label '1\\x1b[31m' is not a number");
-  CHECK(csv_error("a,b,c\n", "auto") == ": no data rows");
+  // Its one row taken for a header: said, with the setting that reads it as data.
+  CHECK(csv_error("a,b,c\n", "auto") ==
+        ": no data rows (its one row, line 1, was taken for a header row: not every field is a "
+        "number; with data.header \"no\" it is read as data)");
+  CHECK(csv_error("\n1,2,3\n", "yes") == ": no data rows (after the header row)");
+  CHECK(csv_error("\n\n", "auto") == ": no data rows");
   CHECK(csv_error("a,b,c\n1,2,3\n", "no") == ":1: label 'a' is not a number");
   CHECK(csv_error("1,2,3\n", "maybe").find("data.header") != std::string::npos);
   // Lines ended by CR alone read as one: named as that, not as a header with no rows after it.
@@ -238,7 +243,10 @@ TEST_CASE("csv: every wrong row is listed, the same by csv_problems and read_csv
   CHECK(csv_problems(dir.write("ok.csv", "1,2,3\n0,1,1\n"), "auto", 2, 3).empty());
   const auto none = dir.write("none.csv", "a,b,c\n");
   CHECK(csv_problems(none, "auto", 2, 3) ==
-        std::vector<std::string>{none.string() + ": no data rows"});
+        std::vector<std::string>{none.string() +
+                                 ": no data rows (its one row, line 1, was taken for a header "
+                                 "row: not every field is a number; with data.header \"no\" it "
+                                 "is read as data)"});
 
   // A file wrong throughout says how many rows it did not list.
   std::string many;
