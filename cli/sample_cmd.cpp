@@ -1,9 +1,11 @@
 // `dptrain sample RUN_DIR`: text from a gpt run's checkpoint, to see what the model learned.
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -229,9 +231,39 @@ void check_checkpoint_origin(const fs::path& from, const TrainingPosition& posit
                         "run that wrote it, or put the dataset back as it was");
     }
   }
-  if (const std::string why = recipe_mismatch(recipe, position.recipe_hash); !why.empty()) {
-    std::fprintf(stderr, "dptrain: warning: %s: %s\n", from.string().c_str(), why.c_str());
+  const std::string why = recipe_mismatch(recipe, position.recipe_hash);
+  if (why.empty()) return;
+  // Another recipe's weights load only into the same model: a shape that differs but holds as
+  // many parameters (heads 4 or 8 of one width) would run them as something they are not.
+  if (!position.model.empty()) {
+    const json theirs = json::parse(position.model, nullptr, false);
+    const json ours = to_json(recipe)["model"];
+    std::vector<std::string> differ;
+    if (theirs.is_object()) {
+      for (const auto& [key, value] : ours.items()) {
+        const auto there = theirs.find(key);
+        if (there == theirs.end() || *there != value) {
+          differ.push_back(fmt::format(
+              "model.{} {} there, {} here", key,
+              there == theirs.end() ? std::string("unset") : printable_excerpt(there->dump(), 40),
+              printable_excerpt(value.dump(), 40)));
+        }
+      }
+    }
+    if (!theirs.is_object() || !differ.empty()) {
+      throw Error(ErrorKind::checkpoint,
+                  fmt::format("{}: the weights of another model ({}): sample the run that wrote "
+                              "it",
+                              from.string(),
+                              differ.empty() ? std::string("its model is not readable")
+                                             : fmt::format("{}", fmt::join(differ, ", "))));
+    }
   }
+  std::fprintf(stderr, "dptrain: warning: %s: %s%s\n", from.string().c_str(), why.c_str(),
+               position.model.empty()
+                   ? " (an older checkpoint, which does not say its model: only its parameter "
+                     "count is checked)"
+                   : "");
 }
 
 int run_sample(const SampleOptions& o) {
@@ -268,10 +300,18 @@ int run_sample(const SampleOptions& o) {
   if (o.checkpoint_option->count() > 0 && o.checkpoint.empty()) {
     throw Error(ErrorKind::usage, "--checkpoint: empty (a directory, a name or a step)");
   }
+  // A name or a step (no '/' but a trailing one, as a shell completes a directory) is one of the
+  // run's, whatever directory of that name the current one holds; ./step-000200 is that one.
+  std::string bare = o.checkpoint;
+  while (bare.size() > 1 && bare.back() == '/')
+    bare.pop_back();
+  const bool run_s =
+      !bare.empty() && bare.find('/') == std::string::npos &&
+      (checkpoint_step(bare) >= 0 || bare.find_first_not_of("0123456789") == std::string::npos);
   const fs::path from = o.checkpoint.empty() ? newest_checkpoint(run, recipe)
-                        : fs::is_directory(o.checkpoint, ec)
-                            ? fs::path(o.checkpoint)
-                            : checkpoint_named(run.checkpoints(), o.checkpoint);
+                        : run_s || !fs::is_directory(o.checkpoint, ec)
+                            ? checkpoint_named(run.checkpoints(), o.checkpoint)
+                            : fs::path(o.checkpoint);
   if (!o.checkpoint.empty() && !fs::exists(from / "meta.json", ec) && checkpoint_step(from) < 0) {
     throw Error(ErrorKind::usage,
                 fmt::format("--checkpoint {}: not a checkpoint directory (no meta.json, and not "
@@ -321,6 +361,7 @@ int run_sample(const SampleOptions& o) {
   const auto result = [&] {
     const auto generated = std::span(context).subspan(prompt_tokens);
     return json{{"checkpoint", from.filename().string()},
+                {"checkpoint_path", fs::absolute(from).lexically_normal().string()},
                 {"step", ckpt.position.step},
                 {"prompt", o.prompt},
                 {"tokens", o.tokens},
@@ -356,8 +397,13 @@ int run_sample(const SampleOptions& o) {
       const std::string piece = !o.ids  ? tokenizer->decode(std::span(&context.back(), 1))
                                 : first ? std::to_string(next)
                                         : " " + std::to_string(next);
-      std::fwrite(piece.data(), 1, piece.size(), stdout);
-      std::fflush(stdout);
+      // A reader that is gone (a full disk, a closed stdout) ends it at once, not after every
+      // token has been drawn for nobody.
+      if (std::fwrite(piece.data(), 1, piece.size(), stdout) != piece.size() ||
+          std::fflush(stdout) != 0) {
+        throw Error(ErrorKind::io,
+                    fmt::format("standard output: cannot write: {}", std::strerror(errno)));
+      }
     }
   }
   if (o.json) {

@@ -141,6 +141,10 @@ Meta parse_meta(const json& meta) {
   p.optimizer_steps = int_field(meta, "optimizer_steps");
   p.recipe_hash = string_field(meta, "", "recipe_hash");
   p.rng_state = string_field(meta, "", "rng_state");
+  if (meta.contains("model")) {  // absent before it was recorded
+    if (!meta["model"].is_object()) meta_problem("field 'model' is not an object");
+    p.model = meta["model"].dump();
+  }
   if (meta.contains("data_fingerprint")) {  // absent before it was recorded
     p.data_fingerprint = string_field(meta, "", "data_fingerprint");
   }
@@ -420,6 +424,7 @@ fs::path write_checkpoint(const fs::path& checkpoints_dir, const TrainingPositio
                  {"loss_scale_clean_steps", pos.loss_scale_clean_steps},
                  {"loss", std::isfinite(pos.loss) ? json(pos.loss) : json(nullptr)},
                  {"blobs", blobs}};
+    if (!pos.model.empty()) meta["model"] = json::parse(pos.model);
     meta[kMetaChecksumKey] = content_checksum(meta);
     const std::string text = meta.dump(2) + "\n";
     write_file_synced(tmp_dir / kMetaFile, std::as_bytes(std::span(text.data(), text.size())));

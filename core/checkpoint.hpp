@@ -21,6 +21,10 @@ struct TrainingPosition {
   int64_t global_batch = 1;
   int64_t optimizer_steps = 0;
   std::string recipe_hash;
+  // The recipe's model section as JSON text (to_json's "model"): what the parameters are the
+  // weights of, for a reader that loads them into another recipe's model (sample). Empty in older
+  // checkpoints.
+  std::string model;
   // What the data held when it was written (DataSplits::fingerprint): a resume on data that has
   // changed since would not continue the same run. Empty in older checkpoints.
   std::string data_fingerprint;

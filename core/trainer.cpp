@@ -1530,6 +1530,7 @@ class TrainingRun {
       pos.global_batch = global_batch_;
       pos.optimizer_steps = ps_ ? step : optimizer_->steps();  // workers hold no optimizer
       pos.recipe_hash = recipe_hash(recipe_);
+      pos.model = to_json(recipe_)["model"].dump();
       pos.data_fingerprint = data_.fingerprint;
       pos.rng_state = fmt::format("sampler seed={} epoch={}", recipe_.seed, position_.epoch);
       pos.loss_scale = scaler_.scale();

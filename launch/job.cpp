@@ -680,12 +680,15 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   int64_t last_step = -1;
   // The step this generation started from: the resumed checkpoint's, or 0.
   int64_t start_step = -1;
-  if (!spec.resume_from.empty() && spec.resume_from != "newest-or-start") {
+  if (spec.resume_from.empty()) {
+    start_step = 0;  // a new run
+  } else if (spec.resume_from != "newest-or-start" && spec.resume_from != "newest") {
     start_step = checkpoint_step(spec.resume_from);
-  }
-  if (spec.resume_from == "newest" && info.value("last_checkpoint", json()).is_object()) {
-    // The ranks find it on their nodes; until they say, the newest one recorded.
+  } else if (info.value("last_checkpoint", json()).is_object()) {
+    // The ranks find it on their nodes; until they say (the rendezvous), the newest one recorded.
     start_step = info["last_checkpoint"].value("step", start_step);
+  } else if (spec.resume_from == "newest-or-start") {
+    start_step = 0;
   }
   const auto handle_event = [&](const json& event) {
     const std::string kind = event.value("event", "");
@@ -954,9 +957,12 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
                : std::string("; no checkpoint exists: a resume starts from step 0");
   };
   const auto checkpointed_note = [&]() -> std::string {
-    // Stopped while meeting (no heartbeat past "starting", no step logged): nothing was trained,
-    // so nothing was checkpointed.
-    if (trace.step < 0 && last_step < 0) {
+    // Stopped while meeting (no heartbeat past "starting", no step logged), or after meeting but
+    // before any rank finished a step of this generation (a rank still loading its data, the
+    // others waiting for it at the step they started from): nothing was trained here, so
+    // nothing was checkpointed (a resumed run's newest is the one it started from).
+    const int64_t reached = std::max(trace.step, last_step);
+    if (reached < 0 || (start_step >= 0 && reached <= start_step)) {
       return "every rank stopped before its first step (nothing to checkpoint)" + checkpoint_note();
     }
     return newest ? fmt::format("every rank checkpointed its last step ({}) and stopped", *newest)
@@ -1006,10 +1012,19 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
            std::any_of(agent_failures.begin(), agent_failures.end(),
                        [](const auto& f) { return f.second.value("signal", 0) != 0; }));
       if (trace.beats.size() >= 2 && !killed_on_its_own) {
-        const std::string where = HangWatch::positions(trace.beats, rank_name);
+        std::string where = HangWatch::positions(trace.beats, rank_name);
         if (where.find("; waiting for it in collective") != std::string::npos ||
             where.find("; waiting for them in collective") != std::string::npos) {
-          out.error += "; by the ranks' last heartbeats, " + where;
+          // Killed at once as asked (Ctrl-C after the SIGTERM), a rank behind may only have been
+          // busy (writing its checkpoint): where each was, not a verdict that it was stuck.
+          if (sup.killed_at_once && where.starts_with("stuck: ")) {
+            out.error +=
+                "; when they were killed, by the ranks' last heartbeats (behind, not "
+                "necessarily stuck): " +
+                where.substr(7);
+          } else {
+            out.error += "; by the ranks' last heartbeats, " + where;
+          }
         }
       }
       // Each rank that did not stop as asked exited on its own account: an event each.

@@ -570,6 +570,22 @@ json or_null(const std::string& s) {
   return s.empty() ? json(nullptr) : json(s);
 }
 
+// The checkpoint run.json records committed in this run directory (rank 0 here) when the run's
+// checkpoints/ does not hold it as a usable one (removed, or out of reach): a resume refuses
+// then. Empty otherwise.
+std::string recorded_but_absent(const RunView& run) {
+  const json& recorded = run.info.value("last_checkpoint", json());
+  if (!recorded.is_object() || !recorded.value("host", json()).is_null()) return {};
+  const json& name = recorded.value("name", json());
+  if (!name.is_string() || name.get<std::string>().empty()) return {};
+  for (const auto& c : run.checkpoints) {
+    if (c.name == name.get<std::string>() && !c.set_aside && c.problems.empty()) return {};
+  }
+  // One set aside or damaged is a resume's to handle (it falls back to an older one).
+  if (!run.checkpoints_unread && !run.checkpoints.empty()) return {};
+  return name.get<std::string>();
+}
+
 std::string hint(const RunView& run) {
   if (run.state.status == "stale" || run.state.status == "failed" ||
       run.state.status == "interrupted" || run.state.status == "terminated") {
@@ -619,6 +635,14 @@ std::string hint(const RunView& run) {
             "checkpoint): once it is fixed, continue it with {}",
             shell_quote(run.dir.string()), resume_command(run.dir, run.info));
       }
+    }
+    if (const std::string absent = recorded_but_absent(run); !absent.empty()) {
+      return fmt::format(
+          "run.json records {} committed in {}, which {}: a resume refuses until it is back; "
+          "then continue it with {}",
+          absent, (run.dir / "checkpoints").string(),
+          run.checkpoints_unread ? "cannot be read" : "holds no checkpoint",
+          resume_command(run.dir, run.info));
     }
     return "continue it with " + resume_command(run.dir, run.info);
   }
@@ -1069,7 +1093,8 @@ RunView load_run(const fs::path& dir, bool verify_checkpoints,
   }
   run.state = run_state(run.info, dir);
   try {
-    if (!blocked(at / "checkpoints", fs::file_type::directory)) {
+    run.checkpoints_unread = blocked(at / "checkpoints", fs::file_type::directory);
+    if (!run.checkpoints_unread) {
       // A `latest` that cannot be read is named; the checkpoints are still listed (none is
       // taken for latest, as summarize_checkpoints never opens a pipe there).
       blocked(at / "checkpoints" / "latest", fs::file_type::regular);
@@ -1084,6 +1109,7 @@ RunView load_run(const fs::path& dir, bool verify_checkpoints,
     }
   } catch (const Error& e) {
     run.unreadable.push_back(e.what());
+    run.checkpoints_unread = true;
   }
   return run;
 }
@@ -1189,7 +1215,9 @@ json summary_fields(const RunView& run) {
           // Those a resume may use (not another recipe's); the ones it set aside (they failed
           // verification) apart.
           // Null where rank 0 kept them on another host and none is here: not counted, not 0.
-          {"checkpoints", usable == 0 && !checkpoint_host.is_null() ? json(nullptr) : json(usable)},
+          {"checkpoints", (usable == 0 && !checkpoint_host.is_null()) || run.checkpoints_unread
+                              ? json(nullptr)
+                              : json(usable)},
           {"checkpoints_set_aside", std::count_if(run.checkpoints.begin(), run.checkpoints.end(),
                                                   [](const auto& c) { return c.set_aside; })},
           {"restarts", array_at(run.info, "restarts").size()},
@@ -1255,7 +1283,11 @@ std::string status_text(const RunView& run) {
     row("loss", loss);
   }
   const std::string checkpoint = last_checkpoint_name(run);
-  if (!checkpoint.empty() || s["last_checkpoint_host"].is_null()) {
+  if (const std::string absent = recorded_but_absent(run); checkpoint.empty() && !absent.empty()) {
+    row("checkpoint",
+        fmt::format("unknown: run.json records {} committed, and checkpoints/ {}", absent,
+                    run.checkpoints_unread ? "cannot be read" : "holds none"));
+  } else if (!checkpoint.empty() || s["last_checkpoint_host"].is_null()) {
     row("checkpoint", checkpoint.empty() ? "none" : checkpoint);
   } else {
     row("checkpoint", fmt::format("{} on {} (recorded in run.json; not checked from here)",

@@ -84,6 +84,9 @@ struct RunView {
   RunMetrics metrics;
   RunState state;
   std::vector<CheckpointSummary> checkpoints;  // newest first
+  // checkpoints/ exists but could not be listed (a permission, not a directory): how many it
+  // holds is unknown, not 0.
+  bool checkpoints_unread = false;
   // What could not be read besides run.json (a permission, a pipe where a file should be): the
   // view shows the rest, and says what it left out.
   std::vector<std::string> unreadable;

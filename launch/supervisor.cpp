@@ -274,6 +274,7 @@ class Supervision {
                             : result.stop_signal == SIGINT
                                 ? "a second SIGINT (Ctrl-C) asked for an end at once"
                                 : "a SIGINT (Ctrl-C) after the SIGTERM asked for an end at once";
+        result.killed_at_once = true;
         signal_all(SIGKILL);
         stop_deadline = kNever;
       } else if (stop_deadline != kNever && result.watchdog.empty() && options_.watchdog &&

@@ -58,6 +58,9 @@ struct SupervisionResult {
   // running out, the side that asked for the stop gone (so that a rank killed then is not
   // taken for one the OOM killer struck).
   std::string killed_why;
+  // That SIGKILL was asked for at once (a second Ctrl-C, the asking side gone), not the grace
+  // running out: where the ranks were then says nothing of a rank that could not stop.
+  bool killed_at_once = false;
   std::vector<ProcessExit> exits;  // every process, in the order given
   bool ok() const { return !failure && stop_signal == 0 && watchdog.empty() && requested.empty(); }
 };

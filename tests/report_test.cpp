@@ -966,3 +966,42 @@ TEST_CASE("status: a run that failed on a checkpoint problem (exit 5) says to fi
                                  "with 'dptrain resume {}'",
                                  run_dir.string(), run_dir.string()));
 }
+
+TEST_CASE("status: a checkpoints directory gone or out of reach is not 'none': the hint says so") {
+  TempDir tmp;
+  auto recipe_json = resumable_recipe();
+  recipe_json["train"]["steps"] = 30;
+  const auto recipe = write_recipe(tmp.path(), recipe_json);
+  const fs::path run_dir = tmp / "run";
+  // Failed after its checkpoint of step 20: a resume would continue from it.
+  auto r = run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir", run_dir.string()},
+                       {{"DPTRAIN_FAULT", "exit@step=25,rank=1,code=9"}});
+  REQUIRE(r.exit_code == 3);
+  REQUIRE(fs::exists(run_dir / "checkpoints/step-000020"));
+  const auto status = [&] { return run_dptrain({"status", run_dir.string(), "--json"}); };
+  CHECK(parse_json(status().out)["hint"] ==
+        "continue it with 'dptrain resume " + run_dir.string() + "'");
+
+  fs::remove_all(run_dir / "checkpoints");
+  auto gone = status();
+  CHECK(parse_json(gone.out)["checkpoints"] == 0);
+  CHECK(parse_json(gone.out)["hint"] ==
+        fmt::format("run.json records step-000020 committed in {}/checkpoints, which holds no "
+                    "checkpoint: a resume refuses until it is back; then continue it with "
+                    "'dptrain resume {}'",
+                    run_dir.string(), run_dir.string()));
+  auto text = run_dptrain({"status", run_dir.string()});
+  CHECK(contains(text.out,
+                 "checkpoint   unknown: run.json records step-000020 committed, and "
+                 "checkpoints/ holds none\n"));
+  // The resume refuses indeed.
+  CHECK(run_dptrain({"resume", run_dir.string()}).exit_code == 5);
+
+  // Out of reach (not a directory here; a permission likewise): how many it holds is unknown.
+  fs::remove_all(run_dir / "checkpoints");
+  write_text(run_dir / "checkpoints", "");
+  auto blocked = status();
+  CHECK(parse_json(blocked.out)["checkpoints"].is_null());
+  CHECK(contains(parse_json(blocked.out)["hint"].get<std::string>(),
+                 "/checkpoints, which cannot be read: a resume refuses until it is back"));
+}

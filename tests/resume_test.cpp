@@ -681,7 +681,11 @@ TEST_CASE("SIGTERM with a hung rank and no --hang-timeout: the heartbeats name t
   CHECK(launcher.wait(std::chrono::seconds(60)) == 143);
   INFO(launcher.err());
   CHECK(contains(launcher.err(), "stopped by SIGTERM, but not every rank checkpointed: "));
-  CHECK(contains(launcher.err(), "; by the ranks' last heartbeats, stuck: rank 1 at step 3 "));
+  // Killed at once by the Ctrl-C: where each was, not a verdict (a rank writing its checkpoint
+  // was once called stuck so).
+  CHECK(contains(launcher.err(),
+                 "; when they were killed, by the ranks' last heartbeats (behind, "
+                 "not necessarily stuck): rank 1 at step 3 "));
   CHECK(contains(launcher.err(), "; waiting for it in collective #"));
 }
 
@@ -819,6 +823,46 @@ TEST_CASE("a SIGTERM that reaches a rank while it loads is a stop, not a death")
                  "yet)"));
   CHECK_FALSE(fs::exists(run_dir / "checkpoints/latest"));
   CHECK(parse_json(read_text(run_dir / "run.json"))["status"] == "terminated");
+}
+
+TEST_CASE("SIGTERM after the ranks met, before any finished a step: nothing is said checkpointed") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  const fs::path run_dir = tmp / "run";
+  // SIGTERM while rank 1 still loads (a slow start of 30 s, once the ranks have met) and rank 0
+  // waits for it: a few seconds after the generation's ranks started (before they met, the
+  // message is the same).
+  const auto stop_after_meeting = [&](std::vector<std::string> args) {
+    args.push_back("--json");
+    const size_t generations =
+        fs::exists(run_dir / "run.json")
+            ? parse_json(read_text(run_dir / "run.json"))["generations"].size()
+            : 0;
+    Background job(args, {{"DPTRAIN_FAULT", "slow-start@rank=1,ms=30000"}});
+    REQUIRE(eventually([&] {
+      return fs::exists(run_dir / "run.json") &&
+             parse_json(read_text(run_dir / "run.json"))["generations"].size() > generations &&
+             worker_pids(run_dir).size() == 2;
+    }));
+    std::this_thread::sleep_for(std::chrono::seconds(3));
+    REQUIRE(::kill(job.pid(), SIGTERM) == 0);
+    CHECK(job.wait(std::chrono::seconds(60)) == 143);
+    INFO(job.err());
+    CHECK_FALSE(contains(job.err(), "checkpointed its last step"));
+    return parse_json(job.out())["error"].get<std::string>();
+  };
+  CHECK(stop_after_meeting(
+            {"launch", recipe.string(), "--nproc", "2", "--run-dir", run_dir.string()}) ==
+        "stopped by SIGTERM; every rank stopped before its first step (nothing to checkpoint); no "
+        "checkpoint exists: a resume starts from step 0");
+  // A resumed run's newest checkpoint is the one it started from, not one the stop wrote.
+  const auto first =
+      run_dptrain({"resume", run_dir.string()}, {{"DPTRAIN_FAULT", "exit@step=30,rank=1,code=9"}});
+  REQUIRE(first.exit_code == 3);
+  REQUIRE(fs::exists(run_dir / "checkpoints/step-000020"));
+  CHECK(stop_after_meeting({"resume", run_dir.string()}) ==
+        "stopped by SIGTERM; every rank stopped before its first step (nothing to checkpoint); the "
+        "newest checkpoint is step-000020: a resume continues from it");
 }
 
 TEST_CASE("SIGKILL of the launcher leaves no worker behind") {

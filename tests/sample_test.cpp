@@ -4,8 +4,10 @@
 #include <doctest/doctest.h>
 #include <signal.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <set>
 #include <sstream>
 #include <string>
@@ -118,10 +120,69 @@ TEST_CASE("sample: a model vocabulary larger than the char tokenizer's draws onl
     INFO(r.err);
     REQUIRE(r.exit_code == 0);
     CHECK(parse_json(r.out)["checkpoint"] == oldest.filename().string());
+    CHECK(parse_json(r.out)["checkpoint_path"] == oldest.string());
+  }
+  // A directory of that name where the command runs is not taken for the run's checkpoint (it
+  // was, and sampled another run's weights); ./NAME names that one.
+  {
+    const fs::path here = run_dir.parent_path() / "elsewhere";
+    fs::create_directories(here / oldest.filename());
+    const fs::path was = fs::current_path();
+    fs::current_path(here);
+    const auto r =
+        sample(run_dir, {"--checkpoint", oldest.filename().string(), "--tokens", "5", "--json"});
+    const auto dotted =
+        sample(run_dir, {"--checkpoint", "./" + oldest.filename().string(), "--tokens", "5"});
+    fs::current_path(was);
+    INFO(r.err);
+    REQUIRE(r.exit_code == 0);
+    CHECK(parse_json(r.out)["checkpoint_path"] == oldest.string());
+    // That one, empty: a damaged checkpoint (exit 5), not the run's.
+    CHECK(dotted.exit_code == 5);
+    CHECK(contains(dotted.err, oldest.filename().string() + "/meta.json: missing"));
   }
   const auto missing = sample(run_dir, {"--checkpoint", "999999", "--tokens", "5"});
   CHECK(missing.exit_code == 2);
   CHECK(missing.err.find("no checkpoint 999999 (it has step-") != std::string::npos);
+}
+
+TEST_CASE("sample: another model's weights of as many parameters are refused, not run") {
+  Dataset data("char");
+  const fs::path run_dir = train(data.tmp.path(), small_gpt(data.dir, 64), "1");
+  // One head of width 32 instead of two: the same parameter count, another model.
+  json heads = small_gpt(data.dir, 64);
+  heads["model"]["heads"] = 1;
+  fs::create_directories(data.tmp / "heads");
+  const fs::path other = train(data.tmp / "heads", heads, "1") / "checkpoints/step-000006";
+  const auto refused = sample(run_dir, {"--checkpoint", other.string(), "--tokens", "5", "--json"});
+  CHECK(refused.exit_code == 5);
+  CHECK(contains(refused.err, other.string() + ": the weights of another model (model.heads 1 "
+                                               "there, 2 here): sample the run that wrote it"));
+  // The same model trained by another recipe (a learning rate): used, with a warning.
+  json lr = small_gpt(data.dir, 64);
+  lr["optimizer"]["lr"] = lr["optimizer"]["lr"].get<double>() / 2;
+  fs::create_directories(data.tmp / "lr");
+  const fs::path same = train(data.tmp / "lr", lr, "1") / "checkpoints/step-000006";
+  const auto used = sample(run_dir, {"--checkpoint", same.string(), "--tokens", "5", "--json"});
+  INFO(used.err);
+  CHECK(used.exit_code == 0);
+  CHECK(contains(used.err, "written by a different recipe"));
+}
+
+TEST_CASE("sample: a standard output that takes nothing ends it at once, exit 1") {
+  Dataset data("char");
+  const fs::path run_dir = train(data.tmp.path(), small_gpt(data.dir, 64), "1");
+  const fs::path err = data.tmp / "err";
+  // Far more tokens than the run would draw before the test's timeout: it stops at the first.
+  for (const std::string& out : {std::string(">&-"), std::string("> /dev/full")}) {
+    CAPTURE(out);
+    const int status = std::system(("timeout 60 '" + binary() + "' sample '" + run_dir.string() +
+                                    "' --tokens 100000000 " + out + " 2> '" + err.string() + "'")
+                                       .c_str());
+    REQUIRE(WIFEXITED(status));
+    CHECK(WEXITSTATUS(status) == 1);
+    CHECK(contains(read_text(err), "dptrain: error: standard output: cannot write: "));
+  }
 }
 
 TEST_CASE("sample: a byte model with a vocabulary above 256 samples with every seed") {
