@@ -225,13 +225,16 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
   return run_to_end(run, spec, o.restart, o.json, events, status);
 }
 
-int start_resume(const ResumeOptions& o, bool& events_opened) {
+int start_resume(const ResumeOptions& o, bool& events_opened, Outcome& outcome) {
   // A bad option is refused whatever the run, also one that completed (nothing is placed then).
   o.restart.validate();
   o.remote.rank_env();
   JobSpec unplaced;
   place_ranks(unplaced, o.hosts, o.nproc, o.nnodes, 1);
   RunDirectory run = RunDirectory::open(o.run_dir);
+  // A run directory: a failure from here on names it in the JSON error, as its events'
+  // run_finished does.
+  outcome.run_dir = run.path().string();
   // A benchmark's world (bench train): measured, not trained; a resume would train the rest of
   // its steps as if it were a run.
   if (const nlohmann::json& bench = run.info().value("bench", nlohmann::json());
@@ -295,11 +298,11 @@ int start_resume(const ResumeOptions& o, bool& events_opened) {
   }
 }
 
-int run_resume(const ResumeOptions& o) {
+int run_resume(const ResumeOptions& o, Outcome& outcome) {
   install_stop_signal_handlers();
   bool events_opened = false;
   try {
-    return start_resume(o, events_opened);
+    return start_resume(o, events_opened, outcome);
   } catch (const std::exception& e) {
     // Refused before its stream was opened (an option, a run being run, a run.json that does not
     // read): the stream still ends.
@@ -330,7 +333,7 @@ void setup_resume(CLI::App& app, Outcome& outcome) {
   app.add_flag("--json", o->json, "Print one JSON object with the outcome on stdout");
   app.callback([o, &outcome] {
     outcome.json = o->json;
-    outcome.exit_code = run_resume(*o);
+    outcome.exit_code = run_resume(*o, outcome);
   });
 }
 

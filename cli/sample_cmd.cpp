@@ -234,10 +234,21 @@ void check_checkpoint_origin(const fs::path& from, const TrainingPosition& posit
   const std::string why = recipe_mismatch(recipe, position.recipe_hash);
   if (why.empty()) return;
   // Another recipe's weights load only into the same model: a shape that differs but holds as
-  // many parameters (heads 4 or 8 of one width) would run them as something they are not.
+  // many parameters (heads 4 or 8 of one width) would run them as something they are not. The
+  // recorded section is read as a recipe's is (defaults filled in), then compared field by field.
   if (!position.model.empty()) {
-    const json theirs = json::parse(position.model, nullptr, false);
     const json ours = to_json(recipe)["model"];
+    json theirs;
+    try {
+      json whole = to_json(recipe);
+      whole["model"] = json::parse(position.model);
+      Recipe other = recipe;
+      other.model = parse_recipe(whole, (from / "meta.json").string(), from, RecipeOrigin::stored,
+                                 DataCheck::none)
+                        .model;
+      theirs = to_json(other)["model"];
+    } catch (const std::exception&) {
+    }
     std::vector<std::string> differ;
     if (theirs.is_object()) {
       for (const auto& [key, value] : ours.items()) {
@@ -251,12 +262,13 @@ void check_checkpoint_origin(const fs::path& from, const TrainingPosition& posit
       }
     }
     if (!theirs.is_object() || !differ.empty()) {
-      throw Error(ErrorKind::checkpoint,
-                  fmt::format("{}: the weights of another model ({}): sample the run that wrote "
-                              "it",
-                              from.string(),
-                              differ.empty() ? std::string("its model is not readable")
-                                             : fmt::format("{}", fmt::join(differ, ", "))));
+      throw Error(
+          ErrorKind::checkpoint,
+          fmt::format("{}: the weights of another model ({}): sample the run that wrote "
+                      "it",
+                      from.string(),
+                      differ.empty() ? std::string("its model is not one this dptrain reads")
+                                     : fmt::format("{}", fmt::join(differ, ", "))));
     }
   }
   std::fprintf(stderr, "dptrain: warning: %s: %s%s\n", from.string().c_str(), why.c_str(),

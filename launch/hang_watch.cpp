@@ -53,14 +53,18 @@ std::optional<std::string> HangWatch::check() {
   // progress (the workers' eval chunks, which parameter servers wait out in the eval's
   // all-reduce), it is only waiting for it. A rank that is not in a collective (stuck in its
   // step) counts by its own clock, and so do ranks that all wait in collectives.
-  // A rank still starting (loading its data, meeting the others) is not hung while its heartbeat
-  // goes on: the start is bounded by the join's timeout (distributed.timeout_s), and a large
-  // dataset may take longer to load than a step may take. Once its heartbeat stops (frozen), it
-  // counts from then.
+  // A rank still starting (loading its data) while another waits for it in a collective is not
+  // hung as long as its heartbeat goes on: that wait is bounded by distributed.timeout_s, and a
+  // large dataset may take longer to load than a step may take. Once its heartbeat stops
+  // (frozen), it counts from then. Where no rank waits for it (one rank, or every rank starting),
+  // nothing else bounds the start: it counts as any phase does.
+  const bool someone_waits = std::any_of(seen_.begin(), seen_.end(), [](const auto& entry) {
+    return entry.second.beat.value("phase", "") == "collective";
+  });
   const auto since = [&](const Seen& s) {
     using std::chrono::duration_cast;
     using std::chrono::milliseconds;
-    if (s.beats >= 0 && s.beat.value("phase", "") == "starting") {
+    if (someone_waits && s.beats >= 0 && s.beat.value("phase", "") == "starting") {
       const auto quiet = duration_cast<milliseconds>(now - s.heard);
       return quiet > kSilentAfter ? quiet : milliseconds(0);
     }

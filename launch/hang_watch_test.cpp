@@ -190,8 +190,32 @@ TEST_CASE("hang watch: a rank still starting is no hang while it beats; frozen, 
   REQUIRE(verdict.has_value());
   INFO(*verdict);
   CHECK(verdict->find("rank 1 (its heartbeat stopped") != std::string::npos);
-  // Counted from its silence (over 3 s), not from its start.
-  CHECK(verdict->starts_with("hang: no progress for "));
+  // Counted from its silence (over 3 s), not from its start (over 6 s before).
+  REQUIRE(verdict->starts_with("hang: no progress for "));
+  CHECK(std::stoi(verdict->substr(22)) < 6);
+}
+
+TEST_CASE("hang watch: ranks that all start, none waiting for another, count as any phase") {
+  // Every rank loads from a filesystem that hangs (or there is one rank): no collective's
+  // timeout bounds the start, so the hang timeout does.
+  TcpStoreServer server;
+  TcpStoreClient store("127.0.0.1", server.port(), std::chrono::seconds(5));
+  const auto beat = [](int64_t beats) {
+    return json{{"step", 0},     {"phase", "starting"}, {"seq", 0},
+                {"progress", 0}, {"collective", ""},    {"beat", beats}}
+        .dump();
+  };
+  HangWatch watch(store, 2, std::chrono::milliseconds(1000));
+  std::optional<std::string> verdict;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  for (int64_t n = 1; !verdict && std::chrono::steady_clock::now() < until; ++n) {
+    store.set(heartbeat_key(0), beat(n));
+    store.set(heartbeat_key(1), beat(n));
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    verdict = watch.check();
+  }
+  REQUIRE(verdict.has_value());
+  CHECK(verdict->find("in phase starting") != std::string::npos);
 }
 
 TEST_CASE("hang verdict: several ranks behind are waited for as them") {

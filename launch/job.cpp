@@ -714,6 +714,9 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       run.record();
     }
     if (kind == "rendezvous") {
+      // When the ranks met: until then a status shows the generation before's step (dptrain
+      // status: generation_starting).
+      info["generations"].back()["met_at"] = utc_timestamp();
       // Where the ranks found their checkpoint (it may be on another node).
       if (event.contains("resumed_from")) {
         info["generations"].back()["resumed_from"] = event["resumed_from"];

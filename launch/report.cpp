@@ -574,16 +574,16 @@ json or_null(const std::string& s) {
 // checkpoints/ does not hold it as a usable one (removed, or out of reach): a resume refuses
 // then. Empty otherwise.
 std::string recorded_but_absent(const RunView& run) {
-  const json& recorded = run.info.value("last_checkpoint", json());
-  if (!recorded.is_object() || !recorded.value("host", json()).is_null()) return {};
-  const json& name = recorded.value("name", json());
-  if (!name.is_string() || name.get<std::string>().empty()) return {};
-  for (const auto& c : run.checkpoints) {
-    if (c.name == name.get<std::string>() && !c.set_aside && c.problems.empty()) return {};
+  const std::string recorded = recorded_local_checkpoint(run.info);
+  if (recorded.empty()) return {};
+  // Any live one, damaged too, is a resume's to handle (it falls back to an older one); set-aside
+  // ones are not (the resume's own rule: require_recorded_checkpoint).
+  if (!run.checkpoints_unread &&
+      std::any_of(run.checkpoints.begin(), run.checkpoints.end(),
+                  [](const CheckpointSummary& c) { return !c.set_aside; })) {
+    return {};
   }
-  // One set aside or damaged is a resume's to handle (it falls back to an older one).
-  if (!run.checkpoints_unread && !run.checkpoints.empty()) return {};
-  return name.get<std::string>();
+  return recorded;
 }
 
 std::string hint(const RunView& run) {
@@ -1225,6 +1225,14 @@ json summary_fields(const RunView& run) {
           {"benchmark", comm_benchmark(run.info)}};
 }
 
+// A running resume or restart whose ranks have not met yet (no met_at in its record): the step
+// and loss shown (metrics.jsonl's last lines) are the generation before it's.
+bool generation_starting(const RunView& run) {
+  const json& gens = array_at(run.info, "generations");
+  if (run.state.status != "running" || gens.size() < 2 || !gens.back().is_object()) return false;
+  return !gens.back().contains("ended_at") && !gens.back().contains("met_at");
+}
+
 json status_json(const RunView& run) {
   const json& info = run.info;
   const json& restarts = array_at(info, "restarts");
@@ -1247,6 +1255,7 @@ json status_json(const RunView& run) {
                 {"nominal_world_size", integer_or_null(info, "nominal_world_size")},
                 {"job_size", info.value("job_size", json(nullptr))},
                 {"generations", array_at(info, "generations").size()},
+                {"generation_starting", generation_starting(run)},
                 {"last_restart", last_restart},
                 {"error", or_null(run_error(info))},
                 {"hint", or_null(hint(run))}});
@@ -1270,9 +1279,13 @@ std::string status_text(const RunView& run) {
   } else if (s["step"].is_null()) {
     row("step", "no steps logged yet");
   } else {
-    row("step", fmt::format("{}{}{}", s["step"].get<int64_t>(),
+    row("step", fmt::format("{}{}{}{}", s["step"].get<int64_t>(),
                             s["steps"].is_null() ? "" : fmt::format(" of {}", s["steps"].dump()),
-                            s["epoch"].is_null() ? "" : " (epoch " + s["epoch"].dump() + ")"));
+                            s["epoch"].is_null() ? "" : " (epoch " + s["epoch"].dump() + ")",
+                            s["generation_starting"] == true
+                                ? "; the last generation's: this one is starting, from its "
+                                  "newest valid checkpoint"
+                                : ""));
     std::string loss = s["loss"].is_null() ? "-" : loss_num(s["loss"].get<double>());
     if (!s["eval_loss"].is_null()) {
       loss += fmt::format(" (eval {}{})", loss_num(s["eval_loss"].get<double>()),

@@ -31,16 +31,14 @@ void set_aside_newer(const fs::path& checkpoints, const fs::path& chosen, Status
 }
 
 void require_recorded_checkpoint(const RunDirectory& run) {
-  const json& recorded = run.info().value("last_checkpoint", json());
-  if (!recorded.is_object() || remote_last_checkpoint(run.info())) return;
-  if (!list_checkpoints(run.checkpoints()).empty()) return;
-  throw Error(
-      ErrorKind::checkpoint,
-      fmt::format("{}: holds no checkpoint, but run.json records {} committed there: "
-                  "were they moved away, or is their filesystem not mounted? Put them "
-                  "back and resume; to start over, launch the recipe into a new run "
-                  "directory",
-                  run.checkpoints().string(), recorded.value("name", std::string("a checkpoint"))));
+  const std::string recorded = recorded_local_checkpoint(run.info());
+  if (recorded.empty() || !list_checkpoints(run.checkpoints()).empty()) return;
+  throw Error(ErrorKind::checkpoint,
+              fmt::format("{}: holds no checkpoint, but run.json records {} committed there: "
+                          "were they moved away, or is their filesystem not mounted? Put them "
+                          "back and resume; to start over, launch the recipe into a new run "
+                          "directory",
+                          run.checkpoints().string(), recorded));
 }
 
 namespace {

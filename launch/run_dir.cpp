@@ -176,6 +176,13 @@ std::optional<RemoteCheckpoint> remote_last_checkpoint(const nlohmann::json& inf
   return RemoteCheckpoint{path->get<std::string>(), host->get<std::string>()};
 }
 
+std::string recorded_local_checkpoint(const nlohmann::json& info) {
+  const auto it = info.find("last_checkpoint");
+  if (it == info.end() || !it->is_object() || remote_last_checkpoint(info)) return {};
+  const std::string name = it->value("name", std::string());
+  return name.empty() ? "a checkpoint" : name;
+}
+
 void record_run_failure(nlohmann::json& info, const std::string& error) {
   info["status"] = "failed";
   info["error"] = error;

@@ -154,6 +154,11 @@ struct RemoteCheckpoint {
   std::string host;
 };
 std::optional<RemoteCheckpoint> remote_last_checkpoint(const nlohmann::json& info);
+// The name of the checkpoint run.json records committed in this run directory (rank 0 here), or
+// "" when it records none or one on another host. With no live checkpoint in checkpoints/ (none,
+// or only set-aside ones), a resume refuses: they were moved away, or their filesystem is not
+// mounted (require_recorded_checkpoint; status says so).
+std::string recorded_local_checkpoint(const nlohmann::json& info);
 
 // Records `error` as the run's outcome in `info` (run.json): status failed, and its newest
 // generation's too when that one had not ended or had completed (a benchmark whose verdict

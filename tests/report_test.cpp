@@ -994,8 +994,10 @@ TEST_CASE("status: a checkpoints directory gone or out of reach is not 'none': t
   CHECK(contains(text.out,
                  "checkpoint   unknown: run.json records step-000020 committed, and "
                  "checkpoints/ holds none\n"));
-  // The resume refuses indeed.
-  CHECK(run_dptrain({"resume", run_dir.string()}).exit_code == 5);
+  // The resume refuses indeed; its JSON error names the run directory, as its events do.
+  const auto refused = run_dptrain({"resume", run_dir.string(), "--json"});
+  CHECK(refused.exit_code == 5);
+  CHECK(parse_json(refused.out)["run_dir"] == run_dir.string());
 
   // Out of reach (not a directory here; a permission likewise): how many it holds is unknown.
   fs::remove_all(run_dir / "checkpoints");
@@ -1004,4 +1006,35 @@ TEST_CASE("status: a checkpoints directory gone or out of reach is not 'none': t
   CHECK(parse_json(blocked.out)["checkpoints"].is_null());
   CHECK(contains(parse_json(blocked.out)["hint"].get<std::string>(),
                  "/checkpoints, which cannot be read: a resume refuses until it is back"));
+}
+
+TEST_CASE("status of a resume whose ranks have not met: the step shown is the last generation's") {
+  TempDir tmp;
+  auto recipe_json = resumable_recipe();
+  recipe_json["train"]["steps"] = 30;
+  const auto recipe = write_recipe(tmp.path(), recipe_json);
+  const fs::path run_dir = tmp / "run";
+  auto failed =
+      run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir", run_dir.string()},
+                  {{"DPTRAIN_FAULT", "exit@step=25,rank=1,code=9"}});
+  REQUIRE(failed.exit_code == 3);
+  CHECK_FALSE(
+      parse_json(run_dptrain({"status", run_dir.string(), "--json"}).out)["generation_starting"]
+          .get<bool>());
+  // Rank 1 takes 30 s to load: the resume's ranks do not meet while the test looks.
+  Background resume({"resume", run_dir.string()},
+                    {{"DPTRAIN_FAULT", "slow-start@rank=1,ms=30000"}});
+  REQUIRE(eventually([&] {
+    return parse_json(read_text(run_dir / "run.json"))["generations"].size() == 2 &&
+           worker_pids(run_dir).size() == 2;
+  }));
+  const json s = parse_json(run_dptrain({"status", run_dir.string(), "--json"}).out);
+  CHECK(s["status"] == "running");
+  CHECK(s["generation_starting"] == true);
+  const auto text = run_dptrain({"status", run_dir.string()}).out;
+  CHECK(contains(text,
+                 "; the last generation's: this one is starting, from its newest valid "
+                 "checkpoint\n"));
+  REQUIRE(::kill(resume.pid(), SIGTERM) == 0);
+  CHECK(resume.wait(std::chrono::seconds(60)) == 143);
 }

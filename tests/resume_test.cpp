@@ -830,8 +830,8 @@ TEST_CASE("SIGTERM after the ranks met, before any finished a step: nothing is s
   const auto recipe = write_recipe(tmp.path(), resumable_recipe());
   const fs::path run_dir = tmp / "run";
   // SIGTERM while rank 1 still loads (a slow start of 30 s, once the ranks have met) and rank 0
-  // waits for it: a few seconds after the generation's ranks started (before they met, the
-  // message is the same).
+  // waits for it: a few seconds after the generation's ranks started (the launcher hears of the
+  // meeting only once rank 1 is done; before they met, the message is the same).
   const auto stop_after_meeting = [&](std::vector<std::string> args) {
     args.push_back("--json");
     const size_t generations =

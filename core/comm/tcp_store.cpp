@@ -672,18 +672,21 @@ TcpStoreClient::HelloReply TcpStoreClient::parse_hello_reply(const std::string& 
 
 void TcpStoreClient::authenticate_locked(const std::string& client_nonce, const HelloReply& hello,
                                          SteadyTime deadline) {
-  // Each refusal here is a setting (the secret, the store's address), not a fault a retry or a
-  // restart would cure: a usage error (exit 2), as a wrong --store's world size is.
+  // A refusal of the secret is a setting (the secret, the store's address), not a fault a retry
+  // or a restart would cure: a usage error (exit 2), as a wrong --store's world size is. Not for
+  // a client the store served before (a reconnect in mid-run meeting another listener on the
+  // port: the store is gone), nor for the store's timeout waiting for the proof (a busy machine).
+  const ErrorKind refused = served_ ? ErrorKind::comm : ErrorKind::usage;
   if (hello.auth == protocol::Auth::none) {
     if (secret_.empty()) return;
     // Any listener can skip the challenge; only one that proves the secret is this job's store.
-    throw Error(ErrorKind::usage,
+    throw Error(refused,
                 fmt::format("{} does not ask for the job secret, so it cannot be this job's store "
                             "(another job's store or an older dptrain on that port?)",
                             describe()));
   }
   if (secret_.empty()) {
-    throw Error(ErrorKind::usage,
+    throw Error(refused,
                 fmt::format("{} refused this client: {} (this client has none; the launcher "
                             "passes it in {})",
                             describe(), protocol::kWrongSecretReason, kStoreSecretEnv));
@@ -695,13 +698,14 @@ void TcpStoreClient::authenticate_locked(const std::string& client_nonce, const 
           .finish();
   const Reply verdict = handshake_exchange_locked(proof, deadline);
   if (verdict.status != Status::ok) {
-    throw Error(ErrorKind::usage, fmt::format("{} refused this client: {}", describe(),
-                                              FrameReader(verdict.fields).str()));
+    const std::string why = FrameReader(verdict.fields).str();
+    throw Error(why == protocol::kWrongSecretReason ? refused : ErrorKind::comm,
+                fmt::format("{} refused this client: {}", describe(), why));
   }
   FrameReader reader(verdict.fields);
   if (!auth_proof_matches(proof_field(reader), secret_, AuthRole::server, client_nonce,
                           hello.server_nonce)) {
-    throw Error(ErrorKind::usage,
+    throw Error(refused,
                 fmt::format("{} accepted this client but could not prove it holds the job secret "
                             "itself, so it is not this job's store: refusing to use it",
                             describe()));

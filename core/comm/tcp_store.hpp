@@ -54,9 +54,11 @@ class TcpStoreClient : public Store {
   // Retries connecting until connect_timeout, then throws Error(comm)
   // "cannot reach store at HOST:PORT within Ns: <reason>". With a `secret`, the client proves it
   // and refuses a server that cannot prove it back (or does not ask for it); without one, a server
-  // that asks for a secret refuses the client. A refusal throws Error(comm)
-  // "store HOST:PORT refused this client: wrong or missing job secret". A dptrain store answers
-  // the handshake at once: a listener that accepts the connection and stays silent for
+  // that asks for a secret refuses the client. A refusal of the secret throws Error(usage)
+  // "store HOST:PORT refused this client: wrong or missing job secret" (a setting: exit 2), as do
+  // a store that does not ask for it or cannot prove it; Error(comm) where the store served this
+  // client before (a reconnect) or refused it for another reason (its timeout). A dptrain store
+  // answers the handshake at once: a listener that accepts the connection and stays silent for
   // `handshake_timeout` (another service on that port) is an Error(comm) saying so, not a wait
   // for the whole connect_timeout.
   static constexpr std::chrono::milliseconds kHandshakeTimeout{30000};
