@@ -127,13 +127,16 @@ TEST_CASE("sample: a model vocabulary larger than the char tokenizer's draws onl
   {
     const fs::path here = run_dir.parent_path() / "elsewhere";
     fs::create_directories(here / oldest.filename());
-    const fs::path was = fs::current_path();
+    // Back to the test's own directory however this block ends.
+    struct Restore {
+      fs::path was = fs::current_path();
+      ~Restore() { fs::current_path(was); }
+    } restore;
     fs::current_path(here);
     const auto r =
         sample(run_dir, {"--checkpoint", oldest.filename().string(), "--tokens", "5", "--json"});
     const auto dotted =
         sample(run_dir, {"--checkpoint", "./" + oldest.filename().string(), "--tokens", "5"});
-    fs::current_path(was);
     INFO(r.err);
     REQUIRE(r.exit_code == 0);
     CHECK(parse_json(r.out)["checkpoint_path"] == oldest.string());
