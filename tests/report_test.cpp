@@ -967,17 +967,27 @@ TEST_CASE("status: a run that failed on a checkpoint problem (exit 5) says to fi
                                  run_dir.string(), run_dir.string()));
 }
 
-TEST_CASE("status: a checkpoints directory gone or out of reach is not 'none': the hint says so") {
-  TempDir tmp;
+namespace {
+
+// A 2-rank run of 30 steps in tmp/run that failed at step 25, after its checkpoint of step 20: a
+// resume would continue from it.
+fs::path run_failed_after_checkpoint(const TempDir& tmp) {
   auto recipe_json = resumable_recipe();
   recipe_json["train"]["steps"] = 30;
   const auto recipe = write_recipe(tmp.path(), recipe_json);
   const fs::path run_dir = tmp / "run";
-  // Failed after its checkpoint of step 20: a resume would continue from it.
   auto r = run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir", run_dir.string()},
                        {{"DPTRAIN_FAULT", "exit@step=25,rank=1,code=9"}});
   REQUIRE(r.exit_code == 3);
   REQUIRE(fs::exists(run_dir / "checkpoints/step-000020"));
+  return run_dir;
+}
+
+}  // namespace
+
+TEST_CASE("status: a checkpoints directory gone or out of reach is not 'none': the hint says so") {
+  TempDir tmp;
+  const fs::path run_dir = run_failed_after_checkpoint(tmp);
   const auto status = [&] { return run_dptrain({"status", run_dir.string(), "--json"}); };
   CHECK(parse_json(status().out)["hint"] ==
         "continue it with 'dptrain resume " + run_dir.string() + "'");
@@ -1010,14 +1020,7 @@ TEST_CASE("status: a checkpoints directory gone or out of reach is not 'none': t
 
 TEST_CASE("status of a resume whose ranks have not met: the step shown is the last generation's") {
   TempDir tmp;
-  auto recipe_json = resumable_recipe();
-  recipe_json["train"]["steps"] = 30;
-  const auto recipe = write_recipe(tmp.path(), recipe_json);
-  const fs::path run_dir = tmp / "run";
-  auto failed =
-      run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir", run_dir.string()},
-                  {{"DPTRAIN_FAULT", "exit@step=25,rank=1,code=9"}});
-  REQUIRE(failed.exit_code == 3);
+  const fs::path run_dir = run_failed_after_checkpoint(tmp);
   CHECK_FALSE(
       parse_json(run_dptrain({"status", run_dir.string(), "--json"}).out)["generation_starting"]
           .get<bool>());
