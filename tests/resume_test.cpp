@@ -689,6 +689,27 @@ TEST_CASE("SIGTERM with a hung rank and no --hang-timeout: the heartbeats name t
   CHECK(contains(launcher.err(), "; waiting for it in collective #"));
 }
 
+TEST_CASE("SIGTERM with a hung rank: when the stop's grace runs out, the heartbeats name it") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  const fs::path run_dir = tmp / "run";
+  // The grace for the checkpoint cut from a minute to 3 s: it runs out, and the launcher kills
+  // the ranks itself; its verdict is then that the rank behind was stuck.
+  Background launcher(
+      {"launch", recipe.string(), "--nproc", "2", "--run-dir", run_dir.string()},
+      {{"DPTRAIN_FAULT", "hang@step=3,rank=1"}, {"DPTRAIN_TEST_STOP_GRACE_MS", "3000"}});
+  REQUIRE(eventually([&] { return worker_pids(run_dir).size() == 2; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(3000));
+  REQUIRE(::kill(launcher.pid(), SIGTERM) == 0);
+  CHECK(launcher.wait(std::chrono::seconds(60)) == 143);
+  INFO(launcher.err());
+  CHECK(contains(launcher.err(), "stopped by SIGTERM, but not every rank checkpointed: "));
+  CHECK(contains(launcher.err(), "they were still running 3 s after they were asked to stop"));
+  CHECK(contains(launcher.err(), "; by the ranks' last heartbeats, stuck: rank 1 at step 3 "));
+  CHECK(contains(launcher.err(), "; waiting for it in collective #"));
+  CHECK_FALSE(contains(launcher.err(), "not necessarily stuck"));
+}
+
 TEST_CASE("SIGTERM during the last step: nothing is left to stop, the run completes") {
   TempDir tmp;
   auto j = small_recipe();
