@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -288,11 +289,11 @@ GemmShape gemm_shape(const char* what, ConstMatrix a, Transpose transpose_a, Con
 }
 
 // What cuBLASLt does with a product on its way out (in row-major terms, c = op(a) op(b)):
-// nothing; BIAS adds `vector` to every row of c; BGRADB writes the column sums of op(a) over k
-// (a linear layer's bias gradient, when op(a) = dy^T... read as [k, m]: see linear_weight_grad)
-// into `vector`; DGELU multiplies the product by gelu'(aux), aux a matrix of c's shape whose rows
-// are aux_ld elements apart; GELU_AUX_BIAS adds the bias `vector`, writes that to aux (written,
-// not read) and its GELU to c. `vector` and aux have c's dtype.
+// nothing; BIAS adds `vector` to every row of c; BGRADB writes the sums of op(a)'s rows over k
+// into `vector` (dy's column sums when op(a) = dy^T: a linear layer's bias gradient, see
+// linear_weight_grad); DGELU multiplies the product by gelu'(aux), aux a matrix of c's shape whose
+// rows are aux_ld elements apart; GELU_AUX_BIAS adds the bias `vector`, writes that to aux
+// (written, not read) and its GELU to c. `vector` and aux have c's dtype.
 struct Epilogue {
   cublasLtEpilogue_t kind = CUBLASLT_EPILOGUE_DEFAULT;
   const void* vector = nullptr;
@@ -877,6 +878,27 @@ void CudaOps::gemm(ConstMatrix a, Transpose transpose_a, ConstMatrix b, Transpos
   }
 }
 
+// DPTRAIN_EPILOGUES=off: the linear ops below run their steps one by one, as where cuBLASLt has
+// no algorithm for an epilogue (to compare speed, and the GPU tests' way to test that path too).
+// Read at each call, as DPTRAIN_ATTENTION is.
+namespace {
+bool epilogues_allowed() {
+  const char* how = std::getenv("DPTRAIN_EPILOGUES");
+  const std::string choice = how == nullptr ? "on" : how;
+  if (choice != "on" && choice != "off") {
+    precondition_failed("linear", "DPTRAIN_EPILOGUES=" + choice + ": use on or off");
+  }
+  return choice == "on";
+}
+
+// GELU through cuBLASLt's epilogues (GELU_AUX_BIAS, DGELU) for 16-bit matmuls only: cuBLASLt
+// does not document the accuracy of its GELU, and an f32 matmul keeps the f32 GELU kernels'
+// (the CPU's to about 1e-6). Its GELU input (aux) 16-byte aligned, like the bias.
+bool gelu_epilogue_allowed(DType dtype, const void* aux) {
+  return dtype != DType::f32 && alignment(aux) >= 16 && epilogues_allowed();
+}
+}  // namespace
+
 void CudaOps::linear(ConstMatrix x, const void* weight, const void* bias, Matrix y,
                      const void* residual) {
   OpTimer timer(*this, "linear");
@@ -898,7 +920,10 @@ void CudaOps::linear(ConstMatrix x, const void* weight, const void* bias, Matrix
            lt_matmul("linear", matmul_plans_->plans, lt_, lt_workspace_, stream_, shape, x,
                      Transpose::no, w, Transpose::yes, y, 1.0f, beta, epilogue, residual);
   };
-  if (bias != nullptr && y.dtype == x.dtype && alignment(bias) >= 16 && matmul(bias)) return;
+  if (bias != nullptr && y.dtype == x.dtype && alignment(bias) >= 16 && epilogues_allowed() &&
+      matmul(bias)) {
+    return;
+  }
   // The bias on its own: not the epilogue's dtype or alignment, or no algorithm with it. (Here
   // and in the ops below, an op with work for an epilogue that ran without one is filed as
   // "(unfused)" in the profile, whatever the reason; an empty product is not.)
@@ -926,6 +951,7 @@ void CudaOps::linear_activation(ConstMatrix x, const void* weight, const void* b
   const bool wanted = activation == Activation::gelu && bias != nullptr && shape.m > 0 &&
                       shape.n > 0 && shape.k > 0;
   if (wanted && out.dtype == x.dtype && alignment(bias) >= 16 && out.cols % 8 == 0 &&
+      gelu_epilogue_allowed(out.dtype, pre.data) &&
       lt_matmul("linear_activation", matmul_plans_->plans, lt_, lt_workspace_, stream_, shape, x,
                 Transpose::no, w, Transpose::yes, out, 1.0f, 0.0f,
                 Epilogue{CUBLASLT_EPILOGUE_GELU_AUX_BIAS, bias, pre.data, pre.cols})) {
@@ -945,7 +971,7 @@ void CudaOps::linear_weight_grad(ConstMatrix dy, ConstMatrix x, float* dweight, 
   // while it accumulates dy^T x: dy is read once, not again by bias_grad. It writes rather than
   // adds, so the sums go to scratch and are added to dbias after.
   const bool wanted = dbias != nullptr && shape.m > 0 && shape.n > 0 && shape.k > 0;
-  if (wanted && dy.contiguous()) {
+  if (wanted && dy.contiguous() && epilogues_allowed()) {
     float* sums = static_cast<float*>(scratch(static_cast<size_t>(dy.cols) * sizeof(float)));
     if (lt_matmul("linear_weight_grad", matmul_plans_->plans, lt_, lt_workspace_, stream_, shape,
                   dy, Transpose::yes, x, Transpose::no, dw, 1.0f, 1.0f,
@@ -972,7 +998,7 @@ void CudaOps::linear_activation_grad(ConstMatrix dy, const void* weight, Activat
   // dpre. It wants the input's rows a multiple of 8 elements apart, like D's.
   const bool wanted = activation == Activation::gelu && shape.m > 0 && shape.n > 0 && shape.k > 0;
   if (wanted && pre.contiguous() && dpre.contiguous() && dpre.cols % 8 == 0 &&
-      dpre.dtype == dy.dtype &&
+      dpre.dtype == dy.dtype && gelu_epilogue_allowed(dpre.dtype, pre.data) &&
       lt_matmul("linear_activation_grad", matmul_plans_->plans, lt_, lt_workspace_, stream_, shape,
                 dy, Transpose::no, w, Transpose::no, dpre, 1.0f, 0.0f,
                 Epilogue{CUBLASLT_EPILOGUE_DGELU, nullptr, pre.data, pre.cols})) {
