@@ -209,7 +209,7 @@ __device__ __forceinline__ void zero(Acc (&acc)[N]) {
 }
 
 // The thread's two rows (r = 0: row g, r = 1: row g + 8) of a warp's [16][HD] accumulator tile
-// times `factor`, into columns [col, col + HD) of sequence rows row0 + g (+ 8) of `dst` (the
+// times `factor`, into the first HD columns of sequence rows row0 + g (+ 8) of `dst` (the
 // head's column 0 of the sequence's row 0; rows ld elements apart), rows at or past seq left.
 template <typename T, int HD>
 __device__ __forceinline__ void write_rows(T* dst, int64_t ld, int row0, int seq,
