@@ -2,7 +2,9 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <memory>
+#include <string_view>
 
 #include <fmt/format.h>
 
@@ -18,6 +20,7 @@
 #include "core/tensor/device.hpp"
 #include "launch/bench_train.hpp"
 #include "launch/job.hpp"
+#include "launch/run_dir.hpp"
 #include "launch/status.hpp"
 #include "launch/supervisor.hpp"
 
@@ -114,9 +117,31 @@ void check_local_gpus_for(const BenchTrainCliOptions& o, const BenchWorld& large
                   largest.world));
 }
 
+// --svg's file is replaced by the chart (a rename), found before any run: never a file in a run
+// directory, and never one that holds something else (the recipe benchmarked, a dataset's
+// tokens): a file there already is replaced only when it is a chart itself (or empty).
+void check_svg_output(const std::string& given) {
+  check_output_file("--svg", given, "the SVG file");
+  if (const auto run = run_dir_holding(std::filesystem::absolute(given))) {
+    throw Error(ErrorKind::usage,
+                fmt::format("--svg {}: inside the run directory {}, whose files a chart must not "
+                            "replace; name a file outside every run directory",
+                            given, run->string()));
+  }
+  std::ifstream in(given, std::ios::binary);
+  char start[4] = {};
+  if (in && in.read(start, sizeof start).gcount() > 0 &&
+      std::string_view(start, static_cast<size_t>(in.gcount())) != "<svg") {
+    throw Error(ErrorKind::usage,
+                fmt::format("--svg {}: holds something else than a chart (it does not start with "
+                            "<svg), so it is not replaced; name another file, or remove it first",
+                            given));
+  }
+}
+
 int run_bench_train_cmd(const BenchTrainCliOptions& o) {
   install_stop_signal_handlers();
-  if (!o.svg.empty()) check_output_file("--svg", o.svg, "the SVG file");  // before any run
+  if (!o.svg.empty()) check_svg_output(o.svg);  // before any run
   BenchTrainOptions bench = o.bench;
   bench.scaling = o.strong ? BatchScaling::strong : BatchScaling::weak;
 

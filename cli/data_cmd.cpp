@@ -13,6 +13,7 @@
 #include <cstring>
 #include <ctime>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <set>
 #include <string_view>
@@ -65,6 +66,7 @@ struct PrepareSummary {
   int64_t vocab = 0;
   int64_t tokens = 0, train_tokens = 0, val_tokens = 0;
   int dtype_bytes = 2;
+  std::vector<std::string> warnings;  // each also printed on stderr as it is found
 };
 
 // One line, whatever the paths in it hold (a file name with a newline).
@@ -464,6 +466,7 @@ void print_summary(const PrepareSummary& s, bool as_json) {
                       {"train_tokens", s.train_tokens},
                       {"val_tokens", s.val_tokens},
                       {"dtype", dtype_name(s.dtype_bytes)},
+                      {"warnings", s.warnings},
                       // As every command's object on success (recipe validate, doctor, ...).
                       {"status", "ok"},
                       {"exit_code", 0}};
@@ -496,19 +499,36 @@ int run_prepare(const PrepareOptions& o) {
   std::error_code ec;
   status.set_output(s.path, fs::exists(fs::symlink_status(s.path, ec)));
 
+  // A file given twice (under two names: a link and its target, as a glob of
+  // /usr/share/common-licenses/* gives) is read once: twice, the held-out text at the end would
+  // also be in the training text, and the split would no longer hold out anything.
+  std::vector<std::string> texts;
+  std::map<std::pair<dev_t, ino_t>, std::string> seen;
+  for (const auto& name : o.text) {
+    struct stat st {};
+    if (::stat(name.c_str(), &st) == 0 && S_ISREG(st.st_mode)) {
+      const auto [at, fresh] = seen.emplace(std::make_pair(st.st_dev, st.st_ino), name);
+      if (!fresh) {
+        s.warnings.push_back(printable(fmt::format(
+            "--text {}: the same file as {}, given before: read once", name, at->second)));
+        status.line("dptrain: warning: " + s.warnings.back());
+        continue;
+      }
+    }
+    texts.push_back(name);
+  }
   const TextBudget budget(o);
   uint64_t expected = 0;
-  for (const auto& name : o.text) {
+  for (const auto& name : texts) {
     const uintmax_t size = fs::file_size(name, ec);
     if (!ec) expected += size;
   }
   if (expected > budget.limit) {
-    budget.refuse_over(
-        fmt::format("{}: {} of text", fmt::join(o.text, ", "), human_size(expected)));
+    budget.refuse_over(fmt::format("{}: {} of text", fmt::join(texts, ", "), human_size(expected)));
   }
   std::string text;
   text.reserve(expected + kReadChunk);  // room for the read that finds the end
-  for (const auto& name : o.text) {
+  for (const auto& name : texts) {
     const fs::path path = name;
     const size_t start = text.size();
     append_text(path, text, budget, status);
@@ -526,7 +546,7 @@ int run_prepare(const PrepareOptions& o) {
     s.sources.push_back({fs::absolute(path).lexically_normal(), part.size()});
   }
   s.bytes = text.size();
-  if (text.empty()) refuse(fmt::format("no text in {}", fmt::join(o.text, ", ")));
+  if (text.empty()) refuse(fmt::format("no text in {}", fmt::join(texts, ", ")));
 
   const Tokenizer tokenizer =
       o.tokenizer == "char"

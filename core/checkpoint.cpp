@@ -222,20 +222,23 @@ std::string not_a_plain_file(const fs::path& path, bool& denied) {
   return {};
 }
 
+// Why reading a checkpoint file failed with `e`: a permission (and `denied`), or the read's own
+// error ("cannot read: Input/output error", without the path the caller puts in front).
+std::string read_problem(const fs::path& file, const Error& e, bool& denied) {
+  if (::faccessat(AT_FDCWD, file.c_str(), R_OK, AT_EACCESS) != 0)
+    return access_problem(errno, denied);
+  const std::string what = e.what();
+  const std::string prefix = file.string() + ": ";
+  return what.starts_with(prefix) ? what.substr(prefix.size()) : what;
+}
+
 // A checkpoint file's bytes, or none with `problem` (and `denied`) saying why not.
 std::optional<std::string> read_part(const fs::path& file, std::string& problem, bool& denied) {
   if (problem = not_a_plain_file(file, denied); !problem.empty()) return std::nullopt;
   try {
     return read_file(file);
   } catch (const Error& e) {
-    if (::faccessat(AT_FDCWD, file.c_str(), R_OK, AT_EACCESS) != 0) {
-      problem = access_problem(errno, denied);
-    } else {
-      // "cannot read: Input/output error", without the path the caller puts in front.
-      const std::string what = e.what();
-      const std::string prefix = file.string() + ": ";
-      problem = what.starts_with(prefix) ? what.substr(prefix.size()) : what;
-    }
+    problem = read_problem(file, e, denied);
     return std::nullopt;
   }
 }
@@ -316,28 +319,48 @@ MetaCheck check_meta(const fs::path& dir) {
   return out;
 }
 
-// Reads one blob and checks it against its record, filling in what is on disk and any problem.
-// Returns the bytes read.
-std::string check_blob(const fs::path& dir, BlobStatus& blob) {
-  std::optional<std::string> read = read_part(dir / blob.file, blob.problem, blob.denied);
-  if (!read) return {};
-  std::string raw = std::move(*read);
-  blob.actual_bytes = raw.size();
-  blob.actual_checksum = checksum_hex(checksum64(raw.data(), raw.size()));
-  if (raw.size() != blob.bytes || blob.bytes % sizeof(float) != 0) {
-    blob.problem =
-        fmt::format("truncated or wrong size: {} bytes, expected {}", raw.size(), blob.bytes);
-  } else if (blob.actual_checksum != blob.checksum) {
+// Checks one blob against its record, filling in what is on disk and any problem: its size
+// first (one of another size is not read), then its checksum, read a piece at a time so that a
+// blob of any size is checked in little memory. With `into`, its content as floats too; their
+// room is taken before the read, so a shortage of memory is std::bad_alloc (out of memory),
+// never a blob that reads short.
+void check_blob(const fs::path& dir, BlobStatus& blob, std::vector<float>* into = nullptr) {
+  const fs::path file = dir / blob.file;
+  if (blob.problem = not_a_plain_file(file, blob.denied); !blob.problem.empty()) return;
+  std::error_code ec;
+  const uintmax_t size = fs::file_size(file, ec);
+  if (ec) {
+    blob.problem = access_problem(ec.value(), blob.denied);
+    return;
+  }
+  const auto wrong_size = [&](uint64_t bytes) {
+    blob.problem = fmt::format("truncated or wrong size: {} bytes, expected {}", bytes, blob.bytes);
+  };
+  blob.actual_bytes = size;
+  if (size != blob.bytes || blob.bytes % sizeof(float) != 0) return wrong_size(size);
+  if (into != nullptr) into->assign(blob.bytes / sizeof(float), 0.0f);
+  Checksum64 sum;
+  uint64_t read = 0;
+  try {
+    read_file_pieces(file, [&](const char* data, size_t n) {
+      if (into != nullptr && read + n <= blob.bytes)
+        std::memcpy(reinterpret_cast<char*>(into->data()) + read, data, n);
+      sum.update(data, n);
+      read += n;
+    });
+  } catch (const Error& e) {
+    blob.actual_bytes.reset();
+    blob.problem = read_problem(file, e, blob.denied);
+    return;
+  }
+  // A file that changed size while it was read.
+  blob.actual_bytes = read;
+  if (read != blob.bytes) return wrong_size(read);
+  blob.actual_checksum = checksum_hex(sum.value());
+  if (blob.actual_checksum != blob.checksum) {
     blob.problem = fmt::format("checksum mismatch (corrupted): {} on disk, {} recorded",
                                blob.actual_checksum, blob.checksum);
   }
-  return raw;
-}
-
-std::vector<float> as_floats(const std::string& raw) {
-  std::vector<float> out(raw.size() / sizeof(float));
-  std::memcpy(out.data(), raw.data(), out.size() * sizeof(float));
-  return out;
 }
 
 int64_t step_of(const fs::path& dir) {
@@ -503,10 +526,9 @@ CheckpointData read_checkpoint(const fs::path& dir) {
   std::optional<Meta>& meta = checked.meta;
   std::array<std::vector<float>, kBlobNames.size()> blobs;
   for (BlobStatus& blob : meta->blobs) {
-    const std::string raw = check_blob(dir, blob);
-    if (!blob.ok()) fail(dir / blob.file, blob.problem);
     const auto index = std::find(kBlobNames.begin(), kBlobNames.end(), blob.name);
-    blobs[static_cast<size_t>(index - kBlobNames.begin())] = as_floats(raw);
+    check_blob(dir, blob, &blobs[static_cast<size_t>(index - kBlobNames.begin())]);
+    if (!blob.ok()) fail(dir / blob.file, blob.problem);
   }
   return {std::move(meta->position), std::move(blobs[0]), std::move(blobs[1]), std::move(blobs[2])};
 }

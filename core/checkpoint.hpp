@@ -54,7 +54,8 @@ struct BlobStatus {
   uint64_t bytes = 0;                    // recorded size
   std::string checksum;                  // recorded checksum
   std::optional<uint64_t> actual_bytes;  // on disk; none when missing or unreadable
-  std::string actual_checksum;           // on disk; empty when missing or unreadable
+  std::string actual_checksum;           // on disk; empty when missing, unreadable or of the
+                                         // wrong size (not read then)
   std::string problem;                   // why it does not verify; empty when it does
   bool denied = false;                   // a permission stops the read: out of reach, maybe intact
   bool ok() const { return problem.empty(); }

@@ -12,9 +12,8 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 #include <system_error>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -64,12 +63,38 @@ void write_all(int fd, const void* data, size_t size, const std::filesystem::pat
 }  // namespace
 
 std::string read_file(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw_io(path, "read");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) throw_io(path, "read");
-  return std::move(ss).str();
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) throw_io(path, "read");
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) throw_io(path, "read");
+  // A regular file's room is taken at once: where memory runs short, that is std::bad_alloc
+  // (out of memory), never a read that stops early and passes for a short file.
+  std::string out;
+  if (S_ISREG(st.st_mode)) out.reserve(static_cast<size_t>(st.st_size));
+  char buffer[1 << 16];
+  for (;;) {
+    const ssize_t n = ::read(fd.get(), buffer, sizeof buffer);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw_io(path, "read");
+    if (n == 0) return out;
+    out.append(buffer, static_cast<size_t>(n));
+  }
+}
+
+uint64_t read_file_pieces(const std::filesystem::path& path,
+                          const std::function<void(const char*, size_t)>& piece) {
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) throw_io(path, "read");
+  std::vector<char> buffer(size_t{8} << 20);
+  uint64_t total = 0;
+  for (;;) {
+    const ssize_t n = ::read(fd.get(), buffer.data(), buffer.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw_io(path, "read");
+    if (n == 0) return total;
+    piece(buffer.data(), static_cast<size_t>(n));
+    total += static_cast<uint64_t>(n);
+  }
 }
 
 namespace {

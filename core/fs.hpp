@@ -13,6 +13,10 @@ namespace dptrain {
 
 // Reads a whole file; Error(io) "PATH: cannot read: reason".
 std::string read_file(const std::filesystem::path& path);
+// Reads a file a piece at a time (at most 8 MiB each), handing each to `piece` in order, so that
+// a file of any size is read in little memory. Returns the bytes read; errors as read_file's.
+uint64_t read_file_pieces(const std::filesystem::path& path,
+                          const std::function<void(const char*, size_t)>& piece);
 // Where a stop signal is recorded (the commands' handlers, launch/supervisor.cpp, install it):
 // the pending stop's signal, 0 for none. Reads that can wait for ever look at it between waits.
 void set_stop_check(int (*pending_stop)());

@@ -213,15 +213,24 @@ TEST_CASE(
   fs::create_directory(tmp / "dir");
   write_text(tmp / "target.svg", "mine");
   fs::create_symlink(tmp / "target.svg", tmp / "link.svg");
+  // The recipe benchmarked itself, and a file of a run (its record would be gone).
+  fs::copy_file(quickstart(), tmp / "recipe.json");
+  fs::create_directory(tmp / "run");
+  write_text(tmp / "run/run.json", R"({"status": "completed", "generations": []})");
+  write_text(tmp / "run/chart.svg", "<svg></svg>");
+  const std::string recipe = read_text(tmp / "recipe.json");
   for (const auto& [name, says] : std::vector<std::pair<std::string, std::string>>{
+           {"target.svg", "holds something else than a chart (it does not start with <svg)"},
+           {"recipe.json", "holds something else than a chart"},
+           {"run/chart.svg", "inside the run directory " + (tmp / "run").string()},
            {"fifo", "is a pipe, not a regular file"},
            {"link.svg", "is a symbolic link, not a regular file"},
            {"dir", "is a directory; name the SVG file to write"},
            {"no/such/chart.svg", "no such directory"},
            {"target.svg/chart.svg", (tmp / "target.svg").string() + " is not a directory"}}) {
     CAPTURE(name);
-    auto r =
-        bench(tmp, {quickstart(), "--nproc", "1", "--steps", "2", "--svg", (tmp / name).string()});
+    auto r = bench(tmp, {(tmp / "recipe.json").string(), "--nproc", "1", "--steps", "2", "--svg",
+                         (tmp / name).string()});
     CHECK(r.exit_code == 2);
     CHECK(one_error_line(r.err));
     CHECK_MESSAGE(r.err.find("--svg " + (tmp / name).string() + ": " + says) != std::string::npos,
@@ -231,6 +240,8 @@ TEST_CASE(
   CHECK(fs::is_fifo(tmp / "fifo"));
   CHECK(fs::is_symlink(tmp / "link.svg"));
   CHECK(read_text(tmp / "target.svg") == "mine");
+  CHECK(read_text(tmp / "recipe.json") == recipe);
+  CHECK(read_text(tmp / "run/run.json") == R"({"status": "completed", "generations": []})");
 }
 
 TEST_CASE("--strong refuses a world size that cannot share the global batch, naming it") {

@@ -142,6 +142,63 @@ TEST_CASE("ckpt list and verify on a healthy run") {
   CHECK(partial_json["incomplete"][0]["bytes"].get<int64_t>() >= 5000);
 }
 
+TEST_CASE("ckpt verify checks blobs larger than its memory, and sizes before reading") {
+  // A 17M-parameter model: optimizer.bin is 135 MB, more than the verify may hold under its
+  // 100 MB address-space limit. Blobs are checksummed a piece at a time (one read whole once
+  // stopped short where memory ran out, and was reported as truncated: exit 5 for a good one).
+  TempDir tmp;
+  auto recipe = small_recipe();
+  recipe["model"]["hidden"] = {4096, 4096};
+  recipe["train"]["steps"] = 1;
+  recipe["optimizer"]["schedule"] = {{"type", "constant"}};
+  recipe["checkpoint"] = {{"every", 1}, {"keep", 1}};
+  recipe["eval"]["every"] = 0;
+  const fs::path run_dir = tmp / "run";
+  const auto launched = run_dptrain({"launch", write_recipe(tmp.path(), recipe).string(), "--nproc",
+                                     "1", "--run-dir", run_dir.string()});
+  INFO(launched.err);
+  REQUIRE(launched.exit_code == 0);
+  const fs::path blob = run_dir / "checkpoints/step-000001/optimizer.bin";
+  REQUIRE(fs::file_size(blob) > 100'000'000);
+  const auto verify_limited = [&] {
+    const std::string command = "ulimit -v 100000; exec timeout -k 5 120 '" + binary() +
+                                "' ckpt verify '" + run_dir.string() + "' --json > '" +
+                                (tmp / "out").string() + "' 2> '" + (tmp / "err").string() + "'";
+    const int status = std::system(("bash -c \"" + command + "\"").c_str());
+    INFO(read_text(tmp / "err"));
+    REQUIRE(WIFEXITED(status));
+    return std::make_pair(WEXITSTATUS(status), parse_json(read_text(tmp / "out")));
+  };
+  {
+    const auto [code, j] = verify_limited();
+    CHECK(code == 0);
+    CHECK(j["status"] == "ok");
+  }
+  // A blob of another size is not read at all: a 10 GB one (sparse) is named at once, by the
+  // size on disk, and gets no checksum.
+  const uintmax_t recorded = fs::file_size(blob);
+  fs::resize_file(blob, 10'000'000'000);
+  {
+    const auto [code, j] = verify_limited();
+    CHECK(code == 5);
+    const std::string text = j.dump();
+    INFO(text);
+    CHECK(contains(text, fmt::format("optimizer.bin: truncated or wrong size: 10000000000 bytes, "
+                                     "expected {}",
+                                     recorded)));
+    bool found = false;
+    for (const auto& c : j["checkpoints"]) {
+      for (const auto& b : c["blobs"]) {
+        if (b["file"] != "optimizer.bin") continue;
+        found = true;
+        CHECK(b["actual_bytes"] == 10'000'000'000);
+        CHECK(b["actual_checksum"].is_null());
+      }
+    }
+    CHECK(found);
+  }
+}
+
 TEST_CASE("ckpt verify exits 5 naming a corrupted and a truncated blob; list marks them") {
   TempDir tmp;
   const fs::path run = make_run(tmp);

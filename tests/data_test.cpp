@@ -127,6 +127,32 @@ TEST_CASE("data prepare --json: counts match the input, and the files hold the t
   CHECK(contains(plain.out, "path          " + (tmp / "plain").string() + "\n"));
 }
 
+TEST_CASE("data prepare reads a file given twice (a link and its target) once, and says so") {
+  TempDir tmp;
+  const std::string a = synthetic_text(3, 2000), b = synthetic_text(4, 500);
+  write_text(tmp / "a.txt", a);
+  write_text(tmp / "b.txt", b);
+  fs::create_symlink(tmp / "a.txt", tmp / "link.txt");
+  const fs::path out = tmp / "ds";
+  const auto r = prepare({"--text", (tmp / "a.txt").string(), (tmp / "b.txt").string(),
+                          (tmp / "link.txt").string(), (tmp / "b.txt").string(), "--out",
+                          out.string(), "--json"});
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  const auto j = parse_json(r.out);
+  // Read twice, the end held out (b's text) would also be in the training text.
+  CHECK(j["files"] == 2);
+  CHECK(j["bytes"] == 2500);
+  CHECK(decoded(out) == a + b);
+  REQUIRE(j["warnings"].size() == 2);
+  CHECK(j["warnings"][0] == "--text " + (tmp / "link.txt").string() + ": the same file as " +
+                                (tmp / "a.txt").string() + ", given before: read once");
+  CHECK(j["warnings"][1] == "--text " + (tmp / "b.txt").string() + ": the same file as " +
+                                (tmp / "b.txt").string() + ", given before: read once");
+  CHECK(contains(r.err, "dptrain: warning: " + j["warnings"][0].get<std::string>() + "\n"));
+  CHECK(parse_json(read_text(out / "meta.json"))["sources"].size() == 2);
+}
+
 TEST_CASE("data prepare: byte vs char vocabulary on UTF-8 text; uint32 on request") {
   TempDir tmp;
   const std::string text =
@@ -192,9 +218,10 @@ TEST_CASE("data prepare refuses bad input with exit 2 and one line, writing noth
         "dptrain: error: --text '': an empty file name (give the text's path)");
   CHECK(refusal({"--text", tmp.path().string(), "--out", out}) ==
         "dptrain: error: " + tmp.path().string() + ": cannot read: is a directory");
-  CHECK(refusal({"--text", (tmp / "empty.txt").string(), (tmp / "empty.txt").string(), "--out",
+  write_text(tmp / "empty2.txt", "");
+  CHECK(refusal({"--text", (tmp / "empty.txt").string(), (tmp / "empty2.txt").string(), "--out",
                  out}) == "dptrain: error: no text in " + (tmp / "empty.txt").string() + ", " +
-                              (tmp / "empty.txt").string());
+                              (tmp / "empty2.txt").string());
   CHECK(refusal({"--text", (tmp / "tiny.txt").string(), "--out", out}) ==
         "dptrain: error: --val-fraction 0.1 of 4 tokens leaves 4 for training and 0 for "
         "validation; each needs at least 2 (give more text, or --val-fraction 0 for no "
@@ -236,7 +263,7 @@ TEST_CASE("data prepare refuses bad input with exit 2 and one line, writing noth
             ": holds the current directory (the dataset replaces its directory): give the name "
             "of a directory to create, as --out DATASET");
   CHECK_FALSE(fs::exists(out));
-  check_no_leftovers(tmp.path(), 4);
+  check_no_leftovers(tmp.path(), 5);  // the inputs: nothing else
 
   // With --json an error is one JSON object on stdout as well.
   auto r = prepare({"--text", (tmp / "empty.txt").string(), "--out", out, "--json"});
