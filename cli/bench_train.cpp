@@ -181,7 +181,8 @@ int run_bench_train_cmd(const BenchTrainCliOptions& o) {
     if (e.kind() != ErrorKind::recipe) throw;
     throw Error(ErrorKind::recipe, fmt::format("{}: {}", o.recipe, e.what()));
   }
-  check_bench_worlds(spec.recipe, worlds, bench, hosts.empty() ? "--nproc" : "--nnodes");
+  check_bench_worlds(spec.recipe, worlds, bench, hosts.empty() ? "--nproc" : "--nnodes",
+                     override_source(o, bench.precisions.front()));
   std::vector<std::string> fault_warnings;  // faults that fire in no run of the sweep
   {
     JobSpec largest = spec;
@@ -301,7 +302,7 @@ void setup_bench_train(CLI::App& app, Outcome& outcome) {
                      "time; default 1, 2, 4, ... and all of them)");
   app.add_option("--steps", o->bench.steps,
                  "Training steps per run (the recipe's train.steps is overridden)")
-      ->check(whole_number<int64_t>("N", std::numeric_limits<int64_t>::max(), 1))
+      ->check(whole_number<int64_t>("N", kMaxSteps, 1))
       ->capture_default_str();
   app.add_option("--repeats", o->bench.repeats,
                  "Runs per world size; every number reported is their median")

@@ -45,11 +45,6 @@ constexpr int64_t kMaxGradAccum = int64_t{1} << 20;     // 1,048,576
 // batch_per_rank x grad_accum: times a world size below 2^31, the global batch stays below 2^62.
 constexpr int64_t kMaxSamplesPerRankStep = int64_t{1} << 31;
 constexpr int64_t kMaxThreadsPerRank = 256;
-// Every count of steps (train.steps, warm-up, the every/period fields): far beyond any run, and
-// far inside int64 and a double's exact integers, so that step arithmetic (the warm-up's
-// fraction, a step + an interval) cannot overflow or round. (Steps x global batch, for the
-// samples per second, is computed in double.)
-constexpr int64_t kMaxSteps = 1'000'000'000'000;
 constexpr int64_t kMaxDimension = (int64_t{1} << 31) - 1;    // every model size field
 constexpr uint64_t kMaxParameters = uint64_t{1} << 40;       // 1,099,511,627,776 (4 TiB in f32)
 constexpr uint64_t kMaxSyntheticValues = uint64_t{1} << 40;  // data.samples x model.input

@@ -162,6 +162,12 @@ struct Recipe {
   bool operator==(const Recipe&) const = default;
 };
 
+// Every count of steps (train.steps, warm-up, the every/period fields, a benchmark's --steps):
+// far beyond any run, and far inside int64 and a double's exact integers, so that step
+// arithmetic (the warm-up's fraction, a step + an interval) cannot overflow or round. (Steps x
+// global batch, for the samples per second, is computed in double.)
+inline constexpr int64_t kMaxSteps = 1'000'000'000'000;
+
 // The longest duration a recipe field or a flag in seconds may give (about 11.6 days): longer
 // ones would overflow the clocks' conversions. 0 means "off" where a field allows it.
 inline constexpr double kMaxSeconds = 1e6;

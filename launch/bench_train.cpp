@@ -335,8 +335,8 @@ std::vector<std::string> BenchTrainReport::shortfalls(const BenchThresholds& min
     const bool largest = i + 1 == rows.size() || rows[i + 1].precision != row.precision;
     const std::string where = fmt::format("{} at world {}", row.precision, row.world);
     if (min.efficiency && row.efficiency < *min.efficiency) {
-      out.push_back(fmt::format("{}: scaling efficiency {:.3g} is below --min-efficiency {:g}",
-                                where, row.efficiency, *min.efficiency));
+      out.push_back(fmt::format("{}: scaling efficiency {:.3g} is below --min-efficiency {}", where,
+                                row.efficiency, *min.efficiency));
     }
     if (!largest) continue;
     const double throughput = tokens ? row.tokens_per_s : row.samples_per_s;
@@ -344,11 +344,11 @@ std::vector<std::string> BenchTrainReport::shortfalls(const BenchThresholds& min
       // Whole numbers, but never a 0 for a small figure.
       const std::string shown =
           throughput < 100 ? fmt::format("{:.3g}", throughput) : fmt::format("{:.0f}", throughput);
-      out.push_back(fmt::format("{}: {} {} is below --min-throughput {:g}", where, shown, unit,
+      out.push_back(fmt::format("{}: {} {} is below --min-throughput {}", where, shown, unit,
                                 *min.throughput));
     }
     if (min.mfu_percent && row.mfu && 100.0 * *row.mfu < *min.mfu_percent) {
-      out.push_back(fmt::format("{}: MFU {:.3g}% is below --min-mfu {:g}%", where, 100.0 * *row.mfu,
+      out.push_back(fmt::format("{}: MFU {:.3g}% is below --min-mfu {}%", where, 100.0 * *row.mfu,
                                 *min.mfu_percent));
     }
   }
@@ -608,6 +608,16 @@ void run_bench_train(const Recipe& recipe, const std::vector<BenchWorld>& worlds
       if (report.peak_tflops) {
         row.mfu = model_flops_utilization(throughput(row, report.tokens), report.flops_per_unit,
                                           w.world, *report.peak_tflops);
+        // More FLOPs than the peak allows: the peak is wrong, not the measurement (once).
+        if (*row.mfu > 1.0 &&
+            std::none_of(report.notes.begin(), report.notes.end(),
+                         [](const std::string& n) { return n.starts_with("MFU above 100%"); })) {
+          report.notes.push_back(fmt::format(
+              "MFU above 100% ({} at world {}): the peak of {} TFLOP/s per device is below "
+              "what it did; give its real peak with --peak-tflops",
+              mfu_text(row.mfu), w.world, *report.peak_tflops));
+          progress("bench train: note: " + report.notes.back());
+        }
       }
       report.rows.push_back(row);
       fill_efficiency(report.rows);
@@ -622,13 +632,13 @@ void run_bench_train(const Recipe& recipe, const std::vector<BenchWorld>& worlds
 }
 
 void check_bench_worlds(const Recipe& recipe, const std::vector<BenchWorld>& worlds,
-                        const BenchTrainOptions& options, const std::string& flag) {
+                        const BenchTrainOptions& options, const std::string& flag,
+                        const std::string& source) {
   if (worlds.empty()) return;
   for (const auto& w : worlds) {
     const Recipe r = bench_recipe(recipe, w.world, worlds.front().world, options);
     // What the ranks will parse: the recipe with the benchmark's changes must still be valid.
-    parse_recipe(to_json(r),
-                 fmt::format("{} (as benchmarked at world size {})", recipe.name, w.world),
+    parse_recipe(to_json(r), fmt::format("{} (as benchmarked at world size {})", source, w.world),
                  fs::current_path());
     try {
       check_runnable(r, w.world);

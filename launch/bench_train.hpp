@@ -192,9 +192,11 @@ void run_bench_train(const Recipe& recipe, const std::vector<BenchWorld>& worlds
 
 // Validates each world's bench_recipe and loads its data as a run would, so a world size whose
 // global batch the training split cannot hold is refused (Error(recipe) naming `flag` and the
-// world size), as is one --strong cannot split (Error(usage)), before any run starts.
+// world size), as is one --strong cannot split (Error(usage)), before any run starts. A recipe
+// the benchmark's changes made invalid is named as `source` (the file, and the flags given).
 void check_bench_worlds(const Recipe& recipe, const std::vector<BenchWorld>& worlds,
-                        const BenchTrainOptions& options, const std::string& flag);
+                        const BenchTrainOptions& options, const std::string& flag,
+                        const std::string& source);
 
 // The sweep's directory, created: `dir` (Error(usage) unless it is absent or empty), or
 // runs_root/bench-train-<UTC time> (a suffix keeps two sweeps in one second apart).

@@ -409,16 +409,16 @@ TEST_CASE("a strong-scaling refusal comes before any run; a failed run stops the
 TEST_CASE("a world whose global batch the data cannot hold is refused, naming it") {
   const Recipe recipe = small_recipe();  // 360 training samples, 24 per rank and step
   BenchTrainOptions o;
-  CHECK_NOTHROW(check_bench_worlds(recipe, {{1, {}}, {15, {}}}, o, "--nproc"));
+  CHECK_NOTHROW(check_bench_worlds(recipe, {{1, {}}, {15, {}}}, o, "--nproc", "recipe.json"));
   try {
-    check_bench_worlds(recipe, {{1, {}}, {2, {}}, {16, {}}}, o, "--nproc");
+    check_bench_worlds(recipe, {{1, {}}, {2, {}}, {16, {}}}, o, "--nproc", "recipe.json");
     FAIL("accepted");
   } catch (const Error& e) {
     CHECK(e.kind() == ErrorKind::recipe);
     CHECK(std::string(e.what()).rfind("--nproc: world size 16: ", 0) == 0);
   }
   o.scaling = BatchScaling::strong;
-  CHECK_THROWS_WITH_AS(check_bench_worlds(recipe, {{1, {}}, {7, {}}}, o, "--nproc"),
+  CHECK_THROWS_WITH_AS(check_bench_worlds(recipe, {{1, {}}, {7, {}}}, o, "--nproc", "recipe.json"),
                        doctest::Contains("--strong: world size 7"), Error);
 }
 

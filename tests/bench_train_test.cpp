@@ -336,16 +336,17 @@ TEST_CASE("--precision fp32 --peak-tflops 1 on the CPU: every row has an MFU, th
 TEST_CASE("--min-throughput, --min-efficiency and --min-mfu: below one exits 6 naming it") {
   TempDir tmp;
   const auto r = bench(tmp, {quickstart(), "--nproc", "1", "--steps", "10", "--peak-tflops", "1",
-                             "--min-throughput", "1e12", "--min-mfu", "100", "--json"});
+                             "--min-throughput", "1234567890123", "--min-mfu", "99.5", "--json"});
   CHECK(r.exit_code == 6);
   const json j = parse_json(r.out);  // the rows still come
   CHECK(j["status"] == "below_threshold");
   CHECK(j["exit_code"] == 6);
-  CHECK(j["min_throughput"] == 1e12);
+  CHECK(j["min_throughput"] == 1234567890123.0);
   REQUIRE(j["errors"].size() == 2);
   CHECK(j["errors"][0].get<std::string>().find("fp32 at world 1: ") == 0);
-  CHECK(r.err.find(" samples/s is below --min-throughput 1e+12\n") != std::string::npos);
-  CHECK(r.err.find("% is below --min-mfu 100%\n") != std::string::npos);
+  // Each threshold as given, not rounded to six digits.
+  CHECK(r.err.find(" samples/s is below --min-throughput 1234567890123\n") != std::string::npos);
+  CHECK(r.err.find("% is below --min-mfu 99.5%\n") != std::string::npos);
   CHECK(j["rows"].size() == 1);
   // MFU needs a peak: refused before anything runs.
   TempDir none;
@@ -353,6 +354,26 @@ TEST_CASE("--min-throughput, --min-efficiency and --min-mfu: below one exits 6 n
   CHECK(no_peak.exit_code == 2);
   CHECK(no_peak.err.find("--min-mfu: MFU needs a peak") != std::string::npos);
   CHECK(nothing_created(none));
+}
+
+TEST_CASE("an MFU above 100% says the peak is wrong") {
+  TempDir tmp;
+  const auto r =
+      bench(tmp, {quickstart(), "--nproc", "1", "--steps", "5", "--peak-tflops", "1e-6", "--json"});
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  const json j = parse_json(r.out);
+  REQUIRE(j["rows"].size() == 1);
+  CHECK(j["rows"][0]["mfu"].get<double>() > 1.0);
+  bool noted = false;
+  for (const auto& note : j["notes"]) {
+    const std::string text = note.get<std::string>();
+    noted = noted || (text.starts_with("MFU above 100% (") &&
+                      contains(text,
+                               " at world 1): the peak of 1e-06 TFLOP/s per device is "
+                               "below what it did; give its real peak with --peak-tflops"));
+  }
+  CHECK(noted);
 }
 
 TEST_CASE("--peak-tflops on the CPU puts an MFU column in the table") {
@@ -423,9 +444,11 @@ TEST_CASE(
   CHECK(nothing_created(tmp));
 }
 
-TEST_CASE("bad --precision, --device and --peak-tflops values exit 2 naming the option") {
+TEST_CASE("bad --precision, --device, --peak-tflops and --steps values exit 2 naming the option") {
   TempDir tmp;
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      // More steps than any recipe may have: the option's error, not the recipe's.
+      {{"--steps", "10000000000000"}, "--steps: "},
       {{"--precision", "fp8"}, "--precision"},
       {{"--precision", "bf16,bf16"}, "--precision"},
       {{"--precision", ""}, "--precision"},

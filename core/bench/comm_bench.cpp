@@ -788,9 +788,8 @@ std::vector<std::string> busbw_shortfalls(const CommBenchResult& result, double 
     }
     // Three significant digits: a threshold below 0.01 GB/s is compared with what it can see.
     if (largest != nullptr && largest->busbw < min_busbw) {
-      lines.push_back(
-          fmt::format("{} at {} bytes: busbw {:#.3g} GB/s is below --min-busbw {:g} GB/s",
-                      collective_name(op), largest->size, largest->busbw, min_busbw));
+      lines.push_back(fmt::format("{} at {} bytes: busbw {:#.3g} GB/s is below --min-busbw {} GB/s",
+                                  collective_name(op), largest->size, largest->busbw, min_busbw));
     }
   }
   return lines;
