@@ -21,6 +21,7 @@
 
 #include "core/checkpoint.hpp"
 #include "core/data/dataset.hpp"
+#include "core/data/tokens.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
 #include "core/json_error.hpp"
@@ -942,6 +943,34 @@ void check_csv_rows(const Recipe& r, DataCheck check, Problems& problems) {
   }
 }
 
+// A token dataset against the model, as a launch checks it first (check_token_data: its two
+// files' headers, vocabulary and token counts; not every token, which a launch then reads),
+// where `check` asks for every row (recipe validate) and the dataset's directory is there. A
+// recipe is also validated where its dataset is yet to be made (or lives on the training
+// hosts only): a missing one is the launch's to refuse.
+void check_token_headers(const Recipe& r, DataCheck check, Problems& problems) {
+  std::error_code ec;
+  if (check != DataCheck::every_row || r.data.type != "tokens" || r.model.type != "gpt" ||
+      problems.at("/data/type") || problems.at("/data/path") || problems.at("/model/vocab") ||
+      problems.at("/model/context") || problems.at("/model/type") ||
+      !std::filesystem::exists(r.data.path, ec)) {
+    return;
+  }
+  try {
+    check_token_data(r.data, r.model);
+  } catch (const Error& e) {
+    if (e.kind() != ErrorKind::recipe) throw;
+    // "POINTER: what", as the data's errors name their field.
+    const std::string what = e.what();
+    const size_t colon = what.find(": ");
+    if (what.starts_with('/') && colon != std::string::npos) {
+      problems.add(what.substr(0, colon), what.substr(colon + 2));
+    } else {
+      problems.add("/data/path", what);
+    }
+  }
+}
+
 void check_data_path(DataSpec& data, const std::filesystem::path& base_dir, DataCheck check,
                      Problems& problems) {
   const std::string pointer = "/data/path";
@@ -1043,6 +1072,7 @@ Recipe parse_recipe(const json& j, const std::string& source, const std::filesys
   check_synthetic_size(recipe, problems);
   check_synthetic_split(recipe, problems);
   check_csv_rows(recipe, data, problems);
+  check_token_headers(recipe, data, problems);
   check_device(recipe, problems);
   check_sync(recipe, problems);
   if (problems.any()) throw Error(ErrorKind::recipe, problems.report(source));

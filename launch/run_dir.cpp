@@ -146,10 +146,19 @@ nlohmann::json read_run_json(const fs::path& dir) {
     // Why, where it is more than a missing file (a directory or run.json this user may not
     // read): "... (no readable run.json: Permission denied)".
     const int why = ::access(file.c_str(), R_OK) == 0 ? 0 : errno;
+    // A directory inside a run (its checkpoints/, one checkpoint): the run it belongs to.
+    std::string above;
+    if (why == ENOENT) {
+      if (const auto run = run_dir_holding(fs::absolute(dir, ec))) {
+        above =
+            fmt::format("; it lies in the run directory {}: give that", printable(run->string()));
+      }
+    }
     throw Error(
         ErrorKind::usage,
-        fmt::format("{}: not a run directory (no readable run.json{})", printable(dir.string()),
-                    why == 0 || why == ENOENT ? "" : ": " + std::string(std::strerror(why))));
+        fmt::format("{}: not a run directory (no readable run.json{}){}", printable(dir.string()),
+                    why == 0 || why == ENOENT ? "" : ": " + std::string(std::strerror(why)),
+                    above));
   }
   nlohmann::json info;
   try {

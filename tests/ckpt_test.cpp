@@ -348,6 +348,14 @@ TEST_CASE("ckpt: a missing step or a directory that is not a run is a usage erro
     CAPTURE(sub);
     CHECK(not_run.exit_code == 2);
     CHECK(contains(not_run.err, tmp.path().string() + ": not a run directory"));
+    CHECK_FALSE(contains(not_run.err, "it lies in the run directory"));
+    // A directory of a run (its checkpoints/) names the run to give instead.
+    auto inside = run_dptrain({"ckpt", sub, (run / "checkpoints").string()});
+    CHECK(inside.exit_code == 2);
+    CHECK(contains(inside.err, (run / "checkpoints").string() +
+                                   ": not a run directory (no readable run.json); it lies in "
+                                   "the run directory " +
+                                   run.string() + ": give that\n"));
   }
   CHECK(run_dptrain({"ckpt", "verify", run.string(), "20", "--all"}).exit_code == 2);
   CHECK(run_dptrain({"ckpt"}).exit_code == 2);

@@ -497,6 +497,22 @@ TEST_CASE("a gpt recipe pointing at a prepared dataset validates") {
   INFO(r.out, r.err);
   CHECK(r.exit_code == 0);
   CHECK(parse_json(r.out)["valid"] == true);
+  // A model whose vocabulary the dataset's passes, or whose window its validation split cannot
+  // fill: refused by validate as a launch refuses it, from the headers.
+  write_text(tmp / "small.txt", synthetic_text(7, 300));
+  prepare_json({"--text", (tmp / "small.txt").string(), "--out", (tmp / "small").string(),
+                "--tokenizer", "char"});
+  fs::create_directory(tmp / "other");
+  const auto small_vocab = write_recipe(tmp / "other", nlohmann::json::parse(R"({
+    "model": {"type": "gpt", "vocab": 8, "context": 64, "layers": 1, "heads": 2, "width": 16},
+    "data": {"type": "tokens", "path": "../small"}
+  })"));
+  auto refused = run_dptrain({"recipe", "validate", small_vocab.string()});
+  CHECK(refused.exit_code == 2);
+  CHECK(contains(refused.err, small_vocab.string() +
+                                  ": /model/vocab: 8 is smaller than the "
+                                  "vocabulary of " +
+                                  (tmp / "small/train.bin").string()));
   auto shown = run_dptrain({"recipe", "show", recipe.string()});
   REQUIRE(shown.exit_code == 0);
   // The relative path resolves against the recipe's folder to the dataset just written.

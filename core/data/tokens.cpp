@@ -681,13 +681,32 @@ std::string token_fingerprint(const TokenFileHeader& train, const TokenFileHeade
 
 }  // namespace
 
-DataSplits load_token_data(const DataSpec& data, const ModelSpec& model) {
-  const TokenDatasetFiles files = dataset_files(data);
-  // Headers first: a model that cannot use the data fails before any token is read.
+namespace {
+
+struct CheckedHeaders {
+  TokenDatasetFiles files;
+  TokenFileHeader train, val;
+};
+
+// The dataset's two headers, checked against the model: a model that cannot use the data fails
+// before any token is read.
+CheckedHeaders checked_headers(const DataSpec& data, const ModelSpec& model) {
+  CheckedHeaders out{dataset_files(data), {}, {}};
   const auto header = [](const fs::path& f) { return read_token_header(f); };
-  const TokenFileHeader train_header = read_as_data(files.train, header);
-  const TokenFileHeader val_header = read_as_data(files.val, header);
-  check_against_model(files, train_header, val_header, model);
+  out.train = read_as_data(out.files.train, header);
+  out.val = read_as_data(out.files.val, header);
+  check_against_model(out.files, out.train, out.val, model);
+  return out;
+}
+
+}  // namespace
+
+void check_token_data(const DataSpec& data, const ModelSpec& model) {
+  checked_headers(data, model);
+}
+
+DataSplits load_token_data(const DataSpec& data, const ModelSpec& model) {
+  const auto [files, train_header, val_header] = checked_headers(data, model);
   const auto map = [](const fs::path& f) { return std::make_shared<const MappedTokens>(f); };
   auto train = read_as_data(files.train, map);
   auto val = read_as_data(files.val, map);

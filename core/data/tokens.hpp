@@ -169,6 +169,9 @@ int64_t token_window_count(int64_t n, int64_t context, int64_t stride);
 // /model/vocab and the file: a missing directory or file, a damaged file, a vocabulary larger
 // than model.vocab, train.bin (or a non-empty val.bin) shorter than one window.
 DataSplits load_token_data(const DataSpec& data, const ModelSpec& model);
+// What load_token_data checks before it reads a token: the two files there, their headers, and
+// the model against them (vocabulary, whole windows). Error(recipe) "POINTER: ..." as it.
+void check_token_data(const DataSpec& data, const ModelSpec& model);
 // The dataset's DataSplits::fingerprint, from the files' headers (their recorded checksums).
 std::string token_data_fingerprint(const DataSpec& data);
 // The size of the training split, with every check load_token_data makes (the checksums too:
