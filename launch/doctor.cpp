@@ -444,7 +444,7 @@ class Doctor {
         s.checks.push_back(
             {"version", h.display(), false, fmt::format("no dptrain that runs at {}", binary),
              options_.remote_binary.empty()
-                 ? "run 'dptrain provision --hosts ...' to install it"
+                 ? "install it: " + provision_command()
                  : "install it there, or name the right one with --remote-binary ('dptrain "
                    "provision' installs WORKDIR/bin/dptrain, the default)"});
       }
@@ -455,13 +455,21 @@ class Doctor {
     const bool same = version == mine;
     s.checks.push_back({"version", h.display(), same,
                         same ? version : fmt::format("{} there, {} here", version, mine),
-                        same                             ? ""
-                        : options_.remote_binary.empty() ? "run 'dptrain provision --hosts ...' to "
-                                                           "install this build"
-                                                         : "install this build there, or name it "
-                                                           "with --remote-binary"});
+                        same ? ""
+                        : options_.remote_binary.empty()
+                            ? "install this build: " + provision_command()
+                            : "install this build there, or name it with --remote-binary"});
     // The probes run that binary: another build's answers would be about the wrong program.
     if (!same) s.held_back = "its dptrain is another build";
+  }
+
+  // The provision command a fix line gives, with the doctor's --workdir where it is not the
+  // default (provision's must be the same) and `more` options after it.
+  std::string provision_command(const std::string& more = "") const {
+    const std::string workdir = options_.workdir == kDefaultWorkdir
+                                    ? std::string()
+                                    : " --workdir " + shell_quote(options_.workdir);
+    return "dptrain provision --hosts ..." + workdir + more;
   }
 
   void check_gpus(const HostSpec& h, HostSurvey& s) const {
@@ -715,13 +723,8 @@ class Doctor {
           "sha256sum <\"$f\" 2>/dev/null | cut -c1-64; exit 0; fi; done; exit 1",
           shell_quote(path.string()), shell_quote(provisioned));
       const auto r = surveys_[i].shell->run("sh -c " + shell_quote(script));
-      // With the doctor's --workdir where it is not the default: provision's must be the same.
-      const std::string workdir_flag = options_.workdir == kDefaultWorkdir
-                                           ? std::string()
-                                           : " --workdir " + shell_quote(options_.workdir);
-      const std::string fix =
-          fmt::format("copy it there: dptrain provision --hosts ...{} --recipe {}", workdir_flag,
-                      options_.recipe.string());
+      const std::string provision = provision_command(" --recipe " + options_.recipe.string());
+      const std::string fix = "copy it there: " + provision;
       if (r.exit_status != 0) {
         add("data", hosts_[i].display(), false,
             fmt::format("data file {} not found (looked at {} and {})", path.filename().string(),
@@ -750,10 +753,7 @@ class Doctor {
               ? fmt::format("{} is there", path.filename().string())
               : fmt::format("{} is there (not compared with the launcher's: no sha256sum there)",
                             path.filename().string()),
-          differs ? fmt::format("run 'dptrain provision --hosts ...{} --recipe {}' again, or put "
-                                "the same file there",
-                                workdir_flag, options_.recipe.string())
-                  : fix);
+          differs ? "put the same file there, or copy the launcher's again: " + provision : fix);
     }
   }
 

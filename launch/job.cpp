@@ -1090,6 +1090,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
         if (rank < 0 && code == 4) out.exit_code = 4;
         out.host_refused = rank < 0 && r.value("refused", false);
         if (out.host_refused) out.refused_host = relay->second.display();
+        out.host_unreachable = rank < 0 && code == 4 && !out.host_refused;
         if (code == 5) out.exit_code = 5;
         out.repeats = code == 2;
         // The host as the hostfile gives it (user@host:port): hosts may share a name.
@@ -1234,6 +1235,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   info["generations"].back()["exit_code"] = out.exit_code;
   if (out.repeats) info["generations"].back()["would_repeat"] = true;
   if (out.host_refused) info["generations"].back()["host_refused"] = true;
+  if (out.host_unreachable) info["generations"].back()["host_unreachable"] = true;
   if (out.resized) info["generations"].back()["stopped_for"] = sup.requested;
   if (!out.result.is_null()) info["result"] = out.result;
   // (Not after a stop: the settings may be right, the ranks only not together yet.)

@@ -447,9 +447,14 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
             ? fmt::format("at step {} (the last of them before its generation completed a step)",
                           failed_at)
             : fmt::format("at step {}", failed_at);
-    same_step = failed_at == previous_step ? same_step + 1 : 1;
-    previous_step = failed_at;
-    if (same_step >= policy.same_step_limit) {
+    // A host that could not be reached fails every attempt at the step it starts from, however
+    // briefly it is down: that is no sign of a deterministic failure (and leaves the count of
+    // the training's own failures as it was).
+    if (!outcome.host_unreachable) {
+      same_step = failed_at == previous_step ? same_step + 1 : 1;
+      previous_step = failed_at;
+    }
+    if (!outcome.host_unreachable && same_step >= policy.same_step_limit) {
       outcome.error = fmt::format(
           "the job failed {} times in a row {}: this looks deterministic (a bad batch, a bug, a "
           "broken host), so it is not restarted again; the last failure: {}",

@@ -570,6 +570,9 @@ RepeatedFailure repeated_failure(const nlohmann::json& info) {
   if (!generations.is_array()) return out;
   for (auto it = generations.rbegin(); it != generations.rend(); ++it) {
     if (!it->is_object()) break;
+    // A host that could not be reached: not counted, and not the end of the row (as
+    // run_job_with_restarts counts).
+    if (it->value("host_unreachable", false)) continue;
     const nlohmann::json step = it->value("step", nlohmann::json());
     if (it->value("status", "") != "failed" || !step.is_number_integer()) break;
     if (out.times > 0 && step.get<int64_t>() != out.step) break;

@@ -124,6 +124,8 @@ bool lies_in(const std::filesystem::path& file, const std::filesystem::path& dir
 constexpr int kSameStepLimit = 3;
 // The failures in a row at one step that end run.json's generations (the newest failed ones, all
 // at the same step), counted over the run; step -1 where the newest generation did not fail.
+// Generations that failed for a host that could not be reached ("host_unreachable") are passed
+// over: neither counted nor the end of the row.
 struct RepeatedFailure {
   int times = 0;
   int64_t step = -1;

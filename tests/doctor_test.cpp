@@ -141,6 +141,24 @@ TEST_CASE("doctor: another build there fails the version check and holds back th
   CHECK(r.out.find("not run: its dptrain is another build") != std::string::npos);
 }
 
+TEST_CASE("doctor: no dptrain in a --workdir: the fix provisions that workdir") {
+  DoctorFixture f;
+  // Provision installs WORKDIR/bin/dptrain: a fix without the doctor's --workdir would install
+  // it in the default one, and the check would fail again.
+  const fs::path workdir = f.tmp / "empty work";
+  fs::create_directories(workdir);
+  auto r = f.doctor({"--workdir", workdir.string(), "--no-allreduce"});
+  INFO(r.out, r.err);
+  CHECK(r.exit_code == 4);
+  const auto fails = failure_lines(r.out);
+  REQUIRE(fails.size() == 2);
+  for (const auto& line : fails) {
+    CHECK(line.starts_with("FAIL version"));
+    CHECK(line.ends_with("-- fix: install it: dptrain provision --hosts ... --workdir '" +
+                         workdir.string() + "'"));
+  }
+}
+
 TEST_CASE("doctor: a binary there that lacks a library says so, not to provision it") {
   DoctorFixture f;
   const fs::path nolib = f.tmp / "nolib";
@@ -798,7 +816,9 @@ TEST_CASE(
   REQUIRE(lines.size() == 2);  // one per host
   for (const auto& line : lines) {
     CHECK(contains(line, (f.tmp / "d.csv").string() + " is not the launcher's data file (sha256 "));
-    CHECK(contains(line, "-- fix: run 'dptrain provision --hosts ... --recipe "));
+    CHECK(contains(line,
+                   "-- fix: put the same file there, or copy the launcher's again: dptrain "
+                   "provision --hosts ... --recipe "));
   }
 }
 

@@ -892,6 +892,42 @@ TEST_CASE("an unreachable host fails the launch with exit 4 naming it") {
                    (address + "-" + std::to_string(c.sshd.port()) + "-agent.log")));
 }
 
+TEST_CASE(
+    "a host that cannot be reached is retried as --max-restarts allows, not 'deterministic'") {
+  // Every attempt fails at the step it starts from: three in a row at one step once ended the
+  // job as deterministic after two restarts, however many --max-restarts allowed (a host down
+  // for a reboot ended the job).
+  Cluster c;
+  const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
+  write_text(c.tmp / "down.txt",
+             c.sshd.addresses()[1] + " slots=1 port=" + std::to_string(unused_port()) + "\n");
+  auto args = c.launch_args(recipe, c.tmp / "down");
+  args[3] = (c.tmp / "down.txt").string();  // --hosts
+  for (const char* more :
+       {"--max-restarts", "4", "--restart-backoff", "0", "--connect-timeout", "3", "--json"})
+    args.emplace_back(more);
+  auto r = run_dptrain(args);
+  INFO(r.err);
+  CHECK(r.exit_code == 4);
+  CHECK(r.err.find("looks deterministic") == std::string::npos);
+  CHECK(r.err.find("(restarts exhausted: 4 of 4 for this invocation)") != std::string::npos);
+  const json out = parse_json(r.out);
+  CHECK(out["restarts"] == 4);
+  const json run = parse_json(read_text(c.tmp / "down/run.json"));
+  REQUIRE(run["generations"].size() == 5);
+  for (const auto& g : run["generations"])
+    CHECK(g["host_unreachable"] == true);
+  // A resume, too, tries again rather than count the earlier attempts as a deterministic row.
+  auto resumed =
+      run_dptrain({"resume", (c.tmp / "down").string(), "--hosts", (c.tmp / "down.txt").string(),
+                   "--known-hosts", c.sshd.known_hosts().string(), "--remote-binary", binary(),
+                   "--max-restarts", "1", "--restart-backoff", "0", "--connect-timeout", "3"});
+  INFO(resumed.err);
+  CHECK(resumed.exit_code == 4);
+  CHECK(resumed.err.find("looks deterministic") == std::string::npos);
+  CHECK(resumed.err.find("(restarts exhausted: 1 of 1 for this invocation)") != std::string::npos);
+}
+
 TEST_CASE("a host that refuses the key is not restarted: --max-restarts would meet it again") {
   Cluster c;
   const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
