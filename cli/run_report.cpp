@@ -436,8 +436,12 @@ int report_outcome(const RunDirectory& run, const JobOutcome& outcome, bool json
     if (outcome.repeats) {  // a resume would meet the same error
       std::fprintf(stderr, "dptrain: run directory: %s\n", run.path().c_str());
     } else {
+      // A deterministic failure, a checkpoint a resume cannot use (exit 5) or a host that refused
+      // the connection would meet the resume as it is: first the fix.
+      const bool fix_first =
+          outcome.deterministic || outcome.exit_code == 5 || outcome.host_refused;
       std::fprintf(stderr, "dptrain: run directory: %s (%scontinue with %s)\n", run.path().c_str(),
-                   outcome.deterministic ? "once the cause is fixed, " : "",
+                   fix_first ? "once the cause is fixed, " : "",
                    resume_command(run.path(), run.info()).c_str());
     }
   }

@@ -670,9 +670,14 @@ std::unique_ptr<SshSession> SshSession::connect(const HostSpec& host, const SshO
                                "port, or an SSH server turning connections away, MaxStartups)",
                                host.display(), host.port, handle->error()));
     }
+    // The port too where the host's name leaves it out (22): a refused or silent port is the
+    // cause as often as the host.
+    const std::string where = host.display().ends_with(":" + std::to_string(host.port))
+                                  ? host.display()
+                                  : fmt::format("{} (port {})", host.display(), host.port);
     throw Error(
         ErrorKind::ssh,
-        fmt::format("cannot connect to {}{}: {}", host.display(),
+        fmt::format("cannot connect to {}{}: {}", where,
                     waited ? " within " + seconds_text(options.connect_timeout) : std::string(),
                     handle->error()));
   }

@@ -454,6 +454,23 @@ TEST_CASE("connect: a closed port and a silent port are reported within the conn
   // A refusal comes at once: no "within" the timeout.
   CHECK(message.find("cannot connect to " + host.display() + ": ") != std::string::npos);
   CHECK(message.find("refused") != std::string::npos);
+  // Port 22, which a host's name leaves out, is named: a closed port is as likely the cause.
+  HostSpec port22 = host;
+  port22.host = "127.0.0.9";
+  port22.port = 22;
+  const int probe = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in ssh_port{};
+  ssh_port.sin_family = AF_INET;
+  ssh_port.sin_port = htons(22);
+  ssh_port.sin_addr.s_addr = htonl(0x7f000009);
+  const bool listening =
+      ::connect(probe, reinterpret_cast<const sockaddr*>(&ssh_port), sizeof ssh_port) == 0;
+  ::close(probe);
+  if (!listening) {
+    const std::string refused = error_of([&] { SshSession::connect(port22, options); });
+    CHECK(refused.find("cannot connect to " + port22.display() + " (port 22): ") !=
+          std::string::npos);
+  }
 
   // Accepts TCP (the kernel completes the handshake) but never speaks SSH.
   const int listener = ::socket(AF_INET, SOCK_STREAM, 0);

@@ -245,6 +245,9 @@ TEST_CASE("a restart with no checkpoint that verifies stops with exit 5, writing
   const std::string error = out["error"];
   INFO(error, launcher.err());
   CHECK(error.starts_with("rank 1 "));  // the failure first, then why it was not restarted
+  // A resume would meet the damaged checkpoints too: the hint says to fix them first.
+  CHECK(launcher.err().find("(once the cause is fixed, continue with 'dptrain resume ") !=
+        std::string::npos);
   CHECK(error.find(fmt::format("(not restarted: {}: none of its {} checkpoint(s) is usable",
                                (run_dir / "checkpoints").string(), blobs.size())) !=
         std::string::npos);
