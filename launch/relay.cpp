@@ -47,6 +47,14 @@ std::optional<std::string> not_runnable(int status, const RelayPlan& plan,
         "there lists them)",
         plan.host.display(), plan.remote_binary, loader, plan.remote_binary);
   }
+  // A file where a directory of its path should be (a --workdir that is a file): provision
+  // would fail on it too.
+  if (last_line.find("Not a directory") != std::string::npos) {
+    return fmt::format(
+        "{}: cannot run '{}' there: a part of its path is a file, not a directory (the host "
+        "said: {}): give a --workdir (or --remote-binary) whose directories are directories there",
+        plan.host.display(), plan.remote_binary, last_line);
+  }
   return fmt::format(
       "{}: cannot run '{}' there ({}): install it with 'dptrain provision' (see "
       "dptrain-provision(1)) or name it with --remote-binary",

@@ -707,6 +707,15 @@ TEST_CASE("a host without the binary fails the launch with exit 4 and says how t
   CHECK(r.err.find("not-installed/dptrain' there (no such file or command): install it with "
                    "'dptrain provision'") != std::string::npos);
   CHECK(parse_json(r.out)["exit_code"] == 4);
+  // A file where a directory of the path should be (a --workdir that is a file): provision
+  // would not help; the error says what is wrong there.
+  write_text(c.tmp / "a-file", "x");
+  auto file = launch_with_remote_binary(c, "filepath", c.tmp / "a-file/bin/dptrain");
+  INFO(file.err);
+  CHECK(file.exit_code == 4);
+  CHECK(file.err.find("a-file/bin/dptrain' there: a part of its path is a file, not a directory "
+                      "(the host said: ") != std::string::npos);
+  CHECK(file.err.find("dptrain provision") == std::string::npos);
 }
 
 TEST_CASE("a program at --remote-binary that is not this dptrain's agent: exit 4 naming it") {
