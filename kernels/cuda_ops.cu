@@ -880,7 +880,8 @@ void CudaOps::gemm(ConstMatrix a, Transpose transpose_a, ConstMatrix b, Transpos
 
 // DPTRAIN_EPILOGUES=off: the linear ops below run their steps one by one, as where cuBLASLt has
 // no algorithm for an epilogue (to compare speed, and the GPU tests' way to test that path too).
-// Read at each call, as DPTRAIN_ATTENTION is.
+// Read at each call, as DPTRAIN_ATTENTION is, first thing (a bad value is an error whatever the
+// call would have fused).
 namespace {
 bool epilogues_allowed() {
   const char* how = std::getenv("DPTRAIN_EPILOGUES");
@@ -893,15 +894,17 @@ bool epilogues_allowed() {
 
 // GELU through cuBLASLt's epilogues (GELU_AUX_BIAS, DGELU) for 16-bit matmuls only: cuBLASLt
 // does not document the accuracy of its GELU, and an f32 matmul keeps the f32 GELU kernels'
-// (the CPU's to about 1e-6). Its GELU input (aux) 16-byte aligned, like the bias.
+// (the CPU's to about 1e-6). Its GELU input (aux) 16-byte aligned, like the bias. (Where
+// epilogues_allowed() too.)
 bool gelu_epilogue_allowed(DType dtype, const void* aux) {
-  return dtype != DType::f32 && alignment(aux) >= 16 && epilogues_allowed();
+  return dtype != DType::f32 && alignment(aux) >= 16;
 }
 }  // namespace
 
 void CudaOps::linear(ConstMatrix x, const void* weight, const void* bias, Matrix y,
                      const void* residual) {
   OpTimer timer(*this, "linear");
+  const bool fuse = epilogues_allowed();
   require_contiguous("linear", x, "x");
   require_contiguous("linear", y, "y");
   const ConstMatrix w{weight, y.cols, x.cols, x.dtype};
@@ -920,8 +923,7 @@ void CudaOps::linear(ConstMatrix x, const void* weight, const void* bias, Matrix
            lt_matmul("linear", matmul_plans_->plans, lt_, lt_workspace_, stream_, shape, x,
                      Transpose::no, w, Transpose::yes, y, 1.0f, beta, epilogue, residual);
   };
-  if (bias != nullptr && y.dtype == x.dtype && alignment(bias) >= 16 && epilogues_allowed() &&
-      matmul(bias)) {
+  if (bias != nullptr && y.dtype == x.dtype && alignment(bias) >= 16 && fuse && matmul(bias)) {
     return;
   }
   // The bias on its own: not the epilogue's dtype or alignment, or no algorithm with it. (Here
@@ -939,6 +941,7 @@ void CudaOps::linear(ConstMatrix x, const void* weight, const void* bias, Matrix
 void CudaOps::linear_activation(ConstMatrix x, const void* weight, const void* bias,
                                 Activation activation, Matrix pre, Matrix out) {
   OpTimer timer(*this, "linear_activation");
+  const bool fuse = epilogues_allowed();
   require_contiguous("linear_activation", x, "x");
   require_contiguous("linear_activation", pre, "pre");
   require_contiguous("linear_activation", out, "out");
@@ -950,7 +953,7 @@ void CudaOps::linear_activation(ConstMatrix x, const void* weight, const void* b
   // pre back. The bias as in linear (D's dtype, 16-byte aligned); rows a multiple of 8 apart.
   const bool wanted = activation == Activation::gelu && bias != nullptr && shape.m > 0 &&
                       shape.n > 0 && shape.k > 0;
-  if (wanted && out.dtype == x.dtype && alignment(bias) >= 16 && out.cols % 8 == 0 &&
+  if (wanted && out.dtype == x.dtype && alignment(bias) >= 16 && out.cols % 8 == 0 && fuse &&
       gelu_epilogue_allowed(out.dtype, pre.data) &&
       lt_matmul("linear_activation", matmul_plans_->plans, lt_, lt_workspace_, stream_, shape, x,
                 Transpose::no, w, Transpose::yes, out, 1.0f, 0.0f,
@@ -964,6 +967,7 @@ void CudaOps::linear_activation(ConstMatrix x, const void* weight, const void* b
 
 void CudaOps::linear_weight_grad(ConstMatrix dy, ConstMatrix x, float* dweight, float* dbias) {
   OpTimer timer(*this, "linear_weight_grad");
+  const bool fuse = epilogues_allowed();
   const Matrix dw{dweight, dy.cols, x.cols};
   const GemmShape shape =
       gemm_shape("linear_weight_grad", dy, Transpose::yes, x, Transpose::no, dw);
@@ -971,7 +975,7 @@ void CudaOps::linear_weight_grad(ConstMatrix dy, ConstMatrix x, float* dweight, 
   // while it accumulates dy^T x: dy is read once, not again by bias_grad. It writes rather than
   // adds, so the sums go to scratch and are added to dbias after.
   const bool wanted = dbias != nullptr && shape.m > 0 && shape.n > 0 && shape.k > 0;
-  if (wanted && dy.contiguous() && epilogues_allowed()) {
+  if (wanted && dy.contiguous() && fuse) {
     float* sums = static_cast<float*>(scratch(static_cast<size_t>(dy.cols) * sizeof(float)));
     if (lt_matmul("linear_weight_grad", matmul_plans_->plans, lt_, lt_workspace_, stream_, shape,
                   dy, Transpose::yes, x, Transpose::no, dw, 1.0f, 1.0f,
@@ -989,6 +993,7 @@ void CudaOps::linear_weight_grad(ConstMatrix dy, ConstMatrix x, float* dweight, 
 void CudaOps::linear_activation_grad(ConstMatrix dy, const void* weight, Activation activation,
                                      ConstMatrix pre, Matrix dpre) {
   OpTimer timer(*this, "linear_activation_grad");
+  const bool fuse = epilogues_allowed();
   const ConstMatrix w{weight, dy.cols, dpre.cols, dy.dtype};
   const GemmShape shape =
       gemm_shape("linear_activation_grad", dy, Transpose::no, w, Transpose::no, dpre);
@@ -998,7 +1003,7 @@ void CudaOps::linear_activation_grad(ConstMatrix dy, const void* weight, Activat
   // dpre. It wants the input's rows a multiple of 8 elements apart, like D's.
   const bool wanted = activation == Activation::gelu && shape.m > 0 && shape.n > 0 && shape.k > 0;
   if (wanted && pre.contiguous() && dpre.contiguous() && dpre.cols % 8 == 0 &&
-      dpre.dtype == dy.dtype && gelu_epilogue_allowed(dpre.dtype, pre.data) &&
+      dpre.dtype == dy.dtype && fuse && gelu_epilogue_allowed(dpre.dtype, pre.data) &&
       lt_matmul("linear_activation_grad", matmul_plans_->plans, lt_, lt_workspace_, stream_, shape,
                 dy, Transpose::no, w, Transpose::no, dpre, 1.0f, 0.0f,
                 Epilogue{CUBLASLT_EPILOGUE_DGELU, nullptr, pre.data, pre.cols})) {

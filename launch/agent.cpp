@@ -221,10 +221,12 @@ void prepare_data(AgentPlan& plan) {
   }
 }
 
-void write_host_failure(std::FILE* out, const std::string& description, bool refused, int signal) {
-  const json report = {{"rank", -1},         {"exit_code", -1},
-                       {"signal", signal},   {"description", description},
-                       {"refused", refused}, {"last_lines", json::array()}};
+void write_host_failure(std::FILE* out, const std::string& description, bool refused, int signal,
+                        bool unreachable) {
+  json report = {{"rank", -1},         {"exit_code", -1},
+                 {"signal", signal},   {"description", description},
+                 {"refused", refused}, {"last_lines", json::array()}};
+  if (unreachable) report["unreachable"] = true;
   std::fprintf(out, "%s%s\n", kAgentFailurePrefix, json_text(report).c_str());
   std::fflush(out);
 }

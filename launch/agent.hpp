@@ -91,9 +91,10 @@ constexpr std::chrono::seconds kAgentAliveInterval{1};
 // agent could not start them, or the relay lost the host; `refused` when the host refused the
 // launcher's SSH connection (SshRefused) or cannot run this dptrain there (none, a library
 // missing, another program), which a retry would meet again; `signal`: the one that killed the
-// host's agent itself, as its SSH server reported it.
+// host's agent itself, as its SSH server reported it; `unreachable` when no connection to it
+// could be made at all (SshUnreachable), which a later attempt may not meet.
 void write_host_failure(std::FILE* out, const std::string& description, bool refused = false,
-                        int signal = 0);
+                        int signal = 0, bool unreachable = false);
 
 // Runs the plan's ranks to the end, writing the lines above to `out`. End of input on `stop_fd`
 // (the SSH channel closing) stops the ranks. Returns the exit code: 0; when a rank failed, its

@@ -609,7 +609,7 @@ void run_bench_train(const Recipe& recipe, const std::vector<BenchWorld>& worlds
         row.mfu = model_flops_utilization(throughput(row, report.tokens), report.flops_per_unit,
                                           w.world, *report.peak_tflops);
         // More FLOPs than the peak allows: the peak is wrong, not the measurement (once).
-        if (*row.mfu > 1.0 &&
+        if (row.mfu && *row.mfu > 1.0 &&
             std::none_of(report.notes.begin(), report.notes.end(),
                          [](const std::string& n) { return n.starts_with("MFU above 100%"); })) {
           report.notes.push_back(fmt::format(

@@ -723,7 +723,8 @@ class Doctor {
           "sha256sum <\"$f\" 2>/dev/null | cut -c1-64; exit 0; fi; done; exit 1",
           shell_quote(path.string()), shell_quote(provisioned));
       const auto r = surveys_[i].shell->run("sh -c " + shell_quote(script));
-      const std::string provision = provision_command(" --recipe " + options_.recipe.string());
+      const std::string provision =
+          provision_command(" --recipe " + shell_quote(options_.recipe.string()));
       const std::string fix = "copy it there: " + provision;
       if (r.exit_status != 0) {
         add("data", hosts_[i].display(), false,

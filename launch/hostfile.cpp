@@ -23,7 +23,6 @@ namespace dptrain {
 
 namespace {
 
-constexpr uint16_t kDefaultSshPort = 22;
 constexpr std::array<std::string_view, 4> kAttributes = {"slots", "user", "port", "key"};
 
 [[noreturn]] void fail(const std::string& what) {

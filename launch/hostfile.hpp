@@ -12,11 +12,14 @@ namespace dptrain {
 // data/ and runs/ go there; a leading "~/" is that host's home.
 inline constexpr const char* kDefaultWorkdir = "~/.dptrain";
 
+// The port a host's name leaves out (HostSpec::display).
+inline constexpr uint16_t kDefaultSshPort = 22;
+
 struct HostSpec {
-  std::string host;    // name or address; "localhost" is spawned directly, every other over SSH
-  int slots = 1;       // ranks on this host
-  std::string user;    // empty: the current user
-  uint16_t port = 22;  // SSH port
+  std::string host;  // name or address; "localhost" is spawned directly, every other over SSH
+  int slots = 1;     // ranks on this host
+  std::string user;  // empty: the current user
+  uint16_t port = kDefaultSshPort;
   std::string
       key;  // identity file (absolute from a hostfile); empty: --identity, the agent, ~/.ssh/id_*
   std::string origin;  // where it was declared, for messages: "hosts.txt:3" or "--hosts"

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <csignal>
 #include <cstdlib>
 #include <fstream>
@@ -747,8 +748,14 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   SupervisorOptions options;
   // Tests: a shorter grace for the ranks' checkpoint after a SIGTERM, so that the path where it
   // runs out is tested without waiting the minute it gives.
-  if (const char* grace = std::getenv("DPTRAIN_TEST_STOP_GRACE_MS"))
-    options.stop_grace = std::chrono::milliseconds(std::atol(grace));
+  // Whole milliseconds from 1 on; anything else is left out (the minute stands).
+  if (const char* grace = std::getenv("DPTRAIN_TEST_STOP_GRACE_MS")) {
+    char* end = nullptr;
+    errno = 0;
+    const long ms = std::strtol(grace, &end, 10);
+    if (end != grace && *end == '\0' && errno == 0 && ms >= 1)
+      options.stop_grace = std::chrono::milliseconds(ms);
+  }
   for (size_t i = 0; i < plan.hosts.size(); ++i) {
     if (plan.hosts[i].is_local()) continue;
     for (int rank : plan.agents[i].ranks)
@@ -1090,7 +1097,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
         if (rank < 0 && code == 4) out.exit_code = 4;
         out.host_refused = rank < 0 && r.value("refused", false);
         if (out.host_refused) out.refused_host = relay->second.display();
-        out.host_unreachable = rank < 0 && code == 4 && !out.host_refused;
+        out.host_unreachable = rank < 0 && code == 4 && r.value("unreachable", false);
         if (code == 5) out.exit_code = 5;
         out.repeats = code == 2;
         // The host as the hostfile gives it (user@host:port): hosts may share a name.

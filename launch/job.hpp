@@ -96,10 +96,11 @@ struct JobOutcome {
   // meet it again.
   bool host_refused = false;
   std::string refused_host;  // that host (HostSpec::display)
-  // A host could not be reached or was lost (no connection, a connection that dropped or fell
-  // silent), no rank's failure: not the training's to repeat, so not counted towards the
-  // failures in a row at one step (RestartPolicy::same_step_limit); the restart budget and its
-  // back-off bound the wait for the host to come back.
+  // No connection to a host could be made (refused, timed out, no route: SshUnreachable), no
+  // rank's failure: not the training's to repeat, so not counted towards the failures in a row
+  // at one step (RestartPolicy::same_step_limit); the restart budget and its back-off bound the
+  // wait for the host to come back. (A connection that dropped or fell silent mid-run is a
+  // lost host, exit 3, and counts as before: a host that dies at one step each time.)
   bool host_unreachable = false;
   // Stopped after kSameStepLimit failures in a row at one step (run_job_with_restarts).
   bool deterministic = false;

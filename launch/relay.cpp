@@ -3,7 +3,9 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -49,11 +51,14 @@ std::optional<std::string> not_runnable(int status, const RelayPlan& plan,
   }
   // A file where a directory of its path should be (a --workdir that is a file): provision
   // would fail on it too.
-  if (last_line.find("Not a directory") != std::string::npos) {
+  std::string lower = last_line;
+  std::transform(lower.begin(), lower.end(), lower.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  if (lower.find("not a directory") != std::string::npos) {
     return fmt::format(
         "{}: cannot run '{}' there: a part of its path is a file, not a directory (the host "
         "said: {}): give a --workdir (or --remote-binary) whose directories are directories there",
-        plan.host.display(), plan.remote_binary, last_line);
+        plan.host.display(), plan.remote_binary, printable_excerpt(last_line, 80));
   }
   return fmt::format(
       "{}: cannot run '{}' there ({}): install it with 'dptrain provision' (see "
@@ -138,6 +143,9 @@ int run_relay(const RelayPlan& plan) {
     session = SshSession::connect(plan.host, plan.ssh);
   } catch (const SshRefused& e) {
     write_host_failure(stdout, e.what(), true);
+    return 4;
+  } catch (const SshUnreachable& e) {
+    write_host_failure(stdout, e.what(), false, 0, /*unreachable=*/true);
     return 4;
   } catch (const Error& e) {
     write_host_failure(stdout, e.what());

@@ -615,6 +615,12 @@ std::string hint(const RunView& run) {
           hand_resume_flag(run.dir));
     }
     if (run.state.status == "failed") {
+      // The last attempt could not reach a host: that, not an earlier row of failures.
+      if (last.value("host_unreachable", json()) == true) {
+        return "a host could not be reached (the error says which): once it answers, continue "
+               "it with " +
+               resume_command(run.dir, run.info);
+      }
       if (const RepeatedFailure repeated = repeated_failure(run.info);
           repeated.times >= kSameStepLimit) {
         return fmt::format(

@@ -672,11 +672,10 @@ std::unique_ptr<SshSession> SshSession::connect(const HostSpec& host, const SshO
     }
     // The port too where the host's name leaves it out (22): a refused or silent port is the
     // cause as often as the host.
-    const std::string where = host.display().ends_with(":" + std::to_string(host.port))
-                                  ? host.display()
-                                  : fmt::format("{} (port {})", host.display(), host.port);
-    throw Error(
-        ErrorKind::ssh,
+    const std::string where = host.port == kDefaultSshPort
+                                  ? fmt::format("{} (port {})", host.display(), host.port)
+                                  : host.display();
+    throw SshUnreachable(
         fmt::format("cannot connect to {}{}: {}", where,
                     waited ? " within " + seconds_text(options.connect_timeout) : std::string(),
                     handle->error()));

@@ -104,6 +104,13 @@ class SshRefused : public Error {
   explicit SshRefused(const std::string& message) : Error(ErrorKind::ssh, message) {}
 };
 
+// No connection could be made to the host at all (refused, timed out, no route, a name that
+// does not resolve): unlike a refusal, the host may answer a later attempt (a reboot).
+class SshUnreachable : public Error {
+ public:
+  explicit SshUnreachable(const std::string& message) : Error(ErrorKind::ssh, message) {}
+};
+
 class SshSession {
  public:
   // Connects, verifies the host key against known_hosts, authenticates (agent, then HostSpec::key,

@@ -926,6 +926,9 @@ TEST_CASE(
   REQUIRE(run["generations"].size() == 5);
   for (const auto& g : run["generations"])
     CHECK(g["host_unreachable"] == true);
+  const json status = parse_json(run_dptrain({"status", (c.tmp / "down").string(), "--json"}).out);
+  CHECK(status["hint"].get<std::string>().starts_with(
+      "a host could not be reached (the error says which): once it answers, continue it with "));
   // A resume, too, tries again rather than count the earlier attempts as a deterministic row.
   auto resumed =
       run_dptrain({"resume", (c.tmp / "down").string(), "--hosts", (c.tmp / "down.txt").string(),

@@ -666,15 +666,39 @@ TEST_CASE("Ctrl-C after a SIGTERM kills the ranks at once, and the message says 
                  "(Ctrl-C) after the SIGTERM asked for an end at once)"));
 }
 
+namespace {
+
+// resumable_recipe() logging every step, so that a test sees each step done in metrics.jsonl.
+nlohmann::json every_step_logged() {
+  auto r = resumable_recipe();
+  r["log"]["every"] = 1;
+  return r;
+}
+
+// Once rank 0 logged step 2 (rank 1, with DPTRAIN_FAULT hang@step=3,rank=1, then hangs before
+// step 3), and a moment more for rank 0 to wait for it in step 3's first collective: not a fixed
+// sleep from the start, which a loaded machine can outlast before the ranks get there.
+void wait_for_hang_at_step_3(const fs::path& run_dir) {
+  REQUIRE(eventually(
+      [&] {
+        if (!fs::exists(run_dir / "metrics.jsonl")) return false;
+        for (const auto& m : read_jsonl(run_dir / "metrics.jsonl"))
+          if (m.value("step", int64_t{0}) >= 2) return true;
+        return false;
+      },
+      std::chrono::seconds(60)));
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+}
+
+}  // namespace
+
 TEST_CASE("SIGTERM with a hung rank and no --hang-timeout: the heartbeats name the hung one") {
   TempDir tmp;
-  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  const auto recipe = write_recipe(tmp.path(), every_step_logged());
   const fs::path run_dir = tmp / "run";
   Background launcher({"launch", recipe.string(), "--nproc", "2", "--run-dir", run_dir.string()},
                       {{"DPTRAIN_FAULT", "hang@step=3,rank=1"}});
-  REQUIRE(eventually([&] { return worker_pids(run_dir).size() == 2; }));
-  // Rank 1 hangs before step 3, a few milliseconds in; rank 0 then waits for it.
-  std::this_thread::sleep_for(std::chrono::milliseconds(3000));
+  wait_for_hang_at_step_3(run_dir);
   REQUIRE(::kill(launcher.pid(), SIGTERM) == 0);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   REQUIRE(::kill(launcher.pid(), SIGINT) == 0);  // no need to wait out the stop's grace
@@ -691,15 +715,14 @@ TEST_CASE("SIGTERM with a hung rank and no --hang-timeout: the heartbeats name t
 
 TEST_CASE("SIGTERM with a hung rank: when the stop's grace runs out, the heartbeats name it") {
   TempDir tmp;
-  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  const auto recipe = write_recipe(tmp.path(), every_step_logged());
   const fs::path run_dir = tmp / "run";
   // The grace for the checkpoint cut from a minute to 3 s: it runs out, and the launcher kills
   // the ranks itself; its verdict is then that the rank behind was stuck.
   Background launcher(
       {"launch", recipe.string(), "--nproc", "2", "--run-dir", run_dir.string()},
       {{"DPTRAIN_FAULT", "hang@step=3,rank=1"}, {"DPTRAIN_TEST_STOP_GRACE_MS", "3000"}});
-  REQUIRE(eventually([&] { return worker_pids(run_dir).size() == 2; }));
-  std::this_thread::sleep_for(std::chrono::milliseconds(3000));
+  wait_for_hang_at_step_3(run_dir);
   REQUIRE(::kill(launcher.pid(), SIGTERM) == 0);
   CHECK(launcher.wait(std::chrono::seconds(60)) == 143);
   INFO(launcher.err());
