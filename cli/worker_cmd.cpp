@@ -465,7 +465,11 @@ class StopWatcher {
                                 const std::string& why) {
     const std::string error = fmt::format("rank {}: {}", rank, why);
     if (record != nullptr) record->finish(status, error, code);
-    const std::string line = fmt::format("{}{}\n", kErrorLinePrefix, error);
+    // Under a launcher the stop is the launcher's doing, and its own error says why: the rank's
+    // line, shown among the launcher's output, is no second error (a host that failed to
+    // connect would otherwise be preceded by a healthy rank's "error").
+    const std::string line = fmt::format(
+        "{}{}\n", started_by_launcher() ? std::string_view("dptrain: ") : kErrorLinePrefix, error);
     (void)!::write(STDERR_FILENO, line.data(), line.size());
     ::_exit(code);
   }

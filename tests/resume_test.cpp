@@ -893,6 +893,11 @@ TEST_CASE("SIGTERM after the ranks met, before any finished a step: nothing is s
     CHECK(job.wait(std::chrono::seconds(60)) == 143);
     INFO(job.err());
     CHECK_FALSE(contains(job.err(), "checkpointed its last step"));
+    // A rank's own line says it stopped, not a second error beside the launcher's.
+    const std::string log = read_text(run_dir / "logs/localhost-rank0.log");
+    CHECK(contains(log, "dptrain: rank 0: stopped by SIGTERM before its first step"));
+    CHECK_FALSE(contains(log, "error: rank 0: stopped"));
+    CHECK_FALSE(contains(job.err(), "error: rank 0: stopped"));
     return parse_json(job.out())["error"].get<std::string>();
   };
   CHECK(stop_after_meeting(
