@@ -167,11 +167,14 @@ int file_mode(const fs::path& path) {
   return static_cast<int>(fs::status(path).permissions() & fs::perms::all);
 }
 
-PlannedFile planned(const fs::path& local, const std::string& remote, int mode) {
+// A local file to upload; one that is not a regular file is refused naming `flag` (the option
+// that gave it, when one did) and the path.
+PlannedFile planned(const fs::path& local, const std::string& remote, int mode,
+                    const std::string& flag = "") {
   std::error_code ec;
   if (!fs::is_regular_file(local, ec)) {
     throw Error(ErrorKind::usage,
-                fmt::format("{}: {}", local.string(),
+                fmt::format("{}{}: {}", flag.empty() ? "" : flag + " ", local.string(),
                             fs::is_directory(local, ec) ? "is a directory; name the files in it"
                                                         : "no such file"));
   }
@@ -207,7 +210,7 @@ std::vector<PlannedFile> plan_files(const ProvisionOptions& options,
   files.push_back(planned(binary, "bin/dptrain", 0755));
   if (!options.recipe.empty()) plan_recipe(options.recipe, files, rewritten);
   for (const auto& extra : options.uploads) {
-    files.push_back(planned(extra, extra.filename().string(), file_mode(extra)));
+    files.push_back(planned(extra, extra.filename().string(), file_mode(extra), "--upload"));
   }
   // The workdir's directories (bin/, data/, runs/ where remote runs go): a file uploaded as one
   // of them would be renamed into it, never installed.

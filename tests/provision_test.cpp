@@ -371,7 +371,8 @@ TEST_CASE("provision: a missing upload or a bad recipe is a usage error before a
   auto missing = run_dptrain(
       {"provision", "--hosts", (tmp / "hosts").string(), "--upload", (tmp / "nope.txt").string()});
   CHECK(missing.exit_code == 2);
-  CHECK(missing.err.find("nope.txt: no such file") != std::string::npos);
+  CHECK(missing.err.find("dptrain: error: --upload " + (tmp / "nope.txt").string() +
+                         ": no such file") != std::string::npos);
   fs::create_directories(tmp / "dir");
   auto dir = run_dptrain(
       {"provision", "--hosts", (tmp / "hosts").string(), "--upload", (tmp / "dir").string()});
