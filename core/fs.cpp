@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdlib>
@@ -62,39 +63,50 @@ void write_all(int fd, const void* data, size_t size, const std::filesystem::pat
 
 }  // namespace
 
-std::string read_file(const std::filesystem::path& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) throw_io(path, "read");
-  struct stat st {};
-  if (::fstat(fd.get(), &st) != 0) throw_io(path, "read");
-  // A regular file's room is taken at once: where memory runs short, that is std::bad_alloc
-  // (out of memory), never a read that stops early and passes for a short file.
-  std::string out;
-  if (S_ISREG(st.st_mode)) out.reserve(static_cast<size_t>(st.st_size));
-  char buffer[1 << 16];
-  for (;;) {
-    const ssize_t n = ::read(fd.get(), buffer, sizeof buffer);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) throw_io(path, "read");
-    if (n == 0) return out;
-    out.append(buffer, static_cast<size_t>(n));
-  }
-}
+namespace {
 
-uint64_t read_file_pieces(const std::filesystem::path& path,
-                          const std::function<void(const char*, size_t)>& piece) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) throw_io(path, "read");
-  std::vector<char> buffer(size_t{8} << 20);
+// Reads the open `fd` (of `path`, for errors) to its end a piece at a time; `size` is what
+// fstat says it holds (0 where it cannot say: a pipe), so small files use a small buffer.
+uint64_t read_pieces(int fd, uint64_t size, const std::filesystem::path& path,
+                     const std::function<void(const char*, size_t)>& piece) {
+  std::vector<char> buffer(std::clamp<uint64_t>(size + 1, uint64_t{1} << 16, uint64_t{8} << 20));
   uint64_t total = 0;
   for (;;) {
-    const ssize_t n = ::read(fd.get(), buffer.data(), buffer.size());
+    const ssize_t n = ::read(fd, buffer.data(), buffer.size());
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) throw_io(path, "read");
     if (n == 0) return total;
     piece(buffer.data(), static_cast<size_t>(n));
     total += static_cast<uint64_t>(n);
   }
+}
+
+// The size of a regular file open as `fd`; 0 for anything else.
+uint64_t regular_size(int fd, const std::filesystem::path& path) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) throw_io(path, "read");
+  return S_ISREG(st.st_mode) ? static_cast<uint64_t>(st.st_size) : 0;
+}
+
+}  // namespace
+
+std::string read_file(const std::filesystem::path& path) {
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) throw_io(path, "read");
+  const uint64_t size = regular_size(fd.get(), path);
+  // A regular file's room is taken at once: where memory runs short, that is std::bad_alloc
+  // (out of memory), never a read that stops early and passes for a short file.
+  std::string out;
+  out.reserve(static_cast<size_t>(size));
+  read_pieces(fd.get(), size, path, [&](const char* data, size_t n) { out.append(data, n); });
+  return out;
+}
+
+uint64_t read_file_pieces(const std::filesystem::path& path,
+                          const std::function<void(const char*, size_t)>& piece) {
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) throw_io(path, "read");
+  return read_pieces(fd.get(), regular_size(fd.get(), path), path, piece);
 }
 
 namespace {
