@@ -372,6 +372,16 @@ int run(int argc, char** argv) {
   } catch (const CLI::CallForAllHelp& e) {
     return app.exit(e);
   } catch (const CLI::CallForVersion& e) {
+    // `dptrain --version --json`: what a script checks before it relies on the binary.
+    if (std::find(argv + 1, argv + argc, std::string_view("--json")) != argv + argc) {
+#ifdef DPTRAIN_HAVE_CUDA
+      constexpr bool cuda = true;
+#else
+      constexpr bool cuda = false;
+#endif
+      fmt::print("{}\n", nlohmann::json{{"version", DPTRAIN_VERSION}, {"cuda", cuda}}.dump());
+      return 0;
+    }
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
     // The callbacks that set outcome.json have not run: a script that asked for JSON gets it.

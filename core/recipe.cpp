@@ -586,7 +586,9 @@ void visit_fields(Visitor& v, LogSpec& l) {
 
 template <class Visitor>
 void visit_fields(Visitor& v, FaultToleranceSpec& f) {
-  v.field("max_restarts", f.max_restarts, at_least(int64_t{0}));
+  v.field(
+      "max_restarts", f.max_restarts,
+      both(at_least(int64_t{0}), at_most(int64_t{std::numeric_limits<int>::max()}, "2^31 - 1")));
   v.field("restart_backoff_s", f.restart_backoff_s, both(at_least(0.0), seconds_limit()));
   v.field("hang_timeout_s", f.hang_timeout_s, both(at_least(0.0), seconds_limit()));
   v.field("rejoin_timeout_s", f.rejoin_timeout_s, both(at_least(0.0), seconds_limit()));

@@ -518,6 +518,9 @@ TEST_CASE("recipe: each bad recipe is rejected naming its JSON path") {
       {R"({"model": {"hidden": [64, 2147483648]}})", "/model/hidden/1",
        "must be <= 2147483647 (2^31 - 1), got 2147483648"},
       {R"({"model": {"classes": 2147483648}})", "/model/classes", "must be <= 2147483647"},
+      // Cast to int by the launcher: 2^32 + 1 restarts became one.
+      {R"({"fault_tolerance": {"max_restarts": 4294967297}})", "/fault_tolerance/max_restarts",
+       "must be <= 2147483647 (2^31 - 1), got 4294967297"},
       {R"({"model": {"type": "gpt", "vocab": 1e10}, "data": {"type": "tokens", "path": "d"}})",
        "/model/vocab", "must be <= 2147483647 (2^31 - 1)"},
       {R"({"model": {"type": "gpt", "context": 2147483648}, "data": {"type": "tokens",

@@ -30,6 +30,15 @@ TEST_CASE("--version and --help for dptrain and every subcommand") {
   auto v = run_dptrain({"--version"});
   CHECK(v.exit_code == 0);
   CHECK(v.out.find("dptrain ") != std::string::npos);
+  // A script's check: the version as JSON, whichever side of --version --json is.
+  for (const auto& args : {std::vector<std::string>{"--version", "--json"},
+                           std::vector<std::string>{"--json", "--version"}}) {
+    auto j = run_dptrain(args);
+    CHECK(j.exit_code == 0);
+    const auto doc = nlohmann::json::parse(j.out);
+    CHECK(doc.at("version").get<std::string>() == DPTRAIN_VERSION);
+    CHECK(doc.at("cuda").is_boolean());
+  }
   auto h = run_dptrain({"--help"});
   CHECK(h.exit_code == 0);
   for (const char* cmd : {"launch", "resume", "recipe", "worker"}) {
