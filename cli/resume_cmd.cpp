@@ -115,6 +115,7 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
   spec.env = RankEnv::resumed(run.info().value("env", nlohmann::json::object()),
                               (run.path() / "run.json").string(), o.remote.rank_env());
   check_hosts_resolve(spec);  // a host name that does not resolve: exit 4, run.json untouched
+  check_fault_syntax(spec);   // a DPTRAIN_FAULT that does not parse: exit 2, run.json untouched
   check_store_port(spec);     // a --master-port another process holds: exit 2
   if (!run.info().contains("recipe")) {
     throw Error(ErrorKind::usage,

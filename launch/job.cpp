@@ -360,6 +360,10 @@ std::vector<Fault> job_faults(const JobSpec& spec) {
 
 }  // namespace
 
+void check_fault_syntax(const JobSpec& spec) {
+  static_cast<void>(job_faults(spec));
+}
+
 std::vector<std::string> check_fault_injection(const JobSpec& spec, int64_t first_step,
                                                int first_generation, bool one_generation) {
   // Rank 0 and the first rank of every further host write checkpoints.

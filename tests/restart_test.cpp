@@ -1008,4 +1008,15 @@ TEST_CASE("DPTRAIN_FAULT: a fault that can never fire is warned about; a bad one
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("DPTRAIN_FAULT: unknown fault 'boom'") != std::string::npos);
   CHECK_FALSE(fs::exists(tmp / "bad"));
+  // A resume refuses it as the launch does, before run.json changes (it recorded the failed
+  // run as failed by this launcher, which it was not).
+  const fs::path failed = tmp / "failed";
+  r = run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir", failed.string()},
+                  {{"DPTRAIN_FAULT", "crash@step=3,rank=1"}});
+  REQUIRE(r.exit_code == 3);
+  const std::string before = read_text(failed / "run.json");
+  r = run_dptrain({"resume", failed.string()}, {{"DPTRAIN_FAULT", "boom@step=3"}});
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("DPTRAIN_FAULT: unknown fault 'boom'") != std::string::npos);
+  CHECK(read_text(failed / "run.json") == before);
 }
