@@ -211,6 +211,9 @@ struct CheckedRun {
   // Checkpoints the run's recipe did not write, as resume skips them (written_by); none when
   // the run has no recipe to read (then only the files are checked).
   CheckpointFilter unusable;
+  // What was passed over to read it (a torn run.json, a recipe that cannot be read): printed on
+  // stderr and in --json's warnings.
+  std::vector<std::string> warnings;
   fs::path checkpoints() const { return path / "checkpoints"; }
 };
 
@@ -218,8 +221,9 @@ struct CheckedRun {
 // resume reads), else recipe.json. Its data is not read: a dataset moved since, or a hung mount,
 // must not keep the checkpoints from being checked. None where the run holds no recipe (a node's
 // copy of a run, which holds checkpoints/ only, `recorded` false); one that cannot be read, or a
-// run.json (torn or whole) with no recipe to be found, is warned about.
-CheckpointFilter recipe_filter(const fs::path& run, const json& info, bool recorded) {
+// run.json (torn or whole) with no recipe to be found, is warned about in `warnings`.
+CheckpointFilter recipe_filter(const fs::path& run, const json& info, bool recorded,
+                               std::vector<std::string>& warnings) {
   try {
     if (info.contains("recipe")) {
       return written_by(parse_recipe(info["recipe"], (run / "run.json").string(), run,
@@ -243,10 +247,10 @@ CheckpointFilter recipe_filter(const fs::path& run, const json& info, bool recor
     }
     return written_by(load_recipe(copy, DataCheck::none));
   } catch (const Error& e) {
-    std::fprintf(stderr,
-                 "dptrain: warning: the run's recipe cannot be read (%s): its checkpoints are "
-                 "checked as files, not for which recipe wrote them\n",
-                 printable(first_line(e.what())).c_str());
+    warnings.push_back(
+        fmt::format("the run's recipe cannot be read ({}): its checkpoints are checked as files, "
+                    "not for which recipe wrote them",
+                    printable(first_line(e.what()))));
     return {};
   }
 }
@@ -269,19 +273,25 @@ CheckedRun open_run(const std::string& dir) {
     throw Error(ErrorKind::checkpoint,
                 fmt::format("{}: not a directory", printable((absolute / "checkpoints").string())));
   }
-  if (!fs::exists(p / "run.json", ec) && has_checkpoints)
-    return {absolute, "", recipe_filter(absolute, json::object(), false)};
+  CheckedRun run{absolute, "", {}, {}};
+  if (!fs::exists(p / "run.json", ec) && has_checkpoints) {
+    run.unusable = recipe_filter(absolute, json::object(), false, run.warnings);
+    return run;
+  }
   json info;
   try {
     info = read_run_json(p);
   } catch (const Error& e) {
     // Only checkpoints/ is read: a run.json torn by a crash does not keep them from being checked.
     if (!has_checkpoints || e.kind() != ErrorKind::usage) throw;
-    std::fprintf(stderr, "dptrain: warning: %s; checking its checkpoints/ all the same\n",
-                 first_line(e.what()).c_str());
-    return {absolute, "", recipe_filter(absolute, json::object(), true)};
+    run.warnings.push_back(
+        fmt::format("{}; checking its checkpoints/ all the same", first_line(e.what())));
+    run.unusable = recipe_filter(absolute, json::object(), true, run.warnings);
+    return run;
   }
-  return {absolute, recorded_elsewhere(info), recipe_filter(absolute, info, true)};
+  run.elsewhere = recorded_elsewhere(info);
+  run.unusable = recipe_filter(absolute, info, true, run.warnings);
+  return run;
 }
 
 // Each of `dirs` of the run verified, in order; when `stop` says so (a SIGINT or SIGTERM came),
@@ -310,6 +320,8 @@ int run_list(const CkptOptions& o) {
   json incomplete = json::array();
   for (const auto& dir : incomplete_checkpoints(run.checkpoints()))
     incomplete.push_back({{"name", dir.filename().string()}, {"bytes", size_on_disk(dir)}});
+  for (const auto& warning : run.warnings)
+    std::fprintf(stderr, "dptrain: warning: %s\n", warning.c_str());
   if (!o.json) {
     print_list_table(run.path, rows, latest, run.elsewhere);
     for (const auto& i : incomplete) {
@@ -325,7 +337,8 @@ int run_list(const CkptOptions& o) {
               {"latest", latest_json(latest)},
               {"latest_problem", or_null(latest.problem)},
               {"checkpoints", json::array()},
-              {"incomplete", incomplete}};
+              {"incomplete", incomplete},
+              {"warnings", run.warnings}};
   for (const auto& row : rows)
     out["checkpoints"].push_back(row_json(row));
   std::printf("%s\n", json_text(out).c_str());
@@ -388,10 +401,11 @@ int run_verify(const CkptOptions& o) {
   // No `latest` beside checkpoints is not damage (a rank stopped between a checkpoint's commit
   // and `latest`'s first write, or it was removed by hand): resume takes the newest valid one.
   // Said, so that a check before copying the run does not pass over it in silence.
-  std::string warning;
+  std::vector<std::string> warnings = run.warnings;
   if (check_latest_too && !latest.exists && !dirs.empty()) {
-    warning = fmt::format("{}: missing; resume continues from the newest checkpoint that verifies",
-                          printable((run.checkpoints() / "latest").string()));
+    warnings.push_back(
+        fmt::format("{}: missing; resume continues from the newest checkpoint that verifies",
+                    printable((run.checkpoints() / "latest").string())));
   }
   if (const int sig = pending_stop_signal(); sig != 0) {
     const bool term = sig == SIGTERM;
@@ -405,8 +419,8 @@ int run_verify(const CkptOptions& o) {
     if (check_latest_too) {
       out["latest"] = latest_json(latest);
       out["latest_problem"] = or_null(latest.problem);
-      out["warnings"] = warning.empty() ? json::array() : json::array({warning});
     }
+    out["warnings"] = warnings;
     out["checkpoints"] = json::array();
     for (const auto& row : rows)
       out["checkpoints"].push_back(row_json(row));
@@ -422,7 +436,8 @@ int run_verify(const CkptOptions& o) {
     print_verify_table(rows, check_latest_too ? &latest : nullptr);
   }
   std::fflush(stdout);
-  if (!warning.empty()) std::fprintf(stderr, "dptrain: warning: %s\n", warning.c_str());
+  for (const auto& warning : warnings)
+    std::fprintf(stderr, "dptrain: warning: %s\n", warning.c_str());
   for (const auto& line : errors)
     std::fprintf(stderr, "dptrain: error: %s\n", line.c_str());
   return code;

@@ -371,7 +371,11 @@ TEST_CASE("ckpt: a missing step or a directory that is not a run is a usage erro
     CHECK(contains(
         torn.err, "dptrain: warning: " + (run / "run.json").string() + ": not valid JSON at line"));
     CHECK(contains(torn.err, "checking its checkpoints/ all the same"));
-    CHECK_FALSE(parse_json(torn.out)["checkpoints"].empty());
+    const auto doc = parse_json(torn.out);
+    CHECK_FALSE(doc["checkpoints"].empty());
+    // A script that reads the JSON sees the warning too.
+    REQUIRE(doc["warnings"].size() == 1);
+    CHECK(contains(torn.err, "dptrain: warning: " + doc["warnings"][0].get<std::string>() + "\n"));
   }
   write_text(run / "run.json", info);
 
@@ -737,4 +741,8 @@ TEST_CASE("ckpt checks the recipe from run.json, its data not read; an unreadabl
                         (run / "run.json").string() + " nor " + (run / "recipe.json").string() +
                         " holds one): its checkpoints are checked as files, not for which recipe "
                         "wrote them\n");
+  const auto none_json = run_dptrain({"ckpt", "verify", run.string(), "step-000020", "--json"});
+  CHECK(none_json.exit_code == 0);
+  CHECK(parse_json(none_json.out)["warnings"] ==
+        nlohmann::json::array({none.err.substr(18, none.err.size() - 19)}));
 }
