@@ -59,8 +59,7 @@ void print_dry_run(const JobSpec& spec, const std::string& run_dir, bool json) {
   const std::string addr = resolve_master_addr(spec);
   // A host's run directory is named as RunDirectory::remote_name names it: this one's name (as
   // resolved, without a trailing '/') and the run's id (made by the launch).
-  std::filesystem::path named = resolved_path(run_dir);
-  if (!named.has_filename()) named = named.parent_path();
+  const std::filesystem::path named = resolved_path(run_dir);
   const JobPlan plan = plan_job(spec, run_dir, named.filename().string() + "-<id>", 1, addr,
                                 spec.remote.master_port, "<redacted>");
   nlohmann::json j = plan.to_json(spec);

@@ -25,6 +25,7 @@
 #include "core/data/dataset.hpp"
 #include "core/data/tokens.hpp"
 #include "core/error.hpp"
+#include "core/fs.hpp"
 #include "core/json_error.hpp"
 #include "core/model/gpt.hpp"
 #include "core/recipe.hpp"
@@ -320,17 +321,36 @@ int run_sample(const SampleOptions& o) {
   const bool run_s =
       !bare.empty() && bare.find('/') == std::string::npos &&
       (checkpoint_step(bare) >= 0 || bare.find_first_not_of("0123456789") == std::string::npos);
-  const fs::path from = o.checkpoint.empty() ? newest_checkpoint(run, recipe)
-                        : run_s || !fs::is_directory(o.checkpoint, ec)
-                            ? checkpoint_named(run.checkpoints(), o.checkpoint)
-                            : fs::path(o.checkpoint);
+  // Absolute and normal: "step-000200/." is step-000200 in the JSON.
+  const auto choose = [&] {
+    return resolved_path(o.checkpoint.empty() ? newest_checkpoint(run, recipe)
+                         : run_s || !fs::is_directory(o.checkpoint, ec)
+                             ? checkpoint_named(run.checkpoints(), o.checkpoint)
+                             : fs::path(o.checkpoint));
+  };
+  fs::path from = choose();
   if (!o.checkpoint.empty() && !fs::exists(from / "meta.json", ec) && checkpoint_step(from) < 0) {
     throw Error(ErrorKind::usage,
                 fmt::format("--checkpoint {}: not a checkpoint directory (no meta.json, and not "
                             "named step-N)",
                             o.checkpoint));
   }
-  const CheckpointData ckpt = read_checkpoint(from);
+  // The newest valid one of a run that trains on may be pruned before it is read: then the
+  // newest again.
+  CheckpointData ckpt;
+  for (int tries = 1;; ++tries) {
+    try {
+      ckpt = read_checkpoint(from);
+      break;
+    } catch (const Error& e) {
+      std::error_code gone;
+      if (!o.checkpoint.empty() || e.kind() != ErrorKind::checkpoint || tries == 5 ||
+          fs::exists(from, gone) || gone) {
+        throw;
+      }
+    }
+    from = choose();
+  }
   check_checkpoint_origin(from, ckpt.position, recipe);
   auto model = make_gpt(recipe.model, std::make_shared<CpuOps>());
   auto& gpt = dynamic_cast<Gpt&>(*model);
@@ -373,7 +393,7 @@ int run_sample(const SampleOptions& o) {
   const auto result = [&] {
     const auto generated = std::span(context).subspan(prompt_tokens);
     return json{{"checkpoint", from.filename().string()},
-                {"checkpoint_path", fs::absolute(from).lexically_normal().string()},
+                {"checkpoint_path", from.string()},
                 {"step", ckpt.position.step},
                 {"prompt", o.prompt},
                 {"tokens", o.tokens},

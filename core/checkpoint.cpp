@@ -13,6 +13,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <set>
 #include <string_view>
 #include <system_error>
 
@@ -740,9 +741,14 @@ LatestStatus check_latest(const fs::path& checkpoints_dir) {
   return out;
 }
 
-std::optional<fs::path> try_find_valid_checkpoint(
-    const fs::path& checkpoints_dir, const std::function<void(const std::string&)>& warn,
-    const CheckpointFilter& unusable, const std::function<void()>& check_stop) {
+namespace {
+
+// One pass of try_find_valid_checkpoint over the checkpoints listed now; `pruned` set when one
+// was gone by the time it was read.
+std::optional<fs::path> find_in_listing(const fs::path& checkpoints_dir,
+                                        const std::function<void(const std::string&)>& warn,
+                                        const CheckpointFilter& unusable,
+                                        const std::function<void()>& check_stop, bool& pruned) {
   std::vector<fs::path> candidates;
   // `latest` first; one that cannot be followed is said to be (the step-* directories are
   // tried all the same).
@@ -762,6 +768,10 @@ std::optional<fs::path> try_find_valid_checkpoint(
   for (const auto& dir : candidates) {
     if (check_stop) check_stop();
     const CheckpointStatus checked = verify_checkpoint(dir);
+    if (checked.gone) {
+      pruned = true;  // not damage: the run removed it after the listing
+      continue;
+    }
     if (checked.ok()) {
       const std::string why =
           unusable && checked.position ? unusable(*checked.position) : std::string();
@@ -780,6 +790,26 @@ std::optional<fs::path> try_find_valid_checkpoint(
     warn(fmt::format("skipping checkpoint {}: {}", dir.filename().string(), problems));
   }
   return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<fs::path> try_find_valid_checkpoint(
+    const fs::path& checkpoints_dir, const std::function<void(const std::string&)>& warn,
+    const CheckpointFilter& unusable, const std::function<void()>& check_stop) {
+  // A run that trains on while this reads (sample, a copy) prunes what it read: the search
+  // starts again from the newer ones, a few times, each warning said once.
+  std::set<std::string> said;
+  const auto warn_once = [&](const std::string& w) {
+    if (said.insert(w).second) warn(w);
+  };
+  for (int search = 1;; ++search) {
+    bool pruned = false;
+    if (auto found = find_in_listing(checkpoints_dir, warn_once, unusable, check_stop, pruned)) {
+      return found;
+    }
+    if (!pruned || search == 5) return std::nullopt;
+  }
 }
 
 fs::path find_valid_checkpoint(const fs::path& checkpoints_dir,

@@ -189,7 +189,9 @@ LatestStatus check_latest(const std::filesystem::path& checkpoints_dir);
 // checkpoint that verifies cannot be used all the same (written by another recipe: one copied
 // in from another run); empty when it can. Such a one is skipped and reported as damaged ones
 // are. `check_stop`, when given, is called before each checkpoint is verified (a large one takes
-// seconds): it throws to stop the search.
+// seconds): it throws to stop the search. One removed while it is read (pruned by a run that
+// trains on) is passed over in silence, and the search starts again (a few times) when that
+// left none.
 using CheckpointFilter = std::function<std::string(const TrainingPosition&)>;
 std::optional<std::filesystem::path> try_find_valid_checkpoint(
     const std::filesystem::path& checkpoints_dir,

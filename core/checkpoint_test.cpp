@@ -639,3 +639,23 @@ TEST_CASE("check_latest: missing, following, dangling, set aside, garbage") {
   write_file_atomic(tmp.path() / "latest", "step-000030\n");
   CHECK(check_latest(tmp.path()).problem == "names step-000030, which is not a directory");
 }
+
+TEST_CASE("find_valid_checkpoint: checkpoints pruned while they are read are passed over") {
+  // A run that trains on while sample reads: it commits a newer checkpoint and prunes the ones
+  // listed (keep 1) between the listing and their reading.
+  TempDir tmp;
+  const auto p = values(64, 5.0f);
+  for (int64_t s : {10, 20})
+    write_checkpoint(tmp.path(), position(s), p, p, 5);
+  std::vector<std::string> warnings;
+  auto warn = [&](const std::string& w) { warnings.push_back(w); };
+  int calls = 0;
+  const auto train_on = [&] {
+    if (calls++ == 0) write_checkpoint(tmp.path(), position(30), p, p, 1);
+  };
+  const auto found = try_find_valid_checkpoint(tmp.path(), warn, {}, train_on);
+  REQUIRE(found.has_value());
+  CHECK(found->filename() == "step-000030");
+  CHECK(warnings.empty());  // not damage
+  CHECK(calls == 3);        // step-000020 and step-000010 gone, then step-000030
+}

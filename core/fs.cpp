@@ -294,7 +294,11 @@ std::filesystem::path resolved_path(const std::filesystem::path& path) {
   const std::filesystem::path absolute = std::filesystem::absolute(path);
   std::error_code ec;
   std::filesystem::path resolved = std::filesystem::weakly_canonical(absolute, ec);
-  return ec ? absolute.lexically_normal() : resolved;
+  if (ec) resolved = absolute.lexically_normal();
+  // "runs/x/" and "runs/x/." are runs/x, whose filename is x.
+  while (!resolved.has_filename() && resolved.has_relative_path())
+    resolved = resolved.parent_path();
+  return resolved;
 }
 
 void require_open_files(uint64_t needed, const std::string& what, const std::string& instead) {

@@ -80,7 +80,8 @@ std::string cwd_gone_note(const std::filesystem::path& path);
 
 // `path` made absolute as the kernel resolves it: symbolic links in the part that exists are
 // followed before ".." applies ("link/../x" is the x beside the link's target, not beside the
-// link), and the rest is normalised. The lexical form when that fails (a permission).
+// link), and the rest is normalised, without a trailing separator ("runs/x/." is runs/x). The
+// lexical form when that fails (a permission).
 std::filesystem::path resolved_path(const std::filesystem::path& path);
 
 // This user's home directory: $HOME, else the password database's, else "/".

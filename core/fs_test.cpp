@@ -180,3 +180,17 @@ TEST_CASE("read_stoppable: a pipe is read to its end, and a stop ends a wait for
   CHECK(read_stoppable(dir / "big", 1000, text, too_long) == 0);
   CHECK(too_long);
 }
+
+TEST_CASE("resolved_path: absolute and normal, without a trailing separator") {
+  test::TempDir tmp;
+  fs::create_directories(tmp.path() / "runs" / "x");
+  for (const char* given : {"runs/x", "runs/x/", "runs/x/.", "runs/./x//", "runs/y/../x"}) {
+    CAPTURE(given);
+    const fs::path p = resolved_path(tmp.path() / given);
+    CHECK(p.filename() == "x");
+    CHECK(p.is_absolute());
+  }
+  // Not made yet: the lexical form, as a name all the same.
+  CHECK(resolved_path(tmp.path() / "runs" / "new" / "").filename() == "new");
+  CHECK(resolved_path("/") == fs::path("/"));
+}

@@ -122,6 +122,15 @@ TEST_CASE("sample: a model vocabulary larger than the char tokenizer's draws onl
     CHECK(parse_json(r.out)["checkpoint"] == oldest.filename().string());
     CHECK(parse_json(r.out)["checkpoint_path"] == oldest.string());
   }
+  // Its directory as a shell completes it ("/") or with "/.": the same name in the JSON.
+  for (const char* suffix : {"/", "/."}) {
+    const auto r = sample(run_dir, {"--checkpoint", oldest.string() + std::string(suffix),
+                                    "--tokens", "5", "--json"});
+    INFO(r.err);
+    REQUIRE(r.exit_code == 0);
+    CHECK(parse_json(r.out)["checkpoint"] == oldest.filename().string());
+    CHECK(parse_json(r.out)["checkpoint_path"] == oldest.string());
+  }
   // A directory of that name where the command runs is not taken for the run's checkpoint (it
   // was, and sampled another run's weights); ./NAME names that one.
   {
