@@ -544,8 +544,14 @@ struct Throughput {
 
 // result.json's figure when the run finished, else the median of the logged ones.
 Throughput throughput(const RunView& run) {
-  const bool tokens =
-      run.metrics.has_tokens() || (run.result.is_object() && run.result.contains("tokens_per_s"));
+  // A token model's rate is in tokens/s also before any is logged (a run that diverged, or was
+  // stopped, before its first log line).
+  const nlohmann::json& recipe = run.info.value("recipe", nlohmann::json());
+  const bool token_model = recipe.is_object() && recipe.contains("model") &&
+                           recipe["model"].is_object() &&
+                           recipe["model"].value("type", "") == "gpt";
+  const bool tokens = token_model || run.metrics.has_tokens() ||
+                      (run.result.is_object() && run.result.contains("tokens_per_s"));
   Throughput t{kNoValue, tokens ? "tokens/s" : "samples/s"};
   const char* key = tokens ? "tokens_per_s" : "samples_per_s";
   if (run.result.is_object()) t.value = json_number(run.result, key);

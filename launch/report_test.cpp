@@ -30,3 +30,16 @@ TEST_CASE("report: an unfinished run's throughput is the median of the logged ra
   j = report_summary(run, "/no-such-run/report.html");
   CHECK(j["throughput"].get<double>() == 1234.5);
 }
+
+TEST_CASE("report: a token model's throughput is in tokens/s before any rate is logged") {
+  RunView run;
+  run.dir = "/no-such-run";
+  run.info = {{"recipe", {{"model", {{"type", "gpt"}}}}}};
+  run.state.status = "failed";  // diverged before its first log line
+  nlohmann::json j = report_summary(run, "/no-such-run/report.html");
+  CHECK(j["throughput"].is_null());
+  CHECK(j["throughput_unit"] == "tokens/s");
+  run.info["recipe"]["model"]["type"] = "mlp";
+  j = report_summary(run, "/no-such-run/report.html");
+  CHECK(j["throughput_unit"] == "samples/s");
+}
