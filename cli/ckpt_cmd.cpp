@@ -212,7 +212,7 @@ struct CheckedRun {
   // the run has no recipe to read (then only the files are checked).
   CheckpointFilter unusable;
   // What was passed over to read it (a torn run.json, a recipe that cannot be read): printed on
-  // stderr and in --json's warnings.
+  // stderr as open_run finds them, and in --json's warnings.
   std::vector<std::string> warnings;
   fs::path checkpoints() const { return path / "checkpoints"; }
 };
@@ -263,6 +263,13 @@ std::string recorded_elsewhere(const json& info) {
                      remote->path, remote->host);
 }
 
+// The run's warnings on stderr, before anything else is done with it (whatever fails later).
+CheckedRun said(CheckedRun run) {
+  for (const auto& warning : run.warnings)
+    std::fprintf(stderr, "dptrain: warning: %s\n", warning.c_str());
+  return run;
+}
+
 // Reads the run, changing nothing in it (not even a missing checkpoints/ is made).
 CheckedRun open_run(const std::string& dir) {
   std::error_code ec;
@@ -276,7 +283,7 @@ CheckedRun open_run(const std::string& dir) {
   CheckedRun run{absolute, "", {}, {}};
   if (!fs::exists(p / "run.json", ec) && has_checkpoints) {
     run.unusable = recipe_filter(absolute, json::object(), false, run.warnings);
-    return run;
+    return said(std::move(run));
   }
   json info;
   try {
@@ -287,11 +294,11 @@ CheckedRun open_run(const std::string& dir) {
     run.warnings.push_back(
         fmt::format("{}; checking its checkpoints/ all the same", first_line(e.what())));
     run.unusable = recipe_filter(absolute, json::object(), true, run.warnings);
-    return run;
+    return said(std::move(run));
   }
   run.elsewhere = recorded_elsewhere(info);
   run.unusable = recipe_filter(absolute, info, true, run.warnings);
-  return run;
+  return said(std::move(run));
 }
 
 // Each of `dirs` of the run verified, in order; when `stop` says so (a SIGINT or SIGTERM came),
@@ -320,8 +327,6 @@ int run_list(const CkptOptions& o) {
   json incomplete = json::array();
   for (const auto& dir : incomplete_checkpoints(run.checkpoints()))
     incomplete.push_back({{"name", dir.filename().string()}, {"bytes", size_on_disk(dir)}});
-  for (const auto& warning : run.warnings)
-    std::fprintf(stderr, "dptrain: warning: %s\n", warning.c_str());
   if (!o.json) {
     print_list_table(run.path, rows, latest, run.elsewhere);
     for (const auto& i : incomplete) {
@@ -402,10 +407,12 @@ int run_verify(const CkptOptions& o) {
   // and `latest`'s first write, or it was removed by hand): resume takes the newest valid one.
   // Said, so that a check before copying the run does not pass over it in silence.
   std::vector<std::string> warnings = run.warnings;
+  std::string missing_latest;
   if (check_latest_too && !latest.exists && !dirs.empty()) {
-    warnings.push_back(
+    missing_latest =
         fmt::format("{}: missing; resume continues from the newest checkpoint that verifies",
-                    printable((run.checkpoints() / "latest").string())));
+                    printable((run.checkpoints() / "latest").string()));
+    warnings.push_back(missing_latest);
   }
   if (const int sig = pending_stop_signal(); sig != 0) {
     const bool term = sig == SIGTERM;
@@ -436,8 +443,9 @@ int run_verify(const CkptOptions& o) {
     print_verify_table(rows, check_latest_too ? &latest : nullptr);
   }
   std::fflush(stdout);
-  for (const auto& warning : warnings)
-    std::fprintf(stderr, "dptrain: warning: %s\n", warning.c_str());
+  if (!missing_latest.empty()) {
+    std::fprintf(stderr, "dptrain: warning: %s\n", missing_latest.c_str());
+  }
   for (const auto& line : errors)
     std::fprintf(stderr, "dptrain: error: %s\n", line.c_str());
   return code;

@@ -6,10 +6,12 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
 #include <random>
+#include <set>
 #include <span>
 #include <string>
 #include <vector>
@@ -193,17 +195,15 @@ int32_t draw(std::vector<float> logits, int64_t vocab, double temperature, int64
 // Error(checkpoint) saying there is nothing to sample from when the run has written none yet, or
 // when none of them is valid; or naming a newer one that is out of reach (a permission), as
 // resume does.
-fs::path newest_checkpoint(const RunDirectory& run, const Recipe& recipe) {
+fs::path newest_checkpoint(const RunDirectory& run, const Recipe& recipe,
+                           const std::function<void(const std::string&)>& warn) {
   if (list_checkpoints(run.checkpoints()).empty() && latest_checkpoint(run.checkpoints()).empty()) {
     throw Error(ErrorKind::checkpoint,
                 fmt::format("{}: no checkpoint yet, nothing to sample from (train the run, or "
                             "wait for its first checkpoint)",
                             run.path().string()));
   }
-  const auto found = try_find_valid_checkpoint(
-      run.checkpoints(),
-      [](const std::string& w) { std::fprintf(stderr, "dptrain: warning: %s\n", w.c_str()); },
-      written_by(recipe));
+  const auto found = try_find_valid_checkpoint(run.checkpoints(), warn, written_by(recipe));
   if (!found) {
     throw Error(ErrorKind::checkpoint,
                 fmt::format("{}: no valid checkpoint, nothing to sample from (see 'dptrain "
@@ -321,12 +321,17 @@ int run_sample(const SampleOptions& o) {
   const bool run_s =
       !bare.empty() && bare.find('/') == std::string::npos &&
       (checkpoint_step(bare) >= 0 || bare.find_first_not_of("0123456789") == std::string::npos);
-  // Absolute and normal: "step-000200/." is step-000200 in the JSON.
+  // Absolute and normal: "step-000200/." is step-000200 in the JSON (a link keeps its name).
+  // A warning of the search is said once, however often it is made.
+  std::set<std::string> said;
+  const auto warn = [&said](const std::string& w) {
+    if (said.insert(w).second) std::fprintf(stderr, "dptrain: warning: %s\n", w.c_str());
+  };
   const auto choose = [&] {
-    return resolved_path(o.checkpoint.empty() ? newest_checkpoint(run, recipe)
-                         : run_s || !fs::is_directory(o.checkpoint, ec)
-                             ? checkpoint_named(run.checkpoints(), o.checkpoint)
-                             : fs::path(o.checkpoint));
+    return normal_path(o.checkpoint.empty() ? newest_checkpoint(run, recipe, warn)
+                       : run_s || !fs::is_directory(o.checkpoint, ec)
+                           ? checkpoint_named(run.checkpoints(), o.checkpoint)
+                           : fs::path(o.checkpoint));
   };
   fs::path from = choose();
   if (!o.checkpoint.empty() && !fs::exists(from / "meta.json", ec) && checkpoint_step(from) < 0) {

@@ -290,15 +290,26 @@ std::optional<std::filesystem::path> file_in_the_way(const std::filesystem::path
   return std::nullopt;
 }
 
+namespace {
+
+// "runs/x/" and "runs/x/." (once normal, "runs/x/") are runs/x, whose filename is x.
+std::filesystem::path without_trailing_separator(std::filesystem::path path) {
+  while (!path.has_filename() && path.has_relative_path())
+    path = path.parent_path();
+  return path;
+}
+
+}  // namespace
+
 std::filesystem::path resolved_path(const std::filesystem::path& path) {
   const std::filesystem::path absolute = std::filesystem::absolute(path);
   std::error_code ec;
-  std::filesystem::path resolved = std::filesystem::weakly_canonical(absolute, ec);
-  if (ec) resolved = absolute.lexically_normal();
-  // "runs/x/" and "runs/x/." are runs/x, whose filename is x.
-  while (!resolved.has_filename() && resolved.has_relative_path())
-    resolved = resolved.parent_path();
-  return resolved;
+  const std::filesystem::path resolved = std::filesystem::weakly_canonical(absolute, ec);
+  return without_trailing_separator(ec ? absolute.lexically_normal() : resolved);
+}
+
+std::filesystem::path normal_path(const std::filesystem::path& path) {
+  return without_trailing_separator(std::filesystem::absolute(path).lexically_normal());
 }
 
 void require_open_files(uint64_t needed, const std::string& what, const std::string& instead) {

@@ -83,6 +83,8 @@ std::string cwd_gone_note(const std::filesystem::path& path);
 // link), and the rest is normalised, without a trailing separator ("runs/x/." is runs/x). The
 // lexical form when that fails (a permission).
 std::filesystem::path resolved_path(const std::filesystem::path& path);
+// `path` absolute and lexically normal, links kept as given, without a trailing separator.
+std::filesystem::path normal_path(const std::filesystem::path& path);
 
 // This user's home directory: $HOME, else the password database's, else "/".
 std::filesystem::path home_directory();

@@ -194,3 +194,12 @@ TEST_CASE("resolved_path: absolute and normal, without a trailing separator") {
   CHECK(resolved_path(tmp.path() / "runs" / "new" / "").filename() == "new");
   CHECK(resolved_path("/") == fs::path("/"));
 }
+
+TEST_CASE("normal_path: absolute and normal, links kept, without a trailing separator") {
+  test::TempDir tmp;
+  fs::create_directories(tmp.path() / "target");
+  fs::create_directory_symlink(tmp.path() / "target", tmp.path() / "link");
+  CHECK(normal_path(tmp.path() / "link" / ".") == tmp.path() / "link");
+  CHECK(normal_path(tmp.path() / "link" / "") == tmp.path() / "link");
+  CHECK(resolved_path(tmp.path() / "link" / "").filename() == "target");
+}

@@ -178,6 +178,7 @@ void check_store_port(const JobSpec& spec);
 // Error(usage) when DPTRAIN_FAULT (the launcher's, or the job's --env) does not parse: what a
 // resume checks before it touches run.json.
 void check_fault_syntax(const JobSpec& spec);
+
 // DPTRAIN_FAULT (fault injection for tests; the launcher's, or the job's --env) as the ranks
 // will read it: Error(usage) when it does
 // not parse; a warning for each fault that can never fire in this job, continued from

@@ -546,10 +546,9 @@ struct Throughput {
 Throughput throughput(const RunView& run) {
   // A token model's rate is in tokens/s also before any is logged (a run that diverged, or was
   // stopped, before its first log line).
-  const nlohmann::json& recipe = run.info.value("recipe", nlohmann::json());
-  const bool token_model = recipe.is_object() && recipe.contains("model") &&
-                           recipe["model"].is_object() &&
-                           recipe["model"].value("type", "") == "gpt";
+  // (Whatever a hand-edited run.json holds there.)
+  const nlohmann::json::json_pointer type("/recipe/model/type");
+  const bool token_model = run.info.contains(type) && run.info.at(type) == "gpt";
   const bool tokens = token_model || run.metrics.has_tokens() ||
                       (run.result.is_object() && run.result.contains("tokens_per_s"));
   Throughput t{kNoValue, tokens ? "tokens/s" : "samples/s"};

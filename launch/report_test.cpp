@@ -39,7 +39,14 @@ TEST_CASE("report: a token model's throughput is in tokens/s before any rate is 
   nlohmann::json j = report_summary(run, "/no-such-run/report.html");
   CHECK(j["throughput"].is_null());
   CHECK(j["throughput_unit"] == "tokens/s");
-  run.info["recipe"]["model"]["type"] = "mlp";
-  j = report_summary(run, "/no-such-run/report.html");
-  CHECK(j["throughput_unit"] == "samples/s");
+  // Any other model, or a run.json edited by hand (not a string, no model): samples/s.
+  for (const auto& model : {nlohmann::json{{"type", "mlp"}}, nlohmann::json{{"type", 5}},
+                            nlohmann::json{{"type", nullptr}}, nlohmann::json("gpt")}) {
+    CAPTURE(model.dump());
+    run.info["recipe"]["model"] = model;
+    j = report_summary(run, "/no-such-run/report.html");
+    CHECK(j["throughput_unit"] == "samples/s");
+  }
+  run.info["recipe"] = 7;
+  CHECK(report_summary(run, "/no-such-run/report.html")["throughput_unit"] == "samples/s");
 }

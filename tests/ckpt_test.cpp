@@ -377,6 +377,10 @@ TEST_CASE("ckpt: a missing step or a directory that is not a run is a usage erro
     REQUIRE(doc["warnings"].size() == 1);
     CHECK(contains(torn.err, "dptrain: warning: " + doc["warnings"][0].get<std::string>() + "\n"));
   }
+  // Said also when the command then fails (a step the run lacks).
+  const auto failed = run_dptrain({"ckpt", "verify", run.string(), "999"});
+  CHECK(failed.exit_code != 0);
+  CHECK(contains(failed.err, "checking its checkpoints/ all the same"));
   write_text(run / "run.json", info);
 
   // A run that never reached its first checkpoint has nothing to verify.
