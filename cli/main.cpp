@@ -76,7 +76,8 @@ void end_refused_events(const Command& c, int argc, char** argv, bool json,
     const std::string_view arg = argv[i];
     if (arg == "--events" && i + 1 < argc) restart.events = argv[i + 1];
     if (arg.starts_with("--events=")) restart.events = std::string(arg.substr(9));
-    if (arg == "--dry-run") return;  // a plan only: it writes no events
+    // A launch's plan only writes no events; a resume has no --dry-run (unknown, refused).
+    if (arg == "--dry-run" && c.name == "dptrain launch") return;
   }
   // A resume's run, where its name was read before the refusal: not a stream another launcher
   // of that run may be writing.

@@ -36,27 +36,33 @@ Fault parse_one(const std::string& text) {
   const std::string kind = text.substr(0, at);
   Fault f;
   f.text = text;
-  if (kind == "crash") {
-    f.kind = Fault::Kind::crash;
-  } else if (kind == "exit") {
-    f.kind = Fault::Kind::exit;
-  } else if (kind == "hang") {
-    f.kind = Fault::Kind::hang;
-  } else if (kind == "freeze") {
-    f.kind = Fault::Kind::freeze;
-  } else if (kind == "slow") {
-    f.kind = Fault::Kind::slow;
-  } else if (kind == "crash-in-checkpoint") {
-    f.kind = Fault::Kind::crash_in_checkpoint;
-  } else if (kind == "freeze-before-join") {
-    f.kind = Fault::Kind::freeze_before_join;
-  } else if (kind == "slow-start") {
-    f.kind = Fault::Kind::slow_start;
-  } else {
+  static constexpr std::pair<std::string_view, Fault::Kind> kinds[] = {
+      {"crash", Fault::Kind::crash},
+      {"exit", Fault::Kind::exit},
+      {"hang", Fault::Kind::hang},
+      {"freeze", Fault::Kind::freeze},
+      {"slow", Fault::Kind::slow},
+      {"crash-in-checkpoint", Fault::Kind::crash_in_checkpoint},
+      {"freeze-before-join", Fault::Kind::freeze_before_join},
+      {"slow-start", Fault::Kind::slow_start}};
+  const auto known = [&](std::string_view name) {
+    return std::find_if(std::begin(kinds), std::end(kinds),
+                        [&](const auto& k) { return k.first == name; });
+  };
+  if (const auto found = known(kind); found != std::end(kinds)) {
+    f.kind = found->second;
+  } else if (const auto comma = kind.find(',');
+             comma != std::string::npos && known(kind.substr(0, comma)) != std::end(kinds)) {
+    // "freeze-before-join,rank=1": a kind without step= still takes its options after '@'.
     throw Error(ErrorKind::usage,
-                fmt::format("DPTRAIN_FAULT: unknown fault '{}' in '{}' (crash, exit, hang, freeze, "
-                            "slow, crash-in-checkpoint, freeze-before-join, slow-start)",
-                            kind, text));
+                fmt::format("DPTRAIN_FAULT: '{}': a fault's options follow '@' ({}@{})", text,
+                            kind.substr(0, comma), text.substr(comma + 1)));
+  } else {
+    std::vector<std::string_view> names;
+    for (const auto& k : kinds)
+      names.push_back(k.first);
+    throw Error(ErrorKind::usage, fmt::format("DPTRAIN_FAULT: unknown fault '{}' in '{}' ({})",
+                                              kind, text, fmt::join(names, ", ")));
   }
   bool has_step = false;
   std::set<std::string> seen;

@@ -126,7 +126,14 @@ TEST_CASE("fault specs with values out of range, a field twice or for another ki
             "DPTRAIN_FAULT: 'rank' is given twice in 'crash@step=3,rank=1,rank=0'"},
            {"crash@step=3,gen=0",
             "DPTRAIN_FAULT: gen=0 in 'crash@step=3,gen=0' is not a "
-            "generation (1 or more)"}}) {
+            "generation (1 or more)"},
+           // A kind that needs no step= still takes its options after '@'.
+           {"freeze-before-join,rank=1",
+            "DPTRAIN_FAULT: 'freeze-before-join,rank=1': a fault's options follow '@' "
+            "(freeze-before-join@rank=1)"},
+           {"boom@step=3",
+            "DPTRAIN_FAULT: unknown fault 'boom' in 'boom@step=3' (crash, exit, hang, freeze, "
+            "slow, crash-in-checkpoint, freeze-before-join, slow-start)"}}) {
     CAPTURE(spec);
     try {
       parse_faults(spec);

@@ -323,6 +323,15 @@ TEST_CASE("a corrupt or truncated newest checkpoint is skipped; none valid exits
     CHECK(ended[0]["error"].get<std::string>().starts_with("the resume did not start: " +
                                                            dir.string()));
   }
+  // launch's --dry-run is no resume option: refused as any unknown one, and the stream ended.
+  const fs::path dry = tmp / "dry.jsonl";
+  auto refused =
+      run_dptrain({"resume", (tmp / "torn").string(), "--events", dry.string(), "--dry-run"});
+  CHECK(refused.exit_code == 2);
+  CHECK(contains(refused.err, "unknown option '--dry-run'"));
+  const auto ended = read_jsonl(dry);
+  REQUIRE(ended.size() == 1);
+  CHECK(ended[0]["event"] == "run_finished");
 }
 
 TEST_CASE(
