@@ -345,7 +345,7 @@ int run_sample(const SampleOptions& o) {
   CheckpointData ckpt;
   for (int tries = 1;; ++tries) {
     try {
-      ckpt = read_checkpoint(from);
+      ckpt = read_checkpoint(from, CheckpointBlobs::params);
       break;
     } catch (const Error& e) {
       std::error_code gone;

@@ -521,12 +521,13 @@ void remove_incomplete_checkpoints(const fs::path& checkpoints_dir) {
   }
 }
 
-CheckpointData read_checkpoint(const fs::path& dir) {
+CheckpointData read_checkpoint(const fs::path& dir, CheckpointBlobs which) {
   MetaCheck checked = check_meta(dir);
   if (!checked.problem.empty()) fail(dir / kMetaFile, checked.problem);
   std::optional<Meta>& meta = checked.meta;
   std::array<std::vector<float>, kBlobNames.size()> blobs;
   for (BlobStatus& blob : meta->blobs) {
+    if (which == CheckpointBlobs::params && blob.name != kBlobNames[0]) continue;
     const auto index = std::find(kBlobNames.begin(), kBlobNames.end(), blob.name);
     check_blob(dir, blob, &blobs[static_cast<size_t>(index - kBlobNames.begin())]);
     if (!blob.ok()) fail(dir / blob.file, blob.problem);

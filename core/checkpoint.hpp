@@ -139,8 +139,13 @@ std::vector<std::filesystem::path> incomplete_checkpoints(
 // Removes them. Only when no writer runs: rank 0 calls it as a generation starts.
 void remove_incomplete_checkpoints(const std::filesystem::path& checkpoints_dir);
 
+// Which blobs read_checkpoint reads: all, or the parameters only (sample: the optimizer state,
+// twice their size, is neither read nor checked; CheckpointData holds none of it then).
+enum class CheckpointBlobs { all, params };
+
 // Reads and verifies one checkpoint directory: Error(checkpoint) naming the file and what is wrong.
-CheckpointData read_checkpoint(const std::filesystem::path& dir);
+CheckpointData read_checkpoint(const std::filesystem::path& dir,
+                               CheckpointBlobs which = CheckpointBlobs::all);
 
 // Whether list_checkpoints also returns the step-N.corrupt directories that resume set aside.
 enum class SetAside { exclude, include };

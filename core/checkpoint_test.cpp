@@ -659,3 +659,19 @@ TEST_CASE("find_valid_checkpoint: checkpoints pruned while they are read are pas
   CHECK(warnings.empty());  // not damage
   CHECK(calls == 3);        // step-000020 and step-000010 gone, then step-000030
 }
+
+TEST_CASE("read_checkpoint: the parameters only, the optimizer state neither read nor checked") {
+  TempDir tmp;
+  const auto params = values(1001, 1.0f);
+  const auto optim = values(2002, -3.0f);
+  const fs::path dir = write_checkpoint(tmp.path(), position(100), params, optim, 3);
+  flip_byte(dir / "optimizer.bin", 5);
+  CHECK_THROWS_AS(read_checkpoint(dir), Error);
+  const CheckpointData back = read_checkpoint(dir, CheckpointBlobs::params);
+  CHECK(back.params == params);
+  CHECK(back.optimizer_state.empty());
+  CHECK(back.position.step == 100);
+  // The parameters themselves are checked all the same.
+  flip_byte(dir / "params.bin", 5);
+  CHECK_THROWS_AS(read_checkpoint(dir, CheckpointBlobs::params), Error);
+}
