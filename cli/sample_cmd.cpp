@@ -328,10 +328,10 @@ int run_sample(const SampleOptions& o) {
     if (said.insert(w).second) std::fprintf(stderr, "dptrain: warning: %s\n", w.c_str());
   };
   const auto choose = [&] {
-    return normal_path(o.checkpoint.empty() ? newest_checkpoint(run, recipe, warn)
-                       : run_s || !fs::is_directory(o.checkpoint, ec)
-                           ? checkpoint_named(run.checkpoints(), o.checkpoint)
-                           : fs::path(o.checkpoint));
+    return named_path(o.checkpoint.empty() ? newest_checkpoint(run, recipe, warn)
+                      : run_s || !fs::is_directory(o.checkpoint, ec)
+                          ? checkpoint_named(run.checkpoints(), o.checkpoint)
+                          : fs::path(o.checkpoint));
   };
   fs::path from = choose();
   if (!o.checkpoint.empty() && !fs::exists(from / "meta.json", ec) && checkpoint_step(from) < 0) {

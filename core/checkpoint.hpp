@@ -139,8 +139,8 @@ std::vector<std::filesystem::path> incomplete_checkpoints(
 // Removes them. Only when no writer runs: rank 0 calls it as a generation starts.
 void remove_incomplete_checkpoints(const std::filesystem::path& checkpoints_dir);
 
-// Which blobs read_checkpoint reads: all, or the parameters only (sample: the optimizer state,
-// twice their size, is neither read nor checked; CheckpointData holds none of it then).
+// Which blobs read_checkpoint reads: all, or the parameters only (sample: read_checkpoint then
+// neither reads nor checks the optimizer state, twice their size; CheckpointData holds none).
 enum class CheckpointBlobs { all, params };
 
 // Reads and verifies one checkpoint directory: Error(checkpoint) naming the file and what is wrong.

@@ -54,9 +54,11 @@ Fault parse_one(const std::string& text) {
   } else if (const auto comma = kind.find(',');
              comma != std::string::npos && known(kind.substr(0, comma)) != std::end(kinds)) {
     // "freeze-before-join,rank=1": a kind without step= still takes its options after '@'.
+    const std::string options = kind.substr(comma + 1);
     throw Error(ErrorKind::usage,
-                fmt::format("DPTRAIN_FAULT: '{}': a fault's options follow '@' ({}@{})", text,
-                            kind.substr(0, comma), text.substr(comma + 1)));
+                fmt::format("DPTRAIN_FAULT: '{}': a fault's options follow '@' ({}@{}{})", text,
+                            kind.substr(0, comma), options,
+                            at == std::string::npos ? "" : "," + text.substr(at + 1)));
   } else {
     std::vector<std::string_view> names;
     for (const auto& k : kinds)

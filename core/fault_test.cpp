@@ -131,6 +131,8 @@ TEST_CASE("fault specs with values out of range, a field twice or for another ki
            {"freeze-before-join,rank=1",
             "DPTRAIN_FAULT: 'freeze-before-join,rank=1': a fault's options follow '@' "
             "(freeze-before-join@rank=1)"},
+           {"slow,ms=5@step=3",
+            "DPTRAIN_FAULT: 'slow,ms=5@step=3': a fault's options follow '@' (slow@ms=5,step=3)"},
            {"boom@step=3",
             "DPTRAIN_FAULT: unknown fault 'boom' in 'boom@step=3' (crash, exit, hang, freeze, "
             "slow, crash-in-checkpoint, freeze-before-join, slow-start)"}}) {

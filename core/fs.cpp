@@ -308,8 +308,13 @@ std::filesystem::path resolved_path(const std::filesystem::path& path) {
   return without_trailing_separator(ec ? absolute.lexically_normal() : resolved);
 }
 
-std::filesystem::path normal_path(const std::filesystem::path& path) {
-  return without_trailing_separator(std::filesystem::absolute(path).lexically_normal());
+std::filesystem::path named_path(const std::filesystem::path& path) {
+  std::filesystem::path p = std::filesystem::absolute(path);
+  // "x/" and "x/." name x whatever x is ("." and an empty name change nothing).
+  while ((!p.has_filename() || p.filename() == ".") && p.has_relative_path())
+    p = p.parent_path();
+  if (!p.has_relative_path() || p.filename() == "..") return resolved_path(p);
+  return resolved_path(p.parent_path()) / p.filename();
 }
 
 void require_open_files(uint64_t needed, const std::string& what, const std::string& instead) {

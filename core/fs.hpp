@@ -83,8 +83,10 @@ std::string cwd_gone_note(const std::filesystem::path& path);
 // link), and the rest is normalised, without a trailing separator ("runs/x/." is runs/x). The
 // lexical form when that fails (a permission).
 std::filesystem::path resolved_path(const std::filesystem::path& path);
-// `path` absolute and lexically normal, links kept as given, without a trailing separator.
-std::filesystem::path normal_path(const std::filesystem::path& path);
+// `path` absolute, its directory resolved as resolved_path does ("link/../x" as the kernel
+// reads it) and its last name kept as given (a link named stays that link), without a trailing
+// separator or ".".
+std::filesystem::path named_path(const std::filesystem::path& path);
 
 // This user's home directory: $HOME, else the password database's, else "/".
 std::filesystem::path home_directory();

@@ -195,11 +195,17 @@ TEST_CASE("resolved_path: absolute and normal, without a trailing separator") {
   CHECK(resolved_path("/") == fs::path("/"));
 }
 
-TEST_CASE("normal_path: absolute and normal, links kept, without a trailing separator") {
+TEST_CASE("named_path: the directory resolved, the last name kept, no trailing separator") {
   test::TempDir tmp;
-  fs::create_directories(tmp.path() / "target");
-  fs::create_directory_symlink(tmp.path() / "target", tmp.path() / "link");
-  CHECK(normal_path(tmp.path() / "link" / ".") == tmp.path() / "link");
-  CHECK(normal_path(tmp.path() / "link" / "") == tmp.path() / "link");
-  CHECK(resolved_path(tmp.path() / "link" / "").filename() == "target");
+  const fs::path base = resolved_path(tmp.path());
+  fs::create_directories(base / "deep" / "target");
+  fs::create_directories(base / "deep" / "other");
+  fs::create_directory_symlink(base / "deep" / "target", base / "link");
+  CHECK(named_path(base / "link" / ".") == base / "link");
+  CHECK(named_path(base / "link" / "") == base / "link");
+  CHECK(resolved_path(base / "link" / "").filename() == "target");
+  // ".." after a link goes up from the link's target, as a read of the path would.
+  CHECK(named_path(base / "link" / ".." / "other") == base / "deep" / "other");
+  CHECK(named_path(base / "deep" / "target" / "..") == base / "deep");
+  CHECK(named_path("/") == fs::path("/"));
 }

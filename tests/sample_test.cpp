@@ -131,6 +131,18 @@ TEST_CASE("sample: a model vocabulary larger than the char tokenizer's draws onl
     CHECK(parse_json(r.out)["checkpoint"] == oldest.filename().string());
     CHECK(parse_json(r.out)["checkpoint_path"] == oldest.string());
   }
+  // Through a link to the newest: ".." goes up from its target, as reading the path does.
+  {
+    const fs::path link = run_dir.parent_path() / "newest-link";
+    fs::create_directory_symlink(checkpoints.back(), link);
+    const auto r = sample(run_dir, {"--checkpoint", (link / ".." / oldest.filename()).string(),
+                                    "--tokens", "5", "--json"});
+    INFO(r.err);
+    REQUIRE(r.exit_code == 0);
+    CHECK(parse_json(r.out)["checkpoint"] == oldest.filename().string());
+    CHECK(parse_json(r.out)["checkpoint_path"] == oldest.string());
+    fs::remove(link);
+  }
   // A directory of that name where the command runs is not taken for the run's checkpoint (it
   // was, and sampled another run's weights); ./NAME names that one.
   {
