@@ -72,13 +72,21 @@ void end_refused_events(const Command& c, int argc, char** argv, bool json,
                         const std::string& message) {
   if (c.name != "dptrain launch" && c.name != "dptrain resume") return;
   dptrain::cli::RestartOptions restart;
+  bool dry_run = false;
   for (int i = c.next; i < argc; ++i) {
     const std::string_view arg = argv[i];
+    if (arg == "--") break;  // what follows is no option
     if (arg == "--events" && i + 1 < argc) restart.events = argv[i + 1];
     if (arg.starts_with("--events=")) restart.events = std::string(arg.substr(9));
-    // A launch's plan only writes no events; a resume has no --dry-run (unknown, refused).
-    if (arg == "--dry-run" && c.name == "dptrain launch") return;
+    // --dry-run, or CLI11's --dry-run=VALUE (the last one given counts).
+    if (arg == "--dry-run") dry_run = true;
+    if (arg.starts_with("--dry-run=")) {
+      const std::string_view value = arg.substr(10);
+      dry_run = value != "false" && value != "0" && value != "off" && value != "no";
+    }
   }
+  // A launch's plan only writes no events; a resume has no --dry-run (unknown, refused).
+  if (dry_run && c.name == "dptrain launch") return;
   // A resume's run, where its name was read before the refusal: not a stream another launcher
   // of that run may be writing.
   std::string run_dir;

@@ -386,6 +386,18 @@ TEST_CASE("usage errors exit 2") {
   auto dry = run_dptrain({"launch", recipe.string(), "--dry-run", "--events", "-", "--json"});
   CHECK(dry.exit_code == 2);
   CHECK(dry.err.find("--events -: not with --json") != std::string::npos);
+  // A dry run refused at its options writes no events (it would write none at all), however
+  // --dry-run is spelled; a launch that is no dry run ends its stream.
+  for (const auto& [flag, writes] : std::vector<std::pair<std::string, bool>>{
+           {"--dry-run", false}, {"--dry-run=true", false}, {"--dry-run=false", true}}) {
+    CAPTURE(flag);
+    const fs::path stream = tmp / "dry-events.jsonl";
+    fs::remove(stream);
+    auto refused = run_dptrain(
+        {"launch", recipe.string(), flag, "--events", stream.string(), "--no-such-option"});
+    CHECK(refused.exit_code == 2);
+    CHECK(fs::exists(stream) == writes);
+  }
   // An empty --hosts (an unset variable in a script) is refused, not a job on this machine alone.
   auto no_hosts = run_dptrain(
       {"launch", recipe.string(), "--hosts", "", "--runs-root", (tmp / "runs").string()});
