@@ -1,7 +1,8 @@
 // Causal attention on tensor cores with the scores in registers (DPTRAIN_ATTENTION=mma): the
-// same flash-style algorithm, tiles, grids and rounding as attention_tc.cu (kTile x kTile tiles of
-// one (sequence, head), one log-sum-exp per query row, the backward split into a dK/dV kernel
-// per key tile and a dQ kernel per query tile so that every sum runs in a fixed order), written
+// same flash-style algorithm, tiles and grids as attention_tc.cu (kTile x kTile tiles of one
+// (sequence, head), one natural log-sum-exp per query row, the backward split into a dK/dV kernel
+// per key tile and a dQ kernel per query tile so that every sum runs in a fixed order; rounded
+// differently: base-2 exponentials of pre-scaled scores, so not bit for bit the same), written
 // the way FlashAttention-2 is: PTX mma.sync m16n8k16 (16-bit inputs, f32 accumulators) fed by
 // ldmatrix, the tiles brought in by cp.async one tile ahead of their use, and no round trip
 // through shared memory between the products. The WMMA kernels store every score tile to an f32

@@ -3,6 +3,8 @@
 
 #include <doctest/doctest.h>
 
+#include <functional>
+#include <map>
 #include <optional>
 #include <thread>
 
@@ -11,6 +13,28 @@
 
 using namespace dptrain;
 using nlohmann::json;
+
+namespace {
+
+// Every 100 ms, for 20 s at most: sets the heartbeats that `beats(n)` gives for round n (rank ->
+// heartbeat; n counts from `first`), then asks the watch. Returns its first verdict that `wanted`
+// takes (any, when none is given), or none.
+std::optional<std::string> beat_until_verdict(
+    TcpStoreClient& store, HangWatch& watch, int64_t first,
+    const std::function<std::map<int, std::string>(int64_t)>& beats,
+    const std::function<bool(const std::string&)>& wanted = {}) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  for (int64_t n = first; std::chrono::steady_clock::now() < until; ++n) {
+    for (const auto& [rank, beat] : beats(n))
+      store.set(heartbeat_key(rank), beat);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    const auto verdict = watch.check();
+    if (verdict && (!wanted || wanted(*verdict))) return verdict;
+  }
+  return std::nullopt;
+}
+
+}  // namespace
 
 TEST_CASE("hang verdict: the rank behind is named with its step and phase, the waiters too") {
   const std::map<int, json> beats = {{0,
@@ -116,15 +140,13 @@ TEST_CASE("hang watch: a heartbeat that stands still is told from one that waits
   };
   store.set(heartbeat_key(1), beat(11, 40));
   HangWatch watch(store, 2, std::chrono::milliseconds(500));
-  std::optional<std::string> verdict;
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  for (int64_t n = 1; !verdict && std::chrono::steady_clock::now() < until; ++n) {
-    store.set(heartbeat_key(0), beat(12, n));
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    const auto v = watch.check();
-    // Before rank 1's silence passes kSilentAfter the verdict names it plainly; wait for more.
-    if (v && v->find("heartbeat stopped") != std::string::npos) verdict = v;
-  }
+  // Before rank 1's silence passes kSilentAfter the verdict names it plainly; wait for more.
+  const auto verdict = beat_until_verdict(
+      store, watch, 1,
+      [&](int64_t n) {
+        return std::map<int, std::string>{{0, beat(12, n)}};
+      },
+      [](const std::string& v) { return v.find("heartbeat stopped") != std::string::npos; });
   REQUIRE(verdict.has_value());
   CHECK(verdict->find("rank 1 (its heartbeat stopped") != std::string::npos);
   CHECK(verdict->find("rank 0 (its heartbeat") == std::string::npos);
@@ -151,14 +173,10 @@ TEST_CASE("hang watch: a rank waiting in a collective while another progresses i
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     CHECK_FALSE(watch.check().has_value());
   }
-  std::optional<std::string> verdict;
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  for (int64_t n = 31; !verdict && std::chrono::steady_clock::now() < until; ++n) {
-    store.set(heartbeat_key(0), beat("eval", 130, n));  // stuck in its chunk now
-    store.set(heartbeat_key(1), beat("collective", 7, n));
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    verdict = watch.check();
-  }
+  const auto verdict = beat_until_verdict(store, watch, 31, [&](int64_t n) {
+    // Rank 0 is stuck in its chunk now.
+    return std::map<int, std::string>{{0, beat("eval", 130, n)}, {1, beat("collective", 7, n)}};
+  });
   REQUIRE(verdict.has_value());
   CHECK(verdict->find("rank 0 at step 4 in phase eval") != std::string::npos);
 }
@@ -180,13 +198,10 @@ TEST_CASE("hang watch: a rank still starting is no hang while it beats; frozen, 
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     CHECK_FALSE(watch.check().has_value());
   }
-  std::optional<std::string> verdict;
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  for (int64_t n = 31; !verdict && std::chrono::steady_clock::now() < until; ++n) {
-    store.set(heartbeat_key(0), beat("collective", n));  // rank 1's beat stands still
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    verdict = watch.check();
-  }
+  // Rank 1's beat stands still.
+  const auto verdict = beat_until_verdict(store, watch, 31, [&](int64_t n) {
+    return std::map<int, std::string>{{0, beat("collective", n)}};
+  });
   REQUIRE(verdict.has_value());
   INFO(*verdict);
   CHECK(verdict->find("rank 1 (its heartbeat stopped") != std::string::npos);
@@ -206,14 +221,9 @@ TEST_CASE("hang watch: ranks that all start, none waiting for another, count as 
         .dump();
   };
   HangWatch watch(store, 2, std::chrono::milliseconds(1000));
-  std::optional<std::string> verdict;
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  for (int64_t n = 1; !verdict && std::chrono::steady_clock::now() < until; ++n) {
-    store.set(heartbeat_key(0), beat(n));
-    store.set(heartbeat_key(1), beat(n));
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    verdict = watch.check();
-  }
+  const auto verdict = beat_until_verdict(store, watch, 1, [&](int64_t n) {
+    return std::map<int, std::string>{{0, beat(n)}, {1, beat(n)}};
+  });
   REQUIRE(verdict.has_value());
   CHECK(verdict->find("in phase starting") != std::string::npos);
 }
@@ -235,19 +245,14 @@ TEST_CASE("hang watch: a rank that never beats while the others wait to meet is 
         .dump();
   };
   HangWatch watch(store, 3, std::chrono::milliseconds(1500), {}, /*joining=*/true);
-  std::optional<std::string> verdict;
   // Nobody has beaten yet: no verdict however long (the ranks may still be starting).
   for (int i = 0; i < 5; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(400));
     CHECK_FALSE(watch.check());
   }
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  for (int64_t n = 1; !verdict && std::chrono::steady_clock::now() < until; ++n) {
-    store.set(heartbeat_key(0), starting(n));
-    store.set(heartbeat_key(2), starting(n));
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    verdict = watch.check();
-  }
+  const auto verdict = beat_until_verdict(store, watch, 1, [&](int64_t n) {
+    return std::map<int, std::string>{{0, starting(n)}, {2, starting(n)}};
+  });
   REQUIRE(verdict.has_value());
   INFO(*verdict);
   // Read once a second: 1 or 2 s past the first beat.
