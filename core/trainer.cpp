@@ -251,6 +251,7 @@ class TrainingRun {
       ++window_steps;
       window_phases.add(phases);
       if (done - first_step == warmup) {
+        ops_->restart_profile();
         steady_start = Clock::now();
         steady_steps = 0;
         steady_phases = {};

@@ -790,6 +790,10 @@ void CudaOps::synchronize() {
   if (profile_ != nullptr) profile_->resolve(false);  // the stream is idle: every pair is done
 }
 
+void CudaOps::restart_profile() {
+  if (profile_ != nullptr) profile_->restart();
+}
+
 void CudaOps::check_device_errors() {
   check_cuda(
       cudaMemcpyAsync(pinned_, errors_, sizeof(DeviceErrors), cudaMemcpyDeviceToHost, stream_),

@@ -103,6 +103,9 @@ class OpProfile {
   cudaEvent_t open(cudaStream_t stream);
   void close(const char* op, cudaEvent_t start, cudaStream_t stream);
   void resolve(bool wait);  // wait: for every pair; else those already done
+  // Waits for the pairs still pending and forgets every op's time and the span: the profile
+  // starts again from the next op.
+  void restart();
 
  private:
   OpProfile(int device, std::string path) : device_(device), path_(std::move(path)) {}
@@ -143,6 +146,7 @@ class CudaOps final : public Ops {
   void fill_zero(void* data, size_t bytes) override;
   void synchronize() override;
   void bind_thread() override;
+  void restart_profile() override;
   std::unique_ptr<Marker> make_marker() override;
   void cast(const void* src, DType from, void* dst, DType to, int64_t n) override;
 

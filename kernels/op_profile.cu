@@ -83,6 +83,15 @@ void OpProfile::resolve(bool wait) {
   resolve_locked(wait);
 }
 
+void OpProfile::restart() {
+  std::lock_guard lock(mutex_);
+  resolve_locked(true);
+  totals_.clear();
+  span_ms_ = 0;
+  if (first_ != nullptr) free_.push_back(first_);
+  first_ = nullptr;  // the next op's open records it again
+}
+
 void OpProfile::resolve_locked(bool wait) {
   size_t done = 0;
   for (; done < pending_.size(); ++done) {

@@ -59,6 +59,11 @@ class Ops {
   // device is per thread, so a thread other than the one that made the table (the gradient
   // exchange's) calls this first. Nothing to do on the CPU.
   virtual void bind_thread() {}
+  // Called by the trainer where its steady steps begin (after the warm-up its throughput leaves
+  // out: first calls' plans, lazily loaded kernels): an op table that profiles (DPTRAIN_PROFILE)
+  // forgets what it measured so far, so that its profile shows the steady state. Nothing to do
+  // on the CPU.
+  virtual void restart_profile() {}
   // A point in this table's stream, for work another thread issues on its own stream (the
   // gradient exchange's collectives): record() marks the ops queued on the stream so far (by any
   // thread); handle() is what a device communicator's stream waits on (Communicator::start_after),

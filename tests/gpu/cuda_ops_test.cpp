@@ -742,6 +742,23 @@ std::map<std::string, nlohmann::json> profiled_ops(F&& run) {
   return out;
 }
 
+TEST_CASE("cuda ops: restart_profile forgets the ops before it (the trainer's warm-up)") {
+  const int64_t n = 256;
+  const auto ops = profiled_ops([&](Ops& table) {
+    Buffer a = table.allocate(n * n * sizeof(float));
+    Buffer c = table.allocate(n * n * sizeof(float));
+    table.gemm(ConstMatrix{a.data(), n, n}, Transpose::no, ConstMatrix{a.data(), n, n},
+               Transpose::no, Matrix{c.data(), n, n}, 1.0f, 0.0f);
+    table.restart_profile();  // the gemm may still run: waited for, then forgotten
+    table.scale(n * n, 0.5f, c.as<float>());
+    table.scale(n * n, 0.5f, c.as<float>());
+  });
+  CHECK(ops.count("gemm") == 0);
+  CHECK(ops.count("allocate") == 0);
+  REQUIRE(ops.count("scale") == 1);
+  CHECK(ops.at("scale")["calls"] == 2);
+}
+
 TEST_CASE("cuda ops: the GPT's bf16 matmul epilogues apply, and equal the ops one by one") {
   // The speed of the fused linear ops rests on cuBLASLt having an algorithm for each epilogue
   // at the GPT's shapes; without one they fall back, correct but slower, and say so in the
