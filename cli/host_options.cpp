@@ -16,9 +16,16 @@ namespace dptrain::cli {
 
 SshOptions HostOptions::ssh() const {
   SshOptions s;
+  // Absolute (but "~/..." as given: the connection expands it), so that what --dry-run shows
+  // works from any directory, as a hostfile's key= does.
+  const auto absolute = [](const std::string& path) {
+    return path.empty() || path.starts_with("~")
+               ? path
+               : std::filesystem::absolute(path).lexically_normal().string();
+  };
   for (const auto& id : identities)
-    s.identities.emplace_back(id);
-  s.known_hosts = known_hosts;
+    s.identities.emplace_back(absolute(id));
+  s.known_hosts = absolute(known_hosts);
   s.accept_new_host_keys = accept_new_host_keys;
   s.connect_timeout = std::chrono::milliseconds(static_cast<int64_t>(connect_timeout_s * 1000));
   s.keepalive_interval_s = keepalive_s;
@@ -112,7 +119,8 @@ void add_host_options(CLI::App& app, HostOptions& o, bool hosts_required) {
       },
       "", "not empty"));
   app.add_option("--identity", o.identities,
-                 "SSH identity file, tried after a host's key= and before the agent (repeatable)");
+                 "SSH identity file, tried after a host's key= and before the agent (repeatable)")
+      ->allow_extra_args(false);  // one file per --identity: a recipe after it is not a key
   app.add_option("--known-hosts", o.known_hosts, "known_hosts file (default ~/.ssh/known_hosts)");
   app.add_flag("--accept-new-host-keys", o.accept_new_host_keys,
                "Accept and record the keys of hosts not in known_hosts (a changed key is always "

@@ -2,6 +2,7 @@
 #include "core/recipe.hpp"
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstddef>
@@ -329,12 +330,19 @@ struct IsVector<std::vector<T>> : std::true_type {};
 // absent or not an object, in which case the reader only learns the known keys.
 class Reader {
  public:
-  Reader(const json* object, std::string pointer, Problems& problems, RecipeOrigin origin)
-      : object_(object), pointer_(std::move(pointer)), problems_(problems), origin_(origin) {}
+  // `schema`, when given: every field's pointer ("/optimizer/lr") is added to it as it is met.
+  Reader(const json* object, std::string pointer, Problems& problems, RecipeOrigin origin,
+         std::vector<std::string>* schema = nullptr)
+      : object_(object),
+        pointer_(std::move(pointer)),
+        problems_(problems),
+        origin_(origin),
+        schema_(schema) {}
 
   template <class T, class Check>
   void field(const char* key, T& out, const Check& check, const Applies& applies = {}) {
     known_.emplace_back(key);
+    if (schema_ != nullptr) schema_->push_back(pointer_to(pointer_, key));
     const json* value = find(key);
     if (value == nullptr) return;
     std::string pointer = pointer_to(pointer_, key);
@@ -356,11 +364,12 @@ class Reader {
     known_.emplace_back(key);
     const json* value = find(key);
     std::string pointer = pointer_to(pointer_, key);
+    if (schema_ != nullptr) schema_->push_back(pointer);
     if (value != nullptr && !value->is_object()) {
       problems_.add(pointer, "expected an object, got " + describe(*value));
       value = nullptr;
     }
-    Reader nested(value, pointer, problems_, origin_);
+    Reader nested(value, pointer, problems_, origin_, schema_);
     visit_fields(nested, spec);
     nested.reject_unknown_keys();
   }
@@ -374,13 +383,49 @@ class Reader {
       constexpr size_t kMaxShown = 60;
       const std::string shown = key.size() > kMaxShown ? key.substr(0, kMaxShown) + "..." : key;
       std::string what = "unknown key '" + shown + "'";
-      if (auto suggestion = closest_match(key, known_))
-        what += "; did you mean '" + *suggestion + "'?";
+      if (auto suggestion = suggest_key(key)) what += "; did you mean " + *suggestion + "?";
       problems_.add(pointer_to(pointer_, shown), what);
     }
   }
 
  private:
+  // For an unknown key: this section's key spelled another way ("batchPerRank"), else the field
+  // of that name in another section ("lr" at the top: '/optimizer/lr'; the commonest slip, which
+  // the nearest spelling here would answer with 'log'), else the nearest spelling here.
+  std::optional<std::string> suggest_key(const std::string& key) const {
+    const std::string plain = plain_key(key);
+    for (const auto& known : known_) {
+      if (plain_key(known) == plain) return "'" + known + "'";
+    }
+    std::vector<std::string> elsewhere;
+    for (const auto& pointer : schema_pointers()) {
+      const std::string last = pointer.substr(pointer.rfind('/') + 1);
+      if (plain_key(last) == plain && pointer != pointer_to(pointer_, last)) {
+        elsewhere.push_back("'" + pointer + "'");
+      }
+    }
+    if (!elsewhere.empty()) {
+      std::string list = elsewhere.front();
+      for (size_t i = 1; i < elsewhere.size(); ++i)
+        list += (i + 1 == elsewhere.size() ? " or " : ", ") + elsewhere[i];
+      return list;
+    }
+    if (auto close = closest_match(key, known_)) return "'" + *close + "'";
+    return std::nullopt;
+  }
+
+  // A key as compared for a suggestion: lower case, without '_' and '-'.
+  static std::string plain_key(std::string_view key) {
+    std::string plain;
+    for (const char c : key) {
+      if (c != '_' && c != '-')
+        plain += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    }
+    return plain;
+  }
+
+  static const std::vector<std::string>& schema_pointers();
+
   const json* find(const char* key) const {
     if (object_ == nullptr) return nullptr;
     auto it = object_->find(key);
@@ -422,6 +467,7 @@ class Reader {
   std::string pointer_;
   Problems& problems_;
   const RecipeOrigin origin_;
+  std::vector<std::string>* schema_;
   std::vector<std::string> known_;
 };
 
@@ -485,7 +531,9 @@ void visit_fields(Visitor& v, DataSpec& d) {
   const Applies file = only_for("/data/type", d.type, {"csv", "tokens"});
   const Applies csv = only_for("/data/type", d.type, {"csv"});
   v.field("samples", d.samples, at_least(int64_t{2}), synthetic);
-  v.field("noise", d.noise, at_least(0.0), synthetic);
+  // Bounded so that the generated features stay finite in f32 (above 3.4e38 every one was inf,
+  // and the run failed as a divergence, blaming the learning rate).
+  v.field("noise", d.noise, both(at_least(0.0), at_most(1e6, "10^6")), synthetic);
   // Required for them, checked once both are known; given, it names something.
   v.field(
       "path", d.path,
@@ -1054,6 +1102,18 @@ uint64_t fnv1a_64(std::string_view bytes) {
 }
 
 }  // namespace
+
+const std::vector<std::string>& Reader::schema_pointers() {
+  static const std::vector<std::string> pointers = [] {
+    std::vector<std::string> all;
+    Problems none;
+    Reader walker(nullptr, "", none, RecipeOrigin::stored, &all);
+    Recipe defaults;
+    visit_fields(walker, defaults);
+    return all;
+  }();
+  return pointers;
+}
 
 Recipe parse_recipe(const json& j, const std::string& source, const std::filesystem::path& base_dir,
                     RecipeOrigin origin, DataCheck data) {

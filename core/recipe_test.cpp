@@ -401,6 +401,7 @@ TEST_CASE("recipe: each bad recipe is rejected naming its JSON path") {
        R"(must be "synthetic-classification", "csv" or "tokens", got "parquet")"},
       {R"({"data": {"samples": 1}})", "/data/samples", "must be >= 2, got 1"},
       {R"({"data": {"noise": -0.5}})", "/data/noise", "must be >= 0, got -0.5"},
+      {R"({"data": {"noise": 1e39}})", "/data/noise", "must be <= 1000000 (10^6)"},
       {R"({"data": {"eval_fraction": 1}})", "/data/eval_fraction", "must be in [0, 1), got 1"},
       {R"({"data": {"type": "csv", "path": "/dev/null", "header": "maybe"}})", "/data/header",
        R"(must be "auto", "yes" or "no")"},
@@ -637,6 +638,23 @@ TEST_CASE("recipe: unknown keys suggest a close known key") {
                     "/optimizer/schedule/warmup_steps", "did you mean 'warmup'?"));
   CHECK(has_problem(problems_of(R"({"train": {"batch": 5}})"), "/train/batch",
                     "did you mean 'batch_per_rank'?"));
+
+  // A field of another section, in the wrong one: that field's pointer, not a near spelling here
+  // ('log', 'eps'); several when the name is in several sections; this section's own field
+  // spelled another way first.
+  CHECK(has_problem(problems_of(R"({"lr": 0.1})"), "/lr", "did you mean '/optimizer/lr'?"));
+  CHECK(has_problem(problems_of(R"({"optimizer": {"steps": 3}})"), "/optimizer/steps",
+                    "did you mean '/train/steps'?"));
+  CHECK(has_problem(problems_of(R"({"optimizer": {"warmup": 3}})"), "/optimizer/warmup",
+                    "did you mean '/optimizer/schedule/warmup'?"));
+  CHECK(has_problem(problems_of(R"({"train": {"every": 3}})"), "/train/every",
+                    "did you mean '/checkpoint/every', '/eval/every' or '/log/every'?"));
+  CHECK(has_problem(problems_of(R"({"train": {"batchPerRank": 4}})"), "/train/batchPerRank",
+                    "did you mean 'batch_per_rank'?"));
+  CHECK(has_problem(problems_of(R"({"train": {"Seed": 4}})"), "/train/Seed",
+                    "did you mean '/seed'?"));
+  CHECK(has_problem(problems_of(R"({"schedule": {}})"), "/schedule",
+                    "did you mean '/optimizer/schedule'?"));
 
   std::string far = problems_of(R"({"optimizer": {"learning_rate": 0.1}})");
   CHECK(has_problem(far, "/optimizer/learning_rate", "unknown key 'learning_rate'"));

@@ -95,6 +95,11 @@ struct PhaseTimes {
     const double n = steps > 0 ? static_cast<double>(steps) : 1.0;
     return {data / n, compute / n, comm / n, optimizer / n, comm_total / n, bytes / n};
   }
+  // A collective nothing overlaps (the stop flag's, the logged loss's): exposed communication.
+  void add_exposed_comm(double ms) {
+    comm += ms;
+    comm_total += ms;
+  }
 };
 
 // ceil(a / b)
@@ -243,11 +248,24 @@ class TrainingRun {
       if (!stop && !local && !ps_ && !log_step_due(done, false) && stop_check_each_step_) {
         // (In f64, as the loss's: a sum of 0s and 1s.)
         double asked = options_.stop_requested && options_.stop_requested() ? 1.0 : 0.0;
+        const auto ts = Clock::now();
         mark_collective("allreduce of the stop flag");
         comm_.allreduce(&asked, 1, ReduceOp::sum);
+        if (world_ > 1) phases.add_exposed_comm(ms_since(ts));  // one rank: no one to wait for
         stop = asked > 0.5;
       }
       const double step_ms = ms_since(t0);
+      // A log step sums the loss over the ranks (the stop requests riding along): communication
+      // that waits for the slowest rank as the gradients' does, counted as exposed (not in
+      // step_ms, which the ranks compare for stop_check_each_step_).
+      const bool logging = log_step_due(done, stop);
+      double loss = local_loss;
+      if (logging) {
+        const auto tl = Clock::now();
+        // Local SGD's replicas differ between averagings: a stop waits for the next one.
+        stop = sum_loss_and_stop(loss, stop, /*take_stop=*/!local, step_ms);
+        if (world_ > 1) phases.add_exposed_comm(ms_since(tl));
+      }
       ++window_steps;
       window_phases.add(phases);
       if (done - first_step == warmup) {
@@ -259,10 +277,7 @@ class TrainingRun {
         ++steady_steps;
         steady_phases.add(phases);
       }
-      if (log_step_due(done, stop)) {
-        double loss = local_loss;
-        // Local SGD's replicas differ between averagings: a stop waits for the next one.
-        stop = sum_loss_and_stop(loss, stop, /*take_stop=*/!local, step_ms);
+      if (logging) {
         loss /= static_cast<double>(micro_batches_);
         // fp16 above the smallest scale: an overflowed forward is a skipped step, as above.
         if (!std::isfinite(loss) && !overflow_skips) throw diverged(done, "loss", loss);

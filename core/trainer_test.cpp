@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <fstream>
 #include <functional>
 #include <future>
 #include <thread>
@@ -438,6 +439,36 @@ TEST_CASE("trainer: a stop asked for during a long step is answered at that step
     CHECK(out[0].result.steps == c.stops_after);
     CHECK(fs::exists(dir.path() / "checkpoints" / checkpoint_name(c.stops_after)));
   }
+}
+
+TEST_CASE("trainer: the wait in the logged loss's all-reduce is exposed communication") {
+  // Rank 1 sleeps 40 ms after each update, before the loss is summed (log.every 1): rank 0
+  // waits for it there, in no gradient exchange. That wait is communication in its phases (it
+  // was in none, and the phases fell short of the step time by it).
+  Recipe r = tiny_recipe();
+  r.log.every = 1;
+  r.train.steps = 12;
+  r.checkpoint.every = 0;
+  TempDir dir;
+  const auto out = train_ranks(r, 2, [&](int rank) {
+    TrainerOptions o;
+    o.run_dir = dir.path();
+    if (rank == 1) o.debug_step_delay_ms = 40;
+    return o;
+  });
+  REQUIRE(out[0].error.empty());
+  REQUIRE(out[1].error.empty());
+  CHECK(out[0].result.phases_ms[2] >= 35.0);
+  // Each logged step's comm_ms likewise (the first, with the start's waits, aside).
+  int logged = 0;
+  std::ifstream metrics(dir.path() / "metrics.jsonl");
+  for (std::string text; std::getline(metrics, text);) {
+    const auto line = nlohmann::json::parse(text);
+    if (!line.contains("comm_ms") || line["step"] == 1) continue;
+    CHECK(line["comm_ms"].get<double>() >= 35.0);
+    ++logged;
+  }
+  CHECK(logged == 11);
 }
 
 TEST_CASE("trainer: a stop agreed on at the last step completes the run") {

@@ -292,12 +292,20 @@ int run_agent(const AgentPlan& given, std::FILE* out, int stop_fd) {
   const SupervisionResult result = supervise(specs, options);
   if (result.failure) {
     const auto& f = *result.failure;
+    // Its ranks that exited 0 (before the run ended, as the launcher can tell): one that left
+    // early is the cause of its peers' exit 3, the failure reported here among them.
+    json clean_exits = json::array();
+    for (const ProcessExit& e : result.exits) {
+      if (e.exit_code == 0 && e.signal == 0)
+        clean_exits.push_back({{"rank", e.rank}, {"pid", e.pid}});
+    }
     const json report = {{"rank", f.rank},
                          {"pid", f.pid},
                          {"exit_code", f.exit_code},
                          {"signal", f.signal},
                          {"description", f.describe()},
-                         {"last_lines", f.last_lines}};
+                         {"last_lines", f.last_lines},
+                         {"clean_exits", clean_exits}};
     std::fprintf(out, "%s%s\n", kAgentFailurePrefix, json_text(report).c_str());
     std::fflush(out);
     // The launcher ranks causes by exit status (a signal outranks a peer's exit 3), so the

@@ -245,6 +245,14 @@ int total_slots(const std::vector<HostSpec>& hosts) {
   return n;
 }
 
+bool HostSpec::is_local() const {
+  constexpr std::string_view kLocal = "localhost";
+  return host.size() == kLocal.size() &&
+         std::equal(host.begin(), host.end(), kLocal.begin(), [](char a, char b) {
+           return std::tolower(static_cast<unsigned char>(a)) == b;
+         });
+}
+
 std::string HostSpec::display() const {
   std::string text = user.empty() ? "" : user + "@";
   return text + (port == kDefaultSshPort ? host : format_host_port(host, port));

@@ -14,6 +14,7 @@
 #include <string_view>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/checkpoint.hpp"
 #include "core/comm/auth.hpp"
@@ -590,8 +591,9 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     write_file_atomic(run.path() / "recipe.json", json_text(to_json(spec.recipe), 2) + "\n");
 
   std::vector<ProcessSpec> procs;
-  std::map<std::string, HostSpec> relay_hosts;    // process label -> host
-  std::map<std::string, std::string> relay_tags;  // process label -> host_tag, for its lines
+  std::map<std::string, HostSpec> relay_hosts;          // process label -> host
+  std::map<std::string, std::vector<int>> relay_ranks;  // process label -> the host's ranks
+  std::map<std::string, std::string> relay_tags;        // process label -> host_tag, for its lines
   for (size_t i = 0; i < plan.hosts.size(); ++i) {
     const HostSpec& h = plan.hosts[i];
     if (h.is_local()) {
@@ -602,6 +604,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     } else {
       ProcessSpec p = relay_spec(spec, relay_plan(spec, h, plan.agents[i]), run.logs());
       relay_hosts[p.label] = h;
+      relay_ranks[p.label] = plan.agents[i].ranks;
       relay_tags[p.label] = host_tag(spec, h);
       procs.push_back(std::move(p));
     }
@@ -1157,18 +1160,42 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       }
     }
     // A rank that exited 0 before the run ended (no result) leaves its peers to fail in their
-    // next collective (exit 3): it is the cause, and the peer's failure what followed.
-    if (relay == relay_hosts.end() && f.exit_code == 3 && result.is_null()) {
+    // next collective (exit 3; a relay exits with its rank's status): it is the cause, and the
+    // peer's failure what followed. A local rank's own exit; a host's relay that exited 0 (each
+    // of its ranks did: its agent says no more); or one a failing host's agent listed.
+    if (f.exit_code == 3 && result.is_null()) {
+      std::string who;
       for (const ProcessExit& e : sup.exits) {
-        if (e.pid != f.pid && e.exit_code == 0 && e.signal == 0 &&
-            relay_hosts.count(e.label) == 0) {
-          early_exit = e;
-          out.error = fmt::format(
-              "{} (pid {}) exited with code 0 before the run ended{}; then {}", e.label, e.pid,
-              trace.step >= 0 ? fmt::format(" (the ranks had reached step {})", trace.step) : "",
-              out.error);
-          break;
+        if (e.pid == f.pid || e.exit_code != 0 || e.signal != 0) continue;
+        early_exit = e;
+        who = fmt::format("{} (pid {})", e.label, e.pid);
+        if (const auto host = relay_hosts.find(e.label); host != relay_hosts.end()) {
+          const std::vector<int>& ranks = relay_ranks.at(e.label);
+          early_exit->rank = ranks.front();
+          early_exit->label = fmt::format("{} {} on {}", ranks.size() == 1 ? "rank" : "ranks",
+                                          fmt::join(ranks, ", "), host->second.display());
+          who = early_exit->label;
         }
+        break;
+      }
+      for (auto report = agent_failures.begin(); !early_exit && report != agent_failures.end();
+           ++report) {
+        if (!report->second.is_object()) continue;
+        const json clean = report->second.value("clean_exits", json::array());
+        if (!clean.is_array() || clean.empty() || !clean[0].is_object()) continue;
+        const std::string host = relay_hosts.at(report->first).display();
+        early_exit =
+            ProcessExit{.label = fmt::format("rank {} on {}", clean[0].value("rank", -1), host),
+                        .rank = clean[0].value("rank", -1),
+                        .pid = clean[0].value("pid", 0),
+                        .exit_code = 0};
+        who = fmt::format("{} (pid {})", early_exit->label, early_exit->pid);
+      }
+      if (early_exit) {
+        out.error = fmt::format(
+            "{} exited with code 0 before the run ended{}; then {}", who,
+            trace.step >= 0 ? fmt::format(" (the ranks had reached step {})", trace.step) : "",
+            out.error);
       }
     }
     if (sup.stop_signal != 0) {
@@ -1203,7 +1230,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     std::string process = early_exit ? early_exit->label : f.label;
     int exit_code = early_exit ? 0 : f.exit_code;
     int signal = early_exit ? 0 : f.signal;
-    if (const json* r = agent_report(f); r != nullptr && r->value("rank", -1) >= 0) {
+    if (const json* r = agent_report(f); r != nullptr && r->value("rank", -1) >= 0 && !early_exit) {
       process =
           fmt::format("rank {} on {}", r->value("rank", -1), relay_hosts.at(f.label).display());
       exit_code = r->value("exit_code", -1);

@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <string_view>
 
 #include <fmt/format.h>
 
@@ -81,7 +83,9 @@ std::string format_event(const nlohmann::json& e) {
 }
 
 bool StatusPrinter::is_terminal(std::FILE* f) {
-  return ::isatty(::fileno(f)) == 1;
+  // TERM=dumb (an editor's shell): a terminal that cannot rewrite a line; plain lines there.
+  const char* term = std::getenv("TERM");
+  return ::isatty(::fileno(f)) == 1 && (term == nullptr || std::string_view(term) != "dumb");
 }
 
 void StatusPrinter::clear_progress() {

@@ -179,6 +179,15 @@ TEST_CASE("bench train on a terminal shows the running world's progress in place
   REQUIRE(piped.exit_code == 0);
   CHECK(piped.err.find('\033') == std::string::npos);
   CHECK(piped.err.find("step 20/20") == std::string::npos);
+  // A terminal that says it cannot move the cursor (TERM=dumb: an editor's shell) gets the
+  // plain lines too.
+  const auto dumb =
+      run_dptrain_on_terminal({"bench", "train", quickstart(), "--nproc", "1", "--steps", "20",
+                               "--runs-root", (tmp / "runs").string()},
+                              {{"TERM", "dumb"}});
+  REQUIRE(dumb.exit_code == 0);
+  CHECK(dumb.out.find('\033') == std::string::npos);
+  CHECK(dumb.out.find("bench train: world 1: ") != std::string::npos);
 }
 
 TEST_CASE("a bad --nproc list exits 2 naming it, before anything is created") {

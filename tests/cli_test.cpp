@@ -334,6 +334,12 @@ TEST_CASE("usage errors exit 2") {
     CHECK(parse_json(bad.out)["exit_code"] == 2);
   }
   CHECK_FALSE(fs::exists(tmp / "runs"));
+  // One file per --identity: the recipe after it is the recipe, not a second key.
+  write_text(tmp / "id_test", "not a key; a dry run reads none\n");
+  auto identity = run_dptrain(
+      {"launch", "--identity", (tmp / "id_test").string(), recipe.string(), "--dry-run", "--json"});
+  CHECK_MESSAGE(identity.exit_code == 0, identity.err);
+  CHECK(parse_json(identity.out)["world_size"] == 1);
   // A --master-addr the store cannot listen on is the caller's to fix, found before anything runs.
   auto elsewhere = run_dptrain({"launch", recipe.string(), "--master-addr", "192.0.2.1",
                                 "--runs-root", (tmp / "runs").string()});

@@ -152,9 +152,13 @@ CommandResult run_dptrain(const std::vector<std::string>& args, const Env& env,
   return r;
 }
 
-CommandResult run_dptrain_on_terminal(const std::vector<std::string>& args, const Env& env,
+CommandResult run_dptrain_on_terminal(const std::vector<std::string>& args, const Env& given,
                                       std::chrono::seconds timeout, int columns) {
   const auto t0 = Clock::now();
+  // A terminal that moves the cursor, whatever this environment's TERM (unless the test gives
+  // one).
+  Env env = given;
+  env.emplace("TERM", "xterm");
   ExecArgs exec(args, env);
   winsize size{};
   size.ws_row = 40;

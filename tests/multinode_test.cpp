@@ -276,7 +276,9 @@ TEST_CASE("--dry-run --json prints the plan and starts nothing") {
   REQUIRE(binary_flag != defaults.end());
   defaults.erase(binary_flag, binary_flag + 2);
   fs::copy_file(c.sshd.client_key(), c.tmp / "other_key");
-  defaults.insert(defaults.end(), {"--identity", (c.tmp / "other_key").string(), "--dry-run"});
+  // Relative (to this test's directory): shown absolute, a command that runs from anywhere.
+  defaults.insert(defaults.end(),
+                  {"--identity", fs::relative(c.tmp / "other_key").string(), "--dry-run"});
   auto as_run = run_dptrain(defaults);
   INFO(as_run.err);
   REQUIRE(as_run.exit_code == 0);
@@ -547,6 +549,38 @@ TEST_CASE("a remote rank's own failure is the cause, not its local peer's exit 3
     CHECK(error.find("exited with code " + std::to_string(code)) != std::string::npos);
     CHECK(error.find(c.sshd.addresses()[1]) != std::string::npos);
     CHECK(r.err.find("cannot run") == std::string::npos);
+  }
+}
+
+TEST_CASE("a remote rank that exits 0 before the end is the cause, not the peers it leaves") {
+  // Alone on its host (its relay exits 0: the host's ranks all did), or beside a rank that then
+  // fails (its agent lists it with that failure): named either way, with its host.
+  for (const int slots : {1, 2}) {
+    CAPTURE(slots);
+    Cluster c;
+    c.sshd.write_hostfile(c.hostfile, {c.sshd.addresses()[1], c.sshd.addresses()[2]}, slots);
+    const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
+    const int rank = slots;  // the first rank on the second host
+    const fs::path events = c.tmp / "events.jsonl";
+    auto args = c.launch_args(recipe, c.tmp / "early");
+    args.insert(args.end(), {"--json", "--events", events.string()});
+    const auto r =
+        run_dptrain(args, {{"DPTRAIN_FAULT", fmt::format("exit@step=20,rank={},code=0", rank)}});
+    INFO(r.err);
+    CHECK(r.exit_code == 3);
+    const std::string error = parse_json(r.out)["error"];
+    CHECK_MESSAGE(error.rfind(fmt::format("rank {} ", rank), 0) == 0, error);
+    const auto cause = error.find(" exited with code 0 before the run ended");
+    REQUIRE(cause != std::string::npos);
+    CHECK(error.find(c.sshd.addresses()[2]) < cause);  // its host
+    bool named = false;
+    for (const json& e : read_jsonl(events)) {
+      if (e["event"] != "rank_exited") continue;
+      CHECK(e["process"].get<std::string>().rfind(fmt::format("rank {} on ", rank), 0) == 0);
+      CHECK(e["exit_code"] == 0);
+      named = true;
+    }
+    CHECK(named);
   }
 }
 
