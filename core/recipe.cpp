@@ -611,7 +611,8 @@ void visit_fields(Visitor& v, DistributedSpec& d) {
   v.field("overlap", d.overlap, no_check);
   v.section("compression", d.compression);
   v.field("check_every", d.check_every, steps_from(0));
-  v.field("timeout_s", d.timeout_s, both(greater_than(0.0), seconds_limit()));
+  // Whole milliseconds reach the waits: a shorter one would be none (and said as "0s").
+  v.field("timeout_s", d.timeout_s, both(at_least(0.001), seconds_limit()));
   v.field("resize", d.resize, one_of({"keep_global_batch", "scale_lr"}));
 }
 
