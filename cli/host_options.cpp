@@ -16,12 +16,10 @@ namespace dptrain::cli {
 
 SshOptions HostOptions::ssh() const {
   SshOptions s;
-  // Absolute (but "~/..." as given: the connection expands it), so that what --dry-run shows
-  // works from any directory, as a hostfile's key= does.
+  // "~/..." expanded and absolute, as a hostfile's key= is: what --dry-run shows works from any
+  // directory, and every reader of known_hosts (the revoked-key check too) reads the same file.
   const auto absolute = [](const std::string& path) {
-    return path.empty() || path.starts_with("~")
-               ? path
-               : std::filesystem::absolute(path).lexically_normal().string();
+    return path.empty() ? path : std::filesystem::absolute(expand_home(path)).string();
   };
   for (const auto& id : identities)
     s.identities.emplace_back(absolute(id));

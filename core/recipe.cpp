@@ -260,12 +260,13 @@ auto seconds_limit() {
   return at_most(kMaxSeconds, "about 11.6 days");
 }
 
-// "a", "b" or "c": how the allowed values of an enum field are listed in messages.
-std::string quoted_alternatives(const std::vector<std::string>& words) {
+// "a", "b" or "c": how the allowed values of an enum field are listed in messages ('a' with
+// `quote` '\'').
+std::string quoted_alternatives(const std::vector<std::string>& words, char quote = '"') {
   std::string text;
   for (size_t i = 0; i < words.size(); ++i) {
     if (i > 0) text += i + 1 == words.size() ? " or " : ", ";
-    text += '"' + words[i] + '"';
+    text += quote + words[i] + quote;
   }
   return text;
 }
@@ -364,7 +365,6 @@ class Reader {
     known_.emplace_back(key);
     const json* value = find(key);
     std::string pointer = pointer_to(pointer_, key);
-    if (schema_ != nullptr) schema_->push_back(pointer);
     if (value != nullptr && !value->is_object()) {
       problems_.add(pointer, "expected an object, got " + describe(*value));
       value = nullptr;
@@ -391,7 +391,8 @@ class Reader {
  private:
   // For an unknown key: this section's key spelled another way ("batchPerRank"), else the field
   // of that name in another section ("lr" at the top: '/optimizer/lr'; the commonest slip, which
-  // the nearest spelling here would answer with 'log'), else the nearest spelling here.
+  // the nearest spelling here would answer with 'log'; up to three of them, and never the run's
+  // /name for a "name" in a section), else the nearest spelling here.
   std::optional<std::string> suggest_key(const std::string& key) const {
     const std::string plain = plain_key(key);
     for (const auto& known : known_) {
@@ -400,16 +401,11 @@ class Reader {
     std::vector<std::string> elsewhere;
     for (const auto& pointer : schema_pointers()) {
       const std::string last = pointer.substr(pointer.rfind('/') + 1);
-      if (plain_key(last) == plain && pointer != pointer_to(pointer_, last)) {
-        elsewhere.push_back("'" + pointer + "'");
+      if (plain_key(last) == plain && pointer != pointer_to(pointer_, last) && pointer != "/name") {
+        elsewhere.push_back(pointer);
       }
     }
-    if (!elsewhere.empty()) {
-      std::string list = elsewhere.front();
-      for (size_t i = 1; i < elsewhere.size(); ++i)
-        list += (i + 1 == elsewhere.size() ? " or " : ", ") + elsewhere[i];
-      return list;
-    }
+    if (!elsewhere.empty() && elsewhere.size() <= 3) return quoted_alternatives(elsewhere, '\'');
     if (auto close = closest_match(key, known_)) return "'" + *close + "'";
     return std::nullopt;
   }

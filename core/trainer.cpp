@@ -254,18 +254,18 @@ class TrainingRun {
         if (world_ > 1) phases.add_exposed_comm(ms_since(ts));  // one rank: no one to wait for
         stop = asked > 0.5;
       }
-      const double step_ms = ms_since(t0);
       // A log step sums the loss over the ranks (the stop requests riding along): communication
-      // that waits for the slowest rank as the gradients' does, counted as exposed (not in
-      // step_ms, which the ranks compare for stop_check_each_step_).
+      // that waits for the slowest rank as the gradients' does, counted as exposed and in the
+      // step's time (the ranks compare the time before it for stop_check_each_step_).
       const bool logging = log_step_due(done, stop);
       double loss = local_loss;
       if (logging) {
         const auto tl = Clock::now();
         // Local SGD's replicas differ between averagings: a stop waits for the next one.
-        stop = sum_loss_and_stop(loss, stop, /*take_stop=*/!local, step_ms);
+        stop = sum_loss_and_stop(loss, stop, /*take_stop=*/!local, ms_since(t0));
         if (world_ > 1) phases.add_exposed_comm(ms_since(tl));
       }
+      const double step_ms = ms_since(t0);
       ++window_steps;
       window_phases.add(phases);
       if (done - first_step == warmup) {

@@ -466,6 +466,7 @@ TEST_CASE("trainer: the wait in the logged loss's all-reduce is exposed communic
     const auto line = nlohmann::json::parse(text);
     if (!line.contains("comm_ms") || line["step"] == 1) continue;
     CHECK(line["comm_ms"].get<double>() >= 35.0);
+    CHECK(line["step_ms"].get<double>() >= line["comm_ms"].get<double>());  // the wait is in it
     ++logged;
   }
   CHECK(logged == 11);

@@ -107,9 +107,13 @@ void OpProfile::resolve_locked(bool wait) {
     Total& t = totals_[p.op];
     ++t.calls;
     t.ms += ms;
-    float span = 0;
-    check_cuda(cudaEventElapsedTime(&span, first_, p.end), "DPTRAIN_PROFILE: cudaEventElapsedTime");
-    span_ms_ = std::max(span_ms_, static_cast<double>(span));
+    // (None after a restart that an op was open across, until the next op opens.)
+    if (first_ != nullptr) {
+      float span = 0;
+      check_cuda(cudaEventElapsedTime(&span, first_, p.end),
+                 "DPTRAIN_PROFILE: cudaEventElapsedTime");
+      span_ms_ = std::max(span_ms_, static_cast<double>(span));
+    }
     free_.push_back(p.start);
     free_.push_back(p.end);
   }

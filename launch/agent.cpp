@@ -320,10 +320,12 @@ int run_agent(const AgentPlan& given, std::FILE* out, int stop_fd) {
   // host is done like any other.
   if (!all_finished && (result.stop_signal != 0 || !result.requested.empty())) {
     // 143 says every rank checkpointed and stopped: only when each did. Otherwise the first one
-    // that did not, as its own status, for the launcher to report.
+    // that did not, as its own status, for the launcher to report. Never 0, which says every
+    // rank finished (the launcher would name them all as having left early): a rank that
+    // exited 0 is passed over.
     for (const ProcessExit& e : result.exits) {
       if (e.signal != 0) return 128 + e.signal;
-      if (e.exit_code != 143) return e.exit_code;
+      if (e.exit_code != 143 && e.exit_code != 0) return e.exit_code;
     }
     return 143;
   }

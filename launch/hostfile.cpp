@@ -146,6 +146,19 @@ void set_attribute(HostSpec& spec, std::string_view name, std::string_view value
   }
 }
 
+std::string lowercase(std::string_view text) {
+  std::string result(text);
+  for (char& c : result)
+    c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return result;
+}
+
+// "localhost" in any case is this machine (host names ignore case): spelled one way from here
+// on, so that every later comparison (is_local, the run's record that resume reads) sees it.
+void local_spelled_one_way(HostSpec& spec) {
+  if (lowercase(spec.host) == "localhost") spec.host = "localhost";
+}
+
 // localhost's ranks are started directly, not over SSH: what only SSH uses would be ignored.
 // `port_given`: a port= attribute was written, even the default one (22).
 void check_local_attributes(const HostSpec& spec, bool port_given = false) {
@@ -173,6 +186,7 @@ HostSpec parse_hostfile_line(std::string_view line) {
   }
   spec.host = without_brackets(host);
   check_host(spec.host);
+  local_spelled_one_way(spec);
   const bool user_in_host = !spec.user.empty();
   std::vector<std::string_view> seen;
   for (size_t i = 1; i < fields.size(); ++i) {
@@ -191,13 +205,6 @@ HostSpec parse_hostfile_line(std::string_view line) {
   }
   check_local_attributes(spec, std::find(seen.begin(), seen.end(), "port") != seen.end());
   return spec;
-}
-
-std::string lowercase(std::string_view text) {
-  std::string result(text);
-  for (char& c : result)
-    c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return result;
 }
 
 // The host already in `hosts` that `spec` would connect to again (same name and port), if any.
@@ -231,6 +238,7 @@ HostSpec parse_hosts_entry(std::string_view entry) {
   }
   spec.host = std::string(host);
   check_host(spec.host);
+  local_spelled_one_way(spec);
   if (slots) spec.slots = parse_slots(*slots);
   check_local_attributes(spec);
   return spec;
@@ -243,14 +251,6 @@ int total_slots(const std::vector<HostSpec>& hosts) {
   for (const auto& h : hosts)
     n += h.slots;
   return n;
-}
-
-bool HostSpec::is_local() const {
-  constexpr std::string_view kLocal = "localhost";
-  return host.size() == kLocal.size() &&
-         std::equal(host.begin(), host.end(), kLocal.begin(), [](char a, char b) {
-           return std::tolower(static_cast<unsigned char>(a)) == b;
-         });
 }
 
 std::string HostSpec::display() const {

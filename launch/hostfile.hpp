@@ -24,8 +24,8 @@ struct HostSpec {
       key;  // identity file (absolute from a hostfile); empty: --identity, the agent, ~/.ssh/id_*
   std::string origin;  // where it was declared, for messages: "hosts.txt:3" or "--hosts"
 
-  // "localhost" in any case, as a host name is (LocalHost too).
-  bool is_local() const;
+  // (The parsers spell "LocalHost" and any other case of it "localhost".)
+  bool is_local() const { return host == "localhost"; }
   // "user@host:port" with the parts that are set; the name used in every message.
   std::string display() const;
 };

@@ -105,6 +105,11 @@ TEST_CASE("hostfile: localhost with a user, port or key is refused (they would b
   CHECK(hostfile_error("localhost user=alice\n") == "hosts:1: " + why);
   CHECK(hostfile_error("localhost port=22\n") == "hosts:1: " + why);  // the default, written
   CHECK(hostfile_error("LOCALHOST user=alice\n") == "hosts:1: " + why);
+  {
+    test::TempDir dir;
+    CHECK(parse_hostfile(write_file(dir, "hosts", "LOCALHOST slots=2\n")).front().host ==
+          "localhost");
+  }
   CHECK(usage_error([] { parse_hosts_list("alice@localhost:2"); }) ==
         "--hosts entry 'alice@localhost:2': " + why);
   CHECK(parse_hosts_list("localhost:2").front().slots == 2);
@@ -238,6 +243,7 @@ TEST_CASE("hosts list: hosts, slots, users and IPv6") {
   CHECK(parse_hosts_list("localhost:4").front().is_local());
   // Host names ignore case: LocalHost is this machine too, not a host reached over SSH.
   CHECK(parse_hosts_list("LocalHost:4").front().is_local());
+  CHECK(parse_hosts_list("LocalHost:4").front().host == "localhost");  // as run.json records it
   CHECK_FALSE(parse_hosts_list("localhost2:4").front().is_local());
 }
 
