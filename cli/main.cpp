@@ -81,8 +81,13 @@ void end_refused_events(const Command& c, int argc, char** argv, bool json,
     // --dry-run, or CLI11's --dry-run=VALUE (the last one given counts).
     if (arg == "--dry-run") dry_run = true;
     if (arg.starts_with("--dry-run=")) {
-      const std::string_view value = arg.substr(10);
-      dry_run = value != "false" && value != "0" && value != "off" && value != "no";
+      // As CLI11 reads a flag's value (false, off, no, disable, 0, f, n, -... are off); one it
+      // cannot read counts as given.
+      try {
+        dry_run = CLI::detail::to_flag_value(std::string(arg.substr(10))) > 0;
+      } catch (const std::exception&) {
+        dry_run = true;
+      }
     }
   }
   // A launch's plan only writes no events; a resume has no --dry-run (unknown, refused).

@@ -1183,12 +1183,11 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
         if (!report->second.is_object()) continue;
         const json clean = report->second.value("clean_exits", json::array());
         if (!clean.is_array() || clean.empty() || !clean[0].is_object()) continue;
-        const std::string host = relay_hosts.at(report->first).display();
-        early_exit =
-            ProcessExit{.label = fmt::format("rank {} on {}", clean[0].value("rank", -1), host),
-                        .rank = clean[0].value("rank", -1),
-                        .pid = clean[0].value("pid", 0),
-                        .exit_code = 0};
+        const int rank = clean[0].value("rank", -1);
+        early_exit = ProcessExit{.label = rank_name(rank),
+                                 .rank = rank,
+                                 .pid = clean[0].value("pid", 0),
+                                 .exit_code = 0};
         who = fmt::format("{} (pid {})", early_exit->label, early_exit->pid);
       }
       if (early_exit) {
@@ -1231,8 +1230,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     int exit_code = early_exit ? 0 : f.exit_code;
     int signal = early_exit ? 0 : f.signal;
     if (const json* r = agent_report(f); r != nullptr && r->value("rank", -1) >= 0 && !early_exit) {
-      process =
-          fmt::format("rank {} on {}", r->value("rank", -1), relay_hosts.at(f.label).display());
+      process = rank_name(r->value("rank", -1));
       exit_code = r->value("exit_code", -1);
       signal = r->value("signal", 0);
     }
