@@ -281,6 +281,16 @@ class Doctor {
   }
 
   void survey_hosts() {
+    // This executable's hash, for the hosts' version checks (read once, before they run in
+    // parallel).
+    if (std::any_of(hosts_.begin(), hosts_.end(),
+                    [](const HostSpec& h) { return !h.is_local(); })) {
+      try {
+        local_sha256_ = sha256_file(options_.local_binary);
+      } catch (const Error&) {
+        // Unreadable (deleted since it started): the builds are not compared.
+      }
+    }
     auto outcomes = for_each_host(hosts_, [this](const HostSpec& h) {
       HostSurvey s;
       s.shell = open_host_shell(h, options_.ssh);
@@ -454,13 +464,33 @@ class Doctor {
     s.binary = binary;
     const bool same = version == mine;
     s.checks.push_back({"version", h.display(), same,
-                        same ? version : fmt::format("{} there, {} here", version, mine),
+                        same ? version + another_build(*s.shell, binary)
+                             : fmt::format("{} there, {} here", version, mine),
                         same ? ""
                         : options_.remote_binary.empty()
                             ? "install this build: " + provision_command()
                             : "install this build there, or name it with --remote-binary"});
     // The probes run that binary: another build's answers would be about the wrong program.
     if (!same) s.held_back = "its dptrain is another build";
+  }
+
+  // ", another build than this machine's (sha256 ... there, ... here)" when `binary` on the host
+  // is not this executable, byte for byte: the same version, built elsewhere or from other
+  // sources (a development build, or a CPU and a CUDA build), which provision would replace. Not
+  // a failure: a host may need a build of its own. Empty when they are the same, or where either
+  // cannot be hashed (no sha256sum on the host).
+  std::string another_build(HostShell& shell, const std::string& binary) const {
+    if (local_sha256_.empty()) return {};
+    const auto r = shell.run("sh -c " + shell_quote("sha256sum <" + remote_path_word(binary) +
+                                                    " 2>/dev/null | cut -c1-64"));
+    // The last line: start-up files of the account may print before it.
+    std::string sum;
+    std::istringstream lines(r.out);
+    for (std::string line; std::getline(lines, line);)
+      sum = line;
+    if (r.exit_status != 0 || sum.size() != 64 || sum == local_sha256_) return {};
+    return fmt::format(", another build than this machine's (sha256 {}... there, {}... here)",
+                       sum.substr(0, 12), local_sha256_.substr(0, 12));
   }
 
   // The provision command a fix line gives, with the doctor's --workdir where it is not the
@@ -870,6 +900,7 @@ class Doctor {
   int world_ = 0;
   std::optional<Recipe> recipe_;
   bool local_gpu_missing_ = false;  // the gpu check failed: this machine has no CUDA device
+  std::string local_sha256_;        // this executable's, when a host is remote ("" unreadable)
   std::vector<HostSurvey> surveys_;
   std::string master_addr_;
   std::vector<DoctorCheck> checks_;

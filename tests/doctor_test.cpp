@@ -122,6 +122,35 @@ TEST_CASE("doctor: a workdir that exists but cannot be written fails its check, 
                                          " is not a directory (a job's run directories go there)"));
 }
 
+TEST_CASE("doctor: the same version built otherwise passes, and says it is another build") {
+  DoctorFixture f;
+  // This build with one byte more: the same version, another file (provision would replace it).
+  const fs::path other = f.tmp / "other build";
+  fs::copy_file(binary(), other);
+  { std::ofstream(other, std::ios::app) << '\n'; }
+  fs::permissions(other, fs::perms::owner_all);
+  auto r = f.doctor({"--remote-binary", other.string(), "--no-allreduce", "--json"});
+  INFO(r.out, r.err);
+  CHECK(r.exit_code == 0);
+  int versions = 0;
+  const json j = parse_json(r.out);
+  for (const auto& c : j["checks"]) {
+    if (c["check"] != "version") continue;
+    ++versions;
+    CHECK(c["ok"] == true);
+    const auto detail = c["detail"].get<std::string>();
+    CHECK(detail.starts_with("dptrain "));
+    CHECK(contains(detail, ", another build than this machine's (sha256 "));
+    CHECK(contains(detail, "... there, "));
+  }
+  CHECK(versions == 2);
+  // The very file this machine runs: no such words.
+  r = f.doctor({"--no-allreduce", "--json"});
+  INFO(r.out, r.err);
+  CHECK(r.exit_code == 0);
+  CHECK_FALSE(contains(r.out, "another build"));
+}
+
 TEST_CASE("doctor: another build there fails the version check and holds back the probes") {
   DoctorFixture f;
   const fs::path fake = f.tmp / "old-dptrain";
