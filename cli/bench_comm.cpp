@@ -172,7 +172,7 @@ int report_unfinished(const BenchCommOptions& o, RunDirectory& run, const CommBe
   // As main ends a failed command: a stop signal that came meanwhile is the exit.
   const ErrorKind kind = kind_after_stop(failure_kind(outcome.exit_code));
   const int code = exit_code(kind);
-  json j = {{"status", failure_status(kind)}};
+  json j = {{"status", run_failure_status(kind)}};
   std::string table;
   if (!partial.rows.empty()) {
     // Only the collectives it reached: one not begun has no figures, not zero ones.

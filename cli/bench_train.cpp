@@ -139,6 +139,45 @@ void check_svg_output(const std::string& given) {
   }
 }
 
+// A sweep a failed or stopped run ended: the rows measured before it are kept (SWEEP/bench.json
+// with "partial": true) and printed, as bench comm keeps its sizes, then the error and the failed
+// run's directory; with --json, one object with them, the sweep's directory and the failure's
+// fields.
+int report_unfinished(const BenchTrainCliOptions& o, const BenchTrainReport& report,
+                      const fs::path& sweep_dir, const fs::path& failed_run, const Error& e) {
+  const ErrorKind kind = kind_after_stop(e.kind());
+  const int code = exit_code(kind);
+  nlohmann::json out = report.rows.empty() ? nlohmann::json::object() : report.to_json();
+  if (!report.rows.empty()) out["partial"] = true;
+  out["status"] = run_failure_status(kind);
+  out["run_dir"] = sweep_dir.string();
+  out["failed_run_dir"] = failed_run.empty() ? nlohmann::json() : nlohmann::json(failed_run);
+  add_failure(out, code, e.what());
+  if (!report.rows.empty()) {
+    try {
+      write_file_atomic(sweep_dir / "bench.json", json_text(out, 2) + "\n");
+    } catch (const Error& unwritten) {
+      // A full disk must not hide the benchmark's own end.
+      std::fprintf(stderr, "dptrain: warning: %s (the partial result is not kept)\n",
+                   unwritten.what());
+    }
+  }
+  if (o.json) {
+    std::printf("%s\n", json_text(out).c_str());
+  } else if (!report.rows.empty()) {
+    std::fputs(report.table().c_str(), stdout);
+    std::printf("# Partial: %zu row(s) measured before the end (see the error)\n",
+                report.rows.size());
+  }
+  std::fflush(stdout);
+  print_error_lines(e.what());
+  if (!failed_run.empty()) {
+    std::fprintf(stderr, "dptrain: run directory: %s (console.log, logs/)\n",
+                 printable(failed_run.string()).c_str());
+  }
+  return code;
+}
+
 int run_bench_train_cmd(const BenchTrainCliOptions& o) {
   install_stop_signal_handlers();
   if (!o.svg.empty()) check_svg_output(o.svg);  // before any run
@@ -199,7 +238,7 @@ int run_bench_train_cmd(const BenchTrainCliOptions& o) {
 
   BenchTrainReport report;
   report.recipe_name = spec.recipe.name;
-  report.recipe_file = o.recipe;
+  report.recipe_file = fs::absolute(o.recipe).string();  // as every path the JSON holds
   report.options = bench;
   // "auto" on CPU ranks is always Gloo (NCCL needs every rank on a GPU): the header says which.
   report.machine = local_machine(device == "cpu" && spec.backend == "auto" ? "gloo" : spec.backend,
@@ -243,22 +282,14 @@ int run_bench_train_cmd(const BenchTrainCliOptions& o) {
     StatusPrinter terminal(stderr, StatusPrinter::is_terminal(stderr));
     for (const auto& warning : fault_warnings)
       terminal.warning(warning);
+    fs::path failed_run;
     try {
       run_bench_train(
-          spec.recipe, worlds, job_runner(spec, sweep_dir, &terminal),
+          spec.recipe, worlds, job_runner(spec, sweep_dir, &terminal, &failed_run),
           [&terminal](const std::string& line) { terminal.line(line); }, report);
     } catch (const Error& e) {
-      if (!o.json) throw;
-      // A run that failed or was stopped: the failure's object names the benchmark's directory
-      // (each world's run is under it, with its console.log and logs/), as bench comm's does.
       terminal.finish();
-      const ErrorKind kind = kind_after_stop(e.kind());
-      nlohmann::json out = {{"status", failure_status(kind)}, {"run_dir", sweep_dir.string()}};
-      add_failure(out, exit_code(kind), e.what());
-      std::printf("%s\n", json_text(out).c_str());
-      std::fflush(stdout);
-      print_error_lines(e.what());
-      return exit_code(kind);
+      return report_unfinished(o, report, sweep_dir, failed_run, e);
     }
   }
 
@@ -266,11 +297,15 @@ int run_bench_train_cmd(const BenchTrainCliOptions& o) {
   const std::vector<std::string> shortfalls = report.shortfalls(o.min);
   const int exit_code = shortfalls.empty() ? 0 : 6;
   out["status"] = shortfalls.empty() ? "completed" : "below_threshold";
-  out["exit_code"] = exit_code;
+  // In the rows' units: a fraction for MFU (the option is in percent).
   if (o.min.throughput) out["min_throughput"] = *o.min.throughput;
   if (o.min.efficiency) out["min_efficiency"] = *o.min.efficiency;
-  if (o.min.mfu_percent) out["min_mfu"] = *o.min.mfu_percent;
-  if (exit_code != 0) add_failure(out, exit_code, shortfalls);
+  if (o.min.mfu_percent) out["min_mfu"] = *o.min.mfu_percent / 100.0;
+  if (exit_code != 0) {
+    add_failure(out, exit_code, shortfalls);
+  } else {
+    add_success(out);
+  }
   write_file_atomic(sweep_dir / "bench.json", json_text(out, 2) + "\n");
   if (!o.svg.empty()) {
     write_file_atomic(o.svg, report.svg());

@@ -346,6 +346,7 @@ int run_list(const CkptOptions& o) {
               {"warnings", run.warnings}};
   for (const auto& row : rows)
     out["checkpoints"].push_back(row_json(row));
+  add_success(out);
   std::printf("%s\n", json_text(out).c_str());
   return 0;
 }
@@ -433,8 +434,7 @@ int run_verify(const CkptOptions& o) {
       out["checkpoints"].push_back(row_json(row));
     out["status"] = status;
     if (code == 0) {
-      out["exit_code"] = 0;
-      out["errors"] = json::array();
+      add_success(out);
     } else {
       add_failure(out, code, errors);
     }

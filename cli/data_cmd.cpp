@@ -27,6 +27,7 @@
 
 #include "cli/commands.hpp"
 #include "cli/env.hpp"
+#include "cli/json_errors.hpp"
 #include "cli/run_report.hpp"
 #include "core/data/tokens.hpp"
 #include "core/error.hpp"
@@ -165,6 +166,18 @@ fs::path output_path(const std::string& out) {
   if (const auto file = file_in_the_way(path)) {
     refuse(fmt::format("--out {}: {} is not a directory", out, file->string()));
   }
+  // A place no directory can be made in (a read-only filesystem, /proc): said before the text is
+  // read (a large corpus takes minutes), as the caller's to fix, by a directory made in the
+  // nearest one that exists and removed at once.
+  fs::path at = path.parent_path();
+  while (at != at.root_path() && !fs::exists(fs::symlink_status(at, ec)))
+    at = at.parent_path();
+  const fs::path probe = at / fmt::format(".dptrain-probe-{}", ::getpid());
+  if (::mkdir(probe.c_str(), 0700) != 0) {
+    refuse(fmt::format("--out {}: cannot make a directory in {}: {}", out, at.string(),
+                       std::strerror(errno)));
+  }
+  ::rmdir(probe.c_str());
   return path;
 }
 
@@ -457,19 +470,17 @@ void write_dataset(const PrepareSummary& s, const Tokenizer& tokenizer,
 
 void print_summary(const PrepareSummary& s, bool as_json) {
   if (as_json) {
-    const json out = {{"path", s.path.string()},
-                      {"files", s.sources.size()},
-                      {"bytes", s.bytes},
-                      {"tokens", s.tokens},
-                      {"tokenizer", s.tokenizer},
-                      {"vocab", s.vocab},
-                      {"train_tokens", s.train_tokens},
-                      {"val_tokens", s.val_tokens},
-                      {"dtype", dtype_name(s.dtype_bytes)},
-                      {"warnings", s.warnings},
-                      // As every command's object on success (recipe validate, doctor, ...).
-                      {"status", "ok"},
-                      {"exit_code", 0}};
+    json out = {{"path", s.path.string()},
+                {"files", s.sources.size()},
+                {"bytes", s.bytes},
+                {"tokens", s.tokens},
+                {"tokenizer", s.tokenizer},
+                {"vocab", s.vocab},
+                {"train_tokens", s.train_tokens},
+                {"val_tokens", s.val_tokens},
+                {"dtype", dtype_name(s.dtype_bytes)},
+                {"warnings", s.warnings}};
+    add_success(out);
     std::printf("%s\n", json_text(out).c_str());
     return;
   }

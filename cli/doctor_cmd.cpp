@@ -72,7 +72,7 @@ int run_doctor_cmd(const DoctorCliOptions& o) {
   if (o.json) {
     nlohmann::json out = {{"ok", failed == 0}, {"checks", list}};
     if (code == 0) {
-      out.update({{"status", "ok"}, {"exit_code", 0}});
+      add_success(out);
     } else {
       // The common failure fields (dptrain(1), JSON OUTPUT): each failed check, one plain
       // message ("ssh node2: ..."); its fix stays in the check.

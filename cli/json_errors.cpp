@@ -53,4 +53,15 @@ const char* failure_status(ErrorKind kind) {
   }
 }
 
+const char* run_failure_status(ErrorKind kind) {
+  return kind == ErrorKind::interrupted || kind == ErrorKind::terminated ? failure_status(kind)
+                                                                         : "failed";
+}
+
+void add_success(nlohmann::json& out) {
+  if (!out.contains("status")) out["status"] = "ok";
+  out["exit_code"] = 0;
+  out["errors"] = nlohmann::json::array();
+}
+
 }  // namespace dptrain::cli

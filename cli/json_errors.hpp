@@ -22,5 +22,12 @@ void add_failure(nlohmann::json& out, int exit_code, const std::vector<std::stri
 // The "status" of a command stopped by an Error of this kind: "interrupted", "terminated" or
 // "error".
 const char* failure_status(ErrorKind kind);
+// The "status" of a job (a run, a benchmark's) that ended with an Error of this kind:
+// "interrupted" or "terminated" for a stop, else "failed".
+const char* run_failure_status(ErrorKind kind);
+
+// Adds what every --json object carries on success (dptrain(1), JSON OUTPUT): "exit_code" 0,
+// "errors" [], and "status" "ok" unless `out` has one of its own ("completed", "planned", a run's).
+void add_success(nlohmann::json& out);
 
 }  // namespace dptrain::cli

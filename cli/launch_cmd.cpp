@@ -6,6 +6,7 @@
 
 #include "cli/commands.hpp"
 #include "cli/host_options.hpp"
+#include "cli/json_errors.hpp"
 #include "cli/run_report.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
@@ -79,7 +80,7 @@ void print_dry_run(const JobSpec& spec, const std::string& run_dir, bool json) {
   if (json) {
     // One line, as every --json output, with the fields of a success.
     j["status"] = "planned";
-    j["exit_code"] = 0;
+    add_success(j);
     std::printf("%s\n", json_text(j).c_str());
     return;
   }

@@ -386,8 +386,21 @@ int run(int argc, char** argv) {
   } catch (const CLI::CallForAllHelp& e) {
     return app.exit(e);
   } catch (const CLI::CallForVersion& e) {
+    const bool json = std::find(argv + 1, argv + argc, std::string_view("--json")) != argv + argc;
+    // CLI11 answers --version as soon as it meets it: anything else given with it is a slip
+    // ("dptrain --version --foo"), refused as any unknown argument is.
+    for (int i = 1; i < argc; ++i) {
+      const std::string_view arg = argv[i];
+      if (arg != "--version" && arg != "-V" && arg != "--json") {
+        print_error(fmt::format("--version takes no other arguments than --json, got '{}' (see "
+                                "'dptrain --help')",
+                                dptrain::printable(arg)),
+                    2, "error", json);
+        return 2;
+      }
+    }
     // `dptrain --version --json`: what a script checks before it relies on the binary.
-    if (std::find(argv + 1, argv + argc, std::string_view("--json")) != argv + argc) {
+    if (json) {
 #ifdef DPTRAIN_HAVE_CUDA
       constexpr bool cuda = true;
 #else

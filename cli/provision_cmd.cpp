@@ -156,7 +156,7 @@ int run_provision(const ProvisionCliOptions& o) {
       hosts.push_back(to_json(r));
     nlohmann::json out = {{"ok", code == 0}, {"hosts", hosts}};
     if (code == 0) {
-      out.update({{"status", "ok"}, {"exit_code", 0}, {"errors", nlohmann::json::array()}});
+      add_success(out);
     } else {
       add_failure(out, code, errors);
       out["status"] = status;

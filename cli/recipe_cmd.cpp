@@ -54,13 +54,12 @@ Recipe checked_recipe(const std::string& file) {
 // What validate and show --json say of a valid recipe, with the fields of a success.
 nlohmann::json recipe_facts(const Recipe& r) {
   const auto model = make_model(r.model);
-  return {{"name", r.name},
-          {"hash", recipe_hash(r)},
-          {"model", model->describe()},
-          {"parameters", model->num_params()},
-          {"status", "ok"},
-          {"exit_code", 0},
-          {"errors", nlohmann::json::array()}};
+  nlohmann::json out = {{"name", r.name},
+                        {"hash", recipe_hash(r)},
+                        {"model", model->describe()},
+                        {"parameters", model->num_params()}};
+  add_success(out);
+  return out;
 }
 
 int run_validate(const RecipeOptions& o) {

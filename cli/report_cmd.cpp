@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.hpp"
+#include "cli/json_errors.hpp"
 #include "cli/run_report.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
@@ -78,7 +79,8 @@ int run_report(const ReportOptions& o) {
   }
   if (given) check_report_out(o.out, out, run.dir);
   write_file_atomic(out, report_html(run));
-  const nlohmann::json summary = report_summary(run, out);
+  nlohmann::json summary = report_summary(run, out);
+  add_success(summary);
   if (o.json) {
     std::printf("%s\n", json_text(summary).c_str());
   } else {
@@ -92,7 +94,9 @@ int run_status(const StatusOptions& o) {
   const RunView run = load_run(o.run_dir, /*verify_checkpoints=*/false, stop_pending);
   throw_if_stopped(" while status read the run");
   if (o.json) {
-    std::printf("%s\n", json_text(status_json(run)).c_str());
+    nlohmann::json out = status_json(run);
+    add_success(out);
+    std::printf("%s\n", json_text(out).c_str());
   } else {
     std::printf("%s", status_text(run).c_str());
   }

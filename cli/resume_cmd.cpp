@@ -14,6 +14,7 @@
 
 #include "cli/commands.hpp"
 #include "cli/host_options.hpp"
+#include "cli/json_errors.hpp"
 #include "cli/run_report.hpp"
 #include "core/checkpoint.hpp"
 #include "core/error.hpp"
@@ -85,7 +86,10 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
     nlohmann::json out = done.to_json(run);
     out["resumed"] = false;
     events.emit("run_finished", out);
-    if (o.json) std::printf("%s\n", json_text(out).c_str());
+    if (o.json) {
+      add_success(out);
+      std::printf("%s\n", json_text(out).c_str());
+    }
     return 0;
   }
   run.make_layout();

@@ -117,8 +117,7 @@ void end_unopened_events(const RestartOptions& o, bool json, const std::string& 
 FailureEnd failure_end(const std::exception& e) {
   const auto* error = dynamic_cast<const Error*>(&e);
   const ErrorKind kind = error != nullptr ? kind_after_stop(error->kind()) : ErrorKind::internal;
-  const bool stopped = kind == ErrorKind::interrupted || kind == ErrorKind::terminated;
-  return {kind, exit_code(kind), stopped ? failure_status(kind) : "failed"};
+  return {kind, exit_code(kind), run_failure_status(kind)};
 }
 
 std::FILE* status_stream(bool json, const EventLog& events) {
@@ -448,7 +447,11 @@ int report_outcome(const RunDirectory& run, const JobOutcome& outcome, bool json
   if (json) {
     nlohmann::json out = outcome.to_json(run);
     // "error" keeps the whole text (with its log excerpt); "errors" has its messages.
-    if (!outcome.error.empty()) add_failure(out, outcome.exit_code, outcome.error);
+    if (!outcome.error.empty()) {
+      add_failure(out, outcome.exit_code, outcome.error);
+    } else if (outcome.exit_code == 0) {
+      add_success(out);
+    }
     std::printf("%s\n", json_text(out).c_str());
   } else if (outcome.exit_code == 0) {
     const auto& r = outcome.result;

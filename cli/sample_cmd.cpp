@@ -444,7 +444,9 @@ int run_sample(const SampleOptions& o) {
     }
   }
   if (o.json) {
-    std::printf("%s\n", json_text(result()).c_str());
+    json out = result();
+    add_success(out);
+    std::printf("%s\n", json_text(out).c_str());
   } else {
     std::printf("\n");
   }

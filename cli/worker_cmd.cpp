@@ -623,6 +623,13 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
     throw Error(ErrorKind::usage, fmt::format("rank {}: outside world size {} (ranks are 0 to {})",
                                               o.rank, o.world_size, o.world_size - 1));
   }
+  // A node holds at most the whole world (on cuda the local rank picks the GPU).
+  if (o.local_rank >= o.world_size) {
+    throw Error(ErrorKind::usage,
+                fmt::format("rank {}: local rank (--local-rank or LOCAL_RANK) {} is outside world "
+                            "size {} (a node's ranks are 0 to {})",
+                            o.rank, o.local_rank, o.world_size, o.world_size - 1));
+  }
   const FaultInjector faults(parse_faults(env("DPTRAIN_FAULT").value_or("")), o.rank, o.generation);
   const Recipe recipe = load_recipe(o.recipe);
   // The parameter-server mode's messages go through Gloo (the recipe refuses "nccl" with it).
@@ -1006,6 +1013,14 @@ void setup_worker(CLI::App& app, Outcome& outcome) {
                        : kind == ErrorKind::interrupted ? "interrupted"
                                                         : "failed",
                        named, farewell->exit_code);
+      }
+      // Stopped under a launcher (a peer failed, or the job was stopped): the launcher's own
+      // error says why, and this rank's line among its output is no second error (the first
+      // "error" on the screen would be a healthy rank's), as the StopWatcher's stops say it.
+      if (started_by_launcher() && kind_after_stop(e.kind()) == ErrorKind::terminated) {
+        std::fprintf(stderr, "dptrain: %s\n", named.c_str());
+        outcome.exit_code = farewell->exit_code;
+        return;
       }
       throw Error(e.kind(), named);
     } catch (const std::exception& e) {

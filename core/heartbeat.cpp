@@ -44,7 +44,8 @@ nlohmann::json ProgressTracker::snapshot() const {
           {"phase", phase_name(static_cast<Phase>(phase_.load(std::memory_order_relaxed)))},
           {"seq", seq_.load(std::memory_order_relaxed)},
           {"progress", progress_.load(std::memory_order_relaxed)},
-          {"collective", index >= 0 ? fmt::format("{} {}", what, index) : std::string(what)}};
+          {"collective", index >= 0 ? fmt::format("{} {}", what, index) : std::string(what)},
+          {"stepping", stepping()}};
 }
 
 std::string heartbeat_key(int rank) {

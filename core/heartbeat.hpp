@@ -57,7 +57,9 @@ class ProgressTracker {
     seq_.fetch_add(1, std::memory_order_relaxed);
     enter(Phase::collective);
   }
-  // {"step", "phase", "seq", "progress", "collective"}: the last collective entered, by name.
+  // {"step", "phase", "seq", "progress", "collective", "stepping"}: the last collective entered,
+  // by name; "stepping" false while the rank starts (its step is not yet the run's: a resume's
+  // rank says 0 until it has loaded its checkpoint).
   nlohmann::json snapshot() const;
   int64_t step() const { return step_.load(std::memory_order_relaxed); }
   // What the sender publishes at once when it changes: the step, and the long phases a step

@@ -38,7 +38,9 @@ TEST_CASE("heartbeat: the snapshot names the phase and the last collective") {
   ProgressTracker tracker;
   CHECK(tracker.snapshot()["phase"] == "starting");
   CHECK(tracker.snapshot()["collective"] == "");
+  CHECK(tracker.snapshot()["stepping"] == false);  // its step 0 is not the run's yet
   tracker.set_step(4);
+  CHECK(tracker.snapshot()["stepping"] == true);
   tracker.enter(Phase::data);
   tracker.enter_collective("allreduce of gradient bucket", 2);
   json s = tracker.snapshot();

@@ -65,7 +65,9 @@ nlohmann::json TrainResult::to_json() const {
   for (size_t i = 0; i < phases_ms.size(); ++i)
     j["phases_ms"][TrainResult::kPhaseNames[i]] = phases_ms[i];
   j["comm_total_ms"] = comm_total_ms;
-  j["bytes_per_step"] = bytes_per_step;
+  // A count of bytes; null where no step here measured it (NaN).
+  j["bytes_per_step"] = std::isfinite(bytes_per_step) ? nlohmann::json(std::llround(bytes_per_step))
+                                                      : nlohmann::json(nullptr);
   j["optimizer_state_mib"] = optimizer_state_mib;
   j["peak_rss_mib"] = peak_rss_mib;
   return j;
@@ -83,7 +85,9 @@ double ms_since(Clock::time_point t0) {
 // comm_total, all the communication (overlapped or not), and the bytes this rank sent.
 struct PhaseTimes {
   double data = 0, compute = 0, comm = 0, optimizer = 0, comm_total = 0, bytes = 0;
+  double step = 0;  // the step's whole time, as logged (step_ms)
   void add(const PhaseTimes& o) {
+    step += o.step;
     data += o.data;
     compute += o.compute;
     comm += o.comm;
@@ -93,7 +97,7 @@ struct PhaseTimes {
   }
   PhaseTimes per(int64_t steps) const {
     const double n = steps > 0 ? static_cast<double>(steps) : 1.0;
-    return {data / n, compute / n, comm / n, optimizer / n, comm_total / n, bytes / n};
+    return {data / n, compute / n, comm / n, optimizer / n, comm_total / n, bytes / n, step / n};
   }
   // A collective nothing overlaps (the stop flag's, the logged loss's): exposed communication.
   void add_exposed_comm(double ms) {
@@ -265,7 +269,7 @@ class TrainingRun {
         stop = sum_loss_and_stop(loss, stop, /*take_stop=*/!local, ms_since(t0));
         if (world_ > 1) phases.add_exposed_comm(ms_since(tl));
       }
-      const double step_ms = ms_since(t0);
+      phases.step = ms_since(t0);
       ++window_steps;
       window_phases.add(phases);
       if (done - first_step == warmup) {
@@ -285,7 +289,7 @@ class TrainingRun {
         const double window_s = ms_since(window_start) / 1000.0;
         log_step(done, batch_epoch, loss, lr, norm,
                  static_cast<double>(window_steps) * static_cast<double>(global_batch_) / window_s,
-                 step_ms, window_phases.per(window_steps));
+                 window_phases.per(window_steps));
         window_start = Clock::now();
         window_steps = 0;
         window_phases = {};
@@ -301,8 +305,9 @@ class TrainingRun {
     // Measured per steady step; none (null in result.json, as samples_per_s) when this
     // invocation ran no step (a resume from the final checkpoint).
     const double none = std::numeric_limits<double>::quiet_NaN();
-    const PhaseTimes per_step = steady_steps > 0 ? steady_phases.per(steady_steps)
-                                                 : PhaseTimes{none, none, none, none, none, none};
+    const PhaseTimes per_step = steady_steps > 0
+                                    ? steady_phases.per(steady_steps)
+                                    : PhaseTimes{none, none, none, none, none, none, none};
     result.phases_ms = {per_step.data, per_step.compute, per_step.comm, per_step.optimizer};
     result.comm_total_ms = per_step.comm_total;
     result.bytes_per_step = per_step.bytes;
@@ -1311,7 +1316,7 @@ class TrainingRun {
   }
 
   void log_step(int64_t step, int64_t epoch, double loss, double lr, double norm,
-                double samples_per_s, double step_ms, const PhaseTimes& phases) {
+                double samples_per_s, const PhaseTimes& phases) {
     if (rank_ != 0) return;
     json line = {{"step", step},
                  {"epoch", epoch},
@@ -1319,7 +1324,7 @@ class TrainingRun {
                  {"lr", lr},
                  {"grad_norm", norm},
                  {"samples_per_s", samples_per_s},
-                 {"step_ms", step_ms},
+                 {"step_ms", phases.step},
                  {"data_ms", phases.data},
                  {"compute_ms", phases.compute},
                  {"comm_ms", phases.comm},

@@ -680,9 +680,10 @@ fs::path create_sweep_dir(const fs::path& dir, const fs::path& runs_root) {
   return resolved_path(path);
 }
 
-BenchRunner job_runner(const JobSpec& spec, const fs::path& sweep_dir, StatusPrinter* terminal) {
-  return [spec, sweep_dir, terminal](const Recipe& recipe, const BenchWorld& world,
-                                     const std::string& label) -> json {
+BenchRunner job_runner(const JobSpec& spec, const fs::path& sweep_dir, StatusPrinter* terminal,
+                       fs::path* failed_run) {
+  return [spec, sweep_dir, terminal, failed_run](const Recipe& recipe, const BenchWorld& world,
+                                                 const std::string& label) -> json {
     if (const int sig = pending_stop_signal(); sig != 0) {
       throw Error(sig == SIGTERM ? ErrorKind::terminated : ErrorKind::interrupted,
                   fmt::format("bench train: stopped by {} before world size {}",
@@ -723,20 +724,19 @@ BenchRunner job_runner(const JobSpec& spec, const fs::path& sweep_dir, StatusPri
       } catch (const Error&) {  // a full disk: the error below says what matters
       }
     }
+    if (outcome.exit_code != 0 && failed_run != nullptr) *failed_run = run.path();
     if (outcome.exit_code == 130 || outcome.exit_code == 143) {
       // The job's message would point at a resume, which a benchmark's run never gets.
       const bool term = outcome.exit_code == 143;
       throw Error(term ? ErrorKind::terminated : ErrorKind::interrupted,
                   fmt::format("bench train: stopped by {} during the run at world size {}; a "
-                              "benchmark is not resumed: run it again\nrun directory: {} "
-                              "(console.log, logs/)",
-                              term ? "SIGTERM" : "SIGINT", world.world, run.path().string()));
+                              "benchmark is not resumed: run it again",
+                              term ? "SIGTERM" : "SIGINT", world.world));
     }
     if (outcome.exit_code != 0) {
       throw Error(outcome.exit_code == 4 ? ErrorKind::ssh : ErrorKind::rank_failed,
-                  fmt::format("bench train: the run at world size {} failed: {}\nrun "
-                              "directory: {} (console.log, logs/)",
-                              world.world, outcome.error, run.path().string()));
+                  fmt::format("bench train: the run at world size {} failed: {}", world.world,
+                              outcome.error));
     }
     // The checkpoints' record goes with them: the result, result.json (the same object, written by
     // rank 0 or for a remote one by the launcher) and run.json's copy name no checkpoint. A full

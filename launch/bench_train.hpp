@@ -207,9 +207,11 @@ std::filesystem::path create_sweep_dir(const std::filesystem::path& dir,
 // size replaced, in sweep_dir/LABEL, the job's console lines (rank output, progress) in
 // LABEL/console.log. A completed run's local checkpoints are deleted: a benchmark has nothing to
 // resume, and a large model's would fill the disk. A failed run throws Error: rank_failed (exit 3)
-// with the run's error and directory, ssh (4), interrupted (130) or terminated (143). With a
-// `terminal`, the run's progress is also shown on its progress line (on a terminal only).
+// with the run's error, ssh (4), interrupted (130) or terminated (143), its directory first put
+// in `*failed_run` (when given). With a `terminal`, the run's progress is also shown on its
+// progress line (on a terminal only).
 BenchRunner job_runner(const JobSpec& spec, const std::filesystem::path& sweep_dir,
-                       StatusPrinter* terminal = nullptr);
+                       StatusPrinter* terminal = nullptr,
+                       std::filesystem::path* failed_run = nullptr);
 
 }  // namespace dptrain

@@ -134,6 +134,12 @@ std::string collective(const json& beat) {
 
 std::string HangWatch::position(const json& beat) {
   const std::string phase = beat.value("phase", std::string("?"));
+  // Before the training loop a rank's step is not the run's (0 until a resume's checkpoint is
+  // loaded): where it was in its start-up is what counts.
+  if (!beat.value("stepping", true)) {
+    return phase == "collective" ? fmt::format("start-up, in collective {}", collective(beat))
+                                 : fmt::format("start-up, after collective {}", collective(beat));
+  }
   const int64_t step = beat.value("step", int64_t{0});
   if (phase == "collective") return fmt::format("step {} in collective {}", step, collective(beat));
   return fmt::format("step {} in phase {} (after collective {})", step, phase, collective(beat));
@@ -163,11 +169,12 @@ std::string HangWatch::positions(const std::map<int, json>& beats, const RankNam
     } else if (beat.contains("silent_ms")) {
       // Frozen or gone: its last word may be a collective or two behind what it really did.
       behind.push_back(fmt::format(
-          "{} (its heartbeat stopped {}s ago: frozen or unreachable; it last said step {}, {})",
-          name(rank), beat["silent_ms"].get<int64_t>() / 1000, step,
-          phase == "collective"
-              ? "in collective " + collective(beat)
-              : fmt::format("phase {} after collective {}", phase, collective(beat))));
+          "{} (its heartbeat stopped {}s ago: frozen or unreachable; it last said {})", name(rank),
+          beat["silent_ms"].get<int64_t>() / 1000,
+          !beat.value("stepping", true) ? position(beat)
+          : phase == "collective" ? fmt::format("step {}, in collective {}", step, collective(beat))
+                                  : fmt::format("step {}, phase {} after collective {}", step,
+                                                phase, collective(beat))));
     } else if (unjoined && phase == "starting") {
       joining.push_back(name(rank));
     } else if (seq == max_seq && phase == "collective") {

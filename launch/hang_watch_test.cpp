@@ -71,6 +71,13 @@ TEST_CASE("hang verdict: one rank's position, as a failed rank's message gives i
         "step 5 in phase data (after collective #8 (allreduce of gradient bucket 0))");
   CHECK(HangWatch::position({{"step", 7}, {"phase", "collective"}, {"seq", 12}}) ==
         "step 7 in collective #12");
+  // Still starting (a resume's rank before its checkpoint is loaded): its 0 is not the run's step.
+  CHECK(HangWatch::position({{"step", 0},
+                             {"phase", "collective"},
+                             {"seq", 3},
+                             {"collective", "allgather of the shared-directory verdicts"},
+                             {"stepping", false}}) ==
+        "start-up, in collective #3 (allgather of the shared-directory verdicts)");
 }
 
 TEST_CASE("hang verdict: a rank stuck in an earlier collective is named in it") {

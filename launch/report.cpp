@@ -67,6 +67,13 @@ int64_t integer(const json& j, const char* key, int64_t otherwise) {
   return integer_at(j, key).value_or(otherwise);
 }
 
+// A count (a world size) as text; none where it is not an integer (JSON's null there).
+std::optional<std::string> count_text(const json& j, const char* key) {
+  const auto v = integer_at(j, key);
+  if (!v) return std::nullopt;
+  return std::to_string(*v);
+}
+
 json integer_or_null(const json& j, const char* key) {
   const auto v = integer_at(j, key);
   return v ? json(*v) : json(nullptr);
@@ -473,7 +480,7 @@ std::string world_sizes(const json& info) {
     const int64_t w = integer(g, "world_size", -1);
     if (w > 0 && (sizes.empty() || sizes.back() != w)) sizes.push_back(w);
   }
-  if (sizes.empty()) return text(info, "world_size").empty() ? "unknown" : text(info, "world_size");
+  if (sizes.empty()) return count_text(info, "world_size").value_or("unknown");
   return fmt::format("{}", fmt::join(sizes, " -> "));
 }
 
@@ -490,14 +497,14 @@ std::string job_size_flag(const json& info) {
 
 // "1 (nominal 2; per generation: 2 -> 1; --nproc 1:2)", the parts that say something.
 std::string world_size_text(const json& info) {
-  const std::string current = text(info, "world_size");
+  const std::string current = count_text(info, "world_size").value_or("");
   const std::string size = job_size_flag(info);
   if (current.empty()) {
     // Waiting for its first hosts.
     return size.empty() ? "unknown" : fmt::format("not placed yet ({})", size);
   }
   std::string out = current;
-  const std::string nominal = text(info, "nominal_world_size");
+  const std::string nominal = count_text(info, "nominal_world_size").value_or("");
   std::vector<std::string> notes;
   if (!nominal.empty() && nominal != current) notes.push_back("nominal " + nominal);
   const std::string sizes = world_sizes(info);
@@ -1258,7 +1265,8 @@ json status_json(const RunView& run) {
                     {"at", or_null(text(r, "at"))}};
   }
   json j = summary_fields(run);
-  j.update(json{{"recorded_status", or_null(run.state.recorded_status)},
+  // As run.json holds it (a hand-edited 5 stays a number).
+  j.update(json{{"recorded_status", info.value("status", json(nullptr))},
                 {"note", or_null(run.state.note)},
                 {"live_pids", run.state.live_pids},
                 {"epoch", last ? json(last->epoch) : json(nullptr)},

@@ -251,7 +251,7 @@ TEST_CASE("bench comm: a rank that fails exits 3 naming it, with its last lines"
   CHECK_MESSAGE(r.err.find("DPTRAIN_BENCH_CORRUPT: not an integer: 'x'") != std::string::npos,
                 r.err);
   const json j = parse_json(r.out);
-  CHECK(j["status"] == "error");
+  CHECK(j["status"] == "failed");  // a job whose rank failed, as launch says
   CHECK(j["exit_code"] == 3);
 }
 

@@ -291,13 +291,44 @@ TEST_CASE("a failed run exits 3 with its error and the world size") {
   TempDir tmp;
   const fs::path file = write_recipe(tmp.path(), small_recipe());
   // Rank 1 exists only at world size 2: world 1 completes, world 2 fails.
-  const auto r = bench(tmp, {file.string(), "--nproc", "1,2", "--steps", "10"},
-                       {{"DPTRAIN_FAULT", "exit@step=3,rank=1,code=7"}});
+  const auto r = bench(
+      tmp,
+      {file.string(), "--nproc", "1,2", "--steps", "10", "--run-dir", (tmp / "sweep").string()},
+      {{"DPTRAIN_FAULT", "exit@step=3,rank=1,code=7"}});
   CHECK(r.exit_code == 3);
   CHECK(r.err.find("the run at world size 2 failed") != std::string::npos);
   CHECK(r.err.find("rank 1") != std::string::npos);
   CHECK(r.err.find("bench train: world 1: ") != std::string::npos);  // measured before
-  CHECK(r.out.empty());                                              // no table for a partial sweep
+  // The failed run's directory, on a line of its own (not an error of its own).
+  CHECK(contains(r.err, "\ndptrain: run directory: "));
+  CHECK(contains(r.err, "/w2 (console.log, logs/)\n"));
+  CHECK_FALSE(contains(r.err, "error: run directory"));
+  // World 1's row is kept, said to be partial: printed, and in SWEEP/bench.json.
+  CHECK(contains(r.out, "# Partial: 1 row(s) measured before the end (see the error)\n"));
+  const fs::path sweep = tmp / "sweep";
+  REQUIRE(fs::exists(sweep / "bench.json"));
+  const json kept = parse_json(read_text(sweep / "bench.json"));
+  CHECK(kept["partial"] == true);
+  CHECK(kept["rows"].size() == 1);
+  CHECK(kept["status"] == "failed");
+
+  // With --json: the same object on stdout, a rank's failure as "failed" (as launch says).
+  TempDir again;
+  const auto j = bench(again,
+                       {file.string(), "--nproc", "1,2", "--steps", "10", "--json", "--run-dir",
+                        (again / "sweep").string()},
+                       {{"DPTRAIN_FAULT", "exit@step=3,rank=1,code=7"}});
+  CHECK(j.exit_code == 3);
+  const json out = parse_json(j.out);
+  CHECK(out["status"] == "failed");
+  CHECK(out["exit_code"] == 3);
+  CHECK(out["partial"] == true);
+  REQUIRE(out["rows"].size() == 1);
+  CHECK(out["rows"][0]["world"] == 1);
+  CHECK(out["run_dir"] == (again / "sweep").string());
+  CHECK(out["failed_run_dir"] == (again / "sweep" / "w2").string());
+  CHECK(out["errors"].size() == 1);
+  CHECK(contains(out["error"].get<std::string>(), "the run at world size 2 failed"));
 }
 
 TEST_CASE("a DPTRAIN_FAULT that fires in no run of the sweep is warned about") {
@@ -351,6 +382,9 @@ TEST_CASE("--min-throughput, --min-efficiency and --min-mfu: below one exits 6 n
   CHECK(j["status"] == "below_threshold");
   CHECK(j["exit_code"] == 6);
   CHECK(j["min_throughput"] == 1234567890123.0);
+  // In the rows' units: a fraction, as "mfu" is (the option is in percent).
+  CHECK(j["min_mfu"].get<double>() == doctest::Approx(0.995));
+  CHECK(j["rows"][0]["mfu"].get<double>() < j["min_mfu"].get<double>());
   REQUIRE(j["errors"].size() == 2);
   CHECK(j["errors"][0].get<std::string>().find("fp32 at world 1: ") == 0);
   // Each threshold as given, not rounded to six digits.
@@ -552,8 +586,11 @@ TEST_CASE("a stop during a run: exit 130 or 143, no checkpoint kept, no pointer 
     const json out = parse_json(b.out());
     CHECK(out["status"] == (sig == SIGINT ? "interrupted" : "terminated"));
     CHECK(out["exit_code"] == code);
-    CHECK(out["errors"].size() == 2);  // the stop, and the run directory
+    CHECK(out["errors"].size() == 1);  // the stop (the run directory is on a line of its own)
     CHECK(out["run_dir"] == fs::absolute(sweep).string());
+    CHECK(out["failed_run_dir"] == (fs::absolute(sweep) / "w1").string());
+    CHECK_FALSE(out.contains("partial"));  // nothing measured before it
+    CHECK(contains(b.err(), "dptrain: run directory: " + (fs::absolute(sweep) / "w1").string()));
     // The checkpoint the ranks write as SIGTERM stops them is not kept: nothing resumes it.
     CHECK(fs::is_empty(sweep / "w1/checkpoints"));
     const json recorded = parse_json(read_text(sweep / "w1/run.json"));

@@ -39,6 +39,18 @@ TEST_CASE("--version and --help for dptrain and every subcommand") {
     CHECK(doc.at("version").get<std::string>() == DPTRAIN_VERSION);
     CHECK(doc.at("cuda").is_boolean());
   }
+  // Anything else with it is refused, not passed over (CLI11 answers --version at once).
+  for (const auto& args :
+       {std::vector<std::string>{"--version", "--foo"}, std::vector<std::string>{"-V", "launch"}}) {
+    auto bad = run_dptrain(args);
+    CHECK(bad.exit_code == 2);
+    CHECK(bad.out.empty());
+    CHECK(bad.err == "dptrain: error: --version takes no other arguments than --json, got '" +
+                         args[1] + "' (see 'dptrain --help')\n");
+  }
+  auto bad_json = run_dptrain({"--json", "--version", "--foo"});
+  CHECK(bad_json.exit_code == 2);
+  CHECK(nlohmann::json::parse(bad_json.out)["exit_code"] == 2);
   auto h = run_dptrain({"--help"});
   CHECK(h.exit_code == 0);
   for (const char* cmd : {"launch", "resume", "recipe", "worker"}) {

@@ -33,7 +33,64 @@ json check_failure(const CommandResult& r, int code) {
   return out;
 }
 
+// The success fields of `r`'s one JSON object (dptrain(1), JSON OUTPUT): exit_code 0, no errors,
+// and `status`.
+json check_success(const CommandResult& r, const std::string& status) {
+  INFO(r.out, r.err);
+  CHECK(r.exit_code == 0);
+  const json out = parse_json(r.out);
+  CHECK(out["exit_code"] == 0);
+  CHECK(out["errors"] == json::array());
+  CHECK(out["status"] == status);
+  return out;
+}
+
 }  // namespace
+
+TEST_CASE("--json successes carry exit_code 0, errors [] and a status, in every command") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), small_recipe());
+  const fs::path run = tmp / "run";
+  check_success(
+      run_dptrain({"launch", recipe.string(), "--nproc", "1", "--run-dir", run.string(), "--json"}),
+      "completed");
+  check_success(run_dptrain({"launch", recipe.string(), "--nproc", "2", "--dry-run", "--run-dir",
+                             (tmp / "planned").string(), "--json"}),
+                "planned");
+  check_success(run_dptrain({"resume", run.string(), "--json"}), "completed");
+  // status's is the run's; a command that reads a failed run succeeds as well (below).
+  check_success(run_dptrain({"status", run.string(), "--json"}), "completed");
+  check_success(
+      run_dptrain({"report", run.string(), "--out", (tmp / "report.html").string(), "--json"}),
+      "completed");
+  for (const auto& args : std::vector<std::vector<std::string>>{
+           {"recipe", "validate", recipe.string()},
+           {"recipe", "show", recipe.string()},
+           {"ckpt", "list", run.string()},
+           {"ckpt", "verify", run.string()},
+           {"bench", "comm", "--nproc", "1", "-b", "8", "-e", "8", "-n", "1", "-w", "0",
+            "--runs-root", (tmp / "runs").string()}}) {
+    std::vector<std::string> full = args;
+    full.push_back("--json");
+    CAPTURE(full[0]);
+    CAPTURE(full[1]);
+    check_success(run_dptrain(full), "ok");
+  }
+  write_text(tmp / "text.txt", "a small text to count tokens in, twice over: a small text.\n");
+  check_success(run_dptrain({"data", "prepare", "--text", (tmp / "text.txt").string(), "--out",
+                             (tmp / "tokens").string(), "--val-fraction", "0.5", "--json"}),
+                "ok");
+  check_success(run_dptrain({"bench", "train", recipe.string(), "--nproc", "1", "--steps", "3",
+                             "--runs-root", (tmp / "runs").string(), "--json"}),
+                "completed");
+  // A failed run's status: "failed", and the status command itself succeeded.
+  const fs::path failed = tmp / "failed";
+  const auto f = run_dptrain(
+      {"launch", recipe.string(), "--nproc", "1", "--run-dir", failed.string(), "--json"},
+      {{"DPTRAIN_FAULT", "exit@step=2,code=7"}});
+  REQUIRE(f.exit_code == 3);
+  check_success(run_dptrain({"status", failed.string(), "--json"}), "failed");
+}
 
 TEST_CASE("--json failures carry status, exit_code, error and errors for every failure class") {
   TempDir tmp;

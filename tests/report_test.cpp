@@ -706,6 +706,7 @@ TEST_CASE("status of a run.json whose status dptrain never writes: unknown, sayi
     const json s = parse_json(r.out);
     CHECK(s["status"] == "unknown");
     CHECK(s["note"] == note);
+    CHECK(s["recorded_status"] == status);  // as run.json holds it: 5 stays a number
     const auto text = run_dptrain({"status", (tmp / "run").string()});
     CHECK(contains(text.out, "unknown"));
     CHECK(contains(text.out, note));
@@ -728,6 +729,10 @@ TEST_CASE("status of a run.json whose numbers were edited into words: null, not 
     CHECK(s["steps"].is_null());
     CHECK(s["world_size"].is_null());
     CHECK(s["nominal_world_size"].is_null());
+    // The text says as much, not the words or numbers the JSON leaves out.
+    const auto text = run_dptrain({"status", (tmp / "run").string()});
+    CHECK(contains(text.out, "world size   unknown\n"));
+    CHECK_FALSE(contains(text.out, "two"));
   }
   recipe["train"]["steps"] = 9007199254740993;  // not through a double: exactly this
   write_text(tmp / "run/run.json",

@@ -163,6 +163,9 @@ TEST_CASE(
                          ": written while training on other data: values ") != std::string::npos);
   CHECK(refused.err.find("(data.path " + (tmp / "data.csv").string() +
                          "): a resume on it would not continue the same run") != std::string::npos);
+  // Where it was: starting, not at a "step 0" a run at step 40 never went back to.
+  CHECK(contains(refused.err, "; its last heartbeat: start-up, "));
+  CHECK_FALSE(contains(refused.err, "heartbeat: step 0"));
   // Not restarted (an exit 2 would meet the same data again), nothing set aside.
   CHECK(parse_json(read_text(run / "run.json"))["generations"].size() == 2);
   CHECK(read_text(run / "checkpoints/step-000040/meta.json") == meta);
@@ -292,10 +295,14 @@ TEST_CASE("a corrupt or truncated newest checkpoint is skipped; none valid exits
     if (e.is_directory()) fs::remove(e.path() / "meta.json");
   }
   const std::string run_json = read_text(tmp / "straight/run.json");
-  auto none = run_dptrain(
-      {"resume", (tmp / "straight").string(), "--events", (tmp / "events.jsonl").string()});
+  auto none = run_dptrain({"resume", (tmp / "straight").string(), "--events",
+                           (tmp / "events.jsonl").string(), "--json"});
   CHECK(none.exit_code == 5);
   CHECK(none.err.find("no valid checkpoint") != std::string::npos);
+  // Its JSON error says why each checkpoint was passed over, not only on stderr.
+  const auto none_error = parse_json(none.out)["error"].get<std::string>();
+  CHECK(contains(none_error, "no valid checkpoint to resume from\n  skipping checkpoint step-"));
+  CHECK(contains(none_error, "meta.json"));
   // Its events stream still ends with run_finished, for the pipeline that waits for one; the
   // run's record is as it was.
   const auto events = read_jsonl(tmp / "events.jsonl");

@@ -84,7 +84,11 @@ TEST_CASE("sample: a model vocabulary larger than the char tokenizer's draws onl
     const auto r = sample(run_dir, {"--tokens", "150", "--seed", seed, "--json"});
     INFO(r.err);
     REQUIRE(r.exit_code == 0);
-    const std::string text = parse_json(r.out)["text"].get<std::string>();
+    const json out = parse_json(r.out);
+    CHECK(out["status"] == "ok");  // the fields of every --json success
+    CHECK(out["exit_code"] == 0);
+    CHECK(out["errors"] == json::array());
+    const std::string text = out["text"].get<std::string>();
     CHECK(text.size() == 150);  // ASCII: one byte a character
     for (char c : text)
       CHECK(data.alphabet.count(c) == 1);

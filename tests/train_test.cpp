@@ -1046,7 +1046,11 @@ TEST_CASE("a worker missing its identity says which variable is missing") {
             "dptrain: error: rank 3: outside world size 2 (ranks are 0 to 1)\n"},
            {{"--rank", "0", "--world-size", "2"},
             {{"LOCAL_RANK", "-3"}},
-            "local rank (--local-rank or LOCAL_RANK): must be at least 0, got -3"}}) {
+            "local rank (--local-rank or LOCAL_RANK): must be at least 0, got -3"},
+           {{"--rank", "0", "--world-size", "1"},
+            {{"LOCAL_RANK", "5"}},
+            "dptrain: error: rank 0: local rank (--local-rank or LOCAL_RANK) 5 is outside world "
+            "size 1 (a node's ranks are 0 to 0)\n"}}) {
     std::vector<std::string> args = base;
     args.insert(args.end(), extra.begin(), extra.end());
     auto bad = run_dptrain(args, env, std::chrono::seconds(60));
