@@ -131,7 +131,7 @@ def dptrain_phases(run_dir, warmup):
         return None
     if not step_ms:
         return None
-    # step_ms is the logged step's own time; comm_ms the mean of its logging window.
+    # step_ms and comm_ms are each the mean of their logging window.
     return {"step": statistics.fmean(step_ms), "comm": statistics.fmean(comm_ms)}
 
 

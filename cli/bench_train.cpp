@@ -149,7 +149,9 @@ int report_unfinished(const BenchTrainCliOptions& o, const BenchTrainReport& rep
   const int code = exit_code(kind);
   nlohmann::json out = report.rows.empty() ? nlohmann::json::object() : report.to_json();
   if (!report.rows.empty()) out["partial"] = true;
-  out["status"] = run_failure_status(kind);
+  // A run that failed is "failed", as launch says; a refusal before any run (a world's recipe)
+  // or a stop between runs is the command's own.
+  out["status"] = failed_run.empty() ? failure_status(kind) : run_failure_status(kind);
   out["run_dir"] = sweep_dir.string();
   out["failed_run_dir"] = failed_run.empty() ? nlohmann::json() : nlohmann::json(failed_run);
   add_failure(out, code, e.what());

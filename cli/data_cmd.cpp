@@ -10,6 +10,7 @@
 #include <csignal>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <filesystem>
@@ -172,10 +173,11 @@ fs::path output_path(const std::string& out) {
   fs::path at = path.parent_path();
   while (at != at.root_path() && !fs::exists(fs::symlink_status(at, ec)))
     at = at.parent_path();
-  const fs::path probe = at / fmt::format(".dptrain-probe-{}", ::getpid());
-  if (::mkdir(probe.c_str(), 0700) != 0) {
+  std::string probe = (at / ".dptrain-probe-XXXXXX").string();
+  if (::mkdtemp(probe.data()) == nullptr) {
+    const int error = errno;
     refuse(fmt::format("--out {}: cannot make a directory in {}: {}", out, at.string(),
-                       std::strerror(errno)));
+                       std::strerror(error)));
   }
   ::rmdir(probe.c_str());
   return path;

@@ -129,6 +129,7 @@ int start_launch(const LaunchOptions& o, bool& events_opened, Outcome& outcome) 
     }
   }();
   check_runnable(spec.recipe, spec.world_size, spec.nominal_world, o.recipe);
+  check_smallest_world(spec, o.recipe);
   // A host name that does not resolve: exit 4, nothing created. A plan may be drafted where the
   // cluster's names mean nothing (a laptop): there it is a warning.
   try {

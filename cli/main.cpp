@@ -406,7 +406,9 @@ int run(int argc, char** argv) {
 #else
       constexpr bool cuda = false;
 #endif
-      fmt::print("{}\n", nlohmann::json{{"version", DPTRAIN_VERSION}, {"cuda", cuda}}.dump());
+      nlohmann::json out = {{"version", DPTRAIN_VERSION}, {"cuda", cuda}};
+      dptrain::cli::add_success(out);
+      fmt::print("{}\n", out.dump());
       return 0;
     }
     return app.exit(e);

@@ -136,6 +136,7 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
                                RecipeOrigin::stored);
     check_runnable(spec.recipe, spec.world_size, spec.nominal_world,
                    (run.path() / "run.json").string());
+    check_smallest_world(spec, (run.path() / "run.json").string());
   } catch (const Error& e) {
     // The recipe is the run's own: its data moved or changed, which a new dataset does not cure.
     if (e.kind() != ErrorKind::recipe ||

@@ -203,12 +203,14 @@ fs::path newest_checkpoint(const RunDirectory& run, const Recipe& recipe,
                             "wait for its first checkpoint)",
                             run.path().string()));
   }
-  const auto found = try_find_valid_checkpoint(run.checkpoints(), warn, written_by(recipe));
+  PassedOver passed{warn, {}};
+  const auto found =
+      try_find_valid_checkpoint(run.checkpoints(), std::ref(passed), written_by(recipe));
   if (!found) {
     throw Error(ErrorKind::checkpoint,
                 fmt::format("{}: no valid checkpoint, nothing to sample from (see 'dptrain "
-                            "ckpt list {}'; --checkpoint names one another recipe wrote)",
-                            run.path().string(), run.path().string()));
+                            "ckpt list {}'; --checkpoint names one another recipe wrote){}",
+                            run.path().string(), run.path().string(), passed.lines()));
   }
   return *found;
 }

@@ -1017,7 +1017,9 @@ void setup_worker(CLI::App& app, Outcome& outcome) {
       // Stopped under a launcher (a peer failed, or the job was stopped): the launcher's own
       // error says why, and this rank's line among its output is no second error (the first
       // "error" on the screen would be a healthy rank's), as the StopWatcher's stops say it.
-      if (started_by_launcher() && kind_after_stop(e.kind()) == ErrorKind::terminated) {
+      // (The error's own kind: a real failure while a stop was pending keeps its "error".)
+      if (started_by_launcher() &&
+          (e.kind() == ErrorKind::terminated || e.kind() == ErrorKind::interrupted)) {
         std::fprintf(stderr, "dptrain: %s\n", named.c_str());
         outcome.exit_code = farewell->exit_code;
         return;

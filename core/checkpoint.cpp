@@ -813,30 +813,30 @@ std::optional<fs::path> try_find_valid_checkpoint(
   }
 }
 
+std::string PassedOver::lines() const {
+  constexpr size_t kShown = 8;
+  std::string out;
+  for (size_t i = 0; i < said.size() && i < kShown; ++i)
+    out += "\n  " + said[i];
+  if (said.size() > kShown) {
+    out += fmt::format("\n  ... and {} more ('dptrain ckpt verify --all' lists them)",
+                       said.size() - kShown);
+  }
+  return out;
+}
+
 fs::path find_valid_checkpoint(const fs::path& checkpoints_dir,
                                const std::function<void(const std::string&)>& warn,
                                const CheckpointFilter& unusable,
                                const std::function<void()>& check_stop) {
-  // What was passed over, said again under the error (a --json error carries it, where the
-  // warnings went to stderr only): why each checkpoint there cannot be used.
-  std::vector<std::string> passed_over;
-  const auto said = [&](const std::string& w) {
-    passed_over.push_back(w);
-    warn(w);
-  };
-  if (auto found = try_find_valid_checkpoint(checkpoints_dir, said, unusable, check_stop)) {
+  PassedOver passed{warn, {}};
+  if (auto found =
+          try_find_valid_checkpoint(checkpoints_dir, std::ref(passed), unusable, check_stop)) {
     return std::move(*found);
   }
-  std::string message =
-      fmt::format("{}: no valid checkpoint to resume from", printable(checkpoints_dir.string()));
-  constexpr size_t kShown = 8;
-  for (size_t i = 0; i < passed_over.size() && i < kShown; ++i)
-    message += "\n  " + passed_over[i];
-  if (passed_over.size() > kShown) {
-    message += fmt::format("\n  ... and {} more (dptrain ckpt verify --all lists them)",
-                           passed_over.size() - kShown);
-  }
-  throw Error(ErrorKind::checkpoint, message);
+  throw Error(ErrorKind::checkpoint,
+              fmt::format("{}: no valid checkpoint to resume from{}",
+                          printable(checkpoints_dir.string()), passed.lines()));
 }
 
 }  // namespace dptrain

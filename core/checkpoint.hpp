@@ -202,7 +202,21 @@ std::optional<std::filesystem::path> try_find_valid_checkpoint(
     const std::filesystem::path& checkpoints_dir,
     const std::function<void(const std::string&)>& warn, const CheckpointFilter& unusable = {},
     const std::function<void()>& check_stop = {});
-// The same, with Error(checkpoint) "no valid checkpoint to resume from" when none is valid.
+// What a search passed over, each also given to `warn` as it is found: said again under the
+// error that none could be used (a --json error carries it, where the warnings went to stderr).
+struct PassedOver {
+  std::function<void(const std::string&)> warn;
+  std::vector<std::string> said;
+  void operator()(const std::string& why) {
+    said.push_back(why);
+    if (warn) warn(why);
+  }
+  // "\n  WHY" for each (at most 8, then how many more): the lines under such an error.
+  std::string lines() const;
+};
+
+// The same, with Error(checkpoint) "no valid checkpoint to resume from" when none is valid, why
+// each was passed over on the lines below.
 std::filesystem::path find_valid_checkpoint(const std::filesystem::path& checkpoints_dir,
                                             const std::function<void(const std::string&)>& warn,
                                             const CheckpointFilter& unusable = {},

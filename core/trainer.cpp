@@ -641,13 +641,17 @@ class TrainingRun {
   }
 
   // How the ranks combine their work, when it is not the default bucketed f32 all-reduce:
-  // "; ZeRO-1: optimizer state 1.2 MiB per rank (4.8 unsharded)", "; local SGD every 8 steps".
+  // "; ZeRO-1: optimizer state 1.2 MiB per rank (4.8 MiB unsharded)", "; local SGD every 8
+  // steps". (In the unit that suits each: a small model's are KiB, not "0.0 MiB".)
   std::string exchange_description() const {
     std::string out;
     if (zero_) {
-      out += fmt::format(
-          "; ZeRO-1: optimizer state {:.1f} MiB per rank ({:.1f} unsharded)", optimizer_state_mib(),
-          optimizer_state_mib() * static_cast<double>(num_params_) / static_cast<double>(shard_));
+      const double shard_bytes = optimizer_state_mib() * 1024.0 * 1024.0;
+      const double whole_bytes =
+          shard_bytes * static_cast<double>(num_params_) / static_cast<double>(shard_);
+      out += fmt::format("; ZeRO-1: optimizer state {} per rank ({} unsharded)",
+                         human_size(static_cast<uint64_t>(std::llround(shard_bytes))),
+                         human_size(static_cast<uint64_t>(std::llround(whole_bytes))));
     }
     if (local_sgd_) {
       out += fmt::format("; local SGD, averaging every {} steps", recipe_.distributed.period);
@@ -722,14 +726,14 @@ class TrainingRun {
     if (how != "newest" && how != "newest-or-start") return options_.resume_from;
     fs::path mine;
     int64_t my_step = -1;  // -2: this node holds checkpoints, but none this run can use
+    PassedOver passed{[this](const std::string& w) {
+                        emit({{"event", "info"}, {"message", "warning: " + w}});
+                      },
+                      {}};
     if (writes_checkpoints()) {
       // None on this node is not an error (another may hold one); one out of reach is.
-      if (auto found = try_find_valid_checkpoint(
-              options_.run_dir / "checkpoints",
-              [this](const std::string& w) {
-                emit({{"event", "info"}, {"message", "warning: " + w}});
-              },
-              written_by(recipe_))) {
+      if (auto found = try_find_valid_checkpoint(options_.run_dir / "checkpoints", std::ref(passed),
+                                                 written_by(recipe_))) {
         mine = std::move(*found);
         my_step = checkpoint_step(mine);
       } else if (!list_checkpoints(options_.run_dir / "checkpoints").empty()) {
@@ -745,11 +749,14 @@ class TrainingRun {
       // or a resume, this stops instead.
       if (const auto holder = std::find(steps.begin(), steps.end(), int64_t{-2});
           holder != steps.end()) {
+        // Why, where this rank is the one (the others' warnings say it for theirs).
+        const bool holds = holder - steps.begin() == rank_;
         throw Error(ErrorKind::checkpoint,
                     fmt::format("rank {}'s run directory holds checkpoints, but none this run can "
-                                "use (the warnings say why): starting over would write over them; "
-                                "repair them; to start over, launch into a new run directory",
-                                holder - steps.begin()));
+                                "use{}: starting over would write over them; repair them; to start "
+                                "over, launch into a new run directory{}",
+                                holder - steps.begin(), holds ? "" : " (its warnings say why)",
+                                holds ? passed.lines() : ""));
       }
       if (how == "newest") {
         throw Error(

@@ -697,6 +697,8 @@ BenchRunner job_runner(const JobSpec& spec, const fs::path& sweep_dir, StatusPri
     job.nodes = {0, 0};
     job.candidates.clear();
     RunDirectory run = RunDirectory::create(sweep_dir / label, "", recipe.name);
+    // The run a failure from here on is in (cleared once it has its result).
+    if (failed_run != nullptr) *failed_run = run.path();
     run.info()["bench"] = {{"benchmark", "train"}, {"world", world.world}, {"label", label}};
     const fs::path console_path = run.path() / "console.log";
     std::unique_ptr<std::FILE, int (*)(std::FILE*)> console(std::fopen(console_path.c_str(), "w"),
@@ -724,7 +726,6 @@ BenchRunner job_runner(const JobSpec& spec, const fs::path& sweep_dir, StatusPri
       } catch (const Error&) {  // a full disk: the error below says what matters
       }
     }
-    if (outcome.exit_code != 0 && failed_run != nullptr) *failed_run = run.path();
     if (outcome.exit_code == 130 || outcome.exit_code == 143) {
       // The job's message would point at a resume, which a benchmark's run never gets.
       const bool term = outcome.exit_code == 143;
@@ -751,6 +752,7 @@ BenchRunner job_runner(const JobSpec& spec, const fs::path& sweep_dir, StatusPri
     run.info()["result"] = result;
     run.record();
     result["run_dir"] = run.path().string();
+    if (failed_run != nullptr) failed_run->clear();
     return result;
   };
 }

@@ -481,8 +481,15 @@ class Doctor {
   // cannot be hashed (no sha256sum on the host).
   std::string another_build(HostShell& shell, const std::string& binary) const {
     if (local_sha256_.empty()) return {};
-    const auto r = shell.run("sh -c " + shell_quote("sha256sum <" + remote_path_word(binary) +
-                                                    " 2>/dev/null | cut -c1-64"));
+    SshSession::Result r;
+    try {
+      r = shell.run("sh -c " + shell_quote("sha256sum <" + remote_path_word(binary) +
+                                           " 2>/dev/null | cut -c1-64"));
+    } catch (const Error&) {
+      // No answer (the command timeout while a large build is hashed, the connection lost):
+      // the builds are not compared, and the version check stands.
+      return {};
+    }
     // The last line: start-up files of the account may print before it.
     std::string sum;
     std::istringstream lines(r.out);

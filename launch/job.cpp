@@ -268,7 +268,11 @@ GenerationTrace read_generation_trace(const std::string& addr, uint16_t port,
       if (store.check({sigterm_key(r)})) trace.sigterm_ranks.push_back(r);
       const auto beat = read_heartbeat(store, r);
       if (!beat || beat->value("phase", "") == "starting") continue;
-      trace.step = std::max(trace.step, beat->value("step", int64_t{-1}));
+      // A rank still starting (a resume's, before its checkpoint is loaded) says step 0, which
+      // is not where the run is; its beat still tells where it waits.
+      if (beat->value("stepping", true)) {
+        trace.step = std::max(trace.step, beat->value("step", int64_t{-1}));
+      }
       trace.beats[r] = *beat;
     }
   } catch (const std::exception&) {
@@ -277,6 +281,32 @@ GenerationTrace read_generation_trace(const std::string& addr, uint16_t port,
 }
 
 }  // namespace
+
+int smallest_world(const JobSpec& spec) {
+  if (!spec.nodes.elastic()) return spec.world_size;
+  if (spec.candidates.empty()) return spec.nodes.min;
+  std::vector<int> slots;
+  for (const auto& h : spec.candidates)
+    slots.push_back(h.slots);
+  std::sort(slots.begin(), slots.end());
+  int least = 0;
+  for (size_t i = 0; i < slots.size() && i < static_cast<size_t>(spec.nodes.min); ++i)
+    least += slots[i];
+  return least;
+}
+
+void check_smallest_world(const JobSpec& spec, const std::string& origin) {
+  const int least = smallest_world(spec);
+  if (least >= spec.world_size) return;
+  try {
+    check_has_workers(spec.recipe, least);
+  } catch (const Error& e) {
+    throw Error(ErrorKind::recipe,
+                fmt::format("{}: {} (the elastic job may shrink to {} rank(s), its minimum: give "
+                            "a minimum that leaves a worker)",
+                            origin, e.what(), least));
+  }
+}
 
 std::map<std::string, std::string> forwarded_environment() {
   std::map<std::string, std::string> out;

@@ -170,6 +170,14 @@ std::string resolve_master_addr(const JobSpec& spec);
 // Error(ssh) naming a host that does not resolve, for a job that needs every host it names (no
 // --nnodes): found before anything is made for the run.
 void check_hosts_resolve(const JobSpec& spec);
+
+// The fewest ranks an elastic job may run on (spec.nodes.min ranks, or the slots of its
+// nodes.min smallest hosts); spec.world_size for a fixed one.
+int smallest_world(const JobSpec& spec);
+// Error(recipe), prefixed with `origin`, when the recipe cannot run on the world an elastic job
+// may shrink to (parameter servers that would leave no worker): refused before the job starts,
+// not met after a rank is lost.
+void check_smallest_world(const JobSpec& spec, const std::string& origin);
 // Error(usage) when --master-port names a port the store cannot listen on (another process
 // holds it): found before anything is made for the run, not as every rank failing. Nothing to
 // check for a free port (0), or when the store's address cannot be told yet.

@@ -472,6 +472,41 @@ std::string model_summary(const json& model) {
   return type.empty() ? "-" : type;
 }
 
+// How the ranks train together, from the recipe's levers: "all-reduce of 25 MiB buckets,
+// overlapped; ZeRO-1; gradients compressed topk (ratio 0.01); bf16; 2 micro-batches a step".
+std::string training_summary(const json& recipe) {
+  const json& d = recipe.value("distributed", json::object());
+  const json& t = recipe.value("train", json::object());
+  const std::string sync = text(d, "sync").empty() ? "allreduce" : text(d, "sync");
+  std::vector<std::string> parts;
+  if (sync == "local_sgd") {
+    std::string part = fmt::format("local SGD, averaging every {} steps", text(d, "period"));
+    if (integer(d, "start", 0) > 0) part += fmt::format(" after {} synchronous", text(d, "start"));
+    parts.push_back(part);
+  } else if (sync == "ps") {
+    parts.push_back(fmt::format("parameter servers: {}, staleness {}", text(d, "servers"),
+                                text(d, "staleness").empty() ? "0" : text(d, "staleness")));
+  } else {
+    parts.push_back(fmt::format("all-reduce of {:g} MiB buckets{}", json_number(d, "bucket_mb"),
+                                d.value("overlap", true) == true ? ", overlapped" : ""));
+  }
+  if (integer(d, "zero", 0) == 1) parts.push_back("ZeRO-1");
+  const json& c = d.value("compression", json::object());
+  if (const std::string type = text(c, "type"); !type.empty() && type != "none") {
+    std::string part = "gradients compressed " + type;
+    if (c.contains("ratio")) part += fmt::format(" (ratio {:g})", json_number(c, "ratio"));
+    if (!text(c, "rank").empty()) part += " (rank " + text(c, "rank") + ")";
+    parts.push_back(part);
+  }
+  if (const std::string precision = text(t, "precision"); !precision.empty()) {
+    parts.push_back(precision);
+  }
+  if (integer(t, "grad_accum", 1) > 1) {
+    parts.push_back(fmt::format("{} micro-batches a step", text(t, "grad_accum")));
+  }
+  return fmt::format("{}", fmt::join(parts, "; "));
+}
+
 // "2 -> 1 -> 2": the world size of each generation, repeats folded (ASCII: a terminal in the C
 // locale shows it too).
 std::string world_sizes(const json& info) {
@@ -724,6 +759,9 @@ std::string facts_table(const RunView& run) {
   rows += fact("Steps", html(target > 0 ? fmt::format("{} of {}", last_step, target) : last_step));
   rows += fact("World size", html(world_size_text(info)));
   if (!text(info, "backend").empty()) rows += fact("Backend", html(text(info, "backend")));
+  if (recipe.contains("distributed") || recipe.contains("train")) {
+    rows += fact("Training", html(training_summary(recipe)));
+  }
   std::vector<std::string> hosts;
   for (const auto& h : array_at(info, "hosts"))
     hosts.push_back(fmt::format("{} ({} slots)", text(h, "host"), text(h, "slots")));
@@ -891,7 +929,8 @@ std::string generations_table(const json& info) {
         "<tr><td class=\"num\">{}</td><td>{}</td><td>{}</td><td class=\"num\">{}</td><td>{}</td>"
         "<td>{}</td><td>{}</td><td>{}</td></tr>\n",
         integer(g, "generation", 0), html(text(g, "started_at")), html(text(g, "ended_at")),
-        html(text(g, "world_size")), html(fmt::format("{}", fmt::join(hosts, ", "))),
+        html(count_text(g, "world_size").value_or("-")),
+        html(fmt::format("{}", fmt::join(hosts, ", "))),
         html(text(g, "resumed_from").empty() ? "start" : text(g, "resumed_from")), html(status),
         html(error_headline(error)));
   }

@@ -198,9 +198,9 @@ fs::path next_generation_source(RunDirectory& run, const JobSpec& spec, StatusPr
   const auto check_stop = [] {
     throw_if_stopped(" while checkpoints were verified (nothing was set aside)");
   };
-  if (auto from = try_find_valid_checkpoint(
-          run.checkpoints(), [&status](const std::string& w) { status.warning(w); },
-          written_by(spec.recipe), check_stop)) {
+  PassedOver passed{[&status](const std::string& w) { status.warning(w); }, {}};
+  if (auto from = try_find_valid_checkpoint(run.checkpoints(), std::ref(passed),
+                                            written_by(spec.recipe), check_stop)) {
     name = from->filename().string();
     check_stop();
     set_aside_newer(run.checkpoints(), *from, status);
@@ -208,11 +208,10 @@ fs::path next_generation_source(RunDirectory& run, const JobSpec& spec, StatusPr
   }
   if (const auto all = list_checkpoints(run.checkpoints()); !all.empty()) {
     throw Error(ErrorKind::checkpoint,
-                fmt::format("{}: none of its {} checkpoint(s) is usable (the warnings above "
-                            "say why), and starting over would write over them; repair them, "
-                            "then 'dptrain resume'; to start over, launch the recipe into a new "
-                            "run directory",
-                            run.checkpoints().string(), all.size()));
+                fmt::format("{}: none of its {} checkpoint(s) is usable, and starting over would "
+                            "write over them; repair them, then 'dptrain resume'; to start over, "
+                            "launch the recipe into a new run directory{}",
+                            run.checkpoints().string(), all.size(), passed.lines()));
   }
   require_recorded_checkpoint(run);
   name = "step 0";
@@ -513,7 +512,11 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
       }
       // The newest checkpoint is out of reach: the generation's failure stays the message's
       // first line, and why there is no restart follows it.
-      outcome.error += fmt::format("\n  (not restarted: {})", e.what());
+      // (Its own lines below it, why each checkpoint was passed over, after the parenthesis.)
+      const std::string why = e.what();
+      const size_t end = why.find('\n');
+      outcome.error += fmt::format("\n  (not restarted: {}){}", why.substr(0, end),
+                                   end == std::string::npos ? "" : why.substr(end));
       outcome.exit_code = exit_code(e.kind());
       return finish(outcome);
     }

@@ -179,6 +179,15 @@ TEST_CASE("ZeRO-1: the same training as all-reduce with half the optimizer state
   const double mib = 1024.0 * 1024.0;
   CHECK(plain["optimizer_state_mib"].get<double>() == doctest::Approx(2 * 2885 * 4 / mib));
   CHECK(zero["optimizer_state_mib"].get<double>() == doctest::Approx(2 * 1472 * 4 / mib));
+  // The info line says so in a unit that shows it (not "0.0 MiB").
+  CHECK(contains(read_text(tmp / "zero/logs/localhost-rank0.log"),
+                 "; ZeRO-1: optimizer state 11.5 KiB per rank (22.5 KiB unsharded)"));
+  // The report's facts name the levers the run trained with.
+  REQUIRE(run_dptrain({"report", (tmp / "zero").string(), "--out", (tmp / "zero.html").string()})
+              .exit_code == 0);
+  CHECK(contains(read_text(tmp / "zero.html"),
+                 "<tr><th>Training</th><td>all-reduce of 25 MiB buckets, overlapped; ZeRO-1; "
+                 "fp32</td></tr>"));
   // The checkpoint holds the whole state, as an all-reduce run's does: the same size.
   const auto meta = [&](const char* run) {
     return parse_json(read_text(latest_params(tmp / run).parent_path() / "meta.json"));
@@ -332,6 +341,22 @@ TEST_CASE("parameter servers: too many servers, or NCCL, is one clear error") {
   CHECK(r.err == "dptrain: error: " + path.string() +
                      ": /distributed/servers: 2 parameter server(s) leave no worker among 2 "
                      "rank(s); the servers are the last ranks, the workers the others\n");
+  // An elastic job that may shrink to as few ranks as servers: refused before it starts (a
+  // plan too), not met once a rank is lost; nothing is made.
+  for (const bool dry_run : {false, true}) {
+    CAPTURE(dry_run);
+    std::vector<std::string> args = {"launch", path.string(), "--nproc",
+                                     "2:3",    "--run-dir",   (tmp / "elastic").string()};
+    if (dry_run) args.push_back("--dry-run");
+    r = run_dptrain(args);
+    CHECK(r.exit_code == 2);
+    CHECK(r.err == "dptrain: error: " + path.string() +
+                       ": /distributed/servers: 2 parameter server(s) leave no worker among 2 "
+                       "rank(s); the servers are the last ranks, the workers the others (the "
+                       "elastic job may shrink to 2 rank(s), its minimum: give a minimum that "
+                       "leaves a worker)\n");
+    CHECK_FALSE(fs::exists(tmp / "elastic"));
+  }
   recipe["distributed"]["servers"] = 1;
   recipe["distributed"]["backend"] = "nccl";
   r = run_dptrain({"launch", write_recipe(tmp.path(), recipe).string(), "--nproc", "2"});

@@ -499,7 +499,11 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
                    "different recipe"));
     CHECK(contains(foreign.err,
                    "rank 0's run directory holds checkpoints, but none this run can "
-                   "use (the warnings say why): starting over would write over them"));
+                   "use: starting over would write over them"));
+    // Why, under its error (this rank is the one that holds them).
+    CHECK(contains(foreign.err,
+                   "\n  skipping checkpoint step-000060: written by a different "
+                   "recipe"));
     CHECK(read_text(tmp / "run/metrics.jsonl") == metrics);
     CHECK(read_text(tmp / "run/checkpoints/latest") == latest);
     fs::rename(tmp / "run.json.aside", tmp / "run/run.json");
