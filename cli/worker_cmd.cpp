@@ -1017,9 +1017,12 @@ void setup_worker(CLI::App& app, Outcome& outcome) {
       // Stopped under a launcher (a peer failed, or the job was stopped): the launcher's own
       // error says why, and this rank's line among its output is no second error (the first
       // "error" on the screen would be a healthy rank's), as the StopWatcher's stops say it.
-      // (The error's own kind: a real failure while a stop was pending keeps its "error".)
+      // (A real failure while a stop was pending keeps its "error"; a collective that failed
+      // then is the stop's: a peer that stopped at once left it.)
+      const ErrorKind stop_kind =
+          e.kind() == ErrorKind::comm ? kind_after_stop(e.kind()) : e.kind();
       if (started_by_launcher() &&
-          (e.kind() == ErrorKind::terminated || e.kind() == ErrorKind::interrupted)) {
+          (stop_kind == ErrorKind::terminated || stop_kind == ErrorKind::interrupted)) {
         std::fprintf(stderr, "dptrain: %s\n", named.c_str());
         outcome.exit_code = farewell->exit_code;
         return;

@@ -819,8 +819,7 @@ std::string PassedOver::lines() const {
   for (size_t i = 0; i < said.size() && i < kShown; ++i)
     out += "\n  " + said[i];
   if (said.size() > kShown) {
-    out += fmt::format("\n  ... and {} more ('dptrain ckpt verify --all' lists them)",
-                       said.size() - kShown);
+    out += fmt::format("\n  ... and {} more", said.size() - kShown);
   }
   return out;
 }

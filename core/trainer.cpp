@@ -641,8 +641,8 @@ class TrainingRun {
   }
 
   // How the ranks combine their work, when it is not the default bucketed f32 all-reduce:
-  // "; ZeRO-1: optimizer state 1.2 MiB per rank (4.8 MiB unsharded)", "; local SGD every 8
-  // steps". (In the unit that suits each: a small model's are KiB, not "0.0 MiB".)
+  // "; ZeRO-1: optimizer state 1.2 MiB per rank (4.8 MiB unsharded)" (in the unit that suits
+  // it: a small model's is KiB, not "0.0 MiB"), "; local SGD, averaging every 8 steps".
   std::string exchange_description() const {
     std::string out;
     if (zero_) {

@@ -697,8 +697,6 @@ BenchRunner job_runner(const JobSpec& spec, const fs::path& sweep_dir, StatusPri
     job.nodes = {0, 0};
     job.candidates.clear();
     RunDirectory run = RunDirectory::create(sweep_dir / label, "", recipe.name);
-    // The run a failure from here on is in (cleared once it has its result).
-    if (failed_run != nullptr) *failed_run = run.path();
     run.info()["bench"] = {{"benchmark", "train"}, {"world", world.world}, {"label", label}};
     const fs::path console_path = run.path() / "console.log";
     std::unique_ptr<std::FILE, int (*)(std::FILE*)> console(std::fopen(console_path.c_str(), "w"),
@@ -708,6 +706,8 @@ BenchRunner job_runner(const JobSpec& spec, const fs::path& sweep_dir, StatusPri
                   fmt::format("{}: cannot create: {}", printable(console_path.string()),
                               std::strerror(errno)));
     }
+    // The run a failure from here on is in (cleared once it has its result).
+    if (failed_run != nullptr) *failed_run = run.path();
     JobOutcome outcome;
     {
       StatusPrinter status(console.get(), false);

@@ -486,11 +486,15 @@ std::string training_summary(const json& recipe) {
   } else if (sync == "ps") {
     parts.push_back(fmt::format("parameter servers: {}, staleness {}", text(d, "servers"),
                                 text(d, "staleness").empty() ? "0" : text(d, "staleness")));
+  } else if (integer(d, "zero", 0) == 1) {
+    // (On NCCL a reduce-scatter after the backward pass, on Gloo the bucketed all-reduce.)
+    parts.push_back("ZeRO-1 (sharded optimizer state)");
   } else {
-    parts.push_back(fmt::format("all-reduce of {:g} MiB buckets{}", json_number(d, "bucket_mb"),
+    const double mib = json_number(d, "bucket_mb");
+    parts.push_back(fmt::format("all-reduce{}{}",
+                                std::isfinite(mib) ? fmt::format(" of {:g} MiB buckets", mib) : "",
                                 d.value("overlap", true) == true ? ", overlapped" : ""));
   }
-  if (integer(d, "zero", 0) == 1) parts.push_back("ZeRO-1");
   const json& c = d.value("compression", json::object());
   if (const std::string type = text(c, "type"); !type.empty() && type != "none") {
     std::string part = "gradients compressed " + type;

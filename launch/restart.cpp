@@ -514,7 +514,7 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
       // first line, and why there is no restart follows it.
       // (Its own lines below it, why each checkpoint was passed over, after the parenthesis.)
       const std::string why = e.what();
-      const size_t end = why.find('\n');
+      const size_t end = why.find('\n');  // (first_line trims: not a split point)
       outcome.error += fmt::format("\n  (not restarted: {}){}", why.substr(0, end),
                                    end == std::string::npos ? "" : why.substr(end));
       outcome.exit_code = exit_code(e.kind());

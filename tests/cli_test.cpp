@@ -38,6 +38,10 @@ TEST_CASE("--version and --help for dptrain and every subcommand") {
     const auto doc = nlohmann::json::parse(j.out);
     CHECK(doc.at("version").get<std::string>() == DPTRAIN_VERSION);
     CHECK(doc.at("cuda").is_boolean());
+    // With the fields of every --json success.
+    CHECK(doc.at("status") == "ok");
+    CHECK(doc.at("exit_code") == 0);
+    CHECK(doc.at("errors") == nlohmann::json::array());
   }
   // Anything else with it is refused, not passed over (CLI11 answers --version at once).
   for (const auto& args :

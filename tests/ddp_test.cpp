@@ -186,8 +186,7 @@ TEST_CASE("ZeRO-1: the same training as all-reduce with half the optimizer state
   REQUIRE(run_dptrain({"report", (tmp / "zero").string(), "--out", (tmp / "zero.html").string()})
               .exit_code == 0);
   CHECK(contains(read_text(tmp / "zero.html"),
-                 "<tr><th>Training</th><td>all-reduce of 25 MiB buckets, overlapped; ZeRO-1; "
-                 "fp32</td></tr>"));
+                 "<tr><th>Training</th><td>ZeRO-1 (sharded optimizer state); fp32</td></tr>"));
   // The checkpoint holds the whole state, as an all-reduce run's does: the same size.
   const auto meta = [&](const char* run) {
     return parse_json(read_text(latest_params(tmp / run).parent_path() / "meta.json"));

@@ -251,6 +251,8 @@ TEST_CASE("a restart with no checkpoint that verifies stops with exit 5, writing
   CHECK(error.find(fmt::format("(not restarted: {}: none of its {} checkpoint(s) is usable",
                                (run_dir / "checkpoints").string(), blobs.size())) !=
         std::string::npos);
+  // Why each was passed over, on the lines after that parenthesis (in the JSON error too).
+  CHECK(error.find("new run directory)\n  skipping checkpoint step-") != std::string::npos);
   // Nothing started over: the damaged checkpoints are as they were, and no restart is recorded.
   for (size_t i = 0; i < blobs.size(); ++i)
     CHECK(read_text(blobs[i]) == damaged[i]);

@@ -54,24 +54,19 @@ std::vector<Bucket> make_buckets(std::span<const ParamTensor> tensors, size_t bu
   std::vector<Bucket> out;
   Bucket bucket;
   bucket.end = expected;
-  const auto close = [&] {
-    std::reverse(bucket.tensors.begin(), bucket.tensors.end());
-    for (ParamTensor& t : bucket.tensors)
-      t.offset -= bucket.begin;
-    const size_t begin = bucket.begin;
-    out.push_back(std::move(bucket));
-    bucket = Bucket{};
-    bucket.end = begin;
-  };
   for (size_t i = tensors.size(); i-- > 0;) {
-    // A tensor as large as a bucket is a bucket of its own: the one being filled closes first
-    // (else it would hold all of that tensor besides, and close only with its last gradient).
-    if (tensors[i].size() >= bucket_elems && !bucket.tensors.empty()) close();
     // Gathered last first, put in order as the bucket closes (inserting each at the front took
     // time quadratic in the tensors: minutes for a model of many small layers).
     bucket.tensors.push_back(tensors[i]);
     bucket.begin = tensors[i].offset;
-    if (bucket.size() >= bucket_elems || i == 0) close();
+    if (bucket.size() >= bucket_elems || i == 0) {
+      std::reverse(bucket.tensors.begin(), bucket.tensors.end());
+      for (ParamTensor& t : bucket.tensors)
+        t.offset -= bucket.begin;
+      out.push_back(std::move(bucket));
+      bucket = Bucket{};
+      bucket.end = tensors[i].offset;
+    }
   }
   return out;
 }
