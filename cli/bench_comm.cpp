@@ -317,11 +317,13 @@ int run_bench_launcher(const BenchCommOptions& o) {
   }
   json j = result.to_json();
   j["status"] = status_word;
-  j["exit_code"] = exit_code;
   j["run_dir"] = run.path().string();
   if (o.min_busbw_flag->count() > 0) j["min_busbw"] = o.min_busbw;
-  j["errors"] = errors;
-  if (exit_code != 0) add_failure(j, exit_code, errors);
+  if (exit_code != 0) {
+    add_failure(j, exit_code, errors);
+  } else {
+    add_success(j);
+  }
   // Rank 0 does not know the hosts or the verdict: the run keeps the launcher's whole result.
   write_file_atomic(run.path() / "result.json", json_text(j, 2) + "\n");
   run.info()["result"] = j;
