@@ -226,8 +226,7 @@ CheckpointFilter recipe_filter(const fs::path& run, const json& info, bool recor
                                std::vector<std::string>& warnings) {
   try {
     if (info.contains("recipe")) {
-      return written_by(parse_recipe(info["recipe"], (run / "run.json").string(), run,
-                                     RecipeOrigin::stored, DataCheck::none));
+      return written_by(parse_recorded_recipe(info, run, DataCheck::none));
     }
     std::error_code ec;
     const fs::path copy = run / "recipe.json";

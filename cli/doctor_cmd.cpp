@@ -46,7 +46,7 @@ int run_doctor_cmd(const DoctorCliOptions& o) {
   // A stop ends the checks between steps: those done are shown, then the stop, as every
   // command's (exit 130 or 143; with --json in the one object).
   install_stop_signal_handlers();
-  exit_on_second_interrupt();  // a host's survey is not cut short by the first
+  exit_on_second_interrupt();  // an SSH connection being made is not cut short by the first
   const auto checks = run_doctor(o.hosts.load(), d);
   int failed = 0, skipped = 0;
   nlohmann::json list = nlohmann::json::array();

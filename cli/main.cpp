@@ -35,10 +35,10 @@ namespace {
 namespace fs = std::filesystem;
 
 void print_error(const std::string& message, int code, const char* status, bool json,
-                 const std::string& run_dir = "") {
+                 const std::string& run_dir = "", nlohmann::json out = nlohmann::json::object()) {
   dptrain::cli::print_error_lines(message);
   if (json) {
-    nlohmann::json out = {{"status", status}};
+    out["status"] = status;
     if (!run_dir.empty()) out["run_dir"] = run_dir;
     dptrain::cli::add_failure(out, code, message);
     std::printf("%s\n", dptrain::json_text(out).c_str());
@@ -422,7 +422,10 @@ int run(int argc, char** argv) {
     if (message.empty()) message = plain_parse_error(command, e.what());
     // One line: what is wrong, and where the options are told.
     const std::string line = fmt::format("{} (see '{} --help')", message, command.name);
-    print_error(line, 2, "error", json);
+    // recipe validate's answer says "valid" whatever went wrong (dptrain-recipe(1)).
+    nlohmann::json fields = nlohmann::json::object();
+    if (command.name == "dptrain recipe validate") fields["valid"] = false;
+    print_error(line, 2, "error", json, "", std::move(fields));
     end_refused_events(command, argc, argv, json, line);
     return 2;
   } catch (const dptrain::Error& e) {

@@ -75,9 +75,11 @@ int run_validate(const RecipeOptions& o) {
     out = recipe_facts(checked_recipe(o.recipe));
     out["valid"] = true;
   } catch (const Error& e) {
-    if (e.kind() != ErrorKind::recipe) throw;
-    code = exit_code(e.kind());
-    out = {{"valid", false}};
+    // Not valid, whatever the kind (a file that cannot be read, a stop while a pipe is read):
+    // a script reads "valid" on every answer.
+    const ErrorKind kind = kind_after_stop(e.kind());
+    code = exit_code(kind);
+    out = {{"valid", false}, {"status", failure_status(kind)}};
     add_failure(out, code, e.what());
     print_error_lines(e.what());
   }

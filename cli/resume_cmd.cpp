@@ -132,15 +132,14 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
   // The global batch stays the run's, whatever the world size now (distributed.resize).
   spec.nominal_world = run.info().value("nominal_world_size", run.info().value("world_size", 1));
   try {
-    spec.recipe = parse_recipe(run.info()["recipe"], (run.path() / "run.json").string(), run.path(),
-                               RecipeOrigin::stored);
+    spec.recipe = parse_recorded_recipe(run.info(), run.path());
     check_runnable(spec.recipe, spec.world_size, spec.nominal_world,
                    (run.path() / "run.json").string());
     check_smallest_world(spec, (run.path() / "run.json").string());
   } catch (const Error& e) {
     // The recipe is the run's own: its data moved or changed, which a new dataset does not cure.
     if (e.kind() != ErrorKind::recipe ||
-        std::string_view(e.what()).find(": /data/path: ") == std::string_view::npos) {
+        std::string_view(e.what()).find(": /recipe/data/path: ") == std::string_view::npos) {
       throw;
     }
     throw Error(ErrorKind::recipe,

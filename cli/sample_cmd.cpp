@@ -33,6 +33,7 @@
 #include "core/recipe.hpp"
 #include "core/tensor/cpu_ops.hpp"
 #include "core/tensor/random.hpp"
+#include "launch/job.hpp"
 #include "launch/run_dir.hpp"
 #include "launch/supervisor.hpp"
 
@@ -197,6 +198,7 @@ int32_t draw(std::vector<float> logits, int64_t vocab, double temperature, int64
 // resume does.
 fs::path newest_checkpoint(const RunDirectory& run, const Recipe& recipe,
                            const std::function<void(const std::string&)>& warn) {
+  require_recorded_checkpoint(run, "Put them back to sample from them");
   if (list_checkpoints(run.checkpoints()).empty() && latest_checkpoint(run.checkpoints()).empty()) {
     throw Error(ErrorKind::checkpoint,
                 fmt::format("{}: no checkpoint yet, nothing to sample from (train the run, or "
@@ -212,6 +214,7 @@ fs::path newest_checkpoint(const RunDirectory& run, const Recipe& recipe,
                             "ckpt list {}'; --checkpoint names one another recipe wrote){}",
                             run.path().string(), run.path().string(), passed.lines()));
   }
+  passed.tell();
   return *found;
 }
 
@@ -241,18 +244,30 @@ void check_checkpoint_origin(const fs::path& from, const TrainingPosition& posit
   // recorded section is read as a recipe's is (defaults filled in), then compared field by field.
   if (!position.model.empty()) {
     const json ours = to_json(recipe)["model"];
-    json theirs;
+    json recorded;
     try {
-      json whole = to_json(recipe);
-      whole["model"] = json::parse(position.model);
-      Recipe other = recipe;
-      other.model = parse_recipe(whole, (from / "meta.json").string(), from, RecipeOrigin::stored,
-                                 DataCheck::none)
-                        .model;
-      theirs = to_json(other)["model"];
-    } catch (const std::exception&) {
+      recorded = json::parse(position.model);
+    } catch (const json::exception&) {
     }
+    json theirs;
     std::vector<std::string> differ;
+    if (const auto kind = recorded.is_object() ? recorded.find("type") : recorded.end();
+        recorded.is_object() && kind != recorded.end() && *kind != ours["type"]) {
+      // Another kind of model (an MLP's weights): its fields are not this kind's to compare.
+      differ.push_back(fmt::format("model.type {} there, {} here",
+                                   printable_excerpt(kind->dump(), 40), ours["type"].dump()));
+    } else if (recorded.is_object()) {
+      try {
+        json whole = to_json(recipe);
+        whole["model"] = recorded;
+        Recipe other = recipe;
+        other.model = parse_recipe(whole, (from / "meta.json").string(), from, RecipeOrigin::stored,
+                                   DataCheck::none)
+                          .model;
+        theirs = to_json(other)["model"];
+      } catch (const std::exception&) {
+      }
+    }
     if (theirs.is_object()) {
       for (const auto& [key, value] : ours.items()) {
         const auto there = theirs.find(key);
@@ -289,8 +304,7 @@ int run_sample(const SampleOptions& o) {
   if (!run.info().contains("recipe")) {
     throw Error(ErrorKind::usage, fmt::format("{}: run.json has no recipe", o.run_dir));
   }
-  const Recipe recipe = parse_recipe(run.info()["recipe"], (run.path() / "run.json").string(),
-                                     run.path(), RecipeOrigin::stored);
+  const Recipe recipe = parse_recorded_recipe(run.info(), run.path());
   if (recipe.model.type != "gpt") {
     throw Error(ErrorKind::usage, fmt::format("{}: sample needs a gpt run; this one trains an {}",
                                               o.run_dir, recipe.model.type));

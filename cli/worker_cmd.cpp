@@ -303,8 +303,7 @@ class HandRunRecord {
   std::string recorded_recipe_hash(const fs::path& dir) const {
     try {
       if (!info_.contains("recipe")) return {};
-      return recipe_hash(parse_recipe(info_["recipe"], (dir / "run.json").string(), dir,
-                                      RecipeOrigin::stored, DataCheck::none));
+      return recipe_hash(parse_recorded_recipe(info_, dir, DataCheck::none));
     } catch (const Error&) {
       return {};
     }

@@ -813,6 +813,12 @@ std::optional<fs::path> try_find_valid_checkpoint(
   }
 }
 
+void PassedOver::tell() const {
+  if (!warn) return;
+  for (const auto& why : said)
+    warn(why);
+}
+
 std::string PassedOver::lines() const {
   constexpr size_t kShown = 8;
   std::string out;
@@ -831,6 +837,7 @@ fs::path find_valid_checkpoint(const fs::path& checkpoints_dir,
   PassedOver passed{warn, {}};
   if (auto found =
           try_find_valid_checkpoint(checkpoints_dir, std::ref(passed), unusable, check_stop)) {
+    passed.tell();
     return std::move(*found);
   }
   throw Error(ErrorKind::checkpoint,

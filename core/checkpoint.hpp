@@ -202,15 +202,13 @@ std::optional<std::filesystem::path> try_find_valid_checkpoint(
     const std::filesystem::path& checkpoints_dir,
     const std::function<void(const std::string&)>& warn, const CheckpointFilter& unusable = {},
     const std::function<void()>& check_stop = {});
-// What a search passed over, each also given to `warn` as it is found: said again under the
-// error that none could be used (a --json error carries it, where the warnings went to stderr).
+// What a search passed over, said once: given to `warn` (tell()) where it found one, or on the
+// lines under the error that none could be used (lines(); a --json error carries them).
 struct PassedOver {
   std::function<void(const std::string&)> warn;
   std::vector<std::string> said;
-  void operator()(const std::string& why) {
-    said.push_back(why);
-    if (warn) warn(why);
-  }
+  void operator()(const std::string& why) { said.push_back(why); }
+  void tell() const;
   // "\n  WHY" for each (at most 8, then how many more): the lines under such an error.
   std::string lines() const;
 };

@@ -204,7 +204,10 @@ TEST_CASE("find_valid_checkpoint: newest valid wins, damaged ones are reported")
 
   for (int64_t s : {10, 20})
     fs::remove(tmp.path() / checkpoint_name(s) / "meta.json");
+  warnings.clear();
   CHECK_THROWS_AS(find_valid_checkpoint(tmp.path(), warn), Error);
+  // Said once: under the error, not also as warnings first.
+  CHECK(warnings.empty());
   try {
     find_valid_checkpoint(tmp.path(), warn);
   } catch (const Error& e) {

@@ -69,12 +69,14 @@ class Problems {
   // or a message quoting it) is shown as \x0a, never splitting the line or reaching a terminal.
   // At most kMostListed of them, as for a CSV file's rows: 80,000 wrong entries of a list are
   // one mistake, not a screenful per second.
-  std::string report(const std::string& source) const {
+  // `under`: the pointer of the recipe in its file ("/recipe" in run.json), before each one.
+  std::string report(const std::string& source, const std::string& under = "") const {
     std::string text;
     for (size_t i = 0; i < entries_.size() && i < kMostListed; ++i) {
       const auto& [pointer, what] = entries_[i];
       if (!text.empty()) text += '\n';
-      text += printable(fmt::format("{}: {}: {}", source, pointer.empty() ? "/" : pointer, what));
+      const std::string where = under + pointer;
+      text += printable(fmt::format("{}: {}: {}", source, where.empty() ? "/" : where, what));
     }
     if (entries_.size() > kMostListed) {
       text += fmt::format("\n{}: {} more problem(s), not listed", source,
@@ -133,8 +135,20 @@ Verdict convert(const json& value, double& out) {
   if (!value.is_number()) return "expected a number, got " + describe(value);
   double number = value.get<double>();
   if (!std::isfinite(number)) return "expected a finite number, got " + describe(value);
-  out = number;
+  out = number + 0.0;  // -0.0 is 0: the recipe's hash (and show) the same as for 0
   return std::nullopt;
+}
+
+// From 2^53 on, a number written with a fraction or an exponent need not be the integer written
+// (9007199254740993.0 reads as 2^53): refused, not changed in silence.
+Verdict inexact_integer(const json& value) {
+  constexpr double kTwoTo53 = 9007199254740992.0;
+  if (!value.is_number_float() || std::fabs(value.get<double>()) < kTwoTo53) {
+    return std::nullopt;
+  }
+  return "an integer written with a fraction or an exponent is exact only below 2^53 (this one "
+         "reads as " +
+         describe(value) + "): write its digits alone";
 }
 
 // An integral float such as 1e4 counts as an integer (as in JSON Schema); 3.5 does not.
@@ -161,6 +175,7 @@ Verdict convert(const json& value, int64_t& out) {
     out = value.get<int64_t>();
   } else if (auto number = integral_float(value)) {
     if (*number < -kTwoTo63 || *number >= kTwoTo63) return kBeyondInt64 + describe(value);
+    if (auto inexact = inexact_integer(value)) return inexact;
     out = static_cast<int64_t>(*number);
   } else {
     return "expected an integer, got " + describe(value);
@@ -179,6 +194,7 @@ Verdict convert(const json& value, uint64_t& out) {
   } else if (auto number = integral_float(value)) {
     if (*number < 0) return "must be >= 0, got " + describe(value);
     if (*number >= kTwoTo64) return kBeyondUint64 + describe(value);
+    if (auto inexact = inexact_integer(value)) return inexact;
     out = static_cast<uint64_t>(*number);
   } else {
     return "expected an integer, got " + describe(value);
@@ -1112,13 +1128,16 @@ const std::vector<std::string>& Reader::schema_pointers() {
   return pointers;
 }
 
-Recipe parse_recipe(const json& j, const std::string& source, const std::filesystem::path& base_dir,
-                    RecipeOrigin origin, DataCheck data) {
+namespace {
+
+Recipe parse_recipe_under(const json& j, const std::string& source, const std::string& under,
+                          const std::filesystem::path& base_dir, RecipeOrigin origin,
+                          DataCheck data) {
   Recipe recipe;
   Problems problems;
   if (!j.is_object()) {
     problems.add("", "the recipe must be a JSON object, got " + describe(j));
-    throw Error(ErrorKind::recipe, problems.report(source));
+    throw Error(ErrorKind::recipe, problems.report(source, under));
   }
   Reader root(&j, "", problems, origin);
   visit_fields(root, recipe);
@@ -1134,8 +1153,23 @@ Recipe parse_recipe(const json& j, const std::string& source, const std::filesys
   check_token_headers(recipe, data, problems);
   check_device(recipe, problems);
   check_sync(recipe, problems);
-  if (problems.any()) throw Error(ErrorKind::recipe, problems.report(source));
+  if (problems.any()) throw Error(ErrorKind::recipe, problems.report(source, under));
   return recipe;
+}
+
+}  // namespace
+
+Recipe parse_recipe(const json& j, const std::string& source, const std::filesystem::path& base_dir,
+                    RecipeOrigin origin, DataCheck data) {
+  return parse_recipe_under(j, source, "", base_dir, origin, data);
+}
+
+Recipe parse_recorded_recipe(const json& info, const std::filesystem::path& run_dir,
+                             DataCheck data) {
+  const auto recorded = info.find("recipe");
+  return parse_recipe_under(recorded == info.end() ? json() : *recorded,
+                            (run_dir / "run.json").string(), "/recipe", run_dir,
+                            RecipeOrigin::stored, data);
 }
 
 // JSON allows an object to name a key twice and nlohmann keeps the last one: in a recipe that is

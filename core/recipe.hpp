@@ -190,6 +190,10 @@ enum class DataCheck { none, first_row, every_row };
 Recipe parse_recipe(const nlohmann::json& j, const std::string& source,
                     const std::filesystem::path& base_dir, RecipeOrigin origin = RecipeOrigin::user,
                     DataCheck data = DataCheck::first_row);
+// The recipe a run directory's run.json (`info`) records, read as stored: problems name
+// RUN_DIR/run.json and their pointers start at /recipe, where the recipe is in that file.
+Recipe parse_recorded_recipe(const nlohmann::json& info, const std::filesystem::path& run_dir,
+                             DataCheck data = DataCheck::first_row);
 // Reads the file (io problems are recipe errors naming the file) and parses it.
 Recipe load_recipe(const std::filesystem::path& path, DataCheck data = DataCheck::first_row);
 // The resolved recipe: every field that applies (not "momentum" for "adamw"), defaults

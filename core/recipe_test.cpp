@@ -337,11 +337,58 @@ TEST_CASE("recipe: a stored recipe with every field (run.json of an earlier vers
   CHECK_FALSE(to_json(r)["optimizer"].contains("momentum"));
 }
 
+TEST_CASE("recipe: a run.json's recipe is read with its problems' pointers under /recipe") {
+  json info = {{"status", "failed"},
+               {"recipe", json::parse(R"({"train": {"steps": -5}, "model": {"hiden": 3}})")}};
+  const auto message = [&] {
+    try {
+      parse_recorded_recipe(info, "/runs/r", DataCheck::none);
+    } catch (const Error& e) {
+      CHECK(e.kind() == ErrorKind::recipe);
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  std::string text = message();
+  CHECK(text.find("/runs/r/run.json: /recipe/train/steps: must be >= 0, got -5") !=
+        std::string::npos);
+  CHECK(text.find("/runs/r/run.json: /recipe/model/hiden: unknown key 'hiden'") !=
+        std::string::npos);
+  info["recipe"] = "x";
+  CHECK(message() == "/runs/r/run.json: /recipe: the recipe must be a JSON object, got \"x\"");
+  info.erase("recipe");
+  CHECK(message() == "/runs/r/run.json: /recipe: the recipe must be a JSON object, got null");
+  info["recipe"] = to_json(parse_recipe(json::object(), "r.json", "/"));
+  CHECK(parse_recorded_recipe(info, "/runs/r", DataCheck::none).train.steps ==
+        parse_recipe(json::object(), "r.json", "/").train.steps);
+}
+
 TEST_CASE("recipe: integral numbers written as floats count as integers") {
   Recipe r = parse_recipe(json::parse(R"({"train": {"steps": 1e3, "batch_per_rank": 32.0}})"),
                           "test.json", "/");
   CHECK(r.train.steps == 1000);
   CHECK(r.train.batch_per_rank == 32);
+  // Below 2^53, where a double is still the integer written; from there on refused, not rounded.
+  CHECK(parse_recipe(json::parse(R"({"seed": 9007199254740991.0})"), "test.json", "/").seed ==
+        9007199254740991u);
+  for (const char* text :
+       {R"({"seed": 9007199254740993.0})", R"({"seed": 1e19})", R"({"train": {"steps": 1e17}})"}) {
+    CAPTURE(text);
+    const std::string message = problems_of(text);
+    CHECK(lines_of(message).size() == 1);
+    CHECK(message.find("an integer written with a fraction or an exponent is exact only below "
+                       "2^53") != std::string::npos);
+  }
+  // Digits alone are exact to the type's end.
+  CHECK(parse_recipe(json::parse(R"({"seed": 18446744073709551615})"), "test.json", "/").seed ==
+        18446744073709551615u);
+  // -0.0 is 0: the same recipe, the same hash.
+  const Recipe negative =
+      parse_recipe(json::parse(R"({"data": {"noise": -0.0}})"), "test.json", "/");
+  const Recipe zero = parse_recipe(json::parse(R"({"data": {"noise": 0}})"), "test.json", "/");
+  CHECK_FALSE(std::signbit(negative.data.noise));
+  CHECK(recipe_hash(negative) == recipe_hash(zero));
+  CHECK(to_json(negative)["data"]["noise"].dump() == "0.0");
 }
 
 TEST_CASE("recipe: each bad recipe is rejected naming its JSON path") {

@@ -749,15 +749,17 @@ class TrainingRun {
       // or a resume, this stops instead.
       if (const auto holder = std::find(steps.begin(), steps.end(), int64_t{-2});
           holder != steps.end()) {
-        // Why, where this rank is the one (the others' warnings say it for theirs).
-        const bool holds = holder - steps.begin() == rank_;
+        // Why, on every rank's error: whichever the launcher shows says it.
+        const int holding = static_cast<int>(holder - steps.begin());
         throw Error(ErrorKind::checkpoint,
                     fmt::format("rank {}'s run directory holds checkpoints, but none this run can "
-                                "use{}: starting over would write over them; repair them; to start "
+                                "use: starting over would write over them; repair them; to start "
                                 "over, launch into a new run directory{}",
-                                holder - steps.begin(), holds ? "" : " (its warnings say why)",
-                                holds ? passed.lines() : ""));
+                                holding, broadcast_text(passed.lines(), holding)));
       }
+    }
+    passed.tell();
+    if (*newest < 0) {
       if (how == "newest") {
         throw Error(
             ErrorKind::checkpoint,
@@ -786,6 +788,19 @@ class TrainingRun {
     }
     // Every rank needs the name only for messages; the source rank holds the real path.
     return rank_ == source_rank_ ? mine : fs::path(checkpoint_name(*newest));
+  }
+
+  // `root`'s text on every rank (a collective).
+  std::string broadcast_text(const std::string& text, int root) {
+    int64_t size = static_cast<int64_t>(text.size());
+    mark_collective("broadcast of a text's size");
+    comm_.broadcast(&size, sizeof(size), root);
+    std::string out = rank_ == root ? text : std::string(static_cast<size_t>(size), '\0');
+    if (size > 0) {
+      mark_collective("broadcast of a text");
+      comm_.broadcast(out.data(), out.size(), root);
+    }
+    return out;
   }
 
   // One rank (rank 0, or the node leader that holds the newest checkpoint) reads it and

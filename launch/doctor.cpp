@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -113,7 +114,13 @@ DoctorCheck skipped_check(std::string check, std::string host, std::string why) 
 class Doctor {
  public:
   Doctor(const std::vector<HostSpec>& hosts, const DoctorOptions& options)
-      : hosts_(hosts), options_(options), world_(total_slots(hosts)) {}
+      : hosts_(hosts), options_(options), world_(total_slots(hosts)), ssh_(options.ssh) {
+    // A check's remote command (a probe that hangs) is cut short by a stop, not waited for; the
+    // removal of the trial job's directories after one is not.
+    ssh_.check_stop = [this] {
+      if (!cleaning_up_) throw_if_stopped("");
+    };
+  }
 
   std::vector<DoctorCheck> run() {
     // A stop signal ends the checks between steps (the trial job stops its own ranks): the
@@ -280,6 +287,10 @@ class Doctor {
         "put libnccl.so.2 on the library path or set DPTRAIN_NCCL_LIBRARY");
   }
 
+  static bool is_stop(const Error& e) {
+    return e.kind() == ErrorKind::interrupted || e.kind() == ErrorKind::terminated;
+  }
+
   void survey_hosts() {
     // This executable's hash, for the hosts' version checks (read once, before they run in
     // parallel).
@@ -293,7 +304,7 @@ class Doctor {
     }
     auto outcomes = for_each_host(hosts_, [this](const HostSpec& h) {
       HostSurvey s;
-      s.shell = open_host_shell(h, options_.ssh);
+      s.shell = open_host_shell(h, ssh_);
       s.checks.push_back(
           {"ssh", h.display(), true, h.is_local() ? "this machine" : "connected", ""});
       if (h.is_local()) {
@@ -305,6 +316,10 @@ class Doctor {
         s.checks.push_back(
             {"workdir", h.display(), true, fmt::format("{} is writable", s.facts.workdir), ""});
       } catch (const Error& e) {
+        if (is_stop(e)) {  // the checks not made are not listed; the stop is said
+          s.held_back = "doctor was stopped";
+          return s;
+        }
         s.checks.push_back({"workdir", h.display(), false, e.what(),
                             "pass a writable --workdir, or free space there"});
         s.held_back = "its workdir check failed";
@@ -313,9 +328,14 @@ class Doctor {
         if (cpu_recipe()) s.checks.push_back(skipped_check("blas", h.display(), s.held_back));
         return s;
       }
-      check_version(h, s);
-      check_gpus(h, s);
-      check_blas(h, s);
+      try {
+        check_version(h, s);
+        check_gpus(h, s);
+        check_blas(h, s);
+      } catch (const Error& e) {
+        if (!is_stop(e)) throw;
+        s.held_back = "doctor was stopped";
+      }
       return s;
     });
     for (size_t i = 0; i < outcomes.size(); ++i) {
@@ -430,6 +450,7 @@ class Doctor {
       version = r.exit_status == 0 ? version_line(r.out) : "";
       if (version.empty()) why = loader_failure(r.err + "\n" + r.out);
     } catch (const Error& e) {
+      if (is_stop(e)) throw;
       // No answer within the SSH command timeout (a host without timeout(1), or the connection
       // lost): the version is not known.
       s.checks.push_back({"version", h.display(), false,
@@ -528,15 +549,37 @@ class Doctor {
       return;
     }
     // With what a rank there would get from the launcher's environment (OPENBLAS_CORETYPE, ...):
-    // the line names the kernels its ranks would use.
-    std::string command = remote_path_word(s.binary) + " _probe blas";
+    // the line names the kernels its ranks would use. Bounded as --version is: a binary that
+    // answers that but hangs here fails this check, not the host's ssh.
+    std::string command = bounded_command(remote_path_word(s.binary), "_probe blas");
     if (!h.is_local()) {
       std::vector<std::string> env = {"env"};
       for (const auto& [name, value] : forwarded_environment())
         env.push_back(name + "=" + value);
       command = shell_command(env) + " " + command;
     }
-    const auto r = s.shell->run(command);
+    const std::string fix =
+        fmt::format("run '{} _probe blas' on the host to see where it stops", s.binary);
+    SshSession::Result r;
+    try {
+      r = s.shell->run(command);
+    } catch (const Error& e) {
+      if (is_stop(e)) throw;
+      s.checks.push_back({"blas", h.display(), false,
+                          fmt::format("'_probe blas' did not complete: {}", first_line(e.what())),
+                          fix});
+      s.held_back = "its blas check did not complete";
+      return;
+    }
+    if (r.exit_status == kVersionTimedOut) {
+      s.checks.push_back({"blas", h.display(), false,
+                          fmt::format("dptrain at {} did not finish '_probe blas' within {} s (it "
+                                      "hangs)",
+                                      s.binary, version_probe_seconds()),
+                          fix});
+      s.held_back = "its dptrain does not answer";
+      return;
+    }
     const bool ok = r.exit_status == 0;
     // Its one line comes last: a login shell's greeting may come before it.
     std::string detail = last_line(ok || r.err.empty() ? r.out : r.err);
@@ -665,7 +708,7 @@ class Doctor {
           l.address = format_host_port(master_addr_, local_port(l.local.get()));
           continue;
         }
-        l.session = SshSession::connect(hosts_[j], options_.ssh);
+        l.session = SshSession::connect(hosts_[j], ssh_);
         l.channel = l.session->start(remote_path_word(surveys_[j].binary) + " _probe listen");
         // Its "port N" line, after whatever a login shell prints first.
         std::string out;
@@ -866,6 +909,7 @@ class Doctor {
 
   // The trial job's run directories: here, and WORKDIR/runs/NAME on every remote host.
   void remove_trial_run(const fs::path& dir, const std::string& remote_name) {
+    cleaning_up_ = true;
     std::error_code ec;
     fs::remove_all(dir, ec);
     if (remote_name.empty()) return;
@@ -905,6 +949,8 @@ class Doctor {
   const std::vector<HostSpec>& hosts_;
   const DoctorOptions& options_;
   int world_ = 0;
+  SshOptions ssh_;                         // the checks' own: a stop cuts their commands short
+  std::atomic<bool> cleaning_up_ = false;  // from then on it does not
   std::optional<Recipe> recipe_;
   bool local_gpu_missing_ = false;  // the gpu check failed: this machine has no CUDA device
   std::string local_sha256_;        // this executable's, when a host is remote ("" unreadable)

@@ -226,7 +226,12 @@ std::string host_tag(const JobSpec& spec, const HostSpec& host);
 // Error(checkpoint) when run.json records a checkpoint committed on this machine (rank 0 ran
 // here) and the run's checkpoints directory holds none: moved away, or its filesystem not
 // mounted. A resume or restart would otherwise train from step 0 as if none had been written.
-void require_recorded_checkpoint(const RunDirectory& run);
+// `then`: what to do once they are back (a resume's by default).
+void require_recorded_checkpoint(
+    const RunDirectory& run,
+    std::string_view then =
+        "Put them back and resume; to start over, launch the recipe into a "
+        "new run directory");
 
 JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter& status,
                                  const RestartPolicy& policy);

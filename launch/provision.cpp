@@ -348,9 +348,11 @@ struct Fd {
 
 class LocalTarget : public HostShell {
  public:
-  explicit LocalTarget(std::chrono::milliseconds timeout) : timeout_(timeout) {}
+  LocalTarget(std::chrono::milliseconds timeout, std::function<void()> check_stop)
+      : timeout_(timeout), check_stop_(std::move(check_stop)) {}
 
-  // sh -c COMMAND with stdout and stderr captured; killed (its whole group) after the timeout.
+  // sh -c COMMAND with stdout and stderr captured; killed (its whole group) after the timeout,
+  // or when check_stop throws (SshOptions::check_stop), the exception passing on.
   SshSession::Result run(const std::string& command) override {
     Fd out_read, out_write, err_read, err_write;
     int fds[2];
@@ -372,11 +374,21 @@ class LocalTarget : public HostShell {
     ::close(std::exchange(out_write.fd, -1));
     ::close(std::exchange(err_write.fd, -1));
     SshSession::Result result;
-    const bool in_time = collect(out_read.fd, err_read.fd, result);
-    if (!in_time) ::kill(-pid, SIGKILL);
     int status = 0;
-    while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    const auto reap = [&] {
+      while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+      }
+    };
+    bool in_time = false;
+    try {
+      in_time = collect(out_read.fd, err_read.fd, result);
+    } catch (...) {
+      ::kill(-pid, SIGKILL);
+      reap();
+      throw;
     }
+    if (!in_time) ::kill(-pid, SIGKILL);
+    reap();
     if (!in_time) {
       throw Error(ErrorKind::ssh, fmt::format("a command on localhost did not finish within {}s",
                                               timeout_.count() / 1000));
@@ -411,7 +423,9 @@ class LocalTarget : public HostShell {
       const auto left =
           std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
       if (left <= 0) return false;
-      if (::poll(fds.data(), fds.size(), static_cast<int>(left)) < 0 && errno != EINTR) break;
+      const int wait_ms = static_cast<int>(check_stop_ ? std::min<int64_t>(left, 250) : left);
+      if (::poll(fds.data(), fds.size(), wait_ms) < 0 && errno != EINTR) break;
+      if (check_stop_) check_stop_();
       for (size_t i = 0; i < fds.size(); ++i) {
         if (fds[i].fd < 0 || fds[i].revents == 0) continue;
         char buffer[4096];
@@ -427,12 +441,15 @@ class LocalTarget : public HostShell {
   }
 
   std::chrono::milliseconds timeout_;
+  std::function<void()> check_stop_;
 };
 
 }  // namespace
 
 std::unique_ptr<HostShell> open_host_shell(const HostSpec& host, const SshOptions& options) {
-  if (host.is_local()) return std::make_unique<LocalTarget>(options.command_timeout);
+  if (host.is_local()) {
+    return std::make_unique<LocalTarget>(options.command_timeout, options.check_stop);
+  }
   return std::make_unique<SshTarget>(SshSession::connect(host, options));
 }
 
@@ -557,16 +574,20 @@ HostFacts survey_host(HostShell& shell, const HostSpec& host, const std::string&
   return parse_facts(prepare_workdir(shell, host, workdir, {}).out);
 }
 
-std::string version_command(const std::string& binary_word) {
+std::string bounded_command(const std::string& binary_word, const std::string& args) {
   // timeout(1) is coreutils' (every Linux host dptrain runs on has it); without it, the plain
   // command, under the SSH command timeout. 137: the binary ignored timeout's SIGTERM and was
   // killed 5 s later. In sh, whatever the user's login shell is (tcsh has no if/then/fi).
   const std::string script = fmt::format(
-      "if command -v timeout >/dev/null 2>&1; then timeout -k 5 {} {} --version; s=$?; "
-      "if [ $s -eq 124 ] || [ $s -eq 137 ]; then exit {}; fi; exit $s; else exec {} --version; "
+      "if command -v timeout >/dev/null 2>&1; then timeout -k 5 {} {} {}; s=$?; "
+      "if [ $s -eq 124 ] || [ $s -eq 137 ]; then exit {}; fi; exit $s; else exec {} {}; "
       "fi",
-      version_probe_seconds(), binary_word, kVersionTimedOut, binary_word);
+      version_probe_seconds(), binary_word, args, kVersionTimedOut, binary_word, args);
   return "sh -c " + shell_quote(script);
+}
+
+std::string version_command(const std::string& binary_word) {
+  return bounded_command(binary_word, "--version");
 }
 
 int version_probe_seconds() {

@@ -95,6 +95,8 @@ HostFacts survey_host(HostShell& shell, const HostSpec& host, const std::string&
 // hangs as it starts is said to.
 constexpr int kVersionTimedOut = 124;  // timeout(1)'s status
 std::string version_command(const std::string& binary_word);
+// The same for `BINARY ARGS` (`args` already quoted for sh): the probes doctor runs there.
+std::string bounded_command(const std::string& binary_word, const std::string& args);
 // 30, or DPTRAIN_TEST_VERSION_PROBE_S (tests).
 int version_probe_seconds();
 

@@ -1090,8 +1090,7 @@ void mark_foreign(const fs::path& dir, const json& info, std::vector<CheckpointS
   CheckpointFilter unusable;
   try {
     if (!info.contains("recipe")) return;
-    unusable = written_by(parse_recipe(info["recipe"], (dir / "run.json").string(), dir,
-                                       RecipeOrigin::stored, DataCheck::none));
+    unusable = written_by(parse_recorded_recipe(info, dir, DataCheck::none));
   } catch (const Error&) {
     return;
   }

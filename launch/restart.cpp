@@ -30,15 +30,13 @@ void set_aside_newer(const fs::path& checkpoints, const fs::path& chosen, Status
   }
 }
 
-void require_recorded_checkpoint(const RunDirectory& run) {
+void require_recorded_checkpoint(const RunDirectory& run, std::string_view then) {
   const std::string recorded = recorded_local_checkpoint(run.info());
   if (recorded.empty() || !list_checkpoints(run.checkpoints()).empty()) return;
   throw Error(ErrorKind::checkpoint,
               fmt::format("{}: holds no checkpoint, but run.json records {} committed there: "
-                          "were they moved away, or is their filesystem not mounted? Put them "
-                          "back and resume; to start over, launch the recipe into a new run "
-                          "directory",
-                          run.checkpoints().string(), recorded));
+                          "were they moved away, or is their filesystem not mounted? {}",
+                          run.checkpoints().string(), recorded, then));
 }
 
 namespace {
@@ -201,6 +199,7 @@ fs::path next_generation_source(RunDirectory& run, const JobSpec& spec, StatusPr
   PassedOver passed{[&status](const std::string& w) { status.warning(w); }, {}};
   if (auto from = try_find_valid_checkpoint(run.checkpoints(), std::ref(passed),
                                             written_by(spec.recipe), check_stop)) {
+    passed.tell();
     name = from->filename().string();
     check_stop();
     set_aside_newer(run.checkpoints(), *from, status);

@@ -691,6 +691,9 @@ std::unique_ptr<SshChannel> SshSession::start(const std::string& command) {
       new SshChannel(session_, command, options_.keepalive_interval_s, options_.command_timeout));
 }
 
+// How often run() asks SshOptions::check_stop while it waits.
+constexpr milliseconds kStopPoll{250};
+
 SshSession::Result SshSession::run(const std::string& command, const std::string& stdin_data) {
   const auto deadline = Clock::now() + options_.command_timeout;
   auto channel = start(command);
@@ -708,7 +711,18 @@ SshSession::Result SshSession::run(const std::string& command, const std::string
                   fmt::format("{} on {} did not finish within {}", command_excerpt(command),
                               host_.display(), seconds_text(options_.command_timeout)));
     }
-    if (!channel->read(collect, left)) break;
+    if (!options_.check_stop) {
+      if (!channel->read(collect, left)) break;
+      continue;
+    }
+    if (!channel->read(collect, std::min(left, kStopPoll))) break;
+    try {
+      options_.check_stop();
+    } catch (...) {
+      channel->send_signal("KILL");
+      channel->close();
+      throw;
+    }
   }
   result.exit_status = channel->exit_status().value_or(-1);
   return result;

@@ -30,6 +30,10 @@ struct SshOptions {
   std::chrono::milliseconds connect_timeout{10000};
   std::chrono::milliseconds command_timeout{120000};  // SshSession::run
   int keepalive_interval_s = 15;                      // 0: none
+  // When set, called while a command of run() is waited for (every 250 ms): it throws to stop
+  // waiting (a stop signal), and the command is sent SIGKILL (where the server allows) and its
+  // channel closed before the exception passes on.
+  std::function<void()> check_stop;
 };
 
 // One argument for a POSIX shell: unchanged when it holds only safe characters, else in single

@@ -731,9 +731,10 @@ TEST_CASE("ckpt checks the recipe from run.json, its data not read; an unreadabl
   write_text(run / "run.json", info.dump());
   const auto unchecked = run_dptrain({"ckpt", "verify", run.string(), "step-000040"});
   CHECK(unchecked.exit_code == 0);
-  CHECK_MESSAGE(contains(unchecked.err, "dptrain: warning: the run's recipe cannot be read (" +
-                                            (run / "run.json").string() + ": /model/hidden: "),
-                unchecked.err);
+  CHECK_MESSAGE(
+      contains(unchecked.err, "dptrain: warning: the run's recipe cannot be read (" +
+                                  (run / "run.json").string() + ": /recipe/model/hidden: "),
+      unchecked.err);
   CHECK(std::count(unchecked.err.begin(), unchecked.err.end(), '\n') == 1);
   // Nor is a run whose recipe is nowhere to be found checked in silence.
   info.erase("recipe");

@@ -174,6 +174,7 @@ TEST_CASE("recipe validate/show stopped while reading a pipe that never writes: 
     CHECK(out["exit_code"] == code);
     CHECK(out["error"] ==
           fifo.string() + ": stopped by " + (sig == SIGTERM ? "SIGTERM" : "SIGINT"));
+    if (std::string_view(cmd) == "validate") CHECK(out["valid"] == false);
   }
   ::close(writer);
 }
@@ -749,6 +750,13 @@ TEST_CASE("recipe validate: a number beyond a double is invalid JSON, exit 2, in
   CHECK(missing_out["valid"] == false);
   CHECK(missing_out["errors"][0].get<std::string>().find((tmp / "none.json").string() +
                                                          ": cannot read") == 0);
+  // Its usage errors too: "valid" is on every answer.
+  auto usage = run_dptrain({"recipe", "validate", "--json"});
+  CHECK(usage.exit_code == 2);
+  const auto usage_out = parse_json(usage.out);
+  CHECK(usage_out["valid"] == false);
+  CHECK(usage_out["status"] == "error");
+  CHECK(usage_out["exit_code"] == 2);
 }
 
 TEST_CASE("recipe validate and show") {

@@ -5,12 +5,14 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <fstream>
 #include <optional>
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tests/harness.hpp"
@@ -227,6 +229,37 @@ TEST_CASE("doctor: a binary there that hangs fails the version check, not the wo
   }
   CHECK(contains(r.out, "not run: its dptrain does not answer"));
   CHECK(r.out.find("FAIL workdir") == std::string::npos);
+}
+
+TEST_CASE("doctor: a binary that answers --version but hangs in a probe fails that probe") {
+  DoctorFixture f;
+  const fs::path hangs = f.tmp / "hangs-later";
+  write_text(hangs, "#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'dptrain " DPTRAIN_VERSION
+                    "'; exit 0; fi\nexec sleep 600\n");
+  fs::permissions(hangs, fs::perms::owner_all);
+  auto r = f.doctor({"--remote-binary", hangs.string()}, {{"DPTRAIN_TEST_VERSION_PROBE_S", "2"}});
+  INFO(r.out, r.err);
+  CHECK(r.exit_code == 4);
+  const auto fails = failure_lines(r.out);
+  REQUIRE(fails.size() == 2);  // one per host: the blas probe, not the host's ssh
+  for (const auto& line : fails) {
+    CHECK(line.starts_with("FAIL blas"));
+    CHECK(contains(line, "dptrain at " + hangs.string() +
+                             " did not finish '_probe blas' within 2 s (it hangs)"));
+  }
+  CHECK(contains(r.out, "ok   ssh"));
+  CHECK(contains(r.out, "ok   version"));
+  CHECK(contains(r.out, "not run: its dptrain does not answer"));
+  // Ctrl-C while such a probe is waited for (at its full 30 s) stops doctor at once, exit 130.
+  Background p({"doctor", "--hosts", f.hostfile.string(), "--known-hosts",
+                f.sshd.known_hosts().string(), "--remote-binary", hangs.string()});
+  REQUIRE(eventually([&] { return catches_signal(p.pid(), SIGINT); }));
+  std::this_thread::sleep_for(std::chrono::seconds(3));  // the probes under way
+  REQUIRE(::kill(p.pid(), SIGINT) == 0);
+  CHECK(p.wait(std::chrono::seconds(10)) == 130);
+  INFO(p.out(), p.err());
+  CHECK(contains(p.err(), "dptrain: error: doctor stopped by SIGINT after "));
+  CHECK_FALSE(contains(p.out(), "FAIL ssh"));
 }
 
 TEST_CASE("doctor: a store port that cannot be used is one line naming it") {

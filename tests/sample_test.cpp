@@ -15,6 +15,7 @@
 
 #include <fmt/format.h>
 
+#include "core/checkpoint.hpp"
 #include "tests/harness.hpp"
 #include "tests/strings.hpp"
 #include "tests/text_corpus.hpp"
@@ -186,6 +187,16 @@ TEST_CASE("sample: another model's weights of as many parameters are refused, no
   CHECK(refused.exit_code == 5);
   CHECK(contains(refused.err, other.string() + ": the weights of another model (model.heads 1 "
                                                "there, 2 here): sample the run that wrote it"));
+  // Another kind of model (an MLP's): the kind is what is said to differ.
+  fs::create_directories(data.tmp / "mlp");
+  const fs::path mlp_run = train(data.tmp / "mlp", small_recipe(), "1");
+  const auto mlp_checkpoints = dptrain::list_checkpoints(mlp_run / "checkpoints");
+  REQUIRE_FALSE(mlp_checkpoints.empty());
+  const fs::path mlp = mlp_checkpoints.front();
+  const auto mlp_refused = sample(run_dir, {"--checkpoint", mlp.string(), "--tokens", "5"});
+  CHECK(mlp_refused.exit_code == 5);
+  CHECK(contains(mlp_refused.err, mlp.string() + R"(: the weights of another model (model.type )"
+                                                 R"("mlp" there, "gpt" here): sample the run)"));
   // The same model trained by another recipe (a learning rate): used, with a warning.
   json lr = small_gpt(data.dir, 64);
   lr["optimizer"]["lr"] = lr["optimizer"]["lr"].get<double>() / 2;
@@ -262,6 +273,17 @@ TEST_CASE("sample: numbers out of range are refused, not wrapped; a run without 
   fs::copy(run_dir, bare, fs::copy_options::recursive);
   for (const auto& entry : fs::directory_iterator(bare / "checkpoints"))
     fs::remove_all(entry.path());
+  // Where run.json records one committed there, they were moved away (or not mounted): said
+  // so, not "train the run".
+  const auto moved = sample(bare, {});
+  CHECK(moved.exit_code == 5);
+  CHECK(contains(moved.err, (bare / "checkpoints").string() +
+                                ": holds no checkpoint, but run.json records step-"));
+  CHECK(contains(moved.err, "Put them back to sample from them\n"));
+  CHECK_FALSE(contains(moved.err, "first checkpoint"));
+  json bare_info = parse_json(read_text(bare / "run.json"));
+  bare_info.erase("last_checkpoint");
+  write_text(bare / "run.json", bare_info.dump());
   const auto none = sample(bare, {});
   CHECK(none.exit_code == 5);
   CHECK(none.err.find("nothing to sample from") != std::string::npos);
@@ -300,9 +322,12 @@ TEST_CASE("sample: numbers out of range are refused, not wrapped; a run without 
   write_text(other / "run.json", info.dump());
   const auto foreign = sample(other, {"--tokens", "5"});
   CHECK(foreign.exit_code == 5);
-  CHECK(foreign.err.find("warning: skipping checkpoint step-000006: written by a different "
-                         "recipe (hash ") != std::string::npos);
   CHECK(foreign.err.find("no valid checkpoint, nothing to sample from") != std::string::npos);
+  // Why, under the error (once: not also as a warning before it).
+  CHECK(contains(foreign.err,
+                 "\n  skipping checkpoint step-000006: written by a different "
+                 "recipe (hash "));
+  CHECK_FALSE(contains(foreign.err, "warning: skipping checkpoint step-000006"));
   CHECK(foreign.err.find("--checkpoint names one another recipe wrote") != std::string::npos);
   const auto named = sample(other, {"--checkpoint", "6", "--tokens", "5", "--json"});
   INFO(named.err);

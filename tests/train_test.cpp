@@ -494,18 +494,33 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
     foreign = run_dptrain({"worker", other_path.string(), "--resume", "newest-or-start"}, alone,
                           std::chrono::seconds(60));
     CHECK(foreign.exit_code == 5);
-    CHECK(contains(foreign.out,
-                   "warning: skipping checkpoint step-000060: written by a "
-                   "different recipe"));
     CHECK(contains(foreign.err,
                    "rank 0's run directory holds checkpoints, but none this run can "
                    "use: starting over would write over them"));
-    // Why, under its error (this rank is the one that holds them).
-    CHECK(contains(foreign.err,
-                   "\n  skipping checkpoint step-000060: written by a different "
-                   "recipe"));
+    // Why, under its error, and not also as warnings before it.
+    const std::string why = "\n  skipping checkpoint step-000060: written by a different recipe";
+    CHECK(contains(foreign.err, why));
+    CHECK_FALSE(contains(foreign.out, "warning: skipping checkpoint step-000060"));
     CHECK(read_text(tmp / "run/metrics.jsonl") == metrics);
     CHECK(read_text(tmp / "run/checkpoints/latest") == latest);
+    // Two nodes, the other's copy of the run empty: its rank's error says why too (the launcher
+    // shows whichever rank's error came first).
+    {
+      Env e0 = env0, e1 = env1;
+      e0["MASTER_PORT"] = e1["MASTER_PORT"] = std::to_string(unused_port());
+      e1["LOCAL_RANK"] = "0";
+      e1["DPTRAIN_RUN_DIR"] = (tmp / "other-node").string();
+      Background n0({"worker", other_path.string(), "--resume", "newest-or-start"}, e0);
+      Background n1({"worker", other_path.string(), "--resume", "newest-or-start"}, e1);
+      CHECK(n1.wait(std::chrono::seconds(60)) == 5);
+      CHECK(n0.wait(std::chrono::seconds(60)) == 5);
+      for (const std::string& err : {n0.err(), n1.err()}) {
+        CAPTURE(err);
+        CHECK(contains(err, "rank 0's run directory holds checkpoints, but none this run can use"));
+        CHECK(contains(err, why));
+      }
+      CHECK(read_text(tmp / "run/checkpoints/latest") == latest);
+    }
     fs::rename(tmp / "run.json.aside", tmp / "run/run.json");
   }
   env0["DPTRAIN_RUN_DIR"] = env1["DPTRAIN_RUN_DIR"] = (tmp / "mixed").string();
