@@ -134,8 +134,8 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
   try {
     spec.recipe = parse_recorded_recipe(run.info(), run.path());
     check_runnable(spec.recipe, spec.world_size, spec.nominal_world,
-                   (run.path() / "run.json").string());
-    check_smallest_world(spec, (run.path() / "run.json").string());
+                   recorded_recipe_source(run.path()));
+    check_smallest_world(spec, recorded_recipe_source(run.path()));
   } catch (const Error& e) {
     // The recipe is the run's own: its data moved or changed, which a new dataset does not cure.
     if (e.kind() != ErrorKind::recipe ||
@@ -220,7 +220,7 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
   }
   // Too few open files for the ranks: refused before run.json changes.
   check_open_files(spec);
-  check_local_memory(spec, (run.path() / "run.json").string());
+  check_local_memory(spec, recorded_recipe_source(run.path()));
   // A stop that came while the checkpoints were checked (large ones take seconds): no rank is
   // started, and run.json stays as it was.
   if (const int sig = pending_stop_signal()) {

@@ -221,7 +221,7 @@ int run_to_end(RunDirectory& run, JobSpec spec, const RestartOptions& o, bool js
   return report_outcome(run, outcome, json, events.to_stdout() ? stderr : stdout);
 }
 
-void check_local_memory(const JobSpec& spec, const std::string& origin) {
+void check_local_memory(const JobSpec& spec, const RecipeSource& origin) {
   const Recipe& r = spec.recipe;
   const int ranks = local_rank_count(spec);
   if (r.train.device != "cpu" || ranks < 1) return;
@@ -246,25 +246,26 @@ void check_local_memory(const JobSpec& spec, const std::string& origin) {
   const auto size = [](double bytes) { return human_size(static_cast<uint64_t>(bytes)); };
   if (data_bytes > model_bytes) {
     throw Error(ErrorKind::recipe,
-                fmt::format("{}: /data/samples: its {} samples of {} features take {} a rank "
-                            "(every rank generates the whole synthetic set, in f32), {} for the "
-                            "{} rank(s) on this machine with the model's state ({} a rank), which "
-                            "has {} available (MemAvailable): fewer samples, or fewer ranks here",
-                            origin, r.data.samples, r.model.input, size(data_bytes), size(needed),
-                            ranks, size(model_bytes), size(static_cast<double>(available))));
+                origin.place(fmt::format(
+                    "/data/samples: its {} samples of {} features take {} a rank "
+                    "(every rank generates the whole synthetic set, in f32), {} for the "
+                    "{} rank(s) on this machine with the model's state ({} a rank), which "
+                    "has {} available (MemAvailable): fewer samples, or fewer ranks here",
+                    r.data.samples, r.model.input, size(data_bytes), size(needed), ranks,
+                    size(model_bytes), size(static_cast<double>(available)))));
   }
   throw Error(
       ErrorKind::recipe,
-      fmt::format("{}: /model: its {} parameters take at least {} a rank (parameters, "
-                  "gradients and the {} state, in f32, before any activation), {} for "
-                  "the {} rank(s) on this machine{}, which has {} available (MemAvailable): "
-                  "a smaller model, or fewer ranks here",
-                  origin, *params, size(model_bytes), r.optimizer.type == "adamw" ? "AdamW" : "SGD",
-                  size(needed), ranks,
-                  data_bytes > 0
-                      ? fmt::format(" with their synthetic data ({} a rank)", size(data_bytes))
-                      : std::string(),
-                  size(static_cast<double>(available))));
+      origin.place(fmt::format(
+          "/model: its {} parameters take at least {} a rank (parameters, "
+          "gradients and the {} state, in f32, before any activation), {} for "
+          "the {} rank(s) on this machine{}, which has {} available (MemAvailable): "
+          "a smaller model, or fewer ranks here",
+          *params, size(model_bytes), r.optimizer.type == "adamw" ? "AdamW" : "SGD", size(needed),
+          ranks,
+          data_bytes > 0 ? fmt::format(" with their synthetic data ({} a rank)", size(data_bytes))
+                         : std::string(),
+          size(static_cast<double>(available)))));
 }
 
 namespace {

@@ -39,7 +39,7 @@ void add_restart_options(CLI::App& app, RestartOptions& o);
 // larger part) in the memory it has available: refused before anything starts, not left to the
 // ranks' allocation failures; `origin` (the recipe's file) leads the message. Nothing for a GPU
 // recipe or where the memory is not known.
-void check_local_memory(const JobSpec& spec, const std::string& origin);
+void check_local_memory(const JobSpec& spec, const RecipeSource& origin);
 
 // A CLI11 check for a finite number >= 0 that says what is wrong in plain words (CLI11's own
 // range check prints DBL_MAX in full, lets "nan" through, and unsigned options wrap "-1").

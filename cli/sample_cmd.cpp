@@ -194,8 +194,9 @@ int32_t draw(std::vector<float> logits, int64_t vocab, double temperature, int64
 // The newest valid checkpoint of the run that its recipe wrote: the one a resume continues from
 // (one copied in from another recipe is skipped with a warning; --checkpoint can name it).
 // Error(checkpoint) saying there is nothing to sample from when the run has written none yet, or
-// when none of them is valid; or naming a newer one that is out of reach (a permission), as
-// resume does.
+// when none of them is valid (why each was passed over on the lines below, not as warnings);
+// that they were moved away where run.json records one committed; or naming a newer one that is
+// out of reach (a permission), as resume does.
 fs::path newest_checkpoint(const RunDirectory& run, const Recipe& recipe,
                            const std::function<void(const std::string&)>& warn) {
   require_recorded_checkpoint(run, "Put them back to sample from them");
@@ -206,8 +207,7 @@ fs::path newest_checkpoint(const RunDirectory& run, const Recipe& recipe,
                             run.path().string()));
   }
   PassedOver passed{warn, {}};
-  const auto found =
-      try_find_valid_checkpoint(run.checkpoints(), std::ref(passed), written_by(recipe));
+  const auto found = passed.search(run.checkpoints(), written_by(recipe));
   if (!found) {
     throw Error(ErrorKind::checkpoint,
                 fmt::format("{}: no valid checkpoint, nothing to sample from (see 'dptrain "

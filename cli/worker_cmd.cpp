@@ -856,10 +856,24 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
     }
     if (!g_stop_requested.load()) return false;
     if (!announced) {
-      std::printf(
-          "received SIGTERM: rank %d checkpoints at the end of this step (or of the next, where "
-          "steps are short) and stops\n",
-          rank);
+      // The launcher stopping the ranks for a peer that failed: the step under way cannot
+      // complete, nor can a checkpoint.
+      bool peer_failed = false;
+      try {
+        peer_failed = store.check({peer_failed_key()});
+      } catch (const std::exception&) {
+      }
+      if (peer_failed) {
+        std::printf(
+            "received SIGTERM: a peer rank failed; rank %d stops (the step under way "
+            "cannot complete: no checkpoint)\n",
+            rank);
+      } else {
+        std::printf(
+            "received SIGTERM: rank %d checkpoints at the end of this step (or of the "
+            "next, where steps are short) and stops\n",
+            rank);
+      }
       std::fflush(stdout);
       announced = true;
       try {

@@ -819,6 +819,17 @@ void PassedOver::tell() const {
     warn(why);
 }
 
+std::optional<fs::path> PassedOver::search(const fs::path& checkpoints_dir,
+                                           const CheckpointFilter& unusable,
+                                           const std::function<void()>& check_stop) {
+  try {
+    return try_find_valid_checkpoint(checkpoints_dir, std::ref(*this), unusable, check_stop);
+  } catch (...) {
+    tell();
+    throw;
+  }
+}
+
 std::string PassedOver::lines() const {
   constexpr size_t kShown = 8;
   std::string out;
@@ -835,8 +846,7 @@ fs::path find_valid_checkpoint(const fs::path& checkpoints_dir,
                                const CheckpointFilter& unusable,
                                const std::function<void()>& check_stop) {
   PassedOver passed{warn, {}};
-  if (auto found =
-          try_find_valid_checkpoint(checkpoints_dir, std::ref(passed), unusable, check_stop)) {
+  if (auto found = passed.search(checkpoints_dir, unusable, check_stop)) {
     passed.tell();
     return std::move(*found);
   }

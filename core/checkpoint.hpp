@@ -209,12 +209,17 @@ struct PassedOver {
   std::vector<std::string> said;
   void operator()(const std::string& why) { said.push_back(why); }
   void tell() const;
+  // try_find_valid_checkpoint in `checkpoints_dir`, collecting here; where the search throws (a
+  // checkpoint out of reach, a stop) what it passed over until then is told first.
+  std::optional<std::filesystem::path> search(const std::filesystem::path& checkpoints_dir,
+                                              const CheckpointFilter& unusable = {},
+                                              const std::function<void()>& check_stop = {});
   // "\n  WHY" for each (at most 8, then how many more): the lines under such an error.
   std::string lines() const;
 };
 
 // The same, with Error(checkpoint) "no valid checkpoint to resume from" when none is valid, why
-// each was passed over on the lines below.
+// each was passed over on the lines below (given to `warn` only where one was found).
 std::filesystem::path find_valid_checkpoint(const std::filesystem::path& checkpoints_dir,
                                             const std::function<void(const std::string&)>& warn,
                                             const CheckpointFilter& unusable = {},

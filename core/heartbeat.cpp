@@ -65,6 +65,10 @@ std::string sigterm_key(int rank) {
   return fmt::format("sigterm/{}", rank);
 }
 
+std::string peer_failed_key() {
+  return "peer_failed";
+}
+
 std::string silent_peers(Store& store, int rank, int world, std::chrono::milliseconds apart,
                          std::vector<int>* silent_ranks) {
   // Each peer's beat count; -1 where it has published none (it never started).

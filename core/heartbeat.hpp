@@ -88,6 +88,10 @@ std::optional<nlohmann::json> read_heartbeat(Store& store, int rank);
 // Set by a rank that received SIGTERM itself (a node being preempted), so the launcher can name
 // it: every rank then stops, and the first to exit is not necessarily the one signalled.
 std::string sigterm_key(int rank);  // "sigterm/<rank>", under the generation's prefix
+// Set by the launcher as it learns that a rank failed, before it stops the others: a rank that
+// then receives SIGTERM says it stops for a peer's failure (the step under way cannot complete,
+// so no checkpoint comes), not that it checkpoints. "peer_failed", under the generation's prefix.
+std::string peer_failed_key();
 
 // After a collective failed on `rank` (a peer gone, without a launcher to say which): the other
 // ranks whose heartbeat stood still over `apart` (longer than a sender's interval), as

@@ -135,7 +135,9 @@ Verdict convert(const json& value, double& out) {
   if (!value.is_number()) return "expected a number, got " + describe(value);
   double number = value.get<double>();
   if (!std::isfinite(number)) return "expected a finite number, got " + describe(value);
-  out = number + 0.0;  // -0.0 is 0: the recipe's hash (and show) the same as for 0
+  // -0.0 stays as written: the hash of a recipe holding it is the one its run's checkpoints
+  // record (as 0 it would call them another recipe's).
+  out = number;
   return std::nullopt;
 }
 
@@ -1164,12 +1166,31 @@ Recipe parse_recipe(const json& j, const std::string& source, const std::filesys
   return parse_recipe_under(j, source, "", base_dir, origin, data);
 }
 
+std::string RecipeSource::place(const std::string& problems) const {
+  if (file.empty()) return problems;
+  std::string out;
+  size_t start = 0;
+  for (;;) {
+    const size_t end = problems.find('\n', start);
+    const std::string_view line =
+        std::string_view(problems).substr(start, end == std::string::npos ? end : end - start);
+    out += file + ": " + (line.starts_with("/") ? under : std::string()) + std::string(line);
+    if (end == std::string::npos) return out;
+    out += '\n';
+    start = end + 1;
+  }
+}
+
+RecipeSource recorded_recipe_source(const std::filesystem::path& run_dir) {
+  return {(run_dir / "run.json").string(), "/recipe"};
+}
+
 Recipe parse_recorded_recipe(const json& info, const std::filesystem::path& run_dir,
                              DataCheck data) {
   const auto recorded = info.find("recipe");
-  return parse_recipe_under(recorded == info.end() ? json() : *recorded,
-                            (run_dir / "run.json").string(), "/recipe", run_dir,
-                            RecipeOrigin::stored, data);
+  const RecipeSource source = recorded_recipe_source(run_dir);
+  return parse_recipe_under(recorded == info.end() ? json() : *recorded, source.file, source.under,
+                            run_dir, RecipeOrigin::stored, data);
 }
 
 // JSON allows an object to name a key twice and nlohmann keeps the last one: in a recipe that is

@@ -190,6 +190,20 @@ enum class DataCheck { none, first_row, every_row };
 Recipe parse_recipe(const nlohmann::json& j, const std::string& source,
                     const std::filesystem::path& base_dir, RecipeOrigin origin = RecipeOrigin::user,
                     DataCheck data = DataCheck::first_row);
+// Where a recipe's problems are said to be: its file, and the recipe's own place in that file
+// ("/recipe" in a run.json; "" in a recipe file), before each problem's pointer.
+struct RecipeSource {
+  RecipeSource(std::string f = "", std::string u = "") : file(std::move(f)), under(std::move(u)) {}
+  RecipeSource(const char* f) : file(f) {}
+  std::string file;
+  std::string under;
+  // "FILE: UNDER/pointer: ..." for each line of `problems` ("/pointer: ..." lines; a line without
+  // a pointer gets the file only); without a file, the problems as they are.
+  std::string place(const std::string& problems) const;
+};
+// A run directory's run.json: its recipe is at /recipe.
+RecipeSource recorded_recipe_source(const std::filesystem::path& run_dir);
+
 // The recipe a run directory's run.json (`info`) records, read as stored: problems name
 // RUN_DIR/run.json and their pointers start at /recipe, where the recipe is in that file.
 Recipe parse_recorded_recipe(const nlohmann::json& info, const std::filesystem::path& run_dir,

@@ -732,8 +732,7 @@ class TrainingRun {
                       {}};
     if (writes_checkpoints()) {
       // None on this node is not an error (another may hold one); one out of reach is.
-      if (auto found = try_find_valid_checkpoint(options_.run_dir / "checkpoints", std::ref(passed),
-                                                 written_by(recipe_))) {
+      if (auto found = passed.search(options_.run_dir / "checkpoints", written_by(recipe_))) {
         mine = std::move(*found);
         my_step = checkpoint_step(mine);
       } else if (!list_checkpoints(options_.run_dir / "checkpoints").empty()) {
@@ -749,8 +748,10 @@ class TrainingRun {
       // or a resume, this stops instead.
       if (const auto holder = std::find(steps.begin(), steps.end(), int64_t{-2});
           holder != steps.end()) {
-        // Why, on every rank's error: whichever the launcher shows says it.
+        // Why, on every rank's error: whichever the launcher shows says it. Another rank that
+        // holds unusable ones too says its reasons as warnings.
         const int holding = static_cast<int>(holder - steps.begin());
+        if (rank_ != holding) passed.tell();
         throw Error(ErrorKind::checkpoint,
                     fmt::format("rank {}'s run directory holds checkpoints, but none this run can "
                                 "use: starting over would write over them; repair them; to start "
@@ -1797,13 +1798,16 @@ void check_runnable_here(const Recipe& recipe, int world_size, int nominal_world
 }  // namespace
 
 void check_runnable(const Recipe& recipe, int world_size, int nominal_world,
-                    const std::string& origin) {
+                    const RecipeSource& origin) {
   try {
     check_runnable_here(recipe, world_size, nominal_world);
   } catch (const Error& e) {
     const std::string what = e.what();
-    if (origin.empty() || e.kind() != ErrorKind::recipe || what.starts_with(origin + ": ")) throw;
-    throw Error(ErrorKind::recipe, each_line(what, origin + ": "));
+    if (origin.file.empty() || e.kind() != ErrorKind::recipe ||
+        what.starts_with(origin.file + ": ")) {
+      throw;
+    }
+    throw Error(ErrorKind::recipe, origin.place(what));
   }
 }
 

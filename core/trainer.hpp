@@ -104,9 +104,9 @@ struct TrainResult {
 // than one global batch), and check_levers. Reads a CSV file once and token files whole (their
 // checksums); synthetic data is only counted, not generated. Error(recipe) naming the file, line
 // or fields; with `origin` (the recipe's file, or the run.json that holds it) first:
-// "FILE: /data/path: ...", as every recipe error.
+// "FILE: /data/path: ..." ("RUN/run.json: /recipe/data/path: ..."), as every recipe error.
 void check_runnable(const Recipe& recipe, int world_size, int nominal_world = 0,
-                    const std::string& origin = "");
+                    const RecipeSource& origin = {});
 
 // What the recipe's communication settings cannot do with its model, found from the model's
 // tensors (a PowerSGD rank that would factorise no weight matrix): Error(recipe) naming the field.

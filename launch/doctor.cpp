@@ -115,10 +115,11 @@ class Doctor {
  public:
   Doctor(const std::vector<HostSpec>& hosts, const DoctorOptions& options)
       : hosts_(hosts), options_(options), world_(total_slots(hosts)), ssh_(options.ssh) {
-    // A check's remote command (a probe that hangs) is cut short by a stop, not waited for; the
-    // removal of the trial job's directories after one is not.
+    // The hosts' survey's commands (a probe that hangs) are cut short by a stop, not waited for;
+    // the later steps' are bounded (the port probes, run in threads of their own) or must run
+    // after a stop (the removal of the trial job's directories): not those.
     ssh_.check_stop = [this] {
-      if (!cleaning_up_) throw_if_stopped("");
+      if (surveying_) throw_if_stopped("");
     };
   }
 
@@ -302,13 +303,19 @@ class Doctor {
         // Unreadable (deleted since it started): the builds are not compared.
       }
     }
+    surveying_ = true;
     auto outcomes = for_each_host(hosts_, [this](const HostSpec& h) {
       HostSurvey s;
       s.shell = open_host_shell(h, ssh_);
       s.checks.push_back(
           {"ssh", h.display(), true, h.is_local() ? "this machine" : "connected", ""});
       if (h.is_local()) {
-        survey_this_machine(h, s);
+        try {
+          survey_this_machine(h, s);
+        } catch (const Error& e) {
+          if (!is_stop(e)) throw;
+          s.held_back = "doctor was stopped";
+        }
         return s;
       }
       try {
@@ -338,6 +345,7 @@ class Doctor {
       }
       return s;
     });
+    surveying_ = false;
     for (size_t i = 0; i < outcomes.size(); ++i) {
       auto& outcome = outcomes[i];
       if (!outcome.ok()) {
@@ -416,6 +424,7 @@ class Doctor {
       // The survey's directory only has to exist: the current one, so nothing is created.
       s.facts = survey_host(*s.shell, h, fs::current_path().string());
     } catch (const Error& e) {
+      if (is_stop(e)) throw;
       s.checks.push_back({"gpus", h.display(), false, e.what(), "fix what the line says"});
       return;
     }
@@ -506,7 +515,8 @@ class Doctor {
     try {
       r = shell.run("sh -c " + shell_quote("sha256sum <" + remote_path_word(binary) +
                                            " 2>/dev/null | cut -c1-64"));
-    } catch (const Error&) {
+    } catch (const Error& e) {
+      if (is_stop(e)) throw;
       // No answer (the command timeout while a large build is hashed, the connection lost):
       // the builds are not compared, and the version check stands.
       return {};
@@ -909,7 +919,6 @@ class Doctor {
 
   // The trial job's run directories: here, and WORKDIR/runs/NAME on every remote host.
   void remove_trial_run(const fs::path& dir, const std::string& remote_name) {
-    cleaning_up_ = true;
     std::error_code ec;
     fs::remove_all(dir, ec);
     if (remote_name.empty()) return;
@@ -949,8 +958,8 @@ class Doctor {
   const std::vector<HostSpec>& hosts_;
   const DoctorOptions& options_;
   int world_ = 0;
-  SshOptions ssh_;                         // the checks' own: a stop cuts their commands short
-  std::atomic<bool> cleaning_up_ = false;  // from then on it does not
+  SshOptions ssh_;                       // the checks' own: a stop cuts their commands short
+  std::atomic<bool> surveying_ = false;  // while the hosts are surveyed
   std::optional<Recipe> recipe_;
   bool local_gpu_missing_ = false;  // the gpu check failed: this machine has no CUDA device
   std::string local_sha256_;        // this executable's, when a host is remote ("" unreadable)

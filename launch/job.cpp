@@ -258,12 +258,16 @@ struct GenerationTrace {
   std::map<int, json> beats;  // each rank's last heartbeat, once it began a step
 };
 
+// `failed`: also marks the generation's failure for its ranks (peer_failed_key), as a rank's
+// failure is first learned.
 GenerationTrace read_generation_trace(const std::string& addr, uint16_t port,
-                                      const std::string& secret, int generation, int world) {
+                                      const std::string& secret, int generation, int world,
+                                      bool failed = false) {
   GenerationTrace trace;
   try {
     TcpStoreClient client(addr, port, std::chrono::seconds(2), secret);
     PrefixStore store(fmt::format("gen{}", generation), client);
+    if (failed) store.set(peer_failed_key(), "1");
     for (int r = 0; r < world; ++r) {
       if (store.check({sigterm_key(r)})) trace.sigterm_ranks.push_back(r);
       const auto beat = read_heartbeat(store, r);
@@ -295,16 +299,16 @@ int smallest_world(const JobSpec& spec) {
   return least;
 }
 
-void check_smallest_world(const JobSpec& spec, const std::string& origin) {
+void check_smallest_world(const JobSpec& spec, const RecipeSource& origin) {
   const int least = smallest_world(spec);
   if (least >= spec.world_size) return;
   try {
     check_has_workers(spec.recipe, least);
   } catch (const Error& e) {
     throw Error(ErrorKind::recipe,
-                fmt::format("{}: {} (the elastic job may shrink to {} rank(s), its minimum: give "
-                            "a minimum that leaves a worker)",
-                            origin, e.what(), least));
+                fmt::format("{} (the elastic job may shrink to {} rank(s), its minimum: give a "
+                            "minimum that leaves a worker)",
+                            origin.place(e.what()), least));
   }
 }
 
@@ -905,7 +909,8 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   // grace would read afterwards as one more rank waiting in the collective.
   std::optional<GenerationTrace> at_failure;
   options.on_first_failure = [&] {
-    at_failure = read_generation_trace(addr, store.port(), secret, generation, world);
+    at_failure =
+        read_generation_trace(addr, store.port(), secret, generation, world, /*failed=*/true);
   };
   options.tick = [&] {
     const auto now = std::chrono::steady_clock::now();

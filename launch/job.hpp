@@ -177,7 +177,7 @@ int smallest_world(const JobSpec& spec);
 // Error(recipe), prefixed with `origin`, when the recipe cannot run on the world an elastic job
 // may shrink to (parameter servers that would leave no worker): refused before the job starts,
 // not met after a rank is lost.
-void check_smallest_world(const JobSpec& spec, const std::string& origin);
+void check_smallest_world(const JobSpec& spec, const RecipeSource& origin);
 // Error(usage) when --master-port names a port the store cannot listen on (another process
 // holds it): found before anything is made for the run, not as every rank failing. Nothing to
 // check for a free port (0), or when the store's address cannot be told yet.

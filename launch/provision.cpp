@@ -371,6 +371,9 @@ class LocalTarget : public HostShell {
       ::execl("/bin/sh", "sh", "-c", command.c_str(), static_cast<char*>(nullptr));
       ::_exit(127);
     }
+    // Here too, so that a kill of its group cannot come before the child made it (EACCES once
+    // it has exec'd: it made the group itself by then).
+    ::setpgid(pid, pid);
     ::close(std::exchange(out_write.fd, -1));
     ::close(std::exchange(err_write.fd, -1));
     SshSession::Result result;
@@ -536,7 +539,7 @@ void provision_host(HostReport& report, const ProvisionOptions& options,
       report.uploads[i].status = UploadRecord::Status::uploaded;
     }
   }
-  check_stop(" after the uploads");
+  check_stop(" before its dptrain was checked (its files are in place)");
   const auto version = installed_version(*target, workdir);
   if (version.exit_status == kVersionTimedOut) {
     throw Error(ErrorKind::ssh,

@@ -197,8 +197,7 @@ fs::path next_generation_source(RunDirectory& run, const JobSpec& spec, StatusPr
     throw_if_stopped(" while checkpoints were verified (nothing was set aside)");
   };
   PassedOver passed{[&status](const std::string& w) { status.warning(w); }, {}};
-  if (auto from = try_find_valid_checkpoint(run.checkpoints(), std::ref(passed),
-                                            written_by(spec.recipe), check_stop)) {
+  if (auto from = passed.search(run.checkpoints(), written_by(spec.recipe), check_stop)) {
     passed.tell();
     name = from->filename().string();
     check_stop();

@@ -178,6 +178,15 @@ TEST_CASE(
                     std::string::npos,
                 gone.err);
   CHECK(parse_json(read_text(run / "run.json"))["generations"].size() == 2);
+  // Back, but with a later row wrong (found as the ranks would read every row): named where
+  // run.json holds the path, with the same hint.
+  write_text(tmp / "data.csv", csv_text(0.0) + "1,2\n");
+  auto bad_row = run_dptrain({"resume", run.string(), "--json"});
+  CHECK(bad_row.exit_code == 2);
+  CHECK_MESSAGE(contains(bad_row.err, (run / "run.json").string() + ": /recipe/data/path: "),
+                bad_row.err);
+  CHECK(contains(bad_row.err, "\n  this is the run's own data: put it back"));
+  CHECK(parse_json(read_text(run / "run.json"))["generations"].size() == 2);
 
   write_text(tmp / "data.csv", csv_text(0.0));
   auto resumed = run_dptrain({"resume", run.string(), "--json"});
@@ -1317,4 +1326,28 @@ TEST_CASE("SIGHUP (the terminal closed) is a stop like SIGTERM: a checkpoint, ex
   REQUIRE(::kill(kept.launcher.pid(), SIGHUP) == 0);
   CHECK(kept.launcher.wait(std::chrono::seconds(120)) == 0);
   CHECK(parse_json(read_text(kept.run_dir / "run.json"))["status"] == "completed");
+}
+
+TEST_CASE("a rank the launcher stops because a peer died says so, not that it checkpoints") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), every_step_logged());
+  const fs::path run_dir = tmp / "run";
+  // Long steps: rank 0 is inside one (not in a collective with rank 1) when rank 1 dies, and
+  // reads the launcher's SIGTERM first.
+  Background launcher(SlowRun::launch_args(recipe, run_dir, {}),
+                      {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "3000"}});
+  // Its first step logged, and a second into the next one's pause.
+  REQUIRE(eventually([&] { return !read_text(run_dir / "metrics.jsonl").empty(); }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+  const auto pids = worker_pids(run_dir);
+  REQUIRE(pids.size() == 2);
+  REQUIRE(::kill(pids[1], SIGKILL) == 0);
+  CHECK(launcher.wait(std::chrono::seconds(60)) == 3);
+  INFO(launcher.out(), launcher.err());
+  CHECK(contains(launcher.out(),
+                 "[rank 0] received SIGTERM: a peer rank failed; rank 0 stops "
+                 "(the step under way cannot complete: no checkpoint)"));
+  CHECK_FALSE(contains(launcher.out(), "checkpoints at the end of this step"));
+  CHECK(contains(launcher.err(), "rank 1 (pid "));
+  check_all_gone(pids);
 }
