@@ -847,7 +847,9 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
   topts.progress = &progress;
   if (!started_by_launcher())
     topts.resume_how = "starting the workers again with '--resume newest'";
-  topts.stop_requested = [rank = o.rank, &store, announced = false]() mutable {
+  // The store through the heartbeats' quick connection: a store slow to answer must not hold
+  // the stop for the job's timeout.
+  topts.stop_requested = [rank = o.rank, &store = beat_store, announced = false]() mutable {
     // In the training loop the trainer answers SIGTERM, unless the StopWatcher took one that
     // came before (the process is ending).
     if (g_stop_answer.load() == 2) {

@@ -748,15 +748,21 @@ class TrainingRun {
       // or a resume, this stops instead.
       if (const auto holder = std::find(steps.begin(), steps.end(), int64_t{-2});
           holder != steps.end()) {
-        // Why, on every rank's error: whichever the launcher shows says it. Another rank that
-        // holds unusable ones too says its reasons as warnings.
+        // Why, on every rank's error (whichever the launcher shows says it): each holding
+        // rank's reasons, in rank order, every rank making the same broadcasts.
         const int holding = static_cast<int>(holder - steps.begin());
-        if (rank_ != holding) passed.tell();
+        const bool several = std::count(steps.begin(), steps.end(), int64_t{-2}) > 1;
+        std::string why;
+        for (int r = holding; r < world_; ++r) {
+          if (steps[static_cast<size_t>(r)] != -2) continue;
+          if (several) why += fmt::format("\n  rank {}'s:", r);
+          why += broadcast_text(r == rank_ ? passed.lines() : std::string(), r);
+        }
         throw Error(ErrorKind::checkpoint,
                     fmt::format("rank {}'s run directory holds checkpoints, but none this run can "
                                 "use: starting over would write over them; repair them; to start "
                                 "over, launch into a new run directory{}",
-                                holding, broadcast_text(passed.lines(), holding)));
+                                holding, why));
       }
     }
     passed.tell();

@@ -272,6 +272,10 @@ int run_agent(const AgentPlan& given, std::FILE* out, int stop_fd) {
   // Inside the launcher's own grace periods, so the agent reports before it is cut off.
   options.grace = std::chrono::milliseconds(3000);
   options.stop_grace = std::chrono::milliseconds(50000);
+  // Its ranks that the agent stops for one that failed say so (as the launcher's do).
+  options.on_first_failure = [&plan] {
+    mark_peer_failed(plan.store, plan.secret, plan.generation);
+  };
   auto last_alive = std::chrono::steady_clock::now();
   options.tick = [&] {
     const auto now = std::chrono::steady_clock::now();

@@ -258,16 +258,12 @@ struct GenerationTrace {
   std::map<int, json> beats;  // each rank's last heartbeat, once it began a step
 };
 
-// `failed`: also marks the generation's failure for its ranks (peer_failed_key), as a rank's
-// failure is first learned.
 GenerationTrace read_generation_trace(const std::string& addr, uint16_t port,
-                                      const std::string& secret, int generation, int world,
-                                      bool failed = false) {
+                                      const std::string& secret, int generation, int world) {
   GenerationTrace trace;
   try {
     TcpStoreClient client(addr, port, std::chrono::seconds(2), secret);
     PrefixStore store(fmt::format("gen{}", generation), client);
-    if (failed) store.set(peer_failed_key(), "1");
     for (int r = 0; r < world; ++r) {
       if (store.check({sigterm_key(r)})) trace.sigterm_ranks.push_back(r);
       const auto beat = read_heartbeat(store, r);
@@ -309,6 +305,18 @@ void check_smallest_world(const JobSpec& spec, const RecipeSource& origin) {
                 fmt::format("{} (the elastic job may shrink to {} rank(s), its minimum: give a "
                             "minimum that leaves a worker)",
                             origin.place(e.what()), least));
+  }
+}
+
+bool mark_peer_failed(const std::string& store, const std::string& secret, int generation) {
+  try {
+    const auto [host, port] = parse_host_port(store);
+    TcpStoreClient client(host, port, std::chrono::seconds(2), secret);
+    PrefixStore prefixed(fmt::format("gen{}", generation), client);
+    prefixed.set(peer_failed_key(), "1");
+    return true;
+  } catch (const std::exception&) {
+    return false;
   }
 }
 
@@ -909,8 +917,8 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   // grace would read afterwards as one more rank waiting in the collective.
   std::optional<GenerationTrace> at_failure;
   options.on_first_failure = [&] {
-    at_failure =
-        read_generation_trace(addr, store.port(), secret, generation, world, /*failed=*/true);
+    mark_peer_failed(fmt::format("{}:{}", addr, store.port()), secret, generation);
+    at_failure = read_generation_trace(addr, store.port(), secret, generation, world);
   };
   options.tick = [&] {
     const auto now = std::chrono::steady_clock::now();

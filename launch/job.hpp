@@ -178,6 +178,10 @@ int smallest_world(const JobSpec& spec);
 // may shrink to (parameter servers that would leave no worker): refused before the job starts,
 // not met after a rank is lost.
 void check_smallest_world(const JobSpec& spec, const RecipeSource& origin);
+// Sets generation `generation`'s peer_failed key in the store at `store` (HOST:PORT): a rank
+// failed, and the others are about to be stopped (what they then say). Best effort: false when
+// the store did not take it within 2 s.
+bool mark_peer_failed(const std::string& store, const std::string& secret, int generation);
 // Error(usage) when --master-port names a port the store cannot listen on (another process
 // holds it): found before anything is made for the run, not as every rank failing. Nothing to
 // check for a free port (0), or when the store's address cannot be told yet.
