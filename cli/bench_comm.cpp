@@ -281,6 +281,13 @@ int run_bench_launcher(const BenchCommOptions& o) {
       printable(run.path().string())));
   for (const auto& warning : fault_warnings)
     status.warning(warning);
+  // One rank by default: a figure of 0 everywhere, which `-n 4` (nccl-tests' iterations, not a
+  // rank count as in launch) would otherwise leave unexplained.
+  if (spec.world_size == 1 && o.nproc_flag->count() == 0 && o.hosts.hosts.empty()) {
+    status.line(
+        "bench comm: note: 1 rank (--nproc's default): no collective moves data between ranks, "
+        "so every busbw is 0; give --nproc N for N ranks (-n is --iters, as in nccl-tests)");
+  }
   // Rank 0's rows as it measures them: what is kept of a benchmark that does not finish.
   CommBenchResult result;
   result.ranks = spec.world_size;
@@ -306,7 +313,8 @@ int run_bench_launcher(const BenchCommOptions& o) {
 
   std::vector<std::string> errors = wrong_data_lines(result);
   int exit_code = errors.empty() ? 0 : 3;
-  std::string status_word = errors.empty() ? "ok" : "wrong_data";
+  // "completed", as every run and benchmark that completed says it (dptrain(1)).
+  std::string status_word = errors.empty() ? "completed" : "wrong_data";
   if (o.min_busbw_flag->count() > 0) {
     const auto shortfalls = busbw_shortfalls(result, o.min_busbw);
     errors.insert(errors.end(), shortfalls.begin(), shortfalls.end());
@@ -490,7 +498,8 @@ void setup_bench_comm(CLI::App& app, Outcome& outcome) {
   app.add_option("-f,--stepfactor", o->step_factor, "Multiply the size by this between rows")
       ->check(whole_number<int64_t>("FACTOR", std::numeric_limits<int64_t>::max(), 2))
       ->capture_default_str();
-  app.add_option("-d,--dtype", o->dtype, "Element type: float, half or bf16")
+  app.add_option("-d,--dtype", o->dtype,
+                 "Element type: float, half or bf16 (also float32/fp32, float16/fp16, bfloat16)")
       ->capture_default_str();
   app.add_option("--redop", o->redop,
                  "Reduction of allreduce and reduce_scatter: sum, avg, max or min")

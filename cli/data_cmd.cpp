@@ -323,23 +323,6 @@ fs::path sibling(const fs::path& out, const char* what, pid_t pid) {
   return out.parent_path() / fmt::format(".{}.{}-{}", out.filename().string(), what, pid);
 }
 
-bool process_alive(pid_t pid) {
-  return pid == ::getpid() || ::kill(pid, 0) == 0 || errno == EPERM;
-}
-
-// The PID in `.NAME.WHAT-PID`, or 0 when `entry` is not such a name.
-pid_t sibling_pid(const std::string& entry, const std::string& prefix) {
-  if (!entry.starts_with(prefix) || entry.size() == prefix.size() ||
-      entry.size() > prefix.size() + 9)
-    return 0;
-  pid_t pid = 0;
-  for (char c : std::string_view(entry).substr(prefix.size())) {
-    if (c < '0' || c > '9') return 0;
-    pid = pid * 10 + (c - '0');
-  }
-  return pid;
-}
-
 // What a prepare of OUT that was killed (SIGKILL, a crash, a power cut) left beside it: its
 // `.NAME.tmp-PID` is removed, and its `.NAME.old-PID` (the dataset it was replacing, between its
 // two renames) is put back when OUT is missing, else removed. Only for a PID that is gone: a
@@ -347,16 +330,17 @@ pid_t sibling_pid(const std::string& entry, const std::string& prefix) {
 void remove_stale_siblings(const fs::path& out, PrepareStatus& status) {
   const std::string name = out.filename().string();
   std::error_code ec;
-  std::vector<std::pair<fs::path, pid_t>> olds;
+  std::vector<std::pair<fs::path, long>> olds;
   for (const auto& entry : fs::directory_iterator(out.parent_path(), ec)) {
     const std::string file = entry.path().filename().string();
-    if (const pid_t pid = sibling_pid(file, "." + name + ".tmp-"); pid > 0 && !process_alive(pid)) {
+    if (const long pid = temporary_pid(file, "." + name + ".tmp-");
+        pid > 0 && !process_alive(pid)) {
       std::error_code rm_ec;
       fs::remove_all(entry.path(), rm_ec);
       status.line(fmt::format("removed {}: left by a data prepare (pid {}) that was killed{}",
                               entry.path().string(), pid,
                               rm_ec ? fmt::format(" (not all: {})", rm_ec.message()) : ""));
-    } else if (const pid_t old_pid = sibling_pid(file, "." + name + ".old-");
+    } else if (const long old_pid = temporary_pid(file, "." + name + ".old-");
                old_pid > 0 && !process_alive(old_pid)) {
       olds.emplace_back(entry.path(), old_pid);
     }

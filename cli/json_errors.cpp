@@ -54,8 +54,7 @@ const char* failure_status(ErrorKind kind) {
 }
 
 const char* run_failure_status(ErrorKind kind) {
-  return kind == ErrorKind::interrupted || kind == ErrorKind::terminated ? failure_status(kind)
-                                                                         : "failed";
+  return is_stop_kind(kind) ? failure_status(kind) : "failed";
 }
 
 void add_success(nlohmann::json& out) {

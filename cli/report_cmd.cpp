@@ -33,8 +33,21 @@ struct StatusOptions {
   bool json = false;
 };
 
+// Whether `dir` is a `bench train` sweep's directory: its bench.json is the sweep's result.
+bool bench_sweep_dir(const fs::path& dir) {
+  std::error_code ec;
+  if (!fs::is_regular_file(dir / "bench.json", ec)) return false;
+  try {
+    const nlohmann::json j = parse_json(read_file(dir / "bench.json"), false);
+    return j.is_object() && j.value("benchmark", nlohmann::json()) == "train";
+  } catch (const Error&) {
+    return false;  // unreadable: not known to be one
+  }
+}
+
 // The report replaces the file --out names (by rename): never one of the run's own files, nor a
-// file in another run's directory, and never what is not a plain file (check_output_file).
+// file in another run's directory or a benchmark sweep's, and never what is not a plain file
+// (check_output_file).
 void check_report_out(const std::string& given, const fs::path& out, const fs::path& run_dir) {
   check_output_file("--out", given, "the HTML file");
   std::error_code ec;
@@ -52,6 +65,12 @@ void check_report_out(const std::string& given, const fs::path& out, const fs::p
                 fmt::format("--out {}: inside the run directory {}, another run's, whose files a "
                             "report must not replace; name a file outside every run directory",
                             given, other->string()));
+  }
+  if (bench_sweep_dir(parent)) {
+    throw Error(ErrorKind::usage,
+                fmt::format("--out {}: inside the bench train sweep {}, whose files a report must "
+                            "not replace; name a file elsewhere",
+                            given, parent.string()));
   }
 }
 
@@ -76,6 +95,13 @@ int run_report(const ReportOptions& o) {
                 fmt::format("{}: is a directory, so the report cannot be written there; give "
                             "--out FILE",
                             out.string()));
+  }
+  // A symbolic link (or a pipe) there would be replaced, not written through, as --out refuses.
+  if (const char* kind = given ? nullptr : non_regular_kind(fs::symlink_status(out, ec))) {
+    throw Error(ErrorKind::usage,
+                fmt::format("{}: is {}, not a regular file; the report would replace it, not "
+                            "write through it: remove it, or give --out FILE",
+                            out.string(), kind));
   }
   if (given) check_report_out(o.out, out, run.dir);
   write_file_atomic(out, report_html(run));

@@ -268,12 +268,22 @@ int start_resume(const ResumeOptions& o, bool& events_opened, Outcome& outcome) 
     const auto events = open_events(o.restart, o.json, o.run_dir);
     return resume_run(o, run, *events);
   }
-  // Found before the resume announces itself and places ranks: every generation writes here.
-  if (::access(run.path().c_str(), W_OK) != 0) {
-    throw Error(ErrorKind::usage,
-                fmt::format("{}: cannot resume it here: the directory takes no "
-                            "writes ({})",
-                            printable(run.path().string()), std::strerror(errno)));
+  // Found before the resume announces itself and places ranks: every generation writes here,
+  // its ranks' logs under logs/ and its checkpoints under checkpoints/ (found there only once a
+  // rank first checkpoints, after the steps before it were trained in vain).
+  for (const fs::path& dir : {run.path(), run.logs(), run.checkpoints()}) {
+    std::error_code ec;
+    if (dir != run.path() && !fs::is_directory(dir, ec)) continue;  // made by the resume
+    // One that cannot even be listed is the checkpoint search's to say (exit 5, as it is).
+    if (dir != run.path() && ::access(dir.c_str(), R_OK | X_OK) != 0) continue;
+    if (::access(dir.c_str(), W_OK) != 0) {
+      throw Error(
+          ErrorKind::usage,
+          fmt::format(
+              "{}: cannot resume it here: {} takes no writes ({})", printable(run.path().string()),
+              dir == run.path() ? std::string("the directory") : dir.filename().string() + "/",
+              std::strerror(errno)));
+    }
   }
   check_run_files(run.path());
   // A launcher still driving the run is refused before anything is written: one on this machine

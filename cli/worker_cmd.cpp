@@ -1009,12 +1009,11 @@ void setup_worker(CLI::App& app, Outcome& outcome) {
       if (!farewell->at_start) {
         farewell->refusal = e;
       } else if (farewell->met && !farewell->from_peer && e.kind() != ErrorKind::comm &&
-                 e.kind() != ErrorKind::terminated && e.kind() != ErrorKind::interrupted) {
+                 !is_stop_kind(e.kind())) {
         farewell->failure = e;
       }
       farewell->exit_code = exit_code(kind_after_stop(e.kind()));
-      farewell->stopped = kind_after_stop(e.kind()) == ErrorKind::terminated ||
-                          kind_after_stop(e.kind()) == ErrorKind::interrupted;
+      farewell->stopped = is_stop_kind(kind_after_stop(e.kind()));
       leave();
       // Name the rank: many ranks' errors end up interleaved in one terminal. Some name it
       // themselves (the trainer's, for a launcher that reads only that line).
@@ -1036,8 +1035,7 @@ void setup_worker(CLI::App& app, Outcome& outcome) {
       // then is the stop's: a peer that stopped at once left it.)
       const ErrorKind stop_kind =
           e.kind() == ErrorKind::comm ? kind_after_stop(e.kind()) : e.kind();
-      if (started_by_launcher() &&
-          (stop_kind == ErrorKind::terminated || stop_kind == ErrorKind::interrupted)) {
+      if (started_by_launcher() && is_stop_kind(stop_kind)) {
         std::fprintf(stderr, "dptrain: %s\n", named.c_str());
         outcome.exit_code = farewell->exit_code;
         return;

@@ -89,6 +89,22 @@ std::vector<std::string> text_lines(const std::string& text) {
 
 }  // namespace
 
+std::string prefix_lines(std::string_view text,
+                         const std::function<std::string(std::string_view line)>& prefix) {
+  std::string out;
+  size_t start = 0;
+  for (;;) {
+    const size_t end = text.find('\n', start);
+    const std::string_view line =
+        text.substr(start, end == std::string_view::npos ? end : end - start);
+    out += prefix(line);
+    out += line;
+    if (end == std::string_view::npos) return out;
+    out += '\n';
+    start = end + 1;
+  }
+}
+
 std::string first_line(const std::string& text) {
   const auto lines = text_lines(text);
   return lines.empty() ? "" : lines.front();

@@ -1,6 +1,7 @@
 // dptrain::Error: the one exception type library code throws; main maps its kind to an exit code.
 #pragma once
 
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -30,7 +31,15 @@ inline constexpr std::string_view kErrorLinePrefix = "dptrain: error: ";
 // The exit code DESIGN.md and dptrain(1) document for each kind.
 int exit_code(ErrorKind kind);
 const char* kind_name(ErrorKind kind);
+// Whether `kind` is a stop's (SIGINT's interrupted or SIGTERM's terminated), not a failure's.
+inline bool is_stop_kind(ErrorKind kind) {
+  return kind == ErrorKind::interrupted || kind == ErrorKind::terminated;
+}
 
+// `text` with `prefix(line)` before each of its lines (a message's lines placed in a file, under a
+// field).
+std::string prefix_lines(std::string_view text,
+                         const std::function<std::string(std::string_view line)>& prefix);
 // The messages in an error's text: its lines, less the indented continuation lines (a log
 // excerpt) that belong to the message above them.
 std::vector<std::string> error_messages(const std::string& text);

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <system_error>
@@ -179,6 +180,23 @@ void write_file_synced(const std::filesystem::path& path, std::span<const std::b
   write_synced(path, content, path);
 }
 
+long temporary_pid(std::string_view entry, std::string_view prefix) {
+  if (!entry.starts_with(prefix) || entry.size() == prefix.size() ||
+      entry.size() > prefix.size() + 9) {
+    return 0;
+  }
+  long pid = 0;
+  for (const char c : entry.substr(prefix.size())) {
+    if (c < '0' || c > '9') return 0;
+    pid = pid * 10 + (c - '0');
+  }
+  return pid;
+}
+
+bool process_alive(long pid) {
+  return pid == ::getpid() || ::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM;
+}
+
 void write_file_atomic(const std::filesystem::path& path, std::string_view content) {
   auto tmp = path;
   tmp += fmt::format(".tmp-{}", ::getpid());
@@ -264,6 +282,11 @@ void check_output_file(const std::string& flag, const std::string& given, std::s
     if (const auto file = file_in_the_way(out)) {
       throw Error(ErrorKind::usage,
                   fmt::format("{} {}: {} is not a directory", flag, given, file->string()));
+    }
+    // One above it this user may not search (EACCES) is not "no such" directory.
+    if (ec && ec != std::errc::no_such_file_or_directory) {
+      throw Error(ErrorKind::usage, fmt::format("{} {}: cannot reach {}: {}", flag, given,
+                                                out.parent_path().string(), ec.message()));
     }
     throw Error(ErrorKind::usage, fmt::format("{} {}: no such directory {}", flag, given,
                                               out.parent_path().string()));

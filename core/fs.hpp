@@ -29,6 +29,11 @@ int read_stoppable(const std::filesystem::path& path, size_t limit, std::string&
 // Writes to a temporary name beside `path`, fsyncs it, renames over `path`, fsyncs the directory.
 // A crash leaves either the old file or the new one, never a torn file.
 void write_file_atomic(const std::filesystem::path& path, std::string_view content);
+// The PID in a temporary's name `PREFIXPID` (write_file_atomic's "NAME.tmp-PID"), or 0 when
+// `entry` is not PREFIX followed by digits alone.
+long temporary_pid(std::string_view entry, std::string_view prefix);
+// Whether process `pid` exists on this machine (this one, or another's it may not signal).
+bool process_alive(long pid);
 // Writes a new file (truncating) and fsyncs it; for files inside a directory that is renamed later.
 void write_file_synced(const std::filesystem::path& path, std::span<const std::byte> content);
 // Appends one line and flushes it to the OS (not fsynced: metrics may lose the last lines in a

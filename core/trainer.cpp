@@ -1764,23 +1764,6 @@ void check_levers(const Recipe& recipe) {
 
 namespace {
 
-// `text` with `prefix` before each of its lines.
-std::string each_line(const std::string& text, const std::string& prefix) {
-  std::string out;
-  size_t start = 0;
-  for (;;) {
-    const size_t end = text.find('\n', start);
-    out += prefix + text.substr(start, end - start);
-    if (end == std::string::npos) return out;
-    out += '\n';
-    start = end + 1;
-  }
-}
-
-}  // namespace
-
-namespace {
-
 void check_runnable_here(const Recipe& recipe, int world_size, int nominal_world) {
   check_has_workers(recipe, world_size);
   check_levers(recipe);
@@ -1795,8 +1778,11 @@ void check_runnable_here(const Recipe& recipe, int world_size, int nominal_world
     // A problem that names its own field (the split's /data/eval_fraction) keeps it; a row's
     // problem starts with the file's path, which may lie under /data/ too.
     const std::string what = e.what();
-    throw Error(ErrorKind::recipe,
-                what.starts_with("/data/eval_fraction: ") ? what : each_line(what, "/data/path: "));
+    throw Error(ErrorKind::recipe, what.starts_with("/data/eval_fraction: ")
+                                       ? what
+                                       : prefix_lines(what, [](std::string_view) {
+                                           return std::string("/data/path: ");
+                                         }));
   }
   DistributedSampler sampler(samples, global_batch(recipe, world_size, nominal_world), recipe.seed);
 }

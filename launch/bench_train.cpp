@@ -696,6 +696,7 @@ BenchRunner job_runner(const JobSpec& spec, const fs::path& sweep_dir, StatusPri
     job.nominal_world = world.world;
     job.nodes = {0, 0};
     job.candidates.clear();
+    job.benchmark = true;
     RunDirectory run = RunDirectory::create(sweep_dir / label, "", recipe.name);
     run.info()["bench"] = {{"benchmark", "train"}, {"world", world.world}, {"label", label}};
     const fs::path console_path = run.path() / "console.log";

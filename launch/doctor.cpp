@@ -288,9 +288,7 @@ class Doctor {
         "put libnccl.so.2 on the library path or set DPTRAIN_NCCL_LIBRARY");
   }
 
-  static bool is_stop(const Error& e) {
-    return e.kind() == ErrorKind::interrupted || e.kind() == ErrorKind::terminated;
-  }
+  static bool is_stop(const Error& e) { return is_stop_kind(e.kind()); }
 
   void survey_hosts() {
     // This executable's hash, for the hosts' version checks (read once, before they run in

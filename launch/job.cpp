@@ -8,6 +8,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -258,25 +259,42 @@ struct GenerationTrace {
   std::map<int, json> beats;  // each rank's last heartbeat, once it began a step
 };
 
+// Calls `use` with generation `generation`'s keys in the store at host:port, over a connection of
+// its own whose requests time out in 2 s (a failure's or a stop's path: a store slow to answer
+// must not hold it); false when the store cannot be reached or a request fails.
+bool with_generation_store(const std::string& host, uint16_t port, const std::string& secret,
+                           int generation, const std::function<void(PrefixStore&)>& use) {
+  try {
+    TcpStoreClient client(host, port, std::chrono::seconds(2), secret);
+    PrefixStore store(fmt::format("gen{}", generation), client);
+    use(store);
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+// Fills `trace` as it reads (a request that fails leaves what was read before it).
+void read_trace(PrefixStore& store, int world, GenerationTrace& trace) {
+  for (int r = 0; r < world; ++r) {
+    if (store.check({sigterm_key(r)})) trace.sigterm_ranks.push_back(r);
+    const auto beat = read_heartbeat(store, r);
+    if (!beat || beat->value("phase", "") == "starting") continue;
+    // A rank still starting (a resume's, before its checkpoint is loaded) says step 0, which is
+    // not where the run is; its beat still tells where it waits.
+    if (beat->value("stepping", true)) {
+      trace.step = std::max(trace.step, beat->value("step", int64_t{-1}));
+    }
+    trace.beats[r] = *beat;
+  }
+}
+
+// The trace, or an empty one (as far as it was read) when the store cannot be read.
 GenerationTrace read_generation_trace(const std::string& addr, uint16_t port,
                                       const std::string& secret, int generation, int world) {
   GenerationTrace trace;
-  try {
-    TcpStoreClient client(addr, port, std::chrono::seconds(2), secret);
-    PrefixStore store(fmt::format("gen{}", generation), client);
-    for (int r = 0; r < world; ++r) {
-      if (store.check({sigterm_key(r)})) trace.sigterm_ranks.push_back(r);
-      const auto beat = read_heartbeat(store, r);
-      if (!beat || beat->value("phase", "") == "starting") continue;
-      // A rank still starting (a resume's, before its checkpoint is loaded) says step 0, which
-      // is not where the run is; its beat still tells where it waits.
-      if (beat->value("stepping", true)) {
-        trace.step = std::max(trace.step, beat->value("step", int64_t{-1}));
-      }
-      trace.beats[r] = *beat;
-    }
-  } catch (const std::exception&) {
-  }
+  with_generation_store(addr, port, secret, generation,
+                        [&](PrefixStore& store) { read_trace(store, world, trace); });
   return trace;
 }
 
@@ -311,10 +329,9 @@ void check_smallest_world(const JobSpec& spec, const RecipeSource& origin) {
 bool mark_peer_failed(const std::string& store, const std::string& secret, int generation) {
   try {
     const auto [host, port] = parse_host_port(store);
-    TcpStoreClient client(host, port, std::chrono::seconds(2), secret);
-    PrefixStore prefixed(fmt::format("gen{}", generation), client);
-    prefixed.set(peer_failed_key(), "1");
-    return true;
+    return with_generation_store(host, port, secret, generation, [](PrefixStore& prefixed) {
+      prefixed.set(peer_failed_key(), "1");
+    });
   } catch (const std::exception&) {
     return false;
   }
@@ -629,8 +646,6 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   };
   // A benchmark's ranks run their own command: there is no recipe to record.
   const bool trains = spec.worker_args.empty();
-  if (trains)
-    write_file_atomic(run.path() / "recipe.json", json_text(to_json(spec.recipe), 2) + "\n");
 
   std::vector<ProcessSpec> procs;
   std::map<std::string, HostSpec> relay_hosts;          // process label -> host
@@ -709,10 +724,24 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   // The run's first run.json must be written before any rank starts (without it there is no
   // run: record_launcher_failure then leaves the directory as a launch takes it again); later
   // generations' are records of a job that goes on, as every write while it runs.
-  if (run.has_record()) {
-    run.record();
-  } else {
+  const bool first_record = !run.has_record();
+  if (first_record) {
     run.save();
+  } else {
+    run.record();
+  }
+  // After run.json: a launch killed before it leaves no recipe.json, which would make the
+  // directory the user's (not a failed start's) to the next launch. One that cannot be written (a
+  // full disk) fails the start: the first run.json goes too, so that the directory takes a
+  // launch again (record_launcher_failure).
+  if (trains) {
+    try {
+      write_file_atomic(run.path() / "recipe.json", json_text(to_json(spec.recipe), 2) + "\n");
+    } catch (const Error&) {
+      std::error_code ec;
+      if (first_record) fs::remove(run.path() / "run.json", ec);
+      throw;
+    }
   }
 
   EventLog no_events;
@@ -917,8 +946,11 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   // grace would read afterwards as one more rank waiting in the collective.
   std::optional<GenerationTrace> at_failure;
   options.on_first_failure = [&] {
-    mark_peer_failed(fmt::format("{}:{}", addr, store.port()), secret, generation);
-    at_failure = read_generation_trace(addr, store.port(), secret, generation, world);
+    // One connection: the failure is marked for the ranks' stop checks, then their beats read.
+    with_generation_store(addr, store.port(), secret, generation, [&](PrefixStore& prefixed) {
+      prefixed.set(peer_failed_key(), "1");
+      read_trace(prefixed, world, at_failure.emplace());
+    });
   };
   options.tick = [&] {
     const auto now = std::chrono::steady_clock::now();
@@ -1006,7 +1038,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     newest = newest_valid_checkpoint(run, spec.recipe, unreachable);
   if (newest) out.last_checkpoint = *newest;
   const auto checkpoint_note = [&]() -> std::string {
-    if (!trains) return "";
+    if (!trains || spec.benchmark) return "";
     if (rank0_remote) {
       const json& recorded = info.value("last_checkpoint", json());
       return recorded.is_object()
@@ -1029,6 +1061,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     if (reached < 0 || (start_step >= 0 && reached <= start_step)) {
       return "every rank stopped before its first step (nothing to checkpoint)" + checkpoint_note();
     }
+    if (spec.benchmark) return "every rank stopped at the end of its step";
     return newest ? fmt::format("every rank checkpointed its last step ({}) and stopped", *newest)
                   : std::string("every rank checkpointed its last step and stopped");
   };
@@ -1175,7 +1208,11 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       // A checkpoint that cannot be written (a full disk) is not cured by a restart.
       if (f.exit_code == 5) out.exit_code = 5;
       out.repeats = f.exit_code == 2;
-      out.rank_killed = f.signal == SIGKILL;
+      if (f.signal == SIGKILL) {
+        for (const auto& k : sup.killed) {
+          if (relay_hosts.find(k.label) == relay_hosts.end()) out.killed_ranks.push_back(k.rank);
+        }
+      }
       for (const auto& p : procs) {
         if (p.label == f.label) log_hint = p.log_file.string();
       }

@@ -66,6 +66,9 @@ struct JobSpec {
   // What every rank runs after the binary instead of the trainer (AgentPlan::worker_args): a
   // benchmark. Rank 0 reports its outcome as a "result" event like the trainer's.
   std::vector<std::string> worker_args;
+  // A benchmark's training run (bench train): never resumed, its checkpoints removed after it, so
+  // its errors name no checkpoint and promise no resume.
+  bool benchmark = false;
   std::chrono::milliseconds hang_timeout{0};  // 0: no hang detection
   EventLog* events = nullptr;                 // the --events stream, if any
   // Told every event of rank 0 as it comes (a benchmark keeps what it measured, for an end
@@ -87,7 +90,10 @@ struct JobOutcome {
   // The newest valid checkpoint in the run directory after the generation (empty: none, or
   // unknown because rank 0 ran on another host).
   std::string last_checkpoint;
-  bool rank_killed = false;  // the failure was a local rank killed by SIGKILL
+  // The local ranks killed by SIGKILL (not by the launcher), when the failure was one of them: each
+  // one's capacity is taken as lost (an elastic job goes on without them).
+  std::vector<int> killed_ranks;
+  bool rank_killed() const { return !killed_ranks.empty(); }
   // The failed rank exited 2: a recipe or data problem, or a diverged training, which a restart
   // from a checkpoint would meet again.
   bool repeats = false;

@@ -329,6 +329,9 @@ RunState run_state(const json& info, const fs::path& dir) {
   return between_generations(info, generations, std::move(state));
 }
 
+// The figures status and report share (defined below).
+json summary_fields(const RunView& run);
+
 namespace {
 
 // The JSON object in `file`; null when it is missing, and also when it is damaged, which
@@ -758,8 +761,10 @@ std::string facts_table(const RunView& run) {
     status += " <span class=\"note\">" + html(run.state.note) + "</span>";
   rows += fact("Status", status);
   const int64_t target = recipe.contains("train") ? integer(recipe["train"], "steps", -1) : -1;
-  const std::string last_step =
-      run.metrics.steps.empty() ? "none logged yet" : std::to_string(run.metrics.steps.back().step);
+  // The step reached, as status and the summary say it (further than the last logged one where
+  // the run failed or checkpointed between two log steps).
+  const json reached = summary_fields(run)["step"];
+  const std::string last_step = reached.is_null() ? "none logged yet" : reached.dump();
   rows += fact("Steps", html(target > 0 ? fmt::format("{} of {}", last_step, target) : last_step));
   rows += fact("World size", html(world_size_text(info)));
   if (!text(info, "backend").empty()) rows += fact("Backend", html(text(info, "backend")));
@@ -801,7 +806,9 @@ std::string facts_table(const RunView& run) {
                            num(json_number(p, "comm"), 3), num(json_number(p, "optimizer"), 3))));
     }
     if (std::isfinite(json_number(r, "peak_rss_mib"))) {
-      rows += fact("Peak memory (rank 0)", html(num(json_number(r, "peak_rss_mib")) + " MiB"));
+      // The trainer's figure is the largest of any rank's (a parameter server's may be larger).
+      rows +=
+          fact("Peak memory (largest rank)", html(num(json_number(r, "peak_rss_mib")) + " MiB"));
     }
     if (!text(r, "params_checksum").empty()) {
       rows += fact("Parameters checksum", "<code>" + html(text(r, "params_checksum")) + "</code>");
@@ -1181,15 +1188,16 @@ RunView load_run(const fs::path& dir, bool verify_checkpoints,
 // status and report show in place of training steps.
 // One that ended before its result (stopped, failed) has its options' ops and sizes (run.json's
 // "benchmark"), which hold no figures: those are null.
-json comm_benchmark(const json& info) {
+json comm_benchmark(const RunView& run) {
+  const json& info = run.info;
   const json result = info.value("result", json());
   const bool finished = result.is_object() && result.value("benchmark", "") == "comm";
   const json from = finished ? result : info.value("benchmark", json());
   if (!from.is_object()) return nullptr;
   // One that measured nothing has no figures at all: null, as avg_busbw; its status is the run's
-  // (its options hold none).
+  // as status(1) judges it (its options hold none): running, or what ended it.
   return {{"benchmark", "comm"},
-          {"status", from.value("status", info.value("status", json()))},
+          {"status", from.value("status", json(run.state.status))},
           {"ops", from.value("ops", json::array())},
           {"min_bytes", from.value("min_bytes", json())},
           {"max_bytes", from.value("max_bytes", json())},
@@ -1210,11 +1218,15 @@ std::string comm_benchmark_text(const json& b) {
   };
   const std::string what = fmt::format("bench comm {} from {} to {}", fmt::join(ops, ", "),
                                        bytes(b["min_bytes"]), bytes(b["max_bytes"]));
-  if (!b["avg_busbw"].is_number()) return what + ": no result (it did not finish)";
-  return fmt::format(
-      "{}: {}avg busbw {:.3g} GB/s, {} wrong element(s)", what,
-      b.value("partial", false) ? "it did not finish; over the sizes it measured, " : "",
-      b["avg_busbw"].get<double>(), b["wrong"].dump());
+  const bool running = b["status"] == "running";
+  if (!b["avg_busbw"].is_number()) {
+    return what + (running ? ": running, no result yet" : ": no result (it did not finish)");
+  }
+  return fmt::format("{}: {}avg busbw {:.3g} GB/s, {} wrong element(s)", what,
+                     !b.value("partial", false) ? ""
+                     : running                  ? "running; over the sizes measured so far, "
+                                                : "it did not finish; over the sizes it measured, ",
+                     b["avg_busbw"].get<double>(), b["wrong"].dump());
 }
 
 json summary_fields(const RunView& run) {
@@ -1241,9 +1253,12 @@ json summary_fields(const RunView& run) {
   const EvalMetrics* eval = last_eval(run);
   double eval_loss = eval ? eval->loss : kNoValue;
   double eval_accuracy = eval ? eval->accuracy : kNoValue;
+  json eval_step = eval ? json(eval->step) : json(nullptr);
+  // The final evaluation's, at the run's last step (also where metrics.jsonl lost its line).
   if (run.result.is_object() && std::isfinite(json_number(run.result, "eval_loss"))) {
     eval_loss = json_number(run.result, "eval_loss");
     eval_accuracy = json_number(run.result, "eval_accuracy");
+    eval_step = integer_or_null(run.result, "steps");
   }
   const std::string checkpoint = last_checkpoint_name(run);
   json last_checkpoint =
@@ -1270,6 +1285,7 @@ json summary_fields(const RunView& run) {
            run.result.is_object() ? or_null(json_number(run.result, "final_loss")) : json(nullptr)},
           {"eval_loss", or_null(eval_loss)},
           {"eval_accuracy", or_null(eval_accuracy)},
+          {"eval_step", eval_step},
           {"last_checkpoint", last_checkpoint},
           {"last_checkpoint_host", checkpoint_host},
           // Those a resume may use (not another recipe's); the ones it set aside (they failed
@@ -1282,7 +1298,7 @@ json summary_fields(const RunView& run) {
                                                   [](const auto& c) { return c.set_aside; })},
           {"restarts", array_at(run.info, "restarts").size()},
           {"world_size_changes", array_at(run.info, "world_size_changes").size()},
-          {"benchmark", comm_benchmark(run.info)}};
+          {"benchmark", comm_benchmark(run)}};
 }
 
 // A running resume or restart whose ranks have not met yet (no met_at in its record): the step
@@ -1350,9 +1366,7 @@ std::string status_text(const RunView& run) {
     std::string loss = s["loss"].is_null() ? "-" : loss_num(s["loss"].get<double>());
     if (!s["eval_loss"].is_null()) {
       loss += fmt::format(" (eval {}{})", loss_num(s["eval_loss"].get<double>()),
-                          run.metrics.evals.empty()
-                              ? ""
-                              : fmt::format(" at step {}", run.metrics.evals.back().step));
+                          s["eval_step"].is_null() ? "" : " at step " + s["eval_step"].dump());
     }
     row("loss", loss);
   }
@@ -1409,14 +1423,15 @@ std::string report_html(const RunView& run) {
   }
   body += "<h2>Run</h2>\n" + facts_table(run);
 
-  const json bench = comm_benchmark(info);
+  const json bench = comm_benchmark(run);
   if (!bench.is_null()) {
     // The benchmark's own table (nccl-tests' format), as it printed it.
     std::string table;
     try {
       table = read_file(run.dir / "table.txt");
     } catch (const Error&) {
-      table = "(table.txt is missing)";
+      table = run.state.status == "running" ? "(the table is written when the benchmark ends)"
+                                            : "(table.txt is missing)";
     }
     body += "<h2>Benchmark</h2>\n<p>" + html(comm_benchmark_text(bench)) + "</p>\n<pre>" +
             html(table) + "</pre>\n";

@@ -87,14 +87,17 @@ void record_world_size_change(RunDirectory& run, const JobSpec& spec, StatusPrin
 // SIGKILL) and fewer than its minimum would remain; empty when it can. Known at once: no wait
 // brings the rank back.
 std::string too_few_after_lost_rank(const JobSpec& spec, const JobOutcome* failed) {
-  if (!spec.candidates.empty() || failed == nullptr || !failed->rank_killed ||
-      !spec.nodes.elastic() || spec.world_size - 1 >= spec.nodes.min) {
+  if (!spec.candidates.empty() || failed == nullptr || !failed->rank_killed() ||
+      !spec.nodes.elastic()) {
     return {};
   }
+  const int lost = static_cast<int>(failed->killed_ranks.size());
+  if (spec.world_size - lost >= spec.nodes.min) return {};
   return fmt::format(
-      "a rank was lost (killed by SIGKILL) and only {} would remain, fewer than the minimum of {} "
+      "{} lost (killed by SIGKILL) and only {} would remain, fewer than the minimum of {} "
       "(--nproc {}:{})",
-      spec.world_size - 1, spec.nodes.min, spec.nodes.min, spec.nodes.max);
+      lost == 1 ? "a rank was" : fmt::format("{} ranks were", lost), spec.world_size - lost,
+      spec.nodes.min, spec.nodes.min, spec.nodes.max);
 }
 
 // Chooses the hosts (or local ranks) of the next generation of an elastic job.
@@ -147,15 +150,17 @@ Placed place_generation(RunDirectory& run, JobSpec& spec, StatusPrinter& status,
     }
     spec.hosts = sel.hosts;
     spec.world_size = total_slots(spec.hosts);
-  } else if (failed != nullptr && failed->rank_killed && spec.nodes.elastic()) {
+  } else if (failed != nullptr && failed->rank_killed() && spec.nodes.elastic()) {
     if (std::string too_few = too_few_after_lost_rank(spec, failed); !too_few.empty()) {
       return {std::move(too_few), json()};
     }
-    --spec.world_size;
-    absent.push_back(fmt::format(
-        "rank {}: killed by SIGKILL (the OOM killer, a cgroup limit or a scheduler): its "
-        "capacity is taken as lost",
-        failed->failed_rank));
+    spec.world_size -= static_cast<int>(failed->killed_ranks.size());
+    for (const int rank : failed->killed_ranks) {
+      absent.push_back(fmt::format(
+          "rank {}: killed by SIGKILL (the OOM killer, a cgroup limit or a scheduler): its "
+          "capacity is taken as lost",
+          rank));
+    }
   }
   if (spec.world_size == before) return {};
   const int64_t batch = global_batch(spec.recipe, spec.world_size, spec.nominal_world);
@@ -237,7 +242,7 @@ bool leave_out(JobSpec& spec, const JobOutcome& refused) {
 // Too few hosts or ranks are left for the next generation.
 JobOutcome failed_placement(RunDirectory& run, JobOutcome outcome, const std::string& error,
                             const std::string& cause) {
-  outcome.exit_code = outcome.rank_killed ? 3 : 4;
+  outcome.exit_code = outcome.rank_killed() ? 3 : 4;
   outcome.status = "failed";
   outcome.resized = false;
   outcome.error = cause.empty() ? error : error + "\n  (the failure before: " + cause + ")";
@@ -504,8 +509,7 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
       from = next_generation_source(run, spec, status, from_name);
     } catch (const Error& e) {
       // A stop while the checkpoints were verified: stopped as during the back-off.
-      if (const int stop = pending_stop_signal();
-          stop != 0 && (e.kind() == ErrorKind::terminated || e.kind() == ErrorKind::interrupted)) {
+      if (const int stop = pending_stop_signal(); stop != 0 && is_stop_kind(e.kind())) {
         return finish(stopped_waiting(run, outcome, stop));
       }
       // The newest checkpoint is out of reach: the generation's failure stays the message's

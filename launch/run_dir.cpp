@@ -98,12 +98,24 @@ void check_path_room(const fs::path& dir, const char* option) {
                           PATH_MAX));
 }
 
-// Nothing in `dir` but what a start that failed before its run.json leaves: the lock and empty
-// logs/ and checkpoints/. Anything else (another run's checkpoints, the user's files) is not ours.
+// A temporary write_file_atomic left beside one of the run's own files ("run.json.tmp-PID") when
+// its process was killed between writing and renaming it: that process is gone from this machine.
+bool dead_run_temporary(const std::string& name) {
+  for (const std::string_view own : {"run.json", "recipe.json", "result.json"}) {
+    if (const long pid = temporary_pid(name, fmt::format("{}.tmp-", own))) {
+      return !process_alive(pid);
+    }
+  }
+  return false;
+}
+
+// Nothing in `dir` but what a start that failed before its run.json leaves: the lock, empty logs/
+// and checkpoints/, and the temporaries of a launch killed as it wrote its first files. Anything
+// else (another run's checkpoints, the user's files) is not ours.
 std::optional<std::string> foreign_entry(const fs::path& dir) {
   return unclaimed_entry(dir, [](const fs::directory_entry& entry) {
     const std::string name = entry.path().filename().string();
-    if (name == kLockFile) return true;
+    if (name == kLockFile || dead_run_temporary(name)) return true;
     if (name != "logs" && name != "checkpoints") return false;
     std::error_code ec;
     const bool empty = entry.is_directory(ec) && fs::is_empty(entry.path(), ec);
@@ -128,10 +140,14 @@ nlohmann::json read_run_json(const fs::path& dir) {
   const fs::path file = dir / "run.json";
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) {
+    // A directory above it this user may not search (EACCES) is not "no such" one.
+    const bool unreachable =
+        ec && ec != std::errc::no_such_file_or_directory && ec != std::errc::not_a_directory;
     throw Error(ErrorKind::usage,
                 fmt::format("{}: {}", printable(dir.string()),
-                            fs::exists(dir, ec) ? "not a run directory (not a directory)"
-                                                : "no such run directory"));
+                            unreachable           ? "cannot be read: " + ec.message()
+                            : fs::exists(dir, ec) ? "not a run directory (not a directory)"
+                                                  : "no such run directory"));
   }
   // A pipe would block the reader; a directory is no run's record.
   if (const char* kind = non_regular_kind(fs::status(file, ec))) {
@@ -664,7 +680,18 @@ void RunDirectory::lock() {
     if (attempt > 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
     lock_ = try_lock_run(path_);
   }
-  if (lock_) return;
+  if (lock_) {
+    // Held: what a dptrain killed while it wrote the run's files left is no one's (the next write
+    // makes its own).
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(path_, ec)) {
+      if (dead_run_temporary(entry.path().filename().string())) {
+        std::error_code rm_ec;
+        fs::remove(entry.path(), rm_ec);
+      }
+    }
+    return;
+  }
   // The process that holds the lock, as it wrote itself into the lock file: a launcher, a
   // resume, or the rank 0 of workers started by hand into it.
   std::string who;

@@ -460,7 +460,12 @@ class Supervision {
       c.exited = true;
       c.status = status;
       const bool clean = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-      // Ranks stopped by our own SIGTERM/SIGKILL are casualties, not the cause.
+      // Ranks stopped by our own SIGTERM/SIGKILL are casualties, not the cause. One killed by
+      // SIGKILL before this sent any was not (the OOM killer, a scheduler), also when it died a
+      // moment after the failure that began the stop (two ranks struck at once).
+      if (!clean && !kill_sent_ && WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) {
+        result.killed.push_back(process_exit(*c.spec, c.pid, true, status));
+      }
       if (!clean && !stopping_signalled_ && result.stop_signal == 0) {
         ProcessFailure f;
         static_cast<ProcessExit&>(f) = process_exit(*c.spec, c.pid, true, status);
@@ -499,6 +504,7 @@ class Supervision {
 
   void signal_all(int sig) {
     stopping_signalled_ = true;
+    if (sig == SIGKILL) kill_sent_ = true;
     for (auto& c : children_) {
       if (c.exited) continue;
       ::kill(-c.pid, sig);
@@ -523,6 +529,7 @@ class Supervision {
   const SupervisorOptions& options_;
   std::vector<Child> children_;
   bool stopping_signalled_ = false;
+  bool kill_sent_ = false;  // SIGKILL sent to the processes (a stop's end)
   bool stop_fd_closed_ = false;
   int stop_fd_signal_ = 0;  // the stop the first line on stop_fd asked for
   int stop_fd_interrupts_ = 0;
@@ -590,7 +597,7 @@ int pending_stop_signal() {
 
 ErrorKind kind_after_stop(ErrorKind kind) {
   const int sig = pending_stop_signal();
-  if (sig == 0 || kind == ErrorKind::interrupted || kind == ErrorKind::terminated) return kind;
+  if (sig == 0 || is_stop_kind(kind)) return kind;
   return sig == SIGINT ? ErrorKind::interrupted : ErrorKind::terminated;
 }
 

@@ -62,6 +62,9 @@ struct SupervisionResult {
   // running out: where the ranks were then says nothing of a rank that could not stop.
   bool killed_at_once = false;
   std::vector<ProcessExit> exits;  // every process, in the order given
+  // The processes killed by SIGKILL before the launcher sent any (the OOM killer, a scheduler),
+  // in the order they were reaped; `failure`'s among them when it was one.
+  std::vector<ProcessExit> killed;
   bool ok() const { return !failure && stop_signal == 0 && watchdog.empty() && requested.empty(); }
 };
 

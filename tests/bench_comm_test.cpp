@@ -57,7 +57,7 @@ TEST_CASE("bench comm --nproc 2 --json: rows from 1K to 64K, checked, busbw = al
   const auto r = bench(tmp, {"--nproc", "2", "-b", "1K", "-e", "64K", "-f", "4", "--json"});
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   const json j = parse_json(r.out);  // exactly one JSON object on stdout
-  CHECK(j["status"] == "ok");
+  CHECK(j["status"] == "completed");
   CHECK(j["exit_code"] == 0);
   CHECK(j["ranks"] == 2);
   CHECK(j["hosts"] == 1);
@@ -349,6 +349,11 @@ TEST_CASE("bench comm: DPTRAIN_FAULT counts each measurement as a step") {
     }));
     const auto report = run_dptrain({"report", run.string(), "--json"});
     CHECK(parse_json(report.out)["status"] == "running");
+    // Running: not "did not finish" (what a partial result says once the benchmark has ended).
+    const auto running = run_dptrain({"status", run.string()});
+    CHECK_MESSAGE(contains(running.out, "bench comm allreduce from 1.0 KiB to 4.0 KiB: running"),
+                  running.out);
+    CHECK_FALSE(contains(running.out, "did not finish"));
     kill(launcher.pid(), SIGTERM);
     CHECK(launcher.wait(std::chrono::seconds(60)) == 143);
     // The one size measured before the hang is printed, as a partial table.
@@ -396,6 +401,10 @@ TEST_CASE("bench comm --nproc 1: nothing leaves the one rank, so every busbw is 
   TempDir tmp;
   const auto r = bench(tmp, {"-b", "4K", "-e", "4K", "--op", "allreduce,broadcast", "--json"});
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  // The default of one rank is said (-n is --iters here, not a rank count).
+  CHECK(contains(r.err,
+                 "bench comm: note: 1 rank (--nproc's default): no collective moves data "
+                 "between ranks, so every busbw is 0; give --nproc N for N ranks"));
   const json j = parse_json(r.out);
   CHECK(j["ranks"] == 1);
   REQUIRE(j["rows"].size() == 2);
@@ -495,7 +504,7 @@ TEST_CASE("bench comm: a bad flag exits 2 naming it and creates nothing") {
                                 "--min-busbw", "0", "--json"});
   INFO(zero.err);
   CHECK(zero.exit_code == 0);
-  CHECK(parse_json(zero.out)["status"] == "ok");
+  CHECK(parse_json(zero.out)["status"] == "completed");
 }
 
 TEST_CASE("bench comm --backend nccl where NCCL cannot be used: exit 3, one line with the reason") {

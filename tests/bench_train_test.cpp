@@ -106,8 +106,15 @@ TEST_CASE("bench train quickstart --nproc 1,2 --json --svg: a row per world, all
   }
   CHECK(j["rows"][0]["efficiency"].get<double>() == 1.0);
   // The sweep's report is kept beside its runs.
-  const json kept = parse_json(read_text(fs::path(j["run_dir"].get<std::string>()) / "bench.json"));
+  const fs::path sweep = j["run_dir"].get<std::string>();
+  const json kept = parse_json(read_text(sweep / "bench.json"));
   CHECK(kept["rows"] == j["rows"]);
+  // A report of one of its runs does not replace the sweep's files.
+  const auto over =
+      run_dptrain({"report", (sweep / "w1").string(), "--out", (sweep / "bench.json").string()});
+  CHECK(over.exit_code == 2);
+  CHECK(contains(over.err, "inside the bench train sweep " + sweep.string()));
+  CHECK(parse_json(read_text(sweep / "bench.json")) == kept);
 
   REQUIRE(fs::exists(svg));
   const std::string chart = read_text(svg);
@@ -596,6 +603,12 @@ TEST_CASE("a stop during a run: exit 130 or 143, no checkpoint kept, no pointer 
     const json recorded = parse_json(read_text(sweep / "w1/run.json"));
     CHECK_FALSE(recorded.contains("last_checkpoint"));
     CHECK(recorded["status"] == out["status"]);
+    // Nor does the error it records name one, or a resume (status shows it).
+    const std::string error = recorded.value("error", "");
+    const bool names_checkpoint =
+        contains(error, "checkpoint") && !contains(error, "nothing to checkpoint");
+    CHECK_MESSAGE(!names_checkpoint, error);
+    CHECK_MESSAGE(!contains(error, "resume"), error);
     // Its world's directory is a benchmark's, not a run to train to its end: resume refuses it.
     const auto resumed = run_dptrain({"resume", (sweep / "w1").string()});
     CHECK(resumed.exit_code == 2);

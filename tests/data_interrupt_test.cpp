@@ -264,9 +264,7 @@ TEST_CASE("data prepare puts back the dataset a killed --force prepare was repla
               .exit_code == 0);
   // A --force prepare killed between its two renames: the old dataset set aside, no new one yet.
   // Its pid: a child that has exited and been reaped.
-  const pid_t gone = ::fork();
-  if (gone == 0) ::_exit(0);
-  REQUIRE(::waitpid(gone, nullptr, 0) == gone);
+  const pid_t gone = gone_pid();
   const fs::path old = tmp / (".ds.old-" + std::to_string(gone));
   fs::rename(out, old);
   fs::create_directories(tmp / (".ds.tmp-" + std::to_string(gone)));

@@ -1,6 +1,7 @@
 // A full disk on a real small filesystem: a tmpfs mounted in a user + mount namespace
 // (`unshare -Urm`, no real root needed, nothing left mounted) that holds two checkpoints of the
-// run but not a third; one with no room for run.json; one that fills while the ranks train.
+// run but not a third; one with no room for the run's first files; one that fills while the ranks
+// train.
 #include <doctest/doctest.h>
 
 #include <sys/wait.h>
@@ -180,7 +181,8 @@ TEST_CASE("a full disk during a checkpoint write: exit 5, one clear error, previ
 
 namespace {
 
-// A disk with no room for run.json at the start, then one that fills while the ranks train.
+// A disk with no room for the run's first files at the start, then one that fills while the ranks
+// train.
 constexpr const char* kRunJsonScript = R"(set -u
 bin=$1 short=$2 long=$3 out=$4
 mnt=$out/mnt
@@ -211,7 +213,8 @@ exit 0
 }  // namespace
 
 TEST_CASE(
-    "no room for run.json: a start leaves a directory a launch takes again; mid-run, the "
+    "no room for the run's first files: a start leaves a directory a launch takes again; mid-run, "
+    "the "
     "ranks' error is the one reported") {
   TempDir tmp;
   auto long_recipe = small_recipe();
@@ -238,7 +241,7 @@ TEST_CASE(
   CHECK(nonempty_lines(first_err) ==
         std::vector<std::string>{
             "dptrain: run directory: " + run + " (nothing was started: a launch may use it again)",
-            "dptrain: error: " + run + "/run.json: cannot write: No space left on device"});
+            "dptrain: error: " + run + "/recipe.json: cannot write: No space left on device"});
   CHECK(nonempty_lines(read_text(out / "first-ls.txt")) ==
         std::vector<std::string>{".lock", "checkpoints", "logs"});
   INFO("again:\n", read_text(out / "again.err"));

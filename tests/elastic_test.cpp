@@ -487,6 +487,43 @@ TEST_CASE("--nproc 1:2: a rank killed by SIGKILL is capacity lost; the job goes 
   CHECK(parse_json(resumed.out)["world_size"] == 3);
 }
 
+TEST_CASE("two ranks killed by SIGKILL at once are two ranks' capacity lost") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), elastic_recipe());
+  // Both die at step 30's start; whichever the launcher reaps first, the other is no casualty of
+  // its stop (the launcher sent no SIGKILL).
+  const std::map<std::string, std::string> fault = {
+      {"DPTRAIN_FAULT", "crash@step=30,rank=1,gen=1;crash@step=30,rank=2,gen=1"}};
+  const auto r = run_dptrain({"launch", recipe.string(), "--nproc", "1:3", "--run-dir",
+                              (tmp / "one").string(), "--max-restarts", "2", "--restart-backoff",
+                              "0.1", "--events", (tmp / "events.jsonl").string()},
+                             fault);
+  INFO(r.err, r.out);
+  REQUIRE(r.exit_code == 0);
+  CHECK(contains(r.out, "world size 3 -> 1; global batch"));
+  const auto changes = events_named(tmp / "events.jsonl", "world_size_changed");
+  REQUIRE(changes.size() == 1);
+  CHECK(changes[0]["to"] == 1);
+  REQUIRE(changes[0]["lost"].size() == 2);
+  for (const auto& lost : changes[0]["lost"]) {
+    CHECK(contains(lost.get<std::string>(), "killed by SIGKILL"));
+  }
+  CHECK(contains(changes[0]["lost"].dump(), "rank 1: "));
+  CHECK(contains(changes[0]["lost"].dump(), "rank 2: "));
+
+  // With a minimum of 2 that leaves too few: said at once, naming both.
+  const auto floor =
+      run_dptrain({"launch", recipe.string(), "--nproc", "2:3", "--run-dir",
+                   (tmp / "floor").string(), "--max-restarts", "2", "--restart-backoff", "0.1"},
+                  fault);
+  INFO(floor.err);
+  CHECK(floor.exit_code == 3);
+  CHECK(contains(floor.err,
+                 "2 ranks were lost (killed by SIGKILL) and only 1 would remain, fewer "
+                 "than the minimum of 2 (--nproc 2:3)"));
+  CHECK_FALSE(contains(floor.out + floor.err, "(attempt 1/2)"));
+}
+
 TEST_CASE("--nproc and --nnodes ranges are checked") {
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), small_recipe());

@@ -297,6 +297,13 @@ bool catches_signal(pid_t pid, int sig) {
   return false;
 }
 
+pid_t gone_pid() {
+  const pid_t gone = ::fork();
+  if (gone == 0) ::_exit(0);
+  if (gone < 0 || ::waitpid(gone, nullptr, 0) != gone) throw std::runtime_error("fork failed");
+  return gone;
+}
+
 bool process_alive(pid_t pid) {
   std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
   if (!stat) return false;

@@ -92,6 +92,8 @@ std::vector<nlohmann::json> read_jsonl(const std::filesystem::path& path);
 bool eventually(const std::function<bool()>& condition,
                 std::chrono::milliseconds timeout = std::chrono::seconds(60));
 bool process_alive(pid_t pid);  // exists and is not a zombie
+// The pid of a child that has exited and been reaped: a process killed before it could clean up.
+pid_t gone_pid();
 // Whether `pid` is dptrain itself (not the test's fork before its exec) and has a handler for
 // `sig` in place (its SigCgt mask in /proc): a signal sent then reaches the command's own code.
 bool catches_signal(pid_t pid, int sig);

@@ -419,6 +419,18 @@ TEST_CASE("status: the step reached is at least that of the newest checkpoint th
   REQUIRE(run_dptrain(
               {"launch", write_recipe(tmp.path(), recipe).string(), "--run-dir", run_dir.string()})
               .exit_code == 0);
+  // The final evaluation's line lost from metrics.jsonl: result.json's eval loss is said at the
+  // run's last step, not at the step of the last eval line left (30).
+  std::string metrics = read_text(run_dir / "metrics.jsonl");
+  const size_t last_line = metrics.rfind('\n', metrics.size() - 2);
+  REQUIRE(contains(metrics.substr(last_line), "\"eval_loss\""));
+  write_text(run_dir / "metrics.jsonl", metrics.substr(0, last_line + 1));
+  const json done = parse_json(run_dptrain({"status", run_dir.string(), "--json"}).out);
+  CHECK(done["eval_step"] == 60);
+  const std::string said = run_dptrain({"status", run_dir.string()}).out;
+  CHECK(contains(said, " at step 60)"));
+  CHECK_FALSE(contains(said, " at step 30)"));
+
   // As a launcher killed at once leaves a run that checkpoints more often than it logs: no step
   // logged nor recorded, a checkpoint of step 60.
   json info = parse_json(read_text(run_dir / "run.json"));
@@ -432,6 +444,9 @@ TEST_CASE("status: the step reached is at least that of the newest checkpoint th
   CHECK(status["step"] == 60);
   CHECK(status["last_checkpoint"] == (run_dir / "checkpoints/step-000060").string());
   CHECK(contains(run_dptrain({"status", run_dir.string()}).out, "step         60 of 60"));
+  // The report's facts say the same.
+  REQUIRE(run_dptrain({"report", run_dir.string()}).exit_code == 0);
+  CHECK(contains(read_text(run_dir / "report.html"), "<th>Steps</th><td>60 of 60</td>"));
 }
 
 namespace {
@@ -905,6 +920,15 @@ TEST_CASE("report and status of what is not a run: exit 2 naming it") {
   CHECK(contains(link.err, "link.html: is a symbolic link, not a regular file"));
   CHECK(fs::is_symlink(tmp / "link.html"));
   CHECK(read_text(tmp / "target.html") == "kept");
+  // So is one where the report goes without --out.
+  fs::remove(tmp / "ok/report.html");
+  fs::create_symlink(tmp / "target.html", tmp / "ok/report.html");
+  auto default_link = run_dptrain({"report", (tmp / "ok").string()});
+  CHECK(default_link.exit_code == 2);
+  CHECK(contains(default_link.err, "report.html: is a symbolic link, not a regular file"));
+  CHECK(fs::is_symlink(tmp / "ok/report.html"));
+  CHECK(read_text(tmp / "target.html") == "kept");
+  fs::remove(tmp / "ok/report.html");
   // Pipes where a run's files belong are never opened (a reader would wait for a writer).
   REQUIRE(::mkfifo((tmp / "ok/metrics.jsonl").c_str(), 0600) == 0);
   fs::create_directories(tmp / "ok/checkpoints/step-000010");

@@ -535,6 +535,31 @@ TEST_CASE("a newest checkpoint out of reach (a permission) stops resume: nothing
     CHECK(seen["unreadable"] == nlohmann::json{unreadable_meta});
     if (command == "report") CHECK(seen["checkpoints_failed"] == 0);
   }
+  fs::permissions(ck / "step-000120/meta.json", fs::perms::owner_read | fs::perms::owner_write);
+
+  // checkpoints/ that takes no writes is found before any step is trained in vain.
+  const std::string before = read_text(run_dir / "run.json");
+  fs::permissions(ck, fs::perms::owner_read | fs::perms::owner_exec);
+  CHECK(run_as_owner("resume '" + run_dir.string() + "'") == 2);
+  fs::permissions(ck, fs::perms::owner_all);
+  CHECK(read_text(tmp / "err") == "dptrain: error: " + run_dir.string() +
+                                      ": cannot resume it here: checkpoints/ takes no writes "
+                                      "(Permission denied)\n");
+  CHECK(read_text(run_dir / "run.json") == before);
+
+  // A directory this user may not search is not "no such" run directory or --out directory.
+  const fs::path closed = tmp / "closed";
+  fs::create_directories(closed / "run");
+  fs::permissions(closed, fs::perms::none);
+  CHECK(run_as_owner("status '" + (closed / "run").string() + "'") == 2);
+  CHECK(read_text(tmp / "err") ==
+        "dptrain: error: " + (closed / "run").string() + ": cannot be read: Permission denied\n");
+  CHECK(run_as_owner("report '" + run_dir.string() + "' --out '" +
+                     (closed / "run/r.html").string() + "'") == 2);
+  CHECK(read_text(tmp / "err") == "dptrain: error: --out " + (closed / "run/r.html").string() +
+                                      ": cannot reach " + (closed / "run").string() +
+                                      ": Permission denied\n");
+  fs::permissions(closed, fs::perms::owner_all);
 }
 
 TEST_CASE("a restart that meets its checkpoint out of reach stops, keeping the failure's cause") {
@@ -1162,6 +1187,37 @@ TEST_CASE("launch claims its run directory: no foreign files, and racing launche
   CHECK_FALSE(fs::exists(fresh));
   fs::create_directories(fresh / "logs");  // what an older failed start left: still usable
   CHECK(run_dptrain({"launch", recipe.string(), "--run-dir", fresh.string()}).exit_code == 0);
+
+  // A launch killed (SIGKILL) as it wrote its first run.json: its lock, empty logs/ and
+  // checkpoints/, and its temporaries. The directory takes a launch, which removes them.
+  const fs::path killed = tmp / "killed";
+  fs::create_directories(killed / "logs");
+  fs::create_directories(killed / "checkpoints");
+  write_text(killed / ".lock", "");
+  const std::string dead = std::to_string(gone_pid());
+  write_text(killed / ("run.json.tmp-" + dead), "{}");
+  write_text(killed / ("recipe.json.tmp-" + dead), "{}");
+  // One whose process lives is another's (or a user's file): refused, naming it.
+  const std::string live = "run.json.tmp-" + std::to_string(::getpid());
+  write_text(killed / live, "{}");
+  auto live_refused = run_dptrain({"launch", recipe.string(), "--run-dir", killed.string()});
+  CHECK(live_refused.exit_code == 2);
+  CHECK(contains(live_refused.err, "holds '" + live + "' but no run.json"));
+  fs::remove(killed / live);
+  // (Its run fails at step 50, for the resume below.)
+  auto reused = run_dptrain({"launch", recipe.string(), "--run-dir", killed.string()},
+                            {{"DPTRAIN_FAULT", "exit@step=50,code=7"}});
+  INFO(reused.err);
+  CHECK(reused.exit_code == 3);
+  CHECK_FALSE(fs::exists(killed / ("run.json.tmp-" + dead)));
+  CHECK_FALSE(fs::exists(killed / ("recipe.json.tmp-" + dead)));
+  // A resume sweeps such leftovers too (a launcher killed between writing run.json and renaming
+  // it, mid-run).
+  write_text(killed / ("run.json.tmp-" + dead), "{}");
+  write_text(killed / ("result.json.tmp-" + dead), "{}");
+  CHECK(run_dptrain({"resume", killed.string()}).exit_code == 0);
+  CHECK_FALSE(fs::exists(killed / ("run.json.tmp-" + dead)));
+  CHECK_FALSE(fs::exists(killed / ("result.json.tmp-" + dead)));
 
   // Two launches of one recipe at once under one --runs-root: two run directories, two runs.
   const fs::path root = tmp / "race";

@@ -474,10 +474,24 @@ size_t dtype_size(BenchDtype dtype) {
 }
 
 BenchDtype parse_dtype(const std::string& text, const std::string& flag) {
+  // nccl-tests' names (float, half, bfloat16) and a recipe's precisions (fp32, fp16, bf16) too.
+  struct Alias {
+    const char* name;
+    BenchDtype dtype;
+  };
+  static constexpr Alias kAliases[] = {{"float32", BenchDtype::float32},
+                                       {"fp32", BenchDtype::float32},
+                                       {"float16", BenchDtype::float16},
+                                       {"fp16", BenchDtype::float16},
+                                       {"bfloat16", BenchDtype::bfloat16}};
   std::vector<std::string> known;
   for (BenchDtype dtype : kAllDtypes) {
     if (text == dtype_name(dtype)) return dtype;
     known.emplace_back(dtype_name(dtype));
+  }
+  for (const Alias& alias : kAliases) {
+    if (text == alias.name) return alias.dtype;
+    known.emplace_back(alias.name);
   }
   throw Error(ErrorKind::usage,
               fmt::format("{}: unknown element type '{}' (use float, half or bf16){}", flag, text,

@@ -181,6 +181,13 @@ TEST_CASE("names: collectives, element types, reductions; unknown ones name the 
                        doctest::Contains("unknown collective ''"), Error);
   CHECK(parse_dtype("bf16", "-d") == BenchDtype::bfloat16);
   CHECK(parse_dtype("half", "-d") == BenchDtype::float16);
+  // nccl-tests' and the recipes' names of the same types.
+  CHECK(parse_dtype("bfloat16", "-d") == BenchDtype::bfloat16);
+  CHECK(parse_dtype("fp16", "-d") == BenchDtype::float16);
+  CHECK(parse_dtype("float16", "-d") == BenchDtype::float16);
+  CHECK(parse_dtype("fp32", "-d") == BenchDtype::float32);
+  CHECK(parse_dtype("float32", "-d") == BenchDtype::float32);
+  CHECK_THROWS_WITH_AS(parse_dtype("fb16", "-d"), doctest::Contains("did you mean 'fp16'?"), Error);
   CHECK(std::string(dtype_table_name(BenchDtype::bfloat16)) == "bfloat16");
   CHECK(std::string(dtype_table_name(BenchDtype::float16)) == "half");
   CHECK(dtype_size(BenchDtype::float32) == 4);
