@@ -238,7 +238,8 @@ void setup_launch(CLI::App& app, Outcome& outcome) {
   app.add_option("-n,--nproc", o->nproc,
                  "Number of local ranks (default 1; not with --hosts); MIN:MAX makes the job "
                  "elastic: a rank killed by SIGKILL is capacity lost, and the job continues "
-                 "(restarts, --max-restarts) with one rank fewer while at least MIN remain");
+                 "(restarts, --max-restarts) with one rank fewer per rank so killed while at least "
+                 "MIN remain");
   app.add_option("--nnodes", o->nnodes,
                  "With --hosts: use N hosts, or MIN:MAX for an elastic job that continues on "
                  "the hosts that answer (at least MIN) when a host is lost; hosts after the "

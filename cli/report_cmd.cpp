@@ -33,13 +33,21 @@ struct StatusOptions {
   bool json = false;
 };
 
-// Whether `dir` is a `bench train` sweep's directory: its bench.json is the sweep's result.
+// Whether `dir` is a `bench train` sweep's directory: its bench.json is the sweep's result, which
+// names the sweep's directory as its run_dir (a copy of `bench train --json` kept elsewhere names
+// another).
 bool bench_sweep_dir(const fs::path& dir) {
   std::error_code ec;
   if (!fs::is_regular_file(dir / "bench.json", ec)) return false;
   try {
     const nlohmann::json j = parse_json(read_file(dir / "bench.json"), false);
-    return j.is_object() && j.value("benchmark", nlohmann::json()) == "train";
+    if (!j.is_object() || j.value("benchmark", nlohmann::json()) != "train") return false;
+    const nlohmann::json run_dir = j.value("run_dir", nlohmann::json());
+    if (!run_dir.is_string()) return false;
+    std::error_code here_ec;
+    const fs::path named = fs::weakly_canonical(run_dir.get<std::string>(), ec);
+    const fs::path here = fs::weakly_canonical(dir, here_ec);
+    return !ec && !here_ec && named == here;
   } catch (const Error&) {
     return false;  // unreadable: not known to be one
   }

@@ -301,6 +301,8 @@ int start_resume(const ResumeOptions& o, bool& events_opened, Outcome& outcome) 
                             "here once its stamp is in the past and status calls it stale",
                             o.run_dir, state.note));
   }
+  // No launcher drives it, here or elsewhere: what a killed one left half-written is no one's.
+  run.remove_dead_temporaries();
   events_opened = true;
   const auto events = open_events(o.restart, o.json, o.run_dir);
   try {

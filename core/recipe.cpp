@@ -141,15 +141,14 @@ Verdict convert(const json& value, double& out) {
   return std::nullopt;
 }
 
-// From 2^52 on, a number written with a fraction or an exponent need not be the number written:
-// every double there is an integer (4503599627370497.5 reads as ...498), and from 2^53 on not
-// every integer is a double (9007199254740993.0 reads as 2^53). Refused, not changed in silence.
+// From 2^53 on, a number written with a fraction or an exponent need not be the integer written
+// (9007199254740993.0 reads as 2^53): refused, not changed in silence.
 Verdict inexact_integer(const json& value) {
-  constexpr double kTwoTo52 = 4503599627370496.0;
-  if (!value.is_number_float() || std::fabs(value.get<double>()) < kTwoTo52) {
+  constexpr double kTwoTo53 = 9007199254740992.0;
+  if (!value.is_number_float() || std::fabs(value.get<double>()) < kTwoTo53) {
     return std::nullopt;
   }
-  return "an integer written with a fraction or an exponent is exact only below 2^52 (this one "
+  return "an integer written with a fraction or an exponent is exact only below 2^53 (this one "
          "reads as " +
          describe(value) + "): write its digits alone";
 }

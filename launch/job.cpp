@@ -948,7 +948,10 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   options.on_first_failure = [&] {
     // One connection: the failure is marked for the ranks' stop checks, then their beats read.
     with_generation_store(addr, store.port(), secret, generation, [&](PrefixStore& prefixed) {
-      prefixed.set(peer_failed_key(), "1");
+      try {
+        prefixed.set(peer_failed_key(), "1");
+      } catch (const std::exception&) {  // the beats may still be read
+      }
       read_trace(prefixed, world, at_failure.emplace());
     });
   };
@@ -1086,8 +1089,12 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   if (sup.stop_signal == SIGTERM && !sup.failure && !finished_first) {
     out.exit_code = 143;
     out.status = "terminated";
-    if (!trains) {
-      out.error = "stopped by SIGTERM; every rank was stopped";  // a benchmark: no checkpoints
+    if (!trains || spec.benchmark) {
+      // A benchmark: no checkpoint is kept, so none is named.
+      out.error =
+          sup.watchdog.empty()
+              ? std::string("stopped by SIGTERM; every rank was stopped")
+              : fmt::format("stopped by SIGTERM, but {}; every rank was killed", sup.watchdog);
     } else if (!sup.watchdog.empty()) {
       out.error = fmt::format(
           "stopped by SIGTERM, but {}; every rank was killed (a hung rank cannot checkpoint){}",
@@ -1154,7 +1161,9 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     const char* was = trace.sigterm_ranks.size() > 1 ? "were" : "was";
     out.exit_code = 143;
     out.status = "terminated";
-    out.error = all_checkpointed()
+    out.error = spec.benchmark
+                    ? fmt::format("{} {} stopped by SIGTERM; every rank was stopped", who, was)
+                : all_checkpointed()
                     ? fmt::format("{} {} stopped by SIGTERM; {}", who, was, checkpointed_note())
                     : fmt::format("{} {} stopped by SIGTERM, but not every rank checkpointed: {}{}",
                                   who, was, not_checkpointed(), checkpoint_note());

@@ -806,7 +806,7 @@ std::string facts_table(const RunView& run) {
                            num(json_number(p, "comm"), 3), num(json_number(p, "optimizer"), 3))));
     }
     if (std::isfinite(json_number(r, "peak_rss_mib"))) {
-      // The trainer's figure is the largest of any rank's (a parameter server's may be larger).
+      // The trainer's figure is the largest of any rank's (reduced with max over the ranks).
       rows +=
           fact("Peak memory (largest rank)", html(num(json_number(r, "peak_rss_mib")) + " MiB"));
     }
@@ -1218,15 +1218,15 @@ std::string comm_benchmark_text(const json& b) {
   };
   const std::string what = fmt::format("bench comm {} from {} to {}", fmt::join(ops, ", "),
                                        bytes(b["min_bytes"]), bytes(b["max_bytes"]));
-  const bool running = b["status"] == "running";
+  // While it runs, run.json holds its options only (its rows come at the end).
   if (!b["avg_busbw"].is_number()) {
-    return what + (running ? ": running, no result yet" : ": no result (it did not finish)");
+    return what + (b["status"] == "running" ? ": running, no result yet"
+                                            : ": no result (it did not finish)");
   }
-  return fmt::format("{}: {}avg busbw {:.3g} GB/s, {} wrong element(s)", what,
-                     !b.value("partial", false) ? ""
-                     : running                  ? "running; over the sizes measured so far, "
-                                                : "it did not finish; over the sizes it measured, ",
-                     b["avg_busbw"].get<double>(), b["wrong"].dump());
+  return fmt::format(
+      "{}: {}avg busbw {:.3g} GB/s, {} wrong element(s)", what,
+      b.value("partial", false) ? "it did not finish; over the sizes it measured, " : "",
+      b["avg_busbw"].get<double>(), b["wrong"].dump());
 }
 
 json summary_fields(const RunView& run) {

@@ -414,6 +414,8 @@ RunDirectory RunDirectory::create(const fs::path& dir, const fs::path& runs_root
   run.lock();
   // A launch that won the race for this --run-dir and has finished already.
   refuse_held_run(path, true);
+  // What a launch killed as it wrote its first files left (check_new took them for that).
+  run.remove_dead_temporaries();
   run.info_ = new_run_info();
   return run;
 }
@@ -680,18 +682,7 @@ void RunDirectory::lock() {
     if (attempt > 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
     lock_ = try_lock_run(path_);
   }
-  if (lock_) {
-    // Held: what a dptrain killed while it wrote the run's files left is no one's (the next write
-    // makes its own).
-    std::error_code ec;
-    for (const auto& entry : fs::directory_iterator(path_, ec)) {
-      if (dead_run_temporary(entry.path().filename().string())) {
-        std::error_code rm_ec;
-        fs::remove(entry.path(), rm_ec);
-      }
-    }
-    return;
-  }
+  if (lock_) return;
   // The process that holds the lock, as it wrote itself into the lock file: a launcher, a
   // resume, or the rank 0 of workers started by hand into it.
   std::string who;
@@ -703,6 +694,16 @@ void RunDirectory::lock() {
               fmt::format("{}: another dptrain is still running it{}; stop it first (SIGTERM "
                           "checkpoints) or wait for it",
                           printable(path_.string()), who));
+}
+
+void RunDirectory::remove_dead_temporaries() const {
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(path_, ec)) {
+    if (dead_run_temporary(entry.path().filename().string())) {
+      std::error_code rm_ec;
+      fs::remove(entry.path(), rm_ec);
+    }
+  }
 }
 
 bool started_by_workers(const nlohmann::json& info) {

@@ -40,6 +40,10 @@ class RunDirectory {
   // records, when another process holds it. (A launcher on another machine holds no lock here:
   // `dptrain status`'s view of the run, from its alive_at stamp, tells whether it lives.)
   void lock();
+  // Removes the temporaries a dptrain killed while it wrote the run's files left beside them
+  // (run.json.tmp-PID, ... of a process gone from this machine). Only once the lock is held and
+  // no launcher elsewhere drives the run (a shared filesystem): one there writes its own.
+  void remove_dead_temporaries() const;
 
   const std::filesystem::path& path() const { return path_; }
   std::filesystem::path logs() const { return path_ / "logs"; }

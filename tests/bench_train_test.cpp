@@ -115,6 +115,12 @@ TEST_CASE("bench train quickstart --nproc 1,2 --json --svg: a row per world, all
   CHECK(over.exit_code == 2);
   CHECK(contains(over.err, "inside the bench train sweep " + sweep.string()));
   CHECK(parse_json(read_text(sweep / "bench.json")) == kept);
+  // A copy of the sweep's result kept elsewhere is no sweep.
+  fs::create_directories(tmp / "results");
+  write_text(tmp / "results/bench.json", r.out);
+  CHECK(
+      run_dptrain({"report", (sweep / "w1").string(), "--out", (tmp / "results/w1.html").string()})
+          .exit_code == 0);
 
   REQUIRE(fs::exists(svg));
   const std::string chart = read_text(svg);
