@@ -329,10 +329,29 @@ RunState run_state(const json& info, const fs::path& dir) {
   return between_generations(info, generations, std::move(state));
 }
 
-// The figures status and report share (defined below).
-json summary_fields(const RunView& run);
-
 namespace {
+
+// The step reached: the last logged, or further where the generation that ended last got beyond
+// it (a failure between two log steps), as the launcher's --json says, or where a checkpoint the
+// run holds is (a launcher killed before it recorded how far its ranks got, checkpointing more
+// often than they log). Null when none is known.
+json step_reached(const RunView& run) {
+  json step = run.metrics.steps.empty() ? json(nullptr) : json(run.metrics.steps.back().step);
+  if (const json& gens = array_at(run.info, "generations"); !gens.empty()) {
+    // A benchmark's generation records -1: it has no steps.
+    if (const json& reached = gens.back().value("step", json());
+        reached.is_number_integer() && reached.get<int64_t>() >= 0) {
+      if (step.is_null() || reached.get<int64_t>() > step.get<int64_t>()) step = reached;
+    }
+  }
+  for (const auto& c : run.checkpoints) {
+    if (!c.set_aside && !c.foreign && c.problems.empty() &&
+        (step.is_null() || c.step > step.get<int64_t>())) {
+      step = c.step;
+    }
+  }
+  return step;
+}
 
 // The JSON object in `file`; null when it is missing, and also when it is damaged, which
 // `damaged` then says why ("FILE: not valid JSON at line 1, column 9: ...").
@@ -763,7 +782,7 @@ std::string facts_table(const RunView& run) {
   const int64_t target = recipe.contains("train") ? integer(recipe["train"], "steps", -1) : -1;
   // The step reached, as status and the summary say it (further than the last logged one where
   // the run failed or checkpointed between two log steps).
-  const json reached = summary_fields(run)["step"];
+  const json reached = step_reached(run);
   const std::string last_step = reached.is_null() ? "none logged yet" : reached.dump();
   rows += fact("Steps", html(target > 0 ? fmt::format("{} of {}", last_step, target) : last_step));
   rows += fact("World size", html(world_size_text(info)));
@@ -1232,24 +1251,7 @@ std::string comm_benchmark_text(const json& b) {
 json summary_fields(const RunView& run) {
   const json recipe = run.info.value("recipe", json::object());
   const StepMetrics* last = run.metrics.steps.empty() ? nullptr : &run.metrics.steps.back();
-  // The step reached: the last logged, or further where the generation that ended last got
-  // beyond it (a failure between two log steps), as the launcher's --json says.
-  json step = last ? json(last->step) : json(nullptr);
-  if (const json& gens = array_at(run.info, "generations"); !gens.empty()) {
-    // A benchmark's generation records -1: it has no steps.
-    if (const json& reached = gens.back().value("step", json());
-        reached.is_number_integer() && reached.get<int64_t>() >= 0) {
-      if (step.is_null() || reached.get<int64_t>() > step.get<int64_t>()) step = reached;
-    }
-  }
-  // Or further where a checkpoint the run holds is (a launcher killed before it recorded how
-  // far its ranks got, checkpointing more often than they log).
-  for (const auto& c : run.checkpoints) {
-    if (!c.set_aside && !c.foreign && c.problems.empty() &&
-        (step.is_null() || c.step > step.get<int64_t>())) {
-      step = c.step;
-    }
-  }
+  const json step = step_reached(run);
   const EvalMetrics* eval = last_eval(run);
   double eval_loss = eval ? eval->loss : kNoValue;
   double eval_accuracy = eval ? eval->accuracy : kNoValue;
