@@ -223,6 +223,7 @@ int run_bench_launcher(const BenchCommOptions& o) {
     spec.hosts = o.hosts.load_for_job(o.nproc_flag->count() > 0);
     spec.world_size = total_slots(spec.hosts);
   } else {
+    o.hosts.check_files();
     if (o.nproc < 1) {
       throw Error(ErrorKind::usage, fmt::format("--nproc: must be at least 1, got {}", o.nproc));
     }

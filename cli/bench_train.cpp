@@ -12,12 +12,12 @@
 #include "cli/host_options.hpp"
 #include "cli/json_errors.hpp"
 #include "cli/run_report.hpp"
-#include "core/data/dataset.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
 #include "core/json_error.hpp"
 #include "core/recipe.hpp"
 #include "core/tensor/device.hpp"
+#include "core/trainer.hpp"
 #include "launch/bench_train.hpp"
 #include "launch/job.hpp"
 #include "launch/run_dir.hpp"
@@ -190,7 +190,7 @@ int run_bench_train_cmd(const BenchTrainCliOptions& o) {
     throw Error(ErrorKind::usage,
                 fmt::format("--device {}: unknown device (use cpu or cuda)", o.device));
   }
-  Recipe loaded = load_recipe(o.recipe);
+  Recipe loaded = read_or_stop(o.recipe, "", [&] { return load_recipe(o.recipe); });
   if (o.batch_given) loaded.train.batch_per_rank = o.batch_per_rank;
   // Validated with the recipe below: nccl on a CPU recipe is the recipe's error, exit 2.
   if (!o.backend.empty()) loaded.distributed.backend = o.backend;
@@ -204,6 +204,7 @@ int run_bench_train_cmd(const BenchTrainCliOptions& o) {
     Recipe r = with_device_and_precision(loaded, device, precision, override_source(o, precision));
     if (precision == bench.precisions.front()) spec.recipe = std::move(r);
   }
+  if (o.hosts.hosts.empty()) o.hosts.check_files();
   const std::vector<HostSpec> hosts =
       o.hosts.hosts.empty() ? std::vector<HostSpec>{} : o.hosts.load();
   const std::vector<BenchWorld> worlds = sweep_worlds(o, hosts, device);
@@ -217,10 +218,10 @@ int run_bench_train_cmd(const BenchTrainCliOptions& o) {
   // The data first, whatever the world size: a dataset that is not there is the recipe's
   // problem, named by its file, not by the world-size flag.
   try {
-    training_samples(spec.recipe.data, spec.recipe.model, spec.recipe.seed);
+    recipe_training_samples(spec.recipe);
   } catch (const Error& e) {
     if (e.kind() != ErrorKind::recipe) throw;
-    throw Error(ErrorKind::recipe, fmt::format("{}: {}", o.recipe, e.what()));
+    throw Error(ErrorKind::recipe, RecipeSource(o.recipe).place(e.what()));
   }
   check_bench_worlds(spec.recipe, worlds, bench, hosts.empty() ? "--nproc" : "--nnodes",
                      override_source(o, bench.precisions.front()));

@@ -22,6 +22,7 @@
 #include "core/fs.hpp"
 #include "core/json_error.hpp"
 #include "core/recipe.hpp"
+#include "launch/job.hpp"
 #include "launch/run_dir.hpp"
 #include "launch/supervisor.hpp"
 
@@ -104,8 +105,15 @@ json meta_json(const CheckpointStatus& status) {
           {"problem", or_null(status.meta_problem)}};
 }
 
+// The epoch and world size meta.json records, unless meta.json failed its own checksum (edited
+// or damaged): then its fields are not shown, as for one that cannot be read.
+const std::optional<TrainingPosition>& shown_position(const CheckpointStatus& status) {
+  static const std::optional<TrainingPosition> none;
+  return status.meta_problem.empty() ? status.position : none;
+}
+
 json row_json(const CheckpointRow& row) {
-  const auto& position = row.status.position;
+  const auto& position = shown_position(row.status);
   json blobs = json::array();
   for (const auto& blob : row.status.blobs)
     blobs.push_back(blob_json(blob));
@@ -155,7 +163,7 @@ void print_list_table(const fs::path& run_dir, const std::vector<CheckpointRow>&
                         "STEP", "EPOCH", "WORLD", "SIZE", "WRITTEN", "LATEST", "VERIFIED")
                 .c_str());
   for (const auto& row : rows) {
-    const auto& position = row.status.position;
+    const auto& position = shown_position(row.status);
     std::printf(
         "%s", fmt::format("{:<{}}  {:>8}  {:>6}  {:>5}  {:>10}  {:<20}  {:<6}  {}\n", name_of(row),
                           w, row.status.step, position ? fmt::format("{}", position->epoch) : "-",
@@ -297,6 +305,10 @@ CheckedRun open_run(const std::string& dir) {
   }
   run.elsewhere = recorded_elsewhere(info);
   run.unusable = recipe_filter(absolute, info, true, run.warnings);
+  // Checkpoints run.json records committed here, gone (moved, a filesystem not mounted): not
+  // "no checkpoints" alone.
+  if (std::string missing = missing_recorded_checkpoints(run.checkpoints(), info); !missing.empty())
+    run.warnings.push_back(printable(missing));
   return said(std::move(run));
 }
 

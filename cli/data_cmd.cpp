@@ -318,6 +318,12 @@ json meta_json(const PrepareSummary& s, double val_fraction) {
           {"val_fraction", val_fraction}};
 }
 
+// A warning: on stderr as every warning, and in the --json "warnings".
+void warn(PrepareStatus& status, std::vector<std::string>& warnings, const std::string& text) {
+  warnings.push_back(printable(text));
+  status.line("dptrain: warning: " + warnings.back());
+}
+
 // `.NAME.tmp-PID` and `.NAME.old-PID`: a prepare's temporary dataset and the dataset it replaces.
 fs::path sibling(const fs::path& out, const char* what, pid_t pid) {
   return out.parent_path() / fmt::format(".{}.{}-{}", out.filename().string(), what, pid);
@@ -326,8 +332,10 @@ fs::path sibling(const fs::path& out, const char* what, pid_t pid) {
 // What a prepare of OUT that was killed (SIGKILL, a crash, a power cut) left beside it: its
 // `.NAME.tmp-PID` is removed, and its `.NAME.old-PID` (the dataset it was replacing, between its
 // two renames) is put back when OUT is missing, else removed. Only for a PID that is gone: a
-// prepare still running keeps its own.
-void remove_stale_siblings(const fs::path& out, PrepareStatus& status) {
+// prepare still running keeps its own. Each is a warning (stderr, and the --json "warnings"): a
+// script learns that a directory was removed or put back.
+void remove_stale_siblings(const fs::path& out, PrepareStatus& status,
+                           std::vector<std::string>& warnings) {
   const std::string name = out.filename().string();
   std::error_code ec;
   std::vector<std::pair<fs::path, long>> olds;
@@ -337,9 +345,10 @@ void remove_stale_siblings(const fs::path& out, PrepareStatus& status) {
         pid > 0 && !process_alive(pid)) {
       std::error_code rm_ec;
       fs::remove_all(entry.path(), rm_ec);
-      status.line(fmt::format("removed {}: left by a data prepare (pid {}) that was killed{}",
-                              entry.path().string(), pid,
-                              rm_ec ? fmt::format(" (not all: {})", rm_ec.message()) : ""));
+      warn(status, warnings,
+           fmt::format("removed {}: left by a data prepare (pid {}) that was killed{}",
+                       entry.path().string(), pid,
+                       rm_ec ? fmt::format(" (not all: {})", rm_ec.message()) : ""));
     } else if (const long old_pid = temporary_pid(file, "." + name + ".old-");
                old_pid > 0 && !process_alive(old_pid)) {
       olds.emplace_back(entry.path(), old_pid);
@@ -350,15 +359,16 @@ void remove_stale_siblings(const fs::path& out, PrepareStatus& status) {
     if (!fs::exists(fs::symlink_status(out, mv_ec))) {
       fs::rename(old, out, mv_ec);
       if (!mv_ec) {
-        status.line(
-            fmt::format("put back {} from {}: a data prepare (pid {}) was killed while "
-                        "replacing it",
-                        out.string(), old.string(), pid));
+        warn(status, warnings,
+             fmt::format("put back {} from {}: a data prepare (pid {}) was killed while "
+                         "replacing it",
+                         out.string(), old.string(), pid));
         continue;
       }
     }
     fs::remove_all(old, mv_ec);
-    status.line(
+    warn(
+        status, warnings,
         fmt::format("removed {}: the dataset a data prepare (pid {}) replaced", old.string(), pid));
   }
 }
@@ -491,7 +501,7 @@ int run_prepare(const PrepareOptions& o) {
   PrepareStatus status(StatusPrinter::is_terminal(stderr));
   PrepareSummary s;
   s.path = output_path(o.out);
-  remove_stale_siblings(s.path, status);
+  remove_stale_siblings(s.path, status, s.warnings);
   check_dataset_output(s.path, o.force);
   std::error_code ec;
   status.set_output(s.path, fs::exists(fs::symlink_status(s.path, ec)));
@@ -506,9 +516,9 @@ int run_prepare(const PrepareOptions& o) {
     if (::stat(name.c_str(), &st) == 0 && S_ISREG(st.st_mode)) {
       const auto [at, fresh] = seen.emplace(std::make_pair(st.st_dev, st.st_ino), name);
       if (!fresh) {
-        s.warnings.push_back(printable(fmt::format(
-            "--text {}: the same file as {}, given before: read once", name, at->second)));
-        status.line("dptrain: warning: " + s.warnings.back());
+        warn(status, s.warnings,
+             fmt::format("--text {}: the same file as {}, given before: read once", name,
+                         at->second));
         continue;
       }
     }

@@ -69,20 +69,21 @@ int run_doctor_cmd(const DoctorCliOptions& o) {
     return exit_code(stopped.kind());
   }
   const int code = doctor_exit_code(checks);
+  // Each failed check, one plain message ("ssh node2: ..."; its fix stays in the check): the
+  // common failure fields of --json (dptrain(1), JSON OUTPUT), and stderr's error lines, as
+  // every command gives them (a CI log that keeps stderr shows why).
+  std::vector<std::string> errors;
+  for (const auto& c : checks) {
+    if (c.failed()) {
+      errors.push_back(c.host.empty() ? fmt::format("{}: {}", c.check, c.detail)
+                                      : fmt::format("{} {}: {}", c.check, c.host, c.detail));
+    }
+  }
   if (o.json) {
     nlohmann::json out = {{"ok", failed == 0}, {"checks", list}};
     if (code == 0) {
       add_success(out);
     } else {
-      // The common failure fields (dptrain(1), JSON OUTPUT): each failed check, one plain
-      // message ("ssh node2: ..."); its fix stays in the check.
-      std::vector<std::string> errors;
-      for (const auto& c : checks) {
-        if (c.failed()) {
-          errors.push_back(c.host.empty() ? fmt::format("{}: {}", c.check, c.detail)
-                                          : fmt::format("{} {}: {}", c.check, c.host, c.detail));
-        }
-      }
       add_failure(out, code, errors);
     }
     std::printf("%s\n", json_text(out).c_str());
@@ -91,6 +92,9 @@ int run_doctor_cmd(const DoctorCliOptions& o) {
     std::printf("%s\n", failed == 0 ? ("all checks passed" + not_run).c_str()
                                     : fmt::format("{} check(s) failed{}", failed, not_run).c_str());
   }
+  std::fflush(stdout);
+  for (const auto& error : errors)
+    print_error_lines(error);
   return code;
 }
 

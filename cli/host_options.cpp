@@ -14,6 +14,19 @@
 
 namespace dptrain::cli {
 
+namespace {
+
+// A path that cannot be the file it names: why, else "".
+std::string not_a_file(const std::filesystem::path& path) {
+  std::error_code ec;
+  return std::filesystem::is_directory(path, ec)       ? "is a directory"
+         : !std::filesystem::exists(path, ec)          ? "no such file"
+         : !std::filesystem::is_regular_file(path, ec) ? "not a regular file"
+                                                       : "";
+}
+
+}  // namespace
+
 SshOptions HostOptions::ssh() const {
   SshOptions s;
   // "~/..." expanded and absolute, as a hostfile's key= is: what --dry-run shows works from any
@@ -37,35 +50,33 @@ std::vector<HostSpec> HostOptions::load() const {
     throw Error(ErrorKind::usage, "--connect-timeout: must be at least 0.001 seconds");
   }
   std::vector<HostSpec> specs = load_hosts(hosts);
-  // The SSH files named, before any host is tried: a typo in a path is exit 2 here, not a key
-  // quietly left out (--identity) or an authentication refused on every host.
-  std::error_code ec;
-  const auto missing = [&ec](const std::filesystem::path& path) {
-    return std::filesystem::is_directory(path, ec)       ? "is a directory"
-           : !std::filesystem::exists(path, ec)          ? "no such file"
-           : !std::filesystem::is_regular_file(path, ec) ? "not a regular file"
-                                                         : "";
-  };
-  for (const auto& id : identities) {
-    // "~/..." as the connection expands it.
-    if (const std::string why = missing(expand_home(id)); !why.empty()) {
-      throw Error(ErrorKind::usage, fmt::format("--identity {}: {}", id, why));
-    }
-  }
+  check_files();
   for (const auto& h : specs) {
     // A key under ~ is the connecting user's home's, expanded as it is read.
     if (h.key.empty() || h.key.starts_with("~")) continue;
-    if (const std::string why = missing(h.key); !why.empty()) {
+    if (const std::string why = not_a_file(h.key); !why.empty()) {
       throw Error(ErrorKind::usage, fmt::format("{}: key={}: {}", h.origin, h.key, why));
     }
   }
-  if (!known_hosts.empty() && std::filesystem::is_directory(known_hosts, ec)) {
+  return specs;
+}
+
+void HostOptions::check_files() const {
+  // Before any host is tried: a typo in a path is exit 2 here, not a key quietly left out
+  // (--identity) or an authentication refused on every host.
+  for (const auto& id : identities) {
+    // "~/..." as the connection expands it.
+    if (const std::string why = not_a_file(expand_home(id)); !why.empty()) {
+      throw Error(ErrorKind::usage, fmt::format("--identity {}: {}", id, why));
+    }
+  }
+  std::error_code ec;
+  if (!known_hosts.empty() && std::filesystem::is_directory(expand_home(known_hosts), ec)) {
     throw Error(ErrorKind::usage,
                 fmt::format("--known-hosts {}: is a directory; give the known_hosts file (it "
                             "need not exist yet with --accept-new-host-keys)",
                             known_hosts));
   }
-  return specs;
 }
 
 std::vector<HostSpec> HostOptions::load_for_job(bool nproc_given) const {
@@ -97,6 +108,7 @@ void place_ranks(JobSpec& spec, const HostOptions& hosts, const std::string& npr
   if (!nnodes.empty()) {
     throw Error(ErrorKind::usage, "--nnodes: only with --hosts (use --nproc MIN:MAX locally)");
   }
+  hosts.check_files();
   spec.nodes = parse_size_range(nproc.empty() ? std::to_string(default_nproc) : nproc, "--nproc");
   spec.world_size = spec.nodes.max;
   if (!spec.nodes.elastic()) spec.nodes = {0, 0};

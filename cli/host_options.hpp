@@ -22,6 +22,10 @@ struct HostOptions {
 
   SshOptions ssh() const;
   std::vector<HostSpec> load() const;  // Error(usage) when --hosts is missing or malformed
+  // The SSH files named (--identity, --known-hosts): Error(usage) for one that cannot be what it
+  // says. load() checks them; a job on this machine alone too, where they are not used: a typo
+  // in a CI template's flags is exit 2 wherever it runs, not found on the first remote job.
+  void check_files() const;
   // load() for a job, whose world is the hosts' slots: Error(usage) when --nproc was given too.
   std::vector<HostSpec> load_for_job(bool nproc_given) const;
 };

@@ -116,18 +116,8 @@ void print_dry_run(const JobSpec& spec, const std::string& run_dir, bool json) {
 }
 
 int start_launch(const LaunchOptions& o, bool& events_opened, Outcome& outcome) {
-  JobSpec spec = [&] {
-    try {
-      return job_spec(o);
-    } catch (const Error&) {
-      // A read of the recipe that the signal cut short (one from a FIFO waiting for its
-      // writer): the stop is what happened, not "Interrupted system call".
-      if (const int sig = pending_stop_signal()) {
-        throw stop_error(sig, printable(o.recipe) + ": ", " before the launch made anything");
-      }
-      throw;
-    }
-  }();
+  JobSpec spec =
+      read_or_stop(o.recipe, " before the launch made anything", [&] { return job_spec(o); });
   check_runnable(spec.recipe, spec.world_size, spec.nominal_world, o.recipe);
   check_smallest_world(spec, o.recipe);
   // A host name that does not resolve: exit 4, nothing created. A plan may be drafted where the

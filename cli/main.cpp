@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <memory>
 #include <new>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -233,7 +234,10 @@ std::string plain_parse_error(const Command& c, const std::string& what) {
 //   handles an empty one itself: kHandlesEmpty);
 // - another of the command's options where the value belongs ("--out --json", from an unquoted
 //   empty $OUT), which CLI11 would take as the value, and the option it names as not given.
-void check_option_values(CLI::App& app) {
+//   Written attached ("--prompt=--json", one of `attached`: the arguments of that form), the
+//   value is the one meant, and taken.
+void check_option_values(CLI::App& app,
+                         const std::shared_ptr<const std::set<std::string>>& attached) {
   auto names = std::make_shared<std::vector<std::string>>();
   for (const CLI::Option* o : app.get_options()) {
     for (const auto& l : o->get_lnames())
@@ -275,16 +279,17 @@ void check_option_values(CLI::App& app) {
                              : !o->get_snames().empty() ? "-" + o->get_snames().front()
                                                         : o->get_name();
     o->check(CLI::Validator(
-        [names, name, empty_ok](std::string& value) -> std::string {
+        [names, name, empty_ok, attached](std::string& value) -> std::string {
           if (value.empty()) return empty_ok ? "" : "is empty; give a value";
           if (std::find(names->begin(), names->end(), value) == names->end()) return {};
+          if (attached->contains(name + "=" + value)) return {};
           return fmt::format("got the option {} where its value belongs; give {} a value", value,
                              name);
         },
         ""));
   }
   for (CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; }))
-    check_option_values(*sub);
+    check_option_values(*sub, attached);
 }
 
 int run(int argc, char** argv);
@@ -359,7 +364,9 @@ int run(int argc, char** argv) {
       "Exit codes: 0 ok, 1 internal, 2 usage/recipe, 3 rank failed, 4 ssh, 5 checkpoint,\n"
       "6 benchmark below threshold, 130 SIGINT, 143 SIGTERM. See dptrain(1).",
       "dptrain"};
-  app.set_version_flag("-V,--version", "dptrain " DPTRAIN_VERSION);
+  app.set_version_flag("-V,--version", "dptrain " DPTRAIN_VERSION,
+                       "Print the version and exit (with --json: {version, cuda, ...} for a "
+                       "script)");
   app.require_subcommand(1);
   app.fallthrough(false);
   dptrain::cli::Outcome outcome;
@@ -378,7 +385,14 @@ int run(int argc, char** argv) {
     CLI::App* sub = app.add_subcommand(cmd.name, cmd.summary);
     cmd.setup(*sub, outcome);
   }
-  check_option_values(app);
+  auto attached = std::make_shared<std::set<std::string>>();
+  for (int i = 1; i < argc; ++i) {
+    if (std::string_view(argv[i]).starts_with("--") &&
+        std::string_view(argv[i]).find('=') != std::string_view::npos) {
+      attached->insert(argv[i]);
+    }
+  }
+  check_option_values(app, attached);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

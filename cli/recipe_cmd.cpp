@@ -4,6 +4,7 @@
 
 #include "cli/commands.hpp"
 #include "cli/json_errors.hpp"
+#include "cli/run_report.hpp"
 #include "core/error.hpp"
 #include "core/json_error.hpp"
 #include "core/model/model.hpp"
@@ -26,15 +27,7 @@ struct RecipeOptions {
 Recipe load_stoppable(const std::string& file, DataCheck check) {
   install_stop_signal_handlers();
   exit_on_second_interrupt();  // a scan of a large CSV file looks for the stop only at its end
-  Recipe r;
-  try {
-    r = load_recipe(file, check);
-  } catch (const Error&) {
-    // A read the signal cut short ("Interrupted system call", or half a recipe that does not
-    // parse): the stop is what happened.
-    if (const int sig = pending_stop_signal()) throw stop_error(sig, printable(file) + ": ", "");
-    throw;
-  }
+  Recipe r = read_or_stop(file, "", [&] { return load_recipe(file, check); });
   if (const int sig = pending_stop_signal()) throw stop_error(sig, printable(file) + ": ", "");
   return r;
 }

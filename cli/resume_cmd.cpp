@@ -92,7 +92,14 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
     }
     return 0;
   }
-  run.make_layout();
+  // Checkpoints run.json records, with no checkpoints/ at all (moved away, a mount point gone):
+  // the resume is refused below (exit 5) without an empty one made in their place, nor logs/.
+  // Else what is in the way of the layout (a file named logs) is said first.
+  std::error_code gone_ec;
+  if (fs::exists(fs::symlink_status(run.checkpoints(), gone_ec)) ||
+      recorded_local_checkpoint(run.info()).empty()) {
+    run.make_layout();
+  }
   JobSpec spec;
   const auto [nproc, nnodes] = job_size(o, run);
   place_ranks(spec, o.hosts, nproc, nnodes, run.info().value("world_size", 1));
@@ -218,6 +225,8 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
                     "step 0 unless a node holds one",
                     DPTRAIN_VERSION, run.path().string(), where));
   }
+  // Made now where it was not above.
+  run.make_layout();
   // Too few open files for the ranks: refused before run.json changes.
   check_open_files(spec);
   check_local_memory(spec, recorded_recipe_source(run.path()));

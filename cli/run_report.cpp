@@ -82,7 +82,9 @@ void finish_events_with_failure(EventLog& events, const std::exception& e,
                  {"exit_code", end.exit_code},
                  // None yet: a launch refused before it made one.
                  {"run_dir", run_dir.empty() ? nlohmann::json() : nlohmann::json(run_dir)},
-                 {"error", fmt::format("{}: {}", what, e.what())}});
+                 {"error", fmt::format("{}: {}", what, e.what())},
+                 // Its messages, as the --json object on stdout has them.
+                 {"errors", error_messages(e.what())}});
   } catch (const std::exception&) {
   }
 }
@@ -217,6 +219,7 @@ int run_to_end(RunDirectory& run, JobSpec spec, const RestartOptions& o, bool js
     record_launcher_failure(run, events, e);
     throw;
   }
+  outcome.warnings = status.warnings();
   events.emit("run_finished", outcome.to_json(run));
   return report_outcome(run, outcome, json, events.to_stdout() ? stderr : stdout);
 }

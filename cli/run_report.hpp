@@ -14,6 +14,7 @@
 #include "launch/events.hpp"
 #include "launch/job.hpp"
 #include "launch/run_dir.hpp"
+#include "launch/supervisor.hpp"
 
 namespace dptrain::cli {
 
@@ -129,6 +130,19 @@ std::string running_hand_run(const std::filesystem::path& dir);
 // resizing, that launcher alive), whether or not it holds the lock here (its lock file removed,
 // a launcher on another machine): "DIR: the run is STATUS (NOTE)". Empty otherwise.
 std::string driven_run(const std::filesystem::path& dir);
+
+// read(), which reads the recipe `file`, where a stop signal that cut the read short (a recipe
+// from a FIFO that waits for its writer: "Interrupted system call", or half a recipe that does
+// not parse) is what happened: stop_error(sig, "FILE: ", after), exit 130 or 143.
+template <typename Read>
+auto read_or_stop(const std::string& file, std::string_view after, Read&& read) {
+  try {
+    return read();
+  } catch (const Error&) {
+    if (const int sig = pending_stop_signal()) throw stop_error(sig, printable(file) + ": ", after);
+    throw;
+  }
+}
 
 // Prints the outcome (a summary on stdout, or one JSON object with --json; errors on stderr)
 // and returns the exit code.

@@ -9,6 +9,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <random>
 #include <set>
@@ -30,6 +31,7 @@
 #include "core/fs.hpp"
 #include "core/json_error.hpp"
 #include "core/model/gpt.hpp"
+#include "core/model/sampling.hpp"
 #include "core/recipe.hpp"
 #include "core/tensor/cpu_ops.hpp"
 #include "core/tensor/random.hpp"
@@ -152,45 +154,6 @@ std::vector<int32_t> parse_prompt_ids(const std::string& text, int64_t vocab) {
   return ids;
 }
 
-// Draws an id from softmax(logits / temperature) restricted to the top_k largest (0: all) of the
-// first `vocab` logits: ids the model has but the tokenizer cannot decode (a model.vocab larger
-// than the dataset's vocabulary) are never drawn. Temperature 0 takes the largest (the first on
-// ties).
-int32_t draw(std::vector<float> logits, int64_t vocab, double temperature, int64_t top_k,
-             std::mt19937_64& rng) {
-  if (vocab < static_cast<int64_t>(logits.size())) logits.resize(static_cast<size_t>(vocab));
-  const auto n = static_cast<int64_t>(logits.size());
-  if (temperature <= 0.0) {
-    return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
-  }
-  if (top_k > 0 && top_k < n) {
-    std::vector<float> sorted = logits;
-    std::nth_element(sorted.begin(), sorted.begin() + (top_k - 1), sorted.end(),
-                     std::greater<float>());
-    const float kth = sorted[static_cast<size_t>(top_k - 1)];
-    for (float& v : logits) {
-      if (v < kth) v = -INFINITY;
-    }
-  }
-  const float top = *std::max_element(logits.begin(), logits.end());
-  std::vector<double> weights(logits.size());
-  double total = 0;
-  for (size_t i = 0; i < logits.size(); ++i) {
-    weights[i] = std::exp((static_cast<double>(logits[i]) - top) / temperature);
-    total += weights[i];
-  }
-  double r = uniform01(rng) * total;
-  for (size_t i = 0; i < weights.size(); ++i) {
-    r -= weights[i];
-    if (r < 0 && weights[i] > 0) return static_cast<int32_t>(i);
-  }
-  // Rounding left r at the very end: the last id with any weight.
-  for (size_t i = weights.size(); i-- > 0;) {
-    if (weights[i] > 0) return static_cast<int32_t>(i);
-  }
-  return 0;
-}
-
 // The newest valid checkpoint of the run that its recipe wrote: the one a resume continues from
 // (one copied in from another recipe is skipped with a warning; --checkpoint can name it).
 // Error(checkpoint) saying there is nothing to sample from when the run has written none yet, or
@@ -223,7 +186,8 @@ fs::path newest_checkpoint(const RunDirectory& run, const Recipe& recipe,
 // be the one the model learned). A dataset whose token files are gone (only its tokenizer kept
 // with the run) is not checked. Another recipe with the same model: a warning.
 void check_checkpoint_origin(const fs::path& from, const TrainingPosition& position,
-                             const Recipe& recipe) {
+                             const Recipe& recipe,
+                             const std::function<void(const std::string&)>& warn) {
   if (!position.data_fingerprint.empty() && recipe.data.type == "tokens") {
     std::optional<std::string> now;
     try {
@@ -289,17 +253,25 @@ void check_checkpoint_origin(const fs::path& from, const TrainingPosition& posit
                                      : fmt::format("{}", fmt::join(differ, ", "))));
     }
   }
-  std::fprintf(stderr, "dptrain: warning: %s: %s%s\n", from.string().c_str(), why.c_str(),
-               position.model.empty()
-                   ? " (an older checkpoint, which does not say its model: only its parameter "
-                     "count is checked)"
-                   : "");
+  warn(fmt::format("{}: {}{}", from.string(), why,
+                   position.model.empty()
+                       ? " (an older checkpoint, which does not say its model: only its "
+                         "parameter count is checked)"
+                       : ""));
 }
 
 int run_sample(const SampleOptions& o) {
   // A stop ends the text where it is, with the status (and the JSON) every command gives one.
   install_stop_signal_handlers();
   std::signal(SIGPIPE, SIG_DFL);  // `sample | head` ends it, as any filter's reader does
+  // Each warning is said once, however often the checkpoint search makes it, on stderr and in
+  // the --json "warnings".
+  std::vector<std::string> warnings;
+  const auto warn = [&warnings](const std::string& w) {
+    if (std::find(warnings.begin(), warnings.end(), w) != warnings.end()) return;
+    warnings.push_back(w);
+    std::fprintf(stderr, "dptrain: warning: %s\n", w.c_str());
+  };
   RunDirectory run = RunDirectory::open(o.run_dir);
   if (!run.info().contains("recipe")) {
     throw Error(ErrorKind::usage, fmt::format("{}: run.json has no recipe", o.run_dir));
@@ -319,7 +291,7 @@ int run_sample(const SampleOptions& o) {
                         "with --ids");
       }
       // Ids need no tokenizer: the token files' vocabulary, and no text.
-      std::fprintf(stderr, "dptrain: warning: %s: ids only, no text\n", misfit.c_str());
+      warn(misfit + ": ids only, no text");
       tokenizer.reset();
     }
   }
@@ -338,11 +310,6 @@ int run_sample(const SampleOptions& o) {
       !bare.empty() && bare.find('/') == std::string::npos &&
       (checkpoint_step(bare) >= 0 || bare.find_first_not_of("0123456789") == std::string::npos);
   // Absolute and normal: "step-000200/." is step-000200 in the JSON (a link keeps its name).
-  // A warning of the search is said once, however often it is made.
-  std::set<std::string> said;
-  const auto warn = [&said](const std::string& w) {
-    if (said.insert(w).second) std::fprintf(stderr, "dptrain: warning: %s\n", w.c_str());
-  };
   const auto choose = [&] {
     return named_path(o.checkpoint.empty() ? newest_checkpoint(run, recipe, warn)
                       : run_s || !fs::is_directory(o.checkpoint, ec)
@@ -372,7 +339,7 @@ int run_sample(const SampleOptions& o) {
     }
     from = choose();
   }
-  check_checkpoint_origin(from, ckpt.position, recipe);
+  check_checkpoint_origin(from, ckpt.position, recipe, warn);
   auto model = make_gpt(recipe.model, std::make_shared<CpuOps>());
   auto& gpt = dynamic_cast<Gpt&>(*model);
   if (ckpt.params.size() != gpt.num_params()) {
@@ -424,7 +391,8 @@ int run_sample(const SampleOptions& o) {
                 {"seed", o.seed},
                 {"prompt_ids", std::span(context).first(prompt_tokens)},
                 {"ids", generated},
-                {"text", tokenizer ? json(tokenizer->decode(generated)) : json(nullptr)}};
+                {"text", tokenizer ? json(tokenizer->decode(generated)) : json(nullptr)},
+                {"warnings", warnings}};
   };
   for (int64_t i = 0; i < o.tokens; ++i) {
     if (const int sig = pending_stop_signal(); sig != 0) {
@@ -443,7 +411,7 @@ int run_sample(const SampleOptions& o) {
       return exit_code(kind);
     }
     const int32_t next =
-        draw(gpt.next_token_logits(ckpt.params, context), vocab, o.temperature, o.top_k, rng);
+        draw_token(gpt.next_token_logits(ckpt.params, context), vocab, o.temperature, o.top_k, rng);
     context.push_back(next);
     if (stream) {
       const bool first = context.size() == prompt_tokens + 1 && !given_prompt;
@@ -505,7 +473,7 @@ void setup_sample(CLI::App& app, Outcome& outcome) {
   app.add_flag(
       "--json", o->json,
       "Print {checkpoint, step, prompt, tokens, tokens_generated, temperature, top_k, seed, "
-      "prompt_ids, ids, text} at the end "
+      "prompt_ids, ids, text, warnings} at the end "
       "instead of streaming the text");
   app.callback([o, &outcome] {
     outcome.json = o->json;

@@ -14,6 +14,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <system_error>
 #include <vector>
 
@@ -194,7 +195,14 @@ long temporary_pid(std::string_view entry, std::string_view prefix) {
 }
 
 bool process_alive(long pid) {
-  return pid == ::getpid() || ::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM;
+  if (pid == ::getpid()) return true;
+  if (pid <= 0 || (::kill(static_cast<pid_t>(pid), 0) != 0 && errno != EPERM)) return false;
+  // A zombie (exited, its parent not yet told) still takes signals: its state says it is gone.
+  std::ifstream stat_file(fmt::format("/proc/{}/stat", pid));
+  std::string stat;
+  if (!std::getline(stat_file, stat)) return true;  // no /proc: as kill says
+  const auto paren = stat.rfind(')');
+  return paren == std::string::npos || paren + 2 >= stat.size() || stat[paren + 2] != 'Z';
 }
 
 void write_file_atomic(const std::filesystem::path& path, std::string_view content) {

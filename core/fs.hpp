@@ -32,7 +32,8 @@ void write_file_atomic(const std::filesystem::path& path, std::string_view conte
 // The PID in a temporary's name `PREFIXPID` (write_file_atomic's "NAME.tmp-PID"), or 0 when
 // `entry` is not PREFIX followed by digits alone.
 long temporary_pid(std::string_view entry, std::string_view prefix);
-// Whether process `pid` exists on this machine (this one, or another's it may not signal).
+// Whether process `pid` runs on this machine (this one, or another's it may not signal); a
+// zombie, which has exited, does not.
 bool process_alive(long pid);
 // Writes a new file (truncating) and fsyncs it; for files inside a directory that is renamed later.
 void write_file_synced(const std::filesystem::path& path, std::span<const std::byte> content);

@@ -3,12 +3,14 @@
 
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <doctest/doctest.h>
 
 #include <cerrno>
 #include <chrono>
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -208,4 +210,26 @@ TEST_CASE("named_path: the directory resolved, the last name kept, no trailing s
   CHECK(named_path(base / "link" / ".." / "other") == base / "deep" / "other");
   CHECK(named_path(base / "deep" / "target" / "..") == base / "deep");
   CHECK(named_path("/") == fs::path("/"));
+}
+
+TEST_CASE(
+    "process_alive: this process and a running child are; a zombie and a reaped one are not") {
+  CHECK(process_alive(::getpid()));
+  CHECK_FALSE(process_alive(0));
+  const pid_t sleeper = ::fork();
+  REQUIRE(sleeper >= 0);
+  if (sleeper == 0) {
+    ::pause();
+    ::_exit(0);
+  }
+  CHECK(process_alive(sleeper));
+  ::kill(sleeper, SIGKILL);
+  // Exited, not yet reaped: a zombie, which kill(pid, 0) still reaches.
+  for (int i = 0; i < 200 && process_alive(sleeper); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  CHECK(::kill(sleeper, 0) == 0);
+  CHECK_FALSE(process_alive(sleeper));
+  int status = 0;
+  REQUIRE(::waitpid(sleeper, &status, 0) == sleeper);
+  CHECK_FALSE(process_alive(sleeper));
 }

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
+#include <charconv>
 #include <cmath>
 #include <cstddef>
 #include <cstdio>
@@ -1185,23 +1186,69 @@ Recipe parse_recorded_recipe(const json& info, const std::filesystem::path& run_
                             run_dir, RecipeOrigin::stored, data);
 }
 
-// JSON allows an object to name a key twice and nlohmann keeps the last one: in a recipe that is
-// an edit gone wrong. A SAX pass over the text, before the document is built, collects
-// "POINTER: duplicate key ..." for each repeat, and stops at nesting no recipe has (its
-// pointers would cost time and memory quadratic in depth). A handler of its own, not
-// json::parse's callback: that one's end_object scans the whole enclosing array (nlohmann
-// 3.11), so a recipe holding many objects took minutes.
-class DuplicateKeys {
+namespace {
+
+// Whether a JSON number's text is an integer: every digit from the decimal point on (the point
+// moved by the exponent) is 0. "1.5e1" is; "4503599627370495.2" is not, though its double is.
+bool integer_text(std::string_view text) {
+  if (text.starts_with('-')) text.remove_prefix(1);
+  const size_t e = std::min(text.find_first_of("eE"), text.size());
+  std::string digits;
+  size_t point = std::string_view::npos;
+  for (char c : text.substr(0, e)) {
+    if (c == '.') {
+      point = digits.size();
+    } else {
+      digits += c;
+    }
+  }
+  if (point == std::string_view::npos) point = digits.size();
+  // An exponent beyond any text's length moves the point past every digit, or before them all.
+  int64_t exponent = 0;
+  if (e < text.size()) {
+    std::string_view written = text.substr(e + 1);
+    const bool negative = written.starts_with('-');
+    if (negative || written.starts_with('+')) written.remove_prefix(1);
+    const auto [end, ec] =
+        std::from_chars(written.data(), written.data() + written.size(), exponent);
+    if (ec == std::errc::result_out_of_range) exponent = std::numeric_limits<int32_t>::max();
+    exponent = std::min<int64_t>(exponent, std::numeric_limits<int32_t>::max());
+    if (negative) exponent = -exponent;
+  }
+  const int64_t fraction_from = std::max<int64_t>(0, static_cast<int64_t>(point) + exponent);
+  return std::all_of(digits.begin() + std::min<int64_t>(fraction_from, digits.size()), digits.end(),
+                     [](char c) { return c == '0'; });
+}
+
+// What the recipe's text tells that its document no longer can. JSON allows an object to name a
+// key twice and nlohmann keeps the last one: in a recipe that is an edit gone wrong. And a number
+// such as 4503599627370495.2 reads as a double that is an integer: for an integer field the
+// fraction would be lost in silence. A SAX pass over the text, before the document is built,
+// collects "POINTER: duplicate key ..." for each repeat and the pointers of such numbers, and
+// stops at nesting no recipe has (its pointers would cost time and memory quadratic in depth).
+// A handler of its own, not json::parse's callback: that one's end_object scans the whole
+// enclosing array (nlohmann 3.11), so a recipe holding many objects took minutes.
+class RecipeText {
  public:
   static constexpr size_t kMaxNesting = 64;
 
-  explicit DuplicateKeys(std::string source) : source_(std::move(source)) {}
+  // A number whose fraction its double lost: where, and as written.
+  struct LostFraction {
+    std::string pointer;
+    std::string text;
+  };
+
+  explicit RecipeText(std::string source) : source_(std::move(source)) {}
 
   bool null() { return element_done(); }
   bool boolean(bool) { return element_done(); }
   bool number_integer(json::number_integer_t) { return element_done(); }
   bool number_unsigned(json::number_unsigned_t) { return element_done(); }
-  bool number_float(json::number_float_t, const json::string_t&) { return element_done(); }
+  bool number_float(json::number_float_t number, const json::string_t& text) {
+    if (std::isfinite(number) && std::floor(number) == number && !integer_text(text))
+      lost_fractions_.push_back({child_pointer(), text});
+    return element_done();
+  }
   bool string(json::string_t&) { return element_done(); }
   bool binary(json::binary_t&) { return element_done(); }
   bool start_object(size_t) { return open(false); }
@@ -1222,7 +1269,8 @@ class DuplicateKeys {
     throw e;  // the caller's json::exception handler names the line and column
   }
 
-  const std::vector<std::string>& problems() const { return problems_; }
+  const std::vector<std::string>& duplicates() const { return problems_; }
+  const std::vector<LostFraction>& lost_fractions() const { return lost_fractions_; }
 
  private:
   struct Frame {
@@ -1260,9 +1308,8 @@ class DuplicateKeys {
   std::string source_;
   std::vector<Frame> frames_;
   std::vector<std::string> problems_;
+  std::vector<LostFraction> lost_fractions_;
 };
-
-namespace {
 
 // Where a recipe's relative data paths start: its folder, unless it has none of its own (a
 // recipe from process substitution, <(...) as /dev/fd/63, or /dev/stdin): then the current
@@ -1285,35 +1332,51 @@ Recipe load_recipe(const std::filesystem::path& path, DataCheck data) {
   std::string text = read_recipe_text(path);
   json j;
   const std::string source = printable(path.string());
-  DuplicateKeys duplicates(source);
+  RecipeText checked(source);
   try {
     refuse_nul_byte(text);
-    json::sax_parse(text, &duplicates);
+    json::sax_parse(text, &checked);
     j = json::parse(text);
   } catch (const json::exception& e) {
     throw Error(ErrorKind::recipe, json_parse_problem(source, text, e));
   }
-  if (!duplicates.problems().empty()) {
-    // Every problem at once, as for any recipe: the repeats, then what the fields (each with its
-    // last value) have wrong.
-    // As many as Problems::report lists, then how many more.
-    std::string report;
-    const auto& repeats = duplicates.problems();
-    for (size_t i = 0; i < repeats.size() && i < kMostListed; ++i)
-      report += (report.empty() ? "" : "\n") + source + ": " + repeats[i];
-    if (repeats.size() > kMostListed) {
-      report += fmt::format("\n{}: {} more duplicate key(s), not listed", source,
-                            repeats.size() - kMostListed);
-    }
-    try {
-      parse_recipe(j, source, recipe_folder(path), RecipeOrigin::user, data);
-    } catch (const Error& e) {
-      if (e.kind() != ErrorKind::recipe) throw;
-      report += "\n" + std::string(e.what());
-    }
-    throw Error(ErrorKind::recipe, report);
+  // Every problem at once, as for any recipe: the repeats (as many as Problems::report lists,
+  // then how many more), then what the fields (each with its last value) have wrong.
+  std::string report;
+  const auto& repeats = checked.duplicates();
+  for (size_t i = 0; i < repeats.size() && i < kMostListed; ++i)
+    report += (report.empty() ? "" : "\n") + source + ": " + repeats[i];
+  if (repeats.size() > kMostListed) {
+    report += fmt::format("\n{}: {} more duplicate key(s), not listed", source,
+                          repeats.size() - kMostListed);
   }
-  return parse_recipe(j, source, recipe_folder(path), RecipeOrigin::user, data);
+  Recipe recipe;
+  std::optional<Error> fields_wrong;
+  try {
+    recipe = parse_recipe(j, source, recipe_folder(path), RecipeOrigin::user, data);
+  } catch (const Error& e) {
+    if (e.kind() != ErrorKind::recipe) throw;
+    fields_wrong = e;
+  }
+  // A lost fraction matters where the field is an integer: the recipe as read holds one there
+  // (or, where the fields have other problems, a default recipe does).
+  if (!checked.lost_fractions().empty()) {
+    const json types = to_json(fields_wrong ? Recipe() : recipe);
+    for (const auto& [pointer, written] : checked.lost_fractions()) {
+      const json::json_pointer at(pointer);
+      if (!types.contains(at) || !types.at(at).is_number_integer()) continue;
+      report += (report.empty() ? "" : "\n") +
+                printable(fmt::format("{}: {}: expected an integer, got {} (a fraction that would "
+                                      "be lost: it reads as {:.0f})",
+                                      source, pointer, written, j.at(at).get<double>()));
+    }
+  }
+  if (fields_wrong) {
+    if (report.empty()) throw *fields_wrong;
+    throw Error(ErrorKind::recipe, report + "\n" + fields_wrong->what());
+  }
+  if (!report.empty()) throw Error(ErrorKind::recipe, report);
+  return recipe;
 }
 
 json to_json(const Recipe& r) {

@@ -806,6 +806,38 @@ TEST_CASE("recipe: a key given twice in one object is refused, each repeat named
   CHECK(load_recipe(fine).train.steps == 5);
 }
 
+TEST_CASE("recipe: an integer field written with a fraction its double loses is refused") {
+  TempDir dir;
+  // 4503599627370495.2 and 1.0000000000000001 read as integral doubles; the text tells.
+  const fs::path file = dir.write("frac.json", R"({
+    "seed": 4503599627370495.2, "train": {"steps": 1.0000000000000001, "batch_per_rank": 2.50e0},
+    "optimizer": {"lr": 1.0000000000000001}
+  })");
+  const std::string prefix = file.string() + ": ";
+  CHECK(lines_of(load_problems(file)) ==
+        std::vector<std::string>{
+            prefix + "/seed: expected an integer, got 4503599627370495.2 (a fraction that would "
+                     "be lost: it reads as 4503599627370495)",
+            prefix + "/train/steps: expected an integer, got 1.0000000000000001 (a fraction that "
+                     "would be lost: it reads as 1)",
+            prefix + "/train/batch_per_rank: expected an integer, got 2.5"});
+  // Alone, as read from a recipe whose fields are otherwise right.
+  const fs::path one = dir.write("one.json", R"({"train": {"steps": 1.0000000000000001},
+    "optimizer": {"lr": 1.0000000000000001}})");
+  CHECK(load_problems(one) == one.string() +
+                                  ": /train/steps: expected an integer, got 1.0000000000000001 (a "
+                                  "fraction that would be lost: it reads as 1)");
+  // A float field takes the nearest double, as always; integers with a zero fraction or an
+  // exponent that moves the point past every digit stay integers.
+  const fs::path exact = dir.write("exact.json", R"({"seed": 4503599627370495.000,
+    "train": {"steps": 100e-2, "batch_per_rank": 1.5e1}, "optimizer": {"lr": 1.0000000000000001}})");
+  const Recipe r = load_recipe(exact);
+  CHECK(r.seed == 4503599627370495u);
+  CHECK(r.train.steps == 1);
+  CHECK(r.train.batch_per_rank == 15);
+  CHECK(r.optimizer.lr == 1.0);
+}
+
 TEST_CASE("recipe: nesting no recipe has is refused at once, however deep") {
   TempDir dir;
   // 64 levels are a (wrong, but checked) recipe; 65 are refused while parsing: a million would

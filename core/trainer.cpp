@@ -1770,9 +1770,15 @@ void check_runnable_here(const Recipe& recipe, int world_size, int nominal_world
   // Its size only: synthetic data is not generated here (the ranks do); CSV rows and token
   // checksums are checked. A CSV file's rows are /data/path's problems, one a line, as `recipe
   // validate` words them.
-  int64_t samples = 0;
+  const int64_t samples = recipe_training_samples(recipe);
+  DistributedSampler sampler(samples, global_batch(recipe, world_size, nominal_world), recipe.seed);
+}
+
+}  // namespace
+
+int64_t recipe_training_samples(const Recipe& recipe) {
   try {
-    samples = training_samples(recipe.data, recipe.model, recipe.seed);
+    return training_samples(recipe.data, recipe.model, recipe.seed);
   } catch (const Error& e) {
     if (recipe.data.type != "csv" || e.kind() != ErrorKind::recipe) throw;
     // A problem that names its own field (the split's /data/eval_fraction) keeps it; a row's
@@ -1784,10 +1790,7 @@ void check_runnable_here(const Recipe& recipe, int world_size, int nominal_world
                                            return std::string("/data/path: ");
                                          }));
   }
-  DistributedSampler sampler(samples, global_batch(recipe, world_size, nominal_world), recipe.seed);
 }
-
-}  // namespace
 
 void check_runnable(const Recipe& recipe, int world_size, int nominal_world,
                     const RecipeSource& origin) {

@@ -100,6 +100,10 @@ struct TrainResult {
   nlohmann::json to_json() const;
 };
 
+// training_samples of the recipe's data, where each problem of a CSV file's rows (starting with
+// the file's path) is /data/path's, one a line, as `recipe validate` words them: Error(recipe).
+int64_t recipe_training_samples(const Recipe& recipe);
+
 // What a rank would find wrong only after it started: the data (a bad CSV row, a split smaller
 // than one global batch), and check_levers. Reads a CSV file once and token files whole (their
 // checksums); synthetic data is only counted, not generated. Error(recipe) naming the file, line

@@ -167,6 +167,9 @@ class Doctor {
       // which stops at neither, counts both).
       add("recipe", "", true, fmt::format("{}: its fields are valid", options_.recipe.string()));
     } catch (const Error& e) {
+      // A read a stop signal cut short (a recipe from a FIFO): not a recipe to fix; the command
+      // says it was stopped.
+      if (pending_stop_signal() != 0) return;
       std::istringstream lines(e.what());
       for (std::string line; std::getline(lines, line);) {
         const bool unreadable = line.starts_with(options_.recipe.string() + ": cannot read");

@@ -80,6 +80,10 @@ json JobOutcome::to_json(const RunDirectory& run) const {
             {"exit_code", exit_code},
             {"run_dir", run.path().string()},
             {"restarts", restarts}};
+  // Null where no ranks met (a resume of a completed run, one refused before a rank started).
+  j["began_at_step"] = began_at_step >= 0 ? json(began_at_step) : json(nullptr);
+  j["resumed_from"] = began_at_step >= 0 ? resumed_from : json(nullptr);
+  j["warnings"] = warnings;
   if (!error.empty()) {
     j["error"] = error;
     j["errors"] = error_messages(error);  // as every command's --json failure has them
@@ -759,6 +763,9 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   int64_t last_step = -1;
   // The step this generation started from: the resumed checkpoint's, or 0.
   int64_t start_step = -1;
+  // Where the ranks said they began (their rendezvous): the step and checkpoint's name.
+  int64_t met_at_step = -1;
+  json met_from;
   if (spec.resume_from.empty()) {
     start_step = 0;  // a new run
   } else if (spec.resume_from != "newest-or-start" && spec.resume_from != "newest") {
@@ -776,6 +783,8 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     if (kind == "rendezvous") {
       start_step = event.value("step", start_step);
       ranks_joined = true;
+      met_at_step = start_step;
+      met_from = event.value("resumed_from", json(nullptr));
     }
     if (kind == "rendezvous" || kind == "checkpoint") {
       json fields = event;
@@ -969,6 +978,8 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   JobOutcome out;
   out.last_step = last_step;
   out.start_step = std::max<int64_t>(start_step, 0);
+  out.began_at_step = met_at_step;
+  out.resumed_from = met_from;
   out.world_size = world;
   GenerationTrace trace;
   int64_t measured = -1;  // a benchmark's: the measurement its ranks reached (dptrain-bench(1))
@@ -1089,21 +1100,26 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   if (sup.stop_signal == SIGTERM && !sup.failure && !finished_first) {
     out.exit_code = 143;
     out.status = "terminated";
-    if (!trains || spec.benchmark) {
-      // A benchmark: no checkpoint is kept, so none is named.
+    // A benchmark keeps no checkpoint, so none is named: its ranks stop, or do not.
+    const bool benchmark = !trains || spec.benchmark;
+    if (!sup.watchdog.empty()) {
       out.error =
-          sup.watchdog.empty()
-              ? std::string("stopped by SIGTERM; every rank was stopped")
-              : fmt::format("stopped by SIGTERM, but {}; every rank was killed", sup.watchdog);
-    } else if (!sup.watchdog.empty()) {
-      out.error = fmt::format(
-          "stopped by SIGTERM, but {}; every rank was killed (a hung rank cannot checkpoint){}",
-          sup.watchdog, checkpoint_note());
-    } else if (all_checkpointed()) {
-      out.error = "stopped by SIGTERM; " + checkpointed_note();
+          benchmark ? fmt::format("stopped by SIGTERM, but {}; every rank was killed", sup.watchdog)
+                    : fmt::format(
+                          "stopped by SIGTERM, but {}; every rank was killed (a "
+                          "hung rank cannot checkpoint){}",
+                          sup.watchdog, checkpoint_note());
+    } else if (benchmark ? not_checkpointed().empty() : all_checkpointed()) {
+      out.error = benchmark ? std::string("stopped by SIGTERM; every rank was stopped")
+                            : "stopped by SIGTERM; " + checkpointed_note();
     } else {
-      out.error = fmt::format("stopped by SIGTERM, but not every rank checkpointed: {}{}",
-                              not_checkpointed(), checkpoint_note());
+      out.error = benchmark
+                      ? fmt::format(
+                            "stopped by SIGTERM, but not every rank stopped as "
+                            "asked: {}",
+                            not_checkpointed())
+                      : fmt::format("stopped by SIGTERM, but not every rank checkpointed: {}{}",
+                                    not_checkpointed(), checkpoint_note());
       // A rank that could not stop as asked (hung, with no --hang-timeout to name it): the
       // ranks' last heartbeats say which, when the others wait for it in a collective. Not where
       // a rank was killed by a signal of its own (not the launcher's): that is what happened,
@@ -1161,12 +1177,17 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     const char* was = trace.sigterm_ranks.size() > 1 ? "were" : "was";
     out.exit_code = 143;
     out.status = "terminated";
-    out.error = spec.benchmark
-                    ? fmt::format("{} {} stopped by SIGTERM; every rank was stopped", who, was)
-                : all_checkpointed()
-                    ? fmt::format("{} {} stopped by SIGTERM; {}", who, was, checkpointed_note())
-                    : fmt::format("{} {} stopped by SIGTERM, but not every rank checkpointed: {}{}",
-                                  who, was, not_checkpointed(), checkpoint_note());
+    out.error =
+        spec.benchmark
+            ? (not_checkpointed().empty()
+                   ? fmt::format("{} {} stopped by SIGTERM; every rank was stopped", who, was)
+                   : fmt::format("{} {} stopped by SIGTERM, but not every rank stopped "
+                                 "as asked: {}",
+                                 who, was, not_checkpointed()))
+        : all_checkpointed()
+            ? fmt::format("{} {} stopped by SIGTERM; {}", who, was, checkpointed_note())
+            : fmt::format("{} {} stopped by SIGTERM, but not every rank checkpointed: {}{}", who,
+                          was, not_checkpointed(), checkpoint_note());
   } else if (sup.failure) {
     const ProcessFailure& f = *sup.failure;
     out.exit_code = 3;

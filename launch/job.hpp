@@ -115,6 +115,13 @@ struct JobOutcome {
   // (an elastic job below its maximum size); exit_code 0, status "resized".
   bool resized = false;
   int restarts = 0;  // generations started after failures (run_job_with_restarts)
+  // Where this launch or resume began training, from its first generation whose ranks met: the
+  // step, and the checkpoint's name (null: from step 0). Step -1: no ranks met (both null in
+  // to_json).
+  int64_t began_at_step = -1;
+  nlohmann::json resumed_from;
+  // What the launcher warned of (StatusPrinter::warnings), for the --json outcome.
+  std::vector<std::string> warnings;
   // {status, exit_code, run_dir, restarts, error?} and the trainer's result; an outcome without
   // one (failed, terminated, interrupted) has steps (the step reached), world_size and
   // last_checkpoint (null when unknown) too.
@@ -237,6 +244,10 @@ std::string host_tag(const JobSpec& spec, const HostSpec& host);
 // here) and the run's checkpoints directory holds none: moved away, or its filesystem not
 // mounted. A resume or restart would otherwise train from step 0 as if none had been written.
 // `then`: what to do once they are back (a resume's by default).
+// missing_recorded_checkpoints: that message without `then` ("" when they are there), for a
+// command that only reads them (ckpt list and verify warn).
+std::string missing_recorded_checkpoints(const std::filesystem::path& checkpoints,
+                                         const nlohmann::json& info);
 void require_recorded_checkpoint(
     const RunDirectory& run,
     std::string_view then =

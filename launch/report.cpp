@@ -18,6 +18,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "core/bench/comm_bench.hpp"
 #include "core/checkpoint.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
@@ -98,14 +99,7 @@ std::optional<int64_t> age_s(const std::string& stamp) {
 
 // The arguments of live process `pid` on this machine; none when it is gone or a zombie.
 std::optional<std::vector<std::string>> live_process_args(int64_t pid) {
-  if (pid <= 0) return std::nullopt;
-  std::ifstream stat_file(fmt::format("/proc/{}/stat", pid));
-  std::string stat;
-  if (!std::getline(stat_file, stat)) return std::nullopt;
-  const auto paren = stat.rfind(')');
-  if (paren == std::string::npos || paren + 2 >= stat.size() || stat[paren + 2] == 'Z') {
-    return std::nullopt;
-  }
+  if (pid <= 0 || !process_alive(pid)) return std::nullopt;
   // Reaped between the two reads, its cmdline reads as an error (ESRCH): gone.
   std::string cmdline;
   try {
@@ -586,14 +580,38 @@ std::string last_checkpoint_name(const RunView& run) {
   return {};
 }
 
+// The rank logs an error names, where the run lies now: a run moved or copied since names its own
+// logs/, not those of the directory it ran in (gone, or another run's). A log's path follows one
+// of the launcher's leads and ends in ".log".
+std::string logs_where_run_lies(std::string error, const fs::path& dir) {
+  for (const std::string_view lead : {"(log: ", "; log: ", "(full log: "}) {
+    for (size_t at = error.find(lead); at != std::string::npos; at = error.find(lead, at + 1)) {
+      const size_t start = at + lead.size();
+      const size_t end = error.find(".log", start);
+      if (end == std::string::npos) break;
+      const fs::path named = error.substr(start, end + 4 - start);
+      const fs::path here = dir / "logs" / named.filename();
+      std::error_code ec;
+      if (named.parent_path().filename() != "logs" || named == here || !fs::exists(here, ec)) {
+        continue;
+      }
+      error.replace(start, end + 4 - start, here.string());
+    }
+  }
+  return error;
+}
+
 // The error the run ended with: the run's own, or the newest generation's once it has ended (an
 // older generation's is history: the newest one may be running, or its launcher gone).
-std::string run_error(const json& info) {
+std::string run_error(const RunView& run) {
+  const json& info = run.info;
   // How the run ended after its last generation (too few hosts left, stopped between two).
-  if (const std::string error = text(info, "error"); !error.empty()) return error;
+  if (const std::string error = text(info, "error"); !error.empty()) {
+    return logs_where_run_lies(error, run.dir);
+  }
   const json& generations = array_at(info, "generations");
   if (generations.empty() || !generations.back().contains("ended_at")) return {};
-  return text(generations.back(), "error");
+  return logs_where_run_lies(text(generations.back(), "error"), run.dir);
 }
 
 // The median of the finite values (of an even count, the mean of the two middle ones, as bench
@@ -945,12 +963,13 @@ std::string charts(const RunView& run) {
   return out + "</div>\n";
 }
 
-std::string generations_table(const json& info) {
+std::string generations_table(const RunView& run) {
+  const json& info = run.info;
   const json& generations = array_at(info, "generations");
   if (generations.empty()) return "<p class=\"note\">No generation started.</p>\n";
   std::string rows;
   for (const auto& g : generations) {
-    const std::string error = text(g, "error");
+    const std::string error = logs_where_run_lies(text(g, "error"), run.dir);
     const std::string status = text(g, "status").empty() ? "running" : text(g, "status");
     std::vector<std::string> hosts;
     for (const auto& h : array_at(g, "hosts"))
@@ -1213,13 +1232,24 @@ json comm_benchmark(const RunView& run) {
   const bool finished = result.is_object() && result.value("benchmark", "") == "comm";
   const json from = finished ? result : info.value("benchmark", json());
   if (!from.is_object()) return nullptr;
+  // The sizes' range is its sweep's: -e need not be one of them (to 64 KiB by a factor of 4 from
+  // 8 B ends at 32 KiB). Options this dptrain cannot read: the range as recorded.
+  json smallest = from.value("min_bytes", json());
+  json largest = from.value("max_bytes", json());
+  try {
+    if (const auto sizes = CommBenchOptions::from_json(from).sizes(); !sizes.empty()) {
+      smallest = sizes.front();
+      largest = sizes.back();
+    }
+  } catch (const Error&) {
+  }
   // One that measured nothing has no figures at all: null, as avg_busbw; its status is the run's
   // as status(1) judges it (its options hold none): running, or what ended it.
   return {{"benchmark", "comm"},
           {"status", from.value("status", json(run.state.status))},
           {"ops", from.value("ops", json::array())},
-          {"min_bytes", from.value("min_bytes", json())},
-          {"max_bytes", from.value("max_bytes", json())},
+          {"min_bytes", smallest},
+          {"max_bytes", largest},
           {"avg_busbw", from.value("avg_busbw", json())},
           {"avg_busbw_by_op", from.value("avg_busbw_by_op", json())},
           {"wrong", from.value("wrong", json())},
@@ -1336,7 +1366,7 @@ json status_json(const RunView& run) {
                 {"generations", array_at(info, "generations").size()},
                 {"generation_starting", generation_starting(run)},
                 {"last_restart", last_restart},
-                {"error", or_null(run_error(info))},
+                {"error", or_null(run_error(run))},
                 {"hint", or_null(hint(run))}});
   return j;
 }
@@ -1378,7 +1408,15 @@ std::string status_text(const RunView& run) {
         fmt::format("unknown: run.json records {} committed, and checkpoints/ {}", absent,
                     run.checkpoints_unread ? "cannot be read" : "holds none"));
   } else if (!checkpoint.empty() || s["last_checkpoint_host"].is_null()) {
-    row("checkpoint", checkpoint.empty() ? "none" : checkpoint);
+    // Only listed, not read through (a large one takes seconds): said so, with those a resume
+    // set aside.
+    const size_t aside = s["checkpoints_set_aside"].get<size_t>();
+    row("checkpoint", fmt::format("{}{}{}", checkpoint.empty() ? "none" : checkpoint,
+                                  checkpoint.empty() ? "" : " (the newest; checksums not checked)",
+                                  aside == 0 ? ""
+                                             : fmt::format("; {} set aside by a resume: {} failed "
+                                                           "verification",
+                                                           aside, aside == 1 ? "it" : "they")));
   } else {
     row("checkpoint", fmt::format("{} on {} (recorded in run.json; not checked from here)",
                                   text(s, "last_checkpoint"), text(s, "last_checkpoint_host")));
@@ -1419,7 +1457,7 @@ std::string report_html(const RunView& run) {
                       html(run.state.status), html(run.state.status));
   body += fmt::format("<div class=\"sub\">{} \u00b7 report written {} by dptrain {}</div>\n",
                       html(run.dir.filename().string()), html(utc_timestamp()), DPTRAIN_VERSION);
-  const std::string error = run_error(info);
+  const std::string error = run_error(run);
   if (!error.empty() && run.state.status != "completed" && run.state.status != "running") {
     body += "<pre class=\"error\">" + html(error) + "</pre>\n";
   }
@@ -1463,7 +1501,7 @@ std::string report_html(const RunView& run) {
         run.metrics.skipped_lines);
   }
 
-  body += "<h2>Timeline</h2>\n<h3>Generations</h3>\n" + generations_table(info);
+  body += "<h2>Timeline</h2>\n<h3>Generations</h3>\n" + generations_table(run);
   body += "<h3>Restarts</h3>\n" + restarts_table(info) + world_size_table(info);
   body += "<h2>Checkpoints</h2>\n" + checkpoints_table(run);
   if (!recipe.empty()) {
@@ -1491,7 +1529,7 @@ json report_summary(const RunView& run, const fs::path& report_file) {
                 {"world_sizes", world_sizes(run.info)},
                 {"checkpoints_failed", failed},
                 {"metrics_lines_skipped", run.metrics.skipped_lines},
-                {"error", or_null(error_headline(run_error(run.info)))}});
+                {"error", or_null(error_headline(run_error(run)))}});
   return j;
 }
 

@@ -30,13 +30,20 @@ void set_aside_newer(const fs::path& checkpoints, const fs::path& chosen, Status
   }
 }
 
+std::string missing_recorded_checkpoints(const fs::path& checkpoints, const json& info) {
+  const std::string recorded = recorded_local_checkpoint(info);
+  if (recorded.empty() || !list_checkpoints(checkpoints).empty()) return "";
+  std::error_code ec;
+  const bool there = fs::exists(fs::symlink_status(checkpoints, ec));
+  return fmt::format(
+      "{}: {}, but run.json records {} committed there: were they moved away, or "
+      "is their filesystem not mounted?",
+      checkpoints.string(), there ? "holds no checkpoint" : "is not there", recorded);
+}
+
 void require_recorded_checkpoint(const RunDirectory& run, std::string_view then) {
-  const std::string recorded = recorded_local_checkpoint(run.info());
-  if (recorded.empty() || !list_checkpoints(run.checkpoints()).empty()) return;
-  throw Error(ErrorKind::checkpoint,
-              fmt::format("{}: holds no checkpoint, but run.json records {} committed there: "
-                          "were they moved away, or is their filesystem not mounted? {}",
-                          run.checkpoints().string(), recorded, then));
+  const std::string missing = missing_recorded_checkpoints(run.checkpoints(), run.info());
+  if (!missing.empty()) throw Error(ErrorKind::checkpoint, fmt::format("{} {}", missing, then));
 }
 
 namespace {
@@ -292,8 +299,13 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
   const auto listed = run.info().find("restarts");
   const int numbered_before =
       listed != run.info().end() && listed->is_array() ? static_cast<int>(listed->size()) : 0;
+  // Where this invocation began training: its first generation whose ranks met.
+  int64_t began_at_step = -1;
+  json began_from;
   const auto finish = [&](JobOutcome outcome) {
     outcome.restarts = numbered_before + restarts;
+    outcome.began_at_step = began_at_step;
+    outcome.resumed_from = began_from;
     // The run's end, where it says more than its last generation's failure (stopped as
     // deterministic, restarts exhausted, not restarted and why): run.json's error, which status
     // and report give, is what the launch said. (A new generation erases it.)
@@ -395,6 +407,10 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
   }
   for (;;) {
     JobOutcome outcome = run_job(run, spec, status);
+    if (began_at_step < 0 && outcome.began_at_step >= 0) {
+      began_at_step = outcome.began_at_step;
+      began_from = outcome.resumed_from;
+    }
     if (outcome.resized) {
       // Not a failure and not a restart: the next generation continues from the checkpoint the
       // ranks just wrote, with the hosts that answer now.

@@ -109,6 +109,12 @@ void StatusPrinter::warning(const std::string& text) {
   std::fflush(out_);
   std::fprintf(stderr, "dptrain: warning: %s\n", text.c_str());
   std::fflush(stderr);
+  if (warnings_.size() < kKeptWarnings) warnings_.push_back(text);
+}
+
+std::vector<std::string> StatusPrinter::warnings() const {
+  std::lock_guard lock(mutex_);
+  return warnings_;
 }
 
 void StatusPrinter::event(const nlohmann::json& e) {

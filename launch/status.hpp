@@ -5,6 +5,7 @@
 #include <mutex>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -38,6 +39,9 @@ class StatusPrinter {
   // "dptrain: warning: TEXT" on stderr, as every warning: apart from the lines a script reads
   // on stdout (a pending progress line is cleared first).
   void warning(const std::string& text);
+  // The warnings said so far (the first kKeptWarnings), for a --json outcome's "warnings".
+  std::vector<std::string> warnings() const;
+  static constexpr size_t kKeptWarnings = 100;
   void event(const nlohmann::json& event);  // progress rewrites in place on a terminal
   // A progress line for a long step: rewritten in place on a terminal, dropped in a pipe (where
   // the permanent lines say what was done).
@@ -60,7 +64,8 @@ class StatusPrinter {
   bool progress_shown_ = false;
   StatusPrinter* mirror_ = nullptr;
   std::string mirror_prefix_;
-  std::mutex mutex_;
+  std::vector<std::string> warnings_;
+  mutable std::mutex mutex_;
 };
 
 }  // namespace dptrain

@@ -16,14 +16,6 @@ using nlohmann::json;
 
 namespace {
 
-std::vector<std::string> words_of(const std::string& line) {
-  std::vector<std::string> words;
-  std::istringstream in(line);
-  for (std::string word; in >> word;)
-    words.push_back(word);
-  return words;
-}
-
 CommandResult bench(TempDir& tmp, std::vector<std::string> args, const Env& env = {}) {
   std::vector<std::string> full = {"bench", "comm", "--runs-root", (tmp / "runs").string()};
   full.insert(full.end(), args.begin(), args.end());
@@ -442,6 +434,13 @@ TEST_CASE("bench comm --nproc 1: nothing leaves the one rank, so every busbw is 
     found = true;
   }
   CHECK(found);
+  // The range status gives is the sweep's: by a factor of 4 from 1 KiB, -e 6K ends at 4 KiB.
+  const auto swept = bench(tmp, {"-b", "1K", "-e", "6K", "-f", "4", "--json"});
+  REQUIRE(swept.exit_code == 0);
+  const std::string swept_dir = parse_json(swept.out)["run_dir"];
+  CHECK(parse_json(run_dptrain({"status", swept_dir, "--json"}).out)["benchmark"]["max_bytes"] ==
+        4096);
+  CHECK(contains(run_dptrain({"status", swept_dir}).out, "allreduce from 1.0 KiB to 4.0 KiB: "));
 }
 
 TEST_CASE("bench comm: a bad flag exits 2 naming it and creates nothing") {

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <csignal>
 #include <sstream>
+#include <thread>
 
 #include "core/tensor/device.hpp"
 #include "tests/harness.hpp"
@@ -297,6 +298,26 @@ TEST_CASE("a world size whose global batch the data cannot hold exits 2 naming i
   CHECK_MESSAGE(gone.err.rfind("dptrain: error: " + missing.string() + ": /data/path: ", 0) == 0,
                 gone.err);
   CHECK(gone.err.find("--nproc") == std::string::npos);
+  CHECK(nothing_created(tmp));
+  // A CSV file's bad rows: each /data/path's, on its line, as recipe validate and launch say.
+  std::string rows;
+  for (int i = 0; i < 200; ++i)
+    rows += std::to_string(i == 50 ? 7 : i % 3) + ",0.5,0.25\n";
+  rows += "1,nan,0.5\n";
+  write_text(tmp / "d.csv", rows);
+  const json csv = {{"model", {{"type", "mlp"}, {"input", 2}, {"hidden", {4}}, {"classes", 3}}},
+                    {"data", {{"type", "csv"}, {"path", (tmp / "d.csv").string()}}},
+                    {"train", {{"steps", 2}, {"batch_per_rank", 8}}}};
+  const fs::path csv_file = write_recipe(tmp.path(), csv, "csv.json");
+  const auto bad_rows = bench(tmp, {csv_file.string(), "--nproc", "1"});
+  CHECK(bad_rows.exit_code == 2);
+  const auto said = lines_of(bad_rows.err);
+  REQUIRE(said.size() == 2);
+  for (const auto& line : said) {
+    CHECK_MESSAGE(line.starts_with("dptrain: error: " + csv_file.string() +
+                                   ": /data/path: " + (tmp / "d.csv").string() + ":"),
+                  line);
+  }
   CHECK(nothing_created(tmp));
 }
 
@@ -622,4 +643,39 @@ TEST_CASE("a stop during a run: exit 130 or 143, no checkpoint kept, no pointer 
                                    "is not resumed: run it again") != std::string::npos,
                   resumed.err);
   }
+}
+
+TEST_CASE("a stop that a hung rank does not obey: the run's error names it, and no checkpoint") {
+  TempDir tmp;
+  json recipe = small_recipe();
+  recipe["log"] = {{"every", 1}};
+  const fs::path file = write_recipe(tmp.path(), recipe);
+  const fs::path sweep = tmp / "sweep";
+  // Rank 1 hangs at step 3; the stop's grace is cut to 3 s, after which the launcher kills both.
+  Background b({"bench", "train", file.string(), "--nproc", "2", "--steps", "2000", "--run-dir",
+                sweep.string(), "--json"},
+               {{"DPTRAIN_FAULT", "hang@step=3,rank=1"}, {"DPTRAIN_TEST_STOP_GRACE_MS", "3000"}});
+  REQUIRE(eventually(
+      [&] {
+        std::error_code ec;
+        if (fs::file_size(sweep / "w2/metrics.jsonl", ec) == 0 || ec) return false;
+        for (const auto& m : read_jsonl(sweep / "w2/metrics.jsonl"))
+          if (m.value("step", int64_t{0}) >= 2) return true;
+        return false;
+      },
+      std::chrono::seconds(60)));
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  ::kill(b.pid(), SIGTERM);
+  CHECK(b.wait(std::chrono::seconds(60)) == 143);
+  INFO(b.err());
+  CHECK(contains(b.err(), "bench train: stopped by SIGTERM during the run at world size 2"));
+  // Not "every rank was stopped": the hung one was killed, and the heartbeats say where it was.
+  const json recorded = parse_json(read_text(sweep / "w2/run.json"));
+  const std::string error = recorded["generations"].back().value("error", "");
+  CHECK_MESSAGE(error.starts_with("stopped by SIGTERM, but not every rank stopped as asked: "),
+                error);
+  CHECK_MESSAGE(contains(error, "(the launcher's SIGKILL: "), error);
+  CHECK_MESSAGE(contains(error, "stuck: rank 1 at step 3"), error);
+  CHECK_MESSAGE(!contains(error, "checkpoint"), error);
+  CHECK(fs::is_empty(sweep / "w2/checkpoints"));
 }

@@ -474,6 +474,21 @@ TEST_CASE("ckpt verify detects an edited meta.json; an older one without a check
   auto errors = error_lines(edited.err);
   REQUIRE(errors.size() == 1);
   CHECK(contains(errors[0], "step-000060/meta.json: checksum mismatch (edited or corrupted)"));
+  // ckpt list shows none of the edited meta.json's fields (its epoch would be the edit's).
+  const auto listed = run_dptrain({"ckpt", "list", run.string(), "--json"});
+  for (const auto& c : parse_json(listed.out)["checkpoints"]) {
+    CAPTURE(c["name"]);
+    CHECK(c["epoch"].is_null() == (c["step"] == 60));
+    CHECK(c["world_size"].is_null() == (c["step"] == 60));
+  }
+  const auto table = run_dptrain({"ckpt", "list", run.string()});
+  for (const auto& line : lines_of(table.out)) {
+    if (!line.starts_with("step-000060")) continue;
+    const auto w = words_of(line);
+    REQUIRE(w.size() > 3);
+    CHECK(w[2] == "-");  // EPOCH, after the name and the step
+    CHECK(w[3] == "-");  // WORLD
+  }
 
   const auto position = parse_json(read_text(ck / "step-000040/meta.json"));
   // Its checksum taken out along with an edit: the dptrain that records the data's fingerprint

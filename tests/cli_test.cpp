@@ -357,6 +357,24 @@ TEST_CASE("usage errors exit 2") {
       {"launch", "--identity", (tmp / "id_test").string(), recipe.string(), "--dry-run", "--json"});
   CHECK_MESSAGE(identity.exit_code == 0, identity.err);
   CHECK(parse_json(identity.out)["world_size"] == 1);
+  // SSH files that cannot be what they say are refused on this machine alone too, where they
+  // are not used: a typo in a script's flags is found wherever it runs.
+  const std::string no_key = (tmp / "no_key").string();
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"launch", recipe.string(), "--identity", no_key, "--dry-run"},
+        std::vector<std::string>{"launch", recipe.string(), "--known-hosts", tmp.path().string(),
+                                 "--dry-run"},
+        std::vector<std::string>{"bench", "comm", "--identity", no_key, "-e", "64"},
+        std::vector<std::string>{"bench", "train", recipe.string(), "--identity", no_key}}) {
+    CAPTURE(args);
+    const auto refused = run_dptrain(args);
+    CHECK(refused.exit_code == 2);
+    CHECK_MESSAGE(
+        (contains(refused.err, "dptrain: error: --identity " + no_key + ": no such file") ||
+         contains(refused.err,
+                  "dptrain: error: --known-hosts " + tmp.path().string() + ": is a directory")),
+        refused.err);
+  }
   // A --master-addr the store cannot listen on is the caller's to fix, found before anything runs.
   auto elsewhere = run_dptrain({"launch", recipe.string(), "--master-addr", "192.0.2.1",
                                 "--runs-root", (tmp / "runs").string()});
@@ -552,6 +570,12 @@ TEST_CASE("an empty option value, or an option in its place, is refused, not rea
   auto prompt = run_dptrain({"sample", (tmp / "none").string(), "--prompt", "--json"});
   CHECK(prompt.exit_code == 2);
   CHECK(contains(prompt.err, "--prompt: got the option --json where its value belongs"));
+  // Written attached, the value is the one meant: the command goes on (and meets the run that
+  // is not there).
+  auto attached = run_dptrain({"sample", (tmp / "none").string(), "--prompt=--json"});
+  CHECK(attached.exit_code == 2);
+  CHECK_FALSE(contains(attached.err, "where its value belongs"));
+  CHECK(contains(attached.err, (tmp / "none").string()));
 }
 
 TEST_CASE("a remote path under ~user is refused: only ~ and ~/ are the login's home") {
@@ -1101,6 +1125,24 @@ TEST_CASE("a stop signal while the recipe is read from a pipe: the signal's exit
     CHECK(out["error"] == fifo.string() + ": stopped by " + (sig == SIGINT ? "SIGINT" : "SIGTERM") +
                               " before the launch made anything");
     CHECK_FALSE(fs::exists(tmp / "run"));
+  }
+  // So for bench train and doctor, which read a recipe too: not a recipe "cannot read" to fix.
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"bench", "train", fifo.string(), "--run-dir",
+                                 (tmp / "bench").string(), "--json"},
+        std::vector<std::string>{"doctor", fifo.string(), "--hosts", "localhost:1",
+                                 "--no-allreduce", "--json"}}) {
+    CAPTURE(args[0]);
+    Background command(args);
+    REQUIRE(eventually([&] { return catches_signal(command.pid(), SIGTERM); }));
+    REQUIRE(::kill(command.pid(), SIGTERM) == 0);
+    CHECK(command.wait(std::chrono::seconds(30)) == 143);
+    INFO(command.out(), command.err());
+    const auto out = parse_json(command.out());
+    CHECK(out["status"] == "terminated");
+    CHECK_FALSE(contains(command.out() + command.err(), "Interrupted system call"));
+    CHECK_FALSE(contains(command.out() + command.err(), "cannot read"));
+    CHECK_FALSE(fs::exists(tmp / "bench"));
   }
 }
 

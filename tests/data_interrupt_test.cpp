@@ -242,12 +242,15 @@ TEST_CASE("data prepare cleans up after a prepare that was killed with SIGKILL")
   fs::create_directories(out.parent_path() / running);
   write_text(tmp / "small.txt", synthetic_text(13, 3000));
   auto r = run_dptrain(
-      {"data", "prepare", "--text", (tmp / "small.txt").string(), "--out", out.string()});
+      {"data", "prepare", "--text", (tmp / "small.txt").string(), "--out", out.string(), "--json"});
   INFO(r.err);
   CHECK(r.exit_code == 0);
-  CHECK(r.err == "removed " + (out.parent_path() / stale).string() +
-                     ": left by a data prepare (pid " + std::to_string(killed->pid()) +
-                     ") that was killed\n");
+  const std::string removed = "removed " + (out.parent_path() / stale).string() +
+                              ": left by a data prepare (pid " + std::to_string(killed->pid()) +
+                              ") that was killed";
+  CHECK(r.err == "dptrain: warning: " + removed + "\n");
+  // A script reads it too.
+  CHECK(parse_json(r.out)["warnings"] == nlohmann::json::array({removed}));
   CHECK(dptrain::read_token_file(out / "train.bin").tokens.size() == 2700);
   std::vector<std::string> left = entries_starting(out.parent_path(), "");
   std::sort(left.begin(), left.end());

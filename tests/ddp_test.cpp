@@ -81,6 +81,10 @@ TEST_CASE("overlap on and off: bit-identical parameters; the metrics split expos
   recipe["distributed"]["overlap"] = false;
   const json off = launch(tmp.path(), recipe, 3, "off");
   CHECK(on["params_checksum"] == off["params_checksum"]);
+  // A new run began at step 0 from no checkpoint, warned of nothing.
+  CHECK(on["began_at_step"] == 0);
+  CHECK(on["resumed_from"].is_null());
+  CHECK(on["warnings"] == json::array());
   CHECK(read_text(latest_params(tmp / "on")) == read_text(latest_params(tmp / "off")));
   const int64_t params = 32 * 48 + 48 + 48 * 24 + 24 + 24 * 5 + 5;
   for (const char* run : {"on", "off"}) {

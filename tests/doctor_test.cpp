@@ -718,6 +718,11 @@ TEST_CASE("doctor: a missing or invalid recipe exits 2, the data check a skip li
     CHECK(data["skipped"] == true);
     CHECK(data["detail"] == "not run: the recipe is not valid");
     CHECK(data["fix"].is_null());
+    // On stderr too, as every command's errors: each of the JSON's errors on its line.
+    std::string said;
+    for (const auto& e : report["errors"])
+      said += "dptrain: error: " + e.get<std::string>() + "\n";
+    CHECK(r.err == said);
   }
   // And as lines: the recipe's FAIL, the data check's skip.
   auto table = run_dptrain(

@@ -675,6 +675,10 @@ TEST_CASE("--events writes one JSON line per state change, restarts included") {
   CHECK(early_stream[0]["run_dir"].is_null());
   CHECK(early_stream[0]["error"].get<std::string>().starts_with(
       "the launch did not start: " + (tmp / "missing.json").string() + ": cannot read"));
+  // Its messages as the --json object on stdout has them.
+  const auto early_json = run_dptrain(
+      {"launch", (tmp / "missing.json").string(), "--run-dir", (tmp / "early").string(), "--json"});
+  CHECK(early_stream[0]["errors"] == parse_json(early_json.out)["errors"]);
   // And one refused at an option's value, whichever option it is.
   for (const std::string command : {"launch", "resume"}) {
     CAPTURE(command);

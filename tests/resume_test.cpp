@@ -276,10 +276,21 @@ TEST_CASE("a corrupt or truncated newest checkpoint is skipped; none valid exits
   info = parse_json(read_text(tmp / "straight/run.json"));
   info["status"] = "failed";
   write_text(tmp / "straight/run.json", info.dump());
-  auto again = run_dptrain({"resume", (tmp / "straight").string()});
+  auto again = run_dptrain({"resume", (tmp / "straight").string(), "--json"});
   INFO(again.out, again.err);
   REQUIRE(again.exit_code == 0);
   CHECK(contains(again.err, "dptrain: warning: set aside step-000120 as step-000120.corrupt-2"));
+  // Its JSON says where it continued from, and what it passed over on the way.
+  const auto again_out = parse_json(again.out);
+  CHECK(again_out["resumed_from"] == "step-000100");
+  CHECK(again_out["began_at_step"] == 100);
+  const auto warned = again_out["warnings"];
+  REQUIRE(warned.is_array());
+  CHECK(std::any_of(warned.begin(), warned.end(), [](const nlohmann::json& w) {
+    return w.get<std::string>().starts_with("skipping checkpoint step-000120");
+  }));
+  CHECK(std::count(warned.begin(), warned.end(),
+                   nlohmann::json("set aside step-000120 as step-000120.corrupt-2")) == 1);
   CHECK(read_text(ck / "step-000120.corrupt/params.bin") == aside_before);
   CHECK(fs::file_size(ck / "step-000120.corrupt-2/params.bin") == 10);
   CHECK(read_text(latest_params(tmp / "straight")) == expected);
@@ -288,6 +299,10 @@ TEST_CASE("a corrupt or truncated newest checkpoint is skipped; none valid exits
                                                "--out", (tmp / "straight.html").string()})
                                       .out);
   CHECK(summary["checkpoints_set_aside"] == 3);
+  // status's text says so too, beside the newest (whose checksums it does not check).
+  CHECK(contains(run_dptrain({"status", (tmp / "straight").string()}).out,
+                 "checkpoint   step-000120 (the newest; checksums not checked); 3 set aside by a "
+                 "resume: they failed verification"));
   CHECK(summary["checkpoints"] == 3);
   CHECK(summary["checkpoints_failed"] == 0);
   const auto list = parse_json(
@@ -1142,8 +1157,32 @@ TEST_CASE("resume of a run whose checkpoints are gone (moved, not mounted) is re
                            "run directory\n");
   CHECK(read_text(dir / "run.json") == recorded);
   CHECK(fs::is_empty(dir / "checkpoints"));
-  // Put back, the run continues from its checkpoint.
+  // With none in their place, the refusal makes no empty one (which would look like a mount
+  // point), nor logs/.
   fs::remove(dir / "checkpoints");
+  fs::rename(dir / "logs", tmp / "logs");
+  auto none = run_dptrain({"resume", dir.string()});
+  CHECK(none.exit_code == 5);
+  CHECK(none.err == "dptrain: error: " + (dir / "checkpoints").string() +
+                        ": is not there, but run.json records step-000040 committed there: were "
+                        "they moved away, or is their filesystem not mounted? Put them back and "
+                        "resume; to start over, launch the recipe into a new run directory\n");
+  // ckpt list and verify, which only read them, say so too.
+  const auto listed = run_dptrain({"ckpt", "list", dir.string(), "--json"});
+  CHECK(listed.exit_code == 0);
+  CHECK(parse_json(listed.out)["warnings"] ==
+        nlohmann::json::array({(dir / "checkpoints").string() +
+                               ": is not there, but run.json records step-000040 committed "
+                               "there: were they moved away, or is their filesystem not "
+                               "mounted?"}));
+  const auto verified = run_dptrain({"ckpt", "verify", dir.string()});
+  CHECK(verified.exit_code == 5);
+  CHECK(contains(verified.err, "dptrain: warning: " + (dir / "checkpoints").string() +
+                                   ": is not there, but run.json records step-000040"));
+  CHECK(!fs::exists(dir / "checkpoints"));
+  CHECK(!fs::exists(dir / "logs"));
+  fs::rename(tmp / "logs", dir / "logs");
+  // Put back, the run continues from its checkpoint.
   fs::rename(tmp / "elsewhere", dir / "checkpoints");
   auto back = run_dptrain({"resume", dir.string()});
   CHECK(back.exit_code == 0);

@@ -206,6 +206,12 @@ TEST_CASE("sample: another model's weights of as many parameters are refused, no
   INFO(used.err);
   CHECK(used.exit_code == 0);
   CHECK(contains(used.err, "written by a different recipe"));
+  // The JSON says so too, once, as stderr does.
+  const json used_warnings = parse_json(used.out)["warnings"];
+  REQUIRE(used_warnings.size() == 1);
+  CHECK(contains(used_warnings[0].get<std::string>(), "written by a different recipe"));
+  CHECK(contains(used.err, "dptrain: warning: " + used_warnings[0].get<std::string>() + "\n"));
+  CHECK(parse_json(sample(run_dir, {"--tokens", "2", "--json"}).out)["warnings"] == json::array());
 }
 
 TEST_CASE("sample: a standard output that takes nothing ends it at once, exit 1") {

@@ -30,4 +30,13 @@ inline std::vector<std::string> lines_of(const std::string& text) {
   return lines;
 }
 
+// The blank-separated words of `line` (a table's columns).
+inline std::vector<std::string> words_of(const std::string& line) {
+  std::vector<std::string> words;
+  std::istringstream in(line);
+  for (std::string word; in >> word;)
+    words.push_back(word);
+  return words;
+}
+
 }  // namespace dptrain::test
