@@ -14,7 +14,9 @@
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <system_error>
 #include <vector>
 
@@ -198,9 +200,11 @@ bool process_alive(long pid) {
   if (pid == ::getpid()) return true;
   if (pid <= 0 || (::kill(static_cast<pid_t>(pid), 0) != 0 && errno != EPERM)) return false;
   // A zombie (exited, its parent not yet told) still takes signals: its state says it is gone.
+  // Its whole stat (a name may hold a newline); none where /proc is there: reaped meanwhile.
   std::ifstream stat_file(fmt::format("/proc/{}/stat", pid));
-  std::string stat;
-  if (!std::getline(stat_file, stat)) return true;  // no /proc: as kill says
+  const std::string stat((std::istreambuf_iterator<char>(stat_file)),
+                         std::istreambuf_iterator<char>());
+  if (stat.empty()) return !std::filesystem::exists("/proc/self/stat");
   const auto paren = stat.rfind(')');
   return paren == std::string::npos || paren + 2 >= stat.size() || stat[paren + 2] != 'Z';
 }

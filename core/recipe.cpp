@@ -1188,6 +1188,39 @@ Recipe parse_recorded_recipe(const json& info, const std::filesystem::path& run_
 
 namespace {
 
+// Every field of `copy`, those that do not apply to its kinds too, as written.
+json every_field(Recipe copy) {
+  Writer writer(true);
+  visit_fields(writer, copy);
+  return writer.take();
+}
+
+// Whether `pointer` names an integer field in `fields` (every_field's): an array's elements past
+// those it holds are of its first one's type.
+bool integer_field(const json& fields, const std::string& pointer) {
+  try {
+    const json::json_pointer at(pointer);
+    if (fields.contains(at)) return fields.at(at).is_number_integer();
+    if (at.empty()) return false;
+    const json::json_pointer parent = at.parent_pointer();
+    return fields.contains(parent) && fields.at(parent).is_array() && !fields.at(parent).empty() &&
+           fields.at(parent).front().is_number_integer();
+  } catch (const json::exception&) {
+    return false;  // an index past any array's (a pointer no recipe field has)
+  }
+}
+
+// Whether `pointer` in the document `j` still holds `number`: a key given twice keeps its last
+// value, which may be another.
+bool holds(const json& j, const std::string& pointer, double number) {
+  try {
+    const json& value = j.at(json::json_pointer(pointer));
+    return value.is_number_float() && value.get<double>() == number;
+  } catch (const json::exception&) {
+    return false;
+  }
+}
+
 // Whether a JSON number's text is an integer: every digit from the decimal point on (the point
 // moved by the exponent) is 0. "1.5e1" is; "4503599627370495.2" is not, though its double is.
 bool integer_text(std::string_view text) {
@@ -1232,10 +1265,11 @@ class RecipeText {
  public:
   static constexpr size_t kMaxNesting = 64;
 
-  // A number whose fraction its double lost: where, and as written.
+  // A number whose fraction its double lost: where, as written, and as read.
   struct LostFraction {
     std::string pointer;
     std::string text;
+    double number;
   };
 
   explicit RecipeText(std::string source) : source_(std::move(source)) {}
@@ -1246,7 +1280,7 @@ class RecipeText {
   bool number_unsigned(json::number_unsigned_t) { return element_done(); }
   bool number_float(json::number_float_t number, const json::string_t& text) {
     if (std::isfinite(number) && std::floor(number) == number && !integer_text(text))
-      lost_fractions_.push_back({child_pointer(), text});
+      lost_fractions_.push_back({child_pointer(), text, number});
     return element_done();
   }
   bool string(json::string_t&) { return element_done(); }
@@ -1358,17 +1392,28 @@ Recipe load_recipe(const std::filesystem::path& path, DataCheck data) {
     if (e.kind() != ErrorKind::recipe) throw;
     fields_wrong = e;
   }
-  // A lost fraction matters where the field is an integer: the recipe as read holds one there
-  // (or, where the fields have other problems, a default recipe does).
+  // A lost fraction matters where the field is an integer (the recipe as read, or where its
+  // fields have other problems a default one, says which are), and the value is still the one
+  // read (not replaced by a repeat of its key). A field the other problems name is theirs; as
+  // many as Problems::report lists, then how many more.
   if (!checked.lost_fractions().empty()) {
-    const json types = to_json(fields_wrong ? Recipe() : recipe);
-    for (const auto& [pointer, written] : checked.lost_fractions()) {
-      const json::json_pointer at(pointer);
-      if (!types.contains(at) || !types.at(at).is_number_integer()) continue;
+    const json fields = every_field(fields_wrong ? Recipe() : recipe);
+    const std::string other = fields_wrong ? fields_wrong->what() : std::string();
+    size_t lost = 0;
+    for (const auto& [pointer, written, number] : checked.lost_fractions()) {
+      if (!integer_field(fields, pointer) || !holds(j, pointer, number) ||
+          other.find(source + ": " + pointer + ": ") != std::string::npos) {
+        continue;
+      }
+      if (++lost > kMostListed) continue;
       report += (report.empty() ? "" : "\n") +
                 printable(fmt::format("{}: {}: expected an integer, got {} (a fraction that would "
                                       "be lost: it reads as {:.0f})",
-                                      source, pointer, written, j.at(at).get<double>()));
+                                      source, pointer, written, number));
+    }
+    if (lost > kMostListed) {
+      report += fmt::format("\n{}: {} more integer(s) with a lost fraction, not listed", source,
+                            lost - kMostListed);
     }
   }
   if (fields_wrong) {
@@ -1394,9 +1439,7 @@ namespace {
 // out keep their hash. json objects keep keys sorted, so dump() is a canonical form independent
 // of the input order.
 std::string hash_of_fields(Recipe copy) {
-  Writer writer(true);
-  visit_fields(writer, copy);
-  return fmt::format("{:016x}", fnv1a_64(writer.take().dump()));
+  return fmt::format("{:016x}", fnv1a_64(every_field(std::move(copy)).dump()));
 }
 
 }  // namespace

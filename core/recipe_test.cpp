@@ -1,6 +1,7 @@
 // Tests for the recipe layer: defaults, round trip, validation messages, files and the hash.
 #include "core/recipe.hpp"
 
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
 #include <set>
@@ -831,6 +832,31 @@ TEST_CASE("recipe: an integer field written with a fraction its double loses is 
   // exponent that moves the point past every digit stay integers.
   const fs::path exact = dir.write("exact.json", R"({"seed": 4503599627370495.000,
     "train": {"steps": 100e-2, "batch_per_rank": 1.5e1}, "optimizer": {"lr": 1.0000000000000001}})");
+  // A key given twice keeps its last value: the first one's fraction is no field's.
+  for (const char* text : {R"({"train": {"steps": 1.0000000000000001}, "train": {}})",
+                           R"({"seed": 1.0000000000000001, "seed": "x"})",
+                           R"({"seed": 1.0000000000000001, "seed": 3})"}) {
+    CAPTURE(text);
+    const auto said = lines_of(load_problems(dir.write("twice.json", text)));
+    REQUIRE_FALSE(said.empty());
+    CHECK(said[0].find(": duplicate key '") != std::string::npos);
+    for (const auto& line : said)
+      CHECK(line.find("a fraction that would be lost") == std::string::npos);
+  }
+  // Fields that apply to other kinds than the default's (a gpt model's) are known while other
+  // fields are wrong; so are an array's elements past the default's.
+  const auto has_line = [](const std::vector<std::string>& lines, const std::string& part) {
+    return std::count_if(lines.begin(), lines.end(), [&](const std::string& line) {
+             return line.find(part) != std::string::npos;
+           }) == 1;
+  };
+  const auto gpt = lines_of(load_problems(dir.write(
+      "gpt.json", R"({"seed": -1, "model": {"type": "gpt", "layers": 4.0000000000000001}})")));
+  CHECK(has_line(gpt, "/model/layers: expected an integer, got 4.0000000000000001"));
+  CHECK(has_line(gpt, "/seed: "));
+  const auto mlp = lines_of(load_problems(dir.write(
+      "mlp.json", R"({"seed": -1, "model": {"hidden": [8, 8, 8, 8.0000000000000001]}})")));
+  CHECK(has_line(mlp, "/model/hidden/3: expected an integer, got 8.0000000000000001"));
   const Recipe r = load_recipe(exact);
   CHECK(r.seed == 4503599627370495u);
   CHECK(r.train.steps == 1);

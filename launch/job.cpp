@@ -863,10 +863,8 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       } catch (const Error& e) {
         // A file of the run that cannot be written here (a full disk: metrics.jsonl, result.json
         // of a remote rank 0) must not bring the job down with it: its ranks train on.
-        if (!event_write_failed) {
-          std::fprintf(stderr, "dptrain: warning: %s; the job goes on without it\n",
-                       first_line(e.what()).c_str());
-        }
+        if (!event_write_failed)
+          status.warning(first_line(e.what()) + "; the job goes on without it");
         event_write_failed = true;
       }
       return;
@@ -1178,7 +1176,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     out.exit_code = 143;
     out.status = "terminated";
     out.error =
-        spec.benchmark
+        !trains || spec.benchmark
             ? (not_checkpointed().empty()
                    ? fmt::format("{} {} stopped by SIGTERM; every rank was stopped", who, was)
                    : fmt::format("{} {} stopped by SIGTERM, but not every rank stopped "

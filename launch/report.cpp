@@ -587,7 +587,13 @@ std::string logs_where_run_lies(std::string error, const fs::path& dir) {
   for (const std::string_view lead : {"(log: ", "; log: ", "(full log: "}) {
     for (size_t at = error.find(lead); at != std::string::npos; at = error.find(lead, at + 1)) {
       const size_t start = at + lead.size();
-      const size_t end = error.find(".log", start);
+      // The ".log" the path ends with, at the end of the text or a line or before the lead's
+      // ')': not one inside a directory's name (runs/x.log-2026...).
+      size_t end = error.find(".log", start);
+      while (end != std::string::npos && end + 4 < error.size() && error[end + 4] != ')' &&
+             error[end + 4] != '\n') {
+        end = error.find(".log", end + 1);
+      }
       if (end == std::string::npos) break;
       const fs::path named = error.substr(start, end + 4 - start);
       const fs::path here = dir / "logs" / named.filename();

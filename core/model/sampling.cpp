@@ -11,6 +11,10 @@ namespace dptrain {
 int32_t draw_token(std::vector<float> logits, int64_t vocab, double temperature, int64_t top_k,
                    std::mt19937_64& rng) {
   if (vocab < static_cast<int64_t>(logits.size())) logits.resize(static_cast<size_t>(vocab));
+  // A NaN (a diverged model) is never drawn, and would break the ordering below.
+  for (float& v : logits) {
+    if (std::isnan(v)) v = -INFINITY;
+  }
   const auto n = static_cast<int64_t>(logits.size());
   if (temperature <= 0.0) {
     return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());

@@ -2,6 +2,7 @@
 
 #include <doctest/doctest.h>
 
+#include <limits>
 #include <set>
 
 namespace dptrain {
@@ -27,6 +28,15 @@ TEST_CASE("draw_token: top-k draws among exactly K ids, ties at the K-th going t
   CHECK(draw_token(logits, 4, 0.0, 0, rng) == 1);
   for (int i = 0; i < 100; ++i)
     CHECK(draw_token(logits, 3, 1.0, 0, rng) < 3);
+  // A NaN (a diverged model) is never drawn, with or without top-k.
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> with_nan = {nan, 0.5f, nan, 0.25f, nan};
+  for (int i = 0; i < 200; ++i) {
+    const int32_t all = draw_token(with_nan, 5, 1.0, 0, rng);
+    const int32_t top = draw_token(with_nan, 5, 1.0, 2, rng);
+    CHECK((all == 1 || all == 3));
+    CHECK((top == 1 || top == 3));
+  }
 }
 
 }  // namespace dptrain
