@@ -1095,11 +1095,11 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
                  {"message", message}});
   };
   std::optional<ProcessExit> early_exit;  // a rank that exited 0 before the end: the cause
+  // A benchmark keeps no checkpoint, so a stop names none: its ranks stop, or do not.
+  const bool benchmark = !trains || spec.benchmark;
   if (sup.stop_signal == SIGTERM && !sup.failure && !finished_first) {
     out.exit_code = 143;
     out.status = "terminated";
-    // A benchmark keeps no checkpoint, so none is named: its ranks stop, or do not.
-    const bool benchmark = !trains || spec.benchmark;
     if (!sup.watchdog.empty()) {
       out.error =
           benchmark ? fmt::format("stopped by SIGTERM, but {}; every rank was killed", sup.watchdog)
@@ -1176,12 +1176,11 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     out.exit_code = 143;
     out.status = "terminated";
     out.error =
-        !trains || spec.benchmark
-            ? (not_checkpointed().empty()
-                   ? fmt::format("{} {} stopped by SIGTERM; every rank was stopped", who, was)
-                   : fmt::format("{} {} stopped by SIGTERM, but not every rank stopped "
-                                 "as asked: {}",
-                                 who, was, not_checkpointed()))
+        benchmark ? (not_checkpointed().empty()
+                         ? fmt::format("{} {} stopped by SIGTERM; every rank was stopped", who, was)
+                         : fmt::format("{} {} stopped by SIGTERM, but not every rank stopped "
+                                       "as asked: {}",
+                                       who, was, not_checkpointed()))
         : all_checkpointed()
             ? fmt::format("{} {} stopped by SIGTERM; {}", who, was, checkpointed_note())
             : fmt::format("{} {} stopped by SIGTERM, but not every rank checkpointed: {}{}", who,
