@@ -114,14 +114,15 @@ void check_backend(const std::string& backend) {
 }
 
 // With local ranks only, NCCL is checked here, before anything starts: one line naming why it
-// cannot be used, rather than every rank failing with it. (Remote hosts check in their ranks.)
+// cannot be used, rather than every rank failing with it; exit 1, as launch and bench train
+// refuse local ranks that need a GPU this machine lacks. (Remote hosts check in their ranks.)
 void check_local_nccl(int local_ranks) {
   if (const auto reason = nccl_unavailable_reason()) {
-    throw Error(ErrorKind::comm, fmt::format("--backend nccl: NCCL cannot be used: {}", *reason));
+    throw Error(ErrorKind::cuda, fmt::format("--backend nccl: NCCL cannot be used: {}", *reason));
   }
   const int devices = cuda_device_count();
   if (local_ranks > devices) {
-    throw Error(ErrorKind::comm,
+    throw Error(ErrorKind::cuda,
                 fmt::format("--backend nccl: {} local ranks need a CUDA device each, {} {} visible",
                             local_ranks, devices, devices == 1 ? "is" : "are"));
   }
@@ -172,7 +173,7 @@ int report_unfinished(const BenchCommOptions& o, RunDirectory& run, const CommBe
   // As main ends a failed command: a stop signal that came meanwhile is the exit.
   const ErrorKind kind = kind_after_stop(failure_kind(outcome.exit_code));
   const int code = exit_code(kind);
-  json j = {{"status", run_failure_status(kind)}};
+  json j = {{"status", run_failure_status(kind)}, {"benchmark", "comm"}};
   std::string table;
   if (!partial.rows.empty()) {
     // Only the collectives it reached: one not begun has no figures, not zero ones.
@@ -288,6 +289,15 @@ int run_bench_launcher(const BenchCommOptions& o) {
     status.line(
         "bench comm: note: 1 rank (--nproc's default): no collective moves data between ranks, "
         "so every busbw is 0; give --nproc N for N ranks (-n is --iters, as in nccl-tests)");
+  }
+  // More local ranks than CPUs: each rank's share of the reductions and the copies waits for a
+  // CPU, which the times then measure (as bench train says of its largest world).
+  const int cpus = online_cpus();
+  if (o.hosts.hosts.empty() && o.backend == "gloo" && cpus > 0 && spec.world_size > cpus) {
+    status.line(fmt::format(
+        "bench comm: note: {} ranks exceed this machine's {} CPUs: the times measure CPU "
+        "contention as well as communication",
+        spec.world_size, cpus));
   }
   // Rank 0's rows as it measures them: what is kept of a benchmark that does not finish.
   CommBenchResult result;

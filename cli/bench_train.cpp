@@ -28,6 +28,9 @@ namespace dptrain::cli {
 
 namespace {
 
+// The fewest steps per run whose steady-state means dptrain-bench-train(1) vouches for.
+constexpr int64_t kBenchSteadySteps = 20;
+
 namespace fs = std::filesystem;
 
 struct BenchTrainCliOptions {
@@ -149,6 +152,7 @@ int report_unfinished(const BenchTrainCliOptions& o, const BenchTrainReport& rep
   const int code = exit_code(kind);
   nlohmann::json out = report.rows.empty() ? nlohmann::json::object() : report.to_json();
   if (!report.rows.empty()) out["partial"] = true;
+  out["benchmark"] = "train";  // which benchmark, before any row too
   // A run that failed is "failed", as launch says; a refusal before any run (a world's recipe)
   // or a stop between runs is the command's own.
   out["status"] = failed_run.empty() ? failure_status(kind) : run_failure_status(kind);
@@ -272,6 +276,13 @@ int run_bench_train_cmd(const BenchTrainCliOptions& o) {
           worlds.back().world, spec.recipe.train.threads_per_rank, report.machine.cpus,
           report.machine.cpus / spec.recipe.train.threads_per_rank));
     }
+  }
+  // Fewer steps than the man page asks for: the first steps' set-up weighs on the means.
+  if (bench.steps < kBenchSteadySteps) {
+    report.notes.push_back(fmt::format(
+        "--steps {}: the means leave out only the first {} step(s) (min(10, steps/5)), so "
+        "allocation and the first collectives weigh on them; give --steps {} or more",
+        bench.steps, warmup_steps(bench.steps), kBenchSteadySteps));
   }
   if (o.min.mfu_percent && !report.peak_tflops) {
     throw Error(ErrorKind::usage,

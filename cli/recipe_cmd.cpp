@@ -1,6 +1,12 @@
 // `dptrain recipe validate|show RECIPE`.
 #include <cstdio>
+#include <filesystem>
 #include <memory>
+#include <string>
+#include <system_error>
+#include <vector>
+
+#include <fmt/format.h>
 
 #include "cli/commands.hpp"
 #include "cli/json_errors.hpp"
@@ -55,9 +61,26 @@ nlohmann::json recipe_facts(const Recipe& r) {
   return out;
 }
 
+// What a valid recipe leaves to the launch to refuse: a token dataset that is not there (yet to
+// be made, or on the training hosts only). Each is also printed on stderr.
+std::vector<std::string> validate_warnings(const std::string& file, const Recipe& r) {
+  std::vector<std::string> warnings;
+  std::error_code ec;
+  if (r.data.type == "tokens" && !std::filesystem::exists(r.data.path, ec)) {
+    warnings.push_back(printable(fmt::format(
+        "{}: /data/path: \"{}\" is not there ({}): a launch needs it on every host that runs "
+        "ranks (make it with `dptrain data prepare`)",
+        file, r.data.path, ec ? ec.message() : "No such file or directory")));
+  }
+  for (const auto& w : warnings)
+    std::fprintf(stderr, "dptrain: warning: %s\n", w.c_str());
+  return warnings;
+}
+
 int run_validate(const RecipeOptions& o) {
   if (!o.json) {
     const Recipe r = checked_recipe(o.recipe);
+    validate_warnings(o.recipe, r);
     std::printf("%s: ok (recipe '%s', hash %s)\nmodel: %s\n", o.recipe.c_str(), r.name.c_str(),
                 recipe_hash(r).c_str(), make_model(r.model)->describe().c_str());
     return 0;
@@ -65,14 +88,17 @@ int run_validate(const RecipeOptions& o) {
   nlohmann::json out;
   int code = 0;
   try {
-    out = recipe_facts(checked_recipe(o.recipe));
+    const Recipe r = checked_recipe(o.recipe);
+    out = recipe_facts(r);
     out["valid"] = true;
+    out["warnings"] = validate_warnings(o.recipe, r);
   } catch (const Error& e) {
     // Not valid, whatever the kind (a file that cannot be read, a stop while a pipe is read):
     // a script reads "valid" on every answer.
     const ErrorKind kind = kind_after_stop(e.kind());
     code = exit_code(kind);
-    out = {{"valid", false}, {"status", failure_status(kind)}};
+    out = {
+        {"valid", false}, {"status", failure_status(kind)}, {"warnings", nlohmann::json::array()}};
     add_failure(out, code, e.what());
     print_error_lines(e.what());
   }

@@ -1,8 +1,11 @@
 // `dptrain report RUN_DIR` (the HTML report and a summary) and `dptrain status RUN_DIR`.
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <system_error>
+#include <vector>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -89,10 +92,33 @@ bool stop_pending() {
   return pending_stop_signal() != 0;
 }
 
+// load_run, where a bench train sweep's directory (its runs' parent) is refused naming its runs:
+// status and report read one run each.
+RunView load_run_not_sweep(const fs::path& dir, bool verify_checkpoints) {
+  if (bench_sweep_dir(dir)) {
+    std::vector<std::string> runs;
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(dir, ec)) {
+      if (fs::is_regular_file(entry.path() / "run.json", ec))
+        runs.push_back(entry.path().filename().string());
+    }
+    std::sort(runs.begin(), runs.end());
+    std::string named;
+    for (const auto& r : runs)
+      named += (named.empty() ? "" : ", ") + printable(r);
+    throw Error(ErrorKind::usage,
+                fmt::format("{}: a bench train sweep, not a run directory: its results are in "
+                            "{}; give one of its runs ({})",
+                            printable(dir.string()), printable((dir / "bench.json").string()),
+                            named.empty() ? "none is left" : named));
+  }
+  return load_run(dir, verify_checkpoints, stop_pending);
+}
+
 int run_report(const ReportOptions& o) {
   install_stop_signal_handlers();
   const bool given = !o.out.empty();
-  const RunView run = load_run(o.run_dir, /*verify_checkpoints=*/true, stop_pending);
+  const RunView run = load_run_not_sweep(o.run_dir, /*verify_checkpoints=*/true);
   throw_if_stopped(" before the report was written");
   const fs::path out = given ? fs::absolute(o.out) : run.dir / "report.html";
   std::error_code ec;
@@ -125,7 +151,7 @@ int run_report(const ReportOptions& o) {
 
 int run_status(const StatusOptions& o) {
   install_stop_signal_handlers();
-  const RunView run = load_run(o.run_dir, /*verify_checkpoints=*/false, stop_pending);
+  const RunView run = load_run_not_sweep(o.run_dir, /*verify_checkpoints=*/false);
   throw_if_stopped(" while status read the run");
   if (o.json) {
     nlohmann::json out = status_json(run);

@@ -196,6 +196,11 @@ long temporary_pid(std::string_view entry, std::string_view prefix) {
   return pid;
 }
 
+int online_cpus() {
+  const long online = ::sysconf(_SC_NPROCESSORS_ONLN);
+  return online > 0 ? static_cast<int>(online) : 0;
+}
+
 bool process_alive(long pid) {
   if (pid == ::getpid()) return true;
   if (pid <= 0 || (::kill(static_cast<pid_t>(pid), 0) != 0 && errno != EPERM)) return false;

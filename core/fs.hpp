@@ -35,6 +35,8 @@ long temporary_pid(std::string_view entry, std::string_view prefix);
 // Whether process `pid` runs on this machine (this one, or another's it may not signal); a
 // zombie, which has exited, does not.
 bool process_alive(long pid);
+// The CPUs online on this machine; 0 where that is unknown.
+int online_cpus();
 // Writes a new file (truncating) and fsyncs it; for files inside a directory that is renamed later.
 void write_file_synced(const std::filesystem::path& path, std::span<const std::byte> content);
 // Appends one line and flushes it to the OS (not fsynced: metrics may lose the last lines in a

@@ -5,7 +5,6 @@
 #include <cstdlib>
 #include <fstream>
 #include <set>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -14,6 +13,7 @@
 #include "core/checkpoint.hpp"
 #include "core/error.hpp"
 #include "core/model/model.hpp"
+#include "tests/strings.hpp"
 #include "tests/temp_dir.hpp"
 
 namespace dptrain {
@@ -22,6 +22,7 @@ namespace {
 using nlohmann::json;
 namespace fs = std::filesystem;
 
+using test::lines_of;
 using test::TempDir;
 
 // The message of the Error(recipe) that parsing `text` throws; fails the test if none is thrown.
@@ -34,14 +35,6 @@ std::string problems_of(const std::string& text, const fs::path& base_dir = fs::
   }
   FAIL("no error for " << text);
   return "";
-}
-
-std::vector<std::string> lines_of(const std::string& text) {
-  std::vector<std::string> lines;
-  std::istringstream stream(text);
-  for (std::string line; std::getline(stream, line);)
-    lines.push_back(line);
-  return lines;
 }
 
 // True when one line of `message` is about `pointer` and says `phrase`.

@@ -201,7 +201,7 @@ class TrainingRun {
     }
     if (server_) return serve();
     const int64_t total = recipe_.train.steps;
-    const int64_t warmup = std::min<int64_t>(10, (total - step_) / 5);
+    const int64_t warmup = warmup_steps(total - step_);
     Clock::time_point steady_start = Clock::now();
     int64_t steady_steps = 0;
     Clock::time_point window_start = Clock::now();
@@ -1775,6 +1775,10 @@ void check_runnable_here(const Recipe& recipe, int world_size, int nominal_world
 }
 
 }  // namespace
+
+int64_t warmup_steps(int64_t steps) {
+  return std::min<int64_t>(10, steps / 5);
+}
 
 int64_t recipe_training_samples(const Recipe& recipe) {
   try {

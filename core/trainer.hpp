@@ -100,6 +100,10 @@ struct TrainResult {
   nlohmann::json to_json() const;
 };
 
+// The first steps of a process's run left out of its steady-state means (allocation, caches,
+// the first collectives): min(10, steps / 5) of the `steps` it runs.
+int64_t warmup_steps(int64_t steps);
+
 // training_samples of the recipe's data, where each problem of a CSV file's rows (starting with
 // the file's path) is /data/path's, one a line, as `recipe validate` words them: Error(recipe).
 int64_t recipe_training_samples(const Recipe& recipe);

@@ -333,15 +333,22 @@ int run_agent(const AgentPlan& given, std::FILE* out, int stop_fd) {
     }
     return 143;
   }
-  std::fprintf(out, "%s\n", kAgentDoneLine);
-  std::fflush(out);
-  if (std::getenv("DPTRAIN_TEST_AGENT_SILENT_AT_END") != nullptr) {
-    // For tests: a host that stops answering once its ranks are done. Nothing more is said
-    // until the launcher's side has gone (its end of the connection closes).
+  // For tests: a host that stops answering once its ranks are done, after saying so or (with
+  // "before-done") before. Nothing more is said until the launcher's side has gone (its end of
+  // the connection closes).
+  const char* silent = std::getenv("DPTRAIN_TEST_AGENT_SILENT_AT_END");
+  const auto fall_silent = [stop_fd] {
     char c;
     while (::read(stop_fd, &c, 1) > 0) {
     }
+  };
+  if (silent != nullptr && std::string_view(silent) == "before-done") {
+    fall_silent();
+    return 0;
   }
+  std::fprintf(out, "%s\n", kAgentDoneLine);
+  std::fflush(out);
+  if (silent != nullptr) fall_silent();
   return 0;
 }
 

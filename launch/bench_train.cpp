@@ -1,8 +1,6 @@
 // `dptrain bench train`: a recipe's training throughput per world size, and the scaling report.
 #include "launch/bench_train.hpp"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <csignal>
@@ -307,8 +305,7 @@ std::string cpu_model_from_cpuinfo(const std::string& cpuinfo) {
 MachineInfo local_machine(const std::string& backend, int64_t threads_per_rank,
                           const std::string& device) {
   MachineInfo m;
-  const long online = ::sysconf(_SC_NPROCESSORS_ONLN);
-  m.cpus = online > 0 ? static_cast<int>(online) : 0;
+  m.cpus = online_cpus();
   std::string cpuinfo;
   try {
     cpuinfo = read_file("/proc/cpuinfo");

@@ -375,10 +375,17 @@ class Doctor {
       return "find out why the host offers a revoked key (a retired key still in use, or another "
              "machine at its address); once it has a new key, put that in known_hosts";
     }
+    // A changed key is never accepted (--accept-new-host-keys takes new hosts only): the line
+    // names the known_hosts entry to fix once the change is known to be expected.
+    if (failure.find(" CHANGED: ") != std::string_view::npos) {
+      return "find out why the host's key changed (a reinstall, or another machine at its "
+             "address); if that is expected, replace the known_hosts line the error names "
+             "(ssh-keygen -R HOST, then ssh-keyscan)";
+    }
     if (failure.find("host key") != std::string_view::npos ||
         failure.find("HOST KEY") != std::string_view::npos) {
       return "put the host's key in known_hosts (ssh-keyscan), or give --accept-new-host-keys "
-             "for a new host; a changed key: see the line";
+             "for a new host";
     }
     if (failure.find("authentication refused") != std::string_view::npos) {
       // A key file named that could not be used at all: authorizing it would not help.
@@ -707,7 +714,8 @@ class Doctor {
       std::unique_ptr<SshChannel> channel;
       UniqueFd local;
       std::string address;
-      std::string failure;  // why it does not listen
+      std::string failure;     // why it does not listen
+      bool timed_out = false;  // no port said in time: a slow start, not a refusal
     };
     std::vector<Listener> listeners(hosts_.size());
     for (size_t j = 0; j < hosts_.size(); ++j) {
@@ -731,7 +739,9 @@ class Doctor {
           }
           return false;
         };
-        const auto deadline = Clock::now() + std::chrono::seconds(10);
+        // As long as --version may take there: a loaded host starts the binary slowly.
+        const int wait_s = version_probe_seconds();
+        const auto deadline = Clock::now() + std::chrono::seconds(wait_s);
         while (!said_port() && Clock::now() < deadline &&
                l.channel->read([&](std::string_view d, bool) { out.append(d); },
                                std::chrono::milliseconds(200))) {
@@ -739,8 +749,12 @@ class Doctor {
         if (said_port()) {
           l.address = format_host_port(hosts_[j].host, static_cast<uint16_t>(port));
         } else {
-          l.failure = out.empty() ? "'dptrain _probe listen' printed no port within 10 s"
-                                  : "'dptrain _probe listen' said: " + last_line(out);
+          l.timed_out = Clock::now() >= deadline;
+          l.failure = l.timed_out
+                          ? fmt::format("'dptrain _probe listen' said no port within {} s{}",
+                                        wait_s, out.empty() ? "" : "; it said: " + last_line(out))
+                      : out.empty() ? std::string("'dptrain _probe listen' ended saying nothing")
+                                    : "'dptrain _probe listen' said: " + last_line(out);
         }
       } catch (const Error& e) {
         l.failure = e.what();
@@ -767,9 +781,12 @@ class Doctor {
     skip_held_back("peer-port");
     for (size_t j = 0; j < hosts_.size(); ++j) {
       if (can_probe(j) && listeners[j].address.empty()) {
+        const Listener& l = listeners[j];
         add("peer-port", hosts_[j].display(), false,
-            fmt::format("cannot listen on a free port there: {}", listeners[j].failure),
-            "check that the host lets a process listen on TCP ports");
+            l.timed_out ? fmt::format("no answer from the port probe: {}", l.failure)
+                        : fmt::format("cannot listen on a free port there: {}", l.failure),
+            l.timed_out ? "see what slows the host (its load, its disk), then run doctor again"
+                        : "check that the host lets a process listen on TCP ports");
       }
     }
     for (size_t i = 0; i < hosts_.size(); ++i) {

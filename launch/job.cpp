@@ -1014,10 +1014,17 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     }
     return any;
   };
+  // A benchmark keeps no checkpoint, so a stop names none: its ranks stop, or do not. One killed
+  // by the SIGTERM it was sent (a collective benchmark's ranks take its default action) stopped
+  // as asked.
+  const bool benchmark = !trains || spec.benchmark;
+  const auto stopped_as_asked = [&](const ProcessExit& e) {
+    return e.exit_code == 143 || e.exit_code == 0 || (benchmark && e.signal == SIGTERM);
+  };
   const auto not_checkpointed = [&] {
     std::string list;
     for (const auto& e : sup.exits) {
-      if (e.exit_code != 143 && e.exit_code != 0) list += (list.empty() ? "" : ", ") + e.describe();
+      if (!stopped_as_asked(e)) list += (list.empty() ? "" : ", ") + e.describe();
     }
     // Killed by this launcher, not by the OOM killer or another's hand.
     if (!sup.killed_why.empty()) list += " (the launcher's SIGKILL: " + sup.killed_why + ")";
@@ -1050,7 +1057,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     newest = newest_valid_checkpoint(run, spec.recipe, unreachable);
   if (newest) out.last_checkpoint = *newest;
   const auto checkpoint_note = [&]() -> std::string {
-    if (!trains || spec.benchmark) return "";
+    if (benchmark) return "";
     if (rank0_remote) {
       const json& recorded = info.value("last_checkpoint", json());
       return recorded.is_object()
@@ -1085,6 +1092,13 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
                               !sup.failure && sup.watchdog.empty() && !result.is_null() &&
                               std::none_of(sup.exits.begin(), sup.exits.end(),
                                            [](const ProcessExit& e) { return e.exit_code == 143; });
+  // A host whose relay failed (not refused: the connection lost, the host silent) after rank 0
+  // reported the result.
+  const bool host_lost_after_result =
+      !result.is_null() && sup.failure && sup.stop_signal == 0 && sup.watchdog.empty() && [&] {
+        const json* r = report_of(sup.failure->label);
+        return r != nullptr && r->value("rank", -1) < 0 && !r->value("refused", false);
+      }();
   // The event for a process that exited on its own account: its exit code, or the signal.
   const auto rank_exited = [&events](const std::string& process, int exit_code, int signal,
                                      const std::string& message) {
@@ -1095,8 +1109,6 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
                  {"message", message}});
   };
   std::optional<ProcessExit> early_exit;  // a rank that exited 0 before the end: the cause
-  // A benchmark keeps no checkpoint, so a stop names none: its ranks stop, or do not.
-  const bool benchmark = !trains || spec.benchmark;
   if (sup.stop_signal == SIGTERM && !sup.failure && !finished_first) {
     out.exit_code = 143;
     out.status = "terminated";
@@ -1147,8 +1159,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       }
       // Each rank that did not stop as asked exited on its own account: an event each.
       for (const auto& e : sup.exits) {
-        if (e.exit_code == 143 || e.exit_code == 0) continue;
-        rank_exited(e.label, e.exit_code, e.signal, e.describe());
+        if (!stopped_as_asked(e)) rank_exited(e.label, e.exit_code, e.signal, e.describe());
       }
     }
   } else if (sup.stop_signal == SIGINT && !finished_first) {
@@ -1165,6 +1176,14 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     out.exit_code = 3;
     out.status = "failed";
     out.error = report_of(lost->label)->value("description", std::string()) + checkpoint_note();
+  } else if (host_lost_after_result) {
+    // Rank 0 reported the result (its last act, after every rank took the last step) before a
+    // host stopped answering: the run is complete, and a resume would have nothing to train.
+    out.status = "completed";
+    out.result = result;
+    status.warning(
+        fmt::format("{} (after rank 0 reported the result: the run is complete)",
+                    report_of(sup.failure->label)->value("description", sup.failure->describe())));
   } else if (sup.failure && sup.failure->exit_code == 143) {
     // A rank got SIGTERM itself (a node being preempted): every rank checkpoints and stops. The
     // first process to exit is any of them; the store says which got the signal.
@@ -1328,7 +1347,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       out.error = "all ranks exited 0 but rank 0 reported no result";
     }
   }
-  if (sup.failure) {
+  if (sup.failure && !host_lost_after_result) {
     const ProcessFailure& f = *sup.failure;
     out.failed_rank = early_exit ? early_exit->rank : f.rank;
     // A remote rank's own exit, as its agent reported it (the relay only carries a status):

@@ -785,13 +785,16 @@ std::string fact(const std::string& name, const std::string& value_html) {
   return fmt::format("<tr><th>{}</th><td>{}</td></tr>\n", html(name), value_html);
 }
 
-std::string facts_table(const RunView& run) {
+// The run's facts; a collective benchmark's (`bench`, comm_benchmark's, not null) without the
+// training rows, as its ranks train nothing (its figures are in the Benchmark section).
+std::string facts_table(const RunView& run, const json& bench) {
   const json& info = run.info;
   const json recipe = info.value("recipe", json::object());
   const json& generations = array_at(info, "generations");
+  const bool trains = bench.is_null();
   std::string rows;
   rows += fact("Run directory", "<code>" + html(run.dir.string()) + "</code>");
-  rows += fact("Recipe", html(text(recipe, "name")));
+  rows += trains ? fact("Recipe", html(text(recipe, "name"))) : fact("Benchmark", "bench comm");
   if (recipe.contains("model")) rows += fact("Model", html(model_summary(recipe["model"])));
   if (recipe.contains("data")) {
     const json& data = recipe["data"];
@@ -808,7 +811,10 @@ std::string facts_table(const RunView& run) {
   // the run failed or checkpointed between two log steps).
   const json reached = step_reached(run);
   const std::string last_step = reached.is_null() ? "none logged yet" : reached.dump();
-  rows += fact("Steps", html(target > 0 ? fmt::format("{} of {}", last_step, target) : last_step));
+  if (trains) {
+    rows +=
+        fact("Steps", html(target > 0 ? fmt::format("{} of {}", last_step, target) : last_step));
+  }
   rows += fact("World size", html(world_size_text(info)));
   if (!text(info, "backend").empty()) rows += fact("Backend", html(text(info, "backend")));
   if (recipe.contains("distributed") || recipe.contains("train")) {
@@ -825,7 +831,7 @@ std::string facts_table(const RunView& run) {
     rows += fact("Ended", html(text(generations.back(), "ended_at")));
   }
   if (!text(info, "id").empty()) rows += fact("Run id", html(text(info, "id")));
-  if (run.result.is_object()) {
+  if (trains && run.result.is_object()) {
     const json& r = run.result;
     rows += fact("Final loss", loss_num(json_number(r, "final_loss")));
     rows += fact("Eval loss", loss_num(json_number(r, "eval_loss")));
@@ -1254,8 +1260,11 @@ json comm_benchmark(const RunView& run) {
   return {{"benchmark", "comm"},
           {"status", from.value("status", json(run.state.status))},
           {"ops", from.value("ops", json::array())},
-          {"min_bytes", smallest},
-          {"max_bytes", largest},
+          // -b and -e as given, as bench comm --json has them; the sizes measured between.
+          {"min_bytes", from.value("min_bytes", json())},
+          {"max_bytes", from.value("max_bytes", json())},
+          {"smallest_size", smallest},
+          {"largest_size", largest},
           {"avg_busbw", from.value("avg_busbw", json())},
           {"avg_busbw_by_op", from.value("avg_busbw_by_op", json())},
           {"wrong", from.value("wrong", json())},
@@ -1272,7 +1281,7 @@ std::string comm_benchmark_text(const json& b) {
     return v.is_number() ? human_size(v.get<uint64_t>()) : std::string("?");
   };
   const std::string what = fmt::format("bench comm {} from {} to {}", fmt::join(ops, ", "),
-                                       bytes(b["min_bytes"]), bytes(b["max_bytes"]));
+                                       bytes(b["smallest_size"]), bytes(b["largest_size"]));
   // While it runs, run.json holds its options only (its rows come at the end).
   if (!b["avg_busbw"].is_number()) {
     return what + (b["status"] == "running" ? ": running, no result yet"
@@ -1467,9 +1476,9 @@ std::string report_html(const RunView& run) {
   if (!error.empty() && run.state.status != "completed" && run.state.status != "running") {
     body += "<pre class=\"error\">" + html(error) + "</pre>\n";
   }
-  body += "<h2>Run</h2>\n" + facts_table(run);
-
   const json bench = comm_benchmark(run);
+  body += "<h2>Run</h2>\n" + facts_table(run, bench);
+
   if (!bench.is_null()) {
     // The benchmark's own table (nccl-tests' format), as it printed it.
     std::string table;

@@ -80,7 +80,12 @@ struct Placed {
 void record_world_size_change(RunDirectory& run, const JobSpec& spec, StatusPrinter& status,
                               const json& change) {
   if (change.is_null()) return;
-  status.line(change.at("line").get<std::string>());
+  // A job that shrinks goes on with less than it had: a warning (stderr, --json's warnings).
+  if (change.at("to").get<int>() < change.at("from").get<int>()) {
+    status.warning(change.at("line").get<std::string>());
+  } else {
+    status.line(change.at("line").get<std::string>());
+  }
   json record = change;
   record.erase("line");
   if (spec.events) spec.events->emit("world_size_changed", record);
@@ -169,7 +174,11 @@ Placed place_generation(RunDirectory& run, JobSpec& spec, StatusPrinter& status,
           rank));
     }
   }
-  if (spec.world_size == before) return {};
+  if (spec.world_size == before) {
+    // Others took their places (more candidates than --nnodes' MAX): said all the same.
+    if (!absent.empty()) status.warning("passed over: " + join(absent, "; "));
+    return {};
+  }
   const int64_t batch = global_batch(spec.recipe, spec.world_size, spec.nominal_world);
   json hosts = json::array(), joined = json::array();
   if (spec.hosts.empty()) hosts.push_back("localhost");  // as generation_started names them

@@ -120,6 +120,13 @@ std::vector<std::string> StatusPrinter::warnings() const {
 void StatusPrinter::event(const nlohmann::json& e) {
   const std::string text = format_event(e);
   const std::string kind = e.value("event", "");
+  // A rank's warning (a checkpoint passed over, a batch that changes) is a warning here too: on
+  // stderr, and among the ones --json reports, wherever the rank runs.
+  if (constexpr std::string_view kWarning = "warning: ";
+      kind == "info" && text.starts_with(kWarning)) {
+    warning(text.substr(kWarning.size()));
+    return;
+  }
   if (mirror_ != nullptr && (kind == "progress" || kind == "bench_progress")) {
     mirror_->progress(mirror_prefix_ + text);
   }

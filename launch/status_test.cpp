@@ -136,6 +136,17 @@ TEST_CASE("status: a benchmark's progress event is rewritten on a terminal, drop
         "\r\033[Kbench comm: allreduce 8 bytes (1/2)\r\033[Kbench comm: broadcast on 2 rank(s)\n");
 }
 
+TEST_CASE("status: a rank's warning event is a warning: kept for --json, not a status line") {
+  std::vector<std::string> kept;
+  const std::string out = printed(false, [&kept](StatusPrinter& p) {
+    p.event({{"event", "info"}, {"message", "warning: skipping checkpoint step-000020: damaged"}});
+    p.event({{"event", "info"}, {"message", "resumed from step-000010"}});
+    kept = p.warnings();
+  });
+  CHECK(out == "resumed from step-000010\n");
+  CHECK(kept == std::vector<std::string>{"skipping checkpoint step-000020: damaged"});
+}
+
 TEST_CASE("status: a printer to a file can mirror its progress on a terminal's progress line") {
   std::string console;
   const std::string terminal = printed(true, [&console](StatusPrinter& tty) {

@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <csignal>
@@ -18,6 +19,7 @@
 
 #include <fmt/format.h>
 
+#include "core/comm/communicator.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
 #include "launch/status.hpp"
@@ -470,6 +472,10 @@ class Supervision {
         ProcessFailure f;
         static_cast<ProcessExit&>(f) = process_exit(*c.spec, c.pid, true, status);
         if (f.signal == SIGKILL) f.note = oom_note(oom_kills_at_start_);
+        // Its last words, which say whether it only followed a peer that was gone.
+        while (c.out_fd >= 0 && read_from(c)) {
+        }
+        f.last_lines.assign(c.tail.begin(), c.tail.end());
         consider_failure(f);
       }
       // Whatever a dead rank's children still hold open must not keep us waiting for EOF.
@@ -481,10 +487,17 @@ class Supervision {
   }
 
   // When a rank dies, its peers soon fail too with a communication error (exit 3). Such a failure
-  // waits a moment for the real cause, which outranks it.
+  // waits a moment for the real cause, which outranks it: a signal, another exit code, then an
+  // exit 3 of its own (a collective that timed out waiting for a frozen rank), then one that
+  // says a peer closed its connection (it followed one that had gone). A host's relay exits with
+  // its rank's status, after that rank's lines.
   static int rank_of_cause(const ProcessFailure& f) {
     if (f.signal != 0) return 0;
-    return f.exit_code == 3 ? 2 : 1;
+    if (f.exit_code != 3) return 1;
+    const bool followed_a_peer = std::any_of(
+        f.last_lines.begin(), f.last_lines.end(),
+        [](const std::string& line) { return line.find(kPeerGoneNote) != std::string::npos; });
+    return followed_a_peer ? 3 : 2;
   }
 
   void consider_failure(const ProcessFailure& f) {

@@ -108,6 +108,26 @@ TEST_CASE("supervisor: death by signal is named; a peer's later exit 3 is not th
   CHECK(result.failure->describe().find("SIGKILL") != std::string::npos);
 }
 
+TEST_CASE("supervisor: an exit 3 that only followed a gone peer yields to the peer's own exit 3") {
+  Fixture f;
+  // Rank 0 exits 3 first saying a peer closed its connection; rank 1, which timed out waiting
+  // for a frozen rank, exits 3 a moment later: its failure is the cause.
+  const auto result = supervise(
+      {f.shell(0,
+               "echo 'dptrain: error: rank 0: gloo allreduce failed: Connection closed by "
+               "peer (a peer rank has exited or was killed: its own exit or log says why)' >&2; "
+               "exit 3"),
+       f.shell(1,
+               "sleep 0.3; echo 'dptrain: error: rank 1: gloo allreduce failed: Timed out "
+               "waiting 15000ms for recv' >&2; exit 3")},
+      f.options);
+  REQUIRE(result.failure);
+  CHECK(result.failure->rank == 1);
+  CHECK(result.failure->exit_code == 3);
+  REQUIRE_FALSE(result.failure->last_lines.empty());
+  CHECK(result.failure->last_lines.back().find("Timed out") != std::string::npos);
+}
+
 TEST_CASE("supervisor: a process that ignores SIGTERM is killed after the grace period") {
   Fixture f;
   const auto t0 = std::chrono::steady_clock::now();

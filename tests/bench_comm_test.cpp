@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "core/comm/nccl_communicator.hpp"
+#include "core/fs.hpp"
 #include "tests/cluster.hpp"
 #include "tests/harness.hpp"
 #include "tests/strings.hpp"
@@ -112,6 +113,11 @@ TEST_CASE("bench comm --op all: an nccl-tests table per collective on stdout, no
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   CHECK(r.err.find("dptrain bench comm: 3 rank(s) on this machine, run directory ") !=
         std::string::npos);
+  // Three ranks on fewer CPUs (CI's two): said, as the times then carry CPU contention.
+  const std::string crowded = "bench comm: note: 3 ranks exceed this machine's " +
+                              std::to_string(dptrain::online_cpus()) +
+                              " CPUs: the times measure CPU contention as well as communication\n";
+  CHECK_MESSAGE(contains(r.err, crowded) == (dptrain::online_cpus() < 3), r.err);
   const auto lines = lines_of(r.out);
   int headers = 0;
   int units = 0;
@@ -287,6 +293,10 @@ TEST_CASE("bench comm: DPTRAIN_FAULT counts each measurement as a step") {
                           "5", "--run-dir", (tmp / "run0").string(), "--json"},
                          {{"DPTRAIN_FAULT", "exit@step=0,rank=1,code=7"}});
     CHECK(r.exit_code == 3);
+    // Nothing measured, still named: a script tells which benchmark failed.
+    const json out = parse_json(r.out);
+    CHECK(out["benchmark"] == "comm");
+    CHECK_FALSE(out.contains("rows"));
     const json s = parse_json(run_dptrain({"status", (tmp / "run0").string(), "--json"}).out);
     CHECK(s["status"] == "failed");
     CHECK(s["benchmark"]["status"] == "failed");
@@ -351,7 +361,12 @@ TEST_CASE("bench comm: DPTRAIN_FAULT counts each measurement as a step") {
     // The one size measured before the hang is printed, as a partial table.
     CHECK(contains(launcher.out(), "# Partial: 1 of 3 measurements before the end"));
     CHECK(contains(launcher.out(), "        1024           256     float     sum      -1"));
-    CHECK(contains(launcher.err(), "dptrain: error: stopped by SIGTERM"));
+    // Its ranks take SIGTERM's default action: killed by the signal they were sent, they
+    // stopped as asked (not "not every rank stopped as asked: rank 0 was killed by SIGTERM").
+    CHECK_MESSAGE(contains(launcher.err(),
+                           "dptrain: error: stopped by SIGTERM; every rank was "
+                           "stopped\n"),
+                  launcher.err());
     // Stopped before its result: still a collective benchmark, of the sizes it was given, with
     // the figures of the one it measured, said to be partial.
     s = parse_json(run_dptrain({"status", run.string(), "--json"}).out);
@@ -422,6 +437,13 @@ TEST_CASE("bench comm --nproc 1: nothing leaves the one rank, so every busbw is 
   CHECK(html.find("<h2>Benchmark</h2>") != std::string::npos);
   CHECK(html.find("# Avg bus bandwidth") != std::string::npos);  // its table
   CHECK(html.find("<h2>Training</h2>") == std::string::npos);
+  // Its facts name the benchmark, without a training run's rows (steps, losses, samples/s).
+  CHECK(html.find("<tr><th>Benchmark</th><td>bench comm</td></tr>") != std::string::npos);
+  for (const char* training_row : {"<th>Recipe</th>", "<th>Steps</th>", "<th>Final loss</th>",
+                                   "<th>Eval loss</th>", "<th>Throughput</th>"}) {
+    CAPTURE(training_row);
+    CHECK(html.find(training_row) == std::string::npos);
+  }
   const auto table = bench(tmp, {"-b", "4K", "-e", "4K"});
   REQUIRE(table.exit_code == 0);
   const auto rows = lines_of(table.out);
@@ -438,8 +460,13 @@ TEST_CASE("bench comm --nproc 1: nothing leaves the one rank, so every busbw is 
   const auto swept = bench(tmp, {"-b", "1K", "-e", "6K", "-f", "4", "--json"});
   REQUIRE(swept.exit_code == 0);
   const std::string swept_dir = parse_json(swept.out)["run_dir"];
-  CHECK(parse_json(run_dptrain({"status", swept_dir, "--json"}).out)["benchmark"]["max_bytes"] ==
-        4096);
+  const json swept_status = parse_json(run_dptrain({"status", swept_dir, "--json"}).out);
+  CHECK(swept_status["benchmark"]["largest_size"] == 4096);
+  CHECK(swept_status["benchmark"]["smallest_size"] == 1024);
+  // -b and -e as bench comm --json has them: one name, one meaning.
+  CHECK(swept_status["benchmark"]["max_bytes"] == 6144);
+  CHECK(swept_status["benchmark"]["max_bytes"] == parse_json(swept.out)["max_bytes"]);
+  CHECK(swept_status["benchmark"]["min_bytes"] == parse_json(swept.out)["min_bytes"]);
   CHECK(contains(run_dptrain({"status", swept_dir}).out, "allreduce from 1.0 KiB to 4.0 KiB: "));
 }
 
@@ -506,7 +533,7 @@ TEST_CASE("bench comm: a bad flag exits 2 naming it and creates nothing") {
   CHECK(parse_json(zero.out)["status"] == "completed");
 }
 
-TEST_CASE("bench comm --backend nccl where NCCL cannot be used: exit 3, one line with the reason") {
+TEST_CASE("bench comm --backend nccl where NCCL cannot be used: exit 1, one line with the reason") {
   const auto reason = dptrain::nccl_unavailable_reason();
   if (!reason) {
     MESSAGE("NCCL is usable here: the GPU tests run bench comm over it");
@@ -514,15 +541,15 @@ TEST_CASE("bench comm --backend nccl where NCCL cannot be used: exit 3, one line
   }
   TempDir tmp;
   const auto r = bench(tmp, {"--backend", "nccl", "--nproc", "2", "-e", "1K"});
-  CHECK(r.exit_code == 3);
+  CHECK(r.exit_code == 1);
   CHECK(r.out.empty());
   CHECK_MESSAGE(r.err == "dptrain: error: --backend nccl: NCCL cannot be used: " + *reason + "\n",
                 r.err);
   CHECK_FALSE(fs::exists(tmp / "runs"));  // nothing was started
   const auto j = bench(tmp, {"--backend", "nccl", "--json"});
-  CHECK(j.exit_code == 3);
+  CHECK(j.exit_code == 1);
   const json out = parse_json(j.out);
-  CHECK(out["exit_code"] == 3);
+  CHECK(out["exit_code"] == 1);
   REQUIRE(out["errors"].size() == 1);
   CHECK(out["errors"][0] == "--backend nccl: NCCL cannot be used: " + *reason);
 }

@@ -61,6 +61,9 @@ TEST_CASE("bench train quickstart --nproc 1,2 --json --svg: a row per world, all
   CHECK(j["machine"]["cpus"].get<int>() >= 1);
   CHECK_FALSE(j["machine"]["cpu_model"].get<std::string>().empty());
   CHECK(j["machine"]["backend"] == "gloo");  // the recipe's "auto", as CPU ranks resolve it
+  // 20 steps are enough (dptrain-bench-train(1)): no note says otherwise.
+  for (const auto& note : j["notes"])
+    CHECK_FALSE(note.get<std::string>().starts_with("--steps "));
   REQUIRE(j["rows"].size() == 2);
   for (size_t i = 0; i < 2; ++i) {
     const json& row = j["rows"][i];
@@ -116,6 +119,17 @@ TEST_CASE("bench train quickstart --nproc 1,2 --json --svg: a row per world, all
   CHECK(over.exit_code == 2);
   CHECK(contains(over.err, "inside the bench train sweep " + sweep.string()));
   CHECK(parse_json(read_text(sweep / "bench.json")) == kept);
+  // status and report read one run: given the sweep, they name its runs.
+  for (const char* command : {"status", "report"}) {
+    CAPTURE(command);
+    const auto sweep_given = run_dptrain({command, sweep.string()});
+    CHECK(sweep_given.exit_code == 2);
+    CHECK(sweep_given.err == "dptrain: error: " + sweep.string() +
+                                 ": a bench train sweep, not a run directory: its results are in " +
+                                 (sweep / "bench.json").string() +
+                                 "; give one of its runs (w1, w2)\n");
+  }
+  CHECK_FALSE(fs::exists(sweep / "report.html"));
   // A copy of the sweep's result kept elsewhere is no sweep.
   fs::create_directories(tmp / "results");
   write_text(tmp / "results/bench.json", r.out);
@@ -451,6 +465,11 @@ TEST_CASE("an MFU above 100% says the peak is wrong") {
                                "below what it did; give its real peak with --peak-tflops"));
   }
   CHECK(noted);
+  // Fewer than 20 steps: said, as the means then carry the first steps' set-up.
+  CHECK(std::count(j["notes"].begin(), j["notes"].end(),
+                   "--steps 5: the means leave out only the first 1 step(s) (min(10, "
+                   "steps/5)), so allocation and the first collectives weigh on them; give "
+                   "--steps 20 or more") == 1);
 }
 
 TEST_CASE("--peak-tflops on the CPU puts an MFU column in the table") {
@@ -624,6 +643,7 @@ TEST_CASE("a stop during a run: exit 130 or 143, no checkpoint kept, no pointer 
     CHECK(out["run_dir"] == fs::absolute(sweep).string());
     CHECK(out["failed_run_dir"] == (fs::absolute(sweep) / "w1").string());
     CHECK_FALSE(out.contains("partial"));  // nothing measured before it
+    CHECK(out["benchmark"] == "train");    // which benchmark, all the same
     CHECK(contains(b.err(), "dptrain: run directory: " + (fs::absolute(sweep) / "w1").string()));
     // The checkpoint the ranks write as SIGTERM stops them is not kept: nothing resumes it.
     CHECK(fs::is_empty(sweep / "w1/checkpoints"));

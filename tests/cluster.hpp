@@ -29,6 +29,13 @@ struct TwoHostCluster {
             run_dir.string()};
   }
 
+  // `dptrain resume RUN_DIR --hosts ... --json`, with the SSH options launch_args gives.
+  std::vector<std::string> resume_args(const std::filesystem::path& run_dir) const {
+    return {"resume",          run_dir.string(), "--hosts",
+            hostfile.string(), "--known-hosts",  sshd.known_hosts().string(),
+            "--remote-binary", binary(),         "--json"};
+  }
+
   // The run directory a host's ranks use (under the default --workdir in that host's $HOME);
   // empty until the launcher has written run.json.
   std::filesystem::path remote_run(const std::string& address,

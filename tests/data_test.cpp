@@ -494,16 +494,35 @@ TEST_CASE("data --help and data prepare --help") {
 
 TEST_CASE("a gpt recipe pointing at a prepared dataset validates") {
   TempDir tmp;
-  write_text(tmp / "corpus.txt", synthetic_text(6, 5000));
-  prepare_json({"--text", (tmp / "corpus.txt").string(), "--out", (tmp / "ds").string()});
   const auto recipe = write_recipe(tmp.path(), nlohmann::json::parse(R"({
     "model": {"type": "gpt", "vocab": 256, "context": 32, "layers": 1, "heads": 2, "width": 16},
     "data": {"type": "tokens", "path": "ds"}
   })"));
+  // Before the dataset is made: valid (it may live on the training hosts only), with a warning
+  // naming the path, on stderr and in --json.
+  const std::string missing_warning =
+      recipe.string() + ": /data/path: \"" + (tmp / "ds").string() + "\" is not there";
+  auto before = run_dptrain({"recipe", "validate", recipe.string()});
+  CHECK(before.exit_code == 0);
+  CHECK(contains(before.out, ": ok (recipe"));
+  CHECK(lines_of(before.err).size() == 1);
+  CHECK(contains(before.err, "dptrain: warning: " + missing_warning));
+  CHECK(contains(before.err, "dptrain data prepare"));
+  auto before_json = run_dptrain({"recipe", "validate", recipe.string(), "--json"});
+  CHECK(before_json.exit_code == 0);
+  const auto before_out = parse_json(before_json.out);
+  CHECK(before_out["valid"] == true);
+  REQUIRE(before_out["warnings"].size() == 1);
+  CHECK(contains(before_out["warnings"][0].get<std::string>(), missing_warning));
+
+  write_text(tmp / "corpus.txt", synthetic_text(6, 5000));
+  prepare_json({"--text", (tmp / "corpus.txt").string(), "--out", (tmp / "ds").string()});
   auto r = run_dptrain({"recipe", "validate", recipe.string(), "--json"});
   INFO(r.out, r.err);
   CHECK(r.exit_code == 0);
   CHECK(parse_json(r.out)["valid"] == true);
+  CHECK(parse_json(r.out)["warnings"].empty());
+  CHECK(r.err.empty());
   // A model whose vocabulary the dataset's passes, or whose window its validation split cannot
   // fill: refused by validate as a launch refuses it, from the headers.
   write_text(tmp / "small.txt", synthetic_text(7, 300));

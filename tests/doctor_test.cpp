@@ -231,6 +231,31 @@ TEST_CASE("doctor: a binary there that hangs fails the version check, not the wo
   CHECK(r.out.find("FAIL workdir") == std::string::npos);
 }
 
+TEST_CASE("doctor: a port probe that says no port in time is a slow host, not a refusal") {
+  DoctorFixture f;
+  // This build, except that '_probe listen' starts too slowly to say its port in time.
+  const fs::path slow = f.tmp / "slow-listen";
+  write_text(slow,
+             "#!/bin/sh\nif [ \"$1\" = _probe ] && [ \"$2\" = listen ]; then sleep 8; fi\n"
+             "exec '" +
+                 binary() + "' \"$@\"\n");
+  fs::permissions(slow, fs::perms::owner_all);
+  auto r = f.doctor({"--remote-binary", slow.string(), "--no-allreduce"},
+                    {{"DPTRAIN_TEST_VERSION_PROBE_S", "2"}});
+  INFO(r.out, r.err);
+  CHECK(r.exit_code == 4);
+  const auto fails = failure_lines(r.out);
+  REQUIRE(fails.size() == 2);  // one per host: its port probe
+  for (const auto& line : fails) {
+    CHECK(line.starts_with("FAIL peer-port"));
+    CHECK(contains(line,
+                   "no answer from the port probe: 'dptrain _probe listen' said no port "
+                   "within 2 s -- fix: see what slows the host (its load, its disk), then "
+                   "run doctor again"));
+    CHECK_FALSE(contains(line, "cannot listen"));
+  }
+}
+
 TEST_CASE("doctor: a binary that answers --version but hangs in a probe fails that probe") {
   DoctorFixture f;
   const fs::path hangs = f.tmp / "hangs-later";
@@ -312,6 +337,17 @@ TEST_CASE("doctor: the ssh check's fix fits the failure: a host key, or the key 
   CHECK_MESSAGE(lines[0].find("-- fix: put the host's key in known_hosts (ssh-keyscan), or give "
                               "--accept-new-host-keys for a new host") != std::string::npos,
                 lines[0]);
+  // A changed key, which --accept-new-host-keys never takes: the fix does not offer it.
+  f.sshd.write_known_hosts_with_changed_key(address, f.tmp / "changed_known_hosts");
+  auto changed = run_dptrain({"doctor", "--hosts", (f.tmp / "one.txt").string(), "--known-hosts",
+                              (f.tmp / "changed_known_hosts").string(), "--no-allreduce"});
+  CHECK(changed.exit_code == 4);
+  lines = failure_lines(changed.out);
+  REQUIRE(lines.size() == 1);
+  CHECK_MESSAGE(lines[0].find("CHANGED") != std::string::npos, lines[0]);
+  CHECK_MESSAGE(lines[0].find("-- fix: find out why the host's key changed") != std::string::npos,
+                lines[0]);
+  CHECK(lines[0].find("--accept-new-host-keys") == std::string::npos);
   // A key the host does not authorize.
   write_text(f.tmp / "wrong.txt", address + " port=" + std::to_string(f.sshd.port()) + " user=" +
                                       f.sshd.user() + " key=" + f.sshd.wrong_key().string() + "\n");

@@ -350,6 +350,13 @@ TEST_CASE("a spare host stands in for an unreachable one: --nnodes 1 of 2 hosts"
         json::array({c.sshd.host(c.sshd.addresses()[2]).display()}));
   // Both hosts it chose among, for a resume's hint.
   CHECK(info["job_hosts"].size() == 2);
+  // The host passed over is a warning: on stderr and in --json's.
+  const json out = parse_json(r.out);
+  REQUIRE(out["warnings"].size() == 1);
+  const std::string warning = out["warnings"][0];
+  CHECK_MESSAGE(warning.starts_with("passed over: " + c.sshd.host(c.sshd.addresses()[1]).display()),
+                warning);
+  CHECK(contains(r.err, "dptrain: warning: " + warning + "\n"));
 }
 
 TEST_CASE("--nnodes 1:2: a host that answers SSH but cannot run dptrain is left out, not retried") {
@@ -451,7 +458,7 @@ TEST_CASE("--nproc 1:2: a rank killed by SIGKILL is capacity lost; the job goes 
                   {{"DPTRAIN_FAULT", "crash@step=60,rank=1,gen=1"}});
   INFO(r.err, r.out);
   REQUIRE(r.exit_code == 0);
-  CHECK(r.out.find("world size 2 -> 1; global batch 32") != std::string::npos);
+  CHECK(r.err.find("dptrain: warning: world size 2 -> 1; global batch 32") != std::string::npos);
   const auto changes = events_named(tmp / "events.jsonl", "world_size_changed");
   REQUIRE(changes.size() == 1);
   CHECK(changes[0]["to"] == 1);
@@ -500,7 +507,7 @@ TEST_CASE("two ranks killed by SIGKILL at once are two ranks' capacity lost") {
                              fault);
   INFO(r.err, r.out);
   REQUIRE(r.exit_code == 0);
-  CHECK(contains(r.out, "world size 3 -> 1; global batch"));
+  CHECK(contains(r.err, "dptrain: warning: world size 3 -> 1; global batch"));
   const auto changes = events_named(tmp / "events.jsonl", "world_size_changed");
   REQUIRE(changes.size() == 1);
   CHECK(changes[0]["to"] == 1);

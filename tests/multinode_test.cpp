@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "tests/cluster.hpp"
+#include "tests/damage.hpp"
 #include "tests/strings.hpp"
 #include "tests/text_corpus.hpp"
 
@@ -143,14 +144,20 @@ TEST_CASE("2 hosts x 2 slots train to the same parameters as 4 local ranks") {
   }
 }
 
-TEST_CASE("a multi-host run that failed before its first checkpoint resumes from step 0") {
-  Cluster c;
+// launch of quick_recipe() into `run_dir`, failed by rank 1's crash at `step` (exit 3).
+CommandResult crashed_launch(const Cluster& c, const fs::path& run_dir, int step) {
   const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
-  const fs::path run_dir = c.tmp / "early";
-  auto failed =
-      run_dptrain(c.launch_args(recipe, run_dir), {{"DPTRAIN_FAULT", "crash@step=5,rank=1"}});
+  auto failed = run_dptrain(c.launch_args(recipe, run_dir),
+                            {{"DPTRAIN_FAULT", fmt::format("crash@step={},rank=1", step)}});
   INFO(failed.err);
   REQUIRE(failed.exit_code == 3);
+  return failed;
+}
+
+TEST_CASE("a multi-host run that failed before its first checkpoint resumes from step 0") {
+  Cluster c;
+  const fs::path run_dir = c.tmp / "early";
+  const auto failed = crashed_launch(c, run_dir, 5);
   // The host named as the hostfile gives it (several may share an address).
   CHECK(contains(failed.err, " on host " + c.sshd.host(c.sshd.addresses()[1]).display()));
   // How to continue it names the hosts to give again: resume keeps no SSH options.
@@ -164,13 +171,7 @@ TEST_CASE("a multi-host run that failed before its first checkpoint resumes from
   const json status = parse_json(run_dptrain({"status", run_dir.string(), "--json"}).out);
   CHECK(status["hint"].get<std::string>().rfind("continue it with " + how, 0) == 0);
   CHECK(status["hint"].get<std::string>().find(c.sshd.addresses()[2]) != std::string::npos);
-  auto args = c.launch_args(recipe, run_dir);
-  args[0] = "resume";
-  args.erase(args.begin() + 1);  // no recipe: run.json has it
-  const auto dir_flag = std::find(args.begin(), args.end(), "--run-dir");
-  args.erase(dir_flag);
-  args.push_back("--json");
-  auto resumed = run_dptrain(args);
+  auto resumed = run_dptrain(c.resume_args(run_dir));
   INFO(resumed.err);
   REQUIRE(resumed.exit_code == 0);
   CHECK(parse_json(resumed.out)["step"] == 200);
@@ -221,6 +222,31 @@ TEST_CASE("resume reaches the hosts through the workdir and binary the launch us
   const json after = parse_json(read_text(run_dir / "run.json"));
   CHECK(after["generations"].back()["resumed_from"] == "step-000050");
   CHECK(after["hosts"][0]["run_dir"].get<std::string>().starts_with(workdir.string()));
+}
+
+TEST_CASE("a remote rank's warnings are the launcher's: on stderr and in --json's warnings") {
+  Cluster c;
+  const fs::path run_dir = c.tmp / "damaged";
+  crashed_launch(c, run_dir, 110);
+  // step-000100 damaged on both nodes: the ranks pass over it, rank 0 saying so.
+  for (const std::string& address : {c.sshd.addresses()[1], c.sshd.addresses()[2]}) {
+    const fs::path copy = c.remote_run(address, run_dir) / "checkpoints" / "step-000100";
+    REQUIRE(fs::exists(copy / "params.bin"));
+    flip_byte(copy / "params.bin", 8);
+  }
+  const auto resumed = run_dptrain(c.resume_args(run_dir));
+  INFO(resumed.err);
+  REQUIRE(resumed.exit_code == 0);
+  const json out = parse_json(resumed.out);
+  CHECK(out["resumed_from"] == "step-000050");
+  bool warned = false;
+  for (const auto& w : out["warnings"]) {
+    const std::string text = w.get<std::string>();
+    if (!text.starts_with("skipping checkpoint step-000100: ")) continue;
+    warned = true;
+    CHECK(contains(resumed.err, "dptrain: warning: " + text + "\n"));
+  }
+  CHECK_MESSAGE(warned, out["warnings"].dump());
 }
 
 TEST_CASE("--dry-run --json prints the plan and starts nothing") {
@@ -441,17 +467,24 @@ TEST_CASE("a dropped SSH connection is a lost host, not a SIGTERM stop: --max-re
   CHECK(err.find("was stopped by SIGTERM") == std::string::npos);
 }
 
-TEST_CASE("a host that stops answering once its ranks completed leaves the run completed") {
-  Cluster c;
+// launch --json of quick_recipe() into `run_dir` with --ssh-keepalive 2, the hosts running this
+// dptrain through a script whose shell lines `setup` come first (a test setting for an agent).
+CommandResult launch_through_script(const Cluster& c, const fs::path& run_dir,
+                                    const std::string& setup) {
   const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
-  // The hosts' dptrain, with the test setting that makes an agent fall silent after "@done".
-  const fs::path wrapper = c.tmp / "silent-at-end.sh";
-  write_script(wrapper,
-               "#!/bin/sh\nDPTRAIN_TEST_AGENT_SILENT_AT_END=1 exec '" + binary() + "' \"$@\"\n");
-  auto args = c.launch_args(recipe, c.tmp / "silent");
+  const fs::path wrapper = c.tmp / (run_dir.filename().string() + ".sh");
+  write_script(wrapper, "#!/bin/sh\n" + setup + "\nexec '" + binary() + "' \"$@\"\n");
+  auto args = c.launch_args(recipe, run_dir);
   *(std::find(args.begin(), args.end(), "--remote-binary") + 1) = wrapper.string();
   args.insert(args.end(), {"--ssh-keepalive", "2", "--json"});
-  const auto r = run_dptrain(args, {}, std::chrono::seconds(120));
+  return run_dptrain(args, {}, std::chrono::seconds(120));
+}
+
+TEST_CASE("a host that stops answering once its ranks completed leaves the run completed") {
+  Cluster c;
+  // The test setting that makes an agent fall silent after "@done".
+  const auto r =
+      launch_through_script(c, c.tmp / "silent", "export DPTRAIN_TEST_AGENT_SILENT_AT_END=1");
   INFO(r.err);
   CHECK(r.exit_code == 0);
   const json out = parse_json(r.out);
@@ -463,6 +496,33 @@ TEST_CASE("a host that stops answering once its ranks completed leaves the run c
                      "job is taken as completed") != std::string::npos);
   }
   CHECK(parse_json(read_text(c.tmp / "silent" / "run.json"))["status"] == "completed");
+}
+
+TEST_CASE("a host lost after rank 0 reported the result leaves the run completed, warned of") {
+  Cluster c;
+  // The second host's agent falls silent once its ranks exited 0, before it says "@done": the
+  // launcher cannot tell that host from a lost one, but rank 0 (on the first) reported the
+  // result, so every rank took the last step.
+  const std::string second = c.sshd.addresses()[2];
+  const auto r =
+      launch_through_script(c, c.tmp / "lost-late",
+                            "case \"$SSH_CONNECTION\" in *\" " + second +
+                                " \"*) export DPTRAIN_TEST_AGENT_SILENT_AT_END=before-done;; esac");
+  INFO(r.err);
+  CHECK(r.exit_code == 0);
+  const json out = parse_json(r.out);
+  CHECK(out["status"] == "completed");
+  CHECK(out["final_loss"].is_number());
+  REQUIRE(out["warnings"].size() == 1);
+  const std::string warning = out["warnings"][0];
+  CHECK_MESSAGE(
+      warning.starts_with(c.sshd.host(second).display() + " (ranks 2-3) has not answered for 6 s"),
+      warning);
+  CHECK(warning.ends_with("(after rank 0 reported the result: the run is complete)"));
+  CHECK(contains(r.err, "dptrain: warning: " + warning));
+  const json info = parse_json(read_text(c.tmp / "lost-late" / "run.json"));
+  CHECK(info["status"] == "completed");
+  CHECK(info["generations"].size() == 1);
 }
 
 TEST_CASE("an agent that exits 2 without a report (it refused its plan) is not restarted") {

@@ -374,8 +374,8 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
   const auto halved = run_dptrain({"worker", recipe.string(), "--resume", "newest"}, one_rank,
                                   std::chrono::seconds(60));
   CHECK(halved.exit_code == 0);
-  CHECK(contains(halved.out,
-                 "warning: the global batch changes from the checkpoint's 32 to 16 "
+  CHECK(contains(halved.err,
+                 "dptrain: warning: the global batch changes from the checkpoint's 32 to 16 "
                  "(distributed.resize is \"keep_global_batch\"; the nominal world "
                  "size here is 1): workers keep the batch of 32 with --nominal-world 2"));
   // run.json counts the change of world size, as a launcher's does.
@@ -500,7 +500,7 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
     // Why, under its error, and not also as warnings before it.
     const std::string why = "\n  skipping checkpoint step-000060: written by a different recipe";
     CHECK(contains(foreign.err, why));
-    CHECK_FALSE(contains(foreign.out, "warning: skipping checkpoint step-000060"));
+    CHECK_FALSE(contains(foreign.out + foreign.err, "warning: skipping checkpoint step-000060"));
     CHECK(read_text(tmp / "run/metrics.jsonl") == metrics);
     CHECK(read_text(tmp / "run/checkpoints/latest") == latest);
     // Two nodes, the other's copy of the run empty: its rank's error says why too (the launcher

@@ -6,12 +6,17 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/error.hpp"
 #include "core/tensor/half.hpp"
 
 namespace dptrain {
+
+// What a rank's communication error adds where a peer closed or reset its connection: it only
+// followed a peer that had gone (the launcher ranks such a failure below the peer's own).
+inline constexpr std::string_view kPeerGoneNote = "a peer rank has exited or was killed";
 
 enum class ReduceOp { sum, avg, max, min };
 

@@ -528,11 +528,11 @@ void GlooCommunicator::fail(const std::string& operation, const std::string& cau
   const bool peer_gone = cause.find("Connection reset by peer") != std::string::npos ||
                          cause.find("Connection closed by peer") != std::string::npos ||
                          cause.find("Broken pipe") != std::string::npos;
-  throw Error(ErrorKind::comm,
-              fmt::format("rank {}: gloo {} failed: {}{}", rank_, operation, cause,
-                          peer_gone ? " (a peer rank has exited or was killed: its own exit "
-                                      "or log says why)"
-                                    : ""));
+  throw Error(
+      ErrorKind::comm,
+      fmt::format(
+          "rank {}: gloo {} failed: {}{}", rank_, operation, cause,
+          peer_gone ? fmt::format(" ({}: its own exit or log says why)", kPeerGoneNote) : ""));
 }
 
 GlooCommunicator::GlooCommunicator(Store& store, int rank, int size, const GlooOptions& options)
