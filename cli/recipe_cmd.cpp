@@ -67,10 +67,12 @@ std::vector<std::string> validate_warnings(const std::string& file, const Recipe
   std::vector<std::string> warnings;
   std::error_code ec;
   if (r.data.type == "tokens" && !std::filesystem::exists(r.data.path, ec)) {
+    // Not there, or not known to be (a folder above it this user may not search).
     warnings.push_back(printable(fmt::format(
-        "{}: /data/path: \"{}\" is not there ({}): a launch needs it on every host that runs "
-        "ranks (make it with `dptrain data prepare`)",
-        file, r.data.path, ec ? ec.message() : "No such file or directory")));
+        "{}: /data/path: \"{}\" {}: a launch needs it on every host that runs ranks (make it "
+        "with `dptrain data prepare`)",
+        file, r.data.path,
+        ec ? "cannot be checked here (" + ec.message() + ")" : std::string("is not there"))));
   }
   for (const auto& w : warnings)
     std::fprintf(stderr, "dptrain: warning: %s\n", w.c_str());

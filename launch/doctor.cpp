@@ -379,8 +379,8 @@ class Doctor {
     // names the known_hosts entry to fix once the change is known to be expected.
     if (failure.find(" CHANGED: ") != std::string_view::npos) {
       return "find out why the host's key changed (a reinstall, or another machine at its "
-             "address); if that is expected, replace the known_hosts line the error names "
-             "(ssh-keygen -R HOST, then ssh-keyscan)";
+             "address); if that is expected, delete the line of the known_hosts file the error "
+             "names, then add the new key (ssh-keyscan -p PORT HOST)";
     }
     if (failure.find("host key") != std::string_view::npos ||
         failure.find("HOST KEY") != std::string_view::npos) {
@@ -718,14 +718,15 @@ class Doctor {
       bool timed_out = false;  // no port said in time: a slow start, not a refusal
     };
     std::vector<Listener> listeners(hosts_.size());
-    for (size_t j = 0; j < hosts_.size(); ++j) {
-      if (!can_probe(j)) continue;
+    // Each host's listener is started and waited for on a thread of its own: slow hosts wait
+    // together, not one after another.
+    const auto start_listener = [&](size_t j) {
       Listener& l = listeners[j];
       try {
         if (hosts_[j].is_local()) {
           l.local = listen_tcp("0.0.0.0", 0);
           l.address = format_host_port(master_addr_, local_port(l.local.get()));
-          continue;
+          return;
         }
         l.session = SshSession::connect(hosts_[j], ssh_);
         l.channel = l.session->start(remote_path_word(surveys_[j].binary) + " _probe listen");
@@ -758,6 +759,12 @@ class Doctor {
         }
       } catch (const Error& e) {
         l.failure = e.what();
+      }
+    };
+    {
+      std::vector<std::jthread> starts;
+      for (size_t j = 0; j < hosts_.size(); ++j) {
+        if (can_probe(j)) starts.emplace_back(start_listener, j);
       }
     }
     std::vector<std::vector<std::string>> failures(hosts_.size(),

@@ -891,6 +891,10 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       remote_logs.append(host, std::atoi(rank.c_str()), text);
       return status.line(fmt::format("[{}:{}] {}", relay_tags.at(p.label), rank, text));
     }
+    // The relay's own warning (a host that fell silent once its ranks were done): the job's.
+    if (constexpr std::string_view kWarning = "warning: "; line.starts_with(kWarning)) {
+      return status.warning(line.substr(kWarning.size()));
+    }
     status.line(fmt::format("[{}] {}", relay_tags.at(p.label), line));
   };
   options.on_started = [&](const std::vector<pid_t>& pids) {
@@ -1137,8 +1141,9 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       // (A remote one as its agent reported it.)
       const bool killed_on_its_own =
           sup.killed_why.empty() &&
-          (std::any_of(sup.exits.begin(), sup.exits.end(),
-                       [](const ProcessExit& e) { return e.signal != 0; }) ||
+          (std::any_of(
+               sup.exits.begin(), sup.exits.end(),
+               [&](const ProcessExit& e) { return e.signal != 0 && !stopped_as_asked(e); }) ||
            std::any_of(agent_failures.begin(), agent_failures.end(),
                        [](const auto& f) { return f.second.value("signal", 0) != 0; }));
       if (trace.beats.size() >= 2 && !killed_on_its_own) {
@@ -1170,12 +1175,6 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     out.exit_code = 3;
     out.status = "failed";
     out.error = sup.watchdog;
-  } else if (lost) {
-    // Not a preemption but a lost host, which a restart may cure (the host answers again, or an
-    // elastic job goes on without it).
-    out.exit_code = 3;
-    out.status = "failed";
-    out.error = report_of(lost->label)->value("description", std::string()) + checkpoint_note();
   } else if (host_lost_after_result) {
     // Rank 0 reported the result (its last act, after every rank took the last step) before a
     // host stopped answering: the run is complete, and a resume would have nothing to train.
@@ -1184,6 +1183,12 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     status.warning(
         fmt::format("{} (after rank 0 reported the result: the run is complete)",
                     report_of(sup.failure->label)->value("description", sup.failure->describe())));
+  } else if (lost) {
+    // Not a preemption but a lost host, which a restart may cure (the host answers again, or an
+    // elastic job goes on without it).
+    out.exit_code = 3;
+    out.status = "failed";
+    out.error = report_of(lost->label)->value("description", std::string()) + checkpoint_note();
   } else if (sup.failure && sup.failure->exit_code == 143) {
     // A rank got SIGTERM itself (a node being preempted): every rank checkpoints and stops. The
     // first process to exit is any of them; the store says which got the signal.

@@ -123,6 +123,7 @@ Placed place_generation(RunDirectory& run, JobSpec& spec, StatusPrinter& status,
                                              : spec.world_size;
   const std::vector<HostSpec> hosts_before = spec.hosts;
   std::vector<std::string> absent;
+  std::vector<std::string> stood_in_for;  // hosts a spare took the place of, at the start
   if (!spec.candidates.empty()) {
     // A lost host gets rejoin_timeout to come back; so do a job's first hosts (--nnodes N or
     // MIN:MAX: nodes still booting, as a rendezvous waits for them). Hosts that just answered
@@ -149,6 +150,20 @@ Placed place_generation(RunDirectory& run, JobSpec& spec, StatusPrinter& status,
                                   join(missing, "; ")));
         });
     if (sel.stopped) return {"", json(), true};
+    // At the start, the hosts earlier in the list than one taken that did not answer: later ones
+    // stood in for them (spares past the last host taken were not needed, and are not said).
+    if (why == Placement::first && !sel.hosts.empty()) {
+      size_t last_taken = 0;
+      for (size_t i = 0; i < spec.candidates.size(); ++i) {
+        if (spec.candidates[i].display() == sel.hosts.back().display()) last_taken = i;
+      }
+      for (size_t i = 0; i < last_taken; ++i) {
+        const std::string named = spec.candidates[i].display() + ": ";
+        for (const auto& a : sel.absent) {
+          if (a.starts_with(named)) stood_in_for.push_back(a);
+        }
+      }
+    }
     absent = sel.absent;
     absent.insert(absent.end(), spec.left_out.begin(), spec.left_out.end());
     if (static_cast<int>(sel.hosts.size()) < spec.nodes.min) {
@@ -175,8 +190,9 @@ Placed place_generation(RunDirectory& run, JobSpec& spec, StatusPrinter& status,
     }
   }
   if (spec.world_size == before) {
-    // Others took their places (more candidates than --nnodes' MAX): said all the same.
-    if (!absent.empty()) status.warning("passed over: " + join(absent, "; "));
+    // Hosts later in the list took their places (more candidates than --nnodes' MAX): said all
+    // the same, once (a shrink says its own; a restart names what it lost).
+    if (!stood_in_for.empty()) status.warning("passed over: " + join(stood_in_for, "; "));
     return {};
   }
   const int64_t batch = global_batch(spec.recipe, spec.world_size, spec.nominal_world);

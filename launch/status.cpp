@@ -104,11 +104,18 @@ void StatusPrinter::line(const std::string& text) {
 }
 
 void StatusPrinter::warning(const std::string& text) {
+  // A printer to a file (a benchmark run's console.log) keeps the line there too; the terminal's
+  // printer it mirrors to says it on stderr, its progress line cleared first.
+  if (mirror_ != nullptr) mirror_->warning(mirror_prefix_ + text);
   std::lock_guard lock(mutex_);
   clear_progress();
+  const bool to_file = out_ != stdout && out_ != stderr;
+  if (to_file) std::fprintf(out_, "dptrain: warning: %s\n", text.c_str());
   std::fflush(out_);
-  std::fprintf(stderr, "dptrain: warning: %s\n", text.c_str());
-  std::fflush(stderr);
+  if (mirror_ == nullptr) {
+    std::fprintf(stderr, "dptrain: warning: %s\n", text.c_str());
+    std::fflush(stderr);
+  }
   if (warnings_.size() < kKeptWarnings) warnings_.push_back(text);
 }
 

@@ -37,7 +37,8 @@ class StatusPrinter {
 
   void line(const std::string& text);  // a permanent line
   // "dptrain: warning: TEXT" on stderr, as every warning: apart from the lines a script reads
-  // on stdout (a pending progress line is cleared first).
+  // on stdout (a pending progress line is cleared first). A printer to a file also writes it
+  // there, and one that mirrors its progress to a terminal's printer has that one say it.
   void warning(const std::string& text);
   // The warnings said so far (the first kKeptWarnings), for a --json outcome's "warnings".
   std::vector<std::string> warnings() const;

@@ -143,8 +143,29 @@ TEST_CASE("status: a rank's warning event is a warning: kept for --json, not a s
     p.event({{"event", "info"}, {"message", "resumed from step-000010"}});
     kept = p.warnings();
   });
-  CHECK(out == "resumed from step-000010\n");
+  // A printer to a file (here a memory stream) keeps the warning there too, as a warning line.
+  CHECK(out ==
+        "dptrain: warning: skipping checkpoint step-000020: damaged\nresumed from step-000010\n");
   CHECK(kept == std::vector<std::string>{"skipping checkpoint step-000020: damaged"});
+}
+
+TEST_CASE("status: a file printer's warning is kept there and said by the terminal it mirrors") {
+  std::string console;
+  std::vector<std::string> said;
+  const std::string terminal = printed(true, [&console, &said](StatusPrinter& tty) {
+    console = printed(false, [&tty](StatusPrinter& file) {
+      file.mirror_progress(&tty, "bench train: w2: ");
+      file.event(progress);
+      file.warning("a checkpoint passed over");
+    });
+    said = tty.warnings();
+  });
+  const std::string step = format_event(progress);
+  CHECK(console == step + "\ndptrain: warning: a checkpoint passed over\n");
+  CHECK(said == std::vector<std::string>{"bench train: w2: a checkpoint passed over"});
+  // The terminal's progress line is cleared before the warning, not run into it.
+  CHECK(terminal == "\r\033[Kbench train: w2: " + step +
+                        "\r\033[Kdptrain: warning: bench train: w2: a checkpoint passed over\n");
 }
 
 TEST_CASE("status: a printer to a file can mirror its progress on a terminal's progress line") {

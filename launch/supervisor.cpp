@@ -472,8 +472,10 @@ class Supervision {
         ProcessFailure f;
         static_cast<ProcessExit&>(f) = process_exit(*c.spec, c.pid, true, status);
         if (f.signal == SIGKILL) f.note = oom_note(oom_kills_at_start_);
-        // Its last words, which say whether it only followed a peer that was gone.
-        while (c.out_fd >= 0 && read_from(c)) {
+        // Its last words, which say whether it only followed a peer that was gone: what is in
+        // the pipe, its own children killed first (one that writes on would hold the reads).
+        ::kill(-c.pid, SIGKILL);
+        for (int round = 0; round < 16 && c.out_fd >= 0 && read_from(c); ++round) {
         }
         f.last_lines.assign(c.tail.begin(), c.tail.end());
         consider_failure(f);
@@ -490,14 +492,19 @@ class Supervision {
   // waits a moment for the real cause, which outranks it: a signal, another exit code, then an
   // exit 3 of its own (a collective that timed out waiting for a frozen rank), then one that
   // says a peer closed its connection (it followed one that had gone). A host's relay exits with
-  // its rank's status, after that rank's lines.
+  // its rank's status, after the lines of each of its ranks: it only followed when every error
+  // line among them says so (one rank's timeout beside another's note is a cause).
   static int rank_of_cause(const ProcessFailure& f) {
     if (f.signal != 0) return 0;
     if (f.exit_code != 3) return 1;
-    const bool followed_a_peer = std::any_of(
-        f.last_lines.begin(), f.last_lines.end(),
-        [](const std::string& line) { return line.find(kPeerGoneNote) != std::string::npos; });
-    return followed_a_peer ? 3 : 2;
+    bool any_error = false;
+    bool all_followed = true;
+    for (const std::string& line : f.last_lines) {
+      if (line.find("dptrain: error: ") == std::string::npos) continue;
+      any_error = true;
+      all_followed = all_followed && line.find(kPeerGoneNote) != std::string::npos;
+    }
+    return any_error && all_followed ? 3 : 2;
   }
 
   void consider_failure(const ProcessFailure& f) {

@@ -128,6 +128,24 @@ TEST_CASE("supervisor: an exit 3 that only followed a gone peer yields to the pe
   CHECK(result.failure->last_lines.back().find("Timed out") != std::string::npos);
 }
 
+TEST_CASE("supervisor: a host's relay with one rank's own timeout is a cause beside a follower") {
+  Fixture f;
+  // Process 1 relays two ranks: one timed out (a cause), the other then followed it; process 0
+  // only followed. Process 1, though it exits later, is named.
+  const std::string follower =
+      "dptrain: error: rank 0: gloo allreduce failed: Connection reset by peer (a peer rank has "
+      "exited or was killed: its own exit or log says why)";
+  const auto result = supervise(
+      {f.shell(0, "echo '[a:0] " + follower + "' >&2; exit 3"),
+       f.shell(1,
+               "sleep 0.3; echo '[b:2] dptrain: error: rank 2: gloo allreduce failed: Timed "
+               "out waiting 15000ms for recv' >&2; echo '[b:3] " +
+                   follower + "' >&2; exit 3")},
+      f.options);
+  REQUIRE(result.failure);
+  CHECK(result.failure->rank == 1);
+}
+
 TEST_CASE("supervisor: a process that ignores SIGTERM is killed after the grace period") {
   Fixture f;
   const auto t0 = std::chrono::steady_clock::now();

@@ -335,14 +335,21 @@ TEST_CASE("a host that takes the connection but never speaks SSH holds up neithe
   }
 }
 
-TEST_CASE("a spare host stands in for an unreachable one: --nnodes 1 of 2 hosts") {
-  TwoHosts c;
+// launch --nnodes 1 --json of small_recipe() on two hosts, the one at `unreachable` refusing
+// logins, into RUN_DIR/`name`.
+CommandResult launch_one_of_two(TwoHosts& c, const std::string& unreachable,
+                                const std::string& name) {
   const auto recipe = write_recipe(c.tmp.path(), small_recipe());
-  const LostHost gone(c.sshd, c.sshd.addresses()[1]);
-  auto args = c.launch_args(recipe, c.tmp / "spare");
+  const LostHost gone(c.sshd, unreachable);
+  auto args = c.launch_args(recipe, c.tmp / name);
   for (const char* a : {"--nnodes", "1", "--json"})
     args.push_back(a);
-  const auto r = run_dptrain(args);
+  return run_dptrain(args);
+}
+
+TEST_CASE("a spare host stands in for an unreachable one: --nnodes 1 of 2 hosts") {
+  TwoHosts c;
+  const auto r = launch_one_of_two(c, c.sshd.addresses()[1], "spare");
   INFO(r.err);
   REQUIRE(r.exit_code == 0);
   const json info = parse_json(read_text(c.tmp / "spare/run.json"));
@@ -357,6 +364,15 @@ TEST_CASE("a spare host stands in for an unreachable one: --nnodes 1 of 2 hosts"
   CHECK_MESSAGE(warning.starts_with("passed over: " + c.sshd.host(c.sshd.addresses()[1]).display()),
                 warning);
   CHECK(contains(r.err, "dptrain: warning: " + warning + "\n"));
+}
+
+TEST_CASE("a spare past the hosts taken is not said to be passed over: --nnodes 1 of 2 hosts") {
+  TwoHosts c;
+  const auto r = launch_one_of_two(c, c.sshd.addresses()[2], "unneeded");  // the spare: unneeded
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(parse_json(r.out)["warnings"].empty());
+  CHECK_FALSE(contains(r.err, "passed over"));
 }
 
 TEST_CASE("--nnodes 1:2: a host that answers SSH but cannot run dptrain is left out, not retried") {

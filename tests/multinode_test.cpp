@@ -495,6 +495,10 @@ TEST_CASE("a host that stops answering once its ranks completed leaves the run c
     CHECK(r.err.find("has not answered for 6 s after every rank there exited 0; its part of the "
                      "job is taken as completed") != std::string::npos);
   }
+  // Warnings, as every other: one per host, on stderr and in --json's.
+  CHECK(out["warnings"].size() == 2);
+  for (const auto& w : out["warnings"])
+    CHECK(contains(r.err, "dptrain: warning: " + w.get<std::string>() + "\n"));
   CHECK(parse_json(read_text(c.tmp / "silent" / "run.json"))["status"] == "completed");
 }
 
