@@ -223,6 +223,7 @@ HostSelection select_hosts(
       out.absent.push_back(fmt::format("{}: {}", candidates[i].display(), why));
     } else if (static_cast<int>(out.hosts.size()) < max_nodes) {
       out.hosts.push_back(candidates[i]);
+      out.stood_in_for = out.absent.size();  // a later host took their places
     }
   }
   return out;

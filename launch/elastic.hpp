@@ -33,7 +33,8 @@ HostProbe ssh_probe(const SshOptions& options);
 struct HostSelection {
   std::vector<HostSpec> hosts;      // in the order of the candidates, at most max_nodes
   std::vector<std::string> absent;  // "HOST: why" for each candidate not taken as unreachable
-  bool stopped = false;             // `should_stop` ended the wait: hosts and absent are partial
+  size_t stood_in_for = 0;  // the first this many of absent: earlier in the list than a host taken
+  bool stopped = false;     // `should_stop` ended the wait: hosts and absent are partial
 };
 
 // The hosts of the next generation: the first `max_nodes` candidates that answer, in the order of

@@ -892,10 +892,8 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       return status.line(fmt::format("[{}:{}] {}", relay_tags.at(p.label), rank, text));
     }
     // The relay's own warning (a host that fell silent once its ranks were done): the job's.
-    if (constexpr std::string_view kWarning = "warning: "; line.starts_with(kWarning)) {
-      return status.warning(line.substr(kWarning.size()));
-    }
-    status.line(fmt::format("[{}] {}", relay_tags.at(p.label), line));
+    if (!status.warning_if_one(line))
+      status.line(fmt::format("[{}] {}", relay_tags.at(p.label), line));
   };
   options.on_started = [&](const std::vector<pid_t>& pids) {
     info["generations"].back()["pids"] = pids;

@@ -150,19 +150,11 @@ Placed place_generation(RunDirectory& run, JobSpec& spec, StatusPrinter& status,
                                   join(missing, "; ")));
         });
     if (sel.stopped) return {"", json(), true};
-    // At the start, the hosts earlier in the list than one taken that did not answer: later ones
-    // stood in for them (spares past the last host taken were not needed, and are not said).
-    if (why == Placement::first && !sel.hosts.empty()) {
-      size_t last_taken = 0;
-      for (size_t i = 0; i < spec.candidates.size(); ++i) {
-        if (spec.candidates[i].display() == sel.hosts.back().display()) last_taken = i;
-      }
-      for (size_t i = 0; i < last_taken; ++i) {
-        const std::string named = spec.candidates[i].display() + ": ";
-        for (const auto& a : sel.absent) {
-          if (a.starts_with(named)) stood_in_for.push_back(a);
-        }
-      }
+    // At the start, the hosts that did not answer and that later ones stood in for (spares past
+    // the last host taken were not needed, and are not said).
+    if (why == Placement::first) {
+      stood_in_for.assign(sel.absent.begin(),
+                          sel.absent.begin() + static_cast<std::ptrdiff_t>(sel.stood_in_for));
     }
     absent = sel.absent;
     absent.insert(absent.end(), spec.left_out.begin(), spec.left_out.end());

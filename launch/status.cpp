@@ -119,6 +119,13 @@ void StatusPrinter::warning(const std::string& text) {
   if (warnings_.size() < kKeptWarnings) warnings_.push_back(text);
 }
 
+bool StatusPrinter::warning_if_one(const std::string& line) {
+  constexpr std::string_view kWarning = "warning: ";
+  if (!line.starts_with(kWarning)) return false;
+  warning(line.substr(kWarning.size()));
+  return true;
+}
+
 std::vector<std::string> StatusPrinter::warnings() const {
   std::lock_guard lock(mutex_);
   return warnings_;
@@ -129,11 +136,7 @@ void StatusPrinter::event(const nlohmann::json& e) {
   const std::string kind = e.value("event", "");
   // A rank's warning (a checkpoint passed over, a batch that changes) is a warning here too: on
   // stderr, and among the ones --json reports, wherever the rank runs.
-  if (constexpr std::string_view kWarning = "warning: ";
-      kind == "info" && text.starts_with(kWarning)) {
-    warning(text.substr(kWarning.size()));
-    return;
-  }
+  if (kind == "info" && warning_if_one(text)) return;
   if (mirror_ != nullptr && (kind == "progress" || kind == "bench_progress")) {
     mirror_->progress(mirror_prefix_ + text);
   }

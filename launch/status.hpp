@@ -40,6 +40,9 @@ class StatusPrinter {
   // on stdout (a pending progress line is cleared first). A printer to a file also writes it
   // there, and one that mirrors its progress to a terminal's printer has that one say it.
   void warning(const std::string& text);
+  // A line a rank or a host's relay wrote as "warning: TEXT" is said as warning(TEXT): true;
+  // false (nothing said) for any other line.
+  bool warning_if_one(const std::string& line);
   // The warnings said so far (the first kKeptWarnings), for a --json outcome's "warnings".
   std::vector<std::string> warnings() const;
   static constexpr size_t kKeptWarnings = 100;
