@@ -275,6 +275,9 @@ int run_bench_launcher(const BenchCommOptions& o) {
       check_benchmark_fault_injection(spec, static_cast<int64_t>(options.measurements()));
   RunDirectory run = RunDirectory::create(o.run_dir, o.runs_root, "bench-comm");
   run.info()["benchmark"] = worker;
+  // Its ranks write no checkpoints: no empty checkpoints/ beside logs/ (removed only if empty).
+  std::error_code no_checkpoints;
+  std::filesystem::remove(run.path() / "checkpoints", no_checkpoints);
   // stdout carries only the table or the JSON; progress and rank output go to stderr.
   StatusPrinter status(stderr, StatusPrinter::is_terminal(stderr));
   status.line(fmt::format(

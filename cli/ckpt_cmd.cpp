@@ -326,10 +326,11 @@ std::vector<CheckpointRow> inspect_all(const CheckedRun& run, const std::vector<
   return rows;
 }
 
-int run_list(const CkptOptions& o) {
+int run_list(const CkptOptions& o, Outcome& outcome) {
   // A stop ends the listing at the next checkpoint, as a stop (130 or 143, with its JSON).
   install_stop_signal_handlers();
   const CheckedRun run = open_run(o.run_dir);
+  outcome.warnings = run.warnings;
   const LatestStatus latest = check_latest(run.checkpoints());
   const auto rows = inspect_all(run, list_checkpoints(run.checkpoints(), SetAside::include),
                                 followable(latest), [] { return pending_stop_signal() != 0; });
@@ -389,11 +390,12 @@ std::vector<fs::path> checkpoints_to_verify(const CheckedRun& run, const CkptOpt
   return dirs;
 }
 
-int run_verify(const CkptOptions& o) {
+int run_verify(const CkptOptions& o, Outcome& outcome) {
   // A stop signal ends the verification after the checkpoint being checked, and what was checked
   // by then is still reported.
   install_stop_signal_handlers();
   const CheckedRun run = open_run(o.run_dir);
+  outcome.warnings = run.warnings;
   const LatestStatus latest = check_latest(run.checkpoints());
   const auto dirs = checkpoints_to_verify(run, o, followable(latest));
   const auto rows =
@@ -476,7 +478,7 @@ void setup_ckpt(CLI::App& app, Outcome& outcome) {
   list->add_flag("--json", o->json, "Print one JSON object on stdout");
   list->callback([o, &outcome] {
     outcome.json = o->json;
-    outcome.exit_code = run_list(*o);
+    outcome.exit_code = run_list(*o, outcome);
   });
 
   CLI::App* verify = app.add_subcommand(
@@ -493,7 +495,7 @@ void setup_ckpt(CLI::App& app, Outcome& outcome) {
   verify->add_flag("--json", o->json, "Print one JSON object on stdout");
   verify->callback([o, &outcome] {
     outcome.json = o->json;
-    outcome.exit_code = run_verify(*o);
+    outcome.exit_code = run_verify(*o, outcome);
   });
 }
 

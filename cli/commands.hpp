@@ -2,6 +2,7 @@
 #pragma once
 
 #include <functional>
+#include <string>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -18,6 +19,9 @@ struct Outcome {
   // The run directory a failed command made (launch's, whose name it chose): its JSON error
   // names it, as the events stream's run_finished does.
   std::string run_dir;
+  // The warnings a command gave (on stderr) before it failed: its JSON error carries them, as
+  // its JSON would have on success.
+  std::vector<std::string> warnings;
 };
 
 struct Subcommand {

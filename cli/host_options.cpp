@@ -44,12 +44,12 @@ SshOptions HostOptions::ssh() const {
 }
 
 std::vector<HostSpec> HostOptions::load() const {
-  if (hosts.empty()) throw Error(ErrorKind::usage, "--hosts: required");
+  if (!given()) throw Error(ErrorKind::usage, "--hosts: required");
   // Whole milliseconds reach libssh, where 0 means its own default.
   if (!(connect_timeout_s >= 0.001)) {
     throw Error(ErrorKind::usage, "--connect-timeout: must be at least 0.001 seconds");
   }
-  std::vector<HostSpec> specs = load_hosts(hosts);
+  std::vector<HostSpec> specs = hosts.empty() ? recorded : load_hosts(hosts);
   check_files();
   for (const auto& h : specs) {
     // A key under ~ is the connecting user's home's, expanded as it is read.
@@ -89,7 +89,7 @@ std::vector<HostSpec> HostOptions::load_for_job(bool nproc_given) const {
 
 void place_ranks(JobSpec& spec, const HostOptions& hosts, const std::string& nproc,
                  const std::string& nnodes, int default_nproc) {
-  if (!hosts.hosts.empty()) {
+  if (hosts.given()) {
     spec.hosts = hosts.load_for_job(!nproc.empty());
     if (!nnodes.empty()) {
       spec.nodes = parse_size_range(nnodes, "--nnodes");

@@ -19,9 +19,14 @@ struct HostOptions {
   bool accept_new_host_keys = false;
   double connect_timeout_s = 10;
   int keepalive_s = 15;  // --ssh-keepalive: seconds between keepalives; 3 unanswered: lost
+  // A resume without --hosts: the hosts run.json records (their origin names it).
+  std::vector<HostSpec> recorded;
+
+  // Whether the job runs on hosts: --hosts, or the recorded ones.
+  bool given() const { return !hosts.empty() || !recorded.empty(); }
 
   SshOptions ssh() const;
-  std::vector<HostSpec> load() const;  // Error(usage) when --hosts is missing or malformed
+  std::vector<HostSpec> load() const;  // Error(usage) when no hosts are given or one is malformed
   // The SSH files named (--identity, --known-hosts): Error(usage) for one that cannot be what it
   // says. load() checks them; a job on this machine alone too, where they are not used: a typo
   // in a CI template's flags is exit 2 wherever it runs, not found on the first remote job.

@@ -447,7 +447,10 @@ int run(int argc, char** argv) {
     // wrote, interrupted) made this failure: the signal's exit code, as any stopped command's.
     const dptrain::ErrorKind kind = dptrain::kind_after_stop(e.kind());
     const int code = dptrain::exit_code(kind);
-    print_error(e.what(), code, dptrain::cli::failure_status(kind), outcome.json, outcome.run_dir);
+    nlohmann::json fields = nlohmann::json::object();
+    if (!outcome.warnings.empty()) fields["warnings"] = outcome.warnings;
+    print_error(e.what(), code, dptrain::cli::failure_status(kind), outcome.json, outcome.run_dir,
+                std::move(fields));
     return code;
   } catch (const std::filesystem::filesystem_error& e) {
     // Not a bug: a path that cannot be used ("runs/x: cannot make absolute path: No such file or

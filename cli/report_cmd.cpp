@@ -36,11 +36,32 @@ struct StatusOptions {
   bool json = false;
 };
 
+// A run directory a `bench train` sweep made: its run.json says so ("bench").
+bool bench_train_run(const fs::path& dir) {
+  std::error_code ec;
+  if (!fs::is_regular_file(dir / "run.json", ec)) return false;  // never a pipe's open
+  try {
+    const nlohmann::json info = parse_json(read_file(dir / "run.json"), false);
+    return info.is_object() && info.value("bench", nlohmann::json()).is_object() &&
+           info["bench"].value("benchmark", nlohmann::json()) == "train";
+  } catch (const Error&) {
+    return false;  // unreadable: not known to be one
+  }
+}
+
 // Whether `dir` is a `bench train` sweep's directory: its bench.json is the sweep's result, which
 // names the sweep's directory as its run_dir (a copy of `bench train --json` kept elsewhere names
-// another).
+// another); before it has one (still running, or stopped in its first run), it holds no run.json
+// and a run the sweep made.
 bool bench_sweep_dir(const fs::path& dir) {
   std::error_code ec;
+  if (!fs::exists(dir / "bench.json", ec)) {
+    if (ec || fs::exists(dir / "run.json", ec) || ec) return false;
+    for (const auto& entry : fs::directory_iterator(dir, ec)) {
+      if (bench_train_run(entry.path())) return true;
+    }
+    return false;
+  }
   if (!fs::is_regular_file(dir / "bench.json", ec)) return false;
   try {
     const nlohmann::json j = parse_json(read_file(dir / "bench.json"), false);
@@ -106,10 +127,15 @@ RunView load_run_not_sweep(const fs::path& dir, bool verify_checkpoints) {
     std::string named;
     for (const auto& r : runs)
       named += (named.empty() ? "" : ", ") + printable(r);
+    const fs::path results = dir / "bench.json";
     throw Error(ErrorKind::usage,
-                fmt::format("{}: a bench train sweep, not a run directory: its results are in "
-                            "{}; give one of its runs ({})",
-                            printable(dir.string()), printable((dir / "bench.json").string()),
+                fmt::format("{}: a bench train sweep, not a run directory: {}; give one of its "
+                            "runs ({})",
+                            printable(dir.string()),
+                            fs::exists(results, ec)
+                                ? "its results are in " + printable(results.string())
+                                : "it has no bench.json yet (still running, or stopped in its "
+                                  "first run)",
                             named.empty() ? "none is left" : named));
   }
   return load_run(dir, verify_checkpoints, stop_pending);

@@ -43,20 +43,54 @@ struct ResumeOptions {
   bool json = false;
 };
 
+// The hosts of this resume: --hosts, else those the run recorded (a run on remote hosts goes on
+// on them), reached with the SSH files the launch recorded unless --identity or --known-hosts
+// gives others. --nproc without --hosts on such a run is refused: its checkpoints are there.
+HostOptions resume_hosts(const ResumeOptions& o, const RunDirectory& run) {
+  HostOptions hosts = o.hosts;
+  nlohmann::json recorded = run.info().value("remote", nlohmann::json::object());
+  if (!recorded.is_object()) recorded = nlohmann::json::object();
+  if (hosts.identities.empty() && recorded.value("identities", nlohmann::json()).is_array()) {
+    for (const auto& id : recorded["identities"]) {
+      // One since removed is left out, as an unused default key is: the host's own key= stays.
+      std::error_code ec;
+      if (id.is_string() && fs::is_regular_file(id.get<std::string>(), ec))
+        hosts.identities.push_back(id.get<std::string>());
+    }
+  }
+  if (hosts.known_hosts.empty() && recorded.value("known_hosts", nlohmann::json()).is_string())
+    hosts.known_hosts = recorded["known_hosts"].get<std::string>();
+  if (!o.hosts.hosts.empty()) return hosts;
+  hosts.recorded = recorded_remote_hosts(run.info(), run.path() / "run.json");
+  if (!hosts.recorded.empty() && !o.nproc.empty()) {
+    // As a hostfile's lines: the form that gives each again as it was ("user@host:port" pasted
+    // into --hosts would make the port a slot count).
+    std::vector<std::string> lines;
+    for (const auto& line : recorded_host_lines(run.info()))
+      lines.push_back("'" + line + "'");
+    throw Error(ErrorKind::usage,
+                fmt::format("--nproc: {} used hosts: resume without --nproc to use them again, "
+                            "or give --hosts FILE (they were, as a hostfile's lines: {})",
+                            o.run_dir, fmt::join(lines, ", ")));
+  }
+  return hosts;
+}
+
 // The --nproc and --nnodes of this resume: its own, else the run's recorded job size where it
 // fits (an elastic local run stays elastic; a run on hosts keeps its --nnodes over the hosts
 // given again, its MAX at most their number).
-std::pair<std::string, std::string> job_size(const ResumeOptions& o, const RunDirectory& run) {
+std::pair<std::string, std::string> job_size(const ResumeOptions& o, const HostOptions& hosts,
+                                             const RunDirectory& run) {
   const nlohmann::json size = run.info().value("job_size", nlohmann::json());
   if (!o.nproc.empty() || !o.nnodes.empty() || !size.is_object()) return {o.nproc, o.nnodes};
   const int least = size.value("min", 1);
   const int most = size.value("max", 1);
   const std::string of = size.value("of", std::string());
-  if (o.hosts.hosts.empty()) {
+  if (!hosts.given()) {
     return {of == "ranks" ? fmt::format("{}:{}", least, most) : std::string(), std::string()};
   }
   if (of != "hosts") return {o.nproc, o.nnodes};
-  const int given = static_cast<int>(o.hosts.load().size());
+  const int given = static_cast<int>(hosts.load().size());
   if (given < least) {
     throw Error(ErrorKind::usage,
                 fmt::format("--hosts: {} host(s) given, and the run was launched with --nnodes "
@@ -101,18 +135,9 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
     run.make_layout();
   }
   JobSpec spec;
-  const auto [nproc, nnodes] = job_size(o, run);
-  place_ranks(spec, o.hosts, nproc, nnodes, run.info().value("world_size", 1));
-  if (o.hosts.hosts.empty()) {
-    // As a hostfile's lines: the form that gives each again as it was ("user@host:port" pasted
-    // into --hosts would make the port a slot count).
-    if (const auto lines = recorded_remote_hosts(run.info()); !lines.empty()) {
-      throw Error(ErrorKind::usage,
-                  fmt::format("{}: this run used hosts: give them again with --hosts FILE, a "
-                              "hostfile of these lines: {}; and the SSH options its launch used",
-                              o.run_dir, fmt::join(lines, ", ")));
-    }
-  }
+  const HostOptions hosts = resume_hosts(o, run);
+  const auto [nproc, nnodes] = job_size(o, hosts, run);
+  place_ranks(spec, hosts, nproc, nnodes, run.info().value("world_size", 1));
   // Remote hosts are reached as the launch recorded, unless the flags say otherwise: a run's
   // directories there are under its workdir.
   RemoteJobOptions remote = o.remote;
@@ -121,7 +146,7 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
   if (remote.remote_binary.empty()) {
     remote.remote_binary = recorded_remote.value("remote_binary", std::string());
   }
-  spec.remote = remote.get(o.hosts);
+  spec.remote = remote.get(hosts);
   // The ranks get what the launch gave them with --env, and what this resume gives.
   spec.env = RankEnv::resumed(run.info().value("env", nlohmann::json::object()),
                               (run.path() / "run.json").string(), o.remote.rank_env());
@@ -162,10 +187,11 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
     where += fmt::format(" ({} {}:{})", spec.hosts.empty() ? "ranks" : "hosts", spec.nodes.min,
                          spec.nodes.max);
   }
+  if (o.hosts.hosts.empty() && !hosts.recorded.empty()) where += ", the hosts run.json records";
   // An elastic job's first generation takes the first candidates that answer; this machine
   // always does.
-  const auto& hosts = spec.candidates.empty() ? spec.hosts : spec.candidates;
-  const bool rank0_here = hosts.empty() || hosts.front().is_local();
+  const auto& placed = spec.candidates.empty() ? spec.hosts : spec.candidates;
+  const bool rank0_here = placed.empty() || placed.front().is_local();
   const bool none_here = list_checkpoints(run.checkpoints()).empty();
   // Rank 0 here now, but the last checkpoint was committed where rank 0 ran before (another
   // host): the ranks look for the newest on their nodes, as when rank 0 is elsewhere, never
@@ -208,7 +234,7 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
     // Left out of this resume, its host cannot offer it: the ranks take the newest the others
     // hold, which may be older, and the steps after that are trained again.
     if (holder != "this machine" &&
-        std::none_of(hosts.begin(), hosts.end(),
+        std::none_of(placed.begin(), placed.end(),
                      [&](const HostSpec& h) { return h.display() == holder; })) {
       status.warning(fmt::format(
           "the last recorded checkpoint (step {}) is on {}, which is not among this resume's "
@@ -244,11 +270,19 @@ int start_resume(const ResumeOptions& o, bool& events_opened, Outcome& outcome) 
   o.restart.validate();
   o.remote.rank_env();
   JobSpec unplaced;
-  place_ranks(unplaced, o.hosts, o.nproc, o.nnodes, 1);
+  // --nnodes without --hosts is for the hosts the run recorded: checked once they are known.
+  place_ranks(unplaced, o.hosts, o.nproc, o.hosts.hosts.empty() ? "" : o.nnodes, 1);
   RunDirectory run = RunDirectory::open(o.run_dir);
   // A run directory: a failure from here on names it in the JSON error, as its events'
   // run_finished does.
   outcome.run_dir = run.path().string();
+  if (o.hosts.hosts.empty() && !o.nnodes.empty()) {
+    if (recorded_host_lines(run.info()).empty()) {
+      place_ranks(unplaced, o.hosts, o.nproc, o.nnodes, 1);  // "--nnodes: only with --hosts"
+    } else {
+      parse_size_range(o.nnodes, "--nnodes");
+    }
+  }
   // A benchmark's world (bench train): measured, not trained; a resume would train the rest of
   // its steps as if it were a run.
   if (const nlohmann::json& bench = run.info().value("bench", nlohmann::json());

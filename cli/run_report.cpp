@@ -445,7 +445,7 @@ int report_outcome(const RunDirectory& run, const JobOutcome& outcome, bool json
           outcome.deterministic || outcome.exit_code == 5 || outcome.host_refused;
       std::fprintf(stderr, "dptrain: run directory: %s (%scontinue with %s)\n", run.path().c_str(),
                    fix_first ? "once the cause is fixed, " : "",
-                   resume_command(run.path(), run.info()).c_str());
+                   resume_command(run.path()).c_str());
     }
   }
   if (json) {

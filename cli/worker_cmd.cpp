@@ -351,6 +351,7 @@ class HandRunRecord {
     const std::lock_guard<std::mutex> lock(mutex_);
     if (file_.empty() || closed_) return;
     json& gen = info_["generations"].back();
+    if (event.contains("backend")) gen["backend"] = event["backend"];
     if (event.contains("resumed_from")) {
       gen["resumed_from"] = event["resumed_from"];
     } else if (!resume.empty()) {

@@ -2,7 +2,6 @@
 #include "core/recipe.hpp"
 
 #include <algorithm>
-#include <cctype>
 #include <cerrno>
 #include <charconv>
 #include <cmath>
@@ -432,9 +431,8 @@ class Reader {
   // A key as compared for a suggestion: lower case, without '_' and '-'.
   static std::string plain_key(std::string_view key) {
     std::string plain;
-    for (const char c : key) {
-      if (c != '_' && c != '-')
-        plain += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    for (const char c : lowercase(key)) {
+      if (c != '_' && c != '-') plain += c;
     }
     return plain;
   }

@@ -2,9 +2,17 @@
 #include "core/suggest.hpp"
 
 #include <algorithm>
+#include <cctype>
 #include <limits>
 
 namespace dptrain {
+
+std::string lowercase(std::string_view text) {
+  std::string result(text);
+  for (char& c : result)
+    c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return result;
+}
 
 size_t edit_distance(std::string_view a, std::string_view b) {
   std::vector<size_t> row(b.size() + 1);

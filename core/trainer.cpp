@@ -619,7 +619,8 @@ class TrainingRun {
                        {"world_size", world_},
                        {"nominal_world_size", nominal_world_},
                        {"global_batch", global_batch_},
-                       {"step", step_}};
+                       {"step", step_},
+                       {"backend", comm_.backend()}};
     if (!from.empty()) rendezvous["resumed_from"] = from.filename().string();
     emit(rendezvous);
     return true;

@@ -146,13 +146,6 @@ void set_attribute(HostSpec& spec, std::string_view name, std::string_view value
   }
 }
 
-std::string lowercase(std::string_view text) {
-  std::string result(text);
-  for (char& c : result)
-    c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return result;
-}
-
 // "localhost" in any case is this machine (host names ignore case): spelled one way from here
 // on, so that every later comparison (is_local, the run's record that resume reads) sees it.
 void local_spelled_one_way(HostSpec& spec) {
@@ -169,6 +162,8 @@ void check_local_attributes(const HostSpec& spec, bool port_given = false) {
         "(to reach this machine over SSH, name it 127.0.0.1)");
   }
 }
+
+}  // namespace
 
 // One hostfile line, without its comment and not blank.
 HostSpec parse_hostfile_line(std::string_view line) {
@@ -206,6 +201,8 @@ HostSpec parse_hostfile_line(std::string_view line) {
   check_local_attributes(spec, std::find(seen.begin(), seen.end(), "port") != seen.end());
   return spec;
 }
+
+namespace {
 
 // The host already in `hosts` that `spec` would connect to again (same name and port), if any.
 const HostSpec* same_host(const std::vector<HostSpec>& hosts, const HostSpec& spec) {
@@ -339,8 +336,9 @@ std::vector<HostSpec> parse_hosts_list(const std::string& text) {
 
 namespace {
 
-// A single --hosts name that is no file but reads like one: it ends like a file name (".txt"),
-// or it has a dot and is a typo (two edits at most) of such a file in the current directory.
+// A single --hosts name that is no file but reads like one: it has a dot and is a typo (two edits
+// at most) of such a file in the current directory (named in the reason, also for "host.txt"
+// beside "hosts.txt"), or it ends like a file name (".txt").
 // Taken as a host name, SSH would only fail later to resolve it. Returns why, or nothing.
 std::optional<std::string> mistyped_hostfile(const std::string& value) {
   if (value.find_first_of(",:@[") != std::string::npos) return std::nullopt;
@@ -353,10 +351,6 @@ std::optional<std::string> mistyped_hostfile(const std::string& value) {
            std::find(kFileEndings.begin(), kFileEndings.end(), lowercase(name.substr(dot + 1))) !=
                kFileEndings.end();
   };
-  if (file_like(value)) {
-    return fmt::format("no such file (a host name does not end in {})",
-                       value.substr(value.rfind('.')));
-  }
   if (value.find('.') == std::string::npos) return std::nullopt;
   std::error_code error;
   for (const auto& entry : std::filesystem::directory_iterator(".", error)) {
@@ -364,6 +358,10 @@ std::optional<std::string> mistyped_hostfile(const std::string& value) {
     if (file_like(name) && entry.is_regular_file(error) && edit_distance(value, name) <= 2) {
       return fmt::format("no such file (did you mean {}?)", name);
     }
+  }
+  if (file_like(value)) {
+    return fmt::format("no such file (a host name does not end in {})",
+                       value.substr(value.rfind('.')));
   }
   return std::nullopt;
 }

@@ -299,10 +299,14 @@ TEST_CASE("load_hosts: a file is a hostfile, anything else a list") {
   std::filesystem::current_path(dir.path());
   write_file(dir, "gpus.hosts", "node1\n");
   const std::string typo = usage_error([&] { load_hosts("gpus.hostss"); });
+  // A name that ends like a file and is near one names that file, not only the ending.
+  write_file(dir, "hosts.txt", "node1\n");
+  const std::string near_file = usage_error([&] { load_hosts("host.txt"); });
   // Host names with dots, not near a file's name, are hosts.
   const auto fine = load_hosts("node1.cluster");
   std::filesystem::current_path(cwd);
   CHECK(typo == "cannot read hostfile gpus.hostss: no such file (did you mean gpus.hosts?)");
+  CHECK(near_file == "cannot read hostfile host.txt: no such file (did you mean hosts.txt?)");
   REQUIRE(fine.size() == 1);
   CHECK(fine.front().host == "node1.cluster");
 }

@@ -19,6 +19,7 @@
 
 #include "core/checkpoint.hpp"
 #include "core/comm/auth.hpp"
+#include "core/comm/communicator.hpp"
 #include "core/comm/net.hpp"
 #include "core/comm/socket.hpp"
 #include "core/comm/tcp_store.hpp"
@@ -466,9 +467,17 @@ void close_lost_generation(json& info, const std::string& recorder, const std::s
 void record_job_settings(json& info, const JobSpec& spec, bool remote) {
   // How remote hosts were reached, for `dptrain resume` to default to: their run directories
   // are under this workdir.
+  // The SSH files it was reached with (--identity, --known-hosts, as absolute paths) likewise:
+  // `dptrain resume RUN` reaches the hosts as the launch did.
   if (remote) {
     info["remote"] = {{"workdir", spec.remote.workdir},
                       {"remote_binary", spec.remote.remote_binary}};
+    json identities = json::array();
+    for (const auto& id : spec.remote.ssh.identities)
+      identities.push_back(id.string());
+    if (!identities.empty()) info["remote"]["identities"] = identities;
+    if (!spec.remote.ssh.known_hosts.empty())
+      info["remote"]["known_hosts"] = spec.remote.ssh.known_hosts.string();
   }
   // What --env gave the ranks, for `dptrain resume` to give them again (a value taken from the
   // launcher's environment is null: it is taken from resume's then).
@@ -652,9 +661,13 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   const bool trains = spec.worker_args.empty();
 
   std::vector<ProcessSpec> procs;
-  std::map<std::string, HostSpec> relay_hosts;          // process label -> host
-  std::map<std::string, std::vector<int>> relay_ranks;  // process label -> the host's ranks
-  std::map<std::string, std::string> relay_tags;        // process label -> host_tag, for its lines
+  // A remote host's relay process, by its label: the host, its ranks, and its lines' tag.
+  struct Relay {
+    HostSpec host;
+    std::vector<int> ranks;
+    std::string tag;  // host_tag
+  };
+  std::map<std::string, Relay> relays;
   for (size_t i = 0; i < plan.hosts.size(); ++i) {
     const HostSpec& h = plan.hosts[i];
     if (h.is_local()) {
@@ -664,9 +677,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       }
     } else {
       ProcessSpec p = relay_spec(spec, relay_plan(spec, h, plan.agents[i]), run.logs());
-      relay_hosts[p.label] = h;
-      relay_ranks[p.label] = plan.agents[i].ranks;
-      relay_tags[p.label] = host_tag(spec, h);
+      relays[p.label] = {h, plan.agents[i].ranks, host_tag(spec, h)};
       procs.push_back(std::move(p));
     }
   }
@@ -805,6 +816,9 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       // When the ranks met: until then a status shows the generation before's step (dptrain
       // status: generation_starting).
       info["generations"].back()["met_at"] = utc_timestamp();
+      // The backend the ranks settled on: "auto" (run.json's "backend", kept for a resume) is
+      // nccl or gloo by the hosts of each generation.
+      if (event.contains("backend")) info["generations"].back()["backend"] = event["backend"];
       // Where the ranks found their checkpoint (it may be on another node).
       if (event.contains("resumed_from")) {
         info["generations"].back()["resumed_from"] = event["resumed_from"];
@@ -849,14 +863,14 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       remote_logs.open(plan.hosts[i].host, rank);
   }
   options.on_line = [&](const ProcessSpec& p, const std::string& line) {
-    const auto relay = relay_hosts.find(p.label);
+    const auto relay = relays.find(p.label);
     if (line.rfind("@event ", 0) == 0) {
       // Only rank 0 sends events: kept in its log as a local rank 0's are, as the launcher
       // shows them.
       const json event = json::parse(line.substr(7), nullptr, false);
       if (event.is_discarded()) return;
-      if (relay != relay_hosts.end() && event.is_object() && event.contains("event")) {
-        remote_logs.append(relay->second.host, 0, format_event(event));
+      if (relay != relays.end() && event.is_object() && event.contains("event")) {
+        remote_logs.append(relay->second.host.host, 0, format_event(event));
       }
       try {
         handle_event(event);
@@ -869,12 +883,17 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       }
       return;
     }
-    if (relay == relay_hosts.end()) {
+    // Once the launcher was stopped (Ctrl-C stops the ranks at once, host by host), a rank whose
+    // peer went first fails its collective: said in its log, not on the terminal.
+    const bool after_stop =
+        pending_stop_signal() != 0 && line.find(kPeerGoneNote) != std::string::npos;
+    if (relay == relays.end()) {
+      if (after_stop) return;  // the rank's log has it
       const std::string who =
           multi_host ? fmt::format("localhost:{}", p.rank) : fmt::format("rank {}", p.rank);
       return status.line(fmt::format("[{}] {}", who, line));
     }
-    const std::string& host = relay->second.host;
+    const std::string& host = relay->second.host.host;
     if (line.rfind(kAgentFailurePrefix, 0) == 0) {
       const json report =
           json::parse(line.substr(std::string(kAgentFailurePrefix).size()), nullptr, false);
@@ -889,11 +908,12 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       const std::string rank = rest.substr(0, space);
       const std::string text = space == std::string::npos ? "" : rest.substr(space + 1);
       remote_logs.append(host, std::atoi(rank.c_str()), text);
-      return status.line(fmt::format("[{}:{}] {}", relay_tags.at(p.label), rank, text));
+      if (after_stop) return;
+      return status.line(fmt::format("[{}:{}] {}", relays.at(p.label).tag, rank, text));
     }
     // The relay's own warning (a host that fell silent once its ranks were done): the job's.
     if (!status.warning_if_one(line))
-      status.line(fmt::format("[{}] {}", relay_tags.at(p.label), line));
+      status.line(fmt::format("[{}] {}", relays.at(p.label).tag, line));
   };
   options.on_started = [&](const std::vector<pid_t>& pids) {
     info["generations"].back()["pids"] = pids;
@@ -1215,9 +1235,9 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     int failed_rank = f.rank;  // a remote one's as its agent reported it
     bool rank_failed = true;   // not an agent that failed without a report
     std::string log_hint;
-    const auto relay = relay_hosts.find(f.label);
-    if (relay != relay_hosts.end()) {
-      const std::string& host = relay->second.host;
+    const auto relay = relays.find(f.label);
+    if (relay != relays.end()) {
+      const std::string& host = relay->second.host.host;
       if (const json* report = agent_report(f)) {
         const json& r = *report;
         const int rank = r.value("rank", -1);
@@ -1228,13 +1248,13 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
         const int code = rank >= 0 ? r.value("exit_code", -1) : f.exit_code;
         if (rank < 0 && code == 4) out.exit_code = 4;
         out.host_refused = rank < 0 && r.value("refused", false);
-        if (out.host_refused) out.refused_host = relay->second.display();
+        if (out.host_refused) out.refused_host = relay->second.host.display();
         out.host_unreachable = rank < 0 && code == 4 && r.value("unreachable", false);
         if (code == 5) out.exit_code = 5;
         out.repeats = code == 2;
         // The host as the hostfile gives it (user@host:port): hosts may share a name.
         out.error = rank >= 0 ? fmt::format("{} on host {}", r.value("description", ""),
-                                            relay->second.display())
+                                            relay->second.host.display())
                               : r.value("description", std::string());
         last_lines = r.value("last_lines", std::vector<std::string>{});
         if (rank >= 0) {
@@ -1243,7 +1263,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       } else {
         rank_failed = false;
         out.error =
-            fmt::format("the agent on {} failed: {}", relay->second.display(), f.describe());
+            fmt::format("the agent on {} failed: {}", relay->second.host.display(), f.describe());
         // An agent that exits 2 with no report refused what it was given (a plan it cannot
         // read, a dptrain there without the agent command): the next generation meets the same.
         out.repeats = f.exit_code == 2;
@@ -1259,14 +1279,22 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       out.repeats = f.exit_code == 2;
       if (f.signal == SIGKILL) {
         for (const auto& k : sup.killed) {
-          if (relay_hosts.find(k.label) == relay_hosts.end()) out.killed_ranks.push_back(k.rank);
+          if (relays.find(k.label) == relays.end()) out.killed_ranks.push_back(k.rank);
         }
       }
       for (const auto& p : procs) {
         if (p.label == f.label) log_hint = p.log_file.string();
       }
     }
-    const std::string own = take_rank_error(last_lines, failed_rank);
+    std::string own = take_rank_error(last_lines, failed_rank);
+    // The ranks' hint for one that never joined is for ranks started by hand: this launcher
+    // gave every rank the same store and world size.
+    if (const size_t hint = own.find(kJoinHint); hint != std::string::npos) {
+      own.replace(hint, kJoinHint.size(),
+                  "the launcher started every rank with the same store and world size: the log "
+                  "of the rank that did not join says where it stopped (frozen, or still "
+                  "starting)");
+    }
     if (!own.empty()) out.error += ": " + own;
     // A collective that timed out names the rank that gave up waiting, not the one it waited
     // for (without --hang-timeout nothing else named it): the heartbeats the ranks left say.
@@ -1298,11 +1326,11 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
         if (e.pid == f.pid || e.exit_code != 0 || e.signal != 0) continue;
         early_exit = e;
         who = fmt::format("{} (pid {})", e.label, e.pid);
-        if (const auto host = relay_hosts.find(e.label); host != relay_hosts.end()) {
-          const std::vector<int>& ranks = relay_ranks.at(e.label);
+        if (const auto remote = relays.find(e.label); remote != relays.end()) {
+          const std::vector<int>& ranks = remote->second.ranks;
           early_exit->rank = ranks.front();
           early_exit->label = fmt::format("{} {} on {}", ranks.size() == 1 ? "rank" : "ranks",
-                                          fmt::join(ranks, ", "), host->second.display());
+                                          fmt::join(ranks, ", "), remote->second.host.display());
           who = early_exit->label;
         }
         break;

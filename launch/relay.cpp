@@ -3,9 +3,7 @@
 
 #include <unistd.h>
 
-#include <algorithm>
 #include <atomic>
-#include <cctype>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -15,6 +13,7 @@
 
 #include "core/error.hpp"
 #include "core/json_error.hpp"
+#include "core/suggest.hpp"
 #include "launch/provision.hpp"
 
 namespace dptrain {
@@ -51,10 +50,7 @@ std::optional<std::string> not_runnable(int status, const RelayPlan& plan,
   }
   // A file where a directory of its path should be (a --workdir that is a file): provision
   // would fail on it too.
-  std::string lower = last_line;
-  std::transform(lower.begin(), lower.end(), lower.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  if (lower.find("not a directory") != std::string::npos) {
+  if (lowercase(last_line).find("not a directory") != std::string::npos) {
     return fmt::format(
         "{}: cannot run '{}' there: a part of its path is a file, not a directory (the host "
         "said: {}): give a --workdir (or --remote-binary) whose directories are directories there",

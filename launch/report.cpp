@@ -569,6 +569,18 @@ std::string world_size_text(const json& info) {
   return out;
 }
 
+// The backend as asked ("auto", kept for a resume) and as the ranks of the latest generation that
+// met used it: "gloo (auto)"; the one asked for alone where they agree or none met yet.
+std::string backend_text(const json& info, const json& generations) {
+  const std::string asked = text(info, "backend");
+  for (auto g = generations.rbegin(); g != generations.rend(); ++g) {
+    const std::string used = text(*g, "backend");
+    if (used.empty()) continue;
+    return used == asked || asked.empty() ? used : fmt::format("{} ({})", used, asked);
+  }
+  return asked;
+}
+
 // The checkpoint a resume continues from, as the launcher names it: the newest that is not set
 // aside nor another recipe's (and verifies, where verification ran). `latest` can lag behind it (a
 // rank stopped between a checkpoint's commit and `latest`'s update), and resume does not follow it
@@ -716,27 +728,27 @@ std::string hint(const RunView& run) {
       if (last.value("host_unreachable", json()) == true) {
         return "a host could not be reached (the error says which): once it answers, continue "
                "it with " +
-               resume_command(run.dir, run.info);
+               resume_command(run.dir);
       }
       if (const RepeatedFailure repeated = repeated_failure(run.info);
           repeated.times >= kSameStepLimit) {
         return fmt::format(
             "it failed {} times in a row at step {}: once the cause is fixed (see the error), "
             "continue it with {}",
-            repeated.times, repeated.step, resume_command(run.dir, run.info));
+            repeated.times, repeated.step, resume_command(run.dir));
       }
       // What a resume would meet again unless it is fixed first: a host that refused the SSH
       // connection, or checkpoints that could not be used or written.
       if (last.value("host_refused", json()) == true) {
         return "a host refused the SSH connection or cannot run dptrain (the error says which "
                "and why): once that is fixed, continue it with " +
-               resume_command(run.dir, run.info);
+               resume_command(run.dir);
       }
       if (last.value("exit_code", json()) == 5) {
         return fmt::format(
             "a checkpoint problem (see the error; 'dptrain ckpt verify {} --all' checks every "
             "checkpoint): once it is fixed, continue it with {}",
-            shell_quote(run.dir.string()), resume_command(run.dir, run.info));
+            shell_quote(run.dir.string()), resume_command(run.dir));
       }
     }
     if (const std::string absent = recorded_but_absent(run); !absent.empty()) {
@@ -745,9 +757,9 @@ std::string hint(const RunView& run) {
           "then continue it with {}",
           absent, (run.dir / "checkpoints").string(),
           run.checkpoints_unread ? "cannot be read" : "holds no checkpoint",
-          resume_command(run.dir, run.info));
+          resume_command(run.dir));
     }
-    return "continue it with " + resume_command(run.dir, run.info);
+    return "continue it with " + resume_command(run.dir);
   }
   return {};
 }
@@ -816,7 +828,8 @@ std::string facts_table(const RunView& run, const json& bench) {
         fact("Steps", html(target > 0 ? fmt::format("{} of {}", last_step, target) : last_step));
   }
   rows += fact("World size", html(world_size_text(info)));
-  if (!text(info, "backend").empty()) rows += fact("Backend", html(text(info, "backend")));
+  if (const std::string backend = backend_text(info, generations); !backend.empty())
+    rows += fact("Backend", html(backend));
   if (recipe.contains("distributed") || recipe.contains("train")) {
     rows += fact("Training", html(training_summary(recipe)));
   }

@@ -284,7 +284,7 @@ void refuse_held_run(const fs::path& p, bool mine) {
                             "and recipe.json are there), or choose another --run-dir",
                             printable(p.string()), first_line(e.what())));
   }
-  std::string how = "continue it with " + resume_command(p, info);
+  std::string how = "continue it with " + resume_command(p);
   if (info.is_object() && !info.contains("recipe")) {
     throw Error(ErrorKind::usage,
                 fmt::format("{}: already holds a benchmark's run; choose another --run-dir",
@@ -467,7 +467,7 @@ void check_record_types(const nlohmann::json& info, const fs::path& file, Record
   for (size_t i = 0; i < info.value("generations", json::array()).size(); ++i) {
     const json& g = info["generations"][i];
     const std::string at = fmt::format("/generations/{}", i);
-    for (const char* key : {"status", "started_at", "ended_at", "error"})
+    for (const char* key : {"status", "started_at", "ended_at", "error", "backend"})
       check(g, at, key, kString);
     for (const char* key : {"world_size", "step"})
       check(g, at, key, kInteger);
@@ -720,9 +720,10 @@ std::string hand_resume_flag(const fs::path& run_dir) {
   }
 }
 
-std::vector<std::string> recorded_remote_hosts(const nlohmann::json& info) {
+std::vector<std::string> recorded_host_lines(const nlohmann::json& info) {
   std::vector<std::string> lines;
-  if (!info.is_object()) return lines;
+  // Workers started by hand record the machines they ran on, which no launcher reaches.
+  if (!info.is_object() || started_by_workers(info)) return lines;
   bool remote = false;
   // An elastic job's every host (spares, and those lost along the way), else the last
   // generation's.
@@ -732,24 +733,34 @@ std::vector<std::string> recorded_remote_hosts(const nlohmann::json& info) {
     if (!h.is_object()) continue;
     const std::string name = h.value("host", std::string("localhost"));
     remote = remote || name != "localhost";
-    lines.push_back(
-        "'" + recorded_host_line(name, h.value("slots", 1), h.value("key", std::string())) + "'");
+    lines.push_back(recorded_host_line(name, h.value("slots", 1), h.value("key", std::string())));
   }
   return remote ? lines : std::vector<std::string>{};
 }
 
-std::string resume_command(const fs::path& run_dir, const nlohmann::json& info) {
+std::vector<HostSpec> recorded_remote_hosts(const nlohmann::json& info, const fs::path& run_json) {
+  std::vector<HostSpec> hosts;
+  for (const auto& line : recorded_host_lines(info)) {
+    try {
+      hosts.push_back(parse_hostfile_line(line));
+    } catch (const Error& e) {
+      throw Error(ErrorKind::usage,
+                  fmt::format("{}: recorded host '{}': {} (the record was edited or damaged: fix "
+                              "it, or give --hosts)",
+                              printable(run_json.string()), printable(line), e.what()));
+    }
+    hosts.back().origin = run_json.string();
+  }
+  return hosts;
+}
+
+std::string resume_command(const fs::path& run_dir) {
   // A command to paste: the directory quoted for the shell where it has to be (a space, a
   // quote, a '$'); then without quotes of its own around it, which would read as nested.
   const std::string dir = printable(run_dir.string());
   const std::string word = shell_quote(dir);
   const std::string_view mark = word == dir ? "'" : "";
-  const auto hosts = recorded_remote_hosts(info);
-  if (hosts.empty()) return fmt::format("{}dptrain resume {}{}", mark, word, mark);
-  return fmt::format(
-      "{}dptrain resume {} --hosts FILE{} with the SSH options its launch used (FILE: a hostfile "
-      "of these lines: {})",
-      mark, word, mark, fmt::join(hosts, ", "));
+  return fmt::format("{}dptrain resume {}{}", mark, word, mark);
 }
 
 void RunDirectory::save() const {

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/comm/net.hpp"  // this_host
+#include "launch/hostfile.hpp"
 
 namespace dptrain {
 
@@ -85,14 +86,18 @@ bool started_by_workers(const nlohmann::json& info);
 // What such a run's workers are started again with to continue it: "--resume newest", or
 // "--resume newest-or-start" when it holds no checkpoint yet (newest would find none: exit 5).
 std::string hand_resume_flag(const std::filesystem::path& run_dir);
-// The recorded hosts of a run that used remote ones, as hostfile lines ('user@host port=P
-// slots=N', quoted): all those its launch was given when it chose among them (job_hosts: --nnodes
-// with spares, hosts lost), else its last generation's; none for a run on this machine alone.
-std::vector<std::string> recorded_remote_hosts(const nlohmann::json& info);
-// How a launched run is continued, as a hint says it: "'dptrain resume DIR'", and for a run on
-// remote hosts " with --hosts FILE (a hostfile of these lines: ...) and the SSH options its launch
-// used" after it (resume does not keep SSH options: keys and known_hosts are given again).
-std::string resume_command(const std::filesystem::path& run_dir, const nlohmann::json& info);
+// The recorded hosts of a run that used remote ones, as hostfile lines ('host slots=N user=U
+// port=P key=PATH'): all those its launch was given when it chose among them (job_hosts: --nnodes
+// with spares, hosts lost), else its last generation's; none for a run on this machine alone, nor
+// for one whose workers were started by hand.
+std::vector<std::string> recorded_host_lines(const nlohmann::json& info);
+// Those hosts as a hostfile gives them (origin: `run_json`), for a resume without --hosts;
+// Error(usage) naming run.json for a record that does not read as a host.
+std::vector<HostSpec> recorded_remote_hosts(const nlohmann::json& info,
+                                            const std::filesystem::path& run_json);
+// How a launched run is continued, as a hint says it: "'dptrain resume DIR'" (a run on remote
+// hosts is resumed on them, reached with the SSH files its launch recorded).
+std::string resume_command(const std::filesystem::path& run_dir);
 
 // Takes DIR's lock (an flock on DIR/.lock, made when missing), held while the result or a copy
 // lives and released when the process ends however it ends; null when another process holds

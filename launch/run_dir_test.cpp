@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "core/error.hpp"
 #include "tests/temp_dir.hpp"
 
 using namespace dptrain;
@@ -47,9 +48,44 @@ TEST_CASE("run_locked_by_another: held by another process, never by this one's o
 }
 
 TEST_CASE("resume_command: a command to paste, the directory quoted for the shell where needed") {
-  const nlohmann::json local = nlohmann::json::object();
-  CHECK(resume_command("/runs/exp1", local) == "'dptrain resume /runs/exp1'");
-  CHECK(resume_command("/runs/my run", local) == "dptrain resume '/runs/my run'");
-  CHECK(resume_command("/runs/it's", local) == "dptrain resume '/runs/it'\\''s'");
-  CHECK(resume_command("/runs/$HOME", local) == "dptrain resume '/runs/$HOME'");
+  CHECK(resume_command("/runs/exp1") == "'dptrain resume /runs/exp1'");
+  CHECK(resume_command("/runs/my run") == "dptrain resume '/runs/my run'");
+  CHECK(resume_command("/runs/it's") == "dptrain resume '/runs/it'\\''s'");
+  CHECK(resume_command("/runs/$HOME") == "dptrain resume '/runs/$HOME'");
+}
+
+TEST_CASE("recorded_remote_hosts: the hosts a resume goes on, as a hostfile gives them") {
+  nlohmann::json info = {{"hosts", nlohmann::json::array({
+                                       {{"host", "alice@10.0.0.1:2222"}, {"slots", 2}},
+                                       {{"host", "[fd00::2]:2200"}, {"slots", 1}, {"key", "/k/id"}},
+                                   })}};
+  CHECK(recorded_host_lines(info) ==
+        std::vector<std::string>{"10.0.0.1 slots=2 user=alice port=2222",
+                                 "fd00::2 slots=1 port=2200 key=/k/id"});
+  const auto hosts = recorded_remote_hosts(info, "/runs/a/run.json");
+  REQUIRE(hosts.size() == 2);
+  CHECK(hosts[0].host == "10.0.0.1");
+  CHECK(hosts[0].user == "alice");
+  CHECK(hosts[0].port == 2222);
+  CHECK(hosts[0].slots == 2);
+  CHECK(hosts[0].origin == "/runs/a/run.json");
+  CHECK(hosts[1].host == "fd00::2");
+  CHECK(hosts[1].key == "/k/id");
+  // An elastic job's every candidate, not only the last generation's.
+  info["job_hosts"] =
+      nlohmann::json::array({{{"host", "node3"}, {"slots", 4}}, {{"host", "node4"}, {"slots", 4}}});
+  CHECK(recorded_remote_hosts(info, "run.json").size() == 2);
+  // A run on this machine alone records none.
+  CHECK(recorded_remote_hosts({{"hosts", nlohmann::json::array({{{"host", "localhost"}}})}},
+                              "run.json")
+            .empty());
+  // An edited record that is no host: one line naming run.json.
+  info["job_hosts"][1]["slots"] = 0;
+  try {
+    recorded_remote_hosts(info, "/runs/a/run.json");
+    FAIL("expected an error");
+  } catch (const Error& e) {
+    CHECK(e.kind() == ErrorKind::usage);
+    CHECK(std::string(e.what()).rfind("/runs/a/run.json: recorded host 'node4 slots=0': ", 0) == 0);
+  }
 }

@@ -79,6 +79,7 @@ TEST_CASE("bench comm --nproc 2 --json: rows from 1K to 64K, checked, busbw = al
   CHECK(run.filename().string().rfind("bench-comm-", 0) == 0);
   CHECK(fs::exists(run / "logs" / "localhost-rank0.log"));
   CHECK(fs::exists(run / "logs" / "localhost-rank1.log"));
+  CHECK_FALSE(fs::exists(run / "checkpoints"));  // its ranks write none
   CHECK(contains(read_text(run / "logs" / "localhost-rank0.log"),
                  "\nbench comm finished: 4 row(s) on 2 rank(s), average busbw "));
   CHECK(parse_json(read_text(run / "result.json")) == j);

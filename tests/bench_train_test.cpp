@@ -130,6 +130,15 @@ TEST_CASE("bench train quickstart --nproc 1,2 --json --svg: a row per world, all
                                  "; give one of its runs (w1, w2)\n");
   }
   CHECK_FALSE(fs::exists(sweep / "report.html"));
+  // Before its bench.json is written (the sweep still runs, or its first run failed), likewise.
+  fs::rename(sweep / "bench.json", tmp / "bench.json.kept");
+  const auto unfinished = run_dptrain({"status", sweep.string(), "--json"});
+  fs::rename(tmp / "bench.json.kept", sweep / "bench.json");
+  CHECK(unfinished.exit_code == 2);
+  CHECK(parse_json(unfinished.out)["error"] ==
+        sweep.string() +
+            ": a bench train sweep, not a run directory: it has no bench.json yet (still running, "
+            "or stopped in its first run); give one of its runs (w1, w2)");
   // A copy of the sweep's result kept elsewhere is no sweep.
   fs::create_directories(tmp / "results");
   write_text(tmp / "results/bench.json", r.out);

@@ -381,6 +381,14 @@ TEST_CASE("ckpt: a missing step or a directory that is not a run is a usage erro
   const auto failed = run_dptrain({"ckpt", "verify", run.string(), "999"});
   CHECK(failed.exit_code != 0);
   CHECK(contains(failed.err, "checking its checkpoints/ all the same"));
+  // ... and in its JSON error, as on success.
+  const auto failed_json = run_dptrain({"ckpt", "verify", run.string(), "999", "--json"});
+  CHECK(failed_json.exit_code == failed.exit_code);
+  const auto failure = parse_json(failed_json.out);
+  CHECK(failure["status"] == "error");
+  REQUIRE(failure["warnings"].size() == 1);
+  CHECK(contains(failure["warnings"][0].get<std::string>(),
+                 "checking its checkpoints/ all the same"));
   write_text(run / "run.json", info);
 
   // A run that never reached its first checkpoint has nothing to verify.

@@ -129,6 +129,10 @@ TEST_CASE(
   REQUIRE(info["restarts"].size() == 1);
   REQUIRE(info["world_size_changes"].size() == 1);
   const int64_t failed_after = info["restarts"][0]["failed_after_step"].get<int64_t>();
+  // The backend asked for stays for a resume; each generation records the one its ranks used.
+  CHECK(info["backend"] == "auto");
+  CHECK(info["generations"][0]["backend"] == "gloo");
+  CHECK(info["generations"][1]["backend"] == "gloo");
 
   auto report = run_dptrain({"report", run_dir.string()});
   INFO(report.out << report.err);
@@ -167,6 +171,7 @@ TEST_CASE(
     CHECK(count_occurrences(html, "<tr class=\"world-size-change\">") == 1);
     CHECK(contains(html, "step-000060"));
     CHECK(contains(html, "mlp 32-48-24-5"));
+    CHECK(contains(html, "<tr><th>Backend</th><td>gloo (auto)</td></tr>"));
     CHECK(contains(html, "<span class=\"badge completed\">completed</span>"));
     CHECK_FALSE(contains(html, "No steps logged yet"));
   }

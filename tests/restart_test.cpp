@@ -527,6 +527,27 @@ TEST_CASE("a rank frozen before the ranks meet is named within hang-timeout + 5 
   CHECK(parse_json(r.out)["restarts"] == 1);
 }
 
+TEST_CASE(
+    "without --hang-timeout, a rank that never joined: the hint fits launcher-started ranks") {
+  TempDir tmp;
+  auto recipe_json = resumable_recipe();
+  recipe_json["distributed"]["timeout_s"] = 3;
+  const auto recipe = write_recipe(tmp.path(), recipe_json);
+  const auto r = run_dptrain(
+      {"launch", recipe.string(), "--nproc", "2", "--run-dir", (tmp / "join").string(), "--json"},
+      {{"DPTRAIN_FAULT", "freeze-before-join@rank=1"}});
+  INFO(r.err);
+  CHECK(r.exit_code == 3);
+  const std::string error = parse_json(r.out)["error"];
+  CHECK(contains(error, "rank 1 of 2 did not join within 3s"));
+  // Not "start every rank with the same store": the launcher did.
+  CHECK(contains(error,
+                 "; the launcher started every rank with the same store and world size: "
+                 "the log of the rank that did not join says where it stopped (frozen, "
+                 "or still starting), or give them longer than 3s to start"));
+  CHECK_FALSE(contains(error, "; start every rank"));
+}
+
 TEST_CASE("without --hang-timeout, a collective that times out names the rank it waited for") {
   TempDir tmp;
   auto recipe_json = resumable_recipe();

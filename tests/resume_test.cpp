@@ -202,27 +202,34 @@ TEST_CASE("resume on another world size reshards and completes") {
   ::kill(run.pids[0], SIGKILL);
   CHECK(run.launcher.wait(std::chrono::seconds(60)) == 3);
   {
-    // A run on hosts, resumed without --hosts: the message gives them as a hostfile's lines
-    // (their "user@host:port" pasted into the --hosts list would make each port a slot count).
+    // A run on hosts, resumed with --nproc and no --hosts: refused (its checkpoints are on its
+    // hosts), giving them as a hostfile's lines (their "user@host:port" pasted into the --hosts
+    // list would make each port a slot count).
     const std::string kept = read_text(run.run_dir / "run.json");
     auto info = parse_json(kept);
     info["hosts"] = nlohmann::json::array({{{"host", "alice@10.0.0.1:2222"}, {"slots", 2}},
                                            {{"host", "[fd00::2]:2200"}, {"slots", 1}},
-                                           {{"host", "node3"}, {"slots", 4}}});
+                                           {{"host", "node3.invalid"}, {"slots", 4}}});
     write_text(run.run_dir / "run.json", info.dump());
-    auto hosts = run_dptrain({"resume", run.run_dir.string()});
+    auto hosts = run_dptrain({"resume", run.run_dir.string(), "--nproc", "2"});
     CHECK(hosts.exit_code == 2);
-    CHECK(hosts.err == "dptrain: error: " + run.run_dir.string() +
-                           ": this run used hosts: give them again with --hosts FILE, a hostfile "
-                           "of these lines: '10.0.0.1 slots=2 user=alice port=2222', 'fd00::2 "
-                           "slots=1 port=2200', 'node3 slots=4'; and the SSH options its launch "
-                           "used\n");
+    CHECK(hosts.err == "dptrain: error: --nproc: " + run.run_dir.string() +
+                           " used hosts: resume without --nproc to use them again, or give "
+                           "--hosts FILE (they were, as a hostfile's lines: '10.0.0.1 slots=2 "
+                           "user=alice port=2222', 'fd00::2 slots=1 port=2200', 'node3.invalid "
+                           "slots=4')\n");
+    // Without --nproc the resume goes on on them: here one does not resolve (exit 4, run.json
+    // as it was).
+    auto on_recorded = run_dptrain({"resume", run.run_dir.string()});
+    CHECK(on_recorded.exit_code == 4);
+    CHECK(contains(on_recorded.err, "node3.invalid"));
+    CHECK(read_text(run.run_dir / "run.json") == info.dump());
     // An elastic job's every host, those its last generation lost too.
     info["job_hosts"] = nlohmann::json::array(
         {{{"host", "node3"}, {"slots", 4}}, {{"host", "node4"}, {"slots", 4}}});
     write_text(run.run_dir / "run.json", info.dump());
-    CHECK(contains(run_dptrain({"resume", run.run_dir.string()}).err,
-                   "a hostfile of these lines: 'node3 slots=4', 'node4 slots=4';"));
+    CHECK(contains(run_dptrain({"resume", run.run_dir.string(), "--nproc", "1"}).err,
+                   "as a hostfile's lines: 'node3 slots=4', 'node4 slots=4')"));
     write_text(run.run_dir / "run.json", kept);
   }
   auto resumed = run_dptrain({"resume", run.run_dir.string(), "--nproc", "1", "--json"});

@@ -92,7 +92,7 @@ std::string format_timeout(std::chrono::milliseconds timeout) {
 }
 
 std::string join_hint(std::chrono::milliseconds timeout) {
-  std::string hint = "start every rank with the same store and world size";
+  std::string hint(kJoinHint);
   if (timeout < std::chrono::seconds(10)) {
     hint += fmt::format(
         ", or give them longer than {} to start (distributed.timeout_s, or a worker's --timeout)",

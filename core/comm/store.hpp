@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -76,9 +77,10 @@ std::string unbracketed(const std::string& host);
 // A timeout for messages: "30s", "1.5s", "0.25s".
 std::string format_timeout(std::chrono::milliseconds timeout);
 
-// What a rank that did not join within `timeout` asks for: "start every rank with the same store
-// and world size", and where the timeout is shorter than ranks take to start (under 10 s, where
-// a process start, a data load or a busy machine can take longer), a longer one.
+// What a rank that did not join within `timeout` asks for: kJoinHint, and where the timeout is
+// shorter than ranks take to start (under 10 s, where a process start, a data load or a busy
+// machine can take longer), a longer one.
+inline constexpr std::string_view kJoinHint = "start every rank with the same store and world size";
 std::string join_hint(std::chrono::milliseconds timeout);
 
 // The message of the comm error a store throws when keys are still missing at the deadline, e.g.
