@@ -95,7 +95,9 @@ void place_ranks(JobSpec& spec, const HostOptions& hosts, const std::string& npr
       spec.nodes = parse_size_range(nnodes, "--nnodes");
       if (spec.nodes.max > static_cast<int>(spec.hosts.size())) {
         throw Error(ErrorKind::usage,
-                    fmt::format("--nnodes {}: only {} host(s) given", nnodes, spec.hosts.size()));
+                    fmt::format("--nnodes {}: only {} host(s) {}", nnodes, spec.hosts.size(),
+                                hosts.hosts.empty() ? "recorded in " + hosts.recorded.front().origin
+                                                    : std::string("given")));
       }
       // Hosts past the first MAX are spares: they stand in for lost ones.
       spec.candidates = spec.hosts;

@@ -58,7 +58,11 @@ bool bench_sweep_dir(const fs::path& dir) {
   if (!fs::exists(dir / "bench.json", ec)) {
     if (ec || fs::exists(dir / "run.json", ec) || ec) return false;
     for (const auto& entry : fs::directory_iterator(dir, ec)) {
-      if (bench_train_run(entry.path())) return true;
+      // Its runs are named w<WORLD>[-PRECISION][-rK]: nothing else is read.
+      const std::string name = entry.path().filename().string();
+      if (name.size() >= 2 && name[0] == 'w' && name[1] >= '0' && name[1] <= '9' &&
+          bench_train_run(entry.path()))
+        return true;
     }
     return false;
   }

@@ -46,16 +46,24 @@ struct ResumeOptions {
 // The hosts of this resume: --hosts, else those the run recorded (a run on remote hosts goes on
 // on them), reached with the SSH files the launch recorded unless --identity or --known-hosts
 // gives others. --nproc without --hosts on such a run is refused: its checkpoints are there.
-HostOptions resume_hosts(const ResumeOptions& o, const RunDirectory& run) {
+HostOptions resume_hosts(const ResumeOptions& o, const RunDirectory& run, StatusPrinter& status) {
   HostOptions hosts = o.hosts;
   nlohmann::json recorded = run.info().value("remote", nlohmann::json::object());
   if (!recorded.is_object()) recorded = nlohmann::json::object();
+  const std::string run_json = printable((run.path() / "run.json").string());
   if (hosts.identities.empty() && recorded.value("identities", nlohmann::json()).is_array()) {
     for (const auto& id : recorded["identities"]) {
-      // One since removed is left out, as an unused default key is: the host's own key= stays.
+      if (!id.is_string()) continue;
+      // One since removed is said and left out: the host's own key= and the defaults remain.
       std::error_code ec;
-      if (id.is_string() && fs::is_regular_file(id.get<std::string>(), ec))
+      if (fs::is_regular_file(id.get<std::string>(), ec)) {
         hosts.identities.push_back(id.get<std::string>());
+      } else {
+        status.warning(
+            fmt::format("{}: remote.identities: {} is no longer a file; resuming "
+                        "without it (give --identity for another)",
+                        run_json, printable(id.get<std::string>())));
+      }
     }
   }
   if (hosts.known_hosts.empty() && recorded.value("known_hosts", nlohmann::json()).is_string())
@@ -72,6 +80,15 @@ HostOptions resume_hosts(const ResumeOptions& o, const RunDirectory& run) {
                 fmt::format("--nproc: {} used hosts: resume without --nproc to use them again, "
                             "or give --hosts FILE (they were, as a hostfile's lines: {})",
                             o.run_dir, fmt::join(lines, ", ")));
+  }
+  // A record from before the SSH files were kept: the launch's may have been others.
+  if (!hosts.recorded.empty() && !recorded.contains("known_hosts") && o.hosts.known_hosts.empty() &&
+      o.hosts.identities.empty()) {
+    status.warning(
+        fmt::format("{} does not say which --identity and --known-hosts its launch "
+                    "used (written by an older dptrain): give them again if it used "
+                    "any",
+                    run_json));
   }
   return hosts;
 }
@@ -135,7 +152,7 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
     run.make_layout();
   }
   JobSpec spec;
-  const HostOptions hosts = resume_hosts(o, run);
+  const HostOptions hosts = resume_hosts(o, run, status);
   const auto [nproc, nnodes] = job_size(o, hosts, run);
   place_ranks(spec, hosts, nproc, nnodes, run.info().value("world_size", 1));
   // Remote hosts are reached as the launch recorded, unless the flags say otherwise: a run's
@@ -384,9 +401,9 @@ void setup_resume(CLI::App& app, Outcome& outcome) {
                  "it was elastic, else its recorded world size); on another world size the "
                  "global batch stays the run's (see distributed.resize)");
   app.add_option("--nnodes", o->nnodes,
-                 "With --hosts: N hosts, or MIN:MAX elastically; hosts after the first MAX are "
-                 "spares (default: the run's --nnodes, MAX at most the hosts given; else every "
-                 "host)");
+                 "With --hosts, or on the hosts run.json records: N hosts, or MIN:MAX "
+                 "elastically; hosts after the first MAX are spares (default: the run's "
+                 "--nnodes, MAX at most the hosts given; else every host)");
   add_host_options(app, o->hosts, false);
   add_remote_job_options(app, o->remote);
   add_restart_options(app, o->restart);

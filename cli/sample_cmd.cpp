@@ -271,7 +271,8 @@ int run_sample(const SampleOptions& o) {
     warnings.push_back(w);
     std::fprintf(stderr, "dptrain: warning: %s\n", w.c_str());
   };
-  RunDirectory run = RunDirectory::open(o.run_dir);
+  // Only the recipe is read: a field it does not use, edited into another type, stops nothing.
+  RunDirectory run = RunDirectory::open(o.run_dir, RecordCheck::lists);
   if (!run.info().contains("recipe")) {
     throw Error(ErrorKind::usage, fmt::format("{}: run.json has no recipe", o.run_dir));
   }

@@ -165,9 +165,9 @@ void check_local_attributes(const HostSpec& spec, bool port_given = false) {
 
 }  // namespace
 
-// One hostfile line, without its comment and not blank.
 HostSpec parse_hostfile_line(std::string_view line) {
   const std::vector<std::string_view> fields = words(line);
+  if (fields.empty()) fail("no host on the line");
   if (fields.front().find('=') != std::string_view::npos) {
     fail(fmt::format("no host before '{}' (a line is: host [slots=N] [user=U] [port=P] [key=PATH])",
                      fields.front()));

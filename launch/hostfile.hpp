@@ -42,8 +42,8 @@ std::vector<HostSpec> parse_hosts_list(const std::string& text);
 // as a hostfile line: "host slots=N user=U port=P key=PATH", the form that gives it again
 // unambiguously (in the --hosts list form, "host:N" is a slot count, not a port).
 std::string recorded_host_line(const std::string& display, int slots, const std::string& key = "");
-// One hostfile line ("host [slots=N] [user=U] [port=P] [key=PATH]", no comment, not blank);
-// Error(usage) saying what is wrong.
+// One hostfile line ("host [slots=N] [user=U] [port=P] [key=PATH]", no comment); Error(usage)
+// saying what is wrong (a blank one included).
 HostSpec parse_hostfile_line(std::string_view line);
 // The value of --hosts: an existing file is a hostfile, anything else a list.
 std::vector<HostSpec> load_hosts(const std::string& value);

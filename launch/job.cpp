@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <csignal>
 #include <cstdlib>
@@ -472,12 +473,14 @@ void record_job_settings(json& info, const JobSpec& spec, bool remote) {
   if (remote) {
     info["remote"] = {{"workdir", spec.remote.workdir},
                       {"remote_binary", spec.remote.remote_binary}};
+    // Both always (none: [] and null, the default file): a record without them predates this.
     json identities = json::array();
     for (const auto& id : spec.remote.ssh.identities)
       identities.push_back(id.string());
-    if (!identities.empty()) info["remote"]["identities"] = identities;
-    if (!spec.remote.ssh.known_hosts.empty())
-      info["remote"]["known_hosts"] = spec.remote.ssh.known_hosts.string();
+    info["remote"]["identities"] = identities;
+    info["remote"]["known_hosts"] = spec.remote.ssh.known_hosts.empty()
+                                        ? json(nullptr)
+                                        : json(spec.remote.ssh.known_hosts.string());
   }
   // What --env gave the ranks, for `dptrain resume` to give them again (a value taken from the
   // launcher's environment is null: it is taken from resume's then).
@@ -491,6 +494,31 @@ void record_job_settings(json& info, const JobSpec& spec, bool remote) {
                         {"of", spec.candidates.empty() ? "ranks" : "hosts"}};
   } else {
     info.erase("job_size");
+  }
+}
+
+namespace {
+constexpr std::array<const char*, 7> kPlacementKeys = {"hosts",    "job_hosts",  "remote", "env",
+                                                       "job_size", "world_size", "backend"};
+}  // namespace
+
+json placement_of(const json& info) {
+  if (!info.contains("hosts")) return nullptr;
+  json placement = json::object();
+  for (const char* key : kPlacementKeys) {
+    if (info.contains(key)) placement[key] = info[key];
+  }
+  return placement;
+}
+
+void restore_placement(json& info, const json& placement) {
+  if (!placement.is_object()) return;
+  for (const char* key : kPlacementKeys) {
+    if (placement.contains(key)) {
+      info[key] = placement[key];
+    } else {
+      info.erase(key);
+    }
   }
 }
 
@@ -683,14 +711,8 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   }
   const int world = plan.agents.front().world_size;
   // How the job was placed and reached before this generation (a resume's or a restart's): put
-  // back if it failed before its ranks joined (a mistyped --workdir or hostfile, a host that
-  // refused), so that the next resume defaults to what last ran, not to what never started.
-  json placed_before = json::object();
-  if (info.contains("hosts")) {
-    for (const char* key : {"hosts", "remote", "env", "job_size", "world_size", "backend"}) {
-      if (info.contains(key)) placed_before[key] = info[key];
-    }
-  }
+  // back if it failed before its ranks joined.
+  const json placed_before = placement_of(info);
   bool ranks_joined = false;
   if (trains) info["recipe"] = to_json(spec.recipe);
   info["world_size"] = world;
@@ -1288,12 +1310,14 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     }
     std::string own = take_rank_error(last_lines, failed_rank);
     // The ranks' hint for one that never joined is for ranks started by hand: this launcher
-    // gave every rank the same store and world size.
+    // gave every rank the same store and world size, and has no --timeout of its own.
     if (const size_t hint = own.find(kJoinHint); hint != std::string::npos) {
       own.replace(hint, kJoinHint.size(),
                   "the launcher started every rank with the same store and world size: the log "
-                  "of the rank that did not join says where it stopped (frozen, or still "
+                  "of each rank that did not join says where it stopped (frozen, or still "
                   "starting)");
+      if (const size_t flag = own.find(kJoinTimeoutFlags); flag != std::string::npos)
+        own.replace(flag, kJoinTimeoutFlags.size(), "distributed.timeout_s");
     }
     if (!own.empty()) out.error += ": " + own;
     // A collective that timed out names the rank that gave up waiting, not the one it waited
@@ -1432,15 +1456,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   if (out.resized) info["generations"].back()["stopped_for"] = sup.requested;
   if (!out.result.is_null()) info["result"] = out.result;
   // (Not after a stop: the settings may be right, the ranks only not together yet.)
-  if (!ranks_joined && !placed_before.empty() && out.status == "failed") {
-    for (const char* key : {"hosts", "remote", "env", "job_size", "world_size", "backend"}) {
-      if (placed_before.contains(key)) {
-        info[key] = placed_before[key];
-      } else {
-        info.erase(key);
-      }
-    }
-  }
+  if (!ranks_joined && out.status == "failed") restore_placement(info, placed_before);
   run.record();
   return out;
 }

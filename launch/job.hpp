@@ -160,6 +160,13 @@ void close_lost_generation(nlohmann::json& info, const std::string& recorder = "
 // (what --env gave).
 void record_job_settings(nlohmann::json& info, const JobSpec& spec, bool remote);
 
+// How run.json says the job was placed and reached (hosts, job_hosts, remote, env, job_size,
+// world_size, backend), to be put back (restore_placement) when what replaced it failed before
+// its ranks met (a mistyped --workdir or hostfile, a host that refused): the next resume then
+// defaults to what last ran, not to what never started. Null for a record that has no hosts yet.
+nlohmann::json placement_of(const nlohmann::json& info);
+void restore_placement(nlohmann::json& info, const nlohmann::json& placement);
+
 // The plan of a job: hosts in order, ranks assigned in blocks of their slots.
 struct JobPlan {
   std::string store;   // HOST:PORT

@@ -489,9 +489,9 @@ void check_record_types(const nlohmann::json& info, const fs::path& file, Record
   }
 }
 
-RunDirectory RunDirectory::open(const fs::path& dir) {
+RunDirectory RunDirectory::open(const fs::path& dir, RecordCheck what) {
   nlohmann::json info = read_run_json(dir);
-  check_record_types(info, dir / "run.json");
+  check_record_types(info, dir / "run.json", what);
   return RunDirectory(resolved_path(dir), std::move(info));
 }
 

@@ -15,6 +15,10 @@
 
 namespace dptrain {
 
+// How much of run.json's types a reader checks (check_record_types below): every field a resume
+// reads, or only that its lists hold objects.
+enum class RecordCheck { all, lists };
+
 class RunDirectory {
  public:
   // `dir` empty: runs_root/<name>-<UTC time>, made exclusively (a suffix keeps two runs started
@@ -28,9 +32,10 @@ class RunDirectory {
   static void check_new(const std::filesystem::path& dir);
   // What create refuses a `runs_root` for (inside another run's checkpoints/ or logs/).
   static void check_runs_root(const std::filesystem::path& runs_root);
-  // An existing run: Error(usage) as read_run_json says when its run.json cannot be used.
+  // An existing run: Error(usage) as read_run_json says when its run.json cannot be used, or
+  // as check_record_types(`what`) says of a field's type.
   // Nothing is created or changed there (a reader, or a resume with nothing to do).
-  static RunDirectory open(const std::filesystem::path& dir);
+  static RunDirectory open(const std::filesystem::path& dir, RecordCheck what = RecordCheck::all);
   // Makes logs/ and checkpoints/ where they are missing (a run about to start ranks): Error(usage)
   // naming the directory when it cannot.
   void make_layout() const;
@@ -151,10 +156,9 @@ nlohmann::json read_run_json(const std::filesystem::path& dir);
 // Error(usage) "FILE: /POINTER: expected KIND, got VALUE" for the first field of run.json that a
 // resume reads and that is not of its type (a record edited by hand, or damaged): named, before
 // anything is started or written, not a JSON library's type error from deep inside (which, once
-// the launch had begun, was even recorded as the run's failure). `lists` checks only that the
-// entries of its lists (generations, hosts, restarts, ...) are objects: status and report show
-// what else is wrong as unknown or null.
-enum class RecordCheck { all, lists };
+// the launch had begun, was even recorded as the run's failure). `lists` (RecordCheck above)
+// checks only that the entries of its lists (generations, hosts, restarts, ...) are objects:
+// status and report show what else is wrong as unknown or null.
 void check_record_types(const nlohmann::json& info, const std::filesystem::path& file,
                         RecordCheck what = RecordCheck::all);
 

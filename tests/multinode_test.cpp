@@ -199,7 +199,7 @@ TEST_CASE("resume reaches the hosts through the workdir and binary the launch us
   const fs::path typo = c.tmp / "remote typo";
   auto mistyped =
       run_dptrain({"resume", run_dir.string(), "--hosts", c.hostfile.string(), "--known-hosts",
-                   c.sshd.known_hosts().string(), "--workdir", typo.string()});
+                   c.sshd.known_hosts().string(), "--workdir", typo.string(), "--nnodes", "2"});
   CHECK(mistyped.exit_code == 5);
   // Every rank finds none and says where it looked; the launcher names whichever failed first.
   CHECK_MESSAGE(contains(mistyped.err,
@@ -210,11 +210,12 @@ TEST_CASE("resume reaches the hosts through the workdir and binary the launch us
   const json kept = parse_json(read_text(run_dir / "run.json"));
   CHECK(kept["remote"] == info["remote"]);
   CHECK(kept["hosts"] == info["hosts"]);
+  // (--nnodes made it choose among its hosts: that choice is not where a resume goes now.)
+  CHECK(kept.value("job_hosts", json()) == info.value("job_hosts", json()));
   CHECK(kept["generations"].size() == info["generations"].size() + 1);  // its try is history
-  // Only the hosts and SSH options again: the checkpoint is under the launch's workdir, and no
-  // dptrain was provisioned to the default one.
-  auto resumed = run_dptrain({"resume", run_dir.string(), "--hosts", c.hostfile.string(),
-                              "--known-hosts", c.sshd.known_hosts().string(), "--json"});
+  // Nothing again: the hosts, SSH files, workdir and binary are the launch's; the checkpoint is
+  // under the launch's workdir, and no dptrain was provisioned to the default one.
+  auto resumed = run_dptrain({"resume", run_dir.string(), "--json"});
   INFO(resumed.err);
   REQUIRE(resumed.exit_code == 0);
   const json out = parse_json(resumed.out);

@@ -543,8 +543,9 @@ TEST_CASE(
   // Not "start every rank with the same store": the launcher did.
   CHECK(contains(error,
                  "; the launcher started every rank with the same store and world size: "
-                 "the log of the rank that did not join says where it stopped (frozen, "
-                 "or still starting), or give them longer than 3s to start"));
+                 "the log of each rank that did not join says where it stopped (frozen, "
+                 "or still starting), or give them longer than 3s to start "
+                 "(distributed.timeout_s)"));
   CHECK_FALSE(contains(error, "; start every rank"));
 }
 

@@ -223,6 +223,15 @@ TEST_CASE("resume on another world size reshards and completes") {
     auto on_recorded = run_dptrain({"resume", run.run_dir.string()});
     CHECK(on_recorded.exit_code == 4);
     CHECK(contains(on_recorded.err, "node3.invalid"));
+    // This record does not say which SSH files its launch used (as one of an older dptrain).
+    CHECK(contains(on_recorded.err,
+                   "dptrain: warning: " + (run.run_dir / "run.json").string() +
+                       " does not say which --identity and --known-hosts its launch used"));
+    // --nnodes chooses among the recorded hosts, and says so when it asks for more.
+    const auto too_many = run_dptrain({"resume", run.run_dir.string(), "--nnodes", "4"});
+    CHECK(too_many.exit_code == 2);
+    CHECK(contains(too_many.err, "--nnodes 4: only 3 host(s) recorded in " +
+                                     (run.run_dir / "run.json").string()));
     CHECK(read_text(run.run_dir / "run.json") == info.dump());
     // An elastic job's every host, those its last generation lost too.
     info["job_hosts"] = nlohmann::json::array(

@@ -254,6 +254,16 @@ TEST_CASE("sample: numbers out of range are refused, not wrapped; a run without 
   REQUIRE(largest.exit_code == 0);
   CHECK(parse_json(largest.out)["seed"].get<uint64_t>() == 18446744073709551615ull);
   CHECK(parse_json(largest.out)["top_k"] == 0);
+  // A field of run.json that sample does not read, edited into a wrong type, does not stop it
+  // (a resume refuses such a record, naming the field).
+  const std::string kept = read_text(run_dir / "run.json");
+  auto edited = parse_json(kept);
+  edited["world_size"] = "one";
+  edited["status"] = 7;
+  write_text(run_dir / "run.json", edited.dump());
+  const auto despite = sample(run_dir, {"--tokens", "5", "--json"});
+  write_text(run_dir / "run.json", kept);
+  CHECK_MESSAGE(despite.exit_code == 0, despite.err);
   const auto refused = [&](const std::vector<std::string>& args, const std::string& option,
                            const std::string& says) {
     const auto r = sample(run_dir, args);

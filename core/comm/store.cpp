@@ -94,9 +94,8 @@ std::string format_timeout(std::chrono::milliseconds timeout) {
 std::string join_hint(std::chrono::milliseconds timeout) {
   std::string hint(kJoinHint);
   if (timeout < std::chrono::seconds(10)) {
-    hint += fmt::format(
-        ", or give them longer than {} to start (distributed.timeout_s, or a worker's --timeout)",
-        format_timeout(timeout));
+    hint += fmt::format(", or give them longer than {} to start ({})", format_timeout(timeout),
+                        kJoinTimeoutFlags);
   }
   return hint;
 }

@@ -81,6 +81,9 @@ std::string format_timeout(std::chrono::milliseconds timeout);
 // shorter than ranks take to start (under 10 s, where a process start, a data load or a busy
 // machine can take longer), a longer one.
 inline constexpr std::string_view kJoinHint = "start every rank with the same store and world size";
+// What gives ranks longer to join, as that hint names it.
+inline constexpr std::string_view kJoinTimeoutFlags =
+    "distributed.timeout_s, or a worker's --timeout";
 std::string join_hint(std::chrono::milliseconds timeout);
 
 // The message of the comm error a store throws when keys are still missing at the deadline, e.g.
