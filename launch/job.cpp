@@ -467,9 +467,7 @@ void close_lost_generation(json& info, const std::string& recorder, const std::s
 
 void record_job_settings(json& info, const JobSpec& spec, bool remote) {
   // How remote hosts were reached, for `dptrain resume` to default to: their run directories
-  // are under this workdir.
-  // The SSH files it was reached with (--identity, --known-hosts, as absolute paths) likewise:
-  // `dptrain resume RUN` reaches the hosts as the launch did.
+  // are under this workdir, reached with these SSH files (--identity, --known-hosts, absolute).
   if (remote) {
     info["remote"] = {{"workdir", spec.remote.workdir},
                       {"remote_binary", spec.remote.remote_binary}};
@@ -1310,14 +1308,16 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     }
     std::string own = take_rank_error(last_lines, failed_rank);
     // The ranks' hint for one that never joined is for ranks started by hand: this launcher
-    // gave every rank the same store and world size, and has no --timeout of its own.
+    // gave every rank the same store and world size, and what gives them longer is the recipe's
+    // timeout (a benchmark's: bench comm's --timeout).
     if (const size_t hint = own.find(kJoinHint); hint != std::string::npos) {
       own.replace(hint, kJoinHint.size(),
                   "the launcher started every rank with the same store and world size: the log "
                   "of each rank that did not join says where it stopped (frozen, or still "
                   "starting)");
       if (const size_t flag = own.find(kJoinTimeoutFlags); flag != std::string::npos)
-        own.replace(flag, kJoinTimeoutFlags.size(), "distributed.timeout_s");
+        own.replace(flag, kJoinTimeoutFlags.size(),
+                    trains ? "distributed.timeout_s" : "bench comm's --timeout");
     }
     if (!own.empty()) out.error += ": " + own;
     // A collective that timed out names the rank that gave up waiting, not the one it waited
