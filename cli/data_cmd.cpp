@@ -65,6 +65,7 @@ struct PrepareSummary {
   std::vector<Source> sources;
   uint64_t bytes = 0;
   std::string tokenizer;
+  std::string tokenizer_checksum;  // Tokenizer::checksum
   int64_t vocab = 0;
   int64_t tokens = 0, train_tokens = 0, val_tokens = 0;
   int dtype_bytes = 2;
@@ -303,19 +304,13 @@ json meta_json(const PrepareSummary& s, double val_fraction) {
   json sources = json::array();
   for (const auto& src : s.sources)
     sources.push_back({{"path", src.path.string()}, {"bytes", src.bytes}});
-  return {{"format", "dptrain-tokens"},
-          {"version", kTokenFileVersion},
-          {"created_at", utc_now()},
-          {"created_by", "dptrain " DPTRAIN_VERSION},
-          {"sources", sources},
-          {"bytes", s.bytes},
-          {"tokenizer", s.tokenizer},
-          {"vocab", s.vocab},
-          {"dtype", dtype_name(s.dtype_bytes)},
-          {"tokens", s.tokens},
-          {"train_tokens", s.train_tokens},
-          {"val_tokens", s.val_tokens},
-          {"val_fraction", val_fraction}};
+  return {{"format", "dptrain-tokens"}, {"version", kTokenFileVersion},
+          {"created_at", utc_now()},    {"created_by", "dptrain " DPTRAIN_VERSION},
+          {"sources", sources},         {"bytes", s.bytes},
+          {"tokenizer", s.tokenizer},   {"tokenizer_checksum", s.tokenizer_checksum},
+          {"vocab", s.vocab},           {"dtype", dtype_name(s.dtype_bytes)},
+          {"tokens", s.tokens},         {"train_tokens", s.train_tokens},
+          {"val_tokens", s.val_tokens}, {"val_fraction", val_fraction}};
 }
 
 // A warning: on stderr as every warning, and in the --json "warnings".
@@ -563,6 +558,7 @@ int run_prepare(const PrepareOptions& o) {
       tokenizer.encode(text, status.step("tokenizing", text.size(), true));
   std::string().swap(text);  // the tokens hold it now; its memory is better used for writing
   s.tokenizer = tokenizer.type();
+  s.tokenizer_checksum = tokenizer.checksum();
   s.vocab = tokenizer.vocab();
   s.dtype_bytes = resolve_dtype(o.dtype, s.vocab, s.tokenizer);
   s.tokens = static_cast<int64_t>(tokens.size());

@@ -235,7 +235,8 @@ std::string plain_parse_error(const Command& c, const std::string& what) {
 // - another of the command's options where the value belongs ("--out --json", from an unquoted
 //   empty $OUT), which CLI11 would take as the value, and the option it names as not given.
 //   Written attached ("--prompt=--json", one of `attached`: the arguments of that form), the
-//   value is the one meant, and taken.
+//   value is the one meant, and taken. ("--prompt=", empty, reaches CLI11 as "--prompt" and ""
+//   (cli_arguments): an empty value, as meant.)
 void check_option_values(CLI::App& app,
                          const std::shared_ptr<const std::set<std::string>>& attached) {
   auto names = std::make_shared<std::vector<std::string>>();
@@ -278,13 +279,20 @@ void check_option_values(CLI::App& app,
     const std::string name = !o->get_lnames().empty()   ? "--" + o->get_lnames().front()
                              : !o->get_snames().empty() ? "-" + o->get_snames().front()
                                                         : o->get_name();
-    o->check(CLI::Validator(
-        [names, name, empty_ok, attached](std::string& value) -> std::string {
-          if (value.empty()) return empty_ok ? "" : "is empty; give a value";
+    // An option where a value belongs is said before the option's own checks (a transform goes
+    // first): "--tokens --json" is that, not a value that is not a number. An empty value is
+    // said after them (an option's own check may say more: "--hosts: empty: give a hostfile").
+    o->transform(CLI::Validator(
+        [names, name, attached](std::string& value) -> std::string {
           if (std::find(names->begin(), names->end(), value) == names->end()) return {};
           if (attached->contains(name + "=" + value)) return {};
           return fmt::format("got the option {} where its value belongs; give {} a value", value,
                              name);
+        },
+        ""));
+    o->check(CLI::Validator(
+        [empty_ok](std::string& value) -> std::string {
+          return value.empty() && !empty_ok ? "is empty; give a value" : "";
         },
         ""));
   }
@@ -337,7 +345,34 @@ int main(int argc, char** argv) {
 
 namespace {
 
+// The arguments as CLI11 is to read them: "--opt=" (an empty value written attached, a script's
+// --prompt="$PROMPT" with nothing in it) as "--opt" and "": CLI11 would take the argument after
+// it as the value. (Not after "--": positional from there.)
+std::vector<std::string> cli_arguments(int argc, char** argv) {
+  std::vector<std::string> args;
+  bool options = true;
+  for (int i = 0; i < argc; ++i) {
+    const std::string_view arg(argv[i]);
+    if (i > 0 && arg == "--") options = false;
+    if (options && i > 0 && arg.size() > 3 && arg.starts_with("--") &&
+        arg.find('=') == arg.size() - 1) {
+      args.emplace_back(arg.substr(0, arg.size() - 1));
+      args.emplace_back();
+    } else {
+      args.emplace_back(arg);
+    }
+  }
+  return args;
+}
+
 int run(int argc, char** argv) {
+  std::vector<std::string> arguments = cli_arguments(argc, argv);
+  std::vector<char*> pointers;
+  for (auto& a : arguments)
+    pointers.push_back(a.data());
+  pointers.push_back(nullptr);
+  argc = static_cast<int>(arguments.size());
+  argv = pointers.data();
   if (argc > 1 && std::string_view(argv[1]) == "worker")
     dptrain::cli::install_worker_signal_handlers();
   if (argc > 1 && std::string_view(argv[1]) == "_relay") dptrain::install_relay_signal_handlers();
@@ -393,6 +428,12 @@ int run(int argc, char** argv) {
     }
   }
   check_option_values(app, attached);
+  // What the command warned of before it failed goes with its JSON error, whatever failed.
+  const auto warned = [&outcome] {
+    nlohmann::json fields = nlohmann::json::object();
+    if (!outcome.warnings.empty()) fields["warnings"] = outcome.warnings;
+    return fields;
+  };
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -447,10 +488,8 @@ int run(int argc, char** argv) {
     // wrote, interrupted) made this failure: the signal's exit code, as any stopped command's.
     const dptrain::ErrorKind kind = dptrain::kind_after_stop(e.kind());
     const int code = dptrain::exit_code(kind);
-    nlohmann::json fields = nlohmann::json::object();
-    if (!outcome.warnings.empty()) fields["warnings"] = outcome.warnings;
     print_error(e.what(), code, dptrain::cli::failure_status(kind), outcome.json, outcome.run_dir,
-                std::move(fields));
+                warned());
     return code;
   } catch (const std::filesystem::filesystem_error& e) {
     // Not a bug: a path that cannot be used ("runs/x: cannot make absolute path: No such file or
@@ -463,18 +502,18 @@ int run(int argc, char** argv) {
     print_error(path.empty()
                     ? what
                     : fmt::format("{}: {}{}", path, what, dptrain::cwd_gone_note(e.path1())),
-                1, "error", outcome.json, outcome.run_dir);
+                1, "error", outcome.json, outcome.run_dir, warned());
     return 1;
   } catch (const std::bad_alloc&) {
     // Not a bug: the machine (or its limits) has less memory than the job asked for.
     print_error(
         "out of memory: an allocation failed (data or a model too large for this machine's "
         "memory or its limits: ulimit -v, a cgroup)",
-        1, "error", outcome.json, outcome.run_dir);
+        1, "error", outcome.json, outcome.run_dir, warned());
     return 1;
   } catch (const std::exception& e) {
     print_error(fmt::format("internal error: {}", e.what()), 1, "error", outcome.json,
-                outcome.run_dir);
+                outcome.run_dir, warned());
     return 1;
   }
   return outcome.exit_code;

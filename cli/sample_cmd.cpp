@@ -87,21 +87,41 @@ std::optional<Tokenizer> load_tokenizer(const DataSpec& data, bool ids) {
 }
 
 // A tokenizer.json put in from another dataset would decode the model's ids into other
-// characters: its vocabulary must be the token files' (train.bin's header), as data prepare
-// wrote them together. What is wrong, or "" (also when the token files cannot be read).
+// characters: its vocabulary must be the token files' (train.bin's header), and it must be the
+// one meta.json records (its checksum), as data prepare wrote them together. What is wrong, or
+// "" (also when the token files cannot be read, and for a dataset whose meta.json records no
+// checksum: made before it was recorded, or a meta.json that cannot be read).
 std::string tokenizer_misfit(const Tokenizer& tokenizer, const DataSpec& data) {
+  const fs::path dir = data.path;
   int64_t vocab = 0;
   try {
-    vocab = read_token_header(fs::path(data.path) / "train.bin").vocab;
+    vocab = read_token_header(dir / "train.bin").vocab;
   } catch (const Error&) {
     return "";
   }
-  if (vocab == tokenizer.vocab()) return "";
+  if (vocab != tokenizer.vocab()) {
+    return fmt::format(
+        "{}: {} ids, but the tokens of {} have {} (its header): the tokenizer is "
+        "another dataset's",
+        (dir / "tokenizer.json").string(), tokenizer.vocab(), (dir / "train.bin").string(), vocab);
+  }
+  std::string recorded;
+  try {
+    std::error_code ec;
+    if (fs::is_regular_file(dir / "meta.json", ec)) {
+      const nlohmann::json meta = parse_json(read_file(dir / "meta.json"));
+      if (meta.is_object() && meta.value("tokenizer_checksum", nlohmann::json()).is_string())
+        recorded = meta["tokenizer_checksum"].get<std::string>();
+    }
+  } catch (const std::exception&) {
+    return "";
+  }
+  if (recorded.empty() || recorded == tokenizer.checksum()) return "";
   return fmt::format(
-      "{}: {} ids, but the tokens of {} have {} (its header): the tokenizer is "
-      "another dataset's",
-      (fs::path(data.path) / "tokenizer.json").string(), tokenizer.vocab(),
-      (fs::path(data.path) / "train.bin").string(), vocab);
+      "{}: not the tokenizer these token files were made with (its checksum is {}; {} records "
+      "{}): the tokenizer is another dataset's",
+      (dir / "tokenizer.json").string(), tokenizer.checksum(), (dir / "meta.json").string(),
+      recorded);
 }
 
 // The ids the model may draw: the tokenizer's vocabulary, or without one the dataset's (its
@@ -472,7 +492,8 @@ void setup_sample(CLI::App& app, Outcome& outcome) {
           ->check(handles_empty());
   app.add_flag(
       "--json", o->json,
-      "Print {checkpoint, step, prompt, tokens, tokens_generated, temperature, top_k, seed, "
+      "Print {checkpoint, checkpoint_path, step, prompt, tokens, tokens_generated, temperature, "
+      "top_k, seed, "
       "prompt_ids, ids, text, warnings} at the end "
       "instead of streaming the text");
   app.callback([o, &outcome] {

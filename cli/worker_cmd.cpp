@@ -760,17 +760,19 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
   faults.before_join();
   TcpStoreClient client(host, port, timeout, secret);
   PrefixStore store(farewell.prefix, client);
-  // Beating from here on, before the ranks meet, where a launcher started every rank on its
-  // machine together: its --hang-timeout then also names a rank that froze while the others wait
-  // for it to join. Not a process given a rank that ran the job already (started again by hand,
-  // refused as the ranks agree to start): its beats would hide that rank's silence.
+  if (started_by_launcher()) store.set_join_advice(launched_join_advice("distributed.timeout_s"));
+  // Beating from here on, before the ranks meet, where a launcher started the rank: its
+  // --hang-timeout then also names a rank that froze (or cannot reach the store) while the others
+  // wait for it to join, counted from when the rank was started (HangWatch::started). Not a
+  // process given a rank that ran the job already (started again by hand, refused as the ranks
+  // agree to start): its beats would hide that rank's silence.
   BeatStore beats(host, port, secret, o.generation, store);
   Store& beat_store = beats.store();
   std::optional<HeartbeatSender> heartbeat;
   const auto start_beating = [&] {
     if (!heartbeat) heartbeat.emplace(beat_store, o.rank, progress, std::chrono::seconds(1));
   };
-  if (env(kBeatBeforeJoinEnv).value_or("") == "1" && !rank_met(store, o.rank)) start_beating();
+  if (started_by_launcher() && !rank_met(store, o.rank)) start_beating();
 
   // Workers without a launcher say their host, for rank 0's record of the run (posted before
   // the answer rank 0 waits for, so it is there once the ranks agree).

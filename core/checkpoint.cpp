@@ -648,6 +648,15 @@ fs::path checkpoint_named(const fs::path& checkpoints_dir, const std::string& gi
   std::string name = given;
   while (name.size() > 1 && name.back() == '/')
     name.pop_back();
+  if (name == kLatestFile) {
+    const LatestStatus latest = check_latest(checkpoints_dir);
+    if (latest.exists && latest.ok() && !latest.dir.empty()) return latest.dir;
+    throw Error(ErrorKind::usage,
+                fmt::format("{}: no checkpoint {} ({})",
+                            printable(checkpoints_dir.parent_path().string()), name,
+                            latest.exists ? "checkpoints/latest " + printable(latest.problem)
+                                          : std::string("there is no checkpoints/latest")));
+  }
   std::optional<int64_t> number;
   int64_t step = 0;
   const char* end = name.data() + name.size();

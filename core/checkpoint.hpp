@@ -159,8 +159,9 @@ std::vector<std::filesystem::path> list_checkpoints(const std::filesystem::path&
 // no `latest` or it does not name a step-N. Error(io) when it exists but cannot be read.
 std::filesystem::path latest_checkpoint(const std::filesystem::path& checkpoints_dir);
 // The checkpoint a user names: a step number (20) names step-N, or step-N.corrupt when only that
-// one is left; anything else is a directory name (step-000020). Error(usage) naming it and what
-// there is when there is no such checkpoint.
+// one is left; "latest" the one `latest` names; anything else is a directory name (step-000020).
+// Error(usage) naming it and what there is when there is no such checkpoint (for "latest": why
+// `latest` cannot be followed).
 std::filesystem::path checkpoint_named(const std::filesystem::path& checkpoints_dir,
                                        const std::string& name);
 // Points `latest` at `checkpoint` (a step-N directory in checkpoints_dir), atomically.

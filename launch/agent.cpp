@@ -153,9 +153,6 @@ std::vector<ProcessSpec> worker_specs(const AgentPlan& plan, const fs::path& wor
     if (plan.nominal_world > 0) {
       p.env.emplace_back("DPTRAIN_NOMINAL_WORLD", std::to_string(plan.nominal_world));
     }
-    // Always set: one left in the launcher's (or agent's) own environment must not reach ranks
-    // whose launcher does not watch for it (a multi-host job's local ranks).
-    p.env.emplace_back(kBeatBeforeJoinEnv, plan.beat_before_join ? "1" : "0");
     if (plan.one_gpu_per_rank) {
       p.env.emplace_back("CUDA_VISIBLE_DEVICES", gpu_of_local_rank(local, plan.env));
     }
@@ -290,6 +287,12 @@ int run_agent(const AgentPlan& given, std::FILE* out, int stop_fd) {
     } else {
       std::fprintf(out, "%s%d %s\n", kAgentRankPrefix, p.rank, line.c_str());
     }
+    std::fflush(out);
+  };
+  // The launcher's hang watch counts a rank that never beats from here.
+  options.on_started = [&](const std::vector<pid_t>&) {
+    std::lock_guard lock(out_mutex);
+    std::fprintf(out, "%s\n", kAgentStartedLine);
     std::fflush(out);
   };
   const auto specs = worker_specs(plan, self_executable());

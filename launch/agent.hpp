@@ -31,10 +31,6 @@ struct AgentPlan {
   std::string backend = "gloo";
   // Local rank i sees one GPU: the i-th of the node's CUDA_VISIBLE_DEVICES, or device i.
   bool one_gpu_per_rank = false;
-  // A job on this machine alone (its ranks started together): they beat before they meet, so
-  // that --hang-timeout names one that never joins. Not sent to other hosts, whose ranks start
-  // as their agents get to them (the launcher's own clock would call them late).
-  bool beat_before_join = false;
   std::string resume_from;  // a checkpoint directory on that host, "newest[-or-start]", or empty
   std::vector<int> ranks;   // global ranks on this host; local rank = index
   // Extra environment for the workers: the job's --env, and on remote hosts what the launcher
@@ -84,6 +80,8 @@ std::vector<ProcessSpec> worker_specs(const AgentPlan& plan,
 constexpr const char* kAgentRankPrefix = "@rank ";
 constexpr const char* kAgentFailurePrefix = "@failure ";
 constexpr const char* kAgentAliveLine = "@alive";
+// Said once the agent has started its ranks (they beat before they meet).
+constexpr const char* kAgentStartedLine = "@started";
 constexpr const char* kAgentDoneLine = "@done";
 constexpr std::chrono::seconds kAgentAliveInterval{1};
 

@@ -197,15 +197,13 @@ TEST_CASE("agent: ranks' OpenBLAS pool is the recipe's threads_per_rank unless t
   CHECK(threads(worker_specs(plan, "/bin/dptrain").front()).empty());
 }
 
-TEST_CASE("agent: ranks beat before they meet only when the plan says so, whatever it inherits") {
-  // One left in the launcher's own environment must not reach a multi-host job's ranks.
-  ScopedEnv leaked(kBeatBeforeJoinEnv, "1");
-  AgentPlan plan = two_rank_plan();
-  auto specs = worker_specs(plan, "/bin/dptrain");
-  CHECK(env_of(specs[0], kBeatBeforeJoinEnv) == "0");
-  plan.beat_before_join = true;
-  specs = worker_specs(plan, "/bin/dptrain");
-  CHECK(env_of(specs[1], kBeatBeforeJoinEnv) == "1");
+TEST_CASE("agent: every rank is told a launcher started it (it beats before the ranks meet)") {
+  // Whatever the launcher's own environment says.
+  ScopedEnv leaked(kLaunchedEnv, "0");
+  const auto specs = worker_specs(two_rank_plan(), "/bin/dptrain");
+  REQUIRE(specs.size() == 2);
+  for (const auto& spec : specs)
+    CHECK(env_of(spec, kLaunchedEnv) == "1");
 }
 
 }  // namespace dptrain

@@ -14,13 +14,23 @@ using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
 HangWatch::HangWatch(Store& store, int world_size, std::chrono::milliseconds timeout,
-                     RankName rank_name, bool joining)
+                     RankName rank_name)
     : store_(store),
       world_size_(world_size),
       timeout_(timeout),
       rank_name_(std::move(rank_name)),
-      joining_(joining),
       next_read_(Clock::now()) {}
+
+void HangWatch::started(const std::vector<int>& ranks) {
+  const auto now = Clock::now();
+  for (int r : ranks)
+    note_started(r, now);
+}
+
+void HangWatch::note_started(int rank, Clock::time_point now) {
+  if (rank < 0 || rank >= world_size_ || !started_.try_emplace(rank, now).second) return;
+  if (static_cast<int>(started_.size()) == world_size_) assembled_ = now;
+}
 
 std::optional<std::string> HangWatch::check() {
   const auto now = Clock::now();
@@ -34,6 +44,7 @@ std::optional<std::string> HangWatch::check() {
       const json beat = json::parse(store_.get(key, std::chrono::seconds(2)), nullptr, false);
       if (beat.is_discarded()) continue;
       if (!first_heard_) first_heard_ = now;
+      note_started(r, now);  // (an agent that does not say it started its ranks)
       Seen& s = seen_[r];
       const int64_t progress = beat.value("progress", int64_t{-1});
       if (progress != s.progress) {
@@ -81,15 +92,24 @@ std::optional<std::string> HangWatch::check() {
     const bool waiting = s.beat.value("phase", "") == "collective";
     stalled = std::max(stalled, waiting ? std::min(since(s), *freshest) : since(s));
   }
-  // A rank that never beat while another has for longer than the timeout: frozen, or unable to
-  // reach the store, before it joined (the others wait for it to meet).
+  // Until every rank was started (a host still being reached) no rank can progress: the ranks
+  // wait for the job to assemble, and their time without progress counts from when it did.
+  stalled = assembled_
+                ? std::min(stalled,
+                           std::chrono::duration_cast<std::chrono::milliseconds>(now - *assembled_))
+                : std::chrono::milliseconds(0);
+  // A rank that never beat, since it was started and while another has, for longer than the
+  // timeout: frozen, or unable to reach the store, before it joined (the others wait for it to
+  // meet). One whose host has not started it yet is not counted.
   std::map<int, json> beats;
-  if (joining_ && first_heard_ && static_cast<int>(seen_.size()) < world_size_) {
-    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - *first_heard_);
-    for (int r = 0; r < world_size_; ++r) {
-      if (!seen_.count(r)) beats[r] = {{"never_ms", waited.count()}};
+  if (first_heard_ && static_cast<int>(seen_.size()) < world_size_) {
+    for (const auto& [r, start] : started_) {
+      if (seen_.count(r)) continue;
+      const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(
+          now - std::max(*first_heard_, start));
+      beats[r] = {{"never_ms", waited.count()}};
+      stalled = std::max(stalled, waited);
     }
-    stalled = std::max(stalled, waited);
   }
   if (timeout_.count() <= 0 || stalled <= timeout_) return std::nullopt;
   for (const auto& [rank, s] : seen_)

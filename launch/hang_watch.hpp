@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -22,10 +23,15 @@ class HangWatch {
 
   // `store` is the generation's prefix store (the launcher's own client). A timeout of 0 only
   // watches: check() never finds a hang, and silent() says who had stopped beating.
-  // `joining`: the ranks beat before they meet (all started together on the launcher's machine),
-  // so one that never beats while another has for the timeout is named as never having joined.
   HangWatch(Store& store, int world_size, std::chrono::milliseconds timeout,
-            RankName rank_name = {}, bool joining = false);
+            RankName rank_name = {});
+
+  // These ranks were started now (the launcher started its own; a host's agent said it started
+  // its): they beat before they meet, so one that never beats for longer than the timeout, both
+  // since it was started and since another rank first beat, is named as never having joined.
+  // A rank not said to be started is not waited for (its host may still be being reached), and
+  // until every rank was started no rank's lack of progress counts (none can progress).
+  void started(const std::vector<int>& ranks);
 
   // Call often; reads the store at most once a second. A message naming the stuck rank(s), their
   // step and phase, and the ranks waiting for them, once some rank made no progress for longer
@@ -77,7 +83,10 @@ class HangWatch {
   // The ranks whose heartbeat had stopped at `now`, and for how many milliseconds.
   std::map<int, int64_t> silent_at(std::chrono::steady_clock::time_point now) const;
 
-  bool joining_;
+  void note_started(int rank, std::chrono::steady_clock::time_point now);
+  // When each rank was started (started(), or its first beat), and when the last one was.
+  std::map<int, std::chrono::steady_clock::time_point> started_;
+  std::optional<std::chrono::steady_clock::time_point> assembled_;
   std::optional<std::chrono::steady_clock::time_point> first_heard_;  // any rank's first beat
   std::chrono::steady_clock::time_point next_read_;
   std::chrono::steady_clock::time_point last_read_;

@@ -34,6 +34,12 @@ std::optional<std::string> beat_until_verdict(
   return std::nullopt;
 }
 
+// The heartbeat of a rank that has not met the others yet, its `beats`-th.
+std::string starting(int64_t beats) {
+  return json{{"step", 0}, {"phase", "starting"}, {"seq", 0}, {"progress", 0}, {"beat", beats}}
+      .dump();
+}
+
 }  // namespace
 
 TEST_CASE("hang verdict: the rank behind is named with its step and phase, the waiters too") {
@@ -247,11 +253,8 @@ TEST_CASE("hang verdict: several ranks behind are waited for as them") {
 TEST_CASE("hang watch: a rank that never beats while the others wait to meet is named") {
   TcpStoreServer server;
   TcpStoreClient store("127.0.0.1", server.port(), std::chrono::seconds(5));
-  const auto starting = [](int64_t beats) {
-    return json{{"step", 0}, {"phase", "starting"}, {"seq", 0}, {"progress", 0}, {"beat", beats}}
-        .dump();
-  };
-  HangWatch watch(store, 3, std::chrono::milliseconds(1500), {}, /*joining=*/true);
+  HangWatch watch(store, 3, std::chrono::milliseconds(1500), {});
+  watch.started({0, 1, 2});
   // Nobody has beaten yet: no verdict however long (the ranks may still be starting).
   for (int i = 0; i < 5; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(400));
@@ -266,4 +269,30 @@ TEST_CASE("hang watch: a rank that never beats while the others wait to meet is 
   CHECK(verdict->find("stuck: rank 1 (no heartbeat in the ") != std::string::npos);
   CHECK(verdict->find("s the others waited: frozen, or unable to reach the store, before it "
                       "joined); waiting for it to join: rank 0, rank 2") != std::string::npos);
+}
+
+TEST_CASE("hang watch: a rank not yet started is not waited for; once started, from then") {
+  TcpStoreServer server;
+  TcpStoreClient store("127.0.0.1", server.port(), std::chrono::seconds(5));
+  // Ranks 0 and 1 on hosts whose agents started them; rank 2's host is still being reached.
+  HangWatch watch(store, 3, std::chrono::milliseconds(1500), {});
+  watch.started({0, 1});
+  int64_t n = 0;
+  for (int i = 0; i < 12; ++i, ++n) {
+    store.set(heartbeat_key(0), starting(n));
+    store.set(heartbeat_key(1), starting(n));
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    CHECK_FALSE(watch.check());
+  }
+  // Its agent starts it 3 s after the others first beat: the wait counts from now.
+  const auto started = std::chrono::steady_clock::now();
+  watch.started({2});
+  const auto verdict = beat_until_verdict(store, watch, n, [&](int64_t beat) {
+    return std::map<int, std::string>{{0, starting(beat)}, {1, starting(beat)}};
+  });
+  REQUIRE(verdict.has_value());
+  INFO(*verdict);
+  CHECK(std::chrono::steady_clock::now() - started >= std::chrono::milliseconds(1500));
+  CHECK(verdict->find("stuck: rank 2 (no heartbeat in the ") != std::string::npos);
+  CHECK(verdict->find("waiting for it to join: rank 0, rank 1") != std::string::npos);
 }

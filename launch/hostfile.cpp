@@ -305,7 +305,7 @@ std::vector<HostSpec> parse_hostfile(const std::filesystem::path& path) {
     // any directory (a resume started elsewhere included).
     if (!spec.key.empty() && spec.key.front() != '~' &&
         std::filesystem::path(spec.key).is_relative()) {
-      spec.key = (std::filesystem::absolute(path).parent_path() / spec.key).lexically_normal();
+      spec.key = named_path(std::filesystem::absolute(path).parent_path() / spec.key);
     }
     if (const HostSpec* earlier = same_host(hosts, spec)) {
       const std::string earlier_line = earlier->origin.substr(name.size() + 1);

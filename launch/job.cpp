@@ -53,6 +53,13 @@ std::string resolve_backend(const std::string& requested) {
               fmt::format("--backend: unknown backend '{}' (use auto, gloo or nccl)", requested));
 }
 
+JoinAdvice launched_join_advice(std::string longer) {
+  return {
+      "the launcher started every rank with the same store and world size: the log of each "
+      "rank that did not join says where it stopped (frozen, or still starting)",
+      std::move(longer)};
+}
+
 void require_local_gpus(const std::vector<HostSpec>& hosts, int world, const std::string& who) {
   int local = hosts.empty() ? world : 0;
   for (const HostSpec& h : hosts) {
@@ -527,7 +534,6 @@ JobPlan plan_job(const JobSpec& spec, const fs::path& run_path, const std::strin
   plan.store = format_host_port(store_addr, store_port);  // [v6]:port for an IPv6 address
   plan.secret = secret;
   plan.hosts = job_hosts(spec);
-  const bool single_host = plan.hosts.size() == 1 && plan.hosts.front().is_local();
   int next_rank = 0;
   const int world = total_slots(plan.hosts);
   // The launcher's CSV file, hashed once, for remote hosts to check their copy against.
@@ -569,7 +575,6 @@ JobPlan plan_job(const JobSpec& spec, const fs::path& run_path, const std::strin
     a.nominal_world = spec.nominal_world;
     a.backend = resolve_backend(spec.backend);
     a.one_gpu_per_rank = spec.one_gpu_per_rank || spec.recipe.train.device == "cuda";
-    a.beat_before_join = single_host;
     a.resume_from = spec.resume_from.string();
     for (int i = 0; i < h.slots; ++i)
       a.ranks.push_back(next_rank++);
@@ -694,11 +699,13 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     std::string tag;  // host_tag
   };
   std::map<std::string, Relay> relays;
+  std::vector<int> local_ranks;
   for (size_t i = 0; i < plan.hosts.size(); ++i) {
     const HostSpec& h = plan.hosts[i];
     if (h.is_local()) {
       for (auto& w : worker_specs(plan.agents[i], spec.worker_binary)) {
         if (multi_host) w.label = fmt::format("rank {} on localhost", w.rank);
+        local_ranks.push_back(w.rank);
         procs.push_back(std::move(w));
       }
     } else {
@@ -882,6 +889,9 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     for (int rank : plan.agents[i].ranks)
       remote_logs.open(plan.hosts[i].host, rank);
   }
+  std::unique_ptr<TcpStoreClient> watch_client;
+  std::unique_ptr<PrefixStore> watch_store;
+  std::unique_ptr<HangWatch> hang_watch;  // made below, told of ranks as they start
   options.on_line = [&](const ProcessSpec& p, const std::string& line) {
     const auto relay = relays.find(p.label);
     if (line.rfind("@event ", 0) == 0) {
@@ -914,6 +924,10 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       return status.line(fmt::format("[{}] {}", who, line));
     }
     const std::string& host = relay->second.host.host;
+    if (line == kAgentStartedLine) {
+      if (hang_watch) hang_watch->started(relay->second.ranks);
+      return;
+    }
     if (line.rfind(kAgentFailurePrefix, 0) == 0) {
       const json report =
           json::parse(line.substr(std::string(kAgentFailurePrefix).size()), nullptr, false);
@@ -938,18 +952,15 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   options.on_started = [&](const std::vector<pid_t>& pids) {
     info["generations"].back()["pids"] = pids;
     run.record();
+    if (hang_watch) hang_watch->started(local_ranks);
   };
-  std::unique_ptr<TcpStoreClient> watch_client;
-  std::unique_ptr<PrefixStore> watch_store;
-  std::unique_ptr<HangWatch> hang_watch;
   // Without --hang-timeout the watch only listens: a rank that froze is then named when a peer's
   // collective times out waiting for it.
   if (world > 1) {
     watch_client =
         std::make_unique<TcpStoreClient>(addr, store.port(), std::chrono::seconds(10), secret);
     watch_store = std::make_unique<PrefixStore>(fmt::format("gen{}", generation), *watch_client);
-    hang_watch = std::make_unique<HangWatch>(*watch_store, world, spec.hang_timeout, rank_name,
-                                             /*joining=*/!multi_host);
+    hang_watch = std::make_unique<HangWatch>(*watch_store, world, spec.hang_timeout, rank_name);
     options.watchdog = [&]() -> std::optional<std::string> {
       auto verdict = hang_watch->check();
       if (verdict) {
@@ -1306,19 +1317,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
         if (p.label == f.label) log_hint = p.log_file.string();
       }
     }
-    std::string own = take_rank_error(last_lines, failed_rank);
-    // The ranks' hint for one that never joined is for ranks started by hand: this launcher
-    // gave every rank the same store and world size, and what gives them longer is the recipe's
-    // timeout (a benchmark's: bench comm's --timeout).
-    if (const size_t hint = own.find(kJoinHint); hint != std::string::npos) {
-      own.replace(hint, kJoinHint.size(),
-                  "the launcher started every rank with the same store and world size: the log "
-                  "of each rank that did not join says where it stopped (frozen, or still "
-                  "starting)");
-      if (const size_t flag = own.find(kJoinTimeoutFlags); flag != std::string::npos)
-        own.replace(flag, kJoinTimeoutFlags.size(),
-                    trains ? "distributed.timeout_s" : "bench comm's --timeout");
-    }
+    const std::string own = take_rank_error(last_lines, failed_rank);
     if (!own.empty()) out.error += ": " + own;
     // A collective that timed out names the rank that gave up waiting, not the one it waited
     // for (without --hang-timeout nothing else named it): the heartbeats the ranks left say.

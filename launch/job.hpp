@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/comm/store.hpp"
 #include "core/recipe.hpp"
 #include "launch/agent.hpp"
 #include "launch/elastic.hpp"
@@ -136,6 +137,11 @@ struct RestartPolicy {
 
 // Resolves "auto" to the backend this build and machine use.
 std::string resolve_backend(const std::string& requested);
+
+// What a launcher's rank that waited in vain for another to join is told (Store::join_advice):
+// the launcher started every rank with the same store and world size, so the log of the one that
+// did not join says where it stopped; `longer` names what gives the ranks longer to start.
+JoinAdvice launched_join_advice(std::string longer);
 
 // The ranks on this machine (those of the local hosts, or all `world` when hosts is empty) need a
 // GPU each and must find that many visible: otherwise Error(cuda) "WHO: N rank(s) on this machine

@@ -24,7 +24,6 @@ constexpr std::string_view kSetForEachRank[] = {"RANK",
                                                 "DPTRAIN_BACKEND",
                                                 "DPTRAIN_EVENTS",
                                                 "DPTRAIN_NOMINAL_WORLD",
-                                                kBeatBeforeJoinEnv,
                                                 kLaunchedEnv,
                                                 kStoreSecretEnv};
 

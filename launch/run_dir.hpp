@@ -81,8 +81,6 @@ class RunDirectory {
 // The variable a launcher sets ("1") for every rank it starts: such a rank belongs to the run
 // whose lock its launcher holds. `dptrain worker` started otherwise refuses such a directory.
 constexpr const char* kLaunchedEnv = "DPTRAIN_LAUNCHED";
-// Set by a launcher whose ranks all run on its machine: they beat before they meet (AgentPlan).
-constexpr const char* kBeatBeforeJoinEnv = "DPTRAIN_BEAT_BEFORE_JOIN";
 
 // run.json's "started_by" when no launcher started the run: workers started by hand or by
 // another scheduler, whose rank 0 keeps run.json (dptrain-worker(1)).

@@ -500,7 +500,7 @@ class Supervision {
     bool any_error = false;
     bool all_followed = true;
     for (const std::string& line : f.last_lines) {
-      if (line.find("dptrain: error: ") == std::string::npos) continue;
+      if (line.find(kErrorLinePrefix) == std::string::npos) continue;
       any_error = true;
       all_followed = all_followed && line.find(kPeerGoneNote) != std::string::npos;
     }

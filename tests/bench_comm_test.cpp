@@ -315,6 +315,24 @@ TEST_CASE("bench comm: DPTRAIN_FAULT counts each measurement as a step") {
     CHECK(j["exit_code"] == 3);
     CHECK(j["errors"][0].get<std::string>().find("exited with code 5") != std::string::npos);
   }
+  SUBCASE("a rank that never joins: the hint names bench comm's --timeout, live and at the end") {
+    const auto r = bench(tmp,
+                         {"--nproc", "2", "-b", "1K", "-e", "4K", "-n", "1", "-w", "0", "--timeout",
+                          "3", "--run-dir", (tmp / "run").string()},
+                         {{"DPTRAIN_FAULT", "freeze-before-join@rank=1"}});
+    CHECK(r.exit_code == 3);
+    const std::string hint =
+        "rank 1 of 2 did not join within 3s (nothing from it at store 127.0.0.1:";
+    const std::string advice =
+        "; the launcher started every rank with the same store and world size: the log of each "
+        "rank that did not join says where it stopped (frozen, or still starting), or give them "
+        "longer than 3s to start (bench comm's --timeout)";
+    CHECK_MESSAGE(contains(r.err, "[rank 0] dptrain: error: rank 0: "), r.err);
+    CHECK(contains(r.err, "dptrain: error: rank 0 (pid "));
+    CHECK(count_occurrences(r.err, hint) == 2);
+    CHECK(count_occurrences(r.err, advice) == 2);
+    CHECK_FALSE(contains(r.err, "distributed.timeout_s"));
+  }
   SUBCASE("a rank that hangs before the second: the timeout names it, not the one waiting") {
     const auto r = bench(tmp,
                          {"--nproc", "2", "-b", "1K", "-e", "4K", "-n", "1", "-w", "0", "--timeout",

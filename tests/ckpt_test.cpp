@@ -337,6 +337,23 @@ TEST_CASE("ckpt: a missing step or a directory that is not a run is a usage erro
   CHECK(contains(missing.err, "no checkpoint 999"));
   CHECK(contains(missing.err, "step-000060"));  // and what there is instead
 
+  // "latest": the one checkpoints/latest names; why not, where it cannot be followed.
+  REQUIRE(read_text(run / "checkpoints/latest") == "step-000060\n");
+  auto latest = run_dptrain({"ckpt", "verify", run.string(), "latest"});
+  CHECK(latest.exit_code == 0);
+  CHECK(contains(latest.out, "step-000060"));
+  write_text(run / "checkpoints/latest", "step-000999\n");
+  auto dangling = run_dptrain({"ckpt", "verify", run.string(), "latest"});
+  CHECK(dangling.exit_code == 2);
+  CHECK(dangling.err == "dptrain: error: " + run.string() +
+                            ": no checkpoint latest (checkpoints/latest names step-000999, which "
+                            "does not exist)\n");
+  fs::remove(run / "checkpoints/latest");
+  auto no_latest = run_dptrain({"ckpt", "verify", run.string(), "latest"});
+  CHECK(no_latest.exit_code == 2);
+  CHECK(contains(no_latest.err, ": no checkpoint latest (there is no checkpoints/latest)"));
+  write_text(run / "checkpoints/latest", "step-000060\n");
+
   auto json = run_dptrain({"ckpt", "verify", run.string(), "step-000999", "--json"});
   CHECK(json.exit_code == 2);
   const auto out = parse_json(json.out);

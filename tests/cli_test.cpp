@@ -543,12 +543,25 @@ TEST_CASE("an empty option value, or an option in its place, is refused, not rea
   }
   CHECK_FALSE(fs::exists(tmp / "runs"));
   CHECK_FALSE(fs::exists(tmp / "ds"));
-  // An option left without its value, at the end or as "--run-dir=".
-  for (const char* last : {"--run-dir", "--run-dir="}) {
-    auto r = run_dptrain({"launch", recipe.string(), "--runs-root", runs, last});
+  // An option left without its value at the end.
+  auto last = run_dptrain({"launch", recipe.string(), "--runs-root", runs, "--run-dir"});
+  CHECK(last.exit_code == 2);
+  CHECK(last.err == "dptrain: error: --run-dir: no value given (see 'dptrain launch --help')\n");
+  // "--run-dir=" (a script's --run-dir="$DIR"): an empty value, wherever it stands; the argument
+  // after it is not taken for the value.
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"launch", recipe.string(), "--runs-root", runs, "--run-dir="},
+           {"launch", recipe.string(), "--run-dir=", "--nproc", "1", "--runs-root", runs},
+           {"launch", recipe.string(), "--run-dir=", (tmp / "taken").string(), "--runs-root",
+            runs}}) {
+    auto r = run_dptrain(args);
     CHECK(r.exit_code == 2);
-    CHECK(r.err == "dptrain: error: --run-dir: no value given (see 'dptrain launch --help')\n");
+    CHECK_MESSAGE(
+        r.err.starts_with("dptrain: error: --run-dir: is empty; give a value (see 'dptrain "
+                          "launch --help')\n"),
+        r.err);
   }
+  CHECK_FALSE(fs::exists(tmp / "taken"));
   // An internal option (not in --help) is named too, not as ''.
   auto hidden = run_dptrain({"bench", "comm", "--worker"});
   CHECK(hidden.exit_code == 2);
@@ -570,6 +583,22 @@ TEST_CASE("an empty option value, or an option in its place, is refused, not rea
   auto prompt = run_dptrain({"sample", (tmp / "none").string(), "--prompt", "--json"});
   CHECK(prompt.exit_code == 2);
   CHECK(contains(prompt.err, "--prompt: got the option --json where its value belongs"));
+  // A number's option says so too (not that '--json' is not a number).
+  for (const char* option : {"--tokens", "--temperature"}) {
+    auto number = run_dptrain({"sample", (tmp / "none").string(), option, "--json"});
+    CHECK(number.exit_code == 2);
+    CHECK_MESSAGE(contains(number.err,
+                           std::string(option) + ": got the option --json where its value belongs"),
+                  number.err);
+  }
+  // "--prompt=" is the empty prompt that option takes: the command goes on, and --json after it
+  // is --json (it meets the run that is not there).
+  auto empty_prompt =
+      run_dptrain({"sample", (tmp / "none").string(), "--tokens", "3", "--prompt=", "--json"});
+  CHECK(empty_prompt.exit_code == 2);
+  CHECK_FALSE(contains(empty_prompt.err, "where its value belongs"));
+  CHECK(
+      contains(parse_json(empty_prompt.out)["error"].get<std::string>(), (tmp / "none").string()));
   // Written attached, the value is the one meant: the command goes on (and meets the run that
   // is not there).
   auto attached = run_dptrain({"sample", (tmp / "none").string(), "--prompt=--json"});

@@ -277,6 +277,14 @@ std::vector<nlohmann::json> read_jsonl(const fs::path& path) {
   return out;
 }
 
+std::string last_event_message(const fs::path& events, const std::string& event) {
+  std::string message;
+  for (const auto& e : read_jsonl(events)) {
+    if (e.value("event", "") == event) message = e.value("message", "");
+  }
+  return message;
+}
+
 bool eventually(const std::function<bool()>& condition, std::chrono::milliseconds timeout) {
   const auto deadline = Clock::now() + timeout;
   while (Clock::now() < deadline) {

@@ -87,6 +87,8 @@ nlohmann::json gpt_recipe(const std::filesystem::path& dataset, int layers = 0, 
 std::filesystem::path latest_params(const std::filesystem::path& run_dir);
 nlohmann::json parse_json(const std::string& text);
 std::vector<nlohmann::json> read_jsonl(const std::filesystem::path& path);
+// The "message" of the last `event` in an --events file; empty when there is none.
+std::string last_event_message(const std::filesystem::path& events, const std::string& event);
 
 // Polls `condition` every 20 ms until true or timeout; returns whether it became true.
 bool eventually(const std::function<bool()>& condition,

@@ -145,11 +145,14 @@ TEST_CASE("2 hosts x 2 slots train to the same parameters as 4 local ranks") {
   }
 }
 
-// launch of quick_recipe() into `run_dir`, failed by rank 1's crash at `step` (exit 3).
-CommandResult crashed_launch(const Cluster& c, const fs::path& run_dir, int step) {
+// launch of quick_recipe() into `run_dir` (with `extra` arguments), failed by rank 1's crash at
+// `step` (exit 3).
+CommandResult crashed_launch(const Cluster& c, const fs::path& run_dir, int step,
+                             const std::vector<std::string>& extra = {}) {
   const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
-  auto failed = run_dptrain(c.launch_args(recipe, run_dir),
-                            {{"DPTRAIN_FAULT", fmt::format("crash@step={},rank=1", step)}});
+  auto args = c.launch_args(recipe, run_dir);
+  args.insert(args.end(), extra.begin(), extra.end());
+  auto failed = run_dptrain(args, {{"DPTRAIN_FAULT", fmt::format("crash@step={},rank=1", step)}});
   INFO(failed.err);
   REQUIRE(failed.exit_code == 3);
   return failed;
@@ -158,7 +161,14 @@ CommandResult crashed_launch(const Cluster& c, const fs::path& run_dir, int step
 TEST_CASE("a multi-host run that failed before its first checkpoint resumes from step 0") {
   Cluster c;
   const fs::path run_dir = c.tmp / "early";
-  const auto failed = crashed_launch(c, run_dir, 5);
+  // The second host is reached with --identity (its line has no key=): the resume below reaches
+  // it only if the launch recorded that file.
+  const std::string first = lines_of(read_text(c.hostfile))[0];
+  const std::string second = lines_of(read_text(c.hostfile))[1];
+  REQUIRE(contains(second, " key="));
+  write_text(c.hostfile, first + "\n" + second.substr(0, second.find(" key=")) + "\n");
+  const auto failed =
+      crashed_launch(c, run_dir, 5, {"--identity", fs::relative(c.sshd.client_key()).string()});
   // The host named as the hostfile gives it (several may share an address).
   CHECK(contains(failed.err, " on host " + c.sshd.host(c.sshd.addresses()[1]).display()));
   // How to continue it: the run alone. It recorded its hosts (with the key each was reached
@@ -170,6 +180,8 @@ TEST_CASE("a multi-host run that failed before its first checkpoint resumes from
   const json launched = parse_json(read_text(run_dir / "run.json"));
   CHECK(launched["remote"]["known_hosts"] == c.sshd.known_hosts().string());
   CHECK(launched["hosts"][0]["key"] == c.sshd.client_key().string());
+  CHECK_FALSE(launched["hosts"][1].contains("key"));
+  CHECK(launched["remote"]["identities"] == json::array({c.sshd.client_key().string()}));
   auto resumed = run_dptrain({"resume", run_dir.string(), "--json"});
   INFO(resumed.err);
   REQUIRE(resumed.exit_code == 0);
@@ -303,17 +315,17 @@ TEST_CASE("--dry-run --json prints the plan and starts nothing") {
   REQUIRE(binary_flag != defaults.end());
   defaults.erase(binary_flag, binary_flag + 2);
   fs::copy_file(c.sshd.client_key(), c.tmp / "other_key");
-  // Relative (to this test's directory): shown absolute, a command that runs from anywhere.
+  // Relative (to this test's directory): shown absolute, a command that runs from anywhere, and
+  // without the "../" the relative path climbed with.
   defaults.insert(defaults.end(),
                   {"--identity", fs::relative(c.tmp / "other_key").string(), "--dry-run"});
   auto as_run = run_dptrain(defaults);
   INFO(as_run.err);
   REQUIRE(as_run.exit_code == 0);
   // The table's command line runs in a shell as it is: the host's $HOME, quoted for this one.
-  CHECK_MESSAGE(
-      contains(as_run.out, "-i " + c.sshd.client_key().string() + " -i " +
-                               fs::absolute(fs::relative(c.tmp / "other_key")).string() + " "),
-      as_run.out);
+  CHECK_MESSAGE(contains(as_run.out, "-i " + c.sshd.client_key().string() + " -i " +
+                                         (c.tmp / "other_key").string() + " "),
+                as_run.out);
   CHECK_MESSAGE(contains(as_run.out, " '\"$HOME\"/.dptrain/bin/dptrain agent'"), as_run.out);
   CHECK(plan["hosts"][1]["workers"][1]["env"]["RANK"] == "3");
   CHECK(plan["hosts"][1]["workers"][1]["env"]["LOCAL_RANK"] == "1");
@@ -788,6 +800,32 @@ TEST_CASE("Ctrl-C with a hung rank: no rank outlives the launcher, and no checkp
     CHECK(eventually([pid] { return !process_alive(pid); }, std::chrono::seconds(8)));
   }
   CHECK(remote_checkpoints(c, run_dir) == before);
+}
+
+TEST_CASE("a remote rank frozen before the ranks meet is named by --hang-timeout, not timeout_s") {
+  Cluster c;
+  auto recipe_json = quick_recipe();
+  recipe_json["distributed"]["timeout_s"] = 120;  // the wait the others would otherwise sit out
+  const auto recipe = write_recipe(c.tmp.path(), recipe_json);
+  const fs::path events = c.tmp / "events.jsonl";
+  auto args = c.launch_args(recipe, c.tmp / "join");
+  args.insert(args.end(), {"--hang-timeout", "3", "--max-restarts", "1", "--restart-backoff", "0.1",
+                           "--events", events.string(), "--json"});
+  const auto t0 = std::chrono::steady_clock::now();
+  // Rank 2: the second host's first.
+  const auto r = run_dptrain(args, {{"DPTRAIN_FAULT", "freeze-before-join@rank=2,gen=1"}});
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);  // found, stopped, and restarted: generation 2 has no fault
+  CHECK(seconds < 60);        // not the 120 s the ranks' own wait takes
+  const std::string verdict = last_event_message(events, "hang_detected");
+  CAPTURE(verdict);
+  CHECK(contains(verdict, "stuck: rank 2 on " + c.sshd.host(c.sshd.addresses()[2]).display() +
+                              " (no heartbeat in the "));
+  CHECK(contains(verdict, "frozen, or unable to reach the store, before it joined)"));
+  CHECK(contains(verdict, "; waiting for it to join: rank 0 on "));
+  CHECK(parse_json(r.out)["restarts"] == 1);
 }
 
 // The quick recipe launched across the cluster into c.tmp/NAME with `binary` as the hosts'

@@ -517,10 +517,7 @@ TEST_CASE("a rank frozen before the ranks meet is named within hang-timeout + 5 
   INFO(r.err);
   REQUIRE(r.exit_code == 0);  // found, stopped, and restarted: generation 2 has no fault
   CHECK(seconds < 60);        // not the 120 s the ranks' own wait takes
-  std::string verdict;
-  for (const auto& e : read_jsonl(events)) {
-    if (e["event"] == "hang_detected") verdict = e["message"];
-  }
+  const std::string verdict = last_event_message(events, "hang_detected");
   CHECK(contains(verdict, "stuck: rank 1 (no heartbeat in the "));
   CHECK(contains(verdict, "frozen, or unable to reach the store, before it joined)"));
   CHECK(contains(verdict, "; waiting for it to join: rank 0"));
@@ -547,6 +544,9 @@ TEST_CASE(
                  "or still starting), or give them longer than 3s to start "
                  "(distributed.timeout_s)"));
   CHECK_FALSE(contains(error, "; start every rank"));
+  // The rank's own line, shown live, says the same.
+  CHECK(contains(r.err, "[rank 0] dptrain: error: rank 0: rank 1 of 2 did not join within 3s"));
+  CHECK_FALSE(contains(r.err, "; start every rank"));
 }
 
 TEST_CASE("without --hang-timeout, a collective that times out names the rank it waited for") {

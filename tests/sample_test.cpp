@@ -449,6 +449,27 @@ TEST_CASE("sample --ids: ids in and out, the same draws as text; a dataset witho
   CHECK(parse_json(misfit_ids.out)["ids"] == t["ids"]);
   CHECK(parse_json(misfit_ids.out)["text"].is_null());
   CHECK(contains(misfit_ids.err, "the tokenizer is another dataset's: ids only, no text"));
+  // Another dataset's with as many ids (the same characters in another order): told by the
+  // checksum meta.json records. The own one laid out otherwise is still the own one.
+  json swapped = parse_json(own);
+  REQUIRE(swapped["chars"].size() >= 2);
+  std::swap(swapped["chars"][0], swapped["chars"][1]);
+  write_text(data.dir / "tokenizer.json", swapped.dump());
+  const auto same_size = sample(run_dir, {"--tokens", "5"});
+  CHECK(same_size.exit_code == 2);
+  CHECK_MESSAGE(
+      contains(same_size.err, (data.dir / "tokenizer.json").string() +
+                                  ": not the tokenizer these token files were made with (its "
+                                  "checksum is "),
+      same_size.err);
+  CHECK(contains(same_size.err, (data.dir / "meta.json").string() + " records "));
+  CHECK(contains(same_size.err,
+                 "): the tokenizer is another dataset's: put this dataset's "
+                 "tokenizer.json back, or sample token ids with --ids"));
+  write_text(data.dir / "tokenizer.json", parse_json(own).dump(2));
+  const auto own_again = sample(run_dir, {"--tokens", "5", "--json"});
+  CHECK_MESSAGE(own_again.exit_code == 0, own_again.err);
+  CHECK(parse_json(own_again.out)["text"].is_string());
   // A pipe in its place would block the read for ever: refused at once, naming it.
   fs::remove(data.dir / "tokenizer.json");
   REQUIRE(::mkfifo((data.dir / "tokenizer.json").c_str(), 0600) == 0);

@@ -130,7 +130,7 @@ class GlooStoreAdapter : public gloo::rendezvous::Store {
           fmt::format("rank{} {} of {} did not join within {} (nothing from {} at {}){}; {}",
                       missing.size() == 1 ? "" : "s", fmt::join(missing, ", "), size_,
                       format_timeout(timeout), missing.size() == 1 ? "it" : "them",
-                      store_.describe(), twice, join_hint(timeout)));
+                      store_.describe(), twice, join_hint(timeout, store_.join_advice())));
     }
   }
 

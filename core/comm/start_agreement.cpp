@@ -108,7 +108,7 @@ std::string read_posted(Store& store, const std::string& key, int rank,
   } catch (const KeyTimeout&) {
     throw KeyTimeout(fmt::format("rank {}: {} within {} (nothing from it at {}); {}", rank,
                                  waited_for, format_timeout(said), store.describe(),
-                                 join_hint(said)));
+                                 join_hint(said, store.join_advice())));
   }
 }
 
@@ -343,7 +343,7 @@ BackendChoice agree_to_start(Store& store, int rank, int world, bool required,
                 fmt::format("rank {}: rank {} of {} did not join within {} (rank 0 waited for it "
                             "at {}); {}",
                             rank, other, world, format_timeout(timeout), store.describe(),
-                            join_hint(timeout)));
+                            join_hint(timeout, store.join_advice())));
   }
   if (kind == "fail") {
     throw Error(ErrorKind::comm, fmt::format("rank {}: backend nccl: rank {} cannot use NCCL: {}",

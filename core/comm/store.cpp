@@ -10,7 +10,9 @@
 namespace dptrain {
 
 PrefixStore::PrefixStore(std::string prefix, Store& inner)
-    : prefix_(std::move(prefix)), inner_(inner) {}
+    : prefix_(std::move(prefix)), inner_(inner) {
+  set_join_advice(inner.join_advice());
+}
 
 std::string PrefixStore::full_key(const std::string& key) const {
   return prefix_ + "/" + key;
@@ -91,11 +93,11 @@ std::string format_timeout(std::chrono::milliseconds timeout) {
   return fmt::format("{:g}s", static_cast<double>(ms) / 1000.0);
 }
 
-std::string join_hint(std::chrono::milliseconds timeout) {
-  std::string hint(kJoinHint);
+std::string join_hint(std::chrono::milliseconds timeout, const JoinAdvice& advice) {
+  std::string hint = advice.check;
   if (timeout < std::chrono::seconds(10)) {
     hint += fmt::format(", or give them longer than {} to start ({})", format_timeout(timeout),
-                        kJoinTimeoutFlags);
+                        advice.longer);
   }
   return hint;
 }

@@ -20,6 +20,14 @@ class KeyTimeout : public Error {
   explicit KeyTimeout(const std::string& message) : Error(ErrorKind::comm, message) {}
 };
 
+// What a rank that did not join within its timeout is told (join_hint): what to check, and what
+// gives the ranks longer to start. The defaults fit ranks started by hand (dptrain worker); a
+// launcher's ranks are told that the launcher started them alike (launched_join_advice).
+struct JoinAdvice {
+  std::string check = "start every rank with the same store and world size";
+  std::string longer = "distributed.timeout_s, or a worker's --timeout";
+};
+
 // A key/value store shared by all ranks of a job. Values are opaque bytes; counters made by add()
 // are stored as decimal text. Every blocking call has a deadline and throws KeyTimeout (an
 // Error(ErrorKind::comm)) naming the key(s), the store and the timeout when it passes.
@@ -38,10 +46,17 @@ class Store {
   virtual bool check(const std::vector<std::string>& keys) = 0;
   // "store HOST:PORT", for error messages.
   virtual std::string describe() const = 0;
+
+  // What the ranks that wait here for others are told when those do not join (join_hint).
+  const JoinAdvice& join_advice() const { return join_advice_; }
+  void set_join_advice(JoinAdvice advice) { join_advice_ = std::move(advice); }
+
+ private:
+  JoinAdvice join_advice_;
 };
 
 // Namespaces every key as prefix + "/" + key, so that e.g. each restart generation sees only its
-// own keys. Error messages name the full key.
+// own keys. Error messages name the full key. Its join advice starts as the inner store's.
 class PrefixStore : public Store {
  public:
   PrefixStore(std::string prefix, Store& inner);
@@ -77,14 +92,10 @@ std::string unbracketed(const std::string& host);
 // A timeout for messages: "30s", "1.5s", "0.25s".
 std::string format_timeout(std::chrono::milliseconds timeout);
 
-// What a rank that did not join within `timeout` asks for: kJoinHint, and where the timeout is
+// What a rank that did not join within `timeout` asks for: advice.check, and where the timeout is
 // shorter than ranks take to start (under 10 s, where a process start, a data load or a busy
-// machine can take longer), a longer one.
-inline constexpr std::string_view kJoinHint = "start every rank with the same store and world size";
-// What gives ranks longer to join, as that hint names it.
-inline constexpr std::string_view kJoinTimeoutFlags =
-    "distributed.timeout_s, or a worker's --timeout";
-std::string join_hint(std::chrono::milliseconds timeout);
+// machine can take longer), a longer one (advice.longer says how).
+std::string join_hint(std::chrono::milliseconds timeout, const JoinAdvice& advice = {});
 
 // The message of the comm error a store throws when keys are still missing at the deadline, e.g.
 // "timed out after 30s waiting for key 'gen1/rank3' at store 127.0.0.1:4242".

@@ -712,5 +712,19 @@ TEST_CASE("join hint: a timeout shorter than ranks take to start is named as a c
         "to start (distributed.timeout_s, or a worker's --timeout)");
 }
 
+TEST_CASE("join hint: a store's advice, which a prefix store over it starts with") {
+  TcpStoreServer server;
+  TcpStoreClient client = connect_to(server);
+  client.set_join_advice({"the launcher started them", "bench's --timeout"});
+  PrefixStore prefixed("gen0", client);
+  CHECK(join_hint(1ms, prefixed.join_advice()) ==
+        "the launcher started them, or give them longer than 0.001s to start (bench's --timeout)");
+  CHECK(join_hint(30s, prefixed.join_advice()) == "the launcher started them");
+  prefixed.set_join_advice({});
+  CHECK(join_hint(30s, prefixed.join_advice()) ==
+        "start every rank with the same store and world size");
+  CHECK(client.join_advice().check == "the launcher started them");
+}
+
 }  // namespace
 }  // namespace dptrain

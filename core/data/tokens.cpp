@@ -485,15 +485,29 @@ Tokenizer Tokenizer::load(const fs::path& dataset_dir) {
   return from_chars(std::move(chars));
 }
 
-void Tokenizer::save(const fs::path& dataset_dir) const {
-  nlohmann::json j = {{"type", type()}};
-  if (char_mode_) {
+namespace {
+
+// What tokenizer.json holds for `tokenizer`, as save writes it.
+std::string tokenizer_text(const Tokenizer& tokenizer) {
+  nlohmann::json j = {{"type", tokenizer.type()}};
+  if (tokenizer.type() == "char") {
     nlohmann::json chars = nlohmann::json::array();
-    for (char32_t cp : chars_)
+    for (char32_t cp : tokenizer.chars())
       chars.push_back(static_cast<uint32_t>(cp));
     j["chars"] = std::move(chars);
   }
-  write_file_atomic(dataset_dir / "tokenizer.json", j.dump() + "\n");
+  return j.dump() + "\n";
+}
+
+}  // namespace
+
+void Tokenizer::save(const fs::path& dataset_dir) const {
+  write_file_atomic(dataset_dir / "tokenizer.json", tokenizer_text(*this));
+}
+
+std::string Tokenizer::checksum() const {
+  const std::string text = tokenizer_text(*this);
+  return checksum_hex(checksum64(text.data(), text.size()));
 }
 
 int64_t Tokenizer::vocab() const {

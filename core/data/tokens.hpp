@@ -4,7 +4,8 @@
 // A token dataset is a DIRECTORY that `dptrain data prepare` writes:
 //   train.bin, val.bin  token files (below); val.bin may hold no tokens (no evaluation)
 //   tokenizer.json      {"type":"byte"} or {"type":"char","chars":[code points in id order]}
-//   meta.json           how it was made: sources, counts, dtype, created_at
+//   meta.json           how it was made: sources, counts, dtype, created_at, and the
+//                       tokenizer's checksum (Tokenizer::checksum; absent in older datasets)
 //
 // A token file is a 64-byte little-endian header, then the tokens:
 //   offset  size  field
@@ -115,6 +116,10 @@ class Tokenizer {
   static Tokenizer load(const std::filesystem::path& dataset_dir);
   // Writes DIR/tokenizer.json (atomic).
   void save(const std::filesystem::path& dataset_dir) const;
+  // checksum_hex of its canonical tokenizer.json (what save writes): the same for the same ids
+  // however the file is laid out. meta.json's "tokenizer_checksum" records it, so that a
+  // tokenizer.json of another dataset with as many ids is told from the dataset's own.
+  std::string checksum() const;
 
   int64_t vocab() const;
   std::string type() const { return char_mode_ ? "char" : "byte"; }
