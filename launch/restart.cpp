@@ -242,8 +242,8 @@ fs::path next_generation_source(RunDirectory& run, const JobSpec& spec, StatusPr
   }
   require_recorded_checkpoint(run);
   name = "step 0";
-  std::error_code ignored;
-  fs::remove(run.path() / "metrics.jsonl", ignored);
+  // metrics.jsonl starts over as the ranks meet (rank 0 truncates it, or the launcher for a
+  // remote rank 0): until then status shows the last generation's steps, as for a checkpoint.
   return "newest-or-start";
 }
 

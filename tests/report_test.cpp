@@ -1075,3 +1075,35 @@ TEST_CASE("status of a resume whose ranks have not met: the step shown is the la
   REQUIRE(::kill(resume.pid(), SIGTERM) == 0);
   CHECK(resume.wait(std::chrono::seconds(60)) == 143);
 }
+
+TEST_CASE("status of a resume from step 0 whose ranks have not met: the last generation's step") {
+  TempDir tmp;
+  auto recipe_json = resumable_recipe();
+  recipe_json["train"]["steps"] = 30;
+  const auto recipe = write_recipe(tmp.path(), recipe_json);
+  const fs::path run_dir = tmp / "run";
+  auto failed =
+      run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir", run_dir.string()},
+                  {{"DPTRAIN_FAULT", "exit@step=12,rank=1,code=9"}});
+  REQUIRE(failed.exit_code == 3);
+  REQUIRE_FALSE(fs::exists(run_dir / "checkpoints/latest"));  // (every 20 steps)
+  const json before = parse_json(run_dptrain({"status", run_dir.string(), "--json"}).out);
+  REQUIRE(before["step"].is_number());
+  REQUIRE(before["loss"].is_number());
+  // Rank 1 takes 30 s to load: the resume's ranks (from step 0) do not meet while the test looks.
+  Background resume({"resume", run_dir.string()},
+                    {{"DPTRAIN_FAULT", "slow-start@rank=1,ms=30000"}});
+  REQUIRE(eventually([&] {
+    return parse_json(read_text(run_dir / "run.json"))["generations"].size() == 2 &&
+           worker_pids(run_dir).size() == 2;
+  }));
+  const json s = parse_json(run_dptrain({"status", run_dir.string(), "--json"}).out);
+  CHECK(s["generation_starting"] == true);
+  // Its last logged step (the failed one was logged or not), and that step's loss.
+  REQUIRE(s["step"].is_number());
+  CHECK(s["step"].get<int64_t>() > 0);
+  CHECK(s["step"].get<int64_t>() <= before["step"].get<int64_t>());
+  CHECK(s["loss"] == before["loss"]);
+  REQUIRE(::kill(resume.pid(), SIGTERM) == 0);
+  CHECK(resume.wait(std::chrono::seconds(60)) == 143);
+}
