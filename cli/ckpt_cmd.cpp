@@ -175,8 +175,11 @@ void print_list_table(const fs::path& run_dir, const std::vector<CheckpointRow>&
   if (!latest.ok()) std::printf("%s\n", latest_line(latest).c_str());
 }
 
-// meta.json's line: its own checksum, and whether its content matches it.
+// meta.json's line: its own checksum, and whether its content matches it; every reason it
+// fails (damaged, and another recipe's), as its error lines say.
 std::string meta_verdict(const CheckpointStatus& status) {
+  if (!status.meta_problem.empty() && !status.unusable.empty())
+    return status.meta_problem + "; " + status.unusable;
   if (!status.meta_problem.empty()) return status.meta_problem;
   if (!status.unusable.empty()) return status.unusable;
   if (!status.meta_checked()) {
@@ -488,8 +491,8 @@ void setup_ckpt(CLI::App& app, Outcome& outcome) {
       ->check(run_directory());
   CLI::Option* step = verify->add_option(
       "step", o->step,
-      "Step number or directory name (default: the newest of the run's recipe, which a resume "
-      "continues from)");
+      "Step number, directory name, or \"latest\" (default: the newest of the run's recipe, "
+      "which a resume continues from)");
   verify->add_flag("--all", o->all, "Verify every checkpoint (not those set aside as .corrupt)")
       ->excludes(step);
   verify->add_flag("--json", o->json, "Print one JSON object on stdout");

@@ -169,7 +169,7 @@ std::string unknown_word(const Command& c, int argc, char** argv) {
 // CLI11's "Could not convert: --nproc = abc" in the words of the other usage errors:
 // "--nproc: 'abc' is not an integer", its "--tokens: At Most 1 required but received 2" as
 // "--tokens: given 2 times; give it once", and its "--run-dir: 1 required TEXT missing" (the
-// last argument, or "--run-dir=") as "--run-dir: no value given". Other messages as they are.
+// last argument) as "--run-dir: no value given". Other messages as they are.
 std::string plain_parse_error(const Command& c, const std::string& what) {
   if (what == "A subcommand is required") {
     std::vector<std::string> names;
@@ -177,6 +177,17 @@ std::string plain_parse_error(const Command& c, const std::string& what) {
       if (!s->get_group().empty()) names.push_back(s->get_name());  // not the hidden ones
     }
     return fmt::format("'{}' needs a command: {}", c.name, fmt::join(names, ", "));
+  }
+  // Arguments left over (a second run directory, a value after a flag): named in the order given
+  // (CLI11's message lists them backwards).
+  if (what.starts_with("The following argument")) {
+    std::vector<std::string> extras;
+    for (const std::string& extra : c.app->remaining())
+      extras.push_back("'" + dptrain::printable(extra) + "'");
+    if (!extras.empty()) {
+      return fmt::format("unexpected argument{} {}", extras.size() == 1 ? "" : "s",
+                         fmt::join(extras, ", "));
+    }
   }
   constexpr std::string_view kRepeated = ": At Most 1 required but received ";
   if (const auto at = what.find(kRepeated); at != std::string::npos) {
@@ -345,17 +356,31 @@ int main(int argc, char** argv) {
 
 namespace {
 
+// The long names of the options of `app` and its commands: those that take a value, and flags.
+void long_names(CLI::App& app, std::set<std::string>& values, std::set<std::string>& flags) {
+  for (const CLI::Option* o : app.get_options()) {
+    for (const auto& l : o->get_lnames())
+      (o->get_expected_max() == 0 ? flags : values).insert("--" + l);
+  }
+  for (CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; }))
+    long_names(*sub, values, flags);
+}
+
 // The arguments as CLI11 is to read them: "--opt=" (an empty value written attached, a script's
-// --prompt="$PROMPT" with nothing in it) as "--opt" and "": CLI11 would take the argument after
-// it as the value. (Not after "--": positional from there.)
-std::vector<std::string> cli_arguments(int argc, char** argv) {
+// --prompt="$PROMPT" with nothing in it) of an option that takes a value as "--opt" and "":
+// CLI11 would take the argument after it as the value. (Not a flag's: "--json=" is the flag
+// given, as CLI11 takes it; nor after "--": positional from there.)
+std::vector<std::string> cli_arguments(CLI::App& app, int argc, char** argv) {
+  std::set<std::string> values, flags;
+  long_names(app, values, flags);
   std::vector<std::string> args;
   bool options = true;
   for (int i = 0; i < argc; ++i) {
     const std::string_view arg(argv[i]);
     if (i > 0 && arg == "--") options = false;
+    const std::string name(arg.substr(0, arg.size() - 1));
     if (options && i > 0 && arg.size() > 3 && arg.starts_with("--") &&
-        arg.find('=') == arg.size() - 1) {
+        arg.find('=') == arg.size() - 1 && values.contains(name) && !flags.contains(name)) {
       args.emplace_back(arg.substr(0, arg.size() - 1));
       args.emplace_back();
     } else {
@@ -366,13 +391,6 @@ std::vector<std::string> cli_arguments(int argc, char** argv) {
 }
 
 int run(int argc, char** argv) {
-  std::vector<std::string> arguments = cli_arguments(argc, argv);
-  std::vector<char*> pointers;
-  for (auto& a : arguments)
-    pointers.push_back(a.data());
-  pointers.push_back(nullptr);
-  argc = static_cast<int>(arguments.size());
-  argv = pointers.data();
   if (argc > 1 && std::string_view(argv[1]) == "worker")
     dptrain::cli::install_worker_signal_handlers();
   if (argc > 1 && std::string_view(argv[1]) == "_relay") dptrain::install_relay_signal_handlers();
@@ -420,6 +438,13 @@ int run(int argc, char** argv) {
     CLI::App* sub = app.add_subcommand(cmd.name, cmd.summary);
     cmd.setup(*sub, outcome);
   }
+  std::vector<std::string> arguments = cli_arguments(app, argc, argv);
+  std::vector<char*> pointers;
+  for (auto& a : arguments)
+    pointers.push_back(a.data());
+  pointers.push_back(nullptr);
+  argc = static_cast<int>(arguments.size());
+  argv = pointers.data();
   auto attached = std::make_shared<std::set<std::string>>();
   for (int i = 1; i < argc; ++i) {
     if (std::string_view(argv[i]).starts_with("--") &&

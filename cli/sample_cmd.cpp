@@ -326,9 +326,9 @@ int run_sample(const SampleOptions& o) {
   std::string bare = o.checkpoint;
   while (bare.size() > 1 && bare.back() == '/')
     bare.pop_back();
-  const bool run_s =
-      !bare.empty() && bare.find('/') == std::string::npos &&
-      (checkpoint_step(bare) >= 0 || bare.find_first_not_of("0123456789") == std::string::npos);
+  const bool run_s = !bare.empty() && bare.find('/') == std::string::npos &&
+                     (checkpoint_step(bare) >= 0 || bare == "latest" ||
+                      bare.find_first_not_of("0123456789") == std::string::npos);
   // Absolute and normal: "step-000200/." is step-000200 in the JSON (a link keeps its name).
   const auto choose = [&] {
     return named_path(o.checkpoint.empty() ? newest_checkpoint(run, recipe, warn)
@@ -487,8 +487,8 @@ void setup_sample(CLI::App& app, Outcome& outcome) {
                "output as ids separated by spaces; needs no tokenizer.json");
   o->checkpoint_option =
       app.add_option("--checkpoint", o->checkpoint,
-                     "Checkpoint: a directory, or one of the run's by name (step-000200) or step "
-                     "(200) (default: the newest valid one)")
+                     "Checkpoint: a directory, or one of the run's by name (step-000200), step "
+                     "(200) or \"latest\" (default: the newest valid one)")
           ->check(handles_empty());
   app.add_flag(
       "--json", o->json,

@@ -748,6 +748,20 @@ TEST_CASE("ckpt checks the recipe from run.json, its data not read; an unreadabl
                                          ": written by a different recipe (hash 0123456789abcdef"),
                 verify.err);
   CHECK_FALSE(contains(verify.err, "warning"));
+  // Copied in under another step's name as well: the table's meta.json line gives both reasons,
+  // as the error lines do.
+  fs::copy(run / "checkpoints/step-000040", run / "checkpoints/step-000060",
+           fs::copy_options::recursive);
+  const auto twice_wrong = run_dptrain({"ckpt", "verify", run.string(), "step-000060"});
+  fs::remove_all(run / "checkpoints/step-000060");
+  CHECK(twice_wrong.exit_code == 5);
+  CHECK(count_occurrences(twice_wrong.err, "step-000060/meta.json: ") == 2);
+  std::string meta_line;
+  for (const auto& line : lines_of(twice_wrong.out)) {
+    if (line.starts_with("  meta.json")) meta_line = line;
+  }
+  CAPTURE(twice_wrong.out);
+  CHECK(contains(meta_line, "; written by a different recipe (hash 0123456789abcdef"));
   // By default the newest of this recipe is verified, and the one `latest` names as well.
   const auto by_default = run_dptrain({"ckpt", "verify", run.string(), "--json"});
   CHECK(by_default.exit_code == 5);

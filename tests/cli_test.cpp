@@ -562,6 +562,21 @@ TEST_CASE("an empty option value, or an option in its place, is refused, not rea
         r.err);
   }
   CHECK_FALSE(fs::exists(tmp / "taken"));
+  // A flag written "--json=" is the flag given (not split into it and an empty argument).
+  auto flag_attached = run_dptrain({"status", "--json=", (tmp / "none").string()});
+  CHECK(flag_attached.exit_code == 2);
+  CHECK(
+      contains(parse_json(flag_attached.out)["error"].get<std::string>(), (tmp / "none").string()));
+  // Arguments left over are named in the order given.
+  auto extra = run_dptrain({"status", (tmp / "none").string(), "extra1", "extra 2"});
+  CHECK(extra.exit_code == 2);
+  CHECK(extra.err ==
+        "dptrain: error: unexpected arguments 'extra1', 'extra 2' (see 'dptrain "
+        "status --help')\n");
+  auto one_extra = run_dptrain({"launch", recipe.string(), "--runs-root", runs, "extra"});
+  CHECK(one_extra.exit_code == 2);
+  CHECK(one_extra.err ==
+        "dptrain: error: unexpected argument 'extra' (see 'dptrain launch --help')\n");
   // An internal option (not in --help) is named too, not as ''.
   auto hidden = run_dptrain({"bench", "comm", "--worker"});
   CHECK(hidden.exit_code == 2);

@@ -153,6 +153,7 @@ TEST_CASE("sample: a model vocabulary larger than the char tokenizer's draws onl
   {
     const fs::path here = run_dir.parent_path() / "elsewhere";
     fs::create_directories(here / oldest.filename());
+    fs::create_directories(here / "latest");
     // Back to the test's own directory however this block ends.
     struct Restore {
       fs::path was = fs::current_path();
@@ -169,6 +170,12 @@ TEST_CASE("sample: a model vocabulary larger than the char tokenizer's draws onl
     // That one, empty: a damaged checkpoint (exit 5), not the run's.
     CHECK(dotted.exit_code == 5);
     CHECK(contains(dotted.err, oldest.filename().string() + "/meta.json: missing"));
+    // "latest": the one the run's checkpoints/latest names, not the directory here.
+    const auto latest = sample(run_dir, {"--checkpoint", "latest", "--tokens", "5", "--json"});
+    INFO(latest.err);
+    REQUIRE(latest.exit_code == 0);
+    CHECK(parse_json(latest.out)["checkpoint"] ==
+          read_text(run_dir / "checkpoints/latest").substr(0, 11));
   }
   const auto missing = sample(run_dir, {"--checkpoint", "999999", "--tokens", "5"});
   CHECK(missing.exit_code == 2);
