@@ -414,7 +414,8 @@ int run(int argc, char** argv) {
   CLI::App app{
       "dptrain: data-parallel training from a JSON recipe, on CPU ranks (Gloo) or one NVIDIA GPU\n"
       "per rank (NCCL), on this machine or across hosts over SSH.\n"
-      "Exit codes: 0 ok, 1 internal, 2 usage/recipe, 3 rank failed, 4 ssh, 5 checkpoint,\n"
+      "Exit codes: 0 ok, 1 internal/CUDA/out of memory, 2 usage/recipe/data, 3 rank failed,\n"
+      "4 ssh/host, 5 checkpoint, "
       "6 benchmark below threshold, 130 SIGINT, 143 SIGTERM. See dptrain(1).",
       "dptrain"};
   app.set_version_flag("-V,--version", "dptrain " DPTRAIN_VERSION,

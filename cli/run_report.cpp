@@ -404,9 +404,9 @@ void add_restart_options(CLI::App& app, RestartOptions& o) {
                  "(default: the recipe's fault_tolerance.max_restarts, 0)")
       ->check(whole_number<int>(""));
   app.add_option("--rejoin-timeout", o.rejoin_timeout_s,
-                 "Elastic jobs (--nnodes or --nproc MIN:MAX): seconds a lost host may take to "
-                 "answer again before the job continues without it (default: the recipe's "
-                 "fault_tolerance.rejoin_timeout_s, 60)")
+                 "Jobs on --hosts with --nnodes: seconds a host may take to answer at the start, "
+                 "or again once lost, before the job continues without it (default: the "
+                 "recipe's fault_tolerance.rejoin_timeout_s, 60)")
       ->check(seconds());
   app.add_option("--restart-backoff", o.backoff_s,
                  "Seconds before the first restart; doubled for each further one, at most 30 "

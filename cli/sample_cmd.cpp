@@ -183,10 +183,21 @@ fs::path newest_checkpoint(const RunDirectory& run, const Recipe& recipe,
                            const std::function<void(const std::string&)>& warn) {
   require_recorded_checkpoint(run, "Put them back to sample from them");
   if (list_checkpoints(run.checkpoints()).empty() && latest_checkpoint(run.checkpoints()).empty()) {
+    // What comes of waiting: a run training now writes its first; one that stopped before it
+    // writes none until it is continued.
+    const int64_t every =
+        recipe.checkpoint.every > 0 ? recipe.checkpoint.every : recipe.train.steps;
+    const bool completed = run.info().contains("status") && run.info()["status"] == "completed";
+    const std::string how =
+        run_locked_by_another(run.path())
+            ? fmt::format("it is training: wait for its first checkpoint, at step {}", every)
+        : completed
+            ? std::string("it completed, and holds none now")
+            : fmt::format("it stopped before its first checkpoint (step {}): continue it with {}",
+                          every, resume_command(run.path()));
     throw Error(ErrorKind::checkpoint,
-                fmt::format("{}: no checkpoint yet, nothing to sample from (train the run, or "
-                            "wait for its first checkpoint)",
-                            run.path().string()));
+                fmt::format("{}: no checkpoint yet, nothing to sample from ({})",
+                            run.path().string(), how));
   }
   PassedOver passed{warn, {}};
   const auto found = passed.search(run.checkpoints(), written_by(recipe));

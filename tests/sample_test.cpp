@@ -182,6 +182,22 @@ TEST_CASE("sample: a model vocabulary larger than the char tokenizer's draws onl
   CHECK(missing.err.find("no checkpoint 999999 (it has step-") != std::string::npos);
 }
 
+TEST_CASE("sample: a run stopped before its first checkpoint says how to get one") {
+  Dataset data("char");
+  const auto recipe = write_recipe(data.tmp.path(), small_gpt(data.dir, data.vocab));
+  const fs::path run_dir = data.tmp / "run";
+  const auto failed =
+      run_dptrain({"launch", recipe.string(), "--nproc", "1", "--run-dir", run_dir.string()},
+                  {{"DPTRAIN_FAULT", "crash@step=2"}});
+  REQUIRE(failed.exit_code == 3);
+  const auto r = sample(run_dir, {"--tokens", "5"});
+  CHECK(r.exit_code == 5);
+  CHECK(r.err == "dptrain: error: " + run_dir.string() +
+                     ": no checkpoint yet, nothing to sample from (it stopped before its first "
+                     "checkpoint (step 3): continue it with 'dptrain resume " +
+                     run_dir.string() + "')\n");
+}
+
 TEST_CASE("sample: another model's weights of as many parameters are refused, not run") {
   Dataset data("char");
   const fs::path run_dir = train(data.tmp.path(), small_gpt(data.dir, 64), "1");
@@ -310,7 +326,7 @@ TEST_CASE("sample: numbers out of range are refused, not wrapped; a run without 
   const auto none = sample(bare, {});
   CHECK(none.exit_code == 5);
   CHECK(none.err.find("nothing to sample from") != std::string::npos);
-  CHECK(none.err.find("first checkpoint") != std::string::npos);
+  CHECK(none.err.find("it completed, and holds none now") != std::string::npos);
   CHECK(none.err.find("resume") == std::string::npos);
   // A file where the checkpoints directory belongs is said to be, not "no checkpoint yet".
   fs::remove_all(bare / "checkpoints");
