@@ -29,9 +29,10 @@ std::string not_a_file(const std::filesystem::path& path) {
 
 SshOptions HostOptions::ssh() const {
   SshOptions s;
-  // "~/..." expanded, absolute and without "dir/../" (the links in it kept, as given), as a
-  // hostfile's key= is: what --dry-run shows and run.json records works from any directory, and
-  // every reader of known_hosts (the revoked-key check too) reads the same file.
+  // "~/..." expanded, absolute and without "dir/../" (taken lexically, as a hostfile's key= is:
+  // "link/../x" is the x beside the link, not beside its target), its links kept: what --dry-run
+  // shows and run.json records works from any directory, and every reader of known_hosts (the
+  // revoked-key check too) reads the same file.
   const auto absolute = [](const std::string& path) {
     return path.empty() ? path
                         : std::filesystem::absolute(expand_home(path)).lexically_normal().string();

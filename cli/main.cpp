@@ -170,7 +170,7 @@ std::string unknown_word(const Command& c, int argc, char** argv) {
 // "--nproc: 'abc' is not an integer", its "--tokens: At Most 1 required but received 2" as
 // "--tokens: given 2 times; give it once", and its "--run-dir: 1 required TEXT missing" (the
 // last argument) as "--run-dir: no value given". Other messages as they are.
-std::string plain_parse_error(const Command& c, const std::string& what) {
+std::string plain_parse_error(const Command& c, const std::string& what, int argc, char** argv) {
   if (what == "A subcommand is required") {
     std::vector<std::string> names;
     for (const CLI::App* s : c.app->get_subcommands([](const CLI::App*) { return true; })) {
@@ -179,10 +179,24 @@ std::string plain_parse_error(const Command& c, const std::string& what) {
     return fmt::format("'{}' needs a command: {}", c.name, fmt::join(names, ", "));
   }
   // Arguments left over (a second run directory, a value after a flag): named in the order given
-  // (CLI11's message lists them backwards).
+  // (CLI11's message lists them backwards, and after "--" a command's parent may hold them).
   if (what.starts_with("The following argument")) {
+    const CLI::App* root = c.app;
+    while (root->get_parent() != nullptr)
+      root = root->get_parent();
+    std::vector<std::string> left = root->remaining(true);
+    std::erase(left, "--");
+    const auto position = [argc, argv](const std::string& word) {
+      for (int i = 1; i < argc; ++i) {
+        if (word == argv[i]) return i;
+      }
+      return argc;
+    };
+    std::stable_sort(left.begin(), left.end(), [&](const std::string& a, const std::string& b) {
+      return position(a) < position(b);
+    });
     std::vector<std::string> extras;
-    for (const std::string& extra : c.app->remaining())
+    for (const std::string& extra : left)
       extras.push_back("'" + dptrain::printable(extra) + "'");
     if (!extras.empty()) {
       return fmt::format("unexpected argument{} {}", extras.size() == 1 ? "" : "s",
@@ -500,7 +514,7 @@ int run(int argc, char** argv) {
       json = json || std::string_view(argv[i]) == "--json";
     const Command command = named_command(app, argc, argv);
     std::string message = unknown_word(command, argc, argv);
-    if (message.empty()) message = plain_parse_error(command, e.what());
+    if (message.empty()) message = plain_parse_error(command, e.what(), argc, argv);
     // One line: what is wrong, and where the options are told.
     const std::string line = fmt::format("{} (see '{} --help')", message, command.name);
     // recipe validate's answer says "valid" whatever went wrong (dptrain-recipe(1)).

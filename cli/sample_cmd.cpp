@@ -35,6 +35,7 @@
 #include "core/tensor/cpu_ops.hpp"
 #include "core/tensor/random.hpp"
 #include "launch/job.hpp"
+#include "launch/report.hpp"
 #include "launch/run_dir.hpp"
 #include "launch/supervisor.hpp"
 
@@ -183,15 +184,17 @@ fs::path newest_checkpoint(const RunDirectory& run, const Recipe& recipe,
                            const std::function<void(const std::string&)>& warn) {
   require_recorded_checkpoint(run, "Put them back to sample from them");
   if (list_checkpoints(run.checkpoints()).empty() && latest_checkpoint(run.checkpoints()).empty()) {
-    // What comes of waiting: a run training now writes its first; one that stopped before it
-    // writes none until it is continued.
-    const int64_t every =
-        recipe.checkpoint.every > 0 ? recipe.checkpoint.every : recipe.train.steps;
-    const bool completed = run.info().contains("status") && run.info()["status"] == "completed";
+    // What comes of waiting: a run training now (as status tells it: its launcher, or its rank 0
+    // on another machine, lives) writes its first; one that stopped before it writes none until
+    // it is continued. Its first comes every N steps, or at its end when that is sooner.
+    const int64_t every = recipe.checkpoint.every > 0
+                              ? std::min(recipe.checkpoint.every, recipe.train.steps)
+                              : recipe.train.steps;
+    const std::string state = run_state(run.info(), run.path()).status;
     const std::string how =
-        run_locked_by_another(run.path())
+        state == "running" || state == "restarting" || state == "resizing"
             ? fmt::format("it is training: wait for its first checkpoint, at step {}", every)
-        : completed
+        : state == "completed"
             ? std::string("it completed, and holds none now")
             : fmt::format("it stopped before its first checkpoint (step {}): continue it with {}",
                           every, resume_command(run.path()));

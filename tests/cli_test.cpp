@@ -573,6 +573,12 @@ TEST_CASE("an empty option value, or an option in its place, is refused, not rea
   CHECK(extra.err ==
         "dptrain: error: unexpected arguments 'extra1', 'extra 2' (see 'dptrain "
         "status --help')\n");
+  // Also where "--" hands the rest back to the command's parent.
+  auto after_dashes = run_dptrain({"status", (tmp / "none").string(), "extra1", "--", "extra2"});
+  CHECK(after_dashes.exit_code == 2);
+  CHECK(after_dashes.err ==
+        "dptrain: error: unexpected arguments 'extra1', 'extra2' (see "
+        "'dptrain status --help')\n");
   auto one_extra = run_dptrain({"launch", recipe.string(), "--runs-root", runs, "extra"});
   CHECK(one_extra.exit_code == 2);
   CHECK(one_extra.err ==

@@ -182,9 +182,12 @@ TEST_CASE("sample: a model vocabulary larger than the char tokenizer's draws onl
   CHECK(missing.err.find("no checkpoint 999999 (it has step-") != std::string::npos);
 }
 
-TEST_CASE("sample: a run stopped before its first checkpoint says how to get one") {
+TEST_CASE("sample: a run without a checkpoint yet says whether to wait or to continue it") {
   Dataset data("char");
-  const auto recipe = write_recipe(data.tmp.path(), small_gpt(data.dir, data.vocab));
+  json recipe_json = small_gpt(data.dir, data.vocab);
+  // Its only checkpoint comes at its end (step 6), not at step 100.
+  recipe_json["checkpoint"]["every"] = 100;
+  const auto recipe = write_recipe(data.tmp.path(), recipe_json);
   const fs::path run_dir = data.tmp / "run";
   const auto failed =
       run_dptrain({"launch", recipe.string(), "--nproc", "1", "--run-dir", run_dir.string()},
@@ -194,8 +197,24 @@ TEST_CASE("sample: a run stopped before its first checkpoint says how to get one
   CHECK(r.exit_code == 5);
   CHECK(r.err == "dptrain: error: " + run_dir.string() +
                      ": no checkpoint yet, nothing to sample from (it stopped before its first "
-                     "checkpoint (step 3): continue it with 'dptrain resume " +
+                     "checkpoint (step 6): continue it with 'dptrain resume " +
                      run_dir.string() + "')\n");
+  // Training now (slowly): its first checkpoint is to be waited for.
+  recipe_json["train"]["steps"] = 400;
+  recipe_json["checkpoint"]["every"] = 200;
+  const auto slow = write_recipe(data.tmp.path(), recipe_json);
+  const fs::path live = data.tmp / "live";
+  Background launcher({"launch", slow.string(), "--nproc", "1", "--run-dir", live.string()},
+                      {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "200"}});
+  REQUIRE(eventually([&] { return worker_pids(live).size() == 1; }));
+  const auto waiting = sample(live, {"--tokens", "5"});
+  CHECK(waiting.exit_code == 5);
+  CHECK_MESSAGE(contains(waiting.err,
+                         ": no checkpoint yet, nothing to sample from (it is "
+                         "training: wait for its first checkpoint, at step 200)"),
+                waiting.err);
+  REQUIRE(::kill(launcher.pid(), SIGINT) == 0);
+  CHECK(launcher.wait(std::chrono::seconds(60)) == 130);
 }
 
 TEST_CASE("sample: another model's weights of as many parameters are refused, not run") {
