@@ -57,9 +57,10 @@ void setup_agent(CLI::App& app, Outcome& outcome) {
     // launcher's "stop" is: its ranks checkpoint at the next step and exit 143; SIGINT stops them
     // without one. Left to the default, it killed the agent and its ranks with it.
     install_stop_signal_handlers();
-    // Said at once: the launcher's end then knows an agent runs there, before the plan is read
-    // (a program at that path that never speaks is named as maybe not this dptrain's).
-    std::printf("%s\n", kAgentAliveLine);
+    // Said at once: the launcher's end then knows an agent runs there, and which protocol it
+    // speaks, before the plan is read (a program at that path that never speaks is named as
+    // maybe not this dptrain's; an agent of another protocol, as another build).
+    std::printf("%s%d\n", kAgentHelloPrefix, kAgentProtocol);
     std::fflush(stdout);
     const auto j = nlohmann::json::parse(read_plan_line(), nullptr, false);
     if (!j.is_object()) {
@@ -67,7 +68,16 @@ void setup_agent(CLI::App& app, Outcome& outcome) {
                   "the agent's plan on standard input is not a JSON object (the agent is started "
                   "by 'dptrain launch --hosts', which writes one)");
     }
-    const auto plan = AgentPlan::from_json(j);
+    const auto plan = [&] {
+      try {
+        return AgentPlan::from_json(j);
+      } catch (const Error& e) {
+        // A plan of another protocol: this host cannot run the launcher's job (exit 4, as a
+        // host without dptrain), and a restart would meet the same. Said to the launcher.
+        if (e.kind() == ErrorKind::ssh) write_host_failure(stdout, e.what(), /*refused=*/true);
+        throw;
+      }
+    }();
     // A stop that came while the plan was awaited: no rank is started only to be stopped.
     if (const int sig = pending_stop_signal(); sig != 0) throw stopped_before_plan(sig);
     try {

@@ -131,15 +131,7 @@ void check_svg_output(const std::string& given) {
                             "replace; name a file outside every run directory",
                             given, run->string()));
   }
-  std::ifstream in(given, std::ios::binary);
-  char start[4] = {};
-  if (in && in.read(start, sizeof start).gcount() > 0 &&
-      std::string_view(start, static_cast<size_t>(in.gcount())) != "<svg") {
-    throw Error(ErrorKind::usage,
-                fmt::format("--svg {}: holds something else than a chart (it does not start with "
-                            "<svg), so it is not replaced; name another file, or remove it first",
-                            given));
-  }
+  check_replaceable("--svg", given, "<svg", "a chart");
 }
 
 // A sweep a failed or stopped run ended: the rows measured before it are kept (SWEEP/bench.json

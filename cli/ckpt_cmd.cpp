@@ -95,14 +95,24 @@ json blob_json(const BlobStatus& blob) {
           {"problem", or_null(blob.problem)}};
 }
 
-// meta.json's own checksum: "checked" is false for older checkpoints that record none.
+// Every reason meta.json fails, as its error lines say: damaged (its checksum, a field), and
+// written by another recipe (the run cannot use it). Empty when it is fine.
+std::string meta_problems(const CheckpointStatus& status) {
+  if (!status.meta_problem.empty() && !status.unusable.empty())
+    return status.meta_problem + "; " + status.unusable;
+  return status.meta_problem.empty() ? status.unusable : status.meta_problem;
+}
+
+// meta.json's own checksum: "checked" is false for older checkpoints that record none. Not ok,
+// as the table's line is not, for either reason meta_problems gives.
 json meta_json(const CheckpointStatus& status) {
+  const std::string problem = meta_problems(status);
   return {{"file", "meta.json"},
           {"checksum", or_null(status.meta_checksum)},
           {"actual_checksum", or_null(status.meta_actual_checksum)},
           {"checked", status.meta_checked()},
-          {"ok", status.meta_problem.empty()},
-          {"problem", or_null(status.meta_problem)}};
+          {"ok", problem.empty()},
+          {"problem", or_null(problem)}};
 }
 
 // The epoch and world size meta.json records, unless meta.json failed its own checksum (edited
@@ -176,12 +186,9 @@ void print_list_table(const fs::path& run_dir, const std::vector<CheckpointRow>&
 }
 
 // meta.json's line: its own checksum, and whether its content matches it; every reason it
-// fails (damaged, and another recipe's), as its error lines say.
+// fails (meta_problems).
 std::string meta_verdict(const CheckpointStatus& status) {
-  if (!status.meta_problem.empty() && !status.unusable.empty())
-    return status.meta_problem + "; " + status.unusable;
-  if (!status.meta_problem.empty()) return status.meta_problem;
-  if (!status.unusable.empty()) return status.unusable;
+  if (std::string problem = meta_problems(status); !problem.empty()) return problem;
   if (!status.meta_checked()) {
     return "not checked: it records no checksum of itself (written by an older dptrain)";
   }

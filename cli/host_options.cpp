@@ -48,10 +48,6 @@ SshOptions HostOptions::ssh() const {
 
 std::vector<HostSpec> HostOptions::load() const {
   if (!given()) throw Error(ErrorKind::usage, "--hosts: required");
-  // Whole milliseconds reach libssh, where 0 means its own default.
-  if (!(connect_timeout_s >= 0.001)) {
-    throw Error(ErrorKind::usage, "--connect-timeout: must be at least 0.001 seconds");
-  }
   std::vector<HostSpec> specs = hosts.empty() ? recorded : load_hosts(hosts);
   check_files();
   for (const auto& h : specs) {
@@ -141,7 +137,7 @@ void add_host_options(CLI::App& app, HostOptions& o, bool hosts_required) {
                "Accept and record the keys of hosts not in known_hosts (a changed key is always "
                "refused)");
   app.add_option("--connect-timeout", o.connect_timeout_s, "Seconds to connect to a host")
-      ->check(positive_seconds())
+      ->check(seconds_at_least(0.001))  // whole milliseconds reach libssh (0: its default)
       ->capture_default_str();
   app.add_option("--ssh-keepalive", o.keepalive_s,
                  "Seconds between SSH keepalives; a host silent for 3 of them is lost (0: never)")

@@ -56,7 +56,8 @@ JobSpec job_spec(const LaunchOptions& o) {
   return spec;
 }
 
-void print_dry_run(const JobSpec& spec, const std::string& run_dir, bool json) {
+void print_dry_run(const JobSpec& spec, const std::string& run_dir, bool json,
+                   const std::vector<std::string>& warnings) {
   const std::string addr = resolve_master_addr(spec);
   // A host's run directory is named as RunDirectory::remote_name names it: this one's name (as
   // resolved, without a trailing '/') and the run's id (made by the launch).
@@ -78,8 +79,10 @@ void print_dry_run(const JobSpec& spec, const std::string& run_dir, bool json) {
     fill(j);
   }
   if (json) {
-    // One line, as every --json output, with the fields of a success.
+    // One line, as every --json output, with the fields of a success, and what it warned of
+    // (a launch would say the same, or refuse: the GPUs, a host's name).
     j["status"] = "planned";
+    j["warnings"] = warnings;
     add_success(j);
     std::printf("%s\n", json_text(j).c_str());
     return;
@@ -116,6 +119,11 @@ void print_dry_run(const JobSpec& spec, const std::string& run_dir, bool json) {
 }
 
 int start_launch(const LaunchOptions& o, bool& events_opened, Outcome& outcome) {
+  // A dry run's warnings: on stderr, in its JSON, and in a JSON error that follows them.
+  const auto dry_run_warning = [&](const std::string& text) {
+    std::fprintf(stderr, "dptrain: warning: %s\n", text.c_str());
+    outcome.warnings.push_back(text);
+  };
   JobSpec spec =
       read_or_stop(o.recipe, " before the launch made anything", [&] { return job_spec(o); });
   check_runnable(spec.recipe, spec.world_size, spec.nominal_world, o.recipe);
@@ -127,7 +135,7 @@ int start_launch(const LaunchOptions& o, bool& events_opened, Outcome& outcome) 
   } catch (const Error& e) {
     // (Without the store's address, the plan needs a host's name resolved to make one.)
     if (!o.dry_run || spec.remote.master_addr.empty() || e.kind() != ErrorKind::ssh) throw;
-    std::fprintf(stderr, "dptrain: warning: %s (the plan is shown all the same)\n", e.what());
+    dry_run_warning(std::string(e.what()) + " (the plan is shown all the same)");
   }
   check_store_port(spec);  // a --master-port another process holds: exit 2
   // One that does not parse: exit 2, nothing created; the launch warns about the others.
@@ -147,7 +155,7 @@ int start_launch(const LaunchOptions& o, bool& events_opened, Outcome& outcome) 
   } catch (const Error& e) {
     // A plan drafted on a machine without the GPUs (a login node) still shows each rank's.
     if (!o.dry_run) throw;
-    std::fprintf(stderr, "dptrain: warning: %s (the plan is shown all the same)\n", e.what());
+    dry_run_warning(std::string(e.what()) + " (the plan is shown all the same)");
   }
   check_open_files(spec);
   check_local_memory(spec, o.recipe);
@@ -162,7 +170,7 @@ int start_launch(const LaunchOptions& o, bool& events_opened, Outcome& outcome) 
       RunDirectory::check_runs_root(o.runs_root);
     }
     for (const auto& warning : fault_warnings)
-      std::fprintf(stderr, "dptrain: warning: %s\n", warning.c_str());
+      dry_run_warning(warning);
     // The directory a launch would create (its time is filled in then), absolute as the ranks
     // are given it.
     const std::string run_dir =
@@ -171,7 +179,7 @@ int start_launch(const LaunchOptions& o, bool& events_opened, Outcome& outcome) 
                                                            (spec.recipe.name + "-<time>"))
             .lexically_normal()
             .string();
-    print_dry_run(spec, run_dir, o.json);
+    print_dry_run(spec, run_dir, o.json, outcome.warnings);
     return 0;
   }
   // Stopped while it read and checked (a pipeline's timeout at once): nothing is made.

@@ -28,6 +28,7 @@
 #include "core/fs.hpp"
 #include "core/json_error.hpp"
 #include "core/suggest.hpp"
+#include "launch/agent.hpp"
 #include "launch/relay.hpp"
 #include "launch/supervisor.hpp"
 
@@ -501,7 +502,9 @@ int run(int argc, char** argv) {
 #else
       constexpr bool cuda = false;
 #endif
-      nlohmann::json out = {{"version", DPTRAIN_VERSION}, {"cuda", cuda}};
+      nlohmann::json out = {{"version", DPTRAIN_VERSION},
+                            {"cuda", cuda},
+                            {"agent_protocol", dptrain::kAgentProtocol}};
       dptrain::cli::add_success(out);
       fmt::print("{}\n", out.dump());
       return 0;
@@ -509,8 +512,9 @@ int run(int argc, char** argv) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
     // The callbacks that set outcome.json have not run: a script that asked for JSON gets it.
+    // After "--" every word is an argument, not an option ("-- --json" is not asking for it).
     bool json = false;
-    for (int i = 1; i < argc; ++i)
+    for (int i = 1; i < argc && std::string_view(argv[i]) != "--"; ++i)
       json = json || std::string_view(argv[i]) == "--json";
     const Command command = named_command(app, argc, argv);
     std::string message = unknown_word(command, argc, argv);

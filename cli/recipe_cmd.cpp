@@ -62,7 +62,7 @@ nlohmann::json recipe_facts(const Recipe& r) {
 }
 
 // What a valid recipe leaves to the launch to refuse: a token dataset that is not there (yet to
-// be made, or on the training hosts only). Each is also printed on stderr.
+// be made, or on the training hosts only). Each is also printed on stderr. (validate and show.)
 std::vector<std::string> validate_warnings(const std::string& file, const Recipe& r) {
   std::vector<std::string> warnings;
   std::error_code ec;
@@ -130,9 +130,11 @@ void setup_recipe(CLI::App& app, Outcome& outcome) {
   show->callback([o, &outcome] {
     outcome.json = o->json;  // a recipe that does not load answers in JSON too
     const Recipe r = load_stoppable(o->recipe, DataCheck::first_row);
+    const auto warnings = validate_warnings(o->recipe, r);  // as validate gives them
     if (o->json) {
       nlohmann::json out = recipe_facts(r);
       out["recipe"] = to_json(r);
+      out["warnings"] = warnings;
       std::printf("%s\n", json_text(out).c_str());
       outcome.exit_code = 0;
       return;

@@ -82,8 +82,9 @@ bool bench_sweep_dir(const fs::path& dir) {
 }
 
 // The report replaces the file --out names (by rename): never one of the run's own files, nor a
-// file in another run's directory or a benchmark sweep's, and never what is not a plain file
-// (check_output_file).
+// file in another run's directory or a benchmark sweep's, never what is not a plain file, and
+// never a file that holds something else than an HTML page (check_output_file,
+// check_replaceable): a recipe or a dataset named by a slip.
 void check_report_out(const std::string& given, const fs::path& out, const fs::path& run_dir) {
   check_output_file("--out", given, "the HTML file");
   std::error_code ec;
@@ -108,6 +109,7 @@ void check_report_out(const std::string& given, const fs::path& out, const fs::p
                             "not replace; name a file elsewhere",
                             given, parent.string()));
   }
+  check_replaceable("--out", given, kHtmlStart, "an HTML page");
 }
 
 // A stop signal ends a status or report that reads a long metrics.jsonl or verifies large

@@ -5,7 +5,9 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <optional>
 #include <sstream>
 #include <system_error>
@@ -57,7 +59,35 @@ void check_events(const RestartOptions& o, bool json, const std::filesystem::pat
                 fmt::format("--events {}: not with --json (both write to stdout{})", o.events,
                             o.events == "-" ? "" : ": it names standard output"));
   }
-  if (!o.events.empty() && !to_stdout) check_events_place("--events", o.events, run_dir);
+  if (o.events.empty() || to_stdout) return;
+  check_events_place("--events", o.events, run_dir);
+  // Events are appended: to a file that holds them already (an earlier job's stream), never to
+  // one that holds something else (the recipe or its dataset, named by a slip), which the lines
+  // would corrupt. A new or empty file is the stream's own; a pipe or a device is written to.
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(o.events, ec)) return;
+  if (std::filesystem::file_size(o.events, ec) == 0 || ec) return;  // empty
+  std::ifstream in(o.events, std::ios::binary);
+  if (!in) {
+    throw Error(ErrorKind::usage,
+                fmt::format("--events {}: cannot be read to tell what it holds ({}), so nothing "
+                            "is appended to it; name another file, or remove it first",
+                            printable(o.events), std::strerror(errno)));
+  }
+  // Its first line, read no further than an event line goes (a file without line ends, a
+  // dataset, is not read whole).
+  constexpr std::streamsize kMostLine = 1 << 20;
+  std::string first(static_cast<size_t>(kMostLine), '\0');
+  in.getline(first.data(), kMostLine);
+  first.resize(std::strlen(first.c_str()));  // what getline stored, before its terminator
+  const auto event = nlohmann::json::parse(first, nullptr, false);
+  if (!event.is_object() || !event.contains("event")) {
+    throw Error(ErrorKind::usage,
+                fmt::format("--events {}: holds something else than events (its first line is "
+                            "not an event's JSON object), so nothing is appended to it; name "
+                            "another file, or remove it first",
+                            printable(o.events)));
+  }
 }
 
 bool events_in_run_dir(const RestartOptions& o, const std::filesystem::path& run_dir) {
@@ -354,16 +384,25 @@ const CLI::Validator& seconds() {
   return check;
 }
 
-const CLI::Validator& positive_seconds() {
-  static const CLI::Validator check(
-      [](std::string& value) -> std::string {
+CLI::Validator seconds_at_least(double floor) {
+  return CLI::Validator(
+      [floor](std::string& value) -> std::string {
         std::string wrong;
         const auto v = plain_number(value, wrong);
         if (!v) return wrong;
         if (!std::isfinite(*v) || *v <= 0) return "'" + value + "' must be a number of seconds > 0";
+        if (*v < floor) return fmt::format("'{}' must be at least {} seconds", value, floor);
         return seconds()(value);  // its upper bound
       },
-      "SECONDS>0");
+      fmt::format("SECONDS>={}", floor));
+}
+
+const CLI::Validator& positive_seconds() {
+  static const CLI::Validator check = [] {
+    CLI::Validator v = seconds_at_least(0);
+    v.description("SECONDS>0");
+    return v;
+  }();
   return check;
 }
 

@@ -53,6 +53,8 @@ CLI::Validator number_at_most(double most, const char* description, const char* 
 const CLI::Validator& seconds();
 // A number of seconds more than 0 (a wait that must last some time): seconds(), and not 0.
 const CLI::Validator& positive_seconds();
+// positive_seconds() and at least `floor` ("SECONDS>=0.001": the finest a wait can be given at).
+CLI::Validator seconds_at_least(double floor);
 // A CLI11 check for a path on the remote hosts (--workdir, --remote-binary): ~ and ~/... are the
 // login's home there; ~user/... is refused (it would be taken as a directory named "~user").
 const CLI::Validator& remote_path();
@@ -86,8 +88,10 @@ CLI::Validator whole_number(const char* description, T most = std::numeric_limit
       least == T{0} ? std::string(description) : fmt::format("{}>={}", description, least));
 }
 
-// Error(usage) when --events would share stdout with --json, or lies among a run's files
-// (check_events_place; `run_dir` is the command's own run, "" when it has none yet).
+// Error(usage) when --events would share stdout with --json, lies among a run's files
+// (check_events_place; `run_dir` is the command's own run, "" when it has none yet), or is an
+// existing file that holds something else than events (its first line is not one), which the
+// appended lines would corrupt.
 void check_events(const RestartOptions& o, bool json, const std::filesystem::path& run_dir);
 // Whether the --events file lies in `run_dir` itself (RUN_DIR/events.jsonl): a launch opens it
 // once it has made the directory.

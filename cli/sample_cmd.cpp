@@ -140,17 +140,40 @@ int64_t drawable_vocab(const std::optional<Tokenizer>& tokenizer, const Recipe& 
 // --prompt under --ids: whole numbers separated by blanks or commas, each below `vocab`.
 std::vector<int32_t> parse_prompt_ids(const std::string& text, int64_t vocab) {
   std::vector<int32_t> ids;
+  // A comma separates two ids: one with none before it (",1", "1,,2") or after it ("1,") is an
+  // id left out (a script's empty variable), not a separator to pass over.
+  const auto empty_field = [&] {
+    return Error(ErrorKind::usage,
+                 fmt::format("--prompt: '{}' has an empty field between commas (with --ids, whole "
+                             "numbers separated by spaces or commas)",
+                             printable(text)));
+  };
+  bool comma_pending = true;  // the start reads as after a comma: ",1" is an empty field
+  bool empty = false;
   size_t i = 0;
   while (i < text.size()) {
-    if (text[i] == ' ' || text[i] == ',' || text[i] == '\t' || text[i] == '\n') {
+    if (text[i] == ',') {
+      empty = empty || comma_pending;
+      comma_pending = true;
       ++i;
       continue;
     }
+    if (text[i] == ' ' || text[i] == '\t' || text[i] == '\n') {
+      ++i;
+      continue;
+    }
+    comma_pending = false;
     size_t end = text.find_first_of(" ,\t\n", i);
     if (end == std::string::npos) end = text.size();
     const std::string word = text.substr(i, end - i);
     int64_t id = -1;
     const auto [ptr, ec] = std::from_chars(word.data(), word.data() + word.size(), id);
+    const bool digits = word.find_first_not_of("0123456789") == std::string::npos;
+    if (ec == std::errc::result_out_of_range && digits) {
+      throw Error(ErrorKind::usage,
+                  fmt::format("--prompt: token id {} is out of the vocabulary (ids 0 to {})", word,
+                              vocab - 1));
+    }
     if (ec != std::errc() || ptr != word.data() + word.size() || id < 0) {
       throw Error(ErrorKind::usage,
                   fmt::format("--prompt: '{}' is not a token id (with --ids, whole numbers "
@@ -171,6 +194,7 @@ std::vector<int32_t> parse_prompt_ids(const std::string& text, int64_t vocab) {
                             "separated by spaces or commas)",
                             printable(text)));
   }
+  if (empty || (comma_pending && !ids.empty())) throw empty_field();  // ",1", "1,,2", "1,"
   return ids;
 }
 

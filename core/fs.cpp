@@ -316,6 +316,28 @@ void check_output_file(const std::string& flag, const std::string& given, std::s
   }
 }
 
+void check_replaceable(const std::string& flag, const std::string& given,
+                       std::string_view own_start, std::string_view own_kind) {
+  std::error_code ec;
+  const auto size = std::filesystem::file_size(given, ec);
+  if (ec || size == 0) return;  // none there (or not a file: check_output_file's), or empty
+  std::ifstream in(given, std::ios::binary);
+  std::string start(own_start.size(), '\0');
+  if (!in) {
+    throw Error(ErrorKind::usage,
+                fmt::format("{} {}: cannot be read to tell what it holds ({}), so it is not "
+                            "replaced; name another file, or remove it first",
+                            flag, given, std::strerror(errno)));
+  }
+  const auto got = in.read(start.data(), static_cast<std::streamsize>(start.size())).gcount();
+  if (std::string_view(start).substr(0, static_cast<size_t>(got)) != own_start) {
+    throw Error(ErrorKind::usage,
+                fmt::format("{} {}: holds something else than {} (it does not start with {}), so "
+                            "it is not replaced; name another file, or remove it first",
+                            flag, given, own_kind, own_start));
+  }
+}
+
 std::optional<std::filesystem::path> file_in_the_way(const std::filesystem::path& path) {
   namespace fs = std::filesystem;
   std::error_code ec;

@@ -57,6 +57,12 @@ void fsync_directory(const std::filesystem::path& dir);
 // device or a pipe, /dev/null included, by a regular file). `what` names the file in the
 // directory's message ("the HTML file").
 void check_output_file(const std::string& flag, const std::string& given, std::string_view what);
+// Error(usage) "FLAG GIVEN: holds something else than OWN_KIND ..." for a file there already that
+// is not empty and does not start with `own_start` (what the command writes there: "<svg"), or
+// that cannot be read to tell: never replaced (a recipe or a dataset, given by a slip). Checked
+// after the checks of where the file lies, whose messages say more.
+void check_replaceable(const std::string& flag, const std::string& given,
+                       std::string_view own_start, std::string_view own_kind);
 // The nearest of `path`'s parents that exists, when it is not a directory (a file where a
 // directory of the path should be); none otherwise.
 std::optional<std::filesystem::path> file_in_the_way(const std::filesystem::path& path);

@@ -66,11 +66,30 @@ json AgentPlan::to_json(bool redact_secret) const {
           {"worker_args", worker_args},
           {"data_dir", data_dir},
           {"data_sha256", data_sha256},
-          {"data_fingerprint", data_fingerprint}};
+          {"data_fingerprint", data_fingerprint},
+          {"protocol", kAgentProtocol}};
 }
 
 AgentPlan AgentPlan::from_json(const json& j) {
   try {
+    // A plan of another protocol may lack the fields this build reads, or mean other things by
+    // them: refused first. Plans from before the number was sent (protocol 1) are known by all
+    // their fields being there, else they are only malformed.
+    const auto refuse = [&](int protocol) {
+      const std::string host = j.value("display", j.value("host", std::string()));
+      return Error(
+          ErrorKind::ssh,
+          fmt::format("{}the launching host runs another build of dptrain than this one: its "
+                      "plan speaks agent protocol {}, {} than this build's {}; install one build "
+                      "on every host ('dptrain provision' installs the launcher's), or name it "
+                      "with --remote-binary",
+                      host.empty() ? std::string() : printable(host) + ": ", protocol,
+                      protocol < kAgentProtocol ? "older" : "newer", kAgentProtocol));
+    };
+    const bool said = j.contains("protocol");
+    if (said && j.at("protocol").get<int>() != kAgentProtocol) {
+      throw refuse(j.at("protocol").get<int>());
+    }
     AgentPlan p;
     p.host = j.at("host").get<std::string>();
     p.display = j.value("display", std::string());
@@ -90,6 +109,7 @@ AgentPlan AgentPlan::from_json(const json& j) {
     p.data_sha256 = j.value("data_sha256", std::string());
     p.data_fingerprint = j.value("data_fingerprint", std::string());
     p.worker_args = j.value("worker_args", std::vector<std::string>{});
+    if (!said) throw refuse(1);
     return p;
   } catch (const json::exception& e) {
     throw Error(ErrorKind::usage, fmt::format("malformed agent plan: {} (is dptrain the same "

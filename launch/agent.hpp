@@ -48,7 +48,9 @@ struct AgentPlan {
   std::string data_fingerprint;
 
   nlohmann::json to_json(bool redact_secret = false) const;
-  static AgentPlan from_json(const nlohmann::json& j);  // Error(usage) on a malformed plan
+  // Error(usage) on a malformed plan; Error(ssh) on one of another agent protocol than this
+  // build's (the launching host runs another build: exit 4, as for a host without dptrain).
+  static AgentPlan from_json(const nlohmann::json& j);
 };
 
 // The GPU local rank i gets: the i-th entry of the job's CUDA_VISIBLE_DEVICES (--env) when it
@@ -72,11 +74,20 @@ std::vector<ProcessSpec> worker_specs(const AgentPlan& plan,
 //   "@rank N TEXT"      a line rank N printed
 //   "@event JSON"       a trainer event from rank 0
 //   "@failure JSON"     {"rank", "pid", "exit_code", "signal", "description", "last_lines"}
+//   "@agent N"          its first line: the agent protocol it speaks (kAgentProtocol)
 //   "@alive"            every second: the agent runs and its host answers (the relay takes a
 //                       host that sends nothing for 3 SSH keepalive intervals as lost, and drops
 //                       these lines)
 //   "@done"             every rank of the host exited 0 (the agent's last line then): the
 //                       relay takes the host as completed even if it is not heard from again
+// The launcher and its agents speak one protocol: the plan's fields and the lines above. Its
+// number is in the plan ("protocol") and in the agent's first line ("@agent N"); it is raised
+// when either side would misread the other's. An agent refuses a plan of another number, and the
+// launcher a host whose agent says another, or none (1: agents before "@agent" and "@started").
+// Two builds of one version may differ in it: a host that runs another build than the
+// launcher's fails with exit 4 at once, saying so, instead of misreading the other side.
+constexpr int kAgentProtocol = 2;
+constexpr const char* kAgentHelloPrefix = "@agent ";
 constexpr const char* kAgentRankPrefix = "@rank ";
 constexpr const char* kAgentFailurePrefix = "@failure ";
 constexpr const char* kAgentAliveLine = "@alive";

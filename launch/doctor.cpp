@@ -27,6 +27,7 @@
 #include "core/recipe.hpp"
 #include "core/tensor/device.hpp"
 #include "core/trainer.hpp"
+#include "launch/agent.hpp"
 #include "launch/job.hpp"
 #include "launch/provision.hpp"
 #include "launch/supervisor.hpp"
@@ -193,6 +194,13 @@ class Doctor {
       const std::vector<std::string> problems = error_messages(e.what());
       const std::string fix = data_fix(*recipe_);
       for (const std::string& problem : problems) {
+        // How many more rows are wrong is not a check of its own (a script counts the failed
+        // checks): the last listed row's line says it.
+        if (problem.ends_with(kUnlistedCsvProblems) && !checks_.empty() &&
+            checks_.back().check == "data") {
+          checks_.back().detail += "; and " + problem.substr(problem.rfind(": ") + 2);
+          continue;
+        }
         add("data", "", false, problem,
             problems.size() > 1 && recipe_->data.type == "csv" ? load_fix(*recipe_, problem) : fix);
       }
@@ -449,7 +457,8 @@ class Doctor {
     std::string binary =
         options_.remote_binary.empty() ? s.facts.workdir + "/bin/dptrain" : options_.remote_binary;
     std::string version;
-    std::string why;  // the loader's complaint, where it did not run for a missing library
+    int protocol = 0;  // the agent protocol it says it speaks (0: not said)
+    std::string why;   // the loader's complaint, where it did not run for a missing library
     try {
       const auto r = s.shell->run(version_command(remote_path_word(binary)));
       if (r.exit_status == kVersionTimedOut) {
@@ -465,6 +474,7 @@ class Doctor {
         return;
       }
       version = r.exit_status == 0 ? version_line(r.out) : "";
+      protocol = r.exit_status == 0 ? agent_protocol_of(r.out) : 0;
       if (version.empty()) why = loader_failure(r.err + "\n" + r.out);
     } catch (const Error& e) {
       if (is_stop(e)) throw;
@@ -500,10 +510,18 @@ class Doctor {
       return;
     }
     s.binary = binary;
-    const bool same = version == mine;
+    // One version in builds whose launcher and agents speak other protocols (a build from
+    // before, or after, a change of the agent's lines): a job would refuse the host.
+    const bool other_protocol = protocol != 0 && protocol != kAgentProtocol;
+    const bool same = version == mine && !other_protocol;
     s.checks.push_back({"version", h.display(), same,
                         same ? version + another_build(*s.shell, binary)
-                             : fmt::format("{} there, {} here", version, mine),
+                        : version == mine
+                            ? fmt::format("{} there is another build, whose agent speaks "
+                                          "protocol {} (this build's {}): it cannot run this "
+                                          "machine's jobs",
+                                          version, protocol, kAgentProtocol)
+                            : fmt::format("{} there, {} here", version, mine),
                         same ? ""
                         : options_.remote_binary.empty()
                             ? "install this build: " + provision_command()

@@ -555,15 +555,40 @@ void provision_host(HostReport& report, const ProvisionOptions& options,
   report.facts.dptrain_version = version_line(version.out);
 }
 
+// The last line of `output` that is what `dptrain --version --json` prints: an object with a
+// "version" string. Discarded when there is none.
+nlohmann::json version_object(const std::string& output) {
+  nlohmann::json found = nlohmann::json(nlohmann::json::value_t::discarded);
+  std::istringstream lines(output);
+  for (std::string line; std::getline(lines, line);) {
+    const std::string t = trim(line);
+    if (!t.starts_with('{')) continue;
+    const nlohmann::json j = nlohmann::json::parse(t, nullptr, false);
+    if (j.is_object() && j.contains("version") && j["version"].is_string()) found = j;
+  }
+  return found;
+}
+
 }  // namespace
 
 std::string version_line(const std::string& output) {
+  if (const nlohmann::json j = version_object(output); !j.is_discarded()) {
+    return "dptrain " + j["version"].get<std::string>();
+  }
   std::string found;
   std::istringstream lines(output);
   for (std::string line; std::getline(lines, line);) {
     if (const std::string t = trim(line); t.starts_with("dptrain ")) found = t;
   }
   return found.empty() ? trim(output) : found;
+}
+
+int agent_protocol_of(const std::string& output) {
+  const nlohmann::json j = version_object(output);
+  // Builds from before --version --json answer with the line alone: older than the number.
+  if (j.is_discarded()) return version_line(output).starts_with("dptrain ") ? 1 : 0;
+  const nlohmann::json said = j.value("agent_protocol", nlohmann::json(1));
+  return said.is_number_integer() && said.get<int>() > 0 ? said.get<int>() : 0;
 }
 
 std::string loader_failure(const std::string& output) {
@@ -590,7 +615,7 @@ std::string bounded_command(const std::string& binary_word, const std::string& a
 }
 
 std::string version_command(const std::string& binary_word) {
-  return bounded_command(binary_word, "--version");
+  return bounded_command(binary_word, "--version --json");
 }
 
 int version_probe_seconds() {

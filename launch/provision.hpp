@@ -89,7 +89,7 @@ std::unique_ptr<HostShell> open_host_shell(const HostSpec& host, const SshOption
 // a binary that hangs is a version problem, not the workdir's.
 HostFacts survey_host(HostShell& shell, const HostSpec& host, const std::string& workdir);
 
-// `BINARY --version` as a remote sh command line (`binary_word` already quoted for sh, as
+// `BINARY --version --json` as a remote sh command line (`binary_word` already quoted for sh, as
 // remote_path_word gives it) that gives up after version_probe_seconds(), with exit
 // kVersionTimedOut, rather than hold the connection for the SSH command timeout: a binary that
 // hangs as it starts is said to.
@@ -113,10 +113,16 @@ nlohmann::json to_json(const HostReport& report);
 
 // Parsers of what the facts script prints (exposed for tests).
 HostFacts parse_facts(const std::string& output);
-// What `dptrain --version` printed over SSH: its "dptrain X.Y.Z" line, the last one of the output
-// that starts so (a login shell's start-up files may print a banner before it); the trimmed
-// output where no line does.
+// What `dptrain --version --json` printed over SSH as `dptrain --version` says it: "dptrain X.Y.Z"
+// from its JSON line, or the last line of the output that starts so (a build or program that
+// answers with the line alone); a login shell's start-up files may print a banner before either.
+// The trimmed output where no line does.
 std::string version_line(const std::string& output);
+// The agent protocol (kAgentProtocol) that output says the binary speaks: its JSON line's
+// "agent_protocol"; 1 for a build from before it was said (a JSON line without one, or the
+// "dptrain X" line alone of a build from before --version --json); 0 where the output is
+// neither (not known).
+int agent_protocol_of(const std::string& output);
 // The dynamic loader's complaint in a program's output ("error while loading shared libraries:
 // libgloo.so.0: cannot open shared object file: ..."), from that phrase on, wherever it is among
 // the lines (a login banner may come first); empty when there is none.

@@ -4,10 +4,12 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <charconv>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <optional>
+#include <string_view>
 
 #include <fmt/format.h>
 
@@ -61,6 +63,50 @@ std::optional<std::string> not_runnable(int status, const RelayPlan& plan,
       "dptrain-provision(1)) or name it with --remote-binary",
       plan.host.display(), plan.remote_binary,
       status == 127 ? "no such file or command" : "not executable");
+}
+
+// Whether `line` is one of the lines an agent of any protocol writes (a login's start-up files
+// may print others, even ones that start with '@').
+bool is_agent_line(std::string_view line) {
+  return line.starts_with(kAgentHelloPrefix) || line == kAgentAliveLine ||
+         line == kAgentStartedLine || line == kAgentDoneLine ||
+         line.starts_with(kAgentRankPrefix) || line.starts_with(kAgentFailurePrefix) ||
+         line.starts_with("@event ");
+}
+
+// The agent protocol an agent's first line says it speaks: N for "@agent N", 1 for an agent from
+// before it said so (its first line is another of the protocol's: "@alive"), 0 for a number that
+// cannot be read.
+int protocol_of_first_line(std::string_view line) {
+  if (!line.starts_with(kAgentHelloPrefix)) return 1;
+  const std::string_view digits = line.substr(std::string_view(kAgentHelloPrefix).size());
+  int n = 0;
+  const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), n);
+  return ec == std::errc() && end == digits.data() + digits.size() && n > 0 ? n : 0;
+}
+
+// For a host whose agent's first line (`first`) says another protocol than this launcher's:
+// another build of dptrain runs there. A restart would meet it again.
+std::string another_build(const RelayPlan& plan, std::string_view first) {
+  const int protocol = protocol_of_first_line(first);
+  const std::string said =
+      protocol != 0
+          ? std::to_string(protocol)
+          : printable(std::string(first.substr(std::string_view(kAgentHelloPrefix).size())));
+  const std::string which =
+      first.starts_with(kAgentHelloPrefix)
+          ? fmt::format(
+                "another build of dptrain (its agent speaks protocol {}, this "
+                "launcher's {})",
+                said, kAgentProtocol)
+          : fmt::format(
+                "an older build of dptrain (its agent does not say which protocol it "
+                "speaks; this launcher's speaks {})",
+                kAgentProtocol);
+  return fmt::format(
+      "{}: '{}' there is {}: install this build there with 'dptrain provision' "
+      "(see dptrain-provision(1)) or name it with --remote-binary",
+      plan.host.display(), plan.remote_binary, which);
 }
 
 // "HOST (ranks 2-3)": a host lost in a run names the ranks that went with it (a host's ranks
@@ -152,25 +198,44 @@ int run_relay(const RelayPlan& plan) {
   // exited 0: the host is complete, whatever becomes of the connection after it.
   auto last_heard = std::chrono::steady_clock::now();
   bool done = false;
-  bool heard_agent = false;  // a line of the agent's protocol ("@..."): it is an agent
-  std::string partial;
-  std::string last_line;  // the host's last line of output, for not_runnable
-  const auto sink = [&](std::string_view data, bool) {
+  // The agent's first line of its protocol, on stdout ("@agent N", or from an agent before it
+  // said its number, "@alive"): another number than this launcher's means another build there,
+  // which would misread its plan or be misread: exit 4, naming both, and whatever it started is
+  // killed (or stops as the connection ends).
+  std::string first_agent_line;
+  bool heard_agent = false;  // a line of the agent's protocol on stdout: it is an agent
+  const auto other_build = [&] {
+    return heard_agent && protocol_of_first_line(first_agent_line) != kAgentProtocol;
+  };
+  const auto refuse_other_build = [&] {
+    write_host_failure(stdout, another_build(plan, first_agent_line), /*refused=*/true);
+    return 4;
+  };
+  std::string partial[2];  // stdout's and stderr's unfinished lines: never glued together
+  std::string last_line;   // the host's last line of output, for not_runnable
+  const auto sink = [&](std::string_view data, bool is_stderr) {
     last_heard = std::chrono::steady_clock::now();
-    partial.append(data);
+    std::string& pending = partial[is_stderr ? 1 : 0];
+    pending.append(data);
     std::string lines;
     size_t start = 0;
-    for (size_t end; (end = partial.find('\n', start)) != std::string::npos; start = end + 1) {
-      const std::string_view line = std::string_view(partial).substr(start, end - start);
-      heard_agent = heard_agent || line.starts_with('@');
+    for (size_t end; (end = pending.find('\n', start)) != std::string::npos; start = end + 1) {
+      const std::string_view line = std::string_view(pending).substr(start, end - start);
+      if (!is_stderr && !heard_agent && is_agent_line(line)) {
+        first_agent_line = line;
+        heard_agent = true;
+      }
+      // Nothing an agent of another protocol says is passed on: it would be misread.
+      if (other_build()) continue;
+      if (line.starts_with(kAgentHelloPrefix)) continue;  // said; nothing to pass on
       if (line == kAgentDoneLine) {
         done = true;
       } else if (line != kAgentAliveLine) {
-        lines.append(partial, start, end + 1 - start);
+        lines.append(pending, start, end + 1 - start);
         last_line = line;
       }
     }
-    partial.erase(0, start);
+    pending.erase(0, start);
     std::fwrite(lines.data(), 1, lines.size(), stdout);
     std::fflush(stdout);
   };
@@ -197,6 +262,9 @@ int run_relay(const RelayPlan& plan) {
       }
     } catch (const Error&) {
     }
+    if (other_build()) {
+      return refuse_other_build();
+    }
     const auto status = channel->exit_status();
     const auto why = status ? not_runnable(*status, plan, last_line) : std::nullopt;
     // Cannot run dptrain there: a restart would meet it again, as at the end below.
@@ -220,6 +288,11 @@ int run_relay(const RelayPlan& plan) {
   try {
     last_heard = std::chrono::steady_clock::now();
     while (channel->read(sink, std::chrono::milliseconds(100))) {
+      if (other_build()) {
+        // Whatever it started dies with it: its ranks would not understand this launcher's.
+        channel->send_signal("KILL");
+        return refuse_other_build();
+      }
       // "stop" (SIGTERM): the agent's ranks checkpoint and stop; "interrupt" (SIGINT): they stop
       // without one, and a second kills them. The channel stays open: its end tells the agent
       // that this side is gone.
@@ -238,8 +311,9 @@ int run_relay(const RelayPlan& plan) {
         // SIGKILL reaches a stopped process; its ranks die with their agent. Where the host or
         // the network is what is stuck, the request is lost with the connection.
         channel->send_signal("KILL");
-        // An agent says it is alive as it starts and every second after: a program that never
-        // said a word may be no agent at all (a program that waits, or a build that hangs).
+        // An agent says its protocol as it starts and that it is alive every second after: a
+        // program that never said a word may be no agent at all (a program that waits, or a
+        // build that hangs).
         write_host_failure(
             stdout,
             heard_agent
@@ -256,8 +330,11 @@ int run_relay(const RelayPlan& plan) {
         return 3;
       }
     }
-    if (!partial.empty()) std::fwrite(partial.data(), 1, partial.size(), stdout);
+    if (other_build()) return refuse_other_build();
+    for (const std::string& rest : partial)
+      std::fwrite(rest.data(), 1, rest.size(), stdout);
   } catch (const Error& e) {
+    if (other_build()) return refuse_other_build();  // what it said is the cause
     if (done) {
       return completed_anyway(
           fmt::format("lost the SSH connection to {}: {}", host_and_ranks(plan), e.what()));
@@ -279,7 +356,7 @@ int run_relay(const RelayPlan& plan) {
   }
   // The signal that killed the agent: as its SSH server reports it, or (through a shell that did
   // not exec it) as 128 + N from a program that never spoke (an agent's stops exit 130 or 143).
-  // An agent says @alive as it starts, so one killed through such a shell shows as its code.
+  // An agent says "@agent N" as it starts, so one killed through such a shell shows as its code.
   int sig = channel->exit_signal();
   if (sig == 0 && !heard_agent && *status > 128 && *status < 128 + 65 && *status != 130 &&
       *status != 143) {
@@ -307,12 +384,12 @@ int run_relay(const RelayPlan& plan) {
     return 128 + sig;
   }
   // 126/127 from a program that never spoke: the shell could not run it. Not from an agent (it
-  // says @alive first): that is its rank's exit code passed on, the rank's failure.
+  // says "@agent N" first): that is its rank's exit code passed on, the rank's failure.
   if (const auto why = heard_agent ? std::nullopt : not_runnable(*status, plan, last_line)) {
     write_host_failure(stdout, *why, /*refused=*/true);  // a restart would meet it again
     return 4;
   }
-  // An agent speaks its protocol ("@alive", "@rank N ...", "@failure ...") and says "@done"
+  // An agent speaks its protocol ("@agent N", "@rank N ...", "@failure ...") and says "@done"
   // before it exits 0. A program that did neither is not this dptrain's agent (another build, or
   // another program at that path: /bin/false), and its ranks never ran: a restart would meet it
   // again. Not an agent's own silent exits: 2 (it refused its plan), 128 + N (a stop before its

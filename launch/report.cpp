@@ -1536,12 +1536,14 @@ std::string report_html(const RunView& run) {
     body += "<h2>Recipe</h2>\n<details><summary>The resolved recipe (JSON)</summary><pre>" +
             html(recipe.dump(2)) + "</pre></details>\n";
   }
-  return fmt::format(
-      "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
-      "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
-      "<title>{} \u2014 dptrain report</title>\n<style>{}</style>\n</head>\n<body>\n{}</body>\n"
-      "</html>\n",
-      html(name), kStyle, body);
+  return std::string(kHtmlStart) +
+         fmt::format(
+             "\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+             "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
+             "<title>{} \u2014 dptrain "
+             "report</title>\n<style>{}</style>\n</head>\n<body>\n{}</body>\n"
+             "</html>\n",
+             html(name), kStyle, body);
 }
 
 json report_summary(const RunView& run, const fs::path& report_file) {

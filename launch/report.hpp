@@ -7,6 +7,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -108,6 +109,8 @@ std::string status_text(const RunView& run);
 
 // The report: one HTML file with inline CSS and SVG, no script and nothing fetched.
 std::string report_html(const RunView& run);
+// How the report's HTML starts: a file that does not is not one to replace (report --out).
+constexpr std::string_view kHtmlStart = "<!DOCTYPE html>";
 // `dptrain report --json` (and the text summary's facts): status, steps, losses, throughput,
 // restarts, world-size changes, checkpoints, and where the report was written.
 nlohmann::json report_summary(const RunView& run, const std::filesystem::path& report_file);

@@ -753,6 +753,7 @@ TEST_CASE("ckpt checks the recipe from run.json, its data not read; an unreadabl
   fs::copy(run / "checkpoints/step-000040", run / "checkpoints/step-000060",
            fs::copy_options::recursive);
   const auto twice_wrong = run_dptrain({"ckpt", "verify", run.string(), "step-000060"});
+  const auto twice_json = run_dptrain({"ckpt", "verify", run.string(), "step-000060", "--json"});
   fs::remove_all(run / "checkpoints/step-000060");
   CHECK(twice_wrong.exit_code == 5);
   CHECK(count_occurrences(twice_wrong.err, "step-000060/meta.json: ") == 2);
@@ -762,6 +763,13 @@ TEST_CASE("ckpt checks the recipe from run.json, its data not read; an unreadabl
   }
   CAPTURE(twice_wrong.out);
   CHECK(contains(meta_line, "; written by a different recipe (hash 0123456789abcdef"));
+  // Its JSON says the same of meta.json: not ok, for both reasons.
+  const auto foreign_meta = parse_json(twice_json.out)["checkpoints"][0]["meta"];
+  CAPTURE(foreign_meta.dump());
+  CHECK(foreign_meta["ok"] == false);
+  const std::string meta_problem = foreign_meta["problem"].get<std::string>();
+  CHECK(contains(meta_line, meta_problem));  // the table's words
+  CHECK(contains(meta_problem, "; written by a different recipe (hash 0123456789abcdef"));
   // By default the newest of this recipe is verified, and the one `latest` names as well.
   const auto by_default = run_dptrain({"ckpt", "verify", run.string(), "--json"});
   CHECK(by_default.exit_code == 5);

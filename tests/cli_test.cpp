@@ -20,6 +20,7 @@
 
 #include <fmt/format.h>
 
+#include "launch/agent.hpp"
 #include "tests/harness.hpp"
 #include "tests/strings.hpp"
 
@@ -38,6 +39,7 @@ TEST_CASE("--version and --help for dptrain and every subcommand") {
     const auto doc = nlohmann::json::parse(j.out);
     CHECK(doc.at("version").get<std::string>() == DPTRAIN_VERSION);
     CHECK(doc.at("cuda").is_boolean());
+    CHECK(doc.at("agent_protocol") == dptrain::kAgentProtocol);
     // With the fields of every --json success.
     CHECK(doc.at("status") == "ok");
     CHECK(doc.at("exit_code") == 0);
@@ -327,7 +329,9 @@ TEST_CASE("usage errors exit 2") {
            {"--restart-backoff", " 1", "is not a number"},
            {"--hang-timeout", "1e9", "is more than 1000000 seconds"},
            {"--rejoin-timeout", "1e300", "is more than"},
-           {"--connect-timeout", "2e6", "is more than"}}) {
+           {"--connect-timeout", "2e6", "is more than"},
+           {"--connect-timeout", "0", "must be a number of seconds > 0"},
+           {"--connect-timeout", "0.0001", "must be at least 0.001 seconds"}}) {
     CAPTURE(flag);
     auto bad = run_dptrain(
         {"launch", recipe.string(), flag, value, "--runs-root", (tmp / "runs").string()});
@@ -337,6 +341,8 @@ TEST_CASE("usage errors exit 2") {
     CHECK(bad.err.find("179769") == std::string::npos);
   }
   CHECK_FALSE(fs::exists(tmp / "runs"));
+  // The help gives the floor the check holds to.
+  CHECK(contains(run_dptrain({"launch", "--help"}).out, "--connect-timeout FLOAT:SECONDS>=0.001"));
   // --env: a setting that is not a variable, one the launcher owns, or a name not set here.
   for (const auto& [setting, says] : std::vector<std::array<std::string, 2>>{
            {"9LIVES=1", "--env '9LIVES=1': '9LIVES' is not a variable name"},
@@ -494,6 +500,14 @@ TEST_CASE("usage errors exit 2") {
   const auto chosen = parse_json(free_port.out);
   CHECK(chosen["store"] == "127.0.0.1:<port>");
   CHECK(chosen["hosts"][0]["workers"][1]["env"]["DPTRAIN_STORE"] == "127.0.0.1:<port>");
+  CHECK(chosen["warnings"] == nlohmann::json::array());
+  // A fault injection that would never fire: warned of on stderr and in the plan's JSON.
+  auto never = run_dptrain({"launch", recipe.string(), "--nproc", "2", "--dry-run", "--json"},
+                           {{"DPTRAIN_FAULT", "crash@step=3,rank=5"}});
+  CHECK(never.exit_code == 0);
+  REQUIRE(parse_json(never.out)["warnings"].size() == 1);
+  CHECK(contains(parse_json(never.out)["warnings"][0].get<std::string>(), "never fires"));
+  CHECK(contains(never.err, "dptrain: warning: DPTRAIN_FAULT"));
   auto free_text = run_dptrain({"launch", recipe.string(), "--nproc", "2", "--dry-run"});
   CHECK(free_text.out.starts_with("store 127.0.0.1:<port>, 2 rank(s) on 1 host(s)"));
   auto top_k = run_dptrain({"sample", nothing, "--top-k", "09", "--tokens", "010"});
@@ -579,6 +593,12 @@ TEST_CASE("an empty option value, or an option in its place, is refused, not rea
   CHECK(after_dashes.err ==
         "dptrain: error: unexpected arguments 'extra1', 'extra2' (see "
         "'dptrain status --help')\n");
+  // "--json" after "--" is such an argument, not the flag: no JSON.
+  auto json_after_dashes = run_dptrain({"status", (tmp / "none").string(), "--", "--json"});
+  CHECK(json_after_dashes.exit_code == 2);
+  CHECK(json_after_dashes.out.empty());
+  CHECK(json_after_dashes.err ==
+        "dptrain: error: unexpected argument '--json' (see 'dptrain status --help')\n");
   auto one_extra = run_dptrain({"launch", recipe.string(), "--runs-root", runs, "extra"});
   CHECK(one_extra.exit_code == 2);
   CHECK(one_extra.err ==
@@ -1098,6 +1118,10 @@ TEST_CASE("train.device cuda where no GPU is visible: exit 1, one line, no run d
   CHECK(plan.err.find("(the plan is shown all the same)") != std::string::npos);
   CHECK(std::count(plan.out.begin(), plan.out.end(), '\n') == 1);  // one line, as every --json
   CHECK(parse_json(plan.out)["status"] == "planned");
+  // Its JSON carries the warning, as a launch's does its own.
+  REQUIRE(parse_json(plan.out)["warnings"].size() == 1);
+  CHECK(plan.err ==
+        "dptrain: warning: " + parse_json(plan.out)["warnings"][0].get<std::string>() + "\n");
   const auto workers = parse_json(plan.out)["hosts"][0]["workers"];
   // The exact command: the run directory (under the relative --runs-root) as the ranks get it.
   CHECK(fs::path(workers[0]["command"][2].get<std::string>()).is_absolute());
@@ -1150,6 +1174,44 @@ TEST_CASE("agent: a stop signal while it waits for its plan ends it, no rank sta
     CHECK(read_text(err) == std::string("dptrain: error: dptrain agent: stopped by ") +
                                 (sig == SIGINT ? "SIGINT" : "SIGTERM") +
                                 " before its plan came; no rank was started\n");
+  }
+}
+
+TEST_CASE("agent: a plan of another protocol (another build launched it) is refused, exit 4") {
+  TempDir tmp;
+  // A plan as an older launcher wrote it (no protocol number) and one from a newer.
+  for (const std::string& protocol : {std::string(), std::string(",\"protocol\":999")}) {
+    CAPTURE(protocol);
+    write_text(tmp / "plan", "{\"host\":\"node7\",\"run_dir\":\"" + (tmp / "run").string() +
+                                 "\",\"recipe\":{},\"store\":\"127.0.0.1:1\",\"secret\":\"s\","
+                                 "\"generation\":1,\"world_size\":1,\"backend\":\"gloo\","
+                                 "\"resume_from\":\"\",\"ranks\":[0],\"env\":{}" +
+                                 protocol + "}\n");
+    const int status =
+        std::system(("'" + binary() + "' agent < '" + (tmp / "plan").string() + "' > '" +
+                     (tmp / "out").string() + "' 2> '" + (tmp / "err").string() + "'")
+                        .c_str());
+    REQUIRE(WIFEXITED(status));
+    CHECK(WEXITSTATUS(status) == 4);
+    const std::string said = protocol.empty() ? "1, older" : "999, newer";
+    const std::string why =
+        "node7: the launching host runs another build of dptrain than this "
+        "one: its plan speaks agent protocol " +
+        said + " than this build's " + std::to_string(dptrain::kAgentProtocol) +
+        "; install one build on every host";
+    CAPTURE(read_text(tmp / "err"));
+    CHECK(read_text(tmp / "err").starts_with("dptrain: error: " + why));
+    // Its first line says the protocol it speaks; then the refusal, as a host's failure that a
+    // restart would meet again. No rank started, no run directory made.
+    const auto lines = lines_of(read_text(tmp / "out"));
+    REQUIRE(lines.size() == 2);
+    CHECK(lines[0] == "@agent " + std::to_string(dptrain::kAgentProtocol));
+    REQUIRE(lines[1].starts_with("@failure "));
+    const auto report = parse_json(lines[1].substr(9));
+    CHECK(report["rank"] == -1);
+    CHECK(report["refused"] == true);
+    CHECK(report["description"].get<std::string>().starts_with(why));
+    CHECK_FALSE(fs::exists(tmp / "run"));
   }
 }
 

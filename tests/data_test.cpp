@@ -514,6 +514,11 @@ TEST_CASE("a gpt recipe pointing at a prepared dataset validates") {
   CHECK(before_out["valid"] == true);
   REQUIRE(before_out["warnings"].size() == 1);
   CHECK(contains(before_out["warnings"][0].get<std::string>(), missing_warning));
+  // show says it as validate does: on stderr, and in its --json.
+  auto shown_before = run_dptrain({"recipe", "show", recipe.string(), "--json"});
+  CHECK(shown_before.exit_code == 0);
+  CHECK(parse_json(shown_before.out)["warnings"] == before_out["warnings"]);
+  CHECK(contains(shown_before.err, "dptrain: warning: " + missing_warning));
 
   write_text(tmp / "corpus.txt", synthetic_text(6, 5000));
   prepare_json({"--text", (tmp / "corpus.txt").string(), "--out", (tmp / "ds").string()});

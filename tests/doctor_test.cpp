@@ -15,6 +15,8 @@
 #include <thread>
 #include <vector>
 
+#include "core/data/dataset.hpp"
+#include "launch/agent.hpp"
 #include "tests/harness.hpp"
 #include "tests/sshd.hpp"
 #include "tests/strings.hpp"
@@ -172,6 +174,28 @@ TEST_CASE("doctor: another build there fails the version check and holds back th
   CHECK(r.out.find("not run: its dptrain is another build") != std::string::npos);
 }
 
+TEST_CASE("doctor: one version whose agent speaks another protocol fails the version check") {
+  DoctorFixture f;
+  // What a build of this version from before agents said their protocol answers.
+  const fs::path older = f.tmp / "older-build";
+  write_script(older, "#!/bin/sh\necho '{\"version\":\"" DPTRAIN_VERSION
+                      "\",\"cuda\":false,\"status\":\"ok\"}'\n");
+  auto r = f.doctor({"--remote-binary", older.string()});
+  INFO(r.out, r.err);
+  CHECK(r.exit_code == 4);
+  const auto fails = failure_lines(r.out);
+  REQUIRE(fails.size() == 2);  // one version line per host
+  for (const auto& line : fails) {
+    CHECK(line.starts_with("FAIL version"));
+    CHECK(contains(line, "dptrain " DPTRAIN_VERSION
+                         " there is another build, whose agent speaks protocol 1 (this build's " +
+                             std::to_string(dptrain::kAgentProtocol) +
+                             "): it cannot run this machine's jobs"));
+    CHECK(line.ends_with("-- fix: install this build there, or name it with --remote-binary"));
+  }
+  CHECK(r.out.find("not run: its dptrain is another build") != std::string::npos);
+}
+
 TEST_CASE("doctor: no dptrain in a --workdir: the fix provisions that workdir") {
   DoctorFixture f;
   // Provision installs WORKDIR/bin/dptrain: a fix without the doctor's --workdir would install
@@ -259,8 +283,8 @@ TEST_CASE("doctor: a port probe that says no port in time is a slow host, not a 
 TEST_CASE("doctor: a binary that answers --version but hangs in a probe fails that probe") {
   DoctorFixture f;
   const fs::path hangs = f.tmp / "hangs-later";
-  write_text(hangs, "#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'dptrain " DPTRAIN_VERSION
-                    "'; exit 0; fi\nexec sleep 600\n");
+  write_text(hangs, "#!/bin/sh\nif [ \"$1\" = --version ]; then exec '" + binary() +
+                        "' \"$@\"; fi\nexec sleep 600\n");
   fs::permissions(hangs, fs::perms::owner_all);
   auto r = f.doctor({"--remote-binary", hangs.string()}, {{"DPTRAIN_TEST_VERSION_PROBE_S", "2"}});
   INFO(r.out, r.err);
@@ -624,6 +648,21 @@ TEST_CASE("doctor: the data check's fix fits what is wrong with the data") {
     for (const auto& c : report["checks"])
       peer_port_skipped = peer_port_skipped || (c["check"] == "peer-port" && c["skipped"] == true);
     CHECK(peer_port_skipped);
+  }
+  SUBCASE("more wrong rows than are listed: the last listed says how many more") {
+    std::string wrong;
+    for (int i = 0; i < 25; ++i)
+      wrong += "7,1,1\n";
+    const json report = local_doctor(tmp, csv_recipe(tmp, many_rows(40) + wrong));
+    std::vector<std::string> details;
+    for (const auto& c : report["checks"]) {
+      if (c["check"] == "data" && c["ok"] == false) details.push_back(c["detail"]);
+    }
+    CAPTURE(report.dump());
+    // One failed check per listed row, not one for the count.
+    REQUIRE(details.size() == dptrain::kMostCsvProblems);
+    CHECK(contains(details.back(), ":60: label 7 is outside [0, 3)"));
+    CHECK(details.back().ends_with("; and 5 more row(s) with a problem, not listed"));
   }
   SUBCASE("a row with fewer columns than the first") {
     const json data =

@@ -11,8 +11,10 @@
 #include <fmt/format.h>
 
 #include "core/comm/communicator.hpp"
+#include "launch/agent.hpp"
 #include "tests/cluster.hpp"
 #include "tests/damage.hpp"
+#include "tests/frozen_join.hpp"
 #include "tests/strings.hpp"
 #include "tests/text_corpus.hpp"
 
@@ -807,25 +809,15 @@ TEST_CASE("a remote rank frozen before the ranks meet is named by --hang-timeout
   auto recipe_json = quick_recipe();
   recipe_json["distributed"]["timeout_s"] = 120;  // the wait the others would otherwise sit out
   const auto recipe = write_recipe(c.tmp.path(), recipe_json);
-  const fs::path events = c.tmp / "events.jsonl";
-  auto args = c.launch_args(recipe, c.tmp / "join");
-  args.insert(args.end(), {"--hang-timeout", "3", "--max-restarts", "1", "--restart-backoff", "0.1",
-                           "--events", events.string(), "--json"});
-  const auto t0 = std::chrono::steady_clock::now();
   // Rank 2: the second host's first.
-  const auto r = run_dptrain(args, {{"DPTRAIN_FAULT", "freeze-before-join@rank=2,gen=1"}});
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  INFO(r.err);
-  REQUIRE(r.exit_code == 0);  // found, stopped, and restarted: generation 2 has no fault
-  CHECK(seconds < 60);        // not the 120 s the ranks' own wait takes
-  const std::string verdict = last_event_message(events, "hang_detected");
+  const std::string verdict =
+      frozen_join_verdict(c.launch_args(recipe, c.tmp / "join"), "freeze-before-join@rank=2,gen=1",
+                          c.tmp / "events.jsonl");
   CAPTURE(verdict);
   CHECK(contains(verdict, "stuck: rank 2 on " + c.sshd.host(c.sshd.addresses()[2]).display() +
                               " (no heartbeat in the "));
   CHECK(contains(verdict, "frozen, or unable to reach the store, before it joined)"));
   CHECK(contains(verdict, "; waiting for it to join: rank 0 on "));
-  CHECK(parse_json(r.out)["restarts"] == 1);
 }
 
 // The quick recipe launched across the cluster into c.tmp/NAME with `binary` as the hosts'
@@ -900,17 +892,77 @@ TEST_CASE("a program at --remote-binary that is not this dptrain's agent: exit 4
   CHECK_FALSE(contains(mute.err, "says it is alive every second"));
 }
 
+TEST_CASE("a host whose agent speaks another protocol (another build): exit 4 naming both") {
+  Cluster c;
+  // An agent from before agents said their protocol: "@alive" first. It reads its plan, would
+  // start its ranks, and waits: the launcher kills it at once, and does not restart.
+  const fs::path older = c.tmp / "older-agent";
+  write_script(older, "#!/bin/sh\necho @alive\nhead -n 1 >/dev/null\nsleep 120\n");
+  const auto old = launch_with_remote_binary(c, "older", older, {"--max-restarts", "2"});
+  INFO(old.err);
+  CHECK(old.exit_code == 4);
+  CHECK(contains(old.err, "'" + older.string() +
+                              "' there is an older build of dptrain (its agent does not say "
+                              "which protocol it speaks; this launcher's speaks " +
+                              std::to_string(dptrain::kAgentProtocol) +
+                              "): install this build there with 'dptrain provision'"));
+  CHECK(contains(old.err, "(not restarted: "));
+  CHECK_FALSE(contains(old.err, "@alive"));
+  CHECK(parse_json(old.out)["restarts"] == 0);
+  CHECK(old.seconds < 60);  // not its sleep: killed
+
+  // One that says a number this launcher does not speak: a newer build, say. What it says
+  // after is not taken for a report (it would be misread).
+  const fs::path newer = c.tmp / "newer-agent";
+  write_script(newer,
+               "#!/bin/sh\necho '@agent 999'\necho '@rank 0 hello'\nhead -n 1 "
+               ">/dev/null\nsleep 120\n");
+  const auto nr = launch_with_remote_binary(c, "newer", newer);
+  INFO(nr.err);
+  CHECK(nr.exit_code == 4);
+  CHECK(contains(nr.err, "'" + newer.string() +
+                             "' there is another build of dptrain (its agent speaks protocol "
+                             "999, this launcher's " +
+                             std::to_string(dptrain::kAgentProtocol) + ")"));
+  CHECK_FALSE(contains(nr.err, "hello"));
+  // One that says protocol 1 outright: named by the number it said.
+  const fs::path one = c.tmp / "one-agent";
+  write_script(one, "#!/bin/sh\necho '@agent 1'\nhead -n 1 >/dev/null\nsleep 120\n");
+  const auto said_one = launch_with_remote_binary(c, "one", one);
+  CHECK(said_one.exit_code == 4);
+  CHECK(contains(said_one.err,
+                 "' there is another build of dptrain (its agent speaks protocol 1, "
+                 "this launcher's " +
+                     std::to_string(dptrain::kAgentProtocol) + ")"));
+}
+
+TEST_CASE("a login's start-up output before the agent (an '@' line, stderr without a line end)") {
+  Cluster c;
+  // What a login's start-up files may print before the agent runs: neither is taken for the
+  // agent's first line, and the job runs.
+  const fs::path noisy = c.tmp / "noisy.sh";
+  write_script(noisy, "#!/bin/sh\necho '@home is mounted'\nprintf 'no line end' >&2\nexec '" +
+                          binary() + "' \"$@\"\n");
+  const auto r = launch_with_remote_binary(c, "noisy", noisy);
+  INFO(r.err);
+  CHECK(r.exit_code == 0);
+  CHECK_FALSE(contains(r.err, "another build"));
+}
+
 TEST_CASE("an agent that refuses its plan (exit 2, its host's data differs) is not restarted") {
   Cluster c;
   // What an agent says when its host's copy of the data is not the launcher's: a failure of
-  // the host (rank -1), exit 2.
+  // the host (rank -1), exit 2. It says its protocol first, as every agent does.
   const fs::path refusing = c.tmp / "refusing-agent";
   write_text(refusing,
              "#!/bin/sh\n"
-             "echo '@failure {\"rank\":-1,\"exit_code\":-1,\"signal\":0,\"description\":"
-             "\"data/train.csv on this host is not the launcher'\"'\"'s\",\"refused\":false,"
-             "\"last_lines\":[]}'\n"
-             "exit 2\n");
+             "echo '@agent " +
+                 std::to_string(dptrain::kAgentProtocol) +
+                 "'\n"
+                 "echo '@failure {\"rank\":-1,\"exit_code\":-1,\"signal\":0,\"description\":"
+                 "\"data/train.csv on this host is not the launcher'\"'\"'s\",\"refused\":false,"
+                 "\"last_lines\":[]}'\n"
+                 "exit 2\n");
   fs::permissions(refusing, fs::perms::owner_all);
   auto r = launch_with_remote_binary(c, "refusing", refusing, {"--max-restarts", "2"});
   INFO(r.err);
@@ -1139,6 +1191,7 @@ TEST_CASE("a host name that does not resolve fails with exit 4 before anything i
   CHECK(
       drafted.err.starts_with("dptrain: warning: no-such-host.invalid (--hosts): cannot resolve"));
   CHECK(parse_json(drafted.out)["hosts"][0]["host"] == "no-such-host.invalid");
+  CHECK(parse_json(drafted.out)["warnings"].size() == 1);
   // The benchmarks too, and a second host that does not resolve as well as a first.
   const std::vector<std::vector<std::string>> others = {
       {"bench", "comm", "--hosts", "no-such-host.invalid:1", "--runs-root", (tmp / "bc").string()},

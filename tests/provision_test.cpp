@@ -449,6 +449,16 @@ TEST_CASE("facts and nvidia-smi lines parse; no GPU is a fact") {
   CHECK(dptrain::version_line("Welcome to node b\n\ndptrain 0.1.0\n") == "dptrain 0.1.0");
   CHECK(dptrain::version_line("dptrain 0.1.0\n") == "dptrain 0.1.0");
   CHECK(dptrain::version_line("  something else \n") == "something else");
+  // What `--version --json` prints: the version as the line says it, and the agent protocol
+  // (1 where the build does not say it; 0, not known, where it printed neither).
+  const std::string answer =
+      "Welcome\n{\"version\":\"0.1.0\",\"cuda\":false,\"agent_protocol\":7,\"status\":\"ok\"}\n";
+  CHECK(dptrain::version_line(answer) == "dptrain 0.1.0");
+  CHECK(dptrain::agent_protocol_of(answer) == 7);
+  CHECK(dptrain::agent_protocol_of("{\"version\":\"0.1.0\",\"cuda\":false}\n") == 1);
+  CHECK(dptrain::agent_protocol_of("Welcome\ndptrain 0.1.0\n") == 1);  // before --json
+  CHECK(dptrain::agent_protocol_of("something else\n") == 0);
+  CHECK(dptrain::agent_protocol_of("{\"version\":\"0.1.0\",\"agent_protocol\":\"x\"}") == 0);
   // The loader's complaint wherever it is among the lines (a banner first, on stderr too).
   CHECK(dptrain::loader_failure("Welcome\n/x/dptrain: error while loading shared libraries: "
                                 "libgloo.so.0: cannot open shared object file\n") ==

@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <ctime>
 #include <fstream>
+#include <memory>
 #include <regex>
 #include <sstream>
 
@@ -980,9 +981,25 @@ TEST_CASE("report and status of what is not a run: exit 2 naming it") {
   CHECK(own.exit_code == 0);
   CHECK(fs::is_regular_file(tmp / "ok/report.html"));
   auto outside =
-      run_dptrain({"report", (tmp / "ok").string(), "--out", (tmp / "target.html").string()});
+      run_dptrain({"report", (tmp / "ok").string(), "--out", (tmp / "outside.html").string()});
   CHECK(outside.exit_code == 0);
-  CHECK(read_text(tmp / "target.html").starts_with("<!DOCTYPE html>"));
+  CHECK(read_text(tmp / "outside.html").starts_with("<!DOCTYPE html>"));
+  // An earlier report there is replaced; a file that holds something else (the recipe, a
+  // dataset, named by a slip; the "kept" above) is not, and stays as it was.
+  CHECK(run_dptrain({"report", (tmp / "ok").string(), "--out", (tmp / "outside.html").string()})
+            .exit_code == 0);
+  CHECK(run_dptrain({"report", (tmp / "ok").string(), "--out", (tmp / "target.html").string()})
+            .exit_code == 2);
+  CHECK(read_text(tmp / "target.html") == "kept");
+  write_text(tmp / "data.csv", "x,label\n1,0\n");
+  auto slip = run_dptrain(
+      {"report", (tmp / "ok").string(), "--out", (tmp / "data.csv").string(), "--json"});
+  CHECK(slip.exit_code == 2);
+  CHECK(parse_json(slip.out)["error"] ==
+        "--out " + (tmp / "data.csv").string() +
+            ": holds something else than an HTML page (it does not start with <!DOCTYPE html>), "
+            "so it is not replaced; name another file, or remove it first");
+  CHECK(read_text(tmp / "data.csv") == "x,label\n1,0\n");
 }
 
 TEST_CASE("status: a run that failed on a checkpoint problem (exit 5) says to fix it first") {
@@ -1052,19 +1069,25 @@ TEST_CASE("status: a checkpoints directory gone or out of reach is not 'none': t
                  "/checkpoints, which cannot be read: a resume refuses until it is back"));
 }
 
+// `dptrain resume RUN_DIR` in the background, once its second generation's two ranks run; rank 1
+// takes 30 s to load, so they do not meet while a test looks.
+std::unique_ptr<Background> resume_not_meeting(const fs::path& run_dir) {
+  auto resume = std::make_unique<Background>(std::vector<std::string>{"resume", run_dir.string()},
+                                             Env{{"DPTRAIN_FAULT", "slow-start@rank=1,ms=30000"}});
+  REQUIRE(eventually([&] {
+    return parse_json(read_text(run_dir / "run.json"))["generations"].size() == 2 &&
+           worker_pids(run_dir).size() == 2;
+  }));
+  return resume;
+}
+
 TEST_CASE("status of a resume whose ranks have not met: the step shown is the last generation's") {
   TempDir tmp;
   const fs::path run_dir = run_failed_after_checkpoint(tmp);
   CHECK_FALSE(
       parse_json(run_dptrain({"status", run_dir.string(), "--json"}).out)["generation_starting"]
           .get<bool>());
-  // Rank 1 takes 30 s to load: the resume's ranks do not meet while the test looks.
-  Background resume({"resume", run_dir.string()},
-                    {{"DPTRAIN_FAULT", "slow-start@rank=1,ms=30000"}});
-  REQUIRE(eventually([&] {
-    return parse_json(read_text(run_dir / "run.json"))["generations"].size() == 2 &&
-           worker_pids(run_dir).size() == 2;
-  }));
+  const auto resume = resume_not_meeting(run_dir);
   const json s = parse_json(run_dptrain({"status", run_dir.string(), "--json"}).out);
   CHECK(s["status"] == "running");
   CHECK(s["generation_starting"] == true);
@@ -1072,8 +1095,8 @@ TEST_CASE("status of a resume whose ranks have not met: the step shown is the la
   CHECK(contains(text,
                  "; the last generation's: this one is starting, from its newest valid "
                  "checkpoint\n"));
-  REQUIRE(::kill(resume.pid(), SIGTERM) == 0);
-  CHECK(resume.wait(std::chrono::seconds(60)) == 143);
+  REQUIRE(::kill(resume->pid(), SIGTERM) == 0);
+  CHECK(resume->wait(std::chrono::seconds(60)) == 143);
 }
 
 TEST_CASE("status of a resume from step 0 whose ranks have not met: the last generation's step") {
@@ -1090,13 +1113,7 @@ TEST_CASE("status of a resume from step 0 whose ranks have not met: the last gen
   const json before = parse_json(run_dptrain({"status", run_dir.string(), "--json"}).out);
   REQUIRE(before["step"].is_number());
   REQUIRE(before["loss"].is_number());
-  // Rank 1 takes 30 s to load: the resume's ranks (from step 0) do not meet while the test looks.
-  Background resume({"resume", run_dir.string()},
-                    {{"DPTRAIN_FAULT", "slow-start@rank=1,ms=30000"}});
-  REQUIRE(eventually([&] {
-    return parse_json(read_text(run_dir / "run.json"))["generations"].size() == 2 &&
-           worker_pids(run_dir).size() == 2;
-  }));
+  const auto resume = resume_not_meeting(run_dir);
   const json s = parse_json(run_dptrain({"status", run_dir.string(), "--json"}).out);
   CHECK(s["generation_starting"] == true);
   // Its last logged step (the failed one was logged or not), and that step's loss.
@@ -1104,6 +1121,6 @@ TEST_CASE("status of a resume from step 0 whose ranks have not met: the last gen
   CHECK(s["step"].get<int64_t>() > 0);
   CHECK(s["step"].get<int64_t>() <= before["step"].get<int64_t>());
   CHECK(s["loss"] == before["loss"]);
-  REQUIRE(::kill(resume.pid(), SIGTERM) == 0);
-  CHECK(resume.wait(std::chrono::seconds(60)) == 143);
+  REQUIRE(::kill(resume->pid(), SIGTERM) == 0);
+  CHECK(resume->wait(std::chrono::seconds(60)) == 143);
 }

@@ -559,6 +559,12 @@ TEST_CASE("sample --ids: ids in and out, the same draws as text; a dataset witho
            {"1 -2", "--prompt: '-2' is not a token id"},
            {"1 2x", "--prompt: '2x' is not a token id"},
            {" , ", "--prompt: ' , ' holds no token id"},
+           {"1,,2", "--prompt: '1,,2' has an empty field between commas"},
+           {",1", "--prompt: ',1' has an empty field between commas"},
+           {"1, 2 ,", "--prompt: '1, 2 ,' has an empty field between commas"},
+           {"99999999999999999999",
+            "--prompt: token id 99999999999999999999 is out of the "
+            "vocabulary (ids 0 to "},
            {std::to_string(data.vocab), fmt::format("--prompt: token id {} is out of the "
                                                     "vocabulary (ids 0 to {})",
                                                     data.vocab, data.vocab - 1)}}) {

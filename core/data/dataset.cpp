@@ -272,7 +272,7 @@ std::vector<std::string> scan_csv(const std::filesystem::path& path, const std::
   }
   if (unlisted > 0) {
     problems.push_back(path.string() + ": " + std::to_string(unlisted) +
-                       " more row(s) with a problem, not listed");
+                       std::string(kUnlistedCsvProblems));
   }
   if (rows_read == 0) problems.push_back(path.string() + ": no data rows" + rows.empty_note());
   if (data_rows != nullptr) *data_rows = rows_read;

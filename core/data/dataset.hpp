@@ -78,6 +78,7 @@ SampleTable read_csv_samples(const std::filesystem::path& path, const std::strin
 // is right; Error(recipe) naming the file when it cannot be read. `data_rows`, when given, gets
 // how many data rows the file has.
 inline constexpr size_t kMostCsvProblems = 20;
+inline constexpr std::string_view kUnlistedCsvProblems = " more row(s) with a problem, not listed";
 std::vector<std::string> csv_problems(const std::filesystem::path& path, const std::string& header,
                                       int64_t features, int64_t classes,
                                       int64_t* data_rows = nullptr);
