@@ -446,11 +446,13 @@ int run_verify(const CkptOptions& o, Outcome& outcome) {
                                               term ? "SIGTERM" : "SIGINT", rows.size()));
   }
   if (o.json) {
-    json out = {{"run_dir", run.path.string()}, {"ok", code == 0}};
-    if (check_latest_too) {
-      out["latest"] = latest_json(latest);
-      out["latest_problem"] = or_null(latest.problem);
-    }
+    // One shape whatever was named: `latest` as it stands; with a STEP it is not part of "ok"
+    // ("latest_checked" false), as the table then leaves its line out.
+    json out = {{"run_dir", run.path.string()},
+                {"ok", code == 0},
+                {"latest", latest_json(latest)},
+                {"latest_problem", or_null(latest.problem)},
+                {"latest_checked", check_latest_too}};
     out["warnings"] = warnings;
     out["checkpoints"] = json::array();
     for (const auto& row : rows)

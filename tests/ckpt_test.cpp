@@ -627,6 +627,14 @@ TEST_CASE("ckpt list and verify report a dangling `latest`") {
   CHECK(verify_json["ok"] == false);
   CHECK(verify_json["latest"] == "step-000099");
   CHECK(contains(verify_json["latest_problem"].get<std::string>(), "does not exist"));
+  CHECK(verify_json["latest_checked"] == true);
+  // A STEP named: the same keys, `latest` as it stands, not part of "ok".
+  const auto named_json =
+      parse_json(run_dptrain({"ckpt", "verify", run.string(), "40", "--json"}).out);
+  CHECK(named_json["ok"] == true);
+  CHECK(named_json["latest"] == "step-000099");
+  CHECK(named_json["latest_problem"] == verify_json["latest_problem"]);
+  CHECK(named_json["latest_checked"] == false);
 
   auto table = run_dptrain({"ckpt", "list", run.string()});
   INFO(table.out);
