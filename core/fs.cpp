@@ -327,14 +327,14 @@ void check_replaceable(const std::string& flag, const std::string& given,
     throw Error(ErrorKind::usage,
                 fmt::format("{} {}: cannot be read to tell what it holds ({}), so it is not "
                             "replaced; name another file, or remove it first",
-                            flag, given, std::strerror(errno)));
+                            flag, printable(given), std::strerror(errno)));
   }
   const auto got = in.read(start.data(), static_cast<std::streamsize>(start.size())).gcount();
   if (std::string_view(start).substr(0, static_cast<size_t>(got)) != own_start) {
     throw Error(ErrorKind::usage,
                 fmt::format("{} {}: holds something else than {} (it does not start with {}), so "
                             "it is not replaced; name another file, or remove it first",
-                            flag, given, own_kind, own_start));
+                            flag, printable(given), own_kind, own_start));
   }
 }
 

@@ -193,9 +193,10 @@ int run_relay(const RelayPlan& plan) {
     write_host_failure(stdout, e.what());
     return 4;
   }
-  // The agent's lines go on to the launcher, but for its "@alive" ones: what they say is that
-  // the host answers, which is when anything was last heard. "@done" says every rank there
-  // exited 0: the host is complete, whatever becomes of the connection after it.
+  // The agent's lines go on to the launcher, but for its "@agent N" and "@alive" ones: what
+  // these say is its protocol and that the host answers (when anything was last heard). "@done"
+  // says every rank there exited 0: the host is complete, whatever becomes of the connection after
+  // it.
   auto last_heard = std::chrono::steady_clock::now();
   bool done = false;
   // The agent's first line of its protocol, on stdout ("@agent N", or from an agent before it
@@ -331,8 +332,9 @@ int run_relay(const RelayPlan& plan) {
       }
     }
     if (other_build()) return refuse_other_build();
-    for (const std::string& rest : partial)
-      std::fwrite(rest.data(), 1, rest.size(), stdout);
+    for (const std::string& rest : partial) {  // each its own line: never glued together
+      if (!rest.empty()) std::fprintf(stdout, "%s\n", rest.c_str());
+    }
   } catch (const Error& e) {
     if (other_build()) return refuse_other_build();  // what it said is the cause
     if (done) {
