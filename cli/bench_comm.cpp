@@ -166,10 +166,10 @@ std::vector<std::string> wrong_data_lines(const CommBenchResult& result) {
 
 // A benchmark that ended before its result (stopped, a rank that failed or hung): the sizes
 // measured before the end are kept (table.txt, and result.json with "partial": true) and
-// printed, then the error; with --json, one object with them, the run directory and the
-// failure's fields.
+// printed, then the error; with --json, one object with them, the run directory, the warnings
+// said (`warnings`) and the failure's fields.
 int report_unfinished(const BenchCommOptions& o, RunDirectory& run, const CommBenchResult& partial,
-                      const JobOutcome& outcome) {
+                      const JobOutcome& outcome, std::vector<std::string> warnings) {
   // As main ends a failed command: a stop signal that came meanwhile is the exit.
   const ErrorKind kind = kind_after_stop(failure_kind(outcome.exit_code));
   const int code = exit_code(kind);
@@ -200,9 +200,11 @@ int report_unfinished(const BenchCommOptions& o, RunDirectory& run, const CommBe
       run.info()["result"] = j;
       run.save();
     } catch (const Error& e) {
-      std::fprintf(stderr, "dptrain: warning: %s (the partial result is not kept)\n", e.what());
+      warnings.push_back(fmt::format("{} (the partial result is not kept)", e.what()));
+      std::fprintf(stderr, "dptrain: warning: %s\n", warnings.back().c_str());
     }
   }
+  j["warnings"] = warnings;
   if (o.json) {
     std::printf("%s\n", json_text(j).c_str());
   } else {
@@ -318,7 +320,7 @@ int run_bench_launcher(const BenchCommOptions& o) {
   };
   const JobOutcome outcome = run_job(run, spec, status);
   status.finish();
-  if (outcome.exit_code != 0) return report_unfinished(o, run, result, outcome);
+  if (outcome.exit_code != 0) return report_unfinished(o, run, result, outcome, status.warnings());
 
   result = CommBenchResult::from_json(outcome.result);
   result.hosts = hosts;
@@ -341,6 +343,7 @@ int run_bench_launcher(const BenchCommOptions& o) {
   j["status"] = status_word;
   j["run_dir"] = run.path().string();
   if (o.min_busbw_flag->count() > 0) j["min_busbw"] = o.min_busbw;
+  j["warnings"] = status.warnings();
   if (exit_code != 0) {
     add_failure(j, exit_code, errors);
   } else {
@@ -533,7 +536,7 @@ void setup_bench_comm(CLI::App& app, Outcome& outcome) {
                      "Exit 6 when a collective's busbw at its largest size is below this many GB/s")
           ->check(non_negative_number());
   app.add_option("--timeout", o->timeout_s, "Seconds for the rendezvous and for each collective")
-      ->check(positive_seconds())
+      ->check(seconds_at_least(0.001))  // whole milliseconds are waited for
       ->capture_default_str();
   app.add_option("--run-dir", o->run_dir,
                  "Run directory for the ranks' logs and the result (default: "

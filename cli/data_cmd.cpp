@@ -61,6 +61,7 @@ struct Source {
 
 // What was written, as printed.
 struct PrepareSummary {
+  explicit PrepareSummary(std::vector<std::string>& given) : warnings(given) {}
   fs::path path;
   std::vector<Source> sources;
   uint64_t bytes = 0;
@@ -69,7 +70,9 @@ struct PrepareSummary {
   int64_t vocab = 0;
   int64_t tokens = 0, train_tokens = 0, val_tokens = 0;
   int dtype_bytes = 2;
-  std::vector<std::string> warnings;  // each also printed on stderr as it is found
+  // Each also printed on stderr as it is found; the command's own (Outcome::warnings), so that a
+  // JSON error carries those given before it failed.
+  std::vector<std::string>& warnings;
 };
 
 // One line, whatever the paths in it hold (a file name with a newline).
@@ -145,6 +148,11 @@ void check_options(const PrepareOptions& o) {
   }
 }
 
+// `.NAME.tmp-PID` and `.NAME.old-PID`: a prepare's temporary dataset and the dataset it replaces.
+fs::path sibling(const fs::path& out, const char* what, pid_t pid) {
+  return out.parent_path() / fmt::format(".{}.{}-{}", out.filename().string(), what, pid);
+}
+
 // OUT as an absolute path without a trailing slash, so that it has a parent to rename in.
 fs::path output_path(const std::string& out) {
   fs::path path = fs::absolute(out).lexically_normal();
@@ -181,6 +189,17 @@ fs::path output_path(const std::string& out) {
                        std::strerror(error)));
   }
   ::rmdir(probe.c_str());
+  // The dataset is written beside OUT first (.NAME.tmp-PID): a name that leaves no room for that
+  // is said now, not after the text is read.
+  const long name_max = ::pathconf(at.c_str(), _PC_NAME_MAX);
+  const size_t longest = sibling(path, "tmp", ::getpid()).filename().string().size();
+  if (name_max > 0 && longest > static_cast<size_t>(name_max)) {
+    refuse(
+        fmt::format("--out {}: a name of {} bytes is too long: the dataset is written beside "
+                    "it first as .NAME.tmp-PID ({} bytes), and names in {} are at most {} "
+                    "bytes; give a shorter name",
+                    out, path.filename().string().size(), longest, at.string(), name_max));
+  }
   return path;
 }
 
@@ -317,11 +336,6 @@ json meta_json(const PrepareSummary& s, double val_fraction) {
 void warn(PrepareStatus& status, std::vector<std::string>& warnings, const std::string& text) {
   warnings.push_back(printable(text));
   status.line("dptrain: warning: " + warnings.back());
-}
-
-// `.NAME.tmp-PID` and `.NAME.old-PID`: a prepare's temporary dataset and the dataset it replaces.
-fs::path sibling(const fs::path& out, const char* what, pid_t pid) {
-  return out.parent_path() / fmt::format(".{}.{}-{}", out.filename().string(), what, pid);
 }
 
 // What a prepare of OUT that was killed (SIGKILL, a crash, a power cut) left beside it: its
@@ -490,11 +504,11 @@ void print_summary(const PrepareSummary& s, bool as_json) {
                   .c_str());
 }
 
-int run_prepare(const PrepareOptions& o) {
+int run_prepare(const PrepareOptions& o, std::vector<std::string>& warnings) {
   check_options(o);
   install_stop_signal_handlers();
   PrepareStatus status(StatusPrinter::is_terminal(stderr));
-  PrepareSummary s;
+  PrepareSummary s(warnings);
   s.path = output_path(o.out);
   remove_stale_siblings(s.path, status, s.warnings);
   check_dataset_output(s.path, o.force);
@@ -613,7 +627,7 @@ void setup_data(CLI::App& app, Outcome& outcome) {
   prepare->add_flag("--json", o->json, "Print one JSON object with the counts on stdout");
   prepare->callback([o, &outcome] {
     outcome.json = o->json;
-    outcome.exit_code = run_prepare(*o);
+    outcome.exit_code = run_prepare(*o, outcome.warnings);
   });
 }
 

@@ -206,6 +206,7 @@ int start_launch(const LaunchOptions& o, bool& events_opened, Outcome& outcome) 
   run.info()["recipe_file"] = std::filesystem::absolute(o.recipe).string();
   std::FILE* status_out = status_stream(o.json, *events);
   StatusPrinter status(status_out, StatusPrinter::is_terminal(status_out));
+  const KeepWarningsOnFailure keep(status, outcome.warnings);
   status.line(fmt::format("dptrain {}: {} on {} rank(s){}, run directory {}", DPTRAIN_VERSION,
                           spec.recipe.name, spec.world_size,
                           spec.hosts.empty() ? std::string(" on this machine")

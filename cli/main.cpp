@@ -469,10 +469,19 @@ int run(int argc, char** argv) {
     }
   }
   check_option_values(app, attached);
-  // What the command warned of before it failed goes with its JSON error, whatever failed.
-  const auto warned = [&outcome] {
+  // What a JSON error carries besides its four fields, whatever failed: the warnings the command
+  // gave before it failed, and the answer a script reads on every one of its answers
+  // (dptrain(1)): recipe validate's "valid" (with its "warnings"), ckpt verify's "ok".
+  const auto warned = [&] {
     nlohmann::json fields = nlohmann::json::object();
     if (!outcome.warnings.empty()) fields["warnings"] = outcome.warnings;
+    const std::string name = named_command(app, argc, argv).name;
+    if (name == "dptrain recipe validate") {
+      fields["valid"] = false;
+      if (!fields.contains("warnings")) fields["warnings"] = nlohmann::json::array();
+    } else if (name == "dptrain ckpt verify") {
+      fields["ok"] = false;
+    }
     return fields;
   };
   try {
@@ -521,10 +530,7 @@ int run(int argc, char** argv) {
     if (message.empty()) message = plain_parse_error(command, e.what(), argc, argv);
     // One line: what is wrong, and where the options are told.
     const std::string line = fmt::format("{} (see '{} --help')", message, command.name);
-    // recipe validate's answer says "valid" whatever went wrong (dptrain-recipe(1)).
-    nlohmann::json fields = nlohmann::json::object();
-    if (command.name == "dptrain recipe validate") fields["valid"] = false;
-    print_error(line, 2, "error", json, "", std::move(fields));
+    print_error(line, 2, "error", json, "", warned());
     end_refused_events(command, argc, argv, json, line);
     return 2;
   } catch (const dptrain::Error& e) {

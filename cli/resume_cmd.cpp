@@ -120,9 +120,11 @@ std::pair<std::string, std::string> job_size(const ResumeOptions& o, const HostO
 }
 
 // The resume once its events stream is open.
-int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events) {
+int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events,
+               std::vector<std::string>& warned) {
   std::FILE* status_out = status_stream(o.json, events);
   StatusPrinter status(status_out, StatusPrinter::is_terminal(status_out));
+  const KeepWarningsOnFailure keep(status, warned);
   if (run.info().value("status", nlohmann::json()) == "completed") {
     status.line(fmt::format("{}: the run already completed; nothing to resume", o.run_dir));
     // The fields a launch's outcome has, from what the run recorded: the --json outcome, and the
@@ -326,7 +328,7 @@ int start_resume(const ResumeOptions& o, bool& events_opened, Outcome& outcome) 
   if (run.info().value("status", nlohmann::json()) == "completed") {
     events_opened = true;
     const auto events = open_events(o.restart, o.json, o.run_dir);
-    return resume_run(o, run, *events);
+    return resume_run(o, run, *events, outcome.warnings);
   }
   // Found before the resume announces itself and places ranks: every generation writes here,
   // its ranks' logs under logs/ and its checkpoints under checkpoints/ (found there only once a
@@ -366,7 +368,7 @@ int start_resume(const ResumeOptions& o, bool& events_opened, Outcome& outcome) 
   events_opened = true;
   const auto events = open_events(o.restart, o.json, o.run_dir);
   try {
-    return resume_run(o, run, *events);
+    return resume_run(o, run, *events, outcome.warnings);
   } catch (const std::exception& e) {
     // A resume that cannot start (no valid checkpoint, hosts that are gone) still ends its
     // events stream, which a pipeline reads to its run_finished; run.json is left as it was.

@@ -397,15 +397,6 @@ CLI::Validator seconds_at_least(double floor) {
       fmt::format("SECONDS>={}", floor));
 }
 
-const CLI::Validator& positive_seconds() {
-  static const CLI::Validator check = [] {
-    CLI::Validator v = seconds_at_least(0);
-    v.description("SECONDS>0");
-    return v;
-  }();
-  return check;
-}
-
 const CLI::Validator& remote_path() {
   static const CLI::Validator check(
       [](std::string& value) -> std::string {

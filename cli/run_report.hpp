@@ -4,10 +4,12 @@
 #include <CLI/CLI.hpp>
 
 #include <charconv>
+#include <exception>
 #include <limits>
 #include <memory>
 #include <string>
 #include <system_error>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -51,9 +53,8 @@ const CLI::Validator& positive_number();
 CLI::Validator number_at_most(double most, const char* description, const char* unit);
 // A number of seconds: non_negative_number, at most kMaxSeconds.
 const CLI::Validator& seconds();
-// A number of seconds more than 0 (a wait that must last some time): seconds(), and not 0.
-const CLI::Validator& positive_seconds();
-// positive_seconds() and at least `floor` ("SECONDS>=0.001": the finest a wait can be given at).
+// A number of seconds more than 0 and at least `floor` (a wait that must last some time;
+// "SECONDS>=0.001": the finest a wait can be given at): seconds(), and not 0.
 CLI::Validator seconds_at_least(double floor);
 // A CLI11 check for a path on the remote hosts (--workdir, --remote-binary): ~ and ~/... are the
 // login's home there; ~user/... is refused (it would be taken as a directory named "~user").
@@ -157,5 +158,26 @@ int report_outcome(const RunDirectory& run, const JobOutcome& outcome, bool json
 // reports the outcome; returns the exit code.
 int run_to_end(RunDirectory& run, JobSpec spec, const RestartOptions& o, bool json,
                EventLog& events, StatusPrinter& status);
+
+// Where a command fails by an exception, what `status` warned of before goes into `warned`
+// (Outcome::warnings: its JSON error carries them). Declared after the printer, in its scope.
+class KeepWarningsOnFailure {
+ public:
+  KeepWarningsOnFailure(const StatusPrinter& status, std::vector<std::string>& warned)
+      : status_(status), warned_(warned), exceptions_(std::uncaught_exceptions()) {}
+  ~KeepWarningsOnFailure() {
+    if (std::uncaught_exceptions() > exceptions_) {
+      const std::vector<std::string> said = status_.warnings();
+      warned_.insert(warned_.end(), said.begin(), said.end());
+    }
+  }
+  KeepWarningsOnFailure(const KeepWarningsOnFailure&) = delete;
+  KeepWarningsOnFailure& operator=(const KeepWarningsOnFailure&) = delete;
+
+ private:
+  const StatusPrinter& status_;
+  std::vector<std::string>& warned_;
+  int exceptions_;
+};
 
 }  // namespace dptrain::cli

@@ -829,11 +829,18 @@ class TrainingRun {
       require_same_data(dir, p.data_fingerprint, data_.fingerprint, recipe_.data,
                         "a resume on it would not continue the same run; put the data back as "
                         "it was, or start a new run");
-      if (ckpt.params.size() != params_.size() ||
-          ckpt.optimizer_state.size() != state_per_param() * num_params_) {
+      if (ckpt.params.size() != params_.size()) {
         throw Error(ErrorKind::checkpoint,
-                    fmt::format("{}: holds {} parameters, the model has {}", dir.string(),
-                                ckpt.params.size(), params_.size()));
+                    fmt::format("{}: params.bin holds {} parameters, the model has {}",
+                                printable(dir.string()), ckpt.params.size(), params_.size()));
+      }
+      if (const size_t want = state_per_param() * num_params_;
+          ckpt.optimizer_state.size() != want) {
+        throw Error(ErrorKind::checkpoint,
+                    fmt::format("{}: optimizer.bin holds {} values, the model's {} optimizer "
+                                "needs {} ({} per parameter)",
+                                printable(dir.string()), ckpt.optimizer_state.size(),
+                                recipe_.optimizer.type, want, state_per_param()));
       }
       ops_->upload(ckpt.params.data(), params_.data(), params_.size_bytes());
       if (sharded()) {
@@ -1752,6 +1759,13 @@ void check_levers(const Recipe& recipe) {
           break;
         }
       }
+    }
+    if (!any && best == 0) {
+      // Not even rank 1 gains: every matrix is too small (a 1 x N one, say) to factorise.
+      throw Error(ErrorKind::recipe,
+                  "/distributed/compression/type: powersgd compresses none of the model's weight "
+                  "matrices at any rank (each is too small for P and Q to be smaller); use int8 "
+                  "or topk, or no compression");
     }
     if (!any) {
       throw Error(ErrorKind::recipe,

@@ -2,6 +2,7 @@
 #include "core/trainer.hpp"
 
 #include <doctest/doctest.h>
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -672,6 +673,20 @@ TEST_CASE("trainer: check_runnable refuses a PowerSGD rank that compresses no ma
           "/distributed/compression/rank: 6 compresses none of the model's weight matrices (as P "
           "and Q each would be no smaller); use at most 5");
   }
+  // 1-0-2 (one input, no hidden layer): its 2 x 1 weight gains at no rank.
+  r.model.input = 1;
+  r.model.hidden.clear();
+  r.model.classes = 2;
+  r.distributed.compression.rank = 1;
+  try {
+    check_runnable(r, 2);
+    FAIL("accepted");
+  } catch (const Error& e) {
+    CHECK(std::string(e.what()) ==
+          "/distributed/compression/type: powersgd compresses none of the model's weight "
+          "matrices at any rank (each is too small for P and Q to be smaller); use int8 or topk, "
+          "or no compression");
+  }
 }
 
 TEST_CASE("trainer: a 2-rank checkpoint resumed on 1 rank keeps the global batch and the result") {
@@ -695,6 +710,41 @@ TEST_CASE("trainer: a 2-rank checkpoint resumed on 1 rank keeps the global batch
   const CheckpointData ckpt = read_checkpoint(one.path() / "checkpoints" / checkpoint_name(30));
   CHECK(ckpt.position.global_batch == 16);
   CHECK(ckpt.position.world_size == 1);
+}
+
+TEST_CASE("trainer: a checkpoint whose blobs do not fit the model names the file and both sizes") {
+  Recipe r = tiny_recipe();
+  r.checkpoint.every = 10;
+  TempDir first;
+  REQUIRE(train_ranks(r, 1, first.path())[0].error.empty());
+  const CheckpointData good = read_checkpoint(first.path() / "checkpoints" / checkpoint_name(10));
+  // Written (and checksummed) as a checkpoint: consistent in itself, not with the model.
+  const auto resumed_from = [&](const std::vector<float>& params, const std::vector<float>& state) {
+    TempDir other, again;
+    const fs::path dir =
+        write_checkpoint(other.path() / "checkpoints", good.position, params, state, 1);
+    const auto resumed = train_ranks(r, 1, [&](int) {
+      TrainerOptions o;
+      o.run_dir = again.path();
+      o.resume_from = dir;
+      return o;
+    });
+    const std::string error = resumed[0].error;
+    const size_t at = error.find(": ");
+    return std::make_pair(error.substr(0, at), at == std::string::npos ? "" : error.substr(at + 2));
+  };
+  std::vector<float> short_state = good.optimizer_state;
+  short_state.resize(short_state.size() - 7);
+  const auto [state_dir, state_why] = resumed_from(good.params, short_state);
+  CHECK(state_dir.ends_with(checkpoint_name(10)));
+  CHECK(state_why == fmt::format("optimizer.bin holds {} values, the model's adamw optimizer "
+                                 "needs {} (2 per parameter)",
+                                 short_state.size(), good.optimizer_state.size()));
+  std::vector<float> short_params = good.params;
+  short_params.pop_back();
+  CHECK(resumed_from(short_params, good.optimizer_state).second ==
+        fmt::format("params.bin holds {} parameters, the model has {}", short_params.size(),
+                    good.params.size()));
 }
 
 TEST_CASE("trainer: resumed from the final step's checkpoint, the result keeps its final loss") {

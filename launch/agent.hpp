@@ -83,7 +83,9 @@ std::vector<ProcessSpec> worker_specs(const AgentPlan& plan,
 // The launcher and its agents speak one protocol: the plan's fields and the lines above. Its
 // number is in the plan ("protocol") and in the agent's first line ("@agent N"); it is raised
 // when either side would misread the other's. An agent refuses a plan of another number, and the
-// launcher a host whose agent says another, or none (1: every agent before "@agent").
+// launcher a host whose agent says another, or none (1: every agent before "@agent"): it writes
+// the plan only after the agent's first line ("@agent N" of its own number), and asks an agent
+// silent for 5 s its --version (an older agent says nothing before its plan).
 // Two builds of one version may differ in it: a host that runs another build than the
 // launcher's fails with exit 4 at once, saying so, instead of misreading the other side.
 constexpr int kAgentProtocol = 2;

@@ -28,7 +28,8 @@ namespace {
 std::atomic<int> g_terms{0};
 std::atomic<int> g_interrupts{0};
 // Whether the agent has its plan: before, nothing runs on the host for this relay (it is still
-// connecting, which may take the whole connect timeout), and a stop signal ends it at once.
+// connecting, which may take the whole connect timeout, or waiting for the agent's first line),
+// and a stop signal ends it at once.
 std::atomic<bool> g_plan_sent{false};
 static_assert(std::atomic<bool>::is_always_lock_free);
 
@@ -85,29 +86,37 @@ int protocol_of_first_line(std::string_view line) {
   return ec == std::errc() && end == digits.data() + digits.size() && n > 0 ? n : 0;
 }
 
-// For a host whose agent's first line (`first`) says another protocol than this launcher's:
-// another build of dptrain runs there. A restart would meet it again.
-std::string another_build(const RelayPlan& plan, std::string_view first) {
-  const int protocol = protocol_of_first_line(first);
-  const std::string said =
-      protocol != 0
-          ? std::to_string(protocol)
-          : printable(std::string(first.substr(std::string_view(kAgentHelloPrefix).size())));
+// For a host where another build of dptrain runs, whose agent speaks protocol `said` (its number,
+// or its text where that is not one), or does not say (an older build: nullopt). A restart would
+// meet it again.
+std::string another_build(const RelayPlan& plan, const std::optional<std::string>& said) {
   const std::string which =
-      first.starts_with(kAgentHelloPrefix)
-          ? fmt::format(
-                "another build of dptrain (its agent speaks protocol {}, this "
-                "launcher's {})",
-                said, kAgentProtocol)
-          : fmt::format(
-                "an older build of dptrain (its agent does not say which protocol it "
-                "speaks; this launcher's speaks {})",
-                kAgentProtocol);
+      said ? fmt::format(
+                 "another build of dptrain (its agent speaks protocol {}, this "
+                 "launcher's {})",
+                 *said, kAgentProtocol)
+           : fmt::format(
+                 "an older build of dptrain (its agent does not say which protocol it "
+                 "speaks; this launcher's speaks {})",
+                 kAgentProtocol);
   return fmt::format(
       "{}: '{}' there is {}: install this build there with 'dptrain provision' "
       "(see dptrain-provision(1)) or name it with --remote-binary",
       plan.host.display(), plan.remote_binary, which);
 }
+
+// What an agent's first line (`first`) says of its protocol, for another_build.
+std::optional<std::string> protocol_said(std::string_view first) {
+  if (!first.starts_with(kAgentHelloPrefix)) return std::nullopt;
+  const int protocol = protocol_of_first_line(first);
+  return protocol != 0
+             ? std::to_string(protocol)
+             : printable(std::string(first.substr(std::string_view(kAgentHelloPrefix).size())));
+}
+
+// An agent says "@agent N" as it starts; one that has said nothing this long may be an older
+// build's (those say nothing until they have read a plan): its --version says which.
+constexpr std::chrono::seconds kAgentHelloWait{5};
 
 // "HOST (ranks 2-3)": a host lost in a run names the ranks that went with it (a host's ranks
 // are one consecutive block: plan_job numbers them host by host).
@@ -209,7 +218,8 @@ int run_relay(const RelayPlan& plan) {
     return heard_agent && protocol_of_first_line(first_agent_line) != kAgentProtocol;
   };
   const auto refuse_other_build = [&] {
-    write_host_failure(stdout, another_build(plan, first_agent_line), /*refused=*/true);
+    write_host_failure(stdout, another_build(plan, protocol_said(first_agent_line)),
+                       /*refused=*/true);
     return 4;
   };
   std::string partial[2];  // stdout's and stderr's unfinished lines: never glued together
@@ -251,30 +261,35 @@ int run_relay(const RelayPlan& plan) {
         stdout, fmt::format("{}: cannot start the agent: {}", plan.host.display(), e.what()));
     return 4;
   }
-  try {
-    channel->write(json_text(plan.agent.to_json()) + "\n");
-    g_plan_sent.store(true);
-  } catch (const Error& e) {
-    // The command may have ended at once (no such binary there): its status says why.
+  // The plan (which holds the job's secret) goes to an agent that has said it speaks this
+  // launcher's protocol: one of another build never reads it, so it starts nothing. An agent
+  // still silent after kAgentHelloWait is asked its protocol through --version (an older build's
+  // agent says nothing before its plan): another build's, or a program that is not dptrain, is
+  // refused without ever being sent the plan; this build's, slow to start, is waited for.
+  const auto started = std::chrono::steady_clock::now();
+  bool asked_version = false;
+  // Why the silent program at the binary's path cannot be this launcher's agent, as its
+  // --version answers; nullopt where it can (or the answer says nothing for certain).
+  const auto version_refusal = [&]() -> std::optional<std::string> {
+    SshSession::Result answer;
     try {
-      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-      while (std::chrono::steady_clock::now() < until &&
-             channel->read(sink, std::chrono::milliseconds(100))) {
-      }
+      answer = session->run(version_command(remote_path_word(plan.remote_binary)));
     } catch (const Error&) {
+      return std::nullopt;  // the silence limit decides
     }
-    if (other_build()) {
-      return refuse_other_build();
-    }
-    const auto status = channel->exit_status();
-    const auto why = status ? not_runnable(*status, plan, last_line) : std::nullopt;
-    // Cannot run dptrain there: a restart would meet it again, as at the end below.
-    write_host_failure(
-        stdout,
-        why ? *why : fmt::format("{}: cannot start the agent: {}", plan.host.display(), e.what()),
-        /*refused=*/why.has_value());
-    return 4;
-  }
+    last_heard = std::chrono::steady_clock::now();  // the host answers
+    const int protocol = agent_protocol_of(answer.out);
+    if (protocol == kAgentProtocol) return std::nullopt;
+    if (protocol == 1) return another_build(plan, std::nullopt);
+    if (protocol > 1) return another_build(plan, std::to_string(protocol));
+    if (answer.exit_status != 0) return std::nullopt;  // it failed or timed out: not certain
+    return fmt::format(
+        "{}: '{}' there has said nothing in the {} s since it was started, and its answer to "
+        "'--version --json' is not dptrain's: it is not this dptrain's agent; 'dptrain doctor' "
+        "checks it, 'dptrain provision' installs this one (or name the right one with "
+        "--remote-binary)",
+        plan.host.display(), plan.remote_binary, kAgentHelloWait.count());
+  };
   // The host's end after "@done": completed, with a line saying what became of it.
   const auto completed_anyway = [&](const std::string& what) {
     std::fprintf(stdout,
@@ -290,9 +305,31 @@ int run_relay(const RelayPlan& plan) {
     last_heard = std::chrono::steady_clock::now();
     while (channel->read(sink, std::chrono::milliseconds(100))) {
       if (other_build()) {
-        // Whatever it started dies with it: its ranks would not understand this launcher's.
+        // It was not sent the plan, but it may have started something of its own.
         channel->send_signal("KILL");
         return refuse_other_build();
+      }
+      if (!g_plan_sent.load() && heard_agent) {
+        try {
+          channel->write(json_text(plan.agent.to_json()) + "\n");
+          g_plan_sent.store(true);
+        } catch (const Error&) {
+          // It ended right after its first line: its end (below) says how.
+          const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+          while (std::chrono::steady_clock::now() < until &&
+                 channel->read(sink, std::chrono::milliseconds(100))) {
+          }
+          if (!channel->exit_status()) throw;
+          break;
+        }
+      } else if (!g_plan_sent.load() && !asked_version &&
+                 std::chrono::steady_clock::now() - started >= kAgentHelloWait) {
+        asked_version = true;
+        if (const auto why = version_refusal()) {
+          channel->send_signal("KILL");
+          write_host_failure(stdout, *why, /*refused=*/true);
+          return 4;
+        }
       }
       // "stop" (SIGTERM): the agent's ranks checkpoint and stop; "interrupt" (SIGINT): they stop
       // without one, and a second kills them. The channel stays open: its end tells the agent

@@ -268,6 +268,7 @@ TEST_CASE("bench comm: DPTRAIN_FAULT counts each measurement as a step") {
     CHECK(j["errors"][0].get<std::string>().find("exited with code 7") != std::string::npos);
     // What was measured before the end is kept: in the JSON, in result.json and table.txt.
     CHECK(j["partial"] == true);
+    CHECK(j["warnings"].is_array());
     CHECK(j["run_dir"] == fs::absolute(tmp / "run").string());
     REQUIRE(j["rows"].size() == 2);
     CHECK(j["rows"][1]["size"] == 2048);
@@ -405,9 +406,15 @@ TEST_CASE("bench comm: DPTRAIN_FAULT counts each measurement as a step") {
                   text.out);
   }
   SUBCASE("faults that can never fire are warned about; the benchmark runs") {
-    const auto r = bench(tmp, {"--nproc", "2", "-b", "1K", "-e", "4K", "-n", "1", "-w", "0"},
-                         {{"DPTRAIN_FAULT", "crash@step=3;crash-in-checkpoint@step=1"}});
+    const auto r =
+        bench(tmp, {"--nproc", "2", "-b", "1K", "-e", "4K", "-n", "1", "-w", "0", "--json"},
+              {{"DPTRAIN_FAULT", "crash@step=3;crash-in-checkpoint@step=1"}});
     CHECK_MESSAGE(r.exit_code == 0, r.err);
+    // In --json too, as said.
+    const json warnings = parse_json(r.out)["warnings"];
+    REQUIRE(warnings.size() == 2);
+    CHECK(contains(r.err, "dptrain: warning: " + warnings[0].get<std::string>() + "\n"));
+    CHECK(contains(r.err, "dptrain: warning: " + warnings[1].get<std::string>() + "\n"));
     CHECK(r.err.find("warning: DPTRAIN_FAULT 'crash@step=3' never fires: step 3 is past the "
                      "run's steps (0 to 2)") != std::string::npos);
     CHECK(r.err.find("warning: DPTRAIN_FAULT 'crash-in-checkpoint@step=1' never fires: these "
@@ -512,6 +519,7 @@ TEST_CASE("bench comm: a bad flag exits 2 naming it and creates nothing") {
        "more ranks, or leave out --min-busbw"},
       {{"--timeout", "0"}, "--timeout: '0' must be a number of seconds > 0"},
       {{"--timeout", "-1"}, "--timeout: '-1' must be a number of seconds > 0"},
+      {{"--timeout", "1e-9"}, "--timeout: '1e-9' must be at least 0.001 seconds"},
       {{"-f", "99999999999999999999"}, "--stepfactor: '99999999999999999999' is out of range"},
       {{"--nproc", "2", "--op", "allgather", "-b", "4", "-e", "4", "--min-busbw", "0.1"},
        "--min-busbw: allgather moves no data at its largest size, 4 bytes, on 2 ranks"},

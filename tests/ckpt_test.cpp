@@ -359,6 +359,10 @@ TEST_CASE("ckpt: a missing step or a directory that is not a run is a usage erro
   const auto out = parse_json(json.out);
   CHECK(out["status"] == "error");
   CHECK(contains(out["errors"][0].get<std::string>(), "step-000999"));
+  CHECK(out["ok"] == false);  // on every answer, as recipe validate's "valid"
+  const auto usage = parse_json(run_dptrain({"ckpt", "verify", "--json"}).out);
+  CHECK(usage["ok"] == false);
+  CHECK(usage["exit_code"] == 2);
 
   for (const char* sub : {"list", "verify"}) {
     auto not_run = run_dptrain({"ckpt", sub, tmp.path().string()});

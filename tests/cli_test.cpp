@@ -176,7 +176,10 @@ TEST_CASE("recipe validate/show stopped while reading a pipe that never writes: 
     CHECK(out["exit_code"] == code);
     CHECK(out["error"] ==
           fifo.string() + ": stopped by " + (sig == SIGTERM ? "SIGTERM" : "SIGINT"));
-    if (std::string_view(cmd) == "validate") CHECK(out["valid"] == false);
+    if (std::string_view(cmd) == "validate") {
+      CHECK(out["valid"] == false);
+      CHECK(out["warnings"] == nlohmann::json::array());
+    }
   }
   ::close(writer);
 }
@@ -849,6 +852,7 @@ TEST_CASE("recipe validate: a number beyond a double is invalid JSON, exit 2, in
   CHECK(usage.exit_code == 2);
   const auto usage_out = parse_json(usage.out);
   CHECK(usage_out["valid"] == false);
+  CHECK(usage_out["warnings"] == nlohmann::json::array());
   CHECK(usage_out["status"] == "error");
   CHECK(usage_out["exit_code"] == 2);
 }

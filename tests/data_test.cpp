@@ -151,6 +151,16 @@ TEST_CASE("data prepare reads a file given twice (a link and its target) once, a
                                 (tmp / "b.txt").string() + ", given before: read once");
   CHECK(contains(r.err, "dptrain: warning: " + j["warnings"][0].get<std::string>() + "\n"));
   CHECK(parse_json(read_text(out / "meta.json"))["sources"].size() == 2);
+  // A prepare that warned and then failed: its JSON error carries the warnings too.
+  const auto failed =
+      prepare({"--text", (tmp / "a.txt").string(), (tmp / "link.txt").string(), "--out",
+               (tmp / "small").string(), "--val-fraction", "0.9999", "--json"});
+  CHECK(failed.exit_code == 2);
+  const auto e = parse_json(failed.out);
+  CHECK(e["status"] == "error");
+  REQUIRE(e["warnings"].size() == 1);
+  CHECK(e["warnings"][0] == "--text " + (tmp / "link.txt").string() + ": the same file as " +
+                                (tmp / "a.txt").string() + ", given before: read once");
 }
 
 TEST_CASE("data prepare: byte vs char vocabulary on UTF-8 text; uint32 on request") {
@@ -372,6 +382,16 @@ TEST_CASE("data prepare keeps an existing dataset unless --force, and --force on
             "dataset's own files: move it away first");
   CHECK(read_text(out / "notes.txt") == "keep me");
   CHECK(decoded(out) == synthetic_text(5, 900));
+  fs::remove(out / "notes.txt");
+  // A directory of a dataset file's name is the user's, with what it holds.
+  fs::remove(out / "val.bin");
+  fs::create_directories(out / "val.bin/deep");
+  write_text(out / "val.bin/deep/precious.txt", "keep me");
+  CHECK(refusal({"--text", (tmp / "one.txt").string(), "--out", out.string(), "--force"}) ==
+        "dptrain: error: " + out.string() +
+            ": holds val.bin (a directory), which is not part of a token dataset; --force "
+            "replaces only a dataset's own files: move it away first");
+  CHECK(read_text(out / "val.bin/deep/precious.txt") == "keep me");
 }
 
 // Runs inside `unshare -Urm` (a user + mount namespace: no real root needed, nothing left mounted):
@@ -475,6 +495,18 @@ TEST_CASE("data prepare where nothing can be made: exit 2 naming --out, before t
       {"data", "prepare", "--text", (tmp / "absent.txt").string(), "--out", "/proc/x", "--json"});
   CHECK(r.exit_code == 2);
   CHECK(contains(parse_json(r.out)["error"].get<std::string>(), "--out /proc/x: cannot make"));
+  // A name the filesystem takes, but not with the temporary's ".NAME.tmp-PID" around it: said
+  // before the text is read too (a missing one is not what is said), and nothing is made.
+  const std::string name(250, 'd');
+  const auto long_name = run_dptrain(
+      {"data", "prepare", "--text", (tmp / "absent.txt").string(), "--out", (tmp / name).string()});
+  CHECK(long_name.exit_code == 2);
+  CHECK(contains(long_name.err, "dptrain: error: --out " + (tmp / name).string() +
+                                    ": a name of 250 bytes is too long: the dataset is written "
+                                    "beside it first as .NAME.tmp-PID ("));
+  CHECK(contains(long_name.err, "bytes), and names in " + tmp.path().string() +
+                                    " are at most 255 bytes; give a shorter name\n"));
+  CHECK(std::distance(fs::directory_iterator(tmp.path()), fs::directory_iterator()) == 1);
 }
 
 TEST_CASE("data --help and data prepare --help") {

@@ -856,9 +856,9 @@ TEST_CASE("a host without the binary fails the launch with exit 4 and says how t
 TEST_CASE("a program at --remote-binary that is not this dptrain's agent: exit 4 naming it") {
   Cluster c;
   const fs::path fake = c.tmp / "old-dptrain";
-  // It reads the plan it is sent (so the write succeeds, whatever the timing), says what it is,
-  // and exits 0.
-  write_text(fake, "#!/bin/sh\nhead -n 1 >/dev/null\necho 'dptrain 0.0.9'\n");
+  // It says what it is and exits 0 (no plan is sent to a program that has not said it is an
+  // agent).
+  write_text(fake, "#!/bin/sh\necho 'dptrain 0.0.9'\n");
   fs::permissions(fake, fs::perms::owner_all);
   auto r = launch_with_remote_binary(c, "fake", fake);
   INFO(r.err);
@@ -890,33 +890,76 @@ TEST_CASE("a program at --remote-binary that is not this dptrain's agent: exit 4
                                "' there has said nothing since it was started: it may not be "
                                "this dptrain's agent"));
   CHECK_FALSE(contains(mute.err, "says it is alive every second"));
+  // Silent 5 s under the default keepalive (45 s of silence): asked --version, it answers
+  // nothing dptrain would (cat of an empty input), and is refused then, not restarted.
+  const auto asked = launch_with_remote_binary(c, "asked", waits, {"--max-restarts", "2"});
+  INFO(asked.err);
+  CHECK(asked.exit_code == 4);
+  CHECK(contains(asked.err, "'" + waits.string() +
+                                "' there has said nothing in the 5 s since it was started, and "
+                                "its answer to '--version --json' is not dptrain's: it is not "
+                                "this dptrain's agent"));
+  CHECK(contains(asked.err, "(not restarted: "));
+  CHECK(asked.seconds < 40);
+}
+
+// A fake agent at c.tmp/NAME: says `said` (shell lines), then keeps what it is sent on standard
+// input (the plan, for an agent) in NAME.plan, to its end (as an agent waiting for its plan
+// stops when its connection ends).
+fs::path fake_agent(const Cluster& c, const std::string& name, const std::string& said) {
+  const fs::path path = c.tmp / name;
+  write_script(path, "#!/bin/sh\n" + said + "\ncat > '" + path.string() + ".plan'\n");
+  return path;
+}
+
+// The fake agent at `path` was never sent the plan (which holds the job's secret).
+void check_never_planned(const fs::path& path) {
+  const fs::path plan = path.string() + ".plan";
+  CHECK(eventually([&plan] { return fs::exists(plan); }, std::chrono::seconds(10)));
+  CHECK(read_text(plan).empty());
 }
 
 TEST_CASE("a host whose agent speaks another protocol (another build): exit 4 naming both") {
   Cluster c;
-  // An agent from before agents said their protocol: "@alive" first. It reads its plan, would
-  // start its ranks, and waits: the launcher kills it at once, and does not restart.
-  const fs::path older = c.tmp / "older-agent";
-  write_script(older, "#!/bin/sh\necho @alive\nhead -n 1 >/dev/null\nsleep 120\n");
+  // An agent from before agents said their protocol: nothing until it has read a plan. Asked
+  // --version after 5 s, it says an older dptrain: refused, never sent the plan (which holds the
+  // job's secret), and not restarted.
+  const fs::path older = fake_agent(
+      c, "older-agent", "if [ \"$1\" = --version ]; then echo 'dptrain 0.1.0'; exit 0; fi");
   const auto old = launch_with_remote_binary(c, "older", older, {"--max-restarts", "2"});
   INFO(old.err);
   CHECK(old.exit_code == 4);
-  CHECK(contains(old.err, "'" + older.string() +
-                              "' there is an older build of dptrain (its agent does not say "
-                              "which protocol it speaks; this launcher's speaks " +
-                              std::to_string(dptrain::kAgentProtocol) +
-                              "): install this build there with 'dptrain provision'"));
+  const std::string older_build =
+      "' there is an older build of dptrain (its agent does not say which protocol it speaks; "
+      "this launcher's speaks " +
+      std::to_string(dptrain::kAgentProtocol) +
+      "): install this build there with 'dptrain provision'";
+  CHECK(contains(old.err, "'" + older.string() + older_build));
   CHECK(contains(old.err, "(not restarted: "));
-  CHECK_FALSE(contains(old.err, "@alive"));
   CHECK(parse_json(old.out)["restarts"] == 0);
-  CHECK(old.seconds < 60);  // not its sleep: killed
+  check_never_planned(older);
+  // One whose --version answers JSON of another protocol, silent too: named by that number.
+  const fs::path other = fake_agent(c, "other-agent",
+                                    "if [ \"$1\" = --version ]; then echo "
+                                    "'{\"version\":\"0.1.0\",\"agent_protocol\":3}'; exit 0; fi");
+  const auto silent_other = launch_with_remote_binary(c, "other", other);
+  INFO(silent_other.err);
+  CHECK(silent_other.exit_code == 4);
+  CHECK(contains(silent_other.err,
+                 "there is another build of dptrain (its agent speaks protocol "
+                 "3, this launcher's"));
+  check_never_planned(other);
+  // One that says "@alive" first (a line of the protocol, not its number): refused at once.
+  const fs::path alive = fake_agent(c, "alive-agent", "echo @alive");
+  const auto said_alive = launch_with_remote_binary(c, "alive", alive);
+  CHECK(said_alive.exit_code == 4);
+  CHECK(contains(said_alive.err, "'" + alive.string() + older_build));
+  CHECK_FALSE(contains(said_alive.err, "@alive"));
+  check_never_planned(alive);
 
   // One that says a number this launcher does not speak: a newer build, say. What it says
   // after is not taken for a report (it would be misread).
-  const fs::path newer = c.tmp / "newer-agent";
-  write_script(newer,
-               "#!/bin/sh\necho '@agent 999'\necho '@rank 0 hello'\nhead -n 1 "
-               ">/dev/null\nsleep 120\n");
+  const fs::path newer = fake_agent(c, "newer-agent", "echo '@agent 999'\necho '@rank 0 hello'");
   const auto nr = launch_with_remote_binary(c, "newer", newer);
   INFO(nr.err);
   CHECK(nr.exit_code == 4);
@@ -925,15 +968,16 @@ TEST_CASE("a host whose agent speaks another protocol (another build): exit 4 na
                              "999, this launcher's " +
                              std::to_string(dptrain::kAgentProtocol) + ")"));
   CHECK_FALSE(contains(nr.err, "hello"));
+  check_never_planned(newer);
   // One that says protocol 1 outright: named by the number it said.
-  const fs::path one = c.tmp / "one-agent";
-  write_script(one, "#!/bin/sh\necho '@agent 1'\nhead -n 1 >/dev/null\nsleep 120\n");
+  const fs::path one = fake_agent(c, "one-agent", "echo '@agent 1'");
   const auto said_one = launch_with_remote_binary(c, "one", one);
   CHECK(said_one.exit_code == 4);
   CHECK(contains(said_one.err,
                  "' there is another build of dptrain (its agent speaks protocol 1, "
                  "this launcher's " +
                      std::to_string(dptrain::kAgentProtocol) + ")"));
+  check_never_planned(one);
 }
 
 TEST_CASE("a login's start-up output before the agent (an '@' line, stderr without a line end)") {

@@ -18,6 +18,7 @@
 
 #include <fmt/format.h>
 
+#include "tests/damage.hpp"
 #include "tests/harness.hpp"
 #include "tests/sshd.hpp"
 #include "tests/strings.hpp"
@@ -1329,6 +1330,24 @@ TEST_CASE("too few file descriptors for the ranks: exit 2 naming the limit, the 
   err = read_text(tmp / "err");
   CHECK(err.find("dptrain: error: " + needs) != std::string::npos);
   CHECK(read_text(run_dir / "run.json") == recorded);
+
+  // A resume that warned (its newest checkpoint damaged, passed over) and then failed: its JSON
+  // error carries the warning, as stderr said it.
+  const fs::path warned_dir = tmp / "warned";
+  REQUIRE(run_dptrain({"launch", recipe.string(), "--nproc", "2", "--run-dir", warned_dir.string()},
+                      Env{{"DPTRAIN_FAULT", "exit@step=45,rank=1,code=7"}})
+              .exit_code == 3);
+  flip_byte(warned_dir / "checkpoints" / "step-000040" / "params.bin", 100);
+  CHECK(limited("resume '" + warned_dir.string() + "' --json > '" + (tmp / "out").string() + "'") ==
+        2);
+  const auto j = parse_json(read_text(tmp / "out"));
+  CHECK(j["exit_code"] == 2);
+  INFO(j.dump());
+  REQUIRE(j["warnings"].size() == 2);
+  const std::string warning = j["warnings"][0].get<std::string>();
+  CHECK(warning.starts_with("skipping checkpoint step-000040: params.bin"));
+  CHECK(contains(read_text(tmp / "err"), "dptrain: warning: " + warning));
+  CHECK(j["warnings"][1] == "set aside step-000040 as step-000040.corrupt");
 }
 
 TEST_CASE("a launcher that fails mid-job (its store's port taken) records the run as failed") {

@@ -83,7 +83,12 @@ void split_fields(std::string_view line, std::vector<std::string_view>& fields) 
   fields.clear();
   for (;;) {
     const size_t comma = line.find(',');
-    fields.push_back(trim(line.substr(0, comma)));
+    std::string_view field = trim(line.substr(0, comma));
+    // A quoted field ("1.5", as a writer that quotes every field writes): its value inside.
+    if (field.size() >= 2 && field.front() == '"' && field.back() == '"') {
+      field = trim(field.substr(1, field.size() - 2));
+    }
+    fields.push_back(field);
     if (comma == std::string_view::npos) return;
     line.remove_prefix(comma + 1);
   }
@@ -147,6 +152,19 @@ class CsvRows {
       // A byte order mark (what spreadsheets write) is not part of the first field: read as one,
       // it made a first data row look like a header, dropped without a word.
       if (line_number_ == 1 && line_.starts_with("\xEF\xBB\xBF")) line_.erase(0, 3);
+      // UTF-16 text (a spreadsheet's "Unicode text" export): every other byte a NUL, which read
+      // as UTF-8 made every field "not a number". Named, with the way to convert it.
+      if (line_number_ == 1) {
+        const bool mark = line_.starts_with("\xFF\xFE") || line_.starts_with("\xFE\xFF");
+        if (mark || (line_.size() >= 2 && (line_[0] == '\0') != (line_[1] == '\0'))) {
+          throw Error(ErrorKind::recipe,
+                      fmt::format("{}:1: UTF-16 text ({}): a CSV file is read as UTF-8 (or "
+                                  "ASCII); convert it, e.g. with iconv -f UTF-16 -t UTF-8",
+                                  path_.string(),
+                                  mark ? "its byte order mark says so"
+                                       : "every other byte of its first line is a NUL"));
+        }
+      }
       const std::string_view content = trim(line_);
       if (content.empty()) continue;
       // A carriage return inside a line: the file's lines end in CR alone (classic Mac OS), and

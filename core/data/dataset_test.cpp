@@ -174,6 +174,24 @@ TEST_CASE("csv: header detection, blank lines, CRLF and whitespace") {
     const SampleTable d = read_csv_samples(bom, header, 2, 3);
     CHECK(d.y == std::vector<int32_t>{1, 0});
   }
+  // UTF-16 (a spreadsheet's "Unicode text"): named, not as fields that are not numbers.
+  CHECK(csv_error(std::string("\xFF\xFE"
+                              "1\0,\0"
+                              "2\0\n\0",
+                              10)) ==
+        ":1: UTF-16 text (its byte order mark says so): a CSV file is read as UTF-8 (or ASCII); "
+        "convert it, e.g. with iconv -f UTF-16 -t UTF-8");
+  CHECK(csv_error(std::string("1\0,\0"
+                              "2\0,\0"
+                              "0\0\n\0",
+                              12)) ==
+        ":1: UTF-16 text (every other byte of its first line is a NUL): a CSV file is read as "
+        "UTF-8 (or ASCII); convert it, e.g. with iconv -f UTF-16 -t UTF-8");
+  // Quoted fields (a writer that quotes every one): their values, and a quoted header still one.
+  const SampleTable quoted = read_csv_samples(
+      dir.write("q.csv", "\"label\",\"a\",\"b\"\n\"1\",\" 0.5\",\"2\"\n"), "auto", 2, 3);
+  CHECK(quoted.y == std::vector<int32_t>{1});
+  CHECK(quoted.x == std::vector<float>{0.5f, 2.0f});
   CHECK(read_csv_samples(dir.write("e.csv",
                                    "\xEF\xBB\xBF"
                                    "label,a,b\n1,0.5,2\n"),

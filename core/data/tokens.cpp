@@ -800,16 +800,24 @@ void check_dataset_output(const fs::path& out, bool force) {
                     "only a dataset",
                     out.string()));
   }
-  // A file of the user's there would go with the dataset.
+  // A file of the user's there would go with the dataset: a dataset's files are plain files (a
+  // directory or a link of one's name is the user's, with whatever it holds).
   static const std::set<std::string> dataset_files = {"meta.json", "train.bin", "val.bin",
                                                       "tokenizer.json"};
   if (const auto other = unclaimed_entry(out, [](const fs::directory_entry& e) {
-        return dataset_files.count(e.path().filename().string()) != 0;
+        std::error_code type_ec;
+        return dataset_files.count(e.path().filename().string()) != 0 &&
+               e.symlink_status(type_ec).type() == fs::file_type::regular;
       })) {
+    const fs::file_status kind = fs::symlink_status(out / *other, ec);
+    const std::string what = !dataset_files.count(*other) ? ""
+                             : fs::is_directory(kind)     ? " (a directory)"
+                             : fs::is_symlink(kind)       ? " (a symbolic link)"
+                                                          : " (not a plain file)";
     refuse(
-        fmt::format("{}: holds {}, which is not part of a token dataset; --force replaces only "
+        fmt::format("{}: holds {}{}, which is not part of a token dataset; --force replaces only "
                     "a dataset's own files: move it away first",
-                    out.string(), printable_excerpt(*other)));
+                    out.string(), printable_excerpt(*other), what));
   }
 }
 
