@@ -250,6 +250,8 @@ int run_to_end(RunDirectory& run, JobSpec spec, const RestartOptions& o, bool js
     throw;
   }
   outcome.warnings = status.warnings();
+  // (Said on stderr by the events stream itself: not the status printer's.)
+  if (!events.write_failure().empty()) outcome.warnings.push_back(events.write_failure());
   events.emit("run_finished", outcome.to_json(run));
   return report_outcome(run, outcome, json, events.to_stdout() ? stderr : stdout);
 }

@@ -337,7 +337,8 @@ class Doctor {
           return s;
         }
         s.checks.push_back({"workdir", h.display(), false, e.what(),
-                            "pass a writable --workdir, or free space there"});
+                            "fix what it says there (a file where a directory goes, its "
+                            "permissions, a full disk), or pass another --workdir"});
         s.held_back = "its workdir check failed";
         s.checks.push_back(skipped_check("version", h.display(), s.held_back));
         if (gpu_recipe()) s.checks.push_back(skipped_check("gpus", h.display(), s.held_back));

@@ -53,10 +53,9 @@ void EventLog::emit(const std::string& name, nlohmann::json fields) {
   const bool written = std::fprintf(out_, "%s\n", json_text(line).c_str()) >= 0;
   if (std::fflush(out_) == 0 && written) return;
   const std::string why = errno != 0 ? std::strerror(errno) : "write failed";
-  std::fprintf(stderr,
-               "dptrain: warning: --events: cannot write %s: %s; the events from here on are "
-               "lost\n",
-               to_stdout() ? "stdout" : printable(target_).c_str(), why.c_str());
+  write_failure_ = fmt::format("--events: cannot write {}: {}; the events from here on are lost",
+                               to_stdout() ? "stdout" : printable(target_), why);
+  std::fprintf(stderr, "dptrain: warning: %s\n", write_failure_.c_str());
   if (out_ != stdout) {
     std::fclose(out_);
   } else {

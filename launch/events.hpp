@@ -36,9 +36,13 @@ class EventLog {
   // (a full disk, a reader gone from the pipe) is warned about once on stderr and ends the
   // stream: a reader must not find a torn line followed by more events. The job goes on.
   void emit(const std::string& name, nlohmann::json fields = nlohmann::json::object());
+  // That warning (without "dptrain: warning: "), for a --json outcome's "warnings"; "" when no
+  // write failed.
+  const std::string& write_failure() const { return write_failure_; }
 
  private:
   std::FILE* out_ = nullptr;
+  std::string write_failure_;
   std::string target_;
   bool to_stdout_ = false;  // also once a failed write ended the stream
   bool finished_ = false;

@@ -176,8 +176,10 @@ HostSpec parse_hostfile_line(std::string_view line) {
   std::string_view host = fields.front();
   spec.user = take_user(host);
   if (std::count(host.begin(), host.end(), ':') == 1) {
-    fail(fmt::format("'{}': a hostfile gives slots as slots=N ('host:slots' is the --hosts form)",
-                     fields.front()));
+    fail(
+        fmt::format("'{}': a hostfile gives slots as slots=N and the SSH port as port=P "
+                    "('host:slots' is the --hosts form)",
+                    fields.front()));
   }
   spec.host = without_brackets(host);
   check_host(spec.host);

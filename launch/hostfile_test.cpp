@@ -177,7 +177,8 @@ TEST_CASE("hostfile: every error names the file and line") {
   CHECK(hostfile_error("a 4\n") ==
         "hosts:1: '4' is not an attribute: write slots=N, user=U, port=P or key=PATH");
   CHECK(hostfile_error("a:4\n") ==
-        "hosts:1: 'a:4': a hostfile gives slots as slots=N ('host:slots' is the --hosts form)");
+        "hosts:1: 'a:4': a hostfile gives slots as slots=N and the SSH port as port=P "
+        "('host:slots' is the --hosts form)");
   CHECK(hostfile_error("-oProxyCommand=x\n").starts_with("hosts:1: no host before"));
   CHECK(hostfile_error("-a\n") == "hosts:1: host '-a' starts with '-'");
   CHECK(hostfile_error("a/b\n") == "hosts:1: host 'a/b' contains '/'");

@@ -93,10 +93,9 @@ json JobOutcome::to_json(const RunDirectory& run) const {
   j["began_at_step"] = began_at_step >= 0 ? json(began_at_step) : json(nullptr);
   j["resumed_from"] = began_at_step >= 0 ? resumed_from : json(nullptr);
   j["warnings"] = warnings;
-  if (!error.empty()) {
-    j["error"] = error;
-    j["errors"] = error_messages(error);  // as every command's --json failure has them
-  }
+  // As every command's --json has them: [] for a run that did not fail.
+  j["errors"] = error.empty() ? json::array() : json(error_messages(error));
+  if (!error.empty()) j["error"] = error;
   if (result.is_null() || !result.is_object()) {
     // A generation that failed as it started (its heartbeats at step 0, say) still reached the
     // step it continued from.
@@ -955,8 +954,9 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     if (hang_watch) hang_watch->started(local_ranks);
   };
   // Without --hang-timeout the watch only listens: a rank that froze is then named when a peer's
-  // collective times out waiting for it.
-  if (world > 1) {
+  // collective times out waiting for it. One rank alone beats too: with --hang-timeout, nothing
+  // else would ever end its hang.
+  {
     watch_client =
         std::make_unique<TcpStoreClient>(addr, store.port(), std::chrono::seconds(10), secret);
     watch_store = std::make_unique<PrefixStore>(fmt::format("gen{}", generation), *watch_client);

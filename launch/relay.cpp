@@ -9,6 +9,7 @@
 #include <csignal>
 #include <cstdio>
 #include <optional>
+#include <random>
 #include <string_view>
 
 #include <fmt/format.h>
@@ -27,9 +28,10 @@ namespace {
 // The launcher's stop signals, in order: each SIGTERM or SIGINT is passed on to the agent.
 std::atomic<int> g_terms{0};
 std::atomic<int> g_interrupts{0};
-// Whether the agent has its plan: before, nothing runs on the host for this relay (it is still
-// connecting, which may take the whole connect timeout, or waiting for the agent's first line),
-// and a stop signal ends it at once.
+// Whether the agent has its plan: before, no rank runs on the host for this relay (it is still
+// connecting, which may take the whole connect timeout, or the program there has not yet said it
+// is this build's agent; an agent without a plan ends as the connection closes), and a stop
+// signal ends it at once.
 std::atomic<bool> g_plan_sent{false};
 static_assert(std::atomic<bool>::is_always_lock_free);
 
@@ -253,9 +255,18 @@ int run_relay(const RelayPlan& plan) {
   // A host that stops answering without closing the connection (its sshd or agent frozen, a
   // network that drops packets while the kernel still acknowledges) is lost after this long.
   const auto silence_limit = std::chrono::seconds(3 * plan.ssh.keepalive_interval_s);
+  // This relay's own (random) mark in the agent's environment: see kill_there.
+  const std::string relay_mark = [] {
+    std::random_device random;
+    return fmt::format("DPTRAIN_RELAY_MARK={:08x}{:08x}{:08x}", random(), random(), random());
+  }();
   std::unique_ptr<SshChannel> channel;
   try {
-    channel = session->start(remote_path_word(plan.remote_binary) + " agent");
+    // Through env(1) (a command in any login shell; it execs the agent, which keeps its pid),
+    // with this relay's mark in its environment: what kill_there sweeps for, the agent and what it
+    // starts, and nothing else there (not a login's daemons, not another connection's).
+    channel =
+        session->start("env " + relay_mark + " " + remote_path_word(plan.remote_binary) + " agent");
   } catch (const Error& e) {
     write_host_failure(
         stdout, fmt::format("{}: cannot start the agent: {}", plan.host.display(), e.what()));
@@ -273,7 +284,8 @@ int run_relay(const RelayPlan& plan) {
   const auto version_refusal = [&]() -> std::optional<std::string> {
     SshSession::Result answer;
     try {
-      answer = session->run(version_command(remote_path_word(plan.remote_binary)));
+      answer = session->run(version_command(remote_path_word(plan.remote_binary)), "",
+                            std::chrono::seconds(version_probe_seconds() + 10));
     } catch (const Error&) {
       return std::nullopt;  // the silence limit decides
     }
@@ -282,7 +294,17 @@ int run_relay(const RelayPlan& plan) {
     if (protocol == kAgentProtocol) return std::nullopt;
     if (protocol == 1) return another_build(plan, std::nullopt);
     if (protocol > 1) return another_build(plan, std::to_string(protocol));
-    if (answer.exit_status != 0) return std::nullopt;  // it failed or timed out: not certain
+    // Silent as an agent, and hung on --version: nothing dptrain does (a program that waits).
+    if (answer.exit_status == kVersionTimedOut) {
+      return fmt::format(
+          "{}: '{}' there has said nothing in the {} s since it was started, and did not answer "
+          "'--version --json' within {} s: it is not a working dptrain; 'dptrain doctor' checks "
+          "it, 'dptrain provision' installs this one (or name the right one with "
+          "--remote-binary)",
+          plan.host.display(), plan.remote_binary, kAgentHelloWait.count(),
+          version_probe_seconds());
+    }
+    if (answer.exit_status != 0) return std::nullopt;  // it failed otherwise: not certain
     return fmt::format(
         "{}: '{}' there has said nothing in the {} s since it was started, and its answer to "
         "'--version --json' is not dptrain's: it is not this dptrain's agent; 'dptrain doctor' "
@@ -299,6 +321,15 @@ int run_relay(const RelayPlan& plan) {
     std::fflush(stdout);
     return 0;
   };
+  // Whatever this relay started there is killed: the program at the binary's path and what it
+  // started (an agent's ranks). Through the SSH server's signal where it sends one (not for a
+  // root login, with OpenSSH), and by a sweep of the host's processes that carry relay_mark:
+  // how many it killed (nullopt: the sweep could not run). Where the host or the network is what
+  // is stuck, it waits `within` and does nothing.
+  const auto kill_there = [&](std::chrono::milliseconds within) {
+    channel->send_signal("KILL");
+    return session->kill_marked_processes(relay_mark, within);
+  };
   int terms_sent = 0;
   int interrupts_sent = 0;
   try {
@@ -306,8 +337,9 @@ int run_relay(const RelayPlan& plan) {
     while (channel->read(sink, std::chrono::milliseconds(100))) {
       if (other_build()) {
         // It was not sent the plan, but it may have started something of its own.
-        channel->send_signal("KILL");
-        return refuse_other_build();
+        const int code = refuse_other_build();
+        kill_there(std::chrono::seconds(5));
+        return code;
       }
       if (!g_plan_sent.load() && heard_agent) {
         try {
@@ -325,9 +357,12 @@ int run_relay(const RelayPlan& plan) {
       } else if (!g_plan_sent.load() && !asked_version &&
                  std::chrono::steady_clock::now() - started >= kAgentHelloWait) {
         asked_version = true;
-        if (const auto why = version_refusal()) {
-          channel->send_signal("KILL");
+        auto why = version_refusal();
+        // What it said meanwhile goes first: a slow agent's "@agent N" came during the question.
+        if (why) channel->read(sink, std::chrono::milliseconds(10));
+        if (why && !heard_agent) {
           write_host_failure(stdout, *why, /*refused=*/true);
+          kill_there(std::chrono::seconds(5));
           return 4;
         }
       }
@@ -338,7 +373,9 @@ int run_relay(const RelayPlan& plan) {
         channel->write("stop\n");
       for (; interrupts_sent < g_interrupts.load(); ++interrupts_sent)
         channel->write("interrupt\n");
-      if (plan.ssh.keepalive_interval_s > 0 &&
+      // Before the plan, not until its --version was asked (a silence limit shorter than
+      // kAgentHelloWait would take another build for a lost host).
+      if (plan.ssh.keepalive_interval_s > 0 && (g_plan_sent.load() || asked_version) &&
           std::chrono::steady_clock::now() - last_heard > silence_limit) {
         if (done) {
           return completed_anyway(fmt::format("{} has not answered for {} s", host_and_ranks(plan),
@@ -346,9 +383,11 @@ int run_relay(const RelayPlan& plan) {
         }
         // Whatever runs there is not left behind where its host still listens: a frozen agent
         // (SIGSTOP, a debugger) would wait for ever with its ranks, a program that waits too.
-        // SIGKILL reaches a stopped process; its ranks die with their agent. Where the host or
-        // the network is what is stuck, the request is lost with the connection.
-        channel->send_signal("KILL");
+        // SIGKILL reaches a stopped process. Briefly (the launcher takes the host as lost once
+        // this relay ends): a host whose SSH server is what is stuck cannot be swept, and one
+        // that was shows the agent is what is stuck.
+        const auto killed = kill_there(std::chrono::seconds(1));
+        const bool swept = killed.value_or(0) > 0;
         // An agent says its protocol as it starts and that it is alive every second after: a
         // program that never said a word may be no agent at all (a program that waits, or a
         // build that hangs).
@@ -356,15 +395,18 @@ int run_relay(const RelayPlan& plan) {
             stdout,
             heard_agent
                 ? fmt::format("{} has not answered for {} s (its agent says it is alive every "
-                              "second): the host, its SSH server or the network is stuck; its "
-                              "ranks are taken as lost",
-                              host_and_ranks(plan), silence_limit.count())
+                              "second){}; its ranks are taken as lost",
+                              host_and_ranks(plan), silence_limit.count(),
+                              swept ? ": its SSH server answers, so its agent is stuck (stopped, "
+                                      "or in a debugger): it was killed there, with its ranks"
+                                    : ": the host, its SSH server or the network is stuck")
                 : fmt::format("{} has not answered for {} s, and '{}' there has said nothing "
                               "since it was started: it may not be this dptrain's agent (a "
                               "program that waits, or a build that hangs: 'dptrain doctor' checks "
-                              "it), or the host, its SSH server or the network is stuck; its ranks "
-                              "are taken as lost",
-                              host_and_ranks(plan), silence_limit.count(), plan.remote_binary));
+                              "it){}; its ranks are taken as lost",
+                              host_and_ranks(plan), silence_limit.count(), plan.remote_binary,
+                              swept ? " (its SSH server answers; it was killed there)"
+                                    : ", or the host, its SSH server or the network is stuck"));
         return 3;
       }
     }

@@ -533,6 +533,13 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
     // may not: a stop, or an elastic job left with too few hosts or ranks).
     status.line(fmt::format("{}; waiting {:g}s to restart (attempt {})", cause,
                             static_cast<double>(backoff.count()) / 1000.0, restart_label(attempt)));
+    if (spec.events) {
+      spec.events->emit("restart_pending",
+                        {{"attempt", attempt},
+                         {"max_restarts", policy.max_restarts},
+                         {"cause", cause},
+                         {"backoff_s", static_cast<double>(backoff.count()) / 1000.0}});
+    }
     int sig = sleep_unless_stopped(backoff);
     Placed placed;  // its change of world size is recorded after the restart it belongs to
     if (sig == 0) {

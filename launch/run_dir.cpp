@@ -778,8 +778,8 @@ bool RunDirectory::record() {
   } catch (const Error& e) {
     if (!behind_) {
       std::fprintf(stderr,
-                   "dptrain: warning: %s; the job goes on, and run.json is behind until it can be "
-                   "written\n",
+                   "dptrain: warning: %s; run.json is behind until it can be written (this alone "
+                   "does not stop the job)\n",
                    first_line(e.what()).c_str());
     }
     behind_ = true;

@@ -11,6 +11,7 @@
 #include <array>
 #include <cctype>
 #include <cerrno>
+#include <charconv>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -694,8 +695,10 @@ std::unique_ptr<SshChannel> SshSession::start(const std::string& command) {
 // How often run() asks SshOptions::check_stop while it waits.
 constexpr milliseconds kStopPoll{250};
 
-SshSession::Result SshSession::run(const std::string& command, const std::string& stdin_data) {
-  const auto deadline = Clock::now() + options_.command_timeout;
+SshSession::Result SshSession::run(const std::string& command, const std::string& stdin_data,
+                                   std::optional<milliseconds> timeout) {
+  const milliseconds limit = timeout.value_or(options_.command_timeout);
+  const auto deadline = Clock::now() + limit;
   auto channel = start(command);
   if (!stdin_data.empty()) channel->write(stdin_data);
   channel->close_stdin();
@@ -709,7 +712,7 @@ SshSession::Result SshSession::run(const std::string& command, const std::string
       channel->close();
       throw Error(ErrorKind::ssh,
                   fmt::format("{} on {} did not finish within {}", command_excerpt(command),
-                              host_.display(), seconds_text(options_.command_timeout)));
+                              host_.display(), seconds_text(limit)));
     }
     if (!options_.check_stop) {
       if (!channel->read(collect, left)) break;
@@ -726,6 +729,46 @@ SshSession::Result SshSession::run(const std::string& command, const std::string
   }
   result.exit_status = channel->exit_status().value_or(-1);
   return result;
+}
+
+std::optional<int> SshSession::kill_marked_processes(const std::string& mark,
+                                                     milliseconds timeout) noexcept {
+  try {
+    // Every process whose environment holds the mark (this sweep's own shell does not), then how
+    // many; exit 3 where /proc or grep -z is missing (its own environment must be found).
+    const std::string script =
+        "c=" + shell_quote(mark) +
+        "; [ -r /proc/self/environ ] && printf 'x' | grep -qz x 2>/dev/null || exit 3; n=0; "
+        "for f in $(grep -lzxF -e \"$c\" /proc/[0-9]*/environ 2>/dev/null); do p=${f#/proc/}; "
+        "p=${p%/environ}; kill -KILL \"$p\" 2>/dev/null && n=$((n+1)); done; echo \"$n\"";
+    // Each blocking step (the channel's opening) within `timeout` too: a host that stopped
+    // answering holds the caller no longer than that.
+    const auto limit_steps = [this](milliseconds step) {
+      const long whole = static_cast<long>(step.count() / 1000);
+      const long micro = static_cast<long>(step.count() % 1000) * 1000;
+      ssh_options_set(session_->session, SSH_OPTIONS_TIMEOUT, &whole);
+      ssh_options_set(session_->session, SSH_OPTIONS_TIMEOUT_USEC, &micro);
+    };
+    limit_steps(std::min(timeout, session_->request_timeout));
+    std::optional<int> killed;
+    try {
+      const Result r = run("sh -c " + shell_quote(script), "", timeout);
+      // Its last line (a login's start-up files may print before it).
+      std::string_view out = r.out;
+      while (!out.empty() && std::isspace(static_cast<unsigned char>(out.back())))
+        out.remove_suffix(1);
+      if (const size_t newline = out.rfind('\n'); newline != std::string_view::npos)
+        out.remove_prefix(newline + 1);
+      int n = 0;
+      const auto [end, ec] = std::from_chars(out.data(), out.data() + out.size(), n);
+      if (r.exit_status == 0 && ec == std::errc() && end == out.data() + out.size()) killed = n;
+    } catch (...) {
+    }
+    limit_steps(session_->request_timeout);
+    return killed;
+  } catch (...) {
+    return std::nullopt;
+  }
 }
 
 namespace {

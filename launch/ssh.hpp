@@ -130,9 +130,18 @@ class SshSession {
     int exit_status = -1;  // 128 + N when signal N killed it
     std::string out, err;
   };
-  // Runs a command to its end within options.command_timeout (Error(ssh) naming the host and the
-  // command when it takes longer); stdin_data is written to its stdin, then EOF.
-  Result run(const std::string& command, const std::string& stdin_data = "");
+  // Runs a command to its end within options.command_timeout, or `timeout` where given (Error(ssh)
+  // naming the host and the command when it takes longer); stdin_data is written to its stdin,
+  // then EOF.
+  Result run(const std::string& command, const std::string& stdin_data = "",
+             std::optional<std::chrono::milliseconds> timeout = std::nullopt);
+  // SIGKILL to every process on the host whose environment holds the line `mark` (NAME=VALUE: a
+  // program started through `env NAME=VALUE ...` and what it started), found in /proc: what
+  // SshChannel::send_signal asks for, also where the SSH server refuses that (OpenSSH does for a
+  // root login). Within `timeout` (each blocking step too). How many it killed; nullopt where the
+  // sweep could not run (the host or the connection stuck, a host without /proc or grep -z).
+  std::optional<int> kill_marked_processes(const std::string& mark,
+                                           std::chrono::milliseconds timeout) noexcept;
   // Starts a command and returns at once; its output comes through SshChannel::read.
   std::unique_ptr<SshChannel> start(const std::string& command);
   // Streams `local` to remote_path + ".tmp-<random>" through `sh` and `cat` on the host (a channel

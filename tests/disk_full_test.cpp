@@ -255,8 +255,9 @@ TEST_CASE(
   CHECK(read_code(out / "filled.rc") == 5);
   CHECK(contains(filled_err, "(not restarted: a checkpoint or run file that cannot be written"));
   const auto lines = nonempty_lines(filled_err);
-  const std::string warning = "dptrain: warning: " + (out / "mnt/filled/run.json").string() +
-                              ": cannot write: No space left on device; the job goes on";
+  const std::string warning =
+      "dptrain: warning: " + (out / "mnt/filled/run.json").string() +
+      ": cannot write: No space left on device; run.json is behind until it can be written";
   CHECK(std::count_if(lines.begin(), lines.end(),
                       [&](const std::string& l) { return l.rfind(warning, 0) == 0; }) == 1);
   const auto error = std::find_if(lines.begin(), lines.end(), [](const std::string& l) {

@@ -449,11 +449,34 @@ TEST_CASE("a host that stops answering (its sshd frozen) is lost within 3 keepal
   CHECK(error.find(c.sshd.addresses()[2]) != std::string::npos);
   CHECK(error.find(c.sshd.host(c.sshd.addresses()[2]).display() +
                    " (ranks 2-3) has not answered for 3 s") != std::string::npos);
+  CHECK(contains(error, ": the host, its SSH server or the network is stuck"));
   // Once the server answers again, the connection's end stops that host's ranks too.
   for (const auto& [rank, pid] : workers) {
     CAPTURE(rank);
     CHECK(eventually([pid] { return !process_alive(pid); }, std::chrono::seconds(20)));
   }
+}
+
+TEST_CASE("a host whose agent freezes is lost, and its agent is killed there (a root login too)") {
+  Cluster c;
+  std::optional<Background> launcher;
+  const auto workers = start_slowed(c, "stopped", launcher, false, {"--ssh-keepalive", "1"});
+  const pid_t agent = parent_of(workers.at(2));
+  REQUIRE(comm_of(agent) == comm_of(workers.at(2)));  // dptrain, not a shell between
+  REQUIRE(::kill(agent, SIGSTOP) == 0);
+  const int code = launcher->wait(std::chrono::seconds(60));
+  INFO(launcher->err());
+  CHECK(code == 3);
+  CHECK(contains(parse_json(launcher->out())["error"].get<std::string>(),
+                 " (ranks 2-3) has not answered for 3 s (its agent says it is alive every "
+                 "second): its SSH server answers, so its agent is stuck (stopped, or in a "
+                 "debugger): it was killed there, with its ranks; its ranks are taken as lost"));
+  // A stopped process ends only by SIGKILL: the relay's sweep of the processes its connection
+  // started (OpenSSH refuses channel signals for root, as the tests log in).
+  const bool killed =
+      eventually([agent] { return !process_alive(agent); }, std::chrono::seconds(10));
+  if (!killed) ::kill(agent, SIGCONT);
+  CHECK(killed);
 }
 
 TEST_CASE("a dropped SSH connection is a lost host, not a SIGTERM stop: --max-restarts restarts") {
@@ -823,7 +846,8 @@ TEST_CASE("a remote rank frozen before the ranks meet is named by --hang-timeout
 // The quick recipe launched across the cluster into c.tmp/NAME with `binary` as the hosts'
 // dptrain, to its end (--json).
 CommandResult launch_with_remote_binary(Cluster& c, const std::string& name, const fs::path& binary,
-                                        const std::vector<std::string>& extra = {}) {
+                                        const std::vector<std::string>& extra = {},
+                                        const Env& env = {}) {
   const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
   auto args = c.launch_args(recipe, c.tmp / name);
   const auto flag = std::find(args.begin(), args.end(), "--remote-binary");
@@ -831,7 +855,7 @@ CommandResult launch_with_remote_binary(Cluster& c, const std::string& name, con
   *(flag + 1) = binary.string();
   args.insert(args.end(), extra.begin(), extra.end());
   args.push_back("--json");
-  return run_dptrain(args);
+  return run_dptrain(args, env);
 }
 
 TEST_CASE("a host without the binary fails the launch with exit 4 and says how to install it") {
@@ -879,17 +903,25 @@ TEST_CASE("a program at --remote-binary that is not this dptrain's agent: exit 4
   CHECK(parse_json(silent.out)["restarts"] == 0);
 
   // One that waits without a word (it reads its stdin to the end, which the launcher's end
-  // closes): not said to be an agent that went quiet.
+  // closes), and whose --version fails (so that says nothing for certain): not said to be an
+  // agent that went quiet; what runs there is killed (it would wait for ever).
+  const fs::path mute_binary = c.tmp / "mute-binary";
+  write_script(mute_binary, "#!/bin/sh\n[ \"$1\" = --version ] && exit 1\necho $$ > '" +
+                                mute_binary.string() + ".pid'\nsleep 120\n");
+  const auto mute = launch_with_remote_binary(c, "mute", mute_binary, {"--ssh-keepalive", "1"});
+  INFO(mute.err);
+  CHECK(mute.exit_code == 3);
+  CHECK(contains(mute.err, "has not answered for 3 s, and '" + mute_binary.string() +
+                               "' there has said nothing since it was started: it may not be "
+                               "this dptrain's agent (a program that waits, or a build that "
+                               "hangs: 'dptrain doctor' checks it) (its SSH server answers; it "
+                               "was killed there); its ranks are taken as lost"));
+  CHECK_FALSE(contains(mute.err, "says it is alive every second"));
+  const pid_t mute_pid = std::stoi(read_text(mute_binary.string() + ".pid"));
+  CHECK(eventually([mute_pid] { return !process_alive(mute_pid); }, std::chrono::seconds(10)));
   const fs::path waits = c.tmp / "waits";
   write_text(waits, "#!/bin/sh\ncat >/dev/null\n");
   fs::permissions(waits, fs::perms::owner_all);
-  const auto mute = launch_with_remote_binary(c, "mute", waits, {"--ssh-keepalive", "1"});
-  INFO(mute.err);
-  CHECK(mute.exit_code == 3);
-  CHECK(contains(mute.err, "has not answered for 3 s, and '" + waits.string() +
-                               "' there has said nothing since it was started: it may not be "
-                               "this dptrain's agent"));
-  CHECK_FALSE(contains(mute.err, "says it is alive every second"));
   // Silent 5 s under the default keepalive (45 s of silence): asked --version, it answers
   // nothing dptrain would (cat of an empty input), and is refused then, not restarted.
   const auto asked = launch_with_remote_binary(c, "asked", waits, {"--max-restarts", "2"});
@@ -901,22 +933,39 @@ TEST_CASE("a program at --remote-binary that is not this dptrain's agent: exit 4
                                 "this dptrain's agent"));
   CHECK(contains(asked.err, "(not restarted: "));
   CHECK(asked.seconds < 40);
+  // One that hangs on --version too: refused once that times out, as doctor says it.
+  const fs::path sleeper = c.tmp / "sleeper";
+  write_script(sleeper, "#!/bin/sh\nsleep 120\n");
+  const auto hung =
+      launch_with_remote_binary(c, "hung", sleeper, {}, {{"DPTRAIN_TEST_VERSION_PROBE_S", "2"}});
+  INFO(hung.err);
+  CHECK(hung.exit_code == 4);
+  CHECK(contains(hung.err, "'" + sleeper.string() +
+                               "' there has said nothing in the 5 s since it was started, and did "
+                               "not answer '--version --json' within 2 s: it is not a working "
+                               "dptrain"));
 }
 
-// A fake agent at c.tmp/NAME: says `said` (shell lines), then keeps what it is sent on standard
-// input (the plan, for an agent) in NAME.plan, to its end (as an agent waiting for its plan
-// stops when its connection ends).
+// A fake agent at c.tmp/NAME: says `said` (shell lines), records its pid (NAME.pid), keeps what
+// it is sent on standard input (the plan, for an agent) in NAME.plan, to its end, then waits
+// without a word (it outlives its connection unless it is killed).
 fs::path fake_agent(const Cluster& c, const std::string& name, const std::string& said) {
   const fs::path path = c.tmp / name;
-  write_script(path, "#!/bin/sh\n" + said + "\ncat > '" + path.string() + ".plan'\n");
+  // Its pid and an empty NAME.plan first: the relay may kill it as soon as it has spoken.
+  write_script(path, "#!/bin/sh\n[ \"$1\" = --version ] || { echo $$ > '" + path.string() +
+                         ".pid'; : > '" + path.string() + ".plan'; }\n" + said + "\ncat >> '" +
+                         path.string() + ".plan'\nsleep 120\n");
   return path;
 }
 
-// The fake agent at `path` was never sent the plan (which holds the job's secret).
+// The fake agent at `path` was never sent the plan (which holds the job's secret), and was
+// killed as it was refused (not left to outlive its connection: a root login too).
 void check_never_planned(const fs::path& path) {
   const fs::path plan = path.string() + ".plan";
-  CHECK(eventually([&plan] { return fs::exists(plan); }, std::chrono::seconds(10)));
+  REQUIRE(fs::exists(plan));
   CHECK(read_text(plan).empty());
+  const pid_t pid = std::stoi(read_text(path.string() + ".pid"));
+  CHECK(eventually([pid] { return !process_alive(pid); }, std::chrono::seconds(10)));
 }
 
 TEST_CASE("a host whose agent speaks another protocol (another build): exit 4 naming both") {

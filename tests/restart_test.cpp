@@ -405,6 +405,19 @@ TEST_CASE("a diverging run is not restarted: its error names the step, events an
   CHECK(run_dptrain({"ckpt", "verify", run_dir.string()}).exit_code == 0);
 }
 
+TEST_CASE("a hang of a job of one rank is detected too (no peer would ever time out)") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  const auto r = run_dptrain({"launch", recipe.string(), "--nproc", "1", "--run-dir",
+                              (tmp / "one").string(), "--hang-timeout", "2", "--json"},
+                             {{"DPTRAIN_FAULT", "hang@step=5"}}, std::chrono::seconds(90));
+  INFO(r.err);
+  CHECK(r.exit_code == 3);
+  CHECK(contains(r.err, "hang: "));
+  CHECK(contains(r.err, "stuck: rank 0 at step 5"));
+  CHECK(parse_json(r.out)["exit_code"] == 3);
+}
+
 TEST_CASE("a hang is detected within hang-timeout + 5 s, named, and the run recovers") {
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), resumable_recipe());
@@ -596,9 +609,17 @@ TEST_CASE("--events writes one JSON line per state change, restarts included") {
   CHECK(names.back() == "run_finished");
   CHECK(first("rendezvous_done") < first("checkpoint_committed"));
   CHECK(first("checkpoint_committed") < first("rank_exited"));
-  CHECK(first("rank_exited") < first("restart"));
+  CHECK(first("rank_exited") < first("restart_pending"));
+  CHECK(first("restart_pending") < first("restart"));
   CHECK(std::count(names.begin(), names.end(), "generation_started") == 2);
+  // Said before the back-off, which it announces.
+  const auto pending = read_jsonl(events_file)[static_cast<size_t>(first("restart_pending"))];
+  CHECK(pending["attempt"] == 1);
+  CHECK(pending["max_restarts"] == 1);
+  CHECK(pending["backoff_s"] == 0.1);
+  CHECK(contains(pending["cause"].get<std::string>(), "rank 1"));
   CHECK(read_jsonl(events_file).back()["status"] == "completed");
+  CHECK(read_jsonl(events_file).back()["errors"] == json::array());  // as --json has it
   const auto restart = read_jsonl(events_file)[static_cast<size_t>(first("restart"))];
   CHECK(restart["from"] == "step-000020");
   CHECK(restart["cause"].get<std::string>().find("rank 1") != std::string::npos);
@@ -767,6 +788,13 @@ TEST_CASE("--events writes one JSON line per state change, restarts included") {
                       "device; the events from here on are lost\n") != std::string::npos);
   CHECK(std::count(full.err.begin(), full.err.end(), '\n') == 1);
   CHECK(parse_json(read_text(tmp / "ev3/run.json"))["status"] == "completed");
+  // With --json, its outcome's "warnings" says it too: the stream cannot.
+  auto full_json = run_dptrain({"launch", recipe.string(), "--run-dir", (tmp / "ev3j").string(),
+                                "--events", "/dev/full", "--json"});
+  CHECK(full_json.exit_code == 0);
+  CHECK(parse_json(full_json.out)["warnings"] ==
+        json::array({"--events: cannot write /dev/full: No space left on device; the events "
+                     "from here on are lost"}));
   // On stdout, the warning is the one word about it: the job's exit code stands.
   const int status = std::system(
       ("'" + binary() + "' launch '" + recipe.string() + "' --run-dir '" + (tmp / "ev4").string() +
