@@ -294,23 +294,23 @@ int run_relay(const RelayPlan& plan) {
     if (protocol == kAgentProtocol) return std::nullopt;
     if (protocol == 1) return another_build(plan, std::nullopt);
     if (protocol > 1) return another_build(plan, std::to_string(protocol));
-    // Silent as an agent, and hung on --version: nothing dptrain does (a program that waits).
-    if (answer.exit_status == kVersionTimedOut) {
+    // Silent as an agent, and --version says it is no (working) dptrain.
+    const auto not_an_agent = [&](const std::string& answered) {
       return fmt::format(
-          "{}: '{}' there has said nothing in the {} s since it was started, and did not answer "
-          "'--version --json' within {} s: it is not a working dptrain; 'dptrain doctor' checks "
-          "it, 'dptrain provision' installs this one (or name the right one with "
+          "{}: '{}' there has said nothing in the {} s since it was started, and {}; 'dptrain "
+          "doctor' checks it, 'dptrain provision' installs this one (or name the right one with "
           "--remote-binary)",
-          plan.host.display(), plan.remote_binary, kAgentHelloWait.count(),
-          version_probe_seconds());
+          plan.host.display(), plan.remote_binary, kAgentHelloWait.count(), answered);
+    };
+    // Hung on --version: nothing dptrain does (a program that waits).
+    if (answer.exit_status == kVersionTimedOut) {
+      return not_an_agent(
+          fmt::format("did not answer '--version --json' within {} s: it is not a working dptrain",
+                      version_probe_seconds()));
     }
     if (answer.exit_status != 0) return std::nullopt;  // it failed otherwise: not certain
-    return fmt::format(
-        "{}: '{}' there has said nothing in the {} s since it was started, and its answer to "
-        "'--version --json' is not dptrain's: it is not this dptrain's agent; 'dptrain doctor' "
-        "checks it, 'dptrain provision' installs this one (or name the right one with "
-        "--remote-binary)",
-        plan.host.display(), plan.remote_binary, kAgentHelloWait.count());
+    return not_an_agent(
+        "its answer to '--version --json' is not dptrain's: it is not this dptrain's agent");
   };
   // The host's end after "@done": completed, with a line saying what became of it.
   const auto completed_anyway = [&](const std::string& what) {
