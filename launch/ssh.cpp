@@ -240,11 +240,17 @@ void enable_tcp_keepalive(ssh_session session, int interval_s) {
   ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms, sizeof user_timeout_ms);
 }
 
+// The limit libssh gives each blocking step of the session (connecting, a channel's opening).
+bool set_step_timeout(ssh_session session, milliseconds step) {
+  const long whole = static_cast<long>(step.count() / 1000);
+  const long micro = static_cast<long>(step.count() % 1000) * 1000;
+  return ssh_options_set(session, SSH_OPTIONS_TIMEOUT, &whole) == SSH_OK &&
+         ssh_options_set(session, SSH_OPTIONS_TIMEOUT_USEC, &micro) == SSH_OK;
+}
+
 void set_options(ssh_session session, const HostSpec& host, const SshOptions& options,
                  const fs::path& known_hosts) {
   const unsigned port = host.port;
-  const long timeout_s = static_cast<long>(options.connect_timeout.count() / 1000);
-  const long timeout_us = static_cast<long>(options.connect_timeout.count() % 1000) * 1000;
   const int nodelay = 1;
   // ~/.ssh/config is not read: the hostfile and the command line say everything, the same way
   // on every machine that runs the launcher.
@@ -252,8 +258,7 @@ void set_options(ssh_session session, const HostSpec& host, const SshOptions& op
   bool ok = ssh_options_set(session, SSH_OPTIONS_HOST, host.host.c_str()) == SSH_OK &&
             ssh_options_set(session, SSH_OPTIONS_PORT, &port) == SSH_OK &&
             ssh_options_set(session, SSH_OPTIONS_KNOWNHOSTS, known_hosts.c_str()) == SSH_OK &&
-            ssh_options_set(session, SSH_OPTIONS_TIMEOUT, &timeout_s) == SSH_OK &&
-            ssh_options_set(session, SSH_OPTIONS_TIMEOUT_USEC, &timeout_us) == SSH_OK &&
+            set_step_timeout(session, options.connect_timeout) &&
             ssh_options_set(session, SSH_OPTIONS_NODELAY, &nodelay) == SSH_OK &&
             ssh_options_set(session, SSH_OPTIONS_PROCESS_CONFIG, &process_config) == SSH_OK;
   if (ok && !host.user.empty()) {
@@ -743,13 +748,7 @@ std::optional<int> SshSession::kill_marked_processes(const std::string& mark,
         "p=${p%/environ}; kill -KILL \"$p\" 2>/dev/null && n=$((n+1)); done; echo \"$n\"";
     // Each blocking step (the channel's opening) within `timeout` too: a host that stopped
     // answering holds the caller no longer than that.
-    const auto limit_steps = [this](milliseconds step) {
-      const long whole = static_cast<long>(step.count() / 1000);
-      const long micro = static_cast<long>(step.count() % 1000) * 1000;
-      ssh_options_set(session_->session, SSH_OPTIONS_TIMEOUT, &whole);
-      ssh_options_set(session_->session, SSH_OPTIONS_TIMEOUT_USEC, &micro);
-    };
-    limit_steps(std::min(timeout, session_->request_timeout));
+    set_step_timeout(session_->session, std::min(timeout, session_->request_timeout));
     std::optional<int> killed;
     try {
       const Result r = run("sh -c " + shell_quote(script), "", timeout);
@@ -764,7 +763,7 @@ std::optional<int> SshSession::kill_marked_processes(const std::string& mark,
       if (r.exit_status == 0 && ec == std::errc() && end == out.data() + out.size()) killed = n;
     } catch (...) {
     }
-    limit_steps(session_->request_timeout);
+    set_step_timeout(session_->session, session_->request_timeout);
     return killed;
   } catch (...) {
     return std::nullopt;
