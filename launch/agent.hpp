@@ -88,7 +88,7 @@ std::vector<ProcessSpec> worker_specs(const AgentPlan& plan,
 // silent for 5 s its --version (an older agent says nothing before its plan).
 // Two builds of one version may differ in it: a host that runs another build than the
 // launcher's fails with exit 4 at once, saying so, instead of misreading the other side.
-constexpr int kAgentProtocol = 2;
+constexpr int kAgentProtocol = 3;
 constexpr const char* kAgentHelloPrefix = "@agent ";
 constexpr const char* kAgentRankPrefix = "@rank ";
 constexpr const char* kAgentFailurePrefix = "@failure ";

@@ -207,6 +207,7 @@ ProcessSpec relay_spec(const JobSpec& spec, const RelayPlan& plan, const fs::pat
   p.rank = plan.agent.ranks.empty() ? 0 : plan.agent.ranks.front();
   p.argv = {spec.worker_binary.string(), "_relay"};
   p.hold_sigterm = true;  // a stop while it loads is answered by its handler (main installs it)
+  p.end_signal = kRelayEndSignal;  // the launcher's kill reaches the host's ranks at once
   p.env = {{kRelayPlanEnv, json_text(plan.to_json())}};
   p.log_file = logs / (host_tag(spec, plan.host) + "-agent.log");
   return p;

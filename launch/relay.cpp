@@ -25,9 +25,11 @@ using nlohmann::json;
 
 namespace {
 
-// The launcher's stop signals, in order: each SIGTERM or SIGINT is passed on to the agent.
+// The launcher's stop signals, in order: each SIGTERM or SIGINT is passed on to the agent, and
+// SIGUSR1 (the launcher's kill: its hang watch, a grace that ran out) as "kill".
 std::atomic<int> g_terms{0};
 std::atomic<int> g_interrupts{0};
+std::atomic<bool> g_kill{false};
 // Whether the agent has its plan: before, no rank runs on the host for this relay (it is still
 // connecting, which may take the whole connect timeout, or the program there has not yet said it
 // is this build's agent; an agent without a plan ends as the connection closes), and a stop
@@ -36,8 +38,12 @@ std::atomic<bool> g_plan_sent{false};
 static_assert(std::atomic<bool>::is_always_lock_free);
 
 void on_stop(int sig) {
-  if (!g_plan_sent.load()) ::_exit(sig == SIGINT ? 130 : 143);
-  (sig == SIGINT ? g_interrupts : g_terms).fetch_add(1);
+  if (!g_plan_sent.load()) ::_exit(128 + sig);
+  if (sig == kRelayEndSignal) {
+    g_kill.store(true);
+  } else {
+    (sig == SIGINT ? g_interrupts : g_terms).fetch_add(1);
+  }
 }
 
 // The remote shell's status when it could not run the binary (127: not found, 126: not
@@ -187,6 +193,7 @@ void install_relay_signal_handlers() {
   sigemptyset(&sa.sa_mask);
   ::sigaction(SIGTERM, &sa, nullptr);
   ::sigaction(SIGINT, &sa, nullptr);
+  ::sigaction(kRelayEndSignal, &sa, nullptr);
 }
 
 int run_relay(const RelayPlan& plan) {
@@ -332,6 +339,7 @@ int run_relay(const RelayPlan& plan) {
   };
   int terms_sent = 0;
   int interrupts_sent = 0;
+  bool kill_sent = false;
   try {
     last_heard = std::chrono::steady_clock::now();
     while (channel->read(sink, std::chrono::milliseconds(100))) {
@@ -373,6 +381,11 @@ int run_relay(const RelayPlan& plan) {
         channel->write("stop\n");
       for (; interrupts_sent < g_interrupts.load(); ++interrupts_sent)
         channel->write("interrupt\n");
+      // The launcher's kill: the agent kills its ranks at once, and ends.
+      if (g_kill.load() && !kill_sent) {
+        channel->write("kill\n");
+        kill_sent = true;
+      }
       // Before the plan, not until its --version was asked (a silence limit shorter than
       // kAgentHelloWait would take another build for a lost host).
       if (plan.ssh.keepalive_interval_s > 0 && (g_plan_sent.load() || asked_version) &&
@@ -445,7 +458,7 @@ int run_relay(const RelayPlan& plan) {
   }
   // The agent stopped by a SIGINT on its host (by hand, say), not sent by this launcher: its
   // ranks stopped without a checkpoint. Named, with its host and ranks, not as an exit code.
-  if (sig == 0 && *status == 130 && interrupts_sent == 0 && !done) {
+  if (sig == 0 && *status == 130 && interrupts_sent == 0 && !kill_sent && !done) {
     write_host_failure(stdout,
                        fmt::format("the agent on {} was stopped by SIGINT on its host (not by this "
                                    "launcher): its ranks stopped without a checkpoint",

@@ -4,6 +4,7 @@
 // remote agent stops its ranks.
 #pragma once
 
+#include <csignal>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -28,15 +29,22 @@ struct RelayPlan {
 // job secret).
 constexpr const char* kRelayPlanEnv = "DPTRAIN_RELAY_PLAN";
 
-// The relay's SIGTERM/SIGINT handlers: before the agent has its plan a stop ends the relay at
-// once (exit 143 or 130, nothing ran on the host); after, it is passed on to the agent. main
+// The signal that asks a relay to end at once with its host's ranks (ProcessSpec::end_signal):
+// the launcher's kill (its hang watch, a grace that ran out). A SIGKILL of the relay would leave
+// them running until the agent noticed its connection gone (3 s): with --max-restarts, beside
+// the next generation's.
+constexpr int kRelayEndSignal = SIGUSR1;
+
+// The relay's SIGTERM/SIGINT/kRelayEndSignal handlers: before the agent has its plan a stop ends
+// the relay at once (exit 128 + the signal, nothing ran on the host); after, it is passed on to
+// the agent ("stop", "interrupt", "kill": its ranks killed at once). main
 // installs them first thing: the launcher starts a relay with SIGTERM held, and one that came
 // while it loaded is a stop, not a death by the signal ("host ... was killed by SIGTERM").
 void install_relay_signal_handlers();
 // Connects, starts the agent, writes its plan, relays its output to stdout until it ends.
-// SIGTERM or SIGINT closes the agent's input, which stops its ranks. Returns the agent's exit code;
-// 4 when the host cannot be reached or authenticated; 3 when the connection is lost (with an
-// "@failure" line naming the host).
+// SIGTERM, SIGINT or kRelayEndSignal is passed on to the agent, which stops its ranks. Returns the
+// agent's exit code; 4 when the host cannot be reached or authenticated; 3 when the connection is
+// lost (with an "@failure" line naming the host).
 int run_relay(const RelayPlan& plan);
 
 nlohmann::json host_to_json(const HostSpec& host);

@@ -85,6 +85,8 @@ struct Child {
   std::string partial;
   std::deque<std::string> tail;  // its last lines as its log shows them (shown_line)
   std::ofstream log;
+  // Once its end_signal was sent: when SIGKILL follows if it is still running.
+  std::optional<std::chrono::steady_clock::time_point> end_by;
 };
 
 std::vector<std::string> build_env(const ProcessSpec& spec) {
@@ -233,6 +235,18 @@ class Supervision {
       const bool gone_while_stopping = stopping && stop_fd_was_open && stop_fd_closed_;
       reap(result);
       if (options_.tick) options_.tick();
+      kill_overdue();
+      if (stop_fd_kill_ && !kill_sent_) {
+        // The launcher's side ends the job at once (its hang watch, its grace ran out): no
+        // checkpoint, as after a SIGINT.
+        if (result.stop_signal == 0) result.stop_signal = SIGINT;
+        result.killed_why = "the launcher ended the job at once";
+        result.killed_at_once = true;
+        stopping = true;
+        signal_all(SIGKILL);
+        stop_deadline = kNever;
+        continue;
+      }
       if (!stopping) {
         const int sig = stop_fd_signal_ != 0 ? stop_fd_signal_
                         : stop_fd_closed_    ? SIGTERM
@@ -397,6 +411,8 @@ class Supervision {
       if (line == "interrupt") {
         ++stop_fd_interrupts_;
         if (stop_fd_signal_ == 0) stop_fd_signal_ = SIGINT;
+      } else if (line == "kill") {
+        stop_fd_kill_ = true;
       } else if (stop_fd_signal_ == 0) {
         stop_fd_signal_ = SIGTERM;  // "stop", and anything else a polite stop request
       }
@@ -527,11 +543,30 @@ class Supervision {
     if (sig == SIGKILL) kill_sent_ = true;
     for (auto& c : children_) {
       if (c.exited) continue;
+      if (sig == SIGKILL && c.spec->end_signal != 0) {
+        // Asked to end with what it started; SIGKILL once kEndWait has passed (kill_overdue).
+        if (!c.end_by) {
+          ::kill(-c.pid, c.spec->end_signal);
+          ::kill(-c.pid, SIGCONT);
+          c.end_by = std::chrono::steady_clock::now() + kEndWait;
+        }
+        continue;
+      }
       ::kill(-c.pid, sig);
       // A stopped rank (SIGSTOP, a debugger let go of) acts on a SIGTERM or SIGINT only once it
       // runs again, as a shell's kill does for a stopped job: else its grace would pass in vain
       // and SIGKILL end it, with nothing said.
       if (sig != SIGKILL) ::kill(-c.pid, SIGCONT);
+    }
+  }
+
+  // SIGKILL to a process that its end_signal did not end in time.
+  void kill_overdue() {
+    const auto now = std::chrono::steady_clock::now();
+    for (auto& c : children_) {
+      if (c.exited || !c.end_by || now < *c.end_by) continue;
+      ::kill(-c.pid, SIGKILL);
+      c.end_by = std::chrono::steady_clock::time_point::max();
     }
   }
 
@@ -553,6 +588,7 @@ class Supervision {
   bool stop_fd_closed_ = false;
   int stop_fd_signal_ = 0;  // the stop the first line on stop_fd asked for
   int stop_fd_interrupts_ = 0;
+  bool stop_fd_kill_ = false;  // "kill" came on stop_fd
   std::string stop_fd_partial_;
   std::optional<ProcessFailure> candidate_;
   int candidate_rank_ = 0;

@@ -27,7 +27,15 @@ struct ProcessSpec {
   // it loads waits until the program unblocks it, once its handler is in place, instead of
   // killing it. dptrain's main does that, so every dptrain subcommand may be started this way.
   bool hold_sigterm = false;
+  // When not 0: the signal that asks the process to end at once with whatever it started (a
+  // relay: its host's agent and ranks, which a SIGKILL of the relay would leave running until
+  // the agent notices its connection gone). Where the supervisor kills, it sends this one, and
+  // SIGKILL only to a process still running kEndWait later.
+  int end_signal = 0;
 };
+
+// How long a process with an end_signal has to end before SIGKILL.
+constexpr std::chrono::milliseconds kEndWait{3000};
 
 // How one process ended.
 struct ProcessExit {
@@ -79,9 +87,11 @@ struct SupervisorOptions {
   std::function<void(const std::vector<pid_t>&)> on_started;
   // When >= 0: lines on this descriptor stop everything as the launcher's own signals do:
   // "stop" like a SIGTERM (ranks checkpoint first, `stop_grace`), "interrupt" like a SIGINT (no
-  // checkpoint; a second one kills at once). Its end (or an error) means the other side is gone:
-  // the ranks get the short `grace`, or are killed at once when they were already stopping.
-  // An agent passes its stdin, the SSH channel from the launcher: when that goes, so do its ranks.
+  // checkpoint; a second one kills at once), "kill" kills at once (the other side's end_signal:
+  // the launcher's hang watch, or its stop's grace ran out). Its end (or an error) means the other
+  // side is gone: the ranks get the short `grace`, or are killed at once when they were already
+  // stopping. An agent passes its stdin, the SSH channel from the launcher: when that goes, so do
+  // its ranks.
   int stop_fd = -1;
   // Polled every loop: a message stops everything at once (SIGKILL: a hung rank cannot
   // checkpoint) and is reported as the cause.

@@ -332,6 +332,69 @@ TEST_CASE("supervisor: \"stop\" on stop_fd is a SIGTERM; a second \"interrupt\" 
     CHECK_FALSE(alive(p));
 }
 
+TEST_CASE("supervisor: \"kill\" on stop_fd kills the ranks at once, as a stop without checkpoint") {
+  Fixture f;
+  StopPipe stop;
+  f.options.stop_fd = stop.fds[0];
+  f.options.stop_grace = std::chrono::seconds(60);
+  // A rank that would take its time over SIGTERM and SIGINT alike.
+  const std::string rank = "trap 'echo busy' TERM INT; echo up; while :; do sleep 0.05; done";
+  std::thread kill([&] {
+    printed(f, "rank 0", "up");
+    printed(f, "rank 1", "up");
+    stop.send("kill");  // the launcher's hang watch
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto result = supervise({f.shell(0, rank), f.shell(1, rank)}, f.options);
+  kill.join();
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30));  // not stop_grace
+  CHECK(result.stop_signal == SIGINT);
+  CHECK(result.killed_at_once);
+  CHECK(result.killed_why == "the launcher ended the job at once");
+  CHECK_FALSE(result.failure);
+  REQUIRE(result.exits.size() == 2);
+  for (const ProcessExit& e : result.exits)
+    CHECK(e.signal == SIGKILL);
+  // Neither saw a SIGTERM or SIGINT first.
+  for (const char* label : {"rank 0", "rank 1"})
+    CHECK(std::find(f.lines[label].begin(), f.lines[label].end(), "busy") == f.lines[label].end());
+  for (pid_t p : f.pids)
+    CHECK_FALSE(alive(p));
+}
+
+TEST_CASE("supervisor: a kill sends a process's end_signal first, SIGKILL only kEndWait later") {
+  Fixture f;
+  bool fired = false;
+  f.options.watchdog = [&]() -> std::optional<std::string> {
+    std::lock_guard lock(f.mutex);
+    if (fired || f.lines["host a"].empty() || f.lines["host b"].empty()) return std::nullopt;
+    fired = true;
+    return "hang: rank 2 is stuck";
+  };
+  // A relay ends its host's ranks on its end_signal and exits; one that cannot (it is stuck on
+  // its connection) is killed once kEndWait has passed. A rank is killed at once.
+  auto a = f.shell(0, "trap 'echo ending; exit 138' USR1; echo up; while :; do sleep 0.05; done");
+  a.label = "host a";
+  a.end_signal = SIGUSR1;
+  auto b = f.shell(1, "trap 'echo stuck' USR1; echo up; while :; do sleep 0.05; done");
+  b.label = "host b";
+  b.end_signal = SIGUSR1;
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto result = supervise({a, b, f.shell(2, "while :; do sleep 0.05; done")}, f.options);
+  const auto took = std::chrono::steady_clock::now() - t0;
+  CHECK(result.watchdog == "hang: rank 2 is stuck");
+  CHECK_FALSE(result.failure);
+  REQUIRE(result.exits.size() == 3);
+  CHECK(result.exits[0].exit_code == 138);
+  CHECK(f.lines["host a"].back() == "ending");
+  CHECK(result.exits[1].signal == SIGKILL);
+  CHECK(f.lines["host b"].back() == "stuck");
+  CHECK(took >= kEndWait);  // the stuck one had its time
+  CHECK(result.exits[2].signal == SIGKILL);
+  for (pid_t p : f.pids)
+    CHECK_FALSE(alive(p));
+}
+
 TEST_CASE("supervisor: the end of stop_fd while stopping kills at once: no rank outlives it") {
   Fixture f;
   StopPipe stop;

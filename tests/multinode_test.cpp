@@ -827,6 +827,33 @@ TEST_CASE("Ctrl-C with a hung rank: no rank outlives the launcher, and no checkp
   CHECK(remote_checkpoints(c, run_dir) == before);
 }
 
+TEST_CASE("a hang found by --hang-timeout: the remote ranks are gone when the launcher exits") {
+  Cluster c;
+  const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
+  const fs::path run_dir = c.tmp / "hung-remote";
+  auto args = c.launch_args(recipe, run_dir);
+  args.insert(args.end(), {"--hang-timeout", "3"});
+  // Rank 2 (on the second host) hangs at step 20: the launcher's hang watch kills the job.
+  Background launcher(
+      args, {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "30"}, {"DPTRAIN_FAULT", "hang@step=20,rank=2"}});
+  std::map<int, pid_t> workers;
+  REQUIRE(eventually([&] {
+    workers = workers_of("hung-remote");
+    return workers.size() == 4;
+  }));
+  CHECK(launcher.wait(std::chrono::seconds(90)) == 3);
+  INFO(launcher.out());
+  CHECK(contains(launcher.out(), "stuck: rank 2 on " +
+                                     c.sshd.host(c.sshd.addresses()[2]).display() + " at step 20"));
+  // Killed with the job, not 3 s later as their agents notice the launcher's side gone (with
+  // --max-restarts, beside the next generation's ranks).
+  for (const auto& [rank, pid] : workers) {
+    CAPTURE(rank);
+    CHECK_FALSE(process_alive(pid));
+  }
+  CHECK(workers_of("hung-remote").empty());
+}
+
 TEST_CASE("a remote rank frozen before the ranks meet is named by --hang-timeout, not timeout_s") {
   Cluster c;
   auto recipe_json = quick_recipe();
@@ -990,13 +1017,13 @@ TEST_CASE("a host whose agent speaks another protocol (another build): exit 4 na
   // One whose --version answers JSON of another protocol, silent too: named by that number.
   const fs::path other = fake_agent(c, "other-agent",
                                     "if [ \"$1\" = --version ]; then echo "
-                                    "'{\"version\":\"0.1.0\",\"agent_protocol\":3}'; exit 0; fi");
+                                    "'{\"version\":\"0.1.0\",\"agent_protocol\":9}'; exit 0; fi");
   const auto silent_other = launch_with_remote_binary(c, "other", other);
   INFO(silent_other.err);
   CHECK(silent_other.exit_code == 4);
   CHECK(contains(silent_other.err,
                  "there is another build of dptrain (its agent speaks protocol "
-                 "3, this launcher's"));
+                 "9, this launcher's"));
   check_never_planned(other);
   // One that says "@alive" first (a line of the protocol, not its number): refused at once.
   const fs::path alive = fake_agent(c, "alive-agent", "echo @alive");
