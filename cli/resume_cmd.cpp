@@ -260,6 +260,7 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events,
           "hosts: the ranks continue from the newest checkpoint these hosts hold, which may be "
           "older (its later steps are trained again); add {} to --hosts to continue from step {}",
           recorded.value("step", int64_t{0}), holder, holder, recorded.value("step", int64_t{0})));
+      spec.left_out_holder_said = holder;
     }
   } else {
     // None was ever committed (stopped before its first checkpoint): it starts over, as a

@@ -60,6 +60,9 @@ struct WorkerOptions {
   int local_rank = -1;
   int nominal_world = -1;
   std::string store;
+  // Where `store` came from, for its errors: "--store", "DPTRAIN_STORE" or
+  // "MASTER_ADDR/MASTER_PORT".
+  std::string store_from = "--store";
   bool host_store = false;
   int generation = -1;
   std::string bind;
@@ -89,6 +92,7 @@ void fill_from_env(WorkerOptions& o) {
   if (o.store.empty()) {
     if (auto s = env_value("DPTRAIN_STORE")) {
       o.store = *s;
+      o.store_from = "DPTRAIN_STORE";
     } else {
       const auto addr = env_value("MASTER_ADDR");
       const auto port = env_value("MASTER_PORT");
@@ -100,6 +104,15 @@ void fill_from_env(WorkerOptions& o) {
                                        : "MASTER_ADDR/MASTER_PORT"));
       }
       o.store = *addr + ":" + *port;
+      o.store_from = "MASTER_ADDR/MASTER_PORT";
+      // torchrun's variables, each named: a bad port is MASTER_PORT's, not an address's.
+      if (port->empty() || port->size() > 5 ||
+          port->find_first_not_of("0123456789") != std::string::npos || std::stoi(*port) < 1 ||
+          std::stoi(*port) > 65535) {
+        throw Error(
+            ErrorKind::usage,
+            fmt::format("MASTER_PORT: '{}' is not a port number (1 to 65535)", printable(*port)));
+      }
     }
   }
   if (o.nominal_world < 0) {
@@ -576,7 +589,13 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
                std::shared_ptr<const int>& lock) {
   install_worker_signal_handlers();  // again: main installs them first, for `dptrain worker`
   fill_from_env(o);
-  const auto [host, port] = parse_host_port(o.store);
+  const auto [host, port] = [&o] {
+    try {
+      return parse_host_port(o.store);
+    } catch (const Error& e) {
+      throw Error(e.kind(), fmt::format("{}: {}", o.store_from, e.what()));
+    }
+  }();
   // The job secret comes through the environment only; "" means an open store (by hand).
   const std::string secret = env(kStoreSecretEnv).value_or("");
   // Rank 0 serving the store starts it first: the other ranks learn through it why this one

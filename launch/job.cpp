@@ -364,6 +364,28 @@ std::map<std::string, std::string> forwarded_environment() {
 
 namespace {
 
+// The ranks found the newest checkpoint on their nodes (JobSpec::resume_from "newest") at `step`:
+// the warning when that is older than the last one recorded (committed on another host), whose
+// later steps are trained again; empty otherwise. Its host is not among this generation's (it did
+// not answer, or a resume left it out), or its copy there was passed over.
+std::string resumed_behind(const json& info, int64_t step, const std::vector<HostSpec>& hosts,
+                           const JobSpec& spec) {
+  const auto recorded = remote_last_checkpoint(info);
+  if (!recorded || step < 0) return {};
+  const int64_t last = info["last_checkpoint"].value("step", int64_t{-1});
+  if (last <= step) return {};
+  const bool placed = std::any_of(hosts.begin(), hosts.end(),
+                                  [&](const HostSpec& h) { return h.display() == recorded->host; });
+  if (!placed && recorded->host == spec.left_out_holder_said) return {};
+  return fmt::format(
+      "the ranks continue from step {}, older than the last recorded checkpoint (step {}, {} on "
+      "{}){}: steps {} to {} are trained again",
+      step, last, recorded->path, recorded->host,
+      placed ? ", whose copy there could not be used (damaged, removed or another recipe's)"
+             : fmt::format(", as {} is not among this generation's hosts", recorded->host),
+      step + 1, last);
+}
+
 // This machine's address towards `h`; a name that does not resolve (or no route) is the host's
 // problem, as an SSH failure is: Error(ssh) naming it.
 std::string address_towards(const HostSpec& h) {
@@ -840,6 +862,11 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       run.record();
     }
     if (kind == "rendezvous") {
+      if (spec.resume_from == "newest") {
+        const std::string behind =
+            resumed_behind(info, event.value("step", int64_t{-1}), plan.hosts, spec);
+        if (!behind.empty()) status.warning(behind);
+      }
       // When the ranks met: until then a status shows the generation before's step (dptrain
       // status: generation_starting).
       info["generations"].back()["met_at"] = utc_timestamp();

@@ -61,6 +61,9 @@ struct JobSpec {
   bool one_gpu_per_rank = false;
   // A verified checkpoint, "newest-or-start" (the newest any node holds, or step 0), or empty.
   std::filesystem::path resume_from;
+  // The host of the last recorded checkpoint, where a resume already warned that it is not
+  // among its hosts: the ranks' start from an older one is not said again.
+  std::string left_out_holder_said;
   std::filesystem::path worker_binary;  // this executable
   RemoteOptions remote;
   RankEnv env;  // --env: what every rank gets on top of its host's environment

@@ -278,6 +278,24 @@ TEST_CASE("usage errors exit 2") {
     CHECK(bad.exit_code == 2);
     CHECK(bad.err == "dptrain: error: " + says + "\n");
   }
+  // The store's address by the variable it came from: torchrun's MASTER_PORT, DPTRAIN_STORE.
+  for (const auto& [vars, says] : std::vector<std::pair<Env, std::string>>{
+           {{{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "70000"}},
+            "MASTER_PORT: '70000' is not a port number (1 to 65535)"},
+           {{{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "0"}},
+            "MASTER_PORT: '0' is not a port number (1 to 65535)"},
+           {{{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500x"}},
+            "MASTER_PORT: '29500x' is not a port number (1 to 65535)"},
+           {{{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", ""}},
+            "MASTER_PORT: is empty; give a value"},
+           {{{"DPTRAIN_STORE", "127.0.0.1"}}, "DPTRAIN_STORE: invalid address '127.0.0.1'"}}) {
+    Env all = vars;
+    all.insert({{"RANK", "0"}, {"WORLD_SIZE", "1"}});
+    auto bad =
+        run_dptrain({"worker", recipe.string(), "--run-dir", (tmp / "by-env").string()}, all);
+    CHECK(bad.exit_code == 2);
+    CHECK_MESSAGE(contains(bad.err, "dptrain: error: rank 0: " + says), bad.err);
+  }
   // Inside another run's checkpoints/ (or logs/): its resume would set the new run aside as a
   // damaged checkpoint. Beside them (the run directory itself) is no such place.
   fs::create_directories(tmp / "outer/checkpoints");

@@ -635,7 +635,7 @@ TEST_CASE("resume --nnodes 1:2 with a host gone continues on the other from its 
   const fs::path run_dir = c.tmp / "remote", events = c.tmp / "events.jsonl";
   Background job(c.launch_args(recipe, run_dir), {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "20"}});
   const bool checkpointed = eventually([&] {
-    return fs::exists(c.remote_run(c.sshd.addresses()[2], run_dir) / "checkpoints/step-000025");
+    return fs::exists(c.remote_run(c.sshd.addresses()[2], run_dir) / "checkpoints/step-000050");
   });
   ::kill(job.pid(), SIGTERM);
   const int code = job.wait();
@@ -653,16 +653,29 @@ TEST_CASE("resume --nnodes 1:2 with a host gone continues on the other from its 
     CHECK(bad.err.find(flag) != std::string::npos);
   }
 
+  // The other host's copy of the last checkpoint is gone: the newest it holds is older.
+  const json stopped = parse_json(read_text(run_dir / "run.json"));
+  const std::string last = stopped["last_checkpoint"]["name"];
+  const int64_t last_step = stopped["last_checkpoint"]["step"];
+  const std::string holder = c.sshd.host(c.sshd.addresses()[1]).display();
+  REQUIRE(stopped["last_checkpoint"]["host"] == holder);
+  fs::remove_all(c.remote_run(c.sshd.addresses()[2], run_dir) / "checkpoints" / last);
+
   // Rank 0's host (and its checkpoints) is gone, or left out of the resume's hosts: the other
-  // continues from its own copy; left out, the user is told it may be older than the last.
+  // continues from its own older copy, and the user is told so (left out: as the resume starts,
+  // that it may be older), or both answer and the holder's copy is gone too.
   std::optional<LostHost> gone;
-  bool left_out = false;
+  bool left_out = false, removed = false;
   SUBCASE("gone") {
     gone.emplace(c.sshd, c.sshd.addresses()[1]);
   }
   SUBCASE("left out") {
     left_out = true;
     c.sshd.write_hostfile(c.hostfile, {c.sshd.addresses()[2]}, 1);
+  }
+  SUBCASE("its copy on its host removed") {
+    removed = true;
+    fs::remove_all(c.remote_run(c.sshd.addresses()[1], run_dir) / "checkpoints" / last);
   }
   auto args = c.launch_args(recipe, run_dir);
   args.erase(args.begin(), args.begin() + 2);  // "launch RECIPE"
@@ -678,19 +691,35 @@ TEST_CASE("resume --nnodes 1:2 with a host gone continues on the other from its 
   REQUIRE(resumed.exit_code == 0);
   CHECK(contains(resumed.out, "(hosts 1:2)") != left_out);
   CHECK(contains(resumed.err, "dptrain: warning: the last recorded checkpoint (step ") == left_out);
-  CHECK(contains(resumed.err, "is on " + c.sshd.host(c.sshd.addresses()[1]).display() +
-                                  ", which is not among this resume's hosts") == left_out);
-  const auto changes = events_named(events, "world_size_changed");
-  REQUIRE(changes.size() == 1);
-  CHECK(changes[0]["from"] == 2);
-  CHECK(changes[0]["to"] == 1);
-  const json result = parse_json(read_text(run_dir / "result.json"));
-  CHECK(result["world_size"] == 1);
-  CHECK(result["steps"] == 150);
+  CHECK(contains(resumed.err, "is on " + holder + ", which is not among this resume's hosts") ==
+        left_out);
+  // Once the ranks met: from which step, and the steps trained again (said once).
   const json info = parse_json(read_text(run_dir / "run.json"));
   const std::string from = info["generations"].back()["resumed_from"];
   CHECK(from.rfind("step-0000", 0) == 0);
   CHECK(from != "step-000000");
+  const int64_t from_step = std::stoll(from.substr(5));
+  CHECK(from_step < last_step);
+  const std::string behind = fmt::format(
+      "dptrain: warning: the ranks continue from step {}, older than the last recorded "
+      "checkpoint (step {}, ",
+      from_step, last_step);
+  CHECK(contains(resumed.err, behind) != left_out);
+  CHECK(contains(resumed.err, fmt::format("{}), as {} is not among this generation's hosts: "
+                                          "steps {} to {} are trained again",
+                                          holder, holder, from_step + 1, last_step)) == bool(gone));
+  CHECK(contains(resumed.err,
+                 holder + "), whose copy there could not be used (damaged, removed or another "
+                          "recipe's): steps ") == removed);
+  const auto changes = events_named(events, "world_size_changed");
+  REQUIRE(changes.size() == (removed ? 0 : 1));
+  if (!removed) {
+    CHECK(changes[0]["from"] == 2);
+    CHECK(changes[0]["to"] == 1);
+  }
+  const json result = parse_json(read_text(run_dir / "result.json"));
+  CHECK(result["world_size"] == (removed ? 2 : 1));
+  CHECK(result["steps"] == 150);
   CHECK(info["nominal_world_size"] == 2);
   const double clean_loss = eval_loss(c.tmp / "clean"), loss = eval_loss(run_dir);
   CHECK(std::abs(loss - clean_loss) / clean_loss < 0.02);
