@@ -1,10 +1,12 @@
 // The events stream: one JSON object per line for every state change of a job.
 #include "launch/events.hpp"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 
 #include <fmt/format.h>
@@ -12,8 +14,40 @@
 #include "core/error.hpp"
 #include "core/json_error.hpp"
 #include "launch/run_dir.hpp"
+#include "launch/supervisor.hpp"
 
 namespace dptrain {
+
+namespace {
+
+// A FIFO opens for writing only once something reads it: the wait is said (once) rather than
+// spent without a word, and a stop signal ends it (nothing has started yet).
+std::FILE* open_fifo(const std::string& target) {
+  for (bool said = false;;) {
+    const int fd = ::open(target.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd >= 0) {
+      // Writes wait for a slow reader, as they do on any pipe.
+      ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+      if (std::FILE* f = ::fdopen(fd, "a")) return f;
+      ::close(fd);
+    }
+    if (fd >= 0 || errno != ENXIO) {
+      throw Error(ErrorKind::usage, fmt::format("--events: cannot open {}: {}", printable(target),
+                                                std::strerror(errno)));
+    }
+    if (!said) {
+      std::fprintf(stderr,
+                   "dptrain: --events: waiting for a reader of the FIFO %s (the job starts once "
+                   "one opens it: 'cat %s', say)\n",
+                   printable(target).c_str(), printable(target).c_str());
+      said = true;
+    }
+    throw_if_stopped(" while waiting for a reader of the --events FIFO (no rank started)");
+    sleep_unless_stopped(std::chrono::milliseconds(100));
+  }
+}
+
+}  // namespace
 
 bool names_standard_output(const std::string& target) {
   if (target == "-") return true;
@@ -30,6 +64,11 @@ EventLog::EventLog(const std::string& target) : target_(target) {
   if (names_standard_output(target)) {
     out_ = stdout;
     to_stdout_ = true;
+    return;
+  }
+  struct stat named {};
+  if (::stat(target.c_str(), &named) == 0 && S_ISFIFO(named.st_mode)) {
+    out_ = open_fifo(target);
     return;
   }
   out_ = std::fopen(target.c_str(), "a");

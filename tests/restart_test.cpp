@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 #include <algorithm>
@@ -585,6 +586,40 @@ TEST_CASE("without --hang-timeout, a collective that times out names the rank it
   CHECK(contains(r.err, "rank 0 (pid "));
   CHECK(contains(r.err, named));
   CHECK(contains(r.err, "; waiting for it in collective #"));
+}
+
+TEST_CASE("--events to a FIFO: the wait for its reader is said, and a stop ends it") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  const fs::path fifo = tmp / "events.fifo";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  const std::string waiting = "dptrain: --events: waiting for a reader of the FIFO " +
+                              fifo.string() + " (the job starts once one opens it";
+  // No reader yet: said, and nothing made; a stop ends the wait with the signal's exit code.
+  {
+    Background launch({"launch", recipe.string(), "--run-dir", (tmp / "stopped").string(),
+                       "--events", fifo.string(), "--json"});
+    REQUIRE(eventually([&] { return contains(launch.err(), waiting); }));
+    REQUIRE(::kill(launch.pid(), SIGTERM) == 0);
+    CHECK(launch.wait(std::chrono::seconds(30)) == 143);
+    INFO(launch.err());
+    CHECK(parse_json(launch.out())["error"] ==
+          "stopped by SIGTERM while waiting for a reader of the --events FIFO (no rank started)");
+    CHECK_FALSE(fs::exists(tmp / "stopped"));
+  }
+  // A reader that comes later gets the whole stream.
+  Background launch(
+      {"launch", recipe.string(), "--run-dir", (tmp / "read").string(), "--events", fifo.string()});
+  REQUIRE(eventually([&] { return contains(launch.err(), waiting); }));
+  const std::string stream = read_text(fifo);  // to the writer's end
+  CHECK(launch.wait(std::chrono::seconds(120)) == 0);
+  std::istringstream lines(stream);
+  std::vector<std::string> names;
+  for (std::string line; std::getline(lines, line);)
+    names.push_back(parse_json(line)["event"].get<std::string>());
+  REQUIRE_FALSE(names.empty());
+  CHECK(names.front() == "generation_started");
+  CHECK(names.back() == "run_finished");
 }
 
 TEST_CASE("--events writes one JSON line per state change, restarts included") {
