@@ -1462,6 +1462,12 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       signal = r->value("signal", 0);
     }
     rank_exited(process, exit_code, signal, error_headline(out.error));
+    // Local ranks SIGKILLed beside it before the launcher killed any (the OOM killer took two):
+    // each exited on its own account too.
+    for (const ProcessExit& k : sup.killed) {
+      if (k.label != f.label && relays.find(k.label) == relays.end())
+        rank_exited(k.label, k.exit_code, k.signal, k.describe());
+    }
   }
   events.emit("generation_ended",
               {{"generation", generation}, {"status", out.status}, {"exit_code", out.exit_code}});

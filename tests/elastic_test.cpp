@@ -8,6 +8,7 @@
 #include <cmath>
 #include <fstream>
 #include <optional>
+#include <set>
 #include <thread>
 
 #include <fmt/format.h>
@@ -533,6 +534,14 @@ TEST_CASE("two ranks killed by SIGKILL at once are two ranks' capacity lost") {
   }
   CHECK(contains(changes[0]["lost"].dump(), "rank 1: "));
   CHECK(contains(changes[0]["lost"].dump(), "rank 2: "));
+  // An event for each.
+  std::set<std::string> exited;
+  for (const auto& e : events_named(tmp / "events.jsonl", "rank_exited")) {
+    CHECK(e["signal"] == SIGKILL);
+    CHECK(e["exit_code"].is_null());
+    exited.insert(e["process"].get<std::string>());
+  }
+  CHECK(exited == std::set<std::string>{"rank 1", "rank 2"});
 
   // With a minimum of 2 that leaves too few: said at once, naming both.
   const auto floor =
