@@ -769,11 +769,14 @@ class TrainingRun {
     passed.tell();
     if (*newest < 0) {
       if (how == "newest") {
-        throw Error(
-            ErrorKind::checkpoint,
-            fmt::format("no valid checkpoint on any node of this run ({} rank(s); rank {} looked "
-                        "in {})",
-                        world_, rank_, printable((options_.run_dir / "checkpoints").string())));
+        // Where rank 0 looked, on every rank's error (whichever the launcher shows says it): a
+        // mistyped workdir shows there.
+        const std::string where =
+            broadcast_text(printable((options_.run_dir / "checkpoints").string()), 0);
+        throw Error(ErrorKind::checkpoint,
+                    fmt::format("no valid checkpoint on any node of this run ({} rank(s); rank 0 "
+                                "looked in {})",
+                                world_, where));
       }
       return {};
     }

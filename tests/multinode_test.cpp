@@ -215,10 +215,10 @@ TEST_CASE("resume reaches the hosts through the workdir and binary the launch us
       run_dptrain({"resume", run_dir.string(), "--hosts", c.hostfile.string(), "--known-hosts",
                    c.sshd.known_hosts().string(), "--workdir", typo.string(), "--nnodes", "2"});
   CHECK(mistyped.exit_code == 5);
-  // Every rank finds none and says where it looked; the launcher names whichever failed first.
+  // Every rank finds none and says where rank 0 looked, whichever the launcher names.
   CHECK_MESSAGE(contains(mistyped.err,
                          "no valid checkpoint on any node of this run (4 rank(s); "
-                         "rank "),
+                         "rank 0 looked in "),
                 mistyped.err);
   CHECK_MESSAGE(contains(mistyped.err, " looked in " + typo.string()), mistyped.err);
   const json kept = parse_json(read_text(run_dir / "run.json"));
