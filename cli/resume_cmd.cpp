@@ -254,7 +254,7 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events,
     // hold, which may be older, and the steps after that are trained again.
     if (holder != "this machine" &&
         std::none_of(placed.begin(), placed.end(),
-                     [&](const HostSpec& h) { return h.display() == holder; })) {
+                     [&](const HostSpec& h) { return names_host(holder, h); })) {
       status.warning(fmt::format(
           "the last recorded checkpoint (step {}) is on {}, which is not among this resume's "
           "hosts: the ranks continue from the newest checkpoint these hosts hold, which may be "

@@ -103,8 +103,21 @@ void fill_from_env(WorkerOptions& o) {
                                 : port ? "MASTER_ADDR"
                                        : "MASTER_ADDR/MASTER_PORT"));
       }
-      o.store = *addr + ":" + *port;
       o.store_from = "MASTER_ADDR/MASTER_PORT";
+      // An IPv6 address as torchrun takes it (bare); a port belongs in MASTER_PORT.
+      const bool bracketed = !addr->empty() && addr->front() == '[';
+      const auto colons = std::count(addr->begin(), addr->end(), ':');
+      if (addr->find_first_of(" \t\r\n") != std::string::npos) {
+        throw Error(ErrorKind::usage,
+                    fmt::format("MASTER_ADDR: '{}' holds white space", printable(*addr)));
+      }
+      if (!bracketed && colons == 1) {
+        throw Error(ErrorKind::usage,
+                    fmt::format("MASTER_ADDR: '{}' holds a port: give the host alone, and the "
+                                "port in MASTER_PORT",
+                                printable(*addr)));
+      }
+      o.store = (!bracketed && colons > 1 ? "[" + *addr + "]" : *addr) + ":" + *port;
       // torchrun's variables, each named: a bad port is MASTER_PORT's, not an address's.
       if (port->empty() || port->size() > 5 ||
           port->find_first_not_of("0123456789") != std::string::npos || std::stoi(*port) < 1 ||

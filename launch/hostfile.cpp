@@ -1,6 +1,9 @@
 // Parsing of hostfiles and --hosts lists into HostSpecs (see hostfile.hpp).
 #include "launch/hostfile.hpp"
 
+#include <pwd.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
 #include <cctype>
@@ -250,6 +253,22 @@ int total_slots(const std::vector<HostSpec>& hosts) {
   for (const auto& h : hosts)
     n += h.slots;
   return n;
+}
+
+bool names_host(const std::string& display, const HostSpec& h) {
+  if (display == h.display()) return true;
+  HostSpec recorded;
+  try {
+    recorded = parse_hostfile_line(recorded_host_line(display, 1));
+  } catch (const Error&) {
+    return false;
+  }
+  const auto user_of = [](const HostSpec& s) -> std::string {
+    if (!s.user.empty()) return s.user;
+    const passwd* pw = ::getpwuid(::geteuid());
+    return pw != nullptr && pw->pw_name != nullptr ? pw->pw_name : "";
+  };
+  return recorded.host == h.host && recorded.port == h.port && user_of(recorded) == user_of(h);
 }
 
 std::string HostSpec::display() const {

@@ -45,6 +45,9 @@ std::string recorded_host_line(const std::string& display, int slots, const std:
 // One hostfile line ("host [slots=N] [user=U] [port=P] [key=PATH]", no comment); Error(usage)
 // saying what is wrong (a blank one included).
 HostSpec parse_hostfile_line(std::string_view line);
+// Whether `display` (a host as run.json records it) names `h`: the same host, port and user, a
+// user left out being the current one (as SSH takes it): "root@node" is "node" for root.
+bool names_host(const std::string& display, const HostSpec& h);
 // The value of --hosts: an existing file is a hostfile, anything else a list.
 std::vector<HostSpec> load_hosts(const std::string& value);
 

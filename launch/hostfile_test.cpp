@@ -2,6 +2,7 @@
 #include "launch/hostfile.hpp"
 
 #include <doctest/doctest.h>
+#include <pwd.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -326,6 +327,26 @@ TEST_CASE("HostSpec::display") {
   CHECK(spec.display() == "[::1]:2222");
   spec.port = 22;
   CHECK(spec.display() == "::1");
+}
+
+TEST_CASE("names_host: a user left out is the current one") {
+  const passwd* pw = ::getpwuid(::geteuid());
+  REQUIRE(pw != nullptr);
+  const std::string me = pw->pw_name;
+  HostSpec spec;
+  spec.host = "node1";
+  spec.port = 2291;
+  CHECK(names_host("node1:2291", spec));
+  CHECK(names_host(me + "@node1:2291", spec));
+  CHECK_FALSE(names_host("someone-else@node1:2291", spec));
+  CHECK_FALSE(names_host("node1", spec));  // port 22
+  CHECK_FALSE(names_host("node2:2291", spec));
+  spec.user = me;
+  CHECK(names_host("node1:2291", spec));
+  spec.user = "someone-else";
+  CHECK_FALSE(names_host("node1:2291", spec));
+  CHECK(names_host("someone-else@node1:2291", spec));
+  CHECK_FALSE(names_host("not a host line", spec));
 }
 
 }  // namespace

@@ -364,23 +364,23 @@ std::map<std::string, std::string> forwarded_environment() {
 
 namespace {
 
-// The ranks found the newest checkpoint on their nodes (JobSpec::resume_from "newest") at `step`:
-// the warning when that is older than the last one recorded (committed on another host), whose
-// later steps are trained again; empty otherwise. Its host is not among this generation's (it did
-// not answer, or a resume left it out), or its copy there was passed over.
+// The ranks of `generation` found the newest checkpoint on their nodes (JobSpec::resume_from
+// "newest") at `step`: the warning when that is older than the last one recorded (committed on
+// another host), whose later steps are trained again; empty otherwise. Its host is not among this
+// generation's (it did not answer, or a resume left it out), or its copy there was passed over.
 std::string resumed_behind(const json& info, int64_t step, const std::vector<HostSpec>& hosts,
-                           const JobSpec& spec) {
+                           const JobSpec& spec, int generation) {
   const auto recorded = remote_last_checkpoint(info);
   if (!recorded || step < 0) return {};
   const int64_t last = info["last_checkpoint"].value("step", int64_t{-1});
   if (last <= step) return {};
   const bool placed = std::any_of(hosts.begin(), hosts.end(),
-                                  [&](const HostSpec& h) { return h.display() == recorded->host; });
+                                  [&](const HostSpec& h) { return names_host(recorded->host, h); });
   if (!placed && recorded->host == spec.left_out_holder_said) return {};
   return fmt::format(
-      "the ranks continue from step {}, older than the last recorded checkpoint (step {}, {} on "
-      "{}){}: steps {} to {} are trained again",
-      step, last, recorded->path, recorded->host,
+      "the ranks of generation {} continue from step {}, older than the last recorded checkpoint "
+      "(step {}, {} on {}){}: steps {} to {} are trained again",
+      generation, step, last, recorded->path, recorded->host,
       placed ? ", whose copy there could not be used (damaged, removed or another recipe's)"
              : fmt::format(", as {} is not among this generation's hosts", recorded->host),
       step + 1, last);
@@ -864,7 +864,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     if (kind == "rendezvous") {
       if (spec.resume_from == "newest") {
         const std::string behind =
-            resumed_behind(info, event.value("step", int64_t{-1}), plan.hosts, spec);
+            resumed_behind(info, event.value("step", int64_t{-1}), plan.hosts, spec, generation);
         if (!behind.empty()) status.warning(behind);
       }
       // When the ranks met: until then a status shows the generation before's step (dptrain
@@ -919,6 +919,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   std::unique_ptr<TcpStoreClient> watch_client;
   std::unique_ptr<PrefixStore> watch_store;
   std::unique_ptr<HangWatch> hang_watch;  // made below, told of ranks as they start
+  bool hang_found = false;                // its verdict came: the ranks are being killed
   options.on_line = [&](const ProcessSpec& p, const std::string& line) {
     const auto relay = relays.find(p.label);
     if (line.rfind("@event ", 0) == 0) {
@@ -940,10 +941,11 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       }
       return;
     }
-    // Once the launcher was stopped (Ctrl-C stops the ranks at once, host by host), a rank whose
-    // peer went first fails its collective: said in its log, not on the terminal.
+    // Once the launcher was stopped (Ctrl-C stops the ranks at once, host by host), or killed
+    // them for a hang, a rank whose peer went first fails its collective: said in its log, not on
+    // the terminal.
     const bool after_stop =
-        pending_stop_signal() != 0 && line.find(kPeerGoneNote) != std::string::npos;
+        (pending_stop_signal() != 0 || hang_found) && line.find(kPeerGoneNote) != std::string::npos;
     if (relay == relays.end()) {
       if (after_stop) return;  // the rank's log has it
       const std::string who =
@@ -992,6 +994,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     options.watchdog = [&]() -> std::optional<std::string> {
       auto verdict = hang_watch->check();
       if (verdict) {
+        hang_found = true;
         status.line("dptrain: " + *verdict + "; stopping every rank");
         events.emit("hang_detected", {{"message", *verdict}});
       }

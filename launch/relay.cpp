@@ -18,6 +18,7 @@
 #include "core/json_error.hpp"
 #include "core/suggest.hpp"
 #include "launch/provision.hpp"
+#include "launch/supervisor.hpp"
 
 namespace dptrain {
 
@@ -30,6 +31,11 @@ namespace {
 std::atomic<int> g_terms{0};
 std::atomic<int> g_interrupts{0};
 std::atomic<bool> g_kill{false};
+// After "kill": how long the agent has to end before the relay kills it there (by its mark), and
+// how long that may take, within the launcher's wait for this relay.
+constexpr std::chrono::milliseconds kKillAnswerWait{1500};
+constexpr std::chrono::milliseconds kKillSweepWait{2000};
+static_assert(kKillAnswerWait + kKillSweepWait + std::chrono::milliseconds(1000) <= kEndWait);
 // Whether the agent has its plan: before, no rank runs on the host for this relay (it is still
 // connecting, which may take the whole connect timeout, or the program there has not yet said it
 // is this build's agent; an agent without a plan ends as the connection closes), and a stop
@@ -93,6 +99,11 @@ int protocol_of_first_line(std::string_view line) {
   const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), n);
   return ec == std::errc() && end == digits.data() + digits.size() && n > 0 ? n : 0;
 }
+
+// The advice after a program at the binary's path that is not this dptrain's agent.
+constexpr const char* kNotAnAgentFix =
+    "'dptrain doctor' checks it, 'dptrain provision' installs this one (or name the right one "
+    "with --remote-binary)";
 
 // For a host where another build of dptrain runs, whose agent speaks protocol `said` (its number,
 // or its text where that is not one), or does not say (an older build: nullopt). A restart would
@@ -304,10 +315,9 @@ int run_relay(const RelayPlan& plan) {
     // Silent as an agent, and --version says it is no (working) dptrain.
     const auto not_an_agent = [&](const std::string& answered) {
       return fmt::format(
-          "{}: '{}' there has said nothing in the {} s since it was started, and {}; 'dptrain "
-          "doctor' checks it, 'dptrain provision' installs this one (or name the right one with "
-          "--remote-binary)",
-          plan.host.display(), plan.remote_binary, kAgentHelloWait.count(), answered);
+          "{}: '{}' there has said nothing in the {} s since it was started, and {}; {}",
+          plan.host.display(), plan.remote_binary, kAgentHelloWait.count(), answered,
+          kNotAnAgentFix);
     };
     // Hung on --version: nothing dptrain does (a program that waits).
     if (answer.exit_status == kVersionTimedOut) {
@@ -340,6 +350,7 @@ int run_relay(const RelayPlan& plan) {
   int terms_sent = 0;
   int interrupts_sent = 0;
   bool kill_sent = false;
+  auto kill_sent_at = std::chrono::steady_clock::time_point::max();
   try {
     last_heard = std::chrono::steady_clock::now();
     while (channel->read(sink, std::chrono::milliseconds(100))) {
@@ -383,8 +394,22 @@ int run_relay(const RelayPlan& plan) {
         channel->write("interrupt\n");
       // The launcher's kill: the agent kills its ranks at once, and ends.
       if (g_kill.load() && !kill_sent) {
-        channel->write("kill\n");
         kill_sent = true;
+        kill_sent_at = std::chrono::steady_clock::now();
+        channel->write("kill\n");
+      }
+      // An agent that does not end when told (stopped, in a debugger) is killed there with its
+      // ranks, before the launcher gives up on this relay (kEndWait): none of them may run beside
+      // the next generation. Said where the host does not answer that either.
+      if (std::chrono::steady_clock::now() - kill_sent_at >= kKillAnswerWait) {
+        if (!kill_there(kKillSweepWait)) {
+          std::fprintf(stdout,
+                       "warning: the agent on %s did not end its ranks when told, and the host "
+                       "did not answer the kill: they may still run there\n",
+                       host_and_ranks(plan).c_str());
+          std::fflush(stdout);
+        }
+        return 128 + kRelayEndSignal;
       }
       // Before the plan, not until its --version was asked (a silence limit shorter than
       // kAgentHelloWait would take another build for a lost host).
@@ -495,13 +520,13 @@ int run_relay(const RelayPlan& plan) {
     write_host_failure(
         stdout,
         fmt::format("{}: '{}' there exited {} without running its ranks{}: it is not this "
-                    "dptrain's agent (another version?); 'dptrain doctor' checks it, 'dptrain "
-                    "provision' installs this one (or name the right one with --remote-binary)",
+                    "dptrain's agent (another version?); {}",
                     plan.host.display(), plan.remote_binary,
                     *status == 0 ? std::string("0") : fmt::format("with code {}", *status),
                     last_line.empty()
                         ? std::string()
-                        : fmt::format(" (its last line: {})", printable_excerpt(last_line, 80))),
+                        : fmt::format(" (its last line: {})", printable_excerpt(last_line, 80)),
+                    kNotAnAgentFix),
         /*refused=*/true);
     return 4;
   }

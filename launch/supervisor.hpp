@@ -35,7 +35,7 @@ struct ProcessSpec {
 };
 
 // How long a process with an end_signal has to end before SIGKILL.
-constexpr std::chrono::milliseconds kEndWait{3000};
+constexpr std::chrono::milliseconds kEndWait{5000};
 
 // How one process ended.
 struct ProcessExit {

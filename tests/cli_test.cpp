@@ -22,6 +22,7 @@
 
 #include "launch/agent.hpp"
 #include "tests/harness.hpp"
+#include "tests/sshd.hpp"
 #include "tests/strings.hpp"
 
 using namespace dptrain::test;
@@ -211,6 +212,15 @@ TEST_CASE("an IPv6 --master-addr (::1 or [::1]) reaches the ranks as [::1]:PORT"
                                   "--runs-root", (tmp / "runs").string(), "--json"});
     CHECK_MESSAGE(run.exit_code == 0, run.err);
     CHECK(parse_json(run.out)["status"] == "completed");
+    // A rank started by hand with torchrun's variables: MASTER_ADDR as torchrun takes it.
+    const auto by_hand = run_dptrain({"worker", file.string(), "--run-dir",
+                                      (tmp / ("hand" + std::to_string(addr.size()))).string()},
+                                     {{"RANK", "0"},
+                                      {"WORLD_SIZE", "1"},
+                                      {"MASTER_ADDR", addr},
+                                      {"MASTER_PORT", std::to_string(unused_port())},
+                                      {"DPTRAIN_HOST_STORE", "1"}});
+    CHECK_MESSAGE(by_hand.exit_code == 0, by_hand.err);
   }
 }
 
@@ -288,6 +298,11 @@ TEST_CASE("usage errors exit 2") {
             "MASTER_PORT: '29500x' is not a port number (1 to 65535)"},
            {{{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", ""}},
             "MASTER_PORT: is empty; give a value"},
+           {{{"MASTER_ADDR", "127.0.0.1:5555"}, {"MASTER_PORT", "1234"}},
+            "MASTER_ADDR: '127.0.0.1:5555' holds a port: give the host alone, and the port in "
+            "MASTER_PORT"},
+           {{{"MASTER_ADDR", "127.0.0.1 "}, {"MASTER_PORT", "1234"}},
+            "MASTER_ADDR: '127.0.0.1 ' holds white space"},
            {{{"DPTRAIN_STORE", "127.0.0.1"}}, "DPTRAIN_STORE: invalid address '127.0.0.1'"}}) {
     Env all = vars;
     all.insert({{"RANK", "0"}, {"WORLD_SIZE", "1"}});

@@ -710,9 +710,9 @@ TEST_CASE("resume --nnodes 1:2 with a host gone continues on the other from its 
   const int64_t from_step = std::stoll(from.substr(5));
   CHECK(from_step < last_step);
   const std::string behind = fmt::format(
-      "dptrain: warning: the ranks continue from step {}, older than the last recorded "
-      "checkpoint (step {}, ",
-      from_step, last_step);
+      "dptrain: warning: the ranks of generation {} continue from step {}, older than the last "
+      "recorded checkpoint (step {}, ",
+      info["generations"].back()["generation"].get<int>(), from_step, last_step);
   CHECK(contains(resumed.err, behind) != left_out);
   CHECK(contains(resumed.err, fmt::format("{}), as {} is not among this generation's hosts: "
                                           "steps {} to {} are trained again",

@@ -841,10 +841,21 @@ TEST_CASE("a hang found by --hang-timeout: the remote ranks are gone when the la
     workers = workers_of("hung-remote");
     return workers.size() == 4;
   }));
+  // Its agent stuck as well (stopped, in a debugger): told to kill, it cannot; its relay kills
+  // it there, with its ranks, before the launcher gives up waiting.
+  pid_t stuck_agent = 0;
+  SUBCASE("the agents answer") {}
+  SUBCASE("the hung rank's agent is stopped") {
+    stuck_agent = parent_of(workers.at(2));
+    REQUIRE(comm_of(stuck_agent) == "dptrain");
+    REQUIRE(::kill(stuck_agent, SIGSTOP) == 0);
+  }
   CHECK(launcher.wait(std::chrono::seconds(90)) == 3);
   INFO(launcher.out());
   CHECK(contains(launcher.out(), "stuck: rank 2 on " +
                                      c.sshd.host(c.sshd.addresses()[2]).display() + " at step 20"));
+  // The ranks that followed their killed peers say so in their logs, not after the verdict.
+  CHECK_FALSE(contains(launcher.out() + launcher.err(), "a peer rank has exited or was killed"));
   // Killed with the job, not 3 s later as their agents notice the launcher's side gone (with
   // --max-restarts, beside the next generation's ranks).
   for (const auto& [rank, pid] : workers) {
@@ -852,6 +863,10 @@ TEST_CASE("a hang found by --hang-timeout: the remote ranks are gone when the la
     CHECK_FALSE(process_alive(pid));
   }
   CHECK(workers_of("hung-remote").empty());
+  if (stuck_agent != 0) {
+    CHECK(eventually([&] { return !process_alive(stuck_agent); }, std::chrono::seconds(5)));
+    CHECK_FALSE(contains(launcher.out() + launcher.err(), "they may still run"));
+  }
 }
 
 TEST_CASE("a remote rank frozen before the ranks meet is named by --hang-timeout, not timeout_s") {

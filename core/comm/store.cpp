@@ -56,14 +56,23 @@ std::pair<std::string, uint16_t> parse_host_port(const std::string& text) {
         ErrorKind::usage,
         fmt::format("invalid address '{}': {} (expected HOST:PORT or [IPV6]:PORT)", text, why));
   };
-  const auto colon = text.rfind(':');
-  if (colon == std::string::npos) throw malformed("no port");
-  std::string host = text.substr(0, colon);
-  const std::string port_text = text.substr(colon + 1);
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
-    host = unbracketed(host);
-  } else if (host.find(':') != std::string::npos) {
-    throw malformed("an IPv6 address needs brackets");
+  std::string host;
+  std::string port_text;
+  if (!text.empty() && text.front() == '[') {
+    const auto close = text.find(']');
+    if (close == std::string::npos) throw malformed("no closing bracket");
+    if (close + 1 == text.size()) throw malformed("no port");
+    if (text[close + 1] != ':') throw malformed("':' and a port must follow the bracket");
+    host = text.substr(1, close - 1);
+    port_text = text.substr(close + 2);
+  } else {
+    const auto colon = text.find(':');
+    if (colon == std::string::npos) throw malformed("no port");
+    if (text.find(':', colon + 1) != std::string::npos) {
+      throw malformed("an IPv6 address needs brackets");
+    }
+    host = text.substr(0, colon);
+    port_text = text.substr(colon + 1);
   }
   if (host.empty()) throw malformed("empty host");
   unsigned port = 0;

@@ -693,6 +693,18 @@ TEST_CASE("parse_host_port") {
     const std::string message = error_message([&] { parse_host_port(bad); }, ErrorKind::usage);
     CHECK_MESSAGE(message.find("'" + std::string(bad) + "'") != std::string::npos, bad);
   }
+  // Each says what is wrong with it.
+  for (const auto& [bad, why] : std::vector<std::pair<std::string, std::string>>{
+           {"[::1]", "no port"},
+           {"[::1:1234", "no closing bracket"},
+           {"[::1]1234", "':' and a port must follow the bracket"},
+           {"::1:1234", "an IPv6 address needs brackets"},
+           {"host", "no port"},
+           {"host:99999", "port must be a number in 1..65535"}}) {
+    CAPTURE(bad);
+    CHECK(error_message([&] { parse_host_port(bad); }, ErrorKind::usage) ==
+          "invalid address '" + bad + "': " + why + " (expected HOST:PORT or [IPV6]:PORT)");
+  }
   CHECK(format_host_port("::1", 80) == "[::1]:80");
   CHECK(format_host_port("node", 80) == "node:80");
 }
