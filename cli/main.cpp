@@ -420,11 +420,13 @@ int run(int argc, char** argv) {
       // No pipe to wake on (no descriptor free): the command installs them again, and says so.
     }
   }
-  // A launcher starts its ranks with SIGTERM blocked (ProcessSpec::hold_sigterm): one that came
-  // while this process loaded is delivered now, to the handler just installed.
+  // A launcher starts its ranks with SIGTERM blocked (ProcessSpec::hold_sigterm), and its relays
+  // with their end signal (SIGUSR1) too: one that came while this process loaded is delivered
+  // now, to the handler just installed.
   sigset_t held;
   sigemptyset(&held);
   sigaddset(&held, SIGTERM);
+  sigaddset(&held, SIGUSR1);
   sigprocmask(SIG_UNBLOCK, &held, nullptr);
   CLI::App app{
       "dptrain: data-parallel training from a JSON recipe, on CPU ranks (Gloo) or one NVIDIA GPU\n"

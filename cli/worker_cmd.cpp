@@ -104,20 +104,6 @@ void fill_from_env(WorkerOptions& o) {
                                        : "MASTER_ADDR/MASTER_PORT"));
       }
       o.store_from = "MASTER_ADDR/MASTER_PORT";
-      // An IPv6 address as torchrun takes it (bare); a port belongs in MASTER_PORT.
-      const bool bracketed = !addr->empty() && addr->front() == '[';
-      const auto colons = std::count(addr->begin(), addr->end(), ':');
-      if (addr->find_first_of(" \t\r\n") != std::string::npos) {
-        throw Error(ErrorKind::usage,
-                    fmt::format("MASTER_ADDR: '{}' holds white space", printable(*addr)));
-      }
-      if (!bracketed && colons == 1) {
-        throw Error(ErrorKind::usage,
-                    fmt::format("MASTER_ADDR: '{}' holds a port: give the host alone, and the "
-                                "port in MASTER_PORT",
-                                printable(*addr)));
-      }
-      o.store = (!bracketed && colons > 1 ? "[" + *addr + "]" : *addr) + ":" + *port;
       // torchrun's variables, each named: a bad port is MASTER_PORT's, not an address's.
       if (port->empty() || port->size() > 5 ||
           port->find_first_not_of("0123456789") != std::string::npos || std::stoi(*port) < 1 ||
@@ -126,6 +112,23 @@ void fill_from_env(WorkerOptions& o) {
             ErrorKind::usage,
             fmt::format("MASTER_PORT: '{}' is not a port number (1 to 65535)", printable(*port)));
       }
+      // An IPv6 address bare (as torchrun takes it) or in brackets; a port belongs in
+      // MASTER_PORT.
+      const auto bad_addr = [&addr](std::string_view why) {
+        return Error(ErrorKind::usage, fmt::format("MASTER_ADDR: '{}' {}", printable(*addr), why));
+      };
+      if (addr->find_first_of(" \t\r\n") != std::string::npos) throw bad_addr("holds white space");
+      const size_t close = addr->find(']');
+      if (addr->starts_with('[') && close == std::string::npos) {
+        throw bad_addr("has no closing bracket");
+      }
+      const bool holds_port = addr->starts_with('[')
+                                  ? close + 1 < addr->size()
+                                  : std::count(addr->begin(), addr->end(), ':') == 1;
+      if (holds_port) {
+        throw bad_addr("holds a port: give the host alone, and the port in MASTER_PORT");
+      }
+      o.store = format_host_port(unbracketed(*addr), static_cast<uint16_t>(std::stoi(*port)));
     }
   }
   if (o.nominal_world < 0) {

@@ -331,7 +331,10 @@ TEST_CASE("HostSpec::display") {
 
 TEST_CASE("names_host: a user left out is the current one") {
   const passwd* pw = ::getpwuid(::geteuid());
-  REQUIRE(pw != nullptr);
+  if (pw == nullptr) {
+    MESSAGE("skipped: this user has no passwd entry");
+    return;
+  }
   const std::string me = pw->pw_name;
   HostSpec spec;
   spec.host = "node1";

@@ -1333,6 +1333,10 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
         for (const auto& p : procs) {
           if (p.label == f.label) log_hint = p.log_file.string();
         }
+        // The agent's protocol lines ("@agent N", "@started") say nothing of what went wrong.
+        std::erase_if(last_lines, [](const std::string& l) {
+          return l == kAgentStartedLine || l == kAgentDoneLine || l.starts_with(kAgentHelloPrefix);
+        });
       }
     } else {
       out.error = f.describe();

@@ -201,6 +201,8 @@ RelayPlan RelayPlan::from_json(const json& j) {
 void install_relay_signal_handlers() {
   struct sigaction sa {};
   sa.sa_handler = on_stop;
+  // A relayed line being written when a signal comes is written, not lost to EINTR.
+  sa.sa_flags = SA_RESTART;
   sigemptyset(&sa.sa_mask);
   ::sigaction(SIGTERM, &sa, nullptr);
   ::sigaction(SIGINT, &sa, nullptr);
@@ -362,8 +364,10 @@ int run_relay(const RelayPlan& plan) {
       }
       if (!g_plan_sent.load() && heard_agent) {
         try {
-          channel->write(json_text(plan.agent.to_json()) + "\n");
+          // Before the write: a stop that comes during it is passed on after it (the agent has
+          // its plan then), not an _exit that leaves its ranks to notice the connection gone.
           g_plan_sent.store(true);
+          channel->write(json_text(plan.agent.to_json()) + "\n");
         } catch (const Error&) {
           // It ended right after its first line: its end (below) says how.
           const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
@@ -404,8 +408,9 @@ int run_relay(const RelayPlan& plan) {
       if (std::chrono::steady_clock::now() - kill_sent_at >= kKillAnswerWait) {
         if (!kill_there(kKillSweepWait)) {
           std::fprintf(stdout,
-                       "warning: the agent on %s did not end its ranks when told, and the host "
-                       "did not answer the kill: they may still run there\n",
+                       "warning: the agent on %s did not end its ranks when told, and they could "
+                       "not be killed there (the host did not answer, or it lacks /proc or grep "
+                       "-z for the sweep): they may still run there\n",
                        host_and_ranks(plan).c_str());
           std::fflush(stdout);
         }

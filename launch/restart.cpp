@@ -353,10 +353,10 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
     const json& generations = run.info().value("generations", json::array());
     int64_t first_step = 0;
     const std::string from = spec.resume_from.filename().string();  // step-NNNNNN, newest, ...
+    // "newest": the ranks find it on their nodes, maybe older than the one recorded (its host
+    // left out, its copy damaged): no fault is said to be before the start.
     if (from.rfind("step-", 0) == 0) {
       std::from_chars(from.data() + 5, from.data() + from.size(), first_step);
-    } else if (from == "newest") {
-      first_step = run.info().value("last_checkpoint", json::object()).value("step", int64_t{0});
     }
     for (const auto& warning :
          check_fault_injection(spec, first_step, static_cast<int>(generations.size()) + 1))

@@ -746,9 +746,10 @@ std::optional<int> SshSession::kill_marked_processes(const std::string& mark,
         "; [ -r /proc/self/environ ] && printf 'x' | grep -qz x 2>/dev/null || exit 3; n=0; "
         "for f in $(grep -lzxF -e \"$c\" /proc/[0-9]*/environ 2>/dev/null); do p=${f#/proc/}; "
         "p=${p%/environ}; kill -KILL \"$p\" 2>/dev/null && n=$((n+1)); done; echo \"$n\"";
-    // Each blocking step (the channel's opening) within `timeout` too: a host that stopped
-    // answering holds the caller no longer than that.
-    set_step_timeout(session_->session, std::min(timeout, session_->request_timeout));
+    // Each blocking step (the channel's opening, the command's start) within a third of
+    // `timeout`, and the whole within `timeout`: a host that stopped answering holds the caller
+    // no longer than that.
+    set_step_timeout(session_->session, std::min(timeout / 3, session_->request_timeout));
     std::optional<int> killed;
     try {
       const Result r = run("sh -c " + shell_quote(script), "", timeout);

@@ -124,6 +124,7 @@ pid_t spawn(const ProcessSpec& spec, int out_fd) {
   ::pthread_sigmask(SIG_SETMASK, &all, &before);
   sigset_t child_mask = before;
   if (spec.hold_sigterm) sigaddset(&child_mask, SIGTERM);
+  if (spec.hold_sigterm && spec.end_signal != 0) sigaddset(&child_mask, spec.end_signal);
   // Tests: the child waits this long before it resets the handlers, so that a signal can be
   // sent to it in that window on purpose.
   const char* pause_env = std::getenv("DPTRAIN_TEST_SPAWN_PAUSE_MS");

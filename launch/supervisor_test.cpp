@@ -454,6 +454,23 @@ TEST_CASE("supervisor: hold_sigterm starts a process with SIGTERM blocked, other
   CHECK(f.lines["rank 1"] == std::vector<std::string>{"open"});
 }
 
+TEST_CASE("supervisor: with hold_sigterm, a process's end_signal is held while it loads too") {
+  Fixture f;
+  // Bit 10 (SIGUSR1) of the blocked-signals mask: 0x200.
+  const std::string script =
+      "mask=$(sed -n 's/^SigBlk:[[:space:]]*//p' /proc/self/status); "
+      "[ $(( 0x$mask & 0x200 )) -ne 0 ] && echo blocked || echo open";
+  ProcessSpec relay = f.shell(0, script);
+  relay.hold_sigterm = true;
+  relay.end_signal = SIGUSR1;
+  ProcessSpec rank = f.shell(1, script);
+  rank.hold_sigterm = true;
+  const auto result = supervise({relay, rank}, f.options);
+  CHECK(result.ok());
+  CHECK(f.lines["rank 0"] == std::vector<std::string>{"blocked"});
+  CHECK(f.lines["rank 1"] == std::vector<std::string>{"open"});
+}
+
 namespace {
 void ignore_in_test(int) {}
 }  // namespace

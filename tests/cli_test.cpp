@@ -303,6 +303,11 @@ TEST_CASE("usage errors exit 2") {
             "MASTER_PORT"},
            {{{"MASTER_ADDR", "127.0.0.1 "}, {"MASTER_PORT", "1234"}},
             "MASTER_ADDR: '127.0.0.1 ' holds white space"},
+           {{{"MASTER_ADDR", "[::1]:5555"}, {"MASTER_PORT", "1234"}},
+            "MASTER_ADDR: '[::1]:5555' holds a port: give the host alone, and the port in "
+            "MASTER_PORT"},
+           {{{"MASTER_ADDR", "[::1"}, {"MASTER_PORT", "1234"}},
+            "MASTER_ADDR: '[::1' has no closing bracket"},
            {{{"DPTRAIN_STORE", "127.0.0.1"}}, "DPTRAIN_STORE: invalid address '127.0.0.1'"}}) {
     Env all = vars;
     all.insert({{"RANK", "0"}, {"WORLD_SIZE", "1"}});
