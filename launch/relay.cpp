@@ -52,6 +52,13 @@ void on_stop(int sig) {
   }
 }
 
+// The end signal is the launcher's (this relay's parent) alone: from anyone else (a stray
+// `pkill -USR1`) it would kill the host's ranks for nothing, and is ignored.
+void on_end(int sig, siginfo_t* info, void*) {
+  if (info != nullptr && info->si_pid != ::getppid()) return;
+  on_stop(sig);
+}
+
 // The remote shell's status when it could not run the binary (127: not found, 126: not
 // executable) means a host that was not provisioned: a set-up problem, not a rank's failure.
 // The dynamic loader exits 127 too, for a library the binary needs that the host lacks: its line
@@ -206,7 +213,11 @@ void install_relay_signal_handlers() {
   sigemptyset(&sa.sa_mask);
   ::sigaction(SIGTERM, &sa, nullptr);
   ::sigaction(SIGINT, &sa, nullptr);
-  ::sigaction(kRelayEndSignal, &sa, nullptr);
+  struct sigaction end {};
+  end.sa_sigaction = on_end;
+  end.sa_flags = SA_RESTART | SA_SIGINFO;
+  sigemptyset(&end.sa_mask);
+  ::sigaction(kRelayEndSignal, &end, nullptr);
 }
 
 int run_relay(const RelayPlan& plan) {
@@ -245,7 +256,12 @@ int run_relay(const RelayPlan& plan) {
     return 4;
   };
   std::string partial[2];  // stdout's and stderr's unfinished lines: never glued together
-  std::string last_line;   // the host's last line of output, for not_runnable
+  const auto flush_partial = [&partial] {
+    for (const std::string& rest : partial) {  // each its own line: never glued together
+      if (!rest.empty()) std::fprintf(stdout, "%s\n", rest.c_str());
+    }
+  };
+  std::string last_line;  // the host's last line of output, for not_runnable
   const auto sink = [&](std::string_view data, bool is_stderr) {
     last_heard = std::chrono::steady_clock::now();
     std::string& pending = partial[is_stderr ? 1 : 0];
@@ -406,6 +422,7 @@ int run_relay(const RelayPlan& plan) {
       // ranks, before the launcher gives up on this relay (kEndWait): none of them may run beside
       // the next generation. Said where the host does not answer that either.
       if (std::chrono::steady_clock::now() - kill_sent_at >= kKillAnswerWait) {
+        flush_partial();
         if (!kill_there(kKillSweepWait)) {
           std::fprintf(stdout,
                        "warning: the agent on %s did not end its ranks when told, and they could "
@@ -454,9 +471,7 @@ int run_relay(const RelayPlan& plan) {
       }
     }
     if (other_build()) return refuse_other_build();
-    for (const std::string& rest : partial) {  // each its own line: never glued together
-      if (!rest.empty()) std::fprintf(stdout, "%s\n", rest.c_str());
-    }
+    flush_partial();
   } catch (const Error& e) {
     if (other_build()) return refuse_other_build();  // what it said is the cause
     if (done) {

@@ -17,6 +17,8 @@
 #include <sstream>
 #include <thread>
 
+#include <fmt/format.h>
+
 namespace fs = std::filesystem;
 using namespace dptrain;
 
@@ -440,12 +442,17 @@ TEST_CASE("supervisor: the end of stop_fd alone stops the ranks with the short g
     CHECK_FALSE(alive(p));
 }
 
+// A script that says whether `sig` is blocked in it: "blocked" or "open".
+std::string says_whether_blocked(int sig) {
+  return fmt::format(
+      "mask=$(sed -n 's/^SigBlk:[[:space:]]*//p' /proc/self/status); "
+      "[ $(( 0x$mask & {:#x} )) -ne 0 ] && echo blocked || echo open",
+      1ull << (sig - 1));
+}
+
 TEST_CASE("supervisor: hold_sigterm starts a process with SIGTERM blocked, others without") {
   Fixture f;
-  // Bit 15 (SIGTERM) of the blocked-signals mask: 0x4000.
-  const std::string script =
-      "mask=$(sed -n 's/^SigBlk:[[:space:]]*//p' /proc/self/status); "
-      "[ $(( 0x$mask & 0x4000 )) -ne 0 ] && echo blocked || echo open";
+  const std::string script = says_whether_blocked(SIGTERM);
   ProcessSpec held = f.shell(0, script);
   held.hold_sigterm = true;
   const auto result = supervise({held, f.shell(1, script)}, f.options);
@@ -456,10 +463,7 @@ TEST_CASE("supervisor: hold_sigterm starts a process with SIGTERM blocked, other
 
 TEST_CASE("supervisor: with hold_sigterm, a process's end_signal is held while it loads too") {
   Fixture f;
-  // Bit 10 (SIGUSR1) of the blocked-signals mask: 0x200.
-  const std::string script =
-      "mask=$(sed -n 's/^SigBlk:[[:space:]]*//p' /proc/self/status); "
-      "[ $(( 0x$mask & 0x200 )) -ne 0 ] && echo blocked || echo open";
+  const std::string script = says_whether_blocked(SIGUSR1);
   ProcessSpec relay = f.shell(0, script);
   relay.hold_sigterm = true;
   relay.end_signal = SIGUSR1;

@@ -872,6 +872,23 @@ TEST_CASE("a hang found by --hang-timeout: the remote ranks are gone when the la
   }
 }
 
+TEST_CASE("a relay's end signal from anyone but its launcher is ignored") {
+  Cluster c;
+  const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
+  const fs::path run_dir = c.tmp / "stray";
+  auto args = c.launch_args(recipe, run_dir);
+  args.push_back("--json");
+  Background launcher(args, {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "30"}});
+  REQUIRE(eventually([&] { return workers_of("stray").size() == 4; }));
+  const std::vector<pid_t> relays = worker_pids(run_dir);  // the launcher's children
+  REQUIRE(relays.size() == 2);
+  for (const pid_t relay : relays)
+    REQUIRE(::kill(relay, SIGUSR1) == 0);  // a stray `pkill -USR1`, not the launcher's kill
+  CHECK(launcher.wait(std::chrono::seconds(90)) == 0);
+  INFO(launcher.err());
+  CHECK(parse_json(launcher.out())["status"] == "completed");
+}
+
 TEST_CASE("a remote rank frozen before the ranks meet is named by --hang-timeout, not timeout_s") {
   Cluster c;
   auto recipe_json = quick_recipe();
