@@ -135,7 +135,8 @@ void end_unopened_events(const RestartOptions& o, bool json, const std::string& 
   }
   try {
     check_events(o, json, run_dir);
-    const auto events = open_events(o, json, run_dir);
+    // A FIFO nobody reads is not waited for: the refusal is said at once.
+    const auto events = std::make_unique<EventLog>(o.events, /*wait_for_reader=*/false);
     // A launch's directory is not made yet (one that exists is another run's, which refused it).
     finish_events_with_failure(
         *events, e,

@@ -122,6 +122,9 @@ void fill_from_env(WorkerOptions& o) {
       if (addr->starts_with('[') && close == std::string::npos) {
         throw bad_addr("has no closing bracket");
       }
+      if (!addr->starts_with('[') && close != std::string::npos) {
+        throw bad_addr("has a closing bracket without an opening one");
+      }
       const bool holds_port = addr->starts_with('[')
                                   ? close + 1 < addr->size()
                                   : std::count(addr->begin(), addr->end(), ':') == 1;
@@ -617,6 +620,15 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
   // Rank 0 serving the store starts it first: the other ranks learn through it why this one
   // cannot start (Farewell).
   if (o.host_store && o.rank == 0) {
+    // A store name that does not resolve is a setting to fix, said at once: not a port open on
+    // every interface while the ranks wait for the store they cannot reach.
+    try {
+      local_address_towards(host, port);
+    } catch (const Error& e) {
+      if (std::string_view(e.what()).starts_with("cannot resolve")) {
+        throw Error(ErrorKind::usage, fmt::format("{}: {}", o.store_from, e.what()));
+      }
+    }
     // A loopback store address keeps the store on this machine: nothing beyond it can reach
     // it (a store started by hand has no secret unless DPTRAIN_STORE_SECRET gives one).
     // "localhost" as 127.0.0.1: a name binds only the first address it resolves to.

@@ -22,7 +22,7 @@ namespace {
 
 // A FIFO opens for writing only once something reads it: the wait is said (once) rather than
 // spent without a word, and a stop signal ends it (nothing has started yet).
-std::FILE* open_fifo(const std::string& target) {
+std::FILE* open_fifo(const std::string& target, bool wait_for_reader) {
   for (bool said = false;;) {
     const int fd = ::open(target.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
     if (fd >= 0) {
@@ -31,14 +31,14 @@ std::FILE* open_fifo(const std::string& target) {
       if (std::FILE* f = ::fdopen(fd, "a")) return f;
       ::close(fd);
     }
-    if (fd >= 0 || errno != ENXIO) {
+    if (fd >= 0 || errno != ENXIO || !wait_for_reader) {
       throw Error(ErrorKind::usage, fmt::format("--events: cannot open {}: {}", printable(target),
                                                 std::strerror(errno)));
     }
     if (!said) {
       std::fprintf(stderr,
-                   "dptrain: --events: waiting for a reader of the FIFO %s (the job starts once "
-                   "one opens it: 'cat %s', say)\n",
+                   "dptrain: --events: waiting for a reader of the FIFO %s (the launch goes on "
+                   "once one opens it: 'cat %s', say)\n",
                    printable(target).c_str(), printable(target).c_str());
       said = true;
     }
@@ -60,7 +60,7 @@ bool names_standard_output(const std::string& target) {
          (S_ISREG(named.st_mode) || S_ISFIFO(named.st_mode) || S_ISSOCK(named.st_mode));
 }
 
-EventLog::EventLog(const std::string& target) : target_(target) {
+EventLog::EventLog(const std::string& target, bool wait_for_reader) : target_(target) {
   if (names_standard_output(target)) {
     out_ = stdout;
     to_stdout_ = true;
@@ -68,7 +68,7 @@ EventLog::EventLog(const std::string& target) : target_(target) {
   }
   struct stat named {};
   if (::stat(target.c_str(), &named) == 0 && S_ISFIFO(named.st_mode)) {
-    out_ = open_fifo(target);
+    out_ = open_fifo(target, wait_for_reader);
     return;
   }
   out_ = std::fopen(target.c_str(), "a");

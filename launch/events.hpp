@@ -19,9 +19,11 @@ bool names_standard_output(const std::string& target);
 class EventLog {
  public:
   EventLog() = default;  // disabled: emit() does nothing
-  // "-" (or another name of stdout, names_standard_output) is stdout; a file is appended to.
+  // "-" (or another name of stdout, names_standard_output) is stdout; a file is appended to; a
+  // FIFO once it has a reader: waited for, saying so (a stop signal ends the wait), or with
+  // `wait_for_reader` false (only the end of a refused command to write) Error(usage) at once.
   // Error(usage) naming it when it cannot be opened.
-  explicit EventLog(const std::string& target);
+  explicit EventLog(const std::string& target, bool wait_for_reader = true);
   ~EventLog();
   EventLog(const EventLog&) = delete;
   EventLog& operator=(const EventLog&) = delete;

@@ -308,6 +308,14 @@ TEST_CASE("usage errors exit 2") {
             "MASTER_PORT"},
            {{{"MASTER_ADDR", "[::1"}, {"MASTER_PORT", "1234"}},
             "MASTER_ADDR: '[::1' has no closing bracket"},
+           {{{"MASTER_ADDR", "::1]"}, {"MASTER_PORT", "1234"}},
+            "MASTER_ADDR: '::1]' has a closing bracket without an opening one"},
+           // Rank 0 serving the store on a name that does not resolve: at once, not after the
+           // ranks' wait with the store's port open.
+           {{{"MASTER_ADDR", "nosuchhost.invalid"},
+             {"MASTER_PORT", "1234"},
+             {"DPTRAIN_HOST_STORE", "1"}},
+            "MASTER_ADDR/MASTER_PORT: cannot resolve host 'nosuchhost.invalid'"},
            {{{"DPTRAIN_STORE", "127.0.0.1"}}, "DPTRAIN_STORE: invalid address '127.0.0.1'"}}) {
     Env all = vars;
     all.insert({{"RANK", "0"}, {"WORLD_SIZE", "1"}});

@@ -594,7 +594,7 @@ TEST_CASE("--events to a FIFO: the wait for its reader is said, and a stop ends 
   const fs::path fifo = tmp / "events.fifo";
   REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
   const std::string waiting = "dptrain: --events: waiting for a reader of the FIFO " +
-                              fifo.string() + " (the job starts once one opens it";
+                              fifo.string() + " (the launch goes on once one opens it";
   // No reader yet: said, and nothing made; a stop ends the wait with the signal's exit code.
   {
     Background launch({"launch", recipe.string(), "--run-dir", (tmp / "stopped").string(),
@@ -606,6 +606,16 @@ TEST_CASE("--events to a FIFO: the wait for its reader is said, and a stop ends 
     CHECK(parse_json(launch.out())["error"] ==
           "stopped by SIGTERM while waiting for a reader of the --events FIFO (no rank started)");
     CHECK_FALSE(fs::exists(tmp / "stopped"));
+  }
+  // A launch refused before it opened the stream (its recipe cannot be read) does not wait for
+  // a reader to end it: the refusal is said at once.
+  {
+    const auto refused =
+        run_dptrain({"launch", (tmp / "missing.json").string(), "--run-dir",
+                     (tmp / "refused").string(), "--events", fifo.string(), "--json"});
+    CHECK(refused.exit_code == 2);
+    CHECK_FALSE(contains(refused.err, "waiting for a reader"));
+    CHECK(parse_json(refused.out)["exit_code"] == 2);
   }
   // A reader that comes later gets the whole stream.
   Background launch(
