@@ -118,6 +118,15 @@ void print_dry_run(const JobSpec& spec, const std::string& run_dir, bool json,
   }
 }
 
+// Refuses a --run-dir (or --runs-root) the launch could not make its run directory in.
+void check_run_dir_target(const LaunchOptions& o) {
+  if (!o.run_dir.empty()) {
+    RunDirectory::check_new(o.run_dir);
+  } else {
+    RunDirectory::check_runs_root(o.runs_root);
+  }
+}
+
 int start_launch(const LaunchOptions& o, bool& events_opened, Outcome& outcome) {
   // A dry run's warnings: on stderr, in its JSON, and in a JSON error that follows them.
   const auto dry_run_warning = [&](const std::string& text) {
@@ -164,11 +173,7 @@ int start_launch(const LaunchOptions& o, bool& events_opened, Outcome& outcome) 
       throw stop_error(sig, "", "");
     }
     // A plan for a directory the launch would refuse (one holding a run) is refused as well.
-    if (!o.run_dir.empty()) {
-      RunDirectory::check_new(o.run_dir);
-    } else {
-      RunDirectory::check_runs_root(o.runs_root);
-    }
+    check_run_dir_target(o);
     for (const auto& warning : fault_warnings)
       dry_run_warning(warning);
     // The directory a launch would create (its time is filled in then), absolute as the ranks
@@ -186,6 +191,9 @@ int start_launch(const LaunchOptions& o, bool& events_opened, Outcome& outcome) 
   if (const int sig = pending_stop_signal()) {
     throw stop_error(sig, "", " before the launch made anything");
   }
+  // A run directory the launch would refuse is refused before --events is opened: a FIFO's
+  // stream would wait for a reader only to say the refusal (RunDirectory::create checks again).
+  check_run_dir_target(o);
   // A bad --events path: nothing created. One in the run directory (RUN_DIR/events.jsonl) is
   // opened once the directory is made.
   const bool events_in_run = events_in_run_dir(o.restart, o.run_dir);
@@ -206,7 +214,7 @@ int start_launch(const LaunchOptions& o, bool& events_opened, Outcome& outcome) 
   run.info()["recipe_file"] = std::filesystem::absolute(o.recipe).string();
   std::FILE* status_out = status_stream(o.json, *events);
   StatusPrinter status(status_out, StatusPrinter::is_terminal(status_out));
-  const KeepWarningsOnFailure keep(status, outcome.warnings);
+  const KeepWarningsOnFailure keep(status, *events, outcome.warnings);
   status.line(fmt::format("dptrain {}: {} on {} rank(s){}, run directory {}", DPTRAIN_VERSION,
                           spec.recipe.name, spec.world_size,
                           spec.hosts.empty() ? std::string(" on this machine")

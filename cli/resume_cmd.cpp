@@ -124,7 +124,7 @@ int resume_run(const ResumeOptions& o, RunDirectory& run, EventLog& events,
                std::vector<std::string>& warned) {
   std::FILE* status_out = status_stream(o.json, events);
   StatusPrinter status(status_out, StatusPrinter::is_terminal(status_out));
-  const KeepWarningsOnFailure keep(status, warned);
+  const KeepWarningsOnFailure keep(status, events, warned);
   if (run.info().value("status", nlohmann::json()) == "completed") {
     status.line(fmt::format("{}: the run already completed; nothing to resume", o.run_dir));
     // The fields a launch's outcome has, from what the run recorded: the --json outcome, and the

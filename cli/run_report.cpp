@@ -237,6 +237,12 @@ void record_launcher_failure(RunDirectory& run, EventLog& events, const std::exc
 
 }  // namespace
 
+std::vector<std::string> run_warnings(const StatusPrinter& status, const EventLog& events) {
+  std::vector<std::string> warnings = status.warnings();
+  if (!events.write_failure().empty()) warnings.push_back(events.write_failure());
+  return warnings;
+}
+
 int run_to_end(RunDirectory& run, JobSpec spec, const RestartOptions& o, bool json,
                EventLog& events, StatusPrinter& status) {
   spec.hang_timeout = o.hang_timeout(spec.recipe.fault_tolerance);
@@ -250,9 +256,7 @@ int run_to_end(RunDirectory& run, JobSpec spec, const RestartOptions& o, bool js
     record_launcher_failure(run, events, e);
     throw;
   }
-  outcome.warnings = status.warnings();
-  // (Said on stderr by the events stream itself: not the status printer's.)
-  if (!events.write_failure().empty()) outcome.warnings.push_back(events.write_failure());
+  outcome.warnings = run_warnings(status, events);
   events.emit("run_finished", outcome.to_json(run));
   return report_outcome(run, outcome, json, events.to_stdout() ? stderr : stdout);
 }

@@ -159,15 +159,24 @@ int report_outcome(const RunDirectory& run, const JobOutcome& outcome, bool json
 int run_to_end(RunDirectory& run, JobSpec spec, const RestartOptions& o, bool json,
                EventLog& events, StatusPrinter& status);
 
-// Where a command fails by an exception, what `status` warned of before goes into `warned`
-// (Outcome::warnings: its JSON error carries them). Declared after the printer, in its scope.
+// What a run's launcher warned of: `status`'s warnings, then the events stream's write failure
+// (which the stream says on stderr itself).
+std::vector<std::string> run_warnings(const StatusPrinter& status, const EventLog& events);
+
+// Where a command fails by an exception, what it warned of before (run_warnings) goes into
+// `warned` (Outcome::warnings: its JSON error carries them). Declared after the printer, in its
+// scope.
 class KeepWarningsOnFailure {
  public:
-  KeepWarningsOnFailure(const StatusPrinter& status, std::vector<std::string>& warned)
-      : status_(status), warned_(warned), exceptions_(std::uncaught_exceptions()) {}
+  KeepWarningsOnFailure(const StatusPrinter& status, const EventLog& events,
+                        std::vector<std::string>& warned)
+      : status_(status),
+        events_(events),
+        warned_(warned),
+        exceptions_(std::uncaught_exceptions()) {}
   ~KeepWarningsOnFailure() {
     if (std::uncaught_exceptions() > exceptions_) {
-      const std::vector<std::string> said = status_.warnings();
+      const std::vector<std::string> said = run_warnings(status_, events_);
       warned_.insert(warned_.end(), said.begin(), said.end());
     }
   }
@@ -176,6 +185,7 @@ class KeepWarningsOnFailure {
 
  private:
   const StatusPrinter& status_;
+  const EventLog& events_;
   std::vector<std::string>& warned_;
   int exceptions_;
 };

@@ -105,9 +105,8 @@ void fill_from_env(WorkerOptions& o) {
       }
       o.store_from = "MASTER_ADDR/MASTER_PORT";
       // torchrun's variables, each named: a bad port is MASTER_PORT's, not an address's.
-      if (port->empty() || port->size() > 5 ||
-          port->find_first_not_of("0123456789") != std::string::npos || std::stoi(*port) < 1 ||
-          std::stoi(*port) > 65535) {
+      const auto port_number = parse_port(*port);
+      if (!port_number) {
         throw Error(
             ErrorKind::usage,
             fmt::format("MASTER_PORT: '{}' is not a port number (1 to 65535)", printable(*port)));
@@ -131,7 +130,7 @@ void fill_from_env(WorkerOptions& o) {
       if (holds_port) {
         throw bad_addr("holds a port: give the host alone, and the port in MASTER_PORT");
       }
-      o.store = format_host_port(unbracketed(*addr), static_cast<uint16_t>(std::stoi(*port)));
+      o.store = format_host_port(unbracketed(*addr), *port_number);
     }
   }
   if (o.nominal_world < 0) {

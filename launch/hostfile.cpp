@@ -138,9 +138,9 @@ void set_attribute(HostSpec& spec, std::string_view name, std::string_view value
     check_user(value);
     spec.user = std::string(value);
   } else if (name == "port") {
-    const auto port = whole_number(value, 1, 65535);
+    const auto port = parse_port(value);
     if (!port) fail(fmt::format("port must be a number from 1 to 65535, got '{}'", value));
-    spec.port = static_cast<uint16_t>(*port);
+    spec.port = *port;
   } else if (name == "key") {
     if (value.empty()) fail("key= needs the path of an identity file");
     spec.key = expand_home(std::string(value)).string();

@@ -423,12 +423,25 @@ int run_relay(const RelayPlan& plan) {
       // the next generation. Said where the host does not answer that either.
       if (std::chrono::steady_clock::now() - kill_sent_at >= kKillAnswerWait) {
         flush_partial();
-        if (!kill_there(kKillSweepWait)) {
+        const auto killed = kill_there(kKillSweepWait);
+        // None found: ended meanwhile (its end comes on the channel), or out of the sweep's sight.
+        const bool ended_meanwhile = killed == 0 && [&] {
+          const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
+          while (std::chrono::steady_clock::now() < until) {
+            if (!channel->read(sink, std::chrono::milliseconds(100))) return true;
+          }
+          return false;
+        }();
+        if (!killed || (*killed == 0 && !ended_meanwhile)) {
           std::fprintf(stdout,
-                       "warning: the agent on %s did not end its ranks when told, and they could "
-                       "not be killed there (the host did not answer, or it lacks /proc or grep "
-                       "-z for the sweep): they may still run there\n",
-                       host_and_ranks(plan).c_str());
+                       "warning: the agent on %s did not end its ranks when told, and %s: they "
+                       "may still run there\n",
+                       host_and_ranks(plan).c_str(),
+                       killed ? "a sweep of the host's processes found none of them (the SSH "
+                                "server may start commands where its processes cannot be seen, "
+                                "as in another PID namespace)"
+                              : "they could not be killed there (the host did not answer, or it "
+                                "lacks /proc or grep -z for the sweep)");
           std::fflush(stdout);
         }
         return 128 + kRelayEndSignal;

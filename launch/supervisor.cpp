@@ -236,7 +236,9 @@ class Supervision {
       const bool gone_while_stopping = stopping && stop_fd_was_open && stop_fd_closed_;
       reap(result);
       if (options_.tick) options_.tick();
-      kill_overdue();
+      // A Ctrl-C after the kill does not wait for a process's end_signal (a relay whose host
+      // does not answer): SIGKILL now.
+      kill_overdue(kill_sent_ && interrupts() > interrupts_at_kill_);
       if (stop_fd_kill_ && !kill_sent_) {
         // The launcher's side ends the job at once (its hang watch, its grace ran out): no
         // checkpoint, as after a SIGINT.
@@ -281,9 +283,8 @@ class Supervision {
           granted = checkpointing ? options_.stop_grace : options_.grace;
           stop_deadline = std::chrono::steady_clock::now() + granted;
         }
-      } else if (stop_deadline != kNever && (g_sigint_count.load() + stop_fd_interrupts_ >
-                                                 (result.stop_signal == SIGINT ? 1 : 0) ||
-                                             gone_while_stopping)) {
+      } else if (stop_deadline != kNever &&
+                 (interrupts() > (result.stop_signal == SIGINT ? 1 : 0) || gone_while_stopping)) {
         // A second Ctrl-C (or one after a SIGTERM): at once. So too when the launcher that asked
         // for the stop is gone: nobody waits for the checkpoint, and ranks left running would
         // outlive it.
@@ -535,13 +536,18 @@ class Supervision {
   }
 
   static std::string grace_ran_out(std::chrono::milliseconds grace) {
-    return fmt::format("they were still running {:g} s after they were asked to stop",
+    return fmt::format("still running {:g} s after the request to stop",
                        static_cast<double>(grace.count()) / 1000.0);
   }
 
+  int interrupts() const { return g_sigint_count.load() + stop_fd_interrupts_; }
+
   void signal_all(int sig) {
     stopping_signalled_ = true;
-    if (sig == SIGKILL) kill_sent_ = true;
+    if (sig == SIGKILL && !kill_sent_) {
+      kill_sent_ = true;
+      interrupts_at_kill_ = interrupts();
+    }
     for (auto& c : children_) {
       if (c.exited) continue;
       if (sig == SIGKILL && c.spec->end_signal != 0) {
@@ -561,11 +567,11 @@ class Supervision {
     }
   }
 
-  // SIGKILL to a process that its end_signal did not end in time.
-  void kill_overdue() {
+  // SIGKILL to a process that its end_signal did not end in time (or did not yet, `now`).
+  void kill_overdue(bool now_for_all) {
     const auto now = std::chrono::steady_clock::now();
     for (auto& c : children_) {
-      if (c.exited || !c.end_by || now < *c.end_by) continue;
+      if (c.exited || !c.end_by || (now < *c.end_by && !now_for_all)) continue;
       ::kill(-c.pid, SIGKILL);
       c.end_by = std::chrono::steady_clock::time_point::max();
     }
@@ -585,7 +591,8 @@ class Supervision {
   const SupervisorOptions& options_;
   std::vector<Child> children_;
   bool stopping_signalled_ = false;
-  bool kill_sent_ = false;  // SIGKILL sent to the processes (a stop's end)
+  bool kill_sent_ = false;      // SIGKILL sent to the processes (a stop's end)
+  int interrupts_at_kill_ = 0;  // interrupts() when it was sent
   bool stop_fd_closed_ = false;
   int stop_fd_signal_ = 0;  // the stop the first line on stop_fd asked for
   int stop_fd_interrupts_ = 0;

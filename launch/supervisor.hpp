@@ -30,8 +30,9 @@ struct ProcessSpec {
   // When not 0: the signal that asks the process to end at once with whatever it started (a
   // relay: its host's agent and ranks, which a SIGKILL of the relay would leave running until
   // the agent notices its connection gone). Where the supervisor kills, it sends this one, and
-  // SIGKILL only to a process still running kEndWait later. With hold_sigterm it is held while
-  // the program loads as SIGTERM is (dptrain's main unblocks SIGUSR1 too).
+  // SIGKILL only to a process still running kEndWait later (or at a Ctrl-C after the kill). With
+  // hold_sigterm it is held while the program loads as SIGTERM is (dptrain's main unblocks SIGUSR1
+  // too).
   int end_signal = 0;
 };
 

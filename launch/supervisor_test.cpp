@@ -397,6 +397,33 @@ TEST_CASE("supervisor: a kill sends a process's end_signal first, SIGKILL only k
     CHECK_FALSE(alive(p));
 }
 
+TEST_CASE("supervisor: a Ctrl-C after the kill does not wait kEndWait for an end_signal") {
+  Fixture f;
+  StopPipe stop;
+  f.options.stop_fd = stop.fds[0];
+  auto stuck = f.shell(0,
+                       "trap 'echo stuck' USR1; trap '' INT; echo up; "
+                       "while :; do sleep 0.05; done");
+  stuck.label = "host a";
+  stuck.end_signal = SIGUSR1;
+  std::thread presses([&] {
+    printed(f, "host a", "up");
+    stop.send("interrupt");
+    stop.send("interrupt");  // the second: the kill, its end_signal first
+    printed(f, "host a", "stuck");
+    stop.send("interrupt");  // the third: SIGKILL now
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto result = supervise({stuck}, f.options);
+  const auto took = std::chrono::steady_clock::now() - t0;
+  presses.join();
+  CHECK(took < kEndWait);
+  REQUIRE(result.exits.size() == 1);
+  CHECK(result.exits[0].signal == SIGKILL);
+  for (pid_t p : f.pids)
+    CHECK_FALSE(alive(p));
+}
+
 TEST_CASE("supervisor: the end of stop_fd while stopping kills at once: no rank outlives it") {
   Fixture f;
   StopPipe stop;

@@ -872,6 +872,47 @@ TEST_CASE("a hang found by --hang-timeout: the remote ranks are gone when the la
   }
 }
 
+TEST_CASE("an agent that ignores the kill and that the sweep cannot see: the launcher warns") {
+  Cluster c;
+  // An agent that takes its plan and then neither starts ranks nor ends when told (its
+  // protocol's "kill" unread), out of the relay's sweep: it sheds the relay's mark from its
+  // environment, as a process in another PID namespace would be out of sight.
+  const fs::path agent = c.tmp / "unseen-agent";
+  const fs::path pids = c.tmp / "unseen-agent.pids";
+  write_script(agent,
+               fmt::format("#!/bin/sh\n[ \"$1\" = --version ] && exit 1\n"
+                           "exec env -u DPTRAIN_RELAY_MARK sh -c 'echo \"@agent {}\"; read -r "
+                           "plan; echo $$ >> {}; while :; do echo @alive; sleep 1; done'\n",
+                           dptrain::kAgentProtocol, pids.string()));
+  const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
+  auto args = c.launch_args(recipe, c.tmp / "unseen");
+  const auto flag = std::find(args.begin(), args.end(), "--remote-binary");
+  REQUIRE(flag != args.end());
+  *(flag + 1) = agent.string();
+  Background launcher(args);
+  std::vector<pid_t> agents;
+  REQUIRE(eventually([&] {
+    std::istringstream lines(fs::exists(pids) ? read_text(pids) : "");
+    agents.clear();
+    for (std::string line; std::getline(lines, line);)
+      agents.push_back(std::stoi(line));
+    return agents.size() == 2;
+  }));
+  // Ctrl-C twice: the second kills at once, the relays tell their agents "kill".
+  REQUIRE(::kill(launcher.pid(), SIGINT) == 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  REQUIRE(::kill(launcher.pid(), SIGINT) == 0);
+  CHECK(launcher.wait(std::chrono::seconds(60)) == 130);
+  const std::string said = launcher.out() + launcher.err();
+  INFO(said);
+  CHECK(contains(said,
+                 "did not end its ranks when told, and a sweep of the host's processes found none "
+                 "of them (the SSH server may start commands where its processes cannot be seen, "
+                 "as in another PID namespace): they may still run there"));
+  for (const pid_t pid : agents)
+    ::kill(pid, SIGKILL);
+}
+
 TEST_CASE("a relay's end signal from anyone but its launcher is ignored") {
   Cluster c;
   const auto recipe = write_recipe(c.tmp.path(), quick_recipe());

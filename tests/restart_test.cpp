@@ -617,6 +617,20 @@ TEST_CASE("--events to a FIFO: the wait for its reader is said, and a stop ends 
     CHECK_FALSE(contains(refused.err, "waiting for a reader"));
     CHECK(parse_json(refused.out)["exit_code"] == 2);
   }
+  // Nor one refused for its run directory (it holds a completed run), found after the recipe
+  // was read: refused without a wait, with its own exit code.
+  {
+    const fs::path done = tmp / "done";
+    REQUIRE(run_dptrain({"launch", recipe.string(), "--run-dir", done.string()}).exit_code == 0);
+    const auto refused = run_dptrain({"launch", recipe.string(), "--run-dir", done.string(),
+                                      "--events", fifo.string(), "--json"},
+                                     {}, std::chrono::seconds(60));
+    INFO(refused.err);
+    CHECK(refused.exit_code == 2);
+    CHECK_FALSE(contains(refused.err, "waiting for a reader"));
+    CHECK(contains(refused.err, done.string()));
+    CHECK(parse_json(refused.out)["exit_code"] == 2);
+  }
   // A reader that comes later gets the whole stream.
   Background launch(
       {"launch", recipe.string(), "--run-dir", (tmp / "read").string(), "--events", fifo.string()});

@@ -809,7 +809,8 @@ TEST_CASE("SIGTERM with a hung rank: when the stop's grace runs out, the heartbe
   CHECK(launcher.wait(std::chrono::seconds(60)) == 143);
   INFO(launcher.err());
   CHECK(contains(launcher.err(), "stopped by SIGTERM, but not every rank checkpointed: "));
-  CHECK(contains(launcher.err(), "they were still running 3 s after they were asked to stop"));
+  CHECK(contains(launcher.err(),
+                 "(the launcher's SIGKILL: still running 3 s after the request to stop)"));
   CHECK(contains(launcher.err(), "; by the ranks' last heartbeats, stuck: rank 1 at step 3 "));
   CHECK(contains(launcher.err(), "; waiting for it in collective #"));
   CHECK_FALSE(contains(launcher.err(), "not necessarily stuck"));
@@ -1357,10 +1358,10 @@ TEST_CASE("a launcher that fails mid-job (its store's port taken) records the ru
   const uint16_t port = unused_port();
   // Rank 1 fails in the first generation; during the restart's back-off another process takes
   // the fixed --master-port, and the next generation's store cannot listen.
-  Background launcher(
-      {"launch", recipe.string(), "--nproc", "2", "--run-dir", run_dir.string(), "--master-port",
-       std::to_string(port), "--max-restarts", "1", "--restart-backoff", "3", "--json"},
-      {{"DPTRAIN_FAULT", "exit@step=3,rank=1,code=7,gen=1"}});
+  Background launcher({"launch", recipe.string(), "--nproc", "2", "--run-dir", run_dir.string(),
+                       "--master-port", std::to_string(port), "--max-restarts", "1",
+                       "--restart-backoff", "3", "--json", "--events", "/dev/full"},
+                      {{"DPTRAIN_FAULT", "exit@step=3,rank=1,code=7,gen=1"}});
   REQUIRE(eventually([&] {
     return fs::exists(run_dir / "run.json") &&
            contains(read_text(run_dir / "run.json"), "\"pending_restart\"");
@@ -1385,8 +1386,13 @@ TEST_CASE("a launcher that fails mid-job (its store's port taken) records the ru
   CHECK(info["error"].get<std::string>().starts_with("the launcher failed: "));
   CHECK(contains(info["error"].get<std::string>(), std::to_string(port)));
   CHECK(parse_json(launcher.out())["exit_code"] == 3);
-  // Its --json names the run directory, as the events stream's run_finished does.
+  // Its --json names the run directory, as the events stream's run_finished does, and carries
+  // the warning that the events stream could not be written (which it cannot say itself).
   CHECK(parse_json(launcher.out())["run_dir"] == run_dir.string());
+  CHECK(parse_json(launcher.out())["warnings"] ==
+        nlohmann::json::array(
+            {"--events: cannot write /dev/full: No space left on device; the events "
+             "from here on are lost"}));
   const auto s = parse_json(run_dptrain({"status", run_dir.string(), "--json"}).out);
   CHECK(s["status"] == "failed");  // not "running", then "stale"
 }

@@ -50,6 +50,16 @@ std::string PrefixStore::describe() const {
   return inner_.describe();
 }
 
+std::optional<uint16_t> parse_port(std::string_view text) {
+  unsigned port = 0;
+  const char* end = text.data() + text.size();
+  const auto [stop, status] = std::from_chars(text.data(), end, port);
+  if (text.empty() || status != std::errc() || stop != end || port == 0 || port > 65535) {
+    return std::nullopt;
+  }
+  return static_cast<uint16_t>(port);
+}
+
 std::pair<std::string, uint16_t> parse_host_port(const std::string& text) {
   auto malformed = [&](const char* why) {
     return Error(
@@ -75,13 +85,9 @@ std::pair<std::string, uint16_t> parse_host_port(const std::string& text) {
     port_text = text.substr(colon + 1);
   }
   if (host.empty()) throw malformed("empty host");
-  unsigned port = 0;
-  const auto* end = port_text.data() + port_text.size();
-  const auto [stop, status] = std::from_chars(port_text.data(), end, port);
-  if (port_text.empty() || status != std::errc() || stop != end || port == 0 || port > 65535) {
-    throw malformed("port must be a number in 1..65535");
-  }
-  return {host, static_cast<uint16_t>(port)};
+  const auto port = parse_port(port_text);
+  if (!port) throw malformed("port must be a number in 1..65535");
+  return {host, *port};
 }
 
 std::string unbracketed(const std::string& host) {

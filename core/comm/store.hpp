@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -77,6 +78,9 @@ class PrefixStore : public Store {
   std::string prefix_;
   Store& inner_;
 };
+
+// All of `text` as a port number (decimal, 1 to 65535), or nothing.
+std::optional<uint16_t> parse_port(std::string_view text);
 
 // "host:port" or "[v6-address]:port" -> (host, port). Throws Error(ErrorKind::usage) naming the
 // text if it is malformed or the port is not in 1..65535.
