@@ -239,7 +239,8 @@ struct CheckedRun {
 // resume reads), else recipe.json. Its data is not read: a dataset moved since, or a hung mount,
 // must not keep the checkpoints from being checked. None where the run holds no recipe (a node's
 // copy of a run, which holds checkpoints/ only, `recorded` false); one that cannot be read, or a
-// run.json (torn or whole) with no recipe to be found, is warned about in `warnings`.
+// run.json (torn, `info` null, or whole) with no recipe to be found, is warned about in
+// `warnings`.
 CheckpointFilter recipe_filter(const fs::path& run, const json& info, bool recorded,
                                std::vector<std::string>& warnings) {
   try {
@@ -253,7 +254,7 @@ CheckpointFilter recipe_filter(const fs::path& run, const json& info, bool recor
       if (!recorded || info.contains("benchmark") || info.contains("bench")) return {};
       throw Error(
           ErrorKind::recipe,
-          info.empty()
+          info.is_null()
               ? fmt::format("run.json cannot be read, and there is no {}", printable(copy.string()))
               : fmt::format("neither {} nor {} holds one", printable((run / "run.json").string()),
                             printable(copy.string())));
@@ -310,7 +311,7 @@ CheckedRun open_run(const std::string& dir) {
     if (!has_checkpoints || e.kind() != ErrorKind::usage) throw;
     run.warnings.push_back(
         fmt::format("{}; checking its checkpoints/ all the same", first_line(e.what())));
-    run.unusable = recipe_filter(absolute, json::object(), true, run.warnings);
+    run.unusable = recipe_filter(absolute, json(), true, run.warnings);
     return said(std::move(run));
   }
   run.elsewhere = recorded_elsewhere(info);

@@ -264,6 +264,7 @@ void append_text(const fs::path& path, std::string& text, const TextBudget& budg
   const bool regular = ::fstat(in.fd, &st) == 0 && S_ISREG(st.st_mode);
   const uint64_t size = regular ? static_cast<uint64_t>(st.st_size) : 0;
   const std::string what = "reading " + path.filename().string();
+  const size_t file_start = text.size();
   uint64_t done = 0;
   for (;;) {
     status.show(what, done, std::max(size, done), true);
@@ -278,6 +279,17 @@ void append_text(const fs::path& path, std::string& text, const TextBudget& budg
     if (n < 0) {
       if (error == EINTR) continue;
       refuse(fmt::format("{}: cannot read: {}", printable(path.string()), std::strerror(error)));
+    }
+    // A token file (a dataset's train.bin given for its text) is no text: its bytes would be
+    // tokenized as if they were, with no word of it.
+    const uint64_t magic = sizeof(kTokenFileMagic);
+    if (done < magic && done + static_cast<uint64_t>(n) >= magic &&
+        text.compare(file_start, magic, kTokenFileMagic, magic) == 0) {
+      refuse(
+          fmt::format("{}: a dptrain token file (it starts with {}), not text: give the text "
+                      "files it was prepared from (a prepared dataset is used as it is, as "
+                      "data.path)",
+                      printable(path.string()), std::string_view(kTokenFileMagic, magic)));
     }
     done += static_cast<uint64_t>(n);
     if (text.size() > budget.limit) {

@@ -220,8 +220,11 @@ fs::path newest_checkpoint(const RunDirectory& run, const Recipe& recipe,
             ? fmt::format("it is training: wait for its first checkpoint, at step {}", every)
         : state == "completed"
             ? std::string("it completed, and holds none now")
-            : fmt::format("it stopped before its first checkpoint (step {}): continue it with {}",
-                          every, resume_command(run.path()));
+            // What status advises: resume, or first fix what a resume would meet again.
+            : fmt::format("it stopped before its first checkpoint (step {}): {}", every, [&] {
+                const std::string advice = status_hint(load_run(run.path(), false));
+                return advice.empty() ? "continue it with " + resume_command(run.path()) : advice;
+              }());
     throw Error(ErrorKind::checkpoint,
                 fmt::format("{}: no checkpoint yet, nothing to sample from ({})",
                             run.path().string(), how));

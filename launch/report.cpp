@@ -695,7 +695,9 @@ std::string recorded_but_absent(const RunView& run) {
   return recorded;
 }
 
-std::string hint(const RunView& run) {
+}  // namespace
+
+std::string status_hint(const RunView& run) {
   if (run.state.status == "stale" || run.state.status == "failed" ||
       run.state.status == "interrupted" || run.state.status == "terminated") {
     // A benchmark's ranks train nothing: there is nothing to resume, only to run again.
@@ -763,6 +765,8 @@ std::string hint(const RunView& run) {
   }
   return {};
 }
+
+namespace {
 
 // ---- the HTML report ----
 
@@ -1395,7 +1399,7 @@ json status_json(const RunView& run) {
                 {"generation_starting", generation_starting(run)},
                 {"last_restart", last_restart},
                 {"error", or_null(run_error(run))},
-                {"hint", or_null(hint(run))}});
+                {"hint", or_null(status_hint(run))}});
   return j;
 }
 

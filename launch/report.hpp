@@ -106,6 +106,9 @@ RunView load_run(const std::filesystem::path& dir, bool verify_checkpoints,
 nlohmann::json status_json(const RunView& run);
 // The same for people: a few aligned lines.
 std::string status_text(const RunView& run);
+// What to do next with a run that ended short of completing (its status's "hint": continue it
+// with 'dptrain resume', or what to fix first); empty for one that needs nothing.
+std::string status_hint(const RunView& run);
 
 // The report: one HTML file with inline CSS and SVG, no script and nothing fetched.
 std::string report_html(const RunView& run);

@@ -824,4 +824,10 @@ TEST_CASE("ckpt checks the recipe from run.json, its data not read; an unreadabl
   CHECK(none_json.exit_code == 0);
   CHECK(parse_json(none_json.out)["warnings"] ==
         nlohmann::json::array({none.err.substr(18, none.err.size() - 19)}));
+  // A run.json that reads but records nothing (an empty object) is not called unreadable.
+  write_text(run / "run.json", "{}");
+  const auto empty = run_dptrain({"ckpt", "list", run.string()});
+  CHECK(empty.exit_code == 0);
+  CHECK(contains(empty.err, "the run's recipe cannot be read (neither " +
+                                (run / "run.json").string() + " nor "));
 }

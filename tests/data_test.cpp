@@ -228,6 +228,15 @@ TEST_CASE("data prepare refuses bad input with exit 2 and one line, writing noth
         "dptrain: error: --text '': an empty file name (give the text's path)");
   CHECK(refusal({"--text", tmp.path().string(), "--out", out}) ==
         "dptrain: error: " + tmp.path().string() + ": cannot read: is a directory");
+  // A prepared dataset's token file given as text (a slip: data.path takes the dataset).
+  REQUIRE(run_dptrain({"data", "prepare", "--text", t, "--out", (tmp / "ds").string()}).exit_code ==
+          0);
+  const std::string tokens = (tmp / "ds/train.bin").string();
+  CHECK(refusal({"--text", t, tokens, "--out", out}) ==
+        "dptrain: error: " + tokens +
+            ": a dptrain token file (it starts with DPTOKENS), not text: give the text files it "
+            "was prepared from (a prepared dataset is used as it is, as data.path)");
+  fs::remove_all(tmp / "ds");
   write_text(tmp / "empty2.txt", "");
   CHECK(refusal({"--text", (tmp / "empty.txt").string(), (tmp / "empty2.txt").string(), "--out",
                  out}) == "dptrain: error: no text in " + (tmp / "empty.txt").string() + ", " +

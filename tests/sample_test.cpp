@@ -199,6 +199,18 @@ TEST_CASE("sample: a run without a checkpoint yet says whether to wait or to con
                      ": no checkpoint yet, nothing to sample from (it stopped before its first "
                      "checkpoint (step 6): continue it with 'dptrain resume " +
                      run_dir.string() + "')\n");
+  // One whose training diverged: a resume would diverge again, and is not what it advises.
+  json diverging = recipe_json;
+  diverging["optimizer"]["lr"] = 1e30;
+  const fs::path diverged = data.tmp / "diverged";
+  REQUIRE(run_dptrain({"launch", write_recipe(data.tmp.path(), diverging).string(), "--nproc", "1",
+                       "--run-dir", diverged.string()})
+              .exit_code == 3);
+  const auto d = sample(diverged, {"--tokens", "5"});
+  CHECK(d.exit_code == 5);
+  CHECK(contains(d.err,
+                 ": no checkpoint yet, nothing to sample from (it stopped before its first "
+                 "checkpoint (step 6): a resume would meet its error again"));
   // Training now (slowly): its first checkpoint is to be waited for.
   recipe_json["train"]["steps"] = 400;
   recipe_json["checkpoint"]["every"] = 200;
