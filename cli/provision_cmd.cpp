@@ -34,30 +34,36 @@ struct ProvisionCliOptions {
 };
 
 // The uploads as they go, on stderr: a line as each file starts, and on a terminal one progress
-// line (every upload's bytes so far) rewritten in place. Called from the hosts' threads.
+// line rewritten in place: the bytes sent so far and held already (a file a host has is counted
+// as done) of the planned total, every file to every host, so that it only grows. Called from
+// the hosts' threads.
 class UploadProgress {
  public:
   UploadProgress() : printer_(stderr, StatusPrinter::is_terminal(stderr)) {}
 
+  void planned(uint64_t bytes) {
+    std::lock_guard lock(mutex_);
+    planned_ = bytes;
+  }
+
   void operator()(const std::string& host, const std::string& file, uint64_t sent, uint64_t size) {
     std::lock_guard lock(mutex_);
-    auto& [done, total] = uploads_[host + "\n" + file];
     if (sent == 0) {
       printer_.line(fmt::format("{}: uploading {} ({})", host, file, human_bytes(size)));
-      total = size;
+      uploading_ = true;
     }
-    done = sent;
+    uploads_[host + "\n" + file] = sent;
     const auto now = std::chrono::steady_clock::now();
     if (now - shown_ < std::chrono::milliseconds(100) && sent != size) return;
     shown_ = now;
-    uint64_t all_done = 0, all_total = 0;
-    for (const auto& [key, upload] : uploads_) {
-      all_done += upload.first;
-      all_total += upload.second;
-    }
+    uint64_t all_done = 0;
+    for (const auto& [key, done] : uploads_)
+      all_done += done;
+    // Files held already are nothing to show until an upload starts.
+    if (!uploading_ || all_done == 0) return;
+    const uint64_t all = std::max(planned_, all_done);
     printer_.progress(fmt::format("uploading: {} of {} ({}%)", human_bytes(all_done),
-                                  human_bytes(all_total),
-                                  all_total > 0 ? all_done * 100 / all_total : 100));
+                                  human_bytes(all), all_done * 100 / all));
   }
   void finish() {
     std::lock_guard lock(mutex_);
@@ -67,7 +73,9 @@ class UploadProgress {
  private:
   std::mutex mutex_;
   StatusPrinter printer_;
-  std::map<std::string, std::pair<uint64_t, uint64_t>> uploads_;  // sent, size
+  uint64_t planned_ = 0;
+  bool uploading_ = false;
+  std::map<std::string, uint64_t> uploads_;  // bytes sent (or held already) of each
   std::chrono::steady_clock::time_point shown_;
 };
 
@@ -135,6 +143,7 @@ int run_provision(const ProvisionCliOptions& o) {
   UploadProgress progress;
   options.on_upload = [&progress](const std::string& host, const std::string& file, uint64_t sent,
                                   uint64_t size) { progress(host, file, sent, size); };
+  options.on_planned = [&progress](uint64_t bytes) { progress.planned(bytes); };
   const auto reports = provision(o.hosts.load(), options);
   progress.finish();
 

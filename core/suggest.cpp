@@ -30,9 +30,15 @@ size_t edit_distance(std::string_view a, std::string_view b) {
   return row[b.size()];
 }
 
-std::optional<std::string> closest_match(std::string_view unknown,
-                                         const std::vector<std::string>& known) {
+std::optional<std::string> closest_match(std::string_view given,
+                                         const std::vector<std::string>& known_words) {
   constexpr size_t kMaxTypoDistance = 2;
+  // Regardless of case ("FP16" is fp16, not bf16 two edits away); the known word as it is
+  // spelt.
+  const std::string unknown = lowercase(given);
+  std::vector<std::string> known;
+  for (const auto& word : known_words)
+    known.push_back(lowercase(word));
   const auto one_prefixes_other = [](std::string_view a, std::string_view b) {
     return !a.empty() && !b.empty() && (a.starts_with(b) || b.starts_with(a));
   };
@@ -42,20 +48,21 @@ std::optional<std::string> closest_match(std::string_view unknown,
   // meant before a short name a couple of edits away ("--help"): the shortest such name wins.
   if (unknown.find_first_not_of('-') != std::string_view::npos &&
       unknown.size() - unknown.find_first_not_of('-') >= 2) {
-    for (const auto& candidate : known) {
-      if (candidate.size() > unknown.size() && std::string_view(candidate).starts_with(unknown) &&
+    for (size_t i = 0; i < known.size(); ++i) {
+      const std::string& candidate = known[i];
+      if (candidate.size() > unknown.size() && candidate.starts_with(unknown) &&
           candidate.size() < best_distance) {
-        best = candidate;
+        best = known_words[i];
         best_distance = candidate.size();
       }
     }
     if (best) return best;
   }
-  for (const auto& candidate : known) {
-    const size_t distance = edit_distance(unknown, candidate);
-    const bool close = distance <= kMaxTypoDistance || one_prefixes_other(unknown, candidate);
+  for (size_t i = 0; i < known.size(); ++i) {
+    const size_t distance = edit_distance(unknown, known[i]);
+    const bool close = distance <= kMaxTypoDistance || one_prefixes_other(unknown, known[i]);
     if (close && distance < best_distance) {
-      best = candidate;
+      best = known_words[i];
       best_distance = distance;
     }
   }

@@ -21,4 +21,11 @@ TEST_CASE("closest_match: a typo within two edits, or the start of a longer name
   CHECK(closest_match("batch", keys) == "batch_per_rank");
   CHECK(closest_match("step", keys) == "steps");
   CHECK(closest_match("stpes", keys) == "steps");
+  // Regardless of case: "FP16" is fp16, not bf16 (two edits away in its own case); the word
+  // comes as it is spelt.
+  const std::vector<std::string> dtypes = {"bf16", "fp16", "fp32", "Int8"};
+  CHECK(closest_match("FP16", dtypes) == "fp16");
+  CHECK(closest_match("FP32", dtypes) == "fp32");
+  CHECK(closest_match("int8", dtypes) == "Int8");
+  CHECK(closest_match("SUM", std::vector<std::string>{"sum", "max", "min", "avg"}) == "sum");
 }

@@ -67,6 +67,7 @@ json AgentPlan::to_json(bool redact_secret) const {
           {"data_dir", data_dir},
           {"data_sha256", data_sha256},
           {"data_fingerprint", data_fingerprint},
+          {"benchmark", benchmark},
           {"protocol", kAgentProtocol}};
 }
 
@@ -108,6 +109,7 @@ AgentPlan AgentPlan::from_json(const json& j) {
     p.data_dir = j.value("data_dir", std::string());
     p.data_sha256 = j.value("data_sha256", std::string());
     p.data_fingerprint = j.value("data_fingerprint", std::string());
+    p.benchmark = j.value("benchmark", false);
     p.worker_args = j.value("worker_args", std::vector<std::string>{});
     if (!said) throw refuse(1);
     return p;
@@ -317,6 +319,7 @@ int run_agent(const AgentPlan& given, std::FILE* out, int stop_fd) {
   };
   const auto specs = worker_specs(plan, self_executable());
   const SupervisionResult result = supervise(specs, options);
+  if (plan.benchmark) remove_checkpoints(plan.run_dir);
   if (result.failure) {
     const auto& f = *result.failure;
     // Its ranks that exited 0 (before the run ended, as the launcher can tell): one that left

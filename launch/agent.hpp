@@ -46,6 +46,9 @@ struct AgentPlan {
   // The launcher's token dataset as its headers record it (DataSplits::fingerprint; remote hosts;
   // empty: not checked): a host's dataset at the same path must hold the same tokens.
   std::string data_fingerprint;
+  // A benchmark's run (bench train): its checkpoints on that host are removed once its ranks
+  // have ended, however they ended, as the launcher removes its own.
+  bool benchmark = false;
 
   nlohmann::json to_json(bool redact_secret = false) const;
   // Error(usage) on a malformed plan; Error(ssh) on one of another agent protocol than this

@@ -714,9 +714,8 @@ BenchRunner job_runner(const JobSpec& spec, const fs::path& sweep_dir, StatusPri
     }
     // A benchmark's run is never resumed: its checkpoints (a stop's too, which the ranks write
     // on SIGTERM as any run's do) would only fill the disk, however the run ended.
-    std::error_code ec;
-    for (const auto& entry : fs::directory_iterator(run.checkpoints(), ec))
-      fs::remove_all(entry.path(), ec);
+    // (A remote host's agent removes its own: AgentPlan::benchmark.)
+    remove_checkpoints(run.path());
     if (outcome.exit_code != 0 && run.info().contains("last_checkpoint")) {
       run.info().erase("last_checkpoint");
       try {

@@ -281,9 +281,12 @@ class Doctor {
   }
 
   // A cuda recipe needs GPUs (and, for NCCL, the library) where its ranks run. This machine's
-  // are checked here; a remote host's ranks check their own when they start.
+  // are checked here where it runs ranks (a login node that starts them all on GPU hosts needs
+  // none); a remote host's ranks check their own when they start.
   void check_local_gpus_for_recipe() {
-    if (!gpu_recipe()) return;
+    if (!gpu_recipe() ||
+        std::none_of(hosts_.begin(), hosts_.end(), [](const HostSpec& h) { return h.is_local(); }))
+      return;
     if (const auto why = gpus_missing(1)) {
       local_gpu_missing_ = true;
       add("gpu", "localhost", false, *why,
@@ -390,6 +393,11 @@ class Doctor {
       return "find out why the host's key changed (a reinstall, or another machine at its "
              "address); if that is expected, delete the line of the known_hosts file the error "
              "names, then add the new key (ssh-keyscan -p PORT HOST)";
+    }
+    // Accepted (--accept-new-host-keys), but the known_hosts file takes no writes.
+    if (failure.find("cannot record the host key") != std::string_view::npos) {
+      return "make the known_hosts file (and its directory) writable, or give another "
+             "--known-hosts";
     }
     if (failure.find("host key") != std::string_view::npos ||
         failure.find("HOST KEY") != std::string_view::npos) {

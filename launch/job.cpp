@@ -602,6 +602,7 @@ JobPlan plan_job(const JobSpec& spec, const fs::path& run_path, const std::strin
       a.ranks.push_back(next_rank++);
     a.env = spec.env.values;
     a.worker_args = spec.worker_args;
+    a.benchmark = spec.benchmark;
     if (!h.is_local()) {
       // Local ranks inherit the launcher's environment; remote ones get these passed on.
       a.env.merge(forwarded_environment());

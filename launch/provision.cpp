@@ -181,22 +181,32 @@ PlannedFile planned(const fs::path& local, const std::string& remote, int mode,
   return {local, local, remote, mode, fs::file_size(local), sha256_file(local)};
 }
 
-// The recipe goes as it is, except that a csv data path becomes "data/NAME": the uploaded recipe
-// then finds the uploaded data wherever the workdir is.
+// The recipe goes as it is, except for its data path: a csv file's becomes "data/NAME", and the
+// uploaded recipe then finds the uploaded data wherever the workdir is; a token dataset's, which
+// is not uploaded, becomes absolute where it was relative (to the recipe's directory here, which
+// the workdir is not: the host's copy must be found at the same path).
 void plan_recipe(const fs::path& recipe_path, std::vector<PlannedFile>& files,
                  std::unique_ptr<TempFile>& rewritten) {
   const Recipe recipe = load_recipe(recipe_path);  // validates, resolves the data path
   const std::string name = recipe_path.filename().string();
-  if (recipe.data.type != "csv") {
+  std::ifstream in(recipe_path);
+  nlohmann::json j = nlohmann::json::parse(in);
+  const nlohmann::json* given = j.contains("data") && j["data"].is_object() &&
+                                        j["data"].contains("path") && j["data"]["path"].is_string()
+                                    ? &j["data"]["path"]
+                                    : nullptr;
+  std::string data_path;
+  if (recipe.data.type == "csv") {
+    const fs::path data = recipe.data.path;
+    data_path = "data/" + data.filename().string();
+    files.push_back(planned(data, data_path, 0644));
+  } else if (given != nullptr && fs::path(given->get<std::string>()).is_relative()) {
+    data_path = fs::path(recipe.data.path).lexically_normal().string();
+  } else {
     files.push_back(planned(recipe_path, name, 0644));
     return;
   }
-  const fs::path data = recipe.data.path;
-  const std::string data_remote = "data/" + data.filename().string();
-  files.push_back(planned(data, data_remote, 0644));
-  std::ifstream in(recipe_path);
-  nlohmann::json j = nlohmann::json::parse(in);
-  j["data"]["path"] = data_remote;
+  j["data"]["path"] = data_path;
   rewritten = std::make_unique<TempFile>(name);
   std::ofstream(rewritten->path()) << json_text(j, 2) << "\n";
   files.push_back(planned(rewritten->path(), name, 0644));
@@ -462,7 +472,12 @@ namespace {
 SshSession::Result prepare_workdir(HostShell& shell, const HostSpec& host,
                                    const std::string& workdir,
                                    const std::vector<PlannedFile>& files) {
-  auto result = shell.run("sh -c " + shell_quote(facts_script(workdir, files)));
+  // A relative one is the home directory's on every host: an SSH login starts there, and this
+  // machine's shell (localhost) starts where dptrain was run.
+  const bool from_home =
+      host.is_local() && !workdir.empty() && workdir.front() != '/' && workdir.front() != '~';
+  auto result =
+      shell.run("sh -c " + shell_quote(facts_script(from_home ? "~/" + workdir : workdir, files)));
   if (result.exit_status != 0) {
     throw Error(ErrorKind::ssh, fmt::format("cannot use the workdir {} on {}: {}", workdir,
                                             host.display(), first_line(result.err)));
@@ -501,6 +516,8 @@ void provision_host(HostReport& report, const ProvisionOptions& options,
     const auto it = present.find(files[i].remote);
     if (it != present.end() && it->second.sha256 == files[i].sha256) {
       report.uploads[i].status = UploadRecord::Status::skipped;
+      if (options.on_upload)
+        options.on_upload(name, files[i].remote, files[i].bytes, files[i].bytes);
       if (it->second.mode != files[i].mode) {
         chmod.push_back(fmt::format("chmod {:o} {}", files[i].mode,
                                     shell_quote(workdir + "/" + files[i].remote)));
@@ -627,6 +644,12 @@ std::vector<HostReport> provision(const std::vector<HostSpec>& hosts,
                                   const ProvisionOptions& options) {
   std::unique_ptr<TempFile> rewritten_recipe;
   const std::vector<PlannedFile> files = plan_files(options, rewritten_recipe);
+  if (options.on_planned) {
+    uint64_t bytes = 0;
+    for (const auto& f : files)
+      bytes += f.bytes;
+    options.on_planned(bytes * hosts.size());
+  }
   const auto outcomes = for_each_host(hosts, [&](const HostSpec& host) {
     HostReport report;
     report.host = host;

@@ -23,10 +23,14 @@ struct ProvisionOptions {
   std::filesystem::path binary;                // the dptrain to install; empty: this executable
   SshOptions ssh;
   // Told how each upload goes, from the hosts' threads (at once): the host, the file (its path
-  // in the workdir), the bytes sent of it (0 as it starts) and its size.
+  // in the workdir), the bytes sent of it (0 as it starts) and its size. A file the host already
+  // holds is told once, as all sent, without a start.
   std::function<void(const std::string& host, const std::string& file, uint64_t sent,
                      uint64_t size)>
       on_upload;
+  // Told once, before any host is reached: the bytes of every file to every host, the most
+  // the uploads send (what on_upload tells adds up to it for the hosts that get theirs).
+  std::function<void(uint64_t bytes)> on_planned;
 };
 
 struct GpuFact {

@@ -408,15 +408,24 @@ int run_relay(const RelayPlan& plan) {
       // "stop" (SIGTERM): the agent's ranks checkpoint and stop; "interrupt" (SIGINT): they stop
       // without one, and a second kills them. The channel stays open: its end tells the agent
       // that this side is gone.
+      // (After "@done" every rank there has exited 0, and the agent may have ended: a line it
+      // cannot take is no loss.)
+      const auto tell = [&](std::string_view line) {
+        try {
+          channel->write(line);
+        } catch (const Error&) {
+          if (!done) throw;
+        }
+      };
       for (; terms_sent < g_terms.load(); ++terms_sent)
-        channel->write("stop\n");
+        tell("stop\n");
       for (; interrupts_sent < g_interrupts.load(); ++interrupts_sent)
-        channel->write("interrupt\n");
+        tell("interrupt\n");
       // The launcher's kill: the agent kills its ranks at once, and ends.
       if (g_kill.load() && !kill_sent) {
         kill_sent = true;
         kill_sent_at = std::chrono::steady_clock::now();
-        channel->write("kill\n");
+        tell("kill\n");
       }
       // An agent that does not end when told (stopped, in a debugger) is killed there with its
       // ranks, before the launcher gives up on this relay (kEndWait): none of them may run beside

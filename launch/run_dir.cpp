@@ -754,6 +754,12 @@ std::vector<HostSpec> recorded_remote_hosts(const nlohmann::json& info, const fs
   return hosts;
 }
 
+void remove_checkpoints(const fs::path& run_dir) {
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(run_dir / "checkpoints", ec))
+    fs::remove_all(entry.path(), ec);
+}
+
 std::string resume_command(const fs::path& run_dir) {
   // A command to paste: the directory quoted for the shell where it has to be (a space, a
   // quote, a '$'); then without quotes of its own around it, which would read as nested.

@@ -102,6 +102,10 @@ std::vector<HostSpec> recorded_remote_hosts(const nlohmann::json& info,
 // hosts is resumed on them, reached with the SSH files its launch recorded).
 std::string resume_command(const std::filesystem::path& run_dir);
 
+// Removes every checkpoint in RUN_DIR/checkpoints (and its latest pointer), as far as it can: a
+// benchmark's run is never resumed, and a large model's checkpoints would only fill the disk.
+void remove_checkpoints(const std::filesystem::path& run_dir);
+
 // Takes DIR's lock (an flock on DIR/.lock, made when missing), held while the result or a copy
 // lives and released when the process ends however it ends; null when another process holds
 // it (a launcher driving the run, or the rank 0 of workers started without one).

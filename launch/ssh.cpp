@@ -85,6 +85,15 @@ std::string seconds_text(milliseconds ms) {
 // Commands can be long scripts; a message shows their start.
 std::string command_excerpt(const std::string& command) {
   std::string line = command.substr(0, command.find('\n'));
+  // "env NAME=VALUE... PROGRAM": the program is what names the command (the relay's mark, a
+  // random value, says nothing to a reader).
+  if (line.starts_with("env ")) {
+    size_t at = 4;
+    for (size_t end = 0; (end = line.find(' ', at)) != std::string::npos &&
+                         line.substr(at, end - at).find('=') != std::string::npos;)
+      at = end + 1;
+    line.erase(0, at);
+  }
   if (line.size() > 60 || line.size() < command.size()) line = line.substr(0, 60) + "...";
   return "`" + line + "`";
 }

@@ -13,6 +13,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <fstream>
 #include <string>
 #include <string_view>
@@ -56,15 +57,37 @@ std::atomic<int> g_sigint_count{0};
 std::atomic<bool> g_second_interrupt_exits{false};
 int g_wake_pipe[2] = {-1, -1};
 
-void on_stop_signal(int sig) {
+// The sender and time (CLOCK_MONOTONIC, ns) of the last SIGINT a process sent (0: none, or the
+// terminal's).
+std::atomic<pid_t> g_last_sigint_from{0};
+std::atomic<int64_t> g_last_sigint_ns{0};
+static_assert(std::atomic<pid_t>::is_always_lock_free && std::atomic<int64_t>::is_always_lock_free);
+
+// Whether this SIGINT repeats one request: `timeout -s INT` signals its command and then the
+// command's process group, two signals from one sender within a moment. A terminal's Ctrl-C
+// comes from the kernel (si_code > 0), and each press counts.
+bool repeated_sigint(const siginfo_t* info) {
+  const pid_t from = info != nullptr && info->si_code <= 0 ? info->si_pid : 0;
+  timespec now{};
+  ::clock_gettime(CLOCK_MONOTONIC, &now);
+  const int64_t ns = static_cast<int64_t>(now.tv_sec) * 1000000000 + now.tv_nsec;
+  const bool repeat = from != 0 && g_last_sigint_from.load() == from &&
+                      ns - g_last_sigint_ns.load() < kSameSignalWindow.count() * 1000000;
+  g_last_sigint_from.store(from);
+  g_last_sigint_ns.store(ns);
+  return repeat;
+}
+
+void on_stop_signal(int sig, siginfo_t* info, void*) {
   const int saved_errno = errno;  // the code it interrupted may look at errno next
   // A hangup (the terminal or SSH session closed) is a stop like SIGTERM: every rank checkpoints.
   if (sig == SIGHUP) sig = SIGTERM;
   int expected = 0;
   g_stop_signal.compare_exchange_strong(expected, sig);
   // Schedulers send SIGTERM more than once (`timeout` signals the child and its group): that is
-  // one stop request. Only a second Ctrl-C means "now".
-  if (sig == SIGINT && g_sigint_count.fetch_add(1) >= 1 && g_second_interrupt_exits.load()) {
+  // one stop request. Only a second Ctrl-C means "now"; one SIGINT sent twice at once is one.
+  if (sig == SIGINT && !repeated_sigint(info) && g_sigint_count.fetch_add(1) >= 1 &&
+      g_second_interrupt_exits.load()) {
     ::_exit(130);
   }
   if (g_wake_pipe[1] >= 0) {
@@ -626,7 +649,8 @@ void install_stop_signal_handlers() {
   }
   set_stop_check(&pending_stop_signal);  // a read waiting on a pipe looks at it
   struct sigaction sa {};
-  sa.sa_handler = on_stop_signal;
+  sa.sa_sigaction = on_stop_signal;
+  sa.sa_flags = SA_SIGINFO;
   sigemptyset(&sa.sa_mask);
   ::sigaction(SIGTERM, &sa, nullptr);
   // A signal this process was started ignoring stays ignored, as shells and other programs keep

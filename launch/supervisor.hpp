@@ -113,7 +113,10 @@ struct SupervisorOptions {
 std::string signal_name(int sig);
 
 // Installs SIGINT/SIGTERM handlers that the supervisor loop observes; call once from main.
+// A SIGINT that one process sends again within kSameSignalWindow (`timeout -s INT` signals the
+// command, then its process group) is the same request, not a second Ctrl-C.
 void install_stop_signal_handlers();
+constexpr std::chrono::milliseconds kSameSignalWindow{500};
 // For a command that stops only between steps it cannot cut short (an SSH connection being
 // made, a remote command): a second Ctrl-C ends the process at once, exit 130, as a second one
 // ends a launch's ranks at once.

@@ -126,6 +126,24 @@ TEST_CASE("doctor: a workdir that exists but cannot be written fails its check, 
                                          " is not a directory (a job's run directories go there)"));
 }
 
+TEST_CASE("doctor: a GPU job on remote hosts alone needs no GPU on this machine") {
+  DoctorFixture f;
+  json gpu = small_recipe();
+  gpu["train"]["device"] = "cuda";
+  const auto recipe = write_recipe(f.tmp.path(), gpu, "gpu.json");
+  // (No device visible here, also where the tests run on a GPU machine.)
+  auto r = f.doctor({recipe.string(), "--no-allreduce", "--json"}, {{"CUDA_VISIBLE_DEVICES", ""}});
+  INFO(r.out, r.err);
+  bool remote_gpus = false;
+  const json checks = parse_json(r.out)["checks"];
+  for (const auto& c : checks) {
+    CAPTURE(c.dump());
+    CHECK(c["host"] != "localhost");  // no check of this machine's GPUs
+    if (c["check"] == "gpus") remote_gpus = true;
+  }
+  CHECK(remote_gpus);  // the hosts' own are checked
+}
+
 TEST_CASE("doctor: the same version built otherwise passes, and says it is another build") {
   DoctorFixture f;
   // This build with one byte more: the same version, another file (provision would replace it).
@@ -361,6 +379,19 @@ TEST_CASE("doctor: the ssh check's fix fits the failure: a host key, or the key 
   CHECK_MESSAGE(lines[0].find("-- fix: put the host's key in known_hosts (ssh-keyscan), or give "
                               "--accept-new-host-keys for a new host") != std::string::npos,
                 lines[0]);
+  // Accepted, but not recorded: the known_hosts file cannot be made (not in /proc). The fix is
+  // not the flag already given.
+  auto unrecorded =
+      run_dptrain({"doctor", "--hosts", (f.tmp / "one.txt").string(), "--known-hosts",
+                   "/proc/self/dptrain_known_hosts", "--accept-new-host-keys", "--no-allreduce"});
+  CHECK(unrecorded.exit_code == 4);
+  lines = failure_lines(unrecorded.out);
+  REQUIRE(lines.size() == 1);
+  CHECK_MESSAGE(contains(lines[0], "cannot record the host key of "), lines[0]);
+  CHECK_MESSAGE(contains(lines[0],
+                         "-- fix: make the known_hosts file (and its directory) "
+                         "writable, or give another --known-hosts"),
+                lines[0]);
   // A changed key, which --accept-new-host-keys never takes: the fix does not offer it.
   f.sshd.write_known_hosts_with_changed_key(address, f.tmp / "changed_known_hosts");
   auto changed = run_dptrain({"doctor", "--hosts", (f.tmp / "one.txt").string(), "--known-hosts",
@@ -490,6 +521,13 @@ TEST_CASE("doctor: SIGINT stops it with exit 130 and the checks done so far, as 
                 f.sshd.known_hosts().string(), "--json"});
   REQUIRE(eventually([&] { return catches_signal(p.pid(), SIGINT); }));
   REQUIRE(::kill(p.pid(), SIGINT) == 0);
+  SUBCASE("once") {}
+  SUBCASE("twice at once by one process, as timeout -s INT sends it: one stop") {
+    // (Apart, so that the second is taken on its own: it is not a second Ctrl-C, which would
+    // end doctor at once, without its report.)
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    ::kill(p.pid(), SIGINT);
+  }
   const int code = p.wait(std::chrono::seconds(60));
   INFO(p.err());
   CHECK(code == 130);

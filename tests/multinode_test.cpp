@@ -12,6 +12,7 @@
 
 #include "core/comm/communicator.hpp"
 #include "launch/agent.hpp"
+#include "launch/supervisor.hpp"
 #include "tests/cluster.hpp"
 #include "tests/damage.hpp"
 #include "tests/frozen_join.hpp"
@@ -503,6 +504,8 @@ TEST_CASE("a dropped SSH connection is a lost host, not a SIGTERM stop: --max-re
                  err.find("the agent on " + host) != std::string::npos),
                 err);
   CHECK(err.find("was stopped by SIGTERM") == std::string::npos);
+  // The agent's command is named by its program, not by the relay's random mark before it.
+  CHECK_FALSE(contains(err, "DPTRAIN_RELAY_MARK"));
 }
 
 // launch --json of quick_recipe() into `run_dir` with --ssh-keepalive 2, the hosts running this
@@ -898,9 +901,10 @@ TEST_CASE("an agent that ignores the kill and that the sweep cannot see: the lau
       agents.push_back(std::stoi(line));
     return agents.size() == 2;
   }));
-  // Ctrl-C twice: the second kills at once, the relays tell their agents "kill".
+  // Ctrl-C twice: the second kills at once, the relays tell their agents "kill". (Apart by more
+  // than kSameSignalWindow: one process's two SIGINTs within it are one request.)
   REQUIRE(::kill(launcher.pid(), SIGINT) == 0);
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  std::this_thread::sleep_for(dptrain::kSameSignalWindow + std::chrono::milliseconds(200));
   REQUIRE(::kill(launcher.pid(), SIGINT) == 0);
   CHECK(launcher.wait(std::chrono::seconds(60)) == 130);
   const std::string said = launcher.out() + launcher.err();
@@ -911,6 +915,30 @@ TEST_CASE("an agent that ignores the kill and that the sweep cannot see: the lau
                  "as in another PID namespace): they may still run there"));
   for (const pid_t pid : agents)
     ::kill(pid, SIGKILL);
+}
+
+TEST_CASE("bench train across hosts leaves no checkpoint on them, as none is kept here") {
+  Cluster c;
+  const auto recipe = write_recipe(c.tmp.path(), quick_recipe());
+  const fs::path runs = c.tmp / "bench-runs";
+  const auto r =
+      run_dptrain({"bench", "train", recipe.string(), "--hosts", c.hostfile.string(),
+                   "--known-hosts", c.sshd.known_hosts().string(), "--remote-binary", binary(),
+                   "--nnodes", "2", "--steps", "20", "--runs-root", runs.string(), "--json"});
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  int seen = 0;
+  for (const auto& entry : fs::recursive_directory_iterator(runs)) {
+    if (entry.path().filename() != "run.json") continue;
+    for (const std::string& address : {c.sshd.addresses()[1], c.sshd.addresses()[2]}) {
+      const fs::path there = c.remote_run(address, entry.path().parent_path());
+      CAPTURE(there);
+      REQUIRE(fs::exists(there / "logs"));  // the host's copy of the run
+      ++seen;
+      CHECK((!fs::exists(there / "checkpoints") || fs::is_empty(there / "checkpoints")));
+    }
+  }
+  CHECK(seen == 2);
 }
 
 TEST_CASE("a relay's end signal from anyone but its launcher is ignored") {

@@ -5,10 +5,12 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <optional>
+#include <regex>
 #include <sstream>
 
 #include "launch/provision.hpp"
@@ -157,6 +159,31 @@ TEST_CASE("provision: facts and uploads on two hosts; a second run uploads nothi
     CHECK(line.find("0 uploaded (0 B), 5 skipped") != std::string::npos);
   }
   CHECK(second.err.find("uploading") == std::string::npos);
+}
+
+TEST_CASE("provision on a terminal: one progress line whose total is fixed and share only grows") {
+  const auto& sshd = LoopbackSshd::instance();
+  TempDir tmp;
+  const fs::path hostfile = tmp / "hosts";
+  sshd.write_hostfile(hostfile, {"127.0.0.2", "127.0.0.3"});
+  const auto uploads = upload_args(tmp / "src");
+  // A new workdir on each host (relative: in that host's home), so that every file goes.
+  auto args = provision_args(hostfile, sshd.known_hosts(), uploads);
+  args.insert(args.end(), {"--workdir", "wd-" + tmp.path().filename().string()});
+  const auto r = run_dptrain_on_terminal(args);
+  INFO(r.out);
+  REQUIRE(r.exit_code == 0);
+  const std::regex shown(R"(uploading: ([0-9.]+ [A-Za-z]+) of ([0-9.]+ [A-Za-z]+) \(([0-9]+)%\))");
+  std::vector<std::string> totals;
+  std::vector<int> shares;
+  for (auto it = std::sregex_iterator(r.out.begin(), r.out.end(), shown);
+       it != std::sregex_iterator(); ++it) {
+    totals.push_back((*it)[2].str());
+    shares.push_back(std::stoi((*it)[3].str()));
+  }
+  REQUIRE_FALSE(shares.empty());
+  CHECK(std::all_of(totals.begin(), totals.end(), [&](const auto& t) { return t == totals[0]; }));
+  CHECK(std::is_sorted(shares.begin(), shares.end()));
 }
 
 TEST_CASE("provision: a refused key is exit 4 naming that host; the other host is provisioned") {
@@ -359,9 +386,45 @@ TEST_CASE("provision: localhost is provisioned in-process, without SSH") {
   CHECK_FALSE(fs::exists(stale));
   CHECK(fs::exists(recent));
 
+  // A relative workdir is the home directory's, as on a host over SSH (not the current
+  // directory's).
+  const auto relative =
+      run_dptrain({"provision", "--hosts", "localhost", "--workdir", "relative-wd", "--json"}, env);
+  INFO(relative.err);
+  CHECK(relative.exit_code == 0);
+  CHECK(fs::exists(tmp / "home/relative-wd/bin/dptrain"));
+  CHECK_FALSE(fs::exists(fs::current_path() / "relative-wd"));
+
   auto unwritable = run_dptrain({"provision", "--hosts", "localhost", "--workdir", "/proc/nope"});
   CHECK(unwritable.exit_code == 4);
   CHECK(unwritable.err.find("cannot use the workdir /proc/nope on localhost") != std::string::npos);
+}
+
+TEST_CASE("provision: a token dataset's relative data.path is absolute in the uploaded recipe") {
+  TempDir tmp;
+  fs::create_directories(tmp / "src");
+  std::string text;
+  for (int i = 0; i < 200; ++i)
+    text += "the quick brown fox jumps over the lazy dog " + std::to_string(i) + "\n";
+  write_text(tmp / "src/text.txt", text);
+  REQUIRE(run_dptrain({"data", "prepare", "--text", (tmp / "src/text.txt").string(), "--out",
+                       (tmp / "src/ds").string(), "--tokenizer", "char"})
+              .exit_code == 0);
+  json recipe = small_recipe();
+  recipe["model"] = {{"type", "gpt"}, {"vocab", 64}, {"context", 16},
+                     {"layers", 1},   {"heads", 2},  {"width", 16}};
+  recipe["data"] = {{"type", "tokens"}, {"path", "ds"}};  // beside the recipe, not the workdir
+  write_recipe(tmp / "src", recipe);
+  const fs::path workdir = tmp / "work";
+  const auto r = run_dptrain({"provision", "--hosts", "localhost", "--workdir", workdir.string(),
+                              "--recipe", (tmp / "src/recipe.json").string()});
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  const json uploaded = parse_json(read_text(workdir / "recipe.json"));
+  CHECK(uploaded["data"]["path"] == fs::canonical(tmp / "src/ds").string());
+  CHECK(uploaded["model"] == recipe["model"]);
+  // As it stands there, it finds the dataset.
+  CHECK(run_dptrain({"recipe", "validate", (workdir / "recipe.json").string()}).exit_code == 0);
 }
 
 TEST_CASE("provision: a missing upload or a bad recipe is a usage error before any host") {

@@ -504,9 +504,11 @@ ReduceOp parse_reduce_op(const std::string& text, const std::string& flag) {
     if (text == reduce_op_name(op)) return op;
     known.emplace_back(reduce_op_name(op));
   }
+  // A mean is what avg takes (as nccl-tests and PyTorch name it).
   throw Error(ErrorKind::usage,
               fmt::format("{}: unknown reduction '{}' (use sum, avg, max or min){}", flag, text,
-                          did_you_mean(text, known)));
+                          lowercase(text) == "mean" ? std::string("; did you mean 'avg'?")
+                                                    : did_you_mean(text, known)));
 }
 
 uint64_t parse_size(const std::string& text, const std::string& flag) {

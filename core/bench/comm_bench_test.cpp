@@ -196,6 +196,11 @@ TEST_CASE("names: collectives, element types, reductions; unknown ones name the 
   CHECK(parse_reduce_op("max", "--redop") == ReduceOp::max);
   CHECK_THROWS_WITH_AS(parse_reduce_op("prod", "--redop"),
                        doctest::Contains("--redop: unknown reduction 'prod'"), Error);
+  CHECK_THROWS_WITH_AS(parse_reduce_op("mean", "--redop"), doctest::Contains("did you mean 'avg'?"),
+                       Error);
+  CHECK_THROWS_WITH_AS(parse_reduce_op("SUM", "--redop"), doctest::Contains("did you mean 'sum'?"),
+                       Error);
+  CHECK_THROWS_WITH_AS(parse_dtype("FP16", "-d"), doctest::Contains("did you mean 'fp16'?"), Error);
 }
 
 TEST_CASE("options: validation names the flag; JSON round trip") {
