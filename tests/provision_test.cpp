@@ -87,15 +87,21 @@ std::string this_hostname() {
   return name;
 }
 
+// `provision` of upload_args' files (made in TMP/src) to the two loopback hosts (TMP/hosts).
+std::vector<std::string> two_host_provision(const TempDir& tmp) {
+  const auto& sshd = LoopbackSshd::instance();
+  const fs::path hostfile = tmp / "hosts";
+  sshd.write_hostfile(hostfile, {"127.0.0.2", "127.0.0.3"});
+  return provision_args(hostfile, sshd.known_hosts(), upload_args(tmp / "src"));
+}
+
 }  // namespace
 
 TEST_CASE("provision: facts and uploads on two hosts; a second run uploads nothing") {
   const auto& sshd = LoopbackSshd::instance();
   TempDir tmp;
-  const fs::path hostfile = tmp / "hosts";
-  sshd.write_hostfile(hostfile, {"127.0.0.2", "127.0.0.3"});
-  const auto uploads = upload_args(tmp / "src");
-  auto args = provision_args(hostfile, sshd.known_hosts(), uploads);
+  const auto plain = two_host_provision(tmp);
+  auto args = plain;
   args.push_back("--json");
 
   auto first = run_dptrain(args);
@@ -147,7 +153,7 @@ TEST_CASE("provision: facts and uploads on two hosts; a second run uploads nothi
   }
 
   // The table, this time: nothing to upload anywhere.
-  auto second = run_dptrain(provision_args(hostfile, sshd.known_hosts(), uploads));
+  auto second = run_dptrain(plain);
   INFO(second.err);
   REQUIRE(second.exit_code == 0);
   for (const char* address : {"127.0.0.2", "127.0.0.3"}) {
@@ -162,13 +168,9 @@ TEST_CASE("provision: facts and uploads on two hosts; a second run uploads nothi
 }
 
 TEST_CASE("provision on a terminal: one progress line whose total is fixed and share only grows") {
-  const auto& sshd = LoopbackSshd::instance();
   TempDir tmp;
-  const fs::path hostfile = tmp / "hosts";
-  sshd.write_hostfile(hostfile, {"127.0.0.2", "127.0.0.3"});
-  const auto uploads = upload_args(tmp / "src");
   // A new workdir on each host (relative: in that host's home), so that every file goes.
-  auto args = provision_args(hostfile, sshd.known_hosts(), uploads);
+  auto args = two_host_provision(tmp);
   args.insert(args.end(), {"--workdir", "wd-" + tmp.path().filename().string()});
   const auto r = run_dptrain_on_terminal(args);
   INFO(r.out);
