@@ -57,11 +57,11 @@ std::atomic<int> g_sigint_count{0};
 std::atomic<bool> g_second_interrupt_exits{false};
 int g_wake_pipe[2] = {-1, -1};
 
-// The sender and time (CLOCK_MONOTONIC, ns) of the last SIGINT a process sent (0: none, or the
-// terminal's).
-std::atomic<pid_t> g_last_sigint_from{0};
-std::atomic<int64_t> g_last_sigint_ns{0};
-static_assert(std::atomic<pid_t>::is_always_lock_free && std::atomic<int64_t>::is_always_lock_free);
+// The sender (high 32 bits; 0: none, or the terminal) and time (low 32 bits: CLOCK_MONOTONIC
+// milliseconds, wrapping) of the last SIGINT: one word, exchanged at once, as two threads may
+// each take one of two signals sent together.
+std::atomic<uint64_t> g_last_sigint{0};
+static_assert(std::atomic<uint64_t>::is_always_lock_free);
 
 // Whether this SIGINT repeats one request: `timeout -s INT` signals its command and then the
 // command's process group, two signals from one sender within a moment. A terminal's Ctrl-C
@@ -70,12 +70,12 @@ bool repeated_sigint(const siginfo_t* info) {
   const pid_t from = info != nullptr && info->si_code <= 0 ? info->si_pid : 0;
   timespec now{};
   ::clock_gettime(CLOCK_MONOTONIC, &now);
-  const int64_t ns = static_cast<int64_t>(now.tv_sec) * 1000000000 + now.tv_nsec;
-  const bool repeat = from != 0 && g_last_sigint_from.load() == from &&
-                      ns - g_last_sigint_ns.load() < kSameSignalWindow.count() * 1000000;
-  g_last_sigint_from.store(from);
-  g_last_sigint_ns.store(ns);
-  return repeat;
+  const auto ms = static_cast<uint32_t>(static_cast<uint64_t>(now.tv_sec) * 1000 +
+                                        static_cast<uint64_t>(now.tv_nsec) / 1000000);
+  const uint64_t last =
+      g_last_sigint.exchange((static_cast<uint64_t>(static_cast<uint32_t>(from)) << 32) | ms);
+  return from != 0 && static_cast<uint32_t>(last >> 32) == static_cast<uint32_t>(from) &&
+         ms - static_cast<uint32_t>(last) < static_cast<uint32_t>(kSameSignalWindow.count());
 }
 
 void on_stop_signal(int sig, siginfo_t* info, void*) {
