@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -85,7 +86,8 @@ void fill_from_env(WorkerOptions& o) {
     o.local_rank = o.rank;
     for (const char* name :
          {"MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK"}) {
-      if (env(name)) o.local_rank = env_int(name, o.rank);
+      // (Set to nothing: named, as RANK is, not taken as unset.)
+      if (std::getenv(name) != nullptr) o.local_rank = env_int(name, o.rank);
     }
   }
   // Set to nothing, a variable is named (env_value), not taken as unset.
@@ -447,12 +449,18 @@ class HandRunRecord {
 // 143. SIGINT, caught only by rank 0 of workers started without a launcher, stops it at once
 // (exit 130) after recording the run as interrupted: dying of the signal left run.json
 // "running".
+// Posts a stop to the job's store before the rank exits (workers started without a launcher,
+// whose peers are not stopped with it): a peer whose collective then fails names the stop, with
+// its exit code, instead of a peer gone silent. Quick to give up: nothing to tell without a store.
+using TellPeers = std::function<void(const Error&)>;
+
 class StopWatcher {
  public:
   StopWatcher(int rank, HandRunRecord* record, const ProgressTracker& progress,
-              std::filesystem::path run_dir)
-      : thread_([rank, record, &progress, run_dir = std::move(run_dir)] {
-          watch(rank, record, progress, run_dir);
+              std::filesystem::path run_dir, TellPeers tell_peers)
+      : thread_([rank, record, &progress, run_dir = std::move(run_dir),
+                 tell_peers = std::move(tell_peers)] {
+          watch(rank, record, progress, run_dir, tell_peers);
         }) {}
   ~StopWatcher() {
     const char end = 0;
@@ -462,7 +470,7 @@ class StopWatcher {
 
  private:
   static void watch(int rank, HandRunRecord* record, const ProgressTracker& progress,
-                    const std::filesystem::path& run_dir) {
+                    const std::filesystem::path& run_dir, const TellPeers& tell_peers) {
     for (;;) {
       pollfd fd{g_signal_pipe[0], POLLIN, 0};
       if (::poll(&fd, 1, -1) < 0 && errno != EINTR) return;
@@ -486,8 +494,12 @@ class StopWatcher {
       answer = 0;
       if (byte == SIGTERM && !progress.stepping() &&
           g_stop_answer.compare_exchange_strong(answer, 2)) {
-        stop(rank, record, 143, "terminated",
-             "stopped by SIGTERM before its first step (nothing to checkpoint yet)");
+        // Before its first step a rank stops alone (mid-run the ranks agree on a stop): its
+        // peers are told, where no launcher stops them too.
+        const std::string why =
+            "stopped by SIGTERM before its first step (nothing to checkpoint yet)";
+        if (tell_peers) tell_peers(Error(ErrorKind::terminated, why));
+        stop(rank, record, 143, "terminated", why);
       }
     }
   }
@@ -570,6 +582,10 @@ struct Farewell {
   bool waited_out = false;
   std::vector<int> gone;  // peers whose heartbeats stood still: none will look either
   std::optional<Error> refusal;
+  // Refused as the run's lock is another's (run_dir_locked): without a store of its own, the
+  // store it would tell is most likely the live job's (this rank 0 started again by mistake),
+  // whose ranks must not take its refusal for their rank 0's.
+  bool lock_refused = false;
   // A failure of its own once the ranks met (not a communication error: a peer's exit causes
   // those; nor a stop), for the peers whose collectives fail as it leaves (peer_failure).
   std::optional<Error> failure;
@@ -580,7 +596,7 @@ struct Farewell {
     // nothing (they would fail with its code, and could be taken for the cause).
     // (A rank other than 0 always has rank 0 to tell, even given a world size of 1 by mistake.)
     if ((world < 2 && rank < 1) || host.empty() || (!refusal && !failure && !server) ||
-        started_by_launcher()) {
+        started_by_launcher() || (lock_refused && !server)) {
       return;
     }
     exit_on_stop_signals(exit_code);
@@ -640,6 +656,7 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
       // Most likely the very job that runs in this directory (started again by mistake): that
       // is what to say.
       if (!started_by_launcher() && run_locked_by_another(o.run_dir)) {
+        farewell.lock_refused = true;
         throw run_dir_locked(o.run_dir);
       }
       // The ranks' settings, not the network: exit 2, as a launcher's --master-port in use.
@@ -764,6 +781,7 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
   // workers started without one): this job's metrics and checkpoints would mix with that run's.
   // Rank 0 of workers started without a launcher holds the run's lock, as a launcher does.
   if (o.rank == 0 && !started_by_launcher() && !(lock = try_lock_run(o.run_dir))) {
+    farewell.lock_refused = true;
     throw run_dir_locked(o.run_dir);
   }
   // A pipe or a directory where rank 0 writes the run's files: exit 2 before any rank meets,
@@ -781,7 +799,19 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
   record.emplace(o, recipe);
   if (g_signal_pipe[0] < 0) throw Error(ErrorKind::internal, "cannot make the signal pipe");
   ProgressTracker progress;
-  const StopWatcher watcher(o.rank, record->active() ? &*record : nullptr, progress, o.run_dir);
+  const TellPeers tell_peers = [&farewell](const Error& stopped) {
+    if (started_by_launcher() || farewell.world < 2) return;
+    try {
+      constexpr std::chrono::seconds kQuick{1};
+      TcpStoreClient client(farewell.host, farewell.port, kQuick, farewell.secret, kQuick);
+      PrefixStore store(farewell.prefix, client);
+      report_failure(store, farewell.rank, stopped);
+    } catch (const std::exception&) {
+      // No store to reach (rank 0's is gone): the peers find this rank silent.
+    }
+  };
+  const StopWatcher watcher(o.rank, record->active() ? &*record : nullptr, progress, o.run_dir,
+                            tell_peers);
   // Not where the worker was started ignoring it (`worker ... &` from a script): it stays so.
   if (struct sigaction sa{};
       record->active() && ::sigaction(SIGINT, nullptr, &sa) == 0 && sa.sa_handler != SIG_IGN) {

@@ -288,6 +288,18 @@ TEST_CASE("usage errors exit 2") {
     CHECK(bad.exit_code == 2);
     CHECK(bad.err == "dptrain: error: " + says + "\n");
   }
+  // A local rank set to nothing is named, as RANK is (it was taken as unset: the rank's own
+  // number, and a node that keeps no checkpoint copy).
+  for (const char* name : {"LOCAL_RANK", "SLURM_LOCALID"}) {
+    auto empty = run_dptrain({"worker", recipe.string(), "--run-dir", (tmp / "by-env").string()},
+                             {{"RANK", "1"},
+                              {"WORLD_SIZE", "2"},
+                              {"MASTER_ADDR", "127.0.0.1"},
+                              {"MASTER_PORT", "9"},
+                              {name, ""}});
+    CHECK(empty.exit_code == 2);
+    CHECK(empty.err == fmt::format("dptrain: error: rank 1: {}: is empty; give a value\n", name));
+  }
   // The store's address by the variable it came from: torchrun's MASTER_PORT, DPTRAIN_STORE.
   for (const auto& [vars, says] : std::vector<std::pair<Env, std::string>>{
            {{{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "70000"}},

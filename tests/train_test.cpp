@@ -11,10 +11,12 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <tuple>
 
 #include <fmt/format.h>
 
+#include "launch/run_dir.hpp"
 #include "tests/damage.hpp"
 #include "tests/harness.hpp"
 #include "tests/sshd.hpp"
@@ -584,6 +586,48 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
   CHECK(continued.wait(std::chrono::seconds(120)) == 0);
   INFO(continued.err());
   CHECK(read_text(live / "run.json") == launched);  // the launcher's record, left alone
+}
+
+TEST_CASE("workers by hand: a rank 0 started again by mistake is refused, and the job goes on") {
+  TempDir tmp;
+  auto recipe = small_recipe();
+  recipe["train"]["steps"] = 30;
+  const auto path = write_recipe(tmp.path(), recipe);
+  auto [env0, env1] = hand_worker_envs(tmp / "run", std::to_string(unused_port()));
+  Background r0({"worker", path.string()}, env0);
+  // Rank 0 holds the run's lock and waits for rank 1 at its store.
+  REQUIRE(eventually([&] { return dptrain::run_locked_by_another(tmp / "run"); }));
+  // The same rank 0 again, without a store of its own: refused, and its refusal is not posted
+  // to the live job's store, where rank 1 would take it for its rank 0's.
+  Env again = env0;
+  again.erase("DPTRAIN_HOST_STORE");
+  const auto duplicate = run_dptrain({"worker", path.string()}, again, std::chrono::seconds(60));
+  CHECK(duplicate.exit_code == 2);
+  CHECK(contains(duplicate.err, "another dptrain is running a run there"));
+  Background r1({"worker", path.string()}, env1);
+  CHECK(r1.wait(std::chrono::seconds(120)) == 0);
+  CHECK(r0.wait(std::chrono::seconds(120)) == 0);
+  INFO(r0.err(), r1.err());
+  CHECK(parse_json(read_text(tmp / "run/run.json"))["status"] == "completed");
+}
+
+TEST_CASE("workers by hand: SIGTERM to one rank before its first step stops its peers, 143") {
+  TempDir tmp;
+  const auto path = write_recipe(tmp.path(), small_recipe());
+  auto [env0, env1] = hand_worker_envs(tmp / "run", std::to_string(unused_port()));
+  // Rank 0 is slow to take its first step (its data, say): rank 1 waits for it in a collective
+  // when the scheduler stops rank 1 alone.
+  env0["DPTRAIN_FAULT"] = env1["DPTRAIN_FAULT"] = "slow-start@ms=8000,rank=0";
+  Background r0({"worker", path.string()}, env0);
+  Background r1({"worker", path.string()}, env1);
+  // (Met by then: the ranks start and meet in well under a second.)
+  std::this_thread::sleep_for(std::chrono::seconds(3));
+  REQUIRE(::kill(r1.pid(), SIGTERM) == 0);
+  CHECK(r1.wait(std::chrono::seconds(60)) == 143);
+  CHECK(r0.wait(std::chrono::seconds(60)) == 143);
+  INFO(r0.err(), r1.err());
+  CHECK(contains(r0.err(), "rank 0: rank 1 stopped by SIGTERM before its first step"));
+  CHECK(parse_json(read_text(tmp / "run/run.json"))["status"] == "terminated");
 }
 
 TEST_CASE("workers by hand: a training that diverged is one a resume would meet again") {

@@ -69,6 +69,11 @@ Error refusal_error(int rank, int other, const std::string& text, bool failed = 
       message = space == std::string::npos ? std::string() : text.substr(space + 1);
     }
   }
+  // A peer stopped by a signal (it posts that where no launcher stops the others with it): the
+  // stop, with its exit code, whenever it came.
+  if (kind == ErrorKind::terminated || kind == ErrorKind::interrupted) {
+    return Error(kind, fmt::format("rank {}: rank {} {}", rank, other, message));
+  }
   return Error(failed ? ErrorKind::comm : kind,
                fmt::format("rank {}: rank {} {}: {}", rank, other,
                            failed ? "failed" : "cannot start", message));
