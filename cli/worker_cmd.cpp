@@ -83,11 +83,15 @@ void fill_from_env(WorkerOptions& o) {
         env_int("WORLD_SIZE", std::nullopt, "--world-size not given and WORLD_SIZE is not set");
   if (o.local_rank < 0) {
     // torchrun's and ours, then what Slurm (srun), Open MPI and MPICH (Hydra) set.
+    // The last one set wins; it alone is read (set to nothing: named, as RANK is, not taken as
+    // unset), so that an empty one it overrides (inherited from a scheduler) stops nothing.
     o.local_rank = o.rank;
     for (const char* name :
-         {"MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK"}) {
-      // (Set to nothing: named, as RANK is, not taken as unset.)
-      if (std::getenv(name) != nullptr) o.local_rank = env_int(name, o.rank);
+         {"LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"}) {
+      if (std::getenv(name) != nullptr) {
+        o.local_rank = env_int(name, o.rank);
+        break;
+      }
     }
   }
   // Set to nothing, a variable is named (env_value), not taken as unset.
@@ -443,17 +447,18 @@ class HandRunRecord {
   json change_;        // a change of world size to record when the ranks meet
 };
 
+// Posts a stop to the job's store before the rank exits (workers started without a launcher,
+// whose peers are not stopped with it): a peer waiting for it to start, or whose collective then
+// fails, names the stop, with its exit code, instead of a peer gone silent. Quick to give up:
+// nothing to tell without a store.
+using TellPeers = std::function<void(const Error&)>;
+
 // Stop signals, answered from a thread of their own. A rank answers SIGTERM at a step boundary,
 // with a checkpoint; one still meeting its peers (waiting for the store or the other ranks, up
 // to distributed.timeout_s) or reading its checkpoint has none to write and stops at once, exit
 // 143. SIGINT, caught only by rank 0 of workers started without a launcher, stops it at once
 // (exit 130) after recording the run as interrupted: dying of the signal left run.json
 // "running".
-// Posts a stop to the job's store before the rank exits (workers started without a launcher,
-// whose peers are not stopped with it): a peer whose collective then fails names the stop, with
-// its exit code, instead of a peer gone silent. Quick to give up: nothing to tell without a store.
-using TellPeers = std::function<void(const Error&)>;
-
 class StopWatcher {
  public:
   StopWatcher(int rank, HandRunRecord* record, const ProgressTracker& progress,
@@ -573,8 +578,10 @@ struct Farewell {
   std::string prefix;
   int rank = -1;
   int world = 0;
-  bool at_start = false;   // it went to the store to start: a failure since is not a refusal
-  bool met = false;        // the ranks agreed to start: a failure since may be its own
+  bool at_start = false;  // it went to the store to start: a failure since is not a refusal
+  // The ranks agreed to start: a failure since may be its own. (Read by the StopWatcher's
+  // thread too.)
+  std::atomic<bool> met = false;
   bool from_peer = false;  // its error is a peer's failure, which that peer posted
   bool stopped = false;    // by a signal: the peers stop too, and look for nothing
   // Rank 0 waited its whole timeout for the peers' answers: one that gave none by then is not
@@ -800,11 +807,15 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
   if (g_signal_pipe[0] < 0) throw Error(ErrorKind::internal, "cannot make the signal pipe");
   ProgressTracker progress;
   const TellPeers tell_peers = [&farewell](const Error& stopped) {
-    if (started_by_launcher() || farewell.world < 2) return;
+    // Not from the rank that serves the store: it goes with the rank, and the peers find it gone.
+    if (started_by_launcher() || farewell.world < 2 || farewell.server) return;
     try {
       constexpr std::chrono::seconds kQuick{1};
       TcpStoreClient client(farewell.host, farewell.port, kQuick, farewell.secret, kQuick);
       PrefixStore store(farewell.prefix, client);
+      // For the peers still meeting (its answer, in place of one it may not have given) and
+      // for those in a collective with it.
+      if (!farewell.met.load()) refuse_to_start(store, farewell.rank, farewell.world, stopped);
       report_failure(store, farewell.rank, stopped);
     } catch (const std::exception&) {
       // No store to reach (rank 0's is gone): the peers find this rank silent.
@@ -1092,7 +1103,8 @@ void setup_worker(CLI::App& app, Outcome& outcome) {
         farewell->failure = e;
       }
       farewell->exit_code = exit_code(kind_after_stop(e.kind()));
-      farewell->stopped = is_stop_kind(kind_after_stop(e.kind()));
+      // (Stopped because a peer was, alone: the other peers still look for why at the store.)
+      farewell->stopped = is_stop_kind(kind_after_stop(e.kind())) && !farewell->from_peer;
       leave();
       // Name the rank: many ranks' errors end up interleaved in one terminal. Some name it
       // themselves (the trainer's, for a launcher that reads only that line).

@@ -516,8 +516,10 @@ void provision_host(HostReport& report, const ProvisionOptions& options,
     const auto it = present.find(files[i].remote);
     if (it != present.end() && it->second.sha256 == files[i].sha256) {
       report.uploads[i].status = UploadRecord::Status::skipped;
-      if (options.on_upload)
+      // (An empty one is nothing to count, and would read as an upload's start.)
+      if (options.on_upload && files[i].bytes > 0) {
         options.on_upload(name, files[i].remote, files[i].bytes, files[i].bytes);
+      }
       if (it->second.mode != files[i].mode) {
         chmod.push_back(fmt::format("chmod {:o} {}", files[i].mode,
                                     shell_quote(workdir + "/" + files[i].remote)));

@@ -35,7 +35,11 @@ std::atomic<bool> g_kill{false};
 // how long that may take, within the launcher's wait for this relay.
 constexpr std::chrono::milliseconds kKillAnswerWait{1500};
 constexpr std::chrono::milliseconds kKillSweepWait{2000};
-static_assert(kKillAnswerWait + kKillSweepWait + std::chrono::milliseconds(1000) <= kEndWait);
+// A sweep that found none of its processes: how long the relay then watches for the agent's end
+// (it may have ended during the sweep) before it warns.
+constexpr std::chrono::milliseconds kKillEndedWait{500};
+static_assert(kKillAnswerWait + kKillSweepWait + kKillEndedWait + std::chrono::milliseconds(1000) <=
+              kEndWait);
 // Whether the agent has its plan: before, no rank runs on the host for this relay (it is still
 // connecting, which may take the whole connect timeout, or the program there has not yet said it
 // is this build's agent; an agent without a plan ends as the connection closes), and a stop
@@ -435,9 +439,15 @@ int run_relay(const RelayPlan& plan) {
         const auto killed = kill_there(kKillSweepWait);
         // None found: ended meanwhile (its end comes on the channel), or out of the sweep's sight.
         const bool ended_meanwhile = killed == 0 && [&] {
-          const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
-          while (std::chrono::steady_clock::now() < until) {
-            if (!channel->read(sink, std::chrono::milliseconds(100))) return true;
+          const auto until = std::chrono::steady_clock::now() + kKillEndedWait;
+          try {
+            for (auto now = std::chrono::steady_clock::now(); now < until;
+                 now = std::chrono::steady_clock::now()) {
+              const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - now);
+              if (!channel->read(sink, std::min(left, std::chrono::milliseconds(100)))) return true;
+            }
+          } catch (const Error&) {
+            // The connection is gone as well: whether the agent ended is not known.
           }
           return false;
         }();

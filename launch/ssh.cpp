@@ -85,6 +85,7 @@ std::string seconds_text(milliseconds ms) {
 // Commands can be long scripts; a message shows their start.
 std::string command_excerpt(const std::string& command) {
   std::string line = command.substr(0, command.find('\n'));
+  bool cut = line.size() < command.size();
   // "env NAME=VALUE... PROGRAM": the program is what names the command (the relay's mark, a
   // random value, says nothing to a reader).
   if (line.starts_with("env ")) {
@@ -94,8 +95,11 @@ std::string command_excerpt(const std::string& command) {
       at = end + 1;
     line.erase(0, at);
   }
-  if (line.size() > 60 || line.size() < command.size()) line = line.substr(0, 60) + "...";
-  return "`" + line + "`";
+  if (line.size() > 60) {
+    line.resize(60);
+    cut = true;
+  }
+  return "`" + line + (cut ? "..." : "") + "`";
 }
 
 struct KeyDeleter {

@@ -1,6 +1,7 @@
 // `dptrain launch --hosts` against the loopback sshd: 2 hosts x 2 slots, failures, containment.
 #include <doctest/doctest.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <fstream>
@@ -876,6 +877,12 @@ TEST_CASE("a hang found by --hang-timeout: the remote ranks are gone when the la
 }
 
 TEST_CASE("an agent that ignores the kill and that the sweep cannot see: the launcher warns") {
+  // As root, OpenSSH ignores the relay's channel signal (its killpg of the session would end
+  // the fake agent for a user's login, and with it the case): the sweep is all there is.
+  if (::geteuid() != 0) {
+    MESSAGE("skipped: needs root logins (the suite runs as root)");
+    return;
+  }
   Cluster c;
   // An agent that takes its plan and then neither starts ranks nor ends when told (its
   // protocol's "kill" unread), out of the relay's sweep: it sheds the relay's mark from its
