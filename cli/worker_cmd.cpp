@@ -82,9 +82,9 @@ void fill_from_env(WorkerOptions& o) {
     o.world_size =
         env_int("WORLD_SIZE", std::nullopt, "--world-size not given and WORLD_SIZE is not set");
   if (o.local_rank < 0) {
-    // torchrun's and ours, then what Slurm (srun), Open MPI and MPICH (Hydra) set.
-    // The last one set wins; it alone is read (set to nothing: named, as RANK is, not taken as
-    // unset), so that an empty one it overrides (inherited from a scheduler) stops nothing.
+    // torchrun's and ours, then what Slurm (srun), Open MPI and MPICH (Hydra) set: the first
+    // one set wins, and it alone is read (set to nothing: named, as RANK is, not taken as unset),
+    // so that an empty one after it (inherited from a scheduler) stops nothing.
     o.local_rank = o.rank;
     for (const char* name :
          {"LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"}) {

@@ -590,7 +590,7 @@ class Supervision {
     }
   }
 
-  // SIGKILL to a process that its end_signal did not end in time (or did not yet, `now`).
+  // SIGKILL to a process that its end_signal did not end in time (or, `now_for_all`, not yet).
   void kill_overdue(bool now_for_all) {
     const auto now = std::chrono::steady_clock::now();
     for (auto& c : children_) {
