@@ -369,6 +369,28 @@ int run_relay(const RelayPlan& plan) {
     channel->send_signal("KILL");
     return session->kill_marked_processes(relay_mark, within);
   };
+  // Reads what the agent says until its channel ends (true) or `within` passes (false).
+  const auto read_until_end = [&](std::chrono::milliseconds within) {
+    const auto until = std::chrono::steady_clock::now() + within;
+    for (auto now = std::chrono::steady_clock::now(); now < until;
+         now = std::chrono::steady_clock::now()) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - now);
+      if (!channel->read(sink, std::min(left, std::chrono::milliseconds(100)))) return true;
+    }
+    return false;
+  };
+  // "stop" (SIGTERM): the agent's ranks checkpoint and stop; "interrupt" (SIGINT): they stop
+  // without one, and a second kills them. The channel stays open: its end tells the agent that
+  // this side is gone.
+  // (After "@done" every rank there has exited 0, and the agent may have ended: a line it cannot
+  // take is no loss.)
+  const auto tell = [&](std::string_view line) {
+    try {
+      channel->write(line);
+    } catch (const Error&) {
+      if (!done) throw;
+    }
+  };
   int terms_sent = 0;
   int interrupts_sent = 0;
   bool kill_sent = false;
@@ -390,10 +412,7 @@ int run_relay(const RelayPlan& plan) {
           channel->write(json_text(plan.agent.to_json()) + "\n");
         } catch (const Error&) {
           // It ended right after its first line: its end (below) says how.
-          const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-          while (std::chrono::steady_clock::now() < until &&
-                 channel->read(sink, std::chrono::milliseconds(100))) {
-          }
+          read_until_end(std::chrono::seconds(5));
           if (!channel->exit_status()) throw;
           break;
         }
@@ -409,18 +428,6 @@ int run_relay(const RelayPlan& plan) {
           return 4;
         }
       }
-      // "stop" (SIGTERM): the agent's ranks checkpoint and stop; "interrupt" (SIGINT): they stop
-      // without one, and a second kills them. The channel stays open: its end tells the agent
-      // that this side is gone.
-      // (After "@done" every rank there has exited 0, and the agent may have ended: a line it
-      // cannot take is no loss.)
-      const auto tell = [&](std::string_view line) {
-        try {
-          channel->write(line);
-        } catch (const Error&) {
-          if (!done) throw;
-        }
-      };
       for (; terms_sent < g_terms.load(); ++terms_sent)
         tell("stop\n");
       for (; interrupts_sent < g_interrupts.load(); ++interrupts_sent)
@@ -439,17 +446,11 @@ int run_relay(const RelayPlan& plan) {
         const auto killed = kill_there(kKillSweepWait);
         // None found: ended meanwhile (its end comes on the channel), or out of the sweep's sight.
         const bool ended_meanwhile = killed == 0 && [&] {
-          const auto until = std::chrono::steady_clock::now() + kKillEndedWait;
           try {
-            for (auto now = std::chrono::steady_clock::now(); now < until;
-                 now = std::chrono::steady_clock::now()) {
-              const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - now);
-              if (!channel->read(sink, std::min(left, std::chrono::milliseconds(100)))) return true;
-            }
+            return read_until_end(kKillEndedWait);
           } catch (const Error&) {
-            // The connection is gone as well: whether the agent ended is not known.
+            return false;  // the connection is gone as well: whether the agent ended is not known
           }
-          return false;
         }();
         if (!killed || (*killed == 0 && !ended_meanwhile)) {
           std::fprintf(stdout,

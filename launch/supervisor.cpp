@@ -110,6 +110,7 @@ struct Child {
   std::ofstream log;
   // Once its end_signal was sent: when SIGKILL follows if it is still running.
   std::optional<std::chrono::steady_clock::time_point> end_by;
+  bool killed = false;  // SIGKILL followed (once)
 };
 
 std::vector<std::string> build_env(const ProcessSpec& spec) {
@@ -594,9 +595,9 @@ class Supervision {
   void kill_overdue(bool now_for_all) {
     const auto now = std::chrono::steady_clock::now();
     for (auto& c : children_) {
-      if (c.exited || !c.end_by || (now < *c.end_by && !now_for_all)) continue;
+      if (c.exited || !c.end_by || c.killed || (now < *c.end_by && !now_for_all)) continue;
       ::kill(-c.pid, SIGKILL);
-      c.end_by = std::chrono::steady_clock::time_point::max();
+      c.killed = true;
     }
   }
 
