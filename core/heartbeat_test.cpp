@@ -49,12 +49,12 @@ TEST_CASE("heartbeat: the snapshot names the phase and the last collective") {
   CHECK(s["seq"] == 1);
   CHECK(s["progress"] == 2);
   CHECK(s["collective"] == "allreduce of gradient bucket 2");
-  tracker.enter_collective("barrier before the checkpoint");
+  tracker.enter_collective("barrier after the checkpoint is written");
   tracker.enter(Phase::optimizer);
   s = tracker.snapshot();
   CHECK(s["phase"] == "optimizer");
   CHECK(s["seq"] == 2);
-  CHECK(s["collective"] == "barrier before the checkpoint");
+  CHECK(s["collective"] == "barrier after the checkpoint is written");
 }
 
 // The launcher takes the step a failure came at from the heartbeats: a step change must reach the

@@ -1608,7 +1608,8 @@ class TrainingRun {
       written = options_.run_dir / "checkpoints" / checkpoint_name(step);
     }
     // Nobody runs ahead of a checkpoint being written: a failure right after it loses nothing.
-    mark_collective("barrier before the checkpoint");
+    // (Rank 0 has written it by now: the others wait here while it does.)
+    mark_collective("barrier after the checkpoint is written");
     comm_.barrier();
     return written;
   }

@@ -411,7 +411,7 @@ RunDirectory RunDirectory::create(const fs::path& dir, const fs::path& runs_root
   }
   dptrain::make_layout(path);
   RunDirectory run(resolved_path(path), nlohmann::json::object());
-  run.lock();
+  run.lock(/*for_new_run=*/true);
   // A launch that won the race for this --run-dir and has finished already.
   refuse_held_run(path, true);
   // What a launch killed as it wrote its first files left (check_new took them for that).
@@ -674,7 +674,7 @@ bool run_locked_by_another(const fs::path& dir) {
   }
 }
 
-void RunDirectory::lock() {
+void RunDirectory::lock(bool for_new_run) {
   if (lock_) return;
   // `dptrain status` and a refused launch probe the lock by taking it for a moment: a few tries
   // over a quarter of a second tell such a probe from a process that runs the job.
@@ -690,6 +690,12 @@ void RunDirectory::lock() {
   long pid = 0;
   std::string host;
   if (holder >> pid >> host && pid > 0) who = fmt::format(" (pid {} on {})", pid, host);
+  if (for_new_run) {
+    throw Error(ErrorKind::usage,
+                fmt::format("{}: another dptrain is starting a run there{}; give another "
+                            "--run-dir",
+                            printable(path_.string()), who));
+  }
   throw Error(ErrorKind::usage,
               fmt::format("{}: another dptrain is still running it{}; stop it first (SIGTERM "
                           "checkpoints) or wait for it",

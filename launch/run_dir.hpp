@@ -45,7 +45,9 @@ class RunDirectory {
   // machine never drive one run. Error(usage) naming the directory, and the pid run.json
   // records, when another process holds it. (A launcher on another machine holds no lock here:
   // `dptrain status`'s view of the run, from its alive_at stamp, tells whether it lives.)
-  void lock();
+  // `for_new_run`: a launch's new directory, which another launch took first ("give another
+  // --run-dir"); else a resume's ("stop it first ... or wait for it").
+  void lock(bool for_new_run = false);
   // Removes the temporaries a dptrain killed while it wrote the run's files left beside them
   // (run.json.tmp-PID, ... of a process gone from this machine). Only once the lock is held and
   // no launcher elsewhere drives the run (a shared filesystem): one there writes its own.

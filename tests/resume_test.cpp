@@ -1235,6 +1235,22 @@ TEST_CASE("launch claims its run directory: no foreign files, and racing launche
   CHECK(lost.err == "dptrain: error: " + starting.string() +
                         ": another dptrain is starting a run there (it holds " +
                         (starting / ".lock").string() + "); give another --run-dir\n");
+  // Lost a moment later: the winner has made only the layout, which a launch may take (as one
+  // killed there leaves it), and the lock tells the loser; not resume's "wait for it".
+  const fs::path laid = tmp / "laid";
+  fs::create_directories(laid / "logs");
+  fs::create_directories(laid / "checkpoints");
+  const int held = ::open((laid / ".lock").c_str(), O_RDWR | O_CREAT, 0644);
+  REQUIRE(held >= 0);
+  REQUIRE(::flock(held, LOCK_EX) == 0);
+  const std::string holder = "4242 otherhost\n";
+  REQUIRE(::write(held, holder.data(), holder.size()) == static_cast<ssize_t>(holder.size()));
+  auto late = run_dptrain({"launch", recipe.string(), "--run-dir", laid.string()});
+  ::close(held);
+  CHECK(late.exit_code == 2);
+  CHECK(late.err == "dptrain: error: " + laid.string() +
+                        ": another dptrain is starting a run there (pid 4242 on otherhost); give "
+                        "another --run-dir\n");
 
   // A bad --events path creates nothing; the retry finds the directory usable.
   const fs::path fresh = tmp / "fresh";

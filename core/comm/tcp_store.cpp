@@ -739,7 +739,11 @@ TcpStoreClient::Reply TcpStoreClient::exchange_locked(const std::string& frame,
     recv_exact(socket_.get(), header, sizeof(header), deadline);
     const uint32_t length = protocol::frame_length(std::string_view(header, sizeof(header)));
     if (length == 0 || length > protocol::kMaxFrameBytes) {
-      throw Error(ErrorKind::comm, fmt::format("reply length {} out of range", length));
+      // Its first bytes, not a length: another service (an HTTP server's "HTTP/1.1 400").
+      throw Error(ErrorKind::comm,
+                  fmt::format("it answered '{}...', not as a dptrain store (another service on "
+                              "that port?)",
+                              printable(std::string_view(header, sizeof(header)))));
     }
     std::string payload(length, '\0');
     recv_exact(socket_.get(), payload.data(), payload.size(), deadline);

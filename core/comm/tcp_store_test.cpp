@@ -2,6 +2,7 @@
 #include <doctest/doctest.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <functional>
@@ -334,6 +335,28 @@ TEST_CASE("tcp store: a listener that accepts and stays silent is named, not wai
       error_message([&] { TcpStoreClient("127.0.0.1", port, 1s, "", std::chrono::seconds(30)); },
                     ErrorKind::comm);
   CHECK(floor.find("did not answer as a dptrain store within 5s ") != std::string::npos);
+}
+
+TEST_CASE("tcp store: a listener that answers as another service is named by its answer") {
+  const UniqueFd other = listen_tcp("127.0.0.1", 0);
+  const uint16_t port = local_port(other.get());
+  std::thread service([&] {
+    const int fd = ::accept(other.get(), nullptr, nullptr);
+    if (fd < 0) return;
+    const std::string_view answer = "HTTP/1.1 400 Bad Request\r\n\r\n";
+    CHECK(::send(fd, answer.data(), answer.size(), MSG_NOSIGNAL) ==
+          static_cast<ssize_t>(answer.size()));
+    char ignored[256];
+    while (::recv(fd, ignored, sizeof(ignored), 0) > 0) {
+    }
+    ::close(fd);
+  });
+  const std::string message =
+      error_message([&] { TcpStoreClient("127.0.0.1", port, 2s); }, ErrorKind::comm);
+  service.join();
+  CHECK(message == fmt::format("no handshake from store at 127.0.0.1:{}: it answered 'HTTP...', "
+                               "not as a dptrain store (another service on that port?)",
+                               port));
 }
 
 TEST_CASE("tcp store: a client whose server stops gets a comm error, not a hang") {
