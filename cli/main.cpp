@@ -473,7 +473,8 @@ int run(int argc, char** argv) {
   check_option_values(app, attached);
   // What a JSON error carries besides its four fields, whatever failed: the warnings the command
   // gave before it failed, and the answer a script reads on every one of its answers
-  // (dptrain(1)): recipe validate's "valid" (with its "warnings"), ckpt verify's "ok".
+  // (dptrain(1)): recipe validate's "valid" (with its "warnings"); ckpt verify's, provision's and
+  // doctor's "ok".
   const auto warned = [&] {
     nlohmann::json fields = nlohmann::json::object();
     if (!outcome.warnings.empty()) fields["warnings"] = outcome.warnings;
@@ -481,7 +482,8 @@ int run(int argc, char** argv) {
     if (name == "dptrain recipe validate") {
       fields["valid"] = false;
       if (!fields.contains("warnings")) fields["warnings"] = nlohmann::json::array();
-    } else if (name == "dptrain ckpt verify") {
+    } else if (name == "dptrain ckpt verify" || name == "dptrain provision" ||
+               name == "dptrain doctor") {
       fields["ok"] = false;
     }
     return fields;

@@ -571,7 +571,10 @@ void provision_host(HostReport& report, const ProvisionOptions& options,
                 fmt::format("the dptrain installed in {} does not run on {} (exit {}): {}", workdir,
                             name, version.exit_status, first_line(version.err + version.out)));
   }
-  report.facts.dptrain_version = version_line(version.out);
+  // As `--version --json` and run.json say it: "0.1.0", not "dptrain 0.1.0".
+  std::string said = version_line(version.out);
+  if (said.starts_with("dptrain ")) said.erase(0, std::string_view("dptrain ").size());
+  report.facts.dptrain_version = said;
 }
 
 // The last line of `output` that is what `dptrain --version --json` prints: an object with a

@@ -133,7 +133,7 @@ TEST_CASE("provision: facts and uploads on two hosts; a second run uploads nothi
     CHECK(facts["memory_bytes"].get<uint64_t>() > 0);
     CHECK(facts["disk_free_bytes"].get<uint64_t>() > 0);
     CHECK(facts["gpus"].is_array());
-    CHECK(facts["dptrain_version"] == "dptrain " DPTRAIN_VERSION);
+    CHECK(facts["dptrain_version"] == DPTRAIN_VERSION);
     for (const auto& file : kFiles) {
       CAPTURE(file);
       CHECK(status_of(host, file) == "uploaded");
@@ -355,7 +355,7 @@ TEST_CASE("provision: localhost is provisioned in-process, without SSH") {
   const fs::path workdir = fs::canonical(tmp / "home") / ".dptrain";
   CHECK(host["ok"] == true);
   CHECK(host["facts"]["workdir"] == workdir.string());
-  CHECK(host["facts"]["dptrain_version"] == "dptrain " DPTRAIN_VERSION);
+  CHECK(host["facts"]["dptrain_version"] == DPTRAIN_VERSION);
   for (const auto& file : kFiles)
     CHECK(status_of(host, file) == "uploaded");
   CHECK(sha256_file(workdir / "bin/dptrain") == sha256_file(binary()));
@@ -486,6 +486,20 @@ TEST_CASE("provision: a missing upload or a bad recipe is a usage error before a
       {"provision", "--hosts", (tmp / "hosts").string(), "--recipe", (tmp / "bad.json").string()});
   CHECK(bad.exit_code == 2);
   CHECK(bad.err.find("bad.json") != std::string::npos);
+  // --json: "ok" on every answer, as ckpt verify's, the arguments' refusal included (doctor's
+  // too).
+  auto bad_json = run_dptrain({"provision", "--hosts", (tmp / "hosts").string(), "--recipe",
+                               (tmp / "bad.json").string(), "--json"});
+  CHECK(bad_json.exit_code == 2);
+  CHECK(parse_json(bad_json.out)["ok"] == false);
+  for (const char* command : {"provision", "doctor"}) {
+    CAPTURE(command);
+    const auto usage = run_dptrain({command, "--hosts", "localhost", "--bogus", "--json"});
+    CHECK(usage.exit_code == 2);
+    const auto out = parse_json(usage.out);
+    CHECK(out["ok"] == false);
+    CHECK(out["status"] == "error");
+  }
 }
 
 TEST_CASE("provision: not enough free disk in the workdir is reported as disk full") {
