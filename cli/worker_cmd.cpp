@@ -65,7 +65,9 @@ struct WorkerOptions {
   // "MASTER_ADDR/MASTER_PORT".
   std::string store_from = "--store";
   bool host_store = false;
+  std::string host_store_from = "--host-store";
   int generation = -1;
+  std::string generation_from = "--generation";
   std::string bind;
   double timeout_s = 0;
 };
@@ -142,7 +144,10 @@ void fill_from_env(WorkerOptions& o) {
   if (o.nominal_world < 0) {
     o.nominal_world = env_int("DPTRAIN_NOMINAL_WORLD", 0);
   }
-  if (o.generation < 0) o.generation = env_int("DPTRAIN_GENERATION", 1);
+  if (o.generation < 0) {
+    o.generation = env_int("DPTRAIN_GENERATION", 1);
+    o.generation_from = env_value("DPTRAIN_GENERATION") ? "DPTRAIN_GENERATION" : "the default";
+  }
   if (o.run_dir.empty()) o.run_dir = env_value("DPTRAIN_RUN_DIR").value_or("");
   if (o.run_dir.empty()) {
     throw Error(ErrorKind::usage, "--run-dir not given and DPTRAIN_RUN_DIR is not set");
@@ -158,6 +163,7 @@ void fill_from_env(WorkerOptions& o) {
                                 *hosting));
       }
       o.host_store = *hosting == "1";
+      o.host_store_from = "DPTRAIN_HOST_STORE=1";
     }
   }
   if (o.bind.empty()) {
@@ -188,6 +194,85 @@ void fill_from_env(WorkerOptions& o) {
   at_least("local rank (--local-rank or LOCAL_RANK)", o.local_rank, 0);
   at_least("nominal world (--nominal-world or DPTRAIN_NOMINAL_WORLD)", o.nominal_world, 0);
   at_least("generation (--generation or DPTRAIN_GENERATION)", o.generation, 1);
+}
+
+// Said after "cannot reach store ..." to a rank started by hand: who serves the store.
+std::string no_store_hint(const WorkerOptions& o) {
+  if (started_by_launcher() || (o.rank == 0 && o.host_store)) return "";
+  if (o.rank == 0) {
+    return "; nothing serves it: rank 0 serves the store when started with --host-store "
+           "(DPTRAIN_HOST_STORE=1)";
+  }
+  if (o.host_store) {
+    return fmt::format(
+        "; {} is for rank 0, which then serves the store: this rank only connects "
+        "to it, so start rank 0 with it",
+        o.host_store_from);
+  }
+  return "; is rank 0 running, started with --host-store (DPTRAIN_HOST_STORE=1) to serve it?";
+}
+
+// Ranks started by hand with different generations (--generation, DPTRAIN_GENERATION) never
+// meet: each generation's keys are its own. Each says "RANK GENERATION" at the store's root
+// (say_generation), under its own key and, but for rank 0, under a shared one (the last to come
+// wins). As it starts, rank 0 looks at the shared key and the others at rank 0's; when its wait
+// runs out, a rank looks at them all. One that finds another generation there refuses, in that
+// rank's generation too, so that its ranks learn it as well (generation_refusal).
+std::string generation_key(int rank) {
+  return fmt::format("generation/{}", rank);
+}
+constexpr const char* kAnyGenerationKey = "generation/any";
+
+void say_generation(Store& root, const WorkerOptions& o) {
+  const std::string said = fmt::format("{} {}", o.rank, o.generation);
+  root.set(generation_key(o.rank), said);
+  if (o.rank != 0) root.set(kAnyGenerationKey, said);
+}
+
+// The rank and generation that `key` holds, where that is another rank's and another generation.
+std::optional<std::pair<int, std::string>> other_generation(Store& root, const WorkerOptions& o,
+                                                            const std::string& key) {
+  if (!root.check({key})) return std::nullopt;
+  const std::string said = root.get(key, std::chrono::seconds(1));
+  const size_t space = said.find(' ');
+  const auto number = [](std::string_view text) {
+    return !text.empty() && text.size() < 10 &&
+           text.find_first_not_of("0123456789") == std::string_view::npos;
+  };
+  if (space == std::string::npos || !number(said.substr(0, space)) ||
+      !number(said.substr(space + 1))) {
+    return std::nullopt;
+  }
+  const int rank = std::stoi(said.substr(0, space));
+  std::string generation = said.substr(space + 1);
+  if (rank == o.rank || generation == std::to_string(o.generation)) return std::nullopt;
+  return std::pair(rank, std::move(generation));
+}
+
+// Where the wait ran out: every rank's key (the first kMaxLooked), the shared one and rank 0's.
+std::optional<std::pair<int, std::string>> any_other_generation(Store& root,
+                                                                const WorkerOptions& o) {
+  constexpr int kMaxLooked = 1024;
+  for (int r = 0; r < std::min(o.world_size, kMaxLooked); ++r) {
+    if (auto other = other_generation(root, o, generation_key(r))) return other;
+  }
+  return other_generation(root, o, kAnyGenerationKey);
+}
+
+Error generation_refusal(Store& root, const WorkerOptions& o,
+                         const std::pair<int, std::string>& other) {
+  const Error mismatch(
+      ErrorKind::usage,
+      fmt::format("rank {} was started with generation {}, rank {} with {} "
+                  "(from {}): start every rank with the same generation",
+                  other.first, other.second, o.rank, o.generation, o.generation_from));
+  try {
+    PrefixStore theirs("gen" + other.second, root);
+    refuse_to_start(theirs, o.rank, o.world_size, mismatch);
+  } catch (const Error&) {
+    // The store went meanwhile: they learn nothing from here.
+  }
+  return mismatch;
 }
 
 std::atomic<bool> g_stop_requested{false};
@@ -388,6 +473,8 @@ class HandRunRecord {
     const std::lock_guard<std::mutex> lock(mutex_);
     if (file_.empty() || closed_) return;
     json& gen = info_["generations"].back();
+    // When the ranks met (status: generation_starting until then, as for a launcher's).
+    gen["met_at"] = utc_timestamp();
     if (event.contains("backend")) gen["backend"] = event["backend"];
     if (event.contains("resumed_from")) {
       gen["resumed_from"] = event["resumed_from"];
@@ -598,6 +685,18 @@ struct Farewell {
   std::optional<Error> failure;
   int exit_code = 1;  // the one its error chose
 
+  // Reaches the store within `within` and posts `refused` (its answer to the start, for peers
+  // still meeting) and `failed` (for peers in a collective with it); then `after` uses the store.
+  // Throws where there is no store to reach.
+  void post(const Error* refused, const Error* failed, std::chrono::milliseconds within,
+            const std::function<void(Store&)>& after = {}) const {
+    TcpStoreClient client(host, port, within, secret, within);
+    PrefixStore store(prefix, client);
+    if (refused) refuse_to_start(store, rank, world, *refused);
+    if (failed) report_failure(store, rank, *failed);
+    if (after) after(store);
+  }
+
   void operator()() const {
     // A launcher stops every rank as soon as one exits, naming that one: the others are told
     // nothing (they would fail with its code, and could be taken for the cause).
@@ -608,14 +707,13 @@ struct Farewell {
     }
     exit_on_stop_signals(exit_code);
     try {
-      TcpStoreClient client(host, port, wait, secret, wait);
-      PrefixStore store(prefix, client);
-      if (refusal) refuse_to_start(store, rank, world, *refusal);
-      if (failure) report_failure(store, rank, *failure);
-      if (server) wait_until_told(store, world, wait, waited_out);
-      // Once the ranks met, whoever failed: the peers look for a failure posted (their own
-      // collectives may fail seconds apart, and with the store they would lose the answer).
-      if (server && met && !stopped) wait_until_heard(store, world, wait, gone);
+      post(refusal ? &*refusal : nullptr, failure ? &*failure : nullptr, wait, [&](Store& store) {
+        if (!server) return;
+        wait_until_told(store, world, wait, waited_out);
+        // Once the ranks met, whoever failed: the peers look for a failure posted (their own
+        // collectives may fail seconds apart, and with the store they would lose the answer).
+        if (met && !stopped) wait_until_heard(store, world, wait, gone);
+      });
     } catch (const std::exception&) {
       // A store that is not there (rank 0 did not start it): nobody to tell.
     }
@@ -810,13 +908,9 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
     // Not from the rank that serves the store: it goes with the rank, and the peers find it gone.
     if (started_by_launcher() || farewell.world < 2 || farewell.server) return;
     try {
-      constexpr std::chrono::seconds kQuick{1};
-      TcpStoreClient client(farewell.host, farewell.port, kQuick, farewell.secret, kQuick);
-      PrefixStore store(farewell.prefix, client);
       // For the peers still meeting (its answer, in place of one it may not have given) and
       // for those in a collective with it.
-      if (!farewell.met.load()) refuse_to_start(store, farewell.rank, farewell.world, stopped);
-      report_failure(store, farewell.rank, stopped);
+      farewell.post(farewell.met.load() ? nullptr : &stopped, &stopped, std::chrono::seconds(1));
     } catch (const std::exception&) {
       // No store to reach (rank 0's is gone): the peers find this rank silent.
     }
@@ -845,9 +939,23 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
   if (!o.bind.empty()) check_bind_address(o.bind, "--bind (DPTRAIN_BIND_ADDR)");
   farewell.at_start = true;
   faults.before_join();
-  TcpStoreClient client(host, port, timeout, secret);
+  std::optional<TcpStoreClient> reached;
+  try {
+    reached.emplace(host, port, timeout, secret);
+  } catch (const Error& e) {
+    if (!std::string_view(e.what()).starts_with("cannot reach store")) throw;
+    throw Error(e.kind(), e.what() + no_store_hint(o));
+  }
+  TcpStoreClient& client = *reached;
   PrefixStore store(farewell.prefix, client);
-  if (started_by_launcher()) store.set_join_advice(launched_join_advice("distributed.timeout_s"));
+  if (started_by_launcher()) {
+    store.set_join_advice(launched_join_advice("distributed.timeout_s"));
+  } else if (o.generation != 1 || env_value("DPTRAIN_GENERATION")) {
+    // Each generation's keys are its own: ranks given different ones never see each other.
+    store.set_join_advice({.check = fmt::format("start every rank with the same store, world size "
+                                                "and generation (this rank's: {}, from {})",
+                                                o.generation, o.generation_from)});
+  }
   // Beating from here on, before the ranks meet, where a launcher started the rank: its
   // --hang-timeout then also names a rank that froze (or cannot reach the store) while the others
   // wait for it to join, counted from when the rank was started (HangWatch::started). Not a
@@ -863,13 +971,25 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
 
   // Workers without a launcher say their host, for rank 0's record of the run (posted before
   // the answer rank 0 waits for, so it is there once the ranks agree).
-  if (!started_by_launcher()) store.set(fmt::format("host/{}", o.rank), this_host());
+  if (!started_by_launcher()) {
+    store.set(fmt::format("host/{}", o.rank), this_host());
+    say_generation(client, o);
+    if (const auto other = other_generation(
+            client, o, o.rank == 0 ? std::string(kAnyGenerationKey) : generation_key(0))) {
+      throw generation_refusal(client, o, *other);
+    }
+  }
   std::unique_ptr<Communicator> comm;
   const std::string backend = [&] {
     try {
       return choose_backend(store, o.rank, o.world_size, requested, *ops, timeout);
     } catch (const KeyTimeout&) {
       farewell.waited_out = true;
+      if (!started_by_launcher()) {
+        if (const auto other = any_other_generation(client, o)) {
+          throw generation_refusal(client, o, *other);
+        }
+      }
       throw;
     }
   }();

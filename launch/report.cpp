@@ -992,6 +992,13 @@ std::string charts(const RunView& run) {
   return out + "</div>\n";
 }
 
+// Where a generation began: its checkpoint, "start", or "-" where its ranks never met (one that
+// failed as it started: a --resume that does not fit, a rank that did not come).
+std::string resumed_from_text(const json& generation) {
+  if (const std::string from = text(generation, "resumed_from"); !from.empty()) return from;
+  return generation.contains("ended_at") && !generation.contains("met_at") ? "-" : "start";
+}
+
 std::string generations_table(const RunView& run) {
   const json& info = run.info;
   const json& generations = array_at(info, "generations");
@@ -1008,8 +1015,7 @@ std::string generations_table(const RunView& run) {
         "<td>{}</td><td>{}</td><td>{}</td></tr>\n",
         integer(g, "generation", 0), html(text(g, "started_at")), html(text(g, "ended_at")),
         html(count_text(g, "world_size").value_or("-")),
-        html(fmt::format("{}", fmt::join(hosts, ", "))),
-        html(text(g, "resumed_from").empty() ? "start" : text(g, "resumed_from")), html(status),
+        html(fmt::format("{}", fmt::join(hosts, ", "))), html(resumed_from_text(g)), html(status),
         html(error_headline(error)));
   }
   return "<table><thead><tr><th>#</th><th>Started</th><th>Ended</th><th>World size</th>"
@@ -1365,12 +1371,17 @@ json summary_fields(const RunView& run) {
           {"benchmark", comm_benchmark(run)}};
 }
 
+// A running generation whose ranks have not met yet (no met_at in its record).
+bool ranks_meeting(const RunView& run) {
+  const json& gens = array_at(run.info, "generations");
+  if (run.state.status != "running" || gens.empty() || !gens.back().is_object()) return false;
+  return !gens.back().contains("ended_at") && !gens.back().contains("met_at");
+}
+
 // A running resume or restart whose ranks have not met yet (no met_at in its record): the step
 // and loss shown (metrics.jsonl's last lines) are the generation before it's.
 bool generation_starting(const RunView& run) {
-  const json& gens = array_at(run.info, "generations");
-  if (run.state.status != "running" || gens.size() < 2 || !gens.back().is_object()) return false;
-  return !gens.back().contains("ended_at") && !gens.back().contains("met_at");
+  return array_at(run.info, "generations").size() >= 2 && ranks_meeting(run);
 }
 
 json status_json(const RunView& run) {
@@ -1418,7 +1429,9 @@ std::string status_text(const RunView& run) {
     if (!s["step"].is_null())
       row("step", fmt::format("{} (a step is one measurement)", s["step"].dump()));
   } else if (s["step"].is_null()) {
-    row("step", "no steps logged yet");
+    // Not hung: rank 0 (or the launcher) waits for its peers to come.
+    row("step", ranks_meeting(run) ? "no steps logged yet: the ranks have not all met"
+                                   : "no steps logged yet");
   } else {
     row("step", fmt::format("{}{}{}{}", s["step"].get<int64_t>(),
                             s["steps"].is_null() ? "" : fmt::format(" of {}", s["steps"].dump()),

@@ -383,6 +383,8 @@ TEST_CASE("a run with no steps logged yet: the report says so instead of failing
   CHECK(count_occurrences(html, "<svg ") == 0);
   CHECK(contains(html, "No checkpoints."));
   CHECK(contains(html, "rank 1 exited with code 3"));
+  // Its ranks never met: it resumed from nothing, not from the start.
+  CHECK(contains(html, "<td>-</td><td>failed</td>"));
   CHECK(contains(html,
                  "<title>&lt;b&gt;x&lt;/b&gt; &amp; &#39;y&#39; \u2014 dptrain report</title>"));
   CHECK_FALSE(contains(html, "<b>x</b>"));

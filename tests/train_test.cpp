@@ -9,6 +9,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -611,6 +612,26 @@ TEST_CASE("workers by hand: a rank 0 started again by mistake is refused, and th
   CHECK(parse_json(read_text(tmp / "run/run.json"))["status"] == "completed");
 }
 
+TEST_CASE("workers by hand: status says the ranks have not met while rank 0 waits alone") {
+  TempDir tmp;
+  const auto path = write_recipe(tmp.path(), small_recipe());
+  const fs::path run = tmp / "run";
+  auto [env0, env1] = hand_worker_envs(run, std::to_string(unused_port()));
+  Background r0({"worker", path.string(), "--timeout", "120"}, env0);
+  REQUIRE(eventually([&] { return dptrain::run_locked_by_another(run); }));
+  const auto waiting = run_dptrain({"status", run.string()});
+  CHECK(contains(waiting.out, ": running"));
+  CHECK(contains(waiting.out, "no steps logged yet: the ranks have not all met"));
+  Background r1({"worker", path.string(), "--timeout", "120"}, env1);
+  CHECK(r1.wait(std::chrono::seconds(120)) == 0);
+  CHECK(r0.wait(std::chrono::seconds(120)) == 0);
+  INFO(r0.err(), r1.err());
+  // When they met, as a launcher records it (status's generation_starting reads it).
+  const json info = parse_json(read_text(run / "run.json"));
+  CHECK(info["generations"][0].contains("met_at"));
+  CHECK(contains(run_dptrain({"status", run.string()}).out, "  step "));
+}
+
 TEST_CASE("workers by hand: SIGTERM to one rank before its first step stops its peers, 143") {
   TempDir tmp;
   const auto path = write_recipe(tmp.path(), small_recipe());
@@ -1033,6 +1054,67 @@ TEST_CASE("a worker that cannot reach the store fails within its timeout naming 
   CHECK(r.err.find(addr) != std::string::npos);
   CHECK(r.err.find("rank 1") != std::string::npos);
   CHECK(r.seconds < 30);  // a bound against hanging, not a speed assertion
+  CHECK(contains(r.err,
+                 "; is rank 0 running, started with --host-store (DPTRAIN_HOST_STORE=1) "
+                 "to serve it?"));
+  // Who serves the store, where the rank's own settings say otherwise.
+  const auto alone = [&](const std::string& rank, const Env& env) {
+    return run_dptrain({"worker", recipe.string(), "--rank", rank, "--world-size", "2", "--store",
+                        addr, "--timeout", "1", "--run-dir", (tmp / "run").string()},
+                       env, std::chrono::seconds(60));
+  };
+  const auto hosting = alone("1", {{"DPTRAIN_HOST_STORE", "1"}});
+  CHECK(hosting.exit_code == 3);
+  CHECK(contains(hosting.err,
+                 "; DPTRAIN_HOST_STORE=1 is for rank 0, which then serves the "
+                 "store: this rank only connects to it, so start rank 0 with it"));
+  const auto rank0 = alone("0", {});
+  CHECK(rank0.exit_code == 3);
+  CHECK(contains(rank0.err,
+                 "; nothing serves it: rank 0 serves the store when started with "
+                 "--host-store (DPTRAIN_HOST_STORE=1)"));
+}
+
+TEST_CASE("workers by hand given different generations refuse at once, naming both") {
+  TempDir tmp;
+  const auto path = write_recipe(tmp.path(), small_recipe());
+  auto [env0, env1] = hand_worker_envs(tmp / "run", std::to_string(unused_port()));
+  // Each generation's keys are its own: without the check they would wait out their timeout.
+  const std::vector<std::string> args = {"worker", path.string(), "--timeout", "60"};
+  // Whichever rank finds the other's generation first says so: either way round.
+  std::vector<std::string> said;
+  SUBCASE("rank 0 first") {
+    env0["DPTRAIN_GENERATION"] = "2";
+    said = {"rank 0 was started with generation 2, rank 1 with 1 (from the default)",
+            "rank 1 was started with generation 1, rank 0 with 2 (from DPTRAIN_GENERATION)"};
+  }
+  SUBCASE("rank 1 first") {
+    env1["DPTRAIN_GENERATION"] = "3";
+    said = {"rank 0 was started with generation 1, rank 1 with 3 (from DPTRAIN_GENERATION)",
+            "rank 1 was started with generation 3, rank 0 with 1 (from the default)"};
+  }
+  std::optional<Background> r0, r1;
+  if (env1.contains("DPTRAIN_GENERATION")) {
+    r1.emplace(args, env1);
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    r0.emplace(args, env0);
+  } else {
+    r0.emplace(args, env0);
+    REQUIRE(eventually([&] { return dptrain::run_locked_by_another(tmp / "run"); }));
+    r1.emplace(args, env1);
+  }
+  const auto watch = std::chrono::steady_clock::now();
+  const int c1 = r1->wait(std::chrono::seconds(120));
+  const int c0 = r0->wait(std::chrono::seconds(120));
+  INFO(r0->err(), r1->err());
+  CHECK(c0 == 2);
+  CHECK(c1 == 2);
+  for (const std::string& err : {r0->err(), r1->err()}) {
+    CHECK(contains(err, ": start every rank with the same generation"));
+    CHECK((contains(err, said[0]) || contains(err, said[1])));
+  }
+  // A bound against waiting out the 60 s timeout, not a speed assertion.
+  CHECK(std::chrono::steady_clock::now() - watch < std::chrono::seconds(45));
 }
 
 TEST_CASE("a worker missing its identity says which variable is missing") {
