@@ -332,8 +332,13 @@ class Doctor {
       }
       try {
         s.facts = survey_host(*s.shell, h, options_.workdir);
-        s.checks.push_back(
-            {"workdir", h.display(), true, fmt::format("{} is writable", s.facts.workdir), ""});
+        s.checks.push_back({"workdir", h.display(), true,
+                            s.facts.workdir_exists
+                                ? fmt::format("{} is writable", s.facts.workdir)
+                                : fmt::format("{} is not there yet (provision makes it); where it "
+                                              "goes takes writes",
+                                              s.facts.workdir),
+                            ""});
       } catch (const Error& e) {
         if (is_stop(e)) {  // the checks not made are not listed; the stop is said
           s.held_back = "doctor was stopped";

@@ -119,6 +119,7 @@ HostFacts parse_facts(const std::string& output) {
   std::string gpu_lines;
   for (const auto& [key, value] : key_values(output)) {
     if (key == "workdir") facts.workdir = value;
+    if (key == "workdir_missing") facts.workdir_exists = value != "1";
     if (key == "hostname") facts.hostname = value;
     if (key == "os") facts.os = value;
     if (key == "cpus") facts.cpus = number_or_zero<int>(value);
@@ -259,15 +260,33 @@ std::vector<PlannedFile> plan_files(const ProvisionOptions& options,
 
 // ---- the script that prepares the workdir and reports facts ----
 
-std::string facts_script(const std::string& workdir, const std::vector<PlannedFile>& files) {
-  std::set<std::string> dirs = {"."};
-  for (const auto& f : files)
-    dirs.insert(fs::path(f.remote).parent_path().string());
-  dirs.erase("");
-  std::string script = "d=" + remote_path_word(workdir) + "\nmkdir -p";
-  for (const auto& dir : dirs)
-    script += " \"$d\"/" + shell_quote(dir);
-  script += " && cd \"$d\" || exit 1\n";
+std::string facts_script(const std::string& workdir, const std::vector<PlannedFile>& files,
+                         bool create) {
+  std::string script = "d=" + remote_path_word(workdir) + "\nrest=\n";
+  if (create) {
+    std::set<std::string> dirs = {"."};
+    for (const auto& f : files)
+      dirs.insert(fs::path(f.remote).parent_path().string());
+    dirs.erase("");
+    script += "mkdir -p";
+    for (const auto& dir : dirs)
+      script += " \"$d\"/" + shell_quote(dir);
+    script += " && cd \"$d\" || exit 1\n";
+  } else {
+    // A survey creates nothing: a workdir not there yet is judged by the directory above it
+    // that is (what mkdir -p would make it in), `rest` the part still to be made.
+    script += R"sh(if [ -d "$d" ]; then cd "$d" || exit 1
+else
+  p=$d
+  while [ ! -d "$p" ]; do
+    if [ -e "$p" ] || [ -L "$p" ]; then echo "$p is not a directory (the workdir goes there)" >&2; exit 1; fi
+    p=$(dirname -- "$p")
+  done
+  if [ "$p" = . ]; then rest=$d; else rest=${d#"$p"}; rest=${rest#/}; fi
+  cd "$p" || exit 1
+fi
+)sh";
+  }
   // An existing directory on a read-only filesystem (or one not the user's) passes mkdir -p: a
   // file written and removed says it is usable.
   script += R"sh(w=.dptrain-write-probe.$$
@@ -275,13 +294,14 @@ if ! err=$({ : >"$w"; } 2>&1); then echo "cannot write in $(pwd -P): ${err##*: }
 rm -f -- "$w"
 )sh";
   // The runs go to WORKDIR/runs: something else there fails every launch.
-  script += R"sh(if [ -e runs ] || [ -L runs ]; then
+  script += R"sh(if [ -z "$rest" ] && { [ -e runs ] || [ -L runs ]; }; then
   if [ ! -d runs ]; then echo "$(pwd -P)/runs is not a directory (a job's run directories go there)" >&2; exit 1; fi
   if [ ! -w runs ] || [ ! -x runs ]; then echo "$(pwd -P)/runs takes no writes (a job's run directories go there)" >&2; exit 1; fi
 fi
 )sh";
   // nvidia-smi can hang on a wedged driver: it gets its own timeout.
-  script += R"sh(echo "workdir=$(pwd -P)"
+  script += R"sh(w=$(pwd -P)
+if [ -n "$rest" ]; then echo "workdir=${w%/}/$rest"; echo "workdir_missing=1"; else echo "workdir=$w"; fi
 echo "hostname=$(hostname 2>/dev/null || cat /proc/sys/kernel/hostname)"
 echo "os=$(. /etc/os-release 2>/dev/null; echo "${PRETTY_NAME:-unknown}")"
 echo "cpus=$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN)"
@@ -471,13 +491,13 @@ namespace {
 // Creates the workdir and reports facts, and the sha256 of `files` already there.
 SshSession::Result prepare_workdir(HostShell& shell, const HostSpec& host,
                                    const std::string& workdir,
-                                   const std::vector<PlannedFile>& files) {
+                                   const std::vector<PlannedFile>& files, bool create = true) {
   // A relative one is the home directory's on every host: an SSH login starts there, and this
   // machine's shell (localhost) starts where dptrain was run.
   const bool from_home =
       host.is_local() && !workdir.empty() && workdir.front() != '/' && workdir.front() != '~';
-  auto result =
-      shell.run("sh -c " + shell_quote(facts_script(from_home ? "~/" + workdir : workdir, files)));
+  auto result = shell.run(
+      "sh -c " + shell_quote(facts_script(from_home ? "~/" + workdir : workdir, files, create)));
   if (result.exit_status != 0) {
     throw Error(ErrorKind::ssh, fmt::format("cannot use the workdir {} on {}: {}", workdir,
                                             host.display(), first_line(result.err)));
@@ -621,7 +641,7 @@ std::string loader_failure(const std::string& output) {
 }
 
 HostFacts survey_host(HostShell& shell, const HostSpec& host, const std::string& workdir) {
-  return parse_facts(prepare_workdir(shell, host, workdir, {}).out);
+  return parse_facts(prepare_workdir(shell, host, workdir, {}, /*create=*/false).out);
 }
 
 std::string bounded_command(const std::string& binary_word, const std::string& args) {

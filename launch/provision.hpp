@@ -46,6 +46,7 @@ struct HostFacts {
   uint64_t memory_bytes = 0;
   uint64_t disk_free_bytes = 0;  // in the workdir
   std::string workdir;           // absolute, on the host
+  bool workdir_exists = true;    // false: a survey found it not made yet (provision makes it)
   std::vector<GpuFact> gpus;     // none is a fact, not an error
   std::string gpu_note;          // why there are none: "no nvidia-smi", "nvidia-smi failed: ..."
   std::string driver_version;    // of the first GPU; empty without one
@@ -88,9 +89,10 @@ class HostShell {
 // Error(ssh) naming the host when it cannot be reached or authenticated.
 std::unique_ptr<HostShell> open_host_shell(const HostSpec& host, const SshOptions& options);
 
-// Facts about one host without uploading anything: the workdir is created (its free space and
-// absolute path are facts). The installed dptrain's version is not read (version_command):
-// a binary that hangs is a version problem, not the workdir's.
+// Facts about one host without uploading or creating anything: a workdir not there yet is judged
+// by the directory above it that is (whether it takes writes, its free space). The installed
+// dptrain's version is not read (version_command): a binary that hangs is a version problem, not
+// the workdir's.
 HostFacts survey_host(HostShell& shell, const HostSpec& host, const std::string& workdir);
 
 // `BINARY --version --json` as a remote sh command line (`binary_word` already quoted for sh, as

@@ -218,8 +218,15 @@ TEST_CASE("doctor: no dptrain in a --workdir: the fix provisions that workdir") 
   DoctorFixture f;
   // Provision installs WORKDIR/bin/dptrain: a fix without the doctor's --workdir would install
   // it in the default one, and the check would fail again.
-  const fs::path workdir = f.tmp / "empty work";
-  fs::create_directories(workdir);
+  fs::path workdir = f.tmp / "empty work";
+  bool made = true;
+  SUBCASE("there, empty") {
+    fs::create_directories(workdir);
+  }
+  SUBCASE("not there yet: doctor creates nothing") {
+    workdir = f.tmp / "new work" / "below";
+    made = false;
+  }
   auto r = f.doctor({"--workdir", workdir.string(), "--no-allreduce"});
   INFO(r.out, r.err);
   CHECK(r.exit_code == 4);
@@ -230,6 +237,25 @@ TEST_CASE("doctor: no dptrain in a --workdir: the fix provisions that workdir") 
     CHECK(line.ends_with("-- fix: install it: dptrain provision --hosts ... --workdir '" +
                          workdir.string() + "'"));
   }
+  CHECK(fs::exists(workdir) == made);
+  CHECK(fs::exists(f.tmp / "new work") == false);
+  CHECK(contains(r.out, made ? workdir.string() + " is writable"
+                             : workdir.string() + " is not there yet (provision makes it); where "
+                                                  "it goes takes writes"));
+}
+
+TEST_CASE("doctor: a file where a workdir not there yet would go fails the workdir check") {
+  DoctorFixture f;
+  write_text(f.tmp / "plain", "x");
+  const fs::path workdir = f.tmp / "plain" / "work";
+  auto r = f.doctor({"--workdir", workdir.string(), "--no-allreduce"});
+  INFO(r.out, r.err);
+  CHECK(r.exit_code == 4);
+  const auto fails = failure_lines(r.out);
+  REQUIRE_FALSE(fails.empty());
+  CHECK(fails.front().starts_with("FAIL workdir"));
+  CHECK(contains(fails.front(),
+                 (f.tmp / "plain").string() + " is not a directory (the workdir goes there)"));
 }
 
 TEST_CASE("doctor: a binary there that lacks a library says so, not to provision it") {
