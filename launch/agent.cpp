@@ -320,10 +320,10 @@ int run_agent(const AgentPlan& given, std::FILE* out, int stop_fd) {
   const auto specs = worker_specs(plan, self_executable());
   const SupervisionResult result = supervise(specs, options);
   if (plan.benchmark) remove_checkpoints(plan.run_dir);
-  if (result.failure) {
-    const auto& f = *result.failure;
-    // Its ranks that exited 0 (before the run ended, as the launcher can tell): one that left
-    // early is the cause of its peers' exit 3, the failure reported here among them.
+  // The failed rank, for the launcher to name (its pid, its last lines), with its ranks that
+  // exited 0 (before the run ended, as the launcher can tell): one that left early is the cause
+  // of its peers' exit 3, the failure reported here among them.
+  const auto report_failure = [&](const ProcessFailure& f) {
     json clean_exits = json::array();
     for (const ProcessExit& e : result.exits) {
       if (e.exit_code == 0 && e.signal == 0)
@@ -338,6 +338,10 @@ int run_agent(const AgentPlan& given, std::FILE* out, int stop_fd) {
                          {"clean_exits", clean_exits}};
     std::fprintf(out, "%s%s\n", kAgentFailurePrefix, json_text(report).c_str());
     std::fflush(out);
+  };
+  if (result.failure) {
+    const auto& f = *result.failure;
+    report_failure(f);
     // The launcher ranks causes by exit status (a signal outranks a peer's exit 3), so the
     // agent's own status carries its rank's.
     return f.signal != 0 ? 128 + f.signal : f.exit_code;
@@ -355,7 +359,15 @@ int run_agent(const AgentPlan& given, std::FILE* out, int stop_fd) {
     // exited 0 is passed over.
     for (const ProcessExit& e : result.exits) {
       if (e.signal != 0) return 128 + e.signal;
-      if (e.exit_code != 143 && e.exit_code != 0) return e.exit_code;
+      if (e.exit_code != 143 && e.exit_code != 0) {
+        // One that failed of itself as it stopped (a checkpoint it could not write): named, as
+        // a launcher names its own ranks. (Not one killed: the launcher's verdict from the
+        // heartbeats stands for a rank killed after the stop's grace.)
+        ProcessFailure f;
+        static_cast<ProcessExit&>(f) = e;
+        report_failure(f);
+        return e.exit_code;
+      }
     }
     return 143;
   }

@@ -1106,20 +1106,29 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   const auto stopped_as_asked = [&](const ProcessExit& e) {
     return e.exit_code == 143 || e.exit_code == 0 || (benchmark && e.signal == SIGTERM);
   };
-  const auto not_checkpointed = [&] {
-    std::string list;
-    for (const auto& e : sup.exits) {
-      if (!stopped_as_asked(e)) list += (list.empty() ? "" : ", ") + e.describe();
-    }
-    // Killed by this launcher, not by the OOM killer or another's hand.
-    if (!sup.killed_why.empty()) list += " (the launcher's SIGKILL: " + sup.killed_why + ")";
-    return list;
-  };
   // For a relay's failure: the report its agent sent ("@failure": the rank, its exit, its last
   // lines), or null when none came (the relay itself failed, or the connection dropped).
   const auto report_of = [&](const std::string& label) -> const json* {
     const auto report = agent_failures.find(label);
     return report == agent_failures.end() ? nullptr : &report->second;
+  };
+  // A process's exit as a stop's error names it: a host's relay by the rank its agent reported
+  // (its exit, on that host), not by the relay's own exit code.
+  const auto exit_text = [&](const ProcessExit& e) {
+    const json* r = report_of(e.label);
+    const auto relay = relays.find(e.label);
+    if (r == nullptr || r->value("rank", -1) < 0 || relay == relays.end()) return e.describe();
+    return fmt::format("{} on host {}", r->value("description", e.describe()),
+                       relay->second.host.display());
+  };
+  const auto not_checkpointed = [&] {
+    std::string list;
+    for (const auto& e : sup.exits) {
+      if (!stopped_as_asked(e)) list += (list.empty() ? "" : ", ") + exit_text(e);
+    }
+    // Killed by this launcher, not by the OOM killer or another's hand.
+    if (!sup.killed_why.empty()) list += " (the launcher's SIGKILL: " + sup.killed_why + ")";
+    return list;
   };
   const auto agent_report = [&](const ProcessFailure& f) { return report_of(f.label); };
   // A host lost by its relay (the SSH connection dropped, or the host went silent; not refused):
@@ -1220,6 +1229,8 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       // a rank was killed by a signal of its own (not the launcher's): that is what happened,
       // and its last heartbeat is only where it was when it died.
       // (A remote one as its agent reported it.)
+      // Nor where a rank failed of itself (its exit code: a checkpoint it could not write, say):
+      // its error is the cause, and the others' heartbeats only show them waiting for it.
       const bool killed_on_its_own =
           sup.killed_why.empty() &&
           (std::any_of(
@@ -1227,7 +1238,19 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
                [&](const ProcessExit& e) { return e.signal != 0 && !stopped_as_asked(e); }) ||
            std::any_of(agent_failures.begin(), agent_failures.end(),
                        [](const auto& f) { return f.second.value("signal", 0) != 0; }));
-      if (trace.beats.size() >= 2 && !killed_on_its_own) {
+      // (Not a communication error, 3: what a peer's end causes; nor where the launcher had to
+      // kill the ranks, a hang's mark.)
+      const bool failed_of_itself =
+          sup.killed_why.empty() &&
+          std::any_of(sup.exits.begin(), sup.exits.end(), [&](const ProcessExit& e) {
+            const json* r = report_of(e.label);
+            const int code = r != nullptr && r->value("rank", -1) >= 0
+                                 ? r->value("exit_code", e.exit_code)
+                                 : e.exit_code;
+            return e.signal == 0 && !stopped_as_asked(e) && code != 3 && code < 128 &&
+                   (r == nullptr || r->value("signal", 0) == 0);
+          });
+      if (trace.beats.size() >= 2 && !killed_on_its_own && !failed_of_itself) {
         std::string where = HangWatch::positions(trace.beats, rank_name);
         if (where.find("; waiting for it in collective") != std::string::npos ||
             where.find("; waiting for them in collective") != std::string::npos) {
@@ -1298,6 +1321,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     int failed_rank = f.rank;  // a remote one's as its agent reported it
     bool rank_failed = true;   // not an agent that failed without a report
     std::string log_hint;
+    bool protocol_only = false;  // an agent's lines were all of its protocol
     const auto relay = relays.find(f.label);
     if (relay != relays.end()) {
       const std::string& host = relay->second.host.host;
@@ -1325,8 +1349,15 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
         }
       } else {
         rank_failed = false;
-        out.error =
-            fmt::format("the agent on {} failed: {}", relay->second.host.display(), f.describe());
+        // The relay itself killed (it runs here, not on the host): named as what it is.
+        out.error = f.signal != 0
+                        ? fmt::format(
+                              "the relay to {} (pid {} on this machine: the launcher's end of its "
+                              "SSH connection) was killed by signal {} ({}){}",
+                              host_and_ranks(relay->second.host, relay->second.ranks), f.pid,
+                              f.signal, signal_name(f.signal), f.note.empty() ? "" : "; " + f.note)
+                        : fmt::format("the agent on {} failed: {}", relay->second.host.display(),
+                                      f.describe());
         // An agent that exits 2 with no report refused what it was given (a plan it cannot
         // read, a dptrain there without the agent command): the next generation meets the same.
         out.repeats = f.exit_code == 2;
@@ -1335,9 +1366,11 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
           if (p.label == f.label) log_hint = p.log_file.string();
         }
         // The agent's protocol lines ("@agent N", "@started") say nothing of what went wrong.
+        protocol_only = !last_lines.empty();
         std::erase_if(last_lines, [](const std::string& l) {
           return l == kAgentStartedLine || l == kAgentDoneLine || l.starts_with(kAgentHelloPrefix);
         });
+        protocol_only = protocol_only && last_lines.empty();
       }
     } else {
       out.error = f.describe();
@@ -1371,8 +1404,12 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
         out.error += "; its last heartbeat: " + HangWatch::position(beat->second);
       }
       if (!log_hint.empty()) {
-        out.error += own.empty() ? fmt::format("; it printed nothing (log: {})", log_hint)
-                                 : fmt::format("; log: {}", log_hint);
+        out.error += !own.empty()    ? fmt::format("; log: {}", log_hint)
+                     : protocol_only ? fmt::format(
+                                           "; it printed nothing but the agent's protocol "
+                                           "lines (log: {})",
+                                           log_hint)
+                                     : fmt::format("; it printed nothing (log: {})", log_hint);
       }
     }
     // A rank that exited 0 before the run ended (no result) leaves its peers to fail in their

@@ -148,16 +148,17 @@ std::optional<std::string> protocol_said(std::string_view first) {
 // build's (those say nothing until they have read a plan): its --version says which.
 constexpr std::chrono::seconds kAgentHelloWait{5};
 
-// "HOST (ranks 2-3)": a host lost in a run names the ranks that went with it (a host's ranks
-// are one consecutive block: plan_job numbers them host by host).
 std::string host_and_ranks(const RelayPlan& plan) {
-  const std::vector<int>& ranks = plan.agent.ranks;
-  if (ranks.empty()) return plan.host.display();
-  if (ranks.size() == 1) return fmt::format("{} (rank {})", plan.host.display(), ranks.front());
-  return fmt::format("{} (ranks {}-{})", plan.host.display(), ranks.front(), ranks.back());
+  return host_and_ranks(plan.host, plan.agent.ranks);
 }
 
 }  // namespace
+
+std::string host_and_ranks(const HostSpec& host, const std::vector<int>& ranks) {
+  if (ranks.empty()) return host.display();
+  if (ranks.size() == 1) return fmt::format("{} (rank {})", host.display(), ranks.front());
+  return fmt::format("{} (ranks {}-{})", host.display(), ranks.front(), ranks.back());
+}
 
 json host_to_json(const HostSpec& h) {
   return {{"host", h.host}, {"slots", h.slots}, {"user", h.user},
@@ -543,6 +544,25 @@ int run_relay(const RelayPlan& plan) {
                                    host_and_ranks(plan)),
                        /*refused=*/false, SIGINT);
     return 130;
+  }
+  // A program that crashed as it started, before it said it is an agent (it says so first): the
+  // binary there cannot run (damaged, cut short, built for another CPU), and a restart would meet
+  // it again. Not a SIGKILL or a stop (the OOM killer, a user): those say nothing of the binary.
+  const bool crash = sig == SIGSEGV || sig == SIGBUS || sig == SIGILL || sig == SIGABRT ||
+                     sig == SIGFPE || sig == SIGSYS || sig == SIGTRAP;
+  if (crash && !heard_agent && !done) {
+    write_host_failure(
+        stdout,
+        fmt::format("{}: '{}' there was killed by {} as it started, before it said it is an "
+                    "agent{}: that binary cannot run there (damaged, cut short, or built for "
+                    "another machine?); {}",
+                    plan.host.display(), plan.remote_binary, signal_name(sig),
+                    last_line.empty()
+                        ? std::string()
+                        : fmt::format(" (its last line: {})", printable_excerpt(last_line, 80)),
+                    kNotAnAgentFix),
+        /*refused=*/true);
+    return 4;
   }
   if (sig != 0) {
     // The agent itself killed (its ranks die with it): its SSH server says by what.

@@ -47,6 +47,10 @@ void install_relay_signal_handlers();
 // lost (with an "@failure" line naming the host).
 int run_relay(const RelayPlan& plan);
 
+// "HOST (ranks 2-3)": a host lost in a run names the ranks that went with it (a host's ranks are
+// one consecutive block: plan_job numbers them host by host).
+std::string host_and_ranks(const HostSpec& host, const std::vector<int>& ranks);
+
 nlohmann::json host_to_json(const HostSpec& host);
 HostSpec host_from_json(const nlohmann::json& j);
 

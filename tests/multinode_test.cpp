@@ -736,6 +736,60 @@ TEST_CASE("SIGKILL of a host's agent: exit 3 naming the host, its ranks and the 
   }
 }
 
+TEST_CASE("SIGKILL of a relay (here, not on the host): named as the relay, with its pid here") {
+  Cluster c;
+  std::optional<Background> launcher;
+  start_slowed(c, "relaykill", launcher, true);
+  // A relay is the launcher's child that runs `dptrain _relay`.
+  pid_t relay = 0;
+  for (const auto& entry : fs::directory_iterator("/proc")) {
+    const std::string name = entry.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    const pid_t pid = std::stoi(name);
+    if (agent_of(pid) != launcher->pid()) continue;
+    std::string cmdline = read_text(entry.path() / "cmdline");
+    std::replace(cmdline.begin(), cmdline.end(), '\0', ' ');
+    if (contains(cmdline, " _relay")) relay = pid;
+  }
+  REQUIRE(relay > 1);
+  REQUIRE(::kill(relay, SIGKILL) == 0);
+  CHECK(launcher->wait(std::chrono::seconds(60)) == 3);
+  const std::string error = parse_json(launcher->out())["error"];
+  INFO(launcher->err());
+  CHECK(contains(error, fmt::format(" (pid {} on this machine: the launcher's end of its SSH "
+                                    "connection) was killed by signal 9 (SIGKILL)",
+                                    relay)));
+  CHECK(error.starts_with("the relay to "));
+  CHECK(contains(error, " (ranks "));
+  CHECK_FALSE(contains(error, "it printed nothing (log"));
+}
+
+TEST_CASE("SIGTERM whose checkpoint a remote rank cannot write: that rank is named, on its host") {
+  Cluster c;
+  std::optional<Background> launcher;
+  auto workers = start_slowed(c, "remotefull", launcher, true);
+  // Rank 2's run directory on its host, from its command line.
+  std::vector<std::string> argv;
+  std::istringstream cmdline(read_text(fs::path("/proc") / std::to_string(workers[2]) / "cmdline"));
+  for (std::string arg; std::getline(cmdline, arg, '\0');)
+    argv.push_back(arg);
+  const auto flag = std::find(argv.begin(), argv.end(), "--run-dir");
+  REQUIRE(flag != argv.end());
+  REQUIRE(flag + 1 != argv.end());
+  const fs::path there = *(flag + 1);
+  // Where its checkpoints go is a file now (as a full disk there: the write fails, exit 5).
+  // (A host's first checkpoint makes the directory.)
+  if (fs::exists(there / "checkpoints")) fs::rename(there / "checkpoints", there / "moved");
+  write_text(there / "checkpoints", "x");
+  REQUIRE(::kill(launcher->pid(), SIGTERM) == 0);
+  CHECK(launcher->wait(std::chrono::seconds(90)) == 143);
+  const std::string error = parse_json(launcher->out())["error"];
+  INFO(launcher->err());
+  CHECK(contains(error, fmt::format("rank 2 (pid {}) exited with code 5 on host {}", workers[2],
+                                    c.sshd.host(c.sshd.addresses()[2]).display())));
+  CHECK_FALSE(contains(error, "stuck:"));
+}
+
 TEST_CASE("SIGINT to a host's agent: exit 3 naming the host, its ranks and SIGINT") {
   Cluster c;
   std::optional<Background> launcher;
@@ -1039,6 +1093,21 @@ TEST_CASE("a program at --remote-binary that is not this dptrain's agent: exit 4
                  "it is not this dptrain's agent"));
   CHECK(contains(silent.err, "(not restarted: the host would fail the same way again"));
   CHECK(parse_json(silent.out)["restarts"] == 0);
+
+  // One that crashes as it starts (a binary cut short, built for another CPU): the host cannot
+  // run this dptrain, as above; not an agent killed with its ranks, restarted to crash again.
+  const fs::path crashing = c.tmp / "crashing";
+  write_script(crashing, "#!/bin/sh\necho 'starting' >&2\nkill -SEGV $$\n");
+  const auto crash = launch_with_remote_binary(c, "crash", crashing, {"--max-restarts", "2"});
+  INFO(crash.err);
+  CHECK(crash.exit_code == 4);
+  CHECK(contains(crash.err,
+                 "crashing' there was killed by SIGSEGV as it started, before it said "
+                 "it is an agent (its last line: starting): that binary cannot run "
+                 "there (damaged, cut short, or built for another machine?); 'dptrain "
+                 "doctor' checks it"));
+  CHECK_FALSE(contains(crash.err, "taken as lost"));
+  CHECK(parse_json(crash.out)["restarts"] == 0);
 
   // One that waits without a word (it reads its stdin to the end, which the launcher's end
   // closes), and whose --version fails (so that says nothing for certain): not said to be an

@@ -647,6 +647,23 @@ TEST_CASE("Ctrl-C stops every rank and exits 130") {
   CHECK(parse_json(read_text(run.run_dir / "run.json"))["status"] == "interrupted");
 }
 
+TEST_CASE("SIGTERM whose checkpoint a rank cannot write: its exit is the cause, not a hang") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  SlowRun run(recipe, tmp / "run");
+  // Where the checkpoints go is a file now (as a full disk, the write fails: exit 5).
+  fs::rename(run.run_dir / "checkpoints", tmp / "moved");
+  write_text(run.run_dir / "checkpoints", "x");
+  REQUIRE(::kill(run.launcher.pid(), SIGTERM) == 0);
+  CHECK(run.launcher.wait(std::chrono::seconds(60)) == 143);
+  INFO(run.launcher.err());
+  CHECK(contains(run.launcher.err(),
+                 "stopped by SIGTERM, but not every rank checkpointed: rank 0 exited with code 5"));
+  // Rank 1 waited for it after the checkpoint: no verdict from the heartbeats that it hung.
+  CHECK_FALSE(contains(run.launcher.err(), "last heartbeats"));
+  CHECK_FALSE(contains(run.launcher.err(), "stuck:"));
+}
+
 TEST_CASE("SIGTERM whose checkpoint fails on a rank: exit 143 says so, with that rank's event") {
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), resumable_recipe());
