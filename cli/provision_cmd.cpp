@@ -134,12 +134,15 @@ int run_provision(const ProvisionCliOptions& o) {
   // A stop ends each host's work between steps and upload chunks; the report still comes, with
   // what each host got by then.
   install_stop_signal_handlers();
-  exit_on_second_interrupt();  // a connection being made is not cut short by the first
+  exit_on_second_interrupt();  // what cannot be cut short (an upload's last write) by the first
   ProvisionOptions options;
   options.workdir = o.workdir;
   options.recipe = o.recipe;
   options.uploads.assign(o.uploads.begin(), o.uploads.end());
   options.ssh = o.hosts.ssh();
+  // A connection being made, and a command waited for (the host's survey, its dptrain's
+  // version), end at a stop. (Uploads look for it between their chunks.)
+  options.ssh.check_stop = [] { throw_if_stopped(""); };
   UploadProgress progress;
   options.on_upload = [&progress](const std::string& host, const std::string& file, uint64_t sent,
                                   uint64_t size) { progress(host, file, sent, size); };

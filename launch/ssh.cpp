@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -19,6 +20,7 @@
 #include <random>
 #include <set>
 #include <sstream>
+#include <thread>
 #include <utility>
 
 #include <fmt/format.h>
@@ -654,6 +656,39 @@ void SshChannel::close() {
 
 // ---- SshSession ----
 
+namespace {
+
+// ssh_connect, cut short by options.check_stop (which throws) where it is set: a host slow to
+// answer (a silent port, a stuck server) is not waited out after a Ctrl-C. libssh's non-blocking
+// connect then runs step by step, with connect_timeout as this loop's own limit (`timed_out`).
+int connect_stoppable(ssh_session session, const SshOptions& options, bool& timed_out) {
+  if (!options.check_stop) return ssh_connect(session);
+  ssh_set_blocking(session, 0);
+  struct Blocking {
+    ssh_session session;
+    ~Blocking() { ssh_set_blocking(session, 1); }
+  } restore{session};
+  const auto deadline = Clock::now() + options.connect_timeout;
+  int rc = SSH_AGAIN;
+  while ((rc = ssh_connect(session)) == SSH_AGAIN) {
+    options.check_stop();
+    if (Clock::now() >= deadline) {
+      timed_out = true;
+      return SSH_ERROR;
+    }
+    // What comes from the server, or a short pause (a TCP connect in progress shows as
+    // writable, which would not wait).
+    if (struct pollfd p{ssh_get_fd(session), POLLIN, 0}; p.fd >= 0) {
+      ::poll(&p, 1, 20);
+    } else {
+      std::this_thread::sleep_for(milliseconds(20));
+    }
+  }
+  return rc;
+}
+
+}  // namespace
+
 SshSession::SshSession(HostSpec host, SshOptions options, std::shared_ptr<SessionHandle> session)
     : host_(std::move(host)), options_(std::move(options)), session_(std::move(session)) {}
 
@@ -669,7 +704,8 @@ std::unique_ptr<SshSession> SshSession::connect(const HostSpec& host, const SshO
       options.known_hosts.empty() ? default_known_hosts() : options.known_hosts;
   set_options(handle->session, host, options, known_hosts);
   const auto started = std::chrono::steady_clock::now();
-  if (ssh_connect(handle->session) != SSH_OK) {
+  bool timed_out = false;  // connect_stoppable's own limit ran out
+  if (connect_stoppable(handle->session, options, timed_out) != SSH_OK) {
     // "within" only where the time (most likely) ran out: a refusal comes at once. A guess from
     // the time taken: libssh does not say which it was.
     const bool waited = std::chrono::steady_clock::now() - started >= options.connect_timeout / 2;
@@ -689,15 +725,15 @@ std::unique_ptr<SshSession> SshSession::connect(const HostSpec& host, const SshO
                                "port, or an SSH server turning connections away, MaxStartups)",
                                host.display(), host.port, handle->error()));
     }
+    const std::string why = timed_out ? "Timeout connecting to " + host.host : handle->error();
     // The port too where the host's name leaves it out (22): a refused or silent port is the
     // cause as often as the host.
     const std::string where = host.port == kDefaultSshPort
                                   ? fmt::format("{} (port {})", host.display(), host.port)
                                   : host.display();
-    throw SshUnreachable(
-        fmt::format("cannot connect to {}{}: {}", where,
-                    waited ? " within " + seconds_text(options.connect_timeout) : std::string(),
-                    handle->error()));
+    throw SshUnreachable(fmt::format(
+        "cannot connect to {}{}: {}", where,
+        waited ? " within " + seconds_text(options.connect_timeout) : std::string(), why));
   }
   enable_tcp_keepalive(handle->session, options.keepalive_interval_s);
   verify_host_key(handle->session, host, known_hosts, options.accept_new_host_keys);

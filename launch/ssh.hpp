@@ -32,7 +32,8 @@ struct SshOptions {
   int keepalive_interval_s = 15;                      // 0: none
   // When set, called while a command of run() is waited for (every 250 ms): it throws to stop
   // waiting (a stop signal), and the command is sent SIGKILL (where the server allows) and its
-  // channel closed before the exception passes on.
+  // channel closed before the exception passes on. While connecting too (every 20 ms): the
+  // connection is then dropped.
   std::function<void()> check_stop;
 };
 

@@ -12,6 +12,7 @@
 #include <optional>
 #include <regex>
 #include <sstream>
+#include <thread>
 
 #include "launch/provision.hpp"
 #include "tests/harness.hpp"
@@ -266,6 +267,29 @@ TEST_CASE("provision: an unreachable port is reported within the connect timeout
     REQUIRE(host["uploads"].size() == 1);
     CHECK(host["uploads"][0]["file"] == "bin/dptrain");
     CHECK(host["uploads"][0]["status"] == "pending");
+  }
+}
+
+TEST_CASE("provision and doctor: SIGINT while a host is being connected to ends it at once") {
+  const auto& sshd = LoopbackSshd::instance();
+  TempDir tmp;
+  // The port accepts TCP and never speaks SSH: the connection would wait its whole minute.
+  std::optional<HeldPort> silent(std::in_place, false);
+  write_text(tmp / "hosts", "127.0.0.1 port=" + std::to_string(silent->port()) + "\n");
+  for (const char* command : {"provision", "doctor"}) {
+    CAPTURE(command);
+    Background run({command, "--hosts", (tmp / "hosts").string(), "--known-hosts",
+                    sshd.known_hosts().string(), "--connect-timeout", "60", "--json"});
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    const auto sent = std::chrono::steady_clock::now();
+    REQUIRE(::kill(run.pid(), SIGINT) == 0);
+    CHECK(run.wait(std::chrono::seconds(90)) == 130);
+    // A bound against waiting out the connection (60 s), not a speed assertion.
+    CHECK(std::chrono::steady_clock::now() - sent < std::chrono::seconds(30));
+    INFO(run.err());
+    const auto report = parse_json(run.out());
+    CHECK(report["status"] == "interrupted");
+    CHECK(report["ok"] == false);
   }
 }
 
