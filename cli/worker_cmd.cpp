@@ -212,69 +212,6 @@ std::string no_store_hint(const WorkerOptions& o) {
   return "; is rank 0 running, started with --host-store (DPTRAIN_HOST_STORE=1) to serve it?";
 }
 
-// Ranks started by hand with different generations (--generation, DPTRAIN_GENERATION) never
-// meet: each generation's keys are its own. Each says "RANK GENERATION" at the store's root
-// (say_generation), under its own key and, but for rank 0, under a shared one (the last to come
-// wins). As it starts, rank 0 looks at the shared key and the others at rank 0's; when its wait
-// runs out, a rank looks at them all. One that finds another generation there refuses, in that
-// rank's generation too, so that its ranks learn it as well (generation_refusal).
-std::string generation_key(int rank) {
-  return fmt::format("generation/{}", rank);
-}
-constexpr const char* kAnyGenerationKey = "generation/any";
-
-void say_generation(Store& root, const WorkerOptions& o) {
-  const std::string said = fmt::format("{} {}", o.rank, o.generation);
-  root.set(generation_key(o.rank), said);
-  if (o.rank != 0) root.set(kAnyGenerationKey, said);
-}
-
-// The rank and generation that `key` holds, where that is another rank's and another generation.
-std::optional<std::pair<int, std::string>> other_generation(Store& root, const WorkerOptions& o,
-                                                            const std::string& key) {
-  if (!root.check({key})) return std::nullopt;
-  const std::string said = root.get(key, std::chrono::seconds(1));
-  const size_t space = said.find(' ');
-  const auto number = [](std::string_view text) {
-    return !text.empty() && text.size() < 10 &&
-           text.find_first_not_of("0123456789") == std::string_view::npos;
-  };
-  if (space == std::string::npos || !number(said.substr(0, space)) ||
-      !number(said.substr(space + 1))) {
-    return std::nullopt;
-  }
-  const int rank = std::stoi(said.substr(0, space));
-  std::string generation = said.substr(space + 1);
-  if (rank == o.rank || generation == std::to_string(o.generation)) return std::nullopt;
-  return std::pair(rank, std::move(generation));
-}
-
-// Where the wait ran out: every rank's key (the first kMaxLooked), the shared one and rank 0's.
-std::optional<std::pair<int, std::string>> any_other_generation(Store& root,
-                                                                const WorkerOptions& o) {
-  constexpr int kMaxLooked = 1024;
-  for (int r = 0; r < std::min(o.world_size, kMaxLooked); ++r) {
-    if (auto other = other_generation(root, o, generation_key(r))) return other;
-  }
-  return other_generation(root, o, kAnyGenerationKey);
-}
-
-Error generation_refusal(Store& root, const WorkerOptions& o,
-                         const std::pair<int, std::string>& other) {
-  const Error mismatch(
-      ErrorKind::usage,
-      fmt::format("rank {} was started with generation {}, rank {} with {} "
-                  "(from {}): start every rank with the same generation",
-                  other.first, other.second, o.rank, o.generation, o.generation_from));
-  try {
-    PrefixStore theirs("gen" + other.second, root);
-    refuse_to_start(theirs, o.rank, o.world_size, mismatch);
-  } catch (const Error&) {
-    // The store went meanwhile: they learn nothing from here.
-  }
-  return mismatch;
-}
-
 std::atomic<bool> g_stop_requested{false};
 // The stop signals' bytes, for the StopWatcher thread; a 0 byte tells it to end.
 int g_signal_pipe[2] = {-1, -1};
@@ -778,7 +715,7 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
   farewell.host = host;
   farewell.port = port;
   farewell.secret = secret;
-  farewell.prefix = fmt::format("gen{}", o.generation);
+  farewell.prefix = generation_prefix(o.generation);
   farewell.rank = o.rank;
   farewell.world = o.world_size;
   if (o.timeout_s > 0) {
@@ -973,10 +910,11 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
   // the answer rank 0 waits for, so it is there once the ranks agree).
   if (!started_by_launcher()) {
     store.set(fmt::format("host/{}", o.rank), this_host());
-    say_generation(client, o);
-    if (const auto other = other_generation(
-            client, o, o.rank == 0 ? std::string(kAnyGenerationKey) : generation_key(0))) {
-      throw generation_refusal(client, o, *other);
+    // Ranks of different generations would never meet: refused at once, naming both.
+    say_generation(client, o.rank, o.generation);
+    if (const auto other = other_generation(client, o.rank, o.world_size, o.generation, false)) {
+      throw refuse_other_generation(client, o.rank, o.world_size, o.generation, o.generation_from,
+                                    *other, farewell.server != nullptr);
     }
   }
   std::unique_ptr<Communicator> comm;
@@ -986,8 +924,16 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
     } catch (const KeyTimeout&) {
       farewell.waited_out = true;
       if (!started_by_launcher()) {
-        if (const auto other = any_other_generation(client, o)) {
-          throw generation_refusal(client, o, *other);
+        // Why they never came, where that was another generation (a store gone meanwhile: the
+        // timeout is the answer).
+        std::optional<OtherGeneration> other;
+        try {
+          other = other_generation(client, o.rank, o.world_size, o.generation, true);
+        } catch (const Error&) {
+        }
+        if (other) {
+          throw refuse_other_generation(client, o.rank, o.world_size, o.generation,
+                                        o.generation_from, *other, farewell.server != nullptr);
         }
       }
       throw;

@@ -357,17 +357,21 @@ int run_agent(const AgentPlan& given, std::FILE* out, int stop_fd) {
     // that did not, as its own status, for the launcher to report. Never 0, which says every
     // rank finished (the launcher would name them all as having left early): a rank that
     // exited 0 is passed over.
+    // A rank killed (after the stop's grace, say) first, with no report: the launcher's verdict
+    // from the heartbeats stands. Else the rank that failed of itself (a checkpoint it could not
+    // write) before one with a communication error (3, what a peer's end causes), reported so
+    // that the launcher names it as it names its own ranks.
+    const ProcessExit* failed = nullptr;
     for (const ProcessExit& e : result.exits) {
       if (e.signal != 0) return 128 + e.signal;
-      if (e.exit_code != 143 && e.exit_code != 0) {
-        // One that failed of itself as it stopped (a checkpoint it could not write): named, as
-        // a launcher names its own ranks. (Not one killed: the launcher's verdict from the
-        // heartbeats stands for a rank killed after the stop's grace.)
-        ProcessFailure f;
-        static_cast<ProcessExit&>(f) = e;
-        report_failure(f);
-        return e.exit_code;
-      }
+      if (e.exit_code == 143 || e.exit_code == 0) continue;
+      if (failed == nullptr || (failed->exit_code == 3 && e.exit_code != 3)) failed = &e;
+    }
+    if (failed != nullptr) {
+      ProcessFailure f;
+      static_cast<ProcessExit&>(f) = *failed;
+      report_failure(f);
+      return failed->exit_code;
     }
     return 143;
   }

@@ -333,7 +333,7 @@ class Doctor {
       try {
         s.facts = survey_host(*s.shell, h, options_.workdir);
         s.checks.push_back({"workdir", h.display(), true,
-                            s.facts.workdir_exists
+                            s.facts.workdir_base.empty()
                                 ? fmt::format("{} is writable", s.facts.workdir)
                                 : fmt::format("{} is not there yet (provision makes it); where it "
                                               "goes takes writes",
@@ -984,8 +984,16 @@ class Doctor {
       if (hosts_[i].is_local() || !surveys_[i].shell) continue;
       removals.emplace_back([this, i, &remote_name] {
         try {
-          surveys_[i].shell->run("rm -rf " +
-                                 shell_quote(surveys_[i].facts.workdir + "/runs/" + remote_name));
+          const HostFacts& f = surveys_[i].facts;
+          std::string command = "rm -rf " + shell_quote(f.workdir + "/runs/" + remote_name);
+          // A workdir that was not there: the directories the trial made for it go too (each
+          // left empty, up to the one that was there).
+          if (!f.workdir_base.empty()) {
+            command += "; d=" + shell_quote(f.workdir + "/runs") +
+                       "; while [ \"$d\" != " + shell_quote(f.workdir_base) +
+                       " ] && rmdir -- \"$d\" 2>/dev/null; do d=$(dirname -- \"$d\"); done";
+          }
+          surveys_[i].shell->run(command);
         } catch (const Error&) {
           // A host that went away keeps its directory; the check itself passed.
         }

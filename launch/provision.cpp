@@ -119,7 +119,7 @@ HostFacts parse_facts(const std::string& output) {
   std::string gpu_lines;
   for (const auto& [key, value] : key_values(output)) {
     if (key == "workdir") facts.workdir = value;
-    if (key == "workdir_missing") facts.workdir_exists = value != "1";
+    if (key == "workdir_missing") facts.workdir_base = value;
     if (key == "hostname") facts.hostname = value;
     if (key == "os") facts.os = value;
     if (key == "cpus") facts.cpus = number_or_zero<int>(value);
@@ -279,7 +279,10 @@ std::string facts_script(const std::string& workdir, const std::vector<PlannedFi
 else
   p=$d
   while [ ! -d "$p" ]; do
-    if [ -e "$p" ] || [ -L "$p" ]; then echo "$p is not a directory (the workdir goes there)" >&2; exit 1; fi
+    if [ -e "$p" ] || [ -L "$p" ]; then
+      if [ "$p" = "$d" ]; then where=there; else where="under it"; fi
+      echo "$p is not a directory (the workdir goes $where)" >&2; exit 1
+    fi
     p=$(dirname -- "$p")
   done
   if [ "$p" = . ]; then rest=$d; else rest=${d#"$p"}; rest=${rest#/}; fi
@@ -301,7 +304,7 @@ fi
 )sh";
   // nvidia-smi can hang on a wedged driver: it gets its own timeout.
   script += R"sh(w=$(pwd -P)
-if [ -n "$rest" ]; then echo "workdir=${w%/}/$rest"; echo "workdir_missing=1"; else echo "workdir=$w"; fi
+if [ -n "$rest" ]; then echo "workdir=${w%/}/$rest"; echo "workdir_missing=$w"; else echo "workdir=$w"; fi
 echo "hostname=$(hostname 2>/dev/null || cat /proc/sys/kernel/hostname)"
 echo "os=$(. /etc/os-release 2>/dev/null; echo "${PRETTY_NAME:-unknown}")"
 echo "cpus=$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN)"

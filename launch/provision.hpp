@@ -46,11 +46,13 @@ struct HostFacts {
   uint64_t memory_bytes = 0;
   uint64_t disk_free_bytes = 0;  // in the workdir
   std::string workdir;           // absolute, on the host
-  bool workdir_exists = true;    // false: a survey found it not made yet (provision makes it)
-  std::vector<GpuFact> gpus;     // none is a fact, not an error
-  std::string gpu_note;          // why there are none: "no nvidia-smi", "nvidia-smi failed: ..."
-  std::string driver_version;    // of the first GPU; empty without one
-  std::string dptrain_version;   // `WORKDIR/bin/dptrain --version` once provisioned
+  // Where a survey found the workdir not made yet (provision makes it): the directory above it
+  // that is there; empty where the workdir is there.
+  std::string workdir_base;
+  std::vector<GpuFact> gpus;    // none is a fact, not an error
+  std::string gpu_note;         // why there are none: "no nvidia-smi", "nvidia-smi failed: ..."
+  std::string driver_version;   // of the first GPU; empty without one
+  std::string dptrain_version;  // `WORKDIR/bin/dptrain --version` once provisioned
 };
 
 // One file provision puts on a host.

@@ -996,7 +996,11 @@ std::string charts(const RunView& run) {
 // failed as it started: a --resume that does not fit, a rank that did not come).
 std::string resumed_from_text(const json& generation) {
   if (const std::string from = text(generation, "resumed_from"); !from.empty()) return from;
-  return generation.contains("ended_at") && !generation.contains("met_at") ? "-" : "start";
+  // (A record from before met_at was kept has the backend of ranks that met.)
+  const bool never_met = generation.contains("ended_at") && !generation.contains("met_at") &&
+                         !generation.contains("backend") &&
+                         text(generation, "status") != "completed";
+  return never_met ? "-" : "start";
 }
 
 std::string generations_table(const RunView& run) {

@@ -244,6 +244,16 @@ TEST_CASE("doctor: no dptrain in a --workdir: the fix provisions that workdir") 
                                                   "it goes takes writes"));
 }
 
+TEST_CASE("doctor: a trial all-reduce in a workdir not there yet leaves no directory behind") {
+  DoctorFixture f;
+  const fs::path workdir = f.tmp / "fresh" / "work";
+  auto r = f.doctor({"--workdir", workdir.string(), "--remote-binary", binary()});
+  INFO(r.out, r.err);
+  CHECK(r.exit_code == 0);
+  CHECK(contains(r.out, "met and all-reduced"));
+  CHECK_FALSE(fs::exists(f.tmp / "fresh"));
+}
+
 TEST_CASE("doctor: a file where a workdir not there yet would go fails the workdir check") {
   DoctorFixture f;
   write_text(f.tmp / "plain", "x");
@@ -255,7 +265,7 @@ TEST_CASE("doctor: a file where a workdir not there yet would go fails the workd
   REQUIRE_FALSE(fails.empty());
   CHECK(fails.front().starts_with("FAIL workdir"));
   CHECK(contains(fails.front(),
-                 (f.tmp / "plain").string() + " is not a directory (the workdir goes there)"));
+                 (f.tmp / "plain").string() + " is not a directory (the workdir goes under it)"));
 }
 
 TEST_CASE("doctor: a binary there that lacks a library says so, not to provision it") {

@@ -423,4 +423,71 @@ void wait_until_told(Store& store, int world, std::chrono::milliseconds bound, b
   wait_for_others(store, world, told_key, bound, silent);
 }
 
+std::string generation_prefix(int generation) {
+  return fmt::format("gen{}", generation);
+}
+
+namespace {
+
+std::string generation_key(int rank) {
+  return fmt::format("generation/{}", rank);
+}
+constexpr const char* kAnyGenerationKey = "generation/any";
+
+// What `key` says ("RANK GENERATION"), where it is another rank's and another generation.
+std::optional<OtherGeneration> posted_generation(Store& root, const std::string& key, int rank,
+                                                 int generation) {
+  if (!root.check({key})) return std::nullopt;
+  const auto [other, rest] = split_number(root.get(key, std::chrono::seconds(1)));
+  const int theirs = split_number(rest).first;
+  if (other < 0 || theirs < 1 || other == rank || theirs == generation) return std::nullopt;
+  return OtherGeneration{other, theirs};
+}
+
+}  // namespace
+
+void say_generation(Store& root, int rank, int generation) {
+  const std::string said = fmt::format("{} {}", rank, generation);
+  root.set(generation_key(rank), said);
+  if (rank != 0) root.set(kAnyGenerationKey, said);
+}
+
+std::optional<OtherGeneration> other_generation(Store& root, int rank, int world, int generation,
+                                                bool waited_out) {
+  constexpr int kMaxLooked = 1024;
+  std::vector<std::string> keys;
+  if (rank == 0 || waited_out) {
+    for (int r = 0; r < std::min(world, kMaxLooked); ++r)
+      keys.push_back(generation_key(r));
+    keys.push_back(kAnyGenerationKey);
+  } else {
+    keys.push_back(generation_key(0));
+  }
+  for (const std::string& key : keys) {
+    const auto other = posted_generation(root, key, rank, generation);
+    if (other && (waited_out || other->generation > generation)) return other;
+  }
+  return std::nullopt;
+}
+
+Error refuse_other_generation(Store& root, int rank, int world, int generation,
+                              const std::string& generation_from, const OtherGeneration& other,
+                              bool serves_store) {
+  const Error refusal(ErrorKind::usage,
+                      fmt::format("rank {} was started with generation {}, rank {} with {} (from "
+                                  "{}): start every rank with the same generation",
+                                  other.rank, other.generation, rank, generation, generation_from));
+  std::vector<int> generations = {generation};
+  if (serves_store || other.generation < generation) generations.push_back(other.generation);
+  for (const int g : generations) {
+    try {
+      PrefixStore store(generation_prefix(g), root);
+      refuse_to_start(store, rank, world, refusal);
+    } catch (const Error&) {
+      // The store went meanwhile: nobody is left to tell there.
+    }
+  }
+  return refusal;
+}
+
 }  // namespace dptrain

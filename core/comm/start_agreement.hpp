@@ -64,4 +64,34 @@ void wait_until_heard(Store& store, int world, std::chrono::milliseconds bound,
 void wait_until_told(Store& store, int world, std::chrono::milliseconds bound,
                      bool answered_only = false);
 
+// The prefix of a restart generation's keys ("gen2"): ranks of other generations never see them.
+std::string generation_prefix(int generation);
+
+// Ranks started without a launcher and given different generations (DPTRAIN_GENERATION) would
+// never meet: each says "RANK GENERATION" at the store's root (`root`: not prefixed), under its
+// own key and, but for rank 0, a shared one (the last to come wins).
+void say_generation(Store& root, int rank, int generation);
+
+// Another rank's generation found at the store's root: the rank, its generation.
+struct OtherGeneration {
+  int rank = -1;
+  int generation = 0;
+};
+
+// As a rank starts (`waited_out` false): a rank of a newer generation than this one's (rank 0
+// looks at every rank's key, the first 1024, and the shared one; the others at rank 0's). Not an
+// older one then: a late rank of a dead generation must not stop a newer one. Once its wait ran
+// out: any other generation, every key looked at. Every rank writes its key before it looks, so
+// of two ranks of different generations one sees the other. Store errors pass on.
+std::optional<OtherGeneration> other_generation(Store& root, int rank, int world, int generation,
+                                                bool waited_out);
+
+// This rank's refusal to start for `other` (Error(usage) naming both generations and where this
+// rank's came from), posted (refuse_to_start) in its own generation and, where this rank serves
+// the store or the other's generation is the older, in that one too, so that the ranks of both
+// learn it at once. A store gone meanwhile is passed over.
+Error refuse_other_generation(Store& root, int rank, int world, int generation,
+                              const std::string& generation_from, const OtherGeneration& other,
+                              bool serves_store);
+
 }  // namespace dptrain

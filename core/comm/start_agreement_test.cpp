@@ -249,5 +249,54 @@ TEST_CASE("peer failures: rank 0 waits for no word from peers known to be gone")
   CHECK(std::chrono::steady_clock::now() - t0 < 60s);
 }
 
+TEST_CASE(
+    "generations: a newer one is refused as a rank starts, an older one only once it waited") {
+  TcpStoreServer server;
+  TcpStoreClient root("127.0.0.1", server.port(), 10s);
+  // Rank 0 of generation 2 serves the store; rank 1 came with generation 1, rank 2 with 3.
+  say_generation(root, 0, 2);
+  say_generation(root, 1, 1);
+  // As it starts, rank 0 takes no older generation for a cause (a late rank of a dead one)...
+  CHECK_FALSE(other_generation(root, 0, 2, 2, false));
+  // ...but it does once its wait ran out; rank 1 sees rank 0's newer one at once.
+  const auto waited = other_generation(root, 0, 2, 2, true);
+  REQUIRE(waited);
+  CHECK(waited->rank == 1);
+  CHECK(waited->generation == 1);
+  const auto newer = other_generation(root, 1, 2, 1, false);
+  REQUIRE(newer);
+  CHECK(newer->rank == 0);
+  CHECK(newer->generation == 2);
+  // Rank 0 looks at every rank's key, and the shared one (the last to come).
+  say_generation(root, 2, 3);
+  const auto found = other_generation(root, 0, 3, 2, false);
+  REQUIRE(found);
+  CHECK(found->rank == 2);
+  CHECK(found->generation == 3);
+  // Garbage under a key is no generation (the shared key holds rank 2's 3, this rank's here).
+  root.set("generation/1", "x y");
+  CHECK_FALSE(other_generation(root, 0, 2, 3, true));
+}
+
+TEST_CASE("generations: a refusal goes to its own generation, and to the other only if older") {
+  TcpStoreServer server;
+  TcpStoreClient root("127.0.0.1", server.port(), 10s);
+  PrefixStore gen1("gen1", root), gen2("gen2", root);
+  // Rank 1 of generation 1 found rank 0's newer 2: its own generation learns it, generation 2
+  // (perhaps the live one, this rank a late one of a dead generation) does not.
+  const Error refusal =
+      refuse_other_generation(root, 1, 2, 1, "the default", {0, 2}, /*serves_store=*/false);
+  CHECK(refusal.kind() == ErrorKind::usage);
+  CHECK(std::string(refusal.what()) ==
+        "rank 0 was started with generation 2, rank 1 with 1 (from the default): start every "
+        "rank with the same generation");
+  CHECK(gen1.check({"backend/nccl/1"}));
+  CHECK_FALSE(gen2.check({"backend/nccl/1"}));
+  // Rank 0 serving the store tells the other generation too, as does a rank of the newer one.
+  refuse_other_generation(root, 0, 2, 1, "DPTRAIN_GENERATION", {1, 2}, /*serves_store=*/true);
+  CHECK(gen2.check({"backend/choice"}));
+  CHECK(gen1.check({"backend/choice"}));
+}
+
 }  // namespace
 }  // namespace dptrain

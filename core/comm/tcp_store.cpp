@@ -739,11 +739,15 @@ TcpStoreClient::Reply TcpStoreClient::exchange_locked(const std::string& frame,
     recv_exact(socket_.get(), header, sizeof(header), deadline);
     const uint32_t length = protocol::frame_length(std::string_view(header, sizeof(header)));
     if (length == 0 || length > protocol::kMaxFrameBytes) {
-      // Its first bytes, not a length: another service (an HTTP server's "HTTP/1.1 400").
-      throw Error(ErrorKind::comm,
-                  fmt::format("it answered '{}...', not as a dptrain store (another service on "
-                              "that port?)",
-                              printable(std::string_view(header, sizeof(header)))));
+      // Before the store answered as one (the handshake): the first bytes of another service's
+      // answer (an HTTP server's "HTTP/1.1 400"), not a length.
+      if (!served_) {
+        throw Error(ErrorKind::comm,
+                    fmt::format("it answered '{}...', not as a dptrain store (another service on "
+                                "that port?)",
+                                printable(std::string_view(header, sizeof(header)))));
+      }
+      throw Error(ErrorKind::comm, fmt::format("reply length {} out of range", length));
     }
     std::string payload(length, '\0');
     recv_exact(socket_.get(), payload.data(), payload.size(), deadline);

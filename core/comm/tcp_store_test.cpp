@@ -341,6 +341,11 @@ TEST_CASE("tcp store: a listener that answers as another service is named by its
   const UniqueFd other = listen_tcp("127.0.0.1", 0);
   const uint16_t port = local_port(other.get());
   std::thread service([&] {
+    // (The listening socket does not block: wait for the client first.)
+    struct pollfd ready {
+      other.get(), POLLIN, 0
+    };
+    if (::poll(&ready, 1, 30000) != 1) return;
     const int fd = ::accept(other.get(), nullptr, nullptr);
     if (fd < 0) return;
     const std::string_view answer = "HTTP/1.1 400 Bad Request\r\n\r\n";
