@@ -414,7 +414,7 @@ int run_bench_worker(const std::string& serialized) {
   const std::string secret = env(kStoreSecretEnv).value_or("");
   faults.before_join();
   TcpStoreClient client(host, port, timeout, secret);
-  PrefixStore store(fmt::format("gen{}", generation), client);
+  PrefixStore store(generation_prefix(generation), client);
   store.set_join_advice(launched_join_advice("bench comm's --timeout"));
   std::shared_ptr<Ops> device;  // NCCL's buffers live on it; declared first, destroyed last
   std::unique_ptr<Communicator> comm;

@@ -112,7 +112,7 @@ BeatStore::BeatStore(const std::string& host, uint16_t port, const std::string& 
     // A beat is sent again a second later: one the store does not take within 2 s is dropped,
     // not waited for (holding the rank's reads of its peers' heartbeats with it).
     client_->set_request_timeout(std::chrono::seconds(2));
-    prefix_.emplace(fmt::format("gen{}", generation), *client_);
+    prefix_.emplace(generation_prefix(generation), *client_);
   } catch (const Error&) {
     client_.reset();
   }

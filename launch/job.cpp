@@ -279,7 +279,7 @@ bool with_generation_store(const std::string& host, uint16_t port, const std::st
                            int generation, const std::function<void(PrefixStore&)>& use) {
   try {
     TcpStoreClient client(host, port, std::chrono::seconds(2), secret);
-    PrefixStore store(fmt::format("gen{}", generation), client);
+    PrefixStore store(generation_prefix(generation), client);
     use(store);
     return true;
   } catch (const std::exception&) {
@@ -990,7 +990,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   {
     watch_client =
         std::make_unique<TcpStoreClient>(addr, store.port(), std::chrono::seconds(10), secret);
-    watch_store = std::make_unique<PrefixStore>(fmt::format("gen{}", generation), *watch_client);
+    watch_store = std::make_unique<PrefixStore>(generation_prefix(generation), *watch_client);
     hang_watch = std::make_unique<HangWatch>(*watch_store, world, spec.hang_timeout, rank_name);
     options.watchdog = [&]() -> std::optional<std::string> {
       auto verdict = hang_watch->check();

@@ -423,10 +423,6 @@ void wait_until_told(Store& store, int world, std::chrono::milliseconds bound, b
   wait_for_others(store, world, told_key, bound, silent);
 }
 
-std::string generation_prefix(int generation) {
-  return fmt::format("gen{}", generation);
-}
-
 namespace {
 
 std::string generation_key(int rank) {

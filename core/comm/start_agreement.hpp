@@ -64,9 +64,6 @@ void wait_until_heard(Store& store, int world, std::chrono::milliseconds bound,
 void wait_until_told(Store& store, int world, std::chrono::milliseconds bound,
                      bool answered_only = false);
 
-// The prefix of a restart generation's keys ("gen2"): ranks of other generations never see them.
-std::string generation_prefix(int generation);
-
 // Ranks started without a launcher and given different generations (DPTRAIN_GENERATION) would
 // never meet: each says "RANK GENERATION" at the store's root (`root`: not prefixed), under its
 // own key and, but for rank 0, a shared one (the last to come wins).

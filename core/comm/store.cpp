@@ -129,4 +129,8 @@ std::string key_timeout_message(const std::vector<std::string>& missing_keys,
                      missing_keys.size() == 1 ? "" : "s", keys, store_description);
 }
 
+std::string generation_prefix(int generation) {
+  return fmt::format("gen{}", generation);
+}
+
 }  // namespace dptrain

@@ -56,6 +56,9 @@ class Store {
   JoinAdvice join_advice_;
 };
 
+// The prefix of a restart generation's keys ("gen2"): ranks of other generations never see them.
+std::string generation_prefix(int generation);
+
 // Namespaces every key as prefix + "/" + key, so that e.g. each restart generation sees only its
 // own keys. Error messages name the full key. Its join advice starts as the inner store's.
 class PrefixStore : public Store {
