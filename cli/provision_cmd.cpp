@@ -52,18 +52,17 @@ class UploadProgress {
       printer_.line(fmt::format("{}: uploading {} ({})", host, file, human_bytes(size)));
       uploading_ = true;
     }
-    uploads_[host + "\n" + file] = sent;
+    uint64_t& done = uploads_[host + "\n" + file];
+    all_done_ = all_done_ - done + sent;
+    done = sent;
     const auto now = std::chrono::steady_clock::now();
     if (now - shown_ < std::chrono::milliseconds(100) && sent != size) return;
     shown_ = now;
-    uint64_t all_done = 0;
-    for (const auto& [key, done] : uploads_)
-      all_done += done;
     // Files held already are nothing to show until an upload starts.
-    if (!uploading_ || all_done == 0) return;
-    const uint64_t all = std::max(planned_, all_done);
-    printer_.progress(fmt::format("uploading: {} of {} ({}%)", human_bytes(all_done),
-                                  human_bytes(all), all_done * 100 / all));
+    if (!uploading_ || all_done_ == 0) return;
+    const uint64_t all = std::max(planned_, all_done_);
+    printer_.progress(fmt::format("uploading: {} of {} ({}%)", human_bytes(all_done_),
+                                  human_bytes(all), all_done_ * 100 / all));
   }
   void finish() {
     std::lock_guard lock(mutex_);
@@ -76,6 +75,7 @@ class UploadProgress {
   uint64_t planned_ = 0;
   bool uploading_ = false;
   std::map<std::string, uint64_t> uploads_;  // bytes sent (or held already) of each
+  uint64_t all_done_ = 0;                    // their sum
   std::chrono::steady_clock::time_point shown_;
 };
 

@@ -879,8 +879,7 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
   std::optional<TcpStoreClient> reached;
   try {
     reached.emplace(host, port, timeout, secret);
-  } catch (const Error& e) {
-    if (!std::string_view(e.what()).starts_with("cannot reach store")) throw;
+  } catch (const StoreUnreachable& e) {
     throw Error(e.kind(), e.what() + no_store_hint(o));
   }
   TcpStoreClient& client = *reached;

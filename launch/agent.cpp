@@ -365,7 +365,7 @@ int run_agent(const AgentPlan& given, std::FILE* out, int stop_fd) {
     for (const ProcessExit& e : result.exits) {
       if (e.signal != 0) return 128 + e.signal;
       if (e.exit_code == 143 || e.exit_code == 0) continue;
-      if (failed == nullptr || (failed->exit_code == 3 && e.exit_code != 3)) failed = &e;
+      if (failed == nullptr || (!failed->failed_of_itself() && e.failed_of_itself())) failed = &e;
     }
     if (failed != nullptr) {
       ProcessFailure f;

@@ -1112,14 +1112,28 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     const auto report = agent_failures.find(label);
     return report == agent_failures.end() ? nullptr : &report->second;
   };
-  // A process's exit as a stop's error names it: a host's relay by the rank its agent reported
-  // (its exit, on that host), not by the relay's own exit code.
-  const auto exit_text = [&](const ProcessExit& e) {
+  // The rank a host's relay stands for in a stop: the one its agent reported (its exit, on that
+  // host), or null for a local rank, or a relay with no report of a rank.
+  const auto reported_rank = [&](const ProcessExit& e) -> const json* {
     const json* r = report_of(e.label);
-    const auto relay = relays.find(e.label);
-    if (r == nullptr || r->value("rank", -1) < 0 || relay == relays.end()) return e.describe();
+    return r != nullptr && r->value("rank", -1) >= 0 && relays.contains(e.label) ? r : nullptr;
+  };
+  // A process's exit as a stop's error names it: a host's relay by the rank its agent reported,
+  // not by the relay's own exit code.
+  const auto exit_text = [&](const ProcessExit& e) {
+    const json* r = reported_rank(e);
+    if (r == nullptr) return e.describe();
     return fmt::format("{} on host {}", r->value("description", e.describe()),
-                       relay->second.host.display());
+                       relays.at(e.label).host.display());
+  };
+  // Its exit as the cause: a relay's (not itself killed) that of the rank its agent reported.
+  const auto rank_exit = [&](const ProcessExit& e) {
+    ProcessExit rank = e;
+    if (const json* r = reported_rank(e); r != nullptr && e.signal == 0) {
+      rank.exit_code = r->value("exit_code", e.exit_code);
+      rank.signal = r->value("signal", 0);
+    }
+    return rank;
   };
   const auto not_checkpointed = [&] {
     std::string list;
@@ -1238,18 +1252,11 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
                [&](const ProcessExit& e) { return e.signal != 0 && !stopped_as_asked(e); }) ||
            std::any_of(agent_failures.begin(), agent_failures.end(),
                        [](const auto& f) { return f.second.value("signal", 0) != 0; }));
-      // (Not a communication error, 3: what a peer's end causes; nor where the launcher had to
-      // kill the ranks, a hang's mark.)
+      // (Not where the launcher had to kill the ranks, a hang's mark.)
       const bool failed_of_itself =
           sup.killed_why.empty() &&
-          std::any_of(sup.exits.begin(), sup.exits.end(), [&](const ProcessExit& e) {
-            const json* r = report_of(e.label);
-            const int code = r != nullptr && r->value("rank", -1) >= 0
-                                 ? r->value("exit_code", e.exit_code)
-                                 : e.exit_code;
-            return e.signal == 0 && !stopped_as_asked(e) && code != 3 && code < 128 &&
-                   (r == nullptr || r->value("signal", 0) == 0);
-          });
+          std::any_of(sup.exits.begin(), sup.exits.end(),
+                      [&](const ProcessExit& e) { return rank_exit(e).failed_of_itself(); });
       if (trace.beats.size() >= 2 && !killed_on_its_own && !failed_of_itself) {
         std::string where = HangWatch::positions(trace.beats, rank_name);
         if (where.find("; waiting for it in collective") != std::string::npos ||

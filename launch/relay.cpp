@@ -116,6 +116,13 @@ constexpr const char* kNotAnAgentFix =
     "'dptrain doctor' checks it, 'dptrain provision' installs this one (or name the right one "
     "with --remote-binary)";
 
+// " (its last line: X)" after a refusal of the program at the binary's path, or nothing where it
+// printed nothing.
+std::string last_line_note(const std::string& last_line) {
+  return last_line.empty() ? std::string()
+                           : fmt::format(" (its last line: {})", printable_excerpt(last_line, 80));
+}
+
 // For a host where another build of dptrain runs, whose agent speaks protocol `said` (its number,
 // or its text where that is not one), or does not say (an older build: nullopt). A restart would
 // meet it again.
@@ -557,10 +564,7 @@ int run_relay(const RelayPlan& plan) {
                     "agent{}: that binary cannot run there (damaged, cut short, or built for "
                     "another machine?); {}",
                     plan.host.display(), plan.remote_binary, signal_name(sig),
-                    last_line.empty()
-                        ? std::string()
-                        : fmt::format(" (its last line: {})", printable_excerpt(last_line, 80)),
-                    kNotAnAgentFix),
+                    last_line_note(last_line), kNotAnAgentFix),
         /*refused=*/true);
     return 4;
   }
@@ -596,10 +600,7 @@ int run_relay(const RelayPlan& plan) {
                     "dptrain's agent (another version?); {}",
                     plan.host.display(), plan.remote_binary,
                     *status == 0 ? std::string("0") : fmt::format("with code {}", *status),
-                    last_line.empty()
-                        ? std::string()
-                        : fmt::format(" (its last line: {})", printable_excerpt(last_line, 80)),
-                    kNotAnAgentFix),
+                    last_line_note(last_line), kNotAnAgentFix),
         /*refused=*/true);
     return 4;
   }

@@ -47,6 +47,12 @@ struct ProcessExit {
   int exit_code = -1;            // when it exited
   int signal = 0;                // when a signal killed it
   std::string describe() const;  // "rank 1 was killed by SIGKILL", "rank 0 exited with code 143"
+  // Failed of itself: an exit code of its own (a checkpoint it could not write, a bad setting),
+  // not 0, not a stop's 143, not a communication error (3: what a peer's end causes), and no
+  // signal (nor a shell's 128 + N for one).
+  bool failed_of_itself() const {
+    return signal == 0 && exit_code > 0 && exit_code != 3 && exit_code != 143 && exit_code < 128;
+  }
 };
 
 // A process that failed on its own, with its last output lines.

@@ -608,9 +608,9 @@ void TcpStoreClient::connect_locked() {
     }
     const auto now = Clock::now();
     if (now >= deadline) {
-      throw Error(ErrorKind::comm, fmt::format("cannot reach store at {} within {}: {}",
-                                               format_host_port(host_, port_),
-                                               format_timeout(connect_timeout_), attempt.failure));
+      throw StoreUnreachable(fmt::format("cannot reach store at {} within {}: {}",
+                                         format_host_port(host_, port_),
+                                         format_timeout(connect_timeout_), attempt.failure));
     }
     std::this_thread::sleep_for(std::min<Clock::duration>(kConnectRetryPause, deadline - now));
   }

@@ -44,6 +44,15 @@ class TcpStoreServer {
   std::thread thread_;
 };
 
+// What a TcpStoreClient throws when nothing it could connect to answered at the store's address
+// within its connect timeout (no store started there yet, a wrong address, a firewall): a caller
+// can say who should serve it. Not a store that answered and refused, nor one that served this
+// client and is gone.
+class StoreUnreachable : public Error {
+ public:
+  explicit StoreUnreachable(const std::string& message) : Error(ErrorKind::comm, message) {}
+};
+
 // A Store talking to a TcpStoreServer over one connection. Thread-safe: requests from several
 // threads are serialised. After a broken connection the next request reconnects (and
 // authenticates again); when nothing listens at the store's address any more (connection
@@ -51,7 +60,7 @@ class TcpStoreServer {
 // timeout.
 class TcpStoreClient : public Store {
  public:
-  // Retries connecting until connect_timeout, then throws Error(comm)
+  // Retries connecting until connect_timeout, then throws StoreUnreachable (an Error(comm))
   // "cannot reach store at HOST:PORT within Ns: <reason>". With a `secret`, the client proves it
   // and refuses a server that cannot prove it back (or does not ask for it); without one, a server
   // that asks for a secret refuses the client. A refusal of the secret throws Error(usage)

@@ -316,6 +316,8 @@ TEST_CASE(
   CHECK(message.find("cannot reach store at 127.0.0.1:" + std::to_string(closed_port) +
                      " within 0.3s") != std::string::npos);
   CHECK(message.find("refused") != std::string::npos);
+  // Typed, for a caller that says who should serve the store (a hand-started rank).
+  CHECK_THROWS_AS(TcpStoreClient("127.0.0.1", closed_port, 100ms), StoreUnreachable);
 }
 
 TEST_CASE("tcp store: a listener that accepts and stays silent is named, not waited on for ever") {
