@@ -110,9 +110,12 @@ void print_table(const std::vector<HostReport>& reports) {
   for (const auto& r : reports) {
     const HostFacts& f = r.facts;
     const auto fact = [&](const std::string& value) { return r.facts_known ? value : "-"; };
-    rows.push_back({r.host.display(), r.ok() ? "ok" : "FAILED", fact(f.hostname), fact(f.os),
-                    fact(std::to_string(f.cpus)), fact(human_bytes(f.memory_bytes)),
-                    fact(human_bytes(f.disk_free_bytes)),
+    rows.push_back({r.host.display(),
+                    r.ok()      ? "ok"
+                    : r.stopped ? "STOPPED"
+                                : "FAILED",
+                    fact(f.hostname), fact(f.os), fact(std::to_string(f.cpus)),
+                    fact(human_bytes(f.memory_bytes)), fact(human_bytes(f.disk_free_bytes)),
                     fact(f.dptrain_version.empty() ? "-" : f.dptrain_version),
                     fact(upload_summary(r.uploads)), fact(gpu_summary(f))});
   }

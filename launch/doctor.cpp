@@ -366,6 +366,15 @@ class Doctor {
     surveying_ = false;
     for (size_t i = 0; i < outcomes.size(); ++i) {
       auto& outcome = outcomes[i];
+      if (!outcome.ok() && is_stop(*outcome.error)) {
+        // Stopped while it connected: nothing is known of the host, and nothing is wrong with it
+        // that doctor saw. The checks not made are not listed; the stop is said.
+        skip("ssh", hosts_[i].display(), outcome.error->what());
+        HostSurvey stopped;
+        stopped.held_back = "doctor was stopped";
+        surveys_.push_back(std::move(stopped));
+        continue;
+      }
       if (!outcome.ok()) {
         const std::string host = hosts_[i].display();
         add("ssh", host, false, outcome.error->what(), ssh_fix(outcome.error->what()));

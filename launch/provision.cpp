@@ -691,6 +691,8 @@ std::vector<HostReport> provision(const std::vector<HostSpec>& hosts,
       const std::string name = host.display();
       const std::string message = e.what();
       report.error = message.find(name) != std::string::npos ? message : name + ": " + message;
+      const auto* error = dynamic_cast<const Error*>(&e);
+      report.stopped = error != nullptr && is_stop_kind(error->kind());
     }
     return report;
   });

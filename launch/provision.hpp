@@ -71,7 +71,8 @@ struct UploadRecord {
 
 struct HostReport {
   HostSpec host;
-  std::string error;  // empty when the host is provisioned; else one line naming the host
+  std::string error;     // empty when the host is provisioned; else one line naming the host
+  bool stopped = false;  // the error is a stop signal's (SIGINT, SIGTERM), not the host's fault
   bool facts_known = false;
   HostFacts facts;
   std::vector<UploadRecord> uploads;

@@ -668,10 +668,24 @@ int connect_stoppable(ssh_session session, const SshOptions& options, bool& time
     ssh_session session;
     ~Blocking() { ssh_set_blocking(session, 1); }
   } restore{session};
-  const auto deadline = Clock::now() + options.connect_timeout;
+  const auto began = Clock::now();
+  const auto deadline = began + options.connect_timeout;
   int rc = SSH_AGAIN;
   while ((rc = ssh_connect(session)) == SSH_AGAIN) {
-    options.check_stop();
+    try {
+      options.check_stop();
+    } catch (const Error& e) {
+      if (!is_stop_kind(e.kind())) throw;
+      // What the stop cut short, and how long the host had been given: a host that never
+      // answers reads apart from one stopped a moment after the start.
+      throw Error(
+          e.kind(),
+          fmt::format("{} while connecting (no SSH answer yet after {} of "
+                      "--connect-timeout {}; nothing was done there)",
+                      e.what(),
+                      seconds_text(std::chrono::duration_cast<milliseconds>(Clock::now() - began)),
+                      seconds_text(options.connect_timeout)));
+    }
     if (Clock::now() >= deadline) {
       timed_out = true;
       return SSH_ERROR;

@@ -17,6 +17,7 @@
 #include "launch/provision.hpp"
 #include "tests/harness.hpp"
 #include "tests/sshd.hpp"
+#include "tests/strings.hpp"
 
 using namespace dptrain::test;
 using dptrain::sha256_file;
@@ -290,7 +291,32 @@ TEST_CASE("provision and doctor: SIGINT while a host is being connected to ends 
     const auto report = parse_json(run.out());
     CHECK(report["status"] == "interrupted");
     CHECK(report["ok"] == false);
+    // What the stop cut short is said, and the host is not blamed for it.
+    const std::string cut_short = "stopped by SIGINT while connecting (no SSH answer yet after ";
+    if (std::string(command) == "provision") {
+      const std::string error = report["hosts"][0]["error"];
+      CHECK(contains(error, cut_short));
+      CHECK(contains(error, "of --connect-timeout 60s; nothing was done there)"));
+    } else {
+      json ssh;
+      for (const auto& check : report["checks"]) {
+        if (check["check"] == "ssh") ssh = check;
+      }
+      REQUIRE(ssh.is_object());
+      CHECK(ssh["skipped"] == true);
+      CHECK(ssh["fix"].is_null());
+      CHECK(contains(ssh["detail"].get<std::string>(), cut_short));
+      CHECK_FALSE(contains(run.out(), "check the host is up"));
+    }
   }
+  // A table's line for a host stopped so says so, not that it failed.
+  Background plain({"provision", "--hosts", (tmp / "hosts").string(), "--known-hosts",
+                    sshd.known_hosts().string(), "--connect-timeout", "60"});
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  REQUIRE(::kill(plain.pid(), SIGINT) == 0);
+  CHECK(plain.wait(std::chrono::seconds(90)) == 130);
+  CHECK(contains(plain.out(), "STOPPED"));
+  CHECK_FALSE(contains(plain.out(), "FAILED"));
 }
 
 TEST_CASE("provision: SIGINT mid-upload stops it: exit 130, the report so far, nothing partial") {
