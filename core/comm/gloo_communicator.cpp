@@ -523,16 +523,8 @@ void GlooCommunicator::guarded(Describe&& describe, Body&& body) {
 
 void GlooCommunicator::fail(const std::string& operation, const std::string& cause) {
   *failure_ = cause;
-  // A connection a peer closed or reset means the peer is gone (it exited or was killed): say
-  // so, as the socket error alone reads like a network fault.
-  const bool peer_gone = cause.find("Connection reset by peer") != std::string::npos ||
-                         cause.find("Connection closed by peer") != std::string::npos ||
-                         cause.find("Broken pipe") != std::string::npos;
-  throw Error(
-      ErrorKind::comm,
-      fmt::format(
-          "rank {}: gloo {} failed: {}{}", rank_, operation, cause,
-          peer_gone ? fmt::format(" ({}: its own exit or log says why)", kPeerGoneNote) : ""));
+  throw Error(ErrorKind::comm, fmt::format("rank {}: gloo {} failed: {}{}", rank_, operation, cause,
+                                           gloo_cause_note(cause, size_)));
 }
 
 GlooCommunicator::GlooCommunicator(Store& store, int rank, int size, const GlooOptions& options)
@@ -697,6 +689,27 @@ int GlooCommunicator::recv_any(void* data, size_t bytes, const std::vector<int>&
 }
 
 }  // namespace
+
+std::string gloo_cause_note(const std::string& cause, int world_size) {
+  // A connection a peer closed or reset means the peer is gone (it exited or was killed): say
+  // so, as the socket error alone reads like a network fault.
+  if (cause.find("Connection reset by peer") != std::string::npos ||
+      cause.find("Connection closed by peer") != std::string::npos ||
+      cause.find("Broken pipe") != std::string::npos) {
+    return fmt::format(" ({}: its own exit or log says why)", kPeerGoneNote);
+  }
+  // Gloo's transport listens on a port of its own for each peer (bound to port 0: the kernel's
+  // ephemeral range) until the peer connects, so a machine running many ranks of a large job
+  // can run out of them as the ranks meet.
+  if (cause.find("bind: Address already in use") != std::string::npos) {
+    return fmt::format(
+        " (this machine ran out of ephemeral ports: as the ranks meet, each rank's Gloo listens on "
+        "a port of its own for each of its {} peers; run fewer ranks on this machine, or widen "
+        "net.ipv4.ip_local_port_range)",
+        world_size - 1);
+  }
+  return "";
+}
 
 void install_gloo_terminate_handler(int rank) {
   g_terminate_rank.store(rank);

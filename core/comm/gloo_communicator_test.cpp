@@ -498,6 +498,17 @@ TEST_CASE("gloo: a peer that leaves makes the next collective fail, not hang") {
       second_message);
 }
 
+TEST_CASE("gloo: a failure's cause is explained where the socket error alone would mislead") {
+  CHECK(gloo_cause_note("Read error [127.0.0.1]:4242: Connection reset by peer", 4) ==
+        " (a peer rank has exited or was killed: its own exit or log says why)");
+  // Gloo's listen for a pair, bound to port 0, with the ephemeral range used up.
+  const std::string ports = gloo_cause_note("bind: Address already in use", 300);
+  CHECK(ports.starts_with(" (this machine ran out of ephemeral ports: "));
+  CHECK(ports.find("each of its 299 peers") != std::string::npos);
+  CHECK(ports.find("net.ipv4.ip_local_port_range") != std::string::npos);
+  CHECK(gloo_cause_note("Timed out waiting 2000ms for recv operation to complete", 4).empty());
+}
+
 TEST_CASE("gloo: a collective a live peer never joins times out") {
   TcpStoreServer server;
   std::atomic<bool> rank0_done{false};

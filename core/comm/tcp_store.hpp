@@ -24,7 +24,9 @@ namespace dptrain {
 // writes the secret anywhere.
 class TcpStoreServer {
  public:
-  static constexpr std::chrono::milliseconds kDefaultAuthTimeout{5000};
+  // Long enough for a rank on a machine busy starting many (hundreds of ranks on a few cores
+  // took over 5 s to answer): a silent connection costs the server only its descriptor.
+  static constexpr std::chrono::milliseconds kDefaultAuthTimeout{30000};
 
   // Port 0 picks a free port; see port(). Throws Error(comm) if it cannot listen.
   explicit TcpStoreServer(const std::string& bind_host = "127.0.0.1", uint16_t port = 0,
