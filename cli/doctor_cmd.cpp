@@ -59,7 +59,8 @@ int run_doctor_cmd(const DoctorCliOptions& o) {
   const int sig = pending_stop_signal();
   if (sig != 0) {
     const Error stopped =
-        stop_error(sig, "doctor ", fmt::format(" after {} check(s)", checks.size()));
+        stop_error(sig, "doctor ",
+                   fmt::format(" after {} check(s)", checks.size() - static_cast<size_t>(skipped)));
     if (!o.json) throw stopped;
     nlohmann::json out = {
         {"ok", false}, {"checks", list}, {"status", failure_status(stopped.kind())}};

@@ -307,6 +307,8 @@ TEST_CASE("provision and doctor: SIGINT while a host is being connected to ends 
       CHECK(ssh["fix"].is_null());
       CHECK(contains(ssh["detail"].get<std::string>(), cut_short));
       CHECK_FALSE(contains(run.out(), "check the host is up"));
+      // Every check listed was skipped: none had run.
+      CHECK(report["error"] == "doctor stopped by SIGINT after 0 check(s)");
     }
   }
   // A table's line for a host stopped so says so, not that it failed.
