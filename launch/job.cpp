@@ -739,7 +739,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   }
   const int world = plan.agents.front().world_size;
   // How the job was placed and reached before this generation (a resume's or a restart's): put
-  // back if it failed before its ranks joined.
+  // back if it failed or was stopped before its ranks joined.
   const json placed_before = placement_of(info);
   bool ranks_joined = false;
   if (trains) info["recipe"] = to_json(spec.recipe);
@@ -1540,8 +1540,9 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   if (out.host_unreachable) info["generations"].back()["host_unreachable"] = true;
   if (out.resized) info["generations"].back()["stopped_for"] = sup.requested;
   if (!out.result.is_null()) info["result"] = out.result;
-  // (Not after a stop: the settings may be right, the ranks only not together yet.)
-  if (!ranks_joined && out.status == "failed") restore_placement(info, placed_before);
+  // After a stop too (a resume on another -n, stopped before its ranks met): what trained last is
+  // what the next resume defaults to, not settings no rank ever ran with.
+  if (!ranks_joined && out.exit_code != 0) restore_placement(info, placed_before);
   run.record();
   return out;
 }

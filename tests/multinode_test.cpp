@@ -408,6 +408,11 @@ TEST_CASE("--env reaches every rank on every host, and resume gives it again") {
     CHECK(env.at("DPTRAIN_TEST_KEPT") == "1");
     CHECK(env.at("DPTRAIN_TEST_TOKEN") == "again");
   }
+  // Once its ranks met, the resume's settings are the run's (a resume stopped before leaves the
+  // record as it was).
+  REQUIRE(eventually([&] {
+    return parse_json(read_text(run_dir / "run.json"))["generations"].back().contains("met_at");
+  }));
   REQUIRE(::kill(resumed.pid(), SIGINT) == 0);
   CHECK(resumed.wait(std::chrono::seconds(60)) == 130);
   CHECK(parse_json(read_text(run_dir / "run.json"))["env"]["DPTRAIN_TEST_SETTING"] == "changed");

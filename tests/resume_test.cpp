@@ -945,6 +945,31 @@ TEST_CASE("a stop while resume verifies checkpoints ends it there: nothing is se
   CHECK(read_text(run_dir / "run.json") == recorded);
 }
 
+TEST_CASE("a resume on another -n stopped before its ranks met leaves the next on the last world") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  const fs::path run_dir = tmp / "run";
+  launch_as_failed(recipe, run_dir);
+  // On 3 ranks, one of which never joins: stopped while the others wait for it (the frozen one
+  // killed when a short grace ran out).
+  Background resume(
+      {"resume", run_dir.string(), "-n", "3", "--json"},
+      {{"DPTRAIN_FAULT", "freeze-before-join@rank=2"}, {"DPTRAIN_TEST_STOP_GRACE_MS", "1000"}});
+  REQUIRE(eventually([&] { return worker_pids(run_dir).size() == 3; }));
+  REQUIRE(::kill(resume.pid(), SIGTERM) == 0);
+  CHECK(resume.wait(std::chrono::seconds(60)) == 143);
+  INFO(resume.err());
+  const nlohmann::json info = parse_json(read_text(run_dir / "run.json"));
+  // Its generation is history; the world a resume defaults to is the one that last trained.
+  CHECK(info["generations"].size() == 2);
+  CHECK(info["generations"].back()["world_size"] == 3);
+  CHECK_FALSE(info["generations"].back().contains("met_at"));
+  CHECK(info["world_size"] == 2);
+  const auto again = run_dptrain({"resume", run_dir.string(), "--json"});
+  CHECK(again.exit_code == 0);
+  CHECK(parse_json(again.out)["world_size"] == 2);
+}
+
 TEST_CASE("a SIGTERM that reaches a rank while it loads is a stop, not a death") {
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), resumable_recipe());
