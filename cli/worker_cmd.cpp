@@ -1004,7 +1004,14 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
     topts.resume_how = "starting the workers again with '--resume newest'";
   // The store through the heartbeats' quick connection: a store slow to answer must not hold
   // the stop for the job's timeout.
-  topts.stop_requested = [rank = o.rank, &store = beat_store, announced = false]() mutable {
+  // Where the stop is taken: parameter servers' ranks meet only at their sync points.
+  const char* stops_at =
+      recipe.distributed.sync == "ps"
+          ? "the next step where every rank meets (a log, replica check, evaluation or checkpoint "
+            "step: parameter servers)"
+          : "the end of this step (or of the next, where steps are short)";
+  topts.stop_requested = [rank = o.rank, &store = beat_store, announced = false,
+                          stops_at]() mutable {
     // In the training loop the trainer answers SIGTERM, unless the StopWatcher took one that
     // came before (the process is ending).
     if (g_stop_answer.load() == 2) {
@@ -1026,10 +1033,7 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
             "cannot complete: no checkpoint)\n",
             rank);
       } else {
-        std::printf(
-            "received SIGTERM: rank %d checkpoints at the end of this step (or of the "
-            "next, where steps are short) and stops\n",
-            rank);
+        std::printf("received SIGTERM: rank %d checkpoints at %s and stops\n", rank, stops_at);
       }
       std::fflush(stdout);
       announced = true;

@@ -233,7 +233,11 @@ class TrainingRun {
       const bool overflow_skips = scaler_.enabled() && scaler_.scale() > 1.0;
       if (!ps_) norm = update(lr, local, phases);
       if (!std::isfinite(norm) && !overflow_skips) throw diverged(done, "gradient norm", norm);
-      if (local && averaging_step(done)) stop = average_replicas(stop_flag, phases);
+      const bool averaged = local && averaging_step(done);
+      if (averaged) stop = average_replicas(stop_flag, phases);
+      // Local SGD between averagings: a stop waits for the next one where that comes soon, else
+      // it is taken at this step's end (below).
+      const bool stop_waits = local && !averaged && local_stop_waits(done);
       const int64_t batch_epoch = position_.epoch;  // the epoch this step's batch came from
       advance_sampler();
       ops_->synchronize();
@@ -246,10 +250,12 @@ class TrainingRun {
       // (the flag that rode the gradient exchange was read as the step began): a long step's
       // stop must fit the launcher's grace. A log step carries it on the loss's all-reduce; the
       // others, when the steps are long (TrainerOptions::stop_check_step_ms), on their own.
-      // Not for local SGD (its replicas differ until the next averaging, which takes the stop)
-      // nor parameter servers (their only common step boundaries are the log steps). Every rank
+      // Local SGD's steps too (every rank counts the same steps), but for an averaging, which
+      // took the flag, and those whose stop waits for it. Not parameter servers (their workers
+      // may be steps apart: the only common step boundaries are the sync points). Every rank
       // makes this call, whether or not it has a stop_requested.
-      if (!stop && !local && !ps_ && !log_step_due(done, false) && stop_check_each_step_) {
+      if (!stop && !averaged && !stop_waits && !ps_ && !log_step_due(done, false) &&
+          stop_check_each_step_) {
         // (In f64, as the loss's: a sum of 0s and 1s.)
         double asked = options_.stop_requested && options_.stop_requested() ? 1.0 : 0.0;
         const auto ts = Clock::now();
@@ -265,10 +271,14 @@ class TrainingRun {
       double loss = local_loss;
       if (logging) {
         const auto tl = Clock::now();
-        // Local SGD's replicas differ between averagings: a stop waits for the next one.
-        stop = sum_loss_and_stop(loss, stop, /*take_stop=*/!local, ms_since(t0));
+        stop = sum_loss_and_stop(loss, stop, /*take_stop=*/!stop_waits, ms_since(t0));
         if (world_ > 1) phases.add_exposed_comm(ms_since(tl));
       }
+      // Local SGD stopping between its averagings: its replicas differ, and a checkpoint holds one
+      // model. They are averaged now, not at the next scheduled averaging, which is further off
+      // than a stop's grace may be (the work since the last checkpoint would be lost): an early
+      // averaging, as a checkpoint.every step's, that an uninterrupted run does not have.
+      if (stop && local && !averaged) average_replicas(1.0f, phases);
       phases.step = ms_since(t0);
       ++window_steps;
       window_phases.add(phases);
@@ -401,17 +411,19 @@ class TrainingRun {
   // Sums `loss` over the ranks, the stop requests riding along (a stop asked for during the step
   // is answered at its end; with parameter servers these are the only common step boundaries);
   // returns whether to stop.
-  // `take_stop` false (a local SGD step between averagings): the requests are summed (every rank
-  // makes the same call) but not acted on. `step_ms`, this rank's time for the step, is averaged
-  // over the ranks: whether the steps until the next log step sum the stop at their end
-  // (stop_check_each_step_), the same on every rank.
+  // `take_stop` false (a local SGD step whose stop waits for the next averaging): the requests
+  // are summed (every rank makes the same call) but not acted on. `step_ms`, this rank's time for
+  // the step, is averaged over the ranks: whether the steps until the next log step sum the stop
+  // at their end (stop_check_each_step_), and whether local SGD's stop waits for its averaging
+  // (local_stop_waits), the same on every rank.
   bool sum_loss_and_stop(double& loss, bool stop, bool take_stop = true, double step_ms = 0) {
     double sums[3] = {loss, 0.0, step_ms};
     if (options_.stop_requested && options_.stop_requested()) sums[1] = 1.0;
     mark_collective("allreduce of the loss");
     comm_.allreduce(sums, 3, ReduceOp::sum);
     loss = sums[0];
-    stop_check_each_step_ = sums[2] / static_cast<double>(world_) >= options_.stop_check_step_ms;
+    mean_step_ms_ = sums[2] / static_cast<double>(world_);
+    stop_check_each_step_ = mean_step_ms_ >= options_.stop_check_step_ms;
     return stop || (take_stop && sums[1] > 0.0);
   }
 
@@ -1097,6 +1109,16 @@ class TrainingRun {
            needs_one_model(done);
   }
 
+  // local_sgd, after step `done`, no averaging: whether a stop waits for the next scheduled
+  // averaging, as it does where that comes within TrainerOptions::local_stop_wait_ms at the
+  // ranks' mean step time (as of the last log step); else the stop is taken at once, with an
+  // early averaging. The same on every rank.
+  bool local_stop_waits(int64_t done) const {
+    const int64_t period = recipe_.distributed.period;
+    const int64_t to_next = period - (done - recipe_.distributed.start) % period;
+    return static_cast<double>(to_next) * mean_step_ms_ <= options_.local_stop_wait_ms;
+  }
+
   // ps: the steps after which every worker waits for the servers to apply that very step (no
   // staleness there), so that all ranks meet: the log steps (the loss and stop requests are
   // summed) and wherever one model must be seen.
@@ -1288,10 +1310,10 @@ class TrainingRun {
     return total;
   }
 
-  // local_sgd: averages the parameters over the ranks, and agrees on stopping (the only place a
-  // local run can). Each rank keeps its own optimizer state (a checkpoint holds every rank's, see
-  // replica_state), so neither a checkpoint nor a stop changes what the ranks go on with and a
-  // resume continues bit-identically.
+  // local_sgd: averages the parameters over the ranks, and agrees on stopping (a stop between
+  // averagings waits for one, or makes one: local_stop_waits). Each rank keeps its own optimizer
+  // state (a checkpoint holds every rank's, see replica_state), so neither a checkpoint nor a stop
+  // changes what the ranks go on with and a resume continues bit-identically.
   bool average_replicas(float stop_flag, PhaseTimes& phases) {
     const auto tc = Clock::now();
     mark_collective("allreduce of the stop flag");
@@ -1662,6 +1684,9 @@ class TrainingRun {
   // at each log step, from the ranks' mean step time): on until the first log step, whose steps
   // are not measured yet (every rank starts alike; the first steps of a long run may be long).
   bool stop_check_each_step_ = true;
+  // The ranks' mean step time as of the last log step (sum_loss_and_stop); unknown (infinite:
+  // taken as long, as above) until the first.
+  double mean_step_ms_ = std::numeric_limits<double>::infinity();
   // ZeRO-1 over Gloo: its reduce-scatter is an all-reduce and a slice anyway, so the bucketed,
   // overlapped all-reduce serves, and each rank updates its shard of the summed gradients. NCCL
   // reduce-scatters (half the bytes, no overlap).

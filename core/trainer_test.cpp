@@ -502,6 +502,40 @@ TEST_CASE("trainer: local SGD takes a stop at the next averaging, not at a log s
   CHECK(out[0].result.steps == 32);
 }
 
+TEST_CASE("trainer: local SGD whose next averaging is too far off for a stop averages at once") {
+  // Period 8, a stop asked for at step 25: with no time to wait for the averaging after 32, the
+  // ranks stop at the log step 30 (short steps), or at the end of step 26 (long ones, each of
+  // which sums the stop), averaged there: the checkpoint is one model, and nothing is lost.
+  const Recipe r = local_sgd_recipe(8);
+  for (const auto& [check_ms, stops_after] : {std::pair{1e9, 30}, std::pair{0.0, 26}}) {
+    CAPTURE(check_ms);
+    TempDir dir, resumed;
+    const auto out = train_ranks(r, 2, [&](int) {
+      TrainerOptions o = stopping_from(dir.path(), 25);
+      o.local_stop_wait_ms = 0;
+      o.stop_check_step_ms = check_ms;
+      return o;
+    });
+    REQUIRE(out[0].error.empty());
+    REQUIRE(out[1].error.empty());
+    CHECK(out[0].result.stopped);
+    CHECK(out[0].result.steps == stops_after);
+    // The replicas agree (the stop's replica check passed on every rank).
+    CHECK(out[0].result.params_checksum == out[1].result.params_checksum);
+    REQUIRE(fs::exists(dir.path() / "checkpoints" / checkpoint_name(stops_after)));
+    // The resume continues from it to the end.
+    const auto again = train_ranks(r, 2, [&](int) {
+      TrainerOptions o;
+      o.run_dir = resumed.path();
+      o.resume_from = dir.path() / "checkpoints" / checkpoint_name(stops_after);
+      return o;
+    });
+    REQUIRE(again[0].error.empty());
+    CHECK(again[0].result.steps == r.train.steps);
+    CHECK(std::isfinite(again[0].result.final_loss));
+  }
+}
+
 TEST_CASE("trainer: local SGD stopped between checkpoints resumes bit-identically") {
   // A stop (SIGTERM) writes a checkpoint the straight run does not: it must hold every replica's
   // optimizer state, not make the ranks share one, or the resumed run would go another way.

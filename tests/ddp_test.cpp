@@ -330,6 +330,12 @@ TEST_CASE("parameter servers: SIGTERM before a server's first sync point still c
   CHECK(launch.wait(std::chrono::seconds(120)) == 143);
   INFO(launch.out(), launch.err());
   CHECK(contains(launch.err(), "stopped by SIGTERM; every rank checkpointed its last step"));
+  // Each rank says where it stops: not at the end of its step, as synchronous ranks do.
+  CHECK(contains(launch.out(),
+                 "[rank 1] received SIGTERM: rank 1 checkpoints at the next step "
+                 "where every rank meets (a log, replica check, evaluation or "
+                 "checkpoint step: parameter servers) and stops"));
+  CHECK_FALSE(contains(launch.out(), "checkpoints at the end of this step"));
   CHECK(run_dptrain({"resume", (tmp / "run").string()}).exit_code == 0);
 }
 
