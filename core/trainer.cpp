@@ -615,7 +615,8 @@ class TrainingRun {
     if (writes_checkpoints()) remove_incomplete_checkpoints(options_.run_dir / "checkpoints");
     if (data_world_ > micro_batches_) {
       emit({{"event", "info"},
-            {"message", fmt::format("{} ranks share {} micro-batches a step: {} rank(s) idle; "
+            {"message", fmt::format("warning: {} ranks share {} micro-batches a step: {} rank(s) "
+                                    "idle; "
                                     "distributed.resize \"scale_lr\" would use them",
                                     data_world_, micro_batches_, data_world_ - micro_batches_)}});
     }

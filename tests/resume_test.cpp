@@ -970,6 +970,22 @@ TEST_CASE("a resume on another -n stopped before its ranks met leaves the next o
   CHECK(parse_json(again.out)["world_size"] == 2);
 }
 
+TEST_CASE("a resume on more ranks than the global batch has micro-batches warns of the idle") {
+  TempDir tmp;
+  const auto recipe = write_recipe(tmp.path(), resumable_recipe());
+  const fs::path run_dir = tmp / "run";
+  launch_as_failed(recipe, run_dir);  // 2 ranks: 2 micro-batches a step (keep_global_batch)
+  const auto resumed = run_dptrain({"resume", run_dir.string(), "-n", "3", "--json"});
+  INFO(resumed.err);
+  CHECK(resumed.exit_code == 0);
+  const std::string idle =
+      "3 ranks share 2 micro-batches a step: 1 rank(s) idle; distributed.resize \"scale_lr\" "
+      "would use them";
+  CHECK(contains(resumed.err, "dptrain: warning: " + idle));
+  const auto warnings = parse_json(resumed.out)["warnings"];
+  CHECK(std::find(warnings.begin(), warnings.end(), idle) != warnings.end());
+}
+
 TEST_CASE("a SIGTERM that reaches a rank while it loads is a stop, not a death") {
   TempDir tmp;
   const auto recipe = write_recipe(tmp.path(), resumable_recipe());

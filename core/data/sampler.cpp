@@ -49,19 +49,25 @@ int64_t EpochPermutation::operator()(int64_t i) const {
   return static_cast<int64_t>(x);
 }
 
+namespace {
+// What a global batch is made of, as its errors say (parameter servers compute no gradients; the
+// ranks are the job's nominal world under keep_global_batch).
+constexpr const char* kGlobalBatchTerms =
+    "the ranks that compute gradients x train.batch_per_rank x train.grad_accum";
+}  // namespace
+
 DistributedSampler::DistributedSampler(int64_t dataset_size, int64_t global_batch, uint64_t seed)
     : dataset_size_(dataset_size), global_batch_(global_batch), seed_(seed), steps_per_epoch_(0) {
   if (global_batch <= 0) {
-    throw Error(ErrorKind::recipe,
-                "global batch (world x train.batch_per_rank x train.grad_accum) must be positive, "
-                "got " +
-                    std::to_string(global_batch));
+    throw Error(ErrorKind::recipe, "global batch (" + std::string(kGlobalBatchTerms) +
+                                       ") must be positive, "
+                                       "got " +
+                                       std::to_string(global_batch));
   }
   if (dataset_size < global_batch) {
     throw Error(ErrorKind::recipe,
                 "/train/batch_per_rank: the training split has " + std::to_string(dataset_size) +
-                    " samples, fewer than one global batch (world x train.batch_per_rank x "
-                    "train.grad_accum = " +
+                    " samples, fewer than one global batch (" + kGlobalBatchTerms + " = " +
                     std::to_string(global_batch) + ")");
   }
   steps_per_epoch_ = dataset_size / global_batch;
