@@ -1263,11 +1263,18 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
             where.find("; waiting for them in collective") != std::string::npos) {
           // Killed at once as asked (Ctrl-C after the SIGTERM), a rank behind may only have been
           // busy (writing its checkpoint): where each was, not a verdict that it was stuck.
-          if (sup.killed_at_once && where.starts_with("stuck: ")) {
-            out.error +=
-                "; when they were killed, by the ranks' last heartbeats (behind, not "
-                "necessarily stuck): " +
-                where.substr(7);
+          // Parameter servers' ranks stop only at their next sync point, waiting for each other
+          // on the way: one that did not come within the grace leaves them training, not stuck.
+          const bool ps = trains && spec.recipe.distributed.sync == "ps";
+          if ((sup.killed_at_once || ps) && where.starts_with("stuck: ")) {
+            out.error += fmt::format(
+                "; when they were killed, by the ranks' last heartbeats ({}): {}",
+                ps && !sup.killed_at_once
+                    ? "parameter servers stop at their next sync point, which did not come "
+                      "within the stop's grace: training, not necessarily stuck; keep log.every "
+                      "steps within it"
+                    : "behind, not necessarily stuck",
+                where.substr(7));
           } else {
             out.error += "; by the ranks' last heartbeats, " + where;
           }

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <map>
 #include <string>
+#include <thread>
 
 #include "tests/harness.hpp"
 #include "tests/strings.hpp"
@@ -337,6 +338,40 @@ TEST_CASE("parameter servers: SIGTERM before a server's first sync point still c
                  "checkpoint step: parameter servers) and stops"));
   CHECK_FALSE(contains(launch.out(), "checkpoints at the end of this step"));
   CHECK(run_dptrain({"resume", (tmp / "run").string()}).exit_code == 0);
+}
+
+TEST_CASE("parameter servers: a stop whose sync point outlasts the grace says they were training") {
+  // No sync point for 1000 steps: the stop's (short) grace runs out first, and the ranks, which
+  // were training, are killed. The error says why, not that a rank was stuck.
+  TempDir tmp;
+  json recipe = resumable_recipe();
+  recipe["distributed"]["sync"] = "ps";
+  recipe["train"]["steps"] = 100000;
+  recipe["log"]["every"] = 1000;
+  recipe["checkpoint"]["every"] = 0;
+  recipe["eval"]["every"] = 0;
+  recipe["distributed"]["check_every"] = 0;
+  const auto path = write_recipe(tmp.path(), recipe);
+  Background launch(
+      {"launch", path.string(), "--nproc", "3", "--run-dir", (tmp / "run").string(), "--json"},
+      Env{{"DPTRAIN_DEBUG_STEP_DELAY_MS", "20"}, {"DPTRAIN_TEST_STOP_GRACE_MS", "3000"}});
+  REQUIRE(eventually(
+      [&] {
+        return fs::exists(tmp / "run/run.json") &&
+               parse_json(read_text(tmp / "run/run.json"))["generations"].back().contains("met_at");
+      },
+      std::chrono::seconds(120)));
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  ::kill(launch.pid(), SIGTERM);
+  CHECK(launch.wait(std::chrono::seconds(120)) == 143);
+  INFO(launch.out(), launch.err());
+  const std::string error = parse_json(launch.out())["error"];
+  CHECK(contains(error, "stopped by SIGTERM, but not every rank checkpointed: "));
+  CHECK(contains(error,
+                 "(parameter servers stop at their next sync point, which did not come "
+                 "within the stop's grace: training, not necessarily stuck; keep "
+                 "log.every steps within it): "));
+  CHECK_FALSE(contains(error, "last heartbeats, stuck: "));
 }
 
 TEST_CASE("parameter servers: too many servers, or NCCL, is one clear error") {
