@@ -1007,8 +1007,10 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
   // Where the stop is taken: parameter servers' ranks meet only at their sync points.
   const char* stops_at =
       recipe.distributed.sync == "ps"
-          ? "the next step where every rank meets (a log, replica check, evaluation or checkpoint "
-            "step: parameter servers)"
+          ? "the next log step (log.every: parameter servers' ranks meet to stop only there)"
+      : recipe.distributed.sync == "local_sgd"
+          ? "the next averaging where that comes within 10 s, else within about 10 s (an early "
+            "averaging)"
           : "the end of this step (or of the next, where steps are short)";
   topts.stop_requested = [rank = o.rank, &store = beat_store, announced = false,
                           stops_at]() mutable {

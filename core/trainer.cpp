@@ -251,18 +251,24 @@ class TrainingRun {
       // stop must fit the launcher's grace. A log step carries it on the loss's all-reduce; the
       // others, when the steps are long (TrainerOptions::stop_check_step_ms), on their own.
       // Local SGD's steps too (every rank counts the same steps), but for an averaging, which
-      // took the flag, and those whose stop waits for it. Not parameter servers (their workers
-      // may be steps apart: the only common step boundaries are the sync points). Every rank
-      // makes this call, whether or not it has a stop_requested.
-      if (!stop && !averaged && !stop_waits && !ps_ && !log_step_due(done, false) &&
-          stop_check_each_step_) {
+      // took the flag, and those whose stop waits for it; short ones every
+      // local_stop_check_interval() steps (no gradient exchange takes their stop, and the next
+      // log step may be far off). Not parameter servers (their workers may be steps apart: the
+      // only common step boundaries are the sync points). Every rank makes this call, whether or
+      // not it has a stop_requested. The ranks' step times ride along (mean_step_ms_).
+      const bool check_due = local
+                                 ? stop_check_each_step_ || done % local_stop_check_interval() == 0
+                                 : stop_check_each_step_;
+      if (!stop && !averaged && !stop_waits && !ps_ && !log_step_due(done, false) && check_due) {
         // (In f64, as the loss's: a sum of 0s and 1s.)
-        double asked = options_.stop_requested && options_.stop_requested() ? 1.0 : 0.0;
+        double sums[2] = {options_.stop_requested && options_.stop_requested() ? 1.0 : 0.0,
+                          ms_since(t0)};
         const auto ts = Clock::now();
         mark_collective("allreduce of the stop flag");
-        comm_.allreduce(&asked, 1, ReduceOp::sum);
+        comm_.allreduce(sums, 2, ReduceOp::sum);
         if (world_ > 1) phases.add_exposed_comm(ms_since(ts));  // one rank: no one to wait for
-        stop = asked > 0.5;
+        stop = sums[0] > 0.5;
+        mean_step_ms_ = sums[1] / static_cast<double>(world_);
       }
       // A log step sums the loss over the ranks (the stop requests riding along): communication
       // that waits for the slowest rank as the gradients' does, counted as exposed and in the
@@ -277,8 +283,14 @@ class TrainingRun {
       // Local SGD stopping between its averagings: its replicas differ, and a checkpoint holds one
       // model. They are averaged now, not at the next scheduled averaging, which is further off
       // than a stop's grace may be (the work since the last checkpoint would be lost): an early
-      // averaging, as a checkpoint.every step's, that an uninterrupted run does not have.
-      if (stop && local && !averaged) average_replicas(1.0f, phases);
+      // averaging, as a checkpoint.every step's, that an uninterrupted run does not have. (Its
+      // time adds to the step's communication so far.)
+      if (stop && local && !averaged) {
+        PhaseTimes averaging;
+        average_replicas(1.0f, averaging);
+        phases.add_exposed_comm(averaging.comm);
+        phases.bytes += averaging.bytes;
+      }
       phases.step = ms_since(t0);
       ++window_steps;
       window_phases.add(phases);
@@ -1119,6 +1131,13 @@ class TrainingRun {
     const int64_t to_next = period - (done - recipe_.distributed.start) % period;
     return static_cast<double>(to_next) * mean_step_ms_ <= options_.local_stop_wait_ms;
   }
+  // local_sgd, steps too short to sum a stop each (stop_check_each_step_ off): every how many
+  // steps one sums it where it does not wait (local_stop_waits), so that a stop is taken within
+  // about local_stop_wait_ms. The same on every rank.
+  int64_t local_stop_check_interval() const {
+    if (!(mean_step_ms_ > 0.0)) return 1;
+    return static_cast<int64_t>(std::clamp(options_.local_stop_wait_ms / mean_step_ms_, 1.0, 1e9));
+  }
 
   // ps: the steps after which every worker waits for the servers to apply that very step (no
   // staleness there), so that all ranks meet: the log steps (the loss and stop requests are
@@ -1313,8 +1332,9 @@ class TrainingRun {
 
   // local_sgd: averages the parameters over the ranks, and agrees on stopping (a stop between
   // averagings waits for one, or makes one: local_stop_waits). Each rank keeps its own optimizer
-  // state (a checkpoint holds every rank's, see replica_state), so neither a checkpoint nor a stop
-  // changes what the ranks go on with and a resume continues bit-identically.
+  // state (a checkpoint holds every rank's, see replica_state), so a checkpoint changes nothing the
+  // ranks go on with and a resume continues bit-identically; but from a stop's early averaging,
+  // which an uninterrupted run does not have.
   bool average_replicas(float stop_flag, PhaseTimes& phases) {
     const auto tc = Clock::now();
     mark_collective("allreduce of the stop flag");

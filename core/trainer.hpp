@@ -49,8 +49,8 @@ struct TrainerOptions {
   double stop_check_step_ms = 200;
   // Local SGD: a stop between averagings waits for the next scheduled one (the resume is then
   // bit-identical to a run never stopped) where that comes within this long at the ranks' mean
-  // step time; else the stop is taken at the step's end with an early averaging (so that no work
-  // is lost to a launcher's or a scheduler's grace running out).
+  // step time; else the stop is taken at the step's end (short steps: within about this long)
+  // with an early averaging, so that a launcher's or a scheduler's grace is not spent waiting.
   double local_stop_wait_ms = 10000;
   // Polled once a step on every rank: when any rank says yes (SIGTERM, a spot instance going
   // away), all ranks finish that step, checkpoint it, and train() returns with `stopped`.

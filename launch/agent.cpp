@@ -359,8 +359,9 @@ int run_agent(const AgentPlan& given, std::FILE* out, int stop_fd) {
     // exited 0 is passed over.
     // A rank killed (after the stop's grace, say) first, with no report: the launcher's verdict
     // from the heartbeats stands. Else the rank that failed of itself (a checkpoint it could not
-    // write) before one with a communication error (3, what a peer's end causes), reported so
-    // that the launcher names it as it names its own ranks.
+    // write: ProcessExit::failed_of_itself) before one with a communication error (3, what a
+    // peer's end causes) or a shell's 128 + N, reported so that the launcher names it as it names
+    // its own ranks.
     const ProcessExit* failed = nullptr;
     for (const ProcessExit& e : result.exits) {
       if (e.signal != 0) return 128 + e.signal;

@@ -1265,14 +1265,19 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
           // busy (writing its checkpoint): where each was, not a verdict that it was stuck.
           // Parameter servers' ranks stop only at their next sync point, waiting for each other
           // on the way: one that did not come within the grace leaves them training, not stuck.
-          const bool ps = trains && spec.recipe.distributed.sync == "ps";
+          // (Not where a rank's heartbeat stopped: frozen, or never beat.)
+          const bool ps =
+              trains && spec.recipe.distributed.sync == "ps" &&
+              std::none_of(trace.beats.begin(), trace.beats.end(), [](const auto& beat) {
+                return beat.second.contains("silent_ms") || beat.second.contains("never_ms");
+              });
           if ((sup.killed_at_once || ps) && where.starts_with("stuck: ")) {
             out.error += fmt::format(
                 "; when they were killed, by the ranks' last heartbeats ({}): {}",
                 ps && !sup.killed_at_once
-                    ? "parameter servers stop at their next sync point, which did not come "
-                      "within the stop's grace: training, not necessarily stuck; keep log.every "
-                      "steps within it"
+                    ? "parameter servers stop at the next log step, which did not come within "
+                      "the stop's grace: training, not necessarily stuck; keep log.every steps "
+                      "within it"
                     : "behind, not necessarily stuck",
                 where.substr(7));
           } else {

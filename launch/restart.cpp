@@ -320,11 +320,11 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
   int64_t began_at_step = -1;
   json began_from;
   // How an earlier invocation placed and reached the job, put back if none of this one's ranks
-  // ever met (run_job does so for each generation; an elastic job records its hosts and settings
-  // here before its first one).
+  // ever met, whether it failed or was stopped (run_job does so for each generation; an elastic
+  // job records its hosts and settings here before its first one).
   const json placed_before = placement_of(run.info());
   const auto finish = [&](JobOutcome outcome) {
-    if (began_at_step < 0 && outcome.status == "failed" && !placed_before.is_null() &&
+    if (began_at_step < 0 && outcome.exit_code != 0 && !placed_before.is_null() &&
         placement_of(run.info()) != placed_before) {
       restore_placement(run.info(), placed_before);
       run.record();

@@ -635,6 +635,41 @@ TEST_CASE("SIGTERM and resume of a run whose rank 0 is remote continue bit-ident
   }
 }
 
+TEST_CASE("an elastic resume stopped while it waits for its hosts leaves the run's settings") {
+  TwoHosts c;
+  const auto recipe = write_recipe(c.tmp.path(), elastic_recipe());
+  const fs::path run_dir = c.tmp / "remote";
+  Background job(c.launch_args(recipe, run_dir), {{"DPTRAIN_DEBUG_STEP_DELAY_MS", "20"}});
+  const bool checkpointed = eventually([&] {
+    return fs::exists(c.remote_run(c.sshd.addresses()[2], run_dir) / "checkpoints/step-000050");
+  });
+  ::kill(job.pid(), SIGTERM);
+  REQUIRE(job.wait() == 143);
+  REQUIRE(checkpointed);
+  const json before = parse_json(read_text(run_dir / "run.json"));
+  // Both hosts needed, one refusing logins: it waits for it, with an --env of its own, and is
+  // stopped there. What the next resume defaults to is what ran.
+  const LostHost gone(c.sshd, c.sshd.addresses()[1]);
+  auto args = c.launch_args(recipe, run_dir);
+  args.erase(args.begin(), args.begin() + 2);  // "launch RECIPE"
+  const auto run_flag = std::find(args.begin(), args.end(), "--run-dir");
+  args.erase(run_flag, run_flag + 2);
+  args.insert(args.begin(), {"resume", run_dir.string()});
+  for (const char* a : {"--nnodes", "2", "--rejoin-timeout", "120", "--env", "DPTRAIN_TEST_NEW=1"})
+    args.push_back(a);
+  Background resume(args);
+  REQUIRE(
+      eventually([&] { return parse_json(read_text(run_dir / "run.json")).contains("placing"); }));
+  ::kill(resume.pid(), SIGTERM);
+  CHECK(resume.wait() == 143);
+  INFO(resume.out(), resume.err());
+  const json after = parse_json(read_text(run_dir / "run.json"));
+  for (const char* key : {"hosts", "job_hosts", "remote", "env", "job_size", "world_size"}) {
+    CAPTURE(key);
+    CHECK(after.value(key, json()) == before.value(key, json()));
+  }
+}
+
 TEST_CASE("resume --nnodes 1:2 with a host gone continues on the other from its checkpoint copy") {
   TwoHosts c;
   const auto recipe = write_recipe(c.tmp.path(), elastic_recipe());

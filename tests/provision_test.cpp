@@ -1,5 +1,6 @@
 // `dptrain provision` through the real binary against the loopback sshd (127.0.0.2 and .3).
 #include <doctest/doctest.h>
+#include <fmt/format.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -271,6 +272,22 @@ TEST_CASE("provision: an unreachable port is reported within the connect timeout
   }
 }
 
+// Whether some socket here has a TCP connection made to 127.0.0.1:`port` (/proc/net/tcp: a
+// client's end, ESTABLISHED), as a connect under way to a port that accepts and never speaks.
+bool connected_to(uint16_t port) {
+  std::ifstream table("/proc/net/tcp");
+  std::string line;
+  std::getline(table, line);  // the header
+  const std::string remote = fmt::format("0100007F:{:04X}", port);
+  while (std::getline(table, line)) {
+    std::istringstream fields(line);
+    std::string slot, local, peer, state;
+    fields >> slot >> local >> peer >> state;
+    if (peer == remote && state == "01") return true;
+  }
+  return false;
+}
+
 TEST_CASE("provision and doctor: SIGINT while a host is being connected to ends it at once") {
   const auto& sshd = LoopbackSshd::instance();
   TempDir tmp;
@@ -281,7 +298,9 @@ TEST_CASE("provision and doctor: SIGINT while a host is being connected to ends 
     CAPTURE(command);
     Background run({command, "--hosts", (tmp / "hosts").string(), "--known-hosts",
                     sshd.known_hosts().string(), "--connect-timeout", "60", "--json"});
-    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    // Once the connection is made, waiting for the server's greeting.
+    REQUIRE(eventually([&] { return connected_to(silent->port()); }));
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
     const auto sent = std::chrono::steady_clock::now();
     REQUIRE(::kill(run.pid(), SIGINT) == 0);
     CHECK(run.wait(std::chrono::seconds(90)) == 130);
@@ -314,7 +333,8 @@ TEST_CASE("provision and doctor: SIGINT while a host is being connected to ends 
   // A table's line for a host stopped so says so, not that it failed.
   Background plain({"provision", "--hosts", (tmp / "hosts").string(), "--known-hosts",
                     sshd.known_hosts().string(), "--connect-timeout", "60"});
-  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  REQUIRE(eventually([&] { return connected_to(silent->port()); }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
   REQUIRE(::kill(plain.pid(), SIGINT) == 0);
   CHECK(plain.wait(std::chrono::seconds(90)) == 130);
   CHECK(contains(plain.out(), "STOPPED"));

@@ -700,8 +700,9 @@ std::string gloo_cause_note(const std::string& cause, int world_size) {
   }
   // Gloo's transport listens on a port of its own for each peer (bound to port 0: the kernel's
   // ephemeral range) until the peer connects, so a machine running many ranks of a large job
-  // can run out of them as the ranks meet.
-  if (cause.find("bind: Address already in use") != std::string::npos) {
+  // can run out of them as the ranks meet (a connect that finds none says the second).
+  if (cause.find("bind: Address already in use") != std::string::npos ||
+      cause.find("Cannot assign requested address") != std::string::npos) {
     return fmt::format(
         " (this machine ran out of ephemeral ports: as the ranks meet, each rank's Gloo listens on "
         "a port of its own for each of its {} peers; run fewer ranks on this machine, or widen "

@@ -506,6 +506,7 @@ TEST_CASE("gloo: a failure's cause is explained where the socket error alone wou
   CHECK(ports.starts_with(" (this machine ran out of ephemeral ports: "));
   CHECK(ports.find("each of its 299 peers") != std::string::npos);
   CHECK(ports.find("net.ipv4.ip_local_port_range") != std::string::npos);
+  CHECK(gloo_cause_note("connect [127.0.0.1]:4242: Cannot assign requested address", 300) == ports);
   CHECK(gloo_cause_note("Timed out waiting 2000ms for recv operation to complete", 4).empty());
 }
 

@@ -25,7 +25,8 @@ namespace dptrain {
 class TcpStoreServer {
  public:
   // Long enough for a rank on a machine busy starting many (hundreds of ranks on a few cores
-  // took over 5 s to answer): a silent connection costs the server only its descriptor.
+  // took over 5 s to answer): a silent connection holds a descriptor and one of the server's
+  // connection slots that long.
   static constexpr std::chrono::milliseconds kDefaultAuthTimeout{30000};
 
   // Port 0 picks a free port; see port(). Throws Error(comm) if it cannot listen.
@@ -49,7 +50,7 @@ class TcpStoreServer {
 // What a TcpStoreClient throws when nothing it could connect to answered at the store's address
 // within its connect timeout (no store started there yet, a wrong address, a firewall): a caller
 // can say who should serve it. Not a store that answered and refused, nor one that served this
-// client and is gone.
+// client and is gone (refused at once); a reconnect in mid-run that times out throws it too.
 class StoreUnreachable : public Error {
  public:
   explicit StoreUnreachable(const std::string& message) : Error(ErrorKind::comm, message) {}

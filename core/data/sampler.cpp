@@ -53,7 +53,7 @@ namespace {
 // What a global batch is made of, as its errors say (parameter servers compute no gradients; the
 // ranks are the job's nominal world under keep_global_batch).
 constexpr const char* kGlobalBatchTerms =
-    "the ranks that compute gradients x train.batch_per_rank x train.grad_accum";
+    "the (nominal) ranks that compute gradients x train.batch_per_rank x train.grad_accum";
 }  // namespace
 
 DistributedSampler::DistributedSampler(int64_t dataset_size, int64_t global_batch, uint64_t seed)
