@@ -494,13 +494,22 @@ TEST_CASE("trainer: a stop agreed on at the last step completes the run") {
 TEST_CASE("trainer: local SGD takes a stop at the next averaging, not at a log step between") {
   // Period 8, a log step at 30: a stop asked for at step 25 waits for the averaging after 32,
   // which comes well within TrainerOptions::local_stop_wait_ms (the resume stays bit-identical;
-  // at 30 the replicas differ, and a checkpoint there would need an early averaging).
-  const Recipe r = local_sgd_recipe(8);
-  TempDir dir;
-  const auto out = train_ranks(r, 2, [&](int) { return stopping_from(dir.path(), 25); });
-  REQUIRE(out[0].error.empty());
-  CHECK(out[0].result.stopped);
-  CHECK(out[0].result.steps == 32);
+  // at 30 the replicas differ, and a checkpoint there would need an early averaging). Likewise
+  // before the first log step (period 4, asked for at 2: stops after 4): the ranks' step times,
+  // summed with the stop from the first step on, say the averaging is near.
+  struct Case {
+    int64_t period, asked_from, stops_after;
+  };
+  for (const Case& c : {Case{8, 25, 32}, Case{4, 2, 4}}) {
+    CAPTURE(c.period);
+    const Recipe r = local_sgd_recipe(c.period);
+    TempDir dir;
+    const auto out =
+        train_ranks(r, 2, [&](int) { return stopping_from(dir.path(), c.asked_from); });
+    REQUIRE(out[0].error.empty());
+    CHECK(out[0].result.stopped);
+    CHECK(out[0].result.steps == c.stops_after);
+  }
 }
 
 TEST_CASE("trainer: local SGD whose next averaging is too far off for a stop averages at once") {
@@ -509,7 +518,8 @@ TEST_CASE("trainer: local SGD whose next averaging is too far off for a stop ave
   // is lost. Long steps each sum the stop; short ones do every so many steps (as many as fit in
   // local_stop_wait_ms: every step here), not waiting for the log step at 30.
   const Recipe r = local_sgd_recipe(8);
-  for (const auto& [check_ms, stops_after] : {std::pair{1e9, 26}, std::pair{0.0, 26}}) {
+  const int64_t stops_after = 26;
+  for (const double check_ms : {1e9, 0.0}) {
     CAPTURE(check_ms);
     TempDir dir, resumed;
     const auto out = train_ranks(r, 2, [&](int) {
@@ -536,18 +546,6 @@ TEST_CASE("trainer: local SGD whose next averaging is too far off for a stop ave
     CHECK(again[0].result.steps == r.train.steps);
     CHECK(std::isfinite(again[0].result.final_loss));
   }
-}
-
-TEST_CASE("trainer: local SGD's stop before its first log step still waits for a near averaging") {
-  // Period 4, a stop asked for at step 2 (before the log step 10): the ranks' step times, summed
-  // with the stop from the first step on, say the averaging after 4 is near: the stop waits for
-  // it (no early averaging: the resume is bit-identical).
-  const Recipe r = local_sgd_recipe(4);
-  TempDir dir;
-  const auto out = train_ranks(r, 2, [&](int) { return stopping_from(dir.path(), 2); });
-  REQUIRE(out[0].error.empty());
-  CHECK(out[0].result.stopped);
-  CHECK(out[0].result.steps == 4);
 }
 
 TEST_CASE("trainer: local SGD stopped between checkpoints resumes bit-identically") {
