@@ -1004,7 +1004,8 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
     topts.resume_how = "starting the workers again with '--resume newest'";
   // The store through the heartbeats' quick connection: a store slow to answer must not hold
   // the stop for the job's timeout.
-  // Where the stop is taken: parameter servers' ranks meet only at their sync points.
+  // Where a rank takes the stop: synchronous ranks at a step's end; local SGD at its next averaging
+  // or within about 10 s (Trainer's local_stop_wait_ms); parameter servers' at the next log step.
   const char* stops_at =
       recipe.distributed.sync == "ps"
           ? "the next log step (log.every: parameter servers' ranks meet to stop only there)"

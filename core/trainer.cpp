@@ -1124,8 +1124,8 @@ class TrainingRun {
 
   // local_sgd, after step `done`, no averaging: whether a stop waits for the next scheduled
   // averaging, as it does where that comes within TrainerOptions::local_stop_wait_ms at the
-  // ranks' mean step time (as of the last log step); else the stop is taken at once, with an
-  // early averaging. The same on every rank.
+  // ranks' mean step time (mean_step_ms_); else the stop is taken at once, with an early
+  // averaging. The same on every rank.
   bool local_stop_waits(int64_t done) const {
     const int64_t period = recipe_.distributed.period;
     const int64_t to_next = period - (done - recipe_.distributed.start) % period;
@@ -1705,8 +1705,8 @@ class TrainingRun {
   // at each log step, from the ranks' mean step time): on until the first log step, whose steps
   // are not measured yet (every rank starts alike; the first steps of a long run may be long).
   bool stop_check_each_step_ = true;
-  // The ranks' mean step time as of the last log step (sum_loss_and_stop); unknown (infinite:
-  // taken as long, as above) until the first.
+  // The ranks' mean step time as they last summed it (a log step's sum_loss_and_stop, or a step's
+  // own stop sum); unknown (infinite: taken as long, as above) until the first.
   double mean_step_ms_ = std::numeric_limits<double>::infinity();
   // ZeRO-1 over Gloo: its reduce-scatter is an all-reduce and a slice anyway, so the bucketed,
   // overlapped all-reduce serves, and each rank updates its shard of the summed gradients. NCCL

@@ -1263,8 +1263,8 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
             where.find("; waiting for them in collective") != std::string::npos) {
           // Killed at once as asked (Ctrl-C after the SIGTERM), a rank behind may only have been
           // busy (writing its checkpoint): where each was, not a verdict that it was stuck.
-          // Parameter servers' ranks stop only at their next sync point, waiting for each other
-          // on the way: one that did not come within the grace leaves them training, not stuck.
+          // Parameter servers' ranks stop only at the next log step, waiting for each other on
+          // the way: one that did not come within the grace leaves them training, not stuck.
           // (Not where a rank's heartbeat stopped: frozen, or never beat.)
           const bool ps =
               trains && spec.recipe.distributed.sync == "ps" &&
