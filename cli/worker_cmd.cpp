@@ -1005,14 +1005,18 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
   // The store through the heartbeats' quick connection: a store slow to answer must not hold
   // the stop for the job's timeout.
   // Where a rank takes the stop: synchronous ranks at a step's end; local SGD at its next averaging
-  // or within about 10 s (Trainer's local_stop_wait_ms); parameter servers' at the next log step.
-  const char* stops_at =
+  // or within local_stop_wait_ms; parameter servers' at the next log step.
+  const std::string stops_at =
       recipe.distributed.sync == "ps"
-          ? "the next log step (log.every: parameter servers' ranks meet to stop only there)"
+          ? std::string(
+                "the next log step (log.every: parameter servers' ranks meet to stop only "
+                "there)")
       : recipe.distributed.sync == "local_sgd"
-          ? "the next averaging where that comes within 10 s, else within about 10 s (an early "
-            "averaging)"
-          : "the end of this step (or of the next, where steps are short)";
+          ? fmt::format(
+                "the next averaging where that comes within {0} s, else within about {0} "
+                "s (an early averaging)",
+                topts.local_stop_wait_ms / 1000)
+          : std::string("the end of this step (or of the next, where steps are short)");
   topts.stop_requested = [rank = o.rank, &store = beat_store, announced = false,
                           stops_at]() mutable {
     // In the training loop the trainer answers SIGTERM, unless the StopWatcher took one that
@@ -1036,7 +1040,8 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
             "cannot complete: no checkpoint)\n",
             rank);
       } else {
-        std::printf("received SIGTERM: rank %d checkpoints at %s and stops\n", rank, stops_at);
+        std::printf("received SIGTERM: rank %d checkpoints at %s and stops\n", rank,
+                    stops_at.c_str());
       }
       std::fflush(stdout);
       announced = true;

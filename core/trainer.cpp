@@ -628,8 +628,7 @@ class TrainingRun {
     if (data_world_ > micro_batches_) {
       emit({{"event", "info"},
             {"message", fmt::format("warning: {} ranks share {} micro-batches a step: {} rank(s) "
-                                    "idle; "
-                                    "distributed.resize \"scale_lr\" would use them",
+                                    "idle; distributed.resize \"scale_lr\" would use them",
                                     data_world_, micro_batches_, data_world_ - micro_batches_)}});
     }
     const fs::path from = resume_source();
