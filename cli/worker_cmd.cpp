@@ -1005,12 +1005,12 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
   // The store through the heartbeats' quick connection: a store slow to answer must not hold
   // the stop for the job's timeout.
   // Where a rank takes the stop: synchronous ranks at a step's end; local SGD at its next averaging
-  // or within local_stop_wait_ms; parameter servers' at the next log step.
+  // or within local_stop_wait_ms; parameter servers' at the step the servers choose, within
+  // staleness + 2 steps of the request (the trainer's choose_ps_stop).
   const std::string stops_at =
       recipe.distributed.sync == "ps"
-          ? std::string(
-                "the next log step (log.every: parameter servers' ranks meet to stop only "
-                "there)")
+          ? fmt::format("the step the parameter servers choose (within {} steps)",
+                        recipe.distributed.staleness + 2)
       : recipe.distributed.sync == "local_sgd"
           ? fmt::format(
                 "the next averaging where that comes within {0} s, else within about {0} "

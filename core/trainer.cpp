@@ -225,6 +225,8 @@ class TrainingRun {
       // A worker of the parameter-server mode pushes its gradients and pulls the parameters; the
       // servers tell it the gradient norm.
       double norm = ps_ ? push_and_pull(done, phases) : 0.0;
+      // The step the servers chose to stop after (a stop asked for on any rank): all ranks meet.
+      if (ps_ && done == ps_stop_at_) stop = true;
       mark(Phase::optimizer);
       const auto to = Clock::now();
       const double exposed_before_update = phases.comm;
@@ -254,8 +256,9 @@ class TrainingRun {
       // took the flag, and those whose stop waits for it; short ones every
       // local_stop_check_interval() steps (no gradient exchange takes their stop, and the next
       // log step may be far off). Not parameter servers (their workers may be steps apart: the
-      // only common step boundaries are the sync points). Every rank makes this call, whether or
-      // not it has a stop_requested. The ranks' step times ride along (mean_step_ms_).
+      // servers choose a step to stop after, ps_stop_at_, from the requests the pushes carry).
+      // Every rank makes this call, whether or not it has a stop_requested. The ranks' step times
+      // ride along (mean_step_ms_).
       const bool check_due = local
                                  ? stop_check_each_step_ || done % local_stop_check_interval() == 0
                                  : stop_check_each_step_;
@@ -1140,9 +1143,20 @@ class TrainingRun {
 
   // ps: the steps after which every worker waits for the servers to apply that very step (no
   // staleness there), so that all ranks meet: the log steps (the loss and stop requests are
-  // summed) and wherever one model must be seen.
+  // summed), wherever one model must be seen, and the step the servers chose to stop after
+  // (ps_stop_at_).
   bool ps_sync_point(int64_t done) const {
-    return log_step_due(done, false) || needs_one_model(done);
+    return log_step_due(done, false) || needs_one_model(done) || done == ps_stop_at_;
+  }
+
+  // A server making version `version`, the servers having agreed that a stop was asked for: the
+  // first step no worker can have pushed without knowing of the stop, which all ranks then meet
+  // at and checkpoint. A worker pushes its next step once it has a reply at least as new as its
+  // step less the staleness; every reply before this one was older than `version`, so a worker
+  // that has not seen one since pushes steps up to version + staleness (each on a reply older than
+  // `version`), and learns of the stop in the reply to that push, before its next.
+  int64_t choose_ps_stop(int64_t version) const {
+    return version + recipe_.distributed.staleness + 1;
   }
 
   // A worker's step in the parameter-server mode: its gradients' shards to the servers, the
@@ -1155,6 +1169,8 @@ class TrainingRun {
         ps_sync_point(done) ? done : std::max<int64_t>(done - recipe_.distributed.staleness, 0);
     const size_t msg = kPsHeaderFloats + shard_;
     const auto servers = static_cast<size_t>(servers_);
+    // A stop asked for here rides along; the servers choose the step to stop after.
+    const bool asked = options_.stop_requested && options_.stop_requested();
     // Every value of both is written below (headers, shards) or by the receives.
     ps_out_.resize(servers * msg);
     ps_in_.resize(servers * msg);
@@ -1167,7 +1183,7 @@ class TrainingRun {
                                      data_world_ + static_cast<int>(k), kPsReplyTag));
     }
     for (size_t k = 0; k < servers; ++k) {
-      write_ps_header(&ps_out_[k * msg], {step_, need});
+      write_ps_header(&ps_out_[k * msg], {step_, need, asked ? 1 : 0});
       std::copy_n(ps_host_.begin() + static_cast<ptrdiff_t>(k * shard_), shard_,
                   ps_out_.begin() + static_cast<ptrdiff_t>(k * msg + kPsHeaderFloats));
       requests.push_back(comm_.isend(&ps_out_[k * msg], msg * sizeof(float),
@@ -1178,18 +1194,26 @@ class TrainingRun {
     PsHeader reply;
     for (size_t k = 0; k < servers; ++k) {
       reply = read_ps_header(&ps_in_[k * msg]);
-      if (reply.first < need) {
+      if (reply.step < need) {
         throw Error(ErrorKind::internal,
                     fmt::format("rank {}: server {} answered step {} with version {}, needed {}",
-                                rank_, k, step_, reply.first, need));
+                                rank_, k, step_, reply.step, need));
       }
+      // A stop step this push did not know of must be a later step (choose_ps_stop).
+      if (reply.stop > 0 && ps_stop_at_ == 0 && reply.stop <= done) {
+        throw Error(ErrorKind::internal,
+                    fmt::format("rank {}: server {} chose to stop after step {}, which this rank "
+                                "pushed without knowing",
+                                rank_, k, reply.stop));
+      }
+      if (reply.stop > 0) ps_stop_at_ = reply.stop;
       std::copy_n(ps_in_.begin() + static_cast<ptrdiff_t>(k * msg + kPsHeaderFloats), shard_,
                   ps_host_.begin() + static_cast<ptrdiff_t>(k * shard_));
     }
     ops_->upload(ps_host_.data(), params_.data(), params_.size_bytes());
     phases.comm = phases.comm_total = ms_since(tc);
     phases.bytes = static_cast<double>(servers * msg * sizeof(float));
-    return std::bit_cast<double>(reply.second);
+    return std::bit_cast<double>(reply.value);
   }
 
   // A parameter server's run: collects every worker's gradients for the next step, in whatever
@@ -1217,7 +1241,7 @@ class TrainingRun {
       for (size_t w = 0; w < workers; ++w) {
         if (needs[w] < 0 || needs[w] > step_) continue;
         if (sending[w]) sending[w]->wait();  // the last reply's buffer is free
-        write_ps_header(replies[w].data(), {step_, std::bit_cast<int64_t>(norm)});
+        write_ps_header(replies[w].data(), {step_, std::bit_cast<int64_t>(norm), ps_stop_at_});
         std::copy(ps_host_.begin(), ps_host_.end(),
                   replies[w].begin() + static_cast<ptrdiff_t>(kPsHeaderFloats));
         sending[w] =
@@ -1242,15 +1266,16 @@ class TrainingRun {
       const auto w = static_cast<size_t>(
           comm_.recv_any(incoming.data(), msg * sizeof(float), worker_ranks, kPsPushTag));
       const PsHeader push = read_ps_header(incoming.data());
-      if (push.first < step_) {
+      if (push.step < step_) {
         throw Error(ErrorKind::internal,
                     fmt::format("rank {}: worker {} pushed step {}, already applied (now {})",
-                                rank_, w, push.first, step_));
+                                rank_, w, push.step, step_));
       }
-      auto& slot = pushed[push.first];
+      if (push.stop != 0) ps_stop_asked_ = true;
+      auto& slot = pushed[push.step];
       slot.resize(workers);
       slot[w].assign(incoming.begin() + static_cast<ptrdiff_t>(kPsHeaderFloats), incoming.end());
-      needs[w] = push.second;
+      needs[w] = push.value;
       for (auto next = pushed.find(step_);
            !stop && next != pushed.end() &&
            std::none_of(next->second.begin(), next->second.end(),
@@ -1263,10 +1288,11 @@ class TrainingRun {
         answer();
         if (ps_sync_point(step_)) {
           // Every worker waits for exactly this version, and has it now: the step boundary all
-          // ranks share.
-          if (log_step_due(step_, false)) {
+          // ranks share. At the step the servers chose to stop after, every rank stops.
+          const bool stop_here = step_ == ps_stop_at_;
+          if (log_step_due(step_, stop_here)) {
             double loss = 0;
-            stop = sum_loss_and_stop(loss, false);
+            stop = sum_loss_and_stop(loss, stop_here);
           }
           if (options_.progress) options_.progress->set_step(step_);
           periodic_work(step_, step_ == total || stop);
@@ -1298,10 +1324,16 @@ class TrainingRun {
     const std::span<float> own_grads(grad_buffer_.as<float>() + begin, shard_);
     const std::span<float> own_params(params_buffer_.as<float>() + begin, shard_);
     ops_->upload(sum.data(), own_grads.data(), own_grads.size_bytes());
+    // The servers learn of a stop at different times (a worker's pushes reach them in turn): they
+    // agree on it as they sum the norm, each making the same version, and choose one stop step.
+    if (options_.stop_requested && options_.stop_requested()) ps_stop_asked_ = true;
     const double norm =
         unscale_and_clip(*ops_, own_grads, 1.0, recipe_.optimizer.clip_grad_norm, [&] {
-          return sum_over_servers(
-              ops_->sum_squares(own_grads.data(), static_cast<int64_t>(own_grads.size())));
+          const auto sums = sum_over_servers(
+              {ops_->sum_squares(own_grads.data(), static_cast<int64_t>(own_grads.size())),
+               ps_stop_asked_ ? 1.0 : 0.0});
+          if (sums[1] > 0.0 && ps_stop_at_ == 0) ps_stop_at_ = choose_ps_stop(step_ + 1);
+          return sums[0];
         });
     const double lr = lr_scale_ * learning_rate(recipe_.optimizer, step_, total);
     if (std::isfinite(norm)) optimizer_->step(own_params, own_grads, lr);
@@ -1310,22 +1342,25 @@ class TrainingRun {
   }
 
   // The servers' values summed in server order (a message to and from every other server).
-  double sum_over_servers(double mine) {
-    std::vector<double> all(static_cast<size_t>(servers_), 0.0);
+  using ServerSums = std::array<double, 2>;
+  ServerSums sum_over_servers(const ServerSums& mine) {
+    std::vector<ServerSums> all(static_cast<size_t>(servers_), ServerSums{});
     all[static_cast<size_t>(shard_index_)] = mine;
     std::vector<std::unique_ptr<Communicator::Request>> requests;
     for (int k = 0; k < servers_; ++k) {
       if (k == shard_index_) continue;
-      requests.push_back(
-          comm_.irecv(&all[static_cast<size_t>(k)], sizeof(double), data_world_ + k, kPsNormTag));
-      requests.push_back(comm_.isend(&all[static_cast<size_t>(shard_index_)], sizeof(double),
+      requests.push_back(comm_.irecv(&all[static_cast<size_t>(k)], sizeof(ServerSums),
+                                     data_world_ + k, kPsNormTag));
+      requests.push_back(comm_.isend(&all[static_cast<size_t>(shard_index_)], sizeof(ServerSums),
                                      data_world_ + k, kPsNormTag));
     }
     for (auto& request : requests)
       request->wait();
-    double total = 0;
-    for (const double v : all)
-      total += v;
+    ServerSums total{};
+    for (const ServerSums& v : all) {
+      for (size_t i = 0; i < total.size(); ++i)
+        total[i] += v[i];
+    }
     return total;
   }
 
@@ -1382,19 +1417,24 @@ class TrainingRun {
 
   void advance_sampler() { position_ = sampler_.advance(position_); }
 
-  // The parameter-server mode's messages: a header (push: the step and the version the worker
-  // needs next; reply: the version and the gradient norm's bits), then a shard of floats.
-  using PsHeader = std::pair<int64_t, int64_t>;
-  static constexpr size_t kPsHeaderFloats = 2 * sizeof(int64_t) / sizeof(float);
+  // The parameter-server mode's messages: a header, then a shard of floats. A push: the step,
+  // the version the worker needs next, and 1 where a stop was asked for there. A reply: the
+  // version, the gradient norm's bits, and the step the servers chose to stop after (0: none).
+  struct PsHeader {
+    int64_t step = 0;
+    int64_t value = 0;
+    int64_t stop = 0;
+  };
+  static constexpr size_t kPsHeaderFloats = 3 * sizeof(int64_t) / sizeof(float);
   static constexpr uint32_t kPsPushTag = 1, kPsReplyTag = 2, kPsNormTag = 3;
   static void write_ps_header(float* at, const PsHeader& header) {
-    const int64_t words[2] = {header.first, header.second};
+    const int64_t words[3] = {header.step, header.value, header.stop};
     std::memcpy(at, words, sizeof(words));
   }
   static PsHeader read_ps_header(const float* at) {
-    int64_t words[2];
+    int64_t words[3];
     std::memcpy(words, at, sizeof(words));
-    return {words[0], words[1]};
+    return {words[0], words[1], words[2]};
   }
 
   void log_step(int64_t step, int64_t epoch, double loss, double lr, double norm,
@@ -1707,6 +1747,11 @@ class TrainingRun {
   // The ranks' mean step time as they last summed it (a log step's sum_loss_and_stop, or a step's
   // own stop sum); unknown (infinite: taken as long, as above) until the first.
   double mean_step_ms_ = std::numeric_limits<double>::infinity();
+  // ps: the step the servers stop after, once one was asked for (choose_ps_stop); 0 until then.
+  // A worker learns it from the servers' replies.
+  int64_t ps_stop_at_ = 0;
+  // A server: whether a stop was asked for, by this rank or in a worker's push.
+  bool ps_stop_asked_ = false;
   // ZeRO-1 over Gloo: its reduce-scatter is an all-reduce and a slice anyway, so the bucketed,
   // overlapped all-reduce serves, and each rank updates its shard of the summed gradients. NCCL
   // reduce-scatters (half the bytes, no overlap).

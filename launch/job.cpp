@@ -1263,23 +1263,11 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
             where.find("; waiting for them in collective") != std::string::npos) {
           // Killed at once as asked (Ctrl-C after the SIGTERM), a rank behind may only have been
           // busy (writing its checkpoint): where each was, not a verdict that it was stuck.
-          // Parameter servers' ranks stop only at the next log step, waiting for each other on
-          // the way: one that did not come within the grace leaves them training, not stuck.
-          // (Not where a rank's heartbeat stopped: frozen, or never beat.)
-          const bool ps =
-              trains && spec.recipe.distributed.sync == "ps" &&
-              std::none_of(trace.beats.begin(), trace.beats.end(), [](const auto& beat) {
-                return beat.second.contains("silent_ms") || beat.second.contains("never_ms");
-              });
-          if ((sup.killed_at_once || ps) && where.starts_with("stuck: ")) {
-            out.error += fmt::format(
-                "; when they were killed, by the ranks' last heartbeats ({}): {}",
-                ps && !sup.killed_at_once
-                    ? "parameter servers stop at the next log step, which did not come within "
-                      "the stop's grace: training, not necessarily stuck; keep log.every steps "
-                      "within it"
-                    : "behind, not necessarily stuck",
-                where.substr(7));
+          if (sup.killed_at_once && where.starts_with("stuck: ")) {
+            out.error +=
+                "; when they were killed, by the ranks' last heartbeats (behind, not "
+                "necessarily stuck): " +
+                where.substr(7);
           } else {
             out.error += "; by the ranks' last heartbeats, " + where;
           }
