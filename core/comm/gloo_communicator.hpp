@@ -22,7 +22,8 @@ std::unique_ptr<Communicator> make_gloo_communicator(Store& store, int rank, int
 
 // What a Gloo failure's cause means, said after it: " (a peer rank has exited ...)" for a
 // connection a peer closed or reset, " (this machine ran out of ephemeral ports ...)" for a
-// listen that found no free port; "" otherwise. `world_size`: the job's ranks.
+// listen that found no free port ("Address already in use") or a connect that found no local one
+// ("Cannot assign requested address"); "" otherwise. `world_size`: the job's ranks.
 std::string gloo_cause_note(const std::string& cause, int world_size);
 
 // Makes an exception that escapes one of Gloo's own threads (its transport's event loop, where
