@@ -1101,10 +1101,12 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
     std::map<int, json> last_beats;
     bool store_gone = false;
     try {
+      auto heard = read_heartbeats(beat_store, o.world_size);
       for (int r = 0; r < o.world_size; ++r) {
+        auto& beat = heard[static_cast<size_t>(r)];
         if (r == o.rank) {
           last_beats[r] = progress.snapshot();
-        } else if (auto beat = read_heartbeat(beat_store, r)) {
+        } else if (beat) {
           last_beats[r] = std::move(*beat);
         }
       }

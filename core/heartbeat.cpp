@@ -52,13 +52,13 @@ std::string heartbeat_key(int rank) {
   return fmt::format("heartbeat/{}", rank);
 }
 
-std::optional<nlohmann::json> read_heartbeat(Store& store, int rank) {
-  const std::string key = heartbeat_key(rank);
-  if (!store.check({key})) return std::nullopt;
-  nlohmann::json beat =
-      nlohmann::json::parse(store.get(key, std::chrono::seconds(2)), nullptr, false);
-  if (!beat.is_object()) return std::nullopt;
-  return beat;
+std::vector<std::optional<nlohmann::json>> read_heartbeats(Store& store, int world) {
+  std::vector<std::optional<nlohmann::json>> beats;
+  for (const auto& said : store.peek(rank_keys(heartbeat_key, 0, world))) {
+    nlohmann::json beat = said ? nlohmann::json::parse(*said, nullptr, false) : nlohmann::json();
+    beats.push_back(beat.is_object() ? std::optional(std::move(beat)) : std::nullopt);
+  }
+  return beats;
 }
 
 std::string sigterm_key(int rank) {
@@ -74,10 +74,10 @@ std::string silent_peers(Store& store, int rank, int world, std::chrono::millise
   // Each peer's beat count; -1 where it has published none (it never started).
   const auto beats = [&] {
     std::vector<int64_t> out(static_cast<size_t>(world), -1);
+    const auto all = read_heartbeats(store, world);
     for (int r = 0; r < world; ++r) {
-      if (r == rank) continue;
-      if (const auto beat = read_heartbeat(store, r))
-        out[static_cast<size_t>(r)] = beat->value("beat", int64_t{-1});
+      const auto& beat = all[static_cast<size_t>(r)];
+      if (r != rank && beat) out[static_cast<size_t>(r)] = beat->value("beat", int64_t{-1});
     }
     return out;
   };

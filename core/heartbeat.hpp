@@ -82,9 +82,9 @@ class ProgressTracker {
 };
 
 std::string heartbeat_key(int rank);  // "heartbeat/<rank>", under the generation's prefix
-// The rank's last heartbeat (a JSON object), or nullopt when it has published none or it does
-// not parse. Store errors propagate.
-std::optional<nlohmann::json> read_heartbeat(Store& store, int rank);
+// Each of `world` ranks' last heartbeat (a JSON object), in one store request: nullopt where it
+// has published none or it does not parse. Store errors propagate.
+std::vector<std::optional<nlohmann::json>> read_heartbeats(Store& store, int world);
 // Set by a rank that received SIGTERM itself (a node being preempted), so the launcher can name
 // it: every rank then stops, and the first to exit is not necessarily the one signalled.
 std::string sigterm_key(int rank);  // "sigterm/<rank>", under the generation's prefix

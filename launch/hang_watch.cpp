@@ -2,6 +2,7 @@
 #include "launch/hang_watch.hpp"
 
 #include <algorithm>
+#include <optional>
 #include <vector>
 
 #include <fmt/format.h>
@@ -37,12 +38,16 @@ std::optional<std::string> HangWatch::check() {
   if (now < next_read_) return std::nullopt;
   next_read_ = now + std::chrono::seconds(1);
   last_read_ = now;
+  std::vector<std::optional<json>> heard;
+  try {
+    heard = read_heartbeats(store_, world_size_);  // one request for every rank's
+  } catch (const std::exception&) {
+    return std::nullopt;  // the store is the launcher's own; a hiccup is not a hang
+  }
   for (int r = 0; r < world_size_; ++r) {
-    const std::string key = heartbeat_key(r);
     try {
-      if (!store_.check({key})) continue;
-      const json beat = json::parse(store_.get(key, std::chrono::seconds(2)), nullptr, false);
-      if (beat.is_discarded()) continue;
+      if (!heard[static_cast<size_t>(r)]) continue;
+      const json& beat = *heard[static_cast<size_t>(r)];
       if (!first_heard_) first_heard_ = now;
       note_started(r, now);  // (an agent that does not say it started its ranks)
       Seen& s = seen_[r];
@@ -57,7 +62,7 @@ std::optional<std::string> HangWatch::check() {
       }
       s.beat = beat;
     } catch (const std::exception&) {
-      return std::nullopt;  // the store is the launcher's own; a hiccup is not a hang
+      return std::nullopt;  // a beat whose fields do not read: not a hang either
     }
   }
   // A rank waiting in a collective is as stalled as the job: while another rank still makes

@@ -287,11 +287,16 @@ bool with_generation_store(const std::string& host, uint16_t port, const std::st
   }
 }
 
-// Fills `trace` as it reads (a request that fails leaves what was read before it).
+// Fills `trace` as it reads (a request that fails leaves what was read before it): the ranks that
+// received SIGTERM, then the heartbeats, a request each.
 void read_trace(PrefixStore& store, int world, GenerationTrace& trace) {
+  const auto sigterms = store.peek(rank_keys(sigterm_key, 0, world));
   for (int r = 0; r < world; ++r) {
-    if (store.check({sigterm_key(r)})) trace.sigterm_ranks.push_back(r);
-    const auto beat = read_heartbeat(store, r);
+    if (sigterms[static_cast<size_t>(r)]) trace.sigterm_ranks.push_back(r);
+  }
+  const auto beats = read_heartbeats(store, world);
+  for (int r = 0; r < world; ++r) {
+    const auto& beat = beats[static_cast<size_t>(r)];
     if (!beat || beat->value("phase", "") == "starting") continue;
     // A rank still starting (a resume's, before its checkpoint is loaded) says step 0, which is
     // not where the run is; its beat still tells where it waits.

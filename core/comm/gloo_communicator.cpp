@@ -114,8 +114,9 @@ class GlooStoreAdapter : public gloo::rendezvous::Store {
       // Only a wait that timed out asks the store which ranks are missing: after a lost
       // connection (a store that is gone) the question would wait to reconnect, and blame them.
       std::vector<int> missing;
-      for (const auto& key : keys) {
-        if (const int r = rank_of(key); r >= 0 && !store_.check({key})) missing.push_back(r);
+      const auto present = store_.peek(keys);
+      for (size_t i = 0; i < keys.size(); ++i) {
+        if (const int r = rank_of(keys[i]); r >= 0 && !present[i]) missing.push_back(r);
       }
       if (missing.empty()) throw;
       std::string twice;

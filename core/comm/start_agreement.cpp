@@ -378,9 +378,11 @@ void report_failure(Store& store, int rank, const Error& error) {
 std::optional<Error> peer_failure(Store& store, int rank, int world, bool stepping) {
   std::optional<Error> found;
   try {
+    const auto posted = store.peek(rank_keys(failed_key, 0, world));
     for (int r = 0; r < world && !found; ++r) {
-      if (r == rank || !store.check({failed_key(r)})) continue;
-      found = refusal_error(rank, r, store.get(failed_key(r), std::chrono::seconds(2)), stepping);
+      if (r != rank && posted[static_cast<size_t>(r)]) {
+        found = refusal_error(rank, r, *posted[static_cast<size_t>(r)], stepping);
+      }
     }
     store.set(heard_key(rank), "1");
   } catch (const Error&) {
@@ -414,9 +416,12 @@ void wait_until_heard(Store& store, int world, std::chrono::milliseconds bound,
 
 void wait_until_told(Store& store, int world, std::chrono::milliseconds bound, bool answered_only) {
   std::vector<int> silent;
-  for (int r = 1; answered_only && r < world; ++r) {
+  if (answered_only) {
     try {
-      if (!store.check({answer_key(r)})) silent.push_back(r);
+      const auto answers = store.peek(rank_keys(answer_key, 1, world));
+      for (int r = 1; r < world; ++r) {
+        if (!answers[static_cast<size_t>(r - 1)]) silent.push_back(r);
+      }
     } catch (const Error&) {
     }
   }
@@ -430,11 +435,12 @@ std::string generation_key(int rank) {
 }
 constexpr const char* kAnyGenerationKey = "generation/any";
 
-// What `key` says ("RANK GENERATION"), where it is another rank's and another generation.
-std::optional<OtherGeneration> posted_generation(Store& root, const std::string& key, int rank,
+// What a generation key says ("RANK GENERATION"), where it is another rank's and another
+// generation.
+std::optional<OtherGeneration> posted_generation(const std::optional<std::string>& said, int rank,
                                                  int generation) {
-  if (!root.check({key})) return std::nullopt;
-  const auto [other, rest] = split_number(root.get(key, std::chrono::seconds(1)));
+  if (!said) return std::nullopt;
+  const auto [other, rest] = split_number(*said);
   const int theirs = split_number(rest).first;
   if (other < 0 || theirs < 1 || other == rank || theirs == generation) return std::nullopt;
   return OtherGeneration{other, theirs};
@@ -453,14 +459,13 @@ std::optional<OtherGeneration> other_generation(Store& root, int rank, int world
   constexpr int kMaxLooked = 1024;
   std::vector<std::string> keys;
   if (rank == 0 || waited_out) {
-    for (int r = 0; r < std::min(world, kMaxLooked); ++r)
-      keys.push_back(generation_key(r));
+    keys = rank_keys(generation_key, 0, std::min(world, kMaxLooked));
     keys.push_back(kAnyGenerationKey);
   } else {
     keys.push_back(generation_key(0));
   }
-  for (const std::string& key : keys) {
-    const auto other = posted_generation(root, key, rank, generation);
+  for (const auto& said : root.peek(keys)) {
+    const auto other = posted_generation(said, rank, generation);
     if (other && (waited_out || other->generation > generation)) return other;
   }
   return std::nullopt;

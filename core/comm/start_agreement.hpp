@@ -76,10 +76,11 @@ struct OtherGeneration {
 };
 
 // As a rank starts (`waited_out` false): a rank of a newer generation than this one's (rank 0
-// looks at every rank's key, the first 1024, and the shared one; the others at rank 0's). Not an
-// older one then: a late rank of a dead generation must not stop a newer one. Once its wait ran
-// out: any other generation, every key looked at. Every rank writes its key before it looks, so
-// of two ranks of different generations one sees the other. Store errors pass on.
+// looks at every rank's key, the first 1024, and the shared one, in one request; the others at
+// rank 0's). Not an older one then: a late rank of a dead generation must not stop a newer one.
+// Once its wait ran out: any other generation, every key looked at. Every rank writes its key
+// before it looks, so of two ranks of different generations one sees the other. Store errors
+// pass on.
 std::optional<OtherGeneration> other_generation(Store& root, int rank, int world, int generation,
                                                 bool waited_out);
 

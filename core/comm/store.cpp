@@ -46,8 +46,19 @@ bool PrefixStore::check(const std::vector<std::string>& keys) {
   return inner_.check(full_keys(keys));
 }
 
+std::vector<std::optional<std::string>> PrefixStore::peek(const std::vector<std::string>& keys) {
+  return inner_.peek(full_keys(keys));
+}
+
 std::string PrefixStore::describe() const {
   return inner_.describe();
+}
+
+std::vector<std::string> rank_keys(std::string (*key)(int), int first, int end) {
+  std::vector<std::string> keys;
+  for (int r = first; r < end; ++r)
+    keys.push_back(key(r));
+  return keys;
 }
 
 std::optional<uint16_t> parse_port(std::string_view text) {

@@ -45,6 +45,9 @@ class Store {
   virtual int64_t add(const std::string& key, int64_t delta) = 0;
   // Whether every key exists right now.
   virtual bool check(const std::vector<std::string>& keys) = 0;
+  // The value of each of `keys` that exists right now, nothing for the others: one request, where
+  // a check and a get each would take two per key.
+  virtual std::vector<std::optional<std::string>> peek(const std::vector<std::string>& keys) = 0;
   // "store HOST:PORT", for error messages.
   virtual std::string describe() const = 0;
 
@@ -70,6 +73,7 @@ class PrefixStore : public Store {
   void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override;
   int64_t add(const std::string& key, int64_t delta) override;
   bool check(const std::vector<std::string>& keys) override;
+  std::vector<std::optional<std::string>> peek(const std::vector<std::string>& keys) override;
   std::string describe() const override;
 
   const std::string& prefix() const { return prefix_; }
@@ -81,6 +85,10 @@ class PrefixStore : public Store {
   std::string prefix_;
   Store& inner_;
 };
+
+// key(r) for each rank r from `first` up to `end` (not included): the keys of ranks' posts, read
+// together (Store::peek, Store::wait).
+std::vector<std::string> rank_keys(std::string (*key)(int), int first, int end);
 
 // All of `text` as a port number (decimal, 1 to 65535), or nothing.
 std::optional<uint16_t> parse_port(std::string_view text);

@@ -24,12 +24,22 @@
 namespace dptrain::store_protocol {
 
 constexpr uint32_t kMagic = 0x53545044;  // "DPTS" on the wire
-constexpr uint16_t kVersion = 2;         // 2: nonces and the auth step
+constexpr uint16_t kVersion = 3;         // 2: nonces and the auth step; 3: peek
 // Caps what one frame may make the peer buffer, so garbage on a socket cannot allocate gigabytes.
 constexpr uint32_t kMaxFrameBytes = 64u << 20;
 constexpr size_t kLengthBytes = 4;
 
-enum class Op : uint8_t { hello = 1, set = 2, get = 3, wait = 4, add = 5, check = 6, auth = 7 };
+// peek: keys strs; its reply: for each key, present u8 and value str (empty where absent).
+enum class Op : uint8_t {
+  hello = 1,
+  set = 2,
+  get = 3,
+  wait = 4,
+  add = 5,
+  check = 6,
+  auth = 7,
+  peek = 8
+};
 enum class Auth : uint8_t { none = 0, required = 1 };
 enum class Status : uint8_t {
   ok = 0,

@@ -353,6 +353,18 @@ void TcpStoreServer::Loop::handle(uint64_t id, Connection& connection, FrameRead
       reply(connection, FrameWriter().u8(static_cast<uint8_t>(Status::ok)).u8(present).finish());
       return;
     }
+    case Op::peek: {
+      const std::vector<std::string> keys = request.strs();
+      request.expect_end();
+      FrameWriter values;
+      values.u8(static_cast<uint8_t>(Status::ok));
+      for (const std::string& key : keys) {
+        const auto found = data_.find(key);
+        values.u8(found != data_.end()).str(found != data_.end() ? found->second : "");
+      }
+      reply(connection, values.finish());
+      return;
+    }
     case Op::hello:
     case Op::auth:
       break;
@@ -822,6 +834,24 @@ bool TcpStoreClient::check(const std::vector<std::string>& keys) {
   const std::string fields =
       request(frame, "check " + quoted_keys(keys), deadline_after(request_timeout_));
   return FrameReader(fields).u8() != 0;
+}
+
+std::vector<std::optional<std::string>> TcpStoreClient::peek(const std::vector<std::string>& keys) {
+  const std::string frame = FrameWriter().u8(static_cast<uint8_t>(Op::peek)).strs(keys).finish();
+  // (Many keys: the first names them in a message.)
+  const std::string what =
+      keys.size() <= 3 ? "peek at " + quoted_keys(keys)
+                       : fmt::format("peek at {} keys from '{}'", keys.size(), keys.front());
+  const std::string fields = request(frame, what, deadline_after(request_timeout_));
+  FrameReader reader(fields);
+  std::vector<std::optional<std::string>> values;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const bool present = reader.u8() != 0;
+    std::string value = reader.str();
+    values.push_back(present ? std::optional<std::string>(std::move(value)) : std::nullopt);
+  }
+  reader.expect_end();
+  return values;
 }
 
 }  // namespace dptrain

@@ -84,11 +84,12 @@ class TcpStoreClient : public Store {
   void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override;
   int64_t add(const std::string& key, int64_t delta) override;
   bool check(const std::vector<std::string>& keys) override;
+  std::vector<std::optional<std::string>> peek(const std::vector<std::string>& keys) override;
   std::string describe() const override;
 
   const std::string& host() const { return host_; }
   uint16_t port() const { return port_; }
-  // How long a request that never blocks on the server (set, add, check) may take: 60 s by
+  // How long a request that never blocks on the server (set, add, check, peek) may take: 60 s by
   // default. A client whose requests may be given up on (heartbeats) sets a short one, so that a
   // store that stopped answering (its process frozen) holds no caller of it for a minute.
   void set_request_timeout(std::chrono::milliseconds timeout) { request_timeout_ = timeout; }

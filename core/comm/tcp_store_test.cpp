@@ -114,6 +114,11 @@ TEST_CASE("tcp store: set, get, add, check and wait") {
   CHECK(store.check({"a", "counter"}));
   CHECK_FALSE(store.check({"a", "missing"}));
   CHECK(store.check({}));
+  // peek: each key's value where it exists (empty and binary values too), nothing for the others.
+  using Peeked = std::vector<std::optional<std::string>>;
+  CHECK(store.peek({"a", "missing", "empty", "binary"}) ==
+        Peeked{"again", std::nullopt, "", std::string("\0\xff\n", 3)});
+  CHECK(store.peek({}).empty());
   store.wait({"a", "counter"}, 1s);
   store.wait({}, 1s);
 
@@ -705,6 +710,9 @@ TEST_CASE("prefix store: generations are isolated") {
   gen1.set("only1", "x");
   CHECK(gen1.check({"only1", "rank0"}));
   CHECK_FALSE(gen2.check({"only1"}));
+  CHECK(gen1.peek({"only1", "rank0"}) == std::vector<std::optional<std::string>>{"x", "old"});
+  CHECK(gen2.peek({"only1", "rank0"}) ==
+        std::vector<std::optional<std::string>>{std::nullopt, "new"});
   CHECK(gen1.add("count", 3) == 3);
   CHECK(gen2.add("count", 1) == 1);
   gen1.wait({"only1"}, 1s);
