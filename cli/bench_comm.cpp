@@ -167,9 +167,10 @@ std::vector<std::string> wrong_data_lines(const CommBenchResult& result) {
 // A benchmark that ended before its result (stopped, a rank that failed or hung): the sizes
 // measured before the end are kept (table.txt, and result.json with "partial": true) and
 // printed, then the error; with --json, one object with them, the run directory, the warnings
-// said (`warnings`) and the failure's fields.
+// and notes said (`warnings`, `notes`) and the failure's fields.
 int report_unfinished(const BenchCommOptions& o, RunDirectory& run, const CommBenchResult& partial,
-                      const JobOutcome& outcome, std::vector<std::string> warnings) {
+                      const JobOutcome& outcome, std::vector<std::string> warnings,
+                      const std::vector<std::string>& notes) {
   // As main ends a failed command: a stop signal that came meanwhile is the exit.
   const ErrorKind kind = kind_after_stop(failure_kind(outcome.exit_code));
   const int code = exit_code(kind);
@@ -205,6 +206,7 @@ int report_unfinished(const BenchCommOptions& o, RunDirectory& run, const CommBe
     }
   }
   j["warnings"] = warnings;
+  j["notes"] = notes;
   if (o.json) {
     std::printf("%s\n", json_text(j).c_str());
   } else {
@@ -288,20 +290,26 @@ int run_bench_launcher(const BenchCommOptions& o) {
       printable(run.path().string())));
   for (const auto& warning : fault_warnings)
     status.warning(warning);
+  // What the figures mean here, said on stderr and kept for --json's `notes`.
+  std::vector<std::string> notes;
+  const auto note = [&](std::string text) {
+    status.line("bench comm: note: " + text);
+    notes.push_back(std::move(text));
+  };
   // One rank by default: a figure of 0 everywhere, which `-n 4` (nccl-tests' iterations, not a
   // rank count as in launch) would otherwise leave unexplained.
   if (spec.world_size == 1 && o.nproc_flag->count() == 0 && o.hosts.hosts.empty()) {
-    status.line(
-        "bench comm: note: 1 rank (--nproc's default): no collective moves data between ranks, "
-        "so every busbw is 0; give --nproc N for N ranks (-n is --iters, as in nccl-tests)");
+    note(
+        "1 rank (--nproc's default): no collective moves data between ranks, so every busbw is "
+        "0; give --nproc N for N ranks (-n is --iters, as in nccl-tests)");
   }
   // More local ranks than CPUs: each rank's share of the reductions and the copies waits for a
   // CPU, which the times then measure (as bench train says of its largest world).
   const int cpus = online_cpus();
   if (o.hosts.hosts.empty() && o.backend == "gloo" && cpus > 0 && spec.world_size > cpus) {
-    status.line(fmt::format(
-        "bench comm: note: {} ranks exceed this machine's {} CPUs: the times measure CPU "
-        "contention as well as communication",
+    note(fmt::format(
+        "{} ranks exceed this machine's {} CPUs: the times measure CPU contention as well as "
+        "communication",
         spec.world_size, cpus));
   }
   // Rank 0's rows as it measures them: what is kept of a benchmark that does not finish.
@@ -320,7 +328,8 @@ int run_bench_launcher(const BenchCommOptions& o) {
   };
   const JobOutcome outcome = run_job(run, spec, status);
   status.finish();
-  if (outcome.exit_code != 0) return report_unfinished(o, run, result, outcome, status.warnings());
+  if (outcome.exit_code != 0)
+    return report_unfinished(o, run, result, outcome, status.warnings(), notes);
 
   result = CommBenchResult::from_json(outcome.result);
   result.hosts = hosts;
@@ -344,6 +353,7 @@ int run_bench_launcher(const BenchCommOptions& o) {
   j["run_dir"] = run.path().string();
   if (o.min_busbw_flag->count() > 0) j["min_busbw"] = o.min_busbw;
   j["warnings"] = status.warnings();
+  j["notes"] = notes;
   if (exit_code != 0) {
     add_failure(j, exit_code, errors);
   } else {

@@ -139,7 +139,8 @@ void check_svg_output(const std::string& given) {
 // run's directory; with --json, one object with them, the sweep's directory and the failure's
 // fields.
 int report_unfinished(const BenchTrainCliOptions& o, const BenchTrainReport& report,
-                      const fs::path& sweep_dir, const fs::path& failed_run, const Error& e) {
+                      const fs::path& sweep_dir, const fs::path& failed_run, const Error& e,
+                      const std::vector<std::string>& warnings) {
   const ErrorKind kind = kind_after_stop(e.kind());
   const int code = exit_code(kind);
   nlohmann::json out = report.rows.empty() ? nlohmann::json::object() : report.to_json();
@@ -150,6 +151,7 @@ int report_unfinished(const BenchTrainCliOptions& o, const BenchTrainReport& rep
   out["status"] = failed_run.empty() ? failure_status(kind) : run_failure_status(kind);
   out["run_dir"] = sweep_dir.string();
   out["failed_run_dir"] = failed_run.empty() ? nlohmann::json() : nlohmann::json(failed_run);
+  out["warnings"] = warnings;
   add_failure(out, code, e.what());
   if (!report.rows.empty()) {
     try {
@@ -283,6 +285,7 @@ int run_bench_train_cmd(const BenchTrainCliOptions& o) {
   const fs::path sweep_dir = create_sweep_dir(o.run_dir, o.runs_root);
   report.run_dir = sweep_dir.string();
 
+  std::vector<std::string> warnings;  // what stderr warned of, for --json
   {
     // A line per run; on a terminal also the running one's progress, rewritten in place.
     StatusPrinter terminal(stderr, StatusPrinter::is_terminal(stderr));
@@ -295,11 +298,13 @@ int run_bench_train_cmd(const BenchTrainCliOptions& o) {
           [&terminal](const std::string& line) { terminal.line(line); }, report);
     } catch (const Error& e) {
       terminal.finish();
-      return report_unfinished(o, report, sweep_dir, failed_run, e);
+      return report_unfinished(o, report, sweep_dir, failed_run, e, terminal.warnings());
     }
+    warnings = terminal.warnings();
   }
 
   nlohmann::json out = report.to_json();
+  out["warnings"] = warnings;
   const std::vector<std::string> shortfalls = report.shortfalls(o.min);
   const int exit_code = shortfalls.empty() ? 0 : 6;
   out["status"] = shortfalls.empty() ? "completed" : "below_threshold";

@@ -512,7 +512,7 @@ void print_summary(const PrepareSummary& s, bool as_json) {
                           "dtype         {}\n"
                           "path          {}\n",
                           s.sources.size(), s.bytes, s.tokens, s.tokenizer, s.vocab, s.train_tokens,
-                          s.val_tokens, dtype_name(s.dtype_bytes), s.path.string())
+                          s.val_tokens, dtype_name(s.dtype_bytes), printable(s.path.string()))
                   .c_str());
 }
 

@@ -205,7 +205,7 @@ int start_launch(const LaunchOptions& o, bool& events_opened, Outcome& outcome) 
       return RunDirectory::create(o.run_dir, o.runs_root, spec.recipe.name);
     } catch (const std::exception& e) {
       // It made no run directory (one that holds a run is another's): run_dir is null.
-      finish_events_with_failure(*events, e, "", "the launch did not start");
+      finish_events_with_failure(*events, e, "", "the launch did not start", /*started=*/false);
       throw;
     }
   }();

@@ -161,6 +161,16 @@ std::string unknown_word(const Command& c, int argc, char** argv) {
     const std::string name(arg.substr(0, arg.find('=')));
     const bool short_group = !arg.starts_with("--") && name.size() > 2;  // -abc: CLI11's to judge
     if (short_group || std::find(known.begin(), known.end(), name) != known.end()) continue;
+    // An option of its commands ("dptrain ckpt --json"): the command is what is missing.
+    std::vector<std::string> takers;
+    for (const CLI::App* s : subs) {
+      if (!s->get_group().empty() && s->get_option_no_throw(name) != nullptr)
+        takers.push_back(s->get_name());
+    }
+    if (!takers.empty()) {
+      return fmt::format("'{}' needs a command before '{}': {}", c.name, name,
+                         fmt::join(takers, ", "));
+    }
     return fmt::format("{}unknown option '{}'{}", words.empty() ? "" : words + ": ", name,
                        suggest(name, known));
   }

@@ -83,8 +83,9 @@ int run_validate(const RecipeOptions& o) {
   if (!o.json) {
     const Recipe r = checked_recipe(o.recipe);
     validate_warnings(o.recipe, r);
-    std::printf("%s: ok (recipe '%s', hash %s)\nmodel: %s\n", o.recipe.c_str(), r.name.c_str(),
-                recipe_hash(r).c_str(), make_model(r.model)->describe().c_str());
+    std::printf("%s: ok (recipe '%s', hash %s)\nmodel: %s\n", printable(o.recipe).c_str(),
+                printable(r.name).c_str(), recipe_hash(r).c_str(),
+                make_model(r.model)->describe().c_str());
     return 0;
   }
   nlohmann::json out;

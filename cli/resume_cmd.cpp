@@ -373,7 +373,8 @@ int start_resume(const ResumeOptions& o, bool& events_opened, Outcome& outcome) 
   } catch (const std::exception& e) {
     // A resume that cannot start (no valid checkpoint, hosts that are gone) still ends its
     // events stream, which a pipeline reads to its run_finished; run.json is left as it was.
-    finish_events_with_failure(*events, e, run.path().string(), "the resume did not start");
+    finish_events_with_failure(*events, e, run.path().string(), "the resume did not start",
+                               /*started=*/false);
     throw;
   }
 }

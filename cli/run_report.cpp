@@ -103,12 +103,12 @@ std::unique_ptr<EventLog> open_events(const RestartOptions& o, bool json,
 }
 
 void finish_events_with_failure(EventLog& events, const std::exception& e,
-                                const std::string& run_dir, const std::string& what) {
+                                const std::string& run_dir, const std::string& what, bool started) {
   if (events.finished()) return;
   const FailureEnd end = failure_end(e);
   try {
     events.emit("run_finished",
-                {{"status", end.status},
+                {{"status", started ? end.status : std::string(failure_status(end.kind))},
                  {"exit_code", end.exit_code},
                  // None yet: a launch refused before it made one.
                  {"run_dir", run_dir.empty() ? nlohmann::json() : nlohmann::json(run_dir)},
@@ -141,7 +141,7 @@ void end_unopened_events(const RestartOptions& o, bool json, const std::string& 
     finish_events_with_failure(
         *events, e,
         resumed && !run_dir.empty() ? std::filesystem::absolute(run_dir).string() : std::string(),
-        what);
+        what, /*started=*/false);
   } catch (const std::exception&) {
     // The path is what was refused: there is no stream to end.
   }
@@ -226,7 +226,8 @@ void record_launcher_failure(RunDirectory& run, EventLog& events, const std::exc
   } catch (const std::exception&) {
     // The directory takes no writes (a full disk): the error on stderr is all there is.
   }
-  finish_events_with_failure(events, e, run.path().string(), "the launcher failed");
+  finish_events_with_failure(events, e, run.path().string(), "the launcher failed",
+                             /*started=*/true);
   // Nor the events stream the launch kept in it (RUN_DIR/events.jsonl), once it has ended.
   if (!recorded && !events.path().empty() && lies_in(events.path(), run.path())) {
     std::filesystem::remove(events.path(), ec);

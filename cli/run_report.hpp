@@ -102,9 +102,11 @@ std::unique_ptr<EventLog> open_events(const RestartOptions& o, bool json,
                                       const std::filesystem::path& run_dir);
 // Ends the events stream of a command that failed outside its job (a launch or resume that did
 // not start, the launcher's own failure) with run_finished, its error "WHAT: ...", unless it
-// ended already: a pipeline reads every stream to its run_finished.
+// ended already: a pipeline reads every stream to its run_finished. Its status: the --json
+// outcome's for a command that did not start (`started` false: "error", or a stop's), the run's
+// (failure_end) for a launcher that failed.
 void finish_events_with_failure(EventLog& events, const std::exception& e,
-                                const std::string& run_dir, const std::string& what);
+                                const std::string& run_dir, const std::string& what, bool started);
 // The same for a stream not opened yet (a launch or resume refused before that: its recipe, an
 // option, a host, a run directory that holds a run or is being run): opened and ended with
 // run_finished, its run_dir the `resumed` run's `run_dir` (absolute) as the command was given

@@ -1620,7 +1620,7 @@ std::string report_summary_text(const json& s) {
           : "");
   if (!s["last_checkpoint_host"].is_null()) {
     out += fmt::format("checkpoints on {}: the last recorded is {}\n",
-                       text(s, "last_checkpoint_host"), text(s, "last_checkpoint"));
+                       text(s, "last_checkpoint_host"), printable(text(s, "last_checkpoint")));
   }
   if (!s["error"].is_null() && text(s, "status") != "completed") {
     out += "error: " + text(s, "error") + "\n";
@@ -1631,7 +1631,8 @@ std::string report_summary_text(const json& s) {
     out += fmt::format("metrics.jsonl: {} unreadable line(s) skipped\n",
                        s["metrics_lines_skipped"].dump());
   }
-  out += "report: " + text(s, "report") + "\n";
+  out +=
+      "report: " + printable(text(s, "report")) + "\n";  // a path: its bytes as status shows them
   return out;
 }
 

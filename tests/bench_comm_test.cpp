@@ -440,6 +440,9 @@ TEST_CASE("bench comm --nproc 1: nothing leaves the one rank, so every busbw is 
                  "between ranks, so every busbw is 0; give --nproc N for N ranks"));
   const json j = parse_json(r.out);
   CHECK(j["ranks"] == 1);
+  // In --json's notes too, without the prefix.
+  REQUIRE(j["notes"].size() == 1);
+  CHECK(contains(r.err, "bench comm: note: " + j["notes"][0].get<std::string>() + "\n"));
   REQUIRE(j["rows"].size() == 2);
   CHECK(j["rows"][0]["busbw"] == 0.0);
   CHECK(j["rows"][1]["busbw"] == 0.0);  // nccl-tests' factor 1 would show the call's overhead

@@ -392,10 +392,15 @@ TEST_CASE("a DPTRAIN_FAULT that fires in no run of the sweep is warned about") {
   TempDir tmp;
   const fs::path file = write_recipe(tmp.path(), small_recipe());
   // Past the runs' --steps (not the recipe's), and on a rank no world size of the sweep has.
-  const auto r = bench(tmp, {file.string(), "--nproc", "1", "--steps", "3"},
+  const auto r = bench(tmp, {file.string(), "--nproc", "1", "--steps", "3", "--json"},
                        {{"DPTRAIN_FAULT", "exit@step=5;exit@step=1,rank=1;exit@step=1,gen=2"}});
   INFO(r.err);
   CHECK(r.exit_code == 0);
+  // In --json's warnings too, as bench comm has them.
+  const json warnings = parse_json(r.out)["warnings"];
+  REQUIRE(warnings.size() == 3);
+  for (const auto& warning : warnings)
+    CHECK(contains(r.err, "dptrain: warning: " + warning.get<std::string>() + "\n"));
   CHECK(contains(r.err,
                  "warning: DPTRAIN_FAULT 'exit@step=5' never fires: step 5 is past the "
                  "run's steps (0 to 2)"));

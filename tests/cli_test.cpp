@@ -24,6 +24,7 @@
 #include "tests/harness.hpp"
 #include "tests/sshd.hpp"
 #include "tests/strings.hpp"
+#include "tests/text_corpus.hpp"
 
 using namespace dptrain::test;
 namespace fs = std::filesystem;
@@ -888,6 +889,33 @@ TEST_CASE("recipe validate: a key or file name with a newline or escape stays on
   for (const auto& line : expected)
     lines += "dptrain: error: " + line + "\n";
   CHECK(r.err == lines);
+}
+
+TEST_CASE("text output: a path with a control character stays on its line, as status shows it") {
+  TempDir tmp;
+  nlohmann::json recipe = small_recipe();
+  recipe["train"]["steps"] = 3;
+  recipe["optimizer"]["schedule"]["warmup"] = 1;
+  const fs::path file = tmp / "odd\nname.json";
+  write_text(file, recipe.dump());
+  auto validated = run_dptrain({"recipe", "validate", file.string()});
+  REQUIRE_MESSAGE(validated.exit_code == 0, validated.err);
+  CHECK(validated.out.starts_with((tmp / "odd\\x0aname.json").string() + ": ok (recipe '"));
+  // A run directory so named: report's last line names report.html in it as status names it.
+  const fs::path run = tmp / "run\tx";
+  auto launched = run_dptrain({"launch", file.string(), "--run-dir", run.string()});
+  REQUIRE_MESSAGE(launched.exit_code == 0, launched.err);
+  const std::string shown = (tmp / "run\\x09x").string();
+  CHECK(run_dptrain({"status", run.string()}).out.starts_with(shown + ": completed"));
+  auto reported = run_dptrain({"report", run.string()});
+  REQUIRE_MESSAGE(reported.exit_code == 0, reported.err);
+  CHECK(contains(reported.out, "\nreport: " + shown + "/report.html\n"));
+  // A dataset prepared into such a directory.
+  write_text(tmp / "text.txt", synthetic_text(1, 20000));
+  auto prepared = run_dptrain({"data", "prepare", "--text", (tmp / "text.txt").string(), "--out",
+                               (tmp / "ds\x01x").string()});
+  REQUIRE_MESSAGE(prepared.exit_code == 0, prepared.err);
+  CHECK(contains(prepared.out, "path          " + (tmp / "ds\\x01x").string() + "\n"));
 }
 
 TEST_CASE("recipe validate: a number beyond a double is invalid JSON, exit 2, in JSON too") {

@@ -298,6 +298,10 @@ TEST_CASE("a usage error points at the help of the command given, sub-subcommand
             "'dptrain bench train x.json', say"},
            // None at all: the ones there are, in words like every other error's.
            {{"recipe"}, "'dptrain recipe' needs a command: validate, show"},
+           // An option of its commands, without one: the command is what is missing.
+           {{"ckpt", "--json"}, "'dptrain ckpt' needs a command before '--json': list, verify"},
+           {{"bench", "--nproc", "2"},
+            "'dptrain bench' needs a command before '--nproc': comm, train"},
            {{"status", "--jsn", "run"}, "status: unknown option '--jsn' (did you mean '--json'?)"},
            {{"report", "--ot", "x.html", "run"},
             "report: unknown option '--ot' (did you mean '--out'?)"},

@@ -771,6 +771,7 @@ TEST_CASE("--events writes one JSON line per state change, restarts included") {
   REQUIRE(refused_stream.size() == 1);
   CHECK(refused_stream[0]["event"] == "run_finished");
   CHECK(refused_stream[0]["exit_code"] == 2);
+  CHECK(refused_stream[0]["status"] == "error");  // as the --json outcome's: not a failed run
   CHECK(refused_stream[0]["run_dir"].is_null());  // this launch made none
   CHECK(refused_stream[0]["error"].get<std::string>().starts_with(
       "the launch did not start: " + (tmp / "ev").string() + ": already holds a run"));
@@ -792,6 +793,7 @@ TEST_CASE("--events writes one JSON line per state change, restarts included") {
   const auto early_json = run_dptrain(
       {"launch", (tmp / "missing.json").string(), "--run-dir", (tmp / "early").string(), "--json"});
   CHECK(early_stream[0]["errors"] == parse_json(early_json.out)["errors"]);
+  CHECK(early_stream[0]["status"] == parse_json(early_json.out)["status"]);
   // And one refused at an option's value, whichever option it is.
   for (const std::string command : {"launch", "resume"}) {
     CAPTURE(command);

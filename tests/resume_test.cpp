@@ -350,7 +350,7 @@ TEST_CASE("a corrupt or truncated newest checkpoint is skipped; none valid exits
   REQUIRE_FALSE(events.empty());
   CHECK(events.back()["event"] == "run_finished");
   CHECK(events.back()["exit_code"] == 5);
-  CHECK(events.back()["status"] == "failed");
+  CHECK(events.back()["status"] == "error");  // as the --json outcome's: refused, not a failed run
   CHECK(events.back()["error"].get<std::string>().starts_with("the resume did not start: "));
   CHECK(read_text(tmp / "straight/run.json") == run_json);
 
@@ -1160,7 +1160,7 @@ TEST_CASE("resume of a completed run changes nothing; of a running one it is ref
   const auto own = read_jsonl(own_events);
   REQUIRE(own.size() == 1);
   CHECK(own[0]["event"] == "run_finished");
-  CHECK(own[0]["status"] == "failed");
+  CHECK(own[0]["status"] == "error");  // as the --json outcome's
   CHECK(own[0]["exit_code"] == 2);
   CHECK(contains(own[0]["error"].get<std::string>(), "the resume did not start: "));
   // A launch into it says it runs, not "resume it" (which is refused as long as it does).
