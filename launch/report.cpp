@@ -1370,6 +1370,9 @@ json summary_fields(const RunView& run) {
                               : json(usable)},
           {"checkpoints_set_aside", std::count_if(run.checkpoints.begin(), run.checkpoints.end(),
                                                   [](const auto& c) { return c.set_aside; })},
+          // As run.json holds them (the last generation's, and the one the batch is defined by).
+          {"world_size", integer_or_null(run.info, "world_size")},
+          {"nominal_world_size", integer_or_null(run.info, "nominal_world_size")},
           {"restarts", array_at(run.info, "restarts").size()},
           {"world_size_changes", array_at(run.info, "world_size_changes").size()},
           {"benchmark", comm_benchmark(run)}};
@@ -1407,8 +1410,6 @@ json status_json(const RunView& run) {
                 {"note", or_null(run.state.note)},
                 {"live_pids", run.state.live_pids},
                 {"epoch", last ? json(last->epoch) : json(nullptr)},
-                {"world_size", integer_or_null(info, "world_size")},
-                {"nominal_world_size", integer_or_null(info, "nominal_world_size")},
                 {"job_size", info.value("job_size", json(nullptr))},
                 {"generations", array_at(info, "generations").size()},
                 {"generation_starting", generation_starting(run)},

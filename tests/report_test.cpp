@@ -189,6 +189,11 @@ TEST_CASE(
     CHECK(s["steps"] == 120);
     CHECK(s["restarts"] == 1);
     CHECK(s["world_size_changes"] == 1);
+    // The world size as a number (world_sizes is text), as status has it.
+    const json st = parse_json(run_dptrain({"status", run_dir.string(), "--json"}).out);
+    CHECK(s["world_size"] == 1);
+    CHECK(s["world_size"] == st["world_size"]);
+    CHECK(s["nominal_world_size"] == st["nominal_world_size"]);
     CHECK(s["throughput_unit"] == "samples/s");
     CHECK(s["throughput"].get<double>() > 0);
     CHECK(s["final_loss"].is_number());
