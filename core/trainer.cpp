@@ -424,8 +424,8 @@ class TrainingRun {
   }
 
   // Sums `loss` over the ranks, the stop requests riding along (a stop asked for during the step
-  // is answered at its end; with parameter servers these are the only common step boundaries);
-  // returns whether to stop.
+  // is answered at its end; with parameter servers at a sync point, ps_sync_point); returns
+  // whether to stop.
   // `take_stop` false (a local SGD step whose stop waits for the next averaging): the requests
   // are summed (every rank makes the same call) but not acted on. `step_ms`, this rank's time for
   // the step, is averaged over the ranks: whether the steps until the next log step sum the stop

@@ -52,8 +52,10 @@ struct TrainerOptions {
   // step time; else the stop is taken at the step's end (short steps: within about this long)
   // with an early averaging, so that a launcher's or a scheduler's grace is not spent waiting.
   double local_stop_wait_ms = 10000;
-  // Polled once a step on every rank: when any rank says yes (SIGTERM, a spot instance going
-  // away), all ranks finish that step, checkpoint it, and train() returns with `stopped`.
+  // Polled on every rank, at least once a step: when any rank says yes (SIGTERM, a spot instance
+  // going away), all ranks finish that step (or, where the steps are short, the next), checkpoint
+  // it, and train() returns with `stopped`. Local SGD takes it at an averaging or within
+  // local_stop_wait_ms; parameter servers at the step the servers choose, within staleness + 2.
   std::function<bool()> stop_requested;
   // Rank 0: the run's record says it completed (workers started without a launcher, started
   // again with --resume newest or newest-or-start). Every rank learns it as they meet, and

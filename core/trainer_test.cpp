@@ -442,6 +442,47 @@ TEST_CASE("trainer: a stop asked for during a long step is answered at that step
   }
 }
 
+TEST_CASE("trainer: parameter servers stop where the servers choose, asked on one rank alone") {
+  // No log step, evaluation or checkpoint in the run: the stop asked for on one rank (a worker,
+  // whose push carries it, or one of two servers, which tells the other as they sum the norm) is
+  // taken by every rank at the step the servers choose, version + staleness + 1: at staleness 0
+  // the step after the one the request came in (asked in step index 20: version 21, stop after
+  // 22); above it within staleness + 2 steps of the request.
+  for (const int64_t staleness : {0, 2}) {
+    for (const int asker : {0, 3}) {
+      CAPTURE(staleness);
+      CAPTURE(asker);
+      Recipe r = tiny_recipe();
+      r.train.steps = 60;
+      r.log.every = 1000;
+      r.distributed.check_every = 0;
+      r.distributed.sync = "ps";
+      r.distributed.servers = 2;
+      r.distributed.staleness = staleness;
+      TempDir dir;
+      const int64_t asked_in = 20;
+      const auto out = train_ranks(r, 4, [&](int rank) {
+        if (rank == asker) return stopping_from(dir.path(), asked_in);
+        TrainerOptions o;
+        o.run_dir = dir.path();
+        return o;
+      });
+      for (const RankOutcome& rank : out) {
+        REQUIRE(rank.error.empty());
+        CHECK(rank.result.stopped);
+        CHECK(rank.result.steps == out[0].result.steps);
+      }
+      if (staleness == 0) {
+        CHECK(out[0].result.steps == asked_in + 2);
+      } else {
+        CHECK(out[0].result.steps > asked_in);
+        CHECK(out[0].result.steps <= asked_in + staleness + 2);
+      }
+      CHECK(fs::exists(dir.path() / "checkpoints" / checkpoint_name(out[0].result.steps)));
+    }
+  }
+}
+
 TEST_CASE("trainer: the wait in the logged loss's all-reduce is exposed communication") {
   // Rank 1 sleeps 40 ms after each update, before the loss is summed (log.every 1): rank 0
   // waits for it there, in no gradient exchange. That wait is communication in its phases (it

@@ -316,7 +316,8 @@ TEST_CASE("parameter servers: a crashed server or worker restarts, bit-identical
                                "crash@step=33,rank=3,gen=1;crash@step=71,rank=0,gen=2", 2);
 }
 
-TEST_CASE("parameter servers: SIGTERM before a server's first sync point still checkpoints") {
+TEST_CASE(
+    "parameter servers: SIGTERM between log steps is taken at the servers' step, checkpointed") {
   // SIGTERM between sync points is answered at a step the servers choose, by every rank, with a
   // checkpoint, not by a server that leaves at once.
   TempDir tmp;

@@ -250,6 +250,20 @@ TEST_CASE("peer failures: rank 0 waits for no word from peers known to be gone")
 }
 
 TEST_CASE(
+    "start agreement: rank 0 that waited out the answers waits only for ranks that gave one") {
+  TcpStoreServer server;
+  TcpStoreClient client("127.0.0.1", server.port(), 10s);
+  PrefixStore store("gen1", client);
+  // Of ranks 1 and 2, rank 2 answered and has been told; rank 1 never answered.
+  store.set("backend/nccl/2", "3 ok");
+  store.set("backend/told/2", "1");
+  // Bound against a hang: waiting for rank 1 would take the whole 120 s.
+  const auto t0 = std::chrono::steady_clock::now();
+  wait_until_told(store, 3, 120s, /*answered_only=*/true);
+  CHECK(std::chrono::steady_clock::now() - t0 < 60s);
+}
+
+TEST_CASE(
     "generations: a newer one is refused as a rank starts, an older one only once it waited") {
   TcpStoreServer server;
   TcpStoreClient root("127.0.0.1", server.port(), 10s);
