@@ -217,7 +217,7 @@ class TrainingRun {
       const auto t0 = Clock::now();
       const int64_t done = step_ + 1;
       PhaseTimes phases;
-      float stop_flag = options_.stop_requested && options_.stop_requested() ? 1.0f : 0.0f;
+      float stop_flag = stop_asked() ? 1.0f : 0.0f;
       // local_sgd after its synchronous start: this rank steps on its own gradients.
       const bool local = local_sgd_ && step_ >= recipe_.distributed.start;
       const double local_loss = compute_gradients(phases, local, stop_flag);
@@ -264,8 +264,7 @@ class TrainingRun {
                                  : stop_check_each_step_;
       if (!stop && !averaged && !stop_waits && !ps_ && !log_step_due(done, false) && check_due) {
         // (In f64, as the loss's: a sum of 0s and 1s.)
-        double sums[2] = {options_.stop_requested && options_.stop_requested() ? 1.0 : 0.0,
-                          ms_since(t0)};
+        double sums[2] = {stop_asked() ? 1.0 : 0.0, ms_since(t0)};
         const auto ts = Clock::now();
         mark_collective("allreduce of the stop flag");
         comm_.allreduce(sums, 2, ReduceOp::sum);
@@ -417,6 +416,10 @@ class TrainingRun {
                     std::isnan(value) ? "nan" : fmt::format("{}", value)));
   }
 
+  // Whether this rank was asked to stop (TrainerOptions::stop_requested): how each mode's ranks
+  // then agree on where is theirs (the gradient exchange, a stop sum, an averaging, a push).
+  bool stop_asked() const { return options_.stop_requested && options_.stop_requested(); }
+
   // Whether step `done` ends with the loss summed over the ranks (and logged): every log.every
   // steps, at the end, and when stopping.
   bool log_step_due(int64_t done, bool stop) const {
@@ -433,7 +436,7 @@ class TrainingRun {
   // (local_stop_waits), the same on every rank.
   bool sum_loss_and_stop(double& loss, bool stop, bool take_stop = true, double step_ms = 0) {
     double sums[3] = {loss, 0.0, step_ms};
-    if (options_.stop_requested && options_.stop_requested()) sums[1] = 1.0;
+    if (stop_asked()) sums[1] = 1.0;
     mark_collective("allreduce of the loss");
     comm_.allreduce(sums, 3, ReduceOp::sum);
     loss = sums[0];
@@ -1170,7 +1173,7 @@ class TrainingRun {
     const size_t msg = kPsHeaderFloats + shard_;
     const auto servers = static_cast<size_t>(servers_);
     // A stop asked for here rides along; the servers choose the step to stop after.
-    const bool asked = options_.stop_requested && options_.stop_requested();
+    const bool asked = stop_asked();
     // Every value of both is written below (headers, shards) or by the receives.
     ps_out_.resize(servers * msg);
     ps_in_.resize(servers * msg);
@@ -1326,7 +1329,7 @@ class TrainingRun {
     ops_->upload(sum.data(), own_grads.data(), own_grads.size_bytes());
     // The servers learn of a stop at different times (a worker's pushes reach them in turn): they
     // agree on it as they sum the norm, each making the same version, and choose one stop step.
-    if (options_.stop_requested && options_.stop_requested()) ps_stop_asked_ = true;
+    if (stop_asked()) ps_stop_asked_ = true;
     const double norm =
         unscale_and_clip(*ops_, own_grads, 1.0, recipe_.optimizer.clip_grad_norm, [&] {
           const auto sums = sum_over_servers(
