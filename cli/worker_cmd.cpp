@@ -52,6 +52,10 @@ namespace dptrain::cli {
 
 namespace {
 
+// Far above any job (and what the store's per-rank keys can hold in memory): a world size past it
+// is a slip (2147483647), not one to allocate a key per rank for while rank 0 waits.
+constexpr int kMaxWorld = 1 << 20;
+
 struct WorkerOptions {
   std::string recipe;
   std::string run_dir;
@@ -180,9 +184,6 @@ void fill_from_env(WorkerOptions& o) {
   };
   at_least("rank (--rank or RANK)", o.rank, 0);
   at_least("world size (--world-size or WORLD_SIZE)", o.world_size, 1);
-  // Far above any job (and what the store's per-rank keys can hold in memory): a value past it
-  // is a slip (2147483647), not one to allocate a key per rank for while rank 0 waits.
-  constexpr int kMaxWorld = 1 << 20;
   for (const auto& [name, value] :
        {std::pair<const char*, int>{"world size (--world-size or WORLD_SIZE)", o.world_size},
         {"nominal world (--nominal-world or DPTRAIN_NOMINAL_WORLD)", o.nominal_world}}) {
@@ -294,6 +295,15 @@ class HandRunRecord {
         std::fprintf(stderr, "dptrain: warning: %s: this run is not recorded there\n", e.what());
         return;
       }
+      // Continued without --nominal-world: the job's, as the run records it (a launcher's run
+      // too), and not this start's world size, which would change the global batch.
+      if (o.nominal_world == 0) {
+        const json recorded = info_.value("nominal_world_size", json());
+        if (recorded.is_number_integer() && recorded.get<int64_t>() > 0 &&
+            recorded.get<int64_t>() <= kMaxWorld) {
+          nominal_world_ = recorded.get<int>();
+        }
+      }
       if (!started_by_workers(info_)) return;
       // Continued with another recipe: none of the checkpoints is this recipe's, and the record
       // would take the new recipe, under which `ckpt verify` finds every one of them foreign.
@@ -325,7 +335,8 @@ class HandRunRecord {
     info_["name"] = recipe.name;
     info_["recipe"] = to_json(recipe);
     info_["world_size"] = o.world_size;
-    info_["nominal_world_size"] = o.nominal_world > 0 ? o.nominal_world : o.world_size;
+    if (o.nominal_world > 0) nominal_world_ = o.nominal_world;
+    info_["nominal_world_size"] = nominal_world_ > 0 ? nominal_world_ : o.world_size;
     info_["status"] = "running";
     info_.erase("error");
     if (!info_["generations"].is_array()) info_["generations"] = json::array();
@@ -351,7 +362,7 @@ class HandRunRecord {
     if (before.is_object() && before.value("world_size", o.world_size) != o.world_size) {
       change_ = world_size_change(before.value("world_size", 0), o.world_size,
                                   json::array({this_host()}), json::array(), json::array(),
-                                  global_batch(recipe, o.world_size, o.nominal_world),
+                                  global_batch(recipe, o.world_size, nominal_world_),
                                   static_cast<int64_t>(info_["generations"].size()) + 1);
     }
     info_["generations"].push_back(std::move(gen));
@@ -370,6 +381,9 @@ class HandRunRecord {
 
   // Whether this process keeps the run's record (rank 0 of workers started without a launcher).
   bool active() const { return !file_.empty(); }
+  // Rank 0's nominal world size: --nominal-world, else the one the run records; 0 for neither
+  // (the world size) and on other ranks, which take rank 0's (TrainerOptions::nominal_world).
+  int nominal_world() const { return nominal_world_; }
   // Whether the record says the run completed, and this start would continue it: it has nothing
   // to do (and keeps no record).
   bool completed() const { return completed_; }
@@ -467,6 +481,7 @@ class HandRunRecord {
   std::mutex mutex_;
   bool closed_ = false;
   bool completed_ = false;
+  int nominal_world_ = 0;
   int64_t step_ = -1;  // the step the generation started from, then the furthest logged
   json change_;        // a change of world size to record when the ranks meet
 };
@@ -979,7 +994,7 @@ int run_worker(WorkerOptions& o, std::optional<HandRunRecord>& record, Farewell&
   topts.run_dir = std::filesystem::absolute(o.run_dir).lexically_normal();
   topts.resume_from = o.resume;
   topts.node_leader = o.local_rank == 0;
-  topts.nominal_world = o.nominal_world;
+  topts.nominal_world = o.nominal_world > 0 ? o.nominal_world : record->nominal_world();
   topts.run_completed = record->completed();
   topts.debug_step_delay_ms = std::atoll(env("DPTRAIN_DEBUG_STEP_DELAY_MS").value_or("0").c_str());
   topts.on_event = [&](const nlohmann::json& e) {
@@ -1155,7 +1170,7 @@ void setup_worker(CLI::App& app, Outcome& outcome) {
       ->check(whole_number<int>("RANK"));
   app.add_option("--nominal-world", o->nominal_world,
                  "World size the job's global batch is defined by (env DPTRAIN_NOMINAL_WORLD; "
-                 "default and 0: the world size)")
+                 "default and 0: rank 0's, else the run's recorded one, else the world size)")
       ->check(whole_number<int>("SIZE"));
   app.add_option("--store", o->store,
                  "Store HOST:PORT (env DPTRAIN_STORE, or MASTER_ADDR and MASTER_PORT)");

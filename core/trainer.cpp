@@ -125,6 +125,23 @@ double peak_rss_mib() {
   return static_cast<double>(usage.ru_maxrss) / 1024.0;  // ru_maxrss is in KiB on Linux
 }
 
+// The job's nominal world size: this rank's own (TrainerOptions::nominal_world), else rank 0's,
+// else the world size. A rank started without one (by hand, or by a scheduler that gives it to
+// rank 0 alone) takes rank 0's, which may be the one the run records: workers started again by
+// hand on fewer ranks keep the run's global batch. Ranks given different ones are refused by
+// check_same_start.
+int agreed_nominal_world(Communicator& comm, const TrainerOptions& options) {
+  int64_t rank0 = options.nominal_world;
+  if (comm.size() > 1) {
+    if (options.progress) options.progress->enter_collective("broadcast of the nominal world size");
+    comm.broadcast(&rank0, sizeof rank0, 0);
+    // Starting again (loading the data), which the hang watch tells from waiting in a collective.
+    if (options.progress) options.progress->enter(Phase::starting);
+  }
+  if (options.nominal_world > 0) return options.nominal_world;
+  return rank0 > 0 ? static_cast<int>(rank0) : comm.size();
+}
+
 // The loop's state; one instance per rank and run.
 class TrainingRun {
  public:
@@ -134,7 +151,7 @@ class TrainingRun {
         options_(options),
         rank_(comm.rank()),
         world_(comm.size()),
-        nominal_world_(options.nominal_world > 0 ? options.nominal_world : world_),
+        nominal_world_(agreed_nominal_world(comm, options)),
         servers_(server_ranks(recipe)),
         data_world_(world_ - servers_),
         data_rank_(rank_ < data_world_ ? rank_ : -1),
@@ -916,8 +933,12 @@ class TrainingRun {
     if (rank_ == 0) truncate_metrics_after(step_);
     std::string where = source == 0 ? "" : fmt::format(" (read on rank {})", source);
     emit({{"event", "info"},
-          {"message", fmt::format("resumed from {}{} at step {} on {} rank(s), global batch {}",
-                                  dir.filename().string(), where, step_, world_, global_batch_)}});
+          {"message", fmt::format("resumed from {}{} at step {} on {} rank(s), global batch {}{}",
+                                  dir.filename().string(), where, step_, world_, global_batch_,
+                                  nominal_world_ == world_
+                                      ? std::string()
+                                      : fmt::format(" (the job's nominal world size is {})",
+                                                    nominal_world_))}});
     // keep_global_batch keeps it over any world size, given the job's nominal one: ranks started
     // without a launcher on fewer ranks than wrote the checkpoint and no --nominal-world change
     // the batch, and so the training, unless told.

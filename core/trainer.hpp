@@ -34,8 +34,9 @@ struct TrainerOptions {
   // The first rank of every node writes checkpoints to its own run_dir (rank 0 always does), so
   // a lost node never takes the only copy with it.
   bool node_leader = false;
-  // The world size that defines the job's global batch (an elastic job's full size); 0 = this
-  // world. On another world size, recipe.distributed.resize says what changes.
+  // The world size that defines the job's global batch (an elastic job's full size); 0 = rank
+  // 0's, or (0 there too) this world. On another world size, recipe.distributed.resize says what
+  // changes.
   int nominal_world = 0;
   // Receives {"event": "progress"|"eval"|"checkpoint"|"info", ...} on rank 0 only.
   std::function<void(const nlohmann::json&)> on_event;

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <array>
 #include <cmath>
 #include <fstream>
 #include <functional>
@@ -17,6 +18,7 @@
 #include "core/data/tokens.hpp"
 #include "core/error.hpp"
 #include "core/fs.hpp"
+#include "core/heartbeat.hpp"
 #include "core/tensor/emulated_ops.hpp"
 #include "tests/device_check_ops.hpp"
 #include "tests/gloo_ranks.hpp"
@@ -797,6 +799,55 @@ TEST_CASE("trainer: a 2-rank checkpoint resumed on 1 rank keeps the global batch
   const CheckpointData ckpt = read_checkpoint(one.path() / "checkpoints" / checkpoint_name(30));
   CHECK(ckpt.position.global_batch == 16);
   CHECK(ckpt.position.world_size == 1);
+}
+
+TEST_CASE("trainer: a rank given no nominal world takes rank 0's") {
+  Recipe r = tiny_recipe();
+  r.checkpoint.every = 10;
+  TempDir both, first_only;
+  const auto given = [](const fs::path& dir, bool rank1_too) {
+    return [dir, rank1_too](int rank) {
+      TrainerOptions o;
+      o.run_dir = dir;
+      o.nominal_world = rank == 0 || rank1_too ? 4 : 0;
+      return o;
+    };
+  };
+  const auto told = train_ranks(r, 2, given(both.path(), true));
+  REQUIRE(told[0].error.empty());
+  // Rank 1 learns rank 0's 4 (not its world size of 2, which check_same_start would refuse): the
+  // same global batch, the same training.
+  const auto learned = train_ranks(r, 2, given(first_only.path(), false));
+  REQUIRE(learned[0].error.empty());
+  REQUIRE(learned[1].error.empty());
+  const CheckpointData ckpt =
+      read_checkpoint(first_only.path() / "checkpoints" / checkpoint_name(30));
+  CHECK(ckpt.position.global_batch == 4 * r.train.batch_per_rank * r.train.grad_accum);
+  CHECK(final_params(both.path(), 30) == final_params(first_only.path(), 30));
+}
+
+TEST_CASE("trainer: ranks loading their data say they are starting, not in a collective") {
+  // The hang watch excuses a rank that loads a large dataset while its peers wait (phase
+  // starting), not one that waits in a collective: after the nominal world's broadcast, the
+  // ranks are starting again. A data file that is not there ends the load where it stands.
+  Recipe r = tiny_recipe();
+  r.data.type = "tokens";
+  r.data.path = "/nonexistent/tokens";
+  std::array<ProgressTracker, 2> trackers;
+  TempDir dir;
+  const auto out = train_ranks(r, 2, [&](int rank) {
+    TrainerOptions o;
+    o.run_dir = dir.path();
+    o.progress = &trackers[static_cast<size_t>(rank)];
+    return o;
+  });
+  for (size_t rank = 0; rank < 2; ++rank) {
+    CAPTURE(rank);
+    CHECK(out[rank].error.find("/nonexistent/tokens") != std::string::npos);
+    const nlohmann::json beat = trackers[rank].snapshot();
+    CHECK(beat["phase"] == "starting");
+    CHECK(beat["seq"] == 1);
+  }
 }
 
 TEST_CASE("trainer: a checkpoint whose blobs do not fit the model names the file and both sizes") {

@@ -367,26 +367,43 @@ TEST_CASE("workers started by hand from the environment, rank 0 hosting the stor
     CHECK(snapshot() == before);
   }
   // Continued on one rank without --nominal-world (a run that failed after its last
-  // checkpoint): the global batch halves, and it says so.
-  json unfinished = info;
-  unfinished["status"] = "failed";
-  write_text(tmp / "run/run.json", unfinished.dump());
+  // checkpoint): the job's nominal world of 2 comes from run.json, and the global batch stays.
+  const auto fail_run = [&] {
+    json unfinished = parse_json(read_text(tmp / "run/run.json"));
+    unfinished["status"] = "failed";
+    write_text(tmp / "run/run.json", unfinished.dump());
+  };
+  fail_run();
   Env one_rank = env0;
   one_rank["WORLD_SIZE"] = "1";
   one_rank["MASTER_PORT"] = std::to_string(unused_port());
-  const auto halved = run_dptrain({"worker", recipe.string(), "--resume", "newest"}, one_rank,
-                                  std::chrono::seconds(60));
-  CHECK(halved.exit_code == 0);
-  CHECK(contains(halved.err,
-                 "dptrain: warning: the global batch changes from the checkpoint's 32 to 16 "
-                 "(distributed.resize is \"keep_global_batch\"; the nominal world "
-                 "size here is 1): workers keep the batch of 32 with --nominal-world 2"));
+  const auto kept = run_dptrain({"worker", recipe.string(), "--resume", "newest"}, one_rank,
+                                std::chrono::seconds(60));
+  INFO(kept.out, kept.err);
+  CHECK(kept.exit_code == 0);
+  CHECK(contains(kept.out,
+                 "resumed from step-000060 at step 60 on 1 rank(s), global batch 32 "
+                 "(the job's nominal world size is 2)"));
+  CHECK_FALSE(contains(kept.err, "warning"));
+  CHECK(parse_json(read_text(tmp / "run/run.json"))["nominal_world_size"] == 2);
   // run.json counts the change of world size, as a launcher's does.
   const json changes = parse_json(read_text(tmp / "run/run.json"))["world_size_changes"];
   REQUIRE(changes.size() == 1);
   CHECK(changes[0]["from"] == 2);
   CHECK(changes[0]["to"] == 1);
-  CHECK(changes[0]["global_batch"] == 16);
+  CHECK(changes[0]["global_batch"] == 32);
+  // Told a nominal world of 1, the global batch halves, and it says so.
+  fail_run();
+  one_rank["MASTER_PORT"] = std::to_string(unused_port());
+  const auto halved =
+      run_dptrain({"worker", recipe.string(), "--resume", "newest", "--nominal-world", "1"},
+                  one_rank, std::chrono::seconds(60));
+  CHECK(halved.exit_code == 0);
+  CHECK(contains(halved.err,
+                 "dptrain: warning: the global batch changes from the checkpoint's 32 to 16 "
+                 "(distributed.resize is \"keep_global_batch\"; the nominal world "
+                 "size here is 1): workers keep the batch of 32 with --nominal-world 2"));
+  CHECK(parse_json(read_text(tmp / "run/run.json"))["nominal_world_size"] == 1);
   CHECK(parse_json(
             run_dptrain({"status", (tmp / "run").string(), "--json"}).out)["world_size_changes"] ==
         1);

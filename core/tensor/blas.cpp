@@ -8,6 +8,7 @@
 #include <sys/resource.h>
 
 #include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -40,6 +41,13 @@ struct OpenBlas {
   }
 };
 
+// This process's address-space limit (ulimit -v) in KiB, or 0 where there is none.
+uint64_t address_space_limit_kib() {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_AS, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return 0;
+  return limit.rlim_cur / 1024;
+}
+
 // OpenBLAS allocates a work buffer of about 128 MiB at its first product (and keeps it), and
 // when that fails (an address-space limit, ulimit -v) it retries for ever: the rank would hang.
 // So, once: whether one fits is tried (mapped and unmapped, never touched), and at once a first
@@ -49,8 +57,7 @@ struct OpenBlas {
 std::string take_work_buffer(const OpenBlas& blas) {
   constexpr int kSide = 128;
   std::vector<float> operand(kSide * kSide, 0.0f), product(kSide * kSide);
-  rlimit limit{};
-  if (::getrlimit(RLIMIT_AS, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY) {
+  if (const uint64_t limit_kib = address_space_limit_kib(); limit_kib > 0) {
     constexpr size_t kWorkBuffer = size_t{136} << 20;
     void* probe = ::mmap(nullptr, kWorkBuffer, PROT_READ | PROT_WRITE,
                          MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -58,7 +65,7 @@ std::string take_work_buffer(const OpenBlas& blas) {
       return fmt::format(
           "out of memory: OpenBLAS's work buffer (about 128 MiB) does not fit under this "
           "process's address-space limit (ulimit -v {} KiB): raise the limit",
-          limit.rlim_cur / 1024);
+          limit_kib);
     }
     ::munmap(probe, kWorkBuffer);
   }
@@ -74,6 +81,16 @@ std::atomic<int> g_threads{0};
 const OpenBlas& load_openblas() {
   static const OpenBlas blas;
   if (const std::string problem = blas.library.problem(); !problem.empty()) {
+    // Present but not mappable: the address space is used up (ulimit -v), not the install.
+    if (const uint64_t limit_kib = address_space_limit_kib();
+        limit_kib > 0 && !blas.library.loaded() &&
+        (problem.find("failed to map segment") != std::string::npos ||
+         problem.find("annot allocate memory") != std::string::npos)) {
+      throw Error(ErrorKind::io,
+                  fmt::format("out of memory: {} (under this process's address-space limit, "
+                              "ulimit -v {} KiB): raise the limit",
+                              problem, limit_kib));
+    }
     throw Error(ErrorKind::io,
                 fmt::format("{} (dptrain computes on the CPU with OpenBLAS: install its runtime, "
                             "Debian's libopenblas0{})",
