@@ -327,9 +327,13 @@ int run_bench_launcher(const BenchCommOptions& o) {
     }
   };
   const JobOutcome outcome = run_job(run, spec, status);
-  status.finish();
-  if (outcome.exit_code != 0)
+  // A benchmark cut short keeps its last progress line (where it stopped) above the partial
+  // table; a finished one's is erased, as launch's is before its summary: the table says it all.
+  if (outcome.exit_code != 0) {
+    status.finish();
     return report_unfinished(o, run, result, outcome, status.warnings(), notes);
+  }
+  status.erase_progress();
 
   result = CommBenchResult::from_json(outcome.result);
   result.hosts = hosts;

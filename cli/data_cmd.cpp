@@ -86,7 +86,7 @@ struct PrepareSummary {
 // removed first.
 class PrepareStatus {
  public:
-  explicit PrepareStatus(bool tty) : printer_(stderr, tty) {}
+  explicit PrepareStatus(bool tty) : printer_(stderr, tty), tty_(tty) {}
 
   // Error(interrupted | terminated), exit 130 | 143, once a stop signal came.
   void check_stop() const {
@@ -99,20 +99,29 @@ class PrepareStatus {
     out_note_ = fmt::format(", {} {}", out.string(), existed ? "is as it was" : "was not made");
   }
 
-  // check_stop(), then the progress line "WHAT: DONE of TOTAL UNIT (N%)", at most ten times a
-  // second but at once when WHAT changes.
+  // check_stop(), then "WHAT: DONE of TOTAL UNIT (N%)": on a terminal the progress line, at most
+  // ten times a second but at once when WHAT changes; in a pipe a plain line once WHAT has gone on
+  // for 5 s, and every 10 s after (a small text prints nothing while it works).
   void show(const std::string& what, uint64_t done, uint64_t total, bool bytes) {
     check_stop();
     const auto now = std::chrono::steady_clock::now();
-    if (what == shown_ && now - last_ < std::chrono::milliseconds(100)) return;
-    shown_ = what;
+    if (what != shown_) {
+      shown_ = what;
+      last_ = tty_ ? now - std::chrono::hours(1) : now - std::chrono::seconds(5);
+    }
+    if (now - last_ < (tty_ ? std::chrono::milliseconds(100) : std::chrono::seconds(10))) return;
     last_ = now;
     const auto amount = [bytes](uint64_t n) {
       return bytes ? human_size(n) : fmt::format("{}", n);
     };
-    printer_.progress(fmt::format("{}: {} of {}{}{}", what, amount(done), amount(total),
-                                  bytes ? "" : " tokens",
-                                  total > 0 ? fmt::format(" ({}%)", done * 100 / total) : ""));
+    const std::string text =
+        fmt::format("{}: {} of {}{}{}", what, amount(done), amount(total), bytes ? "" : " tokens",
+                    total > 0 ? fmt::format(" ({}%)", done * 100 / total) : "");
+    if (tty_) {
+      printer_.progress(text);
+    } else {
+      printer_.line(text);
+    }
   }
   // The same as a core callback, for one step of work.
   WorkProgress step(std::string what, uint64_t total, bool bytes) {
@@ -126,6 +135,7 @@ class PrepareStatus {
 
  private:
   StatusPrinter printer_;
+  bool tty_;
   std::string shown_;
   std::chrono::steady_clock::time_point last_;
   std::string out_note_;
@@ -263,7 +273,7 @@ void append_text(const fs::path& path, std::string& text, const TextBudget& budg
   struct stat st {};
   const bool regular = ::fstat(in.fd, &st) == 0 && S_ISREG(st.st_mode);
   const uint64_t size = regular ? static_cast<uint64_t>(st.st_size) : 0;
-  const std::string what = "reading " + path.filename().string();
+  const std::string what = "reading " + printable(path.filename().string());
   const size_t file_start = text.size();
   uint64_t done = 0;
   for (;;) {
@@ -293,8 +303,9 @@ void append_text(const fs::path& path, std::string& text, const TextBudget& budg
     }
     done += static_cast<uint64_t>(n);
     if (text.size() > budget.limit) {
-      budget.refuse_over(fmt::format("{}: the text passes {} ({} of this file read)", path.string(),
-                                     human_size(budget.limit), human_size(done)));
+      budget.refuse_over(fmt::format("{}: the text passes {} ({} of this file read)",
+                                     printable(path.string()), human_size(budget.limit),
+                                     human_size(done)));
     }
   }
   // A file written to while it was read holds neither the old text nor the new one. (Fewer
@@ -564,8 +575,9 @@ int run_prepare(const PrepareOptions& o, std::vector<std::string>& warnings) {
     if (o.tokenizer == "char") {
       try {
         // validates without a copy of the text
-        Tokenizer::chars_of(part, status.step("checking the UTF-8 of " + path.filename().string(),
-                                              part.size(), true));
+        Tokenizer::chars_of(
+            part, status.step("checking the UTF-8 of " + printable(path.filename().string()),
+                              part.size(), true));
       } catch (const Error& e) {
         if (e.kind() != ErrorKind::usage) throw;
         refuse(fmt::format("{}: {} (--tokenizer char needs UTF-8 text)", name, e.what()));

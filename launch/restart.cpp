@@ -573,8 +573,9 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
     }
     restarts = attempt;
     const int number = numbered_before + restarts;
-    status.line(fmt::format("restart {} after {:g}s from {}: {}", restart_label(restarts),
-                            static_cast<double>(backoff.count()) / 1000.0, from_name, cause));
+    // The cause was said before the back-off, just above: not said again.
+    status.line(fmt::format("restart {} after {:g}s from {}", restart_label(restarts),
+                            static_cast<double>(backoff.count()) / 1000.0, from_name));
     if (spec.events) {
       spec.events->emit("restart", {{"restart", number},
                                     {"attempt", restarts},

@@ -1,8 +1,10 @@
 // The one status printer: a rewritten progress line on a terminal, plain lines in a pipe.
 #include "launch/status.hpp"
 
+#include <locale.h>
 #include <sys/ioctl.h>
 #include <unistd.h>
+#include <wchar.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -36,25 +38,86 @@ std::string format_losses(const nlohmann::json& result) {
   return fmt::format("final loss {}  {}", final_loss, eval);
 }
 
+namespace {
+
+// The columns a terminal gives the UTF-8 character at text[i] (its first byte): 2 for the wide
+// ones (CJK, fullwidth forms, most emoji), 0 for combining marks, else 1; wcwidth's, in C.UTF-8,
+// whatever this process's locale. `bytes` gets its length in bytes.
+int columns_at(const std::string& text, size_t i, size_t& bytes) {
+  const auto byte = [&](size_t k) { return static_cast<unsigned char>(text[k]); };
+  const unsigned char lead = byte(i);
+  bytes = lead < 0x80 ? 1 : lead >> 5 == 0x6 ? 2 : lead >> 4 == 0xE ? 3 : lead >> 3 == 0x1E ? 4 : 1;
+  if (bytes == 1 || i + bytes > text.size()) {
+    bytes = 1;
+    return 1;
+  }
+  char32_t c = lead & (0x7F >> bytes);
+  for (size_t k = 1; k < bytes; ++k) {
+    if ((byte(i + k) & 0xC0) != 0x80) {  // not UTF-8: one column a byte, as it is shown
+      bytes = 1;
+      return 1;
+    }
+    c = (c << 6) | (byte(i + k) & 0x3F);
+  }
+  static const locale_t utf8 = ::newlocale(LC_CTYPE_MASK, "C.UTF-8", nullptr);
+  if (utf8 == nullptr) return 1;
+  const locale_t before = ::uselocale(utf8);
+  const int width = ::wcwidth(static_cast<wchar_t>(c));
+  ::uselocale(before);
+  return width < 0 ? 1 : width;
+}
+
+// The columns `text` takes on a terminal.
+size_t display_columns(const std::string& text) {
+  size_t used = 0;
+  for (size_t i = 0, bytes = 1; i < text.size(); i += bytes) {
+    used += static_cast<size_t>(columns_at(text, i, bytes));
+  }
+  return used;
+}
+
+}  // namespace
+
+std::string format_progress(const nlohmann::json& e, int columns) {
+  const auto num = [&e](const char* key) { return json_number(e, key); };
+  // Each field, and the order a narrow terminal gives them up in (the highest first): the step
+  // and the loss stay; the time left and the throughput go last.
+  std::vector<std::pair<std::string, int>> fields = {
+      {fmt::format("step {}/{}", e.value("step", int64_t{0}), e.value("steps", int64_t{0})), 0},
+      {"loss " + loss_text(num("loss")), 0},
+      {fmt::format("lr {:.3g}", num("lr")), 4},
+      {fmt::format("grad_norm {:.3g}", num("grad_norm")), 3},
+      {e.contains("tokens_per_s") ? fmt::format("{:.0f} tokens/s", num("tokens_per_s"))
+                                  : fmt::format("{:.0f} samples/s", num("samples_per_s")),
+       2},
+      {fmt::format("step {:.2f} ms", num("step_ms")), 5},
+      {fmt::format("comm {:.2f} ms", num("comm_ms")), 6}};
+  if (const double eta_s = num("eta_s"); std::isfinite(eta_s) && eta_s >= 0) {
+    const auto secs = static_cast<int64_t>(eta_s + 0.5);
+    fields.emplace_back(fmt::format("eta {}:{:02d}:{:02d}", secs / 3600, secs / 60 % 60, secs % 60),
+                        1);
+  }
+  const auto joined = [&fields](int up_to) {
+    std::string text;
+    for (const auto& [field, drop] : fields) {
+      if (drop > up_to) continue;
+      if (!text.empty()) text += "  ";
+      text += field;
+    }
+    return text;
+  };
+  int up_to = 6;
+  while (up_to > 0 && columns > 0 &&
+         display_columns(joined(up_to)) > static_cast<size_t>(columns - 1))
+    --up_to;
+  return joined(up_to);
+}
+
 std::string format_event(const nlohmann::json& e) {
   const std::string kind = e.value("event", "");
   // A number, or NaN (printed "nan") for a null: a diverged loss or norm is written as one.
   const auto num = [&e](const char* key) { return json_number(e, key); };
-  if (kind == "progress") {
-    std::string eta;
-    if (const double eta_s = num("eta_s"); std::isfinite(eta_s) && eta_s >= 0) {
-      const auto secs = static_cast<int64_t>(eta_s + 0.5);
-      eta = fmt::format("  eta {}:{:02d}:{:02d}", secs / 3600, secs / 60 % 60, secs % 60);
-    }
-    const std::string rate = e.contains("tokens_per_s")
-                                 ? fmt::format("{:.0f} tokens/s", num("tokens_per_s"))
-                                 : fmt::format("{:.0f} samples/s", num("samples_per_s"));
-    return fmt::format(
-        "step {}/{}  loss {}  lr {:.3g}  grad_norm {:.3g}  {}  step {:.2f} ms  comm {:.2f} "
-        "ms{}",
-        e.value("step", int64_t{0}), e.value("steps", int64_t{0}), loss_text(num("loss")),
-        num("lr"), num("grad_norm"), rate, num("step_ms"), num("comm_ms"), eta);
-  }
+  if (kind == "progress") return format_progress(e, 0);
   if (kind == "eval") {
     return fmt::format("eval at step {}: loss {}  accuracy {:.2f}%", e.value("step", int64_t{0}),
                        loss_text(num("eval_loss")), 100.0 * num("eval_accuracy"));
@@ -149,16 +212,19 @@ void StatusPrinter::event(const nlohmann::json& e) {
     line(text);
     return;
   }
-  progress(text);
+  // A narrow terminal gets the fields that matter most, not the line's start.
+  progress(format_progress(e, terminal_columns()));
 }
 
 std::string fit_columns(const std::string& text, int columns) {
   if (columns <= 0) return text;
-  const auto keep = static_cast<size_t>(columns - 1);
-  size_t shown = 0;  // characters so far (UTF-8 continuation bytes are part of one)
-  for (size_t i = 0; i < text.size(); ++i) {
-    if ((static_cast<unsigned char>(text[i]) & 0xC0) == 0x80) continue;
-    if (shown++ == keep) return text.substr(0, i);
+  const auto room = static_cast<size_t>(columns - 1);
+  size_t used = 0;  // columns so far
+  for (size_t i = 0; i < text.size();) {
+    size_t bytes = 1;
+    used += static_cast<size_t>(columns_at(text, i, bytes));
+    if (used > room) return text.substr(0, i);
+    i += bytes;
   }
   return text;
 }
@@ -169,12 +235,15 @@ void StatusPrinter::progress(const std::string& text) {
   // A line wider than the terminal would wrap, and "\r\033[K" clears only its last row: each
   // update would leave a row behind. It is cut to the terminal's width (as it is now: resized
   // terminals too), short of the last column.
-  winsize size{};
-  const int columns = ::ioctl(::fileno(out_), TIOCGWINSZ, &size) == 0 ? size.ws_col : 0;
   std::fputs("\r\033[K", out_);
-  std::fputs(fit_columns(text, columns).c_str(), out_);
+  std::fputs(fit_columns(text, terminal_columns()).c_str(), out_);
   std::fflush(out_);
   progress_shown_ = true;
+}
+
+int StatusPrinter::terminal_columns() const {
+  winsize size{};
+  return ::ioctl(::fileno(out_), TIOCGWINSZ, &size) == 0 ? size.ws_col : 0;
 }
 
 void StatusPrinter::erase_progress() {

@@ -15,6 +15,11 @@ namespace dptrain {
 // digits for one below 0.001 or from a million up ("2.5e-05", "1.764e+32"); "nan" for NaN.
 std::string loss_text(double loss);
 
+// A progress event's line: "step 10/300  loss 2.4065  lr 0.0003  grad_norm 1.2  5120 tokens/s
+// step 12.50 ms  comm 1.20 ms  eta 0:01:02". With `columns` (> 0, a terminal's width) the fields
+// that matter least (comm, step ms, lr, grad_norm, then the rate and the eta) are left out until
+// it fits; the step and the loss always stay.
+std::string format_progress(const nlohmann::json& event, int columns);
 // One human-readable line for a trainer event ({"event": "progress"|"eval"|"checkpoint"|"info"}).
 std::string format_event(const nlohmann::json& event);
 // "final loss 1.2345  eval loss 1.3456  eval accuracy 61.25%" from a result, "none" for what it
@@ -22,7 +27,8 @@ std::string format_event(const nlohmann::json& event);
 std::string format_losses(const nlohmann::json& result);
 
 // `text` cut to fit a terminal `columns` wide, short of its last column (where the cursor would
-// wrap to the next row); as it is for 0 (not known). Counts characters, not UTF-8 bytes.
+// wrap to the next row); as it is for 0 (not known). Counts columns, not UTF-8 bytes: a wide
+// character (CJK) takes two, a combining mark none.
 std::string fit_columns(const std::string& text, int columns);
 
 class StatusPrinter {
@@ -62,6 +68,7 @@ class StatusPrinter {
 
  private:
   void clear_progress();
+  int terminal_columns() const;  // 0 where not known (not a terminal)
 
   std::FILE* out_;
   bool tty_;

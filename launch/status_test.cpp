@@ -108,6 +108,36 @@ TEST_CASE("status: a progress line is cut to the terminal's width, by characters
   CHECK(fit_columns("step 10/100", 6) == "step ");
   // "\u00d7" is two bytes, one column.
   CHECK(fit_columns("4 \u00d7 8 ranks", 6) == "4 \u00d7 8");
+  // Wide characters take two columns each: a file name in CJK is cut at the screen's width, not
+  // at its character count (which would wrap, and leave a row behind at each update).
+  CHECK(fit_columns("\u6570\u636e\u6570\u636e.txt", 6) == "\u6570\u636e");
+  CHECK(fit_columns("\u6570\u636e\u6570\u636e.txt", 7) == "\u6570\u636e\u6570");
+  // A combining accent takes none; bytes that are not UTF-8 take one each.
+  CHECK(fit_columns("e\u0301e\u0301e\u0301e", 4) == "e\u0301e\u0301e\u0301");
+  CHECK(fit_columns("\xff\xfe\xfd"
+                    "abc",
+                    4) == "\xff\xfe\xfd");
+}
+
+TEST_CASE("status: a narrow terminal's progress line keeps the step, loss, rate and eta") {
+  const nlohmann::json e = {{"event", "progress"}, {"step", 10},      {"steps", 300},
+                            {"loss", 2.4065},      {"lr", 0.000323},  {"grad_norm", 1.5},
+                            {"step_ms", 12.5},     {"comm_ms", 1.25}, {"tokens_per_s", 5120},
+                            {"eta_s", 62}};
+  const std::string full =
+      "step 10/300  loss 2.4065  lr 0.000323  grad_norm 1.5  5120 tokens/s  step 12.50 ms  "
+      "comm 1.25 ms  eta 0:01:02";
+  CHECK(format_event(e) == full);
+  CHECK(format_progress(e, 0) == full);
+  CHECK(format_progress(e, 200) == full);
+  // Short of the last column: comm goes first, then the step's time, the lr, the norm.
+  CHECK(format_progress(e, static_cast<int>(full.size())) ==
+        "step 10/300  loss 2.4065  lr 0.000323  grad_norm 1.5  5120 tokens/s  step 12.50 ms  "
+        "eta 0:01:02");
+  CHECK(format_progress(e, 60) == "step 10/300  loss 2.4065  5120 tokens/s  eta 0:01:02");
+  CHECK(format_progress(e, 40) == "step 10/300  loss 2.4065  eta 0:01:02");
+  // Too narrow even for those: the step and the loss, which the printer then cuts.
+  CHECK(format_progress(e, 20) == "step 10/300  loss 2.4065");
 }
 
 TEST_CASE("status: a progress text is rewritten on a terminal and dropped in a pipe") {

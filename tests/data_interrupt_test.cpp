@@ -283,7 +283,7 @@ TEST_CASE("data prepare puts back the dataset a killed --force prepare was repla
   CHECK(entries_starting(tmp.path(), ".ds").empty());
 }
 
-TEST_CASE("data prepare shows its progress on a terminal, and nothing in a pipe") {
+TEST_CASE("data prepare shows its progress on a terminal; in a pipe, lines for slow parts only") {
   TempDir tmp;
   write_big_text(tmp / "big.txt", 24);
   int code = -1;
@@ -305,4 +305,32 @@ TEST_CASE("data prepare shows its progress on a terminal, and nothing in a pipe"
   CHECK(piped.exit_code == 0);
   CHECK(piped.err.empty());
   CHECK(contains(piped.out, "tokens        25165824\n"));
+
+  // A file name's control bytes reach the terminal escaped (a colour code would stay on).
+  const fs::path odd = tmp / "a\033[31mred\nb.txt";
+  fs::copy_file(tmp / "big.txt", odd);
+  const std::string shown = stderr_on_terminal(
+      {"data", "prepare", "--text", odd.string(), "--out", (tmp / "ds3").string()},
+      tmp / "out3.txt", code);
+  INFO(shown);
+  CHECK(code == 0);
+  CHECK(contains(shown, "\r\033[Kreading a\\x1b[31mred\\x0ab.txt: "));
+  CHECK_FALSE(contains(shown, "\033[31m"));
+
+  // A part that goes on for a while (a pipe's writer that pauses) gets a plain line in a pipe.
+  const fs::path fifo = tmp / "slow.fifo";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  Background slow({"data", "prepare", "--text", fifo.string(), "--out", (tmp / "ds4").string()});
+  const int writer = ::open(fifo.c_str(), O_WRONLY);
+  REQUIRE(writer >= 0);
+  const std::string some = "text that comes slowly\n";
+  REQUIRE(::write(writer, some.data(), some.size()) == static_cast<ssize_t>(some.size()));
+  std::this_thread::sleep_for(std::chrono::milliseconds(6500));
+  REQUIRE(::write(writer, some.data(), some.size()) == static_cast<ssize_t>(some.size()));
+  ::close(writer);
+  CHECK(slow.wait(std::chrono::seconds(60)) == 0);
+  INFO(slow.err());
+  CHECK(slow.err().starts_with("reading slow.fifo: 46 B of 46 B (100%)\n"));
+  CHECK_FALSE(contains(slow.err(), "\r"));
+  CHECK_FALSE(contains(slow.err(), "\033"));
 }

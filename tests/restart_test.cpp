@@ -151,6 +151,8 @@ TEST_CASE("the same failure three times at one step stops with exit 3: looks det
   const auto said = r.out.find("; waiting 0.1s to restart (attempt 1/10)");
   CHECK(said != std::string::npos);
   CHECK(said < r.out.find("restart 1/10 after 0.1s from "));
+  // The restart's line names where it starts from, not the cause again.
+  CHECK(contains(r.out, "restart 1/10 after 0.1s from step-000020\n"));
 }
 
 TEST_CASE("failures in a row at one step count over the run: a resume loop stops as early") {
