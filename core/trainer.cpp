@@ -10,6 +10,7 @@
 #include <limits>
 #include <map>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -222,6 +223,7 @@ class TrainingRun {
     Clock::time_point steady_start = Clock::now();
     int64_t steady_steps = 0;
     Clock::time_point window_start = Clock::now();
+    Clock::time_point shown = Clock::now();  // the last progress or tick event
     int64_t window_steps = 0;
     PhaseTimes window_phases, steady_phases;
     const int64_t first_step = step_;
@@ -323,6 +325,7 @@ class TrainingRun {
         steady_phases.add(phases);
       }
       if (logging) {
+        shown = Clock::now();
         loss /= static_cast<double>(micro_batches_);
         // fp16 above the smallest scale: an overflowed forward is a skipped step, as above.
         if (!std::isfinite(loss) && !overflow_skips) throw diverged(done, "loss", loss);
@@ -334,6 +337,13 @@ class TrainingRun {
         window_start = Clock::now();
         window_steps = 0;
         window_phases = {};
+      } else if (rank_ == 0 && ms_since(shown) >= 1000.0) {
+        // Slow steps between log steps: a terminal's progress line still moves (the step and
+        // the time left; the loss is summed over the ranks only at log steps).
+        shown = Clock::now();
+        json tick = {{"event", "tick"}, {"step", done}, {"steps", total}};
+        if (const auto eta = eta_s(done)) tick["eta_s"] = *eta;
+        emit(tick);
       }
       // Steps done: what an evaluation or checkpoint after this step reports in the heartbeat.
       if (options_.progress) options_.progress->set_step(done);
@@ -1484,12 +1494,16 @@ class TrainingRun {
     json event = line;
     event["event"] = "progress";
     event["steps"] = recipe_.train.steps;
-    const int64_t done_here = step - first_step_;
-    if (done_here > 0) {
-      event["eta_s"] = ms_since(run_start_) / 1000.0 / static_cast<double>(done_here) *
-                       static_cast<double>(recipe_.train.steps - step);
-    }
+    if (const auto eta = eta_s(step)) event["eta_s"] = *eta;
     emit(event);
+  }
+
+  // The seconds left after `step` at this invocation's pace so far; none before its first step.
+  std::optional<double> eta_s(int64_t step) const {
+    const int64_t done_here = step - first_step_;
+    if (done_here <= 0) return std::nullopt;
+    return ms_since(run_start_) / 1000.0 / static_cast<double>(done_here) *
+           static_cast<double>(recipe_.train.steps - step);
   }
 
   // The measurements of the run's result.json (throughput, phases, peak memory) when it is of

@@ -3,6 +3,7 @@
 
 #include <doctest/doctest.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <unistd.h>
 
 #include <array>
@@ -848,6 +849,37 @@ TEST_CASE("trainer: ranks loading their data say they are starting, not in a col
     CHECK(beat["phase"] == "starting");
     CHECK(beat["seq"] == 1);
   }
+}
+
+TEST_CASE("trainer: slow steps between log steps send ticks, at most one a second") {
+  Recipe r = tiny_recipe();
+  r.train.steps = 5;
+  r.log.every = 5;
+  TempDir dir;
+  std::vector<nlohmann::json> events;
+  const auto out = train_ranks(r, 1, [&](int) {
+    TrainerOptions o;
+    o.run_dir = dir.path();
+    o.debug_step_delay_ms = 600;
+    o.on_event = [&events](const nlohmann::json& e) { events.push_back(e); };
+    return o;
+  });
+  REQUIRE(out[0].error.empty());
+  std::vector<int64_t> ticked;
+  for (const auto& e : events) {
+    if (e["event"] != "tick") continue;
+    ticked.push_back(e["step"].get<int64_t>());
+    CHECK(e["steps"] == 5);
+    CHECK(e["eta_s"].get<double>() > 0);
+  }
+  // 600 ms a step: a tick after step 2 at the soonest, none at the log step (5), each a step
+  // apart at least (never two in one second).
+  INFO(fmt::format("{}", fmt::join(ticked, ",")));
+  REQUIRE_FALSE(ticked.empty());
+  CHECK(ticked.front() >= 2);
+  CHECK(ticked.back() < 5);
+  for (size_t i = 1; i < ticked.size(); ++i)
+    CHECK(ticked[i] > ticked[i - 1] + 1);
 }
 
 TEST_CASE("trainer: a checkpoint whose blobs do not fit the model names the file and both sizes") {

@@ -2,6 +2,8 @@
 #include "launch/hang_watch.hpp"
 
 #include <algorithm>
+#include <functional>
+#include <map>
 #include <optional>
 #include <vector>
 
@@ -180,8 +182,15 @@ std::string HangWatch::positions(const std::map<int, json>& beats, const RankNam
     max_seq = std::max(max_seq, beat.value("seq", int64_t{0}));
   const bool unjoined = std::any_of(beats.begin(), beats.end(),
                                     [](const auto& b) { return b.second.contains("never_ms"); });
-  std::vector<std::string> behind, waiting, joining;
-  std::string waited_in = fmt::format("#{}", max_seq);
+  // A rank that is frozen or gone holds up every collective it is part of: a live rank waiting
+  // in an earlier collective than the last one (the ones the silent rank's peers in a ring could
+  // not finish) waits for it too, and is not stuck itself.
+  const bool someone_silent = std::any_of(beats.begin(), beats.end(), [](const auto& b) {
+    return b.second.contains("silent_ms") || b.second.contains("never_ms");
+  });
+  std::vector<std::string> behind, joining;
+  // Live ranks waiting in a collective, by its number (the latest first): its name, and theirs.
+  std::map<int64_t, std::pair<std::string, std::vector<std::string>>, std::greater<>> waiting;
   for (const auto& [rank, beat] : beats) {
     const int64_t seq = beat.value("seq", int64_t{0});
     const std::string phase = beat.value("phase", std::string("?"));
@@ -202,22 +211,26 @@ std::string HangWatch::positions(const std::map<int, json>& beats, const RankNam
                                                 phase, collective(beat))));
     } else if (unjoined && phase == "starting") {
       joining.push_back(name(rank));
-    } else if (seq == max_seq && phase == "collective") {
-      if (waiting.empty()) waited_in = collective(beat);
-      waiting.push_back(name(rank));
+    } else if (phase == "collective" && (seq == max_seq || someone_silent)) {
+      auto& group = waiting[seq];
+      if (group.second.empty()) group.first = collective(beat);
+      group.second.push_back(name(rank));
     } else {
       behind.push_back(fmt::format("{} at {}", name(rank), position(beat)));
     }
   }
   if (behind.empty()) {
-    return fmt::format("every rank waits in collective {} (a network or transport problem?)",
-                       waited_in);
+    return fmt::format(
+        "every rank waits in collective {} (a network or transport problem?)",
+        waiting.empty() ? fmt::format("#{}", max_seq) : waiting.begin()->second.first);
   }
   const char* them = behind.size() == 1 ? "it" : "them";
   std::string text = fmt::format("stuck: {}", fmt::join(behind, ", "));
-  if (!waiting.empty()) {
-    text += fmt::format("; waiting for {} in collective {}: {}", them, waited_in,
-                        fmt::join(waiting, ", "));
+  for (const auto& [seq, group] : waiting) {
+    const std::string names = fmt::format("{}", fmt::join(group.second, ", "));
+    text += seq == waiting.begin()->first
+                ? fmt::format("; waiting for {} in collective {}: {}", them, group.first, names)
+                : fmt::format("; and in collective {}: {}", group.first, names);
   }
   if (!joining.empty())
     text += fmt::format("; waiting for {} to join: {}", them, fmt::join(joining, ", "));

@@ -10,8 +10,10 @@
 
 #include "core/comm/tcp_store.hpp"
 #include "core/heartbeat.hpp"
+#include "tests/strings.hpp"
 
 using namespace dptrain;
+using dptrain::test::contains;
 using nlohmann::json;
 
 namespace {
@@ -136,6 +138,38 @@ TEST_CASE("hang verdict: a rank whose heartbeat stopped is named as frozen, with
                "bucket 0))") != std::string::npos);
   CHECK(v.find("waiting for it in collective #17 (allreduce of the eval sums): rank 0") !=
         std::string::npos);
+}
+
+TEST_CASE("hang verdict: with a rank frozen, the live ranks in any collective wait for it") {
+  // Rank 3 froze in collective #128; of its peers, the ring let ranks 0 and 1 finish #128 and
+  // enter #129, while ranks 2 and 4 still wait in #128: all wait for rank 3, none is stuck.
+  const auto in = [](int64_t seq, const char* what) {
+    return json{{"step", 94}, {"phase", "collective"}, {"seq", seq}, {"collective", what}};
+  };
+  json frozen = in(128, "allreduce of gradient bucket 0");
+  frozen["silent_ms"] = 5000;
+  const std::map<int, json> beats = {{0, in(129, "allreduce of gradient bucket 1")},
+                                     {1, in(129, "allreduce of gradient bucket 1")},
+                                     {2, in(128, "allreduce of gradient bucket 0")},
+                                     {3, frozen},
+                                     {4, in(128, "allreduce of gradient bucket 0")}};
+  const std::string v = HangWatch::describe(beats, std::chrono::seconds(5));
+  INFO(v);
+  CHECK(contains(v,
+                 "stuck: rank 3 (its heartbeat stopped 5s ago: frozen or unreachable; it last "
+                 "said step 94, in collective #128 (allreduce of gradient bucket 0)); waiting "
+                 "for it in collective #129 (allreduce of gradient bucket 1): rank 0, rank 1; "
+                 "and in collective #128 (allreduce of gradient bucket 0): rank 2, rank 4"));
+  CHECK_FALSE(contains(v, "rank 2 at"));
+  // With none frozen, a rank a collective behind the others is the one they wait for.
+  std::map<int, json> live = beats;
+  live[3] = in(128, "allreduce of gradient bucket 0");
+  const std::string w = HangWatch::describe(live, std::chrono::seconds(5));
+  INFO(w);
+  CHECK(contains(w, "stuck: rank 2 at step 94 in collective #128"));
+  CHECK(contains(w,
+                 "waiting for them in collective #129 (allreduce of gradient bucket 1): "
+                 "rank 0, rank 1"));
 }
 
 TEST_CASE("hang watch: a heartbeat that stands still is told from one that waits") {

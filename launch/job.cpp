@@ -933,7 +933,8 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       // shows them.
       const json event = json::parse(line.substr(7), nullptr, false);
       if (event.is_discarded()) return;
-      if (relay != relays.end() && event.is_object() && event.contains("event")) {
+      if (relay != relays.end() && event.is_object() && event.contains("event") &&
+          !terminal_only(event)) {
         remote_logs.append(relay->second.host.host, 0, format_event(event));
       }
       try {

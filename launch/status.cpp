@@ -113,11 +113,30 @@ std::string format_progress(const nlohmann::json& e, int columns) {
   return joined(up_to);
 }
 
+bool terminal_only(const nlohmann::json& event) {
+  return event.is_object() && event.value("event", "") == "tick";
+}
+
+std::string format_tick(const nlohmann::json& tick, const nlohmann::json& last_progress) {
+  std::string text =
+      fmt::format("step {}/{}", tick.value("step", int64_t{0}), tick.value("steps", int64_t{0}));
+  if (last_progress.is_object()) {
+    text += fmt::format("  loss {} (step {})", loss_text(json_number(last_progress, "loss")),
+                        last_progress.value("step", int64_t{0}));
+  }
+  if (const double eta_s = json_number(tick, "eta_s"); std::isfinite(eta_s) && eta_s >= 0) {
+    const auto secs = static_cast<int64_t>(eta_s + 0.5);
+    text += fmt::format("  eta {}:{:02d}:{:02d}", secs / 3600, secs / 60 % 60, secs % 60);
+  }
+  return text;
+}
+
 std::string format_event(const nlohmann::json& e) {
   const std::string kind = e.value("event", "");
   // A number, or NaN (printed "nan") for a null: a diverged loss or norm is written as one.
   const auto num = [&e](const char* key) { return json_number(e, key); };
   if (kind == "progress") return format_progress(e, 0);
+  if (kind == "tick") return format_tick(e, nlohmann::json());
   if (kind == "eval") {
     return fmt::format("eval at step {}: loss {}  accuracy {:.2f}%", e.value("step", int64_t{0}),
                        loss_text(num("eval_loss")), 100.0 * num("eval_accuracy"));
@@ -195,8 +214,23 @@ std::vector<std::string> StatusPrinter::warnings() const {
 }
 
 void StatusPrinter::event(const nlohmann::json& e) {
-  const std::string text = format_event(e);
   const std::string kind = e.value("event", "");
+  // A step between log steps: a terminal's progress line moves; nothing anywhere else.
+  if (kind == "tick") {
+    if (!tty_) return;
+    nlohmann::json last;
+    {
+      std::lock_guard lock(mutex_);
+      last = last_progress_;
+    }
+    progress(format_tick(e, last));
+    return;
+  }
+  if (kind == "progress") {
+    std::lock_guard lock(mutex_);
+    last_progress_ = e;
+  }
+  const std::string text = format_event(e);
   // A rank's warning (a checkpoint passed over, a batch that changes) is a warning here too: on
   // stderr, and among the ones --json reports, wherever the rank runs.
   if (kind == "info" && warning_if_one(text)) return;

@@ -20,6 +20,13 @@ std::string loss_text(double loss);
 // that matter least (comm, step ms, lr, grad_norm, then the rate and the eta) are left out until
 // it fits; the step and the loss always stay.
 std::string format_progress(const nlohmann::json& event, int columns);
+// Whether a trainer event is for a terminal's progress line alone (kept from logs and pipes):
+// {"event": "tick", "step", "steps", "eta_s"}, which rank 0 sends at most once a second between
+// log steps.
+bool terminal_only(const nlohmann::json& event);
+// A tick's line: "step 17/300  loss 2.4065 (step 10)  eta 0:00:58", the loss of `last_progress`
+// (the last progress event, or null: none yet).
+std::string format_tick(const nlohmann::json& tick, const nlohmann::json& last_progress);
 // One human-readable line for a trainer event ({"event": "progress"|"eval"|"checkpoint"|"info"}).
 std::string format_event(const nlohmann::json& event);
 // "final loss 1.2345  eval loss 1.3456  eval accuracy 61.25%" from a result, "none" for what it
@@ -73,6 +80,7 @@ class StatusPrinter {
   std::FILE* out_;
   bool tty_;
   bool progress_shown_ = false;
+  nlohmann::json last_progress_;  // the last progress event, for the ticks after it
   StatusPrinter* mirror_ = nullptr;
   std::string mirror_prefix_;
   std::vector<std::string> warnings_;

@@ -166,6 +166,33 @@ TEST_CASE("status: a benchmark's progress event is rewritten on a terminal, drop
         "\r\033[Kbench comm: allreduce 8 bytes (1/2)\r\033[Kbench comm: broadcast on 2 rank(s)\n");
 }
 
+TEST_CASE("status: a tick moves a terminal's progress line, with the last logged loss") {
+  const auto use = [](StatusPrinter& p) {
+    p.event({{"event", "tick"}, {"step", 3}, {"steps", 300}, {"eta_s", 62}});
+    p.event({{"event", "progress"},
+             {"step", 10},
+             {"steps", 300},
+             {"loss", 2.4065},
+             {"lr", 0.001},
+             {"grad_norm", 1},
+             {"samples_per_s", 50},
+             {"step_ms", 900},
+             {"comm_ms", 1}});
+    p.event({{"event", "tick"}, {"step", 11}, {"steps", 300}, {"eta_s", 3725}});
+  };
+  // In a pipe (and a log) a tick is nothing; the progress event its line.
+  CHECK(printed(false, use) ==
+        "step 10/300  loss 2.4065  lr 0.001  grad_norm 1  50 samples/s  step 900.00 ms  comm 1.00 "
+        "ms\n");
+  CHECK(printed(true, use) ==
+        "\r\033[Kstep 3/300  eta 0:01:02"
+        "\r\033[Kstep 10/300  loss 2.4065  lr 0.001  grad_norm 1  50 samples/s  step 900.00 ms  "
+        "comm 1.00 ms"
+        "\r\033[Kstep 11/300  loss 2.4065 (step 10)  eta 1:02:05\n");
+  CHECK(terminal_only({{"event", "tick"}, {"step", 3}}));
+  CHECK_FALSE(terminal_only({{"event", "progress"}, {"step", 3}}));
+}
+
 TEST_CASE("status: a rank's warning event is a warning: kept for --json, not a status line") {
   std::vector<std::string> kept;
   const std::string out = printed(false, [&kept](StatusPrinter& p) {

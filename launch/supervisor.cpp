@@ -33,11 +33,12 @@ namespace {
 
 // A line of a process as its log and a failure's excerpt show it: as printed, or a trainer event
 // (rank 0's progress, which it prints as events only) as the launcher shows it; none for any
-// other protocol line.
+// other protocol line, nor for a terminal's alone (a tick).
 std::optional<std::string> shown_line(const std::string& line) {
   if (!line.starts_with("@event ")) return line;
   const auto event = nlohmann::json::parse(line.substr(7), nullptr, false);
-  if (event.is_object() && event.contains("event")) return format_event(event);
+  if (event.is_object() && event.contains("event") && !terminal_only(event))
+    return format_event(event);
   return std::nullopt;
 }
 

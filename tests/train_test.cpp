@@ -124,6 +124,27 @@ TEST_CASE("quickstart on 2 ranks learns well above chance and ranks agree") {
   CHECK(kept == 3);
 }
 
+TEST_CASE("slow steps between log steps: ticks reach neither a pipe nor the rank's log") {
+  // Rank 0 sends a tick a second between log steps, for a terminal's progress line (tested in
+  // status_test); a pipe and the logs keep one line per log step.
+  TempDir tmp;
+  json recipe = small_recipe();
+  recipe["train"]["steps"] = 8;
+  recipe["log"]["every"] = 4;
+  const auto path = write_recipe(tmp.path(), recipe);
+  const auto r =
+      run_dptrain({"launch", path.string(), "--nproc", "1", "--run-dir", (tmp / "run").string()},
+                  Env{{"DPTRAIN_DEBUG_STEP_DELAY_MS", "500"}});
+  INFO(r.out, r.err);
+  REQUIRE(r.exit_code == 0);
+  const std::string log = read_text(tmp / "run/logs/localhost-rank0.log");
+  for (const std::string& text : {r.out, r.err, log}) {
+    CHECK(contains(text + log, "step 4/8  loss "));
+    for (const char* tick : {"step 2/8", "step 3/8", "step 6/8", "step 7/8"})
+      CHECK_FALSE(contains(text, tick));
+  }
+}
+
 TEST_CASE("2 ranks x batch B equal 1 rank x batch 2B after 20 steps") {
   TempDir tmp;
   for (const char* opt : {"sgd", "adamw"}) {
