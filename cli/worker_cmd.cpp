@@ -245,11 +245,27 @@ void catch_signal(int sig) {
 std::string choose_backend(Store& store, int rank, int world, const std::string& requested,
                            Ops& ops, std::chrono::milliseconds timeout) {
   const bool gpu = ops.device() != "cpu";
+  // Rank 0 of ranks started without a launcher (whose own lines say how the hosts start) says
+  // every 10 s whom it still waits for, rather than nothing until the timeout.
+  std::function<void(const JoinWait&)> waiting;
+  if (rank == 0 && !started_by_launcher()) {
+    waiting = [timeout, world](const JoinWait& w) {
+      std::string names = fmt::format("{}", fmt::join(w.missing, ", "));
+      if (w.missing_count > static_cast<int>(w.missing.size()))
+        names += fmt::format(" and {} more", w.missing_count - static_cast<int>(w.missing.size()));
+      std::printf("waiting for rank%s %s to join: %d of %s%d here after %s (the timeout is %s)\n",
+                  w.missing_count == 1 ? "" : "s", names.c_str(), w.joined,
+                  w.looked < world ? "the first " : "", w.looked,
+                  fmt::format("{}s", (w.waited.count() + 500) / 1000).c_str(),
+                  format_timeout(timeout).c_str());
+      std::fflush(stdout);
+    };
+  }
   const BackendChoice choice = agree_to_start(store, rank, world, requested == "nccl",
                                               requested == "gloo" ? "the backend asked for is gloo"
                                               : !gpu              ? "it computes on the CPU"
                                                      : nccl_unavailable_reason().value_or(""),
-                                              timeout);
+                                              timeout, waiting);
   if (choice.backend == "gloo" && choice.rank == rank && requested == "auto" && gpu) {
     std::printf("warning: backend auto uses gloo: rank %d cannot use NCCL: %s\n", rank,
                 choice.why_not.c_str());
@@ -295,9 +311,10 @@ class HandRunRecord {
         std::fprintf(stderr, "dptrain: warning: %s: this run is not recorded there\n", e.what());
         return;
       }
-      // Continued without --nominal-world: the job's, as the run records it (a launcher's run
-      // too), and not this start's world size, which would change the global batch.
-      if (o.nominal_world == 0) {
+      // Continued (--resume) without --nominal-world: the job's, as the run records it (a
+      // launcher's run too), and not this start's world size, which would change the global
+      // batch.
+      if (o.nominal_world == 0 && !o.resume.empty()) {
         const json recorded = info_.value("nominal_world_size", json());
         if (recorded.is_number_integer() && recorded.get<int64_t>() > 0 &&
             recorded.get<int64_t>() <= kMaxWorld) {

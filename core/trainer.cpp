@@ -643,8 +643,8 @@ class TrainingRun {
         !d.empty()) {
       problems.push_back(
           fmt::format("the ranks were given different nominal world sizes "
-                      "(--nominal-world, DPTRAIN_NOMINAL_WORLD; default the world "
-                      "size): {}: give every rank the same",
+                      "(--nominal-world, DPTRAIN_NOMINAL_WORLD; a rank given none takes rank "
+                      "0's): {}: give every rank the same, or none but rank 0",
                       d));
     }
     if (!problems.empty()) {

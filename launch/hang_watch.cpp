@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <limits>
 #include <map>
 #include <optional>
 #include <vector>
@@ -182,12 +183,17 @@ std::string HangWatch::positions(const std::map<int, json>& beats, const RankNam
     max_seq = std::max(max_seq, beat.value("seq", int64_t{0}));
   const bool unjoined = std::any_of(beats.begin(), beats.end(),
                                     [](const auto& b) { return b.second.contains("never_ms"); });
-  // A rank that is frozen or gone holds up every collective it is part of: a live rank waiting
-  // in an earlier collective than the last one (the ones the silent rank's peers in a ring could
-  // not finish) waits for it too, and is not stuck itself.
-  const bool someone_silent = std::any_of(beats.begin(), beats.end(), [](const auto& b) {
-    return b.second.contains("silent_ms") || b.second.contains("never_ms");
-  });
+  // A rank that is frozen or gone holds up every collective it has not finished: a live rank
+  // waiting in an earlier collective than the last one (the ones the silent rank's peers in a
+  // ring could not finish) waits for it too, and is not stuck itself. Not one in a collective
+  // before the silent rank's last word, which that rank has left (its heartbeat may lag what it
+  // did, never lead): it is held up by something else. A rank that never joined holds up all.
+  int64_t silent_from = std::numeric_limits<int64_t>::max();
+  for (const auto& [rank, beat] : beats) {
+    if (beat.contains("never_ms")) silent_from = std::min<int64_t>(silent_from, 0);
+    if (beat.contains("silent_ms"))
+      silent_from = std::min(silent_from, beat.value("seq", int64_t{0}));
+  }
   std::vector<std::string> behind, joining;
   // Live ranks waiting in a collective, by its number (the latest first): its name, and theirs.
   std::map<int64_t, std::pair<std::string, std::vector<std::string>>, std::greater<>> waiting;
@@ -211,7 +217,7 @@ std::string HangWatch::positions(const std::map<int, json>& beats, const RankNam
                                                 phase, collective(beat))));
     } else if (unjoined && phase == "starting") {
       joining.push_back(name(rank));
-    } else if (phase == "collective" && (seq == max_seq || someone_silent)) {
+    } else if (phase == "collective" && (seq == max_seq || seq >= silent_from)) {
       auto& group = waiting[seq];
       if (group.second.empty()) group.first = collective(beat);
       group.second.push_back(name(rank));

@@ -161,6 +161,18 @@ TEST_CASE("hang verdict: with a rank frozen, the live ranks in any collective wa
                  "for it in collective #129 (allreduce of gradient bucket 1): rank 0, rank 1; "
                  "and in collective #128 (allreduce of gradient bucket 0): rank 2, rank 4"));
   CHECK_FALSE(contains(v, "rank 2 at"));
+  // A live rank in a collective before the frozen rank's last one is held up by something else:
+  // the frozen rank had entered it, and left it.
+  std::map<int, json> earlier = beats;
+  earlier[3]["seq"] = 129;
+  earlier[3]["collective"] = "allreduce of gradient bucket 1";
+  const std::string e = HangWatch::describe(earlier, std::chrono::seconds(5));
+  INFO(e);
+  CHECK(contains(e, "stuck: rank 2 at step 94 in collective #128"));
+  CHECK(contains(e, "rank 4 at step 94 in collective #128"));
+  CHECK(contains(e,
+                 "waiting for them in collective #129 (allreduce of gradient bucket 1): "
+                 "rank 0, rank 1"));
   // With none frozen, a rank a collective behind the others is the one they wait for.
   std::map<int, json> live = beats;
   live[3] = in(128, "allreduce of gradient bucket 0");

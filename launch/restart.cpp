@@ -573,9 +573,10 @@ JobOutcome run_job_with_restarts(RunDirectory& run, JobSpec spec, StatusPrinter&
     }
     restarts = attempt;
     const int number = numbered_before + restarts;
-    // The cause was said before the back-off, just above: not said again.
-    status.line(fmt::format("restart {} after {:g}s from {}", restart_label(restarts),
-                            static_cast<double>(backoff.count()) / 1000.0, from_name));
+    // The cause was said in full before the back-off: its first clause (who failed, how) only.
+    status.line(fmt::format("restart {} after {:g}s from {}: {}", restart_label(restarts),
+                            static_cast<double>(backoff.count()) / 1000.0, from_name,
+                            cause.substr(0, cause.find("; "))));
     if (spec.events) {
       spec.events->emit("restart", {{"restart", number},
                                     {"attempt", restarts},

@@ -226,9 +226,10 @@ void StatusPrinter::event(const nlohmann::json& e) {
     progress(format_tick(e, last));
     return;
   }
-  if (kind == "progress") {
+  if (kind == "progress" || kind == "rendezvous") {
+    // A new generation (a restart, bench train's next world size) starts without a loss.
     std::lock_guard lock(mutex_);
-    last_progress_ = e;
+    last_progress_ = kind == "progress" ? e : nlohmann::json();
   }
   const std::string text = format_event(e);
   // A rank's warning (a checkpoint passed over, a batch that changes) is a warning here too: on

@@ -179,16 +179,20 @@ TEST_CASE("status: a tick moves a terminal's progress line, with the last logged
              {"step_ms", 900},
              {"comm_ms", 1}});
     p.event({{"event", "tick"}, {"step", 11}, {"steps", 300}, {"eta_s", 3725}});
+    // A restart's ranks meet again: its ticks have no loss of their own yet.
+    p.event({{"event", "rendezvous"}, {"world_size", 2}, {"step", 0}});
+    p.event({{"event", "tick"}, {"step", 2}, {"steps", 300}});
   };
   // In a pipe (and a log) a tick is nothing; the progress event its line.
   CHECK(printed(false, use) ==
         "step 10/300  loss 2.4065  lr 0.001  grad_norm 1  50 samples/s  step 900.00 ms  comm 1.00 "
-        "ms\n");
+        "ms\nall 2 ranks met; starting at step 0\n");
   CHECK(printed(true, use) ==
         "\r\033[Kstep 3/300  eta 0:01:02"
         "\r\033[Kstep 10/300  loss 2.4065  lr 0.001  grad_norm 1  50 samples/s  step 900.00 ms  "
         "comm 1.00 ms"
-        "\r\033[Kstep 11/300  loss 2.4065 (step 10)  eta 1:02:05\n");
+        "\r\033[Kstep 11/300  loss 2.4065 (step 10)  eta 1:02:05"
+        "\r\033[Kall 2 ranks met; starting at step 0\n\r\033[Kstep 2/300\n");
   CHECK(terminal_only({{"event", "tick"}, {"step", 3}}));
   CHECK_FALSE(terminal_only({{"event", "progress"}, {"step", 3}}));
 }

@@ -138,8 +138,10 @@ TEST_CASE("slow steps between log steps: ticks reach neither a pipe nor the rank
   INFO(r.out, r.err);
   REQUIRE(r.exit_code == 0);
   const std::string log = read_text(tmp / "run/logs/localhost-rank0.log");
+  // (That ticks were sent at this pace is the trainer test's: a pipe cannot see them.)
+  CHECK(contains(r.out, "step 4/8  loss "));
+  CHECK(contains(log, "step 4/8  loss "));
   for (const std::string& text : {r.out, r.err, log}) {
-    CHECK(contains(text + log, "step 4/8  loss "));
     for (const char* tick : {"step 2/8", "step 3/8", "step 6/8", "step 7/8"})
       CHECK_FALSE(contains(text, tick));
   }
@@ -805,8 +807,9 @@ TEST_CASE("workers given different data, --resume or nominal world stop at once,
     CAPTURE(err);
     CHECK(code == 2);
     CHECK(contains(err,
-                   "different nominal world sizes (--nominal-world, DPTRAIN_NOMINAL_WORLD; "
-                   "default the world size): rank 1 (4) differs from rank 0's (2)"));
+                   "different nominal world sizes (--nominal-world, DPTRAIN_NOMINAL_WORLD; a "
+                   "rank given none takes rank 0's): rank 1 (4) differs from rank 0's (2): give "
+                   "every rank the same, or none but rank 0"));
   }
   // A world size that differs is found as the ranks connect, before these checks can run.
   const auto sizes = pair("sizes", {a, {}, {}}, {a, {}, {{"WORLD_SIZE", "3"}}});

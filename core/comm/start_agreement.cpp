@@ -227,8 +227,14 @@ bool rank_met(Store& store, int rank) {
   return store.check({met_key(rank)});
 }
 
+// The ranks rank 0 looks at for JoinWait: beyond them, a request of a million keys every 10 s
+// would cost more than the words are worth.
+constexpr int kJoinLooked = 1024;
+
 BackendChoice agree_to_start(Store& store, int rank, int world, bool required,
-                             const std::string& why_not, std::chrono::milliseconds timeout) {
+                             const std::string& why_not, std::chrono::milliseconds timeout,
+                             const std::function<void(const JoinWait&)>& waiting,
+                             std::chrono::milliseconds every) {
   // A second process given a rank that one running the job has (a script's slip): told at
   // once, rather than left in Gloo's rendezvous for a peer that paired with the first. One that
   // came before and still waits is a reason where it runs on this machine
@@ -282,23 +288,57 @@ BackendChoice agree_to_start(Store& store, int rank, int world, bool required,
     std::string refusal = why_not.empty() ? std::string() : "0 " + why_not;
     // One deadline for every answer: the others wait for the choice about as long as rank 0
     // waits for all of them, not for each in turn.
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    const auto start = std::chrono::steady_clock::now();
+    const auto deadline = start + timeout;
+    // Who has not joined yet, of the first kJoinLooked ranks, for `waiting` (one request). Only
+    // words: a store that does not answer it fails the wait that follows, if it is gone.
+    const auto tell_waiting = [&] {
+      JoinWait wait;
+      wait.looked = std::min(world, kJoinLooked);
+      wait.joined = 1;
+      try {
+        const auto answers = store.peek(rank_keys(answer_key, 1, wait.looked));
+        for (int r = 1; r < wait.looked; ++r) {
+          if (answers[static_cast<size_t>(r - 1)]) {
+            ++wait.joined;
+          } else if (++wait.missing_count <= 8) {
+            wait.missing.push_back(r);
+          }
+        }
+        wait.waited = std::chrono::duration_cast<std::chrono::milliseconds>(
+            std::chrono::steady_clock::now() - start);
+        waiting(wait);
+      } catch (const Error&) {
+      }
+    };
+    const bool tell = waiting && every > std::chrono::milliseconds(0);
+    auto next_word = start + every;
     for (int r = 1; r < world && choice.empty(); ++r) {
       std::string answer;
-      try {
-        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-            deadline - std::chrono::steady_clock::now());
-        answer = read_posted(store, answer_key(r), rank,
-                             fmt::format("rank {} of {} did not join", r, world),
-                             std::max(left, std::chrono::milliseconds(1)), timeout);
-      } catch (const KeyTimeout&) {
-        // The others learn which rank never came, rather than blame rank 0. (A store that
-        // failed otherwise, gone or refusing, is not a rank's absence: that error stands.)
+      for (;;) {
+        const auto now = std::chrono::steady_clock::now();
+        const auto until = tell ? std::min(deadline, next_word) : deadline;
         try {
-          store.set(kChoiceKey, fmt::format("absent {}", r));
-        } catch (const Error&) {
+          answer = read_posted(
+              store, answer_key(r), rank, fmt::format("rank {} of {} did not join", r, world),
+              std::max(std::chrono::duration_cast<std::chrono::milliseconds>(until - now),
+                       std::chrono::milliseconds(1)),
+              timeout);
+          break;
+        } catch (const KeyTimeout&) {
+          if (until < deadline) {
+            next_word += every;
+            tell_waiting();
+            continue;
+          }
+          // The others learn which rank never came, rather than blame rank 0. (A store that
+          // failed otherwise, gone or refusing, is not a rank's absence: that error stands.)
+          try {
+            store.set(kChoiceKey, fmt::format("absent {}", r));
+          } catch (const Error&) {
+          }
+          throw;
         }
-        throw;
       }
       const auto [given, status] = split_number(answer);
       if (given != world) {

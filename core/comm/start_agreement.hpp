@@ -3,6 +3,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -27,8 +28,20 @@ struct BackendChoice {
 // different world sizes (by hand, srun) are Error(usage) naming the rank and both sizes; a rank
 // that never posts is Error(comm) naming it, after `timeout`; a rank that could not start
 // (refuse_to_start) fails every rank with its error's kind, naming it and why.
+// While rank 0 waits for the others to join: `waiting`, when given (and `every` > 0), is told
+// every `every` of the wait which ranks have not yet (the first few of them, in order) and how
+// many have, of the first `looked` ranks (at most 1024).
+struct JoinWait {
+  std::vector<int> missing;  // at most 8, the lowest first
+  int missing_count = 0;
+  int joined = 0;  // rank 0 included
+  int looked = 0;  // the world size, or the first 1024 ranks of a larger one
+  std::chrono::milliseconds waited{0};
+};
 BackendChoice agree_to_start(Store& store, int rank, int world, bool required,
-                             const std::string& why_not, std::chrono::milliseconds timeout);
+                             const std::string& why_not, std::chrono::milliseconds timeout,
+                             const std::function<void(const JoinWait&)>& waiting = {},
+                             std::chrono::milliseconds every = std::chrono::seconds(10));
 
 // Whether a process has joined this store's job as `rank` already (agree_to_start refuses
 // another).

@@ -130,6 +130,46 @@ TEST_CASE("start agreement: a rank that never comes is named after the timeout, 
       "rank 1: rank 2 of 3 did not join within 0.3s (rank 0 waited for it at store 127.0.0.1:"));
 }
 
+TEST_CASE("start agreement: rank 0 says whom it waits for, every `every`, until the timeout") {
+  // Of 4 ranks, 1 and 3 never come: rank 0 names them (and the 2 here) at each 200 ms, then
+  // fails at its 700 ms timeout as it would have without.
+  TcpStoreServer server;
+  std::vector<JoinWait> told;
+  std::string error0, error2;
+  std::thread rank2([&] {
+    TcpStoreClient client("127.0.0.1", server.port(), 10s);
+    PrefixStore store("gen1", client);
+    try {
+      agree_to_start(store, 2, 4, false, "", 700ms);
+    } catch (const Error& e) {
+      error2 = e.what();
+    }
+  });
+  {
+    TcpStoreClient client("127.0.0.1", server.port(), 10s);
+    PrefixStore store("gen1", client);
+    store.get("backend/nccl/2", 10s);  // rank 2 has answered: every word counts it
+    try {
+      agree_to_start(
+          store, 0, 4, false, "", 700ms, [&told](const JoinWait& w) { told.push_back(w); }, 200ms);
+    } catch (const Error& e) {
+      error0 = e.what();
+    }
+  }
+  rank2.join();
+  CHECK(error0.starts_with("rank 0: rank 1 of 4 did not join within 0.7s"));
+  CHECK(error2.starts_with("rank 2: rank 1 of 4 did not join within 0.7s"));
+  REQUIRE(told.size() == 3);
+  for (size_t i = 0; i < told.size(); ++i) {
+    CAPTURE(i);
+    CHECK(told[i].missing == std::vector<int>{1, 3});
+    CHECK(told[i].missing_count == 2);
+    CHECK(told[i].joined == 2);
+    CHECK(told[i].looked == 4);
+    CHECK(told[i].waited >= std::chrono::milliseconds(200 * (i + 1) - 20));  // a clock tick
+  }
+}
+
 TEST_CASE("start agreement: a rank that cannot start fails every rank at once, naming it") {
   // Rank 2 (its run directory holds checkpoints): the others learn it rather than wait for the
   // timeout, with its error's kind (exit 2).
