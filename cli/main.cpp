@@ -29,6 +29,7 @@
 #include "core/json_error.hpp"
 #include "core/suggest.hpp"
 #include "launch/agent.hpp"
+#include "launch/elastic.hpp"
 #include "launch/relay.hpp"
 #include "launch/supervisor.hpp"
 
@@ -375,6 +376,13 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "dptrain: error: standard output: cannot write%s%s\n", error ? ": " : "",
                  error ? std::strerror(error) : "");
     code = 1;
+  }
+  // A probe of a host still running on its own thread (an elastic placement stopped while a host
+  // hangs): the exit handlers would tear down the SSH library under it, a crash (SIGSEGV) in
+  // place of `code`. Ended without them, all output written.
+  if (dptrain::detached_probes() > 0) {
+    std::fflush(nullptr);
+    std::_Exit(code);
   }
   return code;
 }

@@ -2,6 +2,7 @@
 #include "launch/elastic.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -64,6 +65,8 @@ using Clock = std::chrono::steady_clock;
 // A probe that has run this long without an answer is given up on once the wait is over.
 constexpr auto kProbeGrace = std::chrono::seconds(1);
 
+std::atomic<int> g_detached_probes{0};  // detached_probes()
+
 // Probes of a fixed list of hosts, at most one in flight per host, each on a detached thread of
 // its own: one host that hangs holds no other's probes. A probe no longer waited for runs on, on
 // what it copied (the probe, its host), and its answer is dropped.
@@ -95,14 +98,18 @@ class Probes {
       h.in_flight = true;
       h.started = Clock::now();
     }
+    ++g_detached_probes;
     std::thread([shared = shared_, probe = probe_, host = specs_[i], i] {
       std::string why = probe(host);
-      std::lock_guard lock(shared->mutex);
-      Host& h = shared->hosts[i];
-      h.in_flight = false;
-      h.answer = std::move(why);
-      h.answered = Clock::now();
-      shared->done.notify_all();
+      {
+        std::lock_guard lock(shared->mutex);
+        Host& h = shared->hosts[i];
+        h.in_flight = false;
+        h.answer = std::move(why);
+        h.answered = Clock::now();
+        shared->done.notify_all();
+      }
+      --g_detached_probes;
     }).detach();
   }
 
@@ -282,6 +289,10 @@ void HostWatch::run() {
       if (!hosts[i].in_flight && now >= due) probes.start(i);
     }
   }
+}
+
+int detached_probes() {
+  return g_detached_probes.load();
 }
 
 }  // namespace dptrain

@@ -86,4 +86,9 @@ class HostWatch {
   std::thread thread_;
 };
 
+// Host probes still running on threads nobody waits for (an elastic placement does not wait out
+// a host that hangs). A process that ends while one runs must not run its exit handlers under it:
+// they tear down the SSH library the probe is in, a crash in place of the exit code.
+int detached_probes();
+
 }  // namespace dptrain
