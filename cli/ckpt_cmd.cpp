@@ -24,6 +24,7 @@
 #include "core/recipe.hpp"
 #include "launch/job.hpp"
 #include "launch/run_dir.hpp"
+#include "launch/status.hpp"
 #include "launch/supervisor.hpp"
 
 namespace dptrain::cli {
@@ -64,10 +65,10 @@ std::string latest_line(const LatestStatus& latest) {
   return fmt::format("checkpoints/latest: FAILED: {}", latest.problem);
 }
 
-CheckpointRow inspect(const fs::path& dir, const fs::path& latest,
-                      const CheckpointFilter& unusable) {
+CheckpointRow inspect(const fs::path& dir, const fs::path& latest, const CheckpointFilter& unusable,
+                      const ReadProgress& progress = {}) {
   CheckpointRow row;
-  row.status = verify_checkpoint(dir);
+  row.status = verify_checkpoint(dir, progress);
   if (unusable && row.status.position) row.status.unusable = unusable(*row.status.position);
   row.bytes_on_disk = size_on_disk(dir);
   row.written = written_time(dir);
@@ -329,11 +330,27 @@ std::vector<CheckpointRow> inspect_all(const CheckedRun& run, const std::vector<
                                        const fs::path& latest,
                                        const std::function<bool()>& stop = {}) {
   std::vector<CheckpointRow> rows;
-  for (const auto& dir : dirs) {
+  // Checksumming a large model's checkpoints takes a while: where it is, on stderr. A stop ends
+  // it at once, also inside a checkpoint (tens of GB), which is then left out of what is
+  // reported (not verified, not damaged).
+  struct Stopped {};
+  WorkStatus status(stderr, StatusPrinter::is_terminal(stderr));
+  for (size_t i = 0; i < dirs.size(); ++i) {
     if (stop && stop()) break;
-    CheckpointRow row = inspect(dir, latest, run.unusable);
-    if (!row.status.gone) rows.push_back(std::move(row));  // pruned by the run meanwhile
+    const fs::path& dir = dirs[i];
+    const std::string what = fmt::format("verifying {} ({} of {})",
+                                         printable(dir.filename().string()), i + 1, dirs.size());
+    try {
+      CheckpointRow row = inspect(dir, latest, run.unusable, [&](uint64_t done, uint64_t total) {
+        if (stop && stop()) throw Stopped{};
+        status.show(what, done, std::max(done, total));  // a blob that grew as it was read
+      });
+      if (!row.status.gone) rows.push_back(std::move(row));  // pruned by the run meanwhile
+    } catch (const Stopped&) {
+      break;
+    }
   }
+  status.erase();
   return rows;
 }
 

@@ -80,13 +80,13 @@ struct PrepareSummary {
   throw Error(ErrorKind::usage, printable(message));
 }
 
-// A prepare of a large text takes a while: it shows where it is on a terminal (stderr, rewritten
-// in place; nothing in a pipe, where the summary says it all), and it stops at the next step of
-// work once SIGINT or SIGTERM came (the handlers only record them), so that what it wrote can be
+// A prepare of a large text takes a while: it shows where it is on stderr (WorkStatus: rewritten
+// in place on a terminal, a line now and then in a pipe), and it stops at the next step of work
+// once SIGINT or SIGTERM came (the handlers only record them), so that what it wrote can be
 // removed first.
 class PrepareStatus {
  public:
-  explicit PrepareStatus(bool tty) : printer_(stderr, tty), tty_(tty) {}
+  explicit PrepareStatus(bool tty) : work_(stderr, tty) {}
 
   // Error(interrupted | terminated), exit 130 | 143, once a stop signal came.
   void check_stop() const {
@@ -99,29 +99,10 @@ class PrepareStatus {
     out_note_ = fmt::format(", {} {}", out.string(), existed ? "is as it was" : "was not made");
   }
 
-  // check_stop(), then "WHAT: DONE of TOTAL UNIT (N%)": on a terminal the progress line, at most
-  // ten times a second but at once when WHAT changes; in a pipe a plain line once WHAT has gone on
-  // for 5 s, and every 10 s after (a small text prints nothing while it works).
+  // check_stop(), then WorkStatus::show.
   void show(const std::string& what, uint64_t done, uint64_t total, bool bytes) {
     check_stop();
-    const auto now = std::chrono::steady_clock::now();
-    if (what != shown_) {
-      shown_ = what;
-      last_ = tty_ ? now - std::chrono::hours(1) : now - std::chrono::seconds(5);
-    }
-    if (now - last_ < (tty_ ? std::chrono::milliseconds(100) : std::chrono::seconds(10))) return;
-    last_ = now;
-    const auto amount = [bytes](uint64_t n) {
-      return bytes ? human_size(n) : fmt::format("{}", n);
-    };
-    const std::string text =
-        fmt::format("{}: {} of {}{}{}", what, amount(done), amount(total), bytes ? "" : " tokens",
-                    total > 0 ? fmt::format(" ({}%)", done * 100 / total) : "");
-    if (tty_) {
-      printer_.progress(text);
-    } else {
-      printer_.line(text);
-    }
+    work_.show(what, done, total, bytes ? "" : "tokens");
   }
   // The same as a core callback, for one step of work.
   WorkProgress step(std::string what, uint64_t total, bool bytes) {
@@ -130,14 +111,11 @@ class PrepareStatus {
     };
   }
 
-  void line(const std::string& text) { printer_.line(text); }
-  void erase() { printer_.erase_progress(); }
+  void line(const std::string& text) { work_.line(text); }
+  void erase() { work_.erase(); }
 
  private:
-  StatusPrinter printer_;
-  bool tty_;
-  std::string shown_;
-  std::chrono::steady_clock::time_point last_;
+  WorkStatus work_;
   std::string out_note_;
 };
 

@@ -377,10 +377,10 @@ int main(int argc, char** argv) {
                  error ? std::strerror(error) : "");
     code = 1;
   }
-  // A probe of a host still running on its own thread (an elastic placement stopped while a host
-  // hangs): the exit handlers would tear down the SSH library under it, a crash (SIGSEGV) in
-  // place of `code`. Ended without them, all output written.
-  if (dptrain::detached_probes() > 0) {
+  // A probe of a host on a thread of its own may still run, or be ending (an elastic placement
+  // stopped while a host hangs): the exit handlers would tear down the SSH library under it, a
+  // crash (SIGSEGV) in place of `code`. Ended without them, all output written.
+  if (dptrain::probe_thread_started()) {
     std::fflush(nullptr);
     std::_Exit(code);
   }

@@ -325,7 +325,10 @@ MetaCheck check_meta(const fs::path& dir) {
 // blob of any size is checked in little memory. With `into`, its content as floats too; their
 // room is taken before the read, so a shortage of memory is std::bad_alloc (out of memory),
 // never a blob that reads short.
-void check_blob(const fs::path& dir, BlobStatus& blob, std::vector<float>* into = nullptr) {
+// `progress`, when given, is told the bytes read of the checkpoint's blobs so far (`done` before
+// this one) of `total`.
+void check_blob(const fs::path& dir, BlobStatus& blob, std::vector<float>* into = nullptr,
+                const ReadProgress& progress = {}, uint64_t done = 0, uint64_t total = 0) {
   const fs::path file = dir / blob.file;
   if (blob.problem = not_a_plain_file(file, blob.denied); !blob.problem.empty()) return;
   std::error_code ec;
@@ -348,6 +351,7 @@ void check_blob(const fs::path& dir, BlobStatus& blob, std::vector<float>* into 
         std::memcpy(reinterpret_cast<char*>(into->data()) + read, data, n);
       sum.update(data, n);
       read += n;
+      if (progress) progress(done + read, total);
     });
   } catch (const Error& e) {
     blob.actual_bytes.reset();
@@ -567,7 +571,7 @@ std::vector<std::string> CheckpointStatus::problems() const {
 
 namespace {
 
-CheckpointStatus verify_in_place(const fs::path& dir) {
+CheckpointStatus verify_in_place(const fs::path& dir, const ReadProgress& progress) {
   CheckpointStatus status;
   status.dir = dir;
   status.step = checkpoint_step(dir);
@@ -583,15 +587,20 @@ CheckpointStatus verify_in_place(const fs::path& dir) {
   if (status.meta_problem.empty() || status.step < 0) status.step = meta->position.step;
   status.position = std::move(meta->position);
   status.blobs = std::move(meta->blobs);
-  for (auto& blob : status.blobs)
-    check_blob(dir, blob);
+  uint64_t done = 0, total = 0;
+  for (const auto& blob : status.blobs)
+    total += blob.bytes;
+  for (auto& blob : status.blobs) {
+    check_blob(dir, blob, nullptr, progress, done, total);
+    done += blob.bytes;
+  }
   return status;
 }
 
 }  // namespace
 
-CheckpointStatus verify_checkpoint(const fs::path& dir) {
-  CheckpointStatus status = verify_in_place(dir);
+CheckpointStatus verify_checkpoint(const fs::path& dir, const ReadProgress& progress) {
+  CheckpointStatus status = verify_in_place(dir, progress);
   std::error_code ec;
   if (!status.ok() && !fs::exists(dir, ec) && !ec) status.gone = true;
   return status;

@@ -96,8 +96,11 @@ struct CheckpointStatus {
 
 // Checks meta.json (every field, each blob's `file` entry, its own checksum) and the size and
 // checksum of every blob; never throws for a damaged checkpoint (that is what it reports).
-// read_checkpoint applies the same checks.
-CheckpointStatus verify_checkpoint(const std::filesystem::path& dir);
+// read_checkpoint applies the same checks. `progress`, when given, is told as the blobs are read
+// the bytes read so far and the total meta.json records; it may throw to end the verification.
+using ReadProgress = std::function<void(uint64_t done, uint64_t total)>;
+CheckpointStatus verify_checkpoint(const std::filesystem::path& dir,
+                                   const ReadProgress& progress = {});
 
 // The position meta.json records when it reads and matches its own checksum, without reading the
 // blobs (cheap: which recipe wrote a checkpoint, its step); none otherwise, and then `problem`

@@ -65,7 +65,7 @@ using Clock = std::chrono::steady_clock;
 // A probe that has run this long without an answer is given up on once the wait is over.
 constexpr auto kProbeGrace = std::chrono::seconds(1);
 
-std::atomic<int> g_detached_probes{0};  // detached_probes()
+std::atomic<bool> g_probe_started{false};  // probe_thread_started()
 
 // Probes of a fixed list of hosts, at most one in flight per host, each on a detached thread of
 // its own: one host that hangs holds no other's probes. A probe no longer waited for runs on, on
@@ -98,7 +98,7 @@ class Probes {
       h.in_flight = true;
       h.started = Clock::now();
     }
-    ++g_detached_probes;
+    g_probe_started = true;
     std::thread([shared = shared_, probe = probe_, host = specs_[i], i] {
       std::string why = probe(host);
       {
@@ -109,7 +109,6 @@ class Probes {
         h.answered = Clock::now();
         shared->done.notify_all();
       }
-      --g_detached_probes;
     }).detach();
   }
 
@@ -291,8 +290,8 @@ void HostWatch::run() {
   }
 }
 
-int detached_probes() {
-  return g_detached_probes.load();
+bool probe_thread_started() {
+  return g_probe_started.load();
 }
 
 }  // namespace dptrain

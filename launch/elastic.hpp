@@ -86,9 +86,10 @@ class HostWatch {
   std::thread thread_;
 };
 
-// Host probes still running on threads nobody waits for (an elastic placement does not wait out
-// a host that hangs). A process that ends while one runs must not run its exit handlers under it:
-// they tear down the SSH library the probe is in, a crash in place of the exit code.
-int detached_probes();
+// Whether a host probe was started on a thread nobody waits for (an elastic placement does not
+// wait out a host that hangs). A process that ends after one must not run its exit handlers: they
+// would tear down the SSH library under a probe still running, or under its thread's own teardown
+// just after it ended (a window no counter closes), a crash in place of the exit code.
+bool probe_thread_started();
 
 }  // namespace dptrain

@@ -890,6 +890,9 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       if (rank0_remote) {
         truncate_metrics_after(run.path() / "metrics.jsonl", event.value("step", int64_t{0}));
       }
+      // "all N ranks met; starting at step S", as hand-started workers say; the printer starts
+      // the generation's progress afresh (no loss carried over a restart).
+      status.event(event);
       return;
     }
     if (kind == "result") {
@@ -926,6 +929,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   std::unique_ptr<PrefixStore> watch_store;
   std::unique_ptr<HangWatch> hang_watch;  // made below, told of ranks as they start
   bool hang_found = false;                // its verdict came: the ranks are being killed
+  RepeatedRankLines repeated;             // a stop's or failure's lines alike from many ranks
   options.on_line = [&](const ProcessSpec& p, const std::string& line) {
     const auto relay = relays.find(p.label);
     if (line.rfind("@event ", 0) == 0) {
@@ -954,7 +958,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
     const bool after_stop =
         (pending_stop_signal() != 0 || hang_found) && line.find(kPeerGoneNote) != std::string::npos;
     if (relay == relays.end()) {
-      if (after_stop) return;  // the rank's log has it
+      if (after_stop || !repeated.show(line)) return;  // the rank's log has it
       const std::string who =
           multi_host ? fmt::format("localhost:{}", p.rank) : fmt::format("rank {}", p.rank);
       return status.line(fmt::format("[{}] {}", who, line));
@@ -978,7 +982,7 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
       const std::string rank = rest.substr(0, space);
       const std::string text = space == std::string::npos ? "" : rest.substr(space + 1);
       remote_logs.append(host, std::atoi(rank.c_str()), text);
-      if (after_stop) return;
+      if (after_stop || !repeated.show(text)) return;
       return status.line(fmt::format("[{}:{}] {}", relays.at(p.label).tag, rank, text));
     }
     // The relay's own warning (a host that fell silent once its ranks were done): the job's.
@@ -1062,6 +1066,8 @@ JobOutcome run_job(RunDirectory& run, const JobSpec& spec, StatusPrinter& status
   };
   const SupervisionResult sup = supervise(procs, options);
   host_watch.reset();
+  for (const auto& more : repeated.summary())
+    status.line("dptrain: " + more);
   status.finish();
 
   JobOutcome out;

@@ -12,6 +12,8 @@
 
 #include <fmt/format.h>
 
+#include "core/comm/communicator.hpp"
+#include "core/fs.hpp"
 #include "core/json_error.hpp"
 
 namespace dptrain {
@@ -67,13 +69,30 @@ int columns_at(const std::string& text, size_t i, size_t& bytes) {
   return width < 0 ? 1 : width;
 }
 
-// The columns `text` takes on a terminal.
-size_t display_columns(const std::string& text) {
+// How many of text's leading bytes fit in `room` columns on a terminal (whole characters only).
+size_t bytes_within(const std::string& text, size_t room) {
   size_t used = 0;
-  for (size_t i = 0, bytes = 1; i < text.size(); i += bytes) {
-    used += static_cast<size_t>(columns_at(text, i, bytes));
+  for (size_t i = 0; i < text.size();) {
+    size_t bytes = 1;
+    const auto width = static_cast<size_t>(columns_at(text, i, bytes));
+    if (used + width > room) return i;
+    used += width;
+    i += bytes;
   }
-  return used;
+  return text.size();
+}
+
+// Whether `text` takes more than `room` columns on a terminal.
+bool wider_than(const std::string& text, size_t room) {
+  return bytes_within(text, room) < text.size();
+}
+
+// "eta H:MM:SS" from an event's eta_s, or "" where it has none.
+std::string eta_text(const nlohmann::json& e) {
+  const double eta_s = json_number(e, "eta_s");
+  if (!std::isfinite(eta_s) || eta_s < 0) return "";
+  const auto secs = static_cast<int64_t>(eta_s + 0.5);
+  return fmt::format("eta {}:{:02d}:{:02d}", secs / 3600, secs / 60 % 60, secs % 60);
 }
 
 }  // namespace
@@ -92,11 +111,7 @@ std::string format_progress(const nlohmann::json& e, int columns) {
        2},
       {fmt::format("step {:.2f} ms", num("step_ms")), 5},
       {fmt::format("comm {:.2f} ms", num("comm_ms")), 6}};
-  if (const double eta_s = num("eta_s"); std::isfinite(eta_s) && eta_s >= 0) {
-    const auto secs = static_cast<int64_t>(eta_s + 0.5);
-    fields.emplace_back(fmt::format("eta {}:{:02d}:{:02d}", secs / 3600, secs / 60 % 60, secs % 60),
-                        1);
-  }
+  if (auto eta = eta_text(e); !eta.empty()) fields.emplace_back(std::move(eta), 1);
   const auto joined = [&fields](int up_to) {
     std::string text;
     for (const auto& [field, drop] : fields) {
@@ -107,8 +122,7 @@ std::string format_progress(const nlohmann::json& e, int columns) {
     return text;
   };
   int up_to = 6;
-  while (up_to > 0 && columns > 0 &&
-         display_columns(joined(up_to)) > static_cast<size_t>(columns - 1))
+  while (up_to > 0 && columns > 0 && wider_than(joined(up_to), static_cast<size_t>(columns - 1)))
     --up_to;
   return joined(up_to);
 }
@@ -124,10 +138,7 @@ std::string format_tick(const nlohmann::json& tick, const nlohmann::json& last_p
     text += fmt::format("  loss {} (step {})", loss_text(json_number(last_progress, "loss")),
                         last_progress.value("step", int64_t{0}));
   }
-  if (const double eta_s = json_number(tick, "eta_s"); std::isfinite(eta_s) && eta_s >= 0) {
-    const auto secs = static_cast<int64_t>(eta_s + 0.5);
-    text += fmt::format("  eta {}:{:02d}:{:02d}", secs / 3600, secs / 60 % 60, secs % 60);
-  }
+  if (const auto eta = eta_text(tick); !eta.empty()) text += "  " + eta;
   return text;
 }
 
@@ -251,17 +262,50 @@ void StatusPrinter::event(const nlohmann::json& e) {
   progress(format_progress(e, terminal_columns()));
 }
 
+void WorkStatus::show(const std::string& what, uint64_t done, uint64_t total,
+                      std::string_view unit) {
+  const auto now = std::chrono::steady_clock::now();
+  if (what != shown_) {
+    shown_ = what;
+    last_ = tty_ ? now - std::chrono::hours(1) : now - std::chrono::seconds(5);
+  }
+  if (now - last_ < (tty_ ? std::chrono::milliseconds(100) : std::chrono::seconds(10))) return;
+  last_ = now;
+  const auto amount = [unit](uint64_t n) {
+    return unit.empty() ? human_size(n) : fmt::format("{}", n);
+  };
+  const std::string text = fmt::format("{}: {} of {}{}{}", what, amount(done), amount(total),
+                                       unit.empty() ? "" : " " + std::string(unit),
+                                       total > 0 ? fmt::format(" ({}%)", done * 100 / total) : "");
+  if (tty_) {
+    printer_.progress(text);
+  } else {
+    printer_.line(text);
+  }
+}
+
+bool RepeatedRankLines::show(const std::string& line) {
+  const int kind = line.starts_with("received SIGTERM:")           ? 0
+                   : line.find(kPeerGoneNote) != std::string::npos ? 1
+                                                                   : -1;
+  return kind < 0 || ++seen_[kind] <= kShown;
+}
+
+std::vector<std::string> RepeatedRankLines::summary() const {
+  std::vector<std::string> lines;
+  const char* what[2] = {"received SIGTERM", "failed as a peer left"};
+  for (int kind = 0; kind < 2; ++kind) {
+    if (const int more = seen_[kind] - kShown; more > 0) {
+      lines.push_back(fmt::format("{} more rank{} {} (each rank's log has its line)", more,
+                                  more == 1 ? "" : "s", what[kind]));
+    }
+  }
+  return lines;
+}
+
 std::string fit_columns(const std::string& text, int columns) {
   if (columns <= 0) return text;
-  const auto room = static_cast<size_t>(columns - 1);
-  size_t used = 0;  // columns so far
-  for (size_t i = 0; i < text.size();) {
-    size_t bytes = 1;
-    used += static_cast<size_t>(columns_at(text, i, bytes));
-    if (used > room) return text.substr(0, i);
-    i += bytes;
-  }
-  return text;
+  return text.substr(0, bytes_within(text, static_cast<size_t>(columns - 1)));
 }
 
 void StatusPrinter::progress(const std::string& text) {

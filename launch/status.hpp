@@ -1,9 +1,12 @@
 // The one status printer: a rewritten progress line on a terminal, plain lines in a pipe.
 #pragma once
 
+#include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -37,6 +40,22 @@ std::string format_losses(const nlohmann::json& result);
 // wrap to the next row); as it is for 0 (not known). Counts columns, not UTF-8 bytes: a wide
 // character (CJK) takes two, a combining mark none.
 std::string fit_columns(const std::string& text, int columns);
+
+// Lines that every rank prints alike at a stop or a failure: "received SIGTERM: ..." and a
+// collective that failed as a peer left (kPeerGoneNote). The first kShown of each kind reach the
+// console; the rest are counted (each rank's log keeps its own), and summary() says how many were
+// left out, so that 64 ranks do not make a wall of 64 near-identical lines.
+class RepeatedRankLines {
+ public:
+  static constexpr int kShown = 4;
+  // Whether a rank's line is shown: false for one of a kind already shown kShown times.
+  bool show(const std::string& line);
+  // "12 more ranks received SIGTERM (each rank's log has its line)", a line per kind left out.
+  std::vector<std::string> summary() const;
+
+ private:
+  int seen_[2] = {0, 0};  // lines of each kind: received SIGTERM, failed as a peer left
+};
 
 class StatusPrinter {
  public:
@@ -85,6 +104,25 @@ class StatusPrinter {
   std::string mirror_prefix_;
   std::vector<std::string> warnings_;
   mutable std::mutex mutex_;
+};
+
+// Long work's progress, "WHAT: DONE of TOTAL UNIT (N%)": on a terminal the progress line, at most
+// ten times a second but at once when WHAT changes; in a pipe a plain line once WHAT has gone on
+// for 5 s, and every 10 s after (short work prints nothing).
+class WorkStatus {
+ public:
+  WorkStatus(std::FILE* out, bool tty) : printer_(out, tty), tty_(tty) {}
+
+  // `unit` follows the numbers ("tokens"); none: they are bytes, shown as sizes ("1.5 MiB").
+  void show(const std::string& what, uint64_t done, uint64_t total, std::string_view unit = {});
+  void line(const std::string& text) { printer_.line(text); }
+  void erase() { printer_.erase_progress(); }
+
+ private:
+  StatusPrinter printer_;
+  bool tty_;
+  std::string shown_;
+  std::chrono::steady_clock::time_point last_;
 };
 
 }  // namespace dptrain

@@ -5,6 +5,11 @@
 
 #include <cstdio>
 #include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "core/comm/communicator.hpp"
 
 using namespace dptrain;
 
@@ -244,4 +249,56 @@ TEST_CASE("status: a printer to a file can mirror its progress on a terminal's p
   CHECK(console == step + "\nrank 0: a line of its own\n");
   CHECK(terminal ==
         "\r\033[Kbench train: w2: " + step + "\r\033[Kbench train: world 2: 1234.0 samples/s\n");
+}
+
+TEST_CASE("status: lines every rank prints alike at a stop are shown a few times, then counted") {
+  RepeatedRankLines repeated;
+  const auto sigterm = [](int r) {
+    return fmt::format("received SIGTERM: rank {} checkpoints at the end of this step", r);
+  };
+  const auto follower = [](int r) {
+    return fmt::format("dptrain: error: rank {}: gloo allreduce failed: Connection closed ({})", r,
+                       kPeerGoneNote);
+  };
+  CHECK(repeated.summary().empty());
+  for (int r = 0; r < RepeatedRankLines::kShown; ++r) {
+    CHECK(repeated.show(sigterm(r)));
+    CHECK(repeated.show(follower(r)));
+  }
+  CHECK(repeated.summary().empty());  // nothing left out yet
+  for (int r = RepeatedRankLines::kShown; r < 16; ++r)
+    CHECK_FALSE(repeated.show(sigterm(r)));
+  CHECK_FALSE(repeated.show(follower(5)));
+  // Any other line, however often it comes, is shown.
+  for (int i = 0; i < 10; ++i)
+    CHECK(repeated.show("checkpoint at step 20: run/checkpoints/step-000020"));
+  CHECK(
+      repeated.summary() ==
+      std::vector<std::string>{"12 more ranks received SIGTERM (each rank's log has its line)",
+                               "1 more rank failed as a peer left (each rank's log has its line)"});
+}
+
+TEST_CASE(
+    "status: long work's progress is a rewritten line on a terminal, none in a pipe at once") {
+  const auto shown = [](bool tty) {
+    char* buf = nullptr;
+    size_t size = 0;
+    std::FILE* f = ::open_memstream(&buf, &size);
+    {
+      WorkStatus work(f, tty);
+      work.show("verifying step-000020 (1 of 2)", 512, 2048);
+      work.show("verifying step-000020 (1 of 2)", 2048, 2048);  // within 0.1 s: not yet
+      work.show("tokenizing", 3, 10, "tokens");                 // another part: at once
+      work.erase();
+    }
+    std::fclose(f);
+    std::string text(buf, size);
+    std::free(buf);
+    return text;
+  };
+  CHECK(shown(true) ==
+        "\r\033[Kverifying step-000020 (1 of 2): 512 B of 2.0 KiB (25%)"
+        "\r\033[Ktokenizing: 3 of 10 tokens (30%)\r\033[K");
+  // A pipe gets a line only once a part has gone on for 5 s.
+  CHECK(shown(false).empty());
 }

@@ -2,9 +2,11 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <csignal>
 #include <fstream>
 #include <sstream>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -112,7 +114,16 @@ TEST_CASE("ckpt list and verify on a healthy run") {
   CHECK(contains(verify.out, "step-000060 (latest): ok"));
   CHECK(contains(verify.out, "params.bin"));
   CHECK(contains(verify.out, "optimizer.bin"));
-  CHECK(verify.err.empty());
+  CHECK(verify.err.empty());  // in a pipe, quick work shows no progress
+  // On a terminal, which checkpoint it checksums and how far it is, erased before the table.
+  auto shown = run_dptrain_on_terminal({"ckpt", "verify", run.string(), "--all"});
+  INFO(shown.out);
+  CHECK(shown.exit_code == 0);
+  // Of the blobs' bytes (11540 + 23080), not the directory's.
+  CHECK(contains(shown.out, "\r\033[Kverifying step-000060 (1 of 3): "));
+  CHECK(contains(shown.out, " of 33.8 KiB ("));
+  CHECK(contains(shown.out, "\r\033[Kverifying step-000020 (3 of 3): "));
+  CHECK(contains(shown.out, "\r\033[Kstep-000060 (latest): ok"));
 
   auto all = run_dptrain({"ckpt", "verify", run.string(), "--all", "--json"});
   INFO(all.err);
@@ -672,25 +683,55 @@ TEST_CASE("ckpt list and verify report a dangling `latest`") {
   CHECK(list_json(run)["latest_problem"].is_null());
 }
 
+namespace {
+
+// `ckpt verify RUN --all --json` sent SIGINT `after` its handler is in place (in dptrain itself,
+// rather than in the test's fork): its JSON object, once it exited 130 saying "interrupted".
+nlohmann::json verify_interrupted(const fs::path& run, std::chrono::milliseconds after) {
+  Background verify({"ckpt", "verify", run.string(), "--all", "--json"});
+  REQUIRE(
+      eventually([&] { return catches_signal(verify.pid(), SIGINT); }, std::chrono::seconds(30)));
+  std::this_thread::sleep_for(after);
+  ::kill(verify.pid(), SIGINT);
+  const int code = verify.wait();
+  INFO(verify.out(), verify.err());
+  REQUIRE(code == 130);
+  auto out = parse_json(verify.out());
+  CHECK(out["status"] == "interrupted");
+  return out;
+}
+
+}  // namespace
+
 TEST_CASE("ckpt verify --json stopped by SIGINT still prints its object: interrupted, exit 130") {
   TempDir tmp;
   const fs::path run = make_run(tmp);
   // Enough checkpoints that the verification is still going when the signal comes.
   add_checkpoint_copies(run, 1500);
-  Background verify({"ckpt", "verify", run.string(), "--all", "--json"});
-  // SIGINT once its handler is in place, in dptrain itself rather than in the test's fork.
-  REQUIRE(
-      eventually([&] { return catches_signal(verify.pid(), SIGINT); }, std::chrono::seconds(30)));
-  ::kill(verify.pid(), SIGINT);
-  const int code = verify.wait();
-  INFO(verify.out(), verify.err());
-  REQUIRE(code == 130);
-  const auto out = parse_json(verify.out());
-  CHECK(out["status"] == "interrupted");
+  const auto out = verify_interrupted(run, std::chrono::milliseconds(0));
   CHECK(out["exit_code"] == 130);
   CHECK(out["ok"] == false);
   CHECK(contains(out["error"].get<std::string>(), "ckpt verify stopped by SIGINT after"));
   CHECK(out["checkpoints"].size() < 1503);
+}
+
+TEST_CASE("ckpt verify stopped inside a large checkpoint ends there, reporting none half-read") {
+  TempDir tmp;
+  const fs::path run = make_run(tmp);
+  // The newest checkpoint (verified first) holds a 64 GiB params.bin, as its meta.json says
+  // (sparse: it takes no room): checksumming it all takes seconds.
+  const fs::path ck = run / "checkpoints/step-000060";
+  const uint64_t big = uint64_t{64} << 30;
+  fs::resize_file(ck / "params.bin", big);
+  auto meta = parse_json(read_text(ck / "meta.json"));
+  meta["blobs"]["params"]["bytes"] = big;
+  meta.erase("meta_checksum");
+  meta["meta_checksum"] = dptrain::meta_json_checksum(meta.dump());
+  write_text(ck / "meta.json", meta.dump(2));
+  const auto out = verify_interrupted(run, std::chrono::milliseconds(300));
+  // Stopped inside step-000060: not reported as checked (nor as damaged), and nothing after it.
+  CHECK(out["checkpoints"].empty());
+  CHECK(contains(out["error"].get<std::string>(), "ckpt verify stopped by SIGINT after 0 "));
 }
 
 TEST_CASE("status, report and ckpt list --json stopped by a signal print their object: 130/143") {

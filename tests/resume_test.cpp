@@ -18,6 +18,7 @@
 
 #include <fmt/format.h>
 
+#include "core/comm/communicator.hpp"
 #include "tests/damage.hpp"
 #include "tests/harness.hpp"
 #include "tests/sshd.hpp"
@@ -75,6 +76,63 @@ void launch_as_failed(const fs::path& recipe, const fs::path& run_dir) {
 }
 
 }  // namespace
+
+TEST_CASE("a stop or a failure on 8 ranks shows a few ranks' alike lines and counts the rest") {
+  TempDir tmp;
+  auto r = resumable_recipe();
+  r["train"]["steps"] = 400;
+  r["train"]["batch_per_rank"] = 4;
+  const auto recipe = write_recipe(tmp.path(), r);
+  const auto run8 = [&](const std::string& dir) {
+    return std::make_unique<Background>(
+        std::vector<std::string>{"launch", recipe.string(), "--nproc", "8", "--run-dir",
+                                 (tmp / dir).string()},
+        Env{{"DPTRAIN_DEBUG_STEP_DELAY_MS", "30"}});
+  };
+  const auto logs_with = [&](const std::string& dir, std::string_view what) {
+    int n = 0;
+    for (int rank = 0; rank < 8; ++rank) {
+      const auto log = read_text(tmp / dir / fmt::format("logs/localhost-rank{}.log", rank));
+      n += contains(log, std::string(what)) ? 1 : 0;
+    }
+    return n;
+  };
+  const auto more = [](const std::string& out, const std::string& what) {
+    const auto at = out.find(" more rank");
+    if (at == std::string::npos || !contains(out, what)) return 0;
+    const auto begin = out.rfind("dptrain: ", at);
+    return std::atoi(out.substr(begin + 9, at - begin - 9).c_str());
+  };
+  SUBCASE("SIGTERM: every rank says it received it; four reach the console") {
+    auto launch = run8("stopped");
+    REQUIRE(eventually([&] { return read_jsonl(tmp / "stopped/metrics.jsonl").size() >= 2; }));
+    ::kill(launch->pid(), SIGTERM);
+    CHECK(launch->wait(std::chrono::seconds(120)) == 143);
+    INFO(launch->out(), launch->err());
+    CHECK(count_occurrences(launch->out(), "received SIGTERM: rank") == 4);
+    CHECK(contains(launch->out(),
+                   "dptrain: 4 more ranks received SIGTERM (each rank's log has its line)"));
+    CHECK(logs_with("stopped", "received SIGTERM: rank") == 8);
+    CHECK(contains(launch->err(), "stopped by SIGTERM; every rank checkpointed its last step"));
+  }
+  SUBCASE("a rank killed: its peers' failed collectives are shown four times at most") {
+    auto launch = run8("failed");
+    REQUIRE(eventually([&] { return read_jsonl(tmp / "failed/metrics.jsonl").size() >= 2; }));
+    const auto pids = worker_pids(tmp / "failed");
+    REQUIRE(pids.size() == 8);
+    REQUIRE(::kill(pids[5], SIGKILL) == 0);
+    CHECK(launch->wait(std::chrono::seconds(120)) == 3);
+    INFO(launch->out(), launch->err());
+    CHECK(contains(launch->err(), "rank 5 (pid "));
+    const auto shown =
+        static_cast<int>(count_occurrences(launch->out(), std::string(dptrain::kPeerGoneNote)));
+    CHECK(shown <= 4);
+    // None lost: each follower's line is on the console or counted there, and in its log.
+    CHECK(shown + more(launch->out(), "failed as a peer left") ==
+          logs_with("failed", dptrain::kPeerGoneNote));
+    check_all_gone(pids);
+  }
+}
 
 TEST_CASE("SIGKILL of one rank: launcher exits 3 naming it; resume finishes bit-identically") {
   TempDir tmp;

@@ -30,6 +30,17 @@ std::string answer_key(int rank) {
   return fmt::format("backend/nccl/{}", rank);
 }
 
+// The ranks 1..world-1 that have not posted their answer yet (one store request). Throws the
+// store's error.
+std::vector<int> unanswered(Store& store, int world) {
+  std::vector<int> silent;
+  const auto answers = store.peek(rank_keys(answer_key, 1, world));
+  for (int r = 1; r < world; ++r) {
+    if (!answers[static_cast<size_t>(r - 1)]) silent.push_back(r);
+  }
+  return silent;
+}
+
 // Posted by each rank other than 0 once it read the choice or refused: rank 0, serving the store,
 // keeps it up until then (wait_until_told).
 std::string told_key(int rank) {
@@ -295,16 +306,12 @@ BackendChoice agree_to_start(Store& store, int rank, int world, bool required,
     const auto tell_waiting = [&] {
       JoinWait wait;
       wait.looked = std::min(world, kJoinLooked);
-      wait.joined = 1;
       try {
-        const auto answers = store.peek(rank_keys(answer_key, 1, wait.looked));
-        for (int r = 1; r < wait.looked; ++r) {
-          if (answers[static_cast<size_t>(r - 1)]) {
-            ++wait.joined;
-          } else if (++wait.missing_count <= 8) {
-            wait.missing.push_back(r);
-          }
-        }
+        const auto silent = unanswered(store, wait.looked);
+        wait.missing_count = static_cast<int>(silent.size());
+        wait.joined = wait.looked - wait.missing_count;
+        wait.missing.assign(silent.begin(),
+                            silent.begin() + std::min<ptrdiff_t>(8, wait.missing_count));
         wait.waited = std::chrono::duration_cast<std::chrono::milliseconds>(
             std::chrono::steady_clock::now() - start);
         waiting(wait);
@@ -458,10 +465,7 @@ void wait_until_told(Store& store, int world, std::chrono::milliseconds bound, b
   std::vector<int> silent;
   if (answered_only) {
     try {
-      const auto answers = store.peek(rank_keys(answer_key, 1, world));
-      for (int r = 1; r < world; ++r) {
-        if (!answers[static_cast<size_t>(r - 1)]) silent.push_back(r);
-      }
+      silent = unanswered(store, world);
     } catch (const Error&) {
     }
   }
