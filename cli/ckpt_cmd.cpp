@@ -355,7 +355,8 @@ std::vector<CheckpointRow> inspect_all(const CheckedRun& run, const std::vector<
 }
 
 int run_list(const CkptOptions& o, Outcome& outcome) {
-  // A stop ends the listing at the next checkpoint, as a stop (130 or 143, with its JSON).
+  // A stop ends the listing at once (inside a checkpoint too), as a stop (130 or 143, with its
+  // JSON).
   install_stop_signal_handlers();
   const CheckedRun run = open_run(o.run_dir);
   outcome.warnings = run.warnings;
@@ -419,8 +420,8 @@ std::vector<fs::path> checkpoints_to_verify(const CheckedRun& run, const CkptOpt
 }
 
 int run_verify(const CkptOptions& o, Outcome& outcome) {
-  // A stop signal ends the verification after the checkpoint being checked, and what was checked
-  // by then is still reported.
+  // A stop signal ends the verification at once (inside a checkpoint too, which is left out), and
+  // the checkpoints checked by then are still reported.
   install_stop_signal_handlers();
   const CheckedRun run = open_run(o.run_dir);
   outcome.warnings = run.warnings;

@@ -377,9 +377,9 @@ int main(int argc, char** argv) {
                  error ? std::strerror(error) : "");
     code = 1;
   }
-  // A probe of a host on a thread of its own may still run, or be ending (an elastic placement
-  // stopped while a host hangs): the exit handlers would tear down the SSH library under it, a
-  // crash (SIGSEGV) in place of `code`. Ended without them, all output written.
+  // Any run whose elastic placement or host watch probed a host: a probe on a thread of its own
+  // may still run (a host that hangs) or be ending, and the exit handlers would tear down the SSH
+  // library under it, a crash (SIGSEGV) in place of `code`. Ended without them, output written.
   if (dptrain::probe_thread_started()) {
     std::fflush(nullptr);
     std::_Exit(code);

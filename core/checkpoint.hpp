@@ -97,7 +97,8 @@ struct CheckpointStatus {
 // Checks meta.json (every field, each blob's `file` entry, its own checksum) and the size and
 // checksum of every blob; never throws for a damaged checkpoint (that is what it reports).
 // read_checkpoint applies the same checks. `progress`, when given, is told as the blobs are read
-// the bytes read so far and the total meta.json records; it may throw to end the verification.
+// the bytes read so far and the total meta.json records; it may throw to end the verification,
+// with anything but an Error (that would be taken for the blob's read failing).
 using ReadProgress = std::function<void(uint64_t done, uint64_t total)>;
 CheckpointStatus verify_checkpoint(const std::filesystem::path& dir,
                                    const ReadProgress& progress = {});

@@ -64,7 +64,7 @@ TEST_CASE(
         std::string::npos);
   CHECK(info["generations"].size() == 4);
   CHECK(info["status"] == "completed");
-  // Each generation says when its ranks met, and where they began.
+  // Each generation says when its ranks met, and where they began (the first three checked).
   for (const int step : {0, 20, 40})
     CHECK(contains(r.err, fmt::format("all 2 ranks met; starting at step {}\n", step)));
 }

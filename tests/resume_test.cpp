@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <regex>
 #include <thread>
 
 #include <fmt/format.h>
@@ -97,11 +98,11 @@ TEST_CASE("a stop or a failure on 8 ranks shows a few ranks' alike lines and cou
     }
     return n;
   };
+  // N of the summary line "dptrain: N more rank(s) WHAT (...)"; 0 where there is none.
   const auto more = [](const std::string& out, const std::string& what) {
-    const auto at = out.find(" more rank");
-    if (at == std::string::npos || !contains(out, what)) return 0;
-    const auto begin = out.rfind("dptrain: ", at);
-    return std::atoi(out.substr(begin + 9, at - begin - 9).c_str());
+    std::smatch m;
+    const std::regex line("dptrain: ([0-9]+) more ranks? " + what + " \\(");
+    return std::regex_search(out, m, line) ? std::stoi(m[1].str()) : 0;
   };
   SUBCASE("SIGTERM: every rank says it received it; four reach the console") {
     auto launch = run8("stopped");
@@ -127,9 +128,14 @@ TEST_CASE("a stop or a failure on 8 ranks shows a few ranks' alike lines and cou
     const auto shown =
         static_cast<int>(count_occurrences(launch->out(), std::string(dptrain::kPeerGoneNote)));
     CHECK(shown <= 4);
-    // None lost: each follower's line is on the console or counted there, and in its log.
+    // None lost: each follower's line is on the console or counted there, and in its log; so
+    // too each "received SIGTERM" of a rank the launcher stopped for it.
     CHECK(shown + more(launch->out(), "failed as a peer left") ==
           logs_with("failed", dptrain::kPeerGoneNote));
+    const auto sigterms = static_cast<int>(count_occurrences(launch->out(), "received SIGTERM:"));
+    CHECK(sigterms <= 4);
+    CHECK(sigterms + more(launch->out(), "received SIGTERM") ==
+          logs_with("failed", "received SIGTERM:"));
     check_all_gone(pids);
   }
 }

@@ -30,12 +30,12 @@ std::string answer_key(int rank) {
   return fmt::format("backend/nccl/{}", rank);
 }
 
-// The ranks 1..world-1 that have not posted their answer yet (one store request). Throws the
+// The ranks 1..end-1 that have not posted their answer yet (one store request). Throws the
 // store's error.
-std::vector<int> unanswered(Store& store, int world) {
+std::vector<int> unanswered(Store& store, int end) {
   std::vector<int> silent;
-  const auto answers = store.peek(rank_keys(answer_key, 1, world));
-  for (int r = 1; r < world; ++r) {
+  const auto answers = store.peek(rank_keys(answer_key, 1, end));
+  for (int r = 1; r < end; ++r) {
     if (!answers[static_cast<size_t>(r - 1)]) silent.push_back(r);
   }
   return silent;
